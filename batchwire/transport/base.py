@@ -1,0 +1,122 @@
+"""The small Protocols every transport implements: in memory (embedded mode) and Kafka/Redis.
+
+Services receive these objects in their constructors and never learn which implementation they hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+from schemas.records import Batch, Credit, InferenceRequest, TaskState
+
+T_co = TypeVar("T_co", covariant=True)
+
+
+class TransportError(Exception):
+    """A transport could not do what was asked. ``retriable`` says whether trying again may help."""
+
+    retriable = True
+
+
+@dataclass(frozen=True, slots=True)
+class Delivered(Generic[T_co]):
+    """A record and where it came from. ``value`` is None for bytes that could not be decoded."""
+
+    value: T_co | None
+    partition: int
+    offset: int
+
+
+PartitionsCallback = Callable[[frozenset[int]], Awaitable[None]]
+
+
+class RequestProducer(Protocol):
+    """Gateway side of the request topic."""
+
+    async def start(self) -> None: ...
+    async def close(self) -> None: ...
+    async def send(self, request: InferenceRequest) -> None:
+        """Returns once the request is durably accepted by the bus."""
+        ...
+    async def ready(self) -> bool: ...
+
+
+class RequestConsumer(Protocol):
+    """Batcher side of the request topic. Offsets are committed explicitly, never automatically."""
+
+    async def start(self, on_assigned: PartitionsCallback, on_revoked: PartitionsCallback) -> None: ...
+    async def close(self) -> None: ...
+    async def fetch(self, timeout_s: float, max_records: int) -> Sequence[Delivered[InferenceRequest]]: ...
+    async def commit(self, offsets: Mapping[int, int]) -> None:
+        """Commits, per partition, the offset of the next record to read."""
+        ...
+    def assignment(self) -> frozenset[int]: ...
+
+
+class BatchProducer(Protocol):
+    """Batcher side of a model's batch topic: a batch goes to the partition its credit names."""
+
+    async def start(self) -> None: ...
+    async def close(self) -> None: ...
+    async def send(self, batch: Batch, partition: int) -> None: ...
+
+
+class BatchConsumer(Protocol):
+    """Worker side of a model's batch topic."""
+
+    async def start(self, on_assigned: PartitionsCallback, on_revoked: PartitionsCallback) -> None: ...
+    async def close(self) -> None: ...
+    async def next(self, timeout_s: float) -> Delivered[Batch] | None:
+        """The next batch, or None when ``timeout_s`` passed without one."""
+        ...
+    async def commit(self, delivered: Delivered[Batch]) -> None: ...
+    def assignment(self) -> frozenset[int]: ...
+
+
+class CreditPool(Protocol):
+    """Idle workers' credits. Each credit is claimed by exactly one batcher."""
+
+    async def start(self) -> None: ...
+    async def close(self) -> None: ...
+    async def offer(self, credit: Credit) -> None: ...
+    async def withdraw(self, credit: Credit) -> None: ...
+    async def claim(self, model: str, timeout_s: float) -> Credit | None: ...
+    async def idle(self, model: str) -> int:
+        """How many credits wait unclaimed (idle workers) for ``model``."""
+        ...
+
+
+ReplyHandler = Callable[[TaskState], None]
+
+
+class TaskStore(Protocol):
+    """Where task status and results live, and how changes reach the gateways.
+
+    Status only moves forward (see ``TaskStatus.rank``); a terminal state is written once, so a
+    result computed twice after a redelivery is delivered once.
+    """
+
+    async def start(self) -> None: ...
+    async def close(self) -> None: ...
+    async def create(self, state: TaskState) -> bool:
+        """Stores a new task; False if the id exists already."""
+        ...
+    async def apply(self, updates: Sequence[TaskState]) -> list[bool]:
+        """Applies status changes in one round trip; per update, whether it changed anything.
+
+        Each applied change is published to the task's watchers, and a terminal one also to the
+        gateway named in ``reply_to``.
+        """
+        ...
+    async def get(self, task_id: str) -> TaskState | None: ...
+    async def get_many(self, task_ids: Collection[str]) -> dict[str, TaskState]: ...
+    def watch(self, task_id: str) -> AbstractAsyncContextManager[AsyncIterator[TaskState]]:
+        """Changes to one task from the moment the context is entered (subscribe, then read state)."""
+        ...
+    async def listen_replies(self, gateway_id: str, handler: ReplyHandler) -> None:
+        """Calls ``handler`` with every terminal state addressed to this gateway until ``close``."""
+        ...
+    async def ready(self) -> bool: ...

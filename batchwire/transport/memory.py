@@ -1,0 +1,341 @@
+"""In-memory transports: the embedded mode's bus, credit pool and task store, and the unit tests'.
+
+They keep the same contracts as the Kafka and Redis ones (the contract tests run against both),
+minus durability: a process that dies takes its in-memory work with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Generic, TypeVar
+
+from batchwire.routing import Partitioner
+from batchwire.transport.base import Delivered, PartitionsCallback, ReplyHandler
+from schemas.records import Batch, Credit, InferenceRequest, TaskState
+
+T = TypeVar("T")
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class _Log(Generic[T]):
+    """A partitioned append-only log with committed offsets, trimmed below the commit point."""
+
+    def __init__(self, partitions: int) -> None:
+        self.records: list[deque[T]] = [deque() for _ in range(partitions)]
+        self.base: list[int] = [0] * partitions  # offset of records[p][0]
+        self.committed: list[int] = [0] * partitions
+        self.changed = asyncio.Event()
+
+    def append(self, partition: int, value: T) -> int:
+        self.records[partition].append(value)
+        self.changed.set()
+        return self.base[partition] + len(self.records[partition]) - 1
+
+    def read(self, partition: int, position: int, limit: int) -> list[Delivered[T]]:
+        records = self.records[partition]
+        start = position - self.base[partition]
+        out: list[Delivered[T]] = []
+        for index in range(max(start, 0), min(len(records), max(start, 0) + limit)):
+            out.append(Delivered(records[index], partition, self.base[partition] + index))
+        return out
+
+    def end(self, partition: int) -> int:
+        return self.base[partition] + len(self.records[partition])
+
+    def commit(self, partition: int, offset: int) -> None:
+        if offset <= self.committed[partition]:
+            return
+        self.committed[partition] = offset
+        records = self.records[partition]
+        while self.base[partition] < offset and records:
+            records.popleft()
+            self.base[partition] += 1
+
+    def lag(self) -> int:
+        return sum(self.end(p) - self.committed[p] for p in range(len(self.records)))
+
+
+class MemoryRequestBus:
+    """The request topic: any number of producers (gateways), one consumer (the batcher)."""
+
+    def __init__(self, partitioner: Partitioner) -> None:
+        self.partitioner = partitioner
+        self.log: _Log[InferenceRequest] = _Log(partitioner.partitions)
+
+    def producer(self) -> MemoryRequestProducer:
+        return MemoryRequestProducer(self)
+
+    def consumer(self) -> MemoryRequestConsumer:
+        return MemoryRequestConsumer(self)
+
+    def lag(self) -> int:
+        return self.log.lag()
+
+
+class MemoryRequestProducer:
+    def __init__(self, bus: MemoryRequestBus) -> None:
+        self.bus = bus
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def send(self, request: InferenceRequest) -> None:
+        self.bus.log.append(self.bus.partitioner.choose(request.model), request)
+
+    async def ready(self) -> bool:
+        return True
+
+
+class MemoryRequestConsumer:
+    def __init__(self, bus: MemoryRequestBus) -> None:
+        self.log = bus.log
+        self.partitions = bus.partitioner.partitions
+        self._positions = [0] * self.partitions
+        self._assigned: frozenset[int] = frozenset()
+        self._on_revoked: PartitionsCallback | None = None
+
+    async def start(self, on_assigned: PartitionsCallback, on_revoked: PartitionsCallback) -> None:
+        self._assigned = frozenset(range(self.partitions))
+        self._on_revoked = on_revoked
+        self._positions = list(self.log.committed)
+        await on_assigned(self._assigned)
+
+    async def close(self) -> None:
+        if self._on_revoked is not None and self._assigned:
+            await self._on_revoked(self._assigned)
+        self._assigned = frozenset()
+
+    async def fetch(self, timeout_s: float, max_records: int) -> Sequence[Delivered[InferenceRequest]]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.log.changed.clear()
+            out: list[Delivered[InferenceRequest]] = []
+            for partition in sorted(self._assigned):
+                got = self.log.read(partition, self._positions[partition], max_records - len(out))
+                if got:
+                    self._positions[partition] = got[-1].offset + 1
+                    out.extend(got)
+                if len(out) >= max_records:
+                    break
+            remaining = deadline - time.monotonic()
+            if out or remaining <= 0:
+                return out
+            try:
+                await asyncio.wait_for(self.log.changed.wait(), remaining)
+            except TimeoutError:
+                return []
+
+    async def commit(self, offsets: Mapping[int, int]) -> None:
+        for partition, offset in offsets.items():
+            self.log.commit(partition, offset)
+
+    def assignment(self) -> frozenset[int]:
+        return self._assigned
+
+
+class MemoryBatchBus:
+    """One model's batch topic: a queue per partition, one partition per embedded worker."""
+
+    def __init__(self, partitions: int) -> None:
+        self.queues: list[deque[Delivered[Batch]]] = [deque() for _ in range(partitions)]
+        self.offsets = [0] * partitions
+        self.changed = asyncio.Condition()
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def send(self, batch: Batch, partition: int) -> None:
+        async with self.changed:
+            self.queues[partition].append(Delivered(batch, partition, self.offsets[partition]))
+            self.offsets[partition] += 1
+            self.changed.notify_all()
+
+    def consumer(self, partition: int) -> MemoryBatchConsumer:
+        return MemoryBatchConsumer(self, partition)
+
+
+class MemoryBatchConsumer:
+    def __init__(self, bus: MemoryBatchBus, partition: int) -> None:
+        self.bus = bus
+        self.partition = partition
+
+    async def start(self, on_assigned: PartitionsCallback, on_revoked: PartitionsCallback) -> None:
+        await on_assigned(frozenset({self.partition}))
+
+    async def close(self) -> None:
+        return None
+
+    async def next(self, timeout_s: float) -> Delivered[Batch] | None:
+        queue = self.bus.queues[self.partition]
+        async with self.bus.changed:
+            try:
+                await asyncio.wait_for(self.bus.changed.wait_for(lambda: bool(queue)), timeout_s)
+            except TimeoutError:
+                return None
+            return queue.popleft()
+
+    async def commit(self, delivered: Delivered[Batch]) -> None:
+        return None
+
+    def assignment(self) -> frozenset[int]:
+        return frozenset({self.partition})
+
+
+class MemoryCreditPool:
+    """FIFO credits per model; a waiting claimer gets the next credit offered, in arrival order."""
+
+    def __init__(self) -> None:
+        self._credits: dict[str, deque[Credit]] = {}
+        self._waiters: dict[str, deque[asyncio.Future[Credit]]] = {}
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        for waiters in self._waiters.values():
+            for waiter in waiters:
+                waiter.cancel()
+
+    async def offer(self, credit: Credit) -> None:
+        waiters = self._waiters.get(credit.model)
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(credit)
+                return
+        self._credits.setdefault(credit.model, deque()).append(credit)
+
+    async def withdraw(self, credit: Credit) -> None:
+        credits = self._credits.get(credit.model)
+        if credits and credit in credits:
+            credits.remove(credit)
+
+    async def claim(self, model: str, timeout_s: float) -> Credit | None:
+        now = _now_ms()
+        credits = self._credits.get(model)
+        while credits:
+            credit = credits.popleft()
+            if credit.expires_at_ms > now:
+                return credit
+        waiter: asyncio.Future[Credit] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(model, deque()).append(waiter)
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
+        except TimeoutError:
+            if waiter.done() and not waiter.cancelled():
+                return waiter.result()  # offered in the same instant the wait ran out
+            waiter.cancel()
+            return None
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                await self.offer(waiter.result())  # hand a credit we will not use to the next claimer
+            waiter.cancel()
+            raise
+
+    async def idle(self, model: str) -> int:
+        return len(self._credits.get(model, ()))
+
+
+class MemoryTaskStore:
+    """Task states in a dict, bounded by age (``ttl_s``) and count (``max_tasks``, oldest out first)."""
+
+    def __init__(self, ttl_s: float = 3600.0, max_tasks: int = 200_000) -> None:
+        self.ttl_s = ttl_s
+        self.max_tasks = max_tasks
+        self._tasks: OrderedDict[str, tuple[float, TaskState]] = OrderedDict()
+        self._watchers: dict[str, set[asyncio.Queue[TaskState]]] = {}
+        self._replies: dict[str, ReplyHandler] = {}
+        self._closed = asyncio.Event()
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        self._closed.set()
+
+    def _evict(self) -> None:
+        now = time.monotonic()
+        while self._tasks:
+            task_id, (expires, _) = next(iter(self._tasks.items()))
+            if expires > now and len(self._tasks) <= self.max_tasks:
+                break
+            del self._tasks[task_id]
+
+    async def create(self, state: TaskState) -> bool:
+        self._evict()
+        if self._lookup(state.task_id) is not None:
+            return False
+        self._tasks[state.task_id] = (time.monotonic() + self.ttl_s, state)
+        self._publish(state)
+        return True
+
+    async def apply(self, updates: Sequence[TaskState]) -> list[bool]:
+        applied: list[bool] = []
+        for state in updates:
+            current = self._lookup(state.task_id)
+            if current is not None and (current.status.terminal or state.status.rank <= current.status.rank):
+                applied.append(False)
+                continue
+            self._tasks[state.task_id] = (time.monotonic() + self.ttl_s, state)
+            self._tasks.move_to_end(state.task_id)
+            self._publish(state)
+            if state.status.terminal and state.reply_to is not None:
+                handler = self._replies.get(state.reply_to)
+                if handler is not None:
+                    handler(state)
+            applied.append(True)
+        return applied
+
+    def _lookup(self, task_id: str) -> TaskState | None:
+        entry = self._tasks.get(task_id)
+        if entry is None or entry[0] <= time.monotonic():
+            return None
+        return entry[1]
+
+    def _publish(self, state: TaskState) -> None:
+        for queue in self._watchers.get(state.task_id, ()):
+            queue.put_nowait(state)
+
+    async def get(self, task_id: str) -> TaskState | None:
+        return self._lookup(task_id)
+
+    async def get_many(self, task_ids: Collection[str]) -> dict[str, TaskState]:
+        found = {task_id: self._lookup(task_id) for task_id in task_ids}
+        return {task_id: state for task_id, state in found.items() if state is not None}
+
+    @asynccontextmanager
+    async def watch(self, task_id: str) -> AsyncIterator[AsyncIterator[TaskState]]:
+        queue: asyncio.Queue[TaskState] = asyncio.Queue()
+        self._watchers.setdefault(task_id, set()).add(queue)
+        try:
+            yield _drain(queue)
+        finally:
+            watchers = self._watchers.get(task_id)
+            if watchers is not None:
+                watchers.discard(queue)
+                if not watchers:
+                    del self._watchers[task_id]
+
+    async def listen_replies(self, gateway_id: str, handler: ReplyHandler) -> None:
+        self._replies[gateway_id] = handler
+
+    async def ready(self) -> bool:
+        return not self._closed.is_set()
+
+
+async def _drain(queue: asyncio.Queue[TaskState]) -> AsyncIterator[TaskState]:
+    while True:
+        yield await queue.get()

@@ -1,0 +1,1 @@
+"""Model backends behind the fixed contract ``batchstring(inputs) -> outputs``."""

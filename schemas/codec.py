@@ -1,0 +1,155 @@
+"""Avro (fastavro, schemaless) encoding with a three-byte header: magic, record kind, schema version.
+
+The header lets a reader of the current version decode records written by any older version it
+knows, so producers and consumers can be upgraded one at a time.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import asdict
+from enum import IntEnum
+from importlib import resources
+from typing import Any, Generic, TypeVar
+
+import fastavro
+from fastavro.types import Schema
+
+from schemas.records import Batch, BatchItem, Credit, InferenceRequest, TaskState, TaskStatus
+
+MAGIC = 0xB7
+HEADER_SIZE = 3
+
+
+class CodecError(ValueError):
+    """Bytes that are not a batchwire record this version can read."""
+
+
+class Kind(IntEnum):
+    REQUEST = 1
+    BATCH = 2
+    CREDIT = 3
+    TASK_STATE = 4
+
+
+_FILES: dict[Kind, str] = {
+    Kind.REQUEST: "request",
+    Kind.BATCH: "batch",
+    Kind.CREDIT: "credit",
+    Kind.TASK_STATE: "result",
+}
+
+
+def _load(kind: Kind) -> dict[int, Schema]:
+    """Every known version of one record kind, parsed."""
+    folder = resources.files("schemas") / "avro"
+    versions: dict[int, Schema] = {}
+    for entry in folder.iterdir():
+        name = entry.name
+        prefix = _FILES[kind] + ".v"
+        if name.startswith(prefix) and name.endswith(".avsc"):
+            version = int(name[len(prefix) : -len(".avsc")])
+            versions[version] = fastavro.parse_schema(json.loads(entry.read_text()))
+    if not versions:
+        raise RuntimeError(f"no Avro schema found for {kind.name} in {folder}")
+    return versions
+
+
+T = TypeVar("T")
+
+
+class _Codec(Generic[T]):
+    def __init__(self, kind: Kind) -> None:
+        self.kind = kind
+        self.versions = _load(kind)
+        self.version = max(self.versions)
+        self.schema = self.versions[self.version]
+        self._header = bytes((MAGIC, int(kind), self.version))
+
+    def encode_dict(self, record: dict[str, Any]) -> bytes:
+        buf = io.BytesIO()
+        buf.write(self._header)
+        fastavro.schemaless_writer(buf, self.schema, record)
+        return buf.getvalue()
+
+    def decode_dict(self, data: bytes) -> dict[str, Any]:
+        if len(data) < HEADER_SIZE or data[0] != MAGIC:
+            raise CodecError("not a batchwire record (bad magic byte)")
+        if data[1] != self.kind:
+            raise CodecError(f"expected a {self.kind.name} record, got kind {data[1]}")
+        writer = self.versions.get(data[2])
+        if writer is None:
+            raise CodecError(
+                f"{self.kind.name} schema version {data[2]} is unknown to this reader (knows {sorted(self.versions)}); "
+                "upgrade this process"
+            )
+        buf = io.BytesIO(data)
+        buf.seek(HEADER_SIZE)
+        try:
+            if writer is self.schema:
+                record = fastavro.schemaless_reader(buf, writer, None)
+            else:
+                record = fastavro.schemaless_reader(buf, writer, self.schema)
+        except Exception as err:  # fastavro raises assorted types on truncated or corrupt input
+            raise CodecError(f"corrupt {self.kind.name} record: {err}") from err
+        if not isinstance(record, dict):
+            raise CodecError(f"corrupt {self.kind.name} record")
+        if buf.tell() != len(data):
+            raise CodecError(f"corrupt {self.kind.name} record: {len(data) - buf.tell()} trailing bytes")
+        return record
+
+
+_request = _Codec[InferenceRequest](Kind.REQUEST)
+_batch = _Codec[Batch](Kind.BATCH)
+_credit = _Codec[Credit](Kind.CREDIT)
+_state = _Codec[TaskState](Kind.TASK_STATE)
+
+
+def encode_request(request: InferenceRequest) -> bytes:
+    return _request.encode_dict(asdict(request))
+
+
+def decode_request(data: bytes) -> InferenceRequest:
+    return InferenceRequest(**_request.decode_dict(data))
+
+
+def encode_batch(batch: Batch) -> bytes:
+    record = {
+        "batch_id": batch.batch_id,
+        "model": batch.model,
+        "batcher_id": batch.batcher_id,
+        "created_at_ms": batch.created_at_ms,
+        "flush_reason": batch.flush_reason,
+        "items": [asdict(item) for item in batch.items],
+    }
+    return _batch.encode_dict(record)
+
+
+def decode_batch(data: bytes) -> Batch:
+    record = _batch.decode_dict(data)
+    items = tuple(BatchItem(**item) for item in record.pop("items"))
+    return Batch(items=items, **record)
+
+
+def encode_credit(credit: Credit) -> bytes:
+    return _credit.encode_dict(asdict(credit))
+
+
+def decode_credit(data: bytes) -> Credit:
+    return Credit(**_credit.decode_dict(data))
+
+
+def encode_state(state: TaskState) -> bytes:
+    record = asdict(state)
+    record["status"] = state.status.value
+    return _state.encode_dict(record)
+
+
+def decode_state(data: bytes) -> TaskState:
+    record = _state.decode_dict(data)
+    try:
+        record["status"] = TaskStatus(record["status"])
+    except ValueError as err:
+        raise CodecError(f"unknown task status {record['status']!r}") from err
+    return TaskState(**record)

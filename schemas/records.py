@@ -1,0 +1,112 @@
+"""Typed records that travel between the roles; each maps 1:1 onto an Avro schema in ``avro/``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class TaskStatus(str, Enum):
+    """Lifecycle of one task. Order matters: a status never moves back to a lower rank."""
+
+    QUEUED = "queued"
+    BATCHED = "batched"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in _TERMINAL
+
+    @property
+    def rank(self) -> int:
+        return _RANK[self]
+
+
+_TERMINAL = frozenset({TaskStatus.COMPLETED, TaskStatus.FAILED, TaskStatus.EXPIRED, TaskStatus.CANCELLED})
+_RANK = {
+    TaskStatus.QUEUED: 0,
+    TaskStatus.BATCHED: 1,
+    TaskStatus.RUNNING: 2,
+    TaskStatus.COMPLETED: 3,
+    TaskStatus.FAILED: 3,
+    TaskStatus.EXPIRED: 3,
+    TaskStatus.CANCELLED: 3,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceRequest:
+    task_id: str
+    model: str
+    input: str
+    enqueued_at_ms: int
+    deadline_ms: int
+    reply_to: str | None = None
+    owner: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BatchItem:
+    task_id: str
+    input: str
+    enqueued_at_ms: int
+    deadline_ms: int
+    reply_to: str | None = None
+
+    @classmethod
+    def of(cls, request: InferenceRequest) -> BatchItem:
+        return cls(request.task_id, request.input, request.enqueued_at_ms, request.deadline_ms, request.reply_to)
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    batch_id: str
+    model: str
+    batcher_id: str
+    created_at_ms: int
+    flush_reason: str
+    items: tuple[BatchItem, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True, slots=True)
+class Credit:
+    """A worker's promise to run the next batch that lands on ``partition``."""
+
+    worker_id: str
+    model: str
+    partition: int
+    seq: int
+    issued_at_ms: int
+    expires_at_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class TaskState:
+    task_id: str
+    status: TaskStatus
+    model: str
+    updated_at_ms: int
+    enqueued_at_ms: int
+    output: str | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    batch_id: str | None = None
+    batch_size: int | None = None
+    worker_id: str | None = None
+    reply_to: str | None = None
+
+    def to_public(self) -> dict[str, Any]:
+        """The JSON shape clients see for ``GET /v1/result/{task_id}`` and SSE events."""
+        doc: dict[str, Any] = {"task_id": self.task_id, "status": self.status.value, "model": self.model}
+        if self.output is not None:
+            doc["output"] = self.output
+        if self.error_code is not None:
+            doc["error"] = {"code": self.error_code, "message": self.error_message or ""}
+        if self.batch_size is not None:
+            doc["batch_size"] = self.batch_size
+        return doc

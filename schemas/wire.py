@@ -1,0 +1,54 @@
+"""Every name that crosses a process boundary: topics, consumer groups, Redis keys and channels, headers.
+
+A *namespace* prefixes all of them so that several deployments (or tests) can share one Kafka
+cluster and one Redis server without seeing each other's traffic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_NAMESPACE = "batchwire"
+DEFAULT_REQUEST_PARTITIONS = 12
+DEFAULT_BATCH_PARTITIONS = 8
+
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+
+
+@dataclass(frozen=True, slots=True)
+class Names:
+    """Wire names for one namespace."""
+
+    namespace: str = DEFAULT_NAMESPACE
+
+    # Kafka ---------------------------------------------------------------
+    @property
+    def request_topic(self) -> str:
+        return f"{self.namespace}.requests"
+
+    def batch_topic(self, model: str) -> str:
+        return f"{self.namespace}.batches.{model}"
+
+    @property
+    def dead_letter_topic(self) -> str:
+        return f"{self.namespace}.dead-letter"
+
+    @property
+    def batcher_group(self) -> str:
+        return f"{self.namespace}.batchers"
+
+    def worker_group(self, model: str) -> str:
+        return f"{self.namespace}.workers.{model}"
+
+    # Redis ---------------------------------------------------------------
+    def task_key(self, task_id: str) -> str:
+        return f"{self.namespace}:task:{task_id}"
+
+    def task_channel(self, task_id: str) -> str:
+        return f"{self.namespace}:events:{task_id}"
+
+    def reply_channel(self, gateway_id: str) -> str:
+        return f"{self.namespace}:reply:{gateway_id}"
+
+    def credit_list(self, model: str) -> str:
+        return f"{self.namespace}:credits:{model}"
