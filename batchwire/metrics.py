@@ -11,8 +11,27 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 REGISTRY = CollectorRegistry(auto_describe=True)
 
 _LATENCY_BUCKETS = (
-    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.11, 0.125, 0.15, 0.175, 0.2, 0.25, 0.3, 0.4, 0.5,
-    0.75, 1.0, 2.5, 5.0, 10.0, 30.0,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.11,
+    0.125,
+    0.15,
+    0.175,
+    0.2,
+    0.25,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
 )
 _SHORT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 100, 128, 256)
@@ -27,8 +46,11 @@ REQUEST_LATENCY = Histogram(
     buckets=_LATENCY_BUCKETS,
     registry=REGISTRY,
 )
-INFLIGHT = Gauge("batchwire_inflight_requests", "Requests this gateway holds open or has accepted and not seen end.",
-                 registry=REGISTRY)
+INFLIGHT = Gauge(
+    "batchwire_inflight_requests",
+    "Requests this gateway holds open or has accepted and not seen end.",
+    registry=REGISTRY,
+)
 QUEUE_WAIT = Histogram(
     "batchwire_queue_wait_seconds",
     "Time from acceptance until the request was sealed into a batch.",
@@ -36,10 +58,15 @@ QUEUE_WAIT = Histogram(
     buckets=_LATENCY_BUCKETS,
     registry=REGISTRY,
 )
-BATCH_SIZE = Histogram("batchwire_batch_size", "Items per dispatched batch.", ["model"], buckets=_SIZE_BUCKETS,
-                       registry=REGISTRY)
-FLUSHES = Counter("batchwire_flushes", "Sealed batches by reason (full, idle_worker, max_wait, deadline).",
-                  ["model", "reason"], registry=REGISTRY)
+BATCH_SIZE = Histogram(
+    "batchwire_batch_size", "Items per dispatched batch.", ["model"], buckets=_SIZE_BUCKETS, registry=REGISTRY
+)
+FLUSHES = Counter(
+    "batchwire_flushes",
+    "Sealed batches by reason (full, idle_worker, max_wait, deadline).",
+    ["model", "reason"],
+    registry=REGISTRY,
+)
 BATCH_WAIT = Histogram(
     "batchwire_batch_wait_seconds",
     "Time from sealing a batch until a worker started it.",
@@ -60,15 +87,27 @@ BACKEND_BATCH_LATENCY = Gauge(
     ["model", "backend", "batch_size"],
     registry=REGISTRY,
 )
-WORKER_BUSY = Counter("batchwire_worker_busy_seconds", "Seconds each worker spent inside batchstring.", ["worker"],
-                      registry=REGISTRY)
-WORKER_BATCHES = Counter("batchwire_worker_batches", "Batches each worker ran, by outcome.", ["worker", "outcome"],
-                         registry=REGISTRY)
-TASKS_ENDED = Counter("batchwire_tasks_ended", "Tasks that reached an end state, by status.", ["model", "status"],
-                      registry=REGISTRY)
-REQUEST_LAG = Gauge("batchwire_request_topic_lag", "Requests on the request topic not yet committed by a batcher.",
-                    registry=REGISTRY)
-PENDING = Gauge("batchwire_batcher_pending", "Requests a batcher holds that are not yet handed to a worker.",
-                ["model"], registry=REGISTRY)
-IDLE_WORKERS = Gauge("batchwire_idle_workers", "Unclaimed worker credits (idle workers) seen by this batcher.",
-                     ["model"], registry=REGISTRY)
+WORKER_BUSY = Counter(
+    "batchwire_worker_busy_seconds", "Seconds each worker spent inside batchstring.", ["worker"], registry=REGISTRY
+)
+WORKER_BATCHES = Counter(
+    "batchwire_worker_batches", "Batches each worker ran, by outcome.", ["worker", "outcome"], registry=REGISTRY
+)
+TASKS_ENDED = Counter(
+    "batchwire_tasks_ended", "Tasks that reached an end state, by status.", ["model", "status"], registry=REGISTRY
+)
+REQUEST_LAG = Gauge(
+    "batchwire_request_topic_lag", "Requests on the request topic not yet committed by a batcher.", registry=REGISTRY
+)
+PENDING = Gauge(
+    "batchwire_batcher_pending",
+    "Requests a batcher holds that are not yet handed to a worker.",
+    ["model"],
+    registry=REGISTRY,
+)
+IDLE_WORKERS = Gauge(
+    "batchwire_idle_workers",
+    "Unclaimed worker credits (idle workers) seen by this batcher.",
+    ["model"],
+    registry=REGISTRY,
+)

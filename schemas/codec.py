@@ -121,6 +121,7 @@ def encode_batch(batch: Batch) -> bytes:
         "batcher_id": batch.batcher_id,
         "created_at_ms": batch.created_at_ms,
         "flush_reason": batch.flush_reason,
+        "credit": batch.credit,
         "items": [asdict(item) for item in batch.items],
     }
     return _batch.encode_dict(record)

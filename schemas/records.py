@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 
-class TaskStatus(str, Enum):
+class TaskStatus(StrEnum):
     """Lifecycle of one task. Order matters: a status never moves back to a lower rank."""
 
     QUEUED = "queued"
@@ -70,6 +70,7 @@ class Batch:
     batcher_id: str
     created_at_ms: int
     flush_reason: str
+    credit: str | None = None
     items: tuple[BatchItem, ...] = field(default_factory=tuple)
 
 
@@ -83,6 +84,11 @@ class Credit:
     seq: int
     issued_at_ms: int
     expires_at_ms: int
+
+    @property
+    def ref(self) -> str:
+        """Names this credit inside the batch sent against it."""
+        return f"{self.worker_id}:{self.seq}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,7 @@ class RequestProducer(Protocol):
     async def send(self, request: InferenceRequest) -> None:
         """Returns once the request is durably accepted by the bus."""
         ...
+
     async def ready(self) -> bool: ...
 
 
@@ -53,6 +54,7 @@ class RequestConsumer(Protocol):
     async def commit(self, offsets: Mapping[int, int]) -> None:
         """Commits, per partition, the offset of the next record to read."""
         ...
+
     def assignment(self) -> frozenset[int]: ...
 
 
@@ -72,6 +74,7 @@ class BatchConsumer(Protocol):
     async def next(self, timeout_s: float) -> Delivered[Batch] | None:
         """The next batch, or None when ``timeout_s`` passed without one."""
         ...
+
     async def commit(self, delivered: Delivered[Batch]) -> None: ...
     def assignment(self) -> frozenset[int]: ...
 
@@ -104,6 +107,7 @@ class TaskStore(Protocol):
     async def create(self, state: TaskState) -> bool:
         """Stores a new task; False if the id exists already."""
         ...
+
     async def apply(self, updates: Sequence[TaskState]) -> list[bool]:
         """Applies status changes in one round trip; per update, whether it changed anything.
 
@@ -111,12 +115,15 @@ class TaskStore(Protocol):
         gateway named in ``reply_to``.
         """
         ...
+
     async def get(self, task_id: str) -> TaskState | None: ...
     async def get_many(self, task_ids: Collection[str]) -> dict[str, TaskState]: ...
     def watch(self, task_id: str) -> AbstractAsyncContextManager[AsyncIterator[TaskState]]:
         """Changes to one task from the moment the context is entered (subscribe, then read state)."""
         ...
+
     async def listen_replies(self, gateway_id: str, handler: ReplyHandler) -> None:
         """Calls ``handler`` with every terminal state addressed to this gateway until ``close``."""
         ...
+
     async def ready(self) -> bool: ...

@@ -1,0 +1,235 @@
+"""The flush policy and the per-model accumulators: pure code over an injected clock.
+
+Nothing here touches Kafka, Redis or asyncio. The batcher service feeds ``BatchFormer`` with
+requests and credits; the same object decides in embedded mode, over Kafka, and under a fake clock
+in tests.
+
+Two policies share one mechanism:
+
+* **work-conserving** (default): whenever a worker is idle, whatever is pending goes at once;
+  batches grow only while every worker is busy. Size (``max_batch``) and age (``max_wait_ms``) seal
+  a batch too, so that no batch exceeds the backend's limit and nothing waits unboundedly.
+* **classic**: the fixed "flush at ``max_batch`` items or ``max_wait_ms``" rule many servers use,
+  kept so the benchmark can compare both. An idle worker does not trigger a flush.
+
+A *sealed* batch waits for a credit (an idle worker) in FIFO order; items that pass their
+deadline before they are handed over come back as expired, never sent to a GPU.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Generic, TypeVar
+
+Item = TypeVar("Item")
+
+
+class FlushReason(StrEnum):
+    FULL = "full"
+    IDLE_WORKER = "idle_worker"
+    MAX_WAIT = "max_wait"
+    DEADLINE = "deadline"
+
+
+class PolicyName(StrEnum):
+    WORK_CONSERVING = "work-conserving"
+    CLASSIC = "classic"
+
+
+@dataclass(frozen=True, slots=True)
+class FlushPolicy:
+    name: PolicyName = PolicyName.WORK_CONSERVING
+    max_batch: int = 100
+    max_wait_ms: float = 1000.0
+    flush_on_idle_worker: bool = True
+    deadline_margin_ms: float = 0.0
+    """Seal early when the most urgent pending item has less than this left (0 disables)."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {self.max_batch} (BATCHWIRE_MAX_BATCH)")
+        if self.max_wait_ms < 0:
+            raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms} (BATCHWIRE_MAX_WAIT_MS)")
+
+    @classmethod
+    def work_conserving(cls, max_batch: int = 100, max_wait_ms: float = 1000.0) -> FlushPolicy:
+        return cls(PolicyName.WORK_CONSERVING, max_batch, max_wait_ms, flush_on_idle_worker=True)
+
+    @classmethod
+    def classic(cls, max_batch: int = 32, max_wait_ms: float = 50.0) -> FlushPolicy:
+        return cls(PolicyName.CLASSIC, max_batch, max_wait_ms, flush_on_idle_worker=False)
+
+    @classmethod
+    def named(cls, name: str, max_batch: int | None = None, max_wait_ms: float | None = None) -> FlushPolicy:
+        policy = PolicyName(name)
+        base = cls.work_conserving() if policy is PolicyName.WORK_CONSERVING else cls.classic()
+        return cls(
+            policy,
+            base.max_batch if max_batch is None else max_batch,
+            base.max_wait_ms if max_wait_ms is None else max_wait_ms,
+            base.flush_on_idle_worker,
+        )
+
+
+@dataclass(slots=True)
+class Pending(Generic[Item]):
+    """One request waiting in an accumulator. Times are the local monotonic clock, in seconds."""
+
+    item: Item
+    partition: int
+    offset: int
+    arrived_s: float
+    deadline_s: float
+
+
+@dataclass(slots=True)
+class Sealed(Generic[Item]):
+    items: list[Pending[Item]]
+    reason: FlushReason
+    sealed_s: float
+
+
+@dataclass(slots=True)
+class Taken(Generic[Item]):
+    """What one credit gets: the batch to send, and items that expired before they could go."""
+
+    items: list[Pending[Item]]
+    reason: FlushReason | None
+    sealed_s: float
+    expired: list[Pending[Item]] = field(default_factory=list)
+
+
+class _ModelQueue(Generic[Item]):
+    __slots__ = ("min_deadline_s", "pending", "sealed")
+
+    def __init__(self) -> None:
+        self.pending: list[Pending[Item]] = []
+        self.sealed: deque[Sealed[Item]] = deque()
+        self.min_deadline_s = float("inf")
+
+
+class BatchFormer(Generic[Item]):
+    """Per-model accumulators (over all partitions the batcher owns) and their sealed batches."""
+
+    def __init__(self, policy: FlushPolicy, clock: Callable[[], float]) -> None:
+        self.policy = policy
+        self.clock = clock
+        self._models: dict[str, _ModelQueue[Item]] = {}
+
+    def _queue(self, model: str) -> _ModelQueue[Item]:
+        queue = self._models.get(model)
+        if queue is None:
+            queue = self._models[model] = _ModelQueue()
+        return queue
+
+    # feeding ---------------------------------------------------------------------------------
+    def add(self, model: str, pending: Pending[Item]) -> None:
+        queue = self._queue(model)
+        queue.pending.append(pending)
+        if pending.deadline_s < queue.min_deadline_s:
+            queue.min_deadline_s = pending.deadline_s
+        if len(queue.pending) >= self.policy.max_batch:
+            self._seal(queue, FlushReason.FULL, self.clock())
+
+    def _seal(self, queue: _ModelQueue[Item], reason: FlushReason, now: float) -> None:
+        queue.sealed.append(Sealed(queue.pending, reason, now))
+        queue.pending = []
+        queue.min_deadline_s = float("inf")
+
+    def _timer_due_s(self, queue: _ModelQueue[Item]) -> float | None:
+        if not queue.pending:
+            return None
+        due = queue.pending[0].arrived_s + self.policy.max_wait_ms / 1000.0
+        if self.policy.deadline_margin_ms > 0:
+            due = min(due, queue.min_deadline_s - self.policy.deadline_margin_ms / 1000.0)
+        return due
+
+    # timers ----------------------------------------------------------------------------------
+    def next_due_s(self) -> float | None:
+        """When ``tick`` next has something to seal (monotonic seconds), or None."""
+        dues = [due for queue in self._models.values() if (due := self._timer_due_s(queue)) is not None]
+        return min(dues) if dues else None
+
+    def tick(self) -> list[str]:
+        """Seals every accumulator whose age or deadline trigger has passed; returns those models."""
+        now = self.clock()
+        sealed: list[str] = []
+        for model, queue in self._models.items():
+            due = self._timer_due_s(queue)
+            if due is not None and due <= now:
+                first_due = queue.pending[0].arrived_s + self.policy.max_wait_ms / 1000.0
+                self._seal(queue, FlushReason.MAX_WAIT if first_due <= now else FlushReason.DEADLINE, now)
+                sealed.append(model)
+        return sealed
+
+    # dispatch --------------------------------------------------------------------------------
+    def ready(self, model: str) -> bool:
+        """Whether a credit for ``model`` would get a batch now (so the dispatcher should claim one)."""
+        queue = self._models.get(model)
+        if queue is None:
+            return False
+        return bool(queue.sealed) or (self.policy.flush_on_idle_worker and bool(queue.pending))
+
+    def take(self, model: str) -> Taken[Item]:
+        """The batch for one credit: the oldest sealed batch, else (work-conserving) all pending."""
+        queue = self._models.get(model)
+        now = self.clock()
+        if queue is None:
+            return Taken([], None, now)
+        if queue.sealed:
+            sealed = queue.sealed.popleft()
+        elif self.policy.flush_on_idle_worker and queue.pending:
+            self._seal(queue, FlushReason.IDLE_WORKER, now)
+            sealed = queue.sealed.popleft()
+        else:
+            return Taken([], None, now)
+        live = [p for p in sealed.items if p.deadline_s > now]
+        expired = [p for p in sealed.items if p.deadline_s <= now] if len(live) != len(sealed.items) else []
+        return Taken(live, sealed.reason, sealed.sealed_s, expired)
+
+    def give_back(self, model: str, taken: Taken[Item]) -> None:
+        """Puts a batch that could not be sent back at the head of the line."""
+        if taken.items and taken.reason is not None:
+            self._queue(model).sealed.appendleft(Sealed(taken.items, taken.reason, taken.sealed_s))
+
+    def expire(self) -> list[Pending[Item]]:
+        """Removes and returns every held item whose deadline has passed (so callers learn at once)."""
+        now = self.clock()
+        out: list[Pending[Item]] = []
+        for queue in self._models.values():
+            if queue.min_deadline_s <= now:
+                out.extend(p for p in queue.pending if p.deadline_s <= now)
+                queue.pending = [p for p in queue.pending if p.deadline_s > now]
+                queue.min_deadline_s = min((p.deadline_s for p in queue.pending), default=float("inf"))
+            for sealed in queue.sealed:
+                if any(p.deadline_s <= now for p in sealed.items):
+                    out.extend(p for p in sealed.items if p.deadline_s <= now)
+                    sealed.items = [p for p in sealed.items if p.deadline_s > now]
+            queue.sealed = deque(s for s in queue.sealed if s.items)
+        return out
+
+    def drop_partitions(self, partitions: Iterable[int]) -> list[Pending[Item]]:
+        """Forgets items from partitions this batcher lost; their new owner reads them again."""
+        lost = frozenset(partitions)
+        dropped: list[Pending[Item]] = []
+        for queue in self._models.values():
+            dropped.extend(p for p in queue.pending if p.partition in lost)
+            queue.pending = [p for p in queue.pending if p.partition not in lost]
+            queue.min_deadline_s = min((p.deadline_s for p in queue.pending), default=float("inf"))
+            for sealed in queue.sealed:
+                dropped.extend(p for p in sealed.items if p.partition in lost)
+                sealed.items = [p for p in sealed.items if p.partition not in lost]
+            queue.sealed = deque(s for s in queue.sealed if s.items)
+        return dropped
+
+    def models(self) -> list[str]:
+        return list(self._models)
+
+    def held(self, model: str) -> int:
+        queue = self._models.get(model)
+        if queue is None:
+            return 0
+        return len(queue.pending) + sum(len(s.items) for s in queue.sealed)

@@ -1,0 +1,284 @@
+"""The batcher: reads requests, forms batches with ``BatchFormer``, hands each to an idle worker.
+
+Dispatch is credit-based. An idle worker offers one credit naming its batch-topic partition; a
+model's dispatcher claims a credit only when it has something to send, and sends exactly one batch
+against it. So a batch always goes to a worker that is idle right now, never queues behind a busy
+one, and the first worker to free up gets the next batch, whichever batcher holds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+
+from batcher.offsets import OffsetTracker
+from batcher.policy import BatchFormer, Pending, Taken
+from batcher.settings import BatcherSettings
+from batchwire import metrics
+from batchwire.transport.base import (
+    BatchProducer,
+    CreditPool,
+    Delivered,
+    RequestConsumer,
+    TaskStore,
+    TransportError,
+)
+from schemas.records import Batch, BatchItem, Credit, InferenceRequest, TaskState, TaskStatus
+
+log = logging.getLogger(__name__)
+
+
+def wall_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class Batcher:
+    def __init__(
+        self,
+        settings: BatcherSettings,
+        consumer: RequestConsumer,
+        producer: BatchProducer,
+        credits: CreditPool,
+        store: TaskStore,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.consumer = consumer
+        self.producer = producer
+        self.credits = credits
+        self.store = store
+        self.clock = clock
+        self.former: BatchFormer[InferenceRequest] = BatchFormer(settings.policy, clock)
+        self.offsets = OffsetTracker()
+        self._wake: dict[str, asyncio.Event] = {}
+        self._timer_wake = asyncio.Event()
+        self._room = asyncio.Event()
+        self._room.set()
+        self._handover = asyncio.Lock()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._dispatchers: dict[str, asyncio.Task[None]] = {}
+        self._stopping = False
+        self.failure: BaseException | None = None
+        self.batches_sent = 0
+
+    # lifecycle ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.consumer.start(self._on_assigned, self._on_revoked)
+        self._tasks = [
+            asyncio.create_task(self._guard(self._consume_loop()), name="batcher-consume"),
+            asyncio.create_task(self._guard(self._timer_loop()), name="batcher-timer"),
+        ]
+
+    async def close(self) -> None:
+        """Stops reading, lets an in-flight hand-over finish, commits it, and leaves the group.
+
+        Whatever is still held (not handed to a worker) was never committed, so the batcher that
+        takes over the partitions reads it again: handed back, not lost.
+        """
+        self._stopping = True
+        tasks = [*self._tasks, *self._dispatchers.values()]
+        async with self._handover:
+            for task in tasks:
+                task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.clear()
+        self._dispatchers.clear()
+        await self._commit()
+        await self.consumer.close()
+
+    async def _guard(self, loop: object) -> None:
+        """Runs a background loop; a crash is recorded and logged, never silent."""
+        assert asyncio.iscoroutine(loop)
+        try:
+            await loop
+        except asyncio.CancelledError:
+            raise
+        except BaseException as err:
+            self.failure = err
+            log.exception("batcher loop crashed; the batcher is no longer serving")
+            raise
+
+    def healthy(self) -> bool:
+        return self.failure is None and all(not t.done() for t in self._tasks)
+
+    # rebalance ---------------------------------------------------------------------------------
+    async def _on_assigned(self, partitions: frozenset[int]) -> None:
+        log.info("batcher %s assigned request partitions %s", self.settings.batcher_id, sorted(partitions))
+
+    async def _on_revoked(self, partitions: frozenset[int]) -> None:
+        async with self._handover:
+            await self._commit()
+            dropped = self.former.drop_partitions(partitions)
+            self.offsets.forget(partitions)
+        log.info(
+            "batcher %s gave up partitions %s (%d held requests go to their new owner)",
+            self.settings.batcher_id,
+            sorted(partitions),
+            len(dropped),
+        )
+
+    # reading -----------------------------------------------------------------------------------
+    async def _consume_loop(self) -> None:
+        settings = self.settings
+        while True:
+            await self._room.wait()
+            records = await self.consumer.fetch(settings.fetch_timeout_s, settings.fetch_max_records)
+            if records:
+                self._accept(records)
+
+    def _accept(self, records: Sequence[Delivered[InferenceRequest]]) -> None:
+        now_s = self.clock()
+        now_ms = wall_ms()
+        touched: set[str] = set()
+        for record in records:
+            self.offsets.read(record.partition, record.offset)
+            request = record.value
+            if request is None:
+                self.offsets.finish(record.partition, record.offset)
+                continue
+            deadline_s = now_s + (request.deadline_ms - now_ms) / 1000.0
+            arrived_s = now_s - max(0, now_ms - request.enqueued_at_ms) / 1000.0
+            self.former.add(request.model, Pending(request, record.partition, record.offset, arrived_s, deadline_s))
+            touched.add(request.model)
+        for model in touched:
+            self._ensure_dispatcher(model)
+            if self.former.ready(model):
+                self._wake[model].set()
+            metrics.PENDING.labels(model=model).set(self.former.held(model))
+        self._timer_wake.set()
+        if sum(self.former.held(m) for m in self.former.models()) >= self.settings.max_held:
+            self._room.clear()
+
+    def _ensure_dispatcher(self, model: str) -> None:
+        if model not in self._dispatchers:
+            self._wake[model] = asyncio.Event()
+            self._dispatchers[model] = asyncio.create_task(
+                self._guard(self._dispatch_loop(model)), name=f"batcher-dispatch-{model}"
+            )
+
+    # timers ------------------------------------------------------------------------------------
+    async def _timer_loop(self) -> None:
+        while True:
+            due = self.former.next_due_s()
+            self._timer_wake.clear()
+            timeout = None if due is None else max(0.0, due - self.clock())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._timer_wake.wait(), timeout)
+            for model in self.former.tick():
+                self._wake[model].set()
+            expired = self.former.expire()
+            if expired:
+                await self._expire(expired)
+
+    # dispatch ----------------------------------------------------------------------------------
+    async def _dispatch_loop(self, model: str) -> None:
+        wake = self._wake[model]
+        while True:
+            if not self.former.ready(model):
+                wake.clear()
+                await wake.wait()
+                continue
+            credit = await self.credits.claim(model, self.settings.claim_timeout_s)
+            if credit is None:
+                continue
+            metrics.IDLE_WORKERS.labels(model=model).set(0)
+            await self._send(model, credit)
+
+    async def _send(self, model: str, credit: Credit) -> None:
+        async with self._handover:
+            taken = self.former.take(model)
+            if taken.expired:
+                await self._expire(taken.expired)
+            if not taken.items:
+                await self.credits.offer(credit)
+                return
+            batch = self._batch(model, taken, credit)
+            try:
+                await self.producer.send(batch, credit.partition)
+            except TransportError as err:
+                log.warning("could not hand batch %s to %s: %s; will retry", batch.batch_id, credit.worker_id, err)
+                self.former.give_back(model, taken)
+                await self.credits.offer(credit)
+                await asyncio.sleep(self.settings.send_retry_s)  # back off a failing bus, then try again
+                return
+            for pending in taken.items:
+                self.offsets.finish(pending.partition, pending.offset)
+            self.batches_sent += 1
+            self._record(model, batch, taken)
+            await self._commit()
+        if self.former.held(model) < self.settings.max_held:
+            self._room.set()
+        now = wall_ms()
+        await self.store.apply(
+            [
+                TaskState(
+                    item.task_id,
+                    TaskStatus.BATCHED,
+                    model,
+                    now,
+                    item.enqueued_at_ms,
+                    batch_id=batch.batch_id,
+                    batch_size=len(batch.items),
+                    reply_to=item.reply_to,
+                )
+                for item in batch.items
+            ]
+        )
+
+    def _batch(self, model: str, taken: Taken[InferenceRequest], credit: Credit) -> Batch:
+        reason = taken.reason.value if taken.reason is not None else "idle_worker"
+        return Batch(
+            batch_id=uuid.uuid4().hex,
+            model=model,
+            batcher_id=self.settings.batcher_id,
+            created_at_ms=wall_ms(),
+            flush_reason=reason,
+            credit=credit.ref,
+            items=tuple(BatchItem.of(p.item) for p in taken.items),
+        )
+
+    def _record(self, model: str, batch: Batch, taken: Taken[InferenceRequest]) -> None:
+        metrics.FLUSHES.labels(model=model, reason=batch.flush_reason).inc()
+        metrics.BATCH_SIZE.labels(model=model).observe(len(batch.items))
+        wait = metrics.QUEUE_WAIT.labels(model=model)
+        now = self.clock()
+        for pending in taken.items:
+            wait.observe(max(0.0, now - pending.arrived_s))
+        metrics.PENDING.labels(model=model).set(self.former.held(model))
+
+    async def _expire(self, expired: list[Pending[InferenceRequest]]) -> None:
+        now = wall_ms()
+        states = []
+        for pending in expired:
+            self.offsets.finish(pending.partition, pending.offset)
+            request = pending.item
+            states.append(
+                TaskState(
+                    request.task_id,
+                    TaskStatus.EXPIRED,
+                    request.model,
+                    now,
+                    request.enqueued_at_ms,
+                    error_code="deadline_exceeded",
+                    error_message="the request's deadline passed before a GPU worker could take it; "
+                    "retry, or send a longer timeout_ms",
+                    reply_to=request.reply_to,
+                )
+            )
+            metrics.TASKS_ENDED.labels(model=request.model, status="expired").inc()
+        await self.store.apply(states)
+
+    async def _commit(self) -> None:
+        offsets = self.offsets.committable()
+        if not offsets:
+            return
+        try:
+            await self.consumer.commit(offsets)
+        except TransportError as err:
+            log.warning("offset commit failed (%s); those requests may be read again", err)
+            return
+        self.offsets.committed(offsets)

@@ -1,0 +1,30 @@
+"""Typed settings of the batcher role (filled from flags and BATCHWIRE_* variables by the CLI)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from batcher.policy import FlushPolicy
+
+
+def _batcher_id() -> str:
+    return f"batcher-{uuid.uuid4().hex[:8]}"
+
+
+@dataclass(frozen=True, slots=True)
+class BatcherSettings:
+    batcher_id: str = field(default_factory=_batcher_id)
+    policy: FlushPolicy = field(default_factory=FlushPolicy.work_conserving)
+    fetch_max_records: int = 1000
+    fetch_timeout_s: float = 0.2
+    claim_timeout_s: float = 1.0
+    max_held: int = 50_000
+    """Requests held in memory (pending + sealed) above which the batcher stops reading."""
+    send_retry_s: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.max_held < self.policy.max_batch:
+            raise ValueError(
+                f"max_held ({self.max_held}) must be at least max_batch ({self.policy.max_batch}) (BATCHWIRE_MAX_HELD)"
+            )

@@ -1,0 +1,80 @@
+"""Settings every role shares: where Kafka and Redis are, the namespace, the served models."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from schemas.wire import DEFAULT_BATCH_PARTITIONS, DEFAULT_NAMESPACE, DEFAULT_REQUEST_PARTITIONS, Names
+
+STACK_ENV = Path(".batchwire") / "stack.env"
+
+
+class SettingsError(ValueError):
+    """A setting is missing or wrong; the message names the flag and the variable."""
+
+
+@dataclass(frozen=True, slots=True)
+class SharedSettings:
+    namespace: str = DEFAULT_NAMESPACE
+    models: tuple[str, ...] = ("sim",)
+    request_partitions: int = DEFAULT_REQUEST_PARTITIONS
+    batch_partitions: int = DEFAULT_BATCH_PARTITIONS
+    result_ttl_s: float = 3600.0
+    kafka_bootstrap: str | None = None
+    redis_url: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise SettingsError("at least one model must be served (--models / BATCHWIRE_MODELS)")
+        for model in self.models:
+            if not model or not all(c.isalnum() or c in "-_." for c in model):
+                raise SettingsError(
+                    f"model name {model!r} may hold only letters, digits, '-', '_' and '.' (--models / BATCHWIRE_MODELS)"
+                )
+        if self.request_partitions < len(self.models):
+            raise SettingsError(
+                f"request_partitions ({self.request_partitions}) must be at least the number of models "
+                f"({len(self.models)}) so each model has partitions of its own (BATCHWIRE_REQUEST_PARTITIONS)"
+            )
+
+    @property
+    def names(self) -> Names:
+        return Names(self.namespace)
+
+    def require_kafka(self) -> str:
+        if not self.kafka_bootstrap:
+            raise SettingsError(
+                "Kafka is not configured: pass --kafka-bootstrap HOST:PORT or set BATCHWIRE_KAFKA_BOOTSTRAP "
+                "(`batchwire stack up` starts a local broker and writes .batchwire/stack.env)"
+            )
+        return self.kafka_bootstrap
+
+    def require_redis(self) -> str:
+        if not self.redis_url:
+            raise SettingsError(
+                "Redis is not configured: pass --redis-url redis://HOST:PORT/0 or set BATCHWIRE_REDIS_URL "
+                "(`batchwire stack up` starts a local server and writes .batchwire/stack.env)"
+            )
+        return self.redis_url
+
+
+def stack_env(path: Path | None = None) -> dict[str, str]:
+    """``BATCHWIRE_*`` values from ``.batchwire/stack.env`` (written by ``batchwire stack up``)."""
+    path = path or Path(os.environ.get("BATCHWIRE_STACK_ENV", str(STACK_ENV)))
+    values: dict[str, str] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            key, sep, value = line.partition("=")
+            if sep and key.strip().startswith("BATCHWIRE_"):
+                values[key.strip()] = value.strip()
+    return values
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    """A ``BATCHWIRE_*`` variable, else the stack file's value, else ``default``."""
+    value = os.environ.get(name)
+    if value is not None:
+        return value
+    return stack_env().get(name, default)
