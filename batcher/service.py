@@ -63,6 +63,8 @@ class Batcher:
         self._dispatchers: dict[str, asyncio.Task[None]] = {}
         self._stopping = False
         self.failure: BaseException | None = None
+        self.failed = asyncio.Event()
+        """Set when a background loop crashed: the process supervisor should exit."""
         self.batches_sent = 0
 
     # lifecycle ---------------------------------------------------------------------------------
@@ -99,6 +101,7 @@ class Batcher:
             raise
         except BaseException as err:
             self.failure = err
+            self.failed.set()
             log.exception("batcher loop crashed; the batcher is no longer serving")
             raise
 

@@ -31,7 +31,7 @@ class SharedSettings:
         for model in self.models:
             if not model or not all(c.isalnum() or c in "-_." for c in model):
                 raise SettingsError(
-                    f"model name {model!r} may hold only letters, digits, '-', '_' and '.' (--models / BATCHWIRE_MODELS)"
+                    f"model name {model!r} may hold only letters, digits, -, _ and . (--models / BATCHWIRE_MODELS)"
                 )
         if self.request_partitions < len(self.models):
             raise SettingsError(

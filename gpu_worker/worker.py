@@ -61,6 +61,8 @@ class Worker:
         self._idle.set()
         self._stopping = False
         self.failure: BaseException | None = None
+        self.failed = asyncio.Event()
+        """Set when a background loop crashed: the process supervisor should exit."""
         self.batches_run = 0
 
     # lifecycle ---------------------------------------------------------------------------------
@@ -99,6 +101,7 @@ class Worker:
             raise
         except BaseException as err:
             self.failure = err
+            self.failed.set()
             log.exception("worker %s crashed; it no longer takes batches", self.settings.worker_id)
             raise
 

@@ -1,0 +1,147 @@
+"""``batchwire``: one command for every role. Each flag has a ``BATCHWIRE_*`` variable behind it.
+
+Values come from, in order: the flag, the environment, ``.batchwire/stack.env`` (written by
+``batchwire stack up``), the default. ``batchwire <command> --help`` lists them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from batchwire.settings import SettingsError, env
+
+
+def _models(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _add(parser: argparse.ArgumentParser, flag: str, default: Any, kind: Callable[[str], Any], help_text: str,
+         var: str | None = None) -> None:
+    """Adds ``--flag`` whose default comes from ``BATCHWIRE_FLAG`` (or the stack file) when set."""
+    var = var or "BATCHWIRE_" + flag.lstrip("-").replace("-", "_").upper()
+    raw = env(var)
+    value = default if raw is None else raw
+    shown = "unset" if default is None else default
+    parser.add_argument(flag, default=value, type=kind, help=f"{help_text} [{var}; default: {shown}]")
+
+
+def _shared(parser: argparse.ArgumentParser) -> None:
+    _add(parser, "--namespace", "batchwire", str, "prefix of every topic and Redis key (isolates deployments)")
+    _add(parser, "--models", "sim", _models, "comma-separated models served; requests name one")
+    _add(parser, "--request-partitions", 12, int, "partitions of the request topic (split among models)")
+    _add(parser, "--batch-partitions", 8, int, "partitions of each model's batch topic (max workers per model)")
+    _add(parser, "--result-ttl-s", 3600.0, float, "how long task states and results are kept")
+    _add(parser, "--log-level", "info", str, "debug, info, warning or error")
+
+
+def _kafka_redis(parser: argparse.ArgumentParser) -> None:
+    _add(parser, "--kafka-bootstrap", None, str, "Kafka bootstrap servers, HOST:PORT[,HOST:PORT]")
+    _add(parser, "--redis-url", None, str, "Redis URL, redis://HOST:PORT/DB")
+
+
+def _gateway_opts(parser: argparse.ArgumentParser, default_port: int) -> None:
+    _add(parser, "--host", "127.0.0.1", str, "address the HTTP server binds")
+    _add(parser, "--port", default_port, int, "port the HTTP server listens on")
+    _add(parser, "--gateway-id", None, str, "unique id of this gateway process (random when unset)")
+    _add(parser, "--default-model", None, str, "model used when a request names none (first of --models)")
+    _add(parser, "--default-timeout-ms", 30_000, int, "deadline of a request that sets no timeout_ms")
+    _add(parser, "--max-timeout-ms", 30_000, int, "the longest timeout_ms a request may ask for")
+    _add(parser, "--max-input-chars", 65_536, int, "longest accepted input, in characters")
+    _add(parser, "--max-body-bytes", 1_048_576, int, "largest accepted request body")
+    _add(parser, "--max-inflight", 10_000, int, "requests one gateway holds at once before answering 503")
+
+
+def _batcher_opts(parser: argparse.ArgumentParser) -> None:
+    _add(parser, "--policy", "work-conserving", str, "flush policy: work-conserving or classic (size-or-timeout)")
+    _add(parser, "--max-batch", None, int, "items per batch at most (work-conserving: 100, classic: 32)")
+    _add(parser, "--max-wait-ms", None, float, "age that seals a batch (work-conserving: 1000, classic: 50)")
+
+
+def _worker_opts(parser: argparse.ArgumentParser) -> None:
+    _add(parser, "--backend", "sim", str, "model backend: sim (reversed input) or hf (transformers)")
+    _add(parser, "--sim-latency-ms", 100.0, float, "sim backend: latency of one call, whatever the batch size")
+    _add(parser, "--model-path", None, str, "hf backend: local directory of the checkpoint (nothing is downloaded)")
+    _add(parser, "--hf-task", "generate", str, "hf backend: generate or embed")
+    _add(parser, "--max-new-tokens", 32, int, "hf backend: tokens generated per input")
+    _add(parser, "--device", "auto", str, "hf backend: auto, cpu, cuda or cuda:N")
+    _add(parser, "--dtype", "auto", str, "hf backend: auto, float32, float16 or bfloat16")
+    _add(parser, "--batch-log", None, str, "append one JSON line per batch run to this file (audits, tests)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="batchwire", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = sub.add_parser("up", help="gateway, batcher and sim workers in one process (no Kafka, no Redis)")
+    _shared(up)
+    _gateway_opts(up, 8000)
+    _batcher_opts(up)
+    _worker_opts(up)
+    _add(up, "--workers", 2, int, "workers per model")
+
+    gateway = sub.add_parser("gateway", help="the HTTP gateway, over Kafka and Redis")
+    _shared(gateway)
+    _kafka_redis(gateway)
+    _gateway_opts(gateway, 8000)
+
+    batcher = sub.add_parser("batcher", help="a batcher process, over Kafka and Redis")
+    _shared(batcher)
+    _kafka_redis(batcher)
+    _batcher_opts(batcher)
+    _add(batcher, "--batcher-id", None, str, "unique id of this batcher (random when unset)")
+    _add(batcher, "--metrics-port", 0, int, "serve Prometheus /metrics on this port (0: off)")
+
+    worker = sub.add_parser("worker", help="a GPU worker process, over Kafka and Redis")
+    _shared(worker)
+    _kafka_redis(worker)
+    _worker_opts(worker)
+    _add(worker, "--model", None, str, "the model this worker serves (first of --models)")
+    _add(worker, "--worker-id", None, str, "unique id of this worker (random when unset)")
+    _add(worker, "--max-batch", 100, int, "largest batch this worker's backend takes")
+    _add(worker, "--metrics-port", 0, int, "serve Prometheus /metrics on this port (0: off)")
+
+    stack = sub.add_parser("stack", help="start or stop a local Kafka broker and Redis server in the background")
+    stack.add_argument("action", choices=["up", "down", "status"])
+    _add(stack, "--state-dir", ".batchwire", str, "where the stack keeps data, logs and stack.env")
+    _shared(stack)
+
+    bench = sub.add_parser("bench", help="open-loop load test with latency percentiles", add_help=False)
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        from batchwire.bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from batchwire import roles
+
+    try:
+        handler: Callable[[argparse.Namespace], int] = {
+            "up": roles.run_embedded,
+            "gateway": roles.run_gateway,
+            "batcher": roles.run_batcher,
+            "worker": roles.run_worker,
+            "stack": roles.run_stack,
+        }[args.command]
+        return handler(args)
+    except SettingsError as err:
+        print(f"batchwire {args.command}: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""The flush policy under a fake clock: no Kafka, no Redis, no sleeps."""
+
+from __future__ import annotations
+
+import pytest
+
+from batcher.policy import BatchFormer, FlushPolicy, FlushReason, Pending
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def item(clock: FakeClock, n: int, partition: int = 0, ttl_s: float = 30.0) -> Pending[str]:
+    return Pending(f"r{n}", partition, n, clock(), clock() + ttl_s)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def test_idle_worker_takes_whatever_is_pending_at_once(clock: FakeClock) -> None:
+    former: BatchFormer[str] = BatchFormer(FlushPolicy.work_conserving(), clock)
+    former.add("m", item(clock, 0))
+    assert former.ready("m"), "one pending item and an idle worker must flush without waiting for a timer"
+    taken = former.take("m")
+    assert [p.item for p in taken.items] == ["r0"]
+    assert taken.reason is FlushReason.IDLE_WORKER
+    assert not former.ready("m")
+
+
+def test_batches_grow_while_workers_are_busy_and_seal_at_max_batch(clock: FakeClock) -> None:
+    former: BatchFormer[str] = BatchFormer(FlushPolicy.work_conserving(max_batch=100), clock)
+    for n in range(250):
+        former.add("m", item(clock, n))
+    first, second, third = former.take("m"), former.take("m"), former.take("m")
+    assert [len(first.items), len(second.items), len(third.items)] == [100, 100, 50]
+    assert [first.reason, second.reason, third.reason] == [FlushReason.FULL, FlushReason.FULL, FlushReason.IDLE_WORKER]
+    assert [p.item for p in first.items] == [f"r{n}" for n in range(100)], "FIFO order kept"
+
+
+def test_max_wait_seals_but_the_batch_still_waits_for_a_credit(clock: FakeClock) -> None:
+    former: BatchFormer[str] = BatchFormer(FlushPolicy.work_conserving(max_wait_ms=50), clock)
+    former.add("m", item(clock, 0))
+    assert former.next_due_s() == pytest.approx(clock() + 0.05)
+    clock.advance(0.049)
+    assert former.tick() == []
+    clock.advance(0.002)
+    assert former.tick() == ["m"]
+    former.add("m", item(clock, 1))
+    taken = former.take("m")
+    assert taken.reason is FlushReason.MAX_WAIT
+    assert [p.item for p in taken.items] == ["r0"], "a sealed batch is not reopened"
+    assert [p.item for p in former.take("m").items] == ["r1"]
+
+
+def test_classic_policy_ignores_idle_workers_and_flushes_on_size_or_time(clock: FakeClock) -> None:
+    former: BatchFormer[str] = BatchFormer(FlushPolicy.classic(max_batch=32, max_wait_ms=50), clock)
+    former.add("m", item(clock, 0))
+    assert not former.ready("m"), "the classic policy waits for size or time even with an idle worker"
+    assert former.take("m").items == []
+    for n in range(1, 32):
+        former.add("m", item(clock, n))
+    assert former.ready("m")
+    taken = former.take("m")
+    assert len(taken.items) == 32 and taken.reason is FlushReason.FULL
+    former.add("m", item(clock, 99))
+    clock.advance(0.05)
+    assert former.tick() == ["m"]
+    assert former.take("m").reason is FlushReason.MAX_WAIT
+
+
+def test_expired_items_never_reach_a_batch(clock: FakeClock) -> None:
+    former: BatchFormer[str] = BatchFormer(FlushPolicy.work_conserving(), clock)
+    former.add("m", item(clock, 0, ttl_s=0.01))
+    former.add("m", item(clock, 1, ttl_s=10))
+    clock.advance(0.02)
+    taken = former.take("m")
+    assert [p.item for p in taken.items] == ["r1"]
+    assert [p.item for p in taken.expired] == ["r0"]
+
+
+def test_expire_reports_items_as_soon_as_their_deadline_passes(clock: FakeClock) -> None:
+    former: BatchFormer[str] = BatchFormer(FlushPolicy.work_conserving(), clock)
+    former.add("m", item(clock, 0, ttl_s=0.01))
+    former.add("m", item(clock, 1, ttl_s=5))
+    assert former.expire() == []
+    clock.advance(0.02)
+    assert [p.item for p in former.expire()] == ["r0"]
+    assert former.held("m") == 1
+
+
+def test_deadline_margin_seals_early_for_urgent_items(clock: FakeClock) -> None:
+    policy = FlushPolicy(max_batch=100, max_wait_ms=1000, flush_on_idle_worker=False, deadline_margin_ms=100)
+    former: BatchFormer[str] = BatchFormer(policy, clock)
+    former.add("m", item(clock, 0, ttl_s=0.3))
+    assert former.next_due_s() == pytest.approx(clock() + 0.2)
+    clock.advance(0.2)
+    assert former.tick() == ["m"]
+    assert former.take("m").reason is FlushReason.DEADLINE
+
+
+def test_models_never_share_a_batch(clock: FakeClock) -> None:
+    former: BatchFormer[str] = BatchFormer(FlushPolicy.work_conserving(), clock)
+    former.add("a", item(clock, 0))
+    former.add("b", item(clock, 1))
+    assert [p.item for p in former.take("a").items] == ["r0"]
+    assert [p.item for p in former.take("b").items] == ["r1"]
+
+
+def test_revoked_partitions_are_dropped_from_pending_and_sealed(clock: FakeClock) -> None:
+    former: BatchFormer[str] = BatchFormer(FlushPolicy.work_conserving(max_batch=2), clock)
+    former.add("m", item(clock, 0, partition=0))
+    former.add("m", item(clock, 1, partition=1))  # seals [r0, r1]
+    former.add("m", item(clock, 2, partition=1))
+    dropped = former.drop_partitions({1})
+    assert sorted(p.item for p in dropped) == ["r1", "r2"]
+    assert [p.item for p in former.take("m").items] == ["r0"]
+    assert former.held("m") == 0
+
+
+def test_give_back_puts_a_batch_at_the_head(clock: FakeClock) -> None:
+    former: BatchFormer[str] = BatchFormer(FlushPolicy.work_conserving(), clock)
+    former.add("m", item(clock, 0))
+    taken = former.take("m")
+    former.add("m", item(clock, 1))
+    former.give_back("m", taken)
+    assert [p.item for p in former.take("m").items] == ["r0"]
+
+
+def test_policy_settings_are_validated() -> None:
+    with pytest.raises(ValueError, match="max_batch"):
+        FlushPolicy.work_conserving(max_batch=0)
+    assert FlushPolicy.named("classic").max_batch == 32
+    assert FlushPolicy.named("work-conserving", max_batch=10).max_batch == 10
