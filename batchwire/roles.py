@@ -163,7 +163,7 @@ class GatewayTransports:
         await self.store.close()
 
     async def ready(self) -> dict[str, bool]:
-        return {}
+        return {"kafka": await self.producer.ready(), "redis": await self.store.ready()}
 
 
 def run_gateway(args: argparse.Namespace) -> int:

@@ -186,7 +186,16 @@ class Worker:
 
     async def _finish(self, delivered: Delivered[Batch], states: list[TaskState]) -> None:
         await self.store.apply(states)
-        await self.consumer.commit(delivered)
+        await self._commit(delivered)
+
+    async def _commit(self, delivered: Delivered[Batch]) -> None:
+        try:
+            await self.consumer.commit(delivered)
+        except TransportError as err:
+            # The results are stored; if the batch comes again (its partition moved on), the store
+            # refuses the second copy of every result, so callers still see each answer once.
+            log.warning("worker %s: commit of batch at %d/%d failed: %s", self.settings.worker_id,
+                        delivered.partition, delivered.offset, err)
 
     async def _process(self, batch: Batch) -> list[TaskState]:
         model = batch.model

@@ -1,0 +1,254 @@
+"""Redis transports: the task store (status, results, change notifications) and the credit pool.
+
+A task is a hash ``names.task_key(id)`` with ``status``, ``rank`` and ``doc`` (Avro ``TaskState``),
+expiring ``ttl_s`` after its last write. Every write is a Lua script (``redis_lua``) that checks
+that status only moves forward, stores, and publishes the new state on the task's channel (and, for
+a terminal state, on the reply channel of the gateway that waits for it), all in one round trip.
+Notifications reach this process through one PubSub connection (``redis_pubsub.PubSubHub``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Collection, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from batchwire.transport.base import ReplyHandler, TransportError
+from batchwire.transport.errors import PermanentTransportError
+from batchwire.transport.redis_credits import RedisCreditPool
+from batchwire.transport.redis_lua import APPLY, CREATE, apply_args, create_args
+from batchwire.transport.redis_pools import command_pool, pubsub_pool, redacted, translate
+from batchwire.transport.redis_pubsub import PubSubHub
+from schemas.codec import CodecError, decode_state, encode_state
+from schemas.records import TaskState
+from schemas.wire import Names
+
+__all__ = ["RedisCreditPool", "RedisTaskStore"]
+
+log = logging.getLogger(__name__)
+
+_Item = TaskState | TransportError
+
+
+class RedisTaskStore:
+    """``TaskStore`` over Redis: monotonic status per task, change events over PubSub.
+
+    The connection pool (``max_connections``) serves short commands only; a full pool makes
+    callers wait up to ``pool_timeout_s`` rather than fail a burst. Watching costs no connection:
+    all watchers and reply listeners share the hub's one PubSub connection.
+    """
+
+    def __init__(
+        self,
+        redis_url: str,
+        names: Names,
+        *,
+        ttl_s: float = 3600.0,
+        max_connections: int = 32,
+        socket_timeout_s: float = 2.0,
+        pool_timeout_s: float = 2.0,
+        health_check_interval_s: float = 10.0,
+        ready_timeout_s: float = 0.5,
+        subscribe_timeout_s: float = 5.0,
+        ping_interval_s: float = 5.0,
+    ) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        self.redis_url = redis_url
+        self.names = names
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self.ready_timeout_s = ready_timeout_s
+        self._pool = command_pool(
+            redis_url,
+            max_connections=max_connections,
+            socket_timeout_s=socket_timeout_s,
+            pool_timeout_s=pool_timeout_s,
+            health_check_interval_s=health_check_interval_s,
+        )
+        self._client = Redis(connection_pool=self._pool)
+        self._create = self._client.register_script(CREATE)
+        self._apply = self._client.register_script(APPLY)
+        self._hub = PubSubHub(
+            pubsub_pool(redis_url, socket_timeout_s=socket_timeout_s),
+            self._on_message,
+            self._on_resubscribed,
+            self._on_failure,
+            ping_interval_s=ping_interval_s,
+            subscribe_timeout_s=subscribe_timeout_s,
+        )
+        self._watchers: dict[str, set[asyncio.Queue[_Item]]] = {}  # task channel -> watcher queues
+        self._watched: dict[str, str] = {}  # task channel -> task id
+        self._replies: dict[str, ReplyHandler] = {}  # reply channel -> handler
+        self._undecodable = 0
+
+    @property
+    def reconnects(self) -> int:
+        """How often the PubSub connection was re-established (for metrics)."""
+        return self._hub.reconnects
+
+    async def start(self) -> None:
+        """Connects the PubSub hub (a failure here names the server) and starts its reader task."""
+        try:
+            await self._hub.start()
+        except (RedisError, OSError) as err:
+            await self._pool.disconnect()
+            raise TransportError(f"cannot connect to Redis at {redacted(self.redis_url)}: {err}") from err
+
+    async def close(self) -> None:
+        """Stops the reader (watchers get a ``TransportError``), then closes every connection."""
+        await self._hub.close()
+        await self._client.aclose()
+        await self._pool.disconnect()
+
+    async def create(self, state: TaskState) -> bool:
+        key = self.names.task_key(state.task_id)
+        args = create_args(self.ttl_ms, state, encode_state(state), self.names.task_channel(state.task_id))
+        try:
+            created = await self._create(keys=[key], args=args)
+        except RedisError as err:
+            raise translate(f"creating task {state.task_id}", err) from err
+        return bool(created)
+
+    async def apply(self, updates: Sequence[TaskState]) -> list[bool]:
+        if not updates:
+            return []
+        keys: list[str] = []
+        rows: list[tuple[TaskState, bytes, str, str]] = []
+        for state in updates:
+            keys.append(self.names.task_key(state.task_id))
+            reply = state.reply_to if state.status.terminal and state.reply_to is not None else None
+            reply_channel = self.names.reply_channel(reply) if reply is not None else ""
+            rows.append((state, encode_state(state), self.names.task_channel(state.task_id), reply_channel))
+        try:
+            applied: list[int] = await self._apply(keys=keys, args=apply_args(self.ttl_ms, rows))
+        except RedisError as err:
+            raise translate(f"applying {len(updates)} task update(s)", err) from err
+        return [bool(flag) for flag in applied]
+
+    async def get(self, task_id: str) -> TaskState | None:
+        try:
+            doc = await self._client.hget(self.names.task_key(task_id), "doc")
+        except RedisError as err:
+            raise translate(f"reading task {task_id}", err) from err
+        return None if doc is None else self._decode_stored(task_id, doc)
+
+    async def get_many(self, task_ids: Collection[str]) -> dict[str, TaskState]:
+        """Every found task in one round trip (a pipeline of HGETs, no transaction)."""
+        ids = list(dict.fromkeys(task_ids))
+        if not ids:
+            return {}
+        pipe = self._client.pipeline(transaction=False)
+        for task_id in ids:
+            pipe.hget(self.names.task_key(task_id), "doc")
+        try:
+            docs: list[Any] = await pipe.execute()
+        except RedisError as err:
+            raise translate(f"reading {len(ids)} task(s)", err) from err
+        return {task_id: self._decode_stored(task_id, doc) for task_id, doc in zip(ids, docs, strict=True) if doc}
+
+    def _decode_stored(self, task_id: str, doc: bytes | str) -> TaskState:
+        try:
+            return decode_state(doc if isinstance(doc, bytes) else doc.encode())
+        except CodecError as err:
+            raise PermanentTransportError(f"stored state of task {task_id} cannot be read: {err}") from err
+
+    @asynccontextmanager
+    async def watch(self, task_id: str) -> AsyncIterator[AsyncIterator[TaskState]]:
+        """Yields once Redis confirmed the subscription: read the stored state after entering."""
+        channel = self.names.task_channel(task_id)
+        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._watchers.setdefault(channel, set()).add(queue)
+        self._watched[channel] = task_id
+        try:
+            await self._hub.subscribe(channel)
+            try:
+                yield _iterate(queue)
+            finally:
+                await self._hub.unsubscribe(channel)
+        finally:
+            watchers = self._watchers.get(channel)
+            if watchers is not None:
+                watchers.discard(queue)
+                if not watchers:
+                    del self._watchers[channel]
+                    del self._watched[channel]
+
+    async def listen_replies(self, gateway_id: str, handler: ReplyHandler) -> None:
+        """Returns once subscribed; ``handler`` then runs in the reader task, so it must not block."""
+        channel = self.names.reply_channel(gateway_id)
+        known = channel in self._replies
+        self._replies[channel] = handler
+        if known:
+            return
+        try:
+            await self._hub.subscribe(channel)
+        except BaseException:
+            self._replies.pop(channel, None)
+            raise
+
+    async def ready(self) -> bool:
+        """The reader task runs and Redis answers PING within ``ready_timeout_s``."""
+        if not self._hub.alive:
+            return False
+        try:
+            async with asyncio.timeout(self.ready_timeout_s):
+                return bool(await self._client.ping())
+        except (TimeoutError, RedisError, OSError):
+            return False
+
+    def _on_message(self, channel: str, data: bytes) -> None:
+        try:
+            state = decode_state(data)
+        except CodecError as err:
+            self._undecodable += 1
+            if self._undecodable % 100 == 1:
+                log.warning("%d undecodable task event(s); latest on %s: %s", self._undecodable, channel, err)
+            return
+        for queue in self._watchers.get(channel, ()):
+            queue.put_nowait(state)
+        handler = self._replies.get(channel)
+        if handler is not None and state.status.terminal:
+            try:
+                handler(state)
+            except Exception:
+                log.exception("reply handler failed for task %s on %s", state.task_id, channel)
+
+    async def _on_resubscribed(self, channels: frozenset[str]) -> None:
+        """States published while PubSub was down are lost: re-read the watched ones and hand them on.
+
+        Watchers may see a state twice (states are idempotent). Replies published in that window
+        cannot be recovered here (we do not know which tasks a gateway waits for): gateways must
+        keep their deadline fallback of reading the store.
+        """
+        watched = {self._watched[channel]: channel for channel in channels if channel in self._watched}
+        if any(channel in self._replies for channel in channels):
+            log.warning("terminal replies published while Redis PubSub was down are lost; waiters fall back to reads")
+        if not watched:
+            return
+        try:
+            states = await self.get_many(watched)
+        except TransportError as err:
+            log.warning("re-reading %d watched task(s) after a PubSub reconnect failed: %s", len(watched), err)
+            return
+        for task_id, state in states.items():
+            for queue in self._watchers.get(watched[task_id], ()):
+                queue.put_nowait(state)
+
+    def _on_failure(self, err: BaseException) -> None:
+        failure = TransportError(f"task events unavailable: {err}")
+        for queues in self._watchers.values():
+            for queue in queues:
+                queue.put_nowait(failure)
+
+
+async def _iterate(queue: asyncio.Queue[_Item]) -> AsyncIterator[TaskState]:
+    while True:
+        item = await queue.get()
+        if isinstance(item, TransportError):
+            raise item
+        yield item

@@ -1,0 +1,205 @@
+"""Idle workers' credits in Redis: one list per model, offered at the tail, claimed from the head.
+
+BLPOP hands each credit to exactly one claimer (Redis pops atomically), and waiting claimers are
+served in arrival order, like the in-memory pool.
+
+Cancellation: a claim runs in a task owned by the pool and the caller awaits it shielded. If the
+caller is cancelled while BLPOP is in flight, the BLPOP finishes and a credit it pops goes back to
+the head of the list. Only ``close()`` cuts a BLPOP short, and a credit popped in that instant is
+lost; workers re-offer their credit periodically, so a lost credit idles its worker at most until
+the credit expires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from batchwire.transport.base import TransportError
+from batchwire.transport.redis_pools import blocking_pool, command_pool, translate
+from schemas.codec import CodecError, decode_credit, encode_credit
+from schemas.records import Credit
+from schemas.wire import Names
+
+log = logging.getLogger(__name__)
+
+# Redis reads a BLPOP timeout of 0 as "forever"; shorter waits are rounded up to this.
+_MIN_BLOCK_S = 0.001
+
+
+def _now_ms() -> int:
+    # Credits carry wall-clock expiry (they cross processes), so this compares wall time on purpose.
+    return int(time.time() * 1000)
+
+
+@dataclass(slots=True)
+class _Claim:
+    abandoned: bool = False
+
+
+class RedisCreditPool:
+    """``CreditPool`` over Redis lists (``names.credit_list(model)``) of Avro-encoded credits.
+
+    ``max_claimers`` connections are reserved for blocking claims (one per concurrently claiming
+    batcher loop, typically one per model); more concurrent claims wait for a connection within
+    their own timeout. Each list is capped at ``max_credits`` (oldest dropped), so credits re-offered
+    for a model nobody claims cannot grow it without bound.
+    """
+
+    def __init__(
+        self,
+        redis_url: str,
+        names: Names,
+        *,
+        max_connections: int = 8,
+        max_claimers: int = 16,
+        socket_timeout_s: float = 2.0,
+        pool_timeout_s: float = 2.0,
+        health_check_interval_s: float = 10.0,
+        claim_grace_s: float = 2.0,
+        max_credits: int = 10_000,
+    ) -> None:
+        self.names = names
+        self.claim_grace_s = claim_grace_s
+        self.max_credits = max_credits
+        self._pool = command_pool(
+            redis_url,
+            max_connections=max_connections,
+            socket_timeout_s=socket_timeout_s,
+            pool_timeout_s=pool_timeout_s,
+            health_check_interval_s=health_check_interval_s,
+        )
+        self._blocking_pool = blocking_pool(
+            redis_url,
+            max_connections=max_claimers,
+            socket_timeout_s=socket_timeout_s,
+            health_check_interval_s=health_check_interval_s,
+        )
+        self._client = Redis(connection_pool=self._pool)
+        self._blocking = Redis(connection_pool=self._blocking_pool)
+        self._claims: set[asyncio.Task[Credit | None]] = set()
+        self._closed = False
+
+    async def start(self) -> None:
+        self._closed = False
+
+    async def close(self) -> None:
+        """Cancels claims in flight (see the module docstring), then closes every connection."""
+        self._closed = True
+        claims = list(self._claims)
+        for claim in claims:
+            claim.cancel()
+        if claims:
+            await asyncio.wait(claims)
+        await self._client.aclose()
+        await self._blocking.aclose()
+        await self._pool.disconnect()
+        await self._blocking_pool.disconnect()
+
+    async def offer(self, credit: Credit) -> None:
+        key = self.names.credit_list(credit.model)
+        try:
+            async with self._client.pipeline(transaction=False) as pipe:
+                pipe.rpush(key, encode_credit(credit))
+                pipe.ltrim(key, -self.max_credits, -1)
+                await pipe.execute()
+        except RedisError as err:
+            raise translate(f"offering credit {credit.worker_id}/{credit.seq} for {credit.model}", err) from err
+
+    async def withdraw(self, credit: Credit) -> None:
+        try:
+            await self._client.lrem(self.names.credit_list(credit.model), 0, encode_credit(credit))  # type: ignore[arg-type]
+        except RedisError as err:
+            raise translate(f"withdrawing credit {credit.worker_id}/{credit.seq} for {credit.model}", err) from err
+
+    async def idle(self, model: str) -> int:
+        """Credits waiting in the list, expired ones included until a claim drops them."""
+        try:
+            return int(await self._client.llen(self.names.credit_list(model)))
+        except RedisError as err:
+            raise translate(f"counting credits for {model}", err) from err
+
+    async def claim(self, model: str, timeout_s: float) -> Credit | None:
+        """The oldest unexpired credit, waiting up to ``timeout_s`` for one; expired credits are dropped."""
+        if self._closed:
+            raise TransportError("credit pool is closed")
+        state = _Claim()
+        task = asyncio.create_task(self._claim(model, timeout_s, state), name=f"claim-credit-{model}")
+        self._claims.add(task)
+        task.add_done_callback(functools.partial(self._claim_done, state))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            state.abandoned = True  # the task hands back a credit it pops from now on
+            if task.done() and not task.cancelled() and task.exception() is None:
+                credit = task.result()
+                if credit is not None:  # popped in the same instant we were cancelled
+                    self._spawn_hand_back(credit)
+            raise
+
+    def _claim_done(self, state: _Claim, task: asyncio.Task[Credit | None]) -> None:
+        self._claims.discard(task)
+        if state.abandoned and not task.cancelled() and task.exception() is not None:
+            # Its caller is gone (cancelled), so nobody else will report this failure.
+            log.warning("a cancelled caller's credit claim failed afterwards: %r", task.exception())
+
+    def _spawn_hand_back(self, credit: Credit) -> None:
+        async def hand_back() -> Credit | None:
+            await self._hand_back(credit)
+            return None
+
+        task = asyncio.create_task(hand_back(), name=f"hand-back-credit-{credit.model}")
+        self._claims.add(task)
+        task.add_done_callback(functools.partial(self._claim_done, _Claim(abandoned=True)))
+
+    async def _hand_back(self, credit: Credit) -> None:
+        try:
+            await self._client.lpush(self.names.credit_list(credit.model), encode_credit(credit))
+        except RedisError as err:
+            log.warning("could not hand back credit %s/%s for %s: %s", credit.worker_id, credit.seq, credit.model, err)
+
+    async def _claim(self, model: str, timeout_s: float, state: _Claim) -> Credit | None:
+        key = self.names.credit_list(model)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            raw = await self._pop(key, deadline - time.monotonic())
+            if raw is None:
+                return None
+            try:
+                credit = decode_credit(raw)
+            except CodecError as err:
+                log.warning("dropped an undecodable credit from %s: %s", key, err)
+                continue
+            if credit.expires_at_ms <= _now_ms():
+                continue  # its worker re-offers a fresh one if it is still idle
+            if state.abandoned:
+                await self._hand_back(credit)
+                return None
+            return credit
+
+    async def _pop(self, key: str, remaining_s: float) -> bytes | None:
+        """One credit's bytes: BLPOP while time remains, else one last non-blocking LPOP."""
+        try:
+            if remaining_s <= 0:
+                raw = await self._client.lpop(key)
+                return _as_bytes(raw) if isinstance(raw, (bytes, str)) else None
+            async with asyncio.timeout(remaining_s + self.claim_grace_s):
+                popped = await self._blocking.blpop([key], timeout=max(remaining_s, _MIN_BLOCK_S))
+        except TimeoutError as err:
+            raise TransportError(
+                f"BLPOP {key} got no answer within {remaining_s + self.claim_grace_s:.1f} s: Redis is "
+                "unreachable, or more claims run at once than max_claimers connections"
+            ) from err
+        except RedisError as err:
+            raise translate(f"claiming a credit from {key}", err) from err
+        return None if popped is None else _as_bytes(popped[1])
+
+
+def _as_bytes(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()

@@ -1,0 +1,102 @@
+"""Redis connection pools for the three kinds of traffic, each sized and timed for its own job.
+
+- commands: short requests from many coroutines; waits for a free connection instead of failing a
+  burst, and gives up quickly (socket timeout) when Redis stops answering;
+- blocking: BLPOP holds its connection for the whole wait, so claimers get a pool of their own and
+  never starve the commands;
+- pubsub: the one subscribed connection; no retry inside redis-py, because the reader task owns
+  reconnecting (with backoff, logging, and subscribing again).
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit, urlunsplit
+
+from redis.asyncio import BlockingConnectionPool, ConnectionPool
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError, ResponseError
+
+from batchwire.transport.base import TransportError
+from batchwire.transport.errors import PermanentTransportError
+
+
+def redacted(url: str) -> str:
+    """The URL without its password, for error messages and logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    user = f"{parts.username}:***@" if parts.username else "***@"
+    return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
+
+
+def translate(action: str, err: RedisError) -> TransportError:
+    """``ResponseError`` (a script or type error) will repeat; connection trouble may not."""
+    message = f"{action} failed: {type(err).__name__}: {err}"
+    return PermanentTransportError(message) if isinstance(err, ResponseError) else TransportError(message)
+
+
+def _retry_once() -> Retry:
+    # One immediate retry on a fresh connection covers a pooled connection that Redis closed (restart,
+    # idle timeout). Timeouts are not retried: the command may have run, and the caller's deadline
+    # is better served by an error. The rare reply lost after a write ran makes the retry report
+    # "already there" (create -> False, apply -> False), which callers treat as someone else's write.
+    return Retry(ExponentialBackoff(cap=0.1, base=0.01), 1, supported_errors=(RedisConnectionError,))
+
+
+def command_pool(
+    url: str,
+    *,
+    max_connections: int,
+    socket_timeout_s: float,
+    pool_timeout_s: float,
+    health_check_interval_s: float,
+) -> BlockingConnectionPool:
+    return BlockingConnectionPool.from_url(
+        url,
+        max_connections=max_connections,
+        timeout=pool_timeout_s,
+        socket_timeout=socket_timeout_s,
+        socket_connect_timeout=socket_timeout_s,
+        socket_keepalive=True,
+        health_check_interval=health_check_interval_s,
+        retry=_retry_once(),
+    )
+
+
+def blocking_pool(
+    url: str,
+    *,
+    max_connections: int,
+    socket_timeout_s: float,
+    health_check_interval_s: float,
+) -> BlockingConnectionPool:
+    """Connections for blocking commands: no read timeout (the caller bounds each wait itself)."""
+    return BlockingConnectionPool.from_url(
+        url,
+        max_connections=max_connections,
+        timeout=None,
+        socket_timeout=None,
+        socket_connect_timeout=socket_timeout_s,
+        socket_keepalive=True,
+        health_check_interval=health_check_interval_s,
+        retry=_retry_once(),
+    )
+
+
+def pubsub_pool(url: str, *, socket_timeout_s: float) -> ConnectionPool:
+    """The PubSub connection: reads are bounded per call by the reader; no health check and no retry
+    inside redis-py, whose own reconnect would read replies behind the reader's back."""
+    return ConnectionPool.from_url(
+        url,
+        max_connections=2,
+        socket_timeout=socket_timeout_s,
+        socket_connect_timeout=socket_timeout_s,
+        socket_keepalive=True,
+        health_check_interval=0,
+        retry=Retry(NoBackoff(), 0, supported_errors=()),
+    )

@@ -1,0 +1,265 @@
+"""One Redis PubSub connection per process, read by one owned task, shared by every subscriber.
+
+A gateway watches thousands of tasks at once; a connection per watcher would exhaust Redis and
+the pool. The hub reference-counts channels, confirms each SUBSCRIBE before the subscriber goes on
+(so "subscribe, then read the stored state" misses nothing), and when the connection drops it
+reconnects with backoff and subscribes every channel again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from redis.asyncio import ConnectionPool
+from redis.asyncio.client import PubSub
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from batchwire.transport.base import TransportError
+
+log = logging.getLogger(__name__)
+
+MessageHandler = Callable[[str, bytes], None]
+ResubscribedHandler = Callable[[frozenset[str]], Awaitable[None]]
+FailureHandler = Callable[[BaseException], None]
+
+_CONNECTION_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+class PubSubHub:
+    """Reference-counted channel subscriptions over one PubSub connection and one reader task.
+
+    ``on_message(channel, data)`` runs in the reader task for every published message;
+    ``on_resubscribed(channels)`` after a reconnect, since messages published while the connection
+    was down are lost (PubSub does not buffer); ``on_failure(err)`` if the reader dies for a reason
+    that reconnecting cannot fix, so that waiters fail instead of hanging.
+    """
+
+    def __init__(
+        self,
+        pool: ConnectionPool,
+        on_message: MessageHandler,
+        on_resubscribed: ResubscribedHandler,
+        on_failure: FailureHandler,
+        *,
+        ping_interval_s: float = 5.0,
+        subscribe_timeout_s: float = 5.0,
+        min_backoff_s: float = 0.05,
+        max_backoff_s: float = 2.0,
+    ) -> None:
+        self._pool = pool
+        self._on_message = on_message
+        self._on_resubscribed = on_resubscribed
+        self._on_failure = on_failure
+        self.ping_interval_s = ping_interval_s
+        self.subscribe_timeout_s = subscribe_timeout_s
+        self.min_backoff_s = min_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.reconnects = 0
+        self._pubsub: PubSub | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()  # orders SUBSCRIBE/UNSUBSCRIBE sends against reconnects
+        self._refs: dict[str, int] = {}
+        self._active: dict[str, asyncio.Future[None]] = {}  # resolved once Redis confirmed the channel
+        self._pending: dict[str, deque[asyncio.Future[None]]] = {}  # per SUBSCRIBE sent, in order
+        self._failure: BaseException | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self._reader is not None and not self._reader.done()
+
+    async def start(self) -> None:
+        if self._reader is not None:
+            raise RuntimeError("PubSub hub started twice")
+        self._pubsub = await self._connect()
+        self._reader = asyncio.create_task(self._run(), name="redis-pubsub-reader")
+
+    async def close(self) -> None:
+        """Stops the reader, then drops the connection; subscribers are told through ``on_failure``."""
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.cancel()
+            # wait() neither raises the reader's CancelledError nor swallows our own cancellation;
+            # a reader that failed earlier has reported it through on_failure already.
+            await asyncio.wait([reader])
+        await self._drop_connection()
+        await self._pool.disconnect()
+        self._fail_waiters(TransportError("the Redis PubSub hub was closed"))
+
+    async def subscribe(self, channel: str) -> None:
+        """Returns once Redis confirmed the subscription; raises ``TransportError`` if it cannot be."""
+        async with self._lock:
+            self._raise_if_unusable()
+            count = self._refs.get(channel, 0)
+            self._refs[channel] = count + 1
+            if count == 0:
+                confirmed = asyncio.get_running_loop().create_future()
+                self._active[channel] = confirmed
+                self._pending.setdefault(channel, deque()).append(confirmed)
+                await self._send("SUBSCRIBE", channel)
+            else:
+                confirmed = self._active[channel]
+        try:
+            async with asyncio.timeout(self.subscribe_timeout_s):
+                await asyncio.shield(confirmed)
+        except TimeoutError as err:
+            await self.unsubscribe(channel)
+            raise TransportError(
+                f"Redis did not confirm SUBSCRIBE {channel} within {self.subscribe_timeout_s} s"
+            ) from err
+        except BaseException:
+            await self.unsubscribe(channel)
+            raise
+
+    async def unsubscribe(self, channel: str) -> None:
+        """Drops one reference; the last one unsubscribes (without waiting for Redis to confirm)."""
+        async with self._lock:
+            count = self._refs.get(channel, 0) - 1
+            if count > 0:
+                self._refs[channel] = count
+                return
+            self._refs.pop(channel, None)
+            self._active.pop(channel, None)
+            if self._pubsub is not None and self.alive:
+                await self._send("UNSUBSCRIBE", channel)
+
+    def channels(self) -> frozenset[str]:
+        return frozenset(self._refs)
+
+    async def _send(self, command: str, channel: str) -> None:
+        """Sends without reading: the reader task owns every reply on this connection."""
+        assert self._pubsub is not None
+        try:
+            if command == "SUBSCRIBE":
+                await self._pubsub.subscribe(channel)
+            else:
+                await self._pubsub.unsubscribe(channel)
+        except _CONNECTION_ERRORS as err:
+            # The reader sees the same broken connection, reconnects, and subscribes to every
+            # channel still referenced, which confirms this one too (or the caller times out).
+            log.info("%s %s not sent (%s); the reader will reconnect", command, channel, err)
+
+    def _raise_if_unusable(self) -> None:
+        if self._failure is not None:
+            raise TransportError(f"the Redis PubSub reader failed: {self._failure!r}") from self._failure
+        if self._reader is None:
+            raise TransportError("the Redis PubSub hub is not started (or closed)")
+
+    async def _connect(self) -> PubSub:
+        pubsub = PubSub(self._pool, ignore_subscribe_messages=False)
+        try:
+            await pubsub.connect()  # type: ignore[no-untyped-call]  # untyped in redis-py
+        except BaseException:
+            await pubsub.aclose()  # type: ignore[no-untyped-call]
+            raise
+        return pubsub
+
+    async def _drop_connection(self) -> None:
+        pubsub, self._pubsub = self._pubsub, None
+        if pubsub is not None:
+            await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    async def _run(self) -> None:
+        try:
+            backoff = self.min_backoff_s
+            while True:
+                try:
+                    await self._read()
+                except _CONNECTION_ERRORS as err:
+                    log.warning(
+                        "Redis PubSub connection lost (%s: %s); reconnecting in %.2f s, "
+                        "then subscribing %d channel(s) again",
+                        type(err).__name__,
+                        err,
+                        backoff,
+                        len(self._refs),
+                    )
+                while True:
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, self.max_backoff_s)
+                    try:
+                        channels = await self._reconnect()
+                        break
+                    except _CONNECTION_ERRORS as err:
+                        log.warning("Redis PubSub reconnect failed (%s); retrying in %.2f s", err, backoff)
+                backoff = self.min_backoff_s
+                log.warning("Redis PubSub reconnected; subscribed %d channel(s) again", len(channels))
+                await self._on_resubscribed(channels)
+                self.reconnects += 1
+        except Exception as err:
+            # Not a connection problem, so reconnecting would not help: fail every waiter loudly
+            # rather than leave them hanging, and make ready() and new subscriptions fail.
+            log.exception("Redis PubSub reader failed; watchers and reply listeners are told")
+            self._failure = err
+            self._fail_waiters(err)
+
+    async def _reconnect(self) -> frozenset[str]:
+        """A fresh connection subscribed to every referenced channel (the old one is dropped)."""
+        async with self._lock:
+            await self._drop_connection()
+            self._pubsub = await self._connect()
+            channels = frozenset(self._refs)
+            self._pending = {}
+            for channel in channels:
+                self._pending[channel] = deque([self._active[channel]])
+            if channels:
+                await self._pubsub.subscribe(*channels)
+                await self._confirmed(channels)
+            return channels
+
+    async def _confirmed(self, channels: frozenset[str]) -> None:
+        """Reads until Redis confirmed every channel, so a re-read of state after this misses nothing."""
+        assert self._pubsub is not None
+        deadline = asyncio.get_running_loop().time() + self.subscribe_timeout_s
+        while any(channel in self._pending for channel in channels):
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                raise RedisTimeoutError(f"SUBSCRIBE not confirmed within {self.subscribe_timeout_s} s")
+            message: dict[str, Any] | None = await self._pubsub.get_message(timeout=remaining)
+            if message is not None:
+                self._dispatch(message)
+
+    async def _read(self) -> None:
+        """Dispatches messages until the connection breaks; a PING unanswered for one interval breaks it."""
+        pubsub = self._pubsub
+        assert pubsub is not None
+        awaiting_pong = False
+        while True:
+            message: dict[str, Any] | None = await pubsub.get_message(timeout=self.ping_interval_s)
+            if message is None:
+                if awaiting_pong:
+                    raise RedisTimeoutError(f"no answer to PING within {self.ping_interval_s} s")
+                await pubsub.ping()
+                awaiting_pong = True
+                continue
+            awaiting_pong = False
+            self._dispatch(message)
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        kind = message.get("type")
+        channel_raw = message.get("channel")
+        channel = channel_raw.decode() if isinstance(channel_raw, bytes) else str(channel_raw)
+        if kind == "message":
+            data = message.get("data")
+            if isinstance(data, bytes):
+                self._on_message(channel, data)
+        elif kind == "subscribe":
+            # Confirmations come in the order the SUBSCRIBEs went out: one per entry.
+            pending = self._pending.get(channel)
+            if pending:
+                confirmed = pending.popleft()
+                if not confirmed.done():
+                    confirmed.set_result(None)
+                if not pending:
+                    del self._pending[channel]
+
+    def _fail_waiters(self, err: BaseException) -> None:
+        for confirmed in self._active.values():
+            if not confirmed.done():
+                confirmed.set_exception(TransportError(f"Redis PubSub unavailable: {err!r}"))
+                confirmed.exception()  # retrieved here: a waiter may have gone already
+        self._on_failure(err)

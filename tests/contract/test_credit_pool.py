@@ -1,0 +1,125 @@
+"""CreditPool contract: FIFO per model, each credit claimed once, expired credits never handed out."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from schemas.records import Credit
+from tests.contract.conftest import PoolFactory
+
+pytestmark = pytest.mark.timeout(60)
+
+WAIT_S = 10.0
+
+
+def credit(worker: str, seq: int = 1, model: str = "alpha", ttl_ms: int = 60_000, partition: int = 0) -> Credit:
+    now = int(time.time() * 1000)
+    return Credit(worker, model, partition, seq, now, now + ttl_ms)
+
+
+async def test_claims_are_first_in_first_out(make_pool: PoolFactory) -> None:
+    pool = await make_pool()
+    offered = [credit(f"w{i}", partition=i) for i in range(3)]
+    for item in offered:
+        await pool.offer(item)
+    assert await pool.idle("alpha") == 3
+
+    claimed = [await pool.claim("alpha", 1.0) for _ in offered]
+    assert claimed == offered
+    assert await pool.idle("alpha") == 0
+
+
+async def test_models_have_separate_pools(make_pool: PoolFactory) -> None:
+    pool = await make_pool()
+    await pool.offer(credit("w1", model="alpha"))
+
+    assert await pool.claim("beta", 0.05) is None
+    assert await pool.idle("beta") == 0
+    assert await pool.idle("alpha") == 1
+
+
+async def test_claim_times_out_with_none(make_pool: PoolFactory) -> None:
+    pool = await make_pool()
+    started = time.monotonic()
+
+    assert await pool.claim("alpha", 0.2) is None
+    elapsed = time.monotonic() - started
+    assert 0.15 <= elapsed < 2.0, f"claim(0.2) returned after {elapsed:.3f} s"
+
+
+async def test_zero_timeout_still_takes_an_available_credit(make_pool: PoolFactory) -> None:
+    pool = await make_pool()
+    offered = credit("w1")
+    await pool.offer(offered)
+
+    assert await pool.claim("alpha", 0) == offered
+
+
+async def test_one_credit_goes_to_exactly_one_of_two_waiting_claimers(make_pool: PoolFactory) -> None:
+    batcher_a, batcher_b = await make_pool(), await make_pool()
+    claims = {
+        asyncio.create_task(batcher_a.claim("alpha", WAIT_S)),
+        asyncio.create_task(batcher_b.claim("alpha", WAIT_S)),
+    }
+    first = credit("w1", seq=1)
+    await batcher_a.offer(first)
+
+    done, pending = await asyncio.wait(claims, timeout=WAIT_S, return_when=asyncio.FIRST_COMPLETED)
+    assert len(done) == 1, "exactly one claimer must get the single credit"
+    assert done.pop().result() == first
+    (other,) = pending
+    done, _ = await asyncio.wait({other}, timeout=0.2)
+    assert not done, f"the other claimer must still wait, got {other.result() if done else None}"
+
+    second = credit("w2", seq=2)
+    await batcher_b.offer(second)
+    assert await asyncio.wait_for(other, WAIT_S) == second
+
+
+async def test_one_waiting_credit_is_claimed_once(make_pool: PoolFactory) -> None:
+    batcher_a, batcher_b = await make_pool(), await make_pool()
+    offered = credit("w1")
+    await batcher_a.offer(offered)
+
+    results = await asyncio.gather(batcher_a.claim("alpha", 0.3), batcher_b.claim("alpha", 0.3))
+    assert sorted(results, key=lambda c: c is None) == [offered, None], f"got {results}"
+
+
+async def test_expired_credits_are_skipped_and_dropped(make_pool: PoolFactory) -> None:
+    pool = await make_pool()
+    await pool.offer(credit("stale", ttl_ms=-1000))
+    fresh = credit("fresh")
+    await pool.offer(fresh)
+
+    assert await pool.claim("alpha", 1.0) == fresh
+    assert await pool.idle("alpha") == 0, "the expired credit must be dropped, not put back"
+    await pool.offer(credit("stale2", ttl_ms=-1))
+    assert await pool.claim("alpha", 0.1) is None
+
+
+async def test_withdrawn_credit_is_never_claimed(make_pool: PoolFactory) -> None:
+    pool = await make_pool()
+    leaving, staying = credit("w1", seq=1), credit("w2", seq=1)
+    await pool.offer(leaving)
+    await pool.offer(staying)
+
+    await pool.withdraw(leaving)
+    assert await pool.idle("alpha") == 1
+    assert await pool.claim("alpha", 1.0) == staying
+    await pool.withdraw(leaving)  # withdrawing what is gone is a no-op
+
+
+async def test_a_cancelled_claim_does_not_eat_a_later_credit(make_pool: PoolFactory) -> None:
+    pool = await make_pool()
+    cancelled = asyncio.create_task(pool.claim("alpha", WAIT_S))
+    await asyncio.sleep(0)  # let it start waiting; the contract holds either way
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+
+    offered = credit("w1")
+    await pool.offer(offered)
+    assert await pool.claim("alpha", WAIT_S) == offered

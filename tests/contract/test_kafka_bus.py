@@ -1,0 +1,181 @@
+"""What only the Kafka transports can show: raw bytes, missing topics, rebalances between members."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+from aiokafka import AIOKafkaProducer
+
+from batchwire.routing import Partitioner
+from batchwire.transport.base import Delivered
+from batchwire.transport.errors import PermanentTransportError
+from batchwire.transport.kafka import KafkaBatchConsumer, KafkaBatchProducer, KafkaRequestConsumer, KafkaRequestProducer
+from schemas.records import Batch
+from schemas.wire import Names
+from tests.contract.conftest import Closer, ensure_topics, eventually
+from tests.contract.test_batch_bus import batch
+from tests.contract.test_request_bus import WAIT_S, Partitions, read, request
+
+pytestmark = [pytest.mark.kafka, pytest.mark.timeout(90)]
+
+
+@pytest.fixture
+async def closer() -> AsyncIterator[Closer]:
+    closer = Closer()
+    yield closer
+    await closer.close_all()
+
+
+async def test_undecodable_bytes_are_delivered_as_none(kafka_bootstrap: str, names: Names, closer: Closer) -> None:
+    await ensure_topics(kafka_bootstrap, {names.request_topic: 1})
+    raw = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap)
+    await raw.start()
+    try:
+        await raw.send_and_wait(names.request_topic, b"\x00not avro", partition=0)
+    finally:
+        await raw.stop()
+    producer = closer.add(KafkaRequestProducer(kafka_bootstrap, names, Partitioner(["alpha"], 1)))
+    await producer.start()
+    await producer.send(request("t1", "alpha"))
+
+    consumer = closer.add(KafkaRequestConsumer(kafka_bootstrap, names))
+    partitions = Partitions()
+    await consumer.start(partitions.on_assigned, partitions.on_revoked)
+    got = await read(consumer, 2)
+
+    assert got[0] == Delivered(None, 0, 0), f"got {got[0]}"
+    assert got[1].value is not None
+    assert got[1].value.task_id == "t1"
+    assert consumer.undecodable == 1
+    await consumer.commit({0: 1})  # past the bad record: it must never block the partition
+
+
+async def test_producer_refuses_a_missing_topic(kafka_bootstrap: str, names: Names) -> None:
+    producer = KafkaRequestProducer(kafka_bootstrap, names, Partitioner(["alpha"], 1), request_timeout_ms=1000)
+    with pytest.raises(PermanentTransportError, match=names.request_topic):
+        await producer.start()
+    assert await producer.ready() is False
+
+
+async def test_producer_refuses_a_topic_with_too_few_partitions(kafka_bootstrap: str, names: Names) -> None:
+    await ensure_topics(kafka_bootstrap, {names.request_topic: 2})
+    producer = KafkaRequestProducer(kafka_bootstrap, names, Partitioner(["alpha"], 4))
+    with pytest.raises(PermanentTransportError, match="has 2 partitions but the partitioner routes to 4"):
+        await producer.start()
+
+
+async def test_batch_to_a_missing_partition_is_refused(kafka_bootstrap: str, names: Names, closer: Closer) -> None:
+    await ensure_topics(kafka_bootstrap, {names.batch_topic("alpha"): 2})
+    producer = closer.add(KafkaBatchProducer(kafka_bootstrap, names))
+    await producer.start()
+    assert await producer.ready("alpha") is True
+    with pytest.raises(PermanentTransportError, match="partition 2 does not exist"):
+        await producer.send(batch("b1", "alpha"), 2)
+
+
+async def test_an_uncommitted_batch_goes_to_the_next_owner(kafka_bootstrap: str, names: Names, closer: Closer) -> None:
+    await ensure_topics(kafka_bootstrap, {names.batch_topic("alpha"): 1})
+    producer = closer.add(KafkaBatchProducer(kafka_bootstrap, names))
+    await producer.start()
+    sent = batch("b1", "alpha")
+    await producer.send(sent, 0)
+
+    crashed = KafkaBatchConsumer(kafka_bootstrap, names, "alpha")
+    await crashed.start(_ignore, _ignore)
+    first = await crashed.next(WAIT_S)
+    assert first is not None
+    assert first.value == sent
+    await crashed.close()  # without committing: the model call "crashed"
+
+    successor = closer.add(KafkaBatchConsumer(kafka_bootstrap, names, "alpha"))
+    await successor.start(_ignore, _ignore)
+    again = await successor.next(WAIT_S)
+    assert again == first, f"expected {first} redelivered, got {again}"
+
+
+async def test_revoked_callback_commits_before_the_partition_moves(
+    kafka_bootstrap: str, names: Names, closer: Closer
+) -> None:
+    """A member commits what it handed out inside on_revoked; what it only buffered goes to the new owner."""
+    await ensure_topics(kafka_bootstrap, {names.batch_topic("alpha"): 2})
+    producer = closer.add(KafkaBatchProducer(kafka_bootstrap, names))
+    await producer.start()
+    group = f"{names.worker_group('alpha')}.{uuid.uuid4().hex[:6]}"
+    first = closer.add(KafkaBatchConsumer(kafka_bootstrap, names, "alpha", group_id=group, heartbeat_interval_ms=200))
+    handed: list[Delivered[Batch]] = []
+    commit_errors: list[BaseException] = []
+
+    async def commit_handed(partitions: frozenset[int]) -> None:
+        for delivered in [d for d in handed if d.partition in partitions]:
+            try:
+                await first.commit(delivered)
+            except BaseException as err:
+                commit_errors.append(err)
+            handed.remove(delivered)
+
+    await first.start(_ignore, commit_handed)
+    await eventually(lambda: first.assignment() == {0, 1}, "the first member to own both partitions", WAIT_S)
+    batches = {0: batch("b0", "alpha"), 1: batch("b1", "alpha")}
+    for partition, item in batches.items():
+        await producer.send(item, partition)
+    delivered = await first.next(WAIT_S)
+    assert delivered is not None
+    handed.append(delivered)
+    unhandled = 1 - delivered.partition
+
+    second = closer.add(KafkaBatchConsumer(kafka_bootstrap, names, "alpha", group_id=group, heartbeat_interval_ms=200))
+    await second.start(_ignore, _ignore)
+    await eventually(
+        lambda: len(first.assignment()) == 1 and len(second.assignment()) == 1, "the two members to split", WAIT_S
+    )
+    assert not commit_errors, f"commit inside on_revoked failed: {commit_errors}"
+    assert not handed, "on_revoked must have run for the handed-out batch's partition"
+
+    owner = first if unhandled in first.assignment() else second
+    redelivered = await owner.next(WAIT_S)
+    assert redelivered is not None, "the batch that was only buffered did not reach its new owner"
+    assert redelivered.value == batches[unhandled]
+    for member in (first, second):
+        extra = await member.next(0.3)
+        assert extra is None, f"the committed batch came again: {extra}"
+
+
+async def test_commit_for_a_partition_not_owned_is_refused(kafka_bootstrap: str, names: Names, closer: Closer) -> None:
+    await ensure_topics(kafka_bootstrap, {names.batch_topic("alpha"): 1})
+    consumer = closer.add(KafkaBatchConsumer(kafka_bootstrap, names, "alpha"))
+    await consumer.start(_ignore, _ignore)
+    await eventually(lambda: consumer.assignment() == {0}, "the partition to be assigned", WAIT_S)
+    with pytest.raises(PermanentTransportError, match="refused"):
+        await consumer.commit(Delivered(batch("b", "alpha"), 7, 0))
+
+
+async def test_a_long_poll_returns_as_soon_as_a_record_lands(
+    kafka_bootstrap: str, names: Names, closer: Closer
+) -> None:
+    """Why fetch_max_wait_ms may be long: the broker answers a parked fetch when data arrives."""
+    await ensure_topics(kafka_bootstrap, {names.request_topic: 1})
+    producer = closer.add(KafkaRequestProducer(kafka_bootstrap, names, Partitioner(["alpha"], 1)))
+    await producer.start()
+    consumer = closer.add(KafkaRequestConsumer(kafka_bootstrap, names, fetch_max_wait_ms=2000))
+    partitions = Partitions()
+    await consumer.start(partitions.on_assigned, partitions.on_revoked)
+    await asyncio.wait_for(partitions.assigned.wait(), WAIT_S)
+    assert await consumer.fetch(0.3, 10) == []  # the consumer is idle, positioned at the end
+
+    latencies = []
+    for index in range(5):
+        waiting = asyncio.create_task(consumer.fetch(WAIT_S, 10))
+        sent_at = time.monotonic()
+        await producer.send(request(f"t{index}", "alpha"))
+        got = await waiting
+        latencies.append(time.monotonic() - sent_at)
+        assert len(got) == 1
+    assert sorted(latencies)[2] < 0.5, f"median produce->fetch latency {sorted(latencies)[2]:.3f} s (broker wait 2 s)"
+
+
+async def _ignore(partitions: frozenset[int]) -> None:
+    return None

@@ -1,0 +1,109 @@
+"""What only the Redis task store can show: key layout, TTL on every write, surviving a PubSub drop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.asyncio import Redis
+
+from batchwire.transport.base import TransportError
+from batchwire.transport.redis import RedisTaskStore
+from schemas.codec import decode_state
+from schemas.records import TaskState, TaskStatus
+from schemas.wire import Names
+from tests.contract.conftest import eventually
+from tests.contract.test_task_store import EVENT_TIMEOUT_S, next_state, state
+
+pytestmark = [pytest.mark.kafka, pytest.mark.timeout(60)]
+
+TTL_S = 3600
+
+
+@pytest.fixture
+async def raw(redis_url: str) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def store(redis_url: str, names: Names) -> AsyncIterator[RedisTaskStore]:
+    store = RedisTaskStore(redis_url, names, ttl_s=TTL_S)
+    await store.start()
+    yield store
+    await store.close()
+
+
+async def test_task_is_a_hash_with_status_and_avro_doc(store: RedisTaskStore, raw: Redis, names: Names) -> None:
+    queued = state("t1", TaskStatus.QUEUED)
+    await store.create(queued)
+
+    fields = await raw.hgetall(names.task_key("t1"))
+    assert fields[b"status"] == b"queued"
+    doc = fields[b"doc"]
+    assert isinstance(doc, bytes)
+    assert decode_state(doc) == queued
+
+
+async def test_every_write_sets_the_ttl(store: RedisTaskStore, raw: Redis, names: Names) -> None:
+    key = names.task_key("t1")
+    await store.create(state("t1", TaskStatus.QUEUED))
+    assert (TTL_S - 5) * 1000 < await raw.pttl(key) <= TTL_S * 1000
+
+    await raw.pexpire(key, 5000)
+    await store.apply([state("t1", TaskStatus.RUNNING)])
+    assert await raw.pttl(key) > (TTL_S - 5) * 1000, "apply must refresh the TTL"
+
+    await store.apply([state("late", TaskStatus.COMPLETED)])
+    assert await raw.pttl(names.task_key("late")) > (TTL_S - 5) * 1000
+
+
+async def test_a_large_apply_is_one_call(store: RedisTaskStore) -> None:
+    updates = [state(f"t{i}", TaskStatus.RUNNING) for i in range(2000)]
+    assert await store.apply(updates) == [True] * 2000
+    assert await store.apply(updates) == [False] * 2000
+    assert len(await store.get_many([u.task_id for u in updates])) == 2000
+
+
+async def test_pubsub_drop_reconnects_and_resubscribes(store: RedisTaskStore, raw: Redis) -> None:
+    await store.create(state("t1", TaskStatus.QUEUED, reply_to="g1"))
+    replies: list[TaskState] = []
+    replied = asyncio.Event()
+
+    def on_reply(reply: TaskState) -> None:
+        replies.append(reply)
+        replied.set()
+
+    await store.listen_replies("g1", on_reply)
+    async with store.watch("t1") as events:
+        killed = await raw.client_kill_filter(_type="pubsub")
+        assert killed >= 1, "expected to kill the store's PubSub connection"
+        await eventually(lambda: store.reconnects >= 1, "the PubSub reader to reconnect")
+
+        await store.apply([state("t1", TaskStatus.COMPLETED, output="ok", reply_to="g1")])
+        seen = await next_state(events)
+        while seen.status is not TaskStatus.COMPLETED:  # a re-read of the stored state may come first
+            seen = await next_state(events)
+        assert seen.output == "ok"
+        await asyncio.wait_for(replied.wait(), EVENT_TIMEOUT_S)
+        assert [r.task_id for r in replies] == ["t1"]
+
+
+async def test_close_ends_watchers_with_an_error(redis_url: str, names: Names) -> None:
+    store = RedisTaskStore(redis_url, names)
+    await store.start()
+    async with store.watch("t1") as events:
+        waiting: asyncio.Future[TaskState] = asyncio.ensure_future(anext(events))
+        await store.close()
+        with pytest.raises(TransportError):
+            await asyncio.wait_for(waiting, EVENT_TIMEOUT_S)
+    assert await store.ready() is False
+
+
+async def test_unreachable_redis_fails_start_with_the_address(names: Names) -> None:
+    store = RedisTaskStore("redis://:secret@127.0.0.1:1/0", names, socket_timeout_s=0.5)
+    with pytest.raises(TransportError, match=r"127\.0\.0\.1:1\b") as failure:
+        await store.start()
+    assert "secret" not in str(failure.value)
