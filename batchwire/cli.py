@@ -19,8 +19,14 @@ def _models(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
-def _add(parser: argparse.ArgumentParser, flag: str, default: Any, kind: Callable[[str], Any], help_text: str,
-         var: str | None = None) -> None:
+def _add(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    default: Any,
+    kind: Callable[[str], Any],
+    help_text: str,
+    var: str | None = None,
+) -> None:
     """Adds ``--flag`` whose default comes from ``BATCHWIRE_FLAG`` (or the stack file) when set."""
     var = var or "BATCHWIRE_" + flag.lstrip("-").replace("-", "_").upper()
     raw = env(var)

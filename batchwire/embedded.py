@@ -72,12 +72,19 @@ class EmbeddedRuntime:
         self.workers: list[Worker] = []
         for model in shared.models:
             for index in range(settings.workers_per_model):
-                worker_settings = WorkerSettings(worker_id=f"{model}-worker-{index}", model=model,
-                                                 batch_log=settings.batch_log)
+                worker_settings = WorkerSettings(
+                    worker_id=f"{model}-worker-{index}", model=model, batch_log=settings.batch_log
+                )
                 journal = BatchJournal(settings.batch_log) if settings.batch_log else None
                 self.workers.append(
-                    Worker(worker_settings, self.batch_buses[model].consumer(index), self.credits, self.store,
-                           backend_factory(model, index), journal)
+                    Worker(
+                        worker_settings,
+                        self.batch_buses[model].consumer(index),
+                        self.credits,
+                        self.store,
+                        backend_factory(model, index),
+                        journal,
+                    )
                 )
 
     async def start(self) -> None:
@@ -85,8 +92,11 @@ class EmbeddedRuntime:
         await self.credits.start()
         await asyncio.gather(*(worker.start() for worker in self.workers))
         await self.batcher.start()
-        log.info("embedded runtime up: models %s, %d workers each", list(self.settings.shared.models),
-                 self.settings.workers_per_model)
+        log.info(
+            "embedded runtime up: models %s, %d workers each",
+            list(self.settings.shared.models),
+            self.settings.workers_per_model,
+        )
 
     async def close(self) -> None:
         await self.batcher.close()

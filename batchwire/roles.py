@@ -106,23 +106,28 @@ def _serve_http(app: Any, host: str, port: int, log_level: str) -> int:
 
 # embedded ----------------------------------------------------------------------------------------
 def run_embedded(args: argparse.Namespace) -> int:
-    from gateway.app import create_app
-
     from batchwire.embedded import EmbeddedRuntime, EmbeddedSettings
+    from gateway.app import create_app
     from gateway.service import Gateway
     from gpu_worker.backends.factory import make_backend
 
     shared = shared_settings(args)
     backends = backend_settings(args)
     runtime = EmbeddedRuntime(
-        EmbeddedSettings(shared=shared, batcher=batcher_settings(args), workers_per_model=args.workers,
-                         batch_log=args.batch_log),
+        EmbeddedSettings(
+            shared=shared, batcher=batcher_settings(args), workers_per_model=args.workers, batch_log=args.batch_log
+        ),
         lambda model, index: make_backend(backends, model),
     )
     settings = gateway_settings(args, shared)
     gateway = Gateway(settings, runtime.producer, runtime.store)
-    log.info("batchwire (embedded) on http://%s:%d: models %s, %d workers each", settings.host, settings.port,
-             ",".join(shared.models), args.workers)
+    log.info(
+        "batchwire (embedded) on http://%s:%d: models %s, %d workers each",
+        settings.host,
+        settings.port,
+        ",".join(shared.models),
+        args.workers,
+    )
     return _serve_http(create_app(gateway, runtime), settings.host, settings.port, args.log_level)
 
 
@@ -168,7 +173,6 @@ class GatewayTransports:
 
 def run_gateway(args: argparse.Namespace) -> int:
     from gateway.app import create_app
-
     from gateway.service import Gateway
 
     shared = shared_settings(args)
@@ -178,8 +182,9 @@ def run_gateway(args: argparse.Namespace) -> int:
     return _serve_http(create_app(gateway, transports), settings.host, settings.port, args.log_level)
 
 
-async def _supervise(start: Callable[[], Awaitable[None]], close: Callable[[], Awaitable[None]],
-                     failed: asyncio.Event) -> int:
+async def _supervise(
+    start: Callable[[], Awaitable[None]], close: Callable[[], Awaitable[None]], failed: asyncio.Event
+) -> int:
     """Runs until SIGTERM/SIGINT (graceful: ``close``) or a crashed loop; a second signal exits at once."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -277,8 +282,7 @@ def run_worker(args: argparse.Namespace) -> int:
         store = RedisTaskStore(redis_url, shared.names, ttl_s=shared.result_ttl_s)
         credits = RedisCreditPool(redis_url, shared.names)
         journal = BatchJournal(args.batch_log) if args.batch_log else None
-        worker = Worker(settings, KafkaBatchConsumer(bootstrap, shared.names, model), credits, store, backend,
-                        journal)
+        worker = Worker(settings, KafkaBatchConsumer(bootstrap, shared.names, model), credits, store, backend, journal)
 
         async def start() -> None:
             await store.start()
@@ -298,28 +302,28 @@ def run_worker(args: argparse.Namespace) -> int:
 
 
 def run_stack(args: argparse.Namespace) -> int:
+    import sys
+
     from infra import stack
+    from infra.topics import ensure_topics
 
     state_dir = Path(args.state_dir)
-    shared = shared_settings(args)
     if args.action == "up":
-        stack.stack_up(state_dir)
+        from infra.errors import InfraError
+
+        try:
+            variables = stack.stack_up(state_dir)
+        except InfraError as err:
+            print(f"stack up failed: {err}", file=sys.stderr)
+            return 1
+        shared = shared_settings(args)
         topics = {shared.names.request_topic: shared.request_partitions}
         topics.update({shared.names.batch_topic(m): shared.batch_partitions for m in shared.models})
-        env = (state_dir / "stack.env").read_text()
-        bootstrap = next(line.split("=", 1)[1] for line in env.splitlines()
-                         if line.startswith("BATCHWIRE_KAFKA_BOOTSTRAP="))
-        from infra.topics import ensure_topics
-
-        asyncio.run(ensure_topics(bootstrap.strip(), topics))
-        print(env, end="")
+        asyncio.run(ensure_topics(variables["BATCHWIRE_KAFKA_BOOTSTRAP"], topics))
+        for key, value in variables.items():
+            print(f"{key}={value}")
+        print(f"# written to {state_dir / 'stack.env'}; stop with: batchwire stack down", file=sys.stderr)
         return 0
     if args.action == "down":
-        stack.stack_down(state_dir)
-        return 0
-    env_file = state_dir / "stack.env"
-    if env_file.is_file():
-        print(env_file.read_text(), end="")
-        return 0
-    print("no local stack is running (batchwire stack up starts one)")
-    return 1
+        return stack.cmd_down(state_dir, out=sys.stdout, err=sys.stderr)
+    return stack.cmd_status(state_dir, out=sys.stdout)

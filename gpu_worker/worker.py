@@ -194,8 +194,13 @@ class Worker:
         except TransportError as err:
             # The results are stored; if the batch comes again (its partition moved on), the store
             # refuses the second copy of every result, so callers still see each answer once.
-            log.warning("worker %s: commit of batch at %d/%d failed: %s", self.settings.worker_id,
-                        delivered.partition, delivered.offset, err)
+            log.warning(
+                "worker %s: commit of batch at %d/%d failed: %s",
+                self.settings.worker_id,
+                delivered.partition,
+                delivered.offset,
+                err,
+            )
 
     async def _process(self, batch: Batch) -> list[TaskState]:
         model = batch.model

@@ -71,7 +71,8 @@ def test_classic_policy_ignores_idle_workers_and_flushes_on_size_or_time(clock: 
         former.add("m", item(clock, n))
     assert former.ready("m")
     taken = former.take("m")
-    assert len(taken.items) == 32 and taken.reason is FlushReason.FULL
+    assert len(taken.items) == 32
+    assert taken.reason is FlushReason.FULL
     former.add("m", item(clock, 99))
     clock.advance(0.05)
     assert former.tick() == ["m"]

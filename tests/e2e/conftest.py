@@ -30,8 +30,15 @@ class System:
         return [json.loads(line) for line in self.journal_path.read_text().splitlines() if line.strip()]
 
 
-def start_cluster(base: Path, infra: Any, gateways: int = 2, batchers: int = 1, workers: int = 2,
-                  sim_latency_ms: float = 100.0, batcher_args: tuple[str, ...] = ()) -> Cluster:
+def start_cluster(
+    base: Path,
+    infra: Any,
+    gateways: int = 2,
+    batchers: int = 1,
+    workers: int = 2,
+    sim_latency_ms: float = 100.0,
+    batcher_args: tuple[str, ...] = (),
+) -> Cluster:
     namespace = f"e2e{uuid.uuid4().hex[:8]}"
     cluster = Cluster(base, infra.kafka_bootstrap, infra.redis_url, namespace, sim_latency_ms=sim_latency_ms)
     try:

@@ -135,8 +135,15 @@ class Cluster:
 
     def worker(self, index: int, *extra: str) -> Proc:
         return self.spawn(
-            f"worker{index}", "worker", "--worker-id", f"worker{index}", "--batch-log", str(self.batch_log),
-            "--sim-latency-ms", str(self.sim_latency_ms), *extra,
+            f"worker{index}",
+            "worker",
+            "--worker-id",
+            f"worker{index}",
+            "--batch-log",
+            str(self.batch_log),
+            "--sim-latency-ms",
+            str(self.sim_latency_ms),
+            *extra,
         )
 
     def journal(self) -> list[dict[str, Any]]:
@@ -149,8 +156,9 @@ class Cluster:
             proc.stop()
 
     def logs(self) -> str:
-        return "\n".join(f"--- {proc.name} (pid {proc.popen.pid if proc.popen else '-'})\n{proc.tail()}"
-                         for proc in self.procs)
+        return "\n".join(
+            f"--- {proc.name} (pid {proc.popen.pid if proc.popen else '-'})\n{proc.tail()}" for proc in self.procs
+        )
 
 
 def _ready(url: str) -> bool:
@@ -167,8 +175,18 @@ def embedded(base: Path, workers: int = 2, sim_latency_ms: float = 100.0, *extra
     env["PYTHONUNBUFFERED"] = "1"
     proc = Proc(
         "embedded",
-        ["up", "--port", str(port), "--workers", str(workers), "--sim-latency-ms", str(sim_latency_ms),
-         "--batch-log", str(base / "batches.jsonl"), *extra],
+        [
+            "up",
+            "--port",
+            str(port),
+            "--workers",
+            str(workers),
+            "--sim-latency-ms",
+            str(sim_latency_ms),
+            "--batch-log",
+            str(base / "batches.jsonl"),
+            *extra,
+        ],
         env,
         base / "embedded.log",
     ).start()

@@ -22,4 +22,5 @@ async def test_a_task_from_one_gateway_is_polled_and_streamed_from_another(kafka
             client.get(f"{second}/v1/result/{created['task_id']}", params={"wait": 20}),
         )
     assert polled.json()["output"] == "gnissorc"
-    assert streamed[-1][0] == "completed" and streamed[-1][1]["output"] == "gnissorc"
+    assert streamed[-1][0] == "completed"
+    assert streamed[-1][1]["output"] == "gnissorc"

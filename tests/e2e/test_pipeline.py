@@ -8,6 +8,7 @@ every task runs exactly once, every answer belongs to its request.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 import uuid
@@ -32,7 +33,7 @@ def check_journal(system: System, task_ids: set[str]) -> list[dict[str, Any]]:
         assert entry["size"] <= 100, f"batch {entry['batch_id']} has {entry['size']} items (max 100)"
     for worker, spans in by_worker.items():
         spans.sort()
-        for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+        for (_, end), (start, _) in itertools.pairwise(spans):
             assert start >= end, f"worker {worker} started a batch at {start} before its previous one ended at {end}"
     ran = Counter(task_id for entry in entries for task_id in entry["task_ids"] if task_id in task_ids)
     missing = task_ids - set(ran)
@@ -76,12 +77,14 @@ async def test_async_task_is_delivered_by_poll_and_long_poll(system: System) -> 
         waited = await client.get(f"{url}/v1/result/{task_id}", params={"wait": 20})
         elapsed = time.monotonic() - started
         assert waited.status_code == 200
-        assert waited.json()["status"] == "completed" and waited.json()["output"] == "dellop"
+        assert waited.json()["status"] == "completed"
+        assert waited.json()["output"] == "dellop"
         assert elapsed < 10, f"the long-poll must return when the task ends, not after the wait ({elapsed:.1f} s)"
         again = await client.get(f"{url}/v1/result/{task_id}")
         assert again.json()["output"] == "dellop"
         unknown = await client.get(f"{url}/v1/result/{uuid.uuid4().hex}")
-        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "task_not_found"
+        assert unknown.status_code == 404
+        assert unknown.json()["error"]["code"] == "task_not_found"
     check_journal(system, {task_id})
 
 

@@ -1,0 +1,271 @@
+"""A single-node KRaft Kafka broker (broker and controller in one JVM) on loopback ports.
+
+Settings favour fast tests on a small machine: one partition per internal topic, replication
+factor 1, no initial rebalance delay, short minimum session timeout for crash tests.
+"""
+
+from __future__ import annotations
+
+import base64
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from infra.errors import ServiceStartError
+from infra.kafka_dist import LOG4J_CONFIG, KafkaRuntime
+from infra.kafka_probe import wait_for_kafka
+from infra.ports import LOOPBACK, free_port
+from infra.process import ServiceProcess, tail_text
+
+# Measured on the 2-core dev box, launch to serving: G1 + C2 (JVM defaults) 2.9 s, G1 + C1 only
+# 2.3-2.7 s, SerialGC + C1 only 2.0 s, plus the CDS archive (infra.kafka_cds) 1.3 s. C1-only
+# code is slower at peak throughput, which a test broker sharing two cores never reaches; the
+# serial collector has no concurrent GC threads competing with the services under test.
+DEFAULT_JVM_OPTS: tuple[str, ...] = (
+    "-Xms64m",
+    "-Xmx512m",
+    "-XX:+UseSerialGC",
+    "-XX:TieredStopAtLevel=1",
+    "-XX:-UsePerfData",
+    "-XX:+ExitOnOutOfMemoryError",
+    "-Djava.awt.headless=true",
+)
+
+BROKER_PROPERTIES: Mapping[str, str] = {
+    "process.roles": "broker,controller",
+    "node.id": "1",
+    "inter.broker.listener.name": "PLAINTEXT",
+    "controller.listener.names": "CONTROLLER",
+    "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+    # The defaults (replication factor 3) leave a single node without a group coordinator.
+    "offsets.topic.replication.factor": "1",
+    "offsets.topic.num.partitions": "1",
+    "transaction.state.log.replication.factor": "1",
+    "transaction.state.log.min.isr": "1",
+    "transaction.state.log.num.partitions": "1",
+    "default.replication.factor": "1",
+    "min.insync.replicas": "1",
+    "num.partitions": "1",
+    # The 3 s default delays every first consumer-group join.
+    "group.initial.rebalance.delay.ms": "0",
+    # Default 6000: crash tests use 1-2 s consumer session timeouts for fast failover.
+    "group.min.session.timeout.ms": "1000",
+    # After a crash (SIGKILL) the restarted node cannot register until the old registration's
+    # session expires: 9 s by default, which every crash test would wait out.
+    "broker.session.timeout.ms": "3000",
+    "broker.heartbeat.interval.ms": "500",
+    # Topics are created on purpose (infra.topics.ensure_topics), never by a typo.
+    "auto.create.topics.enable": "false",
+    # Fewer threads than the defaults (3 network, 8 io): two cores, a handful of clients.
+    "num.network.threads": "2",
+    "num.io.threads": "4",
+    "background.threads": "4",
+}
+
+DEFAULT_START_TIMEOUT_S = 60.0
+DEFAULT_STOP_TIMEOUT_S = 20.0
+_PORT_ATTEMPTS = 3
+_FORMAT_TIMEOUT_S = 120.0
+
+
+def render_server_properties(
+    *,
+    data_dir: Path,
+    broker_port: int,
+    controller_port: int,
+    extra: Mapping[str, str] | None = None,
+) -> str:
+    """The text of server.properties for a single loopback node."""
+    props = dict(BROKER_PROPERTIES)
+    props.update(
+        {
+            "controller.quorum.voters": f"1@{LOOPBACK}:{controller_port}",
+            "listeners": f"PLAINTEXT://{LOOPBACK}:{broker_port},CONTROLLER://{LOOPBACK}:{controller_port}",
+            "advertised.listeners": f"PLAINTEXT://{LOOPBACK}:{broker_port}",
+            "log.dirs": str(data_dir),
+        }
+    )
+    props.update(extra or {})
+    return "".join(f"{key}={value}\n" for key, value in props.items())
+
+
+def new_cluster_id() -> str:
+    """A KRaft cluster id: 16 random bytes, URL-safe base64 without padding (as kafka-storage makes)."""
+    return base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+
+
+class KafkaServer:
+    """One broker process over a work folder (server.properties, data/, kafka.log).
+
+    Ports are fixed at construction, so `stop()` then `start()` brings back the same broker
+    on the same address with its data: what crash tests that restart Kafka under load need.
+    """
+
+    def __init__(
+        self,
+        runtime: KafkaRuntime,
+        work_dir: Path,
+        *,
+        broker_port: int | None = None,
+        controller_port: int | None = None,
+        detached: bool = False,
+        jvm_opts: Sequence[str] = DEFAULT_JVM_OPTS,
+        broker_only_jvm_opts: Sequence[str] = (),
+        extra_properties: Mapping[str, str] | None = None,
+    ) -> None:
+        self._runtime = runtime
+        self._work_dir = work_dir
+        self._ports_chosen_by_us = broker_port is None and controller_port is None
+        self._broker_port = broker_port if broker_port is not None else free_port()
+        self._controller_port = controller_port if controller_port is not None else free_port()
+        self._detached = detached
+        self._jvm_opts = tuple(jvm_opts)
+        self._broker_only_jvm_opts = tuple(broker_only_jvm_opts)
+        self._extra_properties = dict(extra_properties or {})
+        self._process: ServiceProcess | None = None
+        self._has_served = False
+
+    @property
+    def bootstrap(self) -> str:
+        """`127.0.0.1:PORT`, valid before `start()` and across restarts."""
+        return f"{LOOPBACK}:{self._broker_port}"
+
+    @property
+    def broker_port(self) -> int:
+        return self._broker_port
+
+    @property
+    def controller_port(self) -> int:
+        return self._controller_port
+
+    @property
+    def work_dir(self) -> Path:
+        return self._work_dir
+
+    @property
+    def properties_path(self) -> Path:
+        return self._work_dir / "server.properties"
+
+    @property
+    def data_dir(self) -> Path:
+        return self._work_dir / "data"
+
+    @property
+    def log_path(self) -> Path:
+        return self._work_dir / "kafka.log"
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def is_running(self) -> bool:
+        return self._process is not None and self._process.is_alive()
+
+    def start(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
+        """Format storage if new, launch the JVM, return once clients can use the broker.
+
+        A fresh broker whose self-chosen ports were taken in the meantime retries on new ports;
+        a restart keeps its ports (clients hold the address) and fails instead.
+        """
+        if self.is_running():
+            return
+        deadline = time.monotonic() + timeout_s
+        attempts = _PORT_ATTEMPTS if self._ports_chosen_by_us and not self._has_served else 1
+        for attempt in range(1, attempts + 1):
+            try:
+                self._start_once(deadline)
+            except ServiceStartError:
+                if attempt == attempts or "Address already in use" not in self.log_tail():
+                    raise
+                shutil.rmtree(self.data_dir, ignore_errors=True)
+                self._broker_port, self._controller_port = free_port(), free_port()
+                continue
+            self._has_served = True
+            return
+
+    def stop(self, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> None:
+        """SIGTERM (the broker shuts down cleanly), SIGKILL if it takes over `timeout_s`."""
+        if self._process is not None:
+            self._process.terminate(timeout_s)
+            self._process = None
+
+    def kill(self) -> None:
+        """SIGKILL: a crash. `start()` afterwards recovers from the same data."""
+        if self._process is not None:
+            self._process.kill()
+            self._process = None
+
+    def log_tail(self, lines: int = 40) -> str:
+        return tail_text(self.log_path, lines)
+
+    def _start_once(self, deadline: float) -> None:
+        self._work_dir.mkdir(parents=True, exist_ok=True)
+        self.properties_path.write_text(
+            render_server_properties(
+                data_dir=self.data_dir,
+                broker_port=self._broker_port,
+                controller_port=self._controller_port,
+                extra=self._extra_properties,
+            )
+        )
+        if not (self.data_dir / "meta.properties").is_file():
+            self._format_storage(deadline)
+        argv = [*self._java_argv(self._broker_only_jvm_opts), "kafka.Kafka", str(self.properties_path)]
+        process = ServiceProcess.spawn(argv, log_path=self.log_path, cwd=self._work_dir, detached=self._detached)
+        self._process = process
+        served = wait_for_kafka(
+            self.bootstrap,
+            timeout_s=max(deadline - time.monotonic(), 0.0),
+            still_running=process.is_alive,
+        )
+        if served:
+            return
+        running = process.is_alive()
+        process.terminate(5.0)
+        self._process = None
+        why = "did not serve before the deadline" if running else "exited during start-up"
+        raise ServiceStartError(f"Kafka broker at {self.bootstrap} {why} (log: {self.log_path}):\n{self.log_tail()}")
+
+    def _format_storage(self, deadline: float) -> None:
+        argv = [
+            *self._java_argv(),
+            "kafka.tools.StorageTool",
+            "format",
+            "-t",
+            new_cluster_id(),
+            "-c",
+            str(self.properties_path),
+            "--ignore-formatted",
+        ]
+        timeout_s = min(_FORMAT_TIMEOUT_S, max(deadline - time.monotonic(), 1.0))
+        with self.log_path.open("ab") as log:
+            try:
+                result = subprocess.run(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=self._work_dir,
+                    timeout=timeout_s,
+                    check=False,
+                )
+            except subprocess.TimeoutExpired as err:
+                raise ServiceStartError(f"kafka-storage format took over {timeout_s:.0f} s") from err
+        if result.returncode != 0:
+            raise ServiceStartError(
+                f"kafka-storage format failed with {result.returncode} (log: {self.log_path}):\n{self.log_tail()}"
+            )
+
+    def _java_argv(self, extra_opts: Sequence[str] = ()) -> list[str]:
+        argv = [str(self._runtime.java), *self._jvm_opts, *extra_opts]
+        if self._runtime.cds_archive is not None:
+            argv.append(f"-XX:SharedArchiveFile={self._runtime.cds_archive}")
+        argv += [
+            f"-Dlog4j.configuration={LOG4J_CONFIG.as_uri()}",
+            "-cp",
+            self._runtime.classpath,
+        ]
+        return argv

@@ -1,0 +1,1 @@
+"""Tests of `infra/`: the local Kafka + Redis stack, topic creation, infra selection."""

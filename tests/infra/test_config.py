@@ -1,0 +1,105 @@
+"""Pure parts of `infra`: broker settings, container env, infra selection, tool errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from infra.docker_stack import kafka_container_env
+from infra.errors import InfraError, NotSupportedError, ToolMissingError
+from infra.kafka_dist import cache_root, default_libs_dir
+from infra.kafka_server import new_cluster_id, render_server_properties
+from infra.redis_server import RedisServer
+from infra.select import ProvidedInfra, choose_infra_kind
+
+
+def _props(text: str) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in text.splitlines())
+
+
+def test_server_properties_single_loopback_node(tmp_path: Path) -> None:
+    props = _props(render_server_properties(data_dir=tmp_path, broker_port=1111, controller_port=2222))
+
+    assert props["process.roles"] == "broker,controller"
+    assert props["controller.quorum.voters"] == "1@127.0.0.1:2222"
+    assert props["listeners"] == "PLAINTEXT://127.0.0.1:1111,CONTROLLER://127.0.0.1:2222"
+    assert props["advertised.listeners"] == "PLAINTEXT://127.0.0.1:1111"
+    assert props["log.dirs"] == str(tmp_path)
+    assert props["offsets.topic.replication.factor"] == "1"
+    assert props["group.min.session.timeout.ms"] == "1000"
+    assert props["auto.create.topics.enable"] == "false"
+
+
+def test_server_properties_extra_overrides(tmp_path: Path) -> None:
+    text = render_server_properties(data_dir=tmp_path, broker_port=1, controller_port=2, extra={"num.partitions": "4"})
+    assert _props(text)["num.partitions"] == "4"
+
+
+def test_cluster_id_is_22_url_safe_chars() -> None:
+    cluster_id = new_cluster_id()
+    assert len(cluster_id) == 22
+    assert cluster_id.replace("-", "").replace("_", "").isalnum()
+
+
+def test_kafka_container_env_sets_everything_the_image_needs() -> None:
+    env = kafka_container_env(host="localhost", port=39092, cluster_id="abc")
+
+    assert env["KAFKA_ADVERTISED_LISTENERS"].startswith("PLAINTEXT://localhost:39092,")
+    assert env["KAFKA_PROCESS_ROLES"] == "broker,controller"
+    assert env["KAFKA_NODE_ID"] == "1"
+    assert env["KAFKA_INTER_BROKER_LISTENER_NAME"] == "BROKER"
+    assert env["KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR"] == "1"
+    assert env["CLUSTER_ID"] == "abc"
+
+
+def test_cache_dir_follows_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("BATCHWIRE_CACHE_DIR", str(tmp_path))
+    assert cache_root() == tmp_path
+    assert default_libs_dir() == tmp_path / "kafka-3.9.1" / "libs"
+    monkeypatch.setenv("BATCHWIRE_CACHE_DIR", "")
+    assert cache_root() == Path.home() / ".cache" / "batchwire"
+
+
+def test_external_wins_when_both_addresses_are_set() -> None:
+    env = {"BATCHWIRE_TEST_KAFKA_BOOTSTRAP": "k:9092", "BATCHWIRE_TEST_REDIS_URL": "redis://r:6379/0"}
+    assert choose_infra_kind(env) == "external"
+
+
+def test_forced_local_ignores_external_addresses() -> None:
+    env = {
+        "BATCHWIRE_TEST_INFRA": "local",
+        "BATCHWIRE_TEST_KAFKA_BOOTSTRAP": "k:9092",
+        "BATCHWIRE_TEST_REDIS_URL": "redis://r:6379/0",
+    }
+    assert choose_infra_kind(env) == "local"
+
+
+def test_forced_external_names_the_missing_variable() -> None:
+    with pytest.raises(InfraError, match="BATCHWIRE_TEST_REDIS_URL"):
+        choose_infra_kind({"BATCHWIRE_TEST_INFRA": "external", "BATCHWIRE_TEST_KAFKA_BOOTSTRAP": "k:1"})
+
+
+def test_unknown_forced_kind_lists_the_choices() -> None:
+    with pytest.raises(InfraError, match="local, docker, external"):
+        choose_infra_kind({"BATCHWIRE_TEST_INFRA": "podman"})
+
+
+def test_external_infra_cannot_restart() -> None:
+    provided = ProvidedInfra(kind="external", kafka_bootstrap="k:1", redis_url="redis://r:1/0")
+    assert not provided.can_restart
+    with pytest.raises(NotSupportedError, match="restart Kafka"):
+        provided.restart_kafka()
+
+
+def test_missing_redis_server_says_how_to_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(ToolMissingError, match="apt-get install redis-server"):
+        RedisServer(tmp_path).start()
+
+
+def test_docker_is_unavailable_when_docker_host_answers_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    from infra.select import docker_available
+
+    monkeypatch.setenv("DOCKER_HOST", "tcp://127.0.0.1:1")
+    assert docker_available() is False
