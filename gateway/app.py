@@ -1,0 +1,290 @@
+"""The HTTP skin over :class:`~gateway.service.Gateway`: routes, lifespan, SSE, health and metrics.
+
+The composition root builds the transports, the ``Gateway`` and a ``Lifecycle`` (which starts the
+transports, and in embedded mode the batcher and workers) and hands both to :func:`create_app`.
+"""
+
+# No ``from __future__ import annotations`` here: FastAPI reads the route signatures at runtime,
+# and their ``Annotated`` metadata refers to this deployment's settings (closure variables).
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import aclosing, asynccontextmanager
+from typing import Annotated, Any, Protocol
+
+from fastapi import FastAPI, Path, Query, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.routing import Route
+
+from batchwire.metrics import REGISTRY
+from gateway.body import parse_inference_body, read_body
+from gateway.errors import GatewayError, error_body
+from gateway.handlers import EdgeMiddleware, install_error_handlers, json_response
+from gateway.health import probe
+from gateway.models import (
+    Health,
+    InferenceBody,
+    InferenceResponse,
+    NotReadyResponse,
+    Readiness,
+    TaskAccepted,
+    TaskResult,
+    error_responses,
+)
+from gateway.service import TASK_ID_PATTERN, Gateway
+from gateway.settings import GatewaySettings
+from schemas.records import TaskState
+
+
+class Lifecycle(Protocol):
+    """What the composition root starts before the gateway and stops after it."""
+
+    async def start(self) -> None: ...
+    async def close(self) -> None: ...
+    async def ready(self) -> dict[str, bool]:
+        """Each part the composition root runs (transports, embedded batcher, ...) and whether it is ready."""
+        ...
+
+
+def _body_doc(settings: GatewaySettings) -> dict[str, Any]:
+    """The submit body's schema with this deployment's limits, so generated clients know them.
+
+    Documented only: the body is parsed by ``body.py`` and the limits are checked by the
+    service, which answers with the specific codes (``empty_input``, ``unknown_model``, ...).
+    """
+    schema = InferenceBody.model_json_schema()
+    schema["properties"]["input"].update(minLength=1, maxLength=settings.max_input_chars)
+    schema["properties"]["model"]["anyOf"][0]["enum"] = list(settings.models)
+    schema["properties"]["timeout_ms"]["anyOf"][0].update(
+        minimum=settings.min_timeout_ms, maximum=settings.max_timeout_ms
+    )
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+_SUBMIT_ERRORS = (
+    "invalid_json",
+    "invalid_utf8",
+    "validation_error",
+    "empty_input",
+    "timeout_out_of_range",
+    "input_too_large",
+    "body_too_large",
+    "unknown_model",
+    "overloaded",
+    "unavailable",
+    "not_ready",
+)
+
+
+def create_app(gateway: Gateway, lifecycle: Lifecycle) -> FastAPI:
+    """The gateway's ASGI app; its lifespan starts ``lifecycle`` then ``gateway``, and stops them in reverse."""
+    settings = gateway.settings
+    body_doc = _body_doc(settings)
+    task_id_doc = Path(
+        description="The task_id a submit returned.",
+        json_schema_extra={"pattern": f"^{TASK_ID_PATTERN.pattern}$"},
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await lifecycle.start()
+        try:
+            await gateway.start()
+            try:
+                yield
+            finally:
+                await gateway.close()
+        finally:
+            await lifecycle.close()
+
+    app = FastAPI(
+        title="batchwire gateway",
+        summary="Single inference requests in, GPU batches behind.",
+        version="1",
+        lifespan=lifespan,
+    )
+    install_error_handlers(app, settings.retry_after_s)
+    app.add_middleware(EdgeMiddleware)
+
+    @app.post(
+        "/v1/inference",
+        response_model=InferenceResponse,
+        responses=error_responses(*_SUBMIT_ERRORS, "task_failed", "deadline_exceeded"),
+        openapi_extra=body_doc,
+        summary="Run one input and wait for its output",
+        description="Holds the connection until the output is ready or `timeout_ms` passes (504; the task "
+        "may still finish: poll `/v1/result/{task_id}` with the `task_id` in the error). A task that failed "
+        "answers 502 with the task's own error code.",
+    )
+    async def infer(request: Request) -> Response:
+        body = parse_inference_body(await read_body(request, settings.max_body_bytes))
+        answer = await gateway.submit(body.input, body.model, body.timeout_ms, True)
+        return json_response(
+            200,
+            {
+                "task_id": answer.task_id,
+                "output": answer.output,
+                "model": answer.model,
+                "latency_ms": answer.latency_ms,
+                "batch_size": answer.batch_size,
+            },
+        )
+
+    @app.post(
+        "/v1/tasks",
+        status_code=202,
+        response_model=TaskAccepted,
+        responses=error_responses(*_SUBMIT_ERRORS),
+        openapi_extra=body_doc,
+        summary="Queue one input and return at once",
+        description="Answers 202 with where to poll (`result_url`, also the Location header) or stream "
+        "(`events_url`) the task's progress.",
+    )
+    async def enqueue(request: Request) -> Response:
+        body = parse_inference_body(await read_body(request, settings.max_body_bytes))
+        accepted = await gateway.submit(body.input, body.model, body.timeout_ms, False)
+        result_url = f"/v1/result/{accepted.task_id}"
+        return json_response(
+            202,
+            {
+                "task_id": accepted.task_id,
+                "status": "queued",
+                "result_url": result_url,
+                "events_url": f"{result_url}/events",
+            },
+            {"Location": result_url},
+        )
+
+    @app.get(
+        "/v1/result/{task_id}",
+        response_model=TaskResult,
+        responses=error_responses("invalid_task_id", "task_not_found", "validation_error", "overloaded", "unavailable"),
+        summary="A task's status, and its output or error once it ended",
+    )
+    async def result(
+        task_id: Annotated[str, task_id_doc],
+        wait: Annotated[
+            float,
+            Query(
+                ge=0,
+                allow_inf_nan=False,
+                json_schema_extra={"maximum": settings.max_wait_s},
+                description="Seconds to wait for the task to end (long-poll), up to BATCHWIRE_MAX_WAIT_S; "
+                "0 answers at once. The answer is the latest state, ended or not.",
+            ),
+        ] = 0.0,
+    ) -> Response:
+        state = await gateway.result(task_id, wait)
+        return json_response(200, state.to_public())
+
+    @app.get(
+        "/v1/result/{task_id}/events",
+        response_class=EventSourceResponse,
+        responses={
+            200: {
+                "description": "Server-sent events: the current state first, then each change; `event` is the "
+                "status, `data` the task's JSON (as from /v1/result), `id` the status rank. The stream "
+                'closes after the terminal event. An `error` event carries `{"error": {...}}` if the '
+                "store fails mid-stream.",
+                "content": {
+                    "text/event-stream": {
+                        "schema": {"type": "string"},
+                        "example": 'event: queued\r\ndata: {"task_id":"q3bY0h2mXw1kL9aF5cZr6Q","status":"queued",'
+                        '"model":"sim"}\r\nid: 0\r\n\r\n',
+                    }
+                },
+            },
+            **error_responses("invalid_task_id", "task_not_found", "validation_error", "overloaded", "unavailable"),
+        },
+        summary="Stream a task's status changes",
+    )
+    async def events(task_id: Annotated[str, task_id_doc]) -> EventSourceResponse:
+        stream = gateway.events(task_id)
+        try:
+            first = await anext(stream)  # unknown id or overload: a JSON error before the stream starts
+        except BaseException:
+            await stream.aclose()
+            raise
+        return EventSourceResponse(_sse(first, stream), ping=settings.sse_ping_s)
+
+    @app.get("/healthz", response_model=Health, summary="Liveness: 200 while the process runs")
+    async def healthz() -> Response:
+        return json_response(200, {"status": "ok"})
+
+    @app.get(
+        "/readyz",
+        response_model=Readiness,
+        responses={
+            503: {"model": NotReadyResponse, "description": "`not_ready`: a part is down; `checks` says which."}
+        },
+        summary="Readiness: 200 when the bus, the store and every embedded part are ready",
+    )
+    async def readyz() -> Response:
+        checks = await _lifecycle_checks(lifecycle, settings.ready_timeout_s)
+        checks.update(await gateway.ready())
+        down = sorted(part for part, ok in checks.items() if not ok)
+        if not down:
+            return json_response(200, {"status": "ready", "checks": checks})
+        doc = {**error_body("not_ready", f"not ready: {', '.join(down)}"), "checks": checks}
+        return json_response(503, doc, {"Retry-After": str(settings.retry_after_s)})
+
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={
+            200: {
+                "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
+                "description": "Prometheus text exposition of every batchwire metric in this process.",
+            }
+        },
+        summary="Prometheus metrics",
+    )
+    async def metrics() -> Response:
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    _serve_plain(app, {"/v1/inference": infer, "/v1/tasks": enqueue})
+    return app
+
+
+def _serve_plain(app: FastAPI, endpoints: dict[str, Callable[[Request], Awaitable[Response]]]) -> None:
+    """Serves the two submit routes through plain Starlette routes placed ahead of their FastAPI twins.
+
+    Their endpoints take only the ``Request`` (they parse the body themselves), so FastAPI's
+    per-request dependency solving buys nothing there and costs about 40 µs of the ~115 µs a
+    request takes (tests/gateway/bench_gateway.py). The FastAPI routes stay registered, unmatched
+    for POST, so that the OpenAPI document still describes them.
+    """
+    plain = [Route(path, endpoint, methods=["POST"], include_in_schema=False) for path, endpoint in endpoints.items()]
+    app.router.routes[0:0] = plain
+
+
+async def _lifecycle_checks(lifecycle: Lifecycle, timeout_s: float) -> dict[str, bool]:
+    checks: dict[str, bool] = {}
+
+    async def collect() -> bool:
+        checks.update(await lifecycle.ready())
+        return True
+
+    if not await probe(collect(), timeout_s, "lifecycle"):
+        checks["lifecycle"] = False
+    return checks
+
+
+async def _sse(first: TaskState, stream: AsyncGenerator[TaskState, None]) -> AsyncIterator[ServerSentEvent]:
+    """Events for ``first`` and every later state; an ``error`` event if the store fails mid-stream."""
+    async with aclosing(stream):
+        yield _event(first)
+        try:
+            async for state in stream:
+                yield _event(state)
+        except GatewayError as err:
+            yield ServerSentEvent(json.dumps(error_body(err.error_code, err.message)), event="error")
+
+
+def _event(state: TaskState) -> ServerSentEvent:
+    return ServerSentEvent(
+        json.dumps(state.to_public(), ensure_ascii=False, separators=(",", ":")),
+        event=state.status.value,
+        id=str(state.status.rank),
+    )

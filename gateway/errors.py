@@ -1,0 +1,142 @@
+"""The gateway's domain errors, and the one table that turns them into HTTP answers.
+
+``service.py`` raises these and knows nothing of HTTP; ``app.py`` renders any of them as
+``{"error": {"code": ..., "message": ...}}`` with the status from :data:`HTTP_STATUS`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class GatewayError(Exception):
+    """Base of every error the gateway answers with. ``code`` is the stable, documented name."""
+
+    code: ClassVar[str] = "internal_error"
+    retriable: ClassVar[bool] = False
+
+    def __init__(self, message: str, *, task_id: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.task_id = task_id
+
+    @property
+    def error_code(self) -> str:
+        """The code the client sees; a failed task's own code can override the class's."""
+        return self.code
+
+
+class InvalidJson(GatewayError):
+    code = "invalid_json"
+
+
+class InvalidUtf8(GatewayError):
+    code = "invalid_utf8"
+
+
+class ValidationFailed(GatewayError):
+    code = "validation_error"
+
+
+class EmptyInput(GatewayError):
+    code = "empty_input"
+
+
+class InputTooLarge(GatewayError):
+    code = "input_too_large"
+
+
+class BodyTooLarge(GatewayError):
+    code = "body_too_large"
+
+
+class UnknownModel(GatewayError):
+    code = "unknown_model"
+
+
+class TimeoutOutOfRange(GatewayError):
+    code = "timeout_out_of_range"
+
+
+class InvalidTaskId(GatewayError):
+    code = "invalid_task_id"
+
+
+class TaskNotFound(GatewayError):
+    code = "task_not_found"
+
+
+class DeadlineExceeded(GatewayError):
+    code = "deadline_exceeded"
+
+
+class TaskFailed(GatewayError):
+    """The task ended without an output; the client sees the task's own error code."""
+
+    code = "task_failed"
+
+    def __init__(self, message: str, *, task_id: str, task_code: str | None) -> None:
+        super().__init__(message, task_id=task_id)
+        self.task_code = task_code
+
+    @property
+    def error_code(self) -> str:
+        return self.task_code or self.code
+
+
+class Overloaded(GatewayError):
+    code = "overloaded"
+    retriable = True
+
+
+class Unavailable(GatewayError):
+    """The request bus or the task store failed; trying again later may work."""
+
+    code = "unavailable"
+    retriable = True
+
+
+class NotReady(GatewayError):
+    """The gateway is not started yet, or is shutting down."""
+
+    code = "not_ready"
+    retriable = True
+
+
+# code -> (HTTP status, when). The one place where gateway errors meet HTTP; the README's error
+# table and the OpenAPI error responses are generated from it.
+ERROR_TABLE: dict[str, tuple[int, str]] = {
+    "invalid_json": (400, "The body is not one JSON document."),
+    "invalid_utf8": (400, "The body is not valid UTF-8."),
+    "invalid_task_id": (400, "The task id has characters or a length no task id has."),
+    "validation_error": (422, "A field is missing, unknown or of the wrong type, or a parameter is out of range."),
+    "empty_input": (422, "`input` is the empty string."),
+    "timeout_out_of_range": (422, "`timeout_ms` is outside the allowed range."),
+    "input_too_large": (413, "`input` has more characters than BATCHWIRE_MAX_INPUT_CHARS."),
+    "body_too_large": (413, "The body is larger than BATCHWIRE_MAX_BODY_BYTES."),
+    "unknown_model": (404, "`model` is not served by this deployment."),
+    "task_not_found": (404, "No task has this id (or it has expired from the store)."),
+    "not_found": (404, "No route has this path."),
+    "method_not_allowed": (405, "The route does not take this method."),
+    "task_failed": (502, "The task failed; the code is the task's own error code when it has one."),
+    "deadline_exceeded": (504, "No answer before the request's deadline (`timeout_ms`); the task may still finish."),
+    "overloaded": (503, "This gateway holds all the requests BATCHWIRE_MAX_INFLIGHT allows; retry after Retry-After."),
+    "unavailable": (503, "The request bus or the task store is down; retry after Retry-After."),
+    "not_ready": (503, "The gateway is starting or shutting down, or a dependency is not ready."),
+    "internal_error": (500, "A bug: the gateway logged a traceback."),
+}
+
+HTTP_STATUS: dict[str, int] = {code: status for code, (status, _) in ERROR_TABLE.items()}
+
+
+def http_status(error: GatewayError) -> int:
+    """The status for ``error``; keyed by class code, so a failed task's own code keeps 502."""
+    return HTTP_STATUS.get(error.code, 500)
+
+
+def error_body(code: str, message: str, task_id: str | None = None) -> dict[str, Any]:
+    """The one error shape every non-2xx answer has."""
+    inner: dict[str, Any] = {"code": code, "message": message}
+    if task_id is not None:
+        inner["task_id"] = task_id
+    return {"error": inner}

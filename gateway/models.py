@@ -1,0 +1,147 @@
+"""The HTTP API's JSON shapes, as pydantic models, so the OpenAPI document describes every route.
+
+Request bodies are strict (no coercion of ``5`` into ``"5"``) and closed (an unknown field is an
+error, which catches ``"timeout"`` typed for ``"timeout_ms"``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.errors import ERROR_TABLE, error_body
+
+# Mirrors schemas.records.TaskStatus (a test keeps the two equal).
+StatusName = Literal["queued", "batched", "running", "completed", "failed", "expired", "cancelled"]
+
+
+class InferenceBody(BaseModel):
+    """Body of ``POST /v1/inference`` and ``POST /v1/tasks``."""
+
+    model_config = ConfigDict(
+        strict=True,
+        extra="forbid",
+        json_schema_extra={
+            "examples": [{"input": "hello world"}, {"input": "hello", "model": "sim", "timeout_ms": 5000}]
+        },
+    )
+
+    input: str = Field(description="The text to run the model on; not empty, at most BATCHWIRE_MAX_INPUT_CHARS.")
+    model: str | None = Field(None, description="A served model; leave out for the default model.")
+    timeout_ms: int | None = Field(
+        None,
+        description="How long to wait for the answer; may shorten the default (BATCHWIRE_DEFAULT_TIMEOUT_MS), "
+        "never exceed BATCHWIRE_MAX_TIMEOUT_MS.",
+    )
+
+
+class InferenceResponse(BaseModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "task_id": "q3bY0h2mXw1kL9aF5cZr6Q",
+                    "output": "dlrow olleh",
+                    "model": "sim",
+                    "latency_ms": 41.7,
+                    "batch_size": 32,
+                }
+            ]
+        }
+    )
+
+    task_id: str
+    output: str
+    model: str
+    latency_ms: float = Field(description="Gateway time from accepting the request to having the answer.")
+    batch_size: int | None = Field(description="Size of the batch the request ran in.")
+
+
+class TaskAccepted(BaseModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "task_id": "q3bY0h2mXw1kL9aF5cZr6Q",
+                    "status": "queued",
+                    "result_url": "/v1/result/q3bY0h2mXw1kL9aF5cZr6Q",
+                    "events_url": "/v1/result/q3bY0h2mXw1kL9aF5cZr6Q/events",
+                }
+            ]
+        }
+    )
+
+    task_id: str
+    status: Literal["queued"]
+    result_url: str = Field(description="Poll here; add ?wait=<seconds> to long-poll.")
+    events_url: str = Field(description="Server-sent events of every status change.")
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(description="Stable machine-readable code; see the error table.")
+    message: str = Field(description="What went wrong and what to change.")
+    task_id: str | None = Field(None, description="The task concerned, when one was created.")
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class TaskResult(BaseModel):
+    """A task's public state, also the ``data`` of each server-sent event."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "task_id": "q3bY0h2mXw1kL9aF5cZr6Q",
+                    "status": "completed",
+                    "model": "sim",
+                    "output": "dlrow olleh",
+                    "batch_size": 32,
+                },
+                {"task_id": "q3bY0h2mXw1kL9aF5cZr6Q", "status": "queued", "model": "sim"},
+            ]
+        }
+    )
+
+    task_id: str
+    status: StatusName
+    model: str
+    output: str | None = None
+    error: ErrorDetail | None = None
+    batch_size: int | None = None
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
+class Readiness(BaseModel):
+    status: Literal["ready"]
+    checks: dict[str, bool] = Field(description="Each part and whether it is ready.")
+
+
+class NotReadyResponse(BaseModel):
+    error: ErrorDetail
+    checks: dict[str, bool]
+
+
+def error_responses(*codes: str) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for a route that can fail with ``codes``: one entry per status, an example per code."""
+    by_status: dict[int, list[str]] = {}
+    for code in codes:
+        by_status.setdefault(ERROR_TABLE[code][0], []).append(code)
+    out: dict[int | str, dict[str, Any]] = {}
+    for status, status_codes in sorted(by_status.items()):
+        out[status] = {
+            "model": ErrorResponse,
+            "description": " ".join(f"`{code}`: {ERROR_TABLE[code][1]}" for code in status_codes),
+            "content": {
+                "application/json": {
+                    "examples": {code: {"value": error_body(code, ERROR_TABLE[code][1])} for code in status_codes}
+                }
+            },
+        }
+    return out

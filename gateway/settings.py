@@ -1,0 +1,124 @@
+"""Typed settings of one gateway process.
+
+The CLI fills them from flags and ``BATCHWIRE_*`` environment variables: each field ``x`` is read
+from ``BATCHWIRE_X``, which is why every validation message names both (see :func:`env_name`).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from dataclasses import dataclass, field, fields
+
+ENV_PREFIX = "BATCHWIRE_"
+
+# Gateway ids end up in Redis channel names and Kafka headers: keep them to a safe alphabet.
+_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def env_name(setting: str) -> str:
+    """The environment variable the CLI reads ``setting`` from, e.g. ``BATCHWIRE_MAX_INPUT_CHARS``."""
+    return ENV_PREFIX + setting.upper()
+
+
+def new_gateway_id() -> str:
+    """A process-unique id, so that replies for this process's callers reach only this process."""
+    return "gw-" + secrets.token_hex(4)
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySettings:
+    """What one gateway listens on, which requests it accepts, and how long it holds callers."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    gateway_id: str = field(default_factory=new_gateway_id)
+    models: tuple[str, ...] = ("sim",)
+    default_model: str = "sim"
+    default_timeout_ms: int = 30_000
+    max_timeout_ms: int = 30_000
+    min_timeout_ms: int = 1
+    max_input_chars: int = 65_536
+    max_body_bytes: int = 1_048_576
+    max_inflight: int = 10_000
+    """Submissions in progress plus synchronous callers held open; beyond it: 503 + Retry-After."""
+    max_watchers: int = 10_000
+    """Long-polls and event streams held open at once; beyond it: 503 + Retry-After."""
+    max_wait_s: float = 60.0
+    """The longest ``?wait=`` a long-poll may ask for."""
+    sse_max_s: float = 600.0
+    """An event stream closes after this long even without a terminal state; clients reconnect."""
+    sse_ping_s: float = 15.0
+    """Keep-alive comment interval on event streams, so proxies do not cut idle connections."""
+    retry_after_s: int = 1
+    """The Retry-After given with 503 answers (overloaded, unavailable, not ready)."""
+    reply_recheck_s: float = 1.0
+    """A synchronous caller whose reply has not come after this long is looked up in the store, and
+    again after 2x, 4x, up to 8x as long (guards against a reply lost in a Redis PubSub reconnect)."""
+    stream_recheck_s: float = 5.0
+    """An event stream with no change for this long re-reads the task from the store."""
+    ready_timeout_s: float = 2.0
+    """How long ``/readyz`` waits for each readiness check before counting it as down."""
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        if not self.host:
+            raise ValueError(f"host ({env_name('host')}) must not be empty")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port ({env_name('port')}) is {self.port}; it must be within 0..65535")
+        if not _ID_PATTERN.fullmatch(self.gateway_id):
+            raise ValueError(
+                f"gateway_id ({env_name('gateway_id')}) is {self.gateway_id!r}; use 1 to 64 characters from "
+                "A-Z a-z 0-9 . _ - starting with a letter or digit"
+            )
+        if not self.models:
+            raise ValueError(f"models ({env_name('models')}) must name at least one model")
+        for model in self.models:
+            if not _ID_PATTERN.fullmatch(model):
+                raise ValueError(
+                    f"models ({env_name('models')}) contains {model!r}; a model name is 1 to 64 characters "
+                    "from A-Z a-z 0-9 . _ - starting with a letter or digit"
+                )
+        if len(set(self.models)) != len(self.models):
+            raise ValueError(f"models ({env_name('models')}) lists a model twice: {', '.join(self.models)}")
+        if self.default_model not in self.models:
+            raise ValueError(
+                f"default_model ({env_name('default_model')}) is {self.default_model!r}, which is not among "
+                f"models ({env_name('models')}): {', '.join(self.models)}"
+            )
+        _at_least(self, "min_timeout_ms", 1)
+        _at_least(self, "default_timeout_ms", self.min_timeout_ms, "min_timeout_ms")
+        _at_least(self, "max_timeout_ms", self.default_timeout_ms, "default_timeout_ms")
+        _at_least(self, "max_input_chars", 1)
+        _at_least(self, "max_body_bytes", 64)
+        _at_least(self, "max_inflight", 1)
+        _at_least(self, "max_watchers", 1)
+        _at_least(self, "max_wait_s", 0)
+        _at_least(self, "retry_after_s", 1)
+        for name in ("sse_max_s", "sse_ping_s", "reply_recheck_s", "stream_recheck_s", "ready_timeout_s"):
+            value = getattr(self, name)
+            if not value > 0 or value == float("inf"):
+                raise ValueError(f"{name} ({env_name(name)}) is {value}; it must be a positive finite number")
+
+
+def _check_types(settings: GatewaySettings) -> None:
+    """Catches a CLI that forgot to convert a flag, before a str-typed port fails far from here."""
+    for spec in fields(settings):
+        value = getattr(settings, spec.name)
+        if spec.type == "str":
+            ok = isinstance(value, str)
+        elif spec.type == "int":
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif spec.type == "float":
+            ok = isinstance(value, int | float) and not isinstance(value, bool) and value == value
+        else:  # tuple[str, ...]
+            ok = isinstance(value, tuple) and all(isinstance(item, str) for item in value)
+        if not ok:
+            raise TypeError(f"{spec.name} ({env_name(spec.name)}) must be {spec.type}, got {value!r}")
+
+
+def _at_least(settings: GatewaySettings, name: str, minimum: float, other: str | None = None) -> None:
+    value = getattr(settings, name)
+    if value < minimum:
+        bound = f"{other} ({env_name(other)}) = {minimum}" if other else str(minimum)
+        raise ValueError(f"{name} ({env_name(name)}) is {value}; it must be at least {bound}")

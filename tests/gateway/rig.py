@@ -1,0 +1,184 @@
+"""Gateway test rig: memory transports, a tiny fake worker, a stub lifecycle, and helpers.
+
+The fake worker stands in for batcher + GPU worker: it reads the request bus and answers through
+``store.apply`` with the reversed input, as the real worker answers through the real store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+
+from batchwire.transport.memory import MemoryRequestBus, MemoryTaskStore
+from gateway.service import Gateway
+from gateway.settings import GatewaySettings
+from schemas.records import InferenceRequest, TaskState, TaskStatus
+
+MODELS = ("sim", "echo")
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+async def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
+    """Polls ``condition`` until true; fails the test after ``timeout_s`` rather than hanging."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+class RecordingStore(MemoryTaskStore):
+    """The memory store, counting ``create`` calls so tests can assert nothing was stored."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.created: list[TaskState] = []
+
+    async def create(self, state: TaskState) -> bool:
+        self.created.append(state)
+        return await super().create(state)
+
+
+class FakeWorker:
+    """Answers every request on the bus with ``input[::-1]``; an input starting ``fail:`` fails.
+
+    ``gate`` holds the worker before it touches a fetched batch (clear it to hold, set to release);
+    ``progress`` also writes ``batched`` and ``running``; ``reply=False`` drops the reply address
+    (a reply message lost in transit).
+    """
+
+    def __init__(
+        self, bus: MemoryRequestBus, store: MemoryTaskStore, *, progress: bool = False, reply: bool = True
+    ) -> None:
+        self.consumer = bus.consumer()
+        self.store = store
+        self.progress = progress
+        self.reply = reply
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.seen: list[InferenceRequest] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        async def ignore(_: frozenset[int]) -> None:
+            return None
+
+        await self.consumer.start(ignore, ignore)
+        self._task = asyncio.create_task(self._run())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait({self._task})
+            if not self._task.cancelled() and self._task.exception() is not None:
+                raise AssertionError("fake worker died") from self._task.exception()
+
+    async def _run(self) -> None:
+        while True:
+            records = await self.consumer.fetch(timeout_s=1.0, max_records=512)
+            if not records:
+                continue
+            await self.gate.wait()
+            requests = [record.value for record in records if record.value is not None]
+            self.seen.extend(requests)
+            if self.progress:
+                for status in (TaskStatus.BATCHED, TaskStatus.RUNNING):
+                    await self.store.apply([self._state(r, status, len(requests)) for r in requests])
+            await self.store.apply([self._final(r, len(requests)) for r in requests])
+            offsets: dict[int, int] = {}
+            for record in records:
+                offsets[record.partition] = max(offsets.get(record.partition, 0), record.offset + 1)
+            await self.consumer.commit(offsets)
+
+    def _state(self, request: InferenceRequest, status: TaskStatus, size: int, **extra: Any) -> TaskState:
+        return TaskState(
+            request.task_id,
+            status,
+            request.model,
+            now_ms(),
+            request.enqueued_at_ms,
+            batch_size=size,
+            reply_to=request.reply_to if self.reply else None,
+            **extra,
+        )
+
+    def _final(self, request: InferenceRequest, size: int) -> TaskState:
+        if request.input.startswith("fail:"):
+            return self._state(
+                request, TaskStatus.FAILED, size, error_code="backend_error", error_message="the model raised"
+            )
+        if request.input.startswith("expire:"):
+            return self._state(
+                request, TaskStatus.EXPIRED, size, error_code="deadline_exceeded", error_message="expired in the queue"
+            )
+        return self._state(request, TaskStatus.COMPLETED, size, output=request.input[::-1])
+
+
+@dataclass
+class StubLifecycle:
+    """The composition root's part: records the calls, reports ``parts`` as its readiness."""
+
+    parts: dict[str, bool] = field(default_factory=lambda: {"batcher": True})
+    calls: list[str] = field(default_factory=list)
+    fail_ready: bool = False
+
+    async def start(self) -> None:
+        self.calls.append("lifecycle.start")
+
+    async def close(self) -> None:
+        self.calls.append("lifecycle.close")
+
+    async def ready(self) -> dict[str, bool]:
+        if self.fail_ready:
+            raise RuntimeError("ready check exploded")
+        return dict(self.parts)
+
+
+@dataclass
+class Rig:
+    settings: GatewaySettings
+    bus: MemoryRequestBus
+    store: RecordingStore
+    gateway: Gateway
+    lifecycle: StubLifecycle
+    app: FastAPI
+    client: httpx.AsyncClient
+    workers: list[FakeWorker]
+
+    async def worker(self, **options: Any) -> FakeWorker:
+        worker = FakeWorker(self.bus, self.store, **options)
+        await worker.start()
+        self.workers.append(worker)
+        return worker
+
+    def produced(self) -> int:
+        """How many requests reached the bus so far."""
+        return sum(self.bus.log.end(p) for p in range(self.bus.partitioner.partitions))
+
+
+RigFactory = Callable[..., Awaitable[Rig]]
+
+
+def error_of(response: httpx.Response) -> dict[str, Any]:
+    """The ``error`` object of a JSON error answer, failing clearly if the shape is wrong."""
+    assert response.headers.get("content-type", "").startswith("application/json"), (
+        f"expected a JSON error, got {response.status_code} {response.headers.get('content-type')}: {response.text!r}"
+    )
+    doc = response.json()
+    assert "error" in doc, f"not the error shape: {doc}"
+    assert {"code", "message"} <= set(doc["error"]), f"not the error shape: {doc}"
+    error: dict[str, Any] = doc["error"]
+    return error
+
+
+def statuses(states: Sequence[TaskState]) -> list[str]:
+    return [state.status.value for state in states]

@@ -1,0 +1,122 @@
+"""Every malformed submission gets its own code, and nothing of it reaches the bus or the store."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+
+from tests.gateway.rig import RigFactory, error_of
+
+PATHS = ["/v1/inference", "/v1/tasks"]
+
+CASES: list[tuple[str, bytes, int, str, str]] = [
+    # (case, body, status, code, a word the message must contain)
+    ("malformed json", b'{"input": ', 400, "invalid_json", "JSON"),
+    ("empty body", b"", 400, "invalid_json", "JSON"),
+    ("trailing garbage", b'{"input": "x"} x', 400, "invalid_json", "JSON"),
+    ("lone surrogate escape", b'{"input": "\\ud800"}', 400, "invalid_json", "JSON"),
+    ("invalid utf-8", b'{"input": "\xff\xfe"}', 400, "invalid_utf8", "UTF-8"),
+    ("input is a number", b'{"input": 5}', 422, "validation_error", "input"),
+    ("input is null", b'{"input": null}', 422, "validation_error", "input"),
+    ("input missing", b'{"model": "sim"}', 422, "validation_error", "input"),
+    ("timeout as string", b'{"input": "x", "timeout_ms": "100"}', 422, "validation_error", "timeout_ms"),
+    ("timeout with fraction", b'{"input": "x", "timeout_ms": 1.5}', 422, "validation_error", "timeout_ms"),
+    ("timeout as bool", b'{"input": "x", "timeout_ms": true}', 422, "validation_error", "timeout_ms"),
+    ("model is a list", b'{"input": "x", "model": ["sim"]}', 422, "validation_error", "model"),
+    ("unknown field", b'{"input": "x", "timeout": 5}', 422, "validation_error", "timeout"),
+    ("not an object", b'["x"]', 422, "validation_error", "object"),
+    ("empty input", b'{"input": ""}', 422, "empty_input", "empty"),
+    ("unknown model", b'{"input": "x", "model": "gpt-9"}', 404, "unknown_model", "sim, echo"),
+    ("timeout zero", b'{"input": "x", "timeout_ms": 0}', 422, "timeout_out_of_range", "timeout_ms"),
+    (
+        "timeout too long",
+        b'{"input": "x", "timeout_ms": 30001}',
+        422,
+        "timeout_out_of_range",
+        "BATCHWIRE_MAX_TIMEOUT_MS",
+    ),
+    (
+        "timeout huge",
+        b'{"input": "x", "timeout_ms": 99999999999999999999999}',
+        422,
+        "timeout_out_of_range",
+        "timeout_ms",
+    ),
+    (
+        "input too long",
+        json.dumps({"input": "y" * 70_000}).encode(),
+        413,
+        "input_too_large",
+        "input is 70000 characters; the limit is 65536 (BATCHWIRE_MAX_INPUT_CHARS)",
+    ),
+    (
+        "body too large",
+        json.dumps({"input": "z" * 1_100_000}).encode(),
+        413,
+        "body_too_large",
+        "BATCHWIRE_MAX_BODY_BYTES",
+    ),
+]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("case", "body", "status", "code", "hint"), CASES, ids=[c[0] for c in CASES])
+async def test_bad_body_is_refused_and_nothing_is_produced(
+    make_rig: RigFactory, path: str, case: str, body: bytes, status: int, code: str, hint: str
+) -> None:
+    rig = await make_rig()
+    response = await rig.client.post(path, content=body, headers={"content-type": "application/json"})
+    assert response.status_code == status, f"{case}: expected {status}, got {response.status_code}: {response.text}"
+    error = error_of(response)
+    assert error["code"] == code, f"{case}: {error}"
+    assert hint in error["message"], f"{case}: the message should mention {hint!r}: {error['message']!r}"
+    assert rig.produced() == 0, f"{case}: a refused request was produced to the bus"
+    assert rig.store.created == [], f"{case}: a refused request was stored"
+
+
+@pytest.mark.parametrize("path", PATHS)
+async def test_streamed_body_over_the_limit_is_413_without_content_length(make_rig: RigFactory, path: str) -> None:
+    rig = await make_rig(max_body_bytes=1000)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b'{"input": "'
+        for _ in range(20):
+            yield b"x" * 100
+        yield b'"}'
+
+    response = await rig.client.post(path, content=chunks())
+    assert "content-length" not in response.request.headers, "the test must exercise the streamed check"
+    assert response.status_code == 413, response.text
+    assert error_of(response)["code"] == "body_too_large"
+    assert rig.produced() == 0
+    assert rig.store.created == []
+
+
+async def test_declared_length_over_the_limit_is_413_before_reading(make_rig: RigFactory) -> None:
+    rig = await make_rig(max_body_bytes=1000)
+    response = await rig.client.post("/v1/inference", content=b'{"input": "x"}', headers={"content-length": "5000"})
+    assert response.status_code == 413, response.text
+    assert error_of(response)["code"] == "body_too_large"
+    assert "5000" in error_of(response)["message"]
+    assert rig.produced() == 0
+
+
+async def test_any_content_type_is_read_as_json(make_rig: RigFactory) -> None:
+    """``curl -d`` sends form encoding by default; the body is JSON all the same."""
+    rig = await make_rig()
+    await rig.worker()
+    response = await rig.client.post(
+        "/v1/inference", content=b'{"input": "curl"}', headers={"content-type": "application/x-www-form-urlencoded"}
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["output"] == "lruc"
+
+
+async def test_non_ascii_input_round_trips(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    await rig.worker()
+    response = await rig.client.post("/v1/inference", json={"input": "héllo wörld ✓ 日本"})
+    assert response.status_code == 200, response.text
+    assert response.json()["output"] == "本日 ✓ dlröw olléh"

@@ -1,0 +1,161 @@
+"""POST /v1/inference: answers, deadlines, failed tasks, overload and a sick bus."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from batchwire.transport.base import TransportError
+from schemas.records import InferenceRequest, TaskState
+from tests.gateway.rig import RecordingStore, RigFactory, error_of, wait_until
+
+
+async def test_each_caller_gets_the_reversal_of_its_own_input(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    await rig.worker()
+    inputs = [f"request number {i} / {'x' * (i % 7)}" for i in range(300)]
+    responses = await asyncio.gather(*(rig.client.post("/v1/inference", json={"input": text}) for text in inputs))
+    for text, response in zip(inputs, responses, strict=True):
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["output"] == text[::-1], f"{text!r} got another request's answer: {body}"
+        assert body["model"] == "sim"
+        assert body["batch_size"] >= 1
+        assert body["latency_ms"] >= 0
+    assert len({r.json()["task_id"] for r in responses}) == len(inputs), "task ids must be unique"
+    assert rig.gateway.waiting == 0, "every waiter must be removed"
+    assert rig.gateway.inflight == 0
+
+
+async def test_a_named_model_is_used(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    worker = await rig.worker()
+    response = await rig.client.post("/v1/inference", json={"input": "ab", "model": "echo", "timeout_ms": 5000})
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == "echo"
+    assert worker.seen[0].model == "echo"
+
+
+async def test_no_answer_by_the_deadline_is_a_504_with_the_task_id(make_rig: RigFactory) -> None:
+    rig = await make_rig()  # no worker: nobody answers
+    started = time.monotonic()
+    response = await rig.client.post("/v1/inference", json={"input": "late", "timeout_ms": 100})
+    elapsed = time.monotonic() - started
+    assert response.status_code == 504, response.text
+    error = error_of(response)
+    assert error["code"] == "deadline_exceeded"
+    assert 0.09 <= elapsed < 5, f"expected to give up at about 0.1 s, gave up after {elapsed:.3f} s"
+    task = await rig.client.get(f"/v1/result/{error['task_id']}")
+    assert task.json()["status"] == "queued", "the task was stored and stays pollable"
+    assert rig.gateway.waiting == 0
+    assert rig.gateway.inflight == 0
+
+
+async def test_a_failed_task_answers_502_with_its_own_code(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    await rig.worker()
+    response = await rig.client.post("/v1/inference", json={"input": "fail: please"})
+    assert response.status_code == 502, response.text
+    error = error_of(response)
+    assert error["code"] == "backend_error"
+    assert error["message"] == "the model raised"
+    assert error["task_id"]
+
+
+async def test_an_expired_task_answers_504(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    await rig.worker()
+    response = await rig.client.post("/v1/inference", json={"input": "expire: now"})
+    assert response.status_code == 504, response.text
+    assert error_of(response)["code"] == "deadline_exceeded"
+
+
+async def test_beyond_max_inflight_is_503_with_retry_after(make_rig: RigFactory) -> None:
+    rig = await make_rig(max_inflight=1, retry_after_s=3)
+    worker = await rig.worker()
+    worker.gate.clear()  # hold the first request
+    first = asyncio.create_task(rig.client.post("/v1/inference", json={"input": "first"}))
+    await wait_until(lambda: rig.gateway.inflight == 1, what="the first request to be held")
+    second = await rig.client.post("/v1/inference", json={"input": "second"})
+    third = await rig.client.post("/v1/tasks", json={"input": "third"})
+    worker.gate.set()
+    assert (await asyncio.wait_for(first, 10)).status_code == 200
+    for refused in (second, third):
+        assert refused.status_code == 503, refused.text
+        assert error_of(refused)["code"] == "overloaded"
+        assert refused.headers["retry-after"] == "3"
+    assert [r.input for r in worker.seen] == ["first"], "a refused request must not be produced"
+
+
+class DownProducer:
+    async def start(self) -> None: ...
+    async def close(self) -> None: ...
+    async def ready(self) -> bool:
+        return False
+
+    async def send(self, request: InferenceRequest) -> None:
+        raise TransportError("broker unreachable")
+
+
+async def test_a_down_bus_is_503_unavailable_and_the_task_is_marked_failed(make_rig: RigFactory) -> None:
+    rig = await make_rig(producer=DownProducer())
+    for path in ("/v1/inference", "/v1/tasks"):
+        response = await rig.client.post(path, json={"input": "x"})
+        assert response.status_code == 503, response.text
+        error = error_of(response)
+        assert error["code"] == "unavailable"
+        assert "broker unreachable" in error["message"]
+        assert response.headers["retry-after"] == "1"
+        task = (await rig.client.get(f"/v1/result/{error['task_id']}")).json()
+        assert task["status"] == "failed", "a task that never reached the bus must not stay queued"
+        assert task["error"]["code"] == "unavailable"
+    assert rig.gateway.waiting == 0
+    assert rig.gateway.inflight == 0
+
+
+async def test_requests_before_start_are_503_not_ready(make_rig: RigFactory) -> None:
+    rig = await make_rig(start=False)
+    response = await rig.client.post("/v1/inference", json={"input": "too early"})
+    assert response.status_code == 503, response.text
+    assert error_of(response)["code"] == "not_ready"
+    assert rig.produced() == 0
+    assert rig.store.created == []
+
+
+class StuckProducer:
+    """A bus that never acknowledges (a broker partition without a leader)."""
+
+    async def start(self) -> None: ...
+    async def close(self) -> None: ...
+    async def ready(self) -> bool:
+        return True
+
+    async def send(self, request: InferenceRequest) -> None:
+        await asyncio.Event().wait()
+
+
+async def test_a_stuck_bus_is_bounded_by_the_request_timeout(make_rig: RigFactory) -> None:
+    rig = await make_rig(producer=StuckProducer())
+    sync = await rig.client.post("/v1/inference", json={"input": "x", "timeout_ms": 50})
+    assert sync.status_code == 504, sync.text
+    assert error_of(sync)["code"] == "deadline_exceeded"
+    queued = await rig.client.post("/v1/tasks", json={"input": "x", "timeout_ms": 50})
+    assert queued.status_code == 503, queued.text
+    assert error_of(queued)["code"] == "unavailable"
+    assert rig.gateway.inflight == 0
+    assert rig.gateway.waiting == 0
+
+
+class DownStore(RecordingStore):
+    async def create(self, state: TaskState) -> bool:
+        raise ConnectionRefusedError("redis refused the connection")
+
+
+async def test_a_down_store_is_503_and_nothing_is_produced(make_rig: RigFactory) -> None:
+    rig = await make_rig(store=DownStore())
+    response = await rig.client.post("/v1/inference", json={"input": "x"})
+    assert response.status_code == 503, response.text
+    error = error_of(response)
+    assert error["code"] == "unavailable"
+    assert "redis refused" in error["message"]
+    assert rig.produced() == 0, "a request whose task could not be stored must not reach the bus"

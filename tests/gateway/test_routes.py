@@ -1,0 +1,151 @@
+"""Health, readiness, metrics, OpenAPI, unknown routes, unexpected errors, and the lifespan order."""
+
+from __future__ import annotations
+
+import logging
+from typing import get_args
+
+import httpx
+import pytest
+
+from batchwire.routing import Partitioner
+from batchwire.transport.memory import MemoryRequestBus, MemoryTaskStore
+from gateway.app import create_app
+from gateway.models import StatusName
+from gateway.service import Gateway
+from gateway.settings import GatewaySettings
+from schemas.records import TaskState, TaskStatus
+from tests.gateway.rig import RecordingStore, RigFactory, StubLifecycle, error_of
+
+
+async def test_healthz_is_ok(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    response = await rig.client.get("/healthz")
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok"}
+
+
+async def test_readyz_is_200_when_every_part_is_ready(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    response = await rig.client.get("/readyz")
+    assert response.status_code == 200, response.text
+    assert response.json() == {
+        "status": "ready",
+        "checks": {"batcher": True, "bus": True, "store": True, "gateway": True},
+    }
+
+
+async def test_readyz_names_the_part_that_is_down(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    rig.lifecycle.parts["batcher"] = False
+    await rig.store.close()  # the memory store reports not ready once closed
+    response = await rig.client.get("/readyz")
+    assert response.status_code == 503, response.text
+    assert error_of(response)["code"] == "not_ready"
+    assert error_of(response)["message"] == "not ready: batcher, store"
+    assert response.json()["checks"]["bus"] is True
+    assert response.headers["retry-after"] == "1"
+
+
+async def test_readyz_counts_a_failing_lifecycle_check_as_down(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    rig.lifecycle.fail_ready = True
+    response = await rig.client.get("/readyz")
+    assert response.status_code == 503
+    assert response.json()["checks"]["lifecycle"] is False
+
+
+async def test_readyz_is_503_before_the_gateway_starts(make_rig: RigFactory) -> None:
+    rig = await make_rig(start=False)
+    response = await rig.client.get("/readyz")
+    assert response.status_code == 503
+    assert response.json()["checks"]["gateway"] is False
+
+
+async def test_metrics_count_requests_by_route_template(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    await rig.client.get("/v1/result/NoSuchTaskForMetrics")
+    await rig.client.get("/no/such/route")
+    response = await rig.client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    text = response.text
+    assert "batchwire_requests_total" in text
+    assert 'route="/v1/result/{task_id}",status="404"' in text, "requests are labelled by template, not path"
+    assert 'route="unmatched",status="404"' in text
+    assert "NoSuchTaskForMetrics" not in text
+
+
+async def test_unknown_route_and_wrong_method_use_the_error_shape(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    missing = await rig.client.get("/v2/nothing")
+    assert missing.status_code == 404
+    assert error_of(missing)["code"] == "not_found"
+    wrong = await rig.client.delete("/v1/inference")
+    assert wrong.status_code == 405
+    assert error_of(wrong)["code"] == "method_not_allowed"
+    assert wrong.headers["allow"] == "POST"
+
+
+class ExplodingStore(MemoryTaskStore):
+    async def get(self, task_id: str) -> TaskState | None:
+        raise ZeroDivisionError("a bug")
+
+
+async def test_an_unexpected_exception_is_a_logged_json_500(
+    make_rig: RigFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    rig = await make_rig(store=ExplodingStore())
+    response = await rig.client.get("/v1/result/AnyTask")
+    assert response.status_code == 500
+    assert error_of(response)["code"] == "internal_error"
+    assert "a bug" not in response.text, "internals must not leak to clients"
+    assert any(r.levelno == logging.ERROR and r.exc_info for r in caplog.records), "the traceback must be logged"
+
+
+async def test_openapi_documents_every_route_and_its_errors(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    spec = (await rig.client.get("/openapi.json")).json()
+    paths = spec["paths"]
+    assert {"post"} <= set(paths["/v1/inference"])
+    assert {"post"} <= set(paths["/v1/tasks"])
+    for path in ("/v1/result/{task_id}", "/v1/result/{task_id}/events", "/healthz", "/readyz", "/metrics"):
+        assert "get" in paths[path], f"{path} missing from OpenAPI"
+    inference = paths["/v1/inference"]["post"]
+    assert {"200", "400", "404", "413", "422", "502", "503", "504"} <= set(inference["responses"])
+    assert inference["requestBody"]["content"]["application/json"]["schema"]["required"] == ["input"]
+    assert "deadline_exceeded" in inference["responses"]["504"]["content"]["application/json"]["examples"]
+    assert "202" in paths["/v1/tasks"]["post"]["responses"]
+    assert "text/event-stream" in paths["/v1/result/{task_id}/events"]["get"]["responses"]["200"]["content"]
+
+
+def test_the_status_names_in_the_api_are_the_task_statuses() -> None:
+    assert set(get_args(StatusName)) == {status.value for status in TaskStatus}
+
+
+async def test_lifespan_starts_lifecycle_first_and_closes_it_last() -> None:
+    calls: list[str] = []
+
+    class Recording(StubLifecycle):
+        async def start(self) -> None:
+            calls.append("lifecycle.start")
+
+        async def close(self) -> None:
+            calls.append("lifecycle.close")
+
+    class RecordingGateway(Gateway):
+        async def start(self) -> None:
+            calls.append("gateway.start")
+            await super().start()
+
+        async def close(self) -> None:
+            calls.append("gateway.close")
+            await super().close()
+
+    store = RecordingStore()
+    gateway = RecordingGateway(GatewaySettings(), MemoryRequestBus(Partitioner(("sim",), 1)).producer(), store)
+    app = create_app(gateway, Recording())
+    transport = httpx.ASGITransport(app=app)
+    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+        assert (await client.get("/readyz")).status_code == 200
+    assert calls == ["lifecycle.start", "gateway.start", "gateway.close", "lifecycle.close"]

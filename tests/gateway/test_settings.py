@@ -1,0 +1,68 @@
+"""GatewaySettings: defaults that work, and refusals that name the setting and its variable."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from gateway.settings import GatewaySettings, env_name
+
+
+def test_defaults_are_valid_and_ids_are_unique_per_instance() -> None:
+    first, second = GatewaySettings(), GatewaySettings()
+    assert first.models == ("sim",)
+    assert first.default_model == "sim"
+    assert first.max_timeout_ms >= first.default_timeout_ms >= first.min_timeout_ms
+    assert re.fullmatch(r"gw-[0-9a-f]{8}", first.gateway_id), first.gateway_id
+    assert first.gateway_id != second.gateway_id
+
+
+def test_env_name_is_the_prefixed_upper_case_field() -> None:
+    assert env_name("max_input_chars") == "BATCHWIRE_MAX_INPUT_CHARS"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"default_model": "gpt"}, "BATCHWIRE_DEFAULT_MODEL"),
+        ({"models": ()}, "BATCHWIRE_MODELS"),
+        ({"models": ("sim", "sim")}, "BATCHWIRE_MODELS"),
+        ({"models": ("sim", "bad name")}, "BATCHWIRE_MODELS"),
+        ({"default_timeout_ms": 40_000}, "BATCHWIRE_MAX_TIMEOUT_MS"),
+        ({"min_timeout_ms": 0}, "BATCHWIRE_MIN_TIMEOUT_MS"),
+        ({"min_timeout_ms": 50_000}, "BATCHWIRE_DEFAULT_TIMEOUT_MS"),
+        ({"port": 70_000}, "BATCHWIRE_PORT"),
+        ({"gateway_id": "has:colon"}, "BATCHWIRE_GATEWAY_ID"),
+        ({"max_input_chars": 0}, "BATCHWIRE_MAX_INPUT_CHARS"),
+        ({"max_body_bytes": 10}, "BATCHWIRE_MAX_BODY_BYTES"),
+        ({"max_inflight": 0}, "BATCHWIRE_MAX_INFLIGHT"),
+        ({"max_wait_s": -1.0}, "BATCHWIRE_MAX_WAIT_S"),
+        ({"sse_ping_s": 0.0}, "BATCHWIRE_SSE_PING_S"),
+        ({"reply_recheck_s": float("inf")}, "BATCHWIRE_REPLY_RECHECK_S"),
+    ],
+)
+def test_invalid_values_are_refused_naming_the_variable(overrides: dict[str, Any], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        GatewaySettings(**overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"port": "8000"}, "BATCHWIRE_PORT"),
+        ({"max_inflight": True}, "BATCHWIRE_MAX_INFLIGHT"),
+        ({"models": ["sim"]}, "BATCHWIRE_MODELS"),
+        ({"max_wait_s": float("nan")}, "BATCHWIRE_MAX_WAIT_S"),
+    ],
+)
+def test_unconverted_values_are_refused_naming_the_variable(overrides: dict[str, Any], named: str) -> None:
+    with pytest.raises(TypeError, match=named):
+        GatewaySettings(**overrides)
+
+
+def test_settings_are_frozen() -> None:
+    settings = GatewaySettings()
+    with pytest.raises(AttributeError):
+        settings.port = 1  # type: ignore[misc]

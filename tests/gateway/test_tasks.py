@@ -1,0 +1,119 @@
+"""POST /v1/tasks and GET /v1/result/{task_id}: submit, poll, long-poll."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tests.gateway.rig import RigFactory, error_of, wait_until
+
+
+async def test_submit_answers_202_with_where_to_look(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    response = await rig.client.post("/v1/tasks", json={"input": "later"})
+    assert response.status_code == 202, response.text
+    body = response.json()
+    task_id = body["task_id"]
+    assert body == {
+        "task_id": task_id,
+        "status": "queued",
+        "result_url": f"/v1/result/{task_id}",
+        "events_url": f"/v1/result/{task_id}/events",
+    }
+    assert response.headers["location"] == body["result_url"]
+    assert rig.produced() == 1
+    polled = await rig.client.get(body["result_url"])
+    assert polled.status_code == 200
+    assert polled.json() == {"task_id": task_id, "status": "queued", "model": "sim"}
+
+
+async def test_poll_after_completion_has_the_output(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    await rig.worker()
+    task_id = (await rig.client.post("/v1/tasks", json={"input": "abc"})).json()["task_id"]
+    done = await rig.client.get(f"/v1/result/{task_id}", params={"wait": 10})
+    assert done.json() == {"task_id": task_id, "status": "completed", "model": "sim", "output": "cba", "batch_size": 1}
+
+
+async def test_long_poll_wakes_on_completion_well_before_the_wait(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    worker = await rig.worker()
+    worker.gate.clear()
+    task_id = (await rig.client.post("/v1/tasks", json={"input": "wake me"})).json()["task_id"]
+    started = time.monotonic()
+    poll = asyncio.create_task(rig.client.get(f"/v1/result/{task_id}", params={"wait": 30}))
+    await wait_until(lambda: rig.gateway.watchers == 1, what="the long-poll to be waiting")
+    assert not poll.done(), "a long-poll must wait while the task is queued"
+    worker.gate.set()
+    response = await asyncio.wait_for(poll, 10)
+    elapsed = time.monotonic() - started
+    assert response.json()["status"] == "completed", response.text
+    assert response.json()["output"] == "em ekaw"
+    assert elapsed < 10, f"the long-poll returned after {elapsed:.1f} s; it should wake on completion"
+    assert rig.gateway.watchers == 0
+
+
+async def test_long_poll_that_runs_out_returns_the_latest_state(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    task_id = (await rig.client.post("/v1/tasks", json={"input": "nobody works"})).json()["task_id"]
+    started = time.monotonic()
+    response = await rig.client.get(f"/v1/result/{task_id}", params={"wait": 0.2})
+    elapsed = time.monotonic() - started
+    assert response.status_code == 200
+    assert response.json()["status"] == "queued"
+    assert 0.19 <= elapsed < 5, f"expected to wait about 0.2 s, waited {elapsed:.3f} s"
+
+
+async def test_failed_task_shows_its_error(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    await rig.worker()
+    task_id = (await rig.client.post("/v1/tasks", json={"input": "fail: now"})).json()["task_id"]
+    body = (await rig.client.get(f"/v1/result/{task_id}", params={"wait": 10})).json()
+    assert body["status"] == "failed"
+    assert body["error"] == {"code": "backend_error", "message": "the model raised"}
+
+
+async def test_unknown_task_is_404(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    for wait in (0, 0.5):
+        response = await rig.client.get("/v1/result/NoSuchTask123", params={"wait": wait})
+        assert response.status_code == 404, response.text
+        assert error_of(response)["code"] == "task_not_found"
+
+
+@pytest.mark.parametrize("task_id", ["bad!id", "x" * 129, "a%3Ab"])
+async def test_malformed_task_id_is_400(make_rig: RigFactory, task_id: str) -> None:
+    rig = await make_rig()
+    response = await rig.client.get(f"/v1/result/{task_id}")
+    assert response.status_code == 400, response.text
+    assert error_of(response)["code"] == "invalid_task_id"
+
+
+@pytest.mark.parametrize("wait", ["-1", "abc", "nan", "inf", "61"])
+async def test_bad_wait_is_422(make_rig: RigFactory, wait: str) -> None:
+    rig = await make_rig()
+    task_id = (await rig.client.post("/v1/tasks", json={"input": "x"})).json()["task_id"]
+    response = await rig.client.get(f"/v1/result/{task_id}?wait={wait}")
+    assert response.status_code == 422, response.text
+    error = error_of(response)
+    assert error["code"] == "validation_error"
+    assert "wait" in error["message"]
+
+
+async def test_beyond_max_watchers_is_503_overloaded(make_rig: RigFactory) -> None:
+    rig = await make_rig(max_watchers=1)
+    task_id = (await rig.client.post("/v1/tasks", json={"input": "x"})).json()["task_id"]
+    first = asyncio.create_task(rig.client.get(f"/v1/result/{task_id}", params={"wait": 30}))
+    await wait_until(lambda: rig.gateway.watchers == 1, what="the first long-poll to wait")
+    second = await rig.client.get(f"/v1/result/{task_id}", params={"wait": 30})
+    stream = await rig.client.get(f"/v1/result/{task_id}/events")
+    plain = await rig.client.get(f"/v1/result/{task_id}")
+    await rig.worker()
+    assert (await asyncio.wait_for(first, 10)).json()["status"] == "completed"
+    for refused in (second, stream):
+        assert refused.status_code == 503, refused.text
+        assert error_of(refused)["code"] == "overloaded"
+        assert "BATCHWIRE_MAX_WATCHERS" in error_of(refused)["message"]
+    assert plain.status_code == 200, "a plain poll holds nothing open and is never refused"
