@@ -15,7 +15,7 @@ from infra.stack import LocalStack
 def local_stack() -> Iterator[LocalStack]:
     forced = os.environ.get(FORCE_ENV, "local").strip().lower() or "local"
     if forced != "local":
-        # The run asked for other infrastructure; don't fail for lack of java or redis-server.
-        pytest.skip(f"{FORCE_ENV}={forced}: the local stack is not used in this run")
+        # Nothing is skipped: a run that cannot start the local stack reports these tests as failed.
+        pytest.fail(f"{FORCE_ENV}={forced}: the infra tests need the local stack (java and redis-server)")
     with LocalStack() as stack:
         yield stack
