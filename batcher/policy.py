@@ -173,8 +173,12 @@ class BatchFormer(Generic[Item]):
             return False
         return bool(queue.sealed) or (self.policy.flush_on_idle_worker and bool(queue.pending))
 
-    def take(self, model: str) -> Taken[Item]:
-        """The batch for one credit: the oldest sealed batch, else (work-conserving) all pending."""
+    def take(self, model: str, limit: int = 0) -> Taken[Item]:
+        """The batch for one credit: the oldest sealed batch, else (work-conserving) all pending.
+
+        ``limit`` (the claiming worker's own max batch, 0 for none) cuts a larger batch; the rest
+        stays at the head of the line for the next credit.
+        """
         queue = self._models.get(model)
         now = self.clock()
         if queue is None:
@@ -186,6 +190,9 @@ class BatchFormer(Generic[Item]):
             sealed = queue.sealed.popleft()
         else:
             return Taken([], None, now)
+        if 0 < limit < len(sealed.items):
+            queue.sealed.appendleft(Sealed(sealed.items[limit:], sealed.reason, sealed.sealed_s))
+            sealed = Sealed(sealed.items[:limit], sealed.reason, sealed.sealed_s)
         live = [p for p in sealed.items if p.deadline_s > now]
         expired = [p for p in sealed.items if p.deadline_s <= now] if len(live) != len(sealed.items) else []
         return Taken(live, sealed.reason, sealed.sealed_s, expired)

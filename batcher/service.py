@@ -193,7 +193,7 @@ class Batcher:
 
     async def _send(self, model: str, credit: Credit) -> None:
         async with self._handover:
-            taken = self.former.take(model)
+            taken = self.former.take(model, credit.max_batch)
             if taken.expired:
                 await self._expire(taken.expired)
             if not taken.items:

@@ -19,6 +19,15 @@ def _models(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
+def _bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def _add(
     parser: argparse.ArgumentParser,
     flag: str,
@@ -72,7 +81,10 @@ def _worker_opts(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--sim-latency-ms", 100.0, float, "sim backend: latency of one call, whatever the batch size")
     _add(parser, "--model-path", None, str, "hf backend: local directory of the checkpoint (nothing is downloaded)")
     _add(parser, "--hf-task", "generate", str, "hf backend: generate or embed")
-    _add(parser, "--max-new-tokens", 32, int, "hf backend: tokens generated per input")
+    _add(parser, "--hf-max-new-tokens", 32, int, "hf backend: tokens generated per input")
+    _add(parser, "--hf-max-input-tokens", None, int, "hf backend: longest input in tokens (default: the model's)")
+    _add(parser, "--hf-truncate", False, _bool, "hf backend: truncate long inputs instead of rejecting them")
+    _add(parser, "--hf-num-threads", None, int, "hf backend on CPU: torch threads (default: cores - 1)")
     _add(parser, "--device", "auto", str, "hf backend: auto, cpu, cuda or cuda:N")
     _add(parser, "--dtype", "auto", str, "hf backend: auto, float32, float16 or bfloat16")
     _add(parser, "--batch-log", None, str, "append one JSON line per batch run to this file (audits, tests)")
@@ -107,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     _worker_opts(worker)
     _add(worker, "--model", None, str, "the model this worker serves (first of --models)")
     _add(worker, "--worker-id", None, str, "unique id of this worker (random when unset)")
-    _add(worker, "--max-batch", 100, int, "largest batch this worker's backend takes")
+    _add(worker, "--max-batch", None, int, "largest batch this worker's backend takes (sim: 100, hf: 32)")
     _add(worker, "--metrics-port", 0, int, "serve Prometheus /metrics on this port (0: off)")
 
     stack = sub.add_parser("stack", help="start or stop a local Kafka broker and Redis server in the background")

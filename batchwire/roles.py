@@ -76,10 +76,13 @@ def backend_settings(args: argparse.Namespace) -> Any:
     return BackendSettings(
         backend=args.backend,
         sim_latency_ms=args.sim_latency_ms,
-        max_batch=args.max_batch if args.max_batch is not None else 100,
+        max_batch=args.max_batch,
         model_path=args.model_path,
         hf_task=args.hf_task,
-        max_new_tokens=args.max_new_tokens,
+        hf_max_new_tokens=args.hf_max_new_tokens,
+        hf_max_input_tokens=args.hf_max_input_tokens,
+        hf_truncate=args.hf_truncate,
+        hf_num_threads=args.hf_num_threads,
         device=args.device,
         dtype=args.dtype,
     )

@@ -145,6 +145,7 @@ class Worker:
             seq=self._seq,
             issued_at_ms=now,
             expires_at_ms=now + int(self.settings.credit_ttl_s * 1000),
+            max_batch=self.backend.max_batch,
         )
         try:
             await self.credits.offer(credit)

@@ -84,6 +84,8 @@ class Credit:
     seq: int
     issued_at_ms: int
     expires_at_ms: int
+    max_batch: int = 0
+    """Largest batch the worker's backend takes; 0 when it sets no limit of its own."""
 
     @property
     def ref(self) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from gpu_worker.backends.base import Backend
@@ -16,32 +17,42 @@ class BackendConfigError(ValueError):
 class BackendSettings:
     backend: str = "sim"
     sim_latency_ms: float = 100.0
-    max_batch: int = 100
+    max_batch: int | None = None
+    """None: the backend's own default (sim: 100, hf: 32)."""
     model_path: str | None = None
     hf_task: str = "generate"
-    max_new_tokens: int = 32
+    hf_max_new_tokens: int = 32
+    hf_max_input_tokens: int | None = None
+    hf_truncate: bool = False
+    hf_num_threads: int | None = None
     device: str = "auto"
     dtype: str = "auto"
 
 
 def make_backend(settings: BackendSettings, model: str) -> Backend:
     if settings.backend == "sim":
-        return SimBackend(latency_ms=settings.sim_latency_ms, max_batch=settings.max_batch)
+        return SimBackend(latency_ms=settings.sim_latency_ms, max_batch=settings.max_batch or 100)
     if settings.backend == "hf":
         if not settings.model_path:
             raise BackendConfigError(
                 "the hf backend needs --model-path (BATCHWIRE_MODEL_PATH): a local directory with the "
                 "checkpoint saved by save_pretrained; nothing is downloaded at run time"
             )
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # one log line per load, not a bar
         from gpu_worker.backends.hf import HFBackend
 
+        if settings.hf_task not in ("generate", "embed"):
+            raise BackendConfigError(f"--hf-task is {settings.hf_task!r}; use generate or embed (BATCHWIRE_HF_TASK)")
         return HFBackend(
             settings.model_path,
-            task=settings.hf_task,  # type: ignore[arg-type]  # validated by HFBackend
-            max_batch=settings.max_batch,
-            max_new_tokens=settings.max_new_tokens,
+            task="embed" if settings.hf_task == "embed" else "generate",
+            max_batch=settings.max_batch or 32,
+            max_new_tokens=settings.hf_max_new_tokens,
+            max_input_tokens=settings.hf_max_input_tokens,
+            truncate=settings.hf_truncate,
+            num_threads=settings.hf_num_threads,
             device=settings.device,
             dtype=settings.dtype,
-            name=model,
+            model=model,
         )
     raise BackendConfigError(f"unknown backend {settings.backend!r}: use sim or hf (--backend / BATCHWIRE_BACKEND)")

@@ -142,3 +142,14 @@ def test_policy_settings_are_validated() -> None:
         FlushPolicy.work_conserving(max_batch=0)
     assert FlushPolicy.named("classic").max_batch == 32
     assert FlushPolicy.named("work-conserving", max_batch=10).max_batch == 10
+
+
+def test_a_worker_with_a_smaller_max_batch_gets_a_cut_batch_and_the_rest_waits(clock: FakeClock) -> None:
+    former: BatchFormer[str] = BatchFormer(FlushPolicy.work_conserving(max_batch=100), clock)
+    for n in range(50):
+        former.add("m", item(clock, n))
+    small = former.take("m", limit=32)
+    assert [p.item for p in small.items] == [f"r{n}" for n in range(32)]
+    assert former.ready("m")
+    rest = former.take("m")
+    assert [p.item for p in rest.items] == [f"r{n}" for n in range(32, 50)], "the remainder keeps its order"

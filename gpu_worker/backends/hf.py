@@ -1,0 +1,263 @@
+"""Hugging Face transformers backend: greedy generation or sentence embeddings, one batch per call.
+
+Inputs are padded into one tensor batch with attention masks (left padding for decoder-only
+models, so each prompt ends where its answer starts), decoded greedily, and only the new tokens
+come back: batched output equals one-by-one output (exactly, in float32; in half precision
+kernels may round differently for different batch shapes).
+
+Inputs longer than ``max_input_tokens`` are per-request errors (``input_too_long``) reported by
+``input_errors``, not silently truncated: a cut prompt gives a confident answer to a question
+nobody asked. ``truncate=True`` chooses truncation instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol, cast
+
+import torch
+from transformers import GenerationConfig
+
+from gpu_worker.backends.base import BackendError, BatchSizeError, InputError
+from gpu_worker.backends.hf_embed import mean_pool, to_json
+from gpu_worker.backends.hf_load import DTYPES, TASKS, LoadedModel, Task, load_model_dir, resolve_device, resolve_dtype
+from gpu_worker.backends.sim import ReentryError
+
+log = logging.getLogger(__name__)
+
+WARMUP_PROMPT = "Hello, how are you?"
+MAX_INPUT_TOKENS_SETTING = "BATCHWIRE_HF_MAX_INPUT_TOKENS"
+
+
+class _Generates(Protocol):
+    """What ``_run`` uses of a generative model: ``GenerationMixin.generate`` without dict outputs."""
+
+    def generate(
+        self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor, generation_config: GenerationConfig | None
+    ) -> torch.Tensor: ...
+
+
+def batch_bucket(size: int) -> int:
+    """The power of two at or above ``size``: latency is recorded per bucket, not per exact size."""
+    return 1 << (size - 1).bit_length()
+
+
+class HFBackend:
+    """A local Hugging Face model behind ``batchstring``.
+
+    ``task="generate"``: greedy continuation (decoder-only) or output (encoder-decoder), at most
+    ``max_new_tokens`` tokens, special tokens dropped. ``task="embed"``: one JSON float array per
+    input (mean-pooled, unit length). ``name`` is what the worker reports as the ``backend`` label;
+    ``model`` labels the latency gauge (the worker's model name; default: the directory name).
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        task: Task = "generate",
+        max_batch: int = 32,
+        max_new_tokens: int = 32,
+        max_input_tokens: int | None = None,
+        truncate: bool = False,
+        device: str = "auto",
+        dtype: str = "auto",
+        num_threads: int | None = None,
+        warmup: bool = True,
+        name: str | None = None,
+        model: str | None = None,
+    ) -> None:
+        if task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+        if max_batch < 1:
+            raise ValueError("max_batch must be at least 1")
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        if max_input_tokens is not None and max_input_tokens < 1:
+            raise ValueError("max_input_tokens must be at least 1")
+        if dtype != "auto" and dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r}")
+        if num_threads is not None and num_threads < 1:
+            raise ValueError("num_threads must be at least 1")
+        self.model_path = Path(model_path).expanduser()
+        self.task: Task = task
+        self.max_batch = max_batch
+        self.max_new_tokens = max_new_tokens
+        self.truncate = truncate
+        self.device = device
+        self.dtype = dtype
+        self.num_threads = num_threads
+        self.warmup = warmup
+        self.name = name or "hf"
+        self.model = model or self.model_path.name
+        self._asked_max_input_tokens = max_input_tokens
+        self.latency_by_batch_s: dict[int, float] = {}
+        """Latest measured ``batchstring`` latency by batch-size bucket (see ``batch_bucket``)."""
+        self.load_s: float | None = None
+        self._loaded: LoadedModel | None = None
+        self._busy = threading.Lock()
+        self._counting = threading.Lock()
+
+    @property
+    def loaded(self) -> LoadedModel | None:
+        """Model, tokenizers, device and limits once loaded (None before ``load`` and after ``close``)."""
+        return self._loaded
+
+    @property
+    def max_input_tokens(self) -> int:
+        """The longest input accepted, in tokens with special tokens; known once loaded."""
+        return self._require_loaded().max_input_tokens
+
+    # lifecycle -------------------------------------------------------------------------------
+    def load(self) -> None:
+        """Loads from the local directory only, then runs a warm-up batch of 1 and of ``max_batch``
+        so that CUDA kernels, allocator pools and lazy inits are paid for before the first user."""
+        start = time.perf_counter()
+        torch_device = resolve_device(self.device)
+        torch_dtype = resolve_dtype(self.dtype, torch_device)
+        threads = self.num_threads or _default_threads(torch_device)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self._loaded = load_model_dir(
+            self.model_path,
+            task=self.task,
+            device=torch_device,
+            dtype=torch_dtype,
+            max_new_tokens=self.max_new_tokens,
+            max_input_tokens=self._asked_max_input_tokens,
+            truncate=self.truncate,
+        )
+        self.load_s = time.perf_counter() - start
+        log.info(
+            "hf backend: %s loaded for %s on %s as %s in %.2f s (max %d input tokens, %d torch threads)",
+            self.model_path,
+            self.task,
+            torch_device,
+            str(torch_dtype).removeprefix("torch."),
+            self.load_s,
+            self._loaded.max_input_tokens,
+            torch.get_num_threads(),
+        )
+        if self.warmup:
+            for size in sorted({1, self.max_batch}):
+                self.batchstring([WARMUP_PROMPT] * size)
+            log.info("hf backend: warm-up latency by batch size %s", self.latency_by_batch_s)
+
+    def close(self) -> None:
+        """Drops the model; a call still running keeps its own reference until it returns."""
+        loaded, self._loaded = self._loaded, None
+        if loaded is not None and loaded.device.type == "cuda":
+            del loaded
+            torch.cuda.empty_cache()
+
+    # the contract ----------------------------------------------------------------------------
+    def input_errors(self, inputs: Sequence[str]) -> dict[int, InputError]:
+        """``input_too_long`` for inputs over ``max_input_tokens`` (unless truncating) and
+        ``input_empty`` for inputs with no tokens at all (a decoder has nothing to continue).
+
+        Safe to call from another thread while ``batchstring`` runs: it counts with its own
+        tokenizer instance.
+        """
+        loaded = self._require_loaded()
+        if not inputs:
+            return {}
+        with self._counting:
+            counts = [
+                len(ids)
+                for ids in loaded.counter(
+                    list(inputs), add_special_tokens=True, padding=False, truncation=False, verbose=False
+                )["input_ids"]
+            ]
+        return {
+            index: error
+            for index, count in enumerate(counts)
+            if (error := self._length_error(index, count, loaded.max_input_tokens)) is not None
+        }
+
+    def batchstring(self, inputs: list[str]) -> list[str]:
+        """One output per input, in order: generated text, or a JSON embedding for ``embed``."""
+        if not inputs or len(inputs) > self.max_batch:
+            raise BatchSizeError(f"batchstring takes 1 to {self.max_batch} inputs, got {len(inputs)}")
+        if not self._busy.acquire(blocking=False):
+            raise ReentryError("batchstring entered twice at once: a GPU runs one call at a time")
+        try:
+            loaded = self._require_loaded()
+            start = time.perf_counter()
+            outputs = self._run(loaded, inputs)
+            self._record_latency(len(inputs), time.perf_counter() - start)
+            return outputs
+        finally:
+            self._busy.release()
+
+    # batches ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _run(self, loaded: LoadedModel, inputs: list[str]) -> list[str]:
+        encoded = loaded.tokenizer(
+            inputs,
+            padding=True,
+            truncation=self.truncate,
+            max_length=loaded.max_input_tokens if self.truncate else None,
+            return_tensors="pt",
+            return_attention_mask=True,
+            verbose=False,
+        )
+        input_ids = cast(torch.Tensor, encoded["input_ids"])
+        attention_mask = cast(torch.Tensor, encoded["attention_mask"])
+        # input_errors is the place to catch these; checking again costs nothing and keeps a
+        # worker that skipped it from crashing the model (or a CUDA context) on a bad index.
+        for index, count in enumerate(attention_mask.sum(dim=1).tolist()):
+            error = self._length_error(index, int(count), loaded.max_input_tokens)
+            if error is not None:
+                raise error
+        input_ids = input_ids.to(loaded.device)
+        attention_mask = attention_mask.to(loaded.device)
+        if self.task == "embed":
+            hidden = loaded.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            return to_json(mean_pool(cast(torch.Tensor, hidden), attention_mask))
+        generated = cast(_Generates, loaded.model).generate(
+            input_ids=input_ids, attention_mask=attention_mask, generation_config=loaded.generation_config
+        )
+        if not loaded.is_encoder_decoder:
+            # Left padding lines every prompt up to end at the same column: the rest is new.
+            generated = generated[:, input_ids.shape[1] :]
+        return loaded.tokenizer.batch_decode(generated.tolist(), skip_special_tokens=True)
+
+    def _length_error(self, index: int, count: int, limit: int) -> InputError | None:
+        if count == 0:
+            return InputError(index, "input_empty", "input has no tokens; the model needs at least one")
+        if count > limit and not self.truncate:
+            return InputError(
+                index,
+                "input_too_long",
+                f"input is {count} tokens; the model accepts at most {limit} ({MAX_INPUT_TOKENS_SETTING})",
+            )
+        return None
+
+    def _record_latency(self, size: int, seconds: float) -> None:
+        bucket = batch_bucket(size)
+        self.latency_by_batch_s[bucket] = seconds
+        try:
+            from batchwire.metrics import BACKEND_BATCH_LATENCY
+        except ImportError:  # the backend used on its own, without batchwire's metrics
+            return
+        BACKEND_BATCH_LATENCY.labels(model=self.model, backend=self.name, batch_size=str(bucket)).set(seconds)
+
+    def _require_loaded(self) -> LoadedModel:
+        loaded = self._loaded
+        if loaded is None:
+            raise BackendError(f"the hf backend for {self.model_path} is not loaded (call load(); or it was closed)")
+        return loaded
+
+
+def _default_threads(device: torch.device) -> int | None:
+    """On CPU, all cores but one: the worker's event loop keeps a core for heartbeats and Kafka
+    while the model computes. On a GPU torch's default stands (its CPU threads mostly wait)."""
+    if device.type != "cpu":
+        return None
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cpus - 1)

@@ -1,0 +1,33 @@
+"""Sentence embeddings from a token encoder: attention-mask-weighted mean, L2-normalized, as JSON.
+
+This is the pooling all-MiniLM-L6-v2 and most sentence-transformers models were trained with
+(``1_Pooling/config.json``: ``pooling_mode_mean_tokens``), so the vectors match theirs.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+DECIMALS = 6
+"""Rounding of each component. float32 holds about 7 significant digits anyway; a cosine of two
+rounded unit vectors moves by at most sqrt(dim) * 1e-6 (2e-5 for 384 dimensions), far below what
+ranking by similarity notices, and the JSON is much shorter than with full float repr."""
+
+
+def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """(batch, tokens, dim) -> (batch, dim) unit vectors; padding positions count for nothing.
+
+    Pooled in float32 whatever the model's dtype: a sum over hundreds of fp16 tokens loses digits.
+    """
+    mask = attention_mask.unsqueeze(-1).to(torch.float32)
+    summed = (hidden.to(torch.float32) * mask).sum(dim=1)
+    counts = mask.sum(dim=1).clamp(min=1e-9)
+    return torch.nn.functional.normalize(summed / counts, p=2.0, dim=1)
+
+
+def to_json(vectors: torch.Tensor) -> list[str]:
+    """One JSON array of floats per row, e.g. ``[0.012345,-0.5,...]``, rounded to ``DECIMALS``."""
+    rows: list[list[float]] = vectors.detach().to("cpu", torch.float64).round(decimals=DECIMALS).tolist()
+    return [json.dumps(row, separators=(",", ":")) for row in rows]

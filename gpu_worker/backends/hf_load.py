@@ -1,0 +1,300 @@
+"""Loading a Hugging Face model directory for ``HFBackend``: local files only, clear errors.
+
+Everything here runs once, at start-up. It decides the device and dtype, the model class
+(decoder-only or encoder-decoder, from ``config.is_encoder_decoder``), the padding side, and how
+many input tokens the model takes; ``hf.py`` only runs batches.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, cast
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from gpu_worker.backends.base import BackendError
+
+log = logging.getLogger(__name__)
+
+Task = Literal["generate", "embed"]
+TASKS: tuple[Task, ...] = ("generate", "embed")
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+FALLBACK_MAX_INPUT_TOKENS = 512
+"""Used when neither the config nor the tokenizer states a limit (T5's relative positions, say)."""
+
+# Tokenizers without a limit report this sentinel (transformers' VERY_LARGE_INTEGER is 1e30).
+_NO_LIMIT = 10**9
+
+EXPECTED_FILES = "config.json, model.safetensors (or pytorch_model.bin) and tokenizer files, as save_pretrained writes"
+
+
+class ModelLoadError(BackendError):
+    """The model directory is missing, is not a model, or does not fit the settings asked for."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """What ``HFBackend`` needs to run batches; ``tokenizer`` and ``counter`` are separate instances."""
+
+    model: torch.nn.Module
+    """The module called: the LM for ``generate``, the encoder for ``embed``."""
+    tokenizer: PreTrainedTokenizerBase
+    counter: PreTrainedTokenizerBase
+    """A second tokenizer for ``input_errors``: fast tokenizers mutate their padding/truncation
+    state on every call, so one instance shared by two threads fails ("Already borrowed")."""
+    device: torch.device
+    dtype: torch.dtype
+    is_encoder_decoder: bool
+    max_input_tokens: int
+    generation_config: GenerationConfig | None
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` is the first CUDA GPU when there is one, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as err:
+        raise ModelLoadError(f"device {device!r} is not a torch device; use auto, cpu, cuda or cuda:N") from err
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} asked for, but torch sees no CUDA GPU; use device=cpu or auto")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto``: bf16 on GPUs that have it (fp16 range problems gone), else fp16; fp32 on CPU,
+    where half precision is slow and poorly covered."""
+    if dtype != "auto":
+        return DTYPES[dtype]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def check_model_dir(model_path: Path) -> None:
+    """Fails before transformers does, with a message that names the path and what belongs there."""
+    if not model_path.exists():
+        raise ModelLoadError(
+            f"model directory {model_path} does not exist; expected a local Hugging Face model directory "
+            f"({EXPECTED_FILES}). batchwire never downloads models: save or copy the model there first"
+        )
+    if not model_path.is_dir():
+        raise ModelLoadError(f"model path {model_path} is a file; expected a directory holding {EXPECTED_FILES}")
+    if not (model_path / "config.json").is_file():
+        raise ModelLoadError(
+            f"{model_path} is not a Hugging Face model directory: config.json is missing (expected {EXPECTED_FILES})"
+        )
+
+
+def load_model_dir(
+    model_path: Path,
+    *,
+    task: Task,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_new_tokens: int,
+    max_input_tokens: int | None,
+    truncate: bool,
+) -> LoadedModel:
+    """Loads config, tokenizer (twice) and weights from ``model_path``, never from the network.
+
+    ``local_files_only=True`` is the guarantee; ``HF_HUB_OFFLINE`` is set as well for any
+    huggingface_hub code imported after this point (it reads the variable at import time).
+    ``trust_remote_code`` stays off: a model directory must never run its own Python.
+    """
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    check_model_dir(model_path)
+    try:
+        config = cast(
+            PretrainedConfig, AutoConfig.from_pretrained(model_path, local_files_only=True, trust_remote_code=False)
+        )
+        tokenizer = _load_tokenizer(model_path)
+        counter = _load_tokenizer(model_path)
+    except Exception as err:  # transformers raises many types here; all mean "not a usable model dir"
+        raise ModelLoadError(f"cannot read the config or tokenizer in {model_path} ({EXPECTED_FILES}): {err}") from err
+    _check_vocabulary(tokenizer, model_path)
+    is_encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+    _set_padding(tokenizer, task=task, is_encoder_decoder=is_encoder_decoder, model_path=model_path)
+    if truncate:
+        # Generation keeps the end of a long prompt (the part the answer follows); embeddings
+        # and encoder-decoder models keep the start, as sentence-transformers does.
+        tokenizer.truncation_side = "left" if task == "generate" and not is_encoder_decoder else "right"
+
+    # Before the weights: a setting that cannot work should fail in a second, not after minutes of loading.
+    limit = resolve_max_input_tokens(
+        model_path, config, tokenizer, task=task, max_new_tokens=max_new_tokens, asked=max_input_tokens
+    )
+
+    auto_class = AutoModel if task == "embed" else AutoModelForSeq2SeqLM if is_encoder_decoder else AutoModelForCausalLM
+    kwargs: dict[str, object] = {"local_files_only": True, "trust_remote_code": False, "dtype": dtype}
+    if device.type != "cpu":
+        kwargs["device_map"] = str(device)  # straight onto the GPU, without a CPU copy first
+    try:
+        pretrained = cast(PreTrainedModel, auto_class.from_pretrained(model_path, **kwargs))
+    except Exception as err:  # OSError, SafetensorError, ValueError, RuntimeError (shape mismatch)...
+        raise ModelLoadError(
+            f"cannot load the {task} model in {model_path} with {auto_class.__name__} ({EXPECTED_FILES}): {err}"
+        ) from err
+    # from_pretrained does this too; said again because equal answers in any batch depend on no dropout.
+    pretrained.eval()  # type: ignore[no-untyped-call]  # transformers' override is unannotated
+    model: torch.nn.Module = pretrained
+    if task == "embed" and is_encoder_decoder:
+        model = cast(torch.nn.Module, pretrained.get_encoder())  # sentence-T5 style: embed with the encoder alone
+    generation = None
+    if task == "generate":
+        generation = greedy_generation_config(pretrained, tokenizer, max_new_tokens=max_new_tokens)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        counter=counter,
+        device=device,
+        dtype=dtype,
+        is_encoder_decoder=is_encoder_decoder,
+        max_input_tokens=limit,
+        generation_config=generation,
+    )
+
+
+def _load_tokenizer(model_path: Path) -> PreTrainedTokenizerBase:
+    return cast(
+        PreTrainedTokenizerBase,
+        AutoTokenizer.from_pretrained(model_path, local_files_only=True, trust_remote_code=False),
+    )
+
+
+def _check_vocabulary(tokenizer: PreTrainedTokenizerBase, model_path: Path) -> None:
+    """With its files missing, transformers builds an empty tokenizer from the model type instead of
+    failing; every input would then be zero tokens. Refuse it here, where the cause is known."""
+    probe = tokenizer("Hello", add_special_tokens=False)["input_ids"]
+    if len(tokenizer) < 2 or not probe:
+        raise ModelLoadError(
+            f"the tokenizer in {model_path} has no vocabulary: tokenizer files are missing "
+            "(tokenizer.json, or vocab/merges or sentencepiece model files, as save_pretrained writes)"
+        )
+
+
+def _set_padding(tokenizer: PreTrainedTokenizerBase, *, task: Task, is_encoder_decoder: bool, model_path: Path) -> None:
+    """Left padding for decoder-only generation, so every prompt ends where generation starts;
+    right padding otherwise (encoders with absolute positions expect their text at position 0)."""
+    if task == "generate" and not is_encoder_decoder:
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token is None:
+            if tokenizer.eos_token is None:
+                raise ModelLoadError(
+                    f"the tokenizer in {model_path} has neither a pad token nor an eos token; batched "
+                    "generation needs one of them to pad the shorter prompts"
+                )
+            tokenizer.pad_token = tokenizer.eos_token
+    else:
+        tokenizer.padding_side = "right"
+        if tokenizer.pad_token is None:
+            raise ModelLoadError(f"the tokenizer in {model_path} has no pad token; batching needs one")
+
+
+def resolve_max_input_tokens(
+    model_path: Path,
+    config: PretrainedConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    task: Task,
+    max_new_tokens: int,
+    asked: int | None,
+) -> int:
+    """How many input tokens (special tokens included) one input may have.
+
+    The hard limit is the positions the model has (``max_position_embeddings``); a decoder-only
+    model must also fit the ``max_new_tokens`` it generates into them. The default is the
+    tightest limit the model directory states (tokenizer ``model_max_length``, sentence-transformers'
+    ``max_seq_length`` for embeddings); ``asked`` may go above that but not above the hard limit.
+    """
+    positions = getattr(config, "max_position_embeddings", None)
+    hard = positions if isinstance(positions, int) and positions > 0 else None
+    if hard is not None and task == "generate" and not getattr(config, "is_encoder_decoder", False):
+        hard -= max_new_tokens
+        if hard < 1:
+            raise ModelLoadError(
+                f"max_new_tokens={max_new_tokens} leaves no room for input: the model in {model_path} has "
+                f"{positions} positions for prompt and answer together (BATCHWIRE_HF_MAX_NEW_TOKENS)"
+            )
+    # An encoder-decoder's decoder has its own positions: the start token plus the answer.
+    is_seq2seq_generation = task == "generate" and getattr(config, "is_encoder_decoder", False)
+    if hard is not None and is_seq2seq_generation and max_new_tokens >= hard:
+        raise ModelLoadError(
+            f"max_new_tokens={max_new_tokens} is more than the decoder of the model in {model_path} can "
+            f"produce: at most {hard - 1} (BATCHWIRE_HF_MAX_NEW_TOKENS)"
+        )
+    stated = [hard] if hard is not None else []
+    if isinstance(tokenizer.model_max_length, int) and tokenizer.model_max_length < _NO_LIMIT:
+        stated.append(tokenizer.model_max_length)
+    if task == "embed":
+        stated.extend(_sentence_transformers_max_seq_length(model_path))
+    default = min(stated) if stated else FALLBACK_MAX_INPUT_TOKENS
+    if asked is None:
+        return default
+    if hard is not None and asked > hard:
+        raise ModelLoadError(
+            f"max_input_tokens={asked} is more than the model in {model_path} can take: at most {hard}"
+            + (f" ({positions} positions less max_new_tokens={max_new_tokens})" if hard != positions else "")
+            + " (BATCHWIRE_HF_MAX_INPUT_TOKENS)"
+        )
+    return asked
+
+
+def _sentence_transformers_max_seq_length(model_path: Path) -> list[int]:
+    """sentence-transformers models state the length they were trained for (256 for all-MiniLM-L6-v2)
+    in ``sentence_bert_config.json``; it is tighter than the 512 positions BERT has."""
+    path = model_path / "sentence_bert_config.json"
+    if not path.is_file():
+        return []
+    try:
+        value = json.loads(path.read_text()).get("max_seq_length")
+    except (OSError, ValueError, AttributeError):
+        log.warning("ignoring unreadable %s", path)
+        return []
+    return [value] if isinstance(value, int) and value > 0 else []
+
+
+def greedy_generation_config(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, max_new_tokens: int
+) -> GenerationConfig:
+    """The model's own generation config (eos ids, repetition penalty), made greedy.
+
+    Sampling settings shipped with the model (Llama's temperature 0.6, top-p 0.9) are cleared:
+    a batch must give the same answer whoever else is in it and however often it is retried.
+    """
+    base = model.generation_config
+    config = GenerationConfig.from_dict(base.to_dict()) if base is not None else GenerationConfig()
+    config.do_sample = False
+    config.num_beams = 1
+    config.temperature = None
+    config.top_p = None
+    config.top_k = None
+    config.max_new_tokens = max_new_tokens
+    config.max_length = None
+    config.pad_token_id = tokenizer.pad_token_id
+    return config

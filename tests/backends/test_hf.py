@@ -1,0 +1,305 @@
+"""HFBackend on tiny random models, loaded the way users load theirs: ``HFBackend(path).load()``."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from batchwire.metrics import REGISTRY
+from gpu_worker.backends.base import BackendError, BatchSizeError, InputError
+from gpu_worker.backends.hf import HFBackend, batch_bucket
+from gpu_worker.backends.sim import ReentryError
+from gpu_worker.backends.tiny import MAX_POSITIONS
+
+# Lengths from 1 to 60 tokens, multi-byte characters, a leading space: padding has work to do.
+MIXED = [
+    "a",
+    "hello there",
+    "The quick brown fox jumps over the lazy dog",
+    "xyz " * 15,
+    "ß∂ƒ© naïve café",
+    " leading space",
+    "Hi",
+    "0123456789",
+]
+
+
+@pytest.fixture
+def make_backend() -> Iterator[Callable[..., HFBackend]]:
+    """Loaded backends (no warm-up unless asked), closed after the test."""
+    made: list[HFBackend] = []
+
+    def make(path: Path, **kwargs: Any) -> HFBackend:
+        kwargs.setdefault("warmup", False)
+        kwargs.setdefault("max_new_tokens", 8)
+        backend = HFBackend(path, **kwargs)
+        backend.load()
+        made.append(backend)
+        return backend
+
+    yield make
+    for backend in made:
+        backend.close()
+
+
+# batched equals one-by-one ---------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "t5"])
+def test_batched_generation_equals_one_by_one(
+    arch: str, tiny_models: dict[str, Path], make_backend: Callable[..., HFBackend]
+) -> None:
+    backend = make_backend(tiny_models[arch])
+    one_by_one = [backend.batchstring([text])[0] for text in MIXED]
+    batched = backend.batchstring(MIXED)
+    assert batched == one_by_one, f"{arch}: padding changed the answers\nbatched:  {batched}\nsingly:   {one_by_one}"
+    assert len(set(one_by_one)) > len(MIXED) // 2, f"{arch}: answers barely depend on the prompt: {one_by_one}"
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "t5"])
+def test_answer_does_not_depend_on_batch_neighbours(
+    arch: str, tiny_models: dict[str, Path], make_backend: Callable[..., HFBackend]
+) -> None:
+    """A full batch, shuffled, with the longest input in different places: same answer per input."""
+    backend = make_backend(tiny_models[arch], max_batch=32)
+    inputs = (MIXED * 4)[:32]
+    reference = dict(zip(MIXED, backend.batchstring(MIXED), strict=True))
+    shuffled = inputs[::-1]
+    assert backend.batchstring(inputs) == [reference[text] for text in inputs]
+    assert backend.batchstring(shuffled) == [reference[text] for text in shuffled]
+
+
+def test_generation_is_deterministic_across_calls_and_loads(
+    tiny_models: dict[str, Path], make_backend: Callable[..., HFBackend]
+) -> None:
+    first = make_backend(tiny_models["gpt2"])
+    second = make_backend(tiny_models["gpt2"])
+    answers = first.batchstring(MIXED)
+    assert first.batchstring(MIXED) == answers
+    assert second.batchstring(MIXED) == answers
+
+
+def test_decoder_only_returns_only_new_text(
+    tiny_models: dict[str, Path], make_backend: Callable[..., HFBackend]
+) -> None:
+    backend = make_backend(tiny_models["gpt2"], max_new_tokens=4)
+    prompt = "The quick brown fox jumps over the lazy dog"
+    (answer,) = backend.batchstring([prompt])
+    assert not answer.startswith(prompt[:10]), f"the prompt came back with the answer: {answer!r}"
+    # Byte-level vocabulary: 4 new tokens are at most 4 bytes of text.
+    assert len(answer.encode("utf-8", "replace")) <= 4 * 3, f"more than 4 tokens came back: {answer!r}"
+
+
+def test_sampling_settings_shipped_with_the_model_are_ignored(
+    tiny_models: dict[str, Path], make_backend: Callable[..., HFBackend], tmp_path: Path
+) -> None:
+    """Llama 3 and others ship temperature/top-p with do_sample=true; batchwire answers greedily."""
+    path = Path(shutil.copytree(tiny_models["gpt2"], tmp_path / "sampling"))
+    config_path = path / "generation_config.json"
+    config = json.loads(config_path.read_text())
+    config.update(do_sample=True, temperature=0.7, top_p=0.9, top_k=5, max_length=20)
+    config_path.write_text(json.dumps(config))
+    greedy = make_backend(tiny_models["gpt2"]).batchstring(MIXED)
+    assert make_backend(path).batchstring(MIXED) == greedy
+    assert make_backend(path).batchstring(MIXED) == greedy
+
+
+# the contract ----------------------------------------------------------------------------------
+def test_zero_or_too_many_inputs_is_a_batch_size_error(
+    tiny_models: dict[str, Path], make_backend: Callable[..., HFBackend]
+) -> None:
+    backend = make_backend(tiny_models["gpt2"], max_batch=4)
+    with pytest.raises(BatchSizeError, match="1 to 4 inputs, got 0"):
+        backend.batchstring([])
+    with pytest.raises(BatchSizeError, match="1 to 4 inputs, got 5"):
+        backend.batchstring(["x"] * 5)
+    assert len(backend.batchstring(["x"] * 4)) == 4
+
+
+def test_entering_twice_at_once_fails_loudly(
+    tiny_models: dict[str, Path], make_backend: Callable[..., HFBackend]
+) -> None:
+    backend = make_backend(tiny_models["gpt2"], max_new_tokens=1)
+    assert backend.loaded is not None
+    entered, release = threading.Event(), threading.Event()
+
+    def hold(_module: torch.nn.Module, _args: Any) -> None:
+        entered.set()
+        assert release.wait(10), "the test never released the first call"
+
+    handle = backend.loaded.model.register_forward_pre_hook(hold)
+    results: list[list[str]] = []
+    first = threading.Thread(target=lambda: results.append(backend.batchstring(["first"])))
+    first.start()
+    try:
+        assert entered.wait(10), "the first call never reached the model"
+        with pytest.raises(ReentryError, match="entered twice"):
+            backend.batchstring(["second"])
+    finally:
+        release.set()
+        first.join(10)
+        handle.remove()
+    assert len(results) == 1, "the first call did not finish after the second was refused"
+    assert len(backend.batchstring(["third"])) == 1, "the guard was not released"
+
+
+def test_input_errors_is_safe_while_a_batch_runs(
+    tiny_models: dict[str, Path], make_backend: Callable[..., HFBackend]
+) -> None:
+    """The worker calls input_errors on its event loop while batchstring runs in the model thread.
+    One shared fast tokenizer breaks there (its padding state is changed under the batch)."""
+    backend = make_backend(tiny_models["gpt2"], max_new_tokens=1)
+    failures: list[BaseException] = []
+    done = threading.Event()
+
+    def run_batches() -> None:
+        try:
+            for _ in range(30):
+                backend.batchstring(["hello there friend"] * 8 + ["x"])
+        except BaseException as err:
+            failures.append(err)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=run_batches)
+    thread.start()
+    counted = 0
+    while not done.is_set():
+        assert backend.input_errors(["some input text " * 3] * 16) == {}
+        counted += 1
+    thread.join(10)
+    assert not failures, f"batchstring failed while input_errors ran: {failures[0]!r}"
+    assert counted > 0
+
+
+def test_too_long_input_is_a_per_request_error(
+    tiny_models: dict[str, Path], make_backend: Callable[..., HFBackend]
+) -> None:
+    backend = make_backend(tiny_models["gpt2"], max_input_tokens=20)
+    errors = backend.input_errors(["short", "y" * 21, "z" * 20, ""])
+    assert sorted(errors) == [1, 3], f"expected inputs 1 (too long) and 3 (empty) refused, got {errors}"
+    assert errors[1].code == "input_too_long"
+    assert str(errors[1]) == "input is 21 tokens; the model accepts at most 20 (BATCHWIRE_HF_MAX_INPUT_TOKENS)"
+    assert errors[3].code == "input_empty"
+    # A worker that skipped input_errors gets an InputError naming the input, not a model crash.
+    with pytest.raises(InputError, match="input is 21 tokens") as caught:
+        backend.batchstring(["short", "y" * 21])
+    assert caught.value.index == 1
+
+
+def test_special_tokens_count_towards_the_limit(
+    tiny_models: dict[str, Path], make_backend: Callable[..., HFBackend]
+) -> None:
+    backend = make_backend(tiny_models["t5"], max_input_tokens=10)  # T5 appends </s>
+    assert backend.input_errors(["x" * 9]) == {}
+    assert backend.input_errors(["x" * 10])[0].code == "input_too_long"
+
+
+def test_default_limit_leaves_room_for_the_answer(
+    tiny_models: dict[str, Path], make_backend: Callable[..., HFBackend]
+) -> None:
+    assert make_backend(tiny_models["gpt2"], max_new_tokens=8).max_input_tokens == MAX_POSITIONS - 8
+    assert make_backend(tiny_models["t5"], max_new_tokens=8).max_input_tokens == MAX_POSITIONS
+    longest = "q" * (MAX_POSITIONS - 8)
+    backend = make_backend(tiny_models["gpt2"], max_new_tokens=8)
+    assert backend.input_errors([longest]) == {}
+    assert len(backend.batchstring([longest, "a"])) == 2
+
+
+def test_truncate_keeps_the_end_of_a_long_prompt(
+    tiny_models: dict[str, Path], make_backend: Callable[..., HFBackend]
+) -> None:
+    backend = make_backend(tiny_models["gpt2"], max_input_tokens=20, truncate=True)
+    long = "".join(chr(ord("a") + i % 26) for i in range(50))
+    assert backend.input_errors([long]) == {}
+    assert backend.batchstring([long]) == backend.batchstring([long[-20:]])
+
+
+# lifecycle and metrics -------------------------------------------------------------------------
+def test_warm_up_records_latency_per_batch_size(
+    tiny_models: dict[str, Path], make_backend: Callable[..., HFBackend]
+) -> None:
+    backend = make_backend(tiny_models["gpt2"], warmup=True, max_batch=6, model="warmup-test", max_new_tokens=2)
+    assert sorted(backend.latency_by_batch_s) == [1, 8], backend.latency_by_batch_s
+    for bucket, seconds in backend.latency_by_batch_s.items():
+        sample = REGISTRY.get_sample_value(
+            "batchwire_backend_batch_latency_seconds",
+            {"model": "warmup-test", "backend": "hf", "batch_size": str(bucket)},
+        )
+        assert sample == seconds, f"gauge for batch size {bucket}: expected {seconds}, got {sample}"
+    backend.batchstring(["a", "b", "c"])
+    assert sorted(backend.latency_by_batch_s) == [1, 4, 8]
+    assert backend.load_s is not None
+    assert backend.load_s > 0
+
+
+@pytest.mark.parametrize(("size", "bucket"), [(1, 1), (2, 2), (3, 4), (5, 8), (32, 32), (33, 64)])
+def test_batch_bucket_is_the_power_of_two_at_or_above(size: int, bucket: int) -> None:
+    assert batch_bucket(size) == bucket
+
+
+def test_calls_before_load_or_after_close_say_so(tiny_models: dict[str, Path]) -> None:
+    backend = HFBackend(tiny_models["gpt2"], warmup=False)
+    with pytest.raises(BackendError, match="not loaded"):
+        backend.batchstring(["x"])
+    with pytest.raises(BackendError, match="not loaded"):
+        backend.input_errors(["x"])
+    backend.load()
+    assert backend.batchstring(["x"])
+    backend.close()
+    with pytest.raises(BackendError, match="not loaded"):
+        backend.batchstring(["x"])
+
+
+def test_half_precision_on_cpu_runs(tiny_models: dict[str, Path], make_backend: Callable[..., HFBackend]) -> None:
+    backend = make_backend(tiny_models["llama"], device="cpu", dtype="bfloat16")
+    assert backend.loaded is not None
+    assert backend.loaded.dtype == torch.bfloat16
+    assert len(backend.batchstring(MIXED)) == len(MIXED)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"task": "classify"}, "task must be one of generate, embed"),
+        ({"max_batch": 0}, "max_batch must be at least 1"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be at least 1"),
+        ({"max_input_tokens": 0}, "max_input_tokens must be at least 1"),
+        ({"dtype": "float8"}, "dtype must be auto or one of"),
+        ({"num_threads": 0}, "num_threads must be at least 1"),
+    ],
+)
+def test_bad_settings_fail_at_construction(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        HFBackend("/nowhere", **kwargs)
+
+
+# embeddings ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["bert", "t5"])
+def test_embed_returns_unit_vectors_of_the_hidden_size(
+    arch: str, tiny_models: dict[str, Path], make_backend: Callable[..., HFBackend]
+) -> None:
+    backend = make_backend(tiny_models[arch], task="embed")
+    outputs = backend.batchstring(MIXED)
+    vectors = [json.loads(output) for output in outputs]
+    for text, vector in zip(MIXED, vectors, strict=True):
+        assert len(vector) == 32, f"{text!r}: expected 32 dimensions, got {len(vector)}"
+        assert math.isclose(math.hypot(*vector), 1.0, abs_tol=1e-4), f"{text!r}: norm {math.hypot(*vector)}"
+    assert backend.batchstring(MIXED) == outputs, "same input, different embedding"
+    assert len(set(outputs)) == len(MIXED), "different inputs, same embedding"
+
+
+def test_embed_batched_matches_one_by_one(tiny_models: dict[str, Path], make_backend: Callable[..., HFBackend]) -> None:
+    """Right padding with the mask: padding must not leak into the mean (float noise only)."""
+    backend = make_backend(tiny_models["bert"], task="embed")
+    batched = [json.loads(output) for output in backend.batchstring(MIXED)]
+    for text, vector in zip(MIXED, batched, strict=True):
+        single = json.loads(backend.batchstring([text])[0])
+        worst = max(abs(a - b) for a, b in zip(vector, single, strict=True))
+        assert worst <= 2e-6, f"{text!r}: batched differs from single by {worst}"

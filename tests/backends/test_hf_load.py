@@ -1,0 +1,144 @@
+"""Loading: only from the local directory, with errors that name the path and what was expected."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gpu_worker.backends.hf import HFBackend
+from gpu_worker.backends.hf_load import ModelLoadError, resolve_device, resolve_dtype
+
+
+def load(path: Path, **kwargs: Any) -> HFBackend:
+    backend = HFBackend(path, warmup=False, **kwargs)
+    backend.load()
+    return backend
+
+
+def broken_copy(tiny_models: dict[str, Path], tmp_path: Path, *, remove: tuple[str, ...] = ()) -> Path:
+    path = Path(shutil.copytree(tiny_models["gpt2"], tmp_path / "model"))
+    for name in remove:
+        (path / name).unlink()
+    return path
+
+
+def test_missing_directory_names_the_path(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(ModelLoadError, match="does not exist") as caught:
+        load(missing)
+    assert str(missing) in str(caught.value)
+    assert "config.json" in str(caught.value)
+    assert "never downloads" in str(caught.value)
+
+
+def test_a_file_is_not_a_model_directory(tmp_path: Path) -> None:
+    path = tmp_path / "model.bin"
+    path.write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match="is a file; expected a directory"):
+        load(path)
+
+
+def test_a_directory_without_config_is_not_a_model(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"not a Hugging Face model directory: config\.json is missing") as caught:
+        load(tmp_path)
+    assert str(tmp_path) in str(caught.value)
+
+
+def test_missing_weights(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    path = broken_copy(tiny_models, tmp_path, remove=("model.safetensors",))
+    with pytest.raises(ModelLoadError, match="cannot load the generate model") as caught:
+        load(path)
+    assert str(path) in str(caught.value)
+
+
+def test_corrupt_weights(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    path = broken_copy(tiny_models, tmp_path)
+    (path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ModelLoadError, match="cannot load the generate model"):
+        load(path)
+
+
+def test_missing_tokenizer_is_refused_not_replaced_by_an_empty_one(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    path = broken_copy(tiny_models, tmp_path, remove=("tokenizer.json", "tokenizer_config.json"))
+    with pytest.raises(ModelLoadError, match="has no vocabulary: tokenizer files are missing"):
+        load(path)
+
+
+@pytest.mark.parametrize(
+    ("config_text", "message"), [("{not json", "not a valid JSON"), ('{"model_type": "nosuch"}', "nosuch")]
+)
+def test_unreadable_config(tiny_models: dict[str, Path], tmp_path: Path, config_text: str, message: str) -> None:
+    path = broken_copy(tiny_models, tmp_path)
+    (path / "config.json").write_text(config_text)
+    with pytest.raises(ModelLoadError, match="cannot read the config or tokenizer") as caught:
+        load(path)
+    assert message in str(caught.value)
+
+
+def test_load_opens_no_network_connection(tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*_args: object) -> None:
+        raise AssertionError("load() tried to open a network connection")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    for name in ("gpt2", "t5"):
+        backend = load(tiny_models[name])
+        assert backend.batchstring(["x"])
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
+
+
+def test_detects_encoder_decoder_from_config(tiny_models: dict[str, Path]) -> None:
+    decoder_only, encoder_decoder = load(tiny_models["gpt2"]), load(tiny_models["t5"])
+    assert decoder_only.loaded is not None
+    assert encoder_decoder.loaded is not None
+    assert not decoder_only.loaded.is_encoder_decoder
+    assert decoder_only.loaded.tokenizer.padding_side == "left"
+    assert encoder_decoder.loaded.is_encoder_decoder
+    assert encoder_decoder.loaded.tokenizer.padding_side == "right"
+
+
+def test_pad_token_falls_back_to_eos(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    path = broken_copy(tiny_models, tmp_path)
+    config_path = path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    del config["pad_token"]
+    config_path.write_text(json.dumps(config))
+    backend = load(path)
+    assert backend.loaded is not None
+    assert backend.loaded.tokenizer.pad_token == "</s>"
+    assert len(backend.batchstring(["a", "longer input"])) == 2
+
+
+def test_asked_input_limit_above_the_model_positions_fails(tiny_models: dict[str, Path]) -> None:
+    with pytest.raises(ModelLoadError, match=r"at most 96 \(128 positions less max_new_tokens=32\)"):
+        load(tiny_models["gpt2"], max_input_tokens=500, max_new_tokens=32)
+    with pytest.raises(ModelLoadError, match="max_new_tokens=128 leaves no room for input"):
+        load(tiny_models["gpt2"], max_new_tokens=128)
+
+
+def test_impossible_limits_fail_before_the_weights_load(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    path = broken_copy(tiny_models, tmp_path, remove=("model.safetensors",))
+    with pytest.raises(ModelLoadError, match="max_input_tokens=500 is more than"):
+        load(path, max_input_tokens=500)
+
+
+def test_resolve_device_and_dtype() -> None:
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16
+    with pytest.raises(ModelLoadError, match="not a torch device"):
+        resolve_device("tpu9")
+    if not torch.cuda.is_available():
+        assert resolve_device("auto") == torch.device("cpu")
+        with pytest.raises(ModelLoadError, match="torch sees no CUDA GPU"):
+            resolve_device("cuda")
