@@ -234,8 +234,7 @@ class KafkaServer:
             *self._java_argv(),
             "kafka.tools.StorageTool",
             "format",
-            "-t",
-            new_cluster_id(),
+            f"--cluster-id={new_cluster_id()}",  # '=' form: a random id may begin with '-'
             "-c",
             str(self.properties_path),
             "--ignore-formatted",
