@@ -53,5 +53,8 @@ stack-up: install
 stack-down:
 	$(VENV)/bin/batchwire stack down
 
+bench: install
+	$(VENV)/bin/batchwire bench --start embedded --workers 2 --sim-latency-ms 100 --rate 20,600,1600 --check --out bench/results/latest
+
 clean:
 	rm -rf $(VENV) .batchwire .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,156 @@
+"""``batchwire bench``: its flags, and ``main``/``run`` to execute them.
+
+Importing this module is cheap (argparse only) so that the ``batchwire`` command can mount it as a
+subcommand with ``add_arguments(subparser)`` and ``run(namespace)`` without loading aiohttp or
+matplotlib for every other subcommand.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+DEFAULT_URL = "http://127.0.0.1:8000/v1/inference"
+POLICIES = ("work-conserving", "classic")
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from err
+    if not values or any(value <= 0 for value in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected process ids separated by commas, got {text!r}") from err
+
+
+def _names(text: str) -> list[str]:
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [name for name in names if name not in POLICIES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"policies are {', '.join(POLICIES)}; got {text!r}")
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every ``batchwire bench`` flag, on a parser of the caller's choosing (e.g. a subparser)."""
+    target = parser.add_argument_group("target")
+    target.add_argument(
+        "--url",
+        action="append",
+        metavar="URL",
+        help=f'inference URL taking POST {{"input": ...}}; repeat to spread load round-robin (default {DEFAULT_URL})',
+    )
+    target.add_argument("--payload-field", default="input", help="JSON field that carries the input (default input)")
+    target.add_argument(
+        "--metrics-url",
+        action="append",
+        metavar="URL",
+        help="Prometheus page to scrape before and after each rate; repeat for several processes "
+        "(default: /metrics at the origin of each --url)",
+    )
+    target.add_argument("--no-metrics", action="store_true", help="do not scrape /metrics")
+    target.add_argument("--pids", type=_ints, default=[], help="comma list of server pids whose CPU to count")
+    target.add_argument("--kafka-pids", type=_ints, default=[], help="Kafka broker pids, counted separately")
+    target.add_argument("--redis-pids", type=_ints, default=[], help="Redis server pids, counted separately")
+
+    load = parser.add_argument_group("load")
+    load.add_argument("--rate", type=_floats, help="offered load in req/s; a comma list runs each in turn")
+    load.add_argument("--duration", type=float, default=10.0, help="measured seconds per rate (default 10)")
+    load.add_argument("--warmup", type=float, default=2.0, help="seconds sent before each window, not measured")
+    load.add_argument("--pause", type=float, default=1.0, help="seconds between rates (default 1)")
+    load.add_argument(
+        "--concurrency-limit",
+        type=int,
+        default=1000,
+        help="most requests outstanding; a send beyond it counts as error client_limit (default 1000)",
+    )
+    load.add_argument("--timeout", type=float, default=30.0, help="per-request timeout in s (default 30)")
+    load.add_argument("--input-size", type=int, default=32, help="characters per (unique, random) input")
+    load.add_argument("--seed", type=int, default=1, help="seed for arrival times and inputs")
+    load.add_argument(
+        "--expect",
+        choices=("reverse", "none"),
+        default="none",
+        help="check each 200 answer: reverse = output must be the input reversed (sim backend)",
+    )
+    load.add_argument("--check", action="store_true", help="same as --expect reverse")
+    load.add_argument(
+        "--client",
+        choices=("aiohttp", "raw"),
+        default="aiohttp",
+        help="HTTP client: aiohttp, or raw (minimal HTTP/1.1, ~3x less generator CPU per request)",
+    )
+    load.add_argument(
+        "--loop",
+        choices=("auto", "uvloop", "asyncio"),
+        default="auto",
+        help="event loop for the generator (auto: uvloop when installed)",
+    )
+
+    output = parser.add_argument_group("output")
+    output.add_argument("--out", type=Path, help="directory for results.json and the plots")
+    output.add_argument("--label", help="name for this run in tables, plots and --compare")
+    output.add_argument(
+        "--backend-latency-ms",
+        type=float,
+        help="draw this ideal latency on the latency plot (default with --start: --sim-latency-ms)",
+    )
+    output.add_argument(
+        "--compare",
+        nargs=2,
+        type=Path,
+        metavar=("A.json", "B.json"),
+        help="print two results files side by side with ratios B/A; sends no load",
+    )
+
+    start = parser.add_argument_group("start the system under test")
+    start.add_argument("--start", choices=("embedded", "kafka"), help="start batchwire itself and stop it at the end")
+    start.add_argument("--policy", choices=POLICIES, default="work-conserving", help="batching policy to start")
+    start.add_argument("--policies", type=_names, help="comma list: run every rate once per policy (with --start)")
+    start.add_argument("--workers", type=int, default=1, help="GPU workers to start (default 1)")
+    start.add_argument("--sim-latency-ms", type=float, default=100.0, help="simulated GPU latency (default 100)")
+    start.add_argument(
+        "--slow-worker-latency-ms",
+        type=float,
+        help="kafka mode: the first worker takes this latency instead (slow-worker figure)",
+    )
+    start.add_argument("--max-batch", type=int, help="passed to the batcher")
+    start.add_argument("--max-wait-ms", type=float, help="passed to the batcher")
+    start.add_argument("--gateways", type=int, default=1, help="kafka mode: gateway processes (default 1)")
+    start.add_argument("--batchers", type=int, default=1, help="kafka mode: batcher processes (default 1)")
+    start.add_argument(
+        "--keep-stack",
+        action="store_true",
+        help="kafka mode: leave Kafka + Redis running even if this run started them",
+    )
+    start.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for readiness (default 60)")
+    start.add_argument("--stop-grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="batchwire bench",
+        description="Open-loop (Poisson) load against an inference URL: latency from the scheduled send time, "
+        "throughput, batch sizes, GPU busy share and CPU per request.",
+    )
+    add_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the command parsed by a parser that ``add_arguments`` set up; returns the exit status."""
+    from batchwire.bench.command import execute
+
+    return execute(args)

@@ -1,0 +1,266 @@
+"""What ``batchwire bench`` does once its flags are parsed: one run per policy, then the table,
+results.json and the plots. Kept apart from ``cli`` so that parsing flags loads nothing heavy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import os
+import random
+import resource
+import signal
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from batchwire.bench import results
+from batchwire.bench.cli import DEFAULT_URL
+from batchwire.bench.loadgen import Expect
+from batchwire.bench.procstats import discover_infra_pids, read_env_file
+from batchwire.bench.prom import default_metrics_url
+from batchwire.bench.report import compare_table, run_table
+from batchwire.bench.results import Results, RunReport
+from batchwire.bench.runner import LoadConfig, Target, bench_run
+from batchwire.bench.schedule import InputFactory
+from batchwire.bench.sut import Stack, SutError, SutSpec, SystemUnderTest, wait_first_answer
+
+#: Where ``batchwire stack up`` keeps stack.env and the pid files (its default ``--state-dir``).
+STACK_DIR = Path(".batchwire")
+
+
+class UsageError(Exception):
+    """A flag combination that cannot work; the message says which flag to change."""
+
+
+def execute(args: argparse.Namespace) -> int:
+    """Runs a parsed ``batchwire bench`` command line; returns the exit status."""
+    try:
+        if args.compare:
+            return _compare(args.compare[0], args.compare[1])
+        load = _load_config(args)
+        policies = _policies(args)
+        loop_factory = _loop_factory(args.loop)
+    except (UsageError, results.ResultsError) as err:
+        print(f"batchwire bench: {err}", file=sys.stderr)
+        return 2
+    _raise_open_files_limit(load.concurrency_limit + 256)
+    started = dt.datetime.now(dt.UTC)
+    runs: list[RunReport] = []
+    status = 0
+    restore_sigterm = _sigterm_as_sigint()
+    stack = Stack() if args.start == "kafka" else None
+    try:
+        if stack is not None:
+            stack.note_state()
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            for policy in policies:
+                report = RunReport(label=_label(args), policy=policy, sut=None, rates=[])
+                runs.append(report)
+                if args.start:
+                    _run_started(runner, args, load, policy, report)
+                else:
+                    runner.run(bench_run(load, _given_target(args), report))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("batchwire bench: interrupted; writing what was measured", file=sys.stderr)
+        status = 130
+    except SutError as err:
+        print(f"batchwire bench: {err}", file=sys.stderr)
+        status = 1
+    finally:
+        try:
+            if stack is not None and stack.restore(keep=args.keep_stack):
+                print("stopped the Kafka + Redis stack this run started (--keep-stack keeps it)", file=sys.stderr)
+        except SutError as err:
+            print(f"batchwire bench: {err}", file=sys.stderr)
+            status = status or 1
+        restore_sigterm()
+    for run in runs:
+        if run["rates"]:
+            print(run_table(run) + "\n", flush=True)
+    if len(runs) == 2 and all(run["rates"] for run in runs):
+        print("\n" + compare_table(runs[0], runs[1]))
+    if args.out is not None and runs:
+        _write(args, started, runs)
+    return status
+
+
+def _run_started(
+    runner: asyncio.Runner, args: argparse.Namespace, load: LoadConfig, policy: str | None, report: RunReport
+) -> None:
+    spec = SutSpec(
+        mode=args.start,
+        policy=policy or args.policy,
+        workers=args.workers,
+        sim_latency_ms=args.sim_latency_ms,
+        max_batch=args.max_batch,
+        max_wait_ms=args.max_wait_ms,
+        gateways=args.gateways,
+        batchers=args.batchers,
+        slow_worker_latency_ms=args.slow_worker_latency_ms,
+        ready_timeout_s=args.ready_timeout,
+        stop_grace_s=args.stop_grace,
+    )
+    log_dir = (args.out / "logs" / spec.policy) if args.out else Path(tempfile.mkdtemp(prefix="batchwire-bench-"))
+    sut = SystemUnderTest(spec, log_dir)
+    infra_found: dict[str, object] | None = None
+    try:
+        with sut:
+            print(f"starting {spec.mode} batchwire, policy {spec.policy} (logs in {log_dir})", file=sys.stderr)
+            sut.start()
+            runner.run(sut.wait_ready())
+            _, body = _probe_body(load)
+            runner.run(wait_first_answer(sut.urls, body, args.ready_timeout))
+            groups = dict(sut.pid_groups())
+            if spec.mode == "kafka":
+                settings = {**read_env_file(STACK_DIR / "stack.env"), **os.environ}
+                infra, how = discover_infra_pids(STACK_DIR, settings)
+                groups["kafka"] = args.kafka_pids or infra["kafka"]
+                groups["redis"] = args.redis_pids or infra["redis"]
+                infra_found = {"kafka": groups["kafka"], "redis": groups["redis"], "found_by": how}
+            target = Target(
+                urls=tuple(sut.urls),
+                metrics_urls=() if args.no_metrics else tuple(args.metrics_url or sut.metrics_urls),
+                pid_groups=groups,
+                workers_hint=spec.workers,
+            )
+            runner.run(bench_run(load, target, report))
+    finally:
+        report["sut"] = {**sut.describe(), "infra_pids": infra_found}
+
+
+def _probe_body(load: LoadConfig) -> tuple[str, bytes]:
+    return InputFactory(load.input_size, random.Random(), field=load.payload_field, nonce="ready").next()
+
+
+def _sigterm_as_sigint() -> Callable[[], None]:
+    """Makes SIGTERM behave like Ctrl-C (the event loop cancels the run, ``finally`` blocks stop the
+    system under test); returns the function that puts the old handler back."""
+    try:
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: signal.raise_signal(signal.SIGINT))
+    except ValueError:  # not the main thread: signals cannot be handled here
+        return lambda: None
+
+    def restore() -> None:
+        signal.signal(signal.SIGTERM, previous)
+
+    return restore
+
+
+def _loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise UsageError("--loop uvloop: uvloop is not installed") from None
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+def _load_config(args: argparse.Namespace) -> LoadConfig:
+    if not args.rate:
+        raise UsageError("--rate is required (e.g. --rate 100,500,1000), unless --compare is given")
+    if args.duration <= 0 or args.warmup < 0 or args.pause < 0:
+        raise UsageError("--duration must be above 0 and --warmup, --pause 0 or more")
+    if args.concurrency_limit < 1 or args.timeout <= 0 or args.input_size < 0:
+        raise UsageError("--concurrency-limit must be 1 or more, --timeout above 0, --input-size 0 or more")
+    if args.start and args.url:
+        raise UsageError("--url and --start exclude each other: --start serves on ports it picks itself")
+    if args.start != "kafka" and (args.slow_worker_latency_ms is not None or args.gateways != 1 or args.batchers != 1):
+        raise UsageError("--slow-worker-latency-ms, --gateways and --batchers need --start kafka")
+    if args.client == "raw" and any(not url.startswith("http://") for url in args.url or []):
+        raise UsageError("--client raw speaks plain http:// only; use --client aiohttp for https")
+    expect: Expect = "reverse" if args.check else args.expect
+    return LoadConfig(
+        rates_rps=tuple(args.rate),
+        duration_s=args.duration,
+        warmup_s=args.warmup,
+        concurrency_limit=args.concurrency_limit,
+        timeout_s=args.timeout,
+        input_size=args.input_size,
+        seed=args.seed,
+        expect=expect,
+        payload_field=args.payload_field,
+        pause_s=args.pause,
+        client=args.client,
+    )
+
+
+def _policies(args: argparse.Namespace) -> list[str | None]:
+    if args.policies:
+        if not args.start:
+            raise UsageError("--policies needs --start: the bench can only switch policies of a system it starts")
+        return list(args.policies)
+    return [args.policy] if args.start else [None]
+
+
+def _given_target(args: argparse.Namespace) -> Target:
+    urls: list[str] = args.url or [DEFAULT_URL]
+    metrics: list[str] = []
+    if not args.no_metrics:
+        metrics = args.metrics_url or list(dict.fromkeys(default_metrics_url(url) for url in urls))
+    groups = {"batchwire": args.pids, "kafka": args.kafka_pids, "redis": args.redis_pids}
+    return Target(urls=tuple(urls), metrics_urls=tuple(metrics), pid_groups=groups)
+
+
+def _label(args: argparse.Namespace) -> str:
+    if args.label:
+        return str(args.label)
+    if args.start:
+        return f"{args.start}"
+    first: str = (args.url or [DEFAULT_URL])[0]
+    return urlsplit(first).netloc
+
+
+def _raise_open_files_limit(wanted: int) -> None:
+    """Each outstanding request holds a socket; the common soft limit of 1024 would fail first."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            print(
+                f"batchwire bench: open-file limit {soft} is below {wanted}; raise it with ulimit -n", file=sys.stderr
+            )
+
+
+def _write(args: argparse.Namespace, started: dt.datetime, runs: list[RunReport]) -> None:
+    config = {key: _jsonable(value) for key, value in vars(args).items() if not callable(value)}
+    document = Results(
+        schema=results.SCHEMA, label=_label(args), config=config, metadata=results.metadata(started), runs=runs
+    )
+    path = results.write(document, args.out)
+    backend_ms = args.backend_latency_ms
+    if backend_ms is None and args.start:
+        backend_ms = args.sim_latency_ms
+    from batchwire.bench import plots  # matplotlib takes a second to import: only when plots are wanted
+
+    measured = [run for run in runs if run["rates"]]
+    written = plots.write_all(measured, args.out, backend_ms) if measured else []
+    print(f"wrote {path}" + "".join(f", {p.name}" for p in written), file=sys.stderr)
+
+
+def _jsonable(value: object) -> object:
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    if isinstance(value, list | tuple):
+        return [_jsonable(item) for item in value]
+    return str(value)
+
+
+def _compare(path_a: Path, path_b: Path) -> int:
+    a, b = results.load(path_a), results.load(path_b)
+    pairs: Sequence[tuple[RunReport, RunReport]] = list(zip(a["runs"], b["runs"], strict=False))
+    if not pairs:
+        raise results.ResultsError("one of the files has no runs")
+    print(f"A: {path_a}\nB: {path_b}")
+    for run_a, run_b in pairs:
+        print("\n" + compare_table(run_a, run_b))
+    return 0

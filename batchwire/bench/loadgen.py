@@ -1,0 +1,207 @@
+"""The open-loop sender: one event loop, one HTTP client, sends on a precomputed schedule.
+
+A send never waits for an earlier answer (that would be a closed loop, which hides queueing by
+slowing the offered load). When ``concurrency_limit`` requests are already outstanding a send is
+counted as the error ``client_limit`` instead of being delayed, so the schedule stays honest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from yarl import URL
+
+from batchwire.bench.client import HttpClient, HttpProtocolError
+from batchwire.bench.histogram import DurationHistogram
+from batchwire.bench.schedule import InputFactory
+
+Expect = Literal["reverse", "none"]
+
+CLIENT_LIMIT = "client_limit"
+TIMEOUT = "timeout"
+CONNECTION = "connection"
+WRONG_ANSWER = "wrong_answer"
+BAD_BODY = "bad_body"
+PROTOCOL = "protocol"
+CLIENT_EXCEPTION = "client_exception"
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """Loop-clock bounds of the measurement window: requests scheduled in ``[start, end)`` count."""
+
+    start: float
+    end: float
+
+
+@dataclass(slots=True)
+class Tally:
+    """What happened to the requests of one rate.
+
+    Latency and error counts cover the requests *scheduled* inside the window; ``answers_in_window``
+    counts answers *received* inside it, whoever sent them, which is the service's throughput.
+    """
+
+    scheduled: int = 0
+    sent: int = 0
+    ok: int = 0
+    warmup_sent: int = 0
+    errors: Counter[str] = field(default_factory=Counter)
+    answers_in_window: int = 0
+    drained_answers: int = 0
+    last_answer_after_window_s: float = 0.0
+    unfinished: int = 0
+    max_outstanding: int = 0
+    first_exception: str | None = None
+    latency: DurationHistogram = field(default_factory=DurationHistogram)
+    latency_all: DurationHistogram = field(default_factory=DurationHistogram)
+    lag: DurationHistogram = field(default_factory=DurationHistogram)
+
+
+class OpenLoopSender:
+    """Sends one schedule of requests and tallies every outcome.
+
+    ``offsets`` are seconds after ``t0`` (a loop-clock time); the caller picks ``t0`` so that it can
+    sample server metrics exactly at the window bounds while the load runs.
+    """
+
+    def __init__(
+        self,
+        client: HttpClient,
+        urls: Sequence[str],
+        inputs: InputFactory,
+        *,
+        concurrency_limit: int,
+        expect: Expect,
+        drain_timeout_s: float,
+    ) -> None:
+        if not urls:
+            raise ValueError("at least one target URL is needed")
+        if concurrency_limit < 1:
+            raise ValueError(f"concurrency limit must be at least 1, got {concurrency_limit}")
+        self._client = client
+        self._urls = tuple(URL(url) for url in urls)  # parsed once, not per request
+        self._inputs = inputs
+        self._limit = concurrency_limit
+        self._expect: Expect = expect
+        self._drain_timeout_s = drain_timeout_s
+        self._loop = asyncio.get_running_loop()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._window = Window(0.0, 0.0)
+        self._tally = Tally()
+
+    async def run(self, t0: float, offsets: Sequence[float], window: Window) -> Tally:
+        """Sends at ``t0 + offset`` for each offset, then waits for the answers (or their timeouts)."""
+        self._window = window
+        self._tally = tally = Tally()
+        loop = self._loop
+        clock = loop.time
+        urls = self._urls
+        n_urls = len(urls)
+        try:
+            for index, offset in enumerate(offsets):
+                target = t0 + offset
+                delay = target - clock()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                self._launch(urls[index % n_urls], target)
+            await self._drain()
+        finally:
+            await self._cancel_outstanding()
+        return tally
+
+    def _launch(self, url: URL, target: float) -> None:
+        tally = self._tally
+        measured = self._window.start <= target < self._window.end
+        if measured:
+            tally.scheduled += 1
+        else:
+            tally.warmup_sent += 1
+        tasks = self._tasks
+        if len(tasks) >= self._limit:
+            if measured:
+                tally.errors[CLIENT_LIMIT] += 1
+                tally.lag.record_s(self._loop.time() - target)
+            return
+        if measured:
+            tally.sent += 1
+        task = self._loop.create_task(self._one(url, target, measured))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        if len(tasks) > tally.max_outstanding:
+            tally.max_outstanding = len(tasks)
+
+    async def _one(self, url: URL, target: float, measured: bool) -> None:
+        clock = self._loop.time
+        tally = self._tally
+        if measured:
+            # Taken when the task runs, not when it was created, so a congested loop shows as lag.
+            tally.lag.record_s(clock() - target)
+        text, body = self._inputs.next()
+        answer = await self._exchange(url, body)
+        done = clock()  # before checking the answer: the check is the client's time, not the server's
+        if isinstance(answer, str):
+            kind: str | None = answer
+        elif answer[0] != 200:
+            kind = f"http_{answer[0]}"
+        else:
+            kind = None if self._expect == "none" else _check_reverse(answer[1], text)
+        window = self._window
+        if kind is None and window.start <= done < window.end:
+            tally.answers_in_window += 1
+        if not measured:
+            return
+        elapsed = done - target
+        tally.latency_all.record_s(elapsed)
+        if kind is None:
+            tally.ok += 1
+            tally.latency.record_s(elapsed)
+            if done >= window.end:
+                tally.drained_answers += 1
+        else:
+            tally.errors[kind] += 1
+        if done >= window.end:
+            tally.last_answer_after_window_s = max(tally.last_answer_after_window_s, done - window.end)
+
+    async def _exchange(self, url: URL, body: bytes) -> tuple[int, bytes] | str:
+        """One request: the status and body, or the kind of error that prevented an answer."""
+        try:
+            return await self._client.post(url, body)
+        except TimeoutError:  # before OSError, of which it is a subclass
+            return TIMEOUT
+        except OSError:
+            return CONNECTION
+        except HttpProtocolError:
+            return PROTOCOL
+        except Exception as err:  # one odd request must not end the run; it is counted and reported
+            if self._tally.first_exception is None:
+                self._tally.first_exception = repr(err)
+            return CLIENT_EXCEPTION
+
+    async def _drain(self) -> None:
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=self._drain_timeout_s)
+
+    async def _cancel_outstanding(self) -> None:
+        pending = [task for task in self._tasks if not task.done()]
+        self._tally.unfinished += len(pending)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+
+
+def _check_reverse(payload: bytes, text: str) -> str | None:
+    """The sim backend answers the reversed input; anything else is a wrong (or unreadable) answer."""
+    try:
+        document = json.loads(payload)
+    except ValueError:
+        return BAD_BODY
+    if not isinstance(document, dict) or not isinstance(document.get("output"), str):
+        return BAD_BODY
+    return None if document["output"] == text[::-1] else WRONG_ANSWER

@@ -1,0 +1,157 @@
+"""One offered rate, measured: load from the sender, plus CPU and ``/metrics`` at the window bounds.
+
+Sampling the server and the CPU counters exactly when the measurement window opens and closes
+(while load keeps flowing) makes every per-window ratio (batch size, busy fraction, CPU per
+request) refer to the same interval as the throughput figure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from batchwire.bench.loadgen import OpenLoopSender, Tally, Window
+from batchwire.bench.procstats import CpuSampler, CpuSnapshot, GroupStats, group_stats
+from batchwire.bench.prom import Scrape, ServerStats, scrape, server_stats
+from batchwire.bench.results import GeneratorStats, RateReport
+from batchwire.bench.schedule import poisson_offsets
+
+#: Time between computing the schedule and its first send, so the first sends are not late.
+START_LEAD_S = 0.05
+#: Above this p99 lag the generator, not the server, may be what the latencies show.
+LAG_WARN_MS = 5.0
+#: A generator using more than this share of one core is close to falling behind.
+CORES_WARN = 0.8
+
+
+@dataclass(slots=True)
+class Probes:
+    """Where to look during a window: the ``/metrics`` pages and the processes whose CPU counts."""
+
+    cpu: CpuSampler
+    metrics_session: aiohttp.ClientSession | None = None
+    metrics_urls: list[str] = field(default_factory=list)
+    workers_hint: int | None = None
+
+    async def snapshot(self) -> tuple[float, CpuSnapshot, Scrape | None]:
+        at = asyncio.get_running_loop().time()
+        cpu = self.cpu.sample()
+        taken = None
+        if self.metrics_session is not None and self.metrics_urls:
+            taken = await scrape(self.metrics_session, self.metrics_urls)
+        return at, cpu, taken
+
+
+async def _sleep_until(when: float) -> None:
+    delay = when - asyncio.get_running_loop().time()
+    if delay > 0:
+        await asyncio.sleep(delay)
+
+
+async def measure_rate(
+    sender: OpenLoopSender,
+    probes: Probes,
+    *,
+    rate_rps: float,
+    duration_s: float,
+    warmup_s: float,
+    rng: random.Random,
+    event_loop: str,
+    client: str,
+) -> RateReport:
+    """Offers ``rate_rps`` for ``warmup_s + duration_s`` and reports the last ``duration_s``."""
+    loop = asyncio.get_running_loop()
+    offsets = poisson_offsets(rate_rps, warmup_s + duration_s, rng)
+    t0 = loop.time() + START_LEAD_S
+    window = Window(t0 + warmup_s, t0 + warmup_s + duration_s)
+    send = asyncio.create_task(sender.run(t0, offsets, window))
+    try:
+        await _sleep_until(window.start)
+        at_start, cpu_start, scrape_start = await probes.snapshot()
+        await _sleep_until(window.end)
+        at_end, cpu_end, scrape_end = await probes.snapshot()
+        tally = await send
+    finally:
+        if not send.done():
+            send.cancel()
+            await asyncio.gather(send, return_exceptions=True)
+    cpu_window_s = at_end - at_start
+    server = None
+    if scrape_start is not None and scrape_end is not None:
+        server = server_stats(scrape_start, scrape_end, probes.metrics_urls, probes.workers_hint)
+    generator_cpu_s = cpu_end.generator_s - cpu_start.generator_s
+    generator = GeneratorStats(
+        cpu_s=round(generator_cpu_s, 4),
+        cores=round(generator_cpu_s / cpu_window_s, 4) if cpu_window_s > 0 else 0.0,
+        us_per_request=round(generator_cpu_s * 1e6 / tally.scheduled, 1) if tally.scheduled else None,
+        max_outstanding=tally.max_outstanding,
+        event_loop=event_loop,
+        client=client,
+    )
+    return _report(
+        tally,
+        rate_rps=rate_rps,
+        duration_s=duration_s,
+        warmup_s=warmup_s,
+        generator=generator,
+        server=server,
+        processes=group_stats(cpu_start, cpu_end, cpu_window_s, tally.answers_in_window),
+    )
+
+
+def _report(
+    tally: Tally,
+    *,
+    rate_rps: float,
+    duration_s: float,
+    warmup_s: float,
+    generator: GeneratorStats,
+    server: ServerStats | None,
+    processes: dict[str, GroupStats],
+) -> RateReport:
+    lag = tally.lag.summary_ms()
+    notes: list[str] = []
+    if lag.get("p99", 0.0) > LAG_WARN_MS:
+        notes.append(
+            f"generator lag p99 {lag['p99']:.1f} ms > {LAG_WARN_MS} ms: the client fell behind its schedule; "
+            "latencies include that lag (lower the rate, or run the generator on another machine)"
+        )
+    if generator["cores"] > CORES_WARN:
+        notes.append(f"generator used {generator['cores']:.2f} cores: it is near saturation")
+    if tally.unfinished:
+        notes.append(f"{tally.unfinished} requests were still open after the drain timeout and were cancelled")
+    if tally.first_exception is not None:
+        notes.append(f"unexpected client exception (counted as client_exception): {tally.first_exception}")
+    if tally.latency.clamped:
+        notes.append(f"{tally.latency.clamped} latencies above 120 s were recorded as 120 s")
+    if server is not None and server["scrape_errors"]:
+        failed = "; ".join(f"{url}: {error}" for url, error in server["scrape_errors"].items())
+        notes.append(f"metrics scrape failed ({failed}); give --metrics-url, or --no-metrics for a server without them")
+    errors = dict(sorted(tally.errors.items()))
+    return RateReport(
+        offered_rps=rate_rps,
+        window_s=duration_s,
+        warmup_s=warmup_s,
+        scheduled=tally.scheduled,
+        sent=tally.sent,
+        ok=tally.ok,
+        errors=errors,
+        error_total=sum(errors.values()),
+        unfinished=tally.unfinished,
+        warmup_sent=tally.warmup_sent,
+        answers_in_window=tally.answers_in_window,
+        throughput_rps=round(tally.answers_in_window / duration_s, 3) if duration_s > 0 else 0.0,
+        drained_answers=tally.drained_answers,
+        drain_s=round(tally.last_answer_after_window_s, 4),
+        latency_ms=tally.latency.summary_ms(),
+        latency_all_ms=tally.latency_all.summary_ms(),
+        latency_hdr=tally.latency.encode(),
+        lag_ms=lag,
+        generator=generator,
+        server=server,
+        processes=processes,
+        notes=notes,
+    )

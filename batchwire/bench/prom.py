@@ -1,0 +1,165 @@
+"""Reads the service's Prometheus ``/metrics`` and turns two scrapes into per-window numbers.
+
+Counters only ever grow, so the difference between a scrape at the window start and one at its
+end is exactly what the service did while the load was measured, whatever ran before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TypedDict
+from urllib.parse import urlsplit, urlunsplit
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+BATCH_SIZE = "batchwire_batch_size"
+FLUSHES = "batchwire_flushes_total"
+WORKER_BUSY = "batchwire_worker_busy_seconds_total"
+
+LabelSet = frozenset[tuple[str, str]]
+SampleKey = tuple[str, LabelSet]
+
+
+def default_metrics_url(url: str) -> str:
+    """The ``/metrics`` page at the same origin as an inference URL."""
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.netloc, "/metrics", "", ""))
+
+
+def parse_samples(text: str) -> dict[SampleKey, float]:
+    """Every sample of a text exposition, keyed by sample name and labels (``*_created`` dropped)."""
+    samples: dict[SampleKey, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            samples[(sample.name, frozenset(sample.labels.items()))] = float(sample.value)
+    return samples
+
+
+@dataclass(slots=True)
+class Scrape:
+    """All endpoints' samples at one moment (``at`` on the loop clock, mid-request)."""
+
+    at: float
+    by_endpoint: dict[str, dict[SampleKey, float]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+async def scrape(session: aiohttp.ClientSession, urls: Sequence[str], timeout_s: float = 5.0) -> Scrape:
+    """Scrapes every URL at once; a failing endpoint is recorded, not raised, so load keeps going."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+
+    async def one(url: str) -> tuple[str, dict[SampleKey, float] | None, str | None]:
+        try:
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+                body = await response.text()
+                if response.status != 200:
+                    return url, None, f"HTTP {response.status}"
+        except (aiohttp.ClientError, OSError, TimeoutError) as err:
+            return url, None, f"{type(err).__name__}: {err}"
+        try:
+            return url, parse_samples(body), None
+        except ValueError as err:
+            return url, None, f"not Prometheus text: {err}"
+
+    results = await asyncio.gather(*(one(url) for url in urls))
+    snapshot = Scrape(at=(started + loop.time()) / 2)
+    for url, samples, error in results:
+        if samples is not None:
+            snapshot.by_endpoint[url] = samples
+        if error is not None:
+            snapshot.errors[url] = error
+    return snapshot
+
+
+class BucketCount(TypedDict):
+    le: str
+    count: float
+
+
+class ServerStats(TypedDict):
+    """What the service reported about one measurement window (absent metrics are None)."""
+
+    metrics_urls: list[str]
+    window_s: float
+    scrape_errors: dict[str, str]
+    batches: float
+    batch_size_mean: float | None
+    batch_size_buckets: list[BucketCount]
+    flushes: dict[str, float]
+    workers: int
+    busy_fraction: float | None
+
+
+def _delta(before: Scrape, after: Scrape) -> dict[tuple[str, SampleKey], float]:
+    """Per-endpoint counter growth; a sample missing before counts from 0 (labels appear lazily)."""
+    out: dict[tuple[str, SampleKey], float] = {}
+    for url, samples in after.by_endpoint.items():
+        if url not in before.by_endpoint:
+            continue
+        earlier = before.by_endpoint[url]
+        for key, value in samples.items():
+            out[(url, key)] = value - earlier.get(key, 0.0)
+    return out
+
+
+def _sum(delta: Mapping[tuple[str, SampleKey], float], name: str) -> float:
+    return sum(value for (_, (sample, _labels)), value in delta.items() if sample == name)
+
+
+def _by_label(delta: Mapping[tuple[str, SampleKey], float], name: str, label: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for (_, (sample, labels)), value in delta.items():
+        if sample != name:
+            continue
+        key = dict(labels).get(label, "")
+        out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def _buckets(cumulative: Mapping[str, float]) -> list[BucketCount]:
+    """Cumulative ``le`` buckets to the count in each (lower, le] range, in order."""
+    ordered = sorted(cumulative.items(), key=lambda item: math.inf if item[0] == "+Inf" else float(item[0]))
+    out: list[BucketCount] = []
+    previous = 0.0
+    for le, total in ordered:
+        out.append(BucketCount(le=le, count=round(total - previous, 6)))
+        previous = total
+    return out
+
+
+def _workers(scrape_: Scrape) -> int:
+    seen: set[tuple[str, str]] = set()
+    for url, samples in scrape_.by_endpoint.items():
+        for sample, labels in samples:
+            if sample == WORKER_BUSY:
+                seen.add((url, dict(labels).get("worker", "")))
+    return len(seen)
+
+
+def server_stats(before: Scrape, after: Scrape, urls: Iterable[str], workers_hint: int | None = None) -> ServerStats:
+    """Batch sizes, flush reasons and GPU busy fraction over the window between two scrapes."""
+    delta = _delta(before, after)
+    window_s = max(after.at - before.at, 1e-9)
+    batches = _sum(delta, f"{BATCH_SIZE}_count")
+    workers = workers_hint if workers_hint else _workers(after)
+    busy = _sum(delta, WORKER_BUSY)
+    errors = dict(before.errors)
+    errors.update(after.errors)
+    return ServerStats(
+        metrics_urls=list(urls),
+        window_s=round(window_s, 6),
+        scrape_errors=errors,
+        batches=batches,
+        batch_size_mean=_sum(delta, f"{BATCH_SIZE}_sum") / batches if batches else None,
+        batch_size_buckets=_buckets(_by_label(delta, f"{BATCH_SIZE}_bucket", "le")),
+        flushes={reason: count for reason, count in _by_label(delta, FLUSHES, "reason").items() if count},
+        workers=workers,
+        busy_fraction=busy / window_s / workers if workers else None,
+    )

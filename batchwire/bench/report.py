@@ -1,0 +1,165 @@
+"""Plain-text tables for people: one run's rates, and two runs side by side with ratios.
+
+Everything here reads the ``results.json`` structures, so a saved file prints exactly like a
+fresh run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from batchwire.bench.results import RateReport, RunReport
+
+Cell = Callable[[RateReport], float | None]
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if abs(value) >= 10_000:
+        return f"{value:.0f}"
+    return f"{value:.{digits}f}"
+
+
+def _lat(key: str) -> Cell:
+    return lambda rate: rate["latency_ms"].get(key)
+
+
+def _server(key: str) -> Cell:
+    def cell(rate: RateReport) -> float | None:
+        server = rate["server"]
+        value = server.get(key) if server is not None else None
+        return float(value) if isinstance(value, int | float) else None
+
+    return cell
+
+
+def _busy_pct(rate: RateReport) -> float | None:
+    server = rate["server"]
+    if server is None or server["busy_fraction"] is None:
+        return None
+    return 100.0 * server["busy_fraction"]
+
+
+def _cpu_us(rate: RateReport) -> float | None:
+    group = rate["processes"].get("batchwire")
+    return group["us_per_request"] if group is not None else None
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [
+        max(len(header[i]), *(len(row[i]) for row in rows)) if rows else len(header[i]) for i in range(len(header))
+    ]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines.extend("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
+    return "\n".join(lines)
+
+
+def run_table(run: RunReport) -> str:
+    """The per-rate table printed after a run (latencies in ms, CPU in µs per answered request)."""
+    title = f"== {run['label']}" + (f" (policy {run['policy']})" if run["policy"] else "")
+    header = [
+        "rate/s",
+        "sent",
+        "ok",
+        "errors",
+        "thr/s",
+        "p50",
+        "p90",
+        "p95",
+        "p99",
+        "p99.9",
+        "max",
+        "lag99",
+        "lagmax",
+        "batch",
+        "busy%",
+        "µs/req",
+        "gen%",
+    ]
+    rows = []
+    for rate in run["rates"]:
+        lag = rate["lag_ms"]
+        rows.append(
+            [
+                _fmt(rate["offered_rps"], 0),
+                str(rate["scheduled"]),
+                str(rate["ok"]),
+                str(rate["error_total"]),
+                _fmt(rate["throughput_rps"]),
+                *(_fmt(_lat(key)(rate)) for key in ("p50", "p90", "p95", "p99", "p99.9", "max")),
+                _fmt(lag.get("p99"), 2),
+                _fmt(lag.get("max")),
+                _fmt(_server("batch_size_mean")(rate), 2),
+                _fmt(_busy_pct(rate), 0),
+                _fmt(_cpu_us(rate), 0),
+                _fmt(100.0 * rate["generator"]["cores"], 0),
+            ]
+        )
+    lines = [title, _table(header, rows)]
+    for rate in run["rates"]:
+        label = f"  {rate['offered_rps']:g}/s"
+        if rate["errors"]:
+            lines.append(f"{label} errors: " + " ".join(f"{k}={v}" for k, v in rate["errors"].items()))
+        server = rate["server"]
+        if server is not None and server["flushes"]:
+            lines.append(f"{label} flushes: " + " ".join(f"{k}={v:g}" for k, v in sorted(server["flushes"].items())))
+        others = {k: g for k, g in rate["processes"].items() if k != "batchwire"}
+        if others:
+            lines.append(
+                f"{label} cpu: "
+                + " ".join(
+                    f"{k}={g['cores']:.2f} cores ({_fmt(g['us_per_request'], 0)} µs/req)" for k, g in others.items()
+                )
+            )
+        if rate["drained_answers"]:
+            lines.append(
+                f"{label} {rate['drained_answers']} answers came after the window "
+                f"(last {1000 * rate['drain_s']:.0f} ms after it)"
+            )
+        lines.extend(f"{label} NOTE: {note}" for note in rate["notes"])
+    return "\n".join(lines)
+
+
+COMPARED: tuple[tuple[str, Cell], ...] = (
+    ("thr/s", lambda rate: rate["throughput_rps"]),
+    ("p50", _lat("p50")),
+    ("p99", _lat("p99")),
+    ("p99.9", _lat("p99.9")),
+    ("batch", _server("batch_size_mean")),
+    ("busy%", _busy_pct),
+    ("µs/req", _cpu_us),
+    ("errors", lambda rate: float(rate["error_total"])),
+)
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    if a is None or b is None or a == 0:
+        return "-"
+    return f"{b / a:.2f}x"
+
+
+def compare_table(a: RunReport, b: RunReport, name_a: str = "A", name_b: str = "B") -> str:
+    """Two runs per offered rate: each metric as A, B and B/A (rates present in one run only show -)."""
+    rates_a = {rate["offered_rps"]: rate for rate in a["rates"]}
+    rates_b = {rate["offered_rps"]: rate for rate in b["rates"]}
+    lines = [
+        f"{name_a} = {a['label']}" + (f" (policy {a['policy']})" if a["policy"] else ""),
+        f"{name_b} = {b['label']}" + (f" (policy {b['policy']})" if b["policy"] else ""),
+    ]
+    halves = (COMPARED[:4], COMPARED[4:])
+    for half in halves:
+        header = ["rate/s"]
+        for metric, _ in half:
+            header += [f"{metric} {name_a}", f"{metric} {name_b}", f"{name_b}/{name_a}"]
+        rows = []
+        for offered in sorted(set(rates_a) | set(rates_b)):
+            row = [_fmt(offered, 0)]
+            for _, cell in half:
+                va = cell(rates_a[offered]) if offered in rates_a else None
+                vb = cell(rates_b[offered]) if offered in rates_b else None
+                row += [_fmt(va), _fmt(vb), _ratio(va, vb)]
+            rows.append(row)
+        lines += ["", _table(header, rows)]
+    return "\n".join(lines)

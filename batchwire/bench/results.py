@@ -1,0 +1,131 @@
+"""The ``results.json`` schema, run metadata, and reading and writing result files.
+
+The JSON is the durable record of a run: the table, the plots and ``--compare`` are all made from
+it, so a figure can be redrawn or compared months later without sending load again.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.metadata
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, TypedDict, cast
+
+from batchwire.bench.procstats import GroupStats
+from batchwire.bench.prom import ServerStats
+
+SCHEMA = "batchwire-bench/1"
+
+
+class GeneratorStats(TypedDict):
+    """The load generator's own health: if it lags or saturates a core, the latencies are suspect."""
+
+    cpu_s: float
+    cores: float
+    us_per_request: float | None
+    max_outstanding: int
+    event_loop: str
+    client: str
+
+
+class RateReport(TypedDict):
+    offered_rps: float
+    window_s: float
+    warmup_s: float
+    scheduled: int
+    sent: int
+    ok: int
+    errors: dict[str, int]
+    error_total: int
+    unfinished: int
+    warmup_sent: int
+    answers_in_window: int
+    throughput_rps: float
+    drained_answers: int
+    drain_s: float
+    latency_ms: dict[str, float]
+    latency_all_ms: dict[str, float]
+    latency_hdr: str
+    lag_ms: dict[str, float]
+    generator: GeneratorStats
+    server: ServerStats | None
+    processes: dict[str, GroupStats]
+    notes: list[str]
+
+
+class RunReport(TypedDict):
+    label: str
+    policy: str | None
+    sut: dict[str, Any] | None
+    rates: list[RateReport]
+
+
+class Results(TypedDict):
+    schema: str
+    label: str
+    config: dict[str, Any]
+    metadata: dict[str, Any]
+    runs: list[RunReport]
+
+
+def _git(*args: str) -> str | None:
+    # Asked where batchwire's code lives, not in the working directory: the commit under test is
+    # the code's, wherever the bench was started from.
+    source = Path(__file__).resolve().parent
+    try:
+        done = subprocess.run(["git", "-C", str(source), *args], capture_output=True, text=True, timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _version() -> str | None:
+    try:
+        return importlib.metadata.version("batchwire")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def metadata(started: dt.datetime) -> dict[str, Any]:
+    """Where and when the numbers were taken; a result without its machine cannot be compared."""
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "started_at": started.isoformat(timespec="seconds"),
+        "finished_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "batchwire_version": _version(),
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(status) if status is not None else None,
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "argv": sys.argv,
+    }
+
+
+def write(results: Results, out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "results.json"
+    path.write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
+    return path
+
+
+class ResultsError(Exception):
+    """A results file could not be read as batchwire bench output."""
+
+
+def load(path: Path) -> Results:
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ResultsError(f"cannot read {path}: {err}") from err
+    if not isinstance(document, dict) or document.get("schema") != SCHEMA:
+        raise ResultsError(f"{path} is not a batchwire bench result (expected schema {SCHEMA!r})")
+    return cast(Results, document)

@@ -1,0 +1,115 @@
+"""One run: every offered rate in turn against one target, over one connection pool.
+
+The pool (at most one connection per outstanding request) is kept alive across rates, so
+connection setup is paid once and does not show up as latency at a rate boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import secrets
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from batchwire.bench.client import ClientKind, make_client
+from batchwire.bench.loadgen import Expect, OpenLoopSender
+from batchwire.bench.measure import Probes, measure_rate
+from batchwire.bench.procstats import CpuSampler
+from batchwire.bench.results import RateReport, RunReport
+from batchwire.bench.schedule import InputFactory
+
+
+@dataclass(frozen=True, slots=True)
+class LoadConfig:
+    """How load is offered; the same for every run of one bench invocation."""
+
+    rates_rps: tuple[float, ...]
+    duration_s: float = 10.0
+    warmup_s: float = 2.0
+    concurrency_limit: int = 1000
+    timeout_s: float = 30.0
+    input_size: int = 32
+    seed: int = 1
+    expect: Expect = "none"
+    payload_field: str = "input"
+    pause_s: float = 1.0
+    client: ClientKind = "aiohttp"
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where the load goes and where to look while it runs."""
+
+    urls: tuple[str, ...]
+    metrics_urls: tuple[str, ...] = ()
+    pid_groups: Mapping[str, Sequence[int]] = field(default_factory=dict)
+    workers_hint: int | None = None
+
+
+def event_loop_name() -> str:
+    loop = asyncio.get_running_loop()
+    return f"{type(loop).__module__}.{type(loop).__name__}"
+
+
+async def bench_run(
+    load: LoadConfig,
+    target: Target,
+    run: RunReport,
+    progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+) -> RunReport:
+    """Measures every rate, appending each to ``run["rates"]`` as it completes (so an interrupted run
+    keeps what it measured)."""
+    rng = random.Random(load.seed)
+    inputs = InputFactory(load.input_size, rng, field=load.payload_field, nonce=secrets.token_hex(2))
+    client = make_client(load.client, load.concurrency_limit, load.timeout_s)
+    metrics_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=16)) if target.metrics_urls else None
+    try:
+        sender = OpenLoopSender(
+            client,
+            target.urls,
+            inputs,
+            concurrency_limit=load.concurrency_limit,
+            expect=load.expect,
+            drain_timeout_s=load.timeout_s + 1.0,
+        )
+        probes = Probes(
+            cpu=CpuSampler(target.pid_groups),
+            metrics_session=metrics_session,
+            metrics_urls=list(target.metrics_urls),
+            workers_hint=target.workers_hint,
+        )
+        loop_name = event_loop_name()
+        for index, rate in enumerate(load.rates_rps):
+            if index:
+                await asyncio.sleep(load.pause_s)
+            progress(f"  {rate:g} req/s for {load.warmup_s:g} s warm-up + {load.duration_s:g} s ...")
+            report = await measure_rate(
+                sender,
+                probes,
+                rate_rps=rate,
+                duration_s=load.duration_s,
+                warmup_s=load.warmup_s,
+                rng=rng,
+                event_loop=loop_name,
+                client=load.client,
+            )
+            run["rates"].append(report)
+            progress(_one_line(report))
+    finally:
+        await client.close()
+        if metrics_session is not None:
+            await metrics_session.close()
+    return run
+
+
+def _one_line(rate: RateReport) -> str:
+    latency = rate["latency_ms"]
+    return (
+        f"    ok {rate['ok']}/{rate['scheduled']}, errors {rate['error_total']}, "
+        f"{rate['throughput_rps']:.1f} answers/s, p50 {latency.get('p50', 0):.1f} ms, "
+        f"p99 {latency.get('p99', 0):.1f} ms, lag p99 {rate['lag_ms'].get('p99', 0):.2f} ms"
+    )

@@ -1,0 +1,91 @@
+"""A stand-in inference server for bench tests: answers the reversed input after a fixed delay.
+
+It runs in its own thread with its own event loop, so a test can drive ``batchwire bench`` either
+through ``main()`` (which owns an event loop) or through the async API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+
+@dataclass
+class Behaviour:
+    """What the fake does: ``fail_every``-th request gets 503, ``wrong_every``-th a wrong answer."""
+
+    delay_s: float = 0.0
+    fail_every: int = 0
+    wrong_every: int = 0
+    batch_size: int = 2
+
+
+@dataclass
+class FakeServer:
+    behaviour: Behaviour
+    url: str = ""
+    metrics_url: str = ""
+    requests: int = 0
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        self.batch_size = Histogram(
+            "batchwire_batch_size", "items per batch", ["model"], buckets=(1, 2, 4, 8), registry=self.registry
+        )
+        self.flushes = Counter("batchwire_flushes", "flushes", ["model", "reason"], registry=self.registry)
+        self.busy = Counter("batchwire_worker_busy_seconds", "busy", ["worker"], registry=self.registry)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="fake-server", daemon=True)
+        self._runner: web.AppRunner | None = None
+
+    async def _inference(self, request: web.Request) -> web.Response:
+        self.requests += 1
+        number = self.requests
+        document = await request.json()
+        text = document["input"]
+        if self.behaviour.delay_s:
+            await asyncio.sleep(self.behaviour.delay_s)
+        if self.behaviour.fail_every and number % self.behaviour.fail_every == 0:
+            return web.json_response({"error": "overloaded"}, status=503)
+        if number % self.behaviour.batch_size == 0:
+            self.batch_size.labels("m").observe(self.behaviour.batch_size)
+            self.flushes.labels("m", "full").inc()
+            self.busy.labels("0").inc(self.behaviour.delay_s)
+        answer = text[::-1]
+        if self.behaviour.wrong_every and number % self.behaviour.wrong_every == 0:
+            answer = text
+        return web.json_response({"output": answer})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry), content_type="text/plain")
+
+    async def _start(self) -> int:
+        app = web.Application()
+        app.router.add_post("/v1/inference", self._inference)
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+        await web.SockSite(self._runner, sock).start()
+        return port
+
+    def start(self) -> FakeServer:
+        self._thread.start()
+        port = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        self.url = f"http://127.0.0.1:{port}/v1/inference"
+        self.metrics_url = f"http://127.0.0.1:{port}/metrics"
+        return self
+
+    def stop(self) -> None:
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()

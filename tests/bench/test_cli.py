@@ -1,0 +1,152 @@
+"""``batchwire bench`` end to end through ``main()``: table, results.json, plots, --compare, usage errors."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from batchwire.bench.cli import main
+from batchwire.bench.results import SCHEMA
+from tests.bench.fake_server import Behaviour, FakeServer
+
+RATE_KEYS = {
+    "offered_rps",
+    "window_s",
+    "warmup_s",
+    "scheduled",
+    "sent",
+    "ok",
+    "errors",
+    "error_total",
+    "unfinished",
+    "warmup_sent",
+    "answers_in_window",
+    "throughput_rps",
+    "drained_answers",
+    "drain_s",
+    "latency_ms",
+    "latency_all_ms",
+    "latency_hdr",
+    "lag_ms",
+    "generator",
+    "server",
+    "processes",
+    "notes",
+}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """One real run (two rates) against a fake server, shared by the tests that only read its output."""
+    server = FakeServer(Behaviour(delay_s=0.05, fail_every=10)).start()
+    out = tmp_path_factory.mktemp("bench")
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            status = main(
+                [
+                    "--url",
+                    server.url,
+                    "--rate",
+                    "20,60",
+                    "--duration",
+                    "1",
+                    "--warmup",
+                    "0.2",
+                    "--pause",
+                    "0",
+                    "--check",
+                    "--out",
+                    str(out),
+                    "--label",
+                    "fake",
+                    "--seed",
+                    "5",
+                    "--backend-latency-ms",
+                    "50",
+                ]
+            )
+    finally:
+        server.stop()
+    assert status == 0
+    return out, printed.getvalue()
+
+
+def test_table_lists_every_rate_and_the_errors(finished_run: tuple[Path, str]) -> None:
+    _, printed = finished_run
+    assert "== fake" in printed
+    for column in ("p50", "p99.9", "lag99", "batch", "µs/req"):
+        assert column in printed
+    assert "20/s errors: http_503=" in printed
+    assert "60/s flushes: full=" in printed
+
+
+def test_results_json_has_config_metadata_and_every_rate(finished_run: tuple[Path, str]) -> None:
+    out, _ = finished_run
+    document = json.loads((out / "results.json").read_text())
+    assert document["schema"] == SCHEMA
+    assert document["label"] == "fake"
+    assert document["config"]["rate"] == [20.0, 60.0]
+    assert document["config"]["check"] is True
+    assert {"git_commit", "cpu_count", "started_at", "finished_at", "python"} <= set(document["metadata"])
+    (run,) = document["runs"]
+    assert [rate["offered_rps"] for rate in run["rates"]] == [20.0, 60.0]
+    for rate in run["rates"]:
+        assert set(rate) == RATE_KEYS
+        assert {"p50", "p90", "p95", "p99", "p99.9", "max", "count"} <= set(rate["latency_ms"])
+        assert {"p50", "p99", "max"} <= set(rate["lag_ms"])
+        assert rate["latency_hdr"], "the encoded HDR histogram is kept for later analysis"
+        assert rate["server"]["batch_size_mean"] == pytest.approx(2.0)
+        assert set(rate["generator"]) == {"cpu_s", "cores", "us_per_request", "max_outstanding", "event_loop", "client"}
+
+
+def test_plots_are_png_files(finished_run: tuple[Path, str]) -> None:
+    out, _ = finished_run
+    for name in ("latency.png", "throughput.png", "batch_sizes.png"):
+        data = (out / name).read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n"), f"{name} is not a PNG"
+        assert len(data) > 5000, f"{name} has {len(data)} bytes: nothing drawn?"
+
+
+def test_compare_prints_ratios(
+    finished_run: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, _ = finished_run
+    document = json.loads((out / "results.json").read_text())
+    slower = copy.deepcopy(document)
+    slower["runs"][0]["label"] = "slower"
+    for rate_a, rate_b in zip(document["runs"][0]["rates"], slower["runs"][0]["rates"], strict=True):
+        rate_b["latency_ms"]["p99"] = 2 * rate_a["latency_ms"]["p99"]
+    (tmp_path / "b.json").write_text(json.dumps(slower))
+    assert main(["--compare", str(out / "results.json"), str(tmp_path / "b.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "B = slower" in printed
+    assert "p99 B/A" not in printed  # one ratio column per metric, headed B/A
+    assert printed.count("2.00x") == 2, f"both rates should show p99 doubled:\n{printed}"
+    assert "1.00x" in printed
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--duration", "1"], "--rate is required"),
+        (["--rate", "10", "--policies", "classic,work-conserving"], "--policies needs --start"),
+        (["--rate", "10", "--gateways", "2"], "need --start kafka"),
+        (["--rate", "10", "--start", "embedded", "--url", "http://x/"], "exclude each other"),
+    ],
+)
+def test_usage_errors_say_which_flag(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_compare_refuses_other_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    other = tmp_path / "x.json"
+    other.write_text("{}")
+    assert main(["--compare", str(other), str(other)]) == 2
+    assert "not a batchwire bench result" in capsys.readouterr().err

@@ -1,0 +1,70 @@
+"""Prometheus parsing and the per-window difference of two scrapes."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchwire.bench.prom import Scrape, default_metrics_url, parse_samples, server_stats
+
+BEFORE = """
+# TYPE batchwire_batch_size histogram
+batchwire_batch_size_bucket{model="m",le="1.0"} 2.0
+batchwire_batch_size_bucket{model="m",le="4.0"} 2.0
+batchwire_batch_size_bucket{model="m",le="+Inf"} 2.0
+batchwire_batch_size_count{model="m"} 2.0
+batchwire_batch_size_sum{model="m"} 2.0
+# TYPE batchwire_flushes counter
+batchwire_flushes_total{model="m",reason="max_wait"} 2.0
+batchwire_flushes_created{model="m",reason="max_wait"} 1.7e9
+# TYPE batchwire_worker_busy_seconds counter
+batchwire_worker_busy_seconds_total{worker="w0"} 1.0
+"""
+
+AFTER = """
+# TYPE batchwire_batch_size histogram
+batchwire_batch_size_bucket{model="m",le="1.0"} 3.0
+batchwire_batch_size_bucket{model="m",le="4.0"} 6.0
+batchwire_batch_size_bucket{model="m",le="+Inf"} 7.0
+batchwire_batch_size_count{model="m"} 7.0
+batchwire_batch_size_sum{model="m"} 22.0
+# TYPE batchwire_flushes counter
+batchwire_flushes_total{model="m",reason="max_wait"} 3.0
+batchwire_flushes_total{model="m",reason="full"} 4.0
+# TYPE batchwire_worker_busy_seconds counter
+batchwire_worker_busy_seconds_total{worker="w0"} 2.5
+batchwire_worker_busy_seconds_total{worker="w1"} 0.5
+"""
+
+
+def test_default_metrics_url_keeps_the_origin() -> None:
+    assert default_metrics_url("http://h:8000/v1/inference?x=1") == "http://h:8000/metrics"
+
+
+def test_parse_drops_created_samples() -> None:
+    samples = parse_samples(BEFORE)
+    assert not any(name.endswith("_created") for name, _ in samples)
+    assert samples[("batchwire_flushes_total", frozenset({("model", "m"), ("reason", "max_wait")}))] == 2.0
+
+
+def test_server_stats_is_the_difference_over_the_window() -> None:
+    url = "http://x/metrics"
+    before = Scrape(at=10.0, by_endpoint={url: parse_samples(BEFORE)})
+    after = Scrape(at=12.0, by_endpoint={url: parse_samples(AFTER)})
+    stats = server_stats(before, after, [url])
+    assert stats["batches"] == 5
+    assert stats["batch_size_mean"] == pytest.approx(20 / 5)
+    assert [(b["le"], b["count"]) for b in stats["batch_size_buckets"]] == [("1.0", 1), ("4.0", 3), ("+Inf", 1)]
+    assert stats["flushes"] == {"max_wait": 1.0, "full": 4.0}
+    assert stats["workers"] == 2
+    # 1.5 + 0.5 busy seconds over 2 s and 2 workers
+    assert stats["busy_fraction"] == pytest.approx(0.5)
+
+
+def test_workers_hint_wins_and_missing_metrics_give_none() -> None:
+    url = "http://x/metrics"
+    empty = Scrape(at=0.0, by_endpoint={url: {}})
+    later = Scrape(at=1.0, by_endpoint={url: {}}, errors={"http://y/metrics": "HTTP 404"})
+    stats = server_stats(empty, later, [url], workers_hint=3)
+    assert stats["batch_size_mean"] is None
+    assert stats["busy_fraction"] == 0.0
+    assert stats["scrape_errors"] == {"http://y/metrics": "HTTP 404"}
