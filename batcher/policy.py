@@ -47,6 +47,12 @@ class FlushPolicy:
     flush_on_idle_worker: bool = True
     deadline_margin_ms: float = 0.0
     """Seal early when the most urgent pending item has less than this left (0 disables)."""
+    reserve_ms: float = 0.0
+    """Low-load reserve (0 disables): see ``BatchFormer.reserve_s``."""
+    reserve_max_load: float = 3.0
+    """The reserve applies only while fewer than this many requests arrive per backend call."""
+    fresh_ms: float = 1.0
+    """An item read within this long counts as a fresh arrival."""
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -55,8 +61,11 @@ class FlushPolicy:
             raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms} (BATCHWIRE_MAX_WAIT_MS)")
 
     @classmethod
-    def work_conserving(cls, max_batch: int = 100, max_wait_ms: float = 1000.0) -> FlushPolicy:
-        return cls(PolicyName.WORK_CONSERVING, max_batch, max_wait_ms, flush_on_idle_worker=True)
+    def work_conserving(
+        cls, max_batch: int = 100, max_wait_ms: float = 1000.0, reserve_ms: float = 50.0
+    ) -> FlushPolicy:
+        return cls(PolicyName.WORK_CONSERVING, max_batch, max_wait_ms, flush_on_idle_worker=True,
+                   reserve_ms=reserve_ms)
 
     @classmethod
     def classic(cls, max_batch: int = 32, max_wait_ms: float = 50.0) -> FlushPolicy:
@@ -71,6 +80,7 @@ class FlushPolicy:
             base.max_batch if max_batch is None else max_batch,
             base.max_wait_ms if max_wait_ms is None else max_wait_ms,
             base.flush_on_idle_worker,
+            reserve_ms=base.reserve_ms,
         )
 
 
@@ -103,12 +113,21 @@ class Taken(Generic[Item]):
 
 
 class _ModelQueue(Generic[Item]):
-    __slots__ = ("min_deadline_s", "pending", "sealed")
+    __slots__ = ("gap_s", "last_read_s", "min_deadline_s", "pending", "sealed")
 
     def __init__(self) -> None:
         self.pending: list[Pending[Item]] = []
         self.sealed: deque[Sealed[Item]] = deque()
         self.min_deadline_s = float("inf")
+        self.last_read_s = float("-inf")
+        self.gap_s = float("inf")
+        """Moving average of the time between arrivals (the inverse of the arrival rate)."""
+
+    def arrived(self, now: float) -> None:
+        if self.last_read_s != float("-inf"):
+            gap = now - self.last_read_s
+            self.gap_s = gap if self.gap_s == float("inf") else 0.9 * self.gap_s + 0.1 * gap
+        self.last_read_s = now
 
 
 class BatchFormer(Generic[Item]):
@@ -128,6 +147,7 @@ class BatchFormer(Generic[Item]):
     # feeding ---------------------------------------------------------------------------------
     def add(self, model: str, pending: Pending[Item]) -> None:
         queue = self._queue(model)
+        queue.arrived(self.clock())
         queue.pending.append(pending)
         if pending.deadline_s < queue.min_deadline_s:
             queue.min_deadline_s = pending.deadline_s
@@ -172,6 +192,35 @@ class BatchFormer(Generic[Item]):
         if queue is None:
             return False
         return bool(queue.sealed) or (self.policy.flush_on_idle_worker and bool(queue.pending))
+
+    def reserve_s(self, model: str, call_s: float) -> float:
+        """How long to keep a just-claimed idle worker in reserve rather than send it what waits.
+
+        At low load most latency comes from arrivals that find every worker busy. Items that
+        already waited for a worker have lost that race; a fresh arrival has not. So when only
+        stale items wait (none read in the last ``fresh_ms``) and the load is light, the batcher
+        holds the idle worker for up to this long: a fresh arrival takes it at once (with the
+        stale items), or a second worker that frees takes the stale items and this one stays
+        idle. It trades some tail latency at low load for a median at the backend's latency;
+        at higher load fresh arrivals never stop and this returns 0 (plain work conservation).
+        """
+        policy = self.policy
+        queue = self._models.get(model)
+        if (
+            policy.reserve_ms <= 0
+            or not policy.flush_on_idle_worker
+            or queue is None
+            or queue.sealed
+            or not queue.pending
+            or call_s <= 0
+        ):
+            return 0.0
+        now = self.clock()
+        if now - queue.last_read_s <= policy.fresh_ms / 1000.0:
+            return 0.0
+        if call_s / queue.gap_s >= policy.reserve_max_load:
+            return 0.0
+        return policy.reserve_ms / 1000.0
 
     def take(self, model: str, limit: int = 0) -> Taken[Item]:
         """The batch for one credit: the oldest sealed batch, else (work-conserving) all pending.

@@ -153,3 +153,31 @@ def test_a_worker_with_a_smaller_max_batch_gets_a_cut_batch_and_the_rest_waits(c
     assert former.ready("m")
     rest = former.take("m")
     assert [p.item for p in rest.items] == [f"r{n}" for n in range(32, 50)], "the remainder keeps its order"
+
+
+def test_low_load_reserve_holds_an_idle_worker_only_for_stale_items(clock: FakeClock) -> None:
+    former: BatchFormer[str] = BatchFormer(FlushPolicy.work_conserving(reserve_ms=50), clock)
+    former.add("m", item(clock, 0))
+    assert former.reserve_s("m", call_s=0.1) == 0.0, "a fresh arrival is sent at once"
+    clock.advance(0.2)
+    former.add("m", item(clock, 1))  # arrivals 200 ms apart: 0.5 per 100 ms call, light load
+    clock.advance(0.03)
+    assert former.reserve_s("m", call_s=0.1) == pytest.approx(0.05), "stale items at light load: hold"
+    assert former.reserve_s("m", call_s=0.0) == 0.0, "unknown backend latency: no hold"
+
+
+def test_reserve_is_off_under_load_and_for_sealed_batches(clock: FakeClock) -> None:
+    former: BatchFormer[str] = BatchFormer(FlushPolicy.work_conserving(reserve_ms=50), clock)
+    for n in range(20):  # 1 ms apart: 100 arrivals per 100 ms call
+        former.add("m", item(clock, n))
+        clock.advance(0.001)
+    clock.advance(0.01)
+    assert former.reserve_s("m", call_s=0.1) == 0.0, "heavy load: plain work conservation"
+    classic: BatchFormer[str] = BatchFormer(FlushPolicy.classic(), clock)
+    classic.add("m", item(clock, 0))
+    clock.advance(1)
+    assert classic.reserve_s("m", call_s=0.1) == 0.0, "the classic policy has no reserve"
+    sealed: BatchFormer[str] = BatchFormer(FlushPolicy.work_conserving(max_batch=1, reserve_ms=50), clock)
+    sealed.add("m", item(clock, 0))
+    clock.advance(1)
+    assert sealed.reserve_s("m", call_s=0.1) == 0.0, "a sealed batch goes at once"
