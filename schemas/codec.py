@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import io
 import json
-from dataclasses import asdict
+from dataclasses import fields
 from enum import IntEnum
 from importlib import resources
 from typing import Any, Generic, TypeVar
@@ -100,6 +100,17 @@ class _Codec(Generic[T]):
         return record
 
 
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _as_record(obj: Any) -> dict[str, Any]:
+    """A dataclass as a dict, shallow: ``dataclasses.asdict`` deep-copies and costs ~15 µs a record."""
+    names = _FIELD_NAMES.get(type(obj))
+    if names is None:
+        names = _FIELD_NAMES[type(obj)] = tuple(f.name for f in fields(obj))
+    return {name: getattr(obj, name) for name in names}
+
+
 _request = _Codec[InferenceRequest](Kind.REQUEST)
 _batch = _Codec[Batch](Kind.BATCH)
 _credit = _Codec[Credit](Kind.CREDIT)
@@ -107,7 +118,7 @@ _state = _Codec[TaskState](Kind.TASK_STATE)
 
 
 def encode_request(request: InferenceRequest) -> bytes:
-    return _request.encode_dict(asdict(request))
+    return _request.encode_dict(_as_record(request))
 
 
 def decode_request(data: bytes) -> InferenceRequest:
@@ -122,7 +133,7 @@ def encode_batch(batch: Batch) -> bytes:
         "created_at_ms": batch.created_at_ms,
         "flush_reason": batch.flush_reason,
         "credit": batch.credit,
-        "items": [asdict(item) for item in batch.items],
+        "items": [_as_record(item) for item in batch.items],
     }
     return _batch.encode_dict(record)
 
@@ -134,7 +145,7 @@ def decode_batch(data: bytes) -> Batch:
 
 
 def encode_credit(credit: Credit) -> bytes:
-    return _credit.encode_dict(asdict(credit))
+    return _credit.encode_dict(_as_record(credit))
 
 
 def decode_credit(data: bytes) -> Credit:
@@ -142,7 +153,7 @@ def decode_credit(data: bytes) -> Credit:
 
 
 def encode_state(state: TaskState) -> bytes:
-    record = asdict(state)
+    record = _as_record(state)
     record["status"] = state.status.value
     return _state.encode_dict(record)
 
