@@ -4,6 +4,11 @@ Dispatch is credit-based. An idle worker offers one credit naming its batch-topi
 model's dispatcher claims a credit only when it has something to send, and sends exactly one batch
 against it. So a batch always goes to a worker that is idle right now, never queues behind a busy
 one, and the first worker to free up gets the next batch, whichever batcher holds it.
+
+Kafka or Redis going away stops no loop: reads, claims and expiry writes are retried with backoff
+until they work (a failed send is given back and tried again; a failed ``batched`` write is only
+logged, the worker's writes follow). Only an error that retrying cannot fix ends a loop, and a
+loop that ends sets ``failed`` so the process exits non-zero instead of hanging.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 from batcher.offsets import OffsetTracker
 from batcher.policy import BatchFormer, Pending, Taken
@@ -30,6 +36,8 @@ from batchwire.transport.base import (
 from schemas.records import Batch, BatchItem, Credit, InferenceRequest, TaskState, TaskStatus
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def wall_ms() -> int:
@@ -129,7 +137,9 @@ class Batcher:
         settings = self.settings
         while True:
             await self._room.wait()
-            records = await self.consumer.fetch(settings.fetch_timeout_s, settings.fetch_max_records)
+            records = await self._retry(
+                "reading requests", lambda: self.consumer.fetch(settings.fetch_timeout_s, settings.fetch_max_records)
+            )
             if records:
                 self._accept(records)
 
@@ -185,19 +195,26 @@ class Batcher:
                 wake.clear()
                 await wake.wait()
                 continue
-            credit = await self.credits.claim(model, self.settings.claim_timeout_s)
+            credit = await self._retry(
+                f"claiming a credit for {model}", lambda: self.credits.claim(model, self.settings.claim_timeout_s)
+            )
             if credit is None:
                 continue
             metrics.IDLE_WORKERS.labels(model=model).set(0)
             await self._send(model, credit)
 
     async def _send(self, model: str, credit: Credit) -> None:
+        expired: list[Pending[InferenceRequest]] = []
+        await self._send_locked(model, credit, expired)
+        if expired:  # written outside the hand-over lock: a slow store must not hold up a rebalance
+            await self._expire(expired)
+
+    async def _send_locked(self, model: str, credit: Credit, expired: list[Pending[InferenceRequest]]) -> None:
         async with self._handover:
             taken = self.former.take(model, credit.max_batch)
-            if taken.expired:
-                await self._expire(taken.expired)
+            expired.extend(taken.expired)
             if not taken.items:
-                await self.credits.offer(credit)
+                await self._offer_back(credit)
                 return
             batch = self._batch(model, taken, credit)
             try:
@@ -205,7 +222,7 @@ class Batcher:
             except TransportError as err:
                 log.warning("could not hand batch %s to %s: %s; will retry", batch.batch_id, credit.worker_id, err)
                 self.former.give_back(model, taken)
-                await self.credits.offer(credit)
+                await self._offer_back(credit)
                 await asyncio.sleep(self.settings.send_retry_s)  # back off a failing bus, then try again
                 return
             for pending in taken.items:
@@ -216,21 +233,23 @@ class Batcher:
         if self.former.held(model) < self.settings.max_held:
             self._room.set()
         now = wall_ms()
-        await self.store.apply(
-            [
-                TaskState(
-                    item.task_id,
-                    TaskStatus.BATCHED,
-                    model,
-                    now,
-                    item.enqueued_at_ms,
-                    batch_id=batch.batch_id,
-                    batch_size=len(batch.items),
-                    reply_to=item.reply_to,
-                )
-                for item in batch.items
-            ]
-        )
+        batched = [
+            TaskState(
+                item.task_id,
+                TaskStatus.BATCHED,
+                model,
+                now,
+                item.enqueued_at_ms,
+                batch_id=batch.batch_id,
+                batch_size=len(batch.items),
+                reply_to=item.reply_to,
+            )
+            for item in batch.items
+        ]
+        try:
+            await self.store.apply(batched)
+        except TransportError as err:  # informational: the worker's running/completed writes follow
+            log.warning("could not mark batch %s's %d tasks batched: %s", batch.batch_id, len(batched), err)
 
     def _batch(self, model: str, taken: Taken[InferenceRequest], credit: Credit) -> Batch:
         reason = taken.reason.value if taken.reason is not None else "idle_worker"
@@ -253,11 +272,38 @@ class Batcher:
             wait.observe(max(0.0, now - pending.arrived_s))
         metrics.PENDING.labels(model=model).set(self.former.held(model))
 
+    async def _offer_back(self, credit: Credit) -> None:
+        """Returns an unused credit; if that fails the worker re-offers it when it expires."""
+        try:
+            await self.credits.offer(credit)
+        except TransportError as err:
+            log.warning("could not hand back credit %s: %s (its worker re-offers it)", credit.ref, err)
+
+    async def _retry(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
+        """``op`` until it works; raises only an error that retrying cannot fix (or a cancellation)."""
+        failures = 0
+        while True:
+            try:
+                result = await op()
+            except TransportError as err:
+                if not err.retriable:
+                    raise
+                failures += 1
+                if failures == 1 or failures % 20 == 0:
+                    log.warning(
+                        "batcher %s: %s failed (%d tries): %s; retrying", self.settings.batcher_id, what, failures, err
+                    )
+                await asyncio.sleep(min(0.05 * 2 ** min(failures, 10), self.settings.retry_max_s))
+                continue
+            if failures:
+                log.info("batcher %s: %s works again after %d failed tries", self.settings.batcher_id, what, failures)
+            return result
+
     async def _expire(self, expired: list[Pending[InferenceRequest]]) -> None:
+        """Ends held requests whose deadline passed; their offsets are done once that is stored."""
         now = wall_ms()
         states = []
         for pending in expired:
-            self.offsets.finish(pending.partition, pending.offset)
             request = pending.item
             states.append(
                 TaskState(
@@ -273,7 +319,9 @@ class Batcher:
                 )
             )
             metrics.TASKS_ENDED.labels(model=request.model, status="expired").inc()
-        await self.store.apply(states)
+        await self._retry(f"storing {len(states)} expired task(s)", lambda: self.store.apply(states))
+        for pending in expired:
+            self.offsets.finish(pending.partition, pending.offset)
 
     async def _commit(self) -> None:
         offsets = self.offsets.committable()

@@ -22,6 +22,8 @@ class BatcherSettings:
     max_held: int = 50_000
     """Requests held in memory (pending + sealed) above which the batcher stops reading."""
     send_retry_s: float = 0.2
+    retry_max_s: float = 2.0
+    """Longest pause between tries while Kafka or Redis is unreachable."""
 
     def __post_init__(self) -> None:
         if self.max_held < self.policy.max_batch:

@@ -68,6 +68,23 @@ def _gateway_opts(parser: argparse.ArgumentParser, default_port: int) -> None:
     _add(parser, "--max-input-chars", 65_536, int, "longest accepted input, in characters")
     _add(parser, "--max-body-bytes", 1_048_576, int, "largest accepted request body")
     _add(parser, "--max-inflight", 10_000, int, "requests one gateway holds at once before answering 503")
+    _add(
+        parser,
+        "--max-queue-depth",
+        20_000,
+        int,
+        "requests accepted deployment-wide and not yet at a worker before submits get 503 (0: no limit)",
+    )
+    _add(parser, "--rate-limit-per-s", 0.0, float, "submits per second per client, shared by all gateways (0: off)")
+    _add(parser, "--rate-limit-burst", 0, int, "submits a client may save up (0: one second's worth of the rate)")
+    _add(
+        parser,
+        "--api-keys",
+        None,
+        str,
+        "comma-separated API keys, or sha256:<hex> digests of them; prefer the variable or the file to the flag",
+    )
+    _add(parser, "--api-keys-file", None, str, "file of API keys (or sha256:<hex> digests), one a line")
 
 
 def _batcher_opts(parser: argparse.ArgumentParser) -> None:
@@ -88,6 +105,14 @@ def _worker_opts(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--device", "auto", str, "hf backend: auto, cpu, cuda or cuda:N")
     _add(parser, "--dtype", "auto", str, "hf backend: auto, float32, float16 or bfloat16")
     _add(parser, "--batch-log", None, str, "append one JSON line per batch run to this file (audits, tests)")
+    _add(parser, "--credit-ttl-s", 5.0, float, "an idle worker's credit lives this long; it is renewed while unclaimed")
+    _add(parser, "--max-deliveries", 3, int, "an input in flight alone at this many worker deaths is dead-lettered")
+    _add(parser, "--hang-factor", 10.0, float, "a backend call this many times its expected latency is hung (0: off)")
+    _add(parser, "--hang-min-s", 5.0, float, "the hang limit is never shorter than this")
+    _add(parser, "--expected-latency-ms", None, float, "expected backend call latency (default: moving average)")
+    _add(parser, "--drain-timeout-s", 30.0, float, "on SIGTERM, how long the batch in hand may still run")
+    _add(parser, "--sim-hang-on", None, str, "sim backend (fault tests): hang forever on an input containing this")
+    _add(parser, "--sim-crash-on", None, str, "sim backend (fault tests): exit 70 at once on an input containing this")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     _batcher_opts(batcher)
     _add(batcher, "--batcher-id", None, str, "unique id of this batcher (random when unset)")
     _add(batcher, "--metrics-port", 0, int, "serve Prometheus /metrics on this port (0: off)")
+    _add(batcher, "--session-timeout-ms", 3000, int, "Kafka group session: a dead batcher's requests move after this")
 
     worker = sub.add_parser("worker", help="a GPU worker process, over Kafka and Redis")
     _shared(worker)
@@ -121,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(worker, "--worker-id", None, str, "unique id of this worker (random when unset)")
     _add(worker, "--max-batch", None, int, "largest batch this worker's backend takes (sim: 100, hf: 32)")
     _add(worker, "--metrics-port", 0, int, "serve Prometheus /metrics on this port (0: off)")
+    _add(worker, "--session-timeout-ms", 3000, int, "Kafka group session: a dead worker's batches move after this")
 
     stack = sub.add_parser("stack", help="start or stop a local Kafka broker and Redis server in the background")
     stack.add_argument("action", choices=["up", "down", "status"])

@@ -1,12 +1,15 @@
 """Embedded mode: gateway, batcher and workers in one process over in-memory transports.
 
 The same ``Batcher``, ``Worker`` and ``Gateway`` classes as the multi-process deployment; only
-the transports differ.
+the transports differ. A worker whose backend hangs is replaced in place, as a process supervisor
+would restart a worker process: a fresh ``Worker`` over a fresh backend and thread takes its
+partition, and the batch it held is sent to that partition again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,9 +18,11 @@ from batcher.service import Batcher
 from batcher.settings import BatcherSettings
 from batchwire.routing import Partitioner
 from batchwire.settings import SharedSettings
+from batchwire.transport.deliveries import MemoryDeadLetters, MemoryDeliveryLog
 from batchwire.transport.memory import (
     MemoryBatchBus,
     MemoryCreditPool,
+    MemoryQueueDepth,
     MemoryRequestBus,
     MemoryTaskStore,
 )
@@ -52,6 +57,8 @@ class EmbeddedSettings:
     batcher: BatcherSettings = field(default_factory=BatcherSettings)
     workers_per_model: int = 2
     batch_log: str | None = None
+    worker: WorkerSettings = field(default_factory=WorkerSettings)
+    """Template of every worker's settings (its id, model and batch log are set per worker)."""
 
 
 class EmbeddedRuntime:
@@ -63,34 +70,72 @@ class EmbeddedRuntime:
         self.partitioner = Partitioner(shared.models, shared.request_partitions)
         self.requests = MemoryRequestBus(self.partitioner)
         self.producer = self.requests.producer()
+        self.queue_depth = MemoryQueueDepth(self.requests)  # for the gateway's max_queue_depth
         self.store = MemoryTaskStore(ttl_s=shared.result_ttl_s)
         self.credits = MemoryCreditPool()
         self.batch_buses = {model: MemoryBatchBus(settings.workers_per_model) for model in shared.models}
         self.batcher = Batcher(
             settings.batcher, self.requests.consumer(), _BatchRouter(self.batch_buses), self.credits, self.store
         )
-        self.workers: list[Worker] = []
-        for model in shared.models:
-            for index in range(settings.workers_per_model):
-                worker_settings = WorkerSettings(
-                    worker_id=f"{model}-worker-{index}", model=model, batch_log=settings.batch_log
-                )
-                journal = BatchJournal(settings.batch_log) if settings.batch_log else None
-                self.workers.append(
-                    Worker(
-                        worker_settings,
-                        self.batch_buses[model].consumer(index),
-                        self.credits,
-                        self.store,
-                        backend_factory(model, index),
-                        journal,
-                    )
-                )
+        self.backend_factory = backend_factory
+        self.deliveries = MemoryDeliveryLog(ttl_s=shared.result_ttl_s)
+        self.dead_letters = MemoryDeadLetters()
+        self._slots = [(model, index) for model in shared.models for index in range(settings.workers_per_model)]
+        self._generations = [0] * len(self._slots)
+        self.workers: list[Worker] = [self._worker(slot) for slot in range(len(self._slots))]
+        self.replaced = 0
+        self._watchers: list[asyncio.Task[None]] = []
+
+    def _worker(self, slot: int) -> Worker:
+        model, index = self._slots[slot]
+        generation = self._generations[slot]
+        worker_id = f"{model}-worker-{index}" + (f".{generation}" if generation else "")
+        worker_settings = dataclasses.replace(
+            self.settings.worker, worker_id=worker_id, model=model, batch_log=self.settings.batch_log
+        )
+        journal = BatchJournal(self.settings.batch_log) if self.settings.batch_log else None
+        return Worker(
+            worker_settings,
+            self.batch_buses[model].consumer(index),
+            self.credits,
+            self.store,
+            self.backend_factory(model, index),
+            journal,
+            deliveries=self.deliveries,
+            dead_letters=self.dead_letters,
+        )
+
+    async def _watch(self, slot: int) -> None:
+        """Replaces the slot's worker whenever its backend hangs; a crashed worker stays down (unready)."""
+        while True:
+            worker = self.workers[slot]
+            await worker.failed.wait()
+            if not worker.hung:
+                log.error("embedded worker %s crashed and is not replaced", worker.settings.worker_id)
+                return
+            model, index = self._slots[slot]
+            batch = worker.hung_batch
+            await worker.close(drain_timeout_s=0)
+            self._generations[slot] += 1
+            fresh = self._worker(slot)
+            await fresh.start()
+            self.workers[slot] = fresh
+            self.replaced += 1
+            log.warning(
+                "embedded worker %s hung and was replaced by %s over a fresh backend",
+                worker.settings.worker_id,
+                fresh.settings.worker_id,
+            )
+            if batch is not None:  # given back uncommitted: in memory that means sent again
+                await self.batch_buses[model].send(batch, index)
 
     async def start(self) -> None:
         await self.store.start()
         await self.credits.start()
         await asyncio.gather(*(worker.start() for worker in self.workers))
+        self._watchers = [
+            asyncio.create_task(self._watch(slot), name=f"embedded-watch-{slot}") for slot in range(len(self._slots))
+        ]
         await self.batcher.start()
         log.info(
             "embedded runtime up: models %s, %d workers each",
@@ -100,6 +145,9 @@ class EmbeddedRuntime:
 
     async def close(self) -> None:
         await self.batcher.close()
+        for watcher in self._watchers:
+            watcher.cancel()
+        await asyncio.gather(*self._watchers, return_exceptions=True)
         await asyncio.gather(*(worker.close() for worker in self.workers))
         await self.credits.close()
         await self.store.close()

@@ -49,6 +49,7 @@ def batcher_settings(args: argparse.Namespace) -> BatcherSettings:
 
 
 def gateway_settings(args: argparse.Namespace, shared: SharedSettings) -> Any:
+    from gateway.auth import load_api_keys
     from gateway.settings import GatewaySettings
 
     kwargs: dict[str, Any] = {
@@ -61,10 +62,15 @@ def gateway_settings(args: argparse.Namespace, shared: SharedSettings) -> Any:
         "max_input_chars": args.max_input_chars,
         "max_body_bytes": args.max_body_bytes,
         "max_inflight": args.max_inflight,
+        "max_queue_depth": args.max_queue_depth,
+        "rate_limit_per_s": args.rate_limit_per_s,
+        "rate_limit_burst": args.rate_limit_burst,
     }
     if args.gateway_id:
         kwargs["gateway_id"] = args.gateway_id
     try:
+        kwargs["api_keys"] = load_api_keys(args.api_keys, args.api_keys_file)
+        args.api_keys = None  # only digests are kept (the environment is the operator's: use sha256: there)
         return GatewaySettings(**kwargs)
     except ValueError as err:
         raise SettingsError(str(err)) from err
@@ -123,7 +129,12 @@ def run_embedded(args: argparse.Namespace) -> int:
         lambda model, index: make_backend(backends, model),
     )
     settings = gateway_settings(args, shared)
-    gateway = Gateway(settings, runtime.producer, runtime.store)
+    limiter = None  # one process: the rate limits' buckets live in memory
+    if settings.rate_limit_per_s > 0:
+        from batchwire.transport.memory import MemoryRateLimiter
+
+        limiter = MemoryRateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst_tokens)
+    gateway = Gateway(settings, runtime.producer, runtime.store, queue_depth=runtime.queue_depth, limiter=limiter)
     log.info(
         "batchwire (embedded) on http://%s:%d: models %s, %d workers each",
         settings.host,
@@ -148,30 +159,57 @@ async def _ensure_topics(shared: SharedSettings, request_topic: bool, models: tu
 
 
 class GatewayTransports:
-    """The gateway's Kafka producer and Redis store, as the app's lifecycle."""
+    """The gateway's Kafka producer, Redis store, queue-depth reader and rate limiter, as the app's lifecycle.
 
-    def __init__(self, shared: SharedSettings) -> None:
+    The queue-depth reader (request topic lag, refreshed in the background) exists only when
+    ``max_queue_depth`` is on, the Redis rate limiter only when ``rate_limit_per_s`` is.
+    """
+
+    def __init__(self, shared: SharedSettings, settings: Any) -> None:
         from batchwire.routing import Partitioner
         from batchwire.transport.kafka import KafkaRequestProducer
+        from batchwire.transport.kafka_lag import KafkaQueueDepth
         from batchwire.transport.redis import RedisTaskStore
+        from batchwire.transport.redis_limits import RedisRateLimiter
 
         self.shared = shared
+        bootstrap = shared.require_kafka()
+        redis_url = shared.require_redis()
         self.producer = KafkaRequestProducer(
-            shared.require_kafka(), shared.names, Partitioner(shared.models, shared.request_partitions)
+            bootstrap, shared.names, Partitioner(shared.models, shared.request_partitions)
         )
-        self.store = RedisTaskStore(shared.require_redis(), shared.names, ttl_s=shared.result_ttl_s)
+        self.store = RedisTaskStore(redis_url, shared.names, ttl_s=shared.result_ttl_s)
+        self.queue_depth: KafkaQueueDepth | None = None
+        if settings.max_queue_depth > 0:
+            self.queue_depth = KafkaQueueDepth(bootstrap, shared.names, shared.request_partitions)
+        self.limiter: RedisRateLimiter | None = None
+        if settings.rate_limit_per_s > 0:
+            self.limiter = RedisRateLimiter(
+                redis_url, shared.names, settings.rate_limit_per_s, settings.rate_limit_burst_tokens
+            )
 
     async def start(self) -> None:
         await _ensure_topics(self.shared, True, ())
         await self.store.start()
         await self.producer.start()
+        if self.queue_depth is not None:
+            await self.queue_depth.start()
+        if self.limiter is not None:
+            await self.limiter.start()
 
     async def close(self) -> None:
+        if self.limiter is not None:
+            await self.limiter.close()
+        if self.queue_depth is not None:
+            await self.queue_depth.close()
         await self.producer.close()
         await self.store.close()
 
     async def ready(self) -> dict[str, bool]:
-        return {"kafka": await self.producer.ready(), "redis": await self.store.ready()}
+        checks = {"kafka": await self.producer.ready(), "redis": await self.store.ready()}
+        if self.queue_depth is not None:
+            checks["queue_depth"] = self.queue_depth.alive
+        return checks
 
 
 def run_gateway(args: argparse.Namespace) -> int:
@@ -179,16 +217,31 @@ def run_gateway(args: argparse.Namespace) -> int:
     from gateway.service import Gateway
 
     shared = shared_settings(args)
-    transports = GatewayTransports(shared)
     settings = gateway_settings(args, shared)
-    gateway = Gateway(settings, transports.producer, transports.store)
+    transports = GatewayTransports(shared, settings)
+    gateway = Gateway(
+        settings,
+        transports.producer,
+        transports.store,
+        queue_depth=transports.queue_depth,
+        limiter=transports.limiter,
+    )
     return _serve_http(create_app(gateway, transports), settings.host, settings.port, args.log_level)
 
 
 async def _supervise(
-    start: Callable[[], Awaitable[None]], close: Callable[[], Awaitable[None]], failed: asyncio.Event
+    start: Callable[[], Awaitable[None]],
+    close: Callable[[], Awaitable[None]],
+    failed: asyncio.Event,
+    *,
+    failure_code: Callable[[], int] = lambda: 1,
+    close_timeout_s: float = 60.0,
 ) -> int:
-    """Runs until SIGTERM/SIGINT (graceful: ``close``) or a crashed loop; a second signal exits at once."""
+    """Runs until SIGTERM/SIGINT (graceful: ``close``) or a crashed loop; a second signal exits at once.
+
+    Returns 0 after a signal, ``failure_code()`` after a crash. ``close`` gets ``close_timeout_s``:
+    a shutdown that cannot finish (a broker that does not answer) must not hang the process.
+    """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     received: list[int] = []
@@ -197,6 +250,7 @@ async def _supervise(
         received.append(signum)
         if len(received) > 1:
             log.warning("second signal: exiting at once")
+            logging.shutdown()
             os._exit(128 + signum)
         log.info("signal %d: finishing the work in hand, then exiting (send again to exit at once)", signum)
         stop.set()
@@ -210,8 +264,15 @@ async def _supervise(
     stop_task.cancel()
     failed_task.cancel()
     await asyncio.gather(stop_task, failed_task, return_exceptions=True)
-    await close()
-    return 1 if failed.is_set() else 0
+    code = failure_code() if failed.is_set() else 0
+    try:
+        await asyncio.wait_for(close(), close_timeout_s)
+    except TimeoutError:
+        log.error("shutdown did not finish within %.0f s; exiting anyway", close_timeout_s)
+        return code or 1
+    if code:
+        log.error("exiting with status %d after a failure", code)
+    return code
 
 
 def _metrics_server(port: int) -> None:
@@ -238,7 +299,8 @@ def run_batcher(args: argparse.Namespace) -> int:
         store = RedisTaskStore(redis_url, shared.names, ttl_s=shared.result_ttl_s)
         credits = RedisCreditPool(redis_url, shared.names)
         producer = KafkaBatchProducer(bootstrap, shared.names)
-        batcher = Batcher(settings, KafkaRequestConsumer(bootstrap, shared.names), producer, credits, store)
+        consumer = KafkaRequestConsumer(bootstrap, shared.names, session_timeout_ms=args.session_timeout_ms)
+        batcher = Batcher(settings, consumer, producer, credits, store)
 
         async def start() -> None:
             await store.start()
@@ -260,45 +322,81 @@ def run_batcher(args: argparse.Namespace) -> int:
 
 
 def run_worker(args: argparse.Namespace) -> int:
+    """A worker process; exits 0 after a signal, 75 when its backend hung (restart it), 1 after a crash."""
+    from dataclasses import replace
+
     from gpu_worker.backends.factory import make_backend
     from gpu_worker.journal import BatchJournal
+    from gpu_worker.runner import EXIT_BACKEND_HUNG
     from gpu_worker.settings import WorkerSettings
 
     shared = shared_settings(args)
     model = args.model or shared.models[0]
     if model not in shared.models:
         raise SettingsError(f"--model {model!r} is not among --models {','.join(shared.models)}")
-    kwargs: dict[str, Any] = {"model": model, "batch_log": args.batch_log}
+    kwargs: dict[str, Any] = {
+        "model": model,
+        "batch_log": args.batch_log,
+        "credit_ttl_s": args.credit_ttl_s,
+        "max_deliveries": args.max_deliveries,
+        "hang_factor": args.hang_factor,
+        "hang_min_s": args.hang_min_s,
+        "expected_latency_ms": args.expected_latency_ms,
+        "drain_timeout_s": args.drain_timeout_s,
+    }
     if args.worker_id:
         kwargs["worker_id"] = args.worker_id
-    settings = WorkerSettings(**kwargs)
-    backend = make_backend(backend_settings(args), model)
+    try:
+        settings = WorkerSettings(**kwargs)
+    except ValueError as err:
+        raise SettingsError(str(err)) from err
+    faults = {"sim_hang_on": args.sim_hang_on, "sim_crash_on": args.sim_crash_on}
+    backend = make_backend(replace(backend_settings(args), **faults), model)
 
     async def main() -> int:
-        from batchwire.transport.kafka import KafkaBatchConsumer
+        from batchwire.transport.kafka import KafkaBatchConsumer, KafkaDeadLetterProducer
         from batchwire.transport.redis import RedisCreditPool, RedisTaskStore
+        from batchwire.transport.redis_deliveries import RedisDeliveryLog
         from gpu_worker.worker import Worker
+        from infra.topics import ensure_topics
 
         bootstrap = shared.require_kafka()
         redis_url = shared.require_redis()
+        names = shared.names
         await _ensure_topics(shared, False, (model,))
-        store = RedisTaskStore(redis_url, shared.names, ttl_s=shared.result_ttl_s)
-        credits = RedisCreditPool(redis_url, shared.names)
+        await ensure_topics(bootstrap, {names.dead_letter_topic: 1})
+        store = RedisTaskStore(redis_url, names, ttl_s=shared.result_ttl_s)
+        credits = RedisCreditPool(redis_url, names)
+        deliveries = RedisDeliveryLog(redis_url, names, ttl_s=shared.result_ttl_s)
+        dead_letters = KafkaDeadLetterProducer(bootstrap, names)
+        consumer = KafkaBatchConsumer(bootstrap, names, model, session_timeout_ms=args.session_timeout_ms)
         journal = BatchJournal(args.batch_log) if args.batch_log else None
-        worker = Worker(settings, KafkaBatchConsumer(bootstrap, shared.names, model), credits, store, backend, journal)
+        worker = Worker(
+            settings, consumer, credits, store, backend, journal, deliveries=deliveries, dead_letters=dead_letters
+        )
 
         async def start() -> None:
             await store.start()
             await credits.start()
+            await deliveries.start()
+            await dead_letters.start()
             await worker.start()
             log.info("worker %s up (model %s, backend %s)", settings.worker_id, model, backend.name)
 
         async def close() -> None:
             await worker.close()
+            await dead_letters.close()
+            await deliveries.close()
             await credits.close()
             await store.close()
 
-        return await _supervise(start, close, worker.failed)
+        return await _supervise(
+            start,
+            close,
+            worker.failed,
+            failure_code=lambda: EXIT_BACKEND_HUNG if worker.hung else 1,
+            close_timeout_s=settings.drain_timeout_s + 30.0,
+        )
 
     _metrics_server(args.metrics_port)
     return asyncio.run(main())

@@ -7,6 +7,7 @@ transports, and in embedded mode the batcher and workers) and hands both to :fun
 # No ``from __future__ import annotations`` here: FastAPI reads the route signatures at runtime,
 # and their ``Annotated`` metadata refers to this deployment's settings (closure variables).
 import json
+import re
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
 from typing import Annotated, Any, Protocol
@@ -18,10 +19,13 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.routing import Route
 
 from batchwire.metrics import REGISTRY
+from gateway.admission import ANONYMOUS, Caller
+from gateway.auth import OPEN_PATHS, ApiKeys, AuthMiddleware
 from gateway.body import parse_inference_body, read_body
-from gateway.errors import GatewayError, error_body
+from gateway.errors import ERROR_TABLE, GatewayError, InvalidClientId, error_body
 from gateway.handlers import EdgeMiddleware, install_error_handlers, json_response
 from gateway.health import probe
+from gateway.idempotency import KEY_PATTERN, MAX_KEY_CHARS
 from gateway.models import (
     Health,
     InferenceBody,
@@ -32,9 +36,14 @@ from gateway.models import (
     TaskResult,
     error_responses,
 )
-from gateway.service import TASK_ID_PATTERN, Gateway
+from gateway.reads import TASK_ID_PATTERN
+from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from schemas.records import TaskState
+from schemas.wire import IDEMPOTENCY_HEADER
+
+CLIENT_ID_HEADER = "X-Client-Id"
+_CLIENT_ID_PATTERN = re.compile(r"[\x21-\x7e]{1,128}")
 
 
 class Lifecycle(Protocol):
@@ -59,7 +68,36 @@ def _body_doc(settings: GatewaySettings) -> dict[str, Any]:
     schema["properties"]["timeout_ms"]["anyOf"][0].update(
         minimum=settings.min_timeout_ms, maximum=settings.max_timeout_ms
     )
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+    parameters: list[dict[str, Any]] = [
+        {
+            "name": IDEMPOTENCY_HEADER,
+            "in": "header",
+            "required": False,
+            "description": "Makes a retry safe: a submit with a key used before (by the same API key) gets the "
+            "first submit's task, and nothing new is computed. Another input or model with the same key: 422 "
+            "`idempotency_key_reused`. Kept as long as results (BATCHWIRE_RESULT_TTL_S).",
+            "schema": {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": MAX_KEY_CHARS,
+                "pattern": f"^{KEY_PATTERN.pattern}$",
+            },
+        }
+    ]
+    if settings.rate_limit_per_s > 0 and not settings.api_keys:
+        parameters.append(
+            {
+                "name": CLIENT_ID_HEADER,
+                "in": "header",
+                "required": False,
+                "description": "Whose rate limit the request counts against (else the client's IP address).",
+                "schema": {"type": "string", "minLength": 1, "maxLength": 128, "pattern": r"^[\x21-\x7e]+$"},
+            }
+        )
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+        "parameters": parameters,
+    }
 
 
 _SUBMIT_ERRORS = (
@@ -71,10 +109,43 @@ _SUBMIT_ERRORS = (
     "input_too_large",
     "body_too_large",
     "unknown_model",
+    "invalid_idempotency_key",
+    "idempotency_key_reused",
     "overloaded",
     "unavailable",
     "not_ready",
 )
+
+
+def _caller_of(settings: GatewaySettings) -> Callable[[Request], Caller]:
+    """How a request's caller is told: a constant when neither API keys nor rate limits are on."""
+    keys_on = bool(settings.api_keys)
+    limits_on = settings.rate_limit_per_s > 0
+    if not keys_on and not limits_on:
+        return lambda request: ANONYMOUS
+
+    def caller_of(request: Request) -> Caller:
+        owner = _owner(request)
+        if not limits_on:
+            return Caller(owner)
+        if owner is not None:
+            return Caller(owner, f"key:{owner}")
+        claimed = request.headers.get(CLIENT_ID_HEADER)
+        if claimed is not None:
+            if not _CLIENT_ID_PATTERN.fullmatch(claimed):
+                raise InvalidClientId(
+                    f"the {CLIENT_ID_HEADER} header must be 1 to 128 visible ASCII characters (no spaces)"
+                )
+            return Caller(None, f"id:{claimed}")
+        return Caller(None, f"ip:{request.client.host if request.client else 'unknown'}")
+
+    return caller_of
+
+
+def _owner(request: Request) -> str | None:
+    """The API key's owner id that ``AuthMiddleware`` found, or None without API keys."""
+    state = request.scope.get("state")
+    return None if state is None else state.get("owner")
 
 
 def create_app(gateway: Gateway, lifecycle: Lifecycle) -> FastAPI:
@@ -105,21 +176,39 @@ def create_app(gateway: Gateway, lifecycle: Lifecycle) -> FastAPI:
         lifespan=lifespan,
     )
     install_error_handlers(app, settings.retry_after_s)
+    if settings.api_keys:
+        app.add_middleware(AuthMiddleware, keys=ApiKeys(settings.api_keys))  # inside EdgeMiddleware: 401s counted
     app.add_middleware(EdgeMiddleware)
+    caller_of = _caller_of(settings)
+    submit_errors = _SUBMIT_ERRORS + (("rate_limited", "invalid_client_id") if settings.rate_limit_per_s > 0 else ())
 
     @app.post(
         "/v1/inference",
         response_model=InferenceResponse,
-        responses=error_responses(*_SUBMIT_ERRORS, "task_failed", "deadline_exceeded"),
+        responses=error_responses(*submit_errors, "task_failed", "task_cancelled", "deadline_exceeded"),
         openapi_extra=body_doc,
         summary="Run one input and wait for its output",
         description="Holds the connection until the output is ready or `timeout_ms` passes (504; the task "
         "may still finish: poll `/v1/result/{task_id}` with the `task_id` in the error). A task that failed "
-        "answers 502 with the task's own error code.",
+        "answers 502 with the task's own error code. A caller that closes the connection before the answer "
+        "has its task cancelled, unless it sent an Idempotency-Key (then the task runs on for its retry). "
+        "A retry answered from an earlier task has the header `Idempotent-Replayed: true`.",
     )
     async def infer(request: Request) -> Response:
+        caller = caller_of(request)
+        key = request.headers.get(IDEMPOTENCY_HEADER)
         body = parse_inference_body(await read_body(request, settings.max_body_bytes))
-        answer = await gateway.submit(body.input, body.model, body.timeout_ms, True)
+        answer = await gateway.submit(
+            body.input,
+            body.model,
+            body.timeout_ms,
+            True,
+            caller=caller,
+            idempotency_key=key,
+            # Once the body is read, ASGI's receive() returns only when the client has gone, or
+            # after the response was sent: what the gateway's disconnect watch needs.
+            disconnected=request.receive,
+        )
         return json_response(
             200,
             {
@@ -129,31 +218,40 @@ def create_app(gateway: Gateway, lifecycle: Lifecycle) -> FastAPI:
                 "latency_ms": answer.latency_ms,
                 "batch_size": answer.batch_size,
             },
+            _REPLAYED if answer.replayed else None,
         )
 
     @app.post(
         "/v1/tasks",
         status_code=202,
         response_model=TaskAccepted,
-        responses=error_responses(*_SUBMIT_ERRORS),
+        responses=error_responses(*submit_errors),
         openapi_extra=body_doc,
         summary="Queue one input and return at once",
         description="Answers 202 with where to poll (`result_url`, also the Location header) or stream "
-        "(`events_url`) the task's progress.",
+        "(`events_url`) the task's progress. A retry with an Idempotency-Key used before answers 202 with the "
+        "earlier task (its current status) and the header `Idempotent-Replayed: true`.",
     )
     async def enqueue(request: Request) -> Response:
+        caller = caller_of(request)
+        key = request.headers.get(IDEMPOTENCY_HEADER)
         body = parse_inference_body(await read_body(request, settings.max_body_bytes))
-        accepted = await gateway.submit(body.input, body.model, body.timeout_ms, False)
+        accepted = await gateway.submit(
+            body.input, body.model, body.timeout_ms, False, caller=caller, idempotency_key=key
+        )
         result_url = f"/v1/result/{accepted.task_id}"
+        headers = {"Location": result_url}
+        if accepted.replayed:
+            headers.update(_REPLAYED)
         return json_response(
             202,
             {
                 "task_id": accepted.task_id,
-                "status": "queued",
+                "status": accepted.status.value,
                 "result_url": result_url,
                 "events_url": f"{result_url}/events",
             },
-            {"Location": result_url},
+            headers,
         )
 
     @app.get(
@@ -163,6 +261,7 @@ def create_app(gateway: Gateway, lifecycle: Lifecycle) -> FastAPI:
         summary="A task's status, and its output or error once it ended",
     )
     async def result(
+        request: Request,
         task_id: Annotated[str, task_id_doc],
         wait: Annotated[
             float,
@@ -175,7 +274,20 @@ def create_app(gateway: Gateway, lifecycle: Lifecycle) -> FastAPI:
             ),
         ] = 0.0,
     ) -> Response:
-        state = await gateway.result(task_id, wait)
+        state = await gateway.result(task_id, wait, owner=_owner(request))
+        return json_response(200, state.to_public())
+
+    @app.delete(
+        "/v1/result/{task_id}",
+        response_model=TaskResult,
+        responses=error_responses("invalid_task_id", "task_not_found", "not_cancellable", "unavailable"),
+        summary="Cancel a task that no worker has started",
+        description="A `queued` or `batched` task ends `cancelled` and never reaches a GPU; the answer is its "
+        "cancelled state (again for a task already cancelled). A task that is running or ended otherwise "
+        "answers 409 `not_cancellable`. A synchronous caller waiting for the task gets 409 `task_cancelled`.",
+    )
+    async def cancel(request: Request, task_id: Annotated[str, task_id_doc]) -> Response:
+        state = await gateway.cancel(task_id, owner=_owner(request))
         return json_response(200, state.to_public())
 
     @app.get(
@@ -199,8 +311,8 @@ def create_app(gateway: Gateway, lifecycle: Lifecycle) -> FastAPI:
         },
         summary="Stream a task's status changes",
     )
-    async def events(task_id: Annotated[str, task_id_doc]) -> EventSourceResponse:
-        stream = gateway.events(task_id)
+    async def events(request: Request, task_id: Annotated[str, task_id_doc]) -> EventSourceResponse:
+        stream = gateway.events(task_id, owner=_owner(request))
         try:
             first = await anext(stream)  # unknown id or overload: a JSON error before the stream starts
         except BaseException:
@@ -244,7 +356,41 @@ def create_app(gateway: Gateway, lifecycle: Lifecycle) -> FastAPI:
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
     _serve_plain(app, {"/v1/inference": infer, "/v1/tasks": enqueue})
+    if settings.api_keys:
+        _document_bearer(app)
     return app
+
+
+_REPLAYED = {"Idempotent-Replayed": "true"}
+
+
+def _document_bearer(app: FastAPI) -> None:
+    """Marks every route but the open ones as needing the bearer key in the OpenAPI document."""
+    build = app.openapi
+    unauthorized = {
+        "description": f"`unauthorized`: {ERROR_TABLE['unauthorized'][1]}",
+        "content": {
+            "application/json": {
+                "schema": {"$ref": "#/components/schemas/ErrorResponse"},
+                "example": error_body("unauthorized", ERROR_TABLE["unauthorized"][1]),
+            }
+        },
+    }
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            schemes = schema.setdefault("components", {}).setdefault("securitySchemes", {})
+            schemes["apiKey"] = {"type": "http", "scheme": "bearer", "description": "An API key (BATCHWIRE_API_KEYS)."}
+            for path, item in schema["paths"].items():
+                if path in OPEN_PATHS:
+                    continue
+                for operation in item.values():
+                    operation["security"] = [{"apiKey": []}]
+                    operation.setdefault("responses", {})["401"] = unauthorized
+        return app.openapi_schema or build()
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _serve_plain(app: FastAPI, endpoints: dict[str, Callable[[Request], Awaitable[Response]]]) -> None:

@@ -8,6 +8,12 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from batchwire.transport.base import TransportError
+
+# Errors of the bus and the store: a TransportError, or a client library's connection error that
+# the transport did not wrap.
+TRANSPORT_ERRORS = (TransportError, OSError)
+
 
 class GatewayError(Exception):
     """Base of every error the gateway answers with. ``code`` is the stable, documented name."""
@@ -15,10 +21,12 @@ class GatewayError(Exception):
     code: ClassVar[str] = "internal_error"
     retriable: ClassVar[bool] = False
 
-    def __init__(self, message: str, *, task_id: str | None = None) -> None:
+    def __init__(self, message: str, *, task_id: str | None = None, retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.task_id = task_id
+        self.retry_after_s = retry_after_s
+        """Seconds for the Retry-After header; None: the deployment's default (``retry_after_s``)."""
 
     @property
     def error_code(self) -> str:
@@ -84,8 +92,47 @@ class TaskFailed(GatewayError):
         return self.task_code or self.code
 
 
+class TaskCancelled(GatewayError):
+    """A synchronous caller's task was cancelled (DELETE) before it ran."""
+
+    code = "task_cancelled"
+
+
+class NotCancellable(GatewayError):
+    """DELETE of a task that a worker started already, or that ended."""
+
+    code = "not_cancellable"
+
+
+class InvalidIdempotencyKey(GatewayError):
+    code = "invalid_idempotency_key"
+
+
+class IdempotencyKeyReused(GatewayError):
+    """The Idempotency-Key names a task created from another body."""
+
+    code = "idempotency_key_reused"
+
+
+class InvalidClientId(GatewayError):
+    code = "invalid_client_id"
+
+
+class ClientDisconnected(GatewayError):
+    """The synchronous caller closed its connection before the answer; its task was cancelled."""
+
+    code = "client_disconnected"
+
+
 class Overloaded(GatewayError):
     code = "overloaded"
+    retriable = True
+
+
+class RateLimited(GatewayError):
+    """The client used up its token bucket; ``retry_after_s`` says when the next token comes."""
+
+    code = "rate_limited"
     retriable = True
 
 
@@ -109,18 +156,34 @@ ERROR_TABLE: dict[str, tuple[int, str]] = {
     "invalid_json": (400, "The body is not one JSON document."),
     "invalid_utf8": (400, "The body is not valid UTF-8."),
     "invalid_task_id": (400, "The task id has characters or a length no task id has."),
+    "invalid_idempotency_key": (400, "The Idempotency-Key header is empty, over 255 characters, or not visible ASCII."),
+    "invalid_client_id": (400, "The X-Client-Id header is empty, over 128 characters, or not visible ASCII."),
+    "unauthorized": (401, "API keys are on and the Authorization: Bearer key is missing or not accepted."),
     "validation_error": (422, "A field is missing, unknown or of the wrong type, or a parameter is out of range."),
     "empty_input": (422, "`input` is the empty string."),
     "timeout_out_of_range": (422, "`timeout_ms` is outside the allowed range."),
     "input_too_large": (413, "`input` has more characters than BATCHWIRE_MAX_INPUT_CHARS."),
     "body_too_large": (413, "The body is larger than BATCHWIRE_MAX_BODY_BYTES."),
+    "idempotency_key_reused": (422, "The Idempotency-Key was used before with another input or model."),
     "unknown_model": (404, "`model` is not served by this deployment."),
-    "task_not_found": (404, "No task has this id (or it has expired from the store)."),
+    "task_not_found": (404, "No task has this id (or it expired, or another API key created it)."),
     "not_found": (404, "No route has this path."),
     "method_not_allowed": (405, "The route does not take this method."),
+    "not_cancellable": (409, "DELETE of a task that is running or ended; only queued or batched tasks can be."),
+    "task_cancelled": (409, "The task was cancelled (`DELETE /v1/result/{task_id}`) before a worker ran it."),
+    "rate_limited": (
+        429,
+        "The client (API key, else X-Client-Id, else IP) is over BATCHWIRE_RATE_LIMIT_PER_S with bursts of "
+        "BATCHWIRE_RATE_LIMIT_BURST; retry after Retry-After.",
+    ),
+    "client_disconnected": (499, "The caller closed the connection before its answer; its task was cancelled."),
     "task_failed": (502, "The task failed; the code is the task's own error code when it has one."),
     "deadline_exceeded": (504, "No answer before the request's deadline (`timeout_ms`); the task may still finish."),
-    "overloaded": (503, "This gateway holds all the requests BATCHWIRE_MAX_INFLIGHT allows; retry after Retry-After."),
+    "overloaded": (
+        503,
+        "This gateway holds BATCHWIRE_MAX_INFLIGHT requests, or the deployment's queue (accepted, not yet at a worker) "
+        "holds BATCHWIRE_MAX_QUEUE_DEPTH; nothing was queued; retry after Retry-After.",
+    ),
     "unavailable": (503, "The request bus or the task store is down; retry after Retry-After."),
     "not_ready": (503, "The gateway is starting or shutting down, or a dependency is not ready."),
     "internal_error": (500, "A bug: the gateway logged a traceback."),

@@ -46,13 +46,15 @@ def error_response(
 
 
 def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
-    """Routes every failure through the one error shape; 503s carry ``Retry-After``."""
-    retry_after = {"Retry-After": str(retry_after_s)}
+    """Routes every failure through the one error shape; 429s and 503s carry ``Retry-After``."""
 
     async def on_gateway_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, GatewayError)
         status = http_status(exc)
-        return error_response(status, exc.error_code, exc.message, exc.task_id, retry_after if status == 503 else None)
+        headers = None
+        if status in (429, 503):
+            headers = {"Retry-After": str(exc.retry_after_s or retry_after_s)}
+        return error_response(status, exc.error_code, exc.message, exc.task_id, headers)
 
     async def on_validation_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)

@@ -1,19 +1,28 @@
 """The HTTP API's JSON shapes, as pydantic models, so the OpenAPI document describes every route.
 
 Request bodies are strict (no coercion of ``5`` into ``"5"``) and closed (an unknown field is an
-error, which catches ``"timeout"`` typed for ``"timeout_ms"``).
+error, which catches ``"timeout"`` typed for ``"timeout_ms"``). One leniency, JSON Schema's own: an
+integer may be written with a zero fraction (``5000.0``), since the schema's ``integer`` type
+admits it and generated clients and fuzzers send it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from gateway.errors import ERROR_TABLE, error_body
 
 # Mirrors schemas.records.TaskStatus (a test keeps the two equal).
 StatusName = Literal["queued", "batched", "running", "completed", "failed", "expired", "cancelled"]
+
+
+def _integral(value: object) -> object:
+    """``5000.0`` as ``5000``; anything else is left to the strict integer check."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
 class InferenceBody(BaseModel):
@@ -29,7 +38,7 @@ class InferenceBody(BaseModel):
 
     input: str = Field(description="The text to run the model on; not empty, at most BATCHWIRE_MAX_INPUT_CHARS.")
     model: str | None = Field(None, description="A served model; leave out for the default model.")
-    timeout_ms: int | None = Field(
+    timeout_ms: Annotated[int | None, BeforeValidator(_integral)] = Field(
         None,
         description="How long to wait for the answer; may shorten the default (BATCHWIRE_DEFAULT_TIMEOUT_MS), "
         "never exceed BATCHWIRE_MAX_TIMEOUT_MS.",
@@ -73,7 +82,9 @@ class TaskAccepted(BaseModel):
     )
 
     task_id: str
-    status: Literal["queued"]
+    status: StatusName = Field(
+        description="`queued` for a new task; for a retry with an Idempotency-Key, the earlier task's status."
+    )
     result_url: str = Field(description="Poll here; add ?wait=<seconds> to long-poll.")
     events_url: str = Field(description="Server-sent events of every status change.")
 

@@ -8,46 +8,49 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import secrets
-from collections.abc import AsyncGenerator, Iterator
-from contextlib import aclosing, contextmanager
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Literal, overload
 
 from batchwire.metrics import INFLIGHT, REQUEST_LATENCY
-from batchwire.transport.base import RequestProducer, TaskStore, TransportError
+from batchwire.transport.base import KeyClaim, QueueDepth, RateLimiter, RequestProducer, TaskStore
+from gateway import idempotency
+from gateway.admission import ANONYMOUS, Admission, Caller
 from gateway.changes import follow
 from gateway.clock import Clock, SystemClock
 from gateway.errors import (
+    TRANSPORT_ERRORS,
+    ClientDisconnected,
     DeadlineExceeded,
     EmptyInput,
+    IdempotencyKeyReused,
     InputTooLarge,
-    InvalidTaskId,
     NotReady,
     Overloaded,
+    TaskCancelled,
     TaskFailed,
-    TaskNotFound,
     TimeoutOutOfRange,
     Unavailable,
     UnknownModel,
-    ValidationFailed,
 )
 from gateway.health import probe
+from gateway.reads import TaskReads
 from gateway.settings import GatewaySettings, env_name
-from gateway.waiters import ReplyWaiters
+from gateway.waiters import CallerGone, ReplyWaiters, Watch
 from schemas.records import InferenceRequest, TaskState, TaskStatus
 
 log = logging.getLogger(__name__)
 
-# Task ids are ours (``secrets.token_urlsafe``), but a client may send anything: keep odd
-# characters out of store keys and channel names.
-TASK_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,128}")
-
 _SWEEP_CHUNK = 500
-# Errors of the bus and the store: a TransportError, or a client library's connection error that
-# the transport did not wrap.
-_TRANSPORT_ERRORS = (TransportError, OSError)
+
+# A callable that returns an awaitable which completes when the synchronous caller has gone
+# (closed its connection), or once its answer was sent (ASGI's receive() does both). The HTTP layer
+# builds it; the service never sees the transport.
+Disconnected = Watch
+
+CANCELLED_BY_DISCONNECT = "client_disconnected"
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +62,8 @@ class Answer:
     output: str
     latency_ms: float
     batch_size: int | None
+    replayed: bool = False
+    """The answer of a task an earlier request with the same Idempotency-Key created."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +72,9 @@ class Accepted:
 
     task_id: str
     model: str
+    replayed: bool = False
+    """An earlier request with the same Idempotency-Key created this task."""
+    status: TaskStatus = TaskStatus.QUEUED
 
 
 class Gateway:
@@ -78,14 +86,22 @@ class Gateway:
         producer: RequestProducer,
         store: TaskStore,
         clock: Clock | None = None,
+        *,
+        queue_depth: QueueDepth | None = None,
+        limiter: RateLimiter | None = None,
     ) -> None:
+        """``queue_depth`` and ``limiter`` enforce ``max_queue_depth`` and the rate limits; without
+        them those settings are not applied (the composition roots always pass them)."""
         self.settings = settings
         self._producer = producer
         self._store = store
         self._clock: Clock = clock or SystemClock()
+        self._admission = Admission(settings, queue_depth, limiter)
+        if settings.rate_limit_per_s > 0 and limiter is None:
+            log.warning("rate limits are set but this gateway got no rate limiter: they are not applied")
         self._waiters = ReplyWaiters(settings.reply_recheck_s)
+        self._reads = TaskReads(settings, store)
         self._inflight = 0
-        self._watchers = 0
         self._accepting = False
         self._sweeper: asyncio.Task[None] | None = None
         self._latency = {model: REQUEST_LATENCY.labels(model=model) for model in settings.models}
@@ -109,6 +125,7 @@ class Gateway:
         if sweeper is not None:
             sweeper.cancel()
             await asyncio.wait({sweeper})  # its failure, if any, was logged by _log_task_end
+        await self._waiters.stop_watching()
 
     async def ready(self) -> dict[str, bool]:
         """This gateway's own parts: the bus, the store, and the sweeper that guards against lost replies."""
@@ -129,25 +146,65 @@ class Gateway:
         return len(self._waiters)
 
     @property
+    def watched(self) -> int:
+        """Synchronous callers whose connection is watched (those waiting ``reply_recheck_s`` or longer)."""
+        return self._waiters.watched
+
+    @property
     def watchers(self) -> int:
         """Long-polls and event streams open."""
-        return self._watchers
+        return self._reads.watchers
 
     # -- submitting --------------------------------------------------------------------------------
 
     @overload
-    async def submit(self, input: str, model: str | None, timeout_ms: int | None, wait: Literal[True]) -> Answer: ...
+    async def submit(
+        self,
+        input: str,
+        model: str | None,
+        timeout_ms: int | None,
+        wait: Literal[True],
+        *,
+        caller: Caller = ...,
+        idempotency_key: str | None = ...,
+        disconnected: Disconnected | None = ...,
+    ) -> Answer: ...
     @overload
-    async def submit(self, input: str, model: str | None, timeout_ms: int | None, wait: Literal[False]) -> Accepted: ...
+    async def submit(
+        self,
+        input: str,
+        model: str | None,
+        timeout_ms: int | None,
+        wait: Literal[False],
+        *,
+        caller: Caller = ...,
+        idempotency_key: str | None = ...,
+        disconnected: Disconnected | None = ...,
+    ) -> Accepted: ...
 
-    async def submit(self, input: str, model: str | None, timeout_ms: int | None, wait: bool) -> Answer | Accepted:
+    async def submit(
+        self,
+        input: str,
+        model: str | None,
+        timeout_ms: int | None,
+        wait: bool,
+        *,
+        caller: Caller = ANONYMOUS,
+        idempotency_key: str | None = None,
+        disconnected: Disconnected | None = None,
+    ) -> Answer | Accepted:
         """Stores and publishes one request; with ``wait``, holds the caller until its answer or deadline.
 
         ``model`` and ``timeout_ms`` default from the settings; a request may shorten its timeout,
-        never lengthen it.
+        never lengthen it. With an ``idempotency_key`` that an earlier submit of ``caller.owner``
+        used, nothing new is queued: the answer (or acceptance) is that of the earlier task. A
+        synchronous caller without a key whose ``disconnected`` completes has its task cancelled;
+        with a key the task runs on, for the retry the key announces.
         """
         started = self._clock.monotonic()
         model, timeout_ms = self._validate(input, model, timeout_ms)
+        if idempotency_key is not None:
+            idempotency.check_key(idempotency_key)
         if not self._accepting:
             raise NotReady("the gateway is not accepting requests (starting or shutting down); retry shortly")
         if self._inflight >= self.settings.max_inflight:
@@ -158,23 +215,49 @@ class Gateway:
         self._inflight += 1
         INFLIGHT.inc()
         try:
+            if self._admission.active:
+                await self._admission.admit(caller)
             task_id = secrets.token_urlsafe(16)
             deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
-            if wait:
-                return await self._answer_when_done(task_id, input, model, timeout_ms, deadline, started)
-            return await self._enqueue(task_id, input, model, timeout_ms, deadline)
+            if idempotency_key is None:
+                if wait:
+                    return await self._answer_when_done(
+                        task_id, input, model, timeout_ms, deadline, started, caller.owner, disconnected
+                    )
+                return await self._enqueue(task_id, input, model, timeout_ms, deadline, caller.owner)
+            scope = caller.owner or idempotency.ANONYMOUS_SCOPE
+            claim = await self._claim(scope, idempotency_key, task_id, idempotency.fingerprint(input, model))
+            if claim.task_id != task_id:
+                return await self._replay(claim.task_id, model, wait, deadline, started, timeout_ms)
+            try:
+                if wait:
+                    return await self._answer_when_done(
+                        task_id, input, model, timeout_ms, deadline, started, caller.owner, None
+                    )
+                return await self._enqueue(task_id, input, model, timeout_ms, deadline, caller.owner)
+            except Unavailable:
+                await self._release(scope, idempotency_key, task_id)  # a retry may then create the task
+                raise
         finally:
             self._inflight -= 1
             INFLIGHT.dec()
 
     async def _answer_when_done(
-        self, task_id: str, input: str, model: str, timeout_ms: int, deadline: float, started: float
+        self,
+        task_id: str,
+        input: str,
+        model: str,
+        timeout_ms: int,
+        deadline: float,
+        started: float,
+        owner: str | None,
+        disconnected: Disconnected | None,
     ) -> Answer:
         # Register, then publish: the reply may arrive before ``send`` even returns.
-        future = self._waiters.register(task_id, started)
+        future = self._waiters.register(task_id, started, disconnected)
         try:
             async with asyncio.timeout_at(deadline):
-                await self._publish(task_id, input, model, timeout_ms, self.settings.gateway_id)
+                await self._publish(task_id, input, model, timeout_ms, self.settings.gateway_id, owner)
                 state = await future
         except TimeoutError:
             # Only our deadline raises it here: a transport's own TimeoutError (an OSError)
@@ -183,20 +266,94 @@ class Gateway:
                 f"no answer within timeout_ms={timeout_ms}; the task may still finish: poll its result",
                 task_id=task_id,
             ) from None
+        except CallerGone:
+            await self._cancel_abandoned(task_id)
+            raise ClientDisconnected(
+                "the caller closed the connection before the answer; its task was cancelled", task_id=task_id
+            ) from None
         finally:
+            if not future.done():
+                future.cancel()  # a watch that ends from now on (the answer was sent) does nothing
             self._waiters.discard(task_id)
         return self._answer(state, started)
 
-    async def _enqueue(self, task_id: str, input: str, model: str, timeout_ms: int, deadline: float) -> Accepted:
+    async def _cancel_abandoned(self, task_id: str) -> None:
+        """Cancels the task of a caller who left, so that no GPU time goes to an answer nobody reads.
+        Too late (a worker started it) is fine: the result is stored and pollable."""
+        try:
+            await self._store.cancel(
+                task_id,
+                CANCELLED_BY_DISCONNECT,
+                "the caller closed the connection before the answer; the task was cancelled",
+            )
+        except TRANSPORT_ERRORS:
+            log.warning("could not cancel task %s of a caller who left", task_id, exc_info=True)
+
+    async def _enqueue(
+        self, task_id: str, input: str, model: str, timeout_ms: int, deadline: float, owner: str | None
+    ) -> Accepted:
         try:
             async with asyncio.timeout_at(deadline):
-                await self._publish(task_id, input, model, timeout_ms, None)
+                await self._publish(task_id, input, model, timeout_ms, None, owner)
         except TimeoutError:
             raise Unavailable(
                 f"the task store or the request bus did not take the request within timeout_ms={timeout_ms}",
                 task_id=task_id,
             ) from None
         return Accepted(task_id, model)
+
+    async def _claim(self, scope: str, key: str, task_id: str, fingerprint: str) -> KeyClaim:
+        try:
+            claim = await self._store.claim_key(scope, key, task_id, fingerprint)
+        except TRANSPORT_ERRORS as err:
+            raise Unavailable(f"the task store is unavailable: {err}") from err
+        if claim.fingerprint != fingerprint:
+            raise IdempotencyKeyReused(
+                "this Idempotency-Key was used for a request with another input or model; send a new key for "
+                "a new request (keys are kept as long as results)"
+            )
+        return claim
+
+    async def _release(self, scope: str, key: str, task_id: str) -> None:
+        try:
+            await self._store.release_key(scope, key, task_id)
+        except TRANSPORT_ERRORS:
+            log.warning("could not release the idempotency key of task %s", task_id, exc_info=True)
+
+    async def _replay(
+        self, task_id: str, model: str, wait: bool, deadline: float, started: float, timeout_ms: int
+    ) -> Answer | Accepted:
+        """The answer to a retry: the earlier task's, waited for up to this request's own deadline.
+
+        The earlier task may not be stored yet (its submit is between claiming the key and storing
+        the task), so a missing task is waited for rather than reported unknown.
+        """
+        try:
+            if not wait:
+                state = await self._store.get(task_id)
+                return Accepted(task_id, model, replayed=True, status=state.status if state else TaskStatus.QUEUED)
+            async with self._store.watch(task_id) as changes:
+                state = await self._store.get(task_id)
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        while state is None:
+                            state = await anext(changes)
+                except TimeoutError:
+                    state = None
+                if state is not None and not state.status.terminal:
+                    recheck_s = self.settings.reply_recheck_s
+                    async with aclosing(follow(self._store, changes, state, deadline, recheck_s)) as later:
+                        async for change in later:
+                            state = change
+        except TRANSPORT_ERRORS as err:
+            raise Unavailable(f"the task store is unavailable: {err}") from err
+        if state is None or not state.status.terminal:
+            raise DeadlineExceeded(
+                f"no answer within timeout_ms={timeout_ms} from the task this Idempotency-Key names; it may still "
+                "finish: poll its result",
+                task_id=task_id,
+            )
+        return self._answer(state, started, replayed=True)
 
     def _validate(self, input: str, model: str | None, timeout_ms: int | None) -> tuple[str, int]:
         settings = self.settings
@@ -221,21 +378,23 @@ class Gateway:
             )
         return model, timeout_ms
 
-    async def _publish(self, task_id: str, input: str, model: str, timeout_ms: int, reply_to: str | None) -> None:
+    async def _publish(
+        self, task_id: str, input: str, model: str, timeout_ms: int, reply_to: str | None, owner: str | None
+    ) -> None:
         """Records the task as queued, then produces the request, so that a task is in the store
         before any worker can finish it."""
         now_ms = self._clock.wall_ms()
-        state = TaskState(task_id, TaskStatus.QUEUED, model, now_ms, now_ms, reply_to=reply_to)
-        request = InferenceRequest(task_id, model, input, now_ms, now_ms + timeout_ms, reply_to=reply_to)
+        state = TaskState(task_id, TaskStatus.QUEUED, model, now_ms, now_ms, reply_to=reply_to, owner=owner)
+        request = InferenceRequest(task_id, model, input, now_ms, now_ms + timeout_ms, reply_to=reply_to, owner=owner)
         try:
             created = await self._store.create(state)
-        except _TRANSPORT_ERRORS as err:
+        except TRANSPORT_ERRORS as err:
             raise Unavailable(f"the task store is unavailable: {err}") from err
         if not created:
             raise RuntimeError(f"task id {state.task_id!r} exists already; ids must be unique")
         try:
             await self._producer.send(request)
-        except _TRANSPORT_ERRORS as err:
+        except TRANSPORT_ERRORS as err:
             await self._abandon(state, err)
             raise Unavailable(f"the request bus is unavailable: {err}", task_id=state.task_id) from err
 
@@ -250,16 +409,20 @@ class Gateway:
         )
         try:
             await self._store.apply([failed])
-        except _TRANSPORT_ERRORS:
+        except TRANSPORT_ERRORS:
             log.warning("could not mark task %s failed after the bus refused it", state.task_id, exc_info=True)
 
-    def _answer(self, state: TaskState, started: float) -> Answer:
+    def _answer(self, state: TaskState, started: float, replayed: bool = False) -> Answer:
         if state.status is TaskStatus.COMPLETED:
             latency_s = self._clock.monotonic() - started
             histogram = self._latency.get(state.model)
-            if histogram is not None:
+            if histogram is not None and not replayed:
                 histogram.observe(latency_s)
-            return Answer(state.task_id, state.model, state.output or "", round(latency_s * 1000, 3), state.batch_size)
+            return Answer(
+                state.task_id, state.model, state.output or "", round(latency_s * 1000, 3), state.batch_size, replayed
+            )
+        if state.status is TaskStatus.CANCELLED:
+            raise TaskCancelled(state.error_message or "the task was cancelled", task_id=state.task_id)
         if state.status is TaskStatus.EXPIRED or state.error_code == DeadlineExceeded.code:
             raise DeadlineExceeded(
                 state.error_message or "the task expired before a worker ran it", task_id=state.task_id
@@ -271,7 +434,8 @@ class Gateway:
         )
 
     async def _sweep_forever(self) -> None:
-        """Resolves callers whose reply message was lost, by reading their tasks from the store.
+        """Resolves callers whose reply message was lost, by reading their tasks from the store, and
+        starts watching the connections of callers that have waited ``reply_recheck_s``.
 
         Only waiters older than ``reply_recheck_s`` are looked up (then with a doubling delay), so
         in steady state, answers well under a second, this reads nothing.
@@ -279,91 +443,31 @@ class Gateway:
         every_s = self.settings.reply_recheck_s
         while True:
             await asyncio.sleep(every_s)
-            overdue = self._waiters.due(self._clock.monotonic(), limit=10 * _SWEEP_CHUNK)
+            now = self._clock.monotonic()
+            self._waiters.watch_callers(now)
+            overdue = self._waiters.due(now, limit=10 * _SWEEP_CHUNK)
             for start in range(0, len(overdue), _SWEEP_CHUNK):
                 try:
                     found = await self._store.get_many(overdue[start : start + _SWEEP_CHUNK])
-                except _TRANSPORT_ERRORS:
+                except TRANSPORT_ERRORS:
                     log.warning("lost-reply sweep could not read the task store; retrying", exc_info=True)
                     break
                 for state in found.values():
                     self._waiters.resolve(state)
 
-    # -- reading -------------------------------------------------------------------------------
+    # -- reading (TaskReads) -------------------------------------------------------------------
 
-    async def result(self, task_id: str, wait_s: float = 0.0) -> TaskState:
-        """The task's state; with ``wait_s`` > 0, waits up to that long for it to end (long-poll)."""
-        _check_task_id(task_id)
-        if not 0 <= wait_s <= self.settings.max_wait_s:
-            raise ValidationFailed(
-                f"wait is {wait_s}; send seconds from 0 to {self.settings.max_wait_s} ({env_name('max_wait_s')})"
-            )
-        try:
-            if wait_s == 0:
-                return await self._get(task_id)
-            with self._watching():
-                async with self._store.watch(task_id) as changes:
-                    state = await self._get(task_id)
-                    if state.status.terminal:
-                        return state
-                    try:
-                        async with asyncio.timeout(wait_s):
-                            async for change in changes:
-                                if change.status.rank > state.status.rank:
-                                    state = change
-                                if state.status.terminal:
-                                    return state
-                    except TimeoutError:
-                        pass
-            # The wait ran out: read once more, in case a change message was lost on the way.
-            return await self._store.get(task_id) or state
-        except _TRANSPORT_ERRORS as err:
-            raise Unavailable(f"the task store is unavailable: {err}") from err
+    async def result(self, task_id: str, wait_s: float = 0.0, *, owner: str | None = None) -> TaskState:
+        """The task's state; with ``wait_s`` > 0, waits up to that long for it to end (see ``TaskReads``)."""
+        return await self._reads.result(task_id, wait_s, owner=owner)
 
-    async def events(self, task_id: str) -> AsyncGenerator[TaskState, None]:
-        """The task's current state, then each later state, until it ends (or ``sse_max_s`` passes).
+    def events(self, task_id: str, *, owner: str | None = None) -> AsyncGenerator[TaskState, None]:
+        """The task's current state, then each later one until it ends (see ``TaskReads``)."""
+        return self._reads.events(task_id, owner=owner)
 
-        Never yields a status twice nor goes back: only states of a higher rank than the last are
-        yielded. Use with ``contextlib.aclosing`` so the store subscription ends with the consumer.
-        """
-        _check_task_id(task_id)
-        deadline = asyncio.get_running_loop().time() + self.settings.sse_max_s
-        try:
-            with self._watching():
-                async with self._store.watch(task_id) as changes:
-                    state = await self._get(task_id)
-                    yield state
-                    async with aclosing(
-                        follow(self._store, changes, state, deadline, self.settings.stream_recheck_s)
-                    ) as later:
-                        async for state in later:
-                            yield state
-        except _TRANSPORT_ERRORS as err:
-            raise Unavailable(f"the task store is unavailable: {err}") from err
-
-    async def _get(self, task_id: str) -> TaskState:
-        state = await self._store.get(task_id)
-        if state is None:
-            raise TaskNotFound(f"no task {task_id!r}: it never existed here, or it expired from the store")
-        return state
-
-    @contextmanager
-    def _watching(self) -> Iterator[None]:
-        if self._watchers >= self.settings.max_watchers:
-            raise Overloaded(
-                f"this gateway has {self._watchers} long-polls and event streams open, its limit "
-                f"({env_name('max_watchers')}); retry after the Retry-After delay"
-            )
-        self._watchers += 1
-        try:
-            yield
-        finally:
-            self._watchers -= 1
-
-
-def _check_task_id(task_id: str) -> None:
-    if not TASK_ID_PATTERN.fullmatch(task_id):
-        raise InvalidTaskId("a task id is 1 to 128 characters from A-Z a-z 0-9 _ -; use the task_id a submit returned")
+    async def cancel(self, task_id: str, *, owner: str | None = None) -> TaskState:
+        """Cancels a task no worker has started yet (see ``TaskReads``)."""
+        return await self._reads.cancel(task_id, owner=owner)
 
 
 def _log_task_end(task: asyncio.Task[None]) -> None:

@@ -6,6 +6,7 @@ from ``BATCHWIRE_X``, which is why every validation message names both (see :fun
 
 from __future__ import annotations
 
+import math
 import re
 import secrets
 from dataclasses import dataclass, field, fields
@@ -14,6 +15,7 @@ ENV_PREFIX = "BATCHWIRE_"
 
 # Gateway ids end up in Redis channel names and Kafka headers: keep them to a safe alphabet.
 _ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_DIGEST_PATTERN = re.compile(r"[0-9a-f]{64}")
 
 
 def env_name(setting: str) -> str:
@@ -54,11 +56,23 @@ class GatewaySettings:
     """The Retry-After given with 503 answers (overloaded, unavailable, not ready)."""
     reply_recheck_s: float = 1.0
     """A synchronous caller whose reply has not come after this long is looked up in the store, and
-    again after 2x, 4x, up to 8x as long (guards against a reply lost in a Redis PubSub reconnect)."""
+    again after 2x, 4x, up to 8x as long (guards against a reply lost in a Redis PubSub reconnect).
+    From then on its connection is also watched: a caller who leaves has its task cancelled."""
     stream_recheck_s: float = 5.0
     """An event stream with no change for this long re-reads the task from the store."""
     ready_timeout_s: float = 2.0
     """How long ``/readyz`` waits for each readiness check before counting it as down."""
+    max_queue_depth: int = 20_000
+    """Requests accepted across the deployment and not yet handed to a worker (the request topic's
+    lag); beyond it submits get 503 + Retry-After and nothing is queued. 0 turns the check off."""
+    rate_limit_per_s: float = 0.0
+    """Submits per second per client (API key, else X-Client-Id, else IP), shared by every gateway
+    through the store; beyond it: 429 + Retry-After. 0 turns rate limits off."""
+    rate_limit_burst: int = 0
+    """Submits a client may save up and send at once; 0 means one second's worth of the rate."""
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    """sha256 hex digests of the accepted API keys (never the keys; ``gateway.auth.load_api_keys``
+    turns keys into digests). Empty: no keys needed and every task is visible to every caller."""
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -99,6 +113,24 @@ class GatewaySettings:
             value = getattr(self, name)
             if not value > 0 or value == float("inf"):
                 raise ValueError(f"{name} ({env_name(name)}) is {value}; it must be a positive finite number")
+        _at_least(self, "max_queue_depth", 0)
+        _at_least(self, "rate_limit_burst", 0)
+        if not 0 <= self.rate_limit_per_s < float("inf"):
+            raise ValueError(
+                f"rate_limit_per_s ({env_name('rate_limit_per_s')}) is {self.rate_limit_per_s}; it must be a finite "
+                "number, 0 to turn rate limits off"
+            )
+        if not all(_DIGEST_PATTERN.fullmatch(digest) for digest in self.api_keys):
+            # The value is not shown: a plain key passed here by mistake must not reach a log.
+            raise ValueError(
+                f"api_keys ({env_name('api_keys')}) must hold sha256 hex digests; keys given as text are hashed "
+                "by the CLI (gateway.auth.load_api_keys)"
+            )
+
+    @property
+    def rate_limit_burst_tokens(self) -> int:
+        """The bucket size: ``rate_limit_burst``, or one second's worth of the rate when that is 0."""
+        return self.rate_limit_burst or max(1, math.ceil(self.rate_limit_per_s))
 
 
 def _check_types(settings: GatewaySettings) -> None:

@@ -16,8 +16,16 @@ class BatchJournal:
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def record(
-        self, worker_id: str, batch_id: str, task_ids: Sequence[str], start_s: float, end_s: float, outcome: str
+        self,
+        worker_id: str,
+        batch_id: str,
+        task_ids: Sequence[str],
+        start_s: float,
+        end_s: float,
+        outcome: str,
+        delivery: int = 1,
     ) -> None:
+        """One backend call; ``delivery`` counts how often its batch was delivered (2+: it came back)."""
         line = json.dumps(
             {
                 "worker": worker_id,
@@ -28,6 +36,7 @@ class BatchJournal:
                 "start": start_s,
                 "end": end_s,
                 "outcome": outcome,
+                "delivery": delivery,
             }
         )
         os.write(self._fd, (line + "\n").encode())  # one write per line: O_APPEND keeps lines whole

@@ -19,7 +19,35 @@ class WorkerSettings:
     poll_timeout_s: float = 0.5
     batch_log: str | None = None
     """Append one JSON line per batch run (ids, sizes, monotonic start/end) to this file."""
+    max_deliveries: int = 3
+    """An input in flight alone at this many worker deaths goes to the dead-letter topic."""
+    hang_factor: float = 10.0
+    """A backend call running past this many times its expected latency is hung (0: never)."""
+    hang_min_s: float = 5.0
+    """The hang limit is never shorter than this."""
+    expected_latency_ms: float | None = None
+    """Expected duration of one backend call; None: the moving average of recent calls."""
+    drain_timeout_s: float = 30.0
+    """On shutdown, how long the batch in hand may take before it is handed back uncommitted."""
+    retry_max_s: float = 2.0
+    """Longest pause between tries while Kafka or Redis is unreachable."""
 
     def __post_init__(self) -> None:
         if self.credit_ttl_s <= 0.5:
             raise ValueError(f"credit_ttl_s must be above 0.5 s, got {self.credit_ttl_s} (BATCHWIRE_CREDIT_TTL_S)")
+        if self.max_deliveries < 1:
+            raise ValueError(f"max_deliveries must be at least 1, got {self.max_deliveries} (BATCHWIRE_MAX_DELIVERIES)")
+        if self.hang_factor < 0 or self.hang_min_s <= 0:
+            raise ValueError(
+                f"hang_factor must be >= 0 (0: off) and hang_min_s > 0, got {self.hang_factor} and {self.hang_min_s} "
+                "(BATCHWIRE_HANG_FACTOR, BATCHWIRE_HANG_MIN_S)"
+            )
+        if self.expected_latency_ms is not None and self.expected_latency_ms <= 0:
+            raise ValueError(
+                f"expected_latency_ms must be positive, got {self.expected_latency_ms} (BATCHWIRE_EXPECTED_LATENCY_MS)"
+            )
+
+    @property
+    def refresh_margin_s(self) -> float:
+        """An unclaimed credit is replaced this long before it expires."""
+        return min(1.0, self.credit_ttl_s / 2)

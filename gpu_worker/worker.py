@@ -2,39 +2,57 @@
 
 The worker announces that it is idle by offering a credit (see ``batcher.service``), and offers
 the next one as soon as the backend returns, so the next batch travels while this one's results
-are stored. The blocking backend runs in a dedicated thread: the event loop keeps heartbeats,
-credits and shutdown working while the GPU computes.
+are stored. The blocking backend runs in a thread of its own (``runner.BackendRunner``): the event
+loop keeps heartbeats, credits and shutdown working while the GPU computes, and a call that hangs
+is noticed.
+
+Faults, in the order a batch meets them:
+
+* its tasks move to ``running`` *before* the backend sees them, and a task whose move is refused
+  because it already ended (cancelled, expired, done by an earlier delivery) is not run at all;
+* a batch delivered again (its last holder died or handed it back) runs carefully: suspects in
+  halves, each group marked in flight first, results stored after each group; an input that kept
+  killing workers goes to the dead-letter topic (``careful``);
+* a hung backend call makes the worker give the batch back uncommitted and stop (``hung``);
+* Kafka or Redis unreachable: every step is retried with backoff until it works or the worker is
+  told to stop; only errors that retrying cannot fix end the loop (and the process, non-zero).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from batchwire import metrics
 from batchwire.transport.base import BatchConsumer, CreditPool, Delivered, TaskStore, TransportError
-from gpu_worker.backends.base import Backend, InputError
+from batchwire.transport.deliveries import (
+    DeadLetterSink,
+    DeliveryLog,
+    MemoryDeadLetters,
+    MemoryDeliveryLog,
+    Suspects,
+)
+from gpu_worker import careful
+from gpu_worker.backends.base import Backend
+from gpu_worker.calls import BackendCalls, Failure
 from gpu_worker.journal import BatchJournal
+from gpu_worker.runner import BackendHung, BackendRunner
 from gpu_worker.settings import WorkerSettings
+from schemas.deadletter import DEAD_LETTERED
 from schemas.records import Batch, BatchItem, Credit, TaskState, TaskStatus
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 
 def wall_ms() -> int:
     return int(time.time() * 1000)
-
-
-class _Failure:
-    """Why one input got no output."""
-
-    __slots__ = ("code", "message")
-
-    def __init__(self, code: str, message: str) -> None:
-        self.code = code
-        self.message = message
 
 
 class Worker:
@@ -46,6 +64,9 @@ class Worker:
         store: TaskStore,
         backend: Backend,
         journal: BatchJournal | None = None,
+        *,
+        deliveries: DeliveryLog | None = None,
+        dead_letters: DeadLetterSink | None = None,
     ) -> None:
         self.settings = settings
         self.consumer = consumer
@@ -53,44 +74,68 @@ class Worker:
         self.store = store
         self.backend = backend
         self.journal = journal
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=settings.worker_id)
+        self.deliveries: DeliveryLog = deliveries if deliveries is not None else MemoryDeliveryLog()
+        self.dead_letters: DeadLetterSink = dead_letters if dead_letters is not None else MemoryDeadLetters()
+        expected_s = None if settings.expected_latency_ms is None else settings.expected_latency_ms / 1000
+        self.runner = BackendRunner(
+            settings.worker_id, hang_factor=settings.hang_factor, hang_min_s=settings.hang_min_s, expected_s=expected_s
+        )
+        self.calls = BackendCalls(backend, self.runner, settings.model, settings.worker_id)
         self._credit: Credit | None = None
         self._seq = 0
         self._task: asyncio.Task[None] | None = None
+        self._finishing: asyncio.Task[None] | None = None
         self._idle = asyncio.Event()
         self._idle.set()
         self._stopping = False
+        self._abandon = False
+        self._credit_failures = 0
         self.failure: BaseException | None = None
         self.failed = asyncio.Event()
-        """Set when a background loop crashed: the process supervisor should exit."""
+        """Set when a background loop crashed (or the backend hung): the process supervisor should exit."""
+        self.hung_batch: Batch | None = None
+        """The batch whose backend call hung; it was given back uncommitted."""
         self.batches_run = 0
+        self.batches_done = 0
+        """Batches finished with: results stored and commit attempted (or skipped as undecodable)."""
+
+    @property
+    def hung(self) -> bool:
+        return self.runner.hung
 
     # lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, self.backend.load)
+        await self.runner.run(self.backend.load)
         await self.consumer.start(self._on_assigned, self._on_revoked)
         self._task = asyncio.create_task(self._guarded(), name=f"worker-{self.settings.worker_id}")
 
-    async def close(self, drain_timeout_s: float = 30.0) -> None:
+    async def close(self, drain_timeout_s: float | None = None) -> None:
         """Stops offering credits, finishes the batch in hand (or hands it back), then leaves the group."""
         self._stopping = True
         await self._withdraw()
+        drained = True
         if self._task is not None:
+            timeout = self.settings.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
             try:
-                await asyncio.wait_for(self._idle.wait(), drain_timeout_s)
+                if not self._idle.is_set():
+                    await asyncio.wait_for(self._idle.wait(), timeout)
             except TimeoutError:
+                drained = False
                 log.warning(
                     "worker %s: batch still running after %.0f s; handing it back uncommitted",
                     self.settings.worker_id,
-                    drain_timeout_s,
+                    timeout,
                 )
+            self._abandon = True
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        if self._finishing is not None:  # results being stored when the drain ran out: one last try
+            await asyncio.gather(self._finishing, return_exceptions=True)
         await self.consumer.close()
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        self.backend.close()
+        self.runner.close()
+        if drained and not self.runner.hung:  # never close a backend under a call that still runs
+            self.backend.close()
         if self.journal is not None:
             self.journal.close()
 
@@ -102,7 +147,10 @@ class Worker:
         except BaseException as err:
             self.failure = err
             self.failed.set()
-            log.exception("worker %s crashed; it no longer takes batches", self.settings.worker_id)
+            if isinstance(err, BackendHung):
+                log.error("worker %s stops: %s", self.settings.worker_id, err)
+            else:
+                log.exception("worker %s crashed; it no longer takes batches", self.settings.worker_id)
             raise
 
     def healthy(self) -> bool:
@@ -127,11 +175,11 @@ class Worker:
                 log.warning("could not withdraw credit %s: %s (it expires on its own)", credit.ref, err)
 
     async def _offer(self) -> None:
-        """Offers a credit when idle, and refreshes one that is about to expire unclaimed."""
+        """Offers a credit when idle, and replaces one that is about to expire unclaimed."""
         if self._stopping:
             return
         now = wall_ms()
-        if self._credit is not None and self._credit.expires_at_ms - now > 1000:
+        if self._credit is not None and self._credit.expires_at_ms - now > self.settings.refresh_margin_s * 1000:
             return
         assignment = self.consumer.assignment()
         if not assignment:
@@ -150,22 +198,67 @@ class Worker:
         try:
             await self.credits.offer(credit)
         except TransportError as err:
-            log.warning("could not offer a credit: %s; retrying", err)
+            self._credit_failures += 1
+            if self._credit_failures == 1 or self._credit_failures % 20 == 0:
+                log.warning("could not offer a credit (%d tries so far): %s; retrying", self._credit_failures, err)
             return
+        if self._credit_failures:
+            log.info(
+                "worker %s offers credits again after %d failed tries", self.settings.worker_id, self._credit_failures
+            )
+            self._credit_failures = 0
         self._credit = credit
 
     # the loop ----------------------------------------------------------------------------------
     async def _loop(self) -> None:
+        failures = 0
         while not self._stopping:
             await self._offer()
-            delivered = await self.consumer.next(self.settings.poll_timeout_s)
+            try:
+                delivered = await self.consumer.next(self.settings.poll_timeout_s)
+            except TransportError as err:
+                if not err.retriable:
+                    raise
+                failures += 1
+                await self._pause("reading batches", err, failures)
+                continue
+            failures = 0
             if delivered is None:
                 continue
+            if self._stopping:  # fetched while shutting down: left uncommitted for the next owner
+                log.info("worker %s: stopping; batch at %d/%d goes to the next owner", *self._where(delivered))
+                return
             self._idle.clear()
             try:
                 await self._handle(delivered)
             finally:
                 self._idle.set()
+
+    def _where(self, delivered: Delivered[Batch]) -> tuple[str, int, int]:
+        return self.settings.worker_id, delivered.partition, delivered.offset
+
+    async def _pause(self, what: str, err: TransportError, failures: int) -> None:
+        if failures == 1 or failures % 20 == 0:
+            log.warning(
+                "worker %s: %s failed (%d tries so far): %s; retrying", self.settings.worker_id, what, failures, err
+            )
+        await asyncio.sleep(min(0.05 * 2 ** min(failures, 10), self.settings.retry_max_s))
+
+    async def _retry(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
+        """``op`` until it works; a failure that retrying cannot fix, or a shutdown past its drain time, raises."""
+        failures = 0
+        while True:
+            try:
+                result = await op()
+            except TransportError as err:
+                if not err.retriable or self._abandon:
+                    raise
+                failures += 1
+                await self._pause(what, err, failures)
+                continue
+            if failures:
+                log.info("worker %s: %s worked after %d failed tries", self.settings.worker_id, what, failures)
+            return result
 
     async def _handle(self, delivered: Delivered[Batch]) -> None:
         batch = delivered.value
@@ -173,82 +266,154 @@ class Worker:
             await self._withdraw()  # this batch was not sent against our open credit: keep one at a time
         self._credit = None
         if batch is None:
-            log.warning(
-                "worker %s: undecodable batch at partition %d offset %d skipped",
-                self.settings.worker_id,
-                delivered.partition,
-                delivered.offset,
-            )
-            await self.consumer.commit(delivered)
+            log.warning("worker %s: undecodable batch at partition %d offset %d skipped", *self._where(delivered))
+            await self._commit(delivered)
+            self.batches_done += 1
             return
-        states = await self._process(batch)
+        try:
+            states = await self._process(batch)
+        except BackendHung as err:
+            self.hung_batch = batch
+            with contextlib.suppress(TransportError, TimeoutError):
+                async with asyncio.timeout(2.0):
+                    await self.deliveries.note(batch.batch_id, f"worker {self.settings.worker_id}: {err}")
+            raise
         # storing results and committing must not be cut in half by a cancellation
-        await asyncio.shield(self._finish(delivered, states))
+        self._finishing = asyncio.create_task(self._finish(delivered, batch, states))
+        await asyncio.shield(self._finishing)
+        self._finishing = None
 
-    async def _finish(self, delivered: Delivered[Batch], states: list[TaskState]) -> None:
-        await self.store.apply(states)
+    async def _finish(self, delivered: Delivered[Batch], batch: Batch, states: list[TaskState]) -> None:
+        if states:
+            await self._retry("storing results", lambda: self.store.apply(states))
         await self._commit(delivered)
+        try:
+            await self.deliveries.finish(batch.batch_id)
+        except TransportError as err:  # it expires on its own
+            log.debug("worker %s: could not forget batch %s: %s", self.settings.worker_id, batch.batch_id, err)
+        self.batches_done += 1
 
     async def _commit(self, delivered: Delivered[Batch]) -> None:
         try:
             await self.consumer.commit(delivered)
         except TransportError as err:
-            # The results are stored; if the batch comes again (its partition moved on), the store
-            # refuses the second copy of every result, so callers still see each answer once.
-            log.warning(
-                "worker %s: commit of batch at %d/%d failed: %s",
-                self.settings.worker_id,
-                delivered.partition,
-                delivered.offset,
-                err,
-            )
+            # The results are stored; if the batch comes again (its partition moved on), its tasks
+            # have ended, so the next holder runs none of them and callers see each answer once.
+            log.warning("worker %s: commit of batch at %d/%d failed: %s", *self._where(delivered), err)
 
+    # one batch ---------------------------------------------------------------------------------
     async def _process(self, batch: Batch) -> list[TaskState]:
-        model = batch.model
+        """Runs the batch; returns the states still to store (a careful run stores as it goes)."""
         now = wall_ms()
-        metrics.BATCH_WAIT.labels(model=model).observe(max(0, now - batch.created_at_ms) / 1000.0)
-        live = [item for item in batch.items if item.deadline_ms > now]
-        ended: list[TaskState] = [
-            self._state(
-                batch,
-                item,
-                TaskStatus.EXPIRED,
-                error=_Failure(
-                    "deadline_exceeded",
-                    "the request's deadline passed before the GPU could run it; retry, or send a longer timeout_ms",
-                ),
-            )
+        metrics.BATCH_WAIT.labels(model=batch.model).observe(max(0, now - batch.created_at_ms) / 1000.0)
+        expired = Failure(
+            "deadline_exceeded",
+            "the request's deadline passed before the GPU could run it; retry, or send a longer timeout_ms",
+        )
+        ended = [
+            self._state(batch, item, TaskStatus.EXPIRED, error=expired)
             for item in batch.items
             if item.deadline_ms <= now
         ]
-        results: dict[int, str | _Failure] = {}
-        if live:
-            running = asyncio.create_task(
-                self.store.apply([self._state(batch, item, TaskStatus.RUNNING) for item in live])
-            )
-            start = time.monotonic()
-            try:
-                results = await self._run([item.input for item in live])
-            finally:
-                end = time.monotonic()
-                await running
-            self.batches_run += 1
-            outcome = "ok" if all(isinstance(r, str) for r in results.values()) else "partial"
-            metrics.WORKER_BATCHES.labels(worker=self.settings.worker_id, outcome=outcome).inc()
-            if self.journal is not None:
-                self.journal.record(
-                    self.settings.worker_id, batch.batch_id, [i.task_id for i in live], start, end, outcome
-                )
+        count, todo = await asyncio.gather(  # one round trip's wait, not two
+            self._retry("counting a delivery", lambda: self.deliveries.begin(batch.batch_id)),
+            self._admit(batch, [item for item in batch.items if item.deadline_ms > now]),
+        )
+        if todo and count == 1:
+            ended.extend(await self._run_group(batch, todo, count))
+        elif todo:
+            await self._run_careful(batch, todo, count)
         await self._offer()  # the next batch travels while this one's results are stored
-        for index, item in enumerate(live):
+        self._count(batch, ended)
+        return ended
+
+    async def _admit(self, batch: Batch, live: list[BatchItem]) -> list[BatchItem]:
+        """Moves the live items to ``running`` before any reaches the backend; drops those already ended."""
+        if not live:
+            return []
+        running = [self._state(batch, item, TaskStatus.RUNNING) for item in live]
+        applied = await self._retry("marking tasks running", lambda: self.store.apply(running))
+        refused = [item.task_id for item, ok in zip(live, applied, strict=True) if not ok]
+        if not refused:
+            return live
+        # Refused: the task ended (cancelled, expired, done by an earlier delivery), or it is already
+        # running because this is a redelivery; only the ended ones are dropped.
+        current = await self._retry("reading tasks", lambda: self.store.get_many(refused))
+        ended = {task_id for task_id, state in current.items() if state.status.terminal}
+        if ended:
+            log.info(
+                "worker %s: %d task(s) of batch %s already ended (cancelled, expired or answered); not running them",
+                self.settings.worker_id,
+                len(ended),
+                batch.batch_id,
+            )
+        return [item for item in live if item.task_id not in ended]
+
+    async def _run_group(self, batch: Batch, items: list[BatchItem], delivery: int) -> list[TaskState]:
+        start = time.monotonic()
+        results = await self.calls.run([item.input for item in items])
+        end = time.monotonic()
+        self.batches_run += 1
+        outcome = "ok" if all(isinstance(r, str) for r in results.values()) else "partial"
+        metrics.WORKER_BATCHES.labels(worker=self.settings.worker_id, outcome=outcome).inc()
+        if self.journal is not None:
+            ids = [item.task_id for item in items]
+            self.journal.record(self.settings.worker_id, batch.batch_id, ids, start, end, outcome, delivery)
+        states = []
+        for index, item in enumerate(items):
             result = results[index]
             if isinstance(result, str):
-                ended.append(self._state(batch, item, TaskStatus.COMPLETED, output=result))
+                states.append(self._state(batch, item, TaskStatus.COMPLETED, output=result))
             else:
-                ended.append(self._state(batch, item, TaskStatus.FAILED, error=result))
-        for state in ended:
-            metrics.TASKS_ENDED.labels(model=model, status=state.status.value).inc()
-        return ended
+                states.append(self._state(batch, item, TaskStatus.FAILED, error=result))
+        return states
+
+    async def _run_careful(self, batch: Batch, todo: list[BatchItem], count: int) -> None:
+        """A redelivered batch: suspects in halves, each group marked and its results stored at once."""
+        ids = [item.task_id for item in todo]
+        suspects = await self._retry(
+            "reading what was in flight", lambda: self.deliveries.suspects(batch.batch_id, ids)
+        )
+        decided = careful.plan(todo, lambda item: item.task_id, suspects, self.settings.max_deliveries)
+        log.warning(
+            "worker %s: batch %s is delivered for the %s time (%s); %d of %d tasks were in flight then; "
+            "running %s, dead-lettering %d",
+            self.settings.worker_id,
+            batch.batch_id,
+            _ordinal(count),
+            suspects.note or "its last holder died or handed it back",
+            len(suspects.task_ids),
+            len(todo),
+            "+".join(str(len(group)) for group in decided.groups) or "nothing",
+            len(decided.dead),
+        )
+        if decided.dead:
+            await self._dead_letter(batch, decided.dead, suspects, count)
+        for group in decided.groups:
+            mark = functools.partial(self.deliveries.mark, batch.batch_id, [item.task_id for item in group])
+            await self._retry("marking tasks in flight", mark)
+            states = await self._run_group(batch, group, count)
+            await self._retry("storing results", functools.partial(self.store.apply, states))
+            self._count(batch, states)
+
+    async def _dead_letter(self, batch: Batch, items: list[BatchItem], suspects: Suspects, count: int) -> None:
+        ids = [item.task_id for item in items]
+        # Marked first: if this worker dies before the letter is stored, the next one sees it again.
+        await self._retry("marking tasks in flight", lambda: self.deliveries.mark(batch.batch_id, ids))
+        letter = careful.dead_letter(batch, items, suspects, count, self.settings.worker_id, wall_ms())
+        await self._retry("sending to the dead-letter topic", lambda: self.dead_letters.send(letter))
+        log.error(
+            "worker %s: dead-lettered %s of batch %s: %s", self.settings.worker_id, ids, batch.batch_id, letter.error
+        )
+        failure = Failure(DEAD_LETTERED, careful.dead_lettered_message(letter))
+        states = [self._state(batch, item, TaskStatus.FAILED, error=failure) for item in items]
+        await self._retry("storing dead-lettered tasks", lambda: self.store.apply(states))
+        metrics.WORKER_BATCHES.labels(worker=self.settings.worker_id, outcome="dead_lettered").inc()
+        self._count(batch, states)
+
+    def _count(self, batch: Batch, states: list[TaskState]) -> None:
+        for state in states:
+            metrics.TASKS_ENDED.labels(model=batch.model, status=state.status.value).inc()
 
     def _state(
         self,
@@ -256,7 +421,7 @@ class Worker:
         item: BatchItem,
         status: TaskStatus,
         output: str | None = None,
-        error: _Failure | None = None,
+        error: Failure | None = None,
     ) -> TaskState:
         return TaskState(
             task_id=item.task_id,
@@ -273,43 +438,6 @@ class Worker:
             reply_to=item.reply_to,
         )
 
-    # the backend -------------------------------------------------------------------------------
-    async def _run(self, inputs: list[str]) -> dict[int, str | _Failure]:
-        """Outputs by input index. Inputs the backend rejects up front never reach it; when a call
-        fails, the batch is split in halves until the inputs that fail are alone (bisection), so
-        the healthy ones still get answers."""
-        results: dict[int, str | _Failure] = {}
-        rejected: dict[int, InputError] = self.backend.input_errors(inputs)
-        for index, err in rejected.items():
-            results[index] = _Failure(err.code, str(err))
-        todo = [index for index in range(len(inputs)) if index not in rejected]
-        if todo:
-            await self._bisect(inputs, todo, results)
-        return results
 
-    async def _bisect(self, inputs: list[str], indices: list[int], results: dict[int, str | _Failure]) -> None:
-        try:
-            outputs = await self._call([inputs[i] for i in indices])
-        except Exception as err:
-            if len(indices) == 1:
-                results[indices[0]] = _Failure("backend_error", f"the model failed on this input: {err}")
-                return
-            middle = len(indices) // 2
-            await self._bisect(inputs, indices[:middle], results)
-            await self._bisect(inputs, indices[middle:], results)
-            return
-        for index, output in zip(indices, outputs, strict=True):
-            results[index] = output
-
-    async def _call(self, inputs: list[str]) -> list[str]:
-        loop = asyncio.get_running_loop()
-        start = time.perf_counter()
-        try:
-            outputs = await loop.run_in_executor(self._executor, self.backend.batchstring, inputs)
-        finally:
-            elapsed = time.perf_counter() - start
-            metrics.BACKEND_CALL.labels(model=self.settings.model, backend=self.backend.name).observe(elapsed)
-            metrics.WORKER_BUSY.labels(worker=self.settings.worker_id).inc(elapsed)
-        if len(outputs) != len(inputs):
-            raise RuntimeError(f"backend returned {len(outputs)} outputs for {len(inputs)} inputs")
-        return outputs
+def _ordinal(n: int) -> str:
+    return {1: "1st", 2: "2nd", 3: "3rd"}.get(n, f"{n}th")

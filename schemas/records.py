@@ -107,6 +107,8 @@ class TaskState:
     batch_size: int | None = None
     worker_id: str | None = None
     reply_to: str | None = None
+    owner: str | None = None
+    """Hash of the API key that created the task (None without API keys); never shown to clients."""
 
     def to_public(self) -> dict[str, Any]:
         """The JSON shape clients see for ``GET /v1/result/{task_id}`` and SSE events."""

@@ -52,3 +52,11 @@ class Names:
 
     def credit_list(self, model: str) -> str:
         return f"{self.namespace}:credits:{model}"
+
+    def idempotency_key(self, scope: str, key: str) -> str:
+        """A client's ``Idempotency-Key``, within its owner's ``scope``: names the task it created."""
+        return f"{self.namespace}:idem:{scope}:{key}"
+
+    def rate_bucket(self, client: str) -> str:
+        """One client's token bucket, shared by every gateway."""
+        return f"{self.namespace}:rate:{client}"

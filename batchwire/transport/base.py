@@ -95,6 +95,14 @@ class CreditPool(Protocol):
 ReplyHandler = Callable[[TaskState], None]
 
 
+@dataclass(frozen=True, slots=True)
+class KeyClaim:
+    """Which task an idempotency key names, and the fingerprint of the request that created it."""
+
+    task_id: str
+    fingerprint: str
+
+
 class TaskStore(Protocol):
     """Where task status and results live, and how changes reach the gateways.
 
@@ -116,6 +124,28 @@ class TaskStore(Protocol):
         """
         ...
 
+    async def cancel(self, task_id: str, reason_code: str, message: str) -> TaskState | None:
+        """Ends a task no worker has started (``queued`` or ``batched``) as ``cancelled``, atomically.
+
+        The cancelled state is published like ``apply`` publishes (watchers, and the gateway in
+        ``reply_to``), and carries ``reason_code`` and ``message`` as its error. Returns the state
+        after the call: ``cancelled`` (by this call or an earlier one), or the unchanged state of a
+        task that is running or ended otherwise; None when no such task is stored.
+        """
+        ...
+
+    async def claim_key(self, scope: str, key: str, task_id: str, fingerprint: str) -> KeyClaim:
+        """Binds an idempotency ``key`` (within ``scope``) to ``task_id`` unless it is bound already.
+
+        Returns the binding that holds: ours when this call won, else the first one. Bindings live
+        as long as task states (the store's TTL).
+        """
+        ...
+
+    async def release_key(self, scope: str, key: str, task_id: str) -> None:
+        """Unbinds ``key`` if it still names ``task_id`` (that task could not be stored or published)."""
+        ...
+
     async def get(self, task_id: str) -> TaskState | None: ...
     async def get_many(self, task_ids: Collection[str]) -> dict[str, TaskState]: ...
     def watch(self, task_id: str) -> AbstractAsyncContextManager[AsyncIterator[TaskState]]:
@@ -127,3 +157,27 @@ class TaskStore(Protocol):
         ...
 
     async def ready(self) -> bool: ...
+
+
+class QueueDepth(Protocol):
+    """Requests accepted by the gateways and not yet handed to a worker, across the deployment."""
+
+    async def start(self) -> None: ...
+    async def close(self) -> None: ...
+    async def depth(self) -> int:
+        """The latest known depth; cheap enough to ask on every request (no I/O)."""
+        ...
+
+
+class RateLimiter(Protocol):
+    """A token bucket per client (``rate_per_s`` refill, ``burst`` capacity), shared by every gateway."""
+
+    rate_per_s: float
+    burst: int
+
+    async def start(self) -> None: ...
+    async def close(self) -> None: ...
+    async def acquire(self, client: str) -> float:
+        """Takes a token from ``client``'s bucket: 0.0 if there was one, else the seconds until there
+        will be one (nothing is taken then)."""
+        ...

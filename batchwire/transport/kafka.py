@@ -23,6 +23,7 @@ from batchwire.transport.base import Delivered, PartitionsCallback
 from batchwire.transport.errors import PermanentTransportError
 from batchwire.transport.kafka_group import GroupConsumer, translate
 from schemas.codec import CodecError, decode_batch, decode_request, encode_batch, encode_request
+from schemas.deadletter import DeadLetter, encode_dead_letter
 from schemas.records import Batch, InferenceRequest
 from schemas.wire import Names
 
@@ -235,6 +236,44 @@ class KafkaBatchProducer:
 
     async def ready(self, model: str) -> bool:
         return await self._producer.ready(self.names.batch_topic(model))
+
+
+class KafkaDeadLetterProducer:
+    """Worker side of the dead-letter topic: inputs that kept killing workers, with why and how often.
+
+    One partition is enough (dead letters are rare and read by people); ``send`` returns once the
+    broker acknowledged the letter, so the worker commits the batch only after it is kept.
+    """
+
+    def __init__(
+        self,
+        bootstrap: str,
+        names: Names,
+        *,
+        acks: int | str = "all",
+        request_timeout_ms: int = DEFAULT_REQUEST_TIMEOUT_MS,
+        client_id: str = "batchwire-worker",
+        ready_timeout_s: float = 1.0,
+    ) -> None:
+        self.topic = names.dead_letter_topic
+        self._producer = _Producer(
+            bootstrap,
+            client_id=client_id,
+            acks=acks,
+            linger_ms=0,
+            request_timeout_ms=request_timeout_ms,
+            compression_type=None,
+            ready_timeout_s=ready_timeout_s,
+        )
+
+    async def start(self) -> None:
+        await self._producer.start()
+
+    async def close(self) -> None:
+        await self._producer.close()
+
+    async def send(self, letter: DeadLetter) -> None:
+        await self._producer.send(self.topic, 0, encode_dead_letter(letter))
 
 
 class _Decoder(Generic[T]):

@@ -11,11 +11,13 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Generic, TypeVar
 
+from batchwire.metrics import REQUEST_LAG
 from batchwire.routing import Partitioner
-from batchwire.transport.base import Delivered, PartitionsCallback, ReplyHandler
-from schemas.records import Batch, Credit, InferenceRequest, TaskState
+from batchwire.transport.base import Delivered, KeyClaim, PartitionsCallback, ReplyHandler
+from schemas.records import Batch, Credit, InferenceRequest, TaskState, TaskStatus
 
 T = TypeVar("T")
 
@@ -249,6 +251,68 @@ class MemoryCreditPool:
         return len(self._credits.get(model, ()))
 
 
+class MemoryQueueDepth:
+    """``QueueDepth`` of the embedded mode: the request bus's lag (read on each call, it costs nothing)."""
+
+    def __init__(self, bus: MemoryRequestBus) -> None:
+        self.bus = bus
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def depth(self) -> int:
+        lag = self.bus.lag()
+        REQUEST_LAG.set(lag)
+        return lag
+
+
+class MemoryRateLimiter:
+    """``RateLimiter`` for one process: token buckets in a dict, forgetting buckets that refilled.
+
+    Same arithmetic as the Redis script (``redis_lua.TOKEN_BUCKET``), on the monotonic clock.
+    """
+
+    def __init__(self, rate_per_s: float, burst: int, max_clients: int = 100_000) -> None:
+        if not rate_per_s > 0 or burst < 1:
+            raise ValueError(f"a rate limiter needs rate_per_s > 0 and burst >= 1, got {rate_per_s} and {burst}")
+        self.rate_per_s = rate_per_s
+        self.burst = burst
+        self.max_clients = max_clients
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # client -> (tokens, at)
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def acquire(self, client: str) -> float:
+        now = time.monotonic()
+        tokens, at = self._buckets.pop(client, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - at) * self.rate_per_s)
+        wait_s = 0.0
+        if tokens >= 1:
+            tokens -= 1
+        else:
+            wait_s = (1 - tokens) / self.rate_per_s
+        self._buckets[client] = (tokens, now)  # most recently used last
+        self._forget(now)
+        return wait_s
+
+    def _forget(self, now: float) -> None:
+        """Drops the least recently used buckets that are full again (forgetting them changes nothing),
+        and beyond ``max_clients`` the least recently used ones whatever they hold."""
+        full_after_s = self.burst / self.rate_per_s
+        while self._buckets:
+            client, (_, at) = next(iter(self._buckets.items()))
+            if now - at < full_after_s and len(self._buckets) <= self.max_clients:
+                return
+            del self._buckets[client]
+
+
 class MemoryTaskStore:
     """Task states in a dict, bounded by age (``ttl_s``) and count (``max_tasks``, oldest out first)."""
 
@@ -256,6 +320,7 @@ class MemoryTaskStore:
         self.ttl_s = ttl_s
         self.max_tasks = max_tasks
         self._tasks: OrderedDict[str, tuple[float, TaskState]] = OrderedDict()
+        self._keys: OrderedDict[tuple[str, str], tuple[float, KeyClaim]] = OrderedDict()
         self._watchers: dict[str, set[asyncio.Queue[TaskState]]] = {}
         self._replies: dict[str, ReplyHandler] = {}
         self._closed = asyncio.Event()
@@ -289,15 +354,53 @@ class MemoryTaskStore:
             if current is not None and (current.status.terminal or state.status.rank <= current.status.rank):
                 applied.append(False)
                 continue
-            self._tasks[state.task_id] = (time.monotonic() + self.ttl_s, state)
-            self._tasks.move_to_end(state.task_id)
-            self._publish(state)
-            if state.status.terminal and state.reply_to is not None:
-                handler = self._replies.get(state.reply_to)
-                if handler is not None:
-                    handler(state)
+            if current is not None and current.owner is not None and state.owner is None:
+                state = replace(state, owner=current.owner)  # the owner is set once, at create
+            self._write(state)
             applied.append(True)
         return applied
+
+    def _write(self, state: TaskState) -> None:
+        self._tasks[state.task_id] = (time.monotonic() + self.ttl_s, state)
+        self._tasks.move_to_end(state.task_id)
+        self._publish(state)
+        if state.status.terminal and state.reply_to is not None:
+            handler = self._replies.get(state.reply_to)
+            if handler is not None:
+                handler(state)
+
+    async def cancel(self, task_id: str, reason_code: str, message: str) -> TaskState | None:
+        current = self._lookup(task_id)
+        if current is None or current.status.rank > TaskStatus.BATCHED.rank:
+            return current
+        cancelled = replace(
+            current,
+            status=TaskStatus.CANCELLED,
+            updated_at_ms=_now_ms(),
+            error_code=reason_code,
+            error_message=message,
+        )
+        self._write(cancelled)
+        return cancelled
+
+    async def claim_key(self, scope: str, key: str, task_id: str, fingerprint: str) -> KeyClaim:
+        now = time.monotonic()
+        while self._keys:  # oldest first: insertion order is expiry order
+            oldest, (expires, _) = next(iter(self._keys.items()))
+            if expires > now and len(self._keys) <= self.max_tasks:
+                break
+            del self._keys[oldest]
+        held = self._keys.get((scope, key))
+        if held is not None:
+            return held[1]
+        claim = KeyClaim(task_id, fingerprint)
+        self._keys[(scope, key)] = (now + self.ttl_s, claim)
+        return claim
+
+    async def release_key(self, scope: str, key: str, task_id: str) -> None:
+        held = self._keys.get((scope, key))
+        if held is not None and held[1].task_id == task_id:
+            del self._keys[(scope, key)]
 
     def _lookup(self, task_id: str) -> TaskState | None:
         entry = self._tasks.get(task_id)

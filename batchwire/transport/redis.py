@@ -1,31 +1,44 @@
 """Redis transports: the task store (status, results, change notifications) and the credit pool.
 
-A task is a hash ``names.task_key(id)`` with ``status``, ``rank`` and ``doc`` (Avro ``TaskState``),
-expiring ``ttl_s`` after its last write. Every write is a Lua script (``redis_lua``) that checks
-that status only moves forward, stores, and publishes the new state on the task's channel (and, for
-a terminal state, on the reply channel of the gateway that waits for it), all in one round trip.
-Notifications reach this process through one PubSub connection (``redis_pubsub.PubSubHub``).
+A task is a hash ``names.task_key(id)`` with ``status``, ``rank``, ``doc`` (Avro ``TaskState``) and,
+when it has one, ``owner`` (written once, at create), expiring ``ttl_s`` after its last write.
+Every write is a Lua script (``redis_lua``) that checks that status only moves forward, stores, and
+publishes the new state on the task's channel (and, for a terminal state, on the reply channel of
+the gateway that waits for it), all in one round trip. Notifications reach this process through one
+PubSub connection (``redis_pubsub.PubSubHub``). Idempotency keys are plain strings
+(``names.idempotency_key``) holding "<fingerprint> <task id>", with the same TTL as tasks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from batchwire.transport.base import ReplyHandler, TransportError
+from batchwire.transport.base import KeyClaim, ReplyHandler, TransportError
 from batchwire.transport.errors import PermanentTransportError
 from batchwire.transport.redis_credits import RedisCreditPool
-from batchwire.transport.redis_lua import APPLY, CREATE, apply_args, create_args
+from batchwire.transport.redis_lua import (
+    APPLY,
+    CANCEL,
+    CLAIM_KEY,
+    CREATE,
+    RELEASE_KEY,
+    apply_args,
+    cancel_args,
+    create_args,
+)
 from batchwire.transport.redis_pools import command_pool, pubsub_pool, redacted, translate
 from batchwire.transport.redis_pubsub import PubSubHub
 from schemas.codec import CodecError, decode_state, encode_state
-from schemas.records import TaskState
+from schemas.records import TaskState, TaskStatus
 from schemas.wire import Names
 
 __all__ = ["RedisCreditPool", "RedisTaskStore"]
@@ -73,6 +86,9 @@ class RedisTaskStore:
         self._client = Redis(connection_pool=self._pool)
         self._create = self._client.register_script(CREATE)
         self._apply = self._client.register_script(APPLY)
+        self._cancel = self._client.register_script(CANCEL)
+        self._claim_key = self._client.register_script(CLAIM_KEY)
+        self._release_key = self._client.register_script(RELEASE_KEY)
         self._hub = PubSubHub(
             pubsub_pool(redis_url, socket_timeout_s=socket_timeout_s),
             self._on_message,
@@ -130,32 +146,85 @@ class RedisTaskStore:
             raise translate(f"applying {len(updates)} task update(s)", err) from err
         return [bool(flag) for flag in applied]
 
+    async def cancel(self, task_id: str, reason_code: str, message: str) -> TaskState | None:
+        """Reads the task, then lets one script decide and write (see ``redis_lua.CANCEL``): two round
+        trips, and a worker's ``running`` racing in between wins or loses as a whole."""
+        current = await self.get(task_id)
+        if current is None or current.status.rank > TaskStatus.BATCHED.rank:
+            return current
+        cancelled = replace(
+            current,
+            status=TaskStatus.CANCELLED,
+            updated_at_ms=time.time_ns() // 1_000_000,
+            error_code=reason_code,
+            error_message=message,
+        )
+        reply_channel = self.names.reply_channel(current.reply_to) if current.reply_to is not None else ""
+        args = cancel_args(
+            self.ttl_ms, cancelled, encode_state(cancelled), self.names.task_channel(task_id), reply_channel
+        )
+        try:
+            outcome: list[Any] = await self._cancel(keys=[self.names.task_key(task_id)], args=args)
+        except RedisError as err:
+            raise translate(f"cancelling task {task_id}", err) from err
+        if outcome[0] == 1:
+            return cancelled
+        if outcome[0] == -1:
+            return None  # expired between the read and the script
+        return self._decode_stored(task_id, outcome[1], outcome[2] if len(outcome) > 2 else None)
+
+    async def claim_key(self, scope: str, key: str, task_id: str, fingerprint: str) -> KeyClaim:
+        try:
+            held = await self._claim_key(
+                keys=[self.names.idempotency_key(scope, key)], args=[self.ttl_ms, f"{fingerprint} {task_id}"]
+            )
+        except RedisError as err:
+            raise translate("claiming an idempotency key", err) from err
+        text = held.decode() if isinstance(held, bytes) else str(held)
+        held_fingerprint, _, held_task = text.partition(" ")
+        if not held_task:
+            raise PermanentTransportError(f"idempotency key {self.names.idempotency_key(scope, key)} holds {text!r}")
+        return KeyClaim(held_task, held_fingerprint)
+
+    async def release_key(self, scope: str, key: str, task_id: str) -> None:
+        try:
+            await self._release_key(keys=[self.names.idempotency_key(scope, key)], args=[task_id])
+        except RedisError as err:
+            raise translate("releasing an idempotency key", err) from err
+
     async def get(self, task_id: str) -> TaskState | None:
         try:
-            doc = await self._client.hget(self.names.task_key(task_id), "doc")
+            doc, owner = await self._client.hmget(self.names.task_key(task_id), ["doc", "owner"])
         except RedisError as err:
             raise translate(f"reading task {task_id}", err) from err
-        return None if doc is None else self._decode_stored(task_id, doc)
+        return None if doc is None else self._decode_stored(task_id, doc, owner)
 
     async def get_many(self, task_ids: Collection[str]) -> dict[str, TaskState]:
-        """Every found task in one round trip (a pipeline of HGETs, no transaction)."""
+        """Every found task in one round trip (a pipeline of HMGETs, no transaction)."""
         ids = list(dict.fromkeys(task_ids))
         if not ids:
             return {}
         pipe = self._client.pipeline(transaction=False)
         for task_id in ids:
-            pipe.hget(self.names.task_key(task_id), "doc")
+            pipe.hmget(self.names.task_key(task_id), ["doc", "owner"])
         try:
-            docs: list[Any] = await pipe.execute()
+            rows: list[Any] = await pipe.execute()
         except RedisError as err:
             raise translate(f"reading {len(ids)} task(s)", err) from err
-        return {task_id: self._decode_stored(task_id, doc) for task_id, doc in zip(ids, docs, strict=True) if doc}
+        return {
+            task_id: self._decode_stored(task_id, row[0], row[1])
+            for task_id, row in zip(ids, rows, strict=True)
+            if row[0]
+        }
 
-    def _decode_stored(self, task_id: str, doc: bytes | str) -> TaskState:
+    def _decode_stored(self, task_id: str, doc: bytes | str, owner: bytes | str | None = None) -> TaskState:
         try:
-            return decode_state(doc if isinstance(doc, bytes) else doc.encode())
+            state = decode_state(doc if isinstance(doc, bytes) else doc.encode())
         except CodecError as err:
             raise PermanentTransportError(f"stored state of task {task_id} cannot be read: {err}") from err
+        if owner is not None and state.owner is None:
+            state = replace(state, owner=owner.decode() if isinstance(owner, bytes) else owner)
+        return state
 
     @asynccontextmanager
     async def watch(self, task_id: str) -> AsyncIterator[AsyncIterator[TaskState]]:

@@ -13,13 +13,19 @@ from collections.abc import Sequence
 from schemas.records import TaskState, TaskStatus
 
 TERMINAL_RANK = min(status.rank for status in TaskStatus if status.terminal)
+CANCELLABLE_RANK = TaskStatus.BATCHED.rank
 
-# KEYS[1] task hash. ARGV: ttl ms, status, rank, doc, task channel. Returns 1 if created.
+# KEYS[1] task hash. ARGV: ttl ms, status, rank, doc, task channel, owner ('' = none). Returns 1 if
+# created. The owner is a field of its own, written once here: later writers (batcher, workers)
+# replace ``doc`` without knowing it, and readers merge it back (``RedisTaskStore.get``).
 CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return 0
 end
 redis.call('HSET', KEYS[1], 'status', ARGV[2], 'rank', ARGV[3], 'doc', ARGV[4])
+if ARGV[6] ~= '' then
+  redis.call('HSET', KEYS[1], 'owner', ARGV[6])
+end
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 redis.call('PUBLISH', ARGV[5], ARGV[4])
 return 1
@@ -53,8 +59,95 @@ return applied
 """
 
 
+# KEYS[1] task hash. ARGV: ttl ms, highest cancellable rank, status, rank, doc, task channel, reply
+# channel ('' = none). The caller built ``doc`` from a state it read just before; whether that task
+# may still be cancelled is decided here, atomically with the write. Returns {1} when cancelled,
+# {0, doc, owner} when it is too late (doc: the stored state), {-1} when there is no such task.
+CANCEL = """
+local current = tonumber(redis.call('HGET', KEYS[1], 'rank'))
+if current == nil then
+  return {-1}
+end
+if current > tonumber(ARGV[2]) then
+  local stored = redis.call('HMGET', KEYS[1], 'doc', 'owner')
+  return {0, stored[1], stored[2]}
+end
+redis.call('HSET', KEYS[1], 'status', ARGV[3], 'rank', ARGV[4], 'doc', ARGV[5])
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+redis.call('PUBLISH', ARGV[6], ARGV[5])
+if ARGV[7] ~= '' then
+  redis.call('PUBLISH', ARGV[7], ARGV[5])
+end
+return {1}
+"""
+
+# KEYS[1] idempotency key. ARGV: ttl ms, "<fingerprint> <task id>". Returns the value that holds
+# afterwards: ours when the key was free (SET NX), else the first claimer's.
+CLAIM_KEY = """
+if redis.call('SET', KEYS[1], ARGV[2], 'NX', 'PX', ARGV[1]) then
+  return ARGV[2]
+end
+return redis.call('GET', KEYS[1])
+"""
+
+# KEYS[1] idempotency key. ARGV[1] a task id: the key is deleted only while it still names that task.
+RELEASE_KEY = """
+local held = redis.call('GET', KEYS[1])
+local suffix = ' ' .. ARGV[1]
+if held and string.sub(held, -string.len(suffix)) == suffix then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+# KEYS[1] a client's bucket (hash: tokens, at_us). ARGV: rate per second, burst. Uses the Redis
+# server's clock, so gateways whose clocks disagree still share one bucket correctly. Returns 0 when
+# a token was taken, else the microseconds until one will be there (nothing taken). The bucket
+# expires once it would be full again: a client that stops costs nothing.
+TOKEN_BUCKET = """
+if redis.replicate_commands then
+  redis.replicate_commands()  -- Redis 5 and 6: TIME before a write needs effects replication
+end
+local rate = tonumber(ARGV[1])
+local burst = tonumber(ARGV[2])
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
+local held = redis.call('HMGET', KEYS[1], 'tokens', 'at_us')
+local tokens = tonumber(held[1])
+local at = tonumber(held[2])
+if tokens == nil or at == nil then
+  tokens = burst
+  at = now
+end
+tokens = math.min(burst, tokens + math.max(0, now - at) * rate / 1000000)
+local wait = 0
+if tokens >= 1 then
+  tokens = tokens - 1
+else
+  wait = math.ceil((1 - tokens) * 1000000 / rate)
+end
+redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'at_us', tostring(now))
+redis.call('PEXPIRE', KEYS[1], math.ceil((burst - tokens) * 1000 / rate) + 1000)
+return wait
+"""
+
+
 def create_args(ttl_ms: int, state: TaskState, doc: bytes, task_channel: str) -> list[str | int | bytes]:
-    return [ttl_ms, state.status.value, state.status.rank, doc, task_channel]
+    return [ttl_ms, state.status.value, state.status.rank, doc, task_channel, state.owner or ""]
+
+
+def cancel_args(
+    ttl_ms: int, cancelled: TaskState, doc: bytes, task_channel: str, reply_channel: str
+) -> list[str | int | bytes]:
+    return [
+        ttl_ms,
+        CANCELLABLE_RANK,
+        cancelled.status.value,
+        cancelled.status.rank,
+        doc,
+        task_channel,
+        reply_channel,
+    ]
 
 
 def apply_args(ttl_ms: int, updates: Sequence[tuple[TaskState, bytes, str, str]]) -> list[str | int | bytes]:

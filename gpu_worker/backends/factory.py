@@ -17,6 +17,10 @@ class BackendConfigError(ValueError):
 class BackendSettings:
     backend: str = "sim"
     sim_latency_ms: float = 100.0
+    sim_hang_on: str | None = None
+    """sim: hang forever on a batch holding an input that contains this (fault tests)."""
+    sim_crash_on: str | None = None
+    """sim: kill the process (exit 70) on a batch holding an input that contains this (fault tests)."""
     max_batch: int | None = None
     """None: the backend's own default (sim: 100, hf: 32)."""
     model_path: str | None = None
@@ -31,7 +35,12 @@ class BackendSettings:
 
 def make_backend(settings: BackendSettings, model: str) -> Backend:
     if settings.backend == "sim":
-        return SimBackend(latency_ms=settings.sim_latency_ms, max_batch=settings.max_batch or 100)
+        return SimBackend(
+            latency_ms=settings.sim_latency_ms,
+            max_batch=settings.max_batch or 100,
+            hang_on=settings.sim_hang_on,
+            crash_on=settings.sim_crash_on,
+        )
     if settings.backend == "hf":
         if not settings.model_path:
             raise BackendConfigError(

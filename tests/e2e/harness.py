@@ -193,3 +193,171 @@ def embedded(base: Path, workers: int = 2, sim_latency_ms: float = 100.0, *extra
     url = f"http://127.0.0.1:{port}"
     wait_until(lambda: _ready(url), 60, f"embedded service to be ready ({proc.tail(5)})")
     return proc, url
+
+
+# fault tests --------------------------------------------------------------------------------------
+def launch(
+    base: Path,
+    kafka_bootstrap: str,
+    redis_url: str,
+    *,
+    gateways: int = 1,
+    batchers: int = 1,
+    workers: int = 2,
+    sim_latency_ms: float = 100.0,
+    batcher_args: tuple[str, ...] = (),
+    worker_args: tuple[str, ...] = (),
+    extra_env: dict[str, str] | None = None,
+) -> Cluster:
+    """A cluster in a fresh namespace, with extra flags per role; returns once every worker offers a credit."""
+    import uuid
+
+    import redis
+
+    from schemas.wire import Names
+
+    namespace = f"f{uuid.uuid4().hex[:8]}"
+    cluster = Cluster(base, kafka_bootstrap, redis_url, namespace, sim_latency_ms, dict(extra_env or {}))
+    try:
+        for index in range(batchers):
+            cluster.batcher(index, *batcher_args)
+        for index in range(workers):
+            cluster.worker(index, *worker_args)
+        for index in range(gateways):
+            cluster.gateway(index)
+        client = redis.Redis.from_url(redis_url)
+        credits = Names(namespace).credit_list("sim")
+        wait_until(lambda: client.llen(credits) >= workers, 60, f"{workers} idle workers to offer credits")
+        client.close()
+    except BaseException:
+        print(cluster.logs())
+        cluster.stop()
+        raise
+    return cluster
+
+
+def respawn(cluster: Cluster, proc: Proc) -> Proc:
+    """Starts ``proc``'s command line again (as a supervisor restarts a process); it joins the cluster."""
+    fresh = Proc(proc.name, list(proc.args), dict(proc.env), proc.log_path).start()
+    cluster.procs.append(fresh)
+    return fresh
+
+
+class Restarter:
+    """Restarts processes that exit on their own, like compose's ``restart: unless-stopped``.
+
+    ``exits`` records (name, exit status, monotonic time) of every exit it saw. ``release`` a
+    process before stopping it on purpose.
+    """
+
+    def __init__(self, cluster: Cluster, procs: list[Proc], delay_s: float = 0.2) -> None:
+        import threading
+
+        self.cluster = cluster
+        self.delay_s = delay_s
+        self.current: dict[str, Proc] = {proc.name: proc for proc in procs}
+        self.exits: list[tuple[str, int, float]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="restarter", daemon=True)
+
+    def __enter__(self) -> Restarter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def release(self, name: str) -> Proc:
+        with self._lock:
+            return self.current.pop(name)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            with self._lock:
+                for name, proc in list(self.current.items()):
+                    assert proc.popen is not None
+                    code = proc.popen.poll()
+                    if code is None:
+                        continue
+                    self.exits.append((name, code, time.monotonic()))
+                    time.sleep(self.delay_s)
+                    self.current[name] = respawn(self.cluster, proc)
+
+
+class TerminalEvents:
+    """Every terminal state published on the namespace's task channels, counted per task (PSUBSCRIBE)."""
+
+    def __init__(self, redis_url: str, namespace: str) -> None:
+        import threading
+        from collections import defaultdict
+
+        import redis
+
+        from schemas.records import TaskState
+
+        self._client = redis.Redis.from_url(redis_url)
+        self._pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+        self._pubsub.psubscribe(f"{namespace}:events:*")
+        self._pubsub.get_message(timeout=5)  # the psubscribe confirmation: from here on nothing is missed
+        self.states: dict[str, list[TaskState]] = defaultdict(list)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="terminal-events", daemon=True)
+
+    def __enter__(self) -> TerminalEvents:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self._pubsub.close()
+        self._client.close()
+
+    def _run(self) -> None:
+        from schemas.codec import decode_state
+
+        while not self._stop.is_set():
+            message = self._pubsub.get_message(timeout=0.1)
+            if message is None or message["type"] != "pmessage":
+                continue
+            state = decode_state(message["data"])
+            if state.status.terminal:
+                self.states[state.task_id].append(state)
+
+    def twice(self) -> dict[str, int]:
+        """Tasks whose terminal state was published more than once (must stay empty)."""
+        return {task: len(states) for task, states in list(self.states.items()) if len(states) > 1}
+
+
+def task_states(redis_url: str, namespace: str, task_ids: list[str]) -> dict[str, Any]:
+    """The stored ``TaskState`` of each found task, read straight from Redis."""
+    import redis
+
+    from schemas.codec import decode_state
+    from schemas.wire import Names
+
+    names = Names(namespace)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        docs = client.pipeline(transaction=False)
+        for task_id in task_ids:
+            docs.hget(names.task_key(task_id), "doc")
+        found = docs.execute()
+    finally:
+        client.close()
+    return {task_id: decode_state(doc) for task_id, doc in zip(task_ids, found, strict=True) if doc}
+
+
+def metric(port: int, name: str) -> float:
+    """Sum of a Prometheus metric's samples on ``127.0.0.1:port/metrics`` (0 when absent or not serving yet)."""
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return 0.0
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (line[len(name)] in " {"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

@@ -2,7 +2,7 @@
 
 Not a test (pytest does not collect it). Run from the repository root:
 
-    .venv/bin/python -m tests.gateway.bench_gateway asgi  --requests 20000 --concurrency 64
+    .venv/bin/python -m tests.gateway.bench_gateway asgi  --requests 20000 --concurrency 64 [--loop uvloop]
     .venv/bin/python -m tests.gateway.bench_gateway http  --requests 20000 --concurrency 64
 
 ``asgi`` calls the ASGI app directly (the gateway's own cost: routing, parsing, service, store,
@@ -71,19 +71,23 @@ async def call(app: Any) -> int:
     }
     sent = False
     status = 0
+    answered = asyncio.Event()
 
     async def receive() -> dict[str, Any]:
+        # As ASGI servers do: the body, then http.disconnect once the response was sent.
         nonlocal sent
         if not sent:
             sent = True
             return {"type": "http.request", "body": BODY, "more_body": False}
-        await asyncio.Event().wait()
+        await answered.wait()
         return {"type": "http.disconnect"}
 
     async def send(message: dict[str, Any]) -> None:
         nonlocal status
         if message["type"] == "http.response.start":
             status = message["status"]
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            answered.set()
 
     await app(scope, receive, send)
     return status
@@ -186,9 +190,17 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument(
+        "--loop", choices=["asyncio", "uvloop"], default="asyncio", help="asgi mode's event loop (uvicorn runs uvloop)"
+    )
     args = parser.parse_args()
     if args.mode == "asgi":
-        asyncio.run(bench_asgi(args.requests, args.concurrency))
+        if args.loop == "uvloop":
+            import uvloop
+
+            uvloop.run(bench_asgi(args.requests, args.concurrency))
+        else:
+            asyncio.run(bench_asgi(args.requests, args.concurrency))
     elif args.mode == "http":
         bench_http(args.requests, args.concurrency)
     else:

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from batchwire.routing import Partitioner
-from batchwire.transport.memory import MemoryRequestBus
+from batchwire.transport.memory import MemoryQueueDepth, MemoryRequestBus
 from gateway.app import create_app
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
@@ -18,17 +18,29 @@ from tests.gateway.rig import MODELS, RecordingStore, Rig, RigFactory, StubLifec
 
 @pytest.fixture
 async def make_rig() -> AsyncIterator[RigFactory]:
-    """Builds a started app (lifespan entered) over fresh memory transports; tears all down after."""
+    """Builds a started app (lifespan entered) over fresh memory transports; tears all down after.
+
+    ``store`` may be any TaskStore (a Redis one for tests over the real thing); ``queue_depth="bus"``
+    measures the rig's own bus; ``bus`` lets several gateways share one bus.
+    """
     stack: list[Rig] = []
     contexts: list[Any] = []
 
     async def build(
-        producer: Any = None, store: RecordingStore | None = None, start: bool = True, **overrides: Any
+        producer: Any = None,
+        store: Any = None,
+        start: bool = True,
+        queue_depth: Any = None,
+        limiter: Any = None,
+        bus: MemoryRequestBus | None = None,
+        **overrides: Any,
     ) -> Rig:
         settings = GatewaySettings(**{"models": MODELS, "default_model": "sim", **overrides})
-        bus = MemoryRequestBus(Partitioner(settings.models, 4))
+        bus = bus or MemoryRequestBus(Partitioner(settings.models, 4))
         store = store or RecordingStore()
-        gateway = Gateway(settings, producer or bus.producer(), store)
+        if queue_depth == "bus":
+            queue_depth = MemoryQueueDepth(bus)
+        gateway = Gateway(settings, producer or bus.producer(), store, queue_depth=queue_depth, limiter=limiter)
         lifecycle = StubLifecycle()
         app = create_app(gateway, lifecycle)
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway")

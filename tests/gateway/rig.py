@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import uvicorn
 from fastapi import FastAPI
 
 from batchwire.transport.memory import MemoryRequestBus, MemoryTaskStore
@@ -182,3 +184,20 @@ def error_of(response: httpx.Response) -> dict[str, Any]:
 
 def statuses(states: Sequence[TaskState]) -> list[str]:
     return [state.status.value for state in states]
+
+
+@asynccontextmanager
+async def serving(rig: Rig) -> AsyncIterator[httpx.AsyncClient]:
+    """The rig's app on a free 127.0.0.1 port; stops the server (and checks it stopped) on exit."""
+    config = uvicorn.Config(rig.app, host="127.0.0.1", port=0, lifespan="off", log_level="warning")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve(sockets=None))
+    try:
+        await wait_until(lambda: server.started or task.done(), what="uvicorn to start")
+        assert server.started, "uvicorn failed to start"
+        port = server.servers[0].sockets[0].getsockname()[1]
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+            yield client
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from tests.gateway.rig import RigFactory, error_of
+from tests.gateway.rig import RigFactory, error_of, wait_until
 
 PATHS = ["/v1/inference", "/v1/tasks"]
 
@@ -120,3 +120,22 @@ async def test_non_ascii_input_round_trips(make_rig: RigFactory) -> None:
     response = await rig.client.post("/v1/inference", json={"input": "héllo wörld ✓ 日本"})
     assert response.status_code == 200, response.text
     assert response.json()["output"] == "本日 ✓ dlröw olléh"
+
+
+@pytest.mark.parametrize("path", PATHS)
+async def test_an_integral_float_timeout_is_an_integer(make_rig: RigFactory, path: str) -> None:
+    """JSON Schema's ``integer`` admits 17069.0, so generated clients send it; 17069.5 stays an error."""
+    rig = await make_rig()
+    worker = await rig.worker()
+    response = await rig.client.post(path, json={"input": "abc", "timeout_ms": 17069.0})
+    assert response.status_code in (200, 202), response.text
+    await wait_until(lambda: len(worker.seen) == 1, what="the request to reach the worker")
+    request = worker.seen[0]
+    assert request.deadline_ms - request.enqueued_at_ms == 17069
+    fraction = await rig.client.post(path, json={"input": "abc", "timeout_ms": 17069.5})
+    assert fraction.status_code == 422
+    assert error_of(fraction)["code"] == "validation_error"
+    huge = await rig.client.post(path, json={"input": "abc", "timeout_ms": 1e300})
+    assert huge.status_code == 422
+    assert error_of(huge)["code"] == "timeout_out_of_range"
+    assert rig.produced() == 1, "only the valid request was produced"

@@ -117,6 +117,13 @@ async def test_openapi_documents_every_route_and_its_errors(make_rig: RigFactory
     assert "deadline_exceeded" in inference["responses"]["504"]["content"]["application/json"]["examples"]
     assert "202" in paths["/v1/tasks"]["post"]["responses"]
     assert "text/event-stream" in paths["/v1/result/{task_id}/events"]["get"]["responses"]["200"]["content"]
+    cancel = paths["/v1/result/{task_id}"]["delete"]
+    assert {"200", "400", "404", "409"} <= set(cancel["responses"])
+    for submit in (inference, paths["/v1/tasks"]["post"]):
+        headers = {p["name"]: p for p in submit.get("parameters", []) if p["in"] == "header"}
+        assert headers["Idempotency-Key"]["schema"]["maxLength"] == 255
+        assert "idempotency_key_reused" in submit["responses"]["422"]["content"]["application/json"]["examples"]
+    assert "security" not in inference, "no API keys configured: nothing to send"
 
 
 def test_the_status_names_in_the_api_are_the_task_statuses() -> None:

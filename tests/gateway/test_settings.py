@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -41,6 +42,11 @@ def test_env_name_is_the_prefixed_upper_case_field() -> None:
         ({"max_wait_s": -1.0}, "BATCHWIRE_MAX_WAIT_S"),
         ({"sse_ping_s": 0.0}, "BATCHWIRE_SSE_PING_S"),
         ({"reply_recheck_s": float("inf")}, "BATCHWIRE_REPLY_RECHECK_S"),
+        ({"max_queue_depth": -1}, "BATCHWIRE_MAX_QUEUE_DEPTH"),
+        ({"rate_limit_per_s": -1.0}, "BATCHWIRE_RATE_LIMIT_PER_S"),
+        ({"rate_limit_per_s": float("inf")}, "BATCHWIRE_RATE_LIMIT_PER_S"),
+        ({"rate_limit_burst": -1}, "BATCHWIRE_RATE_LIMIT_BURST"),
+        ({"api_keys": ("not-a-digest",)}, "BATCHWIRE_API_KEYS"),
     ],
 )
 def test_invalid_values_are_refused_naming_the_variable(overrides: dict[str, Any], named: str) -> None:
@@ -66,3 +72,41 @@ def test_settings_are_frozen() -> None:
     settings = GatewaySettings()
     with pytest.raises(AttributeError):
         settings.port = 1  # type: ignore[misc]
+
+
+def test_the_burst_defaults_to_one_second_of_the_rate() -> None:
+    assert GatewaySettings(rate_limit_per_s=2.5).rate_limit_burst_tokens == 3
+    assert GatewaySettings(rate_limit_per_s=0.1).rate_limit_burst_tokens == 1
+    assert GatewaySettings(rate_limit_per_s=5, rate_limit_burst=50).rate_limit_burst_tokens == 50
+
+
+def test_the_cli_reads_limits_and_keys_and_keeps_only_digests(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from batchwire.cli import build_parser
+    from batchwire.roles import gateway_settings, shared_settings
+    from gateway.auth import digest_of
+
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("file-key-0123456789\n")
+    monkeypatch.setenv("BATCHWIRE_STACK_ENV", str(tmp_path / "no-stack.env"))
+    monkeypatch.setenv("BATCHWIRE_API_KEYS", "env-key-0123456789")
+    monkeypatch.setenv("BATCHWIRE_API_KEYS_FILE", str(keys_file))
+    monkeypatch.setenv("BATCHWIRE_RATE_LIMIT_PER_S", "7.5")
+    args = build_parser().parse_args(["up", "--max-queue-depth", "123", "--rate-limit-burst", "9"])
+
+    settings = gateway_settings(args, shared_settings(args))
+
+    assert (settings.max_queue_depth, settings.rate_limit_per_s, settings.rate_limit_burst) == (123, 7.5, 9)
+    assert settings.api_keys == (digest_of("env-key-0123456789"), digest_of("file-key-0123456789"))
+    assert "env-key" not in repr(settings)
+    assert args.api_keys is None, "the plain keys are dropped once hashed"
+
+
+def test_the_cli_refuses_a_bad_key_naming_the_variable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from batchwire.cli import build_parser
+    from batchwire.roles import gateway_settings, shared_settings
+    from batchwire.settings import SettingsError
+
+    monkeypatch.setenv("BATCHWIRE_STACK_ENV", str(tmp_path / "no-stack.env"))
+    args = build_parser().parse_args(["up", "--api-keys", "tiny"])
+    with pytest.raises(SettingsError, match="BATCHWIRE_API_KEYS"):
+        gateway_settings(args, shared_settings(args))

@@ -8,29 +8,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
-import uvicorn
 from httpx_sse import ServerSentEvent, aconnect_sse
 
 from batchwire.transport.base import TransportError
 from schemas.records import TaskState
-from tests.gateway.rig import RecordingStore, Rig, RigFactory, error_of, wait_until
-
-
-@asynccontextmanager
-async def serving(rig: Rig) -> AsyncIterator[httpx.AsyncClient]:
-    """The rig's app on a free 127.0.0.1 port; stops the server (and checks it stopped) on exit."""
-    config = uvicorn.Config(rig.app, host="127.0.0.1", port=0, lifespan="off", log_level="warning")
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve(sockets=None))
-    try:
-        await wait_until(lambda: server.started or task.done(), what="uvicorn to start")
-        assert server.started, "uvicorn failed to start"
-        port = server.servers[0].sockets[0].getsockname()[1]
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
-            yield client
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
+from tests.gateway.rig import RecordingStore, RigFactory, error_of, serving, wait_until
 
 
 async def collect(

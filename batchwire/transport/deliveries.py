@@ -1,0 +1,146 @@
+"""How often each batch was delivered, and what was in flight when a worker died: poison detection.
+
+A batch that comes back uncommitted was in the hands of a worker that died (crash, hung backend,
+kill) or handed it back. The worker that gets it next asks the ``DeliveryLog`` which inputs were in
+flight at that death (*suspects*) and how many deaths each has been part of (*strikes*), and runs
+the suspects in smaller groups, marking each group before it runs it; an input that was in flight
+alone at ``max_deliveries`` deaths goes to the dead-letter topic instead (see ``gpu_worker.careful``).
+
+Two small Protocols with their in-memory twins here (embedded mode, unit tests); the Redis log is
+``redis_deliveries.py``, the Kafka dead-letter producer ``kafka.KafkaDeadLetterProducer``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from schemas.deadletter import DeadLetter
+
+
+@dataclass(frozen=True, slots=True)
+class Suspects:
+    """What the previous holder of a batch left behind when it died."""
+
+    task_ids: frozenset[str]
+    """Tasks in flight at that death (all of the given ones when it left no mark)."""
+    strikes: Mapping[str, int]
+    """Per suspect, the worker deaths it was in flight for, this one included."""
+    marked: bool
+    """Whether the previous holder marked what was in flight; False: it died before marking."""
+    note: str | None = None
+    """Why the previous holder gave up, when it could say (a hung backend)."""
+
+
+class DeliveryLog(Protocol):
+    async def start(self) -> None: ...
+    async def close(self) -> None: ...
+    async def begin(self, batch_id: str) -> int:
+        """Counts one more delivery of the batch; returns its number (1: the first)."""
+        ...
+
+    async def suspects(self, batch_id: str, task_ids: Sequence[str]) -> Suspects:
+        """Reads and clears the in-flight mark, and strikes each marked task among ``task_ids`` once.
+
+        Without a mark every one of ``task_ids`` is a suspect (the first delivery runs unmarked).
+        """
+        ...
+
+    async def mark(self, batch_id: str, task_ids: Sequence[str]) -> None:
+        """Records that these tasks are in flight now (before the backend call that runs them)."""
+        ...
+
+    async def note(self, batch_id: str, text: str) -> None:
+        """Tells the next holder why this one gave up."""
+        ...
+
+    async def finish(self, batch_id: str) -> None:
+        """Forgets the batch: it is committed and will not come back."""
+        ...
+
+
+class DeadLetterSink(Protocol):
+    """Where dead-lettered inputs go (``names.dead_letter_topic`` over Kafka)."""
+
+    async def start(self) -> None: ...
+    async def close(self) -> None: ...
+    async def send(self, letter: DeadLetter) -> None:
+        """Returns once the letter is durably stored."""
+        ...
+
+
+@dataclass(slots=True)
+class _Record:
+    deliveries: int = 0
+    inflight: tuple[str, ...] | None = None
+    note: str | None = None
+    strikes: dict[str, int] = field(default_factory=dict)
+    expires_s: float = 0.0
+
+
+class MemoryDeliveryLog:
+    """``DeliveryLog`` in a dict: for embedded mode (a hung worker is replaced in process) and tests."""
+
+    def __init__(self, ttl_s: float = 3600.0) -> None:
+        self.ttl_s = ttl_s
+        self._records: dict[str, _Record] = {}
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    def _get(self, batch_id: str) -> _Record:
+        now = time.monotonic()
+        record = self._records.get(batch_id)
+        if record is None or record.expires_s <= now:
+            for stale in [key for key, value in self._records.items() if value.expires_s <= now]:
+                del self._records[stale]
+            record = self._records[batch_id] = _Record()
+        record.expires_s = now + self.ttl_s
+        return record
+
+    async def begin(self, batch_id: str) -> int:
+        record = self._get(batch_id)
+        record.deliveries += 1
+        return record.deliveries
+
+    async def suspects(self, batch_id: str, task_ids: Sequence[str]) -> Suspects:
+        record = self._get(batch_id)
+        inflight, record.inflight = record.inflight, None
+        note, record.note = record.note, None
+        given = set(task_ids)
+        suspects = given if inflight is None else given.intersection(inflight)
+        for task_id in suspects:
+            record.strikes[task_id] = record.strikes.get(task_id, 0) + 1
+        return Suspects(
+            frozenset(suspects), {t: record.strikes[t] for t in suspects}, marked=inflight is not None, note=note
+        )
+
+    async def mark(self, batch_id: str, task_ids: Sequence[str]) -> None:
+        self._get(batch_id).inflight = tuple(task_ids)
+
+    async def note(self, batch_id: str, text: str) -> None:
+        self._get(batch_id).note = text
+
+    async def finish(self, batch_id: str) -> None:
+        self._records.pop(batch_id, None)
+
+
+class MemoryDeadLetters:
+    """``DeadLetterSink`` as a list (embedded mode keeps them for the process's life; tests read them)."""
+
+    def __init__(self) -> None:
+        self.letters: list[DeadLetter] = []
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def send(self, letter: DeadLetter) -> None:
+        self.letters.append(letter)

@@ -1,0 +1,170 @@
+"""The deployment's queue depth from Kafka: request topic end offsets minus the batchers' commits.
+
+A batcher commits a request's offset only once the batch holding it is on the batch topic, so the
+difference counts every request that gateways produced and no worker was handed yet, whichever
+gateway produced it and whichever batcher holds it. One owned task refreshes it every
+``refresh_s``; ``depth()`` reads the cached figure, so asking on every request costs nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
+
+from batchwire.metrics import REQUEST_LAG
+from batchwire.transport.base import TransportError
+from batchwire.transport.kafka_group import translate
+from schemas.wire import Names
+
+log = logging.getLogger(__name__)
+
+DEFAULT_REFRESH_S = 0.15
+# Without a successful refresh for this long the figure is not trusted: depth() answers 0 (admit),
+# because a bus that is really down fails the produce anyway, while a stale high figure would turn
+# every request away for as long as the lag cannot be read.
+DEFAULT_STALE_AFTER_S = 5.0
+_WARN_EVERY = 50
+
+
+class KafkaQueueDepth:
+    """``QueueDepth`` over Kafka: lag of ``names.batcher_group`` on ``names.request_topic``."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        names: Names,
+        partitions: int,
+        *,
+        refresh_s: float = DEFAULT_REFRESH_S,
+        stale_after_s: float = DEFAULT_STALE_AFTER_S,
+        request_timeout_ms: int = 2000,
+        client_id: str = "batchwire-gateway-lag",
+    ) -> None:
+        if partitions < 1 or not refresh_s > 0:
+            raise ValueError(f"need partitions >= 1 and refresh_s > 0, got {partitions} and {refresh_s}")
+        self.bootstrap = bootstrap
+        self.topic = names.request_topic
+        self.group = names.batcher_group
+        self.refresh_s = refresh_s
+        self.stale_after_s = stale_after_s
+        self._partitions = [TopicPartition(self.topic, p) for p in range(partitions)]
+        self._settings: dict[str, Any] = {
+            "bootstrap_servers": bootstrap,
+            "client_id": client_id,
+            "request_timeout_ms": request_timeout_ms,
+        }
+        self._admin: Any = None
+        self._consumer: Any = None
+        self._coordinator: int | None = None
+        self._depth = 0
+        self._refreshed_at = float("-inf")  # monotonic time of the last successful refresh
+        self._failures = 0
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def alive(self) -> bool:
+        """The refresh task runs (for readiness)."""
+        return self._task is not None and not self._task.done()
+
+    async def start(self) -> None:
+        """Connects, reads the lag once (so the first requests see a real figure), then refreshes in
+        the background. A Kafka that cannot be reached fails here, naming the servers; a first read
+        that fails for a passing reason (a fresh cluster has no group coordinator yet) is retried
+        by the refresher."""
+        if self._task is not None:
+            raise RuntimeError("KafkaQueueDepth started twice")
+        self._admin = AIOKafkaAdminClient(**self._settings)
+        self._consumer = AIOKafkaConsumer(group_id=None, enable_auto_commit=False, **self._settings)
+        try:
+            await self._admin.start()
+            await self._consumer.start()
+        except BaseException as err:
+            await self._disconnect()
+            if isinstance(err, KafkaError):
+                raise translate(f"connecting to {self.bootstrap} to read the lag of {self.group}", err) from err
+            raise
+        try:
+            await self.refresh()
+        except KafkaError as err:
+            if not getattr(err, "retriable", False):
+                await self._disconnect()
+                raise translate(f"reading the lag of {self.group} on {self.bootstrap}", err) from err
+            log.info("first read of the lag of %s failed (%s); retrying in the background", self.group, err)
+        self._task = asyncio.create_task(self._refresh_forever(), name=f"queue-depth-{self.topic}")
+        self._task.add_done_callback(_log_end)
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task})
+        await self._disconnect()
+
+    async def depth(self) -> int:
+        if time.monotonic() - self._refreshed_at > self.stale_after_s:
+            return 0
+        return self._depth
+
+    async def refresh(self) -> int:
+        """Reads end offsets and committed offsets now; returns (and caches) the lag."""
+        ends: dict[TopicPartition, int] = await self._consumer.end_offsets(self._partitions)
+        if self._coordinator is None:
+            self._coordinator = await self._admin.find_coordinator(self.group)
+        try:
+            committed = await self._admin.list_consumer_group_offsets(
+                self.group, group_coordinator_id=self._coordinator, partitions=self._partitions
+            )
+        except KafkaError:
+            self._coordinator = None  # it may have moved: look it up again next time
+            raise
+        lag = 0
+        never_committed: list[TopicPartition] = []
+        for tp in self._partitions:
+            end = ends.get(tp, 0)
+            offset = committed[tp].offset if tp in committed else -1
+            if offset >= 0:
+                lag += max(0, end - offset)
+            elif end > 0:
+                never_committed.append(tp)
+        if never_committed:  # a batcher starts those from the earliest record still kept
+            starts: dict[TopicPartition, int] = await self._consumer.beginning_offsets(never_committed)
+            lag += sum(max(0, ends[tp] - starts.get(tp, 0)) for tp in never_committed)
+        self._depth = lag
+        self._refreshed_at = time.monotonic()
+        REQUEST_LAG.set(lag)
+        return lag
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await self.refresh()
+            except (KafkaError, TransportError, OSError) as err:
+                self._failures += 1
+                if self._failures % _WARN_EVERY == 1:
+                    log.warning(
+                        "reading the request topic lag failed %d time(s) so far: %s; over %.0f s stale, "
+                        "the queue-depth limit is not applied",
+                        self._failures,
+                        err,
+                        self.stale_after_s,
+                    )
+
+    async def _disconnect(self) -> None:
+        consumer, self._consumer = self._consumer, None
+        admin, self._admin = self._admin, None
+        if consumer is not None:
+            await consumer.stop()
+        if admin is not None:
+            await admin.close()
+
+
+def _log_end(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("queue depth refresher died; /readyz reports it", exc_info=task.exception())

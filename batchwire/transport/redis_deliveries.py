@@ -1,0 +1,130 @@
+"""``DeliveryLog`` over Redis: one small hash per batch that came back, expiring on its own.
+
+``<ns>:deliveries:<batch_id>`` holds ``n`` (deliveries so far), ``inflight`` (JSON list of the
+task ids in flight right now, written before each backend call of a redelivered batch), ``note``
+(why the last holder gave up) and ``s:<task_id>`` (strikes). The first delivery of a batch costs
+one round trip (HINCRBY + PEXPIRE) and a committed batch one more (DEL); the rest happens only for
+batches that came back.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from batchwire.transport.deliveries import Suspects
+from batchwire.transport.redis_pools import command_pool, translate
+from schemas.wire import Names
+
+# KEYS[1] the batch's hash. ARGV[1] ttl ms, ARGV[2..] the task ids still to run.
+# Returns {marked 0/1, note or '', id1, strikes1, id2, strikes2, ...}.
+_SUSPECTS = """
+local raw = redis.call('HGET', KEYS[1], 'inflight')
+local note = redis.call('HGET', KEYS[1], 'note')
+redis.call('HDEL', KEYS[1], 'inflight', 'note')
+local given = {}
+for i = 2, #ARGV do given[ARGV[i]] = true end
+local suspects = {}
+if raw then
+  for _, id in ipairs(cjson.decode(raw)) do
+    if given[id] then table.insert(suspects, id) end
+  end
+else
+  for i = 2, #ARGV do table.insert(suspects, ARGV[i]) end
+end
+local out = {raw and 1 or 0, note or ''}
+for _, id in ipairs(suspects) do
+  table.insert(out, id)
+  table.insert(out, redis.call('HINCRBY', KEYS[1], 's:' .. id, 1))
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return out
+"""
+
+
+def deliveries_key(names: Names, batch_id: str) -> str:
+    """The batch's delivery record (a Redis hash under the deployment's namespace)."""
+    return f"{names.namespace}:deliveries:{batch_id}"
+
+
+class RedisDeliveryLog:
+    def __init__(
+        self,
+        redis_url: str,
+        names: Names,
+        *,
+        ttl_s: float = 3600.0,
+        max_connections: int = 4,
+        socket_timeout_s: float = 2.0,
+        pool_timeout_s: float = 2.0,
+        health_check_interval_s: float = 10.0,
+    ) -> None:
+        self.names = names
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self._pool = command_pool(
+            redis_url,
+            max_connections=max_connections,
+            socket_timeout_s=socket_timeout_s,
+            pool_timeout_s=pool_timeout_s,
+            health_check_interval_s=health_check_interval_s,
+        )
+        self._client = Redis(connection_pool=self._pool)
+        self._suspects = self._client.register_script(_SUSPECTS)
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        await self._client.aclose()
+        await self._pool.disconnect()
+
+    async def begin(self, batch_id: str) -> int:
+        key = deliveries_key(self.names, batch_id)
+        try:
+            async with self._client.pipeline(transaction=True) as pipe:
+                pipe.hincrby(key, "n", 1)
+                pipe.pexpire(key, self.ttl_ms)
+                count, _ = await pipe.execute()
+        except RedisError as err:
+            raise translate(f"counting a delivery of batch {batch_id}", err) from err
+        return int(count)
+
+    async def suspects(self, batch_id: str, task_ids: Sequence[str]) -> Suspects:
+        key = deliveries_key(self.names, batch_id)
+        try:
+            reply: list[Any] = await self._suspects(keys=[key], args=[self.ttl_ms, *task_ids])
+        except RedisError as err:
+            raise translate(f"reading what was in flight of batch {batch_id}", err) from err
+        marked, note, rest = int(reply[0]), _text(reply[1]), reply[2:]
+        strikes = {_text(rest[i]): int(rest[i + 1]) for i in range(0, len(rest), 2)}
+        return Suspects(frozenset(strikes), strikes, marked=bool(marked), note=note or None)
+
+    async def mark(self, batch_id: str, task_ids: Sequence[str]) -> None:
+        await self._hset(batch_id, "inflight", json.dumps(list(task_ids)), "marking tasks in flight")
+
+    async def note(self, batch_id: str, text: str) -> None:
+        await self._hset(batch_id, "note", text, "noting why a worker gave up")
+
+    async def finish(self, batch_id: str) -> None:
+        try:
+            await self._client.delete(deliveries_key(self.names, batch_id))
+        except RedisError as err:
+            raise translate(f"forgetting batch {batch_id}", err) from err
+
+    async def _hset(self, batch_id: str, field: str, value: str, action: str) -> None:
+        key = deliveries_key(self.names, batch_id)
+        try:
+            async with self._client.pipeline(transaction=True) as pipe:
+                pipe.hset(key, field, value)
+                pipe.pexpire(key, self.ttl_ms)
+                await pipe.execute()
+        except RedisError as err:
+            raise translate(f"{action} of batch {batch_id}", err) from err
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,69 @@
+"""Per-client rate limits in Redis: one token bucket per client, shared by every gateway.
+
+Each acquire is one script call (``redis_lua.TOKEN_BUCKET``) that refills the bucket by the time
+passed on the Redis server's clock, takes a token if there is one, and sets the bucket to expire
+once it would be full again, all atomically: two gateways taking from one bucket at the same
+instant cannot both take its last token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from batchwire.transport.redis_lua import TOKEN_BUCKET
+from batchwire.transport.redis_pools import command_pool, translate
+from schemas.wire import Names
+
+
+def bucket_id(client: str) -> str:
+    """A fixed-size, key-safe name for a client identity (an IP, a header value, an owner hash)."""
+    return hashlib.sha256(client.encode()).hexdigest()[:32]
+
+
+class RedisRateLimiter:
+    """``RateLimiter`` over Redis: ``rate_per_s`` tokens per second, at most ``burst`` saved up."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        names: Names,
+        rate_per_s: float,
+        burst: int,
+        *,
+        max_connections: int = 16,
+        socket_timeout_s: float = 2.0,
+        pool_timeout_s: float = 2.0,
+        health_check_interval_s: float = 10.0,
+    ) -> None:
+        if not rate_per_s > 0 or burst < 1:
+            raise ValueError(f"a rate limiter needs rate_per_s > 0 and burst >= 1, got {rate_per_s} and {burst}")
+        self.names = names
+        self.rate_per_s = rate_per_s
+        self.burst = burst
+        self._pool = command_pool(
+            redis_url,
+            max_connections=max_connections,
+            socket_timeout_s=socket_timeout_s,
+            pool_timeout_s=pool_timeout_s,
+            health_check_interval_s=health_check_interval_s,
+        )
+        self._client = Redis(connection_pool=self._pool)
+        self._script = self._client.register_script(TOKEN_BUCKET)
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        await self._client.aclose()
+        await self._pool.disconnect()
+
+    async def acquire(self, client: str) -> float:
+        key = self.names.rate_bucket(bucket_id(client))
+        try:
+            wait_us = await self._script(keys=[key], args=[repr(float(self.rate_per_s)), self.burst])
+        except RedisError as err:
+            raise translate("taking a rate-limit token", err) from err
+        return int(wait_us) / 1_000_000

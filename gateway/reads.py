@@ -1,0 +1,152 @@
+"""Reading tasks: poll, long-poll, event streams and cancellation, each seen only by the task's owner.
+
+A task created under one API key is invisible to every other key: it answers exactly like a task
+that does not exist (404), so ids cannot be probed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncGenerator, Iterator
+from contextlib import aclosing, contextmanager
+
+from batchwire.transport.base import TaskStore
+from gateway.changes import follow
+from gateway.errors import (
+    TRANSPORT_ERRORS,
+    InvalidTaskId,
+    NotCancellable,
+    Overloaded,
+    TaskNotFound,
+    Unavailable,
+    ValidationFailed,
+)
+from gateway.settings import GatewaySettings, env_name
+from schemas.records import TaskState, TaskStatus
+
+# Task ids are ours (``secrets.token_urlsafe``), but a client may send anything: keep odd
+# characters out of store keys and channel names.
+TASK_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+CANCELLED_BY_OWNER = "cancelled"
+
+
+class TaskReads:
+    """The read side of the gateway over the task store, with its count of open watches."""
+
+    def __init__(self, settings: GatewaySettings, store: TaskStore) -> None:
+        self.settings = settings
+        self._store = store
+        self._watchers = 0
+
+    @property
+    def watchers(self) -> int:
+        """Long-polls and event streams open."""
+        return self._watchers
+
+    async def result(self, task_id: str, wait_s: float = 0.0, *, owner: str | None = None) -> TaskState:
+        """The task's state; with ``wait_s`` > 0, waits up to that long for it to end (long-poll).
+
+        A task another API key created is reported unknown (``owner`` is the caller's)."""
+        check_task_id(task_id)
+        if not 0 <= wait_s <= self.settings.max_wait_s:
+            raise ValidationFailed(
+                f"wait is {wait_s}; send seconds from 0 to {self.settings.max_wait_s} ({env_name('max_wait_s')})"
+            )
+        try:
+            if wait_s == 0:
+                return await self._get(task_id, owner)
+            with self._watching():
+                async with self._store.watch(task_id) as changes:
+                    state = await self._get(task_id, owner)
+                    if state.status.terminal:
+                        return state
+                    try:
+                        async with asyncio.timeout(wait_s):
+                            async for change in changes:
+                                if change.status.rank > state.status.rank:
+                                    state = change
+                                if state.status.terminal:
+                                    return state
+                    except TimeoutError:
+                        pass
+            # The wait ran out: read once more, in case a change message was lost on the way.
+            return await self._store.get(task_id) or state
+        except TRANSPORT_ERRORS as err:
+            raise Unavailable(f"the task store is unavailable: {err}") from err
+
+    async def events(self, task_id: str, *, owner: str | None = None) -> AsyncGenerator[TaskState, None]:
+        """The task's current state, then each later state, until it ends (or ``sse_max_s`` passes).
+
+        Never yields a status twice nor goes back: only states of a higher rank than the last are
+        yielded. Use with ``contextlib.aclosing`` so the store subscription ends with the consumer.
+        """
+        check_task_id(task_id)
+        deadline = asyncio.get_running_loop().time() + self.settings.sse_max_s
+        try:
+            with self._watching():
+                async with self._store.watch(task_id) as changes:
+                    state = await self._get(task_id, owner)
+                    yield state
+                    async with aclosing(
+                        follow(self._store, changes, state, deadline, self.settings.stream_recheck_s)
+                    ) as later:
+                        async for state in later:
+                            yield state
+        except TRANSPORT_ERRORS as err:
+            raise Unavailable(f"the task store is unavailable: {err}") from err
+
+    async def cancel(self, task_id: str, *, owner: str | None = None) -> TaskState:
+        """Cancels a task no worker has started yet; returns its cancelled state.
+
+        Cancelling a cancelled task answers the same (DELETE is idempotent); a running or otherwise
+        ended task raises ``NotCancellable``, naming its status.
+        """
+        check_task_id(task_id)
+        try:
+            await self._get(task_id, owner)
+            state = await self._store.cancel(
+                task_id, CANCELLED_BY_OWNER, "cancelled by DELETE /v1/result/{task_id} before a worker ran it"
+            )
+        except TRANSPORT_ERRORS as err:
+            raise Unavailable(f"the task store is unavailable: {err}") from err
+        if state is None:
+            raise not_found(task_id)
+        if state.status is not TaskStatus.CANCELLED:
+            raise NotCancellable(
+                f"task {task_id} is {state.status.value}; only queued or batched tasks can be cancelled",
+                task_id=task_id,
+            )
+        return state
+
+    async def _get(self, task_id: str, owner: str | None) -> TaskState:
+        state = await self._store.get(task_id)
+        if state is None or state.owner != owner:
+            raise not_found(task_id)  # another key's task looks exactly like a missing one
+        return state
+
+    @contextmanager
+    def _watching(self) -> Iterator[None]:
+        if self._watchers >= self.settings.max_watchers:
+            raise Overloaded(
+                f"this gateway has {self._watchers} long-polls and event streams open, its limit "
+                f"({env_name('max_watchers')}); retry after the Retry-After delay"
+            )
+        self._watchers += 1
+        try:
+            yield
+        finally:
+            self._watchers -= 1
+
+
+def not_found(task_id: str) -> TaskNotFound:
+    """The one answer for an id that is unknown, expired, or another key's."""
+    return TaskNotFound(
+        f"no task {task_id!r}: it never existed here, it expired from the store, or another API key created it"
+    )
+
+
+def check_task_id(task_id: str) -> None:
+    if not TASK_ID_PATTERN.fullmatch(task_id):
+        raise InvalidTaskId("a task id is 1 to 128 characters from A-Z a-z 0-9 _ -; use the task_id a submit returned")

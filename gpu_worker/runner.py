@@ -1,0 +1,140 @@
+"""The backend's own thread: blocking model calls run there one at a time, each under a hang limit.
+
+A call that runs past ``hang_factor`` x its expected latency (a configured value, else the EWMA of
+recent calls; never under ``hang_min_s``) is reported as ``BackendHung``. Nothing can stop a stuck
+thread, so the runner refuses further calls and the worker gives its batch back and is replaced
+(the process exits with ``EXIT_BACKEND_HUNG`` so its supervisor restarts it; embedded mode builds
+a new worker over a new backend). The thread is a daemon so a stuck call never blocks process exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+EXIT_BACKEND_HUNG = 75
+"""Exit status of a worker process whose backend hung (EX_TEMPFAIL: restart me)."""
+
+# Before any call was measured and with no --expected-latency-ms, a call may take this long.
+FIRST_CALL_LIMIT_S = 60.0
+
+
+class BackendHung(Exception):
+    """A backend call ran past its hang limit; the thread that runs it is lost."""
+
+    def __init__(self, elapsed_s: float, limit_s: float, expected_s: float | None) -> None:
+        expected = "no estimate yet" if expected_s is None else f"{expected_s * 1000:.0f} ms expected"
+        super().__init__(
+            f"the backend call has run {elapsed_s:.1f} s, past its hang limit of {limit_s:.1f} s ({expected}; "
+            "BATCHWIRE_HANG_FACTOR, BATCHWIRE_HANG_MIN_S, BATCHWIRE_EXPECTED_LATENCY_MS)"
+        )
+        self.elapsed_s = elapsed_s
+        self.limit_s = limit_s
+
+
+_Job = tuple[Callable[..., Any], tuple[Any, ...], "Future[Any]"]
+
+
+class BackendRunner:
+    """One daemon thread serving backend calls in order, with a hang limit per call."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        hang_factor: float = 10.0,
+        hang_min_s: float = 5.0,
+        expected_s: float | None = None,
+        ewma_alpha: float = 0.2,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.hang_factor = hang_factor
+        self.hang_min_s = hang_min_s
+        self.configured_s = expected_s
+        self.ewma_alpha = ewma_alpha
+        self.clock = clock
+        self.ewma_s: float | None = None
+        self.hung = False
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def expected_s(self) -> float | None:
+        return self.configured_s if self.configured_s is not None else self.ewma_s
+
+    def limit_s(self) -> float | None:
+        """How long the next call may take before it counts as hung; None when hang detection is off."""
+        if self.hang_factor <= 0:
+            return None
+        expected = self.expected_s
+        if expected is None:
+            return max(self.hang_min_s, FIRST_CALL_LIMIT_S)
+        return max(self.hang_min_s, self.hang_factor * expected)
+
+    def _serve(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, args, future = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args)
+            except BaseException as err:  # handed to the awaiting coroutine, which decides
+                future.set_exception(err)
+            else:
+                future.set_result(result)
+
+    def _submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        future: Future[T] = Future()
+        self._jobs.put((fn, args, future))
+        wrapped = asyncio.wrap_future(future)
+        # A call given up on (hung, or its caller cancelled) may still end in an error nobody awaits.
+        wrapped.add_done_callback(_retrieve)
+        return wrapped
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Runs ``fn`` on the thread with no hang limit (loading weights)."""
+        return await asyncio.shield(self._submit(fn, *args))
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Runs ``fn`` on the thread; raises ``BackendHung`` once it overruns the limit (it keeps running)."""
+        if self.hung:
+            raise BackendHung(0.0, 0.0, self.expected_s)
+        limit = self.limit_s()
+        started = self.clock()
+        running = self._submit(fn, *args)
+        try:
+            result = await asyncio.wait_for(asyncio.shield(running), limit)
+        except TimeoutError:
+            self.hung = True
+            raise BackendHung(self.clock() - started, limit or 0.0, self.expected_s) from None
+        except Exception:
+            self._observe(self.clock() - started)
+            raise
+        self._observe(self.clock() - started)
+        return result
+
+    def _observe(self, elapsed_s: float) -> None:
+        if self.ewma_s is None:
+            self.ewma_s = elapsed_s
+        else:
+            self.ewma_s += self.ewma_alpha * (elapsed_s - self.ewma_s)
+
+    def close(self) -> None:
+        """Lets the thread end after the call it runs (if any); never waits for it."""
+        self._jobs.put(None)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()

@@ -1,0 +1,139 @@
+"""The batcher over in-memory transports that fail for a while: loops retry; permanent errors stop it loudly."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+from batcher.service import Batcher
+from batcher.settings import BatcherSettings
+from batchwire.routing import Partitioner
+from batchwire.transport.base import Delivered, TransportError
+from batchwire.transport.errors import PermanentTransportError
+from batchwire.transport.memory import (
+    MemoryBatchBus,
+    MemoryCreditPool,
+    MemoryRequestBus,
+    MemoryRequestConsumer,
+    MemoryTaskStore,
+)
+from schemas.records import Credit, InferenceRequest, TaskState, TaskStatus
+
+
+class FlakyCredits(MemoryCreditPool):
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    async def claim(self, model: str, timeout_s: float) -> Credit | None:
+        if self.failures:
+            self.failures -= 1
+            raise TransportError("Redis connection refused")
+        return await super().claim(model, timeout_s)
+
+
+class FlakyRequests(MemoryRequestConsumer):
+    def __init__(self, bus: MemoryRequestBus, failures: int, error: TransportError) -> None:
+        super().__init__(bus)
+        self.failures = failures
+        self.error = error
+
+    async def fetch(self, timeout_s: float, max_records: int) -> Sequence[Delivered[InferenceRequest]]:
+        if self.failures:
+            self.failures -= 1
+            raise self.error
+        return await super().fetch(timeout_s, max_records)
+
+
+class FlakyStore(MemoryTaskStore):
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    async def apply(self, updates: Sequence[TaskState]) -> list[bool]:
+        if self.failures:
+            self.failures -= 1
+            raise TransportError("Redis connection refused")
+        return await super().apply(updates)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class Rig:
+    def __init__(
+        self,
+        credits: MemoryCreditPool | None = None,
+        store: MemoryTaskStore | None = None,
+        fetch_failures: int = 0,
+        fetch_error: TransportError | None = None,
+    ) -> None:
+        self.requests = MemoryRequestBus(Partitioner(("sim",), 2))
+        self.batches = MemoryBatchBus(1)
+        self.credits = credits or MemoryCreditPool()
+        self.store = store or MemoryTaskStore()
+        consumer = FlakyRequests(self.requests, fetch_failures, fetch_error or TransportError("broker down"))
+        self.batcher = Batcher(BatcherSettings(retry_max_s=0.05), consumer, self.batches, self.credits, self.store)
+
+    async def request(self, task_id: str, deadline_ms: int = 30_000) -> None:
+        now = now_ms()
+        await self.requests.producer().send(InferenceRequest(task_id, "sim", task_id, now, now + deadline_ms, "gw"))
+
+    async def offer(self) -> None:
+        now = now_ms()
+        await self.credits.offer(Credit("w", "sim", 0, 1, now, now + 60_000))
+
+    async def batch(self) -> list[str]:
+        delivered = await self.batches.consumer(0).next(10)
+        assert delivered is not None and delivered.value is not None, "a batch should have been sent"
+        return [item.task_id for item in delivered.value.items]
+
+
+async def test_claims_are_retried_while_the_credit_pool_is_unreachable() -> None:
+    rig = Rig(credits=FlakyCredits(failures=3))
+    await rig.batcher.start()
+    await rig.request("r1")
+    await rig.offer()
+    assert await rig.batch() == ["r1"]
+    assert rig.batcher.healthy()
+    await rig.batcher.close()
+
+
+async def test_reads_are_retried_while_the_broker_is_unreachable() -> None:
+    rig = Rig(fetch_failures=4)
+    await rig.batcher.start()
+    await rig.request("r1")
+    await rig.offer()
+    assert await rig.batch() == ["r1"]
+    assert rig.batcher.healthy()
+    await rig.batcher.close()
+
+
+async def test_a_permanent_read_error_stops_the_batcher_loudly() -> None:
+    rig = Rig(fetch_failures=1, fetch_error=PermanentTransportError("topic deleted"))
+    await rig.batcher.start()
+    await asyncio.wait_for(rig.batcher.failed.wait(), 5)
+    assert isinstance(rig.batcher.failure, PermanentTransportError)
+    assert not rig.batcher.healthy()
+    await rig.batcher.close()
+
+
+async def test_expiry_is_stored_once_the_store_is_back() -> None:
+    store = FlakyStore(failures=3)
+    rig = Rig(store=store)
+    ended: list[TaskState] = []
+    got = asyncio.Event()
+
+    def on_reply(state: TaskState) -> None:
+        ended.append(state)
+        got.set()
+
+    await store.listen_replies("gw", on_reply)
+    await rig.batcher.start()
+    await rig.request("late", deadline_ms=50)  # no worker offers a credit: it expires in the batcher
+    await asyncio.wait_for(got.wait(), 10)
+    await rig.batcher.close()
+    assert [(s.task_id, s.status) for s in ended] == [("late", TaskStatus.EXPIRED)]
+    assert store.failures == 0, "the failed writes were tried again"

@@ -1,0 +1,226 @@
+"""RateLimiter and QueueDepth contracts, in memory and over the real Redis and Kafka.
+
+Each ``make_limiter`` call is one gateway's limiter: over Redis a new client, so two of them must
+share one bucket per client; in memory the one process has one limiter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+
+from batchwire.metrics import REGISTRY
+from batchwire.transport.base import QueueDepth, RateLimiter
+from batchwire.transport.kafka_lag import KafkaQueueDepth
+from batchwire.transport.memory import MemoryQueueDepth, MemoryRateLimiter
+from batchwire.transport.redis_limits import RedisRateLimiter, bucket_id
+from schemas.records import InferenceRequest
+from schemas.wire import Names
+from tests.contract.conftest import MODELS, REAL, REQUEST_PARTITIONS, Closer, RequestBusKit, eventually
+
+pytestmark = pytest.mark.timeout(60)
+
+LimiterFactory = Callable[[float, int], Awaitable[RateLimiter]]
+
+
+@pytest.fixture
+async def make_limiter(kind: str, real_infra: Any, names: Names) -> AsyncIterator[LimiterFactory]:
+    closer = Closer()
+    shared: list[RateLimiter] = []
+
+    async def make(rate_per_s: float, burst: int) -> RateLimiter:
+        limiter: RateLimiter
+        if kind == REAL:
+            limiter = RedisRateLimiter(real_infra.redis_url, names, rate_per_s, burst)
+        elif shared:
+            return shared[0]
+        else:
+            limiter = MemoryRateLimiter(rate_per_s, burst)
+            shared.append(limiter)
+        await limiter.start()
+        return closer.add(limiter)  # type: ignore[no-any-return]
+
+    yield make
+    await closer.close_all()
+
+
+async def test_a_burst_is_granted_then_the_next_waits_for_a_token(make_limiter: LimiterFactory) -> None:
+    limiter = await make_limiter(2.0, 3)
+    waits = [await limiter.acquire("client-a") for _ in range(3)]
+    assert waits == [0.0, 0.0, 0.0], f"a full bucket grants its burst at once, got {waits}"
+
+    refused = await limiter.acquire("client-a")
+    assert 0.3 < refused <= 0.5 + 0.05, f"at 2/s the next token is about 0.5 s away, got {refused}"
+    again = await limiter.acquire("client-a")
+    assert again > 0, "a refused request takes no token, so the next is refused too"
+
+
+async def test_tokens_come_back_at_the_rate(make_limiter: LimiterFactory) -> None:
+    limiter = await make_limiter(10.0, 1)
+    assert await limiter.acquire("c") == 0.0
+    started = time.monotonic()
+    while await limiter.acquire("c") > 0:  # poll with a deadline: the refill is what is tested
+        assert time.monotonic() - started < 5, "no token came back within 5 s at 10/s"
+        await asyncio.sleep(0.01)
+    elapsed = time.monotonic() - started
+    assert 0.05 <= elapsed < 1.0, f"a token comes back after about 0.1 s at 10/s, took {elapsed:.3f} s"
+
+
+async def test_two_gateways_share_one_bucket_per_client(make_limiter: LimiterFactory) -> None:
+    first = await make_limiter(0.5, 4)
+    second = await make_limiter(0.5, 4)
+    granted = [await (first if i % 2 else second).acquire("shared") for i in range(4)]
+    assert granted == [0.0] * 4
+    assert await first.acquire("shared") > 0, "the bucket is shared: four taken through two gateways empty it"
+    assert await second.acquire("shared") > 0
+    assert await second.acquire("someone-else") == 0.0, "each client has a bucket of its own"
+
+
+async def test_concurrent_takers_never_get_more_than_the_burst(make_limiter: LimiterFactory) -> None:
+    limiters = [await make_limiter(0.1, 10) for _ in range(3)]
+    waits = await asyncio.gather(*(limiters[i % 3].acquire("crowd") for i in range(60)))
+    assert sum(1 for wait in waits if wait == 0.0) == 10, f"exactly the burst may pass, got {waits}"
+
+
+@pytest.mark.kafka
+async def test_redis_buckets_expire_once_full_again(redis_url: str, names: Names) -> None:
+    limiter = RedisRateLimiter(redis_url, names, 100.0, 5)
+    raw = Redis.from_url(redis_url)
+    try:
+        await limiter.acquire("brief")
+        ttl_ms = await raw.pttl(names.rate_bucket(bucket_id("brief")))
+        assert 0 < ttl_ms <= 1000 + 20, f"a bucket one token short refills in 10 ms (+1 s margin), pttl {ttl_ms}"
+    finally:
+        await raw.aclose()
+        await limiter.close()
+
+
+# queue depth --------------------------------------------------------------------------------------
+
+
+def _request(index: int) -> InferenceRequest:
+    now = int(time.time() * 1000)
+    return InferenceRequest(f"r{index}", MODELS[index % 2], f"input {index}", now, now + 60_000)
+
+
+@pytest.fixture
+async def queue_depth(request_bus: RequestBusKit) -> AsyncIterator[QueueDepth]:
+    depth: QueueDepth
+    if request_bus.memory is not None:
+        depth = MemoryQueueDepth(request_bus.memory)
+    else:
+        assert request_bus.bootstrap is not None
+        depth = KafkaQueueDepth(request_bus.bootstrap, request_bus.names, REQUEST_PARTITIONS, refresh_s=0.05)
+    await depth.start()
+    yield depth
+    await depth.close()
+
+
+async def _depth_becomes(depth: QueueDepth, expected: int, what: str) -> None:
+    last = [-1]
+
+    async def probe() -> None:
+        last[0] = await depth.depth()
+
+    deadline = time.monotonic() + 20
+    while True:
+        await probe()
+        if last[0] == expected:
+            return
+        assert time.monotonic() < deadline, f"{what}: depth stayed {last[0]}, expected {expected}"
+        await asyncio.sleep(0.02)
+
+
+def _lag_gauge() -> float | None:
+    return REGISTRY.get_sample_value("batchwire_request_topic_lag")
+
+
+async def test_depth_counts_requests_not_yet_committed_by_a_batcher(
+    request_bus: RequestBusKit, queue_depth: QueueDepth
+) -> None:
+    assert await queue_depth.depth() == 0
+    producer = await request_bus.producer()
+    for index in range(7):
+        await producer.send(_request(index))
+    await _depth_becomes(queue_depth, 7, "after 7 requests produced")
+    assert _lag_gauge() == 7, "the lag gauge follows the depth"
+
+    consumer = request_bus.consumer()
+    assigned = asyncio.Event()
+
+    async def on_assigned(_: frozenset[int]) -> None:
+        assigned.set()
+
+    async def on_revoked(_: frozenset[int]) -> None:
+        return None
+
+    await consumer.start(on_assigned, on_revoked)
+    await asyncio.wait_for(assigned.wait(), 20)
+    fetched: list[Any] = []
+    deadline = time.monotonic() + 20
+    while len(fetched) < 7:
+        assert time.monotonic() < deadline, f"fetched only {len(fetched)} of 7"
+        fetched.extend(await consumer.fetch(timeout_s=0.5, max_records=100))
+    await _depth_becomes(queue_depth, 7, "fetched but not committed")
+
+    # commit what was fetched from one partition only: those leave the queue, the rest stay
+    partition = fetched[0].partition
+    on_partition = [record for record in fetched if record.partition == partition]
+    await consumer.commit({partition: max(record.offset for record in on_partition) + 1})
+    await _depth_becomes(queue_depth, 7 - len(on_partition), "after committing one partition")
+
+    offsets: dict[int, int] = {}
+    for record in fetched:
+        offsets[record.partition] = max(offsets.get(record.partition, 0), record.offset + 1)
+    await consumer.commit(offsets)
+    await _depth_becomes(queue_depth, 0, "after committing everything")
+
+
+@pytest.mark.kafka
+async def test_kafka_depth_is_refreshed_in_the_background(kafka_bootstrap: str, names: Names) -> None:
+    """``depth()`` never reads Kafka itself; the owned task keeps the cached figure fresh."""
+    from batchwire.routing import Partitioner
+    from batchwire.transport.kafka import KafkaRequestProducer
+    from tests.contract.conftest import ensure_topics
+
+    await ensure_topics(kafka_bootstrap, {names.request_topic: REQUEST_PARTITIONS})
+    depth = KafkaQueueDepth(kafka_bootstrap, names, REQUEST_PARTITIONS, refresh_s=0.05)
+    producer = KafkaRequestProducer(kafka_bootstrap, names, Partitioner(MODELS, REQUEST_PARTITIONS))
+    await depth.start()
+    await producer.start()
+    try:
+        assert depth.alive
+        calls = 0
+        original = depth.refresh
+
+        async def counting() -> int:
+            nonlocal calls
+            calls += 1
+            return await original()
+
+        depth.refresh = counting  # type: ignore[method-assign]
+        for index in range(3):
+            await producer.send(_request(index))
+        await eventually(lambda: calls >= 2, "two background refreshes")
+        await _depth_becomes(depth, 3, "after 3 requests")
+        before = calls
+        for _ in range(1000):
+            await depth.depth()
+        assert calls - before < 50, "depth() must read the cache, not Kafka"
+    finally:
+        await producer.close()
+        await depth.close()
+    assert not depth.alive, "close() stops the refresher"
+
+
+@pytest.mark.kafka
+async def test_kafka_depth_of_an_unreachable_broker_fails_start(names: Names) -> None:
+    depth = KafkaQueueDepth("127.0.0.1:1", names, 2, refresh_s=0.05, request_timeout_ms=500)
+    with pytest.raises(Exception, match=r"127\.0\.0\.1:1"):
+        await depth.start()
+    assert not depth.alive

@@ -1,0 +1,307 @@
+"""Processes die (kill -9, a crashing or hanging backend) with work in hand: nothing accepted is lost,
+nothing is answered twice, and a poison input ends on the dead-letter topic instead of blocking.
+
+Real processes over the session's Kafka and Redis, real signals. Workers and batchers run with the
+default 3 s group session, so a dead member's partitions move about 3-4 s after its death.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from schemas.codec import decode_state
+from schemas.records import TaskStatus
+from tests.e2e.harness import (
+    Cluster,
+    Proc,
+    Restarter,
+    TerminalEvents,
+    free_port,
+    launch,
+    metric,
+    task_states,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.kafka]
+
+
+@pytest.fixture
+def clusters(request: pytest.FixtureRequest) -> Iterator[list[Cluster]]:
+    """Clusters a test launches; stopped afterwards, their logs printed when the test failed."""
+    started: list[Cluster] = []
+    yield started
+    failed = request.session.testsfailed
+    for cluster in started:
+        cluster.stop()
+        if failed:
+            print(cluster.logs())
+
+
+def running(cluster: Cluster) -> dict[str, str]:
+    """Task id -> worker id of every task stored as running in the cluster's namespace."""
+    client = redis.Redis.from_url(cluster.redis_url)
+    try:
+        out: dict[str, str] = {}
+        for key in client.scan_iter(match=f"{cluster.namespace}:task:*", count=1000):
+            doc = client.hget(key, "doc")
+            if doc:
+                state = decode_state(doc)
+                if state.status is TaskStatus.RUNNING and state.worker_id:
+                    out[state.task_id] = state.worker_id
+        return out
+    finally:
+        client.close()
+
+
+def proc_named(cluster: Cluster, name: str) -> Proc:
+    return next(p for p in reversed(cluster.procs) if p.name == name and p.alive())
+
+
+async def post_all(url: str, inputs: list[str], timeout_s: float = 60) -> list[httpx.Response]:
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        return await asyncio.gather(*(client.post(f"{url}/v1/inference", json={"input": text}) for text in inputs))
+
+
+async def post_stream(url: str, inputs: list[str], interval_s: float, timeout_s: float = 60) -> list[httpx.Response]:
+    """Open loop: one request every ``interval_s`` whatever the answers do; all the responses, in order."""
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        sent = []
+        for text in inputs:
+            sent.append(asyncio.create_task(client.post(f"{url}/v1/inference", json={"input": text})))
+            await asyncio.sleep(interval_s)  # pacing the load, not synchronization
+        return await asyncio.gather(*sent)
+
+
+def logged(cluster: Cluster, name: str, text: str) -> int:
+    """How many lines of process ``name``'s log contain ``text`` (all its incarnations)."""
+    path = cluster.base / f"{name}.log"
+    return sum(text in line for line in path.read_text(errors="replace").splitlines()) if path.exists() else 0
+
+
+def batchers_settled(cluster: Cluster) -> None:
+    """Waits until batcher1 joined and batcher0 got its share after the rebalance."""
+    wait_until(
+        lambda: (
+            logged(cluster, "batcher1", "assigned request partitions") >= 1
+            and logged(cluster, "batcher0", "assigned request partitions") >= 2
+        ),
+        30,
+        "the second batcher to join the group",
+    )
+
+
+def assert_answered(inputs: list[str], responses: list[httpx.Response]) -> list[dict[str, Any]]:
+    bodies = [r.json() for r in responses]
+    statuses = Counter(r.status_code for r in responses)
+    assert statuses == {200: len(inputs)}, f"every request answered 200, got {statuses}: {bodies[:3]}"
+    for text, body in zip(inputs, bodies, strict=True):
+        assert body["output"] == text[::-1], f"answer {body} does not belong to {text!r}"
+    return bodies
+
+
+async def test_a_worker_killed_mid_batch_loses_nothing_and_answers_once(
+    tmp_path: Path, infra: Any, clusters: list[Cluster]
+) -> None:
+    cluster = launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, workers=2, sim_latency_ms=1500)
+    clusters.append(cluster)
+    inputs = [f"kill-{n}" for n in range(12)]
+    with TerminalEvents(cluster.redis_url, cluster.namespace) as events:
+        sent = asyncio.create_task(post_all(cluster.gateway_urls[0], inputs))
+        deadline = time.monotonic() + 20
+        in_flight: dict[str, str] = {}
+        while not in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            in_flight = await asyncio.to_thread(running, cluster)
+        assert in_flight, "no batch started running within 20 s"
+        victim = next(iter(in_flight.values()))
+        lost = [task for task, worker in in_flight.items() if worker == victim]
+        proc_named(cluster, victim).kill9()
+        killed_at = time.monotonic()
+        responses = await sent
+        answered_in = time.monotonic() - killed_at
+        wait_until(lambda: all(task in events.states for task in lost), 10, "the terminal events")
+        twice = events.twice()
+    assert_answered(inputs, responses)
+    assert not twice, f"tasks answered twice: {twice}"
+    finals = task_states(cluster.redis_url, cluster.namespace, lost)
+    assert all(state.worker_id != victim for state in finals.values()), "another worker completed the batch"
+    print(f"\nkill -9 of {victim} mid-batch ({len(lost)} tasks on it): all answered {answered_in:.1f} s after the kill")
+    assert answered_in < 20, f"redelivery took {answered_in:.1f} s (session 3 s + a 1.5 s batch expected)"
+
+
+async def test_an_idle_workers_stale_credit_delays_one_batch_only_until_the_rebalance(
+    tmp_path: Path, infra: Any, clusters: list[Cluster]
+) -> None:
+    cluster = launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, workers=2, sim_latency_ms=50)
+    clusters.append(cluster)
+    proc_named(cluster, "worker0").kill9()  # idle: its credit stays in Redis until it expires (5 s)
+    killed_at = time.monotonic()
+    latencies: list[tuple[float, float]] = []
+    async with httpx.AsyncClient(timeout=30) as client:
+        while time.monotonic() - killed_at < 7:
+            started = time.monotonic()
+            response = await client.post(f"{cluster.gateway_urls[0]}/v1/inference", json={"input": "stale"})
+            assert response.status_code == 200 and response.json()["output"] == "elats", response.text
+            latencies.append((started - killed_at, time.monotonic() - started))
+    slow = [(at, took) for at, took in latencies if took > 1.0]
+    worst = max(took for _, took in latencies)
+    print(f"\nidle worker killed: {len(latencies)} sequential requests, {len(slow)} over 1 s, worst {worst:.1f} s")
+    assert len(slow) <= 1, f"only the batch sent against the dead worker's credit waits: {slow}"
+    assert worst < 10, f"it waits for the rebalance (about 3-4 s), not longer: {worst:.1f} s"
+
+
+async def test_a_batcher_killed_with_held_requests_loses_none(
+    tmp_path: Path, infra: Any, clusters: list[Cluster]
+) -> None:
+    port = free_port()
+    cluster = launch(
+        tmp_path,
+        infra.kafka_bootstrap,
+        infra.redis_url,
+        workers=1,
+        sim_latency_ms=1000,
+        batcher_args=("--metrics-port", str(port)),
+    )
+    clusters.append(cluster)
+    cluster.batcher(1)
+    await asyncio.to_thread(batchers_settled, cluster)
+    inputs = [f"held-{n}" for n in range(40)]
+    with TerminalEvents(cluster.redis_url, cluster.namespace) as events:
+        sent = asyncio.create_task(post_stream(cluster.gateway_urls[0], inputs, 0.1))
+        # one worker, one-second batches: requests pile up in the batchers while it is busy
+        await asyncio.to_thread(
+            wait_until, lambda: metric(port, "batchwire_batcher_pending") > 0, 20, "batcher0 to hold requests"
+        )
+        held = metric(port, "batchwire_batcher_pending")
+        proc_named(cluster, "batcher0").kill9()
+        killed_at = time.monotonic()
+        responses = await sent
+        answered_in = time.monotonic() - killed_at
+        await asyncio.to_thread(wait_until, lambda: len(events.states) >= len(inputs), 10, "every terminal event")
+        twice = events.twice()
+    assert_answered(inputs, responses)
+    assert not twice, f"tasks answered twice: {twice}"
+    print(f"\nbatcher0 killed holding {held:.0f} requests: all {len(inputs)} answered {answered_in:.1f} s after")
+
+
+async def test_async_tasks_survive_a_gateway_restart(tmp_path: Path, infra: Any, clusters: list[Cluster]) -> None:
+    cluster = launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, gateways=2, workers=2, sim_latency_ms=3000)
+    clusters.append(cluster)
+    first, other = cluster.gateway_urls
+    inputs = [f"async-{n}" for n in range(20)]
+    async with httpx.AsyncClient(timeout=30) as client:
+        created = [(await client.post(f"{first}/v1/tasks", json={"input": text})).json() for text in inputs]
+        gateway0 = proc_named(cluster, "gateway0")
+        assert gateway0.stop() in (0, -15), "a gateway stops on SIGTERM (uvicorn re-raises the signal)"
+        cluster.gateway_urls.remove(first)
+        cluster.gateway(0)
+        restarted = cluster.gateway_urls[-1]
+        ids = [task["task_id"] for task in created]
+        stored = await asyncio.to_thread(task_states, cluster.redis_url, cluster.namespace, ids)
+        pending = [task for task in ids if not stored[task].status.terminal]
+        polled = await asyncio.gather(
+            *(client.get(f"{restarted}/v1/result/{task['task_id']}", params={"wait": 20}) for task in created)
+        )
+        from tests.e2e.test_pipeline import collect_events
+
+        streamed = await asyncio.gather(
+            *(asyncio.wait_for(collect_events(client, other, task["task_id"]), 20) for task in created[:5])
+        )
+    for text, response in zip(inputs, polled, strict=True):
+        body = response.json()
+        assert body["status"] == "completed" and body["output"] == text[::-1], body
+    for text, events in zip(inputs[:5], streamed, strict=True):
+        assert events[-1][0] == "completed" and events[-1][1]["output"] == text[::-1], events
+    print(f"\ngateway restarted with {len(pending)} of {len(inputs)} async tasks still in flight; all retrieved")
+    assert pending, "the restart should happen while tasks are in flight (make the batches slower)"
+
+
+async def read_dead_letters(bootstrap: str, topic: str, want: int, timeout_s: float = 20) -> list[Any]:
+    from aiokafka import AIOKafkaConsumer
+
+    from schemas.deadletter import decode_dead_letter
+
+    consumer = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", group_id=None)
+    await consumer.start()
+    letters: list[Any] = []
+    try:
+        async with asyncio.timeout(timeout_s):
+            while len(letters) < want:
+                batches = await consumer.getmany(timeout_ms=500)
+                letters.extend(decode_dead_letter(r.value) for records in batches.values() for r in records)
+    finally:
+        await consumer.stop()
+    return letters
+
+
+async def fault_run(cluster: Cluster, bad: str, good: list[str], timeout_s: float) -> dict[str, dict[str, Any]]:
+    """Submits the bad input, then the good ones, as tasks; returns each one's final result by input."""
+    url = cluster.gateway_urls[0]
+    async with httpx.AsyncClient(timeout=30) as client:
+        ids = {bad: (await client.post(f"{url}/v1/tasks", json={"input": bad, "timeout_ms": 30_000})).json()["task_id"]}
+        for text in good:
+            ids[text] = (await client.post(f"{url}/v1/tasks", json={"input": text})).json()["task_id"]
+        results: dict[str, dict[str, Any]] = {}
+        async with asyncio.timeout(timeout_s):
+            while len(results) < len(ids):
+                for text, task_id in ids.items():
+                    if text not in results:
+                        body = (await client.get(f"{url}/v1/result/{task_id}", params={"wait": 2})).json()
+                        if body["status"] not in ("queued", "batched", "running"):
+                            results[text] = body
+    return results
+
+
+async def test_an_input_that_crashes_workers_is_dead_lettered_and_others_are_answered(
+    tmp_path: Path, infra: Any, clusters: list[Cluster]
+) -> None:
+    cluster = launch(
+        tmp_path, infra.kafka_bootstrap, infra.redis_url, workers=2, worker_args=("--sim-crash-on", "segfault")
+    )
+    clusters.append(cluster)
+    workers = [proc_named(cluster, "worker0"), proc_named(cluster, "worker1")]
+    good = [f"healthy-{n}" for n in range(6)]
+    with Restarter(cluster, workers) as restarter:
+        started = time.monotonic()
+        results = await fault_run(cluster, "segfault please", good, timeout_s=60)
+        took = time.monotonic() - started
+        exits = list(restarter.exits)
+    for text in good:
+        assert results[text]["status"] == "completed" and results[text]["output"] == text[::-1], results[text]
+    poisoned = results["segfault please"]
+    assert poisoned["status"] == "failed" and poisoned["error"]["code"] == "dead_lettered", poisoned
+    assert [code for _, code, _ in exits] == [70, 70, 70], f"three crashes (max_deliveries=3), got {exits}"
+    letters = await read_dead_letters(cluster.kafka_bootstrap, f"{cluster.namespace}.dead-letter", 1)
+    assert [item.input for item in letters[0].items] == ["segfault please"]
+    assert letters[0].deliveries == 4 and letters[0].items[0].strikes == 3
+    print(f"\npoison input: 3 worker crashes, dead-lettered {took:.1f} s after it was sent; healthy inputs answered")
+
+
+async def test_a_hung_backend_exits_75_and_its_batch_completes_elsewhere(
+    tmp_path: Path, infra: Any, clusters: list[Cluster]
+) -> None:
+    args = ("--sim-hang-on", "forever", "--hang-min-s", "1", "--expected-latency-ms", "100")
+    cluster = launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, workers=2, worker_args=args)
+    clusters.append(cluster)
+    workers = [proc_named(cluster, "worker0"), proc_named(cluster, "worker1")]
+    with Restarter(cluster, workers) as restarter:
+        started = time.monotonic()
+        results = await fault_run(cluster, "hang forever", ["fine-1", "fine-2"], timeout_s=60)
+        took = time.monotonic() - started
+        exits = list(restarter.exits)
+    assert results["fine-1"]["output"] == "1-enif" and results["fine-2"]["output"] == "2-enif"
+    hung = results["hang forever"]
+    assert hung["status"] == "failed" and hung["error"]["code"] == "dead_lettered", hung
+    assert "hang limit" in hung["error"]["message"] or "died" in hung["error"]["message"]
+    assert [code for _, code, _ in exits] == [75, 75, 75], f"each hang: exit 75 and a restart, got {exits}"
+    print(f"\nhanging input: 3 worker restarts (exit 75), dead-lettered {took:.1f} s after it was sent")

@@ -1,0 +1,147 @@
+"""Graceful shutdown with real signals: SIGTERM finishes or hands back the work in hand, exits 0;
+a second SIGTERM exits at once. Nothing accepted is lost either way."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e.harness import Cluster, Proc, TerminalEvents, free_port, launch, metric, task_states, wait_until
+from tests.e2e.test_crashes import assert_answered, batchers_settled, post_all, post_stream, proc_named, running
+
+pytestmark = [pytest.mark.slow, pytest.mark.kafka]
+
+
+@pytest.fixture
+def clusters(request: pytest.FixtureRequest) -> Iterator[list[Cluster]]:
+    started: list[Cluster] = []
+    yield started
+    failed = request.session.testsfailed
+    for cluster in started:
+        cluster.stop()
+        if failed:
+            print(cluster.logs())
+
+
+async def until_running(cluster: Cluster) -> dict[str, str]:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        found = await asyncio.to_thread(running, cluster)
+        if found:
+            return found
+        await asyncio.sleep(0.05)
+    raise AssertionError("no batch started running within 20 s")
+
+
+def sigterm(proc: Proc) -> None:
+    assert proc.popen is not None
+    proc.popen.send_signal(signal.SIGTERM)
+
+
+async def exit_status(proc: Proc, timeout_s: float) -> tuple[int, float]:
+    assert proc.popen is not None
+    started = time.monotonic()
+    code = await asyncio.to_thread(proc.popen.wait, timeout_s)
+    return code, time.monotonic() - started
+
+
+async def test_sigterm_lets_a_worker_finish_its_batch_and_exit_0(
+    tmp_path: Path, infra: Any, clusters: list[Cluster]
+) -> None:
+    cluster = launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, workers=2, sim_latency_ms=2000)
+    clusters.append(cluster)
+    inputs = [f"drain-{n}" for n in range(5)]
+    sent = asyncio.create_task(post_all(cluster.gateway_urls[0], inputs))
+    in_flight = await until_running(cluster)
+    victim = next(iter(in_flight.values()))
+    proc = proc_named(cluster, victim)
+    sigterm(proc)
+    code, took = await exit_status(proc, 30)
+    assert code == 0, f"a drained worker exits 0, got {code}"
+    finals = task_states(cluster.redis_url, cluster.namespace, [t for t, w in in_flight.items() if w == victim])
+    assert finals and all(s.status.value == "completed" and s.worker_id == victim for s in finals.values()), (
+        f"the batch in hand is finished by the stopping worker itself: {finals}"
+    )
+    assert_answered(inputs, await sent)
+    print(f"\nSIGTERM mid-batch: {victim} finished its batch and exited 0 after {took:.1f} s")
+
+
+async def test_a_batch_longer_than_the_drain_timeout_is_handed_back(
+    tmp_path: Path, infra: Any, clusters: list[Cluster]
+) -> None:
+    cluster = launch(
+        tmp_path,
+        infra.kafka_bootstrap,
+        infra.redis_url,
+        workers=2,
+        sim_latency_ms=4000,
+        worker_args=("--drain-timeout-s", "0.5"),
+    )
+    clusters.append(cluster)
+    sent = asyncio.create_task(post_all(cluster.gateway_urls[0], ["handed back"]))
+    in_flight = await until_running(cluster)
+    victim = next(iter(in_flight.values()))
+    proc = proc_named(cluster, victim)
+    sigterm(proc)
+    code, took = await exit_status(proc, 20)
+    assert code == 0 and took < 3.5, f"exits 0 right after the drain timeout, got {code} after {took:.1f} s"
+    responses = await sent
+    assert_answered(["handed back"], responses)
+    assert responses[0].json()["task_id"] in in_flight
+    final = task_states(cluster.redis_url, cluster.namespace, list(in_flight))
+    assert all(state.worker_id != victim for state in final.values()), "the other worker ran the handed-back batch"
+
+
+async def test_a_second_sigterm_exits_at_once_and_loses_nothing(
+    tmp_path: Path, infra: Any, clusters: list[Cluster]
+) -> None:
+    cluster = launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, workers=2, sim_latency_ms=6000)
+    clusters.append(cluster)
+    sent = asyncio.create_task(post_all(cluster.gateway_urls[0], ["impatient"]))
+    in_flight = await until_running(cluster)
+    proc = proc_named(cluster, next(iter(in_flight.values())))
+    sigterm(proc)
+    await asyncio.sleep(0.3)  # the first signal is being handled (the drain has begun)
+    assert proc.alive(), "the first SIGTERM waits for the 6 s batch"
+    sigterm(proc)
+    code, took = await exit_status(proc, 5)
+    assert code == 128 + signal.SIGTERM and took < 2, f"second signal: exit 143 at once, got {code} after {took:.1f} s"
+    assert_answered(["impatient"], await sent)  # redelivered after the session timeout
+
+
+async def test_sigterm_stops_a_batcher_cleanly_and_its_requests_move(
+    tmp_path: Path, infra: Any, clusters: list[Cluster]
+) -> None:
+    port = free_port()
+    cluster = launch(
+        tmp_path,
+        infra.kafka_bootstrap,
+        infra.redis_url,
+        workers=1,
+        sim_latency_ms=1000,
+        batcher_args=("--metrics-port", str(port)),
+    )
+    clusters.append(cluster)
+    cluster.batcher(1)
+    await asyncio.to_thread(batchers_settled, cluster)
+    inputs = [f"moved-{n}" for n in range(40)]
+    with TerminalEvents(cluster.redis_url, cluster.namespace) as events:
+        sent = asyncio.create_task(post_stream(cluster.gateway_urls[0], inputs, 0.1))
+        await asyncio.to_thread(
+            wait_until, lambda: metric(port, "batchwire_batcher_pending") > 0, 20, "batcher0 to hold requests"
+        )
+        proc = proc_named(cluster, "batcher0")
+        sigterm(proc)
+        code, took = await exit_status(proc, 20)
+        responses = await sent
+        await asyncio.to_thread(wait_until, lambda: len(events.states) >= len(inputs), 10, "every terminal event")
+        twice = events.twice()
+    assert code == 0 and took < 10, f"a batcher stops at once on SIGTERM, got {code} after {took:.1f} s"
+    assert_answered(inputs, responses)
+    assert not twice, f"tasks answered twice: {twice}"

@@ -1,0 +1,56 @@
+"""A task cancelled while it waits never reaches the GPU (over Kafka and Redis, real processes)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.harness import Cluster, launch, wait_until
+from tests.e2e.test_crashes import logged
+
+pytestmark = [pytest.mark.slow, pytest.mark.kafka]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, infra: Any, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    started = launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, workers=1, sim_latency_ms=1500)
+    yield started
+    failed = request.session.testsfailed
+    started.stop()
+    if failed:
+        print(started.logs())
+
+
+async def test_a_cancelled_task_is_never_run(cluster: Cluster) -> None:
+    url = cluster.gateway_urls[0]
+    async with httpx.AsyncClient(timeout=30) as client:
+        busy = (await client.post(f"{url}/v1/tasks", json={"input": "keeps the worker busy"})).json()["task_id"]
+        await asyncio.to_thread(
+            wait_until,
+            lambda: any(busy in e["task_ids"] for e in cluster.journal()) or _running(cluster, busy),
+            20,
+            "the first task to start",
+        )
+        doomed = (await client.post(f"{url}/v1/tasks", json={"input": "never run me"})).json()["task_id"]
+        kept = (await client.post(f"{url}/v1/tasks", json={"input": "run me"})).json()["task_id"]
+        cancelled = await client.delete(f"{url}/v1/result/{doomed}")
+        assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled", cancelled.text
+        done = await client.get(f"{url}/v1/result/{kept}", params={"wait": 20})
+        assert done.json()["status"] == "completed", done.text
+        after = (await client.get(f"{url}/v1/result/{doomed}")).json()
+    assert after["status"] == "cancelled", f"the cancel stands after the batch ran: {after}"
+    ran = {task for entry in cluster.journal() for task in entry["task_ids"]}
+    assert kept in ran and doomed not in ran, "the cancelled task never reached the backend"
+    assert logged(cluster, "worker0", "already ended") == 1, "the worker dropped it when it came in the batch"
+
+
+def _running(cluster: Cluster, task_id: str) -> bool:
+    from tests.e2e.harness import task_states
+
+    state = task_states(cluster.redis_url, cluster.namespace, [task_id]).get(task_id)
+    return state is not None and state.status.value == "running"

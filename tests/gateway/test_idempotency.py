@@ -1,0 +1,174 @@
+"""Idempotency-Key: a retry gets the first request's task and answer, and nothing is computed twice."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from batchwire.routing import Partitioner
+from batchwire.transport.memory import MemoryRequestBus
+from batchwire.transport.redis import RedisTaskStore
+from schemas.wire import IDEMPOTENCY_HEADER, Names
+from tests.gateway.rig import MODELS, RigFactory, error_of, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _key(value: str) -> dict[str, str]:
+    return {IDEMPOTENCY_HEADER: value}
+
+
+async def test_a_synchronous_retry_gets_the_same_task_and_answer(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    worker = await rig.worker()
+    first = await rig.client.post("/v1/inference", json={"input": "once"}, headers=_key("k-1"))
+    retry = await rig.client.post("/v1/inference", json={"input": "once"}, headers=_key("k-1"))
+
+    assert first.status_code == retry.status_code == 200, (first.text, retry.text)
+    assert retry.json()["task_id"] == first.json()["task_id"]
+    assert retry.json()["output"] == first.json()["output"] == "ecno"
+    assert "idempotent-replayed" not in first.headers
+    assert retry.headers["idempotent-replayed"] == "true"
+    assert [r.input for r in worker.seen] == ["once"], "the retry must not be computed again"
+    assert len(rig.store.created) == 1
+
+
+async def test_a_retry_while_the_first_still_waits_waits_for_the_same_task(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    worker = await rig.worker()
+    worker.gate.clear()
+    first = asyncio.create_task(rig.client.post("/v1/inference", json={"input": "slow"}, headers=_key("k-2")))
+    await wait_until(lambda: rig.produced() == 1, what="the first request on the bus")
+    retries = [
+        asyncio.create_task(rig.client.post("/v1/inference", json={"input": "slow"}, headers=_key("k-2")))
+        for _ in range(5)
+    ]
+    await wait_until(lambda: rig.gateway.inflight == 6, what="the retries to wait")
+    worker.gate.set()
+    answers = [await asyncio.wait_for(task, 10) for task in (first, *retries)]
+
+    assert {a.status_code for a in answers} == {200}, [a.text for a in answers]
+    assert len({a.json()["task_id"] for a in answers}) == 1, "every retry names the first task"
+    assert {a.json()["output"] for a in answers} == {"wols"}
+    assert rig.produced() == 1, "one request reached the bus"
+    assert len(worker.seen) == 1
+
+
+async def test_an_asynchronous_retry_answers_202_with_the_same_task_and_its_status(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    first = await rig.client.post("/v1/tasks", json={"input": "later"}, headers=_key("k-3"))
+    assert first.status_code == 202
+    task_id = first.json()["task_id"]
+    retry = await rig.client.post("/v1/tasks", json={"input": "later"}, headers=_key("k-3"))
+    assert retry.status_code == 202, retry.text
+    assert retry.json()["task_id"] == task_id
+    assert retry.json()["status"] == "queued"
+    assert retry.headers["location"] == f"/v1/result/{task_id}"
+    assert retry.headers["idempotent-replayed"] == "true"
+
+    await rig.worker()
+    await rig.client.get(f"/v1/result/{task_id}", params={"wait": 10})
+    done = await rig.client.post("/v1/tasks", json={"input": "later"}, headers=_key("k-3"))
+    assert (done.json()["task_id"], done.json()["status"]) == (task_id, "completed")
+    sync = await rig.client.post("/v1/inference", json={"input": "later"}, headers=_key("k-3"))
+    assert (sync.status_code, sync.json()["output"]) == (200, "retal"), "a sync retry of an async task answers too"
+    assert rig.produced() == 1
+
+
+@pytest.mark.parametrize(
+    "changed", [{"input": "other"}, {"input": "same", "model": "echo"}], ids=["other input", "other model"]
+)
+async def test_the_same_key_for_another_request_is_422(make_rig: RigFactory, changed: dict[str, Any]) -> None:
+    rig = await make_rig()
+    first = await rig.client.post("/v1/tasks", json={"input": "same"}, headers=_key("k-4"))
+    assert first.status_code == 202
+    reused = await rig.client.post("/v1/tasks", json=changed, headers=_key("k-4"))
+    assert reused.status_code == 422, reused.text
+    assert error_of(reused)["code"] == "idempotency_key_reused"
+    assert rig.produced() == 1
+    longer = await rig.client.post("/v1/tasks", json={"input": "same", "timeout_ms": 20_000}, headers=_key("k-4"))
+    assert longer.json()["task_id"] == first.json()["task_id"], "timeout_ms is not part of what a key names"
+
+
+@pytest.mark.parametrize(
+    "key", ["", "has space", "x" * 256, "tab\tkey", "é"], ids=["empty", "space", "too long", "control", "non-ascii"]
+)
+async def test_a_malformed_key_is_400_and_nothing_is_stored(make_rig: RigFactory, key: str) -> None:
+    rig = await make_rig()
+    for path in ("/v1/inference", "/v1/tasks"):
+        response = await rig.client.post(path, json={"input": "x"}, headers={IDEMPOTENCY_HEADER: key.encode("utf-8")})
+        assert response.status_code == 400, response.text
+        error = error_of(response)
+        assert error["code"] == "invalid_idempotency_key"
+        assert "255" in error["message"]
+    assert rig.produced() == 0
+    assert rig.store.created == []
+
+
+async def test_a_bad_body_with_a_key_does_not_claim_it(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    await rig.worker()
+    bad = await rig.client.post("/v1/inference", json={"input": ""}, headers=_key("k-5"))
+    assert bad.status_code == 422
+    good = await rig.client.post("/v1/inference", json={"input": "fixed"}, headers=_key("k-5"))
+    assert good.status_code == 200, "a refused request must leave its key free"
+    assert good.json()["output"] == "dexif"
+
+
+async def test_a_key_whose_request_never_reached_the_bus_is_released(make_rig: RigFactory) -> None:
+    from tests.gateway.test_inference import DownProducer
+
+    rig = await make_rig(producer=DownProducer())
+    first = await rig.client.post("/v1/tasks", json={"input": "x"}, headers=_key("k-6"))
+    assert first.status_code == 503
+    second = await rig.client.post("/v1/tasks", json={"input": "x"}, headers=_key("k-6"))
+    assert second.status_code == 503
+    assert error_of(second)["task_id"] != error_of(first)["task_id"], "the retry must try again, not replay"
+
+
+# over the real Redis -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def redis_stores(request: pytest.FixtureRequest, names: Names) -> AsyncIterator[list[RedisTaskStore]]:
+    url = request.getfixturevalue("infra").redis_url
+    stores = [RedisTaskStore(url, names) for _ in range(2)]
+    for store in stores:
+        await store.start()
+    yield stores
+    for store in stores:
+        await store.close()
+
+
+@pytest.mark.kafka
+async def test_a_retry_at_another_gateway_gets_the_first_task(
+    make_rig: RigFactory, redis_stores: list[RedisTaskStore]
+) -> None:
+    """Two gateways share Redis and the bus; the retry lands on the other one."""
+    bus = MemoryRequestBus(Partitioner(MODELS, 4))
+    first_gateway = await make_rig(store=redis_stores[0], bus=bus)
+    second_gateway = await make_rig(store=redis_stores[1], bus=bus)
+    worker = await first_gateway.worker()
+    worker.gate.clear()
+
+    first = asyncio.create_task(
+        first_gateway.client.post("/v1/inference", json={"input": "shared"}, headers=_key("k-redis"))
+    )
+    await wait_until(lambda: first_gateway.produced() == 1, what="the first request on the bus")
+    retry = asyncio.create_task(
+        second_gateway.client.post("/v1/inference", json={"input": "shared"}, headers=_key("k-redis"))
+    )
+    await wait_until(lambda: second_gateway.gateway.inflight == 1, what="the retry to wait")
+    worker.gate.set()
+    answers = [await asyncio.wait_for(task, 20) for task in (first, retry)]
+
+    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+    assert answers[0].json()["task_id"] == answers[1].json()["task_id"]
+    assert answers[1].json()["output"] == "derahs"
+    assert answers[1].headers["idempotent-replayed"] == "true"
+    assert len(worker.seen) == 1, "one computation for both"
+    again = await second_gateway.client.post("/v1/tasks", json={"input": "other"}, headers=_key("k-redis"))
+    assert again.status_code == 422

@@ -1,0 +1,171 @@
+"""Admission: the deployment's queue-depth limit (503) and per-client rate limits (429), before anything is queued."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from batchwire.routing import Partitioner
+from batchwire.transport.kafka import KafkaRequestProducer
+from batchwire.transport.kafka_lag import KafkaQueueDepth
+from batchwire.transport.memory import MemoryRateLimiter
+from batchwire.transport.redis_limits import RedisRateLimiter
+from gateway.auth import digest_of
+from schemas.wire import Names
+from tests.gateway.rig import MODELS, RigFactory, error_of, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# queue depth ----------------------------------------------------------------------------------------
+
+
+async def test_beyond_max_queue_depth_is_503_at_once_and_nothing_is_queued(make_rig: RigFactory) -> None:
+    rig = await make_rig(queue_depth="bus", max_queue_depth=3, retry_after_s=2)  # no worker: nothing leaves
+    for index in range(3):
+        assert (await rig.client.post("/v1/tasks", json={"input": f"t{index}"})).status_code == 202
+
+    for path in ("/v1/tasks", "/v1/inference"):
+        started = time.monotonic()
+        refused = await rig.client.post(path, json={"input": "one too many"})
+        elapsed = time.monotonic() - started
+        assert refused.status_code == 503, refused.text
+        error = error_of(refused)
+        assert error["code"] == "overloaded"
+        assert "3 requests" in error["message"] and "BATCHWIRE_MAX_QUEUE_DEPTH" in error["message"], error
+        assert refused.headers["retry-after"] == "2"
+        assert elapsed < 1.0, f"a refusal must be immediate, took {elapsed:.3f} s"
+    assert rig.produced() == 3
+    assert len(rig.store.created) == 3, "a refused request is not stored"
+
+
+async def test_the_queue_limit_lifts_as_workers_take_requests(make_rig: RigFactory) -> None:
+    rig = await make_rig(queue_depth="bus", max_queue_depth=2)
+    for index in range(2):
+        await rig.client.post("/v1/tasks", json={"input": f"t{index}"})
+    assert (await rig.client.post("/v1/tasks", json={"input": "refused"})).status_code == 503
+    await rig.worker()  # commits what it answers: the queue drains
+    await wait_until(lambda: rig.bus.lag() == 0, what="the worker to drain the queue")
+    answer = await rig.client.post("/v1/inference", json={"input": "room again"})
+    assert answer.status_code == 200, answer.text
+
+
+async def test_max_queue_depth_zero_turns_the_check_off(make_rig: RigFactory) -> None:
+    rig = await make_rig(queue_depth="bus", max_queue_depth=0)
+    for index in range(5):
+        assert (await rig.client.post("/v1/tasks", json={"input": f"t{index}"})).status_code == 202
+
+
+@pytest.mark.kafka
+async def test_queue_depth_from_the_real_request_topic(make_rig: RigFactory, names: Names, infra: Any) -> None:
+    from tests.contract.conftest import ensure_topics
+
+    partitions = 4
+    await ensure_topics(infra.kafka_bootstrap, {names.request_topic: partitions})
+    producer = KafkaRequestProducer(infra.kafka_bootstrap, names, Partitioner(MODELS, partitions))
+    depth = KafkaQueueDepth(infra.kafka_bootstrap, names, partitions, refresh_s=0.05)
+    await producer.start()
+    await depth.start()
+    try:
+        rig = await make_rig(producer=producer, queue_depth=depth, max_queue_depth=5)  # no batcher at all
+        for index in range(5):
+            assert (await rig.client.post("/v1/tasks", json={"input": f"t{index}"})).status_code == 202
+        deadline = time.monotonic() + 20
+        while await depth.depth() < 5:
+            assert time.monotonic() < deadline, "the lag never reached 5"
+            await asyncio.sleep(0.02)
+        refused = await rig.client.post("/v1/inference", json={"input": "no room"})
+        assert refused.status_code == 503, refused.text
+        assert error_of(refused)["code"] == "overloaded"
+        assert len(rig.store.created) == 5
+    finally:
+        await depth.close()
+        await producer.close()
+
+
+# rate limits ----------------------------------------------------------------------------------------
+
+
+def _limited(rate_per_s: float, burst: int) -> dict[str, Any]:
+    return {"limiter": MemoryRateLimiter(rate_per_s, burst), "rate_limit_per_s": rate_per_s, "rate_limit_burst": burst}
+
+
+async def test_a_client_over_its_rate_gets_429_with_the_wait_and_the_setting(make_rig: RigFactory) -> None:
+    rig = await make_rig(**_limited(0.25, 2))
+    await rig.worker()
+    headers = {"X-Client-Id": "client-1"}
+    assert (await rig.client.post("/v1/inference", json={"input": "a"}, headers=headers)).status_code == 200
+    assert (await rig.client.post("/v1/tasks", json={"input": "b"}, headers=headers)).status_code == 202
+
+    refused = await rig.client.post("/v1/inference", json={"input": "c"}, headers=headers)
+
+    assert refused.status_code == 429, refused.text
+    error = error_of(refused)
+    assert error["code"] == "rate_limited"
+    assert "0.25 requests/s with bursts of 2" in error["message"], error
+    assert "BATCHWIRE_RATE_LIMIT_PER_S" in error["message"] and "BATCHWIRE_RATE_LIMIT_BURST" in error["message"]
+    assert 3 <= int(refused.headers["retry-after"]) <= 4, "a token comes every 4 s"
+    assert rig.produced() == 2, "a rate-limited request is not queued"
+    other = await rig.client.post("/v1/tasks", json={"input": "d"}, headers={"X-Client-Id": "client-2"})
+    assert other.status_code == 202, "each client has its own bucket"
+
+
+async def test_without_a_client_id_the_address_is_the_client(make_rig: RigFactory) -> None:
+    rig = await make_rig(**_limited(0.1, 1))
+    assert (await rig.client.post("/v1/tasks", json={"input": "a"})).status_code == 202
+    assert (await rig.client.post("/v1/tasks", json={"input": "b"})).status_code == 429
+
+
+async def test_with_api_keys_the_key_is_the_client_whatever_it_claims(make_rig: RigFactory) -> None:
+    key = "charlie-key-0123456789"
+    rig = await make_rig(api_keys=(digest_of(key),), **_limited(0.1, 1))
+    auth = {"Authorization": f"Bearer {key}"}
+    assert (await rig.client.post("/v1/tasks", json={"input": "a"}, headers={**auth, "X-Client-Id": "x"})).is_success
+    second = await rig.client.post("/v1/tasks", json={"input": "b"}, headers={**auth, "X-Client-Id": "y"})
+    assert second.status_code == 429, "a key cannot escape its limit by claiming another client id"
+
+
+@pytest.mark.parametrize("client_id", ["", "a b", "x" * 129])
+async def test_a_malformed_client_id_is_400(make_rig: RigFactory, client_id: str) -> None:
+    rig = await make_rig(**_limited(10, 10))
+    response = await rig.client.post("/v1/tasks", json={"input": "x"}, headers={"X-Client-Id": client_id})
+    assert response.status_code == 400, response.text
+    assert error_of(response)["code"] == "invalid_client_id"
+    assert rig.store.created == []
+
+
+async def test_rate_limits_off_cost_no_check(make_rig: RigFactory) -> None:
+    class Exploding(MemoryRateLimiter):
+        async def acquire(self, client: str) -> float:
+            raise AssertionError("the limiter must not be asked when rate limits are off")
+
+    rig = await make_rig(limiter=Exploding(1, 1), rate_limit_per_s=0)
+    for index in range(3):
+        assert (await rig.client.post("/v1/tasks", json={"input": f"{index}"})).status_code == 202
+
+
+@pytest.fixture
+async def redis_limiters(infra: Any, names: Names) -> AsyncIterator[list[RedisRateLimiter]]:
+    limiters = [RedisRateLimiter(infra.redis_url, names, 0.2, 3) for _ in range(2)]
+    yield limiters
+    for limiter in limiters:
+        await limiter.close()
+
+
+@pytest.mark.kafka
+async def test_two_gateways_share_each_clients_bucket_through_redis(
+    make_rig: RigFactory, redis_limiters: list[RedisRateLimiter]
+) -> None:
+    first = await make_rig(limiter=redis_limiters[0], rate_limit_per_s=0.2, rate_limit_burst=3)
+    second = await make_rig(limiter=redis_limiters[1], rate_limit_per_s=0.2, rate_limit_burst=3)
+    headers = {"X-Client-Id": "roaming"}
+    statuses = [
+        (await gateway.client.post("/v1/tasks", json={"input": "x"}, headers=headers)).status_code
+        for gateway in (first, second, first, second, first)
+    ]
+    assert statuses == [202, 202, 202, 429, 429], "three tokens in all, whichever gateway takes them"
+    assert first.produced() + second.produced() == 3

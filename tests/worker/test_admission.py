@@ -1,0 +1,91 @@
+"""Tasks move to ``running`` before the backend sees them; tasks that already ended never run."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from batchwire.transport.memory import MemoryTaskStore
+from schemas.records import TaskState, TaskStatus
+from tests.worker.rig import Rig, ScriptedBackend, now_ms, until
+
+
+async def test_a_cancelled_task_never_reaches_the_backend() -> None:
+    rig = Rig()
+    await rig.listen()
+    backend = ScriptedBackend()
+    worker = await rig.worker(backend)
+    batch = rig.batch(["abc", "cancel me", "xyz"])
+    await rig.create(batch)
+    await rig.store.apply([TaskState("t1", TaskStatus.CANCELLED, "sim", now_ms(), 0, error_code="cancelled")])
+    await rig.send(batch)
+    ended = await rig.ended(["t0", "t2"])
+    await worker.close()
+    assert backend.calls == [["abc", "xyz"]], f"only live tasks reach the backend, got {backend.calls}"
+    assert ended["t0"].output == "cba" and ended["t2"].output == "zyx"
+    stored = await rig.store.get("t1")
+    assert stored is not None and stored.status is TaskStatus.CANCELLED, f"the cancel stands, got {stored}"
+
+
+async def test_a_redelivered_batch_whose_tasks_ended_is_not_computed_again() -> None:
+    rig = Rig()
+    await rig.listen()
+    backend = ScriptedBackend()
+    worker = await rig.worker(backend)
+    batch = rig.batch(["one", "two"])
+    await rig.create(batch)
+    await rig.send(batch)
+    await rig.ended(["t0", "t1"])
+    await rig.send(batch)  # the commit was lost, say: the same batch comes again
+    await until(lambda: worker.batches_done == 2, "the redelivery to be handled")
+    await worker.close()
+    assert backend.calls == [["one", "two"]], f"ended tasks must not run twice, got {backend.calls}"
+    assert {task: len(states) for task, states in rig.replies.items()} == {"t0": 1, "t1": 1}
+
+
+async def test_a_task_left_running_by_a_dead_worker_runs_again() -> None:
+    rig = Rig()
+    await rig.listen()
+    backend = ScriptedBackend()
+    batch = rig.batch(["left"])
+    await rig.create(batch)
+    await rig.store.apply([TaskState("t0", TaskStatus.RUNNING, "sim", now_ms(), 0, worker_id="dead")])
+    await rig.deliveries.begin(batch.batch_id)  # the dead worker's delivery
+    worker = await rig.worker(backend)
+    await rig.send(batch)
+    ended = await rig.ended(["t0"])
+    await worker.close()
+    assert ended["t0"].status is TaskStatus.COMPLETED and ended["t0"].output == "tfel"
+
+
+class OrderedStore(MemoryTaskStore):
+    def __init__(self, events: list[str]) -> None:
+        super().__init__()
+        self.events = events
+
+    async def apply(self, updates: Sequence[TaskState]) -> list[bool]:
+        applied = await super().apply(updates)
+        self.events.extend(f"stored {state.status.value}" for state in updates)
+        return applied
+
+
+class OrderedBackend(ScriptedBackend):
+    def __init__(self, events: list[str]) -> None:
+        super().__init__()
+        self.events = events
+
+    def batchstring(self, inputs: list[str]) -> list[str]:
+        self.events.append("backend")
+        return super().batchstring(inputs)
+
+
+async def test_running_is_stored_before_the_backend_is_called() -> None:
+    events: list[str] = []
+    rig = Rig(store=OrderedStore(events))
+    await rig.listen()
+    worker = await rig.worker(OrderedBackend(events))
+    batch = rig.batch(["a"])
+    await rig.create(batch)
+    await rig.send(batch)
+    await rig.ended(["t0"])
+    await worker.close()
+    assert events == ["stored running", "backend", "stored completed"], events

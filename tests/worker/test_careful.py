@@ -1,0 +1,134 @@
+"""Redelivered batches: crash bisection across deliveries, dead letters, healthy inputs still answered.
+
+A worker *death* is simulated in process by a backend that raises ``Died`` (a BaseException the
+worker does not handle, as a segfault would not be); the next worker is built over the same store,
+partition and delivery log, and gets the same batch again, as Kafka would redeliver it uncommitted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+from batchwire.transport.deliveries import Suspects
+from gpu_worker.careful import plan
+from schemas.deadletter import DEAD_LETTERED
+from schemas.records import Batch, TaskStatus
+from tests.worker.rig import Rig, ScriptedBackend
+
+
+def suspects(ids: set[str], strikes: int, marked: bool = True) -> Suspects:
+    return Suspects(frozenset(ids), dict.fromkeys(ids, strikes), marked)
+
+
+def test_plan_runs_innocents_together_then_suspects_in_halves() -> None:
+    decided = plan(list("abcdef"), str, suspects({"c", "d", "e", "f"}, 1), max_deliveries=3)
+    assert decided.groups == [["a", "b"], ["c", "d"], ["e", "f"]]
+    assert decided.dead == []
+
+
+def test_plan_sets_aside_a_lone_suspect_with_enough_strikes() -> None:
+    decided = plan(list("abc"), str, suspects({"b"}, 3), max_deliveries=3)
+    assert decided.groups == [["a", "c"]]
+    assert decided.dead == ["b"]
+
+
+def test_plan_runs_a_lone_suspect_again_while_it_has_few_strikes() -> None:
+    assert plan(["x"], str, suspects({"x"}, 2), max_deliveries=3).groups == [["x"]]
+
+
+def test_plan_never_dead_letters_a_group() -> None:
+    decided = plan(list("ab"), str, suspects({"a", "b"}, 9), max_deliveries=3)
+    assert decided.groups == [["a"], ["b"]] and decided.dead == []
+
+
+async def deliver_until_answered(
+    rig: Rig, batch: Batch, die_on: str | None, rounds: int = 20
+) -> tuple[int, list[list[str]]]:
+    """Delivers ``batch`` to fresh workers until every task has ended; returns deaths and backend calls."""
+    await rig.listen()
+    ids = [item.task_id for item in batch.items]
+    calls: list[list[str]] = []
+    for deaths in range(rounds):
+        backend = ScriptedBackend(die_on=die_on)
+        worker = await rig.worker(backend)
+        await rig.send(batch)
+        answered = asyncio.create_task(rig.ended(ids))
+        died = asyncio.create_task(worker.failed.wait())
+        await asyncio.wait({answered, died}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        calls.extend(backend.calls)
+        if answered.done():
+            died.cancel()
+            await asyncio.gather(died, return_exceptions=True)
+            await worker.close()
+            return deaths, calls
+        answered.cancel()
+        await asyncio.gather(answered, return_exceptions=True)
+        assert died.done(), "the worker neither answered nor died within 10 s"
+        assert isinstance(worker.failure, BaseException), "a dead worker records why"
+        await worker.close()
+    raise AssertionError(f"batch still not answered after {rounds} deliveries")
+
+
+async def test_a_crashing_input_is_dead_lettered_and_the_rest_answered() -> None:
+    rig = Rig()
+    inputs = [f"ok{i}" for i in range(7)] + ["poison"]
+    batch = rig.batch(inputs)
+    await rig.create(batch)
+    deaths, calls = await deliver_until_answered(rig, batch, die_on="poison")
+    states = {task: replies for task, replies in rig.replies.items()}
+    assert all(len(replies) == 1 for replies in states.values()), f"one answer per task: {states}"
+    for i in range(7):
+        assert states[f"t{i}"][0].output == f"ok{i}"[::-1], f"t{i} must be answered: {states[f't{i}'][0]}"
+    poisoned = states["t7"][0]
+    assert poisoned.status is TaskStatus.FAILED and poisoned.error_code == DEAD_LETTERED, poisoned
+    assert len(rig.dead_letters.letters) == 1
+    letter = rig.dead_letters.letters[0]
+    assert [item.input for item in letter.items] == ["poison"]
+    assert letter.deliveries == deaths + 1 and letter.items[0].strikes >= 3
+    ran = Counter(text for call in calls for text in call if text != "poison")
+    # a healthy input shares each crashing group with the culprit at most once per halving: 1 + log2(8)
+    assert max(ran.values()) <= 4, f"healthy inputs ran too often: {ran}"
+    # 8 inputs: death with all 8, then halves of 4, 2, 1, then the lone input twice more
+    assert deaths <= 6, f"crash bisection should take about log2(8) + 2 deaths, took {deaths}"
+
+
+async def test_a_lone_crashing_input_goes_to_the_dead_letter_topic_after_max_deliveries() -> None:
+    rig = Rig()
+    batch = rig.batch(["poison"])
+    await rig.create(batch)
+    deaths, calls = await deliver_until_answered(rig, batch, die_on="poison")
+    assert deaths == 3, f"max_deliveries=3: three deaths, then set aside; got {deaths}"
+    assert len(calls) == 3, "the fourth delivery does not call the backend"
+    assert rig.replies["t0"][0].error_code == DEAD_LETTERED
+    assert "dead-letter" in (rig.replies["t0"][0].error_message or "")
+
+
+async def test_one_death_dead_letters_nothing() -> None:
+    rig = Rig()
+    batch = rig.batch(["a", "b", "c"])
+    await rig.create(batch)
+    await rig.deliveries.begin(batch.batch_id)  # a first delivery whose worker was killed mid-call
+    deaths, calls = await deliver_until_answered(rig, batch, die_on=None)
+    assert deaths == 0
+    assert calls == [["a"], ["b", "c"]], f"a redelivered batch runs its suspects in halves, got {calls}"
+    assert {task: states[0].status for task, states in rig.replies.items()} == dict.fromkeys(
+        ["t0", "t1", "t2"], TaskStatus.COMPLETED
+    )
+    assert rig.dead_letters.letters == []
+
+
+async def test_max_deliveries_1_sets_a_lone_input_aside_at_its_first_redelivery() -> None:
+    rig = Rig()
+    batch = rig.batch(["poison"])
+    await rig.create(batch)
+    await rig.listen()
+    first = await rig.worker(ScriptedBackend(die_on="poison"), max_deliveries=1)
+    await rig.send(batch)
+    await asyncio.wait_for(first.failed.wait(), 10)
+    await first.close()
+    second = await rig.worker(ScriptedBackend(), max_deliveries=1)
+    await rig.send(batch)
+    ended = await rig.ended(["t0"])
+    await second.close()
+    assert ended["t0"].error_code == DEAD_LETTERED

@@ -1,0 +1,78 @@
+"""A hung backend call: the runner notices, the worker gives the batch back and stops."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from gpu_worker.runner import FIRST_CALL_LIMIT_S, BackendHung, BackendRunner
+from schemas.records import TaskStatus
+from tests.worker.rig import Rig, ScriptedBackend
+
+
+def test_the_limit_follows_the_moving_average_of_calls() -> None:
+    runner = BackendRunner("r", hang_factor=10, hang_min_s=0.5)
+    assert runner.limit_s() == FIRST_CALL_LIMIT_S, "no estimate yet: the generous first-call limit"
+    runner._observe(0.2)
+    assert runner.limit_s() == pytest.approx(2.0)
+    runner._observe(0.0)
+    assert runner.limit_s() == pytest.approx(1.6), "EWMA with alpha 0.2: 0.2 -> 0.16"
+    runner._observe(0.0)
+    runner._observe(0.0)
+    assert runner.limit_s() == pytest.approx(1.024)
+    for _ in range(30):
+        runner._observe(0.0)
+    assert runner.limit_s() == 0.5, "never below hang_min_s"
+    runner.close()
+
+
+def test_a_configured_latency_wins_and_factor_0_turns_detection_off() -> None:
+    fixed = BackendRunner("r", hang_factor=10, hang_min_s=0.1, expected_s=0.05)
+    fixed._observe(3.0)
+    assert fixed.limit_s() == pytest.approx(0.5)
+    off = BackendRunner("r", hang_factor=0)
+    assert off.limit_s() is None
+    fixed.close()
+    off.close()
+
+
+async def test_a_call_past_its_limit_is_hung_and_the_runner_refuses_more() -> None:
+    release = threading.Event()
+    runner = BackendRunner("r", hang_factor=10, hang_min_s=0.2, expected_s=0.001)
+    assert await runner.call(lambda: "fast") == "fast"
+    started = time.monotonic()
+    with pytest.raises(BackendHung, match=r"hang limit of 0\.2 s"):
+        await runner.call(release.wait)
+    assert 0.15 < time.monotonic() - started < 2.0
+    assert runner.hung
+    with pytest.raises(BackendHung):
+        await runner.call(lambda: "refused")
+    release.set()
+    runner.close()
+
+
+async def test_a_worker_whose_backend_hangs_gives_the_batch_back_and_stops() -> None:
+    rig = Rig()
+    await rig.listen()
+    backend = ScriptedBackend(hang_on="stuck")
+    worker = await rig.worker(backend, hang_min_s=0.3, expected_latency_ms=10.0)
+    batch = rig.batch(["fine", "stuck"])
+    await rig.create(batch)
+    await rig.send(batch)
+    await asyncio.wait_for(worker.failed.wait(), 10)
+    assert worker.hung and isinstance(worker.failure, BackendHung)
+    assert worker.hung_batch == batch, "the supervisor needs the batch to send it again (embedded mode)"
+    assert worker.batches_done == 0, "nothing stored, nothing committed"
+    for task in ("t0", "t1"):
+        state = await rig.store.get(task)
+        assert state is not None and state.status is TaskStatus.RUNNING, f"{task} is handed back unfinished: {state}"
+    suspects = await rig.deliveries.suspects(batch.batch_id, ["t0", "t1"])
+    assert suspects.note is not None and "hang limit" in suspects.note, "the next holder learns why"
+    closing = time.monotonic()
+    await worker.close()
+    assert time.monotonic() - closing < 2, "closing must not wait for the stuck thread"
+    assert not backend.closed, "a backend under a stuck call is not closed"
+    backend.release.set()
