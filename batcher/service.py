@@ -201,7 +201,34 @@ class Batcher:
             if credit is None:
                 continue
             metrics.IDLE_WORKERS.labels(model=model).set(0)
+            hold_s = self.former.reserve_s(model, credit.busy_ms / 1000.0)
+            if hold_s > 0:
+                credit = await self._hold(model, credit, hold_s)
             await self._send(model, credit)
+
+    async def _hold(self, model: str, credit: Credit, hold_s: float) -> Credit:
+        """Keeps an idle worker in reserve for a fresh arrival (see ``BatchFormer.reserve_s``).
+
+        Returns the credit to send what waits against: this one when a fresh request arrives or the
+        hold runs out, or a second worker's if it frees first (this one then goes back to the pool,
+        idle, for the next arrival).
+        """
+        wake = self._wake[model]
+        wake.clear()
+        arrival = asyncio.create_task(wake.wait())
+        second = asyncio.create_task(self.credits.claim(model, hold_s))
+        try:
+            await asyncio.wait({arrival, second}, timeout=hold_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            arrival.cancel()
+            if not second.done():
+                second.cancel()
+            await asyncio.gather(arrival, second, return_exceptions=True)
+        other = second.result() if second.done() and not second.cancelled() and second.exception() is None else None
+        if other is None:
+            return credit
+        await self._offer_back(credit)
+        return other
 
     async def _send(self, model: str, credit: Credit) -> None:
         expired: list[Pending[InferenceRequest]] = []
@@ -217,21 +244,29 @@ class Batcher:
                 await self._offer_back(credit)
                 return
             batch = self._batch(model, taken, credit)
+            # "batched" is written while Kafka takes the batch: a Redis write is faster than the
+            # hand-over to the worker, so watchers see batched before running.
+            marking = asyncio.create_task(self._mark_batched(model, batch))
             try:
-                await self.producer.send(batch, credit.partition)
-            except TransportError as err:
-                log.warning("could not hand batch %s to %s: %s; will retry", batch.batch_id, credit.worker_id, err)
-                self.former.give_back(model, taken)
-                await self._offer_back(credit)
-                await asyncio.sleep(self.settings.send_retry_s)  # back off a failing bus, then try again
-                return
-            for pending in taken.items:
-                self.offsets.finish(pending.partition, pending.offset)
-            self.batches_sent += 1
-            self._record(model, batch, taken)
-            await self._commit()
+                try:
+                    await self.producer.send(batch, credit.partition)
+                except TransportError as err:
+                    log.warning("could not hand batch %s to %s: %s; will retry", batch.batch_id, credit.worker_id, err)
+                    self.former.give_back(model, taken)
+                    await self._offer_back(credit)
+                    await asyncio.sleep(self.settings.send_retry_s)  # back off a failing bus, then try again
+                    return
+                for pending in taken.items:
+                    self.offsets.finish(pending.partition, pending.offset)
+                self.batches_sent += 1
+                self._record(model, batch, taken)
+                await self._commit()
+            finally:
+                await asyncio.gather(marking, return_exceptions=True)
         if self.former.held(model) < self.settings.max_held:
             self._room.set()
+
+    async def _mark_batched(self, model: str, batch: Batch) -> None:
         now = wall_ms()
         batched = [
             TaskState(

@@ -194,6 +194,7 @@ class Worker:
             issued_at_ms=now,
             expires_at_ms=now + int(self.settings.credit_ttl_s * 1000),
             max_batch=self.backend.max_batch,
+            busy_ms=round((self.runner.expected_s or 0.0) * 1000),
         )
         try:
             await self.credits.offer(credit)

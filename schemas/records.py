@@ -86,6 +86,8 @@ class Credit:
     expires_at_ms: int
     max_batch: int = 0
     """Largest batch the worker's backend takes; 0 when it sets no limit of its own."""
+    busy_ms: int = 0
+    """The worker's recent backend call duration (moving average); 0 before its first call."""
 
     @property
     def ref(self) -> str:
