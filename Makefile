@@ -8,7 +8,7 @@ UV := $(PYTHON) -m uv
 STAMP := $(VENV)/.installed-stamp
 MINILM_VERSION := 0.1.0
 
-.PHONY: install run test lint typecheck pytest stack-up stack-down bench clean
+.PHONY: install run test lint typecheck pytest stack-up stack-down bench docs clean
 
 install: $(STAMP) redis-server
 	@$(PY) -m infra.fetch_kafka
@@ -55,6 +55,9 @@ stack-down:
 
 bench: install
 	$(VENV)/bin/batchwire bench --start embedded --workers 2 --sim-latency-ms 100 --rate 20,600,1600 --check --out bench/results/latest
+
+docs: install
+	$(PY) -m batchwire.docs
 
 clean:
 	rm -rf $(VENV) .batchwire .mypy_cache .ruff_cache .pytest_cache

@@ -159,6 +159,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def config_table() -> str:
+    """The README's configuration table, made from the parsers so the two cannot drift apart."""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    rows: dict[str, tuple[str, str, list[str]]] = {}
+    for command in ("up", "gateway", "batcher", "worker"):
+        for action in sub.choices[command]._actions:
+            flag = next((o for o in action.option_strings if o.startswith("--")), None)
+            if flag is None or flag == "--help" or action.help is None:
+                continue
+            text, _, tail = action.help.rpartition(" [")
+            var, _, default = tail.rstrip("]").partition("; default: ")
+            entry = rows.setdefault(flag, (var, f"{text} (default: {default})", []))
+            entry[2].append(command)
+    lines = ["| flag | variable | used by | meaning |", "|---|---|---|---|"]
+    for flag, (var, text, commands) in rows.items():
+        lines.append(f"| `{flag}` | `{var}` | {', '.join(commands)} | {text} |")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
