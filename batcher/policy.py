@@ -64,8 +64,7 @@ class FlushPolicy:
     def work_conserving(
         cls, max_batch: int = 100, max_wait_ms: float = 1000.0, reserve_ms: float = 50.0
     ) -> FlushPolicy:
-        return cls(PolicyName.WORK_CONSERVING, max_batch, max_wait_ms, flush_on_idle_worker=True,
-                   reserve_ms=reserve_ms)
+        return cls(PolicyName.WORK_CONSERVING, max_batch, max_wait_ms, flush_on_idle_worker=True, reserve_ms=reserve_ms)
 
     @classmethod
     def classic(cls, max_batch: int = 32, max_wait_ms: float = 50.0) -> FlushPolicy:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
@@ -19,7 +20,7 @@ from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError, UnknownTopicOrPartitionError
 
 from batchwire.routing import Partitioner
-from batchwire.transport.base import Delivered, PartitionsCallback
+from batchwire.transport.base import Delivered, PartitionsCallback, TransportError
 from batchwire.transport.errors import PermanentTransportError
 from batchwire.transport.kafka_group import GroupConsumer, translate
 from schemas.codec import CodecError, decode_batch, decode_request, encode_batch, encode_request
@@ -48,6 +49,10 @@ DEFAULT_SESSION_TIMEOUT_MS = 10_000
 # flow from aiokafka's background task meanwhile, and this only bounds a stuck model call.
 DEFAULT_MAX_POLL_INTERVAL_MS = 300_000
 DEFAULT_COMMIT_TIMEOUT_S = 10.0
+# While a partition has no known leader (the broker is down or moving it), a send fails at once and
+# asks for fresh metadata at most this often. aiokafka's sender would otherwise retry a queued batch
+# in a loop with no pause (thousands of metadata requests a second) until its request timeout.
+METADATA_RETRY_S = 0.25
 
 
 class _Producer:
@@ -75,6 +80,7 @@ class _Producer:
             "compression_type": compression_type,
         }
         self.producer: Any = None
+        self._refreshed_at = 0.0
 
     async def start(self) -> None:
         if self.producer is not None:
@@ -117,10 +123,26 @@ class _Producer:
                 f"partition {partition} does not exist in {topic}, which has {len(partitions)} partitions: "
                 "create the topic with more partitions or route to fewer"
             )
+        if not self._leader_known(self.producer, TopicPartition(topic, partition)):
+            raise TransportError(
+                f"producing to {topic}[{partition}] failed: no leader is known for it (is the broker at "
+                f"{self.bootstrap} down?); try again"
+            )
         try:
             await self.producer.send_and_wait(topic, value, partition=partition)
         except KafkaError as err:
             raise translate(f"producing to {topic}[{partition}]", err) from err
+
+    def _leader_known(self, producer: Any, tp: TopicPartition) -> bool:
+        """Whether the partition has a leader in the cached metadata; if not, a refresh is asked for."""
+        leader = producer.client.cluster.leader_for_partition(tp)
+        if leader is not None and leader >= 0:
+            return True
+        now = time.monotonic()
+        if now - self._refreshed_at >= METADATA_RETRY_S:
+            self._refreshed_at = now
+            producer.client.force_metadata_update()
+        return False
 
     async def ready(self, topic: str) -> bool:
         """Metadata for ``topic`` is known and the leader of its first partition is connected."""
@@ -130,10 +152,10 @@ class _Producer:
         try:
             async with asyncio.timeout(self.ready_timeout_s):
                 partitions = await producer.partitions_for(topic)
-                leader = producer.client.cluster.leader_for_partition(TopicPartition(topic, min(partitions)))
-                if leader is None or leader < 0:
+                tp = TopicPartition(topic, min(partitions))
+                if not self._leader_known(producer, tp):
                     return False
-                return bool(await producer.client.ready(leader))
+                return bool(await producer.client.ready(producer.client.cluster.leader_for_partition(tp)))
         except (TimeoutError, KafkaError, ValueError):
             return False
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
-from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
+from aiokafka.errors import CommitFailedError, IllegalStateError, InvalidSessionTimeoutError, KafkaError
 
 from batchwire.transport.base import PartitionsCallback, TransportError
 from batchwire.transport.errors import PermanentTransportError
@@ -140,6 +140,14 @@ class GroupConsumer:
             await consumer.start()
         except BaseException as err:
             await consumer.stop()
+            if isinstance(err, InvalidSessionTimeoutError):
+                raise PermanentTransportError(
+                    f"the broker at {self.bootstrap} refuses session_timeout_ms="
+                    f"{self._settings['session_timeout_ms']} for group {self.group_id}: it must lie within the "
+                    "broker's group.min.session.timeout.ms and group.max.session.timeout.ms (stock Kafka: 6000 to "
+                    "1800000); set BATCHWIRE_SESSION_TIMEOUT_MS (--session-timeout-ms) in that range, or lower "
+                    "the broker's minimum (batchwire's local stack and compose file use 1000)"
+                ) from err
             if isinstance(err, KafkaError):
                 action = f"connecting a consumer of {self.topic} (group {self.group_id}) to {self.bootstrap}"
                 raise translate(action, err) from err

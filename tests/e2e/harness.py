@@ -302,6 +302,7 @@ class TerminalEvents:
         self._pubsub.psubscribe(f"{namespace}:events:*")
         self._pubsub.get_message(timeout=5)  # the psubscribe confirmation: from here on nothing is missed
         self.states: dict[str, list[TaskState]] = defaultdict(list)
+        self.failure: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="terminal-events", daemon=True)
 
@@ -318,16 +319,21 @@ class TerminalEvents:
     def _run(self) -> None:
         from schemas.codec import decode_state
 
-        while not self._stop.is_set():
-            message = self._pubsub.get_message(timeout=0.1)
-            if message is None or message["type"] != "pmessage":
-                continue
-            state = decode_state(message["data"])
-            if state.status.terminal:
-                self.states[state.task_id].append(state)
+        try:
+            while not self._stop.is_set():
+                message = self._pubsub.get_message(timeout=0.1)
+                if message is None or message["type"] != "pmessage":
+                    continue
+                state = decode_state(message["data"])
+                if state.status.terminal:
+                    self.states[state.task_id].append(state)
+        except BaseException as err:  # reported by twice(): a dead listener must not pass for silence
+            self.failure = err
+            raise
 
     def twice(self) -> dict[str, int]:
         """Tasks whose terminal state was published more than once (must stay empty)."""
+        assert self.failure is None, f"the terminal-event listener died: {self.failure!r}"
         return {task: len(states) for task, states in list(self.states.items()) if len(states) > 1}
 
 

@@ -218,6 +218,10 @@ async def test_chaos(cluster: Cluster) -> None:
     redelivered = [e for e in journal if e.get("delivery", 1) >= 2 and e["end"] > timeline.worker_killed]
     first_redelivered = min((e["end"] for e in redelivered), default=math.nan)
 
+    def all_answered(fault: float) -> float:
+        """Seconds from ``fault`` until every request sent before it was answered."""
+        return max(s.sent_s + s.took_s for s in accepted if s.sent_s < fault) - fault
+
     def back_to_normal(fault: float) -> float:
         """Seconds from ``fault`` until requests are answered normally again: the start of the first two
         consecutive 1 s windows (by send time) whose p99 is within 2x (or +250 ms) of the p99 before."""
@@ -244,7 +248,9 @@ async def test_chaos(cluster: Cluster) -> None:
         f"{ms(window(timeline.batcher_killed - 1.5, timeline.batcher_killed + 10))}",
         f"p99 of requests sent while gateway1 restarted: {ms(window(timeline.gateway_down, timeline.gateway_back))}",
         f"worker kill -> first redelivered batch done: {first_redelivered - timeline.worker_killed:.1f} s "
-        f"({len(redelivered)} redelivered batch calls)",
+        f"({len(redelivered)} redelivered batch calls; nan: the victim had no batch in hand)",
+        f"worker kill -> every request sent before it answered: {all_answered(timeline.worker_killed):.1f} s",
+        f"batcher kill -> every request sent before it answered: {all_answered(timeline.batcher_killed):.1f} s",
         f"worker kill -> latency back to normal: {back_to_normal(timeline.worker_killed):.1f} s",
         f"batcher kill -> latency back to normal: {back_to_normal(timeline.batcher_killed):.1f} s",
         f"max sync latency: {max(s.took_s for s in accepted):.1f} s",

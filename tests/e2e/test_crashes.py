@@ -100,6 +100,24 @@ def batchers_settled(cluster: Cluster) -> None:
     )
 
 
+async def terminal_events(cluster: Cluster, events: TerminalEvents, task_ids: list[str]) -> dict[str, int]:
+    """Waits (up to 15 s) for each task's terminal event; returns the tasks published more than once.
+
+    On a timeout the failure names the tasks with no event and what the store holds for them.
+    """
+    try:
+        await asyncio.to_thread(
+            wait_until, lambda: all(task in events.states for task in task_ids), 15, "every terminal event"
+        )
+    except AssertionError:
+        missing = [task for task in task_ids if task not in events.states]
+        stored = task_states(cluster.redis_url, cluster.namespace, missing)
+        raise AssertionError(
+            f"{len(missing)} task(s) without a terminal event (listener failure: {events.failure!r}); stored: {stored}"
+        ) from None
+    return events.twice()
+
+
 def assert_answered(inputs: list[str], responses: list[httpx.Response]) -> list[dict[str, Any]]:
     bodies = [r.json() for r in responses]
     statuses = Counter(r.status_code for r in responses)
@@ -129,9 +147,8 @@ async def test_a_worker_killed_mid_batch_loses_nothing_and_answers_once(
         killed_at = time.monotonic()
         responses = await sent
         answered_in = time.monotonic() - killed_at
-        wait_until(lambda: all(task in events.states for task in lost), 10, "the terminal events")
-        twice = events.twice()
-    assert_answered(inputs, responses)
+        bodies = assert_answered(inputs, responses)
+        twice = await terminal_events(cluster, events, [body["task_id"] for body in bodies])
     assert not twice, f"tasks answered twice: {twice}"
     finals = task_states(cluster.redis_url, cluster.namespace, lost)
     assert all(state.worker_id != victim for state in finals.values()), "another worker completed the batch"
@@ -187,9 +204,8 @@ async def test_a_batcher_killed_with_held_requests_loses_none(
         killed_at = time.monotonic()
         responses = await sent
         answered_in = time.monotonic() - killed_at
-        await asyncio.to_thread(wait_until, lambda: len(events.states) >= len(inputs), 10, "every terminal event")
-        twice = events.twice()
-    assert_answered(inputs, responses)
+        bodies = assert_answered(inputs, responses)
+        twice = await terminal_events(cluster, events, [body["task_id"] for body in bodies])
     assert not twice, f"tasks answered twice: {twice}"
     print(f"\nbatcher0 killed holding {held:.0f} requests: all {len(inputs)} answered {answered_in:.1f} s after")
 
@@ -275,6 +291,8 @@ async def test_an_input_that_crashes_workers_is_dead_lettered_and_others_are_ans
         started = time.monotonic()
         results = await fault_run(cluster, "segfault please", good, timeout_s=60)
         took = time.monotonic() - started
+        # the third crash is over before the fourth delivery sets the input aside; its exit is seen soon
+        await asyncio.to_thread(wait_until, lambda: len(restarter.exits) >= 3, 10, "three worker exits")
         exits = list(restarter.exits)
     for text in good:
         assert results[text]["status"] == "completed" and results[text]["output"] == text[::-1], results[text]
@@ -298,6 +316,7 @@ async def test_a_hung_backend_exits_75_and_its_batch_completes_elsewhere(
         started = time.monotonic()
         results = await fault_run(cluster, "hang forever", ["fine-1", "fine-2"], timeout_s=60)
         took = time.monotonic() - started
+        await asyncio.to_thread(wait_until, lambda: len(restarter.exits) >= 3, 10, "three worker exits")
         exits = list(restarter.exits)
     assert results["fine-1"]["output"] == "1-enif" and results["fine-2"]["output"] == "2-enif"
     hung = results["hang forever"]

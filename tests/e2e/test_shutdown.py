@@ -13,7 +13,16 @@ from typing import Any
 import pytest
 
 from tests.e2e.harness import Cluster, Proc, TerminalEvents, free_port, launch, metric, task_states, wait_until
-from tests.e2e.test_crashes import assert_answered, batchers_settled, post_all, post_stream, proc_named, running
+from tests.e2e.test_crashes import (
+    assert_answered,
+    batchers_settled,
+    logged,
+    post_all,
+    post_stream,
+    proc_named,
+    running,
+    terminal_events,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
@@ -107,7 +116,9 @@ async def test_a_second_sigterm_exits_at_once_and_loses_nothing(
     in_flight = await until_running(cluster)
     proc = proc_named(cluster, next(iter(in_flight.values())))
     sigterm(proc)
-    await asyncio.sleep(0.3)  # the first signal is being handled (the drain has begun)
+    await asyncio.to_thread(
+        wait_until, lambda: logged(cluster, proc.name, "finishing the work in hand") >= 1, 10, "the first SIGTERM"
+    )
     assert proc.alive(), "the first SIGTERM waits for the 6 s batch"
     sigterm(proc)
     code, took = await exit_status(proc, 5)
@@ -140,8 +151,7 @@ async def test_sigterm_stops_a_batcher_cleanly_and_its_requests_move(
         sigterm(proc)
         code, took = await exit_status(proc, 20)
         responses = await sent
-        await asyncio.to_thread(wait_until, lambda: len(events.states) >= len(inputs), 10, "every terminal event")
-        twice = events.twice()
+        bodies = assert_answered(inputs, responses)
+        twice = await terminal_events(cluster, events, [body["task_id"] for body in bodies])
     assert code == 0 and took < 10, f"a batcher stops at once on SIGTERM, got {code} after {took:.1f} s"
-    assert_answered(inputs, responses)
     assert not twice, f"tasks answered twice: {twice}"
