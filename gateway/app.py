@@ -16,7 +16,8 @@ from fastapi import FastAPI, Path, Query, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette import EventSourceResponse, ServerSentEvent
-from starlette.routing import Route
+from starlette.routing import Match, Route
+from starlette.types import Scope
 
 from batchwire.metrics import REGISTRY
 from gateway.admission import ANONYMOUS, Caller
@@ -393,6 +394,17 @@ def _document_bearer(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
+class _PlainRoute(Route):
+    """A Starlette route that names itself in the scope, as FastAPI's routes do, so the request
+    counter labels it with its path rather than "unmatched"."""
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        match, child_scope = super().matches(scope)
+        if match is not Match.NONE:
+            child_scope["route"] = self
+        return match, child_scope
+
+
 def _serve_plain(app: FastAPI, endpoints: dict[str, Callable[[Request], Awaitable[Response]]]) -> None:
     """Serves the two submit routes through plain Starlette routes placed ahead of their FastAPI twins.
 
@@ -401,7 +413,9 @@ def _serve_plain(app: FastAPI, endpoints: dict[str, Callable[[Request], Awaitabl
     request takes (tests/gateway/bench_gateway.py). The FastAPI routes stay registered, unmatched
     for POST, so that the OpenAPI document still describes them.
     """
-    plain = [Route(path, endpoint, methods=["POST"], include_in_schema=False) for path, endpoint in endpoints.items()]
+    plain = [
+        _PlainRoute(path, endpoint, methods=["POST"], include_in_schema=False) for path, endpoint in endpoints.items()
+    ]
     app.router.routes[0:0] = plain
 
 

@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from batchwire.metrics import REQUESTS
@@ -66,10 +67,20 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if exc.status_code == 404:
             message = f"no route {request.method} {request.url.path}; see /docs for the API"
-        elif exc.status_code == 405:
-            allowed = (exc.headers or {}).get("Allow", "?")
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            # Starlette names only the first route whose path matched; GET and DELETE of one path
+            # are two routes, so collect the methods of every route that matches the path.
+            methods: set[str] = set()
+            for route in request.app.router.routes:
+                match, _ = route.matches({**request.scope, "method": "__none__"})
+                if match is not Match.NONE:
+                    methods.update(getattr(route, "methods", None) or ())
+            if methods:
+                headers["Allow"] = ", ".join(sorted(methods))
+            allowed = headers.get("Allow", "?")
             message = f"{request.url.path} does not take {request.method}; allowed: {allowed}"
-        return error_response(exc.status_code, code, message, headers=dict(exc.headers or {}))
+        return error_response(exc.status_code, code, message, headers=headers)
 
     app.add_exception_handler(GatewayError, on_gateway_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)

@@ -30,7 +30,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import allow_header_conformance, use_after_free
+from schemathesis.specs.openapi.checks import use_after_free
 
 from batchwire.routing import Partitioner
 from batchwire.transport.memory import MemoryRequestBus, MemoryTaskStore
@@ -221,10 +221,6 @@ def _excluded_checks(case: schemathesis.Case[Any]) -> list[Any]:
         # DELETE cancels a task, it does not remove it: the task stays readable, `cancelled`
         # (README, Cancellation). A read that finds it after a successful DELETE is the contract.
         excluded.append(use_after_free)
-    if case.path == "/v1/result/{task_id}":
-        # Known bug, pinned by test_405_allow_lists_every_method_of_the_path: a 405 on
-        # /v1/result/{task_id} says `Allow: GET` though the path also takes DELETE.
-        excluded.append(allow_header_conformance)
     return excluded
 
 
@@ -314,10 +310,6 @@ def test_keyed_stateful(keyed_url: str) -> None:
     _assert_reached_real_tasks(_run_workflow(keyed_api, keyed_url))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a 405 on /v1/result/{task_id} lists only the first matching route's methods in Allow",
-)
 def test_405_allow_lists_every_method_of_the_path(open_url: str) -> None:
     response = httpx.request("PUT", f"{open_url}/v1/result/q3bY0h2mXw1kL9aF5cZr6Q", timeout=10)
     assert response.status_code == 405, response.text
@@ -325,11 +317,6 @@ def test_405_allow_lists_every_method_of_the_path(open_url: str) -> None:
     assert allowed >= {"GET", "DELETE"}, f"expected Allow to name GET and DELETE, got {response.headers.get('allow')!r}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: the submit routes are plain Starlette routes that set no scope['route'], so "
-    "batchwire_requests_total counts them as route='unmatched', with the 404s",
-)
 def test_submits_are_counted_under_their_route(open_url: str) -> None:
     accepted = httpx.post(f"{open_url}/v1/tasks", json={"input": "count me"}, timeout=10)
     assert accepted.status_code == 202, accepted.text
