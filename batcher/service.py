@@ -141,17 +141,26 @@ class Batcher:
                 "reading requests", lambda: self.consumer.fetch(settings.fetch_timeout_s, settings.fetch_max_records)
             )
             if records:
-                self._accept(records)
+                unknown = self._accept(records)
+                if unknown:
+                    await self._fail_unknown(unknown)
 
-    def _accept(self, records: Sequence[Delivered[InferenceRequest]]) -> None:
+    def _accept(self, records: Sequence[Delivered[InferenceRequest]]) -> list[Delivered[InferenceRequest]]:
+        """Feeds the accumulators; returns the requests for models this deployment does not serve."""
         now_s = self.clock()
         now_ms = wall_ms()
         touched: set[str] = set()
+        unknown: list[Delivered[InferenceRequest]] = []
         for record in records:
             self.offsets.read(record.partition, record.offset)
             request = record.value
             if request is None:
                 self.offsets.finish(record.partition, record.offset)
+                continue
+            if self.settings.models and request.model not in self.settings.models:
+                # No worker will ever take it: holding it would pin its partition's commit point
+                # until its deadline. (Gateways reject unknown models; this guards other producers.)
+                unknown.append(record)
                 continue
             deadline_s = now_s + (request.deadline_ms - now_ms) / 1000.0
             arrived_s = now_s - max(0, now_ms - request.enqueued_at_ms) / 1000.0
@@ -165,6 +174,29 @@ class Batcher:
         self._timer_wake.set()
         if sum(self.former.held(m) for m in self.former.models()) >= self.settings.max_held:
             self._room.clear()
+        return unknown
+
+    async def _fail_unknown(self, records: list[Delivered[InferenceRequest]]) -> None:
+        now = wall_ms()
+        states = [
+            TaskState(
+                r.value.task_id,
+                TaskStatus.FAILED,
+                r.value.model,
+                now,
+                r.value.enqueued_at_ms,
+                error_code="unknown_model",
+                error_message=f"model {r.value.model!r} is not served here (served: {', '.join(self.settings.models)})",
+                reply_to=r.value.reply_to,
+            )
+            for r in records
+            if r.value is not None
+        ]
+        await self._retry(f"failing {len(states)} request(s) for unknown models", lambda: self.store.apply(states))
+        async with self._handover:
+            for record in records:
+                self.offsets.finish(record.partition, record.offset)
+            await self._commit()
 
     def _ensure_dispatcher(self, model: str) -> None:
         if model not in self._dispatchers:

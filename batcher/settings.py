@@ -24,6 +24,8 @@ class BatcherSettings:
     send_retry_s: float = 0.2
     retry_max_s: float = 2.0
     """Longest pause between tries while Kafka or Redis is unreachable."""
+    models: tuple[str, ...] = ()
+    """The served models; a request for another one fails at once (empty: take any model)."""
 
     def __post_init__(self) -> None:
         if self.max_held < self.policy.max_batch:

@@ -42,7 +42,7 @@ def _policy(args: argparse.Namespace) -> FlushPolicy:
 
 
 def batcher_settings(args: argparse.Namespace) -> BatcherSettings:
-    kwargs: dict[str, Any] = {"policy": _policy(args)}
+    kwargs: dict[str, Any] = {"policy": _policy(args), "models": tuple(args.models)}
     if getattr(args, "batcher_id", None):
         kwargs["batcher_id"] = args.batcher_id
     return BatcherSettings(**kwargs)
@@ -91,7 +91,31 @@ def backend_settings(args: argparse.Namespace) -> Any:
         hf_num_threads=args.hf_num_threads,
         device=args.device,
         dtype=args.dtype,
+        sim_hang_on=args.sim_hang_on,
+        sim_crash_on=args.sim_crash_on,
     )
+
+
+def worker_settings(args: argparse.Namespace, model: str, worker_id: str | None = None) -> Any:
+    """A worker's settings from its flags (in embedded mode, the template of every worker's)."""
+    from gpu_worker.settings import WorkerSettings
+
+    kwargs: dict[str, Any] = {
+        "model": model,
+        "batch_log": args.batch_log,
+        "credit_ttl_s": args.credit_ttl_s,
+        "max_deliveries": args.max_deliveries,
+        "hang_factor": args.hang_factor,
+        "hang_min_s": args.hang_min_s,
+        "expected_latency_ms": args.expected_latency_ms,
+        "drain_timeout_s": args.drain_timeout_s,
+    }
+    if worker_id:
+        kwargs["worker_id"] = worker_id
+    try:
+        return WorkerSettings(**kwargs)
+    except ValueError as err:
+        raise SettingsError(str(err)) from err
 
 
 def _serve_http(app: Any, host: str, port: int, log_level: str) -> int:
@@ -124,7 +148,11 @@ def run_embedded(args: argparse.Namespace) -> int:
     backends = backend_settings(args)
     runtime = EmbeddedRuntime(
         EmbeddedSettings(
-            shared=shared, batcher=batcher_settings(args), workers_per_model=args.workers, batch_log=args.batch_log
+            shared=shared,
+            batcher=batcher_settings(args),
+            workers_per_model=args.workers,
+            batch_log=args.batch_log,
+            worker=worker_settings(args, shared.models[0]),
         ),
         lambda model, index: make_backend(backends, model),
     )
@@ -323,35 +351,16 @@ def run_batcher(args: argparse.Namespace) -> int:
 
 def run_worker(args: argparse.Namespace) -> int:
     """A worker process; exits 0 after a signal, 75 when its backend hung (restart it), 1 after a crash."""
-    from dataclasses import replace
-
     from gpu_worker.backends.factory import make_backend
     from gpu_worker.journal import BatchJournal
     from gpu_worker.runner import EXIT_BACKEND_HUNG
-    from gpu_worker.settings import WorkerSettings
 
     shared = shared_settings(args)
     model = args.model or shared.models[0]
     if model not in shared.models:
         raise SettingsError(f"--model {model!r} is not among --models {','.join(shared.models)}")
-    kwargs: dict[str, Any] = {
-        "model": model,
-        "batch_log": args.batch_log,
-        "credit_ttl_s": args.credit_ttl_s,
-        "max_deliveries": args.max_deliveries,
-        "hang_factor": args.hang_factor,
-        "hang_min_s": args.hang_min_s,
-        "expected_latency_ms": args.expected_latency_ms,
-        "drain_timeout_s": args.drain_timeout_s,
-    }
-    if args.worker_id:
-        kwargs["worker_id"] = args.worker_id
-    try:
-        settings = WorkerSettings(**kwargs)
-    except ValueError as err:
-        raise SettingsError(str(err)) from err
-    faults = {"sim_hang_on": args.sim_hang_on, "sim_crash_on": args.sim_crash_on}
-    backend = make_backend(replace(backend_settings(args), **faults), model)
+    settings = worker_settings(args, model, args.worker_id)
+    backend = make_backend(backend_settings(args), model)
 
     async def main() -> int:
         from batchwire.transport.kafka import KafkaBatchConsumer, KafkaDeadLetterProducer

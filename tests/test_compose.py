@@ -47,6 +47,7 @@ def test_every_command_flag_and_variable_exists_in_the_cli(compose: dict[str, An
     env = set(spec.get("environment", {}))
     assert env <= variables, f"{service}: variables the CLI does not read: {env - variables}"
     assert spec.get("build") == ".", f"{service} must build the project's Dockerfile"
+    assert spec.get("restart") == "unless-stopped", f"{service} must be restarted when it exits (hung backend)"
 
 
 def test_addresses_ports_and_names_agree(compose: dict[str, Any]) -> None:

@@ -1,0 +1,44 @@
+"""A request for a model nobody serves fails at once instead of pinning its partition's commit point."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from batcher.service import Batcher
+from batcher.settings import BatcherSettings
+from batchwire.routing import Partitioner
+from batchwire.transport.memory import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
+from schemas.records import InferenceRequest, TaskState, TaskStatus
+
+
+async def eventually(check: Callable[[], bool], timeout_s: float) -> bool:
+    """Polls ``check`` until it holds or the deadline passes (the commit follows the store write)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        await asyncio.sleep(0.01)
+    return check()
+
+
+async def test_requests_for_unserved_models_fail_and_are_committed() -> None:
+    bus = MemoryRequestBus(Partitioner(("sim",), 4))
+    store = MemoryTaskStore()
+    batcher = Batcher(BatcherSettings(models=("sim",)), bus.consumer(), MemoryBatchBus(1), MemoryCreditPool(), store)
+    ended: asyncio.Future[TaskState] = asyncio.get_running_loop().create_future()
+    await store.listen_replies("gw", ended.set_result)
+    await batcher.start()
+    try:
+        now = int(time.time() * 1000)
+        await bus.producer().send(InferenceRequest("t1", "ghost", "x", now, now + 600_000, "gw"))
+        state = await asyncio.wait_for(ended, 5)
+        assert state.status is TaskStatus.FAILED
+        assert state.error_code == "unknown_model"
+        assert "ghost" in (state.error_message or "")
+        assert await eventually(lambda: bus.lag() == 0, 5), (
+            "the request's offset is committed, not held until its 10-minute deadline"
+        )
+    finally:
+        await batcher.close()
