@@ -130,6 +130,9 @@ def _serve_http(app: Any, host: str, port: int, log_level: str) -> int:
         loop="uvloop",
         http="httptools",
         lifespan="on",
+        proxy_headers=False,  # bound to loopback by default; a proxy in front sets X-Client-Id
+        server_header=False,
+        date_header=False,
         timeout_graceful_shutdown=30,
     )
     server = uvicorn.Server(config)
