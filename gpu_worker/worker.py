@@ -279,9 +279,10 @@ class Worker:
                 async with asyncio.timeout(2.0):
                     await self.deliveries.note(batch.batch_id, f"worker {self.settings.worker_id}: {err}")
             raise
-        # storing results and committing must not be cut in half by a cancellation
+        # Storing results and committing must not be cut in half by a cancellation. The next credit
+        # goes out at the same time, so the next batch travels while these results are stored.
         self._finishing = asyncio.create_task(self._finish(delivered, batch, states))
-        await asyncio.shield(self._finishing)
+        await asyncio.gather(self._offer(), asyncio.shield(self._finishing))
         self._finishing = None
 
     async def _finish(self, delivered: Delivered[Batch], batch: Batch, states: list[TaskState]) -> None:
@@ -324,7 +325,6 @@ class Worker:
             ended.extend(await self._run_group(batch, todo, count))
         elif todo:
             await self._run_careful(batch, todo, count)
-        await self._offer()  # the next batch travels while this one's results are stored
         self._count(batch, ended)
         return ended
 
