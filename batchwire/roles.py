@@ -10,7 +10,7 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -306,6 +306,13 @@ async def _supervise(
     return code
 
 
+def _run_loop(main: Coroutine[Any, Any, int]) -> int:
+    """Runs a role's main coroutine on uvloop (as uvicorn does for the gateway): fewer µs per wake-up."""
+    import uvloop
+
+    return uvloop.run(main)
+
+
 def _metrics_server(port: int) -> None:
     if port:
         from prometheus_client import start_http_server
@@ -349,7 +356,7 @@ def run_batcher(args: argparse.Namespace) -> int:
         return await _supervise(start, close, batcher.failed)
 
     _metrics_server(args.metrics_port)
-    return asyncio.run(main())
+    return _run_loop(main())
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -411,7 +418,7 @@ def run_worker(args: argparse.Namespace) -> int:
         )
 
     _metrics_server(args.metrics_port)
-    return asyncio.run(main())
+    return _run_loop(main())
 
 
 def run_stack(args: argparse.Namespace) -> int:
