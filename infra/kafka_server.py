@@ -7,6 +7,7 @@ factor 1, no initial rebalance delay, short minimum session timeout for crash te
 from __future__ import annotations
 
 import base64
+import os
 import shutil
 import subprocess
 import time
@@ -24,7 +25,7 @@ from infra.process import ServiceProcess, tail_text
 # 2.3-2.7 s, SerialGC + C1 only 2.0 s, plus the CDS archive (infra.kafka_cds) 1.3 s. C1-only
 # code is slower at peak throughput, which a test broker sharing two cores never reaches; the
 # serial collector has no concurrent GC threads competing with the services under test.
-DEFAULT_JVM_OPTS: tuple[str, ...] = (
+FAST_START_JVM_OPTS: tuple[str, ...] = (
     "-Xms64m",
     "-Xmx512m",
     "-XX:+UseSerialGC",
@@ -32,6 +33,13 @@ DEFAULT_JVM_OPTS: tuple[str, ...] = (
     "-XX:-UsePerfData",
     "-XX:+ExitOnOutOfMemoryError",
     "-Djava.awt.headless=true",
+)
+# BATCHWIRE_KAFKA_JVM_OPTS replaces them, e.g. for benchmarks, where the C2 compiler's faster
+# code matters more than a second of start-up: "-Xms256m -Xmx512m -XX:+UseSerialGC".
+DEFAULT_JVM_OPTS: tuple[str, ...] = (
+    tuple(os.environ["BATCHWIRE_KAFKA_JVM_OPTS"].split())
+    if os.environ.get("BATCHWIRE_KAFKA_JVM_OPTS")
+    else FAST_START_JVM_OPTS
 )
 
 BROKER_PROPERTIES: Mapping[str, str] = {
