@@ -25,6 +25,7 @@ from batcher.offsets import OffsetTracker
 from batcher.policy import BatchFormer, Pending, Taken
 from batcher.settings import BatcherSettings
 from batchwire import metrics
+from batchwire.retry import retry
 from batchwire.transport.base import (
     BatchProducer,
     CreditPool,
@@ -348,23 +349,7 @@ class Batcher:
 
     async def _retry(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
         """``op`` until it works; raises only an error that retrying cannot fix (or a cancellation)."""
-        failures = 0
-        while True:
-            try:
-                result = await op()
-            except TransportError as err:
-                if not err.retriable:
-                    raise
-                failures += 1
-                if failures == 1 or failures % 20 == 0:
-                    log.warning(
-                        "batcher %s: %s failed (%d tries): %s; retrying", self.settings.batcher_id, what, failures, err
-                    )
-                await asyncio.sleep(min(0.05 * 2 ** min(failures, 10), self.settings.retry_max_s))
-                continue
-            if failures:
-                log.info("batcher %s: %s works again after %d failed tries", self.settings.batcher_id, what, failures)
-            return result
+        return await retry(log, f"batcher {self.settings.batcher_id}", what, op, self.settings.retry_max_s)
 
     async def _expire(self, expired: list[Pending[InferenceRequest]]) -> None:
         """Ends held requests whose deadline passed; their offsets are done once that is stored."""

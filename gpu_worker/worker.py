@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from batchwire import metrics
+from batchwire.retry import pause, retry
 from batchwire.transport.base import BatchConsumer, CreditPool, Delivered, TaskStore, TransportError
 from batchwire.transport.deliveries import (
     DeadLetterSink,
@@ -239,27 +240,12 @@ class Worker:
         return self.settings.worker_id, delivered.partition, delivered.offset
 
     async def _pause(self, what: str, err: TransportError, failures: int) -> None:
-        if failures == 1 or failures % 20 == 0:
-            log.warning(
-                "worker %s: %s failed (%d tries so far): %s; retrying", self.settings.worker_id, what, failures, err
-            )
-        await asyncio.sleep(min(0.05 * 2 ** min(failures, 10), self.settings.retry_max_s))
+        await pause(log, f"worker {self.settings.worker_id}", what, err, failures, self.settings.retry_max_s)
 
     async def _retry(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
         """``op`` until it works; a failure that retrying cannot fix, or a shutdown past its drain time, raises."""
-        failures = 0
-        while True:
-            try:
-                result = await op()
-            except TransportError as err:
-                if not err.retriable or self._abandon:
-                    raise
-                failures += 1
-                await self._pause(what, err, failures)
-                continue
-            if failures:
-                log.info("worker %s: %s worked after %d failed tries", self.settings.worker_id, what, failures)
-            return result
+        who = f"worker {self.settings.worker_id}"
+        return await retry(log, who, what, op, self.settings.retry_max_s, give_up=lambda: self._abandon)
 
     async def _handle(self, delivered: Delivered[Batch]) -> None:
         batch = delivered.value

@@ -1,0 +1,43 @@
+"""Retrying transport calls while Kafka or Redis is away: one policy for every role's loops."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from batchwire.transport.base import TransportError
+
+T = TypeVar("T")
+
+
+async def pause(log: logging.Logger, who: str, what: str, err: TransportError, failures: int, max_s: float) -> None:
+    """Logs the first failure and every 20th, then backs off exponentially (50 ms doubling, at most ``max_s``)."""
+    if failures == 1 or failures % 20 == 0:
+        log.warning("%s: %s failed (%d tries so far): %s; retrying", who, what, failures, err)
+    await asyncio.sleep(min(0.05 * 2 ** min(failures, 10), max_s))
+
+
+async def retry(
+    log: logging.Logger,
+    who: str,
+    what: str,
+    op: Callable[[], Awaitable[T]],
+    max_pause_s: float,
+    give_up: Callable[[], bool] = lambda: False,
+) -> T:
+    """``op`` until it works; raises an error that retrying cannot fix, or any once ``give_up()`` holds."""
+    failures = 0
+    while True:
+        try:
+            result = await op()
+        except TransportError as err:
+            if not err.retriable or give_up():
+                raise
+            failures += 1
+            await pause(log, who, what, err, failures, max_pause_s)
+            continue
+        if failures:
+            log.info("%s: %s works again after %d failed tries", who, what, failures)
+        return result
