@@ -31,12 +31,12 @@ from tests.e2e.harness import embedded
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 WORKERS = 2
-MAX_BATCH = 10
+MAX_BATCH = 5  # a small capacity, so that 3x of it leaves the in-test generator CPU to spare on 2 cores
 SIM_LATENCY_MS = 100.0
-CAPACITY_RPS = WORKERS * MAX_BATCH / (SIM_LATENCY_MS / 1000)  # 200/s
+CAPACITY_RPS = WORKERS * MAX_BATCH / (SIM_LATENCY_MS / 1000)  # 100/s
 OFFERED_RPS = 3 * CAPACITY_RPS
 DURATION_S = 20.0
-MAX_QUEUE_DEPTH = 100  # at 200/s, about 0.5 s of waiting at most
+MAX_QUEUE_DEPTH = 50  # at 100/s, about 0.5 s of waiting at most
 TIMEOUT_MS = 5000
 END_SLACK_S = 2.0  # an accepted request must end by its deadline plus this
 
@@ -139,7 +139,7 @@ def test_three_times_capacity_is_refused_fast_and_accepted_work_ends(tmp_path: P
     print(_report(run, by_status, accepted, ok, refused, late_sends, first, last))
 
     assert sent_rps >= 2.5 * CAPACITY_RPS, f"the generator offered only {sent_rps:.0f}/s"
-    assert late_sends < 0.5, f"the generator fell behind its schedule (p99 {late_sends:.3f} s late)"
+    assert late_sends < 1.0, f"the generator fell behind its schedule (p99 {late_sends:.3f} s late)"
     unexpected = {
         key: n
         for key, n in by_status.items()
