@@ -19,7 +19,6 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from batchwire.transport.base import KeyClaim, ReplyHandler, TransportError
@@ -35,7 +34,7 @@ from batchwire.transport.redis_lua import (
     cancel_args,
     create_args,
 )
-from batchwire.transport.redis_pools import command_pool, pubsub_pool, redacted, translate
+from batchwire.transport.redis_pools import CommandClient, pubsub_pool, redacted, translate
 from batchwire.transport.redis_pubsub import PubSubHub
 from schemas.codec import CodecError, decode_state, encode_state
 from schemas.records import TaskState, TaskStatus
@@ -76,14 +75,14 @@ class RedisTaskStore:
         self.names = names
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.ready_timeout_s = ready_timeout_s
-        self._pool = command_pool(
+        self._commands = CommandClient(
             redis_url,
             max_connections=max_connections,
             socket_timeout_s=socket_timeout_s,
             pool_timeout_s=pool_timeout_s,
             health_check_interval_s=health_check_interval_s,
         )
-        self._client = Redis(connection_pool=self._pool)
+        self._client = self._commands.redis
         self._create = self._client.register_script(CREATE)
         self._apply = self._client.register_script(APPLY)
         self._cancel = self._client.register_script(CANCEL)
@@ -112,14 +111,13 @@ class RedisTaskStore:
         try:
             await self._hub.start()
         except (RedisError, OSError) as err:
-            await self._pool.disconnect()
+            await self._commands.close()
             raise TransportError(f"cannot connect to Redis at {redacted(self.redis_url)}: {err}") from err
 
     async def close(self) -> None:
         """Stops the reader (watchers get a ``TransportError``), then closes every connection."""
         await self._hub.close()
-        await self._client.aclose()
-        await self._pool.disconnect()
+        await self._commands.close()
 
     async def create(self, state: TaskState) -> bool:
         key = self.names.task_key(state.task_id)

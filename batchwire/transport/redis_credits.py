@@ -22,7 +22,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from batchwire.transport.base import TransportError
-from batchwire.transport.redis_pools import blocking_pool, command_pool, translate
+from batchwire.transport.redis_pools import CommandClient, blocking_pool, translate
 from schemas.codec import CodecError, decode_credit, encode_credit
 from schemas.records import Credit
 from schemas.wire import Names
@@ -68,7 +68,7 @@ class RedisCreditPool:
         self.names = names
         self.claim_grace_s = claim_grace_s
         self.max_credits = max_credits
-        self._pool = command_pool(
+        self._commands = CommandClient(
             redis_url,
             max_connections=max_connections,
             socket_timeout_s=socket_timeout_s,
@@ -81,7 +81,7 @@ class RedisCreditPool:
             socket_timeout_s=socket_timeout_s,
             health_check_interval_s=health_check_interval_s,
         )
-        self._client = Redis(connection_pool=self._pool)
+        self._client = self._commands.redis
         self._blocking = Redis(connection_pool=self._blocking_pool)
         self._claims: set[asyncio.Task[Credit | None]] = set()
         self._closed = False
@@ -97,9 +97,8 @@ class RedisCreditPool:
             claim.cancel()
         if claims:
             await asyncio.wait(claims)
-        await self._client.aclose()
+        await self._commands.close()
         await self._blocking.aclose()
-        await self._pool.disconnect()
         await self._blocking_pool.disconnect()
 
     async def offer(self, credit: Credit) -> None:

@@ -13,11 +13,10 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from batchwire.transport.deliveries import Suspects
-from batchwire.transport.redis_pools import command_pool, translate
+from batchwire.transport.redis_pools import CommandClient, translate
 from schemas.wire import Names
 
 # KEYS[1] the batch's hash. ARGV[1] ttl ms, ARGV[2..] the task ids still to run.
@@ -65,22 +64,21 @@ class RedisDeliveryLog:
     ) -> None:
         self.names = names
         self.ttl_ms = max(1, int(ttl_s * 1000))
-        self._pool = command_pool(
+        self._commands = CommandClient(
             redis_url,
             max_connections=max_connections,
             socket_timeout_s=socket_timeout_s,
             pool_timeout_s=pool_timeout_s,
             health_check_interval_s=health_check_interval_s,
         )
-        self._client = Redis(connection_pool=self._pool)
+        self._client = self._commands.redis
         self._suspects = self._client.register_script(_SUSPECTS)
 
     async def start(self) -> None:
         return None
 
     async def close(self) -> None:
-        await self._client.aclose()
-        await self._pool.disconnect()
+        await self._commands.close()
 
     async def begin(self, batch_id: str) -> int:
         key = deliveries_key(self.names, batch_id)

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import hashlib
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from batchwire.transport.redis_lua import TOKEN_BUCKET
-from batchwire.transport.redis_pools import command_pool, translate
+from batchwire.transport.redis_pools import CommandClient, translate
 from schemas.wire import Names
 
 
@@ -43,22 +42,21 @@ class RedisRateLimiter:
         self.names = names
         self.rate_per_s = rate_per_s
         self.burst = burst
-        self._pool = command_pool(
+        self._commands = CommandClient(
             redis_url,
             max_connections=max_connections,
             socket_timeout_s=socket_timeout_s,
             pool_timeout_s=pool_timeout_s,
             health_check_interval_s=health_check_interval_s,
         )
-        self._client = Redis(connection_pool=self._pool)
+        self._client = self._commands.redis
         self._script = self._client.register_script(TOKEN_BUCKET)
 
     async def start(self) -> None:
         return None
 
     async def close(self) -> None:
-        await self._client.aclose()
-        await self._pool.disconnect()
+        await self._commands.close()
 
     async def acquire(self, client: str) -> float:
         key = self.names.rate_bucket(bucket_id(client))

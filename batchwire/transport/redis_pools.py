@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit, urlunsplit
 
-from redis.asyncio import BlockingConnectionPool, ConnectionPool
+from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -66,6 +66,32 @@ def command_pool(
         health_check_interval=health_check_interval_s,
         retry=_retry_once(),
     )
+
+
+class CommandClient:
+    """A Redis client over a command pool of its own; ``close`` releases both."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        max_connections: int,
+        socket_timeout_s: float,
+        pool_timeout_s: float,
+        health_check_interval_s: float,
+    ) -> None:
+        self.pool = command_pool(
+            url,
+            max_connections=max_connections,
+            socket_timeout_s=socket_timeout_s,
+            pool_timeout_s=pool_timeout_s,
+            health_check_interval_s=health_check_interval_s,
+        )
+        self.redis = Redis(connection_pool=self.pool)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+        await self.pool.disconnect()
 
 
 def blocking_pool(
