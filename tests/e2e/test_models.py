@@ -8,7 +8,8 @@ import statistics
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -39,45 +40,39 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_causal_lm(tmp_path_factory.mktemp("tiny") / "tiny-gpt2", arch="gpt2")
 
 
-@pytest.fixture(scope="module")
-def hf_cluster(
-    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest, tiny_model: Path
-) -> Iterator[Cluster]:
-    infra = request.getfixturevalue("infra")
-    namespace = f"hf{uuid.uuid4().hex[:8]}"
-    cluster = Cluster(
-        tmp_path_factory.mktemp("hf"),
-        infra.kafka_bootstrap,
-        infra.redis_url,
-        namespace,
-        extra_env={"BATCHWIRE_MODELS": "tiny"},
-    )
+@contextmanager
+def _cluster(base: Path, infra: Any, models: str, add_workers: Callable[[Cluster], None]) -> Iterator[Cluster]:
+    """Gateway and batcher for ``models``, the workers ``add_workers`` starts, each model's credits offered."""
+    namespace = f"m{uuid.uuid4().hex[:8]}"
+    cluster = Cluster(base, infra.kafka_bootstrap, infra.redis_url, namespace, extra_env={"BATCHWIRE_MODELS": models})
     try:
         cluster.gateway(0)
         cluster.batcher(0)
-        cluster.spawn(
-            "worker0",
-            "worker",
-            "--worker-id",
-            "hf0",
-            "--model",
-            "tiny",
-            "--backend",
-            "hf",
-            "--model-path",
-            str(tiny_model),
-            "--hf-max-new-tokens",
-            "8",
-            "--batch-log",
-            str(cluster.batch_log),
-        )
-        _wait_for_credits(infra.redis_url, namespace, "tiny", 1)
+        add_workers(cluster)
+        for model in models.split(","):
+            _wait_for_credits(infra.redis_url, namespace, model, 1)
     except BaseException:
         print(cluster.logs())
         cluster.stop()
         raise
-    yield cluster
-    cluster.stop()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def hf_cluster(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest, tiny_model: Path
+) -> Iterator[Cluster]:
+    def add_workers(cluster: Cluster) -> None:
+        cluster.spawn(
+            "worker0", "worker", "--worker-id", "hf0", "--model", "tiny", "--backend", "hf",
+            "--model-path", str(tiny_model), "--hf-max-new-tokens", "8", "--batch-log", str(cluster.batch_log),
+        )  # fmt: skip
+
+    with _cluster(tmp_path_factory.mktemp("hf"), request.getfixturevalue("infra"), "tiny", add_workers) as cluster:
+        yield cluster
 
 
 async def test_a_tiny_transformers_model_answers_sync_poll_and_sse(hf_cluster: Cluster, tiny_model: Path) -> None:
@@ -105,30 +100,14 @@ async def test_a_tiny_transformers_model_answers_sync_poll_and_sse(hf_cluster: C
 
 @pytest.fixture(scope="module")
 def two_models(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    infra = request.getfixturevalue("infra")
-    namespace = f"two{uuid.uuid4().hex[:8]}"
-    cluster = Cluster(
-        tmp_path_factory.mktemp("two"),
-        infra.kafka_bootstrap,
-        infra.redis_url,
-        namespace,
-        extra_env={"BATCHWIRE_MODELS": "a,b"},
-    )
-    try:
-        cluster.gateway(0)
-        cluster.batcher(0)
+    def add_workers(cluster: Cluster) -> None:
         # Model a gets a tiny worker (2 items per 100 ms: 20 req/s), so a flood that a test client on
         # this 2-core machine can send without becoming the bottleneck itself saturates it.
         cluster.worker(0, "--model", "a", "--max-batch", "2")
         cluster.worker(1, "--model", "b")
-        _wait_for_credits(infra.redis_url, namespace, "a", 1)
-        _wait_for_credits(infra.redis_url, namespace, "b", 1)
-    except BaseException:
-        print(cluster.logs())
-        cluster.stop()
-        raise
-    yield cluster
-    cluster.stop()
+
+    with _cluster(tmp_path_factory.mktemp("two"), request.getfixturevalue("infra"), "a,b", add_workers) as cluster:
+        yield cluster
 
 
 async def _open_loop(
