@@ -86,3 +86,15 @@ def kafka_system(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     cluster.stop()
     if failed:
         print(cluster.logs())
+
+
+@pytest.fixture
+def clusters(request: pytest.FixtureRequest) -> Iterator[list[Cluster]]:
+    """Clusters a test launches; stopped afterwards, their logs printed when the test failed."""
+    started: list[Cluster] = []
+    yield started
+    failed = request.session.testsfailed
+    for cluster in started:
+        cluster.stop()
+        if failed:
+            print(cluster.logs())

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,18 +32,6 @@ from tests.e2e.harness import (
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
-
-
-@pytest.fixture
-def clusters(request: pytest.FixtureRequest) -> Iterator[list[Cluster]]:
-    """Clusters a test launches; stopped afterwards, their logs printed when the test failed."""
-    started: list[Cluster] = []
-    yield started
-    failed = request.session.testsfailed
-    for cluster in started:
-        cluster.stop()
-        if failed:
-            print(cluster.logs())
 
 
 def running(cluster: Cluster) -> dict[str, str]:
@@ -177,9 +164,9 @@ async def test_an_idle_workers_stale_credit_delays_one_batch_only_until_the_reba
     assert worst < 10, f"it waits for the rebalance (about 3-4 s), not longer: {worst:.1f} s"
 
 
-async def test_a_batcher_killed_with_held_requests_loses_none(
-    tmp_path: Path, infra: Any, clusters: list[Cluster]
-) -> None:
+async def two_batchers_one_slow_worker(tmp_path: Path, infra: Any, clusters: list[Cluster]) -> tuple[Cluster, int]:
+    """Two batchers sharing the request partitions and one worker with one-second batches, so
+    requests pile up in the batchers; returns the cluster and batcher0's metrics port."""
     port = free_port()
     cluster = launch(
         tmp_path,
@@ -192,6 +179,13 @@ async def test_a_batcher_killed_with_held_requests_loses_none(
     clusters.append(cluster)
     cluster.batcher(1)
     await asyncio.to_thread(batchers_settled, cluster)
+    return cluster, port
+
+
+async def test_a_batcher_killed_with_held_requests_loses_none(
+    tmp_path: Path, infra: Any, clusters: list[Cluster]
+) -> None:
+    cluster, port = await two_batchers_one_slow_worker(tmp_path, infra, clusters)
     inputs = [f"held-{n}" for n in range(40)]
     with TerminalEvents(cluster.redis_url, cluster.namespace) as events:
         sent = asyncio.create_task(post_stream(cluster.gateway_urls[0], inputs, 0.1))

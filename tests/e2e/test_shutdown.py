@@ -6,36 +6,24 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.e2e.harness import Cluster, Proc, TerminalEvents, free_port, launch, metric, task_states, wait_until
+from tests.e2e.harness import Cluster, Proc, TerminalEvents, launch, metric, task_states, wait_until
 from tests.e2e.test_crashes import (
     assert_answered,
-    batchers_settled,
     logged,
     post_all,
     post_stream,
     proc_named,
     running,
     terminal_events,
+    two_batchers_one_slow_worker,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
-
-
-@pytest.fixture
-def clusters(request: pytest.FixtureRequest) -> Iterator[list[Cluster]]:
-    started: list[Cluster] = []
-    yield started
-    failed = request.session.testsfailed
-    for cluster in started:
-        cluster.stop()
-        if failed:
-            print(cluster.logs())
 
 
 async def until_running(cluster: Cluster) -> dict[str, str]:
@@ -129,18 +117,7 @@ async def test_a_second_sigterm_exits_at_once_and_loses_nothing(
 async def test_sigterm_stops_a_batcher_cleanly_and_its_requests_move(
     tmp_path: Path, infra: Any, clusters: list[Cluster]
 ) -> None:
-    port = free_port()
-    cluster = launch(
-        tmp_path,
-        infra.kafka_bootstrap,
-        infra.redis_url,
-        workers=1,
-        sim_latency_ms=1000,
-        batcher_args=("--metrics-port", str(port)),
-    )
-    clusters.append(cluster)
-    cluster.batcher(1)
-    await asyncio.to_thread(batchers_settled, cluster)
+    cluster, port = await two_batchers_one_slow_worker(tmp_path, infra, clusters)
     inputs = [f"moved-{n}" for n in range(40)]
     with TerminalEvents(cluster.redis_url, cluster.namespace) as events:
         sent = asyncio.create_task(post_stream(cluster.gateway_urls[0], inputs, 0.1))
