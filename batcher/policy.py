@@ -192,16 +192,20 @@ class BatchFormer(Generic[Item]):
             return False
         return bool(queue.sealed) or (self.policy.flush_on_idle_worker and bool(queue.pending))
 
-    def reserve_s(self, model: str, call_s: float) -> float:
+    def reserve_s(self, model: str, call_s: float, claimed_from_s: float | None = None) -> float:
         """How long to keep a just-claimed idle worker in reserve rather than send it what waits.
 
         At low load most latency comes from arrivals that find every worker busy. Items that
         already waited for a worker have lost that race; a fresh arrival has not. So when only
-        stale items wait (none read in the last ``fresh_ms``) and the load is light, the batcher
-        holds the idle worker for up to this long: a fresh arrival takes it at once (with the
-        stale items), or a second worker that frees takes the stale items and this one stays
-        idle. It trades some tail latency at low load for a median at the backend's latency;
-        at higher load fresh arrivals never stop and this returns 0 (plain work conservation).
+        stale items wait (none read in the ``fresh_ms`` before the dispatcher began claiming at
+        ``claimed_from_s``, default now) and the load is light, the batcher holds the idle worker
+        for up to this long: a fresh arrival takes it at once (with the stale items), or a second
+        worker that frees takes the stale items and this one stays idle. It trades some tail
+        latency at low load for a median at the backend's latency; at higher load fresh arrivals
+        never stop and this returns 0 (plain work conservation).
+
+        Judging freshness from the start of the claim, not from its end, matters: a request that
+        found a worker idle is fresh however long the claim's round trip took.
         """
         policy = self.policy
         queue = self._models.get(model)
@@ -214,8 +218,8 @@ class BatchFormer(Generic[Item]):
             or call_s <= 0
         ):
             return 0.0
-        now = self.clock()
-        if now - queue.last_read_s <= policy.fresh_ms / 1000.0:
+        since = self.clock() if claimed_from_s is None else claimed_from_s
+        if since - queue.last_read_s <= policy.fresh_ms / 1000.0:
             return 0.0
         if call_s / queue.gap_s >= policy.reserve_max_load:
             return 0.0

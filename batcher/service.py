@@ -228,13 +228,14 @@ class Batcher:
                 wake.clear()
                 await wake.wait()
                 continue
+            claimed_from_s = self.clock()
             credit = await self._retry(
                 f"claiming a credit for {model}", lambda: self.credits.claim(model, self.settings.claim_timeout_s)
             )
             if credit is None:
                 continue
             metrics.IDLE_WORKERS.labels(model=model).set(0)
-            hold_s = self.former.reserve_s(model, credit.busy_ms / 1000.0)
+            hold_s = self.former.reserve_s(model, credit.busy_ms / 1000.0, claimed_from_s)
             if hold_s > 0:
                 credit = await self._hold(model, credit, hold_s)
             await self._send(model, credit)

@@ -381,22 +381,34 @@ class Gateway:
     async def _publish(
         self, task_id: str, input: str, model: str, timeout_ms: int, reply_to: str | None, owner: str | None
     ) -> None:
-        """Records the task as queued, then produces the request, so that a task is in the store
-        before any worker can finish it."""
+        """Records the task as queued and produces the request, both at once.
+
+        Neither waits for the other (one round trip off every request's latency): the store's
+        ``create`` accepts a task that a batcher or worker reached first and only fills in its
+        owner, and a worker stores results whether or not "queued" landed.
+        """
         now_ms = self._clock.wall_ms()
         state = TaskState(task_id, TaskStatus.QUEUED, model, now_ms, now_ms, reply_to=reply_to, owner=owner)
         request = InferenceRequest(task_id, model, input, now_ms, now_ms + timeout_ms, reply_to=reply_to, owner=owner)
-        try:
-            created = await self._store.create(state)
-        except TRANSPORT_ERRORS as err:
-            raise Unavailable(f"the task store is unavailable: {err}") from err
+        created, sent = await asyncio.gather(
+            self._store.create(state), self._producer.send(request), return_exceptions=True
+        )
+        if isinstance(sent, BaseException):
+            if not isinstance(sent, TRANSPORT_ERRORS):
+                raise sent
+            if created is True:
+                await self._abandon(state, sent)
+            raise Unavailable(f"the request bus is unavailable: {sent}", task_id=state.task_id) from sent
+        if isinstance(created, BaseException):
+            if not isinstance(created, TRANSPORT_ERRORS):
+                raise created
+            raise Unavailable(
+                f"the task store is unavailable: {created}; the request was queued and may still run, "
+                f"so retry with an Idempotency-Key or poll /v1/result/{task_id} later",
+                task_id=state.task_id,
+            ) from created
         if not created:
             raise RuntimeError(f"task id {state.task_id!r} exists already; ids must be unique")
-        try:
-            await self._producer.send(request)
-        except TRANSPORT_ERRORS as err:
-            await self._abandon(state, err)
-            raise Unavailable(f"the request bus is unavailable: {err}", task_id=state.task_id) from err
 
     async def _abandon(self, state: TaskState, err: BaseException) -> None:
         """Marks a task that never reached the bus as failed, so a poller is not left at ``queued``."""

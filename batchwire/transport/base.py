@@ -113,7 +113,11 @@ class TaskStore(Protocol):
     async def start(self) -> None: ...
     async def close(self) -> None: ...
     async def create(self, state: TaskState) -> bool:
-        """Stores a new task; False if the id exists already."""
+        """Stores a new task; False if the id exists already.
+
+        A task that a later status reached first (its request raced ahead of this create) counts
+        as created: only its owner is filled in, and True is returned.
+        """
         ...
 
     async def apply(self, updates: Sequence[TaskState]) -> list[bool]:

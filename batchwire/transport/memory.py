@@ -341,8 +341,13 @@ class MemoryTaskStore:
 
     async def create(self, state: TaskState) -> bool:
         self._evict()
-        if self._lookup(state.task_id) is not None:
-            return False
+        current = self._lookup(state.task_id)
+        if current is not None:
+            if current.status.rank <= state.status.rank:
+                return False
+            if current.owner is None and state.owner is not None:
+                self._tasks[state.task_id] = (time.monotonic() + self.ttl_s, replace(current, owner=state.owner))
+            return True
         self._tasks[state.task_id] = (time.monotonic() + self.ttl_s, state)
         self._publish(state)
         return True

@@ -16,11 +16,21 @@ TERMINAL_RANK = min(status.rank for status in TaskStatus if status.terminal)
 CANCELLABLE_RANK = TaskStatus.BATCHED.rank
 
 # KEYS[1] task hash. ARGV: ttl ms, status, rank, doc, task channel, owner ('' = none). Returns 1 if
-# created. The owner is a field of its own, written once here: later writers (batcher, workers)
-# replace ``doc`` without knowing it, and readers merge it back (``RedisTaskStore.get``).
+# created, 2 if a later status got there first (the gateway produces while it creates, so a batcher
+# may write "batched" before "queued" lands): the owner is then filled in, nothing else changes.
+# Returns 0 if the task exists at this rank or lower (a duplicate id). The owner is a field of its
+# own, written once here: later writers (batcher, workers) replace ``doc`` without knowing it, and
+# readers merge it back (``RedisTaskStore.get``).
 CREATE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  return 0
+local current = tonumber(redis.call('HGET', KEYS[1], 'rank'))
+if current ~= nil then
+  if current <= tonumber(ARGV[3]) then
+    return 0
+  end
+  if ARGV[6] ~= '' and redis.call('HEXISTS', KEYS[1], 'owner') == 0 then
+    redis.call('HSET', KEYS[1], 'owner', ARGV[6])
+  end
+  return 2
 end
 redis.call('HSET', KEYS[1], 'status', ARGV[2], 'rank', ARGV[3], 'doc', ARGV[4])
 if ARGV[6] ~= '' then

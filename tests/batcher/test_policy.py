@@ -164,6 +164,10 @@ def test_low_load_reserve_holds_an_idle_worker_only_for_stale_items(clock: FakeC
     clock.advance(0.03)
     assert former.reserve_s("m", call_s=0.1) == pytest.approx(0.05), "stale items at light load: hold"
     assert former.reserve_s("m", call_s=0.0) == 0.0, "unknown backend latency: no hold"
+    claim_began = clock() - 0.0295
+    assert former.reserve_s("m", call_s=0.1, claimed_from_s=claim_began) == 0.0, (
+        "an item that found a worker at once is fresh, however long the claim's round trip took"
+    )
 
 
 def test_reserve_is_off_under_load_and_for_sealed_batches(clock: FakeClock) -> None:

@@ -36,6 +36,19 @@ async def test_create_only_if_absent(make_store: StoreFactory) -> None:
     assert await store.get("missing") is None
 
 
+async def test_create_after_a_later_status_only_fills_in_the_owner(make_store: StoreFactory) -> None:
+    """The gateway creates while it produces: a batcher's write may land first."""
+    store = await make_store()
+    batched = state("t1", TaskStatus.BATCHED, batch_id="b1")
+    assert await store.apply([batched]) == [True]
+
+    assert await store.create(state("t1", TaskStatus.QUEUED, owner="alice")) is True
+    current = await store.get("t1")
+    assert current is not None
+    assert current.status is TaskStatus.BATCHED, f"the later status must stay, got {current}"
+    assert current.owner == "alice", f"the owner must be filled in, got {current}"
+
+
 async def test_status_only_moves_forward(make_store: StoreFactory) -> None:
     store = await make_store()
     await store.create(state("t1", TaskStatus.QUEUED))

@@ -151,11 +151,16 @@ class DownStore(RecordingStore):
         raise ConnectionRefusedError("redis refused the connection")
 
 
-async def test_a_down_store_is_503_and_nothing_is_produced(make_rig: RigFactory) -> None:
+async def test_a_down_store_is_503_naming_the_task_that_may_still_run(make_rig: RigFactory) -> None:
+    """The gateway stores and produces at once: when only the store fails, the request is on the
+    bus, and the 503 says so and names the task, so the caller can poll it or retry with a key."""
     rig = await make_rig(store=DownStore())
     response = await rig.client.post("/v1/inference", json={"input": "x"})
     assert response.status_code == 503, response.text
-    error = error_of(response)
+    body = response.json()
+    error = body["error"]
     assert error["code"] == "unavailable"
     assert "redis refused" in error["message"]
-    assert rig.produced() == 0, "a request whose task could not be stored must not reach the bus"
+    assert "may still run" in error["message"], error["message"]
+    assert rig.produced() == 1
+    assert error.get("task_id"), f"the 503 must name the queued task: {body}"
