@@ -51,8 +51,9 @@ class FlushPolicy:
     """Low-load reserve (0 disables): see ``BatchFormer.reserve_s``."""
     reserve_max_load: float = 3.0
     """The reserve applies only while fewer than this many requests arrive per backend call."""
-    fresh_ms: float = 1.0
-    """An item read within this long counts as a fresh arrival."""
+    fresh_ms: float = 3.0
+    """A worker found within this long of the newest arrival (or of the claim's start) means the items
+    did not wait for one: it covers the claim's round trip to the credit pool."""
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -197,15 +198,15 @@ class BatchFormer(Generic[Item]):
 
         At low load most latency comes from arrivals that find every worker busy. Items that
         already waited for a worker have lost that race; a fresh arrival has not. So when only
-        stale items wait (none read in the ``fresh_ms`` before the dispatcher began claiming at
-        ``claimed_from_s``, default now) and the load is light, the batcher holds the idle worker
-        for up to this long: a fresh arrival takes it at once (with the stale items), or a second
-        worker that frees takes the stale items and this one stays idle. It trades some tail
-        latency at low load for a median at the backend's latency; at higher load fresh arrivals
-        never stop and this returns 0 (plain work conservation).
+        stale items wait and the load is light, the batcher holds the idle worker for up to this
+        long: a fresh arrival takes it at once (with the stale items), or a second worker that
+        frees takes the stale items and this one stays idle. It trades some tail latency at low
+        load for a median at the backend's latency; at higher load fresh arrivals never stop and
+        this returns 0 (plain work conservation).
 
-        Judging freshness from the start of the claim, not from its end, matters: a request that
-        found a worker idle is fresh however long the claim's round trip took.
+        The items are stale when the worker came more than ``fresh_ms`` after the newest of them
+        arrived, or after the dispatcher began claiming (``claimed_from_s``, default now) if that
+        was later: so a request that found a worker idle is fresh, the claim's round trip aside.
         """
         policy = self.policy
         queue = self._models.get(model)
@@ -218,8 +219,9 @@ class BatchFormer(Generic[Item]):
             or call_s <= 0
         ):
             return 0.0
-        since = self.clock() if claimed_from_s is None else claimed_from_s
-        if since - queue.last_read_s <= policy.fresh_ms / 1000.0:
+        now = self.clock()
+        newest = queue.last_read_s if claimed_from_s is None else max(queue.last_read_s, claimed_from_s)
+        if now - newest <= policy.fresh_ms / 1000.0:
             return 0.0
         if call_s / queue.gap_s >= policy.reserve_max_load:
             return 0.0

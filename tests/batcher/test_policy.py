@@ -164,9 +164,11 @@ def test_low_load_reserve_holds_an_idle_worker_only_for_stale_items(clock: FakeC
     clock.advance(0.03)
     assert former.reserve_s("m", call_s=0.1) == pytest.approx(0.05), "stale items at light load: hold"
     assert former.reserve_s("m", call_s=0.0) == 0.0, "unknown backend latency: no hold"
-    claim_began = clock() - 0.0295
-    assert former.reserve_s("m", call_s=0.1, claimed_from_s=claim_began) == 0.0, (
-        "an item that found a worker at once is fresh, however long the claim's round trip took"
+    assert former.reserve_s("m", call_s=0.1, claimed_from_s=clock() - 0.02) == pytest.approx(0.05), (
+        "items that waited 20 ms for the claim to find a worker are stale"
+    )
+    assert former.reserve_s("m", call_s=0.1, claimed_from_s=clock() - 0.002) == 0.0, (
+        "the claim found a worker within its round trip: the items did not wait for one"
     )
 
 
