@@ -27,6 +27,9 @@ class WorkerSettings:
     """The hang limit is never shorter than this."""
     expected_latency_ms: float | None = None
     """Expected duration of one backend call; None: the moving average of recent calls."""
+    credit_lead_ms: float = 15.0
+    """Offer the next credit this long before the running call is expected to end (0: when it ends),
+    so the next batch is formed and travels while the GPU finishes."""
     drain_timeout_s: float = 30.0
     """On shutdown, how long the batch in hand may take before it is handed back uncommitted."""
     retry_max_s: float = 2.0
@@ -41,6 +44,10 @@ class WorkerSettings:
             raise ValueError(
                 f"hang_factor must be >= 0 (0: off) and hang_min_s > 0, got {self.hang_factor} and {self.hang_min_s} "
                 "(BATCHWIRE_HANG_FACTOR, BATCHWIRE_HANG_MIN_S)"
+            )
+        if self.credit_lead_ms < 0:
+            raise ValueError(
+                f"credit_lead_ms must be >= 0 (0: off), got {self.credit_lead_ms} (BATCHWIRE_CREDIT_LEAD_MS)"
             )
         if self.expected_latency_ms is not None and self.expected_latency_ms <= 0:
             raise ValueError(

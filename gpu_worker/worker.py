@@ -1,8 +1,12 @@
 """The GPU worker: one batch at a time, results to the task store, offsets committed after.
 
 The worker announces that it is idle by offering a credit (see ``batcher.service``), and offers
-the next one as soon as the backend returns, so the next batch travels while this one's results
-are stored. The blocking backend runs in a thread of its own (``runner.BackendRunner``): the event
+the next one ``credit_lead_ms`` before the running call is expected to end (or when it ends, if
+sooner), so the next batch is formed and travels while the GPU finishes this one: back to back,
+the GPU waits for neither the batcher nor the bus. The lead is short next to a call, so a batch
+sent against an early credit waits at most about that long, and only when the estimate is right.
+
+The blocking backend runs in a thread of its own (``runner.BackendRunner``): the event
 loop keeps heartbeats, credits and shutdown working while the GPU computes, and a call that hangs
 is noticed.
 
@@ -91,6 +95,7 @@ class Worker:
         self._stopping = False
         self._abandon = False
         self._credit_failures = 0
+        self._offering_early = False
         self.failure: BaseException | None = None
         self.failed = asyncio.Event()
         """Set when a background loop crashed (or the backend hung): the process supervisor should exit."""
@@ -210,6 +215,28 @@ class Worker:
             )
             self._credit_failures = 0
         self._credit = credit
+        if self._stopping:  # close() withdrew while this offer was on its way
+            await self._withdraw()
+
+    def _offer_ahead(self) -> asyncio.Task[None] | None:
+        """Offers the next credit ``credit_lead_ms`` before the call now starting should end."""
+        expected_s = self.runner.expected_s
+        lead_s = self.settings.credit_lead_ms / 1000
+        if lead_s <= 0 or expected_s is None or expected_s <= lead_s:
+            return None
+        self._offering_early = False
+        return asyncio.create_task(self._offer_after(expected_s - lead_s), name=f"{self.settings.worker_id}-offer")
+
+    async def _offer_after(self, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        self._offering_early = True
+        await self._offer()
+
+    async def _settle(self, early: asyncio.Task[None]) -> None:
+        """Ends an early offer: cancelled while it waits, awaited once it is talking to the pool."""
+        if not self._offering_early:
+            early.cancel()
+        await asyncio.gather(early, return_exceptions=True)
 
     # the loop ----------------------------------------------------------------------------------
     async def _loop(self) -> None:
@@ -308,7 +335,12 @@ class Worker:
             self._admit(batch, [item for item in batch.items if item.deadline_ms > now]),
         )
         if todo and count == 1:
-            ended.extend(await self._run_group(batch, todo, count))
+            early = self._offer_ahead()
+            try:
+                ended.extend(await self._run_group(batch, todo, count))
+            finally:
+                if early is not None:
+                    await self._settle(early)
         elif todo:
             await self._run_careful(batch, todo, count)
         self._count(batch, ended)

@@ -101,3 +101,52 @@ async def test_expired_items_never_reach_the_backend() -> None:
     ended, backend = await run_batch(["a", "b"], deadline_ms=now_ms() - 1)
     assert {v.status for v in ended.values()} == {TaskStatus.EXPIRED}
     assert backend.calls == []
+
+
+class TimedBackend(PoisonBackend):
+    """Each call sleeps ``call_s`` and records its monotonic start and end."""
+
+    def __init__(self, call_s: float) -> None:
+        super().__init__()
+        self.call_s = call_s
+        self.spans: list[tuple[float, float]] = []
+
+    def batchstring(self, inputs: list[str]) -> list[str]:
+        start = time.monotonic()
+        time.sleep(self.call_s)
+        self.spans.append((start, time.monotonic()))
+        return super().batchstring(inputs)
+
+
+async def test_the_next_credit_is_offered_before_the_running_call_ends() -> None:
+    """With a lead, the next batch is claimed and sent while the GPU still runs the current one,
+    and starts as soon as that one ends."""
+    store = MemoryTaskStore()
+    credits = MemoryCreditPool()
+    bus = MemoryBatchBus(1)
+    backend = TimedBackend(call_s=0.4)
+    settings = WorkerSettings(worker_id="w1", expected_latency_ms=400, credit_lead_ms=150)
+    worker = Worker(settings, bus.consumer(0), credits, store, backend)
+    await worker.start()
+    try:
+        first_credit = await credits.claim("sim", 5)
+        assert first_credit is not None
+        now = now_ms()
+        first = (BatchItem("t0", "a", now, now + 30_000, None),)
+        await bus.send(Batch("b1", "sim", "test", now, "idle_worker", first_credit.ref, first), 0)
+        second_credit = await credits.claim("sim", 5)
+        claimed_at = time.monotonic()
+        assert second_credit is not None and second_credit.ref != first_credit.ref
+        assert len(backend.spans) == 0, "the next credit must come while the first call still runs"
+        second = (BatchItem("t1", "b", now, now + 30_000, None),)
+        await bus.send(Batch("b2", "sim", "test", now, "idle_worker", second_credit.ref, second), 0)
+        deadline = time.monotonic() + 10
+        while len(backend.spans) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert len(backend.spans) == 2, f"both batches must run, ran {len(backend.spans)}"
+        (_, first_end), (second_start, _) = backend.spans
+        assert claimed_at < first_end, "the credit was claimed before the first call ended"
+        assert second_start - first_end < 0.2, f"the second batch waited {second_start - first_end:.3f} s"
+        assert worker.batches_run == 2
+    finally:
+        await worker.close()
