@@ -8,7 +8,7 @@ transports, and in embedded mode the batcher and workers) and hands both to :fun
 # and their ``Annotated`` metadata refers to this deployment's settings (closure variables).
 import json
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from typing import Annotated, Any, Protocol
 
@@ -16,8 +16,7 @@ from fastapi import FastAPI, Path, Query, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette import EventSourceResponse, ServerSentEvent
-from starlette.routing import Match, Route
-from starlette.types import Scope
+from starlette.types import ASGIApp
 
 from batchwire.metrics import REGISTRY
 from gateway.admission import ANONYMOUS, Caller
@@ -27,6 +26,7 @@ from gateway.errors import ERROR_TABLE, GatewayError, InvalidClientId, error_bod
 from gateway.handlers import EdgeMiddleware, install_error_handlers, json_response
 from gateway.health import probe
 from gateway.idempotency import KEY_PATTERN, MAX_KEY_CHARS
+from gateway.lanes import GatewayApp
 from gateway.models import (
     Health,
     InferenceBody,
@@ -170,7 +170,7 @@ def create_app(gateway: Gateway, lifecycle: Lifecycle) -> FastAPI:
         finally:
             await lifecycle.close()
 
-    app = FastAPI(
+    app = GatewayApp(
         title="batchwire gateway",
         summary="Single inference requests in, GPU batches behind.",
         version="1",
@@ -179,8 +179,9 @@ def create_app(gateway: Gateway, lifecycle: Lifecycle) -> FastAPI:
         telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False},
     )
     install_error_handlers(app, settings.retry_after_s)
-    if settings.api_keys:
-        app.add_middleware(AuthMiddleware, keys=ApiKeys(settings.api_keys))  # inside EdgeMiddleware: 401s counted
+    keys = ApiKeys(settings.api_keys) if settings.api_keys else None
+    if keys is not None:
+        app.add_middleware(AuthMiddleware, keys=keys)  # inside EdgeMiddleware: 401s counted
     app.add_middleware(EdgeMiddleware)
     caller_of = _caller_of(settings)
     submit_errors = _SUBMIT_ERRORS + (("rate_limited", "invalid_client_id") if settings.rate_limit_per_s > 0 else ())
@@ -228,7 +229,7 @@ def create_app(gateway: Gateway, lifecycle: Lifecycle) -> FastAPI:
         "/v1/tasks",
         status_code=202,
         response_model=TaskAccepted,
-        responses=error_responses(*submit_errors),
+        responses=error_responses(*submit_errors, "deadline_exceeded"),
         openapi_extra=body_doc,
         summary="Queue one input and return at once",
         description="Answers 202 with where to poll (`result_url`, also the Location header) or stream "
@@ -358,7 +359,10 @@ def create_app(gateway: Gateway, lifecycle: Lifecycle) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
-    _serve_plain(app, {"/v1/inference": infer, "/v1/tasks": enqueue})
+    def edge(lane: ASGIApp) -> ASGIApp:
+        return EdgeMiddleware(lane if keys is None else AuthMiddleware(lane, keys))
+
+    app.serve_directly({"/v1/inference": infer, "/v1/tasks": enqueue}, settings.retry_after_s, edge)
     if settings.api_keys:
         _document_bearer(app)
     return app
@@ -394,31 +398,6 @@ def _document_bearer(app: FastAPI) -> None:
         return app.openapi_schema or build()
 
     app.openapi = openapi  # type: ignore[method-assign]
-
-
-class _PlainRoute(Route):
-    """A Starlette route that names itself in the scope, as FastAPI's routes do, so the request
-    counter labels it with its path rather than "unmatched"."""
-
-    def matches(self, scope: Scope) -> tuple[Match, Scope]:
-        match, child_scope = super().matches(scope)
-        if match is not Match.NONE:
-            child_scope["route"] = self
-        return match, child_scope
-
-
-def _serve_plain(app: FastAPI, endpoints: dict[str, Callable[[Request], Awaitable[Response]]]) -> None:
-    """Serves the two submit routes through plain Starlette routes placed ahead of their FastAPI twins.
-
-    Their endpoints take only the ``Request`` (they parse the body themselves), so FastAPI's
-    per-request dependency solving buys nothing there and costs about 40 µs of the ~115 µs a
-    request takes (tests/gateway/bench_gateway.py). The FastAPI routes stay registered, unmatched
-    for POST, so that the OpenAPI document still describes them.
-    """
-    plain = [
-        _PlainRoute(path, endpoint, methods=["POST"], include_in_schema=False) for path, endpoint in endpoints.items()
-    ]
-    app.router.routes[0:0] = plain
 
 
 async def _lifecycle_checks(lifecycle: Lifecycle, timeout_s: float) -> dict[str, bool]:

@@ -178,7 +178,11 @@ ERROR_TABLE: dict[str, tuple[int, str]] = {
     ),
     "client_disconnected": (499, "The caller closed the connection before its answer; its task was cancelled."),
     "task_failed": (502, "The task failed; the code is the task's own error code when it has one."),
-    "deadline_exceeded": (504, "No answer before the request's deadline (`timeout_ms`); the task may still finish."),
+    "deadline_exceeded": (
+        504,
+        "No answer (for `POST /v1/tasks`: no place in the queue) before the request's deadline (`timeout_ms`); "
+        "the task may still finish.",
+    ),
     "overloaded": (
         503,
         "This gateway holds BATCHWIRE_MAX_INFLIGHT requests, or the deployment's queue (accepted, not yet at a worker) "

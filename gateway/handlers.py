@@ -46,16 +46,21 @@ def error_response(
     return json_response(status, error_body(code, message, task_id), headers)
 
 
+def gateway_error_response(exc: GatewayError, retry_after_s: int) -> Response:
+    """The answer to a domain error; 429s and 503s carry ``Retry-After``."""
+    status = http_status(exc)
+    headers = None
+    if status in (429, 503):
+        headers = {"Retry-After": str(exc.retry_after_s or retry_after_s)}
+    return error_response(status, exc.error_code, exc.message, exc.task_id, headers)
+
+
 def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     """Routes every failure through the one error shape; 429s and 503s carry ``Retry-After``."""
 
     async def on_gateway_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, GatewayError)
-        status = http_status(exc)
-        headers = None
-        if status in (429, 503):
-            headers = {"Retry-After": str(exc.retry_after_s or retry_after_s)}
-        return error_response(status, exc.error_code, exc.message, exc.task_id, headers)
+        return gateway_error_response(exc, retry_after_s)
 
     async def on_validation_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)

@@ -296,8 +296,11 @@ class Gateway:
             async with asyncio.timeout_at(deadline):
                 await self._publish(task_id, input, model, timeout_ms, None, owner)
         except TimeoutError:
-            raise Unavailable(
-                f"the task store or the request bus did not take the request within timeout_ms={timeout_ms}",
+            # The task's own deadline passed while it was being queued: a deadline, like the
+            # synchronous route's, whether the bus was stuck or the deadline was just short.
+            raise DeadlineExceeded(
+                f"timeout_ms={timeout_ms} passed before the task store and the request bus took the request; "
+                "send a longer timeout_ms (the task may still be queued: poll its result)",
                 task_id=task_id,
             ) from None
         return Accepted(task_id, model)

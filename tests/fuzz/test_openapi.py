@@ -194,13 +194,14 @@ def _fresh_idempotency_key(case: schemathesis.Case[Any]) -> None:
 def no_server_error(ctx: Any, response: schemathesis.Response, case: schemathesis.Case[Any]) -> None:
     """Replaces ``not_a_server_error``: no 5xx, but for the documented 504 of a too-short ``timeout_ms``.
 
-    ``POST /v1/inference`` with ``timeout_ms`` below what the model takes answers 504
-    ``deadline_exceeded`` by contract (README's error table); the built-in check counts that as a
-    server error. Every other 5xx, and a 504 for a request that gave the service enough time, fails.
+    ``POST /v1/inference`` with ``timeout_ms`` below what the model takes, and ``POST /v1/tasks``
+    with one below what queueing takes, answer 504 ``deadline_exceeded`` by contract (README's
+    error table); the built-in check counts that as a server error. Every other 5xx, and a 504 for a
+    request that gave the service enough time, fails.
     """
     if response.status_code < 500:
         return
-    if response.status_code == 504 and case.path == "/v1/inference":
+    if response.status_code == 504 and case.path in ("/v1/inference", "/v1/tasks"):
         timeout_ms = case.body.get("timeout_ms") if isinstance(case.body, dict) else None
         code = _error_code(response)
         if isinstance(timeout_ms, int | float) and timeout_ms < SHORT_DEADLINE_MS and code == "deadline_exceeded":

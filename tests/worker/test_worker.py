@@ -127,22 +127,29 @@ async def test_the_next_credit_is_offered_before_the_running_call_ends() -> None
     backend = TimedBackend(call_s=0.4)
     settings = WorkerSettings(worker_id="w1", expected_latency_ms=400, credit_lead_ms=150)
     worker = Worker(settings, bus.consumer(0), credits, store, backend)
+    answered: list[str] = []
+    both = asyncio.Event()
+
+    def on_reply(state: TaskState) -> None:
+        answered.append(state.task_id)
+        if len(answered) == 2:
+            both.set()
+
+    await store.listen_replies("gw", on_reply)
     await worker.start()
     try:
         first_credit = await credits.claim("sim", 5)
         assert first_credit is not None
         now = now_ms()
-        first = (BatchItem("t0", "a", now, now + 30_000, None),)
+        first = (BatchItem("t0", "a", now, now + 30_000, "gw"),)
         await bus.send(Batch("b1", "sim", "test", now, "idle_worker", first_credit.ref, first), 0)
         second_credit = await credits.claim("sim", 5)
         claimed_at = time.monotonic()
         assert second_credit is not None and second_credit.ref != first_credit.ref
         assert len(backend.spans) == 0, "the next credit must come while the first call still runs"
-        second = (BatchItem("t1", "b", now, now + 30_000, None),)
+        second = (BatchItem("t1", "b", now, now + 30_000, "gw"),)
         await bus.send(Batch("b2", "sim", "test", now, "idle_worker", second_credit.ref, second), 0)
-        deadline = time.monotonic() + 10
-        while len(backend.spans) < 2 and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        await asyncio.wait_for(both.wait(), 10)
         assert len(backend.spans) == 2, f"both batches must run, ran {len(backend.spans)}"
         (_, first_end), (second_start, _) = backend.spans
         assert claimed_at < first_end, "the credit was claimed before the first call ended"
