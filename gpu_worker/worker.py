@@ -123,8 +123,10 @@ class Worker:
         if self._task is not None:
             timeout = self.settings.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
             try:
-                if not self._idle.is_set():
-                    await asyncio.wait_for(self._idle.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._idle.wait()
+                    if self._finishing is not None:  # the last results, stored with retries
+                        await asyncio.gather(asyncio.shield(self._finishing), return_exceptions=True)
             except TimeoutError:
                 drained = False
                 log.warning(
@@ -281,6 +283,7 @@ class Worker:
         self._credit = None
         if batch is None:
             log.warning("worker %s: undecodable batch at partition %d offset %d skipped", *self._where(delivered))
+            await self._previous_finished()  # commits go in offset order
             await self._commit(delivered)
             self.batches_done += 1
             return
@@ -292,13 +295,36 @@ class Worker:
                 async with asyncio.timeout(2.0):
                     await self.deliveries.note(batch.batch_id, f"worker {self.settings.worker_id}: {err}")
             raise
-        # Storing results and committing must not be cut in half by a cancellation. The next credit
-        # goes out at the same time, so the next batch travels while these results are stored.
-        self._finishing = asyncio.create_task(self._finish(delivered, batch, states))
-        await asyncio.gather(self._offer(), asyncio.shield(self._finishing))
-        self._finishing = None
+        # The results are stored (and the batch committed) by a task of their own, which a
+        # cancellation does not cut in half, while the loop goes on to the next batch at once: on a
+        # busy event loop, waiting for the store first would leave the GPU idle for as long.
+        self._finishing = asyncio.create_task(self._finish(delivered, batch, states, self._finishing))
+        self._finishing.add_done_callback(self._finished)
+        await self._offer()
 
-    async def _finish(self, delivered: Delivered[Batch], batch: Batch, states: list[TaskState]) -> None:
+    async def _previous_finished(self) -> None:
+        """Waits until the batch before has been stored and committed (its failure ends the loop)."""
+        if self._finishing is not None:
+            await asyncio.shield(self._finishing)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None or self.failure is not None:
+            return
+        self.failure = task.exception()
+        self.failed.set()
+        log.error("worker %s could not store a batch's results: %r", self.settings.worker_id, self.failure)
+        if self._task is not None:
+            self._task.cancel()  # take no further batch
+
+    async def _finish(
+        self,
+        delivered: Delivered[Batch],
+        batch: Batch,
+        states: list[TaskState],
+        previous: asyncio.Task[None] | None,
+    ) -> None:
+        if previous is not None:  # commits go in offset order
+            await asyncio.gather(previous, return_exceptions=True)
         if states:
             await self._retry("storing results", lambda: self.store.apply(states))
         await self._commit(delivered)
