@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Every published figure, one command each (issue 2 and 3). Run from the repository root on an
+# otherwise idle machine: ./bench/figures.sh [figure ...]; results land in bench/results/<figure>.
+set -euo pipefail
+B=".venv/bin/batchwire bench --client raw --check"
+R=bench/results
+run() { local name=$1; shift; echo "== $name: $*"; $B "$@" --out "$R/$name" | tail -n 4; }
+
+figure() {
+  case $1 in
+    20rps) for i in 1 2 3; do
+        run "20rps-embedded-run$i" --start embedded --workers 2 --rate 20 --duration 20 --warmup 3
+        run "20rps-kafka-run$i" --start kafka --workers 2 --rate 20 --duration 20 --warmup 3
+      done ;;
+    load-embedded) run load-embedded --start embedded --workers 2 --rate 1000,1600 --duration 20 --warmup 3 ;;
+    load-kafka) run load-kafka --start kafka --workers 2 --rate 1000,1600 --duration 20 --warmup 3 ;;
+    1900-embedded) run 1900-embedded --start embedded --workers 2 --rate 1900 --duration 30 --warmup 3 \
+        --concurrency-limit 20000 ;;
+    1900-kafka) run 1900-kafka --start kafka --workers 2 --rate 1900 --duration 30 --warmup 3 \
+        --concurrency-limit 20000 ;;
+    policies) run policies --start embedded --workers 2 --policies work-conserving,classic \
+        --rate 20,600,1600 --duration 15 --warmup 3 --concurrency-limit 20000 ;;
+    slow-worker) run slow-worker --start kafka --workers 2 --slow-worker-latency-ms 500 \
+        --rate 1200 --duration 20 --warmup 3 --concurrency-limit 20000 ;;
+    # 80% of three workers' ceiling. L = 1 s keeps the offered load (240 req/s) within what this
+    # 2-core machine's Kafka path carries; batch sizes depend on load per worker, not on L.
+    batchers) for n in 1 2; do
+        run "batchers-$n" --start kafka --batchers "$n" --workers 3 --sim-latency-ms 1000 \
+          --rate 240 --duration 30 --warmup 5
+      done ;;
+    fast-backend) run fast-backend-embedded --start embedded --workers 4 --sim-latency-ms 5 \
+        --rate 400,800,1200,1600,2000 --duration 10 --warmup 2
+      run fast-backend-kafka --start kafka --workers 4 --sim-latency-ms 5 \
+        --rate 200,400,600,800,1000 --duration 10 --warmup 2 ;;
+    *) echo "unknown figure $1" >&2; exit 2 ;;
+  esac
+}
+
+if [ $# -eq 0 ]; then
+  set -- 20rps load-embedded load-kafka 1900-embedded 1900-kafka policies slow-worker batchers fast-backend
+fi
+for f in "$@"; do figure "$f"; done
