@@ -34,7 +34,7 @@ from batchwire.transport.redis_lua import (
     cancel_args,
     create_args,
 )
-from batchwire.transport.redis_pools import CommandClient, pubsub_pool, redacted, translate
+from batchwire.transport.redis_pools import CommandClient, PoolOptions, pubsub_pool, redacted, translate
 from batchwire.transport.redis_pubsub import PubSubHub
 from schemas.codec import CodecError, decode_state, encode_state
 from schemas.records import TaskState, TaskStatus
@@ -47,11 +47,14 @@ log = logging.getLogger(__name__)
 _Item = TaskState | TransportError
 
 
+STORE_POOL = PoolOptions(max_connections=32)  # every gateway request and worker batch writes through it
+
+
 class RedisTaskStore:
     """``TaskStore`` over Redis: monotonic status per task, change events over PubSub.
 
-    The connection pool (``max_connections``) serves short commands only; a full pool makes
-    callers wait up to ``pool_timeout_s`` rather than fail a burst. Watching costs no connection:
+    The connection pool (``pool``) serves short commands only; a full pool makes callers wait up
+    to its ``pool_timeout_s`` rather than fail a burst. Watching costs no connection:
     all watchers and reply listeners share the hub's one PubSub connection.
     """
 
@@ -61,10 +64,7 @@ class RedisTaskStore:
         names: Names,
         *,
         ttl_s: float = 3600.0,
-        max_connections: int = 32,
-        socket_timeout_s: float = 2.0,
-        pool_timeout_s: float = 2.0,
-        health_check_interval_s: float = 10.0,
+        pool: PoolOptions = STORE_POOL,
         ready_timeout_s: float = 0.5,
         subscribe_timeout_s: float = 5.0,
         ping_interval_s: float = 5.0,
@@ -75,13 +75,7 @@ class RedisTaskStore:
         self.names = names
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.ready_timeout_s = ready_timeout_s
-        self._commands = CommandClient(
-            redis_url,
-            max_connections=max_connections,
-            socket_timeout_s=socket_timeout_s,
-            pool_timeout_s=pool_timeout_s,
-            health_check_interval_s=health_check_interval_s,
-        )
+        self._commands = CommandClient(redis_url, pool)
         self._client = self._commands.redis
         self._create = self._client.register_script(CREATE)
         self._apply = self._client.register_script(APPLY)
@@ -89,7 +83,7 @@ class RedisTaskStore:
         self._claim_key = self._client.register_script(CLAIM_KEY)
         self._release_key = self._client.register_script(RELEASE_KEY)
         self._hub = PubSubHub(
-            pubsub_pool(redis_url, socket_timeout_s=socket_timeout_s),
+            pubsub_pool(redis_url, socket_timeout_s=pool.socket_timeout_s),
             self._on_message,
             self._on_resubscribed,
             self._on_failure,

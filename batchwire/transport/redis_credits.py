@@ -22,7 +22,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from batchwire.transport.base import TransportError
-from batchwire.transport.redis_pools import CommandClient, blocking_pool, translate
+from batchwire.transport.redis_pools import CommandClient, PoolOptions, blocking_pool, translate
 from schemas.codec import CodecError, decode_credit, encode_credit
 from schemas.records import Credit
 from schemas.wire import Names
@@ -43,6 +43,9 @@ class _Claim:
     abandoned: bool = False
 
 
+CREDITS_POOL = PoolOptions(max_connections=8)  # offers, withdrawals and non-blocking pops
+
+
 class RedisCreditPool:
     """``CreditPool`` over Redis lists (``names.credit_list(model)``) of Avro-encoded credits.
 
@@ -57,29 +60,19 @@ class RedisCreditPool:
         redis_url: str,
         names: Names,
         *,
-        max_connections: int = 8,
+        pool: PoolOptions = CREDITS_POOL,
         max_claimers: int = 16,
-        socket_timeout_s: float = 2.0,
-        pool_timeout_s: float = 2.0,
-        health_check_interval_s: float = 10.0,
         claim_grace_s: float = 2.0,
         max_credits: int = 10_000,
     ) -> None:
         self.names = names
         self.claim_grace_s = claim_grace_s
         self.max_credits = max_credits
-        self._commands = CommandClient(
-            redis_url,
-            max_connections=max_connections,
-            socket_timeout_s=socket_timeout_s,
-            pool_timeout_s=pool_timeout_s,
-            health_check_interval_s=health_check_interval_s,
-        )
+        self._commands = CommandClient(redis_url, pool)
         self._blocking_pool = blocking_pool(
             redis_url,
-            max_connections=max_claimers,
-            socket_timeout_s=socket_timeout_s,
-            health_check_interval_s=health_check_interval_s,
+            max_claimers,
+            pool,
         )
         self._client = self._commands.redis
         self._blocking = Redis(connection_pool=self._blocking_pool)

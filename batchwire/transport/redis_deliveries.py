@@ -16,7 +16,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from batchwire.transport.deliveries import Suspects
-from batchwire.transport.redis_pools import CommandClient, translate
+from batchwire.transport.redis_pools import CommandClient, PoolOptions, translate
 from schemas.wire import Names
 
 # KEYS[1] the batch's hash. ARGV[1] ttl ms, ARGV[2..] the task ids still to run.
@@ -50,6 +50,9 @@ def deliveries_key(names: Names, batch_id: str) -> str:
     return f"{names.namespace}:deliveries:{batch_id}"
 
 
+DELIVERIES_POOL = PoolOptions(max_connections=4)  # one batch at a time per worker
+
+
 class RedisDeliveryLog:
     def __init__(
         self,
@@ -57,20 +60,11 @@ class RedisDeliveryLog:
         names: Names,
         *,
         ttl_s: float = 3600.0,
-        max_connections: int = 4,
-        socket_timeout_s: float = 2.0,
-        pool_timeout_s: float = 2.0,
-        health_check_interval_s: float = 10.0,
+        pool: PoolOptions = DELIVERIES_POOL,
     ) -> None:
         self.names = names
         self.ttl_ms = max(1, int(ttl_s * 1000))
-        self._commands = CommandClient(
-            redis_url,
-            max_connections=max_connections,
-            socket_timeout_s=socket_timeout_s,
-            pool_timeout_s=pool_timeout_s,
-            health_check_interval_s=health_check_interval_s,
-        )
+        self._commands = CommandClient(redis_url, pool)
         self._client = self._commands.redis
         self._suspects = self._client.register_script(_SUSPECTS)
 

@@ -13,13 +13,16 @@ import hashlib
 from redis.exceptions import RedisError
 
 from batchwire.transport.redis_lua import TOKEN_BUCKET
-from batchwire.transport.redis_pools import CommandClient, translate
+from batchwire.transport.redis_pools import CommandClient, PoolOptions, translate
 from schemas.wire import Names
 
 
 def bucket_id(client: str) -> str:
     """A fixed-size, key-safe name for a client identity (an IP, a header value, an owner hash)."""
     return hashlib.sha256(client.encode()).hexdigest()[:32]
+
+
+LIMITS_POOL = PoolOptions(max_connections=16)  # one token per gateway request
 
 
 class RedisRateLimiter:
@@ -32,23 +35,14 @@ class RedisRateLimiter:
         rate_per_s: float,
         burst: int,
         *,
-        max_connections: int = 16,
-        socket_timeout_s: float = 2.0,
-        pool_timeout_s: float = 2.0,
-        health_check_interval_s: float = 10.0,
+        pool: PoolOptions = LIMITS_POOL,
     ) -> None:
         if not rate_per_s > 0 or burst < 1:
             raise ValueError(f"a rate limiter needs rate_per_s > 0 and burst >= 1, got {rate_per_s} and {burst}")
         self.names = names
         self.rate_per_s = rate_per_s
         self.burst = burst
-        self._commands = CommandClient(
-            redis_url,
-            max_connections=max_connections,
-            socket_timeout_s=socket_timeout_s,
-            pool_timeout_s=pool_timeout_s,
-            health_check_interval_s=health_check_interval_s,
-        )
+        self._commands = CommandClient(redis_url, pool)
         self._client = self._commands.redis
         self._script = self._client.register_script(TOKEN_BUCKET)
 

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
 from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
@@ -48,22 +49,27 @@ def _retry_once() -> Retry:
     return Retry(ExponentialBackoff(cap=0.1, base=0.01), 1, supported_errors=(RedisConnectionError,))
 
 
-def command_pool(
-    url: str,
-    *,
-    max_connections: int,
-    socket_timeout_s: float,
-    pool_timeout_s: float,
-    health_check_interval_s: float,
-) -> BlockingConnectionPool:
+@dataclass(frozen=True, slots=True)
+class PoolOptions:
+    """How one transport's command connections are pooled and timed (each transport sizes its own)."""
+
+    max_connections: int = 16
+    socket_timeout_s: float = 2.0
+    """A connect or a command that gets no answer this long fails."""
+    pool_timeout_s: float = 2.0
+    """A burst waits this long for a free connection rather than fail."""
+    health_check_interval_s: float = 10.0
+
+
+def command_pool(url: str, options: PoolOptions) -> BlockingConnectionPool:
     return BlockingConnectionPool.from_url(
         url,
-        max_connections=max_connections,
-        timeout=pool_timeout_s,
-        socket_timeout=socket_timeout_s,
-        socket_connect_timeout=socket_timeout_s,
+        max_connections=options.max_connections,
+        timeout=options.pool_timeout_s,
+        socket_timeout=options.socket_timeout_s,
+        socket_connect_timeout=options.socket_timeout_s,
         socket_keepalive=True,
-        health_check_interval=health_check_interval_s,
+        health_check_interval=options.health_check_interval_s,
         retry=_retry_once(),
     )
 
@@ -71,22 +77,8 @@ def command_pool(
 class CommandClient:
     """A Redis client over a command pool of its own; ``close`` releases both."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        max_connections: int,
-        socket_timeout_s: float,
-        pool_timeout_s: float,
-        health_check_interval_s: float,
-    ) -> None:
-        self.pool = command_pool(
-            url,
-            max_connections=max_connections,
-            socket_timeout_s=socket_timeout_s,
-            pool_timeout_s=pool_timeout_s,
-            health_check_interval_s=health_check_interval_s,
-        )
+    def __init__(self, url: str, options: PoolOptions) -> None:
+        self.pool = command_pool(url, options)
         self.redis = Redis(connection_pool=self.pool)
 
     async def close(self) -> None:
@@ -94,22 +86,16 @@ class CommandClient:
         await self.pool.disconnect()
 
 
-def blocking_pool(
-    url: str,
-    *,
-    max_connections: int,
-    socket_timeout_s: float,
-    health_check_interval_s: float,
-) -> BlockingConnectionPool:
+def blocking_pool(url: str, max_connections: int, options: PoolOptions) -> BlockingConnectionPool:
     """Connections for blocking commands: no read timeout (the caller bounds each wait itself)."""
     return BlockingConnectionPool.from_url(
         url,
         max_connections=max_connections,
         timeout=None,
         socket_timeout=None,
-        socket_connect_timeout=socket_timeout_s,
+        socket_connect_timeout=options.socket_timeout_s,
         socket_keepalive=True,
-        health_check_interval=health_check_interval_s,
+        health_check_interval=options.health_check_interval_s,
         retry=_retry_once(),
     )
 

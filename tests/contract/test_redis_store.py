@@ -10,6 +10,7 @@ from redis.asyncio import Redis
 
 from batchwire.transport.base import TransportError
 from batchwire.transport.redis import RedisTaskStore
+from batchwire.transport.redis_pools import PoolOptions
 from schemas.codec import decode_state
 from schemas.records import TaskState, TaskStatus
 from schemas.wire import Names
@@ -103,7 +104,7 @@ async def test_close_ends_watchers_with_an_error(redis_url: str, names: Names) -
 
 
 async def test_unreachable_redis_fails_start_with_the_address(names: Names) -> None:
-    store = RedisTaskStore("redis://:secret@127.0.0.1:1/0", names, socket_timeout_s=0.5)
+    store = RedisTaskStore("redis://:secret@127.0.0.1:1/0", names, pool=PoolOptions(socket_timeout_s=0.5))
     with pytest.raises(TransportError, match=r"127\.0\.0\.1:1\b") as failure:
         await store.start()
     assert "secret" not in str(failure.value)
