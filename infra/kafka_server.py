@@ -18,8 +18,9 @@ from pathlib import Path
 from infra.errors import ServiceStartError
 from infra.kafka_dist import LOG4J_CONFIG, KafkaRuntime
 from infra.kafka_probe import wait_for_kafka
+from infra.loopback import LoopbackServer
 from infra.ports import LOOPBACK, free_port
-from infra.process import ServiceProcess, tail_text
+from infra.process import ServiceProcess
 
 # Measured on the 2-core dev box, launch to serving: G1 + C2 (JVM defaults) 2.9 s, G1 + C1 only
 # 2.3-2.7 s, SerialGC + C1 only 2.0 s, plus the CDS archive (infra.kafka_cds) 1.3 s. C1-only
@@ -75,7 +76,6 @@ BROKER_PROPERTIES: Mapping[str, str] = {
 
 DEFAULT_START_TIMEOUT_S = 60.0
 DEFAULT_STOP_TIMEOUT_S = 20.0
-_PORT_ATTEMPTS = 3
 _FORMAT_TIMEOUT_S = 120.0
 
 
@@ -105,11 +105,12 @@ def new_cluster_id() -> str:
     return base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
 
 
-class KafkaServer:
+class KafkaServer(LoopbackServer):
     """One broker process over a work folder (server.properties, data/, kafka.log).
 
-    Ports are fixed at construction, so `stop()` then `start()` brings back the same broker
-    on the same address with its data: what crash tests that restart Kafka under load need.
+    Ports are fixed at construction, so `stop()` (a clean shutdown) then `start()` brings back the
+    same broker on the same address with its data, and so does `kill()` (a crash; the broker
+    recovers from the same data): what crash tests that restart Kafka under load need.
     """
 
     def __init__(
@@ -124,17 +125,19 @@ class KafkaServer:
         broker_only_jvm_opts: Sequence[str] = (),
         extra_properties: Mapping[str, str] | None = None,
     ) -> None:
+        super().__init__(
+            ports_chosen_by_us=broker_port is None and controller_port is None,
+            start_timeout_s=DEFAULT_START_TIMEOUT_S,
+            stop_timeout_s=DEFAULT_STOP_TIMEOUT_S,
+        )
         self._runtime = runtime
         self._work_dir = work_dir
-        self._ports_chosen_by_us = broker_port is None and controller_port is None
         self._broker_port = broker_port if broker_port is not None else free_port()
         self._controller_port = controller_port if controller_port is not None else free_port()
         self._detached = detached
         self._jvm_opts = tuple(jvm_opts)
         self._broker_only_jvm_opts = tuple(broker_only_jvm_opts)
         self._extra_properties = dict(extra_properties or {})
-        self._process: ServiceProcess | None = None
-        self._has_served = False
 
     @property
     def bootstrap(self) -> str:
@@ -165,49 +168,9 @@ class KafkaServer:
     def log_path(self) -> Path:
         return self._work_dir / "kafka.log"
 
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
-
-    def is_running(self) -> bool:
-        return self._process is not None and self._process.is_alive()
-
-    def start(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
-        """Format storage if new, launch the JVM, return once clients can use the broker.
-
-        A fresh broker whose self-chosen ports were taken in the meantime retries on new ports;
-        a restart keeps its ports (clients hold the address) and fails instead.
-        """
-        if self.is_running():
-            return
-        deadline = time.monotonic() + timeout_s
-        attempts = _PORT_ATTEMPTS if self._ports_chosen_by_us and not self._has_served else 1
-        for attempt in range(1, attempts + 1):
-            try:
-                self._start_once(deadline)
-            except ServiceStartError:
-                if attempt == attempts or "Address already in use" not in self.log_tail():
-                    raise
-                shutil.rmtree(self.data_dir, ignore_errors=True)
-                self._broker_port, self._controller_port = free_port(), free_port()
-                continue
-            self._has_served = True
-            return
-
-    def stop(self, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> None:
-        """SIGTERM (the broker shuts down cleanly), SIGKILL if it takes over `timeout_s`."""
-        if self._process is not None:
-            self._process.terminate(timeout_s)
-            self._process = None
-
-    def kill(self) -> None:
-        """SIGKILL: a crash. `start()` afterwards recovers from the same data."""
-        if self._process is not None:
-            self._process.kill()
-            self._process = None
-
-    def log_tail(self, lines: int = 40) -> str:
-        return tail_text(self.log_path, lines)
+    def _choose_new_ports(self) -> None:
+        shutil.rmtree(self.data_dir, ignore_errors=True)  # formatted for the old controller address
+        self._broker_port, self._controller_port = free_port(), free_port()
 
     def _start_once(self, deadline: float) -> None:
         self._work_dir.mkdir(parents=True, exist_ok=True)

@@ -8,13 +8,13 @@ import time
 from pathlib import Path
 
 from infra.errors import ServiceStartError, ToolMissingError
+from infra.loopback import LoopbackServer
 from infra.ports import LOOPBACK, free_port
-from infra.process import ServiceProcess, tail_text
+from infra.process import ServiceProcess
 
 DEFAULT_START_TIMEOUT_S = 15.0
 DEFAULT_STOP_TIMEOUT_S = 10.0
 _POLL_INTERVAL_S = 0.02
-_PORT_ATTEMPTS = 3
 
 
 def find_redis_server() -> Path:
@@ -37,8 +37,9 @@ def redis_pings(port: int, host: str = LOOPBACK, timeout_s: float = 1.0) -> bool
         return False
 
 
-class RedisServer:
-    """One `redis-server` over a work folder (redis.log); same port across restarts."""
+class RedisServer(LoopbackServer):
+    """One `redis-server` over a work folder (redis.log); same port across restarts. No
+    persistence: after `stop()` or `kill()`, `start()` gives an empty server."""
 
     def __init__(
         self,
@@ -48,13 +49,15 @@ class RedisServer:
         detached: bool = False,
         binary: Path | None = None,
     ) -> None:
+        super().__init__(
+            ports_chosen_by_us=port is None,
+            start_timeout_s=DEFAULT_START_TIMEOUT_S,
+            stop_timeout_s=DEFAULT_STOP_TIMEOUT_S,
+        )
         self._work_dir = work_dir
-        self._port_chosen_by_us = port is None
         self._port = port if port is not None else free_port()
         self._detached = detached
         self._binary = binary
-        self._process: ServiceProcess | None = None
-        self._has_served = False
 
     @property
     def port(self) -> int:
@@ -69,41 +72,8 @@ class RedisServer:
     def log_path(self) -> Path:
         return self._work_dir / "redis.log"
 
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
-
-    def is_running(self) -> bool:
-        return self._process is not None and self._process.is_alive()
-
-    def start(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
-        """Launch and return once PING answers (retrying on a fresh port if ours was taken)."""
-        if self.is_running():
-            return
-        deadline = time.monotonic() + timeout_s
-        attempts = _PORT_ATTEMPTS if self._port_chosen_by_us and not self._has_served else 1
-        for attempt in range(1, attempts + 1):
-            try:
-                self._start_once(deadline)
-            except ServiceStartError:
-                if attempt == attempts or "Address already in use" not in tail_text(self.log_path):
-                    raise
-                self._port = free_port()
-                continue
-            self._has_served = True
-            return
-
-    def stop(self, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> None:
-        """SIGTERM (redis exits at once without persistence), SIGKILL after `timeout_s`."""
-        if self._process is not None:
-            self._process.terminate(timeout_s)
-            self._process = None
-
-    def kill(self) -> None:
-        """SIGKILL: a crash. All data is lost (no persistence); `start()` gives an empty server."""
-        if self._process is not None:
-            self._process.kill()
-            self._process = None
+    def _choose_new_ports(self) -> None:
+        self._port = free_port()
 
     def _argv(self) -> list[str]:
         binary = self._binary if self._binary is not None else find_redis_server()
@@ -139,6 +109,4 @@ class RedisServer:
         process.terminate(2.0)
         self._process = None
         why = "did not answer PING before the deadline" if running else "exited during start-up"
-        raise ServiceStartError(
-            f"redis-server on port {self._port} {why} (log: {self.log_path}):\n{tail_text(self.log_path)}"
-        )
+        raise ServiceStartError(f"redis-server on port {self._port} {why} (log: {self.log_path}):\n{self.log_tail()}")
