@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 
-from schemas.wire import Names
-from tests.e2e.harness import Cluster, Proc, embedded, wait_until
+from tests.e2e.harness import Cluster, Proc, embedded, launch
 
 
 @dataclass
@@ -30,33 +27,9 @@ class System:
         return [json.loads(line) for line in self.journal_path.read_text().splitlines() if line.strip()]
 
 
-def start_cluster(
-    base: Path,
-    infra: Any,
-    gateways: int = 2,
-    batchers: int = 1,
-    workers: int = 2,
-    sim_latency_ms: float = 100.0,
-    batcher_args: tuple[str, ...] = (),
-) -> Cluster:
-    namespace = f"e2e{uuid.uuid4().hex[:8]}"
-    cluster = Cluster(base, infra.kafka_bootstrap, infra.redis_url, namespace, sim_latency_ms=sim_latency_ms)
-    try:
-        for index in range(gateways):
-            cluster.gateway(index)
-        for index in range(batchers):
-            cluster.batcher(index, *batcher_args)
-        for index in range(workers):
-            cluster.worker(index)
-        client = redis.Redis.from_url(infra.redis_url)
-        credits = Names(namespace).credit_list("sim")
-        wait_until(lambda: client.llen(credits) >= workers, 60, f"{workers} idle workers to offer credits")
-        client.close()
-    except BaseException:
-        print(cluster.logs())
-        cluster.stop()
-        raise
-    return cluster
+def start_cluster(base: Path, infra: Any) -> Cluster:
+    """The shared multi-process system: two gateways, a batcher and two workers."""
+    return launch(base, infra.kafka_bootstrap, infra.redis_url, gateways=2)
 
 
 @pytest.fixture(scope="module", params=["embedded", "kafka"])
