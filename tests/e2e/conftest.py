@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.harness import Cluster, Proc, embedded, launch
+from tests.e2e.harness import Cluster, Proc, embedded, launch, stopped_after
 
 
 @dataclass
@@ -42,23 +42,15 @@ def system(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         proc.stop()
         return
     infra = request.getfixturevalue("infra")
-    cluster = start_cluster(base, infra)
-    yield System("kafka", cluster.gateway_urls, cluster.batch_log, cluster)
-    failed = request.session.testsfailed
-    cluster.stop()
-    if failed:
-        print(cluster.logs())
+    with stopped_after(request, start_cluster(base, infra)) as cluster:
+        yield System("kafka", cluster.gateway_urls, cluster.batch_log, cluster)
 
 
 @pytest.fixture(scope="module")
 def kafka_system(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
     base = tmp_path_factory.mktemp("kafka")
-    cluster = start_cluster(base, request.getfixturevalue("infra"))
-    yield System("kafka", cluster.gateway_urls, cluster.batch_log, cluster)
-    failed = request.session.testsfailed
-    cluster.stop()
-    if failed:
-        print(cluster.logs())
+    with stopped_after(request, start_cluster(base, request.getfixturevalue("infra"))) as cluster:
+        yield System("kafka", cluster.gateway_urls, cluster.batch_log, cluster)
 
 
 @pytest.fixture

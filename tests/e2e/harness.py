@@ -13,12 +13,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 
 def free_port() -> int:
@@ -234,6 +236,18 @@ def launch(
         cluster.stop()
         raise
     return cluster
+
+
+@contextmanager
+def stopped_after(request: pytest.FixtureRequest, cluster: Cluster) -> Iterator[Cluster]:
+    """Yields ``cluster`` to a fixture and stops it after, printing its logs if a test failed."""
+    try:
+        yield cluster
+    finally:
+        failed = request.session.testsfailed
+        cluster.stop()
+        if failed:
+            print(cluster.logs())
 
 
 def respawn(cluster: Cluster, proc: Proc) -> Proc:

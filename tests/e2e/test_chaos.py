@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.e2e.harness import Cluster, TerminalEvents, launch, respawn, task_states, wait_until
+from tests.e2e.harness import Cluster, TerminalEvents, launch, respawn, stopped_after, task_states, wait_until
 from tests.e2e.test_crashes import proc_named
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
@@ -64,14 +64,11 @@ class Timeline:
 
 @pytest.fixture
 def cluster(tmp_path: Path, infra: Any, request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    started = launch(
-        tmp_path, infra.kafka_bootstrap, infra.redis_url, gateways=2, batchers=2, workers=3, sim_latency_ms=100
-    )
-    yield started
-    failed = request.session.testsfailed
-    started.stop()
-    if failed:
-        print(started.logs())
+    with stopped_after(
+        request,
+        launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, gateways=2, batchers=2, workers=3, sim_latency_ms=100),
+    ) as started:
+        yield started
 
 
 def p99(values: list[float]) -> float:

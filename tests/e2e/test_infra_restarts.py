@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from infra.local_stack import LocalStack
-from tests.e2e.harness import Cluster, launch
+from tests.e2e.harness import Cluster, launch, stopped_after
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
@@ -33,14 +33,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
 
 @pytest.fixture
 def cluster(stack: LocalStack, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    started = launch(
-        tmp_path, stack.kafka_bootstrap, stack.redis_url, gateways=1, batchers=1, workers=2, sim_latency_ms=50
-    )
-    yield started
-    failed = request.session.testsfailed
-    started.stop()
-    if failed:
-        print(started.logs())
+    with stopped_after(
+        request,
+        launch(tmp_path, stack.kafka_bootstrap, stack.redis_url, gateways=1, batchers=1, workers=2, sim_latency_ms=50),
+    ) as started:
+        yield started
 
 
 @dataclass

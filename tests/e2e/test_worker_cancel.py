@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.harness import Cluster, launch, wait_until
+from tests.e2e.harness import Cluster, launch, stopped_after, wait_until
 from tests.e2e.test_crashes import logged
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
@@ -18,12 +18,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
 @pytest.fixture
 def cluster(tmp_path: Path, infra: Any, request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    started = launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, workers=1, sim_latency_ms=1500)
-    yield started
-    failed = request.session.testsfailed
-    started.stop()
-    if failed:
-        print(started.logs())
+    with stopped_after(
+        request, launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, workers=1, sim_latency_ms=1500)
+    ) as started:
+        yield started
 
 
 async def test_a_cancelled_task_is_never_run(cluster: Cluster) -> None:

@@ -43,6 +43,7 @@ from schemas.codec import (
 )
 from schemas.deadletter import DEAD_LETTER_KIND, DeadLetter, DeadLetterItem, decode_dead_letter, encode_dead_letter
 from schemas.records import Batch, BatchItem, Credit, InferenceRequest, TaskState, TaskStatus
+from tests.fuzz.avro_wire import varint
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -58,17 +59,6 @@ MAX_DECODE_BYTES = 1 << 20
 
 
 # wire helpers ---------------------------------------------------------------------------------------
-def varint(value: int) -> bytes:
-    """Avro's zig-zag varint of a long; values beyond 64 bits wrap as a writer's would."""
-    encoded = ((value << 1) ^ (value >> 63)) & (2**64 - 1)
-    out = bytearray()
-    while encoded > 0x7F:
-        out.append((encoded & 0x7F) | 0x80)
-        encoded >>= 7
-    out.append(encoded)
-    return bytes(out)
-
-
 HUGE = (2**31 - 1, 2**31, 2**32, 2**40, 2**53, 2**62, 2**63 - 1, -1, -(2**31), -(2**62), -(2**63))
 """Lengths, counts and indices far beyond any input: gigabytes, exabytes, and negatives."""
 

@@ -33,7 +33,8 @@ from schemas.codec import (
 from schemas.deadletter import DeadLetter, DeadLetterItem, encode_dead_letter
 from schemas.records import Batch, BatchItem, Credit, InferenceRequest, TaskState, TaskStatus
 from schemas.wire import Names
-from tests.e2e.harness import Cluster, launch
+from tests.e2e.harness import Cluster, launch, stopped_after
+from tests.fuzz.avro_wire import varint
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -44,24 +45,11 @@ REAL_REQUESTS = 24
 
 @pytest.fixture
 def cluster(tmp_path: Path, infra: Any, request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    started = launch(
-        tmp_path, infra.kafka_bootstrap, infra.redis_url, gateways=1, batchers=1, workers=1, sim_latency_ms=5
-    )
-    yield started
-    failed = request.session.testsfailed
-    started.stop()
-    if failed:
-        print(started.logs())
-
-
-def _varint(value: int) -> bytes:
-    encoded = ((value << 1) ^ (value >> 63)) & (2**64 - 1)
-    out = bytearray()
-    while encoded > 0x7F:
-        out.append((encoded & 0x7F) | 0x80)
-        encoded >>= 7
-    out.append(encoded)
-    return bytes(out)
+    with stopped_after(
+        request,
+        launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, gateways=1, batchers=1, workers=1, sim_latency_ms=5),
+    ) as started:
+        yield started
 
 
 def _garbage(rng: random.Random) -> Iterator[bytes | None]:
@@ -82,7 +70,7 @@ def _garbage(rng: random.Random) -> Iterator[bytes | None]:
         yield bytes(flipped)
     for _ in range(40):
         at = rng.randrange(3, len(request))
-        yield request[:at] + _varint(rng.choice([2**31, 2**40, 2**62, -1, -(2**40)])) + request[at + 1 :]
+        yield request[:at] + varint(rng.choice([2**31, 2**40, 2**62, -1, -(2**40)])) + request[at + 1 :]
     yield request + b"\x00"  # a trailing byte
     yield bytes((MAGIC, int(Kind.REQUEST), 99)) + request[3:]  # a schema version from the future
     yield encode_batch(Batch("b", "sim", "bt", 1, "size", None, (BatchItem("t", "in", 1, 2),)))
