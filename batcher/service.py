@@ -21,12 +21,14 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
+from batcher.express import ExpressLedger, Record
 from batcher.offsets import OffsetTracker
 from batcher.policy import BatchFormer, Pending, Taken
 from batcher.settings import BatcherSettings
 from batchwire import metrics
 from batchwire.retry import retry
 from batchwire.transport.base import (
+    EXPRESS,
     BatchProducer,
     CreditPool,
     Delivered,
@@ -63,6 +65,8 @@ class Batcher:
         self.clock = clock
         self.former: BatchFormer[InferenceRequest] = BatchFormer(settings.policy, clock)
         self.offsets = OffsetTracker()
+        self.express: ExpressLedger[InferenceRequest] = ExpressLedger()
+        self._commit_due = False
         self._wake: dict[str, asyncio.Event] = {}
         self._timer_wake = asyncio.Event()
         self._room = asyncio.Event()
@@ -126,6 +130,7 @@ class Batcher:
             await self._commit()
             dropped = self.former.drop_partitions(partitions)
             self.offsets.forget(partitions)
+            self.express.drop(partitions)
         log.info(
             "batcher %s gave up partitions %s (%d held requests go to their new owner)",
             self.settings.batcher_id,
@@ -145,6 +150,10 @@ class Batcher:
                 unknown = self._accept(records)
                 if unknown:
                     await self._fail_unknown(unknown)
+                if self._commit_due:  # records whose express copies were handed over already
+                    self._commit_due = False
+                    async with self._handover:
+                        await self._commit()
 
     def _accept(self, records: Sequence[Delivered[InferenceRequest]]) -> list[Delivered[InferenceRequest]]:
         """Feeds the accumulators; returns the requests for models this deployment does not serve."""
@@ -153,19 +162,32 @@ class Batcher:
         touched: set[str] = set()
         unknown: list[Delivered[InferenceRequest]] = []
         for record in records:
-            self.offsets.read(record.partition, record.offset)
             request = record.value
+            if record.offset == EXPRESS:  # a copy ahead of its Kafka record (batchwire.transport.express)
+                if request is None or (self.settings.models and request.model not in self.settings.models):
+                    continue  # its record is handled when it comes
+                pending = self._pending(request, record, now_s, now_ms)
+                if self.express.copy(request.task_id, pending):
+                    self.former.add(request.model, pending)
+                    touched.add(request.model)
+                continue
+            self.offsets.read(record.partition, record.offset)
             if request is None:
                 self.offsets.finish(record.partition, record.offset)
+                continue
+            matched = self.express.record(request.task_id, record.partition, record.offset)
+            if matched is Record.DONE:
+                self.offsets.finish(record.partition, record.offset)
+                self._commit_due = True
+                continue
+            if matched is Record.HELD:
                 continue
             if self.settings.models and request.model not in self.settings.models:
                 # No worker will ever take it: holding it would pin its partition's commit point
                 # until its deadline. (Gateways reject unknown models; this guards other producers.)
                 unknown.append(record)
                 continue
-            deadline_s = now_s + (request.deadline_ms - now_ms) / 1000.0
-            arrived_s = now_s - max(0, now_ms - request.enqueued_at_ms) / 1000.0
-            self.former.add(request.model, Pending(request, record.partition, record.offset, arrived_s, deadline_s))
+            self.former.add(request.model, self._pending(request, record, now_s, now_ms))
             touched.add(request.model)
         for model in touched:
             self._ensure_dispatcher(model)
@@ -176,6 +198,21 @@ class Batcher:
         if sum(self.former.held(m) for m in self.former.models()) >= self.settings.max_held:
             self._room.clear()
         return unknown
+
+    @staticmethod
+    def _pending(
+        request: InferenceRequest, record: Delivered[InferenceRequest], now_s: float, now_ms: int
+    ) -> Pending[InferenceRequest]:
+        deadline_s = now_s + (request.deadline_ms - now_ms) / 1000.0
+        arrived_s = now_s - max(0, now_ms - request.enqueued_at_ms) / 1000.0
+        return Pending(request, record.partition, record.offset, arrived_s, deadline_s)
+
+    def _finish(self, pending: Pending[InferenceRequest]) -> None:
+        """The request is on Kafka in a batch, or ended: its offset may be committed."""
+        if pending.offset == EXPRESS:
+            self.express.finished(pending.item.task_id)
+        else:
+            self.offsets.finish(pending.partition, pending.offset)
 
     async def _fail_unknown(self, records: list[Delivered[InferenceRequest]]) -> None:
         now = wall_ms()
@@ -291,7 +328,7 @@ class Batcher:
                     await asyncio.sleep(self.settings.send_retry_s)  # back off a failing bus, then try again
                     return
                 for pending in taken.items:
-                    self.offsets.finish(pending.partition, pending.offset)
+                    self._finish(pending)
                 self.batches_sent += 1
                 self._record(model, batch, taken)
                 await self._commit()
@@ -374,7 +411,7 @@ class Batcher:
             metrics.TASKS_ENDED.labels(model=request.model, status="expired").inc()
         await self._retry(f"storing {len(states)} expired task(s)", lambda: self.store.apply(states))
         for pending in expired:
-            self.offsets.finish(pending.partition, pending.offset)
+            self._finish(pending)
 
     async def _commit(self) -> None:
         offsets = self.offsets.committable()

@@ -87,6 +87,16 @@ def _gateway_opts(parser: argparse.ArgumentParser, default_port: int) -> None:
     _add(parser, "--api-keys-file", None, str, "file of API keys (or sha256:<hex> digests), one a line")
 
 
+def _express(parser: argparse.ArgumentParser) -> None:
+    _add(
+        parser,
+        "--express",
+        True,
+        _bool,
+        "over Kafka, also hand requests and batches on over Redis, a faster hop (Kafka keeps the record)",
+    )
+
+
 def _batcher_opts(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--policy", "work-conserving", str, "flush policy: work-conserving or classic (size-or-timeout)")
     _add(parser, "--max-batch", None, int, "items per batch at most (work-conserving: 100, classic: 32)")
@@ -131,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     _shared(gateway)
     _kafka_redis(gateway)
     _gateway_opts(gateway, 8000)
+    _express(gateway)
 
     batcher = sub.add_parser("batcher", help="a batcher process, over Kafka and Redis")
     _shared(batcher)
@@ -139,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(batcher, "--batcher-id", None, str, "unique id of this batcher (random when unset)")
     _add(batcher, "--metrics-port", 0, int, "serve Prometheus /metrics on this port (0: off)")
     _add(batcher, "--session-timeout-ms", 3000, int, "Kafka group session: a dead batcher's requests move after this")
+    _express(batcher)
 
     worker = sub.add_parser("worker", help="a GPU worker process, over Kafka and Redis")
     _shared(worker)

@@ -66,6 +66,8 @@ def gateway_settings(args: argparse.Namespace, shared: SharedSettings) -> Any:
         "rate_limit_per_s": args.rate_limit_per_s,
         "rate_limit_burst": args.rate_limit_burst,
     }
+    if hasattr(args, "express"):
+        kwargs["express"] = args.express
     if args.gateway_id:
         kwargs["gateway_id"] = args.gateway_id
     try:
@@ -199,6 +201,8 @@ class GatewayTransports:
 
     def __init__(self, shared: SharedSettings, settings: Any) -> None:
         from batchwire.routing import Partitioner
+        from batchwire.transport.base import RequestProducer
+        from batchwire.transport.express import ExpressRequestProducer, RedisExpress
         from batchwire.transport.kafka import KafkaRequestProducer
         from batchwire.transport.kafka_lag import KafkaQueueDepth
         from batchwire.transport.redis import RedisTaskStore
@@ -207,9 +211,10 @@ class GatewayTransports:
         self.shared = shared
         bootstrap = shared.require_kafka()
         redis_url = shared.require_redis()
-        self.producer = KafkaRequestProducer(
-            bootstrap, shared.names, Partitioner(shared.models, shared.request_partitions)
-        )
+        kafka = KafkaRequestProducer(bootstrap, shared.names, Partitioner(shared.models, shared.request_partitions))
+        self.producer: RequestProducer = kafka
+        if settings.express:
+            self.producer = ExpressRequestProducer(kafka, RedisExpress(redis_url, shared.names))
         self.store = RedisTaskStore(redis_url, shared.names, ttl_s=shared.result_ttl_s)
         self.queue_depth: KafkaQueueDepth | None = None
         if settings.max_queue_depth > 0:
@@ -329,6 +334,8 @@ def run_batcher(args: argparse.Namespace) -> int:
 
     async def main() -> int:
         from batcher.service import Batcher
+        from batchwire.transport.base import BatchProducer, RequestConsumer
+        from batchwire.transport.express import ExpressBatchProducer, ExpressRequestConsumer, RedisExpress
         from batchwire.transport.kafka import KafkaBatchProducer, KafkaRequestConsumer
         from batchwire.transport.redis import RedisCreditPool, RedisTaskStore
 
@@ -337,8 +344,14 @@ def run_batcher(args: argparse.Namespace) -> int:
         await _ensure_topics(shared, True, shared.models)
         store = RedisTaskStore(redis_url, shared.names, ttl_s=shared.result_ttl_s)
         credits = RedisCreditPool(redis_url, shared.names)
-        producer = KafkaBatchProducer(bootstrap, shared.names)
-        consumer = KafkaRequestConsumer(bootstrap, shared.names, session_timeout_ms=args.session_timeout_ms)
+        producer: BatchProducer = KafkaBatchProducer(bootstrap, shared.names)
+        if args.express:
+            producer = ExpressBatchProducer(producer, RedisExpress(redis_url, shared.names))
+        consumer: RequestConsumer = KafkaRequestConsumer(
+            bootstrap, shared.names, session_timeout_ms=args.session_timeout_ms
+        )
+        if args.express:
+            consumer = ExpressRequestConsumer(consumer, redis_url, shared.names)
         batcher = Batcher(settings, consumer, producer, credits, store)
 
         async def start() -> None:
@@ -374,6 +387,7 @@ def run_worker(args: argparse.Namespace) -> int:
     backend = make_backend(backend_settings(args), model)
 
     async def main() -> int:
+        from batchwire.transport.express import ExpressBatchConsumer, RedisExpress
         from batchwire.transport.kafka import KafkaBatchConsumer, KafkaDeadLetterProducer
         from batchwire.transport.redis import RedisCreditPool, RedisTaskStore
         from batchwire.transport.redis_deliveries import RedisDeliveryLog
@@ -389,7 +403,11 @@ def run_worker(args: argparse.Namespace) -> int:
         credits = RedisCreditPool(redis_url, names)
         deliveries = RedisDeliveryLog(redis_url, names, ttl_s=shared.result_ttl_s)
         dead_letters = KafkaDeadLetterProducer(bootstrap, names)
-        consumer = KafkaBatchConsumer(bootstrap, names, model, session_timeout_ms=args.session_timeout_ms)
+        consumer = ExpressBatchConsumer(  # batchers may send by Redis too (batcher --express)
+            KafkaBatchConsumer(bootstrap, names, model, session_timeout_ms=args.session_timeout_ms),
+            RedisExpress(redis_url, names),
+            settings.worker_id,
+        )
         journal = BatchJournal(args.batch_log) if args.batch_log else None
         worker = Worker(
             settings, consumer, credits, store, backend, journal, deliveries=deliveries, dead_letters=dead_letters

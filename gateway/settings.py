@@ -70,6 +70,9 @@ class GatewaySettings:
     through the store; beyond it: 429 + Retry-After. 0 turns rate limits off."""
     rate_limit_burst: int = 0
     """Submits a client may save up and send at once; 0 means one second's worth of the rate."""
+    express: bool = True
+    """Over Kafka: also publish each request to its batcher over Redis while load is light (a faster
+    hop than Kafka's; the Kafka record stays the one that counts). See ``batchwire.transport.express``."""
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     """sha256 hex digests of the accepted API keys (never the keys; ``gateway.auth.load_api_keys``
     turns keys into digests). Empty: no keys needed and every task is visible to every caller."""
@@ -143,6 +146,8 @@ def _check_types(settings: GatewaySettings) -> None:
             ok = isinstance(value, int) and not isinstance(value, bool)
         elif spec.type == "float":
             ok = isinstance(value, int | float) and not isinstance(value, bool) and value == value
+        elif spec.type == "bool":
+            ok = isinstance(value, bool)
         else:  # tuple[str, ...]
             ok = isinstance(value, tuple) and all(isinstance(item, str) for item in value)
         if not ok:

@@ -30,6 +30,10 @@ class Delivered(Generic[T_co]):
     offset: int
 
 
+EXPRESS = -1
+"""The offset (and, for a batch, the partition) of a record that came by an express copy over Redis,
+ahead of its Kafka record (``batchwire.transport.express``)."""
+
 PartitionsCallback = Callable[[frozenset[int]], Awaitable[None]]
 
 

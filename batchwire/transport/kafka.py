@@ -214,7 +214,11 @@ class KafkaRequestProducer:
 
     async def send(self, request: InferenceRequest) -> None:
         """Returns once the broker acknowledged the record."""
-        await self._producer.send(self.topic, self.partitioner.choose(request.model), encode_request(request))
+        await self.send_encoded(encode_request(request), self.partitioner.choose(request.model))
+
+    async def send_encoded(self, data: bytes, partition: int) -> None:
+        """``send`` for a request encoded already, to a partition chosen already."""
+        await self._producer.send(self.topic, partition, data)
 
     async def ready(self) -> bool:
         return await self._producer.ready(self.topic)

@@ -1,0 +1,238 @@
+"""Express copies over Redis beside the Kafka records, over the real Kafka broker and Redis.
+
+A batch runs once whichever copy comes first, the Kafka offset is committed for a batch run from
+the express list, and a batch Kafka refused is taken back from the list. A request's copy and
+record are batched once, and the record is committed after the copy's batch went out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from batcher.service import Batcher
+from batcher.settings import BatcherSettings
+from batchwire.routing import Partitioner
+from batchwire.transport.base import EXPRESS, Delivered
+from batchwire.transport.express import (
+    ExpressBatchConsumer,
+    ExpressBatchProducer,
+    ExpressRequestConsumer,
+    ExpressRequestProducer,
+    RedisExpress,
+)
+from batchwire.transport.kafka import KafkaBatchConsumer, KafkaBatchProducer, KafkaRequestConsumer, KafkaRequestProducer
+from batchwire.transport.memory import MemoryBatchBus, MemoryCreditPool, MemoryTaskStore
+from schemas.codec import encode_batch
+from schemas.records import Batch, BatchItem, Credit, InferenceRequest
+from schemas.wire import Names
+from tests.contract.conftest import Closer, ensure_topics, eventually
+
+pytestmark = [pytest.mark.kafka, pytest.mark.timeout(90)]
+
+MODEL = "alpha"
+WAIT_S = 30.0
+
+
+def batch(batch_id: str, worker: str = "w1") -> Batch:
+    now = int(time.time() * 1000)
+    items = (BatchItem(f"{batch_id}-0", "input", now, now + 30_000, "g1"),)
+    return Batch(batch_id, MODEL, "batcher-1", now, "idle_worker", credit=f"{worker}:1", items=items)
+
+
+class Kit:
+    def __init__(self, infra: Any, names: Names) -> None:
+        self.infra = infra
+        self.names = names
+        self.closer = Closer()
+
+    def express(self) -> RedisExpress:
+        return RedisExpress(self.infra.redis_url, self.names)
+
+    async def producer(self) -> ExpressBatchProducer:
+        producer = ExpressBatchProducer(KafkaBatchProducer(self.infra.kafka_bootstrap, self.names), self.express())
+        await producer.start()
+        return self.closer.add(producer)  # type: ignore[no-any-return]
+
+    async def consumer(self, worker: str = "w1") -> ExpressBatchConsumer:
+        kafka = KafkaBatchConsumer(self.infra.kafka_bootstrap, self.names, MODEL, heartbeat_interval_ms=500)
+        consumer = ExpressBatchConsumer(kafka, self.express(), worker, confirm_timeout_s=WAIT_S)
+        owned: set[int] = set()
+
+        async def assigned(partitions: frozenset[int]) -> None:
+            owned.update(partitions)
+
+        async def revoked(partitions: frozenset[int]) -> None:
+            owned.difference_update(partitions)
+
+        await consumer.start(assigned, revoked)
+        self.closer.add(consumer)
+        await eventually(lambda: bool(owned), "the worker to own the batch partition", WAIT_S)
+        return consumer
+
+
+@pytest.fixture
+async def kit(infra: Any, names: Names) -> AsyncIterator[Kit]:
+    await ensure_topics(infra.kafka_bootstrap, {names.batch_topic(MODEL): 1})
+    kit = Kit(infra, names)
+    yield kit
+    await kit.closer.close_all()
+
+
+async def test_a_batch_runs_once_from_the_express_list_and_its_kafka_offset_is_committed(kit: Kit) -> None:
+    worker = await kit.consumer()
+    producer = await kit.producer()
+    sent = batch("b1")
+    await producer.send(sent, 0)
+
+    delivered = await worker.next(WAIT_S)
+    assert delivered is not None
+    assert delivered.value == sent
+    assert delivered.partition == EXPRESS, "the express copy should win on an idle machine"
+    assert await worker.next(1.0) is None, "the Kafka copy of a batch that ran must not come again"
+    await worker.commit(delivered)  # waits for the Kafka copy, commits its offset
+    await worker.close()
+
+    later = batch("b2")
+    await producer.send(later, 0)
+    replacement = await kit.consumer("w2")  # another worker: gets only what Kafka still holds
+    resumed = await replacement.next(WAIT_S)
+    assert resumed is not None
+    assert resumed.value == later, f"b1 was committed; expected b2 next, got {resumed.value}"
+    assert resumed.partition == 0
+
+
+async def test_an_express_copy_that_comes_after_the_kafka_copy_is_dropped(kit: Kit) -> None:
+    worker = await kit.consumer()
+    kafka = KafkaBatchProducer(kit.infra.kafka_bootstrap, kit.names)
+    await kafka.start()
+    kit.closer.add(kafka)
+    sent = batch("b1")
+    await kafka.send(sent, 0)  # Kafka only, first
+
+    delivered = await worker.next(WAIT_S)
+    assert delivered is not None
+    assert (delivered.value, delivered.partition) == (sent, 0)
+    express = kit.express()
+    kit.closer.add(express)
+    await express.push("w1", encode_batch(sent))
+    assert await worker.next(1.0) is None, "a batch must run once, whichever copy comes first"
+    await worker.commit(delivered)
+
+
+async def test_a_batch_kafka_refuses_is_taken_back_from_the_express_list(kit: Kit) -> None:
+    producer = await kit.producer()
+    await producer.kafka.close()  # Kafka now refuses every send
+
+    with pytest.raises(Exception, match="not started"):
+        await producer.send(batch("b1", worker="idle-nobody-pops"), 0)
+    express = kit.express()
+    kit.closer.add(express)
+    assert await express.pop("idle-nobody-pops", 0.1) is None, "the refused batch stayed on the express list"
+
+
+async def test_a_restarted_worker_clears_what_its_list_held(kit: Kit) -> None:
+    express = kit.express()
+    kit.closer.add(express)
+    await express.push("w1", encode_batch(batch("stale")))
+
+    worker = await kit.consumer()
+    assert await worker.next(1.0) is None, "a stale express batch ran; its Kafka copy is the one to run"
+
+
+# requests: gateway -> batcher ------------------------------------------------------------------
+
+
+def request_consumer(kit: Kit) -> ExpressRequestConsumer:
+    return ExpressRequestConsumer(
+        KafkaRequestConsumer(kit.infra.kafka_bootstrap, kit.names, heartbeat_interval_ms=500),
+        kit.infra.redis_url,
+        kit.names,
+    )
+
+
+async def start_request_consumer(kit: Kit, partitions: int) -> ExpressRequestConsumer:
+    consumer = request_consumer(kit)
+    owned: set[int] = set()
+
+    async def assigned(parts: frozenset[int]) -> None:
+        owned.update(parts)
+
+    async def revoked(parts: frozenset[int]) -> None:
+        owned.difference_update(parts)
+
+    await consumer.start(assigned, revoked)
+    await eventually(lambda: len(owned) == partitions, "the batcher to own every request partition", WAIT_S)
+    return consumer
+
+
+async def request_producer(kit: Kit, partitions: int) -> ExpressRequestProducer:
+    kafka = KafkaRequestProducer(kit.infra.kafka_bootstrap, kit.names, Partitioner((MODEL,), partitions))
+    producer = ExpressRequestProducer(kafka, kit.express())
+    await producer.start()
+    return kit.closer.add(producer)  # type: ignore[no-any-return]
+
+
+def request(task_id: str) -> InferenceRequest:
+    now = int(time.time() * 1000)
+    return InferenceRequest(task_id, MODEL, "input", now, now + 30_000, "g1")
+
+
+async def test_a_request_comes_as_an_express_copy_and_as_its_kafka_record(kit: Kit) -> None:
+    await ensure_topics(kit.infra.kafka_bootstrap, {kit.names.request_topic: 2})
+    consumer = kit.closer.add(await start_request_consumer(kit, 2))
+    producer = await request_producer(kit, 2)
+    sent = request("t1")
+    await producer.send(sent)
+
+    got: list[Delivered[InferenceRequest]] = []
+    async with asyncio.timeout(WAIT_S):
+        while len(got) < 2:
+            got.extend(await consumer.fetch(1.0, 100))
+    assert [d.value for d in got] == [sent, sent]
+    assert sorted(d.offset == EXPRESS for d in got) == [False, True], f"one copy and one record, got {got}"
+    assert got[0].partition == got[1].partition
+
+
+async def test_the_batcher_batches_a_request_once_and_commits_its_record(kit: Kit) -> None:
+    await ensure_topics(kit.infra.kafka_bootstrap, {kit.names.request_topic: 1})
+    consumer = request_consumer(kit)
+    batches = MemoryBatchBus(1)
+    credits = MemoryCreditPool()
+    batcher = Batcher(BatcherSettings(models=(MODEL,)), consumer, batches, credits, MemoryTaskStore())
+    await batcher.start()
+    try:
+        await eventually(lambda: consumer.assignment() == {0}, "the batcher to own the request partition", WAIT_S)
+        worker = batches.consumer(0)
+        now = int(time.time() * 1000)
+        await credits.offer(Credit("w1", MODEL, 0, 1, now, now + 60_000, max_batch=100))
+        await credits.offer(Credit("w2", MODEL, 0, 1, now, now + 60_000, max_batch=100))
+        producer = await request_producer(kit, 1)
+        sent = request("t1")
+        await producer.send(sent)
+
+        delivered = await worker.next(WAIT_S)
+        assert delivered is not None and delivered.value is not None
+        assert [item.task_id for item in delivered.value.items] == ["t1"]
+        await eventually(lambda: batcher.offsets.committed_at(0) == 1, "the request's offset to be committed")
+        assert await worker.next(1.0) is None, "the request was batched twice (copy and record)"
+    finally:
+        await batcher.close()
+
+    again = KafkaRequestConsumer(kit.infra.kafka_bootstrap, kit.names, heartbeat_interval_ms=500)
+    kit.closer.add(again)
+    await again.start(nothing, nothing)
+    records: list[Delivered[InferenceRequest]] = []
+    async with asyncio.timeout(WAIT_S):
+        while not again.assignment():
+            records.extend(await again.fetch(0.2, 100))
+    records.extend(await again.fetch(1.0, 100))
+    assert records == [], "the request's offset was not committed after its batch went out"
+
+
+async def nothing(partitions: frozenset[int]) -> None:
+    return None
