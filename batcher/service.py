@@ -27,6 +27,7 @@ from batcher.policy import BatchFormer, Pending, Taken
 from batcher.settings import BatcherSettings
 from batchwire import metrics
 from batchwire.retry import retry
+from batchwire.routing import Partitioner
 from batchwire.transport.base import (
     EXPRESS,
     BatchProducer,
@@ -74,6 +75,11 @@ class Batcher:
         self._handover = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
         self._dispatchers: dict[str, asyncio.Task[None]] = {}
+        self._own_partitions: dict[str, frozenset[int]] = {}
+        if settings.request_partitions > 0 and settings.keep_credit_s > 0:
+            partitioner = Partitioner(settings.models, settings.request_partitions)
+            self._own_partitions = {m: frozenset(partitioner.partitions_for(m)) for m in settings.models}
+        self._keep_after: dict[str, float] = {}
         self._stopping = False
         self.failure: BaseException | None = None
         self.failed = asyncio.Event()
@@ -259,23 +265,66 @@ class Batcher:
 
     # dispatch ----------------------------------------------------------------------------------
     async def _dispatch_loop(self, model: str) -> None:
+        kept: Credit | None = None
+        try:
+            while True:
+                if not self.former.ready(model):
+                    kept = await self._idle(model, kept)
+                    continue
+                claimed_from_s: float | None = None  # a kept credit was there before the items
+                credit, kept = kept, None
+                if credit is None:
+                    claimed_from_s = self.clock()
+                    credit = await self._claim(model)
+                    if credit is None:
+                        continue
+                metrics.IDLE_WORKERS.labels(model=model).set(0)
+                hold_s = self.former.reserve_s(model, credit.busy_ms / 1000.0, claimed_from_s)
+                if hold_s > 0:
+                    credit = await self._hold(model, credit, hold_s)
+                await self._send(model, credit)
+        finally:
+            if kept is not None:
+                await self._offer_back(kept)
+
+    async def _claim(self, model: str) -> Credit | None:
+        return await self._retry(
+            f"claiming a credit for {model}", lambda: self.credits.claim(model, self.settings.claim_timeout_s)
+        )
+
+    async def _idle(self, model: str, kept: Credit | None) -> Credit | None:
+        """Waits until ``model`` has something to send; returns the credit kept in hand meanwhile.
+
+        Only a batcher that owns all of the model's request partitions keeps one (see
+        ``BatcherSettings.request_partitions``), and not for long: the credit goes back to the pool
+        well before its worker would renew it.
+        """
         wake = self._wake[model]
-        while True:
-            if not self.former.ready(model):
-                wake.clear()
+        wake.clear()
+        if kept is None and self._may_keep(model):
+            kept = await self._claim(model)  # blocks while every worker is busy, like any claim
+            if kept is None or self.former.ready(model):
+                return kept
+        if kept is None:
+            await wake.wait()
+            return None
+        keep_s = min(self.settings.keep_credit_s, (kept.expires_at_ms - wall_ms()) / 4000.0)
+        try:
+            async with asyncio.timeout(keep_s):
                 await wake.wait()
-                continue
-            claimed_from_s = self.clock()
-            credit = await self._retry(
-                f"claiming a credit for {model}", lambda: self.credits.claim(model, self.settings.claim_timeout_s)
-            )
-            if credit is None:
-                continue
-            metrics.IDLE_WORKERS.labels(model=model).set(0)
-            hold_s = self.former.reserve_s(model, credit.busy_ms / 1000.0, claimed_from_s)
-            if hold_s > 0:
-                credit = await self._hold(model, credit, hold_s)
-            await self._send(model, credit)
+            return kept
+        except TimeoutError:
+            self._keep_after[model] = self.clock() + 0.1  # a credit near its renewal is not taken again at once
+            await self._offer_back(kept)
+            return None
+
+    def _may_keep(self, model: str) -> bool:
+        owned = self._own_partitions.get(model)
+        return (
+            owned is not None
+            and owned <= self.consumer.assignment()
+            and self.clock() >= self._keep_after.get(model, float("-inf"))
+        )
 
     async def _hold(self, model: str, credit: Credit, hold_s: float) -> Credit:
         """Keeps an idle worker in reserve for a fresh arrival (see ``BatchFormer.reserve_s``).

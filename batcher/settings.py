@@ -26,6 +26,13 @@ class BatcherSettings:
     """Longest pause between tries while Kafka or Redis is unreachable."""
     models: tuple[str, ...] = ()
     """The served models; a request for another one fails at once (empty: take any model)."""
+    request_partitions: int = 0
+    """Partitions of the request topic (``batchwire.routing``). When this batcher owns all of a
+    model's partitions, no other batcher can need that model's workers, so while it has nothing to
+    send it keeps one idle worker's credit in hand: a request that arrives then goes out without
+    the round trip of a claim. 0: unknown, never keep one."""
+    keep_credit_s: float = 1.0
+    """Longest time a kept credit is held before it goes back to the pool (0: keep none)."""
 
     def __post_init__(self) -> None:
         if self.max_held < self.policy.max_batch:

@@ -41,8 +41,12 @@ def _policy(args: argparse.Namespace) -> FlushPolicy:
         raise SettingsError(f"{err} (--policy is work-conserving or classic)") from err
 
 
-def batcher_settings(args: argparse.Namespace) -> BatcherSettings:
-    kwargs: dict[str, Any] = {"policy": _policy(args), "models": tuple(args.models)}
+def batcher_settings(args: argparse.Namespace, request_partitions: int = 0) -> BatcherSettings:
+    kwargs: dict[str, Any] = {
+        "policy": _policy(args),
+        "models": tuple(args.models),
+        "request_partitions": request_partitions,
+    }
     if getattr(args, "batcher_id", None):
         kwargs["batcher_id"] = args.batcher_id
     return BatcherSettings(**kwargs)
@@ -330,7 +334,7 @@ def _metrics_server(port: int) -> None:
 
 def run_batcher(args: argparse.Namespace) -> int:
     shared = shared_settings(args)
-    settings = batcher_settings(args)
+    settings = batcher_settings(args, shared.request_partitions)
 
     async def main() -> int:
         from batcher.service import Batcher
