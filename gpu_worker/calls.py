@@ -7,11 +7,11 @@ call is not an input's failure: ``BackendHung`` goes up to the worker, which giv
 
 from __future__ import annotations
 
-import time
+from dataclasses import dataclass, field
 
 from batchwire import metrics
 from gpu_worker.backends.base import Backend, InputError
-from gpu_worker.runner import BackendHung, BackendRunner
+from gpu_worker.runner import BackendHung, BackendRunner, Timing
 
 
 class Failure:
@@ -24,6 +24,18 @@ class Failure:
         self.message = message
 
 
+@dataclass(slots=True)
+class Ran:
+    """A group's outputs (or failures) by input index, and when its backend calls began and ended."""
+
+    results: dict[int, str | Failure] = field(default_factory=dict)
+    first: Timing = field(default_factory=Timing)
+    """The first call's timing, set by the backend's thread when it starts (the worker reads it to
+    time its next credit)."""
+    started: float | None = None
+    ended: float | None = None
+
+
 class BackendCalls:
     def __init__(self, backend: Backend, runner: BackendRunner, model: str, worker_id: str) -> None:
         self.backend = backend
@@ -31,41 +43,44 @@ class BackendCalls:
         self.model = model
         self.worker_id = worker_id
 
-    async def run(self, inputs: list[str]) -> dict[int, str | Failure]:
-        """Outputs (or failures) by input index."""
-        results: dict[int, str | Failure] = {}
+    async def run(self, inputs: list[str], ran: Ran | None = None) -> Ran:
+        """Outputs (or failures) by input index, filled into ``ran`` (a new one by default)."""
+        ran = Ran() if ran is None else ran
         rejected: dict[int, InputError] = self.backend.input_errors(inputs)
         for index, err in rejected.items():
-            results[index] = Failure(err.code, str(err))
+            ran.results[index] = Failure(err.code, str(err))
         todo = [index for index in range(len(inputs)) if index not in rejected]
         if todo:
-            await self._bisect(inputs, todo, results)
-        return results
+            await self._bisect(inputs, todo, ran)
+        return ran
 
-    async def _bisect(self, inputs: list[str], indices: list[int], results: dict[int, str | Failure]) -> None:
+    async def _bisect(self, inputs: list[str], indices: list[int], ran: Ran) -> None:
         try:
-            outputs = await self._call([inputs[i] for i in indices])
+            outputs = await self._call([inputs[i] for i in indices], ran)
         except BackendHung:
             raise
         except Exception as err:
             if len(indices) == 1:
-                results[indices[0]] = Failure("backend_error", f"the model failed on this input: {err}")
+                ran.results[indices[0]] = Failure("backend_error", f"the model failed on this input: {err}")
                 return
             middle = len(indices) // 2
-            await self._bisect(inputs, indices[:middle], results)
-            await self._bisect(inputs, indices[middle:], results)
+            await self._bisect(inputs, indices[:middle], ran)
+            await self._bisect(inputs, indices[middle:], ran)
             return
         for index, output in zip(indices, outputs, strict=True):
-            results[index] = output
+            ran.results[index] = output
 
-    async def _call(self, inputs: list[str]) -> list[str]:
-        start = time.perf_counter()
+    async def _call(self, inputs: list[str], ran: Ran) -> list[str]:
+        timing = ran.first if ran.started is None else Timing()
         try:
-            outputs = await self.runner.call(self.backend.batchstring, inputs)
+            outputs = (await self.runner.call_timed(self.backend.batchstring, inputs, timing=timing)).value
         finally:
-            elapsed = time.perf_counter() - start
-            metrics.BACKEND_CALL.labels(model=self.model, backend=self.backend.name).observe(elapsed)
-            metrics.WORKER_BUSY.labels(worker=self.worker_id).inc(elapsed)
+            if timing.started is not None and timing.ended is not None:  # thread times: not the queueing
+                elapsed = timing.ended - timing.started
+                metrics.BACKEND_CALL.labels(model=self.model, backend=self.backend.name).observe(elapsed)
+                metrics.WORKER_BUSY.labels(worker=self.worker_id).inc(elapsed)
+                ran.started = timing.started if ran.started is None else ran.started
+                ran.ended = timing.ended
         if len(outputs) != len(inputs):
             raise RuntimeError(f"backend returned {len(outputs)} outputs for {len(inputs)} inputs")
         return outputs

@@ -15,7 +15,8 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -39,7 +40,22 @@ class BackendHung(Exception):
         self.limit_s = limit_s
 
 
-_Job = tuple[Callable[..., Any], tuple[Any, ...], "Future[Any]"]
+@dataclass(slots=True)
+class Timing:
+    """When a call really ran, set by the backend's thread (a call may wait behind the one before)."""
+
+    started: float | None = None
+    ended: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Timed(Generic[T]):
+    value: T
+    started: float
+    ended: float
+
+
+_Job = tuple[Callable[..., Any], tuple[Any, ...], "Future[Any]", Timing]
 
 
 class BackendRunner:
@@ -84,19 +100,22 @@ class BackendRunner:
             job = self._jobs.get()
             if job is None:
                 return
-            fn, args, future = job
+            fn, args, future, timing = job
             if not future.set_running_or_notify_cancel():
                 continue
+            timing.started = self.clock()
             try:
                 result = fn(*args)
             except BaseException as err:  # handed to the awaiting coroutine, which decides
+                timing.ended = self.clock()
                 future.set_exception(err)
             else:
+                timing.ended = self.clock()
                 future.set_result(result)
 
-    def _submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    def _submit(self, fn: Callable[..., T], *args: Any, timing: Timing | None = None) -> asyncio.Future[T]:
         future: Future[T] = Future()
-        self._jobs.put((fn, args, future))
+        self._jobs.put((fn, args, future, Timing() if timing is None else timing))
         wrapped = asyncio.wrap_future(future)
         # A call given up on (hung, or its caller cancelled) may still end in an error nobody awaits.
         wrapped.add_done_callback(_retrieve)
@@ -108,21 +127,34 @@ class BackendRunner:
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs ``fn`` on the thread; raises ``BackendHung`` once it overruns the limit (it keeps running)."""
+        return (await self.call_timed(fn, *args)).value
+
+    async def call_timed(self, fn: Callable[..., T], *args: Any, timing: Timing | None = None) -> Timed[T]:
+        """``call``, with when it ran. Calls queue in order: one submitted while another runs starts the
+        moment that one ends, with no wait for the event loop, and its limit counts from then."""
         if self.hung:
             raise BackendHung(0.0, 0.0, self.expected_s)
         limit = self.limit_s()
-        started = self.clock()
-        running = self._submit(fn, *args)
+        timing = Timing() if timing is None else timing
+        running = self._submit(fn, *args, timing=timing)
         try:
-            result = await asyncio.wait_for(asyncio.shield(running), limit)
-        except TimeoutError:
-            self.hung = True
-            raise BackendHung(self.clock() - started, limit or 0.0, self.expected_s) from None
-        except Exception:
-            self._observe(self.clock() - started)
-            raise
-        self._observe(self.clock() - started)
-        return result
+            while True:
+                since = timing.started if timing.started is not None else self.clock()
+                try:
+                    result = await asyncio.wait_for(
+                        asyncio.shield(running), None if limit is None else since + limit - self.clock()
+                    )
+                    break
+                except TimeoutError:
+                    if timing.started is not None and self.clock() - timing.started >= (limit or 0.0):
+                        self.hung = True
+                        raise BackendHung(self.clock() - timing.started, limit or 0.0, self.expected_s) from None
+                    # still queued behind the call before, which is under a limit of its own
+        finally:
+            if timing.started is not None and timing.ended is not None:
+                self._observe(timing.ended - timing.started)
+        assert timing.started is not None and timing.ended is not None  # set by the thread before the result
+        return Timed(result, timing.started, timing.ended)
 
     def _observe(self, elapsed_s: float) -> None:
         if self.ewma_s is None:

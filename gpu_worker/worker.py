@@ -2,9 +2,11 @@
 
 The worker announces that it is idle by offering a credit (see ``batcher.service``), and offers
 the next one ``credit_lead_ms`` before the running call is expected to end (or when it ends, if
-sooner), so the next batch is formed and travels while the GPU finishes this one: back to back,
-the GPU waits for neither the batcher nor the bus. The lead is short next to a call, so a batch
-sent against an early credit waits at most about that long, and only when the estimate is right.
+sooner), so the next batch is formed and travels while the GPU finishes this one. That batch is
+admitted (its tasks move to ``running``) and its call queued on the backend's thread at once, so
+the thread starts it the moment the running call returns: back to back, the GPU waits for neither
+the batcher, the bus, nor an event loop busy with the last batch's answers. The lead is short next
+to a call, so a batch sent against an early credit waits at most about that long.
 
 The blocking backend runs in a thread of its own (``runner.BackendRunner``): the event
 loop keeps heartbeats, credits and shutdown working while the GPU computes, and a call that hangs
@@ -29,7 +31,9 @@ import contextlib
 import functools
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 from batchwire import metrics
@@ -44,7 +48,7 @@ from batchwire.transport.deliveries import (
 )
 from gpu_worker import careful
 from gpu_worker.backends.base import Backend
-from gpu_worker.calls import BackendCalls, Failure
+from gpu_worker.calls import BackendCalls, Failure, Ran
 from gpu_worker.journal import BatchJournal
 from gpu_worker.runner import BackendHung, BackendRunner
 from gpu_worker.settings import WorkerSettings
@@ -90,12 +94,14 @@ class Worker:
         self._seq = 0
         self._task: asyncio.Task[None] | None = None
         self._finishing: asyncio.Task[None] | None = None
+        self._runs: deque[_Run] = deque()
+        """Batches whose backend calls run or wait on the thread, oldest first (at most two)."""
+        self._handling = False
         self._idle = asyncio.Event()
         self._idle.set()
         self._stopping = False
         self._abandon = False
         self._credit_failures = 0
-        self._offering_early = False
         self.failure: BaseException | None = None
         self.failed = asyncio.Event()
         """Set when a background loop crashed (or the backend hung): the process supervisor should exit."""
@@ -136,7 +142,10 @@ class Worker:
                 )
             self._abandon = True
             self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            runs = [run.task for run in self._runs]
+            for task in runs:
+                task.cancel()  # given back uncommitted: the next owner runs them
+            await asyncio.gather(self._task, *runs, return_exceptions=True)
             self._task = None
         if self._finishing is not None:  # results being stored when the drain ran out: one last try
             await asyncio.gather(self._finishing, return_exceptions=True)
@@ -220,30 +229,28 @@ class Worker:
         if self._stopping:  # close() withdrew while this offer was on its way
             await self._withdraw()
 
-    def _offer_ahead(self) -> asyncio.Task[None] | None:
-        """Offers the next credit ``credit_lead_ms`` before the call now starting should end."""
-        expected_s = self.runner.expected_s
+    async def _until_free_soon(self) -> None:
+        """Returns once the backend is idle, or runs one call expected to end within the lead."""
         lead_s = self.settings.credit_lead_ms / 1000
-        if lead_s <= 0 or expected_s is None or expected_s <= lead_s:
-            return None
-        self._offering_early = False
-        return asyncio.create_task(self._offer_after(expected_s - lead_s), name=f"{self.settings.worker_id}-offer")
-
-    async def _offer_after(self, delay_s: float) -> None:
-        await asyncio.sleep(delay_s)
-        self._offering_early = True
-        await self._offer()
-
-    async def _settle(self, early: asyncio.Task[None]) -> None:
-        """Ends an early offer: cancelled while it waits, awaited once it is talking to the pool."""
-        if not self._offering_early:
-            early.cancel()
-        await asyncio.gather(early, return_exceptions=True)
+        while self._runs:
+            oldest = self._runs[0]
+            expected_s = self.runner.expected_s
+            started = oldest.ran.first.started
+            wait_s: float | None = None  # until the oldest run ends
+            if len(self._runs) == 1 and lead_s > 0 and expected_s is not None and expected_s > lead_s:
+                if started is None:
+                    wait_s = 0.001  # its call is being handed to the thread
+                else:
+                    wait_s = started + expected_s - lead_s - self.runner.clock()
+                    if wait_s <= 0:
+                        return
+            await asyncio.wait([oldest.task], timeout=wait_s)
 
     # the loop ----------------------------------------------------------------------------------
     async def _loop(self) -> None:
         failures = 0
         while not self._stopping:
+            await self._until_free_soon()
             await self._offer()
             try:
                 delivered = await self.consumer.next(self.settings.poll_timeout_s)
@@ -259,11 +266,17 @@ class Worker:
             if self._stopping:  # fetched while shutting down: left uncommitted for the next owner
                 log.info("worker %s: stopping; batch at %d/%d goes to the next owner", *self._where(delivered))
                 return
+            self._handling = True
             self._idle.clear()
             try:
                 await self._handle(delivered)
             finally:
-                self._idle.set()
+                self._handling = False
+                self._note_idle()
+
+    def _note_idle(self) -> None:
+        if not self._handling and not self._runs:
+            self._idle.set()
 
     def _where(self, delivered: Delivered[Batch]) -> tuple[str, int, int]:
         return self.settings.worker_id, delivered.partition, delivered.offset
@@ -283,24 +296,34 @@ class Worker:
         self._credit = None
         if batch is None:
             log.warning("worker %s: undecodable batch at partition %d offset %d skipped", *self._where(delivered))
+            await self._backend_free()
             await self._previous_finished()  # commits go in offset order
             await self._commit(delivered)
             self.batches_done += 1
             return
         try:
-            states = await self._process(batch)
+            await self._process(delivered, batch)
         except BackendHung as err:
-            self.hung_batch = batch
-            with contextlib.suppress(TransportError, TimeoutError):
-                async with asyncio.timeout(2.0):
-                    await self.deliveries.note(batch.batch_id, f"worker {self.settings.worker_id}: {err}")
+            await self._hung(batch, err)
             raise
-        # The results are stored (and the batch committed) by a task of their own, which a
-        # cancellation does not cut in half, while the loop goes on to the next batch at once: on a
-        # busy event loop, waiting for the store first would leave the GPU idle for as long.
+
+    async def _hung(self, batch: Batch, err: BackendHung) -> None:
+        self.hung_batch = batch
+        with contextlib.suppress(TransportError, TimeoutError):
+            async with asyncio.timeout(2.0):
+                await self.deliveries.note(batch.batch_id, f"worker {self.settings.worker_id}: {err}")
+
+    def _store(self, delivered: Delivered[Batch], batch: Batch, states: list[TaskState]) -> None:
+        """Stores the results (and commits the batch) in a task of their own, which a cancellation does
+        not cut in half, while the loop goes on: on a busy event loop, waiting for the store first
+        would leave the GPU idle for as long."""
         self._finishing = asyncio.create_task(self._finish(delivered, batch, states, self._finishing))
         self._finishing.add_done_callback(self._finished)
-        await self._offer()
+
+    async def _backend_free(self) -> None:
+        """Waits until no call runs or waits on the backend's thread (their results then get stored)."""
+        while self._runs:
+            await asyncio.wait([self._runs[0].task])
 
     async def _previous_finished(self) -> None:
         """Waits until the batch before has been stored and committed (its failure ends the loop)."""
@@ -313,8 +336,27 @@ class Worker:
         self.failure = task.exception()
         self.failed.set()
         log.error("worker %s could not store a batch's results: %r", self.settings.worker_id, self.failure)
+        self._stop_taking()
+
+    def _stop_taking(self) -> None:
         if self._task is not None:
             self._task.cancel()  # take no further batch
+        for run in self._runs:
+            run.task.cancel()  # a queued call never starts: its batch goes back uncommitted
+
+    def _ran(self, task: asyncio.Task[None]) -> None:
+        self._runs = deque(run for run in self._runs if run.task is not task)
+        self._note_idle()
+        if task.cancelled() or task.exception() is None or self.failure is not None:
+            return
+        self.failure = task.exception()
+        self.failed.set()
+        err = self.failure
+        if isinstance(err, BackendHung):
+            log.error("worker %s stops: %s", self.settings.worker_id, err)
+        else:
+            log.error("worker %s: a batch run failed: %r", self.settings.worker_id, err)
+        self._stop_taking()
 
     async def _finish(
         self,
@@ -343,8 +385,9 @@ class Worker:
             log.warning("worker %s: commit of batch at %d/%d failed: %s", *self._where(delivered), err)
 
     # one batch ---------------------------------------------------------------------------------
-    async def _process(self, batch: Batch) -> list[TaskState]:
-        """Runs the batch; returns the states still to store (a careful run stores as it goes)."""
+    async def _process(self, delivered: Delivered[Batch], batch: Batch) -> None:
+        """Admits the batch, then queues a first delivery's call behind the running one (``_runs``); a
+        redelivered batch runs carefully once the backend is free. The results are stored after."""
         now = wall_ms()
         metrics.BATCH_WAIT.labels(model=batch.model).observe(max(0, now - batch.created_at_ms) / 1000.0)
         expired = Failure(
@@ -361,16 +404,28 @@ class Worker:
             self._admit(batch, [item for item in batch.items if item.deadline_ms > now]),
         )
         if todo and count == 1:
-            early = self._offer_ahead()
-            try:
-                ended.extend(await self._run_group(batch, todo, count))
-            finally:
-                if early is not None:
-                    await self._settle(early)
-        elif todo:
+            ran = Ran()
+            task = asyncio.create_task(self._run(delivered, batch, todo, ended, ran), name=f"run-{batch.batch_id}")
+            self._runs.append(_Run(task, ran))
+            task.add_done_callback(self._ran)
+            await asyncio.sleep(0)  # let it hand its call to the thread before the loop goes on
+            return
+        if todo:
+            await self._backend_free()  # one call at a time: the careful run waits for the running one
             await self._run_careful(batch, todo, count)
         self._count(batch, ended)
-        return ended
+        self._store(delivered, batch, ended)
+
+    async def _run(
+        self, delivered: Delivered[Batch], batch: Batch, todo: list[BatchItem], ended: list[TaskState], ran: Ran
+    ) -> None:
+        try:
+            ended.extend(await self._run_group(batch, todo, 1, ran))
+        except BackendHung as err:
+            await self._hung(batch, err)
+            raise
+        self._count(batch, ended)
+        self._store(delivered, batch, ended)
 
     async def _admit(self, batch: Batch, live: list[BatchItem]) -> list[BatchItem]:
         """Moves the live items to ``running`` before any reaches the backend; drops those already ended."""
@@ -394,16 +449,17 @@ class Worker:
             )
         return [item for item in live if item.task_id not in ended]
 
-    async def _run_group(self, batch: Batch, items: list[BatchItem], delivery: int) -> list[TaskState]:
-        start = time.monotonic()
-        results = await self.calls.run([item.input for item in items])
-        end = time.monotonic()
+    async def _run_group(
+        self, batch: Batch, items: list[BatchItem], delivery: int, ran: Ran | None = None
+    ) -> list[TaskState]:
+        ran = await self.calls.run([item.input for item in items], ran)
+        results = ran.results
         self.batches_run += 1
         outcome = "ok" if all(isinstance(r, str) for r in results.values()) else "partial"
         metrics.WORKER_BATCHES.labels(worker=self.settings.worker_id, outcome=outcome).inc()
-        if self.journal is not None:
-            ids = [item.task_id for item in items]
-            self.journal.record(self.settings.worker_id, batch.batch_id, ids, start, end, outcome, delivery)
+        if self.journal is not None and ran.started is not None and ran.ended is not None:
+            ids = [item.task_id for item in items]  # the thread's times: a call may have waited behind another
+            self.journal.record(self.settings.worker_id, batch.batch_id, ids, ran.started, ran.ended, outcome, delivery)
         states = []
         for index, item in enumerate(items):
             result = results[index]
@@ -482,6 +538,13 @@ class Worker:
             worker_id=self.settings.worker_id,
             reply_to=item.reply_to,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    task: asyncio.Task[None]
+    ran: Ran
+    """Filled as the call runs: ``ran.first.started`` is when the thread began it."""
 
 
 def _ordinal(n: int) -> str:
