@@ -305,6 +305,10 @@ class Batcher:
             kept = await self._claim(model)  # blocks while every worker is busy, like any claim
             if kept is None or self.former.ready(model):
                 return kept
+            if kept.frees_at_ms > wall_ms():  # a busy worker's early credit: an idle one may come first
+                self._keep_after[model] = self.clock() + (kept.frees_at_ms - wall_ms()) / 1000.0
+                await self._offer_back(kept)
+                kept = None
         if kept is None:
             await wake.wait()
             return None

@@ -121,6 +121,7 @@ def _worker_opts(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--hang-min-s", 5.0, float, "the hang limit is never shorter than this")
     _add(parser, "--expected-latency-ms", None, float, "expected backend call latency (default: moving average)")
     _add(parser, "--credit-lead-ms", 15.0, float, "offer the next credit this long before the call should end (0: off)")
+    _add(parser, "--credit-lead-full-ms", 40.0, float, "the lead while batches are at least half full (0: off)")
     _add(parser, "--drain-timeout-s", 30.0, float, "on SIGTERM, how long the batch in hand may still run")
     _add(parser, "--sim-hang-on", None, str, "sim backend (fault tests): hang forever on an input containing this")
     _add(parser, "--sim-crash-on", None, str, "sim backend (fault tests): exit 70 at once on an input containing this")

@@ -115,6 +115,7 @@ def worker_settings(args: argparse.Namespace, model: str, worker_id: str | None 
         "hang_min_s": args.hang_min_s,
         "expected_latency_ms": args.expected_latency_ms,
         "credit_lead_ms": args.credit_lead_ms,
+        "credit_lead_full_ms": args.credit_lead_full_ms,
         "drain_timeout_s": args.drain_timeout_s,
     }
     if worker_id:

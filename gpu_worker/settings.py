@@ -30,6 +30,11 @@ class WorkerSettings:
     credit_lead_ms: float = 15.0
     """Offer the next credit this long before the running call is expected to end (0: when it ends),
     so the next batch is formed and travels while the GPU finishes."""
+    credit_lead_full_ms: float = 40.0
+    """The lead while the running batch holds at least half of the backend's max batch. Then the GPU
+    is the bottleneck and the hand-over is slowest (the process is busy): a batch that comes late
+    idles the GPU, and the requests that miss it would have waited for a worker anyway. At light
+    load a long lead would seal batches early for nothing, so ``credit_lead_ms`` applies."""
     drain_timeout_s: float = 30.0
     """On shutdown, how long the batch in hand may take before it is handed back uncommitted."""
     retry_max_s: float = 2.0
@@ -45,9 +50,10 @@ class WorkerSettings:
                 f"hang_factor must be >= 0 (0: off) and hang_min_s > 0, got {self.hang_factor} and {self.hang_min_s} "
                 "(BATCHWIRE_HANG_FACTOR, BATCHWIRE_HANG_MIN_S)"
             )
-        if self.credit_lead_ms < 0:
+        if self.credit_lead_ms < 0 or self.credit_lead_full_ms < 0:
             raise ValueError(
-                f"credit_lead_ms must be >= 0 (0: off), got {self.credit_lead_ms} (BATCHWIRE_CREDIT_LEAD_MS)"
+                f"credit_lead_ms and credit_lead_full_ms must be >= 0 (0: off), got {self.credit_lead_ms} and "
+                f"{self.credit_lead_full_ms} (BATCHWIRE_CREDIT_LEAD_MS, BATCHWIRE_CREDIT_LEAD_FULL_MS)"
             )
         if self.expected_latency_ms is not None and self.expected_latency_ms <= 0:
             raise ValueError(

@@ -212,6 +212,7 @@ class Worker:
             expires_at_ms=now + int(self.settings.credit_ttl_s * 1000),
             max_batch=self.backend.max_batch,
             busy_ms=round((self.runner.expected_s or 0.0) * 1000),
+            free_at_ms=now + round(self._busy_for_s() * 1000),
         )
         try:
             await self.credits.offer(credit)
@@ -229,11 +230,25 @@ class Worker:
         if self._stopping:  # close() withdrew while this offer was on its way
             await self._withdraw()
 
+    def _busy_for_s(self) -> float:
+        """How long until the backend should be idle: 0 unless an early credit is being offered."""
+        expected_s = self.runner.expected_s
+        if not self._runs or expected_s is None:
+            return 0.0
+        started = self._runs[-1].ran.first.started
+        if started is None:
+            return expected_s
+        return max(0.0, started + expected_s - self.runner.clock())
+
+    def _lead_s(self, run: _Run) -> float:
+        full = 2 * run.size >= (self.backend.max_batch or 0) > 0
+        return (self.settings.credit_lead_full_ms if full else self.settings.credit_lead_ms) / 1000
+
     async def _until_free_soon(self) -> None:
         """Returns once the backend is idle, or runs one call expected to end within the lead."""
-        lead_s = self.settings.credit_lead_ms / 1000
         while self._runs:
             oldest = self._runs[0]
+            lead_s = self._lead_s(oldest)
             expected_s = self.runner.expected_s
             started = oldest.ran.first.started
             wait_s: float | None = None  # until the oldest run ends
@@ -406,7 +421,7 @@ class Worker:
         if todo and count == 1:
             ran = Ran()
             task = asyncio.create_task(self._run(delivered, batch, todo, ended, ran), name=f"run-{batch.batch_id}")
-            self._runs.append(_Run(task, ran))
+            self._runs.append(_Run(task, ran, len(todo)))
             task.add_done_callback(self._ran)
             await asyncio.sleep(0)  # let it hand its call to the thread before the loop goes on
             return
@@ -545,6 +560,7 @@ class _Run:
     task: asyncio.Task[None]
     ran: Ran
     """Filled as the call runs: ``ran.first.started`` is when the thread began it."""
+    size: int
 
 
 def _ordinal(n: int) -> str:

@@ -88,6 +88,14 @@ class Credit:
     """Largest batch the worker's backend takes; 0 when it sets no limit of its own."""
     busy_ms: int = 0
     """The worker's recent backend call duration (moving average); 0 before its first call."""
+    free_at_ms: int = 0
+    """When the worker expects to be idle: now when it is, its running call's expected end when it
+    offers early (``--credit-lead-ms``). Claims take the credit that frees soonest."""
+
+    @property
+    def frees_at_ms(self) -> int:
+        """``free_at_ms``, or ``issued_at_ms`` for a credit from a writer that did not set it."""
+        return self.free_at_ms or self.issued_at_ms
 
     @property
     def ref(self) -> str:

@@ -50,8 +50,9 @@ class Names:
     def reply_channel(self, gateway_id: str) -> str:
         return f"{self.namespace}:reply:{gateway_id}"
 
-    def credit_list(self, model: str) -> str:
-        return f"{self.namespace}:credits:{model}"
+    def credit_queue(self, model: str) -> str:
+        """Idle workers' credits: a sorted set scored by when each worker frees."""
+        return f"{self.namespace}:idle:{model}"
 
     def express_list(self, worker_id: str) -> str:
         """A worker's express copies of the batches sent to it (``batchwire.transport.express``)."""

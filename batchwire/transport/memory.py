@@ -197,7 +197,8 @@ class MemoryBatchConsumer:
 
 
 class MemoryCreditPool:
-    """FIFO credits per model; a waiting claimer gets the next credit offered, in arrival order."""
+    """Credits per model, the soonest to free claimed first (``Credit.frees_at_ms``; FIFO among equals);
+    a waiting claimer gets the next credit offered, in arrival order."""
 
     def __init__(self) -> None:
         self._credits: dict[str, deque[Credit]] = {}
@@ -218,7 +219,11 @@ class MemoryCreditPool:
             if not waiter.done():
                 waiter.set_result(credit)
                 return
-        self._credits.setdefault(credit.model, deque()).append(credit)
+        credits = self._credits.setdefault(credit.model, deque())
+        at = len(credits)
+        while at > 0 and credits[at - 1].frees_at_ms > credit.frees_at_ms:
+            at -= 1
+        credits.insert(at, credit)
 
     async def withdraw(self, credit: Credit) -> None:
         credits = self._credits.get(credit.model)

@@ -1,11 +1,13 @@
-"""Idle workers' credits in Redis: one list per model, offered at the tail, claimed from the head.
+"""Idle workers' credits in Redis: one sorted set per model, scored by when each worker frees.
 
-BLPOP hands each credit to exactly one claimer (Redis pops atomically), and waiting claimers are
-served in arrival order, like the in-memory pool.
+BZPOPMIN hands each credit to exactly one claimer (Redis pops atomically): the one whose worker is
+idle longest, or frees soonest (a busy worker offers its next credit a little before its call
+ends, scored at that end), and waiting claimers are served in arrival order, like the in-memory
+pool.
 
 Cancellation: a claim runs in a task owned by the pool and the caller awaits it shielded. If the
-caller is cancelled while BLPOP is in flight, the BLPOP finishes and a credit it pops goes back to
-the head of the list. Only ``close()`` cuts a BLPOP short, and a credit popped in that instant is
+caller is cancelled while BZPOPMIN is in flight, it finishes and a credit it pops goes back with
+its score. Only ``close()`` cuts a BZPOPMIN short, and a credit popped in that instant is
 lost; workers re-offer their credit periodically, so a lost credit idles its worker at most until
 the credit expires.
 """
@@ -29,7 +31,7 @@ from schemas.wire import Names
 
 log = logging.getLogger(__name__)
 
-# Redis reads a BLPOP timeout of 0 as "forever"; shorter waits are rounded up to this.
+# Redis reads a BZPOPMIN timeout of 0 as "forever"; shorter waits are rounded up to this.
 _MIN_BLOCK_S = 0.001
 
 
@@ -47,12 +49,12 @@ CREDITS_POOL = PoolOptions(max_connections=8)  # offers, withdrawals and non-blo
 
 
 class RedisCreditPool:
-    """``CreditPool`` over Redis lists (``names.credit_list(model)``) of Avro-encoded credits.
+    """``CreditPool`` over Redis sorted sets (``names.credit_queue(model)``) of Avro-encoded credits.
 
     ``max_claimers`` connections are reserved for blocking claims (one per concurrently claiming
     batcher loop, typically one per model); more concurrent claims wait for a connection within
-    their own timeout. Each list is capped at ``max_credits`` (oldest dropped), so credits re-offered
-    for a model nobody claims cannot grow it without bound.
+    their own timeout. Each set is capped at ``max_credits`` (the longest idle dropped), so credits
+    re-offered for a model nobody claims cannot grow it without bound.
     """
 
     def __init__(
@@ -95,25 +97,25 @@ class RedisCreditPool:
         await self._blocking_pool.disconnect()
 
     async def offer(self, credit: Credit) -> None:
-        key = self.names.credit_list(credit.model)
+        key = self.names.credit_queue(credit.model)
         try:
             async with self._client.pipeline(transaction=False) as pipe:
-                pipe.rpush(key, encode_credit(credit))
-                pipe.ltrim(key, -self.max_credits, -1)
+                pipe.zadd(key, {encode_credit(credit): credit.frees_at_ms})
+                pipe.zremrangebyrank(key, 0, -self.max_credits - 1)
                 await pipe.execute()
         except RedisError as err:
             raise translate(f"offering credit {credit.worker_id}/{credit.seq} for {credit.model}", err) from err
 
     async def withdraw(self, credit: Credit) -> None:
         try:
-            await self._client.lrem(self.names.credit_list(credit.model), 0, encode_credit(credit))  # type: ignore[arg-type]
+            await self._client.zrem(self.names.credit_queue(credit.model), encode_credit(credit))
         except RedisError as err:
             raise translate(f"withdrawing credit {credit.worker_id}/{credit.seq} for {credit.model}", err) from err
 
     async def idle(self, model: str) -> int:
-        """Credits waiting in the list, expired ones included until a claim drops them."""
+        """Credits waiting in the set, expired ones included until a claim drops them."""
         try:
-            return int(await self._client.llen(self.names.credit_list(model)))
+            return int(await self._client.zcard(self.names.credit_queue(model)))
         except RedisError as err:
             raise translate(f"counting credits for {model}", err) from err
 
@@ -152,12 +154,12 @@ class RedisCreditPool:
 
     async def _hand_back(self, credit: Credit) -> None:
         try:
-            await self._client.lpush(self.names.credit_list(credit.model), encode_credit(credit))
+            await self._client.zadd(self.names.credit_queue(credit.model), {encode_credit(credit): credit.frees_at_ms})
         except RedisError as err:
             log.warning("could not hand back credit %s/%s for %s: %s", credit.worker_id, credit.seq, credit.model, err)
 
     async def _claim(self, model: str, timeout_s: float, state: _Claim) -> Credit | None:
-        key = self.names.credit_list(model)
+        key = self.names.credit_queue(model)
         deadline = time.monotonic() + timeout_s
         while True:
             raw = await self._pop(key, deadline - time.monotonic())
@@ -176,22 +178,26 @@ class RedisCreditPool:
             return credit
 
     async def _pop(self, key: str, remaining_s: float) -> bytes | None:
-        """One credit's bytes: BLPOP while time remains, else one last non-blocking LPOP."""
+        """One credit's bytes: BZPOPMIN while time remains, else one last non-blocking ZPOPMIN."""
         try:
             if remaining_s <= 0:
-                raw = await self._client.lpop(key)
-                return _as_bytes(raw) if isinstance(raw, (bytes, str)) else None
+                got = await self._client.zpopmin(key)
+                return _as_bytes(got[0][0]) if got else None  # [(member, score)]
             async with asyncio.timeout(remaining_s + self.claim_grace_s):
-                popped = await self._blocking.blpop([key], timeout=max(remaining_s, _MIN_BLOCK_S))
+                popped = await self._blocking.bzpopmin([key], timeout=max(remaining_s, _MIN_BLOCK_S))
         except TimeoutError as err:
             raise TransportError(
-                f"BLPOP {key} got no answer within {remaining_s + self.claim_grace_s:.1f} s: Redis is "
+                f"BZPOPMIN {key} got no answer within {remaining_s + self.claim_grace_s:.1f} s: Redis is "
                 "unreachable, or more claims run at once than max_claimers connections"
             ) from err
         except RedisError as err:
             raise translate(f"claiming a credit from {key}", err) from err
-        return None if popped is None else _as_bytes(popped[1])
+        return None if popped is None else _as_bytes(popped[1])  # (key, member, score)
 
 
-def _as_bytes(value: bytes | str) -> bytes:
-    return value if isinstance(value, bytes) else value.encode()
+def _as_bytes(value: object) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    raise TransportError(f"expected a credit's bytes from Redis, got {value!r}")

@@ -1,4 +1,4 @@
-"""CreditPool contract: FIFO per model, each credit claimed once, expired credits never handed out."""
+"""CreditPool contract: the soonest-free worker first, each credit claimed once, expired credits never handed out."""
 
 from __future__ import annotations
 
@@ -15,21 +15,37 @@ pytestmark = pytest.mark.timeout(60)
 WAIT_S = 10.0
 
 
-def credit(worker: str, seq: int = 1, model: str = "alpha", ttl_ms: int = 60_000, partition: int = 0) -> Credit:
-    now = int(time.time() * 1000)
+def credit(
+    worker: str, seq: int = 1, model: str = "alpha", ttl_ms: int = 60_000, partition: int = 0, age_ms: int = 0
+) -> Credit:
+    now = int(time.time() * 1000) - age_ms
     return Credit(worker, model, partition, seq, now, now + ttl_ms)
 
 
-async def test_claims_are_first_in_first_out(make_pool: PoolFactory) -> None:
+async def test_the_longest_idle_worker_is_claimed_first(make_pool: PoolFactory) -> None:
     pool = await make_pool()
-    offered = [credit(f"w{i}", partition=i) for i in range(3)]
-    for item in offered:
+    offered = [credit(f"w{i}", partition=i, age_ms=30 - 10 * i) for i in range(3)]
+    for item in reversed(offered):
         await pool.offer(item)
     assert await pool.idle("alpha") == 3
 
     claimed = [await pool.claim("alpha", 1.0) for _ in offered]
     assert claimed == offered
     assert await pool.idle("alpha") == 0
+
+
+async def test_a_worker_that_frees_sooner_is_claimed_before_one_still_busy(make_pool: PoolFactory) -> None:
+    """A busy worker offers its next credit early, scored at its call's expected end: an idle
+    worker's credit offered after it still goes first."""
+    pool = await make_pool()
+    now = int(time.time() * 1000)
+    early = Credit("busy", "alpha", 0, 1, now, now + 60_000, free_at_ms=now + 40)
+    idle = Credit("idle", "alpha", 1, 1, now + 5, now + 60_000, free_at_ms=now + 5)
+    await pool.offer(early)
+    await pool.offer(idle)
+
+    assert await pool.claim("alpha", 1.0) == idle
+    assert await pool.claim("alpha", 1.0) == early
 
 
 async def test_models_have_separate_pools(make_pool: PoolFactory) -> None:

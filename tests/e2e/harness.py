@@ -228,8 +228,8 @@ def launch(
         for index in range(gateways):
             cluster.gateway(index)
         client = redis.Redis.from_url(redis_url)
-        credits = Names(namespace).credit_list("sim")
-        wait_until(lambda: client.llen(credits) >= workers, 60, f"{workers} idle workers to offer credits")
+        credits = Names(namespace).credit_queue("sim")
+        wait_until(lambda: client.zcard(credits) >= workers, 60, f"{workers} idle workers to offer credits")
         client.close()
     except BaseException:
         print(cluster.logs())

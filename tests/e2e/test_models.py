@@ -28,9 +28,9 @@ pytestmark = pytest.mark.slow
 
 def _wait_for_credits(redis_url: str, namespace: str, model: str, count: int, timeout_s: float = 120) -> None:
     client = redis.Redis.from_url(redis_url)
-    key = Names(namespace).credit_list(model)
+    key = Names(namespace).credit_queue(model)
     try:
-        wait_until(lambda: client.llen(key) >= count, timeout_s, f"{count} idle {model} workers")
+        wait_until(lambda: client.zcard(key) >= count, timeout_s, f"{count} idle {model} workers")
     finally:
         client.close()
 

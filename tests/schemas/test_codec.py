@@ -21,7 +21,7 @@ def test_every_record_round_trips() -> None:
     assert codec.decode_request(codec.encode_request(request)) == request
     batch = Batch("b1", "sim", "batcher-1", 1, "idle_worker", "w:3", (BatchItem.of(request), BatchItem.of(request)))
     assert codec.decode_batch(codec.encode_batch(batch)) == batch
-    credit = Credit("w", "sim", 3, 7, 1, 2, max_batch=32)
+    credit = Credit("w", "sim", 3, 7, 1, 2, max_batch=32, free_at_ms=3)
     assert codec.decode_credit(codec.encode_credit(credit)) == credit
     state = TaskState("t1", TaskStatus.FAILED, "sim", 5, 1, error_code="backend_error", error_message="boom")
     assert codec.decode_state(codec.encode_state(state)) == state
@@ -45,6 +45,17 @@ def test_the_current_reader_reads_records_written_by_the_previous_version() -> N
     )
     decoded = codec.decode_request(buf.getvalue())
     assert decoded == InferenceRequest("old", "sim", "abc", 1, 2, None, owner=None), "new fields take their defaults"
+
+
+def test_a_credit_from_a_v1_worker_frees_at_its_issue_time() -> None:
+    v1 = fastavro.parse_schema(json.loads((AVRO / "credit.v1.avsc").read_text()))
+    buf = io.BytesIO()
+    buf.write(bytes((MAGIC, Kind.CREDIT, 1)))
+    old = {"worker_id": "w", "model": "sim", "partition": 0, "seq": 1, "issued_at_ms": 5, "expires_at_ms": 9}
+    fastavro.schemaless_writer(buf, v1, {**old, "max_batch": 0, "busy_ms": 0})
+    decoded = codec.decode_credit(buf.getvalue())
+    assert decoded == Credit("w", "sim", 0, 1, 5, 9)
+    assert decoded.frees_at_ms == 5, "an old worker's credit is idle from when it was offered"
 
 
 @pytest.mark.parametrize(
