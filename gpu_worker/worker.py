@@ -425,8 +425,10 @@ class Worker:
             task.add_done_callback(self._ran)
             await asyncio.sleep(0)  # let it hand its call to the thread before the loop goes on
             return
+        # A careful run waits for the running call (one at a time), and every batch's results are
+        # stored after those of the batches before it (commits go in offset order).
+        await self._backend_free()
         if todo:
-            await self._backend_free()  # one call at a time: the careful run waits for the running one
             await self._run_careful(batch, todo, count)
         self._count(batch, ended)
         self._store(delivered, batch, ended)

@@ -10,6 +10,7 @@ from gpu_worker.backends.base import BackendError, InputError
 from gpu_worker.settings import WorkerSettings
 from gpu_worker.worker import Worker
 from schemas.records import Batch, BatchItem, TaskState, TaskStatus
+from tests.worker.rig import Rig, ScriptedBackend
 
 
 class PoisonBackend:
@@ -155,5 +156,28 @@ async def test_the_next_credit_is_offered_before_the_running_call_ends() -> None
         assert claimed_at < first_end, "the credit was claimed before the first call ended"
         assert second_start - first_end < 0.2, f"the second batch waited {second_start - first_end:.3f} s"
         assert worker.batches_run == 2
+    finally:
+        await worker.close()
+
+
+async def test_a_batch_that_needs_no_call_is_stored_after_the_one_still_running() -> None:
+    """Results are stored (and batches committed) in the order batches came, even when a later batch
+    needs no backend call while an earlier one still runs."""
+    rig = Rig()
+    await rig.listen()
+    worker = await rig.worker(ScriptedBackend(latency_s=0.4), expected_latency_ms=400, credit_lead_ms=300)
+    try:
+        running = rig.batch(["a"], "b1")
+        await rig.create(running)
+        await rig.send(running)
+        now = now_ms()
+        late = Batch("b2", "sim", "test", now, "idle_worker", None, (BatchItem("t9", "z", now, now - 1, "gw"),))
+        await rig.create(late)
+        await rig.send(late)
+
+        ended = await rig.ended(["t0", "t9"])
+        assert ended["t0"].status is TaskStatus.COMPLETED and ended["t9"].status is TaskStatus.EXPIRED
+        order = list(rig.replies)
+        assert order.index("t0") < order.index("t9"), f"b2 was stored before b1, which ran first: {order}"
     finally:
         await worker.close()
