@@ -68,6 +68,8 @@ class Batcher:
         self.offsets = OffsetTracker()
         self.express: ExpressLedger[InferenceRequest] = ExpressLedger()
         self._commit_due = False
+        self._commit_wanted = False
+        self._committer: asyncio.Task[None] | None = None
         self._wake: dict[str, asyncio.Event] = {}
         self._timer_wake = asyncio.Event()
         self._room = asyncio.Event()
@@ -108,6 +110,8 @@ class Batcher:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
         self._dispatchers.clear()
+        if self._committer is not None:
+            await asyncio.gather(self._committer, return_exceptions=True)
         await self._commit()
         await self.consumer.close()
 
@@ -158,8 +162,7 @@ class Batcher:
                     await self._fail_unknown(unknown)
                 if self._commit_due:  # records whose express copies were handed over already
                     self._commit_due = False
-                    async with self._handover:
-                        await self._commit()
+                    self._commit_soon()
 
     def _accept(self, records: Sequence[Delivered[InferenceRequest]]) -> list[Delivered[InferenceRequest]]:
         """Feeds the accumulators; returns the requests for models this deployment does not serve."""
@@ -384,7 +387,7 @@ class Batcher:
                     self._finish(pending)
                 self.batches_sent += 1
                 self._record(model, batch, taken)
-                await self._commit()
+                self._commit_soon()
             finally:
                 await asyncio.gather(marking, return_exceptions=True)
         if self.former.held(model) < self.settings.max_held:
@@ -465,6 +468,19 @@ class Batcher:
         await self._retry(f"storing {len(states)} expired task(s)", lambda: self.store.apply(states))
         for pending in expired:
             self._finish(pending)
+
+    def _commit_soon(self) -> None:
+        """Commits in a task of its own, so the next hand-over need not wait for the round trip
+        (committing what is finished is safe at any time: those requests are on Kafka in batches).
+        Requests coalesce: one commit in flight, and one more after it if anything finished meanwhile."""
+        self._commit_wanted = True
+        if self._committer is None or self._committer.done():
+            self._committer = asyncio.create_task(self._guard(self._commit_while_wanted()), name="batcher-commit")
+
+    async def _commit_while_wanted(self) -> None:
+        while self._commit_wanted:
+            self._commit_wanted = False
+            await self._commit()
 
     async def _commit(self) -> None:
         offsets = self.offsets.committable()

@@ -252,7 +252,7 @@ class Worker:
             expected_s = self.runner.expected_s
             started = oldest.ran.first.started
             wait_s: float | None = None  # until the oldest run ends
-            if len(self._runs) == 1 and lead_s > 0 and expected_s is not None and expected_s > lead_s:
+            if len(self._runs) == 1 and lead_s > 0 and expected_s is not None:
                 if started is None:
                     wait_s = 0.001  # its call is being handed to the thread
                 else:
