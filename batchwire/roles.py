@@ -207,7 +207,8 @@ class GatewayTransports:
     def __init__(self, shared: SharedSettings, settings: Any) -> None:
         from batchwire.routing import Partitioner
         from batchwire.transport.base import RequestProducer
-        from batchwire.transport.express import ExpressRequestProducer, RedisExpress
+        from batchwire.transport.express import RedisExpress
+        from batchwire.transport.express_requests import ExpressRequestProducer
         from batchwire.transport.kafka import KafkaRequestProducer
         from batchwire.transport.kafka_lag import KafkaQueueDepth
         from batchwire.transport.redis import RedisTaskStore
@@ -340,7 +341,9 @@ def run_batcher(args: argparse.Namespace) -> int:
     async def main() -> int:
         from batcher.service import Batcher
         from batchwire.transport.base import BatchProducer, RequestConsumer
-        from batchwire.transport.express import ExpressBatchProducer, ExpressRequestConsumer, RedisExpress
+        from batchwire.transport.express import RedisExpress
+        from batchwire.transport.express_batches import ExpressBatchProducer
+        from batchwire.transport.express_requests import ExpressRequestConsumer
         from batchwire.transport.kafka import KafkaBatchProducer, KafkaRequestConsumer
         from batchwire.transport.redis import RedisCreditPool, RedisTaskStore
 
@@ -392,7 +395,8 @@ def run_worker(args: argparse.Namespace) -> int:
     backend = make_backend(backend_settings(args), model)
 
     async def main() -> int:
-        from batchwire.transport.express import ExpressBatchConsumer, RedisExpress
+        from batchwire.transport.express import RedisExpress
+        from batchwire.transport.express_batches import ExpressBatchConsumer
         from batchwire.transport.kafka import KafkaBatchConsumer, KafkaDeadLetterProducer
         from batchwire.transport.redis import RedisCreditPool, RedisTaskStore
         from batchwire.transport.redis_deliveries import RedisDeliveryLog

@@ -18,13 +18,9 @@ from batcher.service import Batcher
 from batcher.settings import BatcherSettings
 from batchwire.routing import Partitioner
 from batchwire.transport.base import EXPRESS, Delivered
-from batchwire.transport.express import (
-    ExpressBatchConsumer,
-    ExpressBatchProducer,
-    ExpressRequestConsumer,
-    ExpressRequestProducer,
-    RedisExpress,
-)
+from batchwire.transport.express import RedisExpress
+from batchwire.transport.express_batches import ExpressBatchConsumer, ExpressBatchProducer
+from batchwire.transport.express_requests import ExpressRequestConsumer, ExpressRequestProducer
 from batchwire.transport.kafka import KafkaBatchConsumer, KafkaBatchProducer, KafkaRequestConsumer, KafkaRequestProducer
 from batchwire.transport.memory import MemoryBatchBus, MemoryCreditPool, MemoryTaskStore
 from schemas.codec import encode_batch

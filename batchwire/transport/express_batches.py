@@ -1,0 +1,262 @@
+"""Batches both ways (batcher -> worker): the Kafka record and an express copy to the claiming worker's list.
+
+See ``batchwire.transport.express`` for why and what stays true.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict, deque
+
+from batchwire.retry import pause, retry
+from batchwire.transport.base import (
+    EXPRESS,
+    BatchConsumer,
+    BatchProducer,
+    Delivered,
+    PartitionsCallback,
+    TransportError,
+)
+from batchwire.transport.express import RedisExpress
+from schemas.codec import CodecError, decode_batch, encode_batch
+from schemas.records import Batch, Credit
+
+log = logging.getLogger(__name__)
+
+
+class ExpressBatchProducer:
+    """``BatchProducer``: the Kafka copy, and an express copy to the worker the batch's credit names."""
+
+    def __init__(self, kafka: BatchProducer, express: RedisExpress, *, retry_max_s: float = 2.0) -> None:
+        self.kafka = kafka
+        self.express = express
+        self.retry_max_s = retry_max_s
+
+    async def start(self) -> None:
+        await self.express.start()
+        await self.kafka.start()
+
+    async def close(self) -> None:
+        await self.kafka.close()
+        await self.express.close()
+
+    async def send(self, batch: Batch, partition: int) -> None:
+        if batch.credit is None:
+            await self.kafka.send(batch, partition)
+            return
+        worker = Credit.worker_of(batch.credit)
+        data = encode_batch(batch)
+        # The copy first, then the record: on a small machine the broker's work for the record would
+        # otherwise compete for the CPU with the copy's hop and the worker's start.
+        pushed = await self._push(worker, data)
+        try:
+            await self.kafka.send(batch, partition)
+        except TransportError as err:
+            if not pushed or await self._retract(worker, data):
+                raise
+            log.warning(
+                "Kafka refused batch %s (%s); its worker runs it already, so sending it again", batch.batch_id, err
+            )
+            await retry(
+                log,
+                "express",
+                f"sending batch {batch.batch_id} to Kafka",
+                lambda: self.kafka.send(batch, partition),
+                self.retry_max_s,
+            )
+
+    async def _push(self, worker: str, data: bytes) -> bool:
+        try:
+            await self.express.push(worker, data)
+        except TransportError as err:  # Kafka's copy still gets there
+            log.debug("express copy to %s not sent: %s", worker, err)
+            return False
+        return True
+
+    async def _retract(self, worker: str, data: bytes) -> bool:
+        try:
+            return await self.express.retract(worker, data)
+        except TransportError as err:
+            log.warning("could not take an express batch back from %s: %s", worker, err)
+            return False  # it may have been taken: the safe side is to land it on Kafka
+
+
+_MISSING = object()
+
+
+class ExpressBatchConsumer:
+    """``BatchConsumer``: a worker's batches from its Kafka partitions and its express list, each once.
+
+    Two owned tasks read the two sources into one queue. A batch id seen before is not queued
+    again, except a Kafka record read anew after a rebalance (a redelivery, as without express).
+    """
+
+    def __init__(
+        self,
+        kafka: BatchConsumer,
+        express: RedisExpress,
+        worker_id: str,
+        *,
+        confirm_timeout_s: float = 2.0,
+        read_ahead: int = 4,
+        remember: int = 1024,
+        retry_max_s: float = 2.0,
+    ) -> None:
+        self.kafka = kafka
+        self.express = express
+        self.worker_id = worker_id
+        self.confirm_timeout_s = confirm_timeout_s
+        self.read_ahead = read_ahead
+        self.remember = remember
+        self.retry_max_s = retry_max_s
+        self._arrived: deque[Delivered[Batch]] = deque()
+        self._wake = asyncio.Event()
+        self._room = asyncio.Event()
+        self._room.set()
+        self._seen: OrderedDict[str, asyncio.Future[Delivered[Batch] | None] | None] = OrderedDict()
+        """Batch id -> for a batch run from the express list, its Kafka copy once it comes; else None."""
+        self._tasks: list[asyncio.Task[None]] = []
+        self._failure: TransportError | None = None
+
+    async def start(self, on_assigned: PartitionsCallback, on_revoked: PartitionsCallback) -> None:
+        await self.express.start()
+        try:
+            await self.express.clear(self.worker_id)
+        except TransportError as err:  # what it holds is run once anyway: copies are matched by batch id
+            log.warning("worker %s: could not clear its express list: %s", self.worker_id, err)
+        await self.kafka.start(on_assigned, on_revoked)
+        self._tasks = [
+            asyncio.create_task(self._read_kafka(), name=f"{self.worker_id}-kafka-reader"),
+            asyncio.create_task(self._read_express(), name=f"{self.worker_id}-express-reader"),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        for copy in self._seen.values():
+            if copy is not None and not copy.done():
+                copy.set_result(None)
+        self._arrived.clear()
+        await self.kafka.close()
+        await self.express.close()
+
+    def assignment(self) -> frozenset[int]:
+        return self.kafka.assignment()
+
+    async def next(self, timeout_s: float) -> Delivered[Batch] | None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            if self._failure is not None:
+                raise self._failure
+            while self._arrived:
+                delivered = self._arrived.popleft()
+                self._room.set()
+                if delivered.partition == EXPRESS or delivered.partition in self.kafka.assignment():
+                    return delivered
+                # read from a partition revoked since: its new owner reads it again
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return None
+            self._wake.clear()
+            try:
+                async with asyncio.timeout(remaining):
+                    await self._wake.wait()
+            except TimeoutError:
+                return None
+
+    async def commit(self, delivered: Delivered[Batch]) -> None:
+        if delivered.partition != EXPRESS:
+            await self.kafka.commit(delivered)
+            return
+        batch = delivered.value
+        copy = None if batch is None else self._seen.get(batch.batch_id)
+        if batch is None or copy is None:
+            return
+        try:
+            async with asyncio.timeout(self.confirm_timeout_s):
+                record = await asyncio.shield(copy)
+        except TimeoutError:
+            record = None
+        if record is None:  # the next commit on that partition covers it
+            log.info(
+                "worker %s: no Kafka copy of express batch %s yet; not committing it",
+                self.worker_id,
+                batch.batch_id,
+            )
+            return
+        await self.kafka.commit(record)
+
+    # the readers -------------------------------------------------------------------------------
+    def _queue(self, delivered: Delivered[Batch]) -> None:
+        self._arrived.append(delivered)
+        self._wake.set()
+        if len(self._arrived) >= self.read_ahead:
+            self._room.clear()
+
+    def _remember(self, batch_id: str, copy: asyncio.Future[Delivered[Batch] | None] | None) -> None:
+        self._seen[batch_id] = copy
+        while len(self._seen) > self.remember:
+            _, old = self._seen.popitem(last=False)
+            if old is not None and not old.done():
+                old.set_result(None)
+
+    def _from_kafka(self, delivered: Delivered[Batch]) -> None:
+        batch = delivered.value
+        if batch is None:  # undecodable: the worker skips it and commits past it
+            self._queue(delivered)
+            return
+        known = self._seen.get(batch.batch_id, _MISSING)
+        if known is None or known is _MISSING:
+            self._remember(batch.batch_id, None)
+            self._queue(delivered)
+        elif isinstance(known, asyncio.Future) and not known.done():
+            known.set_result(delivered)  # the express copy ran (or runs): this is its record
+        # else a late copy of an express batch: a later commit covers it
+
+    def _from_express(self, data: bytes) -> None:
+        try:
+            batch = decode_batch(data)
+        except CodecError as err:
+            log.warning(
+                "worker %s: dropped an undecodable express batch (%s); Kafka's copy follows", self.worker_id, err
+            )
+            return
+        if batch.batch_id in self._seen:
+            return  # its Kafka copy came first
+        self._remember(batch.batch_id, asyncio.get_running_loop().create_future())
+        self._queue(Delivered(batch, EXPRESS, EXPRESS))
+
+    async def _read_kafka(self) -> None:
+        failures = 0
+        while True:
+            await self._room.wait()
+            try:
+                delivered = await self.kafka.next(1.0)
+            except TransportError as err:
+                if not err.retriable:
+                    self._failure = err
+                    self._wake.set()
+                    return
+                failures += 1
+                await pause(log, f"worker {self.worker_id}", "reading batches", err, failures, self.retry_max_s)
+                continue
+            failures = 0
+            if delivered is not None:
+                self._from_kafka(delivered)
+
+    async def _read_express(self) -> None:
+        failures = 0
+        while True:
+            try:
+                data = await self.express.pop(self.worker_id, 1.0)
+            except TransportError as err:  # never fatal: the Kafka copies keep coming
+                failures += 1
+                await pause(log, f"worker {self.worker_id}", "reading express batches", err, failures, self.retry_max_s)
+                continue
+            failures = 0
+            if data is not None:
+                self._from_express(data)
