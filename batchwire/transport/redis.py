@@ -22,6 +22,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from batchwire.transport.base import KeyClaim, ReplyHandler, TransportError
+from batchwire.transport.coalesce import Coalescer
 from batchwire.transport.errors import PermanentTransportError
 from batchwire.transport.redis_credits import RedisCreditPool
 from batchwire.transport.redis_lua import (
@@ -78,6 +79,7 @@ class RedisTaskStore:
         self._commands = CommandClient(redis_url, pool)
         self._client = self._commands.redis
         self._create = self._client.register_script(CREATE)
+        self._creates: Coalescer[TaskState, bool] = Coalescer(self._create_many)
         self._apply = self._client.register_script(APPLY)
         self._cancel = self._client.register_script(CANCEL)
         self._claim_key = self._client.register_script(CLAIM_KEY)
@@ -110,17 +112,22 @@ class RedisTaskStore:
 
     async def close(self) -> None:
         """Stops the reader (watchers get a ``TransportError``), then closes every connection."""
+        await self._creates.close(TransportError("the task store was closed"))
         await self._hub.close()
         await self._commands.close()
 
     async def create(self, state: TaskState) -> bool:
-        key = self.names.task_key(state.task_id)
-        args = create_args(self.ttl_ms, state, encode_state(state), self.names.task_channel(state.task_id))
+        return await self._creates(state)  # with the creates of other requests in flight (coalesce.py)
+
+    async def _create_many(self, states: list[TaskState]) -> list[bool]:
+        keys = [self.names.task_key(state.task_id) for state in states]
+        rows = [(state, encode_state(state), self.names.task_channel(state.task_id)) for state in states]
         try:
-            created = await self._create(keys=[key], args=args)
+            created: list[int] = await self._create(keys=keys, args=create_args(self.ttl_ms, rows))
         except RedisError as err:
-            raise translate(f"creating task {state.task_id}", err) from err
-        return bool(created)
+            what = f"task {states[0].task_id}" if len(states) == 1 else f"{len(states)} tasks"
+            raise translate(f"creating {what}", err) from err
+        return [bool(flag) for flag in created]
 
     async def apply(self, updates: Sequence[TaskState]) -> list[bool]:
         if not updates:

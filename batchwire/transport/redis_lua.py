@@ -15,30 +15,37 @@ from schemas.records import TaskState, TaskStatus
 TERMINAL_RANK = min(status.rank for status in TaskStatus if status.terminal)
 CANCELLABLE_RANK = TaskStatus.BATCHED.rank
 
-# KEYS[1] task hash. ARGV: ttl ms, status, rank, doc, task channel, owner ('' = none). Returns 1 if
-# created, 2 if a later status got there first (the gateway produces while it creates, so a batcher
-# may write "batched" before "queued" lands): the owner is then filled in, nothing else changes.
-# Returns 0 if the task exists at this rank or lower (a duplicate id). The owner is a field of its
-# own, written once here: later writers (batcher, workers) replace ``doc`` without knowing it, and
-# readers merge it back (``RedisTaskStore.get``).
+# KEYS[i] task hash of task i. ARGV[1] ttl ms, then per task 5 values: status, rank, doc, task
+# channel, owner ('' = none). Returns per task 1 if created, 2 if a later status got there first (the
+# gateway produces while it creates, so a batcher may write "batched" before "queued" lands): the
+# owner is then filled in, nothing else changes. 0 if the task exists at this rank or lower (a
+# duplicate id). The owner is a field of its own, written once here: later writers (batcher,
+# workers) replace ``doc`` without knowing it, and readers merge it back (``RedisTaskStore.get``).
 CREATE = """
-local current = tonumber(redis.call('HGET', KEYS[1], 'rank'))
-if current ~= nil then
-  if current <= tonumber(ARGV[3]) then
-    return 0
+local created = {}
+for i, key in ipairs(KEYS) do
+  local at = 2 + (i - 1) * 5
+  local current = tonumber(redis.call('HGET', key, 'rank'))
+  if current ~= nil then
+    if current <= tonumber(ARGV[at + 1]) then
+      created[i] = 0
+    else
+      if ARGV[at + 4] ~= '' and redis.call('HEXISTS', key, 'owner') == 0 then
+        redis.call('HSET', key, 'owner', ARGV[at + 4])
+      end
+      created[i] = 2
+    end
+  else
+    redis.call('HSET', key, 'status', ARGV[at], 'rank', ARGV[at + 1], 'doc', ARGV[at + 2])
+    if ARGV[at + 4] ~= '' then
+      redis.call('HSET', key, 'owner', ARGV[at + 4])
+    end
+    redis.call('PEXPIRE', key, ARGV[1])
+    redis.call('PUBLISH', ARGV[at + 3], ARGV[at + 2])
+    created[i] = 1
   end
-  if ARGV[6] ~= '' and redis.call('HEXISTS', KEYS[1], 'owner') == 0 then
-    redis.call('HSET', KEYS[1], 'owner', ARGV[6])
-  end
-  return 2
 end
-redis.call('HSET', KEYS[1], 'status', ARGV[2], 'rank', ARGV[3], 'doc', ARGV[4])
-if ARGV[6] ~= '' then
-  redis.call('HSET', KEYS[1], 'owner', ARGV[6])
-end
-redis.call('PEXPIRE', KEYS[1], ARGV[1])
-redis.call('PUBLISH', ARGV[5], ARGV[4])
-return 1
+return created
 """
 
 # KEYS[i] task hash of update i. ARGV[1] ttl ms, ARGV[2] lowest terminal rank, then per update 5
@@ -142,8 +149,12 @@ return wait
 """
 
 
-def create_args(ttl_ms: int, state: TaskState, doc: bytes, task_channel: str) -> list[str | int | bytes]:
-    return [ttl_ms, state.status.value, state.status.rank, doc, task_channel, state.owner or ""]
+def create_args(ttl_ms: int, rows: Sequence[tuple[TaskState, bytes, str]]) -> list[str | int | bytes]:
+    """ARGV of ``CREATE`` for (state, doc, task channel) rows."""
+    args: list[str | int | bytes] = [ttl_ms]
+    for state, doc, task_channel in rows:
+        args.extend((state.status.value, state.status.rank, doc, task_channel, state.owner or ""))
+    return args
 
 
 def cancel_args(

@@ -49,6 +49,22 @@ async def test_create_after_a_later_status_only_fills_in_the_owner(make_store: S
     assert current.owner == "alice", f"the owner must be filled in, got {current}"
 
 
+async def test_creates_made_at_once_each_get_their_own_answer(make_store: StoreFactory) -> None:
+    """A gateway's concurrent creates may travel together (one script call): each is judged alone."""
+    store = await make_store()
+    assert await store.apply([state("late", TaskStatus.BATCHED)]) == [True]
+    creates = [state(f"t{i}", TaskStatus.QUEUED, owner=f"o{i}") for i in range(50)]
+    creates += [state("t7", TaskStatus.QUEUED, enqueued_at_ms=2), state("late", TaskStatus.QUEUED, owner="ann")]
+
+    created = await asyncio.gather(*(store.create(s) for s in creates))
+
+    assert created == [True] * 50 + [False, True], "a duplicate in the same burst must still be refused"
+    stored = await store.get_many([f"t{i}" for i in range(50)])
+    assert all(stored[f"t{i}"] == creates[i] for i in range(50))
+    late = await store.get("late")
+    assert late is not None and late.status is TaskStatus.BATCHED and late.owner == "ann"
+
+
 async def test_status_only_moves_forward(make_store: StoreFactory) -> None:
     store = await make_store()
     await store.create(state("t1", TaskStatus.QUEUED))
