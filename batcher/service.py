@@ -67,7 +67,6 @@ class Batcher:
         self.former: BatchFormer[InferenceRequest] = BatchFormer(settings.policy, clock)
         self.offsets = OffsetTracker()
         self.express: ExpressLedger[InferenceRequest] = ExpressLedger()
-        self._commit_due = False
         self._commit_wanted = False
         self._committer: asyncio.Task[None] | None = None
         self._wake: dict[str, asyncio.Event] = {}
@@ -160,9 +159,6 @@ class Batcher:
                 unknown = self._accept(records)
                 if unknown:
                     await self._fail_unknown(unknown)
-                if self._commit_due:  # records whose express copies were handed over already
-                    self._commit_due = False
-                    self._commit_soon()
 
     def _accept(self, records: Sequence[Delivered[InferenceRequest]]) -> list[Delivered[InferenceRequest]]:
         """Feeds the accumulators; returns the requests for models this deployment does not serve."""
@@ -187,7 +183,7 @@ class Batcher:
             matched = self.express.record(request.task_id, record.partition, record.offset)
             if matched is Record.DONE:
                 self.offsets.finish(record.partition, record.offset)
-                self._commit_due = True
+                self._commit_soon()  # its express copy was handed over already
                 continue
             if matched is Record.HELD:
                 continue

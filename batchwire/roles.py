@@ -352,9 +352,10 @@ def run_batcher(args: argparse.Namespace) -> int:
         await _ensure_topics(shared, True, shared.models)
         store = RedisTaskStore(redis_url, shared.names, ttl_s=shared.result_ttl_s)
         credits = RedisCreditPool(redis_url, shared.names)
-        producer: BatchProducer = KafkaBatchProducer(bootstrap, shared.names)
+        kafka_producer = KafkaBatchProducer(bootstrap, shared.names)
+        producer: BatchProducer = kafka_producer
         if args.express:
-            producer = ExpressBatchProducer(producer, RedisExpress(redis_url, shared.names))
+            producer = ExpressBatchProducer(kafka_producer, RedisExpress(redis_url, shared.names))
         consumer: RequestConsumer = KafkaRequestConsumer(
             bootstrap, shared.names, session_timeout_ms=args.session_timeout_ms
         )

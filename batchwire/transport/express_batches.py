@@ -13,12 +13,12 @@ from batchwire.retry import pause, retry
 from batchwire.transport.base import (
     EXPRESS,
     BatchConsumer,
-    BatchProducer,
     Delivered,
     PartitionsCallback,
     TransportError,
 )
 from batchwire.transport.express import RedisExpress
+from batchwire.transport.kafka import KafkaBatchProducer
 from schemas.codec import CodecError, decode_batch, encode_batch
 from schemas.records import Batch, Credit
 
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 class ExpressBatchProducer:
     """``BatchProducer``: the Kafka copy, and an express copy to the worker the batch's credit names."""
 
-    def __init__(self, kafka: BatchProducer, express: RedisExpress, *, retry_max_s: float = 2.0) -> None:
+    def __init__(self, kafka: KafkaBatchProducer, express: RedisExpress, *, retry_max_s: float = 2.0) -> None:
         self.kafka = kafka
         self.express = express
         self.retry_max_s = retry_max_s
@@ -51,7 +51,7 @@ class ExpressBatchProducer:
         # otherwise compete for the CPU with the copy's hop and the worker's start.
         pushed = await self._push(worker, data)
         try:
-            await self.kafka.send(batch, partition)
+            await self.kafka.send_encoded(batch.model, data, partition)  # encoded once, for both copies
         except TransportError as err:
             if not pushed or await self._retract(worker, data):
                 raise
@@ -62,7 +62,7 @@ class ExpressBatchProducer:
                 log,
                 "express",
                 f"sending batch {batch.batch_id} to Kafka",
-                lambda: self.kafka.send(batch, partition),
+                lambda: self.kafka.send_encoded(batch.model, data, partition),
                 self.retry_max_s,
             )
 

@@ -259,7 +259,11 @@ class KafkaBatchProducer:
 
     async def send(self, batch: Batch, partition: int) -> None:
         """Returns once the broker acknowledged the batch."""
-        await self._producer.send(self.names.batch_topic(batch.model), partition, encode_batch(batch))
+        await self.send_encoded(batch.model, encode_batch(batch), partition)
+
+    async def send_encoded(self, model: str, data: bytes, partition: int) -> None:
+        """``send`` for a batch encoded already."""
+        await self._producer.send(self.names.batch_topic(model), partition, data)
 
     async def ready(self, model: str) -> bool:
         return await self._producer.ready(self.names.batch_topic(model))

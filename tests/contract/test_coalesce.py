@@ -27,6 +27,15 @@ class Recorder:
         return [item.upper() for item in items]
 
 
+async def in_flight(recorder: Recorder, items: tuple[str, ...]) -> tuple[Coalescer[str, str], list[asyncio.Task[str]]]:
+    """Calls ``items`` with the recorder holding their flush open (it flushes once released)."""
+    recorder.release.clear()
+    coalesce: Coalescer[str, str] = Coalescer(recorder.flush)
+    tasks = [asyncio.create_task(coalesce(x)) for x in items]
+    await recorder.flushing.wait()
+    return coalesce, tasks
+
+
 async def test_calls_made_together_share_one_flush_and_get_their_own_results() -> None:
     recorder = Recorder()
     coalesce: Coalescer[str, str] = Coalescer(recorder.flush)
@@ -39,10 +48,7 @@ async def test_calls_made_together_share_one_flush_and_get_their_own_results() -
 
 async def test_calls_made_during_a_flush_go_in_the_next_one() -> None:
     recorder = Recorder()
-    recorder.release.clear()
-    coalesce: Coalescer[str, str] = Coalescer(recorder.flush)
-    first = asyncio.create_task(coalesce("a"))
-    await recorder.flushing.wait()
+    coalesce, (first,) = await in_flight(recorder, ("a",))
     later = [asyncio.create_task(coalesce(x)) for x in ("b", "c")]
     recorder.release.set()
 
@@ -53,10 +59,7 @@ async def test_calls_made_during_a_flush_go_in_the_next_one() -> None:
 
 async def test_a_failing_flush_fails_its_own_callers_only() -> None:
     recorder = Recorder(fail_on="bad")
-    recorder.release.clear()
-    coalesce: Coalescer[str, str] = Coalescer(recorder.flush)
-    doomed = [asyncio.create_task(coalesce(x)) for x in ("ok1", "bad")]
-    await recorder.flushing.wait()
+    coalesce, doomed = await in_flight(recorder, ("ok1", "bad"))
     fine = asyncio.create_task(coalesce("ok2"))
     recorder.release.set()
 
@@ -67,11 +70,7 @@ async def test_a_failing_flush_fails_its_own_callers_only() -> None:
 
 
 async def test_close_fails_the_calls_still_waiting() -> None:
-    recorder = Recorder()
-    recorder.release.clear()
-    coalesce: Coalescer[str, str] = Coalescer(recorder.flush)
-    waiting = asyncio.create_task(coalesce("a"))
-    await recorder.flushing.wait()
+    coalesce, (waiting,) = await in_flight(Recorder(), ("a",))
 
     await coalesce.close(TransportError("closed"))
     with pytest.raises(TransportError, match="closed"):
