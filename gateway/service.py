@@ -393,8 +393,8 @@ class Gateway:
         now_ms = self._clock.wall_ms()
         state = TaskState(task_id, TaskStatus.QUEUED, model, now_ms, now_ms, reply_to=reply_to, owner=owner)
         request = InferenceRequest(task_id, model, input, now_ms, now_ms + timeout_ms, reply_to=reply_to, owner=owner)
-        created, sent = await asyncio.gather(
-            self._store.create(state), self._producer.send(request), return_exceptions=True
+        sent, created = await asyncio.gather(  # the request first: it is on the answer's path, the record is not
+            self._producer.send(request), self._store.create(state), return_exceptions=True
         )
         if isinstance(sent, BaseException):
             if not isinstance(sent, TRANSPORT_ERRORS):

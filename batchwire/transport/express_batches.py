@@ -260,3 +260,4 @@ class ExpressBatchConsumer:
             failures = 0
             if data is not None:
                 self._from_express(data)
+                await asyncio.sleep(0)  # the worker takes the batch before this task asks for the next
