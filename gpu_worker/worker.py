@@ -2,8 +2,8 @@
 
 The worker announces that it is idle by offering a credit (see ``batcher.service``), and offers
 the next one ``credit_lead_ms`` before the running call is expected to end (or when it ends, if
-sooner), so the next batch is formed and travels while the GPU finishes this one. Once its
-delivery is counted, that batch's call is queued on the backend's thread at once, so
+sooner), so the next batch is formed and travels while the GPU finishes this one. That batch is
+admitted (its tasks move to ``running``) and its call queued on the backend's thread at once, so
 the thread starts it the moment the running call returns: back to back, the GPU waits for neither
 the batcher, the bus, nor an event loop busy with the last batch's answers. The lead is short next
 to a call, so a batch sent against an early credit waits at most about that long.
@@ -14,10 +14,8 @@ is noticed.
 
 Faults, in the order a batch meets them:
 
-* its delivery is counted before the backend sees it, and its tasks move to ``running``: a task
-  whose move is refused because it already ended (cancelled, expired, done by an earlier delivery)
-  is not run, except by an idle backend that started an express copy's call before the refusal
-  came (its result is dropped);
+* its tasks move to ``running`` *before* the backend sees them, and a task whose move is refused
+  because it already ended (cancelled, expired, done by an earlier delivery) is not run at all;
 * a batch delivered again (its last holder died or handed it back) runs carefully: suspects in
   halves, each group marked in flight first, results stored after each group; an input that kept
   killing workers goes to the dead-letter topic (``careful``);
@@ -40,7 +38,7 @@ from typing import TypeVar
 
 from batchwire import metrics
 from batchwire.retry import pause, retry
-from batchwire.transport.base import EXPRESS, BatchConsumer, CreditPool, Delivered, TaskStore, TransportError
+from batchwire.transport.base import BatchConsumer, CreditPool, Delivered, TaskStore, TransportError
 from batchwire.transport.deliveries import (
     DeadLetterSink,
     DeliveryLog,
@@ -416,25 +414,16 @@ class Worker:
             for item in batch.items
             if item.deadline_ms <= now
         ]
-        live = [item for item in batch.items if item.deadline_ms > now]
-        # The count and the admission go out together. An idle backend starts an express copy's call
-        # once it is counted (``_start``); other batches, and a busy backend's next, wait for both.
-        counting = asyncio.ensure_future(
-            self._retry("counting a delivery", lambda: self.deliveries.begin(batch.batch_id))
+        count, todo = await asyncio.gather(  # one round trip's wait, not two
+            self._retry("counting a delivery", lambda: self.deliveries.begin(batch.batch_id)),
+            self._admit(batch, [item for item in batch.items if item.deadline_ms > now]),
         )
-        admitting = asyncio.ensure_future(self._admit(batch, live))
-        try:
-            count = await counting
-            if live and count == 1 and not self._runs and delivered.partition == EXPRESS:
-                await self._start(delivered, batch, live, ended, admitting)
-                return
-            todo = await admitting
-        except BaseException:
-            admitting.cancel()
-            await asyncio.gather(admitting, return_exceptions=True)
-            raise
         if todo and count == 1:
-            await self._start(delivered, batch, todo, ended, admitting)
+            ran = Ran()
+            task = asyncio.create_task(self._run(delivered, batch, todo, ended, ran), name=f"run-{batch.batch_id}")
+            self._runs.append(_Run(task, ran, len(todo)))
+            task.add_done_callback(self._ran)
+            await asyncio.sleep(0)  # let it hand its call to the thread before the loop goes on
             return
         # A careful run waits for the running call (one at a time), and every batch's results are
         # stored after those of the batches before it (commits go in offset order).
@@ -444,56 +433,19 @@ class Worker:
         self._count(batch, ended)
         self._store(delivered, batch, ended)
 
-    async def _start(
-        self,
-        delivered: Delivered[Batch],
-        batch: Batch,
-        items: list[BatchItem],
-        ended: list[TaskState],
-        admitting: asyncio.Future[list[BatchItem]],
-    ) -> None:
-        """Queues a first delivery's call on the backend's thread behind the running one (``_runs``).
-
-        An express copy is its batch's first hand-over by construction (the batcher pushes it once, a
-        starting worker clears its list): on an idle backend its call need not wait for the admission
-        (the tasks' move to ``running``), only for the delivery's count, so a batch that kills this
-        process still runs carefully at its next holder. Items the admission refuses (their tasks
-        ended meanwhile) run, with their results dropped. A round trip less between an idle GPU and
-        its next batch; a busy backend's next call has time to wait for the admission.
-        """
-        ran = Ran()
-        task = asyncio.create_task(
-            self._run(delivered, batch, items, ended, ran, admitting), name=f"run-{batch.batch_id}"
-        )
-        self._runs.append(_Run(task, ran, len(items)))
-        task.add_done_callback(self._ran)
-        await asyncio.sleep(0)  # let it hand its call to the thread before the loop goes on
-
     async def _run(
-        self,
-        delivered: Delivered[Batch],
-        batch: Batch,
-        items: list[BatchItem],
-        ended: list[TaskState],
-        ran: Ran,
-        admitting: asyncio.Future[list[BatchItem]],
+        self, delivered: Delivered[Batch], batch: Batch, todo: list[BatchItem], ended: list[TaskState], ran: Ran
     ) -> None:
         try:
-            states = await self._run_group(batch, items, 1, ran)
-            admitted = {item.task_id for item in await admitting}
+            ended.extend(await self._run_group(batch, todo, 1, ran))
         except BackendHung as err:
             await self._hung(batch, err)
             raise
-        finally:
-            if not admitting.done():
-                admitting.cancel()
-                await asyncio.gather(admitting, return_exceptions=True)
-        ended.extend(state for state in states if state.task_id in admitted)
         self._count(batch, ended)
         self._store(delivered, batch, ended)
 
     async def _admit(self, batch: Batch, live: list[BatchItem]) -> list[BatchItem]:
-        """Moves the live items to ``running``; returns those whose tasks have not ended."""
+        """Moves the live items to ``running`` before any reaches the backend; drops those already ended."""
         if not live:
             return []
         running = [self._state(batch, item, TaskStatus.RUNNING) for item in live]

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 
-from batchwire.transport.base import EXPRESS, BatchConsumer, Delivered
 from batchwire.transport.memory import MemoryTaskStore
-from schemas.records import Batch, TaskState, TaskStatus
+from schemas.records import TaskState, TaskStatus
 from tests.worker.rig import Rig, ScriptedBackend, now_ms, until
 
 
@@ -26,64 +24,6 @@ async def test_a_cancelled_task_never_reaches_the_backend() -> None:
     assert ended["t0"].output == "cba" and ended["t2"].output == "zyx"
     stored = await rig.store.get("t1")
     assert stored is not None and stored.status is TaskStatus.CANCELLED, f"the cancel stands, got {stored}"
-
-
-class ExpressCopies:
-    """The rig's batch consumer, its deliveries marked as express copies (as Redis's would be)."""
-
-    def __init__(self, consumer: BatchConsumer) -> None:
-        self.consumer = consumer
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.consumer, name)
-
-    async def next(self, timeout_s: float) -> Delivered[Batch] | None:
-        delivered = await self.consumer.next(timeout_s)
-        return None if delivered is None else Delivered(delivered.value, EXPRESS, EXPRESS)
-
-    async def commit(self, delivered: Delivered[Batch]) -> None:
-        return None  # its Kafka record's commit covers it
-
-
-async def test_an_idle_worker_starts_an_express_batch_before_its_admission_and_drops_ended_tasks() -> None:
-    rig = Rig()
-    await rig.listen()
-    admitted = asyncio.Event()
-    called: list[tuple[bool, int]] = []  # at the call: whether the admission was back; the delivery count
-
-    class SlowStore(MemoryTaskStore):
-        async def apply(self, updates: Sequence[TaskState]) -> list[bool]:
-            if updates and updates[0].status is TaskStatus.RUNNING:
-                await until(lambda: bool(called), "the call to start before the admission's answer")
-                applied = await super().apply(updates)
-                admitted.set()
-                return applied
-            return await super().apply(updates)
-
-    class Recording(ScriptedBackend):
-        def batchstring(self, inputs: list[str]) -> list[str]:
-            record = rig.deliveries._records.get("b1")
-            called.append((admitted.is_set(), 0 if record is None else record.deliveries))
-            return super().batchstring(inputs)
-
-    rig.store = SlowStore()
-    await rig.listen()
-    backend = Recording()
-    worker = await rig.worker(backend)
-    worker.consumer = ExpressCopies(worker.consumer)  # type: ignore[assignment]
-    batch = rig.batch(["abc", "cancel me", "xyz"])
-    await rig.create(batch)
-    await rig.store.apply([TaskState("t1", TaskStatus.CANCELLED, "sim", now_ms(), 0, error_code="cancelled")])
-    await rig.send(batch)
-    ended = await rig.ended(["t0", "t2"])
-    await until(lambda: worker.batches_done == 1, "the batch to be stored")
-    await worker.close()
-    assert called == [(False, 1)], f"the call starts counted, before the admission is back; got {called}"
-    assert backend.calls == [["abc", "cancel me", "xyz"]]
-    assert ended["t0"].output == "cba" and ended["t2"].output == "zyx"
-    stored = await rig.store.get("t1")
-    assert stored is not None and stored.status is TaskStatus.CANCELLED, f"the cancel stands, got {stored}"
-    assert "t1" not in rig.replies, f"no answer for a cancelled task, got {rig.replies.get('t1')}"
 
 
 async def test_a_redelivered_batch_whose_tasks_ended_is_not_computed_again() -> None:
