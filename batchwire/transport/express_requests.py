@@ -8,6 +8,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from batchwire.transport.base import EXPRESS, Delivered, PartitionsCallback, RequestConsumer, TransportError
 from batchwire.transport.express import RedisExpress
@@ -112,7 +113,8 @@ class ExpressRequestConsumer:
         )
         self._channels: dict[str, int] = {}
         self._copies: list[Delivered[InferenceRequest]] = []
-        self._wake = asyncio.Event()
+        self._copied: asyncio.Future[None] | None = None
+        """While a fetch waits with no copy in hand: done once one comes (a future, not a task per fetch)."""
         self._fetching: asyncio.Task[Sequence[Delivered[InferenceRequest]]] | None = None
 
     async def start(self, on_assigned: PartitionsCallback, on_revoked: PartitionsCallback) -> None:
@@ -146,11 +148,12 @@ class ExpressRequestConsumer:
         if not self._copies:
             if self._fetching is None:
                 self._fetching = asyncio.create_task(self.kafka.fetch(timeout_s, max_records))
-            copy = asyncio.create_task(self._wake.wait())
+            self._copied = asyncio.get_running_loop().create_future()
+            either: set[asyncio.Future[Any]] = {self._fetching, self._copied}
             try:
-                await asyncio.wait({self._fetching, copy}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(either, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                copy.cancel()
+                self._copied = None
         records: list[Delivered[InferenceRequest]] = []
         if self._fetching is not None and self._fetching.done():
             fetched, self._fetching = self._fetching, None
@@ -158,7 +161,6 @@ class ExpressRequestConsumer:
             records.extend(record for record in fetched.result() if record.partition in owned)
         records.extend(self._copies)
         self._copies = []
-        self._wake.clear()
         return records
 
     async def _follow(self, partitions: frozenset[int]) -> None:
@@ -189,7 +191,8 @@ class ExpressRequestConsumer:
         except CodecError:
             return
         self._copies.append(Delivered(request, partition, EXPRESS))
-        self._wake.set()
+        if self._copied is not None and not self._copied.done():
+            self._copied.set_result(None)
 
     async def _on_resubscribed(self, channels: frozenset[str]) -> None:
         return None  # copies published meanwhile are lost; their Kafka records are not
