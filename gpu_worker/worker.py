@@ -31,7 +31,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -530,8 +530,9 @@ class Worker:
         self._count(batch, states)
 
     def _count(self, batch: Batch, states: list[TaskState]) -> None:
-        for state in states:
-            metrics.TASKS_ENDED.labels(model=batch.model, status=state.status.value).inc()
+        ended = Counter(state.status.value for state in states)  # one labels() lookup per status, not per task
+        for status, count in ended.items():
+            metrics.TASKS_ENDED.labels(model=batch.model, status=status).inc(count)
 
     def _state(
         self,

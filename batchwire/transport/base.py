@@ -116,6 +116,11 @@ class TaskStore(Protocol):
 
     async def start(self) -> None: ...
     async def close(self) -> None: ...
+    def reachable(self) -> bool:
+        """False while the store is known to be unreachable (its change feed's connection is down);
+        no I/O, so a gateway can refuse a synchronous request at once rather than hold it."""
+        ...
+
     async def create(self, state: TaskState) -> bool:
         """Stores a new task; False if the id exists already.
 

@@ -34,9 +34,11 @@ class _Log(Generic[T]):
         self.base: list[int] = [0] * partitions  # offset of records[p][0]
         self.committed: list[int] = [0] * partitions
         self.changed = asyncio.Event()
+        self._lag = 0  # kept as records come and commits go: every submit reads it (the gateway's queue depth)
 
     def append(self, partition: int, value: T) -> int:
         self.records[partition].append(value)
+        self._lag += 1
         self.changed.set()
         return self.base[partition] + len(self.records[partition]) - 1
 
@@ -54,6 +56,7 @@ class _Log(Generic[T]):
     def commit(self, partition: int, offset: int) -> None:
         if offset <= self.committed[partition]:
             return
+        self._lag -= offset - self.committed[partition]
         self.committed[partition] = offset
         records = self.records[partition]
         while self.base[partition] < offset and records:
@@ -61,7 +64,8 @@ class _Log(Generic[T]):
             self.base[partition] += 1
 
     def lag(self) -> int:
-        return sum(self.end(p) - self.committed[p] for p in range(len(self.records)))
+        """Records not yet committed, over all partitions."""
+        return self._lag
 
 
 class MemoryRequestBus:
@@ -335,6 +339,9 @@ class MemoryTaskStore:
 
     async def close(self) -> None:
         self._closed.set()
+
+    def reachable(self) -> bool:
+        return not self._closed.is_set()
 
     def _evict(self) -> None:
         now = time.monotonic()

@@ -259,6 +259,9 @@ class RedisTaskStore:
             self._replies.pop(channel, None)
             raise
 
+    def reachable(self) -> bool:
+        return self._hub.connected
+
     async def ready(self) -> bool:
         """The reader task runs and Redis answers PING within ``ready_timeout_s``."""
         if not self._hub.alive:

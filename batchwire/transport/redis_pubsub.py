@@ -67,15 +67,22 @@ class PubSubHub:
         self._active: dict[str, asyncio.Future[None]] = {}  # resolved once Redis confirmed the channel
         self._pending: dict[str, deque[asyncio.Future[None]]] = {}  # per SUBSCRIBE sent, in order
         self._failure: BaseException | None = None
+        self._connected = False
 
     @property
     def alive(self) -> bool:
         return self._reader is not None and not self._reader.done()
 
+    @property
+    def connected(self) -> bool:
+        """Alive and not reconnecting: its connection to Redis has not failed since it was (re)made."""
+        return self.alive and self._connected
+
     async def start(self) -> None:
         if self._reader is not None:
             raise RuntimeError("PubSub hub started twice")
         self._pubsub = await self._connect()
+        self._connected = True
         self._reader = asyncio.create_task(self._run(), name="redis-pubsub-reader")
 
     async def close(self) -> None:
@@ -170,6 +177,7 @@ class PubSubHub:
                 try:
                     await self._read()
                 except _CONNECTION_ERRORS as err:
+                    self._connected = False
                     log.warning(
                         "Redis PubSub connection lost (%s: %s); reconnecting in %.2f s, "
                         "then subscribing %d channel(s) again",
@@ -187,6 +195,7 @@ class PubSubHub:
                     except _CONNECTION_ERRORS as err:
                         log.warning("Redis PubSub reconnect failed (%s); retrying in %.2f s", err, backoff)
                 backoff = self.min_backoff_s
+                self._connected = True
                 log.warning("Redis PubSub reconnected; subscribed %d channel(s) again", len(channels))
                 await self._on_resubscribed(channels)
                 self.reconnects += 1

@@ -78,10 +78,14 @@ async def test_pubsub_drop_reconnects_and_resubscribes(store: RedisTaskStore, ra
         replied.set()
 
     await store.listen_replies("g1", on_reply)
+    assert store.reachable()
     async with store.watch("t1") as events:
         killed = await raw.client_kill_filter(_type="pubsub")
         assert killed >= 1, "expected to kill the store's PubSub connection"
+        # Unreachable from the drop until the reconnect, which waits its first backoff (50 ms) first.
+        await eventually(lambda: not store.reachable(), "the store to notice its dropped connection")
         await eventually(lambda: store.reconnects >= 1, "the PubSub reader to reconnect")
+        assert store.reachable(), "reachable again once reconnected"
 
         await store.apply([state("t1", TaskStatus.COMPLETED, output="ok", reply_to="g1")])
         seen = await next_state(events)
@@ -101,6 +105,7 @@ async def test_close_ends_watchers_with_an_error(redis_url: str, names: Names) -
         with pytest.raises(TransportError):
             await asyncio.wait_for(waiting, EVENT_TIMEOUT_S)
     assert await store.ready() is False
+    assert store.reachable() is False
 
 
 async def test_unreachable_redis_fails_start_with_the_address(names: Names) -> None:

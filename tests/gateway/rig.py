@@ -166,6 +166,12 @@ class Rig:
         """How many requests reached the bus so far."""
         return sum(self.bus.log.end(p) for p in range(self.bus.partitioner.partitions))
 
+    def only_request(self) -> InferenceRequest:
+        """The one request on the bus (a synchronous request's task is not stored until batched)."""
+        requests = [request for records in self.bus.log.records for request in records]
+        assert len(requests) == 1, f"expected one request on the bus, found {len(requests)}"
+        return requests[0]
+
 
 RigFactory = Callable[..., Awaitable[Rig]]
 

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from schemas.records import TaskState, TaskStatus
-from tests.gateway.rig import RigFactory, error_of, serving, wait_until
+from tests.gateway.rig import RigFactory, error_of, now_ms, serving, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -94,7 +94,11 @@ async def test_a_synchronous_caller_whose_task_is_cancelled_gets_409(make_rig: R
     rig = await make_rig()  # no worker
     caller = asyncio.create_task(rig.client.post("/v1/inference", json={"input": "wait for me"}))
     await wait_until(lambda: rig.gateway.waiting == 1, what="the caller to wait")
-    task_id = rig.store.created[-1].task_id
+    request = rig.only_request()
+    task_id = request.task_id
+    assert rig.store.created == [], "a synchronous request's task is first stored by the batcher"
+    batched = TaskState(task_id, TaskStatus.BATCHED, request.model, now_ms(), request.enqueued_at_ms)
+    assert await rig.store.apply([batched]) == [True]  # as the batcher would
 
     assert (await rig.client.delete(f"/v1/result/{task_id}")).status_code == 200
     response = await asyncio.wait_for(caller, 10)
@@ -122,7 +126,7 @@ async def test_a_synchronous_caller_who_hangs_up_has_its_task_cancelled(make_rig
         writer.write(_raw_post("/v1/inference", {"input": "hang up on me"}))
         await writer.drain()
         await wait_until(lambda: rig.gateway.watched == 1, what="the caller's connection to be watched")
-        task_id = rig.store.created[-1].task_id
+        task_id = rig.only_request().task_id
         async with rig.store.watch(task_id) as changes:
             writer.close()
             await writer.wait_closed()

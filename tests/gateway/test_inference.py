@@ -139,6 +139,11 @@ async def test_a_stuck_bus_is_bounded_by_the_request_timeout(make_rig: RigFactor
     sync = await rig.client.post("/v1/inference", json={"input": "x", "timeout_ms": 50})
     assert sync.status_code == 504, sync.text
     assert error_of(sync)["code"] == "deadline_exceeded"
+    # The 504 hands the task id out: from then on it can be polled (the synchronous route records
+    # the task only then, or once batched).
+    polled = await rig.client.get(f"/v1/result/{error_of(sync)['task_id']}")
+    assert polled.status_code == 200, polled.text
+    assert polled.json()["status"] == "queued"
     queued = await rig.client.post("/v1/tasks", json={"input": "x", "timeout_ms": 50})
     assert queued.status_code == 504, queued.text
     assert error_of(queued)["code"] == "deadline_exceeded"
@@ -147,15 +152,20 @@ async def test_a_stuck_bus_is_bounded_by_the_request_timeout(make_rig: RigFactor
 
 
 class DownStore(RecordingStore):
+    """Redis refusing connections: every create fails, and the change feed's connection is down."""
+
     async def create(self, state: TaskState) -> bool:
         raise ConnectionRefusedError("redis refused the connection")
 
+    def reachable(self) -> bool:
+        return False
+
 
 async def test_a_down_store_is_503_naming_the_task_that_may_still_run(make_rig: RigFactory) -> None:
-    """The gateway stores and produces at once: when only the store fails, the request is on the
+    """A queued task is stored and produced at once: when only the store fails, the request is on the
     bus, and the 503 says so and names the task, so the caller can poll it or retry with a key."""
     rig = await make_rig(store=DownStore())
-    response = await rig.client.post("/v1/inference", json={"input": "x"})
+    response = await rig.client.post("/v1/tasks", json={"input": "x"})
     assert response.status_code == 503, response.text
     body = response.json()
     error = body["error"]
@@ -164,3 +174,18 @@ async def test_a_down_store_is_503_naming_the_task_that_may_still_run(make_rig: 
     assert "may still run" in error["message"], error["message"]
     assert rig.produced() == 1
     assert error.get("task_id"), f"the 503 must name the queued task: {body}"
+
+
+async def test_a_synchronous_request_meets_an_unreachable_store_with_503_and_queues_nothing(
+    make_rig: RigFactory,
+) -> None:
+    """Its answer would come through the store: held, it would only wait for its deadline."""
+    rig = await make_rig(store=DownStore())
+    response = await rig.client.post("/v1/inference", json={"input": "x"})
+    assert response.status_code == 503, response.text
+    error = error_of(response)
+    assert error["code"] == "unavailable"
+    assert "unreachable" in error["message"] and "nothing was queued" in error["message"], error
+    assert rig.produced() == 0
+    assert rig.gateway.inflight == 0
+    assert rig.gateway.waiting == 0
