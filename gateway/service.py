@@ -299,10 +299,12 @@ class Gateway:
         return self._answer(state, started)
 
     async def _record_late(self, queued: TaskState) -> None:
-        """Writes a task's "queued" record after the fact (a later status that got there first stays)."""
+        """Writes a task's "queued" record after the fact (a later status that got there first stays);
+        bounded, as a 504 waits for it."""
         try:
-            await self._store.create(queued)
-        except TRANSPORT_ERRORS:
+            async with asyncio.timeout(self.settings.ready_timeout_s):
+                await self._store.create(queued)
+        except (*TRANSPORT_ERRORS, TimeoutError):
             log.warning("could not record task %s", queued.task_id, exc_info=True)
 
     async def _cancel_abandoned(self, task_id: str) -> None:
