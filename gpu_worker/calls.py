@@ -73,7 +73,7 @@ class BackendCalls:
     async def _call(self, inputs: list[str], ran: Ran) -> list[str]:
         timing = ran.first if ran.started is None else Timing()
         try:
-            outputs = (await self.runner.call_timed(self.backend.batchstring, inputs, timing=timing)).value
+            outputs = await self.runner.call(self.backend.batchstring, inputs, timing=timing)
         finally:
             if timing.started is not None and timing.ended is not None:  # thread times: not the queueing
                 elapsed = timing.ended - timing.started

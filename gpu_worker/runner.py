@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -46,13 +46,6 @@ class Timing:
 
     started: float | None = None
     ended: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Timed(Generic[T]):
-    value: T
-    started: float
-    ended: float
 
 
 _Job = tuple[Callable[..., Any], tuple[Any, ...], "Future[Any]", Timing]
@@ -125,13 +118,13 @@ class BackendRunner:
         """Runs ``fn`` on the thread with no hang limit (loading weights)."""
         return await asyncio.shield(self._submit(fn, *args))
 
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """Runs ``fn`` on the thread; raises ``BackendHung`` once it overruns the limit (it keeps running)."""
-        return (await self.call_timed(fn, *args)).value
+    async def call(self, fn: Callable[..., T], *args: Any, timing: Timing | None = None) -> T:
+        """Runs ``fn`` on the thread; raises ``BackendHung`` once it overruns the limit (it keeps running).
 
-    async def call_timed(self, fn: Callable[..., T], *args: Any, timing: Timing | None = None) -> Timed[T]:
-        """``call``, with when it ran. Calls queue in order: one submitted while another runs starts the
-        moment that one ends, with no wait for the event loop, and its limit counts from then."""
+        ``timing``, if given, gets when the call really ran. Calls queue in order: one submitted while
+        another runs starts the moment that one ends, with no wait for the event loop, and its limit
+        counts from then.
+        """
         if self.hung:
             raise BackendHung(0.0, 0.0, self.expected_s)
         limit = self.limit_s()
@@ -141,10 +134,9 @@ class BackendRunner:
             while True:
                 since = timing.started if timing.started is not None else self.clock()
                 try:
-                    result = await asyncio.wait_for(
+                    return await asyncio.wait_for(
                         asyncio.shield(running), None if limit is None else since + limit - self.clock()
                     )
-                    break
                 except TimeoutError:
                     if timing.started is not None and self.clock() - timing.started >= (limit or 0.0):
                         self.hung = True
@@ -153,8 +145,6 @@ class BackendRunner:
         finally:
             if timing.started is not None and timing.ended is not None:
                 self._observe(timing.ended - timing.started)
-        assert timing.started is not None and timing.ended is not None  # set by the thread before the result
-        return Timed(result, timing.started, timing.ended)
 
     def _observe(self, elapsed_s: float) -> None:
         if self.ewma_s is None:

@@ -346,11 +346,18 @@ class Worker:
             await asyncio.shield(self._finishing)
 
     def _finished(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled() or task.exception() is None or self.failure is not None:
+        self._fail_on(task, "could not store a batch's results")
+
+    def _fail_on(self, task: asyncio.Task[None], what: str) -> None:
+        """A storing or running task's error (the first one) stops the worker."""
+        if task.cancelled() or (err := task.exception()) is None or self.failure is not None:
             return
-        self.failure = task.exception()
+        self.failure = err
         self.failed.set()
-        log.error("worker %s could not store a batch's results: %r", self.settings.worker_id, self.failure)
+        if isinstance(err, BackendHung):
+            log.error("worker %s stops: %s", self.settings.worker_id, err)
+        else:
+            log.error("worker %s %s: %r", self.settings.worker_id, what, err)
         self._stop_taking()
 
     def _stop_taking(self) -> None:
@@ -362,16 +369,7 @@ class Worker:
     def _ran(self, task: asyncio.Task[None]) -> None:
         self._runs = deque(run for run in self._runs if run.task is not task)
         self._note_idle()
-        if task.cancelled() or task.exception() is None or self.failure is not None:
-            return
-        self.failure = task.exception()
-        self.failed.set()
-        err = self.failure
-        if isinstance(err, BackendHung):
-            log.error("worker %s stops: %s", self.settings.worker_id, err)
-        else:
-            log.error("worker %s: a batch run failed: %r", self.settings.worker_id, err)
-        self._stop_taking()
+        self._fail_on(task, "ran a batch that failed")
 
     async def _finish(
         self,
