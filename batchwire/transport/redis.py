@@ -263,8 +263,11 @@ class RedisTaskStore:
         return self._hub.connected
 
     async def ready(self) -> bool:
-        """The reader task runs and Redis answers PING within ``ready_timeout_s``."""
-        if not self._hub.alive:
+        """The change feed is connected and Redis answers PING within ``ready_timeout_s``.
+
+        A Redis that answers PING again while the feed still waits out its reconnect backoff is not
+        ready yet: the gateway refuses requests that need the feed (``reachable``) until it is back."""
+        if not self._hub.connected:
             return False
         try:
             async with asyncio.timeout(self.ready_timeout_s):

@@ -49,7 +49,7 @@ class PubSubHub:
         ping_interval_s: float = 5.0,
         subscribe_timeout_s: float = 5.0,
         min_backoff_s: float = 0.05,
-        max_backoff_s: float = 2.0,
+        max_backoff_s: float = 0.5,
     ) -> None:
         self._pool = pool
         self._on_message = on_message

@@ -84,6 +84,8 @@ async def test_pubsub_drop_reconnects_and_resubscribes(store: RedisTaskStore, ra
         assert killed >= 1, "expected to kill the store's PubSub connection"
         # Unreachable from the drop until the reconnect, which waits its first backoff (50 ms) first.
         await eventually(lambda: not store.reachable(), "the store to notice its dropped connection")
+        # No await between the check above and ready()'s own check of the connection: not a race.
+        assert await store.ready() is False, "not ready while the change feed reconnects"
         await eventually(lambda: store.reconnects >= 1, "the PubSub reader to reconnect")
         assert store.reachable(), "reachable again once reconnected"
 
