@@ -193,6 +193,11 @@ class BatchFormer(Generic[Item]):
             return False
         return bool(queue.sealed) or (self.policy.flush_on_idle_worker and bool(queue.pending))
 
+    def sealed(self, model: str) -> bool:
+        """Whether a sealed batch waits for ``model`` (filled up, or sealed by age or deadline)."""
+        queue = self._models.get(model)
+        return queue is not None and bool(queue.sealed)
+
     def reserve_s(self, model: str, call_s: float, claimed_from_s: float | None = None) -> float:
         """How long to keep a just-claimed idle worker in reserve rather than send it what waits.
 

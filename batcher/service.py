@@ -25,6 +25,7 @@ from batcher.express import ExpressLedger, Record
 from batcher.offsets import OffsetTracker
 from batcher.policy import BatchFormer, Pending, Taken
 from batcher.settings import BatcherSettings
+from batcher.spacing import Spacing
 from batchwire import metrics
 from batchwire.retry import retry
 from batchwire.routing import Partitioner
@@ -77,10 +78,11 @@ class Batcher:
         self._tasks: list[asyncio.Task[None]] = []
         self._dispatchers: dict[str, asyncio.Task[None]] = {}
         self._own_partitions: dict[str, frozenset[int]] = {}
-        if settings.request_partitions > 0 and settings.keep_credit_s > 0:
+        if settings.request_partitions > 0:
             partitioner = Partitioner(settings.models, settings.request_partitions)
             self._own_partitions = {m: frozenset(partitioner.partitions_for(m)) for m in settings.models}
         self._keep_after: dict[str, float] = {}
+        self._spacing: dict[str, Spacing] = {}
         self._stopping = False
         self.failure: BaseException | None = None
         self.failed = asyncio.Event()
@@ -281,6 +283,8 @@ class Batcher:
                 hold_s = self.former.reserve_s(model, credit.busy_ms / 1000.0, claimed_from_s)
                 if hold_s > 0:
                     credit = await self._hold(model, credit, hold_s)
+                elif self.settings.spacing_margin_ms >= 0 and self._alone(model):
+                    await self._space(model, credit)
                 await self._send(model, credit)
         finally:
             if kept is not None:
@@ -322,12 +326,45 @@ class Batcher:
             return None
 
     def _may_keep(self, model: str) -> bool:
-        owned = self._own_partitions.get(model)
         return (
-            owned is not None
-            and owned <= self.consumer.assignment()
+            self.settings.keep_credit_s > 0
+            and self._alone(model)
             and self.clock() >= self._keep_after.get(model, float("-inf"))
         )
+
+    def _alone(self, model: str) -> bool:
+        """Whether this batcher owns all of ``model``'s request partitions: no other sends to its workers."""
+        owned = self._own_partitions.get(model)
+        return owned is not None and owned <= self.consumer.assignment()
+
+    def _starts_in_s(self, credit: Credit) -> float:
+        """How long until the credit's worker is free (0 for an idle one)."""
+        return max(0, credit.frees_at_ms - wall_ms()) / 1000.0
+
+    def _spaced(self, model: str) -> Spacing:
+        spacing = self._spacing.get(model)
+        if spacing is None:
+            spacing = self._spacing[model] = Spacing()
+        return spacing
+
+    async def _space(self, model: str, credit: Credit) -> None:
+        """Seals the batch for a busy worker late enough to keep the workers' starts spread (see
+        ``batcher.spacing``); a batch that fills up, or a deadline, ends the wait early."""
+        starts_in_s = self._starts_in_s(credit)
+        if starts_in_s <= 0:
+            return  # an idle worker: never kept waiting
+        now = self.clock()
+        due_s = self._spaced(model).due_s(credit.worker_id, now + starts_in_s, credit.busy_ms / 1000.0)
+        until_s = due_s - self.settings.spacing_margin_ms / 1000.0
+        if due_s <= now + starts_in_s or until_s <= now:
+            return
+        metrics.SPACING_WAIT.labels(model=model).observe(until_s - now)
+        wake = self._wake[model]
+        while not self.former.sealed(model) and (left_s := until_s - self.clock()) > 0:
+            wake.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left_s):
+                    await wake.wait()
 
     async def _hold(self, model: str, credit: Credit, hold_s: float) -> Credit:
         """Keeps an idle worker in reserve for a fresh arrival (see ``BatchFormer.reserve_s``).
@@ -381,6 +418,8 @@ class Batcher:
                     return
                 for pending in taken.items:
                     self._finish(pending)
+                starts_at_s = self.clock() + self._starts_in_s(credit)
+                self._spaced(model).started(credit.worker_id, starts_at_s, credit.busy_ms / 1000.0)
                 self.batches_sent += 1
                 self._record(model, batch, taken)
                 self._commit_soon()

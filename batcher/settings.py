@@ -33,6 +33,10 @@ class BatcherSettings:
     the round trip of a claim. 0: unknown, never keep one."""
     keep_credit_s: float = 1.0
     """Longest time a kept credit is held before it goes back to the pool (0: keep none)."""
+    spacing_margin_ms: float = 5.0
+    """When this batcher owns all of a model's partitions, it keeps the busy workers' calls spread
+    evenly (``batcher.spacing``), sealing a batch this long before its call should start, the time
+    the batch takes to reach the worker. -1: do not space the workers."""
 
     def __post_init__(self) -> None:
         if self.max_held < self.policy.max_batch:

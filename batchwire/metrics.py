@@ -51,6 +51,13 @@ INFLIGHT = Gauge(
     "Requests this gateway holds open or has accepted and not seen end.",
     registry=REGISTRY,
 )
+SPACING_WAIT = Histogram(
+    "batchwire_spacing_wait_seconds",
+    "How long a batch for a busy worker was sealed late to keep the workers' calls evenly spread.",
+    ["model"],
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
 QUEUE_WAIT = Histogram(
     "batchwire_queue_wait_seconds",
     "Time from acceptance until the request was sealed into a batch.",
