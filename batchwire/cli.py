@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from batchwire.gc_tuning import Threshold, parse_threshold
 from batchwire.settings import SettingsError, env
 
 
@@ -44,6 +45,13 @@ def _add(
     parser.add_argument(flag, default=value, type=kind, help=f"{help_text} [{var}; default: {shown}]")
 
 
+def _gc_threshold(text: str) -> Threshold | None:
+    try:
+        return parse_threshold(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
+
+
 def _shared(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--namespace", "batchwire", str, "prefix of every topic and Redis key (isolates deployments)")
     _add(parser, "--models", "sim", _models, "comma-separated models served; requests name one")
@@ -51,6 +59,13 @@ def _shared(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--batch-partitions", 8, int, "partitions of each model's batch topic (max workers per model)")
     _add(parser, "--result-ttl-s", 3600.0, float, "how long task states and results are kept")
     _add(parser, "--log-level", "info", str, "debug, info, warning or error")
+    _add(
+        parser,
+        "--gc-threshold",
+        "20000,20,100",
+        _gc_threshold,
+        "Python GC thresholds young,middle,full after freezing start-up objects (off: Python's own)",
+    )
 
 
 def _kafka_redis(parser: argparse.ArgumentParser) -> None:
@@ -101,6 +116,13 @@ def _batcher_opts(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--policy", "work-conserving", str, "flush policy: work-conserving or classic (size-or-timeout)")
     _add(parser, "--max-batch", None, int, "items per batch at most (work-conserving: 100, classic: 32)")
     _add(parser, "--max-wait-ms", None, float, "age that seals a batch (work-conserving: 1000, classic: 50)")
+    _add(
+        parser,
+        "--spacing-margin-ms",
+        5.0,
+        float,
+        "keep busy workers' calls evenly spread, sealing a batch this long before its call should start (-1: off)",
+    )
 
 
 def _worker_opts(parser: argparse.ArgumentParser) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from batcher.policy import FlushPolicy
 from batcher.settings import BatcherSettings
+from batchwire.gc_tuning import tune_gc
 from batchwire.settings import SettingsError, SharedSettings
 
 log = logging.getLogger("batchwire")
@@ -41,12 +42,17 @@ def _policy(args: argparse.Namespace) -> FlushPolicy:
         raise SettingsError(f"{err} (--policy is work-conserving or classic)") from err
 
 
-def batcher_settings(args: argparse.Namespace, request_partitions: int = 0) -> BatcherSettings:
+def batcher_settings(
+    args: argparse.Namespace, request_partitions: int = 0, *, keep_credit: bool = True
+) -> BatcherSettings:
     kwargs: dict[str, Any] = {
         "policy": _policy(args),
         "models": tuple(args.models),
         "request_partitions": request_partitions,
+        "spacing_margin_ms": args.spacing_margin_ms,
     }
+    if not keep_credit:  # embedded: a claim costs no round trip there
+        kwargs["keep_credit_s"] = 0.0
     if getattr(args, "batcher_id", None):
         kwargs["batcher_id"] = args.batcher_id
     return BatcherSettings(**kwargs)
@@ -126,14 +132,15 @@ def worker_settings(args: argparse.Namespace, model: str, worker_id: str | None 
         raise SettingsError(str(err)) from err
 
 
-def _serve_http(app: Any, host: str, port: int, log_level: str) -> int:
+def _serve_http(app: Any, host: str, port: int, args: argparse.Namespace) -> int:
     import uvicorn
 
+    tune_gc(args.gc_threshold)
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
-        log_level=log_level,
+        log_level=args.log_level,
         access_log=False,
         loop="uvloop",
         http="httptools",
@@ -160,7 +167,7 @@ def run_embedded(args: argparse.Namespace) -> int:
     runtime = EmbeddedRuntime(
         EmbeddedSettings(
             shared=shared,
-            batcher=batcher_settings(args),
+            batcher=batcher_settings(args, shared.request_partitions, keep_credit=False),
             workers_per_model=args.workers,
             batch_log=args.batch_log,
             worker=worker_settings(args, shared.models[0]),
@@ -181,7 +188,7 @@ def run_embedded(args: argparse.Namespace) -> int:
         ",".join(shared.models),
         args.workers,
     )
-    return _serve_http(create_app(gateway, runtime), settings.host, settings.port, args.log_level)
+    return _serve_http(create_app(gateway, runtime), settings.host, settings.port, args)
 
 
 # Kafka + Redis roles -----------------------------------------------------------------------------
@@ -269,7 +276,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         queue_depth=transports.queue_depth,
         limiter=transports.limiter,
     )
-    return _serve_http(create_app(gateway, transports), settings.host, settings.port, args.log_level)
+    return _serve_http(create_app(gateway, transports), settings.host, settings.port, args)
 
 
 async def _supervise(
@@ -318,10 +325,11 @@ async def _supervise(
     return code
 
 
-def _run_loop(main: Coroutine[Any, Any, int]) -> int:
+def _run_loop(main: Coroutine[Any, Any, int], args: argparse.Namespace) -> int:
     """Runs a role's main coroutine on uvloop (as uvicorn does for the gateway): fewer µs per wake-up."""
     import uvloop
 
+    tune_gc(args.gc_threshold)
     return uvloop.run(main)
 
 
@@ -379,7 +387,7 @@ def run_batcher(args: argparse.Namespace) -> int:
         return await _supervise(start, close, batcher.failed)
 
     _metrics_server(args.metrics_port)
-    return _run_loop(main())
+    return _run_loop(main(), args)
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -447,7 +455,7 @@ def run_worker(args: argparse.Namespace) -> int:
         )
 
     _metrics_server(args.metrics_port)
-    return _run_loop(main())
+    return _run_loop(main(), args)
 
 
 def run_stack(args: argparse.Namespace) -> int:
