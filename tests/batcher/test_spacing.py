@@ -58,9 +58,7 @@ CALL_MS = 1000  # long, so that the bounds below leave room for a slow machine
 
 def credit(worker: str, frees_in_ms: int) -> Credit:
     now = int(time.time() * 1000)
-    return Credit(
-        worker, "sim", 1, 1, now, now + 60_000, max_batch=100, busy_ms=CALL_MS, free_at_ms=now + frees_in_ms
-    )
+    return Credit(worker, "sim", 1, 1, now, now + 60_000, max_batch=100, busy_ms=CALL_MS, free_at_ms=now + frees_in_ms)
 
 
 async def second_batch_after_s(spacing_margin_ms: float, then_send: int = 1) -> float:
