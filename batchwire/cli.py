@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from batchwire.gc_tuning import DEFAULT as GC_DEFAULT
 from batchwire.gc_tuning import Threshold, parse_threshold
 from batchwire.settings import SettingsError, env
 
@@ -62,7 +63,7 @@ def _shared(parser: argparse.ArgumentParser) -> None:
     _add(
         parser,
         "--gc-threshold",
-        "20000,20,100",
+        ",".join(map(str, GC_DEFAULT)),
         _gc_threshold,
         "Python GC thresholds young,middle,full after freezing start-up objects (off: Python's own)",
     )

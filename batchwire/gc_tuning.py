@@ -7,7 +7,7 @@ waited: calls of 100 ms were seen to end up to 42 ms late, and p99 was 280 ms. F
 start-up built (modules, the app, settings: never garbage, yet scanned by every full collection)
 and collecting the young generation every 20,000 net allocations instead of 700 (objects that
 die young are freed by reference counting and never counted): 5 young collections (12-16 ms) and
-1 full one (28 ms) in the same run, p99 197 ms. Cycles are still collected, less often.
+1 full one (28 ms) in a run of the same length, p99 197 ms. Cycles are still collected, less often.
 """
 
 from __future__ import annotations
