@@ -18,6 +18,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
@@ -82,7 +83,7 @@ class Batcher:
             partitioner = Partitioner(settings.models, settings.request_partitions)
             self._own_partitions = {m: frozenset(partitioner.partitions_for(m)) for m in settings.models}
         self._keep_after: dict[str, float] = {}
-        self._spacing: dict[str, Spacing] = {}
+        self._spacing: defaultdict[str, Spacing] = defaultdict(Spacing)
         self._stopping = False
         self.failure: BaseException | None = None
         self.failed = asyncio.Event()
@@ -308,8 +309,9 @@ class Batcher:
             kept = await self._claim(model)  # blocks while every worker is busy, like any claim
             if kept is None or self.former.ready(model):
                 return kept
-            if kept.frees_at_ms > wall_ms():  # a busy worker's early credit: an idle one may come first
-                self._keep_after[model] = self.clock() + (kept.frees_at_ms - wall_ms()) / 1000.0
+            starts_in_s = self._starts_in_s(kept)
+            if starts_in_s > 0:  # a busy worker's early credit: an idle one may come first
+                self._keep_after[model] = self.clock() + starts_in_s
                 await self._offer_back(kept)
                 kept = None
         if kept is None:
@@ -341,12 +343,6 @@ class Batcher:
         """How long until the credit's worker is free (0 for an idle one)."""
         return max(0, credit.frees_at_ms - wall_ms()) / 1000.0
 
-    def _spaced(self, model: str) -> Spacing:
-        spacing = self._spacing.get(model)
-        if spacing is None:
-            spacing = self._spacing[model] = Spacing()
-        return spacing
-
     async def _space(self, model: str, credit: Credit) -> None:
         """Seals the batch for a busy worker late enough to keep the workers' starts spread (see
         ``batcher.spacing``); a batch that fills up, or a deadline, ends the wait early."""
@@ -354,9 +350,10 @@ class Batcher:
         if starts_in_s <= 0:
             return  # an idle worker: never kept waiting
         now = self.clock()
-        due_s = self._spaced(model).due_s(credit.worker_id, now + starts_in_s, credit.busy_ms / 1000.0)
+        start_s = now + starts_in_s
+        due_s = self._spacing[model].due_s(credit.worker_id, start_s, credit.busy_ms / 1000.0)
         until_s = due_s - self.settings.spacing_margin_ms / 1000.0
-        if due_s <= now + starts_in_s or until_s <= now:
+        if due_s <= start_s or until_s <= now:
             return
         metrics.SPACING_WAIT.labels(model=model).observe(until_s - now)
         wake = self._wake[model]
@@ -419,7 +416,7 @@ class Batcher:
                 for pending in taken.items:
                     self._finish(pending)
                 starts_at_s = self.clock() + self._starts_in_s(credit)
-                self._spaced(model).started(credit.worker_id, starts_at_s, credit.busy_ms / 1000.0)
+                self._spacing[model].started(credit.worker_id, starts_at_s, credit.busy_ms / 1000.0)
                 self.batches_sent += 1
                 self._record(model, batch, taken)
                 self._commit_soon()

@@ -267,7 +267,7 @@ class RedisTaskStore:
 
         A Redis that answers PING again while the feed still waits out its reconnect backoff is not
         ready yet: the gateway refuses requests that need the feed (``reachable``) until it is back."""
-        if not self._hub.connected:
+        if not self.reachable():
             return False
         try:
             async with asyncio.timeout(self.ready_timeout_s):
