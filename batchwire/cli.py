@@ -166,6 +166,13 @@ def build_parser() -> argparse.ArgumentParser:
     _kafka_redis(gateway)
     _gateway_opts(gateway, 8000)
     _express(gateway)
+    _add(
+        gateway,
+        "--express-record-delay-ms",
+        6.0,
+        float,
+        "with --express, produce a synchronous request's Kafka record this long after its express copy",
+    )
 
     batcher = sub.add_parser("batcher", help="a batcher process, over Kafka and Redis")
     _shared(batcher)

@@ -78,6 +78,7 @@ def gateway_settings(args: argparse.Namespace, shared: SharedSettings) -> Any:
     }
     if hasattr(args, "express"):
         kwargs["express"] = args.express
+        kwargs["express_record_delay_ms"] = args.express_record_delay_ms
     if args.gateway_id:
         kwargs["gateway_id"] = args.gateway_id
     try:
@@ -227,7 +228,9 @@ class GatewayTransports:
         kafka = KafkaRequestProducer(bootstrap, shared.names, Partitioner(shared.models, shared.request_partitions))
         self.producer: RequestProducer = kafka
         if settings.express:
-            self.producer = ExpressRequestProducer(kafka, RedisExpress(redis_url, shared.names))
+            self.producer = ExpressRequestProducer(
+                kafka, RedisExpress(redis_url, shared.names), record_delay_s=settings.express_record_delay_ms / 1000
+            )
         self.store = RedisTaskStore(redis_url, shared.names, ttl_s=shared.result_ttl_s)
         self.queue_depth: KafkaQueueDepth | None = None
         if settings.max_queue_depth > 0:

@@ -73,6 +73,10 @@ class GatewaySettings:
     express: bool = True
     """Over Kafka: also publish each request to its batcher over Redis while load is light (a faster
     hop than Kafka's; the Kafka record stays the one that counts). See ``batchwire.transport.express``."""
+    express_record_delay_ms: float = 6.0
+    """With ``express``: a synchronous request's Kafka record is produced this long after its express
+    copy, so the broker's work for it runs while the GPU computes rather than on the copy's way there
+    (``ExpressRequestProducer``). 0 produces it at once."""
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     """sha256 hex digests of the accepted API keys (never the keys; ``gateway.auth.load_api_keys``
     turns keys into digests). Empty: no keys needed and every task is visible to every caller."""
@@ -90,6 +94,11 @@ class GatewaySettings:
             )
         if not self.models:
             raise ValueError(f"models ({env_name('models')}) must name at least one model")
+        if not 0 <= self.express_record_delay_ms <= 1000:
+            raise ValueError(
+                f"express_record_delay_ms ({env_name('express_record_delay_ms')}) is "
+                f"{self.express_record_delay_ms}; it must be within 0..1000 (milliseconds)"
+            )
         for model in self.models:
             if not _ID_PATTERN.fullmatch(model):
                 raise ValueError(

@@ -46,6 +46,9 @@ class Timing:
 
     started: float | None = None
     ended: float | None = None
+    on_start: Callable[[], None] | None = None
+    """Called on the thread as the call begins: it must not block, and may reach an event loop only
+    through ``call_soon_threadsafe``."""
 
 
 _Job = tuple[Callable[..., Any], tuple[Any, ...], "Future[Any]", Timing]
@@ -98,6 +101,8 @@ class BackendRunner:
                 continue
             timing.started = self.clock()
             try:
+                if timing.on_start is not None:
+                    timing.on_start()
                 result = fn(*args)
             except BaseException as err:  # handed to the awaiting coroutine, which decides
                 timing.ended = self.clock()

@@ -38,7 +38,7 @@ from typing import TypeVar
 
 from batchwire import metrics
 from batchwire.retry import pause, retry
-from batchwire.transport.base import BatchConsumer, CreditPool, Delivered, TaskStore, TransportError
+from batchwire.transport.base import EXPRESS, BatchConsumer, CreditPool, Delivered, TaskStore, TransportError
 from batchwire.transport.deliveries import (
     DeadLetterSink,
     DeliveryLog,
@@ -412,15 +412,19 @@ class Worker:
             for item in batch.items
             if item.deadline_ms <= now
         ]
-        count, todo = await asyncio.gather(  # one round trip's wait, not two
-            self._retry("counting a delivery", lambda: self.deliveries.begin(batch.batch_id)),
-            self._admit(batch, [item for item in batch.items if item.deadline_ms > now]),
-        )
+        live = [item for item in batch.items if item.deadline_ms > now]
+        if live and delivered.partition == EXPRESS and not self._runs:
+            # Straight from its batcher to an idle backend: an express copy is pushed once and popped
+            # once, so this is its first delivery, and the call starts while the tasks move to
+            # running (a round trip less before the GPU starts). A task that ended meanwhile
+            # (cancelled within those milliseconds) is computed but its result is dropped. Should
+            # this call kill the worker, Kafka's copy comes again and, counted, runs carefully.
+            self._start_run(delivered, batch, live, ended, admit_once_started=True)
+            await asyncio.sleep(0)  # let it hand its call to the thread before the loop goes on
+            return
+        count, todo = await self._admission(batch, live)
         if todo and count == 1:
-            ran = Ran()
-            task = asyncio.create_task(self._run(delivered, batch, todo, ended, ran), name=f"run-{batch.batch_id}")
-            self._runs.append(_Run(task, ran, len(todo)))
-            task.add_done_callback(self._ran)
+            self._start_run(delivered, batch, todo, ended)
             await asyncio.sleep(0)  # let it hand its call to the thread before the loop goes on
             return
         # A careful run waits for the running call (one at a time), and every batch's results are
@@ -431,14 +435,67 @@ class Worker:
         self._count(batch, ended)
         self._store(delivered, batch, ended)
 
+    async def _admission(self, batch: Batch, live: list[BatchItem]) -> tuple[int, list[BatchItem]]:
+        """Counts this delivery and admits the live items: (deliveries so far, the items to run)."""
+        return await asyncio.gather(  # one round trip's wait, not two
+            self._retry("counting a delivery", lambda: self.deliveries.begin(batch.batch_id)),
+            self._admit(batch, live),
+        )
+
+    async def _admit_after(
+        self, began: asyncio.Event, batch: Batch, live: list[BatchItem]
+    ) -> tuple[int, list[BatchItem]]:
+        await began.wait()
+        return await self._admission(batch, live)
+
+    def _start_run(
+        self,
+        delivered: Delivered[Batch],
+        batch: Batch,
+        todo: list[BatchItem],
+        ended: list[TaskState],
+        *,
+        admit_once_started: bool = False,
+    ) -> None:
+        """Queues the call behind the running one (``_runs``); its results are stored when it ends.
+
+        With ``admit_once_started`` the tasks are admitted once the thread has begun the call: the
+        event loop sends nothing meanwhile, so the thread gets the GIL at once.
+        """
+        ran = Ran()
+        admitting = None
+        if admit_once_started:
+            began = asyncio.Event()
+            ran.first.on_start = functools.partial(_set_from_thread, asyncio.get_running_loop(), began)
+            admitting = asyncio.ensure_future(self._admit_after(began, batch, todo))
+        run = self._run(delivered, batch, todo, ended, ran, admitting)
+        task = asyncio.create_task(run, name=f"run-{batch.batch_id}")
+        self._runs.append(_Run(task, ran, len(todo)))
+        task.add_done_callback(self._ran)
+
     async def _run(
-        self, delivered: Delivered[Batch], batch: Batch, todo: list[BatchItem], ended: list[TaskState], ran: Ran
+        self,
+        delivered: Delivered[Batch],
+        batch: Batch,
+        todo: list[BatchItem],
+        ended: list[TaskState],
+        ran: Ran,
+        admitting: asyncio.Future[tuple[int, list[BatchItem]]] | None,
     ) -> None:
         try:
-            ended.extend(await self._run_group(batch, todo, 1, ran))
+            states = await self._run_group(batch, todo, 1, ran)
+            if admitting is not None:
+                _, admitted = await admitting
+                kept = {item.task_id for item in admitted}
+                states = [state for state in states if state.task_id in kept]  # the rest had ended
         except BackendHung as err:
             await self._hung(batch, err)
             raise
+        finally:
+            if admitting is not None and not admitting.done():
+                admitting.cancel()
+                await asyncio.gather(admitting, return_exceptions=True)
+        ended.extend(states)
         self._count(batch, ended)
         self._store(delivered, batch, ended)
 
@@ -562,6 +619,11 @@ class _Run:
     ran: Ran
     """Filled as the call runs: ``ran.first.started`` is when the thread began it."""
     size: int
+
+
+def _set_from_thread(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
+        loop.call_soon_threadsafe(event.set)
 
 
 def _ordinal(n: int) -> str:

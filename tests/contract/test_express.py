@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -166,9 +167,9 @@ async def start_request_consumer(kit: Kit, partitions: int) -> ExpressRequestCon
     return consumer
 
 
-async def request_producer(kit: Kit, partitions: int) -> ExpressRequestProducer:
+async def request_producer(kit: Kit, partitions: int, record_delay_s: float = 0.0) -> ExpressRequestProducer:
     kafka = KafkaRequestProducer(kit.infra.kafka_bootstrap, kit.names, Partitioner((MODEL,), partitions))
-    producer = ExpressRequestProducer(kafka, kit.express())
+    producer = ExpressRequestProducer(kafka, kit.express(), record_delay_s=record_delay_s)
     await producer.start()
     return kit.closer.add(producer)  # type: ignore[no-any-return]
 
@@ -192,6 +193,31 @@ async def test_a_request_comes_as_an_express_copy_and_as_its_kafka_record(kit: K
     assert [d.value for d in got] == [sent, sent]
     assert sorted(d.offset == EXPRESS for d in got) == [False, True], f"one copy and one record, got {got}"
     assert got[0].partition == got[1].partition
+
+
+async def test_a_synchronous_requests_record_is_produced_after_its_copy_by_the_delay(kit: Kit) -> None:
+    await ensure_topics(kit.infra.kafka_bootstrap, {kit.names.request_topic: 1})
+    consumer = kit.closer.add(await start_request_consumer(kit, 1))
+    producer = await request_producer(kit, 1, record_delay_s=1.0)
+    started = time.monotonic()
+    sending = asyncio.ensure_future(producer.send(request("t1")))
+    got: list[Delivered[InferenceRequest]] = []
+    async with asyncio.timeout(WAIT_S):
+        while not got:
+            got.extend(await consumer.fetch(1.0, 100))
+    assert [d.offset for d in got] == [EXPRESS], f"the copy comes alone first, got {got}"
+    assert not sending.done(), "the record waits for the delay"
+    await sending
+    assert time.monotonic() - started >= 1.0
+    async with asyncio.timeout(WAIT_S):
+        while len(got) < 2:
+            got.extend(await consumer.fetch(1.0, 100))
+    assert got[1].offset != EXPRESS and got[1].value == got[0].value
+
+    acknowledged = replace(request("t2"), reply_to=None)  # POST /v1/tasks: its 202 waits for the record
+    started = time.monotonic()
+    await producer.send(acknowledged)
+    assert time.monotonic() - started < 1.0, "an acknowledged submit (no reply_to) is not delayed"
 
 
 async def test_the_batcher_batches_a_request_once_and_commits_its_record(kit: Kit) -> None:

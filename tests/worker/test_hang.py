@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from gpu_worker.runner import FIRST_CALL_LIMIT_S, BackendHung, BackendRunner
+from gpu_worker.runner import FIRST_CALL_LIMIT_S, BackendHung, BackendRunner, Timing
 from schemas.records import TaskStatus
 from tests.worker.rig import Rig, ScriptedBackend
 
@@ -52,6 +52,21 @@ async def test_a_call_past_its_limit_is_hung_and_the_runner_refuses_more() -> No
         await runner.call(lambda: "refused")
     release.set()
     runner.close()
+
+
+async def test_on_start_is_called_on_the_thread_as_the_call_begins() -> None:
+    runner = BackendRunner("test")
+    seen: list[tuple[str, str]] = []
+    timing = Timing(on_start=lambda: seen.append(("on_start", threading.current_thread().name)))
+
+    def fn() -> str:
+        seen.append(("fn", threading.current_thread().name))
+        return "done"
+
+    assert await runner.call(fn, timing=timing) == "done"
+    runner.close()
+    assert seen == [("on_start", "test"), ("fn", "test")], seen
+    assert timing.started is not None and timing.ended is not None and timing.started <= timing.ended
 
 
 async def test_a_worker_whose_backend_hangs_gives_the_batch_back_and_stops() -> None:
