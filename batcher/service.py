@@ -25,10 +25,9 @@ from typing import TypeVar
 from batcher.express import ExpressLedger, Record
 from batcher.offsets import OffsetTracker
 from batcher.policy import BatchFormer, Pending, Taken
-from batcher.settings import PACE_ABOVE_RPS, BatcherSettings
+from batcher.settings import BatcherSettings
 from batcher.spacing import Spacing
 from batchwire import metrics
-from batchwire.light_load import LightLoad
 from batchwire.retry import retry
 from batchwire.routing import Partitioner
 from batchwire.transport.base import (
@@ -85,7 +84,6 @@ class Batcher:
             self._own_partitions = {m: frozenset(partitioner.partitions_for(m)) for m in settings.models}
         self._keep_after: dict[str, float] = {}
         self._spacing: defaultdict[str, Spacing] = defaultdict(Spacing)
-        self._load = LightLoad(PACE_ABOVE_RPS)
         self._stopping = False
         self.failure: BaseException | None = None
         self.failed = asyncio.Event()
@@ -161,16 +159,9 @@ class Batcher:
                 "reading requests", lambda: self.consumer.fetch(settings.fetch_timeout_s, settings.fetch_max_records)
             )
             if records:
-                waited = self._waiting()  # before these came: so every worker is busy
                 unknown = self._accept(records)
                 if unknown:
                     await self._fail_unknown(unknown)
-                if not self._load.arrived(len(records)) and waited and settings.fetch_pace_ms > 0:
-                    await asyncio.sleep(settings.fetch_pace_ms / 1000)  # see BatcherSettings.fetch_pace_ms
-
-    def _waiting(self) -> bool:
-        """Whether requests wait for a busy worker (an idle one would have taken them)."""
-        return any(self.former.held(model) for model in self.former.models())
 
     def _accept(self, records: Sequence[Delivered[InferenceRequest]]) -> list[Delivered[InferenceRequest]]:
         """Feeds the accumulators; returns the requests for models this deployment does not serve."""

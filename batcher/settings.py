@@ -7,10 +7,6 @@ from dataclasses import dataclass, field
 
 from batcher.policy import FlushPolicy
 
-PACE_ABOVE_RPS = 200.0
-"""Below this rate (the one under which gateways send express copies) the batcher never paces its
-reads: at light load a request's milliseconds before its batch matter."""
-
 
 def _batcher_id() -> str:
     return f"batcher-{uuid.uuid4().hex[:8]}"
@@ -41,17 +37,8 @@ class BatcherSettings:
     """When this batcher owns all of a model's partitions, it keeps the busy workers' calls spread
     evenly (``batcher.spacing``), sealing a batch this long before its call should start, the time
     the batch takes to reach the worker. -1: do not space the workers."""
-    fetch_pace_ms: float = 0.0
-    """Under load (requests over ``PACE_ABOVE_RPS`` and some already waiting for a busy worker), at
-    least this long between reads of the request topic. Over Kafka each read is a fetch round trip
-    that costs the batcher and the broker CPU whatever it carries; paced, a fetch carries several
-    records, and a request waiting for a worker anyway waits no longer for it. 0: read at once."""
 
     def __post_init__(self) -> None:
-        if not 0 <= self.fetch_pace_ms <= 1000:
-            raise ValueError(
-                f"fetch_pace_ms ({self.fetch_pace_ms}) must be within 0..1000 milliseconds (BATCHWIRE_FETCH_PACE_MS)"
-            )
         if self.max_held < self.policy.max_batch:
             raise ValueError(
                 f"max_held ({self.max_held}) must be at least max_batch ({self.policy.max_batch}) (BATCHWIRE_MAX_HELD)"

@@ -181,13 +181,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add(batcher, "--batcher-id", None, str, "unique id of this batcher (random when unset)")
     _add(batcher, "--metrics-port", 0, int, "serve Prometheus /metrics on this port (0: off)")
     _add(batcher, "--session-timeout-ms", 3000, int, "Kafka group session: a dead batcher's requests move after this")
-    _add(
-        batcher,
-        "--fetch-pace-ms",
-        4.0,
-        float,
-        "under load (requests waiting for busy workers), read the request topic at most this often (0: at once)",
-    )
     _express(batcher)
 
     worker = sub.add_parser("worker", help="a GPU worker process, over Kafka and Redis")

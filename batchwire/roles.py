@@ -55,12 +55,7 @@ def batcher_settings(
         kwargs["keep_credit_s"] = 0.0
     if getattr(args, "batcher_id", None):
         kwargs["batcher_id"] = args.batcher_id
-    if hasattr(args, "fetch_pace_ms"):  # a batcher process's: embedded reads cost no round trip
-        kwargs["fetch_pace_ms"] = args.fetch_pace_ms
-    try:
-        return BatcherSettings(**kwargs)
-    except ValueError as err:
-        raise SettingsError(str(err)) from err
+    return BatcherSettings(**kwargs)
 
 
 def gateway_settings(args: argparse.Namespace, shared: SharedSettings) -> Any:

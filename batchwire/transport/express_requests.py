@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from batchwire.light_load import LightLoad
 from batchwire.transport.base import EXPRESS, Delivered, PartitionsCallback, RequestConsumer, TransportError
 from batchwire.transport.express import RedisExpress
 from batchwire.transport.kafka import KafkaRequestProducer
@@ -20,6 +20,28 @@ from schemas.records import InferenceRequest
 from schemas.wire import Names
 
 log = logging.getLogger(__name__)
+
+
+class LightLoad:
+    """Whether requests come slowly enough for express copies to pay (a moving average of the gaps).
+
+    Under load, requests wait for a busy worker anyway and the batch forms meanwhile: a copy that
+    comes a few milliseconds sooner changes nothing there, and would only cost CPU on every request.
+    """
+
+    def __init__(self, max_rps: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_rps = max_rps
+        self.clock = clock
+        self._last = float("-inf")
+        self._gap_s = float("inf")
+
+    def arrived(self) -> bool:
+        """Notes one request; True while the moving rate stays at or under ``max_rps``."""
+        now = self.clock()
+        gap = min(now - self._last, 1.0)
+        self._last = now
+        self._gap_s = gap if self._gap_s == float("inf") else 0.9 * self._gap_s + 0.1 * gap
+        return self._gap_s * self.max_rps >= 1.0
 
 
 class ExpressRequestProducer:
