@@ -16,6 +16,8 @@ Faults, in the order a batch meets them:
 
 * its tasks move to ``running`` *before* the backend sees them, and a task whose move is refused
   because it already ended (cancelled, expired, done by an earlier delivery) is not run at all;
+  the exception is an express copy (a first delivery) reaching an idle backend: its call starts
+  first and its tasks are admitted while it runs, and a refused task's result is dropped;
 * a batch delivered again (its last holder died or handed it back) runs carefully: suspects in
   halves, each group marked in flight first, results stored after each group; an input that kept
   killing workers goes to the dead-letter topic (``careful``);
