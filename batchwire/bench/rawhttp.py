@@ -163,12 +163,18 @@ class _Connection(asyncio.Protocol):
         self.close()
 
 
+MAX_IDLE_S = 4.0
+"""A connection idle this long is not reused: servers close idle keep-alive connections (uvicorn
+after 5 s), and a request sent just as the server closes one fails without ever being read."""
+
+
 class RawHttpClient:
     """Keeps idle connections per host and port; a connection is reused only after a full answer."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, max_idle_s: float = MAX_IDLE_S) -> None:
         self._timeout_s = timeout_s
-        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._max_idle_s = max_idle_s
+        self._idle: dict[tuple[str, int], list[tuple[_Connection, float]]] = {}
         self._heads: dict[URL, bytes] = {}
         self._all: set[_Connection] = set()
 
@@ -192,10 +198,14 @@ class RawHttpClient:
         async with asyncio.timeout(self._timeout_s):
             idle = self._idle.get(key)
             while idle:
-                candidate = idle.pop()
-                if not candidate.closed:
+                candidate, since = idle.pop()
+                if candidate.closed:
+                    continue
+                if loop.time() - since < self._max_idle_s:
                     connection = candidate
                     break
+                candidate.close()
+                self._all.discard(candidate)
             if connection is None:
                 _, connection = await loop.create_connection(_Connection, key[0], key[1])
                 self._all.add(connection)
@@ -208,7 +218,7 @@ class RawHttpClient:
                 self._all.discard(connection)
                 raise
         if keep_alive and not connection.closed:
-            self._idle.setdefault(key, []).append(connection)
+            self._idle.setdefault(key, []).append((connection, loop.time()))
         else:
             connection.close()
             self._all.discard(connection)

@@ -71,6 +71,18 @@ async def test_content_length_answers_reuse_one_connection(client: RawHttpClient
     assert server.connections == 1
 
 
+async def test_a_connection_idle_too_long_is_not_reused() -> None:
+    client = RawHttpClient(timeout_s=5.0, max_idle_s=0.05)
+    try:
+        async with Scripted(lambda n: _ok(b'{"n": %d}' % n)) as server:
+            assert await client.post(server.url, b"{}") == (200, b'{"n": 1}')
+            await asyncio.sleep(0.1)  # the idleness under test, past max_idle_s
+            assert await client.post(server.url, b"{}") == (200, b'{"n": 2}')
+        assert server.connections == 2, "a server may be closing a connection idle that long"
+    finally:
+        await client.close()
+
+
 async def test_chunked_body_split_into_tiny_writes(client: RawHttpClient) -> None:
     answer = (
         b"HTTP/1.1 503 Service Unavailable\r\nTransfer-Encoding: chunked\r\n\r\n"
