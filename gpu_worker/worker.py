@@ -447,6 +447,7 @@ class Worker:
     async def _admit_after(
         self, began: asyncio.Event, batch: Batch, live: list[BatchItem]
     ) -> tuple[int, list[BatchItem]]:
+        """``_admission`` once the thread has begun the call (an express batch's; see ``_start_run``)."""
         await began.wait()
         return await self._admission(batch, live)
 
