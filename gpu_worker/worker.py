@@ -417,14 +417,14 @@ class Worker:
         live = [item for item in batch.items if item.deadline_ms > now]
         if live and delivered.partition == EXPRESS and not self._runs:
             # Straight from its batcher to an idle backend: an express copy is pushed once and popped
-            # once, so this is its first delivery, and the call starts while the tasks move to
+            # once, and the push counted this delivery, so the call starts while the tasks move to
             # running (a round trip less before the GPU starts). A task that ended meanwhile
             # (cancelled within those milliseconds) is computed but its result is dropped. Should
-            # this call kill the worker, Kafka's copy comes again and, counted, runs carefully.
+            # this call kill the worker, Kafka's copy comes again as a second delivery and runs carefully.
             self._start_run(delivered, batch, live, ended, admit_once_started=True)
             await asyncio.sleep(0)  # let it hand its call to the thread before the loop goes on
             return
-        count, todo = await self._admission(batch, live)
+        count, todo = await self._admission(delivered, batch, live)
         if todo and count == 1:
             self._start_run(delivered, batch, todo, ended)
             await asyncio.sleep(0)  # let it hand its call to the thread before the loop goes on
@@ -437,19 +437,23 @@ class Worker:
         self._count(batch, ended)
         self._store(delivered, batch, ended)
 
-    async def _admission(self, batch: Batch, live: list[BatchItem]) -> tuple[int, list[BatchItem]]:
-        """Counts this delivery and admits the live items: (deliveries so far, the items to run)."""
+    async def _admission(
+        self, delivered: Delivered[Batch], batch: Batch, live: list[BatchItem]
+    ) -> tuple[int, list[BatchItem]]:
+        """Counts this delivery and admits the live items: (deliveries so far, the items to run).
+
+        An express copy's delivery was counted by the push that brought it (``RedisExpress.push``)."""
+        if delivered.partition == EXPRESS:
+            return 1, await self._admit(batch, live)
         return await asyncio.gather(  # one round trip's wait, not two
             self._retry("counting a delivery", lambda: self.deliveries.begin(batch.batch_id)),
             self._admit(batch, live),
         )
 
-    async def _admit_after(
-        self, began: asyncio.Event, batch: Batch, live: list[BatchItem]
-    ) -> tuple[int, list[BatchItem]]:
-        """``_admission`` once the thread has begun the call (an express batch's; see ``_start_run``)."""
+    async def _admit_after(self, began: asyncio.Event, batch: Batch, live: list[BatchItem]) -> list[BatchItem]:
+        """``_admit`` once the thread has begun the call (an express batch's; see ``_start_run``)."""
         await began.wait()
-        return await self._admission(batch, live)
+        return await self._admit(batch, live)
 
     def _start_run(
         self,
@@ -483,12 +487,12 @@ class Worker:
         todo: list[BatchItem],
         ended: list[TaskState],
         ran: Ran,
-        admitting: asyncio.Future[tuple[int, list[BatchItem]]] | None,
+        admitting: asyncio.Future[list[BatchItem]] | None,
     ) -> None:
         try:
             states = await self._run_group(batch, todo, 1, ran)
             if admitting is not None:
-                _, admitted = await admitting
+                admitted = await admitting
                 kept = {item.task_id for item in admitted}
                 states = [state for state in states if state.task_id in kept]  # the rest had ended
         except BackendHung as err:

@@ -22,6 +22,9 @@ worker runs whichever copy comes first:
 * If Kafka refuses a batch, the batcher takes the express copy back; if the worker took it already
   it runs it, so the batcher sends that same batch to Kafka until it lands rather than hand its
   items to another worker as well.
+* The push counts the batch's delivery (``redis_deliveries``) in the same round trip: a worker
+  starts an express batch's call before it writes anything (``gpu_worker.worker``), so an input
+  that kills it at once has still been counted, and its Kafka copy comes again as a redelivery.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from batchwire.transport.base import TransportError
+from batchwire.transport.redis_deliveries import DELIVERIES_TTL_S, deliveries_key
 from batchwire.transport.redis_pools import CommandClient, PoolOptions, blocking_pool, translate
 from schemas.wire import Names
 
@@ -57,10 +61,14 @@ class RedisExpress:
         await self._blocking.aclose()
         await self._blocking_pool.disconnect()
 
-    async def push(self, worker_id: str, data: bytes) -> None:
+    async def push(self, worker_id: str, data: bytes, batch_id: str) -> None:
+        """Pushes a batch to its worker's list and counts that delivery of it."""
         key = self.names.express_list(worker_id)
+        counted = deliveries_key(self.names, batch_id)
         try:
             async with self._commands.redis.pipeline(transaction=False) as pipe:
+                pipe.hincrby(counted, "n", 1)
+                pipe.pexpire(counted, int(DELIVERIES_TTL_S * 1000))
                 pipe.rpush(key, data)
                 pipe.pexpire(key, self.ttl_ms)  # a list whose worker is gone does not outlive it for long
                 await pipe.execute()

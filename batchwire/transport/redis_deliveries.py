@@ -50,6 +50,9 @@ def deliveries_key(names: Names, batch_id: str) -> str:
     return f"{names.namespace}:deliveries:{batch_id}"
 
 
+DELIVERIES_TTL_S = 3600.0
+"""How long a batch's delivery record outlives its last change (a committed batch's is deleted)."""
+
 DELIVERIES_POOL = PoolOptions(max_connections=4)  # one batch at a time per worker
 
 
@@ -59,7 +62,7 @@ class RedisDeliveryLog:
         redis_url: str,
         names: Names,
         *,
-        ttl_s: float = 3600.0,
+        ttl_s: float = DELIVERIES_TTL_S,
         pool: PoolOptions = DELIVERIES_POOL,
     ) -> None:
         self.names = names

@@ -24,6 +24,7 @@ from batchwire.transport.express_batches import ExpressBatchConsumer, ExpressBat
 from batchwire.transport.express_requests import ExpressRequestConsumer, ExpressRequestProducer
 from batchwire.transport.kafka import KafkaBatchConsumer, KafkaBatchProducer, KafkaRequestConsumer, KafkaRequestProducer
 from batchwire.transport.memory import MemoryBatchBus, MemoryCreditPool, MemoryTaskStore
+from batchwire.transport.redis_deliveries import RedisDeliveryLog
 from schemas.codec import encode_batch
 from schemas.records import Batch, BatchItem, Credit, InferenceRequest
 from schemas.wire import Names
@@ -90,6 +91,9 @@ async def test_a_batch_runs_once_from_the_express_list_and_its_kafka_offset_is_c
     assert delivered is not None
     assert delivered.value == sent
     assert delivered.partition == EXPRESS, "the express copy should win on an idle machine"
+    log = RedisDeliveryLog(kit.infra.redis_url, kit.names)
+    kit.closer.add(log)
+    assert await log.begin(sent.batch_id) == 2, "the push counted the express delivery (this is the second)"
     assert await worker.next(1.0) is None, "the Kafka copy of a batch that ran must not come again"
     await worker.commit(delivered)  # waits for the Kafka copy, commits its offset
     await worker.close()
@@ -116,7 +120,7 @@ async def test_an_express_copy_that_comes_after_the_kafka_copy_is_dropped(kit: K
     assert (delivered.value, delivered.partition) == (sent, 0)
     express = kit.express()
     kit.closer.add(express)
-    await express.push("w1", encode_batch(sent))
+    await express.push("w1", encode_batch(sent), sent.batch_id)
     assert await worker.next(1.0) is None, "a batch must run once, whichever copy comes first"
     await worker.commit(delivered)
 
@@ -135,7 +139,7 @@ async def test_a_batch_kafka_refuses_is_taken_back_from_the_express_list(kit: Ki
 async def test_a_restarted_worker_clears_what_its_list_held(kit: Kit) -> None:
     express = kit.express()
     kit.closer.add(express)
-    await express.push("w1", encode_batch(batch("stale")))
+    await express.push("w1", encode_batch(batch("stale")), "stale")
 
     worker = await kit.consumer()
     assert await worker.next(1.0) is None, "a stale express batch ran; its Kafka copy is the one to run"
