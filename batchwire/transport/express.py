@@ -22,24 +22,47 @@ worker runs whichever copy comes first:
 * If Kafka refuses a batch, the batcher takes the express copy back; if the worker took it already
   it runs it, so the batcher sends that same batch to Kafka until it lands rather than hand its
   items to another worker as well.
-* The push counts the batch's delivery (``redis_deliveries``) in the same round trip: a worker
-  starts an express batch's call before it writes anything (``gpu_worker.worker``), so an input
-  that kills it at once has still been counted, and its Kafka copy comes again as a redelivery.
+* A worker starts an express batch's call before it writes anything (``gpu_worker.worker``), so
+  the push does, in one script, what the worker's admission would have done first: it counts the
+  batch's delivery (``redis_deliveries``: an input that kills the worker at once has been counted,
+  and its Kafka copy comes again as a redelivery), and it pushes nothing when one of the tasks has
+  ended (cancelled or expired while it waited), leaving that batch to Kafka's copy, whose tasks the
+  worker admits before it runs them.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from batchwire.transport.base import TransportError
 from batchwire.transport.redis_deliveries import DELIVERIES_TTL_S, deliveries_key
+from batchwire.transport.redis_lua import TERMINAL_RANK
 from batchwire.transport.redis_pools import CommandClient, PoolOptions, blocking_pool, translate
 from schemas.wire import Names
 
 EXPRESS_POOL = PoolOptions(max_connections=4)
+
+# KEYS[1] the worker's express list, KEYS[2] the batch's delivery record, KEYS[3..] its tasks' hashes.
+# ARGV[1] the encoded batch, ARGV[2] the list's ttl ms, ARGV[3] the record's ttl ms, ARGV[4] the
+# lowest terminal rank. Returns 1 when pushed (and the delivery counted), 0 when a task had ended.
+_PUSH = """
+local terminal = tonumber(ARGV[4])
+for i = 3, #KEYS do
+  local rank = tonumber(redis.call('HGET', KEYS[i], 'rank'))
+  if rank ~= nil and rank >= terminal then
+    return 0
+  end
+end
+redis.call('HINCRBY', KEYS[2], 'n', 1)
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+redis.call('RPUSH', KEYS[1], ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
 
 
 class RedisExpress:
@@ -50,6 +73,7 @@ class RedisExpress:
         self.ttl_ms = int(ttl_s * 1000)
         self.pool = pool
         self._commands = CommandClient(redis_url, pool)
+        self._push = self._commands.redis.register_script(_PUSH)
         self._blocking_pool = blocking_pool(redis_url, 1, pool)
         self._blocking = Redis(connection_pool=self._blocking_pool)
 
@@ -61,17 +85,15 @@ class RedisExpress:
         await self._blocking.aclose()
         await self._blocking_pool.disconnect()
 
-    async def push(self, worker_id: str, data: bytes, batch_id: str) -> None:
-        """Pushes a batch to its worker's list and counts that delivery of it."""
+    async def push(self, worker_id: str, data: bytes, batch_id: str, task_ids: Sequence[str]) -> bool:
+        """Pushes a batch to its worker's list and counts that delivery of it, in one atomic step,
+        unless one of its tasks has ended (cancelled or expired while it waited): then nothing is
+        pushed and False comes back (Kafka's copy, admitted before it runs, carries it)."""
         key = self.names.express_list(worker_id)
-        counted = deliveries_key(self.names, batch_id)
+        keys = [key, deliveries_key(self.names, batch_id), *(self.names.task_key(task) for task in task_ids)]
+        args: list[bytes | int] = [data, self.ttl_ms, int(DELIVERIES_TTL_S * 1000), TERMINAL_RANK]
         try:
-            async with self._commands.redis.pipeline(transaction=False) as pipe:
-                pipe.hincrby(counted, "n", 1)
-                pipe.pexpire(counted, int(DELIVERIES_TTL_S * 1000))
-                pipe.rpush(key, data)
-                pipe.pexpire(key, self.ttl_ms)  # a list whose worker is gone does not outlive it for long
-                await pipe.execute()
+            return bool(await self._push(keys=keys, args=args))
         except RedisError as err:
             raise translate(f"pushing an express batch to {key}", err) from err
 

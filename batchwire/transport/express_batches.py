@@ -49,7 +49,7 @@ class ExpressBatchProducer:
         data = encode_batch(batch)
         # The copy first, then the record: on a small machine the broker's work for the record would
         # otherwise compete for the CPU with the copy's hop and the worker's start.
-        pushed = await self._push(worker, data, batch.batch_id)
+        pushed = await self._push(worker, data, batch)
         try:
             await self.kafka.send_encoded(batch.model, data, partition)  # encoded once, for both copies
         except TransportError as err:
@@ -66,13 +66,12 @@ class ExpressBatchProducer:
                 self.retry_max_s,
             )
 
-    async def _push(self, worker: str, data: bytes, batch_id: str) -> bool:
+    async def _push(self, worker: str, data: bytes, batch: Batch) -> bool:
         try:
-            await self.express.push(worker, data, batch_id)
+            return await self.express.push(worker, data, batch.batch_id, [item.task_id for item in batch.items])
         except TransportError as err:  # Kafka's copy still gets there
             log.debug("express copy to %s not sent: %s", worker, err)
             return False
-        return True
 
     async def _retract(self, worker: str, data: bytes) -> bool:
         try:

@@ -24,9 +24,10 @@ from batchwire.transport.express_batches import ExpressBatchConsumer, ExpressBat
 from batchwire.transport.express_requests import ExpressRequestConsumer, ExpressRequestProducer
 from batchwire.transport.kafka import KafkaBatchConsumer, KafkaBatchProducer, KafkaRequestConsumer, KafkaRequestProducer
 from batchwire.transport.memory import MemoryBatchBus, MemoryCreditPool, MemoryTaskStore
+from batchwire.transport.redis import RedisTaskStore
 from batchwire.transport.redis_deliveries import RedisDeliveryLog
 from schemas.codec import encode_batch
-from schemas.records import Batch, BatchItem, Credit, InferenceRequest
+from schemas.records import Batch, BatchItem, Credit, InferenceRequest, TaskState, TaskStatus
 from schemas.wire import Names
 from tests.contract.conftest import Closer, ensure_topics, eventually
 
@@ -120,9 +121,28 @@ async def test_an_express_copy_that_comes_after_the_kafka_copy_is_dropped(kit: K
     assert (delivered.value, delivered.partition) == (sent, 0)
     express = kit.express()
     kit.closer.add(express)
-    await express.push("w1", encode_batch(sent), sent.batch_id)
+    assert await express.push("w1", encode_batch(sent), sent.batch_id, [item.task_id for item in sent.items])
     assert await worker.next(1.0) is None, "a batch must run once, whichever copy comes first"
     await worker.commit(delivered)
+
+
+async def test_a_batch_holding_a_task_that_ended_is_not_pushed(kit: Kit) -> None:
+    store = RedisTaskStore(kit.infra.redis_url, kit.names)
+    await store.start()
+    kit.closer.add(store)
+    express = kit.express()
+    kit.closer.add(express)
+    sent = batch("b1")
+    now = int(time.time() * 1000)
+    await store.create(TaskState("b1-0", TaskStatus.QUEUED, MODEL, now, now))
+    cancelled = await store.cancel("b1-0", "cancelled", "cancelled while it waited")
+    assert cancelled is not None and cancelled.status is TaskStatus.CANCELLED
+    pushed = await express.push("idle-w", encode_batch(sent), sent.batch_id, ["b1-0"])
+    assert pushed is False, "a batch with a cancelled task must not reach an idle worker's list"
+    assert await express.pop("idle-w", 0.1) is None
+    log = RedisDeliveryLog(kit.infra.redis_url, kit.names)
+    kit.closer.add(log)
+    assert await log.begin(sent.batch_id) == 1, "no delivery was counted for a batch not pushed"
 
 
 async def test_a_batch_kafka_refuses_is_taken_back_from_the_express_list(kit: Kit) -> None:
@@ -139,7 +159,7 @@ async def test_a_batch_kafka_refuses_is_taken_back_from_the_express_list(kit: Ki
 async def test_a_restarted_worker_clears_what_its_list_held(kit: Kit) -> None:
     express = kit.express()
     kit.closer.add(express)
-    await express.push("w1", encode_batch(batch("stale")), "stale")
+    assert await express.push("w1", encode_batch(batch("stale")), "stale", ["stale-0"])
 
     worker = await kit.consumer()
     assert await worker.next(1.0) is None, "a stale express batch ran; its Kafka copy is the one to run"
