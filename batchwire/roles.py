@@ -16,7 +16,7 @@ from typing import Any
 
 from batcher.policy import FlushPolicy
 from batcher.settings import BatcherSettings
-from batchwire.gc_tuning import tune_gc
+from batchwire.gc_tuning import Threshold, tune_gc
 from batchwire.settings import SettingsError, SharedSettings
 
 log = logging.getLogger("batchwire")
@@ -133,15 +133,15 @@ def worker_settings(args: argparse.Namespace, model: str, worker_id: str | None 
         raise SettingsError(str(err)) from err
 
 
-def _serve_http(app: Any, host: str, port: int, args: argparse.Namespace) -> int:
+def _serve_http(app: Any, host: str, port: int, log_level: str, gc_threshold: Threshold | None) -> int:
     import uvicorn
 
-    tune_gc(args.gc_threshold)
+    tune_gc(gc_threshold)
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
-        log_level=args.log_level,
+        log_level=log_level,
         access_log=False,
         loop="uvloop",
         http="httptools",
@@ -189,7 +189,8 @@ def run_embedded(args: argparse.Namespace) -> int:
         ",".join(shared.models),
         args.workers,
     )
-    return _serve_http(create_app(gateway, runtime), settings.host, settings.port, args)
+    app = create_app(gateway, runtime)
+    return _serve_http(app, settings.host, settings.port, args.log_level, args.gc_threshold)
 
 
 # Kafka + Redis roles -----------------------------------------------------------------------------
@@ -279,7 +280,8 @@ def run_gateway(args: argparse.Namespace) -> int:
         queue_depth=transports.queue_depth,
         limiter=transports.limiter,
     )
-    return _serve_http(create_app(gateway, transports), settings.host, settings.port, args)
+    app = create_app(gateway, transports)
+    return _serve_http(app, settings.host, settings.port, args.log_level, args.gc_threshold)
 
 
 async def _supervise(
@@ -328,11 +330,11 @@ async def _supervise(
     return code
 
 
-def _run_loop(main: Coroutine[Any, Any, int], args: argparse.Namespace) -> int:
+def _run_loop(main: Coroutine[Any, Any, int], gc_threshold: Threshold | None) -> int:
     """Runs a role's main coroutine on uvloop (as uvicorn does for the gateway): fewer µs per wake-up."""
     import uvloop
 
-    tune_gc(args.gc_threshold)
+    tune_gc(gc_threshold)
     return uvloop.run(main)
 
 
@@ -366,7 +368,8 @@ def run_batcher(args: argparse.Namespace) -> int:
         kafka_producer = KafkaBatchProducer(bootstrap, shared.names)
         producer: BatchProducer = kafka_producer
         if args.express:
-            producer = ExpressBatchProducer(kafka_producer, RedisExpress(redis_url, shared.names))
+            express = RedisExpress(redis_url, shared.names, deliveries_ttl_s=shared.result_ttl_s)  # as the workers'
+            producer = ExpressBatchProducer(kafka_producer, express)
         consumer: RequestConsumer = KafkaRequestConsumer(
             bootstrap, shared.names, session_timeout_ms=args.session_timeout_ms
         )
@@ -390,7 +393,7 @@ def run_batcher(args: argparse.Namespace) -> int:
         return await _supervise(start, close, batcher.failed)
 
     _metrics_server(args.metrics_port)
-    return _run_loop(main(), args)
+    return _run_loop(main(), args.gc_threshold)
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -458,7 +461,7 @@ def run_worker(args: argparse.Namespace) -> int:
         )
 
     _metrics_server(args.metrics_port)
-    return _run_loop(main(), args)
+    return _run_loop(main(), args.gc_threshold)
 
 
 def run_stack(args: argparse.Namespace) -> int:

@@ -422,20 +422,19 @@ class Worker:
             # (cancelled within those milliseconds) is computed but its result is dropped. Should
             # this call kill the worker, Kafka's copy comes again as a second delivery and runs carefully.
             self._start_run(delivered, batch, live, ended, admit_once_started=True)
-            await asyncio.sleep(0)  # let it hand its call to the thread before the loop goes on
-            return
-        count, todo = await self._admission(delivered, batch, live)
-        if todo and count == 1:
+        else:
+            count, todo = await self._admission(delivered, batch, live)
+            if not todo or count != 1:
+                # A careful run waits for the running call (one at a time), and every batch's results
+                # are stored after those of the batches before it (commits go in offset order).
+                await self._backend_free()
+                if todo:
+                    await self._run_careful(batch, todo, count)
+                self._count(batch, ended)
+                self._store(delivered, batch, ended)
+                return
             self._start_run(delivered, batch, todo, ended)
-            await asyncio.sleep(0)  # let it hand its call to the thread before the loop goes on
-            return
-        # A careful run waits for the running call (one at a time), and every batch's results are
-        # stored after those of the batches before it (commits go in offset order).
-        await self._backend_free()
-        if todo:
-            await self._run_careful(batch, todo, count)
-        self._count(batch, ended)
-        self._store(delivered, batch, ended)
+        await asyncio.sleep(0)  # let it hand its call to the thread before the loop goes on
 
     async def _admission(
         self, delivered: Delivered[Batch], batch: Batch, live: list[BatchItem]

@@ -68,9 +68,19 @@ return 1
 class RedisExpress:
     """The express lists: one Redis list per worker, pushed by batchers and popped by that worker."""
 
-    def __init__(self, redis_url: str, names: Names, *, ttl_s: float = 30.0, pool: PoolOptions = EXPRESS_POOL) -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        names: Names,
+        *,
+        ttl_s: float = 30.0,
+        deliveries_ttl_s: float = DELIVERIES_TTL_S,
+        pool: PoolOptions = EXPRESS_POOL,
+    ) -> None:
         self.names = names
         self.ttl_ms = int(ttl_s * 1000)
+        self.deliveries_ttl_ms = int(deliveries_ttl_s * 1000)
+        """How long a pushed batch's delivery record lives (the workers' ``RedisDeliveryLog`` ttl)."""
         self.pool = pool
         self._commands = CommandClient(redis_url, pool)
         self._push = self._commands.redis.register_script(_PUSH)
@@ -91,7 +101,7 @@ class RedisExpress:
         pushed and False comes back (Kafka's copy, admitted before it runs, carries it)."""
         key = self.names.express_list(worker_id)
         keys = [key, deliveries_key(self.names, batch_id), *(self.names.task_key(task) for task in task_ids)]
-        args: list[bytes | int] = [data, self.ttl_ms, int(DELIVERIES_TTL_S * 1000), TERMINAL_RANK]
+        args: list[bytes | int] = [data, self.ttl_ms, self.deliveries_ttl_ms, TERMINAL_RANK]
         try:
             return bool(await self._push(keys=keys, args=args))
         except RedisError as err:
