@@ -6,16 +6,21 @@
   never starve the commands;
 - pubsub: the one subscribed connection; no retry inside redis-py, because the reader task owns
   reconnecting (with backoff, logging, and subscribing again).
+
+Every pool's connections pack commands with hiredis (``_hiredis_packing``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
+from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.connection import HiredisRespSerializer
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
@@ -61,16 +66,51 @@ class PoolOptions:
     health_check_interval_s: float = 10.0
 
 
+class _HiredisPacking:
+    """Packs commands with hiredis, as redis-py's synchronous connections do; its asyncio ones pack
+    in Python, ~270 µs for the Lua call that writes one 50-task batch's states (hiredis: ~30 µs), and
+    those calls carry every task of every batch through the batcher and the workers."""
+
+    _packer = HiredisRespSerializer()
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        packed: list[bytes] = self._packer.pack(*args)
+        return packed
+
+
+def _keepalive(url: str) -> dict[str, bool]:
+    """TCP keepalive, where there is TCP: a ``unix://`` connection refuses the option."""
+    return {} if urlsplit(url).scheme == "unix" else {"socket_keepalive": True}
+
+
+_PACKING: dict[type[AbstractConnection], type[AbstractConnection]] = {}
+
+P = TypeVar("P", bound=ConnectionPool)
+
+
+def _packing_with_hiredis(pool: P) -> P:
+    """``pool`` making its connections (plain, TLS or Unix socket: the URL's scheme chose which) pack
+    with hiredis."""
+    base = pool.connection_class
+    packing = _PACKING.get(base)
+    if packing is None:
+        packing = _PACKING[base] = type(f"Hiredis{base.__name__}", (_HiredisPacking, base), {})
+    pool.connection_class = packing
+    return pool
+
+
 def command_pool(url: str, options: PoolOptions) -> BlockingConnectionPool:
-    return BlockingConnectionPool.from_url(
-        url,
-        max_connections=options.max_connections,
-        timeout=options.pool_timeout_s,
-        socket_timeout=options.socket_timeout_s,
-        socket_connect_timeout=options.socket_timeout_s,
-        socket_keepalive=True,
-        health_check_interval=options.health_check_interval_s,
-        retry=_retry_once(),
+    return _packing_with_hiredis(
+        BlockingConnectionPool.from_url(
+            url,
+            max_connections=options.max_connections,
+            timeout=options.pool_timeout_s,
+            socket_timeout=options.socket_timeout_s,
+            socket_connect_timeout=options.socket_timeout_s,
+            **_keepalive(url),
+            health_check_interval=options.health_check_interval_s,
+            retry=_retry_once(),
+        )
     )
 
 
@@ -88,27 +128,31 @@ class CommandClient:
 
 def blocking_pool(url: str, max_connections: int, options: PoolOptions) -> BlockingConnectionPool:
     """Connections for blocking commands: no read timeout (the caller bounds each wait itself)."""
-    return BlockingConnectionPool.from_url(
-        url,
-        max_connections=max_connections,
-        timeout=None,
-        socket_timeout=None,
-        socket_connect_timeout=options.socket_timeout_s,
-        socket_keepalive=True,
-        health_check_interval=options.health_check_interval_s,
-        retry=_retry_once(),
+    return _packing_with_hiredis(
+        BlockingConnectionPool.from_url(
+            url,
+            max_connections=max_connections,
+            timeout=None,
+            socket_timeout=None,
+            socket_connect_timeout=options.socket_timeout_s,
+            **_keepalive(url),
+            health_check_interval=options.health_check_interval_s,
+            retry=_retry_once(),
+        )
     )
 
 
 def pubsub_pool(url: str, *, socket_timeout_s: float) -> ConnectionPool:
     """The PubSub connection: reads are bounded per call by the reader; no health check and no retry
     inside redis-py, whose own reconnect would read replies behind the reader's back."""
-    return ConnectionPool.from_url(
-        url,
-        max_connections=2,
-        socket_timeout=socket_timeout_s,
-        socket_connect_timeout=socket_timeout_s,
-        socket_keepalive=True,
-        health_check_interval=0,
-        retry=Retry(NoBackoff(), 0, supported_errors=()),
+    return _packing_with_hiredis(
+        ConnectionPool.from_url(
+            url,
+            max_connections=2,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
+            **_keepalive(url),
+            health_check_interval=0,
+            retry=Retry(NoBackoff(), 0, supported_errors=()),
+        )
     )

@@ -1,0 +1,51 @@
+"""Every pool packs commands with hiredis, byte for byte as redis-py would, whatever the URL's scheme
+(and a ``unix://`` URL makes a pool at all: TCP keepalive is asked for only over TCP)."""
+
+from __future__ import annotations
+
+import pytest
+from redis.asyncio import Redis
+from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
+from redis.exceptions import DataError
+
+from batchwire.transport.redis_pools import PoolOptions, blocking_pool, command_pool, pubsub_pool
+
+ARGS = ("EVALSHA", "f" * 40, 2, "bw:task:a", "bw:task:b", 86_400_000, 0.25, b"\x00avro\xff", "é", "")
+
+
+@pytest.mark.parametrize(
+    ("url", "base"),
+    [
+        ("redis://127.0.0.1:6379/0", Connection),
+        ("rediss://127.0.0.1:6380/0", SSLConnection),
+        ("unix:///tmp/redis.sock", UnixDomainSocketConnection),
+    ],
+)
+def test_every_pool_packs_like_redis_py(url: str, base: type[Connection]) -> None:
+    pools = [
+        command_pool(url, PoolOptions()),
+        blocking_pool(url, 2, PoolOptions()),
+        pubsub_pool(url, socket_timeout_s=1.0),
+    ]
+    for pool in pools:
+        connection = pool.connection_class(**pool.connection_kwargs)  # as the pool makes them
+        assert isinstance(connection, base)  # the scheme's class still (TLS stays TLS)
+        python_packed = b"".join(base.pack_command(connection, *ARGS))
+        assert b"".join(connection.pack_command(*ARGS)) == python_packed
+        # A command name with a space is split, as redis-py does ("SCRIPT LOAD" is two words).
+        assert connection.pack_command("SCRIPT LOAD", "return 1") == [
+            b"*3\r\n$6\r\nSCRIPT\r\n$4\r\nLOAD\r\n$8\r\nreturn 1\r\n"
+        ]
+        with pytest.raises(DataError):
+            connection.pack_command("SET", "k", object())  # type: ignore[arg-type]
+
+
+async def test_a_packed_script_call_runs(redis_url: str) -> None:
+    pool = command_pool(redis_url, PoolOptions())
+    redis = Redis(connection_pool=pool)
+    try:
+        script = redis.register_script("return {KEYS[1], ARGV[1], ARGV[2], ARGV[3]}")
+        assert await script(keys=["k"], args=[b"\x00\xff", 7, "é"]) == [b"k", b"\x00\xff", b"7", "é".encode()]
+    finally:
+        await redis.aclose()
+        await pool.disconnect()
