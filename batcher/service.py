@@ -25,6 +25,7 @@ from typing import TypeVar
 from batcher.express import ExpressLedger, Record
 from batcher.offsets import OffsetTracker
 from batcher.policy import BatchFormer, Pending, Taken
+from batcher.read_pacing import ReadPacing
 from batcher.settings import BatcherSettings
 from batcher.spacing import Spacing
 from batchwire import metrics
@@ -44,6 +45,8 @@ from schemas.records import Batch, BatchItem, Credit, InferenceRequest, TaskStat
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+CATCH_UP_MIN_S = 0.002
 
 
 def wall_ms() -> int:
@@ -84,6 +87,9 @@ class Batcher:
             self._own_partitions = {m: frozenset(partitioner.partitions_for(m)) for m in settings.models}
         self._keep_after: dict[str, float] = {}
         self._spacing: defaultdict[str, Spacing] = defaultdict(Spacing)
+        self._pacing = ReadPacing(settings.read_pace_ms / 1000)
+        self._claiming: set[str] = set()
+        """Models whose dispatcher waits for a credit, holding requests: all of their workers are busy."""
         self._stopping = False
         self.failure: BaseException | None = None
         self.failed = asyncio.Event()
@@ -162,6 +168,13 @@ class Batcher:
                 unknown = self._accept(records)
                 if unknown:
                     await self._fail_unknown(unknown)
+            await self._pacing.after_read(self._all_busy())
+
+    def _all_busy(self) -> bool:
+        """Whether every served model's dispatcher waits for a credit (see ``batcher.read_pacing``):
+        a model with an idle worker sends a request the moment it is read."""
+        served = self.settings.models or self._dispatchers.keys()
+        return bool(self._claiming) and all(model in self._claiming for model in served)
 
     def _accept(self, records: Sequence[Delivered[InferenceRequest]]) -> list[Delivered[InferenceRequest]]:
         """Feeds the accumulators; returns the requests for models this deployment does not serve."""
@@ -277,9 +290,15 @@ class Batcher:
                 credit, kept = kept, None
                 if credit is None:
                     claimed_from_s = self.clock()
-                    credit = await self._claim(model)
+                    pauses = self._pacing.pauses
+                    self._claiming.add(model)
+                    try:
+                        credit = await self._claim(model)
+                    finally:
+                        self._claiming.discard(model)
                     if credit is None:
                         continue
+                    await self._pacing.catch_up(pauses, self._catch_up_limit_s(credit))
                 metrics.IDLE_WORKERS.labels(model=model).set(0)
                 hold_s = self.former.reserve_s(model, credit.busy_ms / 1000.0, claimed_from_s)
                 if hold_s > 0:
@@ -290,6 +309,12 @@ class Batcher:
         finally:
             if kept is not None:
                 await self._offer_back(kept)
+
+    def _catch_up_limit_s(self, credit: Credit) -> float:
+        """A catch-up may use the time until the credit's worker frees, less the batch's way there,
+        and a little of an idle worker's (it ends sooner: the first read brings what waited)."""
+        travel_s = max(0.0, self.settings.spacing_margin_ms) / 1000
+        return min(self._pacing.pace_s, max(CATCH_UP_MIN_S, self._starts_in_s(credit) - travel_s))
 
     async def _claim(self, model: str) -> Credit | None:
         return await self._retry(

@@ -37,8 +37,16 @@ class BatcherSettings:
     """When this batcher owns all of a model's partitions, it keeps the busy workers' calls spread
     evenly (``batcher.spacing``), sealing a batch this long before its call should start, the time
     the batch takes to reach the worker. -1: do not space the workers."""
+    read_pace_ms: float = 0.0
+    """While every worker is busy, read the request topic at most this often, and catch up when a
+    credit comes, before sealing (``batcher.read_pacing``): over Kafka each read is a fetch round
+    trip. 0: read continuously (embedded: a read there costs no round trip)."""
 
     def __post_init__(self) -> None:
+        if not 0 <= self.read_pace_ms <= 1000:
+            raise ValueError(
+                f"read_pace_ms ({self.read_pace_ms}) must be within 0..1000 milliseconds (BATCHWIRE_READ_PACE_MS)"
+            )
         if self.max_held < self.policy.max_batch:
             raise ValueError(
                 f"max_held ({self.max_held}) must be at least max_batch ({self.policy.max_batch}) (BATCHWIRE_MAX_HELD)"

@@ -181,6 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add(batcher, "--batcher-id", None, str, "unique id of this batcher (random when unset)")
     _add(batcher, "--metrics-port", 0, int, "serve Prometheus /metrics on this port (0: off)")
     _add(batcher, "--session-timeout-ms", 3000, int, "Kafka group session: a dead batcher's requests move after this")
+    _add(
+        batcher,
+        "--read-pace-ms",
+        10.0,
+        float,
+        "while every worker is busy, fetch requests at most this often, catching up before each seal (0: always)",
+    )
     _express(batcher)
 
     worker = sub.add_parser("worker", help="a GPU worker process, over Kafka and Redis")
