@@ -173,6 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
         float,
         "with --express, produce a synchronous request's Kafka record this long after its express copy",
     )
+    _add(
+        gateway,
+        "--request-linger-ms",
+        4.0,
+        float,
+        "gather requests this long into one Kafka produce request (fewer round trips; 0: send at once)",
+    )
 
     batcher = sub.add_parser("batcher", help="a batcher process, over Kafka and Redis")
     _shared(batcher)

@@ -81,6 +81,8 @@ def gateway_settings(args: argparse.Namespace, shared: SharedSettings) -> Any:
     if hasattr(args, "express"):
         kwargs["express"] = args.express
         kwargs["express_record_delay_ms"] = args.express_record_delay_ms
+    if hasattr(args, "request_linger_ms"):
+        kwargs["request_linger_ms"] = args.request_linger_ms
     if args.gateway_id:
         kwargs["gateway_id"] = args.gateway_id
     try:
@@ -224,11 +226,13 @@ class GatewayTransports:
         from batchwire.transport.kafka_lag import KafkaQueueDepth
         from batchwire.transport.redis import RedisTaskStore
         from batchwire.transport.redis_limits import RedisRateLimiter
+        from gateway.settings import REQUEST_RUN
 
         self.shared = shared
         bootstrap = shared.require_kafka()
         redis_url = shared.require_redis()
-        kafka = KafkaRequestProducer(bootstrap, shared.names, Partitioner(shared.models, shared.request_partitions))
+        partitioner = Partitioner(shared.models, shared.request_partitions, run=REQUEST_RUN)
+        kafka = KafkaRequestProducer(bootstrap, shared.names, partitioner, linger_ms=settings.request_linger_ms)
         self.producer: RequestProducer = kafka
         if settings.express:
             self.producer = ExpressRequestProducer(

@@ -13,11 +13,15 @@ from collections.abc import Sequence
 
 
 class Partitioner:
-    def __init__(self, models: Sequence[str], partitions: int) -> None:
+    def __init__(self, models: Sequence[str], partitions: int, *, run: int = 1) -> None:
+        """``run``: how many consecutive requests of a model go to the same partition (see ``choose``)."""
         if partitions < 1:
             raise ValueError("the request topic needs at least one partition")
+        if run < 1:
+            raise ValueError("a partition run is at least one request")
         self.models = tuple(models)
         self.partitions = partitions
+        self.run = run
         self._ranges: dict[str, range] = {}
         if self.models:
             share = max(1, partitions // len(self.models))
@@ -33,6 +37,11 @@ class Partitioner:
         return range(zlib.crc32(model.encode()) % self.partitions, zlib.crc32(model.encode()) % self.partitions + 1)
 
     def choose(self, model: str) -> int:
-        """Spreads one model's requests round-robin over its own partitions."""
+        """Spreads one model's requests round-robin over its own partitions, ``run`` at a time.
+
+        Runs longer than one let a Kafka producer that lingers (``linger_ms``) put requests that
+        come together in one record batch: one partition's records travel as a batch, and a
+        producer sends a batch per partition, so one request per partition in turn defeats it.
+        """
         candidates = self.partitions_for(model)
-        return candidates[next(self._counter) % len(candidates)]
+        return candidates[(next(self._counter) // self.run) % len(candidates)]

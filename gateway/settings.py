@@ -28,6 +28,11 @@ def new_gateway_id() -> str:
     return "gw-" + secrets.token_hex(4)
 
 
+REQUEST_RUN = 16
+"""Consecutive requests of a model that a gateway sends to one request partition, so that its
+producer's linger gathers them into one record batch (``batchwire.routing.Partitioner.choose``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class GatewaySettings:
     """What one gateway listens on, which requests it accepts, and how long it holds callers."""
@@ -77,6 +82,13 @@ class GatewaySettings:
     """With ``express``: a synchronous request's Kafka record is produced this long after its express
     copy, so the broker's work for it runs while the GPU computes rather than on the copy's way there
     (``ExpressRequestProducer``). 0 produces it at once."""
+    request_linger_ms: float = 4.0
+    """Over Kafka: how long the request producer gathers requests into one produce request
+    (``linger_ms``), which carries up to ``REQUEST_RUN`` consecutive requests to one partition. Each
+    produce round trip costs the gateway and the broker CPU whatever it carries (aiokafka encodes
+    the protocol in Python): at 1,000 req/s 4 ms halve the round trips, for ~4 ms more before a
+    batcher reads a request, which under load waits for a busy worker anyway, and which at light
+    load has its express copy there first. 0 sends at once."""
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     """sha256 hex digests of the accepted API keys (never the keys; ``gateway.auth.load_api_keys``
     turns keys into digests). Empty: no keys needed and every task is visible to every caller."""
@@ -94,6 +106,11 @@ class GatewaySettings:
             )
         if not self.models:
             raise ValueError(f"models ({env_name('models')}) must name at least one model")
+        if not 0 <= self.request_linger_ms <= 1000:
+            raise ValueError(
+                f"request_linger_ms ({env_name('request_linger_ms')}) is {self.request_linger_ms}; it must "
+                "be within 0..1000 (milliseconds)"
+            )
         if not 0 <= self.express_record_delay_ms <= 1000:
             raise ValueError(
                 f"express_record_delay_ms ({env_name('express_record_delay_ms')}) is "

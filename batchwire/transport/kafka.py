@@ -1,7 +1,8 @@
 """Kafka transports: the request topic (gateways -> batchers) and each model's batch topic (batchers -> workers).
 
 Tuned for latency on a lightly loaded bus: producers send at once (``linger_ms=0``, no
-compression) and await the broker's ack; consumers long-poll, and the broker answers a parked fetch
+compression; a gateway's request producer lingers a few ms, see ``GatewaySettings.request_linger_ms``)
+and await the broker's ack; consumers long-poll, and the broker answers a parked fetch
 as soon as a record lands. Records are Avro (``schemas.codec``); bytes that do not decode are
 handed on as ``Delivered(None, ...)`` so the service can commit past them instead of stalling the
 partition.
@@ -65,7 +66,7 @@ class _Producer:
         *,
         client_id: str,
         acks: int | str,
-        linger_ms: int,
+        linger_ms: float,
         request_timeout_ms: int,
         compression_type: str | None,
         ready_timeout_s: float,
@@ -176,7 +177,7 @@ class KafkaRequestProducer:
         names: Names,
         partitioner: Partitioner,
         *,
-        linger_ms: int = 0,
+        linger_ms: float = 0,
         acks: int | str = "all",
         request_timeout_ms: int = DEFAULT_REQUEST_TIMEOUT_MS,
         compression_type: str | None = None,
@@ -233,7 +234,7 @@ class KafkaBatchProducer:
         bootstrap: str,
         names: Names,
         *,
-        linger_ms: int = 0,
+        linger_ms: float = 0,
         acks: int | str = "all",
         request_timeout_ms: int = DEFAULT_REQUEST_TIMEOUT_MS,
         compression_type: str | None = None,

@@ -54,6 +54,27 @@ async def test_undecodable_bytes_are_delivered_as_none(kafka_bootstrap: str, nam
     await consumer.commit({0: 1})  # past the bad record: it must never block the partition
 
 
+async def test_a_lingering_producer_sends_a_run_of_requests_as_one_partitions_batch(
+    kafka_bootstrap: str, names: Names, closer: Closer
+) -> None:
+    """The gateway's producer: ``run`` consecutive requests to one partition, gathered by ``linger_ms``;
+    every send still returns only once the broker has its record."""
+    await ensure_topics(kafka_bootstrap, {names.request_topic: 4})
+    producer = closer.add(KafkaRequestProducer(kafka_bootstrap, names, Partitioner(["alpha"], 4, run=8), linger_ms=20))
+    await producer.start()
+    sent = [request(f"t{i}", "alpha") for i in range(16)]
+    await asyncio.gather(*(producer.send(item) for item in sent))  # each returns once acknowledged
+
+    consumer = closer.add(KafkaRequestConsumer(kafka_bootstrap, names))
+    partitions = Partitions()
+    await consumer.start(partitions.on_assigned, partitions.on_revoked)
+    got = await read(consumer, len(sent))
+    by_partition = {
+        partition: [d.value.task_id for d in got if d.partition == partition and d.value] for partition in (0, 1)
+    }
+    assert by_partition == {0: [f"t{i}" for i in range(8)], 1: [f"t{i}" for i in range(8, 16)]}
+
+
 async def test_producer_refuses_a_missing_topic(kafka_bootstrap: str, names: Names) -> None:
     producer = KafkaRequestProducer(kafka_bootstrap, names, Partitioner(["alpha"], 1), request_timeout_ms=1000)
     with pytest.raises(PermanentTransportError, match=names.request_topic):
