@@ -38,8 +38,9 @@ class ReadPacing:
         """Called by the consume loop after each read; pauses up to ``pace_s`` while ``all_busy``
         (every worker busy: each model's dispatcher waits for a credit) and nobody catches up."""
         self.reads += 1
-        read, self._read = self._read, asyncio.Event()
-        read.set()
+        if self._catching_up:  # wake the catch-ups (no event is made per read otherwise)
+            read, self._read = self._read, asyncio.Event()
+            read.set()
         if self.pace_s <= 0 or not all_busy or self._catching_up:
             return
         self.pauses += 1

@@ -55,7 +55,7 @@ def batcher_settings(
         kwargs["keep_credit_s"] = 0.0
     if getattr(args, "batcher_id", None):
         kwargs["batcher_id"] = args.batcher_id
-    if getattr(args, "read_pace_ms", None) is not None:  # a batcher process: reads are fetch round trips
+    if hasattr(args, "read_pace_ms"):  # a batcher process: reads are fetch round trips
         kwargs["read_pace_ms"] = args.read_pace_ms
     return BatcherSettings(**kwargs)
 
