@@ -123,10 +123,10 @@ class Cluster:
         self.procs.append(proc)
         return proc
 
-    def gateway(self, index: int | None = None) -> Proc:
+    def gateway(self, index: int | None = None, *extra: str) -> Proc:
         index = len(self.gateway_urls) if index is None else index
         port = free_port()
-        proc = self.spawn(f"gateway{index}", "gateway", "--port", str(port), "--gateway-id", f"gw{index}")
+        proc = self.spawn(f"gateway{index}", "gateway", "--port", str(port), "--gateway-id", f"gw{index}", *extra)
         url = f"http://127.0.0.1:{port}"
         wait_until(lambda: _ready(url), 60, f"gateway {index} to be ready ({proc.tail(5)})")
         self.gateway_urls.append(url)
@@ -209,6 +209,7 @@ def launch(
     sim_latency_ms: float = 100.0,
     batcher_args: tuple[str, ...] = (),
     worker_args: tuple[str, ...] = (),
+    gateway_args: tuple[str, ...] = (),
     extra_env: dict[str, str] | None = None,
 ) -> Cluster:
     """A cluster in a fresh namespace, with extra flags per role; returns once every worker offers a credit."""
@@ -226,7 +227,7 @@ def launch(
         for index in range(workers):
             cluster.worker(index, *worker_args)
         for index in range(gateways):
-            cluster.gateway(index)
+            cluster.gateway(index, *gateway_args)
         client = redis.Redis.from_url(redis_url)
         credits = Names(namespace).credit_queue("sim")
         wait_until(lambda: client.zcard(credits) >= workers, 60, f"{workers} idle workers to offer credits")

@@ -1,0 +1,259 @@
+"""The attack rig: a real service process, a normal client beside the attacker, and the bounds.
+
+Every adversarial test attacks a real process (``batchwire up``, or a Kafka-mode gateway with its
+batcher and workers over the session's Kafka and Redis) through real sockets, while a :class:`Probe`
+plays a normal client. :func:`unharmed` states what "one client must not hurt anyone else" means:
+the normal client's sync p99 stays within ``P99_SLACK_MS`` of its value without the attack and none
+of its requests fails, the process's RSS grows by at most ``RSS_GROWTH_BYTES``, and its file
+descriptors come back down once the attack ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import httpx
+
+from tests.e2e.harness import Cluster, Proc
+
+P99_SLACK_MS = 20.0
+RSS_GROWTH_BYTES = 50 * 1024 * 1024
+FD_SLACK = 20
+"""Descriptors a gateway may hold beyond its baseline once an attack ended (pooled connections)."""
+
+
+@dataclass
+class Service:
+    """A running service under attack; ``pid`` is the process that serves HTTP."""
+
+    mode: str
+    url: str
+    proc: Proc
+    cluster: Cluster | None = None
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or "127.0.0.1"
+
+    @property
+    def port(self) -> int:
+        port = urlsplit(self.url).port
+        assert port is not None
+        return port
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the serving process (VmRSS)."""
+        with open(f"/proc/{self.pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise AssertionError(f"no VmRSS for pid {self.pid}")
+
+    def open_fds(self) -> int:
+        return len(os.listdir(f"/proc/{self.pid}/fd"))
+
+    def alive(self) -> bool:
+        return self.proc.alive()
+
+    def tail(self, lines: int = 40) -> str:
+        if self.cluster is not None:
+            return self.cluster.logs()
+        return self.proc.tail(lines)
+
+
+@dataclass
+class ProbeStats:
+    latencies_ms: list[float]
+    failures: list[str]
+
+    @property
+    def count(self) -> int:
+        return len(self.latencies_ms) + len(self.failures)
+
+    def percentile(self, q: float) -> float:
+        if not self.latencies_ms:
+            return float("inf")
+        ordered = sorted(self.latencies_ms)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    @property
+    def p50_ms(self) -> float:
+        return self.percentile(0.50)
+
+    @property
+    def p99_ms(self) -> float:
+        return self.percentile(0.99)
+
+    def __str__(self) -> str:
+        return (
+            f"{self.count} requests, p50 {self.p50_ms:.1f} ms, p99 {self.p99_ms:.1f} ms, "
+            f"{len(self.failures)} failed {self.failures[:3]}"
+        )
+
+
+@dataclass
+class Probe:
+    """A normal client: synchronous submits at a steady rate, each checked against its own input.
+
+    At the default 10 requests/s with two 100 ms sim workers every request finds an idle worker, so
+    its latency is the service's own and an attack's harm shows in full. It also samples the
+    service's RSS and open descriptors, so the peak during an attack is seen.
+    """
+
+    service: Service
+    rate_per_s: float = 10.0
+    timeout_s: float = 10.0
+    model: str | None = None
+    _latencies: list[float] = field(default_factory=list)
+    _failures: list[str] = field(default_factory=list)
+    peak_rss_bytes: int = 0
+    peak_fds: int = 0
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+    _mark: int = 0
+
+    @contextmanager
+    def running(self) -> Iterator[Probe]:
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), name="probe", daemon=True)
+        self._thread.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            self._thread.join(self.timeout_s + 5)
+
+    def stats(self) -> ProbeStats:
+        """What the probe saw since it started (or since the last ``restart_window``)."""
+        return ProbeStats(list(self._latencies), list(self._failures))
+
+    def restart_window(self) -> None:
+        self._latencies.clear()
+        self._failures.clear()
+        self.peak_rss_bytes = 0
+        self.peak_fds = 0
+
+    def _sample(self) -> None:
+        try:
+            self.peak_rss_bytes = max(self.peak_rss_bytes, self.service.rss_bytes())
+            self.peak_fds = max(self.peak_fds, self.service.open_fds())
+        except (OSError, AssertionError):
+            pass  # the process is gone: the probe's requests fail and say so
+
+    async def _run(self) -> None:
+        body: dict[str, object] = {}
+        if self.model is not None:
+            body["model"] = self.model
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=16)
+        async with httpx.AsyncClient(base_url=self.service.url, timeout=self.timeout_s, limits=limits) as client:
+            tasks: set[asyncio.Task[None]] = set()
+            period = 1.0 / self.rate_per_s
+            next_at = time.monotonic()
+            n = 0
+            while not self._stop.is_set():
+                n += 1
+                task = asyncio.create_task(self._one(client, {**body, "input": f"probe-{n}-{os.urandom(3).hex()}"}))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                self._sample()
+                next_at += period
+                await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            if tasks:
+                await asyncio.wait(tasks)
+
+    async def _one(self, client: httpx.AsyncClient, body: dict[str, object]) -> None:
+        started = time.monotonic()
+        try:
+            response = await client.post("/v1/inference", json=body)
+        except httpx.HTTPError as err:
+            self._failures.append(f"{type(err).__name__}: {err}")
+            return
+        elapsed_ms = (time.monotonic() - started) * 1000
+        if response.status_code != 200:
+            self._failures.append(f"{response.status_code} {response.text[:200]}")
+            return
+        expected = str(body["input"])[::-1]
+        if response.json().get("output") != expected:
+            self._failures.append(f"wrong output {response.text[:200]}")
+            return
+        self._latencies.append(elapsed_ms)
+
+
+@dataclass
+class Harm:
+    """What a normal client saw without and with the attack, and what the process used."""
+
+    baseline: ProbeStats
+    during: ProbeStats
+    rss_before: int
+    rss_peak: int
+    fds_before: int
+    fds_peak: int
+    fds_after: int
+
+    def __str__(self) -> str:
+        return (
+            f"baseline: {self.baseline}; during: {self.during}; RSS {self.rss_before >> 20} -> peak "
+            f"{self.rss_peak >> 20} MiB; fds {self.fds_before} -> peak {self.fds_peak} -> {self.fds_after}"
+        )
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Polls ``check`` until it holds; fails naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def unharmed(
+    service: Service,
+    attack: Callable[[], object],
+    *,
+    baseline_s: float = 4.0,
+    min_during_s: float = 3.0,
+    rate_per_s: float = 10.0,
+    model: str | None = None,
+    p99_slack_ms: float = P99_SLACK_MS,
+    rss_growth_bytes: int = RSS_GROWTH_BYTES,
+    fds_settle_s: float = 30.0,
+) -> Harm:
+    """Runs ``attack`` (blocking, from this thread) while a :class:`Probe` plays a normal client, and
+    asserts the bounds of the module docstring. The probe keeps going until ``min_during_s`` passed,
+    so a short attack is still measured over enough requests."""
+    probe = Probe(service, rate_per_s=rate_per_s, model=model)
+    with probe.running():
+        warm_until = time.monotonic() + 1.0
+        wait_for(lambda: time.monotonic() > warm_until, 5, "the probe's warm-up")
+        probe.restart_window()
+        fds_before = service.open_fds()
+        rss_before = service.rss_bytes()
+        until = time.monotonic() + baseline_s
+        wait_for(lambda: time.monotonic() > until, baseline_s + 5, "the baseline window")
+        baseline = probe.stats()
+        probe.restart_window()
+        started = time.monotonic()
+        attack()
+        wait_for(lambda: time.monotonic() - started >= min_during_s, min_during_s + 5, "the attack window")
+        during = probe.stats()
+        rss_peak, fds_peak = max(probe.peak_rss_bytes, service.rss_bytes()), probe.peak_fds
+    wait_for(lambda: service.open_fds() <= fds_before + FD_SLACK, fds_settle_s, "descriptors to come back down")
+    harm = Harm(baseline, during, rss_before, rss_peak, fds_before, fds_peak, service.open_fds())
+    assert service.alive(), f"the service died under attack: {harm}\n{service.tail()}"
+    assert baseline.failures == [], f"the baseline already failed: {harm}"
+    assert during.failures == [], f"a normal client's requests failed during the attack: {harm}"
+    assert during.count >= min_during_s * rate_per_s * 0.8, f"the probe could not keep its rate: {harm}"
+    assert during.p99_ms <= baseline.p99_ms + p99_slack_ms, f"the normal client's p99 rose too much: {harm}"
+    assert rss_peak - rss_before <= rss_growth_bytes, f"RSS grew too much: {harm}"
+    return harm

@@ -1,0 +1,34 @@
+"""The rig's own honesty: a harmless attack passes its bounds, and a harmful one fails them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.adversarial.conftest import ServiceFactory
+from tests.adversarial.rig import Service, unharmed
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_harmless_attack_passes(service: Service) -> None:
+    harm = unharmed(service, lambda: None)
+    assert harm.baseline.count >= 30, harm
+    assert 95 <= harm.baseline.p50_ms <= 200, harm
+
+
+def test_a_paused_service_fails_the_latency_bound(embedded_service_factory: ServiceFactory) -> None:
+    service = embedded_service_factory()
+
+    def pause() -> None:  # the service is stopped for 300 ms: every request in that window waits
+        os.kill(service.pid, signal.SIGSTOP)
+        try:
+            time.sleep(0.3)
+        finally:
+            os.kill(service.pid, signal.SIGCONT)
+
+    with pytest.raises(AssertionError, match="p99 rose too much"):
+        unharmed(service, pause)
