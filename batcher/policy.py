@@ -100,6 +100,12 @@ class Sealed(Generic[Item]):
     items: list[Pending[Item]]
     reason: FlushReason
     sealed_s: float
+    min_deadline_s: float = float("inf")
+    """The most urgent item's deadline: a sealed batch waiting for a credit still expires on time."""
+
+    def __post_init__(self) -> None:
+        if self.min_deadline_s == float("inf") and self.items:
+            self.min_deadline_s = min(p.deadline_s for p in self.items)
 
 
 @dataclass(slots=True)
@@ -155,11 +161,12 @@ class BatchFormer(Generic[Item]):
             self._seal(queue, FlushReason.FULL, self.clock())
 
     def _seal(self, queue: _ModelQueue[Item], reason: FlushReason, now: float) -> None:
-        queue.sealed.append(Sealed(queue.pending, reason, now))
+        queue.sealed.append(Sealed(queue.pending, reason, now, queue.min_deadline_s))
         queue.pending = []
         queue.min_deadline_s = float("inf")
 
     def _timer_due_s(self, queue: _ModelQueue[Item]) -> float | None:
+        """When this queue's seal trigger fires (pending items only)."""
         if not queue.pending:
             return None
         due = queue.pending[0].arrived_s + self.policy.max_wait_ms / 1000.0
@@ -169,8 +176,18 @@ class BatchFormer(Generic[Item]):
 
     # timers ----------------------------------------------------------------------------------
     def next_due_s(self) -> float | None:
-        """When ``tick`` next has something to seal (monotonic seconds), or None."""
-        dues = [due for queue in self._models.values() if (due := self._timer_due_s(queue)) is not None]
+        """When ``tick`` next has something to seal or ``expire`` something to end (monotonic seconds), or None.
+
+        Deadlines count wherever an item waits: pending, or sealed in a batch that waits for a
+        credit (every worker of its model busy, hung or gone)."""
+        dues: list[float] = []
+        for queue in self._models.values():
+            due = self._timer_due_s(queue)
+            if due is not None:
+                dues.append(due)
+            if queue.pending:
+                dues.append(queue.min_deadline_s)
+            dues.extend(sealed.min_deadline_s for sealed in queue.sealed)
         return min(dues) if dues else None
 
     def tick(self) -> list[str]:
@@ -271,9 +288,10 @@ class BatchFormer(Generic[Item]):
                 queue.pending = [p for p in queue.pending if p.deadline_s > now]
                 queue.min_deadline_s = min((p.deadline_s for p in queue.pending), default=float("inf"))
             for sealed in queue.sealed:
-                if any(p.deadline_s <= now for p in sealed.items):
+                if sealed.min_deadline_s <= now:
                     out.extend(p for p in sealed.items if p.deadline_s <= now)
                     sealed.items = [p for p in sealed.items if p.deadline_s > now]
+                    sealed.min_deadline_s = min((p.deadline_s for p in sealed.items), default=float("inf"))
             queue.sealed = deque(s for s in queue.sealed if s.items)
         return out
 
@@ -288,6 +306,7 @@ class BatchFormer(Generic[Item]):
             for sealed in queue.sealed:
                 dropped.extend(p for p in sealed.items if p.partition in lost)
                 sealed.items = [p for p in sealed.items if p.partition not in lost]
+                sealed.min_deadline_s = min((p.deadline_s for p in sealed.items), default=float("inf"))
             queue.sealed = deque(s for s in queue.sealed if s.items)
         return dropped
 

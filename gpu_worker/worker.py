@@ -50,7 +50,7 @@ from batchwire.transport.deliveries import (
 )
 from gpu_worker import careful
 from gpu_worker.backends.base import Backend
-from gpu_worker.calls import BackendCalls, Failure, Ran
+from gpu_worker.calls import BackendCalls, Failure, Ran, oversize
 from gpu_worker.journal import BatchJournal
 from gpu_worker.runner import BackendHung, BackendRunner
 from gpu_worker.settings import WorkerSettings
@@ -405,16 +405,20 @@ class Worker:
         redelivered batch runs carefully once the backend is free. The results are stored after."""
         now = wall_ms()
         metrics.BATCH_WAIT.labels(model=batch.model).observe(max(0, now - batch.created_at_ms) / 1000.0)
+        # A call that would end after an item's deadline computes an answer nobody may receive: the
+        # item ends expired instead, and the GPU's time goes to items that can still be answered.
+        ends_by_ms = now + round((self._busy_for_s() + (self.runner.expected_s or 0.0)) * 1000)
         expired = Failure(
             "deadline_exceeded",
-            "the request's deadline passed before the GPU could run it; retry, or send a longer timeout_ms",
+            "the request's deadline would pass before the GPU could finish it (the model's queue was long): "
+            "retry later, or send a longer timeout_ms",
         )
         ended = [
             self._state(batch, item, TaskStatus.EXPIRED, error=expired)
             for item in batch.items
-            if item.deadline_ms <= now
+            if item.deadline_ms <= ends_by_ms
         ]
-        live = [item for item in batch.items if item.deadline_ms > now]
+        live = [item for item in batch.items if item.deadline_ms > ends_by_ms]
         if live and delivered.partition == EXPRESS and not self._runs:
             # Straight from its batcher to an idle backend: an express copy is pushed once and popped
             # once, and the push counted this delivery, so the call starts while the tasks move to
@@ -539,8 +543,11 @@ class Worker:
             ids = [item.task_id for item in items]  # the thread's times: a call may have waited behind another
             self.journal.record(self.settings.worker_id, batch.batch_id, ids, ran.started, ran.ended, outcome, delivery)
         states = []
+        limit = self.settings.max_output_bytes
         for index, item in enumerate(items):
             result = results[index]
+            if isinstance(result, str):
+                result = oversize(result, limit) or result
             if isinstance(result, str):
                 states.append(self._state(batch, item, TaskStatus.COMPLETED, output=result))
             else:

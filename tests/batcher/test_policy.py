@@ -187,3 +187,34 @@ def test_reserve_is_off_under_load_and_for_sealed_batches(clock: FakeClock) -> N
     sealed.add("m", item(clock, 0))
     clock.advance(1)
     assert sealed.reserve_s("m", call_s=0.1) == 0.0, "a sealed batch goes at once"
+
+
+def test_a_sealed_batch_waiting_for_a_credit_still_expires_on_time(clock: FakeClock) -> None:
+    """Every worker busy, hung or gone: the batch sealed by age waits, and its deadlines still wake the timer."""
+    former: BatchFormer[str] = BatchFormer(FlushPolicy.work_conserving(max_wait_ms=1000), clock)
+    former.add("m", item(clock, 0, ttl_s=2.0))
+    former.add("m", item(clock, 1, ttl_s=3.0))
+    clock.advance(1.0)
+    assert former.tick() == ["m"] and former.sealed("m")
+    assert former.next_due_s() == pytest.approx(clock() + 1.0), "the sealed batch's first deadline is due"
+    clock.advance(1.0)
+    assert [p.item for p in former.expire()] == ["r0"]
+    assert former.next_due_s() == pytest.approx(clock() + 1.0), "then the next one"
+    clock.advance(1.0)
+    assert [p.item for p in former.expire()] == ["r1"]
+    assert former.held("m") == 0 and former.next_due_s() is None
+
+
+def test_pending_items_expire_at_their_deadline_before_max_wait(clock: FakeClock) -> None:
+    former: BatchFormer[str] = BatchFormer(FlushPolicy.work_conserving(max_wait_ms=1000), clock)
+    former.add("m", item(clock, 0, ttl_s=0.2))
+    assert former.next_due_s() == pytest.approx(clock() + 0.2)
+
+
+def test_a_batch_cut_by_a_workers_limit_keeps_its_deadlines(clock: FakeClock) -> None:
+    former: BatchFormer[str] = BatchFormer(FlushPolicy.work_conserving(max_batch=4), clock)
+    for n in range(4):
+        former.add("m", item(clock, n, ttl_s=10.0 - n))
+    taken = former.take("m", limit=2)
+    assert [p.item for p in taken.items] == ["r0", "r1"]
+    assert former.next_due_s() == pytest.approx(clock() + 7.0), "the rest (r2, r3) waits with r3's deadline first"

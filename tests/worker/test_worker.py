@@ -42,12 +42,14 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-async def run_batch(inputs: list[str], deadline_ms: int | None = None) -> tuple[dict[str, TaskState], PoisonBackend]:
+async def run_batch(
+    inputs: list[str], deadline_ms: int | None = None, settings: WorkerSettings | None = None
+) -> tuple[dict[str, TaskState], PoisonBackend]:
     store = MemoryTaskStore()
     credits = MemoryCreditPool()
     bus = MemoryBatchBus(1)
     backend = PoisonBackend()
-    worker = Worker(WorkerSettings(worker_id="w1"), bus.consumer(0), credits, store, backend)
+    worker = Worker(settings or WorkerSettings(worker_id="w1"), bus.consumer(0), credits, store, backend)
     await worker.start()
     credit = await credits.claim("sim", 5)
     assert credit is not None and credit.worker_id == "w1", "an idle worker offers a credit"
@@ -101,6 +103,15 @@ async def test_inputs_rejected_up_front_fail_alone() -> None:
 async def test_expired_items_never_reach_the_backend() -> None:
     ended, backend = await run_batch(["a", "b"], deadline_ms=now_ms() - 1)
     assert {v.status for v in ended.values()} == {TaskStatus.EXPIRED}
+    assert backend.calls == []
+
+
+async def test_items_whose_deadline_passes_before_the_call_could_end_are_not_run() -> None:
+    """A call expected to take 5 s would answer a 1 s deadline too late: computing it is waste."""
+    settings = WorkerSettings(worker_id="w1", expected_latency_ms=5000)
+    ended, backend = await run_batch(["a", "b"], deadline_ms=now_ms() + 1000, settings=settings)
+    assert {v.status for v in ended.values()} == {TaskStatus.EXPIRED}
+    assert all(v.error_code == "deadline_exceeded" for v in ended.values())
     assert backend.calls == []
 
 
