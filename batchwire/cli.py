@@ -46,6 +46,15 @@ def _add(
     parser.add_argument(flag, default=value, type=kind, help=f"{help_text} [{var}; default: {shown}]")
 
 
+def _memory_size(text: str) -> str:
+    from infra.redis_server import checked_maxmemory
+
+    try:
+        return checked_maxmemory(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
+
+
 def _gc_threshold(text: str) -> Threshold | None:
     try:
         return parse_threshold(text)
@@ -83,14 +92,26 @@ def _gateway_opts(parser: argparse.ArgumentParser, default_port: int) -> None:
     _add(parser, "--max-timeout-ms", 30_000, int, "the longest timeout_ms a request may ask for")
     _add(parser, "--max-input-chars", 65_536, int, "longest accepted input, in characters")
     _add(parser, "--max-body-bytes", 1_048_576, int, "largest accepted request body")
+    _add(parser, "--max-header-bytes", 16_384, int, "largest request line plus headers; beyond it 431 and a close")
+    _add(parser, "--header-timeout-s", 10.0, float, "a request's headers must come within this; then 408 and a close")
+    _add(parser, "--body-timeout-s", 30.0, float, "a request's body must come within this of its headers; then 408")
+    _add(parser, "--max-connections", 10_000, int, "open HTTP connections; one more is answered 503 and closed")
     _add(parser, "--max-inflight", 10_000, int, "requests one gateway holds at once before answering 503")
     _add(
         parser,
         "--max-queue-depth",
         20_000,
         int,
-        "requests accepted deployment-wide and not yet at a worker before submits get 503 (0: no limit)",
+        "requests of one model accepted and not yet at a worker before its submits get 503 (0: no limit)",
     )
+    _add(
+        parser,
+        "--admit-by-wait",
+        True,
+        _bool,
+        "refuse (503) a request whose deadline its model's queue cannot meet, from the measured drain rate",
+    )
+    _add(parser, "--stall-s", 5.0, float, "a model with requests waiting and no batch taken this long is stalled (503)")
     _add(parser, "--rate-limit-per-s", 0.0, float, "submits per second per client, shared by all gateways (0: off)")
     _add(parser, "--rate-limit-burst", 0, int, "submits a client may save up (0: one second's worth of the rate)")
     _add(
@@ -148,6 +169,13 @@ def _worker_opts(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--drain-timeout-s", 30.0, float, "on SIGTERM, how long the batch in hand may still run")
     _add(parser, "--sim-hang-on", None, str, "sim backend (fault tests): hang forever on an input containing this")
     _add(parser, "--sim-crash-on", None, str, "sim backend (fault tests): exit 70 at once on an input containing this")
+    _add(
+        parser,
+        "--max-output-bytes",
+        1_048_576,
+        int,
+        "a longer output (UTF-8) fails its task with output_too_large instead of being stored (0: no limit)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,6 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
     _batcher_opts(up)
     _worker_opts(up)
     _add(up, "--workers", 2, int, "workers per model")
+    _add(
+        up,
+        "--max-store-bytes",
+        268_435_456,
+        int,
+        "memory for results, ids and queued inputs: ended results go oldest first, then submits get 503 (0: no limit)",
+    )
 
     gateway = sub.add_parser("gateway", help="the HTTP gateway, over Kafka and Redis")
     _shared(gateway)
@@ -210,6 +245,13 @@ def build_parser() -> argparse.ArgumentParser:
     stack = sub.add_parser("stack", help="start or stop a local Kafka broker and Redis server in the background")
     stack.add_argument("action", choices=["up", "down", "status"])
     _add(stack, "--state-dir", ".batchwire", str, "where the stack keeps data, logs and stack.env")
+    _add(
+        stack,
+        "--redis-maxmemory",
+        "512mb",
+        _memory_size,
+        "Redis's memory bound (bytes, or with kb/mb/gb; 0: none) when up starts it; over it writes are refused",
+    )
     _shared(stack)
 
     bench = sub.add_parser("bench", help="open-loop load test with latency percentiles", add_help=False)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from batcher.service import Batcher
 from batcher.settings import BatcherSettings
 from batchwire.routing import Partitioner
-from batchwire.settings import SharedSettings
+from batchwire.settings import SettingsError, SharedSettings
 from batchwire.transport.deliveries import MemoryDeadLetters, MemoryDeliveryLog
 from batchwire.transport.memory import (
     MemoryBatchBus,
@@ -40,6 +40,8 @@ class _BatchRouter:
 
     def __init__(self, buses: dict[str, MemoryBatchBus]) -> None:
         self.buses = buses
+        self.sent: dict[str, int] = dict.fromkeys(buses, 0)
+        """Batches sent per model (the queue depth's sign that a model's workers take work)."""
 
     async def start(self) -> None:
         return None
@@ -49,6 +51,7 @@ class _BatchRouter:
 
     async def send(self, batch: Batch, partition: int) -> None:
         await self.buses[batch.model].send(batch, partition)
+        self.sent[batch.model] += 1
 
 
 @dataclass
@@ -59,6 +62,20 @@ class EmbeddedSettings:
     batch_log: str | None = None
     worker: WorkerSettings = field(default_factory=WorkerSettings)
     """Template of every worker's settings (its id, model and batch log are set per worker)."""
+    max_store_bytes: int = 256 * 2**20
+    """Bytes the task store may hold for results, ids and queued inputs (0: no limit): ended tasks
+    are dropped oldest first, and once only live tasks are left, submits get 503 ``overloaded``."""
+
+    def __post_init__(self) -> None:
+        if self.max_store_bytes < 0:
+            raise SettingsError(
+                f"max_store_bytes must be >= 0 (0: no limit), got {self.max_store_bytes} (BATCHWIRE_MAX_STORE_BYTES)"
+            )
+        if 0 < self.max_store_bytes < self.worker.max_output_bytes:
+            raise SettingsError(
+                f"max_store_bytes ({self.max_store_bytes}, BATCHWIRE_MAX_STORE_BYTES) must hold at least one "
+                f"result of max_output_bytes ({self.worker.max_output_bytes}, BATCHWIRE_MAX_OUTPUT_BYTES)"
+            )
 
 
 class EmbeddedRuntime:
@@ -70,13 +87,17 @@ class EmbeddedRuntime:
         self.partitioner = Partitioner(shared.models, shared.request_partitions)
         self.requests = MemoryRequestBus(self.partitioner)
         self.producer = self.requests.producer()
-        self.queue_depth = MemoryQueueDepth(self.requests)  # for the gateway's max_queue_depth
-        self.store = MemoryTaskStore(ttl_s=shared.result_ttl_s)
+        self.store = MemoryTaskStore(
+            ttl_s=shared.result_ttl_s,
+            max_bytes=settings.max_store_bytes or None,
+            pinned_bytes=self.requests.queued_bytes,  # inputs waiting for a batch count against the same budget
+        )
         self.credits = MemoryCreditPool()
         self.batch_buses = {model: MemoryBatchBus(settings.workers_per_model) for model in shared.models}
-        self.batcher = Batcher(
-            settings.batcher, self.requests.consumer(), _BatchRouter(self.batch_buses), self.credits, self.store
-        )
+        router = _BatchRouter(self.batch_buses)
+        self.batcher = Batcher(settings.batcher, self.requests.consumer(), router, self.credits, self.store)
+        # The gateway's admission: queue depth and drain per model.
+        self.queue_depth = MemoryQueueDepth(self.requests, router.sent.__getitem__)
         self.backend_factory = backend_factory
         self.deliveries = MemoryDeliveryLog(ttl_s=shared.result_ttl_s)
         self.dead_letters = MemoryDeadLetters()

@@ -75,8 +75,14 @@ def gateway_settings(args: argparse.Namespace, shared: SharedSettings) -> Any:
         "max_body_bytes": args.max_body_bytes,
         "max_inflight": args.max_inflight,
         "max_queue_depth": args.max_queue_depth,
+        "admit_by_wait": args.admit_by_wait,
+        "stall_s": args.stall_s,
         "rate_limit_per_s": args.rate_limit_per_s,
         "rate_limit_burst": args.rate_limit_burst,
+        "max_header_bytes": args.max_header_bytes,
+        "header_timeout_s": args.header_timeout_s,
+        "body_timeout_s": args.body_timeout_s,
+        "max_connections": args.max_connections,
     }
     if hasattr(args, "express"):
         kwargs["express"] = args.express
@@ -128,6 +134,7 @@ def worker_settings(args: argparse.Namespace, model: str, worker_id: str | None 
         "credit_lead_ms": args.credit_lead_ms,
         "credit_lead_full_ms": args.credit_lead_full_ms,
         "drain_timeout_s": args.drain_timeout_s,
+        "max_output_bytes": args.max_output_bytes,
     }
     if worker_id:
         kwargs["worker_id"] = worker_id
@@ -137,18 +144,21 @@ def worker_settings(args: argparse.Namespace, model: str, worker_id: str | None 
         raise SettingsError(str(err)) from err
 
 
-def _serve_http(app: Any, host: str, port: int, log_level: str, gc_threshold: Threshold | None) -> int:
+def _serve_http(app: Any, settings: Any, log_level: str, gc_threshold: Threshold | None) -> int:
+    """Serves ``app`` with uvicorn, under the gateway's HTTP limits (``gateway.http_limits``)."""
     import uvicorn
+
+    from gateway.http_limits import connection_cap, limited_http_protocol
 
     tune_gc(gc_threshold)
     config = uvicorn.Config(
         app,
-        host=host,
-        port=port,
+        host=settings.host,
+        port=settings.port,
         log_level=log_level,
         access_log=False,
         loop="uvloop",
-        http="httptools",
+        http=limited_http_protocol(settings, connection_cap(settings.max_connections)),
         lifespan="on",
         proxy_headers=False,  # bound to loopback by default; a proxy in front sets X-Client-Id
         server_header=False,
@@ -176,6 +186,7 @@ def run_embedded(args: argparse.Namespace) -> int:
             workers_per_model=args.workers,
             batch_log=args.batch_log,
             worker=worker_settings(args, shared.models[0]),
+            max_store_bytes=args.max_store_bytes,
         ),
         lambda model, index: make_backend(backends, model),
     )
@@ -194,7 +205,7 @@ def run_embedded(args: argparse.Namespace) -> int:
         args.workers,
     )
     app = create_app(gateway, runtime)
-    return _serve_http(app, settings.host, settings.port, args.log_level, args.gc_threshold)
+    return _serve_http(app, settings, args.log_level, args.gc_threshold)
 
 
 # Kafka + Redis roles -----------------------------------------------------------------------------
@@ -240,8 +251,14 @@ class GatewayTransports:
             )
         self.store = RedisTaskStore(redis_url, shared.names, ttl_s=shared.result_ttl_s)
         self.queue_depth: KafkaQueueDepth | None = None
-        if settings.max_queue_depth > 0:
-            self.queue_depth = KafkaQueueDepth(bootstrap, shared.names, shared.request_partitions)
+        if settings.max_queue_depth > 0 or settings.admit_by_wait:
+            self.queue_depth = KafkaQueueDepth(
+                bootstrap,
+                shared.names,
+                shared.request_partitions,
+                models=shared.models,
+                batch_partitions=shared.batch_partitions,
+            )
         self.limiter: RedisRateLimiter | None = None
         if settings.rate_limit_per_s > 0:
             self.limiter = RedisRateLimiter(
@@ -287,7 +304,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         limiter=transports.limiter,
     )
     app = create_app(gateway, transports)
-    return _serve_http(app, settings.host, settings.port, args.log_level, args.gc_threshold)
+    return _serve_http(app, settings, args.log_level, args.gc_threshold)
 
 
 async def _supervise(
@@ -481,17 +498,15 @@ def run_stack(args: argparse.Namespace) -> int:
         from infra.errors import InfraError
 
         try:
-            variables = stack.stack_up(state_dir)
+            up = stack.stack_up(state_dir, redis_maxmemory=args.redis_maxmemory)
         except InfraError as err:
             print(f"stack up failed: {err}", file=sys.stderr)
             return 1
         shared = shared_settings(args)
         topics = {shared.names.request_topic: shared.request_partitions}
         topics.update({shared.names.batch_topic(m): shared.batch_partitions for m in shared.models})
-        asyncio.run(ensure_topics(variables["BATCHWIRE_KAFKA_BOOTSTRAP"], topics))
-        for key, value in variables.items():
-            print(f"{key}={value}")
-        print(f"# written to {state_dir / 'stack.env'}; stop with: batchwire stack down", file=sys.stderr)
+        asyncio.run(ensure_topics(up.env[stack.KAFKA_ENV], topics))
+        stack.print_up(up, state_dir, out=sys.stdout, err=sys.stderr)
         return 0
     if args.action == "down":
         return stack.cmd_down(state_dir, out=sys.stdout, err=sys.stderr)

@@ -1,16 +1,19 @@
 """Who a caller is, and whether the deployment takes one more request from them right now.
 
-Checked before anything is stored or produced, cheapest first: the deployment's queue depth (a
-cached figure, no I/O), then the client's rate limit (one store round trip, only when limits are
-on). A refusal says what limit was hit and which setting raises it.
+Checked before anything is stored or produced, cheapest first: the request's model's queue (cached
+counters, no I/O), then the client's rate limit (one store round trip, only when limits are on).
+A refusal says what limit was hit and which setting raises it.
 """
 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from batchwire.transport.base import QueueDepth, RateLimiter, TransportError
+from batchwire.transport.base import Backlog, QueueDepth, RateLimiter, TransportError
+from gateway.drain import DrainMeter
 from gateway.errors import Overloaded, RateLimited, Unavailable
 from gateway.settings import GatewaySettings, env_name
 
@@ -32,26 +35,40 @@ ANONYMOUS = Caller()
 
 
 class Admission:
-    """The deployment-wide checks of one submit: queue depth, then the client's rate limit."""
+    """The checks of one submit, cheapest first: its model's queue, then the client's rate limit.
+
+    A model's queue refuses a request when it holds ``max_queue_depth`` requests, when its workers
+    have taken nothing for a while (``drain``: stalled), or when the wait it predicts would pass
+    the request's deadline: a refusal now (503 with Retry-After) instead of a 504 later, and no GPU
+    time for an answer nobody waits for.
+    """
 
     def __init__(self, settings: GatewaySettings, queue_depth: QueueDepth | None, limiter: RateLimiter | None) -> None:
         self.max_queue_depth = settings.max_queue_depth
         self.retry_after_s = settings.retry_after_s
-        self._queue_depth = queue_depth if settings.max_queue_depth > 0 else None
+        self.by_wait = settings.admit_by_wait
+        self._queue_depth = queue_depth if settings.max_queue_depth > 0 or settings.admit_by_wait else None
         self._limiter = limiter if settings.rate_limit_per_s > 0 else None
+        self._meters = {model: DrainMeter(stall_s=settings.stall_s) for model in settings.models}
+        self._service = {model: ServiceTime() for model in settings.models}
         self.active = self._queue_depth is not None or self._limiter is not None
         """Whether a submit has anything to check here (else the gateway skips the call)."""
 
-    async def admit(self, caller: Caller) -> None:
+    async def admit(self, caller: Caller, model: str, timeout_ms: int) -> None:
         """Returns when the request may go on; raises ``Overloaded``, ``RateLimited`` or ``Unavailable``."""
-        if self._queue_depth is not None:
-            depth = await self._queue_depth.depth()
-            if depth >= self.max_queue_depth:
-                raise Overloaded(
-                    f"the deployment holds {depth} requests not yet handed to a worker, its limit "
-                    f"({env_name('max_queue_depth')} = {self.max_queue_depth}); nothing was queued: retry after "
-                    "the Retry-After delay"
-                )
+        queue_depth = self._queue_depth
+        if queue_depth is not None:
+            backlog = queue_depth.backlog(model)
+            if backlog is not None:
+                self._check_queue(model, backlog, timeout_ms)
+            elif self.max_queue_depth > 0:
+                depth = await queue_depth.depth()  # the deployment-wide figure, while the model's is unknown
+                if depth >= self.max_queue_depth:
+                    raise Overloaded(
+                        f"the deployment holds {depth} requests not yet handed to a worker, its limit "
+                        f"({env_name('max_queue_depth')} = {self.max_queue_depth}); nothing was queued: retry "
+                        "after the Retry-After delay"
+                    )
         limiter = self._limiter
         if limiter is not None:
             try:
@@ -65,3 +82,80 @@ class Admission:
                     f"the next request is accepted in {wait_s:.3f} s",
                     retry_after_s=max(1, math.ceil(wait_s)),
                 )
+
+    def answered(self, model: str, latency_s: float) -> None:
+        """A synchronous answer's latency: the fastest recent one is the model's service time."""
+        service = self._service.get(model)
+        if service is not None:
+            service.observe(latency_s)
+
+    def models(self) -> dict[str, str]:
+        """Each model's state for ``/readyz``: ``stalled`` while requests wait and its workers take none."""
+        states: dict[str, str] = {}
+        for model, meter in self._meters.items():
+            backlog = self._queue_depth.backlog(model) if self._queue_depth is not None else None
+            if backlog is not None:
+                meter.observe(backlog)
+            states[model] = "stalled" if meter.stalled else "serving"
+        return states
+
+    def _check_queue(self, model: str, backlog: Backlog, timeout_ms: int) -> None:
+        depth = backlog.depth
+        if 0 < self.max_queue_depth <= depth:
+            raise Overloaded(
+                f"model {model!r} has {depth} requests waiting for a worker, its limit "
+                f"({env_name('max_queue_depth')} = {self.max_queue_depth}); nothing was queued: retry after the "
+                "Retry-After delay"
+            )
+        if not self.by_wait:
+            return
+        meter = self._meters.get(model)
+        if meter is None:
+            return
+        estimate = meter.observe(backlog)
+        if estimate.stalled_s >= meter.stall_s:
+            raise Overloaded(
+                f"model {model!r} has {depth} requests waiting and its workers have taken none for "
+                f"{estimate.stalled_s:.0f} s (busy past any normal call, hung or gone); nothing was queued: "
+                "retry after the Retry-After delay"
+            )
+        budget_s = timeout_ms / 1000 - self._service[model].seconds
+        if estimate.wait_s * WAIT_MARGIN > budget_s:
+            rate = estimate.rate_per_s or 0.0
+            raise Overloaded(
+                f"model {model!r} has {depth} requests ahead of this one, about {estimate.wait_s:.1f} s of work "
+                f"at the {rate:.0f} requests/s it drains; timeout_ms={timeout_ms} cannot be met, so nothing was "
+                "queued: retry after the Retry-After delay, or send a longer timeout_ms",
+                retry_after_s=min(MAX_RETRY_AFTER_S, max(1, math.ceil(estimate.wait_s * WAIT_MARGIN - budget_s))),
+            )
+
+
+WAIT_MARGIN = 1.1
+"""Predicted waits are stretched this much before they are held against a deadline: the drain rate
+is measured, and a request admitted at the edge would more often expire than be answered."""
+
+MAX_RETRY_AFTER_S = 60
+
+
+class ServiceTime:
+    """The fastest answer in the last one or two windows of ``window_s``: a model's call plus the
+    hops, without queueing (a request that found an idle worker). Windows forget a slower past."""
+
+    def __init__(self, window_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s = window_s
+        self._clock = clock
+        self._started_s = clock()
+        self._current = math.inf
+        self._previous = math.inf
+
+    @property
+    def seconds(self) -> float:
+        fastest = min(self._current, self._previous)
+        return 0.0 if fastest == math.inf else fastest
+
+    def observe(self, latency_s: float) -> None:
+        now = self._clock()
+        if now - self._started_s >= self.window_s:
+            self._previous, self._current, self._started_s = self._current, math.inf, now
+        if latency_s < self._current:
+            self._current = latency_s

@@ -102,6 +102,7 @@ def _body_doc(settings: GatewaySettings) -> dict[str, Any]:
 
 
 _SUBMIT_ERRORS = (
+    "unsupported_media_type",
     "invalid_json",
     "invalid_utf8",
     "validation_error",
@@ -175,6 +176,9 @@ def create_app(gateway: Gateway, lifecycle: Lifecycle) -> FastAPI:
         summary="Single inference requests in, GPU batches behind.",
         version="1",
         lifespan=lifespan,
+        # A path with a trailing slash is 404, not a redirect: Starlette builds the redirect's Location
+        # from the Host header, which the client chose.
+        redirect_slashes=False,
         # Native OpenTelemetry wraps every request (~10 µs); batchwire exports Prometheus metrics.
         telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False},
     )
@@ -339,10 +343,11 @@ def create_app(gateway: Gateway, lifecycle: Lifecycle) -> FastAPI:
     async def readyz() -> Response:
         checks = await _lifecycle_checks(lifecycle, settings.ready_timeout_s)
         checks.update(await gateway.ready())
+        models = gateway.models()  # informational: one stalled model must not turn the others away
         down = sorted(part for part, ok in checks.items() if not ok)
         if not down:
-            return json_response(200, {"status": "ready", "checks": checks})
-        doc = {**error_body("not_ready", f"not ready: {', '.join(down)}"), "checks": checks}
+            return json_response(200, {"status": "ready", "checks": checks, "models": models})
+        doc = {**error_body("not_ready", f"not ready: {', '.join(down)}"), "checks": checks, "models": models}
         return json_response(503, doc, {"Retry-After": str(settings.retry_after_s)})
 
     @app.get(

@@ -129,14 +129,23 @@ class Health(BaseModel):
     status: Literal["ok"]
 
 
+_MODELS_DOC = (
+    "Each served model and whether its workers take work: `serving`, or `stalled` (requests wait and no batch "
+    "has reached a worker for BATCHWIRE_STALL_S: every worker busy past any normal call, hung or gone; its "
+    "submits get 503 `overloaded`). A stalled model does not make the gateway unready for the others."
+)
+
+
 class Readiness(BaseModel):
     status: Literal["ready"]
     checks: dict[str, bool] = Field(description="Each part and whether it is ready.")
+    models: dict[str, Literal["serving", "stalled"]] = Field(default_factory=dict, description=_MODELS_DOC)
 
 
 class NotReadyResponse(BaseModel):
     error: ErrorDetail
     checks: dict[str, bool]
+    models: dict[str, Literal["serving", "stalled"]] = Field(default_factory=dict, description=_MODELS_DOC)
 
 
 def error_responses(*codes: str) -> dict[int | str, dict[str, Any]]:

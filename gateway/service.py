@@ -135,6 +135,10 @@ class Gateway:
             "gateway": self._accepting and self._sweeper is not None and not self._sweeper.done(),
         }
 
+    def models(self) -> dict[str, str]:
+        """Each served model: ``serving``, or ``stalled`` (see ``Admission.models``)."""
+        return self._admission.models()
+
     @property
     def inflight(self) -> int:
         """Submissions in progress plus synchronous callers held open."""
@@ -216,7 +220,9 @@ class Gateway:
         INFLIGHT.inc()
         try:
             if self._admission.active:
-                await self._admission.admit(caller)
+                await self._admission.admit(caller, model, timeout_ms)
+            if (full := self._store.full()) is not None:
+                raise Overloaded(full)
             task_id = secrets.token_urlsafe(16)
             deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
             if idempotency_key is None:
@@ -226,9 +232,13 @@ class Gateway:
                     )
                 return await self._enqueue(task_id, input, model, timeout_ms, deadline, caller.owner)
             scope = caller.owner or idempotency.ANONYMOUS_SCOPE
-            claim = await self._claim(scope, idempotency_key, task_id, idempotency.fingerprint(input, model))
-            if claim.task_id != task_id:
-                return await self._replay(claim.task_id, model, wait, deadline, started, timeout_ms)
+            fingerprint = idempotency.fingerprint(input, model)
+            while (claim := await self._claim(scope, idempotency_key, task_id, fingerprint)).task_id != task_id:
+                replayed = await self._replay(claim.task_id, model, wait, deadline, started, timeout_ms)
+                if not isinstance(replayed, TaskState):
+                    return replayed
+                # The task ended without being computed while this retry waited for it: the next
+                # claim starts a new one (or finds the one a racing retry started).
             try:
                 if wait:
                     return await self._answer_when_done(
@@ -337,8 +347,14 @@ class Gateway:
         return Accepted(task_id, model)
 
     async def _claim(self, scope: str, key: str, task_id: str, fingerprint: str) -> KeyClaim:
+        """Binds the key to ``task_id`` when it is free, or when the task it names ended without being
+        computed (``idempotency.starts_anew``); else returns the binding of the task to replay."""
         try:
             claim = await self._store.claim_key(scope, key, task_id, fingerprint)
+            if claim.task_id != task_id and claim.fingerprint == fingerprint:
+                earlier = await self._store.get(claim.task_id)  # None: its submit has not stored it yet
+                if earlier is not None and idempotency.starts_anew(earlier):
+                    claim = await self._store.rebind_key(scope, key, claim.task_id, task_id, fingerprint)
         except TRANSPORT_ERRORS as err:
             raise Unavailable(f"the task store is unavailable: {err}") from err
         if claim.fingerprint != fingerprint:
@@ -356,11 +372,13 @@ class Gateway:
 
     async def _replay(
         self, task_id: str, model: str, wait: bool, deadline: float, started: float, timeout_ms: int
-    ) -> Answer | Accepted:
+    ) -> Answer | Accepted | TaskState:
         """The answer to a retry: the earlier task's, waited for up to this request's own deadline.
 
         The earlier task may not be stored yet (its submit is between claiming the key and storing
-        the task), so a missing task is waited for rather than reported unknown.
+        the task), so a missing task is waited for rather than reported unknown. A task that ends
+        without being computed while a synchronous retry waits, before the retry's own deadline, is
+        returned as its state: the retry then starts a task of its own.
         """
         try:
             if not wait:
@@ -387,6 +405,8 @@ class Gateway:
                 "finish: poll its result",
                 task_id=task_id,
             )
+        if idempotency.starts_anew(state) and asyncio.get_running_loop().time() < deadline:
+            return state
         return self._answer(state, started, replayed=True)
 
     def _validate(self, input: str, model: str | None, timeout_ms: int | None) -> tuple[str, int]:
@@ -485,6 +505,7 @@ class Gateway:
             histogram = self._latency.get(state.model)
             if histogram is not None and not replayed:
                 histogram.observe(latency_s)
+                self._admission.answered(state.model, latency_s)
             return Answer(
                 state.task_id, state.model, state.output or "", round(latency_s * 1000, 3), state.batch_size, replayed
             )

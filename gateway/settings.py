@@ -68,8 +68,13 @@ class GatewaySettings:
     ready_timeout_s: float = 2.0
     """How long ``/readyz`` waits for each readiness check before counting it as down."""
     max_queue_depth: int = 20_000
-    """Requests accepted across the deployment and not yet handed to a worker (the request topic's
-    lag); beyond it submits get 503 + Retry-After and nothing is queued. 0 turns the check off."""
+    """Requests of one model accepted and not yet handed to a worker (its request partitions' lag);
+    beyond it that model's submits get 503 + Retry-After and nothing is queued. 0 turns the check off."""
+    admit_by_wait: bool = True
+    """Refuse (503 + Retry-After) a request whose deadline the wait its model's queue predicts would
+    pass (see ``gateway.drain``), and every request of a model whose workers take nothing."""
+    stall_s: float = 5.0
+    """A model whose queue holds requests while no batch reaches its workers for this long is stalled."""
     rate_limit_per_s: float = 0.0
     """Submits per second per client (API key, else X-Client-Id, else IP), shared by every gateway
     through the store; beyond it: 429 + Retry-After. 0 turns rate limits off."""
@@ -89,6 +94,16 @@ class GatewaySettings:
     the protocol in Python): at 1,000 req/s 4 ms halve the round trips, for ~4 ms more before a
     batcher reads a request, which under load waits for a busy worker anyway, and which at light
     load has its express copy there first. 0 sends at once."""
+    max_header_bytes: int = 16_384
+    """Largest request line plus headers; beyond it the gateway answers 431 and closes the connection,
+    having parsed no byte past the limit (``gateway.http_limits``)."""
+    header_timeout_s: float = 10.0
+    """How long a request's headers may take to arrive, from the connection's opening or the end of the
+    previous response; then 408 (a plain close when nothing came) and the connection closes."""
+    body_timeout_s: float = 30.0
+    """How long a request's body may take to arrive after its headers; then 408 and the connection closes."""
+    max_connections: int = 10_000
+    """Open HTTP connections; one more is answered 503 + Retry-After and closed before it is read."""
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     """sha256 hex digests of the accepted API keys (never the keys; ``gateway.auth.load_api_keys``
     turns keys into digests). Empty: no keys needed and every task is visible to every caller."""
@@ -138,11 +153,23 @@ class GatewaySettings:
         _at_least(self, "max_watchers", 1)
         _at_least(self, "max_wait_s", 0)
         _at_least(self, "retry_after_s", 1)
-        for name in ("sse_max_s", "sse_ping_s", "reply_recheck_s", "stream_recheck_s", "ready_timeout_s"):
+        for name in (
+            "sse_max_s",
+            "sse_ping_s",
+            "reply_recheck_s",
+            "stream_recheck_s",
+            "ready_timeout_s",
+            "header_timeout_s",
+            "body_timeout_s",
+        ):
             value = getattr(self, name)
             if not value > 0 or value == float("inf"):
                 raise ValueError(f"{name} ({env_name(name)}) is {value}; it must be a positive finite number")
+        _at_least(self, "max_header_bytes", 1024)
+        _at_least(self, "max_connections", 1)
         _at_least(self, "max_queue_depth", 0)
+        if not self.stall_s > 0:
+            raise ValueError(f"stall_s must be > 0, got {self.stall_s} ({env_name('stall_s')})")
         _at_least(self, "rate_limit_burst", 0)
         if not 0 <= self.rate_limit_per_s < float("inf"):
             raise ValueError(

@@ -42,6 +42,11 @@ class RequestProducer(Protocol):
 
     async def start(self) -> None: ...
     async def close(self) -> None: ...
+    def reachable(self) -> bool:
+        """False while the bus is known to be down (a send or a readiness probe failed, and no probe
+        has reached it since); no I/O, so a gateway can refuse a request at once rather than hold it."""
+        ...
+
     async def send(self, request: InferenceRequest) -> None:
         """Returns once the request is durably accepted by the bus."""
         ...
@@ -121,6 +126,11 @@ class TaskStore(Protocol):
         no I/O, so a gateway can refuse a synchronous request at once rather than hold it."""
         ...
 
+    def full(self) -> str | None:
+        """Why the store takes no new task now (a memory budget spent on live tasks), else None; no
+        I/O, asked on every submit."""
+        ...
+
     async def create(self, state: TaskState) -> bool:
         """Stores a new task; False if the id exists already.
 
@@ -155,6 +165,15 @@ class TaskStore(Protocol):
         """
         ...
 
+    async def rebind_key(self, scope: str, key: str, ended_task_id: str, task_id: str, fingerprint: str) -> KeyClaim:
+        """Binds ``key`` to ``task_id`` if it still names ``ended_task_id`` (or nothing), atomically.
+
+        The gateway calls it for a retry whose task ended without being computed; of two retries
+        racing to replace the same task, one wins and the other gets the winner's binding. Returns
+        the binding that holds afterwards.
+        """
+        ...
+
     async def release_key(self, scope: str, key: str, task_id: str) -> None:
         """Unbinds ``key`` if it still names ``task_id`` (that task could not be stored or published)."""
         ...
@@ -172,6 +191,24 @@ class TaskStore(Protocol):
     async def ready(self) -> bool: ...
 
 
+@dataclass(frozen=True, slots=True)
+class Backlog:
+    """One model's queue as counters: what waits now, and how much has moved on since a fixed start.
+
+    ``left`` and ``batches`` only grow; the gateway's admission reads how fast they grow (the
+    model's drain rate) and whether they grow at all (a model whose workers are hung or gone).
+    """
+
+    depth: int
+    """Requests accepted and not yet handed to a worker (nor ended)."""
+    left: int
+    """Requests that left the queue: handed to a worker, or ended while waiting."""
+    batches: int
+    """Batches handed to the model's workers."""
+    at_s: float
+    """When the counters were read (monotonic seconds)."""
+
+
 class QueueDepth(Protocol):
     """Requests accepted by the gateways and not yet handed to a worker, across the deployment."""
 
@@ -179,6 +216,10 @@ class QueueDepth(Protocol):
     async def close(self) -> None: ...
     async def depth(self) -> int:
         """The latest known depth; cheap enough to ask on every request (no I/O)."""
+        ...
+
+    def backlog(self, model: str) -> Backlog | None:
+        """The latest known counters of ``model``'s queue (no I/O); None while they are unknown or stale."""
         ...
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -18,7 +19,8 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
 from batchwire.metrics import REQUEST_LAG
-from batchwire.transport.base import TransportError
+from batchwire.routing import Partitioner
+from batchwire.transport.base import Backlog, TransportError
 from batchwire.transport.kafka_group import translate
 from schemas.wire import Names
 
@@ -45,7 +47,11 @@ class KafkaQueueDepth:
         stale_after_s: float = DEFAULT_STALE_AFTER_S,
         request_timeout_ms: int = 2000,
         client_id: str = "batchwire-gateway-lag",
+        models: Sequence[str] = (),
+        batch_partitions: int = 0,
     ) -> None:
+        """``models`` and ``batch_partitions`` enable ``backlog``: per-model counters, the batch
+        topics' end offsets counting the batches handed to each model's workers."""
         if partitions < 1 or not refresh_s > 0:
             raise ValueError(f"need partitions >= 1 and refresh_s > 0, got {partitions} and {refresh_s}")
         self.bootstrap = bootstrap
@@ -54,6 +60,14 @@ class KafkaQueueDepth:
         self.refresh_s = refresh_s
         self.stale_after_s = stale_after_s
         self._partitions = [TopicPartition(self.topic, p) for p in range(partitions)]
+        partitioner = Partitioner(models, partitions) if models else None
+        self._model_partitions = {m: partitioner.partitions_for(m) for m in models} if partitioner else {}
+        self._batch_partitions = {
+            m: [TopicPartition(names.batch_topic(m), p) for p in range(batch_partitions)] for m in models
+        }
+        self._waiting: dict[int, int] = {}
+        self._left: dict[int, int] = {}
+        self._batches: dict[str, int] = {}
         self._settings: dict[str, Any] = {
             "bootstrap_servers": bootstrap,
             "client_id": client_id,
@@ -123,22 +137,52 @@ class KafkaQueueDepth:
         except KafkaError:
             self._coordinator = None  # it may have moved: look it up again next time
             raise
-        lag = 0
         never_committed: list[TopicPartition] = []
         for tp in self._partitions:
             end = ends.get(tp, 0)
             offset = committed[tp].offset if tp in committed else -1
             if offset >= 0:
-                lag += max(0, end - offset)
+                self._waiting[tp.partition] = max(0, end - offset)
+                self._left[tp.partition] = offset
             elif end > 0:
                 never_committed.append(tp)
+            else:
+                self._waiting[tp.partition] = self._left[tp.partition] = 0
         if never_committed:  # a batcher starts those from the earliest record still kept
             starts: dict[TopicPartition, int] = await self._consumer.beginning_offsets(never_committed)
-            lag += sum(max(0, ends[tp] - starts.get(tp, 0)) for tp in never_committed)
+            for tp in never_committed:
+                start = starts.get(tp, 0)
+                self._waiting[tp.partition] = max(0, ends[tp] - start)
+                self._left[tp.partition] = start
+        lag = sum(self._waiting.values())
+        if self._batch_partitions:
+            await self._count_batches()
         self._depth = lag
         self._refreshed_at = time.monotonic()
         REQUEST_LAG.set(lag)
         return lag
+
+    async def _count_batches(self) -> None:
+        """Each model's batch topic end offsets: the batches handed to its workers so far."""
+        every = [tp for tps in self._batch_partitions.values() for tp in tps]
+        try:
+            ends: dict[TopicPartition, int] = await self._consumer.end_offsets(every)
+        except KafkaError as err:  # a topic no worker created yet: its count stays as it was
+            log.debug("could not read the batch topics' end offsets: %s", err)
+            return
+        for model, tps in self._batch_partitions.items():
+            self._batches[model] = sum(ends.get(tp, 0) for tp in tps)
+
+    def backlog(self, model: str) -> Backlog | None:
+        partitions = self._model_partitions.get(model)
+        if partitions is None or time.monotonic() - self._refreshed_at > self.stale_after_s:
+            return None
+        return Backlog(
+            sum(self._waiting.get(p, 0) for p in partitions),
+            sum(self._left.get(p, 0) for p in partitions),
+            self._batches.get(model, 0),
+            self._refreshed_at,
+        )
 
     async def _refresh_forever(self) -> None:
         while True:

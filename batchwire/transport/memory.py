@@ -1,23 +1,33 @@
 """In-memory transports: the embedded mode's bus, credit pool and task store, and the unit tests'.
 
 They keep the same contracts as the Kafka and Redis ones (the contract tests run against both),
-minus durability: a process that dies takes its in-memory work with it.
+minus durability: a process that dies takes its in-memory work with it. The task store lives in
+``memory_store``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Collection, Mapping, Sequence
-from contextlib import asynccontextmanager
-from dataclasses import replace
+from collections.abc import Callable, Mapping, Sequence
 from typing import Generic, TypeVar
 
 from batchwire.metrics import REQUEST_LAG
 from batchwire.routing import Partitioner
-from batchwire.transport.base import Delivered, KeyClaim, PartitionsCallback, ReplyHandler
-from schemas.records import Batch, Credit, InferenceRequest, TaskState, TaskStatus
+from batchwire.transport.base import Backlog, Delivered, PartitionsCallback
+from batchwire.transport.memory_store import ENTRY_BYTES, MemoryTaskStore
+from schemas.records import Batch, Credit, InferenceRequest
+
+__all__ = [
+    "MemoryBatchBus",
+    "MemoryCreditPool",
+    "MemoryQueueDepth",
+    "MemoryRateLimiter",
+    "MemoryRequestBus",
+    "MemoryTaskStore",
+]
 
 T = TypeVar("T")
 
@@ -27,18 +37,24 @@ def _now_ms() -> int:
 
 
 class _Log(Generic[T]):
-    """A partitioned append-only log with committed offsets, trimmed below the commit point."""
+    """A partitioned append-only log with committed offsets, trimmed below the commit point.
 
-    def __init__(self, partitions: int) -> None:
+    ``size`` gives a record's bytes: the log keeps their sum for the records it holds (read or not,
+    until trimmed), which is what the log pins in memory."""
+
+    def __init__(self, partitions: int, size: Callable[[T], int]) -> None:
         self.records: list[deque[T]] = [deque() for _ in range(partitions)]
         self.base: list[int] = [0] * partitions  # offset of records[p][0]
         self.committed: list[int] = [0] * partitions
         self.changed = asyncio.Event()
+        self._size = size
         self._lag = 0  # kept as records come and commits go: every submit reads it (the gateway's queue depth)
+        self._bytes = 0
 
     def append(self, partition: int, value: T) -> int:
         self.records[partition].append(value)
         self._lag += 1
+        self._bytes += self._size(value)
         self.changed.set()
         return self.base[partition] + len(self.records[partition]) - 1
 
@@ -60,12 +76,26 @@ class _Log(Generic[T]):
         self.committed[partition] = offset
         records = self.records[partition]
         while self.base[partition] < offset and records:
-            records.popleft()
+            self._bytes -= self._size(records.popleft())
             self.base[partition] += 1
 
     def lag(self) -> int:
         """Records not yet committed, over all partitions."""
         return self._lag
+
+    def partition_lag(self, partition: int) -> tuple[int, int]:
+        """(records not yet committed, the commit point) of one partition."""
+        end = self.base[partition] + len(self.records[partition])
+        return end - self.committed[partition], self.committed[partition]
+
+    def held_bytes(self) -> int:
+        """Bytes of the records held (not yet trimmed), by ``size``."""
+        return self._bytes
+
+
+def request_bytes(request: InferenceRequest) -> int:
+    """The memory a queued request holds: its input as Python keeps it, and its object and ids."""
+    return ENTRY_BYTES + sys.getsizeof(request.input)
 
 
 class MemoryRequestBus:
@@ -73,7 +103,7 @@ class MemoryRequestBus:
 
     def __init__(self, partitioner: Partitioner) -> None:
         self.partitioner = partitioner
-        self.log: _Log[InferenceRequest] = _Log(partitioner.partitions)
+        self.log: _Log[InferenceRequest] = _Log(partitioner.partitions, request_bytes)
 
     def producer(self) -> MemoryRequestProducer:
         return MemoryRequestProducer(self)
@@ -83,6 +113,10 @@ class MemoryRequestBus:
 
     def lag(self) -> int:
         return self.log.lag()
+
+    def queued_bytes(self) -> int:
+        """What the requests not yet committed by the batcher hold (their inputs, mostly)."""
+        return self.log.held_bytes()
 
 
 class MemoryRequestProducer:
@@ -94,6 +128,9 @@ class MemoryRequestProducer:
 
     async def close(self) -> None:
         return None
+
+    def reachable(self) -> bool:
+        return True
 
     async def send(self, request: InferenceRequest) -> None:
         self.bus.log.append(self.bus.partitioner.choose(request.model), request)
@@ -261,10 +298,14 @@ class MemoryCreditPool:
 
 
 class MemoryQueueDepth:
-    """``QueueDepth`` of the embedded mode: the request bus's lag (read on each call, it costs nothing)."""
+    """``QueueDepth`` of the embedded mode: the request bus's lag (read on each call, it costs nothing).
 
-    def __init__(self, bus: MemoryRequestBus) -> None:
+    ``batches`` counts the batches handed to a model's workers (the embedded runtime's batch router).
+    """
+
+    def __init__(self, bus: MemoryRequestBus, batches: Callable[[str], int] | None = None) -> None:
         self.bus = bus
+        self._batches = batches
 
     async def start(self) -> None:
         return None
@@ -276,6 +317,14 @@ class MemoryQueueDepth:
         lag = self.bus.lag()
         REQUEST_LAG.set(lag)
         return lag
+
+    def backlog(self, model: str) -> Backlog:
+        depth = left = 0
+        for partition in self.bus.partitioner.partitions_for(model):
+            waiting, committed = self.bus.log.partition_lag(partition)
+            depth += waiting
+            left += committed
+        return Backlog(depth, left, self._batches(model) if self._batches is not None else 0, time.monotonic())
 
 
 class MemoryRateLimiter:
@@ -320,142 +369,3 @@ class MemoryRateLimiter:
             if now - at < full_after_s and len(self._buckets) <= self.max_clients:
                 return
             del self._buckets[client]
-
-
-class MemoryTaskStore:
-    """Task states in a dict, bounded by age (``ttl_s``) and count (``max_tasks``, oldest out first)."""
-
-    def __init__(self, ttl_s: float = 3600.0, max_tasks: int = 200_000) -> None:
-        self.ttl_s = ttl_s
-        self.max_tasks = max_tasks
-        self._tasks: OrderedDict[str, tuple[float, TaskState]] = OrderedDict()
-        self._keys: OrderedDict[tuple[str, str], tuple[float, KeyClaim]] = OrderedDict()
-        self._watchers: dict[str, set[asyncio.Queue[TaskState]]] = {}
-        self._replies: dict[str, ReplyHandler] = {}
-        self._closed = asyncio.Event()
-
-    async def start(self) -> None:
-        return None
-
-    async def close(self) -> None:
-        self._closed.set()
-
-    def reachable(self) -> bool:
-        return not self._closed.is_set()
-
-    def _evict(self) -> None:
-        now = time.monotonic()
-        while self._tasks:
-            task_id, (expires, _) = next(iter(self._tasks.items()))
-            if expires > now and len(self._tasks) <= self.max_tasks:
-                break
-            del self._tasks[task_id]
-
-    async def create(self, state: TaskState) -> bool:
-        self._evict()
-        current = self._lookup(state.task_id)
-        if current is not None:
-            if current.status.rank <= state.status.rank:
-                return False
-            if current.owner is None and state.owner is not None:
-                self._tasks[state.task_id] = (time.monotonic() + self.ttl_s, replace(current, owner=state.owner))
-            return True
-        self._tasks[state.task_id] = (time.monotonic() + self.ttl_s, state)
-        self._publish(state)
-        return True
-
-    async def apply(self, updates: Sequence[TaskState]) -> list[bool]:
-        applied: list[bool] = []
-        for state in updates:
-            current = self._lookup(state.task_id)
-            if current is not None and (current.status.terminal or state.status.rank <= current.status.rank):
-                applied.append(False)
-                continue
-            if current is not None and current.owner is not None and state.owner is None:
-                state = replace(state, owner=current.owner)  # the owner is set once, at create
-            self._write(state)
-            applied.append(True)
-        return applied
-
-    def _write(self, state: TaskState) -> None:
-        self._tasks[state.task_id] = (time.monotonic() + self.ttl_s, state)
-        self._tasks.move_to_end(state.task_id)
-        self._publish(state)
-        if state.status.terminal and state.reply_to is not None:
-            handler = self._replies.get(state.reply_to)
-            if handler is not None:
-                handler(state)
-
-    async def cancel(self, task_id: str, reason_code: str, message: str) -> TaskState | None:
-        current = self._lookup(task_id)
-        if current is None or current.status.rank > TaskStatus.BATCHED.rank:
-            return current
-        cancelled = replace(
-            current,
-            status=TaskStatus.CANCELLED,
-            updated_at_ms=_now_ms(),
-            error_code=reason_code,
-            error_message=message,
-        )
-        self._write(cancelled)
-        return cancelled
-
-    async def claim_key(self, scope: str, key: str, task_id: str, fingerprint: str) -> KeyClaim:
-        now = time.monotonic()
-        while self._keys:  # oldest first: insertion order is expiry order
-            oldest, (expires, _) = next(iter(self._keys.items()))
-            if expires > now and len(self._keys) <= self.max_tasks:
-                break
-            del self._keys[oldest]
-        held = self._keys.get((scope, key))
-        if held is not None:
-            return held[1]
-        claim = KeyClaim(task_id, fingerprint)
-        self._keys[(scope, key)] = (now + self.ttl_s, claim)
-        return claim
-
-    async def release_key(self, scope: str, key: str, task_id: str) -> None:
-        held = self._keys.get((scope, key))
-        if held is not None and held[1].task_id == task_id:
-            del self._keys[(scope, key)]
-
-    def _lookup(self, task_id: str) -> TaskState | None:
-        entry = self._tasks.get(task_id)
-        if entry is None or entry[0] <= time.monotonic():
-            return None
-        return entry[1]
-
-    def _publish(self, state: TaskState) -> None:
-        for queue in self._watchers.get(state.task_id, ()):
-            queue.put_nowait(state)
-
-    async def get(self, task_id: str) -> TaskState | None:
-        return self._lookup(task_id)
-
-    async def get_many(self, task_ids: Collection[str]) -> dict[str, TaskState]:
-        found = {task_id: self._lookup(task_id) for task_id in task_ids}
-        return {task_id: state for task_id, state in found.items() if state is not None}
-
-    @asynccontextmanager
-    async def watch(self, task_id: str) -> AsyncIterator[AsyncIterator[TaskState]]:
-        queue: asyncio.Queue[TaskState] = asyncio.Queue()
-        self._watchers.setdefault(task_id, set()).add(queue)
-        try:
-            yield _drain(queue)
-        finally:
-            watchers = self._watchers.get(task_id)
-            if watchers is not None:
-                watchers.discard(queue)
-                if not watchers:
-                    del self._watchers[task_id]
-
-    async def listen_replies(self, gateway_id: str, handler: ReplyHandler) -> None:
-        self._replies[gateway_id] = handler
-
-    async def ready(self) -> bool:
-        return not self._closed.is_set()
-
-
-async def _drain(queue: asyncio.Queue[TaskState]) -> AsyncIterator[TaskState]:
-    while True:
-        yield await queue.get()

@@ -32,6 +32,7 @@ async def test_readyz_is_200_when_every_part_is_ready(make_rig: RigFactory) -> N
     assert response.json() == {
         "status": "ready",
         "checks": {"batcher": True, "bus": True, "store": True, "gateway": True},
+        "models": {"sim": "serving", "echo": "serving"},
     }
 
 

@@ -1,0 +1,98 @@
+"""How long a new request would wait in its model's queue, measured from the queue's own counters.
+
+Admission refuses at once (503 ``overloaded``) a request whose deadline the queue ahead of it
+cannot meet, rather than holding it until a 504: under overload the queue then stays only as long
+as the deadlines allow, and the GPU computes answers that someone still waits for.
+
+The predicted wait is depth / drain rate. The rate is measured only over intervals in which the
+queue stayed non-empty, where the workers, not the arrivals, set the pace; that makes it a lower
+bound on the model's capacity, so the meter keeps the highest one, halving it only over
+``half_life_s`` of such intervals that measure less: a burst after a quiet spell is not refused for
+a rate learned while little queued, and a model that lost workers is seen within seconds.
+
+A model whose queue holds requests while no batch reaches its workers for ``stall_s`` is *stalled*
+(every worker busy past any normal call, hung or gone): its requests are refused, and ``/readyz``
+names it.
+
+Pure: samples come from :class:`~batchwire.transport.base.Backlog` (each stamped with when it was
+read), so the same code runs over the in-memory counters, Kafka's offsets, and a test's numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from batchwire.transport.base import Backlog
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """What a request arriving now would meet in its model's queue."""
+
+    depth: int
+    wait_s: float
+    """Predicted time in the queue: 0 when it is empty or its drain rate is not known yet."""
+    rate_per_s: float | None
+    """The drain rate the prediction uses (None: not measured yet)."""
+    stalled_s: float
+    """How long requests have waited while no batch reached a worker (0: the model makes progress)."""
+
+
+class DrainMeter:
+    """One model's drain rate and progress, from successive ``Backlog`` samples."""
+
+    def __init__(
+        self,
+        *,
+        window_s: float = 0.5,
+        half_life_s: float = 10.0,
+        stall_s: float = 5.0,
+        sample_every_s: float = 0.05,
+    ) -> None:
+        self.window_s = window_s
+        self.half_life_s = half_life_s
+        self.stall_s = stall_s
+        self.sample_every_s = sample_every_s
+        self._last: Backlog | None = None
+        self._busy_s = 0.0
+        self._busy_left = 0
+        self._rate: float | None = None
+        self._progress_at_s = 0.0
+
+    def observe(self, backlog: Backlog) -> Estimate:
+        """Takes a sample (if it is ``sample_every_s`` newer than the last) and predicts the wait."""
+        last = self._last
+        if last is None:
+            self._last = backlog
+            self._progress_at_s = backlog.at_s
+        elif backlog.at_s - last.at_s >= self.sample_every_s:
+            self._sample(last, backlog)
+            self._last = backlog
+        return self._estimate(backlog)
+
+    @property
+    def stalled(self) -> bool:
+        return self._last is not None and self._estimate(self._last).stalled_s >= self.stall_s
+
+    def _sample(self, last: Backlog, now: Backlog) -> None:
+        if now.depth == 0 or last.depth == 0 or now.batches != last.batches:
+            self._progress_at_s = now.at_s
+        if last.depth > 0 and now.depth > 0:
+            self._busy_s += now.at_s - last.at_s
+            self._busy_left += max(0, now.left - last.left)
+            if self._busy_s >= self.window_s:
+                measured = self._busy_left / self._busy_s
+                kept = 0.0 if self._rate is None else self._rate * 0.5 ** (self._busy_s / self.half_life_s)
+                self._rate = max(measured, kept)
+                self._busy_s, self._busy_left = 0.0, 0
+
+    def _estimate(self, backlog: Backlog) -> Estimate:
+        stalled_s = backlog.at_s - self._progress_at_s if backlog.depth > 0 else 0.0
+        if backlog.depth == 0:
+            return Estimate(0, 0.0, self._rate, 0.0)
+        if stalled_s >= self.stall_s:
+            return Estimate(backlog.depth, math.inf, self._rate, stalled_s)
+        rate = self._rate
+        wait_s = backlog.depth / rate if rate else 0.0
+        return Estimate(backlog.depth, wait_s, rate, stalled_s)

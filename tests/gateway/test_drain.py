@@ -1,0 +1,144 @@
+"""The drain meter and the admission it drives, on hand-made counters: no clock, no I/O."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from batchwire.transport.base import Backlog
+from gateway.admission import ANONYMOUS, Admission, ServiceTime
+from gateway.drain import DrainMeter
+from gateway.errors import Overloaded
+from gateway.settings import GatewaySettings
+
+
+def busy(meter: DrainMeter, seconds: float, depth: int, rate: float, start: Backlog) -> Backlog:
+    """Feeds samples every 0.1 s of a queue that holds ``depth`` and drains ``rate`` requests/s, one batch a sample."""
+    backlog = start
+    for _ in range(round(seconds / 0.1)):
+        backlog = Backlog(depth, backlog.left + round(rate * 0.1), backlog.batches + 1, backlog.at_s + 0.1)
+        meter.observe(backlog)
+    return backlog
+
+
+def test_an_empty_queue_predicts_no_wait() -> None:
+    meter = DrainMeter()
+    estimate = meter.observe(Backlog(0, 0, 0, 0.0))
+    assert estimate.wait_s == 0 and estimate.rate_per_s is None
+
+
+def test_the_wait_is_depth_over_the_rate_measured_while_the_queue_stayed_busy() -> None:
+    meter = DrainMeter()
+    last = busy(meter, 2.0, 100, 200.0, Backlog(100, 0, 0, 0.0))
+    estimate = meter.observe(Backlog(400, last.left + 20, last.batches + 1, last.at_s + 0.1))
+    assert estimate.rate_per_s == pytest.approx(200.0)
+    assert estimate.wait_s == pytest.approx(2.0)
+
+
+def test_a_quiet_spell_does_not_teach_a_low_rate() -> None:
+    """Drained while the queue emptied, the rate says how fast requests came, not how fast workers go."""
+    meter = DrainMeter()
+    last = busy(meter, 1.0, 100, 1000.0, Backlog(100, 0, 0, 0.0))
+    at = last.at_s
+    for n in range(100):  # 10 s of a trickle that never queues
+        at += 0.1
+        meter.observe(Backlog(0, last.left + n, last.batches + n, at))
+    burst = meter.observe(Backlog(500, last.left + 100, last.batches + 100, at + 0.1))
+    assert burst.rate_per_s == pytest.approx(1000.0)
+    assert burst.wait_s == pytest.approx(0.5)
+
+
+def test_a_model_that_lost_capacity_is_seen_within_seconds() -> None:
+    meter = DrainMeter(half_life_s=2.0)
+    last = busy(meter, 1.0, 100, 1000.0, Backlog(100, 0, 0, 0.0))
+    last = busy(meter, 10.0, 100, 100.0, last)
+    assert meter.observe(last).rate_per_s == pytest.approx(100.0, rel=0.1)
+
+
+def test_requests_waiting_while_no_batch_leaves_is_a_stall() -> None:
+    meter = DrainMeter(stall_s=5.0)
+    meter.observe(Backlog(0, 0, 7, 0.0))
+    meter.observe(Backlog(10, 0, 7, 0.1))  # requests arrive; no batch goes
+    assert not meter.stalled
+    estimate = meter.observe(Backlog(10, 4, 7, 5.2))  # expiries leave the queue: still no batch
+    assert estimate.stalled_s == pytest.approx(5.1) and estimate.wait_s == math.inf
+    assert meter.stalled
+    assert not meter.observe(Backlog(10, 4, 8, 5.3)).stalled_s, "a batch taken ends the stall"
+
+
+def settings(**overrides: object) -> GatewaySettings:
+    return GatewaySettings(models=("a", "b"), default_model="a", **overrides)  # type: ignore[arg-type]
+
+
+class Counters:
+    """A ``QueueDepth`` whose counters the test sets."""
+
+    def __init__(self) -> None:
+        self.backlogs: dict[str, Backlog] = {}
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def depth(self) -> int:
+        return sum(b.depth for b in self.backlogs.values())
+
+    def backlog(self, model: str) -> Backlog | None:
+        return self.backlogs.get(model)
+
+
+async def test_a_request_whose_deadline_the_queue_cannot_meet_is_refused_at_once() -> None:
+    counters = Counters()
+    admission = Admission(settings(), counters, None)
+    counters.backlogs["a"] = Backlog(100, 0, 0, 0.0)
+    for n in range(1, 11):  # a queue of 100 that drains 100/s: a 1 s wait
+        counters.backlogs["a"] = Backlog(100, 10 * n, n, 0.1 * n)
+        await admission.admit(ANONYMOUS, "a", 30_000)
+    with pytest.raises(Overloaded) as refused:
+        await admission.admit(ANONYMOUS, "a", 1_000)
+    assert "timeout_ms=1000 cannot be met" in refused.value.message
+    assert refused.value.retry_after_s == 1
+    await admission.admit(ANONYMOUS, "a", 2_000)
+    counters.backlogs["b"] = Backlog(0, 0, 0, 1.0)
+    await admission.admit(ANONYMOUS, "b", 1), "another model's queue is its own"
+
+
+async def test_a_stalled_model_is_refused_and_named_while_the_others_serve() -> None:
+    counters = Counters()
+    admission = Admission(settings(stall_s=2.0), counters, None)
+    counters.backlogs = {"a": Backlog(0, 0, 0, 0.0), "b": Backlog(0, 0, 0, 0.0)}
+    assert admission.models() == {"a": "serving", "b": "serving"}
+    counters.backlogs = {"a": Backlog(5, 0, 0, 0.1), "b": Backlog(0, 0, 0, 0.1)}
+    admission.models()
+    counters.backlogs = {"a": Backlog(5, 0, 0, 2.5), "b": Backlog(0, 0, 0, 2.5)}
+    assert admission.models() == {"a": "stalled", "b": "serving"}
+    with pytest.raises(Overloaded, match="taken none for 2 s"):
+        await admission.admit(ANONYMOUS, "a", 30_000)
+    await admission.admit(ANONYMOUS, "b", 30_000)
+
+
+async def test_the_queue_depth_limit_is_per_model() -> None:
+    counters = Counters()
+    admission = Admission(settings(max_queue_depth=10), counters, None)
+    counters.backlogs = {"a": Backlog(10, 0, 0, 0.0), "b": Backlog(0, 0, 0, 0.0)}
+    with pytest.raises(Overloaded, match="model 'a' has 10 requests waiting"):
+        await admission.admit(ANONYMOUS, "a", 30_000)
+    await admission.admit(ANONYMOUS, "b", 30_000)
+
+
+def test_service_time_is_the_fastest_recent_answer_and_forgets_an_old_one() -> None:
+    now = [0.0]
+    service = ServiceTime(window_s=10, clock=lambda: now[0])
+    assert service.seconds == 0
+    service.observe(0.1)
+    service.observe(0.3)
+    assert service.seconds == 0.1
+    now[0] = 11
+    service.observe(0.5)
+    assert service.seconds == 0.1, "the last window still counts"
+    now[0] = 22
+    service.observe(0.4)
+    assert service.seconds == 0.4
