@@ -211,6 +211,10 @@ class Gateway:
             idempotency.check_key(idempotency_key)
         if not self._accepting:
             raise NotReady("the gateway is not accepting requests (starting or shutting down); retry shortly")
+        if not self._producer.reachable():
+            # Known down (its circuit breaker is open): refused before anything is stored or queued,
+            # rather than after a produce timeout.
+            raise Unavailable("the request bus is unreachable; nothing was queued: retry after the Retry-After delay")
         if self._inflight >= self.settings.max_inflight:
             raise Overloaded(
                 f"this gateway holds {self._inflight} requests, its limit ({env_name('max_inflight')}); "

@@ -82,6 +82,9 @@ class ExpressRequestProducer:
     async def ready(self) -> bool:
         return await self.kafka.ready()
 
+    def reachable(self) -> bool:
+        return self.kafka.reachable()
+
     async def send(self, request: InferenceRequest) -> None:
         data = encode_request(request)
         partition = self.kafka.partitioner.choose(request.model)

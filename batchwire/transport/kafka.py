@@ -22,6 +22,7 @@ from aiokafka.errors import KafkaError, UnknownTopicOrPartitionError
 
 from batchwire.routing import Partitioner
 from batchwire.transport.base import Delivered, PartitionsCallback, TransportError
+from batchwire.transport.breaker import CircuitBreaker
 from batchwire.transport.errors import PermanentTransportError
 from batchwire.transport.kafka_group import GroupConsumer, translate
 from schemas.codec import CodecError, decode_batch, decode_request, encode_batch, encode_request
@@ -55,6 +56,8 @@ DEFAULT_COMMIT_TIMEOUT_S = 10.0
 # asks for fresh metadata at most this often. aiokafka's sender would otherwise retry a queued batch
 # in a loop with no pause (thousands of metadata requests a second) until its request timeout.
 METADATA_RETRY_S = 0.25
+# While the request producer's breaker is open, the bus is probed this often (a connection attempt).
+BREAKER_RETRY_S = 0.5
 
 
 class _Producer:
@@ -169,6 +172,11 @@ class KafkaRequestProducer:
     replicated topic only "all" survives losing the leader; on a single broker it costs the same
     as ``acks=1``. No idempotence: a retried duplicate is harmless because task states only move
     forward and a terminal state is written once.
+
+    A circuit breaker (``breaker``) remembers that the bus is down: a send that failed or a
+    readiness probe that found no connected leader opens it, and until a background probe reaches
+    the broker again ``reachable()`` is False and ``send`` fails at once, instead of every request
+    waiting out the produce timeout.
     """
 
     def __init__(
@@ -195,6 +203,14 @@ class KafkaRequestProducer:
             compression_type=compression_type,
             ready_timeout_s=ready_timeout_s,
         )
+        # A send cancelled (its caller's deadline) after this long is a hint that the bus may be down.
+        self._suspect_after_s = ready_timeout_s
+        self.breaker = CircuitBreaker(
+            f"the request bus at {bootstrap}",
+            lambda: self._producer.ready(self.topic),
+            retry_s=BREAKER_RETRY_S,
+            probe_timeout_s=ready_timeout_s,
+        )
 
     async def start(self) -> None:
         """Connects and checks that the topic has every partition the partitioner routes to."""
@@ -212,7 +228,12 @@ class KafkaRequestProducer:
             raise
 
     async def close(self) -> None:
+        await self.breaker.close()
         await self._producer.close()
+
+    def reachable(self) -> bool:
+        """False while the breaker is open (the bus is known to be down); no I/O."""
+        return not self.breaker.open
 
     async def send(self, request: InferenceRequest) -> None:
         """Returns once the broker acknowledged the record."""
@@ -220,10 +241,31 @@ class KafkaRequestProducer:
 
     async def send_encoded(self, data: bytes, partition: int) -> None:
         """``send`` for a request encoded already, to a partition chosen already."""
-        await self._producer.send(self.topic, partition, data)
+        if self.breaker.open:
+            raise TransportError(f"{self.breaker.name} is down ({self.breaker.reason}); nothing was sent")
+        started = time.monotonic()
+        try:
+            await self._producer.send(self.topic, partition, data)
+        except PermanentTransportError:
+            raise  # a configuration fault, not an outage
+        except TransportError as err:
+            self.breaker.failed(f"a send failed: {err}")
+            raise
+        except asyncio.CancelledError:
+            if time.monotonic() - started >= self._suspect_after_s:
+                self.breaker.suspect()
+            raise
 
     async def ready(self) -> bool:
-        return await self._producer.ready(self.topic)
+        """The topic's metadata is known and its leader connected; the answer also moves the breaker."""
+        if self._producer.producer is None:
+            return False
+        up = await self._producer.ready(self.topic)
+        if up:
+            self.breaker.succeeded()
+        else:
+            self.breaker.failed("a readiness probe found no connected leader")
+        return up
 
 
 class KafkaBatchProducer:

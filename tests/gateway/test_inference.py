@@ -93,6 +93,9 @@ class DownProducer:
     async def ready(self) -> bool:
         return False
 
+    def reachable(self) -> bool:
+        return True  # not known yet: the send finds out
+
     async def send(self, request: InferenceRequest) -> None:
         raise TransportError("broker unreachable")
 
@@ -113,6 +116,30 @@ async def test_a_down_bus_is_503_unavailable_and_the_task_is_marked_failed(make_
     assert rig.gateway.inflight == 0
 
 
+class KnownDownProducer(DownProducer):
+    """A bus whose circuit breaker is open: it knows it is down without trying."""
+
+    def reachable(self) -> bool:
+        return False
+
+    async def send(self, request: InferenceRequest) -> None:
+        raise AssertionError("a bus known to be down must not be sent to")
+
+
+async def test_a_bus_known_to_be_down_is_503_at_once_and_nothing_is_stored(make_rig: RigFactory) -> None:
+    rig = await make_rig(producer=KnownDownProducer(), retry_after_s=2)
+    for path in ("/v1/inference", "/v1/tasks"):
+        response = await rig.client.post(path, json={"input": "x"}, headers={"Idempotency-Key": f"k-{path[4:]}"})
+        assert response.status_code == 503, response.text
+        error = error_of(response)
+        assert error["code"] == "unavailable"
+        assert "request bus is unreachable" in error["message"] and "nothing was queued" in error["message"]
+        assert "task_id" not in error, "no task was made, so none is named"
+        assert response.headers["retry-after"] == "2"
+    assert rig.store.created == [], "nothing is recorded for a request refused up front"
+    assert rig.gateway.inflight == 0
+
+
 async def test_requests_before_start_are_503_not_ready(make_rig: RigFactory) -> None:
     rig = await make_rig(start=False)
     response = await rig.client.post("/v1/inference", json={"input": "too early"})
@@ -128,6 +155,9 @@ class StuckProducer:
     async def start(self) -> None: ...
     async def close(self) -> None: ...
     async def ready(self) -> bool:
+        return True
+
+    def reachable(self) -> bool:
         return True
 
     async def send(self, request: InferenceRequest) -> None:

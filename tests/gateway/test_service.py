@@ -45,6 +45,9 @@ class InstantProducer:
     async def ready(self) -> bool:
         return True
 
+    def reachable(self) -> bool:
+        return True
+
     async def send(self, request: InferenceRequest) -> None:
         self.sent.append(request)
         await self.store.apply(
