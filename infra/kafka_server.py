@@ -100,6 +100,25 @@ def render_server_properties(
     return "".join(f"{key}={value}\n" for key, value in props.items())
 
 
+def read_config_ports(properties_path: Path) -> tuple[int, int] | None:
+    """(broker port, controller port) of a server.properties that `render_server_properties` wrote;
+    None without a readable one."""
+    try:
+        lines = properties_path.read_text().splitlines()
+    except OSError:
+        return None
+    listeners = next((line.partition("=")[2] for line in lines if line.startswith("listeners=")), "")
+    ports: dict[str, int] = {}
+    for listener in listeners.split(","):
+        name, _, address = listener.partition("://")
+        port = address.rpartition(":")[2]
+        if port.isdigit():
+            ports[name.strip()] = int(port)
+    if "PLAINTEXT" not in ports or "CONTROLLER" not in ports:
+        return None
+    return ports["PLAINTEXT"], ports["CONTROLLER"]
+
+
 def new_cluster_id() -> str:
     """A KRaft cluster id: 16 random bytes, URL-safe base64 without padding (as kafka-storage makes)."""
     return base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()

@@ -17,3 +17,16 @@ def free_port(host: str = LOOPBACK) -> int:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def port_is_free(port: int, host: str = LOOPBACK) -> bool:
+    """Whether a server could listen on `host:port` now (binding as Kafka and Redis do, with
+    SO_REUSEADDR, so connections of a server that just died do not count)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+            sock.listen(1)
+        except OSError:
+            return False
+        return True

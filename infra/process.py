@@ -24,6 +24,7 @@ from infra.errors import ServiceStartError, ServiceStopError
 _DETACH_SCRIPT = 'log=$1; shift; "$@" </dev/null >>"$log" 2>&1 & echo $!'
 
 _POLL_INTERVAL_S = 0.05
+_THREADS_EXIT_POLL_S = 0.001
 _EXIT_STOP_TIMEOUT_S = 10.0
 
 
@@ -63,18 +64,39 @@ class ServiceProcess:
         return process
 
     @classmethod
-    def attach(cls, pid: int, marks: Sequence[str]) -> ServiceProcess | None:
-        """The process `pid` if it is alive and its command line contains every mark.
+    def attach(cls, pid: int, marks: Sequence[str], *, cwd: Path | None = None) -> ServiceProcess | None:
+        """The process `pid` if it is alive, its command line contains every mark and, with `cwd`,
+        it runs in that folder.
 
         Pid files outlive their processes and pids get reused; the marks (a config path, a
-        port) keep `stack down` from signalling an unrelated program.
+        program name) and the working folder (a state dir's own) keep `stack up` and `stack down`
+        from signalling an unrelated program.
         """
         cmdline = _read_cmdline(pid)
         if cmdline is None or not _alive_by_pid(pid):
             return None
         if not all(mark in cmdline for mark in marks):
             return None
+        if cwd is not None and not _runs_in(pid, cwd):
+            return None
         return cls(pid, None)
+
+    @classmethod
+    def find(cls, marks: Sequence[str], *, cwd: Path) -> ServiceProcess | None:
+        """A live process running in `cwd` whose command line contains every mark, if there is one.
+
+        Finds a service whose pid file is gone or names another process (Linux only: None elsewhere).
+        """
+        try:
+            entries = list(Path("/proc").iterdir())
+        except OSError:
+            return None
+        for entry in entries:
+            if entry.name.isdigit() and _runs_in(int(entry.name), cwd):
+                found = cls.attach(int(entry.name), marks, cwd=cwd)
+                if found is not None:
+                    return found
+        return None
 
     @property
     def pid(self) -> int:
@@ -175,8 +197,20 @@ def _read_cmdline(pid: int) -> str | None:
     return raw.replace(b"\0", b" ").decode(errors="replace")
 
 
+def _runs_in(pid: int, folder: Path) -> bool:
+    try:
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return False  # gone, or another user's process (not ours)
+    return cwd == str(folder.resolve())
+
+
 def _alive_by_pid(pid: int) -> bool:
-    """Alive and not a zombie (a zombie has exited but waits for a parent to reap it)."""
+    """Alive and not a zombie (a zombie has exited but waits for a parent to reap it).
+
+    The main thread of a killed process turns zombie before its other threads have exited, and
+    those still hold its files (listening sockets): until they are gone it counts as alive.
+    """
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
@@ -189,8 +223,23 @@ def _alive_by_pid(pid: int) -> bool:
         except PermissionError:
             return True
         return True
-    state = stat.rsplit(")", 1)[-1].split()[0]
-    return state not in ("Z", "X")
+    if not _exited(stat):
+        return True
+    try:
+        threads = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return False
+    for thread in threads:
+        try:
+            if not _exited((thread / "stat").read_text()):
+                return True
+        except OSError:
+            continue  # gone while we looked
+    return False
+
+
+def _exited(stat: str) -> bool:
+    return stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X")
 
 
 def _wait_pid_exit(pid: int, timeout_s: float) -> bool:
@@ -206,7 +255,9 @@ def _wait_pid_exit(pid: int, timeout_s: float) -> bool:
                 remaining_ms = int((deadline - time.monotonic()) * 1000)
                 if remaining_ms <= 0:
                     return False
-                poller.poll(remaining_ms)
+                if poller.poll(remaining_ms):
+                    # Readable once the main thread ended; the other threads follow within moments.
+                    time.sleep(_THREADS_EXIT_POLL_S)
             return True
         finally:
             os.close(pidfd)

@@ -1,7 +1,12 @@
-"""A throwaway Redis server on a loopback port: no persistence, logs to a file."""
+"""A Redis server on a loopback port, configured by a `redis.conf` in its work folder.
+
+Test sessions run it throwaway (no persistence, no memory bound); `batchwire stack up` runs it
+bounded (`maxmemory`) and persistent (append-only file), so a restart keeps the stored tasks.
+"""
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 import time
@@ -15,6 +20,39 @@ from infra.process import ServiceProcess
 DEFAULT_START_TIMEOUT_S = 15.0
 DEFAULT_STOP_TIMEOUT_S = 10.0
 _POLL_INTERVAL_S = 0.02
+CONFIG_NAME = "redis.conf"
+
+# batchwire's keys are task states, idempotency keys, rate-limit buckets and delivery counts, all
+# with a TTL, and worker credits. An evicting policy would drop live ones silently (a queued task
+# forgotten, an idempotency key gone so a retry runs twice, a poison input's count reset), and
+# `volatile-*` policies would too, since nearly every key has a TTL. `noeviction` turns a full
+# Redis into refused writes instead: callers get 503 `unavailable` and workers retry storing their
+# results until expiring states free memory.
+MAXMEMORY_POLICY = "noeviction"
+
+_MEMORY = re.compile(r"(?i)^\d+(b|k|kb|m|mb|g|gb)?$")
+
+
+def checked_maxmemory(text: str) -> str:
+    """`text` if Redis takes it as a `maxmemory` (bytes, or a number with k/kb/m/mb/g/gb; 0 for no
+    bound), lower-cased; else ValueError saying what is taken."""
+    value = text.strip().lower()
+    if not _MEMORY.match(value):
+        raise ValueError(f"{text!r} is not a memory size; give bytes or a number with kb, mb or gb (e.g. 512mb)")
+    return value
+
+
+def read_config_port(config_path: Path) -> int | None:
+    """The `port` a `redis.conf` written by `RedisServer` names; None without a readable one."""
+    try:
+        lines = config_path.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        key, _, value = line.strip().partition(" ")
+        if key == "port" and value.strip().isdigit():
+            return int(value.strip())
+    return None
 
 
 def find_redis_server() -> Path:
@@ -37,9 +75,20 @@ def redis_pings(port: int, host: str = LOOPBACK, timeout_s: float = 1.0) -> bool
         return False
 
 
+def _quoted(text: str) -> str:
+    # redis.conf reads a double-quoted value with backslash escapes (a folder name may hold spaces).
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 class RedisServer(LoopbackServer):
-    """One `redis-server` over a work folder (redis.log); same port across restarts. No
-    persistence: after `stop()` or `kill()`, `start()` gives an empty server."""
+    """One `redis-server` over a work folder (redis.conf, redis.log, its data); same port across
+    restarts.
+
+    `persistent`: every write goes to an append-only file, fsynced every second, so `start()` after
+    `stop()` or `kill()` brings the data back (a machine crash can lose the last second; a killed
+    process loses nothing it acknowledged). Otherwise a restart gives an empty server.
+    `maxmemory`: the memory bound (`checked_maxmemory`; None: none), past which writes are refused.
+    """
 
     def __init__(
         self,
@@ -48,6 +97,8 @@ class RedisServer(LoopbackServer):
         port: int | None = None,
         detached: bool = False,
         binary: Path | None = None,
+        maxmemory: str | None = None,
+        persistent: bool = False,
     ) -> None:
         super().__init__(
             ports_chosen_by_us=port is None,
@@ -58,6 +109,8 @@ class RedisServer(LoopbackServer):
         self._port = port if port is not None else free_port()
         self._detached = detached
         self._binary = binary
+        self._maxmemory = "0" if maxmemory is None else checked_maxmemory(maxmemory)
+        self._persistent = persistent
 
     @property
     def port(self) -> int:
@@ -72,34 +125,42 @@ class RedisServer(LoopbackServer):
     def log_path(self) -> Path:
         return self._work_dir / "redis.log"
 
+    @property
+    def config_path(self) -> Path:
+        return self._work_dir / CONFIG_NAME
+
+    @property
+    def work_dir(self) -> Path:
+        return self._work_dir
+
     def _choose_new_ports(self) -> None:
         self._port = free_port()
 
+    def config_text(self) -> str:
+        """The text of redis.conf for this server."""
+        settings = [
+            ("port", str(self._port)),
+            ("bind", LOOPBACK),
+            ("daemonize", "no"),
+            ("dir", _quoted(str(self._work_dir.resolve()))),
+            ("loglevel", "warning"),
+            ("save", '""'),  # no RDB snapshots: the append-only file (when on) is the persistence
+            ("appendonly", "yes" if self._persistent else "no"),
+            ("appendfsync", "everysec"),
+            ("maxmemory", self._maxmemory),
+            ("maxmemory-policy", MAXMEMORY_POLICY),
+        ]
+        return "".join(f"{key} {value}\n" for key, value in settings)
+
     def _argv(self) -> list[str]:
         binary = self._binary if self._binary is not None else find_redis_server()
-        return [
-            str(binary),
-            "--port",
-            str(self._port),
-            "--bind",
-            LOOPBACK,
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--daemonize",
-            "no",
-            "--dir",
-            str(self._work_dir),
-            "--loglevel",
-            "warning",
-        ]
+        return [str(binary), str(self.config_path.resolve())]
 
     def _start_once(self, deadline: float) -> None:
         self._work_dir.mkdir(parents=True, exist_ok=True)
-        process = ServiceProcess.spawn(
-            self._argv(), log_path=self.log_path, cwd=self._work_dir, detached=self._detached
-        )
+        argv = self._argv()
+        self.config_path.write_text(self.config_text())
+        process = ServiceProcess.spawn(argv, log_path=self.log_path, cwd=self._work_dir, detached=self._detached)
         self._process = process
         while process.is_alive() and time.monotonic() < deadline:
             if redis_pings(self._port):

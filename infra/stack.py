@@ -1,12 +1,13 @@
-"""Kafka + Redis for development and tests: `LocalStack` (in-process) and the detached stack.
+"""Kafka + Redis for development: the detached stack behind `batchwire stack up|down|status`.
 
-`batchwire stack up|down|status` call `cmd_up`/`cmd_down`/`cmd_status` (or the functions under
-them).
-
-`up` starts both in their own sessions (they outlive the command), writes
-`<state_dir>/stack.env` (source it, or let services read `BATCHWIRE_*`) and one pid file per
-service. `down` stops them by pid after checking each pid still names our process.
-Argument parsing belongs to the project CLI; these are plain functions.
+`up` makes the stack whole and touches nothing that works: a server that runs is left alone, a
+dead one is started again on the ports it had, over its data (Kafka's log dir, Redis's append-only
+file), so roles that hold the stack's addresses reconnect. Each server's ports are recorded in its
+own config file (`kafka/server.properties`, `redis/redis.conf`), next to its data; `stack.env`
+(source it, or let the roles read it) is written from them. A pid file per server names its
+process, which is signalled only after checking it is still ours (command line and working
+folder). `down` stops both and keeps data and ports for the next `up`. Argument parsing belongs to
+the project CLI; these are plain functions.
 """
 
 from __future__ import annotations
@@ -14,30 +15,37 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
 from infra.aio import run_blocking
 from infra.errors import InfraError
-from infra.kafka_probe import kafka_serves
-from infra.kafka_server import DEFAULT_STOP_TIMEOUT_S
+from infra.fetch_kafka import prepare_kafka
+from infra.kafka_probe import kafka_serves, wait_for_kafka
+from infra.kafka_server import DEFAULT_STOP_TIMEOUT_S, KafkaServer, read_config_ports
 from infra.local_stack import LocalStack
 from infra.locks import file_lock
-from infra.ports import LOOPBACK
+from infra.ports import LOOPBACK, port_is_free
 from infra.process import ServiceProcess
-from infra.redis_server import redis_pings
+from infra.redis_server import CONFIG_NAME, RedisServer, checked_maxmemory, read_config_port, redis_pings
 
 __all__ = [
+    "DEFAULT_REDIS_MAXMEMORY",
     "DEFAULT_STATE_DIR",
     "ENV_FILE_NAME",
     "KAFKA_ENV",
     "REDIS_ENV",
     "LocalStack",
+    "ServerStatus",
     "StackStatus",
+    "StackUp",
     "cmd_down",
     "cmd_status",
     "cmd_up",
+    "print_up",
     "read_env_file",
     "stack_down",
     "stack_status",
@@ -49,81 +57,163 @@ ENV_FILE_NAME = "stack.env"
 KAFKA_ENV = "BATCHWIRE_KAFKA_BOOTSTRAP"
 REDIS_ENV = "BATCHWIRE_REDIS_URL"
 DEFAULT_UP_TIMEOUT_S = 120.0
+DEFAULT_REDIS_MAXMEMORY = "512mb"
+"""A dev box's bound; over it Redis refuses writes (see `infra.redis_server.MAXMEMORY_POLICY`)."""
+
+_POLL_INTERVAL_S = 0.05
+
+
+@dataclass(frozen=True)
+class _Server:
+    """Where one server of a state dir lives, and how to recognise its process."""
+
+    name: str
+    work_dir: Path
+    config_path: Path
+    pid_path: Path
+    marks: tuple[str, ...]
+
+    def ports(self) -> tuple[int, ...]:
+        """The recorded ports (Kafka: broker, controller; Redis: one); empty when none are."""
+        if self.name == "kafka":
+            return read_config_ports(self.config_path) or ()
+        port = read_config_port(self.config_path)
+        return () if port is None else (port,)
+
+    def process(self) -> ServiceProcess | None:
+        """The server's live process: the pid file's if that is still ours, else one found running
+        in its folder (a pid file lost or stale)."""
+        pid = _read_pid(self.pid_path)
+        found = None if pid is None else ServiceProcess.attach(pid, self.marks, cwd=self.work_dir)
+        return found if found is not None else ServiceProcess.find(self.marks, cwd=self.work_dir)
+
+
+def _servers(state_dir: Path) -> tuple[_Server, _Server]:
+    kafka_dir, redis_dir = state_dir / "kafka", state_dir / "redis"
+    properties = kafka_dir / "server.properties"
+    return (
+        _Server("kafka", kafka_dir, properties, state_dir / "kafka.pid", ("kafka.Kafka", str(properties))),
+        # redis-server rewrites its command line ("redis-server 127.0.0.1:PORT"): its folder says whose it is.
+        _Server("redis", redis_dir, redis_dir / CONFIG_NAME, state_dir / "redis.pid", ("redis-server",)),
+    )
+
+
+@dataclass(frozen=True)
+class ServerStatus:
+    """One server as `status` found it: recorded ports, its live verified pid, whether it answers."""
+
+    name: str
+    ports: tuple[int, ...] = ()
+    pid: int | None = None
+    serving: bool = False
+
+    @property
+    def alive(self) -> bool:
+        return self.pid is not None
+
+    def describe(self) -> str:
+        port = f"port {self.ports[0]}" if self.ports else "no port recorded"
+        if self.pid is not None:
+            return f"alive, {'serving' if self.serving else 'NOT serving'} (pid {self.pid}, {port})"
+        if not self.ports:
+            return "none yet (`batchwire stack up` starts one)"
+        return f"dead ({port}; `batchwire stack up` starts it again with its data)"
 
 
 @dataclass(frozen=True)
 class StackStatus:
-    """What `status` found: addresses from stack.env, live verified pids, and probe results."""
+    """Both servers, and the `BATCHWIRE_*` addresses their recorded ports make."""
 
     state_dir: Path
-    env: dict[str, str] = field(default_factory=dict)
-    kafka_pid: int | None = None
-    redis_pid: int | None = None
-    kafka_serves: bool = False
-    redis_serves: bool = False
+    kafka: ServerStatus
+    redis: ServerStatus
+
+    @property
+    def env(self) -> dict[str, str]:
+        return _env(self.kafka.ports, self.redis.ports)
 
     @property
     def healthy(self) -> bool:
-        return self.kafka_serves and self.redis_serves and None not in (self.kafka_pid, self.redis_pid)
+        return self.kafka.serving and self.redis.serving
 
     @property
     def anything_running(self) -> bool:
-        return self.kafka_pid is not None or self.redis_pid is not None
+        return self.kafka.alive or self.redis.alive
 
 
-def stack_up(state_dir: Path = DEFAULT_STATE_DIR, *, timeout_s: float = DEFAULT_UP_TIMEOUT_S) -> dict[str, str]:
-    """Ensure a healthy detached stack under `state_dir`; return its `BATCHWIRE_*` variables.
+@dataclass(frozen=True)
+class StackUp:
+    """What `up` gave: the addresses (stack.env's lines) and one line per server on what it did."""
 
-    Already up and healthy: nothing is started. A half-dead stack is stopped and replaced by
-    a fresh one (new ports, empty data).
+    env: dict[str, str]
+    actions: tuple[str, ...] = field(default=())
+
+
+def stack_up(
+    state_dir: Path = DEFAULT_STATE_DIR,
+    *,
+    redis_maxmemory: str = DEFAULT_REDIS_MAXMEMORY,
+    timeout_s: float = DEFAULT_UP_TIMEOUT_S,
+) -> StackUp:
+    """Make the detached stack under `state_dir` whole; return its `BATCHWIRE_*` variables.
+
+    A live server is left alone (waited for if it does not answer yet). A dead one starts again on
+    its recorded ports over its data. Before anything starts, every port a dead server needs is
+    checked: one that another process holds is an error that changes nothing. Two `up`s at once
+    take turns (a lock file), so the second finds the stack the first made.
+    `redis_maxmemory` applies when Redis starts; a running Redis keeps its bound.
     """
+    try:
+        maxmemory = checked_maxmemory(redis_maxmemory)
+    except ValueError as err:
+        raise InfraError(f"--redis-maxmemory (BATCHWIRE_REDIS_MAXMEMORY): {err}") from err
     state_dir = state_dir.resolve()
+    deadline = time.monotonic() + timeout_s
     with file_lock(state_dir / ".stack.lock"):
-        status = stack_status(state_dir)
-        if status.healthy:
-            return status.env
-        _stop_services(state_dir)
-        for leftover in ("kafka", "redis"):
-            shutil.rmtree(state_dir / leftover, ignore_errors=True)
-        stack = LocalStack(state_dir, detached=True)
-        stack.start(timeout_s)
-        try:
-            env = {KAFKA_ENV: stack.kafka_bootstrap, REDIS_ENV: stack.redis_url}
-            _write_pid(state_dir / "kafka.pid", stack.kafka.pid)
-            _write_pid(state_dir / "redis.pid", stack.redis.pid)
-            _write_atomically(state_dir / ENV_FILE_NAME, "".join(f"{key}={value}\n" for key, value in env.items()))
-        except BaseException:
-            stack.stop()
-            raise
-        return env
+        kafka, redis = _servers(state_dir)
+        running = {server.name: server.process() for server in (kafka, redis)}
+        for server in (kafka, redis):
+            if running[server.name] is None:
+                _refuse_taken_ports(server)
+        actions = [
+            _up_redis(redis, running["redis"], maxmemory, deadline),
+            _up_kafka(kafka, running["kafka"], deadline),
+        ]
+        env = _env(kafka.ports(), redis.ports())
+        _write_atomically(state_dir / ENV_FILE_NAME, "".join(f"{key}={value}\n" for key, value in env.items()))
+        return StackUp(env, tuple(actions))
 
 
 def stack_down(state_dir: Path = DEFAULT_STATE_DIR, *, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> bool:
-    """Stop the detached stack and remove stack.env; True if something was running."""
+    """Stop both servers and remove stack.env; True if something was running.
+
+    Data and ports stay: the next `up` brings the same stack back. Delete the state dir for a new one.
+    """
     state_dir = state_dir.resolve()
     with file_lock(state_dir / ".stack.lock"):
-        stopped = _stop_services(state_dir, timeout_s)
+        stopped = False
+        for server in _servers(state_dir):
+            process = server.process()
+            if process is not None:
+                process.terminate(timeout_s)
+                stopped = True
+            server.pid_path.unlink(missing_ok=True)
         (state_dir / ENV_FILE_NAME).unlink(missing_ok=True)
         return stopped
 
 
 def stack_status(state_dir: Path = DEFAULT_STATE_DIR) -> StackStatus:
-    """Read stack.env and the pid files, check the processes and ask each service."""
+    """Each server's recorded ports, its live verified process, and whether it answers."""
     state_dir = state_dir.resolve()
-    env = read_env_file(state_dir / ENV_FILE_NAME)
-    kafka = _attach_kafka(state_dir)
-    redis = _attach_redis(state_dir, env)
-    bootstrap = env.get(KAFKA_ENV)
-    redis_port = _redis_port(env)
-    kafka_ok = kafka is not None and bootstrap is not None and _kafka_answers(bootstrap)
-    redis_ok = redis is not None and redis_port is not None and redis_pings(redis_port)
+    kafka, redis = _servers(state_dir)
+    kafka_ports, redis_ports = kafka.ports(), redis.ports()
+    kafka_process, redis_process = kafka.process(), redis.process()
+    kafka_serves_now = kafka_process is not None and bool(kafka_ports) and _kafka_answers(_bootstrap(kafka_ports))
+    redis_serves_now = redis_process is not None and bool(redis_ports) and redis_pings(redis_ports[0])
     return StackStatus(
         state_dir=state_dir,
-        env=env,
-        kafka_pid=kafka.pid if kafka is not None else None,
-        redis_pid=redis.pid if redis is not None else None,
-        kafka_serves=kafka_ok,
-        redis_serves=redis_ok,
+        kafka=ServerStatus("kafka", kafka_ports, _pid(kafka_process), kafka_serves_now),
+        redis=ServerStatus("redis", redis_ports, _pid(redis_process), redis_serves_now),
     )
 
 
@@ -137,16 +227,29 @@ def read_env_file(path: Path) -> dict[str, str]:
     return {key.strip(): value.strip() for key, value in pairs}
 
 
-def cmd_up(state_dir: Path = DEFAULT_STATE_DIR, *, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    """`batchwire stack up`: print the two `BATCHWIRE_*=...` lines; exit status."""
+def print_up(up: StackUp, state_dir: Path, *, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> None:
+    """The `BATCHWIRE_*=...` lines on `out` (the same for the same stack), what was done on `err`."""
+    for key, value in up.env.items():
+        print(f"{key}={value}", file=out)
+    for action in up.actions:
+        print(f"# {action}", file=err)
+    print(f"# written to {state_dir.resolve() / ENV_FILE_NAME}; stop with: batchwire stack down", file=err)
+
+
+def cmd_up(
+    state_dir: Path = DEFAULT_STATE_DIR,
+    *,
+    redis_maxmemory: str = DEFAULT_REDIS_MAXMEMORY,
+    out: TextIO = sys.stdout,
+    err: TextIO = sys.stderr,
+) -> int:
+    """`batchwire stack up` without topics: print the two `BATCHWIRE_*=...` lines; exit status."""
     try:
-        env = stack_up(state_dir)
+        up = stack_up(state_dir, redis_maxmemory=redis_maxmemory)
     except InfraError as error:
         print(f"stack up failed: {error}", file=err)
         return 1
-    for key, value in env.items():
-        print(f"{key}={value}", file=out)
-    print(f"# written to {state_dir.resolve() / ENV_FILE_NAME}; stop with: batchwire stack down", file=err)
+    print_up(up, state_dir, out=out, err=err)
     return 0
 
 
@@ -157,62 +260,118 @@ def cmd_down(state_dir: Path = DEFAULT_STATE_DIR, *, out: TextIO = sys.stdout, e
     except InfraError as error:
         print(f"stack down failed: {error}", file=err)
         return 1
-    print("stack stopped" if stopped else "no stack was running", file=out)
+    print("stack stopped (data and ports kept for the next up)" if stopped else "no stack was running", file=out)
     return 0
 
 
 def cmd_status(state_dir: Path = DEFAULT_STATE_DIR, *, out: TextIO = sys.stdout) -> int:
-    """`batchwire stack status`: addresses and health; 0 when both serve, 1 otherwise."""
+    """`batchwire stack status`: addresses and each server's state; 0 when both serve, 1 otherwise."""
     status = stack_status(state_dir)
     for key, value in status.env.items():
         print(f"{key}={value}", file=out)
-    print(f"# kafka: {_describe(status.kafka_pid, status.kafka_serves)}", file=out)
-    print(f"# redis: {_describe(status.redis_pid, status.redis_serves)}", file=out)
+    print(f"# kafka: {status.kafka.describe()}", file=out)
+    print(f"# redis: {status.redis.describe()}", file=out)
     return 0 if status.healthy else 1
 
 
-def _describe(pid: int | None, serves: bool) -> str:
-    if pid is None:
-        return "not running"
-    return f"pid {pid}, {'serving' if serves else 'NOT serving'}"
+def _refuse_taken_ports(server: _Server) -> None:
+    for port in server.ports():
+        if not port_is_free(port):
+            raise InfraError(
+                f"{server.name} is not running and its port {LOOPBACK}:{port} (recorded in {server.config_path}) "
+                f"is taken by another process; nothing was changed. Find that process with "
+                f"`ss -ltnp 'sport = :{port}'`, stop it, and run `batchwire stack up` again (the stack comes back "
+                f"on the same addresses with its data). Or, for {server.name} on new ports without its data, run "
+                f"`batchwire stack down`, delete {server.work_dir} and run `batchwire stack up`; then restart every "
+                "role, which holds the old address"
+            )
 
 
-def _stop_services(state_dir: Path, timeout_s: float = DEFAULT_STOP_TIMEOUT_S) -> bool:
-    env = read_env_file(state_dir / ENV_FILE_NAME)
-    stopped = False
-    for process in (_attach_kafka(state_dir), _attach_redis(state_dir, env)):
-        if process is not None:
-            process.terminate(timeout_s)
-            stopped = True
-    for name in ("kafka.pid", "redis.pid"):
-        (state_dir / name).unlink(missing_ok=True)
-    return stopped
+def _up_redis(server: _Server, process: ServiceProcess | None, maxmemory: str, deadline: float) -> str:
+    ports = server.ports()
+    if process is not None:
+        if not ports:
+            raise _unrecorded(server, process)
+        if not _poll(lambda: redis_pings(ports[0]), deadline, process):
+            raise _not_answering(server, process, ports[0])
+        return f"redis: alive (pid {process.pid}, port {ports[0]}), left alone"
+    redis = RedisServer(
+        server.work_dir,
+        port=ports[0] if ports else None,
+        detached=True,
+        maxmemory=maxmemory,
+        persistent=True,
+    )
+    redis.start(max(deadline - time.monotonic(), 1.0))
+    _write_pid(server.pid_path, redis.pid)
+    kept = "restarted over its data" if ports else "started empty"
+    return f"redis: was not running; {kept} (pid {redis.pid}, port {redis.port}, maxmemory {maxmemory})"
 
 
-def _attach_kafka(state_dir: Path) -> ServiceProcess | None:
-    pid = _read_pid(state_dir / "kafka.pid")
-    if pid is None:
-        return None
-    # The config path is unique to this state dir: a recycled pid will not contain it.
-    return ServiceProcess.attach(pid, ["kafka.Kafka", str(state_dir / "kafka" / "server.properties")])
+def _up_kafka(server: _Server, process: ServiceProcess | None, deadline: float) -> str:
+    ports = server.ports()
+    if process is not None:
+        if not ports:
+            raise _unrecorded(server, process)
+        bootstrap = _bootstrap(ports)
+        remaining_s = max(deadline - time.monotonic(), 0.0)
+        if not wait_for_kafka(bootstrap, timeout_s=remaining_s, still_running=process.is_alive):
+            raise _not_answering(server, process, ports[0])
+        return f"kafka: alive (pid {process.pid}, port {ports[0]}), left alone"
+    if not ports:
+        # Data formatted for controller ports nobody recorded cannot be served: start empty.
+        shutil.rmtree(server.work_dir / "data", ignore_errors=True)
+    kafka = KafkaServer(
+        prepare_kafka(),
+        server.work_dir,
+        broker_port=ports[0] if ports else None,
+        controller_port=ports[1] if ports else None,
+        detached=True,
+    )
+    kafka.start(max(deadline - time.monotonic(), 1.0))
+    _write_pid(server.pid_path, kafka.pid)
+    kept = "restarted over its data" if ports else "started empty"
+    return f"kafka: was not running; {kept} (pid {kafka.pid}, port {kafka.broker_port})"
 
 
-def _attach_redis(state_dir: Path, env: dict[str, str]) -> ServiceProcess | None:
-    pid = _read_pid(state_dir / "redis.pid")
-    port = _redis_port(env)
-    if pid is None or port is None:
-        return None
-    # redis-server rewrites its title to "redis-server 127.0.0.1:PORT".
-    return ServiceProcess.attach(pid, ["redis-server", f"{LOOPBACK}:{port}"])
+def _unrecorded(server: _Server, process: ServiceProcess) -> InfraError:
+    return InfraError(
+        f"{server.name} runs (pid {process.pid}) but {server.config_path}, which records its ports, is gone; "
+        "it was left running. Run `batchwire stack down`, then `batchwire stack up`"
+    )
 
 
-def _redis_port(env: dict[str, str]) -> int | None:
-    url = env.get(REDIS_ENV, "")
-    prefix = f"redis://{LOOPBACK}:"
-    if not url.startswith(prefix):
-        return None
-    port = url.removeprefix(prefix).split("/", 1)[0]
-    return int(port) if port.isdigit() else None
+def _not_answering(server: _Server, process: ServiceProcess, port: int) -> InfraError:
+    return InfraError(
+        f"{server.name} runs (pid {process.pid}, port {port}) but did not answer before the deadline; it was "
+        f"left running. See {server.work_dir} for its log; `batchwire stack down` then `batchwire stack up` "
+        "restarts it over its data"
+    )
+
+
+def _env(kafka_ports: tuple[int, ...], redis_ports: tuple[int, ...]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    if kafka_ports:
+        env[KAFKA_ENV] = _bootstrap(kafka_ports)
+    if redis_ports:
+        env[REDIS_ENV] = f"redis://{LOOPBACK}:{redis_ports[0]}/0"
+    return env
+
+
+def _bootstrap(kafka_ports: tuple[int, ...]) -> str:
+    return f"{LOOPBACK}:{kafka_ports[0]}"
+
+
+def _pid(process: ServiceProcess | None) -> int | None:
+    return None if process is None else process.pid
+
+
+def _poll(check: Callable[[], bool], deadline: float, process: ServiceProcess) -> bool:
+    while not check():
+        if time.monotonic() >= deadline or not process.is_alive():
+            return False
+        time.sleep(_POLL_INTERVAL_S)
+    return True
 
 
 def _kafka_answers(bootstrap: str) -> bool:

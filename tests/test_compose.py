@@ -75,3 +75,18 @@ def test_dockerfile_installs_the_cli_for_every_role() -> None:
     for package in ("batchwire", "gateway", "batcher", "gpu_worker", "schemas"):
         assert f"COPY {package} ./{package}" in dockerfile, f"the image must contain {package}/"
     assert 'ENTRYPOINT ["batchwire"]' in dockerfile
+
+
+def test_redis_is_bounded_refuses_writes_when_full_and_persists(compose: dict[str, Any]) -> None:
+    from infra.redis_server import MAXMEMORY_POLICY, checked_maxmemory
+    from infra.stack import DEFAULT_REDIS_MAXMEMORY
+
+    redis = compose["services"]["redis"]
+    command = redis["command"]
+    assert command[0] == "redis-server"
+    options = dict(zip(command[1::2], command[2::2], strict=True))
+    assert checked_maxmemory(options["--maxmemory"]) == DEFAULT_REDIS_MAXMEMORY, "the same bound as the dev stack"
+    assert options["--maxmemory-policy"] == MAXMEMORY_POLICY == "noeviction", "evicting would drop live tasks"
+    assert (options["--appendonly"], options["--appendfsync"]) == ("yes", "everysec"), "a restart keeps the data"
+    volume = next(mount.split(":", 1)[0] for mount in redis["volumes"] if mount.endswith(":/data"))
+    assert volume in compose["volumes"], "Redis's data lives in a named volume"

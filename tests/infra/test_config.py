@@ -9,8 +9,8 @@ import pytest
 from infra.docker_stack import kafka_container_env
 from infra.errors import InfraError, NotSupportedError, ToolMissingError
 from infra.kafka_dist import cache_root, default_libs_dir
-from infra.kafka_server import new_cluster_id, render_server_properties
-from infra.redis_server import RedisServer
+from infra.kafka_server import new_cluster_id, read_config_ports, render_server_properties
+from infra.redis_server import RedisServer, checked_maxmemory, read_config_port
 from infra.select import ProvidedInfra, choose_infra_kind
 
 
@@ -29,6 +29,56 @@ def test_server_properties_single_loopback_node(tmp_path: Path) -> None:
     assert props["offsets.topic.replication.factor"] == "1"
     assert props["group.min.session.timeout.ms"] == "1000"
     assert props["auto.create.topics.enable"] == "false"
+
+
+def test_the_ports_server_properties_records_are_read_back(tmp_path: Path) -> None:
+    path = tmp_path / "server.properties"
+    path.write_text(render_server_properties(data_dir=tmp_path, broker_port=1111, controller_port=2222))
+
+    assert read_config_ports(path) == (1111, 2222)
+    assert read_config_ports(tmp_path / "missing.properties") is None
+
+
+def test_redis_conf_bounds_memory_refuses_writes_over_it_and_records_its_port(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path, port=4321, maxmemory="64MB", persistent=True)
+    server.config_path.write_text(server.config_text())
+
+    conf = dict(line.split(" ", 1) for line in server.config_path.read_text().splitlines())
+    assert (conf["maxmemory"], conf["maxmemory-policy"]) == ("64mb", "noeviction")
+    assert (conf["appendonly"], conf["appendfsync"]) == ("yes", "everysec")
+    assert read_config_port(server.config_path) == 4321
+    throwaway = dict(line.split(" ", 1) for line in RedisServer(tmp_path, port=1).config_text().splitlines())
+    assert (throwaway["appendonly"], throwaway["maxmemory"]) == ("no", "0")
+
+
+@pytest.mark.parametrize("text", ["512mb", "1GB", "0", "1048576", "64k"])
+def test_redis_memory_sizes_redis_takes(text: str) -> None:
+    assert checked_maxmemory(text) == text.lower()
+
+
+@pytest.mark.parametrize("text", ["", "lots", "1.5gb", "-1", "512 mb", "10tb"])
+def test_redis_memory_sizes_redis_refuses_are_refused_early(text: str) -> None:
+    with pytest.raises(ValueError, match="not a memory size"):
+        checked_maxmemory(text)
+
+
+def test_stack_up_flag_names_a_bad_size_and_defaults_to_the_stacks_bound() -> None:
+    import subprocess
+    import sys
+
+    from batchwire.cli import build_parser
+    from infra.stack import DEFAULT_REDIS_MAXMEMORY
+
+    parser = build_parser()
+    assert parser.parse_args(["stack", "up"]).redis_maxmemory == DEFAULT_REDIS_MAXMEMORY
+    done = subprocess.run(
+        [sys.executable, "-m", "batchwire.cli", "stack", "up", "--redis-maxmemory", "lots"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2 and "--redis-maxmemory" in done.stderr and "not a memory size" in done.stderr, done
 
 
 def test_server_properties_extra_overrides(tmp_path: Path) -> None:
