@@ -90,7 +90,7 @@ class EmbeddedRuntime:
         self.store = MemoryTaskStore(
             ttl_s=shared.result_ttl_s,
             max_bytes=settings.max_store_bytes or None,
-            pinned_bytes=self.requests.queued_bytes,  # inputs waiting for a batch count against the same budget
+            queued=self.requests,  # inputs waiting for a batch count against the same budget
         )
         self.credits = MemoryCreditPool()
         self.batch_buses = {model: MemoryBatchBus(settings.workers_per_model) for model in shared.models}

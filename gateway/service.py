@@ -225,7 +225,7 @@ class Gateway:
         try:
             if self._admission.active:
                 await self._admission.admit(caller, model, timeout_ms)
-            if (full := self._store.full()) is not None:
+            if (full := self._store.full(model)) is not None:
                 raise Overloaded(full)
             task_id = secrets.token_urlsafe(16)
             deadline = asyncio.get_running_loop().time() + timeout_ms / 1000

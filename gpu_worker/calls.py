@@ -24,6 +24,24 @@ class Failure:
         self.message = message
 
 
+OUTPUT_TOO_LARGE = "output_too_large"
+
+
+def oversize(output: str, limit: int) -> Failure | None:
+    """The failure of an output over ``limit`` UTF-8 bytes (0: no limit), else None; measured only
+    when its length leaves a doubt (a UTF-8 character is 1 to 4 bytes)."""
+    if not limit or 4 * len(output) <= limit:
+        return None
+    size = len(output) if output.isascii() else len(output.encode())
+    if size <= limit:
+        return None
+    return Failure(
+        OUTPUT_TOO_LARGE,
+        f"the model's output is {size} bytes (UTF-8), over the limit of {limit} (BATCHWIRE_MAX_OUTPUT_BYTES); "
+        "it was not stored",
+    )
+
+
 @dataclass(slots=True)
 class Ran:
     """A group's outputs (or failures) by input index, and when its backend calls began and ended."""

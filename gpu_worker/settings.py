@@ -39,6 +39,8 @@ class WorkerSettings:
     """On shutdown, how long the batch in hand may take before it is handed back uncommitted."""
     retry_max_s: float = 2.0
     """Longest pause between tries while Kafka or Redis is unreachable."""
+    max_output_bytes: int = 1_048_576
+    """A task whose output is longer (UTF-8) fails with ``output_too_large`` instead of being stored (0: no limit)."""
 
     def __post_init__(self) -> None:
         if self.credit_ttl_s <= 0.5:
@@ -54,6 +56,10 @@ class WorkerSettings:
             raise ValueError(
                 f"credit_lead_ms and credit_lead_full_ms must be >= 0 (0: off), got {self.credit_lead_ms} and "
                 f"{self.credit_lead_full_ms} (BATCHWIRE_CREDIT_LEAD_MS, BATCHWIRE_CREDIT_LEAD_FULL_MS)"
+            )
+        if self.max_output_bytes < 0:
+            raise ValueError(
+                f"max_output_bytes must be >= 0 (0: no limit), got {self.max_output_bytes} (BATCHWIRE_MAX_OUTPUT_BYTES)"
             )
         if self.expected_latency_ms is not None and self.expected_latency_ms <= 0:
             raise ValueError(

@@ -126,9 +126,9 @@ class TaskStore(Protocol):
         no I/O, so a gateway can refuse a synchronous request at once rather than hold it."""
         ...
 
-    def full(self) -> str | None:
-        """Why the store takes no new task now (a memory budget spent on live tasks), else None; no
-        I/O, asked on every submit."""
+    def full(self, model: str) -> str | None:
+        """Why the store takes no new task for ``model`` now (a memory budget spent on tasks not yet
+        ended), else None; no I/O, asked on every submit."""
         ...
 
     async def create(self, state: TaskState) -> bool:

@@ -11,7 +11,7 @@ import asyncio
 import sys
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Generic, TypeVar
 
 from batchwire.metrics import REQUEST_LAG
@@ -49,12 +49,12 @@ class _Log(Generic[T]):
         self.changed = asyncio.Event()
         self._size = size
         self._lag = 0  # kept as records come and commits go: every submit reads it (the gateway's queue depth)
-        self._bytes = 0
+        self._bytes = [0] * partitions
 
     def append(self, partition: int, value: T) -> int:
         self.records[partition].append(value)
         self._lag += 1
-        self._bytes += self._size(value)
+        self._bytes[partition] += self._size(value)
         self.changed.set()
         return self.base[partition] + len(self.records[partition]) - 1
 
@@ -76,7 +76,7 @@ class _Log(Generic[T]):
         self.committed[partition] = offset
         records = self.records[partition]
         while self.base[partition] < offset and records:
-            self._bytes -= self._size(records.popleft())
+            self._bytes[partition] -= self._size(records.popleft())
             self.base[partition] += 1
 
     def lag(self) -> int:
@@ -88,9 +88,9 @@ class _Log(Generic[T]):
         end = self.base[partition] + len(self.records[partition])
         return end - self.committed[partition], self.committed[partition]
 
-    def held_bytes(self) -> int:
-        """Bytes of the records held (not yet trimmed), by ``size``."""
-        return self._bytes
+    def held_bytes(self, partitions: Iterable[int]) -> int:
+        """Bytes of the records ``partitions`` hold (not yet trimmed), by ``size``."""
+        return sum(self._bytes[partition] for partition in partitions)
 
 
 def request_bytes(request: InferenceRequest) -> int:
@@ -114,9 +114,16 @@ class MemoryRequestBus:
     def lag(self) -> int:
         return self.log.lag()
 
-    def queued_bytes(self) -> int:
-        """What the requests not yet committed by the batcher hold (their inputs, mostly)."""
-        return self.log.held_bytes()
+    @property
+    def models(self) -> tuple[str, ...]:
+        return self.partitioner.models
+
+    def queued_bytes(self, model: str | None = None) -> int:
+        """What the requests (of ``model``, else of all) not yet committed by the batcher hold: their
+        inputs, mostly. A model's requests have partitions of their own (``Partitioner``)."""
+        if model is None:
+            return self.log.held_bytes(range(self.partitioner.partitions))
+        return self.log.held_bytes(self.partitioner.partitions_for(model))
 
 
 class MemoryRequestProducer:

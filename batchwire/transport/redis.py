@@ -30,6 +30,7 @@ from batchwire.transport.redis_lua import (
     CANCEL,
     CLAIM_KEY,
     CREATE,
+    REBIND_KEY,
     RELEASE_KEY,
     apply_args,
     cancel_args,
@@ -83,6 +84,7 @@ class RedisTaskStore:
         self._apply = self._client.register_script(APPLY)
         self._cancel = self._client.register_script(CANCEL)
         self._claim_key = self._client.register_script(CLAIM_KEY)
+        self._rebind_key = self._client.register_script(REBIND_KEY)
         self._release_key = self._client.register_script(RELEASE_KEY)
         self._hub = PubSubHub(
             pubsub_pool(redis_url, socket_timeout_s=pool.socket_timeout_s),
@@ -179,6 +181,19 @@ class RedisTaskStore:
             )
         except RedisError as err:
             raise translate("claiming an idempotency key", err) from err
+        return self._key_claim(scope, key, held)
+
+    async def rebind_key(self, scope: str, key: str, ended_task_id: str, task_id: str, fingerprint: str) -> KeyClaim:
+        try:
+            held = await self._rebind_key(
+                keys=[self.names.idempotency_key(scope, key)],
+                args=[self.ttl_ms, ended_task_id, f"{fingerprint} {task_id}"],
+            )
+        except RedisError as err:
+            raise translate("re-claiming an idempotency key", err) from err
+        return self._key_claim(scope, key, held)
+
+    def _key_claim(self, scope: str, key: str, held: bytes | str) -> KeyClaim:
         text = held.decode() if isinstance(held, bytes) else str(held)
         held_fingerprint, _, held_task = text.partition(" ")
         if not held_task:
@@ -261,6 +276,9 @@ class RedisTaskStore:
 
     def reachable(self) -> bool:
         return self._hub.connected
+
+    def full(self, model: str) -> str | None:
+        return None  # Redis keeps its own memory limit (maxmemory); a write it refuses is an error
 
     async def ready(self) -> bool:
         """The change feed is connected and Redis answers PING within ``ready_timeout_s``.

@@ -107,6 +107,21 @@ end
 return redis.call('GET', KEYS[1])
 """
 
+# KEYS[1] idempotency key. ARGV: ttl ms, the ended task's id, "<fingerprint> <task id>". Replaces the
+# binding only while it still names the ended task (or the key is gone), so of two retries racing to
+# replace one ended task exactly one wins. Returns the value that holds afterwards.
+REBIND_KEY = """
+local held = redis.call('GET', KEYS[1])
+if held then
+  local suffix = ' ' .. ARGV[2]
+  if string.sub(held, -string.len(suffix)) ~= suffix then
+    return held
+  end
+end
+redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[1])
+return ARGV[3]
+"""
+
 # KEYS[1] idempotency key. ARGV[1] a task id: the key is deleted only while it still names that task.
 RELEASE_KEY = """
 local held = redis.call('GET', KEYS[1])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from batchwire.routing import Partitioner
 from batchwire.transport.memory import MemoryRequestBus
 from batchwire.transport.redis import RedisTaskStore
+from schemas.records import TaskStatus
 from schemas.wire import IDEMPOTENCY_HEADER, Names
 from tests.gateway.rig import MODELS, RigFactory, error_of, wait_until
 
@@ -127,6 +129,129 @@ async def test_a_key_whose_request_never_reached_the_bus_is_released(make_rig: R
     second = await rig.client.post("/v1/tasks", json={"input": "x"}, headers=_key("k-6"))
     assert second.status_code == 503
     assert error_of(second)["task_id"] != error_of(first)["task_id"], "the retry must try again, not replay"
+
+
+# a key whose task ended without being computed -----------------------------------------------------
+
+
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.kafka)])
+def key_store(request: pytest.FixtureRequest) -> RedisTaskStore | None:
+    """Which store keeps the keys (None: the rig's memory store): the rule is the gateway's, the
+    atomic re-binding the store's."""
+    if request.param == "memory":
+        return None
+    stores: list[RedisTaskStore] = request.getfixturevalue("redis_stores")
+    return stores[0]
+
+
+async def _end(store: Any, task_id: str, status: TaskStatus, code: str) -> None:
+    """Ends a queued task the way the batcher (expired) or the bus (failed, unavailable) would."""
+    current = await store.get(task_id)
+    assert current is not None, f"task {task_id} is not stored"
+    ended = replace(current, status=status, error_code=code, error_message=f"ended {status.value} by the test")
+    assert await store.apply([ended]) == [True]
+
+
+async def test_a_retry_of_an_expired_task_with_a_longer_timeout_gets_a_new_computed_answer(
+    make_rig: RigFactory, key_store: RedisTaskStore | None
+) -> None:
+    rig = await make_rig(store=key_store)
+    first = await rig.client.post("/v1/tasks", json={"input": "again", "timeout_ms": 100}, headers=_key("k-exp"))
+    first_id = first.json()["task_id"]
+    await _end(rig.store, first_id, TaskStatus.EXPIRED, "deadline_exceeded")
+    worker = await rig.worker()
+
+    retry = await rig.client.post("/v1/inference", json={"input": "again", "timeout_ms": 5000}, headers=_key("k-exp"))
+
+    assert retry.status_code == 200, f"the retry must be computed, not answered with the old 504: {retry.text}"
+    assert retry.json()["task_id"] != first_id
+    assert retry.json()["output"] == "niaga"
+    assert "idempotent-replayed" not in retry.headers, "a new task is not a replay"
+    assert [r.task_id for r in worker.seen if r.task_id != first_id] == [retry.json()["task_id"]]
+    replay = await rig.client.post("/v1/inference", json={"input": "again"}, headers=_key("k-exp"))
+    assert (replay.json()["task_id"], replay.headers.get("idempotent-replayed")) == (retry.json()["task_id"], "true")
+
+
+async def test_a_retry_of_a_cancelled_task_starts_a_new_task(
+    make_rig: RigFactory, key_store: RedisTaskStore | None
+) -> None:
+    rig = await make_rig(store=key_store)
+    first = await rig.client.post("/v1/tasks", json={"input": "undo"}, headers=_key("k-can"))
+    first_id = first.json()["task_id"]
+    assert (await rig.client.delete(f"/v1/result/{first_id}")).json()["status"] == "cancelled"
+
+    retry = await rig.client.post("/v1/tasks", json={"input": "undo"}, headers=_key("k-can"))
+
+    assert retry.status_code == 202, retry.text
+    assert retry.json()["task_id"] != first_id, "a cancelled task's key must not answer 409 forever"
+    assert retry.json()["status"] == "queued"
+    assert "idempotent-replayed" not in retry.headers
+    await rig.worker()
+    sync = await rig.client.post("/v1/inference", json={"input": "undo"}, headers=_key("k-can"))
+    assert (sync.status_code, sync.json()["task_id"], sync.json()["output"]) == (200, retry.json()["task_id"], "odnu")
+
+
+async def test_a_task_refused_by_the_bus_starts_anew_but_one_failed_in_the_model_replays(
+    make_rig: RigFactory, key_store: RedisTaskStore | None
+) -> None:
+    rig = await make_rig(store=key_store)
+    refused = await rig.client.post("/v1/tasks", json={"input": "fail: twice"}, headers=_key("k-fail"))
+    await _end(rig.store, refused.json()["task_id"], TaskStatus.FAILED, "unavailable")
+    worker = await rig.worker()
+
+    computed = await rig.client.post("/v1/inference", json={"input": "fail: twice"}, headers=_key("k-fail"))
+    assert computed.status_code == 502, computed.text
+    assert error_of(computed)["code"] == "backend_error"
+    assert error_of(computed)["task_id"] != refused.json()["task_id"], "a refused task starts anew"
+
+    replayed = await rig.client.post("/v1/inference", json={"input": "fail: twice"}, headers=_key("k-fail"))
+    assert error_of(replayed)["task_id"] == error_of(computed)["task_id"], "a model's own failure is replayed"
+    assert len([r for r in worker.seen if r.input == "fail: twice"]) == 2, "computed once after the refusal"
+
+
+async def test_racing_retries_of_an_expired_task_share_one_new_task(
+    make_rig: RigFactory, key_store: RedisTaskStore | None
+) -> None:
+    rig = await make_rig(store=key_store)
+    first = await rig.client.post("/v1/tasks", json={"input": "race"}, headers=_key("k-race"))
+    first_id = first.json()["task_id"]
+    await _end(rig.store, first_id, TaskStatus.EXPIRED, "deadline_exceeded")
+    worker = await rig.worker()
+    worker.gate.clear()
+
+    retries = [
+        asyncio.create_task(rig.client.post("/v1/inference", json={"input": "race"}, headers=_key("k-race")))
+        for _ in range(10)
+    ]
+    await wait_until(lambda: rig.gateway.inflight == 10, what="the retries to wait")
+    worker.gate.set()
+    answers = [await asyncio.wait_for(task, 10) for task in retries]
+
+    assert {a.status_code for a in answers} == {200}, [a.text for a in answers]
+    new_ids = {a.json()["task_id"] for a in answers}
+    assert len(new_ids) == 1 and first_id not in new_ids, f"expected one new task for all, got {new_ids}"
+    assert [r.task_id for r in worker.seen if r.task_id != first_id] == list(new_ids), "computed once"
+
+
+async def test_a_retry_waiting_on_a_task_that_expires_starts_its_own_within_its_deadline(
+    make_rig: RigFactory, key_store: RedisTaskStore | None
+) -> None:
+    """The retry asked for more time than the first try had: it gets it."""
+    rig = await make_rig(store=key_store)
+    first = await rig.client.post("/v1/tasks", json={"input": "patient"}, headers=_key("k-wait"))
+    first_id = first.json()["task_id"]
+    retry = asyncio.create_task(
+        rig.client.post("/v1/inference", json={"input": "patient", "timeout_ms": 10_000}, headers=_key("k-wait"))
+    )
+    await wait_until(lambda: rig.gateway.inflight == 1, what="the retry to wait for the first task")
+    await _end(rig.store, first_id, TaskStatus.EXPIRED, "deadline_exceeded")
+    await rig.worker()
+
+    answer = await asyncio.wait_for(retry, 10)
+
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["task_id"] != first_id
+    assert answer.json()["output"] == "tneitap"
 
 
 # over the real Redis -----------------------------------------------------------------------------

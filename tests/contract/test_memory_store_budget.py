@@ -1,0 +1,123 @@
+"""The embedded task store's byte budget: ended tasks go oldest-ended first, live ones stay, and
+``full`` speaks once only live tasks (and queued inputs) are left."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchwire.routing import Partitioner
+from batchwire.transport.memory import MemoryRequestBus, request_bytes
+from batchwire.transport.memory_store import ENTRY_BYTES, MemoryTaskStore, state_bytes
+from schemas.records import InferenceRequest, TaskStatus
+from tests.contract.test_task_store import state
+
+pytestmark = pytest.mark.timeout(30)
+
+OUTPUT = "x" * 10_000
+RESULT_BYTES = state_bytes(state("t", TaskStatus.COMPLETED, output=OUTPUT))
+
+
+async def _complete(store: MemoryTaskStore, task_id: str) -> None:
+    await store.create(state(task_id, TaskStatus.QUEUED))
+    assert await store.apply([state(task_id, TaskStatus.COMPLETED, output=OUTPUT)]) == [True]
+
+
+async def test_ended_tasks_go_oldest_ended_first_and_live_ones_stay() -> None:
+    store = MemoryTaskStore(max_bytes=5 * RESULT_BYTES)
+    await store.create(state("live", TaskStatus.QUEUED))  # created first: the oldest entry of all
+    for index in range(8):
+        await _complete(store, f"done-{index}")
+
+    assert store.held_bytes <= 5 * RESULT_BYTES, f"held {store.held_bytes} over the budget"
+    assert await store.get("live") is not None, "a live task is never dropped for bytes"
+    kept = [index for index in range(8) if await store.get(f"done-{index}") is not None]
+    assert kept == list(range(8 - len(kept), 8)) and kept, f"the newest results must stay, kept {kept}"
+    assert store.full("alpha") is None, "ended results can still make room"
+
+
+async def test_the_order_is_when_a_task_ended_not_when_it_was_created() -> None:
+    store = MemoryTaskStore(max_bytes=2 * RESULT_BYTES + 4 * ENTRY_BYTES)
+    await store.create(state("early", TaskStatus.QUEUED))
+    await _complete(store, "a")
+    await _complete(store, "b")
+    assert await store.apply([state("early", TaskStatus.COMPLETED, output=OUTPUT)]) == [True]
+
+    assert await store.get("a") is None, "the task that ended first goes first"
+    assert await store.get("early") is not None and await store.get("b") is not None
+
+
+async def _commit_all(bus: MemoryRequestBus) -> None:
+    """What the batcher does once it sent the requests on in batches."""
+    consumer = bus.consumer()
+
+    async def ignore(_: frozenset[int]) -> None:
+        return None
+
+    await consumer.start(ignore, ignore)
+    await consumer.commit({p: bus.log.end(p) for p in range(bus.partitioner.partitions)})
+
+
+def _request(task_id: str, model: str = "alpha", size: int = 100_000) -> InferenceRequest:
+    return InferenceRequest(task_id, model, "y" * size, 1, 2)
+
+
+async def test_full_once_only_live_tasks_and_queued_inputs_are_left() -> None:
+    bus = MemoryRequestBus(Partitioner(("alpha",), 1))
+    store = MemoryTaskStore(max_bytes=400_000, queued=bus)
+    await _complete(store, "old")
+    for index in range(3):
+        await bus.producer().send(_request(f"q{index}"))
+    assert store.full("alpha") is None
+    assert bus.queued_bytes() == 3 * request_bytes(_request("q0"))
+
+    await bus.producer().send(_request("q3"))
+    refusal = store.full("alpha")
+
+    assert await store.get("old") is None, "an ended result makes room before anything is refused"
+    assert refusal is not None and "BATCHWIRE_MAX_STORE_BYTES = 400000" in refusal, refusal
+    await _commit_all(bus)
+    assert bus.queued_bytes() == 0
+    assert store.full("alpha") is None, "inputs the batcher took no longer count"
+
+
+async def test_a_model_whose_queue_fills_its_share_does_not_shut_out_the_others() -> None:
+    """A model that cannot keep up (hung, or flooded) is refused alone; the budget is split by model."""
+    bus = MemoryRequestBus(Partitioner(("alpha", "beta"), 4))
+    store = MemoryTaskStore(max_bytes=400_000, queued=bus)
+    for index in range(2):
+        await bus.producer().send(_request(f"a{index}"))
+    assert store.full("alpha") is not None
+    refusal = store.full("alpha")
+    assert refusal is not None and "'alpha'" in refusal and "over 2 models" in refusal, refusal
+    assert store.full("beta") is None, "the other model keeps its share"
+    assert bus.queued_bytes("beta") == 0 and bus.queued_bytes() == bus.queued_bytes("alpha")
+
+
+async def test_a_key_goes_with_its_task() -> None:
+    """A retry after the task was dropped starts anew instead of waiting for a state that is gone."""
+    store = MemoryTaskStore(max_bytes=2 * RESULT_BYTES)
+    await store.claim_key("o", "k", "t0", "fp")
+    await _complete(store, "t0")
+    for index in range(1, 4):
+        await _complete(store, f"t{index}")
+    assert await store.get("t0") is None
+
+    assert (await store.claim_key("o", "k", "fresh", "fp")).task_id == "fresh"
+
+
+async def test_keys_count_against_the_budget() -> None:
+    store = MemoryTaskStore(max_bytes=10 * ENTRY_BYTES)
+    for index in range(20):
+        await store.claim_key("o", f"k{index}", f"t{index}", "fp")
+    assert store.full("alpha") is not None, "keys of live tasks hold memory too"
+    for index in range(20):
+        await store.release_key("o", f"k{index}", f"t{index}")
+    assert store.held_bytes == 0 and store.full("alpha") is None
+
+
+async def test_without_a_budget_nothing_is_dropped_for_bytes() -> None:
+    store = MemoryTaskStore()
+    for index in range(50):
+        await _complete(store, f"t{index}")
+    assert await store.get("t0") is not None
+    assert store.full("alpha") is None
