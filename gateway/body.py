@@ -9,9 +9,17 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
-from gateway.errors import BodyTooLarge, GatewayError, InvalidJson, InvalidUtf8, ValidationFailed
+from gateway.errors import (
+    BodyTooLarge,
+    ClientDisconnected,
+    GatewayError,
+    InvalidJson,
+    InvalidUtf8,
+    UnsupportedMediaType,
+    ValidationFailed,
+)
 from gateway.models import InferenceBody
 from gateway.settings import env_name
 
@@ -19,18 +27,40 @@ _LIMIT_HINT = env_name("max_body_bytes")
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The whole body, refusing early (Content-Length) and while streaming (chunked or lying clients)."""
-    declared = request.headers.get("content-length")
+    """The whole JSON body, refusing another Content-Type, and a body too large early (Content-Length)
+    and while streaming (chunked or lying clients)."""
+    headers = request.headers
+    check_json_media_type(headers.get("content-type"))
+    declared = headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise BodyTooLarge(f"the body is {declared} bytes; the limit is {max_bytes} ({_LIMIT_HINT})")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise BodyTooLarge(f"the body is over {max_bytes} bytes, the limit ({_LIMIT_HINT})")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise BodyTooLarge(f"the body is over {max_bytes} bytes, the limit ({_LIMIT_HINT})")
+            chunks.append(chunk)
+    except ClientDisconnect as err:  # gone, or cut off by the body timeout: no one reads the answer
+        raise ClientDisconnected("the client closed the connection before its body ended") from err
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def check_json_media_type(content_type: str | None) -> None:
+    """Refuses a body not declared JSON: ``application/json`` or ``application/<x>+json``, any parameters.
+
+    A web page can send a cross-site POST without a CORS preflight only as form data or text, or with
+    no Content-Type at all, so none of those is read as JSON: with API keys off, a page a user opens
+    cannot queue work on a gateway it reaches.
+    """
+    if content_type == "application/json":
+        return
+    media_type = (content_type or "").partition(";")[0].strip().lower()
+    if media_type == "application/json" or (media_type.startswith("application/") and media_type.endswith("+json")):
+        return
+    shown = f"Content-Type is {content_type!r}" if content_type else "there is no Content-Type"
+    raise UnsupportedMediaType(f"{shown}; send the body as JSON with Content-Type: application/json")
 
 
 def parse_inference_body(body: bytes) -> InferenceBody:

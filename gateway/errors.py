@@ -118,6 +118,12 @@ class InvalidClientId(GatewayError):
     code = "invalid_client_id"
 
 
+class UnsupportedMediaType(GatewayError):
+    """A submit whose Content-Type is not JSON: a web page cannot send JSON cross-site without a CORS preflight."""
+
+    code = "unsupported_media_type"
+
+
 class ClientDisconnected(GatewayError):
     """The synchronous caller closed its connection before the answer; its task was cancelled."""
 
@@ -158,6 +164,7 @@ ERROR_TABLE: dict[str, tuple[int, str]] = {
     "invalid_task_id": (400, "The task id has characters or a length no task id has."),
     "invalid_idempotency_key": (400, "The Idempotency-Key header is empty, over 255 characters, or not visible ASCII."),
     "invalid_client_id": (400, "The X-Client-Id header is empty, over 128 characters, or not visible ASCII."),
+    "invalid_http": (400, "The request is not valid HTTP/1.1; the connection is closed."),
     "unauthorized": (401, "API keys are on and the Authorization: Bearer key is missing or not accepted."),
     "validation_error": (422, "A field is missing, unknown or of the wrong type, or a parameter is out of range."),
     "empty_input": (422, "`input` is the empty string."),
@@ -165,6 +172,24 @@ ERROR_TABLE: dict[str, tuple[int, str]] = {
     "input_too_large": (413, "`input` has more characters than BATCHWIRE_MAX_INPUT_CHARS."),
     "body_too_large": (413, "The body is larger than BATCHWIRE_MAX_BODY_BYTES."),
     "idempotency_key_reused": (422, "The Idempotency-Key was used before with another input or model."),
+    "unsupported_media_type": (
+        415,
+        "A submit's Content-Type is not `application/json` (or a `+json` type); send JSON with that header.",
+    ),
+    "headers_too_large": (
+        431,
+        "The request line and headers are over BATCHWIRE_MAX_HEADER_BYTES; the connection is closed.",
+    ),
+    "request_timeout": (
+        408,
+        "The headers did not come within BATCHWIRE_HEADER_TIMEOUT_S, or the body within BATCHWIRE_BODY_TIMEOUT_S "
+        "of them; the connection is closed.",
+    ),
+    "too_many_connections": (
+        503,
+        "The gateway holds BATCHWIRE_MAX_CONNECTIONS open connections; the new one is closed unread; retry after "
+        "Retry-After.",
+    ),
     "unknown_model": (404, "`model` is not served by this deployment."),
     "task_not_found": (404, "No task has this id (or it expired, or another API key created it)."),
     "not_found": (404, "No route has this path."),

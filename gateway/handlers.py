@@ -81,6 +81,8 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
                 match, _ = route.matches({**request.scope, "method": "__none__"})
                 if match is not Match.NONE:
                     methods.update(getattr(route, "methods", None) or ())
+            if "GET" in methods:
+                methods.add("HEAD")  # answered for every GET route (gateway.lanes)
             if methods:
                 headers["Allow"] = ", ".join(sorted(methods))
             allowed = headers.get("Allow", "?")

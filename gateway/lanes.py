@@ -18,7 +18,8 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import GatewayError
 from gateway.handlers import gateway_error_response
@@ -50,13 +51,39 @@ class GatewayApp(FastAPI):
             self._lanes[path] = wrap(_lane(path, endpoint, retry_after_s))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            lane = self._lanes.get(scope["path"])
-            if lane is not None:
-                scope["app"] = self
-                await lane(scope, receive, send)
+        if scope["type"] == "http":
+            method = scope["method"]
+            if method == "POST":
+                lane = self._lanes.get(scope["path"])
+                if lane is not None:
+                    scope["app"] = self
+                    await lane(scope, receive, send)
+                    return
+            elif method == "HEAD" and self._has_get_route(scope):
+                await self._head(scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
+
+    def _has_get_route(self, scope: Scope) -> bool:
+        get = {**scope, "method": "GET"}
+        return any(route.matches(get)[0] is Match.FULL for route in self.router.routes)
+
+    async def _head(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """HEAD of a GET route (FastAPI routes only the methods they name): the GET's status and
+        headers, without its body. The server leaves the body out for HEAD; ending the response at its
+        first body message also ends a stream (SSE), which then sees the client gone."""
+        ended = False
+
+        async def headers_only(message: Message) -> None:
+            nonlocal ended
+            if ended:
+                return
+            if message["type"] == "http.response.body":
+                ended = True
+                message = {"type": "http.response.body", "body": b"", "more_body": False}
+            await send(message)
+
+        await super().__call__({**scope, "method": "GET"}, receive, headers_only)
 
 
 def _lane(path: str, endpoint: Endpoint, retry_after_s: int) -> ASGIApp:

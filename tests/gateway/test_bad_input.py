@@ -10,6 +10,7 @@ import pytest
 from tests.gateway.rig import RigFactory, error_of, wait_until
 
 PATHS = ["/v1/inference", "/v1/tasks"]
+JSON = {"content-type": "application/json"}
 
 CASES: list[tuple[str, bytes, int, str, str]] = [
     # (case, body, status, code, a word the message must contain)
@@ -67,7 +68,7 @@ async def test_bad_body_is_refused_and_nothing_is_produced(
     make_rig: RigFactory, path: str, case: str, body: bytes, status: int, code: str, hint: str
 ) -> None:
     rig = await make_rig()
-    response = await rig.client.post(path, content=body, headers={"content-type": "application/json"})
+    response = await rig.client.post(path, content=body, headers=JSON)
     assert response.status_code == status, f"{case}: expected {status}, got {response.status_code}: {response.text}"
     error = error_of(response)
     assert error["code"] == code, f"{case}: {error}"
@@ -86,7 +87,7 @@ async def test_streamed_body_over_the_limit_is_413_without_content_length(make_r
             yield b"x" * 100
         yield b'"}'
 
-    response = await rig.client.post(path, content=chunks())
+    response = await rig.client.post(path, content=chunks(), headers=JSON)
     assert "content-length" not in response.request.headers, "the test must exercise the streamed check"
     assert response.status_code == 413, response.text
     assert error_of(response)["code"] == "body_too_large"
@@ -96,22 +97,64 @@ async def test_streamed_body_over_the_limit_is_413_without_content_length(make_r
 
 async def test_declared_length_over_the_limit_is_413_before_reading(make_rig: RigFactory) -> None:
     rig = await make_rig(max_body_bytes=1000)
-    response = await rig.client.post("/v1/inference", content=b'{"input": "x"}', headers={"content-length": "5000"})
+    response = await rig.client.post(
+        "/v1/inference", content=b'{"input": "x"}', headers={**JSON, "content-length": "5000"}
+    )
     assert response.status_code == 413, response.text
     assert error_of(response)["code"] == "body_too_large"
     assert "5000" in error_of(response)["message"]
     assert rig.produced() == 0
 
 
-async def test_any_content_type_is_read_as_json(make_rig: RigFactory) -> None:
-    """``curl -d`` sends form encoding by default; the body is JSON all the same."""
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        "application/x-www-form-urlencoded",  # curl -d, and an HTML form from any web page
+        "text/plain",  # fetch() from any web page without a CORS preflight
+        "multipart/form-data; boundary=x",
+        None,  # fetch() of a Blob: no Content-Type, and no preflight either
+        "application/jsonx",
+        "text/json",
+    ],
+)
+async def test_a_body_not_declared_json_is_415_and_nothing_is_queued(
+    make_rig: RigFactory, path: str, content_type: str | None
+) -> None:
+    rig = await make_rig()
+    headers = {} if content_type is None else {"content-type": content_type}
+    response = await rig.client.post(path, content=b'{"input": "cross-site"}', headers=headers)
+    assert response.status_code == 415, f"{content_type!r}: {response.status_code} {response.text}"
+    error = error_of(response)
+    assert error["code"] == "unsupported_media_type"
+    assert "application/json" in error["message"], error
+    assert rig.produced() == 0
+    assert rig.store.created == []
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        "application/json",
+        "application/json; charset=utf-8",
+        "Application/JSON ; charset=UTF-8",
+        "application/vnd.x+json",
+    ],
+)
+async def test_json_content_types_are_accepted(make_rig: RigFactory, content_type: str) -> None:
     rig = await make_rig()
     await rig.worker()
     response = await rig.client.post(
-        "/v1/inference", content=b'{"input": "curl"}', headers={"content-type": "application/x-www-form-urlencoded"}
+        "/v1/inference", content=b'{"input": "json"}', headers={"content-type": content_type}
     )
-    assert response.status_code == 200, response.text
-    assert response.json()["output"] == "lruc"
+    assert response.status_code == 200, f"{content_type!r}: {response.text}"
+    assert response.json()["output"] == "nosj"
+
+
+async def test_the_media_type_is_checked_before_the_body_size(make_rig: RigFactory) -> None:
+    rig = await make_rig(max_body_bytes=1000)
+    response = await rig.client.post("/v1/tasks", content=b"x" * 5000, headers={"content-type": "text/plain"})
+    assert response.status_code == 415, response.text
 
 
 async def test_non_ascii_input_round_trips(make_rig: RigFactory) -> None:

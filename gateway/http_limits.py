@@ -1,0 +1,307 @@
+"""Limits at the HTTP edge: header size, header and body deadlines, and open connections.
+
+uvicorn's httptools protocol has none of them, and no setting adds them: it hands the parser a
+request line and headers of any size (httptools joins a header value that spans reads by
+concatenation, so one huge header costs the event loop quadratic copying), waits forever for
+headers or a body (its keep-alive timeout covers only the idle time after a response, and one byte
+cancels it), and accepts every connection the process has a descriptor for.
+:class:`LimitedHttpToolsProtocol` subclasses it and adds them where the bytes arrive, overriding
+only the asyncio callbacks, the parser callbacks, ``on_response_complete`` and
+``send_400_response``, each of which calls uvicorn's own:
+
+- header bytes are counted in ``data_received`` before the parser sees them; a read that would
+  cross the limit is parsed only up to it, so no byte past the limit is buffered or parsed;
+- each connection has one deadline (headers, from the connection's opening or the end of the
+  previous response; a body, from its headers) behind one timer that is re-armed lazily, so a busy
+  keep-alive connection makes about one timer per header timeout, not one per request;
+- a connection over the cap is answered 503 and closed before anything is read from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import resource
+from typing import Any, ClassVar
+
+from uvicorn.config import Config
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.server import ServerState
+
+from gateway.errors import HTTP_STATUS, error_body
+from gateway.settings import GatewaySettings, env_name
+
+log = logging.getLogger(__name__)
+
+FD_RESERVE = 256
+"""Descriptors kept for everything but HTTP connections (listening socket, Kafka, Redis, logs)."""
+
+
+def answer(code: str, message: str, headers: bytes = b"") -> bytes:
+    """A whole response in the gateway's error shape that closes the connection, as written bytes."""
+    body = json.dumps(error_body(code, message), separators=(",", ":")).encode()
+    return b"".join(
+        (
+            STATUS_LINE[HTTP_STATUS[code]],
+            b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n" % len(body),
+            headers,
+            b"\r\n",
+            body,
+        )
+    )
+
+
+_INVALID_HTTP = answer("invalid_http", "the request is not valid HTTP/1.1; the connection is closed")
+
+
+class LimitedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the limits above; :func:`limited_http_protocol` binds them."""
+
+    max_header_bytes: ClassVar[int] = 16_384
+    header_timeout_s: ClassVar[float] = 10.0
+    body_timeout_s: ClassVar[float] = 30.0
+    max_connections: ClassVar[int] = 10_000
+    headers_too_large: ClassVar[bytes] = b""
+    """The 431 answer; the four answers are built once per process by :func:`limited_http_protocol`."""
+    header_timeout: ClassVar[bytes] = b""
+    body_timeout: ClassVar[bytes] = b""
+    too_many_connections: ClassVar[bytes] = b""
+
+    def __init__(
+        self,
+        config: Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self._in_body = False
+        """The parser is past a request's headers and before its end."""
+        self._header_bytes = 0
+        """Bytes of the coming request (request line and headers) handed to the parser so far."""
+        self._begun_mid_read = False
+        """A request began in the read being parsed, right behind the previous one (pipelining)."""
+        self._deadline: float | None = None
+        """Loop time by which what the connection waits for must have come; None while the app works."""
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+
+    # asyncio callbacks ---------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if len(self.connections) >= self.max_connections:
+            # Never added to uvicorn's connections, so connection_lost's discard leaves the count right.
+            self.transport = transport
+            transport.write(self.too_many_connections)
+            transport.close()
+            return
+        super().connection_made(transport)
+        self._expect(self.header_timeout_s)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._deadline = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._in_body:
+            if len(data) > self.max_header_bytes:
+                self._parse_in_pieces(data)
+                return
+        else:
+            counted = self._header_bytes + len(data)
+            if counted > self.max_header_bytes:
+                self._parse_in_pieces(data)
+                return
+            self._header_bytes = counted
+        super().data_received(data)
+        if self._begun_mid_read:
+            self._count_pipelined(data, 0, len(data))
+
+    def _parse_in_pieces(self, data: bytes) -> None:
+        """Parses a read that would cross the header limit, or a large read of a body, a piece at a
+        time: headers only up to the limit, a body in pieces no larger than it, so that a request
+        pipelined behind the body is counted from the piece it begins in."""
+        view = memoryview(data)
+        start, size = 0, len(data)
+        while start < size:
+            if self._in_body:
+                end = min(size, start + self.max_header_bytes)
+            else:
+                room = self.max_header_bytes - self._header_bytes
+                if room <= 0:
+                    self._refuse(self.headers_too_large)
+                    return
+                end = min(size, start + room)
+                self._header_bytes += end - start
+            super().data_received(view[start:end])  # type: ignore[arg-type]  # httptools takes any buffer
+            if self.transport.is_closing() or self.transport.get_protocol() is not self:
+                return  # refused, answered 400, or upgraded to a WebSocket
+            if self._begun_mid_read:
+                self._count_pipelined(data, start, end)
+            start = end
+
+    def _count_pipelined(self, data: bytes, start: int, end: int) -> None:
+        """Counts the bytes of a request that began in ``data[start:end]`` behind another one and whose
+        headers did not end there: the piece's tail after its last blank line (exact behind a request
+        without a body; behind a body, that body's tail is counted too, which errs toward the limit)."""
+        self._begun_mid_read = False
+        if self._in_body:
+            return
+        blank = data.rfind(b"\r\n\r\n", start, end)
+        self._header_bytes = max(1, end - (blank + 4 if blank >= 0 else start))
+
+    # parser callbacks ----------------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        # Bytes are counted before each read is parsed, so none counted means the previous request
+        # ended earlier in this same read.
+        self._begun_mid_read = self._header_bytes == 0
+        super().on_message_begin()
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        self._in_body = True
+        if self.pipeline:
+            self._deadline = None  # it waits behind an earlier response, with reading paused
+        else:
+            self._expect(self.body_timeout_s)
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._in_body = False
+        self._header_bytes = 0
+        if self.cycle.response_complete:
+            self._expect(self.header_timeout_s)
+        else:
+            self._deadline = None  # the app works on it: no deadline of the connection's own
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if not cycle.response_complete:  # a pipelined request started
+            if self._in_body and self._deadline is None:
+                self._expect(self.body_timeout_s)
+        elif self._in_body:
+            # Answered before its body came (a 413 or 415): no one reads the rest. Half-close so the
+            # client sees the answer end, and stop reading; the body deadline closes the connection.
+            self.flow.pause_reading()
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+        else:
+            self._expect(self.header_timeout_s)
+
+    def handle_websocket_upgrade(self) -> None:
+        self._deadline = None  # the WebSocket protocol owns the connection from here
+        super().handle_websocket_upgrade()
+
+    def send_400_response(self, msg: str) -> None:
+        self._refuse(_INVALID_HTTP)
+
+    # deadlines -----------------------------------------------------------------------------------
+    def _expect(self, within_s: float) -> None:
+        """What the connection waits for must come within ``within_s``; the timer is made only when
+        none is pending early enough (it re-arms itself for a later deadline when it fires)."""
+        deadline = self.loop.time() + within_s
+        self._deadline = deadline
+        if self._timer is None or self._timer_at > deadline:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self.loop.call_later(within_s, self._on_timer)
+            self._timer_at = deadline
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        deadline = self._deadline
+        if deadline is None or self.transport.is_closing():
+            return
+        left = deadline - self.loop.time()
+        if left > 0:
+            self._timer = self.loop.call_later(left, self._on_timer)
+            self._timer_at = deadline
+            return
+        self._deadline = None
+        if self._in_body:
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_started:
+                # The app waits in receive(): it is told the client left, and nothing it sends is written.
+                cycle.disconnected = True
+                cycle.message_event.set()
+                self.transport.write(self.body_timeout)
+        elif self._header_bytes:
+            self.transport.write(self.header_timeout)  # an idle connection is closed without a word
+        self.transport.close()
+
+    def _refuse(self, response: bytes) -> None:
+        """Answers and closes, or only closes while an earlier response is still being written."""
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete:
+            self.transport.write(response)
+        self.transport.close()
+
+
+def limited_http_protocol(settings: GatewaySettings, max_connections: int | None = None) -> type[HttpToolsProtocol]:
+    """The protocol class for uvicorn's ``http=``, bound to ``settings``' limits (``max_connections``
+    overrides the setting, for a process whose descriptor limit allows fewer)."""
+    cap = settings.max_connections if max_connections is None else max_connections
+
+    class Bound(LimitedHttpToolsProtocol):
+        max_header_bytes = settings.max_header_bytes
+        header_timeout_s = settings.header_timeout_s
+        body_timeout_s = settings.body_timeout_s
+        max_connections = cap
+        headers_too_large = answer(
+            "headers_too_large",
+            f"the request line and headers are over {settings.max_header_bytes} bytes, the limit "
+            f"({env_name('max_header_bytes')}); send smaller headers",
+        )
+        header_timeout = answer(
+            "request_timeout",
+            f"the request's headers did not come within {settings.header_timeout_s:g} s "
+            f"({env_name('header_timeout_s')})",
+        )
+        body_timeout = answer(
+            "request_timeout",
+            f"the request's body did not come within {settings.body_timeout_s:g} s of its headers "
+            f"({env_name('body_timeout_s')})",
+        )
+        too_many_connections = answer(
+            "too_many_connections",
+            f"the gateway holds {cap} open connections, its limit ({env_name('max_connections')}); retry after "
+            "Retry-After",
+            b"retry-after: %d\r\n" % settings.retry_after_s,
+        )
+
+    Bound.__name__ = Bound.__qualname__ = LimitedHttpToolsProtocol.__name__
+    return Bound
+
+
+def connection_cap(max_connections: int) -> int:
+    """``max_connections``, after raising the soft descriptor limit to the hard one when it is too low
+    for that many; lowered, with a warning, when even the hard limit leaves too few descriptors."""
+    needed = max_connections + FD_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        target = needed if hard == resource.RLIM_INFINITY else hard
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as err:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, target, err)
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return max_connections
+    cap = max(1, soft - FD_RESERVE)
+    log.warning(
+        "max_connections (%s) is %d, but the process may open only %d files (ulimit -n; %d kept for other "
+        "uses): serving at most %d connections; raise the hard limit or lower %s",
+        env_name("max_connections"),
+        max_connections,
+        soft,
+        FD_RESERVE,
+        cap,
+        env_name("max_connections"),
+    )
+    return cap

@@ -1,0 +1,447 @@
+"""The HTTP edge's limits, on the protocol itself: header bytes counted before parsing, deadlines in
+virtual time, the connection cap, and the answers' shape.
+
+The protocol runs over a recording transport; its clock and timers are a test's (``VirtualLoop``),
+its ASGI tasks run on the test's loop. ``tests/gateway/test_http_edge_sockets.py`` has the same
+limits over real sockets, ``tests/adversarial/test_http_edge.py`` against a real service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import uvicorn
+from uvicorn.server import ServerState
+
+from gateway.http_limits import LimitedHttpToolsProtocol, limited_http_protocol
+from gateway.settings import GatewaySettings
+from tests.gateway.rig import wait_until
+
+LIMIT = 1024
+HEADER_TIMEOUT_S = 10.0
+BODY_TIMEOUT_S = 30.0
+
+
+class VirtualTimer:
+    def __init__(self, when: float, callback: Callable[..., object], args: tuple[Any, ...]) -> None:
+        self.when = when
+        self.callback = callback
+        self.args = args
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class VirtualLoop:
+    """The test's loop for tasks, with a clock and timers that move only in :meth:`advance`."""
+
+    def __init__(self) -> None:
+        self.real = asyncio.get_running_loop()
+        self.now = 1000.0
+        self.timers: list[VirtualTimer] = []
+        self.made: list[VirtualTimer] = []
+
+    def time(self) -> float:
+        return self.now
+
+    def call_later(self, delay: float, callback: Callable[..., object], *args: Any) -> VirtualTimer:
+        timer = VirtualTimer(self.now + delay, callback, args)
+        self.timers.append(timer)
+        self.made.append(timer)
+        return timer
+
+    def create_task(self, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
+        return self.real.create_task(coro, **kwargs)
+
+    def advance(self, seconds: float) -> None:
+        end = self.now + seconds
+        while True:
+            due = [timer for timer in self.timers if not timer.cancelled and timer.when <= end]
+            if not due:
+                break
+            timer = min(due, key=lambda t: t.when)
+            self.timers.remove(timer)
+            self.now = timer.when
+            timer.callback(*timer.args)
+        self.now = end
+
+
+class Transport:
+    """Records what the protocol writes; ``close`` reports the loss to the protocol soon, as asyncio does."""
+
+    def __init__(self) -> None:
+        self.written = b""
+        self.closed = False
+        self.read_paused = False
+        self.eof_written = False
+        self.protocol: Any = None
+
+    def get_extra_info(self, key: str, default: Any = None) -> Any:
+        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 40000)}.get(key, default)
+
+    def write(self, data: bytes) -> None:
+        if not self.closed:  # a closed socket takes nothing more
+            self.written += data
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            asyncio.get_running_loop().call_soon(self.protocol.connection_lost, None)
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def pause_reading(self) -> None:
+        self.read_paused = True
+
+    def resume_reading(self) -> None:
+        self.read_paused = False
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        self.eof_written = True
+
+    def get_protocol(self) -> Any:
+        return self.protocol
+
+    def set_protocol(self, protocol: Any) -> None:
+        self.protocol = protocol
+
+
+class CountingParser:
+    """The protocol's parser, counting the bytes it is given."""
+
+    def __init__(self, parser: Any) -> None:
+        self.parser = parser
+        self.fed = 0
+
+    def feed_data(self, data: Any) -> None:
+        self.fed += len(data)
+        self.parser.feed_data(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.parser, name)
+
+
+class App:
+    """Reads the whole body and answers its length; ``/early`` answers 415 without reading; ``gate``
+    holds every answer while clear."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.disconnected: list[str] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope["path"]
+        self.calls.append(path)
+        if path == "/early":
+            await respond(send, 415, b"no")
+            return
+        body = b""
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.disconnected.append(path)
+                return
+            body += message["body"]
+            if not message["more_body"]:
+                break
+        await self.gate.wait()
+        await respond(send, 200, b"%d" % len(body))
+
+
+async def respond(send: Any, status: int, body: bytes) -> None:
+    headers = [(b"content-type", b"text/plain"), (b"content-length", b"%d" % len(body))]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class Edge:
+    """One server's state and its connections, each a protocol over a :class:`Transport`."""
+
+    def __init__(self, **limits: Any) -> None:
+        self.loop = VirtualLoop()
+        self.app = App()
+        self.state = ServerState()
+        settings = GatewaySettings(
+            **{"max_header_bytes": LIMIT, "header_timeout_s": HEADER_TIMEOUT_S, "body_timeout_s": BODY_TIMEOUT_S}
+            | limits
+        )
+        self.protocol_class = limited_http_protocol(settings)
+        self.config = uvicorn.Config(app=self.app, lifespan="off", log_level="warning", proxy_headers=False)
+        self.config.load()
+
+    def connect(self) -> tuple[LimitedHttpToolsProtocol, Transport, CountingParser]:
+        protocol = self.protocol_class(config=self.config, server_state=self.state, app_state={}, _loop=self.loop)  # type: ignore[arg-type]
+        assert isinstance(protocol, LimitedHttpToolsProtocol)
+        transport = Transport()
+        transport.protocol = protocol
+        protocol.connection_made(transport)  # type: ignore[arg-type]
+        parser = CountingParser(protocol.parser)
+        protocol.parser = parser  # type: ignore[assignment]
+        return protocol, transport, parser
+
+    def our_timers(self) -> int:
+        return sum(1 for timer in self.loop.made if getattr(timer.callback, "__name__", "") == "_on_timer")
+
+
+def get(path: str = "/", extra: bytes = b"") -> bytes:
+    return b"GET " + path.encode() + b" HTTP/1.1\r\nhost: gw\r\n" + extra + b"\r\n"
+
+
+def post(body: bytes, path: str = "/") -> bytes:
+    return b"POST %s HTTP/1.1\r\nhost: gw\r\ncontent-length: %d\r\n\r\n" % (path.encode(), len(body)) + body
+
+
+def status_of(written: bytes) -> int:
+    return int(written.split(b" ", 2)[1])
+
+
+def error_code_of(written: bytes) -> str:
+    head, _, body = written.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head, head
+    code: str = json.loads(body)["error"]["code"]
+    return code
+
+
+async def answered(transport: Transport, count: int = 1) -> None:
+    await wait_until(lambda: transport.written.count(b"HTTP/1.1 ") >= count, 5, f"{count} answer(s)")
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+# header size ---------------------------------------------------------------------------------------
+HUGE_HEADERS = {
+    "one huge header": get(extra=b"x-big: " + b"a" * 20 * LIMIT + b"\r\n"),
+    "many medium headers": get(extra=b"".join(b"x-h%d: %s\r\n" % (n, b"b" * 200) for n in range(100))),
+    "a huge URL": get("/" + "u" * 20 * LIMIT),
+    "a huge header name": get(extra=b"x-" + b"n" * 20 * LIMIT + b": v\r\n"),
+}
+
+
+@pytest.mark.parametrize("read_size", [1 << 20, 4096, 7, 1], ids=["one read", "4 KiB reads", "7-byte reads", "bytes"])
+@pytest.mark.parametrize("case", list(HUGE_HEADERS))
+async def test_headers_over_the_limit_get_431_and_no_byte_past_it_is_parsed(case: str, read_size: int) -> None:
+    edge = Edge()
+    protocol, transport, parser = edge.connect()
+    request = HUGE_HEADERS[case]
+    sent = 0
+    while sent < len(request) and not transport.closed:
+        protocol.data_received(request[sent : sent + read_size])
+        sent += read_size
+    assert transport.closed, f"{case}: the connection must close"
+    assert status_of(transport.written) == 431, transport.written[:200]
+    assert error_code_of(transport.written) == "headers_too_large"
+    assert b"BATCHWIRE_MAX_HEADER_BYTES" in transport.written
+    assert parser.fed <= LIMIT, f"{case}: the parser was given {parser.fed} bytes; the limit is {LIMIT}"
+    assert edge.app.calls == [], "the app must never see the request"
+
+
+async def test_headers_of_exactly_the_limit_are_served() -> None:
+    edge = Edge()
+    protocol, transport, _ = edge.connect()
+    request = get(extra=b"x-pad: ")
+    request = request[:-2] + b"p" * (LIMIT - len(request) - 2) + b"\r\n\r\n"
+    assert len(request) == LIMIT
+    protocol.data_received(request)
+    await answered(transport)
+    assert status_of(transport.written) == 200, transport.written
+
+
+async def test_a_body_in_the_same_read_as_its_headers_is_not_counted_as_headers() -> None:
+    edge = Edge()
+    protocol, transport, _ = edge.connect()
+    protocol.data_received(post(b"j" * 50 * LIMIT))
+    await answered(transport)
+    assert transport.written.endswith(b"\r\n\r\n%d" % (50 * LIMIT)), transport.written
+
+
+async def test_the_count_starts_again_for_each_request_on_a_connection() -> None:
+    edge = Edge()
+    protocol, transport, _ = edge.connect()
+    request = get(extra=b"x-pad: " + b"p" * (LIMIT - 100) + b"\r\n")
+    for n in range(1, 4):
+        protocol.data_received(request)
+        await answered(transport, n)
+    assert transport.written.count(b"HTTP/1.1 200 ") == 3, transport.written
+
+
+async def test_pipelined_requests_in_one_read_are_all_answered() -> None:
+    edge = Edge()
+    protocol, transport, _ = edge.connect()
+    protocol.data_received(get("/a") + post(b"x" * 3000, "/b") + get("/c") * 20)
+    await answered(transport, 22)
+    assert edge.app.calls == ["/a", "/b"] + ["/c"] * 20
+    assert not transport.closed
+
+
+async def test_many_small_pipelined_requests_in_one_large_read_are_not_refused() -> None:
+    edge = Edge()
+    protocol, transport, _ = edge.connect()
+    many = get("/p") * 200  # far more than the limit in one read, each request small
+    protocol.data_received(many[:-10])
+    protocol.data_received(many[-10:])
+    await answered(transport, 200)
+    assert b" 431 " not in transport.written
+    assert not transport.closed
+
+
+@pytest.mark.parametrize("behind", ["a GET", "a POST"])
+async def test_a_huge_header_pipelined_behind_a_request_is_refused_within_the_limit(behind: str) -> None:
+    edge = Edge()
+    protocol, transport, parser = edge.connect()
+    first = get("/first") if behind == "a GET" else post(b"y" * 500, "/first")
+    huge = HUGE_HEADERS["one huge header"]
+    data = first + huge
+    for start in range(0, len(data), 4096):
+        if transport.closed:
+            break
+        protocol.data_received(data[start : start + 4096])
+    assert transport.closed, "the connection must close"
+    assert parser.fed <= len(first) + LIMIT, f"parsed {parser.fed} bytes; at most {len(first) + LIMIT} may be"
+
+
+# deadlines ------------------------------------------------------------------------------------------
+async def test_a_connection_that_sends_nothing_is_closed_silently_at_the_header_timeout() -> None:
+    edge = Edge()
+    _, transport, _ = edge.connect()
+    edge.loop.advance(HEADER_TIMEOUT_S - 0.01)
+    assert not transport.closed, "closed before the header timeout"
+    edge.loop.advance(0.02)
+    assert transport.closed, "an idle connection must be closed at the header timeout"
+    assert transport.written == b"", "nothing was asked, so nothing is answered"
+
+
+async def test_headers_trickled_a_byte_a_second_get_408_at_the_header_timeout() -> None:
+    edge = Edge()
+    protocol, transport, _ = edge.connect()
+    request = get(extra=b"x-slow: " + b"s" * 100 + b"\r\n")
+    for n in range(int(HEADER_TIMEOUT_S) + 5):
+        if transport.closed:
+            break
+        protocol.data_received(request[n : n + 1])
+        edge.loop.advance(1.0)
+    assert transport.closed
+    assert edge.loop.now - 1000.0 == pytest.approx(HEADER_TIMEOUT_S, abs=1.0), "closed at the header timeout"
+    assert status_of(transport.written) == 408
+    assert error_code_of(transport.written) == "request_timeout"
+    assert b"BATCHWIRE_HEADER_TIMEOUT_S" in transport.written
+    assert edge.app.calls == []
+
+
+async def test_the_header_timeout_counts_from_the_end_of_the_previous_response() -> None:
+    edge = Edge()
+    protocol, transport, _ = edge.connect()
+    edge.loop.advance(HEADER_TIMEOUT_S * 0.9)
+    protocol.data_received(get())
+    await answered(transport)
+    edge.loop.advance(4.0)  # within uvicorn's keep-alive timeout, which the next byte cancels
+    protocol.data_received(b"GET / HT")
+    edge.loop.advance(HEADER_TIMEOUT_S - 4.0 - 0.1)
+    assert not transport.closed, "the header timeout runs from the end of the response"
+    edge.loop.advance(0.2)
+    assert transport.closed
+    assert transport.written.count(b"HTTP/1.1 ") == 2
+    assert status_of(transport.written[transport.written.rindex(b"HTTP/1.1 ") :]) == 408
+
+
+@pytest.mark.parametrize("shape", ["short of its content-length", "chunked without end"])
+async def test_a_body_that_does_not_come_gets_408_at_the_body_timeout(shape: str) -> None:
+    edge = Edge()
+    protocol, transport, _ = edge.connect()
+    if shape == "chunked without end":
+        protocol.data_received(b"POST /b HTTP/1.1\r\nhost: gw\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(int(BODY_TIMEOUT_S) + 5):
+            if transport.closed:
+                break
+            protocol.data_received(b"1\r\nz\r\n")
+            edge.loop.advance(1.0)
+    else:
+        protocol.data_received(b"POST /b HTTP/1.1\r\nhost: gw\r\ncontent-length: 100\r\n\r\n0123456789")
+        await settle()
+        edge.loop.advance(BODY_TIMEOUT_S - 0.01)
+        assert not transport.closed
+        edge.loop.advance(0.02)
+    assert transport.closed
+    assert status_of(transport.written) == 408, transport.written
+    assert error_code_of(transport.written) == "request_timeout"
+    assert b"BATCHWIRE_BODY_TIMEOUT_S" in transport.written
+    await wait_until(lambda: edge.app.disconnected == ["/b"], 5, "the app to see the client gone")
+    assert transport.written.count(b"HTTP/1.1 ") == 1, "the app's own answer must not follow the 408"
+
+
+async def test_no_deadline_runs_while_the_app_works_on_a_request() -> None:
+    edge = Edge()
+    protocol, transport, _ = edge.connect()
+    edge.app.gate.clear()
+    protocol.data_received(post(b"{}"))
+    await settle()
+    edge.loop.advance(HEADER_TIMEOUT_S + BODY_TIMEOUT_S + 100)
+    assert not transport.closed, "a slow answer is the app's business, not the connection's"
+    edge.app.gate.set()
+    await answered(transport)
+    assert status_of(transport.written) == 200
+
+
+async def test_an_answer_before_the_body_stops_reading_and_half_closes() -> None:
+    edge = Edge()
+    protocol, transport, _ = edge.connect()
+    protocol.data_received(b"POST /early HTTP/1.1\r\nhost: gw\r\ncontent-length: 1000000\r\n\r\nxxxx")
+    await answered(transport)
+    assert status_of(transport.written) == 415
+    assert transport.read_paused, "no one reads the rest of the body"
+    assert transport.eof_written, "the client sees the answer end"
+    edge.loop.advance(BODY_TIMEOUT_S + 1)
+    assert transport.closed
+
+
+async def test_a_busy_keep_alive_connection_makes_few_timers() -> None:
+    edge = Edge()
+    protocol, transport, _ = edge.connect()
+    for n in range(1, 201):
+        protocol.data_received(get() if n % 2 else post(b'{"input": "x"}'))
+        await answered(transport, n)
+        edge.loop.advance(0.1)
+    assert edge.our_timers() <= 1 + int(200 * 0.1 / HEADER_TIMEOUT_S) + 1, f"{edge.our_timers()} timers"
+
+
+# connections and bad requests -------------------------------------------------------------------
+async def test_a_connection_over_the_cap_gets_503_unread_and_the_count_comes_back_down() -> None:
+    edge = Edge(max_connections=2, retry_after_s=3)
+    _, first_transport, _ = edge.connect()
+    edge.connect()
+    _, over_transport, parser = edge.connect()
+    assert over_transport.closed, "the connection over the cap must be closed"
+    assert status_of(over_transport.written) == 503
+    assert error_code_of(over_transport.written) == "too_many_connections"
+    assert b"retry-after: 3\r\n" in over_transport.written
+    assert b"BATCHWIRE_MAX_CONNECTIONS" in over_transport.written
+    assert parser.fed == 0
+    await settle()
+    assert len(edge.state.connections) == 2, "a refused connection is not counted"
+    first_transport.close()
+    await settle()
+    assert len(edge.state.connections) == 1
+    _, again, _ = edge.connect()
+    assert not again.closed, "a closed connection frees its place"
+
+
+async def test_invalid_http_gets_a_json_400() -> None:
+    edge = Edge()
+    protocol, transport, _ = edge.connect()
+    protocol.data_received(b"NOT HTTP AT ALL\r\n\r\n")
+    assert transport.closed
+    assert status_of(transport.written) == 400
+    assert error_code_of(transport.written) == "invalid_http"
