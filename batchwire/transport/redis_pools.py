@@ -22,10 +22,10 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.connection import HiredisRespSerializer
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from batchwire.transport.base import TransportError
-from batchwire.transport.errors import PermanentTransportError
+from batchwire.transport.errors import PermanentTransportError, StoreFullError
 
 
 def redacted(url: str) -> str:
@@ -40,8 +40,24 @@ def redacted(url: str) -> str:
     return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
 
 
+# Redis's refusal of a write over ``maxmemory``. redis-py maps the ``-OOM`` reply to
+# ``OutOfMemoryError``; a script error from an older server wraps it in a plain ``ResponseError``.
+_OOM_TEXT = "command not allowed when used memory"
+
+
+def _is_out_of_memory(err: RedisError) -> bool:
+    return isinstance(err, OutOfMemoryError) or (isinstance(err, ResponseError) and _OOM_TEXT in str(err))
+
+
 def translate(action: str, err: RedisError) -> TransportError:
-    """``ResponseError`` (a script or type error) will repeat; connection trouble may not."""
+    """``ResponseError`` (a script or type error) will repeat; connection trouble may not, and neither
+    does a full store (``OOM``: the server refuses writes until expiring states free memory)."""
+    if _is_out_of_memory(err):
+        return StoreFullError(
+            f"{action} failed: the result store is full (Redis used memory is over its maxmemory, and "
+            "it evicts nothing); writes work again as stored results expire, or raise Redis's maxmemory "
+            f"(batchwire stack up --redis-maxmemory, BATCHWIRE_REDIS_MAXMEMORY): {err}"
+        )
     message = f"{action} failed: {type(err).__name__}: {err}"
     return PermanentTransportError(message) if isinstance(err, ResponseError) else TransportError(message)
 
