@@ -76,7 +76,10 @@ def _body_doc(settings: GatewaySettings) -> dict[str, Any]:
             "required": False,
             "description": "Makes a retry safe: a submit with a key used before (by the same API key) gets the "
             "first submit's task, and nothing new is computed. Another input or model with the same key: 422 "
-            "`idempotency_key_reused`. Kept as long as results (BATCHWIRE_RESULT_TTL_S).",
+            "`idempotency_key_reused`. Kept as long as results (BATCHWIRE_RESULT_TTL_S). A key whose task ended "
+            "without being computed (expired, cancelled, or failed before a worker took it: `unavailable`, "
+            "`unknown_model`, `deadline_exceeded`) starts a new task, which the key names from then on; racing "
+            "retries share that one task.",
             "schema": {
                 "type": "string",
                 "minLength": 1,
