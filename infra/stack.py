@@ -72,13 +72,11 @@ class _Server:
     config_path: Path
     pid_path: Path
     marks: tuple[str, ...]
+    read_ports: Callable[[Path], tuple[int, ...]]
 
     def ports(self) -> tuple[int, ...]:
         """The recorded ports (Kafka: broker, controller; Redis: one); empty when none are."""
-        if self.name == "kafka":
-            return read_config_ports(self.config_path) or ()
-        port = read_config_port(self.config_path)
-        return () if port is None else (port,)
+        return self.read_ports(self.config_path)
 
     def process(self) -> ServiceProcess | None:
         """The server's live process: the pid file's if that is still ours, else one found running
@@ -91,11 +89,22 @@ class _Server:
 def _servers(state_dir: Path) -> tuple[_Server, _Server]:
     kafka_dir, redis_dir = state_dir / "kafka", state_dir / "redis"
     properties = kafka_dir / "server.properties"
+    kafka_marks = ("kafka.Kafka", str(properties))
+    # redis-server rewrites its command line ("redis-server 127.0.0.1:PORT"): its folder says whose it is.
+    redis_marks = ("redis-server",)
     return (
-        _Server("kafka", kafka_dir, properties, state_dir / "kafka.pid", ("kafka.Kafka", str(properties))),
-        # redis-server rewrites its command line ("redis-server 127.0.0.1:PORT"): its folder says whose it is.
-        _Server("redis", redis_dir, redis_dir / CONFIG_NAME, state_dir / "redis.pid", ("redis-server",)),
+        _Server("kafka", kafka_dir, properties, state_dir / "kafka.pid", kafka_marks, _kafka_ports),
+        _Server("redis", redis_dir, redis_dir / CONFIG_NAME, state_dir / "redis.pid", redis_marks, _redis_ports),
     )
+
+
+def _kafka_ports(config_path: Path) -> tuple[int, ...]:
+    return read_config_ports(config_path) or ()
+
+
+def _redis_ports(config_path: Path) -> tuple[int, ...]:
+    port = read_config_port(config_path)
+    return () if port is None else (port,)
 
 
 @dataclass(frozen=True)
@@ -294,6 +303,7 @@ def _up_redis(server: _Server, process: ServiceProcess | None, maxmemory: str, d
             raise _unrecorded(server, process)
         if not _poll(lambda: redis_pings(ports[0]), deadline, process):
             raise _not_answering(server, process, ports[0])
+        _write_pid(server.pid_path, process.pid)  # found by its folder when the pid file was stale
         return f"redis: alive (pid {process.pid}, port {ports[0]}), left alone"
     redis = RedisServer(
         server.work_dir,
@@ -317,6 +327,7 @@ def _up_kafka(server: _Server, process: ServiceProcess | None, deadline: float) 
         remaining_s = max(deadline - time.monotonic(), 0.0)
         if not wait_for_kafka(bootstrap, timeout_s=remaining_s, still_running=process.is_alive):
             raise _not_answering(server, process, ports[0])
+        _write_pid(server.pid_path, process.pid)
         return f"kafka: alive (pid {process.pid}, port {ports[0]}), left alone"
     if not ports:
         # Data formatted for controller ports nobody recorded cannot be served: start empty.

@@ -368,6 +368,26 @@ def test_up_with_both_dead_and_pid_files_naming_another_process_signals_nothing(
         stranger.wait(10)
 
 
+def test_a_live_server_whose_pid_file_is_lost_or_stale_is_found_by_its_folder_and_left_alone(state_dir: Path) -> None:
+    first = _up(state_dir)
+    before = stack_status(state_dir)
+    stranger = subprocess.Popen(["sleep", "300"])
+    try:
+        (state_dir / "redis.pid").unlink()
+        (state_dir / "kafka.pid").write_text(f"{stranger.pid}\n")
+
+        assert _up(state_dir) == first
+
+        after = stack_status(state_dir)
+        assert (after.kafka.pid, after.redis.pid) == (before.kafka.pid, before.redis.pid), "nothing restarted"
+        assert stranger.poll() is None
+        assert (state_dir / "kafka.pid").read_text() == f"{before.kafka.pid}\n"
+        assert (state_dir / "redis.pid").read_text() == f"{before.redis.pid}\n"
+    finally:
+        stranger.kill()
+        stranger.wait(10)
+
+
 def test_up_refuses_a_port_someone_else_took_and_changes_nothing(state_dir: Path) -> None:
     first = _up(state_dir)
     before = stack_status(state_dir)
