@@ -104,6 +104,12 @@ def _kafka_ports(config_path: Path) -> tuple[int, ...]:
 
 def _redis_ports(config_path: Path) -> tuple[int, ...]:
     port = read_config_port(config_path)
+    if port is None:
+        # A stack made before Redis had a redis.conf: its port is in stack.env only.
+        url = read_env_file(config_path.parent.parent / ENV_FILE_NAME).get(REDIS_ENV, "")
+        prefix = f"redis://{LOOPBACK}:"
+        text = url.removeprefix(prefix).split("/", 1)[0] if url.startswith(prefix) else ""
+        port = int(text) if text.isdigit() else None
     return () if port is None else (port,)
 
 

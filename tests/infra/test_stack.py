@@ -375,6 +375,7 @@ def test_a_live_server_whose_pid_file_is_lost_or_stale_is_found_by_its_folder_an
     try:
         (state_dir / "redis.pid").unlink()
         (state_dir / "kafka.pid").write_text(f"{stranger.pid}\n")
+        (state_dir / "redis" / "redis.conf").unlink()  # as a stack made before Redis had one: stack.env has its port
 
         assert _up(state_dir) == first
 
