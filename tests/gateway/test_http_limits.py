@@ -2,8 +2,8 @@
 virtual time, the connection cap, and the answers' shape.
 
 The protocol runs over a recording transport; its clock and timers are a test's (``VirtualLoop``),
-its ASGI tasks run on the test's loop. ``tests/gateway/test_http_edge_sockets.py`` has the same
-limits over real sockets, ``tests/adversarial/test_http_edge.py`` against a real service.
+its ASGI tasks run on the test's loop. ``tests/adversarial/test_http_edge.py`` attacks the same
+limits over real sockets, against a real service.
 """
 
 from __future__ import annotations

@@ -1,0 +1,286 @@
+"""The HTTP edge under attack (issue 14, defect 1 and the HTTP items of defect 7), in both modes.
+
+Huge headers in every shape, clients too slow to send their headers or body, connections opened and
+never written to, and a flood of connections over ``--max-connections``: each attacker gets a clear
+status (431, 408, 503) or a close, within the limit's own bound, while a normal client beside it is
+unharmed (``rig.unharmed``). And a submit that is not declared JSON, HEAD, and a trailing slash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from tests.adversarial.conftest import ServiceFactory
+from tests.adversarial.rig import Service, unharmed
+
+pytestmark = pytest.mark.slow
+
+CAP_BYTES = 20 * 1024 * 1024
+"""The most one huge-header attacker sends before giving up on the server closing."""
+HEADER_TIMEOUT_S = 2.0
+BODY_TIMEOUT_S = 2.0
+CLOSE_SLACK_S = 1.5
+"""How late after its timeout a slow connection may be closed (timer, polling and scheduling)."""
+MAX_CONNECTIONS = 200
+
+
+def error_code(answer: bytes) -> str:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head.lower(), answer[:300]
+    code: str = json.loads(body)["error"]["code"]
+    return code
+
+
+# huge headers --------------------------------------------------------------------------------------
+def _huge_header(pieces: Callable[[], bytes]) -> Callable[[str, int], tuple[int, bytes]]:
+    """An attacker that sends a request's start, then ``pieces()`` until the server closes or
+    ``CAP_BYTES`` went; returns (bytes sent, what the server answered)."""
+
+    def attack(host: str, port: int) -> tuple[int, bytes]:
+        sent = 0
+        with socket.create_connection((host, port), timeout=10) as sock:
+            try:
+                sock.sendall(b"POST /v1/inference HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n")
+                while sent < CAP_BYTES:
+                    piece = pieces()
+                    sock.sendall(piece)
+                    sent += len(piece)
+            except OSError:
+                pass  # reset or broken pipe: the server closed
+            try:
+                answer = sock.recv(65536)
+            except OSError:
+                answer = b""  # the answer may be lost to the reset the unread bytes cause
+        return sent, answer
+
+    return attack
+
+
+HUGE_SHAPES = {
+    "one huge header": _huge_header(lambda: b"a" * 65536),
+    "many medium headers": _huge_header(lambda: b"".join(b"x-h: %s\r\n" % (b"m" * 1000) for _ in range(64))),
+    "headers split into small packets": _huge_header(lambda: b"x-s: small\r\n"),
+}
+
+
+def test_huge_headers_are_refused_at_the_limit(service: Service) -> None:
+    results: dict[str, tuple[int, bytes]] = {}
+    shapes = [*HUGE_SHAPES.items(), ("one huge header, again", HUGE_SHAPES["one huge header"])]
+
+    def attack() -> None:
+        def run(name: str, shape: Callable[[str, int], tuple[int, bytes]]) -> None:
+            results[name] = shape(service.host, service.port)
+
+        threads = [threading.Thread(target=run, args=item) for item in shapes]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+
+    started = time.monotonic()
+    harm = unharmed(service, attack)
+    assert set(results) == {name for name, _ in shapes}, f"an attacker did not finish: {results.keys()}"
+    for name, (sent, answer) in results.items():
+        assert sent < CAP_BYTES, f"{name}: the server read {CAP_BYTES} bytes of headers without closing"
+        assert answer == b"" or answer.startswith(b"HTTP/1.1 431 "), f"{name}: {answer[:200]!r}"
+        if answer:
+            assert error_code(answer) == "headers_too_large"
+    assert any(answer for _, answer in results.values()), f"no attacker saw the 431: {results}"
+    assert time.monotonic() - started < 60, harm
+
+
+# slow clients ----------------------------------------------------------------------------------
+def bytewise(data: bytes) -> list[bytes]:
+    return [data[i : i + 1] for i in range(len(data))]
+
+
+@dataclass
+class Slow:
+    """One slow client: ``opening`` at once, then ``steps`` one a second; the rest is what came back."""
+
+    kind: str
+    opening: bytes
+    steps: list[bytes]
+    timeout_s: float
+    """The server must close it this long after it opened (its headers, if any, go at once)."""
+    sock: socket.socket | None = None
+    opened_at: float = 0.0
+    closed_at: float | None = None
+    answer: bytes = b""
+
+
+def _slow_clients() -> list[Slow]:
+    post = b"POST /v1/inference HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+    trickled_headers = bytewise(b"GET /healthz HTTP/1.1\r\nhost: gw\r\nx-slow: " + b"s" * 30)
+    clients: list[Slow] = []
+    clients += [Slow("slowloris", b"", trickled_headers, HEADER_TIMEOUT_S) for _ in range(200)]
+    clients += [Slow("silent", b"", [], HEADER_TIMEOUT_S) for _ in range(100)]
+    slow_body = bytewise(b'{"input": "' + b"b" * 27)  # 38 of the 40 bytes it declares, a byte a second
+    clients += [Slow("slow body", post + b"content-length: 40\r\n\r\n", slow_body, BODY_TIMEOUT_S) for _ in range(50)]
+    short = post + b'content-length: 1000\r\n\r\n{"input": "x"}'
+    clients += [Slow("short body", short, [], BODY_TIMEOUT_S) for _ in range(50)]
+    endless = post + b"transfer-encoding: chunked\r\n\r\n"
+    clients += [Slow("endless chunks", endless, [b"1\r\nz\r\n"] * 30, BODY_TIMEOUT_S) for _ in range(50)]
+    return clients
+
+
+def _run_slow_clients(service: Service, clients: list[Slow]) -> None:
+    """Opens every client, feeds each its steps a second apart, and records when the server closed it."""
+    selector = selectors.DefaultSelector()
+    try:
+        for client in clients:
+            sock = socket.create_connection((service.host, service.port), timeout=10)
+            client.sock, client.opened_at = sock, time.monotonic()
+            if client.opening:
+                sock.sendall(client.opening)
+            sock.setblocking(False)
+            selector.register(sock, selectors.EVENT_READ, client)
+        until = time.monotonic() + max(HEADER_TIMEOUT_S, BODY_TIMEOUT_S) + CLOSE_SLACK_S + 5
+        next_step_at, step = time.monotonic() + 1.0, 0
+        while selector.get_map() and time.monotonic() < until:
+            for key, _ in selector.select(0.05):
+                client = key.data
+                try:
+                    data = key.fileobj.recv(65536)  # type: ignore[union-attr]
+                except OSError:
+                    data = b""
+                client.answer += data
+                if not data:
+                    client.closed_at = time.monotonic()
+                    selector.unregister(key.fileobj)
+            if time.monotonic() >= next_step_at:
+                next_step_at, step = next_step_at + 1.0, step + 1
+                for key in list(selector.get_map().values()):
+                    client = key.data
+                    if step <= len(client.steps):
+                        with contextlib.suppress(OSError):  # closed by the server: the read side sees it
+                            key.fileobj.send(client.steps[step - 1])  # type: ignore[union-attr]
+    finally:
+        selector.close()
+        for client in clients:
+            if client.sock is not None:
+                client.sock.close()
+
+
+def test_slow_and_silent_connections_are_closed_at_their_timeouts(service_factory: ServiceFactory) -> None:
+    service = service_factory("--header-timeout-s", str(HEADER_TIMEOUT_S), "--body-timeout-s", str(BODY_TIMEOUT_S))
+    clients = _slow_clients()
+    harm = unharmed(service, lambda: _run_slow_clients(service, clients))
+    late = [c for c in clients if c.closed_at is None]
+    assert not late, f"{len(late)} slow connections still open, e.g. {late[0].kind}: {harm}"
+    for client in clients:
+        assert client.closed_at is not None
+        took = client.closed_at - client.opened_at
+        assert took <= client.timeout_s + CLOSE_SLACK_S, f"{client.kind}: closed after {took:.2f} s: {harm}"
+        assert took >= client.timeout_s - 0.2, f"{client.kind}: closed after {took:.2f} s, before its timeout"
+        if client.kind == "silent":
+            assert client.answer == b"", f"an idle connection is closed without a word: {client.answer[:200]!r}"
+        else:
+            assert client.answer.startswith(b"HTTP/1.1 408 "), f"{client.kind}: {client.answer[:200]!r}"
+            assert error_code(client.answer) == "request_timeout"
+
+
+# connection flood ---------------------------------------------------------------------------------
+def test_a_connection_flood_over_the_cap_is_refused_unread(service_factory: ServiceFactory) -> None:
+    service = service_factory("--max-connections", str(MAX_CONNECTIONS))
+    flood = 5 * MAX_CONNECTIONS
+    answers: list[bytes] = []
+
+    def attack() -> None:
+        """Opens ``flood`` connections at 2,000 a second, writes nothing, and holds them 3 s, reading
+        what comes. (Each connection costs the server's event loop an accept and a close whatever it
+        does with it, some 20 µs: a burst of thousands in one go delays everyone by that much.)"""
+        selector = selectors.DefaultSelector()
+        socks: list[socket.socket] = []
+        got: dict[socket.socket, bytes] = {}
+        try:
+            for n in range(flood):
+                if n % 100 == 0:
+                    time.sleep(0.05)  # pacing the attacker's own connects, not waiting for the server
+                sock = socket.create_connection((service.host, service.port), timeout=10)
+                sock.setblocking(False)
+                socks.append(sock)
+                got[sock] = b""
+                selector.register(sock, selectors.EVENT_READ)
+            until = time.monotonic() + 3.0
+            while time.monotonic() < until:
+                for key, _ in selector.select(0.05):
+                    sock = key.fileobj  # type: ignore[assignment]
+                    try:
+                        data = sock.recv(65536)
+                    except OSError:
+                        data = b""
+                    got[sock] += data
+                    if not data:
+                        selector.unregister(sock)
+                        answers.append(got[sock])
+            answers.extend(b"held" for _ in selector.get_map())
+        finally:
+            selector.close()
+            for sock in socks:
+                sock.close()
+
+    harm = unharmed(service, attack)
+    refused = [answer for answer in answers if answer != b"held"]
+    held = len(answers) - len(refused)
+    assert len(answers) == flood
+    assert held <= MAX_CONNECTIONS, f"{held} connections held open; the cap is {MAX_CONNECTIONS}: {harm}"
+    assert len(refused) >= flood - MAX_CONNECTIONS, f"only {len(refused)} of {flood} refused: {harm}"
+    for answer in refused:
+        assert answer == b"" or answer.startswith(b"HTTP/1.1 503 "), answer[:200]
+        if answer:
+            assert error_code(answer) == "too_many_connections"
+            assert b"\r\nretry-after: " in answer.lower()
+    assert any(refused), "the refused connections are told why"
+    assert harm.fds_peak - harm.fds_before <= MAX_CONNECTIONS + 30, f"descriptors not bounded by the cap: {harm}"
+
+
+# what a submit must say ----------------------------------------------------------------------------
+def test_media_type_head_and_trailing_slash(service: Service) -> None:
+    with httpx.Client(base_url=service.url, timeout=10) as client:
+        for content_type in ("application/x-www-form-urlencoded", "text/plain", None):
+            headers = {} if content_type is None else {"content-type": content_type}
+            for path in ("/v1/inference", "/v1/tasks"):
+                response = client.post(path, content=b'{"input": "cross-site"}', headers=headers)
+                assert response.status_code == 415, f"{path} {content_type}: {response.status_code} {response.text}"
+                assert response.json()["error"]["code"] == "unsupported_media_type"
+        ok = client.post(
+            "/v1/inference", content=b'{"input": "ok"}', headers={"content-type": "application/json; charset=utf-8"}
+        )
+        assert (ok.status_code, ok.json()["output"]) == (200, "ko")
+        for path in ("/healthz", "/readyz", "/metrics", f"/v1/result/{ok.json()['task_id']}"):
+            head = client.head(path)
+            assert (head.status_code, head.content) == (200, b""), f"HEAD {path}: {head.status_code}"
+        slash = client.post("/v1/inference/", json={"input": "x"}, headers={"host": "evil.example"})
+        assert slash.status_code == 404, slash.text
+        assert "location" not in slash.headers
+        assert slash.json()["error"]["code"] == "not_found"
+
+
+def test_pipelined_requests_are_all_answered_in_order(service: Service) -> None:
+    submit = b'{"input": "piped"}'
+    request = b"GET /healthz HTTP/1.1\r\nhost: gw\r\n\r\n" * 30 + (
+        b"POST /v1/inference HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+        % (len(submit), submit)
+    )
+    with socket.create_connection((service.host, service.port), timeout=10) as sock:
+        sock.sendall(request)
+        received = b""
+        deadline = time.monotonic() + 10
+        while received.count(b"HTTP/1.1 ") < 31 or not received.endswith(b"}"):
+            assert time.monotonic() < deadline, f"not every pipelined request was answered: {received[-300:]!r}"
+            data = sock.recv(65536)
+            assert data, f"the server closed a pipelining connection: {received[-300:]!r}"
+            received += data
+    assert received.count(b"HTTP/1.1 200 OK") == 31, received[-500:]
+    assert b'"output":"depip"' in received.rsplit(b"HTTP/1.1 ", 1)[1], "the last answer is the submit's"
