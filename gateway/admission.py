@@ -7,6 +7,7 @@ A refusal says what limit was hit and which setting raises it.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Callable
@@ -51,8 +52,25 @@ class Admission:
         self._limiter = limiter if settings.rate_limit_per_s > 0 else None
         self._meters = {model: DrainMeter(stall_s=settings.stall_s) for model in settings.models}
         self._service = {model: ServiceTime() for model in settings.models}
+        self._sampler: asyncio.Task[None] | None = None
         self.active = self._queue_depth is not None or self._limiter is not None
         """Whether a submit has anything to check here (else the gateway skips the call)."""
+
+    async def start(self) -> None:
+        """Samples every model's queue in the background, so a stall shows while no request comes."""
+        if self._queue_depth is not None and self.by_wait and self._sampler is None:
+            self._sampler = asyncio.create_task(self._sample_forever(), name="admission-sampler")
+
+    async def close(self) -> None:
+        sampler, self._sampler = self._sampler, None
+        if sampler is not None:
+            sampler.cancel()
+            await asyncio.gather(sampler, return_exceptions=True)
+
+    async def _sample_forever(self) -> None:
+        while True:
+            await asyncio.sleep(SAMPLE_EVERY_S)
+            self.models()
 
     async def admit(self, caller: Caller, model: str, timeout_ms: int) -> None:
         """Returns when the request may go on; raises ``Overloaded``, ``RateLimited`` or ``Unavailable``."""
@@ -113,7 +131,7 @@ class Admission:
         if meter is None:
             return
         estimate = meter.observe(backlog)
-        if estimate.stalled_s >= meter.stall_s:
+        if estimate.wait_s == math.inf:
             raise Overloaded(
                 f"model {model!r} has {depth} requests waiting and its workers have taken none for "
                 f"{estimate.stalled_s:.0f} s (busy past any normal call, hung or gone); nothing was queued: "
@@ -129,6 +147,8 @@ class Admission:
                 retry_after_s=min(MAX_RETRY_AFTER_S, max(1, math.ceil(estimate.wait_s * WAIT_MARGIN - budget_s))),
             )
 
+
+SAMPLE_EVERY_S = 0.2
 
 WAIT_MARGIN = 1.1
 """Predicted waits are stretched this much before they are held against a deadline: the drain rate

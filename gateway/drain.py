@@ -10,9 +10,10 @@ bound on the model's capacity, so the meter keeps the highest one, halving it on
 ``half_life_s`` of such intervals that measure less: a burst after a quiet spell is not refused for
 a rate learned while little queued, and a model that lost workers is seen within seconds.
 
-A model whose queue holds requests while no batch reaches its workers for ``stall_s`` is *stalled*
-(every worker busy past any normal call, hung or gone): its requests are refused, and ``/readyz``
-names it.
+A model is *stalled* when requests have waited ``settle_s`` and no batch has reached its workers for
+``stall_s`` (every worker busy past any normal call, hung or gone): its requests are refused, and
+``/readyz`` names it, until a batch is taken again; an empty queue lets one request through every
+``stall_s`` as a probe, so a model whose workers came back is seen.
 
 Pure: samples come from :class:`~batchwire.transport.base.Backlog` (each stamped with when it was
 read), so the same code runs over the in-memory counters, Kafka's offsets, and a test's numbers.
@@ -36,7 +37,7 @@ class Estimate:
     rate_per_s: float | None
     """The drain rate the prediction uses (None: not measured yet)."""
     stalled_s: float
-    """How long requests have waited while no batch reached a worker (0: the model makes progress)."""
+    """How long no batch has reached a worker, once the model is stalled (0: it is not)."""
 
 
 class DrainMeter:
@@ -48,36 +49,67 @@ class DrainMeter:
         window_s: float = 0.5,
         half_life_s: float = 10.0,
         stall_s: float = 5.0,
+        settle_s: float = 1.0,
         sample_every_s: float = 0.05,
     ) -> None:
         self.window_s = window_s
         self.half_life_s = half_life_s
         self.stall_s = stall_s
+        self.settle_s = settle_s
+        """Requests must have waited this long with no batch before a stall is declared: a model idle
+        for an hour is not stalled the moment its next request arrives."""
         self.sample_every_s = sample_every_s
         self._last: Backlog | None = None
         self._busy_s = 0.0
         self._busy_left = 0
         self._rate: float | None = None
-        self._progress_at_s = 0.0
-
-    def observe(self, backlog: Backlog) -> Estimate:
-        """Takes a sample (if it is ``sample_every_s`` newer than the last) and predicts the wait."""
-        last = self._last
-        if last is None:
-            self._last = backlog
-            self._progress_at_s = backlog.at_s
-        elif backlog.at_s - last.at_s >= self.sample_every_s:
-            self._sample(last, backlog)
-            self._last = backlog
-        return self._estimate(backlog)
+        self._batch_at_s = 0.0
+        self._waiting_since_s: float | None = None
+        self._stalled_at_s: float | None = None
+        self._probe_at_s = 0.0
 
     @property
     def stalled(self) -> bool:
-        return self._last is not None and self._estimate(self._last).stalled_s >= self.stall_s
+        """Requests waited while no batch reached a worker for ``stall_s``, and none has since."""
+        return self._stalled_at_s is not None
+
+    def observe(self, backlog: Backlog) -> Estimate:
+        """Takes a sample (if it is ``sample_every_s`` newer than the last) and predicts the wait.
+
+        A stalled model's empty queue admits one request every ``stall_s``, as a probe: a batch
+        taken ends the stall."""
+        last = self._last
+        if last is None:
+            self._last = backlog
+            self._batch_at_s = backlog.at_s
+        elif backlog.at_s - last.at_s >= self.sample_every_s:
+            self._sample(last, backlog)
+            self._last = backlog
+        if self._waiting_since_s is None and backlog.depth > 0:
+            self._waiting_since_s = backlog.at_s
+        elif backlog.depth == 0:
+            self._waiting_since_s = None
+        if self._stalled_at_s is not None:
+            if backlog.depth == 0 and backlog.at_s - self._probe_at_s >= self.stall_s:
+                self._probe_at_s = backlog.at_s
+                return Estimate(0, 0.0, self._rate, backlog.at_s - self._batch_at_s)
+            return Estimate(backlog.depth, math.inf, self._rate, backlog.at_s - self._batch_at_s)
+        waiting_since = self._waiting_since_s
+        if (
+            waiting_since is not None
+            and backlog.at_s - waiting_since >= self.settle_s
+            and backlog.at_s - self._batch_at_s >= self.stall_s
+        ):
+            self._stalled_at_s = self._probe_at_s = backlog.at_s
+            return Estimate(backlog.depth, math.inf, self._rate, backlog.at_s - self._batch_at_s)
+        rate = self._rate
+        wait_s = backlog.depth / rate if rate and backlog.depth else 0.0
+        return Estimate(backlog.depth, wait_s, rate, 0.0)
 
     def _sample(self, last: Backlog, now: Backlog) -> None:
-        if now.depth == 0 or last.depth == 0 or now.batches != last.batches:
-            self._progress_at_s = now.at_s
+        if now.batches != last.batches:
+            self._batch_at_s = now.at_s
+            self._stalled_at_s = None
         if last.depth > 0 and now.depth > 0:
             self._busy_s += now.at_s - last.at_s
             self._busy_left += max(0, now.left - last.left)
@@ -86,13 +118,3 @@ class DrainMeter:
                 kept = 0.0 if self._rate is None else self._rate * 0.5 ** (self._busy_s / self.half_life_s)
                 self._rate = max(measured, kept)
                 self._busy_s, self._busy_left = 0.0, 0
-
-    def _estimate(self, backlog: Backlog) -> Estimate:
-        stalled_s = backlog.at_s - self._progress_at_s if backlog.depth > 0 else 0.0
-        if backlog.depth == 0:
-            return Estimate(0, 0.0, self._rate, 0.0)
-        if stalled_s >= self.stall_s:
-            return Estimate(backlog.depth, math.inf, self._rate, stalled_s)
-        rate = self._rate
-        wait_s = backlog.depth / rate if rate else 0.0
-        return Estimate(backlog.depth, wait_s, rate, stalled_s)

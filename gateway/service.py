@@ -115,6 +115,7 @@ class Gateway:
         await self._store.listen_replies(self.settings.gateway_id, self._waiters.resolve)
         self._sweeper = asyncio.create_task(self._sweep_forever(), name=f"{self.settings.gateway_id}-reply-sweeper")
         self._sweeper.add_done_callback(_log_task_end)
+        await self._admission.start()
         self._accepting = True
 
     async def close(self) -> None:
@@ -125,6 +126,7 @@ class Gateway:
         if sweeper is not None:
             sweeper.cancel()
             await asyncio.wait({sweeper})  # its failure, if any, was logged by _log_task_end
+        await self._admission.close()
         await self._waiters.stop_watching()
 
     async def ready(self) -> dict[str, bool]:

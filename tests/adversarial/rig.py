@@ -11,7 +11,10 @@ descriptors come back down once the attack ends.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -106,87 +109,121 @@ class ProbeStats:
 class Probe:
     """A normal client: synchronous submits at a steady rate, each checked against its own input.
 
-    At the default 10 requests/s with two 100 ms sim workers every request finds an idle worker, so
-    its latency is the service's own and an attack's harm shows in full. It also samples the
-    service's RSS and open descriptors, so the peak during an attack is seen.
+    It runs in a process of its own (``python -m tests.adversarial.rig``), so that neither the
+    attacker's Python code nor the test's threads share its interpreter lock: its latencies are the
+    service's. At the default 10 requests/s with two 100 ms sim workers every request finds an idle
+    worker, so an attack's harm shows in full. The test's side samples the service's RSS and open
+    descriptors, so the peak during an attack is seen.
     """
 
     service: Service
     rate_per_s: float = 10.0
     timeout_s: float = 10.0
     model: str | None = None
-    _latencies: list[float] = field(default_factory=list)
-    _failures: list[str] = field(default_factory=list)
     peak_rss_bytes: int = 0
     peak_fds: int = 0
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
-    _mark: int = 0
+    _latencies: list[float] = field(default_factory=list)
+    _failures: list[str] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _done: threading.Event = field(default_factory=threading.Event)
 
     @contextmanager
     def running(self) -> Iterator[Probe]:
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), name="probe", daemon=True)
-        self._thread.start()
+        args = [sys.executable, "-m", "tests.adversarial.rig", self.service.url, str(self.rate_per_s)]
+        args += [str(self.timeout_s), self.model or ""]
+        child = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        reader = threading.Thread(target=self._read, args=(child,), name="probe-reader", daemon=True)
+        sampler = threading.Thread(target=self._sample_until_done, name="probe-sampler", daemon=True)
+        reader.start()
+        sampler.start()
         try:
             yield self
         finally:
-            self._stop.set()
-            self._thread.join(self.timeout_s + 5)
+            assert child.stdin is not None
+            child.stdin.close()  # the probe's signal to stop: it lets its last requests finish
+            try:
+                child.wait(self.timeout_s + 5)
+            finally:
+                if child.poll() is None:
+                    child.kill()
+                self._done.set()
+                reader.join(5)
+                sampler.join(5)
+                assert child.stdout is not None
+                child.stdout.close()
 
     def stats(self) -> ProbeStats:
         """What the probe saw since it started (or since the last ``restart_window``)."""
-        return ProbeStats(list(self._latencies), list(self._failures))
+        with self._lock:
+            return ProbeStats(list(self._latencies), list(self._failures))
 
     def restart_window(self) -> None:
-        self._latencies.clear()
-        self._failures.clear()
-        self.peak_rss_bytes = 0
-        self.peak_fds = 0
+        with self._lock:
+            self._latencies.clear()
+            self._failures.clear()
+            self.peak_rss_bytes = 0
+            self.peak_fds = 0
 
-    def _sample(self) -> None:
-        try:
-            self.peak_rss_bytes = max(self.peak_rss_bytes, self.service.rss_bytes())
-            self.peak_fds = max(self.peak_fds, self.service.open_fds())
-        except (OSError, AssertionError):
-            pass  # the process is gone: the probe's requests fail and say so
+    def _read(self, child: subprocess.Popen[str]) -> None:
+        assert child.stdout is not None
+        for line in child.stdout:
+            kind, _, rest = line.rstrip("\n").partition(" ")
+            with self._lock:
+                if kind == "ok":
+                    self._latencies.append(float(rest))
+                else:
+                    self._failures.append(rest)
 
-    async def _run(self) -> None:
-        body: dict[str, object] = {}
-        if self.model is not None:
-            body["model"] = self.model
-        limits = httpx.Limits(max_connections=64, max_keepalive_connections=16)
-        async with httpx.AsyncClient(base_url=self.service.url, timeout=self.timeout_s, limits=limits) as client:
-            tasks: set[asyncio.Task[None]] = set()
-            period = 1.0 / self.rate_per_s
-            next_at = time.monotonic()
-            n = 0
-            while not self._stop.is_set():
-                n += 1
-                task = asyncio.create_task(self._one(client, {**body, "input": f"probe-{n}-{os.urandom(3).hex()}"}))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-                self._sample()
-                next_at += period
-                await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-            if tasks:
-                await asyncio.wait(tasks)
+    def _sample_until_done(self) -> None:
+        while not self._done.wait(0.1):
+            try:
+                rss, fds = self.service.rss_bytes(), self.service.open_fds()
+            except (OSError, AssertionError):
+                continue  # the process is gone: the probe's requests fail and say so
+            with self._lock:
+                self.peak_rss_bytes = max(self.peak_rss_bytes, rss)
+                self.peak_fds = max(self.peak_fds, fds)
 
-    async def _one(self, client: httpx.AsyncClient, body: dict[str, object]) -> None:
-        started = time.monotonic()
-        try:
-            response = await client.post("/v1/inference", json=body)
-        except httpx.HTTPError as err:
-            self._failures.append(f"{type(err).__name__}: {err}")
-            return
-        elapsed_ms = (time.monotonic() - started) * 1000
-        if response.status_code != 200:
-            self._failures.append(f"{response.status_code} {response.text[:200]}")
-            return
-        expected = str(body["input"])[::-1]
-        if response.json().get("output") != expected:
-            self._failures.append(f"wrong output {response.text[:200]}")
-            return
-        self._latencies.append(elapsed_ms)
+
+async def _probe(url: str, rate_per_s: float, timeout_s: float, model: str) -> None:
+    """The probe process: requests at a steady rate until its stdin closes; one line per outcome."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_reader(sys.stdin.fileno(), lambda: stop.set() if not sys.stdin.readline() else None)
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=16)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits) as client:
+        tasks: set[asyncio.Task[None]] = set()
+        next_at = time.monotonic()
+        n = 0
+        while not stop.is_set():
+            n += 1
+            body: dict[str, object] = {"input": f"probe-{n}-{os.urandom(3).hex()}"}
+            if model:
+                body["model"] = model
+            task = asyncio.create_task(_probe_one(client, body))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            next_at += 1.0 / rate_per_s
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), max(0.0, next_at - time.monotonic()))
+        if tasks:
+            await asyncio.wait(tasks)
+
+
+async def _probe_one(client: httpx.AsyncClient, body: dict[str, object]) -> None:
+    started = time.monotonic()
+    try:
+        response = await client.post("/v1/inference", json=body)
+    except httpx.HTTPError as err:
+        print(f"fail {type(err).__name__}: {err}".replace("\n", " "), flush=True)
+        return
+    elapsed_ms = (time.monotonic() - started) * 1000
+    if response.status_code != 200:
+        print(f"fail {response.status_code} {response.text[:200]}".replace("\n", " "), flush=True)
+    elif response.json().get("output") != str(body["input"])[::-1]:
+        print(f"fail wrong output {response.text[:200]}".replace("\n", " "), flush=True)
+    else:
+        print(f"ok {elapsed_ms:.3f}", flush=True)
 
 
 @dataclass
@@ -234,8 +271,7 @@ def unharmed(
     so a short attack is still measured over enough requests."""
     probe = Probe(service, rate_per_s=rate_per_s, model=model)
     with probe.running():
-        warm_until = time.monotonic() + 1.0
-        wait_for(lambda: time.monotonic() > warm_until, 5, "the probe's warm-up")
+        wait_for(lambda: probe.stats().count >= 5, 15, "the probe's first answers")
         probe.restart_window()
         fds_before = service.open_fds()
         rss_before = service.rss_bytes()
@@ -248,7 +284,10 @@ def unharmed(
         wait_for(lambda: time.monotonic() - started >= min_during_s, min_during_s + 5, "the attack window")
         during = probe.stats()
         rss_peak, fds_peak = max(probe.peak_rss_bytes, service.rss_bytes()), probe.peak_fds
-    wait_for(lambda: service.open_fds() <= fds_before + FD_SLACK, fds_settle_s, "descriptors to come back down")
+    try:
+        wait_for(lambda: service.open_fds() <= fds_before + FD_SLACK, fds_settle_s, "descriptors to come back down")
+    except AssertionError as err:
+        raise AssertionError(f"{err}: {fds_before} before the attack, {service.open_fds()} now") from None
     harm = Harm(baseline, during, rss_before, rss_peak, fds_before, fds_peak, service.open_fds())
     assert service.alive(), f"the service died under attack: {harm}\n{service.tail()}"
     assert baseline.failures == [], f"the baseline already failed: {harm}"
@@ -257,3 +296,7 @@ def unharmed(
     assert during.p99_ms <= baseline.p99_ms + p99_slack_ms, f"the normal client's p99 rose too much: {harm}"
     assert rss_peak - rss_before <= rss_growth_bytes, f"RSS grew too much: {harm}"
     return harm
+
+
+if __name__ == "__main__":
+    asyncio.run(_probe(sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]))

@@ -62,9 +62,21 @@ def test_requests_waiting_while_no_batch_leaves_is_a_stall() -> None:
     meter.observe(Backlog(10, 0, 7, 0.1))  # requests arrive; no batch goes
     assert not meter.stalled
     estimate = meter.observe(Backlog(10, 4, 7, 5.2))  # expiries leave the queue: still no batch
-    assert estimate.stalled_s == pytest.approx(5.1) and estimate.wait_s == math.inf
+    assert estimate.stalled_s == pytest.approx(5.2) and estimate.wait_s == math.inf
     assert meter.stalled
-    assert not meter.observe(Backlog(10, 4, 8, 5.3)).stalled_s, "a batch taken ends the stall"
+    assert meter.observe(Backlog(0, 10, 7, 5.3)).wait_s == math.inf, "an emptied queue is still stalled"
+    assert meter.observe(Backlog(0, 10, 7, 10.3)).wait_s == 0, "one probe every stall_s"
+    assert meter.observe(Backlog(0, 10, 7, 10.4)).wait_s == math.inf, "and only one"
+    assert meter.observe(Backlog(1, 10, 8, 10.5)).stalled_s == 0, "a batch taken ends the stall"
+    assert not meter.stalled
+
+
+def test_a_model_idle_for_long_is_not_stalled_by_its_next_request() -> None:
+    meter = DrainMeter(stall_s=5.0)
+    meter.observe(Backlog(0, 0, 7, 0.0))
+    assert meter.observe(Backlog(3, 0, 7, 3600.0)).wait_s == 0
+    assert meter.observe(Backlog(0, 3, 8, 3600.2)).wait_s == 0
+    assert not meter.stalled
 
 
 def settings(**overrides: object) -> GatewaySettings:
