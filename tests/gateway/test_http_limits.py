@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import resource
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +19,7 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
-from gateway.http_limits import LimitedHttpToolsProtocol, limited_http_protocol
+from gateway.http_limits import FD_RESERVE, LimitedHttpToolsProtocol, connection_cap, limited_http_protocol
 from gateway.settings import GatewaySettings
 from tests.gateway.rig import wait_until
 
@@ -445,3 +447,38 @@ async def test_invalid_http_gets_a_json_400() -> None:
     assert transport.closed
     assert status_of(transport.written) == 400
     assert error_code_of(transport.written) == "invalid_http"
+
+
+# the descriptor limit ------------------------------------------------------------------------------
+class Rlimit:
+    """``resource``'s open-file limit, as a test sets it."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, soft: int, hard: int) -> None:
+        self.soft, self.hard = soft, hard
+        self.raised_to: int | None = None
+        monkeypatch.setattr(resource, "getrlimit", lambda which: (self.soft, self.hard))
+        monkeypatch.setattr(resource, "setrlimit", self.set)
+
+    def set(self, which: int, limits: tuple[int, int]) -> None:
+        self.soft = self.raised_to = limits[0]
+
+
+def test_the_open_file_limit_is_raised_to_the_hard_limit_when_the_cap_needs_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    rlimit = Rlimit(monkeypatch, soft=1024, hard=65536)
+    assert connection_cap(10_000) == 10_000
+    assert rlimit.raised_to == 65536
+
+
+def test_a_cap_the_soft_limit_holds_leaves_the_limit_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    rlimit = Rlimit(monkeypatch, soft=20_000, hard=65536)
+    assert connection_cap(10_000) == 10_000
+    assert rlimit.raised_to is None
+
+
+def test_a_cap_the_hard_limit_cannot_hold_is_lowered_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    Rlimit(monkeypatch, soft=1024, hard=2048)
+    with caplog.at_level(logging.WARNING, logger="gateway.http_limits"):
+        assert connection_cap(10_000) == 2048 - FD_RESERVE
+    assert "BATCHWIRE_MAX_CONNECTIONS" in caplog.text, caplog.text

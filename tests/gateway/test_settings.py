@@ -49,6 +49,10 @@ def test_env_name_is_the_prefixed_upper_case_field() -> None:
         ({"express_record_delay_ms": -1.0}, "BATCHWIRE_EXPRESS_RECORD_DELAY_MS"),
         ({"request_linger_ms": 1001.0}, "BATCHWIRE_REQUEST_LINGER_MS"),
         ({"api_keys": ("not-a-digest",)}, "BATCHWIRE_API_KEYS"),
+        ({"max_header_bytes": 100}, "BATCHWIRE_MAX_HEADER_BYTES"),
+        ({"header_timeout_s": 0.0}, "BATCHWIRE_HEADER_TIMEOUT_S"),
+        ({"body_timeout_s": float("inf")}, "BATCHWIRE_BODY_TIMEOUT_S"),
+        ({"max_connections": 0}, "BATCHWIRE_MAX_CONNECTIONS"),
     ],
 )
 def test_invalid_values_are_refused_naming_the_variable(overrides: dict[str, Any], named: str) -> None:
