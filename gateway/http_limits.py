@@ -61,7 +61,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     max_header_bytes: ClassVar[int] = 16_384
     header_timeout_s: ClassVar[float] = 10.0
     body_timeout_s: ClassVar[float] = 30.0
-    max_connections: ClassVar[int] = 10_000
+    max_connections: ClassVar[int] = 4096
     headers_too_large: ClassVar[bytes] = b""
     """The 431 answer; the four answers are built once per process by :func:`limited_http_protocol`."""
     header_timeout: ClassVar[bytes] = b""

@@ -102,8 +102,9 @@ class GatewaySettings:
     previous response; then 408 (a plain close when nothing came) and the connection closes."""
     body_timeout_s: float = 30.0
     """How long a request's body may take to arrive after its headers; then 408 and the connection closes."""
-    max_connections: int = 10_000
-    """Open HTTP connections; one more is answered 503 + Retry-After and closed before it is read."""
+    max_connections: int = 4096
+    """Open HTTP connections; one more is answered 503 + Retry-After and closed before it is read. Each
+    open connection holds memory, so the cap also bounds what a flood of idle ones costs."""
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     """sha256 hex digests of the accepted API keys (never the keys; ``gateway.auth.load_api_keys``
     turns keys into digests). Empty: no keys needed and every task is visible to every caller."""
