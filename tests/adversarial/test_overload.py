@@ -1,0 +1,133 @@
+"""Overload fails fast: a model offered three times what its worker can do answers what it admits
+within the deadline and refuses the rest at once (503 + Retry-After), computes (almost) nothing for
+a caller already told 504, and leaves another model's callers unharmed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from tests.adversarial.conftest import ServiceFactory
+from tests.adversarial.rig import Service, unharmed, wait_for
+
+pytestmark = pytest.mark.slow
+
+CAPACITY_PER_S = 50.0  # one worker, 5 items per 100 ms call
+OFFERED_PER_S = 3 * CAPACITY_PER_S
+DURATION_S = 8.0
+TIMEOUT_MS = 3000
+WAITING = ("queued", "batched", "running")
+
+
+def _start(request: pytest.FixtureRequest, mode: str) -> Service:
+    """``sim`` for the normal client, ``flood`` for the attacker: one worker each, 5 items a batch."""
+    factory: ServiceFactory = request.getfixturevalue(f"{mode}_service_factory")
+    if mode == "embedded":
+        service = factory("--models", "sim,flood", "--max-batch", "5", workers=1)
+    else:
+        service = factory(workers=1, worker_flags=("--max-batch", "5"), extra_env={"BATCHWIRE_MODELS": "sim,flood"})
+        assert service.cluster is not None
+        service.cluster.worker(1, "--model", "flood", "--max-batch", "5")
+    # Answered once, so the worker knows its call's latency (as on any service that has been running).
+    wait_for(
+        lambda: httpx.post(f"{service.url}/v1/inference", json={"input": "up", "model": "flood"}).status_code == 200,
+        60,
+        "the flood model's worker to answer",
+    )
+    return service
+
+
+@dataclass
+class Outcomes:
+    answered: list[float] = field(default_factory=list)
+    """Latency (s) of each 200."""
+    refused: list[float] = field(default_factory=list)
+    """Latency (s) of each 503."""
+    late: list[str] = field(default_factory=list)
+    """Task ids answered 504."""
+    other: list[str] = field(default_factory=list)
+
+
+async def _flood(url: str, outcomes: Outcomes) -> None:
+    """Synchronous requests at OFFERED_PER_S for DURATION_S, open loop; waits for every answer."""
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
+    async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_MS / 1000 + 10, limits=limits) as client:
+
+        async def one(n: int) -> None:
+            body = {"input": f"flood-{n}", "model": "flood", "timeout_ms": TIMEOUT_MS}
+            sent = time.monotonic()
+            response = await client.post("/v1/inference", json=body)
+            took = time.monotonic() - sent
+            if response.status_code == 200 and response.json()["output"] == f"flood-{n}"[::-1]:
+                outcomes.answered.append(took)
+            elif response.status_code == 503 and response.headers.get("retry-after"):
+                assert response.json()["error"]["code"] == "overloaded", response.text
+                outcomes.refused.append(took)
+            elif response.status_code == 504:
+                outcomes.late.append(response.json()["error"]["task_id"])
+            else:
+                outcomes.other.append(f"{response.status_code} {response.text[:200]}")
+
+        tasks = []
+        started = time.monotonic()
+        for n in range(int(OFFERED_PER_S * DURATION_S)):
+            await asyncio.sleep(max(0.0, started + n / OFFERED_PER_S - time.monotonic()))
+            tasks.append(asyncio.create_task(one(n)))
+        await asyncio.gather(*tasks)
+
+
+def _computed(url: str, task_ids: list[str]) -> int:
+    with httpx.Client(base_url=url, timeout=10) as client:
+        return sum(client.get(f"/v1/result/{task_id}").json()["status"] == "completed" for task_id in task_ids)
+
+
+@pytest.mark.parametrize("mode", ["embedded", "kafka"])
+def test_three_times_capacity_is_answered_in_time_or_refused_at_once(request: pytest.FixtureRequest, mode: str) -> None:
+    service = _start(request, mode)
+    outcomes = Outcomes()
+    attack: Callable[[], None] = lambda: asyncio.run(_flood(service.url, outcomes))  # noqa: E731
+    harm = unharmed(service, attack, rate_per_s=5.0, baseline_s=10.0)
+
+    summary = (
+        f"{len(outcomes.answered)} answered, {len(outcomes.refused)} refused, {len(outcomes.late)} late, "
+        f"other {outcomes.other[:3]}; {harm}"
+    )
+    assert outcomes.other == [], summary
+    assert max(outcomes.answered) <= TIMEOUT_MS / 1000, f"an admitted request is answered in time: {summary}"
+    refusals = sorted(outcomes.refused)
+    assert refusals and refusals[int(0.99 * len(refusals))] < 0.1, f"refusals come at once: {summary}"
+    assert len(outcomes.answered) >= 0.8 * CAPACITY_PER_S * DURATION_S, f"the worker stays busy: {summary}"
+    computed_late = _computed(service.url, outcomes.late)
+    assert computed_late <= 0.02 * len(outcomes.answered), f"{computed_late} computed after their 504: {summary}"
+
+
+@pytest.mark.parametrize("mode", ["embedded", "kafka"])
+def test_a_request_whose_deadline_cannot_be_met_is_never_computed(request: pytest.FixtureRequest, mode: str) -> None:
+    """timeout_ms=1 is shorter than any call: each ends 504 (or 503), and no GPU time goes to it."""
+    service = _start(request, mode)
+
+    async def short() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=service.url, timeout=10) as client:
+            body = {"model": "flood", "timeout_ms": 1}
+            return await asyncio.gather(
+                *(client.post("/v1/inference", json={**body, "input": f"short-{n}"}) for n in range(200))
+            )
+
+    responses = asyncio.run(short())
+    codes = Counter(response.status_code for response in responses)
+    assert set(codes) <= {503, 504}, codes
+    late = [r.json()["error"]["task_id"] for r in responses if r.status_code == 504]
+    with httpx.Client(base_url=service.url, timeout=10) as client:
+        wait_for(
+            lambda: all(client.get(f"/v1/result/{t}").json()["status"] not in WAITING for t in late),
+            10,
+            "every short request to end",
+        )
+        statuses = Counter(client.get(f"/v1/result/{t}").json()["status"] for t in late)
+    assert statuses["completed"] == 0, f"computed after their 504: {statuses}"
