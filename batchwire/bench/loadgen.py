@@ -30,6 +30,11 @@ BAD_BODY = "bad_body"
 PROTOCOL = "protocol"
 CLIENT_EXCEPTION = "client_exception"
 
+#: Statuses that refuse a request at once (overloaded, rate limited): their latency is the
+#: service's refusal time, kept apart from the answers' latency.
+REFUSED_STATUSES = frozenset({429, 503})
+DEADLINE_STATUS = 504
+
 
 @dataclass(frozen=True, slots=True)
 class Window:
@@ -61,6 +66,12 @@ class Tally:
     latency: DurationHistogram = field(default_factory=DurationHistogram)
     latency_all: DurationHistogram = field(default_factory=DurationHistogram)
     lag: DurationHistogram = field(default_factory=DurationHistogram)
+    refused: DurationHistogram = field(default_factory=DurationHistogram)
+    refused_from_send: DurationHistogram = field(default_factory=DurationHistogram)
+    """Refusals timed from when the send ran: the refusal latency without the generator's lag."""
+    answered_504: list[tuple[URL, str]] = field(default_factory=list)
+    """(URL, task id) of each 504 answer, to ask after the run whether the task was computed anyway."""
+    answered_504_without_id: int = 0
 
 
 class OpenLoopSender:
@@ -139,9 +150,10 @@ class OpenLoopSender:
     async def _one(self, url: URL, target: float, measured: bool) -> None:
         clock = self._loop.time
         tally = self._tally
+        started = clock()
         if measured:
             # Taken when the task runs, not when it was created, so a congested loop shows as lag.
-            tally.lag.record_s(clock() - target)
+            tally.lag.record_s(started - target)
         text, body = self._inputs.next()
         answer = await self._exchange(url, body)
         done = clock()  # before checking the answer: the check is the client's time, not the server's
@@ -165,8 +177,23 @@ class OpenLoopSender:
                 tally.drained_answers += 1
         else:
             tally.errors[kind] += 1
+            if not isinstance(answer, str):
+                self._note_error_answer(url, answer, elapsed, done - started)
         if done >= window.end:
             tally.last_answer_after_window_s = max(tally.last_answer_after_window_s, done - window.end)
+
+    def _note_error_answer(self, url: URL, answer: tuple[int, bytes], elapsed_s: float, from_send_s: float) -> None:
+        tally = self._tally
+        status, payload = answer
+        if status in REFUSED_STATUSES:
+            tally.refused.record_s(elapsed_s)
+            tally.refused_from_send.record_s(from_send_s)
+        elif status == DEADLINE_STATUS:
+            task_id = _error_task_id(payload)
+            if task_id is None:
+                tally.answered_504_without_id += 1
+            else:
+                tally.answered_504.append((url, task_id))
 
     async def _exchange(self, url: URL, body: bytes) -> tuple[int, bytes] | str:
         """One request: the status and body, or the kind of error that prevented an answer."""
@@ -205,3 +232,14 @@ def _check_reverse(payload: bytes, text: str) -> str | None:
     if not isinstance(document, dict) or not isinstance(document.get("output"), str):
         return BAD_BODY
     return None if document["output"] == text[::-1] else WRONG_ANSWER
+
+
+def _error_task_id(payload: bytes) -> str | None:
+    """``error.task_id`` of a batchwire error body, if it has one."""
+    try:
+        document = json.loads(payload)
+    except ValueError:
+        return None
+    error = document.get("error") if isinstance(document, dict) else None
+    task_id = error.get("task_id") if isinstance(error, dict) else None
+    return task_id if isinstance(task_id, str) and task_id else None

@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from batchwire.bench.loadgen import OpenLoopSender, Tally, Window
+from batchwire.bench.late import COMPLETED, UNENDED, read_back
+from batchwire.bench.loadgen import TIMEOUT, OpenLoopSender, Tally, Window
 from batchwire.bench.procstats import CpuSampler, CpuSnapshot, GroupStats, group_stats
 from batchwire.bench.prom import Scrape, ServerStats, scrape, server_stats
-from batchwire.bench.results import GeneratorStats, RateReport
+from batchwire.bench.results import After504, GeneratorStats, RateReport
 from batchwire.bench.schedule import poisson_offsets
 
 #: Time between computing the schedule and its first send, so the first sends are not late.
@@ -78,6 +79,8 @@ async def measure_rate(
         if not send.done():
             send.cancel()
             await asyncio.gather(send, return_exceptions=True)
+    # After the drain: every answer is in, so a task answered 504 has had its chance to be computed.
+    statuses = await read_back(tally.answered_504)
     cpu_window_s = at_end - at_start
     server = None
     if scrape_start is not None and scrape_end is not None:
@@ -99,6 +102,19 @@ async def measure_rate(
         generator=generator,
         server=server,
         processes=group_stats(cpu_start, cpu_end, cpu_window_s, tally.answers_in_window),
+        after_504=_after_504(tally, statuses),
+    )
+
+
+def _after_504(tally: Tally, statuses: dict[str, int]) -> After504:
+    computed = statuses.get(COMPLETED, 0)
+    everything = tally.ok + computed
+    return After504(
+        answered=len(tally.answered_504) + tally.answered_504_without_id,
+        without_task_id=tally.answered_504_without_id,
+        statuses=dict(sorted(statuses.items())),
+        computed=computed,
+        share_of_computed=round(computed / everything, 5) if everything else None,
     )
 
 
@@ -111,6 +127,7 @@ def _report(
     generator: GeneratorStats,
     server: ServerStats | None,
     processes: dict[str, GroupStats],
+    after_504: After504,
 ) -> RateReport:
     lag = tally.lag.summary_ms()
     notes: list[str] = []
@@ -125,6 +142,17 @@ def _report(
         notes.append(f"{tally.unfinished} requests were still open after the drain timeout and were cancelled")
     if tally.first_exception is not None:
         notes.append(f"unexpected client exception (counted as client_exception): {tally.first_exception}")
+    if tally.errors[TIMEOUT]:
+        notes.append(
+            f"{tally.errors[TIMEOUT]} requests timed out in the client with no answer; where the server has a "
+            "deadline, a --timeout above it lets its 504 arrive and be counted"
+        )
+    if after_504["without_task_id"]:
+        notes.append(f"{after_504['without_task_id']} 504 answers carried no error.task_id and were not read back")
+    unended = {k: v for k, v in after_504["statuses"].items() if k in UNENDED}
+    if unended:
+        pending = " ".join(f"{k}={v}" for k, v in unended.items())
+        notes.append(f"tasks answered 504 had not ended when read back ({pending}); they may still be computed")
     if tally.latency.clamped:
         notes.append(f"{tally.latency.clamped} latencies above 120 s were recorded as 120 s")
     if server is not None and server["scrape_errors"]:
@@ -150,6 +178,9 @@ def _report(
         latency_all_ms=tally.latency_all.summary_ms(),
         latency_hdr=tally.latency.encode(),
         lag_ms=lag,
+        refused_ms=tally.refused.summary_ms(),
+        refused_from_send_ms=tally.refused_from_send.summary_ms(),
+        after_504=after_504,
         generator=generator,
         server=server,
         processes=processes,

@@ -113,6 +113,12 @@ def run_table(run: RunReport) -> str:
                     f"{k}={g['cores']:.2f} cores ({_fmt(g['us_per_request'], 0)} µs/req)" for k, g in others.items()
                 )
             )
+        refused = rate["refused_ms"]
+        if refused.get("count"):
+            lines.append(f"{label} {refused_line(rate)}")
+        after = rate["after_504"]
+        if after["answered"]:
+            lines.append(f"{label} {after_504_line(rate)}")
         if rate["drained_answers"]:
             lines.append(
                 f"{label} {rate['drained_answers']} answers came after the window "
@@ -120,6 +126,28 @@ def run_table(run: RunReport) -> str:
             )
         lines.extend(f"{label} NOTE: {note}" for note in rate["notes"])
     return "\n".join(lines)
+
+
+def refused_line(rate: RateReport) -> str:
+    """Refusals (503, 429): latency from the schedule, then from the send (the generator's lag left out)."""
+    refused, sent = rate["refused_ms"], rate["refused_from_send_ms"]
+    return (
+        f"refused (503/429) {refused.get('count', 0):.0f}: p50 {_fmt(refused.get('p50'), 2)}, "
+        f"p99 {_fmt(refused.get('p99'), 2)}, max {_fmt(refused.get('max'), 2)} ms from the schedule; "
+        f"p99 {_fmt(sent.get('p99'), 2)} ms from the send (generator lag p99 {_fmt(rate['lag_ms'].get('p99'), 2)} ms)"
+    )
+
+
+def after_504_line(rate: RateReport) -> str:
+    """504 answers and how many of their tasks the service computed anyway, read back after the run."""
+    after = rate["after_504"]
+    share = after["share_of_computed"]
+    statuses = " ".join(f"{k}={v}" for k, v in after["statuses"].items()) or "none read"
+    return (
+        f"504 {after['answered']}: computed after the 504 {after['computed']}"
+        + (f" ({100 * share:.2f}% of {rate['ok'] + after['computed']} computed)" if share is not None else "")
+        + f"; read back: {statuses}"
+    )
 
 
 COMPARED: tuple[tuple[str, Cell], ...] = (

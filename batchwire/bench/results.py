@@ -34,6 +34,18 @@ class GeneratorStats(TypedDict):
     client: str
 
 
+class After504(TypedDict):
+    """The requests of the window answered 504, and what the service did with their tasks after."""
+
+    answered: int
+    without_task_id: int
+    statuses: dict[str, int]
+    """Each task's status read back after the run (``completed``: computed for nobody)."""
+    computed: int
+    share_of_computed: float | None
+    """``computed`` over everything computed for the window: 200 answers plus ``computed``."""
+
+
 class RateReport(TypedDict):
     offered_rps: float
     window_s: float
@@ -53,6 +65,11 @@ class RateReport(TypedDict):
     latency_all_ms: dict[str, float]
     latency_hdr: str
     lag_ms: dict[str, float]
+    refused_ms: dict[str, float]
+    """503 and 429 answers, timed from the scheduled send like every latency."""
+    refused_from_send_ms: dict[str, float]
+    """The same refusals timed from when the send ran: without the generator's lag."""
+    after_504: After504
     generator: GeneratorStats
     server: ServerStats | None
     processes: dict[str, GroupStats]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from batchwire.bench.client import ClientKind, make_client
-from batchwire.bench.loadgen import Expect, OpenLoopSender
+from batchwire.bench.loadgen import TIMEOUT, Expect, OpenLoopSender
 from batchwire.bench.measure import Probes, measure_rate
 from batchwire.bench.procstats import CpuSampler
 from batchwire.bench.results import RateReport, RunReport
@@ -98,7 +98,7 @@ async def bench_run(
                 client=load.client,
             )
             run["rates"].append(report)
-            progress(_one_line(report))
+            progress(summary_line(report))
     finally:
         await client.close()
         if metrics_session is not None:
@@ -106,10 +106,20 @@ async def bench_run(
     return run
 
 
-def _one_line(rate: RateReport) -> str:
+def summary_line(rate: RateReport) -> str:
     latency = rate["latency_ms"]
-    return (
+    line = (
         f"    ok {rate['ok']}/{rate['scheduled']}, errors {rate['error_total']}, "
         f"{rate['throughput_rps']:.1f} answers/s, p50 {latency.get('p50', 0):.1f} ms, "
         f"p99 {latency.get('p99', 0):.1f} ms, lag p99 {rate['lag_ms'].get('p99', 0):.2f} ms"
     )
+    refused = rate["refused_ms"]
+    if refused.get("count"):
+        line += f", refused {refused['count']:.0f} (refused p99 {refused['p99']:.2f} ms)"
+    after = rate["after_504"]
+    if after["answered"]:
+        line += f", 504 {after['answered']} (computed after: {after['computed']})"
+    timeouts = rate["errors"].get(TIMEOUT, 0)
+    if timeouts:
+        line += f", client timeouts {timeouts}"
+    return line

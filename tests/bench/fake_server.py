@@ -23,6 +23,10 @@ class Behaviour:
     fail_every: int = 0
     wrong_every: int = 0
     batch_size: int = 2
+    script: tuple[str, ...] = ()
+    """Answers in turn, cycled, instead of the above: "200"; "503" or "429" (at once, no delay);
+    "504:<status>" (after the delay, with a task id whose ``/v1/result`` then says <status>); "504"
+    (no task id)."""
 
 
 @dataclass
@@ -32,6 +36,9 @@ class FakeServer:
     metrics_url: str = ""
     requests: int = 0
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    task_status: dict[str, str] = field(default_factory=dict)
+    answered: list[str] = field(default_factory=list)
+    """The script entry each request got, in the order the requests came."""
 
     def __post_init__(self) -> None:
         self.batch_size = Histogram(
@@ -48,6 +55,8 @@ class FakeServer:
         number = self.requests
         document = await request.json()
         text = document["input"]
+        if self.behaviour.script:
+            return await self._scripted(number, text)
         if self.behaviour.delay_s:
             await asyncio.sleep(self.behaviour.delay_s)
         if self.behaviour.fail_every and number % self.behaviour.fail_every == 0:
@@ -61,6 +70,27 @@ class FakeServer:
             answer = text
         return web.json_response({"output": answer})
 
+    async def _scripted(self, number: int, text: str) -> web.Response:
+        entry = self.behaviour.script[(number - 1) % len(self.behaviour.script)]
+        self.answered.append(entry)
+        status, _, later = entry.partition(":")
+        if status in ("503", "429"):
+            return web.json_response({"error": {"code": "overloaded", "message": "full"}}, status=int(status))
+        await asyncio.sleep(self.behaviour.delay_s)
+        if status == "200":
+            return web.json_response({"output": text[::-1]})
+        error = {"code": "deadline_exceeded", "message": "deadline passed"}
+        if later:
+            error["task_id"] = f"task-{number}"
+            self.task_status[error["task_id"]] = later
+        return web.json_response({"error": error}, status=int(status))
+
+    async def _result(self, request: web.Request) -> web.Response:
+        status = self.task_status.get(request.match_info["task_id"])
+        if status is None:
+            return web.json_response({"error": {"code": "task_not_found", "message": "no such task"}}, status=404)
+        return web.json_response({"task_id": request.match_info["task_id"], "status": status})
+
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.registry), content_type="text/plain")
 
@@ -68,6 +98,7 @@ class FakeServer:
         app = web.Application()
         app.router.add_post("/v1/inference", self._inference)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/result/{task_id}", self._result)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -33,6 +33,9 @@ RATE_KEYS = {
     "latency_all_ms",
     "latency_hdr",
     "lag_ms",
+    "refused_ms",
+    "refused_from_send_ms",
+    "after_504",
     "generator",
     "server",
     "processes",
@@ -100,6 +103,14 @@ def test_results_json_has_config_metadata_and_every_rate(finished_run: tuple[Pat
         assert set(rate) == RATE_KEYS
         assert {"p50", "p90", "p95", "p99", "p99.9", "max", "count"} <= set(rate["latency_ms"])
         assert {"p50", "p99", "max"} <= set(rate["lag_ms"])
+        assert {"p50", "p99", "max", "count"} <= set(rate["refused_ms"]), "the fake's 503s are refusals"
+        assert rate["after_504"] == {
+            "answered": 0,
+            "without_task_id": 0,
+            "statuses": {},
+            "computed": 0,
+            "share_of_computed": 0.0,
+        }
         assert rate["latency_hdr"], "the encoded HDR histogram is kept for later analysis"
         assert rate["server"]["batch_size_mean"] == pytest.approx(2.0)
         assert set(rate["generator"]) == {"cpu_s", "cores", "us_per_request", "max_outstanding", "event_loop", "client"}

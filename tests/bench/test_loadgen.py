@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 
 import pytest
 
@@ -104,3 +105,18 @@ async def test_connection_errors_are_counted(client: ClientKind) -> None:
     rate = await one_rate(url, 50.0, duration=0.5, warmup=0.0, client=client)
     assert rate["errors"].get("connection", 0) == rate["sent"] > 0
     assert rate["ok"] == 0
+
+
+@pytest.mark.parametrize("behaviour", [Behaviour(delay_s=0.2, script=("200", "503", "429", "200", "503"))])
+async def test_refusals_are_timed_apart_from_answers(fake: FakeServer, client: ClientKind) -> None:
+    rate = await one_rate(fake.url, 50.0, duration=1.0, warmup=0.0, client=client)
+    script = Counter(fake.answered)
+    refused = rate["refused_ms"]
+    assert refused["count"] == script["503"] + script["429"] == rate["error_total"] > 10, (rate["errors"], script)
+    assert rate["latency_ms"]["count"] == rate["ok"] == script["200"]
+    # The fake refuses at once and answers after 200 ms: the two must not be mixed up.
+    assert refused["p99"] < 150 <= rate["latency_ms"]["p50"], f"refused {refused}, answers {rate['latency_ms']}"
+    from_send = rate["refused_from_send_ms"]
+    assert from_send["count"] == refused["count"]
+    assert from_send["max"] <= refused["max"], "timed from the send, the generator's lag is left out"
+    assert rate["after_504"]["answered"] == 0
