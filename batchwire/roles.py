@@ -17,7 +17,6 @@ from typing import Any
 from batcher.policy import FlushPolicy
 from batcher.settings import BatcherSettings
 from batchwire.gc_tuning import Threshold, tune_gc
-from batchwire.malloc_tuning import keep_large_blocks_apart
 from batchwire.settings import SettingsError, SharedSettings
 
 log = logging.getLogger("batchwire")
@@ -152,7 +151,6 @@ def _serve_http(app: Any, settings: Any, log_level: str, gc_threshold: Threshold
     from gateway.http_limits import connection_cap, limited_http_protocol
 
     tune_gc(gc_threshold)
-    keep_large_blocks_apart()  # a burst of large bodies and outputs gives its memory back when it ends
     config = uvicorn.Config(
         app,
         host=settings.host,

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from batchwire.embedded import EmbeddedSettings
 from batchwire.routing import Partitioner
+from batchwire.settings import SettingsError
 from batchwire.transport.memory import MemoryRequestBus, request_bytes
 from batchwire.transport.memory_store import ENTRY_BYTES, MemoryTaskStore, state_bytes
+from gpu_worker.settings import WorkerSettings
 from schemas.records import InferenceRequest, TaskStatus
 from tests.contract.test_task_store import state
 
@@ -121,3 +124,11 @@ async def test_without_a_budget_nothing_is_dropped_for_bytes() -> None:
         await _complete(store, f"t{index}")
     assert await store.get("t0") is not None
     assert store.full("alpha") is None
+
+
+def test_a_budget_that_cannot_hold_one_result_is_refused_naming_both_settings() -> None:
+    with pytest.raises(SettingsError, match=r"BATCHWIRE_MAX_STORE_BYTES.*BATCHWIRE_MAX_OUTPUT_BYTES"):
+        EmbeddedSettings(max_store_bytes=1000, worker=WorkerSettings(max_output_bytes=2000))
+    with pytest.raises(SettingsError, match="BATCHWIRE_MAX_STORE_BYTES"):
+        EmbeddedSettings(max_store_bytes=-1)
+    assert EmbeddedSettings(max_store_bytes=0).max_store_bytes == 0, "0: no limit"
