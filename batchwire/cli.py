@@ -95,7 +95,13 @@ def _gateway_opts(parser: argparse.ArgumentParser, default_port: int) -> None:
     _add(parser, "--max-header-bytes", 16_384, int, "largest request line plus headers; beyond it 431 and a close")
     _add(parser, "--header-timeout-s", 10.0, float, "a request's headers must come within this; then 408 and a close")
     _add(parser, "--body-timeout-s", 30.0, float, "a request's body must come within this of its headers; then 408")
-    _add(parser, "--max-connections", 4096, int, "open HTTP connections; one more is answered 503 and closed")
+    _add(
+        parser,
+        "--max-connections",
+        4096,
+        int,
+        "open HTTP connections; at the cap a new one replaces the longest waiting without a request, else gets 503",
+    )
     _add(parser, "--max-inflight", 10_000, int, "requests one gateway holds at once before answering 503")
     _add(
         parser,

@@ -187,8 +187,8 @@ ERROR_TABLE: dict[str, tuple[int, str]] = {
     ),
     "too_many_connections": (
         503,
-        "The gateway holds BATCHWIRE_MAX_CONNECTIONS open connections; the new one is closed unread; retry after "
-        "Retry-After.",
+        "The gateway holds BATCHWIRE_MAX_CONNECTIONS open connections, each of which has sent a request; the new "
+        "one is closed unread; retry after Retry-After.",
     ),
     "unknown_model": (404, "`model` is not served by this deployment."),
     "task_not_found": (404, "No task has this id (or it expired, or another API key created it)."),

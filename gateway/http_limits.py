@@ -14,7 +14,10 @@ only the asyncio callbacks, the parser callbacks, ``on_response_complete`` and
 - each connection has one deadline (headers, from the connection's opening or the end of the
   previous response; a body, from its headers) behind one timer that is re-armed lazily, so a busy
   keep-alive connection makes about one timer per header timeout, not one per request;
-- a connection over the cap is answered 503 and closed before anything is read from it.
+- at the cap, a new connection takes the place of the one that has waited longest without sending a
+  whole request (a flood of connections that send nothing, or a slowloris, cannot lock clients
+  out); when every open connection has sent one, the new connection is answered 503 and closed
+  before anything is read from it.
 """
 
 from __future__ import annotations
@@ -55,6 +58,17 @@ def answer(code: str, message: str, headers: bytes = b"") -> bytes:
 _INVALID_HTTP = answer("invalid_http", "the request is not valid HTTP/1.1; the connection is closed")
 
 
+class Occupancy:
+    """One server's connections that have not yet sent a whole request, longest waiting first, and
+    how many of them are being closed to make room (uvicorn counts them until their close completes)."""
+
+    __slots__ = ("closing", "unproven")
+
+    def __init__(self) -> None:
+        self.unproven: dict[LimitedHttpToolsProtocol, None] = {}
+        self.closing = 0
+
+
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the limits above; :func:`limited_http_protocol` binds them."""
 
@@ -67,6 +81,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     header_timeout: ClassVar[bytes] = b""
     body_timeout: ClassVar[bytes] = b""
     too_many_connections: ClassVar[bytes] = b""
+    occupancy: ClassVar[Occupancy] = Occupancy()
 
     def __init__(
         self,
@@ -86,23 +101,44 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """Loop time by which what the connection waits for must have come; None while the app works."""
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
+        self._unproven = False
+        """Open, and no request's headers have come whole yet (in ``occupancy.unproven``)."""
+        self._making_room = False
 
     # asyncio callbacks ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        if len(self.connections) >= self.max_connections:
-            # Never added to uvicorn's connections, so connection_lost's discard leaves the count right.
-            self.transport = transport
-            transport.write(self.too_many_connections)
-            transport.close()
-            return
+        occupancy = self.occupancy
+        if len(self.connections) - occupancy.closing >= self.max_connections:
+            if not occupancy.unproven:
+                # Never added to uvicorn's connections, so connection_lost's discard leaves the count right.
+                self.transport = transport
+                transport.write(self.too_many_connections)
+                transport.close()
+                return
+            next(iter(occupancy.unproven))._make_room()
         super().connection_made(transport)
+        occupancy.unproven[self] = None
+        self._unproven = True
         self._expect(self.header_timeout_s)
+
+    def _make_room(self) -> None:
+        """Closes this connection, which has waited longest without a whole request, for a new one."""
+        del self.occupancy.unproven[self]
+        self._unproven = False
+        self._making_room = True
+        self.occupancy.closing += 1
+        self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._deadline = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._unproven:
+            del self.occupancy.unproven[self]
+            self._unproven = False
+        elif self._making_room:
+            self.occupancy.closing -= 1
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -163,6 +199,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
         self._in_body = True
+        if self._unproven:
+            del self.occupancy.unproven[self]
+            self._unproven = False
         if self.pipeline:
             self._deadline = None  # it waits behind an earlier response, with reading paused
         else:
@@ -243,7 +282,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
-def limited_http_protocol(settings: GatewaySettings, max_connections: int | None = None) -> type[HttpToolsProtocol]:
+def limited_http_protocol(
+    settings: GatewaySettings, max_connections: int | None = None
+) -> type[LimitedHttpToolsProtocol]:
     """The protocol class for uvicorn's ``http=``, bound to ``settings``' limits (``max_connections``
     overrides the setting, for a process whose descriptor limit allows fewer)."""
     cap = settings.max_connections if max_connections is None else max_connections
@@ -268,6 +309,7 @@ def limited_http_protocol(settings: GatewaySettings, max_connections: int | None
             f"the request's body did not come within {settings.body_timeout_s:g} s of its headers "
             f"({env_name('body_timeout_s')})",
         )
+        occupancy = Occupancy()
         too_many_connections = answer(
             "too_many_connections",
             f"the gateway holds {cap} open connections, its limit ({env_name('max_connections')}); retry after "

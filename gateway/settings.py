@@ -103,8 +103,10 @@ class GatewaySettings:
     body_timeout_s: float = 30.0
     """How long a request's body may take to arrive after its headers; then 408 and the connection closes."""
     max_connections: int = 4096
-    """Open HTTP connections; one more is answered 503 + Retry-After and closed before it is read. Each
-    open connection holds memory, so the cap also bounds what a flood of idle ones costs."""
+    """Open HTTP connections. At the cap a new connection takes the place of the one that has waited
+    longest without sending a whole request; when every one has sent a request, the new one is answered
+    503 + Retry-After and closed before it is read. Each open connection holds memory, so the cap also
+    bounds what a flood of idle ones costs."""
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     """sha256 hex digests of the accepted API keys (never the keys; ``gateway.auth.load_api_keys``
     turns keys into digests). Empty: no keys needed and every task is visible to every caller."""

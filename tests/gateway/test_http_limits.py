@@ -420,10 +420,33 @@ async def test_a_busy_keep_alive_connection_makes_few_timers() -> None:
 
 
 # connections and bad requests -------------------------------------------------------------------
-async def test_a_connection_over_the_cap_gets_503_unread_and_the_count_comes_back_down() -> None:
+async def test_at_the_cap_a_new_connection_replaces_the_longest_waiting_one_without_a_request() -> None:
+    edge = Edge(max_connections=3)
+    _, oldest_silent, _ = edge.connect()
+    served, served_transport, _ = edge.connect()
+    served.data_received(get())
+    await answered(served_transport)
+    _, newer_silent, _ = edge.connect()
+    _, admitted, _ = edge.connect()
+    assert oldest_silent.closed and oldest_silent.written == b"", "the longest waiting one makes room, unanswered"
+    assert not admitted.closed, "the new connection is served"
+    assert not newer_silent.closed and not served_transport.closed
+    _, again, _ = edge.connect()
+    assert newer_silent.closed, "then the next longest waiting one without a request"
+    assert not again.closed and not served_transport.closed, "a connection that sent a request keeps its place"
+    await settle()
+    assert len(edge.state.connections) == 3
+    assert edge.protocol_class.occupancy.closing == 0, "closes that made room are done"
+
+
+async def test_at_the_cap_with_every_connection_proven_a_new_one_gets_503_unread() -> None:
     edge = Edge(max_connections=2, retry_after_s=3)
-    _, first_transport, _ = edge.connect()
-    edge.connect()
+    transports = []
+    for _ in range(2):
+        protocol, transport, _ = edge.connect()
+        protocol.data_received(get())
+        await answered(transport)
+        transports.append(transport)
     _, over_transport, parser = edge.connect()
     assert over_transport.closed, "the connection over the cap must be closed"
     assert status_of(over_transport.written) == 503
@@ -433,7 +456,7 @@ async def test_a_connection_over_the_cap_gets_503_unread_and_the_count_comes_bac
     assert parser.fed == 0
     await settle()
     assert len(edge.state.connections) == 2, "a refused connection is not counted"
-    first_transport.close()
+    transports[0].close()
     await settle()
     assert len(edge.state.connections) == 1
     _, again, _ = edge.connect()
@@ -482,3 +505,13 @@ def test_a_cap_the_hard_limit_cannot_hold_is_lowered_with_a_warning(
     with caplog.at_level(logging.WARNING, logger="gateway.http_limits"):
         assert connection_cap(10_000) == 2048 - FD_RESERVE
     assert "BATCHWIRE_MAX_CONNECTIONS" in caplog.text, caplog.text
+
+
+async def test_a_burst_at_the_cap_keeps_the_count_at_the_cap() -> None:
+    edge = Edge(max_connections=3)
+    transports = [edge.connect()[1] for _ in range(13)]  # all in one go: no close has completed yet
+    assert sum(not transport.closed for transport in transports) == 3
+    assert [transport.closed for transport in transports[-3:]] == [False] * 3, "the newest are kept"
+    await settle()
+    assert len(edge.state.connections) == 3
+    assert edge.protocol_class.occupancy.closing == 0
