@@ -138,7 +138,7 @@ class Admission:
                 "retry after the Retry-After delay"
             )
         budget_s = timeout_ms / 1000 - self._service[model].seconds
-        if estimate.wait_s * WAIT_MARGIN > budget_s:
+        if estimate.wait_s > 0 and estimate.wait_s * WAIT_MARGIN > budget_s:  # nothing ahead: no call is refused
             rate = estimate.rate_per_s or 0.0
             raise Overloaded(
                 f"model {model!r} has {depth} requests ahead of this one, about {estimate.wait_s:.1f} s of work "

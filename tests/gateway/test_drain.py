@@ -114,6 +114,9 @@ async def test_a_request_whose_deadline_the_queue_cannot_meet_is_refused_at_once
     assert "timeout_ms=1000 cannot be met" in refused.value.message
     assert refused.value.retry_after_s == 1
     await admission.admit(ANONYMOUS, "a", 2_000)
+    admission.answered("a", 0.1)
+    counters.backlogs["a"] = Backlog(0, 100, 10, 1.1)
+    await admission.admit(ANONYMOUS, "a", 1), "an empty queue refuses nothing: a deadline too short for a call expires"
     counters.backlogs["b"] = Backlog(0, 0, 0, 1.0)
     await admission.admit(ANONYMOUS, "b", 1), "another model's queue is its own"
 
