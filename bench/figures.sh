@@ -32,11 +32,19 @@ figure() {
         --rate 400,800,1200,1600,2000 --duration 10 --warmup 2
       run fast-backend-kafka --start kafka --workers 4 --sim-latency-ms 5 \
         --rate 200,400,600,800,1000 --duration 10 --warmup 2 ;;
+    # 3x capacity (1 worker x 5 items per 100 ms call = 50/s), default gateway settings, 3 seeds per
+    # mode; --timeout above the gateway's 30 s deadline so its 504s arrive and their tasks are read back.
+    overload) for seed in 1 2 3; do
+        for mode in embedded kafka; do
+          run "overload-$mode/seed$seed" --start "$mode" --workers 1 --max-batch 5 --rate 150 --duration 30 \
+            --warmup 3 --concurrency-limit 5000 --timeout 35 --seed "$seed"
+        done
+      done ;;
     *) echo "unknown figure $1" >&2; exit 2 ;;
   esac
 }
 
 if [ $# -eq 0 ]; then
-  set -- 20rps load-embedded load-kafka 1900-embedded 1900-kafka policies slow-worker batchers fast-backend
+  set -- 20rps load-embedded load-kafka 1900-embedded 1900-kafka policies slow-worker batchers fast-backend overload
 fi
 for f in "$@"; do figure "$f"; done
