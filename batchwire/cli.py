@@ -122,12 +122,26 @@ def _gateway_opts(parser: argparse.ArgumentParser, default_port: int) -> None:
     _add(parser, "--rate-limit-burst", 0, int, "submits a client may save up (0: one second's worth of the rate)")
     _add(
         parser,
+        "--trust-client-id",
+        False,
+        _bool,
+        "without API keys, rate-limit by the X-Client-Id header instead of the peer address (only behind a proxy "
+        "that sets it)",
+    )
+    _add(
+        parser,
         "--api-keys",
         None,
         str,
         "comma-separated API keys, or sha256:<hex> digests of them; prefer the variable or the file to the flag",
     )
-    _add(parser, "--api-keys-file", None, str, "file of API keys (or sha256:<hex> digests), one a line")
+    _add(
+        parser,
+        "--api-keys-file",
+        None,
+        str,
+        "file of API keys (or sha256:<hex> digests), one a line; 'operator <key>' marks a key that may read /metrics",
+    )
 
 
 def _express(parser: argparse.ArgumentParser) -> None:

@@ -79,6 +79,7 @@ def gateway_settings(args: argparse.Namespace, shared: SharedSettings) -> Any:
         "stall_s": args.stall_s,
         "rate_limit_per_s": args.rate_limit_per_s,
         "rate_limit_burst": args.rate_limit_burst,
+        "trust_client_id": args.trust_client_id,
         "max_header_bytes": args.max_header_bytes,
         "header_timeout_s": args.header_timeout_s,
         "body_timeout_s": args.body_timeout_s,
@@ -92,7 +93,8 @@ def gateway_settings(args: argparse.Namespace, shared: SharedSettings) -> Any:
     if args.gateway_id:
         kwargs["gateway_id"] = args.gateway_id
     try:
-        kwargs["api_keys"] = load_api_keys(args.api_keys, args.api_keys_file)
+        keys = load_api_keys(args.api_keys, args.api_keys_file)
+        kwargs["api_keys"], kwargs["operator_keys"] = keys.digests, keys.operators
         args.api_keys = None  # only digests are kept (the environment is the operator's: use sha256: there)
         return GatewaySettings(**kwargs)
     except ValueError as err:

@@ -88,13 +88,14 @@ def _body_doc(settings: GatewaySettings) -> dict[str, Any]:
             },
         }
     ]
-    if settings.rate_limit_per_s > 0 and not settings.api_keys:
+    if settings.rate_limit_per_s > 0 and settings.trust_client_id and not settings.api_keys:
         parameters.append(
             {
                 "name": CLIENT_ID_HEADER,
                 "in": "header",
                 "required": False,
-                "description": "Whose rate limit the request counts against (else the client's IP address).",
+                "description": "Whose rate limit the request counts against, set by the proxy in front (else "
+                "the peer's IP address).",
                 "schema": {"type": "string", "minLength": 1, "maxLength": 128, "pattern": r"^[\x21-\x7e]+$"},
             }
         )
@@ -123,9 +124,15 @@ _SUBMIT_ERRORS = (
 
 
 def _caller_of(settings: GatewaySettings) -> Callable[[Request], Caller]:
-    """How a request's caller is told: a constant when neither API keys nor rate limits are on."""
+    """How a request's caller is told: a constant when neither API keys nor rate limits are on.
+
+    Without API keys, rate limits count per peer address. ``X-Client-Id`` chooses the bucket only
+    with ``trust_client_id`` (a proxy in front sets it): a header any client may send would let
+    one client spend another's bucket.
+    """
     keys_on = bool(settings.api_keys)
     limits_on = settings.rate_limit_per_s > 0
+    trust_client_id = settings.trust_client_id
     if not keys_on and not limits_on:
         return lambda request: ANONYMOUS
 
@@ -135,7 +142,7 @@ def _caller_of(settings: GatewaySettings) -> Callable[[Request], Caller]:
             return Caller(owner)
         if owner is not None:
             return Caller(owner, f"key:{owner}")
-        claimed = request.headers.get(CLIENT_ID_HEADER)
+        claimed = request.headers.get(CLIENT_ID_HEADER) if trust_client_id else None
         if claimed is not None:
             if not _CLIENT_ID_PATTERN.fullmatch(claimed):
                 raise InvalidClientId(
@@ -186,12 +193,14 @@ def create_app(gateway: Gateway, lifecycle: Lifecycle) -> FastAPI:
         telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False},
     )
     install_error_handlers(app, settings.retry_after_s)
-    keys = ApiKeys(settings.api_keys) if settings.api_keys else None
+    keys = ApiKeys(settings.api_keys, settings.operator_keys) if settings.api_keys else None
     if keys is not None:
         app.add_middleware(AuthMiddleware, keys=keys)  # inside EdgeMiddleware: 401s counted
     app.add_middleware(EdgeMiddleware)
     caller_of = _caller_of(settings)
-    submit_errors = _SUBMIT_ERRORS + (("rate_limited", "invalid_client_id") if settings.rate_limit_per_s > 0 else ())
+    submit_errors = _SUBMIT_ERRORS + (("rate_limited",) if settings.rate_limit_per_s > 0 else ())
+    if settings.rate_limit_per_s > 0 and settings.trust_client_id:
+        submit_errors += ("invalid_client_id",)
 
     @app.post(
         "/v1/inference",
@@ -360,9 +369,12 @@ def create_app(gateway: Gateway, lifecycle: Lifecycle) -> FastAPI:
             200: {
                 "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
                 "description": "Prometheus text exposition of every batchwire metric in this process.",
-            }
+            },
+            **(error_responses("forbidden") if settings.api_keys else {}),
         },
         summary="Prometheus metrics",
+        description="With API keys on, only an operator key reads it (a tenant key gets 403 `forbidden`): "
+        "it shows every tenant's traffic.",
     )
     async def metrics() -> Response:
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)

@@ -4,6 +4,10 @@ Only sha256 digests of the keys are held (the CLI hashes keys given as text, or 
 ``sha256:<hex>`` so that plain keys need not be stored anywhere). A presented key is hashed and
 compared with every digest in constant time. A key's *owner* (the first 16 hex digits of its
 digest) is what tasks are stored under: a task is visible only to the key that created it.
+
+Keys are of two classes. A *tenant* key (an entry as it is) uses the API. An *operator* key (an
+entry written ``operator <key>``) also reads the deployment-wide ``OPERATOR_PATHS`` (``/metrics``),
+which a tenant key is refused with 403 ``forbidden``: metrics show every tenant's traffic.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -21,10 +26,29 @@ from gateway.settings import env_name
 # Open without a key: liveness and readiness probes (load balancers hold no keys) and the API's
 # own description. /metrics is protected: Prometheus sends a bearer token (``authorization``).
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+# Deployment-wide views: with API keys on, only an operator key reads them.
+OPERATOR_PATHS = frozenset({"/metrics"})
+OPERATOR = "operator"
 OWNER_HEX = 16
 _MIN_KEY_CHARS = 16
 _HEX = re.compile(r"[0-9a-fA-F]{64}")
 _PREFIX = "sha256:"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedKeys:
+    """The accepted keys as sha256 hex digests, and which of them are operator keys."""
+
+    digests: tuple[str, ...] = ()
+    operators: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class KeyHolder:
+    """Who presented an accepted key: the owner id its tasks are stored under, and its class."""
+
+    owner: str
+    operator: bool
 
 
 def digest_of(key: str) -> str:
@@ -36,11 +60,12 @@ def owner_of(digest: str) -> str:
     return digest[:OWNER_HEX]
 
 
-def load_api_keys(keys: str | None, keys_file: str | None) -> tuple[str, ...]:
+def load_api_keys(keys: str | None, keys_file: str | None) -> LoadedKeys:
     """Digests of the keys in ``keys`` (comma-separated) and ``keys_file`` (one a line, ``#`` comments).
 
-    Each entry is a key (at least 16 characters) or ``sha256:<64 hex digits>``. Error messages
-    name the entry by position, never by value.
+    Each entry is a key (at least 16 characters, no spaces) or ``sha256:<64 hex digits>``, either
+    one after ``operator `` for an operator key. Error messages name the entry by position, never
+    by value.
     """
     entries: list[tuple[str, str]] = []
     if keys:
@@ -52,47 +77,66 @@ def load_api_keys(keys: str | None, keys_file: str | None) -> tuple[str, ...]:
             raise ValueError(f"cannot read {env_name('api_keys_file')} {keys_file}: {err.strerror}") from err
         entries.extend((f"line {n} of {keys_file}", line) for n, line in enumerate(text.splitlines(), 1))
     digests: list[str] = []
+    operators: list[str] = []
     for where, raw in entries:
         entry = raw.strip()
         if not entry or entry.startswith("#"):
             continue
-        if entry.startswith(_PREFIX):
-            hexdigest = entry[len(_PREFIX) :]
-            if not _HEX.fullmatch(hexdigest):
-                raise ValueError(f"{where}: after 'sha256:' come the 64 hex digits of the key's sha256")
-            digests.append(hexdigest.lower())
-        elif len(entry) < _MIN_KEY_CHARS:
-            raise ValueError(f"{where}: an API key must have at least {_MIN_KEY_CHARS} characters")
+        words = entry.split()
+        if len(words) == 2 and words[0] == OPERATOR:
+            digest = _digest_of_entry(where, words[1])
+            operators.append(digest)
+        elif len(words) == 1:
+            digest = _digest_of_entry(where, entry)
         else:
-            digests.append(digest_of(entry))
-    return tuple(dict.fromkeys(digests))
+            raise ValueError(
+                f"{where}: an entry is one key (no spaces) or sha256:<hex>, or '{OPERATOR} ' and one of them"
+            )
+        digests.append(digest)
+    return LoadedKeys(tuple(dict.fromkeys(digests)), tuple(dict.fromkeys(operators)))
+
+
+def _digest_of_entry(where: str, entry: str) -> str:
+    if entry.startswith(_PREFIX):
+        hexdigest = entry[len(_PREFIX) :]
+        if not _HEX.fullmatch(hexdigest):
+            raise ValueError(f"{where}: after 'sha256:' come the 64 hex digits of the key's sha256")
+        return hexdigest.lower()
+    if len(entry) < _MIN_KEY_CHARS:
+        raise ValueError(f"{where}: an API key must have at least {_MIN_KEY_CHARS} characters")
+    return digest_of(entry)
 
 
 class ApiKeys:
-    """The accepted keys, as digests."""
+    """The accepted keys, as digests, each marked tenant or operator."""
 
-    def __init__(self, digests: tuple[str, ...]) -> None:
+    def __init__(self, digests: tuple[str, ...], operators: tuple[str, ...] = ()) -> None:
         if not digests:
             raise ValueError("ApiKeys needs at least one digest")
-        self._digests = [bytes.fromhex(digest) for digest in digests]
+        if not set(operators) <= set(digests):
+            raise ValueError("every operator digest must be among the accepted digests")
+        marked = set(operators)
+        self._digests = [(bytes.fromhex(digest), digest in marked) for digest in digests]
 
-    def owner(self, authorization: str | None) -> str | None:
-        """The owner of the key in an ``Authorization`` header value, or None if it is not accepted."""
+    def holder(self, authorization: str | None) -> KeyHolder | None:
+        """Who holds the key in an ``Authorization`` header value, or None if it is not accepted."""
         if authorization is None:
             return None
         scheme, _, key = authorization.partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             return None
         presented = hashlib.sha256(key.strip().encode()).digest()
-        found = False
-        for digest in self._digests:  # no early exit: the time taken does not say which key matched
-            found |= hmac.compare_digest(presented, digest)
-        return owner_of(presented.hex()) if found else None
+        found = operator = False
+        for digest, is_operator in self._digests:  # no early exit: the time taken does not say which key matched
+            matched = hmac.compare_digest(presented, digest)
+            found |= matched
+            operator |= matched and is_operator
+        return KeyHolder(owner_of(presented.hex()), operator) if found else None
 
 
 class AuthMiddleware:
-    """Answers 401 ``unauthorized`` without an accepted key; else hands the owner on in
-    ``scope["state"]["owner"]`` (``request.state.owner``)."""
+    """Answers 401 ``unauthorized`` without an accepted key, and 403 ``forbidden`` to a tenant key on
+    ``OPERATOR_PATHS``; else hands the owner on in ``scope["state"]["owner"]`` (``request.state.owner``)."""
 
     def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
         self.app = app
@@ -107,8 +151,8 @@ class AuthMiddleware:
             if name == b"authorization":
                 authorization = value.decode("latin-1")
                 break
-        owner = self.keys.owner(authorization)
-        if owner is None:
+        holder = self.keys.holder(authorization)
+        if holder is None:
             challenge = 'Bearer realm="batchwire"' + ("" if authorization is None else ', error="invalid_token"')
             message = (
                 "this gateway needs an API key: send 'Authorization: Bearer <key>'"
@@ -118,5 +162,17 @@ class AuthMiddleware:
             response = error_response(401, "unauthorized", message, headers={"WWW-Authenticate": challenge})
             await response(scope, receive, send)
             return
-        scope.setdefault("state", {})["owner"] = owner
+        if not holder.operator and _normalized(scope["path"]) in OPERATOR_PATHS:
+            message = (
+                f"{scope['path']} shows the whole deployment and needs an operator key; this is a tenant key. "
+                f"Mark an operator's key as '{OPERATOR} <key>' in {env_name('api_keys_file')} or {env_name('api_keys')}"
+            )
+            await error_response(403, "forbidden", message)(scope, receive, send)
+            return
+        scope.setdefault("state", {})["owner"] = holder.owner
         await self.app(scope, receive, send)
+
+
+def _normalized(path: str) -> str:
+    """``path`` without repeated or trailing slashes, so that no spelling of an operator path gets past."""
+    return "/" + "/".join(part for part in path.split("/") if part)

@@ -166,6 +166,7 @@ ERROR_TABLE: dict[str, tuple[int, str]] = {
     "invalid_client_id": (400, "The X-Client-Id header is empty, over 128 characters, or not visible ASCII."),
     "invalid_http": (400, "The request is not valid HTTP/1.1; the connection is closed."),
     "unauthorized": (401, "API keys are on and the Authorization: Bearer key is missing or not accepted."),
+    "forbidden": (403, "`/metrics` with a tenant key: it needs an operator key (`operator <key>` in the keys file)."),
     "validation_error": (422, "A field is missing, unknown or of the wrong type, or a parameter is out of range."),
     "empty_input": (422, "`input` is the empty string."),
     "timeout_out_of_range": (422, "`timeout_ms` is outside the allowed range."),
@@ -198,8 +199,8 @@ ERROR_TABLE: dict[str, tuple[int, str]] = {
     "task_cancelled": (409, "The task was cancelled (`DELETE /v1/result/{task_id}`) before a worker ran it."),
     "rate_limited": (
         429,
-        "The client (API key, else X-Client-Id, else IP) is over BATCHWIRE_RATE_LIMIT_PER_S with bursts of "
-        "BATCHWIRE_RATE_LIMIT_BURST; retry after Retry-After.",
+        "The client (API key, else the peer's IP, or X-Client-Id with BATCHWIRE_TRUST_CLIENT_ID) is over "
+        "BATCHWIRE_RATE_LIMIT_PER_S with bursts of BATCHWIRE_RATE_LIMIT_BURST; retry after Retry-After.",
     ),
     "client_disconnected": (499, "The caller closed the connection before its answer; its task was cancelled."),
     "task_failed": (502, "The task failed; the code is the task's own error code when it has one."),

@@ -76,8 +76,12 @@ class GatewaySettings:
     stall_s: float = 5.0
     """A model whose queue holds requests while no batch reaches its workers for this long is stalled."""
     rate_limit_per_s: float = 0.0
-    """Submits per second per client (API key, else X-Client-Id, else IP), shared by every gateway
-    through the store; beyond it: 429 + Retry-After. 0 turns rate limits off."""
+    """Submits per second per client (API key, else the peer's IP address, or X-Client-Id with
+    ``trust_client_id``), shared by every gateway through the store; beyond it: 429 + Retry-After.
+    0 turns rate limits off."""
+    trust_client_id: bool = False
+    """Without API keys, rate-limit by the X-Client-Id header instead of the peer address. Only for a
+    proxy in front that sets the header itself: a client that may send it can spend anyone's bucket."""
     rate_limit_burst: int = 0
     """Submits a client may save up and send at once; 0 means one second's worth of the rate."""
     express: bool = True
@@ -110,6 +114,8 @@ class GatewaySettings:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     """sha256 hex digests of the accepted API keys (never the keys; ``gateway.auth.load_api_keys``
     turns keys into digests). Empty: no keys needed and every task is visible to every caller."""
+    operator_keys: tuple[str, ...] = field(default=(), repr=False)
+    """Those of ``api_keys`` that are operator keys: with keys on, only they read ``/metrics``."""
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -185,6 +191,8 @@ class GatewaySettings:
                 f"api_keys ({env_name('api_keys')}) must hold sha256 hex digests; keys given as text are hashed "
                 "by the CLI (gateway.auth.load_api_keys)"
             )
+        if not set(self.operator_keys) <= set(self.api_keys):
+            raise ValueError(f"operator_keys must be among api_keys ({env_name('api_keys')}), as digests")
 
     @property
     def rate_limit_burst_tokens(self) -> int:

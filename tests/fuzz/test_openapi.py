@@ -46,6 +46,8 @@ from tests.e2e.harness import Proc, embedded
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 API_KEY = "fuzz-key-0123456789abcdef"
+# Reads /metrics, which the fuzzer's tenant key is refused (403, documented).
+OPERATOR_KEY = "fuzz-operator-0123456789abcdef"
 # Sync calls answer in ~5 ms (sim latency); a timeout_ms near the maximum still ends in 2 s.
 TIMEOUT_MS = 2000
 SERVICE_FLAGS = ("--max-timeout-ms", str(TIMEOUT_MS), "--default-timeout-ms", str(TIMEOUT_MS))
@@ -157,7 +159,7 @@ def _service(base: Path, *extra: str) -> Iterator[str]:
 
 def _answers_by_status(url: str) -> dict[str, int]:
     """What the service answered while fuzzed, from its own request counter."""
-    metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).text
+    metrics = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {OPERATOR_KEY}"}, timeout=10).text
     counts: Counter[str] = Counter()
     for line in metrics.splitlines():
         if line.startswith("batchwire_requests_total{"):
@@ -173,7 +175,7 @@ def open_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def keyed_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    yield from _service(tmp_path_factory.mktemp("fuzz-keyed"), "--api-keys", API_KEY)
+    yield from _service(tmp_path_factory.mktemp("fuzz-keyed"), "--api-keys", f"{API_KEY},operator {OPERATOR_KEY}")
 
 
 _key_serial = itertools.count()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from batchwire.transport.redis import RedisTaskStore
-from gateway.auth import ApiKeys, digest_of, load_api_keys, owner_of
+from gateway.auth import ApiKeys, KeyHolder, LoadedKeys, digest_of, load_api_keys, owner_of
 from gateway.settings import GatewaySettings
 from schemas.records import TaskStatus
 from schemas.wire import Names
@@ -72,15 +72,41 @@ async def test_probes_and_docs_stay_open(make_rig: RigFactory) -> None:
     assert "security" not in spec["paths"]["/healthz"]["get"]
 
 
-async def test_the_right_key_works_and_metrics_take_it(make_rig: RigFactory) -> None:
+async def test_the_right_key_works(make_rig: RigFactory) -> None:
     rig = await make_rig(api_keys=(digest_of(KEY_A),))
     await rig.worker()
     answer = await rig.client.post("/v1/inference", json={"input": "key"}, headers=bearer(KEY_A))
     assert answer.status_code == 200, answer.text
     assert answer.json()["output"] == "yek"
-    assert (await rig.client.get("/metrics", headers=bearer(KEY_A))).status_code == 200
     assert rig.store.created[0].owner == owner_of(digest_of(KEY_A))
     assert rig.workers[0].seen[0].owner == owner_of(digest_of(KEY_A)), "the request carries its owner"
+
+
+async def test_metrics_need_an_operator_key_and_a_tenant_key_gets_403(make_rig: RigFactory) -> None:
+    operator = digest_of(KEY_B)
+    rig = await make_rig(api_keys=(digest_of(KEY_A), operator), operator_keys=(operator,))
+    await rig.worker()
+    refused = await rig.client.get("/metrics", headers=bearer(KEY_A))
+    assert refused.status_code == 403, refused.text
+    error = error_of(refused)
+    assert error["code"] == "forbidden"
+    assert "operator key" in error["message"] and "BATCHWIRE_API_KEYS_FILE" in error["message"], error
+    assert "batchwire_" not in refused.text
+    scraped = await rig.client.get("/metrics", headers=bearer(KEY_B))
+    assert scraped.status_code == 200, scraped.text
+    assert "batchwire_requests_total" in scraped.text
+    answer = await rig.client.post("/v1/inference", json={"input": "op"}, headers=bearer(KEY_B))
+    assert answer.status_code == 200, "an operator key is also a key for the API"
+    assert (await rig.client.post("/v1/tasks", json={"input": "t"}, headers=bearer(KEY_A))).status_code == 202
+    spec = (await rig.client.get("/openapi.json")).json()
+    assert "403" in spec["paths"]["/metrics"]["get"]["responses"], "the 403 is documented"
+
+
+async def test_without_api_keys_metrics_stay_open(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    assert (await rig.client.get("/metrics")).status_code == 200
+    spec = (await rig.client.get("/openapi.json")).json()
+    assert "403" not in spec["paths"]["/metrics"]["get"]["responses"]
 
 
 async def test_a_task_is_visible_only_to_the_key_that_created_it(make_rig: RigFactory) -> None:
@@ -130,9 +156,22 @@ def test_load_api_keys_hashes_text_and_takes_digests(tmp_path: Path) -> None:
 
     loaded = load_api_keys(f" {KEY_A} ,", str(keys_file))
 
-    assert loaded == (digest_of(KEY_A), digest_of(KEY_B), digest)
-    assert load_api_keys(None, None) == ()
-    assert load_api_keys(f"{KEY_A},{KEY_A}", None) == (digest_of(KEY_A),), "duplicates collapse"
+    assert loaded.digests == (digest_of(KEY_A), digest_of(KEY_B), digest)
+    assert loaded.operators == ()
+    assert load_api_keys(None, None) == LoadedKeys((), ())
+    assert load_api_keys(f"{KEY_A},{KEY_A}", None).digests == (digest_of(KEY_A),), "duplicates collapse"
+
+
+def test_operator_entries_mark_operator_keys(tmp_path: Path) -> None:
+    digest = hashlib.sha256(b"an-operator-digest-0123").hexdigest()
+    keys_file = tmp_path / "keys"
+    keys_file.write_text(f"{KEY_A}\noperator {KEY_B}\n  operator   sha256:{digest}  \n")
+
+    loaded = load_api_keys(None, str(keys_file))
+
+    assert loaded.digests == (digest_of(KEY_A), digest_of(KEY_B), digest), "an operator key is a key too"
+    assert loaded.operators == (digest_of(KEY_B), digest)
+    assert load_api_keys(f"operator {KEY_A}", None).operators == (digest_of(KEY_A),), "the variable takes them too"
 
 
 @pytest.mark.parametrize(
@@ -140,6 +179,8 @@ def test_load_api_keys_hashes_text_and_takes_digests(tmp_path: Path) -> None:
     [
         ("short", "entry 1 of BATCHWIRE_API_KEYS: an API key must have at least 16 characters"),
         (f"{KEY_A},sha256:abc", "entry 2 of BATCHWIRE_API_KEYS: after 'sha256:' come the 64 hex digits"),
+        (f"{KEY_A},admin {KEY_B}", "entry 2 of BATCHWIRE_API_KEYS: an entry is one key"),
+        ("operator short", "entry 1 of BATCHWIRE_API_KEYS: an API key must have at least 16 characters"),
     ],
 )
 def test_load_api_keys_refuses_naming_the_entry_not_the_key(keys: str, message: str) -> None:
@@ -160,12 +201,21 @@ def test_settings_take_digests_only_and_do_not_echo_the_value() -> None:
 
 
 def test_api_keys_compare_every_digest() -> None:
-    keys = ApiKeys((digest_of(KEY_A), digest_of(KEY_B)))
-    assert keys.owner(f"Bearer {KEY_B}") == owner_of(digest_of(KEY_B))
-    assert keys.owner(f"bearer {KEY_A}") == owner_of(digest_of(KEY_A)), "the scheme is case-insensitive"
-    assert keys.owner("Bearer nope-nope-nope-nope") is None
-    assert keys.owner(None) is None
+    keys = ApiKeys((digest_of(KEY_A), digest_of(KEY_B)), operators=(digest_of(KEY_B),))
+    assert keys.holder(f"Bearer {KEY_B}") == KeyHolder(owner_of(digest_of(KEY_B)), operator=True)
+    assert keys.holder(f"bearer {KEY_A}") == KeyHolder(owner_of(digest_of(KEY_A)), operator=False), (
+        "the scheme is case-insensitive"
+    )
+    assert keys.holder("Bearer nope-nope-nope-nope") is None
+    assert keys.holder(None) is None
     assert len(owner_of(digest_of(KEY_A))) == 16
+
+
+def test_operator_keys_must_be_accepted_keys() -> None:
+    with pytest.raises(ValueError, match="operator"):
+        ApiKeys((digest_of(KEY_A),), operators=(digest_of(KEY_B),))
+    with pytest.raises(ValueError, match="operator_keys"):
+        GatewaySettings(api_keys=(digest_of(KEY_A),), operator_keys=(digest_of(KEY_B),))
 
 
 # over the real Redis ------------------------------------------------------------------------------

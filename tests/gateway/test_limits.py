@@ -90,8 +90,13 @@ async def test_queue_depth_from_the_real_request_topic(make_rig: RigFactory, nam
 # rate limits ----------------------------------------------------------------------------------------
 
 
-def _limited(rate_per_s: float, burst: int) -> dict[str, Any]:
-    return {"limiter": MemoryRateLimiter(rate_per_s, burst), "rate_limit_per_s": rate_per_s, "rate_limit_burst": burst}
+def _limited(rate_per_s: float, burst: int, *, trust_client_id: bool = True) -> dict[str, Any]:
+    return {
+        "limiter": MemoryRateLimiter(rate_per_s, burst),
+        "rate_limit_per_s": rate_per_s,
+        "rate_limit_burst": burst,
+        "trust_client_id": trust_client_id,
+    }
 
 
 async def test_a_client_over_its_rate_gets_429_with_the_wait_and_the_setting(make_rig: RigFactory) -> None:
@@ -118,6 +123,21 @@ async def test_without_a_client_id_the_address_is_the_client(make_rig: RigFactor
     rig = await make_rig(**_limited(0.1, 1))
     assert (await rig.client.post("/v1/tasks", json={"input": "a"})).status_code == 202
     assert (await rig.client.post("/v1/tasks", json={"input": "b"})).status_code == 429
+
+
+async def test_an_untrusted_client_id_is_ignored_and_the_address_is_the_client(make_rig: RigFactory) -> None:
+    """Without --trust-client-id any caller could name another's bucket (and drain it), or make up
+    a new id per request to escape its own: the header chooses nothing."""
+    rig = await make_rig(**_limited(0.1, 1, trust_client_id=False))
+    first = await rig.client.post("/v1/tasks", json={"input": "a"}, headers={"X-Client-Id": "victim"})
+    assert first.status_code == 202, first.text
+    escape = await rig.client.post("/v1/tasks", json={"input": "b"}, headers={"X-Client-Id": "fresh-id"})
+    assert escape.status_code == 429, "a made-up id is not a new bucket"
+    odd = await rig.client.post("/v1/tasks", json={"input": "c"}, headers={"X-Client-Id": "a b"})
+    assert odd.status_code == 429, "an ignored header is not validated either"
+    spec = (await rig.client.get("/openapi.json")).json()
+    names = [p["name"] for p in spec["paths"]["/v1/tasks"]["post"].get("parameters", [])]
+    assert "X-Client-Id" not in names, "the header is documented only where it is trusted"
 
 
 async def test_with_api_keys_the_key_is_the_client_whatever_it_claims(make_rig: RigFactory) -> None:
@@ -160,8 +180,8 @@ async def redis_limiters(infra: Any, names: Names) -> AsyncIterator[list[RedisRa
 async def test_two_gateways_share_each_clients_bucket_through_redis(
     make_rig: RigFactory, redis_limiters: list[RedisRateLimiter]
 ) -> None:
-    first = await make_rig(limiter=redis_limiters[0], rate_limit_per_s=0.2, rate_limit_burst=3)
-    second = await make_rig(limiter=redis_limiters[1], rate_limit_per_s=0.2, rate_limit_burst=3)
+    first = await make_rig(limiter=redis_limiters[0], rate_limit_per_s=0.2, rate_limit_burst=3, trust_client_id=True)
+    second = await make_rig(limiter=redis_limiters[1], rate_limit_per_s=0.2, rate_limit_burst=3, trust_client_id=True)
     headers = {"X-Client-Id": "roaming"}
     statuses = [
         (await gateway.client.post("/v1/tasks", json={"input": "x"}, headers=headers)).status_code

@@ -31,8 +31,8 @@ def gateways(tmp_path: Path, infra: Any) -> Iterator[Cluster]:
             "BATCHWIRE_MAX_QUEUE_DEPTH": "3",
             "BATCHWIRE_RATE_LIMIT_PER_S": "0.05",
             "BATCHWIRE_RATE_LIMIT_BURST": "2",
-            # one key as its digest, one as text: both forms work
-            "BATCHWIRE_API_KEYS": f"sha256:{hashlib.sha256(KEYS[0].encode()).hexdigest()},{KEYS[1]}",
+            # one key as its digest, one as text: both forms work; the first reads /metrics
+            "BATCHWIRE_API_KEYS": f"operator sha256:{hashlib.sha256(KEYS[0].encode()).hexdigest()},{KEYS[1]}",
         },
     )
     try:
