@@ -57,7 +57,32 @@ class SharedSettings:
                 "Redis is not configured: pass --redis-url redis://HOST:PORT/0 or set BATCHWIRE_REDIS_URL "
                 "(`batchwire stack up` starts a local server and writes .batchwire/stack.env)"
             )
+        check_redis_url(self.redis_url)
         return self.redis_url
+
+
+REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel")
+
+
+def check_redis_url(url: str) -> None:
+    """Stops a role at start, before it creates anything, when ``url`` cannot work: a scheme Redis
+    clients do not take, or a Sentinel URL that is malformed or names Sentinels or a master that are
+    not there (the Sentinels are asked once)."""
+    from batchwire.transport.redis_pools import redacted
+    from batchwire.transport.redis_sentinel import FORM, SentinelError, check_sentinels, is_sentinel_url
+
+    scheme = url.partition("://")[0].lower()
+    if scheme not in REDIS_SCHEMES:
+        raise SettingsError(
+            f"Redis URL {redacted(url)!r}: the scheme must be one of {', '.join(s + '://' for s in REDIS_SCHEMES)}; "
+            f"the forms are redis://HOST:PORT/DB and {FORM} (--redis-url / BATCHWIRE_REDIS_URL)"
+        )
+    if is_sentinel_url(url):
+        try:
+            check_sentinels(url)
+        except SentinelError as err:
+            named = "BATCHWIRE_REDIS_URL" in str(err)
+            raise SettingsError(str(err) if named else f"{err} (--redis-url / BATCHWIRE_REDIS_URL)") from err
 
 
 def stack_env(path: Path | None = None) -> dict[str, str]:

@@ -7,7 +7,9 @@
 - pubsub: the one subscribed connection; no retry inside redis-py, because the reader task owns
   reconnecting (with backoff, logging, and subscribing again).
 
-Every pool's connections pack commands with hiredis (``_hiredis_packing``).
+Every pool's connections pack commands with hiredis (``_hiredis_packing``). A ``redis+sentinel://``
+URL gives pools that ask the Sentinels for the primary on every new connection (``redis_sentinel``),
+so every user of these pools follows a failover.
 """
 
 from __future__ import annotations
@@ -26,16 +28,28 @@ from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
 from batchwire.transport.base import TransportError
 from batchwire.transport.errors import PermanentTransportError, StoreFullError
+from batchwire.transport.redis_sentinel import (
+    blocking_sentinel_pool,
+    is_sentinel_url,
+    redacted_sentinel_url,
+    sentinel_pool,
+)
 
 
 def redacted(url: str) -> str:
     """The URL without its password, for error messages and logs."""
+    if is_sentinel_url(url):
+        return redacted_sentinel_url(url)  # several HOST:PORT, which urlsplit does not take
     parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:  # a port that is no number: a malformed URL, reported with its password hidden
+        return redacted_sentinel_url(url)
     if parts.password is None:
         return url
     host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
+    if port is not None:
+        host = f"{host}:{port}"
     user = f"{parts.username}:***@" if parts.username else "***@"
     return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
 
@@ -96,7 +110,7 @@ class _HiredisPacking:
 
 def _keepalive(url: str) -> dict[str, bool]:
     """TCP keepalive, where there is TCP: a ``unix://`` connection refuses the option."""
-    return {} if urlsplit(url).scheme == "unix" else {"socket_keepalive": True}
+    return {} if url.partition("://")[0].lower() == "unix" else {"socket_keepalive": True}
 
 
 _PACKING: dict[type[AbstractConnection], type[AbstractConnection]] = {}
@@ -115,18 +129,22 @@ def _packing_with_hiredis(pool: P) -> P:
     return pool
 
 
+def _blocking_from_url(url: str, **kwargs: Any) -> BlockingConnectionPool:
+    if is_sentinel_url(url):
+        return _packing_with_hiredis(blocking_sentinel_pool(url, **kwargs))
+    return _packing_with_hiredis(BlockingConnectionPool.from_url(url, **kwargs))
+
+
 def command_pool(url: str, options: PoolOptions) -> BlockingConnectionPool:
-    return _packing_with_hiredis(
-        BlockingConnectionPool.from_url(
-            url,
-            max_connections=options.max_connections,
-            timeout=options.pool_timeout_s,
-            socket_timeout=options.socket_timeout_s,
-            socket_connect_timeout=options.socket_timeout_s,
-            **_keepalive(url),
-            health_check_interval=options.health_check_interval_s,
-            retry=_retry_once(),
-        )
+    return _blocking_from_url(
+        url,
+        max_connections=options.max_connections,
+        timeout=options.pool_timeout_s,
+        socket_timeout=options.socket_timeout_s,
+        socket_connect_timeout=options.socket_timeout_s,
+        **_keepalive(url),
+        health_check_interval=options.health_check_interval_s,
+        retry=_retry_once(),
     )
 
 
@@ -144,31 +162,29 @@ class CommandClient:
 
 def blocking_pool(url: str, max_connections: int, options: PoolOptions) -> BlockingConnectionPool:
     """Connections for blocking commands: no read timeout (the caller bounds each wait itself)."""
-    return _packing_with_hiredis(
-        BlockingConnectionPool.from_url(
-            url,
-            max_connections=max_connections,
-            timeout=None,
-            socket_timeout=None,
-            socket_connect_timeout=options.socket_timeout_s,
-            **_keepalive(url),
-            health_check_interval=options.health_check_interval_s,
-            retry=_retry_once(),
-        )
+    return _blocking_from_url(
+        url,
+        max_connections=max_connections,
+        timeout=None,
+        socket_timeout=None,
+        socket_connect_timeout=options.socket_timeout_s,
+        **_keepalive(url),
+        health_check_interval=options.health_check_interval_s,
+        retry=_retry_once(),
     )
 
 
 def pubsub_pool(url: str, *, socket_timeout_s: float) -> ConnectionPool:
     """The PubSub connection: reads are bounded per call by the reader; no health check and no retry
     inside redis-py, whose own reconnect would read replies behind the reader's back."""
-    return _packing_with_hiredis(
-        ConnectionPool.from_url(
-            url,
-            max_connections=2,
-            socket_timeout=socket_timeout_s,
-            socket_connect_timeout=socket_timeout_s,
-            **_keepalive(url),
-            health_check_interval=0,
-            retry=Retry(NoBackoff(), 0, supported_errors=()),
-        )
-    )
+    options: dict[str, Any] = {
+        "max_connections": 2,
+        "socket_timeout": socket_timeout_s,
+        "socket_connect_timeout": socket_timeout_s,
+        **_keepalive(url),
+        "health_check_interval": 0,
+        "retry": Retry(NoBackoff(), 0, supported_errors=()),
+    }
+    if is_sentinel_url(url):
+        return _packing_with_hiredis(sentinel_pool(url, **options))
+    return _packing_with_hiredis(ConnectionPool.from_url(url, **options))

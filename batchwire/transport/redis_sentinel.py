@@ -1,0 +1,261 @@
+"""Redis behind Sentinel: ``redis+sentinel://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]/MASTER[/DB]``.
+
+A pool built from such a URL asks the Sentinels for the primary's address whenever it opens a
+connection (redis-py's ``SentinelConnectionPool``), so a connection that breaks in a failover is
+reopened to the new primary without a restart. The credentials and DB are the Redis servers'; the
+Sentinels are asked without credentials. A HOST without ``:PORT`` means Sentinel's port, 26379.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote
+
+import redis
+from redis.asyncio import BlockingConnectionPool
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry as SyncRetry
+
+SCHEME = "redis+sentinel"
+FORM = "redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER[/DB]"
+DEFAULT_SENTINEL_PORT = 26379
+HINT = "check --redis-url / BATCHWIRE_REDIS_URL"
+
+
+class SentinelError(ValueError):
+    """A Sentinel URL that is malformed, or names Sentinels or a master that are not there."""
+
+
+@dataclass(frozen=True, slots=True)
+class SentinelUrl:
+    sentinels: tuple[tuple[str, int], ...]
+    master: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+
+    @property
+    def addresses(self) -> str:
+        return ",".join(_address(host, port) for host, port in self.sentinels)
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def is_sentinel_url(url: str) -> bool:
+    return url.partition("://")[0].lower() == SCHEME
+
+
+def parse_sentinel_url(url: str) -> SentinelUrl:
+    """The URL's parts; a ``SentinelError`` names the part that is wrong and the form expected."""
+
+    def wrong(what: str) -> SentinelError:
+        return SentinelError(f"Redis URL {redacted_sentinel_url(url)!r}: {what}; the form is {FORM}")
+
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() != SCHEME:
+        raise wrong(f"the scheme must be {SCHEME}://")
+    if "?" in rest or "#" in rest:
+        raise wrong("query options (?...) and fragments (#...) are not supported")
+    netloc, _, path = rest.partition("/")
+    username = password = None
+    if "@" in netloc:
+        userinfo, _, netloc = netloc.rpartition("@")
+        user, colon, secret = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(secret) if colon else None
+    sentinels = tuple(_sentinel_address(item, wrong) for item in netloc.split(","))
+    segments = path.split("/")
+    if segments and segments[-1] == "" and len(segments) > 1:
+        segments.pop()  # a trailing slash
+    master = unquote(segments[0]) if segments else ""
+    if not master:
+        raise wrong("no master name after the Sentinel addresses")
+    if len(segments) > 2:
+        raise wrong(f"{'/'.join(segments[2:])!r} follows the DB number")
+    db = 0
+    if len(segments) == 2:
+        if not segments[1].isdigit():
+            raise wrong(f"the DB {segments[1]!r} is not a number")
+        db = int(segments[1])
+    return SentinelUrl(sentinels, master, db, username, password)
+
+
+def _sentinel_address(item: str, wrong: Any) -> tuple[str, int]:
+    if not item:
+        raise wrong("no Sentinel address (HOST:PORT) before the master name")
+    if item.startswith("["):
+        host, bracket, tail = item[1:].partition("]")
+        if not bracket or (tail and not tail.startswith(":")):
+            raise wrong(f"the Sentinel address {item!r} is not [IPv6]:PORT")
+        port_text = tail[1:] if tail else ""
+    else:
+        host, colon, port_text = item.rpartition(":")
+        if not colon:
+            host, port_text = item, ""
+    if not host:
+        raise wrong(f"the Sentinel address {item!r} has no host")
+    if not port_text:
+        return host, DEFAULT_SENTINEL_PORT
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise wrong(f"the port in Sentinel address {item!r} is not a number from 1 to 65535")
+    return host, int(port_text)
+
+
+def redacted_sentinel_url(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    netloc, slash, path = rest.partition("/")
+    if "@" not in netloc:
+        return url
+    userinfo, _, hosts = netloc.rpartition("@")
+    user, colon, _ = userinfo.partition(":")
+    return f"{scheme}{sep}{user}{':***' if colon else ''}@{hosts}{slash}{path}"
+
+
+def lookup_error(parsed: SentinelUrl, unanswered: Sequence[str], known: set[str], down: bool) -> str:
+    """Why the Sentinels gave no primary, saying what to change."""
+    where = parsed.addresses
+    if len(unanswered) >= len(parsed.sentinels):
+        return f"no Sentinel answered at {where}: {HINT} ({'; '.join(unanswered)})"
+    if down:
+        return (
+            f"the Sentinels at {where} see master {parsed.master!r} as down (a failover may be under way; "
+            "it ends once they promote a replica)"
+        )
+    named = ", ".join(repr(name) for name in sorted(known)) or "none"
+    return f"Sentinels at {where} know no master named {parsed.master!r}; they know: {named}: {HINT}"
+
+
+def _by_name(masters: object) -> Mapping[str, Mapping[str, Any]]:
+    """SENTINEL MASTERS as redis-py parses it over RESP2: each master's state by its name."""
+    if not isinstance(masters, dict):
+        raise SentinelError(f"unexpected SENTINEL MASTERS reply: {masters!r}")
+    return masters
+
+
+def check_sentinels(url: str, timeout_s: float = 1.0) -> tuple[str, int]:
+    """The primary's address as the Sentinels report it, asked once, synchronously, at start-up, so a
+    role with a wrong URL stops before it creates anything; raises ``SentinelError`` otherwise."""
+    parsed = parse_sentinel_url(url)
+    unanswered: list[str] = []
+    known: set[str] = set()
+    down = False
+    for host, port in parsed.sentinels:
+        client = redis.Redis(
+            host=host,
+            port=port,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=SyncRetry(NoBackoff(), 0),  # a silent Sentinel is reported, not waited out
+        )
+        try:
+            masters = _by_name(client.sentinel_masters())
+        except (RedisError, OSError) as err:
+            unanswered.append(f"{_address(host, port)}: {err}")
+            continue
+        finally:
+            client.close()
+        state = masters.get(parsed.master)
+        if state is None:
+            known.update(masters)
+        elif state["is_master"] and not state["is_sdown"] and not state["is_odown"]:
+            return str(state["ip"]), int(state["port"])
+        else:
+            down = True
+    raise SentinelError(lookup_error(parsed, unanswered, known, down))
+
+
+class _Sentinels(Sentinel):
+    """redis-py's Sentinel client; its lookup failure says what to change instead of "No master found"."""
+
+    def __init__(self, parsed: SentinelUrl, **sentinel_kwargs: Any) -> None:
+        super().__init__(list(parsed.sentinels), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
+        self.parsed = parsed
+
+    async def discover_master(self, service_name: str) -> tuple[str, int]:
+        unanswered: list[str] = []
+        known: set[str] = set()
+        down = False
+        for index, sentinel in enumerate(self.sentinels):
+            try:
+                masters = _by_name(await sentinel.sentinel_masters())
+            except (RedisConnectionError, RedisTimeoutError, OSError) as err:
+                kwargs = sentinel.connection_pool.connection_kwargs
+                unanswered.append(f"{_address(kwargs['host'], kwargs['port'])}: {err}")
+                continue
+            state = masters.get(service_name)
+            if state is None:
+                known.update(masters)
+            elif self.check_master_state(dict(state), service_name):
+                # The Sentinel that answered is asked first next time, as redis-py's own lookup does.
+                self.sentinels[0], self.sentinels[index] = sentinel, self.sentinels[0]
+                return str(state["ip"]), int(state["port"])
+            else:
+                down = True
+        raise MasterNotFoundError(lookup_error(self.parsed, unanswered, known, down))
+
+
+class SentinelPool(SentinelConnectionPool):
+    """Connections to the master the Sentinels name; closing the pool closes its Sentinel clients too."""
+
+    async def disconnect(self, inuse_connections: bool = True) -> None:
+        await super().disconnect(inuse_connections)
+        if inuse_connections:  # a full close; a master change drops only the idle connections
+            await self.sentinel_manager.aclose()
+
+
+class BlockingSentinelPool(SentinelPool, BlockingConnectionPool):
+    """``SentinelPool`` that makes a burst wait for a free connection, as ``BlockingConnectionPool``."""
+
+
+def _sentinels(parsed: SentinelUrl, connection_kwargs: Mapping[str, Any]) -> _Sentinels:
+    timeout_s = connection_kwargs.get("socket_connect_timeout") or 2.0
+    return _Sentinels(
+        parsed,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        # One quick retry covers a Sentinel connection that went stale; a Sentinel that stays
+        # silent is skipped for the next one.
+        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+    )
+
+
+def _server_kwargs(parsed: SentinelUrl) -> dict[str, Any]:
+    return {"db": parsed.db, "username": parsed.username, "password": parsed.password}
+
+
+def sentinel_pool(url: str, **connection_kwargs: Any) -> SentinelPool:
+    """A pool over the master named by ``url``; ``connection_kwargs`` as for ``ConnectionPool``."""
+    parsed = parse_sentinel_url(url)
+    sentinels = _sentinels(parsed, connection_kwargs)
+    return SentinelPool(parsed.master, sentinels, **_server_kwargs(parsed), **connection_kwargs)  # type: ignore[no-untyped-call]
+
+
+def blocking_sentinel_pool(url: str, **connection_kwargs: Any) -> BlockingSentinelPool:
+    """As ``sentinel_pool``, with ``BlockingConnectionPool``'s ``timeout`` for a free connection."""
+    parsed = parse_sentinel_url(url)
+    sentinels = _sentinels(parsed, connection_kwargs)
+    return BlockingSentinelPool(parsed.master, sentinels, **_server_kwargs(parsed), **connection_kwargs)  # type: ignore[no-untyped-call]
+
+
+__all__ = [
+    "FORM",
+    "BlockingSentinelPool",
+    "SentinelError",
+    "SentinelPool",
+    "SentinelUrl",
+    "blocking_sentinel_pool",
+    "check_sentinels",
+    "is_sentinel_url",
+    "parse_sentinel_url",
+    "redacted_sentinel_url",
+    "sentinel_pool",
+]

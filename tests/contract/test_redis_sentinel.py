@@ -1,0 +1,239 @@
+"""Redis behind Sentinel: the URL form, the transports over it, and the same objects after a failover.
+
+The servers are real (``sentinels.SentinelCluster``: a primary, a replica, three Sentinels on
+loopback). The failover test kills the primary, so it runs last in this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
+from redis.asyncio.sentinel import SentinelManagedConnection
+
+from batchwire.settings import SettingsError, SharedSettings
+from batchwire.transport.base import TransportError
+from batchwire.transport.redis import RedisCreditPool, RedisTaskStore
+from batchwire.transport.redis_pools import PoolOptions, blocking_pool, command_pool, pubsub_pool, redacted
+from batchwire.transport.redis_sentinel import (
+    DEFAULT_SENTINEL_PORT,
+    SentinelError,
+    SentinelPool,
+    SentinelUrl,
+    check_sentinels,
+    parse_sentinel_url,
+)
+from schemas.records import Credit, TaskState, TaskStatus
+from schemas.wire import Names
+from tests.contract.conftest import eventually
+from tests.contract.sentinels import FAILOVER_WAIT_S, MASTER, SentinelCluster, wait_for
+from tests.contract.test_task_store import state
+
+pytestmark = pytest.mark.timeout(90)
+
+T = TypeVar("T")
+
+
+# (a) the URL form
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        (
+            "redis+sentinel://10.0.0.1:26379,10.0.0.2:26380/batchwire/2",
+            SentinelUrl((("10.0.0.1", 26379), ("10.0.0.2", 26380)), "batchwire", 2),
+        ),
+        ("redis+sentinel://s1/primary", SentinelUrl((("s1", DEFAULT_SENTINEL_PORT),), "primary", 0)),
+        ("redis+sentinel://[::1]:5000/m/", SentinelUrl((("::1", 5000),), "m", 0)),
+        (
+            "REDIS+SENTINEL://app:p%40ss@h:1/my%20master/0",
+            SentinelUrl((("h", 1),), "my master", 0, username="app", password="p@ss"),
+        ),
+        ("redis+sentinel://:secret@h:1/m", SentinelUrl((("h", 1),), "m", 0, password="secret")),
+    ],
+)
+def test_a_sentinel_url_names_sentinels_master_db_and_credentials(url: str, expected: SentinelUrl) -> None:
+    assert parse_sentinel_url(url) == expected
+
+
+@pytest.mark.parametrize(
+    ("url", "wrong"),
+    [
+        ("redis+sentinel://h:1", "no master name"),
+        ("redis+sentinel:///m", "no Sentinel address"),
+        ("redis+sentinel://h:1,,h:2/m", "no Sentinel address"),
+        ("redis+sentinel://h:port/m", "the port in Sentinel address 'h:port'"),
+        ("redis+sentinel://h:70000/m", "the port in Sentinel address 'h:70000'"),
+        ("redis+sentinel://[::1/m", "is not [IPv6]:PORT"),
+        ("redis+sentinel://h:1/m/one", "the DB 'one' is not a number"),
+        ("redis+sentinel://h:1/m/0/x", "'x' follows the DB number"),
+        ("redis+sentinel://h:1/m?ssl=true", "query options"),
+    ],
+)
+def test_a_malformed_sentinel_url_says_which_part_is_wrong_and_the_form(url: str, wrong: str) -> None:
+    with pytest.raises(SentinelError) as raised:
+        parse_sentinel_url(url)
+    message = str(raised.value)
+    assert wrong in message, message
+    assert "redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER[/DB]" in message, message
+
+
+def test_passwords_stay_out_of_messages() -> None:
+    assert redacted("redis+sentinel://app:hunter2@h:1,h:2/m/0") == "redis+sentinel://app:***@h:1,h:2/m/0"
+    with pytest.raises(SentinelError) as raised:
+        parse_sentinel_url("redis+sentinel://app:hunter2@h:1/m/x")
+    assert "hunter2" not in str(raised.value)
+
+
+@pytest.mark.parametrize("url", ["sentinel://h:1,h:2/m", "http://h:1/0"])
+def test_a_scheme_redis_does_not_take_is_a_settings_error(url: str) -> None:
+    with pytest.raises(SettingsError, match=r"the scheme must be one of .*redis\+sentinel://"):
+        SharedSettings(redis_url=url).require_redis()
+
+
+# Real servers
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SentinelCluster]:
+    servers = SentinelCluster(Path(tmp_path_factory.mktemp("sentinel")))
+    try:
+        servers.start()
+        yield servers
+    finally:
+        servers.stop()
+
+
+def test_start_up_check_finds_the_primary_or_names_the_masters_the_sentinels_know(cluster: SentinelCluster) -> None:
+    assert check_sentinels(cluster.url) == ("127.0.0.1", cluster.primary_port)
+    assert SharedSettings(redis_url=cluster.url).require_redis() == cluster.url
+
+    unknown = cluster.url.replace(f"/{MASTER}/", "/nosuch/")
+    with pytest.raises(SettingsError) as raised:
+        SharedSettings(redis_url=unknown).require_redis()
+    message = str(raised.value)
+    assert f"know no master named 'nosuch'; they know: '{MASTER}'" in message, message
+    assert "BATCHWIRE_REDIS_URL" in message, message
+
+
+# (b) the transports over a Sentinel URL
+
+
+async def test_every_pool_kind_is_sentinel_managed_and_packs_with_hiredis(cluster: SentinelCluster) -> None:
+    options = PoolOptions()
+    pools: list[ConnectionPool] = [command_pool(cluster.url, options), blocking_pool(cluster.url, 1, options)]
+    pools.append(pubsub_pool(cluster.url, socket_timeout_s=1.0))
+    try:
+        for pool in pools:
+            assert isinstance(pool, SentinelPool), pool
+            assert issubclass(pool.connection_class, SentinelManagedConnection), pool.connection_class
+            assert pool.connection_class.__name__.startswith("Hiredis"), pool.connection_class
+        assert isinstance(pools[0], BlockingConnectionPool)
+        assert isinstance(pools[1], BlockingConnectionPool)
+        assert await Redis(connection_pool=pools[0]).set("sentinel-pool-probe", "1", ex=10)
+    finally:
+        for pool in pools:
+            await pool.disconnect()
+
+
+async def test_task_store_and_credit_pool_work_over_a_sentinel_url(cluster: SentinelCluster, names: Names) -> None:
+    store = RedisTaskStore(cluster.url, names, ttl_s=60)
+    credits = RedisCreditPool(cluster.url, names)
+    await store.start()
+    await credits.start()
+    try:
+        queued = state("t1", TaskStatus.QUEUED)
+        assert await store.create(queued)
+        async with store.watch("t1") as events:
+            assert await store.apply([state("t1", TaskStatus.RUNNING)]) == [True]
+            seen = await asyncio.wait_for(anext(events), 5)
+        assert seen.status is TaskStatus.RUNNING
+        stored = await store.get("t1")
+        assert stored is not None
+        assert stored.status is TaskStatus.RUNNING
+
+        now_ms = int(time.time() * 1000)
+        credit = Credit("w1", "alpha", 0, 1, now_ms, now_ms + 60_000)
+        await credits.offer(credit)
+        assert await credits.idle("alpha") == 1
+        assert await credits.claim("alpha", timeout_s=2) == credit
+    finally:
+        await credits.close()
+        await store.close()
+
+    primary = Redis(port=cluster.primary_port)
+    try:
+        assert await primary.hget(names.task_key("t1"), "status") == b"running", "the writes went to the primary"
+    finally:
+        await primary.aclose()
+
+
+# (c) a failover under the same objects (kills the primary: keep this test last)
+
+
+async def retrying(action: Callable[[], Awaitable[T]], what: str, timeout_s: float = FAILOVER_WAIT_S) -> T:
+    """``action`` until it stops raising ``TransportError`` (the failover), bounded by ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await action()
+        except TransportError as err:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what} still failing after {timeout_s} s: {err}") from err
+            await asyncio.sleep(0.1)
+
+
+async def test_the_same_store_follows_a_failover_to_the_promoted_replica(
+    cluster: SentinelCluster, names: Names
+) -> None:
+    store = RedisTaskStore(cluster.url, names, ttl_s=60, ping_interval_s=0.5)
+    credits = RedisCreditPool(cluster.url, names)
+    await store.start()
+    await credits.start()
+    replies: asyncio.Queue[TaskState] = asyncio.Queue()
+    try:
+        await store.listen_replies("g1", replies.put_nowait)
+        assert await store.create(state("before", TaskStatus.QUEUED, reply_to="g1"))
+        primary = Redis(port=cluster.primary_port)
+        try:
+            assert await primary.wait(1, 5000) == 1, "the replica must hold 'before' when the primary dies"
+        finally:
+            await primary.aclose()
+
+        cluster.kill(cluster.primary_port)
+        promoted = ("127.0.0.1", cluster.replica_port)
+        await asyncio.to_thread(
+            wait_for, lambda: cluster.master_address() == promoted, "the Sentinels to promote the replica", 30
+        )
+
+        # A write, a read, and a reply through the re-made PubSub subscription, all on the new primary.
+        assert await retrying(lambda: store.create(state("after", TaskStatus.QUEUED, reply_to="g1")), "create")
+        got = await retrying(lambda: store.get("before"), "get")
+        assert got is not None
+        assert got.status is TaskStatus.QUEUED
+        await eventually(store.reachable, "the reply subscription to reconnect to the new primary")
+        done = state("after", TaskStatus.COMPLETED, output="ok", reply_to="g1")
+        assert await retrying(lambda: store.apply([done]), "apply") == [True]
+        reply = await asyncio.wait_for(replies.get(), 10)
+        assert (reply.task_id, reply.status) == ("after", TaskStatus.COMPLETED)
+        assert store.reconnects >= 1
+
+        now_ms = int(time.time() * 1000)
+        credit = Credit("w1", "alpha", 0, 2, now_ms, now_ms + 60_000)
+        await retrying(lambda: credits.offer(credit), "offer")
+        assert await retrying(lambda: credits.claim("alpha", timeout_s=2), "claim") == credit
+    finally:
+        await credits.close()
+        await store.close()
+
+    new_primary = Redis(port=cluster.replica_port)
+    try:
+        assert await new_primary.hget(names.task_key("after"), "status") == b"completed"
+    finally:
+        await new_primary.aclose()
