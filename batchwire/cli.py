@@ -80,7 +80,14 @@ def _shared(parser: argparse.ArgumentParser) -> None:
 
 def _kafka_redis(parser: argparse.ArgumentParser) -> None:
     _add(parser, "--kafka-bootstrap", None, str, "Kafka bootstrap servers, HOST:PORT[,HOST:PORT]")
-    _add(parser, "--redis-url", None, str, "Redis URL, redis://HOST:PORT/DB")
+    _add(
+        parser,
+        "--redis-url",
+        None,
+        str,
+        "Redis URL: redis://HOST:PORT/DB, or redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER[/DB] to follow "
+        "Sentinel failovers",
+    )
 
 
 def _gateway_opts(parser: argparse.ArgumentParser, default_port: int) -> None:
