@@ -279,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
         _memory_size,
         "Redis's memory bound (bytes, or with kb/mb/gb; 0: none) when up starts it; over it writes are refused",
     )
+    _add(stack, "--brokers", 1, int, "Kafka nodes up starts (more than 1: a KRaft cluster, internal topics RF 3)")
+    _add(stack, "--redis-replicas", 0, int, "Redis replicas up starts beside the primary (1 or more: 3 Sentinels too)")
+    stack.add_argument("--json", action="store_true", help="status: every server as JSON (pid, port, leaders, roles)")
     _shared(stack)
 
     bench = sub.add_parser("bench", help="open-loop load test with latency percentiles", add_help=False)

@@ -492,15 +492,16 @@ def run_worker(args: argparse.Namespace) -> int:
 def run_stack(args: argparse.Namespace) -> int:
     import sys
 
-    from infra import stack
+    from infra import cluster_stack, stack, stack_report
     from infra.topics import ensure_topics
 
     state_dir = Path(args.state_dir)
     if args.action == "up":
         from infra.errors import InfraError
 
+        shape = cluster_stack.Shape(args.brokers, args.redis_replicas)
         try:
-            up = stack.stack_up(state_dir, redis_maxmemory=args.redis_maxmemory)
+            up = cluster_stack.up_any(state_dir, shape, redis_maxmemory=args.redis_maxmemory)
         except InfraError as err:
             print(f"stack up failed: {err}", file=sys.stderr)
             return 1
@@ -511,5 +512,5 @@ def run_stack(args: argparse.Namespace) -> int:
         stack.print_up(up, state_dir, out=sys.stdout, err=sys.stderr)
         return 0
     if args.action == "down":
-        return stack.cmd_down(state_dir, out=sys.stdout, err=sys.stderr)
-    return stack.cmd_status(state_dir, out=sys.stdout)
+        return cluster_stack.cmd_down_any(state_dir, out=sys.stdout, err=sys.stderr)
+    return stack_report.cmd_status_report(state_dir, as_json=args.json, out=sys.stdout)

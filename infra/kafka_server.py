@@ -143,6 +143,7 @@ class KafkaServer(LoopbackServer):
         jvm_opts: Sequence[str] = DEFAULT_JVM_OPTS,
         broker_only_jvm_opts: Sequence[str] = (),
         extra_properties: Mapping[str, str] | None = None,
+        cluster_id: str | None = None,
     ) -> None:
         super().__init__(
             ports_chosen_by_us=broker_port is None and controller_port is None,
@@ -157,6 +158,8 @@ class KafkaServer(LoopbackServer):
         self._jvm_opts = tuple(jvm_opts)
         self._broker_only_jvm_opts = tuple(broker_only_jvm_opts)
         self._extra_properties = dict(extra_properties or {})
+        # The nodes of one cluster format their storage with the same id; a lone node makes its own.
+        self._cluster_id = cluster_id
 
     @property
     def bootstrap(self) -> str:
@@ -224,7 +227,7 @@ class KafkaServer(LoopbackServer):
             *self._java_argv(),
             "kafka.tools.StorageTool",
             "format",
-            f"--cluster-id={new_cluster_id()}",  # '=' form: a random id may begin with '-'
+            f"--cluster-id={self._cluster_id or new_cluster_id()}",  # '=' form: a random id may begin with '-'
             "-c",
             str(self.properties_path),
             "--ignore-formatted",

@@ -88,6 +88,7 @@ class RedisServer(LoopbackServer):
     `stop()` or `kill()` brings the data back (a machine crash can lose the last second; a killed
     process loses nothing it acknowledged). Otherwise a restart gives an empty server.
     `maxmemory`: the memory bound (`checked_maxmemory`; None: none), past which writes are refused.
+    `replica_of`: the loopback port of the primary this server replicates (None: a primary).
     """
 
     def __init__(
@@ -99,6 +100,7 @@ class RedisServer(LoopbackServer):
         binary: Path | None = None,
         maxmemory: str | None = None,
         persistent: bool = False,
+        replica_of: int | None = None,
     ) -> None:
         super().__init__(
             ports_chosen_by_us=port is None,
@@ -111,6 +113,7 @@ class RedisServer(LoopbackServer):
         self._binary = binary
         self._maxmemory = "0" if maxmemory is None else checked_maxmemory(maxmemory)
         self._persistent = persistent
+        self._replica_of = replica_of
 
     @property
     def port(self) -> int:
@@ -150,6 +153,8 @@ class RedisServer(LoopbackServer):
             ("maxmemory", self._maxmemory),
             ("maxmemory-policy", MAXMEMORY_POLICY),
         ]
+        if self._replica_of is not None:
+            settings.append(("replicaof", f"{LOOPBACK} {self._replica_of}"))
         return "".join(f"{key} {value}\n" for key, value in settings)
 
     def _argv(self) -> list[str]:

@@ -1,0 +1,391 @@
+"""The detached replicated stack: `batchwire stack up --brokers N --redis-replicas R`.
+
+N KRaft nodes (controller and broker in each), a Redis primary with R replicas and, with a replica,
+three Sentinels watching them. Same contract as the single stack (`infra.stack`): `up` makes the
+stack whole and leaves what works alone; a dead server starts again on its recorded ports over its
+data; pid files are checked before a signal. The shape is recorded in the state dir
+(`cluster.shape`), so `status` and `down` need no flags and an `up` with another shape is refused.
+
+A dead Redis node starts as a replica of the primary the Sentinels name (after a failover, the old
+primary comes back as a replica of the promoted one); it starts as the primary only when they
+still name it, i.e. no failover happened.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from infra.aio import run_blocking
+from infra.errors import InfraError
+from infra.fetch_kafka import prepare_kafka
+from infra.kafka_cluster import cluster_jvm_opts, harden_offsets_topic, node_properties
+from infra.kafka_probe import wait_for_kafka
+from infra.kafka_server import DEFAULT_STOP_TIMEOUT_S, KafkaServer, new_cluster_id, read_config_ports
+from infra.locks import file_lock
+from infra.ports import LOOPBACK, free_port
+from infra.process import ServiceProcess
+from infra.redis_sentinel import (
+    MASTER_NAME,
+    SENTINEL_CONFIG_NAME,
+    SentinelServer,
+    recorded_primary,
+    redis_role,
+    sentinel_primary,
+)
+from infra.redis_server import CONFIG_NAME, RedisServer, read_config_port, redis_pings
+from infra.stack import (
+    DEFAULT_UP_TIMEOUT_S,
+    ENV_FILE_NAME,
+    KAFKA_ENV,
+    REDIS_ENV,
+    StackUp,
+    _not_answering,
+    _poll,
+    _refuse_taken_ports,
+    _Server,
+    _unrecorded,
+    _write_atomically,
+    _write_pid,
+    cmd_down,
+    stack_up,
+)
+
+SHAPE_FILE_NAME = "cluster.shape"
+SENTINELS = 3
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How many of each server a replicated stack runs."""
+
+    brokers: int
+    redis_replicas: int
+
+    @property
+    def sentinels(self) -> int:
+        return SENTINELS if self.redis_replicas > 0 else 0
+
+    @property
+    def replicated(self) -> bool:
+        """Anything beyond the single stack (one broker, one Redis)."""
+        return self.brokers > 1 or self.redis_replicas > 0
+
+    def flags(self) -> str:
+        return f"--brokers {self.brokers} --redis-replicas {self.redis_replicas}"
+
+
+def read_shape(state_dir: Path) -> Shape | None:
+    """The shape recorded in `state_dir`; None for a single stack or none."""
+    try:
+        lines = (state_dir / SHAPE_FILE_NAME).read_text().splitlines()
+    except FileNotFoundError:
+        return None
+    values = dict(line.split("=", 1) for line in lines if "=" in line)
+    return Shape(int(values["brokers"]), int(values["redis_replicas"]))
+
+
+@dataclass(frozen=True)
+class Node:
+    """One server of the replicated stack: its kind, its node id and where it lives."""
+
+    kind: str  # "kafka", "redis" or "sentinel"
+    node_id: int
+    server: _Server
+
+
+def nodes(state_dir: Path, shape: Shape) -> list[Node]:
+    """Every server of the stack, Kafka nodes first, then Redis (node 1 the first primary), Sentinels."""
+
+    def make(kind: str, node_id: int, config_name: str, marks: tuple[str, ...]) -> Node:
+        work_dir = state_dir / f"{kind}-{node_id}"
+        config = work_dir / config_name
+        reader = _kafka_ports if kind == "kafka" else _redis_ports
+        name = f"{kind}-{node_id}"
+        return Node(kind, node_id, _Server(name, work_dir, config, state_dir / f"{name}.pid", marks, reader))
+
+    found = []
+    for node_id in range(1, shape.brokers + 1):
+        properties = state_dir / f"kafka-{node_id}" / "server.properties"
+        found.append(make("kafka", node_id, "server.properties", ("kafka.Kafka", str(properties))))
+    # redis-server rewrites its command line: its folder says whose it is.
+    found += [make("redis", n, CONFIG_NAME, ("redis-server",)) for n in range(1, shape.redis_replicas + 2)]
+    found += [make("sentinel", n, SENTINEL_CONFIG_NAME, ("redis-server",)) for n in range(1, shape.sentinels + 1)]
+    return found
+
+
+def _kafka_ports(config_path: Path) -> tuple[int, ...]:
+    return read_config_ports(config_path) or ()
+
+
+def _redis_ports(config_path: Path) -> tuple[int, ...]:
+    port = read_config_port(config_path)
+    return () if port is None else (port,)
+
+
+def cluster_env(all_nodes: list[Node], shape: Shape) -> dict[str, str]:
+    """The `BATCHWIRE_*` addresses the recorded ports make: every broker, and the Sentinels' URL
+    (or the lone Redis's)."""
+    ports = {(node.kind, node.node_id): node.server.ports() for node in all_nodes}
+    brokers = [f"{LOOPBACK}:{p[0]}" for (kind, _), p in ports.items() if kind == "kafka" and p]
+    env: dict[str, str] = {}
+    if brokers:
+        env[KAFKA_ENV] = ",".join(brokers)
+    sentinels = [f"{LOOPBACK}:{p[0]}" for (kind, _), p in ports.items() if kind == "sentinel" and p]
+    if shape.sentinels and sentinels:
+        env[REDIS_ENV] = f"redis+sentinel://{','.join(sentinels)}/{MASTER_NAME}"
+    elif ports.get(("redis", 1)):
+        env[REDIS_ENV] = f"redis://{LOOPBACK}:{ports[('redis', 1)][0]}/0"
+    return env
+
+
+def cluster_up(
+    state_dir: Path, shape: Shape, *, redis_maxmemory: str, timeout_s: float
+) -> tuple[dict[str, str], tuple[str, ...]]:
+    """Make the replicated stack under `state_dir` whole; its `BATCHWIRE_*` variables and one line
+    per server on what was done."""
+    state_dir = state_dir.resolve()
+    deadline = time.monotonic() + timeout_s
+    with file_lock(state_dir / ".stack.lock"):
+        _check_shape(state_dir, shape)
+        all_nodes = nodes(state_dir, shape)
+        running = {node.server.name: node.server.process() for node in all_nodes}
+        kafka_nodes = [node for node in all_nodes if node.kind == "kafka"]
+        fresh_kafka = not any(node.server.ports() for node in kafka_nodes)
+        if not fresh_kafka and not all(node.server.ports() for node in kafka_nodes):
+            raise InfraError(
+                f"some Kafka nodes under {state_dir} have no recorded ports; run `batchwire stack down`, "
+                f"delete {state_dir} and run `batchwire stack up {shape.flags()}` for a new cluster"
+            )
+        for node in all_nodes:
+            if running[node.server.name] is None:
+                _refuse_taken_ports(node.server)
+        (state_dir / SHAPE_FILE_NAME).write_text(f"brokers={shape.brokers}\nredis_replicas={shape.redis_replicas}\n")
+        actions = _up_redis_nodes(all_nodes, running, redis_maxmemory, deadline)
+        actions += _up_kafka_nodes(state_dir, kafka_nodes, running, fresh_kafka, deadline)
+        env = cluster_env(all_nodes, shape)
+        run_blocking(lambda: harden_offsets_topic(env[KAFKA_ENV], shape.brokers))
+        _write_atomically(state_dir / ENV_FILE_NAME, "".join(f"{key}={value}\n" for key, value in env.items()))
+        return env, tuple(actions)
+
+
+def cluster_down(state_dir: Path, shape: Shape, *, timeout_s: float) -> bool:
+    """Stop every server and keep data and ports: Sentinels first (none fails over a primary being
+    stopped), then the Kafka nodes together (one stopped alone waits for a quorum that is leaving),
+    then Redis."""
+    state_dir = state_dir.resolve()
+    with file_lock(state_dir / ".stack.lock"):
+        all_nodes = nodes(state_dir, shape)
+        stopped = False
+        for kind in ("sentinel", "kafka", "redis"):
+            processes = [p for p in (node.server.process() for node in all_nodes if node.kind == kind) if p]
+            if processes:
+                stopped = True
+                with ThreadPoolExecutor(max_workers=len(processes), thread_name_prefix="stack-stop") as pool:
+                    for done in [pool.submit(process.terminate, timeout_s) for process in processes]:
+                        done.result()
+        for node in all_nodes:
+            node.server.pid_path.unlink(missing_ok=True)
+        (state_dir / ENV_FILE_NAME).unlink(missing_ok=True)
+        return stopped
+
+
+def _check_shape(state_dir: Path, shape: Shape) -> None:
+    recorded = read_shape(state_dir)
+    single = (state_dir / "kafka").is_dir() or (state_dir / "redis").is_dir()
+    if (recorded is None and not single) or recorded == shape:
+        return
+    has = "a single stack (one broker, one Redis)" if recorded is None else f"a stack of `{recorded.flags()}`"
+    again = "" if recorded is None else f" {recorded.flags()}"
+    raise InfraError(
+        f"{state_dir} holds {has}; nothing was changed. Run `batchwire stack up{again}` for it, or give "
+        f"another --state-dir for `{shape.flags()}`"
+    )
+
+
+def _fresh_ports(count: int, taken: set[int]) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port not in taken and port not in ports:
+            ports.append(port)
+    return ports
+
+
+def _up_redis_nodes(
+    all_nodes: list[Node], running: dict[str, ServiceProcess | None], maxmemory: str, deadline: float
+) -> list[str]:
+    redis_nodes = [node for node in all_nodes if node.kind == "redis"]
+    sentinel_nodes = [node for node in all_nodes if node.kind == "sentinel"]
+    recorded = {node.server.name: node.server.ports() for node in redis_nodes + sentinel_nodes}
+    spare = iter(_fresh_ports(len(redis_nodes) + len(sentinel_nodes), {p for ps in recorded.values() for p in ps}))
+    port_of = {name: ports[0] if ports else next(spare) for name, ports in recorded.items()}
+    primary = _current_primary(redis_nodes, sentinel_nodes, running, port_of)
+    # The primary first: replicas started after it sync at once.
+    ordered = sorted(redis_nodes, key=lambda node: port_of[node.server.name] != primary)
+    actions = []
+    for node in ordered:
+        name, process = node.server.name, running[node.server.name]
+        if process is not None:
+            actions.append(_keep_alive(node, process, redis_pings, deadline))
+            continue
+        port = port_of[name]
+        replica_of = None if port == primary else primary
+        server = RedisServer(
+            node.server.work_dir, port=port, detached=True, maxmemory=maxmemory, persistent=True, replica_of=replica_of
+        )
+        server.start(max(deadline - time.monotonic(), 1.0))
+        _write_pid(node.server.pid_path, server.pid)
+        role = "primary" if replica_of is None else f"replica of port {replica_of}"
+        kept = "restarted over its data" if recorded[name] else "started empty"
+        actions.append(f"{name}: was not running; {kept} as {role} (pid {server.pid}, port {port})")
+    for node in sentinel_nodes:
+        name = node.server.name
+        process = running[name]
+        if process is not None:
+            actions.append(_keep_alive(node, process, redis_pings, deadline))
+            continue
+        sentinel = SentinelServer(node.server.work_dir, primary_port=primary, port=port_of[name], detached=True)
+        sentinel.start(max(deadline - time.monotonic(), 1.0))
+        _write_pid(node.server.pid_path, sentinel.pid)
+        kept = "restarted with what it knew" if recorded[name] else f"started watching port {primary}"
+        actions.append(f"{name}: was not running; {kept} (pid {sentinel.pid}, port {sentinel.port})")
+    return actions
+
+
+def _current_primary(
+    redis_nodes: list[Node],
+    sentinel_nodes: list[Node],
+    running: dict[str, ServiceProcess | None],
+    port_of: dict[str, int],
+) -> int:
+    """The port of the primary: as the live Sentinels name it, else a live node that says it is one,
+    else as the Sentinels' files record it, else node 1's."""
+    live_sentinels = [port_of[n.server.name] for n in sentinel_nodes if running[n.server.name] is not None]
+    named = sentinel_primary(live_sentinels)
+    if named is not None:
+        return named
+    for node in redis_nodes:
+        port = port_of[node.server.name]
+        if running[node.server.name] is not None and redis_role(port) == "primary":
+            return port
+    # Everything down (`stack down`, then `up`): the Sentinels' files remember the last failover.
+    recorded = recorded_primary(node.server.config_path for node in sentinel_nodes)
+    return recorded if recorded is not None else port_of[redis_nodes[0].server.name]
+
+
+def _up_kafka_nodes(
+    state_dir: Path,
+    kafka_nodes: list[Node],
+    running: dict[str, ServiceProcess | None],
+    fresh: bool,
+    deadline: float,
+) -> list[str]:
+    id_path = state_dir / "kafka.cluster-id"
+    if fresh:
+        id_path.write_text(new_cluster_id() + "\n")
+        ports = _fresh_ports(2 * len(kafka_nodes), set())
+        port_pairs = {node.node_id: (ports[2 * i], ports[2 * i + 1]) for i, node in enumerate(kafka_nodes)}
+    else:
+        port_pairs = {node.node_id: (node.server.ports()[0], node.server.ports()[1]) for node in kafka_nodes}
+    cluster_id = id_path.read_text().strip()
+    controllers = {node_id: pair[1] for node_id, pair in port_pairs.items()}
+    runtime = prepare_kafka()
+    dead = [node for node in kafka_nodes if running[node.server.name] is None]
+    servers = {
+        node.node_id: KafkaServer(
+            runtime,
+            node.server.work_dir,
+            broker_port=port_pairs[node.node_id][0],
+            controller_port=port_pairs[node.node_id][1],
+            detached=True,
+            jvm_opts=cluster_jvm_opts(),
+            extra_properties=node_properties(node.node_id, controllers),
+            cluster_id=cluster_id,
+        )
+        for node in dead
+    }
+    if dead:
+        # Together: a node serves only once a majority of the controller quorum runs.
+        with ThreadPoolExecutor(max_workers=len(dead), thread_name_prefix="stack-kafka") as pool:
+            started = [pool.submit(server.start, max(deadline - time.monotonic(), 1.0)) for server in servers.values()]
+            for future in started:
+                future.result()
+    actions = []
+    for node in kafka_nodes:
+        process = running[node.server.name]
+        if process is not None:
+            actions.append(_keep_alive(node, process, _kafka_serves_until(deadline), deadline))
+            continue
+        server = servers[node.node_id]
+        _write_pid(node.server.pid_path, server.pid)
+        kept = "started empty" if fresh else "restarted over its data"
+        actions.append(f"{node.server.name}: was not running; {kept} (pid {server.pid}, port {server.broker_port})")
+    return actions
+
+
+def _kafka_serves_until(deadline: float) -> Callable[[int], bool]:
+    def serves(port: int) -> bool:
+        return wait_for_kafka(f"{LOOPBACK}:{port}", timeout_s=max(deadline - time.monotonic(), 0.0))
+
+    return serves
+
+
+def _keep_alive(node: Node, process: ServiceProcess, answers: Callable[[int], bool], deadline: float) -> str:
+    ports = node.server.ports()
+    if not ports:
+        raise _unrecorded(node.server, process)
+    if not _poll(lambda: answers(ports[0]), deadline, process):
+        raise _not_answering(node.server, process, ports[0])
+    _write_pid(node.server.pid_path, process.pid)
+    return f"{node.server.name}: alive (pid {process.pid}, port {ports[0]}), left alone"
+
+
+def live_pid(node: Node) -> int | None:
+    """The node's verified live pid (pid file, else found by its folder)."""
+    process = node.server.process()
+    return None if process is None else process.pid
+
+
+__all__ = [
+    "SHAPE_FILE_NAME",
+    "Node",
+    "Shape",
+    "cluster_down",
+    "cluster_env",
+    "cluster_up",
+    "cmd_down_any",
+    "live_pid",
+    "nodes",
+    "read_shape",
+    "up_any",
+]
+
+
+def up_any(state_dir: Path, shape: Shape, *, redis_maxmemory: str) -> StackUp:
+    """`batchwire stack up` for either shape: the single stack as before, or the replicated one."""
+    if shape.brokers < 1 or shape.redis_replicas < 0:
+        raise InfraError(f"--brokers must be 1 or more and --redis-replicas 0 or more; got `{shape.flags()}`")
+    if not shape.replicated and read_shape(state_dir.resolve()) is None:
+        return stack_up(state_dir, redis_maxmemory=redis_maxmemory)
+    env, actions = cluster_up(state_dir, shape, redis_maxmemory=redis_maxmemory, timeout_s=DEFAULT_UP_TIMEOUT_S)
+    return StackUp(env, actions)
+
+
+def cmd_down_any(state_dir: Path, *, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    """`batchwire stack down` for either shape (the recorded one)."""
+    shape = read_shape(state_dir.resolve())
+    if shape is None:
+        return cmd_down(state_dir, out=out, err=err)
+    try:
+        stopped = cluster_down(state_dir, shape, timeout_s=DEFAULT_STOP_TIMEOUT_S)
+    except InfraError as error:
+        print(f"stack down failed: {error}", file=err)
+        return 1
+    print("stack stopped (data and ports kept for the next up)" if stopped else "no stack was running", file=out)
+    return 0
