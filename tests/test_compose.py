@@ -14,6 +14,10 @@ from schemas.wire import DEFAULT_NAMESPACE
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCHWIRE_SERVICES = ("gateway", "batcher", "gpu_worker")
+HA_ROLES = ("gateway-ha", "batcher-ha", "gpu_worker-ha")
+HA_KAFKA = ("kafka-1", "kafka-2", "kafka-3")
+HA_SENTINELS = ("sentinel-1", "sentinel-2", "sentinel-3")
+HA_BACKBONE = (*HA_KAFKA, "kafka-ha-init", "redis-primary", "redis-replica", *HA_SENTINELS)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +39,7 @@ def flags_and_vars(parser: argparse.ArgumentParser) -> tuple[set[str], set[str]]
     return flags, variables
 
 
-@pytest.mark.parametrize("service", BATCHWIRE_SERVICES)
+@pytest.mark.parametrize("service", BATCHWIRE_SERVICES + HA_ROLES)
 def test_every_command_flag_and_variable_exists_in_the_cli(compose: dict[str, Any], service: str) -> None:
     spec = compose["services"][service]
     command = spec["command"]
@@ -90,3 +94,88 @@ def test_redis_is_bounded_refuses_writes_when_full_and_persists(compose: dict[st
     assert (options["--appendonly"], options["--appendfsync"]) == ("yes", "everysec"), "a restart keeps the data"
     volume = next(mount.split(":", 1)[0] for mount in redis["volumes"] if mount.endswith(":/data"))
     assert volume in compose["volumes"], "Redis's data lives in a named volume"
+
+
+def _redis_options(command: list[str]) -> dict[str, str]:
+    """`--option value` pairs; `--replicaof host port` (two values) as one "host port"."""
+    assert command[0] == "redis-server"
+    args = list(command[1:])
+    if "--replicaof" in args:
+        at = args.index("--replicaof")
+        args[at : at + 3] = ["--replicaof", " ".join(args[at + 1 : at + 3])]
+    return dict(zip(args[0::2], args[1::2], strict=True))
+
+
+def test_the_ha_profile_is_separate_and_every_long_running_service_has_a_health_check(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    in_ha = {name for name, spec in services.items() if "ha" in spec.get("profiles", [])}
+    assert in_ha == {*HA_BACKBONE, *HA_ROLES}
+    assert all("profiles" not in spec for name, spec in services.items() if name not in in_ha), (
+        "`docker compose up` without a profile starts what it did"
+    )
+    for name in sorted(in_ha - {"kafka-ha-init"}):
+        assert "healthcheck" in services[name], f"{name} needs a health check"
+    # The one-shot job's exit status is its check: the roles wait for it to succeed.
+    assert services["kafka-ha-init"]["restart"] == "no"
+    for role in HA_ROLES:
+        depends = services[role]["depends_on"]
+        assert set(depends) == {"kafka-ha-init", "redis-replica", *HA_SENTINELS}, f"{role} must wait for the backbone"
+        assert depends["kafka-ha-init"]["condition"] == "service_completed_successfully"
+        assert all(depends[name]["condition"] == "service_healthy" for name in depends if name != "kafka-ha-init")
+
+
+def test_the_ha_brokers_form_one_kraft_cluster_that_replicates_its_internal_topics(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    envs = [services[name]["environment"] for name in HA_KAFKA]
+    assert {services[name]["image"] for name in (*HA_KAFKA, "kafka-ha-init")} == {services["kafka"]["image"]}
+    assert [env["KAFKA_NODE_ID"] for env in envs] == [1, 2, 3]
+    voters = ",".join(f"{env['KAFKA_NODE_ID']}@{name}:9093" for name, env in zip(HA_KAFKA, envs, strict=True))
+    for env in envs:
+        assert env["KAFKA_CONTROLLER_QUORUM_VOTERS"] == voters, "every node votes"
+        assert env["KAFKA_PROCESS_ROLES"] == "broker,controller"
+        assert env["CLUSTER_ID"] == envs[0]["CLUSTER_ID"]
+        assert (
+            env["KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR"] == env["KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR"] == 3
+        )
+        assert env["KAFKA_TRANSACTION_STATE_LOG_MIN_ISR"] == 2
+        assert env["KAFKA_AUTO_CREATE_TOPICS_ENABLE"] == "false", "roles create their own topics"
+    internal = [
+        next(part for part in env["KAFKA_ADVERTISED_LISTENERS"].split(",") if part.startswith("INTERNAL")).split("//")[
+            1
+        ]
+        for env in envs
+    ]
+    for role in HA_ROLES:
+        assert services[role]["environment"]["BATCHWIRE_KAFKA_BOOTSTRAP"] == ",".join(internal), role
+    published = [mapping for name in HA_KAFKA for mapping in services[name]["ports"]]
+    assert len(set(published)) == 3 and not set(published) & set(services["kafka"]["ports"])
+    init = " ".join(services["kafka-ha-init"]["command"])
+    assert "--entity-name __consumer_offsets --add-config min.insync.replicas=2" in init
+
+
+def test_the_ha_redis_is_a_persistent_primary_a_replica_and_three_sentinels(compose: dict[str, Any]) -> None:
+    from infra.redis_sentinel import MASTER_NAME, QUORUM
+
+    services = compose["services"]
+    single = _redis_options(services["redis"]["command"])
+    primary = _redis_options(services["redis-primary"]["command"])
+    replica = _redis_options(services["redis-replica"]["command"])
+    for options in (primary, replica):
+        for key in ("--maxmemory", "--maxmemory-policy", "--appendonly", "--appendfsync", "--save"):
+            assert options[key] == single[key], f"{key}: as the single Redis (bounded, noeviction, AOF everysec)"
+    assert "--replicaof" not in primary
+    assert services["redis-replica"]["command"][-2:] == ["redis-primary", "6379"]
+    assert services["redis-replica"]["command"][-3] == "--replicaof"
+    volumes = {
+        mount.split(":", 1)[0] for name in ("redis-primary", "redis-replica") for mount in services[name]["volumes"]
+    }
+    assert len(volumes) == 2 and volumes <= set(compose["volumes"]), "each keeps its append-only file in its own volume"
+    images = {services[name]["image"] for name in ("redis-primary", "redis-replica", *HA_SENTINELS)}
+    assert images == {services["redis"]["image"]}
+    for name in HA_SENTINELS:
+        script = services[name]["command"][-1]
+        assert f"sentinel monitor {MASTER_NAME} redis-primary 6379 {QUORUM}" in script, name
+        assert "--sentinel" in script and services[name]["environment"]["HOSTNAME_ANNOUNCED"] == name
+    url = f"redis+sentinel://{','.join(f'{name}:26379' for name in HA_SENTINELS)}/{MASTER_NAME}"
+    for role in HA_ROLES:
+        assert services[role]["environment"]["BATCHWIRE_REDIS_URL"] == url, role
