@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -442,6 +443,21 @@ def test_status_names_each_server_alive_or_dead_with_pid_and_port(state_dir: Pat
     assert done.returncode == 1, "a half-dead stack is not healthy"
     assert f"# kafka: alive, serving (pid {before.kafka.pid}, port {before.kafka.ports[0]})" in done.stdout
     assert f"# redis: dead (port {before.redis.ports[0]};" in done.stdout, done.stdout
+
+    as_json = _stack_cli(state_dir, "status", "--json")
+    report = json.loads(as_json.stdout)
+    assert as_json.returncode == 1 and not report["healthy"]
+    kafka, redis_server = report["servers"]
+    assert (kafka["kind"], kafka["node_id"], kafka["pid"], kafka["port"], kafka["alive"]) == (
+        "kafka",
+        1,
+        before.kafka.pid,
+        before.kafka.ports[0],
+        True,
+    )
+    assert kafka["leads"], "the lone broker leads every partition"
+    assert (redis_server["kind"], redis_server["alive"], redis_server["role"]) == ("redis", False, None)
+    assert report["redis_primary_port"] is None
 
 
 def test_provide_infra_local_can_restart(tmp_path: Path) -> None:
