@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -189,6 +189,16 @@ async def retrying(action: Callable[[], Awaitable[T]], what: str, timeout_s: flo
             await asyncio.sleep(0.1)
 
 
+async def until_running(events: AsyncIterator[TaskState]) -> list[TaskState]:
+    """The states a watcher sees up to ``running`` (the re-read after a reconnect may come first)."""
+    seen: list[TaskState] = []
+    async for event in events:
+        seen.append(event)
+        if event.status is TaskStatus.RUNNING:
+            break
+    return seen
+
+
 async def test_the_same_store_follows_a_failover_to_the_promoted_replica(
     cluster: SentinelCluster, names: Names
 ) -> None:
@@ -206,18 +216,22 @@ async def test_the_same_store_follows_a_failover_to_the_promoted_replica(
         finally:
             await primary.aclose()
 
-        cluster.kill(cluster.primary_port)
-        promoted = ("127.0.0.1", cluster.replica_port)
-        await asyncio.to_thread(
-            wait_for, lambda: cluster.master_address() == promoted, "the Sentinels to promote the replica", 30
-        )
+        async with store.watch("before") as events:  # the change feed, held across the failover
+            cluster.kill(cluster.primary_port)
+            promoted = ("127.0.0.1", cluster.replica_port)
+            await asyncio.to_thread(
+                wait_for, lambda: cluster.master_address() == promoted, "the Sentinels to promote the replica", 30
+            )
 
-        # A write, a read, and a reply through the re-made PubSub subscription, all on the new primary.
-        assert await retrying(lambda: store.create(state("after", TaskStatus.QUEUED, reply_to="g1")), "create")
-        got = await retrying(lambda: store.get("before"), "get")
-        assert got is not None
-        assert got.status is TaskStatus.QUEUED
-        await eventually(store.reachable, "the reply subscription to reconnect to the new primary")
+            # A write, a read, and a reply through the re-made PubSub subscription, all on the new primary.
+            assert await retrying(lambda: store.create(state("after", TaskStatus.QUEUED, reply_to="g1")), "create")
+            got = await retrying(lambda: store.get("before"), "get")
+            assert got is not None
+            assert got.status is TaskStatus.QUEUED
+            await eventually(store.reachable, "the PubSub connection to reconnect to the new primary")
+            assert await retrying(lambda: store.apply([state("before", TaskStatus.RUNNING)]), "apply") == [True]
+            seen = await asyncio.wait_for(until_running(events), 10)
+            assert seen[-1].status is TaskStatus.RUNNING, f"the watcher saw {seen}"
         done = state("after", TaskStatus.COMPLETED, output="ok", reply_to="g1")
         assert await retrying(lambda: store.apply([done]), "apply") == [True]
         reply = await asyncio.wait_for(replies.get(), 10)
