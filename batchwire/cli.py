@@ -90,6 +90,25 @@ def _kafka_redis(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _replication(parser: argparse.ArgumentParser) -> None:
+    _add(
+        parser,
+        "--replication-factor",
+        None,
+        int,
+        "copies of each partition of a topic this creates; an existing topic with fewer stops it (unset: the smaller "
+        "of 3 and the brokers)",
+    )
+    _add(
+        parser,
+        "--min-insync-replicas",
+        None,
+        int,
+        "copies a write needs before Kafka acknowledges it, set on each topic this creates; an existing topic with "
+        "fewer stops it (unset: replication factor - 1, at least 1)",
+    )
+
+
 def _gateway_opts(parser: argparse.ArgumentParser, default_port: int) -> None:
     _add(parser, "--host", "127.0.0.1", str, "address the HTTP server binds")
     _add(parser, "--port", default_port, int, "port the HTTP server listens on")
@@ -226,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     gateway = sub.add_parser("gateway", help="the HTTP gateway, over Kafka and Redis")
     _shared(gateway)
     _kafka_redis(gateway)
+    _replication(gateway)
     _gateway_opts(gateway, 8000)
     _express(gateway)
     _add(
@@ -246,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     batcher = sub.add_parser("batcher", help="a batcher process, over Kafka and Redis")
     _shared(batcher)
     _kafka_redis(batcher)
+    _replication(batcher)
     _batcher_opts(batcher)
     _add(batcher, "--batcher-id", None, str, "unique id of this batcher (random when unset)")
     _add(batcher, "--metrics-port", 0, int, "serve Prometheus /metrics on this port (0: off)")
@@ -262,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="a GPU worker process, over Kafka and Redis")
     _shared(worker)
     _kafka_redis(worker)
+    _replication(worker)
     _worker_opts(worker)
     _add(worker, "--model", None, str, "the model this worker serves (first of --models)")
     _add(worker, "--worker-id", None, str, "unique id of this worker (random when unset)")
@@ -283,6 +305,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add(stack, "--redis-replicas", 0, int, "Redis replicas up starts beside the primary (1 or more: 3 Sentinels too)")
     stack.add_argument("--json", action="store_true", help="status: every server as JSON (pid, port, leaders, roles)")
     _shared(stack)
+    _replication(stack)
+
+    topics = sub.add_parser("topics", help="grow the topics of a running deployment (more workers per model)")
+    topics.add_argument("action", choices=["grow"])
+    topics.add_argument("--batch-partitions", type=int, default=None, help="grow each model's batch topic to N")
+    topics.add_argument(
+        "--request-partitions", type=int, default=None, help="grow the request topic to N (gateways, batchers stopped)"
+    )
+    _add(topics, "--namespace", "batchwire", str, "prefix of every topic and Redis key (isolates deployments)")
+    _add(topics, "--models", "sim", _models, "comma-separated models served; requests name one")
+    _add(topics, "--kafka-bootstrap", None, str, "Kafka bootstrap servers, HOST:PORT[,HOST:PORT]")
+    _add(topics, "--log-level", "info", str, "debug, info, warning or error")
 
     bench = sub.add_parser("bench", help="open-loop load test with latency percentiles", add_help=False)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
@@ -329,6 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "batcher": roles.run_batcher,
             "worker": roles.run_worker,
             "stack": roles.run_stack,
+            "topics": roles.run_topics,
         }[args.command]
         return handler(args)
     except SettingsError as err:

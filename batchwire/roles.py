@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -211,8 +212,22 @@ def run_embedded(args: argparse.Namespace) -> int:
 
 
 # Kafka + Redis roles -----------------------------------------------------------------------------
-async def _ensure_topics(shared: SharedSettings, request_topic: bool, models: tuple[str, ...]) -> None:
-    from infra.topics import ensure_topics
+def _durability(args: argparse.Namespace) -> Any:
+    from infra.topic_checks import Durability
+
+    return Durability(args.replication_factor, args.min_insync_replicas)
+
+
+async def _ensure_topics(
+    shared: SharedSettings,
+    durability: Any,
+    request_topic: bool,
+    models: tuple[str, ...],
+    *,
+    dead_letters: bool = False,
+) -> None:
+    """Creates the role's topics with the asked replication, after checking them all (exit 2 if one falls short)."""
+    from infra.topics import TopicConfigError, ensure_topics
 
     names = shared.names
     topics: dict[str, int] = {}
@@ -220,7 +235,12 @@ async def _ensure_topics(shared: SharedSettings, request_topic: bool, models: tu
         topics[names.request_topic] = shared.request_partitions
     for model in models:
         topics[names.batch_topic(model)] = shared.batch_partitions
-    await ensure_topics(shared.require_kafka(), topics)
+    if dead_letters:
+        topics[names.dead_letter_topic] = 1
+    try:
+        await ensure_topics(shared.require_kafka(), topics, durability=durability)
+    except TopicConfigError as err:
+        raise SettingsError(str(err)) from err
 
 
 class GatewayTransports:
@@ -268,7 +288,6 @@ class GatewayTransports:
             )
 
     async def start(self) -> None:
-        await _ensure_topics(self.shared, True, ())
         await self.store.start()
         await self.producer.start()
         if self.queue_depth is not None:
@@ -298,6 +317,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     shared = shared_settings(args)
     settings = gateway_settings(args, shared)
     transports = GatewayTransports(shared, settings)
+    asyncio.run(_ensure_topics(shared, _durability(args), True, ()))  # before serving: a refusal exits 2
     gateway = Gateway(
         settings,
         transports.producer,
@@ -387,7 +407,7 @@ def run_batcher(args: argparse.Namespace) -> int:
 
         bootstrap = shared.require_kafka()
         redis_url = shared.require_redis()
-        await _ensure_topics(shared, True, shared.models)
+        await _ensure_topics(shared, _durability(args), True, shared.models)
         store = RedisTaskStore(redis_url, shared.names, ttl_s=shared.result_ttl_s)
         credits = RedisCreditPool(redis_url, shared.names)
         kafka_producer = KafkaBatchProducer(bootstrap, shared.names)
@@ -441,13 +461,11 @@ def run_worker(args: argparse.Namespace) -> int:
         from batchwire.transport.redis import RedisCreditPool, RedisTaskStore
         from batchwire.transport.redis_deliveries import RedisDeliveryLog
         from gpu_worker.worker import Worker
-        from infra.topics import ensure_topics
 
         bootstrap = shared.require_kafka()
         redis_url = shared.require_redis()
         names = shared.names
-        await _ensure_topics(shared, False, (model,))
-        await ensure_topics(bootstrap, {names.dead_letter_topic: 1})
+        await _ensure_topics(shared, _durability(args), False, (model,), dead_letters=True)
         store = RedisTaskStore(redis_url, names, ttl_s=shared.result_ttl_s)
         credits = RedisCreditPool(redis_url, names)
         deliveries = RedisDeliveryLog(redis_url, names, ttl_s=shared.result_ttl_s)
@@ -493,7 +511,6 @@ def run_stack(args: argparse.Namespace) -> int:
     import sys
 
     from infra import cluster_stack, stack, stack_report
-    from infra.topics import ensure_topics
 
     state_dir = Path(args.state_dir)
     if args.action == "up":
@@ -505,12 +522,47 @@ def run_stack(args: argparse.Namespace) -> int:
         except InfraError as err:
             print(f"stack up failed: {err}", file=sys.stderr)
             return 1
-        shared = shared_settings(args)
-        topics = {shared.names.request_topic: shared.request_partitions}
-        topics.update({shared.names.batch_topic(m): shared.batch_partitions for m in shared.models})
-        asyncio.run(ensure_topics(up.env[stack.KAFKA_ENV], topics))
+        shared = dataclasses.replace(shared_settings(args), kafka_bootstrap=up.env[stack.KAFKA_ENV])
+        asyncio.run(_ensure_topics(shared, _durability(args), True, shared.models))
         stack.print_up(up, state_dir, out=sys.stdout, err=sys.stderr)
         return 0
     if args.action == "down":
         return cluster_stack.cmd_down_any(state_dir, out=sys.stdout, err=sys.stderr)
     return stack_report.cmd_status_report(state_dir, as_json=args.json, out=sys.stdout)
+
+
+def run_topics(args: argparse.Namespace) -> int:
+    """``topics grow``: adds partitions to the batch topics (safe live) and the request topic (only with no batcher)."""
+    from infra.topics import TopicConfigError, group_members, grow_topics
+
+    names = SharedSettings(namespace=args.namespace, models=tuple(args.models)).names
+    bootstrap = SharedSettings(kafka_bootstrap=args.kafka_bootstrap).require_kafka()
+    topics = {names.batch_topic(m): args.batch_partitions for m in args.models if args.batch_partitions is not None}
+    if args.request_partitions is not None:
+        topics[names.request_topic] = args.request_partitions
+    if not topics:
+        raise SettingsError("topics grow: name a count, --batch-partitions N and/or --request-partitions N")
+
+    async def main() -> dict[str, int]:
+        if args.request_partitions is not None:
+            batchers = await group_members(bootstrap, names.batcher_group)
+            if batchers:
+                raise SettingsError(
+                    f"not growing {names.request_topic}: {batchers} batcher(s) are running. Its partitions are split "
+                    "among the models by their count, so a new count moves partitions from one model to another, "
+                    "and every gateway and batcher must use it together (a batcher reads a new partition only after "
+                    "its metadata refresh, minutes later). Stop the gateways and batchers, run this again, then start "
+                    f"them with --request-partitions {args.request_partitions} (workers may keep running)"
+                )
+        try:
+            return await grow_topics(bootstrap, topics)
+        except TopicConfigError as err:
+            raise SettingsError(str(err)) from err
+
+    before = asyncio.run(main())
+    for name, count in topics.items():
+        print(
+            f"{name}: {before[name]} -> {count} partitions" if before[name] < count else f"{name}: {count} partitions"
+        )
+    print("start new roles with the new counts (--batch-partitions / --request-partitions); running ones keep working")
+    return 0

@@ -1,49 +1,65 @@
-"""Create Kafka topics up front (the broker does not auto-create them) and wait until usable."""
+"""Create Kafka topics up front (the broker does not auto-create them), grow them, and wait until usable."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Mapping
+from typing import Any
 
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic  # type: ignore[import-untyped, unused-ignore]
+from aiokafka.admin import AIOKafkaAdminClient, NewPartitions, NewTopic  # type: ignore[import-untyped, unused-ignore]
+from aiokafka.admin.config_resource import (  # type: ignore[import-untyped, unused-ignore]
+    ConfigResource,
+    ConfigResourceType,
+)
 from aiokafka.errors import (  # type: ignore[import-untyped, unused-ignore]
     KafkaError,
     TopicAlreadyExistsError,
     for_code,
 )
 
-from infra.errors import InfraError
+from infra.topic_checks import Durability, ExistingTopic, Replication, TopicConfigError, TopicError
+
+__all__ = ["Durability", "Replication", "TopicConfigError", "TopicError", "ensure_topics", "grow_topics"]
 
 _POLL_INTERVAL_S = 0.05
-
-
-class TopicError(InfraError):
-    """A topic could not be created, or exists with another partition count."""
+MIN_ISR = "min.insync.replicas"
 
 
 async def ensure_topics(
     bootstrap: str,
     topics: Mapping[str, int],
     *,
+    durability: Durability | None = None,
     timeout_s: float = 30.0,
-) -> None:
-    """Make each topic exist with the given partition count (replication factor 1).
+) -> Replication:
+    """Make each topic exist with at least the given partition count and the asked replication.
 
-    Idempotent: existing topics with the right count are left alone; one with a different
-    count is an error, since silently using it would break partition-based assumptions.
-    Returns once metadata shows every partition of every topic with a leader, so a producer
-    started right after does not meet "unknown topic" or "leader not available".
+    Every existing topic is checked before any missing one is created: one with fewer partitions,
+    a lower replication factor or a lower ``min.insync.replicas`` than asked is a
+    ``TopicConfigError`` naming the fix, and nothing is created. Returns, with the replication
+    used, once metadata shows every partition with a leader, so a producer started right after
+    does not meet "unknown topic" or "leader not available".
     """
-    if not topics:
-        return
-    deadline = time.monotonic() + timeout_s
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id="batchwire-infra-topics")
     await admin.start()
     try:
-        existing = set(await admin.list_topics())
+        cluster = await admin.describe_cluster()
+        asked = (durability or Durability()).resolve(len(cluster.get("brokers") or []), bootstrap)
+        if not topics:
+            return asked
+        deadline = time.monotonic() + timeout_s
+        existing = await _describe_existing(admin, list(topics))
+        problems = [p for topic in existing.values() for p in topic.problems(topics[topic.name], asked, bootstrap)]
+        if problems:
+            raise TopicConfigError("; ".join(problems))
         missing = [
-            NewTopic(name, num_partitions=count, replication_factor=1)
+            NewTopic(
+                name,
+                num_partitions=count,
+                replication_factor=asked.replication_factor,
+                topic_configs={MIN_ISR: str(asked.min_insync_replicas)},
+            )
             for name, count in topics.items()
             if name not in existing
         ]
@@ -51,8 +67,96 @@ async def ensure_topics(
             response = await admin.create_topics(missing)
             _raise_for_create_errors(response.topic_errors)
         await _wait_until_led(admin, topics, deadline)
+        return asked
     finally:
         await admin.close()
+
+
+async def grow_topics(bootstrap: str, topics: Mapping[str, int], *, timeout_s: float = 30.0) -> dict[str, int]:
+    """Adds partitions so each topic has the given count; returns each topic's count before.
+
+    Records already in a topic stay where they are (Kafka only appends partitions). A topic that
+    does not exist, or has more partitions than asked (Kafka cannot remove them), is an error,
+    found before any topic is grown.
+    """
+    deadline = time.monotonic() + timeout_s
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id="batchwire-infra-topics")
+    await admin.start()
+    try:
+        existing = await _describe_existing(admin, list(topics))
+        problems = []
+        for name, count in topics.items():
+            topic = existing.get(name)
+            if topic is None:
+                problems.append(
+                    f"topic {name!r} does not exist on {bootstrap} (a role or `batchwire stack up` creates it)"
+                )
+            elif topic.partitions > count:
+                problems.append(
+                    f"topic {name!r} has {topic.partitions} partitions, more than the {count} asked; Kafka cannot "
+                    "remove partitions"
+                )
+        if problems:
+            raise TopicConfigError("; ".join(problems))
+        grow = {
+            name: NewPartitions(total_count=count)
+            for name, count in topics.items()
+            if existing[name].partitions < count
+        }
+        if grow:
+            try:
+                await admin.create_partitions(grow)
+            except KafkaError as err:
+                raise TopicError(f"could not add partitions to {sorted(grow)}: {err}") from err
+        await _wait_until_led(admin, topics, deadline)
+        return {name: existing[name].partitions for name in topics}
+    finally:
+        await admin.close()
+
+
+async def group_members(bootstrap: str, group: str) -> int:
+    """How many members the consumer group has now (0 when it is empty or unknown)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id="batchwire-infra-topics")
+    await admin.start()
+    try:
+        described = await admin.describe_consumer_groups([group])
+        groups = [g for response in described for g in response.to_object().get("groups", [])]
+        return sum(len(g.get("members") or []) for g in groups if g.get("group") == group)
+    finally:
+        await admin.close()
+
+
+async def _describe_existing(admin: AIOKafkaAdminClient, names: list[str]) -> dict[str, ExistingTopic]:
+    present = set(await admin.list_topics())
+    wanted = [name for name in names if name in present]
+    if not wanted:
+        return {}
+    min_isr = await _min_insync_replicas(admin, wanted)
+    found: dict[str, ExistingTopic] = {}
+    for topic in await admin.describe_topics(wanted):
+        name = topic.get("topic")
+        partitions = topic.get("partitions") or []
+        if name not in wanted:
+            continue
+        found[name] = ExistingTopic(
+            name=name,
+            partitions=len(partitions),
+            replication_factor=min((len(p.get("replicas") or []) for p in partitions), default=0),
+            min_insync_replicas=min_isr.get(name),
+        )
+    return found
+
+
+async def _min_insync_replicas(admin: AIOKafkaAdminClient, names: list[str]) -> dict[str, int]:
+    resources = [ConfigResource(ConfigResourceType.TOPIC, name, {MIN_ISR: None}) for name in names]
+    values: dict[str, int] = {}
+    for response in await admin.describe_configs(resources):
+        for resource in response.to_object().get("resources", []):
+            entries: list[dict[str, Any]] = resource.get("config_entries") or []
+            for entry in entries:
+                if entry.get("config_names") == MIN_ISR and entry.get("config_value"):
+                    values[resource["resource_name"]] = int(entry["config_value"])
+    return values
 
 
 def _raise_for_create_errors(topic_errors: list[tuple[object, ...]]) -> None:
@@ -80,17 +184,13 @@ async def _wait_until_led(admin: AIOKafkaAdminClient, topics: Mapping[str, int],
             if name not in pending or topic.get("error_code") != 0:
                 continue
             partitions = topic.get("partitions") or []
-            if len(partitions) != pending[name] and partitions:
-                raise TopicError(
-                    f"topic {name!r} exists with {len(partitions)} partitions; wanted "
-                    f"{pending[name]} (delete it or use the existing count)"
-                )
-            if len(partitions) == pending[name] and all(
+            # Fewer than asked: metadata from a broker the change has not reached yet.
+            if len(partitions) >= pending[name] and all(
                 part.get("error_code") == 0 and part.get("leader", -1) >= 0 for part in partitions
             ):
                 del pending[name]
         if not pending:
             return
         if time.monotonic() >= deadline:
-            raise TopicError(f"topics without leaders after the deadline: {sorted(pending)}")
+            raise TopicError(f"topics without all their partitions led after the deadline: {pending}")
         await asyncio.sleep(_POLL_INTERVAL_S)

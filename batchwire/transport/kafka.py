@@ -61,14 +61,20 @@ BREAKER_RETRY_S = 0.5
 
 
 class _Producer:
-    """An aiokafka producer with start/close/readiness shared by the request and batch producers."""
+    """An aiokafka producer with start/close/readiness shared by the request, batch and dead-letter producers.
+
+    Every record waits for ``acks="all"``: on a replicated topic only that survives losing the
+    leader (with ``min.insync.replicas`` it needs that many copies), and on one broker it costs the
+    same as ``acks=1``. Idempotence is on, so a send that aiokafka retries after a lost ack (a
+    leader that died or moved) is written once: aiokafka keeps one batch in flight per partition
+    and numbers it, and the broker drops a number it already has.
+    """
 
     def __init__(
         self,
         bootstrap: str,
         *,
         client_id: str,
-        acks: int | str,
         linger_ms: float,
         request_timeout_ms: int,
         compression_type: str | None,
@@ -79,7 +85,8 @@ class _Producer:
         self._settings: dict[str, Any] = {
             "bootstrap_servers": bootstrap,
             "client_id": client_id,
-            "acks": acks,
+            "acks": "all",
+            "enable_idempotence": True,
             "linger_ms": linger_ms,
             "request_timeout_ms": request_timeout_ms,
             "compression_type": compression_type,
@@ -168,10 +175,9 @@ class _Producer:
 class KafkaRequestProducer:
     """Gateway side of the request topic: each request goes to its model's partitions (``Partitioner``).
 
-    ``acks="all"`` by default: ``send`` promises the request is durably accepted, and on a
-    replicated topic only "all" survives losing the leader; on a single broker it costs the same
-    as ``acks=1``. No idempotence: a retried duplicate is harmless because task states only move
-    forward and a terminal state is written once.
+    ``send`` returns once the request is durably accepted (``acks="all"``, idempotent: see
+    ``_Producer``); a duplicate from a caller's own retry is harmless anyway, because task states
+    only move forward and a terminal state is written once.
 
     A circuit breaker (``breaker``) remembers that the bus is down: a send that failed or a
     readiness probe that found no connected leader opens it, and until a background probe reaches
@@ -186,7 +192,6 @@ class KafkaRequestProducer:
         partitioner: Partitioner,
         *,
         linger_ms: float = 0,
-        acks: int | str = "all",
         request_timeout_ms: int = DEFAULT_REQUEST_TIMEOUT_MS,
         compression_type: str | None = None,
         client_id: str = "batchwire-gateway",
@@ -197,7 +202,6 @@ class KafkaRequestProducer:
         self._producer = _Producer(
             bootstrap,
             client_id=client_id,
-            acks=acks,
             linger_ms=linger_ms,
             request_timeout_ms=request_timeout_ms,
             compression_type=compression_type,
@@ -277,7 +281,6 @@ class KafkaBatchProducer:
         names: Names,
         *,
         linger_ms: float = 0,
-        acks: int | str = "all",
         request_timeout_ms: int = DEFAULT_REQUEST_TIMEOUT_MS,
         compression_type: str | None = None,
         client_id: str = "batchwire-batcher",
@@ -287,7 +290,6 @@ class KafkaBatchProducer:
         self._producer = _Producer(
             bootstrap,
             client_id=client_id,
-            acks=acks,
             linger_ms=linger_ms,
             request_timeout_ms=request_timeout_ms,
             compression_type=compression_type,
@@ -324,7 +326,6 @@ class KafkaDeadLetterProducer:
         bootstrap: str,
         names: Names,
         *,
-        acks: int | str = "all",
         request_timeout_ms: int = DEFAULT_REQUEST_TIMEOUT_MS,
         client_id: str = "batchwire-worker",
         ready_timeout_s: float = 1.0,
@@ -333,7 +334,6 @@ class KafkaDeadLetterProducer:
         self._producer = _Producer(
             bootstrap,
             client_id=client_id,
-            acks=acks,
             linger_ms=0,
             request_timeout_ms=request_timeout_ms,
             compression_type=None,
