@@ -130,6 +130,8 @@ class _Producer:
 
     async def send(self, topic: str, partition: int, value: bytes) -> None:
         partitions = await self.partitions(topic)
+        if partition not in partitions:  # the topic may have grown (`topics grow`) since metadata was cached
+            partitions = await self._refreshed_partitions(topic)
         if partition not in partitions:
             raise PermanentTransportError(
                 f"partition {partition} does not exist in {topic}, which has {len(partitions)} partitions: "
@@ -144,6 +146,14 @@ class _Producer:
             await self.producer.send_and_wait(topic, value, partition=partition)
         except KafkaError as err:
             raise translate(f"producing to {topic}[{partition}]", err) from err
+
+    async def _refreshed_partitions(self, topic: str) -> set[int]:
+        try:
+            await self.producer.client.force_metadata_update()
+        except KafkaError as err:
+            raise translate(f"reading metadata of {topic}", err) from err
+        found: set[int] = self.producer.client.cluster.partitions_for_topic(topic) or set()
+        return found
 
     def _leader_known(self, producer: Any, tp: TopicPartition) -> bool:
         """Whether the partition has a leader in the cached metadata; if not, a refresh is asked for."""

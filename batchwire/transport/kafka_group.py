@@ -21,6 +21,11 @@ from batchwire.transport.errors import PermanentTransportError
 
 log = logging.getLogger(__name__)
 
+# The group's leader assigns partitions from its cached metadata, so partitions added to a topic
+# (`batchwire topics grow`) reach the members only after a refresh: this bounds that wait, for one
+# small metadata request per consumer this often (aiokafka's default is 5 minutes).
+METADATA_MAX_AGE_MS = 10_000
+
 
 def translate(action: str, err: BaseException) -> TransportError:
     """A ``TransportError`` for a client failure, retriable exactly when the Kafka error is."""
@@ -95,6 +100,7 @@ class GroupConsumer:
             "fetch_max_wait_ms": fetch_max_wait_ms,
             "max_poll_records": max_poll_records,
             "request_timeout_ms": request_timeout_ms,
+            "metadata_max_age_ms": METADATA_MAX_AGE_MS,
         }
         self._consumer: Any = None
         self._closing = False

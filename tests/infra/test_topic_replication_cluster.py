@@ -1,8 +1,9 @@
 """Replicated topics on a real three-broker cluster (`batchwire stack up --brokers 3`), started once.
 
 Topics come out with RF 3 and min ISR 2 by default; an existing topic with less stops a role before
-it creates anything; `topics grow` adds batch partitions keeping what is in them, and refuses to grow
-the request topic while a batcher is in its group.
+it creates anything; `topics grow` adds batch partitions keeping what is in them (a running producer
+reaches the new ones and an idle worker gets one), and refuses to grow the request topic while a
+batcher is in its group.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,8 @@ from aiokafka.admin.config_resource import (  # type: ignore[import-untyped, unu
     ConfigResourceType,
 )
 
+from batchwire.transport.errors import PermanentTransportError
+from batchwire.transport.kafka import KafkaBatchConsumer, KafkaBatchProducer
 from infra.stack import ENV_FILE_NAME, KAFKA_ENV, REDIS_ENV, read_env_file
 from schemas.wire import Names
 
@@ -182,13 +185,84 @@ def test_topics_grow_adds_batch_partitions_and_keeps_the_records(state_dir: Path
     asyncio.run(_create(bootstrap, topic, 8, 3, 2))
     offset = asyncio.run(_produce(bootstrap, topic, 7, b"before the grow"))
 
-    done = _cli(state_dir, "topics", "grow", "--namespace", names.namespace, "--batch-partitions", "12")
+    async def grow_beside_a_batcher_producer() -> subprocess.CompletedProcess[str]:
+        producer = KafkaBatchProducer(bootstrap, names)
+        await producer.start()
+        try:
+            await producer.send_encoded("sim", b"cached 8 partitions", 0)
+            done = await asyncio.to_thread(
+                _cli, state_dir, "topics", "grow", "--namespace", names.namespace, "--batch-partitions", "12"
+            )
+            if done.returncode == 0:  # the same producer reaches a new partition: its metadata is refreshed
+                await _send_when_known(producer, 11, b"on a new partition")
+            return done
+        finally:
+            await producer.close()
+
+    done = asyncio.run(grow_beside_a_batcher_producer())
 
     assert done.returncode == 0, done.stderr
     assert f"{topic}: 8 -> 12 partitions" in done.stdout, done.stdout
     assert asyncio.run(_described_with(bootstrap, topic, 12)) == (12, {3}, "2")
     assert asyncio.run(_read(bootstrap, topic, 7, offset)) == b"before the grow"
-    assert asyncio.run(_produce(bootstrap, topic, 11, b"on a new partition")) == 0
+    assert asyncio.run(_read(bootstrap, topic, 11, 0)) == b"on a new partition"
+
+
+async def _send_when_known(producer: KafkaBatchProducer, partition: int, value: bytes) -> None:
+    """Sends as a batcher does: a partition the answering broker does not know yet fails, and is tried again."""
+    deadline = asyncio.get_running_loop().time() + WAIT_S
+    while True:
+        try:
+            await producer.send_encoded("sim", value, partition)
+            return
+        except PermanentTransportError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+
+
+def test_an_idle_worker_gets_a_partition_added_by_topics_grow_without_a_restart(
+    state_dir: Path, bootstrap: str, names: Names
+) -> None:
+    topic = names.batch_topic("sim")
+    asyncio.run(_create(bootstrap, topic, 1, 3, 2))
+
+    async def two_workers_across_a_grow() -> list[frozenset[int]]:
+        owned: list[frozenset[int]] = [frozenset(), frozenset()]
+        changed = asyncio.Event()
+        consumers = [KafkaBatchConsumer(bootstrap, names, "sim") for _ in owned]
+
+        def recorder(index: int) -> Callable[[frozenset[int]], Awaitable[None]]:
+            async def on_assigned(partitions: frozenset[int]) -> None:
+                owned[index] = partitions
+                changed.set()
+
+            return on_assigned
+
+        async def on_revoked(partitions: frozenset[int]) -> None:
+            pass
+
+        async def until_owned(expected: list[int]) -> None:
+            while sorted(p for o in owned for p in o) != expected:
+                changed.clear()
+                await asyncio.wait_for(changed.wait(), WAIT_S)
+
+        try:
+            for index, consumer in enumerate(consumers):
+                await consumer.start(recorder(index), on_revoked)
+            await until_owned([0])  # one worker owns the partition, the other idles
+            await asyncio.to_thread(
+                _cli, state_dir, "topics", "grow", "--namespace", names.namespace, "--batch-partitions", "2"
+            )
+            await until_owned([0, 1])  # after the members' next metadata refresh
+            return owned
+        finally:
+            for consumer in consumers:
+                await consumer.close()
+
+    owned = asyncio.run(two_workers_across_a_grow())
+
+    assert all(len(o) == 1 for o in owned), owned
 
 
 def test_topics_grow_refuses_the_request_topic_while_a_batcher_is_in_its_group(
