@@ -288,14 +288,18 @@ class Gateway:
         queued, request = self._task(task_id, input, model, timeout_ms, self.settings.gateway_id, owner)
         # Register, then publish: the reply may arrive before ``send`` even returns.
         future = self._waiters.register(task_id, started, disconnected)
+        published = False
         try:
             async with asyncio.timeout_at(deadline):
                 await self._publish(queued, request, record=record)
+                published = True
                 state = await future
         except TimeoutError:
             # Only our deadline raises it here: a transport's own TimeoutError (an OSError)
             # became Unavailable inside _publish.
-            if not record:
+            if not published:
+                await self._end_unsent(queued, timeout_ms)
+            elif not record:
                 await self._record_late(queued)
             raise DeadlineExceeded(
                 f"no answer within timeout_ms={timeout_ms}; the task may still finish: poll its result",
@@ -313,6 +317,24 @@ class Gateway:
                 future.cancel()  # a watch that ends from now on (the answer was sent) does nothing
             self._waiters.discard(task_id)
         return self._answer(state, started)
+
+    async def _end_unsent(self, queued: TaskState, timeout_ms: int) -> None:
+        """Ends ``expired`` a task whose deadline passed while it was being published: the bus may
+        never have taken it, so no batcher would ever end it (were it taken, the batcher's own expiry
+        of it changes nothing: a terminal state is written once)."""
+        expired = replace(
+            queued,
+            status=TaskStatus.EXPIRED,
+            updated_at_ms=self._clock.wall_ms(),
+            error_code=DeadlineExceeded.code,
+            error_message=f"timeout_ms={timeout_ms} passed before the request bus took the request; "
+            "send a longer timeout_ms",
+        )
+        try:
+            async with asyncio.timeout(self.settings.ready_timeout_s):
+                await self._store.apply([expired])
+        except (*TRANSPORT_ERRORS, TimeoutError):
+            log.warning("could not record task %s as expired", queued.task_id, exc_info=True)
 
     async def _record_late(self, queued: TaskState) -> None:
         """Writes a task's "queued" record after the fact (a later status that got there first stays);
@@ -345,9 +367,10 @@ class Gateway:
         except TimeoutError:
             # The task's own deadline passed while it was being queued: a deadline, like the
             # synchronous route's, whether the bus was stuck or the deadline was just short.
+            await self._end_unsent(queued, timeout_ms)
             raise DeadlineExceeded(
                 f"timeout_ms={timeout_ms} passed before the task store and the request bus took the request; "
-                "send a longer timeout_ms (the task may still be queued: poll its result)",
+                "send a longer timeout_ms (the task ended expired)",
                 task_id=task_id,
             ) from None
         return Accepted(task_id, model)
