@@ -136,8 +136,8 @@ async def _describe_existing(admin: AIOKafkaAdminClient, names: list[str]) -> di
     for topic in await admin.describe_topics(wanted):
         name = topic.get("topic")
         partitions = topic.get("partitions") or []
-        if name not in wanted:
-            continue
+        if name not in wanted or topic.get("error_code") != 0 or not partitions:
+            continue  # being created by another process right now: creating it too is harmless
         found[name] = ExistingTopic(
             name=name,
             partitions=len(partitions),
