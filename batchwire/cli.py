@@ -129,6 +129,7 @@ def _gateway_opts(parser: argparse.ArgumentParser, default_port: int) -> None:
         "open HTTP connections; at the cap a new one replaces the longest waiting without a request, else gets 503",
     )
     _add(parser, "--max-inflight", 10_000, int, "requests one gateway holds at once before answering 503")
+    _add(parser, "--max-watchers", 2_000, int, "event streams and long-polls one gateway holds open before a 503")
     _add(
         parser,
         "--max-queue-depth",

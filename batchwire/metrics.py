@@ -51,6 +51,11 @@ INFLIGHT = Gauge(
     "Requests this gateway holds open or has accepted and not seen end.",
     registry=REGISTRY,
 )
+WATCHERS = Gauge(
+    "batchwire_open_watchers",
+    "Long-polls and event streams this gateway holds open (at most BATCHWIRE_MAX_WATCHERS).",
+    registry=REGISTRY,
+)
 SPACING_WAIT = Histogram(
     "batchwire_spacing_wait_seconds",
     "How long a batch for a busy worker was sealed late to keep the workers' calls evenly spread.",

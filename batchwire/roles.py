@@ -75,6 +75,7 @@ def gateway_settings(args: argparse.Namespace, shared: SharedSettings) -> Any:
         "max_input_chars": args.max_input_chars,
         "max_body_bytes": args.max_body_bytes,
         "max_inflight": args.max_inflight,
+        "max_watchers": args.max_watchers,
         "max_queue_depth": args.max_queue_depth,
         "admit_by_wait": args.admit_by_wait,
         "stall_s": args.stall_s,
@@ -147,8 +148,9 @@ def worker_settings(args: argparse.Namespace, model: str, worker_id: str | None 
         raise SettingsError(str(err)) from err
 
 
-def _serve_http(app: Any, settings: Any, log_level: str, gc_threshold: Threshold | None) -> int:
-    """Serves ``app`` with uvicorn, under the gateway's HTTP limits (``gateway.http_limits``)."""
+def _serve_http(app: Any, settings: Any, log_level: str, gc_threshold: Threshold | None, streams_end: Any) -> int:
+    """Serves ``app`` with uvicorn, under the gateway's HTTP limits (``gateway.http_limits``); the first
+    shutdown signal also ends ``streams_end``'s event streams, which would hold the graceful shutdown."""
     import uvicorn
 
     from gateway.http_limits import connection_cap, limited_http_protocol
@@ -168,7 +170,13 @@ def _serve_http(app: Any, settings: Any, log_level: str, gc_threshold: Threshold
         date_header=False,
         timeout_graceful_shutdown=30,
     )
-    server = uvicorn.Server(config)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            streams_end.end()
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
     server.run()
     return 0 if server.started else 1
 
@@ -177,6 +185,7 @@ def _serve_http(app: Any, settings: Any, log_level: str, gc_threshold: Threshold
 def run_embedded(args: argparse.Namespace) -> int:
     from batchwire.embedded import EmbeddedRuntime, EmbeddedSettings
     from gateway.app import create_app
+    from gateway.events import StreamsEnd
     from gateway.service import Gateway
     from gpu_worker.backends.factory import make_backend
 
@@ -207,8 +216,9 @@ def run_embedded(args: argparse.Namespace) -> int:
         ",".join(shared.models),
         args.workers,
     )
-    app = create_app(gateway, runtime)
-    return _serve_http(app, settings, args.log_level, args.gc_threshold)
+    streams_end = StreamsEnd()
+    app = create_app(gateway, runtime, streams_end)
+    return _serve_http(app, settings, args.log_level, args.gc_threshold, streams_end)
 
 
 # Kafka + Redis roles -----------------------------------------------------------------------------
@@ -312,6 +322,7 @@ class GatewayTransports:
 
 def run_gateway(args: argparse.Namespace) -> int:
     from gateway.app import create_app
+    from gateway.events import StreamsEnd
     from gateway.service import Gateway
 
     shared = shared_settings(args)
@@ -325,8 +336,9 @@ def run_gateway(args: argparse.Namespace) -> int:
         queue_depth=transports.queue_depth,
         limiter=transports.limiter,
     )
-    app = create_app(gateway, transports)
-    return _serve_http(app, settings, args.log_level, args.gc_threshold)
+    streams_end = StreamsEnd()
+    app = create_app(gateway, transports, streams_end)
+    return _serve_http(app, settings, args.log_level, args.gc_threshold, streams_end)
 
 
 async def _supervise(

@@ -6,23 +6,22 @@ transports, and in embedded mode the batcher and workers) and hands both to :fun
 
 # No ``from __future__ import annotations`` here: FastAPI reads the route signatures at runtime,
 # and their ``Annotated`` metadata refers to this deployment's settings (closure variables).
-import json
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Annotated, Any, Protocol
 
 from fastapi import FastAPI, Path, Query, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.types import ASGIApp
 
 from batchwire.metrics import REGISTRY
 from gateway.admission import ANONYMOUS, Caller
 from gateway.auth import OPEN_PATHS, ApiKeys, AuthMiddleware
 from gateway.body import parse_inference_body, read_body
-from gateway.errors import ERROR_TABLE, GatewayError, InvalidClientId, error_body
+from gateway.errors import ERROR_TABLE, InvalidClientId, error_body
+from gateway.events import EventStream, StreamsEnd, TaskEvents
 from gateway.handlers import EdgeMiddleware, install_error_handlers, json_response
 from gateway.health import probe
 from gateway.idempotency import KEY_PATTERN, MAX_KEY_CHARS
@@ -40,7 +39,6 @@ from gateway.models import (
 from gateway.reads import TASK_ID_PATTERN
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
-from schemas.records import TaskState
 from schemas.wire import IDEMPOTENCY_HEADER
 
 CLIENT_ID_HEADER = "X-Client-Id"
@@ -160,8 +158,10 @@ def _owner(request: Request) -> str | None:
     return None if state is None else state.get("owner")
 
 
-def create_app(gateway: Gateway, lifecycle: Lifecycle) -> FastAPI:
-    """The gateway's ASGI app; its lifespan starts ``lifecycle`` then ``gateway``, and stops them in reverse."""
+def create_app(gateway: Gateway, lifecycle: Lifecycle, streams_end: StreamsEnd | None = None) -> FastAPI:
+    """The gateway's ASGI app; its lifespan starts ``lifecycle`` then ``gateway``, and stops them in reverse.
+
+    ``streams_end``, once ended (the server began shutting down), ends every open event stream."""
     settings = gateway.settings
     body_doc = _body_doc(settings)
     task_id_doc = Path(
@@ -312,7 +312,7 @@ def create_app(gateway: Gateway, lifecycle: Lifecycle) -> FastAPI:
 
     @app.get(
         "/v1/result/{task_id}/events",
-        response_class=EventSourceResponse,
+        response_class=EventStream,
         responses={
             200: {
                 "description": "Server-sent events: the current state first, then each change; `event` is the "
@@ -331,14 +331,14 @@ def create_app(gateway: Gateway, lifecycle: Lifecycle) -> FastAPI:
         },
         summary="Stream a task's status changes",
     )
-    async def events(request: Request, task_id: Annotated[str, task_id_doc]) -> EventSourceResponse:
+    async def events(request: Request, task_id: Annotated[str, task_id_doc]) -> EventStream:
         stream = gateway.events(task_id, owner=_owner(request))
         try:
             first = await anext(stream)  # unknown id or overload: a JSON error before the stream starts
         except BaseException:
             await stream.aclose()
             raise
-        return EventSourceResponse(_sse(first, stream), ping=settings.sse_ping_s)
+        return EventStream(TaskEvents(first, stream), ping_s=settings.sse_ping_s, end=streams_end)
 
     @app.get("/healthz", response_model=Health, summary="Liveness: 200 while the process runs")
     async def healthz() -> Response:
@@ -430,22 +430,3 @@ async def _lifecycle_checks(lifecycle: Lifecycle, timeout_s: float) -> dict[str,
     if not await probe(collect(), timeout_s, "lifecycle"):
         checks["lifecycle"] = False
     return checks
-
-
-async def _sse(first: TaskState, stream: AsyncGenerator[TaskState, None]) -> AsyncIterator[ServerSentEvent]:
-    """Events for ``first`` and every later state; an ``error`` event if the store fails mid-stream."""
-    async with aclosing(stream):
-        yield _event(first)
-        try:
-            async for state in stream:
-                yield _event(state)
-        except GatewayError as err:
-            yield ServerSentEvent(json.dumps(error_body(err.error_code, err.message)), event="error")
-
-
-def _event(state: TaskState) -> ServerSentEvent:
-    return ServerSentEvent(
-        json.dumps(state.to_public(), ensure_ascii=False, separators=(",", ":")),
-        event=state.status.value,
-        id=str(state.status.rank),
-    )

@@ -11,6 +11,7 @@ import re
 from collections.abc import AsyncGenerator, Iterator
 from contextlib import aclosing, contextmanager
 
+from batchwire.metrics import WATCHERS
 from batchwire.transport.base import TaskStore
 from gateway.changes import follow
 from gateway.errors import (
@@ -134,10 +135,12 @@ class TaskReads:
                 f"({env_name('max_watchers')}); retry after the Retry-After delay"
             )
         self._watchers += 1
+        WATCHERS.inc()
         try:
             yield
         finally:
             self._watchers -= 1
+            WATCHERS.dec()
 
 
 def not_found(task_id: str) -> TaskNotFound:

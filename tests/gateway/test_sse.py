@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import json
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
 from httpx_sse import ServerSentEvent, aconnect_sse
 
 from batchwire.transport.base import TransportError
-from schemas.records import TaskState
+from gateway.events import EventStream, StreamsEnd, TaskEvents
+from schemas.records import TaskState, TaskStatus
 from tests.gateway.rig import RecordingStore, RigFactory, error_of, serving, wait_until
 
 
@@ -113,3 +117,136 @@ async def test_a_store_failure_mid_stream_ends_it_with_an_error_event(make_rig: 
     assert [e.event for e in events] == ["queued", "error"]
     assert json.loads(events[1].data)["error"]["code"] == "unavailable"
     assert rig.gateway.watchers == 0
+
+
+async def test_a_closed_stream_leaves_no_reference_cycles(make_rig: RigFactory) -> None:
+    """Everything a stream held is freed by reference counting when it ends, not left for a full
+    garbage collection (which the tuned collector runs rarely): a burst's memory comes back at once."""
+    rig = await make_rig()
+    async with serving(rig) as client:
+        ids = [(await client.post("/v1/tasks", json={"input": f"c{n}"})).json()["task_id"] for n in range(20)]
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for task_id in ids:
+                async with aconnect_sse(client, "GET", f"/v1/result/{task_id}/events") as source:
+                    assert (await anext(source.aiter_sse())).event == "queued"
+            await wait_until(lambda: rig.gateway.watchers == 0, what="the streams to end")
+            gc.collect()
+            cyclic = Counter(type(obj).__name__ for obj in gc.garbage)
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+    held = {name: count for name, count in cyclic.items() if name in ("EventStream", "Task", "CancelledError", "frame")}
+    assert not held, f"a closed stream left reference cycles: {held}"
+
+
+class Sent:
+    """An ASGI ``send`` that keeps the messages, and a ``receive`` that waits until told the client left."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict[str, object]] = []
+        self.left = asyncio.Event()
+
+    async def send(self, message: dict[str, object]) -> None:
+        self.messages.append(message)
+
+    async def receive(self) -> dict[str, object]:
+        await self.left.wait()
+        return {"type": "http.disconnect"}
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(m.get("body", b"") for m in self.messages if m["type"] == "http.response.body")  # type: ignore[misc]
+
+
+async def endless(closed: list[bool]) -> AsyncIterator[bytes]:
+    try:
+        yield b"event: queued\r\n\r\n"
+        await asyncio.Event().wait()
+        yield b"never"
+    finally:
+        closed.append(True)
+
+
+async def test_a_server_shutdown_ends_every_stream_and_tells_the_client() -> None:
+    end = StreamsEnd()
+    closed: list[bool] = []
+    sent = Sent()
+    stream = asyncio.create_task(
+        EventStream(endless(closed), ping_s=60, end=end)({"method": "GET"}, sent.receive, sent.send)
+    )
+    await wait_until(lambda: b"event: queued" in sent.body, what="the first event")
+    end.end()  # as the server's signal handler does
+    await asyncio.wait_for(stream, 5)
+    assert sent.messages[-1] == {"type": "http.response.body", "body": b""}, "the stream is ended, not cut"
+    assert closed == [True], "the events are closed"
+
+
+async def test_a_client_that_leaves_gets_nothing_more_and_its_events_are_closed() -> None:
+    closed: list[bool] = []
+    sent = Sent()
+    stream = asyncio.create_task(EventStream(endless(closed), ping_s=60)({"method": "GET"}, sent.receive, sent.send))
+    await wait_until(lambda: b"event: queued" in sent.body, what="the first event")
+    sent.left.set()
+    await asyncio.wait_for(stream, 5)
+    assert sent.messages[-1]["type"] == "http.response.body" and sent.messages[-1].get("more_body") is True
+    assert closed == [True]
+
+
+async def test_head_gets_the_headers_alone_and_the_watch_is_closed() -> None:
+    """A HEAD reads no event, yet the store watch that the first state came from is closed."""
+    closed: list[bool] = []
+    later = watched_states(closed)
+    first = await anext(later)  # started, as TaskReads.events is once it gave the first state
+    sent = Sent()
+    stream = EventStream(TaskEvents(first, later), ping_s=60)
+    await asyncio.wait_for(stream({"method": "HEAD"}, sent.receive, sent.send), 5)
+    start, body = sent.messages
+    assert start["type"] == "http.response.start" and start["status"] == 200
+    assert (b"content-type", b"text/event-stream; charset=utf-8") in start["headers"]  # type: ignore[operator]
+    assert body == {"type": "http.response.body", "body": b""}
+    assert closed == [True], "the watch is closed"
+
+
+async def watched_states(closed: list[bool]) -> AsyncGenerator[TaskState, None]:
+    try:
+        yield TaskState("t1", TaskStatus.QUEUED, "sim", 1, 1)
+        await asyncio.Event().wait()
+        yield TaskState("t1", TaskStatus.COMPLETED, "sim", 1, 2)
+    finally:
+        closed.append(True)
+
+
+class LosesACancellation:
+    """Events whose read loses the first cancellation it gets, as a redis-py send under Python 3.11's
+    ``asyncio.wait_for`` can, and then waits again."""
+
+    def __init__(self) -> None:
+        self.first = True
+        self.closed = False
+
+    def __aiter__(self) -> LosesACancellation:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self.first:
+            self.first = False
+            return b"event: queued\r\n\r\n"
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.Event().wait()
+        await asyncio.Event().wait()
+        return b"never"
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+async def test_a_stream_ends_even_when_a_cancellation_is_lost_below_it() -> None:
+    events = LosesACancellation()
+    sent = Sent()
+    stream = asyncio.create_task(EventStream(events, ping_s=60)({"method": "GET"}, sent.receive, sent.send))
+    await wait_until(lambda: b"event: queued" in sent.body, what="the first event")
+    sent.left.set()
+    await asyncio.wait_for(stream, 5)
+    assert events.closed
