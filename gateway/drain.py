@@ -110,6 +110,11 @@ class DrainMeter:
         if now.batches != last.batches:
             self._batch_at_s = now.at_s
             self._stalled_at_s = None
+        elif now.at_s - last.at_s > self.settle_s and self._stalled_at_s is None:
+            # No fresh counters for a while (the bus was unreachable): what the workers did meanwhile is
+            # unknown, so the wait for a batch starts again rather than counting the outage.
+            self._batch_at_s = now.at_s
+            self._waiting_since_s = None
         if last.depth > 0 and now.depth > 0:
             self._busy_s += now.at_s - last.at_s
             self._busy_left += max(0, now.left - last.left)

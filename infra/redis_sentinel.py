@@ -7,15 +7,17 @@ a restarted Sentinel goes on from what it knew instead of from the primary it fi
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from infra.errors import ServiceStartError
 from infra.loopback import LoopbackServer
 from infra.ports import LOOPBACK, free_port
-from infra.process import ServiceProcess
-from infra.redis_server import DEFAULT_START_TIMEOUT_S, DEFAULT_STOP_TIMEOUT_S, find_redis_server, redis_pings
+from infra.redis_server import (
+    DEFAULT_START_TIMEOUT_S,
+    DEFAULT_STOP_TIMEOUT_S,
+    find_redis_server,
+    spawn_answering,
+)
 
 MASTER_NAME = "batchwire"
 QUORUM = 2
@@ -79,17 +81,9 @@ class SentinelServer(LoopbackServer):
         if not self.config_path.is_file():
             self.config_path.write_text(self.config_text())
         argv = [str(find_redis_server()), str(self.config_path.resolve()), "--sentinel"]
-        process = ServiceProcess.spawn(argv, log_path=self.log_path, cwd=self._work_dir, detached=self._detached)
-        self._process = process
-        while process.is_alive() and time.monotonic() < deadline:
-            if redis_pings(self._port):
-                return
-            time.sleep(_POLL_INTERVAL_S)
-        running = process.is_alive()
-        process.terminate(2.0)
-        self._process = None
-        why = "did not answer PING before the deadline" if running else "exited during start-up"
-        raise ServiceStartError(f"Sentinel on port {self._port} {why} (log: {self.log_path}):\n{self.log_tail()}")
+        self._process = spawn_answering(
+            argv, self._port, "Sentinel", self, cwd=self._work_dir, detached=self._detached, deadline=deadline
+        )
 
 
 def sentinel_primary(sentinel_ports: Iterable[int], master: str = MASTER_NAME) -> int | None:

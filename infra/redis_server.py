@@ -75,6 +75,23 @@ def redis_pings(port: int, host: str = LOOPBACK, timeout_s: float = 1.0) -> bool
         return False
 
 
+def spawn_answering(
+    argv: list[str], port: int, what: str, server: LoopbackServer, *, cwd: Path, detached: bool, deadline: float
+) -> ServiceProcess:
+    """Starts ``argv`` (a redis-server, or one in Sentinel mode) and returns once it answers PING on
+    ``port``; a process that exits or stays silent until ``deadline`` is stopped and reported."""
+    log_path = server.log_path
+    process = ServiceProcess.spawn(argv, log_path=log_path, cwd=cwd, detached=detached)
+    while process.is_alive() and time.monotonic() < deadline:
+        if redis_pings(port):
+            return process
+        time.sleep(_POLL_INTERVAL_S)
+    running = process.is_alive()
+    process.terminate(2.0)
+    why = "did not answer PING before the deadline" if running else "exited during start-up"
+    raise ServiceStartError(f"{what} on port {port} {why} (log: {log_path}):\n{server.log_tail()}")
+
+
 def _quoted(text: str) -> str:
     # redis.conf reads a double-quoted value with backslash escapes (a folder name may hold spaces).
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
@@ -165,14 +182,6 @@ class RedisServer(LoopbackServer):
         self._work_dir.mkdir(parents=True, exist_ok=True)
         argv = self._argv()
         self.config_path.write_text(self.config_text())
-        process = ServiceProcess.spawn(argv, log_path=self.log_path, cwd=self._work_dir, detached=self._detached)
-        self._process = process
-        while process.is_alive() and time.monotonic() < deadline:
-            if redis_pings(self._port):
-                return
-            time.sleep(_POLL_INTERVAL_S)
-        running = process.is_alive()
-        process.terminate(2.0)
-        self._process = None
-        why = "did not answer PING before the deadline" if running else "exited during start-up"
-        raise ServiceStartError(f"redis-server on port {self._port} {why} (log: {self.log_path}):\n{self.log_tail()}")
+        self._process = spawn_answering(
+            argv, self._port, "redis-server", self, cwd=self._work_dir, detached=self._detached, deadline=deadline
+        )

@@ -238,6 +238,10 @@ class Harm:
     fds_peak: int
     fds_after: int
 
+    def p99_rose(self, slack_ms: float = P99_SLACK_MS) -> bool:
+        """Whether the normal client's p99 during the attack passed its baseline p99 plus ``slack_ms``."""
+        return self.during.p99_ms > self.baseline.p99_ms + slack_ms
+
     def __str__(self) -> str:
         return (
             f"baseline: {self.baseline}; during: {self.during}; RSS {self.rss_before >> 20} -> peak "
@@ -263,6 +267,7 @@ def unharmed(
     rate_per_s: float = 10.0,
     model: str | None = None,
     p99_slack_ms: float = P99_SLACK_MS,
+    check_p99: bool = True,
     rss_growth_bytes: int = RSS_GROWTH_BYTES,
     fds_settle_s: float = 30.0,
 ) -> Harm:
@@ -293,7 +298,8 @@ def unharmed(
     assert baseline.failures == [], f"the baseline already failed: {harm}"
     assert during.failures == [], f"a normal client's requests failed during the attack: {harm}"
     assert during.count >= min_during_s * rate_per_s * 0.8, f"the probe could not keep its rate: {harm}"
-    assert during.p99_ms <= baseline.p99_ms + p99_slack_ms, f"the normal client's p99 rose too much: {harm}"
+    if check_p99:
+        assert not harm.p99_rose(p99_slack_ms), f"the normal client's p99 rose too much: {harm}"
     assert rss_peak - rss_before <= rss_growth_bytes, f"RSS grew too much: {harm}"
     return harm
 

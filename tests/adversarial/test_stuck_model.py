@@ -57,7 +57,10 @@ async def _flood_and_follow(
     url: str, ended: dict[str, tuple[str, float]], refused: list[float], events: list[str]
 ) -> None:
     """Sends TASKS requests for the blocked model and long-polls each accepted one until it ends."""
-    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+    # Room for every long-poll and the stream at once: a request waiting for the client's own pool
+    # would be timed as if the service were slow.
+    limits = httpx.Limits(max_connections=TASKS + 50)
+    async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as client:
 
         async def one(n: int) -> None:
             sent = time.monotonic()

@@ -22,6 +22,14 @@ def busy(meter: DrainMeter, seconds: float, depth: int, rate: float, start: Back
     return backlog
 
 
+def hold(meter: DrainMeter, backlog: Backlog, until_s: float) -> None:
+    """Samples the same counters every 0.1 s up to ``until_s``, as the gateway's sampler does."""
+    at = backlog.at_s
+    while at < until_s - 1e-9:
+        at = min(until_s, at + 0.1)
+        meter.observe(Backlog(backlog.depth, backlog.left, backlog.batches, at))
+
+
 def test_an_empty_queue_predicts_no_wait() -> None:
     meter = DrainMeter()
     estimate = meter.observe(Backlog(0, 0, 0, 0.0))
@@ -61,7 +69,8 @@ def test_requests_waiting_while_no_batch_leaves_is_a_stall() -> None:
     meter.observe(Backlog(0, 0, 7, 0.0))
     meter.observe(Backlog(10, 0, 7, 0.1))  # requests arrive; no batch goes
     assert not meter.stalled
-    estimate = meter.observe(Backlog(10, 4, 7, 5.2))  # expiries leave the queue: still no batch
+    hold(meter, Backlog(10, 4, 7, 0.1), 5.1)  # expiries leave the queue: still no batch
+    estimate = meter.observe(Backlog(10, 4, 7, 5.2))
     assert estimate.stalled_s == pytest.approx(5.2) and estimate.wait_s == math.inf
     assert meter.stalled
     assert meter.observe(Backlog(0, 10, 7, 5.3)).wait_s == math.inf, "an emptied queue is still stalled"
@@ -126,10 +135,10 @@ async def test_a_stalled_model_is_refused_and_named_while_the_others_serve() -> 
     admission = Admission(settings(stall_s=2.0), counters, None)
     counters.backlogs = {"a": Backlog(0, 0, 0, 0.0), "b": Backlog(0, 0, 0, 0.0)}
     assert admission.models() == {"a": "serving", "b": "serving"}
-    counters.backlogs = {"a": Backlog(5, 0, 0, 0.1), "b": Backlog(0, 0, 0, 0.1)}
-    admission.models()
-    counters.backlogs = {"a": Backlog(5, 0, 0, 2.5), "b": Backlog(0, 0, 0, 2.5)}
-    assert admission.models() == {"a": "stalled", "b": "serving"}
+    for n in range(1, 26):  # sampled every 0.1 s, as the gateway's sampler does
+        counters.backlogs = {"a": Backlog(5, 0, 0, n / 10), "b": Backlog(0, 0, 0, n / 10)}
+        states = admission.models()
+    assert states == {"a": "stalled", "b": "serving"}
     with pytest.raises(Overloaded, match="taken none for 2 s"):
         await admission.admit(ANONYMOUS, "a", 30_000)
     await admission.admit(ANONYMOUS, "b", 30_000)
@@ -157,3 +166,14 @@ def test_service_time_is_the_fastest_recent_answer_and_forgets_an_old_one() -> N
     now[0] = 22
     service.observe(0.4)
     assert service.seconds == 0.4
+
+
+def test_an_outage_of_the_counters_does_not_count_as_a_stall() -> None:
+    """Kafka down for 10 s: no fresh counters, then a queue that built up. The workers' batches resume
+    after the bus does; that is not a stall."""
+    meter = DrainMeter(stall_s=5.0)
+    meter.observe(Backlog(2, 0, 7, 0.0))
+    assert meter.observe(Backlog(50, 0, 7, 10.0)).wait_s != math.inf
+    hold(meter, Backlog(60, 0, 7, 10.0), 14.9)
+    assert not meter.stalled
+    assert meter.observe(Backlog(60, 0, 7, 15.1)).wait_s == math.inf, "no batch 5 s after the counters came back"
