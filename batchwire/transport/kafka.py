@@ -65,9 +65,11 @@ class _Producer:
 
     Every record waits for ``acks="all"``: on a replicated topic only that survives losing the
     leader (with ``min.insync.replicas`` it needs that many copies), and on one broker it costs the
-    same as ``acks=1``. Idempotence is on, so a send that aiokafka retries after a lost ack (a
-    leader that died or moved) is written once: aiokafka keeps one batch in flight per partition
-    and numbers it, and the broker drops a number it already has.
+    same as ``acks=1``. Idempotence is off: aiokafka's idempotent producer does not recover from
+    ``OutOfOrderSequenceNumber`` after a broker restarts (every later send to that partition fails
+    until the process restarts, as ``tests/e2e/test_infra_restarts.py`` showed). A retried send
+    may write a record twice; that is harmless, because a request or a batch read twice ends its
+    tasks once (task states only move forward, and a worker skips tasks that already ended).
     """
 
     def __init__(
@@ -86,7 +88,6 @@ class _Producer:
             "bootstrap_servers": bootstrap,
             "client_id": client_id,
             "acks": "all",
-            "enable_idempotence": True,
             "linger_ms": linger_ms,
             "request_timeout_ms": request_timeout_ms,
             "compression_type": compression_type,
@@ -185,9 +186,9 @@ class _Producer:
 class KafkaRequestProducer:
     """Gateway side of the request topic: each request goes to its model's partitions (``Partitioner``).
 
-    ``send`` returns once the request is durably accepted (``acks="all"``, idempotent: see
-    ``_Producer``); a duplicate from a caller's own retry is harmless anyway, because task states
-    only move forward and a terminal state is written once.
+    ``send`` returns once the request is durably accepted (``acks="all"``: see ``_Producer``); a
+    duplicate record is harmless, because task states only move forward and a terminal state is
+    written once.
 
     A circuit breaker (``breaker``) remembers that the bus is down: a send that failed or a
     readiness probe that found no connected leader opens it, and until a background probe reaches
