@@ -217,6 +217,11 @@ class Gateway:
             # Known down (its circuit breaker is open): refused before anything is stored or queued,
             # rather than after a produce timeout.
             raise Unavailable("the request bus is unreachable; nothing was queued: retry after the Retry-After delay")
+        if not self._store.reachable():
+            # Known down too: its outage, not the queue that builds meanwhile, is what to report.
+            raise Unavailable(
+                "the task store is unreachable (its connection is down); nothing was queued: retry shortly"
+            )
         if self._inflight >= self.settings.max_inflight:
             raise Overloaded(
                 f"this gateway holds {self._inflight} requests, its limit ({env_name('max_inflight')}); "
@@ -280,11 +285,6 @@ class Gateway:
         early, write it then. Sparing the write takes a Redis command off the common request.
         """
         record = keyed or owner is not None
-        if not record and not self._store.reachable():
-            # Its answer would come through the store: refused before anything is queued.
-            raise Unavailable(
-                "the task store is unreachable (its connection is down); nothing was queued: retry shortly"
-            )
         queued, request = self._task(task_id, input, model, timeout_ms, self.settings.gateway_id, owner)
         # Register, then publish: the reply may arrive before ``send`` even returns.
         future = self._waiters.register(task_id, started, disconnected)

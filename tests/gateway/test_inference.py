@@ -191,10 +191,17 @@ class DownStore(RecordingStore):
         return False
 
 
+class FailingStore(DownStore):
+    """A store whose connection looks up, but whose writes fail (found out only by trying)."""
+
+    def reachable(self) -> bool:
+        return True
+
+
 async def test_a_down_store_is_503_naming_the_task_that_may_still_run(make_rig: RigFactory) -> None:
     """A queued task is stored and produced at once: when only the store fails, the request is on the
     bus, and the 503 says so and names the task, so the caller can poll it or retry with a key."""
-    rig = await make_rig(store=DownStore())
+    rig = await make_rig(store=FailingStore())
     response = await rig.client.post("/v1/tasks", json={"input": "x"})
     assert response.status_code == 503, response.text
     body = response.json()
@@ -209,8 +216,12 @@ async def test_a_down_store_is_503_naming_the_task_that_may_still_run(make_rig: 
 async def test_a_synchronous_request_meets_an_unreachable_store_with_503_and_queues_nothing(
     make_rig: RigFactory,
 ) -> None:
-    """Its answer would come through the store: held, it would only wait for its deadline."""
+    """Its answer would come through the store: held, it would only wait for its deadline. An
+    asynchronous one is refused the same way: a store known down takes no task."""
     rig = await make_rig(store=DownStore())
+    refused = await rig.client.post("/v1/tasks", json={"input": "x"})
+    assert refused.status_code == 503 and error_of(refused)["code"] == "unavailable", refused.text
+    assert rig.produced() == 0
     response = await rig.client.post("/v1/inference", json={"input": "x"})
     assert response.status_code == 503, response.text
     error = error_of(response)
