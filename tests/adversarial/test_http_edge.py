@@ -34,6 +34,27 @@ CLOSE_SLACK_S = 1.5
 MAX_CONNECTIONS = 200
 
 
+def read_response(sock: socket.socket) -> bytes:
+    """One whole HTTP/1.1 response, head and ``content-length`` body: TCP may split it anywhere."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        (int(line.split(b":", 1)[1]) for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:")),
+        0,
+    )
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
 def error_code(answer: bytes) -> str:
     head, _, body = answer.partition(b"\r\n\r\n")
     assert b"content-type: application/json" in head.lower(), answer[:300]
@@ -255,15 +276,15 @@ def test_at_the_cap_connections_that_sent_requests_keep_their_place(embedded_ser
             sock = socket.create_connection((service.host, service.port), timeout=10)
             kept.append(sock)
             sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: gw\r\n\r\n")
-            answer = sock.recv(65536)
+            answer = read_response(sock)
             assert answer.startswith(b"HTTP/1.1 200 "), f"connection {n + 1} of {cap}: {answer[:200]!r}"
         with socket.create_connection((service.host, service.port), timeout=10) as over:
-            answer = over.recv(65536)  # nothing sent: the answer comes unasked, then the close
+            answer = read_response(over)  # nothing sent: the answer comes unasked, then the close
             assert answer.startswith(b"HTTP/1.1 503 "), f"connection {cap + 1} over a cap of {cap}: {answer[:200]!r}"
             assert error_code(answer) == "too_many_connections"
             assert over.recv(65536) == b"", "a refused connection is closed"
         kept[0].sendall(b"GET /healthz HTTP/1.1\r\nhost: gw\r\n\r\n")
-        assert kept[0].recv(65536).startswith(b"HTTP/1.1 200 "), "a kept connection still serves"
+        assert read_response(kept[0]).startswith(b"HTTP/1.1 200 "), "a kept connection still serves"
     finally:
         for sock in kept:
             sock.close()

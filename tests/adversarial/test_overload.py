@@ -107,7 +107,10 @@ def test_three_times_capacity_is_answered_in_time_or_refused_at_once(request: py
     assert outcomes.other == [], summary
     assert max(outcomes.answered) <= TIMEOUT_MS / 1000, f"an admitted request is answered in time: {summary}"
     refusals = sorted(outcomes.refused)
-    assert refusals and refusals[int(0.99 * len(refusals))] < 0.1, f"refusals come at once: {summary}"
+    # Measured by this client, which shares two cores with the service: generous bounds here, the
+    # figures in bench/README.md ("Overload").
+    assert refusals and refusals[len(refusals) // 2] < 0.05, f"refusals come at once: {summary}"
+    assert refusals[int(0.99 * len(refusals))] < 0.25, f"refusals come at once: {summary}"
     assert len(outcomes.answered) >= 0.8 * CAPACITY_PER_S * DURATION_S, f"the worker stays busy: {summary}"
     computed_late = _computed(service.url, outcomes.late)
     assert computed_late <= 0.02 * len(outcomes.answered), f"{computed_late} computed after their 504: {summary}"
