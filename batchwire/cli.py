@@ -55,6 +55,15 @@ def _memory_size(text: str) -> str:
         raise argparse.ArgumentTypeError(str(err)) from err
 
 
+def _min_replicas(text: str) -> int | None:
+    from gpu_worker.replicas import parse_min_replicas
+
+    try:
+        return parse_min_replicas(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected auto or a number of replicas, got {text!r}") from err
+
+
 def _gc_threshold(text: str) -> Threshold | None:
     try:
         return parse_threshold(text)
@@ -291,6 +300,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add(worker, "--max-batch", None, int, "largest batch this worker's backend takes (sim: 100, hf: 32)")
     _add(worker, "--metrics-port", 0, int, "serve Prometheus /metrics on this port (0: off)")
     _add(worker, "--session-timeout-ms", 3000, int, "Kafka group session: a dead worker's batches move after this")
+    _add(
+        worker,
+        "--redis-min-replicas",
+        "auto",
+        _min_replicas,
+        "Redis replicas that must hold a batch's results before its offset is committed (auto: 1 while the "
+        "primary has a replica connected, else 0)",
+    )
+    _add(worker, "--redis-replica-wait-ms", 1000, int, "how long one store of results waits for those replicas")
 
     stack = sub.add_parser("stack", help="start or stop a local Kafka broker and Redis server in the background")
     stack.add_argument("action", choices=["up", "down", "status"])

@@ -108,6 +108,13 @@ WORKER_BATCHES = Counter(
 TASKS_ENDED = Counter(
     "batchwire_tasks_ended", "Tasks that reached an end state, by status.", ["model", "status"], registry=REGISTRY
 )
+RESULTS_UNREPLICATED = Counter(
+    "batchwire_results_unreplicated",
+    "Stores of a batch's results that fewer Redis replicas acknowledged in time than --redis-min-replicas "
+    "(the batch stays uncommitted and its results are stored again).",
+    ["worker"],
+    registry=REGISTRY,
+)
 REQUEST_LAG = Gauge(
     "batchwire_request_topic_lag", "Requests on the request topic not yet committed by a batcher.", registry=REGISTRY
 )

@@ -457,6 +457,7 @@ def run_worker(args: argparse.Namespace) -> int:
     """A worker process; exits 0 after a signal, 75 when its backend hung (restart it), 1 after a crash."""
     from gpu_worker.backends.factory import make_backend
     from gpu_worker.journal import BatchJournal
+    from gpu_worker.replicas import ReplicaSettings
     from gpu_worker.runner import EXIT_BACKEND_HUNG
 
     shared = shared_settings(args)
@@ -464,24 +465,33 @@ def run_worker(args: argparse.Namespace) -> int:
     if model not in shared.models:
         raise SettingsError(f"--model {model!r} is not among --models {','.join(shared.models)}")
     settings = worker_settings(args, model, args.worker_id)
+    try:
+        replica_settings = ReplicaSettings(args.redis_min_replicas, args.redis_replica_wait_ms)
+    except ValueError as err:
+        raise SettingsError(str(err)) from err
     backend = make_backend(backend_settings(args), model)
 
     async def main() -> int:
         from batchwire.transport.express import RedisExpress
         from batchwire.transport.express_batches import ExpressBatchConsumer
         from batchwire.transport.kafka import KafkaBatchConsumer, KafkaDeadLetterProducer
-        from batchwire.transport.redis import RedisCreditPool, RedisTaskStore
+        from batchwire.transport.redis import STORE_POOL, RedisCreditPool, RedisTaskStore
         from batchwire.transport.redis_deliveries import RedisDeliveryLog
+        from gpu_worker.replicas import ReplicaWait
         from gpu_worker.worker import Worker
 
         bootstrap = shared.require_kafka()
         redis_url = shared.require_redis()
         names = shared.names
         await _ensure_topics(shared, _durability(args), False, (model,), dead_letters=True)
-        store = RedisTaskStore(redis_url, names, ttl_s=shared.result_ttl_s)
+        # A store's answer may come a replica wait later: the socket waits that much longer.
+        socket_timeout_s = STORE_POOL.socket_timeout_s + replica_settings.wait_ms / 1000
+        pool = dataclasses.replace(STORE_POOL, socket_timeout_s=socket_timeout_s)
+        store = RedisTaskStore(redis_url, names, ttl_s=shared.result_ttl_s, pool=pool)
         credits = RedisCreditPool(redis_url, names)
         deliveries = RedisDeliveryLog(redis_url, names, ttl_s=shared.result_ttl_s)
         dead_letters = KafkaDeadLetterProducer(bootstrap, names)
+        replicas = ReplicaWait(store, replica_settings, settings.worker_id, retry_max_s=settings.retry_max_s)
         consumer = ExpressBatchConsumer(  # batchers may send by Redis too (batcher --express)
             KafkaBatchConsumer(bootstrap, names, model, session_timeout_ms=args.session_timeout_ms),
             RedisExpress(redis_url, names),
@@ -489,7 +499,15 @@ def run_worker(args: argparse.Namespace) -> int:
         )
         journal = BatchJournal(args.batch_log) if args.batch_log else None
         worker = Worker(
-            settings, consumer, credits, store, backend, journal, deliveries=deliveries, dead_letters=dead_letters
+            settings,
+            consumer,
+            credits,
+            store,
+            backend,
+            journal,
+            deliveries=deliveries,
+            dead_letters=dead_letters,
+            replicas=replicas,
         )
 
         async def start() -> None:

@@ -52,6 +52,7 @@ from gpu_worker import careful
 from gpu_worker.backends.base import Backend
 from gpu_worker.calls import BackendCalls, Failure, Ran, oversize
 from gpu_worker.journal import BatchJournal
+from gpu_worker.replicas import ReplicaWait
 from gpu_worker.runner import BackendHung, BackendRunner
 from gpu_worker.settings import WorkerSettings
 from schemas.deadletter import DEAD_LETTERED
@@ -78,6 +79,7 @@ class Worker:
         *,
         deliveries: DeliveryLog | None = None,
         dead_letters: DeadLetterSink | None = None,
+        replicas: ReplicaWait | None = None,
     ) -> None:
         self.settings = settings
         self.consumer = consumer
@@ -87,6 +89,8 @@ class Worker:
         self.journal = journal
         self.deliveries: DeliveryLog = deliveries if deliveries is not None else MemoryDeliveryLog()
         self.dead_letters: DeadLetterSink = dead_letters if dead_letters is not None else MemoryDeadLetters()
+        self.replicas = replicas
+        """When set, a batch is committed only once its results are on enough Redis replicas."""
         expected_s = None if settings.expected_latency_ms is None else settings.expected_latency_ms / 1000
         self.runner = BackendRunner(
             settings.worker_id, hang_factor=settings.hang_factor, hang_min_s=settings.hang_min_s, expected_s=expected_s
@@ -196,6 +200,9 @@ class Worker:
     async def _offer(self) -> None:
         """Offers a credit when idle, and replaces one that is about to expire unclaimed."""
         if self._stopping:
+            return
+        if self.replicas is not None and self.replicas.waiting:
+            await self._withdraw()  # results wait for Redis replicas: no new batch until they are safe
             return
         now = wall_ms()
         if self._credit is not None and self._credit.expires_at_ms - now > self.settings.refresh_margin_s * 1000:
@@ -382,7 +389,9 @@ class Worker:
     ) -> None:
         if previous is not None:  # commits go in offset order
             await asyncio.gather(previous, return_exceptions=True)
-        if states:
+        if self.replicas is not None:  # every state again: the earlier writes may be on a lost primary
+            await self.replicas.store_results(states, give_up=lambda: self._abandon)
+        elif states:
             await self._retry("storing results", lambda: self.store.apply(states))
         await self._commit(delivered)
         try:
@@ -432,10 +441,9 @@ class Worker:
                 # A careful run waits for the running call (one at a time), and every batch's results
                 # are stored after those of the batches before it (commits go in offset order).
                 await self._backend_free()
-                if todo:
-                    await self._run_careful(batch, todo, count)
+                stored = await self._run_careful(batch, todo, count) if todo else []
                 self._count(batch, ended)
-                self._store(delivered, batch, ended)
+                self._store(delivered, batch, ended + stored)  # stored again (no-ops) to wait for replicas
                 return
             self._start_run(delivered, batch, todo, ended)
         await asyncio.sleep(0)  # let it hand its call to the thread before the loop goes on
@@ -554,8 +562,9 @@ class Worker:
                 states.append(self._state(batch, item, TaskStatus.FAILED, error=result))
         return states
 
-    async def _run_careful(self, batch: Batch, todo: list[BatchItem], count: int) -> None:
-        """A redelivered batch: suspects in halves, each group marked and its results stored at once."""
+    async def _run_careful(self, batch: Batch, todo: list[BatchItem], count: int) -> list[TaskState]:
+        """A redelivered batch: suspects in halves, each group marked and its results stored at once;
+        returns every state it stored."""
         ids = [item.task_id for item in todo]
         suspects = await self._retry(
             "reading what was in flight", lambda: self.deliveries.suspects(batch.batch_id, ids)
@@ -573,16 +582,19 @@ class Worker:
             "+".join(str(len(group)) for group in decided.groups) or "nothing",
             len(decided.dead),
         )
-        if decided.dead:
-            await self._dead_letter(batch, decided.dead, suspects, count)
+        stored = await self._dead_letter(batch, decided.dead, suspects, count) if decided.dead else []
         for group in decided.groups:
             mark = functools.partial(self.deliveries.mark, batch.batch_id, [item.task_id for item in group])
             await self._retry("marking tasks in flight", mark)
             states = await self._run_group(batch, group, count)
             await self._retry("storing results", functools.partial(self.store.apply, states))
             self._count(batch, states)
+            stored.extend(states)
+        return stored
 
-    async def _dead_letter(self, batch: Batch, items: list[BatchItem], suspects: Suspects, count: int) -> None:
+    async def _dead_letter(
+        self, batch: Batch, items: list[BatchItem], suspects: Suspects, count: int
+    ) -> list[TaskState]:
         ids = [item.task_id for item in items]
         # Marked first: if this worker dies before the letter is stored, the next one sees it again.
         await self._retry("marking tasks in flight", lambda: self.deliveries.mark(batch.batch_id, ids))
@@ -596,6 +608,7 @@ class Worker:
         await self._retry("storing dead-lettered tasks", lambda: self.store.apply(states))
         metrics.WORKER_BATCHES.labels(worker=self.settings.worker_id, outcome="dead_lettered").inc()
         self._count(batch, states)
+        return states
 
     def _count(self, batch: Batch, states: list[TaskState]) -> None:
         ended = Counter(state.status.value for state in states)  # one labels() lookup per status, not per task

@@ -69,3 +69,8 @@ class Names:
     def rate_bucket(self, client: str) -> str:
         """One client's token bucket, shared by every gateway."""
         return f"{self.namespace}:rate:{client}"
+
+    @property
+    def replication_mark(self) -> str:
+        """Written just before a worker's Redis ``WAIT``, so the wait covers results already stored."""
+        return f"{self.namespace}:replication-mark"

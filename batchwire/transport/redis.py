@@ -134,6 +134,14 @@ class RedisTaskStore:
     async def apply(self, updates: Sequence[TaskState]) -> list[bool]:
         if not updates:
             return []
+        keys, args = self._apply_call(updates)
+        try:
+            applied: list[int] = await self._apply(keys=keys, args=args)
+        except RedisError as err:
+            raise translate(f"applying {len(updates)} task update(s)", err) from err
+        return [bool(flag) for flag in applied]
+
+    def _apply_call(self, updates: Sequence[TaskState]) -> tuple[list[str], list[Any]]:
         keys: list[str] = []
         rows: list[tuple[TaskState, bytes, str, str]] = []
         for state in updates:
@@ -141,11 +149,35 @@ class RedisTaskStore:
             reply = state.reply_to if state.status.terminal and state.reply_to is not None else None
             reply_channel = self.names.reply_channel(reply) if reply is not None else ""
             rows.append((state, encode_state(state), self.names.task_channel(state.task_id), reply_channel))
+        return keys, apply_args(self.ttl_ms, rows)
+
+    async def connected_replicas(self) -> int:
+        """How many replicas the primary counts as connected now (``INFO replication``)."""
         try:
-            applied: list[int] = await self._apply(keys=keys, args=apply_args(self.ttl_ms, rows))
+            info: dict[str, Any] = await self._client.info("replication")
         except RedisError as err:
-            raise translate(f"applying {len(updates)} task update(s)", err) from err
-        return [bool(flag) for flag in applied]
+            raise translate("asking Redis how many replicas it has", err) from err
+        return int(info.get("connected_slaves", 0))
+
+    async def apply_replicated(self, updates: Sequence[TaskState], replicas: int, timeout_ms: int) -> int:
+        """``apply``, then Redis ``WAIT``: how many replicas acknowledged the updates within ``timeout_ms``.
+
+        One pipeline, so one connection to one primary: ``WAIT`` counts only its own connection's
+        writes, and after a failover the updates land on the primary that is asked. An update already
+        applied writes nothing, so a mark written after the updates makes the wait cover them wherever
+        they were written on this primary before.
+        """
+        pipe = self._client.pipeline(transaction=False)
+        if updates:
+            keys, args = self._apply_call(updates)
+            await self._apply(keys=keys, args=args, client=pipe)  # queued; the pipeline loads the script
+        pipe.set(self.names.replication_mark, b"1", px=self.ttl_ms)
+        pipe.wait(replicas, timeout_ms)
+        try:
+            replies: list[Any] = await pipe.execute()
+        except RedisError as err:
+            raise translate(f"storing {len(updates)} task update(s) on {replicas} replica(s)", err) from err
+        return int(replies[-1])
 
     async def cancel(self, task_id: str, reason_code: str, message: str) -> TaskState | None:
         """Reads the task, then lets one script decide and write (see ``redis_lua.CANCEL``): two round

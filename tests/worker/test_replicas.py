@@ -1,0 +1,172 @@
+"""--redis-min-replicas against real Redis servers: a batch is committed only once replicas hold its results.
+
+Each test runs its own redis-server (a lone primary; a replica is started where a test needs one)
+and a worker over in-memory batches and credits whose commits are recorded, with a real
+``RedisTaskStore`` and ``ReplicaWait``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import redis
+
+from batchwire.transport.base import Delivered
+from batchwire.transport.memory import MemoryBatchConsumer
+from batchwire.transport.redis import RedisTaskStore
+from gpu_worker.replicas import ReplicaSettings, ReplicaWait, parse_min_replicas
+from gpu_worker.settings import WorkerSettings
+from gpu_worker.worker import Worker
+from infra.redis_server import RedisServer
+from schemas.records import Batch, TaskState, TaskStatus
+from schemas.wire import Names
+from tests.worker.rig import Rig, ScriptedBackend, now_ms, until
+
+pytestmark = pytest.mark.timeout(60)
+
+WAIT_MS = 50
+
+
+class RecordingConsumer(MemoryBatchConsumer):
+    """Records every commit (the in-memory consumer's commit does nothing)."""
+
+    def __init__(self, inner: MemoryBatchConsumer) -> None:
+        super().__init__(inner.bus, inner.partition)
+        self.committed: list[Delivered[Batch]] = []
+
+    async def commit(self, delivered: Delivered[Batch]) -> None:
+        self.committed.append(delivered)
+
+
+@pytest.fixture
+def primary(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path / "primary")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+async def store(primary: RedisServer, names: Names) -> AsyncIterator[RedisTaskStore]:
+    store = RedisTaskStore(primary.url, names)
+    await store.start()
+    yield store
+    await store.close()
+
+
+async def _worker(rig: Rig, store: RedisTaskStore, settings: ReplicaSettings) -> tuple[Worker, RecordingConsumer]:
+    consumer = RecordingConsumer(rig.bus.consumer(0))
+    replicas = ReplicaWait(store, settings, "w1", retry_max_s=0.05)
+    worker = Worker(
+        WorkerSettings(worker_id="w1", retry_max_s=0.05),
+        consumer,
+        rig.credits,
+        store,
+        ScriptedBackend(),
+        deliveries=rig.deliveries,
+        replicas=replicas,
+    )
+    await worker.start()
+    return worker, consumer
+
+
+async def _send(rig: Rig, store: RedisTaskStore, inputs: list[str]) -> Batch:
+    batch = rig.batch(inputs)
+    for item in batch.items:
+        await store.create(TaskState(item.task_id, TaskStatus.QUEUED, "sim", now_ms(), item.enqueued_at_ms))
+    await rig.send(batch)
+    return batch
+
+
+def test_min_replicas_is_auto_or_a_count() -> None:
+    assert parse_min_replicas("auto") is None and parse_min_replicas(" AUTO ") is None
+    assert parse_min_replicas("2") == 2
+    with pytest.raises(ValueError, match="BATCHWIRE_REDIS_MIN_REPLICAS"):
+        ReplicaSettings(min_replicas=-1)
+    with pytest.raises(ValueError, match="BATCHWIRE_REDIS_REPLICA_WAIT_MS"):
+        ReplicaSettings(wait_ms=0)
+
+
+async def test_auto_with_a_lone_redis_needs_no_replica_and_commits_at_once(store: RedisTaskStore) -> None:
+    rig = Rig()
+    worker, consumer = await _worker(rig, store, ReplicaSettings(wait_ms=WAIT_MS))
+    assert worker.replicas is not None
+    assert await worker.replicas.required() == 0, "auto asks for no replica of a primary that has none"
+    batch = await _send(rig, store, ["lone"])
+
+    await until(lambda: len(consumer.committed) == 1, "the batch to be committed")
+    await worker.close()
+
+    state = await store.get(batch.items[0].task_id)
+    assert state is not None and (state.status, state.output) == (TaskStatus.COMPLETED, "enol"), state
+    assert worker.replicas.short_stores == 0
+
+
+async def test_one_replica_required_of_a_lone_redis_keeps_the_batch_uncommitted_and_stores_again(
+    store: RedisTaskStore,
+) -> None:
+    rig = Rig()
+    worker, consumer = await _worker(rig, store, ReplicaSettings(min_replicas=1, wait_ms=WAIT_MS))
+    assert worker.replicas is not None
+    batch = await _send(rig, store, ["alone"])
+
+    await until(lambda: worker.replicas is not None and worker.replicas.short_stores >= 3, "three short stores")
+    state = await store.get(batch.items[0].task_id)
+    assert state is not None and state.output == "enola", "the results are stored while they wait for a replica"
+    assert consumer.committed == [], "a batch whose results no replica holds is not committed"
+    assert worker.replicas.waiting and worker.healthy()
+    for _ in range(500):  # the credit offered while the batch ran is taken back (within 5 s)
+        if not await rig.credits.idle("sim"):
+            break
+        await asyncio.sleep(0.01)
+    shorts = worker.replicas.short_stores
+    await until(lambda: worker.replicas is not None and worker.replicas.short_stores >= shorts + 2, "more tries")
+    assert await rig.credits.idle("sim") == 0, "no credit is offered while results wait for replicas"
+    await worker.close(drain_timeout_s=0.2)
+    assert consumer.committed == [], "closing gives the unreplicated batch back uncommitted"
+
+
+async def test_results_lost_before_a_replica_held_them_are_stored_again_and_committed_once_replicated(
+    primary: RedisServer, store: RedisTaskStore, names: Names, tmp_path: Path
+) -> None:
+    rig = Rig()
+    worker, consumer = await _worker(rig, store, ReplicaSettings(min_replicas=1, wait_ms=WAIT_MS))
+    assert worker.replicas is not None
+    batch = await _send(rig, store, ["kept"])
+    task_key = names.task_key(batch.items[0].task_id)
+    await until(lambda: worker.replicas is not None and worker.replicas.short_stores >= 1, "a short store")
+    with redis.Redis(port=primary.port) as client:
+        assert client.delete(task_key) == 1, "the result was on the primary"  # as a failover to a replica without it
+        client.config_set("repl-diskless-sync-delay", 0)  # the replica's first sync starts at once
+
+    replica = RedisServer(tmp_path / "replica", replica_of=primary.port)
+    replica.start()
+    try:
+        await until(lambda: len(consumer.committed) == 1, "the batch to be committed once a replica holds it")
+        await worker.close()
+        with redis.Redis(port=replica.port) as client:
+            stored = client.hget(task_key, "status")
+        assert stored == TaskStatus.COMPLETED.value.encode(), f"the replica holds the result stored again: {stored!r}"
+        assert consumer.committed[0].offset == 0
+    finally:
+        replica.stop()
+
+
+async def test_a_mark_makes_wait_cover_an_update_already_applied(store: RedisTaskStore, names: Names) -> None:
+    batch = await _send(Rig(), store, ["twice"])
+    state = await store.get(batch.items[0].task_id)
+    assert state is not None
+    completed = replace(state, status=TaskStatus.COMPLETED, updated_at_ms=state.updated_at_ms + 1, output="x")
+    assert await store.apply([completed]) == [True]
+
+    acked = await asyncio.wait_for(store.apply_replicated([completed], 0, WAIT_MS), 5)
+
+    assert acked == 0, "no replica: WAIT 0 answers at once with none"
+    with redis.Redis.from_url(store.redis_url) as client:
+        assert client.exists(names.replication_mark) == 1, "the mark is written although the update was a no-op"
