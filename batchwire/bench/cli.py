@@ -89,6 +89,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="HTTP client: aiohttp, or raw (minimal HTTP/1.1, ~3x less generator CPU per request)",
     )
     load.add_argument(
+        "--lone",
+        type=int,
+        default=20,
+        help="lone-request probe before the rates: this many requests one at a time, each to an idle "
+        "service (0: none; default 20)",
+    )
+    load.add_argument(
+        "--lone-gap-ms",
+        type=float,
+        default=300.0,
+        help="idle time after each lone request's answer before the next is sent (default 300)",
+    )
+    load.add_argument(
         "--loop",
         choices=("auto", "uvloop", "asyncio"),
         default="auto",
@@ -126,6 +139,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     start.add_argument("--max-wait-ms", type=float, help="passed to the batcher")
     start.add_argument("--gateways", type=int, default=1, help="kafka mode: gateway processes (default 1)")
     start.add_argument("--batchers", type=int, default=1, help="kafka mode: batcher processes (default 1)")
+    start.add_argument(
+        "--brokers",
+        type=int,
+        help="kafka mode: start a stack of this run's own with this many Kafka brokers (topics get RF min(3, N)) "
+        "in a fresh state dir, and remove it at the end (default: the .batchwire stack)",
+    )
+    start.add_argument(
+        "--redis-replicas",
+        type=int,
+        default=0,
+        help="with --brokers: Redis replicas beside the primary (1 or more: 3 Sentinels, and the roles use the "
+        "redis+sentinel:// URL; default 0)",
+    )
     start.add_argument(
         "--keep-stack",
         action="store_true",

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 from batchwire.bench import results
 from batchwire.bench.cli import DEFAULT_URL
 from batchwire.bench.loadgen import Expect
+from batchwire.bench.own_stack import OwnStack
 from batchwire.bench.procstats import discover_infra_pids, read_env_file
 from batchwire.bench.prom import default_metrics_url
 from batchwire.bench.report import compare_table, run_table
@@ -52,7 +53,8 @@ def execute(args: argparse.Namespace) -> int:
     runs: list[RunReport] = []
     status = 0
     restore_sigterm = _sigterm_as_sigint()
-    stack = Stack() if args.start == "kafka" else None
+    own = _own_stack(args)
+    stack = Stack(own=own) if args.start == "kafka" else None
     try:
         if stack is not None:
             stack.note_state()
@@ -61,7 +63,7 @@ def execute(args: argparse.Namespace) -> int:
                 report = RunReport(label=_label(args), policy=policy, sut=None, rates=[])
                 runs.append(report)
                 if args.start:
-                    _run_started(runner, args, load, policy, report)
+                    _run_started(runner, args, load, policy, report, stack)
                 else:
                     runner.run(bench_run(load, _given_target(args), report))
     except (KeyboardInterrupt, asyncio.CancelledError):
@@ -74,6 +76,10 @@ def execute(args: argparse.Namespace) -> int:
         try:
             if stack is not None and stack.restore(keep=args.keep_stack):
                 print("stopped the Kafka + Redis stack this run started (--keep-stack keeps it)", file=sys.stderr)
+            elif own is not None and args.keep_stack:
+                print(
+                    f"left this run's stack running: batchwire stack down --state-dir {own.state_dir}", file=sys.stderr
+                )
         except SutError as err:
             print(f"batchwire bench: {err}", file=sys.stderr)
             status = status or 1
@@ -88,8 +94,21 @@ def execute(args: argparse.Namespace) -> int:
     return status
 
 
+def _own_stack(args: argparse.Namespace) -> OwnStack | None:
+    """With --brokers, a stack in a fresh state dir (its data is removed with it at the end)."""
+    if args.brokers is None:
+        return None
+    state_dir = Path(tempfile.mkdtemp(prefix="batchwire-bench-stack-"))
+    return OwnStack(state_dir, brokers=args.brokers, redis_replicas=args.redis_replicas)
+
+
 def _run_started(
-    runner: asyncio.Runner, args: argparse.Namespace, load: LoadConfig, policy: str | None, report: RunReport
+    runner: asyncio.Runner,
+    args: argparse.Namespace,
+    load: LoadConfig,
+    policy: str | None,
+    report: RunReport,
+    stack: Stack | None,
 ) -> None:
     spec = SutSpec(
         mode=args.start,
@@ -103,6 +122,7 @@ def _run_started(
         slow_worker_latency_ms=args.slow_worker_latency_ms,
         ready_timeout_s=args.ready_timeout,
         stop_grace_s=args.stop_grace,
+        own_stack=stack.own if stack is not None else None,
     )
     log_dir = (args.out / "logs" / spec.policy) if args.out else Path(tempfile.mkdtemp(prefix="batchwire-bench-"))
     sut = SystemUnderTest(spec, log_dir)
@@ -116,11 +136,16 @@ def _run_started(
             runner.run(wait_first_answer(sut.urls, body, args.ready_timeout))
             groups = dict(sut.pid_groups())
             if spec.mode == "kafka":
-                settings = {**read_env_file(STACK_DIR / "stack.env"), **os.environ}
-                infra, how = discover_infra_pids(STACK_DIR, settings)
+                if stack is not None and stack.own is not None:
+                    infra, how = stack.server_pids(), "stack status --json"
+                else:
+                    settings = {**read_env_file(STACK_DIR / "stack.env"), **os.environ}
+                    infra, how = discover_infra_pids(STACK_DIR, settings)
                 groups["kafka"] = args.kafka_pids or infra["kafka"]
                 groups["redis"] = args.redis_pids or infra["redis"]
-                infra_found = {"kafka": groups["kafka"], "redis": groups["redis"], "found_by": how}
+                if infra.get("sentinel"):
+                    groups["sentinel"] = infra["sentinel"]
+                infra_found = {**{kind: groups[kind] for kind in infra if kind in groups}, "found_by": how}
             target = Target(
                 urls=tuple(sut.urls),
                 metrics_urls=() if args.no_metrics else tuple(args.metrics_url or sut.metrics_urls),
@@ -176,6 +201,14 @@ def _load_config(args: argparse.Namespace) -> LoadConfig:
         raise UsageError("--slow-worker-latency-ms, --gateways and --batchers need --start kafka")
     if args.client == "raw" and any(not url.startswith("http://") for url in args.url or []):
         raise UsageError("--client raw speaks plain http:// only; use --client aiohttp for https")
+    if args.lone < 0 or args.lone_gap_ms < 0:
+        raise UsageError("--lone and --lone-gap-ms must be 0 or more")
+    if args.brokers is not None and (args.start != "kafka" or args.brokers < 1):
+        raise UsageError("--brokers needs --start kafka and a count of 1 or more")
+    if args.redis_replicas and args.brokers is None:
+        raise UsageError("--redis-replicas needs --brokers: only a stack this run starts has its shape chosen here")
+    if args.redis_replicas < 0:
+        raise UsageError("--redis-replicas must be 0 or more")
     expect: Expect = "reverse" if args.check else args.expect
     return LoadConfig(
         rates_rps=tuple(args.rate),
@@ -189,6 +222,8 @@ def _load_config(args: argparse.Namespace) -> LoadConfig:
         payload_field=args.payload_field,
         pause_s=args.pause,
         client=args.client,
+        lone_count=args.lone,
+        lone_gap_s=args.lone_gap_ms / 1000.0,
     )
 
 

@@ -162,7 +162,7 @@ class OpenLoopSender:
         elif answer[0] != 200:
             kind = f"http_{answer[0]}"
         else:
-            kind = None if self._expect == "none" else _check_reverse(answer[1], text)
+            kind = None if self._expect == "none" else check_reverse(answer[1], text)
         window = self._window
         if kind is None and window.start <= done < window.end:
             tally.answers_in_window += 1
@@ -223,7 +223,7 @@ class OpenLoopSender:
             await asyncio.gather(*pending, return_exceptions=True)
 
 
-def _check_reverse(payload: bytes, text: str) -> str | None:
+def check_reverse(payload: bytes, text: str) -> str | None:
     """The sim backend answers the reversed input; anything else is a wrong (or unreadable) answer."""
     try:
         document = json.loads(payload)

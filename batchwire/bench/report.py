@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from batchwire.bench.lone import lone_line
 from batchwire.bench.results import RateReport, RunReport
 
 Cell = Callable[[RateReport], float | None]
@@ -125,6 +126,9 @@ def run_table(run: RunReport) -> str:
                 f"(last {1000 * rate['drain_s']:.0f} ms after it)"
             )
         lines.extend(f"{label} NOTE: {note}" for note in rate["notes"])
+    lone = run.get("lone")
+    if lone is not None:
+        lines.append(f"  {lone_line(lone)}")
     return "\n".join(lines)
 
 
@@ -190,4 +194,10 @@ def compare_table(a: RunReport, b: RunReport, name_a: str = "A", name_b: str = "
                 row += [_fmt(va), _fmt(vb), _ratio(va, vb)]
             rows.append(row)
         lines += ["", _table(header, rows)]
+    lone_a, lone_b = a.get("lone"), b.get("lone")
+    if lone_a is not None and lone_b is not None:
+        lines.append("")
+        for key in ("p50", "p99"):
+            va, vb = lone_a["latency_ms"].get(key), lone_b["latency_ms"].get(key)
+            lines.append(f"lone {key}: {name_a} {_fmt(va)}, {name_b} {_fmt(vb)} ms, {name_b}/{name_a} {_ratio(va, vb)}")
     return "\n".join(lines)

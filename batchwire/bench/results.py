@@ -15,8 +15,9 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, TypedDict, cast
+from typing import Any, NotRequired, TypedDict, cast
 
+from batchwire.bench.lone import LoneReport
 from batchwire.bench.procstats import GroupStats
 from batchwire.bench.prom import ServerStats
 
@@ -81,6 +82,8 @@ class RunReport(TypedDict):
     policy: str | None
     sut: dict[str, Any] | None
     rates: list[RateReport]
+    lone: NotRequired[LoneReport]
+    """The lone-request probe, run before the rates (absent when it did not run)."""
 
 
 class Results(TypedDict):

@@ -17,6 +17,7 @@ import aiohttp
 
 from batchwire.bench.client import ClientKind, make_client
 from batchwire.bench.loadgen import TIMEOUT, Expect, OpenLoopSender
+from batchwire.bench.lone import DEFAULT_GAP_MS, lone_line, lone_probe
 from batchwire.bench.measure import Probes, measure_rate
 from batchwire.bench.procstats import CpuSampler
 from batchwire.bench.results import RateReport, RunReport
@@ -38,6 +39,9 @@ class LoadConfig:
     payload_field: str = "input"
     pause_s: float = 1.0
     client: ClientKind = "aiohttp"
+    lone_count: int = 0
+    """Requests of the lone-request probe, sent before the first rate (0: no probe)."""
+    lone_gap_s: float = DEFAULT_GAP_MS / 1000.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +65,9 @@ async def bench_run(
     run: RunReport,
     progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> RunReport:
-    """Measures every rate, appending each to ``run["rates"]`` as it completes (so an interrupted run
-    keeps what it measured)."""
+    """Runs the lone-request probe (into ``run["lone"]``) while the service is still idle, then measures
+    every rate, appending each to ``run["rates"]`` as it completes (so an interrupted run keeps what it
+    measured)."""
     rng = random.Random(load.seed)
     inputs = InputFactory(load.input_size, rng, field=load.payload_field, nonce=secrets.token_hex(2))
     client = make_client(load.client, load.concurrency_limit, load.timeout_s)
@@ -82,6 +87,18 @@ async def bench_run(
             metrics_urls=list(target.metrics_urls),
             workers_hint=target.workers_hint,
         )
+        if load.lone_count:
+            progress(
+                f"  lone requests: {load.lone_count}, one at a time, {1000 * load.lone_gap_s:g} ms idle before each ..."
+            )
+            # Inputs of their own, so the rates' seeded schedule is the same with or without the probe.
+            lone_inputs = InputFactory(
+                load.input_size, random.Random(load.seed), field=load.payload_field, nonce=secrets.token_hex(2) + "L"
+            )
+            run["lone"] = await lone_probe(
+                client, target.urls, lone_inputs, count=load.lone_count, gap_s=load.lone_gap_s, expect=load.expect
+            )
+            progress("    " + lone_line(run["lone"]))
         loop_name = event_loop_name()
         for index, rate in enumerate(load.rates_rps):
             if index:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,6 +25,8 @@ from types import TracebackType
 from typing import IO, Any, Literal
 
 import aiohttp
+
+from batchwire.bench.own_stack import OwnStack, child_env, server_pids
 
 Mode = Literal["embedded", "kafka"]
 _POLL_S = 0.2
@@ -64,6 +68,8 @@ class SutSpec:
     stack_timeout_s: float = 300.0
     inference_path: str = "/v1/inference"
     command: tuple[str, ...] = ()
+    own_stack: OwnStack | None = None
+    """kafka mode: the stack this run starts for itself; None: the ``.batchwire`` stack."""
 
 
 @dataclass(slots=True)
@@ -162,37 +168,54 @@ class Stack:
     """The local Kafka + Redis of ``batchwire stack``: left as it was found unless told otherwise.
 
     Starting Kafka takes many seconds, so a stack that was already up stays up; one this bench
-    started is stopped at the end (``keep`` keeps it for the next run).
+    started is stopped at the end (``keep`` keeps it for the next run). A stack of the run's own
+    (``own``) is also removed with its data: nothing else uses it.
     """
 
-    def __init__(self, command: Sequence[str] | None = None, timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, command: Sequence[str] | None = None, timeout_s: float = 120.0, own: OwnStack | None = None
+    ) -> None:
         self.command = list(command) if command else batchwire_command()
         self.timeout_s = timeout_s
+        self.own = own
         self.was_up: bool | None = None
 
-    def _run(self, action: str) -> int:
+    def _run(self, action: str, *extra: str) -> subprocess.CompletedProcess[bytes]:
+        argv = [*self.command, "stack", action, *extra]
+        if self.own is not None:
+            argv += ["--state-dir", str(self.own.state_dir)]
         try:
-            done = subprocess.run(
-                [*self.command, "stack", action],
+            return subprocess.run(
+                argv,
                 stdin=subprocess.DEVNULL,
                 capture_output=True,
                 timeout=self.timeout_s,
                 check=False,
+                env=child_env(os.environ, self.own),
             )
         except (OSError, subprocess.TimeoutExpired) as err:
             raise SutError(f"'batchwire stack {action}' failed: {err}") from err
-        return done.returncode
 
     def note_state(self) -> None:
         """Remembers whether the stack is up now, before anything is started."""
-        self.was_up = self._run("status") == 0
+        self.was_up = self._run("status").returncode == 0
+
+    def server_pids(self) -> dict[str, list[int]]:
+        """Every live server's pid by kind, as ``stack status --json`` lists them."""
+        done = self._run("status", "--json")
+        try:
+            return server_pids(json.loads(done.stdout))
+        except ValueError as err:
+            raise SutError(f"'batchwire stack status --json' printed no JSON: {err}") from err
 
     def restore(self, keep: bool) -> bool:
         """Stops the stack if this bench started it and ``keep`` is false; True if it was stopped."""
-        if self.was_up is False and not keep:
-            self._run("down")
-            return True
-        return False
+        if self.was_up is not False or keep:
+            return False
+        stopped = self._run("down").returncode == 0
+        if self.own is not None and stopped:
+            shutil.rmtree(self.own.state_dir, ignore_errors=True)
+        return True
 
 
 class SystemUnderTest:
@@ -228,6 +251,7 @@ class SystemUnderTest:
             "mode": self.spec.mode,
             "policy": self.spec.policy,
             "namespace": self.namespace if self.spec.mode == "kafka" else None,
+            "own_stack": self.spec.own_stack.describe() if self.spec.own_stack is not None else None,
             "workers": self.spec.workers,
             "gateways": self.spec.gateways if self.spec.mode == "kafka" else None,
             "batchers": self.spec.batchers if self.spec.mode == "kafka" else None,
@@ -251,7 +275,7 @@ class SystemUnderTest:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if self.spec.mode == "kafka":
             self._stack_up()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = child_env(os.environ, self.spec.own_stack)
         for role in self._plan.roles:
             role.log = role.log_path.open("wb")
             try:
@@ -269,7 +293,8 @@ class SystemUnderTest:
     def _stack_up(self) -> None:
         log_path = self.log_dir / "stack-up.log"
         # Also creates this run's topics with the configured partition counts (a no-op start when up).
-        argv = [*self.command, "stack", "up", "--namespace", self.namespace]
+        own = self.spec.own_stack
+        argv = [*self.command, "stack", "up", "--namespace", self.namespace, *(own.flags() if own else [])]
         with log_path.open("wb") as log:
             try:
                 done = subprocess.run(
@@ -279,6 +304,7 @@ class SystemUnderTest:
                     stderr=subprocess.STDOUT,
                     timeout=self.spec.stack_timeout_s,
                     check=False,
+                    env=child_env(os.environ, own),
                 )
             except subprocess.TimeoutExpired as err:
                 raise SutError(f"'{' '.join(argv)}' took over {self.spec.stack_timeout_s:g} s; see {log_path}") from err

@@ -1,6 +1,7 @@
 """A stand-in for the ``batchwire`` command, so the bench's process handling is tested without the
 real services: ``up``/``gateway`` serve /readyz, /metrics and /v1/inference; ``batcher``/``worker``
-serve /metrics; ``stack up`` exits at once.
+serve /metrics; ``stack up`` exits at once (with ``--state-dir``, after writing a ``stack.env`` there);
+``stack status --json`` lists one fake server of each kind, with this process's pid.
 
 Environment switches: FAKE_BW_LOG (append pid and argv as a JSON line), FAKE_BW_IGNORE_TERM=1 (survive
 SIGTERM, to test the SIGKILL fallback), FAKE_BW_FAIL=1 (exit 3 at once, to test early exits),
@@ -34,6 +35,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--namespace")
     parser.add_argument("--max-batch", type=int)
     parser.add_argument("--max-wait-ms", type=float)
+    parser.add_argument("--state-dir")
+    parser.add_argument("--brokers", type=int)
+    parser.add_argument("--redis-replicas", type=int)
+    parser.add_argument("--json", action="store_true")
     return parser.parse_args(argv)
 
 
@@ -89,14 +94,22 @@ async def _serve(args: argparse.Namespace) -> None:
     await runner.cleanup()
 
 
-def _stack(action: str, log: str | None) -> int:
-    """Keeps "is the stack up" in a marker file next to the log, so status/up/down agree."""
-    marker = (log or "fake-batchwire") + ".stack-up"
-    if action == "up":
+def _stack(args: argparse.Namespace, log: str | None) -> int:
+    """Keeps "is the stack up" in a marker file (in --state-dir, else next to the log), so
+    status/up/down agree."""
+    marker = os.path.join(args.state_dir, "up") if args.state_dir else (log or "fake-batchwire") + ".stack-up"
+    if args.action == "up":
         open(marker, "w").close()
-    elif action == "down" and os.path.exists(marker):
+        if args.state_dir:
+            with open(os.path.join(args.state_dir, "stack.env"), "w") as file:
+                file.write("BATCHWIRE_KAFKA_BOOTSTRAP=127.0.0.1:1\nBATCHWIRE_REDIS_URL=redis://127.0.0.1:2/0\n")
+    elif args.action == "down" and os.path.exists(marker):
         os.remove(marker)
-    elif action == "status":
+    elif args.action == "status":
+        if args.json:
+            kinds = ("kafka", "kafka", "redis", "sentinel", "sentinel")
+            servers = [{"kind": kind, "pid": os.getpid(), "alive": True} for kind in kinds]
+            print(json.dumps({"servers": [*servers, {"kind": "redis", "pid": None, "alive": False}]}))
         return 0 if os.path.exists(marker) else 1
     return 0
 
@@ -105,13 +118,14 @@ def main() -> None:
     log = os.environ.get("FAKE_BW_LOG")
     if log:
         with open(log, "a") as file:
-            file.write(json.dumps({"pid": os.getpid(), "argv": sys.argv[1:]}) + "\n")
+            addresses = {name: os.environ.get(name) for name in ("BATCHWIRE_STACK_ENV", "BATCHWIRE_KAFKA_BOOTSTRAP")}
+            file.write(json.dumps({"pid": os.getpid(), "argv": sys.argv[1:], "env": addresses}) + "\n")
     if os.environ.get("FAKE_BW_FAIL") == "1":
         print("fake batchwire: told to fail", flush=True)
         sys.exit(3)
     args = _parse(sys.argv[1:])
     if args.role == "stack":
-        sys.exit(_stack(args.action, log))
+        sys.exit(_stack(args, log))
     if os.environ.get("FAKE_BW_ORPHAN") == "1":
         _leave_an_orphan(log)
     asyncio.run(_serve(args))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -39,6 +40,10 @@ class FakeServer:
     task_status: dict[str, str] = field(default_factory=dict)
     answered: list[str] = field(default_factory=list)
     """The script entry each request got, in the order the requests came."""
+    in_flight: int = 0
+    max_in_flight: int = 0
+    spans: list[tuple[float, float]] = field(default_factory=list)
+    """(arrival, answer) of each request on the monotonic clock, in the order they were answered."""
 
     def __post_init__(self) -> None:
         self.batch_size = Histogram(
@@ -51,6 +56,16 @@ class FakeServer:
         self._runner: web.AppRunner | None = None
 
     async def _inference(self, request: web.Request) -> web.Response:
+        arrived = time.monotonic()
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            return await self._answer(request)
+        finally:
+            self.in_flight -= 1
+            self.spans.append((arrived, time.monotonic()))
+
+    async def _answer(self, request: web.Request) -> web.Response:
         self.requests += 1
         number = self.requests
         document = await request.json()

@@ -72,6 +72,10 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
                     "5",
                     "--backend-latency-ms",
                     "50",
+                    "--lone",
+                    "3",
+                    "--lone-gap-ms",
+                    "10",
                 ]
             )
     finally:
@@ -116,6 +120,16 @@ def test_results_json_has_config_metadata_and_every_rate(finished_run: tuple[Pat
         assert set(rate["generator"]) == {"cpu_s", "cores", "us_per_request", "max_outstanding", "event_loop", "client"}
 
 
+def test_the_lone_probe_is_in_the_json_and_the_table(finished_run: tuple[Path, str]) -> None:
+    out, printed = finished_run
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    lone = run["lone"]
+    assert (lone["count"], lone["gap_ms"]) == (3, 10.0)
+    assert lone["ok"] + sum(lone["errors"].values()) == 3
+    assert lone["latency_ms"]["p50"] >= 50.0, "the fake answers after 50 ms"
+    assert "lone requests (3 one at a time, 10 ms idle before each): p50 " in printed
+
+
 def test_plots_are_png_files(finished_run: tuple[Path, str]) -> None:
     out, _ = finished_run
     for name in ("latency.png", "throughput.png", "batch_sizes.png"):
@@ -149,6 +163,9 @@ def test_compare_prints_ratios(
         (["--rate", "10", "--policies", "classic,work-conserving"], "--policies needs --start"),
         (["--rate", "10", "--gateways", "2"], "need --start kafka"),
         (["--rate", "10", "--start", "embedded", "--url", "http://x/"], "exclude each other"),
+        (["--rate", "10", "--start", "embedded", "--brokers", "3"], "--brokers needs --start kafka"),
+        (["--rate", "10", "--start", "kafka", "--redis-replicas", "1"], "--redis-replicas needs --brokers"),
+        (["--rate", "10", "--lone", "-1"], "--lone and --lone-gap-ms must be 0 or more"),
     ],
 )
 def test_usage_errors_say_which_flag(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -30,7 +30,8 @@ async def test_tasks_answered_504_are_read_back_and_counted(fake: FakeServer) ->
     share = after["share_of_computed"]
     assert share == pytest.approx(after["computed"] / (rate["ok"] + after["computed"]), abs=1e-5)
     assert after["without_task_id"] == 0
-    assert rate["notes"] == [], "every task had ended when read back"
+    unended = [note for note in rate["notes"] if "had not ended" in note]
+    assert unended == [], "every task had ended when read back"  # a lag note may come from a busy machine
 
     table = run_table(RunReport(label="t", policy=None, sut=None, rates=[rate]))
     assert share is not None

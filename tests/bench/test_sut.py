@@ -137,6 +137,8 @@ def test_two_policies_restart_the_system_and_print_ratios(fake_command: Path, tm
             "--sim-latency-ms",
             "10",
             "--check",
+            "--lone",
+            "0",
             "--out",
             str(out),
         ]
@@ -177,6 +179,8 @@ def test_kafka_mode_starts_the_stack_and_every_role(fake_command: Path, tmp_path
             "5",
             "--slow-worker-latency-ms",
             "50",
+            "--lone",
+            "0",
             "--out",
             str(tmp_path / "out"),
         ]
@@ -199,6 +203,64 @@ def test_kafka_mode_starts_the_stack_and_every_role(fake_command: Path, tmp_path
 
 
 @pytest.mark.slow
+def test_brokers_start_a_stack_of_the_runs_own_and_remove_it(
+    fake_command: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("BATCHWIRE_KAFKA_BOOTSTRAP", "elsewhere:9092")  # must not reach the roles
+    out = tmp_path / "out"
+    status, printed = _run(
+        [
+            "--start",
+            "kafka",
+            "--brokers",
+            "3",
+            "--redis-replicas",
+            "1",
+            "--rate",
+            "20",
+            "--duration",
+            "0.5",
+            "--warmup",
+            "0.1",
+            "--sim-latency-ms",
+            "5",
+            "--lone",
+            "2",
+            "--lone-gap-ms",
+            "10",
+            "--out",
+            str(out),
+        ]
+    )
+    assert status == 0, printed
+    entries = [json.loads(line) for line in fake_command.read_text().splitlines()]
+    argvs = [entry["argv"] for entry in entries]
+    up = argvs[1]
+    state_dir = Path(up[up.index("--state-dir") + 1])
+    assert up[:2] == ["stack", "up"] and up[up.index("--brokers") + 1] == "3"
+    assert up[up.index("--redis-replicas") + 1] == "1"
+    assert all(
+        argv[-2:] == ["--state-dir", str(state_dir)]
+        for argv in argvs
+        if argv[:2] != ["stack", "up"] and argv[0] == "stack"
+    ), argvs
+    assert argvs[-1][:2] == ["stack", "down"], "the run's own stack is stopped at the end"
+    assert not state_dir.exists(), "and its state dir (data, logs) removed"
+    for entry in entries:
+        assert entry["env"] == {
+            "BATCHWIRE_STACK_ENV": str(state_dir / "stack.env"),
+            "BATCHWIRE_KAFKA_BOOTSTRAP": None,
+        }, f"{entry['argv']} must take its addresses from the run's own stack.env"
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    assert run["sut"]["own_stack"] == {"state_dir": str(state_dir), "brokers": 3, "redis_replicas": 1}
+    infra = run["sut"]["infra_pids"]
+    assert infra["found_by"] == "stack status --json"
+    assert (len(infra["kafka"]), len(infra["redis"]), len(infra["sentinel"])) == (2, 1, 2), "only live servers count"
+    assert {"kafka", "redis", "sentinel"} <= set(run["rates"][0]["processes"]), "each kind's CPU is reported apart"
+    assert run["lone"]["ok"] == 2
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_interrupt_stops_the_system_and_keeps_the_results(signum: int, tmp_path: Path) -> None:
     log = tmp_path / "argv.jsonl"
@@ -209,7 +271,7 @@ def test_interrupt_stops_the_system_and_keeps_the_results(signum: int, tmp_path:
         f"sut.batchwire_command = lambda: {list(FAKE)!r}\n"
         "from batchwire.bench.cli import main\n"
         f"sys.exit(main(['--start', 'embedded', '--rate', '20,20', '--duration', '0.5', '--warmup', '0',"
-        f" '--pause', '60', '--out', {str(out)!r}]))\n"
+        f" '--pause', '60', '--lone', '0', '--out', {str(out)!r}]))\n"
     )
     bench = subprocess.Popen(
         [sys.executable, "-c", code],
