@@ -198,6 +198,21 @@ def embedded(base: Path, workers: int = 2, sim_latency_ms: float = 100.0, *extra
 
 
 # fault tests --------------------------------------------------------------------------------------
+def redis_client(redis_url: str) -> Any:
+    """A synchronous client of the Redis that ``redis_url`` names; for a ``redis+sentinel://`` URL, of
+    the primary the Sentinels name when each connection opens."""
+    import redis
+    from redis.sentinel import Sentinel
+
+    from batchwire.transport.redis_sentinel import is_sentinel_url, parse_sentinel_url
+
+    if not is_sentinel_url(redis_url):
+        return redis.Redis.from_url(redis_url)
+    parsed = parse_sentinel_url(redis_url)
+    sentinels = Sentinel(list(parsed.sentinels), socket_timeout=2.0)
+    return sentinels.master_for(parsed.master, db=parsed.db, socket_timeout=5.0)
+
+
 def launch(
     base: Path,
     kafka_bootstrap: str,
@@ -215,8 +230,6 @@ def launch(
     """A cluster in a fresh namespace, with extra flags per role; returns once every worker offers a credit."""
     import uuid
 
-    import redis
-
     from schemas.wire import Names
 
     namespace = f"f{uuid.uuid4().hex[:8]}"
@@ -228,7 +241,7 @@ def launch(
             cluster.worker(index, *worker_args)
         for index in range(gateways):
             cluster.gateway(index, *gateway_args)
-        client = redis.Redis.from_url(redis_url)
+        client = redis_client(redis_url)
         credits = Names(namespace).credit_queue("sim")
         wait_until(lambda: client.zcard(credits) >= workers, 60, f"{workers} idle workers to offer credits")
         client.close()
@@ -354,13 +367,11 @@ class TerminalEvents:
 
 def task_states(redis_url: str, namespace: str, task_ids: list[str]) -> dict[str, Any]:
     """The stored ``TaskState`` of each found task, read straight from Redis."""
-    import redis
-
     from schemas.codec import decode_state
     from schemas.wire import Names
 
     names = Names(namespace)
-    client = redis.Redis.from_url(redis_url)
+    client = redis_client(redis_url)
     try:
         docs = client.pipeline(transaction=False)
         for task_id in task_ids:
