@@ -154,6 +154,15 @@ def _gateway_opts(parser: argparse.ArgumentParser, default_port: int) -> None:
         "refuse (503) a request whose deadline its model's queue cannot meet, from the measured drain rate",
     )
     _add(parser, "--stall-s", 5.0, float, "a model with requests waiting and no batch taken this long is stalled (503)")
+    _add(
+        parser,
+        "--reply-recheck-s",
+        1.0,
+        float,
+        "a synchronous caller without its reply this long is looked up in the store (then at 2x, 4x, up to 8x), "
+        "and its connection watched",
+    )
+    _add(parser, "--stream-recheck-s", 5.0, float, "an event stream without a change this long re-reads its task")
     _add(parser, "--rate-limit-per-s", 0.0, float, "submits per second per client, shared by all gateways (0: off)")
     _add(parser, "--rate-limit-burst", 0, int, "submits a client may save up (0: one second's worth of the rate)")
     _add(

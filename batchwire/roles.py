@@ -79,6 +79,8 @@ def gateway_settings(args: argparse.Namespace, shared: SharedSettings) -> Any:
         "max_queue_depth": args.max_queue_depth,
         "admit_by_wait": args.admit_by_wait,
         "stall_s": args.stall_s,
+        "reply_recheck_s": args.reply_recheck_s,
+        "stream_recheck_s": args.stream_recheck_s,
         "rate_limit_per_s": args.rate_limit_per_s,
         "rate_limit_burst": args.rate_limit_burst,
         "trust_client_id": args.trust_client_id,
@@ -282,6 +284,7 @@ class GatewayTransports:
                 kafka, RedisExpress(redis_url, shared.names), record_delay_s=settings.express_record_delay_ms / 1000
             )
         self.store = RedisTaskStore(redis_url, shared.names, ttl_s=shared.result_ttl_s)
+        self.redis_url = redis_url
         self.queue_depth: KafkaQueueDepth | None = None
         if settings.max_queue_depth > 0 or settings.admit_by_wait:
             self.queue_depth = KafkaQueueDepth(
@@ -313,8 +316,17 @@ class GatewayTransports:
         await self.producer.close()
         await self.store.close()
 
-    async def ready(self) -> dict[str, bool]:
-        checks = {"kafka": await self.producer.ready(), "redis": await self.store.ready()}
+    async def ready(self) -> dict[str, Any]:
+        """Each part's readiness (``gateway.health.Ready``): Redis says whether it is failing over."""
+        from gateway.health import Down, Ready, redis_readiness
+
+        kafka = await self.producer.ready()
+        redis_ready = await redis_readiness(await self.store.ready(), self.redis_url, timeout_s=1.0)
+        checks: dict[str, Ready] = {
+            "kafka": kafka
+            or Down("down", "the request topic has no connected leader (its broker is down or being replaced)"),
+            "redis": redis_ready,
+        }
         if self.queue_depth is not None:
             checks["queue_depth"] = self.queue_depth.alive
         return checks

@@ -7,7 +7,7 @@ transports, and in embedded mode the batcher and workers) and hands both to :fun
 # No ``from __future__ import annotations`` here: FastAPI reads the route signatures at runtime,
 # and their ``Annotated`` metadata refers to this deployment's settings (closure variables).
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, Protocol
 
@@ -23,7 +23,7 @@ from gateway.body import parse_inference_body, read_body
 from gateway.errors import ERROR_TABLE, InvalidClientId, error_body
 from gateway.events import EventStream, StreamsEnd, TaskEvents
 from gateway.handlers import EdgeMiddleware, install_error_handlers, json_response
-from gateway.health import probe
+from gateway.health import Ready, not_ready, probe
 from gateway.idempotency import KEY_PATTERN, MAX_KEY_CHARS
 from gateway.lanes import GatewayApp
 from gateway.models import (
@@ -50,8 +50,9 @@ class Lifecycle(Protocol):
 
     async def start(self) -> None: ...
     async def close(self) -> None: ...
-    async def ready(self) -> dict[str, bool]:
-        """Each part the composition root runs (transports, embedded batcher, ...) and whether it is ready."""
+    async def ready(self) -> Mapping[str, Ready]:
+        """Each part the composition root runs (transports, embedded batcher, ...) and whether it is
+        ready; a ``Down`` says why not (``redis``: ``failing over``)."""
         ...
 
 
@@ -356,10 +357,20 @@ def create_app(gateway: Gateway, lifecycle: Lifecycle, streams_end: StreamsEnd |
         checks = await _lifecycle_checks(lifecycle, settings.ready_timeout_s)
         checks.update(await gateway.ready())
         models = gateway.models()  # informational: one stalled model must not turn the others away
-        down = sorted(part for part, ok in checks.items() if not ok)
+        down = not_ready(checks)
+        ok = {part: check is True for part, check in checks.items()}
         if not down:
-            return json_response(200, {"status": "ready", "checks": checks, "models": models})
-        doc = {**error_body("not_ready", f"not ready: {', '.join(down)}"), "checks": checks, "models": models}
+            return json_response(200, {"status": "ready", "checks": ok, "models": models})
+        named = ", ".join(
+            part if checks[part] is False else f"{part} ({down[part].state}: {down[part].reason})"
+            for part in sorted(down)
+        )
+        doc = {
+            **error_body("not_ready", f"not ready: {named}"),
+            "checks": ok,
+            "down": {part: {"state": why.state, "reason": why.reason} for part, why in sorted(down.items())},
+            "models": models,
+        }
         return json_response(503, doc, {"Retry-After": str(settings.retry_after_s)})
 
     @app.get(
@@ -420,8 +431,8 @@ def _document_bearer(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-async def _lifecycle_checks(lifecycle: Lifecycle, timeout_s: float) -> dict[str, bool]:
-    checks: dict[str, bool] = {}
+async def _lifecycle_checks(lifecycle: Lifecycle, timeout_s: float) -> dict[str, Ready]:
+    checks: dict[str, Ready] = {}
 
     async def collect() -> bool:
         checks.update(await lifecycle.ready())

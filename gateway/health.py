@@ -1,12 +1,26 @@
-"""Readiness checks that answer, whatever the part being checked does."""
+"""Readiness checks that answer, whatever the part being checked does, and say why a part is down."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
+from dataclasses import dataclass
+from typing import Literal
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Down:
+    """A part that is not ready, as /readyz's 503 shows it: a state and a short reason."""
+
+    state: Literal["down", "failing over"]
+    reason: str
+
+
+Ready = bool | Down
+"""A part's readiness: True, False (down, nothing more known), or ``Down`` (down, and why)."""
 
 
 async def probe(check: Awaitable[bool], timeout_s: float, part: str) -> bool:
@@ -20,3 +34,30 @@ async def probe(check: Awaitable[bool], timeout_s: float, part: str) -> bool:
     except Exception:
         log.warning("readiness check of %s failed", part, exc_info=True)
     return False
+
+
+async def redis_readiness(ready: bool, redis_url: str, timeout_s: float) -> Ready:
+    """The task store's readiness; when it is down behind Sentinel, whether the Sentinels are failing
+    it over (asked only then, so a ready Redis costs no extra round trip)."""
+    if ready:
+        return True
+    from batchwire.transport.redis_pools import redacted
+    from batchwire.transport.redis_sentinel import is_sentinel_url, master_state
+
+    if not is_sentinel_url(redis_url):
+        return Down("down", f"Redis at {redacted(redis_url)} does not answer, or the change feed is reconnecting")
+    try:
+        async with asyncio.timeout(timeout_s):
+            master = await master_state(redis_url, timeout_s / 2)
+    except TimeoutError:
+        return Down("down", f"Redis does not answer, nor do the Sentinels within {timeout_s} s")
+    return Down("failing over" if master.failing_over else "down", master.reason)
+
+
+def not_ready(checks: Mapping[str, Ready]) -> dict[str, Down]:
+    """Each part that is not ready, with its state and reason (a bare False is plainly "down")."""
+    return {
+        part: check if isinstance(check, Down) else Down("down", "its readiness check failed")
+        for part, check in checks.items()
+        if check is not True
+    }

@@ -142,9 +142,18 @@ class Readiness(BaseModel):
     models: dict[str, Literal["serving", "stalled"]] = Field(default_factory=dict, description=_MODELS_DOC)
 
 
+class DownPart(BaseModel):
+    state: Literal["down", "failing over"]
+    reason: str = Field(description="Why, briefly: e.g. which server does not answer.")
+
+
 class NotReadyResponse(BaseModel):
     error: ErrorDetail
     checks: dict[str, bool]
+    down: dict[str, DownPart] = Field(
+        default_factory=dict,
+        description="Each part that is not ready: `failing over` while Redis Sentinel promotes a new primary.",
+    )
     models: dict[str, Literal["serving", "stalled"]] = Field(default_factory=dict, description=_MODELS_DOC)
 
 

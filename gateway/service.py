@@ -37,6 +37,7 @@ from gateway.errors import (
 )
 from gateway.health import probe
 from gateway.reads import TaskReads
+from gateway.reconnect_recheck import ReconnectRecheck
 from gateway.settings import GatewaySettings, env_name
 from gateway.waiters import CallerGone, ReplyWaiters, Watch
 from schemas.records import InferenceRequest, TaskState, TaskStatus
@@ -100,6 +101,7 @@ class Gateway:
         if settings.rate_limit_per_s > 0 and limiter is None:
             log.warning("rate limits are set but this gateway got no rate limiter: they are not applied")
         self._waiters = ReplyWaiters(settings.reply_recheck_s)
+        self._recheck = ReconnectRecheck(store, self._waiters, name=settings.gateway_id)
         self._reads = TaskReads(settings, store)
         self._inflight = 0
         self._accepting = False
@@ -109,12 +111,14 @@ class Gateway:
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Subscribes to this gateway's replies and starts the lost-reply sweeper; then accepts work."""
+        """Subscribes to this gateway's replies, starts the lost-reply sweeper and the re-check of held
+        callers after a store reconnect; then accepts work."""
         if self._sweeper is not None:
             raise RuntimeError("Gateway.start() called twice")
         await self._store.listen_replies(self.settings.gateway_id, self._waiters.resolve)
         self._sweeper = asyncio.create_task(self._sweep_forever(), name=f"{self.settings.gateway_id}-reply-sweeper")
         self._sweeper.add_done_callback(_log_task_end)
+        self._recheck.start()
         await self._admission.start()
         self._accepting = True
 
@@ -126,15 +130,19 @@ class Gateway:
         if sweeper is not None:
             sweeper.cancel()
             await asyncio.wait({sweeper})  # its failure, if any, was logged by _log_task_end
+        await self._recheck.close()
         await self._admission.close()
         await self._waiters.stop_watching()
 
     async def ready(self) -> dict[str, bool]:
-        """This gateway's own parts: the bus, the store, and the sweeper that guards against lost replies."""
+        """This gateway's own parts: the bus, the store, and the tasks that guard against lost replies."""
         return {
             "bus": await probe(self._producer.ready(), self.settings.ready_timeout_s, "bus"),
             "store": await probe(self._store.ready(), self.settings.ready_timeout_s, "store"),
-            "gateway": self._accepting and self._sweeper is not None and not self._sweeper.done(),
+            "gateway": self._accepting
+            and self._sweeper is not None
+            and not self._sweeper.done()
+            and self._recheck.alive,
         }
 
     def models(self) -> dict[str, str]:

@@ -95,6 +95,11 @@ class ReplyWaiters:
                 break
         return out
 
+    def held(self) -> list[str]:
+        """Task ids of every caller still waiting: all of them are read again after the store's change
+        feed was down (``gateway.reconnect_recheck``)."""
+        return [task_id for task_id, waiter in self._waiting.items() if not waiter.future.done()]
+
     def watch_callers(self, now: float) -> int:
         """Starts watching the connection of every caller that has waited ``first_check_s`` (once
         each); returns how many watches it started.

@@ -139,12 +139,17 @@ class PubSubHub:
 
     async def _send(self, command: str, channel: str) -> None:
         """Sends without reading: the reader task owns every reply on this connection."""
-        assert self._pubsub is not None
+        pubsub = self._pubsub
+        if pubsub is None:
+            # Between connections (a reconnect failed): the reader subscribes every channel still
+            # referenced once it has a connection again, which confirms this one too.
+            log.info("%s %s waits for the reader's reconnect", command, channel)
+            return
         try:
             if command == "SUBSCRIBE":
-                await self._pubsub.subscribe(channel)
+                await pubsub.subscribe(channel)
             else:
-                await self._pubsub.unsubscribe(channel)
+                await pubsub.unsubscribe(channel)
         except _CONNECTION_ERRORS as err:
             # The reader sees the same broken connection, reconnects, and subscribes to every
             # channel still referenced, which confirms this one too (or the caller times out).

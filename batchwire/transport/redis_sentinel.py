@@ -15,6 +15,7 @@ from urllib.parse import unquote
 
 import redis
 from redis.asyncio import BlockingConnectionPool
+from redis.asyncio import Redis as AsyncRedis
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
@@ -173,6 +174,53 @@ def check_sentinels(url: str, timeout_s: float = 1.0) -> tuple[str, int]:
     raise SentinelError(lookup_error(parsed, unanswered, known, down))
 
 
+@dataclass(frozen=True, slots=True)
+class MasterState:
+    """What the Sentinels say of the master, for a readiness check that found Redis not ready."""
+
+    failing_over: bool
+    """The Sentinels see the primary as down (a failover is under way, or about to be)."""
+    reason: str
+
+
+async def master_state(url: str, timeout_s: float = 1.0) -> MasterState:
+    """Asks the Sentinels (asynchronously, each at most ``timeout_s``) how they see the master."""
+    parsed = parse_sentinel_url(url)
+    unanswered: list[str] = []
+    known: set[str] = set()
+    for host, port in parsed.sentinels:
+        client = AsyncRedis(
+            host=host,
+            port=port,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+        )
+        try:
+            masters = _by_name(await client.sentinel_masters())
+        except (RedisError, OSError) as err:
+            unanswered.append(f"{_address(host, port)}: {err}")
+            continue
+        finally:
+            await client.aclose()
+        state = masters.get(parsed.master)
+        if state is None:
+            known.update(masters)
+            continue
+        where = _address(str(state["ip"]), int(state["port"]))
+        if state["is_sdown"] or state["is_odown"] or "failover" in str(state.get("flags", "")):
+            return MasterState(
+                True,
+                f"the Sentinels see the primary of {parsed.master!r} at {where} as down; they are promoting a replica",
+            )
+        return MasterState(
+            False,
+            f"the Sentinels name the primary of {parsed.master!r} at {where}; it does not answer, or the change "
+            "feed is still reconnecting to it (the Sentinels fail it over if it stays silent)",
+        )
+    return MasterState(False, lookup_error(parsed, unanswered, known, down=False))
+
+
 class _Sentinels(Sentinel):
     """redis-py's Sentinel client; its lookup failure says what to change instead of "No master found"."""
 
@@ -249,12 +297,14 @@ def blocking_sentinel_pool(url: str, **connection_kwargs: Any) -> BlockingSentin
 __all__ = [
     "FORM",
     "BlockingSentinelPool",
+    "MasterState",
     "SentinelError",
     "SentinelPool",
     "SentinelUrl",
     "blocking_sentinel_pool",
     "check_sentinels",
     "is_sentinel_url",
+    "master_state",
     "parse_sentinel_url",
     "redacted_sentinel_url",
     "sentinel_pool",

@@ -1,0 +1,92 @@
+"""After the task store's change feed was down, every held synchronous caller is looked up at once.
+
+Replies travel over Redis PubSub, which keeps nothing for a subscriber that is away: a reply
+published while the feed reconnects (a Redis restart, a Sentinel failover to a new primary) is
+lost. Once the store is reachable again its feed has subscribed the reply channel again, so a read
+of the store from then on misses nothing: :class:`ReconnectRecheck` reads the task of every caller
+still waiting and hands the ended ones their answer, rather than leaving them to the lost-reply
+sweep (``reply_recheck_s``, with its backoff). Long-polls and event streams watch task channels,
+which the store re-reads itself as it subscribes them again.
+
+The store tells whether it is reachable without I/O (``TaskStore.reachable``); that is read every
+``poll_s``, shorter than the feed's shortest reconnect backoff, so a reconnect is not missed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from batchwire.transport.base import TaskStore
+from gateway.errors import TRANSPORT_ERRORS
+from gateway.waiters import ReplyWaiters
+
+log = logging.getLogger(__name__)
+
+_CHUNK = 500  # task ids per store read: one pipeline of HMGETs each
+
+
+class ReconnectRecheck:
+    """Owns one task that watches the store's reachability and re-reads the held callers on its return."""
+
+    def __init__(self, store: TaskStore, waiters: ReplyWaiters, *, poll_s: float = 0.02, name: str = "gateway") -> None:
+        self._store = store
+        self._waiters = waiters
+        self.poll_s = poll_s
+        self._name = name
+        self._task: asyncio.Task[None] | None = None
+        self.rechecks = 0
+        """Re-checks run (one per return of the change feed)."""
+
+    @property
+    def alive(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def start(self) -> None:
+        if self._task is not None:
+            raise RuntimeError("ReconnectRecheck started twice")
+        self._task = asyncio.create_task(self._run(), name=f"{self._name}-reconnect-recheck")
+        self._task.add_done_callback(_log_end)
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task})  # a failure was logged by _log_end
+
+    async def _run(self) -> None:
+        was_reachable = self._store.reachable()
+        while True:
+            await asyncio.sleep(self.poll_s)
+            reachable = self._store.reachable()
+            if reachable and not was_reachable:
+                await self.recheck()
+            was_reachable = reachable
+
+    async def recheck(self) -> int:
+        """Reads the task of every caller still waiting and resolves those that ended; returns how many."""
+        held = self._waiters.held()
+        answered = 0
+        for start in range(0, len(held), _CHUNK):
+            try:
+                found = await self._store.get_many(held[start : start + _CHUNK])
+            except TRANSPORT_ERRORS as err:
+                # The feed dropped again: its next return re-checks, and the sweep remains behind that.
+                log.warning("re-reading held callers after the change feed's return failed: %s", err)
+                break
+            for state in found.values():
+                if state.status.terminal:
+                    self._waiters.resolve(state)
+                    answered += 1
+        self.rechecks += 1
+        log.warning(
+            "task store reachable again: re-read %d held caller(s), %d had an answer whose reply was lost",
+            len(held),
+            answered,
+        )
+        return answered
+
+
+def _log_end(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background task %s died", task.get_name(), exc_info=task.exception())

@@ -1,0 +1,40 @@
+"""/readyz names the part that is down, its state and why (Redis failing over behind Sentinel)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.health import Down, redis_readiness
+from tests.gateway.rig import RigFactory, error_of
+
+
+async def test_readyz_says_which_part_is_failing_over_and_why(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    parts: dict[str, Any] = rig.lifecycle.parts
+    parts["redis"] = Down("failing over", "the Sentinels see the primary as down; they are promoting a replica")
+    parts["kafka"] = True
+    response = await rig.client.get("/readyz")
+    assert response.status_code == 503, response.text
+    doc = response.json()
+    assert doc["checks"]["redis"] is False and doc["checks"]["kafka"] is True, doc
+    assert doc["down"] == {
+        "redis": {
+            "state": "failing over",
+            "reason": "the Sentinels see the primary as down; they are promoting a replica",
+        }
+    }
+    assert error_of(response)["message"] == (
+        "not ready: redis (failing over: the Sentinels see the primary as down; they are promoting a replica)"
+    )
+
+    parts["redis"] = True
+    ready = await rig.client.get("/readyz")
+    assert ready.status_code == 200, ready.text
+    assert "down" not in ready.json()
+
+
+async def test_a_plain_redis_url_that_is_down_is_named_without_its_password() -> None:
+    assert await redis_readiness(True, "redis://:secret@127.0.0.1:1/0", 1.0) is True
+    down = await redis_readiness(False, "redis://:secret@127.0.0.1:1/0", 1.0)
+    assert isinstance(down, Down) and down.state == "down", down
+    assert "127.0.0.1:1" in down.reason and "secret" not in down.reason, down

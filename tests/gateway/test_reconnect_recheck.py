@@ -1,0 +1,63 @@
+"""The re-check of held callers when the task store's change feed comes back, over the memory store."""
+
+from __future__ import annotations
+
+import asyncio
+
+from batchwire.transport.memory import MemoryTaskStore
+from gateway.reconnect_recheck import ReconnectRecheck
+from gateway.waiters import ReplyWaiters
+from schemas.records import TaskState, TaskStatus
+from tests.gateway.rig import now_ms
+
+
+class FlakyFeedStore(MemoryTaskStore):
+    """The memory store whose change feed can be marked down, as Redis's is during a failover."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.feed_up = True
+        self.seen_down = asyncio.Event()  # someone asked while the feed was down
+
+    def reachable(self) -> bool:
+        if not self.feed_up:
+            self.seen_down.set()
+        return self.feed_up and super().reachable()
+
+
+def _state(task_id: str, status: TaskStatus) -> TaskState:
+    return TaskState(task_id, status, "sim", now_ms(), now_ms(), output="ok" if status.terminal else None)
+
+
+async def test_a_reply_lost_while_the_feed_was_down_reaches_its_caller_when_the_feed_returns() -> None:
+    store = FlakyFeedStore()
+    waiters = ReplyWaiters(first_check_s=1000.0)  # the sweep never runs here
+    recheck = ReconnectRecheck(store, waiters, poll_s=0.001)
+    recheck.start()
+    try:
+        ended = waiters.register("ended", 0.0)
+        running = waiters.register("running", 0.0)
+        await store.create(_state("ended", TaskStatus.QUEUED))
+        await store.create(_state("running", TaskStatus.QUEUED))
+        store.feed_up = False
+        # Stored without a reply address: the reply is lost, as one published while the feed was down.
+        await store.apply([_state("ended", TaskStatus.COMPLETED), _state("running", TaskStatus.RUNNING)])
+        await asyncio.wait_for(store.seen_down.wait(), 2.0)
+        assert not ended.done(), "nothing is re-read while the feed is down"
+        store.feed_up = True
+        answer = await asyncio.wait_for(ended, 2.0)
+        assert answer.status is TaskStatus.COMPLETED and answer.output == "ok", answer
+        assert not running.done(), "a task still running leaves its caller waiting"
+        assert recheck.rechecks == 1, f"one re-check per return of the feed, got {recheck.rechecks}"
+        assert recheck.alive
+    finally:
+        await recheck.close()
+    assert not recheck.alive
+
+
+async def test_held_lists_only_callers_still_waiting() -> None:
+    waiters = ReplyWaiters(first_check_s=1.0)
+    waiters.register("a", 0.0)
+    waiters.register("b", 0.0)
+    waiters.resolve(_state("b", TaskStatus.COMPLETED))
+    assert waiters.held() == ["a"]
