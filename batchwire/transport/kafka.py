@@ -18,7 +18,16 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from aiokafka import AIOKafkaProducer, TopicPartition
-from aiokafka.errors import KafkaError, UnknownTopicOrPartitionError
+from aiokafka.errors import (
+    InvalidProducerEpoch,
+    KafkaError,
+    KafkaTimeoutError,
+    OutOfOrderSequenceNumber,
+    ProducerClosed,
+    ProducerFenced,
+    UnknownProducerId,
+    UnknownTopicOrPartitionError,
+)
 
 from batchwire.routing import Partitioner
 from batchwire.transport.base import Delivered, PartitionsCallback, TransportError
@@ -58,6 +67,13 @@ DEFAULT_COMMIT_TIMEOUT_S = 10.0
 METADATA_RETRY_S = 0.25
 # While the request producer's breaker is open, the bus is probed this often (a connection attempt).
 BREAKER_RETRY_S = 0.5
+# The broker refused a record because this producer's sequence numbers for the partition no longer
+# follow the ones it holds (or it holds none, or the producer id is stale). aiokafka never resets a
+# sequence, so every later record on that partition would be refused too: the producer is replaced
+# and the record sent again by the fresh one.
+SEQUENCE_ERRORS = (OutOfOrderSequenceNumber, UnknownProducerId, InvalidProducerEpoch, ProducerFenced)
+# How many fresh producers one send may ask for before it reports the failure.
+RENEWALS_PER_SEND = 3
 
 
 class _Producer:
@@ -65,11 +81,18 @@ class _Producer:
 
     Every record waits for ``acks="all"``: on a replicated topic only that survives losing the
     leader (with ``min.insync.replicas`` it needs that many copies), and on one broker it costs the
-    same as ``acks=1``. Idempotence is off: aiokafka's idempotent producer does not recover from
-    ``OutOfOrderSequenceNumber`` after a broker restarts (every later send to that partition fails
-    until the process restarts, as ``tests/e2e/test_infra_restarts.py`` showed). A retried send
-    may write a record twice; that is harmless, because a request or a batch read twice ends its
-    tasks once (task states only move forward, and a worker skips tasks that already ended).
+    same as ``acks=1``. The producer is idempotent: the broker drops a record that aiokafka retries
+    after its ack was lost (a leader that died between writing and answering), so a retry inside the
+    client writes nothing twice.
+
+    aiokafka numbers a partition's records when it first sends them and never renumbers: a record it
+    gives up after that (its partition had no leader for ``request_timeout_ms``, or the broker
+    refused it) leaves a gap, and the broker then refuses every later record on the partition with
+    ``OutOfOrderSequenceNumber``. So a failed ack retires the producer and starts a fresh one (a new
+    producer id, numbering from 0), and a record refused for its numbering is sent again by it. A
+    record sent again, or sent again by the caller after a send timed out, may be written twice;
+    that is harmless, because a request or a batch read twice ends its tasks once (task states only
+    move forward, and a worker skips tasks that already ended).
     """
 
     def __init__(
@@ -84,20 +107,30 @@ class _Producer:
     ) -> None:
         self.bootstrap = bootstrap
         self.ready_timeout_s = ready_timeout_s
+        # An idempotent producer retries a record until it is acked, without end: a send waits this
+        # long, as a non-idempotent producer's record would live.
+        self.ack_timeout_s = request_timeout_ms / 1000
         self._settings: dict[str, Any] = {
             "bootstrap_servers": bootstrap,
             "client_id": client_id,
             "acks": "all",
+            "enable_idempotence": True,
             "linger_ms": linger_ms,
             "request_timeout_ms": request_timeout_ms,
             "compression_type": compression_type,
         }
         self.producer: Any = None
+        self.renewals = 0
         self._refreshed_at = 0.0
+        self._renewing = asyncio.Lock()
+        self._retiring: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         if self.producer is not None:
             raise RuntimeError("producer started twice")
+        self.producer = await self._started()
+
+    async def _started(self) -> Any:
         producer = AIOKafkaProducer(**self._settings)
         try:
             await producer.start()
@@ -106,13 +139,53 @@ class _Producer:
             if isinstance(err, KafkaError):
                 raise translate(f"connecting a producer to {self.bootstrap}", err) from err
             raise
-        self.producer = producer
+        return producer
 
     async def close(self) -> None:
-        """Flushes what is in flight, then disconnects."""
+        """Flushes what is in flight (at most ``ack_timeout_s``), then disconnects."""
         producer, self.producer = self.producer, None
         if producer is not None:
-            await producer.stop()
+            self._retire(producer)
+        while self._retiring:
+            await asyncio.gather(*self._retiring)
+
+    def _retire(self, producer: Any) -> None:
+        task = asyncio.create_task(self._stop(producer))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def _stop(self, producer: Any) -> None:
+        """Waits for the acks of what is in flight, gives up what is still unacked after ``ack_timeout_s``, stops."""
+        try:
+            async with asyncio.timeout(self.ack_timeout_s):
+                await producer.flush()
+        except TimeoutError:
+            # aiokafka has no public way to give records up: an idempotent producer would retry
+            # them, and its stop() wait for them, as long as their leader is unreachable.
+            producer._message_accumulator.fail_all(KafkaTimeoutError("the producer closed before the broker acked"))
+        await producer.stop()
+
+    async def _renew(self, broken: Any, why: BaseException) -> None:
+        """Replaces ``broken`` with a fresh producer, unless another send replaced it already.
+
+        A fresh producer that cannot start (the bus is down) leaves ``broken`` in place: its next
+        refused record asks again.
+        """
+        async with self._renewing:
+            if self.producer is not broken:
+                return
+            try:
+                async with asyncio.timeout(self.ack_timeout_s):
+                    fresh = await self._started()
+            except (TimeoutError, TransportError) as err:
+                log.warning(
+                    "could not replace the producer to %s after %s: %s", self.bootstrap, type(why).__name__, err
+                )
+                return
+            self.producer = fresh
+            self.renewals += 1
+            log.warning("replaced the producer to %s after %s: %s", self.bootstrap, type(why).__name__, why)
+            self._retire(broken)
 
     async def partitions(self, topic: str) -> set[int]:
         """The topic's partitions from metadata (cached; a round trip only the first time)."""
@@ -143,10 +216,42 @@ class _Producer:
                 f"producing to {topic}[{partition}] failed: no leader is known for it (is the broker at "
                 f"{self.bootstrap} down?); try again"
             )
-        try:
-            await self.producer.send_and_wait(topic, value, partition=partition)
-        except KafkaError as err:
-            raise translate(f"producing to {topic}[{partition}]", err) from err
+        refused: BaseException | None = None
+        for _ in range(RENEWALS_PER_SEND + 1):
+            producer = self.producer
+            if producer is None:
+                raise PermanentTransportError("producer is not started (or closed)")
+            try:
+                acked = await producer.send(topic, value, partition=partition)
+            except ProducerClosed:
+                continue  # retired by a send that renewed it: the fresh producer takes the record
+            except KafkaError as err:
+                raise translate(f"producing to {topic}[{partition}]", err) from err
+            try:
+                async with asyncio.timeout(self.ack_timeout_s):
+                    await acked
+            except TimeoutError as err:
+                raise TransportError(
+                    f"producing to {topic}[{partition}] failed: no ack within {self.ack_timeout_s:g} s (a leader "
+                    "is moving, or too few replicas are in sync); try again"
+                ) from err
+            except SEQUENCE_ERRORS as err:
+                refused = err  # not written: the fresh producer sends it again
+                await self._renew(producer, err)
+                continue
+            except KafkaError as err:
+                if producer is not self.producer:
+                    raise TransportError(
+                        f"producing to {topic}[{partition}] failed: its producer was retired before the broker "
+                        f"acked ({type(err).__name__}: {err}); try again"
+                    ) from err
+                await self._renew(producer, err)  # the record gave up numbers the broker never saw
+                raise translate(f"producing to {topic}[{partition}]", err) from err
+            return
+        raise TransportError(
+            f"producing to {topic}[{partition}] failed: the broker refused {RENEWALS_PER_SEND + 1} producers in a "
+            f"row ({type(refused).__name__}: {refused}); try again"
+        )
 
     async def _refreshed_partitions(self, topic: str) -> set[int]:
         try:

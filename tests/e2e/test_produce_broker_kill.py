@@ -1,0 +1,238 @@
+"""The broker that leads the batch topic killed (-9) while the batcher produces to it: every request
+is answered once, with its own answer, and every task a client was answered for reached a worker.
+
+A stack of its own (`batchwire stack up --brokers 3`, a plain Redis) in a state dir of its own;
+topics with RF 3 and min ISR 2, so an acked write is on two brokers. The batch topic has one
+partition, so every batch in flight at the kill goes to the killed broker, and express hand-over is
+off, so a worker gets a batch only from that topic. A client retries a 503 with the same
+Idempotency-Key (the gateway's own request produce may hit the killed broker too), so each request
+is one task however often it is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition  # type: ignore[import-untyped, unused-ignore]
+from aiokafka.admin import AIOKafkaAdminClient  # type: ignore[import-untyped, unused-ignore]
+from aiokafka.admin.config_resource import (  # type: ignore[import-untyped, unused-ignore]
+    ConfigResource,
+    ConfigResourceType,
+)
+
+from infra.process import ServiceProcess
+from infra.stack import ENV_FILE_NAME, KAFKA_ENV, REDIS_ENV, read_env_file
+from schemas.codec import decode_batch
+from schemas.records import Batch
+from schemas.wire import Names
+from tests.e2e.harness import TerminalEvents, launch, stopped_after, task_states, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(300)]
+
+RATE_PER_S = 25.0
+BEFORE_KILL_S = 2.0
+AFTER_KILL_S = 8.0
+RETRY_S = 0.2
+REQUEST_DEADLINE_S = 60.0
+
+
+def _cli(state_dir: Path, action: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("BATCHWIRE_")}
+    env["BATCHWIRE_STACK_ENV"] = str(state_dir.parent / "no-stack.env")
+    return subprocess.run(
+        [sys.executable, "-m", "batchwire.cli", "stack", action, "--state-dir", str(state_dir), *extra],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    path = tmp_path_factory.mktemp("broker-kill") / "state"
+    started = time.monotonic()
+    done = _cli(path, "up", "--brokers", "3", "--redis-replicas", "0")
+    try:
+        assert done.returncode == 0, f"stack up exited {done.returncode}:\n{done.stderr}"
+        print(f"\nstack up in {time.monotonic() - started:.1f} s")
+        yield path
+    finally:
+        _cli(path, "down")
+
+
+@dataclass
+class Asked:
+    """One client request: sent (with one Idempotency-Key) until a final answer."""
+
+    text: str
+    sent_at: float
+    attempts: int = 0
+    refusals: Counter[str] = field(default_factory=Counter)
+    status: int = 0
+    body: dict[str, Any] = field(default_factory=dict)
+
+
+async def ask(client: httpx.AsyncClient, url: str, asked: Asked) -> None:
+    deadline = asked.sent_at + REQUEST_DEADLINE_S
+    while True:
+        asked.attempts += 1
+        response = await client.post(
+            f"{url}/v1/inference",
+            json={"input": asked.text, "timeout_ms": 20_000},
+            headers={"Idempotency-Key": asked.text},
+        )
+        asked.status, asked.body = response.status_code, response.json()
+        if response.status_code != 503 or time.monotonic() > deadline:
+            return
+        asked.refusals[asked.body["error"]["code"]] += 1
+        await asyncio.sleep(RETRY_S)  # a client's back-off before it retries a 503, not synchronization
+
+
+async def load(url: str, stop: asyncio.Event, asked: list[Asked]) -> None:
+    """Open loop at ``RATE_PER_S`` until ``stop``; returns once every request has its final answer."""
+    async with httpx.AsyncClient(timeout=40, limits=httpx.Limits(max_connections=500)) as client:
+        tasks = []
+        while not stop.is_set():
+            one = Asked(f"broker-kill-{len(asked)}", time.monotonic())
+            asked.append(one)
+            tasks.append(asyncio.create_task(ask(client, url, one)))
+            await asyncio.sleep(1 / RATE_PER_S)  # pacing the load, not synchronization
+        await asyncio.gather(*tasks)
+
+
+async def topic_replication(bootstrap: str, topic: str) -> tuple[list[list[int]], str]:
+    """Each partition's replicas, and the topic's min.insync.replicas."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
+    await admin.start()
+    try:
+        [described] = await admin.describe_topics([topic])
+        [configs] = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic)])
+    finally:
+        await admin.close()
+    entries = {entry[0]: entry[1] for entry in configs.resources[0][4]}
+    return [list(p["replicas"]) for p in described["partitions"]], str(entries["min.insync.replicas"])
+
+
+async def batch_records(bootstrap: str, topic: str) -> list[Batch]:
+    """Every record on ``topic``[0], from the first offset to the end."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        tp = TopicPartition(topic, 0)
+        consumer.assign([tp])
+        await consumer.seek_to_beginning(tp)
+        end = (await consumer.end_offsets([tp]))[tp]
+        found: list[Batch] = []
+        async with asyncio.timeout(30):
+            while await consumer.position(tp) < end:
+                for records in (await consumer.getmany(tp, timeout_ms=1000)).values():
+                    found.extend(decode_batch(record.value) for record in records)
+    finally:
+        await consumer.stop()
+    return found
+
+
+def leader_of(state_dir: Path, topic: str) -> dict[str, Any]:
+    done = _cli(state_dir, "status", "--json")
+    report = json.loads(done.stdout)
+    leaders = [s for s in report["servers"] if s["kind"] == "kafka" and 0 in s["leads"].get(topic, [])]
+    assert len(leaders) == 1, f"one broker leads {topic}[0]: {report['servers']}"
+    server: dict[str, Any] = leaders[0]
+    return server
+
+
+def kill9(pid: int) -> None:
+    process = ServiceProcess.attach(pid, [])
+    assert process is not None, f"process {pid} is not running"
+    os.kill(pid, signal.SIGKILL)
+    assert process.wait_exit(10.0), f"process {pid} survived SIGKILL"
+
+
+async def test_killing_the_batch_topics_leader_under_load_loses_no_batch_and_answers_each_request_once(
+    state_dir: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    env = read_env_file(state_dir / ENV_FILE_NAME)
+    bootstrap, redis_url = env[KAFKA_ENV], env[REDIS_ENV]
+    settings = {
+        "BATCHWIRE_BATCH_PARTITIONS": "1",
+        "BATCHWIRE_REPLICATION_FACTOR": "3",
+        "BATCHWIRE_MIN_INSYNC_REPLICAS": "2",
+        "BATCHWIRE_EXPRESS": "false",
+    }
+    started = launch(tmp_path, bootstrap, redis_url, workers=1, sim_latency_ms=30, extra_env=settings)
+    with stopped_after(request, started) as cluster:
+        topic = Names(cluster.namespace).batch_topic("sim")
+        replicas, min_isr = await topic_replication(bootstrap, topic)
+        assert [len(r) for r in replicas] == [3] and min_isr == "2", f"{topic}: replicas {replicas}, min ISR {min_isr}"
+        leader = leader_of(state_dir, topic)
+
+        asked: list[Asked] = []
+        stop = asyncio.Event()
+        with TerminalEvents(redis_url, cluster.namespace) as events:
+            loader = asyncio.create_task(load(cluster.gateway_urls[0], stop, asked))
+            await asyncio.sleep(BEFORE_KILL_S)  # steady load before the kill
+            batches_before = len(cluster.journal())
+            assert batches_before > 0, f"no batch ran in {BEFORE_KILL_S:g} s of load:\n{cluster.logs()}"
+            await asyncio.to_thread(kill9, leader["pid"])
+            killed_at = time.monotonic()
+            await asyncio.sleep(AFTER_KILL_S)  # the load goes on while the partition moves
+            stop.set()
+            await loader
+            answered = [a for a in asked if a.status == 200]
+            task_ids = [a.body["task_id"] for a in answered]
+            await asyncio.to_thread(
+                wait_until,
+                lambda: all(t in events.states for t in task_ids),
+                15,
+                "each terminal event",
+            )
+            twice = events.twice()
+
+        wrong = [a for a in asked if a.status != 200 or a.body.get("output") != a.text[::-1]]
+        assert not wrong, (
+            f"{len(wrong)} of {len(asked)} requests without their own answer, e.g. "
+            f"{[(a.text, a.status, a.body) for a in wrong[:3]]}"
+        )
+        assert len(set(task_ids)) == len(asked), "each request is one task, whatever its retries"
+        assert not twice, f"tasks that ended more than once: {twice}"
+        ran = {task for batch in cluster.journal() if batch["outcome"] == "ok" for task in batch["task_ids"]}
+        lost = [t for t in task_ids if t not in ran]
+        assert not lost, f"answered tasks no worker ran: {task_states(redis_url, cluster.namespace, lost[:5])}"
+        kept = await batch_records(bootstrap, topic)
+        on_topic = {item.task_id for batch in kept for item in batch.items}
+        missing = [t for t in task_ids if t not in on_topic]
+        assert not missing, f"{len(missing)} answered tasks in no batch record on {topic}, e.g. {missing[:5]}"
+        after = [a for a in asked if a.sent_at > killed_at]
+        assert after, "requests were sent after the kill"
+        for proc in cluster.procs:
+            assert proc.alive(), f"{proc.name} died when the broker was killed:\n{proc.tail()}"
+
+        batcher_log = (cluster.base / "batcher0.log").read_text(errors="replace")
+        failed_produces = batcher_log.count("aiokafka.producer.sender: Got error produce response")
+        assert failed_produces, "the batcher had a produce to the killed broker in flight (or sent one to it)"
+        refusals = sum((a.refusals for a in asked), Counter[str]())
+        slowest = max((a.attempts, a.text) for a in asked)
+        copies = Counter(batch.batch_id for batch in kept)
+        print(
+            f"\nkilled broker {leader['node_id']} (leader of {topic}[0]) after {batches_before} batches; "
+            f"{len(asked)} requests, all answered once; 503 retries {dict(refusals)} (most attempts: {slowest}); "
+            f"batcher: {failed_produces} produce attempts failed at the client, "
+            f"{batcher_log.count('replaced the producer')} producer replacements, "
+            f"{batcher_log.count('could not hand batch')} batch sends retried; {len(kept)} batch records, "
+            f"{sum(n > 1 for n in copies.values())} batches written twice"
+        )
