@@ -28,6 +28,9 @@ ResubscribedHandler = Callable[[frozenset[str]], Awaitable[None]]
 FailureHandler = Callable[[BaseException], None]
 
 _CONNECTION_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+# uvloop raises RuntimeError ("the handler is closed") for a write on a transport that is closed
+# while redis-py still holds it: a SUBSCRIBE sent as the reader tears down a dropped connection.
+_SEND_ERRORS = (*_CONNECTION_ERRORS, RuntimeError)
 
 
 class PubSubHub:
@@ -150,7 +153,7 @@ class PubSubHub:
                 await pubsub.subscribe(channel)
             else:
                 await pubsub.unsubscribe(channel)
-        except _CONNECTION_ERRORS as err:
+        except _SEND_ERRORS as err:
             # The reader sees the same broken connection, reconnects, and subscribes to every
             # channel still referenced, which confirms this one too (or the caller times out).
             log.info("%s %s not sent (%s); the reader will reconnect", command, channel, err)
@@ -247,7 +250,10 @@ class PubSubHub:
             if message is None:
                 if awaiting_pong:
                     raise RedisTimeoutError(f"no answer to PING within {self.ping_interval_s} s")
-                await pubsub.ping()
+                try:
+                    await pubsub.ping()
+                except RuntimeError as err:  # its transport was closed under it: a dropped connection
+                    raise RedisConnectionError(f"PING not sent: {err}") from err
                 awaiting_pong = True
                 continue
             awaiting_pong = False
