@@ -1,0 +1,106 @@
+"""An idempotent producer after a record it gave up: aiokafka alone refuses every later record on the
+partition (``OutOfOrderSequenceNumber``); batchwire's producers replace it and lose nothing.
+
+The gap is made on a healthy broker: a topic whose ``max.message.bytes`` refuses one record after
+aiokafka numbered it, as a broker restart does to a record whose partition had no leader too long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition  # type: ignore[import-untyped, unused-ignore]
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic  # type: ignore[import-untyped, unused-ignore]
+from aiokafka.errors import (  # type: ignore[import-untyped, unused-ignore]
+    MessageSizeTooLargeError,
+    OutOfOrderSequenceNumber,
+)
+
+from batchwire.transport.errors import PermanentTransportError
+from batchwire.transport.kafka import KafkaBatchProducer
+from schemas.wire import Names
+from tests.contract.conftest import Closer
+
+pytestmark = [pytest.mark.kafka, pytest.mark.timeout(60)]
+
+MODEL = "sim"
+# The broker refuses a record batch over this; aiokafka's own limit (1 MB) lets it through.
+MAX_MESSAGE_BYTES = 2000
+# Over the producer's batch size (16 KiB) as well, so the record travels in a batch of its own.
+TOO_LARGE = b"x" * 20_000
+
+
+@pytest.fixture
+async def closer() -> AsyncIterator[Closer]:
+    closer = Closer()
+    yield closer
+    await closer.close_all()
+
+
+@pytest.fixture
+async def topic(kafka_bootstrap: str, names: Names) -> AsyncIterator[str]:
+    name = names.batch_topic(MODEL)
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(name, 1, 1, topic_configs={"max.message.bytes": str(MAX_MESSAGE_BYTES)})])
+        yield name
+        await admin.delete_topics([name])
+    finally:
+        await admin.close()
+
+
+async def values(bootstrap: str, topic: str) -> list[bytes]:
+    """Every record value on ``topic``[0], in order."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        tp = TopicPartition(topic, 0)
+        consumer.assign([tp])
+        await consumer.seek_to_beginning(tp)
+        end = (await consumer.end_offsets([tp]))[tp]
+        found: list[bytes] = []
+        async with asyncio.timeout(20):
+            while await consumer.position(tp) < end:
+                for records in (await consumer.getmany(tp, timeout_ms=1000)).values():
+                    found.extend(record.value for record in records)
+    finally:
+        await consumer.stop()
+    return found
+
+
+async def test_aiokafka_alone_refuses_every_record_after_one_it_gave_up(kafka_bootstrap: str, topic: str) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all", enable_idempotence=True)
+    await producer.start()
+    try:
+        await producer.send_and_wait(topic, b"before", partition=0)
+        with pytest.raises(MessageSizeTooLargeError):
+            await producer.send_and_wait(topic, TOO_LARGE, partition=0)
+        for _ in range(2):
+            with pytest.raises(OutOfOrderSequenceNumber):
+                await producer.send_and_wait(topic, b"after", partition=0)
+    finally:
+        await producer.stop()
+    assert await values(kafka_bootstrap, topic) == [b"before"]
+
+
+async def test_a_producer_replaced_after_a_gap_writes_every_later_record_once(
+    kafka_bootstrap: str, names: Names, topic: str, closer: Closer
+) -> None:
+    producer = closer.add(KafkaBatchProducer(kafka_bootstrap, names))
+    await producer.start()
+    await producer.send_encoded(MODEL, b"before", 0)
+
+    # "after" waits behind the refused record, so the old producer numbers it past the gap and the
+    # broker refuses it as out of order: it is sent again by the fresh producer.
+    refused = asyncio.create_task(producer.send_encoded(MODEL, TOO_LARGE, 0))
+    queued = asyncio.create_task(producer.send_encoded(MODEL, b"after", 0))
+    outcomes = await asyncio.gather(refused, queued, return_exceptions=True)
+    await producer.send_encoded(MODEL, b"later", 0)
+
+    assert isinstance(outcomes[0], PermanentTransportError), outcomes
+    assert "MessageSizeTooLarge" in str(outcomes[0]), outcomes[0]
+    assert outcomes[1] is None, f"the record queued behind the refused one must be written: {outcomes[1]!r}"
+    assert await values(kafka_bootstrap, topic) == [b"before", b"after", b"later"]
