@@ -1,0 +1,198 @@
+"""The Redis primary dies after a worker stored a batch's results and before any replica acknowledged them.
+
+A cluster of its own (`batchwire stack up --brokers 1 --redis-replicas 1`: one broker, a Redis primary
+with a replica, three Sentinels) carries a gateway, a batcher and a sim worker over the Sentinel URL
+(``--redis-min-replicas auto``: one replica while the primary has one). The replica is stopped
+(SIGSTOP), so it acknowledges nothing. A synchronous request is answered from the primary while its
+batch stays uncommitted (the worker counts short stores and stores again), and an async task sent
+meanwhile does not end. Then the primary is killed (SIGKILL) and the replica resumed (SIGCONT); once
+the Sentinels promote it, both batches are committed with their results on the new primary, each
+task completed with its own answer and run once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from aiokafka import AIOKafkaConsumer, TopicPartition  # type: ignore[import-untyped, unused-ignore]
+from aiokafka.admin import AIOKafkaAdminClient  # type: ignore[import-untyped, unused-ignore]
+
+from infra.process import ServiceProcess
+from infra.redis_sentinel import MASTER_NAME, sentinel_primary
+from infra.stack import ENV_FILE_NAME, KAFKA_ENV, REDIS_ENV, read_env_file
+from schemas.codec import decode_state
+from schemas.records import TaskStatus
+from schemas.wire import Names
+from tests.e2e.harness import Cluster, free_port, launch, metric, stopped_after, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(180)]
+
+SHAPE = ("--brokers", "1", "--redis-replicas", "1")
+WAIT_S = 30.0
+UNREPLICATED = "batchwire_results_unreplicated_total"
+
+
+def _cli(state_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("BATCHWIRE_")}
+    env["BATCHWIRE_STACK_ENV"] = str(state_dir.parent / "no-stack.env")
+    return subprocess.run(
+        [sys.executable, "-m", "batchwire.cli", "stack", *args, "--state-dir", str(state_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=False,
+    )
+
+
+@dataclass
+class Backbone:
+    bootstrap: str
+    servers: list[dict[str, Any]]
+    cluster: Cluster
+    metrics_port: int
+
+    def redis(self, role: str) -> dict[str, Any]:
+        [server] = [s for s in self.servers if s["kind"] == "redis" and s["role"] == role]
+        return server
+
+    @property
+    def sentinels(self) -> list[int]:
+        return [s["port"] for s in self.servers if s["kind"] == "sentinel"]
+
+
+@pytest.fixture
+def backbone(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Backbone]:
+    state_dir = tmp_path / "state"
+    try:
+        up = _cli(state_dir, "up", *SHAPE)
+        assert up.returncode == 0, f"stack up exited {up.returncode}:\n{up.stderr}"
+        env = read_env_file(state_dir / ENV_FILE_NAME)
+        status = json.loads(_cli(state_dir, "status", "--json").stdout)
+        port = free_port()
+        worker_args = ("--metrics-port", str(port), "--redis-replica-wait-ms", "500")
+        cluster = launch(
+            tmp_path, env[KAFKA_ENV], env[REDIS_ENV], gateways=1, batchers=1, workers=1, worker_args=worker_args
+        )
+        with stopped_after(request, cluster):
+            yield Backbone(env[KAFKA_ENV], status["servers"], cluster, port)
+    finally:
+        _cli(state_dir, "down")
+
+
+async def _offsets(bootstrap: str, group: str, topic: str) -> tuple[dict[int, int], dict[int, int]]:
+    """The group's committed offset and the end offset of each of ``topic``'s partitions."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await admin.start()
+    await consumer.start()
+    try:
+        [described] = await admin.describe_topics([topic])
+        partitions = [TopicPartition(topic, p["partition"]) for p in described["partitions"]]
+        assert partitions, f"{topic} has partitions: {described}"
+        committed = await admin.list_consumer_group_offsets(group)
+        ends = await consumer.end_offsets(partitions)
+    finally:
+        await consumer.stop()
+        await admin.close()
+    return (
+        {tp.partition: max(0, committed[tp].offset) if tp in committed else 0 for tp in partitions},
+        {tp.partition: ends[tp] for tp in partitions},
+    )
+
+
+def _stored(port: int, names: Names, task_ids: list[str]) -> dict[str, Any]:
+    """Each found task's stored state on the Redis server at ``port``."""
+    with redis.Redis(port=port) as client:
+        docs = [client.hget(names.task_key(task_id), "doc") for task_id in task_ids]
+    return {task_id: decode_state(doc) for task_id, doc in zip(task_ids, docs, strict=True) if doc}
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    assert ServiceProcess.attach(pid, []) is not None, f"process {pid} is not running"
+    os.kill(pid, sig)
+
+
+def test_a_batch_whose_results_no_replica_acknowledged_is_committed_only_after_they_reach_the_new_primary(
+    backbone: Backbone,
+) -> None:
+    cluster = backbone.cluster
+    names = Names(cluster.namespace)
+    group, topic = names.worker_group("sim"), names.batch_topic("sim")
+    url = cluster.gateway_urls[0]
+    warm = httpx.post(f"{url}/v1/inference", json={"input": "warm"}, timeout=WAIT_S)
+    assert warm.status_code == 200 and warm.json()["output"] == "mraw", warm.text
+
+    def committed_all(batches: int) -> bool:
+        """Whether ``batches`` batches are on the topic and every one is committed."""
+        committed, ends = asyncio.run(_offsets(backbone.bootstrap, group, topic))
+        return sum(committed.values()) == sum(ends.values()) == batches
+
+    wait_until(lambda: committed_all(1), WAIT_S, "the warm-up batch to be committed", interval_s=0.2)
+    before, _ = asyncio.run(_offsets(backbone.bootstrap, group, topic))
+    primary, replica = backbone.redis("primary"), backbone.redis("replica")
+
+    _signal(replica["pid"], signal.SIGSTOP)  # alive to the primary, acknowledging nothing
+    resumed = False
+    try:
+        answer = httpx.post(f"{url}/v1/inference", json={"input": "kept across"}, timeout=WAIT_S)
+        assert answer.status_code == 200 and answer.json()["output"] == "ssorca tpek", answer.text
+        first = answer.json()["task_id"]
+        wait_until(lambda: metric(backbone.metrics_port, UNREPLICATED) >= 2, WAIT_S, "two short stores")
+        assert _stored(primary["port"], names, [first])[first].status is TaskStatus.COMPLETED
+        queued = httpx.post(f"{url}/v1/tasks", json={"input": "async too"}, timeout=WAIT_S)
+        assert queued.status_code == 202, queued.text
+        later = queued.json()["task_id"]
+        shorts = metric(backbone.metrics_port, UNREPLICATED)
+        wait_until(lambda: metric(backbone.metrics_port, UNREPLICATED) >= shorts + 2, WAIT_S, "two more short stores")
+
+        held = _stored(primary["port"], names, [later])[later]
+        assert not held.status.terminal, f"no later batch ends while one waits for replicas: {held}"
+        committed, ends = asyncio.run(_offsets(backbone.bootstrap, group, topic))
+        assert committed == before, f"nothing committed while no replica holds the results: {before} -> {committed}"
+        # The later task's batch is on the topic too when the batcher held a credit from before the wait.
+        assert sum(ends.values()) >= 2, f"the first batch is on its topic, uncommitted: ends {ends}"
+
+        _signal(primary["pid"], signal.SIGKILL)
+        _signal(replica["pid"], signal.SIGCONT)
+        resumed = True
+        wait_until(
+            lambda: sentinel_primary(backbone.sentinels, MASTER_NAME) == replica["port"],
+            WAIT_S,
+            "the Sentinels to promote the replica",
+            interval_s=0.1,
+        )
+        # Without a credit held from before, the later task's batch goes out once the first is committed.
+        wait_until(lambda: committed_all(3), WAIT_S, "both batches to be committed", interval_s=0.2)
+    finally:
+        if not resumed:
+            os.kill(replica["pid"], signal.SIGCONT)
+
+    expected = {first: "ssorca tpek", later: "oot cnysa"}
+    task_ids = list(expected)
+    on_new = _stored(replica["port"], names, task_ids)
+    assert {t: (s.status, s.output) for t, s in on_new.items()} == {
+        t: (TaskStatus.COMPLETED, output) for t, output in expected.items()
+    }, "the committed batch's results are on the new primary"
+    for task_id, output in expected.items():
+        polled = httpx.get(f"{url}/v1/result/{task_id}", timeout=WAIT_S)
+        assert polled.status_code == 200 and (polled.json()["status"], polled.json()["output"]) == (
+            "completed",
+            output,
+        ), polled.text
+    runs = Counter(task_id for run in cluster.journal() for task_id in run["task_ids"])
+    assert all(runs[task_id] == 1 for task_id in task_ids), f"each task ran once: {runs}"
+    assert all(proc.alive() for proc in cluster.procs), cluster.logs()
