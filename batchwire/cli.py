@@ -315,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
         "auto",
         _min_replicas,
         "Redis replicas that must hold a batch's results before its offset is committed (auto: 1 while the "
-        "primary has a replica connected, else 0)",
+        "primary has a replica in sync, else 0)",
     )
     _add(worker, "--redis-replica-wait-ms", 1000, int, "how long one store of results waits for those replicas")
 

@@ -8,10 +8,10 @@ uncommitted: its results are stored again with backoff, on whichever server is p
 (status only moves forward, so a result stored twice is answered once), until enough replicas hold
 them. Should the worker die meanwhile, the batch's next owner runs it again.
 
-``min_replicas=None`` (auto) asks for one replica while the primary reports any connected, else
-none: a lone Redis costs nothing, and a primary that has dropped its replica no longer blocks
-commits. The count is read again after every short store, so a failover to a primary without
-replicas ends the wait.
+``min_replicas=None`` (auto) asks for one replica while the primary reports one connected and in
+sync (not still taking its first full copy), else none: a lone Redis costs nothing, and a primary
+that has dropped its replica no longer blocks commits. The count is read again after every short
+store, so a failover to a primary without replicas ends the wait.
 """
 
 from __future__ import annotations

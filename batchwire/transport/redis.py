@@ -152,12 +152,16 @@ class RedisTaskStore:
         return keys, apply_args(self.ttl_ms, rows)
 
     async def connected_replicas(self) -> int:
-        """How many replicas the primary counts as connected now (``INFO replication``)."""
+        """How many replicas the primary counts as connected and in sync now (``INFO replication``).
+
+        A replica still taking its first full copy (a restarted one rejoining) acknowledges nothing
+        until it has it, so it is not counted."""
         try:
             info: dict[str, Any] = await self._client.info("replication")
         except RedisError as err:
             raise translate("asking Redis how many replicas it has", err) from err
-        return int(info.get("connected_slaves", 0))
+        replicas = (info.get(f"slave{index}") for index in range(int(info.get("connected_slaves", 0))))
+        return sum(1 for replica in replicas if isinstance(replica, dict) and replica.get("state") == "online")
 
     async def apply_replicated(self, updates: Sequence[TaskState], replicas: int, timeout_ms: int) -> int:
         """``apply``, then Redis ``WAIT``: how many replicas acknowledged the updates within ``timeout_ms``.

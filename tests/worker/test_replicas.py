@@ -97,6 +97,7 @@ async def test_auto_with_a_lone_redis_needs_no_replica_and_commits_at_once(store
     rig = Rig()
     worker, consumer = await _worker(rig, store, ReplicaSettings(wait_ms=WAIT_MS))
     assert worker.replicas is not None
+    assert await store.connected_replicas() == 0
     assert await worker.replicas.required() == 0, "auto asks for no replica of a primary that has none"
     batch = await _send(rig, store, ["lone"])
 
@@ -150,6 +151,7 @@ async def test_results_lost_before_a_replica_held_them_are_stored_again_and_comm
     try:
         await until(lambda: len(consumer.committed) == 1, "the batch to be committed once a replica holds it")
         await worker.close()
+        assert await store.connected_replicas() == 1, "the replica, in sync, is counted"
         with redis.Redis(port=replica.port) as client:
             stored = client.hget(task_key, "status")
         assert stored == TaskStatus.COMPLETED.value.encode(), f"the replica holds the result stored again: {stored!r}"
@@ -170,3 +172,24 @@ async def test_a_mark_makes_wait_cover_an_update_already_applied(store: RedisTas
     assert acked == 0, "no replica: WAIT 0 answers at once with none"
     with redis.Redis.from_url(store.redis_url) as client:
         assert client.exists(names.replication_mark) == 1, "the mark is written although the update was a no-op"
+
+
+async def test_a_replica_still_taking_its_first_copy_is_not_counted(
+    primary: RedisServer, store: RedisTaskStore, tmp_path: Path
+) -> None:
+    with redis.Redis(port=primary.port) as client:
+        client.config_set("repl-diskless-sync-delay", 2)  # the first copy starts 2 s after the replica asks
+        replica = RedisServer(tmp_path / "replica", replica_of=primary.port)
+        replica.start()
+        try:
+            await until(lambda: client.info("replication")["connected_slaves"] == 1, "the replica to connect")
+            assert await store.connected_replicas() == 0, client.info("replication")
+            assert await ReplicaWait(store, ReplicaSettings(), "w1").required() == 0
+
+            for _ in range(500):  # within 10 s
+                if await store.connected_replicas() == 1:
+                    break
+                await asyncio.sleep(0.02)
+            assert await ReplicaWait(store, ReplicaSettings(), "w1").required() == 1, "in sync, it is counted"
+        finally:
+            replica.stop()
