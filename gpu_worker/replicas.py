@@ -26,7 +26,6 @@ from typing import Protocol, TypeVar
 
 from batchwire import metrics
 from batchwire.retry import retry
-from batchwire.transport.base import TransportError
 from schemas.records import TaskState
 
 log = logging.getLogger(__name__)
@@ -109,9 +108,12 @@ class ReplicaWait:
             self._counted_at = self.clock()
         return min(1, self._connected)
 
-    async def store_results(self, states: Sequence[TaskState], give_up: Callable[[], bool]) -> None:
-        """Returns once ``states`` are stored and on the required replicas; raises a ``TransportError``
-        that retrying cannot fix, or any once ``give_up()`` holds (the batch then stays uncommitted)."""
+    async def store_results(
+        self, states: Sequence[TaskState], give_up: Callable[[], bool], stopping: Callable[[], bool]
+    ) -> bool:
+        """Stores ``states`` until they are on the required replicas (True), or until ``stopping()``
+        holds after a short try (False: stored, not replicated; the batch goes back uncommitted).
+        Raises a ``TransportError`` that retrying cannot fix, or any once ``give_up()`` holds."""
         tries = 0
         try:
             while True:
@@ -141,14 +143,21 @@ class ReplicaWait:
                         self.settings.wait_ms,
                         tries,
                     )
-                if give_up():
-                    raise TransportError(f"results not on {needed} Redis replica(s); the batch stays uncommitted")
+                if stopping() or give_up():
+                    log.warning(
+                        "worker %s: stopping; the batch whose results are not on %d Redis replica(s) goes back "
+                        "uncommitted",
+                        self.who,
+                        needed,
+                    )
+                    return False
                 await asyncio.sleep(min(0.05 * 2 ** min(tries, 10), self.retry_max_s))
         finally:
             if tries:
                 self._short -= 1
         if tries:
             log.info("worker %s: results on enough Redis replicas after %d short tries", self.who, tries)
+        return True
 
     async def _retry(self, what: str, op: Callable[[], Awaitable[T]], give_up: Callable[[], bool]) -> T:
         return await retry(log, f"worker {self.who}", what, op, self.retry_max_s, give_up=give_up)

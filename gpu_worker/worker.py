@@ -107,6 +107,8 @@ class Worker:
         self._idle.set()
         self._stopping = False
         self._abandon = False
+        self._held_back = False
+        """A batch was left uncommitted (its results not stored or not replicated): no later one is committed."""
         self._credit_failures = 0
         self.failure: BaseException | None = None
         self.failed = asyncio.Event()
@@ -389,10 +391,21 @@ class Worker:
     ) -> None:
         if previous is not None:  # commits go in offset order
             await asyncio.gather(previous, return_exceptions=True)
+            if previous.cancelled() or previous.exception() is not None:
+                self._held_back = True
         if self.replicas is not None:  # every state again: the earlier writes may be on a lost primary
-            await self.replicas.store_results(states, give_up=lambda: self._abandon)
+            replicated = await self.replicas.store_results(
+                states, give_up=lambda: self._abandon, stopping=lambda: self._stopping
+            )
+            self._held_back = self._held_back or not replicated
         elif states:
             await self._retry("storing results", lambda: self.store.apply(states))
+        if self._held_back:  # committing this batch's offset would also commit one left uncommitted before it
+            log.info(
+                "worker %s: batch at %d/%d goes back uncommitted (its results, or an earlier batch's, are not safe)",
+                *self._where(delivered),
+            )
+            return
         await self._commit(delivered)
         try:
             await self.deliveries.finish(batch.batch_id)

@@ -8,7 +8,8 @@ and a worker over in-memory batches and credits whose commits are recorded, with
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 import redis
 
 from batchwire.transport.base import Delivered
-from batchwire.transport.memory import MemoryBatchConsumer
+from batchwire.transport.memory import MemoryBatchConsumer, MemoryTaskStore
 from batchwire.transport.redis import RedisTaskStore
 from gpu_worker.replicas import ReplicaSettings, ReplicaWait, parse_min_replicas
 from gpu_worker.settings import WorkerSettings
@@ -129,8 +130,11 @@ async def test_one_replica_required_of_a_lone_redis_keeps_the_batch_uncommitted_
     shorts = worker.replicas.short_stores
     await until(lambda: worker.replicas is not None and worker.replicas.short_stores >= shorts + 2, "more tries")
     assert await rig.credits.idle("sim") == 0, "no credit is offered while results wait for replicas"
-    await worker.close(drain_timeout_s=0.2)
+    closing = time.monotonic()
+    await worker.close()  # the drain timeout (30 s) is not waited out for replicas
+    assert time.monotonic() - closing < 10, "close hands the batch back after its next short store"
     assert consumer.committed == [], "closing gives the unreplicated batch back uncommitted"
+    assert worker.failure is None, f"handing back an unreplicated batch is no failure: {worker.failure!r}"
 
 
 async def test_results_lost_before_a_replica_held_them_are_stored_again_and_committed_once_replicated(
@@ -193,3 +197,51 @@ async def test_a_replica_still_taking_its_first_copy_is_not_counted(
             assert await ReplicaWait(store, ReplicaSettings(), "w1").required() == 1, "in sync, it is counted"
         finally:
             replica.stop()
+
+
+class ReplicatedMemoryStore(MemoryTaskStore):
+    """The in-memory store with replicas that acknowledge every update except those of ``unreplicated`` tasks."""
+
+    def __init__(self, unreplicated: set[str]) -> None:
+        super().__init__()
+        self.unreplicated = unreplicated
+
+    async def connected_replicas(self) -> int:
+        return 1
+
+    async def apply_replicated(self, updates: Sequence[TaskState], replicas: int, timeout_ms: int) -> int:
+        await self.apply(updates)
+        return 0 if any(state.task_id in self.unreplicated for state in updates) else replicas
+
+
+async def test_a_batch_after_one_handed_back_unreplicated_is_not_committed() -> None:
+    rig = Rig()
+    store = ReplicatedMemoryStore(unreplicated={"first"})
+    consumer = RecordingConsumer(rig.bus.consumer(0))
+    replicas = ReplicaWait(store, ReplicaSettings(min_replicas=1, wait_ms=WAIT_MS), "w1", retry_max_s=0.05)
+    worker = Worker(
+        WorkerSettings(worker_id="w1", retry_max_s=0.05),
+        consumer,
+        rig.credits,
+        store,
+        ScriptedBackend(),
+        deliveries=rig.deliveries,
+        replicas=replicas,
+    )
+    await worker.start()
+    first, second = rig.batch(["one"], "b1"), rig.batch(["two"], "b2")
+    first = replace(first, items=(replace(first.items[0], task_id="first"),))
+    for batch in (first, second):
+        for item in batch.items:
+            await store.create(TaskState(item.task_id, TaskStatus.QUEUED, "sim", now_ms(), item.enqueued_at_ms))
+        await rig.send(batch)
+    await until(lambda: worker.batches_run == 2 and replicas.short_stores >= 1, "both run, the first short")
+
+    await worker.close()
+
+    stored = await store.get_many(["first", "t0"])
+    assert {task_id: state.status for task_id, state in stored.items()} == {
+        "first": TaskStatus.COMPLETED,
+        "t0": TaskStatus.COMPLETED,
+    }, "both batches' results are stored"
+    assert consumer.committed == [], "the second batch's commit would have committed the first, unreplicated"
