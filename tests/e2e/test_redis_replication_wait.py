@@ -2,12 +2,14 @@
 
 A cluster of its own (`batchwire stack up --brokers 1 --redis-replicas 1`: one broker, a Redis primary
 with a replica, three Sentinels) carries a gateway, a batcher and a sim worker over the Sentinel URL
-(``--redis-min-replicas auto``: one replica while the primary has one). The replica is stopped
-(SIGSTOP), so it acknowledges nothing. A synchronous request is answered from the primary while its
-batch stays uncommitted (the worker counts short stores and stores again), and an async task sent
-meanwhile does not end. Then the primary is killed (SIGKILL) and the replica resumed (SIGCONT); once
-the Sentinels promote it, both batches are committed with their results on the new primary, each
-task completed with its own answer and run once.
+(``--redis-min-replicas auto``: one replica while the primary has one in sync). The replica is
+stopped (SIGSTOP), so it acknowledges nothing, and more is written than the socket buffers hold, so
+what the primary writes next never reaches it. A synchronous request is answered from the primary
+while its batch stays uncommitted (the worker counts short stores and stores again), and an async
+task sent meanwhile does not end. Then the primary is killed (SIGKILL) and the replica resumed
+(SIGCONT); once the Sentinels promote it, both batches are committed with their results on the new
+primary, written there by the worker (replication never brought them), each task completed with its
+own answer and run once.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(180)]
 SHAPE = ("--brokers", "1", "--redis-replicas", "1")
 WAIT_S = 30.0
 UNREPLICATED = "batchwire_results_unreplicated_total"
+FILL_KEYS = 12
+FILL_VALUE_BYTES = 4 * 1024 * 1024
 
 
 def _cli(state_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -82,6 +86,9 @@ def backbone(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Backbon
         assert up.returncode == 0, f"stack up exited {up.returncode}:\n{up.stderr}"
         env = read_env_file(state_dir / ENV_FILE_NAME)
         status = json.loads(_cli(state_dir, "status", "--json").stdout)
+        [primary] = [s["port"] for s in status["servers"] if s["kind"] == "redis" and s["role"] == "primary"]
+        # Before any worker counts replicas (auto): a replica still taking its first copy is not counted.
+        wait_until(lambda: _in_sync(primary), WAIT_S, "the replica to be in sync", interval_s=0.1)
         port = free_port()
         worker_args = ("--metrics-port", str(port), "--redis-replica-wait-ms", "500")
         cluster = launch(
@@ -121,6 +128,20 @@ def _stored(port: int, names: Names, task_ids: list[str]) -> dict[str, Any]:
     return {task_id: decode_state(doc) for task_id, doc in zip(task_ids, docs, strict=True) if doc}
 
 
+def _in_sync(port: int) -> bool:
+    with redis.Redis(port=port) as client:
+        replica = client.info("replication").get("slave0")
+    return isinstance(replica, dict) and replica.get("state") == "online"
+
+
+def _fill_replication_stream(port: int, key: str) -> None:
+    """Writes more than the loopback socket buffers hold, so what the primary writes next stays in its
+    own memory, behind this, and dies with it: a stopped replica never sees it, even once resumed."""
+    with redis.Redis(port=port) as client:
+        for index in range(FILL_KEYS):
+            client.set(f"{key}:{index}", b"x" * FILL_VALUE_BYTES)
+
+
 def _signal(pid: int, sig: signal.Signals) -> None:
     assert ServiceProcess.attach(pid, []) is not None, f"process {pid} is not running"
     os.kill(pid, sig)
@@ -147,7 +168,9 @@ def test_a_batch_whose_results_no_replica_acknowledged_is_committed_only_after_t
 
     _signal(replica["pid"], signal.SIGSTOP)  # alive to the primary, acknowledging nothing
     resumed = False
+    fill = f"{cluster.namespace}:fill"
     try:
+        _fill_replication_stream(primary["port"], fill)
         answer = httpx.post(f"{url}/v1/inference", json={"input": "kept across"}, timeout=WAIT_S)
         assert answer.status_code == 200 and answer.json()["output"] == "ssorca tpek", answer.text
         first = answer.json()["task_id"]
@@ -183,6 +206,8 @@ def test_a_batch_whose_results_no_replica_acknowledged_is_committed_only_after_t
 
     expected = {first: "ssorca tpek", later: "oot cnysa"}
     task_ids = list(expected)
+    with redis.Redis(port=replica["port"]) as client:
+        assert not client.exists(f"{fill}:{FILL_KEYS - 1}"), "the new primary never got what followed the fill"
     on_new = _stored(replica["port"], names, task_ids)
     assert {t: (s.status, s.output) for t, s in on_new.items()} == {
         t: (TaskStatus.COMPLETED, output) for t, output in expected.items()
