@@ -108,6 +108,8 @@ class Worker:
         self._stopping = False
         self._abandon = False
         self._held_back = False
+        self._ended_before: dict[str, list[TaskState]] = {}
+        """Per batch id, the stored states of its tasks that had ended before it ran (with replicas only)."""
         """A batch was left uncommitted (its results not stored or not replicated): no later one is committed."""
         self._credit_failures = 0
         self.failure: BaseException | None = None
@@ -394,6 +396,8 @@ class Worker:
             if previous.cancelled() or previous.exception() is not None:
                 self._held_back = True
         if self.replicas is not None:  # every state again: the earlier writes may be on a lost primary
+            # With the tasks an earlier delivery ended: their states may also be on that primary alone.
+            states = states + self._ended_before.pop(batch.batch_id, [])
             replicated = await self.replicas.store_results(
                 states, give_up=lambda: self._abandon, stopping=lambda: self._stopping
             )
@@ -543,6 +547,8 @@ class Worker:
         # running because this is a redelivery; only the ended ones are dropped.
         current = await self._retry("reading tasks", lambda: self.store.get_many(refused))
         ended = {task_id for task_id, state in current.items() if state.status.terminal}
+        if ended and self.replicas is not None:  # stored again with the batch's results (see _finish)
+            self._ended_before.setdefault(batch.batch_id, []).extend(current[task_id] for task_id in ended)
         if ended:
             log.info(
                 "worker %s: %d task(s) of batch %s already ended (cancelled, expired or answered); not running them",

@@ -23,6 +23,7 @@ from gpu_worker.replicas import ReplicaSettings, ReplicaWait, parse_min_replicas
 from gpu_worker.settings import WorkerSettings
 from gpu_worker.worker import Worker
 from infra.redis_server import RedisServer
+from schemas.codec import decode_state
 from schemas.records import Batch, TaskState, TaskStatus
 from schemas.wire import Names
 from tests.worker.rig import Rig, ScriptedBackend, now_ms, until
@@ -245,3 +246,46 @@ async def test_a_batch_after_one_handed_back_unreplicated_is_not_committed() -> 
         "t0": TaskStatus.COMPLETED,
     }, "both batches' results are stored"
     assert consumer.committed == [], "the second batch's commit would have committed the first, unreplicated"
+
+
+async def test_a_task_an_earlier_delivery_ended_is_stored_again_with_the_batch(
+    primary: RedisServer, store: RedisTaskStore, names: Names, tmp_path: Path
+) -> None:
+    rig = Rig()
+    backend = ScriptedBackend()
+    consumer = RecordingConsumer(rig.bus.consumer(0))
+    replicas = ReplicaWait(store, ReplicaSettings(min_replicas=1, wait_ms=WAIT_MS), "w2", retry_max_s=0.05)
+    worker = Worker(
+        WorkerSettings(worker_id="w2", retry_max_s=0.05),
+        consumer,
+        rig.credits,
+        store,
+        backend,
+        deliveries=rig.deliveries,
+        replicas=replicas,
+    )
+    await worker.start()
+    batch = rig.batch(["done before"])
+    item = batch.items[0]
+    await store.create(TaskState(item.task_id, TaskStatus.QUEUED, "sim", now_ms(), item.enqueued_at_ms))
+    answered = TaskState(item.task_id, TaskStatus.COMPLETED, "sim", now_ms(), item.enqueued_at_ms, output="answer")
+    assert await store.apply([answered]) == [True]  # by the worker that died before committing
+    await rig.send(batch)
+    await until(lambda: replicas.short_stores >= 1, "a short store of the redelivered batch")
+    with redis.Redis(port=primary.port) as client:
+        assert client.delete(names.task_key(item.task_id)) == 1  # as a failover to a replica without it
+        client.config_set("repl-diskless-sync-delay", 0)
+
+    replica = RedisServer(tmp_path / "replica", replica_of=primary.port)
+    replica.start()
+    try:
+        await until(lambda: len(consumer.committed) == 1, "the batch to be committed once a replica holds it")
+        await worker.close()
+        with redis.Redis(port=replica.port) as client:
+            doc = client.hget(names.task_key(item.task_id), "doc")
+    finally:
+        replica.stop()
+    assert doc is not None, "the ended task's state was stored again"
+    kept = decode_state(doc)
+    assert (kept.status, kept.output) == (TaskStatus.COMPLETED, "answer"), kept
+    assert backend.calls == [], "an ended task is not run again"
