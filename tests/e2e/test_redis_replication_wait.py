@@ -9,7 +9,8 @@ while its batch stays uncommitted (the worker counts short stores and stores aga
 task sent meanwhile does not end. Then the primary is killed (SIGKILL) and the replica resumed
 (SIGCONT); once the Sentinels promote it, both batches are committed with their results on the new
 primary, written there by the worker (replication never brought them), each task completed with its
-own answer and run once.
+own answer and run once. And when the worker is killed while its results wait, its batch, never
+committed, runs again on the next worker once the failover has lost them.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from infra.stack import ENV_FILE_NAME, KAFKA_ENV, REDIS_ENV, read_env_file
 from schemas.codec import decode_state
 from schemas.records import TaskStatus
 from schemas.wire import Names
-from tests.e2e.harness import Cluster, free_port, launch, metric, stopped_after, wait_until
+from tests.e2e.harness import Cluster, free_port, launch, metric, respawn, stopped_after, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(180)]
 
@@ -221,3 +222,57 @@ def test_a_batch_whose_results_no_replica_acknowledged_is_committed_only_after_t
     runs = Counter(task_id for run in cluster.journal() for task_id in run["task_ids"])
     assert all(runs[task_id] == 1 for task_id in task_ids), f"each task ran once: {runs}"
     assert all(proc.alive() for proc in cluster.procs), cluster.logs()
+
+
+def test_a_worker_killed_while_its_results_wait_for_a_replica_leaves_the_batch_to_run_again(
+    backbone: Backbone,
+) -> None:
+    cluster = backbone.cluster
+    names = Names(cluster.namespace)
+    group, topic = names.worker_group("sim"), names.batch_topic("sim")
+    url = cluster.gateway_urls[0]
+    warm = httpx.post(f"{url}/v1/inference", json={"input": "warm"}, timeout=WAIT_S)
+    assert warm.status_code == 200, warm.text
+
+    def committed_all(batches: int) -> bool:
+        committed, ends = asyncio.run(_offsets(backbone.bootstrap, group, topic))
+        return sum(committed.values()) == sum(ends.values()) == batches
+
+    wait_until(lambda: committed_all(1), WAIT_S, "the warm-up batch to be committed", interval_s=0.2)
+    primary, replica = backbone.redis("primary"), backbone.redis("replica")
+    [worker] = [proc for proc in cluster.procs if proc.name == "worker0"]
+
+    _signal(replica["pid"], signal.SIGSTOP)
+    resumed = False
+    try:
+        _fill_replication_stream(primary["port"], f"{cluster.namespace}:fill")
+        answer = httpx.post(f"{url}/v1/inference", json={"input": "run twice"}, timeout=WAIT_S)
+        assert answer.status_code == 200 and answer.json()["output"] == "eciwt nur", answer.text
+        task_id = answer.json()["task_id"]
+        wait_until(lambda: metric(backbone.metrics_port, UNREPLICATED) >= 2, WAIT_S, "two short stores")
+        assert not committed_all(2), "a batch whose results no replica holds is not committed"
+
+        worker.kill9()
+        _signal(primary["pid"], signal.SIGKILL)
+        _signal(replica["pid"], signal.SIGCONT)
+        resumed = True
+        wait_until(
+            lambda: sentinel_primary(backbone.sentinels, MASTER_NAME) == replica["port"],
+            WAIT_S,
+            "the Sentinels to promote the replica",
+            interval_s=0.1,
+        )
+    finally:
+        if not resumed:
+            os.kill(replica["pid"], signal.SIGCONT)
+    assert task_id not in _stored(replica["port"], names, [task_id]), "the result died with the old primary"
+
+    respawn(cluster, worker)
+    wait_until(lambda: committed_all(2), WAIT_S, "the batch to run again and be committed", interval_s=0.2)
+
+    stored = _stored(replica["port"], names, [task_id])[task_id]
+    assert (stored.status, stored.output) == (TaskStatus.COMPLETED, "eciwt nur"), stored
+    polled = httpx.get(f"{url}/v1/result/{task_id}", timeout=WAIT_S)
+    assert polled.status_code == 200 and polled.json()["output"] == "eciwt nur", polled.text
+    runs = [run for run in cluster.journal() if task_id in run["task_ids"]]
+    assert len(runs) == 2 and runs[0]["pid"] != runs[1]["pid"], f"run by the killed worker and its successor: {runs}"
