@@ -108,9 +108,9 @@ class Worker:
         self._stopping = False
         self._abandon = False
         self._held_back = False
+        """A batch was left uncommitted (its results not stored or not replicated): no later one is committed."""
         self._ended_before: dict[str, list[TaskState]] = {}
         """Per batch id, the stored states of its tasks that had ended before it ran (with replicas only)."""
-        """A batch was left uncommitted (its results not stored or not replicated): no later one is committed."""
         self._credit_failures = 0
         self.failure: BaseException | None = None
         self.failed = asyncio.Event()
