@@ -253,7 +253,7 @@ class Gateway:
             scope = caller.owner or idempotency.ANONYMOUS_SCOPE
             fingerprint = idempotency.fingerprint(input, model)
             while (claim := await self._claim(scope, idempotency_key, task_id, fingerprint)).task_id != task_id:
-                replayed = await self._replay(claim.task_id, model, wait, deadline, started, timeout_ms)
+                replayed = await self._replay(claim.task_id, model, wait, deadline, started, timeout_ms, caller.owner)
                 if not isinstance(replayed, TaskState):
                     return replayed
                 # The task ended without being computed while this retry waited for it: the next
@@ -408,18 +408,31 @@ class Gateway:
             log.warning("could not release the idempotency key of task %s", task_id, exc_info=True)
 
     async def _replay(
-        self, task_id: str, model: str, wait: bool, deadline: float, started: float, timeout_ms: int
+        self,
+        task_id: str,
+        model: str,
+        wait: bool,
+        deadline: float,
+        started: float,
+        timeout_ms: int,
+        owner: str | None,
     ) -> Answer | Accepted | TaskState:
         """The answer to a retry: the earlier task's, waited for up to this request's own deadline.
 
         The earlier task may not be stored yet (its submit is between claiming the key and storing
-        the task), so a missing task is waited for rather than reported unknown. A task that ends
+        the task, or its record was lost to a store outage after its request was sent), so a missing
+        task is waited for rather than reported unknown. An asynchronous retry records it as queued
+        (``create`` keeps whatever a batcher or worker stored first, and the original submit's own
+        create then finds it): the id it hands out is then one GET can find. A task that ends
         without being computed while a synchronous retry waits, before the retry's own deadline, is
         returned as its state: the retry then starts a task of its own.
         """
         try:
             if not wait:
                 state = await self._store.get(task_id)
+                if state is None:
+                    now_ms = self._clock.wall_ms()
+                    await self._store.create(TaskState(task_id, TaskStatus.QUEUED, model, now_ms, now_ms, owner=owner))
                 return Accepted(task_id, model, replayed=True, status=state.status if state else TaskStatus.QUEUED)
             async with self._store.watch(task_id) as changes:
                 state = await self._store.get(task_id)
@@ -519,8 +532,8 @@ class Gateway:
                 f"so retry with an Idempotency-Key or poll /v1/result/{task_id} later",
                 task_id=state.task_id,
             ) from created
-        if not created:
-            raise RuntimeError(f"task id {state.task_id!r} exists already; ids must be unique")
+        # ``created`` False: a retry with this task's Idempotency-Key recorded it queued first (see
+        # ``_replay``); ids are 128 random bits, so it is never another task's.
 
     async def _abandon(self, state: TaskState, err: BaseException) -> None:
         """Marks a task that never reached the bus as failed, so a poller is not left at ``queued``."""

@@ -12,6 +12,7 @@ import pytest
 from batchwire.routing import Partitioner
 from batchwire.transport.memory import MemoryRequestBus
 from batchwire.transport.redis import RedisTaskStore
+from gateway import idempotency
 from schemas.records import TaskStatus
 from schemas.wire import IDEMPOTENCY_HEADER, Names
 from tests.gateway.rig import MODELS, RigFactory, error_of, wait_until
@@ -129,6 +130,23 @@ async def test_a_key_whose_request_never_reached_the_bus_is_released(make_rig: R
     second = await rig.client.post("/v1/tasks", json={"input": "x"}, headers=_key("k-6"))
     assert second.status_code == 503
     assert error_of(second)["task_id"] != error_of(first)["task_id"], "the retry must try again, not replay"
+
+
+async def test_an_asynchronous_retry_of_a_task_whose_record_was_lost_hands_out_an_id_that_reads(
+    make_rig: RigFactory, key_store: RedisTaskStore | None
+) -> None:
+    """The first submit sent its request and bound its key, but its "queued" record was lost (the
+    store failed over between the two): the retry's 202 names a task that GET finds, not a 404."""
+    rig = await make_rig(store=key_store)
+    store = key_store if key_store is not None else rig.store
+    model = rig.settings.default_model
+    await store.claim_key(idempotency.ANONYMOUS_SCOPE, "k-lost", "lost-record", idempotency.fingerprint("lost", model))
+    retry = await rig.client.post("/v1/tasks", json={"input": "lost"}, headers=_key("k-lost"))
+    assert (retry.status_code, retry.json()["task_id"]) == (202, "lost-record"), retry.text
+    read = await rig.client.get("/v1/result/lost-record")
+    assert (read.status_code, read.json()["status"]) == (200, "queued"), read.text
+    again = await rig.client.post("/v1/tasks", json={"input": "lost"}, headers=_key("k-lost"))
+    assert again.json()["task_id"] == "lost-record", "the recorded task is replayed, not replaced"
 
 
 # a key whose task ended without being computed -----------------------------------------------------
