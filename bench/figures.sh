@@ -42,11 +42,15 @@ figure() {
       done ;;
     # The cost of durability, interleaved in one sitting: RF 1 on one broker and one Redis, against
     # RF 3 (min ISR 2) on three brokers with a Redis replica and 3 Sentinels; each run on a fresh
-    # stack of its own (--brokers), which it removes. Each run starts with the lone-request probe.
+    # stack of its own (--brokers), which it removes. Each run ends with the lone-request probe.
     durability) for i in 1 2 3; do
         run "durability-rf1/run$i" --start kafka --brokers 1 --workers 2 --rate 1000,1600 --duration 20 --warmup 3
         run "durability-rf3/run$i" --start kafka --brokers 3 --redis-replicas 1 --workers 2 --rate 1000,1600 \
           --duration 20 --warmup 3
+      done ;;
+    # RF 3 on three brokers with a lone Redis (no replica, no Sentinels): Kafka's share of durability.
+    durability-kafka) for i in 1 2 3; do
+        run "durability-rf3-kafka/run$i" --start kafka --brokers 3 --workers 2 --rate 1000,1600 --duration 20 --warmup 3
       done ;;
     *) echo "unknown figure $1" >&2; exit 2 ;;
   esac

@@ -65,9 +65,9 @@ async def bench_run(
     run: RunReport,
     progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> RunReport:
-    """Runs the lone-request probe (into ``run["lone"]``) while the service is still idle, then measures
-    every rate, appending each to ``run["rates"]`` as it completes (so an interrupted run keeps what it
-    measured)."""
+    """Measures every rate, appending each to ``run["rates"]`` as it completes (so an interrupted run
+    keeps what it measured), then runs the lone-request probe (into ``run["lone"]``) once the service
+    is idle again."""
     rng = random.Random(load.seed)
     inputs = InputFactory(load.input_size, rng, field=load.payload_field, nonce=secrets.token_hex(2))
     client = make_client(load.client, load.concurrency_limit, load.timeout_s)
@@ -87,18 +87,6 @@ async def bench_run(
             metrics_urls=list(target.metrics_urls),
             workers_hint=target.workers_hint,
         )
-        if load.lone_count:
-            progress(
-                f"  lone requests: {load.lone_count}, one at a time, {1000 * load.lone_gap_s:g} ms idle before each ..."
-            )
-            # Inputs of their own, so the rates' seeded schedule is the same with or without the probe.
-            lone_inputs = InputFactory(
-                load.input_size, random.Random(load.seed), field=load.payload_field, nonce=secrets.token_hex(2) + "L"
-            )
-            run["lone"] = await lone_probe(
-                client, target.urls, lone_inputs, count=load.lone_count, gap_s=load.lone_gap_s, expect=load.expect
-            )
-            progress("    " + lone_line(run["lone"]))
         loop_name = event_loop_name()
         for index, rate in enumerate(load.rates_rps):
             if index:
@@ -116,6 +104,21 @@ async def bench_run(
             )
             run["rates"].append(report)
             progress(summary_line(report))
+        if load.lone_count:
+            # After the load: every answer is in, and the consumer groups have long settled (a probe
+            # right after start-up can meet the workers' first rebalance, which hands its batch back).
+            await asyncio.sleep(load.pause_s)
+            progress(
+                f"  lone requests: {load.lone_count}, one at a time, {1000 * load.lone_gap_s:g} ms idle before each ..."
+            )
+            # Inputs of their own, so the rates' seeded schedule is the same with or without the probe.
+            lone_inputs = InputFactory(
+                load.input_size, random.Random(load.seed), field=load.payload_field, nonce=secrets.token_hex(2) + "L"
+            )
+            run["lone"] = await lone_probe(
+                client, target.urls, lone_inputs, count=load.lone_count, gap_s=load.lone_gap_s, expect=load.expect
+            )
+            progress("    " + lone_line(run["lone"]))
     finally:
         await client.close()
         if metrics_session is not None:
