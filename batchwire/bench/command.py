@@ -162,15 +162,21 @@ def _probe_body(load: LoadConfig) -> tuple[str, bytes]:
 
 
 def _sigterm_as_sigint() -> Callable[[], None]:
-    """Makes SIGTERM behave like Ctrl-C (the event loop cancels the run, ``finally`` blocks stop the
-    system under test); returns the function that puts the old handler back."""
+    """Makes SIGTERM and SIGINT behave like Ctrl-C (the event loop cancels the run, ``finally``
+    blocks stop the system under test); returns the function that puts the old handlers back.
+
+    SIGINT gets Python's own handler explicitly: a bench started as a background job (``cmd &``,
+    nohup, some CI runners) inherits SIGINT ignored, and would then ignore both signals.
+    """
     try:
+        previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
         previous = signal.signal(signal.SIGTERM, lambda signum, frame: signal.raise_signal(signal.SIGINT))
     except ValueError:  # not the main thread: signals cannot be handled here
         return lambda: None
 
     def restore() -> None:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
 
     return restore
 

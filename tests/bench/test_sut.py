@@ -291,6 +291,7 @@ def test_interrupt_stops_the_system_and_keeps_the_results(signum: int, tmp_path:
         bench.communicate(timeout=30)
     finally:
         bench.kill()
+        bench.communicate()  # closes the pipes
     assert bench.returncode == 130
     (started,) = [json.loads(line) for line in log.read_text().splitlines()]
     assert not psutil.pid_exists(started["pid"]), "the system under test must be stopped"
