@@ -61,8 +61,11 @@ class Outcomes:
 
 async def _flood(url: str, outcomes: Outcomes) -> None:
     """Synchronous requests at OFFERED_PER_S for DURATION_S, open loop; waits for every answer."""
-    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
     async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_MS / 1000 + 10, limits=limits) as client:
+        # Connections opened before the flood: a refusal's time is then the gateway's, not a burst of
+        # TCP connects (a SYN dropped from a full listen queue is retried after 1 s).
+        await asyncio.gather(*(client.get("/healthz") for _ in range(500)))
 
         async def one(n: int) -> None:
             body = {"input": f"flood-{n}", "model": "flood", "timeout_ms": TIMEOUT_MS}
@@ -107,10 +110,11 @@ def test_three_times_capacity_is_answered_in_time_or_refused_at_once(request: py
     assert outcomes.other == [], summary
     assert max(outcomes.answered) <= TIMEOUT_MS / 1000, f"an admitted request is answered in time: {summary}"
     refusals = sorted(outcomes.refused)
-    # Measured by this client, which shares two cores with the service: generous bounds here, the
+    # Measured by this client, which shares two cores with the service: generous bounds here (the
+    # typical refusal is immediate, and none waits for the deadline as a queued request would), the
     # figures in bench/README.md ("Overload").
     assert refusals and refusals[len(refusals) // 2] < 0.05, f"refusals come at once: {summary}"
-    assert refusals[int(0.99 * len(refusals))] < 0.25, f"refusals come at once: {summary}"
+    assert refusals[int(0.99 * len(refusals))] < TIMEOUT_MS / 2000, f"no refusal waits for the deadline: {summary}"
     assert len(outcomes.answered) >= 0.8 * CAPACITY_PER_S * DURATION_S, f"the worker stays busy: {summary}"
     computed_late = _computed(service.url, outcomes.late)
     assert computed_late <= 0.02 * len(outcomes.answered), f"{computed_late} computed after their 504: {summary}"
