@@ -140,7 +140,7 @@ async def test_a_worker_killed_mid_batch_loses_nothing_and_answers_once(
     finals = task_states(cluster.redis_url, cluster.namespace, lost)
     assert all(state.worker_id != victim for state in finals.values()), "another worker completed the batch"
     print(f"\nkill -9 of {victim} mid-batch ({len(lost)} tasks on it): all answered {answered_in:.1f} s after the kill")
-    assert answered_in < 20, f"redelivery took {answered_in:.1f} s (session 3 s + a 1.5 s batch expected)"
+    assert answered_in < 20, f"redelivery took {answered_in:.1f} s (3 s Kafka timeout + 1.5 s batch expected)"
 
 
 async def test_an_idle_workers_stale_credit_delays_one_batch_only_until_the_rebalance(
