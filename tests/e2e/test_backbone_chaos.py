@@ -44,6 +44,7 @@ from infra.redis_sentinel import MASTER_NAME, sentinel_primary
 from infra.stack import ENV_FILE_NAME, KAFKA_ENV, REDIS_ENV, read_env_file
 from schemas.wire import Names
 from tests.e2e.harness import Cluster, launch, stopped_after, wait_until
+from tests.stack_cli import stack_cli as _cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(480)]
 
@@ -60,19 +61,6 @@ ALLOWED_REFUSALS = frozenset({"unavailable"})
 SHAPE = ("--brokers", "3", "--redis-replicas", "1")
 REPO = Path(__file__).resolve().parents[2]
 FAILOVER_DEADLINE_S = 20.0
-
-
-def _cli(state_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith("BATCHWIRE_")}
-    env["BATCHWIRE_STACK_ENV"] = str(state_dir.parent / "no-stack.env")
-    return subprocess.run(
-        [sys.executable, "-m", "batchwire.cli", "stack", *args, "--state-dir", str(state_dir)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=150,
-        check=False,
-    )
 
 
 def _up(state_dir: Path) -> None:

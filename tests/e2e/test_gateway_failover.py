@@ -15,8 +15,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -31,6 +29,7 @@ import redis
 from infra.stack import ENV_FILE_NAME, KAFKA_ENV, REDIS_ENV, read_env_file
 from schemas.wire import Names
 from tests.e2e.harness import Cluster, wait_until
+from tests.stack_cli import stack_cli as _stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(120)]
 
@@ -41,19 +40,6 @@ LONG_POLLS = 2
 STREAMS = 2
 TOTAL = SYNC_CALLERS + LONG_POLLS + STREAMS
 ANSWERED_WITHIN_S = 5.0  # after SIGCONT; the sweep and the stream re-reads would take 30 s
-
-
-def _stack(state_dir: Path, action: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith("BATCHWIRE_")}
-    env["BATCHWIRE_STACK_ENV"] = str(state_dir.parent / "no-stack.env")
-    return subprocess.run(
-        [sys.executable, "-m", "batchwire.cli", "stack", action, "--state-dir", str(state_dir), *extra],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=90,
-        check=False,
-    )
 
 
 @pytest.fixture

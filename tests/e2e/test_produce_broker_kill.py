@@ -15,8 +15,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -39,6 +37,7 @@ from schemas.codec import decode_batch
 from schemas.records import Batch
 from schemas.wire import Names
 from tests.e2e.harness import TerminalEvents, launch, stopped_after, task_states, wait_until
+from tests.stack_cli import stack_cli as _cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(300)]
 
@@ -47,19 +46,6 @@ BEFORE_KILL_S = 2.0
 AFTER_KILL_S = 8.0
 RETRY_S = 0.2
 REQUEST_DEADLINE_S = 60.0
-
-
-def _cli(state_dir: Path, action: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith("BATCHWIRE_")}
-    env["BATCHWIRE_STACK_ENV"] = str(state_dir.parent / "no-stack.env")
-    return subprocess.run(
-        [sys.executable, "-m", "batchwire.cli", "stack", action, "--state-dir", str(state_dir), *extra],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=150,
-        check=False,
-    )
 
 
 @pytest.fixture(scope="module")

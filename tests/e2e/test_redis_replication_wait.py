@@ -19,8 +19,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,6 +38,7 @@ from schemas.codec import decode_state
 from schemas.records import TaskStatus
 from schemas.wire import Names
 from tests.e2e.harness import Cluster, free_port, launch, metric, respawn, stopped_after, wait_until
+from tests.stack_cli import stack_cli as _cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(180)]
 
@@ -48,19 +47,6 @@ WAIT_S = 30.0
 UNREPLICATED = "batchwire_results_unreplicated_total"
 FILL_KEYS = 12
 FILL_VALUE_BYTES = 4 * 1024 * 1024
-
-
-def _cli(state_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith("BATCHWIRE_")}
-    env["BATCHWIRE_STACK_ENV"] = str(state_dir.parent / "no-stack.env")
-    return subprocess.run(
-        [sys.executable, "-m", "batchwire.cli", "stack", *args, "--state-dir", str(state_dir)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=150,
-        check=False,
-    )
 
 
 @dataclass

@@ -10,8 +10,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -30,26 +28,13 @@ from aiokafka.admin.config_resource import (  # type: ignore[import-untyped, unu
 from infra.process import ServiceProcess
 from infra.redis_sentinel import MASTER_NAME, sentinel_primary
 from infra.stack import ENV_FILE_NAME, KAFKA_ENV, REDIS_ENV, read_env_file
+from tests.stack_cli import stack_cli as _cli
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(120)]
 
 SHAPE = ("--brokers", "3", "--redis-replicas", "1")
 WAIT_S = 20.0
 FAILOVER_DEADLINE_S = 15.0
-
-
-def _cli(state_dir: Path, action: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    # Without the developer's BATCHWIRE_* settings or stack.env.
-    env = {key: value for key, value in os.environ.items() if not key.startswith("BATCHWIRE_")}
-    env["BATCHWIRE_STACK_ENV"] = str(state_dir.parent / "no-stack.env")
-    return subprocess.run(
-        [sys.executable, "-m", "batchwire.cli", "stack", action, "--state-dir", str(state_dir), *extra],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=150,
-        check=False,
-    )
 
 
 def _up(state_dir: Path) -> str:
