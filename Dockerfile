@@ -9,6 +9,8 @@ COPY batchwire ./batchwire
 COPY gateway ./gateway
 COPY batcher ./batcher
 COPY gpu_worker ./gpu_worker
+COPY transport ./transport
+COPY telemetry ./telemetry
 COPY schemas ./schemas
 COPY infra ./infra
 RUN pip install ".${EXTRAS}"

@@ -28,10 +28,9 @@ from batcher.policy import BatchFormer, Pending, Taken
 from batcher.read_pacing import ReadPacing
 from batcher.settings import BatcherSettings
 from batcher.spacing import Spacing
-from batchwire import metrics
-from batchwire.retry import retry
-from batchwire.routing import Partitioner
-from batchwire.transport.base import (
+from schemas.records import Batch, BatchItem, Credit, InferenceRequest, TaskState, TaskStatus
+from telemetry import metrics
+from transport.ports import (
     EXPRESS,
     BatchProducer,
     CreditPool,
@@ -40,7 +39,8 @@ from batchwire.transport.base import (
     TaskStore,
     TransportError,
 )
-from schemas.records import Batch, BatchItem, Credit, InferenceRequest, TaskState, TaskStatus
+from transport.retry import retry
+from transport.routing import Partitioner
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ class Batcher:
         unknown: list[Delivered[InferenceRequest]] = []
         for record in records:
             request = record.value
-            if record.offset == EXPRESS:  # a copy ahead of its Kafka record (batchwire.transport.express)
+            if record.offset == EXPRESS:  # a copy ahead of its Kafka record (transport.express.copies)
                 if request is None or (self.settings.models and request.model not in self.settings.models):
                     continue  # its record is handled when it comes
                 pending = self._pending(request, record, now_s, now_ms)

@@ -27,7 +27,7 @@ class BatcherSettings:
     models: tuple[str, ...] = ()
     """The served models; a request for another one fails at once (empty: take any model)."""
     request_partitions: int = 0
-    """Partitions of the request topic (``batchwire.routing``). When this batcher owns all of a
+    """Partitions of the request topic (``transport.routing``). When this batcher owns all of a
     model's partitions, no other batcher can need that model's workers, so while it has nothing to
     send it keeps one idle worker's credit in hand: a request that arrives then goes out without
     the round trip of a claim. 0: unknown, never keep one."""

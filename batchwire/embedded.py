@@ -16,21 +16,21 @@ from dataclasses import dataclass, field
 
 from batcher.service import Batcher
 from batcher.settings import BatcherSettings
-from batchwire.routing import Partitioner
 from batchwire.settings import SettingsError, SharedSettings
-from batchwire.transport.deliveries import MemoryDeadLetters, MemoryDeliveryLog
-from batchwire.transport.memory import (
+from gpu_worker.backends.base import Backend
+from gpu_worker.journal import BatchJournal
+from gpu_worker.settings import WorkerSettings
+from gpu_worker.worker import Worker
+from schemas.records import Batch
+from transport.deliveries import MemoryDeadLetters, MemoryDeliveryLog
+from transport.memory.bus import (
     MemoryBatchBus,
     MemoryCreditPool,
     MemoryQueueDepth,
     MemoryRequestBus,
     MemoryTaskStore,
 )
-from gpu_worker.backends.base import Backend
-from gpu_worker.journal import BatchJournal
-from gpu_worker.settings import WorkerSettings
-from gpu_worker.worker import Worker
-from schemas.records import Batch
+from transport.routing import Partitioner
 
 log = logging.getLogger(__name__)
 

@@ -207,7 +207,7 @@ def run_embedded(args: argparse.Namespace) -> int:
     settings = gateway_settings(args, shared)
     limiter = None  # one process: the rate limits' buckets live in memory
     if settings.rate_limit_per_s > 0:
-        from batchwire.transport.memory import MemoryRateLimiter
+        from transport.memory.bus import MemoryRateLimiter
 
         limiter = MemoryRateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst_tokens)
     gateway = Gateway(settings, runtime.producer, runtime.store, queue_depth=runtime.queue_depth, limiter=limiter)
@@ -263,15 +263,15 @@ class GatewayTransports:
     """
 
     def __init__(self, shared: SharedSettings, settings: Any) -> None:
-        from batchwire.routing import Partitioner
-        from batchwire.transport.base import RequestProducer
-        from batchwire.transport.express import RedisExpress
-        from batchwire.transport.express_requests import ExpressRequestProducer
-        from batchwire.transport.kafka import KafkaRequestProducer
-        from batchwire.transport.kafka_lag import KafkaQueueDepth
-        from batchwire.transport.redis import RedisTaskStore
-        from batchwire.transport.redis_limits import RedisRateLimiter
         from gateway.settings import REQUEST_RUN
+        from transport.express.copies import RedisExpress
+        from transport.express.requests import ExpressRequestProducer
+        from transport.kafka.bus import KafkaRequestProducer
+        from transport.kafka.lag import KafkaQueueDepth
+        from transport.ports import RequestProducer
+        from transport.redis.limits import RedisRateLimiter
+        from transport.redis.store import RedisTaskStore
+        from transport.routing import Partitioner
 
         self.shared = shared
         bootstrap = shared.require_kafka()
@@ -411,7 +411,7 @@ def _metrics_server(port: int) -> None:
     if port:
         from prometheus_client import start_http_server
 
-        from batchwire.metrics import REGISTRY
+        from telemetry.metrics import REGISTRY
 
         start_http_server(port, addr="127.0.0.1", registry=REGISTRY)
 
@@ -422,12 +422,12 @@ def run_batcher(args: argparse.Namespace) -> int:
 
     async def main() -> int:
         from batcher.service import Batcher
-        from batchwire.transport.base import BatchProducer, RequestConsumer
-        from batchwire.transport.express import RedisExpress
-        from batchwire.transport.express_batches import ExpressBatchProducer
-        from batchwire.transport.express_requests import ExpressRequestConsumer
-        from batchwire.transport.kafka import KafkaBatchProducer, KafkaRequestConsumer
-        from batchwire.transport.redis import RedisCreditPool, RedisTaskStore
+        from transport.express.batches import ExpressBatchProducer
+        from transport.express.copies import RedisExpress
+        from transport.express.requests import ExpressRequestConsumer
+        from transport.kafka.bus import KafkaBatchProducer, KafkaRequestConsumer
+        from transport.ports import BatchProducer, RequestConsumer
+        from transport.redis.store import RedisCreditPool, RedisTaskStore
 
         bootstrap = shared.require_kafka()
         redis_url = shared.require_redis()
@@ -484,13 +484,13 @@ def run_worker(args: argparse.Namespace) -> int:
     backend = make_backend(backend_settings(args), model)
 
     async def main() -> int:
-        from batchwire.transport.express import RedisExpress
-        from batchwire.transport.express_batches import ExpressBatchConsumer
-        from batchwire.transport.kafka import KafkaBatchConsumer, KafkaDeadLetterProducer
-        from batchwire.transport.redis import STORE_POOL, RedisCreditPool, RedisTaskStore
-        from batchwire.transport.redis_deliveries import RedisDeliveryLog
         from gpu_worker.replicas import ReplicaWait
         from gpu_worker.worker import Worker
+        from transport.express.batches import ExpressBatchConsumer
+        from transport.express.copies import RedisExpress
+        from transport.kafka.bus import KafkaBatchConsumer, KafkaDeadLetterProducer
+        from transport.redis.deliveries import RedisDeliveryLog
+        from transport.redis.store import STORE_POOL, RedisCreditPool, RedisTaskStore
 
         bootstrap = shared.require_kafka()
         redis_url = shared.require_redis()

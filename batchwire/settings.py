@@ -68,8 +68,8 @@ def check_redis_url(url: str) -> None:
     """Stops a role at start, before it creates anything, when ``url`` cannot work: a scheme Redis
     clients do not take, or a Sentinel URL that is malformed or names Sentinels or a master that are
     not there (the Sentinels are asked once)."""
-    from batchwire.transport.redis_pools import redacted
-    from batchwire.transport.redis_sentinel import FORM, SentinelError, check_sentinels, is_sentinel_url
+    from transport.redis.pools import redacted
+    from transport.redis.sentinel import FORM, SentinelError, check_sentinels, is_sentinel_url
 
     scheme = url.partition("://")[0].lower()
     if scheme not in REDIS_SCHEMES:

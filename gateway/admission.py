@@ -13,10 +13,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from batchwire.transport.base import Backlog, QueueDepth, RateLimiter, TransportError
 from gateway.drain import DrainMeter
 from gateway.errors import Overloaded, RateLimited, Unavailable
 from gateway.settings import GatewaySettings, env_name
+from transport.ports import Backlog, QueueDepth, RateLimiter, TransportError
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,6 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp
 
-from batchwire.metrics import REGISTRY
 from gateway.admission import ANONYMOUS, Caller
 from gateway.auth import OPEN_PATHS, ApiKeys, AuthMiddleware
 from gateway.body import parse_inference_body, read_body
@@ -40,6 +39,7 @@ from gateway.reads import TASK_ID_PATTERN
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from schemas.wire import IDEMPOTENCY_HEADER
+from telemetry.metrics import REGISTRY
 
 CLIENT_ID_HEADER = "X-Client-Id"
 _CLIENT_ID_PATTERN = re.compile(r"[\x21-\x7e]{1,128}")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
 
-from batchwire.transport.base import TaskStore
 from schemas.records import TaskState
+from transport.ports import TaskStore
 
 
 async def follow(

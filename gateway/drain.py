@@ -15,7 +15,7 @@ A model is *stalled* when requests have waited ``settle_s`` and no batch has rea
 ``/readyz`` names it, until a batch is taken again; an empty queue lets one request through every
 ``stall_s`` as a probe, so a model whose workers came back is seen.
 
-Pure: samples come from :class:`~batchwire.transport.base.Backlog` (each stamped with when it was
+Pure: samples come from :class:`~transport.ports.Backlog` (each stamped with when it was
 read), so the same code runs over the in-memory counters, Kafka's offsets, and a test's numbers.
 """
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from batchwire.transport.base import Backlog
+from transport.ports import Backlog
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from batchwire.transport.base import TransportError
+from transport.ports import TransportError
 
 # Errors of the bus and the store: a TransportError, or a client library's connection error that
 # the transport did not wrap.

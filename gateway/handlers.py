@@ -19,8 +19,8 @@ from starlette.responses import Response
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from batchwire.metrics import REQUESTS
 from gateway.errors import GatewayError, error_body, http_status
+from telemetry.metrics import REQUESTS
 
 log = logging.getLogger(__name__)
 

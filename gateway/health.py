@@ -41,8 +41,8 @@ async def redis_readiness(ready: bool, redis_url: str, timeout_s: float) -> Read
     it over (asked only then, so a ready Redis costs no extra round trip)."""
     if ready:
         return True
-    from batchwire.transport.redis_pools import redacted
-    from batchwire.transport.redis_sentinel import is_sentinel_url, master_state
+    from transport.redis.pools import redacted
+    from transport.redis.sentinel import is_sentinel_url, master_state
 
     if not is_sentinel_url(redis_url):
         return Down("down", f"Redis at {redacted(redis_url)} does not answer, or the change feed is reconnecting")

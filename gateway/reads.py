@@ -11,8 +11,6 @@ import re
 from collections.abc import AsyncGenerator, Iterator
 from contextlib import aclosing, contextmanager
 
-from batchwire.metrics import WATCHERS
-from batchwire.transport.base import TaskStore
 from gateway.changes import follow
 from gateway.errors import (
     TRANSPORT_ERRORS,
@@ -25,6 +23,8 @@ from gateway.errors import (
 )
 from gateway.settings import GatewaySettings, env_name
 from schemas.records import TaskState, TaskStatus
+from telemetry.metrics import WATCHERS
+from transport.ports import TaskStore
 
 # Task ids are ours (``secrets.token_urlsafe``), but a client may send anything: keep odd
 # characters out of store keys and channel names.

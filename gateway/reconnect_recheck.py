@@ -17,9 +17,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from batchwire.transport.base import TaskStore
 from gateway.errors import TRANSPORT_ERRORS
 from gateway.waiters import ReplyWaiters
+from transport.ports import TaskStore
 
 log = logging.getLogger(__name__)
 

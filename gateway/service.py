@@ -14,8 +14,6 @@ from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Literal, overload
 
-from batchwire.metrics import INFLIGHT, REQUEST_LATENCY
-from batchwire.transport.base import KeyClaim, QueueDepth, RateLimiter, RequestProducer, TaskStore
 from gateway import idempotency
 from gateway.admission import ANONYMOUS, Admission, Caller
 from gateway.changes import follow
@@ -41,6 +39,8 @@ from gateway.reconnect_recheck import ReconnectRecheck
 from gateway.settings import GatewaySettings, env_name
 from gateway.waiters import CallerGone, ReplyWaiters, Watch
 from schemas.records import InferenceRequest, TaskState, TaskStatus
+from telemetry.metrics import INFLIGHT, REQUEST_LATENCY
+from transport.ports import KeyClaim, QueueDepth, RateLimiter, RequestProducer, TaskStore
 
 log = logging.getLogger(__name__)
 

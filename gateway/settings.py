@@ -30,7 +30,7 @@ def new_gateway_id() -> str:
 
 REQUEST_RUN = 16
 """Consecutive requests of a model that a gateway sends to one request partition, so that its
-producer's linger gathers them into one record batch (``batchwire.routing.Partitioner.choose``)."""
+producer's linger gathers them into one record batch (``transport.routing.Partitioner.choose``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +88,7 @@ class GatewaySettings:
     """Submits a client may save up and send at once; 0 means one second's worth of the rate."""
     express: bool = True
     """Over Kafka: also publish each request to its batcher over Redis while load is light (a faster
-    hop than Kafka's; the Kafka record stays the one that counts). See ``batchwire.transport.express``."""
+    hop than Kafka's; the Kafka record stays the one that counts). See ``transport.express.copies``."""
     express_record_delay_ms: float = 6.0
     """With ``express``: a synchronous request's Kafka record is produced this long after its express
     copy, so the broker's work for it runs while the GPU computes rather than on the copy's way there

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batchwire import metrics
 from gpu_worker.backends.base import Backend, InputError
 from gpu_worker.runner import BackendHung, BackendRunner, Timing
+from telemetry import metrics
 
 
 class Failure:

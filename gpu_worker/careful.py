@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from batchwire.transport.deliveries import Suspects
 from schemas.deadletter import DeadLetter, DeadLetterItem
 from schemas.records import Batch, BatchItem
+from transport.deliveries import Suspects
 
 T = TypeVar("T")
 

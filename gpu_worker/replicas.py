@@ -24,9 +24,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from batchwire import metrics
-from batchwire.retry import retry
 from schemas.records import TaskState
+from telemetry import metrics
+from transport.retry import retry
 
 log = logging.getLogger(__name__)
 

@@ -38,16 +38,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from batchwire import metrics
-from batchwire.retry import pause, retry
-from batchwire.transport.base import EXPRESS, BatchConsumer, CreditPool, Delivered, TaskStore, TransportError
-from batchwire.transport.deliveries import (
-    DeadLetterSink,
-    DeliveryLog,
-    MemoryDeadLetters,
-    MemoryDeliveryLog,
-    Suspects,
-)
 from gpu_worker import careful
 from gpu_worker.backends.base import Backend
 from gpu_worker.calls import BackendCalls, Failure, Ran, oversize
@@ -57,6 +47,16 @@ from gpu_worker.runner import BackendHung, BackendRunner
 from gpu_worker.settings import WorkerSettings
 from schemas.deadletter import DEAD_LETTERED
 from schemas.records import Batch, BatchItem, Credit, TaskState, TaskStatus
+from telemetry import metrics
+from transport.deliveries import (
+    DeadLetterSink,
+    DeliveryLog,
+    MemoryDeadLetters,
+    MemoryDeliveryLog,
+    Suspects,
+)
+from transport.ports import EXPRESS, BatchConsumer, CreditPool, Delivered, TaskStore, TransportError
+from transport.retry import pause, retry
 
 log = logging.getLogger(__name__)
 

@@ -55,7 +55,7 @@ class Names:
         return f"{self.namespace}:idle:{model}"
 
     def express_list(self, worker_id: str) -> str:
-        """A worker's express copies of the batches sent to it (``batchwire.transport.express``)."""
+        """A worker's express copies of the batches sent to it (``transport.express.copies``)."""
         return f"{self.namespace}:express:{worker_id}"
 
     def express_channel(self, partition: int) -> str:

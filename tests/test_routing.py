@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchwire.routing import Partitioner
+from transport.routing import Partitioner
 
 
 def test_requests_go_round_robin_over_their_models_partitions() -> None:

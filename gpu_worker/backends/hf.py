@@ -242,7 +242,7 @@ class HFBackend:
         bucket = batch_bucket(size)
         self.latency_by_batch_s[bucket] = seconds
         try:
-            from batchwire.metrics import BACKEND_BATCH_LATENCY
+            from telemetry.metrics import BACKEND_BATCH_LATENCY
         except ImportError:  # the backend used on its own, without batchwire's metrics
             return
         BACKEND_BATCH_LATENCY.labels(model=self.model, backend=self.name, batch_size=str(bucket)).set(seconds)

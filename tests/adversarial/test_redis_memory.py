@@ -18,14 +18,14 @@ import httpx
 import pytest
 import redis
 
-from batchwire.transport.errors import StoreFullError
-from batchwire.transport.redis import RedisCreditPool, RedisTaskStore
-from batchwire.transport.redis_deliveries import RedisDeliveryLog
 from infra.redis_server import RedisServer
 from schemas.records import Credit, TaskState, TaskStatus
 from schemas.wire import Names
 from tests.adversarial.rig import wait_for
 from tests.e2e.harness import Cluster, launch, stopped_after
+from transport.errors import StoreFullError
+from transport.redis.deliveries import RedisDeliveryLog
+from transport.redis.store import RedisCreditPool, RedisTaskStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 

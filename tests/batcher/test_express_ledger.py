@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from batcher.express import ExpressLedger, Record
 from batcher.policy import Pending
-from batchwire.transport.base import EXPRESS
+from transport.ports import EXPRESS
 
 
 def copy_of(task_id: str, partition: int = 3) -> Pending[str]:

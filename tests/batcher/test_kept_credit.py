@@ -9,9 +9,9 @@ from collections.abc import Callable
 
 from batcher.service import Batcher
 from batcher.settings import BatcherSettings
-from batchwire.routing import Partitioner
-from batchwire.transport.memory import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
 from schemas.records import Credit, InferenceRequest
+from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
+from transport.routing import Partitioner
 
 PARTITIONS = 4
 

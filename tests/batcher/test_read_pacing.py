@@ -11,9 +11,9 @@ import pytest
 from batcher.read_pacing import CATCH_UP_READS, ReadPacing
 from batcher.service import Batcher
 from batcher.settings import BatcherSettings
-from batchwire.routing import Partitioner
-from batchwire.transport.memory import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
 from tests.batcher.test_kept_credit import credit, eventually, request
+from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
+from transport.routing import Partitioner
 
 PARTITIONS = 4
 

@@ -8,17 +8,17 @@ from collections.abc import Sequence
 
 from batcher.service import Batcher
 from batcher.settings import BatcherSettings
-from batchwire.routing import Partitioner
-from batchwire.transport.base import Delivered, TransportError
-from batchwire.transport.errors import PermanentTransportError
-from batchwire.transport.memory import (
+from schemas.records import Credit, InferenceRequest, TaskState, TaskStatus
+from transport.errors import PermanentTransportError
+from transport.memory.bus import (
     MemoryBatchBus,
     MemoryCreditPool,
     MemoryRequestBus,
     MemoryRequestConsumer,
     MemoryTaskStore,
 )
-from schemas.records import Credit, InferenceRequest, TaskState, TaskStatus
+from transport.ports import Delivered, TransportError
+from transport.routing import Partitioner
 
 
 class FlakyCredits(MemoryCreditPool):

@@ -10,10 +10,10 @@ import pytest
 from batcher.service import Batcher
 from batcher.settings import BatcherSettings
 from batcher.spacing import Spacing
-from batchwire.routing import Partitioner
-from batchwire.transport.memory import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
 from schemas.records import Credit
 from tests.batcher.test_kept_credit import PARTITIONS, eventually, request
+from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
+from transport.routing import Partitioner
 
 L = 0.1
 

@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 from batcher.service import Batcher
 from batcher.settings import BatcherSettings
-from batchwire.routing import Partitioner
-from batchwire.transport.memory import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
 from schemas.records import InferenceRequest, TaskState, TaskStatus
+from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
+from transport.routing import Partitioner
 
 
 async def eventually(check: Callable[[], bool], timeout_s: float) -> bool:

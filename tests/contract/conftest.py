@@ -15,8 +15,10 @@ from typing import Any
 
 import pytest
 
-from batchwire.routing import Partitioner
-from batchwire.transport.base import (
+from schemas.wire import Names
+from transport.kafka.bus import KafkaBatchConsumer, KafkaBatchProducer, KafkaRequestConsumer, KafkaRequestProducer
+from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
+from transport.ports import (
     BatchConsumer,
     BatchProducer,
     CreditPool,
@@ -24,10 +26,8 @@ from batchwire.transport.base import (
     RequestProducer,
     TaskStore,
 )
-from batchwire.transport.kafka import KafkaBatchConsumer, KafkaBatchProducer, KafkaRequestConsumer, KafkaRequestProducer
-from batchwire.transport.memory import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
-from batchwire.transport.redis import RedisCreditPool, RedisTaskStore
-from schemas.wire import Names
+from transport.redis.store import RedisCreditPool, RedisTaskStore
+from transport.routing import Partitioner
 
 REAL = "real"
 MODELS = ("alpha", "beta")

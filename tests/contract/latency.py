@@ -15,11 +15,11 @@ import time
 import uuid
 from collections.abc import Sequence
 
-from batchwire.routing import Partitioner
-from batchwire.transport.kafka import KafkaRequestConsumer, KafkaRequestProducer
-from batchwire.transport.redis import RedisCreditPool, RedisTaskStore
 from schemas.records import Credit, InferenceRequest, TaskState, TaskStatus
 from schemas.wire import Names
+from transport.kafka.bus import KafkaRequestConsumer, KafkaRequestProducer
+from transport.redis.store import RedisCreditPool, RedisTaskStore
+from transport.routing import Partitioner
 
 
 def summary(name: str, samples: Sequence[float]) -> None:

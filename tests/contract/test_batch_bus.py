@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from batchwire.transport.base import BatchConsumer, Delivered
 from schemas.records import Batch, BatchItem
 from tests.contract.conftest import BATCH_PARTITIONS, BatchBusKit, eventually
+from transport.ports import BatchConsumer, Delivered
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from batchwire.transport.breaker import CircuitBreaker
+from transport.breaker import CircuitBreaker
 
 
 class Dependency:

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from batchwire.transport.base import TransportError
-from batchwire.transport.coalesce import Coalescer
+from transport.coalesce import Coalescer
+from transport.ports import TransportError
 
 
 class Recorder:

@@ -17,19 +17,19 @@ import pytest
 
 from batcher.service import Batcher
 from batcher.settings import BatcherSettings
-from batchwire.routing import Partitioner
-from batchwire.transport.base import EXPRESS, Delivered
-from batchwire.transport.express import RedisExpress
-from batchwire.transport.express_batches import ExpressBatchConsumer, ExpressBatchProducer
-from batchwire.transport.express_requests import ExpressRequestConsumer, ExpressRequestProducer
-from batchwire.transport.kafka import KafkaBatchConsumer, KafkaBatchProducer, KafkaRequestConsumer, KafkaRequestProducer
-from batchwire.transport.memory import MemoryBatchBus, MemoryCreditPool, MemoryTaskStore
-from batchwire.transport.redis import RedisTaskStore
-from batchwire.transport.redis_deliveries import RedisDeliveryLog
 from schemas.codec import encode_batch
 from schemas.records import Batch, BatchItem, Credit, InferenceRequest, TaskState, TaskStatus
 from schemas.wire import Names
 from tests.contract.conftest import Closer, ensure_topics, eventually
+from transport.express.batches import ExpressBatchConsumer, ExpressBatchProducer
+from transport.express.copies import RedisExpress
+from transport.express.requests import ExpressRequestConsumer, ExpressRequestProducer
+from transport.kafka.bus import KafkaBatchConsumer, KafkaBatchProducer, KafkaRequestConsumer, KafkaRequestProducer
+from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryTaskStore
+from transport.ports import EXPRESS, Delivered
+from transport.redis.deliveries import RedisDeliveryLog
+from transport.redis.store import RedisTaskStore
+from transport.routing import Partitioner
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(90)]
 

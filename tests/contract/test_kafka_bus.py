@@ -10,15 +10,15 @@ from collections.abc import AsyncIterator
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from batchwire.routing import Partitioner
-from batchwire.transport.base import Delivered
-from batchwire.transport.errors import PermanentTransportError
-from batchwire.transport.kafka import KafkaBatchConsumer, KafkaBatchProducer, KafkaRequestConsumer, KafkaRequestProducer
 from schemas.records import Batch
 from schemas.wire import Names
 from tests.contract.conftest import Closer, ensure_topics, eventually
 from tests.contract.test_batch_bus import batch
 from tests.contract.test_request_bus import WAIT_S, Partitions, read, request
+from transport.errors import PermanentTransportError
+from transport.kafka.bus import KafkaBatchConsumer, KafkaBatchProducer, KafkaRequestConsumer, KafkaRequestProducer
+from transport.ports import Delivered
+from transport.routing import Partitioner
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(90)]
 

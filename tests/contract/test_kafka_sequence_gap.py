@@ -18,10 +18,10 @@ from aiokafka.errors import (  # type: ignore[import-untyped, unused-ignore]
     OutOfOrderSequenceNumber,
 )
 
-from batchwire.transport.errors import PermanentTransportError
-from batchwire.transport.kafka import KafkaBatchProducer
 from schemas.wire import Names
 from tests.contract.conftest import Closer
+from transport.errors import PermanentTransportError
+from transport.kafka.bus import KafkaBatchProducer
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(60)]
 

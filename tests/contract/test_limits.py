@@ -14,14 +14,14 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from batchwire.metrics import REGISTRY
-from batchwire.transport.base import QueueDepth, RateLimiter
-from batchwire.transport.kafka_lag import KafkaQueueDepth
-from batchwire.transport.memory import MemoryQueueDepth, MemoryRateLimiter
-from batchwire.transport.redis_limits import RedisRateLimiter, bucket_id
 from schemas.records import InferenceRequest
 from schemas.wire import Names
+from telemetry.metrics import REGISTRY
 from tests.contract.conftest import MODELS, REAL, REQUEST_PARTITIONS, Closer, RequestBusKit, eventually
+from transport.kafka.lag import KafkaQueueDepth
+from transport.memory.bus import MemoryQueueDepth, MemoryRateLimiter
+from transport.ports import QueueDepth, RateLimiter
+from transport.redis.limits import RedisRateLimiter, bucket_id
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -184,9 +184,9 @@ async def test_depth_counts_requests_not_yet_committed_by_a_batcher(
 @pytest.mark.kafka
 async def test_kafka_depth_is_refreshed_in_the_background(kafka_bootstrap: str, names: Names) -> None:
     """``depth()`` never reads Kafka itself; the owned task keeps the cached figure fresh."""
-    from batchwire.routing import Partitioner
-    from batchwire.transport.kafka import KafkaRequestProducer
     from tests.contract.conftest import ensure_topics
+    from transport.kafka.bus import KafkaRequestProducer
+    from transport.routing import Partitioner
 
     await ensure_topics(kafka_bootstrap, {names.request_topic: REQUEST_PARTITIONS})
     depth = KafkaQueueDepth(kafka_bootstrap, names, REQUEST_PARTITIONS, refresh_s=0.05)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 from batchwire.embedded import EmbeddedSettings
-from batchwire.routing import Partitioner
 from batchwire.settings import SettingsError
-from batchwire.transport.memory import MemoryRequestBus, request_bytes
-from batchwire.transport.memory_store import ENTRY_BYTES, MemoryTaskStore, state_bytes
 from gpu_worker.settings import WorkerSettings
 from schemas.records import InferenceRequest, TaskStatus
 from tests.contract.test_task_store import state
+from transport.memory.bus import MemoryRequestBus, request_bytes
+from transport.memory.store import ENTRY_BYTES, MemoryTaskStore, state_bytes
+from transport.routing import Partitioner
 
 pytestmark = pytest.mark.timeout(30)
 

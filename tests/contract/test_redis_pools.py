@@ -8,7 +8,7 @@ from redis.asyncio import Redis
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.exceptions import DataError
 
-from batchwire.transport.redis_pools import PoolOptions, blocking_pool, command_pool, pubsub_pool
+from transport.redis.pools import PoolOptions, blocking_pool, command_pool, pubsub_pool
 
 ARGS = ("EVALSHA", "f" * 40, 2, "bw:task:a", "bw:task:b", 86_400_000, 0.25, b"\x00avro\xff", "é", "")
 

@@ -17,10 +17,14 @@ from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 from redis.asyncio.sentinel import SentinelManagedConnection
 
 from batchwire.settings import SettingsError, SharedSettings
-from batchwire.transport.base import TransportError
-from batchwire.transport.redis import RedisCreditPool, RedisTaskStore
-from batchwire.transport.redis_pools import PoolOptions, blocking_pool, command_pool, pubsub_pool, redacted
-from batchwire.transport.redis_sentinel import (
+from schemas.records import Credit, TaskState, TaskStatus
+from schemas.wire import Names
+from tests.contract.conftest import eventually
+from tests.contract.sentinels import FAILOVER_WAIT_S, MASTER, SentinelCluster, wait_for
+from tests.contract.test_task_store import state
+from transport.ports import TransportError
+from transport.redis.pools import PoolOptions, blocking_pool, command_pool, pubsub_pool, redacted
+from transport.redis.sentinel import (
     DEFAULT_SENTINEL_PORT,
     SentinelError,
     SentinelPool,
@@ -28,11 +32,7 @@ from batchwire.transport.redis_sentinel import (
     check_sentinels,
     parse_sentinel_url,
 )
-from schemas.records import Credit, TaskState, TaskStatus
-from schemas.wire import Names
-from tests.contract.conftest import eventually
-from tests.contract.sentinels import FAILOVER_WAIT_S, MASTER, SentinelCluster, wait_for
-from tests.contract.test_task_store import state
+from transport.redis.store import RedisCreditPool, RedisTaskStore
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -8,14 +8,14 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.asyncio import Redis
 
-from batchwire.transport.base import TransportError
-from batchwire.transport.redis import RedisTaskStore
-from batchwire.transport.redis_pools import PoolOptions
 from schemas.codec import decode_state
 from schemas.records import TaskState, TaskStatus
 from schemas.wire import Names
 from tests.contract.conftest import eventually
 from tests.contract.test_task_store import EVENT_TIMEOUT_S, next_state, state
+from transport.ports import TransportError
+from transport.redis.pools import PoolOptions
+from transport.redis.store import RedisTaskStore
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(60)]
 

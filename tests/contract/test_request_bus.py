@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 import pytest
 
-from batchwire.transport.base import Delivered, RequestConsumer
 from schemas.records import InferenceRequest
 from tests.contract.conftest import MODELS, REQUEST_PARTITIONS, RequestBusKit
+from transport.ports import Delivered, RequestConsumer
 
 pytestmark = pytest.mark.timeout(90)
 

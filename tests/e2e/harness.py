@@ -204,7 +204,7 @@ def redis_client(redis_url: str) -> Any:
     import redis
     from redis.sentinel import Sentinel
 
-    from batchwire.transport.redis_sentinel import is_sentinel_url, parse_sentinel_url
+    from transport.redis.sentinel import is_sentinel_url, parse_sentinel_url
 
     if not is_sentinel_url(redis_url):
         return redis.Redis.from_url(redis_url)

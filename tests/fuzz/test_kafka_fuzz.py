@@ -19,7 +19,6 @@ import httpx
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from batchwire.transport.kafka_lag import KafkaQueueDepth
 from schemas.codec import (
     MAGIC,
     CodecError,
@@ -35,6 +34,7 @@ from schemas.records import Batch, BatchItem, Credit, InferenceRequest, TaskStat
 from schemas.wire import Names
 from tests.e2e.harness import Cluster, launch, stopped_after
 from tests.fuzz.avro_wire import varint
+from transport.kafka.lag import KafkaQueueDepth
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(120)]
 

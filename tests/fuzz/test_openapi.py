@@ -32,8 +32,6 @@ from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import use_after_free
 
-from batchwire.routing import Partitioner
-from batchwire.transport.memory import MemoryRequestBus, MemoryTaskStore
 from gateway.app import create_app
 from gateway.auth import digest_of
 from gateway.idempotency import KEY_PATTERN
@@ -42,6 +40,8 @@ from gateway.settings import GatewaySettings
 from schemas.records import TaskStatus
 from schemas.wire import IDEMPOTENCY_HEADER
 from tests.e2e.harness import Proc, embedded
+from transport.memory.bus import MemoryRequestBus, MemoryTaskStore
+from transport.routing import Partitioner
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -22,12 +22,12 @@ import sys
 import time
 from typing import Any
 
-from batchwire.routing import Partitioner
-from batchwire.transport.memory import MemoryRequestBus, MemoryTaskStore
 from gateway.app import create_app
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from tests.gateway.rig import FakeWorker, StubLifecycle
+from transport.memory.bus import MemoryRequestBus, MemoryTaskStore
+from transport.routing import Partitioner
 
 BODY = json.dumps({"input": "the quick brown fox jumps over the lazy dog"}).encode()
 

@@ -8,12 +8,12 @@ from typing import Any
 import httpx
 import pytest
 
-from batchwire.routing import Partitioner
-from batchwire.transport.memory import MemoryQueueDepth, MemoryRequestBus
 from gateway.app import create_app
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from tests.gateway.rig import MODELS, RecordingStore, Rig, RigFactory, StubLifecycle
+from transport.memory.bus import MemoryQueueDepth, MemoryRequestBus
+from transport.routing import Partitioner
 
 
 @pytest.fixture

@@ -17,10 +17,10 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
-from batchwire.transport.memory import MemoryRequestBus, MemoryTaskStore
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from schemas.records import InferenceRequest, TaskState, TaskStatus
+from transport.memory.bus import MemoryRequestBus, MemoryTaskStore
 
 MODELS = ("sim", "echo")
 

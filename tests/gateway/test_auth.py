@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from batchwire.transport.redis import RedisTaskStore
 from gateway.auth import ApiKeys, KeyHolder, LoadedKeys, digest_of, load_api_keys, owner_of
 from gateway.settings import GatewaySettings
 from schemas.records import TaskStatus
 from schemas.wire import Names
 from tests.gateway.rig import RigFactory, error_of
+from transport.redis.store import RedisTaskStore
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,11 +6,11 @@ import math
 
 import pytest
 
-from batchwire.transport.base import Backlog
 from gateway.admission import ANONYMOUS, Admission, ServiceTime
 from gateway.drain import DrainMeter
 from gateway.errors import Overloaded
 from gateway.settings import GatewaySettings
+from transport.ports import Backlog
 
 
 def busy(meter: DrainMeter, seconds: float, depth: int, rate: float, start: Backlog) -> Backlog:

@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
-from batchwire.routing import Partitioner
-from batchwire.transport.memory import MemoryRequestBus
-from batchwire.transport.redis import RedisTaskStore
 from gateway import idempotency
 from schemas.records import TaskStatus
 from schemas.wire import IDEMPOTENCY_HEADER, Names
 from tests.gateway.rig import MODELS, RigFactory, error_of, wait_until
+from transport.memory.bus import MemoryRequestBus
+from transport.redis.store import RedisTaskStore
+from transport.routing import Partitioner
 
 pytestmark = pytest.mark.timeout(60)
 

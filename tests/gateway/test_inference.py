@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from batchwire.transport.base import TransportError
 from schemas.records import InferenceRequest, TaskState
 from tests.gateway.rig import RecordingStore, RigFactory, error_of, wait_until
+from transport.ports import TransportError
 
 
 async def test_each_caller_gets_the_reversal_of_its_own_input(make_rig: RigFactory) -> None:

@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 
-from batchwire.routing import Partitioner
-from batchwire.transport.kafka import KafkaRequestProducer
-from batchwire.transport.kafka_lag import KafkaQueueDepth
-from batchwire.transport.memory import MemoryRateLimiter
-from batchwire.transport.redis_limits import RedisRateLimiter
 from gateway.auth import digest_of
 from schemas.wire import Names
 from tests.gateway.rig import MODELS, RigFactory, error_of, wait_until
+from transport.kafka.bus import KafkaRequestProducer
+from transport.kafka.lag import KafkaQueueDepth
+from transport.memory.bus import MemoryRateLimiter
+from transport.redis.limits import RedisRateLimiter
+from transport.routing import Partitioner
 
 pytestmark = pytest.mark.timeout(60)
 

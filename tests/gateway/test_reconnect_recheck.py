@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-from batchwire.transport.memory import MemoryTaskStore
 from gateway.reconnect_recheck import ReconnectRecheck
 from gateway.waiters import ReplyWaiters
 from schemas.records import TaskState, TaskStatus
 from tests.gateway.rig import now_ms
+from transport.memory.bus import MemoryTaskStore
 
 
 class FlakyFeedStore(MemoryTaskStore):

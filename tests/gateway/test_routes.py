@@ -8,14 +8,14 @@ from typing import get_args
 import httpx
 import pytest
 
-from batchwire.routing import Partitioner
-from batchwire.transport.memory import MemoryRequestBus, MemoryTaskStore
 from gateway.app import create_app
 from gateway.models import StatusName
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from schemas.records import TaskState, TaskStatus
 from tests.gateway.rig import RecordingStore, RigFactory, StubLifecycle, error_of
+from transport.memory.bus import MemoryRequestBus, MemoryTaskStore
+from transport.routing import Partitioner
 
 
 async def test_healthz_is_ok(make_rig: RigFactory) -> None:

@@ -10,15 +10,15 @@ from typing import Any
 
 import pytest
 
-from batchwire.routing import Partitioner
-from batchwire.transport.base import TransportError
-from batchwire.transport.memory import MemoryRequestBus, MemoryTaskStore
 from gateway.errors import InvalidTaskId, NotReady, TaskNotFound, ValidationFailed
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from gateway.waiters import ReplyWaiters
 from schemas.records import InferenceRequest, TaskState, TaskStatus
 from tests.gateway.rig import FakeWorker, now_ms, statuses, wait_until
+from transport.memory.bus import MemoryRequestBus, MemoryTaskStore
+from transport.ports import TransportError
+from transport.routing import Partitioner
 
 
 class FixedClock:

@@ -13,10 +13,10 @@ from contextlib import asynccontextmanager
 import httpx
 from httpx_sse import ServerSentEvent, aconnect_sse
 
-from batchwire.transport.base import TransportError
 from gateway.events import EventStream, StreamsEnd, TaskEvents
 from schemas.records import TaskState, TaskStatus
 from tests.gateway.rig import RecordingStore, RigFactory, error_of, serving, wait_until
+from transport.ports import TransportError
 
 
 async def collect(

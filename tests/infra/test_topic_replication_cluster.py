@@ -24,10 +24,10 @@ from aiokafka.admin.config_resource import (  # type: ignore[import-untyped, unu
     ConfigResourceType,
 )
 
-from batchwire.transport.errors import PermanentTransportError
-from batchwire.transport.kafka import KafkaBatchConsumer, KafkaBatchProducer
 from infra.stack import ENV_FILE_NAME, KAFKA_ENV, REDIS_ENV, read_env_file
 from schemas.wire import Names
+from transport.errors import PermanentTransportError
+from transport.kafka.bus import KafkaBatchConsumer, KafkaBatchProducer
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(120)]
 

@@ -8,12 +8,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from batchwire.transport.deliveries import MemoryDeadLetters, MemoryDeliveryLog
-from batchwire.transport.memory import MemoryBatchBus, MemoryCreditPool, MemoryTaskStore
 from gpu_worker.backends.base import InputError
 from gpu_worker.settings import WorkerSettings
 from gpu_worker.worker import Worker
 from schemas.records import Batch, BatchItem, TaskState, TaskStatus
+from transport.deliveries import MemoryDeadLetters, MemoryDeliveryLog
+from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryTaskStore
 
 
 class Died(BaseException):

@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from batchwire.transport.base import EXPRESS, BatchConsumer, Delivered, PartitionsCallback
-from batchwire.transport.memory import MemoryTaskStore
 from gpu_worker.settings import WorkerSettings
 from gpu_worker.worker import Worker
 from schemas.records import Batch, TaskState, TaskStatus
 from tests.worker.rig import Rig, ScriptedBackend, now_ms, until
+from transport.memory.bus import MemoryTaskStore
+from transport.ports import EXPRESS, BatchConsumer, Delivered, PartitionsCallback
 
 
 async def test_a_cancelled_task_never_reaches_the_backend() -> None:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
-from batchwire.transport.deliveries import Suspects
 from gpu_worker.careful import plan
 from schemas.deadletter import DEAD_LETTERED
 from schemas.records import Batch, TaskStatus
 from tests.worker.rig import Rig, ScriptedBackend
+from transport.deliveries import Suspects
 
 
 def suspects(ids: set[str], strikes: int, marked: bool = True) -> Suspects:

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from batchwire.transport.deliveries import DeliveryLog, MemoryDeliveryLog
-from batchwire.transport.redis_deliveries import RedisDeliveryLog
 from schemas.wire import Names
+from transport.deliveries import DeliveryLog, MemoryDeliveryLog
+from transport.redis.deliveries import RedisDeliveryLog
 
 
 @pytest.fixture(params=["memory", "redis"])

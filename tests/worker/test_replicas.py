@@ -16,9 +16,6 @@ from pathlib import Path
 import pytest
 import redis
 
-from batchwire.transport.base import Delivered
-from batchwire.transport.memory import MemoryBatchConsumer, MemoryTaskStore
-from batchwire.transport.redis import RedisTaskStore
 from gpu_worker.replicas import ReplicaSettings, ReplicaWait, parse_min_replicas
 from gpu_worker.settings import WorkerSettings
 from gpu_worker.worker import Worker
@@ -27,6 +24,9 @@ from schemas.codec import decode_state
 from schemas.records import Batch, TaskState, TaskStatus
 from schemas.wire import Names
 from tests.worker.rig import Rig, ScriptedBackend, now_ms, until
+from transport.memory.bus import MemoryBatchConsumer, MemoryTaskStore
+from transport.ports import Delivered
+from transport.redis.store import RedisTaskStore
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,13 +6,13 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-from batchwire.transport.base import Delivered, TransportError
-from batchwire.transport.errors import PermanentTransportError
-from batchwire.transport.memory import MemoryBatchConsumer, MemoryTaskStore
 from gpu_worker.settings import WorkerSettings
 from gpu_worker.worker import Worker
 from schemas.records import Batch, TaskState, TaskStatus
 from tests.worker.rig import Rig, ScriptedBackend
+from transport.errors import PermanentTransportError
+from transport.memory.bus import MemoryBatchConsumer, MemoryTaskStore
+from transport.ports import Delivered, TransportError
 
 
 class FlakyStore(MemoryTaskStore):

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import time
 
-from batchwire.transport.memory import MemoryBatchBus, MemoryCreditPool, MemoryTaskStore
 from gpu_worker.backends.base import BackendError, InputError
 from gpu_worker.settings import WorkerSettings
 from gpu_worker.worker import Worker
 from schemas.records import Batch, BatchItem, TaskState, TaskStatus
 from tests.worker.rig import Rig, ScriptedBackend
+from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryTaskStore
 
 
 class PoisonBackend:

@@ -29,15 +29,15 @@ from aiokafka.errors import (
     UnknownTopicOrPartitionError,
 )
 
-from batchwire.routing import Partitioner
-from batchwire.transport.base import Delivered, PartitionsCallback, TransportError
-from batchwire.transport.breaker import CircuitBreaker
-from batchwire.transport.errors import PermanentTransportError
-from batchwire.transport.kafka_group import GroupConsumer, translate
 from schemas.codec import CodecError, decode_batch, decode_request, encode_batch, encode_request
 from schemas.deadletter import DeadLetter, encode_dead_letter
 from schemas.records import Batch, InferenceRequest
 from schemas.wire import Names
+from transport.breaker import CircuitBreaker
+from transport.errors import PermanentTransportError
+from transport.kafka.group import GroupConsumer, translate
+from transport.ports import Delivered, PartitionsCallback, TransportError
+from transport.routing import Partitioner
 
 log = logging.getLogger(__name__)
 

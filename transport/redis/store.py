@@ -21,11 +21,14 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from batchwire.transport.base import KeyClaim, ReplyHandler, TransportError
-from batchwire.transport.coalesce import Coalescer
-from batchwire.transport.errors import PermanentTransportError
-from batchwire.transport.redis_credits import RedisCreditPool
-from batchwire.transport.redis_lua import (
+from schemas.codec import CodecError, decode_state, encode_state
+from schemas.records import TaskState, TaskStatus
+from schemas.wire import Names
+from transport.coalesce import Coalescer
+from transport.errors import PermanentTransportError
+from transport.ports import KeyClaim, ReplyHandler, TransportError
+from transport.redis.credits import RedisCreditPool
+from transport.redis.lua import (
     APPLY,
     CANCEL,
     CLAIM_KEY,
@@ -36,11 +39,8 @@ from batchwire.transport.redis_lua import (
     cancel_args,
     create_args,
 )
-from batchwire.transport.redis_pools import CommandClient, PoolOptions, pubsub_pool, redacted, translate
-from batchwire.transport.redis_pubsub import PubSubHub
-from schemas.codec import CodecError, decode_state, encode_state
-from schemas.records import TaskState, TaskStatus
-from schemas.wire import Names
+from transport.redis.pools import CommandClient, PoolOptions, pubsub_pool, redacted, translate
+from transport.redis.pubsub import PubSubHub
 
 __all__ = ["RedisCreditPool", "RedisTaskStore"]
 

@@ -1,6 +1,6 @@
 """Batches both ways (batcher -> worker): the Kafka record and an express copy to the claiming worker's list.
 
-See ``batchwire.transport.express`` for why and what stays true.
+See ``transport.express.copies`` for why and what stays true.
 """
 
 from __future__ import annotations
@@ -9,18 +9,18 @@ import asyncio
 import logging
 from collections import OrderedDict, deque
 
-from batchwire.retry import pause, retry
-from batchwire.transport.base import (
+from schemas.codec import CodecError, decode_batch, encode_batch
+from schemas.records import Batch, Credit
+from transport.express.copies import RedisExpress
+from transport.kafka.bus import KafkaBatchProducer
+from transport.ports import (
     EXPRESS,
     BatchConsumer,
     Delivered,
     PartitionsCallback,
     TransportError,
 )
-from batchwire.transport.express import RedisExpress
-from batchwire.transport.kafka import KafkaBatchProducer
-from schemas.codec import CodecError, decode_batch, encode_batch
-from schemas.records import Batch, Credit
+from transport.retry import pause, retry
 
 log = logging.getLogger(__name__)
 

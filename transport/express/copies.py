@@ -38,11 +38,11 @@ from collections.abc import Sequence
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from batchwire.transport.base import TransportError
-from batchwire.transport.redis_deliveries import DELIVERIES_TTL_S, deliveries_key
-from batchwire.transport.redis_lua import TERMINAL_RANK
-from batchwire.transport.redis_pools import CommandClient, PoolOptions, blocking_pool, translate
 from schemas.wire import Names
+from transport.ports import TransportError
+from transport.redis.deliveries import DELIVERIES_TTL_S, deliveries_key
+from transport.redis.lua import TERMINAL_RANK
+from transport.redis.pools import CommandClient, PoolOptions, blocking_pool, translate
 
 EXPRESS_POOL = PoolOptions(max_connections=4)
 

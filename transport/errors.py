@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from batchwire.transport.base import TransportError
+from transport.ports import TransportError
 
 
 class PermanentTransportError(TransportError):

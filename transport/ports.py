@@ -32,7 +32,7 @@ class Delivered(Generic[T_co]):
 
 EXPRESS = -1
 """The offset (and, for a batch, the partition) of a record that came by an express copy over Redis,
-ahead of its Kafka record (``batchwire.transport.express``)."""
+ahead of its Kafka record (``transport.express.copies``)."""
 
 PartitionsCallback = Callable[[frozenset[int]], Awaitable[None]]
 

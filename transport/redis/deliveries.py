@@ -15,9 +15,9 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from batchwire.transport.deliveries import Suspects
-from batchwire.transport.redis_pools import CommandClient, PoolOptions, translate
 from schemas.wire import Names
+from transport.deliveries import Suspects
+from transport.redis.pools import CommandClient, PoolOptions, translate
 
 # KEYS[1] the batch's hash. ARGV[1] ttl ms, ARGV[2..] the task ids still to run.
 # Returns {marked 0/1, note or '', id1, strikes1, id2, strikes2, ...}.

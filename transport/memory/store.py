@@ -21,8 +21,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from batchwire.transport.base import KeyClaim, ReplyHandler
 from schemas.records import TaskState, TaskStatus
+from transport.ports import KeyClaim, ReplyHandler
 
 ENTRY_BYTES = 600
 """What one stored task or key costs beyond its large strings: its objects, short ids, dict slots."""

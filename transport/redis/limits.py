@@ -12,9 +12,9 @@ import hashlib
 
 from redis.exceptions import RedisError
 
-from batchwire.transport.redis_lua import TOKEN_BUCKET
-from batchwire.transport.redis_pools import CommandClient, PoolOptions, translate
 from schemas.wire import Names
+from transport.redis.lua import TOKEN_BUCKET
+from transport.redis.pools import CommandClient, PoolOptions, translate
 
 
 def bucket_id(client: str) -> str:

@@ -7,7 +7,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from batchwire.transport.base import TransportError
+from transport.ports import TransportError
 
 T = TypeVar("T")
 

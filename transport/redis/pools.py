@@ -26,9 +26,9 @@ from redis.connection import HiredisRespSerializer
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 
-from batchwire.transport.base import TransportError
-from batchwire.transport.errors import PermanentTransportError, StoreFullError
-from batchwire.transport.redis_sentinel import (
+from transport.errors import PermanentTransportError, StoreFullError
+from transport.ports import TransportError
+from transport.redis.sentinel import (
     blocking_sentinel_pool,
     is_sentinel_url,
     redacted_sentinel_url,

@@ -18,11 +18,11 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
-from batchwire.metrics import REQUEST_LAG
-from batchwire.routing import Partitioner
-from batchwire.transport.base import Backlog, TransportError
-from batchwire.transport.kafka_group import translate
 from schemas.wire import Names
+from telemetry.metrics import REQUEST_LAG
+from transport.kafka.group import translate
+from transport.ports import Backlog, TransportError
+from transport.routing import Partitioner
 
 log = logging.getLogger(__name__)
 

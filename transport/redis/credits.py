@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from batchwire.transport.base import TransportError
-from batchwire.transport.redis_pools import CommandClient, PoolOptions, blocking_pool, translate
 from schemas.codec import CodecError, decode_credit, encode_credit
 from schemas.records import Credit
 from schemas.wire import Names
+from transport.ports import TransportError
+from transport.redis.pools import CommandClient, PoolOptions, blocking_pool, translate
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from redis.asyncio.client import PubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from batchwire.transport.base import TransportError
+from transport.ports import TransportError
 
 log = logging.getLogger(__name__)
 

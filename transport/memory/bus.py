@@ -14,11 +14,11 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Generic, TypeVar
 
-from batchwire.metrics import REQUEST_LAG
-from batchwire.routing import Partitioner
-from batchwire.transport.base import Backlog, Delivered, PartitionsCallback
-from batchwire.transport.memory_store import ENTRY_BYTES, MemoryTaskStore
 from schemas.records import Batch, Credit, InferenceRequest
+from telemetry.metrics import REQUEST_LAG
+from transport.memory.store import ENTRY_BYTES, MemoryTaskStore
+from transport.ports import Backlog, Delivered, PartitionsCallback
+from transport.routing import Partitioner
 
 __all__ = [
     "MemoryBatchBus",

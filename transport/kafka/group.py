@@ -16,8 +16,8 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.errors import CommitFailedError, IllegalStateError, InvalidSessionTimeoutError, KafkaError
 
-from batchwire.transport.base import PartitionsCallback, TransportError
-from batchwire.transport.errors import PermanentTransportError
+from transport.errors import PermanentTransportError
+from transport.ports import PartitionsCallback, TransportError
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Requests both ways (gateway -> batcher) at light load: the Kafka record and an express copy
-published to the batcher that owns its partition. See ``batchwire.transport.express``.
+published to the batcher that owns its partition. See ``transport.express.copies``.
 """
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from batchwire.transport.base import EXPRESS, Delivered, PartitionsCallback, RequestConsumer, TransportError
-from batchwire.transport.express import RedisExpress
-from batchwire.transport.kafka import KafkaRequestProducer
-from batchwire.transport.redis_pools import pubsub_pool
-from batchwire.transport.redis_pubsub import PubSubHub
 from schemas.codec import CodecError, decode_request, encode_request
 from schemas.records import InferenceRequest
 from schemas.wire import Names
+from transport.express.copies import RedisExpress
+from transport.kafka.bus import KafkaRequestProducer
+from transport.ports import EXPRESS, Delivered, PartitionsCallback, RequestConsumer, TransportError
+from transport.redis.pools import pubsub_pool
+from transport.redis.pubsub import PubSubHub
 
 log = logging.getLogger(__name__)
 
