@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from schemas.wire import Names
-from transport.kafka.bus import KafkaBatchConsumer, KafkaBatchProducer, KafkaRequestConsumer, KafkaRequestProducer
+from transport.kafka.consumers import KafkaBatchConsumer, KafkaRequestConsumer
+from transport.kafka.producers import KafkaBatchProducer, KafkaRequestProducer
 from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
 from transport.ports import (
     BatchConsumer,

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 
 from schemas.records import Credit, InferenceRequest, TaskState, TaskStatus
 from schemas.wire import Names
-from transport.kafka.bus import KafkaRequestConsumer, KafkaRequestProducer
+from transport.kafka.consumers import KafkaRequestConsumer
+from transport.kafka.producers import KafkaRequestProducer
 from transport.redis.store import RedisCreditPool, RedisTaskStore
 from transport.routing import Partitioner
 

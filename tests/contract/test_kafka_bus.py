@@ -16,7 +16,8 @@ from tests.contract.conftest import Closer, ensure_topics, eventually
 from tests.contract.test_batch_bus import batch
 from tests.contract.test_request_bus import WAIT_S, Partitions, read, request
 from transport.errors import PermanentTransportError
-from transport.kafka.bus import KafkaBatchConsumer, KafkaBatchProducer, KafkaRequestConsumer, KafkaRequestProducer
+from transport.kafka.consumers import KafkaBatchConsumer, KafkaRequestConsumer
+from transport.kafka.producers import KafkaBatchProducer, KafkaRequestProducer
 from transport.ports import Delivered
 from transport.routing import Partitioner
 

@@ -21,7 +21,7 @@ from aiokafka.errors import (  # type: ignore[import-untyped, unused-ignore]
 from schemas.wire import Names
 from tests.contract.conftest import Closer
 from transport.errors import PermanentTransportError
-from transport.kafka.bus import KafkaBatchProducer
+from transport.kafka.producers import KafkaBatchProducer
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(60)]
 

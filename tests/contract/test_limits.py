@@ -185,7 +185,7 @@ async def test_depth_counts_requests_not_yet_committed_by_a_batcher(
 async def test_kafka_depth_is_refreshed_in_the_background(kafka_bootstrap: str, names: Names) -> None:
     """``depth()`` never reads Kafka itself; the owned task keeps the cached figure fresh."""
     from tests.contract.conftest import ensure_topics
-    from transport.kafka.bus import KafkaRequestProducer
+    from transport.kafka.producers import KafkaRequestProducer
     from transport.routing import Partitioner
 
     await ensure_topics(kafka_bootstrap, {names.request_topic: REQUEST_PARTITIONS})

@@ -12,8 +12,8 @@ import pytest
 from gateway.auth import digest_of
 from schemas.wire import Names
 from tests.gateway.rig import MODELS, RigFactory, error_of, wait_until
-from transport.kafka.bus import KafkaRequestProducer
 from transport.kafka.lag import KafkaQueueDepth
+from transport.kafka.producers import KafkaRequestProducer
 from transport.memory.bus import MemoryRateLimiter
 from transport.redis.limits import RedisRateLimiter
 from transport.routing import Partitioner

@@ -27,7 +27,8 @@ from aiokafka.admin.config_resource import (  # type: ignore[import-untyped, unu
 from infra.stack import ENV_FILE_NAME, KAFKA_ENV, REDIS_ENV, read_env_file
 from schemas.wire import Names
 from transport.errors import PermanentTransportError
-from transport.kafka.bus import KafkaBatchConsumer, KafkaBatchProducer
+from transport.kafka.consumers import KafkaBatchConsumer
+from transport.kafka.producers import KafkaBatchProducer
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(120)]
 
