@@ -31,7 +31,7 @@ from batcher.spacing import Spacing
 from schemas.records import Batch, BatchItem, Credit, InferenceRequest, TaskState, TaskStatus
 from telemetry import metrics
 from transport.ports import (
-    EXPRESS,
+    UNKNOWN,
     BatchProducer,
     CreditPool,
     Delivered,
@@ -184,7 +184,7 @@ class Batcher:
         unknown: list[Delivered[InferenceRequest]] = []
         for record in records:
             request = record.value
-            if record.offset == EXPRESS:  # a copy ahead of its Kafka record (transport.express.copies)
+            if record.via == "express":  # a copy ahead of its Kafka record (transport.express.copies)
                 if request is None or (self.settings.models and request.model not in self.settings.models):
                     continue  # its record is handled when it comes
                 pending = self._pending(request, record, now_s, now_ms)
@@ -230,7 +230,7 @@ class Batcher:
 
     def _finish(self, pending: Pending[InferenceRequest]) -> None:
         """The request is on Kafka in a batch, or ended: its offset may be committed."""
-        if pending.offset == EXPRESS:
+        if pending.offset == UNKNOWN:  # a copy whose Kafka record has not come
             self.express.finished(pending.item.task_id)
         else:
             self.offsets.finish(pending.partition, pending.offset)

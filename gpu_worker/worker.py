@@ -55,7 +55,7 @@ from transport.deliveries import (
     MemoryDeliveryLog,
     Suspects,
 )
-from transport.ports import EXPRESS, BatchConsumer, CreditPool, Delivered, TaskStore, TransportError
+from transport.ports import BatchConsumer, CreditPool, Delivered, TaskStore, TransportError
 from transport.retry import pause, retry
 
 log = logging.getLogger(__name__)
@@ -445,7 +445,7 @@ class Worker:
             if item.deadline_ms <= ends_by_ms
         ]
         live = [item for item in batch.items if item.deadline_ms > ends_by_ms]
-        if live and delivered.partition == EXPRESS and not self._runs:
+        if live and delivered.via == "express" and not self._runs:
             # Straight from its batcher to an idle backend: an express copy is pushed once and popped
             # once, and the push counted this delivery, so the call starts while the tasks move to
             # running (a round trip less before the GPU starts). A task that ended meanwhile
@@ -471,7 +471,7 @@ class Worker:
         """Counts this delivery and admits the live items: (deliveries so far, the items to run).
 
         An express copy's delivery was counted by the push that brought it (``RedisExpress.push``)."""
-        if delivered.partition == EXPRESS:
+        if delivered.via == "express":
             return 1, await self._admit(batch, live)
         return await asyncio.gather(  # one round trip's wait, not two
             self._retry("counting a delivery", lambda: self.deliveries.begin(batch.batch_id)),

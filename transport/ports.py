@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, Literal, Protocol, TypeVar
 
 from schemas.records import Batch, Credit, InferenceRequest, TaskState
 
@@ -21,18 +21,26 @@ class TransportError(Exception):
     retriable = True
 
 
+Via = Literal["kafka", "express"]
+"""How a record came: from Kafka, or as an express copy over Redis ahead of its Kafka record
+(``transport.express.copies``)."""
+
+UNKNOWN = -1
+"""A Kafka coordinate an express copy does not have: its offset, and for a batch its partition."""
+
+
 @dataclass(frozen=True, slots=True)
 class Delivered(Generic[T_co]):
-    """A record and where it came from. ``value`` is None for bytes that could not be decoded."""
+    """A record and where it came from. ``value`` is None for bytes that could not be decoded.
+
+    ``partition`` and ``offset`` are Kafka coordinates; an express copy (``via``) has them only where
+    it knows them, else ``UNKNOWN``."""
 
     value: T_co | None
     partition: int
     offset: int
+    via: Via = "kafka"
 
-
-EXPRESS = -1
-"""The offset (and, for a batch, the partition) of a record that came by an express copy over Redis,
-ahead of its Kafka record (``transport.express.copies``)."""
 
 PartitionsCallback = Callable[[frozenset[int]], Awaitable[None]]
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from batcher.express import ExpressLedger, Record
 from batcher.policy import Pending
-from transport.ports import EXPRESS
+from transport.ports import UNKNOWN
 
 
 def copy_of(task_id: str, partition: int = 3) -> Pending[str]:
-    return Pending(task_id, partition, EXPRESS, 0.0, 60.0)
+    return Pending(task_id, partition, UNKNOWN, 0.0, 60.0)
 
 
 def test_a_record_whose_copy_is_held_gives_the_copy_its_offset() -> None:

@@ -27,7 +27,7 @@ from transport.express.requests import ExpressRequestConsumer, ExpressRequestPro
 from transport.kafka.consumers import KafkaBatchConsumer, KafkaRequestConsumer
 from transport.kafka.producers import KafkaBatchProducer, KafkaRequestProducer
 from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryTaskStore
-from transport.ports import EXPRESS, Delivered
+from transport.ports import Delivered
 from transport.redis.deliveries import RedisDeliveryLog
 from transport.redis.store import RedisTaskStore
 from transport.routing import Partitioner
@@ -92,7 +92,7 @@ async def test_a_batch_runs_once_from_the_express_list_and_its_kafka_offset_is_c
     delivered = await worker.next(WAIT_S)
     assert delivered is not None
     assert delivered.value == sent
-    assert delivered.partition == EXPRESS, "the express copy should win on an idle machine"
+    assert delivered.via == "express", "the express copy should win on an idle machine"
     log = RedisDeliveryLog(kit.infra.redis_url, kit.names)
     kit.closer.add(log)
     assert await log.begin(sent.batch_id) == 2, "the push counted the express delivery (this is the second)"
@@ -216,7 +216,7 @@ async def test_a_request_comes_as_an_express_copy_and_as_its_kafka_record(kit: K
         while len(got) < 2:
             got.extend(await consumer.fetch(1.0, 100))
     assert [d.value for d in got] == [sent, sent]
-    assert sorted(d.offset == EXPRESS for d in got) == [False, True], f"one copy and one record, got {got}"
+    assert sorted(d.via == "express" for d in got) == [False, True], f"one copy and one record, got {got}"
     assert got[0].partition == got[1].partition
 
 
@@ -230,14 +230,14 @@ async def test_a_synchronous_requests_record_is_produced_after_its_copy_by_the_d
     async with asyncio.timeout(WAIT_S):
         while not got:
             got.extend(await consumer.fetch(1.0, 100))
-    assert [d.offset for d in got] == [EXPRESS], f"the copy comes alone first, got {got}"
+    assert [d.via for d in got] == ["express"], f"the copy comes alone first, got {got}"
     assert not sending.done(), "the record waits for the delay"
     await sending
     assert time.monotonic() - started >= 1.0
     async with asyncio.timeout(WAIT_S):
         while len(got) < 2:
             got.extend(await consumer.fetch(1.0, 100))
-    assert got[1].offset != EXPRESS and got[1].value == got[0].value
+    assert got[1].via == "kafka" and got[1].value == got[0].value
 
     acknowledged = replace(request("t2"), reply_to=None)  # POST /v1/tasks: its 202 waits for the record
     started = time.monotonic()

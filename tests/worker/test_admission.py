@@ -11,7 +11,7 @@ from gpu_worker.worker import Worker
 from schemas.records import Batch, TaskState, TaskStatus
 from tests.worker.rig import Rig, ScriptedBackend, now_ms, until
 from transport.memory.bus import MemoryTaskStore
-from transport.ports import EXPRESS, BatchConsumer, Delivered, PartitionsCallback
+from transport.ports import UNKNOWN, BatchConsumer, Delivered, PartitionsCallback
 
 
 async def test_a_cancelled_task_never_reaches_the_backend() -> None:
@@ -111,7 +111,7 @@ class ExpressCopies:
 
     async def next(self, timeout_s: float) -> Delivered[Batch] | None:
         delivered = await self.inner.next(timeout_s)
-        return None if delivered is None else Delivered(delivered.value, EXPRESS, EXPRESS)
+        return None if delivered is None else Delivered(delivered.value, UNKNOWN, UNKNOWN, via="express")
 
     async def commit(self, delivered: Delivered[Batch]) -> None:
         return None

@@ -14,7 +14,7 @@ from schemas.records import Batch, Credit
 from transport.express.copies import RedisExpress
 from transport.kafka.producers import KafkaBatchProducer
 from transport.ports import (
-    EXPRESS,
+    UNKNOWN,
     BatchConsumer,
     Delivered,
     PartitionsCallback,
@@ -154,7 +154,7 @@ class ExpressBatchConsumer:
             while self._arrived:
                 delivered = self._arrived.popleft()
                 self._room.set()
-                if delivered.partition == EXPRESS or delivered.partition in self.kafka.assignment():
+                if delivered.via == "express" or delivered.partition in self.kafka.assignment():
                     return delivered
                 # read from a partition revoked since: its new owner reads it again
             remaining = deadline - loop.time()
@@ -168,7 +168,7 @@ class ExpressBatchConsumer:
                 return None
 
     async def commit(self, delivered: Delivered[Batch]) -> None:
-        if delivered.partition != EXPRESS:
+        if delivered.via == "kafka":
             await self.kafka.commit(delivered)
             return
         batch = delivered.value
@@ -227,7 +227,7 @@ class ExpressBatchConsumer:
         if batch.batch_id in self._seen:
             return  # its Kafka copy came first
         self._remember(batch.batch_id, asyncio.get_running_loop().create_future())
-        self._queue(Delivered(batch, EXPRESS, EXPRESS))
+        self._queue(Delivered(batch, UNKNOWN, UNKNOWN, via="express"))
 
     async def _read_kafka(self) -> None:
         failures = 0

@@ -15,7 +15,7 @@ from schemas.records import InferenceRequest
 from schemas.wire import Names
 from transport.express.copies import RedisExpress
 from transport.kafka.producers import KafkaRequestProducer
-from transport.ports import EXPRESS, Delivered, PartitionsCallback, RequestConsumer, TransportError
+from transport.ports import UNKNOWN, Delivered, PartitionsCallback, RequestConsumer, TransportError
 from transport.redis.pools import pubsub_pool
 from transport.redis.pubsub import PubSubHub
 
@@ -108,9 +108,9 @@ class ExpressRequestProducer:
 class ExpressRequestConsumer:
     """``RequestConsumer``: the owned partitions' Kafka records, and the express copies published for them.
 
-    A copy comes as ``Delivered(request, partition, EXPRESS)``, usually before its Kafka record; the
-    batcher matches the two (``batcher.express.ExpressLedger``), so each request is batched once and
-    its offset is committed only after its batch is on Kafka. Copies come over one PubSub connection
+    A copy comes with ``via="express"`` and no offset, usually before its Kafka record; the batcher
+    matches the two (``batcher.express.ExpressLedger``), so each request is batched once and its
+    offset is committed only after its batch is on Kafka. Copies come over one PubSub connection
     that follows the partitions the group assigns; a copy lost on the way costs only its head start.
     """
 
@@ -211,7 +211,7 @@ class ExpressRequestConsumer:
             request = decode_request(data)
         except CodecError:
             return
-        self._copies.append(Delivered(request, partition, EXPRESS))
+        self._copies.append(Delivered(request, partition, UNKNOWN, via="express"))
         if self._copied is not None and not self._copied.done():
             self._copied.set_result(None)
 
