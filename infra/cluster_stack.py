@@ -22,6 +22,15 @@ from pathlib import Path
 from typing import TextIO
 
 from infra.aio import run_blocking
+from infra.detached import (
+    DetachedServer,
+    not_answering,
+    poll_until,
+    refuse_taken_ports,
+    unrecorded,
+    write_atomically,
+    write_pid,
+)
 from infra.errors import InfraError
 from infra.fetch_kafka import prepare_kafka
 from infra.kafka_cluster import cluster_jvm_opts, harden_offsets_topic, node_properties
@@ -39,22 +48,7 @@ from infra.redis_sentinel import (
     sentinel_primary,
 )
 from infra.redis_server import CONFIG_NAME, RedisServer, read_config_port, redis_pings
-from infra.stack import (
-    DEFAULT_UP_TIMEOUT_S,
-    ENV_FILE_NAME,
-    KAFKA_ENV,
-    REDIS_ENV,
-    StackUp,
-    _not_answering,
-    _poll,
-    _refuse_taken_ports,
-    _Server,
-    _unrecorded,
-    _write_atomically,
-    _write_pid,
-    cmd_down,
-    stack_up,
-)
+from infra.stack import DEFAULT_UP_TIMEOUT_S, ENV_FILE_NAME, KAFKA_ENV, REDIS_ENV, StackUp, cmd_down, stack_up
 
 SHAPE_FILE_NAME = "cluster.shape"
 SENTINELS = 3
@@ -96,7 +90,7 @@ class Node:
 
     kind: str  # "kafka", "redis" or "sentinel"
     node_id: int
-    server: _Server
+    server: DetachedServer
 
 
 def nodes(state_dir: Path, shape: Shape) -> list[Node]:
@@ -107,7 +101,7 @@ def nodes(state_dir: Path, shape: Shape) -> list[Node]:
         config = work_dir / config_name
         reader = _kafka_ports if kind == "kafka" else _redis_ports
         name = f"{kind}-{node_id}"
-        return Node(kind, node_id, _Server(name, work_dir, config, state_dir / f"{name}.pid", marks, reader))
+        return Node(kind, node_id, DetachedServer(name, work_dir, config, state_dir / f"{name}.pid", marks, reader))
 
     found = []
     for node_id in range(1, shape.brokers + 1):
@@ -164,13 +158,13 @@ def cluster_up(
             )
         for node in all_nodes:
             if running[node.server.name] is None:
-                _refuse_taken_ports(node.server)
+                refuse_taken_ports(node.server)
         (state_dir / SHAPE_FILE_NAME).write_text(f"brokers={shape.brokers}\nredis_replicas={shape.redis_replicas}\n")
         actions = _up_redis_nodes(all_nodes, running, redis_maxmemory, deadline)
         actions += _up_kafka_nodes(state_dir, kafka_nodes, running, fresh_kafka, deadline)
         env = cluster_env(all_nodes, shape)
         run_blocking(lambda: harden_offsets_topic(env[KAFKA_ENV], shape.brokers))
-        _write_atomically(state_dir / ENV_FILE_NAME, "".join(f"{key}={value}\n" for key, value in env.items()))
+        write_atomically(state_dir / ENV_FILE_NAME, "".join(f"{key}={value}\n" for key, value in env.items()))
         return env, tuple(actions)
 
 
@@ -240,7 +234,7 @@ def _up_redis_nodes(
             node.server.work_dir, port=port, detached=True, maxmemory=maxmemory, persistent=True, replica_of=replica_of
         )
         server.start(max(deadline - time.monotonic(), 1.0))
-        _write_pid(node.server.pid_path, server.pid)
+        write_pid(node.server.pid_path, server.pid)
         role = "primary" if replica_of is None else f"replica of port {replica_of}"
         kept = "restarted over its data" if recorded[name] else "started empty"
         actions.append(f"{name}: was not running; {kept} as {role} (pid {server.pid}, port {port})")
@@ -252,7 +246,7 @@ def _up_redis_nodes(
             continue
         sentinel = SentinelServer(node.server.work_dir, primary_port=primary, port=port_of[name], detached=True)
         sentinel.start(max(deadline - time.monotonic(), 1.0))
-        _write_pid(node.server.pid_path, sentinel.pid)
+        write_pid(node.server.pid_path, sentinel.pid)
         kept = "restarted with what it knew" if recorded[name] else f"started watching port {primary}"
         actions.append(f"{name}: was not running; {kept} (pid {sentinel.pid}, port {sentinel.port})")
     return actions
@@ -323,7 +317,7 @@ def _up_kafka_nodes(
             actions.append(_keep_alive(node, process, _kafka_serves_until(deadline), deadline))
             continue
         server = servers[node.node_id]
-        _write_pid(node.server.pid_path, server.pid)
+        write_pid(node.server.pid_path, server.pid)
         kept = "started empty" if fresh else "restarted over its data"
         actions.append(f"{node.server.name}: was not running; {kept} (pid {server.pid}, port {server.broker_port})")
     return actions
@@ -339,10 +333,10 @@ def _kafka_serves_until(deadline: float) -> Callable[[int], bool]:
 def _keep_alive(node: Node, process: ServiceProcess, answers: Callable[[int], bool], deadline: float) -> str:
     ports = node.server.ports()
     if not ports:
-        raise _unrecorded(node.server, process)
-    if not _poll(lambda: answers(ports[0]), deadline, process):
-        raise _not_answering(node.server, process, ports[0])
-    _write_pid(node.server.pid_path, process.pid)
+        raise unrecorded(node.server, process)
+    if not poll_until(lambda: answers(ports[0]), deadline, process):
+        raise not_answering(node.server, process, ports[0])
+    write_pid(node.server.pid_path, process.pid)
     return f"{node.server.name}: alive (pid {process.pid}, port {ports[0]}), left alone"
 
 

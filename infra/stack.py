@@ -12,23 +12,30 @@ the project CLI; these are plain functions.
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
 from infra.aio import run_blocking
+from infra.detached import (
+    DetachedServer,
+    not_answering,
+    poll_until,
+    refuse_taken_ports,
+    unrecorded,
+    write_atomically,
+    write_pid,
+)
 from infra.errors import InfraError
 from infra.fetch_kafka import prepare_kafka
 from infra.kafka_probe import kafka_serves, wait_for_kafka
 from infra.kafka_server import DEFAULT_STOP_TIMEOUT_S, KafkaServer, read_config_ports
 from infra.local_stack import LocalStack
 from infra.locks import file_lock
-from infra.ports import LOOPBACK, port_is_free
+from infra.ports import LOOPBACK
 from infra.process import ServiceProcess
 from infra.redis_server import CONFIG_NAME, RedisServer, checked_maxmemory, read_config_port, redis_pings
 
@@ -60,41 +67,16 @@ DEFAULT_UP_TIMEOUT_S = 120.0
 DEFAULT_REDIS_MAXMEMORY = "512mb"
 """A dev box's bound; over it Redis refuses writes (see `infra.redis_server.MAXMEMORY_POLICY`)."""
 
-_POLL_INTERVAL_S = 0.05
 
-
-@dataclass(frozen=True)
-class _Server:
-    """Where one server of a state dir lives, and how to recognise its process."""
-
-    name: str
-    work_dir: Path
-    config_path: Path
-    pid_path: Path
-    marks: tuple[str, ...]
-    read_ports: Callable[[Path], tuple[int, ...]]
-
-    def ports(self) -> tuple[int, ...]:
-        """The recorded ports (Kafka: broker, controller; Redis: one); empty when none are."""
-        return self.read_ports(self.config_path)
-
-    def process(self) -> ServiceProcess | None:
-        """The server's live process: the pid file's if that is still ours, else one found running
-        in its folder (a pid file lost or stale)."""
-        pid = _read_pid(self.pid_path)
-        found = None if pid is None else ServiceProcess.attach(pid, self.marks, cwd=self.work_dir)
-        return found if found is not None else ServiceProcess.find(self.marks, cwd=self.work_dir)
-
-
-def _servers(state_dir: Path) -> tuple[_Server, _Server]:
+def _servers(state_dir: Path) -> tuple[DetachedServer, DetachedServer]:
     kafka_dir, redis_dir = state_dir / "kafka", state_dir / "redis"
     properties = kafka_dir / "server.properties"
     kafka_marks = ("kafka.Kafka", str(properties))
     # redis-server rewrites its command line ("redis-server 127.0.0.1:PORT"): its folder says whose it is.
     redis_marks = ("redis-server",)
     return (
-        _Server("kafka", kafka_dir, properties, state_dir / "kafka.pid", kafka_marks, _kafka_ports),
-        _Server("redis", redis_dir, redis_dir / CONFIG_NAME, state_dir / "redis.pid", redis_marks, _redis_ports),
+        DetachedServer("kafka", kafka_dir, properties, state_dir / "kafka.pid", kafka_marks, _kafka_ports),
+        DetachedServer("redis", redis_dir, redis_dir / CONFIG_NAME, state_dir / "redis.pid", redis_marks, _redis_ports),
     )
 
 
@@ -189,13 +171,13 @@ def stack_up(
         running = {server.name: server.process() for server in (kafka, redis)}
         for server in (kafka, redis):
             if running[server.name] is None:
-                _refuse_taken_ports(server)
+                refuse_taken_ports(server)
         actions = [
             _up_redis(redis, running["redis"], maxmemory, deadline),
             _up_kafka(kafka, running["kafka"], deadline),
         ]
         env = _env(kafka.ports(), redis.ports())
-        _write_atomically(state_dir / ENV_FILE_NAME, "".join(f"{key}={value}\n" for key, value in env.items()))
+        write_atomically(state_dir / ENV_FILE_NAME, "".join(f"{key}={value}\n" for key, value in env.items()))
         return StackUp(env, tuple(actions))
 
 
@@ -289,27 +271,14 @@ def cmd_status(state_dir: Path = DEFAULT_STATE_DIR, *, out: TextIO = sys.stdout)
     return 0 if status.healthy else 1
 
 
-def _refuse_taken_ports(server: _Server) -> None:
-    for port in server.ports():
-        if not port_is_free(port):
-            raise InfraError(
-                f"{server.name} is not running and its port {LOOPBACK}:{port} (recorded in {server.config_path}) "
-                f"is taken by another process; nothing was changed. Find that process with "
-                f"`ss -ltnp 'sport = :{port}'`, stop it, and run `batchwire stack up` again (the stack comes back "
-                f"on the same addresses with its data). Or, for {server.name} on new ports without its data, run "
-                f"`batchwire stack down`, delete {server.work_dir} and run `batchwire stack up`; then restart every "
-                "role, which holds the old address"
-            )
-
-
-def _up_redis(server: _Server, process: ServiceProcess | None, maxmemory: str, deadline: float) -> str:
+def _up_redis(server: DetachedServer, process: ServiceProcess | None, maxmemory: str, deadline: float) -> str:
     ports = server.ports()
     if process is not None:
         if not ports:
-            raise _unrecorded(server, process)
-        if not _poll(lambda: redis_pings(ports[0]), deadline, process):
-            raise _not_answering(server, process, ports[0])
-        _write_pid(server.pid_path, process.pid)  # found by its folder when the pid file was stale
+            raise unrecorded(server, process)
+        if not poll_until(lambda: redis_pings(ports[0]), deadline, process):
+            raise not_answering(server, process, ports[0])
+        write_pid(server.pid_path, process.pid)  # found by its folder when the pid file was stale
         return f"redis: alive (pid {process.pid}, port {ports[0]}), left alone"
     redis = RedisServer(
         server.work_dir,
@@ -319,21 +288,21 @@ def _up_redis(server: _Server, process: ServiceProcess | None, maxmemory: str, d
         persistent=True,
     )
     redis.start(max(deadline - time.monotonic(), 1.0))
-    _write_pid(server.pid_path, redis.pid)
+    write_pid(server.pid_path, redis.pid)
     kept = "restarted over its data" if ports else "started empty"
     return f"redis: was not running; {kept} (pid {redis.pid}, port {redis.port}, maxmemory {maxmemory})"
 
 
-def _up_kafka(server: _Server, process: ServiceProcess | None, deadline: float) -> str:
+def _up_kafka(server: DetachedServer, process: ServiceProcess | None, deadline: float) -> str:
     ports = server.ports()
     if process is not None:
         if not ports:
-            raise _unrecorded(server, process)
+            raise unrecorded(server, process)
         bootstrap = _bootstrap(ports)
         remaining_s = max(deadline - time.monotonic(), 0.0)
         if not wait_for_kafka(bootstrap, timeout_s=remaining_s, still_running=process.is_alive):
-            raise _not_answering(server, process, ports[0])
-        _write_pid(server.pid_path, process.pid)
+            raise not_answering(server, process, ports[0])
+        write_pid(server.pid_path, process.pid)
         return f"kafka: alive (pid {process.pid}, port {ports[0]}), left alone"
     if not ports:
         # Data formatted for controller ports nobody recorded cannot be served: start empty.
@@ -346,24 +315,9 @@ def _up_kafka(server: _Server, process: ServiceProcess | None, deadline: float) 
         detached=True,
     )
     kafka.start(max(deadline - time.monotonic(), 1.0))
-    _write_pid(server.pid_path, kafka.pid)
+    write_pid(server.pid_path, kafka.pid)
     kept = "restarted over its data" if ports else "started empty"
     return f"kafka: was not running; {kept} (pid {kafka.pid}, port {kafka.broker_port})"
-
-
-def _unrecorded(server: _Server, process: ServiceProcess) -> InfraError:
-    return InfraError(
-        f"{server.name} runs (pid {process.pid}) but {server.config_path}, which records its ports, is gone; "
-        "it was left running. Run `batchwire stack down`, then `batchwire stack up`"
-    )
-
-
-def _not_answering(server: _Server, process: ServiceProcess, port: int) -> InfraError:
-    return InfraError(
-        f"{server.name} runs (pid {process.pid}, port {port}) but did not answer before the deadline; it was "
-        f"left running. See {server.work_dir} for its log; `batchwire stack down` then `batchwire stack up` "
-        "restarts it over its data"
-    )
 
 
 def _env(kafka_ports: tuple[int, ...], redis_ports: tuple[int, ...]) -> dict[str, str]:
@@ -383,34 +337,5 @@ def _pid(process: ServiceProcess | None) -> int | None:
     return None if process is None else process.pid
 
 
-def _poll(check: Callable[[], bool], deadline: float, process: ServiceProcess) -> bool:
-    while not check():
-        if time.monotonic() >= deadline or not process.is_alive():
-            return False
-        time.sleep(_POLL_INTERVAL_S)
-    return True
-
-
 def _kafka_answers(bootstrap: str) -> bool:
     return run_blocking(lambda: kafka_serves(bootstrap))
-
-
-def _read_pid(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except FileNotFoundError:
-        return None
-    return int(text) if text.isdigit() else None
-
-
-def _write_pid(path: Path, pid: int | None) -> None:
-    if pid is None:
-        raise InfraError(f"no pid to write to {path}: the service is not running")
-    _write_atomically(path, f"{pid}\n")
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    # Readers (`source stack.env`, another `status`) never see half a file.
-    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    partial.write_text(text)
-    partial.replace(path)
