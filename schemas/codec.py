@@ -104,7 +104,7 @@ _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 
 
 def _as_record(obj: Any) -> dict[str, Any]:
-    """A dataclass as a dict, shallow: ``dataclasses.asdict`` deep-copies and costs ~15 µs a record."""
+    """A dataclass as a dict, shallow: ``dataclasses.asdict`` deep-copies, a cost on every record."""
     names = _FIELD_NAMES.get(type(obj))
     if names is None:
         names = _FIELD_NAMES[type(obj)] = tuple(f.name for f in fields(obj))

@@ -1,4 +1,4 @@
-"""Prometheus metrics shared by every role. Names are documented in the README's metrics table.
+"""Prometheus metrics shared by every role. Names are documented in docs/operations.md's metrics table.
 
 One registry per process: in embedded mode the gateway's ``/metrics`` shows all roles at once;
 the separate roles each serve their own.

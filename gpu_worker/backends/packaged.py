@@ -35,7 +35,7 @@ def minilm_dir(*, verify: bool = True) -> Path | None:
     """The all-MiniLM-L6-v2 directory inside the installed package, or None when not installed.
 
     Found without importing the package (its location is all ``HFBackend(path, task="embed")``
-    needs). With ``verify`` the files are hashed (about 0.2 s) and must match ``MINILM_SHA256``.
+    needs). With ``verify`` the files are hashed and must match ``MINILM_SHA256``.
     """
     spec = importlib.util.find_spec(MINILM_PACKAGE)
     if spec is None or not spec.submodule_search_locations:

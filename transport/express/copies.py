@@ -7,11 +7,10 @@ Batches (batcher -> worker) and, at light load, requests (gateway -> batcher) ta
 
 Batches: a batch reaches its idle worker over Redis while Kafka takes the durable copy.
 
-Over Kafka a batch crosses the broker (produce, append, the worker's parked fetch) in 2-5 ms on a
-lightly loaded machine, where a push to a Redis list that the worker's BLPOP waits on takes under
-1 ms. At low load that hop is a visible part of every request's latency, so the batcher sends each
-batch both ways (first to the list of the worker whose credit it spends, then to Kafka) and the
-worker runs whichever copy comes first:
+Over Kafka a batch crosses the broker (produce, append, the worker's parked fetch), a slower hop
+than a push to a Redis list that the worker's BLPOP waits on. At low load that hop is a visible
+part of every request's latency, so the batcher sends each batch both ways (first to the list of
+the worker whose credit it spends, then to Kafka) and the worker runs whichever copy comes first:
 
 * Kafka stays the record. The batcher commits its requests only once Kafka took the batch, and the
   worker commits a batch it ran from the express list only at its Kafka copy's offset, after the

@@ -98,8 +98,8 @@ class PoolOptions:
 
 class _HiredisPacking:
     """Packs commands with hiredis, as redis-py's synchronous connections do; its asyncio ones pack
-    in Python, ~270 µs for the Lua call that writes one 50-task batch's states (hiredis: ~30 µs), and
-    those calls carry every task of every batch through the batcher and the workers."""
+    in Python, several times slower for the Lua call that writes a batch's states, and those calls
+    carry every task of every batch through the batcher and the workers."""
 
     _packer = HiredisRespSerializer()
 
