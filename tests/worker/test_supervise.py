@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from batchwire.roles import _supervise
+from batchwire.supervise import supervise
 
 
 async def test_a_crashed_loop_makes_the_process_exit_non_zero() -> None:
@@ -18,7 +18,7 @@ async def test_a_crashed_loop_makes_the_process_exit_non_zero() -> None:
     async def close() -> None:
         closed.append(True)
 
-    assert await _supervise(start, close, failed, failure_code=lambda: 75) == 75
+    assert await supervise(start, close, failed, failure_code=lambda: 75) == 75
     assert closed == [True], "the services are closed before exiting"
 
 
@@ -32,5 +32,5 @@ async def test_a_shutdown_that_hangs_is_cut_short() -> None:
         await asyncio.Event().wait()  # a broker that never answers
 
     started = time.monotonic()
-    assert await _supervise(start, close, failed, close_timeout_s=0.2) == 1
+    assert await supervise(start, close, failed, close_timeout_s=0.2) == 1
     assert time.monotonic() - started < 2

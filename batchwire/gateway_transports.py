@@ -1,0 +1,82 @@
+"""The Kafka gateway's transports, started and closed with the app, and their readiness."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchwire.settings import SharedSettings
+from gateway.health import Down, Ready, redis_readiness
+from gateway.settings import REQUEST_RUN, GatewaySettings
+from transport.express.copies import RedisExpress
+from transport.express.requests import ExpressRequestProducer
+from transport.kafka.bus import KafkaRequestProducer
+from transport.kafka.lag import KafkaQueueDepth
+from transport.ports import RequestProducer
+from transport.redis.limits import RedisRateLimiter
+from transport.redis.store import RedisTaskStore
+from transport.routing import Partitioner
+
+
+class GatewayTransports:
+    """The gateway's Kafka producer, Redis store, queue-depth reader and rate limiter, as the app's lifecycle.
+
+    The queue-depth reader (request topic lag, refreshed in the background) exists only when
+    ``max_queue_depth`` or ``admit_by_wait`` is on, the Redis rate limiter only when ``rate_limit_per_s`` is.
+    """
+
+    def __init__(self, shared: SharedSettings, settings: GatewaySettings) -> None:
+        self.shared = shared
+        bootstrap = shared.require_kafka()
+        redis_url = shared.require_redis()
+        partitioner = Partitioner(shared.models, shared.request_partitions, run=REQUEST_RUN)
+        kafka = KafkaRequestProducer(bootstrap, shared.names, partitioner, linger_ms=settings.request_linger_ms)
+        self.producer: RequestProducer = kafka
+        if settings.express:
+            self.producer = ExpressRequestProducer(
+                kafka, RedisExpress(redis_url, shared.names), record_delay_s=settings.express_record_delay_ms / 1000
+            )
+        self.store = RedisTaskStore(redis_url, shared.names, ttl_s=shared.result_ttl_s)
+        self.redis_url = redis_url
+        self.queue_depth: KafkaQueueDepth | None = None
+        if settings.max_queue_depth > 0 or settings.admit_by_wait:
+            self.queue_depth = KafkaQueueDepth(
+                bootstrap,
+                shared.names,
+                shared.request_partitions,
+                models=shared.models,
+                batch_partitions=shared.batch_partitions,
+            )
+        self.limiter: RedisRateLimiter | None = None
+        if settings.rate_limit_per_s > 0:
+            self.limiter = RedisRateLimiter(
+                redis_url, shared.names, settings.rate_limit_per_s, settings.rate_limit_burst_tokens
+            )
+
+    async def start(self) -> None:
+        await self.store.start()
+        await self.producer.start()
+        if self.queue_depth is not None:
+            await self.queue_depth.start()
+        if self.limiter is not None:
+            await self.limiter.start()
+
+    async def close(self) -> None:
+        if self.limiter is not None:
+            await self.limiter.close()
+        if self.queue_depth is not None:
+            await self.queue_depth.close()
+        await self.producer.close()
+        await self.store.close()
+
+    async def ready(self) -> dict[str, Any]:
+        """Each part's readiness (``gateway.health.Ready``): Redis says whether it is failing over."""
+        kafka = await self.producer.ready()
+        redis_ready = await redis_readiness(await self.store.ready(), self.redis_url, timeout_s=1.0)
+        checks: dict[str, Ready] = {
+            "kafka": kafka
+            or Down("down", "the request topic has no connected leader (its broker is down or being replaced)"),
+            "redis": redis_ready,
+        }
+        if self.queue_depth is not None:
+            checks["queue_depth"] = self.queue_depth.alive
+        return checks

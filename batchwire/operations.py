@@ -1,0 +1,99 @@
+"""Operators' commands: ``stack`` (a local Kafka and Redis) and ``topics grow``, and the topic set-up every
+Kafka role runs before it starts."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import sys
+from pathlib import Path
+
+from batchwire.role_settings import shared_settings
+from batchwire.settings import SettingsError, SharedSettings
+from infra import cluster_stack, stack, stack_report
+from infra.errors import InfraError
+from infra.topic_checks import Durability
+from infra.topics import TopicConfigError, ensure_topics, group_members, grow_topics
+
+
+def durability(args: argparse.Namespace) -> Durability:
+    return Durability(args.replication_factor, args.min_insync_replicas)
+
+
+async def ensure_role_topics(
+    shared: SharedSettings,
+    wanted: Durability,
+    request_topic: bool,
+    models: tuple[str, ...],
+    *,
+    dead_letters: bool = False,
+) -> None:
+    """Creates the role's topics with the asked replication, after checking them all (exit 2 if one falls short)."""
+    names = shared.names
+    topics: dict[str, int] = {}
+    if request_topic:
+        topics[names.request_topic] = shared.request_partitions
+    for model in models:
+        topics[names.batch_topic(model)] = shared.batch_partitions
+    if dead_letters:
+        topics[names.dead_letter_topic] = 1
+    try:
+        await ensure_topics(shared.require_kafka(), topics, durability=wanted)
+    except TopicConfigError as err:
+        raise SettingsError(str(err)) from err
+
+
+def run_stack(args: argparse.Namespace) -> int:
+    state_dir = Path(args.state_dir)
+    if args.action == "up":
+        shape = cluster_stack.Shape(args.brokers, args.redis_replicas)
+        try:
+            up = cluster_stack.up_any(state_dir, shape, redis_maxmemory=args.redis_maxmemory)
+        except InfraError as err:
+            print(f"stack up failed: {err}", file=sys.stderr)
+            return 1
+        shared = dataclasses.replace(shared_settings(args), kafka_bootstrap=up.env[stack.KAFKA_ENV])
+        asyncio.run(ensure_role_topics(shared, durability(args), True, shared.models))
+        stack.print_up(up, state_dir, out=sys.stdout, err=sys.stderr)
+        return 0
+    if args.action == "down":
+        return cluster_stack.cmd_down_any(state_dir, out=sys.stdout, err=sys.stderr)
+    return stack_report.cmd_status_report(state_dir, as_json=args.json, out=sys.stdout)
+
+
+async def _grow(
+    bootstrap: str, request_topic: str, batcher_group: str, topics: dict[str, int], request: int | None
+) -> dict[str, int]:
+    if request is not None:
+        batchers = await group_members(bootstrap, batcher_group)
+        if batchers:
+            raise SettingsError(
+                f"not growing {request_topic}: {batchers} batcher(s) are running. Its partitions are split "
+                "among the models by their count, so a new count moves partitions from one model to another, "
+                "and every gateway and batcher must use it together (a batcher reads a new partition only after "
+                "its metadata refresh, minutes later). Stop the gateways and batchers, run this again, then start "
+                f"them with --request-partitions {request} (workers may keep running)"
+            )
+    try:
+        return await grow_topics(bootstrap, topics)
+    except TopicConfigError as err:
+        raise SettingsError(str(err)) from err
+
+
+def run_topics(args: argparse.Namespace) -> int:
+    """``topics grow``: adds partitions to the batch topics (safe live) and the request topic (only with no batcher)."""
+    names = SharedSettings(namespace=args.namespace, models=tuple(args.models)).names
+    bootstrap = SharedSettings(kafka_bootstrap=args.kafka_bootstrap).require_kafka()
+    topics = {names.batch_topic(m): args.batch_partitions for m in args.models if args.batch_partitions is not None}
+    if args.request_partitions is not None:
+        topics[names.request_topic] = args.request_partitions
+    if not topics:
+        raise SettingsError("topics grow: name a count, --batch-partitions N and/or --request-partitions N")
+    before = asyncio.run(_grow(bootstrap, names.request_topic, names.batcher_group, topics, args.request_partitions))
+    for name, count in topics.items():
+        print(
+            f"{name}: {before[name]} -> {count} partitions" if before[name] < count else f"{name}: {count} partitions"
+        )
+    print("start new roles with the new counts (--batch-partitions / --request-partitions); running ones keep working")
+    return 0

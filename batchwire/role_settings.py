@@ -1,0 +1,154 @@
+"""Each role's typed settings, built from its parsed flags.
+
+A role reads only flags its own command defines; what another command lacks (the embedded mode
+has no Kafka, no read pacing, no express copies) is passed in by name, never probed for.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from batcher.policy import FlushPolicy
+from batcher.settings import BatcherSettings
+from batchwire.settings import SettingsError, SharedSettings
+from gateway.auth import load_api_keys
+from gateway.settings import GatewaySettings
+from gpu_worker.backends.factory import BackendSettings
+from gpu_worker.settings import WorkerSettings
+
+GATEWAY_FLAGS = (
+    "host",
+    "port",
+    "default_timeout_ms",
+    "max_timeout_ms",
+    "max_input_chars",
+    "max_body_bytes",
+    "max_inflight",
+    "max_watchers",
+    "max_queue_depth",
+    "admit_by_wait",
+    "stall_s",
+    "reply_recheck_s",
+    "stream_recheck_s",
+    "rate_limit_per_s",
+    "rate_limit_burst",
+    "trust_client_id",
+    "max_header_bytes",
+    "header_timeout_s",
+    "body_timeout_s",
+    "max_connections",
+)
+"""GatewaySettings fields set one to one from the flag of the same name."""
+
+BACKEND_FLAGS = (
+    "backend",
+    "sim_latency_ms",
+    "max_batch",
+    "model_path",
+    "hf_task",
+    "hf_max_new_tokens",
+    "hf_max_input_tokens",
+    "hf_truncate",
+    "hf_num_threads",
+    "device",
+    "dtype",
+    "sim_hang_on",
+    "sim_crash_on",
+)
+
+WORKER_FLAGS = (
+    "batch_log",
+    "credit_ttl_s",
+    "max_deliveries",
+    "hang_factor",
+    "hang_min_s",
+    "expected_latency_ms",
+    "credit_lead_ms",
+    "credit_lead_full_ms",
+    "drain_timeout_s",
+    "max_output_bytes",
+)
+
+
+def shared_settings(
+    args: argparse.Namespace, *, kafka_bootstrap: str | None = None, redis_url: str | None = None
+) -> SharedSettings:
+    return SharedSettings(
+        namespace=args.namespace,
+        models=tuple(args.models),
+        request_partitions=args.request_partitions,
+        batch_partitions=args.batch_partitions,
+        result_ttl_s=args.result_ttl_s,
+        kafka_bootstrap=kafka_bootstrap,
+        redis_url=redis_url,
+    )
+
+
+def process_shared_settings(args: argparse.Namespace) -> SharedSettings:
+    """A Kafka + Redis role's shared settings (its command has ``--kafka-bootstrap`` and ``--redis-url``)."""
+    return shared_settings(args, kafka_bootstrap=args.kafka_bootstrap, redis_url=args.redis_url)
+
+
+def _policy(args: argparse.Namespace) -> FlushPolicy:
+    try:
+        return FlushPolicy.named(args.policy, args.max_batch, args.max_wait_ms)
+    except ValueError as err:
+        raise SettingsError(f"{err} (--policy is work-conserving or classic)") from err
+
+
+def batcher_settings(
+    args: argparse.Namespace,
+    request_partitions: int,
+    *,
+    read_pace_ms: float,
+    keep_credit_s: float | None = None,
+    batcher_id: str | None = None,
+) -> BatcherSettings:
+    """``keep_credit_s`` and ``batcher_id`` left None keep BatcherSettings' defaults."""
+    kwargs: dict[str, Any] = {}
+    if keep_credit_s is not None:
+        kwargs["keep_credit_s"] = keep_credit_s
+    if batcher_id:
+        kwargs["batcher_id"] = batcher_id
+    try:
+        return BatcherSettings(
+            policy=_policy(args),
+            models=tuple(args.models),
+            request_partitions=request_partitions,
+            spacing_margin_ms=args.spacing_margin_ms,
+            read_pace_ms=read_pace_ms,
+            **kwargs,
+        )
+    except ValueError as err:
+        raise SettingsError(str(err)) from err
+
+
+def gateway_settings(args: argparse.Namespace, shared: SharedSettings, **transport: Any) -> GatewaySettings:
+    """``transport``: the fields only the Kafka gateway's command sets (express, linger)."""
+    kwargs: dict[str, Any] = {name: getattr(args, name) for name in GATEWAY_FLAGS}
+    kwargs.update(transport, models=shared.models, default_model=args.default_model or shared.models[0])
+    if args.gateway_id:
+        kwargs["gateway_id"] = args.gateway_id
+    try:
+        keys = load_api_keys(args.api_keys, args.api_keys_file)
+        kwargs["api_keys"], kwargs["operator_keys"] = keys.digests, keys.operators
+        args.api_keys = None  # only digests are kept (the environment is the operator's: use sha256: there)
+        return GatewaySettings(**kwargs)
+    except ValueError as err:
+        raise SettingsError(str(err)) from err
+
+
+def backend_settings(args: argparse.Namespace) -> BackendSettings:
+    return BackendSettings(**{name: getattr(args, name) for name in BACKEND_FLAGS})
+
+
+def worker_settings(args: argparse.Namespace, model: str, worker_id: str | None = None) -> WorkerSettings:
+    """A worker's settings from its flags (in embedded mode, the template of every worker's)."""
+    kwargs: dict[str, Any] = {name: getattr(args, name) for name in WORKER_FLAGS}
+    if worker_id:
+        kwargs["worker_id"] = worker_id
+    try:
+        return WorkerSettings(model=model, **kwargs)
+    except ValueError as err:
+        raise SettingsError(str(err)) from err
