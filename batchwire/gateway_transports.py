@@ -9,8 +9,8 @@ from gateway.health import Down, Ready, redis_readiness
 from gateway.settings import REQUEST_RUN, GatewaySettings
 from transport.express.copies import RedisExpress
 from transport.express.requests import ExpressRequestProducer
-from transport.kafka.bus import KafkaRequestProducer
 from transport.kafka.lag import KafkaQueueDepth
+from transport.kafka.producers import KafkaRequestProducer
 from transport.ports import RequestProducer
 from transport.redis.limits import RedisRateLimiter
 from transport.redis.store import RedisTaskStore

@@ -30,7 +30,8 @@ from gpu_worker.worker import Worker
 from transport.express.batches import ExpressBatchConsumer, ExpressBatchProducer
 from transport.express.copies import RedisExpress
 from transport.express.requests import ExpressRequestConsumer
-from transport.kafka.bus import KafkaBatchConsumer, KafkaBatchProducer, KafkaDeadLetterProducer, KafkaRequestConsumer
+from transport.kafka.consumers import KafkaBatchConsumer, KafkaRequestConsumer
+from transport.kafka.producers import KafkaBatchProducer, KafkaDeadLetterProducer
 from transport.memory.bus import MemoryRateLimiter
 from transport.ports import BatchProducer, RequestConsumer
 from transport.redis.deliveries import RedisDeliveryLog
