@@ -1,14 +1,11 @@
-"""The batcher: reads requests, forms batches with ``BatchFormer``, hands each to an idle worker.
+"""The batcher: reads requests into a ``BatchFormer`` and finishes them; its ``Dispatcher`` sends them.
 
-Dispatch is credit-based. An idle worker offers one credit naming its batch-topic partition; a
-model's dispatcher claims a credit only when it has something to send, and sends exactly one batch
-against it. So a batch always goes to a worker that is idle right now, never queues behind a busy
-one, and the first worker to free up gets the next batch, whichever batcher holds it.
+Reading, matching express copies with their Kafka records, expiry and offset commits live here;
+how a held request reaches an idle worker is ``batcher.dispatch``.
 
 Kafka or Redis going away stops no loop: reads, claims and expiry writes are retried with backoff
-until they work (a failed send is given back and tried again; a failed ``batched`` write is only
-logged, the worker's writes follow). Only an error that retrying cannot fix ends a loop, and a
-loop that ends sets ``failed`` so the process exits non-zero instead of hanging.
+until they work. Only an error that retrying cannot fix ends a loop, and a loop that ends sets
+``failed`` so the process exits non-zero instead of hanging.
 """
 
 from __future__ import annotations
@@ -17,18 +14,18 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
-from collections import defaultdict
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
+from batcher import states
+from batcher.dispatch import Dispatcher
 from batcher.express import ExpressLedger, Record
 from batcher.offsets import OffsetTracker
-from batcher.policy import BatchFormer, Pending, Taken
+from batcher.policy import BatchFormer, Pending
 from batcher.read_pacing import ReadPacing
 from batcher.settings import BatcherSettings
-from batcher.spacing import Spacing
-from schemas.records import Batch, BatchItem, Credit, InferenceRequest, TaskState, TaskStatus
+from batcher.states import wall_ms
+from schemas.records import InferenceRequest
 from telemetry import metrics
 from transport.ports import (
     UNKNOWN,
@@ -40,20 +37,16 @@ from transport.ports import (
     TransportError,
 )
 from transport.retry import retry
-from transport.routing import Partitioner
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-CATCH_UP_MIN_S = 0.002
-
-
-def wall_ms() -> int:
-    return int(time.time() * 1000)
-
 
 class Batcher:
+    """Reads the request topic into held requests and finishes them (handed over, expired or
+    failed) so that their offsets are committed; its ``Dispatcher`` hands them to workers."""
+
     def __init__(
         self,
         settings: BatcherSettings,
@@ -65,36 +58,43 @@ class Batcher:
     ) -> None:
         self.settings = settings
         self.consumer = consumer
-        self.producer = producer
-        self.credits = credits
         self.store = store
         self.clock = clock
         self.former: BatchFormer[InferenceRequest] = BatchFormer(settings.policy, clock)
         self.offsets = OffsetTracker()
         self.express: ExpressLedger[InferenceRequest] = ExpressLedger()
+        self.pacing = ReadPacing(settings.read_pace_ms / 1000)
         self._commit_wanted = False
         self._committer: asyncio.Task[None] | None = None
-        self._wake: dict[str, asyncio.Event] = {}
         self._timer_wake = asyncio.Event()
         self._room = asyncio.Event()
+        """Clear while ``max_held`` requests are held: reading waits for a send."""
         self._room.set()
         self._handover = asyncio.Lock()
+        """Held while a batch goes out or partitions go: the held requests and offsets stay consistent."""
         self._tasks: list[asyncio.Task[None]] = []
-        self._dispatchers: dict[str, asyncio.Task[None]] = {}
-        self._own_partitions: dict[str, frozenset[int]] = {}
-        if settings.request_partitions > 0:
-            partitioner = Partitioner(settings.models, settings.request_partitions)
-            self._own_partitions = {m: frozenset(partitioner.partitions_for(m)) for m in settings.models}
-        self._keep_after: dict[str, float] = {}
-        self._spacing: defaultdict[str, Spacing] = defaultdict(Spacing)
-        self._pacing = ReadPacing(settings.read_pace_ms / 1000)
-        self._claiming: set[str] = set()
-        """Models whose dispatcher waits for a credit, holding requests: all of their workers are busy."""
-        self._stopping = False
         self.failure: BaseException | None = None
         self.failed = asyncio.Event()
         """Set when a background loop crashed: the process supervisor should exit."""
-        self.batches_sent = 0
+        self.dispatcher = Dispatcher(
+            settings,
+            self.former,
+            credits,
+            producer,
+            store,
+            self.pacing,
+            handover=self._handover,
+            room=self._room,
+            assignment=consumer.assignment,
+            handed_over=self._handed_over,
+            expire=self._expire,
+            guard=self._guard,
+            clock=clock,
+        )
+
+    @property
+    def batches_sent(self) -> int:
+        return self.dispatcher.batches_sent
 
     # lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -110,22 +110,20 @@ class Batcher:
         Whatever is still held (not handed to a worker) was never committed, so the batcher that
         takes over the partitions reads it again: handed back, not lost.
         """
-        self._stopping = True
-        tasks = [*self._tasks, *self._dispatchers.values()]
         async with self._handover:
-            for task in tasks:
+            for task in self._tasks:
                 task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+            self.dispatcher.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.dispatcher.cancelled()
         self._tasks.clear()
-        self._dispatchers.clear()
         if self._committer is not None:
             await asyncio.gather(self._committer, return_exceptions=True)
         await self._commit()
         await self.consumer.close()
 
-    async def _guard(self, loop: object) -> None:
+    async def _guard(self, loop: Coroutine[Any, Any, None]) -> None:
         """Runs a background loop; a crash is recorded and logged, never silent."""
-        assert asyncio.iscoroutine(loop)
         try:
             await loop
         except asyncio.CancelledError:
@@ -168,13 +166,7 @@ class Batcher:
                 unknown = self._accept(records)
                 if unknown:
                     await self._fail_unknown(unknown)
-            await self._pacing.after_read(self._all_busy())
-
-    def _all_busy(self) -> bool:
-        """Whether every served model's dispatcher waits for a credit (see ``batcher.read_pacing``):
-        a model with an idle worker sends a request the moment it is read."""
-        served = self.settings.models or self._dispatchers.keys()
-        return bool(self._claiming) and all(model in self._claiming for model in served)
+            await self.pacing.after_read(self.dispatcher.all_busy())
 
     def _accept(self, records: Sequence[Delivered[InferenceRequest]]) -> list[Delivered[InferenceRequest]]:
         """Feeds the accumulators; returns the requests for models this deployment does not serve."""
@@ -211,9 +203,7 @@ class Batcher:
             self.former.add(request.model, self._pending(request, record, now_s, now_ms))
             touched.add(request.model)
         for model in touched:
-            self._ensure_dispatcher(model)
-            if self.former.ready(model):
-                self._wake[model].set()
+            self.dispatcher.arrived(model)
             metrics.PENDING.labels(model=model).set(self.former.held(model))
         self._timer_wake.set()
         if sum(self.former.held(m) for m in self.former.models()) >= self.settings.max_held:
@@ -228,41 +218,15 @@ class Batcher:
         arrived_s = now_s - max(0, now_ms - request.enqueued_at_ms) / 1000.0
         return Pending(request, record.partition, record.offset, arrived_s, deadline_s)
 
-    def _finish(self, pending: Pending[InferenceRequest]) -> None:
-        """The request is on Kafka in a batch, or ended: its offset may be committed."""
-        if pending.offset == UNKNOWN:  # a copy whose Kafka record has not come
-            self.express.finished(pending.item.task_id)
-        else:
-            self.offsets.finish(pending.partition, pending.offset)
-
     async def _fail_unknown(self, records: list[Delivered[InferenceRequest]]) -> None:
-        now = wall_ms()
-        states = [
-            TaskState(
-                r.value.task_id,
-                TaskStatus.FAILED,
-                r.value.model,
-                now,
-                r.value.enqueued_at_ms,
-                error_code="unknown_model",
-                error_message=f"model {r.value.model!r} is not served here (served: {', '.join(self.settings.models)})",
-                reply_to=r.value.reply_to,
-            )
-            for r in records
-            if r.value is not None
-        ]
-        await self._retry(f"failing {len(states)} request(s) for unknown models", lambda: self.store.apply(states))
+        failed = states.unknown_model(
+            (r.value for r in records if r.value is not None), self.settings.models, wall_ms()
+        )
+        await self._retry(f"failing {len(failed)} request(s) for unknown models", lambda: self.store.apply(failed))
         async with self._handover:
             for record in records:
                 self.offsets.finish(record.partition, record.offset)
             await self._commit()
-
-    def _ensure_dispatcher(self, model: str) -> None:
-        if model not in self._dispatchers:
-            self._wake[model] = asyncio.Event()
-            self._dispatchers[model] = asyncio.create_task(
-                self._guard(self._dispatch_loop(model)), name=f"batcher-dispatch-{model}"
-            )
 
     # timers ------------------------------------------------------------------------------------
     async def _timer_loop(self) -> None:
@@ -273,259 +237,39 @@ class Batcher:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._timer_wake.wait(), timeout)
             for model in self.former.tick():
-                self._wake[model].set()
+                self.dispatcher.wake(model)
             expired = self.former.expire()
             if expired:
                 await self._expire(expired)
 
-    # dispatch ----------------------------------------------------------------------------------
-    async def _dispatch_loop(self, model: str) -> None:
-        kept: Credit | None = None
-        try:
-            while True:
-                if not self.former.ready(model):
-                    kept = await self._idle(model, kept)
-                    continue
-                claimed_from_s: float | None = None  # a kept credit was there before the items
-                credit, kept = kept, None
-                if credit is None:
-                    claimed_from_s = self.clock()
-                    pauses = self._pacing.pauses
-                    self._claiming.add(model)
-                    try:
-                        credit = await self._claim(model)
-                    finally:
-                        self._claiming.discard(model)
-                    if credit is None:
-                        continue
-                    await self._pacing.catch_up(pauses, self._catch_up_limit_s(credit))
-                metrics.IDLE_WORKERS.labels(model=model).set(0)
-                hold_s = self.former.reserve_s(model, credit.busy_ms / 1000.0, claimed_from_s)
-                if hold_s > 0:
-                    credit = await self._hold(model, credit, hold_s)
-                elif self.settings.spacing_margin_ms >= 0 and self._alone(model):
-                    await self._space(model, credit)
-                await self._send(model, credit)
-        finally:
-            if kept is not None:
-                await self._offer_back(kept)
+    # finishing ---------------------------------------------------------------------------------
+    def _handed_over(self, items: Sequence[Pending[InferenceRequest]]) -> None:
+        """The dispatcher put ``items`` on Kafka in a batch (within the hand-over lock)."""
+        for pending in items:
+            self._finish(pending)
+        self._commit_soon()
 
-    def _catch_up_limit_s(self, credit: Credit) -> float:
-        """A catch-up may use the time until the credit's worker frees, less the batch's way there,
-        and a little of an idle worker's (it ends sooner: the first read brings what waited)."""
-        travel_s = max(0.0, self.settings.spacing_margin_ms) / 1000
-        return min(self._pacing.pace_s, max(CATCH_UP_MIN_S, self._starts_in_s(credit) - travel_s))
+    async def _expire(self, expired: list[Pending[InferenceRequest]]) -> None:
+        """Ends held requests whose deadline passed; their offsets are done once that is stored."""
+        ended = states.expired((pending.item for pending in expired), wall_ms())
+        for pending in expired:
+            metrics.TASKS_ENDED.labels(model=pending.item.model, status="expired").inc()
+        await self._retry(f"storing {len(ended)} expired task(s)", lambda: self.store.apply(ended))
+        for pending in expired:
+            self._finish(pending)
 
-    async def _claim(self, model: str) -> Credit | None:
-        return await self._retry(
-            f"claiming a credit for {model}", lambda: self.credits.claim(model, self.settings.claim_timeout_s)
-        )
-
-    async def _idle(self, model: str, kept: Credit | None) -> Credit | None:
-        """Waits until ``model`` has something to send; returns the credit kept in hand meanwhile.
-
-        Only a batcher that owns all of the model's request partitions keeps one (see
-        ``BatcherSettings.request_partitions``), and not for long: the credit goes back to the pool
-        well before its worker would renew it.
-        """
-        wake = self._wake[model]
-        wake.clear()
-        if kept is None and self._may_keep(model):
-            kept = await self._claim(model)  # blocks while every worker is busy, like any claim
-            if kept is None or self.former.ready(model):
-                return kept
-            starts_in_s = self._starts_in_s(kept)
-            if starts_in_s > 0:  # a busy worker's early credit: an idle one may come first
-                self._keep_after[model] = self.clock() + starts_in_s
-                await self._offer_back(kept)
-                kept = None
-        if kept is None:
-            await wake.wait()
-            return None
-        keep_s = min(self.settings.keep_credit_s, (kept.expires_at_ms - wall_ms()) / 4000.0)
-        try:
-            async with asyncio.timeout(keep_s):
-                await wake.wait()
-            return kept
-        except TimeoutError:
-            self._keep_after[model] = self.clock() + 0.1  # a credit near its renewal is not taken again at once
-            await self._offer_back(kept)
-            return None
-
-    def _may_keep(self, model: str) -> bool:
-        return (
-            self.settings.keep_credit_s > 0
-            and self._alone(model)
-            and self.clock() >= self._keep_after.get(model, float("-inf"))
-        )
-
-    def _alone(self, model: str) -> bool:
-        """Whether this batcher owns all of ``model``'s request partitions: no other sends to its workers."""
-        owned = self._own_partitions.get(model)
-        return owned is not None and owned <= self.consumer.assignment()
-
-    def _starts_in_s(self, credit: Credit) -> float:
-        """How long until the credit's worker is free (0 for an idle one)."""
-        return max(0, credit.frees_at_ms - wall_ms()) / 1000.0
-
-    async def _space(self, model: str, credit: Credit) -> None:
-        """Seals the batch for a busy worker late enough to keep the workers' starts spread (see
-        ``batcher.spacing``); a batch that fills up, or a deadline, ends the wait early."""
-        starts_in_s = self._starts_in_s(credit)
-        if starts_in_s <= 0:
-            return  # an idle worker: never kept waiting
-        now = self.clock()
-        start_s = now + starts_in_s
-        due_s = self._spacing[model].due_s(credit.worker_id, start_s, credit.busy_ms / 1000.0)
-        until_s = due_s - self.settings.spacing_margin_ms / 1000.0
-        if due_s <= start_s or until_s <= now:
-            return
-        metrics.SPACING_WAIT.labels(model=model).observe(until_s - now)
-        wake = self._wake[model]
-        while not self.former.sealed(model) and (left_s := until_s - self.clock()) > 0:
-            wake.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(left_s):
-                    await wake.wait()
-
-    async def _hold(self, model: str, credit: Credit, hold_s: float) -> Credit:
-        """Keeps an idle worker in reserve for a fresh arrival (see ``BatchFormer.reserve_s``).
-
-        Returns the credit to send what waits against: this one when a fresh request arrives or the
-        hold runs out, or a second worker's if it frees first (this one then goes back to the pool,
-        idle, for the next arrival).
-        """
-        wake = self._wake[model]
-        wake.clear()
-        arrival = asyncio.create_task(wake.wait())
-        second = asyncio.create_task(self.credits.claim(model, hold_s))
-        try:
-            await asyncio.wait({arrival, second}, timeout=hold_s, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            arrival.cancel()
-            if not second.done():
-                second.cancel()
-            await asyncio.gather(arrival, second, return_exceptions=True)
-        other = second.result() if second.done() and not second.cancelled() and second.exception() is None else None
-        if other is None:
-            return credit
-        await self._offer_back(credit)
-        return other
-
-    async def _send(self, model: str, credit: Credit) -> None:
-        expired: list[Pending[InferenceRequest]] = []
-        await self._send_locked(model, credit, expired)
-        if expired:  # written outside the hand-over lock: a slow store must not hold up a rebalance
-            await self._expire(expired)
-
-    async def _send_locked(self, model: str, credit: Credit, expired: list[Pending[InferenceRequest]]) -> None:
-        async with self._handover:
-            taken = self.former.take(model, credit.max_batch)
-            expired.extend(taken.expired)
-            if not taken.items:
-                await self._offer_back(credit)
-                return
-            batch = self._batch(model, taken, credit)
-            # "batched" is written while Kafka takes the batch: a Redis write is faster than the
-            # hand-over to the worker, so watchers see batched before running.
-            marking = asyncio.create_task(self._mark_batched(model, batch))
-            try:
-                try:
-                    await self.producer.send(batch, credit.partition)
-                except TransportError as err:
-                    log.warning("could not hand batch %s to %s: %s; will retry", batch.batch_id, credit.worker_id, err)
-                    self.former.give_back(model, taken)
-                    await self._offer_back(credit)
-                    await asyncio.sleep(self.settings.send_retry_s)  # back off a failing bus, then try again
-                    return
-                for pending in taken.items:
-                    self._finish(pending)
-                starts_at_s = self.clock() + self._starts_in_s(credit)
-                self._spacing[model].started(credit.worker_id, starts_at_s, credit.busy_ms / 1000.0)
-                self.batches_sent += 1
-                self._record(model, batch, taken)
-                self._commit_soon()
-            finally:
-                await asyncio.gather(marking, return_exceptions=True)
-        if self.former.held(model) < self.settings.max_held:
-            self._room.set()
-
-    async def _mark_batched(self, model: str, batch: Batch) -> None:
-        now = wall_ms()
-        batched = [
-            TaskState(
-                item.task_id,
-                TaskStatus.BATCHED,
-                model,
-                now,
-                item.enqueued_at_ms,
-                batch_id=batch.batch_id,
-                batch_size=len(batch.items),
-                reply_to=item.reply_to,
-            )
-            for item in batch.items
-        ]
-        try:
-            await self.store.apply(batched)
-        except TransportError as err:  # informational: the worker's running/completed writes follow
-            log.warning("could not mark batch %s's %d tasks batched: %s", batch.batch_id, len(batched), err)
-
-    def _batch(self, model: str, taken: Taken[InferenceRequest], credit: Credit) -> Batch:
-        reason = taken.reason.value if taken.reason is not None else "idle_worker"
-        return Batch(
-            batch_id=uuid.uuid4().hex,
-            model=model,
-            batcher_id=self.settings.batcher_id,
-            created_at_ms=wall_ms(),
-            flush_reason=reason,
-            credit=credit.ref,
-            items=tuple(BatchItem.of(p.item) for p in taken.items),
-        )
-
-    def _record(self, model: str, batch: Batch, taken: Taken[InferenceRequest]) -> None:
-        metrics.FLUSHES.labels(model=model, reason=batch.flush_reason).inc()
-        metrics.BATCH_SIZE.labels(model=model).observe(len(batch.items))
-        wait = metrics.QUEUE_WAIT.labels(model=model)
-        now = self.clock()
-        for pending in taken.items:
-            wait.observe(max(0.0, now - pending.arrived_s))
-        metrics.PENDING.labels(model=model).set(self.former.held(model))
-
-    async def _offer_back(self, credit: Credit) -> None:
-        """Returns an unused credit; if that fails the worker re-offers it when it expires."""
-        try:
-            await self.credits.offer(credit)
-        except TransportError as err:
-            log.warning("could not hand back credit %s: %s (its worker re-offers it)", credit.ref, err)
+    def _finish(self, pending: Pending[InferenceRequest]) -> None:
+        """The request is on Kafka in a batch, or ended: its offset may be committed."""
+        if pending.offset == UNKNOWN:  # a copy whose Kafka record has not come
+            self.express.finished(pending.item.task_id)
+        else:
+            self.offsets.finish(pending.partition, pending.offset)
 
     async def _retry(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
         """``op`` until it works; raises only an error that retrying cannot fix (or a cancellation)."""
         return await retry(log, f"batcher {self.settings.batcher_id}", what, op, self.settings.retry_max_s)
 
-    async def _expire(self, expired: list[Pending[InferenceRequest]]) -> None:
-        """Ends held requests whose deadline passed; their offsets are done once that is stored."""
-        now = wall_ms()
-        states = []
-        for pending in expired:
-            request = pending.item
-            states.append(
-                TaskState(
-                    request.task_id,
-                    TaskStatus.EXPIRED,
-                    request.model,
-                    now,
-                    request.enqueued_at_ms,
-                    error_code="deadline_exceeded",
-                    error_message="the request's deadline passed before a GPU worker could take it; "
-                    "retry, or send a longer timeout_ms",
-                    reply_to=request.reply_to,
-                )
-            )
-            metrics.TASKS_ENDED.labels(model=request.model, status="expired").inc()
-        await self._retry(f"storing {len(states)} expired task(s)", lambda: self.store.apply(states))
-        for pending in expired:
-            self._finish(pending)
-
+    # commits -----------------------------------------------------------------------------------
     def _commit_soon(self) -> None:
         """Commits in a task of its own, so the next hand-over need not wait for the round trip
         (committing what is finished is safe at any time: those requests are on Kafka in batches).

@@ -76,7 +76,7 @@ async def test_a_credit_ends_the_pause_and_its_batch_holds_what_came_meanwhile()
     try:
         producer = bus.producer()
         await producer.send(request("first"))  # read; no worker is idle, so the dispatcher waits for a credit
-        await eventually(lambda: batcher._pacing.pauses >= 1, "the reads to pause")
+        await eventually(lambda: batcher.pacing.pauses >= 1, "the reads to pause")
         for n in range(5):
             await producer.send(request(f"later-{n}"))  # produced while the reads pause for a second
         offered = time.monotonic()

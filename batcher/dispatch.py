@@ -1,0 +1,346 @@
+"""Dispatch: each model's held requests go to idle workers, one batch per claimed credit.
+
+An idle worker offers one credit naming its batch-topic partition; a model's dispatch loop claims a
+credit only when it has something to send, and sends exactly one batch against it. So a batch
+always goes to a worker that is idle right now, never queues behind a busy one, and the first
+worker to free up gets the next batch, whichever batcher holds it.
+
+Around each send: a batcher that alone serves a model keeps an idle worker's credit while it has
+nothing to send (the next request goes out without a claim); an idle worker may be held in reserve
+for a fresh arrival (``BatchFormer.reserve_s``); a busy worker's batch is sealed late enough to keep
+the workers' calls spread (``batcher.spacing``); and reads paused while every worker was busy catch
+up before the batch is sealed (``batcher.read_pacing``).
+
+A failed claim is retried with backoff; a failed send is given back and tried again; a failed
+``batched`` write is only logged (the worker's writes follow).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any
+
+from batcher import states
+from batcher.policy import BatchFormer, Pending, Taken
+from batcher.read_pacing import ReadPacing
+from batcher.settings import BatcherSettings
+from batcher.spacing import Spacing
+from batcher.states import wall_ms
+from schemas.records import Batch, BatchItem, Credit, InferenceRequest
+from telemetry import metrics
+from transport.ports import BatchProducer, CreditPool, TaskStore, TransportError
+from transport.retry import retry
+from transport.routing import Partitioner
+
+log = logging.getLogger(__name__)
+
+Held = Pending[InferenceRequest]
+
+CATCH_UP_MIN_S = 0.002
+
+
+class Dispatcher:
+    """Runs one loop per model that sends its ready batches to idle workers against claimed credits.
+
+    The ``Batcher`` owns it: the batcher feeds the ``BatchFormer`` and says when a model has
+    something (``arrived``, ``wake``); the dispatcher tells it what was handed over (``handed_over``)
+    or ended (``expire``), within the batcher's hand-over lock.
+    """
+
+    def __init__(
+        self,
+        settings: BatcherSettings,
+        former: BatchFormer[InferenceRequest],
+        credits: CreditPool,
+        producer: BatchProducer,
+        store: TaskStore,
+        pacing: ReadPacing,
+        *,
+        handover: asyncio.Lock,
+        room: asyncio.Event,
+        assignment: Callable[[], frozenset[int]],
+        handed_over: Callable[[Sequence[Held]], None],
+        expire: Callable[[list[Held]], Awaitable[None]],
+        guard: Callable[[Coroutine[Any, Any, None]], Coroutine[Any, Any, None]],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.former = former
+        self.credits = credits
+        self.producer = producer
+        self.store = store
+        self.pacing = pacing
+        self.clock = clock
+        self._handover = handover
+        self._room = room
+        """Set after a send leaves a model below ``max_held``: the reader may read again."""
+        self._assignment = assignment
+        self._handed_over = handed_over
+        self._expire = expire
+        self._guard = guard
+        self._loops: dict[str, asyncio.Task[None]] = {}
+        self._wake: dict[str, asyncio.Event] = {}
+        self._claiming: set[str] = set()
+        """Models whose loop waits for a credit, holding requests: all of their workers are busy."""
+        self._keep_after: dict[str, float] = {}
+        self._spacing: defaultdict[str, Spacing] = defaultdict(Spacing)
+        self._own_partitions: dict[str, frozenset[int]] = {}
+        if settings.request_partitions > 0:
+            partitioner = Partitioner(settings.models, settings.request_partitions)
+            self._own_partitions = {m: frozenset(partitioner.partitions_for(m)) for m in settings.models}
+        self.batches_sent = 0
+
+    # the batcher's side ------------------------------------------------------------------------
+    def arrived(self, model: str) -> None:
+        """``model`` holds new requests: starts its loop if it has none, wakes it if a batch is ready."""
+        if model not in self._loops:
+            self._wake[model] = asyncio.Event()
+            self._loops[model] = asyncio.create_task(self._guard(self._loop(model)), name=f"batcher-dispatch-{model}")
+        if self.former.ready(model):
+            self._wake[model].set()
+
+    def wake(self, model: str) -> None:
+        """A timer sealed ``model``'s batch."""
+        self._wake[model].set()
+
+    def all_busy(self) -> bool:
+        """Whether every served model's loop waits for a credit (see ``batcher.read_pacing``): a model
+        with an idle worker sends a request the moment it is read."""
+        served = self.settings.models or self._loops.keys()
+        return bool(self._claiming) and all(model in self._claiming for model in served)
+
+    def cancel(self) -> None:
+        """Cancels every loop (the caller holds the hand-over lock: no send is cut in half)."""
+        for loop in self._loops.values():
+            loop.cancel()
+
+    async def cancelled(self) -> None:
+        """Waits for the cancelled loops to end (each offers back the credit it kept)."""
+        await asyncio.gather(*self._loops.values(), return_exceptions=True)
+        self._loops.clear()
+
+    # the loop ----------------------------------------------------------------------------------
+    async def _loop(self, model: str) -> None:
+        kept: Credit | None = None
+        try:
+            while True:
+                if not self.former.ready(model):
+                    kept = await self._idle(model, kept)
+                    continue
+                claimed_from_s: float | None = None  # a kept credit was there before the items
+                credit, kept = kept, None
+                if credit is None:
+                    claimed_from_s = self.clock()
+                    credit = await self._claim_while_busy(model)
+                    if credit is None:
+                        continue
+                metrics.IDLE_WORKERS.labels(model=model).set(0)
+                hold_s = self.former.reserve_s(model, credit.busy_ms / 1000.0, claimed_from_s)
+                if hold_s > 0:
+                    credit = await self._hold(model, credit, hold_s)
+                elif self.settings.spacing_margin_ms >= 0 and self._alone(model):
+                    await self._space(model, credit)
+                await self._send(model, credit)
+        finally:
+            if kept is not None:
+                await self._offer_back(kept)
+
+    async def _claim_while_busy(self, model: str) -> Credit | None:
+        """Claims a credit for a ready batch, counted in ``all_busy`` meanwhile; once one comes,
+        catches up the reads that paused during the claim."""
+        pauses = self.pacing.pauses
+        self._claiming.add(model)
+        try:
+            credit = await self._claim(model)
+        finally:
+            self._claiming.discard(model)
+        if credit is not None:
+            await self.pacing.catch_up(pauses, self._catch_up_limit_s(credit))
+        return credit
+
+    def _catch_up_limit_s(self, credit: Credit) -> float:
+        """A catch-up may use the time until the credit's worker frees, less the batch's way there,
+        and a little of an idle worker's (it ends sooner: the first read brings what waited)."""
+        travel_s = max(0.0, self.settings.spacing_margin_ms) / 1000
+        return min(self.pacing.pace_s, max(CATCH_UP_MIN_S, self._starts_in_s(credit) - travel_s))
+
+    async def _claim(self, model: str) -> Credit | None:
+        """A credit for ``model``, retried while the pool is unreachable (None: none came in time)."""
+        return await retry(
+            log,
+            f"batcher {self.settings.batcher_id}",
+            f"claiming a credit for {model}",
+            lambda: self.credits.claim(model, self.settings.claim_timeout_s),
+            self.settings.retry_max_s,
+        )
+
+    # the kept credit ---------------------------------------------------------------------------
+    async def _idle(self, model: str, kept: Credit | None) -> Credit | None:
+        """Waits until ``model`` has something to send; returns the credit kept in hand meanwhile.
+
+        Only a batcher that owns all of the model's request partitions keeps one (see
+        ``BatcherSettings.request_partitions``), and not for long: the credit goes back to the pool
+        well before its worker would renew it.
+        """
+        wake = self._wake[model]
+        wake.clear()
+        if kept is None and self._may_keep(model):
+            kept = await self._claim(model)  # blocks while every worker is busy, like any claim
+            if kept is None or self.former.ready(model):
+                return kept
+            starts_in_s = self._starts_in_s(kept)
+            if starts_in_s > 0:  # a busy worker's early credit: an idle one may come first
+                self._keep_after[model] = self.clock() + starts_in_s
+                await self._offer_back(kept)
+                kept = None
+        if kept is None:
+            await wake.wait()
+            return None
+        keep_s = min(self.settings.keep_credit_s, (kept.expires_at_ms - wall_ms()) / 4000.0)
+        try:
+            async with asyncio.timeout(keep_s):
+                await wake.wait()
+            return kept
+        except TimeoutError:
+            self._keep_after[model] = self.clock() + 0.1  # a credit near its renewal is not taken again at once
+            await self._offer_back(kept)
+            return None
+
+    def _may_keep(self, model: str) -> bool:
+        return (
+            self.settings.keep_credit_s > 0
+            and self._alone(model)
+            and self.clock() >= self._keep_after.get(model, float("-inf"))
+        )
+
+    def _alone(self, model: str) -> bool:
+        """Whether this batcher owns all of ``model``'s request partitions: no other sends to its workers."""
+        owned = self._own_partitions.get(model)
+        return owned is not None and owned <= self._assignment()
+
+    def _starts_in_s(self, credit: Credit) -> float:
+        """How long until the credit's worker is free (0 for an idle one)."""
+        return max(0, credit.frees_at_ms - wall_ms()) / 1000.0
+
+    # spacing and reserve -----------------------------------------------------------------------
+    async def _space(self, model: str, credit: Credit) -> None:
+        """Seals the batch for a busy worker late enough to keep the workers' starts spread (see
+        ``batcher.spacing``); a batch that fills up, or a deadline, ends the wait early."""
+        starts_in_s = self._starts_in_s(credit)
+        if starts_in_s <= 0:
+            return  # an idle worker: never kept waiting
+        now = self.clock()
+        start_s = now + starts_in_s
+        due_s = self._spacing[model].due_s(credit.worker_id, start_s, credit.busy_ms / 1000.0)
+        until_s = due_s - self.settings.spacing_margin_ms / 1000.0
+        if due_s <= start_s or until_s <= now:
+            return
+        metrics.SPACING_WAIT.labels(model=model).observe(until_s - now)
+        wake = self._wake[model]
+        while not self.former.sealed(model) and (left_s := until_s - self.clock()) > 0:
+            wake.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left_s):
+                    await wake.wait()
+
+    async def _hold(self, model: str, credit: Credit, hold_s: float) -> Credit:
+        """Keeps an idle worker in reserve for a fresh arrival (see ``BatchFormer.reserve_s``).
+
+        Returns the credit to send what waits against: this one when a fresh request arrives or the
+        hold runs out, or a second worker's if it frees first (this one then goes back to the pool,
+        idle, for the next arrival).
+        """
+        wake = self._wake[model]
+        wake.clear()
+        arrival = asyncio.create_task(wake.wait())
+        second = asyncio.create_task(self.credits.claim(model, hold_s))
+        try:
+            await asyncio.wait({arrival, second}, timeout=hold_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            arrival.cancel()
+            if not second.done():
+                second.cancel()
+            await asyncio.gather(arrival, second, return_exceptions=True)
+        other = second.result() if second.done() and not second.cancelled() and second.exception() is None else None
+        if other is None:
+            return credit
+        await self._offer_back(credit)
+        return other
+
+    # the send ----------------------------------------------------------------------------------
+    async def _send(self, model: str, credit: Credit) -> None:
+        expired: list[Held] = []
+        await self._send_locked(model, credit, expired)
+        if expired:  # written outside the hand-over lock: a slow store must not hold up a rebalance
+            await self._expire(expired)
+
+    async def _send_locked(self, model: str, credit: Credit, expired: list[Held]) -> None:
+        async with self._handover:
+            taken = self.former.take(model, credit.max_batch)
+            expired.extend(taken.expired)
+            if not taken.items:
+                await self._offer_back(credit)
+                return
+            batch = self._batch(model, taken, credit)
+            # "batched" is written while Kafka takes the batch: a Redis write is faster than the
+            # hand-over to the worker, so watchers see batched before running.
+            marking = asyncio.create_task(self._mark_batched(model, batch))
+            try:
+                try:
+                    await self.producer.send(batch, credit.partition)
+                except TransportError as err:
+                    log.warning("could not hand batch %s to %s: %s; will retry", batch.batch_id, credit.worker_id, err)
+                    self.former.give_back(model, taken)
+                    await self._offer_back(credit)
+                    await asyncio.sleep(self.settings.send_retry_s)  # back off a failing bus, then try again
+                    return
+                self._handed_over(taken.items)
+                starts_at_s = self.clock() + self._starts_in_s(credit)
+                self._spacing[model].started(credit.worker_id, starts_at_s, credit.busy_ms / 1000.0)
+                self.batches_sent += 1
+                self._record(model, batch, taken)
+            finally:
+                await asyncio.gather(marking, return_exceptions=True)
+        if self.former.held(model) < self.settings.max_held:
+            self._room.set()
+
+    async def _mark_batched(self, model: str, batch: Batch) -> None:
+        batched = states.batched(model, batch, wall_ms())
+        try:
+            await self.store.apply(batched)
+        except TransportError as err:  # informational: the worker's running/completed writes follow
+            log.warning("could not mark batch %s's %d tasks batched: %s", batch.batch_id, len(batched), err)
+
+    def _batch(self, model: str, taken: Taken[InferenceRequest], credit: Credit) -> Batch:
+        reason = taken.reason.value if taken.reason is not None else "idle_worker"
+        return Batch(
+            batch_id=uuid.uuid4().hex,
+            model=model,
+            batcher_id=self.settings.batcher_id,
+            created_at_ms=wall_ms(),
+            flush_reason=reason,
+            credit=credit.ref,
+            items=tuple(BatchItem.of(p.item) for p in taken.items),
+        )
+
+    def _record(self, model: str, batch: Batch, taken: Taken[InferenceRequest]) -> None:
+        metrics.FLUSHES.labels(model=model, reason=batch.flush_reason).inc()
+        metrics.BATCH_SIZE.labels(model=model).observe(len(batch.items))
+        wait = metrics.QUEUE_WAIT.labels(model=model)
+        now = self.clock()
+        for pending in taken.items:
+            wait.observe(max(0.0, now - pending.arrived_s))
+        metrics.PENDING.labels(model=model).set(self.former.held(model))
+
+    async def _offer_back(self, credit: Credit) -> None:
+        """Returns an unused credit; if that fails the worker re-offers it when it expires."""
+        try:
+            await self.credits.offer(credit)
+        except TransportError as err:
+            log.warning("could not hand back credit %s: %s (its worker re-offers it)", credit.ref, err)
