@@ -41,6 +41,13 @@ def _names(text: str) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Every ``batchwire bench`` flag, on a parser of the caller's choosing (e.g. a subparser)."""
+    _add_target_arguments(parser)
+    _add_load_arguments(parser)
+    _add_output_arguments(parser)
+    _add_start_arguments(parser)
+
+
+def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
     target = parser.add_argument_group("target")
     target.add_argument(
         "--url",
@@ -61,6 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--kafka-pids", type=_ints, default=[], help="Kafka broker pids, counted separately")
     target.add_argument("--redis-pids", type=_ints, default=[], help="Redis server pids, counted separately")
 
+
+def _add_load_arguments(parser: argparse.ArgumentParser) -> None:
     load = parser.add_argument_group("load")
     load.add_argument("--rate", type=_floats, help="offered load in req/s; a comma list runs each in turn")
     load.add_argument("--duration", type=float, default=10.0, help="measured seconds per rate (default 10)")
@@ -108,6 +117,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="event loop for the generator (auto: uvloop when installed)",
     )
 
+
+def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
     output = parser.add_argument_group("output")
     output.add_argument("--out", type=Path, help="directory for results.json and the plots")
     output.add_argument("--label", help="name for this run in tables, plots and --compare")
@@ -124,6 +135,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="print two results files side by side with ratios B/A; sends no load",
     )
 
+
+def _add_start_arguments(parser: argparse.ArgumentParser) -> None:
     start = parser.add_argument_group("start the system under test")
     start.add_argument("--start", choices=("embedded", "kafka"), help="start batchwire itself and stop it at the end")
     start.add_argument("--policy", choices=POLICIES, default="work-conserving", help="batching policy to start")

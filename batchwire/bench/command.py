@@ -27,7 +27,8 @@ from batchwire.bench.report import compare_table, run_table
 from batchwire.bench.results import Results, RunReport
 from batchwire.bench.runner import LoadConfig, Target, bench_run
 from batchwire.bench.schedule import InputFactory
-from batchwire.bench.sut import Stack, SutError, SutSpec, SystemUnderTest, wait_first_answer
+from batchwire.bench.stack import Stack
+from batchwire.bench.sut import SutError, SutSpec, SystemUnderTest, wait_first_answer
 
 #: Where ``batchwire stack up`` keeps stack.env and the pid files (its default ``--state-dir``).
 STACK_DIR = Path(".batchwire")

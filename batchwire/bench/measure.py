@@ -130,34 +130,7 @@ def _report(
     after_504: After504,
 ) -> RateReport:
     lag = tally.lag.summary_ms()
-    notes: list[str] = []
-    if lag.get("p99", 0.0) > LAG_WARN_MS:
-        notes.append(
-            f"generator lag p99 {lag['p99']:.1f} ms > {LAG_WARN_MS} ms: the client fell behind its schedule; "
-            "latencies include that lag (lower the rate, or run the generator on another machine)"
-        )
-    if generator["cores"] > CORES_WARN:
-        notes.append(f"generator used {generator['cores']:.2f} cores: it is near saturation")
-    if tally.unfinished:
-        notes.append(f"{tally.unfinished} requests were still open after the drain timeout and were cancelled")
-    if tally.first_exception is not None:
-        notes.append(f"unexpected client exception (counted as client_exception): {tally.first_exception}")
-    if tally.errors[TIMEOUT]:
-        notes.append(
-            f"{tally.errors[TIMEOUT]} requests timed out in the client with no answer; where the server has a "
-            "deadline, a --timeout above it lets its 504 arrive and be counted"
-        )
-    if after_504["without_task_id"]:
-        notes.append(f"{after_504['without_task_id']} 504 answers carried no error.task_id and were not read back")
-    unended = {k: v for k, v in after_504["statuses"].items() if k in UNENDED}
-    if unended:
-        pending = " ".join(f"{k}={v}" for k, v in unended.items())
-        notes.append(f"tasks answered 504 had not ended when read back ({pending}); they may still be computed")
-    if tally.latency.clamped:
-        notes.append(f"{tally.latency.clamped} latencies above 120 s were recorded as 120 s")
-    if server is not None and server["scrape_errors"]:
-        failed = "; ".join(f"{url}: {error}" for url, error in server["scrape_errors"].items())
-        notes.append(f"metrics scrape failed ({failed}); give --metrics-url, or --no-metrics for a server without them")
+    notes = _notes(tally, lag, generator, server, after_504)
     errors = dict(sorted(tally.errors.items()))
     return RateReport(
         offered_rps=rate_rps,
@@ -186,3 +159,42 @@ def _report(
         processes=processes,
         notes=notes,
     )
+
+
+def _notes(
+    tally: Tally,
+    lag: dict[str, float],
+    generator: GeneratorStats,
+    server: ServerStats | None,
+    after_504: After504,
+) -> list[str]:
+    """What a reader of the rate's figures should know before trusting them."""
+    notes: list[str] = []
+    if lag.get("p99", 0.0) > LAG_WARN_MS:
+        notes.append(
+            f"generator lag p99 {lag['p99']:.1f} ms > {LAG_WARN_MS} ms: the client fell behind its schedule; "
+            "latencies include that lag (lower the rate, or run the generator on another machine)"
+        )
+    if generator["cores"] > CORES_WARN:
+        notes.append(f"generator used {generator['cores']:.2f} cores: it is near saturation")
+    if tally.unfinished:
+        notes.append(f"{tally.unfinished} requests were still open after the drain timeout and were cancelled")
+    if tally.first_exception is not None:
+        notes.append(f"unexpected client exception (counted as client_exception): {tally.first_exception}")
+    if tally.errors[TIMEOUT]:
+        notes.append(
+            f"{tally.errors[TIMEOUT]} requests timed out in the client with no answer; where the server has a "
+            "deadline, a --timeout above it lets its 504 arrive and be counted"
+        )
+    if after_504["without_task_id"]:
+        notes.append(f"{after_504['without_task_id']} 504 answers carried no error.task_id and were not read back")
+    unended = {k: v for k, v in after_504["statuses"].items() if k in UNENDED}
+    if unended:
+        pending = " ".join(f"{k}={v}" for k, v in unended.items())
+        notes.append(f"tasks answered 504 had not ended when read back ({pending}); they may still be computed")
+    if tally.latency.clamped:
+        notes.append(f"{tally.latency.clamped} latencies above 120 s were recorded as 120 s")
+    if server is not None and server["scrape_errors"]:
+        failed = "; ".join(f"{url}: {error}" for url, error in server["scrape_errors"].items())
+        notes.append(f"metrics scrape failed ({failed}); give --metrics-url, or --no-metrics for a server without them")
+    return notes

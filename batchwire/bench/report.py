@@ -57,79 +57,85 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+_RUN_HEADER = (
+    "rate/s",
+    "sent",
+    "ok",
+    "errors",
+    "thr/s",
+    "p50",
+    "p90",
+    "p95",
+    "p99",
+    "p99.9",
+    "max",
+    "lag99",
+    "lagmax",
+    "batch",
+    "busy%",
+    "µs/req",
+    "gen%",
+)
+
+
 def run_table(run: RunReport) -> str:
     """The per-rate table printed after a run (latencies in ms, CPU in µs per answered request)."""
     title = f"== {run['label']}" + (f" (policy {run['policy']})" if run["policy"] else "")
-    header = [
-        "rate/s",
-        "sent",
-        "ok",
-        "errors",
-        "thr/s",
-        "p50",
-        "p90",
-        "p95",
-        "p99",
-        "p99.9",
-        "max",
-        "lag99",
-        "lagmax",
-        "batch",
-        "busy%",
-        "µs/req",
-        "gen%",
-    ]
-    rows = []
+    lines = [title, _table(_RUN_HEADER, [_run_row(rate) for rate in run["rates"]])]
     for rate in run["rates"]:
-        lag = rate["lag_ms"]
-        rows.append(
-            [
-                _fmt(rate["offered_rps"], 0),
-                str(rate["scheduled"]),
-                str(rate["ok"]),
-                str(rate["error_total"]),
-                _fmt(rate["throughput_rps"]),
-                *(_fmt(_lat(key)(rate)) for key in ("p50", "p90", "p95", "p99", "p99.9", "max")),
-                _fmt(lag.get("p99"), 2),
-                _fmt(lag.get("max")),
-                _fmt(_server("batch_size_mean")(rate), 2),
-                _fmt(_busy_pct(rate), 0),
-                _fmt(_cpu_us(rate), 0),
-                _fmt(100.0 * rate["generator"]["cores"], 0),
-            ]
-        )
-    lines = [title, _table(header, rows)]
-    for rate in run["rates"]:
-        label = f"  {rate['offered_rps']:g}/s"
-        if rate["errors"]:
-            lines.append(f"{label} errors: " + " ".join(f"{k}={v}" for k, v in rate["errors"].items()))
-        server = rate["server"]
-        if server is not None and server["flushes"]:
-            lines.append(f"{label} flushes: " + " ".join(f"{k}={v:g}" for k, v in sorted(server["flushes"].items())))
-        others = {k: g for k, g in rate["processes"].items() if k != "batchwire"}
-        if others:
-            lines.append(
-                f"{label} cpu: "
-                + " ".join(
-                    f"{k}={g['cores']:.2f} cores ({_fmt(g['us_per_request'], 0)} µs/req)" for k, g in others.items()
-                )
-            )
-        refused = rate["refused_ms"]
-        if refused.get("count"):
-            lines.append(f"{label} {refused_line(rate)}")
-        after = rate["after_504"]
-        if after["answered"]:
-            lines.append(f"{label} {after_504_line(rate)}")
-        if rate["drained_answers"]:
-            lines.append(
-                f"{label} {rate['drained_answers']} answers came after the window "
-                f"(last {1000 * rate['drain_s']:.0f} ms after it)"
-            )
-        lines.extend(f"{label} NOTE: {note}" for note in rate["notes"])
+        lines.extend(_rate_lines(rate))
     lone = run.get("lone")
     if lone is not None:
         lines.append(f"  {lone_line(lone)}")
     return "\n".join(lines)
+
+
+def _run_row(rate: RateReport) -> list[str]:
+    lag = rate["lag_ms"]
+    return [
+        _fmt(rate["offered_rps"], 0),
+        str(rate["scheduled"]),
+        str(rate["ok"]),
+        str(rate["error_total"]),
+        _fmt(rate["throughput_rps"]),
+        *(_fmt(_lat(key)(rate)) for key in ("p50", "p90", "p95", "p99", "p99.9", "max")),
+        _fmt(lag.get("p99"), 2),
+        _fmt(lag.get("max")),
+        _fmt(_server("batch_size_mean")(rate), 2),
+        _fmt(_busy_pct(rate), 0),
+        _fmt(_cpu_us(rate), 0),
+        _fmt(100.0 * rate["generator"]["cores"], 0),
+    ]
+
+
+def _rate_lines(rate: RateReport) -> list[str]:
+    """One rate's errors, flushes, other processes' CPU, refusals, 504s, late answers and notes."""
+    lines: list[str] = []
+    label = f"  {rate['offered_rps']:g}/s"
+    if rate["errors"]:
+        lines.append(f"{label} errors: " + " ".join(f"{k}={v}" for k, v in rate["errors"].items()))
+    server = rate["server"]
+    if server is not None and server["flushes"]:
+        lines.append(f"{label} flushes: " + " ".join(f"{k}={v:g}" for k, v in sorted(server["flushes"].items())))
+    others = {k: g for k, g in rate["processes"].items() if k != "batchwire"}
+    if others:
+        lines.append(
+            f"{label} cpu: "
+            + " ".join(f"{k}={g['cores']:.2f} cores ({_fmt(g['us_per_request'], 0)} µs/req)" for k, g in others.items())
+        )
+    refused = rate["refused_ms"]
+    if refused.get("count"):
+        lines.append(f"{label} {refused_line(rate)}")
+    after = rate["after_504"]
+    if after["answered"]:
+        lines.append(f"{label} {after_504_line(rate)}")
+    if rate["drained_answers"]:
+        lines.append(
+            f"{label} {rate['drained_answers']} answers came after the window "
+            f"(last {1000 * rate['drain_s']:.0f} ms after it)"
+        )
+    lines.extend(f"{label} NOTE: {note}" for note in rate["notes"])
+    return lines
 
 
 def refused_line(rate: RateReport) -> str:

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from batchwire.bench.client import ClientKind, make_client
+from batchwire.bench.client import ClientKind, HttpClient, make_client
 from batchwire.bench.loadgen import TIMEOUT, Expect, OpenLoopSender
-from batchwire.bench.lone import DEFAULT_GAP_MS, lone_line, lone_probe
+from batchwire.bench.lone import DEFAULT_GAP_MS, LoneReport, lone_line, lone_probe
 from batchwire.bench.measure import Probes, measure_rate
 from batchwire.bench.procstats import CpuSampler
 from batchwire.bench.results import RateReport, RunReport
@@ -105,25 +105,31 @@ async def bench_run(
             run["rates"].append(report)
             progress(summary_line(report))
         if load.lone_count:
-            # After the load: every answer is in, and the consumer groups have long settled (a probe
-            # right after start-up can meet the workers' first rebalance, which hands its batch back).
-            await asyncio.sleep(load.pause_s)
-            progress(
-                f"  lone requests: {load.lone_count}, one at a time, {1000 * load.lone_gap_s:g} ms idle before each ..."
-            )
-            # Inputs of their own, so the rates' seeded schedule is the same with or without the probe.
-            lone_inputs = InputFactory(
-                load.input_size, random.Random(load.seed), field=load.payload_field, nonce=secrets.token_hex(2) + "L"
-            )
-            run["lone"] = await lone_probe(
-                client, target.urls, lone_inputs, count=load.lone_count, gap_s=load.lone_gap_s, expect=load.expect
-            )
-            progress("    " + lone_line(run["lone"]))
+            run["lone"] = await _lone_after_load(load, target, client, progress)
     finally:
         await client.close()
         if metrics_session is not None:
             await metrics_session.close()
     return run
+
+
+async def _lone_after_load(
+    load: LoadConfig, target: Target, client: HttpClient, progress: Callable[[str], None]
+) -> LoneReport:
+    """The lone-request probe, once the service is idle again."""
+    # After the load: every answer is in, and the consumer groups have long settled (a probe
+    # right after start-up can meet the workers' first rebalance, which hands its batch back).
+    await asyncio.sleep(load.pause_s)
+    progress(f"  lone requests: {load.lone_count}, one at a time, {1000 * load.lone_gap_s:g} ms idle before each ...")
+    # Inputs of their own, so the rates' seeded schedule is the same with or without the probe.
+    lone_inputs = InputFactory(
+        load.input_size, random.Random(load.seed), field=load.payload_field, nonce=secrets.token_hex(2) + "L"
+    )
+    lone = await lone_probe(
+        client, target.urls, lone_inputs, count=load.lone_count, gap_s=load.lone_gap_s, expect=load.expect
+    )
+    progress("    " + lone_line(lone))
+    return lone
 
 
 def summary_line(rate: RateReport) -> str:

@@ -15,6 +15,7 @@ import aiohttp
 import psutil
 import pytest
 
+from batchwire.bench import stack as stack_module
 from batchwire.bench import sut as sut_module
 from batchwire.bench.cli import main
 from batchwire.bench.sut import SutError, SutSpec, SystemUnderTest, plan
@@ -105,6 +106,7 @@ def fake_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     log = tmp_path / "argv.jsonl"
     monkeypatch.setenv("FAKE_BW_LOG", str(log))
     monkeypatch.setattr(sut_module, "batchwire_command", lambda: list(FAKE))
+    monkeypatch.setattr(stack_module, "batchwire_command", lambda: list(FAKE))
     return log
 
 
