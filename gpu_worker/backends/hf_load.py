@@ -150,18 +150,7 @@ def load_model_dir(
         model_path, config, tokenizer, task=task, max_new_tokens=max_new_tokens, asked=max_input_tokens
     )
 
-    auto_class = AutoModel if task == "embed" else AutoModelForSeq2SeqLM if is_encoder_decoder else AutoModelForCausalLM
-    kwargs: dict[str, object] = {"local_files_only": True, "trust_remote_code": False, "dtype": dtype}
-    if device.type != "cpu":
-        kwargs["device_map"] = str(device)  # straight onto the GPU, without a CPU copy first
-    try:
-        pretrained = cast(PreTrainedModel, auto_class.from_pretrained(model_path, **kwargs))
-    except Exception as err:  # OSError, SafetensorError, ValueError, RuntimeError (shape mismatch)...
-        raise ModelLoadError(
-            f"cannot load the {task} model in {model_path} with {auto_class.__name__} ({EXPECTED_FILES}): {err}"
-        ) from err
-    # from_pretrained does this too; said again because equal answers in any batch depend on no dropout.
-    pretrained.eval()  # type: ignore[no-untyped-call]  # transformers' override is unannotated
+    pretrained = _load_weights(model_path, task=task, device=device, dtype=dtype, is_encoder_decoder=is_encoder_decoder)
     model: torch.nn.Module = pretrained
     if task == "embed" and is_encoder_decoder:
         model = cast(torch.nn.Module, pretrained.get_encoder())  # sentence-T5 style: embed with the encoder alone
@@ -178,6 +167,25 @@ def load_model_dir(
         max_input_tokens=limit,
         generation_config=generation,
     )
+
+
+def _load_weights(
+    model_path: Path, *, task: Task, device: torch.device, dtype: torch.dtype, is_encoder_decoder: bool
+) -> PreTrainedModel:
+    """The weights, in the model class the task and the config call for, in eval mode."""
+    auto_class = AutoModel if task == "embed" else AutoModelForSeq2SeqLM if is_encoder_decoder else AutoModelForCausalLM
+    kwargs: dict[str, object] = {"local_files_only": True, "trust_remote_code": False, "dtype": dtype}
+    if device.type != "cpu":
+        kwargs["device_map"] = str(device)  # straight onto the GPU, without a CPU copy first
+    try:
+        pretrained = cast(PreTrainedModel, auto_class.from_pretrained(model_path, **kwargs))
+    except Exception as err:  # OSError, SafetensorError, ValueError, RuntimeError (shape mismatch)...
+        raise ModelLoadError(
+            f"cannot load the {task} model in {model_path} with {auto_class.__name__} ({EXPECTED_FILES}): {err}"
+        ) from err
+    # from_pretrained does this too; said again because equal answers in any batch depend on no dropout.
+    pretrained.eval()  # type: ignore[no-untyped-call]  # transformers' override is unannotated
+    return pretrained
 
 
 def _load_tokenizer(model_path: Path) -> PreTrainedTokenizerBase:
