@@ -1,4 +1,4 @@
-"""Typed settings of the batcher role (filled from flags and BATCHWIRE_* variables by the CLI)."""
+"""Typed settings of the batcher role: the one source of their defaults (the CLI's flags read them)."""
 
 from __future__ import annotations
 
@@ -37,10 +37,10 @@ class BatcherSettings:
     """When this batcher owns all of a model's partitions, it keeps the busy workers' calls spread
     evenly (``batcher.spacing``), sealing a batch this long before its call should start, the time
     the batch takes to reach the worker. -1: do not space the workers."""
-    read_pace_ms: float = 0.0
+    read_pace_ms: float = 10.0
     """While every worker is busy, read the request topic at most this often, and catch up when a
     credit comes, before sealing (``batcher.read_pacing``): over Kafka each read is a fetch round
-    trip. 0: read continuously (embedded: a read there costs no round trip)."""
+    trip. 0: read continuously (the embedded mode passes 0: a read there costs no round trip)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.read_pace_ms <= 1000:
