@@ -5,8 +5,7 @@ workers that start their calls L/k apart, the next seal is at most L/k away. Wor
 alone leaves the starts wherever they fell (two workers idle at once both start at once, and every
 call then lasts the same L), and two workers that start together split the queue badly: the first
 batch takes up to ``max_batch`` of everything that waited a whole call, the second the few that came
-after, and a request may wait up to L for a seal instead of L/k. Measured at 1,600 req/s with two
-workers, starts 0-15 ms apart in half the cycles, batches of 100 and ~35.
+after, and a request may wait up to L for a seal instead of L/k (``docs/performance.md``).
 
 Nothing pulls the starts apart again on its own, so the batcher does: when a busy worker's next
 call would start less than L/k after another busy worker's, its batch is sealed late enough that it
