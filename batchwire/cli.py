@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 from batcher.settings import BatcherSettings
 from batchwire import flags, operations, roles
+from batchwire.capacity import commands as capacity
 from batchwire.settings import SettingsError
 from gateway.settings import GatewaySettings
 
@@ -121,10 +122,14 @@ def _topics(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     flags.add(topics, "--log-level", "info", str, "debug, info, warning or error")
 
 
+def _capacity(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    capacity.add_parsers(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batchwire", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add_command in (_up, _gateway, _batcher, _worker, _stack, _topics):
+    for add_command in (_up, _gateway, _batcher, _worker, _stack, _topics, _capacity):
         add_command(sub)
     bench = sub.add_parser("bench", help="open-loop load test with latency percentiles", add_help=False)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
@@ -170,6 +175,7 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "worker": roles.run_worker,
     "stack": operations.run_stack,
     "topics": operations.run_topics,
+    **capacity.HANDLERS,
 }
 
 

@@ -1,0 +1,143 @@
+"""The curve file: a backend's call latency by batch size (p50 and p99), as JSON.
+
+``batchwire profile`` writes it; ``simulate`` and ``plan`` read it. Between measured sizes the
+latency is interpolated linearly; sizes are bounded by the largest one measured (the max batch).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CURVE_VERSION = 1
+
+
+class CurveError(ValueError):
+    """The curve file cannot be used; the message says what to fix."""
+
+
+class CurveWarning(UserWarning):
+    """The curve is usable but suspicious (a larger batch that is faster than a smaller one)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CurvePoint:
+    size: int
+    p50_ms: float
+    p99_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class Curve:
+    """Latency of one backend call by batch size, sorted by size."""
+
+    points: tuple[CurvePoint, ...]
+    backend: str = "unknown"
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.points:
+            raise CurveError("the curve has no points: it needs at least one {size, p50_ms, p99_ms}")
+        sizes = [p.size for p in self.points]
+        if sizes != sorted(set(sizes)):
+            raise CurveError(f"curve sizes must be distinct and ascending, got {sizes}")
+        for point in self.points:
+            if point.size < 1 or not point.p50_ms > 0 or point.p99_ms < point.p50_ms:
+                raise CurveError(f"bad curve point {point}: size >= 1, p50_ms > 0 and p99_ms >= p50_ms are required")
+        for before, after in itertools.pairwise(self.points):
+            if after.p50_ms < before.p50_ms:
+                warnings.warn(
+                    f"curve is not monotone in size: {after.size} items take {after.p50_ms} ms, "
+                    f"{before.size} take {before.p50_ms} ms; using it as measured",
+                    CurveWarning,
+                    stacklevel=3,
+                )
+                break
+
+    @classmethod
+    def flat(cls, latency_ms: float, max_batch: int, backend: str = "sim") -> Curve:
+        """A backend that takes ``latency_ms`` for any batch of 1 to ``max_batch`` (like the sim backend)."""
+        sizes = sorted({1, max_batch})
+        return cls(tuple(CurvePoint(s, latency_ms, latency_ms) for s in sizes), backend)
+
+    @property
+    def max_batch(self) -> int:
+        return self.points[-1].size
+
+    def latency_ms(self, size: int, quantile: str = "p50") -> float:
+        """The call latency for ``size`` items, interpolated between measured sizes.
+
+        Below the smallest size measured the smallest's latency applies; above the largest, an error.
+        """
+        if size > self.max_batch:
+            raise CurveError(f"batch of {size} is above the curve's max batch {self.max_batch}")
+        points = self.points
+        values = [p.p99_ms if quantile == "p99" else p.p50_ms for p in points]
+        if size <= points[0].size:
+            return values[0]
+        for (low, low_ms), (high, high_ms) in itertools.pairwise(zip(points, values, strict=True)):
+            if size <= high.size:
+                return low_ms + (size - low.size) / (high.size - low.size) * (high_ms - low_ms)
+        return values[-1]
+
+    def best_rate_per_worker(self) -> tuple[float, int]:
+        """The most requests/s one worker can serve (full batches back to back), and at which size."""
+        best = max(range(1, self.max_batch + 1), key=lambda s: s / self.latency_ms(s))
+        return best * 1000.0 / self.latency_ms(best), best
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": CURVE_VERSION,
+            "backend": self.backend,
+            "meta": dict(self.meta),
+            "points": [{"size": p.size, "p50_ms": p.p50_ms, "p99_ms": p.p99_ms} for p in self.points],
+        }
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+
+def from_json(data: Any) -> Curve:
+    """A curve from its JSON object; raises ``CurveError`` naming what is missing or wrong."""
+    if not isinstance(data, dict) or not isinstance(data.get("points"), list):
+        raise CurveError('a curve is a JSON object with a "points" list of {size, p50_ms, p99_ms}')
+    points: list[CurvePoint] = []
+    for raw in data["points"]:
+        try:
+            p50 = float(raw["p50_ms"])
+            p99 = float(raw.get("p99_ms", p50))
+            point = CurvePoint(int(raw["size"]), p50, p99)
+        except (KeyError, TypeError, ValueError) as err:
+            raise CurveError(f"bad curve point {raw!r}: it needs size and p50_ms (and p99_ms)") from err
+        if not (math.isfinite(point.p50_ms) and math.isfinite(point.p99_ms)):
+            raise CurveError(f"bad curve point {raw!r}: latencies must be finite")
+        points.append(point)
+    meta = data.get("meta") if isinstance(data.get("meta"), dict) else {}
+    return Curve(tuple(sorted(points, key=lambda p: p.size)), str(data.get("backend", "unknown")), meta or {})
+
+
+def load(path: str | Path) -> Curve:
+    """Reads a curve file written by ``batchwire profile`` (or by hand)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise CurveError(f"cannot read the curve file {path}: {err.strerror}") from err
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise CurveError(f"the curve file {path} is not JSON: {err}") from err
+    return from_json(data)
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """The ``q`` (0..1) quantile of already sorted values, nearest rank."""
+    if not sorted_values:
+        return math.nan
+    rank = min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))
+    return sorted_values[rank]

@@ -1,0 +1,327 @@
+"""A discrete-event simulation of one model's batcher and workers on a virtual clock.
+
+It drives batchwire's own batching core, not a copy: ``batcher.policy.BatchFormer`` forms and
+seals the batches under the ``FlushPolicy`` with this clock injected, ``BatchFormer.reserve_s``
+decides the low-load reserve, and ``batcher.spacing.Spacing`` spreads the busy workers' starts.
+Around them it plays what the services do: a worker runs one batch at a time, offers its next
+credit ``credit_lead_ms`` before its running call is expected to end (its expected duration a
+moving average of its calls, as ``gpu_worker`` keeps it), and claims take the credit that frees
+soonest, as the credit pools do. Call latency comes from the curve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import inspect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+from batcher.policy import BatchFormer, FlushPolicy, Pending
+from batcher.settings import BatcherSettings
+from batcher.spacing import Spacing
+from batchwire.capacity.curve import Curve
+from gpu_worker.runner import BackendRunner
+from gpu_worker.settings import WorkerSettings
+
+MODEL = "model"
+
+
+def _default(cls: Any, name: str) -> Any:
+    """A settings dataclass's default, so the simulation starts from what the services use."""
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+def _ewma_alpha() -> float:
+    """The worker's moving-average weight for its expected call duration."""
+    return float(inspect.signature(BackendRunner).parameters["ewma_alpha"].default)
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """One deployment of one model: its curve, workers, policy and the service settings that shape dispatch."""
+
+    curve: Curve
+    workers: int
+    policy: FlushPolicy
+    credit_lead_ms: float = _default(WorkerSettings, "credit_lead_ms")
+    credit_lead_full_ms: float = _default(WorkerSettings, "credit_lead_full_ms")
+    spacing_margin_ms: float = _default(BatcherSettings, "spacing_margin_ms")
+    """-1: no spacing (several batchers share the model's workers)."""
+    transit_ms: float = 0.0
+    """A batch's way from the batcher to its worker."""
+    overhead_ms: float = 0.0
+    """Added to every request's latency: the gateway's and the result's hops."""
+    timeout_s: float = math.inf
+    """A request's deadline after its arrival (inf: none)."""
+    max_backlog: int = 0
+    """Stop, reporting unstable, once this many requests are held (0: 50 full batches per worker)."""
+    record: bool = False
+    """Keep every batch's record (tests check the invariants on them)."""
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers must be at least 1, got {self.workers} (--workers)")
+        if self.policy.max_batch > self.curve.max_batch:
+            raise ValueError(
+                f"max batch {self.policy.max_batch} is above the curve's largest size {self.curve.max_batch} "
+                "(--max-batch)"
+            )
+
+    @property
+    def backlog_limit(self) -> int:
+        return self.max_backlog or max(10_000, 50 * self.workers * self.policy.max_batch)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRecord:
+    worker: int
+    sent_s: float
+    start_s: float
+    end_s: float
+    items: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class SimOutcome:
+    """What one run produced: every served request's latency, and the counters behind the summary."""
+
+    arrivals: int
+    horizon_s: float
+    latencies_s: list[float] = field(default_factory=list)
+    ends_s: list[float] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    batches: int = 0
+    expired: int = 0
+    busy_s: float = 0.0
+    last_end_s: float = 0.0
+    queue_sum: int = 0
+    queue_max: int = 0
+    stopped_s: float | None = None
+    """When the run stopped early because the backlog passed its limit (over capacity)."""
+    records: list[BatchRecord] = field(default_factory=list)
+
+
+class _Mode(IntEnum):
+    IDLE = 0
+    CLAIMING = 1
+    HOLDING = 2
+    SPACING = 3
+
+
+class _Event(IntEnum):
+    OFFER = 0
+    TIMER = 1
+    WAIT_END = 2
+
+
+@dataclass(slots=True)
+class _Worker:
+    free_s: float = 0.0
+    """When its last accepted call ends."""
+    expected_s: float | None = None
+    """Its moving average of call durations (``BackendRunner.expected_s``)."""
+    credit_busy_s: float = 0.0
+    """The expected duration its next credit reports (``Credit.busy_ms``)."""
+
+
+class Simulation:
+    """Runs arrivals through the batcher's dispatch and the workers, all on one virtual clock."""
+
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        self.now = 0.0
+        self.former: BatchFormer[int] = BatchFormer(config.policy, lambda: self.now)
+        self.spacing = Spacing()
+        self.workers = [_Worker() for _ in range(config.workers)]
+        self._alpha = _ewma_alpha()
+        self._events: list[tuple[float, int, int, int]] = []
+        self._pool: list[tuple[float, int, int]] = []
+        """Offered credits: (frees at, sequence, worker); a claim takes the soonest to free."""
+        self._seq = 0
+        self._mode = _Mode.IDLE
+        self._claim_since = 0.0
+        self._held_credit: tuple[float, int, int] | None = None
+        self._wait_token = 0
+        self._timer_at: float | None = None
+        self._held = 0
+        self._out = SimOutcome(0, 0.0)
+
+    # the loop -------------------------------------------------------------------------------------
+    def run(self, arrivals: Sequence[float]) -> SimOutcome:
+        """Feeds ``arrivals`` (ascending seconds) and runs until every request is served."""
+        out = self._out = SimOutcome(len(arrivals), arrivals[-1] if arrivals else 0.0)
+        for index in range(len(self.workers)):
+            self._push(0.0, _Event.OFFER, index)
+        events, limit, count, i = self._events, self.config.backlog_limit, len(arrivals), 0
+        while i < count or (self._held and events):
+            if events and (i >= count or events[0][0] <= arrivals[i]):
+                at, _, kind, arg = heapq.heappop(events)
+                self.now = at
+                self._on_event(kind, arg)
+                continue
+            self.now = arrivals[i]
+            self._arrive(i)
+            i += 1
+            out.queue_sum += self._held
+            if self._held > out.queue_max:
+                out.queue_max = self._held
+                if self._held > limit:
+                    out.stopped_s = self.now
+                    out.arrivals = i
+                    break
+        return out
+
+    def _push(self, at: float, kind: _Event, arg: int) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (at, self._seq, kind, arg))
+
+    def _on_event(self, kind: int, arg: int) -> None:
+        if kind == _Event.OFFER:
+            self._offered(arg)
+        elif kind == _Event.TIMER:
+            if self._timer_at == self.now:
+                self._timer_at = None
+                self._tick()
+        elif arg == self._wait_token and self._mode in (_Mode.HOLDING, _Mode.SPACING):
+            self._send_held()
+
+    # the batcher's side -----------------------------------------------------------------------------
+    def _arrive(self, index: int) -> None:
+        now = self.now
+        self.former.add(MODEL, Pending(index, 0, index, now, now + self.config.timeout_s))
+        self._held += 1
+        if self._timer_at is None:
+            self._schedule_timer()
+        if self._mode == _Mode.HOLDING or (self._mode == _Mode.SPACING and self.former.sealed(MODEL)):
+            self._send_held()
+        elif self._mode != _Mode.SPACING:
+            self._dispatch()
+
+    def _schedule_timer(self) -> None:
+        due = self.former.next_due_s()
+        if due is not None and due != math.inf:
+            self._timer_at = max(due, self.now)
+            self._push(self._timer_at, _Event.TIMER, 0)
+
+    def _tick(self) -> None:
+        self.former.tick()
+        expired = self.former.expire()
+        self._held -= len(expired)
+        self._out.expired += len(expired)
+        self._schedule_timer()
+        if self._mode == _Mode.SPACING and self.former.sealed(MODEL):
+            self._send_held()
+        elif self._mode in (_Mode.IDLE, _Mode.CLAIMING):
+            self._dispatch()
+
+    def _offered(self, worker: int) -> None:
+        state = self.workers[worker]
+        self._seq += 1
+        credit = (max(state.free_s, self.now), self._seq, worker)
+        if self._mode == _Mode.HOLDING and self._held_credit is not None:
+            held, self._held_credit = self._held_credit, None  # a second worker came first: the held one goes back
+            heapq.heappush(self._pool, held)
+            self._send(credit)
+            self._mode = _Mode.IDLE
+            self._dispatch()
+            return
+        heapq.heappush(self._pool, credit)
+        if self._mode in (_Mode.IDLE, _Mode.CLAIMING):
+            self._dispatch()
+
+    def _dispatch(self) -> None:
+        """The dispatch loop of ``batcher.dispatch``: a credit per ready batch, held or spaced as it would be."""
+        while self.former.ready(MODEL):
+            if not self._pool:
+                if self._mode != _Mode.CLAIMING:
+                    self._mode, self._claim_since = _Mode.CLAIMING, self.now
+                return
+            claimed_from = self._claim_since if self._mode == _Mode.CLAIMING else self.now
+            credit = heapq.heappop(self._pool)
+            self._mode = _Mode.IDLE
+            call_s = self.workers[credit[2]].credit_busy_s
+            hold_s = self.former.reserve_s(MODEL, call_s, claimed_from)
+            if hold_s > 0:
+                if self._pool:  # the second claim succeeds at once: send against it, the first goes back
+                    other = heapq.heappop(self._pool)
+                    heapq.heappush(self._pool, credit)
+                    credit = other
+                else:
+                    self._wait(_Mode.HOLDING, credit, self.now + hold_s)
+                    return
+            elif self._space_until(credit, call_s) > self.now:
+                self._wait(_Mode.SPACING, credit, self._space_until(credit, call_s))
+                return
+            self._send(credit)
+        self._mode = _Mode.IDLE
+
+    def _space_until(self, credit: tuple[float, int, int], call_s: float) -> float:
+        """When the batch for a busy worker should be sealed to keep the starts spread (now: at once)."""
+        margin_ms = self.config.spacing_margin_ms
+        starts_in_s = max(0.0, credit[0] - self.now)
+        if margin_ms < 0 or starts_in_s <= 0 or self.former.sealed(MODEL):
+            return self.now
+        start_s = self.now + starts_in_s
+        due_s = self.spacing.due_s(str(credit[2]), start_s, call_s)
+        until_s = due_s - margin_ms / 1000.0
+        return until_s if due_s > start_s and until_s > self.now else self.now
+
+    def _wait(self, mode: _Mode, credit: tuple[float, int, int], until_s: float) -> None:
+        self._mode, self._held_credit = mode, credit
+        self._wait_token += 1
+        self._push(until_s, _Event.WAIT_END, self._wait_token)
+
+    def _send_held(self) -> None:
+        credit, self._held_credit = self._held_credit, None
+        self._wait_token += 1
+        self._mode = _Mode.IDLE
+        if credit is not None:
+            self._send(credit)
+        self._dispatch()
+
+    # the worker's side ------------------------------------------------------------------------------
+    def _send(self, credit: tuple[float, int, int]) -> None:
+        """Hands one batch to the credit's worker, runs it when the worker is free, schedules its next credit."""
+        frees_s, _, index = credit
+        taken = self.former.take(MODEL, self.config.curve.max_batch)
+        self._held -= len(taken.items) + len(taken.expired)
+        self._out.expired += len(taken.expired)
+        if not taken.items:
+            heapq.heappush(self._pool, credit)
+            return
+        worker, config, out, now = self.workers[index], self.config, self._out, self.now
+        size = len(taken.items)
+        start_s = max(now + config.transit_ms / 1000.0, worker.free_s)
+        call_s = config.curve.latency_ms(size) / 1000.0
+        end_s = start_s + call_s
+        if config.spacing_margin_ms >= 0:
+            self.spacing.started(str(index), now + max(0.0, frees_s - now), worker.credit_busy_s)
+        offer_s = self._offer_at(worker, start_s, end_s, size)
+        self._push(offer_s, _Event.OFFER, index)
+        before = worker.expected_s
+        worker.expected_s = call_s if before is None else before + self._alpha * (call_s - before)
+        worker.credit_busy_s = before if before is not None and offer_s < end_s else worker.expected_s
+        worker.free_s = end_s
+        done_s = end_s + config.overhead_ms / 1000.0
+        out.latencies_s.extend(done_s - p.arrived_s for p in taken.items)
+        out.ends_s.append(end_s)
+        out.sizes.append(size)
+        out.batches += 1
+        out.busy_s += call_s
+        out.last_end_s = max(out.last_end_s, end_s)
+        if config.record:
+            out.records.append(BatchRecord(index, now, start_s, end_s, tuple(p.item for p in taken.items)))
+
+    def _offer_at(self, worker: _Worker, start_s: float, end_s: float, size: int) -> float:
+        """When the worker offers its next credit: ``lead`` before this call's expected end (``gpu_worker.credits``)."""
+        if worker.expected_s is None:
+            return end_s
+        full = 2 * size >= self.config.curve.max_batch
+        lead_s = (self.config.credit_lead_full_ms if full else self.config.credit_lead_ms) / 1000.0
+        if lead_s <= 0:
+            return end_s
+        return max(start_s, start_s + worker.expected_s - lead_s)

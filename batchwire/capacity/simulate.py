@@ -1,0 +1,227 @@
+"""``batchwire simulate``: a deployment's latency, throughput and batches at given arrival rates.
+
+Each rate runs the discrete-event simulation of ``batchwire.capacity.engine`` over the curve and
+sums it up: throughput, p50/p99/p99.9 latency, mean batch, GPU busy fraction, queue depth. A rate
+the deployment cannot keep up with is reported unstable, without latencies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from batcher.policy import FlushPolicy, PolicyName
+from batchwire.capacity import arrivals as arrival_processes
+from batchwire.capacity.curve import Curve, CurveError, load, percentile
+from batchwire.capacity.engine import SimConfig, SimOutcome, Simulation
+
+UNSTABLE_BACKLOG_SHARE = 0.02
+"""Unstable when more than this share of the requests is still waiting as the arrivals end."""
+WARM_UP_SHARE = 0.1
+"""Throughput counts the requests served after this share of the run (the queues have filled)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RateResult:
+    """One rate's summary. Latencies are None when the rate is unstable (the queue only grows)."""
+
+    rate: float
+    requests: int
+    throughput: float
+    p50_ms: float | None
+    p99_ms: float | None
+    p999_ms: float | None
+    mean_batch: float
+    busy: float
+    max_queue: int
+    mean_queue: float
+    unstable: bool
+    expired: int
+    wall_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def capacity(config: SimConfig) -> float:
+    """Requests/s the workers serve at most: each runs full batches back to back."""
+    rate, _ = config.curve.best_rate_per_worker()
+    return rate * config.workers
+
+
+def summarize(rate: float, config: SimConfig, out: SimOutcome, wall_s: float) -> RateResult:
+    """The figures of one run. Throughput counts requests served by the last arrival (or the stop)."""
+    horizon_s = out.stopped_s if out.stopped_s is not None else out.horizon_s
+    served = sum(size for end, size in zip(out.ends_s, out.sizes, strict=True) if end <= horizon_s)
+    window_s = horizon_s * (1 - WARM_UP_SHARE)
+    in_window = sum(
+        size for end, size in zip(out.ends_s, out.sizes, strict=True) if horizon_s - window_s < end <= horizon_s
+    )
+    throughput = in_window / window_s if window_s > 0 else float(len(out.latencies_s))
+    waiting_at_end = out.arrivals - served - out.expired
+    backlog_limit = max(4 * config.workers * config.policy.max_batch, UNSTABLE_BACKLOG_SHARE * out.arrivals)
+    unstable = out.stopped_s is not None or rate >= capacity(config) or waiting_at_end > backlog_limit
+    latencies = [] if unstable else sorted(out.latencies_s)
+
+    def ms(q: float) -> float | None:
+        return round(percentile(latencies, q) * 1000, 3) if latencies else None
+
+    span_s = max(out.last_end_s, horizon_s)
+    return RateResult(
+        rate=rate,
+        requests=out.arrivals,
+        throughput=round(throughput, 3),
+        p50_ms=ms(0.50),
+        p99_ms=ms(0.99),
+        p999_ms=ms(0.999),
+        mean_batch=round(sum(out.sizes) / out.batches, 3) if out.batches else 0.0,
+        busy=round(out.busy_s / (config.workers * span_s), 4) if span_s > 0 else 0.0,
+        max_queue=out.queue_max,
+        mean_queue=round(out.queue_sum / out.arrivals, 3) if out.arrivals else 0.0,
+        unstable=unstable,
+        expired=out.expired,
+        wall_s=round(wall_s, 3),
+    )
+
+
+def simulate(config: SimConfig, times: Sequence[float], rate: float) -> RateResult:
+    """Runs ``times`` (arrival seconds, ascending) through a fresh simulation and sums it up."""
+    started = time.perf_counter()
+    out = Simulation(config).run(times)
+    return summarize(rate, config, out, time.perf_counter() - started)
+
+
+def simulate_rate(config: SimConfig, rate: float, requests: int, seed: int = 0) -> RateResult:
+    """``requests`` Poisson arrivals at ``rate`` per second (seeded: the same seed, the same run)."""
+    return simulate(config, arrival_processes.poisson(rate, requests, seed), rate)
+
+
+def policy_for(
+    curve: Curve, name: str, max_batch: int | None, max_wait_ms: float | None, reserve_ms: float | None
+) -> FlushPolicy:
+    """The service's policy of that name, its max batch the curve's largest size unless given."""
+    limit = curve.max_batch if max_batch is None else max_batch
+    policy = FlushPolicy.named(name, limit, max_wait_ms)
+    if reserve_ms is not None and policy.name is PolicyName.WORK_CONSERVING:
+        policy = dataclasses.replace(policy, reserve_ms=reserve_ms)
+    return policy
+
+
+# the command ------------------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags ``simulate`` and ``plan`` share: the deployment being simulated."""
+    parser.add_argument("--curve", required=True, help="curve file written by batchwire profile")
+    parser.add_argument(
+        "--policy", default="work-conserving", choices=[p.value for p in PolicyName], help="flush policy"
+    )
+    parser.add_argument(
+        "--max-batch", type=int, default=None, help="items per batch at most (default: the curve's largest size)"
+    )
+    parser.add_argument(
+        "--max-wait-ms", type=float, default=None, help="age that seals a batch (default: the policy's)"
+    )
+    parser.add_argument(
+        "--reserve-ms",
+        type=float,
+        default=None,
+        help="work-conserving low-load reserve (default: the policy's; 0: off)",
+    )
+    parser.add_argument(
+        "--credit-lead-ms",
+        type=float,
+        default=None,
+        help="workers offer their next credit this long before a call ends",
+    )
+    parser.add_argument(
+        "--credit-lead-full-ms", type=float, default=None, help="the lead while the running batch is at least half full"
+    )
+    parser.add_argument(
+        "--spacing-margin-ms", type=float, default=None, help="spacing of busy workers' starts (-1: off)"
+    )
+    parser.add_argument("--transit-ms", type=float, default=0.0, help="a batch's way from the batcher to its worker")
+    parser.add_argument(
+        "--overhead-ms", type=float, default=0.0, help="added to every request: the gateway's and the result's hops"
+    )
+    parser.add_argument("--requests", type=int, default=100_000, help="simulated requests per rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
+    parser.add_argument("--log-level", default="warning", help="debug, info, warning or error")
+
+
+def config_from(args: argparse.Namespace, curve: Curve, workers: int) -> SimConfig:
+    """The simulated deployment from the shared flags; unset service settings keep the services' defaults."""
+    policy = policy_for(curve, args.policy, args.max_batch, args.max_wait_ms, args.reserve_ms)
+    base = SimConfig(curve, workers, policy, transit_ms=args.transit_ms, overhead_ms=args.overhead_ms)
+
+    def given(value: float | None, default: float) -> float:
+        return default if value is None else float(value)
+
+    return dataclasses.replace(
+        base,
+        credit_lead_ms=given(args.credit_lead_ms, base.credit_lead_ms),
+        credit_lead_full_ms=given(args.credit_lead_full_ms, base.credit_lead_full_ms),
+        spacing_margin_ms=given(args.spacing_margin_ms, base.spacing_margin_ms),
+    )
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser("simulate", help="simulate a deployment on a latency curve at given request rates")
+    add_arguments(parser)
+    parser.add_argument("--workers", type=int, required=True, help="workers (GPUs) serving the model")
+    parser.add_argument("--rate", default=None, help="comma-separated request rates per second (Poisson arrivals)")
+    parser.add_argument("--trace", default=None, help="arrival timestamps (JSON list or one a line) instead of --rate")
+    parser.add_argument("--json", action="store_true", help="print a JSON list, one object per rate")
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError as err:
+        raise ValueError(f"--rate takes comma-separated numbers, got {text!r}") from err
+    if not rates or any(r <= 0 for r in rates):
+        raise ValueError(f"--rate takes positive rates, got {text!r}")
+    return rates
+
+
+def format_table(results: Sequence[RateResult]) -> str:
+    def show(value: float | None) -> str:
+        return "unstable" if value is None else f"{value:.1f}"
+
+    lines = [
+        f"{'rate/s':>10} {'thru/s':>10} {'p50 ms':>9} {'p99 ms':>9} {'p99.9 ms':>9} {'batch':>7} {'busy':>6} "
+        f"{'queue max/mean':>16}"
+    ]
+    for r in results:
+        lines.append(
+            f"{r.rate:>10.1f} {r.throughput:>10.1f} {show(r.p50_ms):>9} {show(r.p99_ms):>9} {show(r.p999_ms):>9} "
+            f"{r.mean_batch:>7.1f} {r.busy:>6.2f} {f'{r.max_queue}/{r.mean_queue:.1f}':>16}"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``batchwire simulate``."""
+    try:
+        curve = load(args.curve)
+        config = config_from(args, curve, args.workers)
+        if args.trace is not None:
+            times = arrival_processes.load_trace(args.trace)
+            span_s = times[-1] or 1.0
+            results = [simulate(config, times, len(times) / span_s)]
+        elif args.rate is not None:
+            results = [simulate_rate(config, rate, args.requests, args.seed) for rate in _rates(args.rate)]
+        else:
+            raise ValueError("give --rate R1,R2,... or --trace FILE")
+    except (CurveError, ValueError) as err:
+        print(f"batchwire simulate: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([r.to_json() for r in results], indent=2))
+    else:
+        print(format_table(results))
+    return 0
