@@ -1,0 +1,196 @@
+"""``batchwire plan``: how many GPUs, partitions, processes, brokers and Redis for a rate and a p99.
+
+The GPU count comes from the simulation, not from a closed form: the smallest worker count whose
+simulated p99 meets the target (the target sets how full the batches may get and how busy the
+GPUs may be). Headroom then divides it: ``ceil(gpus / headroom)``. Everything else follows from the
+rate in closed form (``batchwire.capacity.sizing``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from batchwire.capacity.curve import Curve, CurveError, load
+from batchwire.capacity.engine import SimConfig
+from batchwire.capacity.simulate import RateResult, add_arguments, config_from, simulate_rate
+from batchwire.capacity.sizing import DEFAULT_HEADROOM, Figure, SizingError, SizingInputs, as_dict, load_cpu_file, size
+
+MAX_GROWTH = 64
+"""The search gives up past this many times the closed-form lower bound."""
+
+
+class PlanError(ValueError):
+    """No deployment meets the target; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelPlan:
+    model: str
+    rate: float
+    gpus: int
+    gpus_with_headroom: int
+    simulated: RateResult
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "rate": self.rate,
+            "gpus": self.gpus,
+            "gpus_with_headroom": self.gpus_with_headroom,
+            "batch_partitions": self.gpus_with_headroom,
+            "simulated": self.simulated.to_json(),
+        }
+
+
+def default_requests(rate: float) -> int:
+    """Enough simulated requests for a steady p99: about 3 s of arrivals, 50,000 to 300,000."""
+    return max(50_000, min(300_000, math.ceil(rate * 3)))
+
+
+def gpus_for(
+    configure: Callable[[int], SimConfig], rate: float, p99_ms: float, requests: int, seed: int = 0
+) -> tuple[int, RateResult]:
+    """The smallest worker count whose simulated p99 at ``rate`` is at most ``p99_ms``, and its figures.
+
+    Starts at the closed-form bound (rate / one worker's best rate), grows by a quarter until the
+    target is met, then bisects between the last miss and the first hit.
+    """
+    probe = configure(1)
+    per_worker, _ = probe.curve.best_rate_per_worker()
+    fastest_ms = probe.curve.latency_ms(1) + probe.overhead_ms
+    if p99_ms < fastest_ms:
+        raise PlanError(f"p99 target {p99_ms} ms is below one call of a single item ({fastest_ms:.1f} ms)")
+    lower = max(1, math.ceil(rate / per_worker))
+
+    def meets(workers: int) -> RateResult | None:
+        result = simulate_rate(configure(workers), rate, requests, seed)
+        return result if result.p99_ms is not None and result.p99_ms <= p99_ms else None
+
+    miss, hit = lower - 1, lower
+    found = meets(hit)
+    while found is None:
+        if hit > MAX_GROWTH * lower:
+            raise PlanError(f"no worker count up to {hit} keeps p99 within {p99_ms} ms at {rate} req/s")
+        miss, hit = hit, max(hit + 1, math.ceil(hit * 1.25))
+        found = meets(hit)
+    while hit - miss > 1:
+        middle = (miss + hit) // 2
+        result = meets(middle)
+        if result is None:
+            miss = middle
+        else:
+            hit, found = middle, result
+    return hit, found
+
+
+def plan_model(
+    configure: Callable[[int], SimConfig], model: str, rate: float, p99_ms: float, headroom: float, requests: int
+) -> ModelPlan:
+    gpus, simulated = gpus_for(configure, rate, p99_ms, requests)
+    return ModelPlan(model, rate, gpus, math.ceil(gpus / headroom - 1e-9), simulated)
+
+
+def summary(plans: list[ModelPlan], figures: list[Figure], inputs: SizingInputs, p99_ms: float) -> dict[str, Any]:
+    gpus = sum(p.gpus for p in plans)
+    with_headroom = sum(p.gpus_with_headroom for p in plans)
+    gpu_figures = [
+        Figure("gpus", gpus, f"per model, the fewest workers whose simulated p99 is within {p99_ms:g} ms"),
+        Figure("gpus_with_headroom", with_headroom, f"per model, ceil(gpus / headroom {inputs.headroom:g})"),
+        Figure("batch_partitions", with_headroom, "one per worker: a worker owns its batch partition"),
+    ]
+    every = gpu_figures + figures
+    return {
+        **as_dict(every),
+        "models": [p.to_json() for p in plans],
+        "formulas": {f.name: f.formula for f in every},
+    }
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = [f"{'figure':<22} {'value':>16}  formula"]
+    for name, formula in result["formulas"].items():
+        lines.append(f"{name:<22} {result[name]:>16,}  {formula}")
+    for model in result["models"]:
+        sim = model["simulated"]
+        lines.append(
+            f"model {model['model']}: {model['rate']:g} req/s on {model['gpus']} GPUs: "
+            f"simulated p50 {sim['p50_ms']} ms, "
+            f"p99 {sim['p99_ms']} ms, mean batch {sim['mean_batch']}, busy {sim['busy']}"
+        )
+    return "\n".join(lines)
+
+
+# the command ------------------------------------------------------------------------------------------
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser("plan", help="size a deployment: GPUs (simulated), partitions, processes, Kafka, Redis")
+    add_arguments(parser)
+    parser.add_argument("--rate", type=float, default=None, help="requests per second in all (one model)")
+    parser.add_argument("--models", default=None, help="several models: NAME=RATE,NAME=RATE (instead of --rate)")
+    parser.add_argument("--p99-ms", type=float, required=True, help="p99 latency target in milliseconds")
+    parser.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, help="share of each resource to fill")
+    parser.add_argument("--cpu-file", default=None, help="JSON of CPU per request and other sizing inputs")
+    parser.add_argument("--result-ttl-s", type=float, default=None, help="how long results stay in Redis")
+    parser.add_argument("--replication-factor", type=int, default=None, help="Kafka replication factor")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.set_defaults(requests=None)
+
+
+def _models(args: argparse.Namespace) -> list[tuple[str, float]]:
+    if args.models:
+        try:
+            pairs = [part.split("=", 1) for part in args.models.split(",") if part.strip()]
+            models = [(name.strip(), float(rate)) for name, rate in pairs]
+        except ValueError as err:
+            raise PlanError(f"--models takes NAME=RATE,NAME=RATE, got {args.models!r}") from err
+    elif args.rate is not None:
+        models = [("model", args.rate)]
+    else:
+        raise PlanError("give --rate R or --models NAME=RATE,...")
+    if any(rate <= 0 for _, rate in models):
+        raise PlanError("rates must be positive")
+    return models
+
+
+def _inputs(args: argparse.Namespace) -> SizingInputs:
+    inputs = SizingInputs(headroom=args.headroom)
+    if args.cpu_file:
+        inputs = load_cpu_file(args.cpu_file, inputs)
+    if args.result_ttl_s is not None:
+        inputs = replace(inputs, result_ttl_s=args.result_ttl_s)
+    if args.replication_factor is not None:
+        inputs = replace(inputs, replication_factor=args.replication_factor)
+    return inputs
+
+
+def make_plan(args: argparse.Namespace, curve: Curve) -> dict[str, Any]:
+    inputs = _inputs(args)
+    plans = [
+        plan_model(
+            lambda workers: config_from(args, curve, workers),
+            model,
+            rate,
+            args.p99_ms,
+            inputs.headroom,
+            args.requests or default_requests(rate),
+        )
+        for model, rate in _models(args)
+    ]
+    total_rate = sum(rate for _, rate in _models(args))
+    return summary(plans, size(total_rate, inputs), inputs, args.p99_ms)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``batchwire plan``."""
+    try:
+        result = make_plan(args, load(args.curve))
+    except (CurveError, SizingError, PlanError, ValueError) as err:
+        print(f"batchwire plan: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    return 0

@@ -1,0 +1,160 @@
+"""The closed-form part of a plan: processes, partitions, Kafka and Redis from the request rate.
+
+Each figure comes with its formula in words. The inputs' defaults are round, documented guesses;
+``--cpu-file`` and the flags of ``batchwire plan`` replace them with measured values.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+DEFAULT_HEADROOM = 0.7
+
+
+class SizingError(ValueError):
+    """An input of the sizing cannot be used; the message names it."""
+
+
+@dataclass(frozen=True, slots=True)
+class SizingInputs:
+    """What the sizing needs besides the rate and the GPU count."""
+
+    headroom: float = DEFAULT_HEADROOM
+    """The share of every resource (GPU, core, broker, Redis) a plan fills at the planned rate."""
+    gateway_us_per_request: float = 400.0
+    """CPU per request of a gateway over Kafka and Redis (``batchwire bench``'s per-process figure)."""
+    batcher_us_per_request: float = 240.0
+    """CPU per request of a batcher."""
+    request_bytes: int = 1024
+    """A request record on the request topic (input, ids, headers)."""
+    result_bytes: int = 1024
+    """A result as stored in Redis."""
+    key_overhead_bytes: int = 300
+    """Redis's per-task cost beyond the result: the task record's other fields and the key's own overhead."""
+    replication_factor: int = 3
+    broker_bytes_per_s: float = 50e6
+    """Replicated bytes a broker takes in per second at the headroom."""
+    result_ttl_s: float = 3600.0
+    """How long a result stays in Redis (the store's TTL)."""
+    redis_commands_per_request: float = 3.0
+    """Commands per request: the task's creation, its result, its read."""
+    redis_commands_per_s: float = 100_000.0
+    """Commands a Redis shard serves per second at the headroom."""
+    redis_shard_bytes: float = 25e9
+    """Memory of one Redis shard."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.headroom <= 1:
+            raise SizingError(f"headroom must be within (0, 1], got {self.headroom} (--headroom)")
+        if self.replication_factor < 1:
+            raise SizingError(f"replication factor must be at least 1, got {self.replication_factor}")
+
+
+def load_cpu_file(path: str | Path, inputs: SizingInputs) -> SizingInputs:
+    """``inputs`` with values from a JSON object of ``SizingInputs`` fields (``gateway_us_per_request``, ...)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise SizingError(f"cannot read the CPU file {path}: {err}") from err
+    known = {f.name for f in fields(SizingInputs)}
+    if not isinstance(data, dict) or not set(data) <= known:
+        raise SizingError(f"the CPU file {path} must be a JSON object with keys among {sorted(known)}")
+    try:
+        return replace(inputs, **{k: type(getattr(inputs, k))(v) for k, v in data.items()})
+    except (TypeError, ValueError) as err:
+        raise SizingError(f"the CPU file {path} holds a value that is not a number: {err}") from err
+
+
+@dataclass(frozen=True, slots=True)
+class Figure:
+    name: str
+    value: float
+    formula: str
+
+
+def _processes(rate: float, us_per_request: float, headroom: float) -> int:
+    """One core per process (Python): cores needed at the headroom, at least one."""
+    return max(1, math.ceil(rate * us_per_request / 1e6 / headroom))
+
+
+def size(rate: float, inputs: SizingInputs) -> list[Figure]:
+    """Every figure besides the GPUs, for ``rate`` requests/s in all."""
+    return [*_processes_figures(rate, inputs), *_kafka_figures(rate, inputs), *_redis_figures(rate, inputs)]
+
+
+def _processes_figures(rate: float, inputs: SizingInputs) -> list[Figure]:
+    gateways = _processes(rate, inputs.gateway_us_per_request, inputs.headroom)
+    batchers = _processes(rate, inputs.batcher_us_per_request, inputs.headroom)
+    return [
+        Figure(
+            "gateways",
+            gateways,
+            f"rate x gateway CPU per request ({inputs.gateway_us_per_request:g} us) / one core per process / headroom",
+        ),
+        Figure(
+            "batchers",
+            batchers,
+            f"rate x batcher CPU per request ({inputs.batcher_us_per_request:g} us) / one core per process / headroom",
+        ),
+        Figure(
+            "request_partitions",
+            2 * max(gateways, batchers),
+            "2 x the larger of gateways and batchers: every batcher reads one, and the count can double "
+            "without growing the topic (growing re-routes keys)",
+        ),
+    ]
+
+
+def _kafka_figures(rate: float, inputs: SizingInputs) -> list[Figure]:
+    replicated = rate * 2 * inputs.request_bytes * inputs.replication_factor
+    brokers = max(inputs.replication_factor, math.ceil(replicated / inputs.broker_bytes_per_s))
+    return [
+        Figure(
+            "kafka_bytes_per_s",
+            round(replicated),
+            f"rate x (request record + its copy in a batch record) x replication factor "
+            f"({inputs.request_bytes} B x 2 x {inputs.replication_factor})",
+        ),
+        Figure(
+            "kafka_brokers",
+            brokers,
+            f"replicated bytes/s / {inputs.broker_bytes_per_s / 1e6:g} MB/s per broker, "
+            "at least the replication factor",
+        ),
+    ]
+
+
+def _redis_figures(rate: float, inputs: SizingInputs) -> list[Figure]:
+    memory = rate * inputs.result_ttl_s * (inputs.result_bytes + inputs.key_overhead_bytes)
+    commands = rate * inputs.redis_commands_per_request
+    shards = max(
+        math.ceil(commands / (inputs.redis_commands_per_s * inputs.headroom)),
+        math.ceil(memory / (inputs.redis_shard_bytes * inputs.headroom)),
+    )
+    return [
+        Figure(
+            "redis_commands_per_s",
+            round(commands),
+            f"rate x {inputs.redis_commands_per_request:g} commands per request (create, result, read)",
+        ),
+        Figure(
+            "redis_memory_bytes",
+            round(memory),
+            f"rate x result TTL ({inputs.result_ttl_s:g} s) x (result {inputs.result_bytes} B + "
+            f"{inputs.key_overhead_bytes} B per task record and key)",
+        ),
+        Figure(
+            "redis_shards",
+            shards,
+            f"the larger of commands/s / ({inputs.redis_commands_per_s:g}/s per shard x headroom) and "
+            f"memory / ({inputs.redis_shard_bytes / 1e9:g} GB per shard x headroom)",
+        ),
+    ]
+
+
+def as_dict(figures: list[Figure]) -> dict[str, Any]:
+    return {f.name: f.value for f in figures}
