@@ -22,10 +22,10 @@ from infra.loopback import LoopbackServer
 from infra.ports import LOOPBACK, free_port
 from infra.process import ServiceProcess
 
-# Measured on the 2-core dev box, launch to serving: G1 + C2 (JVM defaults) 2.9 s, G1 + C1 only
-# 2.3-2.7 s, SerialGC + C1 only 2.0 s, plus the CDS archive (infra.kafka_cds) 1.3 s. C1-only
-# code is slower at peak throughput, which a test broker sharing two cores never reaches; the
-# serial collector has no concurrent GC threads competing with the services under test.
+# Tuned for launch-to-serving time on a small machine: the C1 compiler alone and the serial
+# collector start faster than the JVM defaults (the CDS archive, infra.kafka_cds, faster still).
+# C1-only code is slower at peak throughput, which a test broker sharing two cores never reaches;
+# the serial collector has no concurrent GC threads competing with the services under test.
 FAST_START_JVM_OPTS: tuple[str, ...] = (
     "-Xms64m",
     "-Xmx512m",

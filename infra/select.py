@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 from infra.errors import InfraError, NotSupportedError
+from infra.local_stack import LocalStack
 
 InfraKind = Literal["local", "docker", "external"]
 KINDS: tuple[InfraKind, ...] = ("local", "docker", "external")
@@ -177,8 +178,6 @@ def provide_infra(
                 controls=docker_stack,
             )
     else:
-        from infra.local_stack import LocalStack
-
         with LocalStack(work_dir) as local:
             yield ProvidedInfra(
                 kind="local",

@@ -190,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Runs the command parsed by a parser that ``add_arguments`` set up; returns the exit status."""
+    # Here, not at the top: ``command`` imports this module, and every ``batchwire`` start builds
+    # the parser without needing the load generator.
     from batchwire.bench.command import execute
 
     return execute(args)

@@ -1,9 +1,9 @@
 """The HTTP clients the sender can use, behind one small Protocol.
 
-aiohttp is the default: a well-trodden client whose behaviour users can trust. ``raw`` is a minimal
-HTTP/1.1 keep-alive client that costs about a third of aiohttp's CPU per request (measured on a
-2-core VM: ~60-100 µs against ~170-250 µs), for when the generator shares few cores with the
-server under test and every core-share it takes is one the server does not get.
+aiohttp is the default: a well-trodden client whose behaviour users can trust. ``raw``
+(``batchwire.bench.rawhttp``) is a minimal HTTP/1.1 keep-alive client that costs less CPU per
+request, for when the generator shares few cores with the server under test and every core-share
+it takes is one the server does not get.
 
 Both raise the same exceptions, so outcomes are classified alike: ``TimeoutError`` past the
 per-request timeout, ``ConnectionError`` (an ``OSError``) when no answer could be had, and
@@ -56,11 +56,3 @@ class AiohttpClient:
 
     async def close(self) -> None:
         await self._session.close()
-
-
-def make_client(kind: ClientKind, limit: int, timeout_s: float) -> HttpClient:
-    if kind == "raw":
-        from batchwire.bench.rawhttp import RawHttpClient
-
-        return RawHttpClient(timeout_s)
-    return AiohttpClient(limit, timeout_s)

@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from batchwire.bench.client import ClientKind, HttpClient, make_client
+from batchwire.bench.client import AiohttpClient, ClientKind, HttpClient
 from batchwire.bench.loadgen import TIMEOUT, Expect, OpenLoopSender
 from batchwire.bench.lone import DEFAULT_GAP_MS, LoneReport, lone_line, lone_probe
 from batchwire.bench.measure import Probes, measure_rate
 from batchwire.bench.procstats import CpuSampler
+from batchwire.bench.rawhttp import RawHttpClient
 from batchwire.bench.results import RateReport, RunReport
 from batchwire.bench.schedule import InputFactory
 
@@ -52,6 +53,13 @@ class Target:
     metrics_urls: tuple[str, ...] = ()
     pid_groups: Mapping[str, Sequence[int]] = field(default_factory=dict)
     workers_hint: int | None = None
+
+
+def make_client(kind: ClientKind, limit: int, timeout_s: float) -> HttpClient:
+    """The sender's HTTP client of the kind asked for (``limit``: most connections, aiohttp only)."""
+    if kind == "raw":
+        return RawHttpClient(timeout_s)
+    return AiohttpClient(limit, timeout_s)
 
 
 def event_loop_name() -> str:

@@ -6,10 +6,11 @@ import random
 
 import pytest
 
-from batchwire.bench.client import ClientKind, make_client
+from batchwire.bench.client import ClientKind
 from batchwire.bench.lone import LoneReport, lone_line, lone_probe, nearest_rank_ms
 from batchwire.bench.report import compare_table, run_table
 from batchwire.bench.results import RunReport
+from batchwire.bench.runner import make_client
 from batchwire.bench.schedule import InputFactory
 from tests.bench.fake_server import Behaviour, FakeServer
 
