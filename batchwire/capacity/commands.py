@@ -5,16 +5,18 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from batchwire.capacity import plan, simulate
+from batchwire.capacity import plan, profile, simulate
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Adds ``simulate`` and ``plan``."""
+    """Adds ``profile``, ``simulate`` and ``plan``."""
+    profile.add_parser(sub)
     simulate.add_parser(sub)
     plan.add_parser(sub)
 
 
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "profile": profile.run,
     "simulate": simulate.run,
     "plan": plan.run,
 }

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 CURVE_VERSION = 1
+NOT_MONOTONE_TOLERANCE = 0.02
+"""A larger batch faster than a smaller one by less than this share of its latency is timer noise."""
 
 
 class CurveError(ValueError):
@@ -51,7 +53,7 @@ class Curve:
             if point.size < 1 or not point.p50_ms > 0 or point.p99_ms < point.p50_ms:
                 raise CurveError(f"bad curve point {point}: size >= 1, p50_ms > 0 and p99_ms >= p50_ms are required")
         for before, after in itertools.pairwise(self.points):
-            if after.p50_ms < before.p50_ms:
+            if after.p50_ms < before.p50_ms * (1 - NOT_MONOTONE_TOLERANCE):
                 warnings.warn(
                     f"curve is not monotone in size: {after.size} items take {after.p50_ms} ms, "
                     f"{before.size} take {before.p50_ms} ms; using it as measured",
