@@ -43,10 +43,10 @@ def oversize(output: str, limit: int) -> Failure | None:
 
 
 @dataclass(slots=True)
-class Ran:
+class GroupResult:
     """A group's outputs (or failures) by input index, and when its backend calls began and ended."""
 
-    results: dict[int, str | Failure] = field(default_factory=dict)
+    outputs: dict[int, str | Failure] = field(default_factory=dict)
     first: Timing = field(default_factory=Timing)
     """The first call's timing, set by the backend's thread when it starts (the worker reads it to
     time its next credit)."""
@@ -61,35 +61,35 @@ class BackendCalls:
         self.model = model
         self.worker_id = worker_id
 
-    async def run(self, inputs: list[str], ran: Ran | None = None) -> Ran:
-        """Outputs (or failures) by input index, filled into ``ran`` (a new one by default)."""
-        ran = Ran() if ran is None else ran
+    async def run(self, inputs: list[str], result: GroupResult | None = None) -> GroupResult:
+        """Outputs (or failures) by input index, filled into ``result`` (a new one by default)."""
+        result = GroupResult() if result is None else result
         rejected: dict[int, InputError] = self.backend.input_errors(inputs)
         for index, err in rejected.items():
-            ran.results[index] = Failure(err.code, str(err))
+            result.outputs[index] = Failure(err.code, str(err))
         todo = [index for index in range(len(inputs)) if index not in rejected]
         if todo:
-            await self._bisect(inputs, todo, ran)
-        return ran
+            await self._bisect(inputs, todo, result)
+        return result
 
-    async def _bisect(self, inputs: list[str], indices: list[int], ran: Ran) -> None:
+    async def _bisect(self, inputs: list[str], indices: list[int], result: GroupResult) -> None:
         try:
-            outputs = await self._call([inputs[i] for i in indices], ran)
+            outputs = await self._call([inputs[i] for i in indices], result)
         except BackendHung:
             raise
         except Exception as err:
             if len(indices) == 1:
-                ran.results[indices[0]] = Failure("backend_error", f"the model failed on this input: {err}")
+                result.outputs[indices[0]] = Failure("backend_error", f"the model failed on this input: {err}")
                 return
             middle = len(indices) // 2
-            await self._bisect(inputs, indices[:middle], ran)
-            await self._bisect(inputs, indices[middle:], ran)
+            await self._bisect(inputs, indices[:middle], result)
+            await self._bisect(inputs, indices[middle:], result)
             return
         for index, output in zip(indices, outputs, strict=True):
-            ran.results[index] = output
+            result.outputs[index] = output
 
-    async def _call(self, inputs: list[str], ran: Ran) -> list[str]:
-        timing = ran.first if ran.started is None else Timing()
+    async def _call(self, inputs: list[str], result: GroupResult) -> list[str]:
+        timing = result.first if result.started is None else Timing()
         try:
             outputs = await self.runner.call(self.backend.batchstring, inputs, timing=timing)
         finally:
@@ -97,8 +97,8 @@ class BackendCalls:
                 elapsed = timing.ended - timing.started
                 metrics.BACKEND_CALL.labels(model=self.model, backend=self.backend.name).observe(elapsed)
                 metrics.WORKER_BUSY.labels(worker=self.worker_id).inc(elapsed)
-                ran.started = timing.started if ran.started is None else ran.started
-                ran.ended = timing.ended
+                result.started = timing.started if result.started is None else result.started
+                result.ended = timing.ended
         if len(outputs) != len(inputs):
             raise RuntimeError(f"backend returned {len(outputs)} outputs for {len(inputs)} inputs")
         return outputs

@@ -1,0 +1,146 @@
+"""Admission: a batch's tasks move to ``running`` before the backend sees them.
+
+A task whose move is refused because it already ended (cancelled, expired, done by an earlier
+delivery) is not run at all. Each Kafka delivery of a batch is counted first, so a redelivered
+batch is known and runs carefully (``careful``).
+
+The one exception, and the one place an express batch differs: an express copy (a first delivery,
+counted by the push that brought it, ``RedisExpress.push``) reaching an idle backend starts its
+call first and its tasks are admitted while it runs, a round trip less before the GPU starts; a
+task that ended meanwhile (cancelled within those milliseconds) is computed but its result is
+dropped. Should that call kill the worker, Kafka's copy comes again as a second delivery and runs
+carefully.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from gpu_worker.calls import Failure, GroupResult
+from gpu_worker.states import task_state
+from schemas.records import Batch, BatchItem, TaskState, TaskStatus
+from transport.deliveries import DeliveryLog
+from transport.ports import Delivered, TaskStore
+
+log = logging.getLogger(__name__)
+
+Retry = Callable[[str, Callable[[], Awaitable[Any]]], Awaitable[Any]]
+
+EXPIRED = Failure(
+    "deadline_exceeded",
+    "the request's deadline would pass before the GPU could finish it (the model's queue was long): "
+    "retry later, or send a longer timeout_ms",
+)
+
+
+class Admission:
+    """Counts a batch's deliveries and moves its live tasks to ``running``, dropping those that ended."""
+
+    def __init__(
+        self, worker_id: str, store: TaskStore, deliveries: DeliveryLog, retry: Retry, *, keep_ended: bool
+    ) -> None:
+        self.worker_id = worker_id
+        self.store = store
+        self.deliveries = deliveries
+        self.retry = retry
+        self.keep_ended = keep_ended
+        """Keep the states of tasks that ended before their batch ran, to store them again with its
+        results (with Redis replicas: they may be on a lost primary alone)."""
+        self._ended_before: dict[str, list[TaskState]] = {}
+
+    @staticmethod
+    def starts_early(delivered: Delivered[Batch], live: list[BatchItem], backend_idle: bool) -> bool:
+        """Whether the batch's call starts before its tasks are admitted (``admit_once_started``)."""
+        return bool(live) and delivered.via == "express" and backend_idle
+
+    def expire_late(self, batch: Batch, ends_by_ms: int) -> tuple[list[TaskState], list[BatchItem]]:
+        """(The ``expired`` states of the items whose deadline a call ending at ``ends_by_ms`` would
+        miss, the live items.) Such a call computes an answer nobody may receive: the GPU's time goes
+        to items that can still be answered."""
+        late = [
+            task_state(self.worker_id, batch, item, TaskStatus.EXPIRED, error=EXPIRED)
+            for item in batch.items
+            if item.deadline_ms <= ends_by_ms
+        ]
+        return late, [item for item in batch.items if item.deadline_ms > ends_by_ms]
+
+    async def count_and_admit(
+        self, delivered: Delivered[Batch], batch: Batch, live: list[BatchItem]
+    ) -> tuple[int, list[BatchItem]]:
+        """Counts this delivery and admits the live items: (deliveries so far, the items to run)."""
+        if delivered.via == "express":  # counted by the push that brought it
+            return 1, await self.admit(batch, live)
+        counted: int
+        admitted: list[BatchItem]
+        counted, admitted = await asyncio.gather(  # one round trip's wait, not two
+            self.retry("counting a delivery", lambda: self.deliveries.begin(batch.batch_id)),
+            self.admit(batch, live),
+        )
+        return counted, admitted
+
+    def admit_once_started(self, result: GroupResult, batch: Batch, live: list[BatchItem]) -> EarlyAdmission:
+        """Admits the items once the thread has begun the call that fills ``result``: the event loop
+        sends nothing meanwhile, so the thread gets the GIL at once."""
+        began = asyncio.Event()
+        result.first.on_start = functools.partial(_set_from_thread, asyncio.get_running_loop(), began)
+        return EarlyAdmission(asyncio.ensure_future(self._admit_after(began, batch, live)))
+
+    async def _admit_after(self, began: asyncio.Event, batch: Batch, live: list[BatchItem]) -> list[BatchItem]:
+        await began.wait()
+        return await self.admit(batch, live)
+
+    async def admit(self, batch: Batch, live: list[BatchItem]) -> list[BatchItem]:
+        """Moves the live items to ``running``; returns them less those that had already ended."""
+        if not live:
+            return []
+        running = [task_state(self.worker_id, batch, item, TaskStatus.RUNNING) for item in live]
+        applied = await self.retry("marking tasks running", lambda: self.store.apply(running))
+        refused = [item.task_id for item, ok in zip(live, applied, strict=True) if not ok]
+        if not refused:
+            return live
+        # Refused: the task ended (cancelled, expired, done by an earlier delivery), or it is already
+        # running because this is a redelivery; only the ended ones are dropped.
+        current: dict[str, TaskState] = await self.retry("reading tasks", lambda: self.store.get_many(refused))
+        ended = {task_id for task_id, state in current.items() if state.status.terminal}
+        if ended and self.keep_ended:
+            self._ended_before.setdefault(batch.batch_id, []).extend(current[task_id] for task_id in ended)
+        if ended:
+            log.info(
+                "worker %s: %d task(s) of batch %s already ended (cancelled, expired or answered); not running them",
+                self.worker_id,
+                len(ended),
+                batch.batch_id,
+            )
+        return [item for item in live if item.task_id not in ended]
+
+    def ended_before(self, batch_id: str) -> list[TaskState]:
+        """The kept states of the batch's tasks that had ended before it ran (see ``keep_ended``)."""
+        return self._ended_before.pop(batch_id, [])
+
+
+class EarlyAdmission:
+    """An express batch's admission, running while its call does; owned by the call that started it."""
+
+    def __init__(self, admitting: asyncio.Future[list[BatchItem]]) -> None:
+        self._admitting = admitting
+
+    async def admitted(self, states: list[TaskState]) -> list[TaskState]:
+        """``states`` less those of tasks that had ended before their admission (their results are dropped)."""
+        kept = {item.task_id for item in await self._admitting}
+        return [state for state in states if state.task_id in kept]
+
+    async def close(self) -> None:
+        """Stops the admission if the call ended without waiting for it (it failed or was cancelled)."""
+        if not self._admitting.done():
+            self._admitting.cancel()
+            await asyncio.gather(self._admitting, return_exceptions=True)
+
+
+def _set_from_thread(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
+        loop.call_soon_threadsafe(event.set)

@@ -1,0 +1,146 @@
+"""Storing a batch's results and committing it, one batch after another in the order they came.
+
+Commits go in offset order: a batch's offset commits every offset before it, so each batch is
+stored and committed only after the one handed in before it. Once one is left uncommitted (its
+results not stored or not on enough Redis replicas), no later one is committed. The work runs in a
+task of its own, which neither a cancelled loop nor a failed backend call cuts in half, while the
+loop goes on: on a busy event loop, waiting for the store first would leave the GPU idle as long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from gpu_worker.replicas import ReplicaWait
+from schemas.records import Batch, TaskState
+from transport.deliveries import DeliveryLog
+from transport.ports import BatchConsumer, Delivered, TaskStore, TransportError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+Retry = Callable[[str, Callable[[], Awaitable[T]]], Awaitable[T]]
+
+
+@dataclass(slots=True)
+class _Handed:
+    delivered: Delivered[Batch]
+    states: list[TaskState]
+    done: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class Committer:
+    """Stores results and commits batches in the order they are handed in, in one task it owns."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        consumer: BatchConsumer,
+        store: TaskStore,
+        deliveries: DeliveryLog,
+        replicas: ReplicaWait | None,
+        retry: Retry[list[bool]],
+        on_failure: Callable[[BaseException], None],
+        *,
+        abandoned: Callable[[], bool],
+        stopping: Callable[[], bool],
+    ) -> None:
+        self.worker_id = worker_id
+        self.consumer = consumer
+        self.store = store
+        self.deliveries = deliveries
+        self.replicas = replicas
+        """When set, a batch is committed only once its results are on enough Redis replicas."""
+        self.retry = retry
+        self.on_failure = on_failure
+        """Told of a batch that could not be stored (the worker stops); later batches stay uncommitted."""
+        self.abandoned = abandoned
+        self.stopping = stopping
+        self.batches_done = 0
+        """Batches finished with: results stored and commit attempted (or skipped as undecodable)."""
+        self._queue: asyncio.Queue[_Handed] = asyncio.Queue()
+        self._held_back = False
+        """A batch was left uncommitted: no later one is committed."""
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._serve(), name=f"commits-{self.worker_id}")
+
+    def hand_in(self, delivered: Delivered[Batch], states: list[TaskState]) -> asyncio.Future[None]:
+        """Queues the batch's results (none for an undecodable one) behind those handed in before;
+        the future is done once it is through, stored and committed or held back."""
+        handed = _Handed(delivered, states)
+        self._queue.put_nowait(handed)
+        return handed.done
+
+    async def drained(self) -> None:
+        """Returns once every batch handed in is through."""
+        await self._queue.join()
+
+    async def close(self) -> None:
+        """Lets the batches handed in go through (their retries give up once ``abandoned()``), then stops."""
+        if self._task is None:
+            return
+        await self.drained()
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self._task = None
+
+    async def _serve(self) -> None:
+        while True:
+            handed = await self._queue.get()
+            try:
+                await self._through(handed.delivered, handed.states)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as err:
+                self._held_back = True
+                self.on_failure(err)
+            finally:
+                if not handed.done.done():  # a waiter that was cancelled cancelled it
+                    handed.done.set_result(None)
+                self._queue.task_done()
+
+    async def _through(self, delivered: Delivered[Batch], states: list[TaskState]) -> None:
+        batch = delivered.value
+        if (
+            self.replicas is not None and batch is not None
+        ):  # every state again: earlier writes may be on a lost primary
+            replicated = await self.replicas.store_results(states, give_up=self.abandoned, stopping=self.stopping)
+            self._held_back = self._held_back or not replicated
+        elif states:
+            await self.retry("storing results", lambda: self.store.apply(states))
+        if self._held_back:  # committing this batch's offset would also commit one left uncommitted before it
+            log.info(
+                "worker %s: batch at %d/%d goes back uncommitted (its results, or an earlier batch's, are not safe)",
+                self.worker_id,
+                delivered.partition,
+                delivered.offset,
+            )
+            return
+        await self._commit(delivered)
+        if batch is not None:
+            try:
+                await self.deliveries.finish(batch.batch_id)
+            except TransportError as err:  # it expires on its own
+                log.debug("worker %s: could not forget batch %s: %s", self.worker_id, batch.batch_id, err)
+        self.batches_done += 1
+
+    async def _commit(self, delivered: Delivered[Batch]) -> None:
+        try:
+            await self.consumer.commit(delivered)
+        except TransportError as err:
+            # The results are stored; if the batch comes again (its partition moved on), its tasks
+            # have ended, so the next holder runs none of them and callers see each answer once.
+            log.warning(
+                "worker %s: commit of batch at %d/%d failed: %s",
+                self.worker_id,
+                delivered.partition,
+                delivered.offset,
+                err,
+            )

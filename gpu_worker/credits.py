@@ -1,0 +1,129 @@
+"""The worker's credit: how it says it can take the next batch.
+
+A worker holds at most one open credit (see ``batcher.service``). It offers one when its backend is
+idle, or ``credit_lead_ms`` before the running call is expected to end, so the next batch is formed
+and travels while the GPU finishes this one; the lead is short next to a call, so a batch sent
+against an early credit waits at most about that long. The credit names the worker's lowest batch
+partition and is replaced before it expires unclaimed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from gpu_worker.backends.base import Backend
+from gpu_worker.replicas import ReplicaWait
+from gpu_worker.runner import BackendRunner
+from gpu_worker.settings import WorkerSettings
+from gpu_worker.states import wall_ms
+from schemas.records import Batch, Credit
+from transport.ports import BatchConsumer, CreditPool, TransportError
+
+log = logging.getLogger(__name__)
+
+
+class CreditOffer:
+    """Offers, refreshes and withdraws the worker's one credit."""
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        pool: CreditPool,
+        consumer: BatchConsumer,
+        backend: Backend,
+        runner: BackendRunner,
+        busy_for_s: Callable[[], float],
+        replicas: ReplicaWait | None,
+    ) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.consumer = consumer
+        self.backend = backend
+        self.runner = runner
+        self.busy_for_s = busy_for_s
+        """How long until the backend should be idle (0 when it is)."""
+        self.replicas = replicas
+        self._open: Credit | None = None
+        self._seq = 0
+        self._stopped = False
+        self._failed_offers = 0
+
+    async def stop(self) -> None:
+        """Withdraws the open credit and offers no other."""
+        self._stopped = True
+        await self.withdraw()
+
+    async def on_assigned(self, partitions: frozenset[int]) -> None:
+        log.info("worker %s owns batch partitions %s", self.settings.worker_id, sorted(partitions))
+        if self._open is not None and self._open.partition not in partitions:
+            await self.withdraw()
+
+    async def on_revoked(self, partitions: frozenset[int]) -> None:
+        if self._open is not None and self._open.partition in partitions:
+            await self.withdraw()
+
+    async def withdraw(self) -> None:
+        credit, self._open = self._open, None
+        if credit is not None:
+            try:
+                await self.pool.withdraw(credit)
+            except TransportError as err:
+                log.warning("could not withdraw credit %s: %s (it expires on its own)", credit.ref, err)
+
+    async def taken(self, batch: Batch | None) -> None:
+        """A batch came: the open credit is used up, and withdrawn if the batch was not sent against it
+        (keep one at a time)."""
+        if self._open is not None and (batch is None or batch.credit != self._open.ref):
+            await self.withdraw()
+        self._open = None
+
+    def lead_s(self, batch_size: int) -> float:
+        """How long before a running call of ``batch_size`` inputs ends the next credit is offered."""
+        full = 2 * batch_size >= (self.backend.max_batch or 0) > 0
+        return (self.settings.credit_lead_full_ms if full else self.settings.credit_lead_ms) / 1000
+
+    async def offer(self) -> None:
+        """Offers a credit when idle, and replaces one that is about to expire unclaimed."""
+        if self._stopped:
+            return
+        if self.replicas is not None and self.replicas.waiting:
+            await self.withdraw()  # results wait for Redis replicas: no new batch until they are safe
+            return
+        now = wall_ms()
+        if self._open is not None and self._open.expires_at_ms - now > self.settings.refresh_margin_s * 1000:
+            return
+        assignment = self.consumer.assignment()
+        if not assignment:
+            return
+        await self.withdraw()
+        credit = self._next_credit(min(assignment), now)
+        try:
+            await self.pool.offer(credit)
+        except TransportError as err:
+            self._failed_offers += 1
+            if self._failed_offers == 1 or self._failed_offers % 20 == 0:
+                log.warning("could not offer a credit (%d tries so far): %s; retrying", self._failed_offers, err)
+            return
+        if self._failed_offers:
+            log.info(
+                "worker %s offers credits again after %d failed tries", self.settings.worker_id, self._failed_offers
+            )
+            self._failed_offers = 0
+        self._open = credit
+        if self._stopped:  # stop() withdrew while this offer was on its way
+            await self.withdraw()
+
+    def _next_credit(self, partition: int, now: int) -> Credit:
+        self._seq += 1
+        return Credit(
+            worker_id=self.settings.worker_id,
+            model=self.settings.model,
+            partition=partition,
+            seq=self._seq,
+            issued_at_ms=now,
+            expires_at_ms=now + int(self.settings.credit_ttl_s * 1000),
+            max_batch=self.backend.max_batch,
+            busy_ms=round((self.runner.expected_s or 0.0) * 1000),
+            free_at_ms=now + round(self.busy_for_s() * 1000),
+        )

@@ -1,0 +1,45 @@
+"""The task states a worker writes for a batch's items, and the count of those that ended."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from gpu_worker.calls import Failure
+from schemas.records import Batch, BatchItem, TaskState, TaskStatus
+from telemetry import metrics
+
+
+def wall_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def task_state(
+    worker_id: str,
+    batch: Batch,
+    item: BatchItem,
+    status: TaskStatus,
+    output: str | None = None,
+    error: Failure | None = None,
+) -> TaskState:
+    """``item``'s state as this worker writes it, stamped now."""
+    return TaskState(
+        task_id=item.task_id,
+        status=status,
+        model=batch.model,
+        updated_at_ms=wall_ms(),
+        enqueued_at_ms=item.enqueued_at_ms,
+        output=output,
+        error_code=error.code if error else None,
+        error_message=error.message if error else None,
+        batch_id=batch.batch_id,
+        batch_size=len(batch.items),
+        worker_id=worker_id,
+        reply_to=item.reply_to,
+    )
+
+
+def count_ended(batch: Batch, states: list[TaskState]) -> None:
+    ended = Counter(state.status.value for state in states)  # one labels() lookup per status, not per task
+    for status, count in ended.items():
+        metrics.TASKS_ENDED.labels(model=batch.model, status=status).inc(count)
