@@ -1,0 +1,98 @@
+"""Committer: batches are stored and committed in the order they are handed in, and none is
+committed after one that was left uncommitted."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+from gpu_worker.commits import Committer
+from schemas.records import Batch, TaskState, TaskStatus
+from tests.worker.rig import now_ms
+from transport.deliveries import MemoryDeliveryLog
+from transport.memory.bus import MemoryTaskStore
+from transport.ports import Delivered, TransportError
+
+T = TypeVar("T")
+
+
+class Recording:
+    """A batch consumer that records commits (nothing else is used)."""
+
+    def __init__(self) -> None:
+        self.committed: list[int] = []
+
+    async def commit(self, delivered: Delivered[Batch]) -> None:
+        self.committed.append(delivered.offset)
+
+
+class GatedStore(MemoryTaskStore):
+    """Holds the writes of ``slow`` until ``gate`` opens; refuses those of ``broken``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.stored: list[str] = []
+
+    async def apply(self, updates: Sequence[TaskState]) -> list[bool]:
+        if any(state.task_id == "slow" for state in updates):
+            await self.gate.wait()
+        if any(state.task_id == "broken" for state in updates):
+            raise TransportError("the store refused it")
+        self.stored.extend(state.task_id for state in updates)
+        return await super().apply(updates)
+
+
+async def once(what: str, op: Callable[[], Awaitable[T]]) -> T:
+    return await op()
+
+
+def handed(offset: int, task_id: str) -> tuple[Delivered[Batch], list[TaskState]]:
+    batch = Batch(f"b{offset}", "sim", "test", now_ms(), "idle_worker")
+    state = TaskState(task_id, TaskStatus.COMPLETED, "sim", now_ms(), 0, output="x")
+    return Delivered(batch, 0, offset), [state]
+
+
+def committer(store: GatedStore, consumer: Recording, failures: list[BaseException]) -> Committer:
+    return Committer(
+        "w1",
+        consumer,  # type: ignore[arg-type]
+        store,
+        MemoryDeliveryLog(),
+        None,
+        once,
+        failures.append,
+        abandoned=lambda: False,
+        stopping=lambda: False,
+    )
+
+
+async def test_a_batch_ready_first_waits_for_the_one_handed_in_before_it() -> None:
+    store, consumer, failures = GatedStore(), Recording(), []
+    commits = committer(store, consumer, failures)
+    commits.start()
+    first = commits.hand_in(*handed(1, "slow"))
+    second = commits.hand_in(*handed(2, "quick"))
+    await asyncio.sleep(0.05)
+    assert store.stored == [] and consumer.committed == [], "the second batch must wait for the first"
+    store.gate.set()
+    await asyncio.wait_for(asyncio.gather(first, second), 5)
+    await commits.close()
+    assert store.stored == ["slow", "quick"] and consumer.committed == [1, 2]
+    assert commits.batches_done == 2 and failures == []
+
+
+async def test_no_batch_is_committed_after_one_whose_results_could_not_be_stored() -> None:
+    store, consumer, failures = GatedStore(), Recording(), []
+    store.gate.set()
+    commits = committer(store, consumer, failures)
+    commits.start()
+    commits.hand_in(*handed(1, "fine"))
+    commits.hand_in(*handed(2, "broken"))
+    commits.hand_in(*handed(3, "after"))
+    await asyncio.wait_for(commits.drained(), 5)
+    await commits.close()
+    assert [type(err) for err in failures] == [TransportError], f"the failure is reported once, got {failures}"
+    assert store.stored == ["fine", "after"], "a later batch's results are still stored"
+    assert consumer.committed == [1], f"committing 3 would commit 2, which is not stored; got {consumer.committed}"
