@@ -252,20 +252,21 @@ class Worker:
         metrics.BATCH_WAIT.labels(model=batch.model).observe(max(0, now - batch.created_at_ms) / 1000.0)
         ends_by_ms = now + round((self.pipeline.busy_for_s() + (self.runner.expected_s or 0.0)) * 1000)
         ended, live = self.admission.expire_late(batch, ends_by_ms)
-        if self.admission.starts_early(delivered, live, backend_idle=self.pipeline.empty):
+        if self.admission.starts_early(delivered, live, backend_idle=self.pipeline.empty):  # express only
             self._start_call(delivered, batch, live, ended, early=True)
-        else:
-            count, todo = await self.admission.count_and_admit(delivered, batch, live)
-            if not todo or count != 1:
-                # A careful run waits for the calls in flight (one at a time), and every batch's
-                # results are stored after those of the batches before it (``commits``).
-                await self.pipeline.backend_free()
-                stored = await self._run_careful(batch, todo, count) if todo else []
-                count_ended(batch, ended)
-                self._hand_in(delivered, batch, ended + stored)  # stored again (no-ops) to wait for replicas
-                return
-            self._start_call(delivered, batch, todo, ended)
-        await asyncio.sleep(0)  # let it hand its call to the thread before the loop goes on
+            await asyncio.sleep(0)  # let it hand its call to the thread before the loop goes on
+            return
+        count, todo = await self.admission.count_and_admit(delivered, batch, live)
+        if not todo or count != 1:
+            # A careful run waits for the calls in flight (one at a time), and every batch's
+            # results are stored after those of the batches before it (``commits``).
+            await self.pipeline.backend_free()
+            stored = await self._run_careful(batch, todo, count) if todo else []
+            count_ended(batch, ended)
+            self._hand_in(delivered, batch, ended + stored)  # stored again (no-ops) to wait for replicas
+            return
+        self._start_call(delivered, batch, todo, ended)
+        await asyncio.sleep(0)
 
     def _hand_in(self, delivered: Delivered[Batch], batch: Batch, states: list[TaskState]) -> None:
         self.commits.hand_in(delivered, states + self.admission.ended_before(batch.batch_id))
