@@ -75,24 +75,12 @@ def profile_backend(
 
 
 def plot(curve: Curve, path: Path) -> bool:
-    """Writes the curve as a PNG when matplotlib is installed; returns whether it did."""
+    """Writes the curve as a PNG when the bench extra (matplotlib) is installed; returns whether it did."""
     if importlib.util.find_spec("matplotlib") is None:
         return False
-    import matplotlib  # the bench extra: optional
+    from batchwire.bench.curve_plot import plot_curve  # the bench extra: optional
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(figsize=(6, 4))
-    sizes = [p.size for p in curve.points]
-    axes.plot(sizes, [p.p50_ms for p in curve.points], marker="o", label="p50")
-    axes.plot(sizes, [p.p99_ms for p in curve.points], marker="x", label="p99")
-    axes.set_xlabel("batch size")
-    axes.set_ylabel("call latency (ms)")
-    axes.set_title(f"{curve.backend} backend")
-    axes.legend()
-    figure.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(figure)
+    plot_curve(curve, path)
     return True
 
 

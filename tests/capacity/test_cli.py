@@ -1,0 +1,121 @@
+"""The capacity commands as scripts call them: flags, exit codes and --json shapes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from batchwire import cli
+from batchwire.capacity import profile
+from batchwire.capacity.curve import Curve, CurvePoint, load
+from gpu_worker.backends.sim import SimBackend
+
+Run = Callable[[list[str]], tuple[int, str, str]]
+
+
+@pytest.fixture
+def run(capsys: pytest.CaptureFixture[str]) -> Run:
+    def call(argv: list[str]) -> tuple[int, str, str]:
+        code = cli.main(argv)
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    return call
+
+
+@pytest.fixture
+def flat(tmp_path: Path) -> str:
+    path = tmp_path / "flat.json"
+    Curve.flat(100.0, 100).save(path)
+    return str(path)
+
+
+def test_simulate_json_is_one_object_per_rate(run: Run, flat: str) -> None:
+    code, out, _ = run(
+        ["simulate", "--curve", flat, "--workers", "2", "--rate", "20,1000,2500", "--requests", "4000", "--json"]
+    )
+    assert code == 0
+    results = json.loads(out)
+    assert [r["rate"] for r in results] == [20.0, 1000.0, 2500.0]
+    for r in results:
+        assert {"rate", "throughput", "p50_ms", "p99_ms", "mean_batch", "busy"} <= set(r)
+    assert results[0]["p99_ms"] is not None and not results[0]["unstable"]
+    assert results[2]["unstable"] and results[2]["p99_ms"] is None, "over capacity: unstable, no p99"
+
+
+def test_simulate_reads_a_trace_and_prints_a_table(run: Run, flat: str, tmp_path: Path) -> None:
+    trace = tmp_path / "trace.txt"
+    trace.write_text("\n".join(str(100 + i * 0.01) for i in range(500)))
+    code, out, _ = run(["simulate", "--curve", flat, "--workers", "2", "--trace", str(trace)])
+    assert code == 0 and "p99 ms" in out
+
+
+def test_simulate_refuses_an_empty_curve(run: Run, tmp_path: Path) -> None:
+    empty = tmp_path / "empty.json"
+    empty.write_text('{"points": []}')
+    code, _, err = run(["simulate", "--curve", str(empty), "--workers", "2", "--rate", "10"])
+    assert code == 2 and "no points" in err
+
+
+def test_plan_json_holds_every_figure(run: Run, tmp_path: Path) -> None:
+    curve = tmp_path / "c32.json"
+    Curve.flat(100.0, 32).save(curve)
+    argv = ["plan", "--rate", "1000", "--p99-ms", "500", "--curve", str(curve), "--requests", "20000", "--json"]
+    code, out, _ = run(argv)
+    assert code == 0
+    plan = json.loads(out)
+    keys = ("gpus", "gpus_with_headroom", "batch_partitions", "request_partitions", "gateways", "batchers")
+    assert {*keys, "kafka_brokers", "redis_memory_bytes", "formulas"} <= set(plan)
+    assert (plan["gpus"], plan["gpus_with_headroom"], plan["batch_partitions"]) == (4, 6, 6)
+    assert set(plan["formulas"]) >= set(keys)
+
+
+def test_plan_sums_several_models_and_reads_a_cpu_file(run: Run, tmp_path: Path) -> None:
+    curve = tmp_path / "c32.json"
+    Curve.flat(100.0, 32).save(curve)
+    cpu = tmp_path / "cpu.json"
+    cpu.write_text('{"gateway_us_per_request": 7000, "batcher_us_per_request": 100}')
+    argv = ["plan", "--models", "a=1000,b=300", "--p99-ms", "500", "--curve", str(curve), "--requests", "10000"]
+    code, out, _ = run([*argv, "--cpu-file", str(cpu), "--json"])
+    plan = json.loads(out)
+    assert code == 0 and [m["model"] for m in plan["models"]] == ["a", "b"]
+    assert plan["gpus"] == sum(m["gpus"] for m in plan["models"])
+    assert plan["gateways"] == 13  # 1,300 x 7 ms = 9.1 cores / 0.7
+
+
+def test_plan_table_shows_each_formula(run: Run, tmp_path: Path) -> None:
+    curve = tmp_path / "c32.json"
+    Curve.flat(100.0, 32).save(curve)
+    code, out, _ = run(["plan", "--rate", "300", "--p99-ms", "500", "--curve", str(curve), "--requests", "5000"])
+    assert code == 0 and "ceil(gpus / headroom 0.7)" in out and "replication factor" in out
+
+
+@pytest.mark.filterwarnings("ignore::batchwire.capacity.curve.CurveWarning")
+def test_profile_sim_writes_a_curve(run: Run, tmp_path: Path) -> None:
+    out_path = tmp_path / "sim.json"
+    argv = ["profile", "--backend", "sim", "--sim-latency-ms", "2", "--max-batch", "4", "--repeats", "2"]
+    code, out, _ = run([*argv, "--out", str(out_path)])
+    assert code == 0 and "wrote" in out
+    curve = load(out_path)
+    assert [p.size for p in curve.points] == [1, 2, 4] and curve.backend == "sim"
+    assert all(p.p50_ms >= 2.0 for p in curve.points)
+
+
+def test_profile_hf_without_torch_names_the_extra(run: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = profile.importlib.util.find_spec
+    monkeypatch.setattr(profile.importlib.util, "find_spec", lambda name: None if name == "torch" else real(name))
+    code, _, err = run(["profile", "--backend", "hf", "--model-path", str(tmp_path), "--out", str(tmp_path / "c.json")])
+    assert code == 2 and "[hf]" in err
+
+
+def test_profile_times_each_size_over_repeats_on_the_given_clock() -> None:
+    ticks = iter(float(t) for t in range(1000))
+    curve = profile.profile_backend(SimBackend(0.0, 8), [1, 8], 3, clock=lambda: next(ticks))
+    assert curve.points == (CurvePoint(1, 1000.0, 1000.0), CurvePoint(8, 1000.0, 1000.0))
+    assert profile.ladder(100) == [1, 2, 4, 8, 16, 32, 64, 100]
+    assert profile.parse_sizes("all", 3) == [1, 2, 3]
+    with pytest.raises(profile.ProfileError, match=r"within 1\.\.4"):
+        profile.parse_sizes("8", 4)

@@ -1,0 +1,67 @@
+"""The curve file: loading, validation and interpolation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from batchwire.capacity.curve import Curve, CurveError, CurvePoint, CurveWarning, from_json, load, percentile
+
+
+def test_an_empty_curve_is_refused() -> None:
+    with pytest.raises(CurveError, match="no points"):
+        from_json({"points": []})
+
+
+def test_a_curve_without_points_or_fields_is_refused_with_what_is_missing() -> None:
+    with pytest.raises(CurveError, match="points"):
+        from_json({"sizes": [1, 2]})
+    with pytest.raises(CurveError, match="size and p50_ms"):
+        from_json({"points": [{"size": 1}]})
+
+
+def test_a_file_that_is_missing_or_not_json_names_the_file(tmp_path: Path) -> None:
+    with pytest.raises(CurveError, match="cannot read"):
+        load(tmp_path / "absent.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(CurveError, match="not JSON"):
+        load(bad)
+
+
+def test_a_curve_not_monotone_in_size_is_accepted_with_a_warning() -> None:
+    with pytest.warns(CurveWarning, match="not monotone"):
+        curve = from_json({"points": [{"size": 1, "p50_ms": 50}, {"size": 8, "p50_ms": 30}]})
+    assert curve.latency_ms(8) == 30
+
+
+def test_latency_is_interpolated_between_sizes_and_bounded_by_the_max() -> None:
+    curve = Curve((CurvePoint(1, 10.0, 12.0), CurvePoint(11, 30.0, 40.0)))
+    assert curve.latency_ms(1) == 10.0
+    assert curve.latency_ms(6) == pytest.approx(20.0)
+    assert curve.latency_ms(6, "p99") == pytest.approx(26.0)
+    assert curve.max_batch == 11
+    with pytest.raises(CurveError, match="above the curve's max batch"):
+        curve.latency_ms(12)
+
+
+def test_best_rate_per_worker_is_full_batches_back_to_back() -> None:
+    rate, size = Curve.flat(100.0, 32).best_rate_per_worker()
+    assert (rate, size) == (pytest.approx(320.0), 32)
+
+
+def test_a_saved_curve_loads_back_the_same(tmp_path: Path) -> None:
+    curve = Curve((CurvePoint(1, 5.0, 6.0), CurvePoint(4, 7.0, 9.0)), "sim", {"repeats": 3})
+    path = tmp_path / "curve.json"
+    curve.save(path)
+    assert json.loads(path.read_text())["points"][1] == {"size": 4, "p50_ms": 7.0, "p99_ms": 9.0}
+    assert load(path) == curve
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 0.5) == 50.0
+    assert percentile(values, 0.99) == 99.0
+    assert percentile(values, 1.0) == 100.0

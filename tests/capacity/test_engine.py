@@ -1,0 +1,125 @@
+"""The simulation's invariants, and its agreement with closed forms where they exist."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import statistics
+from collections import defaultdict
+
+import pytest
+
+from batcher.policy import FlushPolicy
+from batchwire.capacity import arrivals
+from batchwire.capacity.curve import Curve, CurvePoint
+from batchwire.capacity.engine import BatchRecord, SimConfig, Simulation
+from batchwire.capacity.simulate import simulate_rate
+
+FLAT = Curve.flat(100.0, 100)
+PURE_WC = FlushPolicy.work_conserving(max_batch=100, reserve_ms=0.0)
+
+
+def run(config: SimConfig, rate: float, count: int, seed: int = 1) -> tuple[list[float], list[BatchRecord]]:
+    times = arrivals.poisson(rate, count, seed)
+    out = Simulation(config).run(times)
+    return times, out.records
+
+
+def busy_intervals(records: list[BatchRecord]) -> dict[int, list[tuple[float, float]]]:
+    """Each worker's calls, merged where one starts as the other ends."""
+    by_worker: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for r in sorted(records, key=lambda r: r.start_s):
+        spans = by_worker[r.worker]
+        if spans and r.start_s <= spans[-1][1] + 1e-9:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], r.end_s))
+        else:
+            spans.append((r.start_s, r.end_s))
+    return by_worker
+
+
+def covered(spans: list[tuple[float, float]], start: float, end: float) -> bool:
+    at = bisect.bisect_right([s for s, _ in spans], start + 1e-9) - 1
+    return at >= 0 and spans[at][0] <= start + 1e-9 and spans[at][1] >= end - 1e-9
+
+
+@pytest.mark.parametrize("rate", [50.0, 900.0, 1800.0])
+def test_work_conserving_leaves_no_worker_idle_while_requests_wait(rate: float) -> None:
+    config = SimConfig(FLAT, 3, PURE_WC, spacing_margin_ms=-1, record=True)
+    times, records = run(config, rate, 6000)
+    spans = busy_intervals(records)
+    waits = 0
+    for r in records:
+        for item in r.items:
+            if r.start_s > times[item] + 1e-9:
+                waits += 1
+                idle = [w for w in range(3) if not covered(spans.get(w, []), times[item], r.start_s)]
+                assert not idle, f"request {item} waited {times[item]:.4f}..{r.start_s:.4f} while {idle} idle"
+    assert waits > 0 or rate < 100, "the check must see requests that waited"
+
+
+@pytest.mark.parametrize("policy", [PURE_WC, FlushPolicy.work_conserving(), FlushPolicy.classic(32, 50.0)])
+def test_one_batch_per_worker_at_a_time_and_no_request_lost_in_fifo_order(policy: FlushPolicy) -> None:
+    config = SimConfig(FLAT, 2, policy, record=True)
+    _, records = run(config, 1200.0, 8000)
+    by_worker: dict[int, list[BatchRecord]] = defaultdict(list)
+    for r in records:
+        by_worker[r.worker].append(r)
+    for worker, calls in by_worker.items():
+        calls.sort(key=lambda r: r.start_s)
+        for before, after in itertools.pairwise(calls):
+            assert after.start_s >= before.end_s - 1e-9, f"worker {worker} ran two batches at once"
+    sent = [item for r in records for item in r.items]
+    assert sent == list(range(8000)), "every request is sent once, in arrival order"
+    assert max(len(r.items) for r in records) <= policy.max_batch
+
+
+def test_classic_flushes_only_full_or_aged_batches() -> None:
+    policy = FlushPolicy.classic(32, 50.0)
+    config = SimConfig(FLAT, 2, policy, record=True)
+    times, records = run(config, 200.0, 3000)
+    for r in records:
+        oldest = times[r.items[0]]
+        assert len(r.items) == 32 or r.sent_s >= oldest + 0.05 - 1e-9, "a classic batch goes full or at max wait"
+
+
+def test_low_load_p50_is_one_call() -> None:
+    result = simulate_rate(SimConfig(FLAT, 2, FlushPolicy.work_conserving()), 2.0, 2000, seed=3)
+    assert result.p50_ms == pytest.approx(100.0, rel=0.01)
+    assert result.mean_batch == pytest.approx(1.0, abs=0.02)
+
+
+def test_saturated_throughput_is_workers_times_max_batch_over_call_latency() -> None:
+    result = simulate_rate(SimConfig(FLAT, 2, FlushPolicy.work_conserving()), 3000.0, 60_000, seed=4)
+    assert result.throughput == pytest.approx(2 * 100 / 0.1, rel=0.03)
+    assert result.unstable and result.p99_ms is None, "over capacity: unstable, no p99"
+    assert result.busy > 0.98
+
+
+def test_single_item_batches_on_one_worker_match_m_d_1() -> None:
+    """max batch 1, one worker, Poisson arrivals, a fixed call: M/D/1, mean time D + rho D / (2 (1 - rho))."""
+    call_ms, rate = 10.0, 50.0
+    curve = Curve((CurvePoint(1, call_ms, call_ms),))
+    config = SimConfig(curve, 1, FlushPolicy.work_conserving(max_batch=1, reserve_ms=0.0), spacing_margin_ms=-1)
+    times = arrivals.poisson(rate, 50_000, seed=5)
+    out = Simulation(config).run(times)
+    rho = rate * call_ms / 1000
+    expected_ms = call_ms + rho * call_ms / (2 * (1 - rho))
+    assert statistics.fmean(out.latencies_s) * 1000 == pytest.approx(expected_ms, rel=0.03)
+
+
+def test_the_same_seed_gives_the_same_run() -> None:
+    config = SimConfig(FLAT, 2, FlushPolicy.work_conserving())
+    first = simulate_rate(config, 1000.0, 5000, seed=9)
+    again = simulate_rate(config, 1000.0, 5000, seed=9)
+    assert (first.p50_ms, first.p99_ms, first.mean_batch) == (again.p50_ms, again.p99_ms, again.mean_batch)
+
+
+def test_a_backlog_past_its_limit_stops_the_run_as_unstable() -> None:
+    config = SimConfig(FLAT, 1, FlushPolicy.work_conserving(), max_backlog=500)
+    result = simulate_rate(config, 5000.0, 50_000)
+    assert result.unstable and result.requests < 50_000 and result.p50_ms is None
+
+
+def test_a_max_batch_above_the_curve_is_refused() -> None:
+    with pytest.raises(ValueError, match="above the curve's largest size"):
+        SimConfig(Curve.flat(100.0, 32), 2, FlushPolicy.work_conserving(max_batch=100))

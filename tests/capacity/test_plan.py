@@ -1,0 +1,60 @@
+"""The plan: the design documents' example, the search, and the closed-form figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from batcher.policy import FlushPolicy
+from batchwire.capacity.curve import Curve
+from batchwire.capacity.engine import SimConfig
+from batchwire.capacity.plan import PlanError, gpus_for, plan_model
+from batchwire.capacity.sizing import SizingError, SizingInputs, as_dict, size
+
+
+def test_the_design_example_320_per_gpu_and_1000_per_s_gives_4_gpus_and_6_with_headroom() -> None:
+    """32 items in 100 ms is 320 req/s per GPU: 1,000 req/s need 3.1, so 4; ceil(4 / 0.7) = ceil(5.7) = 6."""
+    curve = Curve.flat(100.0, 32)
+    plan = plan_model(
+        lambda w: SimConfig(curve, w, FlushPolicy.work_conserving(max_batch=32)), "m", 1000.0, 500.0, 0.7, 20_000
+    )
+    assert (plan.gpus, plan.gpus_with_headroom) == (4, 6)
+    assert plan.simulated.p99_ms is not None and plan.simulated.p99_ms <= 500.0
+
+
+def test_a_tighter_p99_needs_more_gpus_than_the_closed_form_bound() -> None:
+    curve = Curve.flat(100.0, 32)
+
+    def configure(workers: int) -> SimConfig:
+        return SimConfig(curve, workers, FlushPolicy.work_conserving(max_batch=32))
+
+    loose, _ = gpus_for(configure, 1000.0, 500.0, 20_000)
+    tight, result = gpus_for(configure, 1000.0, 150.0, 20_000)
+    assert tight > loose == 4
+    assert result.p99_ms is not None and result.p99_ms <= 150.0
+    short, _ = gpus_for(configure, 1000.0, 150.0, 20_000)
+    assert short == tight, "the search is deterministic"
+
+
+def test_a_p99_below_one_call_is_refused() -> None:
+    curve = Curve.flat(100.0, 32)
+    with pytest.raises(PlanError, match="below one call"):
+        gpus_for(lambda w: SimConfig(curve, w, FlushPolicy.work_conserving(max_batch=32)), 1000.0, 50.0, 1000)
+
+
+def test_the_closed_form_figures_follow_their_formulas() -> None:
+    inputs = SizingInputs(gateway_us_per_request=400.0, batcher_us_per_request=240.0, replication_factor=3)
+    figures = as_dict(size(100_000.0, inputs))
+    assert figures["gateways"] == 58  # 100,000 x 400 us = 40 cores / 0.7
+    assert figures["batchers"] == 35  # 24 cores / 0.7
+    assert figures["request_partitions"] == 116
+    assert figures["kafka_bytes_per_s"] == 100_000 * 2 * 1024 * 3
+    assert figures["kafka_brokers"] == 13  # 614.4 MB/s / 50 MB/s
+    assert figures["redis_memory_bytes"] == 100_000 * 3600 * (1024 + 300)
+    assert figures["redis_commands_per_s"] == 300_000
+    small = as_dict(size(10.0, inputs))
+    assert (small["gateways"], small["batchers"], small["kafka_brokers"]) == (1, 1, 3)
+
+
+def test_bad_sizing_inputs_name_the_flag() -> None:
+    with pytest.raises(SizingError, match="--headroom"):
+        SizingInputs(headroom=1.5)
