@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
+import redis
+
 from infra.loopback import LoopbackServer
 from infra.ports import LOOPBACK, free_port
 from infra.redis_server import (
@@ -88,8 +90,6 @@ class SentinelServer(LoopbackServer):
 
 def sentinel_primary(sentinel_ports: Iterable[int], master: str = MASTER_NAME) -> int | None:
     """The primary's port as the first answering Sentinel names it; None if none answers."""
-    import redis  # here, not at the top: plain `stack up` never asks and need not load it
-
     for port in sentinel_ports:
         try:
             with redis.Redis(host=LOOPBACK, port=port, socket_timeout=_ASK_TIMEOUT_S) as client:
@@ -103,8 +103,6 @@ def sentinel_primary(sentinel_ports: Iterable[int], master: str = MASTER_NAME) -
 
 def redis_role(port: int) -> str | None:
     """'primary' or 'replica' as the server at `port` says (ROLE); None if it does not answer."""
-    import redis
-
     try:
         with redis.Redis(host=LOOPBACK, port=port, socket_timeout=_ASK_TIMEOUT_S) as client:
             role = client.execute_command("ROLE")

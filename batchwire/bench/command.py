@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import uvloop
+
 from batchwire.bench import results
 from batchwire.bench.cli import DEFAULT_URL
 from batchwire.bench.loadgen import Expect
@@ -184,12 +186,6 @@ def _sigterm_as_sigint() -> Callable[[], None]:
 
 def _loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
     if choice == "asyncio":
-        return None
-    try:
-        import uvloop
-    except ImportError:
-        if choice == "uvloop":
-            raise UsageError("--loop uvloop: uvloop is not installed") from None
         return None
     factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
     return factory
