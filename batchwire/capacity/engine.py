@@ -65,15 +65,15 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, got {self.workers} (--workers)")
-        if self.policy.max_batch > self.curve.max_batch:
-            raise ValueError(
-                f"max batch {self.policy.max_batch} is above the curve's largest size {self.curve.max_batch} "
-                "(--max-batch)"
-            )
 
     @property
     def backlog_limit(self) -> int:
-        return self.max_backlog or max(10_000, 50 * self.workers * self.policy.max_batch)
+        return self.max_backlog or max(10_000, 50 * self.workers * self.batch_limit)
+
+    @property
+    def batch_limit(self) -> int:
+        """The largest batch a worker runs: the policy's, cut by the backend's (the curve's largest size)."""
+        return min(self.policy.max_batch, self.curve.max_batch)
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,7 +65,7 @@ def summarize(rate: float, config: SimConfig, out: SimOutcome, wall_s: float) ->
     )
     throughput = in_window / window_s if window_s > 0 else float(len(out.latencies_s))
     waiting_at_end = out.arrivals - served - out.expired
-    backlog_limit = max(4 * config.workers * config.policy.max_batch, UNSTABLE_BACKLOG_SHARE * out.arrivals)
+    backlog_limit = max(4 * config.workers * config.batch_limit, UNSTABLE_BACKLOG_SHARE * out.arrivals)
     unstable = out.stopped_s is not None or rate >= capacity(config) or waiting_at_end > backlog_limit
     latencies = [] if unstable else sorted(out.latencies_s)
 
@@ -103,11 +103,14 @@ def simulate_rate(config: SimConfig, rate: float, requests: int, seed: int = 0) 
 
 
 def policy_for(
-    curve: Curve, name: str, max_batch: int | None, max_wait_ms: float | None, reserve_ms: float | None
+    name: str, max_batch: int | None = None, max_wait_ms: float | None = None, reserve_ms: float | None = None
 ) -> FlushPolicy:
-    """The service's policy of that name, its max batch the curve's largest size unless given."""
-    limit = curve.max_batch if max_batch is None else max_batch
-    policy = FlushPolicy.named(name, limit, max_wait_ms)
+    """The service's policy of that name, with its defaults where a setting is not given.
+
+    As in the service, a policy's max batch above the backend's (the curve's largest size) is cut
+    by the worker's own limit when a batch is taken.
+    """
+    policy = FlushPolicy.named(name, max_batch, max_wait_ms)
     if reserve_ms is not None and policy.name is PolicyName.WORK_CONSERVING:
         policy = dataclasses.replace(policy, reserve_ms=reserve_ms)
     return policy
@@ -121,7 +124,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--policy", default="work-conserving", choices=[p.value for p in PolicyName], help="flush policy"
     )
     parser.add_argument(
-        "--max-batch", type=int, default=None, help="items per batch at most (default: the curve's largest size)"
+        "--max-batch",
+        type=int,
+        default=None,
+        help="items per batch at most (default: the policy's; a worker takes at most the curve's largest size)",
     )
     parser.add_argument(
         "--max-wait-ms", type=float, default=None, help="age that seals a batch (default: the policy's)"
@@ -155,7 +161,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from(args: argparse.Namespace, curve: Curve, workers: int) -> SimConfig:
     """The simulated deployment from the shared flags; unset service settings keep the services' defaults."""
-    policy = policy_for(curve, args.policy, args.max_batch, args.max_wait_ms, args.reserve_ms)
+    policy = policy_for(args.policy, args.max_batch, args.max_wait_ms, args.reserve_ms)
     base = SimConfig(curve, workers, policy, transit_ms=args.transit_ms, overhead_ms=args.overhead_ms)
 
     def given(value: float | None, default: float) -> float:

@@ -120,6 +120,9 @@ def test_a_backlog_past_its_limit_stops_the_run_as_unstable() -> None:
     assert result.unstable and result.requests < 50_000 and result.p50_ms is None
 
 
-def test_a_max_batch_above_the_curve_is_refused() -> None:
-    with pytest.raises(ValueError, match="above the curve's largest size"):
-        SimConfig(Curve.flat(100.0, 32), 2, FlushPolicy.work_conserving(max_batch=100))
+def test_a_policy_max_batch_above_the_backend_is_cut_by_the_worker_limit() -> None:
+    """As in the service: the policy seals at 100, the worker's credit takes at most the backend's 32."""
+    config = SimConfig(Curve.flat(100.0, 32), 2, FlushPolicy.work_conserving(max_batch=100), record=True)
+    _, records = run(config, 700.0, 5000)
+    assert max(len(r.items) for r in records) == 32
+    assert [item for r in records for item in r.items] == list(range(5000))
