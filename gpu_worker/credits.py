@@ -1,10 +1,10 @@
 """The worker's credit: how it says it can take the next batch.
 
-A worker holds at most one open credit (see ``batcher.service``). It offers one when its backend is
-idle, or ``credit_lead_ms`` before the running call is expected to end, so the next batch is formed
-and travels while the GPU finishes this one; the lead is short next to a call, so a batch sent
-against an early credit waits at most about that long. The credit names the worker's lowest batch
-partition and is replaced before it expires unclaimed.
+A worker holds at most one open credit, which one batcher claims to send a batch against. It
+offers one when its backend is idle, or ``credit_lead_ms`` before the running call is expected to
+end, so the next batch is formed and travels while the GPU finishes this one; the lead is short
+next to a call, so a batch sent against an early credit waits at most about that long. The credit
+names the worker's lowest batch partition and is replaced before it expires unclaimed.
 """
 
 from __future__ import annotations
