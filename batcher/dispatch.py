@@ -226,7 +226,7 @@ class Dispatcher:
 
     def _starts_in_s(self, credit: Credit) -> float:
         """How long until the credit's worker is free (0 for an idle one)."""
-        return max(0, credit.frees_at_ms - wall_ms()) / 1000.0
+        return max(0, credit.idle_from_ms - wall_ms()) / 1000.0
 
     # spacing and reserve -----------------------------------------------------------------------
     async def _space(self, model: str, credit: Credit) -> None:

@@ -93,7 +93,7 @@ class Credit:
     offers early (``--credit-lead-ms``). Claims take the credit that frees soonest."""
 
     @property
-    def frees_at_ms(self) -> int:
+    def idle_from_ms(self) -> int:
         """``free_at_ms``, or ``issued_at_ms`` for a credit from a writer that did not set it."""
         return self.free_at_ms or self.issued_at_ms
 

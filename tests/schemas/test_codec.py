@@ -55,7 +55,7 @@ def test_a_credit_from_a_v1_worker_frees_at_its_issue_time() -> None:
     fastavro.schemaless_writer(buf, v1, {**old, "max_batch": 0, "busy_ms": 0})
     decoded = codec.decode_credit(buf.getvalue())
     assert decoded == Credit("w", "sim", 0, 1, 5, 9)
-    assert decoded.frees_at_ms == 5, "an old worker's credit is idle from when it was offered"
+    assert decoded.idle_from_ms == 5, "an old worker's credit is idle from when it was offered"
 
 
 @pytest.mark.parametrize(

@@ -245,7 +245,7 @@ class MemoryBatchConsumer:
 
 
 class MemoryCreditPool:
-    """Credits per model, the soonest to free claimed first (``Credit.frees_at_ms``; FIFO among equals);
+    """Credits per model, the soonest to free claimed first (``Credit.idle_from_ms``; FIFO among equals);
     a waiting claimer gets the next credit offered, in arrival order."""
 
     def __init__(self) -> None:
@@ -269,7 +269,7 @@ class MemoryCreditPool:
                 return
         credits = self._credits.setdefault(credit.model, deque())
         at = len(credits)
-        while at > 0 and credits[at - 1].frees_at_ms > credit.frees_at_ms:
+        while at > 0 and credits[at - 1].idle_from_ms > credit.idle_from_ms:
             at -= 1
         credits.insert(at, credit)
 

@@ -100,7 +100,7 @@ class RedisCreditPool:
         key = self.names.credit_queue(credit.model)
         try:
             async with self._client.pipeline(transaction=False) as pipe:
-                pipe.zadd(key, {encode_credit(credit): credit.frees_at_ms})
+                pipe.zadd(key, {encode_credit(credit): credit.idle_from_ms})
                 pipe.zremrangebyrank(key, 0, -self.max_credits - 1)
                 await pipe.execute()
         except RedisError as err:
@@ -154,7 +154,7 @@ class RedisCreditPool:
 
     async def _hand_back(self, credit: Credit) -> None:
         try:
-            await self._client.zadd(self.names.credit_queue(credit.model), {encode_credit(credit): credit.frees_at_ms})
+            await self._client.zadd(self.names.credit_queue(credit.model), {encode_credit(credit): credit.idle_from_ms})
         except RedisError as err:
             log.warning("could not hand back credit %s/%s for %s: %s", credit.worker_id, credit.seq, credit.model, err)
 
