@@ -2,20 +2,22 @@
 
 ``POST /v1/inference`` and ``POST /v1/tasks`` carry nearly every request a busy gateway sees.
 Under FastAPI they pass Starlette's error page, FastAPI's telemetry, body-limit and exit-stack
-middlewares and the router before their endpoint runs: about 30 % of the embedded service's CPU at
-1,000 req/s (py-spy), for nothing those endpoints use. They read and bound their own body, parse
+middlewares and the router before their endpoint runs, a large share of the service's CPU spent on
+nothing those endpoints use. They read and bound their own body, parse
 it with their own error codes, and answer every ``GatewayError`` in the one error shape. So
 :class:`GatewayApp` hands them straight to their endpoint, wrapped only in the gateway's own
-layers (the request counter with its JSON 500s, and the API-key check when keys are set). Their
-FastAPI twins stay registered so that the OpenAPI document describes them.
+layers (the request counter with its JSON 500s, and the API-key check when keys are set). Each is
+registered once, as a FastAPI route (which the OpenAPI document describes, and which serves it with
+the lanes off); its lane is a fast path to that route's endpoint.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, cast
 
 from fastapi import FastAPI
+from fastapi.routing import APIRoute
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Match
@@ -27,15 +29,6 @@ from gateway.handlers import gateway_error_response
 Endpoint = Callable[[Request], Awaitable[Response]]
 
 
-class _Named:
-    """Stands in for a route in ``scope["route"]``: the request counter labels by its ``path``."""
-
-    __slots__ = ("path",)
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-
 class GatewayApp(FastAPI):
     """FastAPI, with some POST paths served directly (see the module docstring)."""
 
@@ -43,12 +36,18 @@ class GatewayApp(FastAPI):
         super().__init__(**kwargs)
         self._lanes: dict[str, ASGIApp] = {}
 
-    def serve_directly(
-        self, endpoints: dict[str, Endpoint], retry_after_s: int, wrap: Callable[[ASGIApp], ASGIApp]
-    ) -> None:
-        """POSTs to these paths go to their endpoint inside ``wrap`` (the gateway's own middlewares)."""
-        for path, endpoint in endpoints.items():
-            self._lanes[path] = wrap(_lane(path, endpoint, retry_after_s))
+    def serve_directly(self, paths: Iterable[str], retry_after_s: int, wrap: Callable[[ASGIApp], ASGIApp]) -> None:
+        """POSTs to these paths go to their route's endpoint inside ``wrap`` (the gateway's own middlewares)."""
+        posts = {
+            route.path: route
+            for route in self.router.routes
+            if isinstance(route, APIRoute) and route.methods is not None and "POST" in route.methods
+        }
+        for path in paths:
+            route = posts.get(path)
+            if route is None:
+                raise ValueError(f"no POST route {path} to serve directly; register it first")
+            self._lanes[path] = wrap(_lane(route, retry_after_s))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -86,8 +85,10 @@ class GatewayApp(FastAPI):
         await super().__call__({**scope, "method": "GET"}, receive, headers_only)
 
 
-def _lane(path: str, endpoint: Endpoint, retry_after_s: int) -> ASGIApp:
-    route = _Named(path)
+def _lane(route: APIRoute, retry_after_s: int) -> ASGIApp:
+    """The route's endpoint as an ASGI app; the route itself is ``scope["route"]``, which the request
+    counter labels by."""
+    endpoint = cast(Endpoint, route.endpoint)
 
     async def serve(scope: Scope, receive: Receive, send: Send) -> None:
         scope["route"] = route

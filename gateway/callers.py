@@ -1,0 +1,54 @@
+"""Who is calling: the API key's owner and the bucket a request's rate limit counts against.
+
+Without API keys, rate limits count per peer address. ``X-Client-Id`` chooses the bucket only with
+``trust_client_id`` (a proxy in front sets it): a header any client may send would let one client
+spend another's bucket.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from starlette.requests import Request
+
+from gateway.admission import ANONYMOUS, Caller
+from gateway.errors import InvalidClientId
+from gateway.settings import GatewaySettings
+
+CLIENT_ID_HEADER = "X-Client-Id"
+_CLIENT_ID_PATTERN = re.compile(r"[\x21-\x7e]{1,128}")
+
+CallerOf = Callable[[Request], Caller]
+
+
+def caller_of(settings: GatewaySettings) -> CallerOf:
+    """How a request's caller is told: a constant when neither API keys nor rate limits are on."""
+    keys_on = bool(settings.api_keys)
+    limits_on = settings.rate_limit_per_s > 0
+    trust_client_id = settings.trust_client_id
+    if not keys_on and not limits_on:
+        return lambda request: ANONYMOUS
+
+    def caller(request: Request) -> Caller:
+        owner = request_owner(request)
+        if not limits_on:
+            return Caller(owner)
+        if owner is not None:
+            return Caller(owner, f"key:{owner}")
+        claimed = request.headers.get(CLIENT_ID_HEADER) if trust_client_id else None
+        if claimed is not None:
+            if not _CLIENT_ID_PATTERN.fullmatch(claimed):
+                raise InvalidClientId(
+                    f"the {CLIENT_ID_HEADER} header must be 1 to 128 visible ASCII characters (no spaces)"
+                )
+            return Caller(None, f"id:{claimed}")
+        return Caller(None, f"ip:{request.client.host if request.client else 'unknown'}")
+
+    return caller
+
+
+def request_owner(request: Request) -> str | None:
+    """The API key's owner id that ``AuthMiddleware`` found, or None without API keys."""
+    state = request.scope.get("state")
+    return None if state is None else state.get("owner")

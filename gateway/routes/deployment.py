@@ -1,0 +1,41 @@
+"""What the routes serve: the gateway, the parts the composition root runs, and how callers are told."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol, cast
+
+from starlette.requests import Request
+
+from gateway.callers import CallerOf
+from gateway.events import StreamsEnd
+from gateway.health import Ready
+from gateway.service import Gateway
+
+
+class Lifecycle(Protocol):
+    """What the composition root starts before the gateway and stops after it."""
+
+    async def start(self) -> None: ...
+    async def close(self) -> None: ...
+    async def ready(self) -> Mapping[str, Ready]:
+        """Each part the composition root runs (transports, embedded batcher, ...) and whether it is
+        ready; a ``Down`` says why not (``redis``: ``failing over``)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Deployment:
+    """One app's gateway and the parts around it, kept in ``app.state.deployment``."""
+
+    gateway: Gateway
+    lifecycle: Lifecycle
+    caller_of: CallerOf
+    streams_end: StreamsEnd | None = None
+    """Once ended (the server began shutting down), ends every open event stream."""
+
+
+def deployment_of(request: Request) -> Deployment:
+    """The deployment of the app serving ``request``."""
+    return cast(Deployment, request.app.state.deployment)

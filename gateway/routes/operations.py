@@ -1,0 +1,93 @@
+"""``/healthz``, ``/readyz`` and ``/metrics``: what a process supervisor and Prometheus read."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.errors import error_body
+from gateway.handlers import json_response
+from gateway.health import Ready, not_ready, probe
+from gateway.models import Health, NotReadyResponse, Readiness, error_responses
+from gateway.routes.deployment import Lifecycle, deployment_of
+from gateway.settings import GatewaySettings
+from telemetry.metrics import REGISTRY
+
+
+async def healthz() -> Response:
+    return json_response(200, {"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    deployment = deployment_of(request)
+    gateway = deployment.gateway
+    settings = gateway.settings
+    checks = await _lifecycle_checks(deployment.lifecycle, settings.ready_timeout_s)
+    checks.update(await gateway.ready())
+    models = gateway.models()  # informational: one stalled model must not turn the others away
+    down = not_ready(checks)
+    ok = {part: check is True for part, check in checks.items()}
+    if not down:
+        return json_response(200, {"status": "ready", "checks": ok, "models": models})
+    named = ", ".join(
+        part if checks[part] is False else f"{part} ({down[part].state}: {down[part].reason})" for part in sorted(down)
+    )
+    doc = {
+        **error_body("not_ready", f"not ready: {named}"),
+        "checks": ok,
+        "down": {part: {"state": why.state, "reason": why.reason} for part, why in sorted(down.items())},
+        "models": models,
+    }
+    return json_response(503, doc, {"Retry-After": str(settings.retry_after_s)})
+
+
+async def metrics() -> Response:
+    """Every batchwire metric of this process, in Prometheus's text format."""
+    return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+
+def add_routes(routes: APIRouter, settings: GatewaySettings) -> None:
+    """The three routes; ``/metrics`` documents its 403 when API keys are on."""
+    routes.add_api_route(
+        "/healthz", healthz, methods=["GET"], response_model=Health, summary="Liveness: 200 while the process runs"
+    )
+    routes.add_api_route(
+        "/readyz",
+        readyz,
+        methods=["GET"],
+        response_model=Readiness,
+        responses={
+            503: {"model": NotReadyResponse, "description": "`not_ready`: a part is down; `checks` says which."}
+        },
+        summary="Readiness: 200 when the bus, the store and every embedded part are ready",
+    )
+    routes.add_api_route(
+        "/metrics",
+        metrics,
+        methods=["GET"],
+        response_class=Response,
+        responses={
+            200: {
+                "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
+                "description": "Prometheus text exposition of every batchwire metric in this process.",
+            },
+            **(error_responses("forbidden") if settings.api_keys else {}),
+        },
+        summary="Prometheus metrics",
+        description="With API keys on, only an operator key reads it (a tenant key gets 403 `forbidden`): "
+        "it shows every tenant's traffic.",
+    )
+
+
+async def _lifecycle_checks(lifecycle: Lifecycle, timeout_s: float) -> dict[str, Ready]:
+    checks: dict[str, Ready] = {}
+
+    async def collect() -> bool:
+        checks.update(await lifecycle.ready())
+        return True
+
+    if not await probe(collect(), timeout_s, "lifecycle"):
+        checks["lifecycle"] = False
+    return checks

@@ -1,0 +1,71 @@
+"""``GET /v1/result/{task_id}`` (poll or long-poll a task) and ``DELETE`` of it (cancel)."""
+
+# No ``from __future__ import annotations``: FastAPI reads the route signatures at runtime, and the
+# long-poll's ``Annotated`` metadata is this deployment's (a local of ``router``).
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Query
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.callers import request_owner
+from gateway.handlers import json_response
+from gateway.models import TaskResult, error_responses
+from gateway.reads import TASK_ID_PATTERN
+from gateway.routes.deployment import deployment_of
+from gateway.settings import GatewaySettings
+
+RESULT_PATH = "/v1/result/{task_id}"
+
+TaskId = Annotated[
+    str,
+    Path(description="The task_id a submit returned.", json_schema_extra={"pattern": f"^{TASK_ID_PATTERN.pattern}$"}),
+]
+
+READ_ERRORS = ("invalid_task_id", "task_not_found", "validation_error", "overloaded", "unavailable")
+
+
+async def read_result(request: Request, task_id: str, wait: float) -> Response:
+    """The task's state, once it ended or ``wait`` seconds passed."""
+    state = await deployment_of(request).gateway.result(task_id, wait, owner=request_owner(request))
+    return json_response(200, state.to_public())
+
+
+async def cancel(request: Request, task_id: TaskId) -> Response:
+    """Cancels a task no worker has started; answers its cancelled state."""
+    state = await deployment_of(request).gateway.cancel(task_id, owner=request_owner(request))
+    return json_response(200, state.to_public())
+
+
+def add_routes(routes: APIRouter, settings: GatewaySettings) -> None:
+    """Polling and cancelling, the long-poll documented with this deployment's longest wait."""
+    wait_doc = Query(
+        ge=0,
+        allow_inf_nan=False,
+        json_schema_extra={"maximum": settings.max_wait_s},
+        description="Seconds to wait for the task to end (long-poll), up to BATCHWIRE_MAX_WAIT_S; "
+        "0 answers at once. The answer is the latest state, ended or not.",
+    )
+
+    async def result(request: Request, task_id: TaskId, wait: Annotated[float, wait_doc] = 0.0) -> Response:
+        return await read_result(request, task_id, wait)
+
+    routes.add_api_route(
+        RESULT_PATH,
+        result,
+        methods=["GET"],
+        response_model=TaskResult,
+        responses=error_responses(*READ_ERRORS),
+        summary="A task's status, and its output or error once it ended",
+    )
+    routes.add_api_route(
+        RESULT_PATH,
+        cancel,
+        methods=["DELETE"],
+        response_model=TaskResult,
+        responses=error_responses("invalid_task_id", "task_not_found", "not_cancellable", "unavailable"),
+        summary="Cancel a task that no worker has started",
+        description="A `queued` or `batched` task ends `cancelled` and never reaches a GPU; the answer is its "
+        "cancelled state (again for a task already cancelled). A task that is running or ended otherwise "
+        "answers 409 `not_cancellable`. A synchronous caller waiting for the task gets 409 `task_cancelled`.",
+    )
