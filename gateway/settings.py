@@ -97,9 +97,9 @@ class GatewaySettings:
     """Over Kafka: how long the request producer gathers requests into one produce request
     (``linger_ms``), which carries up to ``REQUEST_RUN`` consecutive requests to one partition. Each
     produce round trip costs the gateway and the broker CPU whatever it carries (aiokafka encodes
-    the protocol in Python): at 1,000 req/s 4 ms halve the round trips, for ~4 ms more before a
-    batcher reads a request, which under load waits for a busy worker anyway, and which at light
-    load has its express copy there first. 0 sends at once."""
+    the protocol in Python), so fewer, fuller ones pay for the linger a batcher waits before it reads
+    a request: under load that request waits for a busy worker anyway, and at light load its express
+    copy is there first. 0 sends at once."""
     max_header_bytes: int = 16_384
     """Largest request line plus headers; beyond it the gateway answers 431 and closes the connection,
     having parsed no byte past the limit (``gateway.http_limits``)."""
@@ -121,80 +121,12 @@ class GatewaySettings:
 
     def __post_init__(self) -> None:
         _check_types(self)
-        if not self.host:
-            raise ValueError(f"host ({env_name('host')}) must not be empty")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port ({env_name('port')}) is {self.port}; it must be within 0..65535")
-        if not _ID_PATTERN.fullmatch(self.gateway_id):
-            raise ValueError(
-                f"gateway_id ({env_name('gateway_id')}) is {self.gateway_id!r}; use 1 to 64 characters from "
-                "A-Z a-z 0-9 . _ - starting with a letter or digit"
-            )
-        if not self.models:
-            raise ValueError(f"models ({env_name('models')}) must name at least one model")
-        if not 0 <= self.request_linger_ms <= 1000:
-            raise ValueError(
-                f"request_linger_ms ({env_name('request_linger_ms')}) is {self.request_linger_ms}; it must "
-                "be within 0..1000 (milliseconds)"
-            )
-        if not 0 <= self.express_record_delay_ms <= 1000:
-            raise ValueError(
-                f"express_record_delay_ms ({env_name('express_record_delay_ms')}) is "
-                f"{self.express_record_delay_ms}; it must be within 0..1000 (milliseconds)"
-            )
-        for model in self.models:
-            if not _ID_PATTERN.fullmatch(model):
-                raise ValueError(
-                    f"models ({env_name('models')}) contains {model!r}; a model name is 1 to 64 characters "
-                    "from A-Z a-z 0-9 . _ - starting with a letter or digit"
-                )
-        if len(set(self.models)) != len(self.models):
-            raise ValueError(f"models ({env_name('models')}) lists a model twice: {', '.join(self.models)}")
-        if self.default_model not in self.models:
-            raise ValueError(
-                f"default_model ({env_name('default_model')}) is {self.default_model!r}, which is not among "
-                f"models ({env_name('models')}): {', '.join(self.models)}"
-            )
-        _at_least(self, "min_timeout_ms", 1)
-        _at_least(self, "default_timeout_ms", self.min_timeout_ms, "min_timeout_ms")
-        _at_least(self, "max_timeout_ms", self.default_timeout_ms, "default_timeout_ms")
-        _at_least(self, "max_input_chars", 1)
-        _at_least(self, "max_body_bytes", 64)
-        _at_least(self, "max_inflight", 1)
-        _at_least(self, "max_watchers", 1)
-        _at_least(self, "max_wait_s", 0)
-        _at_least(self, "retry_after_s", 1)
-        for name in (
-            "sse_max_s",
-            "sse_ping_s",
-            "reply_recheck_s",
-            "stream_recheck_s",
-            "ready_timeout_s",
-            "header_timeout_s",
-            "body_timeout_s",
-        ):
-            value = getattr(self, name)
-            if not value > 0 or value == float("inf"):
-                raise ValueError(f"{name} ({env_name(name)}) is {value}; it must be a positive finite number")
-        _at_least(self, "max_header_bytes", 1024)
-        _at_least(self, "max_connections", 1)
-        _at_least(self, "max_queue_depth", 0)
-        if not self.stall_s > 0:
-            raise ValueError(f"stall_s must be > 0, got {self.stall_s} ({env_name('stall_s')})")
-        _at_least(self, "rate_limit_burst", 0)
-        if not 0 <= self.rate_limit_per_s < float("inf"):
-            raise ValueError(
-                f"rate_limit_per_s ({env_name('rate_limit_per_s')}) is {self.rate_limit_per_s}; it must be a finite "
-                "number, 0 to turn rate limits off"
-            )
-        if not all(_DIGEST_PATTERN.fullmatch(digest) for digest in self.api_keys):
-            # The value is not shown: a plain key passed here by mistake must not reach a log.
-            raise ValueError(
-                f"api_keys ({env_name('api_keys')}) must hold sha256 hex digests; keys given as text are hashed "
-                "by the CLI (gateway.auth.load_api_keys)"
-            )
-        if not set(self.operator_keys) <= set(self.api_keys):
-            raise ValueError(f"operator_keys must be among api_keys ({env_name('api_keys')}), as digests")
+        _check_identity(self)
+        _check_models(self)
+        _check_bounds(self)
+        _check_durations(self)
+        _check_rate_limits(self)
+        _check_keys(self)
 
     @property
     def rate_limit_burst_tokens(self) -> int:
@@ -225,3 +157,95 @@ def _at_least(settings: GatewaySettings, name: str, minimum: float, other: str |
     if value < minimum:
         bound = f"{other} ({env_name(other)}) = {minimum}" if other else str(minimum)
         raise ValueError(f"{name} ({env_name(name)}) is {value}; it must be at least {bound}")
+
+
+def _check_identity(settings: GatewaySettings) -> None:
+    """Where it listens and the id its replies are addressed to."""
+    if not settings.host:
+        raise ValueError(f"host ({env_name('host')}) must not be empty")
+    if not 0 <= settings.port <= 65535:
+        raise ValueError(f"port ({env_name('port')}) is {settings.port}; it must be within 0..65535")
+    if not _ID_PATTERN.fullmatch(settings.gateway_id):
+        raise ValueError(
+            f"gateway_id ({env_name('gateway_id')}) is {settings.gateway_id!r}; use 1 to 64 characters from "
+            "A-Z a-z 0-9 . _ - starting with a letter or digit"
+        )
+
+
+def _check_models(settings: GatewaySettings) -> None:
+    """At least one model, each named once in the safe alphabet, the default among them."""
+    models = settings.models
+    if not models:
+        raise ValueError(f"models ({env_name('models')}) must name at least one model")
+    for model in models:
+        if not _ID_PATTERN.fullmatch(model):
+            raise ValueError(
+                f"models ({env_name('models')}) contains {model!r}; a model name is 1 to 64 characters "
+                "from A-Z a-z 0-9 . _ - starting with a letter or digit"
+            )
+    if len(set(models)) != len(models):
+        raise ValueError(f"models ({env_name('models')}) lists a model twice: {', '.join(models)}")
+    if settings.default_model not in models:
+        raise ValueError(
+            f"default_model ({env_name('default_model')}) is {settings.default_model!r}, which is not among "
+            f"models ({env_name('models')}): {', '.join(models)}"
+        )
+
+
+def _check_bounds(settings: GatewaySettings) -> None:
+    """The timeouts in order, and every size and count at least its minimum."""
+    _at_least(settings, "min_timeout_ms", 1)
+    _at_least(settings, "default_timeout_ms", settings.min_timeout_ms, "min_timeout_ms")
+    _at_least(settings, "max_timeout_ms", settings.default_timeout_ms, "default_timeout_ms")
+    _at_least(settings, "max_input_chars", 1)
+    _at_least(settings, "max_body_bytes", 64)
+    _at_least(settings, "max_inflight", 1)
+    _at_least(settings, "max_watchers", 1)
+    _at_least(settings, "max_wait_s", 0)
+    _at_least(settings, "retry_after_s", 1)
+    _at_least(settings, "max_header_bytes", 1024)
+    _at_least(settings, "max_connections", 1)
+    _at_least(settings, "max_queue_depth", 0)
+
+
+def _check_durations(settings: GatewaySettings) -> None:
+    """Intervals and timeouts positive and finite; the producer's delays within a second."""
+    for name in (
+        "sse_max_s",
+        "sse_ping_s",
+        "reply_recheck_s",
+        "stream_recheck_s",
+        "ready_timeout_s",
+        "header_timeout_s",
+        "body_timeout_s",
+    ):
+        value = getattr(settings, name)
+        if not value > 0 or value == float("inf"):
+            raise ValueError(f"{name} ({env_name(name)}) is {value}; it must be a positive finite number")
+    if not settings.stall_s > 0:
+        raise ValueError(f"stall_s must be > 0, got {settings.stall_s} ({env_name('stall_s')})")
+    for name in ("request_linger_ms", "express_record_delay_ms"):
+        value = getattr(settings, name)
+        if not 0 <= value <= 1000:
+            raise ValueError(f"{name} ({env_name(name)}) is {value}; it must be within 0..1000 (milliseconds)")
+
+
+def _check_rate_limits(settings: GatewaySettings) -> None:
+    _at_least(settings, "rate_limit_burst", 0)
+    if not 0 <= settings.rate_limit_per_s < float("inf"):
+        raise ValueError(
+            f"rate_limit_per_s ({env_name('rate_limit_per_s')}) is {settings.rate_limit_per_s}; it must be a "
+            "finite number, 0 to turn rate limits off"
+        )
+
+
+def _check_keys(settings: GatewaySettings) -> None:
+    """API keys as sha256 digests, operator keys among them."""
+    if not all(_DIGEST_PATTERN.fullmatch(digest) for digest in settings.api_keys):
+        # The value is not shown: a plain key passed here by mistake must not reach a log.
+        raise ValueError(
+            f"api_keys ({env_name('api_keys')}) must hold sha256 hex digests; keys given as text are hashed "
+            "by the CLI (gateway.auth.load_api_keys)"
+        )
+    if not set(settings.operator_keys) <= set(settings.api_keys):
+        raise ValueError(f"operator_keys must be among api_keys ({env_name('api_keys')}), as digests")
