@@ -138,6 +138,8 @@ class Simulation:
         self.spacing = Spacing()
         self.workers = [_Worker() for _ in range(config.workers)]
         self._alpha = _ewma_alpha()
+        self._call_s = [0.0] + [config.curve.latency_ms(size) / 1000.0 for size in range(1, config.curve.max_batch + 1)]
+        """Call duration by batch size, looked up once."""
         self._events: list[tuple[float, int, int, int]] = []
         self._pool: list[tuple[float, int, int]] = []
         """Offered credits: (frees at, sequence, worker); a claim takes the soonest to free."""
@@ -296,7 +298,7 @@ class Simulation:
         worker, config, out, now = self.workers[index], self.config, self._out, self.now
         size = len(taken.items)
         start_s = max(now + config.transit_ms / 1000.0, worker.free_s)
-        call_s = config.curve.latency_ms(size) / 1000.0
+        call_s = self._call_s[size]
         end_s = start_s + call_s
         if config.spacing_margin_ms >= 0:
             self.spacing.started(str(index), now + max(0.0, frees_s - now), worker.credit_busy_s)

@@ -103,13 +103,20 @@ def simulate_rate(config: SimConfig, rate: float, requests: int, seed: int = 0) 
 
 
 def policy_for(
-    name: str, max_batch: int | None = None, max_wait_ms: float | None = None, reserve_ms: float | None = None
+    name: str,
+    max_batch: int | None = None,
+    max_wait_ms: float | None = None,
+    reserve_ms: float | None = None,
+    backend_max: int | None = None,
 ) -> FlushPolicy:
     """The service's policy of that name, with its defaults where a setting is not given.
 
-    As in the service, a policy's max batch above the backend's (the curve's largest size) is cut
-    by the worker's own limit when a batch is taken.
+    An unset max batch is the policy's default capped at the backend's (``backend_max``), as an
+    operator sets ``--max-batch``: a policy that seals larger batches than a worker takes has them
+    cut (32, 32, 32, 4 of 100), as the service would.
     """
+    if max_batch is None and backend_max is not None:
+        max_batch = min(FlushPolicy.named(name).max_batch, backend_max)
     policy = FlushPolicy.named(name, max_batch, max_wait_ms)
     if reserve_ms is not None and policy.name is PolicyName.WORK_CONSERVING:
         policy = dataclasses.replace(policy, reserve_ms=reserve_ms)
@@ -127,7 +134,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-batch",
         type=int,
         default=None,
-        help="items per batch at most (default: the policy's; a worker takes at most the curve's largest size)",
+        help="items per batch at most (default: the policy's, at most the curve's largest size)",
     )
     parser.add_argument(
         "--max-wait-ms", type=float, default=None, help="age that seals a batch (default: the policy's)"
@@ -161,7 +168,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from(args: argparse.Namespace, curve: Curve, workers: int) -> SimConfig:
     """The simulated deployment from the shared flags; unset service settings keep the services' defaults."""
-    policy = policy_for(args.policy, args.max_batch, args.max_wait_ms, args.reserve_ms)
+    policy = policy_for(args.policy, args.max_batch, args.max_wait_ms, args.reserve_ms, curve.max_batch)
     base = SimConfig(curve, workers, policy, transit_ms=args.transit_ms, overhead_ms=args.overhead_ms)
 
     def given(value: float | None, default: float) -> float:

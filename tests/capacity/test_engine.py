@@ -13,7 +13,7 @@ from batcher.policy import FlushPolicy
 from batchwire.capacity import arrivals
 from batchwire.capacity.curve import Curve, CurvePoint
 from batchwire.capacity.engine import BatchRecord, SimConfig, Simulation
-from batchwire.capacity.simulate import simulate_rate
+from batchwire.capacity.simulate import policy_for, simulate_rate
 
 FLAT = Curve.flat(100.0, 100)
 PURE_WC = FlushPolicy.work_conserving(max_batch=100, reserve_ms=0.0)
@@ -126,3 +126,11 @@ def test_a_policy_max_batch_above_the_backend_is_cut_by_the_worker_limit() -> No
     _, records = run(config, 700.0, 5000)
     assert max(len(r.items) for r in records) == 32
     assert [item for r in records for item in r.items] == list(range(5000))
+
+
+def test_an_unset_max_batch_is_the_policy_default_capped_at_the_backend() -> None:
+    assert policy_for("work-conserving", backend_max=32).max_batch == 32
+    assert policy_for("work-conserving", backend_max=256).max_batch == 100
+    assert policy_for("classic", backend_max=256).max_batch == 32
+    assert policy_for("classic", 64, 20.0, backend_max=256).max_wait_ms == 20.0
+    assert policy_for("work-conserving", reserve_ms=0.0).reserve_ms == 0.0
