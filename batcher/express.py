@@ -49,7 +49,7 @@ class ExpressLedger(Generic[Item]):
         """A Kafka record came: what the batcher does with it."""
         held = self._held.pop(task_id, None)
         if held is not None:
-            held.partition, held.offset = partition, offset
+            held.partition, held.offset, held.awaiting_record = partition, offset, False
             return Record.HELD
         if task_id in self._done:
             del self._done[task_id]

@@ -93,6 +93,8 @@ class Pending(Generic[Item]):
     offset: int
     arrived_s: float
     deadline_s: float
+    awaiting_record: bool = False
+    """An express copy whose Kafka record has not come: ``offset`` is not known yet."""
 
 
 @dataclass(slots=True)

@@ -28,7 +28,6 @@ from batcher.states import wall_ms
 from schemas.records import InferenceRequest
 from telemetry import metrics
 from transport.ports import (
-    UNKNOWN,
     BatchProducer,
     CreditPool,
     Delivered,
@@ -216,7 +215,9 @@ class Batcher:
     ) -> Pending[InferenceRequest]:
         deadline_s = now_s + (request.deadline_ms - now_ms) / 1000.0
         arrived_s = now_s - max(0, now_ms - request.enqueued_at_ms) / 1000.0
-        return Pending(request, record.partition, record.offset, arrived_s, deadline_s)
+        return Pending(
+            request, record.partition, record.offset, arrived_s, deadline_s, awaiting_record=record.via == "express"
+        )
 
     async def _fail_unknown(self, records: list[Delivered[InferenceRequest]]) -> None:
         failed = states.unknown_model(
@@ -260,7 +261,7 @@ class Batcher:
 
     def _finish(self, pending: Pending[InferenceRequest]) -> None:
         """The request is on Kafka in a batch, or ended: its offset may be committed."""
-        if pending.offset == UNKNOWN:  # a copy whose Kafka record has not come
+        if pending.awaiting_record:
             self.express.finished(pending.item.task_id)
         else:
             self.offsets.finish(pending.partition, pending.offset)

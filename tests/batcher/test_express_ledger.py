@@ -9,7 +9,7 @@ from transport.ports import UNKNOWN
 
 
 def copy_of(task_id: str, partition: int = 3) -> Pending[str]:
-    return Pending(task_id, partition, UNKNOWN, 0.0, 60.0)
+    return Pending(task_id, partition, UNKNOWN, 0.0, 60.0, awaiting_record=True)
 
 
 def test_a_record_whose_copy_is_held_gives_the_copy_its_offset() -> None:
@@ -19,6 +19,7 @@ def test_a_record_whose_copy_is_held_gives_the_copy_its_offset() -> None:
 
     assert ledger.record("t1", 3, 41) is Record.HELD
     assert (pending.partition, pending.offset) == (3, 41), "the held copy must now finish offset 41"
+    assert not pending.awaiting_record, "the copy has its record's offset now"
     ledger.finished("t1")  # it was handed over with its offset: nothing left to match
     assert ledger.record("t1", 3, 41) is Record.NEW
 
