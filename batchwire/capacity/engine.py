@@ -50,7 +50,9 @@ class SimConfig:
     credit_lead_ms: float = _default(WorkerSettings, "credit_lead_ms")
     credit_lead_full_ms: float = _default(WorkerSettings, "credit_lead_full_ms")
     spacing_margin_ms: float = _default(BatcherSettings, "spacing_margin_ms")
-    """-1: no spacing (several batchers share the model's workers)."""
+    """-1: no spacing. Only a batcher alone with the model's workers spaces them, as in the service."""
+    batchers: int = 1
+    """Batchers that share the model's requests (round robin) and its workers' credits."""
     transit_ms: float = 0.0
     """A batch's way from the batcher to its worker."""
     overhead_ms: float = 0.0
@@ -63,8 +65,8 @@ class SimConfig:
     """Keep every batch's record (tests check the invariants on them)."""
 
     def __post_init__(self) -> None:
-        if self.workers < 1:
-            raise ValueError(f"workers must be at least 1, got {self.workers} (--workers)")
+        if self.workers < 1 or self.batchers < 1:
+            raise ValueError(f"workers and batchers must be at least 1, got {self.workers} and {self.batchers}")
 
     @property
     def backlog_limit(self) -> int:
@@ -118,6 +120,28 @@ class _Event(IntEnum):
     WAIT_END = 2
 
 
+Credit = tuple[float, int, int]
+"""An offered credit: (when its worker frees, sequence, worker)."""
+
+
+class _Batcher:
+    """One batcher's accumulators and where its dispatch loop stands."""
+
+    __slots__ = ("claim_since", "credit", "former", "index", "mode", "spacing", "timer_at", "token")
+
+    def __init__(self, index: int, former: BatchFormer[int]) -> None:
+        self.index = index
+        self.former = former
+        self.spacing = Spacing()
+        self.mode = _Mode.IDLE
+        self.claim_since = 0.0
+        """When its claim (or its hold's second claim) began: waiting claims are served in this order."""
+        self.credit: Credit | None = None
+        """The credit it holds in reserve, or while it spaces the workers' starts."""
+        self.token = 0
+        self.timer_at: float | None = None
+
+
 @dataclass(slots=True)
 class _Worker:
     free_s: float = 0.0
@@ -129,28 +153,26 @@ class _Worker:
 
 
 class Simulation:
-    """Runs arrivals through the batcher's dispatch and the workers, all on one virtual clock."""
+    """Runs arrivals through the batchers' dispatch and the workers, all on one virtual clock."""
 
     def __init__(self, config: SimConfig) -> None:
         self.config = config
         self.now = 0.0
-        self.former: BatchFormer[int] = BatchFormer(config.policy, lambda: self.now)
-        self.spacing = Spacing()
+        self.batchers = [_Batcher(i, BatchFormer(config.policy, self.clock)) for i in range(config.batchers)]
         self.workers = [_Worker() for _ in range(config.workers)]
+        self._spaced = config.batchers == 1 and config.spacing_margin_ms >= 0
         self._alpha = _ewma_alpha()
         self._call_s = [0.0] + [config.curve.latency_ms(size) / 1000.0 for size in range(1, config.curve.max_batch + 1)]
         """Call duration by batch size, looked up once."""
-        self._events: list[tuple[float, int, int, int]] = []
-        self._pool: list[tuple[float, int, int]] = []
-        """Offered credits: (frees at, sequence, worker); a claim takes the soonest to free."""
+        self._events: list[tuple[float, int, int, int, int]] = []
+        self._pool: list[Credit] = []
+        """Offered credits nobody waits for; a claim takes the soonest to free."""
         self._seq = 0
-        self._mode = _Mode.IDLE
-        self._claim_since = 0.0
-        self._held_credit: tuple[float, int, int] | None = None
-        self._wait_token = 0
-        self._timer_at: float | None = None
         self._held = 0
         self._out = SimOutcome(0, 0.0)
+
+    def clock(self) -> float:
+        return self.now
 
     # the loop -------------------------------------------------------------------------------------
     def run(self, arrivals: Sequence[float]) -> SimOutcome:
@@ -161,9 +183,9 @@ class Simulation:
         events, limit, count, i = self._events, self.config.backlog_limit, len(arrivals), 0
         while i < count or (self._held and events):
             if events and (i >= count or events[0][0] <= arrivals[i]):
-                at, _, kind, arg = heapq.heappop(events)
+                at, _, kind, arg, token = heapq.heappop(events)
                 self.now = at
-                self._on_event(kind, arg)
+                self._on_event(kind, arg, token)
                 continue
             self.now = arrivals[i]
             self._arrive(i)
@@ -177,131 +199,140 @@ class Simulation:
                     break
         return out
 
-    def _push(self, at: float, kind: _Event, arg: int) -> None:
+    def _push(self, at: float, kind: _Event, arg: int, token: int = 0) -> None:
         self._seq += 1
-        heapq.heappush(self._events, (at, self._seq, kind, arg))
+        heapq.heappush(self._events, (at, self._seq, kind, arg, token))
 
-    def _on_event(self, kind: int, arg: int) -> None:
+    def _on_event(self, kind: int, arg: int, token: int) -> None:
         if kind == _Event.OFFER:
             self._offered(arg)
-        elif kind == _Event.TIMER:
-            if self._timer_at == self.now:
-                self._timer_at = None
-                self._tick()
-        elif arg == self._wait_token and self._mode in (_Mode.HOLDING, _Mode.SPACING):
-            self._send_held()
+            return
+        b = self.batchers[arg]
+        if kind == _Event.TIMER:
+            if b.timer_at == self.now:
+                b.timer_at = None
+                self._tick(b)
+        elif token == b.token and b.mode in (_Mode.HOLDING, _Mode.SPACING):
+            self._send_held(b)
 
     # the batcher's side -----------------------------------------------------------------------------
     def _arrive(self, index: int) -> None:
         now = self.now
-        self.former.add(MODEL, Pending(index, 0, index, now, now + self.config.timeout_s))
+        b = self.batchers[index % len(self.batchers)]
+        b.former.add(MODEL, Pending(index, 0, index, now, now + self.config.timeout_s))
         self._held += 1
-        if self._timer_at is None:
-            self._schedule_timer()
-        if self._mode == _Mode.HOLDING or (self._mode == _Mode.SPACING and self.former.sealed(MODEL)):
-            self._send_held()
-        elif self._mode != _Mode.SPACING:
-            self._dispatch()
+        if b.timer_at is None:
+            self._schedule_timer(b)
+        if b.mode == _Mode.HOLDING or (b.mode == _Mode.SPACING and b.former.sealed(MODEL)):
+            self._send_held(b)
+        elif b.mode != _Mode.SPACING:
+            self._dispatch(b)
 
-    def _schedule_timer(self) -> None:
-        due = self.former.next_due_s()
+    def _schedule_timer(self, b: _Batcher) -> None:
+        due = b.former.next_due_s()
         if due is not None and due != math.inf:
-            self._timer_at = max(due, self.now)
-            self._push(self._timer_at, _Event.TIMER, 0)
+            b.timer_at = max(due, self.now)
+            self._push(b.timer_at, _Event.TIMER, b.index)
 
-    def _tick(self) -> None:
-        self.former.tick()
-        expired = self.former.expire()
+    def _tick(self, b: _Batcher) -> None:
+        b.former.tick()
+        expired = b.former.expire()
         self._held -= len(expired)
         self._out.expired += len(expired)
-        self._schedule_timer()
-        if self._mode == _Mode.SPACING and self.former.sealed(MODEL):
-            self._send_held()
-        elif self._mode in (_Mode.IDLE, _Mode.CLAIMING):
-            self._dispatch()
+        self._schedule_timer(b)
+        if b.mode == _Mode.SPACING and b.former.sealed(MODEL):
+            self._send_held(b)
+        elif b.mode in (_Mode.IDLE, _Mode.CLAIMING):
+            self._dispatch(b)
 
     def _offered(self, worker: int) -> None:
-        state = self.workers[worker]
         self._seq += 1
-        credit = (max(state.free_s, self.now), self._seq, worker)
-        if self._mode == _Mode.HOLDING and self._held_credit is not None:
-            held, self._held_credit = self._held_credit, None  # a second worker came first: the held one goes back
-            heapq.heappush(self._pool, held)
-            self._send(credit)
-            self._mode = _Mode.IDLE
-            self._dispatch()
+        self._give((max(self.workers[worker].free_s, self.now), self._seq, worker))
+
+    def _give(self, credit: Credit) -> None:
+        """A credit goes to the claim that has waited longest, or to the pool when none waits."""
+        waiting = [b for b in self.batchers if b.mode in (_Mode.CLAIMING, _Mode.HOLDING)]
+        if not waiting:
+            heapq.heappush(self._pool, credit)
+            return
+        b = min(waiting, key=lambda b: b.claim_since)
+        if b.mode == _Mode.HOLDING and b.credit is not None:
+            held, b.credit = b.credit, None  # a second worker came first: the held one goes back
+            b.token += 1
+            b.mode = _Mode.IDLE
+            self._send(b, credit)
+            self._give(held)
+            self._dispatch(b)
             return
         heapq.heappush(self._pool, credit)
-        if self._mode in (_Mode.IDLE, _Mode.CLAIMING):
-            self._dispatch()
+        self._dispatch(b)
 
-    def _dispatch(self) -> None:
+    def _dispatch(self, b: _Batcher) -> None:
         """The dispatch loop of ``batcher.dispatch``: a credit per ready batch, held or spaced as it would be."""
-        while self.former.ready(MODEL):
+        while b.former.ready(MODEL):
             if not self._pool:
-                if self._mode != _Mode.CLAIMING:
-                    self._mode, self._claim_since = _Mode.CLAIMING, self.now
+                if b.mode != _Mode.CLAIMING:
+                    b.mode, b.claim_since = _Mode.CLAIMING, self.now
                 return
-            claimed_from = self._claim_since if self._mode == _Mode.CLAIMING else self.now
+            claimed_from = b.claim_since if b.mode == _Mode.CLAIMING else self.now
             credit = heapq.heappop(self._pool)
-            self._mode = _Mode.IDLE
+            b.mode = _Mode.IDLE
             call_s = self.workers[credit[2]].credit_busy_s
-            hold_s = self.former.reserve_s(MODEL, call_s, claimed_from)
+            hold_s = b.former.reserve_s(MODEL, call_s, claimed_from)
             if hold_s > 0:
                 if self._pool:  # the second claim succeeds at once: send against it, the first goes back
                     other = heapq.heappop(self._pool)
                     heapq.heappush(self._pool, credit)
                     credit = other
                 else:
-                    self._wait(_Mode.HOLDING, credit, self.now + hold_s)
+                    b.claim_since = self.now
+                    self._wait(b, _Mode.HOLDING, credit, self.now + hold_s)
                     return
-            elif self._space_until(credit, call_s) > self.now:
-                self._wait(_Mode.SPACING, credit, self._space_until(credit, call_s))
+            elif (until_s := self._space_until(b, credit, call_s)) > self.now:
+                self._wait(b, _Mode.SPACING, credit, until_s)
                 return
-            self._send(credit)
-        self._mode = _Mode.IDLE
+            self._send(b, credit)
+        b.mode = _Mode.IDLE
 
-    def _space_until(self, credit: tuple[float, int, int], call_s: float) -> float:
+    def _space_until(self, b: _Batcher, credit: Credit, call_s: float) -> float:
         """When the batch for a busy worker should be sealed to keep the starts spread (now: at once)."""
-        margin_ms = self.config.spacing_margin_ms
         starts_in_s = max(0.0, credit[0] - self.now)
-        if margin_ms < 0 or starts_in_s <= 0 or self.former.sealed(MODEL):
+        if not self._spaced or starts_in_s <= 0 or b.former.sealed(MODEL):
             return self.now
         start_s = self.now + starts_in_s
-        due_s = self.spacing.due_s(str(credit[2]), start_s, call_s)
-        until_s = due_s - margin_ms / 1000.0
+        due_s = b.spacing.due_s(str(credit[2]), start_s, call_s)
+        until_s = due_s - self.config.spacing_margin_ms / 1000.0
         return until_s if due_s > start_s and until_s > self.now else self.now
 
-    def _wait(self, mode: _Mode, credit: tuple[float, int, int], until_s: float) -> None:
-        self._mode, self._held_credit = mode, credit
-        self._wait_token += 1
-        self._push(until_s, _Event.WAIT_END, self._wait_token)
+    def _wait(self, b: _Batcher, mode: _Mode, credit: Credit, until_s: float) -> None:
+        b.mode, b.credit = mode, credit
+        b.token += 1
+        self._push(until_s, _Event.WAIT_END, b.index, b.token)
 
-    def _send_held(self) -> None:
-        credit, self._held_credit = self._held_credit, None
-        self._wait_token += 1
-        self._mode = _Mode.IDLE
+    def _send_held(self, b: _Batcher) -> None:
+        credit, b.credit = b.credit, None
+        b.token += 1
+        b.mode = _Mode.IDLE
         if credit is not None:
-            self._send(credit)
-        self._dispatch()
+            self._send(b, credit)
+        self._dispatch(b)
 
     # the worker's side ------------------------------------------------------------------------------
-    def _send(self, credit: tuple[float, int, int]) -> None:
+    def _send(self, b: _Batcher, credit: Credit) -> None:
         """Hands one batch to the credit's worker, runs it when the worker is free, schedules its next credit."""
         frees_s, _, index = credit
-        taken = self.former.take(MODEL, self.config.curve.max_batch)
+        taken = b.former.take(MODEL, self.config.curve.max_batch)
         self._held -= len(taken.items) + len(taken.expired)
         self._out.expired += len(taken.expired)
         if not taken.items:
-            heapq.heappush(self._pool, credit)
+            self._give(credit)
             return
         worker, config, out, now = self.workers[index], self.config, self._out, self.now
         size = len(taken.items)
         start_s = max(now + config.transit_ms / 1000.0, worker.free_s)
         call_s = self._call_s[size]
         end_s = start_s + call_s
-        if config.spacing_margin_ms >= 0:
-            self.spacing.started(str(index), now + max(0.0, frees_s - now), worker.credit_busy_s)
+        b.spacing.started(str(index), now + max(0.0, frees_s - now), worker.credit_busy_s)
         offer_s = self._offer_at(worker, start_s, end_s, size)
         self._push(offer_s, _Event.OFFER, index)
         before = worker.expected_s

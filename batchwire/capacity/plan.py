@@ -9,6 +9,7 @@ rate in closed form (``batchwire.capacity.sizing``).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -19,7 +20,16 @@ from typing import Any
 from batchwire.capacity.curve import Curve, CurveError, load
 from batchwire.capacity.engine import SimConfig
 from batchwire.capacity.simulate import RateResult, add_arguments, config_from, simulate_rate
-from batchwire.capacity.sizing import DEFAULT_HEADROOM, Figure, SizingError, SizingInputs, as_dict, load_cpu_file, size
+from batchwire.capacity.sizing import (
+    DEFAULT_HEADROOM,
+    Figure,
+    SizingError,
+    SizingInputs,
+    as_dict,
+    load_cpu_file,
+    processes,
+    size,
+)
 
 MAX_GROWTH = 64
 """The search gives up past this many times the closed-form lower bound."""
@@ -35,6 +45,8 @@ class ModelPlan:
     rate: float
     gpus: int
     gpus_with_headroom: int
+    batchers: int
+    """Batchers sharing the model's requests in the simulation."""
     simulated: RateResult
 
     def to_json(self) -> dict[str, Any]:
@@ -44,6 +56,7 @@ class ModelPlan:
             "gpus": self.gpus,
             "gpus_with_headroom": self.gpus_with_headroom,
             "batch_partitions": self.gpus_with_headroom,
+            "simulated_batchers": self.batchers,
             "simulated": self.simulated.to_json(),
         }
 
@@ -93,7 +106,7 @@ def plan_model(
     configure: Callable[[int], SimConfig], model: str, rate: float, p99_ms: float, headroom: float, requests: int
 ) -> ModelPlan:
     gpus, simulated = gpus_for(configure, rate, p99_ms, requests)
-    return ModelPlan(model, rate, gpus, math.ceil(gpus / headroom - 1e-9), simulated)
+    return ModelPlan(model, rate, gpus, math.ceil(gpus / headroom - 1e-9), configure(1).batchers, simulated)
 
 
 def summary(plans: list[ModelPlan], figures: list[Figure], inputs: SizingInputs, p99_ms: float) -> dict[str, Any]:
@@ -119,7 +132,8 @@ def format_table(result: dict[str, Any]) -> str:
     for model in result["models"]:
         sim = model["simulated"]
         lines.append(
-            f"model {model['model']}: {model['rate']:g} req/s on {model['gpus']} GPUs: "
+            f"model {model['model']}: {model['rate']:g} req/s on {model['gpus']} GPUs "
+            f"and {model['simulated_batchers']} batchers: "
             f"simulated p50 {sim['p50_ms']} ms, "
             f"p99 {sim['p99_ms']} ms, mean batch {sim['mean_batch']}, busy {sim['busy']}"
         )
@@ -138,7 +152,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     parser.add_argument("--result-ttl-s", type=float, default=None, help="how long results stay in Redis")
     parser.add_argument("--replication-factor", type=int, default=None, help="Kafka replication factor")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    parser.set_defaults(requests=None)
+    parser.set_defaults(requests=None, batchers=None)
 
 
 def _models(args: argparse.Namespace) -> list[tuple[str, float]]:
@@ -168,11 +182,16 @@ def _inputs(args: argparse.Namespace) -> SizingInputs:
     return inputs
 
 
+def batchers_for(args: argparse.Namespace, rate: float, inputs: SizingInputs) -> int:
+    """The batchers that share one model's requests in the simulation: ``--batchers``, else as sized for its rate."""
+    return int(args.batchers or processes(rate, inputs.batcher_us_per_request, inputs.headroom))
+
+
 def make_plan(args: argparse.Namespace, curve: Curve) -> dict[str, Any]:
     inputs = _inputs(args)
     plans = [
         plan_model(
-            lambda workers: config_from(args, curve, workers),
+            functools.partial(config_from, args, curve, batchers=batchers_for(args, rate, inputs)),
             model,
             rate,
             args.p99_ms,

@@ -161,15 +161,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--overhead-ms", type=float, default=0.0, help="added to every request: the gateway's and the result's hops"
     )
+    parser.add_argument(
+        "--batchers",
+        type=int,
+        default=1,
+        help="batchers sharing the model's requests and workers (more than 1: no spacing)",
+    )
     parser.add_argument("--requests", type=int, default=100_000, help="simulated requests per rate")
     parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
     parser.add_argument("--log-level", default="warning", help="debug, info, warning or error")
 
 
-def config_from(args: argparse.Namespace, curve: Curve, workers: int) -> SimConfig:
+def config_from(args: argparse.Namespace, curve: Curve, workers: int, batchers: int | None = None) -> SimConfig:
     """The simulated deployment from the shared flags; unset service settings keep the services' defaults."""
     policy = policy_for(args.policy, args.max_batch, args.max_wait_ms, args.reserve_ms, curve.max_batch)
-    base = SimConfig(curve, workers, policy, transit_ms=args.transit_ms, overhead_ms=args.overhead_ms)
+    base = SimConfig(
+        curve,
+        workers,
+        policy,
+        transit_ms=args.transit_ms,
+        overhead_ms=args.overhead_ms,
+        batchers=batchers or args.batchers or 1,
+    )
 
     def given(value: float | None, default: float) -> float:
         return default if value is None else float(value)

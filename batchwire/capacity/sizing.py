@@ -76,7 +76,7 @@ class Figure:
     formula: str
 
 
-def _processes(rate: float, us_per_request: float, headroom: float) -> int:
+def processes(rate: float, us_per_request: float, headroom: float) -> int:
     """One core per process (Python): cores needed at the headroom, at least one."""
     return max(1, math.ceil(rate * us_per_request / 1e6 / headroom))
 
@@ -87,8 +87,8 @@ def size(rate: float, inputs: SizingInputs) -> list[Figure]:
 
 
 def _processes_figures(rate: float, inputs: SizingInputs) -> list[Figure]:
-    gateways = _processes(rate, inputs.gateway_us_per_request, inputs.headroom)
-    batchers = _processes(rate, inputs.batcher_us_per_request, inputs.headroom)
+    gateways = processes(rate, inputs.gateway_us_per_request, inputs.headroom)
+    batchers = processes(rate, inputs.batcher_us_per_request, inputs.headroom)
     return [
         Figure(
             "gateways",
