@@ -1,4 +1,4 @@
-"""Contract-test kits: each transport built either in memory or over the real Kafka and Redis.
+"""Contract-test fixtures: each transport built either in memory or over the real Kafka and Redis.
 
 Every test that takes ``kind`` runs twice, so the in-memory transports (embedded mode, unit tests)
 are held to the same contract as the Kafka and Redis ones. Real infrastructure comes from the
@@ -7,33 +7,28 @@ session fixture ``infra`` (tests/conftest.py); ``names`` gives every test its ow
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from schemas.wire import Names
-from transport.kafka.consumers import KafkaBatchConsumer, KafkaRequestConsumer
-from transport.kafka.producers import KafkaBatchProducer, KafkaRequestProducer
-from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
-from transport.ports import (
-    BatchConsumer,
-    BatchProducer,
-    CreditPool,
-    RequestConsumer,
-    RequestProducer,
-    TaskStore,
+from tests.support.transport_kits import (
+    BATCH_PARTITIONS,
+    MODELS,
+    REAL,
+    REQUEST_PARTITIONS,
+    BatchBusKit,
+    Closer,
+    PoolFactory,
+    RequestBusKit,
+    StoreFactory,
+    ensure_topics,
 )
+from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
+from transport.ports import CreditPool, TaskStore
 from transport.redis.store import RedisCreditPool, RedisTaskStore
 from transport.routing import Partitioner
-
-REAL = "real"
-MODELS = ("alpha", "beta")
-REQUEST_PARTITIONS = 4
-BATCH_PARTITIONS = 2
 
 
 @pytest.fixture(params=["memory", pytest.param(REAL, marks=pytest.mark.kafka)])
@@ -60,39 +55,7 @@ def kafka_bootstrap(request: pytest.FixtureRequest) -> str:
     return str(request.getfixturevalue("infra").kafka_bootstrap)
 
 
-async def ensure_topics(bootstrap: str, topics: dict[str, int]) -> None:
-    from infra.topics import ensure_topics as create
-
-    await create(bootstrap, topics)
-
-
-async def eventually(check: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
-    """Polls ``check`` until true; fails naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
-class Closer:
-    """Closes what a test started, newest first, even when the test failed."""
-
-    def __init__(self) -> None:
-        self.items: list[Any] = []
-
-    def add(self, item: Any) -> Any:
-        self.items.append(item)
-        return item
-
-    async def close_all(self) -> None:
-        while self.items:
-            await self.items.pop().close()
-
-
 # Task store ---------------------------------------------------------------------------------------
-
-StoreFactory = Callable[..., Awaitable[TaskStore]]
 
 
 @pytest.fixture
@@ -119,8 +82,6 @@ async def make_store(kind: str, real_infra: Any, names: Names) -> AsyncIterator[
 
 # Credit pool --------------------------------------------------------------------------------------
 
-PoolFactory = Callable[[], Awaitable[CreditPool]]
-
 
 @pytest.fixture
 async def make_pool(kind: str, real_infra: Any, names: Names) -> AsyncIterator[PoolFactory]:
@@ -142,35 +103,6 @@ async def make_pool(kind: str, real_infra: Any, names: Names) -> AsyncIterator[P
 # Request bus --------------------------------------------------------------------------------------
 
 
-@dataclass
-class RequestBusKit:
-    kind: str
-    names: Names
-    partitioner: Partitioner
-    bootstrap: str | None
-    closer: Closer = field(default_factory=Closer)
-    memory: MemoryRequestBus | None = None
-
-    async def producer(self) -> RequestProducer:
-        producer: RequestProducer
-        if self.memory is not None:
-            producer = self.memory.producer()
-        else:
-            assert self.bootstrap is not None
-            producer = KafkaRequestProducer(self.bootstrap, self.names, self.partitioner)
-        await producer.start()
-        return self.closer.add(producer)  # type: ignore[no-any-return]
-
-    def consumer(self) -> RequestConsumer:
-        """Not started: the test starts it with its own callbacks (and closes it, or leaves it to teardown)."""
-        if self.memory is not None:
-            return self.closer.add(self.memory.consumer())  # type: ignore[no-any-return]
-        assert self.bootstrap is not None
-        return self.closer.add(  # type: ignore[no-any-return]
-            KafkaRequestConsumer(self.bootstrap, self.names, heartbeat_interval_ms=500)
-        )
-
-
 @pytest.fixture
 async def request_bus(kind: str, real_infra: Any, names: Names) -> AsyncIterator[RequestBusKit]:
     partitioner = Partitioner(MODELS, REQUEST_PARTITIONS)
@@ -184,35 +116,6 @@ async def request_bus(kind: str, real_infra: Any, names: Names) -> AsyncIterator
 
 
 # Batch bus ----------------------------------------------------------------------------------------
-
-
-@dataclass
-class BatchBusKit:
-    kind: str
-    names: Names
-    model: str
-    bootstrap: str | None
-    closer: Closer = field(default_factory=Closer)
-    memory: MemoryBatchBus | None = None
-
-    async def producer(self) -> BatchProducer:
-        producer: BatchProducer
-        if self.memory is not None:
-            producer = self.memory
-        else:
-            assert self.bootstrap is not None
-            producer = KafkaBatchProducer(self.bootstrap, self.names)
-        await producer.start()
-        return self.closer.add(producer)  # type: ignore[no-any-return]
-
-    def consumer(self, partition: int) -> BatchConsumer:
-        """A worker's consumer. In memory it is pinned to ``partition``; over Kafka the group decides."""
-        if self.memory is not None:
-            return self.closer.add(self.memory.consumer(partition))  # type: ignore[no-any-return]
-        assert self.bootstrap is not None
-        return self.closer.add(  # type: ignore[no-any-return]
-            KafkaBatchConsumer(self.bootstrap, self.names, self.model, heartbeat_interval_ms=500)
-        )
 
 
 @pytest.fixture

@@ -6,19 +6,15 @@ import time
 
 import pytest
 
-from schemas.records import Batch, BatchItem
-from tests.contract.conftest import BATCH_PARTITIONS, BatchBusKit, eventually
+from schemas.records import Batch
+from tests.support.bus_records import batch
+from tests.support.eventually import eventually
+from tests.support.transport_kits import BATCH_PARTITIONS, BatchBusKit
 from transport.ports import BatchConsumer, Delivered
 
 pytestmark = pytest.mark.timeout(90)
 
 WAIT_S = 30.0
-
-
-def batch(batch_id: str, model: str, size: int = 2) -> Batch:
-    now = int(time.time() * 1000)
-    items = tuple(BatchItem(f"{batch_id}-{i}", f"input {i}", now, now + 30_000, "g1") for i in range(size))
-    return Batch(batch_id, model, "batcher-1", now, "size", credit="w1:1", items=items)
 
 
 class Owned:
@@ -45,7 +41,7 @@ async def test_the_owner_of_a_partition_receives_its_batch(batch_bus: BatchBusKi
     await eventually(
         lambda: all(len(o.partitions) == 1 for o in owned) and owned[0].partitions != owned[1].partitions,
         "each of two workers to own one partition",
-        WAIT_S,
+        timeout_s=WAIT_S,
     )
     assert [w.assignment() for w in workers] == [o.partitions for o in owned]
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from schemas.records import Credit
-from tests.contract.conftest import PoolFactory
+from tests.support.transport_kits import PoolFactory
 
 pytestmark = pytest.mark.timeout(60)
 

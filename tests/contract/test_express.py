@@ -20,7 +20,8 @@ from batcher.settings import BatcherSettings
 from schemas.codec import encode_batch
 from schemas.records import Batch, BatchItem, Credit, InferenceRequest, TaskState, TaskStatus
 from schemas.wire import Names
-from tests.contract.conftest import Closer, ensure_topics, eventually
+from tests.support.eventually import eventually
+from tests.support.transport_kits import Closer, ensure_topics
 from transport.express.batches import ExpressBatchConsumer, ExpressBatchProducer
 from transport.express.copies import RedisExpress
 from transport.express.requests import ExpressRequestConsumer, ExpressRequestProducer
@@ -71,7 +72,7 @@ class Kit:
 
         await consumer.start(assigned, revoked)
         self.closer.add(consumer)
-        await eventually(lambda: bool(owned), "the worker to own the batch partition", WAIT_S)
+        await eventually(lambda: bool(owned), "the worker to own the batch partition", timeout_s=WAIT_S)
         return consumer
 
 
@@ -188,7 +189,7 @@ async def start_request_consumer(kit: Kit, partitions: int) -> ExpressRequestCon
         owned.difference_update(parts)
 
     await consumer.start(assigned, revoked)
-    await eventually(lambda: len(owned) == partitions, "the batcher to own every request partition", WAIT_S)
+    await eventually(lambda: len(owned) == partitions, "the batcher to own every request partition", timeout_s=WAIT_S)
     return consumer
 
 
@@ -253,7 +254,9 @@ async def test_the_batcher_batches_a_request_once_and_commits_its_record(kit: Ki
     batcher = Batcher(BatcherSettings(models=(MODEL,)), consumer, batches, credits, MemoryTaskStore())
     await batcher.start()
     try:
-        await eventually(lambda: consumer.assignment() == {0}, "the batcher to own the request partition", WAIT_S)
+        await eventually(
+            lambda: consumer.assignment() == {0}, "the batcher to own the request partition", timeout_s=WAIT_S
+        )
         worker = batches.consumer(0)
         now = int(time.time() * 1000)
         await credits.offer(Credit("w1", MODEL, 0, 1, now, now + 60_000, max_batch=100))
@@ -265,7 +268,9 @@ async def test_the_batcher_batches_a_request_once_and_commits_its_record(kit: Ki
         delivered = await worker.next(WAIT_S)
         assert delivered is not None and delivered.value is not None
         assert [item.task_id for item in delivered.value.items] == ["t1"]
-        await eventually(lambda: batcher.offsets.committed_at(0) == 1, "the request's offset to be committed")
+        await eventually(
+            lambda: batcher.offsets.committed_at(0) == 1, "the request's offset to be committed", timeout_s=20
+        )
         assert await worker.next(1.0) is None, "the request was batched twice (copy and record)"
     finally:
         await batcher.close()

@@ -12,9 +12,9 @@ from aiokafka import AIOKafkaProducer
 
 from schemas.records import Batch
 from schemas.wire import Names
-from tests.contract.conftest import Closer, ensure_topics, eventually
-from tests.contract.test_batch_bus import batch
-from tests.contract.test_request_bus import WAIT_S, Partitions, read, request
+from tests.support.bus_records import WAIT_S, Partitions, batch, read, request
+from tests.support.eventually import eventually
+from tests.support.transport_kits import Closer, ensure_topics
 from transport.errors import PermanentTransportError
 from transport.kafka.consumers import KafkaBatchConsumer, KafkaRequestConsumer
 from transport.kafka.producers import KafkaBatchProducer, KafkaRequestProducer
@@ -140,7 +140,7 @@ async def test_revoked_callback_commits_before_the_partition_moves(
             handed.remove(delivered)
 
     await first.start(_ignore, commit_handed)
-    await eventually(lambda: first.assignment() == {0, 1}, "the first member to own both partitions", WAIT_S)
+    await eventually(lambda: first.assignment() == {0, 1}, "the first member to own both partitions", timeout_s=WAIT_S)
     batches = {0: batch("b0", "alpha"), 1: batch("b1", "alpha")}
     for partition, item in batches.items():
         await producer.send(item, partition)
@@ -152,7 +152,9 @@ async def test_revoked_callback_commits_before_the_partition_moves(
     second = closer.add(KafkaBatchConsumer(kafka_bootstrap, names, "alpha", group_id=group, heartbeat_interval_ms=200))
     await second.start(_ignore, _ignore)
     await eventually(
-        lambda: len(first.assignment()) == 1 and len(second.assignment()) == 1, "the two members to split", WAIT_S
+        lambda: len(first.assignment()) == 1 and len(second.assignment()) == 1,
+        "the two members to split",
+        timeout_s=WAIT_S,
     )
     assert not commit_errors, f"commit inside on_revoked failed: {commit_errors}"
     assert not handed, "on_revoked must have run for the handed-out batch's partition"
@@ -170,7 +172,7 @@ async def test_commit_for_a_partition_not_owned_is_refused(kafka_bootstrap: str,
     await ensure_topics(kafka_bootstrap, {names.batch_topic("alpha"): 1})
     consumer = closer.add(KafkaBatchConsumer(kafka_bootstrap, names, "alpha"))
     await consumer.start(_ignore, _ignore)
-    await eventually(lambda: consumer.assignment() == {0}, "the partition to be assigned", WAIT_S)
+    await eventually(lambda: consumer.assignment() == {0}, "the partition to be assigned", timeout_s=WAIT_S)
     with pytest.raises(PermanentTransportError, match="refused"):
         await consumer.commit(Delivered(batch("b", "alpha"), 7, 0))
 

@@ -19,7 +19,7 @@ from aiokafka.errors import (  # type: ignore[import-untyped, unused-ignore]
 )
 
 from schemas.wire import Names
-from tests.contract.conftest import Closer
+from tests.support.transport_kits import Closer
 from transport.errors import PermanentTransportError
 from transport.kafka.producers import KafkaBatchProducer
 

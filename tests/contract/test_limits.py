@@ -17,7 +17,8 @@ from redis.asyncio import Redis
 from schemas.records import InferenceRequest
 from schemas.wire import Names
 from telemetry.metrics import REGISTRY
-from tests.contract.conftest import MODELS, REAL, REQUEST_PARTITIONS, Closer, RequestBusKit, eventually
+from tests.support.eventually import eventually
+from tests.support.transport_kits import MODELS, REAL, REQUEST_PARTITIONS, Closer, RequestBusKit, ensure_topics
 from transport.kafka.lag import KafkaQueueDepth
 from transport.memory.bus import MemoryQueueDepth, MemoryRateLimiter
 from transport.ports import QueueDepth, RateLimiter
@@ -184,7 +185,6 @@ async def test_depth_counts_requests_not_yet_committed_by_a_batcher(
 @pytest.mark.kafka
 async def test_kafka_depth_is_refreshed_in_the_background(kafka_bootstrap: str, names: Names) -> None:
     """``depth()`` never reads Kafka itself; the owned task keeps the cached figure fresh."""
-    from tests.contract.conftest import ensure_topics
     from transport.kafka.producers import KafkaRequestProducer
     from transport.routing import Partitioner
 
@@ -206,7 +206,7 @@ async def test_kafka_depth_is_refreshed_in_the_background(kafka_bootstrap: str, 
         depth.refresh = counting  # type: ignore[method-assign]
         for index in range(3):
             await producer.send(_request(index))
-        await eventually(lambda: calls >= 2, "two background refreshes")
+        await eventually(lambda: calls >= 2, "two background refreshes", timeout_s=20)
         await _depth_becomes(depth, 3, "after 3 requests")
         before = calls
         for _ in range(1000):

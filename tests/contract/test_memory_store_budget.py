@@ -9,7 +9,7 @@ from batchwire.embedded import EmbeddedSettings
 from batchwire.settings import SettingsError
 from gpu_worker.settings import WorkerSettings
 from schemas.records import InferenceRequest, TaskStatus
-from tests.contract.test_task_store import state
+from tests.support.task_states import state
 from transport.memory.bus import MemoryRequestBus, request_bytes
 from transport.memory.store import ENTRY_BYTES, MemoryTaskStore, state_bytes
 from transport.routing import Partitioner

@@ -19,9 +19,9 @@ from redis.asyncio.sentinel import SentinelManagedConnection
 from batchwire.settings import SettingsError, SharedSettings
 from schemas.records import Credit, TaskState, TaskStatus
 from schemas.wire import Names
-from tests.contract.conftest import eventually
-from tests.contract.sentinels import FAILOVER_WAIT_S, MASTER, SentinelCluster, wait_for
-from tests.contract.test_task_store import state
+from tests.support.eventually import eventually, eventually_sync
+from tests.support.sentinels import FAILOVER_WAIT_S, MASTER, SentinelCluster
+from tests.support.task_states import state
 from transport.ports import TransportError
 from transport.redis.pools import PoolOptions, blocking_pool, command_pool, pubsub_pool, redacted
 from transport.redis.sentinel import (
@@ -220,7 +220,10 @@ async def test_the_same_store_follows_a_failover_to_the_promoted_replica(
             cluster.kill(cluster.primary_port)
             promoted = ("127.0.0.1", cluster.replica_port)
             await asyncio.to_thread(
-                wait_for, lambda: cluster.master_address() == promoted, "the Sentinels to promote the replica", 30
+                eventually_sync,
+                lambda: cluster.master_address() == promoted,
+                "the Sentinels to promote the replica",
+                timeout_s=30,
             )
 
             # A write, a read, and a reply through the re-made PubSub subscription, all on the new primary.
@@ -228,7 +231,7 @@ async def test_the_same_store_follows_a_failover_to_the_promoted_replica(
             got = await retrying(lambda: store.get("before"), "get")
             assert got is not None
             assert got.status is TaskStatus.QUEUED
-            await eventually(store.reachable, "the PubSub connection to reconnect to the new primary")
+            await eventually(store.reachable, "the PubSub connection to reconnect to the new primary", timeout_s=20)
             assert await retrying(lambda: store.apply([state("before", TaskStatus.RUNNING)]), "apply") == [True]
             seen = await asyncio.wait_for(until_running(events), 10)
             assert seen[-1].status is TaskStatus.RUNNING, f"the watcher saw {seen}"

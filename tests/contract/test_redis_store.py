@@ -11,8 +11,8 @@ from redis.asyncio import Redis
 from schemas.codec import decode_state
 from schemas.records import TaskState, TaskStatus
 from schemas.wire import Names
-from tests.contract.conftest import eventually
-from tests.contract.test_task_store import EVENT_TIMEOUT_S, next_state, state
+from tests.support.eventually import eventually
+from tests.support.task_states import EVENT_TIMEOUT_S, next_state, state
 from transport.ports import TransportError
 from transport.redis.pools import PoolOptions
 from transport.redis.store import RedisTaskStore
@@ -83,10 +83,10 @@ async def test_pubsub_drop_reconnects_and_resubscribes(store: RedisTaskStore, ra
         killed = await raw.client_kill_filter(_type="pubsub")
         assert killed >= 1, "expected to kill the store's PubSub connection"
         # Unreachable from the drop until the reconnect, which waits its first backoff (50 ms) first.
-        await eventually(lambda: not store.reachable(), "the store to notice its dropped connection")
+        await eventually(lambda: not store.reachable(), "the store to notice its dropped connection", timeout_s=20)
         # No await between the check above and ready()'s own check of the connection: not a race.
         assert await store.ready() is False, "not ready while the change feed reconnects"
-        await eventually(lambda: store.reconnects >= 1, "the PubSub reader to reconnect")
+        await eventually(lambda: store.reconnects >= 1, "the PubSub reader to reconnect", timeout_s=20)
         assert store.reachable(), "reachable again once reconnected"
 
         await store.apply([state("t1", TaskStatus.COMPLETED, output="ok", reply_to="g1")])

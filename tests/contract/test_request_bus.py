@@ -9,34 +9,11 @@ from collections.abc import Sequence
 import pytest
 
 from schemas.records import InferenceRequest
-from tests.contract.conftest import MODELS, REQUEST_PARTITIONS, RequestBusKit
+from tests.support.bus_records import WAIT_S, Partitions, read, request
+from tests.support.transport_kits import MODELS, REQUEST_PARTITIONS, RequestBusKit
 from transport.ports import Delivered, RequestConsumer
 
 pytestmark = pytest.mark.timeout(90)
-
-WAIT_S = 30.0
-
-
-def request(task_id: str, model: str) -> InferenceRequest:
-    now = int(time.time() * 1000)
-    return InferenceRequest(task_id, model, f"input of {task_id}", now, now + 30_000, reply_to="g1")
-
-
-class Partitions:
-    """Records the rebalance callbacks; ``assigned`` is set once partitions arrive."""
-
-    def __init__(self) -> None:
-        self.current: frozenset[int] = frozenset()
-        self.revoked: list[frozenset[int]] = []
-        self.assigned = asyncio.Event()
-
-    async def on_assigned(self, partitions: frozenset[int]) -> None:
-        self.current = partitions
-        if partitions:
-            self.assigned.set()
-
-    async def on_revoked(self, partitions: frozenset[int]) -> None:
-        self.revoked.append(partitions)
 
 
 async def started(consumer: RequestConsumer) -> Partitions:
@@ -44,17 +21,6 @@ async def started(consumer: RequestConsumer) -> Partitions:
     await consumer.start(partitions.on_assigned, partitions.on_revoked)
     await asyncio.wait_for(partitions.assigned.wait(), WAIT_S)
     return partitions
-
-
-async def read(consumer: RequestConsumer, count: int) -> list[Delivered[InferenceRequest]]:
-    """Fetches until ``count`` records came, failing after ``WAIT_S``."""
-    got: list[Delivered[InferenceRequest]] = []
-    deadline = time.monotonic() + WAIT_S
-    while len(got) < count:
-        remaining = deadline - time.monotonic()
-        assert remaining > 0, f"read {len(got)} of {count} records in {WAIT_S} s"
-        got.extend(await consumer.fetch(min(remaining, 1.0), count - len(got)))
-    return got
 
 
 def next_offsets(records: Sequence[Delivered[InferenceRequest]]) -> dict[int, int]:

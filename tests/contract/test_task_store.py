@@ -4,26 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 
 from schemas.records import TaskState, TaskStatus
-from tests.contract.conftest import StoreFactory
+from tests.support.task_states import EVENT_TIMEOUT_S, next_state, state
+from tests.support.transport_kits import StoreFactory
 
 pytestmark = pytest.mark.timeout(60)
-
-EVENT_TIMEOUT_S = 5.0
-
-
-def state(task_id: str, status: TaskStatus, **fields: object) -> TaskState:
-    base: dict[str, object] = {"model": "alpha", "updated_at_ms": int(time.time() * 1000), "enqueued_at_ms": 1}
-    base.update(fields)
-    return TaskState(task_id, status, **base)  # type: ignore[arg-type]
-
-
-async def next_state(events: AsyncIterator[TaskState]) -> TaskState:
-    return await asyncio.wait_for(anext(events), EVENT_TIMEOUT_S)
 
 
 async def test_create_only_if_absent(make_store: StoreFactory) -> None:

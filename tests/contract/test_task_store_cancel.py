@@ -8,8 +8,8 @@ import time
 import pytest
 
 from schemas.records import TaskState, TaskStatus
-from tests.contract.conftest import StoreFactory
-from tests.contract.test_task_store import EVENT_TIMEOUT_S, next_state, state
+from tests.support.task_states import EVENT_TIMEOUT_S, next_state, state
+from tests.support.transport_kits import StoreFactory
 
 pytestmark = pytest.mark.timeout(60)
 

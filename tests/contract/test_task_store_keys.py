@@ -9,8 +9,8 @@ import pytest
 
 from gateway import idempotency
 from schemas.records import TaskStatus
-from tests.contract.conftest import StoreFactory
-from tests.contract.test_task_store import state
+from tests.support.task_states import state
+from tests.support.transport_kits import StoreFactory
 
 pytestmark = pytest.mark.timeout(60)
 

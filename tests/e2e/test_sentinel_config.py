@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
-from tests.contract.sentinels import MASTER, SentinelCluster
+from tests.support.sentinels import MASTER, SentinelCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(90)]
 

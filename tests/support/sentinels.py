@@ -10,7 +10,6 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,20 +17,13 @@ from typing import Any
 import redis
 
 from infra.ports import free_port
+from tests.support.eventually import eventually_sync
 
 MASTER = "batchwire"
 DOWN_AFTER_MS = 1000
 FAILOVER_TIMEOUT_MS = 5000
 START_TIMEOUT_S = 20.0
 FAILOVER_WAIT_S = 20.0
-
-
-def wait_for(check: Callable[[], bool], what: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def _answers(port: int, check: Callable[[redis.Redis], bool]) -> bool:
@@ -68,8 +60,10 @@ class SentinelCluster:
         for port in self.sentinel_ports:
             self._sentinel(port)
         if self.replica_port:
-            wait_for(self._replica_in_sync, "the replica to sync with the primary", START_TIMEOUT_S)
-        wait_for(self._sentinels_see_everything, "the Sentinels to see the replica and each other", START_TIMEOUT_S)
+            eventually_sync(self._replica_in_sync, "the replica to sync with the primary", timeout_s=START_TIMEOUT_S)
+        eventually_sync(
+            self._sentinels_see_everything, "the Sentinels to see the replica and each other", timeout_s=START_TIMEOUT_S
+        )
 
     def stop(self) -> None:
         for process in self.processes.values():
@@ -106,7 +100,9 @@ class SentinelCluster:
         data.mkdir()
         args = ["--port", str(port), "--bind", "127.0.0.1", "--dir", str(data), "--save", "", "--appendonly", "no"]
         self._spawn(port, [self.server, *args, *extra], data / "log")
-        wait_for(lambda: _answers(port, lambda c: bool(c.ping())), f"Redis on port {port}", START_TIMEOUT_S)
+        eventually_sync(
+            lambda: _answers(port, lambda c: bool(c.ping())), f"Redis on port {port}", timeout_s=START_TIMEOUT_S
+        )
 
     def _sentinel(self, port: int) -> None:
         data = self.workdir / f"sentinel-{port}"
