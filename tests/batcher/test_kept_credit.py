@@ -4,33 +4,14 @@ so the next request goes out without a claim; one that shares the model keeps no
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 
 from batcher.service import Batcher
 from batcher.settings import BatcherSettings
-from schemas.records import Credit, InferenceRequest
+from schemas.records import Credit
+from tests.support.eventually import eventually
+from tests.support.sim_records import PARTITIONS, credit, request
 from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
 from transport.routing import Partitioner
-
-PARTITIONS = 4
-
-
-async def eventually(check: Callable[[], object], what: str, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.005)
-
-
-def credit(worker: str, partition: int, ttl_ms: int = 60_000) -> Credit:
-    now = int(time.time() * 1000)
-    return Credit(worker, "sim", partition, 1, now, now + ttl_ms, max_batch=100)
-
-
-def request(task_id: str) -> InferenceRequest:
-    now = int(time.time() * 1000)
-    return InferenceRequest(task_id, "sim", "x", now, now + 30_000, "gw")
 
 
 class Counting(MemoryCreditPool):
@@ -66,12 +47,14 @@ async def test_a_sole_batcher_keeps_a_credit_and_sends_the_next_request_without_
     try:
         await bus.producer().send(request("warm"))  # the dispatcher exists once the model was seen
         await pool.offer(credit("w1", 1))
-        await eventually(lambda: batcher.batches_sent == 1, "the first batch")
+        await eventually(lambda: batcher.batches_sent == 1, "the first batch", timeout_s=5)
         await pool.offer(credit("w2", 1))
-        await eventually(lambda: pool.claims == 2 and not pool._credits["sim"], "the idle credit to be kept")
+        await eventually(
+            lambda: pool.claims == 2 and not pool._credits["sim"], "the idle credit to be kept", timeout_s=5
+        )
 
         await bus.producer().send(request("t1"))
-        await eventually(lambda: batcher.batches_sent == 2, "the request to go out")
+        await eventually(lambda: batcher.batches_sent == 2, "the request to go out", timeout_s=5)
         assert pool.claims == 2, "the kept credit should have been spent, not a new one claimed"
     finally:
         await batcher.close()
@@ -84,9 +67,9 @@ async def test_a_kept_credit_goes_back_to_the_pool_after_a_while() -> None:
     try:
         await bus.producer().send(request("warm"))
         await pool.offer(credit("w1", 1))
-        await eventually(lambda: batcher.batches_sent == 1, "the first batch")
+        await eventually(lambda: batcher.batches_sent == 1, "the first batch", timeout_s=5)
         await pool.offer(credit("w2", 1))
-        await eventually(lambda: pool.offers >= 3, "the kept credit to be offered back")
+        await eventually(lambda: pool.offers >= 3, "the kept credit to be offered back", timeout_s=5)
     finally:
         await batcher.close()
 
@@ -98,7 +81,7 @@ async def test_a_batcher_that_shares_the_model_keeps_no_credit() -> None:
     try:
         await bus.producer().send(request("warm"))
         await pool.offer(credit("w1", 1))
-        await eventually(lambda: batcher.batches_sent == 1, "the first batch")
+        await eventually(lambda: batcher.batches_sent == 1, "the first batch", timeout_s=5)
         await pool.offer(credit("w2", 1))
         await asyncio.sleep(0.3)  # asserting an absence: nothing should take the credit meanwhile
         assert await pool.idle("sim") == 1

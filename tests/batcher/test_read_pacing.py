@@ -11,7 +11,8 @@ import pytest
 from batcher.read_pacing import CATCH_UP_READS, ReadPacing
 from batcher.service import Batcher
 from batcher.settings import BatcherSettings
-from tests.batcher.test_kept_credit import credit, eventually, request
+from tests.support.eventually import eventually
+from tests.support.sim_records import credit, request
 from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
 from transport.routing import Partitioner
 
@@ -24,7 +25,7 @@ async def test_reads_pause_only_while_every_worker_is_busy() -> None:
     assert pacing.pauses == 0
 
     paused = asyncio.create_task(pacing.after_read(all_busy=True))
-    await eventually(lambda: pacing.pauses == 1, "the pause to begin")
+    await eventually(lambda: pacing.pauses == 1, "the pause to begin", timeout_s=5)
     assert not paused.done()
     reader_reads = pacing.reads
 
@@ -54,7 +55,7 @@ async def test_no_catch_up_when_the_reads_never_paused() -> None:
 async def test_a_catch_up_gives_up_after_its_limit() -> None:
     pacing = ReadPacing(pace_s=60.0)
     paused = asyncio.create_task(pacing.after_read(all_busy=True))
-    await eventually(lambda: pacing.pauses == 1, "the pause to begin")
+    await eventually(lambda: pacing.pauses == 1, "the pause to begin", timeout_s=5)
     started = time.monotonic()
     await pacing.catch_up(pauses_before=0, limit_s=0.05)  # the reader stopped after one read
     assert 0.04 <= time.monotonic() - started < 2.0
@@ -76,12 +77,12 @@ async def test_a_credit_ends_the_pause_and_its_batch_holds_what_came_meanwhile()
     try:
         producer = bus.producer()
         await producer.send(request("first"))  # read; no worker is idle, so the dispatcher waits for a credit
-        await eventually(lambda: batcher.pacing.pauses >= 1, "the reads to pause")
+        await eventually(lambda: batcher.pacing.pauses >= 1, "the reads to pause", timeout_s=5)
         for n in range(5):
             await producer.send(request(f"later-{n}"))  # produced while the reads pause for a second
         offered = time.monotonic()
         await pool.offer(credit("w1", 1))
-        await eventually(lambda: batcher.batches_sent == 1, "the batch")
+        await eventually(lambda: batcher.batches_sent == 1, "the batch", timeout_s=5)
         assert time.monotonic() - offered < 0.8, "the credit should have ended the pause"
         consumer = batches.consumer(1)  # the credit's partition
         sent = await consumer.next(1.0)

@@ -11,7 +11,8 @@ from batcher.service import Batcher
 from batcher.settings import BatcherSettings
 from batcher.spacing import Spacing
 from schemas.records import Credit
-from tests.batcher.test_kept_credit import PARTITIONS, eventually, request
+from tests.support.eventually import eventually
+from tests.support.sim_records import PARTITIONS, request
 from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
 from transport.routing import Partitioner
 
@@ -74,7 +75,7 @@ async def second_batch_after_s(spacing_margin_ms: float, then_send: int = 1) -> 
     try:
         await bus.producer().send(request("first"))
         await pool.offer(credit("w1", 0))
-        await eventually(lambda: batcher.batches_sent == 1, "w1's batch")
+        await eventually(lambda: batcher.batches_sent == 1, "w1's batch", timeout_s=5)
         first_at = time.monotonic()
         await pool.offer(credit("w2", 250))
         for n in range(then_send):

@@ -4,23 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 
 from batcher.service import Batcher
 from batcher.settings import BatcherSettings
 from schemas.records import InferenceRequest, TaskState, TaskStatus
+from tests.support.eventually import eventually
 from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
 from transport.routing import Partitioner
-
-
-async def eventually(check: Callable[[], bool], timeout_s: float) -> bool:
-    """Polls ``check`` until it holds or the deadline passes (the commit follows the store write)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        await asyncio.sleep(0.01)
-    return check()
 
 
 async def test_requests_for_unserved_models_fail_and_are_committed() -> None:
@@ -37,8 +27,10 @@ async def test_requests_for_unserved_models_fail_and_are_committed() -> None:
         assert state.status is TaskStatus.FAILED
         assert state.error_code == "unknown_model"
         assert "ghost" in (state.error_message or "")
-        assert await eventually(lambda: bus.lag() == 0, 5), (
-            "the request's offset is committed, not held until its 10-minute deadline"
+        await eventually(
+            lambda: bus.lag() == 0,
+            "the request's offset to be committed, not held until its 10-minute deadline",
+            timeout_s=5,
         )
     finally:
         await batcher.close()
