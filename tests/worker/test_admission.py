@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from gpu_worker.settings import WorkerSettings
 from gpu_worker.worker import Worker
 from schemas.records import Batch, TaskState, TaskStatus
-from tests.worker.rig import Rig, ScriptedBackend, now_ms, until
+from tests.support.eventually import eventually
+from tests.support.worker_rig import Rig, ScriptedBackend, now_ms
 from transport.memory.bus import MemoryTaskStore
 from transport.ports import UNKNOWN, BatchConsumer, Delivered, PartitionsCallback
 
@@ -41,7 +42,7 @@ async def test_a_redelivered_batch_whose_tasks_ended_is_not_computed_again() -> 
     await rig.send(batch)
     await rig.ended(["t0", "t1"])
     await rig.send(batch)  # the commit was lost, say: the same batch comes again
-    await until(lambda: worker.batches_done == 2, "the redelivery to be handled")
+    await eventually(lambda: worker.batches_done == 2, "the redelivery to be handled")
     await worker.close()
     assert backend.calls == [["one", "two"]], f"ended tasks must not run twice, got {backend.calls}"
     assert {task: len(states) for task, states in rig.replies.items()} == {"t0": 1, "t1": 1}
@@ -157,7 +158,7 @@ async def test_an_express_batch_to_an_idle_worker_runs_while_its_tasks_are_admit
     batch = rig.batch(["abc", "xyz"])
     await rig.create(batch)
     await rig.send(batch)
-    await until(lambda: backend.calls, "the call to start while the running write is held")
+    await eventually(lambda: backend.calls, "the call to start while the running write is held")
     assert store.held == 1 and rig.replies == {}, "admitted after the call began, answered after both"
     store.gate.set()
     ended = await rig.ended(["t0", "t1"])
@@ -176,7 +177,7 @@ async def test_an_express_batch_drops_the_result_of_a_task_cancelled_before_its_
     await rig.store.apply([TaskState("t1", TaskStatus.CANCELLED, "sim", now_ms(), 0, error_code="cancelled")])
     await rig.send(batch)
     ended = await rig.ended(["t0", "t2"])
-    await until(lambda: worker.batches_done == 1, "the batch to be finished")
+    await eventually(lambda: worker.batches_done == 1, "the batch to be finished")
     await worker.close()
     assert backend.calls == [["abc", "cancel me", "xyz"]], "computed before its admission was known"
     assert ended["t0"].output == "cba" and ended["t2"].output == "zyx"

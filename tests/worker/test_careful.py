@@ -13,7 +13,7 @@ from collections import Counter
 from gpu_worker.careful import plan
 from schemas.deadletter import DEAD_LETTERED
 from schemas.records import Batch, TaskStatus
-from tests.worker.rig import Rig, ScriptedBackend
+from tests.support.worker_rig import Rig, ScriptedBackend
 from transport.deliveries import Suspects
 
 

@@ -9,7 +9,7 @@ from typing import TypeVar
 
 from gpu_worker.commits import Committer
 from schemas.records import Batch, TaskState, TaskStatus
-from tests.worker.rig import now_ms
+from tests.support.worker_rig import now_ms
 from transport.deliveries import MemoryDeliveryLog
 from transport.memory.bus import MemoryTaskStore
 from transport.ports import Delivered, TransportError

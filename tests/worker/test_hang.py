@@ -10,7 +10,7 @@ import pytest
 
 from gpu_worker.runner import FIRST_CALL_LIMIT_S, BackendHung, BackendRunner, Timing
 from schemas.records import TaskStatus
-from tests.worker.rig import Rig, ScriptedBackend
+from tests.support.worker_rig import Rig, ScriptedBackend
 
 
 def test_the_limit_follows_the_moving_average_of_calls() -> None:

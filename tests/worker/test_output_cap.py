@@ -8,7 +8,7 @@ import pytest
 from gpu_worker.calls import OUTPUT_TOO_LARGE, oversize
 from gpu_worker.settings import WorkerSettings
 from schemas.records import TaskStatus
-from tests.worker.test_worker import run_batch
+from tests.support.worker_rig import run_batch
 
 
 async def test_an_output_over_the_cap_fails_alone() -> None:

@@ -23,7 +23,8 @@ from infra.redis_server import RedisServer
 from schemas.codec import decode_state
 from schemas.records import Batch, TaskState, TaskStatus
 from schemas.wire import Names
-from tests.worker.rig import Rig, ScriptedBackend, now_ms, until
+from tests.support.eventually import eventually
+from tests.support.worker_rig import Rig, ScriptedBackend, now_ms
 from transport.memory.bus import MemoryBatchConsumer, MemoryTaskStore
 from transport.ports import Delivered
 from transport.redis.store import RedisTaskStore
@@ -103,7 +104,7 @@ async def test_auto_with_a_lone_redis_needs_no_replica_and_commits_at_once(store
     assert await worker.replicas.required() == 0, "auto asks for no replica of a primary that has none"
     batch = await _send(rig, store, ["lone"])
 
-    await until(lambda: len(consumer.committed) == 1, "the batch to be committed")
+    await eventually(lambda: len(consumer.committed) == 1, "the batch to be committed")
     await worker.close()
 
     state = await store.get(batch.items[0].task_id)
@@ -119,7 +120,7 @@ async def test_one_replica_required_of_a_lone_redis_keeps_the_batch_uncommitted_
     assert worker.replicas is not None
     batch = await _send(rig, store, ["alone"])
 
-    await until(lambda: worker.replicas is not None and worker.replicas.short_stores >= 3, "three short stores")
+    await eventually(lambda: worker.replicas is not None and worker.replicas.short_stores >= 3, "three short stores")
     state = await store.get(batch.items[0].task_id)
     assert state is not None and state.output == "enola", "the results are stored while they wait for a replica"
     assert consumer.committed == [], "a batch whose results no replica holds is not committed"
@@ -129,7 +130,7 @@ async def test_one_replica_required_of_a_lone_redis_keeps_the_batch_uncommitted_
             break
         await asyncio.sleep(0.01)
     shorts = worker.replicas.short_stores
-    await until(lambda: worker.replicas is not None and worker.replicas.short_stores >= shorts + 2, "more tries")
+    await eventually(lambda: worker.replicas is not None and worker.replicas.short_stores >= shorts + 2, "more tries")
     assert await rig.credits.idle("sim") == 0, "no credit is offered while results wait for replicas"
     closing = time.monotonic()
     await worker.close()  # the drain timeout (30 s) is not waited out for replicas
@@ -146,7 +147,7 @@ async def test_results_lost_before_a_replica_held_them_are_stored_again_and_comm
     assert worker.replicas is not None
     batch = await _send(rig, store, ["kept"])
     task_key = names.task_key(batch.items[0].task_id)
-    await until(lambda: worker.replicas is not None and worker.replicas.short_stores >= 1, "a short store")
+    await eventually(lambda: worker.replicas is not None and worker.replicas.short_stores >= 1, "a short store")
     with redis.Redis(port=primary.port) as client:
         assert client.delete(task_key) == 1, "the result was on the primary"  # as a failover to a replica without it
         client.config_set("repl-diskless-sync-delay", 0)  # the replica's first sync starts at once
@@ -154,7 +155,7 @@ async def test_results_lost_before_a_replica_held_them_are_stored_again_and_comm
     replica = RedisServer(tmp_path / "replica", replica_of=primary.port)
     replica.start()
     try:
-        await until(lambda: len(consumer.committed) == 1, "the batch to be committed once a replica holds it")
+        await eventually(lambda: len(consumer.committed) == 1, "the batch to be committed once a replica holds it")
         await worker.close()
         assert await store.connected_replicas() == 1, "the replica, in sync, is counted"
         with redis.Redis(port=replica.port) as client:
@@ -187,7 +188,7 @@ async def test_a_replica_still_taking_its_first_copy_is_not_counted(
         replica = RedisServer(tmp_path / "replica", replica_of=primary.port)
         replica.start()
         try:
-            await until(lambda: client.info("replication")["connected_slaves"] == 1, "the replica to connect")
+            await eventually(lambda: client.info("replication")["connected_slaves"] == 1, "the replica to connect")
             assert await store.connected_replicas() == 0, client.info("replication")
             assert await ReplicaWait(store, ReplicaSettings(), "w1").required() == 0
 
@@ -236,7 +237,7 @@ async def test_a_batch_after_one_handed_back_unreplicated_is_not_committed() -> 
         for item in batch.items:
             await store.create(TaskState(item.task_id, TaskStatus.QUEUED, "sim", now_ms(), item.enqueued_at_ms))
         await rig.send(batch)
-    await until(lambda: worker.batches_run == 2 and replicas.short_stores >= 1, "both run, the first short")
+    await eventually(lambda: worker.batches_run == 2 and replicas.short_stores >= 1, "both run, the first short")
 
     await worker.close()
 
@@ -271,7 +272,7 @@ async def test_a_task_an_earlier_delivery_ended_is_stored_again_with_the_batch(
     answered = TaskState(item.task_id, TaskStatus.COMPLETED, "sim", now_ms(), item.enqueued_at_ms, output="answer")
     assert await store.apply([answered]) == [True]  # by the worker that died before committing
     await rig.send(batch)
-    await until(lambda: replicas.short_stores >= 1, "a short store of the redelivered batch")
+    await eventually(lambda: replicas.short_stores >= 1, "a short store of the redelivered batch")
     with redis.Redis(port=primary.port) as client:
         assert client.delete(names.task_key(item.task_id)) == 1  # as a failover to a replica without it
         client.config_set("repl-diskless-sync-delay", 0)
@@ -279,7 +280,7 @@ async def test_a_task_an_earlier_delivery_ended_is_stored_again_with_the_batch(
     replica = RedisServer(tmp_path / "replica", replica_of=primary.port)
     replica.start()
     try:
-        await until(lambda: len(consumer.committed) == 1, "the batch to be committed once a replica holds it")
+        await eventually(lambda: len(consumer.committed) == 1, "the batch to be committed once a replica holds it")
         await worker.close()
         with redis.Redis(port=replica.port) as client:
             doc = client.hget(names.task_key(item.task_id), "doc")

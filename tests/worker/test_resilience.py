@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from gpu_worker.settings import WorkerSettings
 from gpu_worker.worker import Worker
 from schemas.records import Batch, TaskState, TaskStatus
-from tests.worker.rig import Rig, ScriptedBackend
+from tests.support.worker_rig import Rig, ScriptedBackend
 from transport.errors import PermanentTransportError
 from transport.memory.bus import MemoryBatchConsumer, MemoryTaskStore
 from transport.ports import Delivered, TransportError

@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from gpu_worker.backends.base import InputError
+from gpu_worker.backends.base import BackendError, InputError
 from gpu_worker.settings import WorkerSettings
 from gpu_worker.worker import Worker
 from schemas.records import Batch, BatchItem, TaskState, TaskStatus
@@ -54,7 +54,33 @@ class ScriptedBackend:
         self.closed = True
 
 
+class PoisonBackend:
+    """Fails any call that contains an input starting with 'poison'; counts calls."""
+
+    name = "poison"
+    max_batch = 100
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def load(self) -> None:
+        return None
+
+    def input_errors(self, inputs: list[str]) -> dict[int, InputError]:
+        return {i: InputError(i, "input_too_long", "too long") for i, text in enumerate(inputs) if len(text) > 50}
+
+    def batchstring(self, inputs: list[str]) -> list[str]:
+        self.calls.append(len(inputs))
+        if any(text.startswith("poison") for text in inputs):
+            raise BackendError("model blew up")
+        return [text.upper() for text in inputs]
+
+    def close(self) -> None:
+        return None
+
+
 def now_ms() -> int:
+    """Wall time in ms, as records carry it."""
     return int(time.time() * 1000)
 
 
@@ -113,11 +139,30 @@ class Rig:
         return {task_id: self.replies[task_id][0] for task_id in task_ids}
 
 
-async def until(check: object, what: str, timeout_s: float = 10.0) -> None:
-    """Polls ``check()`` every 5 ms until it holds; fails naming ``what`` after ``timeout_s``."""
-    assert callable(check)
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(0.005)
+async def run_batch(
+    inputs: list[str], deadline_ms: int | None = None, settings: WorkerSettings | None = None
+) -> tuple[dict[str, TaskState], PoisonBackend]:
+    """Runs one batch of ``inputs`` on a fresh worker over a ``PoisonBackend``; returns each task's reply."""
+    store = MemoryTaskStore()
+    credits = MemoryCreditPool()
+    bus = MemoryBatchBus(1)
+    backend = PoisonBackend()
+    worker = Worker(settings or WorkerSettings(worker_id="w1"), bus.consumer(0), credits, store, backend)
+    await worker.start()
+    credit = await credits.claim("sim", 5)
+    assert credit is not None and credit.worker_id == "w1", "an idle worker offers a credit"
+    ended: dict[str, TaskState] = {}
+    done = asyncio.Event()
+
+    def on_reply(state: TaskState) -> None:
+        ended[state.task_id] = state
+        if len(ended) == len(inputs):
+            done.set()
+
+    await store.listen_replies("gw", on_reply)
+    now = now_ms()
+    items = tuple(BatchItem(f"t{i}", text, now, deadline_ms or now + 30_000, "gw") for i, text in enumerate(inputs))
+    await bus.send(Batch("b1", "sim", "test", now, "idle_worker", credit.ref, items), credit.partition)
+    await asyncio.wait_for(done.wait(), 10)
+    await worker.close()
+    return ended, backend
