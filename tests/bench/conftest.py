@@ -4,7 +4,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.bench.fake_server import Behaviour, FakeServer
+from tests.support.fake_inference_server import Behaviour, FakeServer
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import pytest
 
 from batchwire.bench.cli import main
 from batchwire.bench.results import SCHEMA
-from tests.bench.fake_server import Behaviour, FakeServer
+from tests.support.fake_inference_server import Behaviour, FakeServer
 
 RATE_KEYS = {
     "offered_rps",

@@ -12,8 +12,8 @@ from batchwire.bench.report import run_table
 from batchwire.bench.results import RunReport
 from batchwire.bench.runner import summary_line
 from batchwire.bench.sut import free_port
-from tests.bench.fake_server import Behaviour, FakeServer
-from tests.bench.test_loadgen import one_rate
+from tests.support.bench_rates import one_rate
+from tests.support.fake_inference_server import Behaviour, FakeServer
 
 SCRIPT = ("200", "504:completed", "200", "504:expired", "503", "504:completed", "200", "200")
 

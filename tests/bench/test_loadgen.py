@@ -9,10 +9,9 @@ from collections import Counter
 import pytest
 
 from batchwire.bench.client import ClientKind
-from batchwire.bench.results import RateReport, RunReport
-from batchwire.bench.runner import LoadConfig, Target, bench_run
 from batchwire.bench.sut import free_port
-from tests.bench.fake_server import Behaviour, FakeServer
+from tests.support.bench_rates import one_rate
+from tests.support.fake_inference_server import Behaviour, FakeServer
 
 
 @pytest.fixture(params=["aiohttp", "raw"])
@@ -20,16 +19,6 @@ def client(request: pytest.FixtureRequest) -> ClientKind:
     """The tests run with both HTTP clients: they must classify outcomes alike."""
     kind: ClientKind = request.param
     return kind
-
-
-async def one_rate(
-    url: str, rate: float, *, duration: float = 1.0, warmup: float = 0.2, metrics: str = "", **load: object
-) -> RateReport:
-    config = LoadConfig(rates_rps=(rate,), duration_s=duration, warmup_s=warmup, **load)  # type: ignore[arg-type]
-    run = RunReport(label="test", policy=None, sut=None, rates=[])
-    target = Target(urls=(url,), metrics_urls=(metrics,) if metrics else ())
-    await bench_run(config, target, run, progress=lambda line: None)
-    return run["rates"][0]
 
 
 @pytest.fixture

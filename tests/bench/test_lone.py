@@ -12,7 +12,7 @@ from batchwire.bench.report import compare_table, run_table
 from batchwire.bench.results import RunReport
 from batchwire.bench.runner import make_client
 from batchwire.bench.schedule import InputFactory
-from tests.bench.fake_server import Behaviour, FakeServer
+from tests.support.fake_inference_server import Behaviour, FakeServer
 
 
 @pytest.fixture(params=["aiohttp", "raw"])
