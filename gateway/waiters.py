@@ -5,10 +5,9 @@ future *before* its request is published, so a reply can never arrive before any
 
 A caller that has waited ``first_check_s`` also gets its connection watched (:meth:`watch_callers`):
 if it leaves, its future fails with :class:`CallerGone`, so the gateway can cancel its task. Only
-callers that wait that long are watched: a watch (a task per caller, alive for the whole wait)
-cost 30-40 µs per request in tests/gateway/bench_gateway.py, half of a request, mostly garbage
-collection made more frequent by the extra live objects; cancelling pays off for callers that wait
-long, behind a queue, and those are the ones watched.
+callers that wait that long are watched: a watch is a task per caller, alive for the whole wait, a
+cost (mostly garbage collection made more frequent by the extra live objects) that pays off only
+for callers that wait long, behind a queue, and those are the ones watched.
 """
 
 from __future__ import annotations
@@ -49,6 +48,8 @@ class _Waiter:
 
 
 class ReplyWaiters:
+    """Holds each synchronous caller's future, keyed by task id, until its task's terminal state."""
+
     def __init__(self, first_check_s: float) -> None:
         self.first_check_s = first_check_s
         self._waiting: dict[str, _Waiter] = {}

@@ -1,0 +1,136 @@
+"""Putting a new task on its way: its "queued" record in the task store and its request on the bus.
+
+Also ends the tasks that never got there (the bus refused the request, or the deadline passed while
+it was sent), so that no poller is left at ``queued``, and cancels the task of a caller who left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import replace
+
+from gateway.clock import Clock
+from gateway.errors import TRANSPORT_ERRORS, DeadlineExceeded, Unavailable
+from schemas.records import InferenceRequest, TaskState, TaskStatus
+from transport.ports import RequestProducer, TaskStore
+
+log = logging.getLogger(__name__)
+
+CANCELLED_BY_DISCONNECT = "client_disconnected"
+
+
+class TaskPublisher:
+    """Records new tasks and produces their requests, and writes the end of those that never ran."""
+
+    def __init__(self, producer: RequestProducer, store: TaskStore, clock: Clock, *, write_timeout_s: float) -> None:
+        """``write_timeout_s`` bounds the writes a caller's error answer waits for."""
+        self._producer = producer
+        self._store = store
+        self._clock = clock
+        self._write_timeout_s = write_timeout_s
+
+    def task(
+        self, task_id: str, input: str, model: str, timeout_ms: int, reply_to: str | None, owner: str | None
+    ) -> tuple[TaskState, InferenceRequest]:
+        """A new task's "queued" record and its request."""
+        now_ms = self._clock.wall_ms()
+        state = TaskState(task_id, TaskStatus.QUEUED, model, now_ms, now_ms, reply_to=reply_to, owner=owner)
+        request = InferenceRequest(task_id, model, input, now_ms, now_ms + timeout_ms, reply_to=reply_to, owner=owner)
+        return state, request
+
+    async def publish(self, state: TaskState, request: InferenceRequest, *, record: bool) -> None:
+        """Produces the request and, with ``record``, records the task as queued, both at once.
+
+        Neither waits for the other (one round trip off every request's latency): the store's
+        ``create`` accepts a task that a batcher or worker reached first and only fills in its
+        owner, and a worker stores results whether or not "queued" landed.
+        """
+        # The request first (it is on the answer's path, the record is not), sent from this task: a
+        # gather would make two more tasks and a gathering future per request. Awaiting the record's
+        # task passes a cancellation on.
+        creating = asyncio.ensure_future(self._store.create(state)) if record else None
+        sent: BaseException | None = None
+        try:
+            await self._producer.send(request)
+        except asyncio.CancelledError:
+            if creating is not None:
+                creating.cancel()
+            raise
+        except Exception as err:
+            sent = err
+        created: bool | BaseException = True  # with no record, a refused request is still marked failed
+        if creating is not None:
+            try:
+                created = await creating
+            except Exception as err:
+                created = err
+        if sent is not None:
+            if not isinstance(sent, TRANSPORT_ERRORS):
+                raise sent
+            if created is True:
+                await self._abandon(state, sent)
+            raise Unavailable(f"the request bus is unavailable: {sent}", task_id=state.task_id) from sent
+        if isinstance(created, BaseException):
+            if not isinstance(created, TRANSPORT_ERRORS):
+                raise created
+            raise Unavailable(
+                f"the task store is unavailable: {created}; the request was queued and may still run, "
+                f"so retry with an Idempotency-Key or poll /v1/result/{state.task_id} later",
+                task_id=state.task_id,
+            ) from created
+        # ``created`` False: a retry with this task's Idempotency-Key recorded it queued first (see
+        # ``KeyedReplay.replay``); ids are 128 random bits, so it is never another task's.
+
+    async def end_unsent(self, queued: TaskState, timeout_ms: int) -> None:
+        """Ends ``expired`` a task whose deadline passed while it was being published: the bus may
+        never have taken it, so no batcher would ever end it (were it taken, the batcher's own expiry
+        of it changes nothing: a terminal state is written once)."""
+        expired = replace(
+            queued,
+            status=TaskStatus.EXPIRED,
+            updated_at_ms=self._clock.wall_ms(),
+            error_code=DeadlineExceeded.code,
+            error_message=f"timeout_ms={timeout_ms} passed before the request bus took the request; "
+            "send a longer timeout_ms",
+        )
+        try:
+            async with asyncio.timeout(self._write_timeout_s):
+                await self._store.apply([expired])
+        except (*TRANSPORT_ERRORS, TimeoutError):
+            log.warning("could not record task %s as expired", queued.task_id, exc_info=True)
+
+    async def record_late(self, queued: TaskState) -> None:
+        """Writes a task's "queued" record after the fact (a later status that got there first stays);
+        bounded, as a 504 waits for it."""
+        try:
+            async with asyncio.timeout(self._write_timeout_s):
+                await self._store.create(queued)
+        except (*TRANSPORT_ERRORS, TimeoutError):
+            log.warning("could not record task %s", queued.task_id, exc_info=True)
+
+    async def cancel_abandoned(self, task_id: str) -> None:
+        """Cancels the task of a caller who left, so that no GPU time goes to an answer nobody reads.
+        Too late (a worker started it) is fine: the result is stored and pollable."""
+        try:
+            await self._store.cancel(
+                task_id,
+                CANCELLED_BY_DISCONNECT,
+                "the caller closed the connection before the answer; the task was cancelled",
+            )
+        except TRANSPORT_ERRORS:
+            log.warning("could not cancel task %s of a caller who left", task_id, exc_info=True)
+
+    async def _abandon(self, state: TaskState, err: BaseException) -> None:
+        """Marks a task that never reached the bus as failed, so a poller is not left at ``queued``."""
+        failed = replace(
+            state,
+            status=TaskStatus.FAILED,
+            updated_at_ms=self._clock.wall_ms(),
+            error_code="unavailable",
+            error_message=f"the request bus did not take the request: {err}",
+        )
+        try:
+            await self._store.apply([failed])
+        except TRANSPORT_ERRORS:
+            log.warning("could not mark task %s failed after the bus refused it", state.task_id, exc_info=True)

@@ -1,0 +1,107 @@
+"""Routing each synchronous caller's reply to it, and finding the replies that were lost.
+
+Replies come over one subscription per process (``TaskStore.listen_replies``) into
+:class:`~gateway.waiters.ReplyWaiters`. A reply can be lost (PubSub keeps nothing for a subscriber
+that is away), so two store reads stand behind it: the lost-reply sweep, here, reads the tasks of
+callers that have waited ``reply_recheck_s`` (then with a doubling delay), and
+:class:`~gateway.reconnect_recheck.ReconnectRecheck` reads every held caller's task once the store's
+change feed is back. The sweep also starts watching those callers' connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from gateway.clock import Clock
+from gateway.errors import TRANSPORT_ERRORS
+from gateway.reconnect_recheck import ReconnectRecheck
+from gateway.waiters import ReplyWaiters, Watch
+from schemas.records import TaskState
+from transport.ports import TaskStore
+
+log = logging.getLogger(__name__)
+
+_SWEEP_CHUNK = 500
+
+
+class Replies:
+    """Hands each synchronous caller its task's terminal state, from the reply or, when that is lost, the store."""
+
+    def __init__(self, store: TaskStore, clock: Clock, *, first_check_s: float, name: str) -> None:
+        self._store = store
+        self._clock = clock
+        self._name = name
+        self._waiters = ReplyWaiters(first_check_s)
+        self._recheck = ReconnectRecheck(store, self._waiters, name=name)
+        self._sweeper: asyncio.Task[None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._waiters)
+
+    @property
+    def watched(self) -> int:
+        """Callers whose connection is watched now."""
+        return self._waiters.watched
+
+    @property
+    def alive(self) -> bool:
+        """Whether the sweep and the re-check both run."""
+        return self._sweeper is not None and not self._sweeper.done() and self._recheck.alive
+
+    async def start(self) -> None:
+        """Subscribes to the replies addressed to ``name``; starts the sweep and the re-check."""
+        if self._sweeper is not None:
+            raise RuntimeError("Replies.start() called twice")
+        await self._store.listen_replies(self._name, self._waiters.resolve)
+        self._sweeper = asyncio.create_task(self._sweep_forever(), name=f"{self._name}-reply-sweeper")
+        self._sweeper.add_done_callback(_log_task_end)
+        self._recheck.start()
+
+    async def close(self, make_error: Callable[[], BaseException]) -> None:
+        """Wakes the callers still held with ``make_error()``, then stops the sweep, the re-check and the
+        connection watches."""
+        self._waiters.fail_all(make_error)
+        sweeper, self._sweeper = self._sweeper, None
+        if sweeper is not None:
+            sweeper.cancel()
+            await asyncio.wait({sweeper})  # its failure, if any, was logged by _log_task_end
+        await self._recheck.close()
+        await self._waiters.stop_watching()
+
+    def register(self, task_id: str, now: float, watch: Watch | None = None) -> asyncio.Future[TaskState]:
+        """The future the task's terminal state completes (see ``ReplyWaiters.register``)."""
+        return self._waiters.register(task_id, now, watch)
+
+    def discard(self, task_id: str) -> None:
+        """Forgets a caller; called on every path out of a synchronous request."""
+        self._waiters.discard(task_id)
+
+    async def _sweep_forever(self) -> None:
+        """Resolves callers whose reply was lost, by reading their tasks from the store, and starts
+        watching the connections of callers that have waited ``first_check_s``.
+
+        Only waiters older than ``first_check_s`` are looked up (then with a doubling delay), so in
+        steady state, answers well under a second, this reads nothing.
+        """
+        waiters = self._waiters
+        while True:
+            await asyncio.sleep(waiters.first_check_s)
+            now = self._clock.monotonic()
+            waiters.watch_callers(now)
+            overdue = waiters.due(now, limit=10 * _SWEEP_CHUNK)
+            for start in range(0, len(overdue), _SWEEP_CHUNK):
+                try:
+                    found = await self._store.get_many(overdue[start : start + _SWEEP_CHUNK])
+                except TRANSPORT_ERRORS:
+                    log.warning("lost-reply sweep could not read the task store; retrying", exc_info=True)
+                    break
+                for state in found.values():
+                    waiters.resolve(state)
+
+
+def _log_task_end(task: asyncio.Task[None]) -> None:
+    """A background task must never die silently: its failure is logged and /readyz turns red."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background task %s died", task.get_name(), exc_info=task.exception())
