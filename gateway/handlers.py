@@ -107,7 +107,7 @@ def _describe(errors: Any) -> str:
 class EdgeMiddleware:
     """Counts requests by route template and status, and turns unhandled exceptions into JSON 500s.
 
-    A plain ASGI middleware (not ``BaseHTTPMiddleware``), so it adds about a microsecond, and sits
+    A plain ASGI middleware (not ``BaseHTTPMiddleware``), so it adds next to nothing, and sits
     inside Starlette's ServerErrorMiddleware, so it sees what no exception handler took.
     """
 

@@ -8,6 +8,9 @@ from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from transport.redis.pools import redacted
+from transport.redis.sentinel import is_sentinel_url, master_state
+
 log = logging.getLogger(__name__)
 
 
@@ -41,9 +44,6 @@ async def redis_readiness(ready: bool, redis_url: str, timeout_s: float) -> Read
     it over (asked only then, so a ready Redis costs no extra round trip)."""
     if ready:
         return True
-    from transport.redis.pools import redacted
-    from transport.redis.sentinel import is_sentinel_url, master_state
-
     if not is_sentinel_url(redis_url):
         return Down("down", f"Redis at {redacted(redis_url)} does not answer, or the change feed is reconnecting")
     try:

@@ -51,7 +51,7 @@ class GatewaySettings:
     """Submissions in progress plus synchronous callers held open; beyond it: 503 + Retry-After."""
     max_watchers: int = 2_000
     """Long-polls and event streams held open at once; beyond it: 503 ``overloaded`` + Retry-After.
-    Each holds tens of KB while open (its connection, request and store watch); the process keeps
+    Each holds memory while open (its connection, request and store watch); the process keeps
     the high-water mark of that memory for reuse, so this also bounds what a burst of streams costs."""
     max_wait_s: float = 60.0
     """The longest ``?wait=`` a long-poll may ask for."""
