@@ -7,6 +7,9 @@ from typing import get_args
 
 import httpx
 import pytest
+from fastapi import FastAPI
+from fastapi.routing import APIRoute
+from starlette.types import Receive, Scope, Send
 
 from gateway.app import create_app
 from gateway.models import StatusName
@@ -125,6 +128,26 @@ async def test_openapi_documents_every_route_and_its_errors(make_rig: RigFactory
         assert headers["Idempotency-Key"]["schema"]["maxLength"] == 255
         assert "idempotency_key_reused" in submit["responses"]["422"]["content"]["application/json"]["examples"]
     assert "security" not in inference, "no API keys configured: nothing to send"
+
+
+async def test_each_route_is_registered_once_and_the_submits_serve_without_their_lane(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    pairs = [
+        (route.path, method) for route in rig.app.routes if isinstance(route, APIRoute) for method in route.methods
+    ]
+    assert len(pairs) == len(set(pairs)), f"a route is registered twice: {sorted(pairs)}"
+
+    async def without_lanes(scope: Scope, receive: Receive, send: Send) -> None:
+        await FastAPI.__call__(rig.app, scope, receive, send)
+
+    transport = httpx.ASGITransport(app=without_lanes)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+        accepted = await client.post("/v1/tasks", json={"input": "abc"})
+        broken = await client.post("/v1/inference", content=b"{", headers={"content-type": "application/json"})
+    assert accepted.status_code == 202, accepted.text
+    assert accepted.headers["location"] == f"/v1/result/{accepted.json()['task_id']}"
+    assert broken.status_code == 400, broken.text
+    assert error_of(broken)["code"] == "invalid_json"
 
 
 def test_the_status_names_in_the_api_are_the_task_statuses() -> None:
