@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Protocol
 
 from starlette.requests import Request
 
@@ -38,4 +38,5 @@ class Deployment:
 
 def deployment_of(request: Request) -> Deployment:
     """The deployment of the app serving ``request``."""
-    return cast(Deployment, request.app.state.deployment)
+    deployment: Deployment = request.app.state.deployment
+    return deployment
