@@ -58,6 +58,10 @@ class SimConfig:
     """A batch's way from the batcher to its worker."""
     overhead_ms: float = 0.0
     """Added to every request's latency: the gateway's and the result's hops."""
+    worker_scale: tuple[float, ...] = ()
+    """Per-worker multiplier of the curve's latency, by worker index (missing: 1): a slower GPU."""
+    per_item_ms: float = 0.0
+    """Added per answer ahead in its batch: a batch's results are stored and answered one after another."""
     timeout_s: float = math.inf
     """A request's deadline after its arrival (inf: none)."""
     max_backlog: int = 0
@@ -68,6 +72,12 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.workers < 1 or self.batchers < 1:
             raise ValueError(f"workers and batchers must be at least 1, got {self.workers} and {self.batchers}")
+        if len(self.worker_scale) > self.workers or any(scale <= 0 for scale in self.worker_scale):
+            raise ValueError(f"worker_scale takes at most one positive factor per worker, got {self.worker_scale}")
+
+    def scale(self, worker: int) -> float:
+        """Worker ``worker``'s latency multiplier."""
+        return self.worker_scale[worker] if worker < len(self.worker_scale) else 1.0
 
     @property
     def backlog_limit(self) -> int:
@@ -163,8 +173,9 @@ class Simulation:
         self.workers = [_Worker() for _ in range(config.workers)]
         self._spaced = config.batchers == 1 and config.spacing_margin_ms >= 0
         self._alpha = _ewma_alpha()
-        self._call_s = [0.0] + [config.curve.latency_ms(size) / 1000.0 for size in range(1, config.curve.max_batch + 1)]
-        """Call duration by batch size, looked up once."""
+        base_s = [0.0] + [config.curve.latency_ms(size) / 1000.0 for size in range(1, config.curve.max_batch + 1)]
+        self._call_s = [[t * config.scale(w) for t in base_s] for w in range(config.workers)]
+        """Call duration by worker and batch size, looked up once."""
         self._events: list[tuple[float, int, int, int, int]] = []
         self._pool: list[Credit] = []
         """Offered credits nobody waits for; a claim takes the soonest to free."""
@@ -331,7 +342,7 @@ class Simulation:
         worker, config, out, now = self.workers[index], self.config, self._out, self.now
         size = len(taken.items)
         start_s = max(now + config.transit_ms / 1000.0, worker.free_s)
-        call_s = self._call_s[size]
+        call_s = self._call_s[index][size]
         end_s = start_s + call_s
         b.spacing.started(str(index), now + max(0.0, frees_s - now), worker.credit_busy_s)
         offer_s = self._offer_at(worker, start_s, end_s, size)
@@ -341,7 +352,10 @@ class Simulation:
         worker.credit_busy_s = before if before is not None and offer_s < end_s else worker.expected_s
         worker.free_s = end_s
         done_s = end_s + config.overhead_ms / 1000.0
-        out.latencies_s.extend(done_s - p.arrived_s for p in taken.items)
+        if step_s := config.per_item_ms / 1000.0:
+            out.latencies_s.extend(done_s + step_s * k - p.arrived_s for k, p in enumerate(taken.items, 1))
+        else:
+            out.latencies_s.extend(done_s - p.arrived_s for p in taken.items)
         out.ends_s.append(end_s)
         out.sizes.append(size)
         out.batches += 1

@@ -52,7 +52,7 @@ class RateResult:
 def capacity(config: SimConfig) -> float:
     """Requests/s the workers serve at most: each runs full batches back to back."""
     rate, _ = config.curve.best_rate_per_worker()
-    return rate * config.workers
+    return sum(rate / config.scale(worker) for worker in range(config.workers))
 
 
 def summarize(rate: float, config: SimConfig, out: SimOutcome, wall_s: float) -> RateResult:

@@ -1,0 +1,381 @@
+"""``batchwire validate-sim``: measured bench runs beside the simulation of the same deployment.
+
+Each run directory's ``results.json`` (written by ``batchwire bench``) gives the deployment (mode,
+workers, sim latency, a slow worker, policy, max batch) and, per rate, the measured throughput and
+latencies. The simulation runs the same deployment at the rate the generator actually sent, over a
+few seeds (their median), and the table flags a throughput more than 3% off, and a p50 or p99 more
+than 10% off below saturation.
+
+The simulation has no network: the per-hop overhead (gateway, bus, result store) is an input, per
+mode. Unless given, it is the run's lone-request probe (lone p50 less the backend's latency), else
+another given run's probe in the same mode, else the fastest answer of the light runs in that mode
+less the backend latency (a lower bound: the path's cost varies from request to request). Under
+load the hops share the machine's cores with everything else, so by default the overhead at each
+rate is stretched by the CPU busy share measured then, ``overhead / (1 - busy)`` (processor sharing).
+A slow worker is worker 0 at its own latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from batchwire.capacity.curve import Curve
+from batchwire.capacity.engine import SimConfig
+from batchwire.capacity.simulate import RateResult, policy_for, simulate_rate
+
+THROUGHPUT_BOUND = 0.03
+LATENCY_BOUND = 0.10
+SATURATED_SHARE = 0.97
+"""A rate is saturated when the measured throughput is below this share of what was sent."""
+LIGHT_SHARE = 0.05
+"""A rate under this share of the workers' capacity is light: some requests find a worker idle."""
+BUSY_CAP = 0.9
+"""The CPU busy share at most used to stretch the overhead (a share near 1 would stretch it without bound)."""
+BACKEND_MAX_BATCH = 100
+"""The sim backend's max batch when the run sets none (``gpu_worker.backends.sim``)."""
+
+
+class RunError(ValueError):
+    """A run directory cannot be read; the message names the file."""
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredRate:
+    offered: float
+    sent_rate: float
+    """Requests/s the generator actually sent in the window (its Poisson draw)."""
+    throughput: float
+    p50_ms: float
+    p99_ms: float
+    min_ms: float
+    mean_batch: float | None
+    cpu_busy: float | None
+    """The machine's CPU busy share: service, Kafka, Redis and the load generator (None: not recorded)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredRun:
+    """One deployment of a bench run and its measured figures per rate."""
+
+    name: str
+    mode: str
+    policy: str
+    workers: int
+    batchers: int
+    sim_latency_ms: float
+    slow_worker_latency_ms: float | None
+    max_batch: int | None
+    max_wait_ms: float | None
+    lone_p50_ms: float | None
+    rates: tuple[MeasuredRate, ...]
+
+    def lone_overhead_ms(self) -> float | None:
+        """The lone-request probe's p50 less the backend latency: the path's own cost per request."""
+        return None if self.lone_p50_ms is None else max(0.0, self.lone_p50_ms - self.sim_latency_ms)
+
+    def light(self) -> bool:
+        """Whether its lowest rate is light enough that its fastest answer met an idle worker."""
+        capacity = self.workers * (self.max_batch or BACKEND_MAX_BATCH) * 1000.0 / self.sim_latency_ms
+        return min(r.offered for r in self.rates) <= LIGHT_SHARE * capacity
+
+    def fastest_overhead_ms(self) -> float:
+        """The fastest answer at the lowest rate less the backend latency (a lower bound of the hops)."""
+        lowest = min(self.rates, key=lambda r: r.offered)
+        return max(0.0, lowest.min_ms - self.sim_latency_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    run: MeasuredRun
+    measured: MeasuredRate
+    simulated: RateResult
+    overhead_ms: float
+    overhead_from: str
+    per_item_ms: float = 0.0
+
+    @property
+    def saturated(self) -> bool:
+        return self.measured.throughput < SATURATED_SHARE * self.measured.sent_rate or self.simulated.unstable
+
+    def diffs(self) -> tuple[float, float | None, float | None]:
+        """Simulated against measured, as shares: throughput, p50, p99 (None: no simulated latency)."""
+        m, s = self.measured, self.simulated
+        return (
+            _diff(s.throughput, m.throughput),
+            None if s.p50_ms is None else _diff(s.p50_ms, m.p50_ms),
+            None if s.p99_ms is None else _diff(s.p99_ms, m.p99_ms),
+        )
+
+    def flags(self) -> list[str]:
+        """The figures over their bounds: throughput always, latencies below saturation only."""
+        thru, p50, p99 = self.diffs()
+        flags = ["throughput"] if abs(thru) > THROUGHPUT_BOUND else []
+        if not self.saturated:
+            flags += [name for name, d in (("p50", p50), ("p99", p99)) if d is not None and abs(d) > LATENCY_BOUND]
+        return flags
+
+
+def _diff(simulated: float, measured: float) -> float:
+    return (simulated - measured) / measured if measured else 0.0
+
+
+# reading a run directory ----------------------------------------------------------------------------
+def results_files(paths: Iterable[str | Path]) -> list[tuple[Path, str]]:
+    """Each directory's ``results.json``, or those of its sub-directories (``durability-rf1/run1``),
+    with the run's name: its directory, from the one given."""
+    found: list[tuple[Path, str]] = []
+    for path in map(Path, paths):
+        if (path / "results.json").is_file():
+            found.append((path / "results.json", path.name))
+        else:
+            nested = sorted(path.glob("*/results.json"))
+            if not nested:
+                raise RunError(f"{path} holds no results.json (run batchwire bench --out {path})")
+            found.extend((file, f"{path.name}/{file.parent.name}") for file in nested)
+    return found
+
+
+def read_runs(results: Path, name: str | None = None) -> list[MeasuredRun]:
+    """The deployments of one ``results.json`` (one per policy), named ``name`` (default: its directory)."""
+    try:
+        data = json.loads(results.read_text())
+    except (OSError, ValueError) as err:
+        raise RunError(f"cannot read {results}: {err}") from err
+    name = name or results.parent.name
+    try:
+        config = data["config"]
+        meta = data.get("metadata") or {}
+        cpu_count = meta.get("cpu_affinity") or meta.get("cpu_count")
+        return [_run(name, config, run, cpu_count) for run in data["runs"]]
+    except (KeyError, TypeError) as err:
+        raise RunError(f"{results} lacks {err} (is it a batchwire-bench/1 file?)") from err
+
+
+def _run(name: str, config: dict[str, Any], run: dict[str, Any], cpu_count: int | None) -> MeasuredRun:
+    sut = run["sut"]
+    lone = run.get("lone") or {}
+    several = len(config.get("policies") or []) > 1
+    return MeasuredRun(
+        name=f"{name} {run['policy']}" if several else name,
+        mode=sut["mode"],
+        policy=run["policy"],
+        workers=int(sut["workers"]),
+        batchers=int(sut.get("batchers") or config.get("batchers") or 1),
+        sim_latency_ms=float(sut.get("sim_latency_ms") or config["sim_latency_ms"]),
+        slow_worker_latency_ms=sut.get("slow_worker_latency_ms"),
+        max_batch=sut.get("max_batch"),
+        max_wait_ms=sut.get("max_wait_ms"),
+        lone_p50_ms=(lone.get("latency_ms") or {}).get("p50"),
+        rates=tuple(_rate(rate, cpu_count) for rate in run["rates"]),
+    )
+
+
+def _rate(rate: dict[str, Any], cpu_count: int | None) -> MeasuredRate:
+    latency = rate["latency_ms"]
+    window_s = float(rate["window_s"])
+    return MeasuredRate(
+        offered=float(rate["offered_rps"]),
+        sent_rate=float(rate["sent"]) / window_s if window_s > 0 else float(rate["offered_rps"]),
+        throughput=float(rate["throughput_rps"]),
+        p50_ms=float(latency["p50"]),
+        p99_ms=float(latency["p99"]),
+        min_ms=float(latency["min"]),
+        mean_batch=(rate.get("server") or {}).get("batch_size_mean"),
+        cpu_busy=_cpu_busy(rate, cpu_count),
+    )
+
+
+def _cpu_busy(rate: dict[str, Any], cpu_count: int | None) -> float | None:
+    """Cores busy over the machine's: the process groups (``batchwire``, ``kafka``, ``redis``; their
+    ``batchwire.<role>`` parts are already in ``batchwire``) and the load generator."""
+    processes = rate.get("processes") or {}
+    if not cpu_count or not processes:
+        return None
+    cores = sum(float(p.get("cores") or 0.0) for name, p in processes.items() if "." not in name)
+    cores += float((rate.get("generator") or {}).get("cores") or 0.0)
+    return round(cores / cpu_count, 4)
+
+
+# the simulation of a run ----------------------------------------------------------------------------
+def sim_config(run: MeasuredRun, overhead_ms: float) -> SimConfig:
+    """The run's deployment: a flat curve at its sim latency, the slow worker (if any) as worker 0."""
+    curve = Curve.flat(run.sim_latency_ms, run.max_batch or BACKEND_MAX_BATCH)
+    policy = policy_for(run.policy, run.max_batch, run.max_wait_ms, None, curve.max_batch)
+    slow = run.slow_worker_latency_ms
+    scale = (slow / run.sim_latency_ms,) if slow else ()
+    return SimConfig(curve, run.workers, policy, batchers=run.batchers, overhead_ms=overhead_ms, worker_scale=scale)
+
+
+def simulate_median(config: SimConfig, rate: float, requests: int, seeds: int) -> RateResult:
+    """The simulation over ``seeds`` seeds, each figure their median (None when any seed is unstable)."""
+    results = [simulate_rate(config, rate, requests, seed) for seed in range(seeds)]
+
+    def median(name: str) -> Any:
+        values = [getattr(r, name) for r in results]
+        return None if any(v is None for v in values) else round(statistics.median(values), 3)
+
+    first = results[0]
+    return dataclasses.replace(
+        first,
+        throughput=median("throughput"),
+        p50_ms=median("p50_ms"),
+        p99_ms=median("p99_ms"),
+        p999_ms=median("p999_ms"),
+        mean_batch=median("mean_batch"),
+        busy=median("busy"),
+        unstable=any(r.unstable for r in results),
+    )
+
+
+def overhead_for(run: MeasuredRun, given: dict[str, float], runs: Sequence[MeasuredRun]) -> tuple[float, str]:
+    """The per-request overhead to add, and where it came from."""
+    if run.mode in given:
+        return given[run.mode], "flag"
+    own = run.lone_overhead_ms()
+    if own is not None:
+        return round(own, 2), "lone"
+    probes = [o for r in runs if r.mode == run.mode and (o := r.lone_overhead_ms()) is not None]
+    if probes:
+        return round(statistics.median(probes), 2), f"lone, {run.mode} runs"
+    light = [r.fastest_overhead_ms() for r in runs if r.mode == run.mode and r.light()]
+    if light:
+        return round(statistics.median(light), 2), f"fastest, {run.mode} runs"
+    return round(run.fastest_overhead_ms(), 2), "fastest"
+
+
+def loaded_overhead_ms(overhead_ms: float, measured: MeasuredRate) -> float:
+    """The idle path's overhead stretched by the CPU's queueing at this rate: ``overhead / (1 - busy)``
+    (processor sharing), with the busy share measured during the rate and capped at ``BUSY_CAP``."""
+    busy = min(measured.cpu_busy or 0.0, BUSY_CAP)
+    return round(overhead_ms / (1.0 - busy), 2)
+
+
+def compare(
+    runs: Sequence[MeasuredRun],
+    given: dict[str, float],
+    requests: int = 20_000,
+    seeds: int = 3,
+    per_item: dict[str, float] | None = None,
+    cpu_scaling: bool = True,
+) -> list[Row]:
+    """Every run's rates, measured and simulated."""
+    rows = []
+    for run in runs:
+        overhead, source = overhead_for(run, given, runs)
+        config = sim_config(run, overhead)
+        for measured in run.rates:
+            at_rate = loaded_overhead_ms(overhead, measured) if cpu_scaling else overhead
+            step_ms = (per_item or {}).get(run.mode, 0.0)
+            rate_config = dataclasses.replace(config, overhead_ms=at_rate, per_item_ms=step_ms)
+            simulated = simulate_median(rate_config, measured.sent_rate, requests, seeds)
+            rows.append(Row(run, measured, simulated, at_rate, source, step_ms))
+    return rows
+
+
+# the table ------------------------------------------------------------------------------------------
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value * 100:+.1f}%"
+
+
+def _ms(value: float | None) -> str:
+    return "unstable" if value is None else f"{value:.1f}"
+
+
+def _batch(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
+
+
+def _overhead(row: Row) -> str:
+    text = f"{row.overhead_ms:g} ({row.overhead_from})"
+    return f"{text} + {row.per_item_ms:.2f}/answer" if row.per_item_ms else text
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """A markdown table: measured / simulated per figure, the difference, and the bounds broken."""
+    lines = [
+        "| run | mode | rate/s | thru/s meas / sim | Δ | p50 ms meas / sim | Δ | p99 ms meas / sim | Δ "
+        "| batch meas / sim | overhead ms | flags |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        m, s = row.measured, row.simulated
+        thru, p50, p99 = row.diffs()
+        flags = ", ".join(row.flags()) or ("saturated" if row.saturated else "ok")
+        if row.flags() and row.saturated:
+            flags += " (saturated)"
+        lines.append(
+            f"| {row.run.name} | {row.run.mode} | {m.offered:g} | {m.throughput:.1f} / {s.throughput:.1f} "
+            f"| {_pct(thru)} | {m.p50_ms:.1f} / {_ms(s.p50_ms)} | {_pct(p50)} | {m.p99_ms:.1f} / {_ms(s.p99_ms)} "
+            f"| {_pct(p99)} | {_batch(m.mean_batch)} / {s.mean_batch:.1f} | {_overhead(row)} | {flags} |"
+        )
+    return "\n".join(lines)
+
+
+# the command ----------------------------------------------------------------------------------------
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser(
+        "validate-sim", help="measured bench runs beside the simulation of the same deployment, as a markdown table"
+    )
+    parser.add_argument("results", nargs="+", help="bench result directories (bench/results/<figure>)")
+    parser.add_argument(
+        "--overhead-ms",
+        action="append",
+        default=[],
+        metavar="MODE=MS",
+        help="per-request overhead for a mode (embedded=1.5, kafka=6); default: the lone-request probe",
+    )
+    parser.add_argument(
+        "--per-item-ms",
+        action="append",
+        default=[],
+        metavar="MODE=MS",
+        help="added per answer ahead in its batch, for a mode (results stored and answered one by one)",
+    )
+    parser.add_argument(
+        "--cpu-scaling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="stretch the overhead by the machine's measured CPU busy share at each rate: overhead / (1 - busy)",
+    )
+    parser.add_argument("--requests", type=int, default=20_000, help="simulated requests per rate and seed")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per rate (the median is shown)")
+    parser.add_argument("--out", default=None, help="also write the table to this file")
+    parser.add_argument("--log-level", default="warning", help="debug, info, warning or error")
+
+
+def _overheads(pairs: Sequence[str], flag: str = "--overhead-ms") -> dict[str, float]:
+    given: dict[str, float] = {}
+    for pair in pairs:
+        mode, _, value = pair.partition("=")
+        try:
+            given[mode.strip()] = float(value)
+        except ValueError as err:
+            raise ValueError(f"{flag} takes MODE=MS (embedded=1.5), got {pair!r}") from err
+    return given
+
+
+def run(args: argparse.Namespace) -> int:
+    """``batchwire validate-sim``."""
+    try:
+        given = _overheads(args.overhead_ms)
+        per_item = _overheads(args.per_item_ms, "--per-item-ms")
+        if args.seeds < 1 or args.requests < 1:
+            raise ValueError(f"--seeds and --requests must be at least 1, got {args.seeds} and {args.requests}")
+        runs = [r for path, name in results_files(args.results) for r in read_runs(path, name)]
+        rows = compare(runs, given, args.requests, args.seeds, per_item, args.cpu_scaling)
+        table = format_table(rows)
+    except (RunError, ValueError) as err:
+        print(f"batchwire validate-sim: {err}", file=sys.stderr)
+        return 2
+    print(table)
+    if args.out is not None:
+        Path(args.out).write_text(table + "\n")
+    return 0
