@@ -13,7 +13,7 @@ from batcher.policy import FlushPolicy
 from batchwire.capacity import arrivals
 from batchwire.capacity.curve import Curve, CurvePoint
 from batchwire.capacity.engine import BatchRecord, SimConfig, Simulation
-from batchwire.capacity.simulate import policy_for, simulate_rate
+from batchwire.capacity.simulate import capacity, policy_for, simulate_rate
 
 FLAT = Curve.flat(100.0, 100)
 PURE_WC = FlushPolicy.work_conserving(max_batch=100, reserve_ms=0.0)
@@ -158,3 +158,27 @@ def test_two_batchers_fill_batches_about_as_one_does() -> None:
     one = simulate_rate(SimConfig(curve, 3, FlushPolicy.work_conserving()), 240.0, 20_000, seed=2)
     two = simulate_rate(SimConfig(curve, 3, FlushPolicy.work_conserving(), batchers=2), 240.0, 20_000, seed=2)
     assert two.mean_batch == pytest.approx(one.mean_batch, rel=0.05)
+
+
+def test_a_slow_worker_runs_its_calls_at_its_own_latency_and_caps_capacity() -> None:
+    config = SimConfig(FLAT, 2, PURE_WC, worker_scale=(5.0,), record=True)
+    _, records = run(config, 600.0, 6000)
+    durations = {w: {round(r.end_s - r.start_s, 6) for r in records if r.worker == w} for w in (0, 1)}
+    assert durations == {0: {0.5}, 1: {0.1}}, f"expected 500 ms calls on worker 0 and 100 ms on 1, got {durations}"
+    assert capacity(config) == pytest.approx(1200.0), "200/s from the slow worker and 1,000/s from the other"
+    assert simulate_rate(config, 1300.0, 20_000).unstable, "a rate over the two workers' capacity is unstable"
+
+
+def test_a_worker_scale_per_worker_at_most_and_positive() -> None:
+    with pytest.raises(ValueError, match="worker_scale"):
+        SimConfig(FLAT, 1, PURE_WC, worker_scale=(1.0, 2.0))
+    with pytest.raises(ValueError, match="worker_scale"):
+        SimConfig(FLAT, 2, PURE_WC, worker_scale=(0.0,))
+
+
+def test_the_per_answer_step_delays_each_answer_by_its_place_in_the_batch() -> None:
+    times = [0.0, 0.01, 0.01, 0.01]  # one batch of the first, then one of the three that waited for it
+    plain = Simulation(SimConfig(FLAT, 1, PURE_WC, overhead_ms=2.0)).run(times).latencies_s
+    stepped = Simulation(SimConfig(FLAT, 1, PURE_WC, overhead_ms=2.0, per_item_ms=1.0)).run(times).latencies_s
+    extra_ms = [round((s - p) * 1000, 6) for s, p in zip(stepped, plain, strict=True)]
+    assert extra_ms == [1.0, 1.0, 2.0, 3.0], f"expected 1 ms more for the lone answer, then 1, 2, 3, got {extra_ms}"

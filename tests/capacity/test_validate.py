@@ -1,0 +1,143 @@
+"""validate-sim: reading bench run directories, the overhead fed in, and the table's flags."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from batchwire import cli
+from batchwire.capacity import validate
+from batchwire.capacity.simulate import RateResult, capacity
+from batchwire.capacity.validate import MeasuredRate, MeasuredRun, Row
+
+DATA = Path(__file__).parent / "data" / "bench"
+
+
+def read(name: str) -> list[MeasuredRun]:
+    return validate.read_runs(DATA / name / "results.json", name)
+
+
+def test_a_directory_of_run_directories_is_read_run_by_run_named_from_the_given_one() -> None:
+    found = validate.results_files([DATA / "slow-worker", DATA / "durability-rf1"])
+    names = [name for _, name in found]
+    assert names == ["slow-worker", "durability-rf1/run1"], f"expected the nested run named by both, got {names}"
+
+
+def test_a_directory_without_results_is_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(validate.RunError, match=str(tmp_path)):
+        validate.results_files([tmp_path])
+
+
+def test_the_slow_worker_run_reads_its_deployment_and_measured_figures() -> None:
+    (run,) = read("slow-worker")
+    assert (run.mode, run.policy, run.workers, run.batchers) == ("kafka", "work-conserving", 2, 1)
+    assert (run.sim_latency_ms, run.slow_worker_latency_ms, run.max_batch) == (100.0, 500.0, None)
+    assert run.lone_p50_ms is None, "this run recorded no lone-request probe"
+    (rate,) = run.rates
+    assert rate.offered == 1200.0
+    assert rate.sent_rate == pytest.approx(24138 / 20.0), "the rate actually sent: sent over the window"
+    assert (rate.throughput, rate.p50_ms, rate.p99_ms, rate.mean_batch) == (1195.0, 565.247, 1196.031, 100.0)
+    # batchwire (its roles already summed in it) + kafka + redis + the generator, over 2 cores
+    assert rate.cpu_busy == pytest.approx((0.73 + 0.238 + 0.038 + 0.1693) / 2, abs=1e-4)
+
+
+def test_the_lone_probe_gives_the_overhead_over_the_backend() -> None:
+    (run,) = read("durability-rf1/run1")
+    assert run.lone_overhead_ms() == pytest.approx(106.962 - 100.0)
+    assert [r.offered for r in run.rates] == [1000.0, 1600.0]
+
+
+def test_a_run_of_several_policies_gives_one_deployment_each() -> None:
+    runs = read("policies")
+    assert [(r.name, r.policy) for r in runs] == [
+        ("policies work-conserving", "work-conserving"),
+        ("policies classic", "classic"),
+    ]
+    assert all(r.mode == "embedded" and r.light() for r in runs), "its lowest rate (20/s) is light"
+
+
+def test_the_overhead_comes_from_the_flag_then_the_run_then_its_mode_then_the_fastest_answer() -> None:
+    (slow,) = read("slow-worker")
+    (probed,) = read("durability-rf1/run1")
+    policies = read("policies")
+    assert validate.overhead_for(slow, {"kafka": 4.0}, [slow, probed]) == (4.0, "flag")
+    assert validate.overhead_for(probed, {}, [slow, probed]) == (round(106.962 - 100.0, 2), "lone")
+    assert validate.overhead_for(slow, {}, [slow, probed]) == (round(106.962 - 100.0, 2), "lone, kafka runs")
+    fastest = min(r.offered for r in policies[0].rates)
+    assert fastest == 20.0
+    overhead, source = validate.overhead_for(policies[0], {}, policies)
+    assert source == "fastest, embedded runs" and 0 < overhead < 5
+
+
+def test_the_overhead_stretches_with_the_measured_cpu_busy_share_up_to_its_cap() -> None:
+    rate = MeasuredRate(1000.0, 1000.0, 1000.0, 150.0, 200.0, 101.0, 50.0, cpu_busy=0.5)
+    assert validate.loaded_overhead_ms(7.0, rate) == 14.0
+    assert validate.loaded_overhead_ms(7.0, dataclasses.replace(rate, cpu_busy=0.99)) == 70.0, "capped at 0.9"
+    assert validate.loaded_overhead_ms(7.0, dataclasses.replace(rate, cpu_busy=None)) == 7.0
+
+
+def test_the_slow_worker_is_simulated_as_worker_0_at_its_own_latency() -> None:
+    (run,) = read("slow-worker")
+    config = validate.sim_config(run, 5.0)
+    assert config.worker_scale == (5.0,) and config.overhead_ms == 5.0
+    assert capacity(config) == pytest.approx(1200.0)
+
+
+def row(measured: tuple[float, float, float], simulated: tuple[float, float | None, float | None]) -> Row:
+    (run,) = read("durability-rf1/run1")
+    thru, p50, p99 = measured
+    m = MeasuredRate(1000.0, 1000.0, thru, p50, p99, 101.0, 50.0, None)
+    s_thru, s_p50, s_p99 = simulated
+    unstable = s_p50 is None
+    s = RateResult(1000.0, 1000, s_thru, s_p50, s_p99, s_p99, 50.0, 1.0, 0, 0.0, unstable, 0, 0.1)
+    return Row(run, m, s, 7.0, "lone")
+
+
+def test_flags_name_each_figure_over_its_bound() -> None:
+    assert row((1000, 150, 200), (1020, 160, 210)).flags() == [], "2%, 6.7% and 5% are within the bounds"
+    assert row((1000, 150, 200), (1040, 150, 200)).flags() == ["throughput"], "4% over the 3% bound"
+    assert row((1000, 150, 200), (1000, 170, 200)).flags() == ["p50"], "13% over the 10% bound"
+    assert row((1000, 150, 200), (1000, 150, 170)).flags() == ["p99"], "-15% is over the bound too"
+
+
+def test_latencies_are_not_held_to_their_bound_at_saturation() -> None:
+    saturated = row((900, 150, 200), (900, 300, 600))  # 900 of the 1,000/s sent came back
+    assert saturated.saturated and saturated.flags() == []
+    unstable = row((1000, 150, 200), (1000, None, None))
+    assert unstable.saturated and unstable.flags() == []
+    table = validate.format_table([saturated, unstable, row((1000, 150, 200), (1040, 150, 200))])
+    lines = table.splitlines()
+    assert lines[0].startswith("| run |") and len(lines) == 5, f"a header, a rule and three rows; got {table}"
+    assert lines[2].endswith("| saturated |") and "unstable" in lines[3]
+    assert lines[4].endswith("| throughput |") and "+4.0%" in lines[4]
+
+
+def test_the_command_prints_and_writes_the_table(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "validate.md"
+    argv = ["validate-sim", str(DATA / "durability-rf1"), "--requests", "2000", "--seeds", "1", "--out", str(out)]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "| durability-rf1/run1 | kafka | 1000 |" in printed and "| durability-rf1/run1 | kafka | 1600 |" in printed
+    assert out.read_text() == printed
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--overhead-ms", "kafka"], "--overhead-ms takes MODE=MS"),
+        (["--per-item-ms", "kafka=x"], "--per-item-ms takes MODE=MS"),
+        (["--seeds", "0"], "--seeds and --requests must be at least 1"),
+    ],
+)
+def test_bad_input_is_refused_with_what_to_change(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    assert cli.main(["validate-sim", str(DATA / "slow-worker"), *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_missing_directory_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert cli.main(["validate-sim", str(tmp_path / "nope")]) == 2
+    assert "holds no results.json" in capsys.readouterr().err
