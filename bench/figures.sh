@@ -52,6 +52,16 @@ figure() {
     durability-kafka) for i in 1 2 3; do
         run "durability-rf3-kafka/run$i" --start kafka --brokers 3 --workers 2 --rate 1000,1600 --duration 20 --warmup 3
       done ;;
+    # The simulation beside the measured runs (issue 17): 2 sim workers at 100 ms, embedded and
+    # Kafka, 20 to 1,900 req/s, the slow worker and the classic policy; the table in validate.md.
+    validate) for f in 20rps load-embedded load-kafka 1900-embedded 1900-kafka policies slow-worker; do
+        figure "$f"
+      done
+      for mode in embedded kafka; do
+        run "600-$mode" --start "$mode" --workers 2 --rate 600 --duration 20 --warmup 3
+      done
+      .venv/bin/batchwire validate-sim "$R"/20rps-*-run? "$R"/600-embedded "$R"/600-kafka "$R"/load-embedded \
+        "$R"/load-kafka "$R"/1900-embedded "$R"/1900-kafka "$R"/policies "$R"/slow-worker --out "$R/validate.md" ;;
     *) echo "unknown figure $1" >&2; exit 2 ;;
   esac
 }
