@@ -5,17 +5,7 @@ from __future__ import annotations
 import pytest
 
 from batcher.policy import BatchFormer, FlushPolicy, FlushReason, Pending
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+from tests.support.fake_clock import FakeClock
 
 
 def item(clock: FakeClock, n: int, partition: int = 0, ttl_s: float = 30.0) -> Pending[str]:
