@@ -7,7 +7,8 @@ Around them it plays what the services do: a worker runs one batch at a time, of
 credit ``credit_lead_ms`` before its running call is expected to end (its expected duration a
 moving average of its calls, as ``gpu_worker`` keeps it), and claims take the credit that frees
 soonest, as the credit pools do. Several batchers split the requests round robin and share the
-credits, the longest-waiting claim first. Call latency comes from the curve.
+credits, the longest-waiting claim first. Call latency comes from the curve, scaled per worker
+(a slower GPU).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """``batchwire validate-sim``: measured bench runs beside the simulation of the same deployment.
 
-Each run directory's ``results.json`` (written by ``batchwire bench``) gives the deployment (mode,
-workers, sim latency, a slow worker, policy, max batch) and, per rate, the measured throughput and
-latencies. The simulation runs the same deployment at the rate the generator actually sent, over a
-few seeds (their median), and the table flags a throughput more than 3% off, and a p50 or p99 more
-than 10% off below saturation.
+Each run directory (``batchwire.capacity.measured``) gives the deployment and, per rate, the
+measured throughput and latencies. The simulation runs the same deployment at the rate the
+generator actually sent, over a few seeds (their median), and the table flags a throughput more
+than 3% off, and a p50 or p99 more than 10% off below saturation.
 
 The simulation has no network: the per-hop overhead (gateway, bus, result store) is an input, per
 mode. Unless given, it is the run's lone-request probe (lone p50 less the backend's latency), else
@@ -19,77 +18,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from batchwire.capacity.curve import Curve
 from batchwire.capacity.engine import SimConfig
+from batchwire.capacity.measured import BACKEND_MAX_BATCH, MeasuredRate, MeasuredRun, RunError, read_runs, results_files
 from batchwire.capacity.simulate import RateResult, policy_for, simulate_rate
 
 THROUGHPUT_BOUND = 0.03
 LATENCY_BOUND = 0.10
 SATURATED_SHARE = 0.97
 """A rate is saturated when the measured throughput is below this share of what was sent."""
-LIGHT_SHARE = 0.05
-"""A rate under this share of the workers' capacity is light: some requests find a worker idle."""
 BUSY_CAP = 0.9
 """The CPU busy share at most used to stretch the overhead (a share near 1 would stretch it without bound)."""
-BACKEND_MAX_BATCH = 100
-"""The sim backend's max batch when the run sets none (``gpu_worker.backends.sim``)."""
-
-
-class RunError(ValueError):
-    """A run directory cannot be read; the message names the file."""
-
-
-@dataclass(frozen=True, slots=True)
-class MeasuredRate:
-    offered: float
-    sent_rate: float
-    """Requests/s the generator actually sent in the window (its Poisson draw)."""
-    throughput: float
-    p50_ms: float
-    p99_ms: float
-    min_ms: float
-    mean_batch: float | None
-    cpu_busy: float | None
-    """The machine's CPU busy share: service, Kafka, Redis and the load generator (None: not recorded)."""
-
-
-@dataclass(frozen=True, slots=True)
-class MeasuredRun:
-    """One deployment of a bench run and its measured figures per rate."""
-
-    name: str
-    mode: str
-    policy: str
-    workers: int
-    batchers: int
-    sim_latency_ms: float
-    slow_worker_latency_ms: float | None
-    max_batch: int | None
-    max_wait_ms: float | None
-    lone_p50_ms: float | None
-    rates: tuple[MeasuredRate, ...]
-
-    def lone_overhead_ms(self) -> float | None:
-        """The lone-request probe's p50 less the backend latency: the path's own cost per request."""
-        return None if self.lone_p50_ms is None else max(0.0, self.lone_p50_ms - self.sim_latency_ms)
-
-    def light(self) -> bool:
-        """Whether its lowest rate is light enough that its fastest answer met an idle worker."""
-        capacity = self.workers * (self.max_batch or BACKEND_MAX_BATCH) * 1000.0 / self.sim_latency_ms
-        return min(r.offered for r in self.rates) <= LIGHT_SHARE * capacity
-
-    def fastest_overhead_ms(self) -> float:
-        """The fastest answer at the lowest rate less the backend latency (a lower bound of the hops)."""
-        lowest = min(self.rates, key=lambda r: r.offered)
-        return max(0.0, lowest.min_ms - self.sim_latency_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,83 +71,6 @@ class Row:
 
 def _diff(simulated: float, measured: float) -> float:
     return (simulated - measured) / measured if measured else 0.0
-
-
-# reading a run directory ----------------------------------------------------------------------------
-def results_files(paths: Iterable[str | Path]) -> list[tuple[Path, str]]:
-    """Each directory's ``results.json``, or those of its sub-directories (``durability-rf1/run1``),
-    with the run's name: its directory, from the one given."""
-    found: list[tuple[Path, str]] = []
-    for path in map(Path, paths):
-        if (path / "results.json").is_file():
-            found.append((path / "results.json", path.name))
-        else:
-            nested = sorted(path.glob("*/results.json"))
-            if not nested:
-                raise RunError(f"{path} holds no results.json (run batchwire bench --out {path})")
-            found.extend((file, f"{path.name}/{file.parent.name}") for file in nested)
-    return found
-
-
-def read_runs(results: Path, name: str | None = None) -> list[MeasuredRun]:
-    """The deployments of one ``results.json`` (one per policy), named ``name`` (default: its directory)."""
-    try:
-        data = json.loads(results.read_text())
-    except (OSError, ValueError) as err:
-        raise RunError(f"cannot read {results}: {err}") from err
-    name = name or results.parent.name
-    try:
-        config = data["config"]
-        meta = data.get("metadata") or {}
-        cpu_count = meta.get("cpu_affinity") or meta.get("cpu_count")
-        return [_run(name, config, run, cpu_count) for run in data["runs"]]
-    except (KeyError, TypeError) as err:
-        raise RunError(f"{results} lacks {err} (is it a batchwire-bench/1 file?)") from err
-
-
-def _run(name: str, config: dict[str, Any], run: dict[str, Any], cpu_count: int | None) -> MeasuredRun:
-    sut = run["sut"]
-    lone = run.get("lone") or {}
-    several = len(config.get("policies") or []) > 1
-    return MeasuredRun(
-        name=f"{name} {run['policy']}" if several else name,
-        mode=sut["mode"],
-        policy=run["policy"],
-        workers=int(sut["workers"]),
-        batchers=int(sut.get("batchers") or config.get("batchers") or 1),
-        sim_latency_ms=float(sut.get("sim_latency_ms") or config["sim_latency_ms"]),
-        slow_worker_latency_ms=sut.get("slow_worker_latency_ms"),
-        max_batch=sut.get("max_batch"),
-        max_wait_ms=sut.get("max_wait_ms"),
-        lone_p50_ms=(lone.get("latency_ms") or {}).get("p50"),
-        rates=tuple(_rate(rate, cpu_count) for rate in run["rates"]),
-    )
-
-
-def _rate(rate: dict[str, Any], cpu_count: int | None) -> MeasuredRate:
-    latency = rate["latency_ms"]
-    window_s = float(rate["window_s"])
-    return MeasuredRate(
-        offered=float(rate["offered_rps"]),
-        sent_rate=float(rate["sent"]) / window_s if window_s > 0 else float(rate["offered_rps"]),
-        throughput=float(rate["throughput_rps"]),
-        p50_ms=float(latency["p50"]),
-        p99_ms=float(latency["p99"]),
-        min_ms=float(latency["min"]),
-        mean_batch=(rate.get("server") or {}).get("batch_size_mean"),
-        cpu_busy=_cpu_busy(rate, cpu_count),
-    )
-
-
-def _cpu_busy(rate: dict[str, Any], cpu_count: int | None) -> float | None:
-    """Cores busy over the machine's: the process groups (``batchwire``, ``kafka``, ``redis``; their
-    ``batchwire.<role>`` parts are already in ``batchwire``) and the load generator."""
-    processes = rate.get("processes") or {}
-    if not cpu_count or not processes:
-        return None
-    cores = sum(float(p.get("cores") or 0.0) for name, p in processes.items() if "." not in name)
-    cores += float((rate.get("generator") or {}).get("cores") or 0.0)
-    return round(cores / cpu_count, 4)
 
 
 # the simulation of a run ----------------------------------------------------------------------------

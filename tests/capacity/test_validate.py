@@ -8,26 +8,27 @@ from pathlib import Path
 import pytest
 
 from batchwire import cli
-from batchwire.capacity import validate
+from batchwire.capacity import measured, validate
+from batchwire.capacity.measured import MeasuredRate, MeasuredRun
 from batchwire.capacity.simulate import RateResult, capacity
-from batchwire.capacity.validate import MeasuredRate, MeasuredRun, Row
+from batchwire.capacity.validate import Row
 
 DATA = Path(__file__).parent / "data" / "bench"
 
 
 def read(name: str) -> list[MeasuredRun]:
-    return validate.read_runs(DATA / name / "results.json", name)
+    return measured.read_runs(DATA / name / "results.json", name)
 
 
 def test_a_directory_of_run_directories_is_read_run_by_run_named_from_the_given_one() -> None:
-    found = validate.results_files([DATA / "slow-worker", DATA / "durability-rf1"])
+    found = measured.results_files([DATA / "slow-worker", DATA / "durability-rf1"])
     names = [name for _, name in found]
     assert names == ["slow-worker", "durability-rf1/run1"], f"expected the nested run named by both, got {names}"
 
 
 def test_a_directory_without_results_is_refused_by_name(tmp_path: Path) -> None:
-    with pytest.raises(validate.RunError, match=str(tmp_path)):
-        validate.results_files([tmp_path])
+    with pytest.raises(measured.RunError, match=str(tmp_path)):
+        measured.results_files([tmp_path])
 
 
 def test_the_slow_worker_run_reads_its_deployment_and_measured_figures() -> None:
