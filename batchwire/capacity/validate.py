@@ -8,10 +8,10 @@ than 3% off, and a p50 or p99 more than 10% off below saturation.
 The simulation has no network: the per-hop overhead (gateway, bus, result store) is an input, per
 mode. Unless given, it is the run's lone-request probe (lone p50 less the backend's latency), else
 another given run's probe in the same mode, else the fastest answer of the light runs in that mode
-less the backend latency (a lower bound: the path's cost varies from request to request). Under
-load the hops share the machine's cores with everything else, so by default the overhead at each
-rate is stretched by the CPU busy share measured then, ``overhead / (1 - busy)`` (processor sharing).
-A slow worker is worker 0 at its own latency.
+less the backend latency (a lower bound: the path's cost varies from request to request), else 0.
+Under load the hops share the machine's cores with everything else, so by default the overhead at
+each rate is stretched by the CPU busy share measured then, ``overhead / (1 - busy)`` (processor
+sharing). A slow worker is worker 0 at its own latency.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def overhead_for(run: MeasuredRun, given: dict[str, float], runs: Sequence[Measu
     light = [r.fastest_overhead_ms() for r in runs if r.mode == run.mode and r.light()]
     if light:
         return round(statistics.median(light), 2), f"fastest, {run.mode} runs"
-    return round(run.fastest_overhead_ms(), 2), "fastest"
+    return 0.0, "none: give --overhead-ms"  # a loaded run's fastest answer has queued: no estimate
 
 
 def loaded_overhead_ms(overhead_ms: float, measured: MeasuredRate) -> float:

@@ -142,3 +142,10 @@ def test_bad_input_is_refused_with_what_to_change(
 def test_a_missing_directory_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert cli.main(["validate-sim", str(tmp_path / "nope")]) == 2
     assert "holds no results.json" in capsys.readouterr().err
+
+
+def test_a_loaded_run_alone_gets_no_overhead_estimate_and_says_so() -> None:
+    (probed,) = read("durability-rf1/run1")
+    unprobed = dataclasses.replace(probed, lone_p50_ms=None)
+    assert not unprobed.light(), "its lowest rate (1,000/s) is half the workers' capacity"
+    assert validate.overhead_for(unprobed, {}, [unprobed]) == (0.0, "none: give --overhead-ms")
