@@ -3,28 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.e2e.harness import Cluster, Proc, embedded, launch, stopped_after
-
-
-@dataclass
-class System:
-    kind: str
-    urls: list[str]
-    journal_path: Path
-    cluster: Cluster | None = None
-
-    def journal(self) -> list[dict[str, Any]]:
-        import json
-
-        if not self.journal_path.exists():
-            return []
-        return [json.loads(line) for line in self.journal_path.read_text().splitlines() if line.strip()]
+from tests.support.e2e_system import System
 
 
 def start_cluster(base: Path, infra: Any) -> Cluster:

@@ -22,6 +22,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.support.eventually import eventually_sync
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -128,7 +130,7 @@ class Cluster:
         port = free_port()
         proc = self.spawn(f"gateway{index}", "gateway", "--port", str(port), "--gateway-id", f"gw{index}", *extra)
         url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: _ready(url), 60, f"gateway {index} to be ready ({proc.tail(5)})")
+        eventually_sync(lambda: _ready(url), f"gateway {index} to be ready ({proc.tail(5)})", timeout_s=60)
         self.gateway_urls.append(url)
         return proc
 
@@ -193,7 +195,7 @@ def embedded(base: Path, workers: int = 2, sim_latency_ms: float = 100.0, *extra
         base / "embedded.log",
     ).start()
     url = f"http://127.0.0.1:{port}"
-    wait_until(lambda: _ready(url), 60, f"embedded service to be ready ({proc.tail(5)})")
+    eventually_sync(lambda: _ready(url), f"embedded service to be ready ({proc.tail(5)})", timeout_s=60)
     return proc, url
 
 
@@ -243,7 +245,9 @@ def launch(
             cluster.gateway(index, *gateway_args)
         client = redis_client(redis_url)
         credits = Names(namespace).credit_queue("sim")
-        wait_until(lambda: client.zcard(credits) >= workers, 60, f"{workers} idle workers to offer credits")
+        eventually_sync(
+            lambda: client.zcard(credits) >= workers, f"{workers} idle workers to offer credits", timeout_s=60
+        )
         client.close()
     except BaseException:
         print(cluster.logs())

@@ -43,8 +43,9 @@ from infra.process import ServiceProcess
 from infra.redis_sentinel import MASTER_NAME, sentinel_primary
 from infra.stack import ENV_FILE_NAME, KAFKA_ENV, REDIS_ENV, read_env_file
 from schemas.wire import Names
-from tests.e2e.harness import Cluster, launch, stopped_after, wait_until
-from tests.stack_cli import stack_cli as _cli
+from tests.e2e.harness import Cluster, launch, stopped_after
+from tests.support.eventually import eventually_sync
+from tests.support.stack_cli import stack_cli as _cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(480)]
 
@@ -188,10 +189,10 @@ def _fail_over_redis(faults: Faults, t0: float, redis_pids: dict[int, int], sent
     assert primary in redis_pids, f"the Sentinels name the primary {primary}; the servers are {redis_pids}"
     faults.redis_port = primary
     faults.redis_killed_s = _kill9(redis_pids[primary]) - t0
-    wait_until(
+    eventually_sync(
         lambda: sentinel_primary(sentinels, MASTER_NAME) not in (None, primary),
-        FAILOVER_DEADLINE_S,
         "the Sentinels to promote the replica",
+        timeout_s=FAILOVER_DEADLINE_S,
         interval_s=0.1,
     )
     faults.failover_s = time.monotonic() - t0
@@ -255,7 +256,9 @@ def test_a_broker_and_the_redis_primary_killed_under_load_lose_nothing(backbone:
         stderr=subprocess.STDOUT,
     )
     try:
-        wait_until(lambda: t0_file.exists() and t0_file.read_text() != "", 30, "the client to start its load")
+        eventually_sync(
+            lambda: t0_file.exists() and t0_file.read_text() != "", "the client to start its load", timeout_s=30
+        )
         faults = _inject(backbone, servers, float(t0_file.read_text()), names.request_topic)
         code = client.wait(240)
     finally:

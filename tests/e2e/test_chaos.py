@@ -24,8 +24,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.e2e.harness import Cluster, TerminalEvents, launch, respawn, stopped_after, task_states, wait_until
-from tests.e2e.test_crashes import proc_named
+from tests.e2e.harness import Cluster, TerminalEvents, launch, respawn, stopped_after, task_states
+from tests.support.cluster_checks import proc_named
+from tests.support.eventually import eventually_sync
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
@@ -182,7 +183,7 @@ async def test_chaos(cluster: Cluster) -> None:
         accepted = [s for s in syncs if not s.refused]
         task_ids = {s.body["task_id"] for s in accepted if "task_id" in s.body} | set(created)
         await asyncio.to_thread(
-            wait_until, lambda: task_ids.issubset(events.states), 15, "a terminal event for every task"
+            eventually_sync, lambda: task_ids.issubset(events.states), "a terminal event for every task", timeout_s=15
         )
         twice = events.twice()
         terminal_events = sum(len(states) for states in events.states.values())

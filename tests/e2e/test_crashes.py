@@ -9,109 +9,30 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import redis
 
-from schemas.codec import decode_state
-from schemas.records import TaskStatus
 from tests.e2e.harness import (
     Cluster,
-    Proc,
     Restarter,
     TerminalEvents,
-    free_port,
     launch,
     metric,
     task_states,
-    wait_until,
 )
+from tests.support.cluster_checks import (
+    proc_named,
+    running,
+    terminal_events,
+    two_batchers_one_slow_worker,
+)
+from tests.support.eventually import eventually_sync
+from tests.support.http_calls import assert_answered, collect_events, post_all, post_stream
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
-
-
-def running(cluster: Cluster) -> dict[str, str]:
-    """Task id -> worker id of every task stored as running in the cluster's namespace."""
-    client = redis.Redis.from_url(cluster.redis_url)
-    try:
-        out: dict[str, str] = {}
-        for key in client.scan_iter(match=f"{cluster.namespace}:task:*", count=1000):
-            doc = client.hget(key, "doc")
-            if doc:
-                state = decode_state(doc)
-                if state.status is TaskStatus.RUNNING and state.worker_id:
-                    out[state.task_id] = state.worker_id
-        return out
-    finally:
-        client.close()
-
-
-def proc_named(cluster: Cluster, name: str) -> Proc:
-    return next(p for p in reversed(cluster.procs) if p.name == name and p.alive())
-
-
-async def post_all(url: str, inputs: list[str], timeout_s: float = 60) -> list[httpx.Response]:
-    async with httpx.AsyncClient(timeout=timeout_s) as client:
-        return await asyncio.gather(*(client.post(f"{url}/v1/inference", json={"input": text}) for text in inputs))
-
-
-async def post_stream(url: str, inputs: list[str], interval_s: float, timeout_s: float = 60) -> list[httpx.Response]:
-    """Open loop: one request every ``interval_s`` whatever the answers do; all the responses, in order."""
-    async with httpx.AsyncClient(timeout=timeout_s) as client:
-        sent = []
-        for text in inputs:
-            sent.append(asyncio.create_task(client.post(f"{url}/v1/inference", json={"input": text})))
-            await asyncio.sleep(interval_s)  # pacing the load, not synchronization
-        return await asyncio.gather(*sent)
-
-
-def logged(cluster: Cluster, name: str, text: str) -> int:
-    """How many lines of process ``name``'s log contain ``text`` (all its incarnations)."""
-    path = cluster.base / f"{name}.log"
-    return sum(text in line for line in path.read_text(errors="replace").splitlines()) if path.exists() else 0
-
-
-def batchers_settled(cluster: Cluster) -> None:
-    """Waits until batcher1 joined and batcher0 got its share after the rebalance."""
-    wait_until(
-        lambda: (
-            logged(cluster, "batcher1", "assigned request partitions") >= 1
-            and logged(cluster, "batcher0", "assigned request partitions") >= 2
-        ),
-        30,
-        "the second batcher to join the group",
-    )
-
-
-async def terminal_events(cluster: Cluster, events: TerminalEvents, task_ids: list[str]) -> dict[str, int]:
-    """Waits (up to 15 s) for each task's terminal event; returns the tasks published more than once.
-
-    On a timeout the failure names the tasks with no event and what the store holds for them.
-    """
-    try:
-        await asyncio.to_thread(
-            wait_until, lambda: all(task in events.states for task in task_ids), 15, "every terminal event"
-        )
-    except AssertionError:
-        missing = [task for task in task_ids if task not in events.states]
-        stored = task_states(cluster.redis_url, cluster.namespace, missing)
-        raise AssertionError(
-            f"{len(missing)} task(s) without a terminal event (listener failure: {events.failure!r}); stored: {stored}"
-        ) from None
-    return events.twice()
-
-
-def assert_answered(inputs: list[str], responses: list[httpx.Response]) -> list[dict[str, Any]]:
-    bodies = [r.json() for r in responses]
-    statuses = Counter(r.status_code for r in responses)
-    assert statuses == {200: len(inputs)}, f"every request answered 200, got {statuses}: {bodies[:3]}"
-    for text, body in zip(inputs, bodies, strict=True):
-        assert body["output"] == text[::-1], f"answer {body} does not belong to {text!r}"
-    return bodies
 
 
 async def test_a_worker_killed_mid_batch_loses_nothing_and_answers_once(
@@ -164,24 +85,6 @@ async def test_an_idle_workers_stale_credit_delays_one_batch_only_until_the_reba
     assert worst < 10, f"it waits for the rebalance (about 3-4 s), not longer: {worst:.1f} s"
 
 
-async def two_batchers_one_slow_worker(tmp_path: Path, infra: Any, clusters: list[Cluster]) -> tuple[Cluster, int]:
-    """Two batchers sharing the request partitions and one worker with one-second batches, so
-    requests pile up in the batchers; returns the cluster and batcher0's metrics port."""
-    port = free_port()
-    cluster = launch(
-        tmp_path,
-        infra.kafka_bootstrap,
-        infra.redis_url,
-        workers=1,
-        sim_latency_ms=1000,
-        batcher_args=("--metrics-port", str(port)),
-    )
-    clusters.append(cluster)
-    cluster.batcher(1)
-    await asyncio.to_thread(batchers_settled, cluster)
-    return cluster, port
-
-
 async def test_a_batcher_killed_with_held_requests_loses_none(
     tmp_path: Path, infra: Any, clusters: list[Cluster]
 ) -> None:
@@ -191,7 +94,10 @@ async def test_a_batcher_killed_with_held_requests_loses_none(
         sent = asyncio.create_task(post_stream(cluster.gateway_urls[0], inputs, 0.1))
         # one worker, one-second batches: requests pile up in the batchers while it is busy
         await asyncio.to_thread(
-            wait_until, lambda: metric(port, "batchwire_batcher_pending") > 0, 20, "batcher0 to hold requests"
+            eventually_sync,
+            lambda: metric(port, "batchwire_batcher_pending") > 0,
+            "batcher0 to hold requests",
+            timeout_s=20,
         )
         held = metric(port, "batchwire_batcher_pending")
         proc_named(cluster, "batcher0").kill9()
@@ -222,8 +128,6 @@ async def test_async_tasks_survive_a_gateway_restart(tmp_path: Path, infra: Any,
         polled = await asyncio.gather(
             *(client.get(f"{restarted}/v1/result/{task['task_id']}", params={"wait": 20}) for task in created)
         )
-        from tests.e2e.test_pipeline import collect_events
-
         streamed = await asyncio.gather(
             *(asyncio.wait_for(collect_events(client, other, task["task_id"]), 20) for task in created[:5])
         )
@@ -286,7 +190,7 @@ async def test_an_input_that_crashes_workers_is_dead_lettered_and_others_are_ans
         results = await fault_run(cluster, "segfault please", good, timeout_s=60)
         took = time.monotonic() - started
         # the third crash is over before the fourth delivery sets the input aside; its exit is seen soon
-        await asyncio.to_thread(wait_until, lambda: len(restarter.exits) >= 3, 10, "three worker exits")
+        await asyncio.to_thread(eventually_sync, lambda: len(restarter.exits) >= 3, "three worker exits", timeout_s=10)
         exits = list(restarter.exits)
     for text in good:
         assert results[text]["status"] == "completed" and results[text]["output"] == text[::-1], results[text]
@@ -310,7 +214,7 @@ async def test_a_hung_backend_exits_75_and_its_batch_completes_elsewhere(
         started = time.monotonic()
         results = await fault_run(cluster, "hang forever", ["fine-1", "fine-2"], timeout_s=60)
         took = time.monotonic() - started
-        await asyncio.to_thread(wait_until, lambda: len(restarter.exits) >= 3, 10, "three worker exits")
+        await asyncio.to_thread(eventually_sync, lambda: len(restarter.exits) >= 3, "three worker exits", timeout_s=10)
         exits = list(restarter.exits)
     assert results["fine-1"]["output"] == "1-enif" and results["fine-2"]["output"] == "2-enif"
     hung = results["hang forever"]

@@ -28,8 +28,9 @@ import redis
 
 from infra.stack import ENV_FILE_NAME, KAFKA_ENV, REDIS_ENV, read_env_file
 from schemas.wire import Names
-from tests.e2e.harness import Cluster, wait_until
-from tests.stack_cli import stack_cli as _stack
+from tests.e2e.harness import Cluster
+from tests.support.eventually import eventually_sync
+from tests.support.stack_cli import stack_cli as _stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(120)]
 
@@ -152,7 +153,7 @@ def test_held_callers_are_answered_when_their_gateway_is_back_on_the_new_primary
         old = _primary(stack)
         credits = Names(names.namespace).credit_queue("sim")
         with redis.Redis(port=old["port"]) as client:
-            wait_until(lambda: client.zcard(credits) >= 1, 30, "the worker to offer a credit")
+            eventually_sync(lambda: client.zcard(credits) >= 1, "the worker to offer a credit", timeout_s=30)
 
         # Callers on gateway A: synchronous ones, and long-polls and streams of queued tasks.
         calls: list[tuple[str, Future[tuple[float, dict[str, Any]]]]] = []
@@ -168,14 +169,18 @@ def test_held_callers_are_answered_when_their_gateway_is_back_on_the_new_primary
             channels.append(names.task_channel(task_id))
             follow = _long_poll if index < LONG_POLLS else _stream
             calls.append((text, pool.submit(follow, held_at, task_id)))
-        wait_until(_all(lambda: old["port"], names, "running", TOTAL), 10, f"{TOTAL} tasks to be running")
+        eventually_sync(
+            _all(lambda: old["port"], names, "running", TOTAL), f"{TOTAL} tasks to be running", timeout_s=10
+        )
         with redis.Redis(port=old["port"]) as client:
-            wait_until(lambda: _subscribed(client, channels), 10, "gateway A to watch every long-poll and stream")
+            eventually_sync(
+                lambda: _subscribed(client, channels), "gateway A to watch every long-poll and stream", timeout_s=10
+            )
 
         os.kill(old["pid"], signal.SIGKILL)
         killed_at = time.monotonic()
         # A has seen its feed drop (its /readyz says so) before it is frozen.
-        wait_until(lambda: _readyz(held_at)[0] == 503, 5, "gateway A to see Redis down")
+        eventually_sync(lambda: _readyz(held_at)[0] == 503, "gateway A to see Redis down", timeout_s=5)
         frozen = gateway_a.pid
         os.kill(frozen, signal.SIGSTOP)
 
@@ -187,9 +192,13 @@ def test_held_callers_are_answered_when_their_gateway_is_back_on_the_new_primary
             seen.append((asked - killed_at, status, {**body, "took_s": round(time.monotonic() - asked, 3)}))
             return status == 200 and _sentinel_master(sentinel_url) not in (None, old["port"])
 
-        wait_until(observer_ready_again, 20, "gateway B's /readyz to be 200 on a new primary", interval_s=0.1)
+        eventually_sync(
+            observer_ready_again, "gateway B's /readyz to be 200 on a new primary", timeout_s=20, interval_s=0.1
+        )
         new_port = _sentinel_master(sentinel_url)
-        wait_until(_all(lambda: new_port, names, "completed", TOTAL), 20, "every answer on the new primary")
+        eventually_sync(
+            _all(lambda: new_port, names, "completed", TOTAL), "every answer on the new primary", timeout_s=20
+        )
         assert not any(future.done() for _, future in calls), "no caller of a frozen gateway can have its answer"
 
         os.kill(frozen, signal.SIGCONT)
@@ -204,7 +213,7 @@ def test_held_callers_are_answered_when_their_gateway_is_back_on_the_new_primary
                 f"{text} was answered {answered_at - resumed_at:.1f} s after gateway A resumed; "
                 f"expected under {ANSWERED_WITHIN_S} s (its sweep and stream re-reads run every 30 s)"
             )
-        wait_until(lambda: _readyz(held_at)[0] == 200, 10, "gateway A's /readyz to be 200 again")
+        eventually_sync(lambda: _readyz(held_at)[0] == 200, "gateway A's /readyz to be 200 again", timeout_s=10)
 
         down = [(at, body["down"]["redis"]) for at, status, body in seen if status == 503 and "redis" in body["down"]]
         assert down, f"gateway B's /readyz never named redis while it failed over: {seen}"

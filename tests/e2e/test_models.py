@@ -20,8 +20,9 @@ import redis
 from gpu_worker.backends.hf import HFBackend
 from gpu_worker.backends.tiny import build_tiny_causal_lm
 from schemas.wire import Names
-from tests.e2e.harness import Cluster, wait_until
-from tests.e2e.test_pipeline import collect_events
+from tests.e2e.harness import Cluster
+from tests.support.eventually import eventually_sync
+from tests.support.http_calls import collect_events
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +31,7 @@ def _wait_for_credits(redis_url: str, namespace: str, model: str, count: int, ti
     client = redis.Redis.from_url(redis_url)
     key = Names(namespace).credit_queue(model)
     try:
-        wait_until(lambda: client.zcard(key) >= count, timeout_s, f"{count} idle {model} workers")
+        eventually_sync(lambda: client.zcard(key) >= count, f"{count} idle {model} workers", timeout_s=timeout_s)
     finally:
         client.close()
 

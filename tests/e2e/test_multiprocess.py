@@ -7,8 +7,8 @@ import asyncio
 import httpx
 import pytest
 
-from tests.e2e.conftest import System
-from tests.e2e.test_pipeline import collect_events
+from tests.support.e2e_system import System
+from tests.support.http_calls import collect_events
 
 pytestmark = pytest.mark.slow
 

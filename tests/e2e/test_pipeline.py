@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -17,9 +16,9 @@ from typing import Any
 
 import httpx
 import pytest
-from httpx_sse import aconnect_sse
 
-from tests.e2e.conftest import System
+from tests.support.e2e_system import System
+from tests.support.http_calls import collect_events
 
 pytestmark = pytest.mark.slow
 
@@ -86,14 +85,6 @@ async def test_async_task_is_delivered_by_poll_and_long_poll(system: System) -> 
         assert unknown.status_code == 404
         assert unknown.json()["error"]["code"] == "task_not_found"
     check_journal(system, {task_id})
-
-
-async def collect_events(client: httpx.AsyncClient, url: str, task_id: str) -> list[tuple[str, dict[str, Any]]]:
-    events: list[tuple[str, dict[str, Any]]] = []
-    async with aconnect_sse(client, "GET", f"{url}/v1/result/{task_id}/events") as source:
-        async for event in source.aiter_sse():
-            events.append((event.event, json.loads(event.data)))
-    return events
 
 
 async def test_sse_streams_status_changes_and_closes_after_the_result(system: System) -> None:

@@ -36,8 +36,9 @@ from infra.stack import ENV_FILE_NAME, KAFKA_ENV, REDIS_ENV, read_env_file
 from schemas.codec import decode_batch
 from schemas.records import Batch
 from schemas.wire import Names
-from tests.e2e.harness import TerminalEvents, launch, stopped_after, task_states, wait_until
-from tests.stack_cli import stack_cli as _cli
+from tests.e2e.harness import TerminalEvents, launch, stopped_after, task_states
+from tests.support.eventually import eventually_sync
+from tests.support.stack_cli import stack_cli as _cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(300)]
 
@@ -182,10 +183,10 @@ async def test_killing_the_batch_topics_leader_under_load_loses_no_batch_and_ans
             answered = [a for a in asked if a.status == 200]
             task_ids = [a.body["task_id"] for a in answered]
             await asyncio.to_thread(
-                wait_until,
+                eventually_sync,
                 lambda: all(t in events.states for t in task_ids),
-                15,
                 "each terminal event",
+                timeout_s=15,
             )
             twice = events.twice()
 

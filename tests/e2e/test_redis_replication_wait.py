@@ -37,8 +37,9 @@ from infra.stack import ENV_FILE_NAME, KAFKA_ENV, REDIS_ENV, read_env_file
 from schemas.codec import decode_state
 from schemas.records import TaskStatus
 from schemas.wire import Names
-from tests.e2e.harness import Cluster, free_port, launch, metric, respawn, stopped_after, wait_until
-from tests.stack_cli import stack_cli as _cli
+from tests.e2e.harness import Cluster, free_port, launch, metric, respawn, stopped_after
+from tests.support.eventually import eventually_sync
+from tests.support.stack_cli import stack_cli as _cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(180)]
 
@@ -75,7 +76,7 @@ def backbone(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Backbon
         status = json.loads(_cli(state_dir, "status", "--json").stdout)
         [primary] = [s["port"] for s in status["servers"] if s["kind"] == "redis" and s["role"] == "primary"]
         # Before any worker counts replicas (auto): a replica still taking its first copy is not counted.
-        wait_until(lambda: _in_sync(primary), WAIT_S, "the replica to be in sync", interval_s=0.1)
+        eventually_sync(lambda: _in_sync(primary), "the replica to be in sync", timeout_s=WAIT_S, interval_s=0.1)
         port = free_port()
         worker_args = ("--metrics-port", str(port), "--redis-replica-wait-ms", "500")
         cluster = launch(
@@ -149,7 +150,7 @@ def test_a_batch_whose_results_no_replica_acknowledged_is_committed_only_after_t
         committed, ends = asyncio.run(_offsets(backbone.bootstrap, group, topic))
         return sum(committed.values()) == sum(ends.values()) == batches
 
-    wait_until(lambda: committed_all(1), WAIT_S, "the warm-up batch to be committed", interval_s=0.2)
+    eventually_sync(lambda: committed_all(1), "the warm-up batch to be committed", timeout_s=WAIT_S, interval_s=0.2)
     before, _ = asyncio.run(_offsets(backbone.bootstrap, group, topic))
     primary, replica = backbone.redis("primary"), backbone.redis("replica")
 
@@ -161,13 +162,15 @@ def test_a_batch_whose_results_no_replica_acknowledged_is_committed_only_after_t
         answer = httpx.post(f"{url}/v1/inference", json={"input": "kept across"}, timeout=WAIT_S)
         assert answer.status_code == 200 and answer.json()["output"] == "ssorca tpek", answer.text
         first = answer.json()["task_id"]
-        wait_until(lambda: metric(backbone.metrics_port, UNREPLICATED) >= 2, WAIT_S, "two short stores")
+        eventually_sync(lambda: metric(backbone.metrics_port, UNREPLICATED) >= 2, "two short stores", timeout_s=WAIT_S)
         assert _stored(primary["port"], names, [first])[first].status is TaskStatus.COMPLETED
         queued = httpx.post(f"{url}/v1/tasks", json={"input": "async too"}, timeout=WAIT_S)
         assert queued.status_code == 202, queued.text
         later = queued.json()["task_id"]
         shorts = metric(backbone.metrics_port, UNREPLICATED)
-        wait_until(lambda: metric(backbone.metrics_port, UNREPLICATED) >= shorts + 2, WAIT_S, "two more short stores")
+        eventually_sync(
+            lambda: metric(backbone.metrics_port, UNREPLICATED) >= shorts + 2, "two more short stores", timeout_s=WAIT_S
+        )
 
         held = _stored(primary["port"], names, [later])[later]
         assert not held.status.terminal, f"no later batch ends while one waits for replicas: {held}"
@@ -179,14 +182,14 @@ def test_a_batch_whose_results_no_replica_acknowledged_is_committed_only_after_t
         _signal(primary["pid"], signal.SIGKILL)
         _signal(replica["pid"], signal.SIGCONT)
         resumed = True
-        wait_until(
+        eventually_sync(
             lambda: sentinel_primary(backbone.sentinels, MASTER_NAME) == replica["port"],
-            WAIT_S,
             "the Sentinels to promote the replica",
+            timeout_s=WAIT_S,
             interval_s=0.1,
         )
         # Without a credit held from before, the later task's batch goes out once the first is committed.
-        wait_until(lambda: committed_all(3), WAIT_S, "both batches to be committed", interval_s=0.2)
+        eventually_sync(lambda: committed_all(3), "both batches to be committed", timeout_s=WAIT_S, interval_s=0.2)
     finally:
         if not resumed:
             os.kill(replica["pid"], signal.SIGCONT)
@@ -224,7 +227,7 @@ def test_a_worker_killed_while_its_results_wait_for_a_replica_leaves_the_batch_t
         committed, ends = asyncio.run(_offsets(backbone.bootstrap, group, topic))
         return sum(committed.values()) == sum(ends.values()) == batches
 
-    wait_until(lambda: committed_all(1), WAIT_S, "the warm-up batch to be committed", interval_s=0.2)
+    eventually_sync(lambda: committed_all(1), "the warm-up batch to be committed", timeout_s=WAIT_S, interval_s=0.2)
     primary, replica = backbone.redis("primary"), backbone.redis("replica")
     [worker] = [proc for proc in cluster.procs if proc.name == "worker0"]
 
@@ -235,17 +238,17 @@ def test_a_worker_killed_while_its_results_wait_for_a_replica_leaves_the_batch_t
         answer = httpx.post(f"{url}/v1/inference", json={"input": "run twice"}, timeout=WAIT_S)
         assert answer.status_code == 200 and answer.json()["output"] == "eciwt nur", answer.text
         task_id = answer.json()["task_id"]
-        wait_until(lambda: metric(backbone.metrics_port, UNREPLICATED) >= 2, WAIT_S, "two short stores")
+        eventually_sync(lambda: metric(backbone.metrics_port, UNREPLICATED) >= 2, "two short stores", timeout_s=WAIT_S)
         assert not committed_all(2), "a batch whose results no replica holds is not committed"
 
         worker.kill9()
         _signal(primary["pid"], signal.SIGKILL)
         _signal(replica["pid"], signal.SIGCONT)
         resumed = True
-        wait_until(
+        eventually_sync(
             lambda: sentinel_primary(backbone.sentinels, MASTER_NAME) == replica["port"],
-            WAIT_S,
             "the Sentinels to promote the replica",
+            timeout_s=WAIT_S,
             interval_s=0.1,
         )
     finally:
@@ -254,7 +257,9 @@ def test_a_worker_killed_while_its_results_wait_for_a_replica_leaves_the_batch_t
     assert task_id not in _stored(replica["port"], names, [task_id]), "the result died with the old primary"
 
     respawn(cluster, worker)
-    wait_until(lambda: committed_all(2), WAIT_S, "the batch to run again and be committed", interval_s=0.2)
+    eventually_sync(
+        lambda: committed_all(2), "the batch to run again and be committed", timeout_s=WAIT_S, interval_s=0.2
+    )
 
     stored = _stored(replica["port"], names, [task_id])[task_id]
     assert (stored.status, stored.output) == (TaskStatus.COMPLETED, "eciwt nur"), stored

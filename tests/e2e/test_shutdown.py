@@ -11,17 +11,16 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.harness import Cluster, Proc, TerminalEvents, launch, metric, task_states, wait_until
-from tests.e2e.test_crashes import (
-    assert_answered,
+from tests.e2e.harness import Cluster, Proc, TerminalEvents, launch, metric, task_states
+from tests.support.cluster_checks import (
     logged,
-    post_all,
-    post_stream,
     proc_named,
     running,
     terminal_events,
     two_batchers_one_slow_worker,
 )
+from tests.support.eventually import eventually_sync
+from tests.support.http_calls import assert_answered, post_all, post_stream
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
@@ -105,7 +104,10 @@ async def test_a_second_sigterm_exits_at_once_and_loses_nothing(
     proc = proc_named(cluster, next(iter(in_flight.values())))
     sigterm(proc)
     await asyncio.to_thread(
-        wait_until, lambda: logged(cluster, proc.name, "finishing the work in hand") >= 1, 10, "the first SIGTERM"
+        eventually_sync,
+        lambda: logged(cluster, proc.name, "finishing the work in hand") >= 1,
+        "the first SIGTERM",
+        timeout_s=10,
     )
     assert proc.alive(), "the first SIGTERM waits for the 6 s batch"
     sigterm(proc)
@@ -122,7 +124,10 @@ async def test_sigterm_stops_a_batcher_cleanly_and_its_requests_move(
     with TerminalEvents(cluster.redis_url, cluster.namespace) as events:
         sent = asyncio.create_task(post_stream(cluster.gateway_urls[0], inputs, 0.1))
         await asyncio.to_thread(
-            wait_until, lambda: metric(port, "batchwire_batcher_pending") > 0, 20, "batcher0 to hold requests"
+            eventually_sync,
+            lambda: metric(port, "batchwire_batcher_pending") > 0,
+            "batcher0 to hold requests",
+            timeout_s=20,
         )
         proc = proc_named(cluster, "batcher0")
         sigterm(proc)

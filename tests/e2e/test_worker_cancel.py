@@ -10,8 +10,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.harness import Cluster, launch, stopped_after, wait_until
-from tests.e2e.test_crashes import logged
+from tests.e2e.harness import Cluster, launch, stopped_after, task_states
+from tests.support.cluster_checks import logged
+from tests.support.eventually import eventually_sync
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
@@ -29,10 +30,10 @@ async def test_a_cancelled_task_is_never_run(cluster: Cluster) -> None:
     async with httpx.AsyncClient(timeout=30) as client:
         busy = (await client.post(f"{url}/v1/tasks", json={"input": "keeps the worker busy"})).json()["task_id"]
         await asyncio.to_thread(
-            wait_until,
+            eventually_sync,
             lambda: any(busy in e["task_ids"] for e in cluster.journal()) or _running(cluster, busy),
-            20,
             "the first task to start",
+            timeout_s=20,
         )
         doomed = (await client.post(f"{url}/v1/tasks", json={"input": "never run me"})).json()["task_id"]
         kept = (await client.post(f"{url}/v1/tasks", json={"input": "run me"})).json()["task_id"]
@@ -48,7 +49,6 @@ async def test_a_cancelled_task_is_never_run(cluster: Cluster) -> None:
 
 
 def _running(cluster: Cluster, task_id: str) -> bool:
-    from tests.e2e.harness import task_states
 
     state = task_states(cluster.redis_url, cluster.namespace, [task_id]).get(task_id)
     return state is not None and state.status.value == "running"

@@ -28,7 +28,7 @@ from aiokafka.admin.config_resource import (  # type: ignore[import-untyped, unu
 from infra.process import ServiceProcess
 from infra.redis_sentinel import MASTER_NAME, sentinel_primary
 from infra.stack import ENV_FILE_NAME, KAFKA_ENV, REDIS_ENV, read_env_file
-from tests.stack_cli import stack_cli as _cli
+from tests.support.stack_cli import stack_cli as _cli
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(120)]
 

@@ -1,0 +1,93 @@
+"""What the e2e tests read from a running cluster: stored states, process logs, terminal events;
+and the two-batchers-one-slow-worker cluster built on them."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from schemas.codec import decode_state
+from schemas.records import TaskStatus
+from tests.e2e.harness import Cluster, Proc, TerminalEvents, free_port, launch, task_states
+from tests.support.eventually import eventually_sync
+
+
+def running(cluster: Cluster) -> dict[str, str]:
+    """Task id -> worker id of every task stored as running in the cluster's namespace."""
+    client = redis.Redis.from_url(cluster.redis_url)
+    try:
+        out: dict[str, str] = {}
+        for key in client.scan_iter(match=f"{cluster.namespace}:task:*", count=1000):
+            doc = client.hget(key, "doc")
+            if doc:
+                state = decode_state(doc)
+                if state.status is TaskStatus.RUNNING and state.worker_id:
+                    out[state.task_id] = state.worker_id
+        return out
+    finally:
+        client.close()
+
+
+def proc_named(cluster: Cluster, name: str) -> Proc:
+    """The live incarnation of process ``name``."""
+    return next(p for p in reversed(cluster.procs) if p.name == name and p.alive())
+
+
+def logged(cluster: Cluster, name: str, text: str) -> int:
+    """How many lines of process ``name``'s log contain ``text`` (all its incarnations)."""
+    path = cluster.base / f"{name}.log"
+    return sum(text in line for line in path.read_text(errors="replace").splitlines()) if path.exists() else 0
+
+
+def batchers_settled(cluster: Cluster) -> None:
+    """Waits until batcher1 joined and batcher0 got its share after the rebalance."""
+    eventually_sync(
+        lambda: (
+            logged(cluster, "batcher1", "assigned request partitions") >= 1
+            and logged(cluster, "batcher0", "assigned request partitions") >= 2
+        ),
+        "the second batcher to join the group",
+        timeout_s=30,
+    )
+
+
+async def terminal_events(cluster: Cluster, events: TerminalEvents, task_ids: list[str]) -> dict[str, int]:
+    """Waits (up to 15 s) for each task's terminal event; returns the tasks published more than once.
+
+    On a timeout the failure names the tasks with no event and what the store holds for them.
+    """
+    try:
+        await asyncio.to_thread(
+            eventually_sync,
+            lambda: all(task in events.states for task in task_ids),
+            "every terminal event",
+            timeout_s=15,
+        )
+    except AssertionError:
+        missing = [task for task in task_ids if task not in events.states]
+        stored = task_states(cluster.redis_url, cluster.namespace, missing)
+        raise AssertionError(
+            f"{len(missing)} task(s) without a terminal event (listener failure: {events.failure!r}); stored: {stored}"
+        ) from None
+    return events.twice()
+
+
+async def two_batchers_one_slow_worker(tmp_path: Path, infra: Any, clusters: list[Cluster]) -> tuple[Cluster, int]:
+    """Two batchers sharing the request partitions and one worker with one-second batches, so
+    requests pile up in the batchers; returns the cluster and batcher0's metrics port."""
+    port = free_port()
+    cluster = launch(
+        tmp_path,
+        infra.kafka_bootstrap,
+        infra.redis_url,
+        workers=1,
+        sim_latency_ms=1000,
+        batcher_args=("--metrics-port", str(port)),
+    )
+    clusters.append(cluster)
+    cluster.batcher(1)
+    await asyncio.to_thread(batchers_settled, cluster)
+    return cluster, port

@@ -1,0 +1,46 @@
+"""What the e2e tests send over HTTP, and what they check of the answers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from typing import Any
+
+import httpx
+from httpx_sse import aconnect_sse
+
+
+async def post_all(url: str, inputs: list[str], timeout_s: float = 60) -> list[httpx.Response]:
+    """Posts every input at once; the responses, in order."""
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        return await asyncio.gather(*(client.post(f"{url}/v1/inference", json={"input": text}) for text in inputs))
+
+
+async def post_stream(url: str, inputs: list[str], interval_s: float, timeout_s: float = 60) -> list[httpx.Response]:
+    """Open loop: one request every ``interval_s`` whatever the answers do; all the responses, in order."""
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        sent = []
+        for text in inputs:
+            sent.append(asyncio.create_task(client.post(f"{url}/v1/inference", json={"input": text})))
+            await asyncio.sleep(interval_s)  # pacing the load, not synchronization
+        return await asyncio.gather(*sent)
+
+
+def assert_answered(inputs: list[str], responses: list[httpx.Response]) -> list[dict[str, Any]]:
+    """Asserts every request got 200 and its own reversed input; returns the bodies."""
+    bodies = [r.json() for r in responses]
+    statuses = Counter(r.status_code for r in responses)
+    assert statuses == {200: len(inputs)}, f"every request answered 200, got {statuses}: {bodies[:3]}"
+    for text, body in zip(inputs, bodies, strict=True):
+        assert body["output"] == text[::-1], f"answer {body} does not belong to {text!r}"
+    return bodies
+
+
+async def collect_events(client: httpx.AsyncClient, url: str, task_id: str) -> list[tuple[str, dict[str, Any]]]:
+    """The task's server-sent events (name, data) until the server closes the stream."""
+    events: list[tuple[str, dict[str, Any]]] = []
+    async with aconnect_sse(client, "GET", f"{url}/v1/result/{task_id}/events") as source:
+        async for event in source.aiter_sse():
+            events.append((event.event, json.loads(event.data)))
+    return events
