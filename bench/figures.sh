@@ -6,6 +6,36 @@ B=".venv/bin/batchwire bench --client raw --check"
 R=bench/results
 run() { local name=$1; shift; echo "== $name: $*"; $B "$@" --out "$R/$name" | tail -n 4; }
 
+# A real model beside its simulation (issue 17): the hf backend on CPU, embedding with a tiny BERT
+# built on the spot and with the packaged MiniLM. Each model is profiled, then measured and
+# simulated (its curve fed in) at 30% and 70% of one worker's capacity by that curve, capped at
+# 1,000 req/s: the tiny model's capacity is beyond what the embedded path carries here. Bench starts
+# `batchwire up`, which reads the backend from BATCHWIRE_* variables; no --check: embeddings are not
+# the reversed input. --input-chars gives the profile's inputs as many tokens as the bench's random
+# 32-character inputs (a byte per token for the tiny model; MiniLM's WordPiece splits them finer).
+validate_hf() {
+  local out="$R/validate-hf" tiny=.batchwire/tiny-encoder minilm name path batch chars rates
+  minilm=$(.venv/bin/python -c 'from gpu_worker.backends.packaged import minilm_dir; print(minilm_dir())')
+  [ -d "$tiny" ] || .venv/bin/python -c "from gpu_worker.backends.tiny import build_tiny_encoder as b; b('$tiny')"
+  : > "$R/validate-hf.md"
+  for spec in "tiny:$tiny:8:32" "minilm:$minilm:32:160"; do
+    IFS=: read -r name path batch chars <<< "$spec"
+    echo "== validate-hf: $name"
+    mkdir -p "$out/$name"
+    .venv/bin/batchwire profile --backend hf --model-path "$path" --hf-task embed --device cpu --max-batch "$batch" \
+      --input-chars "$chars" --repeats "${VALIDATE_HF_REPEATS:-20}" --out "$out/$name/curve.json"
+    rates=$(.venv/bin/python -c 'import sys; from batchwire.capacity.curve import load
+r = min(load(sys.argv[1]).best_rate_per_worker()[0], float(sys.argv[2])); print(f"{0.3 * r:.0f},{0.7 * r:.0f}")' \
+      "$out/$name/curve.json" "${VALIDATE_HF_MAX_RATE:-1000}")
+    BATCHWIRE_BACKEND=hf BATCHWIRE_MODEL_PATH="$path" BATCHWIRE_HF_TASK=embed BATCHWIRE_DEVICE=cpu \
+      .venv/bin/batchwire bench --client raw --start embedded --workers 1 --max-batch "$batch" --rate "$rates" \
+      --duration "${VALIDATE_HF_DURATION:-20}" --warmup 3 --out "$out/$name" | tail -n 4
+    { echo "## $name: hf embed on CPU, 1 worker, max batch $batch, curve $out/$name/curve.json"; echo
+      .venv/bin/batchwire validate-sim "$out/$name" --curve "$out/$name/curve.json"; echo
+    } >> "$R/validate-hf.md"
+  done
+}
+
 figure() {
   case $1 in
     20rps) for i in 1 2 3; do
@@ -62,6 +92,7 @@ figure() {
       done
       .venv/bin/batchwire validate-sim "$R"/20rps-*-run? "$R"/600-embedded "$R"/600-kafka "$R"/load-embedded \
         "$R"/load-kafka "$R"/1900-embedded "$R"/1900-kafka "$R"/policies "$R"/slow-worker --out "$R/validate.md" ;;
+    validate-hf) validate_hf ;;
     *) echo "unknown figure $1" >&2; exit 2 ;;
   esac
 }

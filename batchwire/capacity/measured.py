@@ -3,15 +3,20 @@
 ``results.json`` gives the deployment (mode, workers, sim latency, a slow worker, policy, max
 batch), the lone-request probe when the run made one, and per rate what was sent and measured:
 throughput, latencies, mean batch, and the CPU the machine spent (service, Kafka, Redis, load).
+A run of a real model (the hf backend) is read with its profiled curve (``with_curve``): the
+backend's latency is then the curve's, not the flat sim latency the file records.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from batchwire.capacity.curve import Curve
 
 LIGHT_SHARE = 0.05
 """A rate under this share of the workers' capacity is light: some requests find a worker idle."""
@@ -52,20 +57,43 @@ class MeasuredRun:
     max_wait_ms: float | None
     lone_p50_ms: float | None
     rates: tuple[MeasuredRate, ...]
+    curve: Curve | None = None
+    """The backend's profiled curve; None: the flat sim backend at ``sim_latency_ms``."""
+
+    def backend_curve(self) -> Curve:
+        """The backend's latency by batch size: the curve given, else the sim backend's flat one."""
+        if self.curve is not None:
+            return self.curve
+        return Curve.flat(self.sim_latency_ms, self.max_batch or BACKEND_MAX_BATCH)
+
+    def with_curve(self, curve: Curve) -> MeasuredRun:
+        """The same run with the backend's latency taken from ``curve`` (a run of the hf backend)."""
+        if self.max_batch is not None and self.max_batch > curve.max_batch:
+            raise RunError(
+                f"{self.name} ran batches of up to {self.max_batch}; the curve stops at {curve.max_batch} "
+                f"(profile with --max-batch {self.max_batch})"
+            )
+        return dataclasses.replace(self, curve=curve)
+
+    def lone_call_ms(self) -> float:
+        """The backend's latency for a batch of one."""
+        return self.backend_curve().latency_ms(1)
 
     def lone_overhead_ms(self) -> float | None:
         """The lone-request probe's p50 less the backend latency: the path's own cost per request."""
-        return None if self.lone_p50_ms is None else max(0.0, self.lone_p50_ms - self.sim_latency_ms)
+        return None if self.lone_p50_ms is None else max(0.0, self.lone_p50_ms - self.lone_call_ms())
 
     def light(self) -> bool:
         """Whether its lowest rate is light enough that its fastest answer met an idle worker."""
-        capacity = self.workers * (self.max_batch or BACKEND_MAX_BATCH) * 1000.0 / self.sim_latency_ms
+        curve = self.backend_curve()
+        top = min(self.max_batch or curve.max_batch, curve.max_batch)
+        capacity = self.workers * max(size * 1000.0 / curve.latency_ms(size) for size in range(1, top + 1))
         return min(r.offered for r in self.rates) <= LIGHT_SHARE * capacity
 
     def fastest_overhead_ms(self) -> float:
         """The fastest answer at the lowest rate less the backend latency (a lower bound of the hops)."""
         lowest = min(self.rates, key=lambda r: r.offered)
-        return max(0.0, lowest.min_ms - self.sim_latency_ms)
+        return max(0.0, lowest.min_ms - self.lone_call_ms())
 
 
 def results_files(paths: Iterable[str | Path]) -> list[tuple[Path, str]]:

@@ -11,7 +11,8 @@ another given run's probe in the same mode, else the fastest answer of the light
 less the backend latency (a lower bound: the path's cost varies from request to request), else 0.
 Under load the hops share the machine's cores with everything else, so by default the overhead at
 each rate is stretched by the CPU busy share measured then, ``overhead / (1 - busy)`` (processor
-sharing). A slow worker is worker 0 at its own latency.
+sharing). A slow worker is worker 0 at its own latency. Runs of a real model (the hf backend)
+take its profiled curve (``--curve``) in place of the flat sim latency.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from batchwire.capacity.curve import Curve
+from batchwire.capacity import curve as curve_file
+from batchwire.capacity.curve import CurveError
 from batchwire.capacity.engine import SimConfig
-from batchwire.capacity.measured import BACKEND_MAX_BATCH, MeasuredRate, MeasuredRun, RunError, read_runs, results_files
+from batchwire.capacity.measured import MeasuredRate, MeasuredRun, RunError, read_runs, results_files
 from batchwire.capacity.simulate import RateResult, policy_for, simulate_rate
 
 THROUGHPUT_BOUND = 0.03
@@ -75,8 +77,9 @@ def _diff(simulated: float, measured: float) -> float:
 
 # the simulation of a run ----------------------------------------------------------------------------
 def sim_config(run: MeasuredRun, overhead_ms: float) -> SimConfig:
-    """The run's deployment: a flat curve at its sim latency, the slow worker (if any) as worker 0."""
-    curve = Curve.flat(run.sim_latency_ms, run.max_batch or BACKEND_MAX_BATCH)
+    """The run's deployment: its backend's curve (flat for the sim backend), the slow worker (if any)
+    as worker 0."""
+    curve = run.backend_curve()
     policy = policy_for(run.policy, run.max_batch, run.max_wait_ms, None, curve.max_batch)
     slow = run.slow_worker_latency_ms
     scale = (slow / run.sim_latency_ms,) if slow else ()
@@ -214,6 +217,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=True,
         help="stretch the overhead by the machine's measured CPU busy share at each rate: overhead / (1 - busy)",
     )
+    parser.add_argument(
+        "--curve",
+        default=None,
+        help="the curve file (batchwire profile) of the runs' backend, for a real model; default: the flat sim latency",
+    )
     parser.add_argument("--requests", type=int, default=20_000, help="simulated requests per rate and seed")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per rate (the median is shown)")
     parser.add_argument("--out", default=None, help="also write the table to this file")
@@ -239,9 +247,12 @@ def run(args: argparse.Namespace) -> int:
         if args.seeds < 1 or args.requests < 1:
             raise ValueError(f"--seeds and --requests must be at least 1, got {args.seeds} and {args.requests}")
         runs = [r for path, name in results_files(args.results) for r in read_runs(path, name)]
+        if args.curve is not None:
+            backend_curve = curve_file.load(args.curve)
+            runs = [r.with_curve(backend_curve) for r in runs]
         rows = compare(runs, given, args.requests, args.seeds, per_item, args.cpu_scaling)
         table = format_table(rows)
-    except (RunError, ValueError) as err:
+    except (RunError, CurveError, ValueError) as err:
         print(f"batchwire validate-sim: {err}", file=sys.stderr)
         return 2
     print(table)

@@ -9,6 +9,7 @@ import pytest
 
 from batchwire import cli
 from batchwire.capacity import measured, validate
+from batchwire.capacity.curve import Curve, CurvePoint
 from batchwire.capacity.measured import MeasuredRate, MeasuredRun
 from batchwire.capacity.simulate import RateResult, capacity
 from batchwire.capacity.validate import Row
@@ -149,3 +150,34 @@ def test_a_loaded_run_alone_gets_no_overhead_estimate_and_says_so() -> None:
     unprobed = dataclasses.replace(probed, lone_p50_ms=None)
     assert not unprobed.light(), "its lowest rate (1,000/s) is half the workers' capacity"
     assert validate.overhead_for(unprobed, {}, [unprobed]) == (0.0, "none: give --overhead-ms")
+
+
+def hf_curve() -> Curve:
+    """A real model's shape: a call grows with its batch (20 ms for one, 80 ms for 8)."""
+    return Curve((CurvePoint(1, 20.0, 22.0), CurvePoint(4, 40.0, 44.0), CurvePoint(8, 80.0, 88.0)), "hf")
+
+
+def test_a_run_with_its_curve_takes_the_backend_latency_from_the_curve_not_the_flat_sim_latency() -> None:
+    (probed,) = read("durability-rf1/run1")
+    run = dataclasses.replace(probed, max_batch=8, lone_p50_ms=27.0).with_curve(hf_curve())
+    assert run.lone_call_ms() == 20.0 and run.lone_overhead_ms() == 7.0, "the lone probe less a call of one"
+    config = validate.sim_config(run, 7.0)
+    assert config.curve == hf_curve() and config.policy.max_batch == 8
+    assert capacity(config) == pytest.approx(2 * 100.0), "2 workers, 4 or 8 items per 40 or 80 ms: 100/s each"
+    assert not run.light(), "1,000/s is far above 5% of 200/s"
+
+
+def test_a_curve_shorter_than_the_runs_batches_is_refused_with_the_profile_flag_to_use() -> None:
+    (probed,) = read("durability-rf1/run1")
+    with pytest.raises(measured.RunError, match="--max-batch 32"):
+        dataclasses.replace(probed, max_batch=32).with_curve(hf_curve())
+
+
+def test_the_command_simulates_with_the_curve_given(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    hf_curve().save(tmp_path / "curve.json")
+    argv = ["validate-sim", str(DATA / "policies"), "--curve", str(tmp_path / "curve.json"), "--requests", "500"]
+    assert cli.main([*argv, "--seeds", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "| policies classic | embedded | 20 |" in printed, f"expected the 20/s row, got {printed}"
+    assert cli.main(["validate-sim", str(DATA / "policies"), "--curve", str(tmp_path / "none.json")]) == 2
+    assert "cannot read the curve file" in capsys.readouterr().err
