@@ -2,14 +2,12 @@
 
 Replies travel over Redis PubSub, which keeps nothing for a subscriber that is away: a reply
 published while the feed reconnects (a Redis restart, a Sentinel failover to a new primary) is
-lost. Once the store is reachable again its feed has subscribed the reply channel again, so a read
-of the store from then on misses nothing: :class:`ReconnectRecheck` reads the task of every caller
-still waiting and hands the ended ones their answer, rather than leaving them to the lost-reply
-sweep (``reply_recheck_s``, with its backoff). Long-polls and event streams watch task channels,
-which the store re-reads itself as it subscribes them again.
-
-The store tells whether it is reachable without I/O (``TaskStore.reachable``); that is read every
-``poll_s``, shorter than the feed's shortest reconnect backoff, so a reconnect is not missed.
+lost. The store calls back once its feed has subscribed the reply channel again
+(``TaskStore.on_feed_return``), so a read of the store from then on misses nothing:
+:class:`ReconnectRecheck` reads the task of every caller still waiting and hands the ended ones
+their answer, rather than leaving them to the lost-reply sweep (``reply_recheck_s``, with its
+backoff). Long-polls and event streams watch task channels, which the store re-reads itself as it
+subscribes them again.
 """
 
 from __future__ import annotations
@@ -27,16 +25,17 @@ _CHUNK = 500  # task ids per store read: one pipeline of HMGETs each
 
 
 class ReconnectRecheck:
-    """Owns one task that watches the store's reachability and re-reads the held callers on its return."""
+    """Owns one task that re-reads the held callers each time the store's change feed returns."""
 
-    def __init__(self, store: TaskStore, waiters: ReplyWaiters, *, poll_s: float = 0.02, name: str = "gateway") -> None:
+    def __init__(self, store: TaskStore, waiters: ReplyWaiters, *, name: str = "gateway") -> None:
         self._store = store
         self._waiters = waiters
-        self.poll_s = poll_s
         self._name = name
+        self._returned = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.rechecks = 0
-        """Re-checks run (one per return of the change feed)."""
+        """Re-checks run (one per return of the change feed, or fewer when returns come faster than reads)."""
+        store.on_feed_return(self._returned.set)
 
     @property
     def alive(self) -> bool:
@@ -55,13 +54,10 @@ class ReconnectRecheck:
             await asyncio.wait({task})  # a failure was logged by _log_end
 
     async def _run(self) -> None:
-        was_reachable = self._store.reachable()
         while True:
-            await asyncio.sleep(self.poll_s)
-            reachable = self._store.reachable()
-            if reachable and not was_reachable:
-                await self.recheck()
-            was_reachable = reachable
+            await self._returned.wait()
+            self._returned.clear()
+            await self.recheck()
 
     async def recheck(self) -> int:
         """Reads the task of every caller still waiting and resolves those that ended; returns how many."""

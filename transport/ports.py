@@ -134,6 +134,11 @@ class TaskStore(Protocol):
         no I/O, so a gateway can refuse a synchronous request at once rather than hold it."""
         ...
 
+    def on_feed_return(self, callback: Callable[[], None]) -> None:
+        """Calls ``callback`` each time the change feed is back after a drop, its channels subscribed
+        again: what was published while it was down is lost, and a read from then on misses nothing."""
+        ...
+
     def full(self, model: str) -> str | None:
         """Why the store takes no new task for ``model`` now (a memory budget spent on tasks not yet
         ended), else None; no I/O, asked on every submit."""

@@ -78,6 +78,8 @@ async def test_pubsub_drop_reconnects_and_resubscribes(store: RedisTaskStore, ra
         replied.set()
 
     await store.listen_replies("g1", on_reply)
+    feed_returns: list[bool] = []
+    store.on_feed_return(lambda: feed_returns.append(store.reachable()))
     assert store.reachable()
     async with store.watch("t1") as events:
         killed = await raw.client_kill_filter(_type="pubsub")
@@ -88,6 +90,8 @@ async def test_pubsub_drop_reconnects_and_resubscribes(store: RedisTaskStore, ra
         assert await store.ready() is False, "not ready while the change feed reconnects"
         await eventually(lambda: store.reconnects >= 1, "the PubSub reader to reconnect", timeout_s=20)
         assert store.reachable(), "reachable again once reconnected"
+        await eventually(lambda: bool(feed_returns), "the store to call back on its feed's return", timeout_s=20)
+        assert feed_returns == [True], f"one call back, once the feed is subscribed again, got {feed_returns}"
 
         await store.apply([state("t1", TaskStatus.COMPLETED, output="ok", reply_to="g1")])
         seen = await next_state(events)

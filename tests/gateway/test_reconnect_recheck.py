@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from gateway.reconnect_recheck import ReconnectRecheck
 from gateway.waiters import ReplyWaiters
@@ -12,17 +13,23 @@ from transport.memory.bus import MemoryTaskStore
 
 
 class FlakyFeedStore(MemoryTaskStore):
-    """The memory store whose change feed can be marked down, as Redis's is during a failover."""
+    """The memory store whose change feed can drop and return, as Redis's does during a failover."""
 
     def __init__(self) -> None:
         super().__init__()
         self.feed_up = True
-        self.seen_down = asyncio.Event()  # someone asked while the feed was down
+        self._callbacks: list[Callable[[], None]] = []
 
     def reachable(self) -> bool:
-        if not self.feed_up:
-            self.seen_down.set()
         return self.feed_up and super().reachable()
+
+    def on_feed_return(self, callback: Callable[[], None]) -> None:
+        self._callbacks.append(callback)
+
+    def feed_returns(self) -> None:
+        self.feed_up = True
+        for callback in self._callbacks:
+            callback()
 
 
 def _state(task_id: str, status: TaskStatus) -> TaskState:
@@ -32,7 +39,7 @@ def _state(task_id: str, status: TaskStatus) -> TaskState:
 async def test_a_reply_lost_while_the_feed_was_down_reaches_its_caller_when_the_feed_returns() -> None:
     store = FlakyFeedStore()
     waiters = ReplyWaiters(first_check_s=1000.0)  # the sweep never runs here
-    recheck = ReconnectRecheck(store, waiters, poll_s=0.001)
+    recheck = ReconnectRecheck(store, waiters)
     recheck.start()
     try:
         ended = waiters.register("ended", 0.0)
@@ -42,9 +49,9 @@ async def test_a_reply_lost_while_the_feed_was_down_reaches_its_caller_when_the_
         store.feed_up = False
         # Stored without a reply address: the reply is lost, as one published while the feed was down.
         await store.apply([_state("ended", TaskStatus.COMPLETED), _state("running", TaskStatus.RUNNING)])
-        await asyncio.wait_for(store.seen_down.wait(), 2.0)
         assert not ended.done(), "nothing is re-read while the feed is down"
-        store.feed_up = True
+        assert recheck.rechecks == 0
+        store.feed_returns()
         answer = await asyncio.wait_for(ended, 2.0)
         assert answer.status is TaskStatus.COMPLETED and answer.output == "ok", answer
         assert not running.done(), "a task still running leaves its caller waiting"

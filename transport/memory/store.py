@@ -98,6 +98,7 @@ class MemoryTaskStore:
         self._keys: OrderedDict[_Key, _Bound] = OrderedDict()  # by binding: expiry order
         self._key_of: dict[str, _Key] = {}  # task id -> the key bound to it
         self._bytes = 0
+        self._feed_return: list[Callable[[], None]] = []
         self._watchers: dict[str, set[asyncio.Queue[TaskState]]] = {}
         self._replies: dict[str, ReplyHandler] = {}
         self._closed = asyncio.Event()
@@ -110,6 +111,10 @@ class MemoryTaskStore:
 
     def reachable(self) -> bool:
         return not self._closed.is_set()
+
+    def on_feed_return(self, callback: Callable[[], None]) -> None:
+        """The feed is in-process and never drops: ``callback`` is kept and never called."""
+        self._feed_return.append(callback)
 
     @property
     def held_bytes(self) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
@@ -98,6 +98,7 @@ class RedisTaskStore:
         self._watched: dict[str, str] = {}  # task channel -> task id
         self._replies: dict[str, ReplyHandler] = {}  # reply channel -> handler
         self._undecodable = 0
+        self._feed_return: list[Callable[[], None]] = []
 
     @property
     def reconnects(self) -> int:
@@ -313,6 +314,9 @@ class RedisTaskStore:
     def reachable(self) -> bool:
         return self._hub.connected
 
+    def on_feed_return(self, callback: Callable[[], None]) -> None:
+        self._feed_return.append(callback)
+
     def full(self, model: str) -> str | None:
         return None  # Redis keeps its own memory limit (maxmemory); a write it refuses is an error
 
@@ -353,6 +357,8 @@ class RedisTaskStore:
         cannot be recovered here (we do not know which tasks a gateway waits for): gateways must
         keep their deadline fallback of reading the store.
         """
+        for callback in self._feed_return:
+            callback()
         watched = {self._watched[channel]: channel for channel in channels if channel in self._watched}
         if any(channel in self._replies for channel in channels):
             log.warning("terminal replies published while Redis PubSub was down are lost; waiters fall back to reads")
