@@ -14,7 +14,7 @@ run() { local name=$1; shift; echo "== $name: $*"; $B "$@" --out "$R/$name" | ta
 # the reversed input. --input-chars gives the profile's inputs as many tokens as the bench's random
 # 32-character inputs (a byte per token for the tiny model; MiniLM's WordPiece splits them finer).
 validate_hf() {
-  local out="$R/validate-hf" tiny=.batchwire/tiny-encoder minilm name path batch chars rates
+  local out="$R/validate-hf" tiny=.batchwire/tiny-encoder minilm name path batch chars rates lone_ms
   minilm=$(.venv/bin/python -c 'from gpu_worker.backends.packaged import minilm_dir; print(minilm_dir())')
   [ -d "$tiny" ] || .venv/bin/python -c "from gpu_worker.backends.tiny import build_tiny_encoder as b; b('$tiny')"
   : > "$R/validate-hf.md"
@@ -24,12 +24,13 @@ validate_hf() {
     mkdir -p "$out/$name"
     .venv/bin/batchwire profile --backend hf --model-path "$path" --hf-task embed --device cpu --max-batch "$batch" \
       --input-chars "$chars" --repeats "${VALIDATE_HF_REPEATS:-20}" --out "$out/$name/curve.json"
-    rates=$(.venv/bin/python -c 'import sys; from batchwire.capacity.curve import load
-r = min(load(sys.argv[1]).best_rate_per_worker()[0], float(sys.argv[2])); print(f"{0.3 * r:.0f},{0.7 * r:.0f}")' \
-      "$out/$name/curve.json" "${VALIDATE_HF_MAX_RATE:-1000}")
+    read -r rates lone_ms <<< "$(.venv/bin/python -c 'import sys; from batchwire.capacity.curve import load
+c = load(sys.argv[1]); r = min(c.best_rate_per_worker()[0], float(sys.argv[2]))
+print(f"{0.3 * r:.0f},{0.7 * r:.0f} {c.latency_ms(1):.1f}")' "$out/$name/curve.json" "${VALIDATE_HF_MAX_RATE:-1000}")"
     BATCHWIRE_BACKEND=hf BATCHWIRE_MODEL_PATH="$path" BATCHWIRE_HF_TASK=embed BATCHWIRE_DEVICE=cpu \
       .venv/bin/batchwire bench --client raw --start embedded --workers 1 --max-batch "$batch" --rate "$rates" \
-      --duration "${VALIDATE_HF_DURATION:-20}" --warmup 3 --out "$out/$name" | tail -n 4
+      --duration "${VALIDATE_HF_DURATION:-20}" --warmup 3 --label "hf embed $name on CPU" \
+      --backend-latency-ms "$lone_ms" --out "$out/$name" | tail -n 4
     { echo "## $name: hf embed on CPU, 1 worker, max batch $batch, curve $out/$name/curve.json"; echo
       .venv/bin/batchwire validate-sim "$out/$name" --curve "$out/$name/curve.json"; echo
     } >> "$R/validate-hf.md"
