@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_table() -> str:
-    """The README's configuration table, made from the parsers so the two cannot drift apart."""
+    """docs/operations.md's configuration table, made from the parsers so the two cannot drift apart."""
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     rows: dict[str, tuple[str, str, list[str]]] = {}

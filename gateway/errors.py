@@ -156,7 +156,7 @@ class NotReady(GatewayError):
     retriable = True
 
 
-# code -> (HTTP status, when). The one place where gateway errors meet HTTP; the README's error
+# code -> (HTTP status, when). The one place where gateway errors meet HTTP; docs/operations.md's error
 # table and the OpenAPI error responses are generated from it.
 ERROR_TABLE: dict[str, tuple[int, str]] = {
     "invalid_json": (400, "The body is not one JSON document."),

@@ -198,7 +198,7 @@ def no_server_error(ctx: Any, response: schemathesis.Response, case: schemathesi
     """Replaces ``not_a_server_error``: no 5xx, but for the documented 504 of a too-short ``timeout_ms``.
 
     ``POST /v1/inference`` with ``timeout_ms`` below what the model takes, and ``POST /v1/tasks``
-    with one below what queueing takes, answer 504 ``deadline_exceeded`` by contract (README's
+    with one below what queueing takes, answer 504 ``deadline_exceeded`` by contract (docs/operations.md's
     error table); the built-in check counts that as a server error. Every other 5xx, and a 504 for a
     request that gave the service enough time, fails.
     """
@@ -223,7 +223,7 @@ def _excluded_checks(case: schemathesis.Case[Any]) -> list[Any]:
     excluded: list[Any] = [not_a_server_error]  # replaced by no_server_error
     if case.path.startswith("/v1/result/"):
         # DELETE cancels a task, it does not remove it: the task stays readable, `cancelled`
-        # (README, Cancellation). A read that finds it after a successful DELETE is the contract.
+        # (docs/operations.md, Cancellation). A read that finds it after a successful DELETE is the contract.
         excluded.append(use_after_free)
     return excluded
 
