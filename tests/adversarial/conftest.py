@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.adversarial.rig import Service
+from tests.adversarial.rig import Service, ServiceFactory
 from tests.e2e.harness import Cluster, embedded, launch
-
-ServiceFactory = Callable[..., Service]
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from tests.e2e.harness import Cluster, Proc
+from tests.support.eventually import eventually_sync
 
 P99_SLACK_MS = 20.0
 RSS_GROWTH_BYTES = 50 * 1024 * 1024
@@ -73,6 +74,10 @@ class Service:
         if self.cluster is not None:
             return self.cluster.logs()
         return self.proc.tail(lines)
+
+
+ServiceFactory = Callable[..., Service]
+"""Starts a service with extra flags (the ``*_service_factory`` fixtures)."""
 
 
 @dataclass
@@ -249,15 +254,6 @@ class Harm:
         )
 
 
-def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
-    """Polls ``check`` until it holds; fails naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(0.05)
-
-
 def unharmed(
     service: Service,
     attack: Callable[[], object],
@@ -276,21 +272,25 @@ def unharmed(
     so a short attack is still measured over enough requests."""
     probe = Probe(service, rate_per_s=rate_per_s, model=model)
     with probe.running():
-        wait_for(lambda: probe.stats().count >= 5, 15, "the probe's first answers")
+        eventually_sync(lambda: probe.stats().count >= 5, "the probe's first answers", timeout_s=15)
         probe.restart_window()
         fds_before = service.open_fds()
         rss_before = service.rss_bytes()
         until = time.monotonic() + baseline_s
-        wait_for(lambda: time.monotonic() > until, baseline_s + 5, "the baseline window")
+        eventually_sync(lambda: time.monotonic() > until, "the baseline window", timeout_s=baseline_s + 5)
         baseline = probe.stats()
         probe.restart_window()
         started = time.monotonic()
         attack()
-        wait_for(lambda: time.monotonic() - started >= min_during_s, min_during_s + 5, "the attack window")
+        eventually_sync(
+            lambda: time.monotonic() - started >= min_during_s, "the attack window", timeout_s=min_during_s + 5
+        )
         during = probe.stats()
         rss_peak, fds_peak = max(probe.peak_rss_bytes, service.rss_bytes()), probe.peak_fds
     try:
-        wait_for(lambda: service.open_fds() <= fds_before + FD_SLACK, fds_settle_s, "descriptors to come back down")
+        eventually_sync(
+            lambda: service.open_fds() <= fds_before + FD_SLACK, "descriptors to come back down", timeout_s=fds_settle_s
+        )
     except AssertionError as err:
         raise AssertionError(f"{err}: {fds_before} before the attack, {service.open_fds()} now") from None
     harm = Harm(baseline, during, rss_before, rss_peak, fds_before, fds_peak, service.open_fds())

@@ -15,8 +15,9 @@ import httpx
 import pytest
 
 from infra.local_stack import LocalStack
-from tests.adversarial.rig import Service, wait_for
+from tests.adversarial.rig import Service
 from tests.e2e.harness import launch, stopped_after
+from tests.support.eventually import eventually_sync
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
@@ -86,12 +87,16 @@ def test_a_submit_while_kafka_is_down_is_refused_at_once_and_work_resumes_after(
         assert submits_succeed(client, "before"), "the deployment must work before the outage"
         stack.stop_kafka()
         try:
-            wait_for(lambda: readiness(client)[1].get("bus") is False, 30, "/readyz to report the bus down")
+            eventually_sync(
+                lambda: readiness(client)[1].get("bus") is False, "/readyz to report the bus down", timeout_s=30
+            )
             refused_fast(client, "request bus")
         finally:
             stack.start_kafka()
-        wait_for(lambda: readiness(client)[0] == 200, 60, "/readyz to be ready again after Kafka restarted")
-        wait_for(lambda: submits_succeed(client, "after"), 30, "submits to succeed again")
+        eventually_sync(
+            lambda: readiness(client)[0] == 200, "/readyz to be ready again after Kafka restarted", timeout_s=60
+        )
+        eventually_sync(lambda: submits_succeed(client, "after"), "submits to succeed again", timeout_s=30)
     assert service.alive(), f"the gateway must ride out the outage in the same process:\n{service.tail()}"
 
 
@@ -102,10 +107,14 @@ def test_a_submit_while_redis_is_down_is_refused_at_once_and_work_resumes_after(
         assert submits_succeed(client, "before"), "the deployment must work before the outage"
         stack.stop_redis()
         try:
-            wait_for(lambda: readiness(client)[1].get("store") is False, 30, "/readyz to report the store down")
+            eventually_sync(
+                lambda: readiness(client)[1].get("store") is False, "/readyz to report the store down", timeout_s=30
+            )
             refused_fast(client, "task store")
         finally:
             stack.start_redis()
-        wait_for(lambda: readiness(client)[0] == 200, 60, "/readyz to be ready again after Redis restarted")
-        wait_for(lambda: submits_succeed(client, "after"), 30, "submits to succeed again")
+        eventually_sync(
+            lambda: readiness(client)[0] == 200, "/readyz to be ready again after Redis restarted", timeout_s=60
+        )
+        eventually_sync(lambda: submits_succeed(client, "after"), "submits to succeed again", timeout_s=30)
     assert service.alive(), f"the gateway must ride out the outage in the same process:\n{service.tail()}"

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from tests.adversarial.conftest import ServiceFactory
-from tests.adversarial.rig import Service, unharmed
+from tests.adversarial.rig import Service, ServiceFactory, unharmed
 
 pytestmark = pytest.mark.slow
 

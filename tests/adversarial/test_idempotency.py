@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.adversarial.conftest import ServiceFactory
-from tests.adversarial.rig import Service, wait_for
+from tests.adversarial.rig import Service, ServiceFactory
+from tests.support.eventually import eventually_sync
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -32,7 +32,9 @@ def _occupy_the_worker(client: httpx.Client) -> str:
     filler = client.post("/v1/tasks", json={"input": f"filler-{uuid.uuid4().hex[:6]}"})
     assert filler.status_code == 202, filler.text
     task_id: str = filler.json()["task_id"]
-    wait_for(lambda: _status(client, task_id) in ("running", "completed"), 20, "the filler task to run")
+    eventually_sync(
+        lambda: _status(client, task_id) in ("running", "completed"), "the filler task to run", timeout_s=20
+    )
     return task_id
 
 
@@ -58,7 +60,7 @@ def test_a_key_whose_task_expired_or_was_cancelled_starts_anew_on_retry(service_
         first = client.post("/v1/inference", json=body, headers=key)
         assert first.status_code == 504, first.text
         expired_id = _error(first)["task_id"]
-        wait_for(lambda: _status(client, expired_id) == "expired", 20, "the first task to end expired")
+        eventually_sync(lambda: _status(client, expired_id) == "expired", "the first task to end expired", timeout_s=20)
 
         started = time.monotonic()
         retry = client.post("/v1/inference", json={**body, "timeout_ms": 10_000}, headers=key)

@@ -26,8 +26,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.adversarial.conftest import ServiceFactory
-from tests.adversarial.rig import RSS_GROWTH_BYTES, Service, unharmed, wait_for
+from tests.adversarial.rig import RSS_GROWTH_BYTES, Service, ServiceFactory, unharmed
+from tests.support.eventually import eventually_sync
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -134,7 +134,9 @@ def test_a_flood_of_large_inputs_is_held_to_the_memory_budget(embedded_service_f
 
     # Ended results go oldest first: the flood's first task is gone, its latest still answers.
     oldest, latest = first.accepted[0], first.accepted[-1]
-    wait_for(lambda: _result(service, oldest).status_code == 404, 30, "the oldest result to be evicted")
+    eventually_sync(
+        lambda: _result(service, oldest).status_code == 404, "the oldest result to be evicted", timeout_s=30
+    )
     assert _result(service, oldest).json()["error"]["code"] == "task_not_found"
     recent = _result(service, latest)
     assert recent.status_code == 200, f"the latest task must still answer: {recent.text}"

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from tests.adversarial.conftest import ServiceFactory
-from tests.adversarial.rig import Service, unharmed, wait_for
+from tests.adversarial.rig import Service, ServiceFactory, unharmed
+from tests.support.eventually import eventually_sync
 
 pytestmark = pytest.mark.slow
 
@@ -40,10 +40,10 @@ def _start(request: pytest.FixtureRequest, mode: str) -> Service:
         assert service.cluster is not None
         service.cluster.worker(1, "--model", "flood", "--max-batch", "5")
     # Answered once, so the worker knows its call's latency (as on any service that has been running).
-    wait_for(
+    eventually_sync(
         lambda: httpx.post(f"{service.url}/v1/inference", json={"input": "up", "model": "flood"}).status_code == 200,
-        60,
         "the flood model's worker to answer",
+        timeout_s=60,
     )
     return service
 
@@ -139,10 +139,10 @@ def test_a_request_whose_deadline_cannot_be_met_is_never_computed(request: pytes
     assert set(codes) <= {503, 504}, codes
     late = [r.json()["error"]["task_id"] for r in responses if r.status_code == 504]
     with httpx.Client(base_url=service.url, timeout=10) as client:
-        wait_for(
+        eventually_sync(
             lambda: all(client.get(f"/v1/result/{t}").json()["status"] not in WAITING for t in late),
-            10,
             "every short request to end",
+            timeout_s=10,
         )
         statuses = Counter(client.get(f"/v1/result/{t}").json()["status"] for t in late)
     assert statuses["completed"] == 0, f"computed after their 504: {statuses}"

@@ -13,8 +13,7 @@ import uuid
 
 import httpx
 
-from tests.adversarial.conftest import ServiceFactory
-from tests.adversarial.rig import Service, unharmed
+from tests.adversarial.rig import Service, ServiceFactory, unharmed
 
 RATE_PER_S = 3.0
 BURST = 3

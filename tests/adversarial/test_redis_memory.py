@@ -21,8 +21,8 @@ import redis
 from infra.redis_server import RedisServer
 from schemas.records import Credit, TaskState, TaskStatus
 from schemas.wire import Names
-from tests.adversarial.rig import wait_for
 from tests.e2e.harness import Cluster, launch, stopped_after
+from tests.support.eventually import eventually_sync
 from transport.errors import StoreFullError
 from transport.redis.deliveries import RedisDeliveryLog
 from transport.redis.store import RedisCreditPool, RedisTaskStore
@@ -165,7 +165,9 @@ def test_a_full_redis_is_answered_503_and_accepted_tasks_complete_once_it_has_ro
         assert read.status_code == 200, f"reads work while Redis is full: {read.status_code} {read.text}"
 
         # The workers finish their calls and cannot store the results: they hold them and retry.
-        wait_for(lambda: FULL_MESSAGE in _logs(cluster, "worker"), 30, "a worker to meet the full store")
+        eventually_sync(
+            lambda: FULL_MESSAGE in _logs(cluster, "worker"), "a worker to meet the full store", timeout_s=30
+        )
         assert all(proc.alive() for proc in cluster.procs), cluster.logs()
 
         free(bounded_redis.url)
@@ -178,8 +180,12 @@ def test_a_full_redis_is_answered_503_and_accepted_tasks_complete_once_it_has_ro
                 assert state["output"] == text[::-1], state
             return True
 
-        wait_for(all_completed, 60, f"the {ACCEPTED} tasks accepted before Redis filled up to complete")
-        wait_for(lambda: _submit(url, "/v1/inference", "after")[0].status_code == 200, 30, "submits to work again")
+        eventually_sync(
+            all_completed, f"the {ACCEPTED} tasks accepted before Redis filled up to complete", timeout_s=60
+        )
+        eventually_sync(
+            lambda: _submit(url, "/v1/inference", "after")[0].status_code == 200, "submits to work again", timeout_s=30
+        )
         assert {proc.name: proc.pid for proc in cluster.procs if proc.alive()} == pids, "no process exited"
         gateway_log = _logs(cluster, "gateway")
         assert "unhandled error" not in gateway_log, f"the gateway answered a 500: {gateway_log[-3000:]}"

@@ -8,8 +8,7 @@ import time
 
 import pytest
 
-from tests.adversarial.conftest import ServiceFactory
-from tests.adversarial.rig import Service, unharmed
+from tests.adversarial.rig import Service, ServiceFactory, unharmed
 
 pytestmark = pytest.mark.slow
 

@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.adversarial.conftest import ServiceFactory
-from tests.adversarial.rig import RSS_GROWTH_BYTES, Service, unharmed, wait_for
+from tests.adversarial.rig import RSS_GROWTH_BYTES, Service, ServiceFactory, unharmed
+from tests.support.eventually import eventually_sync
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -133,7 +133,7 @@ def test_many_event_streams_are_bounded_and_their_memory_comes_back(request: pyt
     assert refused.startswith("HTTP/1.1 503"), f"one stream beyond --max-watchers is refused: {refused}"
     assert "retry-after" in refused.lower(), refused
     with httpx.Client(base_url=service.url, timeout=10) as client:
-        wait_for(lambda: _watchers(client) == 0, 30, "the gateway's open streams to go back to 0")
+        eventually_sync(lambda: _watchers(client) == 0, "the gateway's open streams to go back to 0", timeout_s=30)
         with client.stream("GET", f"/v1/result/{task_ids[0]}/events") as again:
             assert again.status_code == 200, "a new stream opens once the others have gone"
     rss_after = service.rss_bytes()

@@ -21,8 +21,8 @@ import pytest
 
 from infra.process import ServiceProcess
 from infra.stack import KAFKA_ENV, REDIS_ENV, read_env_file, stack_down, stack_status
-from tests.adversarial.rig import wait_for
 from tests.e2e.harness import launch, stopped_after
+from tests.support.eventually import eventually_sync
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
@@ -102,8 +102,8 @@ def test_stack_up_on_a_half_dead_stack_brings_the_running_deployment_back_with_i
         survivor = "kafka" if victim == "redis" else "redis"
         assert getattr(after, survivor).pid == getattr(before, survivor).pid, f"the live {survivor} was touched"
         assert after.healthy, after
-        wait_for(lambda: ready(url), 60, f"the gateway to be ready again after {victim} came back")
-        wait_for(lambda: answers(url, "after"), 60, "a synchronous request to be answered again")
+        eventually_sync(lambda: ready(url), f"the gateway to be ready again after {victim} came back", timeout_s=60)
+        eventually_sync(lambda: answers(url, "after"), "a synchronous request to be answered again", timeout_s=60)
 
         def completed() -> bool:
             for task_id, text in accepted.items():
@@ -113,5 +113,5 @@ def test_stack_up_on_a_half_dead_stack_brings_the_running_deployment_back_with_i
                 assert state.get("output") == text[::-1], state
             return True
 
-        wait_for(completed, 60, f"the {ACCEPTED} tasks accepted before the crash to complete")
+        eventually_sync(completed, f"the {ACCEPTED} tasks accepted before the crash to complete", timeout_s=60)
         assert {proc.name: proc.pid for proc in cluster.procs if proc.alive()} == pids, "every role ran on"

@@ -13,8 +13,8 @@ import pytest
 import redis
 
 from schemas.wire import Names
-from tests.adversarial.conftest import ServiceFactory
-from tests.adversarial.rig import Service, unharmed, wait_for
+from tests.adversarial.rig import Service, ServiceFactory, unharmed
+from tests.support.eventually import eventually_sync
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,9 @@ def _start(request: pytest.FixtureRequest, mode: str) -> Service:
         service.cluster.worker(index, "--model", "blocked")
     client = redis.Redis.from_url(service.cluster.redis_url)
     credits = Names(service.cluster.namespace).credit_queue("blocked")
-    wait_for(lambda: client.zcard(credits) >= 2, 60, "the blocked model's two workers to offer credits")
+    eventually_sync(
+        lambda: client.zcard(credits) >= 2, "the blocked model's two workers to offer credits", timeout_s=60
+    )
     client.close()
     return service
 
@@ -46,10 +48,10 @@ def _hang_every_worker(url: str) -> None:
     with httpx.Client(base_url=url, timeout=10) as client:
         for n in range(2):
             task_id = client.post("/v1/tasks", json={"input": f"{HANG}-{n}", "model": "blocked"}).json()["task_id"]
-            wait_for(
-                lambda task_id=task_id: client.get(f"/v1/result/{task_id}").json()["status"] == "running",  # type: ignore[misc]
-                30,
+            eventually_sync(
+                lambda task_id=task_id: client.get(f"/v1/result/{task_id}").json()["status"] == "running",
                 f"hanging input {n} to run",
+                timeout_s=30,
             )
 
 
@@ -117,10 +119,10 @@ def test_a_stuck_model_ends_its_requests_on_time_and_hurts_no_other(request: pyt
     assert events and events[-1] == "expired", f"the event stream ends with the expiry, got {events}"
 
     with httpx.Client(base_url=service.url, timeout=10) as client:
-        wait_for(
+        eventually_sync(
             lambda: client.get("/readyz").json().get("models", {}).get("blocked") == "stalled",
-            30,
             "/readyz to name the stalled model",
+            timeout_s=30,
         )
         ready = client.get("/readyz")
         assert ready.status_code == 200, f"one stalled model leaves the gateway ready: {ready.text}"

@@ -20,22 +20,15 @@ from fastapi import FastAPI
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from schemas.records import InferenceRequest, TaskState, TaskStatus
+from tests.support.eventually import eventually
 from transport.memory.bus import MemoryRequestBus, MemoryTaskStore
+from transport.ports import TransportError
 
 MODELS = ("sim", "echo")
 
 
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
-
-
-async def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
-    """Polls ``condition`` until true; fails the test after ``timeout_s`` rather than hanging."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(0.005)
 
 
 class RecordingStore(MemoryTaskStore):
@@ -199,7 +192,7 @@ async def serving(rig: Rig) -> AsyncIterator[httpx.AsyncClient]:
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=None))
     try:
-        await wait_until(lambda: server.started or task.done(), what="uvicorn to start")
+        await eventually(lambda: server.started or task.done(), "uvicorn to start")
         assert server.started, "uvicorn failed to start"
         port = server.servers[0].sockets[0].getsockname()[1]
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
@@ -207,3 +200,18 @@ async def serving(rig: Rig) -> AsyncIterator[httpx.AsyncClient]:
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, 10)
+
+
+class DownProducer:
+    """A request producer whose broker is unreachable: every send fails."""
+
+    async def start(self) -> None: ...
+    async def close(self) -> None: ...
+    async def ready(self) -> bool:
+        return False
+
+    def reachable(self) -> bool:
+        return True  # not known yet: the send finds out
+
+    async def send(self, request: InferenceRequest) -> None:
+        raise TransportError("broker unreachable")

@@ -7,7 +7,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from tests.gateway.rig import RigFactory, error_of, wait_until
+from tests.gateway.rig import RigFactory, error_of
+from tests.support.eventually import eventually
 
 PATHS = ["/v1/inference", "/v1/tasks"]
 JSON = {"content-type": "application/json"}
@@ -172,7 +173,7 @@ async def test_an_integral_float_timeout_is_an_integer(make_rig: RigFactory, pat
     worker = await rig.worker()
     response = await rig.client.post(path, json={"input": "abc", "timeout_ms": 17069.0})
     assert response.status_code in (200, 202), response.text
-    await wait_until(lambda: len(worker.seen) == 1, what="the request to reach the worker")
+    await eventually(lambda: len(worker.seen) == 1, "the request to reach the worker")
     request = worker.seen[0]
     assert request.deadline_ms - request.enqueued_at_ms == 17069
     fraction = await rig.client.post(path, json={"input": "abc", "timeout_ms": 17069.5})

@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from schemas.records import TaskState, TaskStatus
-from tests.gateway.rig import RigFactory, error_of, now_ms, serving, wait_until
+from tests.gateway.rig import RigFactory, error_of, now_ms, serving
+from tests.support.eventually import eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,11 +48,11 @@ async def test_a_cancelled_task_stays_cancelled_whatever_a_worker_writes(make_ri
     worker = await rig.worker(progress=True)
     worker.gate.clear()  # the worker holds the batch it fetched
     task_id = (await rig.client.post("/v1/tasks", json={"input": "abc"})).json()["task_id"]
-    await wait_until(lambda: rig.produced() == 1, what="the request on the bus")
+    await eventually(lambda: rig.produced() == 1, "the request on the bus")
     async with rig.store.watch(task_id) as changes:
         assert (await rig.client.delete(f"/v1/result/{task_id}")).status_code == 200
         worker.gate.set()
-        await wait_until(lambda: len(worker.seen) == 1, what="the worker to reach the request")
+        await eventually(lambda: len(worker.seen) == 1, "the worker to reach the request")
         seen = await _states_until(changes, TaskStatus.CANCELLED)
         with pytest.raises(TimeoutError):  # every later update of the worker is refused
             async with asyncio.timeout(0.3):
@@ -93,7 +94,7 @@ async def test_delete_of_an_unknown_or_malformed_id(make_rig: RigFactory) -> Non
 async def test_a_synchronous_caller_whose_task_is_cancelled_gets_409(make_rig: RigFactory) -> None:
     rig = await make_rig()  # no worker
     caller = asyncio.create_task(rig.client.post("/v1/inference", json={"input": "wait for me"}))
-    await wait_until(lambda: rig.gateway.waiting == 1, what="the caller to wait")
+    await eventually(lambda: rig.gateway.waiting == 1, "the caller to wait")
     request = rig.only_request()
     task_id = request.task_id
     assert rig.store.created == [], "a synchronous request's task is first stored by the batcher"
@@ -125,14 +126,14 @@ async def test_a_synchronous_caller_who_hangs_up_has_its_task_cancelled(make_rig
         _, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(_raw_post("/v1/inference", {"input": "hang up on me"}))
         await writer.drain()
-        await wait_until(lambda: rig.gateway.watched == 1, what="the caller's connection to be watched")
+        await eventually(lambda: rig.gateway.watched == 1, "the caller's connection to be watched")
         task_id = rig.only_request().task_id
         async with rig.store.watch(task_id) as changes:
             writer.close()
             await writer.wait_closed()
             seen = await _states_until(changes, TaskStatus.CANCELLED)
         assert seen[-1].error_code == "client_disconnected", seen[-1]
-        await wait_until(lambda: rig.gateway.waiting == 0 and rig.gateway.inflight == 0, what="the caller to go")
+        await eventually(lambda: rig.gateway.waiting == 0 and rig.gateway.inflight == 0, "the caller to go")
         assert (await client.get(f"/v1/result/{task_id}")).json()["status"] == "cancelled"
 
 
@@ -144,7 +145,7 @@ async def test_a_caller_with_an_idempotency_key_who_hangs_up_keeps_its_task(make
         _, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(_raw_post("/v1/inference", {"input": "retry me"}, {"Idempotency-Key": "k-hang-up"}))
         await writer.drain()
-        await wait_until(lambda: rig.gateway.waiting == 1, what="the caller to wait")
+        await eventually(lambda: rig.gateway.waiting == 1, "the caller to wait")
         task_id = rig.store.created[-1].task_id
         writer.close()
         await writer.wait_closed()
@@ -164,9 +165,9 @@ async def test_a_caller_answered_in_time_is_not_cancelled(make_rig: RigFactory) 
     worker.gate.clear()
     async with serving(rig) as client:
         pending = asyncio.create_task(client.post("/v1/inference", json={"input": "slow"}))
-        await wait_until(lambda: rig.gateway.watched == 1, what="the caller's connection to be watched")
+        await eventually(lambda: rig.gateway.watched == 1, "the caller's connection to be watched")
         worker.gate.set()
         response = await asyncio.wait_for(pending, 10)
     assert response.status_code == 200, response.text
     assert response.json()["output"] == "wols"
-    await wait_until(lambda: rig.gateway.watched == 0, what="the watch to end once the answer was sent")
+    await eventually(lambda: rig.gateway.watched == 0, "the watch to end once the answer was sent")

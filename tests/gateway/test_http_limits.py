@@ -21,7 +21,7 @@ from uvicorn.server import ServerState
 
 from gateway.http_limits import FD_RESERVE, LimitedHttpToolsProtocol, connection_cap, limited_http_protocol
 from gateway.settings import GatewaySettings
-from tests.gateway.rig import wait_until
+from tests.support.eventually import eventually
 
 LIMIT = 1024
 HEADER_TIMEOUT_S = 10.0
@@ -216,7 +216,7 @@ def error_code_of(written: bytes) -> str:
 
 
 async def answered(transport: Transport, count: int = 1) -> None:
-    await wait_until(lambda: transport.written.count(b"HTTP/1.1 ") >= count, 5, f"{count} answer(s)")
+    await eventually(lambda: transport.written.count(b"HTTP/1.1 ") >= count, f"{count} answer(s)", timeout_s=5)
 
 
 async def settle() -> None:
@@ -380,7 +380,7 @@ async def test_a_body_that_does_not_come_gets_408_at_the_body_timeout(shape: str
     assert status_of(transport.written) == 408, transport.written
     assert error_code_of(transport.written) == "request_timeout"
     assert b"BATCHWIRE_BODY_TIMEOUT_S" in transport.written
-    await wait_until(lambda: edge.app.disconnected == ["/b"], 5, "the app to see the client gone")
+    await eventually(lambda: edge.app.disconnected == ["/b"], "the app to see the client gone", timeout_s=5)
     assert transport.written.count(b"HTTP/1.1 ") == 1, "the app's own answer must not follow the 408"
 
 

@@ -12,7 +12,8 @@ import pytest
 from gateway import idempotency
 from schemas.records import TaskStatus
 from schemas.wire import IDEMPOTENCY_HEADER, Names
-from tests.gateway.rig import MODELS, RigFactory, error_of, wait_until
+from tests.gateway.rig import MODELS, DownProducer, RigFactory, error_of
+from tests.support.eventually import eventually
 from transport.memory.bus import MemoryRequestBus
 from transport.redis.store import RedisTaskStore
 from transport.routing import Partitioner
@@ -44,12 +45,12 @@ async def test_a_retry_while_the_first_still_waits_waits_for_the_same_task(make_
     worker = await rig.worker()
     worker.gate.clear()
     first = asyncio.create_task(rig.client.post("/v1/inference", json={"input": "slow"}, headers=_key("k-2")))
-    await wait_until(lambda: rig.produced() == 1, what="the first request on the bus")
+    await eventually(lambda: rig.produced() == 1, "the first request on the bus")
     retries = [
         asyncio.create_task(rig.client.post("/v1/inference", json={"input": "slow"}, headers=_key("k-2")))
         for _ in range(5)
     ]
-    await wait_until(lambda: rig.gateway.inflight == 6, what="the retries to wait")
+    await eventually(lambda: rig.gateway.inflight == 6, "the retries to wait")
     worker.gate.set()
     answers = [await asyncio.wait_for(task, 10) for task in (first, *retries)]
 
@@ -122,8 +123,6 @@ async def test_a_bad_body_with_a_key_does_not_claim_it(make_rig: RigFactory) -> 
 
 
 async def test_a_key_whose_request_never_reached_the_bus_is_released(make_rig: RigFactory) -> None:
-    from tests.gateway.test_inference import DownProducer
-
     rig = await make_rig(producer=DownProducer())
     first = await rig.client.post("/v1/tasks", json={"input": "x"}, headers=_key("k-6"))
     assert first.status_code == 503
@@ -241,7 +240,7 @@ async def test_racing_retries_of_an_expired_task_share_one_new_task(
         asyncio.create_task(rig.client.post("/v1/inference", json={"input": "race"}, headers=_key("k-race")))
         for _ in range(10)
     ]
-    await wait_until(lambda: rig.gateway.inflight == 10, what="the retries to wait")
+    await eventually(lambda: rig.gateway.inflight == 10, "the retries to wait")
     worker.gate.set()
     answers = [await asyncio.wait_for(task, 10) for task in retries]
 
@@ -261,7 +260,7 @@ async def test_a_retry_waiting_on_a_task_that_expires_starts_its_own_within_its_
     retry = asyncio.create_task(
         rig.client.post("/v1/inference", json={"input": "patient", "timeout_ms": 10_000}, headers=_key("k-wait"))
     )
-    await wait_until(lambda: rig.gateway.inflight == 1, what="the retry to wait for the first task")
+    await eventually(lambda: rig.gateway.inflight == 1, "the retry to wait for the first task")
     await _end(rig.store, first_id, TaskStatus.EXPIRED, "deadline_exceeded")
     await rig.worker()
 
@@ -300,11 +299,11 @@ async def test_a_retry_at_another_gateway_gets_the_first_task(
     first = asyncio.create_task(
         first_gateway.client.post("/v1/inference", json={"input": "shared"}, headers=_key("k-redis"))
     )
-    await wait_until(lambda: first_gateway.produced() == 1, what="the first request on the bus")
+    await eventually(lambda: first_gateway.produced() == 1, "the first request on the bus")
     retry = asyncio.create_task(
         second_gateway.client.post("/v1/inference", json={"input": "shared"}, headers=_key("k-redis"))
     )
-    await wait_until(lambda: second_gateway.gateway.inflight == 1, what="the retry to wait")
+    await eventually(lambda: second_gateway.gateway.inflight == 1, "the retry to wait")
     worker.gate.set()
     answers = [await asyncio.wait_for(task, 20) for task in (first, retry)]
 

@@ -6,8 +6,8 @@ import asyncio
 import time
 
 from schemas.records import InferenceRequest, TaskState
-from tests.gateway.rig import RecordingStore, RigFactory, error_of, wait_until
-from transport.ports import TransportError
+from tests.gateway.rig import DownProducer, RecordingStore, RigFactory, error_of
+from tests.support.eventually import eventually
 
 
 async def test_each_caller_gets_the_reversal_of_its_own_input(make_rig: RigFactory) -> None:
@@ -75,7 +75,7 @@ async def test_beyond_max_inflight_is_503_with_retry_after(make_rig: RigFactory)
     worker = await rig.worker()
     worker.gate.clear()  # hold the first request
     first = asyncio.create_task(rig.client.post("/v1/inference", json={"input": "first"}))
-    await wait_until(lambda: rig.gateway.inflight == 1, what="the first request to be held")
+    await eventually(lambda: rig.gateway.inflight == 1, "the first request to be held")
     second = await rig.client.post("/v1/inference", json={"input": "second"})
     third = await rig.client.post("/v1/tasks", json={"input": "third"})
     worker.gate.set()
@@ -85,19 +85,6 @@ async def test_beyond_max_inflight_is_503_with_retry_after(make_rig: RigFactory)
         assert error_of(refused)["code"] == "overloaded"
         assert refused.headers["retry-after"] == "3"
     assert [r.input for r in worker.seen] == ["first"], "a refused request must not be produced"
-
-
-class DownProducer:
-    async def start(self) -> None: ...
-    async def close(self) -> None: ...
-    async def ready(self) -> bool:
-        return False
-
-    def reachable(self) -> bool:
-        return True  # not known yet: the send finds out
-
-    async def send(self, request: InferenceRequest) -> None:
-        raise TransportError("broker unreachable")
 
 
 async def test_a_down_bus_is_503_unavailable_and_the_task_is_marked_failed(make_rig: RigFactory) -> None:

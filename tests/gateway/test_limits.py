@@ -11,7 +11,9 @@ import pytest
 
 from gateway.auth import digest_of
 from schemas.wire import Names
-from tests.gateway.rig import MODELS, RigFactory, error_of, wait_until
+from tests.gateway.rig import MODELS, RigFactory, error_of
+from tests.support.eventually import eventually
+from tests.support.transport_kits import ensure_topics
 from transport.kafka.lag import KafkaQueueDepth
 from transport.kafka.producers import KafkaRequestProducer
 from transport.memory.bus import MemoryRateLimiter
@@ -49,7 +51,7 @@ async def test_the_queue_limit_lifts_as_workers_take_requests(make_rig: RigFacto
         await rig.client.post("/v1/tasks", json={"input": f"t{index}"})
     assert (await rig.client.post("/v1/tasks", json={"input": "refused"})).status_code == 503
     await rig.worker()  # commits what it answers: the queue drains
-    await wait_until(lambda: rig.bus.lag() == 0, what="the worker to drain the queue")
+    await eventually(lambda: rig.bus.lag() == 0, "the worker to drain the queue")
     answer = await rig.client.post("/v1/inference", json={"input": "room again"})
     assert answer.status_code == 200, answer.text
 
@@ -62,8 +64,6 @@ async def test_max_queue_depth_zero_turns_the_check_off(make_rig: RigFactory) ->
 
 @pytest.mark.kafka
 async def test_queue_depth_from_the_real_request_topic(make_rig: RigFactory, names: Names, infra: Any) -> None:
-    from tests.contract.conftest import ensure_topics
-
     partitions = 4
     await ensure_topics(infra.kafka_bootstrap, {names.request_topic: partitions})
     producer = KafkaRequestProducer(infra.kafka_bootstrap, names, Partitioner(MODELS, partitions))

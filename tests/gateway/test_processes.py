@@ -12,7 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.harness import Cluster, wait_until
+from tests.e2e.harness import Cluster
+from tests.support.eventually import eventually_sync
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(180)]
 
@@ -79,7 +80,7 @@ def test_limits_and_keys_hold_across_gateway_processes(gateways: Cluster) -> Non
 
     # The third request in the deployment (no batcher takes any) fills max_queue_depth = 3.
     assert submit(second, KEYS[1]).status_code == 202
-    wait_until(lambda: _lag(first) >= 3 and _lag(second) >= 3, 30, "both gateways to see a lag of 3")
+    eventually_sync(lambda: _lag(first) >= 3 and _lag(second) >= 3, "both gateways to see a lag of 3", timeout_s=30)
     full = submit(first, KEYS[1])  # KEYS[1] has a token left: the refusal is the queue's
     assert full.status_code == 503, full.text
     assert full.json()["error"]["code"] == "overloaded"

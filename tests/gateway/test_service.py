@@ -15,7 +15,8 @@ from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from gateway.waiters import ReplyWaiters
 from schemas.records import InferenceRequest, TaskState, TaskStatus
-from tests.gateway.rig import FakeWorker, now_ms, statuses, wait_until
+from tests.gateway.rig import FakeWorker, now_ms, statuses
+from tests.support.eventually import eventually
 from transport.memory.bus import MemoryRequestBus, MemoryTaskStore
 from transport.ports import TransportError
 from transport.routing import Partitioner
@@ -122,7 +123,7 @@ async def test_close_wakes_waiting_callers_with_not_ready() -> None:
     gateway = Gateway(_settings(), bus.producer(), store)
     await gateway.start()
     caller = asyncio.create_task(gateway.submit("nobody answers", None, 30_000, True))
-    await wait_until(lambda: gateway.waiting == 1, what="the caller to wait")
+    await eventually(lambda: gateway.waiting == 1, "the caller to wait")
     await gateway.close()
     with pytest.raises(NotReady):
         await asyncio.wait_for(caller, 10)
@@ -156,7 +157,7 @@ async def test_dead_sweeper_is_logged_and_turns_readiness_red(caplog: pytest.Log
     caller = asyncio.create_task(gateway.submit("x", None, 30_000, True))
     try:
         assert (await gateway.ready())["gateway"] is True
-        await wait_until(lambda: "reply-sweeper" in caplog.text, what="the sweeper's death to be logged")
+        await eventually(lambda: "reply-sweeper" in caplog.text, "the sweeper's death to be logged")
         assert (await gateway.ready())["gateway"] is False
     finally:
         await gateway.close()

@@ -15,7 +15,8 @@ from httpx_sse import ServerSentEvent, aconnect_sse
 
 from gateway.events import EventStream, StreamsEnd, TaskEvents
 from schemas.records import TaskState, TaskStatus
-from tests.gateway.rig import RecordingStore, RigFactory, error_of, serving, wait_until
+from tests.gateway.rig import RecordingStore, RigFactory, error_of, serving
+from tests.support.eventually import eventually
 from transport.ports import TransportError
 
 
@@ -80,7 +81,7 @@ async def test_a_client_that_leaves_ends_its_stream(make_rig: RigFactory) -> Non
             first = await anext(source.aiter_sse())
             assert first.event == "queued"
             assert rig.gateway.watchers == 1
-        await wait_until(lambda: rig.gateway.watchers == 0, what="the server to stop the abandoned stream")
+        await eventually(lambda: rig.gateway.watchers == 0, "the server to stop the abandoned stream")
 
 
 async def test_pings_keep_an_idle_stream_alive(make_rig: RigFactory) -> None:
@@ -131,7 +132,7 @@ async def test_a_closed_stream_leaves_no_reference_cycles(make_rig: RigFactory) 
             for task_id in ids:
                 async with aconnect_sse(client, "GET", f"/v1/result/{task_id}/events") as source:
                     assert (await anext(source.aiter_sse())).event == "queued"
-            await wait_until(lambda: rig.gateway.watchers == 0, what="the streams to end")
+            await eventually(lambda: rig.gateway.watchers == 0, "the streams to end")
             gc.collect()
             cyclic = Counter(type(obj).__name__ for obj in gc.garbage)
         finally:
@@ -176,7 +177,7 @@ async def test_a_server_shutdown_ends_every_stream_and_tells_the_client() -> Non
     stream = asyncio.create_task(
         EventStream(endless(closed), ping_s=60, end=end)({"method": "GET"}, sent.receive, sent.send)
     )
-    await wait_until(lambda: b"event: queued" in sent.body, what="the first event")
+    await eventually(lambda: b"event: queued" in sent.body, "the first event")
     end.end()  # as the server's signal handler does
     await asyncio.wait_for(stream, 5)
     assert sent.messages[-1] == {"type": "http.response.body", "body": b""}, "the stream is ended, not cut"
@@ -187,7 +188,7 @@ async def test_a_client_that_leaves_gets_nothing_more_and_its_events_are_closed(
     closed: list[bool] = []
     sent = Sent()
     stream = asyncio.create_task(EventStream(endless(closed), ping_s=60)({"method": "GET"}, sent.receive, sent.send))
-    await wait_until(lambda: b"event: queued" in sent.body, what="the first event")
+    await eventually(lambda: b"event: queued" in sent.body, "the first event")
     sent.left.set()
     await asyncio.wait_for(stream, 5)
     assert sent.messages[-1]["type"] == "http.response.body" and sent.messages[-1].get("more_body") is True
@@ -246,7 +247,7 @@ async def test_a_stream_ends_even_when_a_cancellation_is_lost_below_it() -> None
     events = LosesACancellation()
     sent = Sent()
     stream = asyncio.create_task(EventStream(events, ping_s=60)({"method": "GET"}, sent.receive, sent.send))
-    await wait_until(lambda: b"event: queued" in sent.body, what="the first event")
+    await eventually(lambda: b"event: queued" in sent.body, "the first event")
     sent.left.set()
     await asyncio.wait_for(stream, 5)
     assert events.closed

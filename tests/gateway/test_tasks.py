@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from tests.gateway.rig import RigFactory, error_of, wait_until
+from tests.gateway.rig import RigFactory, error_of
+from tests.support.eventually import eventually
 
 
 async def test_submit_answers_202_with_where_to_look(make_rig: RigFactory) -> None:
@@ -44,7 +45,7 @@ async def test_long_poll_wakes_on_completion_well_before_the_wait(make_rig: RigF
     task_id = (await rig.client.post("/v1/tasks", json={"input": "wake me"})).json()["task_id"]
     started = time.monotonic()
     poll = asyncio.create_task(rig.client.get(f"/v1/result/{task_id}", params={"wait": 30}))
-    await wait_until(lambda: rig.gateway.watchers == 1, what="the long-poll to be waiting")
+    await eventually(lambda: rig.gateway.watchers == 1, "the long-poll to be waiting")
     assert not poll.done(), "a long-poll must wait while the task is queued"
     worker.gate.set()
     response = await asyncio.wait_for(poll, 10)
@@ -106,7 +107,7 @@ async def test_beyond_max_watchers_is_503_overloaded(make_rig: RigFactory) -> No
     rig = await make_rig(max_watchers=1)
     task_id = (await rig.client.post("/v1/tasks", json={"input": "x"})).json()["task_id"]
     first = asyncio.create_task(rig.client.get(f"/v1/result/{task_id}", params={"wait": 30}))
-    await wait_until(lambda: rig.gateway.watchers == 1, what="the first long-poll to wait")
+    await eventually(lambda: rig.gateway.watchers == 1, "the first long-poll to wait")
     second = await rig.client.get(f"/v1/result/{task_id}", params={"wait": 30})
     stream = await rig.client.get(f"/v1/result/{task_id}/events")
     plain = await rig.client.get(f"/v1/result/{task_id}")
