@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from tests.adversarial.rig import Service, ServiceFactory
-from tests.e2e.harness import Cluster, embedded, launch
+from tests.support.adversarial_rig import Service, ServiceFactory
+from tests.support.processes import Cluster, embedded, launch
 
 
 @pytest.fixture

@@ -15,9 +15,9 @@ import httpx
 import pytest
 
 from infra.local_stack import LocalStack
-from tests.adversarial.rig import Service
-from tests.e2e.harness import launch, stopped_after
+from tests.support.adversarial_rig import Service
 from tests.support.eventually import eventually_sync
+from tests.support.processes import launch, stopped_after
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.adversarial.rig import Service, ServiceFactory
+from tests.support.adversarial_rig import Service, ServiceFactory
 from tests.support.eventually import eventually_sync
 
 pytestmark = pytest.mark.timeout(180)

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.adversarial.rig import RSS_GROWTH_BYTES, Service, ServiceFactory, unharmed
+from tests.support.adversarial_rig import RSS_GROWTH_BYTES, Service, ServiceFactory, unharmed
 from tests.support.eventually import eventually_sync
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

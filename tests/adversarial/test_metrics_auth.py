@@ -7,7 +7,7 @@ from pathlib import Path
 import httpx
 
 from gateway.auth import digest_of
-from tests.adversarial.rig import ServiceFactory
+from tests.support.adversarial_rig import ServiceFactory
 
 TENANT_KEY = "tenant-key-0123456789abcdef"
 OTHER_TENANT_KEY = "other-tenant-0123456789abcdef"

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from tests.adversarial.rig import Service, ServiceFactory, unharmed
+from tests.support.adversarial_rig import Service, ServiceFactory, unharmed
 from tests.support.eventually import eventually_sync
 
 pytestmark = pytest.mark.slow

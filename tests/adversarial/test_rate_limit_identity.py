@@ -13,7 +13,7 @@ import uuid
 
 import httpx
 
-from tests.adversarial.rig import Service, ServiceFactory, unharmed
+from tests.support.adversarial_rig import Service, ServiceFactory, unharmed
 
 RATE_PER_S = 3.0
 BURST = 3

@@ -21,8 +21,8 @@ import redis
 from infra.redis_server import RedisServer
 from schemas.records import Credit, TaskState, TaskStatus
 from schemas.wire import Names
-from tests.e2e.harness import Cluster, launch, stopped_after
 from tests.support.eventually import eventually_sync
+from tests.support.processes import Cluster, launch, stopped_after
 from transport.errors import StoreFullError
 from transport.redis.deliveries import RedisDeliveryLog
 from transport.redis.store import RedisCreditPool, RedisTaskStore

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.adversarial.rig import Service, ServiceFactory, unharmed
+from tests.support.adversarial_rig import Service, ServiceFactory, unharmed
 
 pytestmark = pytest.mark.slow
 

@@ -21,8 +21,8 @@ import pytest
 
 from infra.process import ServiceProcess
 from infra.stack import KAFKA_ENV, REDIS_ENV, read_env_file, stack_down, stack_status
-from tests.e2e.harness import launch, stopped_after
 from tests.support.eventually import eventually_sync
+from tests.support.processes import launch, stopped_after
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 

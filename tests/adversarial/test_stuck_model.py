@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from schemas.wire import Names
-from tests.adversarial.rig import Service, ServiceFactory, unharmed
+from tests.support.adversarial_rig import Service, ServiceFactory, unharmed
 from tests.support.eventually import eventually_sync
 
 pytestmark = pytest.mark.slow

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.harness import Cluster, Proc, embedded, launch, stopped_after
 from tests.support.e2e_system import System
+from tests.support.processes import Cluster, Proc, embedded, launch, stopped_after
 
 
 def start_cluster(base: Path, infra: Any) -> Cluster:

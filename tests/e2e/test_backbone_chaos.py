@@ -43,8 +43,8 @@ from infra.process import ServiceProcess
 from infra.redis_sentinel import MASTER_NAME, sentinel_primary
 from infra.stack import ENV_FILE_NAME, KAFKA_ENV, REDIS_ENV, read_env_file
 from schemas.wire import Names
-from tests.e2e.harness import Cluster, launch, stopped_after
 from tests.support.eventually import eventually_sync
+from tests.support.processes import Cluster, launch, stopped_after
 from tests.support.stack_cli import stack_cli as _cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(480)]

@@ -24,9 +24,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.e2e.harness import Cluster, TerminalEvents, launch, respawn, stopped_after, task_states
 from tests.support.cluster_checks import proc_named
 from tests.support.eventually import eventually_sync
+from tests.support.processes import Cluster, TerminalEvents, launch, respawn, stopped_after, task_states
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 

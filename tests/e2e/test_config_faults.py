@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.harness import Cluster
+from tests.support.processes import Cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 

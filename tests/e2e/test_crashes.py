@@ -15,14 +15,6 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.harness import (
-    Cluster,
-    Restarter,
-    TerminalEvents,
-    launch,
-    metric,
-    task_states,
-)
 from tests.support.cluster_checks import (
     proc_named,
     running,
@@ -31,6 +23,14 @@ from tests.support.cluster_checks import (
 )
 from tests.support.eventually import eventually_sync
 from tests.support.http_calls import assert_answered, collect_events, post_all, post_stream
+from tests.support.processes import (
+    Cluster,
+    Restarter,
+    TerminalEvents,
+    launch,
+    metric,
+    task_states,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 

@@ -28,8 +28,8 @@ import redis
 
 from infra.stack import ENV_FILE_NAME, KAFKA_ENV, REDIS_ENV, read_env_file
 from schemas.wire import Names
-from tests.e2e.harness import Cluster
 from tests.support.eventually import eventually_sync
+from tests.support.processes import Cluster
 from tests.support.stack_cli import stack_cli as _stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(120)]

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from infra.local_stack import LocalStack
-from tests.e2e.harness import Cluster, launch, stopped_after
+from tests.support.processes import Cluster, launch, stopped_after
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 

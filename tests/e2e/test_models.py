@@ -20,9 +20,9 @@ import redis
 from gpu_worker.backends.hf import HFBackend
 from gpu_worker.backends.tiny import build_tiny_causal_lm
 from schemas.wire import Names
-from tests.e2e.harness import Cluster
 from tests.support.eventually import eventually_sync
 from tests.support.http_calls import collect_events
+from tests.support.processes import Cluster
 
 pytestmark = pytest.mark.slow
 

@@ -36,8 +36,8 @@ from infra.stack import ENV_FILE_NAME, KAFKA_ENV, REDIS_ENV, read_env_file
 from schemas.codec import decode_batch
 from schemas.records import Batch
 from schemas.wire import Names
-from tests.e2e.harness import TerminalEvents, launch, stopped_after, task_states
 from tests.support.eventually import eventually_sync
+from tests.support.processes import TerminalEvents, launch, stopped_after, task_states
 from tests.support.stack_cli import stack_cli as _cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(300)]

@@ -37,8 +37,8 @@ from infra.stack import ENV_FILE_NAME, KAFKA_ENV, REDIS_ENV, read_env_file
 from schemas.codec import decode_state
 from schemas.records import TaskStatus
 from schemas.wire import Names
-from tests.e2e.harness import Cluster, free_port, launch, metric, respawn, stopped_after
 from tests.support.eventually import eventually_sync
+from tests.support.processes import Cluster, free_port, launch, metric, respawn, stopped_after
 from tests.support.stack_cli import stack_cli as _cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(180)]

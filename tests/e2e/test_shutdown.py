@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.harness import Cluster, Proc, TerminalEvents, launch, metric, task_states
 from tests.support.cluster_checks import (
     logged,
     proc_named,
@@ -21,6 +20,7 @@ from tests.support.cluster_checks import (
 )
 from tests.support.eventually import eventually_sync
 from tests.support.http_calls import assert_answered, post_all, post_stream
+from tests.support.processes import Cluster, Proc, TerminalEvents, launch, metric, task_states
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 

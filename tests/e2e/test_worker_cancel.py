@@ -10,9 +10,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.harness import Cluster, launch, stopped_after, task_states
 from tests.support.cluster_checks import logged
 from tests.support.eventually import eventually_sync
+from tests.support.processes import Cluster, launch, stopped_after, task_states
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 

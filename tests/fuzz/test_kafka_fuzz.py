@@ -32,8 +32,8 @@ from schemas.codec import (
 from schemas.deadletter import DeadLetter, DeadLetterItem, encode_dead_letter
 from schemas.records import Batch, BatchItem, Credit, InferenceRequest, TaskState, TaskStatus
 from schemas.wire import Names
-from tests.e2e.harness import Cluster, launch, stopped_after
 from tests.fuzz.avro_wire import varint
+from tests.support.processes import Cluster, launch, stopped_after
 from transport.kafka.lag import KafkaQueueDepth
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(120)]

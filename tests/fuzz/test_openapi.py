@@ -39,7 +39,7 @@ from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from schemas.records import TaskStatus
 from schemas.wire import IDEMPOTENCY_HEADER
-from tests.e2e.harness import Proc, embedded
+from tests.support.processes import Proc, embedded
 from transport.memory.bus import MemoryRequestBus, MemoryTaskStore
 from transport.routing import Partitioner
 

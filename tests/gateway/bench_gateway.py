@@ -25,7 +25,7 @@ from typing import Any
 from gateway.app import create_app
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
-from tests.gateway.rig import FakeWorker, StubLifecycle
+from tests.support.gateway_rig import FakeWorker, StubLifecycle
 from transport.memory.bus import MemoryRequestBus, MemoryTaskStore
 from transport.routing import Partitioner
 

@@ -11,7 +11,7 @@ import pytest
 from gateway.app import create_app
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
-from tests.gateway.rig import MODELS, RecordingStore, Rig, RigFactory, StubLifecycle
+from tests.support.gateway_rig import MODELS, RecordingStore, Rig, RigFactory, StubLifecycle
 from transport.memory.bus import MemoryQueueDepth, MemoryRequestBus
 from transport.routing import Partitioner
 

@@ -13,7 +13,7 @@ from gateway.auth import ApiKeys, KeyHolder, LoadedKeys, digest_of, load_api_key
 from gateway.settings import GatewaySettings
 from schemas.records import TaskStatus
 from schemas.wire import Names
-from tests.gateway.rig import RigFactory, error_of
+from tests.support.gateway_rig import RigFactory, error_of
 from transport.redis.store import RedisTaskStore
 
 pytestmark = pytest.mark.timeout(60)

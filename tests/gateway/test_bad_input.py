@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from tests.gateway.rig import RigFactory, error_of
 from tests.support.eventually import eventually
+from tests.support.gateway_rig import RigFactory, error_of
 
 PATHS = ["/v1/inference", "/v1/tasks"]
 JSON = {"content-type": "application/json"}

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from schemas.records import TaskState, TaskStatus
-from tests.gateway.rig import RigFactory, error_of, now_ms, serving
 from tests.support.eventually import eventually
+from tests.support.gateway_rig import RigFactory, error_of, now_ms, serving
 
 pytestmark = pytest.mark.timeout(60)
 

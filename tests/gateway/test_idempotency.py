@@ -12,8 +12,8 @@ import pytest
 from gateway import idempotency
 from schemas.records import TaskStatus
 from schemas.wire import IDEMPOTENCY_HEADER, Names
-from tests.gateway.rig import MODELS, DownProducer, RigFactory, error_of
 from tests.support.eventually import eventually
+from tests.support.gateway_rig import MODELS, DownProducer, RigFactory, error_of
 from transport.memory.bus import MemoryRequestBus
 from transport.redis.store import RedisTaskStore
 from transport.routing import Partitioner

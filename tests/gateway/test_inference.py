@@ -6,8 +6,8 @@ import asyncio
 import time
 
 from schemas.records import InferenceRequest, TaskState
-from tests.gateway.rig import DownProducer, RecordingStore, RigFactory, error_of
 from tests.support.eventually import eventually
+from tests.support.gateway_rig import DownProducer, RecordingStore, RigFactory, error_of
 
 
 async def test_each_caller_gets_the_reversal_of_its_own_input(make_rig: RigFactory) -> None:

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from tests.gateway.rig import RigFactory, error_of, serving
+from tests.support.gateway_rig import RigFactory, error_of, serving
 
 
 @pytest.mark.parametrize("path", ["/healthz", "/readyz", "/metrics", "/openapi.json", "/docs"])

@@ -11,8 +11,8 @@ import pytest
 
 from gateway.auth import digest_of
 from schemas.wire import Names
-from tests.gateway.rig import MODELS, RigFactory, error_of
 from tests.support.eventually import eventually
+from tests.support.gateway_rig import MODELS, RigFactory, error_of
 from tests.support.transport_kits import ensure_topics
 from transport.kafka.lag import KafkaQueueDepth
 from transport.kafka.producers import KafkaRequestProducer

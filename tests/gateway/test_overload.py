@@ -26,7 +26,7 @@ import psutil
 import pytest
 import uvloop
 
-from tests.e2e.harness import embedded
+from tests.support.processes import embedded
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.harness import Cluster
 from tests.support.eventually import eventually_sync
+from tests.support.processes import Cluster
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(180)]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.health import Down, redis_readiness
-from tests.gateway.rig import RigFactory, error_of
+from tests.support.gateway_rig import RigFactory, error_of
 
 
 async def test_readyz_says_which_part_is_failing_over_and_why(make_rig: RigFactory) -> None:

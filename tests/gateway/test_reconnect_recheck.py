@@ -8,7 +8,7 @@ from collections.abc import Callable
 from gateway.reconnect_recheck import ReconnectRecheck
 from gateway.waiters import ReplyWaiters
 from schemas.records import TaskState, TaskStatus
-from tests.gateway.rig import now_ms
+from tests.support.gateway_rig import now_ms
 from transport.memory.bus import MemoryTaskStore
 
 

@@ -15,23 +15,12 @@ from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from gateway.waiters import ReplyWaiters
 from schemas.records import InferenceRequest, TaskState, TaskStatus
-from tests.gateway.rig import FakeWorker, now_ms, statuses
 from tests.support.eventually import eventually
+from tests.support.fake_clock import FixedClock
+from tests.support.gateway_rig import FakeWorker, now_ms, statuses
 from transport.memory.bus import MemoryRequestBus, MemoryTaskStore
 from transport.ports import TransportError
 from transport.routing import Partitioner
-
-
-class FixedClock:
-    def __init__(self) -> None:
-        self.wall = 1_700_000_000_000
-        self.mono = 100.0
-
-    def monotonic(self) -> float:
-        return self.mono
-
-    def wall_ms(self) -> int:
-        return self.wall
 
 
 class InstantProducer:

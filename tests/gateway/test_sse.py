@@ -15,8 +15,8 @@ from httpx_sse import ServerSentEvent, aconnect_sse
 
 from gateway.events import EventStream, StreamsEnd, TaskEvents
 from schemas.records import TaskState, TaskStatus
-from tests.gateway.rig import RecordingStore, RigFactory, error_of, serving
 from tests.support.eventually import eventually
+from tests.support.gateway_rig import RecordingStore, RigFactory, error_of, serving
 from transport.ports import TransportError
 
 

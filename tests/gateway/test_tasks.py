@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from tests.gateway.rig import RigFactory, error_of
 from tests.support.eventually import eventually
+from tests.support.gateway_rig import RigFactory, error_of
 
 
 async def test_submit_answers_202_with_where_to_look(make_rig: RigFactory) -> None:

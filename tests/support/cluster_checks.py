@@ -11,8 +11,8 @@ import redis
 
 from schemas.codec import decode_state
 from schemas.records import TaskStatus
-from tests.e2e.harness import Cluster, Proc, TerminalEvents, free_port, launch, task_states
 from tests.support.eventually import eventually_sync
+from tests.support.processes import Cluster, Proc, TerminalEvents, free_port, launch, task_states
 
 
 def running(cluster: Cluster) -> dict[str, str]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.e2e.harness import Cluster
+from tests.support.processes import Cluster
 
 
 @dataclass

@@ -24,8 +24,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from tests.e2e.harness import Cluster, Proc
 from tests.support.eventually import eventually_sync
+from tests.support.processes import Cluster, Proc
 
 P99_SLACK_MS = 20.0
 RSS_GROWTH_BYTES = 50 * 1024 * 1024
@@ -114,7 +114,7 @@ class ProbeStats:
 class Probe:
     """A normal client: synchronous submits at a steady rate, each checked against its own input.
 
-    It runs in a process of its own (``python -m tests.adversarial.rig``), so that neither the
+    It runs in a process of its own (``python -m tests.support.adversarial_rig``), so that neither the
     attacker's Python code nor the test's threads share its interpreter lock: its latencies are the
     service's. At the default 10 requests/s with two 100 ms sim workers every request finds an idle
     worker, so an attack's harm shows in full. The test's side samples the service's RSS and open
@@ -134,7 +134,7 @@ class Probe:
 
     @contextmanager
     def running(self) -> Iterator[Probe]:
-        args = [sys.executable, "-m", "tests.adversarial.rig", self.service.url, str(self.rate_per_s)]
+        args = [sys.executable, "-m", "tests.support.adversarial_rig", self.service.url, str(self.rate_per_s)]
         args += [str(self.timeout_s), self.model or ""]
         child = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         reader = threading.Thread(target=self._read, args=(child,), name="probe-reader", daemon=True)
