@@ -79,9 +79,12 @@ class MeasuredRun:
         """The backend's latency for a batch of one."""
         return self.backend_curve().latency_ms(1)
 
-    def lone_overhead_ms(self) -> float | None:
-        """The lone-request probe's p50 less the backend latency: the path's own cost per request."""
-        return None if self.lone_p50_ms is None else max(0.0, self.lone_p50_ms - self.lone_call_ms())
+    def lone_overhead_ms(self, policy_wait_ms: float = 0.0) -> float | None:
+        """The lone-request probe's p50 less the backend latency and the policy's wait for a lone
+        request (``policy_wait_ms``, which the simulation adds itself): the path's own cost."""
+        if self.lone_p50_ms is None:
+            return None
+        return max(0.0, self.lone_p50_ms - self.lone_call_ms() - policy_wait_ms)
 
     def light(self) -> bool:
         """Whether its lowest rate is light enough that its fastest answer met an idle worker."""

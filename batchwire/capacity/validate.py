@@ -86,6 +86,14 @@ def sim_config(run: MeasuredRun, overhead_ms: float) -> SimConfig:
     return SimConfig(curve, run.workers, policy, batchers=run.batchers, overhead_ms=overhead_ms, worker_scale=scale)
 
 
+def lone_wait_ms(run: MeasuredRun) -> float:
+    """How long the run's policy holds a lone request before sealing it: nothing when it flushes on
+    an idle worker, its max wait otherwise (classic)."""
+    curve = run.backend_curve()
+    policy = policy_for(run.policy, run.max_batch, run.max_wait_ms, None, curve.max_batch)
+    return 0.0 if policy.flush_on_idle_worker else policy.max_wait_ms
+
+
 def simulate_median(config: SimConfig, rate: float, requests: int, seeds: int) -> RateResult:
     """The simulation over ``seeds`` seeds, each figure their median (None when any seed is unstable)."""
     results = [simulate_rate(config, rate, requests, seed) for seed in range(seeds)]
@@ -111,10 +119,10 @@ def overhead_for(run: MeasuredRun, given: dict[str, float], runs: Sequence[Measu
     """The per-request overhead to add, and where it came from."""
     if run.mode in given:
         return given[run.mode], "flag"
-    own = run.lone_overhead_ms()
+    own = run.lone_overhead_ms(lone_wait_ms(run))
     if own is not None:
         return round(own, 2), "lone"
-    probes = [o for r in runs if r.mode == run.mode and (o := r.lone_overhead_ms()) is not None]
+    probes = [o for r in runs if r.mode == run.mode and (o := r.lone_overhead_ms(lone_wait_ms(r))) is not None]
     if probes:
         return round(statistics.median(probes), 2), f"lone, {run.mode} runs"
     light = [r.fastest_overhead_ms() for r in runs if r.mode == run.mode and r.light()]

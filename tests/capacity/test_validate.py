@@ -73,6 +73,18 @@ def test_the_overhead_comes_from_the_flag_then_the_run_then_its_mode_then_the_fa
     assert source == "fastest, embedded runs" and 0 < overhead < 5
 
 
+def test_a_classic_runs_lone_probe_less_its_max_wait_gives_the_overhead() -> None:
+    """Classic holds a lone request for its max wait, which the simulation adds itself: counting it
+    in the overhead too would count it twice."""
+    conserving, classic = (dataclasses.replace(run, lone_p50_ms=153.0) for run in read("policies"))
+    assert classic.max_wait_ms is None, "the run used classic's default max wait"
+    assert validate.lone_wait_ms(classic) == 50.0 and validate.lone_wait_ms(conserving) == 0.0
+    assert validate.overhead_for(classic, {}, [classic]) == (3.0, "lone")
+    assert validate.overhead_for(conserving, {}, [conserving]) == (53.0, "lone")
+    waited = dataclasses.replace(classic, max_wait_ms=20.0)
+    assert validate.overhead_for(waited, {}, [waited]) == (33.0, "lone"), "the run's own max wait"
+
+
 def test_the_overhead_stretches_with_the_measured_cpu_busy_share_up_to_its_cap() -> None:
     rate = MeasuredRate(1000.0, 1000.0, 1000.0, 150.0, 200.0, 101.0, 50.0, cpu_busy=0.5)
     assert validate.loaded_overhead_ms(7.0, rate) == 14.0
