@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,21 @@ class MeasuredRate:
     mean_batch: float | None
     cpu_busy: float | None
     """The machine's CPU busy share: service, Kafka, Redis and the load generator (None: not recorded)."""
+    batches: float | None = None
+    """Batches the workers ran in the window (None: not scraped)."""
+    backend_s: float | None = None
+    """Seconds the workers spent inside the backend in the window, summed over workers."""
+
+    def call_stretch(self, curve: Curve) -> float | None:
+        """Measured backend time over what ``curve`` predicts for the batches run (their mean size):
+        how much slower calls ran under this load than when profiled (None: not measured)."""
+        if not self.batches or self.backend_s is None or self.mean_batch is None:
+            return None
+        low = max(1, min(math.floor(self.mean_batch), curve.max_batch))
+        high = min(low + 1, curve.max_batch)
+        frac = min(max(self.mean_batch - low, 0.0), 1.0)
+        call_ms = curve.latency_ms(low) * (1 - frac) + curve.latency_ms(high) * frac
+        return self.backend_s / (self.batches * call_ms / 1000.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,9 +175,19 @@ def _rate(rate: dict[str, Any], cpu_count: int | None) -> MeasuredRate:
         p50_ms=float(latency["p50"]),
         p99_ms=float(latency["p99"]),
         min_ms=float(latency["min"]),
-        mean_batch=(rate.get("server") or {}).get("batch_size_mean"),
+        mean_batch=(server := rate.get("server") or {}).get("batch_size_mean"),
         cpu_busy=_cpu_busy(rate, cpu_count),
+        batches=server.get("batches"),
+        backend_s=_backend_s(server, window_s),
     )
+
+
+def _backend_s(server: dict[str, Any], window_s: float) -> float | None:
+    """The workers' seconds inside the backend over the scrape window (else the rate's), from the
+    scraped busy share."""
+    busy, workers = server.get("busy_fraction"), server.get("workers")
+    window_s = float(server.get("window_s") or window_s)
+    return None if busy is None or not window_s or not workers else float(busy) * window_s * int(workers)
 
 
 def _cpu_busy(rate: dict[str, Any], cpu_count: int | None) -> float | None:

@@ -11,8 +11,11 @@ another given run's probe in the same mode, else the fastest answer of the light
 less the backend latency (a lower bound: the path's cost varies from request to request), else 0.
 Under load the hops share the machine's cores with everything else, so by default the overhead at
 each rate is stretched by the CPU busy share measured then, ``overhead / (1 - busy)`` (processor
-sharing). A slow worker is worker 0 at its own latency. Runs of a real model (the hf backend)
-take its profiled curve (``--curve``) in place of the flat sim latency.
+sharing). Calls stretch too: the workers' measured time inside the backend over what the curve
+predicts for the batches they ran scales every worker's latency at that rate (a model on CPU
+shares the cores with the gateway and the generator). A slow worker is worker 0 at its own
+latency. Runs of a real model (the hf backend) take its profiled curve (``--curve``) in place of
+the flat sim latency.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class Row:
     overhead_ms: float
     overhead_from: str
     per_item_ms: float = 0.0
+    call_stretch: float | None = None
 
     @property
     def saturated(self) -> bool:
@@ -145,6 +149,7 @@ def compare(
     seeds: int = 3,
     per_item: dict[str, float] | None = None,
     cpu_scaling: bool = True,
+    call_stretch: bool = True,
 ) -> list[Row]:
     """Every run's rates, measured and simulated."""
     rows = []
@@ -154,10 +159,21 @@ def compare(
         for measured in run.rates:
             at_rate = loaded_overhead_ms(overhead, measured) if cpu_scaling else overhead
             step_ms = (per_item or {}).get(run.mode, 0.0)
-            rate_config = dataclasses.replace(config, overhead_ms=at_rate, per_item_ms=step_ms)
+            stretch = stretch_for(run, measured) if call_stretch else None
+            scale = (stretch,) * run.workers if stretch else config.worker_scale
+            rate_config = dataclasses.replace(config, overhead_ms=at_rate, per_item_ms=step_ms, worker_scale=scale)
             simulated = simulate_median(rate_config, measured.sent_rate, requests, seeds)
-            rows.append(Row(run, measured, simulated, at_rate, source, step_ms))
+            rows.append(Row(run, measured, simulated, at_rate, source, step_ms, stretch))
     return rows
+
+
+def stretch_for(run: MeasuredRun, measured: MeasuredRate) -> float | None:
+    """The backend's measured slow-down at this rate, fed to every worker (None: not measured, or a
+    run with a slow worker, whose workers' shares of the batches are not recorded apart)."""
+    if run.slow_worker_latency_ms:
+        return None
+    stretch = measured.call_stretch(run.backend_curve())
+    return None if stretch is None else round(stretch, 3)
 
 
 # the table ------------------------------------------------------------------------------------------
@@ -175,7 +191,8 @@ def _batch(value: float | None) -> str:
 
 def _overhead(row: Row) -> str:
     text = f"{row.overhead_ms:g} ({row.overhead_from})"
-    return f"{text} + {row.per_item_ms:.2f}/answer" if row.per_item_ms else text
+    text = f"{text} + {row.per_item_ms:.2f}/answer" if row.per_item_ms else text
+    return f"{text}; calls x{row.call_stretch:.2f}" if row.call_stretch else text
 
 
 def format_table(rows: Sequence[Row]) -> str:
@@ -226,6 +243,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="stretch the overhead by the machine's measured CPU busy share at each rate: overhead / (1 - busy)",
     )
     parser.add_argument(
+        "--call-stretch",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run each rate's calls as much slower than the curve as the workers' measured busy time says",
+    )
+    parser.add_argument(
         "--curve",
         default=None,
         help="the curve file (batchwire profile) of the runs' backend, for a real model; default: the flat sim latency",
@@ -258,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
         if args.curve is not None:
             backend_curve = curve_file.load(args.curve)
             runs = [r.with_curve(backend_curve) for r in runs]
-        rows = compare(runs, given, args.requests, args.seeds, per_item, args.cpu_scaling)
+        rows = compare(runs, given, args.requests, args.seeds, per_item, args.cpu_scaling, args.call_stretch)
         table = format_table(rows)
     except (RunError, CurveError, ValueError) as err:
         print(f"batchwire validate-sim: {err}", file=sys.stderr)

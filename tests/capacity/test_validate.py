@@ -193,3 +193,31 @@ def test_the_command_simulates_with_the_curve_given(capsys: pytest.CaptureFixtur
     assert "| policies classic | embedded | 20 |" in printed, f"expected the 20/s row, got {printed}"
     assert cli.main(["validate-sim", str(DATA / "policies"), "--curve", str(tmp_path / "none.json")]) == 2
     assert "cannot read the curve file" in capsys.readouterr().err
+
+
+def test_calls_stretch_by_the_workers_measured_backend_time_over_the_curves() -> None:
+    """A model on CPU shares the cores: its calls run slower under load than when profiled, and the
+    simulation runs them as slow as the workers' busy time says."""
+    (probed,) = read("durability-rf1/run1")
+    run = dataclasses.replace(probed, max_batch=8).with_curve(hf_curve())
+    # 100 batches of 6 items: 60 ms each by the curve (interpolated between 4 and 8), 6 s in all
+    rate = MeasuredRate(100.0, 100.0, 100.0, 80.0, 150.0, 30.0, 6.0, None, batches=100.0, backend_s=9.0)
+    assert rate.call_stretch(run.backend_curve()) == pytest.approx(1.5)
+    assert validate.stretch_for(run, rate) == 1.5
+    assert validate.stretch_for(run, dataclasses.replace(rate, backend_s=None)) is None, "not scraped"
+    (slow,) = read("slow-worker")
+    assert validate.stretch_for(slow, rate) is None, "the workers' shares of the batches are not recorded apart"
+    (row,) = validate.compare([dataclasses.replace(run, rates=(rate,))], {"kafka": 5.0}, requests=300, seeds=1)
+    assert row.call_stretch == 1.5 and "calls x1.50" in validate.format_table([row])
+    (plain,) = validate.compare(
+        [dataclasses.replace(run, rates=(rate,))], {"kafka": 5.0}, requests=300, seeds=1, call_stretch=False
+    )
+    assert plain.call_stretch is None and plain.simulated.p50_ms is not None
+    assert row.simulated.p50_ms is not None and row.simulated.p50_ms > plain.simulated.p50_ms, "slower calls"
+
+
+def test_a_bench_file_gives_the_workers_batches_and_backend_seconds() -> None:
+    (run,) = read("slow-worker")
+    (rate,) = run.rates
+    assert rate.batches is not None and rate.batches > 0
+    assert rate.backend_s is not None and rate.backend_s > 0, "busy share x window x workers"
