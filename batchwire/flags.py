@@ -257,6 +257,13 @@ def batching(parser: argparse.ArgumentParser) -> None:
         float,
         "keep busy workers' calls evenly spread, sealing a batch this long before its call should start (-1: off)",
     )
+    field_flag(
+        parser,
+        BatcherSettings,
+        "tier_min_share",
+        float,
+        "share of each batch's slots a priority tier earns while it waits behind a higher one (0: strict priority)",
+    )
 
 
 def backend(parser: argparse.ArgumentParser) -> None:
