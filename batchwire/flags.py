@@ -198,6 +198,10 @@ def gateway_admission(parser: argparse.ArgumentParser) -> None:
         "requests of one model accepted and not yet at a worker before its submits get 503 (0: no limit)",
     )
     field_flag(
+        parser, g, "queue_fraction_normal", float, "share of --max-queue-depth past which 'normal' requests get 503"
+    )
+    field_flag(parser, g, "queue_fraction_low", float, "share of --max-queue-depth past which 'low' requests get 503")
+    field_flag(
         parser,
         g,
         "admit_by_wait",
