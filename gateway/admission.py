@@ -13,12 +13,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from prometheus_client import Counter
+
 from gateway.drain import DrainMeter
 from gateway.errors import Overloaded, RateLimited, Unavailable
 from gateway.priority import KeyTiers
 from gateway.settings import GatewaySettings, env_name
 from gateway.tier_mix import TierMix
 from schemas.records import Priority
+from telemetry.metrics import TIER_SUBMITS
 from transport.ports import Backlog, QueueDepth, RateLimiter, TransportError
 
 
@@ -65,6 +68,7 @@ class Admission:
             Priority.LOW: (math.ceil(settings.max_queue_depth * settings.queue_fraction_low), "queue_fraction_low"),
         }
         self._mix = TierMix()
+        self._counters: dict[tuple[str, Priority, str], Counter] = {}
         self.retry_after_s = settings.retry_after_s
         self.by_wait = settings.admit_by_wait
         self._queue_depth = queue_depth if settings.max_queue_depth > 0 or settings.admit_by_wait else None
@@ -92,7 +96,24 @@ class Admission:
             self.models()
 
     async def admit(self, caller: Caller, model: str, timeout_ms: int, tier: Priority = Priority.NORMAL) -> None:
-        """Returns when the request may go on; raises ``Overloaded``, ``RateLimited`` or ``Unavailable``."""
+        """Returns when the request may go on; raises ``Overloaded``, ``RateLimited`` or ``Unavailable``.
+
+        Each outcome counts in ``batchwire_tier_submits`` under the request's model and tier."""
+        try:
+            await self._admit(caller, model, timeout_ms, tier)
+        except Overloaded:
+            self._count(model, tier, "refused")
+            raise
+        self._count(model, tier, "admitted")
+
+    def _count(self, model: str, tier: Priority, outcome: str) -> None:
+        key = (model, tier, outcome)
+        counter = self._counters.get(key)
+        if counter is None:
+            counter = self._counters[key] = TIER_SUBMITS.labels(model=model, priority=tier.value, outcome=outcome)
+        counter.inc()
+
+    async def _admit(self, caller: Caller, model: str, timeout_ms: int, tier: Priority) -> None:
         queue_depth = self._queue_depth
         if queue_depth is not None:
             backlog = queue_depth.backlog(model)

@@ -13,7 +13,7 @@ from gateway.priority import KeyTiers, request_tier
 from gateway.settings import GatewaySettings
 from gateway.tier_mix import TierMix
 from schemas.records import Priority
-from tests.gateway.test_drain import Counters
+from telemetry.metrics import REGISTRY
 from tests.support.gateway_rig import RigFactory, error_of
 from transport.ports import Backlog
 
@@ -133,6 +133,7 @@ async def test_a_key_above_its_ceiling_is_403_and_its_default_applies(make_rig: 
 
 async def test_a_full_queue_sheds_low_first_then_normal_and_high_last(make_rig: RigFactory) -> None:
     rig = await make_rig(queue_depth="bus", max_queue_depth=10, retry_after_s=2)  # no worker: nothing leaves
+    counted = {(tier, outcome): tier_submits(tier, outcome) for tier in ("low", "high") for outcome in OUTCOMES}
     accepted = {"low": 0, "normal": 0, "high": 0}
     for tier in ("low", "normal", "high"):
         while (
@@ -143,8 +144,37 @@ async def test_a_full_queue_sheds_low_first_then_normal_and_high_last(make_rig: 
         assert error_of(response)["code"] == "overloaded"
         assert response.headers["retry-after"] == "2"
     assert accepted == {"low": 5, "normal": 3, "high": 2}, "low stops at half the limit, normal at 0.8, high at all"
+    counts = {key: tier_submits(*key) - before for key, before in counted.items()}
+    assert counts == {("low", "admitted"): 5, ("low", "refused"): 1, ("high", "admitted"): 2, ("high", "refused"): 1}
     other = await rig.client.post("/v1/tasks", json={"input": "x", "model": "echo", "priority": "low"})
     assert other.status_code == 202, "a full queue of one model refuses nothing of another"
+
+
+class Counters:
+    """A ``QueueDepth`` whose counters the test sets."""
+
+    def __init__(self) -> None:
+        self.backlogs: dict[str, Backlog] = {}
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def depth(self) -> int:
+        return sum(b.depth for b in self.backlogs.values())
+
+    def backlog(self, model: str) -> Backlog | None:
+        return self.backlogs.get(model)
+
+
+OUTCOMES = ("admitted", "refused")
+
+
+def tier_submits(tier: str, outcome: str) -> float:
+    labels = {"model": "sim", "priority": tier, "outcome": outcome}
+    return REGISTRY.get_sample_value("batchwire_tier_submits_total", labels) or 0.0
 
 
 # admission by predicted wait ------------------------------------------------------------------------
