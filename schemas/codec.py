@@ -142,7 +142,7 @@ def encode_batch(batch: Batch) -> bytes:
 
 def decode_batch(data: bytes) -> Batch:
     record = _batch.decode_dict(data)
-    items = tuple(BatchItem(**item) for item in record.pop("items"))
+    items = tuple(BatchItem(**{**item, "priority": Priority.of(item.get("priority"))}) for item in record.pop("items"))
     return Batch(items=items, **record)
 
 

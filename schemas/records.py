@@ -82,10 +82,18 @@ class BatchItem:
     enqueued_at_ms: int
     deadline_ms: int
     reply_to: str | None = None
+    priority: Priority = Priority.NORMAL
 
     @classmethod
     def of(cls, request: InferenceRequest) -> BatchItem:
-        return cls(request.task_id, request.input, request.enqueued_at_ms, request.deadline_ms, request.reply_to)
+        return cls(
+            request.task_id,
+            request.input,
+            request.enqueued_at_ms,
+            request.deadline_ms,
+            request.reply_to,
+            request.priority,
+        )
 
 
 @dataclass(frozen=True, slots=True)
