@@ -207,3 +207,16 @@ def test_the_mix_counts_what_is_ahead_of_each_tier_and_forgets() -> None:
     for _ in range(40):
         mix.admitted("a", Priority.LOW)
     assert mix.ahead("a", Priority.HIGH) < 0.15, "older admissions count less"
+
+
+async def test_under_a_flood_of_low_a_high_request_is_admitted_and_answered(make_rig: RigFactory) -> None:
+    rig = await make_rig(queue_depth="bus", max_queue_depth=10)
+    refused = 0
+    for index in range(20):  # nothing leaves the queue yet: low fills its half, then is refused
+        response = await rig.client.post("/v1/tasks", json={"input": f"low{index}", "priority": "low"})
+        refused += response.status_code == 503
+    assert refused == 15
+    await rig.worker()
+    answer = await rig.client.post("/v1/inference", json={"input": "vip", "priority": "high"})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["output"] == "piv"
