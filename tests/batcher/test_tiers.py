@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 
 from batcher.policy import BatchFormer, FlushPolicy, Pending
@@ -131,3 +134,20 @@ def test_shares_are_kept_per_tier_and_spent() -> None:
 def test_a_share_above_a_third_is_refused() -> None:
     with pytest.raises(ValueError, match="BATCHWIRE_TIER_MIN_SHARE"):
         TierShares(0.5)
+
+
+@pytest.mark.parametrize("share", [0.05, 0.1, 0.2, 1 / 3])
+def test_every_run_of_batches_gives_each_waiting_tier_its_share_less_one(share: float) -> None:
+    rng = random.Random(7)
+    shares = TierShares(share)
+    sizes = [rng.choice([1, 2, 3, 5, 10, 100]) for _ in range(150)]
+    quotas = [shares.split([10**6, 10**6, 10**6], size) for size in sizes]
+    for start in range(len(sizes)):
+        slots, got = 0, [0, 0, 0]
+        for size, quota in zip(sizes[start:], quotas[start:], strict=True):
+            slots += size
+            got = [g + q for g, q in zip(got, quota, strict=True)]
+            for rank in (1, 2):
+                assert got[rank] >= math.floor(slots * share) - 1, (
+                    f"tier {rank} got {got[rank]} of {slots} slots from batch {start} on, share {share}"
+                )
