@@ -14,6 +14,10 @@ Two policies share one mechanism:
 
 A *sealed* batch waits for a credit (an idle worker) in FIFO order; items that pass their
 deadline before they are handed over come back as expired, never sent to a GPU.
+
+While a model holds items of more than one priority tier, a credit's batch is chosen across
+everything it could take (sealed batches, and pending items when work-conserving): higher tiers
+first, FIFO within a tier, with each lower tier's earned share (``batcher.tiers``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Generic, TypeVar
+
+from batcher.tiers import DEFAULT_MIN_SHARE, TierShares, ranks_waiting
 
 Item = TypeVar("Item")
 
@@ -95,6 +101,8 @@ class Pending(Generic[Item]):
     deadline_s: float
     awaiting_record: bool = False
     """An express copy whose Kafka record has not come: ``offset`` is not known yet."""
+    rank: int = 1
+    """Its priority tier's rank (``schemas.records.Priority.rank``): 0 goes first."""
 
 
 @dataclass(slots=True)
@@ -121,9 +129,14 @@ class Taken(Generic[Item]):
 
 
 class _ModelQueue(Generic[Item]):
-    __slots__ = ("gap_s", "last_read_s", "min_deadline_s", "pending", "sealed")
+    __slots__ = ("gap_s", "last_read_s", "min_deadline_s", "pending", "rank_seen", "sealed", "shares", "tiered")
 
-    def __init__(self) -> None:
+    def __init__(self, min_share: float) -> None:
+        self.shares = TierShares(min_share)
+        self.tiered = False
+        """Items of two tiers came since the queue held one tier only: takes go by tier."""
+        self.rank_seen: int | None = None
+        """The one tier held while ``tiered`` is off (None: nothing came yet)."""
         self.pending: list[Pending[Item]] = []
         self.sealed: deque[Sealed[Item]] = deque()
         self.min_deadline_s = float("inf")
@@ -141,15 +154,17 @@ class _ModelQueue(Generic[Item]):
 class BatchFormer(Generic[Item]):
     """Per-model accumulators (over all partitions the batcher owns) and their sealed batches."""
 
-    def __init__(self, policy: FlushPolicy, clock: Callable[[], float]) -> None:
+    def __init__(self, policy: FlushPolicy, clock: Callable[[], float], min_share: float = DEFAULT_MIN_SHARE) -> None:
+        TierShares(min_share)  # refuses a share out of range here, not at the first request
         self.policy = policy
         self.clock = clock
+        self.min_share = min_share
         self._models: dict[str, _ModelQueue[Item]] = {}
 
     def _queue(self, model: str) -> _ModelQueue[Item]:
         queue = self._models.get(model)
         if queue is None:
-            queue = self._models[model] = _ModelQueue()
+            queue = self._models[model] = _ModelQueue(self.min_share)
         return queue
 
     # feeding ---------------------------------------------------------------------------------
@@ -157,6 +172,10 @@ class BatchFormer(Generic[Item]):
         queue = self._queue(model)
         queue.arrived(self.clock())
         queue.pending.append(pending)
+        if queue.rank_seen is None:
+            queue.rank_seen = pending.rank
+        elif pending.rank != queue.rank_seen:
+            queue.tiered = True
         if pending.deadline_s < queue.min_deadline_s:
             queue.min_deadline_s = pending.deadline_s
         if len(queue.pending) >= self.policy.max_batch:
@@ -261,6 +280,10 @@ class BatchFormer(Generic[Item]):
         now = self.clock()
         if queue is None:
             return Taken([], None, now)
+        if queue.tiered:
+            taken = self._take_by_tier(queue, now, limit)
+            if taken is not None:
+                return taken
         if queue.sealed:
             sealed = queue.sealed.popleft()
         elif self.policy.flush_on_idle_worker and queue.pending:
@@ -274,6 +297,50 @@ class BatchFormer(Generic[Item]):
         live = [p for p in sealed.items if p.deadline_s > now]
         expired = [p for p in sealed.items if p.deadline_s <= now] if len(live) != len(sealed.items) else []
         return Taken(live, sealed.reason, sealed.sealed_s, expired)
+
+    def _take_by_tier(self, queue: _ModelQueue[Item], now: float, limit: int) -> Taken[Item] | None:
+        """``take`` across tiers; None when what could go holds one tier only (the plain take then)."""
+        pool = [p for sealed in queue.sealed for p in sealed.items]
+        if self.policy.flush_on_idle_worker:
+            pool.extend(queue.pending)
+        rank = pool[0].rank if pool else None
+        if all(p.rank == rank for p in pool):
+            if all(p.rank == rank for p in queue.pending):
+                queue.tiered, queue.rank_seen = False, rank  # one tier again: the plain take, at no cost
+            self._regroup(queue)
+            return None
+        expired = [p for p in pool if p.deadline_s <= now]
+        live = [p for p in pool if p.deadline_s > now] if expired else pool
+        slots = min(self.policy.max_batch, limit) if limit > 0 else self.policy.max_batch
+        quota = queue.shares.split(ranks_waiting([p.rank for p in live]), slots)
+        chosen: list[Pending[Item]] = []
+        for pending in live:
+            if quota[pending.rank] > 0:
+                quota[pending.rank] -= 1
+                chosen.append(pending)
+        reason, sealed_s = (
+            (queue.sealed[0].reason, queue.sealed[0].sealed_s) if queue.sealed else (FlushReason.IDLE_WORKER, now)
+        )
+        gone = {id(p) for p in chosen} | {id(p) for p in expired}
+        for sealed in queue.sealed:
+            sealed.items = [p for p in sealed.items if id(p) not in gone]
+            sealed.min_deadline_s = min((p.deadline_s for p in sealed.items), default=float("inf"))
+        queue.sealed = deque(s for s in queue.sealed if s.items)
+        if self.policy.flush_on_idle_worker:
+            queue.pending = [p for p in queue.pending if id(p) not in gone]
+            queue.min_deadline_s = min((p.deadline_s for p in queue.pending), default=float("inf"))
+        return Taken(chosen, reason, sealed_s, expired)
+
+    def _regroup(self, queue: _ModelQueue[Item]) -> None:
+        """Sealed batches that takes by tier thinned out become full ones again, in the same order."""
+        if len(queue.sealed) < 2 or all(len(s.items) >= self.policy.max_batch for s in queue.sealed):
+            return
+        head = queue.sealed[0]
+        items = [p for sealed in queue.sealed for p in sealed.items]
+        size = self.policy.max_batch
+        queue.sealed = deque(
+            Sealed(items[at : at + size], head.reason, head.sealed_s) for at in range(0, len(items), size)
+        )
 
     def give_back(self, model: str, taken: Taken[Item]) -> None:
         """Puts a batch that could not be sent back at the head of the line."""

@@ -6,6 +6,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from batcher.policy import FlushPolicy
+from batcher.tiers import DEFAULT_MIN_SHARE, TierShares
 
 
 def _batcher_id() -> str:
@@ -37,6 +38,9 @@ class BatcherSettings:
     """When this batcher owns all of a model's partitions, it keeps the busy workers' calls spread
     evenly (``batcher.spacing``), sealing a batch this long before its call should start, the time
     the batch takes to reach the worker. -1: do not space the workers."""
+    tier_min_share: float = DEFAULT_MIN_SHARE
+    """While a priority tier waits behind a higher one, it earns this share of every batch's slots
+    (``batcher.tiers``): no tier starves. 0: strict priority."""
     read_pace_ms: float = 10.0
     """While every worker is busy, read the request topic at most this often, and catch up when a
     credit comes, before sealing (``batcher.read_pacing``): over Kafka each read is a fetch round
@@ -47,6 +51,7 @@ class BatcherSettings:
             raise ValueError(
                 f"read_pace_ms ({self.read_pace_ms}) must be within 0..1000 milliseconds (BATCHWIRE_READ_PACE_MS)"
             )
+        TierShares(self.tier_min_share)  # its range check names the setting
         if self.max_held < self.policy.max_batch:
             raise ValueError(
                 f"max_held ({self.max_held}) must be at least max_batch ({self.policy.max_batch}) (BATCHWIRE_MAX_HELD)"

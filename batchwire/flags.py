@@ -198,6 +198,10 @@ def gateway_admission(parser: argparse.ArgumentParser) -> None:
         "requests of one model accepted and not yet at a worker before its submits get 503 (0: no limit)",
     )
     field_flag(
+        parser, g, "queue_fraction_normal", float, "share of --max-queue-depth past which 'normal' requests get 503"
+    )
+    field_flag(parser, g, "queue_fraction_low", float, "share of --max-queue-depth past which 'low' requests get 503")
+    field_flag(
         parser,
         g,
         "admit_by_wait",
@@ -256,6 +260,13 @@ def batching(parser: argparse.ArgumentParser) -> None:
         "spacing_margin_ms",
         float,
         "keep busy workers' calls evenly spread, sealing a batch this long before its call should start (-1: off)",
+    )
+    field_flag(
+        parser,
+        BatcherSettings,
+        "tier_min_share",
+        float,
+        "share of each batch's slots a priority tier earns while it waits behind a higher one (0: strict priority)",
     )
 
 

@@ -27,6 +27,8 @@ GATEWAY_FLAGS = (
     "max_inflight",
     "max_watchers",
     "max_queue_depth",
+    "queue_fraction_normal",
+    "queue_fraction_low",
     "admit_by_wait",
     "stall_s",
     "reply_recheck_s",
@@ -117,6 +119,7 @@ def batcher_settings(
             models=tuple(args.models),
             request_partitions=request_partitions,
             spacing_margin_ms=args.spacing_margin_ms,
+            tier_min_share=args.tier_min_share,
             read_pace_ms=read_pace_ms,
             **kwargs,
         )
@@ -133,6 +136,7 @@ def gateway_settings(args: argparse.Namespace, shared: SharedSettings, **transpo
     try:
         keys = load_api_keys(args.api_keys, args.api_keys_file)
         kwargs["api_keys"], kwargs["operator_keys"] = keys.digests, keys.operators
+        kwargs["key_tiers"] = keys.tiers
         args.api_keys = None  # only digests are kept (the environment is the operator's: use sha256: there)
         return GatewaySettings(**kwargs)
     except ValueError as err:

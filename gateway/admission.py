@@ -13,9 +13,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from prometheus_client import Counter
+
 from gateway.drain import DrainMeter
 from gateway.errors import Overloaded, RateLimited, Unavailable
+from gateway.priority import KeyTiers
 from gateway.settings import GatewaySettings, env_name
+from gateway.tier_mix import TierMix
+from schemas.records import Priority
+from telemetry.metrics import TIER_SUBMITS
 from transport.ports import Backlog, QueueDepth, RateLimiter, TransportError
 
 
@@ -30,6 +36,8 @@ class Caller:
 
     owner: str | None = None
     client: str = "-"
+    tiers: KeyTiers | None = None
+    """The API key's priority tiers (None: normal by default, up to high)."""
 
 
 ANONYMOUS = Caller()
@@ -42,10 +50,25 @@ class Admission:
     have taken nothing for a while (``drain``: stalled), or when the wait it predicts would pass
     the request's deadline: a refusal now (503 with Retry-After) instead of a 504 later, and no GPU
     time for an answer nobody waits for.
+
+    Lower priority tiers are shed first: ``low`` is refused once the queue holds
+    ``queue_fraction_low`` of ``max_queue_depth``, ``normal`` past ``queue_fraction_normal``, ``high``
+    only at the whole limit; and a tier's predicted wait counts only the share of the queue ahead of
+    it (``gateway.tier_mix``).
     """
 
     def __init__(self, settings: GatewaySettings, queue_depth: QueueDepth | None, limiter: RateLimiter | None) -> None:
         self.max_queue_depth = settings.max_queue_depth
+        self._tier_limits = {
+            Priority.HIGH: (settings.max_queue_depth, "max_queue_depth"),
+            Priority.NORMAL: (
+                math.ceil(settings.max_queue_depth * settings.queue_fraction_normal),
+                "queue_fraction_normal",
+            ),
+            Priority.LOW: (math.ceil(settings.max_queue_depth * settings.queue_fraction_low), "queue_fraction_low"),
+        }
+        self._mix = TierMix()
+        self._counters: dict[tuple[str, Priority, str], Counter] = {}
         self.retry_after_s = settings.retry_after_s
         self.by_wait = settings.admit_by_wait
         self._queue_depth = queue_depth if settings.max_queue_depth > 0 or settings.admit_by_wait else None
@@ -72,20 +95,38 @@ class Admission:
             await asyncio.sleep(SAMPLE_EVERY_S)
             self.models()
 
-    async def admit(self, caller: Caller, model: str, timeout_ms: int) -> None:
-        """Returns when the request may go on; raises ``Overloaded``, ``RateLimited`` or ``Unavailable``."""
+    async def admit(self, caller: Caller, model: str, timeout_ms: int, tier: Priority = Priority.NORMAL) -> None:
+        """Returns when the request may go on; raises ``Overloaded``, ``RateLimited`` or ``Unavailable``.
+
+        Each outcome counts in ``batchwire_tier_submits`` under the request's model and tier."""
+        try:
+            await self._admit(caller, model, timeout_ms, tier)
+        except Overloaded:
+            self._count(model, tier, "refused")
+            raise
+        self._count(model, tier, "admitted")
+
+    def _count(self, model: str, tier: Priority, outcome: str) -> None:
+        key = (model, tier, outcome)
+        counter = self._counters.get(key)
+        if counter is None:
+            counter = self._counters[key] = TIER_SUBMITS.labels(model=model, priority=tier.value, outcome=outcome)
+        counter.inc()
+
+    async def _admit(self, caller: Caller, model: str, timeout_ms: int, tier: Priority) -> None:
         queue_depth = self._queue_depth
         if queue_depth is not None:
             backlog = queue_depth.backlog(model)
             if backlog is not None:
-                self._check_queue(model, backlog, timeout_ms)
+                self._check_queue(model, backlog, timeout_ms, tier)
             elif self.max_queue_depth > 0:
                 depth = await queue_depth.depth()  # the deployment-wide figure, while the model's is unknown
-                if depth >= self.max_queue_depth:
+                limit, setting = self._tier_limits[tier]
+                if depth >= limit:
                     raise Overloaded(
-                        f"the deployment holds {depth} requests not yet handed to a worker, its limit "
-                        f"({env_name('max_queue_depth')} = {self.max_queue_depth}); nothing was queued: retry "
-                        "after the Retry-After delay"
+                        f"the deployment holds {depth} requests not yet handed to a worker; {tier.value!r} requests "
+                        f"are refused from {limit} ({_limit_of(setting, self.max_queue_depth)}); nothing was "
+                        "queued: retry after the Retry-After delay"
                     )
         limiter = self._limiter
         if limiter is not None:
@@ -100,6 +141,7 @@ class Admission:
                     f"the next request is accepted in {wait_s:.3f} s",
                     retry_after_s=max(1, math.ceil(wait_s)),
                 )
+        self._mix.admitted(model, tier)
 
     def answered(self, model: str, latency_s: float) -> None:
         """A synchronous answer's latency: the fastest recent one is the model's service time."""
@@ -117,12 +159,13 @@ class Admission:
             states[model] = "stalled" if meter.stalled else "serving"
         return states
 
-    def _check_queue(self, model: str, backlog: Backlog, timeout_ms: int) -> None:
+    def _check_queue(self, model: str, backlog: Backlog, timeout_ms: int, tier: Priority) -> None:
         depth = backlog.depth
-        if 0 < self.max_queue_depth <= depth:
+        limit, setting = self._tier_limits[tier]
+        if self.max_queue_depth > 0 and limit <= depth:
             raise Overloaded(
-                f"model {model!r} has {depth} requests waiting for a worker, its limit "
-                f"({env_name('max_queue_depth')} = {self.max_queue_depth}); nothing was queued: retry after the "
+                f"model {model!r} has {depth} requests waiting for a worker; {tier.value!r} requests are refused "
+                f"from {limit} ({_limit_of(setting, self.max_queue_depth)}); nothing was queued: retry after the "
                 "Retry-After delay"
             )
         if not self.by_wait:
@@ -131,6 +174,7 @@ class Admission:
         if meter is None:
             return
         estimate = meter.observe(backlog)
+        wait_s = estimate.wait_s * self._mix.ahead(model, tier)
         if estimate.wait_s == math.inf:
             raise Overloaded(
                 f"model {model!r} has {depth} requests waiting and its workers have taken none for "
@@ -138,17 +182,25 @@ class Admission:
                 "retry after the Retry-After delay"
             )
         budget_s = timeout_ms / 1000 - self._service[model].seconds
-        if estimate.wait_s > 0 and estimate.wait_s * WAIT_MARGIN > budget_s:  # nothing ahead: no call is refused
+        if wait_s > 0 and wait_s * WAIT_MARGIN > budget_s:  # nothing ahead: no call is refused
             rate = estimate.rate_per_s or 0.0
             raise Overloaded(
-                f"model {model!r} has {depth} requests ahead of this one, about {estimate.wait_s:.1f} s of work "
-                f"at the {rate:.0f} requests/s it drains; timeout_ms={timeout_ms} cannot be met, so nothing was "
-                "queued: retry after the Retry-After delay, or send a longer timeout_ms",
-                retry_after_s=min(MAX_RETRY_AFTER_S, max(1, math.ceil(estimate.wait_s * WAIT_MARGIN - budget_s))),
+                f"model {model!r} has {depth} requests waiting, about {wait_s:.1f} s of work ahead of a "
+                f"{tier.value!r} request at the {rate:.0f} requests/s it drains; timeout_ms={timeout_ms} cannot be "
+                "met, so nothing was queued: retry after the Retry-After delay, or send a longer timeout_ms",
+                retry_after_s=min(MAX_RETRY_AFTER_S, max(1, math.ceil(wait_s * WAIT_MARGIN - budget_s))),
             )
 
 
 SAMPLE_EVERY_S = 0.2
+
+
+def _limit_of(setting: str, max_queue_depth: int) -> str:
+    """How a tier's queue limit is set, for a refusal's message."""
+    if setting == "max_queue_depth":
+        return f"{env_name('max_queue_depth')} = {max_queue_depth}"
+    return f"{env_name(setting)} of {env_name('max_queue_depth')} = {max_queue_depth}"
+
 
 WAIT_MARGIN = 1.1
 """Predicted waits are stretched this much before they are held against a deadline: the drain rate

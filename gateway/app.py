@@ -44,7 +44,7 @@ def create_app(gateway: Gateway, lifecycle: Lifecycle, streams_end: StreamsEnd |
     )
     app.state.deployment = Deployment(gateway, lifecycle, caller_of(settings), streams_end)
     install_error_handlers(app, settings.retry_after_s)
-    keys = ApiKeys(settings.api_keys, settings.operator_keys) if settings.api_keys else None
+    keys = ApiKeys(settings.api_keys, settings.operator_keys, settings.key_tiers) if settings.api_keys else None
     if keys is not None:
         app.add_middleware(AuthMiddleware, keys=keys)  # inside EdgeMiddleware: 401s counted
     app.add_middleware(EdgeMiddleware)

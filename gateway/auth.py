@@ -5,6 +5,11 @@ Only sha256 digests of the keys are held (the CLI hashes keys given as text, or 
 compared with every digest in constant time. A key's *owner* (the first 16 hex digits of its
 digest) is what tasks are stored under: a task is visible only to the key that created it.
 
+An entry may end with ``priority=<tier>`` (the tier its requests get without asking) and
+``ceiling=<tier>`` (the highest they may ask for; above it, 403 ``priority_above_ceiling``), in
+either order: ``gateway.priority``. Without ``priority=`` the default is normal, or the ceiling if
+that is lower.
+
 Keys are of two classes. A *tenant* key (an entry as it is) uses the API. An *operator* key (an
 entry written ``operator <key>``) also reads the deployment-wide ``OPERATOR_PATHS`` (``/metrics``),
 which a tenant key is refused with 403 ``forbidden``: metrics show every tenant's traffic.
@@ -21,7 +26,9 @@ from pathlib import Path
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.handlers import error_response
+from gateway.priority import KeyTiers, tier_named
 from gateway.settings import env_name
+from schemas.records import Priority
 
 # Open without a key: liveness and readiness probes (load balancers hold no keys) and the API's
 # own description. /metrics is protected: Prometheus sends a bearer token (``authorization``).
@@ -41,6 +48,8 @@ class LoadedKeys:
 
     digests: tuple[str, ...] = ()
     operators: tuple[str, ...] = ()
+    tiers: tuple[str, ...] = ()
+    """``KeyTiers.encode`` of each key the entries give tiers."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +58,7 @@ class KeyHolder:
 
     owner: str
     operator: bool
+    tiers: KeyTiers | None = None
 
 
 def digest_of(key: str) -> str:
@@ -78,11 +88,13 @@ def load_api_keys(keys: str | None, keys_file: str | None) -> LoadedKeys:
         entries.extend((f"line {n} of {keys_file}", line) for n, line in enumerate(text.splitlines(), 1))
     digests: list[str] = []
     operators: list[str] = []
+    tiers: dict[str, KeyTiers] = {}
     for where, raw in entries:
         entry = raw.strip()
         if not entry or entry.startswith("#"):
             continue
-        words = entry.split()
+        words, key_tiers = _tier_options(where, entry.split())
+        entry = " ".join(words)
         if len(words) == 2 and words[0] == OPERATOR:
             digest = _digest_of_entry(where, words[1])
             operators.append(digest)
@@ -90,10 +102,32 @@ def load_api_keys(keys: str | None, keys_file: str | None) -> LoadedKeys:
             digest = _digest_of_entry(where, entry)
         else:
             raise ValueError(
-                f"{where}: an entry is one key (no spaces) or sha256:<hex>, or '{OPERATOR} ' and one of them"
+                f"{where}: an entry is one key (no spaces) or sha256:<hex>, or '{OPERATOR} ' and one of them, "
+                "then optionally priority=<tier> and ceiling=<tier>"
             )
         digests.append(digest)
-    return LoadedKeys(tuple(dict.fromkeys(digests)), tuple(dict.fromkeys(operators)))
+        if key_tiers is not None:
+            tiers[digest] = key_tiers
+    encoded = tuple(t.encode(digest) for digest, t in tiers.items())
+    return LoadedKeys(tuple(dict.fromkeys(digests)), tuple(dict.fromkeys(operators)), encoded)
+
+
+_TIER_OPTIONS = ("priority=", "ceiling=")
+
+
+def _tier_options(where: str, words: list[str]) -> tuple[list[str], KeyTiers | None]:
+    """An entry's words without its ``priority=`` and ``ceiling=`` options, and the tiers they give."""
+    options = {w.partition("=")[0]: w.partition("=")[2] for w in words if w.startswith(_TIER_OPTIONS)}
+    rest = [w for w in words if not w.startswith(_TIER_OPTIONS)]
+    if not options:
+        return rest, None
+    ceiling = tier_named(options.get("ceiling", "high"), where)
+    lowest_default = ceiling if ceiling.rank > Priority.NORMAL.rank else Priority.NORMAL
+    default = tier_named(options["priority"], where) if "priority" in options else lowest_default
+    try:
+        return rest, KeyTiers(default, ceiling)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
 
 
 def _digest_of_entry(where: str, entry: str) -> str:
@@ -110,13 +144,14 @@ def _digest_of_entry(where: str, entry: str) -> str:
 class ApiKeys:
     """The accepted keys, as digests, each marked tenant or operator."""
 
-    def __init__(self, digests: tuple[str, ...], operators: tuple[str, ...] = ()) -> None:
+    def __init__(self, digests: tuple[str, ...], operators: tuple[str, ...] = (), tiers: tuple[str, ...] = ()) -> None:
         if not digests:
             raise ValueError("ApiKeys needs at least one digest")
         if not set(operators) <= set(digests):
             raise ValueError("every operator digest must be among the accepted digests")
         marked = set(operators)
         self._digests = [(bytes.fromhex(digest), digest in marked) for digest in digests]
+        self._tiers = dict(KeyTiers.decode(entry) for entry in tiers)
 
     def holder(self, authorization: str | None) -> KeyHolder | None:
         """Who holds the key in an ``Authorization`` header value, or None if it is not accepted."""
@@ -131,7 +166,9 @@ class ApiKeys:
             matched = hmac.compare_digest(presented, digest)
             found |= matched
             operator |= matched and is_operator
-        return KeyHolder(owner_of(presented.hex()), operator) if found else None
+        if not found:
+            return None
+        return KeyHolder(owner_of(presented.hex()), operator, self._tiers.get(presented.hex()))
 
 
 class AuthMiddleware:
@@ -169,7 +206,10 @@ class AuthMiddleware:
             )
             await error_response(403, "forbidden", message)(scope, receive, send)
             return
-        scope.setdefault("state", {})["owner"] = holder.owner
+        state = scope.setdefault("state", {})
+        state["owner"] = holder.owner
+        if holder.tiers is not None:
+            state["tiers"] = holder.tiers
         await self.app(scope, receive, send)
 
 

@@ -14,6 +14,7 @@ from starlette.requests import Request
 
 from gateway.admission import ANONYMOUS, Caller
 from gateway.errors import InvalidClientId
+from gateway.priority import KeyTiers
 from gateway.settings import GatewaySettings
 
 CLIENT_ID_HEADER = "X-Client-Id"
@@ -33,9 +34,9 @@ def caller_of(settings: GatewaySettings) -> CallerOf:
     def caller(request: Request) -> Caller:
         owner = request_owner(request)
         if not limits_on:
-            return Caller(owner)
+            return Caller(owner, tiers=request_tiers(request))
         if owner is not None:
-            return Caller(owner, f"key:{owner}")
+            return Caller(owner, f"key:{owner}", request_tiers(request))
         claimed = request.headers.get(CLIENT_ID_HEADER) if trust_client_id else None
         if claimed is not None:
             if not _CLIENT_ID_PATTERN.fullmatch(claimed):
@@ -46,6 +47,12 @@ def caller_of(settings: GatewaySettings) -> CallerOf:
         return Caller(None, f"ip:{request.client.host if request.client else 'unknown'}")
 
     return caller
+
+
+def request_tiers(request: Request) -> KeyTiers | None:
+    """The API key's tiers that ``AuthMiddleware`` found, or None (normal, up to high)."""
+    state = request.scope.get("state")
+    return None if state is None else state.get("tiers")
 
 
 def request_owner(request: Request) -> str | None:

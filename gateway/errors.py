@@ -58,6 +58,14 @@ class BodyTooLarge(GatewayError):
     code = "body_too_large"
 
 
+class InvalidPriority(GatewayError):
+    code = "invalid_priority"
+
+
+class PriorityAboveCeiling(GatewayError):
+    code = "priority_above_ceiling"
+
+
 class UnknownModel(GatewayError):
     code = "unknown_model"
 
@@ -169,6 +177,11 @@ ERROR_TABLE: dict[str, tuple[int, str]] = {
     "forbidden": (403, "`/metrics` with a tenant key: it needs an operator key (`operator <key>` in the keys file)."),
     "validation_error": (422, "A field is missing, unknown or of the wrong type, or a parameter is out of range."),
     "empty_input": (422, "`input` is the empty string."),
+    "invalid_priority": (422, "`priority` is not one of `high`, `normal`, `low`."),
+    "priority_above_ceiling": (
+        403,
+        "`priority` is above the API key's ceiling (set in BATCHWIRE_API_KEYS_FILE); nothing was queued.",
+    ),
     "timeout_out_of_range": (422, "`timeout_ms` is outside the allowed range."),
     "input_too_large": (413, "`input` has more characters than BATCHWIRE_MAX_INPUT_CHARS."),
     "body_too_large": (413, "The body is larger than BATCHWIRE_MAX_BODY_BYTES."),

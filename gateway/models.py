@@ -43,6 +43,11 @@ class InferenceBody(BaseModel):
         description="How long to wait for the answer; may shorten the default (BATCHWIRE_DEFAULT_TIMEOUT_MS), "
         "never exceed BATCHWIRE_MAX_TIMEOUT_MS.",
     )
+    priority: str | None = Field(
+        None,
+        description="The request's tier: 'high', 'normal' or 'low'; batches take higher tiers first and "
+        "overload refuses lower tiers first. Leave out for the API key's default tier ('normal' without one).",
+    )
 
 
 class InferenceResponse(BaseModel):

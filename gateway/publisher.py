@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from gateway.clock import Clock
 from gateway.errors import TRANSPORT_ERRORS, DeadlineExceeded, Unavailable
-from schemas.records import InferenceRequest, TaskState, TaskStatus
+from schemas.records import InferenceRequest, Priority, TaskState, TaskStatus
 from transport.ports import RequestProducer, TaskStore
 
 log = logging.getLogger(__name__)
@@ -31,12 +31,21 @@ class TaskPublisher:
         self._write_timeout_s = write_timeout_s
 
     def task(
-        self, task_id: str, input: str, model: str, timeout_ms: int, reply_to: str | None, owner: str | None
+        self,
+        task_id: str,
+        input: str,
+        model: str,
+        timeout_ms: int,
+        reply_to: str | None,
+        owner: str | None,
+        priority: Priority = Priority.NORMAL,
     ) -> tuple[TaskState, InferenceRequest]:
         """A new task's "queued" record and its request."""
         now_ms = self._clock.wall_ms()
         state = TaskState(task_id, TaskStatus.QUEUED, model, now_ms, now_ms, reply_to=reply_to, owner=owner)
-        request = InferenceRequest(task_id, model, input, now_ms, now_ms + timeout_ms, reply_to=reply_to, owner=owner)
+        request = InferenceRequest(
+            task_id, model, input, now_ms, now_ms + timeout_ms, reply_to=reply_to, owner=owner, priority=priority
+        )
         return state, request
 
     async def publish(self, state: TaskState, request: InferenceRequest, *, record: bool) -> None:

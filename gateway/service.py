@@ -28,13 +28,14 @@ from gateway.errors import (
     UnknownModel,
 )
 from gateway.health import probe
+from gateway.priority import request_tier
 from gateway.publisher import TaskPublisher
 from gateway.reads import TaskReads
 from gateway.replay import KeyedReplay
 from gateway.replies import Replies
 from gateway.settings import GatewaySettings, env_name
 from gateway.waiters import CallerGone, Watch
-from schemas.records import TaskState, TaskStatus
+from schemas.records import Priority, TaskState, TaskStatus
 from telemetry.metrics import INFLIGHT, REQUEST_LATENCY
 from transport.ports import QueueDepth, RateLimiter, RequestProducer, TaskStore
 
@@ -139,6 +140,7 @@ class Gateway:
         caller: Caller = ...,
         idempotency_key: str | None = ...,
         disconnected: Disconnected | None = ...,
+        priority: str | None = ...,
     ) -> Answer: ...
     @overload
     async def submit(
@@ -151,6 +153,7 @@ class Gateway:
         caller: Caller = ...,
         idempotency_key: str | None = ...,
         disconnected: Disconnected | None = ...,
+        priority: str | None = ...,
     ) -> Accepted: ...
 
     async def submit(
@@ -163,6 +166,7 @@ class Gateway:
         caller: Caller = ANONYMOUS,
         idempotency_key: str | None = None,
         disconnected: Disconnected | None = None,
+        priority: str | None = None,
     ) -> Answer | Accepted:
         """Stores and publishes one request; with ``wait``, holds the caller until its answer or deadline.
 
@@ -170,10 +174,12 @@ class Gateway:
         never lengthen it. With an ``idempotency_key`` that an earlier submit of ``caller.owner``
         used, nothing new is queued: the answer (or acceptance) is that of the earlier task. A
         synchronous caller without a key whose ``disconnected`` completes has its task cancelled;
-        with a key the task runs on, for the retry the key announces.
+        with a key the task runs on, for the retry the key announces. ``priority`` names the tier
+        (``gateway.priority``: the key's default when None, never above its ceiling).
         """
         started = self._clock.monotonic()
         model, timeout_ms = self._validate(input, model, timeout_ms)
+        tier = request_tier(priority, caller.tiers)
         if idempotency_key is not None:
             idempotency.check_key(idempotency_key)
         self._check_open()
@@ -181,20 +187,20 @@ class Gateway:
         INFLIGHT.inc()
         try:
             if self._admission.active:
-                await self._admission.admit(caller, model, timeout_ms)
+                await self._admission.admit(caller, model, timeout_ms, tier)
             if (full := self._store.full(model)) is not None:
                 raise Overloaded(full)
             task_id = secrets.token_urlsafe(16)
             deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
             if idempotency_key is not None:
                 return await self._submit_keyed(
-                    task_id, input, model, timeout_ms, wait, deadline, started, caller.owner, idempotency_key
+                    task_id, input, model, timeout_ms, wait, deadline, started, caller.owner, idempotency_key, tier
                 )
             if wait:
                 return await self._answer_when_done(
-                    task_id, input, model, timeout_ms, deadline, started, caller.owner, disconnected, keyed=False
+                    task_id, input, model, timeout_ms, deadline, started, caller.owner, disconnected, tier, keyed=False
                 )
-            return await self._enqueue(task_id, input, model, timeout_ms, deadline, caller.owner)
+            return await self._enqueue(task_id, input, model, timeout_ms, deadline, caller.owner, tier)
         finally:
             self._inflight -= 1
             INFLIGHT.dec()
@@ -228,6 +234,7 @@ class Gateway:
         started: float,
         owner: str | None,
         key: str,
+        tier: Priority,
     ) -> Answer | Accepted:
         """A submit with an Idempotency-Key: the earlier task's answer, or a new task the key names."""
         scope = owner or idempotency.ANONYMOUS_SCOPE
@@ -243,9 +250,9 @@ class Gateway:
         try:
             if wait:
                 return await self._answer_when_done(
-                    task_id, input, model, timeout_ms, deadline, started, owner, None, keyed=True
+                    task_id, input, model, timeout_ms, deadline, started, owner, None, tier, keyed=True
                 )
-            return await self._enqueue(task_id, input, model, timeout_ms, deadline, owner)
+            return await self._enqueue(task_id, input, model, timeout_ms, deadline, owner, tier)
         except Unavailable:
             await self._keys.release(scope, key, task_id)  # a retry may then create the task
             raise
@@ -260,6 +267,7 @@ class Gateway:
         started: float,
         owner: str | None,
         disconnected: Disconnected | None,
+        tier: Priority,
         *,
         keyed: bool,
     ) -> Answer:
@@ -273,7 +281,7 @@ class Gateway:
         """
         record = keyed or owner is not None
         publisher = self._publisher
-        queued, request = publisher.task(task_id, input, model, timeout_ms, self.settings.gateway_id, owner)
+        queued, request = publisher.task(task_id, input, model, timeout_ms, self.settings.gateway_id, owner, tier)
         # Register, then publish: the reply may arrive before ``send`` even returns.
         future = self._replies.register(task_id, started, disconnected)
         published = False
@@ -307,9 +315,16 @@ class Gateway:
         return self._answer(state, started)
 
     async def _enqueue(
-        self, task_id: str, input: str, model: str, timeout_ms: int, deadline: float, owner: str | None
+        self,
+        task_id: str,
+        input: str,
+        model: str,
+        timeout_ms: int,
+        deadline: float,
+        owner: str | None,
+        tier: Priority,
     ) -> Accepted:
-        queued, request = self._publisher.task(task_id, input, model, timeout_ms, None, owner)
+        queued, request = self._publisher.task(task_id, input, model, timeout_ms, None, owner, tier)
         try:
             async with asyncio.timeout_at(deadline):
                 await self._publisher.publish(queued, request, record=True)

@@ -72,6 +72,11 @@ class GatewaySettings:
     max_queue_depth: int = 20_000
     """Requests of one model accepted and not yet handed to a worker (its request partitions' lag);
     beyond it that model's submits get 503 + Retry-After and nothing is queued. 0 turns the check off."""
+    queue_fraction_normal: float = 0.8
+    """A ``normal`` request is refused (503) once its model's queue holds this fraction of
+    ``max_queue_depth``; ``high`` may fill all of it: overload sheds lower tiers first."""
+    queue_fraction_low: float = 0.5
+    """The same for ``low``: at most ``queue_fraction_normal``."""
     admit_by_wait: bool = True
     """Refuse (503 + Retry-After) a request whose deadline the wait its model's queue predicts would
     pass (see ``gateway.drain``), and every request of a model whose workers take nothing."""
@@ -118,6 +123,9 @@ class GatewaySettings:
     turns keys into digests). Empty: no keys needed and every task is visible to every caller."""
     operator_keys: tuple[str, ...] = field(default=(), repr=False)
     """Those of ``api_keys`` that are operator keys: with keys on, only they read ``/metrics``."""
+    key_tiers: tuple[str, ...] = field(default=(), repr=False)
+    """Priority tiers of those of ``api_keys`` the keys file gives any, each ``<digest> <default>
+    <ceiling>`` (``gateway.priority.KeyTiers``); a key not here defaults to normal, up to high."""
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -206,6 +214,12 @@ def _check_bounds(settings: GatewaySettings) -> None:
     _at_least(settings, "max_header_bytes", 1024)
     _at_least(settings, "max_connections", 1)
     _at_least(settings, "max_queue_depth", 0)
+    if not 0 < settings.queue_fraction_low <= settings.queue_fraction_normal <= 1:
+        raise ValueError(
+            f"queue fractions must be 0 < queue_fraction_low ({settings.queue_fraction_low}, "
+            f"{env_name('queue_fraction_low')}) <= queue_fraction_normal ({settings.queue_fraction_normal}, "
+            f"{env_name('queue_fraction_normal')}) <= 1"
+        )
 
 
 def _check_durations(settings: GatewaySettings) -> None:
@@ -249,3 +263,5 @@ def _check_keys(settings: GatewaySettings) -> None:
         )
     if not set(settings.operator_keys) <= set(settings.api_keys):
         raise ValueError(f"operator_keys must be among api_keys ({env_name('api_keys')}), as digests")
+    if not {entry.partition(" ")[0] for entry in settings.key_tiers} <= set(settings.api_keys):
+        raise ValueError(f"key_tiers must name keys among api_keys ({env_name('api_keys')}), as digests")

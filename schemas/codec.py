@@ -16,7 +16,7 @@ from typing import Any, Generic, TypeVar
 import fastavro
 from fastavro.types import Schema
 
-from schemas.records import Batch, BatchItem, Credit, InferenceRequest, TaskState, TaskStatus
+from schemas.records import Batch, BatchItem, Credit, InferenceRequest, Priority, TaskState, TaskStatus
 
 MAGIC = 0xB7
 HEADER_SIZE = 3
@@ -122,7 +122,9 @@ def encode_request(request: InferenceRequest) -> bytes:
 
 
 def decode_request(data: bytes) -> InferenceRequest:
-    return InferenceRequest(**_request.decode_dict(data))
+    record = _request.decode_dict(data)
+    record["priority"] = Priority.of(record.get("priority"))
+    return InferenceRequest(**record)
 
 
 def encode_batch(batch: Batch) -> bytes:
@@ -140,7 +142,7 @@ def encode_batch(batch: Batch) -> bytes:
 
 def decode_batch(data: bytes) -> Batch:
     record = _batch.decode_dict(data)
-    items = tuple(BatchItem(**item) for item in record.pop("items"))
+    items = tuple(BatchItem(**{**item, "priority": Priority.of(item.get("priority"))}) for item in record.pop("items"))
     return Batch(items=items, **record)
 
 

@@ -39,6 +39,30 @@ _RANK = {
 }
 
 
+class Priority(StrEnum):
+    """A request's tier: batches take higher tiers first, and admission sheds lower tiers first."""
+
+    HIGH = "high"
+    NORMAL = "normal"
+    LOW = "low"
+
+    @property
+    def rank(self) -> int:
+        """0 for the highest tier: lower ranks go first."""
+        return _PRIORITY_RANK[self]
+
+    @classmethod
+    def of(cls, name: str | None) -> Priority:
+        """The tier named ``name``; a name this version does not know (a newer writer's) reads as normal."""
+        try:
+            return cls(name) if name is not None else cls.NORMAL
+        except ValueError:
+            return cls.NORMAL
+
+
+_PRIORITY_RANK = {Priority.HIGH: 0, Priority.NORMAL: 1, Priority.LOW: 2}
+
+
 @dataclass(frozen=True, slots=True)
 class InferenceRequest:
     task_id: str
@@ -48,6 +72,7 @@ class InferenceRequest:
     deadline_ms: int
     reply_to: str | None = None
     owner: str | None = None
+    priority: Priority = Priority.NORMAL
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,10 +82,18 @@ class BatchItem:
     enqueued_at_ms: int
     deadline_ms: int
     reply_to: str | None = None
+    priority: Priority = Priority.NORMAL
 
     @classmethod
     def of(cls, request: InferenceRequest) -> BatchItem:
-        return cls(request.task_id, request.input, request.enqueued_at_ms, request.deadline_ms, request.reply_to)
+        return cls(
+            request.task_id,
+            request.input,
+            request.enqueued_at_ms,
+            request.deadline_ms,
+            request.reply_to,
+            request.priority,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,12 @@ _SIZE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 100, 128, 256)
 REQUESTS = Counter(
     "batchwire_requests", "HTTP requests by route and status code.", ["route", "status"], registry=REGISTRY
 )
+TIER_SUBMITS = Counter(
+    "batchwire_tier_submits",
+    "Submits that reached admission, by model, priority tier and outcome (admitted, or refused with 503).",
+    ["model", "priority", "outcome"],
+    registry=REGISTRY,
+)
 REQUEST_LATENCY = Histogram(
     "batchwire_request_latency_seconds",
     "End-to-end latency of answered synchronous requests, accept to answer.",

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from batchwire.bench.streams import Stream, parse_mix
+
 DEFAULT_URL = "http://127.0.0.1:8000/v1/inference"
 POLICIES = ("work-conserving", "classic")
 
@@ -29,6 +31,13 @@ def _ints(text: str) -> list[int]:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError as err:
         raise argparse.ArgumentTypeError(f"expected process ids separated by commas, got {text!r}") from err
+
+
+def _mix(text: str) -> list[Stream]:
+    try:
+        return parse_mix(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
 
 
 def _names(text: str) -> list[str]:
@@ -72,6 +81,14 @@ def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_load_arguments(parser: argparse.ArgumentParser) -> None:
     load = parser.add_argument_group("load")
     load.add_argument("--rate", type=_floats, help="offered load in req/s; a comma list runs each in turn")
+    load.add_argument(
+        "--mix",
+        action="append",
+        type=_mix,
+        metavar="STREAMS",
+        help="instead of --rate: streams sent together, each [model/]tier:rate (e.g. high:200,low:6000 or "
+        "a/normal:6000,b/normal:1000), reported per stream; repeat to run several mixes in turn",
+    )
     load.add_argument("--duration", type=float, default=10.0, help="measured seconds per rate (default 10)")
     load.add_argument("--warmup", type=float, default=2.0, help="seconds sent before each window, not measured")
     load.add_argument("--pause", type=float, default=1.0, help="seconds between rates (default 1)")
@@ -169,6 +186,11 @@ def _add_start_arguments(parser: argparse.ArgumentParser) -> None:
         "--keep-stack",
         action="store_true",
         help="kafka mode: leave Kafka + Redis running even if this run started them",
+    )
+    start.add_argument(
+        "--sut-args",
+        default="",
+        help="more flags for the started gateways (or the embedded service), e.g. '--max-queue-depth 4000'",
     )
     start.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for readiness (default 60)")
     start.add_argument("--stop-grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")

@@ -10,6 +10,7 @@ import datetime as dt
 import os
 import random
 import resource
+import shlex
 import signal
 import sys
 import tempfile
@@ -22,6 +23,7 @@ import uvloop
 from batchwire.bench import results
 from batchwire.bench.cli import DEFAULT_URL
 from batchwire.bench.loadgen import Expect
+from batchwire.bench.mix import mix_run, mix_table, write_mix
 from batchwire.bench.own_stack import OwnStack
 from batchwire.bench.procstats import discover_infra_pids, read_env_file
 from batchwire.bench.prom import default_metrics_url
@@ -30,6 +32,7 @@ from batchwire.bench.results import Results, RunReport
 from batchwire.bench.runner import LoadConfig, Target, bench_run
 from batchwire.bench.schedule import InputFactory
 from batchwire.bench.stack import Stack
+from batchwire.bench.streams import mix_models
 from batchwire.bench.sut import SutError, SutSpec, SystemUnderTest, wait_first_answer
 
 #: Where ``batchwire stack up`` keeps stack.env and the pid files (its default ``--state-dir``).
@@ -68,7 +71,7 @@ def execute(args: argparse.Namespace) -> int:
                 if args.start:
                     _run_started(runner, args, load, policy, report, stack)
                 else:
-                    runner.run(bench_run(load, _given_target(args), report))
+                    runner.run(_measure(args, load, _given_target(args), report))
     except (KeyboardInterrupt, asyncio.CancelledError):
         print("batchwire bench: interrupted; writing what was measured", file=sys.stderr)
         status = 130
@@ -126,6 +129,8 @@ def _run_started(
         ready_timeout_s=args.ready_timeout,
         stop_grace_s=args.stop_grace,
         own_stack=stack.own if stack is not None else None,
+        models=mix_models(args.mix or ()),
+        gateway_args=tuple(shlex.split(args.sut_args)),
     )
     log_dir = (args.out / "logs" / spec.policy) if args.out else Path(tempfile.mkdtemp(prefix="batchwire-bench-"))
     sut = SystemUnderTest(spec, log_dir)
@@ -155,9 +160,26 @@ def _run_started(
                 pid_groups=groups,
                 workers_hint=spec.workers,
             )
-            runner.run(bench_run(load, target, report))
+            runner.run(_measure(args, load, target, report))
     finally:
         report["sut"] = {**sut.describe(), "infra_pids": infra_found}
+
+
+async def _measure(args: argparse.Namespace, load: LoadConfig, target: Target, report: RunReport) -> None:
+    """The rates of ``--rate`` into ``report``, or each ``--mix`` (its table, and mix.json under ``--out``)."""
+    if not args.mix:
+        await bench_run(load, target, report)
+        return
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    mixes = await mix_run(load, target, args.mix, progress)
+    print(f"\n{report['label']} ({report['policy']})", flush=True)
+    for mix in mixes:
+        print(f"mix {mix['mix']}\n" + "\n".join(mix_table(mix["streams"])) + "\n", flush=True)
+    if args.out is not None:
+        print(f"wrote {write_mix(args.out / (report['policy'] or 'given'), mixes)}", file=sys.stderr)
 
 
 def _probe_body(load: LoadConfig) -> tuple[str, bytes]:
@@ -192,8 +214,10 @@ def _loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None
 
 
 def _load_config(args: argparse.Namespace) -> LoadConfig:
-    if not args.rate:
-        raise UsageError("--rate is required (e.g. --rate 100,500,1000), unless --compare is given")
+    if not args.rate and not args.mix:
+        raise UsageError("--rate is required (e.g. --rate 100,500,1000), or --mix, unless --compare is given")
+    if args.rate and args.mix:
+        raise UsageError("--rate and --mix exclude each other: a mix gives each stream its own rate")
     if args.duration <= 0 or args.warmup < 0 or args.pause < 0:
         raise UsageError("--duration must be above 0 and --warmup, --pause 0 or more")
     if args.concurrency_limit < 1 or args.timeout <= 0 or args.input_size < 0:
@@ -214,7 +238,7 @@ def _load_config(args: argparse.Namespace) -> LoadConfig:
         raise UsageError("--redis-replicas must be 0 or more")
     expect: Expect = "reverse" if args.check else args.expect
     return LoadConfig(
-        rates_rps=tuple(args.rate),
+        rates_rps=tuple(args.rate or ()),
         duration_s=args.duration,
         warmup_s=args.warmup,
         concurrency_limit=args.concurrency_limit,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 import string
+from collections.abc import Mapping
 
 
 def poisson_offsets(rate_rps: float, duration_s: float, rng: random.Random) -> list[float]:
@@ -42,7 +43,15 @@ class InputFactory:
     which costs a slice per request instead of ``size`` random draws.
     """
 
-    def __init__(self, size: int, rng: random.Random, field: str = "input", nonce: str = "") -> None:
+    def __init__(
+        self,
+        size: int,
+        rng: random.Random,
+        field: str = "input",
+        nonce: str = "",
+        extra: Mapping[str, str] | None = None,
+    ) -> None:
+        """``extra``: more string fields every body carries (a mix's ``model`` and ``priority``)."""
         if size < 0:
             raise ValueError(f"input size must be 0 or more characters, got {size}")
         self.size = size
@@ -53,6 +62,10 @@ class InputFactory:
         self._pool = "".join(rng.choices(_ALPHABET, k=pool_len))
         # The filler is ASCII letters and digits, so only the field name needs JSON escaping.
         self._prefix = b"{" + json.dumps(field).encode() + b':"'
+        fields = b"".join(
+            b"," + json.dumps(k).encode() + b":" + json.dumps(v).encode() for k, v in (extra or {}).items()
+        )
+        self._suffix = b'"' + fields + b"}"
 
     def next(self) -> tuple[str, bytes]:
         """The next input text and the request body that carries it."""
@@ -64,4 +77,4 @@ class InputFactory:
             text = head + self._pool[start : start + fill]
         else:
             text = head
-        return text, self._prefix + text.encode() + b'"}'
+        return text, self._prefix + text.encode() + self._suffix

@@ -68,6 +68,10 @@ class SutSpec:
     command: tuple[str, ...] = ()
     own_stack: OwnStack | None = None
     """kafka mode: the stack this run starts for itself; None: the ``.batchwire`` stack."""
+    models: tuple[str, ...] = ()
+    """Models to serve, ``workers`` workers each (empty: the default model only)."""
+    gateway_args: tuple[str, ...] = ()
+    """More flags for the gateways (or the embedded service)."""
 
 
 @dataclass(slots=True)
@@ -104,11 +108,14 @@ def plan(spec: SutSpec, command: Sequence[str], namespace: str, log_dir: Path) -
     """The processes to start, in start order, with their ports chosen."""
     out = _Plan()
     origin = f"http://{spec.host}"
+    served = ["--models", ",".join(spec.models)] if spec.models else []
     if spec.mode == "embedded":
         port = free_port(spec.host)
         argv = [
             *command,
             "up",
+            *served,
+            *spec.gateway_args,
             "--host",
             spec.host,
             "--port",
@@ -124,12 +131,14 @@ def plan(spec: SutSpec, command: Sequence[str], namespace: str, log_dir: Path) -
         out.metrics_urls.append(f"{origin}:{port}/metrics")
         return out
     ns = ["--namespace", namespace]
-    for index in range(spec.workers):
+    for index in range(spec.workers * max(1, len(spec.models))):
         port = free_port(spec.host)
         latency = spec.sim_latency_ms
         if index == 0 and spec.slow_worker_latency_ms is not None:
             latency = spec.slow_worker_latency_ms
-        argv = [*command, "worker", "--sim-latency-ms", f"{latency:g}", "--metrics-port", str(port), *ns]
+        model = ["--model", spec.models[index // spec.workers]] if spec.models else []
+        argv = [*command, "worker", *served, *model, "--sim-latency-ms", f"{latency:g}", "--metrics-port", str(port)]
+        argv += ns
         if spec.max_batch is not None:  # the backend must take the batches the batcher makes
             argv[-2:-2] = ["--max-batch", str(spec.max_batch)]
         out.roles.append(
@@ -138,14 +147,14 @@ def plan(spec: SutSpec, command: Sequence[str], namespace: str, log_dir: Path) -
         out.metrics_urls.append(f"{origin}:{port}/metrics")
     for index in range(spec.batchers):
         port = free_port(spec.host)
-        argv = [*command, "batcher", *_policy_flags(spec), "--metrics-port", str(port), *ns]
+        argv = [*command, "batcher", *served, *_policy_flags(spec), "--metrics-port", str(port), *ns]
         out.roles.append(
             Role(f"batcher-{index}", "batcher", argv, f"{origin}:{port}/metrics", log_dir / f"batcher-{index}.log")
         )
         out.metrics_urls.append(f"{origin}:{port}/metrics")
     for index in range(spec.gateways):
         port = free_port(spec.host)
-        argv = [*command, "gateway", "--host", spec.host, "--port", str(port), *ns]
+        argv = [*command, "gateway", *served, *spec.gateway_args, "--host", spec.host, "--port", str(port), *ns]
         out.roles.append(
             Role(f"gateway-{index}", "gateway", argv, f"{origin}:{port}/readyz", log_dir / f"gateway-{index}.log")
         )

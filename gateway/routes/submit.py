@@ -18,6 +18,7 @@ from gateway.callers import CLIENT_ID_HEADER
 from gateway.handlers import json_response
 from gateway.idempotency import KEY_PATTERN, MAX_KEY_CHARS
 from gateway.models import InferenceBody, InferenceResponse, TaskAccepted, error_responses
+from gateway.priority import TIER_NAMES
 from gateway.routes.deployment import deployment_of
 from gateway.settings import GatewaySettings
 from schemas.wire import IDEMPOTENCY_HEADER
@@ -34,6 +35,7 @@ _SUBMIT_ERRORS = (
     "validation_error",
     "empty_input",
     "timeout_out_of_range",
+    "invalid_priority",
     "input_too_large",
     "body_too_large",
     "unknown_model",
@@ -58,6 +60,7 @@ async def infer(request: Request) -> Response:
         body.timeout_ms,
         True,
         caller=caller,
+        priority=body.priority,
         idempotency_key=key,
         # Once the body is read, ASGI's receive() returns only when the client has gone, or
         # after the response was sent: what the gateway's disconnect watch needs.
@@ -83,7 +86,9 @@ async def enqueue(request: Request) -> Response:
     caller = deployment.caller_of(request)
     key = request.headers.get(IDEMPOTENCY_HEADER)
     body = parse_inference_body(await read_body(request, gateway.settings.max_body_bytes))
-    accepted = await gateway.submit(body.input, body.model, body.timeout_ms, False, caller=caller, idempotency_key=key)
+    accepted = await gateway.submit(
+        body.input, body.model, body.timeout_ms, False, caller=caller, idempotency_key=key, priority=body.priority
+    )
     result_url = f"/v1/result/{accepted.task_id}"
     headers = {"Location": result_url}
     if accepted.replayed:
@@ -104,6 +109,8 @@ def add_routes(routes: APIRouter, settings: GatewaySettings) -> None:
     """The two submit routes, documented with this deployment's limits and error codes."""
     body_doc = _body_doc(settings)
     submit_errors = _SUBMIT_ERRORS + (("rate_limited",) if settings.rate_limit_per_s > 0 else ())
+    if settings.key_tiers:
+        submit_errors += ("priority_above_ceiling",)
     if settings.rate_limit_per_s > 0 and settings.trust_client_id:
         submit_errors += ("invalid_client_id",)
     routes.add_api_route(
@@ -144,6 +151,7 @@ def _body_doc(settings: GatewaySettings) -> dict[str, Any]:
     schema = InferenceBody.model_json_schema()
     schema["properties"]["input"].update(minLength=1, maxLength=settings.max_input_chars)
     schema["properties"]["model"]["anyOf"][0]["enum"] = list(settings.models)
+    schema["properties"]["priority"]["anyOf"][0]["enum"] = list(TIER_NAMES)
     schema["properties"]["timeout_ms"]["anyOf"][0].update(
         minimum=settings.min_timeout_ms, maximum=settings.max_timeout_ms
     )
