@@ -16,6 +16,7 @@ from gateway import idempotency
 from gateway.admission import ANONYMOUS, Admission, Caller
 from gateway.answers import Accepted, Answer, answer_of
 from gateway.clock import Clock, SystemClock
+from gateway.collapsing import Request
 from gateway.errors import (
     ClientDisconnected,
     DeadlineExceeded,
@@ -33,10 +34,11 @@ from gateway.reads import TaskReads
 from gateway.replay import KeyedReplay
 from gateway.replies import Replies
 from gateway.settings import GatewaySettings, env_name
+from gateway.sharing import SharedAnswers
 from gateway.waiters import CallerGone, Watch
 from schemas.records import TaskState, TaskStatus
 from telemetry.metrics import INFLIGHT, REQUEST_LATENCY
-from transport.ports import QueueDepth, RateLimiter, RequestProducer, TaskStore
+from transport.ports import QueueDepth, RateLimiter, RequestProducer, ResultCache, TaskStore
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +63,11 @@ class Gateway:
         *,
         queue_depth: QueueDepth | None = None,
         limiter: RateLimiter | None = None,
+        cache: ResultCache | None = None,
     ) -> None:
         """``queue_depth`` and ``limiter`` enforce ``max_queue_depth`` and the rate limits; without
-        them those settings are not applied (the composition roots always pass them)."""
+        them those settings are not applied (the composition roots always pass them). ``cache``
+        holds answers for ``cache_ttl_s``."""
         self.settings = settings
         self._producer = producer
         self._store = store
@@ -75,6 +79,7 @@ class Gateway:
         self._publisher = TaskPublisher(producer, store, self._clock, write_timeout_s=settings.ready_timeout_s)
         self._keys = KeyedReplay(store, self._clock, recheck_s=settings.reply_recheck_s)
         self._reads = TaskReads(settings, store)
+        self._shared = SharedAnswers(settings, store, self._publisher, self._replies, self._clock, cache)
         self._inflight = 0
         self._accepting = False
         self._latency = {model: REQUEST_LATENCY.labels(model=model) for model in settings.models}
@@ -86,12 +91,14 @@ class Gateway:
         accepts work."""
         await self._replies.start()
         await self._admission.start()
+        await self._shared.start()
         self._accepting = True
 
     async def close(self) -> None:
         """Stops accepting, wakes the callers still held with ``not_ready``, and stops the look-ups."""
         self._accepting = False
         await self._replies.close(lambda: NotReady("the gateway is shutting down; retry on another instance"))
+        await self._shared.close()
         await self._admission.close()
 
     async def ready(self) -> dict[str, bool]:
@@ -99,7 +106,7 @@ class Gateway:
         return {
             "bus": await probe(self._producer.ready(), self.settings.ready_timeout_s, "bus"),
             "store": await probe(self._store.ready(), self.settings.ready_timeout_s, "store"),
-            "gateway": self._accepting and self._replies.alive,
+            "gateway": self._accepting and self._replies.alive and self._shared.alive,
         }
 
     def models(self) -> dict[str, str]:
@@ -186,6 +193,10 @@ class Gateway:
                 raise Overloaded(full)
             task_id = secrets.token_urlsafe(16)
             deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
+            key = self._shared.keys.key(caller.owner, model, input)
+            if key is not None and idempotency_key is None:
+                shared = Request(key, task_id, input, model, timeout_ms, deadline, started, caller.owner)
+                return await self._submit_shared(shared, wait, disconnected)
             if idempotency_key is not None:
                 return await self._submit_keyed(
                     task_id, input, model, timeout_ms, wait, deadline, started, caller.owner, idempotency_key
@@ -249,6 +260,22 @@ class Gateway:
         except Unavailable:
             await self._keys.release(scope, key, task_id)  # a retry may then create the task
             raise
+
+    async def _submit_shared(
+        self, request: Request, wait: bool, disconnected: Disconnected | None
+    ) -> Answer | Accepted:
+        """A deterministic model's request: cached, else shared with identical ones (``SharedAnswers``)."""
+        if (hit := await self._shared.cached(request, wait=wait)) is not None:
+            return (
+                self._answer(hit, request.started)
+                if wait
+                else Accepted(request.task_id, request.model, status=hit.status)
+            )
+        if not wait:
+            return await self._enqueue(
+                request.task_id, request.input, request.model, request.timeout_ms, request.deadline, request.owner
+            )
+        return self._answer(await self._shared.computed(request, disconnected), request.started)
 
     async def _answer_when_done(
         self,
