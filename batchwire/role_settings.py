@@ -38,6 +38,9 @@ GATEWAY_FLAGS = (
     "header_timeout_s",
     "body_timeout_s",
     "max_connections",
+    "deterministic_models",
+    "public_models",
+    "cache_ttl_s",
 )
 """GatewaySettings fields set one to one from the flag of the same name."""
 
