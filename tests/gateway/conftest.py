@@ -42,7 +42,9 @@ async def make_rig() -> AsyncIterator[RigFactory]:
         store = store or RecordingStore()
         if queue_depth == "bus":
             queue_depth = MemoryQueueDepth(bus)
-        gateway = Gateway(settings, producer or bus.producer(), store, queue_depth=queue_depth, limiter=limiter, cache=cache)
+        gateway = Gateway(
+            settings, producer or bus.producer(), store, queue_depth=queue_depth, limiter=limiter, cache=cache
+        )
         lifecycle = StubLifecycle()
         app = create_app(gateway, lifecycle)
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway")

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
 
-from gateway.auth import digest_of
+from gateway.auth import digest_of, owner_of
 from schemas.records import TaskStatus
+from schemas.wire import Names
 from telemetry.metrics import CACHE_BYPASSED, CACHE_HITS, COLLAPSED
 from tests.support.eventually import eventually
 from tests.support.fake_clock import FakeClock
 from tests.support.gateway_rig import Rig, RigFactory, error_of
 from transport.memory.cache import MemoryResultCache
 from transport.ports import TransportError
+from transport.redis.cache import RedisResultCache
+from transport.redis.store import RedisTaskStore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -116,8 +120,8 @@ async def test_the_last_caller_leaving_cancels_the_computation(make_rig: RigFact
         assert (await rig.client.delete(f"/v1/result/{collapsed_callers(rig)[0]}")).status_code == 200
         assert (await call).status_code == 409
         async with asyncio.timeout(10):
-            async for state in changes:
-                if state.status is TaskStatus.CANCELLED:
+            async for change in changes:
+                if change.status is TaskStatus.CANCELLED:
                     break
     state = await rig.store.get(computation)
     assert state is not None and state.status is TaskStatus.CANCELLED, state
@@ -221,3 +225,40 @@ async def test_a_cache_that_fails_is_bypassed(make_rig: RigFactory) -> None:
         assert answer.status_code == 200 and answer.json()["output"] == "zyx", answer.text
     assert len(worker.seen) == 2
     assert count(CACHE_BYPASSED) - bypassed == 4, "two reads and two writes bypassed"
+
+
+# over the real Redis ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def redis_parts(request: pytest.FixtureRequest, names: Names) -> AsyncIterator[tuple[RedisTaskStore, str]]:
+    url = request.getfixturevalue("infra").redis_url
+    store = RedisTaskStore(url, names)
+    await store.start()
+    yield store, url
+    await store.close()
+
+
+@pytest.mark.kafka
+async def test_gateways_share_the_redis_cache_and_scope_it_per_key(
+    make_rig: RigFactory, redis_parts: tuple[RedisTaskStore, str], names: Names
+) -> None:
+    store, url = redis_parts
+    keys = (digest_of(KEY_A), digest_of(KEY_B))
+    caches = [RedisResultCache(url, names), RedisResultCache(url, names)]
+    first = await make_rig(**SHARING, store=store, cache=caches[0], cache_ttl_s=60.0, api_keys=keys)
+    second = await make_rig(**SHARING, store=store, cache=caches[1], cache_ttl_s=60.0, api_keys=keys, bus=first.bus)
+    worker = await first.worker()
+    try:
+        computed = await infer(first, "redis hello", bearer(KEY_A))
+        assert computed.json()["output"] == "olleh sider", computed.text
+        hit = await infer(second, "redis hello", bearer(KEY_A))
+        assert hit.json()["output"] == "olleh sider" and len(worker.seen) == 1, "the other gateway's hit"
+        stored = await store.get(hit.json()["task_id"])
+        assert stored is not None and stored.status is TaskStatus.COMPLETED
+        assert stored.owner == owner_of(digest_of(KEY_A)), "the hit's task is its caller's"
+        other = await infer(second, "redis hello", bearer(KEY_B))
+        assert other.json()["output"] == "olleh sider" and len(worker.seen) == 2, "B's request is computed"
+    finally:
+        for cache in caches:
+            await cache.close()
