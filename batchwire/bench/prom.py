@@ -90,6 +90,9 @@ class ServerStats(TypedDict):
     window_s: float
     scrape_errors: dict[str, str]
     batches: float
+    items: float
+    """Inputs the workers ran in the window (the batches' sizes summed): with collapsing and the
+    cache, fewer than the requests."""
     batch_size_mean: float | None
     batch_size_buckets: list[BucketCount]
     flushes: dict[str, float]
@@ -157,6 +160,7 @@ def server_stats(before: Scrape, after: Scrape, urls: Iterable[str], workers_hin
         window_s=round(window_s, 6),
         scrape_errors=errors,
         batches=batches,
+        items=_sum(delta, f"{BATCH_SIZE}_sum"),
         batch_size_mean=_sum(delta, f"{BATCH_SIZE}_sum") / batches if batches else None,
         batch_size_buckets=_buckets(_by_label(delta, f"{BATCH_SIZE}_bucket", "le")),
         flushes={reason: count for reason, count in _by_label(delta, FLUSHES, "reason").items() if count},
