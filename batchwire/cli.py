@@ -89,6 +89,7 @@ def _worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     flags.replication(worker)
     flags.worker(worker)
     flags.worker_process(worker)
+    flags.deterministic_models(worker)
 
 
 def _stack(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

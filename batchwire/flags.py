@@ -232,14 +232,7 @@ def gateway_admission(parser: argparse.ArgumentParser) -> None:
 def answer_sharing(parser: argparse.ArgumentParser) -> None:
     """Which models' requests share answers (collapsing, the result cache), and for how long."""
     g = GatewaySettings
-    add(
-        parser,
-        "--deterministic-models",
-        ",".join(default_of(g, "deterministic_models")),
-        models,
-        "comma-separated models whose answer depends on the input alone: only their identical requests are "
-        "collapsed and cached",
-    )
+    deterministic_models(parser)
     add(
         parser,
         "--public-models",
@@ -253,6 +246,17 @@ def answer_sharing(parser: argparse.ArgumentParser) -> None:
         "cache_ttl_s",
         float,
         "serve a deterministic model's completed answers from a cache this long (0: off)",
+    )
+
+
+def deterministic_models(parser: argparse.ArgumentParser) -> None:
+    add(
+        parser,
+        "--deterministic-models",
+        ",".join(default_of(GatewaySettings, "deterministic_models")),
+        models,
+        "comma-separated models whose answer depends on the input alone: only their identical requests are "
+        "collapsed and cached, and their workers run a batch's duplicate inputs once",
     )
 
 

@@ -152,6 +152,6 @@ def worker_settings(args: argparse.Namespace, model: str, worker_id: str | None 
     if worker_id:
         kwargs["worker_id"] = worker_id
     try:
-        return WorkerSettings(model=model, **kwargs)
+        return WorkerSettings(model=model, deterministic=model in args.deterministic_models, **kwargs)
     except ValueError as err:
         raise SettingsError(str(err)) from err

@@ -53,6 +53,7 @@ def run_embedded(args: argparse.Namespace) -> int:
             batch_log=args.batch_log,
             worker=rs.worker_settings(args, shared.models[0]),
             max_store_bytes=args.max_store_bytes,
+            deterministic_models=tuple(args.deterministic_models),
         ),
         lambda model, index: make_backend(backends, model),
     )

@@ -154,3 +154,9 @@ COLLAPSED = Counter(
     ["model"],
     registry=REGISTRY,
 )
+BACKEND_ITEMS = Counter(
+    "batchwire_backend_items",
+    "Inputs handed to the backend (a deterministic model's duplicates within one batch count once).",
+    ["model"],
+    registry=REGISTRY,
+)
