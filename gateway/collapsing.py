@@ -37,6 +37,10 @@ own deadline: at most that much earlier may it be answered ``deadline_exceeded``
 KeepAnswer = Callable[[str, TaskState], Awaitable[None]]
 """Called with each computation's key and end state (the result cache keeps the completed ones)."""
 
+Computed = Callable[[str, float], None]
+"""Called with a completed computation's model and its duration from publish to answer: a shared
+caller's own latency (it may have joined late) is not the model's service time."""
+
 
 @dataclass(eq=False, slots=True)
 class Computation:
@@ -48,10 +52,12 @@ class Computation:
     callers: set[str] = field(default_factory=set)
     queued: TaskState | None = None
     """Its "queued" record once built; written only when it is cancelled (the batcher writes the first)."""
+    ended: bool = False
+    """Its end state is in: it answers the callers attached now, and no other caller joins it."""
 
 
 @dataclass(frozen=True, slots=True)
-class Request:
+class SharedRequest:
     """One caller's request, as ``Gateway.submit`` validated it."""
 
     key: str
@@ -76,6 +82,7 @@ class Collapser:
         *,
         gateway_id: str,
         keep: KeepAnswer | None = None,
+        computed: Computed | None = None,
     ) -> None:
         self._store = store
         self._publisher = publisher
@@ -83,6 +90,7 @@ class Collapser:
         self._clock = clock
         self._gateway_id = gateway_id
         self._keep = keep
+        self._computed = computed
         self._inflight: dict[str, Computation] = {}
         self._group: asyncio.TaskGroup | None = None
         self._host: asyncio.Task[None] | None = None
@@ -120,7 +128,7 @@ class Collapser:
             self._started.set()
             await asyncio.Future()  # until close cancels it; the group then cancels and awaits every run
 
-    async def answer(self, request: Request, disconnected: Watch | None) -> TaskState:
+    async def answer(self, request: SharedRequest, disconnected: Watch | None) -> TaskState:
         """Attaches the caller to its key's computation (starting one if none fits) and waits for
         the caller's own task to end; raises what the caller's answer is instead."""
         future = self._replies.register(request.task_id, request.started, disconnected)
@@ -160,7 +168,7 @@ class Collapser:
             raise Unavailable(state.error_message or "the request bus is unavailable", task_id=request.task_id)
         return state
 
-    def _join(self, request: Request) -> Computation:
+    def _join(self, request: SharedRequest) -> Computation:
         """The computation this caller waits for: an identical one in flight whose deadline is not
         too early for the caller (``JOIN_SLACK``), else a new one (which replaces it under the key)."""
         computation = self._inflight.get(request.key)
@@ -179,16 +187,19 @@ class Collapser:
     async def _leave(self, key: str, computation: Computation, task_id: str) -> None:
         """Detaches a caller; the last one to leave a computation still running cancels it."""
         computation.callers.discard(task_id)
-        if computation.callers or self._inflight.get(key) is not computation:
-            return  # others still wait, or it ended (it leaves the map before it answers)
-        del self._inflight[key]
+        if computation.callers or computation.ended:
+            return
+        computation.ended = True  # nobody waits for it: it is cancelled, and no one joins it
+        if self._inflight.get(key) is computation:
+            del self._inflight[key]
         if computation.queued is not None:
             await self._publisher.record_late(computation.queued)  # so that the cancel finds it
         await self._publisher.cancel_abandoned(computation.task_id)
 
-    async def _run(self, request: Request, computation: Computation) -> None:
+    async def _run(self, request: SharedRequest, computation: Computation) -> None:
         """Publishes the computation's request, waits for its end, and answers every attached caller."""
         state = await self._compute(request, computation)
+        computation.ended = True
         if self._inflight.get(request.key) is computation:
             del self._inflight[request.key]  # from here on a new request starts anew
         callers = tuple(computation.callers)
@@ -196,7 +207,7 @@ class Collapser:
             await self._keep(request.key, state)
         await self._answer_callers(state, callers)
 
-    async def _compute(self, request: Request, computation: Computation) -> TaskState:
+    async def _compute(self, request: SharedRequest, computation: Computation) -> TaskState:
         """The computation's end state; a deadline, the bus refusing it or a gateway shutting down
         become an end state too, so every caller is answered the same way."""
         publisher = self._publisher
@@ -204,11 +215,15 @@ class Collapser:
             computation.task_id, request.input, request.model, request.timeout_ms, self._gateway_id, request.owner
         )
         computation.queued = queued
-        future = self._replies.register(computation.task_id, self._clock.monotonic())
+        started = self._clock.monotonic()
+        future = self._replies.register(computation.task_id, started)
         try:
             async with asyncio.timeout_at(computation.deadline):
                 await publisher.publish(queued, sent, record=False)
-                return await future
+                state = await future
+            if state.status is TaskStatus.COMPLETED and self._computed is not None:
+                self._computed(state.model, self._clock.monotonic() - started)
+            return state
         except TimeoutError:
             return self._ended(queued, TaskStatus.EXPIRED, DeadlineExceeded.code, "no answer within the deadline")
         except Unavailable as err:

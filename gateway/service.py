@@ -16,7 +16,7 @@ from gateway import idempotency
 from gateway.admission import ANONYMOUS, Admission, Caller
 from gateway.answers import Accepted, Answer, answer_of
 from gateway.clock import Clock, SystemClock
-from gateway.collapsing import Request
+from gateway.collapsing import SharedRequest
 from gateway.errors import (
     ClientDisconnected,
     DeadlineExceeded,
@@ -79,7 +79,9 @@ class Gateway:
         self._publisher = TaskPublisher(producer, store, self._clock, write_timeout_s=settings.ready_timeout_s)
         self._keys = KeyedReplay(store, self._clock, recheck_s=settings.reply_recheck_s)
         self._reads = TaskReads(settings, store)
-        self._shared = SharedAnswers(settings, store, self._publisher, self._replies, self._clock, cache)
+        self._shared = SharedAnswers(
+            settings, store, self._publisher, self._replies, self._clock, cache, computed=self._admission.answered
+        )
         self._inflight = 0
         self._accepting = False
         self._latency = {model: REQUEST_LATENCY.labels(model=model) for model in settings.models}
@@ -195,7 +197,7 @@ class Gateway:
             deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
             key = self._shared.keys.key(caller.owner, model, input)
             if key is not None and idempotency_key is None:
-                shared = Request(key, task_id, input, model, timeout_ms, deadline, started, caller.owner)
+                shared = SharedRequest(key, task_id, input, model, timeout_ms, deadline, started, caller.owner)
                 return await self._submit_shared(shared, wait, disconnected)
             if idempotency_key is not None:
                 return await self._submit_keyed(
@@ -261,21 +263,15 @@ class Gateway:
             await self._keys.release(scope, key, task_id)  # a retry may then create the task
             raise
 
-    async def _submit_shared(
-        self, request: Request, wait: bool, disconnected: Disconnected | None
-    ) -> Answer | Accepted:
+    async def _submit_shared(self, request: SharedRequest, wait: bool, watch: Disconnected | None) -> Answer | Accepted:
         """A deterministic model's request: cached, else shared with identical ones (``SharedAnswers``)."""
         if (hit := await self._shared.cached(request, wait=wait)) is not None:
-            return (
-                self._answer(hit, request.started)
-                if wait
-                else Accepted(request.task_id, request.model, status=hit.status)
-            )
-        if not wait:
-            return await self._enqueue(
-                request.task_id, request.input, request.model, request.timeout_ms, request.deadline, request.owner
-            )
-        return self._answer(await self._shared.computed(request, disconnected), request.started)
+            accepted = Accepted(hit.task_id, hit.model, status=hit.status)  # completed: no poll needed
+            return self._answer(hit, request.started, shared=True) if wait else accepted
+        if wait:
+            return self._answer(await self._shared.computed(request, watch), request.started, shared=True)
+        args = (request.task_id, request.input, request.model, request.timeout_ms, request.deadline, request.owner)
+        return await self._enqueue(*args)
 
     async def _answer_when_done(
         self,
@@ -374,14 +370,15 @@ class Gateway:
             )
         return model, timeout_ms
 
-    def _answer(self, state: TaskState, started: float) -> Answer:
+    def _answer(self, state: TaskState, started: float, *, shared: bool = False) -> Answer:
         """The caller's answer from its task's terminal state; a completed one counts in the latency
-        histogram and the admission's service time."""
+        histogram and, unless ``shared`` (its computation counts itself), the admission's service time."""
         latency_s = self._clock.monotonic() - started
         histogram = self._latency.get(state.model)
         if state.status is TaskStatus.COMPLETED and histogram is not None:
             histogram.observe(latency_s)
-            self._admission.answered(state.model, latency_s)
+            if not shared:
+                self._admission.answered(state.model, latency_s)
         return answer_of(state, latency_s)
 
     # -- reading (TaskReads) -------------------------------------------------------------------

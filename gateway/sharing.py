@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from gateway.answer_keys import AnswerKeys
 from gateway.clock import Clock
-from gateway.collapsing import Collapser, Request
+from gateway.collapsing import Collapser, Computed, SharedRequest
 from gateway.publisher import TaskPublisher
 from gateway.replies import Replies
 from gateway.result_cache import CachedAnswers
@@ -31,14 +31,19 @@ class SharedAnswers:
         replies: Replies,
         clock: Clock,
         cache: ResultCache | None,
+        *,
+        computed: Computed | None = None,
     ) -> None:
-        """Without ``cache`` (or with ``cache_ttl_s`` 0) only collapsing applies."""
+        """Without ``cache`` (or with ``cache_ttl_s`` 0) only collapsing applies. ``computed`` hears
+        each completed computation's model and duration (the admission's service time)."""
         self.keys = AnswerKeys(settings)
         self._cached: CachedAnswers | None = None
         if cache is not None and settings.cache_ttl_s > 0:
             self._cached = CachedAnswers(cache, store, clock, ttl_s=settings.cache_ttl_s)
         keep = self._cached.keep if self._cached is not None else None
-        self.collapser = Collapser(store, publisher, replies, clock, gateway_id=settings.gateway_id, keep=keep)
+        self.collapser = Collapser(
+            store, publisher, replies, clock, gateway_id=settings.gateway_id, keep=keep, computed=computed
+        )
 
     @property
     def alive(self) -> bool:
@@ -50,12 +55,12 @@ class SharedAnswers:
     async def close(self) -> None:
         await self.collapser.close()
 
-    async def cached(self, request: Request, *, wait: bool) -> TaskState | None:
+    async def cached(self, request: SharedRequest, *, wait: bool) -> TaskState | None:
         """The request's task, ended ``completed`` from the cache, or None (no cache, a miss, a bypass)."""
         if self._cached is None:
             return None
         return await self._cached.answer(request.key, request.task_id, request.model, request.owner, wait=wait)
 
-    async def computed(self, request: Request, disconnected: Watch | None) -> TaskState:
+    async def computed(self, request: SharedRequest, disconnected: Watch | None) -> TaskState:
         """A synchronous request's end state, from the computation it shares (see ``Collapser.answer``)."""
         return await self.collapser.answer(request, disconnected)
