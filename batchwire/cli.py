@@ -23,6 +23,7 @@ def _up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     flags.shared(up)
     flags.gateway_http(up)
     flags.gateway_admission(up)
+    flags.answer_sharing(up)
     flags.batching(up)
     flags.worker(up)
     flags.add(up, "--workers", 2, int, "workers per model")
@@ -42,6 +43,7 @@ def _gateway(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     flags.replication(gateway)
     flags.gateway_http(gateway)
     flags.gateway_admission(gateway)
+    flags.answer_sharing(gateway)
     flags.express(gateway)
     flags.field_flag(
         gateway,
@@ -87,6 +89,7 @@ def _worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     flags.replication(worker)
     flags.worker(worker)
     flags.worker_process(worker)
+    flags.deterministic_models(worker)
 
 
 def _stack(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

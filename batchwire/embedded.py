@@ -63,6 +63,8 @@ class EmbeddedSettings:
     batch_log: str | None = None
     worker: WorkerSettings = field(default_factory=WorkerSettings)
     """Template of every worker's settings (its id, model and batch log are set per worker)."""
+    deterministic_models: tuple[str, ...] = ()
+    """Models whose workers run each distinct input of a batch once."""
     max_store_bytes: int = 256 * 2**20
     """Bytes the task store may hold for results, ids and queued inputs (0: no limit): ended tasks
     are dropped oldest first, and once only live tasks are left, submits get 503 ``overloaded``."""
@@ -113,7 +115,11 @@ class EmbeddedRuntime:
         generation = self._generations[slot]
         worker_id = f"{model}-worker-{index}" + (f".{generation}" if generation else "")
         worker_settings = dataclasses.replace(
-            self.settings.worker, worker_id=worker_id, model=model, batch_log=self.settings.batch_log
+            self.settings.worker,
+            worker_id=worker_id,
+            model=model,
+            batch_log=self.settings.batch_log,
+            deterministic=model in self.settings.deterministic_models,
         )
         journal = BatchJournal(self.settings.batch_log) if self.settings.batch_log else None
         return Worker(

@@ -233,6 +233,37 @@ def gateway_admission(parser: argparse.ArgumentParser) -> None:
     api_keys(parser)
 
 
+def answer_sharing(parser: argparse.ArgumentParser) -> None:
+    """Which models' requests share answers (collapsing, the result cache), and for how long."""
+    g = GatewaySettings
+    deterministic_models(parser)
+    add(
+        parser,
+        "--public-models",
+        ",".join(default_of(g, "public_models")),
+        models,
+        "comma-separated deterministic models whose answers every API key shares (others: per key)",
+    )
+    field_flag(
+        parser,
+        g,
+        "cache_ttl_s",
+        float,
+        "serve a deterministic model's completed answers from a cache this long (0: off)",
+    )
+
+
+def deterministic_models(parser: argparse.ArgumentParser) -> None:
+    add(
+        parser,
+        "--deterministic-models",
+        ",".join(default_of(GatewaySettings, "deterministic_models")),
+        models,
+        "comma-separated models whose answer depends on the input alone: only their identical requests are "
+        "collapsed and cached, and their workers run a batch's duplicate inputs once",
+    )
+
+
 def api_keys(parser: argparse.ArgumentParser) -> None:
     add(
         parser,

@@ -12,6 +12,7 @@ from transport.express.requests import ExpressRequestProducer
 from transport.kafka.lag import KafkaQueueDepth
 from transport.kafka.producers import KafkaRequestProducer
 from transport.ports import RequestProducer
+from transport.redis.cache import RedisResultCache
 from transport.redis.limits import RedisRateLimiter
 from transport.redis.store import RedisTaskStore
 from transport.routing import Partitioner
@@ -21,7 +22,8 @@ class GatewayTransports:
     """The gateway's Kafka producer, Redis store, queue-depth reader and rate limiter, as the app's lifecycle.
 
     The queue-depth reader (request topic lag, refreshed in the background) exists only when
-    ``max_queue_depth`` or ``admit_by_wait`` is on, the Redis rate limiter only when ``rate_limit_per_s`` is.
+    ``max_queue_depth`` or ``admit_by_wait`` is on, the Redis rate limiter only when ``rate_limit_per_s`` is,
+    the result cache (in the task store's Redis) only when ``cache_ttl_s`` is.
     """
 
     def __init__(self, shared: SharedSettings, settings: GatewaySettings) -> None:
@@ -52,8 +54,14 @@ class GatewayTransports:
                 redis_url, shared.names, settings.rate_limit_per_s, settings.rate_limit_burst_tokens
             )
 
+        self.cache: RedisResultCache | None = None
+        if settings.cache_ttl_s > 0:
+            self.cache = RedisResultCache(redis_url, shared.names)
+
     async def start(self) -> None:
         await self.store.start()
+        if self.cache is not None:
+            await self.cache.start()
         await self.producer.start()
         if self.queue_depth is not None:
             await self.queue_depth.start()
@@ -66,6 +74,8 @@ class GatewayTransports:
         if self.queue_depth is not None:
             await self.queue_depth.close()
         await self.producer.close()
+        if self.cache is not None:
+            await self.cache.close()
         await self.store.close()
 
     async def ready(self) -> dict[str, Any]:

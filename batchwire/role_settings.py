@@ -40,6 +40,9 @@ GATEWAY_FLAGS = (
     "header_timeout_s",
     "body_timeout_s",
     "max_connections",
+    "deterministic_models",
+    "public_models",
+    "cache_ttl_s",
 )
 """GatewaySettings fields set one to one from the flag of the same name."""
 
@@ -153,6 +156,6 @@ def worker_settings(args: argparse.Namespace, model: str, worker_id: str | None 
     if worker_id:
         kwargs["worker_id"] = worker_id
     try:
-        return WorkerSettings(model=model, **kwargs)
+        return WorkerSettings(model=model, deterministic=model in args.deterministic_models, **kwargs)
     except ValueError as err:
         raise SettingsError(str(err)) from err

@@ -33,6 +33,7 @@ from transport.express.requests import ExpressRequestConsumer
 from transport.kafka.consumers import KafkaBatchConsumer, KafkaRequestConsumer
 from transport.kafka.producers import KafkaBatchProducer, KafkaDeadLetterProducer
 from transport.memory.bus import MemoryRateLimiter
+from transport.memory.cache import MemoryResultCache
 from transport.ports import BatchProducer, RequestConsumer
 from transport.redis.deliveries import RedisDeliveryLog
 from transport.redis.store import STORE_POOL, RedisCreditPool, RedisTaskStore
@@ -52,6 +53,7 @@ def run_embedded(args: argparse.Namespace) -> int:
             batch_log=args.batch_log,
             worker=rs.worker_settings(args, shared.models[0]),
             max_store_bytes=args.max_store_bytes,
+            deterministic_models=tuple(args.deterministic_models),
         ),
         lambda model, index: make_backend(backends, model),
     )
@@ -59,7 +61,10 @@ def run_embedded(args: argparse.Namespace) -> int:
     limiter = None  # one process: the rate limits' buckets live in memory
     if settings.rate_limit_per_s > 0:
         limiter = MemoryRateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst_tokens)
-    gateway = Gateway(settings, runtime.producer, runtime.store, queue_depth=runtime.queue_depth, limiter=limiter)
+    cache = MemoryResultCache() if settings.cache_ttl_s > 0 else None  # one process: answers kept in memory
+    gateway = Gateway(
+        settings, runtime.producer, runtime.store, queue_depth=runtime.queue_depth, limiter=limiter, cache=cache
+    )
     log.info(
         "batchwire (embedded) on http://%s:%d: models %s, %d workers each",
         settings.host,
@@ -89,6 +94,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         transports.store,
         queue_depth=transports.queue_depth,
         limiter=transports.limiter,
+        cache=transports.cache,
     )
     streams_end = StreamsEnd()
     app = create_app(gateway, transports, streams_end)

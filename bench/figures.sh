@@ -94,6 +94,17 @@ figure() {
       .venv/bin/batchwire validate-sim "$R"/20rps-*-run? "$R"/600-embedded "$R"/600-kafka "$R"/load-embedded \
         "$R"/load-kafka "$R"/1900-embedded "$R"/1900-kafka "$R"/policies "$R"/slow-worker --out "$R/validate.md" ;;
     validate-hf) validate_hf ;;
+    # Request collapsing and the result cache (issue 18; bench/results/cache.md): 10,000 requests
+    # over 1,000 inputs of Zipf popularity (s = 1.1) at 1,600 req/s, with collapsing alone and with
+    # the cache; then 3,000 req/s, past the 2,000/s GPU ceiling, with and without them.
+    cache)
+      local zipf=(--start embedded --workers 2 --zipf 1000:1.1 --lone 0 --concurrency-limit 20000)
+      BATCHWIRE_DETERMINISTIC_MODELS=sim run cache-1600-collapse "${zipf[@]}" --rate 1600 --duration 6.25 --warmup 0
+      BATCHWIRE_DETERMINISTIC_MODELS=sim BATCHWIRE_CACHE_TTL_S=300 \
+        run cache-1600-on "${zipf[@]}" --rate 1600 --duration 6.25 --warmup 0
+      BATCHWIRE_DETERMINISTIC_MODELS=sim BATCHWIRE_CACHE_TTL_S=300 \
+        run cache-3000-on "${zipf[@]}" --rate 3000 --duration 10 --warmup 3
+      run cache-3000-off "${zipf[@]}" --rate 3000 --duration 10 --warmup 3 ;;
     *) echo "unknown figure $1" >&2; exit 2 ;;
   esac
 }

@@ -74,6 +74,10 @@ class Replies:
         """The future the task's terminal state completes (see ``ReplyWaiters.register``)."""
         return self._waiters.register(task_id, now, watch)
 
+    def deliver(self, state: TaskState) -> None:
+        """Hands a terminal state to its caller directly, as a reply would (``gateway.collapsing``)."""
+        self._waiters.resolve(state)
+
     def discard(self, task_id: str) -> None:
         """Forgets a caller; called on every path out of a synchronous request."""
         self._waiters.discard(task_id)

@@ -16,6 +16,7 @@ from gateway import idempotency
 from gateway.admission import ANONYMOUS, Admission, Caller
 from gateway.answers import Accepted, Answer, answer_of
 from gateway.clock import Clock, SystemClock
+from gateway.collapsing import SharedRequest
 from gateway.errors import (
     ClientDisconnected,
     DeadlineExceeded,
@@ -34,10 +35,11 @@ from gateway.reads import TaskReads
 from gateway.replay import KeyedReplay
 from gateway.replies import Replies
 from gateway.settings import GatewaySettings, env_name
+from gateway.sharing import SharedAnswers
 from gateway.waiters import CallerGone, Watch
 from schemas.records import Priority, TaskState, TaskStatus
 from telemetry.metrics import INFLIGHT, REQUEST_LATENCY
-from transport.ports import QueueDepth, RateLimiter, RequestProducer, TaskStore
+from transport.ports import QueueDepth, RateLimiter, RequestProducer, ResultCache, TaskStore
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +64,11 @@ class Gateway:
         *,
         queue_depth: QueueDepth | None = None,
         limiter: RateLimiter | None = None,
+        cache: ResultCache | None = None,
     ) -> None:
         """``queue_depth`` and ``limiter`` enforce ``max_queue_depth`` and the rate limits; without
-        them those settings are not applied (the composition roots always pass them)."""
+        them those settings are not applied (the composition roots always pass them). ``cache``
+        holds answers for ``cache_ttl_s``."""
         self.settings = settings
         self._producer = producer
         self._store = store
@@ -76,6 +80,9 @@ class Gateway:
         self._publisher = TaskPublisher(producer, store, self._clock, write_timeout_s=settings.ready_timeout_s)
         self._keys = KeyedReplay(store, self._clock, recheck_s=settings.reply_recheck_s)
         self._reads = TaskReads(settings, store)
+        self._shared = SharedAnswers(
+            settings, store, self._publisher, self._replies, self._clock, cache, computed=self._admission.answered
+        )
         self._inflight = 0
         self._accepting = False
         self._latency = {model: REQUEST_LATENCY.labels(model=model) for model in settings.models}
@@ -87,12 +94,14 @@ class Gateway:
         accepts work."""
         await self._replies.start()
         await self._admission.start()
+        await self._shared.start()
         self._accepting = True
 
     async def close(self) -> None:
         """Stops accepting, wakes the callers still held with ``not_ready``, and stops the look-ups."""
         self._accepting = False
         await self._replies.close(lambda: NotReady("the gateway is shutting down; retry on another instance"))
+        await self._shared.close()
         await self._admission.close()
 
     async def ready(self) -> dict[str, bool]:
@@ -100,7 +109,7 @@ class Gateway:
         return {
             "bus": await probe(self._producer.ready(), self.settings.ready_timeout_s, "bus"),
             "store": await probe(self._store.ready(), self.settings.ready_timeout_s, "store"),
-            "gateway": self._accepting and self._replies.alive,
+            "gateway": self._accepting and self._replies.alive and self._shared.alive,
         }
 
     def models(self) -> dict[str, str]:
@@ -192,6 +201,10 @@ class Gateway:
                 raise Overloaded(full)
             task_id = secrets.token_urlsafe(16)
             deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
+            key = self._shared.keys.key(caller.owner, model, input)
+            if key is not None and idempotency_key is None:
+                shared = SharedRequest(key, task_id, input, model, timeout_ms, deadline, started, caller.owner)
+                return await self._submit_shared(shared, wait, disconnected)
             if idempotency_key is not None:
                 return await self._submit_keyed(
                     task_id, input, model, timeout_ms, wait, deadline, started, caller.owner, idempotency_key, tier
@@ -256,6 +269,16 @@ class Gateway:
         except Unavailable:
             await self._keys.release(scope, key, task_id)  # a retry may then create the task
             raise
+
+    async def _submit_shared(self, request: SharedRequest, wait: bool, watch: Disconnected | None) -> Answer | Accepted:
+        """A deterministic model's request: cached, else shared with identical ones (``SharedAnswers``)."""
+        if (hit := await self._shared.cached(request, wait=wait)) is not None:
+            accepted = Accepted(hit.task_id, hit.model, status=hit.status)  # completed: no poll needed
+            return self._answer(hit, request.started, shared=True) if wait else accepted
+        if wait:
+            return self._answer(await self._shared.computed(request, watch), request.started, shared=True)
+        args = (request.task_id, request.input, request.model, request.timeout_ms, request.deadline, request.owner)
+        return await self._enqueue(*args)
 
     async def _answer_when_done(
         self,
@@ -362,14 +385,15 @@ class Gateway:
             )
         return model, timeout_ms
 
-    def _answer(self, state: TaskState, started: float) -> Answer:
+    def _answer(self, state: TaskState, started: float, *, shared: bool = False) -> Answer:
         """The caller's answer from its task's terminal state; a completed one counts in the latency
-        histogram and the admission's service time."""
+        histogram and, unless ``shared`` (its computation counts itself), the admission's service time."""
         latency_s = self._clock.monotonic() - started
         histogram = self._latency.get(state.model)
         if state.status is TaskStatus.COMPLETED and histogram is not None:
             histogram.observe(latency_s)
-            self._admission.answered(state.model, latency_s)
+            if not shared:
+                self._admission.answered(state.model, latency_s)
         return answer_of(state, latency_s)
 
     # -- reading (TaskReads) -------------------------------------------------------------------

@@ -126,6 +126,15 @@ class GatewaySettings:
     key_tiers: tuple[str, ...] = field(default=(), repr=False)
     """Priority tiers of those of ``api_keys`` the keys file gives any, each ``<digest> <default>
     <ceiling>`` (``gateway.priority.KeyTiers``); a key not here defaults to normal, up to high."""
+    deterministic_models: tuple[str, ...] = ()
+    """Models whose answer depends on the input alone (the sim backend's reversal, greedy decoding).
+    Only their requests are collapsed and cached: another model's identical requests each run."""
+    public_models: tuple[str, ...] = ()
+    """Deterministic models whose answers every API key may share: their cache and collapsing span
+    all callers. Any other model's are scoped per API key (``gateway.answer_keys``)."""
+    cache_ttl_s: float = 0.0
+    """How long a completed answer of a deterministic model is served from the result cache; 0 turns
+    the cache off."""
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -135,6 +144,7 @@ class GatewaySettings:
         _check_durations(self)
         _check_rate_limits(self)
         _check_keys(self)
+        _check_sharing(self)
 
     @property
     def rate_limit_burst_tokens(self) -> int:
@@ -265,3 +275,22 @@ def _check_keys(settings: GatewaySettings) -> None:
         raise ValueError(f"operator_keys must be among api_keys ({env_name('api_keys')}), as digests")
     if not {entry.partition(" ")[0] for entry in settings.key_tiers} <= set(settings.api_keys):
         raise ValueError(f"key_tiers must name keys among api_keys ({env_name('api_keys')}), as digests")
+
+
+def _check_sharing(settings: GatewaySettings) -> None:
+    """Deterministic models among the served ones, public ones among those; a finite cache TTL."""
+    served = set(settings.models)
+    for name, listed, among in (
+        ("deterministic_models", settings.deterministic_models, served),
+        ("public_models", settings.public_models, set(settings.deterministic_models)),
+    ):
+        if unknown := [model for model in listed if model not in among]:
+            where = "models" if among is served else "deterministic_models"
+            raise ValueError(
+                f"{name} ({env_name(name)}) names {', '.join(unknown)}, not among {where} ({env_name(where)})"
+            )
+    if not 0 <= settings.cache_ttl_s < float("inf"):
+        raise ValueError(
+            f"cache_ttl_s ({env_name('cache_ttl_s')}) is {settings.cache_ttl_s}; it must be a finite number "
+            "of seconds, 0 to turn the cache off"
+        )

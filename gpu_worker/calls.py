@@ -55,15 +55,29 @@ class GroupResult:
 
 
 class BackendCalls:
-    def __init__(self, backend: Backend, runner: BackendRunner, model: str, worker_id: str) -> None:
+    def __init__(
+        self, backend: Backend, runner: BackendRunner, model: str, worker_id: str, distinct_only: bool = False
+    ) -> None:
+        """``distinct_only``: the model is deterministic, so the backend runs each distinct input of a
+        group once and its output goes to every item that carries it."""
         self.backend = backend
         self.runner = runner
         self.model = model
         self.worker_id = worker_id
+        self.distinct_only = distinct_only
 
     async def run(self, inputs: list[str], result: GroupResult | None = None) -> GroupResult:
         """Outputs (or failures) by input index, filled into ``result`` (a new one by default)."""
         result = GroupResult() if result is None else result
+        distinct = list(dict.fromkeys(inputs)) if self.distinct_only else inputs
+        if len(distinct) < len(inputs):
+            await self._run_each(distinct, result)
+            position = {text: index for index, text in enumerate(distinct)}
+            result.outputs = {index: result.outputs[position[text]] for index, text in enumerate(inputs)}
+            return result
+        return await self._run_each(inputs, result)
+
+    async def _run_each(self, inputs: list[str], result: GroupResult) -> GroupResult:
         rejected: dict[int, InputError] = self.backend.input_errors(inputs)
         for index, err in rejected.items():
             result.outputs[index] = Failure(err.code, str(err))
@@ -97,6 +111,7 @@ class BackendCalls:
                 elapsed = timing.ended - timing.started
                 metrics.BACKEND_CALL.labels(model=self.model, backend=self.backend.name).observe(elapsed)
                 metrics.WORKER_BUSY.labels(worker=self.worker_id).inc(elapsed)
+                metrics.BACKEND_ITEMS.labels(model=self.model).inc(len(inputs))
                 result.started = timing.started if result.started is None else result.started
                 result.ended = timing.ended
         if len(outputs) != len(inputs):

@@ -41,6 +41,8 @@ class WorkerSettings:
     """Longest pause between tries while Kafka or Redis is unreachable."""
     max_output_bytes: int = 1_048_576
     """A task whose output is longer (UTF-8) fails with ``output_too_large`` instead of being stored (0: no limit)."""
+    deterministic: bool = False
+    """The model's answer depends on the input alone: duplicate inputs within one batch run once."""
 
     def __post_init__(self) -> None:
         if self.credit_ttl_s <= 0.5:

@@ -89,7 +89,7 @@ class Worker:
         self.runner = BackendRunner(
             settings.worker_id, hang_factor=settings.hang_factor, hang_min_s=settings.hang_min_s, expected_s=expected_s
         )
-        self.calls = BackendCalls(backend, self.runner, settings.model, settings.worker_id)
+        self.calls = BackendCalls(backend, self.runner, settings.model, settings.worker_id, settings.deterministic)
         self.pipeline = Pipeline(self.runner)
         self.offers = CreditOffer(settings, credits, consumer, backend, self.runner, self.pipeline.busy_for_s, replicas)
         self.admission = Admission(

@@ -66,6 +66,10 @@ class Names:
         """A client's ``Idempotency-Key``, within its owner's ``scope``: names the task it created."""
         return f"{self.namespace}:idem:{scope}:{key}"
 
+    def cached_answer(self, key: str) -> str:
+        """A completed answer in the result cache, under its scoped key (``gateway.answer_keys``)."""
+        return f"{self.namespace}:answer:{key}"
+
     def rate_bucket(self, client: str) -> str:
         """One client's token bucket, shared by every gateway."""
         return f"{self.namespace}:rate:{client}"

@@ -136,3 +136,33 @@ IDLE_WORKERS = Gauge(
     ["model"],
     registry=REGISTRY,
 )
+CACHE_HITS = Counter(
+    "batchwire_cache_hits",
+    "Requests of a deterministic model answered from the result cache.",
+    ["model"],
+    registry=REGISTRY,
+)
+CACHE_MISSES = Counter(
+    "batchwire_cache_misses",
+    "Requests of a deterministic model the result cache had no answer for.",
+    ["model"],
+    registry=REGISTRY,
+)
+CACHE_BYPASSED = Counter(
+    "batchwire_cache_bypassed",
+    "Result cache reads and writes that failed (its store down or slow); the request went the normal way.",
+    ["model"],
+    registry=REGISTRY,
+)
+COLLAPSED = Counter(
+    "batchwire_collapsed_requests",
+    "Synchronous requests that joined an identical request's computation instead of starting their own.",
+    ["model"],
+    registry=REGISTRY,
+)
+BACKEND_ITEMS = Counter(
+    "batchwire_backend_items",
+    "Inputs handed to the backend (a deterministic model's duplicates within one batch count once).",
+    ["model"],
+    registry=REGISTRY,
+)

@@ -236,6 +236,21 @@ class QueueDepth(Protocol):
         ...
 
 
+class ResultCache(Protocol):
+    """Completed answers by key, each kept ``ttl_s``; a miss and an expired entry read the same.
+
+    Both calls raise ``TransportError`` when the backing store fails; the gateway then goes the
+    normal way (the cache is bypassed, never failed on)."""
+
+    async def start(self) -> None: ...
+    async def close(self) -> None: ...
+    async def get(self, key: str) -> str | None:
+        """The output stored under ``key``, or None."""
+        ...
+
+    async def put(self, key: str, output: str, ttl_s: float) -> None: ...
+
+
 class RateLimiter(Protocol):
     """A token bucket per client (``rate_per_s`` refill, ``burst`` capacity), shared by every gateway."""
 

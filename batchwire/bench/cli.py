@@ -102,6 +102,12 @@ def _add_load_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--input-size", type=int, default=32, help="characters per (unique, random) input")
     load.add_argument("--seed", type=int, default=1, help="seed for arrival times and inputs")
     load.add_argument(
+        "--zipf",
+        metavar="DISTINCT:S",
+        help="draw inputs from DISTINCT inputs with Zipf popularity s (e.g. 1000:1.1) instead of unique ones; "
+        "shows what collapsing and the result cache save",
+    )
+    load.add_argument(
         "--expect",
         choices=("reverse", "none"),
         default="none",

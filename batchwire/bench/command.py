@@ -34,6 +34,7 @@ from batchwire.bench.schedule import InputFactory
 from batchwire.bench.stack import Stack
 from batchwire.bench.streams import mix_models
 from batchwire.bench.sut import SutError, SutSpec, SystemUnderTest, wait_first_answer
+from batchwire.bench.zipf import Zipf
 
 #: Where ``batchwire stack up`` keeps stack.env and the pid files (its default ``--state-dir``).
 STACK_DIR = Path(".batchwire")
@@ -245,6 +246,7 @@ def _load_config(args: argparse.Namespace) -> LoadConfig:
         timeout_s=args.timeout,
         input_size=args.input_size,
         seed=args.seed,
+        zipf=_zipf(args.zipf),
         expect=expect,
         payload_field=args.payload_field,
         pause_s=args.pause,
@@ -252,6 +254,15 @@ def _load_config(args: argparse.Namespace) -> LoadConfig:
         lone_count=args.lone,
         lone_gap_s=args.lone_gap_ms / 1000.0,
     )
+
+
+def _zipf(text: str | None) -> Zipf | None:
+    if not text:
+        return None
+    try:
+        return Zipf.parse(text)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
 
 
 def _policies(args: argparse.Namespace) -> list[str | None]:

@@ -17,6 +17,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 BATCH_SIZE = "batchwire_batch_size"
+BACKEND_ITEMS = "batchwire_backend_items_total"
 FLUSHES = "batchwire_flushes_total"
 WORKER_BUSY = "batchwire_worker_busy_seconds_total"
 
@@ -90,6 +91,9 @@ class ServerStats(TypedDict):
     window_s: float
     scrape_errors: dict[str, str]
     batches: float
+    items: float
+    """Inputs the workers' backends ran in the window: with collapsing and the cache, fewer than the
+    requests."""
     batch_size_mean: float | None
     batch_size_buckets: list[BucketCount]
     flushes: dict[str, float]
@@ -134,6 +138,13 @@ def _buckets(cumulative: Mapping[str, float]) -> list[BucketCount]:
     return out
 
 
+def _items(delta: Mapping[tuple[str, SampleKey], float]) -> float:
+    """Inputs the backends ran: their own count where the workers export it, else the batches' sizes."""
+    if any(sample == BACKEND_ITEMS for (_, (sample, _labels)) in delta):
+        return _sum(delta, BACKEND_ITEMS)
+    return _sum(delta, f"{BATCH_SIZE}_sum")
+
+
 def _workers(scrape_: Scrape) -> int:
     seen: set[tuple[str, str]] = set()
     for url, samples in scrape_.by_endpoint.items():
@@ -157,6 +168,7 @@ def server_stats(before: Scrape, after: Scrape, urls: Iterable[str], workers_hin
         window_s=round(window_s, 6),
         scrape_errors=errors,
         batches=batches,
+        items=_items(delta),
         batch_size_mean=_sum(delta, f"{BATCH_SIZE}_sum") / batches if batches else None,
         batch_size_buckets=_buckets(_by_label(delta, f"{BATCH_SIZE}_bucket", "le")),
         flushes={reason: count for reason, count in _by_label(delta, FLUSHES, "reason").items() if count},

@@ -23,6 +23,7 @@ from batchwire.bench.procstats import CpuSampler
 from batchwire.bench.rawhttp import RawHttpClient
 from batchwire.bench.results import RateReport, RunReport
 from batchwire.bench.schedule import InputFactory
+from batchwire.bench.zipf import Zipf, ZipfInputs
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,8 @@ class LoadConfig:
     timeout_s: float = 30.0
     input_size: int = 32
     seed: int = 1
+    zipf: Zipf | None = None
+    """Inputs repeat with Zipf popularity (``batchwire.bench.zipf``); None: every input unique."""
     expect: Expect = "none"
     payload_field: str = "input"
     pause_s: float = 1.0
@@ -77,7 +80,12 @@ async def bench_run(
     keeps what it measured), then runs the lone-request probe (into ``run["lone"]``) once the service
     is idle again."""
     rng = random.Random(load.seed)
-    inputs = InputFactory(load.input_size, rng, field=load.payload_field, nonce=secrets.token_hex(2))
+    nonce = secrets.token_hex(2)
+    inputs = (
+        ZipfInputs(load.zipf, load.input_size, rng, field=load.payload_field, nonce=nonce)
+        if load.zipf is not None
+        else InputFactory(load.input_size, rng, field=load.payload_field, nonce=nonce)
+    )
     client = make_client(load.client, load.concurrency_limit, load.timeout_s)
     metrics_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=16)) if target.metrics_urls else None
     try:
@@ -142,8 +150,10 @@ async def _lone_after_load(
 
 def summary_line(rate: RateReport) -> str:
     latency = rate["latency_ms"]
+    server = rate["server"]
+    items = f", backend items/request {server['items'] / rate['scheduled']:.3f}" if server and rate["scheduled"] else ""
     line = (
-        f"    ok {rate['ok']}/{rate['scheduled']}, errors {rate['error_total']}, "
+        f"    ok {rate['ok']}/{rate['scheduled']}, errors {rate['error_total']}{items}, "
         f"{rate['throughput_rps']:.1f} answers/s, p50 {latency.get('p50', 0):.1f} ms, "
         f"p99 {latency.get('p99', 0):.1f} ms, lag p99 {rate['lag_ms'].get('p99', 0):.2f} ms"
     )

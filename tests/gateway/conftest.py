@@ -21,7 +21,8 @@ async def make_rig() -> AsyncIterator[RigFactory]:
     """Builds a started app (lifespan entered) over fresh memory transports; tears all down after.
 
     ``store`` may be any TaskStore (a Redis one for tests over the real thing); ``queue_depth="bus"``
-    measures the rig's own bus; ``bus`` lets several gateways share one bus.
+    measures the rig's own bus; ``bus`` lets several gateways share one bus; ``cache`` is the
+    gateway's result cache.
     """
     stack: list[Rig] = []
     contexts: list[Any] = []
@@ -33,6 +34,7 @@ async def make_rig() -> AsyncIterator[RigFactory]:
         queue_depth: Any = None,
         limiter: Any = None,
         bus: MemoryRequestBus | None = None,
+        cache: Any = None,
         **overrides: Any,
     ) -> Rig:
         settings = GatewaySettings(**{"models": MODELS, "default_model": "sim", **overrides})
@@ -40,7 +42,9 @@ async def make_rig() -> AsyncIterator[RigFactory]:
         store = store or RecordingStore()
         if queue_depth == "bus":
             queue_depth = MemoryQueueDepth(bus)
-        gateway = Gateway(settings, producer or bus.producer(), store, queue_depth=queue_depth, limiter=limiter)
+        gateway = Gateway(
+            settings, producer or bus.producer(), store, queue_depth=queue_depth, limiter=limiter, cache=cache
+        )
         lifecycle = StubLifecycle()
         app = create_app(gateway, lifecycle)
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway")

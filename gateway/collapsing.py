@@ -1,0 +1,273 @@
+"""Request collapsing: identical synchronous requests in flight share one computation.
+
+Each caller keeps a task of its own (its id, its record, its answer); the computation is a task of
+the gateway's, with an id no caller holds, published once. When it ends, its state is copied onto
+every caller still attached, in one store write, and each caller is answered. So a caller who
+leaves (a disconnect, a deadline, ``DELETE`` of its task) ends only its own task: the computation
+runs on for the others, and is cancelled only when the last caller has left. A request joins a
+computation whose deadline falls at most ``JOIN_SLACK`` of its own timeout before its own deadline
+(identical requests sent a moment apart with the same timeout share); one that would wait longer
+starts a computation of its own, which new identical requests then join.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+
+from gateway.clock import Clock
+from gateway.errors import TRANSPORT_ERRORS, ClientDisconnected, DeadlineExceeded, Unavailable
+from gateway.publisher import TaskPublisher
+from gateway.replies import Replies
+from gateway.waiters import CallerGone, Watch
+from schemas.records import TaskState, TaskStatus
+from telemetry.metrics import COLLAPSED
+from transport.ports import TaskStore
+
+log = logging.getLogger(__name__)
+
+JOIN_SLACK = 0.1
+"""The share of a caller's timeout by which the computation it joins may end before the caller's
+own deadline: at most that much earlier may it be answered ``deadline_exceeded``."""
+
+KeepAnswer = Callable[[str, TaskState], Awaitable[None]]
+"""Called with each computation's key and end state (the result cache keeps the completed ones)."""
+
+Computed = Callable[[str, float], None]
+"""Called with a completed computation's model and its duration from publish to answer: a shared
+caller's own latency (it may have joined late) is not the model's service time."""
+
+
+@dataclass(eq=False, slots=True)
+class Computation:
+    """One published request and the callers waiting for its answer."""
+
+    task_id: str
+    model: str
+    deadline: float
+    callers: set[str] = field(default_factory=set)
+    queued: TaskState | None = None
+    """Its "queued" record once built; written only when it is cancelled (the batcher writes the first)."""
+    ended: bool = False
+    """Its end state is in: it answers the callers attached now, and no other caller joins it."""
+
+
+@dataclass(frozen=True, slots=True)
+class SharedRequest:
+    """One caller's request, as ``Gateway.submit`` validated it."""
+
+    key: str
+    task_id: str
+    input: str
+    model: str
+    timeout_ms: int
+    deadline: float
+    started: float
+    owner: str | None
+
+
+class Collapser:
+    """Owns the computations in flight, by key, and the tasks that run them (one ``TaskGroup``)."""
+
+    def __init__(
+        self,
+        store: TaskStore,
+        publisher: TaskPublisher,
+        replies: Replies,
+        clock: Clock,
+        *,
+        gateway_id: str,
+        keep: KeepAnswer | None = None,
+        computed: Computed | None = None,
+    ) -> None:
+        self._store = store
+        self._publisher = publisher
+        self._replies = replies
+        self._clock = clock
+        self._gateway_id = gateway_id
+        self._keep = keep
+        self._computed = computed
+        self._inflight: dict[str, Computation] = {}
+        self._group: asyncio.TaskGroup | None = None
+        self._host: asyncio.Task[None] | None = None
+        self._started = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._inflight)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the task that holds the computations runs (a crash there turns /readyz red)."""
+        return self._host is not None and not self._host.done()
+
+    def callers(self, key: str) -> frozenset[str]:
+        """The task ids of the callers attached to ``key``'s computation now."""
+        computation = self._inflight.get(key)
+        return frozenset(computation.callers) if computation is not None else frozenset()
+
+    async def start(self) -> None:
+        self._host = asyncio.create_task(self._hold_group(), name=f"{self._gateway_id}-collapser")
+        await self._started.wait()
+
+    async def close(self) -> None:
+        """Cancels the computations' tasks and waits for them (their callers were woken already)."""
+        host, self._host = self._host, None
+        if host is not None:
+            host.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await host
+        self._inflight.clear()
+
+    async def _hold_group(self) -> None:
+        async with asyncio.TaskGroup() as group:
+            self._group = group
+            self._started.set()
+            await asyncio.Future()  # until close cancels it; the group then cancels and awaits every run
+
+    async def answer(self, request: SharedRequest, disconnected: Watch | None) -> TaskState:
+        """Attaches the caller to its key's computation (starting one if none fits) and waits for
+        the caller's own task to end; raises what the caller's answer is instead."""
+        future = self._replies.register(request.task_id, request.started, disconnected)
+        computation = self._join(request)
+        now_ms = self._clock.wall_ms()
+        queued = TaskState(
+            request.task_id,
+            TaskStatus.QUEUED,
+            request.model,
+            now_ms,
+            now_ms,
+            reply_to=self._gateway_id,
+            owner=request.owner,
+        )
+        try:
+            async with asyncio.timeout_at(request.deadline):
+                await self._record(queued)
+                state = await future
+        except TimeoutError:
+            await self._end_expired(queued, request.timeout_ms)
+            raise DeadlineExceeded(
+                f"no answer within timeout_ms={request.timeout_ms}; the task ended expired",
+                task_id=request.task_id,
+            ) from None
+        except CallerGone:
+            await self._publisher.cancel_abandoned(request.task_id)
+            raise ClientDisconnected(
+                "the caller closed the connection before the answer; its task was cancelled",
+                task_id=request.task_id,
+            ) from None
+        finally:
+            if not future.done():
+                future.cancel()
+            self._replies.discard(request.task_id)
+            await self._leave(request.key, computation, request.task_id)
+        if state.status is TaskStatus.FAILED and state.error_code == Unavailable.code:
+            raise Unavailable(state.error_message or "the request bus is unavailable", task_id=request.task_id)
+        return state
+
+    def _join(self, request: SharedRequest) -> Computation:
+        """The computation this caller waits for: an identical one in flight whose deadline is not
+        too early for the caller (``JOIN_SLACK``), else a new one (which replaces it under the key)."""
+        computation = self._inflight.get(request.key)
+        earliest = request.deadline - JOIN_SLACK * request.timeout_ms / 1000
+        if computation is not None and computation.deadline >= earliest:
+            COLLAPSED.labels(model=request.model).inc()
+        else:
+            if self._group is None:
+                raise RuntimeError("Collapser.answer() before start()")
+            computation = Computation("c-" + secrets.token_urlsafe(16), request.model, request.deadline)
+            self._inflight[request.key] = computation
+            self._group.create_task(self._run(request, computation), name=f"collapsed-{computation.task_id}")
+        computation.callers.add(request.task_id)
+        return computation
+
+    async def _leave(self, key: str, computation: Computation, task_id: str) -> None:
+        """Detaches a caller; the last one to leave a computation still running cancels it."""
+        computation.callers.discard(task_id)
+        if computation.callers or computation.ended:
+            return
+        computation.ended = True  # nobody waits for it: it is cancelled, and no one joins it
+        if self._inflight.get(key) is computation:
+            del self._inflight[key]
+        if computation.queued is not None:
+            await self._publisher.record_late(computation.queued)  # so that the cancel finds it
+        await self._publisher.cancel_abandoned(computation.task_id)
+
+    async def _run(self, request: SharedRequest, computation: Computation) -> None:
+        """Publishes the computation's request, waits for its end, and answers every attached caller."""
+        state = await self._compute(request, computation)
+        computation.ended = True
+        if self._inflight.get(request.key) is computation:
+            del self._inflight[request.key]  # from here on a new request starts anew
+        callers = tuple(computation.callers)
+        if self._keep is not None:
+            await self._keep(request.key, state)
+        await self._answer_callers(state, callers)
+
+    async def _compute(self, request: SharedRequest, computation: Computation) -> TaskState:
+        """The computation's end state; a deadline, the bus refusing it or a gateway shutting down
+        become an end state too, so every caller is answered the same way."""
+        publisher = self._publisher
+        queued, sent = publisher.task(
+            computation.task_id, request.input, request.model, request.timeout_ms, self._gateway_id, request.owner
+        )
+        computation.queued = queued
+        started = self._clock.monotonic()
+        future = self._replies.register(computation.task_id, started)
+        try:
+            async with asyncio.timeout_at(computation.deadline):
+                await publisher.publish(queued, sent, record=False)
+                state = await future
+            if state.status is TaskStatus.COMPLETED and self._computed is not None:
+                self._computed(state.model, self._clock.monotonic() - started)
+            return state
+        except TimeoutError:
+            return self._ended(queued, TaskStatus.EXPIRED, DeadlineExceeded.code, "no answer within the deadline")
+        except Unavailable as err:
+            return self._ended(queued, TaskStatus.FAILED, Unavailable.code, err.message)
+        except Exception as err:  # a closing gateway's not_ready, a store error: every caller hears of it
+            log.warning("collapsed computation %s ended without an answer", computation.task_id, exc_info=True)
+            return self._ended(queued, TaskStatus.FAILED, Unavailable.code, f"the computation failed: {err}")
+        finally:
+            if not future.done():
+                future.cancel()
+            self._replies.discard(computation.task_id)
+
+    def _ended(self, queued: TaskState, status: TaskStatus, code: str, message: str) -> TaskState:
+        return replace(
+            queued, status=status, updated_at_ms=self._clock.wall_ms(), error_code=code, error_message=message
+        )
+
+    async def _answer_callers(self, state: TaskState, callers: tuple[str, ...]) -> None:
+        """Copies the computation's end onto each caller's task (one write; a caller cancelled
+        meanwhile keeps its cancel) and hands each its answer."""
+        if not callers:
+            return
+        ended = [replace(state, task_id=task_id, reply_to=None, owner=None) for task_id in callers]
+        try:
+            applied = await self._store.apply(ended)
+        except TRANSPORT_ERRORS:
+            log.warning("could not record the answers of %d collapsed callers", len(ended), exc_info=True)
+            applied = [True] * len(ended)  # they are answered all the same; their records stay behind
+        for caller_state, written in zip(ended, applied, strict=True):
+            if written:
+                self._replies.deliver(caller_state)
+
+    async def _record(self, queued: TaskState) -> None:
+        """The caller's own record, so that it can be read and cancelled while it waits."""
+        try:
+            await self._store.create(queued)
+        except TRANSPORT_ERRORS:
+            log.warning("could not record collapsed task %s", queued.task_id, exc_info=True)
+
+    async def _end_expired(self, queued: TaskState, timeout_ms: int) -> None:
+        expired = self._ended(
+            queued, TaskStatus.EXPIRED, DeadlineExceeded.code, f"no answer within timeout_ms={timeout_ms}"
+        )
+        try:
+            await self._store.apply([expired])
+        except TRANSPORT_ERRORS:
+            log.warning("could not record task %s as expired", queued.task_id, exc_info=True)

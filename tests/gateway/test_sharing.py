@@ -1,0 +1,264 @@
+"""Request collapsing and the result cache at the gateway: shared computations, scoping, failures, TTL."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.auth import digest_of, owner_of
+from schemas.records import TaskStatus
+from schemas.wire import Names
+from telemetry.metrics import CACHE_BYPASSED, CACHE_HITS, COLLAPSED
+from tests.support.eventually import eventually
+from tests.support.fake_clock import FakeClock
+from tests.support.gateway_rig import Rig, RigFactory, error_of
+from transport.memory.cache import MemoryResultCache
+from transport.ports import TransportError
+from transport.redis.cache import RedisResultCache
+from transport.redis.store import RedisTaskStore
+
+pytestmark = pytest.mark.timeout(60)
+
+KEY_A = "alpha-key-0123456789"
+KEY_B = "bravo-key-9876543210"
+SHARING = {"deterministic_models": ("sim",)}
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def count(metric: Any, model: str = "sim") -> float:
+    value: float = metric.labels(model=model)._value.get()
+    return value
+
+
+async def infer(rig: Rig, text: str, headers: dict[str, str] | None = None, model: str = "sim") -> httpx.Response:
+    return await rig.client.post("/v1/inference", json={"input": text, "model": model}, headers=headers)
+
+
+def collapsed_callers(rig: Rig) -> list[str]:
+    """Task ids of the synchronous callers whose records the collapser wrote (queued, reply address set)."""
+    return [s.task_id for s in rig.store.created if s.status is TaskStatus.QUEUED and not s.task_id.startswith("c-")]
+
+
+async def test_identical_requests_in_flight_share_one_computation(make_rig: RigFactory) -> None:
+    rig = await make_rig(**SHARING)
+    worker = await rig.worker()
+    worker.gate.clear()
+    before = count(COLLAPSED)
+    calls = [asyncio.create_task(infer(rig, "trending")) for _ in range(5)]
+    other = asyncio.create_task(infer(rig, "niche"))
+    await eventually(lambda: len(collapsed_callers(rig)) == 6, "six callers recorded")
+    worker.gate.set()
+    answers = [(await call).json() for call in calls]
+    assert {a["output"] for a in answers} == {"gnidnert"}, answers
+    assert len({a["task_id"] for a in answers}) == 5, "each caller keeps its own task id"
+    assert (await other).json()["output"] == "ehcin"
+    assert sorted(r.input for r in worker.seen) == ["niche", "trending"], "one computation per distinct input"
+    assert count(COLLAPSED) - before == 4
+    for answer in answers:
+        polled = (await rig.client.get(f"/v1/result/{answer['task_id']}")).json()
+        assert (polled["status"], polled["output"]) == ("completed", "gnidnert"), polled
+
+
+async def test_every_answer_matches_its_own_input(make_rig: RigFactory) -> None:
+    rig = await make_rig(**SHARING)
+    await rig.worker()
+    texts = [f"input-{i % 7}" for i in range(60)]
+    responses = await asyncio.gather(*(infer(rig, text) for text in texts))
+    for text, response in zip(texts, responses, strict=True):
+        assert response.status_code == 200, response.text
+        assert response.json()["output"] == text[::-1], f"{text!r} got {response.json()}"
+
+
+async def test_a_non_deterministic_model_is_neither_collapsed_nor_cached(make_rig: RigFactory) -> None:
+    rig = await make_rig(**SHARING, cache=MemoryResultCache(), cache_ttl_s=60.0)
+    worker = await rig.worker()
+    worker.gate.clear()
+    calls = [asyncio.create_task(infer(rig, "same", model="echo")) for _ in range(3)]
+    await eventually(lambda: rig.produced() == 3, "three requests on the bus")
+    worker.gate.set()
+    assert [(await call).status_code for call in calls] == [200, 200, 200]
+    assert (await infer(rig, "same", model="echo")).status_code == 200
+    assert len(worker.seen) == 4, "echo is not deterministic: every request runs"
+
+
+async def test_delete_of_one_collapsed_caller_cancels_only_that_caller(make_rig: RigFactory) -> None:
+    rig = await make_rig(**SHARING)
+    worker = await rig.worker()
+    worker.gate.clear()
+    first = asyncio.create_task(infer(rig, "shared"))
+    await eventually(lambda: len(collapsed_callers(rig)) == 1, "the first caller recorded")
+    second = asyncio.create_task(infer(rig, "shared"))
+    await eventually(lambda: len(collapsed_callers(rig)) == 2, "the second caller recorded")
+    first_id = collapsed_callers(rig)[0]  # the caller that started the computation leaves
+
+    deleted = await rig.client.delete(f"/v1/result/{first_id}")
+
+    assert deleted.status_code == 200 and deleted.json()["status"] == "cancelled", deleted.text
+    cancelled = await first
+    assert (cancelled.status_code, error_of(cancelled)["code"]) == (409, "task_cancelled"), cancelled.text
+    worker.gate.set()
+    answer = await second
+    assert answer.status_code == 200 and answer.json()["output"] == "derahs", answer.text
+    assert len(worker.seen) == 1, "the computation ran on for the caller still waiting"
+    polled = (await rig.client.get(f"/v1/result/{first_id}")).json()
+    assert polled["status"] == "cancelled", "the answer is not written over the cancelled caller"
+
+
+async def test_the_last_caller_leaving_cancels_the_computation(make_rig: RigFactory) -> None:
+    rig = await make_rig(**SHARING)
+    call = asyncio.create_task(infer(rig, "nobody waits"))  # no worker: it stays queued
+    await eventually(lambda: len(collapsed_callers(rig)) == 1 and rig.produced() == 1, "the caller and its request")
+    computation = rig.only_request().task_id
+    async with rig.store.watch(computation) as changes:
+        assert (await rig.client.delete(f"/v1/result/{collapsed_callers(rig)[0]}")).status_code == 200
+        assert (await call).status_code == 409
+        async with asyncio.timeout(10):
+            async for change in changes:
+                if change.status is TaskStatus.CANCELLED:
+                    break
+    state = await rig.store.get(computation)
+    assert state is not None and state.status is TaskStatus.CANCELLED, state
+
+
+async def test_a_cache_hit_answers_without_the_bus_in_every_shape(make_rig: RigFactory) -> None:
+    rig = await make_rig(**SHARING, cache=MemoryResultCache(), cache_ttl_s=60.0)
+    await rig.worker()
+    computed = await infer(rig, "hello")
+    assert computed.json()["output"] == "olleh"
+    hits = count(CACHE_HITS)
+
+    cached = await infer(rig, "hello")
+    accepted = await rig.client.post("/v1/tasks", json={"input": "hello"})
+
+    assert rig.produced() == 1, "both hits answered without the bus"
+    assert count(CACHE_HITS) - hits == 2
+    body = cached.json()
+    assert set(body) == set(computed.json()) and body["output"] == "olleh", body
+    assert body["task_id"] != computed.json()["task_id"], "a hit gets a task id of its own"
+    assert accepted.status_code == 202 and accepted.json()["status"] == "completed", accepted.text
+    polled = (await rig.client.get(accepted.json()["result_url"])).json()
+    assert (polled["status"], polled["output"]) == ("completed", "olleh"), polled
+    async with rig.client.stream("GET", accepted.json()["events_url"]) as events:
+        data = [line async for line in events.aiter_lines() if line.startswith("data:")]
+    assert len(data) == 1 and '"completed"' in data[0] and "olleh" in data[0], data
+
+
+async def test_a_failed_computation_is_never_cached(make_rig: RigFactory) -> None:
+    rig = await make_rig(**SHARING, cache=MemoryResultCache(), cache_ttl_s=60.0)
+    worker = await rig.worker()
+    for _ in range(2):
+        failed = await infer(rig, "fail:boom")
+        assert error_of(failed)["code"] == "backend_error", failed.text
+    assert len(worker.seen) == 2, "the second request ran again: the failure was not kept"
+
+
+async def test_a_cached_answer_expires_after_its_ttl(make_rig: RigFactory) -> None:
+    clock = FakeClock()
+    rig = await make_rig(**SHARING, cache=MemoryResultCache(clock=clock), cache_ttl_s=30.0)
+    worker = await rig.worker()
+    await infer(rig, "abc")
+    clock.advance(29.0)
+    assert (await infer(rig, "abc")).json()["output"] == "cba"
+    assert len(worker.seen) == 1, "within the TTL: a hit"
+    clock.advance(2.0)
+    assert (await infer(rig, "abc")).json()["output"] == "cba"
+    assert len(worker.seen) == 2, "past the TTL: computed again"
+
+
+async def test_tenants_never_share_answers_unless_the_model_is_public(make_rig: RigFactory) -> None:
+    keys = (digest_of(KEY_A), digest_of(KEY_B))
+    rig = await make_rig(**SHARING, api_keys=keys, cache=MemoryResultCache(), cache_ttl_s=60.0)
+    worker = await rig.worker()
+    worker.gate.clear()
+    a = asyncio.create_task(infer(rig, "secret", bearer(KEY_A)))
+    b = asyncio.create_task(infer(rig, "secret", bearer(KEY_B)))
+    await eventually(lambda: rig.produced() == 2, "one computation per tenant, none collapsed across them")
+    worker.gate.set()
+    assert (await a).json()["output"] == (await b).json()["output"] == "terces"
+    assert (await infer(rig, "secret", bearer(KEY_B))).status_code == 200
+    assert len(worker.seen) == 2, "B's second request is B's own cache hit"
+    assert (await infer(rig, "other", bearer(KEY_A))).status_code == 200
+    assert (await infer(rig, "other", bearer(KEY_B))).status_code == 200
+    assert len(worker.seen) == 4, "A's cached answer is never B's"
+
+
+async def test_a_public_models_answers_are_shared_by_every_key(make_rig: RigFactory) -> None:
+    keys = (digest_of(KEY_A), digest_of(KEY_B))
+    rig = await make_rig(**SHARING, public_models=("sim",), api_keys=keys, cache=MemoryResultCache(), cache_ttl_s=60.0)
+    worker = await rig.worker()
+    assert (await infer(rig, "news", bearer(KEY_A))).json()["output"] == "swen"
+    hit = await infer(rig, "news", bearer(KEY_B))
+    assert hit.json()["output"] == "swen" and len(worker.seen) == 1, "B gets the public answer A's request computed"
+    owned = (await rig.client.get(f"/v1/result/{hit.json()['task_id']}", headers=bearer(KEY_A))).status_code
+    assert owned == 404, "the hit's task is B's own"
+
+
+class DownCache:
+    """A cache whose store is down: every call raises, as a Redis cache does then."""
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def get(self, key: str) -> str | None:
+        raise TransportError("redis is down")
+
+    async def put(self, key: str, output: str, ttl_s: float) -> None:
+        raise TransportError("redis is down")
+
+
+async def test_a_cache_that_fails_is_bypassed(make_rig: RigFactory) -> None:
+    rig = await make_rig(**SHARING, cache=DownCache(), cache_ttl_s=60.0)
+    worker = await rig.worker()
+    bypassed = count(CACHE_BYPASSED)
+    for _ in range(2):
+        answer = await infer(rig, "xyz")
+        assert answer.status_code == 200 and answer.json()["output"] == "zyx", answer.text
+    assert len(worker.seen) == 2
+    assert count(CACHE_BYPASSED) - bypassed == 4, "two reads and two writes bypassed"
+
+
+# over the real Redis ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def redis_parts(request: pytest.FixtureRequest, names: Names) -> AsyncIterator[tuple[RedisTaskStore, str]]:
+    url = request.getfixturevalue("infra").redis_url
+    store = RedisTaskStore(url, names)
+    await store.start()
+    yield store, url
+    await store.close()
+
+
+@pytest.mark.kafka
+async def test_gateways_share_the_redis_cache_and_scope_it_per_key(
+    make_rig: RigFactory, redis_parts: tuple[RedisTaskStore, str], names: Names
+) -> None:
+    store, url = redis_parts
+    keys = (digest_of(KEY_A), digest_of(KEY_B))
+    caches = [RedisResultCache(url, names), RedisResultCache(url, names)]
+    first = await make_rig(**SHARING, store=store, cache=caches[0], cache_ttl_s=60.0, api_keys=keys)
+    second = await make_rig(**SHARING, store=store, cache=caches[1], cache_ttl_s=60.0, api_keys=keys, bus=first.bus)
+    worker = await first.worker()
+    try:
+        computed = await infer(first, "redis hello", bearer(KEY_A))
+        assert computed.json()["output"] == "olleh sider", computed.text
+        hit = await infer(second, "redis hello", bearer(KEY_A))
+        assert hit.json()["output"] == "olleh sider" and len(worker.seen) == 1, "the other gateway's hit"
+        stored = await store.get(hit.json()["task_id"])
+        assert stored is not None and stored.status is TaskStatus.COMPLETED
+        assert stored.owner == owner_of(digest_of(KEY_A)), "the hit's task is its caller's"
+        other = await infer(second, "redis hello", bearer(KEY_B))
+        assert other.json()["output"] == "olleh sider" and len(worker.seen) == 2, "B's request is computed"
+    finally:
+        for cache in caches:
+            await cache.close()
