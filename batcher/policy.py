@@ -95,6 +95,8 @@ class Pending(Generic[Item]):
     deadline_s: float
     awaiting_record: bool = False
     """An express copy whose Kafka record has not come: ``offset`` is not known yet."""
+    read_s: float | None = None
+    """When this batcher read it (``arrived_s`` is when the gateway enqueued it), for its spans."""
 
 
 @dataclass(slots=True)

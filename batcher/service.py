@@ -216,7 +216,13 @@ class Batcher:
         deadline_s = now_s + (request.deadline_ms - now_ms) / 1000.0
         arrived_s = now_s - max(0, now_ms - request.enqueued_at_ms) / 1000.0
         return Pending(
-            request, record.partition, record.offset, arrived_s, deadline_s, awaiting_record=record.via == "express"
+            request,
+            record.partition,
+            record.offset,
+            arrived_s,
+            deadline_s,
+            awaiting_record=record.via == "express",
+            read_s=now_s,
         )
 
     async def _fail_unknown(self, records: list[Delivered[InferenceRequest]]) -> None:

@@ -35,6 +35,7 @@ from gateway.replies import Replies
 from gateway.settings import GatewaySettings, env_name
 from gateway.waiters import CallerGone, Watch
 from schemas.records import TaskState, TaskStatus
+from telemetry import spans, tracing
 from telemetry.metrics import INFLIGHT, REQUEST_LATENCY
 from transport.ports import QueueDepth, RateLimiter, RequestProducer, TaskStore
 
@@ -351,6 +352,8 @@ class Gateway:
         """The caller's answer from its task's terminal state; a completed one counts in the latency
         histogram and the admission's service time."""
         latency_s = self._clock.monotonic() - started
+        if tracing.ACTIVE:
+            spans.request_answered(state.updated_at_ms)
         histogram = self._latency.get(state.model)
         if state.status is TaskStatus.COMPLETED and histogram is not None:
             histogram.observe(latency_s)

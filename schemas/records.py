@@ -48,6 +48,8 @@ class InferenceRequest:
     deadline_ms: int
     reply_to: str | None = None
     owner: str | None = None
+    traceparent: str | None = None
+    """W3C trace context of the request's ``gateway.accept`` span; None while tracing is off."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,10 +59,18 @@ class BatchItem:
     enqueued_at_ms: int
     deadline_ms: int
     reply_to: str | None = None
+    traceparent: str | None = None
 
     @classmethod
     def of(cls, request: InferenceRequest) -> BatchItem:
-        return cls(request.task_id, request.input, request.enqueued_at_ms, request.deadline_ms, request.reply_to)
+        return cls(
+            request.task_id,
+            request.input,
+            request.enqueued_at_ms,
+            request.deadline_ms,
+            request.reply_to,
+            request.traceparent,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +82,8 @@ class Batch:
     flush_reason: str
     credit: str | None = None
     items: tuple[BatchItem, ...] = field(default_factory=tuple)
+    traceparent: str | None = None
+    """W3C trace context of the batch's ``batch.formed`` span; None while tracing is off."""
 
 
 @dataclass(frozen=True, slots=True)

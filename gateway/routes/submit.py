@@ -20,6 +20,7 @@ from gateway.idempotency import KEY_PATTERN, MAX_KEY_CHARS
 from gateway.models import InferenceBody, InferenceResponse, TaskAccepted, error_responses
 from gateway.routes.deployment import deployment_of
 from gateway.settings import GatewaySettings
+from gateway.traced import traced
 from schemas.wire import IDEMPOTENCY_HEADER
 
 INFERENCE_PATH = "/v1/inference"
@@ -108,7 +109,7 @@ def add_routes(routes: APIRouter, settings: GatewaySettings) -> None:
         submit_errors += ("invalid_client_id",)
     routes.add_api_route(
         INFERENCE_PATH,
-        infer,
+        traced(infer),
         methods=["POST"],
         response_model=InferenceResponse,
         responses=error_responses(*submit_errors, "task_failed", "task_cancelled", "deadline_exceeded"),
@@ -122,7 +123,7 @@ def add_routes(routes: APIRouter, settings: GatewaySettings) -> None:
     )
     routes.add_api_route(
         TASKS_PATH,
-        enqueue,
+        traced(enqueue),
         methods=["POST"],
         status_code=202,
         response_model=TaskAccepted,
