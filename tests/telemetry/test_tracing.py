@@ -9,6 +9,7 @@ import pytest
 
 from telemetry import tracing
 from telemetry.tracing import TracingError
+from tests.support.otlp_receiver import OtlpReceiver
 
 VALID = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -98,3 +99,19 @@ def test_configure_with_an_exporter_turns_tracing_on_and_shutdown_off() -> None:
     (span,) = exporter.get_finished_spans()
     assert (span.name, span.start_time, span.end_time) == ("step", 1_000, 2_000)
     assert span.parent is not None and span.parent.span_id == 0x00F067AA0BA902B7
+
+
+def test_spans_go_over_otlp_http_to_the_endpoint() -> None:
+    receiver = OtlpReceiver().start()
+    try:
+        tracing.configure(receiver.url, "batchwire-test")
+        try:
+            tracing.record("step", VALID, 1_000, 2_000, attributes={"task.id": "t1"})
+        finally:
+            tracing.shutdown()  # exports what the batch processor still holds
+    finally:
+        receiver.stop()
+    (span,) = receiver.spans()
+    assert (span.name, span.service, span.trace_id) == ("step", "batchwire-test", "4bf92f3577b34da6a3ce929d0e0e4736")
+    assert (span.start_ns, span.end_ns, span.attributes) == (1_000, 2_000, {"task.id": "t1"})
+    assert not receiver.refused
