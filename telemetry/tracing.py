@@ -14,10 +14,13 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
+# The API only (a dependency of FastAPI, so of the core install): no provider, no SDK.
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanContext, Status, StatusCode, TraceFlags, Tracer
+
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
-    from opentelemetry.trace import Span, SpanContext, Tracer
 
 ACTIVE = False
 """True once ``configure`` set up an exporter; every hook checks this flag first."""
@@ -127,8 +130,6 @@ def open_span(
 
     The caller ends it (``span.end(end_time=...)``); its ``traceparent_of`` travels meanwhile.
     """
-    from opentelemetry import trace  # loaded by configure already: a dictionary lookup
-
     tracer = _tracer
     if tracer is None:
         raise RuntimeError("tracing is not configured; check tracing.ACTIVE before recording spans")
@@ -156,14 +157,10 @@ def record(name: str, parent: str | None, start_ns: int, end_ns: int, *, attribu
 
 def failed(span: Span, err: BaseException | str) -> None:
     """Marks ``span`` as ended in an error."""
-    from opentelemetry.trace import Status, StatusCode
-
     span.set_status(Status(StatusCode.ERROR, str(err)))
 
 
 def _remote(traceparent: str | None) -> SpanContext | None:
-    from opentelemetry.trace import SpanContext, TraceFlags
-
     parsed = parse(traceparent)
     if parsed is None:
         return None
