@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from batchwire import cli
 from telemetry import tracing
 from telemetry.tracing import TracingError
 from tests.support.otlp_receiver import OtlpReceiver
@@ -115,3 +116,18 @@ def test_spans_go_over_otlp_http_to_the_endpoint() -> None:
     assert (span.name, span.service, span.trace_id) == ("step", "batchwire-test", "4bf92f3577b34da6a3ce929d0e0e4736")
     assert (span.start_ns, span.end_ns, span.attributes) == (1_000, 2_000, {"task.id": "t1"})
     assert not receiver.refused
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--otlp-endpoint", "collector:4318"], "--otlp-endpoint 'collector:4318' is not an http(s) URL"),
+        (["--log-format", "xml"], "--log-format is 'xml'; use text or json"),
+    ],
+)
+def test_a_wrong_observability_flag_stops_the_role_before_it_starts(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["up", *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert not tracing.ACTIVE
