@@ -39,7 +39,7 @@ _MS = 1_000_000
 class RequestSpans:
     """One HTTP submit's spans in the gateway, current (a context variable) while its route runs."""
 
-    __slots__ = ("_accepted", "_stored_ms", "_token", "accept", "task_id", "trace_id", "traceparent")
+    __slots__ = ("_accepted", "_sent_ns", "_stored_ms", "_token", "accept", "task_id", "trace_id", "traceparent")
 
     def __init__(self, incoming: str | None) -> None:
         self.accept: Span = tracing.open_span("gateway.accept", incoming, server=True)
@@ -47,6 +47,7 @@ class RequestSpans:
         self.trace_id = self.traceparent[3:35]
         self.task_id: str | None = None
         self._accepted = False
+        self._sent_ns = 0
         self._stored_ms: int | None = None
         self._token: Token[RequestSpans | None] = _current.set(self)
 
@@ -56,7 +57,8 @@ class RequestSpans:
             self._accepted = True
             self.task_id = task_id
             self.accept.set_attribute("task.id", task_id)
-            self.accept.end()
+            self._sent_ns = time.time_ns()
+            self.accept.end(end_time=self._sent_ns)
         return self.traceparent
 
     def answered(self, stored_ms: int) -> None:
@@ -64,7 +66,9 @@ class RequestSpans:
         self._stored_ms = stored_ms
 
     def end(self, status: int | None, err: BaseException | None = None) -> None:
-        """The route is done: ends what is still open and records ``reply``."""
+        """The route is done: ends what is still open and records ``reply``: from the stored result,
+        or, for a request that ended in an error after it was sent (a 504, a failed task, a caller
+        gone), from the send, marked failed. A 202 records none: its answer is read elsewhere."""
         _current.reset(self._token)
         if not self._accepted:  # refused, or answered without a new task (an idempotent replay)
             self._accepted = True
@@ -73,9 +77,15 @@ class RequestSpans:
             if status is not None:
                 self.accept.set_attribute("http.response.status_code", status)
             self.accept.end()
-        if self._stored_ms is not None:
-            attributes: tracing.Attributes = {"task.id": self.task_id or "", "http.response.status_code": status or 0}
-            tracing.record("reply", self.traceparent, self._stored_ms * _MS, time.time_ns(), attributes=attributes)
+            return
+        if self._stored_ms is None and err is None:
+            return
+        attributes: tracing.Attributes = {"task.id": self.task_id or "", "http.response.status_code": status or 0}
+        start_ns = self._sent_ns if self._stored_ms is None else self._stored_ms * _MS
+        reply = tracing.open_span("reply", self.traceparent, start_ns, attributes=attributes)
+        if err is not None:
+            tracing.failed(reply, err)
+        reply.end(end_time=max(start_ns, time.time_ns()))
 
 
 _current: ContextVar[RequestSpans | None] = ContextVar("batchwire_request_spans", default=None)

@@ -109,3 +109,16 @@ async def test_an_untraced_caller_gets_a_new_trace(
     accepts = [s for s in from_sdk(exporter.get_finished_spans()) if s.name == "gateway.accept"]
     assert len(accepts) == 1 and accepts[0].parent_id is None, "a root span"
     request_chain(from_sdk(exporter.get_finished_spans()), accepts[0].trace_id)
+
+
+async def test_a_refused_request_ends_its_gateway_span_in_an_error(
+    traced_client: tuple[httpx.AsyncClient, InMemorySpanExporter],
+) -> None:
+    client, exporter = traced_client
+    header, trace_id = traceparent()
+    response = await client.post("/v1/inference", json={"input": "x", "model": "nope"}, headers={"traceparent": header})
+    assert response.status_code == 404, response.text
+    (accept,) = [s for s in exporter.get_finished_spans() if s.name == "gateway.accept"]
+    assert f"{accept.context.trace_id:032x}" == trace_id
+    assert accept.status.status_code.name == "ERROR" and accept.attributes["http.response.status_code"] == 404
+    assert [s.name for s in exporter.get_finished_spans()] == ["gateway.accept"], "nothing was sent"
