@@ -41,6 +41,8 @@ class _Handed:
     call: Timed = None
     handed_ns: int = 0
     """When the results were handed in (wall clock), only while tracing."""
+    stored_ns: int = 0
+    """When they were stored (wall clock), only while tracing."""
     done: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -105,9 +107,9 @@ class Committer:
         while True:
             handed = await self._queue.get()
             try:
-                await self._through(handed.delivered, handed.states)
-                if tracing.ACTIVE and handed.delivered.value is not None and handed.handed_ns:
-                    _traced(handed.delivered.value, handed.call, handed.handed_ns)
+                await self._through(handed)
+                if handed.stored_ns and handed.handed_ns and handed.delivered.value is not None:
+                    _traced(handed.delivered.value, handed.call, handed.handed_ns, handed.stored_ns)
             except asyncio.CancelledError:
                 raise
             except BaseException as err:
@@ -118,7 +120,8 @@ class Committer:
                     handed.done.set_result(None)
                 self._queue.task_done()
 
-    async def _through(self, delivered: Delivered[Batch], states: list[TaskState]) -> None:
+    async def _through(self, handed: _Handed) -> None:
+        delivered, states = handed.delivered, handed.states
         batch = delivered.value
         if (
             self.replicas is not None and batch is not None
@@ -127,6 +130,8 @@ class Committer:
             self._held_back = self._held_back or not replicated
         elif states:
             await self.retry("storing results", lambda: self.store.apply(states))
+        if tracing.ACTIVE:
+            handed.stored_ns = time.time_ns()  # what the callers wait for; the commit follows
         if self._held_back:  # committing this batch's offset would also commit one left uncommitted before it
             log.info(
                 "worker %s: batch at %d/%d goes back uncommitted (its results, or an earlier batch's, are not safe)",
@@ -164,12 +169,12 @@ class Committer:
             )
 
 
-def _traced(batch: Batch, call: Timed, handed_ns: int) -> None:
+def _traced(batch: Batch, call: Timed, handed_ns: int, stored_ns: int) -> None:
     """Records the batch's worker spans (``telemetry.spans.batch_ran``) once its results are stored."""
     started, ended = (None, None) if call is None else (call.started, call.ended)
     call_s = None if started is None or ended is None else (started, ended)
     try:
-        spans.batch_ran(batch, call_s, time.monotonic(), handed_ns, time.time_ns())
+        spans.batch_ran(batch, call_s, time.monotonic(), handed_ns, stored_ns)
     except Exception:  # a trace is worth less than the batch: its commit has happened, and goes on
         log.warning(
             "could not record the spans of batch %s", batch.batch_id, exc_info=True, extra=ids(batch_id=batch.batch_id)
