@@ -133,7 +133,7 @@ def _capacity(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batchwire", description=__doc__)
     # Commands without the observability flags (stack, topics, capacity) log text and trace nothing.
-    parser.set_defaults(log_format="text", otlp_endpoint=None)
+    parser.set_defaults(log_format="text", otlp_endpoint=None, trace_sample_ratio=1.0)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add_command in (_up, _gateway, _batcher, _worker, _stack, _topics, _capacity):
         add_command(sub)
@@ -200,7 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         logs.configure(str(args.log_level), args.log_format)
-        tracing.configure(args.otlp_endpoint, SERVICE_NAMES.get(args.command, "batchwire"))
+        service = SERVICE_NAMES.get(args.command, "batchwire")
+        tracing.configure(args.otlp_endpoint, service, sample_ratio=args.trace_sample_ratio)
     except ValueError as err:  # TracingError and a wrong --log-format name their flag
         print(f"batchwire {args.command}: {err}", file=sys.stderr)
         return 2

@@ -131,6 +131,13 @@ def observability(parser: argparse.ArgumentParser) -> None:
         str,
         "send OpenTelemetry traces over OTLP/HTTP to this collector, e.g. http://localhost:4318 (unset: no tracing)",
     )
+    field_flag(
+        parser,
+        ObservabilitySettings,
+        "trace_sample_ratio",
+        float,
+        "with --otlp-endpoint, the share of requests traced (a caller's traceparent decides for its own)",
+    )
 
 
 def kafka_redis(parser: argparse.ArgumentParser) -> None:

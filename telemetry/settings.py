@@ -11,3 +11,5 @@ class ObservabilitySettings:
     """``text`` for a terminal, ``json`` for one object per line (``telemetry.logs``)."""
     otlp_endpoint: str | None = None
     """OTLP/HTTP collector base URL (``telemetry.tracing``); None: no tracing, at no cost."""
+    trace_sample_ratio: float = 1.0
+    """Share of new traces recorded; a caller's ``traceparent`` decides for its own request."""

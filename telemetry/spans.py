@@ -120,11 +120,13 @@ class BatchSpans:
         self.sealed_ns = time.time_ns()
         self._taken_ns = [self.sealed_ns - round((now_s - read) * 1e9) for read in read_s]
         parents = [item.traceparent for item in batch.items if item.traceparent]
+        recorded = [parent for parent in parents if tracing.sampled(parent)]
+        first = recorded[0] if recorded else parents[0] if parents else None
         self.span = tracing.open_span(
             "batch.formed",
-            parents[0] if parents else None,
+            first,  # a recorded request's trace holds the batch span, if the batch has one
             self.sealed_ns,
-            links=parents,
+            links=recorded,
             attributes={
                 "batch.id": batch.batch_id,
                 "batch.size": len(batch.items),

@@ -52,22 +52,33 @@ def traces_url(endpoint: str) -> str:
     return base if base.endswith(TRACES_PATH) else base + TRACES_PATH
 
 
-def configure(endpoint: str | None, service: str, *, exporter: SpanExporter | None = None) -> None:
+def configure(
+    endpoint: str | None, service: str, *, sample_ratio: float = 1.0, exporter: SpanExporter | None = None
+) -> None:
     """Starts exporting this process's spans to ``endpoint`` as ``service``; does nothing without one.
 
+    ``sample_ratio`` of the requests that come without a caller's trace start a recorded trace (by
+    trace id, so every role decides alike); a caller's ``traceparent`` decides for its own request.
     ``exporter`` (tests) takes each span as it ends, instead of an OTLP endpoint.
     """
     global ACTIVE, _provider, _tracer
     if not (endpoint or exporter) or ACTIVE:
         return
+    if not 0.0 <= sample_ratio <= 1.0:
+        raise TracingError(
+            f"--trace-sample-ratio is {sample_ratio}; give a share from 0 to 1 (BATCHWIRE_TRACE_SAMPLE_RATIO)"
+        )
     url = traces_url(endpoint) if endpoint else ""
     # The [tracing] extra: imported only when tracing is configured, so the core install needs none of it.
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
-    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": service}), sampler=ParentBased(TraceIdRatioBased(sample_ratio))
+    )
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     else:
@@ -103,6 +114,12 @@ def parse(traceparent: str | None) -> tuple[int, int, int] | None:
     if trace_id == 0 or span_id == 0:
         return None
     return trace_id, span_id, flags
+
+
+def sampled(traceparent: str | None) -> bool:
+    """Whether the trace ``traceparent`` names is recorded (its sampled flag)."""
+    parsed = parse(traceparent)
+    return parsed is not None and bool(parsed[2] & 1)
 
 
 def trace_id_of(traceparent: str | None) -> str | None:

@@ -123,6 +123,10 @@ def test_spans_go_over_otlp_http_to_the_endpoint() -> None:
     [
         (["--otlp-endpoint", "collector:4318"], "--otlp-endpoint 'collector:4318' is not an http(s) URL"),
         (["--log-format", "xml"], "--log-format is 'xml'; use text or json"),
+        (
+            ["--otlp-endpoint", "http://127.0.0.1:9/", "--trace-sample-ratio", "1.5"],
+            "--trace-sample-ratio is 1.5; give a share from 0 to 1",
+        ),
     ],
 )
 def test_a_wrong_observability_flag_stops_the_role_before_it_starts(
@@ -131,3 +135,19 @@ def test_a_wrong_observability_flag_stops_the_role_before_it_starts(
     assert cli.main(["up", *flags]) == 2
     assert message in capsys.readouterr().err
     assert not tracing.ACTIVE
+
+
+def test_a_sample_ratio_of_zero_records_no_new_trace_but_follows_a_callers_sampled_one() -> None:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    tracing.configure(None, "batchwire-test", sample_ratio=0.0, exporter=exporter)
+    try:
+        unsampled = tracing.record("new", None, 1_000, 2_000)
+        child = tracing.record("child", unsampled, 2_000, 3_000)
+        followed = tracing.record("followed", VALID, 1_000, 2_000)
+    finally:
+        tracing.shutdown()
+    assert not tracing.sampled(unsampled) and not tracing.sampled(child), "the decision travels in the context"
+    assert tracing.sampled(followed)
+    assert [span.name for span in exporter.get_finished_spans()] == ["followed"]
