@@ -78,7 +78,7 @@ class RequestSpans:
                 self.accept.set_attribute("http.response.status_code", status)
             self.accept.end()
             return
-        if self._stored_ms is None and err is None:
+        if (self._stored_ms is None and err is None) or not self.accept.get_span_context().trace_flags.sampled:
             return
         attributes: tracing.Attributes = {"task.id": self.task_id or "", "http.response.status_code": status or 0}
         start_ns = self._sent_ns if self._stored_ms is None else self._stored_ms * _MS
@@ -121,7 +121,11 @@ class BatchSpans:
         self._taken_ns = [self.sealed_ns - round((now_s - read) * 1e9) for read in read_s]
         parents = [item.traceparent for item in batch.items if item.traceparent]
         recorded = [parent for parent in parents if tracing.sampled(parent)]
-        first = recorded[0] if recorded else parents[0] if parents else None
+        self.span: Span | None = None
+        if parents and not recorded:  # none of its requests is recorded: the batch is not either
+            self.batch = replace(batch, traceparent=parents[0])
+            return
+        first = recorded[0] if recorded else None
         self.span = tracing.open_span(
             "batch.formed",
             first,  # a recorded request's trace holds the batch span, if the batch has one
@@ -138,8 +142,10 @@ class BatchSpans:
 
     def sent(self) -> None:
         """The batch bus took the batch: ends ``batch.formed`` and records each item's wait."""
+        if self.span is None:
+            return
         for item, taken_ns in zip(self.batch.items, self._taken_ns, strict=True):
-            if item.traceparent is None:
+            if not tracing.sampled(item.traceparent):
                 continue
             attributes: tracing.Attributes = {"task.id": item.task_id, "batch.id": self.batch.batch_id}
             tracing.record("bus.wait", item.traceparent, item.enqueued_at_ms * _MS, taken_ns, attributes=attributes)
@@ -148,14 +154,17 @@ class BatchSpans:
 
     def failed(self, err: BaseException) -> None:
         """The batch bus refused the batch (its items go back to be batched again)."""
-        tracing.failed(self.span, err)
-        self.span.end()
+        if self.span is not None:
+            tracing.failed(self.span, err)
+            self.span.end()
 
 
 def batch_ran(batch: Batch, call_s: tuple[float, float] | None, now_s: float, handed_ns: int, stored_ns: int) -> None:
     """Records a batch's spans in the worker once its results are stored: ``worker.run`` from the
     batch's seal until its results were handed to the commits (``handed_ns``), its ``backend`` call
     (``call_s``: start and end on the monotonic clock that gave ``now_s``), and ``result.store``."""
+    if batch.traceparent is not None and not tracing.sampled(batch.traceparent):
+        return
     attributes: tracing.Attributes = {"batch.id": batch.batch_id, "batch.size": len(batch.items), "model": batch.model}
     run = tracing.open_span("worker.run", batch.traceparent, batch.created_at_ms * _MS, attributes=attributes)
     run_context = tracing.traceparent_of(run)

@@ -122,3 +122,13 @@ async def test_a_refused_request_ends_its_gateway_span_in_an_error(
     assert f"{accept.context.trace_id:032x}" == trace_id
     assert accept.status.status_code.name == "ERROR" and accept.attributes["http.response.status_code"] == 404
     assert [s.name for s in exporter.get_finished_spans()] == ["gateway.accept"], "nothing was sent"
+
+
+async def test_a_caller_that_does_not_sample_its_trace_gets_no_spans_recorded(
+    traced_client: tuple[httpx.AsyncClient, InMemorySpanExporter],
+) -> None:
+    client, exporter = traced_client
+    header = f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-00"
+    response = await client.post("/v1/inference", json={"input": "quiet"}, headers={"traceparent": header})
+    assert response.status_code == 200 and response.json()["output"] == "teiuq"
+    assert exporter.get_finished_spans() == (), "the caller's decision holds in every role"
