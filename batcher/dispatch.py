@@ -33,7 +33,9 @@ from batcher.settings import BatcherSettings
 from batcher.spacing import Spacing
 from batcher.states import wall_ms
 from schemas.records import Batch, BatchItem, Credit, InferenceRequest
-from telemetry import metrics
+from telemetry import metrics, tracing
+from telemetry.logs import ids
+from telemetry.spans import BatchSpans
 from transport.ports import BatchProducer, CreditPool, TaskStore, TransportError
 from transport.retry import retry
 from transport.routing import Partitioner
@@ -288,6 +290,12 @@ class Dispatcher:
                 await self._offer_back(credit)
                 return
             batch = self._batch(model, taken, credit)
+            traced = (
+                BatchSpans(batch, [p.read_s or p.arrived_s for p in taken.items], self.clock())
+                if tracing.ACTIVE
+                else None
+            )
+            batch = batch if traced is None else traced.batch
             # "batched" is written while Kafka takes the batch: a Redis write is faster than the
             # hand-over to the worker, so watchers see batched before running.
             marking = asyncio.create_task(self._mark_batched(model, batch))
@@ -295,11 +303,21 @@ class Dispatcher:
                 try:
                     await self.producer.send(batch, credit.partition)
                 except TransportError as err:
-                    log.warning("could not hand batch %s to %s: %s; will retry", batch.batch_id, credit.worker_id, err)
+                    log.warning(
+                        "could not hand batch %s to %s: %s; will retry",
+                        batch.batch_id,
+                        credit.worker_id,
+                        err,
+                        extra=ids(batch_id=batch.batch_id, traceparent=batch.traceparent),
+                    )
+                    if traced is not None:
+                        traced.failed(err)
                     self.former.give_back(model, taken)
                     await self._offer_back(credit)
                     await asyncio.sleep(self.settings.send_retry_s)  # back off a failing bus, then try again
                     return
+                if traced is not None:
+                    traced.sent()
                 self._handed_over(taken.items)
                 starts_at_s = self.clock() + self._starts_in_s(credit)
                 self._spacing[model].started(credit.worker_id, starts_at_s, credit.busy_ms / 1000.0)
@@ -315,7 +333,13 @@ class Dispatcher:
         try:
             await self.store.apply(batched)
         except TransportError as err:  # informational: the worker's running/completed writes follow
-            log.warning("could not mark batch %s's %d tasks batched: %s", batch.batch_id, len(batched), err)
+            log.warning(
+                "could not mark batch %s's %d tasks batched: %s",
+                batch.batch_id,
+                len(batched),
+                err,
+                extra=ids(batch_id=batch.batch_id, traceparent=batch.traceparent),
+            )
 
     def _batch(self, model: str, taken: Taken[InferenceRequest], credit: Credit) -> Batch:
         reason = taken.reason.value if taken.reason is not None else "idle_worker"

@@ -103,6 +103,8 @@ class Pending(Generic[Item]):
     """An express copy whose Kafka record has not come: ``offset`` is not known yet."""
     rank: int = 1
     """Its priority tier's rank (``schemas.records.Priority.rank``): 0 goes first."""
+    read_s: float | None = None
+    """When this batcher read it (``arrived_s`` is when the gateway enqueued it), for its spans."""
 
 
 @dataclass(slots=True)

@@ -223,6 +223,7 @@ class Batcher:
             deadline_s,
             awaiting_record=record.via == "express",
             rank=request.priority.rank,
+            read_s=now_s,
         )
 
     async def _fail_unknown(self, records: list[Delivered[InferenceRequest]]) -> None:

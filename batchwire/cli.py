@@ -7,7 +7,6 @@ Values come from, in order: the flag, the environment, ``.batchwire/stack.env`` 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from collections.abc import Callable, Sequence
 
@@ -16,11 +15,13 @@ from batchwire import flags, operations, roles
 from batchwire.capacity import commands as capacity
 from batchwire.settings import SettingsError
 from gateway.settings import GatewaySettings
+from telemetry import logs, tracing
 
 
 def _up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up = sub.add_parser("up", help="gateway, batcher and sim workers in one process (no Kafka, no Redis)")
     flags.shared(up)
+    flags.observability(up)
     flags.gateway_http(up)
     flags.gateway_admission(up)
     flags.answer_sharing(up)
@@ -39,6 +40,7 @@ def _up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _gateway(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     gateway = sub.add_parser("gateway", help="the HTTP gateway, over Kafka and Redis")
     flags.shared(gateway)
+    flags.observability(gateway)
     flags.kafka_redis(gateway)
     flags.replication(gateway)
     flags.gateway_http(gateway)
@@ -64,6 +66,7 @@ def _gateway(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _batcher(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     batcher = sub.add_parser("batcher", help="a batcher process, over Kafka and Redis")
     flags.shared(batcher)
+    flags.observability(batcher)
     flags.kafka_redis(batcher)
     flags.replication(batcher)
     flags.batching(batcher)
@@ -85,6 +88,7 @@ def _batcher(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     worker = sub.add_parser("worker", help="a GPU worker process, over Kafka and Redis")
     flags.shared(worker)
+    flags.observability(worker)
     flags.kafka_redis(worker)
     flags.replication(worker)
     flags.worker(worker)
@@ -131,6 +135,8 @@ def _capacity(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batchwire", description=__doc__)
+    # Commands without the observability flags (stack, topics, capacity) log text and trace nothing.
+    parser.set_defaults(log_format="text", otlp_endpoint=None, trace_sample_ratio=1.0)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add_command in (_up, _gateway, _batcher, _worker, _stack, _topics, _capacity):
         add_command(sub)
@@ -171,6 +177,14 @@ def _bench(argv: list[str]) -> int:
     return bench_main(argv)
 
 
+SERVICE_NAMES = {
+    "up": "batchwire",
+    "gateway": "batchwire-gateway",
+    "batcher": "batchwire-batcher",
+    "worker": "batchwire-worker",
+}
+"""The OpenTelemetry service name each role's spans carry."""
+
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "up": roles.run_embedded,
     "gateway": roles.run_gateway,
@@ -187,10 +201,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["bench"]:
         return _bench(argv[1:])
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    try:
+        logs.configure(str(args.log_level), args.log_format)
+        service = SERVICE_NAMES.get(args.command, "batchwire")
+        tracing.configure(args.otlp_endpoint, service, sample_ratio=args.trace_sample_ratio)
+    except ValueError as err:  # TracingError and a wrong --log-format name their flag
+        print(f"batchwire {args.command}: {err}", file=sys.stderr)
+        return 2
     try:
         return HANDLERS[args.command](args)
     except SettingsError as err:
@@ -198,6 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    finally:
+        tracing.shutdown()  # exports the spans still held
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -22,6 +22,7 @@ from gpu_worker.backends.factory import BackendSettings
 from gpu_worker.replicas import parse_min_replicas
 from gpu_worker.settings import WorkerSettings
 from infra.redis_server import checked_maxmemory
+from telemetry.settings import ObservabilitySettings
 
 
 def models(text: str) -> tuple[str, ...]:
@@ -118,6 +119,24 @@ def shared(parser: argparse.ArgumentParser) -> None:
         ",".join(map(str, GC_DEFAULT)),
         _gc_threshold,
         "Python GC thresholds young,middle,full after freezing start-up objects (off: Python's own)",
+    )
+
+
+def observability(parser: argparse.ArgumentParser) -> None:
+    field_flag(parser, ObservabilitySettings, "log_format", str, "log lines as text (for a terminal) or json")
+    field_flag(
+        parser,
+        ObservabilitySettings,
+        "otlp_endpoint",
+        str,
+        "send OpenTelemetry traces over OTLP/HTTP to this collector, e.g. http://localhost:4318 (unset: no tracing)",
+    )
+    field_flag(
+        parser,
+        ObservabilitySettings,
+        "trace_sample_ratio",
+        float,
+        "with --otlp-endpoint, the share of requests traced (a caller's traceparent decides for its own)",
     )
 
 

@@ -18,6 +18,7 @@ from batchwire.gc_tuning import Threshold, tune_gc
 from gateway.events import StreamsEnd
 from gateway.http_limits import connection_cap, limited_http_protocol
 from gateway.settings import GatewaySettings
+from telemetry import logs
 from telemetry.metrics import REGISTRY
 
 log = logging.getLogger("batchwire")
@@ -100,6 +101,8 @@ def serve_http(
         host=settings.host,
         port=settings.port,
         log_level=log_level,
+        # JSON logs: uvicorn's loggers go to the root's JSON handler instead of its own text ones.
+        log_config=None if logs.structured() else uvicorn.config.LOGGING_CONFIG,
         access_log=False,
         loop="uvloop",
         http=limited_http_protocol(settings, connection_cap(settings.max_connections)),

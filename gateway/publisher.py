@@ -13,6 +13,8 @@ from dataclasses import replace
 from gateway.clock import Clock
 from gateway.errors import TRANSPORT_ERRORS, DeadlineExceeded, Unavailable
 from schemas.records import InferenceRequest, Priority, TaskState, TaskStatus
+from telemetry import spans, tracing
+from telemetry.logs import ids
 from transport.ports import RequestProducer, TaskStore
 
 log = logging.getLogger(__name__)
@@ -43,8 +45,17 @@ class TaskPublisher:
         """A new task's "queued" record and its request."""
         now_ms = self._clock.wall_ms()
         state = TaskState(task_id, TaskStatus.QUEUED, model, now_ms, now_ms, reply_to=reply_to, owner=owner)
+        traceparent = spans.request_sent(task_id) if tracing.ACTIVE else None
         request = InferenceRequest(
-            task_id, model, input, now_ms, now_ms + timeout_ms, reply_to=reply_to, owner=owner, priority=priority
+            task_id,
+            model,
+            input,
+            now_ms,
+            now_ms + timeout_ms,
+            reply_to=reply_to,
+            owner=owner,
+            priority=priority,
+            traceparent=traceparent,
         )
         return state, request
 
@@ -107,7 +118,9 @@ class TaskPublisher:
             async with asyncio.timeout(self._write_timeout_s):
                 await self._store.apply([expired])
         except (*TRANSPORT_ERRORS, TimeoutError):
-            log.warning("could not record task %s as expired", queued.task_id, exc_info=True)
+            log.warning(
+                "could not record task %s as expired", queued.task_id, exc_info=True, extra=ids(task_id=queued.task_id)
+            )
 
     async def record_late(self, queued: TaskState) -> None:
         """Writes a task's "queued" record after the fact (a later status that got there first stays);
@@ -116,7 +129,7 @@ class TaskPublisher:
             async with asyncio.timeout(self._write_timeout_s):
                 await self._store.create(queued)
         except (*TRANSPORT_ERRORS, TimeoutError):
-            log.warning("could not record task %s", queued.task_id, exc_info=True)
+            log.warning("could not record task %s", queued.task_id, exc_info=True, extra=ids(task_id=queued.task_id))
 
     async def cancel_abandoned(self, task_id: str) -> None:
         """Cancels the task of a caller who left, so that no GPU time goes to an answer nobody reads.
@@ -128,7 +141,9 @@ class TaskPublisher:
                 "the caller closed the connection before the answer; the task was cancelled",
             )
         except TRANSPORT_ERRORS:
-            log.warning("could not cancel task %s of a caller who left", task_id, exc_info=True)
+            log.warning(
+                "could not cancel task %s of a caller who left", task_id, exc_info=True, extra=ids(task_id=task_id)
+            )
 
     async def _abandon(self, state: TaskState, err: BaseException) -> None:
         """Marks a task that never reached the bus as failed, so a poller is not left at ``queued``."""
@@ -142,4 +157,9 @@ class TaskPublisher:
         try:
             await self._store.apply([failed])
         except TRANSPORT_ERRORS:
-            log.warning("could not mark task %s failed after the bus refused it", state.task_id, exc_info=True)
+            log.warning(
+                "could not mark task %s failed after the bus refused it",
+                state.task_id,
+                exc_info=True,
+                extra=ids(task_id=state.task_id),
+            )

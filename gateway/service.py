@@ -38,6 +38,7 @@ from gateway.settings import GatewaySettings, env_name
 from gateway.sharing import SharedAnswers
 from gateway.waiters import CallerGone, Watch
 from schemas.records import Priority, TaskState, TaskStatus
+from telemetry import spans, tracing
 from telemetry.metrics import INFLIGHT, REQUEST_LATENCY
 from transport.ports import QueueDepth, RateLimiter, RequestProducer, ResultCache, TaskStore
 
@@ -389,6 +390,8 @@ class Gateway:
         """The caller's answer from its task's terminal state; a completed one counts in the latency
         histogram and, unless ``shared`` (its computation counts itself), the admission's service time."""
         latency_s = self._clock.monotonic() - started
+        if tracing.ACTIVE:
+            spans.request_answered(state.updated_at_ms)
         histogram = self._latency.get(state.model)
         if state.status is TaskStatus.COMPLETED and histogram is not None:
             histogram.observe(latency_s)

@@ -24,6 +24,7 @@ from typing import Any
 from gpu_worker.calls import Failure, GroupResult
 from gpu_worker.states import task_state
 from schemas.records import Batch, BatchItem, TaskState, TaskStatus
+from telemetry import logs
 from transport.deliveries import DeliveryLog
 from transport.ports import Delivered, TaskStore
 
@@ -115,6 +116,7 @@ class Admission:
                 self.worker_id,
                 len(ended),
                 batch.batch_id,
+                extra=logs.ids(batch_id=batch.batch_id, traceparent=batch.traceparent),
             )
         return [item for item in live if item.task_id not in ended]
 

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from gpu_worker.calls import GroupResult
 from gpu_worker.replicas import ReplicaWait
 from schemas.records import Batch, TaskState
+from telemetry import spans, tracing
+from telemetry.logs import ids
 from transport.deliveries import DeliveryLog
 from transport.ports import BatchConsumer, Delivered, TaskStore, TransportError
 
@@ -26,11 +30,19 @@ T = TypeVar("T")
 
 Retry = Callable[[str, Callable[[], Awaitable[T]]], Awaitable[T]]
 
+Timed = GroupResult | None
+"""A batch's backend calls with their times (on ``time.monotonic``, the runner's clock), for its spans."""
+
 
 @dataclass(slots=True)
 class _Handed:
     delivered: Delivered[Batch]
     states: list[TaskState]
+    call: Timed = None
+    handed_ns: int = 0
+    """When the results were handed in (wall clock), only while tracing."""
+    stored_ns: int = 0
+    """When they were stored (wall clock), only while tracing."""
     done: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -71,10 +83,10 @@ class Committer:
     def start(self) -> None:
         self._task = asyncio.create_task(self._serve(), name=f"commits-{self.worker_id}")
 
-    def hand_in(self, delivered: Delivered[Batch], states: list[TaskState]) -> asyncio.Future[None]:
+    def hand_in(self, delivered: Delivered[Batch], states: list[TaskState], call: Timed = None) -> asyncio.Future[None]:
         """Queues the batch's results (none for an undecodable one) behind those handed in before;
         the future is done once it is through, stored and committed or held back."""
-        handed = _Handed(delivered, states)
+        handed = _Handed(delivered, states, call, time.time_ns() if tracing.ACTIVE else 0)
         self._queue.put_nowait(handed)
         return handed.done
 
@@ -95,7 +107,9 @@ class Committer:
         while True:
             handed = await self._queue.get()
             try:
-                await self._through(handed.delivered, handed.states)
+                await self._through(handed)
+                if handed.stored_ns and handed.handed_ns and handed.delivered.value is not None:
+                    _traced(handed.delivered.value, handed.call, handed.handed_ns, handed.stored_ns)
             except asyncio.CancelledError:
                 raise
             except BaseException as err:
@@ -106,7 +120,8 @@ class Committer:
                     handed.done.set_result(None)
                 self._queue.task_done()
 
-    async def _through(self, delivered: Delivered[Batch], states: list[TaskState]) -> None:
+    async def _through(self, handed: _Handed) -> None:
+        delivered, states = handed.delivered, handed.states
         batch = delivered.value
         if (
             self.replicas is not None and batch is not None
@@ -115,6 +130,8 @@ class Committer:
             self._held_back = self._held_back or not replicated
         elif states:
             await self.retry("storing results", lambda: self.store.apply(states))
+        if tracing.ACTIVE:
+            handed.stored_ns = time.time_ns()  # what the callers wait for; the commit follows
         if self._held_back:  # committing this batch's offset would also commit one left uncommitted before it
             log.info(
                 "worker %s: batch at %d/%d goes back uncommitted (its results, or an earlier batch's, are not safe)",
@@ -128,7 +145,13 @@ class Committer:
             try:
                 await self.deliveries.finish(batch.batch_id)
             except TransportError as err:  # it expires on its own
-                log.debug("worker %s: could not forget batch %s: %s", self.worker_id, batch.batch_id, err)
+                log.debug(
+                    "worker %s: could not forget batch %s: %s",
+                    self.worker_id,
+                    batch.batch_id,
+                    err,
+                    extra=ids(batch_id=batch.batch_id, traceparent=batch.traceparent),
+                )
         self.batches_done += 1
 
     async def _commit(self, delivered: Delivered[Batch]) -> None:
@@ -144,3 +167,15 @@ class Committer:
                 delivered.offset,
                 err,
             )
+
+
+def _traced(batch: Batch, call: Timed, handed_ns: int, stored_ns: int) -> None:
+    """Records the batch's worker spans (``telemetry.spans.batch_ran``) once its results are stored."""
+    started, ended = (None, None) if call is None else (call.started, call.ended)
+    call_s = None if started is None or ended is None else (started, ended)
+    try:
+        spans.batch_ran(batch, call_s, time.monotonic(), handed_ns, stored_ns)
+    except Exception:  # a trace is worth less than the batch: its commit has happened, and goes on
+        log.warning(
+            "could not record the spans of batch %s", batch.batch_id, exc_info=True, extra=ids(batch_id=batch.batch_id)
+        )

@@ -34,7 +34,7 @@ from gpu_worker import careful
 from gpu_worker.admission import Admission, EarlyAdmission
 from gpu_worker.backends.base import Backend
 from gpu_worker.calls import BackendCalls, Failure, GroupResult, oversize
-from gpu_worker.commits import Committer
+from gpu_worker.commits import Committer, Timed
 from gpu_worker.credits import CreditOffer
 from gpu_worker.journal import BatchJournal
 from gpu_worker.pipeline import Pipeline
@@ -44,7 +44,7 @@ from gpu_worker.settings import WorkerSettings
 from gpu_worker.states import count_ended, task_state, wall_ms
 from schemas.deadletter import DEAD_LETTERED
 from schemas.records import Batch, BatchItem, TaskState, TaskStatus
-from telemetry import metrics
+from telemetry import logs, metrics
 from transport.deliveries import (
     DeadLetterSink,
     DeliveryLog,
@@ -268,8 +268,8 @@ class Worker:
         self._start_call(delivered, batch, todo, ended)
         await asyncio.sleep(0)
 
-    def _hand_in(self, delivered: Delivered[Batch], batch: Batch, states: list[TaskState]) -> None:
-        self.commits.hand_in(delivered, states + self.admission.ended_before(batch.batch_id))
+    def _hand_in(self, delivered: Delivered[Batch], batch: Batch, states: list[TaskState], call: Timed = None) -> None:
+        self.commits.hand_in(delivered, states + self.admission.ended_before(batch.batch_id), call)
 
     def _start_call(
         self,
@@ -306,7 +306,7 @@ class Worker:
             if admission is not None:
                 await admission.close()
         count_ended(batch, ended + states)
-        self._hand_in(delivered, batch, ended + states)
+        self._hand_in(delivered, batch, ended + states, result)
 
     async def _run_group(
         self, batch: Batch, items: list[BatchItem], delivery: int, result: GroupResult | None = None
@@ -352,6 +352,7 @@ class Worker:
             len(todo),
             "+".join(str(len(group)) for group in decided.groups) or "nothing",
             len(decided.dead),
+            extra=logs.ids(batch_id=batch.batch_id, traceparent=batch.traceparent),
         )
         stored = await self._dead_letter(batch, decided.dead, suspects, count) if decided.dead else []
         for group in decided.groups:

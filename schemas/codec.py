@@ -135,6 +135,7 @@ def encode_batch(batch: Batch) -> bytes:
         "created_at_ms": batch.created_at_ms,
         "flush_reason": batch.flush_reason,
         "credit": batch.credit,
+        "traceparent": batch.traceparent,
         "items": [_as_record(item) for item in batch.items],
     }
     return _batch.encode_dict(record)

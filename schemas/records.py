@@ -73,6 +73,8 @@ class InferenceRequest:
     reply_to: str | None = None
     owner: str | None = None
     priority: Priority = Priority.NORMAL
+    traceparent: str | None = None
+    """W3C trace context of the request's ``gateway.accept`` span; None while tracing is off."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +85,7 @@ class BatchItem:
     deadline_ms: int
     reply_to: str | None = None
     priority: Priority = Priority.NORMAL
+    traceparent: str | None = None
 
     @classmethod
     def of(cls, request: InferenceRequest) -> BatchItem:
@@ -93,6 +96,7 @@ class BatchItem:
             request.deadline_ms,
             request.reply_to,
             request.priority,
+            request.traceparent,
         )
 
 
@@ -105,6 +109,8 @@ class Batch:
     flush_reason: str
     credit: str | None = None
     items: tuple[BatchItem, ...] = field(default_factory=tuple)
+    traceparent: str | None = None
+    """W3C trace context of the batch's ``batch.formed`` span; None while tracing is off."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ HA_ROLES = ("gateway-ha", "batcher-ha", "gpu_worker-ha")
 HA_KAFKA = ("kafka-1", "kafka-2", "kafka-3")
 HA_SENTINELS = ("sentinel-1", "sentinel-2", "sentinel-3")
 HA_BACKBONE = (*HA_KAFKA, "kafka-ha-init", "redis-primary", "redis-replica", *HA_SENTINELS)
+TRACING_ROLES = ("gateway-tracing", "batcher-tracing", "gpu_worker-tracing")
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +111,8 @@ def test_the_ha_profile_is_separate_and_every_long_running_service_has_a_health_
     services = compose["services"]
     in_ha = {name for name, spec in services.items() if "ha" in spec.get("profiles", [])}
     assert in_ha == {*HA_BACKBONE, *HA_ROLES}
-    assert all("profiles" not in spec for name, spec in services.items() if name not in in_ha), (
+    in_tracing = {name for name, spec in services.items() if "tracing" in spec.get("profiles", [])}
+    assert all("profiles" not in spec for name, spec in services.items() if name not in in_ha | in_tracing), (
         "`docker compose up` without a profile starts what it did"
     )
     for name in sorted(in_ha - {"kafka-ha-init"}):
@@ -179,3 +181,24 @@ def test_the_ha_redis_is_a_persistent_primary_a_replica_and_three_sentinels(comp
     url = f"redis+sentinel://{','.join(f'{name}:26379' for name in HA_SENTINELS)}/{MASTER_NAME}"
     for role in HA_ROLES:
         assert services[role]["environment"]["BATCHWIRE_REDIS_URL"] == url, role
+
+
+def test_the_tracing_profile_sends_every_roles_spans_to_jaeger(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    in_tracing = {name for name, spec in services.items() if "tracing" in spec.get("profiles", [])}
+    assert in_tracing == {"jaeger", *TRACING_ROLES}
+    jaeger = services["jaeger"]
+    assert jaeger["image"].startswith("jaegertracing/all-in-one:")
+    assert jaeger["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    for role in TRACING_ROLES:
+        spec = services[role]
+        parser = subparser(spec["command"][0])
+        parser.parse_args(spec["command"][1:])
+        env = spec["environment"]
+        assert set(env) <= flags_and_vars(parser)[1], f"{role}: variables the CLI does not read"
+        assert env["BATCHWIRE_OTLP_ENDPOINT"] == "http://jaeger:4318", f"{role} must export to Jaeger's OTLP/HTTP port"
+        assert spec["build"] == {"context": ".", "args": {"EXTRAS": "[tracing]"}}, f"{role} needs the [tracing] extra"
+        assert "jaeger" in spec["depends_on"], f"{role} must start after Jaeger"
+        assert spec["restart"] == "unless-stopped"
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert "\ntracing = [" in pyproject, "the [tracing] extra the image installs"

@@ -12,7 +12,16 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("batchwire", "gateway", "batcher", "gpu_worker", "transport", "telemetry", "schemas", "infra")
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
-OPTIONAL = ("torch", "transformers", "docker", "batchwire.bench", "gpu_worker.backends.hf", "infra.docker_stack")
+OPTIONAL = (
+    "torch",
+    "transformers",
+    "docker",
+    "batchwire.bench",
+    "gpu_worker.backends.hf",
+    "infra.docker_stack",
+    "opentelemetry.sdk",
+    "opentelemetry.exporter",
+)
 """Modules that may be imported inside a function: heavy, or in an extra the core install lacks."""
 
 

@@ -21,6 +21,7 @@ from gateway.models import InferenceBody, InferenceResponse, TaskAccepted, error
 from gateway.priority import TIER_NAMES
 from gateway.routes.deployment import deployment_of
 from gateway.settings import GatewaySettings
+from gateway.traced import traced
 from schemas.wire import IDEMPOTENCY_HEADER
 
 INFERENCE_PATH = "/v1/inference"
@@ -115,7 +116,7 @@ def add_routes(routes: APIRouter, settings: GatewaySettings) -> None:
         submit_errors += ("invalid_client_id",)
     routes.add_api_route(
         INFERENCE_PATH,
-        infer,
+        traced(infer),
         methods=["POST"],
         response_model=InferenceResponse,
         responses=error_responses(*submit_errors, "task_failed", "task_cancelled", "deadline_exceeded"),
@@ -129,7 +130,7 @@ def add_routes(routes: APIRouter, settings: GatewaySettings) -> None:
     )
     routes.add_api_route(
         TASKS_PATH,
-        enqueue,
+        traced(enqueue),
         methods=["POST"],
         status_code=202,
         response_model=TaskAccepted,

@@ -51,7 +51,7 @@ class ExpressBatchProducer:
         # otherwise compete for the CPU with the copy's hop and the worker's start.
         pushed = await self._push(worker, data, batch)
         try:
-            await self.kafka.send_encoded(batch.model, data, partition)  # encoded once, for both copies
+            await self.kafka.send_encoded(batch.model, data, partition, batch.traceparent)  # encoded once, for both
         except TransportError as err:
             if not pushed or await self._retract(worker, data):
                 raise
@@ -62,7 +62,7 @@ class ExpressBatchProducer:
                 log,
                 "express",
                 f"sending batch {batch.batch_id} to Kafka",
-                lambda: self.kafka.send_encoded(batch.model, data, partition),
+                lambda: self.kafka.send_encoded(batch.model, data, partition, batch.traceparent),
                 self.retry_max_s,
             )
 

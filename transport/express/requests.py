@@ -89,12 +89,12 @@ class ExpressRequestProducer:
         data = encode_request(request)
         partition = self.kafka.partitioner.choose(request.model)
         if not self._load.arrived():
-            await self.kafka.send_encoded(data, partition)
+            await self.kafka.send_encoded(data, partition, request.traceparent)
             return
         published = await self._publish(partition, data)  # first, as for batches (ExpressBatchProducer.send)
         if published and request.reply_to is not None and self.record_delay_s > 0:
             await asyncio.sleep(self.record_delay_s)
-        await self.kafka.send_encoded(data, partition)
+        await self.kafka.send_encoded(data, partition, request.traceparent)
 
     async def _publish(self, partition: int, data: bytes) -> bool:
         try:

@@ -29,6 +29,9 @@ from transport.ports import TransportError
 
 log = logging.getLogger(__name__)
 
+Headers = list[tuple[str, bytes]]
+"""Kafka record headers: (name, value) pairs."""
+
 # A produce waits this long for the broker's ack. A gateway request has a deadline of seconds, so a
 # broker that cannot answer in 5 s is better reported than waited on for aiokafka's default 40 s.
 DEFAULT_REQUEST_TIMEOUT_MS = 5000
@@ -173,7 +176,7 @@ class RenewingProducer:
             raise translate(f"reading metadata of {topic}", err) from err
         return found
 
-    async def send(self, topic: str, partition: int, value: bytes) -> None:
+    async def send(self, topic: str, partition: int, value: bytes, headers: Headers | None = None) -> None:
         partitions = await self.partitions(topic)
         if partition not in partitions:  # the topic may have grown (`topics grow`) since metadata was cached
             partitions = await self._refreshed_partitions(topic)
@@ -193,7 +196,7 @@ class RenewingProducer:
             if producer is None:
                 raise PermanentTransportError("producer is not started (or closed)")
             try:
-                acked = await producer.send(topic, value, partition=partition)
+                acked = await producer.send(topic, value, partition=partition, headers=headers)
             except ProducerClosed:
                 continue  # retired by a send that renewed it: the fresh producer takes the record
             except KafkaError as err:

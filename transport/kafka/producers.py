@@ -12,15 +12,21 @@ import time
 from schemas.codec import encode_batch, encode_request
 from schemas.deadletter import DeadLetter, encode_dead_letter
 from schemas.records import Batch, InferenceRequest
-from schemas.wire import Names
+from schemas.wire import TRACEPARENT_HEADER, Names
 from transport.breaker import CircuitBreaker
 from transport.errors import PermanentTransportError
-from transport.kafka.producer import DEFAULT_REQUEST_TIMEOUT_MS, RenewingProducer
+from transport.kafka.producer import DEFAULT_REQUEST_TIMEOUT_MS, Headers, RenewingProducer
 from transport.ports import TransportError
 from transport.routing import Partitioner
 
 # While the request producer's breaker is open, the bus is probed this often (a connection attempt).
 BREAKER_RETRY_S = 0.5
+
+
+def trace_headers(traceparent: str | None) -> Headers | None:
+    """The record's W3C trace context as a Kafka header, for tools that read the topics (batchwire's
+    own consumers read it from the record's value); none while tracing is off."""
+    return None if traceparent is None else [(TRACEPARENT_HEADER, traceparent.encode())]
 
 
 class KafkaRequestProducer:
@@ -92,15 +98,15 @@ class KafkaRequestProducer:
 
     async def send(self, request: InferenceRequest) -> None:
         """Returns once the broker acknowledged the record."""
-        await self.send_encoded(encode_request(request), self.partitioner.choose(request.model))
+        await self.send_encoded(encode_request(request), self.partitioner.choose(request.model), request.traceparent)
 
-    async def send_encoded(self, data: bytes, partition: int) -> None:
+    async def send_encoded(self, data: bytes, partition: int, traceparent: str | None = None) -> None:
         """``send`` for a request encoded already, to a partition chosen already."""
         if self.breaker.open:
             raise TransportError(f"{self.breaker.name} is down ({self.breaker.reason}); nothing was sent")
         started = time.monotonic()
         try:
-            await self._producer.send(self.topic, partition, data)
+            await self._producer.send(self.topic, partition, data, trace_headers(traceparent))
         except PermanentTransportError:
             raise  # a configuration fault, not an outage
         except TransportError as err:
@@ -155,11 +161,11 @@ class KafkaBatchProducer:
 
     async def send(self, batch: Batch, partition: int) -> None:
         """Returns once the broker acknowledged the batch."""
-        await self.send_encoded(batch.model, encode_batch(batch), partition)
+        await self.send_encoded(batch.model, encode_batch(batch), partition, batch.traceparent)
 
-    async def send_encoded(self, model: str, data: bytes, partition: int) -> None:
+    async def send_encoded(self, model: str, data: bytes, partition: int, traceparent: str | None = None) -> None:
         """``send`` for a batch encoded already."""
-        await self._producer.send(self.names.batch_topic(model), partition, data)
+        await self._producer.send(self.names.batch_topic(model), partition, data, trace_headers(traceparent))
 
     async def ready(self, model: str) -> bool:
         return await self._producer.ready(self.names.batch_topic(model))
