@@ -24,7 +24,7 @@ from gateway.errors import TRANSPORT_ERRORS, ClientDisconnected, DeadlineExceede
 from gateway.publisher import TaskPublisher
 from gateway.replies import Replies
 from gateway.waiters import CallerGone, Watch
-from schemas.records import TaskState, TaskStatus
+from schemas.records import Priority, TaskState, TaskStatus
 from telemetry.metrics import COLLAPSED
 from transport.ports import TaskStore
 
@@ -68,6 +68,8 @@ class SharedRequest:
     deadline: float
     started: float
     owner: str | None
+    tier: Priority = Priority.NORMAL
+    """The tier its computation runs at, when it starts one (a caller that joins runs at that one's)."""
 
 
 class Collapser:
@@ -212,7 +214,13 @@ class Collapser:
         become an end state too, so every caller is answered the same way."""
         publisher = self._publisher
         queued, sent = publisher.task(
-            computation.task_id, request.input, request.model, request.timeout_ms, self._gateway_id, request.owner
+            computation.task_id,
+            request.input,
+            request.model,
+            request.timeout_ms,
+            self._gateway_id,
+            request.owner,
+            request.tier,
         )
         computation.queued = queued
         started = self._clock.monotonic()

@@ -204,7 +204,7 @@ class Gateway:
             deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
             key = self._shared.keys.key(caller.owner, model, input)
             if key is not None and idempotency_key is None:
-                shared = SharedRequest(key, task_id, input, model, timeout_ms, deadline, started, caller.owner)
+                shared = SharedRequest(key, task_id, input, model, timeout_ms, deadline, started, caller.owner, tier)
                 return await self._submit_shared(shared, wait, disconnected)
             if idempotency_key is not None:
                 return await self._submit_keyed(
@@ -279,7 +279,7 @@ class Gateway:
         if wait:
             return self._answer(await self._shared.computed(request, watch), request.started, shared=True)
         args = (request.task_id, request.input, request.model, request.timeout_ms, request.deadline, request.owner)
-        return await self._enqueue(*args)
+        return await self._enqueue(*args, request.tier)
 
     async def _answer_when_done(
         self,
