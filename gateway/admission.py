@@ -102,11 +102,12 @@ class Admission:
         try:
             await self._admit(caller, model, timeout_ms, tier)
         except Overloaded:
-            self._count(model, tier, "refused")
+            self.count(model, tier, "refused")
             raise
-        self._count(model, tier, "admitted")
+        self.count(model, tier, "admitted")
 
-    def _count(self, model: str, tier: Priority, outcome: str) -> None:
+    def count(self, model: str, tier: Priority, outcome: str) -> None:
+        """One submit of ``model`` at ``tier`` in ``batchwire_tier_submits`` (admitted, refused, answered)."""
         key = (model, tier, outcome)
         counter = self._counters.get(key)
         if counter is None:

@@ -211,9 +211,11 @@ class Gateway:
                     task_id, input, model, timeout_ms, wait, deadline, started, caller.owner, idempotency_key, tier
                 )
             if wait:
-                return await self._answer_when_done(
+                answer = await self._answer_when_done(
                     task_id, input, model, timeout_ms, deadline, started, caller.owner, disconnected, tier, keyed=False
                 )
+                self._admission.count(model, tier, "answered")
+                return answer
             return await self._enqueue(task_id, input, model, timeout_ms, deadline, caller.owner, tier)
         finally:
             self._inflight -= 1

@@ -41,7 +41,8 @@ REQUESTS = Counter(
 )
 TIER_SUBMITS = Counter(
     "batchwire_tier_submits",
-    "Submits that reached admission, by model, priority tier and outcome (admitted, or refused with 503).",
+    "Submits by model, priority tier and outcome: admitted or refused (503) by admission, answered (a "
+    "synchronous 200 without an Idempotency-Key).",
     ["model", "priority", "outcome"],
     registry=REGISTRY,
 )

@@ -83,6 +83,7 @@ def stream_report(stream: Stream, tally: Tally, duration_s: float) -> dict[str, 
         "stream": stream.name,
         "offered_rps": round(stream.rate_rps, 1),
         "scheduled_rps": round(tally.scheduled / duration_s, 1),
+        "sent_rps": round(tally.sent / duration_s, 1),
         "sent": tally.sent,
         "ok": tally.ok,
         "answered_rps": round(tally.answers_in_window / duration_s, 1),
@@ -108,7 +109,7 @@ def mix_table(streams: Sequence[dict[str, Any]]) -> list[str]:
     lines = [header]
     for s in streams:
         lines.append(
-            f"{s['stream']:<14}{s['offered_rps']:>10g}{s['scheduled_rps']:>9g}{s['answered_rps']:>10g}"
+            f"{s['stream']:<14}{s['offered_rps']:>10g}{s['sent_rps']:>9g}{s['answered_rps']:>10g}"
             f"{s['p50_ms']:>9.1f}{s['p99_ms']:>9.1f}{s['refused']:>9}{s['refused_p99_ms']:>11.2f}"
             f"{s['lag_p99_ms']:>9.1f}  {s['other_errors'] or '-'}"
         )

@@ -92,11 +92,17 @@ def test_a_bad_tier_in_the_keys_file_names_its_line(tmp_path: Path, entry: str, 
 async def test_the_tier_travels_on_the_request(make_rig: RigFactory) -> None:
     rig = await make_rig()
     await rig.worker()
+    answered = {tier: tier_submits(tier, "answered") for tier in ("low", "high", "normal")}
     for tier in ("low", "high", None):
         body = {"input": "x"} if tier is None else {"input": "x", "priority": tier}
         assert (await rig.client.post("/v1/inference", json=body)).status_code == 200
     seen = [request.priority for request in rig.workers[0].seen]
     assert seen == [Priority.LOW, Priority.HIGH, Priority.NORMAL]
+    assert {tier: tier_submits(tier, "answered") - before for tier, before in answered.items()} == {
+        "low": 1,
+        "high": 1,
+        "normal": 1,
+    }
 
 
 @pytest.mark.parametrize("path", ["/v1/inference", "/v1/tasks"])
