@@ -37,7 +37,7 @@ def test_a_batch_from_a_v1_batcher_has_no_trace_contexts() -> None:
     data = _written_by("batch.v1.avsc", Kind.BATCH, 1, {**old, "credit": None, "items": [item]})
     batch = codec.decode_batch(data)
     assert batch.traceparent is None
-    assert batch.items == (BatchItem("t", "x", 1, 2, None, None),)
+    assert batch.items == (BatchItem("t", "x", 1, 2, None, traceparent=None),)
 
 
 def test_trace_contexts_round_trip_and_follow_the_request_into_its_batch() -> None:
