@@ -20,13 +20,9 @@ from gateway.collapsing import SharedRequest
 from gateway.errors import (
     ClientDisconnected,
     DeadlineExceeded,
-    EmptyInput,
-    InputTooLarge,
     NotReady,
     Overloaded,
-    TimeoutOutOfRange,
     Unavailable,
-    UnknownModel,
 )
 from gateway.health import probe
 from gateway.priority import request_tier
@@ -36,6 +32,7 @@ from gateway.replay import KeyedReplay
 from gateway.replies import Replies
 from gateway.settings import GatewaySettings, env_name
 from gateway.sharing import SharedAnswers
+from gateway.validation import validated
 from gateway.waiters import CallerGone, Watch
 from schemas.records import Priority, TaskState, TaskStatus
 from telemetry import spans, tracing
@@ -188,7 +185,7 @@ class Gateway:
         (``gateway.priority``: the key's default when None, never above its ceiling).
         """
         started = self._clock.monotonic()
-        model, timeout_ms = self._validate(input, model, timeout_ms)
+        model, timeout_ms = validated(self.settings, input, model, timeout_ms)
         tier = request_tier(priority, caller.tiers)
         if idempotency_key is not None:
             idempotency.check_key(idempotency_key)
@@ -364,29 +361,6 @@ class Gateway:
                 task_id=task_id,
             ) from None
         return Accepted(task_id, model)
-
-    def _validate(self, input: str, model: str | None, timeout_ms: int | None) -> tuple[str, int]:
-        settings = self.settings
-        if model is None:
-            model = settings.default_model
-        elif model not in settings.models:
-            raise UnknownModel(f"model {model!r} is not served here; served models: {', '.join(settings.models)}")
-        if timeout_ms is None:
-            timeout_ms = settings.default_timeout_ms
-        elif not settings.min_timeout_ms <= timeout_ms <= settings.max_timeout_ms:
-            raise TimeoutOutOfRange(
-                f"timeout_ms is {timeout_ms}; send a value from {settings.min_timeout_ms} to "
-                f"{settings.max_timeout_ms} ({env_name('max_timeout_ms')}), or leave it out for "
-                f"{settings.default_timeout_ms}"
-            )
-        if not input:
-            raise EmptyInput("input is empty; send the text to run the model on")
-        if len(input) > settings.max_input_chars:
-            raise InputTooLarge(
-                f"input is {len(input)} characters; the limit is {settings.max_input_chars} "
-                f"({env_name('max_input_chars')})"
-            )
-        return model, timeout_ms
 
     def _answer(self, state: TaskState, started: float, *, shared: bool = False) -> Answer:
         """The caller's answer from its task's terminal state; a completed one counts in the latency

@@ -1,4 +1,4 @@
-"""Imports point one way, and sit at the top of their modules."""
+"""Imports point one way and sit at the top of their modules; modules and functions stay small."""
 
 from __future__ import annotations
 
@@ -84,3 +84,24 @@ def test_imports_sit_at_the_top_of_modules() -> None:
     assert not found, (
         "imports inside functions (move them to the top; only heavy optional ones may stay):\n" + "\n".join(found)
     )
+
+
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+
+def test_no_module_is_over_400_lines_and_no_function_over_60() -> None:
+    """Sizes a newcomer can read whole: split a module by mechanism, a function by step."""
+    found = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            source = path.read_text()
+            name = path.relative_to(ROOT)
+            if (lines := source.count("\n")) > MAX_MODULE_LINES:
+                found.append(f"{name}: {lines} lines")
+            for node in ast.walk(ast.parse(source)):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno is not None:
+                    if (length := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
+                        found.append(f"{name}:{node.lineno} {node.name}: {length} lines")
+    assert not found, "over the size limits:\n" + "\n".join(found)
+

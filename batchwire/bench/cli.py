@@ -99,21 +99,7 @@ def _add_load_arguments(parser: argparse.ArgumentParser) -> None:
         help="most requests outstanding; a send beyond it counts as error client_limit (default 1000)",
     )
     load.add_argument("--timeout", type=float, default=30.0, help="per-request timeout in s (default 30)")
-    load.add_argument("--input-size", type=int, default=32, help="characters per (unique, random) input")
-    load.add_argument("--seed", type=int, default=1, help="seed for arrival times and inputs")
-    load.add_argument(
-        "--zipf",
-        metavar="DISTINCT:S",
-        help="draw inputs from DISTINCT inputs with Zipf popularity s (e.g. 1000:1.1) instead of unique ones; "
-        "shows what collapsing and the result cache save",
-    )
-    load.add_argument(
-        "--expect",
-        choices=("reverse", "none"),
-        default="none",
-        help="check each 200 answer: reverse = output must be the input reversed (sim backend)",
-    )
-    load.add_argument("--check", action="store_true", help="same as --expect reverse")
+    _add_input_arguments(load)
     load.add_argument(
         "--client",
         choices=("aiohttp", "raw"),
@@ -139,6 +125,25 @@ def _add_load_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="event loop for the generator (auto: uvloop when installed)",
     )
+
+
+def _add_input_arguments(load: argparse._ArgumentGroup) -> None:
+    """What each request sends, and how its answer is checked."""
+    load.add_argument("--input-size", type=int, default=32, help="characters per (unique, random) input")
+    load.add_argument("--seed", type=int, default=1, help="seed for arrival times and inputs")
+    load.add_argument(
+        "--zipf",
+        metavar="DISTINCT:S",
+        help="draw inputs from DISTINCT inputs with Zipf popularity s (e.g. 1000:1.1) instead of unique ones; "
+        "shows what collapsing and the result cache save",
+    )
+    load.add_argument(
+        "--expect",
+        choices=("reverse", "none"),
+        default="none",
+        help="check each 200 answer: reverse = output must be the input reversed (sim backend)",
+    )
+    load.add_argument("--check", action="store_true", help="same as --expect reverse")
 
 
 def _add_output_arguments(parser: argparse.ArgumentParser) -> None:

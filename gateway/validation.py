@@ -1,0 +1,30 @@
+"""A request's checks before admission, each refusal saying what to change."""
+
+from __future__ import annotations
+
+from gateway.errors import EmptyInput, InputTooLarge, TimeoutOutOfRange, UnknownModel
+from gateway.settings import GatewaySettings, env_name
+
+
+def validated(settings: GatewaySettings, input: str, model: str | None, timeout_ms: int | None) -> tuple[str, int]:
+    """The model and timeout a request runs with (its own, else the defaults), once its input, model
+    and timeout are within what ``settings`` serve."""
+    if model is None:
+        model = settings.default_model
+    elif model not in settings.models:
+        raise UnknownModel(f"model {model!r} is not served here; served models: {', '.join(settings.models)}")
+    if timeout_ms is None:
+        timeout_ms = settings.default_timeout_ms
+    elif not settings.min_timeout_ms <= timeout_ms <= settings.max_timeout_ms:
+        raise TimeoutOutOfRange(
+            f"timeout_ms is {timeout_ms}; send a value from {settings.min_timeout_ms} to "
+            f"{settings.max_timeout_ms} ({env_name('max_timeout_ms')}), or leave it out for "
+            f"{settings.default_timeout_ms}"
+        )
+    if not input:
+        raise EmptyInput("input is empty; send the text to run the model on")
+    if len(input) > settings.max_input_chars:
+        raise InputTooLarge(
+            f"input is {len(input)} characters; the limit is {settings.max_input_chars} ({env_name('max_input_chars')})"
+        )
+    return model, timeout_ms
