@@ -100,8 +100,9 @@ def test_no_module_is_over_400_lines_and_no_function_over_60() -> None:
             if (lines := source.count("\n")) > MAX_MODULE_LINES:
                 found.append(f"{name}: {lines} lines")
             for node in ast.walk(ast.parse(source)):
-                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno is not None:
-                    if (length := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
-                        found.append(f"{name}:{node.lineno} {node.name}: {length} lines")
+                if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or node.end_lineno is None:
+                    continue
+                if (length := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
+                    found.append(f"{name}:{node.lineno} {node.name}: {length} lines")
     assert not found, "over the size limits:\n" + "\n".join(found)
 
