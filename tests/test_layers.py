@@ -105,4 +105,3 @@ def test_no_module_is_over_400_lines_and_no_function_over_60() -> None:
                 if (length := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
                     found.append(f"{name}:{node.lineno} {node.name}: {length} lines")
     assert not found, "over the size limits:\n" + "\n".join(found)
-
