@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import AsyncIterator
 
@@ -13,24 +12,10 @@ from batchwire.embedded import EmbeddedRuntime, EmbeddedSettings
 from batchwire.settings import SharedSettings
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
-from gpu_worker.backends.sim import SimBackend
 from schemas.records import TaskState, TaskStatus
+from tests.support.recording_sim import RecordingSim
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class RecordingSim(SimBackend):
-    """The sim backend, remembering every input it was given."""
-
-    def __init__(self, latency_ms: float) -> None:
-        super().__init__(latency_ms=latency_ms)
-        self.inputs: list[str] = []
-        self._lock = threading.Lock()
-
-    def batchstring(self, inputs: list[str]) -> list[str]:
-        with self._lock:
-            self.inputs.extend(inputs)
-        return super().batchstring(inputs)
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ one computation per distinct input in a batch, and cache hits that never reach t
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -15,25 +14,11 @@ from batchwire.embedded import EmbeddedRuntime, EmbeddedSettings
 from batchwire.settings import SharedSettings
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
-from gpu_worker.backends.sim import SimBackend
 from schemas.records import TaskStatus
+from tests.support.recording_sim import RecordingSim
 from transport.memory.cache import MemoryResultCache
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class RecordingSim(SimBackend):
-    """The sim backend, remembering every input it was handed."""
-
-    def __init__(self, latency_ms: float) -> None:
-        super().__init__(latency_ms=latency_ms)
-        self.inputs: list[str] = []
-        self._lock = threading.Lock()
-
-    def batchstring(self, inputs: list[str]) -> list[str]:
-        with self._lock:
-            self.inputs.extend(inputs)
-        return super().batchstring(inputs)
 
 
 @pytest.fixture
