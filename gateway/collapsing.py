@@ -13,12 +13,12 @@ starts a computation of its own, which new identical requests then join.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
+from gateway.background import Background
 from gateway.clock import Clock
 from gateway.errors import TRANSPORT_ERRORS, ClientDisconnected, DeadlineExceeded, Unavailable
 from gateway.publisher import TaskPublisher
@@ -94,9 +94,7 @@ class Collapser:
         self._keep = keep
         self._computed = computed
         self._inflight: dict[str, Computation] = {}
-        self._group: asyncio.TaskGroup | None = None
-        self._host: asyncio.Task[None] | None = None
-        self._started = asyncio.Event()
+        self._runs = Background(f"{gateway_id}-collapser")
 
     def __len__(self) -> int:
         return len(self._inflight)
@@ -104,7 +102,7 @@ class Collapser:
     @property
     def alive(self) -> bool:
         """Whether the task that holds the computations runs (a crash there turns /readyz red)."""
-        return self._host is not None and not self._host.done()
+        return self._runs.alive
 
     def callers(self, key: str) -> frozenset[str]:
         """The task ids of the callers attached to ``key``'s computation now."""
@@ -112,23 +110,12 @@ class Collapser:
         return frozenset(computation.callers) if computation is not None else frozenset()
 
     async def start(self) -> None:
-        self._host = asyncio.create_task(self._hold_group(), name=f"{self._gateway_id}-collapser")
-        await self._started.wait()
+        await self._runs.start()
 
     async def close(self) -> None:
         """Cancels the computations' tasks and waits for them (their callers were woken already)."""
-        host, self._host = self._host, None
-        if host is not None:
-            host.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await host
+        await self._runs.close()
         self._inflight.clear()
-
-    async def _hold_group(self) -> None:
-        async with asyncio.TaskGroup() as group:
-            self._group = group
-            self._started.set()
-            await asyncio.Future()  # until close cancels it; the group then cancels and awaits every run
 
     async def answer(self, request: SharedRequest, disconnected: Watch | None) -> TaskState:
         """Attaches the caller to its key's computation (starting one if none fits) and waits for
@@ -178,11 +165,9 @@ class Collapser:
         if computation is not None and computation.deadline >= earliest:
             COLLAPSED.labels(model=request.model).inc()
         else:
-            if self._group is None:
-                raise RuntimeError("Collapser.answer() before start()")
             computation = Computation("c-" + secrets.token_urlsafe(16), request.model, request.deadline)
+            self._runs.spawn(self._run(request, computation), name=f"collapsed-{computation.task_id}")
             self._inflight[request.key] = computation
-            self._group.create_task(self._run(request, computation), name=f"collapsed-{computation.task_id}")
         computation.callers.add(request.task_id)
         return computation
 

@@ -157,6 +157,11 @@ class Unavailable(GatewayError):
     retriable = True
 
 
+class QueuedUnrecorded(Unavailable):
+    """The request bus took the request, the task store did not take its record: the task may still
+    run, so an Idempotency-Key stays bound to it (a retry waits for that task)."""
+
+
 class NotReady(GatewayError):
     """The gateway is not started yet, or is shutting down."""
 

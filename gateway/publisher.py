@@ -11,7 +11,7 @@ import logging
 from dataclasses import replace
 
 from gateway.clock import Clock
-from gateway.errors import TRANSPORT_ERRORS, DeadlineExceeded, Unavailable
+from gateway.errors import TRANSPORT_ERRORS, DeadlineExceeded, QueuedUnrecorded, Unavailable
 from schemas.records import InferenceRequest, Priority, TaskState, TaskStatus
 from telemetry import spans, tracing
 from telemetry.logs import ids
@@ -94,7 +94,7 @@ class TaskPublisher:
         if isinstance(created, BaseException):
             if not isinstance(created, TRANSPORT_ERRORS):
                 raise created
-            raise Unavailable(
+            raise QueuedUnrecorded(
                 f"the task store is unavailable: {created}; the request was queued and may still run, "
                 f"so retry with an Idempotency-Key or poll /v1/result/{state.task_id} later",
                 task_id=state.task_id,

@@ -1,40 +1,70 @@
 """The store side of ``Idempotency-Key`` (rules in ``gateway.idempotency``): binding a key to its
-task, and giving a retry the task its key names."""
+task, and giving a retry the task its key names.
+
+A binding carries its task's deadline. Past it (and ``STALE_AFTER_MS``) a bound task that has not
+ended never will: no batcher batches and no worker starts a request past its deadline. So a key whose
+task was lost (its request never reached the bus and the store was down when the gateway tried to
+unbind it, or that gateway died in between) names a new task from then on, instead of answering
+every retry 504 until the key expires.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from contextlib import aclosing
+from dataclasses import replace
 
 from gateway import idempotency
 from gateway.answers import Accepted
+from gateway.background import Background
 from gateway.changes import follow
 from gateway.clock import Clock
 from gateway.errors import TRANSPORT_ERRORS, DeadlineExceeded, IdempotencyKeyReused, Unavailable
 from schemas.records import TaskState, TaskStatus
 from transport.ports import KeyClaim, TaskStore
+from transport.retry import retry
 
 log = logging.getLogger(__name__)
+
+STALE_AFTER_MS = 2_000
+"""How long after its deadline a bound task that has not ended counts as one that never will: the
+margin covers clocks that disagree between hosts."""
+
+UNQUEUED = "the request never reached the request bus (the gateway could not send it); retry it"
 
 
 class KeyedReplay:
     """Binds each Idempotency-Key to one task in the task store, and finds a retry the task its key names."""
 
-    def __init__(self, store: TaskStore, clock: Clock, *, recheck_s: float) -> None:
+    def __init__(self, store: TaskStore, clock: Clock, *, recheck_s: float, name: str) -> None:
         self._store = store
         self._clock = clock
         self._recheck_s = recheck_s
+        self._settling = Background(f"{name}-key-settler")
 
-    async def claim(self, scope: str, key: str, task_id: str, fingerprint: str) -> KeyClaim:
-        """Binds the key to ``task_id`` when it is free, or when the task it names ended without being
-        computed (``idempotency.starts_anew``); else returns the binding of the task to replay."""
+    @property
+    def alive(self) -> bool:
+        return self._settling.alive
+
+    async def start(self) -> None:
+        await self._settling.start()
+
+    async def close(self) -> None:
+        """Stops unbinding keys whose tasks were lost (``STALE_AFTER_MS`` frees them later)."""
+        await self._settling.close()
+
+    async def claim(self, scope: str, key: str, task_id: str, fingerprint: str, deadline_ms: int) -> KeyClaim:
+        """Binds the key to ``task_id`` (whose deadline is ``deadline_ms``) when it is free, when the
+        task it names ended without being computed (``idempotency.starts_anew``), or when that task is
+        past its deadline and will never end; else returns the binding of the task to replay."""
         try:
-            claim = await self._store.claim_key(scope, key, task_id, fingerprint)
+            claim = await self._store.claim_key(scope, key, task_id, fingerprint, deadline_ms)
             if claim.task_id != task_id and claim.fingerprint == fingerprint:
                 earlier = await self._store.get(claim.task_id)  # None: its submit has not stored it yet
-                if earlier is not None and idempotency.starts_anew(earlier):
-                    claim = await self._store.rebind_key(scope, key, claim.task_id, task_id, fingerprint)
+                if self._replaced(claim, earlier):
+                    claim = await self._store.rebind_key(scope, key, claim.task_id, task_id, fingerprint, deadline_ms)
         except TRANSPORT_ERRORS as err:
             raise Unavailable(f"the task store is unavailable: {err}") from err
         if claim.fingerprint != fingerprint:
@@ -44,12 +74,45 @@ class KeyedReplay:
             )
         return claim
 
-    async def release(self, scope: str, key: str, task_id: str) -> None:
-        """Unbinds the key from a task that was never queued, so that a retry may create it."""
+    async def release(self, scope: str, key: str, task_id: str, model: str, owner: str | None, deadline: float) -> None:
+        """Unbinds the key from a task whose request never reached the bus, so that a retry creates
+        the task anew. While the store is down, a task of its own ends that task ``failed``
+        (``unavailable``: a retry waiting for it starts anew) and unbinds the key once the store is
+        back, until ``deadline`` (loop time; the binding is stale from then on anyway)."""
         try:
             await self._store.release_key(scope, key, task_id)
+        except TRANSPORT_ERRORS as err:
+            log.info("the idempotency key of task %s stays bound until the store is back: %s", task_id, err)
+            now_ms = self._clock.wall_ms()
+            failed = TaskState(
+                task_id,
+                TaskStatus.FAILED,
+                model,
+                now_ms,
+                now_ms,
+                error_code=Unavailable.code,
+                error_message=UNQUEUED,
+                owner=owner,
+            )
+            self._settling.spawn(self._settle(scope, key, failed, deadline), name=f"settle-{task_id}")
+
+    async def _settle(self, scope: str, key: str, failed: TaskState, deadline: float) -> None:
+        async def end_and_unbind() -> None:
+            await self._store.apply([replace(failed, updated_at_ms=self._clock.wall_ms())])
+            await self._store.release_key(scope, key, failed.task_id)
+
+        loop = asyncio.get_running_loop()
+        try:
+            await retry(
+                log,
+                "gateway",
+                f"ending unqueued task {failed.task_id}",
+                end_and_unbind,
+                1.0,
+                give_up=lambda: loop.time() > deadline,
+            )
         except TRANSPORT_ERRORS:
-            log.warning("could not release the idempotency key of task %s", task_id, exc_info=True)
+            log.warning("could not end unqueued task %s before its deadline", failed.task_id, exc_info=True)
 
     async def accepted(self, task_id: str, model: str, owner: str | None) -> Accepted:
         """An asynchronous retry's answer: the earlier task, recorded as queued if it is not stored yet.
@@ -68,28 +131,45 @@ class KeyedReplay:
             raise Unavailable(f"the task store is unavailable: {err}") from err
         return Accepted(task_id, model, replayed=True, status=state.status if state else TaskStatus.QUEUED)
 
-    async def ended(self, task_id: str, deadline: float, timeout_ms: int) -> TaskState:
-        """A synchronous retry's answer: the earlier task's terminal state, waited for up to this
-        request's own ``deadline``; a task not stored yet is waited for rather than reported unknown."""
+    async def ended(self, claim: KeyClaim, deadline: float, timeout_ms: int) -> TaskState | None:
+        """A synchronous retry's answer: the bound task's terminal state, waited for up to this
+        request's own ``deadline``; a task not stored yet is waited for rather than reported unknown.
+        None when the task goes stale (see the module) first: the caller claims the key again."""
+        task_id = claim.task_id
+        until = min(deadline, asyncio.get_running_loop().time() + self._stale_in_s(claim))
         try:
             async with self._store.watch(task_id) as changes:
                 state = await self._store.get(task_id)
                 try:
-                    async with asyncio.timeout_at(deadline):
+                    async with asyncio.timeout_at(until):
                         while state is None:
                             state = await anext(changes)
                 except TimeoutError:
                     state = None
                 if state is not None and not state.status.terminal:
-                    async with aclosing(follow(self._store, changes, state, deadline, self._recheck_s)) as later:
+                    async with aclosing(follow(self._store, changes, state, until, self._recheck_s)) as later:
                         async for change in later:
                             state = change
         except TRANSPORT_ERRORS as err:
             raise Unavailable(f"the task store is unavailable: {err}") from err
-        if state is None or not state.status.terminal:
-            raise DeadlineExceeded(
-                f"no answer within timeout_ms={timeout_ms} from the task this Idempotency-Key names; it may still "
-                "finish: poll its result",
-                task_id=task_id,
-            )
-        return state
+        if state is not None and state.status.terminal:
+            return state
+        if until < deadline:
+            return None
+        raise DeadlineExceeded(
+            f"no answer within timeout_ms={timeout_ms} from the task this Idempotency-Key names; it may still "
+            "finish: poll its result",
+            task_id=task_id,
+        )
+
+    def _replaced(self, claim: KeyClaim, earlier: TaskState | None) -> bool:
+        """Whether a retry replaces the bound task: it ended uncomputed, or it is stale."""
+        if earlier is not None and earlier.status.terminal:
+            return idempotency.starts_anew(earlier)
+        return self._stale_in_s(claim) <= 0
+
+    def _stale_in_s(self, claim: KeyClaim) -> float:
+        """Seconds until the bound task, not ended by then, never will (inf: a binding without a deadline)."""
+        if claim.deadline_ms is None:
+            return math.inf
+        return (claim.deadline_ms + STALE_AFTER_MS - self._clock.wall_ms()) / 1000

@@ -22,6 +22,7 @@ from gateway.errors import (
     DeadlineExceeded,
     NotReady,
     Overloaded,
+    QueuedUnrecorded,
     Unavailable,
 )
 from gateway.health import probe
@@ -76,7 +77,7 @@ class Gateway:
             log.warning("rate limits are set but this gateway got no rate limiter: they are not applied")
         self._replies = Replies(store, self._clock, first_check_s=settings.reply_recheck_s, name=settings.gateway_id)
         self._publisher = TaskPublisher(producer, store, self._clock, write_timeout_s=settings.ready_timeout_s)
-        self._keys = KeyedReplay(store, self._clock, recheck_s=settings.reply_recheck_s)
+        self._keys = KeyedReplay(store, self._clock, recheck_s=settings.reply_recheck_s, name=settings.gateway_id)
         self._reads = TaskReads(settings, store)
         self._shared = SharedAnswers(
             settings, store, self._publisher, self._replies, self._clock, cache, computed=self._admission.answered
@@ -93,6 +94,7 @@ class Gateway:
         await self._replies.start()
         await self._admission.start()
         await self._shared.start()
+        await self._keys.start()
         self._accepting = True
 
     async def close(self) -> None:
@@ -100,6 +102,7 @@ class Gateway:
         self._accepting = False
         await self._replies.close(lambda: NotReady("the gateway is shutting down; retry on another instance"))
         await self._shared.close()
+        await self._keys.close()
         await self._admission.close()
 
     async def ready(self) -> dict[str, bool]:
@@ -107,7 +110,7 @@ class Gateway:
         return {
             "bus": await probe(self._producer.ready(), self.settings.ready_timeout_s, "bus"),
             "store": await probe(self._store.ready(), self.settings.ready_timeout_s, "store"),
-            "gateway": self._accepting and self._replies.alive and self._shared.alive,
+            "gateway": self._accepting and self._replies.alive and self._shared.alive and self._keys.alive,
         }
 
     def models(self) -> dict[str, str]:
@@ -252,22 +255,27 @@ class Gateway:
         """A submit with an Idempotency-Key: the earlier task's answer, or a new task the key names."""
         scope = owner or idempotency.ANONYMOUS_SCOPE
         fingerprint = idempotency.fingerprint(input, model)
-        while (claim := await self._keys.claim(scope, key, task_id, fingerprint)).task_id != task_id:
+        deadline_ms = self._clock.wall_ms() + timeout_ms
+        while (claim := await self._keys.claim(scope, key, task_id, fingerprint, deadline_ms)).task_id != task_id:
             if not wait:
                 return await self._keys.accepted(claim.task_id, model, owner)
-            state = await self._keys.ended(claim.task_id, deadline, timeout_ms)
-            if not (idempotency.starts_anew(state) and asyncio.get_running_loop().time() < deadline):
+            state = await self._keys.ended(claim, deadline, timeout_ms)
+            if state is not None and not (
+                idempotency.starts_anew(state) and asyncio.get_running_loop().time() < deadline
+            ):
                 return answer_of(state, self._clock.monotonic() - started, replayed=True)
-            # The task ended without being computed while this retry waited for it: the next claim
-            # starts a new one (or finds the one a racing retry started).
+            # The task ended without being computed, or went stale, while this retry waited for it:
+            # the next claim starts a new one (or finds the one a racing retry started).
         try:
             if wait:
                 return await self._answer_when_done(
                     task_id, input, model, timeout_ms, deadline, started, owner, None, tier, keyed=True
                 )
             return await self._enqueue(task_id, input, model, timeout_ms, deadline, owner, tier)
+        except QueuedUnrecorded:
+            raise  # the task may still run: its key stays bound to it
         except Unavailable:
-            await self._keys.release(scope, key, task_id)  # a retry may then create the task
+            await self._keys.release(scope, key, task_id, model, owner, deadline)  # a retry may create it
             raise
 
     async def _submit_shared(self, request: SharedRequest, wait: bool, watch: Disconnected | None) -> Answer | Accepted:

@@ -114,10 +114,12 @@ ReplyHandler = Callable[[TaskState], None]
 
 @dataclass(frozen=True, slots=True)
 class KeyClaim:
-    """Which task an idempotency key names, and the fingerprint of the request that created it."""
+    """Which task an idempotency key names, the fingerprint of the request that created it, and that
+    task's deadline (Unix ms; None for a binding stored without one)."""
 
     task_id: str
     fingerprint: str
+    deadline_ms: int | None = None
 
 
 class TaskStore(Protocol):
@@ -170,7 +172,9 @@ class TaskStore(Protocol):
         """
         ...
 
-    async def claim_key(self, scope: str, key: str, task_id: str, fingerprint: str) -> KeyClaim:
+    async def claim_key(
+        self, scope: str, key: str, task_id: str, fingerprint: str, deadline_ms: int | None = None
+    ) -> KeyClaim:
         """Binds an idempotency ``key`` (within ``scope``) to ``task_id`` unless it is bound already.
 
         Returns the binding that holds: ours when this call won, else the first one. Bindings live
@@ -178,7 +182,15 @@ class TaskStore(Protocol):
         """
         ...
 
-    async def rebind_key(self, scope: str, key: str, ended_task_id: str, task_id: str, fingerprint: str) -> KeyClaim:
+    async def rebind_key(
+        self,
+        scope: str,
+        key: str,
+        ended_task_id: str,
+        task_id: str,
+        fingerprint: str,
+        deadline_ms: int | None = None,
+    ) -> KeyClaim:
         """Binds ``key`` to ``task_id`` if it still names ``ended_task_id`` (or nothing), atomically.
 
         The gateway calls it for a retry whose task ended without being computed; of two retries

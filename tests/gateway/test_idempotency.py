@@ -3,18 +3,31 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from gateway import idempotency
-from schemas.records import TaskStatus
+from gateway.errors import Unavailable
+from gateway.replay import STALE_AFTER_MS
+from gateway.service import Gateway
+from gateway.settings import GatewaySettings
+from schemas.records import InferenceRequest, TaskState, TaskStatus
 from schemas.wire import IDEMPOTENCY_HEADER, Names
 from tests.support.eventually import eventually
-from tests.support.gateway_rig import MODELS, DownProducer, RigFactory, error_of
+from tests.support.gateway_rig import (
+    MODELS,
+    DownProducer,
+    FakeWorker,
+    RecordingStore,
+    RigFactory,
+    error_of,
+    now_ms,
+)
 from transport.memory.bus import MemoryRequestBus
+from transport.ports import TransportError
 from transport.redis.store import RedisTaskStore
 from transport.routing import Partitioner
 
@@ -314,3 +327,120 @@ async def test_a_retry_at_another_gateway_gets_the_first_task(
     assert len(worker.seen) == 1, "one computation for both"
     again = await second_gateway.client.post("/v1/tasks", json={"input": "other"}, headers=_key("k-redis"))
     assert again.status_code == 422
+
+
+# a key whose task was lost -------------------------------------------------------------------------
+
+
+async def test_a_key_bound_to_a_task_past_its_deadline_that_was_never_stored_names_a_new_task(
+    make_rig: RigFactory, key_store: RedisTaskStore | None
+) -> None:
+    """The first submit bound its key, then neither its request nor its record got anywhere (the
+    store failed over, the gateway died): once that task's deadline has passed, it never will run."""
+    rig = await make_rig(store=key_store)
+    store = key_store if key_store is not None else rig.store
+    await rig.worker()
+    fingerprint = idempotency.fingerprint("gone", rig.settings.default_model)
+    past = now_ms() - STALE_AFTER_MS - 1_000
+    for key in ("k-gone-sync", "k-gone-async"):
+        await store.claim_key(idempotency.ANONYMOUS_SCOPE, key, f"never-{key}", fingerprint, past)
+
+    sync = await rig.client.post("/v1/inference", json={"input": "gone"}, headers=_key("k-gone-sync"))
+    queued = await rig.client.post("/v1/tasks", json={"input": "gone"}, headers=_key("k-gone-async"))
+
+    assert sync.status_code == 200, sync.text
+    assert sync.json()["task_id"] != "never-k-gone-sync"
+    assert sync.json()["output"] == "enog"
+    assert queued.status_code == 202, queued.text
+    assert queued.json()["task_id"] != "never-k-gone-async"
+    again = await rig.client.post("/v1/inference", json={"input": "gone"}, headers=_key("k-gone-sync"))
+    assert again.json()["task_id"] == sync.json()["task_id"], "the new task is replayed from then on"
+
+
+async def test_a_retry_waiting_for_a_bound_task_that_never_appears_starts_its_own_once_that_task_is_stale(
+    make_rig: RigFactory, key_store: RedisTaskStore | None
+) -> None:
+    rig = await make_rig(store=key_store)
+    store = key_store if key_store is not None else rig.store
+    await rig.worker()
+    fingerprint = idempotency.fingerprint("late", rig.settings.default_model)
+    soon = now_ms() + 300
+    await store.claim_key(idempotency.ANONYMOUS_SCOPE, "k-late", "never-stored", fingerprint, soon)
+
+    answer = await rig.client.post(
+        "/v1/inference", json={"input": "late", "timeout_ms": 20_000}, headers=_key("k-late"), timeout=30
+    )
+
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["task_id"] != "never-stored"
+    assert answer.json()["output"] == "etal"
+    assert now_ms() >= soon + STALE_AFTER_MS, "a bound task is waited for until it is stale, not replaced sooner"
+
+
+class _StoreDownForKeys(RecordingStore):
+    """The memory store whose writes fail while ``down`` (a store that went away mid-submit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+
+    async def release_key(self, scope: str, key: str, task_id: str) -> None:
+        if self.down:
+            raise TransportError("store unreachable")
+        await super().release_key(scope, key, task_id)
+
+    async def apply(self, updates: Sequence[TaskState]) -> list[bool]:
+        if self.down:
+            raise TransportError("store unreachable")
+        return await super().apply(updates)
+
+
+class _RefusesOnce:
+    """The bus's producer, refusing the first send (the broker was away for it)."""
+
+    def __init__(self, bus: MemoryRequestBus) -> None:
+        self.inner = bus.producer()
+        self.refused = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def send(self, request: InferenceRequest) -> None:
+        if not self.refused:
+            self.refused += 1
+            raise TransportError("broker unreachable")
+        await self.inner.send(request)
+
+
+async def test_a_key_whose_task_could_not_be_sent_or_released_is_freed_once_the_store_is_back() -> None:
+    """The bus refused the request and the store was down when the gateway unbound the key: the
+    gateway ends that task ``failed`` (unavailable) and unbinds the key once the store is back, so a
+    retry waiting for it gets its own answer at once rather than a 504."""
+    settings = GatewaySettings(models=MODELS, default_model="sim")
+    bus = MemoryRequestBus(Partitioner(settings.models, 4))
+    store = _StoreDownForKeys()
+    gateway = Gateway(settings, _RefusesOnce(bus), store)
+    await gateway.start()
+    worker = FakeWorker(bus, store)
+    await worker.start()
+    try:
+        store.down = True
+        with pytest.raises(Unavailable) as refused:
+            await gateway.submit("lost", None, 20_000, True, idempotency_key="k-unsent")
+        unsent = refused.value.task_id
+        assert unsent is not None
+        retry = asyncio.create_task(gateway.submit("lost", None, 20_000, True, idempotency_key="k-unsent"))
+        await eventually(lambda: gateway.inflight == 1, "the retry to wait for the unsent task")
+        assert not retry.done()
+        store.down = False
+
+        answer = await asyncio.wait_for(retry, 10)
+
+        assert (answer.output, answer.replayed) == ("tsol", False)
+        assert answer.task_id != unsent
+        ended = await store.get(unsent)
+        assert ended is not None and (ended.status, ended.error_code) == (TaskStatus.FAILED, "unavailable")
+        assert [r.input for r in worker.seen] == ["lost"], "only the retry's task reached the bus"
+    finally:
+        await worker.close()
+        await gateway.close()

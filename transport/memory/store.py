@@ -251,32 +251,41 @@ class MemoryTaskStore:
 
     # idempotency keys --------------------------------------------------------------------------
 
-    async def claim_key(self, scope: str, key: str, task_id: str, fingerprint: str) -> KeyClaim:
+    async def claim_key(
+        self, scope: str, key: str, task_id: str, fingerprint: str, deadline_ms: int | None = None
+    ) -> KeyClaim:
         self._evict_keys()
         held = self._keys.get((scope, key))
         if held is not None:
             return held.claim
-        return self._bind((scope, key), task_id, fingerprint)
+        return self._bind((scope, key), KeyClaim(task_id, fingerprint, deadline_ms))
 
-    async def rebind_key(self, scope: str, key: str, ended_task_id: str, task_id: str, fingerprint: str) -> KeyClaim:
+    async def rebind_key(
+        self,
+        scope: str,
+        key: str,
+        ended_task_id: str,
+        task_id: str,
+        fingerprint: str,
+        deadline_ms: int | None = None,
+    ) -> KeyClaim:
         self._evict_keys()
         held = self._keys.get((scope, key))
         if held is not None:
             if held.claim.task_id != ended_task_id:
                 return held.claim
             self._unbind((scope, key))
-        return self._bind((scope, key), task_id, fingerprint)
+        return self._bind((scope, key), KeyClaim(task_id, fingerprint, deadline_ms))
 
     async def release_key(self, scope: str, key: str, task_id: str) -> None:
         held = self._keys.get((scope, key))
         if held is not None and held.claim.task_id == task_id:
             self._unbind((scope, key))
 
-    def _bind(self, bound: _Key, task_id: str, fingerprint: str) -> KeyClaim:
-        claim = KeyClaim(task_id, fingerprint)
+    def _bind(self, bound: _Key, claim: KeyClaim) -> KeyClaim:
         size = ENTRY_BYTES + len(bound[0]) + len(bound[1])
         self._keys[bound] = _Bound(time.monotonic() + self.ttl_s, claim, size)
-        self._key_of[task_id] = bound
+        self._key_of[claim.task_id] = bound
         self._bytes += size
         self._shrink()
         return claim

@@ -211,31 +211,45 @@ class RedisTaskStore:
             return None  # expired between the read and the script
         return self._decode_stored(task_id, outcome[1], outcome[2] if len(outcome) > 2 else None)
 
-    async def claim_key(self, scope: str, key: str, task_id: str, fingerprint: str) -> KeyClaim:
+    async def claim_key(
+        self, scope: str, key: str, task_id: str, fingerprint: str, deadline_ms: int | None = None
+    ) -> KeyClaim:
         try:
             held = await self._claim_key(
-                keys=[self.names.idempotency_key(scope, key)], args=[self.ttl_ms, f"{fingerprint} {task_id}"]
+                keys=[self.names.idempotency_key(scope, key)],
+                args=[self.ttl_ms, _binding(fingerprint, deadline_ms, task_id)],
             )
         except RedisError as err:
             raise translate("claiming an idempotency key", err) from err
         return self._key_claim(scope, key, held)
 
-    async def rebind_key(self, scope: str, key: str, ended_task_id: str, task_id: str, fingerprint: str) -> KeyClaim:
+    async def rebind_key(
+        self,
+        scope: str,
+        key: str,
+        ended_task_id: str,
+        task_id: str,
+        fingerprint: str,
+        deadline_ms: int | None = None,
+    ) -> KeyClaim:
         try:
             held = await self._rebind_key(
                 keys=[self.names.idempotency_key(scope, key)],
-                args=[self.ttl_ms, ended_task_id, f"{fingerprint} {task_id}"],
+                args=[self.ttl_ms, ended_task_id, _binding(fingerprint, deadline_ms, task_id)],
             )
         except RedisError as err:
             raise translate("re-claiming an idempotency key", err) from err
         return self._key_claim(scope, key, held)
 
     def _key_claim(self, scope: str, key: str, held: bytes | str) -> KeyClaim:
+        """Parses ``"<fingerprint> [<deadline ms> ]<task id>"`` (the task id last: the scripts match on it)."""
         text = held.decode() if isinstance(held, bytes) else str(held)
-        held_fingerprint, _, held_task = text.partition(" ")
-        if not held_task:
-            raise PermanentTransportError(f"idempotency key {self.names.idempotency_key(scope, key)} holds {text!r}")
-        return KeyClaim(held_task, held_fingerprint)
+        parts = text.split(" ")
+        if len(parts) == 2:
+            return KeyClaim(parts[1], parts[0])
+        if len(parts) == 3 and parts[1].isdigit():
+            return KeyClaim(parts[2], parts[0], int(parts[1]))
+        raise PermanentTransportError(f"idempotency key {self.names.idempotency_key(scope, key)} holds {text!r}")
 
     async def release_key(self, scope: str, key: str, task_id: str) -> None:
         try:
@@ -386,3 +400,8 @@ async def _iterate(queue: asyncio.Queue[_Item]) -> AsyncIterator[TaskState]:
         if isinstance(item, TransportError):
             raise item
         yield item
+
+
+def _binding(fingerprint: str, deadline_ms: int | None, task_id: str) -> str:
+    """An idempotency key's stored value (see ``RedisTaskStore._key_claim``)."""
+    return f"{fingerprint} {task_id}" if deadline_ms is None else f"{fingerprint} {deadline_ms} {task_id}"
