@@ -25,6 +25,7 @@ from gateway.publisher import TaskPublisher
 from gateway.replies import Replies
 from gateway.waiters import CallerGone, Watch
 from schemas.records import Priority, TaskState, TaskStatus
+from telemetry.logs import ids
 from telemetry.metrics import COLLAPSED
 from transport.ports import TaskStore
 
@@ -222,7 +223,12 @@ class Collapser:
         except Unavailable as err:
             return self._ended(queued, TaskStatus.FAILED, Unavailable.code, err.message)
         except Exception as err:  # a closing gateway's not_ready, a store error: every caller hears of it
-            log.warning("collapsed computation %s ended without an answer", computation.task_id, exc_info=True)
+            log.warning(
+                "collapsed computation %s ended without an answer",
+                computation.task_id,
+                exc_info=True,
+                extra=ids(task_id=computation.task_id),
+            )
             return self._ended(queued, TaskStatus.FAILED, Unavailable.code, f"the computation failed: {err}")
         finally:
             if not future.done():
@@ -254,7 +260,9 @@ class Collapser:
         try:
             await self._store.create(queued)
         except TRANSPORT_ERRORS:
-            log.warning("could not record collapsed task %s", queued.task_id, exc_info=True)
+            log.warning(
+                "could not record collapsed task %s", queued.task_id, exc_info=True, extra=ids(task_id=queued.task_id)
+            )
 
     async def _end_expired(self, queued: TaskState, timeout_ms: int) -> None:
         expired = self._ended(
@@ -263,4 +271,6 @@ class Collapser:
         try:
             await self._store.apply([expired])
         except TRANSPORT_ERRORS:
-            log.warning("could not record task %s as expired", queued.task_id, exc_info=True)
+            log.warning(
+                "could not record task %s as expired", queued.task_id, exc_info=True, extra=ids(task_id=queued.task_id)
+            )

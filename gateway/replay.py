@@ -23,6 +23,7 @@ from gateway.changes import follow
 from gateway.clock import Clock
 from gateway.errors import TRANSPORT_ERRORS, DeadlineExceeded, IdempotencyKeyReused, Unavailable
 from schemas.records import TaskState, TaskStatus
+from telemetry.logs import ids
 from transport.ports import KeyClaim, TaskStore
 from transport.retry import retry
 
@@ -82,7 +83,12 @@ class KeyedReplay:
         try:
             await self._store.release_key(scope, key, task_id)
         except TRANSPORT_ERRORS as err:
-            log.info("the idempotency key of task %s stays bound until the store is back: %s", task_id, err)
+            log.info(
+                "the idempotency key of task %s stays bound until the store is back: %s",
+                task_id,
+                err,
+                extra=ids(task_id=task_id),
+            )
             now_ms = self._clock.wall_ms()
             failed = TaskState(
                 task_id,
@@ -112,7 +118,12 @@ class KeyedReplay:
                 give_up=lambda: loop.time() > deadline,
             )
         except TRANSPORT_ERRORS:
-            log.warning("could not end unqueued task %s before its deadline", failed.task_id, exc_info=True)
+            log.warning(
+                "could not end unqueued task %s before its deadline",
+                failed.task_id,
+                exc_info=True,
+                extra=ids(task_id=failed.task_id),
+            )
 
     async def accepted(self, task_id: str, model: str, owner: str | None) -> Accepted:
         """An asynchronous retry's answer: the earlier task, recorded as queued if it is not stored yet.

@@ -13,6 +13,7 @@ import logging
 from gateway.clock import Clock
 from gateway.errors import TRANSPORT_ERRORS
 from schemas.records import TaskState, TaskStatus
+from telemetry.logs import ids
 from telemetry.metrics import CACHE_BYPASSED, CACHE_HITS, CACHE_MISSES
 from transport.ports import ResultCache, TaskStore
 
@@ -40,7 +41,12 @@ class CachedAnswers:
             output = await self._cache.get(key)
         except TRANSPORT_ERRORS:
             CACHE_BYPASSED.labels(model=model).inc()
-            log.debug("result cache unreadable; request %s goes the normal way", task_id, exc_info=True)
+            log.debug(
+                "result cache unreadable; request %s goes the normal way",
+                task_id,
+                exc_info=True,
+                extra=ids(task_id=task_id),
+            )
             return None
         if output is None:
             CACHE_MISSES.labels(model=model).inc()
@@ -53,7 +59,7 @@ class CachedAnswers:
             if not wait:
                 CACHE_BYPASSED.labels(model=model).inc()
                 return None
-            log.warning("could not record cached answer of task %s", task_id, exc_info=True)
+            log.warning("could not record cached answer of task %s", task_id, exc_info=True, extra=ids(task_id=task_id))
         CACHE_HITS.labels(model=model).inc()
         return state
 
@@ -65,4 +71,9 @@ class CachedAnswers:
             await self._cache.put(key, state.output, self._ttl_s)
         except TRANSPORT_ERRORS:
             CACHE_BYPASSED.labels(model=state.model).inc()
-            log.debug("result cache unwritable; answer of %s not kept", state.task_id, exc_info=True)
+            log.debug(
+                "result cache unwritable; answer of %s not kept",
+                state.task_id,
+                exc_info=True,
+                extra=ids(task_id=state.task_id),
+            )

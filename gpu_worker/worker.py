@@ -373,7 +373,12 @@ class Worker:
         letter = careful.dead_letter(batch, items, suspects, count, self.settings.worker_id, wall_ms())
         await self._retry("sending to the dead-letter topic", lambda: self.dead_letters.send(letter))
         log.error(
-            "worker %s: dead-lettered %s of batch %s: %s", self.settings.worker_id, ids, batch.batch_id, letter.error
+            "worker %s: dead-lettered %s of batch %s: %s",
+            self.settings.worker_id,
+            ids,
+            batch.batch_id,
+            letter.error,
+            extra=logs.ids(batch_id=batch.batch_id, traceparent=batch.traceparent),
         )
         failure = Failure(DEAD_LETTERED, careful.dead_lettered_message(letter))
         states = [self._state(batch, item, TaskStatus.FAILED, error=failure) for item in items]

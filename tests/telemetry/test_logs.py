@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import logging
+from pathlib import Path
 
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -58,3 +60,34 @@ def test_inside_a_traced_request_a_line_carries_its_trace_and_task() -> None:
 def test_an_unknown_format_names_the_flag() -> None:
     with pytest.raises(ValueError, match="--log-format is 'xml'; use text or json"):
         logs.check_format("xml")
+
+
+SOURCE_PACKAGES = ("gateway", "batcher", "gpu_worker", "transport", "telemetry", "schemas", "batchwire", "infra")
+
+
+def _log_calls_naming_an_id_without_extra() -> list[str]:
+    """Log calls whose arguments name a task or batch id but that pass no ``extra=`` (ids as fields)."""
+    root = Path(__file__).resolve().parents[2]
+    found: list[str] = []
+    for package in SOURCE_PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("debug", "info", "warning", "error", "exception", "critical")
+                    and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id in ("log", "logger")
+                ):
+                    continue
+                names_an_id = any(
+                    "task_id" in ast.unparse(arg) or "batch_id" in ast.unparse(arg) for arg in node.args[1:]
+                )
+                if names_an_id and not any(keyword.arg == "extra" for keyword in node.keywords):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)[:120]}")
+    return found
+
+
+def test_every_log_line_about_a_task_or_batch_carries_its_id_as_a_field() -> None:
+    """A JSON line is found by its ids, not by parsing its message: ``extra=ids(...)`` wherever one is named."""
+    assert _log_calls_naming_an_id_without_extra() == []

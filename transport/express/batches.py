@@ -11,6 +11,7 @@ from collections import OrderedDict, deque
 
 from schemas.codec import CodecError, decode_batch, encode_batch
 from schemas.records import Batch, Credit
+from telemetry.logs import ids
 from transport.express.copies import RedisExpress
 from transport.kafka.producers import KafkaBatchProducer
 from transport.ports import (
@@ -56,7 +57,10 @@ class ExpressBatchProducer:
             if not pushed or await self._retract(worker, data):
                 raise
             log.warning(
-                "Kafka refused batch %s (%s); its worker runs it already, so sending it again", batch.batch_id, err
+                "Kafka refused batch %s (%s); its worker runs it already, so sending it again",
+                batch.batch_id,
+                err,
+                extra=ids(batch_id=batch.batch_id, traceparent=batch.traceparent),
             )
             await retry(
                 log,
@@ -185,6 +189,7 @@ class ExpressBatchConsumer:
                 "worker %s: no Kafka copy of express batch %s yet; not committing it",
                 self.worker_id,
                 batch.batch_id,
+                extra=ids(batch_id=batch.batch_id, traceparent=batch.traceparent),
             )
             return
         await self.kafka.commit(record)

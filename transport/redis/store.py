@@ -24,6 +24,7 @@ from redis.exceptions import RedisError
 from schemas.codec import CodecError, decode_state, encode_state
 from schemas.records import TaskState, TaskStatus
 from schemas.wire import Names
+from telemetry.logs import ids
 from transport.coalesce import Coalescer
 from transport.errors import PermanentTransportError
 from transport.ports import KeyClaim, ReplyHandler, TransportError
@@ -362,7 +363,9 @@ class RedisTaskStore:
             try:
                 handler(state)
             except Exception:
-                log.exception("reply handler failed for task %s on %s", state.task_id, channel)
+                log.exception(
+                    "reply handler failed for task %s on %s", state.task_id, channel, extra=ids(task_id=state.task_id)
+                )
 
     async def _on_resubscribed(self, channels: frozenset[str]) -> None:
         """States published while PubSub was down are lost: re-read the watched ones and hand them on.
