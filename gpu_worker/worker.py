@@ -367,19 +367,14 @@ class Worker:
     async def _dead_letter(
         self, batch: Batch, items: list[BatchItem], suspects: Suspects, count: int
     ) -> list[TaskState]:
-        ids = [item.task_id for item in items]
+        task_ids = [item.task_id for item in items]
         # Marked first: if this worker dies before the letter is stored, the next one sees it again.
-        await self._retry("marking tasks in flight", lambda: self.deliveries.mark(batch.batch_id, ids))
+        await self._retry("marking tasks in flight", lambda: self.deliveries.mark(batch.batch_id, task_ids))
         letter = careful.dead_letter(batch, items, suspects, count, self.settings.worker_id, wall_ms())
         await self._retry("sending to the dead-letter topic", lambda: self.dead_letters.send(letter))
-        log.error(
-            "worker %s: dead-lettered %s of batch %s: %s",
-            self.settings.worker_id,
-            ids,
-            batch.batch_id,
-            letter.error,
-            extra=logs.ids(batch_id=batch.batch_id, traceparent=batch.traceparent),
-        )
+        where = logs.ids(batch_id=batch.batch_id, traceparent=batch.traceparent)
+        message = "worker %s: dead-lettered %s of batch %s: %s"
+        log.error(message, self.settings.worker_id, task_ids, batch.batch_id, letter.error, extra=where)
         failure = Failure(DEAD_LETTERED, careful.dead_lettered_message(letter))
         states = [self._state(batch, item, TaskStatus.FAILED, error=failure) for item in items]
         await self._retry("storing dead-lettered tasks", lambda: self.store.apply(states))

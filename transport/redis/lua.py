@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from schemas.records import TaskState, TaskStatus
+from transport.ports import KeyClaim
 
 TERMINAL_RANK = min(status.rank for status in TaskStatus if status.terminal)
 CANCELLABLE_RANK = TaskStatus.BATCHED.rank
@@ -192,3 +193,19 @@ def apply_args(ttl_ms: int, updates: Sequence[tuple[TaskState, bytes, str, str]]
     for state, doc, task_channel, reply_channel in updates:
         args.extend((state.status.value, state.status.rank, doc, task_channel, reply_channel))
     return args
+
+
+def binding(fingerprint: str, deadline_ms: int | None, task_id: str) -> str:
+    """An idempotency key's value: ``"<fingerprint> [<deadline ms> ]<task id>"``, the task id last
+    (``REBIND_KEY`` and ``RELEASE_KEY`` match on it)."""
+    return f"{fingerprint} {task_id}" if deadline_ms is None else f"{fingerprint} {deadline_ms} {task_id}"
+
+
+def parse_binding(text: str) -> KeyClaim | None:
+    """The claim a key's value (``binding``) holds; None for a value that is not one."""
+    parts = text.split(" ")
+    if len(parts) == 2:
+        return KeyClaim(parts[1], parts[0])
+    if len(parts) == 3 and parts[1].isdigit():
+        return KeyClaim(parts[2], parts[0], int(parts[1]))
+    return None

@@ -6,7 +6,7 @@ Every write is a Lua script (``redis_lua``) that checks that status only moves f
 publishes the new state on the task's channel (and, for a terminal state, on the reply channel of
 the gateway that waits for it), all in one round trip. Notifications reach this process through one
 PubSub connection (``redis_pubsub.PubSubHub``). Idempotency keys are plain strings
-(``names.idempotency_key``) holding "<fingerprint> <task id>", with the same TTL as tasks.
+(``names.idempotency_key``) holding ``lua.binding``, with the same TTL as tasks.
 """
 
 from __future__ import annotations
@@ -37,8 +37,10 @@ from transport.redis.lua import (
     REBIND_KEY,
     RELEASE_KEY,
     apply_args,
+    binding,
     cancel_args,
     create_args,
+    parse_binding,
 )
 from transport.redis.pools import CommandClient, PoolOptions, pubsub_pool, redacted, translate
 from transport.redis.pubsub import PubSubHub
@@ -215,14 +217,8 @@ class RedisTaskStore:
     async def claim_key(
         self, scope: str, key: str, task_id: str, fingerprint: str, deadline_ms: int | None = None
     ) -> KeyClaim:
-        try:
-            held = await self._claim_key(
-                keys=[self.names.idempotency_key(scope, key)],
-                args=[self.ttl_ms, _binding(fingerprint, deadline_ms, task_id)],
-            )
-        except RedisError as err:
-            raise translate("claiming an idempotency key", err) from err
-        return self._key_claim(scope, key, held)
+        value = binding(fingerprint, deadline_ms, task_id)
+        return await self._key_script(self._claim_key, "claiming", scope, key, value)
 
     async def rebind_key(
         self,
@@ -233,24 +229,20 @@ class RedisTaskStore:
         fingerprint: str,
         deadline_ms: int | None = None,
     ) -> KeyClaim:
-        try:
-            held = await self._rebind_key(
-                keys=[self.names.idempotency_key(scope, key)],
-                args=[self.ttl_ms, ended_task_id, _binding(fingerprint, deadline_ms, task_id)],
-            )
-        except RedisError as err:
-            raise translate("re-claiming an idempotency key", err) from err
-        return self._key_claim(scope, key, held)
+        value = binding(fingerprint, deadline_ms, task_id)
+        return await self._key_script(self._rebind_key, "re-claiming", scope, key, ended_task_id, value)
 
-    def _key_claim(self, scope: str, key: str, held: bytes | str) -> KeyClaim:
-        """Parses ``"<fingerprint> [<deadline ms> ]<task id>"`` (the task id last: the scripts match on it)."""
+    async def _key_script(self, script: Any, what: str, scope: str, key: str, *args: str) -> KeyClaim:
+        """Runs a key script (``CLAIM_KEY``, ``REBIND_KEY``): the binding that holds afterwards."""
+        name = self.names.idempotency_key(scope, key)
+        try:
+            held = await script(keys=[name], args=[self.ttl_ms, *args])
+        except RedisError as err:
+            raise translate(f"{what} an idempotency key", err) from err
         text = held.decode() if isinstance(held, bytes) else str(held)
-        parts = text.split(" ")
-        if len(parts) == 2:
-            return KeyClaim(parts[1], parts[0])
-        if len(parts) == 3 and parts[1].isdigit():
-            return KeyClaim(parts[2], parts[0], int(parts[1]))
-        raise PermanentTransportError(f"idempotency key {self.names.idempotency_key(scope, key)} holds {text!r}")
+        if (claim := parse_binding(text)) is None:
+            raise PermanentTransportError(f"idempotency key {name} holds {text!r}")
+        return claim
 
     async def release_key(self, scope: str, key: str, task_id: str) -> None:
         try:
@@ -403,8 +395,3 @@ async def _iterate(queue: asyncio.Queue[_Item]) -> AsyncIterator[TaskState]:
         if isinstance(item, TransportError):
             raise item
         yield item
-
-
-def _binding(fingerprint: str, deadline_ms: int | None, task_id: str) -> str:
-    """An idempotency key's stored value (see ``RedisTaskStore._key_claim``)."""
-    return f"{fingerprint} {task_id}" if deadline_ms is None else f"{fingerprint} {deadline_ms} {task_id}"
