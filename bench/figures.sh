@@ -102,9 +102,11 @@ figure() {
       BATCHWIRE_DETERMINISTIC_MODELS=sim run cache-1600-collapse "${zipf[@]}" --rate 1600 --duration 6.25 --warmup 0
       BATCHWIRE_DETERMINISTIC_MODELS=sim BATCHWIRE_CACHE_TTL_S=300 \
         run cache-1600-on "${zipf[@]}" --rate 1600 --duration 6.25 --warmup 0
-      BATCHWIRE_DETERMINISTIC_MODELS=sim BATCHWIRE_CACHE_TTL_S=300 \
-        run cache-3000-on "${zipf[@]}" --rate 3000 --duration 10 --warmup 3
-      run cache-3000-off "${zipf[@]}" --rate 3000 --duration 10 --warmup 3 ;;
+      for seed in 101 102 103; do
+        BATCHWIRE_DETERMINISTIC_MODELS=sim BATCHWIRE_CACHE_TTL_S=300 \
+          run "cache-3000-on-alone-seed$seed" "${zipf[@]}" --rate 3000 --duration 10 --warmup 3 --seed "$seed"
+        run "cache-3000-off-alone-seed$seed" "${zipf[@]}" --rate 3000 --duration 10 --warmup 3 --seed "$seed"
+      done ;;
     *) echo "unknown figure $1" >&2; exit 2 ;;
   esac
 }
