@@ -10,6 +10,7 @@ from gateway.admission import ANONYMOUS, Admission, ServiceTime
 from gateway.drain import DrainMeter
 from gateway.errors import Overloaded
 from gateway.settings import GatewaySettings
+from tests.support.queue_depth import Counters
 from transport.ports import Backlog
 
 
@@ -90,25 +91,6 @@ def test_a_model_idle_for_long_is_not_stalled_by_its_next_request() -> None:
 
 def settings(**overrides: object) -> GatewaySettings:
     return GatewaySettings(models=("a", "b"), default_model="a", **overrides)  # type: ignore[arg-type]
-
-
-class Counters:
-    """A ``QueueDepth`` whose counters the test sets."""
-
-    def __init__(self) -> None:
-        self.backlogs: dict[str, Backlog] = {}
-
-    async def start(self) -> None:
-        return None
-
-    async def close(self) -> None:
-        return None
-
-    async def depth(self) -> int:
-        return sum(b.depth for b in self.backlogs.values())
-
-    def backlog(self, model: str) -> Backlog | None:
-        return self.backlogs.get(model)
 
 
 async def test_a_request_whose_deadline_the_queue_cannot_meet_is_refused_at_once() -> None:

@@ -15,6 +15,7 @@ from gateway.tier_mix import TierMix
 from schemas.records import Priority
 from telemetry.metrics import REGISTRY
 from tests.support.gateway_rig import RigFactory, error_of
+from tests.support.queue_depth import Counters
 from transport.ports import Backlog
 
 pytestmark = pytest.mark.timeout(60)
@@ -154,25 +155,6 @@ async def test_a_full_queue_sheds_low_first_then_normal_and_high_last(make_rig: 
     assert counts == {("low", "admitted"): 5, ("low", "refused"): 1, ("high", "admitted"): 2, ("high", "refused"): 1}
     other = await rig.client.post("/v1/tasks", json={"input": "x", "model": "echo", "priority": "low"})
     assert other.status_code == 202, "a full queue of one model refuses nothing of another"
-
-
-class Counters:
-    """A ``QueueDepth`` whose counters the test sets."""
-
-    def __init__(self) -> None:
-        self.backlogs: dict[str, Backlog] = {}
-
-    async def start(self) -> None:
-        return None
-
-    async def close(self) -> None:
-        return None
-
-    async def depth(self) -> int:
-        return sum(b.depth for b in self.backlogs.values())
-
-    def backlog(self, model: str) -> Backlog | None:
-        return self.backlogs.get(model)
 
 
 OUTCOMES = ("admitted", "refused")
