@@ -17,7 +17,7 @@ import pytest
 
 from tests.support.eventually import eventually_sync
 from tests.support.otlp_receiver import OtlpReceiver
-from tests.support.processes import Cluster, launch
+from tests.support.processes import Cluster, launch, stopped_after
 from tests.support.trace_checks import check_batch_links, check_covers, request_chain
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(240)]
@@ -45,13 +45,8 @@ def cluster(
         sim_latency_ms=50,
         extra_env={"BATCHWIRE_OTLP_ENDPOINT": receiver.url, "BATCHWIRE_LOG_FORMAT": "json"},
     )
-    try:
+    with stopped_after(request, cluster):
         yield cluster
-    finally:
-        failed = request.session.testsfailed
-        cluster.stop()
-        if failed:
-            print(cluster.logs())
 
 
 def _traceparent() -> tuple[str, str]:
