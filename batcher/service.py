@@ -186,6 +186,7 @@ class Batcher:
             self.offsets.read(record.partition, record.offset)
             if request is None:
                 self.offsets.finish(record.partition, record.offset)
+                self._commit_soon()
                 continue
             matched = self.express.record(request.task_id, record.partition, record.offset)
             if matched is Record.DONE:
@@ -265,6 +266,9 @@ class Batcher:
         await self._retry(f"storing {len(ended)} expired task(s)", lambda: self.store.apply(ended))
         for pending in expired:
             self._finish(pending)
+        # Committed now, not with the next batch: the queue depth gateways admit by counts what is
+        # uncommitted, and a quiet model holding only ended requests would look stalled.
+        self._commit_soon()
 
     def _finish(self, pending: Pending[InferenceRequest]) -> None:
         """The request is on Kafka in a batch, or ended: its offset may be committed."""

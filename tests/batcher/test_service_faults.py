@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from batcher.service import Batcher
 from batcher.settings import BatcherSettings
 from schemas.records import Credit, InferenceRequest, TaskState, TaskStatus
+from tests.support.eventually import eventually
 from transport.errors import PermanentTransportError
 from transport.memory.bus import (
     MemoryBatchBus,
@@ -137,3 +138,17 @@ async def test_expiry_is_stored_once_the_store_is_back() -> None:
     await rig.batcher.close()
     assert [(s.task_id, s.status) for s in ended] == [("late", TaskStatus.EXPIRED)]
     assert store.failures == 0, "the failed writes were tried again"
+
+
+async def test_an_expired_request_leaves_the_queue_at_once() -> None:
+    """Its offset is committed when its expiry is stored, not at the next batch: the queue depth the
+    gateway admits by (uncommitted requests) would otherwise show it waiting, and a quiet model
+    would look stalled."""
+    rig = Rig()
+    ended = asyncio.Event()
+    await rig.store.listen_replies("gw", lambda state: ended.set())
+    await rig.batcher.start()
+    await rig.request("late", deadline_ms=50)  # no worker offers a credit: it expires in the batcher
+    await asyncio.wait_for(ended.wait(), 10)
+    await eventually(lambda: rig.requests.lag() == 0, "the expired request's offset to be committed")
+    await rig.batcher.close()
