@@ -143,7 +143,8 @@ class Dispatcher:
                     if credit is None:
                         continue
                 metrics.IDLE_WORKERS.labels(model=model).set(0)
-                hold_s = self.former.reserve_s(model, credit.busy_ms / 1000.0, claimed_from_s)
+                free_s = self.clock() + (credit.idle_from_ms - wall_ms()) / 1000.0
+                hold_s = self.former.reserve_s(model, credit.busy_ms / 1000.0, claimed_from_s, free_s)
                 if hold_s > 0:
                     credit = await self._hold(model, credit, hold_s)
                 elif self.settings.spacing_margin_ms >= 0 and self._alone(model):

@@ -238,7 +238,9 @@ class BatchFormer(Generic[Item]):
         queue = self._models.get(model)
         return queue is not None and bool(queue.sealed)
 
-    def reserve_s(self, model: str, call_s: float, claimed_from_s: float | None = None) -> float:
+    def reserve_s(
+        self, model: str, call_s: float, claimed_from_s: float | None = None, worker_free_s: float | None = None
+    ) -> float:
         """How long to keep a just-claimed idle worker in reserve rather than send it what waits.
 
         At low load most latency comes from arrivals that find every worker busy. Items that
@@ -252,6 +254,8 @@ class BatchFormer(Generic[Item]):
         The items are stale when the worker came more than ``fresh_ms`` after the newest of them
         arrived, or after the dispatcher began claiming (``claimed_from_s``, default now) if that
         was later: so a request that found a worker idle is fresh, the claim's round trip aside.
+        The worker came when it became idle (``worker_free_s``, from its credit) if that is known,
+        else now: a claim slowed by a busy event loop or store then does not make items stale.
         """
         policy = self.policy
         queue = self._models.get(model)
@@ -266,7 +270,8 @@ class BatchFormer(Generic[Item]):
             return 0.0
         now = self.clock()
         newest = queue.last_read_s if claimed_from_s is None else max(queue.last_read_s, claimed_from_s)
-        if now - newest <= policy.fresh_ms / 1000.0:
+        came_s = now if worker_free_s is None else min(now, worker_free_s)
+        if came_s - newest <= policy.fresh_ms / 1000.0:
             return 0.0
         if call_s / queue.gap_s >= policy.reserve_max_load:
             return 0.0

@@ -160,6 +160,12 @@ def test_low_load_reserve_holds_an_idle_worker_only_for_stale_items(clock: FakeC
     assert former.reserve_s("m", call_s=0.1, claimed_from_s=clock() - 0.002) == 0.0, (
         "the claim found a worker within its round trip: the items did not wait for one"
     )
+    assert former.reserve_s("m", call_s=0.1, claimed_from_s=clock() - 0.02, worker_free_s=clock() - 1) == 0.0, (
+        "a worker idle before the items came: fresh, however long the claim took"
+    )
+    assert former.reserve_s("m", call_s=0.1, worker_free_s=clock() - 0.001) == pytest.approx(0.05), (
+        "a worker that freed after the items came: they waited for it"
+    )
 
 
 def test_reserve_is_off_under_load_and_for_sealed_batches(clock: FakeClock) -> None:
