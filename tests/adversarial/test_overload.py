@@ -27,13 +27,12 @@ OFFERED_PER_S = 3 * CAPACITY_PER_S
 DURATION_S = 8.0
 TIMEOUT_MS = 3000
 WARM_CONNECTIONS = 500
-ATTACKER_NICENESS = 10
+ATTACKER_NICENESS = 5
 WAITING = ("queued", "batched", "running")
 
 TIMING_GAP = (
-    "known gap (issue 14): on a 2-core machine shared with the flooding client, the normal client's p99 rises "
-    "past its baseline + 20 ms during this attack, or the flooding client times some refusals late (its own "
-    "event loop lags; batchwire bench measures the refusal itself)"
+    "known gap (issue 14): on a 2-core machine shared with the service, the flooding client times some "
+    "refusals late (its own event loop lags; batchwire bench measures the refusal itself)"
 )
 
 
@@ -133,9 +132,7 @@ def _computed(url: str, task_ids: list[str]) -> int:
 def test_three_times_capacity_is_answered_in_time_or_refused_at_once(request: pytest.FixtureRequest, mode: str) -> None:
     service = _start(request, mode)
     flood: list[Outcomes] = []
-    harm = unharmed(
-        service, lambda: flood.append(_run_flood(service.url)), rate_per_s=5.0, baseline_s=10.0, check_p99=False
-    )
+    harm = unharmed(service, lambda: flood.append(_run_flood(service.url)), rate_per_s=5.0, baseline_s=10.0)
     outcomes = flood[0]
 
     summary = (
@@ -144,7 +141,9 @@ def test_three_times_capacity_is_answered_in_time_or_refused_at_once(request: py
         f"other {outcomes.other[:3]}; {harm}"
     )
     print(f"\n{mode}: {summary}")
-    assert outcomes.offered_per_s >= 2 * CAPACITY_PER_S, f"the flood's client could not offer an overload: {summary}"
+    # The client shares the machine with the service and may fall behind its schedule (it then sends
+    # for longer); what it offered must still be well past capacity, or this tests no overload.
+    assert outcomes.offered_per_s >= 1.5 * CAPACITY_PER_S, f"the flood's client could not offer an overload: {summary}"
     assert outcomes.other == [], summary
     assert max(outcomes.answered) <= TIMEOUT_MS / 1000, f"an admitted request is answered in time: {summary}"
     refusals = sorted(outcomes.refused)
@@ -163,8 +162,6 @@ def test_three_times_capacity_is_answered_in_time_or_refused_at_once(request: py
         )
         if seconds >= bound
     ]
-    if harm.p99_rose():
-        missed.append("the normal client's p99 rose")
     if missed:
         pytest.xfail(f"{TIMING_GAP}: {', '.join(missed)}; {summary}")
 
