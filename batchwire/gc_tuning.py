@@ -1,13 +1,11 @@
 """Python's cyclic garbage collector, set for a server that must answer in steady time.
 
-Measured in the embedded process at 1,600 req/s over 20 s with Python's defaults (700, 10, 10):
-1,077 young collections, 98 of the middle generation (7-11 ms each) and 9 full ones (75-111 ms
-each). A collection holds the GIL throughout, so the backend thread's return and every hand-over
-waited: calls of 100 ms were seen to end up to 42 ms late, and p99 was 280 ms. Freezing what
-start-up built (modules, the app, settings: never garbage, yet scanned by every full collection)
-and collecting the young generation every 20,000 net allocations instead of 700 (objects that
-die young are freed by reference counting and never counted): 5 young collections (12-16 ms) and
-1 full one (28 ms) in a run of the same length, p99 197 ms. Cycles are still collected, less often.
+A full collection holds the GIL throughout, so under load the backend thread's return and every
+hand-over wait for it: calls end late and the tail grows. Start-up's objects (modules, the app,
+settings) are never garbage yet are scanned by every full collection, so they are frozen; and the
+young generation is collected every 20,000 net allocations instead of 700 (objects that die young
+are freed by reference counting and never counted). Cycles are still collected, less often. The
+figures are in docs/performance.md ("Garbage collection").
 """
 
 from __future__ import annotations
