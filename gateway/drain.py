@@ -46,13 +46,18 @@ class DrainMeter:
     def __init__(
         self,
         *,
-        window_s: float = 0.5,
+        first_window_s: float = 0.5,
+        window_s: float = 2.0,
         half_life_s: float = 10.0,
         stall_s: float = 5.0,
         settle_s: float = 1.0,
         sample_every_s: float = 0.05,
     ) -> None:
+        self.first_window_s = first_window_s
+        """The first measurement's span: a model's first burst is admitted by its rate this soon."""
         self.window_s = window_s
+        """Later measurements' span. Requests leave in whole batches, so a short window counts one
+        batch more or less by chance; the highest of such counts, kept, would predict waits too short."""
         self.half_life_s = half_life_s
         self.stall_s = stall_s
         self.settle_s = settle_s
@@ -62,6 +67,7 @@ class DrainMeter:
         self._last: Backlog | None = None
         self._busy_s = 0.0
         self._busy_left = 0
+        self._busy_batches = 0
         self._rate: float | None = None
         self._batch_at_s = 0.0
         self._waiting_since_s: float | None = None
@@ -118,8 +124,12 @@ class DrainMeter:
         if last.depth > 0 and now.depth > 0:
             self._busy_s += now.at_s - last.at_s
             self._busy_left += max(0, now.left - last.left)
-            if self._busy_s >= self.window_s:
-                measured = self._busy_left / self._busy_s
+            self._busy_batches += max(0, now.batches - last.batches)
+            if self._busy_s >= (self.first_window_s if self._rate is None else self.window_s):
+                # Requests leave in whole batches, so a window counts one batch more or less than its
+                # span drained, by chance; the highest measure is kept, so one batch is not counted.
+                drained = self._busy_left * (1 - 1 / self._busy_batches) if self._busy_batches > 1 else self._busy_left
+                measured = drained / self._busy_s
                 kept = 0.0 if self._rate is None else self._rate * 0.5 ** (self._busy_s / self.half_life_s)
                 self._rate = max(measured, kept)
-                self._busy_s, self._busy_left = 0.0, 0
+                self._busy_s, self._busy_left, self._busy_batches = 0.0, 0, 0
