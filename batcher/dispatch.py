@@ -143,7 +143,7 @@ class Dispatcher:
                     if credit is None:
                         continue
                 metrics.IDLE_WORKERS.labels(model=model).set(0)
-                free_s = self.clock() + (credit.idle_from_ms - wall_ms()) / 1000.0
+                free_s = self._free_at_s(credit)
                 hold_s = self.former.reserve_s(model, credit.busy_ms / 1000.0, claimed_from_s, free_s)
                 if hold_s > 0:
                     credit = await self._hold(model, credit, hold_s)
@@ -227,9 +227,13 @@ class Dispatcher:
         owned = self._own_partitions.get(model)
         return owned is not None and owned <= self._assignment()
 
+    def _free_at_s(self, credit: Credit) -> float:
+        """When the credit's worker became (or becomes) idle, on this batcher's clock."""
+        return self.clock() + (credit.idle_from_ms - wall_ms()) / 1000.0
+
     def _starts_in_s(self, credit: Credit) -> float:
         """How long until the credit's worker is free (0 for an idle one)."""
-        return max(0, credit.idle_from_ms - wall_ms()) / 1000.0
+        return max(0.0, self._free_at_s(credit) - self.clock())
 
     # spacing and reserve -----------------------------------------------------------------------
     async def _space(self, model: str, credit: Credit) -> None:

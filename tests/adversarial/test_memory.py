@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.adversarial_rig import RSS_GROWTH_BYTES, Service, ServiceFactory, unharmed
+from tests.support.adversarial_rig import RSS_GROWTH_BYTES, Service, ServiceFactory, attacker_output, unharmed
 from tests.support.eventually import eventually_sync
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -57,10 +56,7 @@ class Flood:
     unexpected: list[str] = field(default_factory=list)
 
     def run(self, url: str, tag: str) -> None:
-        args = [sys.executable, "-m", "tests.adversarial.test_memory", url, tag]
-        done = subprocess.run(args, capture_output=True, text=True, timeout=FLOOD_MAX_S + 30, check=False)
-        assert done.returncode == 0, f"the flood's process failed: {done.stderr[-2000:]}"
-        for line in done.stdout.splitlines():
+        for line in attacker_output("tests.adversarial.test_memory", url, tag, timeout_s=FLOOD_MAX_S + 30).splitlines():
             kind, _, rest = line.partition(" ")
             if kind == "accepted":
                 self.accepted.append(rest)

@@ -8,7 +8,6 @@ import asyncio
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -17,7 +16,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from tests.support.adversarial_rig import Service, ServiceFactory, unharmed
+from tests.support.adversarial_rig import Service, ServiceFactory, attacker_output, unharmed
 from tests.support.eventually import eventually_sync
 
 pytestmark = pytest.mark.slow
@@ -73,14 +72,9 @@ class Outcomes:
 
 
 def _run_flood(url: str) -> Outcomes:
-    """The flood, in a process of its own at a lower CPU priority: on a small test machine the
-    attacker's own CPU use would otherwise be what the probe measures, not the service's."""
-    args = [sys.executable, "-m", "tests.adversarial.test_overload", url]
-    done = subprocess.run(
-        args, capture_output=True, text=True, timeout=DURATION_S + TIMEOUT_MS / 1000 + 60, check=False
-    )
-    assert done.returncode == 0, f"the flood's process failed: {done.stderr[-2000:]}"
-    return Outcomes(**json.loads(done.stdout.splitlines()[-1]))
+    """The flood, in a process of its own at a lower CPU priority (``attacker_output``)."""
+    printed = attacker_output("tests.adversarial.test_overload", url, timeout_s=DURATION_S + TIMEOUT_MS / 1000 + 60)
+    return Outcomes(**json.loads(printed.splitlines()[-1]))
 
 
 async def _flood(url: str) -> Outcomes:

@@ -80,6 +80,17 @@ ServiceFactory = Callable[..., Service]
 """Starts a service with extra flags (the ``*_service_factory`` fixtures)."""
 
 
+def attacker_output(module: str, *args: str, timeout_s: float) -> str:
+    """Runs an attack in a process of its own (``python -m module args``; the module lowers its own
+    CPU priority: on a small test machine the attacker's CPU use would otherwise be what the probe
+    measures, not the service's) and returns what it printed; fails with its stderr if it failed."""
+    done = subprocess.run(
+        [sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout_s, check=False
+    )
+    assert done.returncode == 0, f"the attacker's process failed: {done.stderr[-2000:]}"
+    return done.stdout
+
+
 @dataclass
 class ProbeStats:
     latencies_ms: list[float]
