@@ -6,6 +6,10 @@ how a held request reaches an idle worker is ``batcher.dispatch``.
 Kafka or Redis going away stops no loop: reads, claims and expiry writes are retried with backoff
 until they work. Only an error that retrying cannot fix ends a loop, and a loop that ends sets
 ``failed`` so the process exits non-zero instead of hanging.
+
+With Redis replicas (``replicas``), a request the batcher ends (expired, or for an unknown model) is
+committed only once its end state is on enough of them, as a worker's results are: a failover then
+cannot leave a committed request showing ``queued``.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from batcher.policy import BatchFormer, Pending
 from batcher.read_pacing import ReadPacing
 from batcher.settings import BatcherSettings
 from batcher.states import wall_ms
-from schemas.records import InferenceRequest
+from schemas.records import InferenceRequest, TaskState
 from telemetry import metrics
 from transport.ports import (
     BatchProducer,
@@ -35,6 +39,7 @@ from transport.ports import (
     TaskStore,
     TransportError,
 )
+from transport.replicas import ReplicaWait
 from transport.retry import retry
 
 log = logging.getLogger(__name__)
@@ -54,10 +59,13 @@ class Batcher:
         credits: CreditPool,
         store: TaskStore,
         clock: Callable[[], float] = time.monotonic,
+        replicas: ReplicaWait | None = None,
     ) -> None:
         self.settings = settings
         self.consumer = consumer
         self.store = store
+        self.replicas = replicas
+        """When set, a request the batcher ends is committed only once its end state is on enough Redis replicas."""
         self.clock = clock
         self.former: BatchFormer[InferenceRequest] = BatchFormer(settings.policy, clock, settings.tier_min_share)
         self.offsets = OffsetTracker()
@@ -231,7 +239,7 @@ class Batcher:
         failed = states.unknown_model(
             (r.value for r in records if r.value is not None), self.settings.models, wall_ms()
         )
-        await self._retry(f"failing {len(failed)} request(s) for unknown models", lambda: self.store.apply(failed))
+        await self._store_ended(failed, f"failing {len(failed)} request(s) for unknown models")
         async with self._handover:
             for record in records:
                 self.offsets.finish(record.partition, record.offset)
@@ -263,12 +271,20 @@ class Batcher:
         ended = states.expired((pending.item for pending in expired), wall_ms())
         for pending in expired:
             metrics.TASKS_ENDED.labels(model=pending.item.model, status="expired").inc()
-        await self._retry(f"storing {len(ended)} expired task(s)", lambda: self.store.apply(ended))
+        await self._store_ended(ended, f"storing {len(ended)} expired task(s)")
         for pending in expired:
             self._finish(pending)
         # Committed now, not with the next batch: the queue depth gateways admit by counts what is
         # uncommitted, and a quiet model holding only ended requests would look stalled.
         self._commit_soon()
+
+    async def _store_ended(self, ended: list[TaskState], what: str) -> None:
+        """Stores the end states of requests the batcher ends, on enough Redis replicas when it waits
+        for them; their offsets are finished only after this returns (a close cancels it: uncommitted)."""
+        if self.replicas is None:
+            await self._retry(what, lambda: self.store.apply(ended))
+        else:
+            await self.replicas.store_results(ended, give_up=lambda: False, stopping=lambda: False)
 
     def _finish(self, pending: Pending[InferenceRequest]) -> None:
         """The request is on Kafka in a batch, or ended: its offset may be committed."""

@@ -83,6 +83,7 @@ def _batcher(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "while every worker is busy, fetch requests at most this often, catching up before each seal (0: always)",
     )
     flags.express(batcher)
+    flags.redis_replica_wait(batcher)
 
 
 def _worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -93,6 +94,7 @@ def _worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     flags.replication(worker)
     flags.worker(worker)
     flags.worker_process(worker)
+    flags.redis_replica_wait(worker)
     flags.deterministic_models(worker)
 
 

@@ -19,10 +19,10 @@ from batchwire.gc_tuning import Threshold, parse_threshold
 from batchwire.settings import SharedSettings, env
 from gateway.settings import GatewaySettings
 from gpu_worker.backends.factory import BackendSettings
-from gpu_worker.replicas import parse_min_replicas
 from gpu_worker.settings import WorkerSettings
 from infra.redis_server import checked_maxmemory
 from telemetry.settings import ObservabilitySettings
+from transport.replicas import parse_min_replicas
 
 
 def models(text: str) -> tuple[str, ...]:
@@ -373,19 +373,24 @@ def worker(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def worker_process(parser: argparse.ArgumentParser) -> None:
-    """The flags only a worker process has: its identity, its endpoints, and its replica wait."""
-    add(parser, "--model", None, str, "the model this worker serves (first of --models)")
-    add(parser, "--worker-id", None, str, "unique id of this worker (random when unset)")
-    add(parser, "--max-batch", None, int, "largest batch this worker's backend takes (sim: 100, hf: 32)")
-    add(parser, "--metrics-port", 0, int, "serve Prometheus /metrics on this port (0: off)")
-    add(parser, "--session-timeout-ms", 3000, int, "Kafka group session: a dead worker's batches move after this")
+def redis_replica_wait(parser: argparse.ArgumentParser) -> None:
+    """How a worker (a batch's results) and a batcher (the requests it ends) wait for Redis replicas."""
     add(
         parser,
         "--redis-min-replicas",
         "auto",
         _min_replicas,
-        "Redis replicas that must hold a batch's results before its offset is committed (auto: 1 while the "
-        "primary has a replica in sync, else 0)",
+        "Redis replicas that must hold the task states this stores (a worker's results, a batcher's expired "
+        "requests) before the Kafka offset behind them is committed (auto: 1 while the primary has a replica in "
+        "sync, else 0)",
     )
-    add(parser, "--redis-replica-wait-ms", 1000, int, "how long one store of results waits for those replicas")
+    add(parser, "--redis-replica-wait-ms", 1000, int, "how long one store of task states waits for those replicas")
+
+
+def worker_process(parser: argparse.ArgumentParser) -> None:
+    """The flags only a worker process has: its identity and its endpoints."""
+    add(parser, "--model", None, str, "the model this worker serves (first of --models)")
+    add(parser, "--worker-id", None, str, "unique id of this worker (random when unset)")
+    add(parser, "--max-batch", None, int, "largest batch this worker's backend takes (sim: 100, hf: 32)")
+    add(parser, "--metrics-port", 0, int, "serve Prometheus /metrics on this port (0: off)")
+    add(parser, "--session-timeout-ms", 3000, int, "Kafka group session: a dead worker's batches move after this")

@@ -23,7 +23,6 @@ from gateway.service import Gateway
 from gpu_worker.backends.base import Backend
 from gpu_worker.backends.factory import make_backend
 from gpu_worker.journal import BatchJournal
-from gpu_worker.replicas import ReplicaSettings, ReplicaWait
 from gpu_worker.runner import EXIT_BACKEND_HUNG
 from gpu_worker.settings import WorkerSettings
 from gpu_worker.worker import Worker
@@ -36,7 +35,9 @@ from transport.memory.bus import MemoryRateLimiter
 from transport.memory.cache import MemoryResultCache
 from transport.ports import BatchProducer, RequestConsumer
 from transport.redis.deliveries import RedisDeliveryLog
+from transport.redis.pools import PoolOptions
 from transport.redis.store import STORE_POOL, RedisCreditPool, RedisTaskStore
+from transport.replicas import ReplicaSettings, ReplicaWait
 
 log = logging.getLogger("batchwire")
 
@@ -107,11 +108,13 @@ def run_batcher(args: argparse.Namespace) -> int:
         args, shared.request_partitions, read_pace_ms=args.read_pace_ms, batcher_id=args.batcher_id
     )
 
+    replicas = _replica_settings(args)
+
     async def main() -> int:
         bootstrap = shared.require_kafka()
         redis_url = shared.require_redis()
         await ensure_role_topics(shared, durability(args), True, shared.models)
-        store = RedisTaskStore(redis_url, shared.names, ttl_s=shared.result_ttl_s)
+        store = RedisTaskStore(redis_url, shared.names, ttl_s=shared.result_ttl_s, pool=_replica_pool(replicas))
         credits = RedisCreditPool(redis_url, shared.names)
         kafka_producer = KafkaBatchProducer(bootstrap, shared.names)
         producer: BatchProducer = kafka_producer
@@ -122,7 +125,8 @@ def run_batcher(args: argparse.Namespace) -> int:
             express = RedisExpress(redis_url, shared.names, deliveries_ttl_s=shared.result_ttl_s)  # as the workers'
             producer = ExpressBatchProducer(kafka_producer, express)
             consumer = ExpressRequestConsumer(consumer, redis_url, shared.names)
-        batcher = Batcher(settings, consumer, producer, credits, store)
+        wait = ReplicaWait(store, replicas, settings.batcher_id, role="batcher", retry_max_s=settings.retry_max_s)
+        batcher = Batcher(settings, consumer, producer, credits, store, replicas=wait)
         parts: tuple[Lifecycle, ...] = (store, credits, producer, batcher)
 
         async def start() -> None:
@@ -140,6 +144,19 @@ def run_batcher(args: argparse.Namespace) -> int:
     return run_loop(main(), args.gc_threshold)
 
 
+def _replica_settings(args: argparse.Namespace) -> ReplicaSettings:
+    """``--redis-min-replicas`` and ``--redis-replica-wait-ms``, checked."""
+    try:
+        return ReplicaSettings(args.redis_min_replicas, args.redis_replica_wait_ms)
+    except ValueError as err:
+        raise SettingsError(str(err)) from err
+
+
+def _replica_pool(replicas: ReplicaSettings) -> PoolOptions:
+    """The task store's pool: a store's answer may come a replica wait later, so its socket waits that much longer."""
+    return dataclasses.replace(STORE_POOL, socket_timeout_s=STORE_POOL.socket_timeout_s + replicas.wait_ms / 1000)
+
+
 @dataclasses.dataclass
 class _WorkerProcess:
     """One worker process's flags, resolved: its model, settings, replica wait and backend."""
@@ -154,11 +171,7 @@ class _WorkerProcess:
         args, shared, settings = self.args, self.shared, self.settings
         bootstrap, redis_url, names = shared.require_kafka(), shared.require_redis(), shared.names
         await ensure_role_topics(shared, durability(args), False, (settings.model,), dead_letters=True)
-        # A store's answer may come a replica wait later: the socket waits that much longer.
-        pool = dataclasses.replace(
-            STORE_POOL, socket_timeout_s=STORE_POOL.socket_timeout_s + self.replicas.wait_ms / 1000
-        )
-        store = RedisTaskStore(redis_url, names, ttl_s=shared.result_ttl_s, pool=pool)
+        store = RedisTaskStore(redis_url, names, ttl_s=shared.result_ttl_s, pool=_replica_pool(self.replicas))
         credits = RedisCreditPool(redis_url, names)
         deliveries = RedisDeliveryLog(redis_url, names, ttl_s=shared.result_ttl_s)
         dead_letters = KafkaDeadLetterProducer(bootstrap, names)
@@ -204,10 +217,7 @@ def run_worker(args: argparse.Namespace) -> int:
     model = args.model or shared.models[0]
     if model not in shared.models:
         raise SettingsError(f"--model {model!r} is not among --models {','.join(shared.models)}")
-    try:
-        replicas = ReplicaSettings(args.redis_min_replicas, args.redis_replica_wait_ms)
-    except ValueError as err:
-        raise SettingsError(str(err)) from err
+    replicas = _replica_settings(args)
     settings = rs.worker_settings(args, model, args.worker_id)
     process = _WorkerProcess(args, shared, settings, replicas, make_backend(rs.backend_settings(args), model))
     serve_metrics(args.metrics_port)

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from gpu_worker.calls import GroupResult
-from gpu_worker.replicas import ReplicaWait
 from schemas.records import Batch, TaskState
 from telemetry import spans, tracing
 from telemetry.logs import ids
 from transport.deliveries import DeliveryLog
 from transport.ports import BatchConsumer, Delivered, TaskStore, TransportError
+from transport.replicas import ReplicaWait
 
 log = logging.getLogger(__name__)
 

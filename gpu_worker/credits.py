@@ -13,12 +13,12 @@ import logging
 from collections.abc import Callable
 
 from gpu_worker.backends.base import Backend
-from gpu_worker.replicas import ReplicaWait
 from gpu_worker.runner import BackendRunner
 from gpu_worker.settings import WorkerSettings
 from gpu_worker.states import wall_ms
 from schemas.records import Batch, Credit
 from transport.ports import BatchConsumer, CreditPool, TransportError
+from transport.replicas import ReplicaWait
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,6 @@ from gpu_worker.commits import Committer, Timed
 from gpu_worker.credits import CreditOffer
 from gpu_worker.journal import BatchJournal
 from gpu_worker.pipeline import Pipeline
-from gpu_worker.replicas import ReplicaWait
 from gpu_worker.runner import BackendHung, BackendRunner
 from gpu_worker.settings import WorkerSettings
 from gpu_worker.states import count_ended, task_state, wall_ms
@@ -53,6 +52,7 @@ from transport.deliveries import (
     Suspects,
 )
 from transport.ports import BatchConsumer, CreditPool, Delivered, TaskStore, TransportError
+from transport.replicas import ReplicaWait
 from transport.retry import pause, retry
 
 log = logging.getLogger(__name__)

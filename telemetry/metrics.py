@@ -117,9 +117,10 @@ TASKS_ENDED = Counter(
 )
 RESULTS_UNREPLICATED = Counter(
     "batchwire_results_unreplicated",
-    "Stores of a batch's results that fewer Redis replicas acknowledged in time than --redis-min-replicas "
-    "(the batch stays uncommitted and its results are stored again).",
-    ["worker"],
+    "Stores of task states (a worker's batch results, a batcher's ended requests) that fewer Redis replicas "
+    "acknowledged in time than --redis-min-replicas (their Kafka record stays uncommitted and they are stored "
+    "again).",
+    ["process"],
     registry=REGISTRY,
 )
 REQUEST_LAG = Gauge(

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import redis
 
-from gpu_worker.replicas import ReplicaSettings, ReplicaWait, parse_min_replicas
 from gpu_worker.settings import WorkerSettings
 from gpu_worker.worker import Worker
 from infra.redis_server import RedisServer
@@ -28,6 +27,7 @@ from tests.support.worker_rig import Rig, ScriptedBackend, now_ms
 from transport.memory.bus import MemoryBatchConsumer, MemoryTaskStore
 from transport.ports import Delivered
 from transport.redis.store import RedisTaskStore
+from transport.replicas import ReplicaSettings, ReplicaWait, parse_min_replicas
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,12 +1,13 @@
-"""A batch's results on Redis replicas before its offset is committed (Redis ``WAIT``).
+"""Task states on Redis replicas before the Kafka offset behind them is committed (Redis ``WAIT``).
 
-Redis replicates asynchronously: a result that only the primary holds is lost when a Sentinel
-promotes a replica. A worker that commits only once ``min_replicas`` replicas acknowledged its
-results never loses a result whose batch was committed. A store that fewer replicas acknowledged in
-time (a replica down or stalled, the primary dead, a failover under way) leaves the batch
-uncommitted: its results are stored again with backoff, on whichever server is primary by then
-(status only moves forward, so a result stored twice is answered once), until enough replicas hold
-them. Should the worker die meanwhile, the batch's next owner runs it again.
+Redis replicates asynchronously: a state that only the primary holds is lost when a Sentinel
+promotes a replica. A process that commits only once ``min_replicas`` replicas acknowledged what it
+stored never loses a state whose record was committed: a worker a batch's results, a batcher the
+requests it ended (expired, or for an unknown model). A store that fewer replicas acknowledged in
+time (a replica down or stalled, the primary dead, a failover under way) leaves the record
+uncommitted: the states are stored again with backoff, on whichever server is primary by then
+(status only moves forward, so a state stored twice is answered once), until enough replicas hold
+them. Should the process die meanwhile, the record's next owner handles it again.
 
 ``min_replicas=None`` (auto) asks for one replica while the primary reports one connected and in
 sync (not still taking its first full copy), else none: a lone Redis costs nothing, and a primary
@@ -38,7 +39,7 @@ T = TypeVar("T")
 @dataclass(frozen=True, slots=True)
 class ReplicaSettings:
     min_replicas: int | None = None
-    """Replicas that must acknowledge a batch's results before its commit; None: auto (see the module)."""
+    """Replicas that must acknowledge the states stored before their commit; None: auto (see the module)."""
     wait_ms: int = 1000
     """How long one store waits for the replicas' acknowledgements (Redis ``WAIT`` timeout)."""
     recount_s: float = 10.0
@@ -73,7 +74,7 @@ class ReplicatedStore(Protocol):
 
 
 class ReplicaWait:
-    """Stores one batch's results at a time until enough replicas hold them; ``waiting`` while short."""
+    """Stores one record's task states at a time until enough replicas hold them; ``waiting`` while short."""
 
     def __init__(
         self,
@@ -81,12 +82,14 @@ class ReplicaWait:
         settings: ReplicaSettings,
         who: str,
         *,
+        role: str = "worker",
         retry_max_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
         self.settings = settings
         self.who = who
+        self.role = role
         self.retry_max_s = retry_max_s
         self.clock = clock
         self._connected: int | None = None
@@ -97,7 +100,7 @@ class ReplicaWait:
 
     @property
     def waiting(self) -> bool:
-        """A batch's results are stored but not yet on enough replicas (take no new batch meanwhile)."""
+        """States are stored but not yet on enough replicas (a worker takes no new batch meanwhile)."""
         return self._short > 0
 
     async def required(self) -> int:
@@ -112,7 +115,7 @@ class ReplicaWait:
         self, states: Sequence[TaskState], give_up: Callable[[], bool], stopping: Callable[[], bool]
     ) -> bool:
         """Stores ``states`` until they are on the required replicas (True), or until ``stopping()``
-        holds after a short try (False: stored, not replicated; the batch goes back uncommitted).
+        holds after a short try (False: stored, not replicated; the record goes back uncommitted).
         Raises a ``TransportError`` that retrying cannot fix, or any once ``give_up()`` holds."""
         tries = 0
         try:
@@ -120,22 +123,23 @@ class ReplicaWait:
                 needed = await self._retry("counting Redis replicas", self.required, give_up)
                 if needed == 0:
                     if states:
-                        await self._retry("storing results", lambda: self.store.apply(states), give_up)
+                        await self._retry("storing task states", lambda: self.store.apply(states), give_up)
                     break
                 wait = functools.partial(self.store.apply_replicated, states, needed, self.settings.wait_ms)
-                acked = await self._retry("storing results", wait, give_up)
+                acked = await self._retry("storing task states", wait, give_up)
                 if acked >= needed:
                     break
                 tries += 1
                 if tries == 1:
                     self._short += 1
                 self.short_stores += 1
-                metrics.RESULTS_UNREPLICATED.labels(worker=self.who).inc()
+                metrics.RESULTS_UNREPLICATED.labels(process=self.who).inc()
                 self._connected = None  # a failover or a lost replica changes the count: ask again
                 if tries == 1 or tries % 20 == 0:
                     log.warning(
-                        "worker %s: %d of %d Redis replica(s) acknowledged %d result(s) within %d ms (%d tries); "
-                        "the batch stays uncommitted and its results are stored again",
+                        "%s %s: %d of %d Redis replica(s) acknowledged %d task state(s) within %d ms (%d tries); "
+                        "their record stays uncommitted and they are stored again",
+                        self.role,
                         self.who,
                         acked,
                         needed,
@@ -145,8 +149,9 @@ class ReplicaWait:
                     )
                 if stopping() or give_up():
                     log.warning(
-                        "worker %s: stopping; the batch whose results are not on %d Redis replica(s) goes back "
+                        "%s %s: stopping; the record whose task states are not on %d Redis replica(s) goes back "
                         "uncommitted",
+                        self.role,
                         self.who,
                         needed,
                     )
@@ -156,8 +161,8 @@ class ReplicaWait:
             if tries:
                 self._short -= 1
         if tries:
-            log.info("worker %s: results on enough Redis replicas after %d short tries", self.who, tries)
+            log.info("%s %s: task states on enough Redis replicas after %d short tries", self.role, self.who, tries)
         return True
 
     async def _retry(self, what: str, op: Callable[[], Awaitable[T]], give_up: Callable[[], bool]) -> T:
-        return await retry(log, f"worker {self.who}", what, op, self.retry_max_s, give_up=give_up)
+        return await retry(log, f"{self.role} {self.who}", what, op, self.retry_max_s, give_up=give_up)
