@@ -11,7 +11,6 @@ in-memory request bus whose lag counts the uncommitted requests.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -31,24 +30,6 @@ from transport.routing import Partitioner
 pytestmark = pytest.mark.timeout(60)
 
 WAIT_MS = 50
-
-
-@pytest.fixture
-def primary(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "primary")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-async def store(primary: RedisServer, names: Names) -> AsyncIterator[RedisTaskStore]:
-    store = RedisTaskStore(primary.url, names)
-    await store.start()
-    yield store
-    await store.close()
 
 
 def _status(port: int, key: str) -> bytes | None:

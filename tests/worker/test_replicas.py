@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -43,24 +43,6 @@ class RecordingConsumer(MemoryBatchConsumer):
 
     async def commit(self, delivered: Delivered[Batch]) -> None:
         self.committed.append(delivered)
-
-
-@pytest.fixture
-def primary(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "primary")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-async def store(primary: RedisServer, names: Names) -> AsyncIterator[RedisTaskStore]:
-    store = RedisTaskStore(primary.url, names)
-    await store.start()
-    yield store
-    await store.close()
 
 
 async def _worker(rig: Rig, store: RedisTaskStore, settings: ReplicaSettings) -> tuple[Worker, RecordingConsumer]:
