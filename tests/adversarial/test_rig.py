@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.support.adversarial_rig import Service, ServiceFactory, unharmed
+from tests.support.adversarial_rig import ProbeStats, Service, ServiceFactory, unharmed
 
 pytestmark = pytest.mark.slow
 
@@ -31,3 +31,12 @@ def test_a_paused_service_fails_the_latency_bound(embedded_service_factory: Serv
 
     with pytest.raises(AssertionError, match="p99 rose too much"):
         unharmed(service, pause)
+
+
+def test_a_windows_p99_is_interpolated_between_ranks() -> None:
+    """One slow answer among 30 moves the p99 most of the way to it, not all: the bound is not
+    the one slowest answer, which a single stall of the shared machine would decide."""
+    stats = ProbeStats([100.0] * 29 + [200.0], [])
+    assert stats.p99_ms == pytest.approx(171.0)
+    assert stats.p50_ms == pytest.approx(100.0)
+    assert ProbeStats([], []).p99_ms == float("inf")
