@@ -273,7 +273,7 @@ def unharmed(
     attack: Callable[[], object],
     *,
     baseline_s: float = 4.0,
-    min_during_s: float = 3.0,
+    min_during_s: float = 5.0,
     rate_per_s: float = 10.0,
     model: str | None = None,
     p99_slack_ms: float = P99_SLACK_MS,
