@@ -137,26 +137,31 @@ class KafkaQueueDepth:
         except KafkaError:
             self._coordinator = None  # it may have moved: look it up again next time
             raise
+        # Gathered apart and swapped in with the time, after the last await: a backlog read meanwhile
+        # never pairs new counts with the previous read's time (admission counts by that time).
+        waiting: dict[int, int] = {}
+        left: dict[int, int] = {}
         never_committed: list[TopicPartition] = []
         for tp in self._partitions:
             end = ends.get(tp, 0)
             offset = committed[tp].offset if tp in committed else -1
             if offset >= 0:
-                self._waiting[tp.partition] = max(0, end - offset)
-                self._left[tp.partition] = offset
+                waiting[tp.partition] = max(0, end - offset)
+                left[tp.partition] = offset
             elif end > 0:
                 never_committed.append(tp)
             else:
-                self._waiting[tp.partition] = self._left[tp.partition] = 0
+                waiting[tp.partition] = left[tp.partition] = 0
         if never_committed:  # a batcher starts those from the earliest record still kept
             starts: dict[TopicPartition, int] = await self._consumer.beginning_offsets(never_committed)
             for tp in never_committed:
                 start = starts.get(tp, 0)
-                self._waiting[tp.partition] = max(0, ends[tp] - start)
-                self._left[tp.partition] = start
-        lag = sum(self._waiting.values())
+                waiting[tp.partition] = max(0, ends[tp] - start)
+                left[tp.partition] = start
+        lag = sum(waiting.values())
         if self._batch_partitions:
             await self._count_batches()
+        self._waiting, self._left = waiting, left
         self._depth = lag
         self._refreshed_at = time.monotonic()
         REQUEST_LAG.set(lag)
