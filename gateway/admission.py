@@ -11,7 +11,7 @@ import asyncio
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from prometheus_client import Counter
 
@@ -51,6 +51,10 @@ class Admission:
     the request's deadline: a refusal now (503 with Retry-After) instead of a 504 later, and no GPU
     time for an answer nobody waits for.
 
+    The counters may be read less often than requests come (over Kafka every ``refresh_s``): the
+    requests this gateway admitted since they were read count as queued too, so a burst that
+    arrives between two reads is not admitted whole against one figure.
+
     Lower priority tiers are shed first: ``low`` is refused once the queue holds
     ``queue_fraction_low`` of ``max_queue_depth``, ``normal`` past ``queue_fraction_normal``, ``high``
     only at the whole limit; and a tier's predicted wait counts only the share of the queue ahead of
@@ -75,6 +79,8 @@ class Admission:
         self._limiter = limiter if settings.rate_limit_per_s > 0 else None
         self._meters = {model: DrainMeter(stall_s=settings.stall_s) for model in settings.models}
         self._service = {model: ServiceTime() for model in settings.models}
+        self._since_read: dict[str, tuple[float, int]] = {}
+        """Per model: when its counters were read (``Backlog.at_s``) and how many requests were admitted since."""
         self._sampler: asyncio.Task[None] | None = None
         self.active = self._queue_depth is not None or self._limiter is not None
         """Whether a submit has anything to check here (else the gateway skips the call)."""
@@ -116,10 +122,17 @@ class Admission:
 
     async def _admit(self, caller: Caller, model: str, timeout_ms: int, tier: Priority) -> None:
         queue_depth = self._queue_depth
+        since_read: tuple[float, int] | None = None
         if queue_depth is not None:
             backlog = queue_depth.backlog(model)
             if backlog is not None:
+                read_at, admitted = self._since_read.get(model, (backlog.at_s, 0))
+                if read_at != backlog.at_s:
+                    admitted = 0  # counters read since: they hold what was published before
+                elif admitted:
+                    backlog = replace(backlog, depth=backlog.depth + admitted)
                 self._check_queue(model, backlog, timeout_ms, tier)
+                since_read = (backlog.at_s, admitted + 1)
             elif self.max_queue_depth > 0:
                 depth = await queue_depth.depth()  # the deployment-wide figure, while the model's is unknown
                 limit, setting = self._tier_limits[tier]
@@ -142,6 +155,8 @@ class Admission:
                     f"the next request is accepted in {wait_s:.3f} s",
                     retry_after_s=max(1, math.ceil(wait_s)),
                 )
+        if since_read is not None:
+            self._since_read[model] = since_read
         self._mix.admitted(model, tier)
 
     def answered(self, model: str, latency_s: float) -> None:
