@@ -110,8 +110,10 @@ def test_a_stuck_model_ends_its_requests_on_time_and_hurts_no_other(request: pyt
 
     assert len(ended) + len(refused) == TASKS, harm
     assert len(ended) >= 20, f"the first requests (before the stall shows) are accepted: {len(ended)}"
-    # Refused, not held until the deadline (the refusal's own cost is measured by batchwire bench).
-    assert not refused or sorted(refused)[len(refused) // 2] < 0.1, f"refusals come at once: {refused}"
+    # Refused, not held until the deadline. The times are the client's: it shares the cores with the
+    # service, and while it follows a hundred long-polls its own lag delays the requests it accepts as
+    # much as those refused, so the bound is half the deadline (batchwire bench measures the refusal).
+    assert not refused or sorted(refused)[len(refused) // 2] < TIMEOUT_MS / 2000, f"refusals come at once: {refused}"
     statuses = {status for status, _ in ended.values()}
     assert statuses == {"expired"}, f"every waiting request ends expired, got {statuses}"
     slowest_s = max(seconds for _, seconds in ended.values())
