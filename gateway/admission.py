@@ -8,7 +8,6 @@ A refusal says what limit was hit and which setting raises it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -21,10 +20,9 @@ from gateway.errors import Overloaded, RateLimited, Unavailable
 from gateway.priority import KeyTiers
 from gateway.settings import GatewaySettings, env_name
 from gateway.tier_mix import TierMix
-from gateway.worker_rates import WorkerRates
 from schemas.records import Priority
-from telemetry.metrics import STATED_RATE, TIER_SUBMITS
-from transport.ports import Backlog, CreditPool, QueueDepth, RateLimiter, TransportError
+from telemetry.metrics import TIER_SUBMITS
+from transport.ports import Backlog, QueueDepth, RateLimiter, TransportError
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +49,7 @@ class Admission:
     A model's queue refuses a request when it holds ``max_queue_depth`` requests, when its workers
     have taken nothing for a while (``drain``: stalled), or when the wait it predicts would pass
     the request's deadline: a refusal now (503 with Retry-After) instead of a 504 later, and no GPU
-    time for an answer nobody waits for. Until the drain rate is measured, the wait is predicted by
-    the rates the model's workers state in their credits (read every ``SAMPLE_EVERY_S``).
+    time for an answer nobody waits for.
 
     The counters may be read less often than requests come (over Kafka every ``refresh_s``): the
     requests this gateway admitted since they were read count as queued too, so a burst that
@@ -64,14 +61,7 @@ class Admission:
     it (``gateway.tier_mix``).
     """
 
-    def __init__(
-        self,
-        settings: GatewaySettings,
-        queue_depth: QueueDepth | None,
-        limiter: RateLimiter | None,
-        credits: CreditPool | None = None,
-    ) -> None:
-        """``credits``: the pool the workers offer credits to, read for their rates (``gateway.worker_rates``)."""
+    def __init__(self, settings: GatewaySettings, queue_depth: QueueDepth | None, limiter: RateLimiter | None) -> None:
         self.max_queue_depth = settings.max_queue_depth
         self._tier_limits = {
             Priority.HIGH: (settings.max_queue_depth, "max_queue_depth"),
@@ -89,10 +79,6 @@ class Admission:
         self._limiter = limiter if settings.rate_limit_per_s > 0 else None
         self._meters = {model: DrainMeter(stall_s=settings.stall_s) for model in settings.models}
         self._service = {model: ServiceTime() for model in settings.models}
-        self._credits = credits
-        self._worker_rates = WorkerRates()
-        self._told_rates: dict[str, float | None] = {}
-        """Per model: the workers' summed rate, as last read from the credit pool."""
         self._since_read: dict[str, tuple[float, int]] = {}
         """Per model: when its counters were read (``Backlog.at_s``) and how many requests were admitted since."""
         self._sampler: asyncio.Task[None] | None = None
@@ -112,22 +98,8 @@ class Admission:
 
     async def _sample_forever(self) -> None:
         while True:
-            await self.read_worker_rates()
-            self.models()
             await asyncio.sleep(SAMPLE_EVERY_S)
-
-    async def read_worker_rates(self) -> None:
-        """Reads the rates each model's idle workers state in their credits (the sampler does, at start
-        and every ``SAMPLE_EVERY_S``)."""
-        credits = self._credits
-        if credits is None:
-            return
-        for model in self._meters:
-            # Unread this time, the rates already read stand until their credits expire.
-            with contextlib.suppress(TransportError):
-                self._worker_rates.seen(model, await credits.offered(model))
-            rate = self._told_rates[model] = self._worker_rates.rate_per_s(model, int(time.time() * 1000))
-            STATED_RATE.labels(model=model).set(rate or 0.0)
+            self.models()
 
     async def admit(self, caller: Caller, model: str, timeout_ms: int, tier: Priority = Priority.NORMAL) -> None:
         """Returns when the request may go on; raises ``Overloaded``, ``RateLimited`` or ``Unavailable``.
@@ -217,7 +189,7 @@ class Admission:
         meter = self._meters.get(model)
         if meter is None:
             return
-        estimate = meter.observe(backlog, self._told_rates.get(model))
+        estimate = meter.observe(backlog)
         wait_s = estimate.wait_s * self._mix.ahead(model, tier)
         if estimate.wait_s == math.inf:
             raise Overloaded(

@@ -35,7 +35,7 @@ class Estimate:
     wait_s: float
     """Predicted time in the queue: 0 when it is empty or its drain rate is not known yet."""
     rate_per_s: float | None
-    """The drain rate the prediction uses (None: neither measured nor told by the workers)."""
+    """The drain rate the prediction uses (None: not measured yet)."""
     stalled_s: float
     """How long no batch has reached a worker, once the model is stalled (0: it is not)."""
 
@@ -79,9 +79,8 @@ class DrainMeter:
         """Requests waited while no batch reached a worker for ``stall_s``, and none has since."""
         return self._stalled_at_s is not None
 
-    def observe(self, backlog: Backlog, prior_rate_per_s: float | None = None) -> Estimate:
-        """Takes a sample (if it is ``sample_every_s`` newer than the last) and predicts the wait, by
-        ``prior_rate_per_s`` (the workers' own word, ``gateway.worker_rates``) until a rate is measured.
+    def observe(self, backlog: Backlog) -> Estimate:
+        """Takes a sample (if it is ``sample_every_s`` newer than the last) and predicts the wait.
 
         A stalled model's empty queue admits one request every ``stall_s``, as a probe: a batch
         taken ends the stall."""
@@ -109,7 +108,7 @@ class DrainMeter:
         ):
             self._stalled_at_s = self._probe_at_s = backlog.at_s
             return Estimate(backlog.depth, math.inf, self._rate, backlog.at_s - self._batch_at_s)
-        rate = self._rate if self._rate is not None else prior_rate_per_s
+        rate = self._rate
         wait_s = backlog.depth / rate if rate and backlog.depth else 0.0
         return Estimate(backlog.depth, wait_s, rate, 0.0)
 

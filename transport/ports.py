@@ -108,10 +108,6 @@ class CreditPool(Protocol):
         """How many credits wait unclaimed (idle workers) for ``model``."""
         ...
 
-    async def offered(self, model: str) -> list[Credit]:
-        """The credits waiting unclaimed for ``model``, expired ones included; read, not claimed."""
-        ...
-
 
 ReplyHandler = Callable[[TaskState], None]
 

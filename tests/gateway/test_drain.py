@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import random
-import time
 
 import pytest
 
@@ -12,9 +11,7 @@ from gateway.admission import ANONYMOUS, Admission, ServiceTime
 from gateway.drain import DrainMeter
 from gateway.errors import Overloaded
 from gateway.settings import GatewaySettings
-from schemas.records import Credit
 from tests.support.queue_depth import Counters
-from transport.memory.bus import MemoryCreditPool
 from transport.ports import Backlog
 
 
@@ -139,30 +136,6 @@ async def test_a_burst_between_two_reads_of_the_counters_counts_what_it_already_
     assert outcomes == ["admitted"] * admitted + ["deadline"] * (200 - admitted)
     counters.backlogs["a"] = Backlog(40, 160, 16, 1.2)  # read again: it holds the burst, partly drained
     await admission.admit(ANONYMOUS, "a", 1_000), "what the new read holds is not counted twice"
-
-
-async def test_before_a_rate_is_measured_the_workers_stated_rates_predict_the_wait() -> None:
-    """A fresh gateway's first burst: no rate measured yet, so the credits the model's idle workers
-    offered (inputs per call over their recent call time) bound what is admitted."""
-    counters = Counters()
-    pool = MemoryCreditPool()
-    now = int(time.time() * 1000)
-    for worker in ("w1", "w2"):  # 5 inputs a call in 100 ms each: 100 requests/s together
-        await pool.offer(Credit(worker, "a", 0, 1, now, now + 60_000, max_batch=5, busy_ms=100))
-    admission = Admission(settings(), counters, None, pool)
-    await admission.read_worker_rates()
-    counters.backlogs["a"] = Backlog(0, 0, 0, 0.0)
-    outcomes = []
-    for _ in range(200):
-        try:
-            await admission.admit(ANONYMOUS, "a", 1_000)
-            outcomes.append("admitted")
-        except Overloaded as refused:
-            outcomes.append("deadline" if "at the 100 requests/s it drains" in refused.message else refused.message)
-    admitted = outcomes.count("admitted")
-    assert 60 <= admitted <= 100, admitted  # about 1 s of work at the stated rate, less the margin
-    assert outcomes == ["admitted"] * admitted + ["deadline"] * (200 - admitted)
-    assert await pool.idle("a") == 2, "the credits were read, not claimed"
 
 
 async def test_a_stalled_model_is_refused_and_named_while_the_others_serve() -> None:
