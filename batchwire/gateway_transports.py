@@ -13,17 +13,20 @@ from transport.kafka.lag import KafkaQueueDepth
 from transport.kafka.producers import KafkaRequestProducer
 from transport.ports import RequestProducer
 from transport.redis.cache import RedisResultCache
+from transport.redis.credits import RedisCreditPool
 from transport.redis.limits import RedisRateLimiter
 from transport.redis.store import RedisTaskStore
 from transport.routing import Partitioner
 
 
 class GatewayTransports:
-    """The gateway's Kafka producer, Redis store, queue-depth reader and rate limiter, as the app's lifecycle.
+    """The gateway's Kafka producer, Redis store, queue-depth reader, credit reader and rate limiter,
+    as the app's lifecycle.
 
     The queue-depth reader (request topic lag, refreshed in the background) exists only when
     ``max_queue_depth`` or ``admit_by_wait`` is on, the Redis rate limiter only when ``rate_limit_per_s`` is,
-    the result cache (in the task store's Redis) only when ``cache_ttl_s`` is.
+    the result cache (in the task store's Redis) only when ``cache_ttl_s`` is, the credit reader (the
+    rates the workers state, for admission) only when ``admit_by_wait`` is.
     """
 
     def __init__(self, shared: SharedSettings, settings: GatewaySettings) -> None:
@@ -40,6 +43,9 @@ class GatewayTransports:
         self.store = RedisTaskStore(redis_url, shared.names, ttl_s=shared.result_ttl_s)
         self.redis_url = redis_url
         self.queue_depth: KafkaQueueDepth | None = None
+        self.credits: RedisCreditPool | None = None  # read only, for the rates the workers state
+        if settings.admit_by_wait:
+            self.credits = RedisCreditPool(redis_url, shared.names, max_claimers=1)
         if settings.max_queue_depth > 0 or settings.admit_by_wait:
             self.queue_depth = KafkaQueueDepth(
                 bootstrap,
@@ -65,12 +71,16 @@ class GatewayTransports:
         await self.producer.start()
         if self.queue_depth is not None:
             await self.queue_depth.start()
+        if self.credits is not None:
+            await self.credits.start()
         if self.limiter is not None:
             await self.limiter.start()
 
     async def close(self) -> None:
         if self.limiter is not None:
             await self.limiter.close()
+        if self.credits is not None:
+            await self.credits.close()
         if self.queue_depth is not None:
             await self.queue_depth.close()
         await self.producer.close()

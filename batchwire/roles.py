@@ -64,7 +64,13 @@ def run_embedded(args: argparse.Namespace) -> int:
         limiter = MemoryRateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst_tokens)
     cache = MemoryResultCache() if settings.cache_ttl_s > 0 else None  # one process: answers kept in memory
     gateway = Gateway(
-        settings, runtime.producer, runtime.store, queue_depth=runtime.queue_depth, limiter=limiter, cache=cache
+        settings,
+        runtime.producer,
+        runtime.store,
+        queue_depth=runtime.queue_depth,
+        limiter=limiter,
+        cache=cache,
+        credits=runtime.credits,
     )
     log.info(
         "batchwire (embedded) on http://%s:%d: models %s, %d workers each",
@@ -96,6 +102,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         queue_depth=transports.queue_depth,
         limiter=transports.limiter,
         cache=transports.cache,
+        credits=transports.credits,
     )
     streams_end = StreamsEnd()
     app = create_app(gateway, transports, streams_end)

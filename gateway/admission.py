@@ -8,6 +8,7 @@ A refusal says what limit was hit and which setting raises it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -20,9 +21,10 @@ from gateway.errors import Overloaded, RateLimited, Unavailable
 from gateway.priority import KeyTiers
 from gateway.settings import GatewaySettings, env_name
 from gateway.tier_mix import TierMix
+from gateway.worker_rates import Stated, WorkerRates
 from schemas.records import Priority
-from telemetry.metrics import TIER_SUBMITS
-from transport.ports import Backlog, QueueDepth, RateLimiter, TransportError
+from telemetry.metrics import STATED_RATE, TIER_SUBMITS
+from transport.ports import Backlog, CreditPool, QueueDepth, RateLimiter, TransportError
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +51,8 @@ class Admission:
     A model's queue refuses a request when it holds ``max_queue_depth`` requests, when its workers
     have taken nothing for a while (``drain``: stalled), or when the wait it predicts would pass
     the request's deadline: a refusal now (503 with Retry-After) instead of a 504 later, and no GPU
-    time for an answer nobody waits for.
+    time for an answer nobody waits for. Until the drain rate is measured, the wait is predicted by
+    the rates the model's workers state in their credits (read every ``SAMPLE_EVERY_S``).
 
     The counters may be read less often than requests come (over Kafka every ``refresh_s``): the
     requests this gateway admitted since they were read count as queued too, so a burst that
@@ -61,7 +64,14 @@ class Admission:
     it (``gateway.tier_mix``).
     """
 
-    def __init__(self, settings: GatewaySettings, queue_depth: QueueDepth | None, limiter: RateLimiter | None) -> None:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        queue_depth: QueueDepth | None,
+        limiter: RateLimiter | None,
+        credits: CreditPool | None = None,
+    ) -> None:
+        """``credits``: the pool the workers offer credits to, read for their rates (``gateway.worker_rates``)."""
         self.max_queue_depth = settings.max_queue_depth
         self._tier_limits = {
             Priority.HIGH: (settings.max_queue_depth, "max_queue_depth"),
@@ -79,6 +89,10 @@ class Admission:
         self._limiter = limiter if settings.rate_limit_per_s > 0 else None
         self._meters = {model: DrainMeter(stall_s=settings.stall_s) for model in settings.models}
         self._service = {model: ServiceTime() for model in settings.models}
+        self._credits = credits
+        self._worker_rates = WorkerRates()
+        self._stated: dict[str, Stated | None] = {}
+        """Per model: what its workers state, as last read from the credit pool."""
         self._since_read: dict[str, tuple[float, int]] = {}
         """Per model: when its counters were read (``Backlog.at_s``) and how many requests were admitted since."""
         self._sampler: asyncio.Task[None] | None = None
@@ -98,8 +112,22 @@ class Admission:
 
     async def _sample_forever(self) -> None:
         while True:
-            await asyncio.sleep(SAMPLE_EVERY_S)
+            await self.read_worker_rates()
             self.models()
+            await asyncio.sleep(SAMPLE_EVERY_S)
+
+    async def read_worker_rates(self) -> None:
+        """Reads the rates each model's idle workers state in their credits (the sampler does, at start
+        and every ``SAMPLE_EVERY_S``)."""
+        credits = self._credits
+        if credits is None:
+            return
+        for model in self._meters:
+            # Unread this time, the rates already read stand until their credits expire.
+            with contextlib.suppress(TransportError):
+                self._worker_rates.seen(model, await credits.offered(model))
+            stated = self._stated[model] = self._worker_rates.stated(model, int(time.time() * 1000))
+            STATED_RATE.labels(model=model).set(stated.rate_per_s if stated else 0.0)
 
     async def admit(self, caller: Caller, model: str, timeout_ms: int, tier: Priority = Priority.NORMAL) -> None:
         """Returns when the request may go on; raises ``Overloaded``, ``RateLimited`` or ``Unavailable``.
@@ -189,7 +217,8 @@ class Admission:
         meter = self._meters.get(model)
         if meter is None:
             return
-        estimate = meter.observe(backlog)
+        stated = self._stated.get(model)
+        estimate = meter.observe(backlog, stated.rate_per_s if stated else None)
         wait_s = estimate.wait_s * self._mix.ahead(model, tier)
         if estimate.wait_s == math.inf:
             raise Overloaded(
@@ -197,8 +226,11 @@ class Admission:
                 f"{estimate.stalled_s:.0f} s (busy past any normal call, hung or gone); nothing was queued: "
                 "retry after the Retry-After delay"
             )
-        budget_s = timeout_ms / 1000 - self._service[model].seconds
-        if wait_s > 0 and wait_s * WAIT_MARGIN > budget_s:  # nothing ahead: no call is refused
+        service_s = self._service[model].seconds or (stated.call_s if stated else 0.0)
+        budget_s = timeout_ms / 1000 - service_s
+        # Less than one answer's time ahead is not the queue's doing: the request rides the next batch,
+        # and a deadline too short for any call expires (504, never computed), as on an empty queue.
+        if wait_s > service_s and wait_s * WAIT_MARGIN > budget_s:
             rate = estimate.rate_per_s or 0.0
             raise Overloaded(
                 f"model {model!r} has {depth} requests waiting, about {wait_s:.1f} s of work ahead of a "

@@ -5,7 +5,8 @@ cannot meet, rather than holding it until a 504: under overload the queue then s
 as the deadlines allow, and the GPU computes answers that someone still waits for.
 
 The predicted wait is depth / drain rate. The rate is measured only over intervals in which the
-queue stayed non-empty, where the workers, not the arrivals, set the pace; that makes it a lower
+queue stayed non-empty, where the workers, not the arrivals, set the pace (one in which no batch
+left measures nothing: a batcher still joining its group is a stall's question); that makes it a lower
 bound on the model's capacity, so the meter keeps the highest one, halving it only over
 ``half_life_s`` of such intervals that measure less: a burst after a quiet spell is not refused for
 a rate learned while little queued, and a model that lost workers is seen within seconds.
@@ -35,7 +36,7 @@ class Estimate:
     wait_s: float
     """Predicted time in the queue: 0 when it is empty or its drain rate is not known yet."""
     rate_per_s: float | None
-    """The drain rate the prediction uses (None: not measured yet)."""
+    """The drain rate the prediction uses (None: neither measured nor told by the workers)."""
     stalled_s: float
     """How long no batch has reached a worker, once the model is stalled (0: it is not)."""
 
@@ -79,8 +80,9 @@ class DrainMeter:
         """Requests waited while no batch reached a worker for ``stall_s``, and none has since."""
         return self._stalled_at_s is not None
 
-    def observe(self, backlog: Backlog) -> Estimate:
-        """Takes a sample (if it is ``sample_every_s`` newer than the last) and predicts the wait.
+    def observe(self, backlog: Backlog, prior_rate_per_s: float | None = None) -> Estimate:
+        """Takes a sample (if it is ``sample_every_s`` newer than the last) and predicts the wait, by
+        ``prior_rate_per_s`` (the workers' own word, ``gateway.worker_rates``) until a rate is measured.
 
         A stalled model's empty queue admits one request every ``stall_s``, as a probe: a batch
         taken ends the stall."""
@@ -108,7 +110,7 @@ class DrainMeter:
         ):
             self._stalled_at_s = self._probe_at_s = backlog.at_s
             return Estimate(backlog.depth, math.inf, self._rate, backlog.at_s - self._batch_at_s)
-        rate = self._rate
+        rate = self._rate if self._rate is not None else prior_rate_per_s
         wait_s = backlog.depth / rate if rate and backlog.depth else 0.0
         return Estimate(backlog.depth, wait_s, rate, 0.0)
 
@@ -129,7 +131,8 @@ class DrainMeter:
                 # Requests leave in whole batches, so a window counts one batch more or less than its
                 # span drained, by chance; the highest measure is kept, so one batch is not counted.
                 drained = self._busy_left * (1 - 1 / self._busy_batches) if self._busy_batches > 1 else self._busy_left
-                measured = drained / self._busy_s
-                kept = 0.0 if self._rate is None else self._rate * 0.5 ** (self._busy_s / self.half_life_s)
-                self._rate = max(measured, kept)
+                if drained > 0:  # none drained (a batcher not consuming yet): a stall's question, not a rate
+                    measured = drained / self._busy_s
+                    kept = 0.0 if self._rate is None else self._rate * 0.5 ** (self._busy_s / self.half_life_s)
+                    self._rate = max(measured, kept)
                 self._busy_s, self._busy_left, self._busy_batches = 0.0, 0, 0

@@ -38,7 +38,7 @@ from gateway.waiters import CallerGone, Watch
 from schemas.records import Priority, TaskState, TaskStatus
 from telemetry import spans, tracing
 from telemetry.metrics import INFLIGHT, REQUEST_LATENCY
-from transport.ports import QueueDepth, RateLimiter, RequestProducer, ResultCache, TaskStore
+from transport.ports import CreditPool, QueueDepth, RateLimiter, RequestProducer, ResultCache, TaskStore
 
 log = logging.getLogger(__name__)
 
@@ -64,15 +64,17 @@ class Gateway:
         queue_depth: QueueDepth | None = None,
         limiter: RateLimiter | None = None,
         cache: ResultCache | None = None,
+        credits: CreditPool | None = None,
     ) -> None:
         """``queue_depth`` and ``limiter`` enforce ``max_queue_depth`` and the rate limits; without
         them those settings are not applied (the composition roots always pass them). ``cache``
-        holds answers for ``cache_ttl_s``."""
+        holds answers for ``cache_ttl_s``; ``credits`` is the workers' credit pool, read for the
+        rates they state (admission by predicted wait before a model's drain rate is measured)."""
         self.settings = settings
         self._producer = producer
         self._store = store
         self._clock: Clock = clock or SystemClock()
-        self._admission = Admission(settings, queue_depth, limiter)
+        self._admission = Admission(settings, queue_depth, limiter, credits)
         if settings.rate_limit_per_s > 0 and limiter is None:
             log.warning("rate limits are set but this gateway got no rate limiter: they are not applied")
         self._replies = Replies(store, self._clock, first_check_s=settings.reply_recheck_s, name=settings.gateway_id)

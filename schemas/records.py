@@ -137,6 +137,14 @@ class Credit:
         return self.free_at_ms or self.issued_at_ms
 
     @property
+    def rate_per_s(self) -> float | None:
+        """Requests/s the worker takes in full batches at its recent call time; None while either
+        is unknown. An upper bound: calls of full batches may take longer than its recent ones."""
+        if self.max_batch <= 0 or self.busy_ms <= 0:
+            return None
+        return self.max_batch * 1000 / self.busy_ms
+
+    @property
     def ref(self) -> str:
         """Names this credit inside the batch sent against it."""
         return f"{self.worker_id}:{self.seq}"

@@ -123,6 +123,13 @@ RESULTS_UNREPLICATED = Counter(
     ["process"],
     registry=REGISTRY,
 )
+STATED_RATE = Gauge(
+    "batchwire_model_stated_rate",
+    "Requests/s a model's workers state they take (full batches at their recent call time), as this "
+    "gateway last read their credits; admission predicts waits by it until it has measured the drain rate.",
+    ["model"],
+    registry=REGISTRY,
+)
 REQUEST_LAG = Gauge(
     "batchwire_request_topic_lag", "Requests on the request topic not yet committed by a batcher.", registry=REGISTRY
 )

@@ -108,6 +108,10 @@ class CreditPool(Protocol):
         """How many credits wait unclaimed (idle workers) for ``model``."""
         ...
 
+    async def offered(self, model: str) -> list[Credit]:
+        """The credits waiting unclaimed for ``model``, expired ones included; read, not claimed."""
+        ...
+
 
 ReplyHandler = Callable[[TaskState], None]
 

@@ -193,6 +193,39 @@ def test_a_request_whose_deadline_cannot_be_met_is_never_computed(request: pytes
     assert statuses["completed"] == 0, f"computed after their 504: {statuses}"
 
 
+BURST = 400
+
+
+@pytest.mark.parametrize("mode", ["embedded", "kafka"])
+def test_a_first_burst_is_refused_past_what_the_worker_answers(request: pytest.FixtureRequest, mode: str) -> None:
+    """A burst far past what the model answers within the deadline, before the gateway measured its
+    drain rate: admitted by the rate its worker states in its credits, the rest refused at once."""
+    service = _start(request, mode)
+    stated = 'batchwire_model_stated_rate{model="flood"}'
+    eventually_sync(
+        lambda: any(
+            line.startswith(stated) and float(line.split()[-1]) > 0
+            for line in httpx.get(f"{service.url}/metrics").text.splitlines()
+        ),
+        "the gateway to read the rate the flood model's worker states",
+        timeout_s=30,
+    )
+
+    async def burst() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=BURST)
+        async with httpx.AsyncClient(base_url=service.url, timeout=TIMEOUT_MS / 1000 + 10, limits=limits) as client:
+            body = {"model": "flood", "timeout_ms": TIMEOUT_MS}
+            return await asyncio.gather(
+                *(client.post("/v1/inference", json={**body, "input": f"burst-{n}"}) for n in range(BURST))
+            )
+
+    codes = Counter(response.status_code for response in asyncio.run(burst()))
+    assert set(codes) <= {200, 503, 504}, codes
+    assert codes[503] > 0, f"a burst of {BURST} against {CAPACITY_PER_S:.0f} requests/s is refused in part: {codes}"
+    assert codes[200] >= CAPACITY_PER_S, f"what the worker answers in time is admitted: {codes}"
+    assert codes[504] <= 0.05 * BURST, f"admitted past what the worker answers in time: {codes}"
+
+
 if __name__ == "__main__":
     os.nice(ATTACKER_NICENESS)
     print(json.dumps(dataclasses.asdict(asyncio.run(_flood(sys.argv[1])))))

@@ -48,6 +48,18 @@ async def test_a_worker_that_frees_sooner_is_claimed_before_one_still_busy(make_
     assert await pool.claim("alpha", 1.0) == early
 
 
+async def test_offered_credits_are_read_without_being_claimed(make_pool: PoolFactory) -> None:
+    """What a gateway reads for the rates workers state: every waiting credit, none taken."""
+    pool = await make_pool()
+    offered = [credit("w1"), credit("w2", partition=1)]
+    for item in offered:
+        await pool.offer(item)
+
+    assert sorted(await pool.offered("alpha"), key=lambda c: c.worker_id) == offered
+    assert await pool.offered("beta") == []
+    assert await pool.idle("alpha") == 2
+
+
 async def test_models_have_separate_pools(make_pool: PoolFactory) -> None:
     pool = await make_pool()
     await pool.offer(credit("w1", model="alpha"))

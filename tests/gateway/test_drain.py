@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 
 import pytest
 
@@ -11,7 +12,9 @@ from gateway.admission import ANONYMOUS, Admission, ServiceTime
 from gateway.drain import DrainMeter
 from gateway.errors import Overloaded
 from gateway.settings import GatewaySettings
+from schemas.records import Credit
 from tests.support.queue_depth import Counters
+from transport.memory.bus import MemoryCreditPool
 from transport.ports import Backlog
 
 
@@ -84,6 +87,16 @@ def test_requests_waiting_while_no_batch_leaves_is_a_stall() -> None:
     assert not meter.stalled
 
 
+def test_a_queue_nobody_takes_from_yet_teaches_no_rate() -> None:
+    """A request waits while the batchers still join their group: no batch left, so no drain rate
+    (0 would predict no wait at all); what the workers state stands until one is measured."""
+    meter = DrainMeter()
+    meter.observe(Backlog(0, 0, 0, 0.0))
+    hold(meter, Backlog(1, 0, 0, 0.0), 3.0)
+    assert meter.observe(Backlog(1, 0, 0, 3.1)).rate_per_s is None
+    assert meter.observe(Backlog(100, 0, 0, 3.2), 50.0).wait_s == pytest.approx(2.0)
+
+
 def test_a_model_idle_for_long_is_not_stalled_by_its_next_request() -> None:
     meter = DrainMeter(stall_s=5.0)
     meter.observe(Backlog(0, 0, 7, 0.0))
@@ -111,6 +124,11 @@ async def test_a_request_whose_deadline_the_queue_cannot_meet_is_refused_at_once
     admission.answered("a", 0.1)
     counters.backlogs["a"] = Backlog(0, 100, 10, 1.1)
     await admission.admit(ANONYMOUS, "a", 1), "an empty queue refuses nothing: a deadline too short for a call expires"
+    counters.backlogs["a"] = Backlog(5, 100, 10, 1.2)
+    await admission.admit(ANONYMOUS, "a", 1), "nor does less than one answer's time of work ahead"
+    counters.backlogs["a"] = Backlog(15, 100, 10, 1.3)
+    with pytest.raises(Overloaded):
+        await admission.admit(ANONYMOUS, "a", 1)
     counters.backlogs["b"] = Backlog(0, 0, 0, 1.0)
     await admission.admit(ANONYMOUS, "b", 1), "another model's queue is its own"
 
@@ -136,6 +154,34 @@ async def test_a_burst_between_two_reads_of_the_counters_counts_what_it_already_
     assert outcomes == ["admitted"] * admitted + ["deadline"] * (200 - admitted)
     counters.backlogs["a"] = Backlog(40, 160, 16, 1.2)  # read again: it holds the burst, partly drained
     await admission.admit(ANONYMOUS, "a", 1_000), "what the new read holds is not counted twice"
+
+
+async def test_before_a_rate_is_measured_the_workers_stated_rates_predict_the_wait() -> None:
+    """A fresh gateway's first burst: no rate measured yet, so the credits the model's idle workers
+    offered (inputs per call over their recent call time) bound what is admitted."""
+    counters = Counters()
+    pool = MemoryCreditPool()
+    now = int(time.time() * 1000)
+    for worker in ("w1", "w2"):  # 5 inputs a call in 100 ms each: 100 requests/s together
+        await pool.offer(Credit(worker, "a", 0, 1, now, now + 60_000, max_batch=5, busy_ms=100))
+    admission = Admission(settings(), counters, None, pool)
+    await admission.read_worker_rates()
+    counters.backlogs["a"] = Backlog(0, 0, 0, 0.0)
+    outcomes = []
+    for _ in range(200):
+        try:
+            await admission.admit(ANONYMOUS, "a", 1_000)
+            outcomes.append("admitted")
+        except Overloaded as refused:
+            outcomes.append("deadline" if "at the 100 requests/s it drains" in refused.message else refused.message)
+    admitted = outcomes.count("admitted")
+    assert 60 <= admitted <= 100, admitted  # about 1 s of work at the stated rate, less the margin
+    assert outcomes == ["admitted"] * admitted + ["deadline"] * (200 - admitted)
+    assert await pool.idle("a") == 2, "the credits were read, not claimed"
+    fresh = Admission(settings(), counters, None, pool)
+    await fresh.read_worker_rates()
+    counters.backlogs["a"] = Backlog(1, 0, 0, 5.0)
+    await fresh.admit(ANONYMOUS, "a", 2), "less than a call ahead: a 2 ms deadline expires, as on an empty queue"
 
 
 async def test_a_stalled_model_is_refused_and_named_while_the_others_serve() -> None:

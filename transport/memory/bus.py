@@ -303,6 +303,9 @@ class MemoryCreditPool:
     async def idle(self, model: str) -> int:
         return len(self._credits.get(model, ()))
 
+    async def offered(self, model: str) -> list[Credit]:
+        return list(self._credits.get(model, ()))
+
 
 class MemoryQueueDepth:
     """``QueueDepth`` of the embedded mode: the request bus's lag (read on each call, it costs nothing).

@@ -15,6 +15,7 @@ the credit expires.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -118,6 +119,18 @@ class RedisCreditPool:
             return int(await self._client.zcard(self.names.credit_queue(model)))
         except RedisError as err:
             raise translate(f"counting credits for {model}", err) from err
+
+    async def offered(self, model: str) -> list[Credit]:
+        """Credits waiting in the set (undecodable members skipped), read without claiming them."""
+        try:
+            members = await self._client.zrange(self.names.credit_queue(model), 0, -1)
+        except RedisError as err:
+            raise translate(f"reading credits for {model}", err) from err
+        credits = []
+        for member in members:
+            with contextlib.suppress(CodecError):
+                credits.append(decode_credit(_as_bytes(member)))
+        return credits
 
     async def claim(self, model: str, timeout_s: float) -> Credit | None:
         """The oldest unexpired credit, waiting up to ``timeout_s`` for one; expired credits are dropped."""
