@@ -84,15 +84,21 @@ figure() {
         run "durability-rf3-kafka/run$i" --start kafka --brokers 3 --workers 2 --rate 1000,1600 --duration 20 --warmup 3
       done ;;
     # The simulation beside the measured runs (issue 17): 2 sim workers at 100 ms, embedded and
-    # Kafka, 20 to 1,900 req/s, the slow worker and the classic policy; the table in validate.md.
-    validate) for f in 20rps load-embedded load-kafka 1900-embedded 1900-kafka policies slow-worker; do
+    # Kafka, 20 to 1,900 req/s, the slow worker and the classic policy, measured in one sitting into
+    # results/validate/ (each run records its sends, which the simulation replays); the table in
+    # validate.md.
+    validate) (
+      R=bench/results/validate
+      for f in 20rps load-embedded load-kafka 1900-embedded 1900-kafka policies slow-worker; do
         figure "$f"
       done
       for mode in embedded kafka; do
         run "600-$mode" --start "$mode" --workers 2 --rate 600 --duration 20 --warmup 3
       done
       .venv/bin/batchwire validate-sim "$R"/20rps-*-run? "$R"/600-embedded "$R"/600-kafka "$R"/load-embedded \
-        "$R"/load-kafka "$R"/1900-embedded "$R"/1900-kafka "$R"/policies "$R"/slow-worker --out "$R/validate.md" ;;
+        "$R"/load-kafka "$R"/1900-embedded "$R"/1900-kafka "$R"/policies "$R"/slow-worker \
+        --out bench/results/validate.md
+    ) ;;
     validate-hf) validate_hf ;;
     # Request collapsing and the result cache (issue 18; bench/results/cache.md): 10,000 requests
     # over 1,000 inputs of Zipf popularity (s = 1.1) at 1,600 req/s, with collapsing alone and with

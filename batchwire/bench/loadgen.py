@@ -66,6 +66,8 @@ class Tally:
     latency: DurationHistogram = field(default_factory=DurationHistogram)
     latency_all: DurationHistogram = field(default_factory=DurationHistogram)
     lag: DurationHistogram = field(default_factory=DurationHistogram)
+    sends: list[tuple[float, float]] = field(default_factory=list)
+    """Each measured send: when it was due (seconds from the window's start) and how late it went."""
     refused: DurationHistogram = field(default_factory=DurationHistogram)
     refused_from_send: DurationHistogram = field(default_factory=DurationHistogram)
     """Refusals timed from when the send ran: the refusal latency without the generator's lag."""
@@ -154,6 +156,7 @@ class OpenLoopSender:
         if measured:
             # Taken when the task runs, not when it was created, so a congested loop shows as lag.
             tally.lag.record_s(started - target)
+            tally.sends.append((target - self._window.start, started - target))
         text, body = self._inputs.next()
         answer = await self._exchange(url, body)
         done = clock()  # before checking the answer: the check is the client's time, not the server's

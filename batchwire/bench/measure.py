@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from batchwire.bench import sends
 from batchwire.bench.late import COMPLETED, UNENDED, read_back
 from batchwire.bench.loadgen import TIMEOUT, OpenLoopSender, Tally, Window
 from batchwire.bench.procstats import CpuSampler, CpuSnapshot, GroupStats, group_stats
@@ -151,6 +152,7 @@ def _report(
         latency_all_ms=tally.latency_all.summary_ms(),
         latency_hdr=tally.latency.encode(),
         lag_ms=lag,
+        sends=sends.encode(tally.sends),
         refused_ms=tally.refused.summary_ms(),
         refused_from_send_ms=tally.refused_from_send.summary_ms(),
         after_504=after_504,

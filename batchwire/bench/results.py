@@ -66,6 +66,8 @@ class RateReport(TypedDict):
     latency_all_ms: dict[str, float]
     latency_hdr: str
     lag_ms: dict[str, float]
+    sends: str
+    """Each measured send's due time and lag (``batchwire.bench.sends``), which the simulation replays."""
     refused_ms: dict[str, float]
     """503 and 429 answers, timed from the scheduled send like every latency."""
     refused_from_send_ms: dict[str, float]

@@ -17,6 +17,7 @@ import dataclasses
 import heapq
 import inspect
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -59,6 +60,11 @@ class SimConfig:
     """A batch's way from the batcher to its worker."""
     overhead_ms: float = 0.0
     """Added to every request's latency: the gateway's and the result's hops."""
+    contention_ms: float = 0.0
+    """Mean of a further delay drawn per batch from an exponential distribution: the hops' queueing for
+    CPU shared with other processes, which delays a whole batch's answers at once (0: none)."""
+    seed: int = 0
+    """Seed of the contention delays (the arrivals have their own)."""
     worker_scale: tuple[float, ...] = ()
     """Per-worker multiplier of the curve's latency, by worker index (missing: 1): a slower GPU."""
     per_item_ms: float = 0.0
@@ -73,6 +79,10 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.workers < 1 or self.batchers < 1:
             raise ValueError(f"workers and batchers must be at least 1, got {self.workers} and {self.batchers}")
+        if self.contention_ms < 0 or self.overhead_ms < 0:
+            raise ValueError(
+                f"overhead and contention must be >= 0 ms, got {self.overhead_ms} and {self.contention_ms}"
+            )
         if len(self.worker_scale) > self.workers or any(scale <= 0 for scale in self.worker_scale):
             raise ValueError(f"worker_scale takes at most one positive factor per worker, got {self.worker_scale}")
 
@@ -183,13 +193,21 @@ class Simulation:
         self._seq = 0
         self._held = 0
         self._out = SimOutcome(0, 0.0)
+        self._rng = random.Random(config.seed)
+        self._due: Sequence[float] = ()
+        """When each request was due, by its index (its arrival unless a run says otherwise)."""
 
     def clock(self) -> float:
         return self.now
 
     # the loop -------------------------------------------------------------------------------------
-    def run(self, arrivals: Sequence[float]) -> SimOutcome:
-        """Feeds ``arrivals`` (ascending seconds) and runs until every request is served."""
+    def run(self, arrivals: Sequence[float], due: Sequence[float] | None = None) -> SimOutcome:
+        """Feeds ``arrivals`` (ascending seconds) and runs until every request is served. With ``due``
+        (one per arrival), a latency counts from the request's due time, not its arrival: a load
+        generator that sent it late counts its lag, as ``batchwire bench`` does."""
+        if due is not None and len(due) != len(arrivals):
+            raise ValueError(f"due needs one time per arrival, got {len(due)} for {len(arrivals)}")
+        self._due = due if due is not None else arrivals
         out = self._out = SimOutcome(len(arrivals), arrivals[-1] if arrivals else 0.0)
         for index in range(len(self.workers)):
             self._push(0.0, _Event.OFFER, index)
@@ -353,10 +371,10 @@ class Simulation:
         worker.credit_busy_s = before if before is not None and offer_s < end_s else worker.expected_s
         worker.free_s = end_s
         done_s = end_s + config.overhead_ms / 1000.0
-        if step_s := config.per_item_ms / 1000.0:
-            out.latencies_s.extend(done_s + step_s * k - p.arrived_s for k, p in enumerate(taken.items, 1))
-        else:
-            out.latencies_s.extend(done_s - p.arrived_s for p in taken.items)
+        if config.contention_ms > 0:
+            done_s += self._rng.expovariate(1000.0 / config.contention_ms)
+        due, step_s = self._due, config.per_item_ms / 1000.0
+        out.latencies_s.extend(done_s + step_s * k - due[p.item] for k, p in enumerate(taken.items, 1))
         out.ends_s.append(end_s)
         out.sizes.append(size)
         out.batches += 1

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from batchwire.bench import sends as sent
 from batchwire.capacity.curve import Curve
 
 LIGHT_SHARE = 0.05
@@ -45,6 +46,21 @@ class MeasuredRate:
     """Batches the workers ran in the window (None: not scraped)."""
     backend_s: float | None = None
     """Seconds the workers spent inside the backend in the window, summed over workers."""
+    sends: str | None = None
+    """The generator's record of its sends (``batchwire.bench.sends``; None: an older run without one)."""
+
+    def replay(self) -> tuple[list[float], list[float]] | None:
+        """The sends as the simulation replays them: arrival times (due plus lag, ascending) and each
+        one's due time, from which its latency counts (None: no record)."""
+        if not self.sends:
+            return None
+        try:
+            pairs = sorted((due + lag, due) for due, lag in sent.decode(self.sends))
+        except sent.SendsError as err:
+            raise RunError(str(err)) from err
+        if not pairs:
+            return None
+        return [arrival for arrival, _ in pairs], [due for _, due in pairs]
 
     def call_stretch(self, curve: Curve) -> float | None:
         """Measured backend time over what ``curve`` predicts for the batches run (their mean size):
@@ -179,6 +195,7 @@ def _rate(rate: dict[str, Any], cpu_count: int | None) -> MeasuredRate:
         cpu_busy=_cpu_busy(rate, cpu_count),
         batches=server.get("batches"),
         backend_s=_backend_s(server, window_s),
+        sends=rate.get("sends") or None,
     )
 
 

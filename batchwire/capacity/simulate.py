@@ -90,10 +90,11 @@ def summarize(rate: float, config: SimConfig, out: SimOutcome, wall_s: float) ->
     )
 
 
-def simulate(config: SimConfig, times: Sequence[float], rate: float) -> RateResult:
-    """Runs ``times`` (arrival seconds, ascending) through a fresh simulation and sums it up."""
+def simulate(config: SimConfig, times: Sequence[float], rate: float, due: Sequence[float] | None = None) -> RateResult:
+    """Runs ``times`` (arrival seconds, ascending) through a fresh simulation and sums it up; ``due``
+    as for ``Simulation.run``."""
     started = time.perf_counter()
-    out = Simulation(config).run(times)
+    out = Simulation(config).run(times, due)
     return summarize(rate, config, out, time.perf_counter() - started)
 
 

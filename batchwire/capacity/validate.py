@@ -11,11 +11,18 @@ another given run's probe in the same mode, else the fastest answer of the light
 less the backend latency (a lower bound: the path's cost varies from request to request), else 0.
 Under load the hops share the machine's cores with everything else, so by default the overhead at
 each rate is stretched by the CPU busy share measured then, ``overhead / (1 - busy)`` (processor
-sharing). Calls stretch too: the workers' measured time inside the backend over what the curve
-predicts for the batches they ran scales every worker's latency at that rate (a model on CPU
-shares the cores with the gateway and the generator). A slow worker is worker 0 at its own
-latency. Runs of a real model (the hf backend) take its profiled curve (``--curve``) in place of
-the flat sim latency.
+sharing). The stretch is a wait for the CPU, and such a wait varies: by default the idle overhead
+stays fixed and the stretch is drawn per batch from an exponential distribution with that mean (an
+M/M/1 queue's wait), so a loaded machine's tail shows too. Calls stretch too: the workers' measured
+time inside the backend over what the curve predicts for the batches they ran scales every worker's
+latency at that rate (a model on CPU shares the cores with the gateway and the generator). A slow
+worker is worker 0 at its own latency. Runs of a real model (the hf backend) take its profiled
+curve (``--curve``) in place of the flat sim latency.
+
+Arrivals are the generator's own where the run recorded its sends (``batchwire.bench.sends``): each
+request arrives when it was sent and its latency counts from when it was due, as the bench counts
+it, so the generator's stalls and the bursts after them reach the simulation too. Older runs, and
+``--no-replay``, get Poisson arrivals at the rate sent.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from batchwire.capacity import curve as curve_file
 from batchwire.capacity.curve import CurveError
 from batchwire.capacity.engine import SimConfig
 from batchwire.capacity.measured import MeasuredRate, MeasuredRun, RunError, read_runs, results_files
-from batchwire.capacity.simulate import RateResult, policy_for, simulate_rate
+from batchwire.capacity.simulate import RateResult, policy_for, simulate, simulate_rate
 
 THROUGHPUT_BOUND = 0.03
 LATENCY_BOUND = 0.10
@@ -52,6 +59,10 @@ class Row:
     overhead_from: str
     per_item_ms: float = 0.0
     call_stretch: float | None = None
+    contention_ms: float = 0.0
+    """The mean of the exponential delay per batch on top of ``overhead_ms``."""
+    replayed: bool = False
+    """The simulation replayed the generator's recorded sends (else: Poisson arrivals)."""
 
     @property
     def saturated(self) -> bool:
@@ -98,9 +109,17 @@ def lone_wait_ms(run: MeasuredRun) -> float:
     return 0.0 if policy.flush_on_idle_worker else policy.max_wait_ms
 
 
-def simulate_median(config: SimConfig, rate: float, requests: int, seeds: int) -> RateResult:
-    """The simulation over ``seeds`` seeds, each figure their median (None when any seed is unstable)."""
-    results = [simulate_rate(config, rate, requests, seed) for seed in range(seeds)]
+def simulate_median(
+    config: SimConfig, rate: float, requests: int, seeds: int, replay: tuple[list[float], list[float]] | None = None
+) -> RateResult:
+    """The simulation over ``seeds`` seeds, each figure their median (None when any seed is unstable):
+    Poisson arrivals at ``rate``, or the run's own sends (``replay``: arrivals and due times)."""
+    results = [
+        simulate(dataclasses.replace(config, seed=seed), replay[0], rate, replay[1])
+        if replay
+        else simulate_rate(dataclasses.replace(config, seed=seed), rate, requests, seed)
+        for seed in range(seeds)
+    ]
 
     def median(name: str) -> Any:
         values = [getattr(r, name) for r in results]
@@ -148,8 +167,11 @@ def compare(
     requests: int = 20_000,
     seeds: int = 3,
     per_item: dict[str, float] | None = None,
+    *,
     cpu_scaling: bool = True,
     call_stretch: bool = True,
+    spread: bool = True,
+    replay: bool = True,
 ) -> list[Row]:
     """Every run's rates, measured and simulated."""
     rows = []
@@ -158,12 +180,16 @@ def compare(
         config = sim_config(run, overhead)
         for measured in run.rates:
             at_rate = loaded_overhead_ms(overhead, measured) if cpu_scaling else overhead
+            fixed_ms, contention_ms = (overhead, round(at_rate - overhead, 2)) if spread else (at_rate, 0.0)
             step_ms = (per_item or {}).get(run.mode, 0.0)
             stretch = stretch_for(run, measured) if call_stretch else None
             scale = (stretch,) * run.workers if stretch else config.worker_scale
-            rate_config = dataclasses.replace(config, overhead_ms=at_rate, per_item_ms=step_ms, worker_scale=scale)
-            simulated = simulate_median(rate_config, measured.sent_rate, requests, seeds)
-            rows.append(Row(run, measured, simulated, at_rate, source, step_ms, stretch))
+            rate_config = dataclasses.replace(
+                config, overhead_ms=fixed_ms, contention_ms=contention_ms, per_item_ms=step_ms, worker_scale=scale
+            )
+            sends = measured.replay() if replay else None
+            simulated = simulate_median(rate_config, measured.sent_rate, requests, seeds, sends)
+            rows.append(Row(run, measured, simulated, fixed_ms, source, step_ms, stretch, contention_ms, bool(sends)))
     return rows
 
 
@@ -191,6 +217,8 @@ def _batch(value: float | None) -> str:
 
 def _overhead(row: Row) -> str:
     text = f"{row.overhead_ms:g} ({row.overhead_from})"
+    text = f"{text} + exp {row.contention_ms:g}" if row.contention_ms else text
+    text = f"{text}; sends replayed" if row.replayed else text
     text = f"{text} + {row.per_item_ms:.2f}/answer" if row.per_item_ms else text
     return f"{text}; calls x{row.call_stretch:.2f}" if row.call_stretch else text
 
@@ -243,6 +271,18 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="stretch the overhead by the machine's measured CPU busy share at each rate: overhead / (1 - busy)",
     )
     parser.add_argument(
+        "--contention-spread",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="draw the stretch per batch from an exponential distribution with that mean (off: a fixed delay)",
+    )
+    parser.add_argument(
+        "--replay",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="replay the generator's recorded sends (its bursts and lag) where a run has them, not Poisson arrivals",
+    )
+    parser.add_argument(
         "--call-stretch",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -281,7 +321,17 @@ def run(args: argparse.Namespace) -> int:
         if args.curve is not None:
             backend_curve = curve_file.load(args.curve)
             runs = [r.with_curve(backend_curve) for r in runs]
-        rows = compare(runs, given, args.requests, args.seeds, per_item, args.cpu_scaling, args.call_stretch)
+        rows = compare(
+            runs,
+            given,
+            args.requests,
+            args.seeds,
+            per_item,
+            cpu_scaling=args.cpu_scaling,
+            call_stretch=args.call_stretch,
+            spread=args.contention_spread,
+            replay=args.replay,
+        )
         table = format_table(rows)
     except (RunError, CurveError, ValueError) as err:
         print(f"batchwire validate-sim: {err}", file=sys.stderr)

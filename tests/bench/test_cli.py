@@ -33,6 +33,7 @@ RATE_KEYS = {
     "latency_all_ms",
     "latency_hdr",
     "lag_ms",
+    "sends",
     "refused_ms",
     "refused_from_send_ms",
     "after_504",

@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 
+from batchwire.bench import sends
 from batchwire.bench.client import ClientKind
 from batchwire.bench.sut import free_port
 from tests.support.bench_rates import one_rate
@@ -56,6 +57,12 @@ async def test_latency_counts_from_the_schedule_not_the_send(fake: FakeServer, c
     rate = await one_rate(fake.url, 100.0, duration=1.0, warmup=0.2, client=client)
     assert rate["lag_ms"]["max"] >= 200, f"the 250 ms stall should appear as lag, got {rate['lag_ms']}"
     assert rate["latency_ms"]["max"] >= 200, f"... and as latency, got {rate['latency_ms']}"
+    recorded = sends.decode(rate["sends"])
+    assert len(recorded) == rate["sent"], "one record per measured send"
+    assert [due for due, _ in recorded] == sorted(due for due, _ in recorded), "in the schedule's order"
+    assert 0.0 <= recorded[0][0] < 1.0, "due times count from the window's start"
+    stalled = [due for due, lag in recorded if lag >= 0.2]
+    assert stalled and all(0.3 <= due <= 0.7 for due in stalled), f"the stall's sends, due while it froze: {stalled}"
 
 
 @pytest.mark.parametrize("behaviour", [Behaviour(fail_every=4)])

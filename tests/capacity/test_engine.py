@@ -182,3 +182,27 @@ def test_the_per_answer_step_delays_each_answer_by_its_place_in_the_batch() -> N
     stepped = Simulation(SimConfig(FLAT, 1, PURE_WC, overhead_ms=2.0, per_item_ms=1.0)).run(times).latencies_s
     extra_ms = [round((s - p) * 1000, 6) for s, p in zip(stepped, plain, strict=True)]
     assert extra_ms == [1.0, 1.0, 2.0, 3.0], f"expected 1 ms more for the lone answer, then 1, 2, 3, got {extra_ms}"
+
+
+def test_contention_delays_whole_batches_by_an_exponential_draw_with_its_mean() -> None:
+    times = arrivals.poisson(300.0, 6_000, 3)
+    plain = Simulation(SimConfig(FLAT, 2, PURE_WC, overhead_ms=2.0)).run(times).latencies_s
+    config = SimConfig(FLAT, 2, PURE_WC, overhead_ms=2.0, contention_ms=20.0, seed=5)
+    spread = Simulation(config).run(times).latencies_s
+    extra_ms = [(s - p) * 1000 for s, p in zip(spread, plain, strict=True)]
+    assert min(extra_ms) >= 0.0, "the draw only adds; the batches themselves run as before"
+    assert 17.0 < statistics.mean(extra_ms) < 23.0, f"mean extra {statistics.mean(extra_ms):.1f} ms, not ~20"
+    assert max(extra_ms) > 60.0, "an exponential's tail passes three times its mean"
+    again = Simulation(config).run(times).latencies_s
+    assert again == spread, "the same seed draws the same delays"
+    with pytest.raises(ValueError, match="contention"):
+        SimConfig(FLAT, 1, PURE_WC, contention_ms=-1.0)
+
+
+def test_a_late_send_counts_its_lag_from_when_it_was_due() -> None:
+    due = [0.0, 0.5, 1.0]
+    sent = [0.0, 0.58, 1.0]  # the second went 80 ms late
+    out = Simulation(SimConfig(FLAT, 1, PURE_WC)).run(sent, due)
+    assert [round(x * 1000, 6) for x in out.latencies_s] == [100.0, 180.0, 100.0]
+    with pytest.raises(ValueError, match="one time per arrival"):
+        Simulation(SimConfig(FLAT, 1, PURE_WC)).run(sent, due[:2])

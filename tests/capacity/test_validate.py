@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from batchwire import cli
+from batchwire.bench import sends
 from batchwire.capacity import measured, validate
 from batchwire.capacity.curve import Curve, CurvePoint
-from batchwire.capacity.measured import MeasuredRate, MeasuredRun
+from batchwire.capacity.measured import MeasuredRate, MeasuredRun, RunError
 from batchwire.capacity.simulate import RateResult, capacity
 from batchwire.capacity.validate import Row
 
@@ -90,6 +91,38 @@ def test_the_overhead_stretches_with_the_measured_cpu_busy_share_up_to_its_cap()
     assert validate.loaded_overhead_ms(7.0, rate) == 14.0
     assert validate.loaded_overhead_ms(7.0, dataclasses.replace(rate, cpu_busy=0.99)) == 70.0, "capped at 0.9"
     assert validate.loaded_overhead_ms(7.0, dataclasses.replace(rate, cpu_busy=None)) == 7.0
+
+
+def test_the_stretch_is_drawn_per_batch_unless_the_spread_is_off() -> None:
+    (run,) = read("durability-rf1/run1")
+    spread = validate.compare([run], {}, requests=2_000, seeds=1)
+    fixed = validate.compare([run], {}, requests=2_000, seeds=1, spread=False)
+    for drawn, flat in zip(spread, fixed, strict=True):
+        assert drawn.contention_ms > 0 and flat.contention_ms == 0.0
+        assert drawn.overhead_ms + drawn.contention_ms == pytest.approx(flat.overhead_ms, abs=0.02), "the same mean"
+        assert "+ exp" in validate.format_table([drawn]) and "+ exp" not in validate.format_table([flat])
+
+
+def test_a_run_that_recorded_its_sends_is_replayed_with_its_stalls() -> None:
+    (run,) = read("durability-rf1/run1")
+    rate = run.rates[0]
+    smooth = [(i / 1000.0, 0.0) for i in range(4_000)]  # 1,000 req/s, every send on time
+    stalled = [(due, 1.2 - due if 1.0 <= due < 1.2 else 0.0) for due, _ in smooth]  # a 200 ms stall
+    rows = {}
+    for name, pairs in (("smooth", smooth), ("stalled", stalled)):
+        replayed = dataclasses.replace(rate, sends=sends.encode(pairs))
+        arrivals, due = replayed.replay() or ([], [])
+        assert len(arrivals) == 4_000 and arrivals == sorted(arrivals) and max(due) == pytest.approx(3.999)
+        (rows[name],) = validate.compare(
+            [dataclasses.replace(run, rates=(replayed,))], {"kafka": 5.0}, seeds=1, cpu_scaling=False
+        )
+    assert rows["smooth"].replayed and "sends replayed" in validate.format_table([rows["smooth"]])
+    smooth_max, stalled_max = (rows[k].simulated.p999_ms or 0.0 for k in ("smooth", "stalled"))
+    assert stalled_max > smooth_max + 80, f"the stall's lag shows in the tail: {smooth_max} -> {stalled_max} ms"
+    (poisson,) = validate.compare([dataclasses.replace(run, rates=(replayed,))], {"kafka": 5.0}, seeds=1, replay=False)
+    assert not poisson.replayed
+    with pytest.raises(RunError, match="send record"):
+        dataclasses.replace(rate, sends="aGVsbG8=").replay()
 
 
 def test_the_slow_worker_is_simulated_as_worker_0_at_its_own_latency() -> None:
