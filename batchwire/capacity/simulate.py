@@ -55,11 +55,14 @@ def capacity(config: SimConfig) -> float:
     return sum(rate / config.scale(worker) for worker in range(config.workers))
 
 
-def summarize(rate: float, config: SimConfig, out: SimOutcome, wall_s: float) -> RateResult:
-    """The figures of one run. Throughput counts requests served by the last arrival (or the stop)."""
+def summarize(
+    rate: float, config: SimConfig, out: SimOutcome, wall_s: float, warm_up_share: float = WARM_UP_SHARE
+) -> RateResult:
+    """The figures of one run. Throughput counts requests served by the last arrival (or the stop),
+    after ``warm_up_share`` of the run."""
     horizon_s = out.stopped_s if out.stopped_s is not None else out.horizon_s
     served = sum(size for end, size in zip(out.ends_s, out.sizes, strict=True) if end <= horizon_s)
-    window_s = horizon_s * (1 - WARM_UP_SHARE)
+    window_s = horizon_s * (1 - warm_up_share)
     in_window = sum(
         size for end, size in zip(out.ends_s, out.sizes, strict=True) if horizon_s - window_s < end <= horizon_s
     )
@@ -90,12 +93,19 @@ def summarize(rate: float, config: SimConfig, out: SimOutcome, wall_s: float) ->
     )
 
 
-def simulate(config: SimConfig, times: Sequence[float], rate: float, due: Sequence[float] | None = None) -> RateResult:
+def simulate(
+    config: SimConfig,
+    times: Sequence[float],
+    rate: float,
+    due: Sequence[float] | None = None,
+    warm_up_share: float = WARM_UP_SHARE,
+) -> RateResult:
     """Runs ``times`` (arrival seconds, ascending) through a fresh simulation and sums it up; ``due``
-    as for ``Simulation.run``."""
+    as for ``Simulation.run``. A measured run's own sends start where its window did, after its
+    warm-up: ``warm_up_share=0`` counts the whole of it, as the bench counts its window."""
     started = time.perf_counter()
     out = Simulation(config).run(times, due)
-    return summarize(rate, config, out, time.perf_counter() - started)
+    return summarize(rate, config, out, time.perf_counter() - started, warm_up_share)
 
 
 def simulate_rate(config: SimConfig, rate: float, requests: int, seed: int = 0) -> RateResult:

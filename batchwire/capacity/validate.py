@@ -115,7 +115,7 @@ def simulate_median(
     """The simulation over ``seeds`` seeds, each figure their median (None when any seed is unstable):
     Poisson arrivals at ``rate``, or the run's own sends (``replay``: arrivals and due times)."""
     results = [
-        simulate(dataclasses.replace(config, seed=seed), replay[0], rate, replay[1])
+        simulate(dataclasses.replace(config, seed=seed), replay[0], rate, replay[1], warm_up_share=0.0)
         if replay
         else simulate_rate(dataclasses.replace(config, seed=seed), rate, requests, seed)
         for seed in range(seeds)
