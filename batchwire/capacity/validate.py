@@ -264,30 +264,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="MODE=MS",
         help="added per answer ahead in its batch, for a mode (results stored and answered one by one)",
     )
-    parser.add_argument(
-        "--cpu-scaling",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="stretch the overhead by the machine's measured CPU busy share at each rate: overhead / (1 - busy)",
-    )
-    parser.add_argument(
-        "--contention-spread",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="draw the stretch per batch from an exponential distribution with that mean (off: a fixed delay)",
-    )
-    parser.add_argument(
-        "--replay",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="replay the generator's recorded sends (its bursts and lag) where a run has them, not Poisson arrivals",
-    )
-    parser.add_argument(
-        "--call-stretch",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="run each rate's calls as much slower than the curve as the workers' measured busy time says",
-    )
+    switches = {
+        "--cpu-scaling": "stretch the overhead by the machine's measured CPU busy share: overhead / (1 - busy)",
+        "--contention-spread": "draw that stretch per batch, exponential with that mean (off: the mean, fixed)",
+        "--replay": "replay a run's recorded sends (its bursts and lag) where it has them, not Poisson arrivals",
+        "--call-stretch": "run each rate's calls as much slower than the curve as the workers' busy time says",
+    }
+    for flag, text in switches.items():
+        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=True, help=text)
     parser.add_argument(
         "--curve",
         default=None,

@@ -109,6 +109,19 @@ def settings(**overrides: object) -> GatewaySettings:
     return GatewaySettings(models=("a", "b"), default_model="a", **overrides)  # type: ignore[arg-type]
 
 
+async def burst(admission: Admission, deadline_says: str, count: int = 200) -> list[str]:
+    """``count`` requests of model "a" with a 1 s deadline, one after another: each one's outcome,
+    "deadline" for a refusal whose message holds ``deadline_says``."""
+    outcomes = []
+    for _ in range(count):
+        try:
+            await admission.admit(ANONYMOUS, "a", 1_000)
+            outcomes.append("admitted")
+        except Overloaded as refused:
+            outcomes.append("deadline" if deadline_says in refused.message else refused.message)
+    return outcomes
+
+
 async def test_a_request_whose_deadline_the_queue_cannot_meet_is_refused_at_once() -> None:
     counters = Counters()
     admission = Admission(settings(), counters, None)
@@ -142,13 +155,7 @@ async def test_a_burst_between_two_reads_of_the_counters_counts_what_it_already_
         counters.backlogs["a"] = Backlog(100, 10 * n, n, 0.1 * n)
         await admission.admit(ANONYMOUS, "a", 30_000)
     counters.backlogs["a"] = Backlog(0, 100, 10, 1.1)  # empty when read; a burst of 200 comes
-    outcomes = []
-    for _ in range(200):
-        try:
-            await admission.admit(ANONYMOUS, "a", 1_000)
-            outcomes.append("admitted")
-        except Overloaded as refused:
-            outcomes.append("deadline" if "timeout_ms=1000 cannot be met" in refused.message else refused.message)
+    outcomes = await burst(admission, "timeout_ms=1000 cannot be met")
     admitted = outcomes.count("admitted")
     assert 60 <= admitted <= 100, admitted  # about 1 s of work at the measured rate, less the margin
     assert outcomes == ["admitted"] * admitted + ["deadline"] * (200 - admitted)
@@ -167,13 +174,7 @@ async def test_before_a_rate_is_measured_the_workers_stated_rates_predict_the_wa
     admission = Admission(settings(), counters, None, pool)
     await admission.read_worker_rates()
     counters.backlogs["a"] = Backlog(0, 0, 0, 0.0)
-    outcomes = []
-    for _ in range(200):
-        try:
-            await admission.admit(ANONYMOUS, "a", 1_000)
-            outcomes.append("admitted")
-        except Overloaded as refused:
-            outcomes.append("deadline" if "at the 100 requests/s it drains" in refused.message else refused.message)
+    outcomes = await burst(admission, "at the 100 requests/s it drains")
     admitted = outcomes.count("admitted")
     assert 60 <= admitted <= 100, admitted  # about 1 s of work at the stated rate, less the margin
     assert outcomes == ["admitted"] * admitted + ["deadline"] * (200 - admitted)
