@@ -67,6 +67,10 @@ class SimConfig:
     """Seed of the contention delays (the arrivals have their own)."""
     worker_scale: tuple[float, ...] = ()
     """Per-worker multiplier of the curve's latency, by worker index (missing: 1): a slower GPU."""
+    call_extra_ms: float = 0.0
+    """Added to every call whatever its size (its steps' wait for the GIL), drawn per call from an
+    exponential distribution with this mean if ``call_extra_spread``."""
+    call_extra_spread: bool = False
     per_item_ms: float = 0.0
     """Added per answer ahead in its batch: a batch's results are stored and answered one after another."""
     timeout_s: float = math.inf
@@ -79,10 +83,8 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.workers < 1 or self.batchers < 1:
             raise ValueError(f"workers and batchers must be at least 1, got {self.workers} and {self.batchers}")
-        if self.contention_ms < 0 or self.overhead_ms < 0:
-            raise ValueError(
-                f"overhead and contention must be >= 0 ms, got {self.overhead_ms} and {self.contention_ms}"
-            )
+        if min(self.contention_ms, self.overhead_ms, self.call_extra_ms) < 0:
+            raise ValueError(f"overhead, contention and call extra must be >= 0 ms, got {self}")
         if len(self.worker_scale) > self.workers or any(scale <= 0 for scale in self.worker_scale):
             raise ValueError(f"worker_scale takes at most one positive factor per worker, got {self.worker_scale}")
 
@@ -185,7 +187,8 @@ class Simulation:
         self._spaced = config.batchers == 1 and config.spacing_margin_ms >= 0
         self._alpha = _ewma_alpha()
         base_s = [0.0] + [config.curve.latency_ms(size) / 1000.0 for size in range(1, config.curve.max_batch + 1)]
-        self._call_s = [[t * config.scale(w) for t in base_s] for w in range(config.workers)]
+        extra_s = 0.0 if config.call_extra_spread else config.call_extra_ms / 1000.0
+        self._call_s = [[t * config.scale(w) + extra_s * (t > 0) for t in base_s] for w in range(config.workers)]
         """Call duration by worker and batch size, looked up once."""
         self._events: list[tuple[float, int, int, int, int]] = []
         self._pool: list[Credit] = []
@@ -362,6 +365,8 @@ class Simulation:
         size = len(taken.items)
         start_s = max(now + config.transit_ms / 1000.0, worker.free_s)
         call_s = self._call_s[index][size]
+        if config.call_extra_spread and config.call_extra_ms > 0:
+            call_s += self._rng.expovariate(1000.0 / config.call_extra_ms)
         end_s = start_s + call_s
         b.spacing.started(str(index), now + max(0.0, frees_s - now), worker.credit_busy_s)
         offer_s = self._offer_at(worker, start_s, end_s, size)

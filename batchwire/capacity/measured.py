@@ -62,16 +62,17 @@ class MeasuredRate:
             return None
         return [arrival for arrival, _ in pairs], [due for _, due in pairs]
 
-    def call_stretch(self, curve: Curve) -> float | None:
-        """Measured backend time over what ``curve`` predicts for the batches run (their mean size):
-        how much slower calls ran under this load than when profiled (None: not measured)."""
+    def call_extra_ms(self, curve: Curve) -> float | None:
+        """Measured backend time per call less what ``curve`` predicts for the batches run (their mean
+        size): how much longer each call ran under this load than when profiled, never below 0 (None:
+        not measured)."""
         if not self.batches or self.backend_s is None or self.mean_batch is None:
             return None
         low = max(1, min(math.floor(self.mean_batch), curve.max_batch))
         high = min(low + 1, curve.max_batch)
         frac = min(max(self.mean_batch - low, 0.0), 1.0)
         call_ms = curve.latency_ms(low) * (1 - frac) + curve.latency_ms(high) * frac
-        return self.backend_s / (self.batches * call_ms / 1000.0)
+        return max(0.0, self.backend_s * 1000.0 / self.batches - call_ms)
 
 
 @dataclass(frozen=True, slots=True)

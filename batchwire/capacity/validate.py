@@ -13,9 +13,11 @@ Under load the hops share the machine's cores with everything else, so by defaul
 each rate is stretched by the CPU busy share measured then, ``overhead / (1 - busy)`` (processor
 sharing). The stretch is a wait for the CPU, and such a wait varies: by default the idle overhead
 stays fixed and the stretch is drawn per batch from an exponential distribution with that mean (an
-M/M/1 queue's wait), so a loaded machine's tail shows too. Calls stretch too: the workers' measured
-time inside the backend over what the curve predicts for the batches they ran scales every worker's
-latency at that rate (a model on CPU shares the cores with the gateway and the generator). A slow
+M/M/1 queue's wait), so a loaded machine's tail shows too. Calls take longer too: the workers'
+measured time inside the backend per call, less what the curve predicts for the batches they ran, is
+added to every call at that rate. It is a delay per call, not a factor: what slows a call is its
+Python steps waiting for the GIL while the process's event loop runs, and a call has as many steps
+whatever its batch size (a factor overstated large batches and sent a loaded model's queue up). A slow
 worker is worker 0 at its own latency. Runs of a real model (the hf backend) take its profiled
 curve (``--curve``) in place of the flat sim latency.
 
@@ -58,7 +60,7 @@ class Row:
     overhead_ms: float
     overhead_from: str
     per_item_ms: float = 0.0
-    call_stretch: float | None = None
+    call_extra_ms: float | None = None
     contention_ms: float = 0.0
     """The mean of the exponential delay per batch on top of ``overhead_ms``."""
     replayed: bool = False
@@ -169,7 +171,7 @@ def compare(
     per_item: dict[str, float] | None = None,
     *,
     cpu_scaling: bool = True,
-    call_stretch: bool = True,
+    call_extra: bool = True,
     spread: bool = True,
     replay: bool = True,
 ) -> list[Row]:
@@ -182,24 +184,28 @@ def compare(
             at_rate = loaded_overhead_ms(overhead, measured) if cpu_scaling else overhead
             fixed_ms, contention_ms = (overhead, round(at_rate - overhead, 2)) if spread else (at_rate, 0.0)
             step_ms = (per_item or {}).get(run.mode, 0.0)
-            stretch = stretch_for(run, measured) if call_stretch else None
-            scale = (stretch,) * run.workers if stretch else config.worker_scale
+            extra = call_extra_for(run, measured) if call_extra else None
             rate_config = dataclasses.replace(
-                config, overhead_ms=fixed_ms, contention_ms=contention_ms, per_item_ms=step_ms, worker_scale=scale
+                config,
+                overhead_ms=fixed_ms,
+                contention_ms=contention_ms,
+                per_item_ms=step_ms,
+                call_extra_ms=extra or 0.0,
+                call_extra_spread=spread,
             )
             sends = measured.replay() if replay else None
             simulated = simulate_median(rate_config, measured.sent_rate, requests, seeds, sends)
-            rows.append(Row(run, measured, simulated, fixed_ms, source, step_ms, stretch, contention_ms, bool(sends)))
+            rows.append(Row(run, measured, simulated, fixed_ms, source, step_ms, extra, contention_ms, bool(sends)))
     return rows
 
 
-def stretch_for(run: MeasuredRun, measured: MeasuredRate) -> float | None:
-    """The backend's measured slow-down at this rate, fed to every worker (None: not measured, or a
-    run with a slow worker, whose workers' shares of the batches are not recorded apart)."""
+def call_extra_for(run: MeasuredRun, measured: MeasuredRate) -> float | None:
+    """The backend's measured extra time per call at this rate, fed to every worker (None: not
+    measured, or a run with a slow worker, whose workers' shares of the batches are not recorded apart)."""
     if run.slow_worker_latency_ms:
         return None
-    stretch = measured.call_stretch(run.backend_curve())
-    return None if stretch is None else round(stretch, 3)
+    extra = measured.call_extra_ms(run.backend_curve())
+    return None if extra is None else round(extra, 2)
 
 
 # the table ------------------------------------------------------------------------------------------
@@ -220,7 +226,7 @@ def _overhead(row: Row) -> str:
     text = f"{text} + exp {row.contention_ms:g}" if row.contention_ms else text
     text = f"{text}; sends replayed" if row.replayed else text
     text = f"{text} + {row.per_item_ms:.2f}/answer" if row.per_item_ms else text
-    return f"{text}; calls x{row.call_stretch:.2f}" if row.call_stretch else text
+    return f"{text}; calls +{row.call_extra_ms:g} ms" if row.call_extra_ms is not None else text
 
 
 def format_table(rows: Sequence[Row]) -> str:
@@ -268,7 +274,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--cpu-scaling": "stretch the overhead by the machine's measured CPU busy share: overhead / (1 - busy)",
         "--contention-spread": "draw that stretch per batch, exponential with that mean (off: the mean, fixed)",
         "--replay": "replay a run's recorded sends (its bursts and lag) where it has them, not Poisson arrivals",
-        "--call-stretch": "run each rate's calls as much slower than the curve as the workers' busy time says",
+        "--call-extra": "add to each call the time per call the workers spent in the backend beyond the curve's",
     }
     for flag, text in switches.items():
         parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=True, help=text)
@@ -312,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
             args.seeds,
             per_item,
             cpu_scaling=args.cpu_scaling,
-            call_stretch=args.call_stretch,
+            call_extra=args.call_extra,
             spread=args.contention_spread,
             replay=args.replay,
         )

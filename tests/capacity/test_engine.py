@@ -176,6 +176,26 @@ def test_a_worker_scale_per_worker_at_most_and_positive() -> None:
         SimConfig(FLAT, 2, PURE_WC, worker_scale=(0.0,))
 
 
+def test_a_call_extra_lengthens_every_call_by_the_same_ms_whatever_its_size() -> None:
+    curve = Curve((CurvePoint(1, 10.0, 10.0), CurvePoint(4, 40.0, 40.0)))
+    _, records = run(SimConfig(curve, 1, PURE_WC, call_extra_ms=5.0, record=True), 150.0, 3000)
+    by_size = {len(r.items): round((r.end_s - r.start_s) * 1000, 6) for r in records}
+    expected = {size: round(curve.latency_ms(size) + 5.0, 6) for size in by_size}
+    assert by_size == expected, f"expected each size's curve latency plus 5 ms, got {by_size}"
+    assert len(by_size) > 1, f"the load should mix batch sizes, got {by_size}"
+    with pytest.raises(ValueError, match="call extra"):
+        SimConfig(FLAT, 1, PURE_WC, call_extra_ms=-1.0)
+
+
+def test_a_spread_call_extra_is_drawn_per_call_with_its_mean() -> None:
+    config = SimConfig(FLAT, 2, PURE_WC, call_extra_ms=4.0, call_extra_spread=True, seed=7, record=True)
+    _, records = run(config, 10.0, 4000)
+    extra_ms = [(r.end_s - r.start_s) * 1000 - 100.0 for r in records]
+    assert min(extra_ms) >= 0.0, "the draw only adds to the curve's latency"
+    assert 3.5 < statistics.mean(extra_ms) < 4.5, f"mean extra {statistics.mean(extra_ms):.2f} ms, not ~4"
+    assert max(extra_ms) > 12.0, "an exponential's tail passes three times its mean"
+
+
 def test_the_per_answer_step_delays_each_answer_by_its_place_in_the_batch() -> None:
     times = [0.0, 0.01, 0.01, 0.01]  # one batch of the first, then one of the three that waited for it
     plain = Simulation(SimConfig(FLAT, 1, PURE_WC, overhead_ms=2.0)).run(times).latencies_s

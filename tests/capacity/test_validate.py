@@ -228,25 +228,27 @@ def test_the_command_simulates_with_the_curve_given(capsys: pytest.CaptureFixtur
     assert "cannot read the curve file" in capsys.readouterr().err
 
 
-def test_calls_stretch_by_the_workers_measured_backend_time_over_the_curves() -> None:
-    """A model on CPU shares the cores: its calls run slower under load than when profiled, and the
-    simulation runs them as slow as the workers' busy time says."""
+def test_calls_take_the_workers_measured_extra_time_per_call_beyond_the_curves() -> None:
+    """A model on CPU shares the cores: its calls run longer under load than when profiled, and the
+    simulation adds the workers' measured extra time per call to every call."""
     (probed,) = read("durability-rf1/run1")
     run = dataclasses.replace(probed, max_batch=8).with_curve(hf_curve())
-    # 100 batches of 6 items: 60 ms each by the curve (interpolated between 4 and 8), 6 s in all
+    # 100 batches of 6 items: 60 ms each by the curve (interpolated between 4 and 8); 90 ms measured
     rate = MeasuredRate(100.0, 100.0, 100.0, 80.0, 150.0, 30.0, 6.0, None, batches=100.0, backend_s=9.0)
-    assert rate.call_stretch(run.backend_curve()) == pytest.approx(1.5)
-    assert validate.stretch_for(run, rate) == 1.5
-    assert validate.stretch_for(run, dataclasses.replace(rate, backend_s=None)) is None, "not scraped"
+    assert rate.call_extra_ms(run.backend_curve()) == pytest.approx(30.0)
+    assert validate.call_extra_for(run, rate) == 30.0
+    faster = dataclasses.replace(rate, backend_s=5.0)
+    assert validate.call_extra_for(run, faster) == 0.0, "calls faster than profiled add nothing"
+    assert validate.call_extra_for(run, dataclasses.replace(rate, backend_s=None)) is None, "not scraped"
     (slow,) = read("slow-worker")
-    assert validate.stretch_for(slow, rate) is None, "the workers' shares of the batches are not recorded apart"
+    assert validate.call_extra_for(slow, rate) is None, "the workers' shares of the batches are not recorded apart"
     (row,) = validate.compare([dataclasses.replace(run, rates=(rate,))], {"kafka": 5.0}, requests=300, seeds=1)
-    assert row.call_stretch == 1.5 and "calls x1.50" in validate.format_table([row])
+    assert row.call_extra_ms == 30.0 and "calls +30 ms" in validate.format_table([row])
     (plain,) = validate.compare(
-        [dataclasses.replace(run, rates=(rate,))], {"kafka": 5.0}, requests=300, seeds=1, call_stretch=False
+        [dataclasses.replace(run, rates=(rate,))], {"kafka": 5.0}, requests=300, seeds=1, call_extra=False
     )
-    assert plain.call_stretch is None and plain.simulated.p50_ms is not None
-    assert row.simulated.p50_ms is not None and row.simulated.p50_ms > plain.simulated.p50_ms, "slower calls"
+    assert plain.call_extra_ms is None and plain.simulated.p50_ms is not None
+    assert row.simulated.p50_ms is not None and row.simulated.p50_ms > plain.simulated.p50_ms, "longer calls"
 
 
 def test_a_bench_file_gives_the_workers_batches_and_backend_seconds() -> None:
