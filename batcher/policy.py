@@ -273,7 +273,7 @@ class BatchFormer(Generic[Item]):
         came_s = now if worker_free_s is None else min(now, worker_free_s)
         if came_s - newest <= policy.fresh_ms / 1000.0:
             return 0.0
-        if call_s / queue.gap_s >= policy.reserve_max_load:
+        if call_s >= policy.reserve_max_load * queue.gap_s:  # the load, call over gap; a gap may be 0
             return 0.0
         return policy.reserve_ms / 1000.0
 

@@ -120,6 +120,13 @@ def _add_load_arguments(parser: argparse.ArgumentParser) -> None:
         help="idle time after each lone request's answer before the next is sent (default 300)",
     )
     load.add_argument(
+        "--warm",
+        type=int,
+        default=20,
+        help="warm-path probe after the lone one: this many requests one at a time, each sent the moment "
+        "the previous answer arrives, so the processes on the path are still awake (0: none; default 20)",
+    )
+    load.add_argument(
         "--loop",
         choices=("auto", "uvloop", "asyncio"),
         default="auto",

@@ -229,8 +229,8 @@ def _load_config(args: argparse.Namespace) -> LoadConfig:
         raise UsageError("--slow-worker-latency-ms, --gateways and --batchers need --start kafka")
     if args.client == "raw" and any(not url.startswith("http://") for url in args.url or []):
         raise UsageError("--client raw speaks plain http:// only; use --client aiohttp for https")
-    if args.lone < 0 or args.lone_gap_ms < 0:
-        raise UsageError("--lone and --lone-gap-ms must be 0 or more")
+    if args.lone < 0 or args.lone_gap_ms < 0 or args.warm < 0:
+        raise UsageError("--lone, --lone-gap-ms and --warm must be 0 or more")
     if args.brokers is not None and (args.start != "kafka" or args.brokers < 1):
         raise UsageError("--brokers needs --start kafka and a count of 1 or more")
     if args.redis_replicas and args.brokers is None:
@@ -253,6 +253,7 @@ def _load_config(args: argparse.Namespace) -> LoadConfig:
         client=args.client,
         lone_count=args.lone,
         lone_gap_s=args.lone_gap_ms / 1000.0,
+        warm_count=args.warm,
     )
 
 

@@ -115,8 +115,8 @@ async def _outcome(client: HttpClient, url: URL, inputs: InputFactory, expect: E
     return None if expect == "none" else check_reverse(payload, text)
 
 
-def lone_line(lone: LoneReport) -> str:
-    """The probe in one line of the run's table."""
+def lone_line(lone: LoneReport, name: str = "lone") -> str:
+    """The probe in one line of the run's table (``name``: lone, or warm for the probe with no gap)."""
     latency = lone["latency_ms"]
 
     def ms(key: str) -> str:
@@ -124,7 +124,7 @@ def lone_line(lone: LoneReport) -> str:
         return "-" if value is None else f"{value:.1f}"
 
     line = (
-        f"lone requests ({lone['count']} one at a time, {lone['gap_ms']:g} ms idle before each): "
+        f"{name} requests ({lone['count']} one at a time, {lone['gap_ms']:g} ms idle before each): "
         f"p50 {ms('p50')}, p99 {ms('p99')}, min {ms('min')}, max {ms('max')} ms"
     )
     if lone["errors"]:

@@ -84,9 +84,9 @@ def run_table(run: RunReport) -> str:
     lines = [title, _table(_RUN_HEADER, [_run_row(rate) for rate in run["rates"]])]
     for rate in run["rates"]:
         lines.extend(_rate_lines(rate))
-    lone = run.get("lone")
-    if lone is not None:
-        lines.append(f"  {lone_line(lone)}")
+    for key, probe in (("lone", run.get("lone")), ("warm", run.get("warm"))):
+        if probe is not None:
+            lines.append(f"  {lone_line(probe, key)}")
     return "\n".join(lines)
 
 

@@ -85,7 +85,9 @@ class RunReport(TypedDict):
     sut: dict[str, Any] | None
     rates: list[RateReport]
     lone: NotRequired[LoneReport]
-    """The lone-request probe, run before the rates (absent when it did not run)."""
+    """The lone-request probe, run after the rates (absent when it did not run)."""
+    warm: NotRequired[LoneReport]
+    """The warm-path probe, the same with no idle gap, run after the lone one (absent when it did not run)."""
 
 
 class Results(TypedDict):

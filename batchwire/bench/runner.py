@@ -17,7 +17,7 @@ import aiohttp
 
 from batchwire.bench.client import AiohttpClient, ClientKind, HttpClient
 from batchwire.bench.loadgen import TIMEOUT, Expect, OpenLoopSender
-from batchwire.bench.lone import DEFAULT_GAP_MS, LoneReport, lone_line, lone_probe
+from batchwire.bench.lone import DEFAULT_GAP_MS, lone_line, lone_probe
 from batchwire.bench.measure import Probes, measure_rate
 from batchwire.bench.procstats import CpuSampler
 from batchwire.bench.rawhttp import RawHttpClient
@@ -46,6 +46,8 @@ class LoadConfig:
     lone_count: int = 0
     """Requests of the lone-request probe, sent before the first rate (0: no probe)."""
     lone_gap_s: float = DEFAULT_GAP_MS / 1000.0
+    warm_count: int = 0
+    """Requests of the warm-path probe (``lone_probe`` with no gap), sent after the lone one (0: none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +79,8 @@ async def bench_run(
     progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> RunReport:
     """Measures every rate, appending each to ``run["rates"]`` as it completes (so an interrupted run
-    keeps what it measured), then runs the lone-request probe (into ``run["lone"]``) once the service
-    is idle again."""
+    keeps what it measured), then runs the lone-request probe (into ``run["lone"]``, and the warm-path one into
+    ``run["warm"]``) once the service is idle again."""
     rng = random.Random(load.seed)
     nonce = secrets.token_hex(2)
     inputs = (
@@ -120,8 +122,8 @@ async def bench_run(
             )
             run["rates"].append(report)
             progress(summary_line(report))
-        if load.lone_count:
-            run["lone"] = await _lone_after_load(load, target, client, progress)
+        if load.lone_count or load.warm_count:
+            await _probes_after_load(run, load, target, client, progress)
     finally:
         await client.close()
         if metrics_session is not None:
@@ -129,23 +131,27 @@ async def bench_run(
     return run
 
 
-async def _lone_after_load(
-    load: LoadConfig, target: Target, client: HttpClient, progress: Callable[[str], None]
-) -> LoneReport:
-    """The lone-request probe, once the service is idle again."""
+async def _probes_after_load(
+    run: RunReport, load: LoadConfig, target: Target, client: HttpClient, progress: Callable[[str], None]
+) -> None:
+    """The lone-request probe, then the warm-path one, once the service is idle again."""
     # After the load: every answer is in, and the consumer groups have long settled (a probe
     # right after start-up can meet the workers' first rebalance, which hands its batch back).
     await asyncio.sleep(load.pause_s)
-    progress(f"  lone requests: {load.lone_count}, one at a time, {1000 * load.lone_gap_s:g} ms idle before each ...")
     # Inputs of their own, so the rates' seeded schedule is the same with or without the probe.
-    lone_inputs = InputFactory(
+    inputs = InputFactory(
         load.input_size, random.Random(load.seed), field=load.payload_field, nonce=secrets.token_hex(2) + "L"
     )
-    lone = await lone_probe(
-        client, target.urls, lone_inputs, count=load.lone_count, gap_s=load.lone_gap_s, expect=load.expect
-    )
-    progress("    " + lone_line(lone))
-    return lone
+    for key, count, gap_s in (("lone", load.lone_count, load.lone_gap_s), ("warm", load.warm_count, 0.0)):
+        if not count:
+            continue
+        progress(f"  {key} requests: {count}, one at a time, {1000 * gap_s:g} ms idle before each ...")
+        probe = await lone_probe(client, target.urls, inputs, count=count, gap_s=gap_s, expect=load.expect)
+        progress("    " + lone_line(probe, key))
+        if key == "lone":
+            run["lone"] = probe
+        else:
+            run["warm"] = probe
 
 
 def summary_line(rate: RateReport) -> str:

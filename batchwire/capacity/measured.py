@@ -92,6 +92,8 @@ class MeasuredRun:
     rates: tuple[MeasuredRate, ...]
     curve: Curve | None = None
     """The backend's profiled curve; None: the flat sim backend at ``sim_latency_ms``."""
+    warm_p50_ms: float | None = None
+    """The warm-path probe's p50: lone requests sent back to back (None: not probed)."""
 
     def backend_curve(self) -> Curve:
         """The backend's latency by batch size: the curve given, else the sim backend's flat one."""
@@ -112,12 +114,14 @@ class MeasuredRun:
         """The backend's latency for a batch of one."""
         return self.backend_curve().latency_ms(1)
 
-    def lone_overhead_ms(self, policy_wait_ms: float = 0.0) -> float | None:
-        """The lone-request probe's p50 less the backend latency and the policy's wait for a lone
-        request (``policy_wait_ms``, which the simulation adds itself): the path's own cost."""
-        if self.lone_p50_ms is None:
+    def lone_overhead_ms(self, policy_wait_ms: float = 0.0, *, warm: bool = False) -> float | None:
+        """The lone-request probe's p50 (``warm``: the warm-path probe's) less the backend latency and
+        the policy's wait for a lone request (``policy_wait_ms``, which the simulation adds itself):
+        the path's own cost."""
+        p50 = self.warm_p50_ms if warm else self.lone_p50_ms
+        if p50 is None:
             return None
-        return max(0.0, self.lone_p50_ms - self.lone_call_ms() - policy_wait_ms)
+        return max(0.0, p50 - self.lone_call_ms() - policy_wait_ms)
 
     def light(self) -> bool:
         """Whether its lowest rate is light enough that its fastest answer met an idle worker."""
@@ -165,7 +169,7 @@ def read_runs(results: Path, name: str | None = None) -> list[MeasuredRun]:
 
 def _run(name: str, config: dict[str, Any], run: dict[str, Any], cpu_count: int | None) -> MeasuredRun:
     sut = run["sut"]
-    lone = run.get("lone") or {}
+    lone, warm = run.get("lone") or {}, run.get("warm") or {}
     several = len(config.get("policies") or []) > 1
     return MeasuredRun(
         name=f"{name} {run['policy']}" if several else name,
@@ -179,6 +183,7 @@ def _run(name: str, config: dict[str, Any], run: dict[str, Any], cpu_count: int 
         max_wait_ms=sut.get("max_wait_ms"),
         lone_p50_ms=(lone.get("latency_ms") or {}).get("p50"),
         rates=tuple(_rate(rate, cpu_count) for rate in run["rates"]),
+        warm_p50_ms=(warm.get("latency_ms") or {}).get("p50"),
     )
 
 

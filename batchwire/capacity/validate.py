@@ -9,6 +9,10 @@ The simulation has no network: the per-hop overhead (gateway, bus, result store)
 mode. Unless given, it is the run's lone-request probe (lone p50 less the backend's latency), else
 another given run's probe in the same mode, else the fastest answer of the light runs in that mode
 less the backend latency (a lower bound: the path's cost varies from request to request), else 0.
+That probe waits before each request, so every process on the path has gone idle and wakes slowly.
+Under load a request comes before the last one's hops are done and finds them awake: at a rate whose
+gap between requests is shorter than the idle path, the run's warm-path probe (lone requests sent
+back to back) gives the cost instead.
 Under load the hops share the machine's cores with everything else, so by default the overhead at
 each rate is stretched by the CPU busy share measured then, ``overhead / (1 - busy)`` (processor
 sharing). The stretch is a wait for the CPU, and such a wait varies: by default the idle overhead
@@ -156,6 +160,16 @@ def overhead_for(run: MeasuredRun, given: dict[str, float], runs: Sequence[Measu
     return 0.0, "none: give --overhead-ms"  # a loaded run's fastest answer has queued: no estimate
 
 
+def awake_overhead(run: MeasuredRun, measured: MeasuredRate, overhead: float, source: str) -> tuple[float, str]:
+    """The path's cost at this rate before the CPU's queueing, and where it came from: the warm-path
+    probe's where requests come closer together than the idle path takes (each finds the processes
+    on its path still awake from the last), else ``overhead`` (the idle path's, or the flag's)."""
+    warm = run.lone_overhead_ms(lone_wait_ms(run), warm=True)
+    if source == "flag" or warm is None or warm >= overhead or 1000.0 / measured.sent_rate >= overhead:
+        return overhead, source
+    return round(warm, 2), "warm"
+
+
 def loaded_overhead_ms(overhead_ms: float, measured: MeasuredRate) -> float:
     """The idle path's overhead stretched by the CPU's queueing at this rate: ``overhead / (1 - busy)``
     (processor sharing), with the busy share measured during the rate and capped at ``BUSY_CAP``."""
@@ -181,8 +195,9 @@ def compare(
         overhead, source = overhead_for(run, given, runs)
         config = sim_config(run, overhead)
         for measured in run.rates:
-            at_rate = loaded_overhead_ms(overhead, measured) if cpu_scaling else overhead
-            fixed_ms, contention_ms = (overhead, round(at_rate - overhead, 2)) if spread else (at_rate, 0.0)
+            base, base_from = awake_overhead(run, measured, overhead, source)
+            at_rate = loaded_overhead_ms(base, measured) if cpu_scaling else base
+            fixed_ms, contention_ms = (base, round(at_rate - base, 2)) if spread else (at_rate, 0.0)
             step_ms = (per_item or {}).get(run.mode, 0.0)
             extra = call_extra_for(run, measured) if call_extra else None
             rate_config = dataclasses.replace(
@@ -195,7 +210,7 @@ def compare(
             )
             sends = measured.replay() if replay else None
             simulated = simulate_median(rate_config, measured.sent_rate, requests, seeds, sends)
-            rows.append(Row(run, measured, simulated, fixed_ms, source, step_ms, extra, contention_ms, bool(sends)))
+            rows.append(Row(run, measured, simulated, fixed_ms, base_from, step_ms, extra, contention_ms, bool(sends)))
     return rows
 
 

@@ -185,6 +185,16 @@ def test_reserve_is_off_under_load_and_for_sealed_batches(clock: FakeClock) -> N
     assert sealed.reserve_s("m", call_s=0.1) == 0.0, "a sealed batch goes at once"
 
 
+def test_arrivals_read_at_one_instant_mean_heavy_load_not_a_crash(clock: FakeClock) -> None:
+    """A poll hands over many records read at one clock reading: the first gap is 0, a load beyond
+    any bound, and the reserve is off."""
+    former: BatchFormer[str] = BatchFormer(FlushPolicy.work_conserving(reserve_ms=50), clock)
+    former.add("m", item(clock, 0))
+    former.add("m", item(clock, 1))
+    clock.advance(0.03)
+    assert former.reserve_s("m", call_s=0.1) == 0.0, "a zero gap is heavy load: plain work conservation"
+
+
 def test_a_sealed_batch_waiting_for_a_credit_still_expires_on_time(clock: FakeClock) -> None:
     """Every worker busy, hung or gone: the batch sealed by age waits, and its deadlines still wake the timer."""
     former: BatchFormer[str] = BatchFormer(FlushPolicy.work_conserving(max_wait_ms=1000), clock)

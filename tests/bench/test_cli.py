@@ -77,6 +77,8 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
                     "3",
                     "--lone-gap-ms",
                     "10",
+                    "--warm",
+                    "4",
                 ]
             )
     finally:
@@ -129,6 +131,11 @@ def test_the_lone_probe_is_in_the_json_and_the_table(finished_run: tuple[Path, s
     assert lone["ok"] + sum(lone["errors"].values()) == 3
     assert lone["latency_ms"]["p50"] >= 50.0, "the fake answers after 50 ms"
     assert "lone requests (3 one at a time, 10 ms idle before each): p50 " in printed
+    warm = run["warm"]
+    assert (warm["count"], warm["gap_ms"]) == (4, 0.0), "the warm probe sends each the moment the last is answered"
+    assert warm["ok"] + sum(warm["errors"].values()) == 4
+    assert warm["latency_ms"]["p50"] >= 50.0, "the fake answers after 50 ms"
+    assert "warm requests (4 one at a time, 0 ms idle before each): p50 " in printed
 
 
 def test_plots_are_png_files(finished_run: tuple[Path, str]) -> None:
@@ -166,7 +173,8 @@ def test_compare_prints_ratios(
         (["--rate", "10", "--start", "embedded", "--url", "http://x/"], "exclude each other"),
         (["--rate", "10", "--start", "embedded", "--brokers", "3"], "--brokers needs --start kafka"),
         (["--rate", "10", "--start", "kafka", "--redis-replicas", "1"], "--redis-replicas needs --brokers"),
-        (["--rate", "10", "--lone", "-1"], "--lone and --lone-gap-ms must be 0 or more"),
+        (["--rate", "10", "--lone", "-1"], "--lone, --lone-gap-ms and --warm must be 0 or more"),
+        (["--rate", "10", "--warm", "-1"], "--lone, --lone-gap-ms and --warm must be 0 or more"),
     ],
 )
 def test_usage_errors_say_which_flag(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

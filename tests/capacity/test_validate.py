@@ -86,6 +86,23 @@ def test_a_classic_runs_lone_probe_less_its_max_wait_gives_the_overhead() -> Non
     assert validate.overhead_for(waited, {}, [waited]) == (33.0, "lone"), "the run's own max wait"
 
 
+def test_requests_closer_together_than_the_idle_path_take_the_warm_probes_cost() -> None:
+    """Under load each request finds the processes on its path awake from the last one: the warm
+    probe's cost applies once requests come closer together than the idle path takes."""
+    (probed,) = read("durability-rf1/run1")
+    run = dataclasses.replace(probed, lone_p50_ms=105.0, warm_p50_ms=102.0)
+    assert run.lone_overhead_ms(warm=True) == pytest.approx(2.0)
+    busy = MeasuredRate(1000.0, 1000.0, 1000.0, 150.0, 200.0, 101.0, 50.0, None)  # 1 ms apart: within the 5 ms path
+    light = dataclasses.replace(busy, offered=100.0, sent_rate=100.0)  # 10 ms apart: the path goes idle
+    assert validate.awake_overhead(run, busy, 5.0, "lone") == (2.0, "warm")
+    assert validate.awake_overhead(run, light, 5.0, "lone") == (5.0, "lone")
+    assert validate.awake_overhead(run, busy, 5.0, "flag") == (5.0, "flag"), "a given overhead stands"
+    unprobed = dataclasses.replace(run, warm_p50_ms=None)
+    assert validate.awake_overhead(unprobed, busy, 5.0, "lone") == (5.0, "lone"), "no warm probe, no change"
+    (row,) = validate.compare([dataclasses.replace(run, rates=(busy,))], {}, requests=300, seeds=1, cpu_scaling=False)
+    assert (row.overhead_ms, row.overhead_from) == (2.0, "warm") and "2 (warm)" in validate.format_table([row])
+
+
 def test_the_overhead_stretches_with_the_measured_cpu_busy_share_up_to_its_cap() -> None:
     rate = MeasuredRate(1000.0, 1000.0, 1000.0, 150.0, 200.0, 101.0, 50.0, cpu_busy=0.5)
     assert validate.loaded_overhead_ms(7.0, rate) == 14.0
