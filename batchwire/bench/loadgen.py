@@ -68,12 +68,24 @@ class Tally:
     lag: DurationHistogram = field(default_factory=DurationHistogram)
     sends: list[tuple[float, float]] = field(default_factory=list)
     """Each measured send: when it was due (seconds from the window's start) and how late it went."""
+    second_sums_s: list[float] = field(default_factory=list)
+    second_counts: list[int] = field(default_factory=list)
+    """Latency summed and answers counted (200s only) by the second of the window they were due in."""
     refused: DurationHistogram = field(default_factory=DurationHistogram)
     refused_from_send: DurationHistogram = field(default_factory=DurationHistogram)
     """Refusals timed from when the send ran: the refusal latency without the generator's lag."""
     answered_504: list[tuple[URL, str]] = field(default_factory=list)
     """(URL, task id) of each 504 answer, to ask after the run whether the task was computed anyway."""
     answered_504_without_id: int = 0
+
+    def add_to_second(self, second: int, latency_s: float) -> None:
+        """Counts one answer's latency in the second of the window it was due in."""
+        grow = second + 1 - len(self.second_counts)
+        if grow > 0:
+            self.second_sums_s.extend([0.0] * grow)
+            self.second_counts.extend([0] * grow)
+        self.second_sums_s[second] += latency_s
+        self.second_counts[second] += 1
 
 
 class OpenLoopSender:
@@ -176,6 +188,7 @@ class OpenLoopSender:
         if kind is None:
             tally.ok += 1
             tally.latency.record_s(elapsed)
+            tally.add_to_second(int(target - window.start), elapsed)
             if done >= window.end:
                 tally.drained_answers += 1
         else:

@@ -20,6 +20,7 @@ from batchwire.bench.procstats import CpuSampler, CpuSnapshot, GroupStats, group
 from batchwire.bench.prom import Scrape, ServerStats, scrape, server_stats
 from batchwire.bench.results import After504, GeneratorStats, RateReport
 from batchwire.bench.schedule import poisson_offsets
+from batchwire.bench.settle import means_by_second, opening_backlog
 
 #: Time between computing the schedule and its first send, so the first sends are not late.
 START_LEAD_S = 0.05
@@ -131,7 +132,8 @@ def _report(
     after_504: After504,
 ) -> RateReport:
     lag = tally.lag.summary_ms()
-    notes = _notes(tally, lag, generator, server, after_504)
+    by_second = means_by_second(tally.second_sums_s, tally.second_counts)
+    notes = _notes(tally, lag, generator, server, after_504, by_second, warmup_s)
     errors = dict(sorted(tally.errors.items()))
     return RateReport(
         offered_rps=rate_rps,
@@ -151,6 +153,7 @@ def _report(
         latency_ms=tally.latency.summary_ms(),
         latency_all_ms=tally.latency_all.summary_ms(),
         latency_hdr=tally.latency.encode(),
+        latency_by_second_ms=by_second,
         lag_ms=lag,
         sends=sends.encode(tally.sends),
         refused_ms=tally.refused.summary_ms(),
@@ -169,9 +172,18 @@ def _notes(
     generator: GeneratorStats,
     server: ServerStats | None,
     after_504: After504,
+    by_second_ms: list[float | None],
+    warmup_s: float,
 ) -> list[str]:
     """What a reader of the rate's figures should know before trusting them."""
     notes: list[str] = []
+    backlog = opening_backlog(by_second_ms)
+    if backlog is not None:
+        notes.append(
+            f"the window opened on a backlog: latency averaged {backlog.opening_ms:.0f} ms in its first seconds "
+            f"against {backlog.settled_ms:.0f} ms in its second half; the service had not settled after the "
+            f"{warmup_s:g} s warm-up (near capacity a start-up backlog drains slowly): lengthen --warmup"
+        )
     if lag.get("p99", 0.0) > LAG_WARN_MS:
         notes.append(
             f"generator lag p99 {lag['p99']:.1f} ms > {LAG_WARN_MS} ms: the client fell behind its schedule; "

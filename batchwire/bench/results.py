@@ -65,6 +65,8 @@ class RateReport(TypedDict):
     latency_ms: dict[str, float]
     latency_all_ms: dict[str, float]
     latency_hdr: str
+    latency_by_second_ms: list[float | None]
+    """Mean latency of the 200 answers due in each second of the window (``batchwire.bench.settle``)."""
     lag_ms: dict[str, float]
     sends: str
     """Each measured send's due time and lag (``batchwire.bench.sends``), which the simulation replays."""

@@ -32,6 +32,7 @@ RATE_KEYS = {
     "latency_ms",
     "latency_all_ms",
     "latency_hdr",
+    "latency_by_second_ms",
     "lag_ms",
     "sends",
     "refused_ms",
@@ -119,6 +120,8 @@ def test_results_json_has_config_metadata_and_every_rate(finished_run: tuple[Pat
             "share_of_computed": 0.0,
         }
         assert rate["latency_hdr"], "the encoded HDR histogram is kept for later analysis"
+        (second,) = rate["latency_by_second_ms"]  # a 1 s window
+        assert second >= 50.0, "each second's mean latency, and the fake answers after 50 ms"
         assert rate["server"]["batch_size_mean"] == pytest.approx(2.0)
         assert set(rate["generator"]) == {"cpu_s", "cores", "us_per_request", "max_outstanding", "event_loop", "client"}
 
