@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from batchwire.bench import sends as sent
+from batchwire.bench.settle import opening_backlog
 from batchwire.capacity.curve import Curve
 
 LIGHT_SHARE = 0.05
@@ -48,6 +49,9 @@ class MeasuredRate:
     """Seconds the workers spent inside the backend in the window, summed over workers."""
     sends: str | None = None
     """The generator's record of its sends (``batchwire.bench.sends``; None: an older run without one)."""
+    unsettled: bool = False
+    """The window opened on the warm-up's backlog (``batchwire.bench.settle``): its latencies are the
+    start-up's, not the rate's steady state."""
 
     def replay(self) -> tuple[list[float], list[float]] | None:
         """The sends as the simulation replays them: arrival times (due plus lag, ascending) and each
@@ -202,6 +206,7 @@ def _rate(rate: dict[str, Any], cpu_count: int | None) -> MeasuredRate:
         batches=server.get("batches"),
         backend_s=_backend_s(server, window_s),
         sends=rate.get("sends") or None,
+        unsettled=opening_backlog(rate.get("latency_by_second_ms") or []) is not None,
     )
 
 

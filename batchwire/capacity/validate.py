@@ -84,10 +84,13 @@ class Row:
         )
 
     def flags(self) -> list[str]:
-        """The figures over their bounds: throughput always, latencies below saturation only."""
+        """The figures over their bounds: throughput always, latencies below saturation and in a settled
+        window only (``unsettled``: the measured window opened on the warm-up's backlog)."""
         thru, p50, p99 = self.diffs()
         flags = ["throughput"] if abs(thru) > THROUGHPUT_BOUND else []
-        if not self.saturated:
+        if self.measured.unsettled:
+            flags.append("unsettled")
+        elif not self.saturated:
             flags += [name for name, d in (("p50", p50), ("p99", p99)) if d is not None and abs(d) > LATENCY_BOUND]
         return flags
 

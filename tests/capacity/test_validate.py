@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -164,6 +165,20 @@ def test_flags_name_each_figure_over_its_bound() -> None:
     assert row((1000, 150, 200), (1040, 150, 200)).flags() == ["throughput"], "4% over the 3% bound"
     assert row((1000, 150, 200), (1000, 170, 200)).flags() == ["p50"], "13% over the 10% bound"
     assert row((1000, 150, 200), (1000, 150, 170)).flags() == ["p99"], "-15% is over the bound too"
+
+
+def test_a_window_that_opened_on_the_warm_ups_backlog_is_flagged_unsettled_not_judged(tmp_path: Path) -> None:
+    data = json.loads((DATA / "durability-rf1/run1/results.json").read_text())
+    draining = [620.0, 590.0, 540.0, 480.0, 400.0, 320.0, 250.0, 210.0] + [200.0] * 12
+    data["runs"][0]["rates"][0]["latency_by_second_ms"] = draining
+    data["runs"][0]["rates"][1]["latency_by_second_ms"] = [200.0] * 20
+    (tmp_path / "results.json").write_text(json.dumps(data))
+    (run,) = measured.read_runs(tmp_path / "results.json", "opened-on-a-backlog")
+    assert [rate.unsettled for rate in run.rates] == [True, False]
+    assert not read("durability-rf1/run1")[0].rates[0].unsettled, "a run recorded before the series: settled"
+    far_off = row((1000, 150, 200), (1000, 150, 100))
+    unsettled = dataclasses.replace(far_off, measured=dataclasses.replace(far_off.measured, unsettled=True))
+    assert far_off.flags() == ["p99"] and unsettled.flags() == ["unsettled"]
 
 
 def test_latencies_are_not_held_to_their_bound_at_saturation() -> None:
