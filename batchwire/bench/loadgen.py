@@ -68,6 +68,8 @@ class Tally:
     lag: DurationHistogram = field(default_factory=DurationHistogram)
     sends: list[tuple[float, float]] = field(default_factory=list)
     """Each measured send: when it was due (seconds from the window's start) and how late it went."""
+    warmup_sends: list[tuple[float, float]] = field(default_factory=list)
+    """The same for the warm-up's sends (due before the window: negative)."""
     second_sums_s: list[float] = field(default_factory=list)
     second_counts: list[int] = field(default_factory=list)
     """Latency summed and answers counted (200s only) by the second of the window they were due in."""
@@ -168,7 +170,7 @@ class OpenLoopSender:
         if measured:
             # Taken when the task runs, not when it was created, so a congested loop shows as lag.
             tally.lag.record_s(started - target)
-            tally.sends.append((target - self._window.start, started - target))
+        (tally.sends if measured else tally.warmup_sends).append((target - self._window.start, started - target))
         text, body = self._inputs.next()
         answer = await self._exchange(url, body)
         done = clock()  # before checking the answer: the check is the client's time, not the server's

@@ -156,6 +156,7 @@ def _report(
         latency_by_second_ms=by_second,
         lag_ms=lag,
         sends=sends.encode(tally.sends),
+        warmup_sends=sends.encode(tally.warmup_sends),
         refused_ms=tally.refused.summary_ms(),
         refused_from_send_ms=tally.refused_from_send.summary_ms(),
         after_504=after_504,

@@ -70,6 +70,9 @@ class RateReport(TypedDict):
     lag_ms: dict[str, float]
     sends: str
     """Each measured send's due time and lag (``batchwire.bench.sends``), which the simulation replays."""
+    warmup_sends: str
+    """The warm-up's sends, the same way (due before the window), replayed first: near capacity the
+    window starts with whatever queue the warm-up left."""
     refused_ms: dict[str, float]
     """503 and 429 answers, timed from the scheduled send like every latency."""
     refused_from_send_ms: dict[str, float]

@@ -5,7 +5,8 @@ them in a burst, and each of them counts its lag in its latency. Replaying the r
 simulation meets the same bursts a measured run met, where an ideal Poisson stream would have none
 (``batchwire validate-sim``). It is stored in ``results.json`` in a compact form: zlib-compressed,
 base64-encoded little-endian int32 microseconds, first each send's due time as a step from the one
-before (from the window's start), then each send's lag.
+before (from the window's start: a warm-up's sends are due before it, at negative times), then
+each send's lag.
 """
 
 from __future__ import annotations

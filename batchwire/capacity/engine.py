@@ -19,7 +19,7 @@ import inspect
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
@@ -27,6 +27,7 @@ from batcher.policy import BatchFormer, FlushPolicy, Pending
 from batcher.settings import BatcherSettings
 from batcher.spacing import Spacing
 from batchwire.capacity.curve import Curve
+from batchwire.capacity.outcome import BatchRecord, SimOutcome
 from gpu_worker.runner import BackendRunner
 from gpu_worker.settings import WorkerSettings
 
@@ -102,35 +103,6 @@ class SimConfig:
         return min(self.policy.max_batch, self.curve.max_batch)
 
 
-@dataclass(frozen=True, slots=True)
-class BatchRecord:
-    worker: int
-    sent_s: float
-    start_s: float
-    end_s: float
-    items: tuple[int, ...]
-
-
-@dataclass(slots=True)
-class SimOutcome:
-    """What one run produced: every served request's latency, and the counters behind the summary."""
-
-    arrivals: int
-    horizon_s: float
-    latencies_s: list[float] = field(default_factory=list)
-    ends_s: list[float] = field(default_factory=list)
-    sizes: list[int] = field(default_factory=list)
-    batches: int = 0
-    expired: int = 0
-    busy_s: float = 0.0
-    last_end_s: float = 0.0
-    queue_sum: int = 0
-    queue_max: int = 0
-    stopped_s: float | None = None
-    """When the run stopped early because the backlog passed its limit (over capacity)."""
-    records: list[BatchRecord] = field(default_factory=list)
-
-
 class _Mode(IntEnum):
     IDLE = 0
     CLAIMING = 1
@@ -204,13 +176,15 @@ class Simulation:
         return self.now
 
     # the loop -------------------------------------------------------------------------------------
-    def run(self, arrivals: Sequence[float], due: Sequence[float] | None = None) -> SimOutcome:
+    def run(
+        self, arrivals: Sequence[float], due: Sequence[float] | None = None, counted_from: float = -math.inf
+    ) -> SimOutcome:
         """Feeds ``arrivals`` (ascending seconds) and runs until every request is served. With ``due``
-        (one per arrival), a latency counts from the request's due time, not its arrival: a load
-        generator that sent it late counts its lag, as ``batchwire bench`` does."""
+        (one per arrival), a latency counts from the request's due time: a generator's lag counts, as in
+        ``batchwire bench``. Requests due before ``counted_from`` (a warm-up) keep no latency."""
         if due is not None and len(due) != len(arrivals):
             raise ValueError(f"due needs one time per arrival, got {len(due)} for {len(arrivals)}")
-        self._due = due if due is not None else arrivals
+        self._due, self._counted_from = (due if due is not None else arrivals), counted_from
         out = self._out = SimOutcome(len(arrivals), arrivals[-1] if arrivals else 0.0)
         for index in range(len(self.workers)):
             self._push(0.0, _Event.OFFER, index)
@@ -378,8 +352,10 @@ class Simulation:
         done_s = end_s + config.overhead_ms / 1000.0
         if config.contention_ms > 0:
             done_s += self._rng.expovariate(1000.0 / config.contention_ms)
-        due, step_s = self._due, config.per_item_ms / 1000.0
-        out.latencies_s.extend(done_s + step_s * k - due[p.item] for k, p in enumerate(taken.items, 1))
+        due, step_s, first = self._due, config.per_item_ms / 1000.0, self._counted_from
+        out.latencies_s.extend(
+            done_s + step_s * k - d for k, p in enumerate(taken.items, 1) if (d := due[p.item]) >= first
+        )
         out.ends_s.append(end_s)
         out.sizes.append(size)
         out.batches += 1

@@ -32,6 +32,18 @@ class RunError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
+class Replay:
+    """A run's sends on the simulation's clock: the warm-up's (if kept) from 0, then the window's."""
+
+    arrivals: list[float]
+    """When each request was sent (due plus lag), ascending."""
+    due: list[float]
+    """When each was due, from which its latency counts."""
+    window_start_s: float
+    """Where the window began (0: no warm-up replayed); only requests due from here are measured."""
+
+
+@dataclass(frozen=True, slots=True)
 class MeasuredRate:
     offered: float
     sent_rate: float
@@ -49,22 +61,25 @@ class MeasuredRate:
     """Seconds the workers spent inside the backend in the window, summed over workers."""
     sends: str | None = None
     """The generator's record of its sends (``batchwire.bench.sends``; None: an older run without one)."""
+    warmup_sends: str | None = None
+    """The same record of the warm-up's sends (None: a run that kept none)."""
     unsettled: bool = False
     """The window opened on the warm-up's backlog (``batchwire.bench.settle``): its latencies are the
     start-up's, not the rate's steady state."""
 
-    def replay(self) -> tuple[list[float], list[float]] | None:
-        """The sends as the simulation replays them: arrival times (due plus lag, ascending) and each
-        one's due time, from which its latency counts (None: no record)."""
-        if not self.sends:
-            return None
+    def replay(self) -> Replay | None:
+        """The sends as the simulation replays them, the warm-up's first where the run kept them
+        (None: no record of the window's)."""
         try:
-            pairs = sorted((due + lag, due) for due, lag in sent.decode(self.sends))
+            window = sent.decode(self.sends) if self.sends else []
+            warmup = sent.decode(self.warmup_sends) if self.warmup_sends and window else []
         except sent.SendsError as err:
             raise RunError(str(err)) from err
-        if not pairs:
+        if not window:
             return None
-        return [arrival for arrival, _ in pairs], [due for _, due in pairs]
+        start_s = -min((due for due, _ in warmup), default=0.0)
+        pairs = sorted((start_s + due + lag, start_s + due) for due, lag in warmup + window)
+        return Replay([arrival for arrival, _ in pairs], [due for _, due in pairs], start_s)
 
     def call_extra_ms(self, curve: Curve) -> float | None:
         """Measured backend time per call less what ``curve`` predicts for the batches run (their mean
@@ -206,6 +221,7 @@ def _rate(rate: dict[str, Any], cpu_count: int | None) -> MeasuredRate:
         batches=server.get("batches"),
         backend_s=_backend_s(server, window_s),
         sends=rate.get("sends") or None,
+        warmup_sends=rate.get("warmup_sends") or None,
         unsettled=opening_backlog(rate.get("latency_by_second_ms") or []) is not None,
     )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -19,7 +20,8 @@ from typing import Any
 from batcher.policy import FlushPolicy, PolicyName
 from batchwire.capacity import arrivals as arrival_processes
 from batchwire.capacity.curve import Curve, CurveError, load, percentile
-from batchwire.capacity.engine import SimConfig, SimOutcome, Simulation
+from batchwire.capacity.engine import SimConfig, Simulation
+from batchwire.capacity.outcome import SimOutcome
 
 UNSTABLE_BACKLOG_SHARE = 0.02
 """Unstable when more than this share of the requests is still waiting as the arrivals end."""
@@ -99,12 +101,14 @@ def simulate(
     rate: float,
     due: Sequence[float] | None = None,
     warm_up_share: float = WARM_UP_SHARE,
+    counted_from: float = -math.inf,
 ) -> RateResult:
     """Runs ``times`` (arrival seconds, ascending) through a fresh simulation and sums it up; ``due``
-    as for ``Simulation.run``. A measured run's own sends start where its window did, after its
-    warm-up: ``warm_up_share=0`` counts the whole of it, as the bench counts its window."""
+    and ``counted_from`` as for ``Simulation.run``. A measured run's sends are replayed with its
+    warm-up's before them: ``warm_up_share`` is then the warm-up's share of the run and
+    ``counted_from`` the window's start, so only the window counts, as the bench counts it."""
     started = time.perf_counter()
-    out = Simulation(config).run(times, due)
+    out = Simulation(config).run(times, due, counted_from)
     return summarize(rate, config, out, time.perf_counter() - started, warm_up_share)
 
 

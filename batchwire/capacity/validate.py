@@ -45,7 +45,7 @@ from typing import Any
 from batchwire.capacity import curve as curve_file
 from batchwire.capacity.curve import CurveError
 from batchwire.capacity.engine import SimConfig
-from batchwire.capacity.measured import MeasuredRate, MeasuredRun, RunError, read_runs, results_files
+from batchwire.capacity.measured import MeasuredRate, MeasuredRun, Replay, RunError, read_runs, results_files
 from batchwire.capacity.simulate import RateResult, policy_for, simulate, simulate_rate
 
 THROUGHPUT_BOUND = 0.03
@@ -119,12 +119,12 @@ def lone_wait_ms(run: MeasuredRun) -> float:
 
 
 def simulate_median(
-    config: SimConfig, rate: float, requests: int, seeds: int, replay: tuple[list[float], list[float]] | None = None
+    config: SimConfig, rate: float, requests: int, seeds: int, replay: Replay | None = None
 ) -> RateResult:
     """The simulation over ``seeds`` seeds, each figure their median (None when any seed is unstable):
-    Poisson arrivals at ``rate``, or the run's own sends (``replay``: arrivals and due times)."""
+    Poisson arrivals at ``rate``, or the run's own sends (``replay``), the window alone measured."""
     results = [
-        simulate(dataclasses.replace(config, seed=seed), replay[0], rate, replay[1], warm_up_share=0.0)
+        simulate_replay(dataclasses.replace(config, seed=seed), replay, rate)
         if replay
         else simulate_rate(dataclasses.replace(config, seed=seed), rate, requests, seed)
         for seed in range(seeds)
@@ -145,6 +145,13 @@ def simulate_median(
         busy=median("busy"),
         unstable=any(r.unstable for r in results),
     )
+
+
+def simulate_replay(config: SimConfig, replay: Replay, rate: float) -> RateResult:
+    """A run's sends through the simulation, its warm-up's first: the window starts with the queue the
+    warm-up left, and only the window's requests and answers count."""
+    share = replay.window_start_s / replay.arrivals[-1] if replay.arrivals[-1] > 0 else 0.0
+    return simulate(config, replay.arrivals, rate, replay.due, warm_up_share=share, counted_from=replay.window_start_s)
 
 
 def overhead_for(run: MeasuredRun, given: dict[str, float], runs: Sequence[MeasuredRun]) -> tuple[float, str]:

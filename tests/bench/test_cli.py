@@ -35,6 +35,7 @@ RATE_KEYS = {
     "latency_by_second_ms",
     "lag_ms",
     "sends",
+    "warmup_sends",
     "refused_ms",
     "refused_from_send_ms",
     "after_504",

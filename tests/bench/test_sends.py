@@ -27,3 +27,8 @@ def test_a_large_record_stays_small() -> None:
 def test_a_damaged_record_is_refused_by_name(text: str) -> None:
     with pytest.raises(sends.SendsError, match="send record"):
         sends.decode(text)
+
+
+def test_a_warm_ups_sends_due_before_the_window_round_trip() -> None:
+    warmup = [(-3.0, 0.0), (-2.999_5, 0.004), (-0.000_001, 0.0)]
+    assert sends.decode(sends.encode(warmup)) == warmup, "microseconds, exactly"

@@ -12,7 +12,8 @@ import pytest
 from batcher.policy import FlushPolicy
 from batchwire.capacity import arrivals
 from batchwire.capacity.curve import Curve, CurvePoint
-from batchwire.capacity.engine import BatchRecord, SimConfig, Simulation
+from batchwire.capacity.engine import SimConfig, Simulation
+from batchwire.capacity.outcome import BatchRecord
 from batchwire.capacity.simulate import capacity, policy_for, simulate_rate
 
 FLAT = Curve.flat(100.0, 100)

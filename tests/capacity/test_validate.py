@@ -129,7 +129,9 @@ def test_a_run_that_recorded_its_sends_is_replayed_with_its_stalls() -> None:
     rows = {}
     for name, pairs in (("smooth", smooth), ("stalled", stalled)):
         replayed = dataclasses.replace(rate, sends=sends.encode(pairs))
-        arrivals, due = replayed.replay() or ([], [])
+        replay = replayed.replay()
+        assert replay is not None and replay.window_start_s == 0.0, "no warm-up kept: the window starts at 0"
+        arrivals, due = replay.arrivals, replay.due
         assert len(arrivals) == 4_000 and arrivals == sorted(arrivals) and max(due) == pytest.approx(3.999)
         (rows[name],) = validate.compare(
             [dataclasses.replace(run, rates=(replayed,))], {"kafka": 5.0}, seeds=1, cpu_scaling=False
@@ -141,6 +143,27 @@ def test_a_run_that_recorded_its_sends_is_replayed_with_its_stalls() -> None:
     assert not poisson.replayed
     with pytest.raises(RunError, match="send record"):
         dataclasses.replace(rate, sends="aGVsbG8=").replay()
+
+
+def test_the_warm_up_is_replayed_first_and_its_queue_meets_the_window_uncounted() -> None:
+    (run,) = read("durability-rf1/run1")
+    window = [(i / 1000.0, 0.0) for i in range(3_000)]  # 1,000 req/s for 3 s, half the workers' 2,000/s
+    burst = [(-0.5 + i / 30_000.0, 0.0) for i in range(3_000)]  # 3,000 sent in the warm-up's last 0.1 s
+    quiet = dataclasses.replace(run.rates[0], sends=sends.encode(window), warmup_sends=None)
+    queued = dataclasses.replace(quiet, warmup_sends=sends.encode(burst))
+    replay = queued.replay()
+    assert replay is not None and replay.window_start_s == pytest.approx(0.5) and replay.arrivals[0] == 0.0
+    assert len(replay.arrivals) == 6_000 and min(d for d in replay.due if d >= 0.5) == pytest.approx(0.5)
+    rows = {
+        name: validate.compare([dataclasses.replace(run, rates=(rate,))], {"kafka": 5.0}, seeds=1, cpu_scaling=False)[0]
+        for name, rate in (("quiet", quiet), ("queued", queued))
+    }
+    quiet_p50, queued_p50 = (rows[k].simulated.p50_ms or 0.0 for k in ("quiet", "queued"))
+    assert quiet_p50 < 200 and queued_p50 > 300, f"the window meets the burst's queue: {quiet_p50} -> {queued_p50} ms"
+    throughput = rows["queued"].simulated.throughput
+    assert 1_100 < throughput <= 2_020, (
+        f"over the window's 1,000/s, working off the queue, at most at capacity: {throughput}"
+    )
 
 
 def test_the_slow_worker_is_simulated_as_worker_0_at_its_own_latency() -> None:
