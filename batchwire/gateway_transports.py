@@ -18,6 +18,10 @@ from transport.redis.limits import RedisRateLimiter
 from transport.redis.store import RedisTaskStore
 from transport.routing import Partitioner
 
+MEMORY_WATCH_S = 0.5
+"""How often a gateway reads whether Redis is full: a synchronous submit waits for an answer that a
+full Redis cannot store, so it is refused at once instead (``transport.redis.memory``)."""
+
 
 class GatewayTransports:
     """The gateway's Kafka producer, Redis store, queue-depth reader, credit reader and rate limiter,
@@ -40,7 +44,7 @@ class GatewayTransports:
             self.producer = ExpressRequestProducer(
                 kafka, RedisExpress(redis_url, shared.names), record_delay_s=settings.express_record_delay_ms / 1000
             )
-        self.store = RedisTaskStore(redis_url, shared.names, ttl_s=shared.result_ttl_s)
+        self.store = RedisTaskStore(redis_url, shared.names, ttl_s=shared.result_ttl_s, memory_watch_s=MEMORY_WATCH_S)
         self.redis_url = redis_url
         self.queue_depth: KafkaQueueDepth | None = None
         self.credits: RedisCreditPool | None = None  # read only, for the rates the workers state

@@ -232,9 +232,9 @@ class Gateway:
             raise Unavailable("the request bus is unreachable; nothing was queued: retry after the Retry-After delay")
         if not self._store.reachable():
             # Its outage, not the queue that builds meanwhile, is what to report.
-            raise Unavailable(
-                "the task store is unreachable (its connection is down); nothing was queued: retry shortly"
-            )
+            raise Unavailable("the task store is unreachable (its connection is down); nothing was queued; retry soon")
+        if (refusal := self._store.refuses_writes()) is not None:  # full: an answer could not be stored
+            raise Unavailable(refusal)
         if self._inflight >= self.settings.max_inflight:
             raise Overloaded(
                 f"this gateway holds {self._inflight} requests, its limit ({env_name('max_inflight')}); "

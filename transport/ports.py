@@ -150,6 +150,11 @@ class TaskStore(Protocol):
         ended), else None; no I/O, asked on every submit."""
         ...
 
+    def refuses_writes(self) -> str | None:
+        """Why the store's server refuses every write now (its memory is full), else None; no I/O,
+        asked on every submit, so a request whose answer could not be stored is refused at once."""
+        ...
+
     async def create(self, state: TaskState) -> bool:
         """Stores a new task; False if the id exists already.
 

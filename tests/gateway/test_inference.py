@@ -217,3 +217,24 @@ async def test_a_synchronous_request_meets_an_unreachable_store_with_503_and_que
     assert rig.produced() == 0
     assert rig.gateway.inflight == 0
     assert rig.gateway.waiting == 0
+
+
+class FullStore(RecordingStore):
+    """A store whose server refuses every write for memory (Redis over its maxmemory)."""
+
+    def refuses_writes(self) -> str | None:
+        return "the result store is full (Redis uses 70.0 MiB, over its maxmemory of 64.0 MiB)"
+
+
+async def test_a_full_store_refuses_every_submit_at_once_with_503_unavailable(make_rig: RigFactory) -> None:
+    """A synchronous submit writes nothing before its answer, and a full store could not keep that
+    answer: held, it would wait for its deadline. Every shape is refused alike, nothing queued."""
+    rig = await make_rig(store=FullStore())
+    for path in ("/v1/inference", "/v1/tasks"):
+        response = await rig.client.post(path, json={"input": "x", "timeout_ms": 30_000})
+        assert response.status_code == 503, response.text
+        assert "retry-after" in response.headers
+        error = error_of(response)
+        assert error["code"] == "unavailable" and "result store is full" in error["message"], error
+    assert rig.produced() == 0
+    assert rig.gateway.inflight == 0

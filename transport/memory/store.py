@@ -121,6 +121,9 @@ class MemoryTaskStore:
         """What the stored tasks and keys hold, by this store's count."""
         return self._bytes
 
+    def refuses_writes(self) -> str | None:
+        return None  # its budget is per model (``full``)
+
     def full(self, model: str) -> str | None:
         if self.max_bytes is None:
             return None

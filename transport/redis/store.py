@@ -42,6 +42,7 @@ from transport.redis.lua import (
     create_args,
     parse_binding,
 )
+from transport.redis.memory import MemoryWatch
 from transport.redis.pools import CommandClient, PoolOptions, pubsub_pool, redacted, translate
 from transport.redis.pubsub import PubSubHub
 
@@ -73,7 +74,9 @@ class RedisTaskStore:
         ready_timeout_s: float = 0.5,
         subscribe_timeout_s: float = 5.0,
         ping_interval_s: float = 5.0,
+        memory_watch_s: float | None = None,
     ) -> None:
+        """``memory_watch_s``: how often to read whether Redis is full (None: never, for roles that admit nothing)."""
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         self.redis_url = redis_url
@@ -102,6 +105,7 @@ class RedisTaskStore:
         self._replies: dict[str, ReplyHandler] = {}  # reply channel -> handler
         self._undecodable = 0
         self._feed_return: list[Callable[[], None]] = []
+        self._memory = MemoryWatch(self._client, memory_watch_s)
 
     @property
     def reconnects(self) -> int:
@@ -115,9 +119,11 @@ class RedisTaskStore:
         except (RedisError, OSError) as err:
             await self._commands.close()
             raise TransportError(f"cannot connect to Redis at {redacted(self.redis_url)}: {err}") from err
+        await self._memory.start()
 
     async def close(self) -> None:
         """Stops the reader (watchers get a ``TransportError``), then closes every connection."""
+        await self._memory.close()
         await self._creates.close(TransportError("the task store was closed"))
         await self._hub.close()
         await self._commands.close()
@@ -221,13 +227,7 @@ class RedisTaskStore:
         return await self._key_script(self._claim_key, "claiming", scope, key, value)
 
     async def rebind_key(
-        self,
-        scope: str,
-        key: str,
-        ended_task_id: str,
-        task_id: str,
-        fingerprint: str,
-        deadline_ms: int | None = None,
+        self, scope: str, key: str, ended_task_id: str, task_id: str, fingerprint: str, deadline_ms: int | None = None
     ) -> KeyClaim:
         value = binding(fingerprint, deadline_ms, task_id)
         return await self._key_script(self._rebind_key, "re-claiming", scope, key, ended_task_id, value)
@@ -325,7 +325,10 @@ class RedisTaskStore:
         self._feed_return.append(callback)
 
     def full(self, model: str) -> str | None:
-        return None  # Redis keeps its own memory limit (maxmemory); a write it refuses is an error
+        return None  # Redis keeps its own memory limit (maxmemory): ``refuses_writes``
+
+    def refuses_writes(self) -> str | None:
+        return self._memory.refusal
 
     async def ready(self) -> bool:
         """The change feed is connected and Redis answers PING within ``ready_timeout_s``.
