@@ -14,6 +14,7 @@ from batchwire.bench.streams import Stream, parse_mix
 
 DEFAULT_URL = "http://127.0.0.1:8000/v1/inference"
 POLICIES = ("work-conserving", "classic")
+RESULT_TTL_S = 300.0
 
 
 def _floats(text: str) -> list[float]:
@@ -212,6 +213,13 @@ def _add_start_arguments(parser: argparse.ArgumentParser) -> None:
     )
     start.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for readiness (default 60)")
     start.add_argument("--stop-grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    start.add_argument(
+        "--result-ttl-s",
+        type=float,
+        default=RESULT_TTL_S,
+        help="how long the started service keeps results (its --result-ttl-s; default %(default)g): the bench reads "
+        "each answer at once, and a short life keeps a shared stack's Redis from filling up over many runs",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -132,6 +132,7 @@ def _run_started(
         own_stack=stack.own if stack is not None else None,
         models=mix_models(args.mix or ()),
         gateway_args=tuple(shlex.split(args.sut_args)),
+        result_ttl_s=args.result_ttl_s,
     )
     log_dir = (args.out / "logs" / spec.policy) if args.out else Path(tempfile.mkdtemp(prefix="batchwire-bench-"))
     sut = SystemUnderTest(spec, log_dir)

@@ -72,6 +72,8 @@ class SutSpec:
     """Models to serve, ``workers`` workers each (empty: the default model only)."""
     gateway_args: tuple[str, ...] = ()
     """More flags for the gateways (or the embedded service)."""
+    result_ttl_s: float | None = None
+    """Every role's ``--result-ttl-s`` (None: the roles' default)."""
 
 
 @dataclass(slots=True)
@@ -109,6 +111,8 @@ def plan(spec: SutSpec, command: Sequence[str], namespace: str, log_dir: Path) -
     out = _Plan()
     origin = f"http://{spec.host}"
     served = ["--models", ",".join(spec.models)] if spec.models else []
+    if spec.result_ttl_s is not None:
+        served += ["--result-ttl-s", f"{spec.result_ttl_s:g}"]
     if spec.mode == "embedded":
         port = free_port(spec.host)
         argv = [

@@ -35,6 +35,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--namespace")
     parser.add_argument("--max-batch", type=int)
     parser.add_argument("--max-wait-ms", type=float)
+    parser.add_argument("--result-ttl-s", type=float)
     parser.add_argument("--state-dir")
     parser.add_argument("--brokers", type=int)
     parser.add_argument("--redis-replicas", type=int)

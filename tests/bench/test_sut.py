@@ -47,6 +47,16 @@ def test_kafka_plan_starts_every_role_in_one_namespace(tmp_path: Path) -> None:
     assert len(set(planned.metrics_urls)) == 6
 
 
+def test_every_role_keeps_results_as_long_as_the_bench_says(tmp_path: Path) -> None:
+    """A shared stack's Redis holds every run's results for their TTL: the bench sets a short one."""
+    for mode in ("kafka", "embedded"):
+        spec = SutSpec(mode=mode, policy="classic", workers=2, result_ttl_s=300)
+        argvs = [role.argv for role in plan(spec, ["bw"], "nsx", tmp_path).roles]
+        assert argvs and all(argv[argv.index("--result-ttl-s") + 1] == "300" for argv in argvs), argvs
+    unset = plan(SutSpec(mode="kafka", policy="classic"), ["bw"], "nsx", tmp_path).roles
+    assert all("--result-ttl-s" not in role.argv for role in unset), "None leaves the roles' default"
+
+
 def test_embedded_plan_is_one_process(tmp_path: Path) -> None:
     spec = SutSpec(mode="embedded", policy="work-conserving", workers=3, sim_latency_ms=20, max_wait_ms=5)
     (role,) = plan(spec, ["bw"], "ignored", tmp_path).roles
