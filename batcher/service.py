@@ -284,7 +284,7 @@ class Batcher:
         if self.replicas is None:
             await self._retry(what, lambda: self.store.apply(ended))
         else:
-            await self.replicas.store_results(ended, give_up=lambda: False, stopping=lambda: False)
+            await self.replicas.store_results(ended, give_up=lambda: False, stopping=lambda: False, what=what)
 
     def _finish(self, pending: Pending[InferenceRequest]) -> None:
         """The request is on Kafka in a batch, or ended: its offset may be committed."""

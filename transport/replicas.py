@@ -112,21 +112,26 @@ class ReplicaWait:
         return min(1, self._connected)
 
     async def store_results(
-        self, states: Sequence[TaskState], give_up: Callable[[], bool], stopping: Callable[[], bool]
+        self,
+        states: Sequence[TaskState],
+        give_up: Callable[[], bool],
+        stopping: Callable[[], bool],
+        what: str = "storing task states",
     ) -> bool:
         """Stores ``states`` until they are on the required replicas (True), or until ``stopping()``
         holds after a short try (False: stored, not replicated; the record goes back uncommitted).
-        Raises a ``TransportError`` that retrying cannot fix, or any once ``give_up()`` holds."""
+        Raises a ``TransportError`` that retrying cannot fix, or any once ``give_up()`` holds.
+        ``what`` names the write in the retries' log lines."""
         tries = 0
         try:
             while True:
                 needed = await self._retry("counting Redis replicas", self.required, give_up)
                 if needed == 0:
                     if states:
-                        await self._retry("storing task states", lambda: self.store.apply(states), give_up)
+                        await self._retry(what, lambda: self.store.apply(states), give_up)
                     break
                 wait = functools.partial(self.store.apply_replicated, states, needed, self.settings.wait_ms)
-                acked = await self._retry("storing task states", wait, give_up)
+                acked = await self._retry(what, wait, give_up)
                 if acked >= needed:
                     break
                 tries += 1
