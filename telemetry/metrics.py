@@ -58,6 +58,12 @@ INFLIGHT = Gauge(
     "Requests this gateway holds open or has accepted and not seen end.",
     registry=REGISTRY,
 )
+REDIS_FULL = Gauge(
+    "batchwire_redis_full",
+    "1 while Redis refuses writes for memory (used memory over maxmemory, noeviction), as this gateway last "
+    "read it: every submit is refused 503 unavailable.",
+    registry=REGISTRY,
+)
 WATCHERS = Gauge(
     "batchwire_open_watchers",
     "Long-polls and event streams this gateway holds open (at most BATCHWIRE_MAX_WATCHERS).",

@@ -117,6 +117,13 @@ def _submit(url: str, path: str, text: str, key: str | None = None) -> tuple[htt
     return response, time.monotonic() - started
 
 
+def _redis_full(url: str) -> float:
+    """The gateway's ``batchwire_redis_full`` gauge."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    (line,) = (line for line in text.splitlines() if line.startswith("batchwire_redis_full "))
+    return float(line.split()[1])
+
+
 def _logs(cluster: Cluster, prefix: str) -> str:
     logs = (proc.log_path.read_text(errors="replace") for proc in cluster.procs if proc.name.startswith(prefix))
     return "\n".join(logs)
@@ -162,6 +169,7 @@ def test_a_full_redis_is_answered_503_and_accepted_tasks_complete_once_it_has_ro
         assert refused.json()["error"]["code"] == "unavailable" and "retry-after" in refused.headers
         assert FULL_MESSAGE in refused.json()["error"]["message"], refused.text
         assert took_s < 5.0, f"a sync submit was held {took_s:.1f} s by a full Redis"
+        assert _redis_full(url) == 1.0, "the gateway's metrics say Redis is full"
         some_id = next(iter(accepted))
         read = httpx.get(f"{url}/v1/result/{some_id}", timeout=10)
         assert read.status_code == 200, f"reads work while Redis is full: {read.status_code} {read.text}"
@@ -188,6 +196,7 @@ def test_a_full_redis_is_answered_503_and_accepted_tasks_complete_once_it_has_ro
         eventually_sync(
             lambda: _submit(url, "/v1/inference", "after")[0].status_code == 200, "submits to work again", timeout_s=30
         )
+        assert _redis_full(url) == 0.0, "the gateway's metrics say Redis has room again"
         assert {proc.name: proc.pid for proc in cluster.procs if proc.alive()} == pids, "no process exited"
         gateway_log = _logs(cluster, "gateway")
         assert "unhandled error" not in gateway_log, f"the gateway answered a 500: {gateway_log[-3000:]}"

@@ -15,6 +15,8 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from telemetry.metrics import REDIS_FULL
+
 log = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
@@ -79,6 +81,7 @@ class MemoryWatch:
             self.refusal = None
             return
         was, self.refusal = self.refusal, refusal(info)
+        REDIS_FULL.set(0 if self.refusal is None else 1)
         if (was is None) != (self.refusal is None):
             if self.refusal is None:
                 log.warning("Redis has room again: submits are accepted")
