@@ -110,15 +110,15 @@ def plan(spec: SutSpec, command: Sequence[str], namespace: str, log_dir: Path) -
     """The processes to start, in start order, with their ports chosen."""
     out = _Plan()
     origin = f"http://{spec.host}"
-    served = ["--models", ",".join(spec.models)] if spec.models else []
+    shared = ["--models", ",".join(spec.models)] if spec.models else []  # flags every role takes
     if spec.result_ttl_s is not None:
-        served += ["--result-ttl-s", f"{spec.result_ttl_s:g}"]
+        shared += ["--result-ttl-s", f"{spec.result_ttl_s:g}"]
     if spec.mode == "embedded":
         port = free_port(spec.host)
         argv = [
             *command,
             "up",
-            *served,
+            *shared,
             *spec.gateway_args,
             "--host",
             spec.host,
@@ -141,7 +141,7 @@ def plan(spec: SutSpec, command: Sequence[str], namespace: str, log_dir: Path) -
         if index == 0 and spec.slow_worker_latency_ms is not None:
             latency = spec.slow_worker_latency_ms
         model = ["--model", spec.models[index // spec.workers]] if spec.models else []
-        argv = [*command, "worker", *served, *model, "--sim-latency-ms", f"{latency:g}", "--metrics-port", str(port)]
+        argv = [*command, "worker", *shared, *model, "--sim-latency-ms", f"{latency:g}", "--metrics-port", str(port)]
         argv += ns
         if spec.max_batch is not None:  # the backend must take the batches the batcher makes
             argv[-2:-2] = ["--max-batch", str(spec.max_batch)]
@@ -151,14 +151,14 @@ def plan(spec: SutSpec, command: Sequence[str], namespace: str, log_dir: Path) -
         out.metrics_urls.append(f"{origin}:{port}/metrics")
     for index in range(spec.batchers):
         port = free_port(spec.host)
-        argv = [*command, "batcher", *served, *_policy_flags(spec), "--metrics-port", str(port), *ns]
+        argv = [*command, "batcher", *shared, *_policy_flags(spec), "--metrics-port", str(port), *ns]
         out.roles.append(
             Role(f"batcher-{index}", "batcher", argv, f"{origin}:{port}/metrics", log_dir / f"batcher-{index}.log")
         )
         out.metrics_urls.append(f"{origin}:{port}/metrics")
     for index in range(spec.gateways):
         port = free_port(spec.host)
-        argv = [*command, "gateway", *served, *spec.gateway_args, "--host", spec.host, "--port", str(port), *ns]
+        argv = [*command, "gateway", *shared, *spec.gateway_args, "--host", spec.host, "--port", str(port), *ns]
         out.roles.append(
             Role(f"gateway-{index}", "gateway", argv, f"{origin}:{port}/readyz", log_dir / f"gateway-{index}.log")
         )
