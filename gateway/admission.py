@@ -24,6 +24,7 @@ from gateway.tier_mix import TierMix
 from gateway.worker_rates import Stated, WorkerRates
 from schemas.records import Priority
 from telemetry.metrics import STATED_RATE, TIER_SUBMITS
+from transport.background_loop import BackgroundLoop
 from transport.ports import Backlog, CreditPool, QueueDepth, RateLimiter, TransportError
 
 
@@ -95,20 +96,17 @@ class Admission:
         """Per model: what its workers state, as last read from the credit pool."""
         self._since_read: dict[str, tuple[float, int]] = {}
         """Per model: when its counters were read (``Backlog.at_s``) and how many requests were admitted since."""
-        self._sampler: asyncio.Task[None] | None = None
+        self._sampler = BackgroundLoop("admission-sampler")
         self.active = self._queue_depth is not None or self._limiter is not None
         """Whether a submit has anything to check here (else the gateway skips the call)."""
 
     async def start(self) -> None:
         """Samples every model's queue in the background, so a stall shows while no request comes."""
-        if self._queue_depth is not None and self.by_wait and self._sampler is None:
-            self._sampler = asyncio.create_task(self._sample_forever(), name="admission-sampler")
+        if self._queue_depth is not None and self.by_wait and not self._sampler.started:
+            self._sampler.start(self._sample_forever())
 
     async def close(self) -> None:
-        sampler, self._sampler = self._sampler, None
-        if sampler is not None:
-            sampler.cancel()
-            await asyncio.gather(sampler, return_exceptions=True)
+        await self._sampler.close()
 
     async def _sample_forever(self) -> None:
         while True:

@@ -17,6 +17,7 @@ import logging
 
 from gateway.errors import TRANSPORT_ERRORS
 from gateway.waiters import ReplyWaiters
+from transport.background_loop import BackgroundLoop
 from transport.ports import TaskStore
 
 log = logging.getLogger(__name__)
@@ -30,28 +31,21 @@ class ReconnectRecheck:
     def __init__(self, store: TaskStore, waiters: ReplyWaiters, *, name: str = "gateway") -> None:
         self._store = store
         self._waiters = waiters
-        self._name = name
         self._returned = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._loop = BackgroundLoop(f"{name}-reconnect-recheck")
         self.rechecks = 0
         """Re-checks run (one per return of the change feed, or fewer when returns come faster than reads)."""
         store.on_feed_return(self._returned.set)
 
     @property
     def alive(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return self._loop.alive
 
     def start(self) -> None:
-        if self._task is not None:
-            raise RuntimeError("ReconnectRecheck started twice")
-        self._task = asyncio.create_task(self._run(), name=f"{self._name}-reconnect-recheck")
-        self._task.add_done_callback(_log_end)
+        self._loop.start(self._run())
 
     async def close(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.wait({task})  # a failure was logged by _log_end
+        await self._loop.close()
 
     async def _run(self) -> None:
         while True:
@@ -81,8 +75,3 @@ class ReconnectRecheck:
             answered,
         )
         return answered
-
-
-def _log_end(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("background task %s died", task.get_name(), exc_info=task.exception())

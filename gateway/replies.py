@@ -19,6 +19,7 @@ from gateway.errors import TRANSPORT_ERRORS
 from gateway.reconnect_recheck import ReconnectRecheck
 from gateway.waiters import ReplyWaiters, Watch
 from schemas.records import TaskState
+from transport.background_loop import BackgroundLoop
 from transport.ports import TaskStore
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ class Replies:
         self._name = name
         self._waiters = ReplyWaiters(first_check_s)
         self._recheck = ReconnectRecheck(store, self._waiters, name=name)
-        self._sweeper: asyncio.Task[None] | None = None
+        self._sweeper = BackgroundLoop(f"{name}-reply-sweeper")
 
     def __len__(self) -> int:
         return len(self._waiters)
@@ -48,25 +49,21 @@ class Replies:
     @property
     def alive(self) -> bool:
         """Whether the sweep and the re-check both run."""
-        return self._sweeper is not None and not self._sweeper.done() and self._recheck.alive
+        return self._sweeper.alive and self._recheck.alive
 
     async def start(self) -> None:
         """Subscribes to the replies addressed to ``name``; starts the sweep and the re-check."""
-        if self._sweeper is not None:
+        if self._sweeper.started:
             raise RuntimeError("Replies.start() called twice")
         await self._store.listen_replies(self._name, self._waiters.resolve)
-        self._sweeper = asyncio.create_task(self._sweep_forever(), name=f"{self._name}-reply-sweeper")
-        self._sweeper.add_done_callback(_log_task_end)
+        self._sweeper.start(self._sweep_forever())
         self._recheck.start()
 
     async def close(self, make_error: Callable[[], BaseException]) -> None:
         """Wakes the callers still held with ``make_error()``, then stops the sweep, the re-check and the
         connection watches."""
         self._waiters.fail_all(make_error)
-        sweeper, self._sweeper = self._sweeper, None
-        if sweeper is not None:
-            sweeper.cancel()
-            await asyncio.wait({sweeper})  # its failure, if any, was logged by _log_task_end
+        await self._sweeper.close()
         await self._recheck.close()
         await self._waiters.stop_watching()
 
@@ -103,9 +100,3 @@ class Replies:
                     break
                 for state in found.values():
                     waiters.resolve(state)
-
-
-def _log_task_end(task: asyncio.Task[None]) -> None:
-    """A background task must never die silently: its failure is logged and /readyz turns red."""
-    if not task.cancelled() and task.exception() is not None:
-        log.error("background task %s died", task.get_name(), exc_info=task.exception())

@@ -20,6 +20,7 @@ from aiokafka.errors import KafkaError
 
 from schemas.wire import Names
 from telemetry.metrics import REQUEST_LAG
+from transport.background_loop import BackgroundLoop
 from transport.kafka.group import translate
 from transport.ports import Backlog, TransportError
 from transport.routing import Partitioner
@@ -79,19 +80,19 @@ class KafkaQueueDepth:
         self._depth = 0
         self._refreshed_at = float("-inf")  # monotonic time of the last successful refresh
         self._failures = 0
-        self._task: asyncio.Task[None] | None = None
+        self._loop = BackgroundLoop(f"queue-depth-{self.topic}")
 
     @property
     def alive(self) -> bool:
         """The refresh task runs (for readiness)."""
-        return self._task is not None and not self._task.done()
+        return self._loop.alive
 
     async def start(self) -> None:
         """Connects, reads the lag once (so the first requests see a real figure), then refreshes in
         the background. A Kafka that cannot be reached fails here, naming the servers; a first read
         that fails for a passing reason (a fresh cluster has no group coordinator yet) is retried
         by the refresher."""
-        if self._task is not None:
+        if self._loop.started:
             raise RuntimeError("KafkaQueueDepth started twice")
         self._admin = AIOKafkaAdminClient(**self._settings)
         self._consumer = AIOKafkaConsumer(group_id=None, enable_auto_commit=False, **self._settings)
@@ -110,14 +111,10 @@ class KafkaQueueDepth:
                 await self._disconnect()
                 raise translate(f"reading the lag of {self.group} on {self.bootstrap}", err) from err
             log.info("first read of the lag of %s failed (%s); retrying in the background", self.group, err)
-        self._task = asyncio.create_task(self._refresh_forever(), name=f"queue-depth-{self.topic}")
-        self._task.add_done_callback(_log_end)
+        self._loop.start(self._refresh_forever())
 
     async def close(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.wait({task})
+        await self._loop.close()
         await self._disconnect()
 
     async def depth(self) -> int:
@@ -212,8 +209,3 @@ class KafkaQueueDepth:
             await consumer.stop()
         if admin is not None:
             await admin.close()
-
-
-def _log_end(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("queue depth refresher died; /readyz reports it", exc_info=task.exception())

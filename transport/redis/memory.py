@@ -16,6 +16,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from telemetry.metrics import REDIS_FULL
+from transport.background_loop import BackgroundLoop
 
 log = logging.getLogger(__name__)
 
@@ -58,20 +59,17 @@ class MemoryWatch:
         self.interval_s = interval_s
         self._client = client
         self.refusal: str | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._loop = BackgroundLoop("redis-memory-watch")
 
     async def start(self) -> None:
         """Reads once (so the first submit sees a full Redis), then keeps reading in the background."""
-        if self.interval_s is None or self._task is not None:
+        if self.interval_s is None or self._loop.started:
             return
         await self.read()
-        self._task = asyncio.create_task(self._read_forever(self.interval_s), name="redis-memory-watch")
+        self._loop.start(self._read_forever(self.interval_s))
 
     async def close(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await self._loop.close()
 
     async def read(self) -> None:
         try:
