@@ -35,7 +35,8 @@ class CachedAnswers:
         """The completed state of a new task ``task_id`` from the cache, or None (a miss or a bypass).
 
         Its record is stored first; a synchronous caller is answered even when that write fails
-        (it holds the answer), an asynchronous one, who must poll for it, goes the normal way.
+        (it holds the answer), or without it while the store is full; an asynchronous one, who must
+        poll for it, goes the normal way.
         """
         try:
             output = await self._cache.get(key)
@@ -53,6 +54,9 @@ class CachedAnswers:
             return None
         now_ms = self._clock.wall_ms()
         state = TaskState(task_id, TaskStatus.COMPLETED, model, now_ms, now_ms, output=output, owner=owner)
+        if wait and self._store.refuses_writes() is not None:
+            CACHE_HITS.labels(model=model).inc()
+            return state  # a full store: the write would fail, and the caller holds the answer
         try:
             await self._store.create(state)
         except TRANSPORT_ERRORS:

@@ -17,14 +17,7 @@ from gateway.admission import ANONYMOUS, Admission, Caller
 from gateway.answers import Accepted, Answer, answer_of
 from gateway.clock import Clock, SystemClock
 from gateway.collapsing import SharedRequest
-from gateway.errors import (
-    ClientDisconnected,
-    DeadlineExceeded,
-    NotReady,
-    Overloaded,
-    QueuedUnrecorded,
-    Unavailable,
-)
+from gateway.errors import ClientDisconnected, DeadlineExceeded, NotReady, Overloaded, QueuedUnrecorded, Unavailable
 from gateway.health import probe
 from gateway.priority import request_tier
 from gateway.publisher import TaskPublisher
@@ -194,7 +187,8 @@ class Gateway:
         tier = request_tier(priority, caller.tiers)
         if idempotency_key is not None:
             idempotency.check_key(idempotency_key)
-        self._check_open()
+        key = self._shared.keys.key(caller.owner, model, input) if idempotency_key is None else None
+        self._check_open(cache_first=wait and key is not None)
         self._inflight += 1
         INFLIGHT.inc()
         try:
@@ -204,8 +198,7 @@ class Gateway:
                 raise Overloaded(full)
             task_id = secrets.token_urlsafe(16)
             deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
-            key = self._shared.keys.key(caller.owner, model, input)
-            if key is not None and idempotency_key is None:
+            if key is not None:
                 shared = SharedRequest(key, task_id, input, model, timeout_ms, deadline, started, caller.owner, tier)
                 return await self._submit_shared(shared, wait, disconnected)
             if idempotency_key is not None:
@@ -223,9 +216,10 @@ class Gateway:
             self._inflight -= 1
             INFLIGHT.dec()
 
-    def _check_open(self) -> None:
+    def _check_open(self, *, cache_first: bool = False) -> None:
         """Refuses a submit before anything is stored or queued: not accepting, a transport known down
-        (its circuit breaker is open, rather than after a timeout), or this gateway full."""
+        (its circuit breaker is open, rather than after a timeout), the store full, or this gateway full.
+        ``cache_first``: a full store refuses it only if the result cache has no answer (``_check_room``)."""
         if not self._accepting:
             raise NotReady("the gateway is not accepting requests (starting or shutting down); retry shortly")
         if not self._producer.reachable():
@@ -233,13 +227,17 @@ class Gateway:
         if not self._store.reachable():
             # Its outage, not the queue that builds meanwhile, is what to report.
             raise Unavailable("the task store is unreachable (its connection is down); nothing was queued; retry soon")
-        if (refusal := self._store.refuses_writes()) is not None:  # full: an answer could not be stored
-            raise Unavailable(refusal)
+        if not cache_first:
+            self._check_room()
         if self._inflight >= self.settings.max_inflight:
             raise Overloaded(
                 f"this gateway holds {self._inflight} requests, its limit ({env_name('max_inflight')}); "
                 "retry after the Retry-After delay"
             )
+
+    def _check_room(self) -> None:
+        if (refusal := self._store.refuses_writes()) is not None:  # full: an answer could not be stored
+            raise Unavailable(refusal)
 
     async def _submit_keyed(
         self,
@@ -286,6 +284,7 @@ class Gateway:
             accepted = Accepted(hit.task_id, hit.model, status=hit.status)  # completed: no poll needed
             return self._answer(hit, request.started, shared=True) if wait else accepted
         if wait:
+            self._check_room()
             return self._answer(await self._shared.computed(request, watch), request.started, shared=True)
         args = (request.task_id, request.input, request.model, request.timeout_ms, request.deadline, request.owner)
         return await self._enqueue(*args, request.tier)

@@ -10,12 +10,12 @@ import httpx
 import pytest
 
 from gateway.auth import digest_of, owner_of
-from schemas.records import TaskStatus
+from schemas.records import TaskState, TaskStatus
 from schemas.wire import Names
 from telemetry.metrics import CACHE_BYPASSED, CACHE_HITS, COLLAPSED
 from tests.support.eventually import eventually
 from tests.support.fake_clock import FakeClock
-from tests.support.gateway_rig import Rig, RigFactory, error_of
+from tests.support.gateway_rig import RecordingStore, Rig, RigFactory, error_of
 from transport.memory.cache import MemoryResultCache
 from transport.ports import TransportError
 from transport.redis.cache import RedisResultCache
@@ -148,6 +148,43 @@ async def test_a_cache_hit_answers_without_the_bus_in_every_shape(make_rig: RigF
     async with rig.client.stream("GET", accepted.json()["events_url"]) as events:
         data = [line async for line in events.aiter_lines() if line.startswith("data:")]
     assert len(data) == 1 and '"completed"' in data[0] and "olleh" in data[0], data
+
+
+class FillingStore(RecordingStore):
+    """A store that can turn full (Redis over its maxmemory): it then refuses every write."""
+
+    filled = False
+    failed_creates = 0
+
+    def refuses_writes(self) -> str | None:
+        return "the result store is full" if self.filled else None
+
+    async def create(self, state: TaskState) -> bool:
+        if self.filled:
+            self.failed_creates += 1
+            raise TransportError("OOM command not allowed when used memory > 'maxmemory'")
+        return await super().create(state)
+
+
+async def test_a_full_store_still_answers_a_synchronous_cache_hit(make_rig: RigFactory) -> None:
+    """A cached answer needs no room in the store: a full one refuses only what must be stored."""
+    store = FillingStore()
+    rig = await make_rig(**SHARING, store=store, cache=MemoryResultCache(), cache_ttl_s=60.0)
+    await rig.worker()
+    assert (await infer(rig, "hello")).json()["output"] == "olleh"
+    store.filled = True
+
+    cached = await infer(rig, "hello")
+    uncached = await infer(rig, "world")
+    polled_hit = await rig.client.post("/v1/tasks", json={"input": "hello"})
+
+    assert cached.status_code == 200 and cached.json()["output"] == "olleh", cached.text
+    for refused in (uncached, polled_hit):  # its answer, or the hit's record to poll, must be stored
+        assert refused.status_code == 503 and "retry-after" in refused.headers, refused.text
+        assert error_of(refused)["code"] == "unavailable", refused.text
+    assert rig.produced() == 1, "nothing was queued while the store was full"
+    assert store.failed_creates == 0, "a write was tried on the full store"
+    assert rig.gateway.inflight == 0
 
 
 async def test_a_failed_computation_is_never_cached(make_rig: RigFactory) -> None:
