@@ -1,5 +1,6 @@
 """A full Redis (used memory over its maxmemory; noeviction) is answered 503 `unavailable` at once, never 500,
-and costs nothing already accepted: workers keep the results they hold and store them once memory is
+except a synchronous request whose answer the result cache holds (that needs no write), and costs nothing
+already accepted: workers keep the results they hold and store them once memory is
 free, without crashing or committing early.
 
 Kafka mode only (embedded mode has no Redis). The deployment runs over the session's Kafka and a
@@ -133,10 +134,15 @@ def test_a_full_redis_is_answered_503_and_accepted_tasks_complete_once_it_has_ro
     bounded_redis: RedisServer, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     infra: Any = request.getfixturevalue("infra")
-    cluster = launch(tmp_path, infra.kafka_bootstrap, bounded_redis.url, workers=2, sim_latency_ms=1000)
+    gateway_args = ("--deterministic-models", "sim", "--cache-ttl-s", "600")  # a cached answer needs no write
+    cluster = launch(
+        tmp_path, infra.kafka_bootstrap, bounded_redis.url, workers=2, sim_latency_ms=1000, gateway_args=gateway_args
+    )
     with stopped_after(request, cluster):
         url = cluster.gateway_urls[0]
         pids = {proc.name: proc.pid for proc in cluster.procs}
+        computed, _ = _submit(url, "/v1/inference", "cached")
+        assert computed.status_code == 200 and computed.json()["output"] == "dehcac", computed.text
         accepted: dict[str, str] = {}
         for n in range(ACCEPTED):
             response, _ = _submit(url, "/v1/tasks", f"accepted-{n}")
@@ -169,6 +175,11 @@ def test_a_full_redis_is_answered_503_and_accepted_tasks_complete_once_it_has_ro
         assert refused.json()["error"]["code"] == "unavailable" and "retry-after" in refused.headers
         assert FULL_MESSAGE in refused.json()["error"]["message"], refused.text
         assert took_s < 5.0, f"a sync submit was held {took_s:.1f} s by a full Redis"
+        hit, took_s = _submit(url, "/v1/inference", "cached")
+        assert hit.status_code == 200 and hit.json()["output"] == "dehcac", f"a cache hit needs no write: {hit.text}"
+        assert took_s < 5.0, f"a cache hit took {took_s:.1f} s"
+        polled_hit, _ = _submit(url, "/v1/tasks", "cached")
+        assert polled_hit.status_code == 503, f"a hit to poll must be stored first: {polled_hit.text}"
         assert _redis_full(url) == 1.0, "the gateway's metrics say Redis is full"
         some_id = next(iter(accepted))
         read = httpx.get(f"{url}/v1/result/{some_id}", timeout=10)
