@@ -13,7 +13,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Sequence
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 from yarl import URL
 
@@ -38,6 +38,9 @@ class LoneReport(TypedDict):
     latency_ms: dict[str, float]
     samples_ms: list[float]
     """Each answered request's latency, in the order sent."""
+    call_ms: NotRequired[float]
+    """The workers' mean time inside the backend per call while the probe ran (where it is exported):
+    a backend whose calls run longer from idle than profiled shows here, not in the path's cost."""
 
 
 def nearest_rank_ms(samples_ms: Sequence[float]) -> dict[str, float]:

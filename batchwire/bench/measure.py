@@ -39,13 +39,16 @@ class Probes:
     metrics_urls: list[str] = field(default_factory=list)
     workers_hint: int | None = None
 
+    async def scrape(self) -> Scrape | None:
+        """The ``/metrics`` pages now (None: the service exports none)."""
+        if self.metrics_session is None or not self.metrics_urls:
+            return None
+        return await scrape(self.metrics_session, self.metrics_urls)
+
     async def snapshot(self) -> tuple[float, CpuSnapshot, Scrape | None]:
         at = asyncio.get_running_loop().time()
         cpu = self.cpu.sample()
-        taken = None
-        if self.metrics_session is not None and self.metrics_urls:
-            taken = await scrape(self.metrics_session, self.metrics_urls)
-        return at, cpu, taken
+        return at, cpu, await self.scrape()
 
 
 async def _sleep_until(when: float) -> None:

@@ -175,3 +175,11 @@ def server_stats(before: Scrape, after: Scrape, urls: Iterable[str], workers_hin
         workers=workers,
         busy_fraction=busy / window_s / workers if workers else None,
     )
+
+
+def backend_ms_per_call(stats: ServerStats) -> float | None:
+    """The workers' mean time inside the backend per call over the window (None: no call, or not exported)."""
+    busy, batches = stats["busy_fraction"], stats["batches"]
+    if busy is None or not batches:
+        return None
+    return busy * stats["window_s"] * stats["workers"] * 1000.0 / batches

@@ -20,6 +20,7 @@ from batchwire.bench.loadgen import TIMEOUT, Expect, OpenLoopSender
 from batchwire.bench.lone import DEFAULT_GAP_MS, lone_line, lone_probe
 from batchwire.bench.measure import Probes, measure_rate
 from batchwire.bench.procstats import CpuSampler
+from batchwire.bench.prom import backend_ms_per_call, server_stats
 from batchwire.bench.rawhttp import RawHttpClient
 from batchwire.bench.results import RateReport, RunReport
 from batchwire.bench.schedule import InputFactory
@@ -123,7 +124,7 @@ async def bench_run(
             run["rates"].append(report)
             progress(summary_line(report))
         if load.lone_count or load.warm_count:
-            await _probes_after_load(run, load, target, client, progress)
+            await _probes_after_load(run, load, target, client, probes, progress)
     finally:
         await client.close()
         if metrics_session is not None:
@@ -132,9 +133,15 @@ async def bench_run(
 
 
 async def _probes_after_load(
-    run: RunReport, load: LoadConfig, target: Target, client: HttpClient, progress: Callable[[str], None]
+    run: RunReport,
+    load: LoadConfig,
+    target: Target,
+    client: HttpClient,
+    probes: Probes,
+    progress: Callable[[str], None],
 ) -> None:
-    """The lone-request probe, then the warm-path one, once the service is idle again."""
+    """The lone-request probe, then the warm-path one, once the service is idle again; each records the
+    backend's own time per call while it ran, where the service exports it."""
     # After the load: every answer is in, and the consumer groups have long settled (a probe
     # right after start-up can meet the workers' first rebalance, which hands its batch back).
     await asyncio.sleep(load.pause_s)
@@ -146,7 +153,12 @@ async def _probes_after_load(
         if not count:
             continue
         progress(f"  {key} requests: {count}, one at a time, {1000 * gap_s:g} ms idle before each ...")
+        before = await probes.scrape()
         probe = await lone_probe(client, target.urls, inputs, count=count, gap_s=gap_s, expect=load.expect)
+        if before is not None and (after := await probes.scrape()) is not None:
+            stats = server_stats(before, after, probes.metrics_urls, probes.workers_hint)
+            if (call_ms := backend_ms_per_call(stats)) is not None:
+                probe["call_ms"] = round(call_ms, 3)
         progress("    " + lone_line(probe, key))
         if key == "lone":
             run["lone"] = probe

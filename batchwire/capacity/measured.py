@@ -113,6 +113,10 @@ class MeasuredRun:
     """The backend's profiled curve; None: the flat sim backend at ``sim_latency_ms``."""
     warm_p50_ms: float | None = None
     """The warm-path probe's p50: lone requests sent back to back (None: not probed)."""
+    lone_probe_call_ms: float | None = None
+    """The backend's measured time per call during the lone probe (None: not recorded)."""
+    warm_probe_call_ms: float | None = None
+    """The same during the warm-path probe."""
 
     def backend_curve(self) -> Curve:
         """The backend's latency by batch size: the curve given, else the sim backend's flat one."""
@@ -134,13 +138,16 @@ class MeasuredRun:
         return self.backend_curve().latency_ms(1)
 
     def lone_overhead_ms(self, policy_wait_ms: float = 0.0, *, warm: bool = False) -> float | None:
-        """The lone-request probe's p50 (``warm``: the warm-path probe's) less the backend latency and
-        the policy's wait for a lone request (``policy_wait_ms``, which the simulation adds itself):
-        the path's own cost."""
-        p50 = self.warm_p50_ms if warm else self.lone_p50_ms
+        """The lone-request probe's p50 (``warm``: the warm-path probe's) less the backend's time per call
+        during the probe and the policy's wait for a lone request (``policy_wait_ms``, which the simulation
+        adds itself): the path's own cost. Where the probe did not record its calls, the curve's latency
+        for a batch of one stands in for them."""
+        p50, call_ms = (
+            (self.warm_p50_ms, self.warm_probe_call_ms) if warm else (self.lone_p50_ms, self.lone_probe_call_ms)
+        )
         if p50 is None:
             return None
-        return max(0.0, p50 - self.lone_call_ms() - policy_wait_ms)
+        return max(0.0, p50 - (self.lone_call_ms() if call_ms is None else call_ms) - policy_wait_ms)
 
     def light(self) -> bool:
         """Whether its lowest rate is light enough that its fastest answer met an idle worker."""
@@ -203,6 +210,8 @@ def _run(name: str, config: dict[str, Any], run: dict[str, Any], cpu_count: int 
         lone_p50_ms=(lone.get("latency_ms") or {}).get("p50"),
         rates=tuple(_rate(rate, cpu_count) for rate in run["rates"]),
         warm_p50_ms=(warm.get("latency_ms") or {}).get("p50"),
+        lone_probe_call_ms=lone.get("call_ms"),
+        warm_probe_call_ms=warm.get("call_ms"),
     )
 
 

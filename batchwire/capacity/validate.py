@@ -6,7 +6,8 @@ generator actually sent, over a few seeds (their median), and the table flags a 
 than 3% off, and a p50 or p99 more than 10% off below saturation.
 
 The simulation has no network: the per-hop overhead (gateway, bus, result store) is an input, per
-mode. Unless given, it is the run's lone-request probe (lone p50 less the backend's latency), else
+mode. Unless given, it is the run's lone-request probe (lone p50 less the backend's own time per call
+while the probe ran, where the bench recorded it, else the curve's latency for a batch of one), else
 another given run's probe in the same mode, else the fastest answer of the light runs in that mode
 less the backend latency (a lower bound: the path's cost varies from request to request), else 0.
 That probe waits before each request, so every process on the path has gone idle and wakes slowly.

@@ -140,6 +140,8 @@ def test_the_lone_probe_is_in_the_json_and_the_table(finished_run: tuple[Path, s
     assert warm["ok"] + sum(warm["errors"].values()) == 4
     assert warm["latency_ms"]["p50"] >= 50.0, "the fake answers after 50 ms"
     assert "warm requests (4 one at a time, 0 ms idle before each): p50 " in printed
+    for probe in (lone, warm):  # the fake counts 50 ms of busy time per call (every second request)
+        assert probe["call_ms"] == pytest.approx(50.0), "the backend's time per call while the probe ran"
 
 
 def test_plots_are_png_files(finished_run: tuple[Path, str]) -> None:

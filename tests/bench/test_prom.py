@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchwire.bench.prom import Scrape, default_metrics_url, parse_samples, server_stats
+from batchwire.bench.prom import Scrape, backend_ms_per_call, default_metrics_url, parse_samples, server_stats
 
 BEFORE = """
 # TYPE batchwire_batch_size histogram
@@ -58,6 +58,7 @@ def test_server_stats_is_the_difference_over_the_window() -> None:
     assert stats["workers"] == 2
     # 1.5 + 0.5 busy seconds over 2 s and 2 workers
     assert stats["busy_fraction"] == pytest.approx(0.5)
+    assert backend_ms_per_call(stats) == pytest.approx(2000.0 / 5), "2 busy seconds over 5 calls"
 
 
 def test_workers_hint_wins_and_missing_metrics_give_none() -> None:
@@ -67,4 +68,5 @@ def test_workers_hint_wins_and_missing_metrics_give_none() -> None:
     stats = server_stats(empty, later, [url], workers_hint=3)
     assert stats["batch_size_mean"] is None
     assert stats["busy_fraction"] == 0.0
+    assert backend_ms_per_call(stats) is None, "no call in the window"
     assert stats["scrape_errors"] == {"http://y/metrics": "HTTP 404"}

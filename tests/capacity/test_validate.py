@@ -267,6 +267,16 @@ def test_a_run_with_its_curve_takes_the_backend_latency_from_the_curve_not_the_f
     assert not run.light(), "1,000/s is far above 5% of 200/s"
 
 
+def test_the_path_cost_is_the_probe_less_its_own_calls_where_the_probe_timed_them() -> None:
+    """A model whose calls run longer from idle than profiled (a cold thread pool) would otherwise put
+    that time in the path, which every simulated request then pays beside the calls' own measured extra."""
+    (probed,) = read("durability-rf1/run1")
+    run = dataclasses.replace(probed, max_batch=8, lone_p50_ms=27.0, warm_p50_ms=25.0).with_curve(hf_curve())
+    timed = dataclasses.replace(run, lone_probe_call_ms=24.0, warm_probe_call_ms=21.5)
+    assert run.lone_overhead_ms() == 7.0 and run.lone_overhead_ms(warm=True) == 5.0, "untimed: a call of one"
+    assert timed.lone_overhead_ms() == 3.0 and timed.lone_overhead_ms(warm=True) == 3.5, "the probes' own calls"
+
+
 def test_a_curve_shorter_than_the_runs_batches_is_refused_with_the_profile_flag_to_use() -> None:
     (probed,) = read("durability-rf1/run1")
     with pytest.raises(measured.RunError, match="--max-batch 32"):
