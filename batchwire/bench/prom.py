@@ -10,7 +10,7 @@ import asyncio
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypedDict
+from typing import Any, TypedDict
 from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
@@ -177,9 +177,18 @@ def server_stats(before: Scrape, after: Scrape, urls: Iterable[str], workers_hin
     )
 
 
+def backend_seconds(stats: Mapping[str, Any]) -> float | None:
+    """The workers' seconds inside the backend over the window, from its busy share (None: not exported).
+    Takes a ``ServerStats`` as read back from results.json too."""
+    busy, workers, window_s = stats.get("busy_fraction"), stats.get("workers"), stats.get("window_s")
+    if busy is None or not workers or not window_s:
+        return None
+    return float(busy) * float(window_s) * int(workers)
+
+
 def backend_ms_per_call(stats: ServerStats) -> float | None:
     """The workers' mean time inside the backend per call over the window (None: no call, or not exported)."""
-    busy, batches = stats["busy_fraction"], stats["batches"]
-    if busy is None or not batches:
+    busy_s, batches = backend_seconds(stats), stats["batches"]
+    if busy_s is None or not batches:
         return None
-    return busy * stats["window_s"] * stats["workers"] * 1000.0 / batches
+    return busy_s * 1000.0 / batches

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from batchwire.bench import sends as sent
+from batchwire.bench.prom import backend_seconds
 from batchwire.bench.settle import opening_backlog
 from batchwire.capacity.curve import Curve
 
@@ -236,11 +237,8 @@ def _rate(rate: dict[str, Any], cpu_count: int | None) -> MeasuredRate:
 
 
 def _backend_s(server: dict[str, Any], window_s: float) -> float | None:
-    """The workers' seconds inside the backend over the scrape window (else the rate's), from the
-    scraped busy share."""
-    busy, workers = server.get("busy_fraction"), server.get("workers")
-    window_s = float(server.get("window_s") or window_s)
-    return None if busy is None or not window_s or not workers else float(busy) * window_s * int(workers)
+    """The workers' seconds inside the backend over the scrape window (else the rate's)."""
+    return backend_seconds({**server, "window_s": server.get("window_s") or window_s})
 
 
 def _cpu_busy(rate: dict[str, Any], cpu_count: int | None) -> float | None:
