@@ -39,6 +39,18 @@ EXPIRED = Failure(
 )
 
 
+def expired_error(item: BatchItem, call_ms: float) -> Failure:
+    """Why ``item`` expired: a timeout shorter than one call could never be met, whatever the queue."""
+    timeout_ms = item.deadline_ms - item.enqueued_at_ms
+    if call_ms <= 0 or timeout_ms >= call_ms:
+        return EXPIRED
+    return Failure(
+        "deadline_exceeded",
+        f"timeout_ms={timeout_ms} is shorter than one call of the model (about {call_ms:.0f} ms), so no "
+        f"answer could be in time: send a timeout_ms above {call_ms:.0f}, or leave it out",
+    )
+
+
 class Admission:
     """Counts a batch's deliveries and moves its live tasks to ``running``, dropping those that ended."""
 
@@ -59,12 +71,14 @@ class Admission:
         """Whether the batch's call starts before its tasks are admitted (``admit_once_started``)."""
         return bool(live) and delivered.via == "express" and backend_idle
 
-    def expire_late(self, batch: Batch, ends_by_ms: int) -> tuple[list[TaskState], list[BatchItem]]:
+    def expire_late(
+        self, batch: Batch, ends_by_ms: int, call_ms: float = 0.0
+    ) -> tuple[list[TaskState], list[BatchItem]]:
         """(The ``expired`` states of the items whose deadline a call ending at ``ends_by_ms`` would
         miss, the live items.) Such a call computes an answer nobody may receive: the GPU's time goes
-        to items that can still be answered."""
+        to items that can still be answered. ``call_ms``: the model's expected call."""
         late = [
-            task_state(self.worker_id, batch, item, TaskStatus.EXPIRED, error=EXPIRED)
+            task_state(self.worker_id, batch, item, TaskStatus.EXPIRED, error=expired_error(item, call_ms))
             for item in batch.items
             if item.deadline_ms <= ends_by_ms
         ]

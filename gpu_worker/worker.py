@@ -250,8 +250,9 @@ class Worker:
         redelivered batch runs carefully once the backend is free. The results go to the commits."""
         now = wall_ms()
         metrics.BATCH_WAIT.labels(model=batch.model).observe(max(0, now - batch.created_at_ms) / 1000.0)
-        ends_by_ms = now + round((self.pipeline.busy_for_s() + (self.runner.expected_s or 0.0)) * 1000)
-        ended, live = self.admission.expire_late(batch, ends_by_ms)
+        call_ms = (self.runner.expected_s or 0.0) * 1000
+        ends_by_ms = now + round(self.pipeline.busy_for_s() * 1000 + call_ms)
+        ended, live = self.admission.expire_late(batch, ends_by_ms, call_ms)
         if self.admission.starts_early(delivered, live, backend_idle=self.pipeline.empty):  # express only
             self._start_call(delivered, batch, live, ended, early=True)
             await asyncio.sleep(0)  # let it hand its call to the thread before the loop goes on

@@ -140,7 +140,11 @@ class Rig:
 
 
 async def run_batch(
-    inputs: list[str], deadline_ms: int | None = None, settings: WorkerSettings | None = None
+    inputs: list[str],
+    deadline_ms: int | None = None,
+    settings: WorkerSettings | None = None,
+    *,
+    enqueued_ago_ms: int = 0,
 ) -> tuple[dict[str, TaskState], PoisonBackend]:
     """Runs one batch of ``inputs`` on a fresh worker over a ``PoisonBackend``; returns each task's reply."""
     store = MemoryTaskStore()
@@ -161,7 +165,10 @@ async def run_batch(
 
     await store.listen_replies("gw", on_reply)
     now = now_ms()
-    items = tuple(BatchItem(f"t{i}", text, now, deadline_ms or now + 30_000, "gw") for i, text in enumerate(inputs))
+    enqueued = now - enqueued_ago_ms
+    items = tuple(
+        BatchItem(f"t{i}", text, enqueued, deadline_ms or now + 30_000, "gw") for i, text in enumerate(inputs)
+    )
     await bus.send(Batch("b1", "sim", "test", now, "idle_worker", credit.ref, items), credit.partition)
     await asyncio.wait_for(done.wait(), 10)
     await worker.close()

@@ -54,6 +54,17 @@ async def test_items_whose_deadline_passes_before_the_call_could_end_are_not_run
     ended, backend = await run_batch(["a", "b"], deadline_ms=now_ms() + 1000, settings=settings)
     assert {v.status for v in ended.values()} == {TaskStatus.EXPIRED}
     assert all(v.error_code == "deadline_exceeded" for v in ended.values())
+    assert all("timeout_ms=1000 is shorter than one call" in (v.error_message or "") for v in ended.values())
+    assert all("above 5000" in (v.error_message or "") for v in ended.values())
+    assert backend.calls == []
+
+
+async def test_a_timeout_longer_than_a_call_that_expires_blames_the_queue() -> None:
+    """The timeout could have been met by a call: what it met was a queue, so waiting is the advice."""
+    settings = WorkerSettings(worker_id="w1", expected_latency_ms=5000)
+    ended, backend = await run_batch(["a"], deadline_ms=now_ms() + 4000, enqueued_ago_ms=6000, settings=settings)
+    assert ended["t0"].status is TaskStatus.EXPIRED
+    assert "queue was long" in (ended["t0"].error_message or "")
     assert backend.calls == []
 
 
