@@ -30,6 +30,7 @@ from transport.express.batches import ExpressBatchConsumer, ExpressBatchProducer
 from transport.express.copies import RedisExpress
 from transport.express.requests import ExpressRequestConsumer
 from transport.kafka.consumers import KafkaBatchConsumer, KafkaRequestConsumer
+from transport.kafka.group import GroupTiming
 from transport.kafka.producers import KafkaBatchProducer, KafkaDeadLetterProducer
 from transport.memory.bus import MemoryRateLimiter
 from transport.memory.cache import MemoryResultCache
@@ -126,7 +127,7 @@ def run_batcher(args: argparse.Namespace) -> int:
         kafka_producer = KafkaBatchProducer(bootstrap, shared.names)
         producer: BatchProducer = kafka_producer
         consumer: RequestConsumer = KafkaRequestConsumer(
-            bootstrap, shared.names, session_timeout_ms=args.session_timeout_ms
+            bootstrap, shared.names, timing=GroupTiming(session_timeout_ms=args.session_timeout_ms)
         )
         if args.express:
             express = RedisExpress(redis_url, shared.names, deliveries_ttl_s=shared.result_ttl_s)  # as the workers'
@@ -183,7 +184,9 @@ class _WorkerProcess:
         deliveries = RedisDeliveryLog(redis_url, names, ttl_s=shared.result_ttl_s)
         dead_letters = KafkaDeadLetterProducer(bootstrap, names)
         consumer = ExpressBatchConsumer(  # batchers may send by Redis too (batcher --express)
-            KafkaBatchConsumer(bootstrap, names, settings.model, session_timeout_ms=args.session_timeout_ms),
+            KafkaBatchConsumer(
+                bootstrap, names, settings.model, timing=GroupTiming(session_timeout_ms=args.session_timeout_ms)
+            ),
             RedisExpress(redis_url, names),
             settings.worker_id,
         )

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from schemas.records import Credit, InferenceRequest, TaskState, TaskStatus
 from schemas.wire import Names
 from transport.kafka.consumers import KafkaRequestConsumer
+from transport.kafka.group import GroupTiming
 from transport.kafka.producers import KafkaRequestProducer
 from transport.redis.store import RedisCreditPool, RedisTaskStore
 from transport.routing import Partitioner
@@ -103,7 +104,7 @@ async def kafka_latency(bootstrap: str, fetch_max_wait_ms: int, rounds: int = 30
     names = Names(f"lat{uuid.uuid4().hex[:8]}")
     await ensure_topics(bootstrap, {names.request_topic: 4})
     producer = KafkaRequestProducer(bootstrap, names, Partitioner(["m"], 4))
-    consumer = KafkaRequestConsumer(bootstrap, names, fetch_max_wait_ms=fetch_max_wait_ms)
+    consumer = KafkaRequestConsumer(bootstrap, names, timing=GroupTiming(fetch_max_wait_ms=fetch_max_wait_ms))
     assigned = asyncio.Event()
 
     async def on_assigned(partitions: frozenset[int]) -> None:

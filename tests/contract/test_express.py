@@ -26,6 +26,7 @@ from transport.express.batches import ExpressBatchConsumer, ExpressBatchProducer
 from transport.express.copies import RedisExpress
 from transport.express.requests import ExpressRequestConsumer, ExpressRequestProducer
 from transport.kafka.consumers import KafkaBatchConsumer, KafkaRequestConsumer
+from transport.kafka.group import GroupTiming
 from transport.kafka.producers import KafkaBatchProducer, KafkaRequestProducer
 from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryTaskStore
 from transport.ports import Delivered
@@ -60,7 +61,9 @@ class Kit:
         return self.closer.add(producer)  # type: ignore[no-any-return]
 
     async def consumer(self, worker: str = "w1") -> ExpressBatchConsumer:
-        kafka = KafkaBatchConsumer(self.infra.kafka_bootstrap, self.names, MODEL, heartbeat_interval_ms=500)
+        kafka = KafkaBatchConsumer(
+            self.infra.kafka_bootstrap, self.names, MODEL, timing=GroupTiming(heartbeat_interval_ms=500)
+        )
         consumer = ExpressBatchConsumer(kafka, self.express(), worker, confirm_timeout_s=WAIT_S)
         owned: set[int] = set()
 
@@ -172,7 +175,7 @@ async def test_a_restarted_worker_clears_what_its_list_held(kit: Kit) -> None:
 
 def request_consumer(kit: Kit) -> ExpressRequestConsumer:
     return ExpressRequestConsumer(
-        KafkaRequestConsumer(kit.infra.kafka_bootstrap, kit.names, heartbeat_interval_ms=500),
+        KafkaRequestConsumer(kit.infra.kafka_bootstrap, kit.names, timing=GroupTiming(heartbeat_interval_ms=500)),
         kit.infra.redis_url,
         kit.names,
     )
@@ -275,7 +278,7 @@ async def test_the_batcher_batches_a_request_once_and_commits_its_record(kit: Ki
     finally:
         await batcher.close()
 
-    again = KafkaRequestConsumer(kit.infra.kafka_bootstrap, kit.names, heartbeat_interval_ms=500)
+    again = KafkaRequestConsumer(kit.infra.kafka_bootstrap, kit.names, timing=GroupTiming(heartbeat_interval_ms=500))
     kit.closer.add(again)
     await again.start(nothing, nothing)
     records: list[Delivered[InferenceRequest]] = []

@@ -17,6 +17,7 @@ from tests.support.eventually import eventually
 from tests.support.transport_kits import Closer, ensure_topics
 from transport.errors import PermanentTransportError
 from transport.kafka.consumers import KafkaBatchConsumer, KafkaRequestConsumer
+from transport.kafka.group import GroupTiming
 from transport.kafka.producers import KafkaBatchProducer, KafkaRequestProducer
 from transport.ports import Delivered
 from transport.routing import Partitioner
@@ -127,7 +128,11 @@ async def test_revoked_callback_commits_before_the_partition_moves(
     producer = closer.add(KafkaBatchProducer(kafka_bootstrap, names))
     await producer.start()
     group = f"{names.worker_group('alpha')}.{uuid.uuid4().hex[:6]}"
-    first = closer.add(KafkaBatchConsumer(kafka_bootstrap, names, "alpha", group_id=group, heartbeat_interval_ms=200))
+    first = closer.add(
+        KafkaBatchConsumer(
+            kafka_bootstrap, names, "alpha", group_id=group, timing=GroupTiming(heartbeat_interval_ms=200)
+        )
+    )
     handed: list[Delivered[Batch]] = []
     commit_errors: list[BaseException] = []
 
@@ -149,7 +154,11 @@ async def test_revoked_callback_commits_before_the_partition_moves(
     handed.append(delivered)
     unhandled = 1 - delivered.partition
 
-    second = closer.add(KafkaBatchConsumer(kafka_bootstrap, names, "alpha", group_id=group, heartbeat_interval_ms=200))
+    second = closer.add(
+        KafkaBatchConsumer(
+            kafka_bootstrap, names, "alpha", group_id=group, timing=GroupTiming(heartbeat_interval_ms=200)
+        )
+    )
     await second.start(_ignore, _ignore)
     await eventually(
         lambda: len(first.assignment()) == 1 and len(second.assignment()) == 1,
@@ -184,7 +193,7 @@ async def test_a_long_poll_returns_as_soon_as_a_record_lands(
     await ensure_topics(kafka_bootstrap, {names.request_topic: 1})
     producer = closer.add(KafkaRequestProducer(kafka_bootstrap, names, Partitioner(["alpha"], 1)))
     await producer.start()
-    consumer = closer.add(KafkaRequestConsumer(kafka_bootstrap, names, fetch_max_wait_ms=2000))
+    consumer = closer.add(KafkaRequestConsumer(kafka_bootstrap, names, timing=GroupTiming(fetch_max_wait_ms=2000)))
     partitions = Partitions()
     await consumer.start(partitions.on_assigned, partitions.on_revoked)
     await asyncio.wait_for(partitions.assigned.wait(), WAIT_S)

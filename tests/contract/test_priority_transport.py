@@ -16,6 +16,7 @@ from tests.support.transport_kits import MODELS, Closer, RequestBusKit, ensure_t
 from transport.express.copies import RedisExpress
 from transport.express.requests import ExpressRequestConsumer, ExpressRequestProducer
 from transport.kafka.consumers import KafkaRequestConsumer
+from transport.kafka.group import GroupTiming
 from transport.kafka.producers import KafkaRequestProducer
 from transport.ports import Delivered
 from transport.routing import Partitioner
@@ -43,7 +44,9 @@ async def test_the_express_copy_and_the_kafka_record_both_carry_the_tier(infra: 
     closer = Closer()
     try:
         consumer = ExpressRequestConsumer(
-            KafkaRequestConsumer(infra.kafka_bootstrap, names, heartbeat_interval_ms=500), infra.redis_url, names
+            KafkaRequestConsumer(infra.kafka_bootstrap, names, timing=GroupTiming(heartbeat_interval_ms=500)),
+            infra.redis_url,
+            names,
         )
         partitions = Partitions()
         await consumer.start(partitions.on_assigned, partitions.on_revoked)

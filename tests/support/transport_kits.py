@@ -9,6 +9,7 @@ from typing import Any
 from infra.topics import ensure_topics as create_topics
 from schemas.wire import Names
 from transport.kafka.consumers import KafkaBatchConsumer, KafkaRequestConsumer
+from transport.kafka.group import GroupTiming
 from transport.kafka.producers import KafkaBatchProducer, KafkaRequestProducer
 from transport.memory.bus import MemoryBatchBus, MemoryRequestBus
 from transport.ports import BatchConsumer, BatchProducer, CreditPool, RequestConsumer, RequestProducer, TaskStore
@@ -73,7 +74,7 @@ class RequestBusKit:
             return self.closer.add(self.memory.consumer())  # type: ignore[no-any-return]
         assert self.bootstrap is not None
         return self.closer.add(  # type: ignore[no-any-return]
-            KafkaRequestConsumer(self.bootstrap, self.names, heartbeat_interval_ms=500)
+            KafkaRequestConsumer(self.bootstrap, self.names, timing=GroupTiming(heartbeat_interval_ms=500))
         )
 
 
@@ -104,5 +105,5 @@ class BatchBusKit:
             return self.closer.add(self.memory.consumer(partition))  # type: ignore[no-any-return]
         assert self.bootstrap is not None
         return self.closer.add(  # type: ignore[no-any-return]
-            KafkaBatchConsumer(self.bootstrap, self.names, self.model, heartbeat_interval_ms=500)
+            KafkaBatchConsumer(self.bootstrap, self.names, self.model, timing=GroupTiming(heartbeat_interval_ms=500))
         )

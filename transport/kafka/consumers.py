@@ -15,25 +15,14 @@ from typing import Any, Generic, TypeVar
 from schemas.codec import CodecError, decode_batch, decode_request
 from schemas.records import Batch, InferenceRequest
 from schemas.wire import Names
-from transport.kafka.group import GroupConsumer
+from transport.kafka.group import GroupConsumer, GroupTiming
 from transport.ports import Delivered, PartitionsCallback
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# How long the broker may hold a fetch open while no record is there. With fetch_min_bytes=1 it
-# answers as soon as a record lands, so this does not add latency; it only sets how often an idle
-# consumer asks, and on a small machine those idle fetches take CPU from the requests' own hops.
-DEFAULT_FETCH_MAX_WAIT_MS = 500
-# Heartbeats are how a member learns that a rebalance started: 1 s instead of 3 s lets the group
-# settle faster when a worker comes or goes, for a negligible load on the coordinator.
-DEFAULT_HEARTBEAT_INTERVAL_MS = 1000
-DEFAULT_SESSION_TIMEOUT_MS = 10_000
-# A worker runs one batch between calls to next(): heartbeats flow from aiokafka's background task
-# meanwhile, and this only bounds a stuck model call.
-DEFAULT_MAX_POLL_INTERVAL_MS = 300_000
-DEFAULT_COMMIT_TIMEOUT_S = 10.0
+DEFAULT_TIMING = GroupTiming()
 
 
 class _Decoder(Generic[T]):
@@ -78,13 +67,8 @@ class KafkaRequestConsumer:
         names: Names,
         *,
         group_id: str | None = None,
-        session_timeout_ms: int = DEFAULT_SESSION_TIMEOUT_MS,
-        heartbeat_interval_ms: int = DEFAULT_HEARTBEAT_INTERVAL_MS,
-        max_poll_interval_ms: int = DEFAULT_MAX_POLL_INTERVAL_MS,
-        fetch_max_wait_ms: int = DEFAULT_FETCH_MAX_WAIT_MS,
+        timing: GroupTiming = DEFAULT_TIMING,
         max_poll_records: int = 500,
-        request_timeout_ms: int = 30_000,
-        commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S,
         client_id: str = "batchwire-batcher",
     ) -> None:
         self._group = GroupConsumer(
@@ -92,13 +76,8 @@ class KafkaRequestConsumer:
             names.request_topic,
             group_id if group_id is not None else names.batcher_group,
             client_id=client_id,
-            session_timeout_ms=session_timeout_ms,
-            heartbeat_interval_ms=heartbeat_interval_ms,
-            max_poll_interval_ms=max_poll_interval_ms,
-            fetch_max_wait_ms=fetch_max_wait_ms,
             max_poll_records=max_poll_records,
-            request_timeout_ms=request_timeout_ms,
-            commit_timeout_s=commit_timeout_s,
+            timing=timing,
         )
         self._decode = _Decoder(names.request_topic, decode_request)
 
@@ -138,13 +117,8 @@ class KafkaBatchConsumer:
         model: str,
         *,
         group_id: str | None = None,
-        session_timeout_ms: int = DEFAULT_SESSION_TIMEOUT_MS,
-        heartbeat_interval_ms: int = DEFAULT_HEARTBEAT_INTERVAL_MS,
-        max_poll_interval_ms: int = DEFAULT_MAX_POLL_INTERVAL_MS,
-        fetch_max_wait_ms: int = DEFAULT_FETCH_MAX_WAIT_MS,
+        timing: GroupTiming = DEFAULT_TIMING,
         max_poll_records: int = 4,
-        request_timeout_ms: int = 30_000,
-        commit_timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S,
         client_id: str = "batchwire-worker",
     ) -> None:
         topic = names.batch_topic(model)
@@ -153,13 +127,8 @@ class KafkaBatchConsumer:
             topic,
             group_id if group_id is not None else names.worker_group(model),
             client_id=client_id,
-            session_timeout_ms=session_timeout_ms,
-            heartbeat_interval_ms=heartbeat_interval_ms,
-            max_poll_interval_ms=max_poll_interval_ms,
-            fetch_max_wait_ms=fetch_max_wait_ms,
             max_poll_records=max_poll_records,
-            request_timeout_ms=request_timeout_ms,
-            commit_timeout_s=commit_timeout_s,
+            timing=timing,
         )
         self._max_poll_records = max_poll_records
         self._decode = _Decoder(topic, decode_batch)
