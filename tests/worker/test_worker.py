@@ -54,7 +54,7 @@ async def test_items_whose_deadline_passes_before_the_call_could_end_are_not_run
     ended, backend = await run_batch(["a", "b"], deadline_ms=now_ms() + 1000, settings=settings)
     assert {v.status for v in ended.values()} == {TaskStatus.EXPIRED}
     assert all(v.error_code == "deadline_exceeded" for v in ended.values())
-    assert all("timeout_ms=1000 is shorter than one call" in (v.error_message or "") for v in ended.values())
+    assert all("is shorter than one call of the model" in (v.error_message or "") for v in ended.values())
     assert all("above 5000" in (v.error_message or "") for v in ended.values())
     assert backend.calls == []
 
