@@ -111,6 +111,7 @@ class BackendCalls:
                 elapsed = timing.ended - timing.started
                 metrics.BACKEND_CALL.labels(model=self.model, backend=self.backend.name).observe(elapsed)
                 metrics.WORKER_BUSY.labels(worker=self.worker_id).inc(elapsed)
+                metrics.BACKEND_CPU.labels(worker=self.worker_id).inc(timing.cpu_s or 0.0)
                 metrics.BACKEND_ITEMS.labels(model=self.model).inc(len(inputs))
                 result.started = timing.started if result.started is None else result.started
                 result.ended = timing.ended

@@ -46,6 +46,10 @@ class Timing:
 
     started: float | None = None
     ended: float | None = None
+    cpu_s: float | None = None
+    """CPU seconds the backend's thread used during the call (``time.thread_time``): a model's own
+    compute on CPU with one torch thread, the Python around a GPU's kernels; threads that a library
+    starts for itself are not counted."""
     on_start: Callable[[], None] | None = None
     """Called on the thread as the call begins: it must not block, and may reach an event loop only
     through ``call_soon_threadsafe``."""
@@ -100,15 +104,16 @@ class BackendRunner:
             if not future.set_running_or_notify_cancel():
                 continue
             timing.started = self.clock()
+            cpu_from = time.thread_time()
             try:
                 if timing.on_start is not None:
                     timing.on_start()
                 result = fn(*args)
             except BaseException as err:  # handed to the awaiting coroutine, which decides
-                timing.ended = self.clock()
+                timing.cpu_s, timing.ended = time.thread_time() - cpu_from, self.clock()
                 future.set_exception(err)
             else:
-                timing.ended = self.clock()
+                timing.cpu_s, timing.ended = time.thread_time() - cpu_from, self.clock()
                 future.set_result(result)
 
     def _submit(self, fn: Callable[..., T], *args: Any, timing: Timing | None = None) -> asyncio.Future[T]:

@@ -115,6 +115,12 @@ BACKEND_BATCH_LATENCY = Gauge(
 WORKER_BUSY = Counter(
     "batchwire_worker_busy_seconds", "Seconds each worker spent inside batchstring.", ["worker"], registry=REGISTRY
 )
+BACKEND_CPU = Counter(
+    "batchwire_backend_cpu_seconds",
+    "CPU seconds the backend's calling thread used inside batchstring (a model computing on the CPU).",
+    ["worker"],
+    registry=REGISTRY,
+)
 WORKER_BATCHES = Counter(
     "batchwire_worker_batches", "Batches each worker ran, by outcome.", ["worker", "outcome"], registry=REGISTRY
 )

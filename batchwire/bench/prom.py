@@ -20,6 +20,7 @@ BATCH_SIZE = "batchwire_batch_size"
 BACKEND_ITEMS = "batchwire_backend_items_total"
 FLUSHES = "batchwire_flushes_total"
 WORKER_BUSY = "batchwire_worker_busy_seconds_total"
+BACKEND_CPU = "batchwire_backend_cpu_seconds_total"
 
 LabelSet = frozenset[tuple[str, str]]
 SampleKey = tuple[str, LabelSet]
@@ -99,6 +100,8 @@ class ServerStats(TypedDict):
     flushes: dict[str, float]
     workers: int
     busy_fraction: float | None
+    backend_cpu_s: float | None
+    """CPU seconds of the backends' calling threads in the window (None: not exported)."""
 
 
 def _delta(before: Scrape, after: Scrape) -> dict[tuple[str, SampleKey], float]:
@@ -115,6 +118,11 @@ def _delta(before: Scrape, after: Scrape) -> dict[tuple[str, SampleKey], float]:
 
 def _sum(delta: Mapping[tuple[str, SampleKey], float], name: str) -> float:
     return sum(value for (_, (sample, _labels)), value in delta.items() if sample == name)
+
+
+def _has(delta: Mapping[tuple[str, SampleKey], float], name: str) -> bool:
+    """Whether any endpoint exports ``name`` (an older service may not)."""
+    return any(sample == name for (_, (sample, _labels)) in delta)
 
 
 def _by_label(delta: Mapping[tuple[str, SampleKey], float], name: str, label: str) -> dict[str, float]:
@@ -140,7 +148,7 @@ def _buckets(cumulative: Mapping[str, float]) -> list[BucketCount]:
 
 def _items(delta: Mapping[tuple[str, SampleKey], float]) -> float:
     """Inputs the backends ran: their own count where the workers export it, else the batches' sizes."""
-    if any(sample == BACKEND_ITEMS for (_, (sample, _labels)) in delta):
+    if _has(delta, BACKEND_ITEMS):
         return _sum(delta, BACKEND_ITEMS)
     return _sum(delta, f"{BATCH_SIZE}_sum")
 
@@ -174,6 +182,7 @@ def server_stats(before: Scrape, after: Scrape, urls: Iterable[str], workers_hin
         flushes={reason: count for reason, count in _by_label(delta, FLUSHES, "reason").items() if count},
         workers=workers,
         busy_fraction=busy / window_s / workers if workers else None,
+        backend_cpu_s=_sum(delta, BACKEND_CPU) if _has(delta, BACKEND_CPU) else None,
     )
 
 

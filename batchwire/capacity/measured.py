@@ -60,6 +60,9 @@ class MeasuredRate:
     """Batches the workers ran in the window (None: not scraped)."""
     backend_s: float | None = None
     """Seconds the workers spent inside the backend in the window, summed over workers."""
+    backend_share: float | None = None
+    """The CPU the backends' calling threads used in the window, as a share of the machine's cores
+    (None: not recorded; a model that computes on the CPU, not one that waits for a GPU or sleeps)."""
     sends: str | None = None
     """The generator's record of its sends (``batchwire.bench.sends``; None: an older run without one)."""
     warmup_sends: str | None = None
@@ -230,6 +233,7 @@ def _rate(rate: dict[str, Any], cpu_count: int | None) -> MeasuredRate:
         cpu_busy=_cpu_busy(rate, cpu_count),
         batches=server.get("batches"),
         backend_s=_backend_s(server, window_s),
+        backend_share=_backend_share(server, window_s, cpu_count),
         sends=rate.get("sends") or None,
         warmup_sends=rate.get("warmup_sends") or None,
         unsettled=opening_backlog(rate.get("latency_by_second_ms") or []) is not None,
@@ -239,6 +243,13 @@ def _rate(rate: dict[str, Any], cpu_count: int | None) -> MeasuredRate:
 def _backend_s(server: dict[str, Any], window_s: float) -> float | None:
     """The workers' seconds inside the backend over the scrape window (else the rate's)."""
     return backend_seconds({**server, "window_s": server.get("window_s") or window_s})
+
+
+def _backend_share(server: dict[str, Any], window_s: float, cpu_count: int | None) -> float | None:
+    cpu_s, window = server.get("backend_cpu_s"), server.get("window_s") or window_s
+    if cpu_s is None or not cpu_count or not window:
+        return None
+    return round(float(cpu_s) / float(window) / cpu_count, 4)
 
 
 def _cpu_busy(rate: dict[str, Any], cpu_count: int | None) -> float | None:

@@ -182,10 +182,17 @@ def awake_overhead(run: MeasuredRun, measured: MeasuredRate, overhead: float, so
 
 
 def loaded_overhead_ms(overhead_ms: float, measured: MeasuredRate) -> float:
-    """The idle path's overhead stretched by the CPU's queueing at this rate: ``overhead / (1 - busy)``
-    (processor sharing), with the busy share measured during the rate and capped at ``BUSY_CAP``."""
+    """The idle path's overhead stretched by the CPU's queueing at this rate: processor sharing of the
+    cores that the backend's own thread leaves, ``overhead * (1 - backend) / (1 - busy)``.
+
+    ``busy`` is the machine's busy share measured during the rate (capped at ``BUSY_CAP``), ``backend``
+    the share of it that the backend's calling thread used (a model computing on the CPU). That one
+    thread runs on one core and releases the GIL inside its kernels, so the hops run beside it on the
+    other cores: they share with the rest of the load what it leaves, ``(busy - backend) / (1 - backend)``
+    of it busy. A backend that sleeps or waits for a GPU uses next to none: ``overhead / (1 - busy)``."""
     busy = min(measured.cpu_busy or 0.0, BUSY_CAP)
-    return round(overhead_ms / (1.0 - busy), 2)
+    backend = min(measured.backend_share or 0.0, busy)
+    return round(overhead_ms * (1.0 - backend) / (1.0 - busy), 2)
 
 
 def compare(

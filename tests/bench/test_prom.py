@@ -18,6 +18,8 @@ batchwire_flushes_total{model="m",reason="max_wait"} 2.0
 batchwire_flushes_created{model="m",reason="max_wait"} 1.7e9
 # TYPE batchwire_worker_busy_seconds counter
 batchwire_worker_busy_seconds_total{worker="w0"} 1.0
+# TYPE batchwire_backend_cpu_seconds counter
+batchwire_backend_cpu_seconds_total{worker="w0"} 0.25
 """
 
 AFTER = """
@@ -33,6 +35,9 @@ batchwire_flushes_total{model="m",reason="full"} 4.0
 # TYPE batchwire_worker_busy_seconds counter
 batchwire_worker_busy_seconds_total{worker="w0"} 2.5
 batchwire_worker_busy_seconds_total{worker="w1"} 0.5
+# TYPE batchwire_backend_cpu_seconds counter
+batchwire_backend_cpu_seconds_total{worker="w0"} 1.0
+batchwire_backend_cpu_seconds_total{worker="w1"} 0.125
 """
 
 
@@ -59,6 +64,7 @@ def test_server_stats_is_the_difference_over_the_window() -> None:
     # 1.5 + 0.5 busy seconds over 2 s and 2 workers
     assert stats["busy_fraction"] == pytest.approx(0.5)
     assert backend_ms_per_call(stats) == pytest.approx(2000.0 / 5), "2 busy seconds over 5 calls"
+    assert stats["backend_cpu_s"] == pytest.approx(0.75 + 0.125), "the backends' threads' CPU, summed over workers"
 
 
 def test_workers_hint_wins_and_missing_metrics_give_none() -> None:
@@ -69,4 +75,5 @@ def test_workers_hint_wins_and_missing_metrics_give_none() -> None:
     assert stats["batch_size_mean"] is None
     assert stats["busy_fraction"] == 0.0
     assert backend_ms_per_call(stats) is None, "no call in the window"
+    assert stats["backend_cpu_s"] is None, "a service that does not export it"
     assert stats["scrape_errors"] == {"http://y/metrics": "HTTP 404"}

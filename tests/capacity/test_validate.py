@@ -111,6 +111,14 @@ def test_the_overhead_stretches_with_the_measured_cpu_busy_share_up_to_its_cap()
     assert validate.loaded_overhead_ms(7.0, dataclasses.replace(rate, cpu_busy=None)) == 7.0
 
 
+def test_the_hops_share_only_the_cores_that_the_backends_own_thread_leaves() -> None:
+    """Half the machine busy, half of that a CPU model's thread: the rest, a third of what it leaves."""
+    rate = MeasuredRate(300.0, 300.0, 300.0, 12.0, 25.0, 5.0, 2.0, cpu_busy=0.5, backend_share=0.25)
+    assert validate.loaded_overhead_ms(6.0, rate) == 9.0, "6 ms / (1 - 1/3)"
+    assert validate.loaded_overhead_ms(6.0, dataclasses.replace(rate, backend_share=0.0)) == 12.0, "a GPU's or sim's"
+    assert validate.loaded_overhead_ms(6.0, dataclasses.replace(rate, backend_share=0.7)) == 6.0, "never above busy"
+
+
 def test_the_stretch_is_drawn_per_batch_unless_the_spread_is_off() -> None:
     (run,) = read("durability-rf1/run1")
     spread = validate.compare([run], {}, requests=2_000, seeds=1)
@@ -321,3 +329,14 @@ def test_a_bench_file_gives_the_workers_batches_and_backend_seconds() -> None:
     (rate,) = run.rates
     assert rate.batches is not None and rate.batches > 0
     assert rate.backend_s is not None and rate.backend_s > 0, "busy share x window x workers"
+    assert rate.backend_share is None, "a run from before the backends' CPU was scraped"
+
+
+def test_the_backends_cpu_seconds_give_their_share_of_the_machine(tmp_path: Path) -> None:
+    data = json.loads((DATA / "slow-worker" / "results.json").read_text())
+    rate = data["runs"][0]["rates"][0]
+    cpus = data["metadata"].get("cpu_affinity") or data["metadata"]["cpu_count"]
+    rate["server"]["backend_cpu_s"] = rate["window_s"] * cpus / 4  # a quarter of the machine
+    (tmp_path / "results.json").write_text(json.dumps(data))
+    ((run,),) = [measured.read_runs(tmp_path / "results.json", "cpu")]
+    assert run.rates[0].backend_share == pytest.approx(0.25)

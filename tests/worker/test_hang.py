@@ -69,6 +69,24 @@ async def test_on_start_is_called_on_the_thread_as_the_call_begins() -> None:
     assert timing.started is not None and timing.ended is not None and timing.started <= timing.ended
 
 
+async def test_a_call_records_its_threads_cpu_time_computing_not_waiting() -> None:
+    """A model computing on the CPU uses its thread's CPU; one waiting for a device (a sleep) does not."""
+    runner = BackendRunner("test")
+
+    def compute(cpu_s: float) -> None:
+        until = time.thread_time() + cpu_s
+        while time.thread_time() < until:
+            pass
+
+    computing, waiting = Timing(), Timing()
+    await runner.call(compute, 0.05, timing=computing)
+    await runner.call(time.sleep, 0.2, timing=waiting)
+    runner.close()
+    assert computing.cpu_s is not None and computing.cpu_s >= 0.05
+    assert waiting.cpu_s is not None and waiting.started is not None and waiting.ended is not None
+    assert waiting.cpu_s < (waiting.ended - waiting.started) / 2, "a sleep is wall time, not CPU"
+
+
 async def test_a_worker_whose_backend_hangs_gives_the_batch_back_and_stops() -> None:
     rig = Rig()
     await rig.listen()
