@@ -15,16 +15,16 @@ Under load a request comes before the last one's hops are done and finds them aw
 gap between requests is shorter than the idle path, the run's warm-path probe (lone requests sent
 back to back) gives the cost instead.
 Under load the hops share the machine's cores with everything else, so by default the overhead at
-each rate is stretched by the CPU busy share measured then, ``overhead / (1 - busy)`` (processor
-sharing). The stretch is a wait for the CPU, and such a wait varies: by default the idle overhead
-stays fixed and the stretch is drawn per batch from an exponential distribution with that mean (an
-M/M/1 queue's wait), so a loaded machine's tail shows too. Calls take longer too: the workers'
-measured time inside the backend per call, less what the curve predicts for the batches they ran, is
-added to every call at that rate. It is a delay per call, not a factor: what slows a call is its
-Python steps waiting for the GIL while the process's event loop runs, and a call has as many steps
-whatever its batch size (a factor overstated large batches and sent a loaded model's queue up). A slow
-worker is worker 0 at its own latency. Runs of a real model (the hf backend) take its profiled
-curve (``--curve``) in place of the flat sim latency.
+each rate is stretched by the CPU busy share measured then: processor sharing of the cores that the
+backend's own thread leaves (``loaded_overhead_ms``). The stretch is a wait for the CPU, and such a
+wait varies: by default the idle overhead stays fixed and the stretch is drawn per batch from an
+exponential distribution with that mean (an M/M/1 queue's wait), so a loaded machine's tail shows too.
+Calls take longer too: the workers' measured time inside the backend per call, less what the curve
+predicts for the batches they ran, is added to every call at that rate. It is a delay per call, not a
+factor: what slows a call is its Python steps waiting for the GIL while the process's event loop runs,
+and a call has as many steps whatever its batch size (a factor overstated large batches and sent a
+loaded model's queue up). A slow worker is worker 0 at its own latency. Runs of a real model (the hf
+backend) take its profiled curve (``--curve``) in place of the flat sim latency.
 
 Arrivals are the generator's own where the run recorded its sends (``batchwire.bench.sends``): each
 request arrives when it was sent and its latency counts from when it was due, as the bench counts
@@ -304,7 +304,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="added per answer ahead in its batch, for a mode (results stored and answered one by one)",
     )
     switches = {
-        "--cpu-scaling": "stretch the overhead by the machine's measured CPU busy share: overhead / (1 - busy)",
+        "--cpu-scaling": "stretch the overhead by the machine's measured CPU busy share, less the backend "
+        "thread's own: overhead * (1 - backend) / (1 - busy)",
         "--contention-spread": "draw that stretch per batch, exponential with that mean (off: the mean, fixed)",
         "--replay": "replay a run's recorded sends (its bursts and lag) where it has them, not Poisson arrivals",
         "--call-extra": "add to each call the time per call the workers spent in the backend beyond the curve's",
