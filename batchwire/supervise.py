@@ -15,8 +15,9 @@ from fastapi import FastAPI
 from prometheus_client import start_http_server
 
 from batchwire.gc_tuning import Threshold, tune_gc
+from gateway.descriptors import connection_cap
 from gateway.events import StreamsEnd
-from gateway.http_limits import connection_cap, limited_http_protocol
+from gateway.http_limits import limited_http_protocol
 from gateway.settings import GatewaySettings
 from telemetry import logs
 from telemetry.metrics import REGISTRY

@@ -207,7 +207,7 @@ ERROR_TABLE: dict[str, tuple[int, str]] = {
     "too_many_connections": (
         503,
         "The gateway holds BATCHWIRE_MAX_CONNECTIONS open connections, each of which has sent a request; the new "
-        "one is closed unread; retry after Retry-After.",
+        "one's request is answered unread and the connection closed; retry after Retry-After.",
     ),
     "unknown_model": (404, "`model` is not served by this deployment."),
     "task_not_found": (404, "No task has this id (or it expired, or another API key created it)."),
@@ -225,7 +225,8 @@ ERROR_TABLE: dict[str, tuple[int, str]] = {
     "deadline_exceeded": (
         504,
         "No answer (for `POST /v1/tasks`: no place in the queue) before the request's deadline (`timeout_ms`); "
-        "the task may still finish.",
+        "the task may still finish. A `timeout_ms` shorter than one call of the model is never met; its message "
+        "names the call's length.",
     ),
     "overloaded": (
         503,

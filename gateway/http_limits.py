@@ -15,9 +15,14 @@ only the asyncio callbacks, the parser callbacks, ``on_response_complete`` and
   previous response; a body, from its headers) behind one timer that is re-armed lazily, so a busy
   keep-alive connection makes about one timer per header timeout, not one per request;
 - at the cap, a new connection takes the place of the one that has waited longest without sending a
-  whole request (a flood of connections that send nothing, or a slowloris, cannot lock clients
-  out); when every open connection has sent one, the new connection is answered 503 and closed
-  before anything is read from it.
+  whole request, once that one has waited ``SLOW_AFTER_S``: a flood of connections that send
+  nothing, or a slowloris, cannot lock clients out, and a burst's connections, too new to have sent
+  theirs, are not closed unanswered. Otherwise the new connection gets 503 once its request has
+  come whole (within the header timeout; it is read and dropped, never parsed for the app): a
+  client that meets an answer and a close while it still writes fails without reading it. The
+  connection then stays open until the client closes it, for ``REFUSAL_LINGER_S`` at most (a socket
+  closed with bytes unread sends a reset). At most ``refusal_budget`` refusals wait so at once;
+  past it a new connection is answered and closed at once.
 """
 
 from __future__ import annotations
@@ -25,20 +30,25 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import resource
 from typing import Any, ClassVar
 
+import httptools
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
 
+from gateway.descriptors import refusal_budget
 from gateway.errors import HTTP_STATUS, error_body
 from gateway.settings import GatewaySettings, env_name
 
 log = logging.getLogger(__name__)
 
-FD_RESERVE = 256
-"""Descriptors kept for everything but HTTP connections (listening socket, Kafka, Redis, logs)."""
+SLOW_AFTER_S = 2.0
+"""A connection open this long without a whole request is a slow one: at the cap it gives its place
+to a new connection. Younger ones are a burst's, whose requests a busy loop has not read yet: the new
+connection is refused instead. (A slowloris must open the cap's worth of connections this often.)"""
+REFUSAL_LINGER_S = 1.0
+"""How long a refused connection stays open after its 503 for the client to close it."""
 
 
 def answer(code: str, message: str, headers: bytes = b"") -> bytes:
@@ -58,15 +68,30 @@ def answer(code: str, message: str, headers: bytes = b"") -> bytes:
 _INVALID_HTTP = answer("invalid_http", "the request is not valid HTTP/1.1; the connection is closed")
 
 
+class _RequestEnd:
+    """Parser callbacks for a refused connection: only where its request ends."""
+
+    __slots__ = ("ended",)
+
+    def __init__(self) -> None:
+        self.ended = False
+
+    def on_message_complete(self) -> None:
+        self.ended = True
+
+
 class Occupancy:
     """One server's connections that have not yet sent a whole request, longest waiting first, and
     how many of them are being closed to make room (uvicorn counts them until their close completes)."""
 
-    __slots__ = ("closing", "unproven")
+    __slots__ = ("closing", "refusing", "unproven")
 
     def __init__(self) -> None:
-        self.unproven: dict[LimitedHttpToolsProtocol, None] = {}
+        self.unproven: dict[LimitedHttpToolsProtocol, float] = {}
+        """Oldest first, with the loop time each opened."""
         self.closing = 0
+        self.refusing = 0
+        """Connections refused at the cap that are still open (see the module)."""
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
@@ -76,6 +101,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     header_timeout_s: ClassVar[float] = 10.0
     body_timeout_s: ClassVar[float] = 30.0
     max_connections: ClassVar[int] = 4096
+    max_refusing: ClassVar[int] = 0
+    """Refusals at the cap that may wait for their request at once (:func:`refusal_budget`)."""
     headers_too_large: ClassVar[bytes] = b""
     """The 431 answer; the four answers are built once per process by :func:`limited_http_protocol`."""
     header_timeout: ClassVar[bytes] = b""
@@ -104,22 +131,65 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._unproven = False
         """Open, and no request's headers have come whole yet (in ``occupancy.unproven``)."""
         self._making_room = False
+        self._refusing = False
+        """Refused at the cap and still open (counted in ``occupancy.refusing``)."""
+        self._refusal_sent = False
+        self._request_end = _RequestEnd()
+        self._refusal_parser: httptools.HttpRequestParser | None = None
+        """Finds the end of a refused connection's request (its bytes are dropped, not handed on)."""
 
     # asyncio callbacks ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         occupancy = self.occupancy
         if len(self.connections) - occupancy.closing >= self.max_connections:
-            if not occupancy.unproven:
+            oldest = next(iter(occupancy.unproven.items()), None)
+            if oldest is None or self.loop.time() - oldest[1] < SLOW_AFTER_S:
                 # Never added to uvicorn's connections, so connection_lost's discard leaves the count right.
                 self.transport = transport
-                transport.write(self.too_many_connections)
-                transport.close()
+                self._refuse_over_cap(transport)
                 return
-            next(iter(occupancy.unproven))._make_room()
+            oldest[0]._make_room()
         super().connection_made(transport)
-        occupancy.unproven[self] = None
+        occupancy.unproven[self] = self.loop.time()
         self._unproven = True
         self._expect(self.header_timeout_s)
+
+    def _refuse_over_cap(self, transport: asyncio.Transport) -> None:
+        """Waits for the request to answer it 503 (see the module), or answers and closes at once."""
+        occupancy = self.occupancy
+        if occupancy.refusing >= self.max_refusing:
+            transport.write(self.too_many_connections)
+            transport.close()
+            return
+        occupancy.refusing += 1
+        self._refusing = True
+        self._refusal_parser = httptools.HttpRequestParser(self._request_end)
+        self._timer = self.loop.call_later(self.header_timeout_s, self._end_refusal)
+
+    def _read_refused(self, data: bytes) -> None:
+        """Drops what a refused connection sends; answers once its request is whole (or not HTTP)."""
+        if self._refusal_sent or self._refusal_parser is None:
+            return
+        try:
+            self._refusal_parser.feed_data(data)
+        except (httptools.HttpParserUpgrade, httptools.HttpParserError):
+            self._request_end.ended = True  # an upgrade, or not HTTP: answered all the same
+        if self._request_end.ended:
+            self._send_refusal()
+
+    def _send_refusal(self) -> None:
+        """The 503 (``connection: close``); then the wait is for the client's close (see the module)."""
+        self._refusal_sent = True
+        self.transport.write(self.too_many_connections)
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self.loop.call_later(REFUSAL_LINGER_S, self._end_refusal)
+
+    def _end_refusal(self) -> None:
+        self._timer = None
+        if not self._refusal_sent:  # nothing came: answered unasked, as a client may still be about to ask
+            self.transport.write(self.too_many_connections)
+        self.transport.close()
 
     def _make_room(self) -> None:
         """Closes this connection, which has waited longest without a whole request, for a new one."""
@@ -139,9 +209,15 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._unproven = False
         elif self._making_room:
             self.occupancy.closing -= 1
+        elif self._refusing:
+            self.occupancy.refusing -= 1
+            self._refusing = False
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._refusing:
+            self._read_refused(data)
+            return
         if self._in_body:
             if len(data) > self.max_header_bytes:
                 self._parse_in_pieces(data)
@@ -317,33 +393,6 @@ def limited_http_protocol(
             b"retry-after: %d\r\n" % settings.retry_after_s,
         )
 
+    Bound.max_refusing = refusal_budget(cap)
     Bound.__name__ = Bound.__qualname__ = LimitedHttpToolsProtocol.__name__
     return Bound
-
-
-def connection_cap(max_connections: int) -> int:
-    """``max_connections``, after raising the soft descriptor limit to the hard one when it is too low
-    for that many; lowered, with a warning, when even the hard limit leaves too few descriptors."""
-    needed = max_connections + FD_RESERVE
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < needed:
-        target = needed if hard == resource.RLIM_INFINITY else hard
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        except (ValueError, OSError) as err:
-            log.warning("could not raise the open-file limit from %d to %d: %s", soft, target, err)
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    if soft == resource.RLIM_INFINITY or soft >= needed:
-        return max_connections
-    cap = max(1, soft - FD_RESERVE)
-    log.warning(
-        "max_connections (%s) is %d, but the process may open only %d files (ulimit -n; %d kept for other "
-        "uses): serving at most %d connections; raise the hard limit or lower %s",
-        env_name("max_connections"),
-        max_connections,
-        soft,
-        FD_RESERVE,
-        cap,
-        env_name("max_connections"),
-    )
-    return cap

@@ -19,7 +19,8 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
-from gateway.http_limits import FD_RESERVE, LimitedHttpToolsProtocol, connection_cap, limited_http_protocol
+from gateway.descriptors import FD_RESERVE, connection_cap, refusal_budget
+from gateway.http_limits import REFUSAL_LINGER_S, SLOW_AFTER_S, LimitedHttpToolsProtocol, limited_http_protocol
 from gateway.settings import GatewaySettings
 from tests.support.eventually import eventually
 
@@ -420,17 +421,22 @@ async def test_a_busy_keep_alive_connection_makes_few_timers() -> None:
 
 
 # connections and bad requests -------------------------------------------------------------------
-async def test_at_the_cap_a_new_connection_replaces_the_longest_waiting_one_without_a_request() -> None:
+async def test_at_the_cap_a_new_connection_replaces_the_longest_waiting_slow_one_without_a_request() -> None:
     edge = Edge(max_connections=3)
     _, oldest_silent, _ = edge.connect()
     served, served_transport, _ = edge.connect()
     served.data_received(get())
     await answered(served_transport)
+    edge.loop.advance(SLOW_AFTER_S)
     _, newer_silent, _ = edge.connect()
     _, admitted, _ = edge.connect()
     assert oldest_silent.closed and oldest_silent.written == b"", "the longest waiting one makes room, unanswered"
     assert not admitted.closed, "the new connection is served"
     assert not newer_silent.closed and not served_transport.closed
+    _, refused, _ = edge.connect()
+    assert not newer_silent.closed, "one open for less than SLOW_AFTER_S may be a burst's, not yet read"
+    assert not refused.closed and refused.written == b"", "the new one is refused: its request will be answered 503"
+    edge.loop.advance(SLOW_AFTER_S)
     _, again, _ = edge.connect()
     assert newer_silent.closed, "then the next longest waiting one without a request"
     assert not again.closed and not served_transport.closed, "a connection that sent a request keeps its place"
@@ -439,7 +445,7 @@ async def test_at_the_cap_a_new_connection_replaces_the_longest_waiting_one_with
     assert edge.protocol_class.occupancy.closing == 0, "closes that made room are done"
 
 
-async def test_at_the_cap_with_every_connection_proven_a_new_one_gets_503_unread() -> None:
+async def test_at_the_cap_with_every_connection_proven_a_new_ones_request_gets_503_unread() -> None:
     edge = Edge(max_connections=2, retry_after_s=3)
     transports = []
     for _ in range(2):
@@ -447,20 +453,55 @@ async def test_at_the_cap_with_every_connection_proven_a_new_one_gets_503_unread
         protocol.data_received(get())
         await answered(transport)
         transports.append(transport)
-    _, over_transport, parser = edge.connect()
-    assert over_transport.closed, "the connection over the cap must be closed"
+    over, over_transport, parser = edge.connect()
+    assert over_transport.written == b"" and not over_transport.closed, "it waits for the request it will answer"
+    over.data_received(post(b'{"input":"x"}'))
     assert status_of(over_transport.written) == 503
     assert error_code_of(over_transport.written) == "too_many_connections"
     assert b"retry-after: 3\r\n" in over_transport.written
     assert b"BATCHWIRE_MAX_CONNECTIONS" in over_transport.written
-    assert parser.fed == 0
+    assert not over_transport.closed, "open for the client to close it: unread bytes would make the close a reset"
+    written = over_transport.written
+    over.data_received(b"more of the body")
+    assert over_transport.written == written and parser.fed == 0, "what comes after is dropped unparsed"
+    edge.loop.advance(REFUSAL_LINGER_S)
+    assert over_transport.closed, "closed when the client has not closed by then"
     await settle()
     assert len(edge.state.connections) == 2, "a refused connection is not counted"
+    assert edge.protocol_class.occupancy.refusing == 0
     transports[0].close()
     await settle()
     assert len(edge.state.connections) == 1
     _, again, _ = edge.connect()
-    assert not again.closed, "a closed connection frees its place"
+    assert not again.closed and again.written == b"", "a closed connection frees its place"
+
+
+async def test_a_refused_connection_that_sends_nothing_is_answered_at_the_header_timeout() -> None:
+    edge = Edge(max_connections=2)
+    for _ in range(2):
+        protocol, transport, _ = edge.connect()
+        protocol.data_received(get())
+        await answered(transport)
+    _, silent, _ = edge.connect()
+    edge.loop.advance(HEADER_TIMEOUT_S - 0.1)
+    assert silent.written == b"" and not silent.closed
+    edge.loop.advance(0.1)
+    assert status_of(silent.written) == 503 and silent.closed
+
+
+async def test_past_the_refusal_budget_a_connection_is_answered_and_closed_at_once() -> None:
+    edge = Edge(max_connections=2)
+    assert edge.protocol_class.max_refusing == 2, "as many as the cap"
+    for _ in range(2):
+        protocol, transport, _ = edge.connect()
+        protocol.data_received(get())
+        await answered(transport)
+    waiting = [edge.connect()[1] for _ in range(2)]
+    _, over_budget, _ = edge.connect()
+    assert all(transport.written == b"" and not transport.closed for transport in waiting)
+    assert status_of(over_budget.written) == 503 and over_budget.closed
+    await settle()
+    assert edge.protocol_class.occupancy.refusing == 2, "the ones still waiting"
 
 
 async def test_invalid_http_gets_a_json_400() -> None:
@@ -502,16 +543,29 @@ def test_a_cap_the_hard_limit_cannot_hold_is_lowered_with_a_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     Rlimit(monkeypatch, soft=1024, hard=2048)
-    with caplog.at_level(logging.WARNING, logger="gateway.http_limits"):
+    with caplog.at_level(logging.WARNING, logger="gateway.descriptors"):
         assert connection_cap(10_000) == 2048 - FD_RESERVE
     assert "BATCHWIRE_MAX_CONNECTIONS" in caplog.text, caplog.text
 
 
-async def test_a_burst_at_the_cap_keeps_the_count_at_the_cap() -> None:
+def test_as_many_refusals_as_the_cap_may_wait_within_the_spare_descriptors(monkeypatch: pytest.MonkeyPatch) -> None:
+    Rlimit(monkeypatch, soft=65536, hard=65536)
+    assert refusal_budget(4096) == 4096
+    Rlimit(monkeypatch, soft=4096 + FD_RESERVE + 100, hard=65536)
+    assert refusal_budget(4096) == 100, "what the cap and the reserve leave"
+    Rlimit(monkeypatch, soft=2048, hard=2048)
+    assert refusal_budget(2048 - FD_RESERVE) == 0, "none left: refused at once"
+
+
+async def test_a_burst_at_the_cap_keeps_its_first_connections_and_refuses_the_rest() -> None:
     edge = Edge(max_connections=3)
-    transports = [edge.connect()[1] for _ in range(13)]  # all in one go: no close has completed yet
-    assert sum(not transport.closed for transport in transports) == 3
-    assert [transport.closed for transport in transports[-3:]] == [False] * 3, "the newest are kept"
+    transports = [edge.connect()[1] for _ in range(13)]  # all in one go: none has sent its request yet
+    first, waiting, answered_at_once = transports[:3], transports[3:6], transports[6:]
+    assert not any(transport.closed or transport.written for transport in first + waiting), "kept, and refusals waiting"
+    assert all(status_of(transport.written) == 503 and transport.closed for transport in answered_at_once), (
+        "past the budget"
+    )
     await settle()
     assert len(edge.state.connections) == 3
     assert edge.protocol_class.occupancy.closing == 0
+    assert edge.protocol_class.occupancy.refusing == 3
