@@ -17,12 +17,13 @@ only the asyncio callbacks, the parser callbacks, ``on_response_complete`` and
 - at the cap, a new connection takes the place of the one that has waited longest without sending a
   whole request, once that one has waited ``SLOW_AFTER_S``: a flood of connections that send
   nothing, or a slowloris, cannot lock clients out, and a burst's connections, too new to have sent
-  theirs, are not closed unanswered. Otherwise the new connection gets 503 once its request has
-  come whole (within the header timeout; it is read and dropped, never parsed for the app): a
-  client that meets an answer and a close while it still writes fails without reading it. The
-  connection then stays open until the client closes it, for ``REFUSAL_LINGER_S`` at most (a socket
-  closed with bytes unread sends a reset). At most ``refusal_budget`` refusals wait so at once;
-  past it a new connection is answered and closed at once.
+  theirs, are not closed unanswered. Otherwise the new connection gets 503 once its request has come
+  whole (within the header timeout and ``REFUSED_READ_BYTES``; it is read and dropped,
+  ``gateway.refused_request``): a client that meets an answer and a close while it still writes
+  fails without reading it. The connection then stays open until the client closes it, for
+  ``REFUSAL_LINGER_S`` at most (a socket closed with bytes unread sends a reset). At most
+  ``refusal_budget`` refusals wait so at once; past it a new connection is answered and closed at
+  once.
 """
 
 from __future__ import annotations
@@ -32,13 +33,13 @@ import json
 import logging
 from typing import Any, ClassVar
 
-import httptools
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from gateway.descriptors import refusal_budget
 from gateway.errors import HTTP_STATUS, error_body
+from gateway.refused_request import RefusedRequest
 from gateway.settings import GatewaySettings, env_name
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ to a new connection. Younger ones are a burst's, whose requests a busy loop has 
 connection is refused instead. (A slowloris must open the cap's worth of connections this often.)"""
 REFUSAL_LINGER_S = 1.0
 """How long a refused connection stays open after its 503 for the client to close it."""
+REFUSED_READ_BYTES = 1 << 20
+"""What a refused connection may send, its request and after: then it is answered (if not yet) and closed."""
 
 
 def answer(code: str, message: str, headers: bytes = b"") -> bytes:
@@ -66,18 +69,6 @@ def answer(code: str, message: str, headers: bytes = b"") -> bytes:
 
 
 _INVALID_HTTP = answer("invalid_http", "the request is not valid HTTP/1.1; the connection is closed")
-
-
-class _RequestEnd:
-    """Parser callbacks for a refused connection: only where its request ends."""
-
-    __slots__ = ("ended",)
-
-    def __init__(self) -> None:
-        self.ended = False
-
-    def on_message_complete(self) -> None:
-        self.ended = True
 
 
 class Occupancy:
@@ -131,12 +122,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._unproven = False
         """Open, and no request's headers have come whole yet (in ``occupancy.unproven``)."""
         self._making_room = False
-        self._refusing = False
-        """Refused at the cap and still open (counted in ``occupancy.refusing``)."""
+        self._refused: RefusedRequest | None = None
+        """Refused at the cap and still open (counted in ``occupancy.refusing``): what it sent."""
         self._refusal_sent = False
-        self._request_end = _RequestEnd()
-        self._refusal_parser: httptools.HttpRequestParser | None = None
-        """Finds the end of a refused connection's request (its bytes are dropped, not handed on)."""
 
     # asyncio callbacks ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -162,32 +150,26 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             transport.close()
             return
         occupancy.refusing += 1
-        self._refusing = True
-        self._refusal_parser = httptools.HttpRequestParser(self._request_end)
+        self._refused = RefusedRequest()
         self._timer = self.loop.call_later(self.header_timeout_s, self._end_refusal)
 
-    def _read_refused(self, data: bytes) -> None:
+    def _read_refused(self, refused: RefusedRequest, data: bytes) -> None:
         """Drops what a refused connection sends; answers once its request is whole (or not HTTP)."""
-        if self._refusal_sent or self._refusal_parser is None:
-            return
-        try:
-            self._refusal_parser.feed_data(data)
-        except (httptools.HttpParserUpgrade, httptools.HttpParserError):
-            self._request_end.ended = True  # an upgrade, or not HTTP: answered all the same
-        if self._request_end.ended:
+        if refused.feed(data) and not self._refusal_sent:
             self._send_refusal()
+        if refused.read > REFUSED_READ_BYTES:
+            self._end_refusal()
 
     def _send_refusal(self) -> None:
         """The 503 (``connection: close``); then the wait is for the client's close (see the module)."""
         self._refusal_sent = True
         self.transport.write(self.too_many_connections)
-        if self._timer is not None:
-            self._timer.cancel()
+        self._cancel_timer()
         self._timer = self.loop.call_later(REFUSAL_LINGER_S, self._end_refusal)
 
     def _end_refusal(self) -> None:
-        self._timer = None
-        if not self._refusal_sent:  # nothing came: answered unasked, as a client may still be about to ask
+        self._cancel_timer()
+        if not self._refusal_sent and not self.transport.is_closing():  # answered unasked: none came whole
             self.transport.write(self.too_many_connections)
         self.transport.close()
 
@@ -201,22 +183,20 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._deadline = None
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._cancel_timer()
         if self._unproven:
             del self.occupancy.unproven[self]
             self._unproven = False
         elif self._making_room:
             self.occupancy.closing -= 1
-        elif self._refusing:
+        elif self._refused is not None:
             self.occupancy.refusing -= 1
-            self._refusing = False
+            self._refused = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._refusing:
-            self._read_refused(data)
+        if self._refused is not None:
+            self._read_refused(self._refused, data)
             return
         if self._in_body:
             if len(data) > self.max_header_bytes:
@@ -323,10 +303,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         deadline = self.loop.time() + within_s
         self._deadline = deadline
         if self._timer is None or self._timer_at > deadline:
-            if self._timer is not None:
-                self._timer.cancel()
+            self._cancel_timer()
             self._timer = self.loop.call_later(within_s, self._on_timer)
             self._timer_at = deadline
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def _on_timer(self) -> None:
         self._timer = None

@@ -20,7 +20,13 @@ import uvicorn
 from uvicorn.server import ServerState
 
 from gateway.descriptors import FD_RESERVE, connection_cap, refusal_budget
-from gateway.http_limits import REFUSAL_LINGER_S, SLOW_AFTER_S, LimitedHttpToolsProtocol, limited_http_protocol
+from gateway.http_limits import (
+    REFUSAL_LINGER_S,
+    REFUSED_READ_BYTES,
+    SLOW_AFTER_S,
+    LimitedHttpToolsProtocol,
+    limited_http_protocol,
+)
 from gateway.settings import GatewaySettings
 from tests.support.eventually import eventually
 
@@ -474,6 +480,22 @@ async def test_at_the_cap_with_every_connection_proven_a_new_ones_request_gets_5
     assert len(edge.state.connections) == 1
     _, again, _ = edge.connect()
     assert not again.closed and again.written == b"", "a closed connection frees its place"
+
+
+async def test_a_refused_connection_that_sends_past_a_request_s_worth_is_answered_and_closed() -> None:
+    edge = Edge(max_connections=1)
+    protocol, transport, _ = edge.connect()
+    protocol.data_received(get())
+    await answered(transport)
+    over, over_transport, parser = edge.connect()
+    over.data_received(b"POST / HTTP/1.1\r\nhost: gw\r\ncontent-length: 100000000\r\n\r\n")
+    chunk = b"x" * 65536
+    for _ in range(REFUSED_READ_BYTES // len(chunk) - 1):
+        over.data_received(chunk)
+    assert over_transport.written == b"" and not over_transport.closed, "up to a request's worth is read"
+    over.data_received(chunk)
+    assert status_of(over_transport.written) == 503 and over_transport.closed
+    assert parser.fed == 0
 
 
 async def test_a_refused_connection_that_sends_nothing_is_answered_at_the_header_timeout() -> None:
