@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from typing import Any, ClassVar
 
 from uvicorn.config import Config
@@ -41,8 +40,6 @@ from gateway.descriptors import refusal_budget
 from gateway.errors import HTTP_STATUS, error_body
 from gateway.refused_request import RefusedRequest
 from gateway.settings import GatewaySettings, env_name
-
-log = logging.getLogger(__name__)
 
 SLOW_AFTER_S = 2.0
 """A connection open this long without a whole request is a slow one: at the cap it gives its place
