@@ -222,6 +222,8 @@ def _run(name: str, config: dict[str, Any], run: dict[str, Any], cpu_count: int 
 def _rate(rate: dict[str, Any], cpu_count: int | None) -> MeasuredRate:
     latency = rate["latency_ms"]
     window_s = float(rate["window_s"])
+    server = rate.get("server") or {}
+    scraped_s = float(server.get("window_s") or window_s)  # the scrapes' own window, where recorded
     return MeasuredRate(
         offered=float(rate["offered_rps"]),
         sent_rate=float(rate["sent"]) / window_s if window_s > 0 else float(rate["offered_rps"]),
@@ -229,27 +231,21 @@ def _rate(rate: dict[str, Any], cpu_count: int | None) -> MeasuredRate:
         p50_ms=float(latency["p50"]),
         p99_ms=float(latency["p99"]),
         min_ms=float(latency["min"]),
-        mean_batch=(server := rate.get("server") or {}).get("batch_size_mean"),
+        mean_batch=server.get("batch_size_mean"),
         cpu_busy=_cpu_busy(rate, cpu_count),
         batches=server.get("batches"),
-        backend_s=_backend_s(server, window_s),
-        backend_share=_backend_share(server, window_s, cpu_count),
+        backend_s=backend_seconds({**server, "window_s": scraped_s}),
+        backend_share=_backend_share(server.get("backend_cpu_s"), scraped_s, cpu_count),
         sends=rate.get("sends") or None,
         warmup_sends=rate.get("warmup_sends") or None,
         unsettled=opening_backlog(rate.get("latency_by_second_ms") or []) is not None,
     )
 
 
-def _backend_s(server: dict[str, Any], window_s: float) -> float | None:
-    """The workers' seconds inside the backend over the scrape window (else the rate's)."""
-    return backend_seconds({**server, "window_s": server.get("window_s") or window_s})
-
-
-def _backend_share(server: dict[str, Any], window_s: float, cpu_count: int | None) -> float | None:
-    cpu_s, window = server.get("backend_cpu_s"), server.get("window_s") or window_s
-    if cpu_s is None or not cpu_count or not window:
+def _backend_share(cpu_s: float | None, window_s: float, cpu_count: int | None) -> float | None:
+    if cpu_s is None or not cpu_count or not window_s:
         return None
-    return round(float(cpu_s) / float(window) / cpu_count, 4)
+    return round(float(cpu_s) / window_s / cpu_count, 4)
 
 
 def _cpu_busy(rate: dict[str, Any], cpu_count: int | None) -> float | None:
