@@ -23,7 +23,9 @@ only the asyncio callbacks, the parser callbacks, ``on_response_complete`` and
   fails without reading it. The connection then stays open until the client closes it, for
   ``REFUSAL_LINGER_S`` at most (a socket closed with bytes unread sends a reset). At most
   ``refusal_budget`` refusals wait so at once; past it a new connection is answered and closed at
-  once.
+  once. A refused connection whose request is a ``GET`` of ``OPERATIONS_PATHS`` is served instead,
+  and closed after its answer (``OPERATIONS_OVER_CAP`` at once): a supervisor's liveness probe that
+  met a full gateway would restart it, and its metrics are wanted most when it is full.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from uvicorn.server import ServerState
 
 from gateway.descriptors import refusal_budget
 from gateway.errors import HTTP_STATUS, error_body
-from gateway.refused_request import RefusedRequest
+from gateway.refused_request import OPERATIONS_PATHS, REFUSED_READ_BYTES, RefusedRequest
 from gateway.settings import GatewaySettings, env_name
 
 SLOW_AFTER_S = 2.0
@@ -47,22 +49,15 @@ to a new connection. Younger ones are a burst's, whose requests a busy loop has 
 connection is refused instead. (A slowloris must open the cap's worth of connections this often.)"""
 REFUSAL_LINGER_S = 1.0
 """How long a refused connection stays open after its 503 for the client to close it."""
-REFUSED_READ_BYTES = 1 << 20
-"""What a refused connection may send, its request and after: then it is answered (if not yet) and closed."""
+OPERATIONS_OVER_CAP = 16
+"""Connections over the cap that may be serving ``OPERATIONS_PATHS`` at once."""
 
 
 def answer(code: str, message: str, headers: bytes = b"") -> bytes:
     """A whole response in the gateway's error shape that closes the connection, as written bytes."""
     body = json.dumps(error_body(code, message), separators=(",", ":")).encode()
-    return b"".join(
-        (
-            STATUS_LINE[HTTP_STATUS[code]],
-            b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n" % len(body),
-            headers,
-            b"\r\n",
-            body,
-        )
-    )
+    head = b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n" % len(body)
+    return STATUS_LINE[HTTP_STATUS[code]] + head + headers + b"\r\n" + body
 
 
 _INVALID_HTTP = answer("invalid_http", "the request is not valid HTTP/1.1; the connection is closed")
@@ -72,7 +67,7 @@ class Occupancy:
     """One server's connections that have not yet sent a whole request, longest waiting first, and
     how many of them are being closed to make room (uvicorn counts them until their close completes)."""
 
-    __slots__ = ("closing", "refusing", "unproven")
+    __slots__ = ("closing", "operations", "refusing", "unproven")
 
     def __init__(self) -> None:
         self.unproven: dict[LimitedHttpToolsProtocol, float] = {}
@@ -80,6 +75,8 @@ class Occupancy:
         self.closing = 0
         self.refusing = 0
         """Connections refused at the cap that are still open (see the module)."""
+        self.operations = 0
+        """Connections over the cap served because they asked for ``OPERATIONS_PATHS``."""
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
@@ -122,11 +119,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._refused: RefusedRequest | None = None
         """Refused at the cap and still open (counted in ``occupancy.refusing``): what it sent."""
         self._refusal_sent = False
+        self._operations = False
+        """Served over the cap for ``OPERATIONS_PATHS`` (counted in ``occupancy.operations``)."""
 
     # asyncio callbacks ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         occupancy = self.occupancy
-        if len(self.connections) - occupancy.closing >= self.max_connections:
+        if len(self.connections) - occupancy.closing - occupancy.operations >= self.max_connections:
             oldest = next(iter(occupancy.unproven.items()), None)
             if oldest is None or self.loop.time() - oldest[1] < SLOW_AFTER_S:
                 # Never added to uvicorn's connections, so connection_lost's discard leaves the count right.
@@ -147,15 +146,30 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             transport.close()
             return
         occupancy.refusing += 1
-        self._refused = RefusedRequest()
+        self._refused = RefusedRequest(OPERATIONS_PATHS, self.max_header_bytes)
         self._timer = self.loop.call_later(self.header_timeout_s, self._end_refusal)
 
     def _read_refused(self, refused: RefusedRequest, data: bytes) -> None:
         """Drops what a refused connection sends; answers once its request is whole (or not HTTP)."""
-        if refused.feed(data) and not self._refusal_sent:
+        ended = refused.feed(data)
+        if refused.serve and not self._refusal_sent and self.occupancy.operations < OPERATIONS_OVER_CAP:
+            self._serve_over_cap(bytes(refused.kept))
+            return
+        if ended and not self._refusal_sent:
             self._send_refusal()
         if refused.read > REFUSED_READ_BYTES:
             self._end_refusal()
+
+    def _serve_over_cap(self, head: bytes) -> None:
+        """Serves a refused connection after all, from what it sent so far (its request's head at least)."""
+        self._cancel_timer()
+        self._refused = None
+        self.occupancy.refusing -= 1
+        self.occupancy.operations += 1
+        self._operations = True
+        super().connection_made(self.transport)
+        self._expect(self.header_timeout_s)
+        self.data_received(head)
 
     def _send_refusal(self) -> None:
         """The 503 (``connection: close``); then the wait is for the client's close (see the module)."""
@@ -189,6 +203,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         elif self._refused is not None:
             self.occupancy.refusing -= 1
             self._refused = None
+        if self._operations:
+            self.occupancy.operations -= 1
+            self._operations = False
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -251,6 +268,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
+        if self._operations and self.cycle is not None:
+            self.cycle.keep_alive = False  # its place is over the cap: one answer, then closed
         self._in_body = True
         if self._unproven:
             del self.occupancy.unproven[self]

@@ -1,37 +1,70 @@
 """The request of a connection refused at the connection cap: read, dropped, and where it ends.
 
 The gateway answers such a connection 503 only once its request has come whole (see
-``gateway.http_limits``). Its bytes never reach the app: a parser of its own, with no callback but
-the message's end, finds that end, through bodies of any framing (length or chunked).
+``gateway.http_limits``). Its bytes never reach the app: a parser of its own finds the message's
+end, through bodies of any framing (length or chunked), and the request's method and path. A probe
+or a metrics scrape (``GET`` of one of ``served`` paths) is served all the same, so the bytes up to
+the end of the head are kept for the protocol that serves it.
 """
 
 from __future__ import annotations
 
 import httptools
 
+REFUSED_READ_BYTES = 1 << 20
+"""What a refused connection may send, its request and after: then it is answered (if not yet) and closed."""
+OPERATIONS_PATHS = frozenset({b"/healthz", b"/readyz", b"/metrics"})
+"""Paths served over the cap (``GET``): the probes and the scrape (``gateway.routes.operations``)."""
+MAX_URL_BYTES = 2048
+"""Longer request targets are not one of the served paths: they are not kept whole."""
+
 
 class RefusedRequest:
-    """Counts what a refused connection sent and notes when its request came whole."""
+    """Counts what a refused connection sent, notes when its request came whole, and whether it asks for
+    one of ``served`` paths."""
 
-    __slots__ = ("_parser", "ended", "read")
+    __slots__ = ("_head_ended", "_keep_bytes", "_parser", "_served", "_url", "ended", "kept", "read", "serve")
 
-    def __init__(self) -> None:
+    def __init__(self, served: frozenset[bytes] = frozenset(), keep_bytes: int = 0) -> None:
         self.ended = False
         """The request came whole, or what came is not HTTP (answered all the same)."""
         self.read = 0
         """Bytes the connection sent, its request and anything after it."""
+        self.serve = False
+        """The request is a ``GET`` of one of ``served`` paths and its head came within ``keep_bytes``."""
+        self.kept = bytearray()
+        """What the connection sent until its head came whole, while that is at most ``keep_bytes``."""
+        self._served = served
+        self._keep_bytes = keep_bytes
+        self._url = b""
+        self._head_ended = False
         self._parser = httptools.HttpRequestParser(self)
+
+    def on_url(self, url: bytes) -> None:
+        """The parser's callback (the target may come in pieces)."""
+        if len(self._url) <= MAX_URL_BYTES:
+            self._url += url
+
+    def on_headers_complete(self) -> None:
+        """The parser's callback."""
+        self._head_ended = True
+        if self._served and len(self.kept) <= self._keep_bytes and self._parser.get_method() == b"GET":
+            path = self._url.partition(b"?")[0]
+            self.serve = path in self._served
 
     def on_message_complete(self) -> None:
         """The parser's callback."""
         self.ended = True
 
     def feed(self, data: bytes) -> bool:
-        """Drops ``data``; True once the request has come whole."""
+        """Drops ``data`` (or keeps it, while the head is still coming); True once the request has come whole."""
         self.read += len(data)
-        if not self.ended:
-            try:
-                self._parser.feed_data(data)
-            except (httptools.HttpParserUpgrade, httptools.HttpParserError):
-                self.ended = True
+        if self.ended:
+            return True
+        if self._served and not self._head_ended and len(self.kept) <= self._keep_bytes:
+            self.kept += data  # one read past the bound at most: then nothing more is kept or served
+        try:
+            self._parser.feed_data(data)
+        except (httptools.HttpParserUpgrade, httptools.HttpParserError):
+            self.ended = True
         return self.ended

@@ -277,7 +277,8 @@ def test_a_connection_flood_over_the_cap_is_refused_unread(service_factory: Serv
 def test_at_the_cap_connections_that_sent_requests_keep_their_place(embedded_service_factory: ServiceFactory) -> None:
     """Connections that each sent a request fill the cap: the next one's request gets 503 unread (not
     before it comes: a client that meets an answer and a close while it writes fails without reading
-    it), and the keep-alive connections still serve."""
+    it), and the keep-alive connections still serve. The probes and the scrape are served over the
+    cap, each on a connection closed after its answer."""
     cap = 50
     service = embedded_service_factory("--max-connections", str(cap))
     kept: list[socket.socket] = []
@@ -290,11 +291,17 @@ def test_at_the_cap_connections_that_sent_requests_keep_their_place(embedded_ser
             assert answer.startswith(b"HTTP/1.1 200 "), f"connection {n + 1} of {cap}: {answer[:200]!r}"
         with socket.create_connection((service.host, service.port), timeout=10) as over:
             assert not select.select([over], [], [], 0.3)[0], "nothing is sent before the request comes"
-            over.sendall(b"GET /healthz HTTP/1.1\r\nhost: gw\r\n\r\n")
+            over.sendall(b"GET /v1/result/unknown HTTP/1.1\r\nhost: gw\r\n\r\n")
             answer = read_response(over)
             assert answer.startswith(b"HTTP/1.1 503 "), f"connection {cap + 1} over a cap of {cap}: {answer[:200]!r}"
             assert error_code(answer) == "too_many_connections"
             assert over.recv(65536) == b"", "a refused connection is closed"
+        for path in ("/healthz", "/readyz", "/metrics"):
+            response = httpx.get(f"{service.url}{path}", timeout=10)
+            assert response.status_code == 200, f"{path} over the cap: {response.status_code} {response.text[:200]}"
+            assert response.headers["connection"] == "close"
+        refused = httpx.post(f"{service.url}/v1/inference", json={"input": "abc"}, timeout=10)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "too_many_connections"
         kept[0].sendall(b"GET /healthz HTTP/1.1\r\nhost: gw\r\n\r\n")
         assert read_response(kept[0]).startswith(b"HTTP/1.1 200 "), "a kept connection still serves"
     finally:

@@ -21,12 +21,13 @@ from uvicorn.server import ServerState
 
 from gateway.descriptors import FD_RESERVE, connection_cap, refusal_budget
 from gateway.http_limits import (
+    OPERATIONS_OVER_CAP,
     REFUSAL_LINGER_S,
-    REFUSED_READ_BYTES,
     SLOW_AFTER_S,
     LimitedHttpToolsProtocol,
     limited_http_protocol,
 )
+from gateway.refused_request import REFUSED_READ_BYTES
 from gateway.settings import GatewaySettings
 from tests.support.eventually import eventually
 
@@ -524,6 +525,72 @@ async def test_past_the_refusal_budget_a_connection_is_answered_and_closed_at_on
     assert status_of(over_budget.written) == 503 and over_budget.closed
     await settle()
     assert edge.protocol_class.occupancy.refusing == 2, "the ones still waiting"
+
+
+async def test_over_the_cap_a_probe_or_a_scrape_is_served_and_its_connection_closed() -> None:
+    edge = Edge(max_connections=1)
+    protocol, transport, _ = edge.connect()
+    protocol.data_received(get())
+    await answered(transport)
+    for path in ("/healthz", "/readyz", "/metrics?name=x"):
+        over, over_transport, _ = edge.connect()
+        over.data_received(get(path)[:10])
+        assert over_transport.written == b"", "nothing before the head has come"
+        over.data_received(get(path)[10:])
+        await answered(over_transport)
+        assert status_of(over_transport.written) == 200, over_transport.written
+        assert b"connection: close" in over_transport.written.lower()
+        await settle()
+        assert over_transport.closed, "one answer, then its place over the cap is given back"
+    assert edge.app.calls[1:] == ["/healthz", "/readyz", "/metrics"]
+    await settle()
+    assert edge.protocol_class.occupancy.operations == 0 and edge.protocol_class.occupancy.refusing == 0
+    assert len(edge.state.connections) == 1
+
+
+async def test_over_the_cap_other_requests_to_operations_paths_are_refused() -> None:
+    edge = Edge(max_connections=1)
+    protocol, transport, _ = edge.connect()
+    protocol.data_received(get())
+    await answered(transport)
+    big_head = get("/metrics", b"x-big: " + b"a" * LIMIT + b"\r\n")
+    for request in (post(b"{}", "/healthz"), get("/healthzz"), get("/v1/result/x"), big_head):
+        over, over_transport, parser = edge.connect()
+        over.data_received(request)
+        assert status_of(over_transport.written) == 503, request
+        assert parser.fed == 0
+        edge.loop.advance(REFUSAL_LINGER_S)  # closed: the next one is refused within the budget, as this one
+        await settle()
+    assert edge.app.calls == ["/"]
+
+
+async def test_at_most_so_many_operations_requests_are_served_over_the_cap_at_once() -> None:
+    edge = Edge(max_connections=1)
+    protocol, transport, _ = edge.connect()
+    protocol.data_received(get())
+    await answered(transport)
+    edge.app.gate.clear()
+    served = []
+    for _ in range(OPERATIONS_OVER_CAP):
+        over, over_transport, _ = edge.connect()
+        over.data_received(get("/metrics"))
+        served.append(over_transport)
+    _, refused, _ = edge.connect()
+    refused.protocol.data_received(get("/metrics"))
+    assert status_of(refused.written) == 503, "past the reserve"
+    assert all(transport.written == b"" for transport in served), "held by the app"
+    transport.close()
+    edge.loop.advance(REFUSAL_LINGER_S)
+    await settle()
+    _, newcomer, _ = edge.connect()
+    newcomer.protocol.data_received(post(b"{}", "/newcomer"))
+    await settle()
+    assert edge.app.calls[-1] == "/newcomer", "those served over the cap do not take a client's place"
+    edge.app.gate.set()
+    for over_transport in served:
+        await answered(over_transport)
+    await settle()
+    assert edge.protocol_class.occupancy.operations == 0
 
 
 async def test_invalid_http_gets_a_json_400() -> None:

@@ -26,3 +26,32 @@ def test_a_request_without_a_body_ends_with_its_head_and_what_is_not_http_ends_a
     assert garbage.feed(b"\x16\x03\x01 not http at all\r\n\r\n"), "a TLS hello or noise is answered all the same"
     assert garbage.feed(b"more"), "and stays ended"
     assert garbage.read == len(b"\x16\x03\x01 not http at all\r\n\r\n") + 4
+
+
+SERVED = frozenset({b"/healthz", b"/metrics"})
+
+
+def test_a_get_of_a_served_path_keeps_its_head_to_be_served() -> None:
+    refused = RefusedRequest(SERVED, keep_bytes=1024)
+    head = b"GET /metrics?x=1 HTTP/1.1\r\nhost: gw\r\n\r\n"
+    assert not refused.feed(head[:7]) and not refused.serve, "the path is not whole yet"
+    assert refused.feed(head[7:])
+    assert refused.serve and bytes(refused.kept) == head
+
+
+def test_other_requests_are_not_served_and_a_head_past_the_bound_is_not_kept() -> None:
+    for request in (
+        b"POST /healthz HTTP/1.1\r\nhost: gw\r\ncontent-length: 0\r\n\r\n",
+        b"GET /healthz/x HTTP/1.1\r\nhost: gw\r\n\r\n",
+        b"GET /v1/result/abc HTTP/1.1\r\nhost: gw\r\n\r\n",
+    ):
+        refused = RefusedRequest(SERVED, keep_bytes=1024)
+        assert refused.feed(request) and not refused.serve, request
+    large = RefusedRequest(SERVED, keep_bytes=64)
+    large.feed(b"GET /healthz HTTP/1.1\r\nhost: gw\r\n")
+    large.feed(b"x-pad: " + b"p" * 100 + b"\r\n")
+    assert large.feed(b"\r\n") and not large.serve, "a head larger than the bound is refused"
+    assert len(large.kept) <= 64 + 110, "and no more is kept"
+    unserved = RefusedRequest()
+    assert unserved.feed(b"GET /healthz HTTP/1.1\r\nhost: gw\r\n\r\n") and not unserved.serve
+    assert not unserved.kept, "nothing is kept when no path is served"
