@@ -64,8 +64,9 @@ _INVALID_HTTP = answer("invalid_http", "the request is not valid HTTP/1.1; the c
 
 
 class Occupancy:
-    """One server's connections that have not yet sent a whole request, longest waiting first, and
-    how many of them are being closed to make room (uvicorn counts them until their close completes)."""
+    """One server's connections at the cap's edge: those that have not yet sent a whole request (longest
+    waiting first), and counts of those being closed to make room (uvicorn counts them until their
+    close completes), refused, and served over the cap."""
 
     __slots__ = ("closing", "operations", "refusing", "unproven")
 
