@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from batchwire.capacity.curve import Curve, CurveError, load
+from batchwire.capacity.curve import Curve, CurveError
 from batchwire.capacity.engine import SimConfig
-from batchwire.capacity.simulate import RateResult, add_arguments, config_from, simulate_rate
+from batchwire.capacity.simulate import RateResult, add_arguments, config_from, curve_from, simulate_rate
 from batchwire.capacity.sizing import (
     DEFAULT_HEADROOM,
     Figure,
@@ -207,7 +207,7 @@ def make_plan(args: argparse.Namespace, curve: Curve) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     """``batchwire plan``."""
     try:
-        result = make_plan(args, load(args.curve))
+        result = make_plan(args, curve_from(args))
     except (CurveError, SizingError, PlanError, ValueError) as err:
         print(f"batchwire plan: {err}", file=sys.stderr)
         return 2

@@ -1,8 +1,9 @@
 """``batchwire profile``: a backend's call latency by batch size, alone, written as a curve file.
 
 It builds the backend the worker would (``gpu_worker.backends.factory``), loads it, warms it up,
-then times ``batchstring`` for each batch size over several repeats and keeps p50 and p99. A plot
-beside the curve comes when matplotlib is installed (the bench extra).
+then times ``batchstring`` for each batch size over several repeats and keeps p50 and p99. A
+backend with a tokenizer (hf) is timed again at each input length of ``--lengths``, in tokens as
+the model counts them. A plot beside the curve comes when matplotlib is installed (the bench extra).
 """
 
 from __future__ import annotations
@@ -14,14 +15,29 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
-from batchwire.capacity.curve import Curve, CurvePoint, percentile
+from batchwire.capacity.curve import Curve, CurvePoint, TokenCurve, percentile
 from gpu_worker.backends.base import Backend, BackendError
 from gpu_worker.backends.factory import BackendConfigError, BackendSettings, make_backend
+
+AUTO_LENGTHS = (16, 64, 256)
+"""``--lengths auto``: input lengths in tokens, each within the model's longest input."""
+PHRASE = "profile input "
+"""Profile inputs repeat this phrase: words a tokenizer splits the same way wherever they fall."""
 
 
 class ProfileError(ValueError):
     """The profile cannot run as asked; the message says what to change."""
+
+
+@runtime_checkable
+class CountsTokens(Protocol):
+    """A backend that can say how long an input is for its model (the hf backend)."""
+
+    max_input_tokens: int
+
+    def count_tokens(self, inputs: Sequence[str]) -> list[int]: ...
 
 
 def ladder(max_batch: int) -> list[int]:
@@ -53,11 +69,32 @@ def profile_backend(
     repeats: int,
     input_chars: int = 64,
     clock: Callable[[], float] = time.perf_counter,
+    lengths: Sequence[int] = (),
 ) -> Curve:
-    """Times ``backend.batchstring`` at each size ``repeats`` times (after one warm-up call)."""
+    """Times ``backend.batchstring`` at each size ``repeats`` times (after one warm-up call), with
+    inputs ``input_chars`` long, then again at each of ``lengths`` tokens (``by_tokens``)."""
     if repeats < 1:
         raise ProfileError(f"--repeats must be at least 1, got {repeats}")
-    inputs = [("profile input " * (input_chars // 14 + 1))[:input_chars] for _ in range(max(sizes))]
+    meta: dict[str, object] = {"repeats": repeats, "input_chars": input_chars, "host": platform.node()}
+    text = (PHRASE * (input_chars // len(PHRASE) + 1))[:input_chars]
+    counter = backend if isinstance(backend, CountsTokens) else None
+    if counter is not None:
+        meta["input_tokens"] = counter.count_tokens([text])[0]
+    elif lengths:
+        raise ProfileError(f"--lengths needs a backend with a tokenizer (hf); the {backend.name} backend has none")
+    points = _time_sizes(backend, text, sizes, repeats, clock)
+    by_tokens: dict[int, TokenCurve] = {}
+    for tokens in lengths:
+        assert counter is not None  # refused above
+        long_text, counted = text_of_tokens(counter, tokens)
+        by_tokens[counted] = TokenCurve(counted, _time_sizes(backend, long_text, sizes, repeats, clock))
+    return Curve(points, backend.name, meta, tuple(by_tokens[t] for t in sorted(by_tokens)))
+
+
+def _time_sizes(
+    backend: Backend, text: str, sizes: Sequence[int], repeats: int, clock: Callable[[], float]
+) -> tuple[CurvePoint, ...]:
+    inputs = [text] * max(sizes)
     for warm_up in (1, max(sizes)):
         backend.batchstring(inputs[:warm_up])
     points: list[CurvePoint] = []
@@ -70,8 +107,50 @@ def profile_backend(
         took_ms.sort()
         p50, p99 = percentile(took_ms, 0.5), percentile(took_ms, 0.99)
         points.append(CurvePoint(size, round(p50, 3), round(max(p99, p50), 3)))
-    meta = {"repeats": repeats, "input_chars": input_chars, "host": platform.node()}
-    return Curve(tuple(points), backend.name, meta)
+    return tuple(points)
+
+
+def text_of_tokens(backend: CountsTokens, tokens: int) -> tuple[str, int]:
+    """The longest run of ``PHRASE`` that the model reads as at most ``tokens`` tokens, and its count.
+
+    Found by bisection on the length in characters: a tokenizer's count grows with the text.
+    """
+    if tokens > backend.max_input_tokens:
+        raise ProfileError(f"--lengths {tokens} is longer than the model accepts ({backend.max_input_tokens} tokens)")
+
+    def text(chars: int) -> str:
+        return (PHRASE * (chars // len(PHRASE) + 1))[:chars]
+
+    def count(chars: int) -> int:
+        return backend.count_tokens([text(chars)])[0]
+
+    if count(1) > tokens:
+        raise ProfileError(f"--lengths {tokens} is shorter than the shortest input ({count(1)} tokens with specials)")
+    fits, over = 1, 2
+    while count(over) <= tokens:
+        fits, over = over, over * 2
+    while over - fits > 1:
+        middle = (fits + over) // 2
+        fits, over = (middle, over) if count(middle) <= tokens else (fits, middle)
+    return text(fits), count(fits)
+
+
+def parse_lengths(text: str, backend: Backend) -> list[int]:
+    """``auto`` (16, 64, 256 within the model's longest input; none for a backend without a
+    tokenizer), ``none``, or comma-separated lengths in tokens."""
+    if text == "none":
+        return []
+    if text == "auto":
+        if not isinstance(backend, CountsTokens):
+            return []
+        return sorted({min(length, backend.max_input_tokens) for length in AUTO_LENGTHS})
+    try:
+        lengths = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError as err:
+        raise ProfileError(f"--lengths takes auto, none or comma-separated token counts, got {text!r}") from err
+    if not lengths or lengths[0] < 1:
+        raise ProfileError(f"--lengths takes positive token counts, got {text!r}")
+    return lengths
 
 
 def plot(curve: Curve, path: Path) -> bool:
@@ -96,6 +175,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     parser.add_argument("--sizes", default="ladder", help="all, ladder (1, 2, 4, ... and the max) or a list")
     parser.add_argument("--repeats", type=int, default=5, help="calls per size (p50 and p99 over them)")
     parser.add_argument("--input-chars", type=int, default=64, help="length of each input in characters")
+    parser.add_argument(
+        "--lengths",
+        default="auto",
+        help="hf backend: also time each batch size at these input lengths in tokens (auto: 16,64,256; none)",
+    )
     parser.add_argument("--out", required=True, help="curve file to write (JSON); a .png beside it if it can")
     parser.add_argument("--log-level", default="warning", help="debug, info, warning or error")
 
@@ -120,7 +204,9 @@ def run(args: argparse.Namespace) -> int:
         backend = _backend(args)
         backend.load()
         try:
-            curve = profile_backend(backend, parse_sizes(args.sizes, backend.max_batch), args.repeats, args.input_chars)
+            sizes = parse_sizes(args.sizes, backend.max_batch)
+            lengths = parse_lengths(args.lengths, backend)
+            curve = profile_backend(backend, sizes, args.repeats, args.input_chars, lengths=lengths)
         finally:
             backend.close()
     except (ProfileError, BackendConfigError, BackendError) as err:
@@ -131,6 +217,11 @@ def run(args: argparse.Namespace) -> int:
     plotted = plot(curve, out.with_suffix(".png"))
     note = f" and {out.with_suffix('.png')}" if plotted else " (no plot: matplotlib is not installed)"
     print(f"wrote {out}{note}")
+    tokens = curve.meta.get("input_tokens")
+    print(f"inputs of {args.input_chars} characters" + (f" ({tokens} tokens)" if tokens is not None else ""))
     for point in curve.points:
         print(f"  {point.size:>5} items: p50 {point.p50_ms:.1f} ms, p99 {point.p99_ms:.1f} ms")
+    for length in curve.by_tokens:
+        shown = ", ".join(f"{p.size}: {p.p50_ms:.1f}" for p in length.points)
+        print(f"inputs of {length.tokens} tokens, p50 ms by batch size: {shown}")
     return 0

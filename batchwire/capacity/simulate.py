@@ -143,6 +143,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags ``simulate`` and ``plan`` share: the deployment being simulated."""
     parser.add_argument("--curve", required=True, help="curve file written by batchwire profile")
     parser.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        help="the traffic's input length in tokens: the curve at that length (profiled with --lengths)",
+    )
+    parser.add_argument(
         "--policy", default="work-conserving", choices=[p.value for p in PolicyName], help="flush policy"
     )
     parser.add_argument(
@@ -185,6 +191,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=100_000, help="simulated requests per rate")
     parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
     parser.add_argument("--log-level", default="warning", help="debug, info, warning or error")
+
+
+def curve_from(args: argparse.Namespace) -> Curve:
+    """The curve file of ``--curve``, at the input length of ``--tokens`` when given."""
+    curve = load(args.curve)
+    return curve if args.tokens is None else curve.at_tokens(args.tokens)
 
 
 def config_from(args: argparse.Namespace, curve: Curve, workers: int, batchers: int | None = None) -> SimConfig:
@@ -248,8 +260,7 @@ def format_table(results: Sequence[RateResult]) -> str:
 def run(args: argparse.Namespace) -> int:
     """``batchwire simulate``."""
     try:
-        curve = load(args.curve)
-        config = config_from(args, curve, args.workers)
+        config = config_from(args, curve_from(args), args.workers)
         if args.trace is not None:
             times = arrival_processes.load_trace(args.trace)
             span_s = times[-1] or 1.0

@@ -167,18 +167,23 @@ class HFBackend:
         loaded = self._require_loaded()
         if not inputs:
             return {}
-        with self._counting:
-            counts = [
-                len(ids)
-                for ids in loaded.counter(
-                    list(inputs), add_special_tokens=True, padding=False, truncation=False, verbose=False
-                )["input_ids"]
-            ]
+        counts = self.count_tokens(inputs)
         return {
             index: error
             for index, count in enumerate(counts)
             if (error := self._length_error(index, count, loaded.max_input_tokens)) is not None
         }
+
+    def count_tokens(self, inputs: Sequence[str]) -> list[int]:
+        """Each input's length in tokens as the model sees it, special tokens included (thread-safe)."""
+        loaded = self._require_loaded()
+        if not inputs:
+            return []
+        with self._counting:
+            encoded = loaded.counter(
+                list(inputs), add_special_tokens=True, padding=False, truncation=False, verbose=False
+            )
+        return [len(ids) for ids in encoded["input_ids"]]
 
     def batchstring(self, inputs: list[str]) -> list[str]:
         """One output per input, in order: generated text, or a JSON embedding for ``embed``."""

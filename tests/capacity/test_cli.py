@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -12,6 +12,7 @@ from batchwire import cli
 from batchwire.capacity import profile
 from batchwire.capacity.curve import Curve, CurvePoint, load
 from gpu_worker.backends.sim import SimBackend
+from gpu_worker.backends.tiny import build_tiny_encoder
 
 Run = Callable[[list[str]], tuple[int, str, str]]
 
@@ -119,3 +120,47 @@ def test_profile_times_each_size_over_repeats_on_the_given_clock() -> None:
     assert profile.parse_sizes("all", 3) == [1, 2, 3]
     with pytest.raises(profile.ProfileError, match=r"within 1\.\.4"):
         profile.parse_sizes("8", 4)
+
+
+class _Words:
+    """Counts tokens as a word tokenizer with two special tokens would: one per word begun."""
+
+    max_input_tokens = 64
+
+    def count_tokens(self, inputs: Sequence[str]) -> list[int]:
+        return [len(text.split()) + 2 for text in inputs]
+
+
+def test_the_input_of_a_length_is_the_longest_that_fits_it() -> None:
+    text, counted = profile.text_of_tokens(_Words(), 10)
+    assert counted == 10 and _Words().count_tokens([text + " x"])[0] == 11
+    with pytest.raises(profile.ProfileError, match="longer than the model accepts"):
+        profile.text_of_tokens(_Words(), 65)
+    with pytest.raises(profile.ProfileError, match="shorter than the shortest input"):
+        profile.text_of_tokens(_Words(), 2)
+    assert profile.parse_lengths("auto", _Words()) == [16, 64]  # 256 is beyond the model: its longest
+    assert profile.parse_lengths("auto", SimBackend(0.0, 8)) == [] == profile.parse_lengths("none", _Words())
+    with pytest.raises(profile.ProfileError, match="positive token counts"):
+        profile.parse_lengths("0,8", _Words())
+
+
+def test_profile_hf_times_each_length_in_the_models_own_tokens(run: Run, tmp_path: Path) -> None:
+    model = build_tiny_encoder(tmp_path / "bert")
+    out_path = tmp_path / "tiny.json"
+    argv = ["profile", "--backend", "hf", "--model-path", str(model), "--hf-task", "embed", "--device", "cpu"]
+    code, out, _ = run([*argv, "--max-batch", "2", "--repeats", "2", "--lengths", "16,48", "--out", str(out_path)])
+    assert code == 0, out
+    curve = load(out_path)
+    assert [t.tokens for t in curve.by_tokens] == [16, 48]  # the tiny model counts a byte a token
+    assert all([p.size for p in t.points] == [1, 2] for t in curve.by_tokens)
+    assert curve.meta["input_tokens"] == 66  # the default 64 characters and two special tokens
+    code, out, _ = run(["simulate", "--curve", str(out_path), "--tokens", "32", "--workers", "1", "--rate", "50"])
+    assert code == 0 and "50.0" in out
+    code, _, err = run(["simulate", "--curve", str(out_path), "--tokens", "49", "--workers", "1", "--rate", "50"])
+    assert code == 2 and "--lengths up to 49" in err
+
+
+def test_profile_lengths_need_a_tokenizer(run: Run, tmp_path: Path) -> None:
+    argv = ["profile", "--backend", "sim", "--sim-latency-ms", "1", "--max-batch", "2", "--repeats", "1"]
+    code, _, err = run([*argv, "--lengths", "16", "--out", str(tmp_path / "c.json")])
+    assert code == 2 and "needs a backend with a tokenizer" in err

@@ -7,7 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from batchwire.capacity.curve import Curve, CurveError, CurvePoint, CurveWarning, from_json, load, percentile
+from batchwire.capacity.curve import (
+    Curve,
+    CurveError,
+    CurvePoint,
+    CurveWarning,
+    TokenCurve,
+    from_json,
+    load,
+    percentile,
+)
 
 
 def test_an_empty_curve_is_refused() -> None:
@@ -65,3 +74,34 @@ def test_percentile_is_nearest_rank() -> None:
     assert percentile(values, 0.5) == 50.0
     assert percentile(values, 0.99) == 99.0
     assert percentile(values, 1.0) == 100.0
+
+
+def _by_length() -> Curve:
+    short = TokenCurve(16, (CurvePoint(1, 10.0, 11.0), CurvePoint(8, 20.0, 22.0)))
+    long = TokenCurve(64, (CurvePoint(1, 30.0, 33.0), CurvePoint(8, 60.0, 70.0)))
+    return Curve(short.points, "hf", {"input_tokens": 16}, (short, long))
+
+
+def test_the_curve_at_a_length_interpolates_between_the_lengths_profiled() -> None:
+    curve = _by_length()
+    between = curve.at_tokens(40)
+    assert between.points == (CurvePoint(1, 20.0, 22.0), CurvePoint(8, 40.0, 46.0))
+    assert between.meta["input_tokens"] == 40
+    assert curve.at_tokens(64).points == curve.by_tokens[1].points
+    assert curve.at_tokens(4).points == curve.by_tokens[0].points  # below the shortest: its floor
+    with pytest.raises(CurveError, match="longer than the curve's longest"):
+        curve.at_tokens(65)
+    with pytest.raises(CurveError, match="--lengths"):
+        Curve.flat(100.0, 8).at_tokens(16)
+
+
+def test_a_curve_by_length_saves_and_loads_back_and_bad_lengths_are_named(tmp_path: Path) -> None:
+    curve = _by_length()
+    path = tmp_path / "curve.json"
+    curve.save(path)
+    assert json.loads(path.read_text())["by_tokens"][1]["tokens"] == 64
+    assert load(path) == curve
+    with pytest.raises(CurveError, match='"tokens" must be a whole number'):
+        from_json({"points": [{"size": 1, "p50_ms": 1}], "by_tokens": [{"tokens": "long", "points": []}]})
+    with pytest.raises(CurveError, match="no points"):
+        from_json({"points": [{"size": 1, "p50_ms": 1}], "by_tokens": [{"tokens": 8, "points": []}]})
