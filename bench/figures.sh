@@ -2,38 +2,48 @@
 # Every published figure, one command each (issue 2 and 3). Run from the repository root on an
 # otherwise idle machine: ./bench/figures.sh [figure ...]; results land in bench/results/<figure>.
 set -euo pipefail
-B=".venv/bin/batchwire bench --client raw --check"
+BW=${BATCHWIRE_CMD:-.venv/bin/batchwire}  # bench/device.sh runs it as python3 -m batchwire.cli
+PY=${BATCHWIRE_PYTHON:-.venv/bin/python}
+B="$BW bench --client raw --check"
 R=bench/results
 run() { local name=$1; shift; echo "== $name: $*"; $B "$@" --out "$R/$name" | tail -n 4; }
 
-# A real model beside its simulation (issue 17): the hf backend on CPU, embedding with a tiny BERT
-# built on the spot and with the packaged MiniLM. Each model is profiled, then measured and
-# simulated (its curve fed in) at 30% and 70% of one worker's capacity by that curve, capped at
-# 1,000 req/s: the tiny model's capacity is beyond what the embedded path carries here. Bench starts
+# A real model beside its simulation (issue 17): the hf backend, embedding with a tiny BERT built on
+# the spot and with the packaged MiniLM, on CPU (VALIDATE_HF_DEVICE=cpu, the default) or on a GPU
+# (cuda: bench/device.sh runs it there). Each model is profiled, then measured and simulated (its
+# curve fed in) at 30% and 70% of one worker's capacity by that curve, capped at VALIDATE_HF_MAX_RATE
+# (1,000 req/s): the tiny model's capacity is beyond what the embedded path carries. Bench starts
 # `batchwire up`, which reads the backend from BATCHWIRE_* variables; no --check: embeddings are not
 # the reversed input. --input-chars gives the profile's inputs as many tokens as the bench's random
 # 32-character inputs (a byte per token for the tiny model; MiniLM's WordPiece splits them finer).
+# On a GPU the max batch is the mission's 100 for MiniLM and each curve is also profiled by length.
 validate_hf() {
-  local out="$R/validate-hf" tiny=.batchwire/tiny-encoder minilm name path batch chars rates lone_ms
-  minilm=$(.venv/bin/python -c 'from gpu_worker.backends.packaged import minilm_dir; print(minilm_dir())')
-  [ -d "$tiny" ] || .venv/bin/python -c "from gpu_worker.backends.tiny import build_tiny_encoder as b; b('$tiny')"
-  : > "$R/validate-hf.md"
-  for spec in "tiny:$tiny:8:32" "minilm:$minilm:32:160"; do
+  local device=${VALIDATE_HF_DEVICE:-cpu} tiny=.batchwire/tiny-encoder minilm name path batch chars rates lone_ms
+  local out="$R/validate-hf" table="$R/validate-hf.md" specs lengths=${VALIDATE_HF_LENGTHS:-none}
+  if [ "$device" != cpu ]; then
+    out="$R/validate-hf-$device" table="$R/validate-hf-$device.md" lengths=${VALIDATE_HF_LENGTHS:-auto}
+  fi
+  minilm=${VALIDATE_HF_MINILM:-$($PY -c 'from gpu_worker.backends.packaged import minilm_dir; print(minilm_dir())')}
+  [ -d "$tiny" ] || $PY -c "from gpu_worker.backends.tiny import build_tiny_encoder as b; b('$tiny')"
+  specs=("tiny:$tiny:8:32" "minilm:$minilm:32:160")
+  [ "$device" = cpu ] || specs=("tiny:$tiny:32:32" "minilm:$minilm:100:160")
+  : > "$table"
+  for spec in "${specs[@]}"; do
     IFS=: read -r name path batch chars <<< "$spec"
-    echo "== validate-hf: $name"
+    echo "== validate-hf: $name on $device"
     mkdir -p "$out/$name"
-    .venv/bin/batchwire profile --backend hf --model-path "$path" --hf-task embed --device cpu --max-batch "$batch" \
-      --input-chars "$chars" --repeats "${VALIDATE_HF_REPEATS:-20}" --out "$out/$name/curve.json"
-    read -r rates lone_ms <<< "$(.venv/bin/python -c 'import sys; from batchwire.capacity.curve import load
+    $BW profile --backend hf --model-path "$path" --hf-task embed --device "$device" --max-batch "$batch" \
+      --input-chars "$chars" --lengths "$lengths" --repeats "${VALIDATE_HF_REPEATS:-20}" --out "$out/$name/curve.json"
+    read -r rates lone_ms <<< "$($PY -c 'import sys; from batchwire.capacity.curve import load
 c = load(sys.argv[1]); r = min(c.best_rate_per_worker()[0], float(sys.argv[2]))
 print(f"{0.3 * r:.0f},{0.7 * r:.0f} {c.latency_ms(1):.1f}")' "$out/$name/curve.json" "${VALIDATE_HF_MAX_RATE:-1000}")"
-    BATCHWIRE_BACKEND=hf BATCHWIRE_MODEL_PATH="$path" BATCHWIRE_HF_TASK=embed BATCHWIRE_DEVICE=cpu \
-      .venv/bin/batchwire bench --client raw --start embedded --workers 1 --max-batch "$batch" --rate "$rates" \
-      --duration "${VALIDATE_HF_DURATION:-20}" --warmup 3 --label "hf embed $name on CPU" \
+    BATCHWIRE_BACKEND=hf BATCHWIRE_MODEL_PATH="$path" BATCHWIRE_HF_TASK=embed BATCHWIRE_DEVICE="$device" \
+      $BW bench --client raw --start embedded --workers 1 --max-batch "$batch" --rate "$rates" \
+      --duration "${VALIDATE_HF_DURATION:-20}" --warmup 3 --label "hf embed $name on $device" \
       --backend-latency-ms "$lone_ms" --out "$out/$name" | tail -n 4
-    { echo "## $name: hf embed on CPU, 1 worker, max batch $batch, curve $out/$name/curve.json"; echo
-      .venv/bin/batchwire validate-sim "$out/$name" --curve "$out/$name/curve.json"; echo
-    } >> "$R/validate-hf.md"
+    { echo "## $name: hf embed on $device, 1 worker, max batch $batch, curve $out/$name/curve.json"; echo
+      $BW validate-sim "$out/$name" --curve "$out/$name/curve.json"; echo
+    } >> "$table"
   done
 }
 
@@ -101,7 +111,7 @@ figure() {
         run "1900-kafka-seed$seed" --start kafka --workers 2 --rate 1900 --duration 30 --warmup 15 \
           --concurrency-limit 20000 --seed "$seed"
       done
-      .venv/bin/batchwire validate-sim "$R"/20rps-*-run? "$R"/600-embedded "$R"/600-kafka "$R"/load-embedded \
+      $BW validate-sim "$R"/20rps-*-run? "$R"/600-embedded "$R"/600-kafka "$R"/load-embedded \
         "$R"/load-kafka "$R"/1900-embedded "$R"/1900-kafka "$R"/1900-kafka-seed? "$R"/policies "$R"/slow-worker \
         --out bench/results/validate.md
     ) ;;

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import threading
 from collections.abc import Callable, Iterator
@@ -32,14 +33,21 @@ MIXED = [
 ]
 
 
+TEST_DEVICE = os.environ.get("BATCHWIRE_TEST_DEVICE", "cpu")
+"""Where the backends under test run: ``cpu`` here and in CI; ``cuda`` on a machine with a GPU."""
+
+
 @pytest.fixture
 def make_backend() -> Iterator[Callable[..., HFBackend]]:
-    """Loaded backends (no warm-up unless asked), closed after the test."""
+    """Loaded backends (no warm-up unless asked), closed after the test. float32 unless a test
+    asks otherwise: batched output equals one-by-one output exactly only there."""
     made: list[HFBackend] = []
 
     def make(path: Path, **kwargs: Any) -> HFBackend:
         kwargs.setdefault("warmup", False)
         kwargs.setdefault("max_new_tokens", 8)
+        kwargs.setdefault("device", TEST_DEVICE)
+        kwargs.setdefault("dtype", "float32")
         backend = HFBackend(path, **kwargs)
         backend.load()
         made.append(backend)

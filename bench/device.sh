@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The hf backend on a GPU (issue 17), run on a lent device machine from the repository root after
+# bench/device_prepare.sh has filled .gpu/ here (the call carries it):
+#   device run: bash bench/device.sh            (carry: .gpu)
+# It installs the carried wheels beside the machine's torch and transformers, unpacks MiniLM, runs
+# the hf backend's tests on CUDA, then `figures.sh validate-hf` on CUDA, and leaves everything it
+# wrote in $OUT (a tarball of bench/results/validate-hf-cuda*, the logs).
+set -uo pipefail
+OUT=${OUT:-/tmp/device-out}
+PY=${BATCHWIRE_PYTHON:-python3}
+mkdir -p "$OUT"
+if ! $PY -c 'import fastapi' 2>/dev/null; then  # the machine's image lacks batchwire's own dependencies
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+[ -f .gpu/minilm/model.safetensors ] ||
+  $PY -c 'import lzma, shutil; shutil.copyfileobj(lzma.open(".gpu/minilm/model.safetensors.xz"), open(".gpu/minilm/model.safetensors", "wb"))'
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  nproc
+  $PY -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name(0))'
+} 2>&1 | tee "$OUT/machine.txt"
+export PYTHONUNBUFFERED=1 BATCHWIRE_PYTHON=$PY BATCHWIRE_CMD="$PY -m batchwire.cli"
+BATCHWIRE_TEST_DEVICE=cuda timeout "${DEVICE_TESTS_TIMEOUT:-120}" $PY -m pytest -q -p no:cacheprovider tests/backends \
+  > "$OUT/tests-cuda.txt" 2>&1
+echo "tests on cuda: exit $? ($(tail -n 1 "$OUT/tests-cuda.txt"))"
+VALIDATE_HF_DEVICE=${VALIDATE_HF_DEVICE:-cuda} VALIDATE_HF_MINILM=.gpu/minilm VALIDATE_HF_MAX_RATE=${VALIDATE_HF_MAX_RATE:-2000} \
+  timeout "${DEVICE_FIGURE_TIMEOUT:-420}" ./bench/figures.sh validate-hf 2>&1 | tee "$OUT/validate-hf.txt"
+tar czf "$OUT/validate-hf.tgz" bench/results/validate-hf-* .batchwire/*.log 2>/dev/null
+ls -la "$OUT"
