@@ -6,7 +6,8 @@
 set -euo pipefail
 PY=.venv/bin/python
 names=(fastapi starlette pydantic pydantic-core annotated-types annotated-doc typing-inspection typing-extensions
-  uvicorn httptools redis hiredis fastavro aiokafka async-timeout hdrhistogram pbr pytest-asyncio pytest-timeout)
+  uvicorn httptools redis hiredis fastavro aiokafka async-timeout hdrhistogram pbr pytest-asyncio pytest-timeout
+  opentelemetry-api)  # fastapi imports opentelemetry-api whether or not tracing is on
 mkdir -p .gpu/whl .gpu/minilm
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
 pins=()
