@@ -2,9 +2,11 @@
 # The hf backend on a GPU (issue 17), run on a lent device machine from the repository root after
 # bench/device_prepare.sh has filled .gpu/ here (the call carries it):
 #   device run: bash bench/device.sh            (carry: .gpu)
-# It installs the carried wheels beside the machine's torch and transformers, unpacks MiniLM, runs
-# the hf backend's tests on CUDA, then `figures.sh validate-hf` on CUDA, and leaves everything it
-# wrote in $OUT (a tarball of bench/results/validate-hf-cuda*, the logs).
+#   device run: bash bench/device.sh calls figure   (steps: tests, calls, figure; default tests figure)
+# It installs the carried wheels beside the machine's torch and transformers, unpacks MiniLM, then
+# runs the steps: the hf backend's tests on CUDA; bench/gpu_calls.py (one call's costs beyond its
+# profile); `figures.sh validate-hf` on CUDA (VALIDATE_HF_MODELS picks the models). Everything it
+# writes lands in $OUT (a tarball of bench/results/validate-hf-cuda*, the logs).
 set -uo pipefail
 OUT=${OUT:-/tmp/device-out}
 PY=${BATCHWIRE_PYTHON:-python3}
@@ -20,11 +22,28 @@ fi
   $PY -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name(0))'
 } 2>&1 | tee "$OUT/machine.txt"
 export PYTHONUNBUFFERED=1 BATCHWIRE_PYTHON=$PY BATCHWIRE_CMD="$PY -m batchwire.cli"
-# The packaged-MiniLM test needs its package, which travels here as a bf16 copy instead.
-BATCHWIRE_TEST_DEVICE=cuda timeout "${DEVICE_TESTS_TIMEOUT:-120}" $PY -m pytest -q -p no:cacheprovider tests/backends \
-  --deselect tests/backends/test_packaged.py::test_minilm_gives_the_published_similarities > "$OUT/tests-cuda.txt" 2>&1
-echo "tests on cuda: exit $? ($(tail -n 1 "$OUT/tests-cuda.txt"))"
-VALIDATE_HF_DEVICE=${VALIDATE_HF_DEVICE:-cuda} VALIDATE_HF_MINILM=.gpu/minilm VALIDATE_HF_MAX_RATE=${VALIDATE_HF_MAX_RATE:-2000} \
-  timeout "${DEVICE_FIGURE_TIMEOUT:-420}" ./bench/figures.sh validate-hf 2>&1 | tee "$OUT/validate-hf.txt"
-tar czf "$OUT/validate-hf.tgz" bench/results/validate-hf-* .batchwire/*.log 2>/dev/null
+steps=${*:-tests figure}
+if [[ " $steps " == *" tests "* ]]; then
+  # The packaged-MiniLM test needs its package, which travels here as a bf16 copy instead.
+  BATCHWIRE_TEST_DEVICE=cuda timeout "${DEVICE_TESTS_TIMEOUT:-120}" $PY -m pytest -q -p no:cacheprovider tests/backends \
+    --deselect tests/backends/test_packaged.py::test_minilm_gives_the_published_similarities > "$OUT/tests-cuda.txt" 2>&1
+  echo "tests on cuda: exit $? ($(tail -n 1 "$OUT/tests-cuda.txt"))"
+fi
+if [[ " $steps " == *" calls "* ]]; then
+  # One call's costs beyond the profile, with CUDA's modules loaded lazily (the default) and eagerly.
+  timeout 120 $PY bench/gpu_calls.py .gpu/minilm cuda > "$OUT/calls-lazy.json" 2> "$OUT/calls-lazy.err"
+  CUDA_MODULE_LOADING=EAGER timeout 150 $PY bench/gpu_calls.py .gpu/minilm cuda > "$OUT/calls-eager.json" 2> "$OUT/calls-eager.err"
+  head -c 3000 "$OUT/calls-lazy.json"; head -c 1500 "$OUT/calls-eager.json"
+  # The figure runs with eager loading when that takes the first call of a new batch size below half.
+  if $PY -c 'import json, statistics as s, sys
+first = [s.median(json.load(open(f))["new_batch_size"]["first_ms"]) for f in sys.argv[1:]]
+sys.exit(0 if first[1] < first[0] / 2 else 1)' "$OUT/calls-lazy.json" "$OUT/calls-eager.json" 2>/dev/null; then
+    export CUDA_MODULE_LOADING=EAGER; echo "figure with CUDA_MODULE_LOADING=EAGER"
+  fi
+fi
+if [[ " $steps " == *" figure "* ]]; then
+  VALIDATE_HF_DEVICE=${VALIDATE_HF_DEVICE:-cuda} VALIDATE_HF_MINILM=.gpu/minilm VALIDATE_HF_MAX_RATE=${VALIDATE_HF_MAX_RATE:-2000} \
+    timeout "${DEVICE_FIGURE_TIMEOUT:-420}" ./bench/figures.sh validate-hf 2>&1 | tee "$OUT/validate-hf.txt"
+  tar czf "$OUT/validate-hf.tgz" bench/results/validate-hf-* 2>/dev/null
+fi
 ls -la "$OUT"

@@ -30,6 +30,7 @@ validate_hf() {
   : > "$table"
   for spec in "${specs[@]}"; do
     IFS=: read -r name path batch chars <<< "$spec"
+    [[ " ${VALIDATE_HF_MODELS:-tiny minilm} " == *" $name "* ]] || continue
     echo "== validate-hf: $name on $device"
     mkdir -p "$out/$name"
     $BW profile --backend hf --model-path "$path" --hf-task embed --device "$device" --max-batch "$batch" \
