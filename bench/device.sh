@@ -2,7 +2,7 @@
 # The hf backend on a GPU (issue 17), run on a lent device machine from the repository root after
 # bench/device_prepare.sh has filled .gpu/ here (the call carries it):
 #   device run: bash bench/device.sh            (carry: .gpu)
-#   device run: bash bench/device.sh calls figure   (steps: tests, calls, figure; default tests figure)
+#   device run: bash bench/device.sh calls figure   (steps: tests, calls, figure; default all three)
 # It installs the carried wheels beside the machine's torch and transformers, unpacks MiniLM, then
 # runs the steps: the hf backend's tests on CUDA; bench/gpu_calls.py (one call's costs beyond its
 # profile); `figures.sh validate-hf` on CUDA (VALIDATE_HF_MODELS picks the models). Everything it
@@ -22,7 +22,7 @@ fi
   $PY -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name(0))'
 } 2>&1 | tee "$OUT/machine.txt"
 export PYTHONUNBUFFERED=1 BATCHWIRE_PYTHON=$PY BATCHWIRE_CMD="$PY -m batchwire.cli"
-steps=${*:-tests figure}
+steps=${*:-tests calls figure}
 if [[ " $steps " == *" tests "* ]]; then
   # The packaged-MiniLM test needs its package, which travels here as a bf16 copy instead.
   BATCHWIRE_TEST_DEVICE=cuda timeout "${DEVICE_TESTS_TIMEOUT:-120}" $PY -m pytest -q -p no:cacheprovider tests/backends \

@@ -1,6 +1,7 @@
 """What one hf call on a GPU costs beyond its profile: a batch size or input length seen for the
-first time, inputs of mixed lengths (padded to the longest), and a second Python thread that wants
-the GIL while the call launches its kernels (in embedded mode the event loop is that thread).
+first time (with cuDNN's attention, which plans each new shape, and without it, as the backend
+runs), inputs of mixed lengths (padded to the longest), and a second Python thread that wants the
+GIL while the call launches its kernels (in embedded mode the event loop is that thread).
 
     python3 bench/gpu_calls.py MODEL_DIR [DEVICE] > calls.json
 
@@ -17,6 +18,8 @@ import sys
 import threading
 import time
 
+import torch
+
 from gpu_worker.backends.hf import HFBackend
 
 PHRASE = "profile input "
@@ -31,17 +34,19 @@ def timed_ms(backend: HFBackend, inputs: list[str]) -> float:
 def main() -> None:
     path, device = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "cuda"
     backend = HFBackend(path, task="embed", max_batch=100, device=device)
-    backend.load()  # warms sizes 1 and 100 with one short input, as the worker does
+    backend.load()  # warms sizes 1 and 100 with one short input, as the worker does; cuDNN attention off
     rng = random.Random(1)
     alphabet = string.ascii_letters + string.digits
     fixed = (PHRASE * 12)[:160]
     out: dict[str, object] = {"device": device}
 
-    first, second = [], []
-    for size in (3, 5, 7, 9, 11, 13, 15, 17):
-        first.append(timed_ms(backend, [fixed] * size))
-        second.append(timed_ms(backend, [fixed] * size))
-    out["new_batch_size"] = {"first_ms": first, "second_ms": second}
+    for cudnn, sizes in ((True, (3, 5, 7, 9, 11, 13, 15, 17)), (False, (19, 21, 23, 25, 27, 29, 31, 33))):
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)  # load() turned it off; on is torch's default
+        first, second = [], []
+        for size in sizes:
+            first.append(timed_ms(backend, [fixed] * size))
+            second.append(timed_ms(backend, [fixed] * size))
+        out["new_batch_size" + ("_cudnn_attention" if cudnn else "")] = {"first_ms": first, "second_ms": second}
 
     first, second = [], []
     for chars in (20, 40, 60, 80, 100, 120, 140):
@@ -94,9 +99,10 @@ def main() -> None:
 
     from torch.profiler import ProfilerActivity, profile
 
+    torch.backends.cuda.enable_cudnn_sdp(True)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        took = timed_ms(backend, [fixed] * 23)  # a size not seen yet
-    out["profiled_new_size_23_ms"] = took
+        took = timed_ms(backend, [fixed] * 37)  # a size not seen yet, with cuDNN's attention
+    out["profiled_new_size_37_cudnn_attention_ms"] = took
     out["profiled_top_ops"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
     backend.close()
     print(json.dumps(out, indent=1))

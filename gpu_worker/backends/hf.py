@@ -121,6 +121,8 @@ class HFBackend:
         start = time.perf_counter()
         torch_device = resolve_device(self.device)
         torch_dtype = resolve_dtype(self.dtype, torch_device)
+        if torch_device.type == "cuda":
+            plan_free_attention()
         threads = self.num_threads or _default_threads(torch_device)
         if threads is not None:
             torch.set_num_threads(threads)
@@ -254,6 +256,16 @@ class HFBackend:
         if loaded is None:
             raise BackendError(f"the hf backend for {self.model_path} is not loaded (call load(); or it was closed)")
         return loaded
+
+
+def plan_free_attention() -> None:
+    """Turns cuDNN's scaled-dot-product attention off for this process (the worker's or profile's).
+
+    cuDNN builds an execution plan the first time it meets an input shape, and a worker's batches
+    keep bringing new shapes (batch size times padded length): each new one would stall its batch
+    by tens of milliseconds (docs/capacity.md). Flash and memory-efficient attention need no plan.
+    """
+    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def _default_threads(device: torch.device) -> int | None:

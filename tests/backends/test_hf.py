@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gpu_worker.backends.base import BackendError, BatchSizeError, InputError
-from gpu_worker.backends.hf import HFBackend, batch_bucket
+from gpu_worker.backends.hf import HFBackend, batch_bucket, plan_free_attention
 from gpu_worker.backends.sim import ReentryError
 from gpu_worker.backends.tiny import MAX_POSITIONS
 from telemetry.metrics import REGISTRY
@@ -311,3 +311,18 @@ def test_embed_batched_matches_one_by_one(tiny_models: dict[str, Path], make_bac
         single = json.loads(backend.batchstring([text])[0])
         worst = max(abs(a - b) for a, b in zip(vector, single, strict=True))
         assert worst <= 2e-6, f"{text!r}: batched differs from single by {worst}"
+
+
+def test_on_a_gpu_attention_needs_no_plan_per_shape(tiny_models: dict[str, Path]) -> None:
+    """cuDNN attention plans each new shape on first use; a worker's batches keep changing shape."""
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        backend = HFBackend(tiny_models["bert"], task="embed", device="cpu", warmup=False)
+        backend.load()
+        backend.close()
+        assert torch.backends.cuda.cudnn_sdp_enabled()  # a CPU backend leaves the process's setting alone
+        plan_free_attention()  # what load() does on a CUDA device
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)

@@ -112,10 +112,22 @@ def test_profile_hf_without_torch_names_the_extra(run: Run, tmp_path: Path, monk
     assert code == 2 and "[hf]" in err
 
 
+class _Counted(SimBackend):
+    def __init__(self) -> None:
+        super().__init__(0.0, 8)
+        self.sizes: list[int] = []
+
+    def batchstring(self, inputs: list[str]) -> list[str]:
+        self.sizes.append(len(inputs))
+        return super().batchstring(inputs)
+
+
 def test_profile_times_each_size_over_repeats_on_the_given_clock() -> None:
     ticks = iter(float(t) for t in range(1000))
-    curve = profile.profile_backend(SimBackend(0.0, 8), [1, 8], 3, clock=lambda: next(ticks))
+    backend = _Counted()
+    curve = profile.profile_backend(backend, [1, 8], 3, clock=lambda: next(ticks))
     assert curve.points == (CurvePoint(1, 1000.0, 1000.0), CurvePoint(8, 1000.0, 1000.0))
+    assert backend.sizes == [1] * 4 + [8] * 4  # each size's first call (its one-off costs) is not timed
     assert profile.ladder(100) == [1, 2, 4, 8, 16, 32, 64, 100]
     assert profile.parse_sizes("all", 3) == [1, 2, 3]
     with pytest.raises(profile.ProfileError, match=r"within 1\.\.4"):
