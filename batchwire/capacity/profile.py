@@ -23,6 +23,8 @@ from gpu_worker.backends.factory import BackendConfigError, BackendSettings, mak
 
 AUTO_LENGTHS = (16, 64, 256)
 """``--lengths auto``: input lengths in tokens, each within the model's longest input."""
+MAX_INPUT_CHARS = 1 << 20
+"""The longest input tried for a length: a tokenizer whose count stops growing is an error, not a hang."""
 PHRASE = "profile input "
 """Profile inputs repeat this phrase: words a tokenizer splits the same way wherever they fall."""
 
@@ -129,6 +131,8 @@ def text_of_tokens(backend: CountsTokens, tokens: int) -> tuple[str, int]:
         raise ProfileError(f"--lengths {tokens} is shorter than the shortest input ({count(1)} tokens with specials)")
     fits, over = 1, 2
     while count(over) <= tokens:
+        if over > MAX_INPUT_CHARS:
+            raise ProfileError(f"no input up to {MAX_INPUT_CHARS} characters reaches {tokens} tokens")
         fits, over = over, over * 2
     while over - fits > 1:
         middle = (fits + over) // 2

@@ -150,6 +150,10 @@ def test_the_input_of_a_length_is_the_longest_that_fits_it() -> None:
         profile.text_of_tokens(_Words(), 65)
     with pytest.raises(profile.ProfileError, match="shorter than the shortest input"):
         profile.text_of_tokens(_Words(), 2)
+    capped = _Words()
+    capped.count_tokens = lambda inputs: [5 for _ in inputs]  # type: ignore[method-assign]
+    with pytest.raises(profile.ProfileError, match="reaches 10 tokens"):
+        profile.text_of_tokens(capped, 10)
     assert profile.parse_lengths("auto", _Words()) == [16, 64]  # 256 is beyond the model: its longest
     assert profile.parse_lengths("auto", SimBackend(0.0, 8)) == [] == profile.parse_lengths("none", _Words())
     with pytest.raises(profile.ProfileError, match="positive token counts"):
