@@ -23,11 +23,12 @@ validate_hf() {
   if [ "$device" != cpu ]; then
     out="$R/validate-hf-$device" table="$R/validate-hf-$device.md" lengths=${VALIDATE_HF_LENGTHS:-auto}
   fi
+  if [ -n "${VALIDATE_HF_OUT:-}" ]; then out=$VALIDATE_HF_OUT table=$VALIDATE_HF_OUT.md; fi  # a sitting of its own
   minilm=${VALIDATE_HF_MINILM:-$($PY -c 'from gpu_worker.backends.packaged import minilm_dir; print(minilm_dir())')}
   [ -d "$tiny" ] || $PY -c "from gpu_worker.backends.tiny import build_tiny_encoder as b; b('$tiny')"
   specs=("tiny:$tiny:8:32" "minilm:$minilm:32:160")
   [ "$device" = cpu ] || specs=("tiny:$tiny:32:32" "minilm:$minilm:100:160")
-  : > "$table"
+  mkdir -p "$(dirname "$table")"; : > "$table"
   for spec in "${specs[@]}"; do
     IFS=: read -r name path batch chars <<< "$spec"
     [[ " ${VALIDATE_HF_MODELS:-tiny minilm} " == *" $name "* ]] || continue
