@@ -196,6 +196,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def curve_from(args: argparse.Namespace) -> Curve:
     """The curve file of ``--curve``, at the input length of ``--tokens`` when given."""
     curve = load(args.curve)
+    if args.tokens is not None and args.tokens < 1:
+        raise ValueError(f"--tokens takes a positive length in tokens, got {args.tokens}")
     return curve if args.tokens is None else curve.at_tokens(args.tokens)
 
 

@@ -174,6 +174,8 @@ def test_profile_hf_times_each_length_in_the_models_own_tokens(run: Run, tmp_pat
     assert code == 0 and "50.0" in out
     code, _, err = run(["simulate", "--curve", str(out_path), "--tokens", "49", "--workers", "1", "--rate", "50"])
     assert code == 2 and "--lengths up to 49" in err
+    code, _, err = run(["plan", "--curve", str(out_path), "--tokens", "0", "--rate", "50", "--p99-ms", "100"])
+    assert code == 2 and "--tokens takes a positive length" in err
 
 
 def test_profile_lengths_need_a_tokenizer(run: Run, tmp_path: Path) -> None:
