@@ -20,9 +20,8 @@ import time
 
 import torch
 
+from batchwire.capacity.profile import phrase_text
 from gpu_worker.backends.hf import HFBackend
-
-PHRASE = "profile input "
 
 
 def timed_ms(backend: HFBackend, inputs: list[str]) -> float:
@@ -37,7 +36,7 @@ def main() -> None:
     backend.load()  # warms sizes 1 and 100 with one short input, as the worker does; cuDNN attention off
     rng = random.Random(1)
     alphabet = string.ascii_letters + string.digits
-    fixed = (PHRASE * 12)[:160]
+    fixed = phrase_text(160)
     out: dict[str, object] = {"device": device}
 
     for cudnn, sizes in ((True, (3, 5, 7, 9, 11, 13, 15, 17)), (False, (19, 21, 23, 25, 27, 29, 31, 33))):
@@ -50,7 +49,7 @@ def main() -> None:
 
     first, second = [], []
     for chars in (20, 40, 60, 80, 100, 120, 140):
-        text = (PHRASE * 12)[:chars]
+        text = phrase_text(chars)
         first.append(timed_ms(backend, [text]))
         second.append(timed_ms(backend, [text]))
     out["new_length_batch_1"] = {"first_ms": first, "second_ms": second}

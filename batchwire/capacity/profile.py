@@ -29,6 +29,11 @@ PHRASE = "profile input "
 """Profile inputs repeat this phrase: words a tokenizer splits the same way wherever they fall."""
 
 
+def phrase_text(chars: int) -> str:
+    """A profile input ``chars`` characters long: ``PHRASE`` repeated and cut."""
+    return (PHRASE * (chars // len(PHRASE) + 1))[:chars]
+
+
 class ProfileError(ValueError):
     """The profile cannot run as asked; the message says what to change."""
 
@@ -78,7 +83,7 @@ def profile_backend(
     if repeats < 1:
         raise ProfileError(f"--repeats must be at least 1, got {repeats}")
     meta: dict[str, object] = {"repeats": repeats, "input_chars": input_chars, "host": platform.node()}
-    text = (PHRASE * (input_chars // len(PHRASE) + 1))[:input_chars]
+    text = phrase_text(input_chars)
     counter = backend if isinstance(backend, CountsTokens) else None
     if counter is not None:
         meta["input_tokens"] = counter.count_tokens([text])[0]
@@ -121,11 +126,8 @@ def text_of_tokens(backend: CountsTokens, tokens: int) -> tuple[str, int]:
     if tokens > backend.max_input_tokens:
         raise ProfileError(f"--lengths {tokens} is longer than the model accepts ({backend.max_input_tokens} tokens)")
 
-    def text(chars: int) -> str:
-        return (PHRASE * (chars // len(PHRASE) + 1))[:chars]
-
     def count(chars: int) -> int:
-        return backend.count_tokens([text(chars)])[0]
+        return backend.count_tokens([phrase_text(chars)])[0]
 
     if count(1) > tokens:
         raise ProfileError(f"--lengths {tokens} is shorter than the shortest input ({count(1)} tokens with specials)")
@@ -137,7 +139,7 @@ def text_of_tokens(backend: CountsTokens, tokens: int) -> tuple[str, int]:
     while over - fits > 1:
         middle = (fits + over) // 2
         fits, over = (middle, over) if count(middle) <= tokens else (fits, middle)
-    return text(fits), count(fits)
+    return phrase_text(fits), count(fits)
 
 
 def parse_lengths(text: str, backend: Backend) -> list[int]:
