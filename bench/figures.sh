@@ -33,16 +33,18 @@ validate_hf() {
     IFS=: read -r name path batch chars <<< "$spec"
     [[ " ${VALIDATE_HF_MODELS:-tiny minilm} " == *" $name "* ]] || continue
     echo "== validate-hf: $name on $device"
-    mkdir -p "$out/$name"
+    rm -rf "${out:?}/$name"; mkdir -p "$out/$name"  # a new sitting: no earlier seed's run is read with it
     $BW profile --backend hf --model-path "$path" --hf-task embed --device "$device" --max-batch "$batch" \
       --input-chars "$chars" --lengths "$lengths" --repeats "${VALIDATE_HF_REPEATS:-20}" --out "$out/$name/curve.json"
     read -r rates lone_ms <<< "$($PY -c 'import sys; from batchwire.capacity.curve import load
 c = load(sys.argv[1]); r = min(c.best_rate_per_worker()[0], float(sys.argv[2]))
 print(f"{0.3 * r:.0f},{0.7 * r:.0f} {c.latency_ms(1):.1f}")' "$out/$name/curve.json" "${VALIDATE_HF_MAX_RATE:-1000}")"
-    BATCHWIRE_BACKEND=hf BATCHWIRE_MODEL_PATH="$path" BATCHWIRE_HF_TASK=embed BATCHWIRE_DEVICE="$device" \
-      $BW bench --client raw --start embedded --workers 1 --max-batch "$batch" --rate "$rates" \
-      --duration "${VALIDATE_HF_DURATION:-20}" --warmup 3 --label "hf embed $name on $device" \
-      --backend-latency-ms "$lone_ms" --out "$out/$name" | tail -n 4
+    for seed in ${VALIDATE_HF_SEEDS:-1 2 3}; do
+      BATCHWIRE_BACKEND=hf BATCHWIRE_MODEL_PATH="$path" BATCHWIRE_HF_TASK=embed BATCHWIRE_DEVICE="$device" \
+        $BW bench --client raw --start embedded --workers 1 --max-batch "$batch" --rate "$rates" \
+        --duration "${VALIDATE_HF_DURATION:-20}" --warmup 3 --label "hf embed $name on $device" --seed "$seed" \
+        --backend-latency-ms "$lone_ms" --out "$out/$name/seed$seed" | tail -n 4
+    done
     { echo "## $name: hf embed on $device, 1 worker, max batch $batch, curve $out/$name/curve.json"; echo
       $BW validate-sim "$out/$name" --curve "$out/$name/curve.json"; echo
     } >> "$table"

@@ -20,6 +20,10 @@ from typing import Any
 from gpu_worker.calls import GroupResult
 from gpu_worker.runner import BackendRunner
 
+HAND_OVER_POLL_S = 0.001
+"""How often ``until_free_soon`` looks again while a call is being handed to the backend's thread
+(its start time unknown yet): the next credit goes out no sooner than this after the hand-over."""
+
 
 @dataclass(frozen=True, slots=True)
 class InFlight:
@@ -109,7 +113,7 @@ class Pipeline:
             wait_s: float | None = None  # until the oldest call ends
             if len(self._in_flight) == 1 and lead > 0 and expected_s is not None:
                 if started is None:
-                    wait_s = 0.001  # its call is being handed to the thread
+                    wait_s = HAND_OVER_POLL_S  # its call is being handed to the thread
                 else:
                     wait_s = started + expected_s - lead - self.runner.clock()
                     if wait_s <= 0:

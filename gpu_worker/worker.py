@@ -309,6 +309,13 @@ class Worker:
         count_ended(batch, ended + states)
         self._hand_in(delivered, batch, ended + states, result)
 
+    def _count_stages(self, batch: Batch, inputs: int, started: float, ended: float) -> None:
+        """Input-seconds from the batch's sealing to its call's start, and in the call (runner clock)."""
+        started_ms = wall_ms() - (self.runner.clock() - started) * 1000.0
+        waited_s = max(0.0, started_ms - batch.created_at_ms) / 1000.0
+        metrics.REQUEST_STAGE.labels(model=batch.model, stage="sealed_to_started").inc(inputs * waited_s)
+        metrics.REQUEST_STAGE.labels(model=batch.model, stage="call").inc(inputs * (ended - started))
+
     async def _run_group(
         self, batch: Batch, items: list[BatchItem], delivery: int, result: GroupResult | None = None
     ) -> list[TaskState]:
@@ -317,11 +324,13 @@ class Worker:
         self.batches_run += 1
         outcome = "ok" if all(isinstance(r, str) for r in outputs.values()) else "partial"
         metrics.WORKER_BATCHES.labels(worker=self.settings.worker_id, outcome=outcome).inc()
-        if self.journal is not None and result.started is not None and result.ended is not None:
-            ids = [item.task_id for item in items]  # the thread's times: a call may have waited behind another
-            self.journal.record(
-                self.settings.worker_id, batch.batch_id, ids, result.started, result.ended, outcome, delivery
-            )
+        if result.started is not None and result.ended is not None:
+            self._count_stages(batch, len(items), result.started, result.ended)
+            if self.journal is not None:
+                ids = [item.task_id for item in items]  # the thread's times: a call may have waited behind another
+                self.journal.record(
+                    self.settings.worker_id, batch.batch_id, ids, result.started, result.ended, outcome, delivery
+                )
         states = []
         limit = self.settings.max_output_bytes
         for index, item in enumerate(items):

@@ -187,3 +187,11 @@ BACKEND_ITEMS = Counter(
     ["model"],
     registry=REGISTRY,
 )
+REQUEST_STAGE = Counter(
+    "batchwire_request_stage_seconds",
+    "Seconds that inputs spent in each stage of the worker, summed over inputs (a batch of n adds n "
+    "times its time): sealed_to_started (the batch formed, its call not begun) and call. Over "
+    "batchwire_backend_items_total: the mean per input.",
+    ["model", "stage"],
+    registry=REGISTRY,
+)

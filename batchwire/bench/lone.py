@@ -41,6 +41,8 @@ class LoneReport(TypedDict):
     call_ms: NotRequired[float]
     """The workers' mean time inside the backend per call while the probe ran (where it is exported):
     a backend whose calls run longer from idle than profiled shows here, not in the path's cost."""
+    stages_ms: NotRequired[dict[str, float]]
+    """The service's mean time per request in each stage while the probe ran (``ServerStats.stages_ms``)."""
 
 
 def nearest_rank_ms(samples_ms: Sequence[float]) -> dict[str, float]:

@@ -21,6 +21,14 @@ BACKEND_ITEMS = "batchwire_backend_items_total"
 FLUSHES = "batchwire_flushes_total"
 WORKER_BUSY = "batchwire_worker_busy_seconds_total"
 BACKEND_CPU = "batchwire_backend_cpu_seconds_total"
+#: Where a request's time goes inside the service: histograms whose sum over count is a mean per
+#: request, and the worker's stages, summed over inputs (``batchwire_request_stage_seconds``).
+STAGE_HISTOGRAMS = {
+    "request_ms_mean": "batchwire_request_latency_seconds",
+    "queue_wait_ms_mean": "batchwire_queue_wait_seconds",
+}
+REQUEST_STAGE = "batchwire_request_stage_seconds_total"
+WORKER_STAGES = {"sealed_to_started_ms_mean": "sealed_to_started", "call_ms_mean": "call"}
 
 LabelSet = frozenset[tuple[str, str]]
 SampleKey = tuple[str, LabelSet]
@@ -102,6 +110,9 @@ class ServerStats(TypedDict):
     busy_fraction: float | None
     backend_cpu_s: float | None
     """CPU seconds of the backends' calling threads in the window (None: not exported)."""
+    stages_ms: dict[str, float]
+    """Mean time per request in each stage over the window (the gateway's accept to answer, accept to
+    sealed, sealed to its call's start, the call), those the service exports and saw."""
 
 
 def _delta(before: Scrape, after: Scrape) -> dict[tuple[str, SampleKey], float]:
@@ -183,7 +194,24 @@ def server_stats(before: Scrape, after: Scrape, urls: Iterable[str], workers_hin
         workers=workers,
         busy_fraction=busy / window_s / workers if workers else None,
         backend_cpu_s=_sum(delta, BACKEND_CPU) if _has(delta, BACKEND_CPU) else None,
+        stages_ms=_stage_means(delta),
     )
+
+
+def _stage_means(delta: Mapping[tuple[str, SampleKey], float]) -> dict[str, float]:
+    """Each stage's mean per request in ms over the window, where it counted something: the
+    histograms' sum over count, the worker's stages over the inputs the backends ran."""
+    out: dict[str, float] = {}
+    for key, name in STAGE_HISTOGRAMS.items():
+        count = _sum(delta, f"{name}_count")
+        if count:
+            out[key] = round(_sum(delta, f"{name}_sum") * 1000.0 / count, 4)
+    inputs = _sum(delta, BACKEND_ITEMS)
+    by_stage = _by_label(delta, REQUEST_STAGE, "stage")
+    for key, stage in WORKER_STAGES.items():
+        if inputs and stage in by_stage:
+            out[key] = round(by_stage[stage] * 1000.0 / inputs, 4)
+    return out
 
 
 def backend_seconds(stats: Mapping[str, Any]) -> float | None:

@@ -141,7 +141,7 @@ async def _probes_after_load(
     progress: Callable[[str], None],
 ) -> None:
     """The lone-request probe, then the warm-path one, once the service is idle again; each records the
-    backend's own time per call while it ran, where the service exports it."""
+    backend's own time per call while it ran, and the service's stages, where the service exports them."""
     # After the load: every answer is in, and the consumer groups have long settled (a probe
     # right after start-up can meet the workers' first rebalance, which hands its batch back).
     await asyncio.sleep(load.pause_s)
@@ -159,6 +159,8 @@ async def _probes_after_load(
             stats = server_stats(before, after, probes.metrics_urls, probes.workers_hint)
             if (call_ms := backend_ms_per_call(stats)) is not None:
                 probe["call_ms"] = round(call_ms, 3)
+            if stats["stages_ms"]:
+                probe["stages_ms"] = stats["stages_ms"]
         progress("    " + lone_line(probe, key))
         if key == "lone":
             run["lone"] = probe

@@ -28,6 +28,7 @@ from batcher.settings import BatcherSettings
 from batcher.spacing import Spacing
 from batchwire.capacity.curve import Curve
 from batchwire.capacity.outcome import BatchRecord, SimOutcome
+from gpu_worker.pipeline import HAND_OVER_POLL_S
 from gpu_worker.runner import BackendRunner
 from gpu_worker.settings import WorkerSettings
 
@@ -365,11 +366,13 @@ class Simulation:
             out.records.append(BatchRecord(index, now, start_s, end_s, tuple(p.item for p in taken.items)))
 
     def _offer_at(self, worker: _Worker, start_s: float, end_s: float, size: int) -> float:
-        """When the worker offers its next credit: ``lead`` before this call's expected end (``gpu_worker.credits``)."""
+        """When the worker offers its next credit: ``lead`` before this call's expected end
+        (``gpu_worker.credits``), but not before the worker has seen the call start, which it looks for
+        every ``HAND_OVER_POLL_S`` (``gpu_worker.pipeline``), and at the latest when the call ends."""
         if worker.expected_s is None:
             return end_s
         full = 2 * size >= self.config.curve.max_batch
         lead_s = (self.config.credit_lead_full_ms if full else self.config.credit_lead_ms) / 1000.0
         if lead_s <= 0:
             return end_s
-        return max(start_s, start_s + worker.expected_s - lead_s)
+        return min(end_s, max(start_s + HAND_OVER_POLL_S, start_s + worker.expected_s - lead_s))

@@ -67,6 +67,10 @@ class MeasuredRate:
     """The generator's record of its sends (``batchwire.bench.sends``; None: an older run without one)."""
     warmup_sends: str | None = None
     """The same record of the warm-up's sends (None: a run that kept none)."""
+    mean_ms: float | None = None
+    """The requests' mean latency (None: not recorded)."""
+    stages_ms: dict[str, float] | None = None
+    """The service's mean time per request in each stage (``ServerStats.stages_ms``; None: an older run)."""
     unsettled: bool = False
     """The window opened on the warm-up's backlog (``batchwire.bench.settle``): its latencies are the
     start-up's, not the rate's steady state."""
@@ -84,6 +88,16 @@ class MeasuredRate:
         start_s = -min((due for due, _ in warmup), default=0.0)
         pairs = sorted((start_s + due + lag, start_s + due) for due, lag in warmup + window)
         return Replay([arrival for arrival, _ in pairs], [due for _, due in pairs], start_s)
+
+    def outside_ms(self) -> float | None:
+        """The requests' mean latency less the means per request of the stages that the simulation runs
+        itself (accept to sealed, sealed to its call's start, the call): the path's own cost at this
+        rate, measured."""
+        stages = self.stages_ms or {}
+        parts = [stages.get(key) for key in ("queue_wait_ms_mean", "sealed_to_started_ms_mean", "call_ms_mean")]
+        if self.mean_ms is None or any(part is None for part in parts):
+            return None
+        return max(0.0, self.mean_ms - sum(part for part in parts if part is not None))
 
     def call_extra_ms(self, curve: Curve) -> float | None:
         """Measured backend time per call less what ``curve`` predicts for the batches run (their mean
@@ -120,6 +134,11 @@ class MeasuredRun:
     lone_probe_call_ms: float | None = None
     """The backend's measured time per call during the lone probe (None: not recorded)."""
     warm_probe_call_ms: float | None = None
+    """The same during the warm-path probe."""
+    lone_probe_transit_ms: float | None = None
+    """The lone probe's mean time from a batch's sealing to its call's start: with the worker idle, the
+    batch's way to it and the worker's steps before the call (None: not recorded)."""
+    warm_probe_transit_ms: float | None = None
     """The same during the warm-path probe."""
 
     def backend_curve(self) -> Curve:
@@ -216,6 +235,8 @@ def _run(name: str, config: dict[str, Any], run: dict[str, Any], cpu_count: int 
         warm_p50_ms=(warm.get("latency_ms") or {}).get("p50"),
         lone_probe_call_ms=lone.get("call_ms"),
         warm_probe_call_ms=warm.get("call_ms"),
+        lone_probe_transit_ms=(lone.get("stages_ms") or {}).get("sealed_to_started_ms_mean"),
+        warm_probe_transit_ms=(warm.get("stages_ms") or {}).get("sealed_to_started_ms_mean"),
     )
 
 
@@ -238,6 +259,8 @@ def _rate(rate: dict[str, Any], cpu_count: int | None) -> MeasuredRate:
         backend_share=_backend_share(server.get("backend_cpu_s"), scraped_s, cpu_count),
         sends=rate.get("sends") or None,
         warmup_sends=rate.get("warmup_sends") or None,
+        mean_ms=latency.get("mean"),
+        stages_ms=server.get("stages_ms") or None,
         unsettled=opening_backlog(rate.get("latency_by_second_ms") or []) is not None,
     )
 

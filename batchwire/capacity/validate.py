@@ -19,6 +19,12 @@ each rate is stretched by the CPU busy share measured then: processor sharing of
 backend's own thread leaves (``loaded_overhead_ms``). The stretch is a wait for the CPU, and such a
 wait varies: by default the idle overhead stays fixed and the stretch is drawn per batch from an
 exponential distribution with that mean (an M/M/1 queue's wait), so a loaded machine's tail shows too.
+Where the bench recorded the service's stages (``ServerStats.stages_ms``), the path's cost at a rate
+is measured instead: the requests' mean latency less the means per request of the stages that the
+simulation runs itself (accept to sealed, sealed to its call's start, the call). The probe's cost
+stays the fixed part and the rest is drawn per batch, as the stretch is; no stretch is estimated
+(``--no-stages``: the above). The stages subtracted hold a batch's way to an idle worker, which the
+probes' stages measure (``probe_transit_ms``) and the simulation runs as its transit.
 Calls take longer too: the workers' measured time inside the backend per call, less what the curve
 predicts for the batches they ran, is added to every call at that rate. It is a delay per call, not a
 factor: what slows a call is its Python steps waiting for the GIL while the process's event loop runs,
@@ -70,6 +76,8 @@ class Row:
     """The mean of the exponential delay per batch on top of ``overhead_ms``."""
     replayed: bool = False
     """The simulation replayed the generator's recorded sends (else: Poisson arrivals)."""
+    transit_ms: float = 0.0
+    """A batch's way to an idle worker, fed to the simulation (``probe_transit_ms``)."""
 
     @property
     def saturated(self) -> bool:
@@ -206,6 +214,7 @@ def compare(
     call_extra: bool = True,
     spread: bool = True,
     replay: bool = True,
+    stages: bool = True,
 ) -> list[Row]:
     """Every run's rates, measured and simulated."""
     rows = []
@@ -216,6 +225,12 @@ def compare(
             base, base_from = awake_overhead(run, measured, overhead, source)
             at_rate = loaded_overhead_ms(base, measured) if cpu_scaling else base
             fixed_ms, contention_ms = (base, round(at_rate - base, 2)) if spread else (at_rate, 0.0)
+            outside = measured.outside_ms() if stages and source != "flag" else None
+            transit_ms = 0.0
+            if outside is not None:  # measured at this rate: no stretch to estimate
+                fixed_ms, contention_ms = in_service_overhead(base, outside, spread)
+                transit_ms = probe_transit_ms(run, base_from)
+                base_from = f"{base_from}; in-service {outside:.2f}"
             step_ms = (per_item or {}).get(run.mode, 0.0)
             extra = call_extra_for(run, measured) if call_extra else None
             rate_config = dataclasses.replace(
@@ -225,11 +240,32 @@ def compare(
                 per_item_ms=step_ms,
                 call_extra_ms=extra or 0.0,
                 call_extra_spread=spread,
+                transit_ms=transit_ms,
             )
             sends = measured.replay() if replay else None
             simulated = simulate_median(rate_config, measured.sent_rate, requests, seeds, sends)
-            rows.append(Row(run, measured, simulated, fixed_ms, base_from, step_ms, extra, contention_ms, bool(sends)))
+            row = Row(run, measured, simulated, fixed_ms, base_from, step_ms, extra, contention_ms, bool(sends))
+            rows.append(dataclasses.replace(row, transit_ms=transit_ms))
     return rows
+
+
+def in_service_overhead(base_ms: float, outside_ms: float, spread: bool) -> tuple[float, float]:
+    """The fixed part and the mean of the per-batch exponential part of a path that costs
+    ``outside_ms`` on average at this rate (measured in the service): the probe's cost (``base_ms``)
+    fixed, the rest the CPU's queueing, which varies; all fixed without ``spread``."""
+    if not spread:
+        return round(outside_ms, 2), 0.0
+    fixed = min(base_ms, outside_ms)
+    return round(fixed, 2), round(outside_ms - fixed, 2)
+
+
+def probe_transit_ms(run: MeasuredRun, overhead_from: str) -> float:
+    """A batch's way from its sealing to its call's start on an idle worker (the hand-over, the worker's
+    steps before the call), from the probe whose cost the rate takes; the measured stages hold it, so
+    the path's cost outside them does not (0: not recorded). A batch sealed against an early credit
+    travels while the call before it runs, as in the service."""
+    transit = run.warm_probe_transit_ms if overhead_from == "warm" else run.lone_probe_transit_ms
+    return round(transit or 0.0, 2)
 
 
 def call_extra_for(run: MeasuredRun, measured: MeasuredRate) -> float | None:
@@ -257,6 +293,7 @@ def _batch(value: float | None) -> str:
 def _overhead(row: Row) -> str:
     text = f"{row.overhead_ms:g} ({row.overhead_from})"
     text = f"{text} + exp {row.contention_ms:g}" if row.contention_ms else text
+    text = f"{text}; transit {row.transit_ms:g}" if row.transit_ms else text
     text = f"{text}; sends replayed" if row.replayed else text
     text = f"{text} + {row.per_item_ms:.2f}/answer" if row.per_item_ms else text
     return f"{text}; calls +{row.call_extra_ms:g} ms" if row.call_extra_ms is not None else text
@@ -309,6 +346,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--contention-spread": "draw that stretch per batch, exponential with that mean (off: the mean, fixed)",
         "--replay": "replay a run's recorded sends (its bursts and lag) where it has them, not Poisson arrivals",
         "--call-extra": "add to each call the time per call the workers spent in the backend beyond the curve's",
+        "--stages": "where the run recorded the service's stages, take the path's cost at each rate from "
+        "them (mean latency less accept-to-sealed, sealed-to-call-start and the call) instead of stretching "
+        "the probe's",
     }
     for flag, text in switches.items():
         parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=True, help=text)
@@ -355,6 +395,7 @@ def run(args: argparse.Namespace) -> int:
             call_extra=args.call_extra,
             spread=args.contention_spread,
             replay=args.replay,
+            stages=args.stages,
         )
         table = format_table(rows)
     except (RunError, CurveError, ValueError) as err:

@@ -142,6 +142,10 @@ def test_the_lone_probe_is_in_the_json_and_the_table(finished_run: tuple[Path, s
     assert "warm requests (4 one at a time, 0 ms idle before each): p50 " in printed
     for probe in (lone, warm):  # the fake counts 50 ms of busy time per call (every second request)
         assert probe["call_ms"] == pytest.approx(50.0), "the backend's time per call while the probe ran"
+        assert probe["stages_ms"] == {
+            "sealed_to_started_ms_mean": pytest.approx(2.0),
+            "call_ms_mean": pytest.approx(50.0),
+        }, "the fake counts 2 ms from sealing to the call and the whole call for each input of a batch"
 
 
 def test_plots_are_png_files(finished_run: tuple[Path, str]) -> None:

@@ -20,6 +20,9 @@ batchwire_flushes_created{model="m",reason="max_wait"} 1.7e9
 batchwire_worker_busy_seconds_total{worker="w0"} 1.0
 # TYPE batchwire_backend_cpu_seconds counter
 batchwire_backend_cpu_seconds_total{worker="w0"} 0.25
+# TYPE batchwire_queue_wait_seconds histogram
+batchwire_queue_wait_seconds_count{model="m"} 10.0
+batchwire_queue_wait_seconds_sum{model="m"} 0.5
 """
 
 AFTER = """
@@ -38,6 +41,14 @@ batchwire_worker_busy_seconds_total{worker="w1"} 0.5
 # TYPE batchwire_backend_cpu_seconds counter
 batchwire_backend_cpu_seconds_total{worker="w0"} 1.0
 batchwire_backend_cpu_seconds_total{worker="w1"} 0.125
+# TYPE batchwire_queue_wait_seconds histogram
+batchwire_queue_wait_seconds_count{model="m"} 14.0
+batchwire_queue_wait_seconds_sum{model="m"} 0.53
+# TYPE batchwire_backend_items counter
+batchwire_backend_items_total{model="m"} 20.0
+# TYPE batchwire_request_stage_seconds counter
+batchwire_request_stage_seconds_total{model="m",stage="call"} 2.0
+batchwire_request_stage_seconds_total{model="m",stage="sealed_to_started"} 0.4
 """
 
 
@@ -65,6 +76,12 @@ def test_server_stats_is_the_difference_over_the_window() -> None:
     assert stats["busy_fraction"] == pytest.approx(0.5)
     assert backend_ms_per_call(stats) == pytest.approx(2000.0 / 5), "2 busy seconds over 5 calls"
     assert stats["backend_cpu_s"] == pytest.approx(0.75 + 0.125), "the backends' threads' CPU, summed over workers"
+    # the window's 4 requests waited 30 ms in all to be sealed; its 20 inputs 2 s in calls, 0.4 s before
+    assert stats["stages_ms"] == {
+        "queue_wait_ms_mean": pytest.approx(7.5),
+        "call_ms_mean": pytest.approx(100.0),
+        "sealed_to_started_ms_mean": pytest.approx(20.0),
+    }
 
 
 def test_workers_hint_wins_and_missing_metrics_give_none() -> None:
@@ -77,3 +94,4 @@ def test_workers_hint_wins_and_missing_metrics_give_none() -> None:
     assert backend_ms_per_call(stats) is None, "no call in the window"
     assert stats["backend_cpu_s"] is None, "a service that does not export it"
     assert stats["scrape_errors"] == {"http://y/metrics": "HTTP 404"}
+    assert stats["stages_ms"] == {}, "no stage counted anything"

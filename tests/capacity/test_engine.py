@@ -15,6 +15,7 @@ from batchwire.capacity.curve import Curve, CurvePoint
 from batchwire.capacity.engine import SimConfig, Simulation
 from batchwire.capacity.outcome import BatchRecord
 from batchwire.capacity.simulate import capacity, policy_for, simulate_rate
+from gpu_worker.pipeline import HAND_OVER_POLL_S
 
 FLAT = Curve.flat(100.0, 100)
 PURE_WC = FlushPolicy.work_conserving(max_batch=100, reserve_ms=0.0)
@@ -227,3 +228,17 @@ def test_a_late_send_counts_its_lag_from_when_it_was_due() -> None:
     assert [round(x * 1000, 6) for x in out.latencies_s] == [100.0, 180.0, 100.0]
     with pytest.raises(ValueError, match="one time per arrival"):
         Simulation(SimConfig(FLAT, 1, PURE_WC)).run(sent, due[:2])
+
+
+def test_the_next_credit_waits_for_the_worker_to_see_its_call_start() -> None:
+    """A lead longer than the call would offer the next credit as the call starts; the worker offers
+    it once it has seen the call start, which it looks for every ``HAND_OVER_POLL_S``, so requests
+    that come in between go in one batch, as in the service."""
+    fast = Curve.flat(5.0, 8)
+    half_poll = HAND_OVER_POLL_S / 2
+    times = [0.0, 0.010, 0.010 + half_poll / 2, 0.010 + half_poll]  # two come while the call is handed over
+    config = SimConfig(fast, 1, FlushPolicy.work_conserving(max_batch=8, reserve_ms=0.0), record=True)
+    assert config.credit_lead_ms > 5.0, "a lead longer than the call"
+    records = Simulation(config).run(times).records
+    assert [r.items for r in records] == [(0,), (1,), (2, 3)], f"got {[r.items for r in records]}"
+    assert records[2].sent_s == pytest.approx(0.010 + HAND_OVER_POLL_S), "sealed when the credit came"

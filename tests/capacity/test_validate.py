@@ -340,3 +340,52 @@ def test_the_backends_cpu_seconds_give_their_share_of_the_machine(tmp_path: Path
     (tmp_path / "results.json").write_text(json.dumps(data))
     ((run,),) = [measured.read_runs(tmp_path / "results.json", "cpu")]
     assert run.rates[0].backend_share == pytest.approx(0.25)
+
+
+def test_the_paths_cost_at_a_rate_is_its_mean_latency_less_the_stages_the_simulation_runs() -> None:
+    """Where the bench recorded the service's stages, the path costs what the requests' mean latency
+    holds beyond accept-to-sealed, sealed-to-started and the call: measured, so not stretched."""
+    stages = {"queue_wait_ms_mean": 1.0, "sealed_to_started_ms_mean": 0.5, "call_ms_mean": 2.5, "request_ms_mean": 5.0}
+    rate = MeasuredRate(300.0, 300.0, 300.0, 5.5, 12.0, 1.5, 1.3, 0.6, mean_ms=6.0, stages_ms=stages)
+    assert rate.outside_ms() == pytest.approx(2.0)
+    assert dataclasses.replace(rate, stages_ms=None).outside_ms() is None, "an older run"
+    assert dataclasses.replace(rate, stages_ms={"call_ms_mean": 2.5}).outside_ms() is None, "a stage missing"
+    assert dataclasses.replace(rate, mean_ms=3.0).outside_ms() == 0.0, "never below 0"
+    assert validate.in_service_overhead(1.5, 2.0, spread=True) == (1.5, 0.5), "the probe's cost fixed, the rest drawn"
+    assert validate.in_service_overhead(3.0, 2.0, spread=True) == (2.0, 0.0), "a probe above the measured mean"
+    assert validate.in_service_overhead(1.5, 2.0, spread=False) == (2.0, 0.0)
+
+    (probed,) = read("durability-rf1/run1")
+    run = dataclasses.replace(probed, lone_p50_ms=101.5, rates=(rate,))  # a 1.5 ms path when idle
+    (row,) = validate.compare([run], {}, requests=300, seeds=1)
+    assert (row.overhead_ms, row.contention_ms) == (1.5, 0.5), "0.6 busy would have stretched it to 3.75 ms"
+    assert "1.5 (lone; in-service 2.00) + exp 0.5" in validate.format_table([row])
+    (old,) = validate.compare([run], {}, requests=300, seeds=1, stages=False)
+    assert old.contention_ms == pytest.approx(2.25), "without them, the probe stretched by the busy share"
+    (given,) = validate.compare([run], {"kafka": 4.0}, requests=300, seeds=1)
+    assert given.overhead_ms == 4.0 and "in-service" not in given.overhead_from, "a given overhead stands"
+
+
+def test_the_probes_measure_a_batchs_way_to_an_idle_worker_which_the_simulation_runs_as_transit(
+    tmp_path: Path,
+) -> None:
+    """The stages subtracted from the path's cost hold the way from sealing to the call's start; the
+    probes' stages measure it with the worker idle, and the simulation runs it as its transit."""
+    data = json.loads((DATA / "durability-rf1" / "run1" / "results.json").read_text())
+    run_doc = data["runs"][0]
+    run_doc["lone"]["stages_ms"] = {"sealed_to_started_ms_mean": 1.25}
+    run_doc["warm"] = {"latency_ms": {"p50": 101.0}, "stages_ms": {"sealed_to_started_ms_mean": 0.75}}
+    (tmp_path / "results.json").write_text(json.dumps(data))
+    (run,) = measured.read_runs(tmp_path / "results.json", "probed")
+    assert (run.lone_probe_transit_ms, run.warm_probe_transit_ms) == (1.25, 0.75)
+    assert validate.probe_transit_ms(run, "warm") == 0.75 and validate.probe_transit_ms(run, "lone") == 1.25
+    assert validate.probe_transit_ms(dataclasses.replace(run, lone_probe_transit_ms=None), "lone") == 0.0
+
+    stages = {"queue_wait_ms_mean": 0.2, "sealed_to_started_ms_mean": 1.2, "call_ms_mean": 100.0}
+    light = MeasuredRate(20.0, 20.0, 20.0, 104.0, 110.0, 101.0, 1.0, 0.1, mean_ms=103.4, stages_ms=stages)
+    (row,) = validate.compare([dataclasses.replace(run, rates=(light,))], {}, requests=400, seeds=1)
+    assert row.transit_ms == 1.25 and "transit 1.25" in validate.format_table([row]), "the lone probe's at 20 req/s"
+    (plain,) = validate.compare([dataclasses.replace(run, rates=(light,))], {}, requests=400, seeds=1, stages=False)
+    assert plain.transit_ms == 0.0, "the probe's whole cost stands in for the path, transit included"
+    assert row.simulated.p50_ms is not None and plain.simulated.p50_ms is not None
+    assert row.simulated.p50_ms < plain.simulated.p50_ms, "the path measured at the rate, not stretched"

@@ -51,6 +51,8 @@ class FakeServer:
         )
         self.flushes = Counter("batchwire_flushes", "flushes", ["model", "reason"], registry=self.registry)
         self.busy = Counter("batchwire_worker_busy_seconds", "busy", ["worker"], registry=self.registry)
+        self.items = Counter("batchwire_backend_items", "inputs", ["model"], registry=self.registry)
+        self.stages = Counter("batchwire_request_stage_seconds", "stages", ["model", "stage"], registry=self.registry)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="fake-server", daemon=True)
         self._runner: web.AppRunner | None = None
@@ -80,6 +82,10 @@ class FakeServer:
             self.batch_size.labels("m").observe(self.behaviour.batch_size)
             self.flushes.labels("m", "full").inc()
             self.busy.labels("0").inc(self.behaviour.delay_s)
+            size = self.behaviour.batch_size  # each input waited 2 ms for the call, then the whole call
+            self.items.labels("m").inc(size)
+            self.stages.labels("m", "sealed_to_started").inc(size * 0.002)
+            self.stages.labels("m", "call").inc(size * self.behaviour.delay_s)
         answer = text[::-1]
         if self.behaviour.wrong_every and number % self.behaviour.wrong_every == 0:
             answer = text

@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from gpu_worker.settings import WorkerSettings
 from gpu_worker.worker import Worker
 from schemas.records import Batch, BatchItem, TaskState, TaskStatus
+from telemetry.metrics import REGISTRY
 from tests.support.worker_rig import PoisonBackend, Rig, ScriptedBackend, now_ms, run_batch
 from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryTaskStore
 
@@ -145,3 +148,24 @@ async def test_a_batch_that_needs_no_call_is_stored_after_the_one_still_running(
         assert order.index("t0") < order.index("t9"), f"b2 was stored before b1, which ran first: {order}"
     finally:
         await worker.close()
+
+
+async def test_each_input_counts_its_batchs_wait_for_the_call_and_the_call_itself() -> None:
+    """``batchwire_request_stage_seconds``: a batch of n adds n times its wait and its call, so the
+    sum over the inputs run is a mean per request (what ``batchwire bench`` reports as stages)."""
+
+    def sample(name: str, labels: dict[str, str]) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    def stage(name: str) -> float:
+        return sample("batchwire_request_stage_seconds_total", {"model": "sim", "stage": name})
+
+    before = (stage("call"), stage("sealed_to_started"))
+    calls_before = sample("batchwire_backend_call_seconds_sum", {"model": "sim", "backend": "poison"})
+    started = time.monotonic()
+    await run_batch(["a", "b", "c"])
+    took_s = time.monotonic() - started
+    call_s = sample("batchwire_backend_call_seconds_sum", {"model": "sim", "backend": "poison"}) - calls_before
+    assert stage("call") - before[0] == pytest.approx(3 * call_s), "three inputs, each the whole call"
+    waited_s = stage("sealed_to_started") - before[1]
+    assert 0.0 <= waited_s <= 3 * took_s, f"three inputs' waits, each within the run's {took_s:.3f} s"
