@@ -37,6 +37,7 @@ if [[ " $steps " == *" figure "* ]]; then
   # Each sitting in a folder of its own beside the earlier ones (bench/results/validate-hf-cuda/).
   VALIDATE_HF_OUT=${VALIDATE_HF_OUT:-bench/results/validate-hf-cuda/sitting-$(date -u +%Y%m%d-%H%M)} \
     VALIDATE_HF_DEVICE=${VALIDATE_HF_DEVICE:-cuda} VALIDATE_HF_MINILM=.gpu/minilm VALIDATE_HF_MAX_RATE=${VALIDATE_HF_MAX_RATE:-2000} \
+    VALIDATE_HF_SEEDS=${VALIDATE_HF_SEEDS:-1} \
     timeout "${DEVICE_FIGURE_TIMEOUT:-420}" ./bench/figures.sh validate-hf 2>&1 | tee "$OUT/validate-hf.txt"
   tar czf "$OUT/validate-hf.tgz" bench/results/validate-hf-cuda 2>/dev/null
 fi

@@ -16,6 +16,7 @@ run() { local name=$1; shift; echo "== $name: $*"; $B "$@" --out "$R/$name" | ta
 # `batchwire up`, which reads the backend from BATCHWIRE_* variables; no --check: embeddings are not
 # the reversed input. --input-chars gives the profile's inputs as many tokens as the bench's random
 # 32-character inputs (a byte per token for the tiny model; MiniLM's WordPiece splits them finer).
+# Each rate runs once per seed (VALIDATE_HF_SEEDS, "1 2 3"; bench/device.sh runs one on a GPU).
 # On a GPU the max batch is the mission's 100 for MiniLM and each curve is also profiled by length.
 validate_hf() {
   local device=${VALIDATE_HF_DEVICE:-cpu} tiny=.batchwire/tiny-encoder minilm name path batch chars rates lone_ms
