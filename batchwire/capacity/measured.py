@@ -135,11 +135,17 @@ class MeasuredRun:
     """The backend's measured time per call during the lone probe (None: not recorded)."""
     warm_probe_call_ms: float | None = None
     """The same during the warm-path probe."""
-    lone_probe_transit_ms: float | None = None
-    """The lone probe's mean time from a batch's sealing to its call's start: with the worker idle, the
-    batch's way to it and the worker's steps before the call (None: not recorded)."""
-    warm_probe_transit_ms: float | None = None
+    lone_probe_stages_ms: dict[str, float] | None = None
+    """The service's stages during the lone probe (``ServerStats.stages_ms``; None: not recorded)."""
+    warm_probe_stages_ms: dict[str, float] | None = None
     """The same during the warm-path probe."""
+
+    def probe_hops_ms(self, warm: bool = False) -> tuple[float, float]:
+        """The lone (``warm``: warm-path) probe's mean accept-to-sealed and sealed-to-call-start: with
+        the worker idle, a request's way to the batcher and its batch's way to the worker, the
+        worker's steps before the call included ((0, 0): not recorded)."""
+        stages = (self.warm_probe_stages_ms if warm else self.lone_probe_stages_ms) or {}
+        return stages.get("queue_wait_ms_mean", 0.0), stages.get("sealed_to_started_ms_mean", 0.0)
 
     def backend_curve(self) -> Curve:
         """The backend's latency by batch size: the curve given, else the sim backend's flat one."""
@@ -235,8 +241,8 @@ def _run(name: str, config: dict[str, Any], run: dict[str, Any], cpu_count: int 
         warm_p50_ms=(warm.get("latency_ms") or {}).get("p50"),
         lone_probe_call_ms=lone.get("call_ms"),
         warm_probe_call_ms=warm.get("call_ms"),
-        lone_probe_transit_ms=(lone.get("stages_ms") or {}).get("sealed_to_started_ms_mean"),
-        warm_probe_transit_ms=(warm.get("stages_ms") or {}).get("sealed_to_started_ms_mean"),
+        lone_probe_stages_ms=lone.get("stages_ms"),
+        warm_probe_stages_ms=warm.get("stages_ms"),
     )
 
 

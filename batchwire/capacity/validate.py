@@ -23,8 +23,10 @@ Where the bench recorded the service's stages (``ServerStats.stages_ms``), the p
 is measured instead: the requests' mean latency less the means per request of the stages that the
 simulation runs itself (accept to sealed, sealed to its call's start, the call). The probe's cost
 stays the fixed part and the rest is drawn per batch, as the stretch is; no stretch is estimated
-(``--no-stages``: the above). The stages subtracted hold a batch's way to an idle worker, which the
-probes' stages measure (``probe_transit_ms``) and the simulation runs as its transit.
+(``--no-stages``: the above). The stages subtracted hold a request's way to the batcher and its
+batch's way to the worker, which the probes' stages measure with the worker idle
+(``MeasuredRun.probe_hops_ms``): the first is added to the path's cost, the second is the
+simulation's transit.
 Calls take longer too: the workers' measured time inside the backend per call, less what the curve
 predicts for the batches they ran, is added to every call at that rate. It is a delay per call, not a
 factor: what slows a call is its Python steps waiting for the GIL while the process's event loop runs,
@@ -77,7 +79,7 @@ class Row:
     replayed: bool = False
     """The simulation replayed the generator's recorded sends (else: Poisson arrivals)."""
     transit_ms: float = 0.0
-    """A batch's way to an idle worker, fed to the simulation (``probe_transit_ms``)."""
+    """A batch's way to an idle worker, fed to the simulation (``MeasuredRun.probe_hops_ms``)."""
 
     @property
     def saturated(self) -> bool:
@@ -228,9 +230,11 @@ def compare(
             outside = measured.outside_ms() if stages and source != "flag" else None
             transit_ms = 0.0
             if outside is not None:  # measured at this rate: no stretch to estimate
-                fixed_ms, contention_ms = in_service_overhead(base, outside, spread)
-                transit_ms = probe_transit_ms(run, base_from)
-                base_from = f"{base_from}; in-service {outside:.2f}"
+                inbound_ms, transit_ms = run.probe_hops_ms(warm=base_from == "warm")
+                fixed_ms, contention_ms = in_service_overhead(base, outside + inbound_ms, spread)
+                inbound = f" + inbound {inbound_ms:.2f}" if inbound_ms else ""
+                base_from = f"{base_from}; in-service {outside:.2f}{inbound}"
+                transit_ms = round(transit_ms, 2)
             step_ms = (per_item or {}).get(run.mode, 0.0)
             extra = call_extra_for(run, measured) if call_extra else None
             rate_config = dataclasses.replace(
@@ -257,15 +261,6 @@ def in_service_overhead(base_ms: float, outside_ms: float, spread: bool) -> tupl
         return round(outside_ms, 2), 0.0
     fixed = min(base_ms, outside_ms)
     return round(fixed, 2), round(outside_ms - fixed, 2)
-
-
-def probe_transit_ms(run: MeasuredRun, overhead_from: str) -> float:
-    """A batch's way from its sealing to its call's start on an idle worker (the hand-over, the worker's
-    steps before the call), from the probe whose cost the rate takes; the measured stages hold it, so
-    the path's cost outside them does not (0: not recorded). A batch sealed against an early credit
-    travels while the call before it runs, as in the service."""
-    transit = run.warm_probe_transit_ms if overhead_from == "warm" else run.lone_probe_transit_ms
-    return round(transit or 0.0, 2)
 
 
 def call_extra_for(run: MeasuredRun, measured: MeasuredRate) -> float | None:

@@ -359,33 +359,33 @@ def test_the_paths_cost_at_a_rate_is_its_mean_latency_less_the_stages_the_simula
     run = dataclasses.replace(probed, lone_p50_ms=101.5, rates=(rate,))  # a 1.5 ms path when idle
     (row,) = validate.compare([run], {}, requests=300, seeds=1)
     assert (row.overhead_ms, row.contention_ms) == (1.5, 0.5), "0.6 busy would have stretched it to 3.75 ms"
-    assert "1.5 (lone; in-service 2.00) + exp 0.5" in validate.format_table([row])
+    assert "1.5 (lone; in-service 2.00) + exp 0.5" in validate.format_table([row]), "no probe stages: no inbound"
     (old,) = validate.compare([run], {}, requests=300, seeds=1, stages=False)
     assert old.contention_ms == pytest.approx(2.25), "without them, the probe stretched by the busy share"
     (given,) = validate.compare([run], {"kafka": 4.0}, requests=300, seeds=1)
     assert given.overhead_ms == 4.0 and "in-service" not in given.overhead_from, "a given overhead stands"
 
 
-def test_the_probes_measure_a_batchs_way_to_an_idle_worker_which_the_simulation_runs_as_transit(
-    tmp_path: Path,
-) -> None:
-    """The stages subtracted from the path's cost hold the way from sealing to the call's start; the
-    probes' stages measure it with the worker idle, and the simulation runs it as its transit."""
+def test_the_probes_measure_the_hops_to_an_idle_worker_which_the_path_and_the_transit_take(tmp_path: Path) -> None:
+    """The stages subtracted from the path's cost hold a request's way to the batcher and its batch's
+    way to the worker; the probes' stages measure both with the worker idle: the first is added to
+    the path's cost, the second is the simulation's transit."""
     data = json.loads((DATA / "durability-rf1" / "run1" / "results.json").read_text())
     run_doc = data["runs"][0]
-    run_doc["lone"]["stages_ms"] = {"sealed_to_started_ms_mean": 1.25}
+    run_doc["lone"]["stages_ms"] = {"queue_wait_ms_mean": 0.5, "sealed_to_started_ms_mean": 1.25}
     run_doc["warm"] = {"latency_ms": {"p50": 101.0}, "stages_ms": {"sealed_to_started_ms_mean": 0.75}}
     (tmp_path / "results.json").write_text(json.dumps(data))
     (run,) = measured.read_runs(tmp_path / "results.json", "probed")
-    assert (run.lone_probe_transit_ms, run.warm_probe_transit_ms) == (1.25, 0.75)
-    assert validate.probe_transit_ms(run, "warm") == 0.75 and validate.probe_transit_ms(run, "lone") == 1.25
-    assert validate.probe_transit_ms(dataclasses.replace(run, lone_probe_transit_ms=None), "lone") == 0.0
+    assert run.probe_hops_ms() == (0.5, 1.25) and run.probe_hops_ms(warm=True) == (0.0, 0.75)
+    assert dataclasses.replace(run, lone_probe_stages_ms=None).probe_hops_ms() == (0.0, 0.0), "not recorded"
 
-    stages = {"queue_wait_ms_mean": 0.2, "sealed_to_started_ms_mean": 1.2, "call_ms_mean": 100.0}
+    stages = {"queue_wait_ms_mean": 0.7, "sealed_to_started_ms_mean": 1.2, "call_ms_mean": 100.0}
     light = MeasuredRate(20.0, 20.0, 20.0, 104.0, 110.0, 101.0, 1.0, 0.1, mean_ms=103.4, stages_ms=stages)
     (row,) = validate.compare([dataclasses.replace(run, rates=(light,))], {}, requests=400, seeds=1)
     assert row.transit_ms == 1.25 and "transit 1.25" in validate.format_table([row]), "the lone probe's at 20 req/s"
+    assert row.overhead_ms == pytest.approx(1.5 + 0.5), "the path outside the stages, and the way to the batcher"
+    assert "in-service 1.50 + inbound 0.50" in row.overhead_from
     (plain,) = validate.compare([dataclasses.replace(run, rates=(light,))], {}, requests=400, seeds=1, stages=False)
-    assert plain.transit_ms == 0.0, "the probe's whole cost stands in for the path, transit included"
+    assert plain.transit_ms == 0.0, "the probe's whole cost stands in for the path, both hops included"
     assert row.simulated.p50_ms is not None and plain.simulated.p50_ms is not None
     assert row.simulated.p50_ms < plain.simulated.p50_ms, "the path measured at the rate, not stretched"
