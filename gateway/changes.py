@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from schemas.records import TaskState
+from transport.cancelling import cancel_and_wait
 from transport.ports import TaskStore
 
 
@@ -46,5 +47,4 @@ async def follow(
         return  # the store ended the subscription (it is closing): the client reconnects
     finally:
         if pending is not None:
-            pending.cancel()
-            await asyncio.wait({pending})
+            await cancel_and_wait(pending)

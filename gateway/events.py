@@ -22,9 +22,9 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.errors import GatewayError, error_body
 from schemas.records import TaskState
+from transport.cancelling import cancel_and_wait
 
 PING = b": ping\r\n\r\n"
-RECANCEL_S = 0.05
 _HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
 
 
@@ -158,21 +158,7 @@ class EventStream(Response):
         finally:
             for pending in (following, gone):
                 if pending is not None:
-                    await _cancelled(pending)
-
-
-async def _cancelled(task: asyncio.Future[Any]) -> None:
-    """Cancels ``task`` and waits for it to end, cancelling it again while it runs on.
-
-    A cancellation can be lost below us: on Python 3.11 ``asyncio.wait_for`` returns the result of
-    an inner task that finished as the cancellation came, and redis-py sends every command under it,
-    so a stream's re-read of its task can swallow the cancellation and leave the stream open, its
-    watch counted, forever. Cancelled again, it ends at its next wait."""
-    while not task.done():
-        task.cancel()
-        await asyncio.wait({task}, timeout=RECANCEL_S)
-    if not task.cancelled():
-        task.exception()  # retrieved: the stream is over, whatever it failed with
+                    await cancel_and_wait(pending)
 
 
 async def _disconnect(receive: Receive) -> None:

@@ -12,6 +12,8 @@ import logging
 from collections.abc import Coroutine
 from typing import Any
 
+from transport.cancelling import cancel_and_wait
+
 log = logging.getLogger(__name__)
 
 
@@ -44,8 +46,7 @@ class BackgroundLoop:
         """Cancels the task and waits for it; does nothing if not started. It can be started again."""
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            await asyncio.wait({task})  # its failure, if any, was logged by _log_end
+            await cancel_and_wait(task)  # its failure, if any, was logged by _log_end
 
 
 def _log_end(task: asyncio.Task[None]) -> None:

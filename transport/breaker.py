@@ -16,6 +16,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from transport.cancelling import cancel_and_wait
+
 log = logging.getLogger(__name__)
 
 Probe = Callable[[], Awaitable[bool]]
@@ -89,8 +91,7 @@ class CircuitBreaker:
         self._closed_for_good = True
         prober, self._prober = self._prober, None
         if prober is not None:
-            prober.cancel()
-            await asyncio.wait({prober})
+            await cancel_and_wait(prober)
 
     def _start_probing(self, first_delay_s: float) -> None:
         if self._prober is not None:

@@ -11,6 +11,8 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
 
+from transport.cancelling import cancel_and_wait
+
 A = TypeVar("A")
 R = TypeVar("R")
 
@@ -35,8 +37,7 @@ class Coalescer(Generic[A, R]):
         """Stops the flushing task; calls still waiting (or in the flush it cut short) fail with ``error``."""
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await cancel_and_wait(task)
         waiting, self._queued = self._queued, []
         for _, future in waiting:
             if not future.done():

@@ -63,3 +63,26 @@ async def test_a_closed_loop_can_start_again() -> None:
     loop.start(idle())
     assert loop.alive
     await loop.close()
+
+
+async def test_close_ends_a_loop_that_swallowed_its_cancellation() -> None:
+    """A library below can lose a cancellation (redis-py, cancelled mid-command): the loop goes on to
+    its next wait. ``close`` cancels it again there rather than waiting for ever."""
+    entered = asyncio.Event()
+    swallowed = 0
+
+    async def loop_over_a_lossy_call() -> None:
+        nonlocal swallowed
+        while True:
+            entered.set()
+            try:
+                await asyncio.Event().wait()  # a command in flight
+            except asyncio.CancelledError:
+                swallowed += 1  # what the library does: the loop carries on
+            await asyncio.sleep(3600)  # the loop's own wait: a second cancellation ends it here
+
+    loop = BackgroundLoop("watch")
+    loop.start(loop_over_a_lossy_call())
+    await asyncio.wait_for(entered.wait(), 5)
+    await asyncio.wait_for(loop.close(), 5)
+    assert swallowed == 1 and not loop.alive

@@ -1,7 +1,10 @@
-"""A worker the broker will not admit stops at once, non-zero, saying which setting to change."""
+"""Roles that cannot run stop at once, non-zero, saying why: a worker the broker will not admit, a
+gateway whose port is taken."""
 
 from __future__ import annotations
 
+import socket
+import subprocess
 import uuid
 from pathlib import Path
 from typing import Any
@@ -22,3 +25,26 @@ def test_a_session_timeout_the_broker_refuses_ends_the_worker_with_a_clear_messa
     log = proc.tail(60)
     assert code not in (0, None), f"the worker must not run without a group, exited {code}"
     assert "refuses session_timeout_ms=500" in log and "BATCHWIRE_SESSION_TIMEOUT_MS" in log, log
+
+
+def test_a_gateway_whose_port_is_taken_exits_at_once_saying_so(tmp_path: Path, infra: Any) -> None:
+    """uvicorn finds the port taken only after the app has started, so the gateway's parts (its
+    background readers of Redis among them) are stopped mid-flight; each start must still end the
+    process promptly, non-zero, rather than leave it waiting on a reader that lost its cancellation."""
+    cluster = Cluster(tmp_path, infra.kafka_bootstrap, infra.redis_url, f"c{uuid.uuid4().hex[:8]}")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for attempt in range(3):
+            proc = cluster.spawn(f"gateway{attempt}", "gateway", "--port", str(port))
+            assert proc.popen is not None
+            try:
+                code = proc.popen.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait()
+                pytest.fail(f"start {attempt}: still running 30 s after failing to bind:\n{proc.tail(20)}")
+            log = proc.tail(20)
+            assert code != 0, f"start {attempt}: exited 0 without serving:\n{log}"
+            assert "address already in use" in log, log

@@ -12,6 +12,7 @@ from collections import OrderedDict, deque
 from schemas.codec import CodecError, decode_batch, encode_batch
 from schemas.records import Batch, Credit
 from telemetry.logs import ids
+from transport.cancelling import cancel_and_wait
 from transport.express.copies import RedisExpress
 from transport.kafka.producers import KafkaBatchProducer
 from transport.ports import (
@@ -137,7 +138,8 @@ class ExpressBatchConsumer:
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for task in self._tasks:
+            await cancel_and_wait(task)
         self._tasks.clear()
         for copy in self._seen.values():
             if copy is not None and not copy.done():

@@ -13,6 +13,7 @@ from typing import Any
 from schemas.codec import CodecError, decode_request, encode_request
 from schemas.records import InferenceRequest
 from schemas.wire import Names
+from transport.cancelling import cancel_and_wait
 from transport.express.copies import RedisExpress
 from transport.kafka.producers import KafkaRequestProducer
 from transport.ports import UNKNOWN, Delivered, PartitionsCallback, RequestConsumer, TransportError
@@ -152,8 +153,7 @@ class ExpressRequestConsumer:
 
     async def close(self) -> None:
         if self._fetching is not None:
-            self._fetching.cancel()
-            await asyncio.gather(self._fetching, return_exceptions=True)
+            await cancel_and_wait(self._fetching)
             self._fetching = None
         await self.kafka.close()
         await self._hub.close()

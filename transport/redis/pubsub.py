@@ -19,6 +19,7 @@ from redis.asyncio.client import PubSub
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from transport.cancelling import cancel_and_wait
 from transport.ports import TransportError
 
 log = logging.getLogger(__name__)
@@ -92,10 +93,8 @@ class PubSubHub:
         """Stops the reader, then drops the connection; subscribers are told through ``on_failure``."""
         reader, self._reader = self._reader, None
         if reader is not None:
-            reader.cancel()
-            # wait() neither raises the reader's CancelledError nor swallows our own cancellation;
-            # a reader that failed earlier has reported it through on_failure already.
-            await asyncio.wait([reader])
+            # A reader that failed earlier has reported it through on_failure already.
+            await cancel_and_wait(reader)
         await self._drop_connection()
         await self._pool.disconnect()
         self._fail_waiters(TransportError("the Redis PubSub hub was closed"))
