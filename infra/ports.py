@@ -2,21 +2,43 @@
 
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+BELOW_EPHEMERAL = 12_000
+"""How many ports under the kernel's ephemeral range ``free_port`` draws from."""
 
 
 def free_port(host: str = LOOPBACK) -> int:
-    """Return a TCP port that was free a moment ago.
+    """Return a TCP port that was free a moment ago, drawn from below the kernel's ephemeral range.
 
-    The OS picks it; the socket is closed before the service binds it, so a race with another
-    process is possible (rare). Services retry with fresh ports when that happens.
+    The socket is closed before the service binds the port, so another process may take it first.
+    Ports the OS picks (bind to 0) come from the ephemeral range, where every outgoing connection
+    (a Kafka client's, a Redis client's) also takes its local port: on a busy machine one did, and a
+    gateway found its port taken. Below that range only another listener can; where no port there is
+    free, the OS picks one.
     """
+    low = ephemeral_low()
+    draw = random.SystemRandom()
+    for _ in range(64):
+        port = draw.randrange(max(1024, low - BELOW_EPHEMERAL), low)
+        if port_is_free(port, host):
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+        chosen: int = sock.getsockname()[1]
+        return chosen
+
+
+def ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default, 32768, where it is not readable)."""
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def port_is_free(port: int, host: str = LOOPBACK) -> bool:

@@ -12,7 +12,6 @@ import contextlib
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from typing import IO, Any, Literal
 import aiohttp
 
 from batchwire.bench.own_stack import OwnStack, child_env
+from infra.ports import free_port
 
 Mode = Literal["embedded", "kafka"]
 _POLL_S = 0.2
@@ -40,13 +40,6 @@ def batchwire_command() -> list[str]:
     if script.exists():
         return [str(script)]
     return [sys.executable, "-m", "batchwire.cli"]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free right now (another process could still take it before the child binds it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass(frozen=True, slots=True)
