@@ -140,12 +140,14 @@ class MeasuredRun:
     warm_probe_stages_ms: dict[str, float] | None = None
     """The same during the warm-path probe."""
 
-    def probe_hops_ms(self, warm: bool = False) -> tuple[float, float]:
-        """The lone (``warm``: warm-path) probe's mean accept-to-sealed and sealed-to-call-start: with
-        the worker idle, a request's way to the batcher and its batch's way to the worker, the
+    def probe_hops_ms(self, policy_wait_ms: float = 0.0, *, warm: bool = False) -> tuple[float, float]:
+        """The lone (``warm``: warm-path) probe's mean accept-to-sealed, less the policy's own wait for a
+        lone request (``policy_wait_ms``, which the simulation adds itself), and sealed-to-call-start:
+        with the worker idle, a request's way to the batcher and its batch's way to the worker, the
         worker's steps before the call included ((0, 0): not recorded)."""
         stages = (self.warm_probe_stages_ms if warm else self.lone_probe_stages_ms) or {}
-        return stages.get("queue_wait_ms_mean", 0.0), stages.get("sealed_to_started_ms_mean", 0.0)
+        inbound = max(0.0, stages.get("queue_wait_ms_mean", 0.0) - policy_wait_ms) if stages else 0.0
+        return inbound, stages.get("sealed_to_started_ms_mean", 0.0)
 
     def backend_curve(self) -> Curve:
         """The backend's latency by batch size: the curve given, else the sim backend's flat one."""

@@ -230,7 +230,7 @@ def compare(
             outside = measured.outside_ms() if stages and source != "flag" else None
             transit_ms = 0.0
             if outside is not None:  # measured at this rate: no stretch to estimate
-                inbound_ms, transit_ms = run.probe_hops_ms(warm=base_from == "warm")
+                inbound_ms, transit_ms = run.probe_hops_ms(lone_wait_ms(run), warm=base_from == "warm")
                 fixed_ms, contention_ms = in_service_overhead(base, outside + inbound_ms, spread)
                 inbound = f" + inbound {inbound_ms:.2f}" if inbound_ms else ""
                 base_from = f"{base_from}; in-service {outside:.2f}{inbound}"

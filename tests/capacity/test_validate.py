@@ -377,6 +377,8 @@ def test_the_probes_measure_the_hops_to_an_idle_worker_which_the_path_and_the_tr
     (tmp_path / "results.json").write_text(json.dumps(data))
     (run,) = measured.read_runs(tmp_path / "results.json", "probed")
     assert run.probe_hops_ms() == (0.5, 1.25) and run.probe_hops_ms(warm=True) == (0.0, 0.75)
+    assert run.probe_hops_ms(0.3) == (pytest.approx(0.2), 1.25), "classic's own wait for a lone request is not a hop"
+    assert run.probe_hops_ms(2.0) == (0.0, 1.25)
     assert dataclasses.replace(run, lone_probe_stages_ms=None).probe_hops_ms() == (0.0, 0.0), "not recorded"
 
     stages = {"queue_wait_ms_mean": 0.7, "sealed_to_started_ms_mean": 1.2, "call_ms_mean": 100.0}
