@@ -230,11 +230,11 @@ def compare(
             outside = measured.outside_ms() if stages and source != "flag" else None
             transit_ms = 0.0
             if outside is not None:  # measured at this rate: no stretch to estimate
-                inbound_ms, transit_ms = run.probe_hops_ms(lone_wait_ms(run), warm=base_from == "warm")
+                inbound_ms, transit = run.probe_hops_ms(lone_wait_ms(run), warm=base_from == "warm")
+                transit_ms = round(transit, 2)
                 fixed_ms, contention_ms = in_service_overhead(base, outside + inbound_ms, spread)
                 inbound = f" + inbound {inbound_ms:.2f}" if inbound_ms else ""
                 base_from = f"{base_from}; in-service {outside:.2f}{inbound}"
-                transit_ms = round(transit_ms, 2)
             step_ms = (per_item or {}).get(run.mode, 0.0)
             extra = call_extra_for(run, measured) if call_extra else None
             rate_config = dataclasses.replace(
@@ -248,8 +248,20 @@ def compare(
             )
             sends = measured.replay() if replay else None
             simulated = simulate_median(rate_config, measured.sent_rate, requests, seeds, sends)
-            row = Row(run, measured, simulated, fixed_ms, base_from, step_ms, extra, contention_ms, bool(sends))
-            rows.append(dataclasses.replace(row, transit_ms=transit_ms))
+            rows.append(
+                Row(
+                    run,
+                    measured,
+                    simulated,
+                    fixed_ms,
+                    base_from,
+                    step_ms,
+                    extra,
+                    contention_ms,
+                    bool(sends),
+                    transit_ms,
+                )
+            )
     return rows
 
 
