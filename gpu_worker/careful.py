@@ -72,3 +72,8 @@ def dead_lettered_message(letter: DeadLetter) -> str:
         f"flight ({letter.error}); it was set aside on the dead-letter topic (batch {letter.batch_id}): check the "
         "input, or send another"
     )
+
+
+def ordinal(n: int) -> str:
+    """``n``th delivery, as a log line names it."""
+    return {1: "1st", 2: "2nd", 3: "3rd"}.get(n, f"{n}th")

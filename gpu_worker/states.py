@@ -1,4 +1,5 @@
-"""The task states a worker writes for a batch's items, and the count of those that ended."""
+"""The task states a worker writes for a batch's items, the count of those that ended, and the time
+its inputs spent waiting for and in their call."""
 
 from __future__ import annotations
 
@@ -8,6 +9,14 @@ from collections import Counter
 from gpu_worker.calls import Failure
 from schemas.records import Batch, BatchItem, TaskState, TaskStatus
 from telemetry import metrics
+
+
+def count_stages(batch: Batch, inputs: int, started_ms: float, call_s: float) -> None:
+    """Counts the input-seconds of ``batch``'s run in ``batchwire_request_stage_seconds``: from its
+    sealing to its call's start (``started_ms``, wall clock), and in the call."""
+    waited_s = max(0.0, started_ms - batch.created_at_ms) / 1000.0
+    metrics.REQUEST_STAGE.labels(model=batch.model, stage="sealed_to_started").inc(inputs * waited_s)
+    metrics.REQUEST_STAGE.labels(model=batch.model, stage="call").inc(inputs * call_s)
 
 
 def wall_ms() -> int:

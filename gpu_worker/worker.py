@@ -40,7 +40,7 @@ from gpu_worker.journal import BatchJournal
 from gpu_worker.pipeline import Pipeline
 from gpu_worker.runner import BackendHung, BackendRunner
 from gpu_worker.settings import WorkerSettings
-from gpu_worker.states import count_ended, task_state, wall_ms
+from gpu_worker.states import count_ended, count_stages, task_state, wall_ms
 from schemas.deadletter import DEAD_LETTERED
 from schemas.records import Batch, BatchItem, TaskState, TaskStatus
 from telemetry import logs, metrics
@@ -309,13 +309,6 @@ class Worker:
         count_ended(batch, ended + states)
         self._hand_in(delivered, batch, ended + states, result)
 
-    def _count_stages(self, batch: Batch, inputs: int, started: float, ended: float) -> None:
-        """Input-seconds from the batch's sealing to its call's start, and in the call (runner clock)."""
-        started_ms = wall_ms() - (self.runner.clock() - started) * 1000.0
-        waited_s = max(0.0, started_ms - batch.created_at_ms) / 1000.0
-        metrics.REQUEST_STAGE.labels(model=batch.model, stage="sealed_to_started").inc(inputs * waited_s)
-        metrics.REQUEST_STAGE.labels(model=batch.model, stage="call").inc(inputs * (ended - started))
-
     async def _run_group(
         self, batch: Batch, items: list[BatchItem], delivery: int, result: GroupResult | None = None
     ) -> list[TaskState]:
@@ -325,7 +318,8 @@ class Worker:
         outcome = "ok" if all(isinstance(r, str) for r in outputs.values()) else "partial"
         metrics.WORKER_BATCHES.labels(worker=self.settings.worker_id, outcome=outcome).inc()
         if result.started is not None and result.ended is not None:
-            self._count_stages(batch, len(items), result.started, result.ended)
+            started_ms = wall_ms() - (self.runner.clock() - result.started) * 1000.0  # runner clock to wall
+            count_stages(batch, len(items), started_ms, result.ended - result.started)
             if self.journal is not None:
                 ids = [item.task_id for item in items]  # the thread's times: a call may have waited behind another
                 self.journal.record(
@@ -356,7 +350,7 @@ class Worker:
             "running %s, dead-lettering %d",
             self.settings.worker_id,
             batch.batch_id,
-            _ordinal(count),
+            careful.ordinal(count),
             suspects.note or "its last holder died or handed it back",
             len(suspects.task_ids),
             len(todo),
@@ -403,7 +397,3 @@ def _first(err: BaseException) -> BaseException:
     while isinstance(err, BaseExceptionGroup) and err.exceptions:
         err = err.exceptions[0]
     return err
-
-
-def _ordinal(n: int) -> str:
-    return {1: "1st", 2: "2nd", 3: "3rd"}.get(n, f"{n}th")

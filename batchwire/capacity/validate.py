@@ -20,13 +20,10 @@ backend's own thread leaves (``loaded_overhead_ms``). The stretch is a wait for 
 wait varies: by default the idle overhead stays fixed and the stretch is drawn per batch from an
 exponential distribution with that mean (an M/M/1 queue's wait), so a loaded machine's tail shows too.
 Where the bench recorded the service's stages (``ServerStats.stages_ms``), the path's cost at a rate
-is measured instead: the requests' mean latency less the means per request of the stages that the
-simulation runs itself (accept to sealed, sealed to its call's start, the call). The probe's cost
-stays the fixed part and the rest is drawn per batch, as the stretch is; no stretch is estimated
-(``--no-stages``: the above). The stages subtracted hold a request's way to the batcher and its
-batch's way to the worker, which the probes' stages measure with the worker idle
-(``MeasuredRun.probe_hops_ms``): the first is added to the path's cost, the second is the
-simulation's transit.
+is measured instead (``--no-stages``: the above): mean latency less accept-to-sealed, sealed-to-start
+and the call, plus the way to the batcher; the batch's way to the worker is the transit (both from
+the probes' stages: ``MeasuredRun.probe_hops_ms``). The probe's cost stays fixed, the rest is drawn
+per batch.
 Calls take longer too: the workers' measured time inside the backend per call, less what the curve
 predicts for the batches they ran, is added to every call at that rate. It is a delay per call, not a
 factor: what slows a call is its Python steps waiting for the GIL while the process's event loop runs,
@@ -248,20 +245,8 @@ def compare(
             )
             sends = measured.replay() if replay else None
             simulated = simulate_median(rate_config, measured.sent_rate, requests, seeds, sends)
-            rows.append(
-                Row(
-                    run,
-                    measured,
-                    simulated,
-                    fixed_ms,
-                    base_from,
-                    step_ms,
-                    extra,
-                    contention_ms,
-                    bool(sends),
-                    transit_ms,
-                )
-            )
+            row = Row(run, measured, simulated, fixed_ms, base_from, step_ms, extra, contention_ms, bool(sends))
+            rows.append(dataclasses.replace(row, transit_ms=transit_ms))
     return rows
 
 
