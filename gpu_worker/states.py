@@ -17,6 +17,7 @@ def count_stages(batch: Batch, inputs: int, started_ms: float, call_s: float) ->
     waited_s = max(0.0, started_ms - batch.created_at_ms) / 1000.0
     metrics.REQUEST_STAGE.labels(model=batch.model, stage="sealed_to_started").inc(inputs * waited_s)
     metrics.REQUEST_STAGE.labels(model=batch.model, stage="call").inc(inputs * call_s)
+    metrics.REQUEST_STAGE_INPUTS.labels(model=batch.model).inc(inputs)
 
 
 def wall_ms() -> int:

@@ -191,7 +191,14 @@ REQUEST_STAGE = Counter(
     "batchwire_request_stage_seconds",
     "Seconds that inputs spent in each stage of the worker, summed over inputs (a batch of n adds n "
     "times its time): sealed_to_started (the batch formed, its call not begun) and call. Over "
-    "batchwire_backend_items_total: the mean per input.",
+    "batchwire_request_stage_inputs_total: the mean per input.",
     ["model", "stage"],
+    registry=REGISTRY,
+)
+REQUEST_STAGE_INPUTS = Counter(
+    "batchwire_request_stage_inputs",
+    "Inputs that batchwire_request_stage_seconds counted, its denominator (batchwire_backend_items_total "
+    "is not: a deterministic model runs duplicates once, and a failing batch's bisection runs inputs again).",
+    ["model"],
     registry=REGISTRY,
 )

@@ -28,6 +28,7 @@ STAGE_HISTOGRAMS = {
     "queue_wait_ms_mean": "batchwire_queue_wait_seconds",
 }
 REQUEST_STAGE = "batchwire_request_stage_seconds_total"
+REQUEST_STAGE_INPUTS = "batchwire_request_stage_inputs_total"
 WORKER_STAGES = {"sealed_to_started_ms_mean": "sealed_to_started", "call_ms_mean": "call"}
 
 LabelSet = frozenset[tuple[str, str]]
@@ -200,13 +201,14 @@ def server_stats(before: Scrape, after: Scrape, urls: Iterable[str], workers_hin
 
 def _stage_means(delta: Mapping[tuple[str, SampleKey], float]) -> dict[str, float]:
     """Each stage's mean per request in ms over the window, where it counted something: the
-    histograms' sum over count, the worker's stages over the inputs the backends ran."""
+    histograms' sum over count, the worker's stages over the inputs they counted."""
     out: dict[str, float] = {}
     for key, name in STAGE_HISTOGRAMS.items():
         count = _sum(delta, f"{name}_count")
         if count:
             out[key] = round(_sum(delta, f"{name}_sum") * 1000.0 / count, 4)
-    inputs = _sum(delta, BACKEND_ITEMS)
+    counted = REQUEST_STAGE_INPUTS if _has(delta, REQUEST_STAGE_INPUTS) else BACKEND_ITEMS  # else: an older service
+    inputs = _sum(delta, counted)
     by_stage = _by_label(delta, REQUEST_STAGE, "stage")
     for key, stage in WORKER_STAGES.items():
         if inputs and stage in by_stage:

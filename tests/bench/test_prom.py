@@ -49,6 +49,8 @@ batchwire_backend_items_total{model="m"} 20.0
 # TYPE batchwire_request_stage_seconds counter
 batchwire_request_stage_seconds_total{model="m",stage="call"} 2.0
 batchwire_request_stage_seconds_total{model="m",stage="sealed_to_started"} 0.4
+# TYPE batchwire_request_stage_inputs counter
+batchwire_request_stage_inputs_total{model="m"} 25.0
 """
 
 
@@ -76,11 +78,12 @@ def test_server_stats_is_the_difference_over_the_window() -> None:
     assert stats["busy_fraction"] == pytest.approx(0.5)
     assert backend_ms_per_call(stats) == pytest.approx(2000.0 / 5), "2 busy seconds over 5 calls"
     assert stats["backend_cpu_s"] == pytest.approx(0.75 + 0.125), "the backends' threads' CPU, summed over workers"
-    # the window's 4 requests waited 30 ms in all to be sealed; its 20 inputs 2 s in calls, 0.4 s before
+    # the window's 4 requests waited 30 ms in all to be sealed; its 25 inputs 2 s in calls, 0.4 s
+    # before (the backends ran 20: duplicates once)
     assert stats["stages_ms"] == {
         "queue_wait_ms_mean": pytest.approx(7.5),
-        "call_ms_mean": pytest.approx(100.0),
-        "sealed_to_started_ms_mean": pytest.approx(20.0),
+        "call_ms_mean": pytest.approx(80.0),
+        "sealed_to_started_ms_mean": pytest.approx(16.0),
     }
 
 
@@ -95,3 +98,13 @@ def test_workers_hint_wins_and_missing_metrics_give_none() -> None:
     assert stats["backend_cpu_s"] is None, "a service that does not export it"
     assert stats["scrape_errors"] == {"http://y/metrics": "HTTP 404"}
     assert stats["stages_ms"] == {}, "no stage counted anything"
+
+
+def test_an_older_service_divides_its_stages_by_the_inputs_the_backends_ran() -> None:
+    """A service without ``batchwire_request_stage_inputs`` (its results.json read back, or a scrape)."""
+    url = "http://x/metrics"
+    older = "\n".join(line for line in AFTER.splitlines() if "request_stage_inputs" not in line)
+    before = Scrape(at=10.0, by_endpoint={url: parse_samples(BEFORE)})
+    after = Scrape(at=12.0, by_endpoint={url: parse_samples(older)})
+    stages = server_stats(before, after, [url])["stages_ms"]
+    assert stages["call_ms_mean"] == pytest.approx(100.0), "2 s over the 20 inputs the backends ran"

@@ -151,8 +151,9 @@ async def test_a_batch_that_needs_no_call_is_stored_after_the_one_still_running(
 
 
 async def test_each_input_counts_its_batchs_wait_for_the_call_and_the_call_itself() -> None:
-    """``batchwire_request_stage_seconds``: a batch of n adds n times its wait and its call, so the
-    sum over the inputs run is a mean per request (what ``batchwire bench`` reports as stages)."""
+    """``batchwire_request_stage_seconds``: a batch of n adds n times its wait and its call, and n to
+    ``batchwire_request_stage_inputs``, so the one over the other is a mean per request (what
+    ``batchwire bench`` reports as stages), even where a deterministic model runs a duplicate once."""
 
     def sample(name: str, labels: dict[str, str]) -> float:
         return REGISTRY.get_sample_value(name, labels) or 0.0
@@ -160,12 +161,22 @@ async def test_each_input_counts_its_batchs_wait_for_the_call_and_the_call_itsel
     def stage(name: str) -> float:
         return sample("batchwire_request_stage_seconds_total", {"model": "sim", "stage": name})
 
+    def counted() -> tuple[float, float]:
+        return (
+            sample("batchwire_request_stage_inputs_total", {"model": "sim"}),
+            sample("batchwire_backend_items_total", {"model": "sim"}),
+        )
+
     before = (stage("call"), stage("sealed_to_started"))
     calls_before = sample("batchwire_backend_call_seconds_sum", {"model": "sim", "backend": "poison"})
+    inputs_before = counted()
     started = time.monotonic()
-    await run_batch(["a", "b", "c"])
+    await run_batch(["a", "b", "a"], settings=WorkerSettings(worker_id="w1", deterministic=True))
     took_s = time.monotonic() - started
     call_s = sample("batchwire_backend_call_seconds_sum", {"model": "sim", "backend": "poison"}) - calls_before
     assert stage("call") - before[0] == pytest.approx(3 * call_s), "three inputs, each the whole call"
     waited_s = stage("sealed_to_started") - before[1]
     assert 0.0 <= waited_s <= 3 * took_s, f"three inputs' waits, each within the run's {took_s:.3f} s"
+    inputs_after = counted()
+    assert inputs_after[0] - inputs_before[0] == 3, "the stages' denominator counts every input"
+    assert inputs_after[1] - inputs_before[1] == 2, "the backend ran the duplicate once"
