@@ -11,8 +11,11 @@ for a fresh arrival (``BatchFormer.reserve_s``); a busy worker's batch is sealed
 the workers' calls spread (``batcher.spacing``); and reads paused while every worker was busy catch
 up before the batch is sealed (``batcher.read_pacing``).
 
-A failed claim is retried with backoff; a failed send is given back and tried again; a failed
-``batched`` write is only logged (the worker's writes follow).
+A sealed batch lands on the bus in a task of its own (``_land``): the loop goes on to the next
+credit, which is another worker's, without waiting for the bus's acknowledgement (over Kafka,
+``acks=all`` from every in-sync replica); only then are its requests handed over. A failed claim is
+retried with backoff; a failed send is given back and tried again; a failed ``batched`` write is
+only logged (the worker's writes follow).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ class Dispatcher:
 
     The ``Batcher`` owns it: the batcher feeds the ``BatchFormer`` and says when a model has
     something (``arrived``, ``wake``); the dispatcher tells it what was handed over (``handed_over``)
-    or ended (``expire``), within the batcher's hand-over lock.
+    or ended (``expire``).
     """
 
     def __init__(
@@ -96,6 +99,9 @@ class Dispatcher:
         if settings.request_partitions > 0:
             partitioner = Partitioner(settings.models, settings.request_partitions)
             self._own_partitions = {m: frozenset(partitioner.partitions_for(m)) for m in settings.models}
+        self._landings: set[asyncio.Task[None]] = set()
+        """Batches sealed and on their way to the bus (``_land``)."""
+        self._resend_after: dict[str, float] = {}
         self.batches_sent = 0
 
     # the batcher's side ------------------------------------------------------------------------
@@ -123,9 +129,11 @@ class Dispatcher:
             loop.cancel()
 
     async def cancelled(self) -> None:
-        """Waits for the cancelled loops to end (each offers back the credit it kept)."""
+        """Waits for the cancelled loops to end (each offers back the credit it kept), then for the
+        batches they sent to land: a batch whose worker may run it already is not cut off its bus."""
         await asyncio.gather(*self._loops.values(), return_exceptions=True)
         self._loops.clear()
+        await self.landed()
 
     # the loop ----------------------------------------------------------------------------------
     async def _loop(self, model: str) -> None:
@@ -135,6 +143,8 @@ class Dispatcher:
                 if not self.former.ready(model):
                     kept = await self._idle(model, kept)
                     continue
+                if (pause_s := self._resend_after.pop(model, 0.0) - self.clock()) > 0:
+                    await asyncio.sleep(pause_s)  # a send failed: the bus gets a moment
                 claimed_from_s: float | None = None  # a kept credit was there before the items
                 credit, kept = kept, None
                 if credit is None:
@@ -282,56 +292,72 @@ class Dispatcher:
 
     # the send ----------------------------------------------------------------------------------
     async def _send(self, model: str, credit: Credit) -> None:
-        expired: list[Held] = []
-        await self._send_locked(model, credit, expired)
-        if expired:  # written outside the hand-over lock: a slow store must not hold up a rebalance
-            await self._expire(expired)
-
-    async def _send_locked(self, model: str, credit: Credit, expired: list[Held]) -> None:
+        """Seals ``model``'s batch against ``credit`` and starts its landing: the loop goes on to the
+        next credit while the bus takes this batch (over Kafka, ``acks=all`` on every replica)."""
         async with self._handover:
             taken = self.former.take(model, credit.max_batch)
-            expired.extend(taken.expired)
-            if not taken.items:
-                await self._offer_back(credit)
-                return
-            batch = self._batch(model, taken, credit)
-            traced = (
-                BatchSpans(batch, [p.read_s or p.arrived_s for p in taken.items], self.clock())
-                if tracing.ACTIVE
-                else None
-            )
-            batch = batch if traced is None else traced.batch
-            # "batched" is written while Kafka takes the batch: a Redis write is faster than the
-            # hand-over to the worker, so watchers see batched before running.
-            marking = asyncio.create_task(self._mark_batched(model, batch))
-            try:
-                try:
-                    await self.producer.send(batch, credit.partition)
-                except TransportError as err:
-                    log.warning(
-                        "could not hand batch %s to %s: %s; will retry",
-                        batch.batch_id,
-                        credit.worker_id,
-                        err,
-                        extra=ids(batch_id=batch.batch_id, traceparent=batch.traceparent),
-                    )
-                    if traced is not None:
-                        traced.failed(err)
-                    self.former.give_back(model, taken)
-                    await self._offer_back(credit)
-                    await asyncio.sleep(self.settings.send_retry_s)  # back off a failing bus, then try again
-                    return
-                if traced is not None:
-                    traced.sent()
-                self._handed_over(taken.items)
-                starts_at_s = self.clock() + self._starts_in_s(credit)
-                self._spacing[model].started(credit.worker_id, starts_at_s, credit.busy_ms / 1000.0)
-                self.batches_sent += 1
-                self._record(model, batch, taken)
-            finally:
-                await asyncio.gather(marking, return_exceptions=True)
+            if taken.items:
+                batch, now = self._batch(model, taken, credit), self.clock()
+                reads = [p.read_s or p.arrived_s for p in taken.items]
+                traced = BatchSpans(batch, reads, now) if tracing.ACTIVE else None
+                batch = batch if traced is None else traced.batch
+                self._spacing[model].started(credit.worker_id, now + self._starts_in_s(credit), credit.busy_ms / 1000.0)
+                landing = asyncio.create_task(
+                    self._guard(self._land(model, credit, batch, taken, traced, now)), name=f"batcher-land-{model}"
+                )
+                self._landings.add(landing)
+                landing.add_done_callback(self._landings.discard)
+        if not taken.items:
+            await self._offer_back(credit)
+        if taken.expired:  # written outside the hand-over lock: a slow store must not hold up a rebalance
+            await self._expire(taken.expired)
         if self.former.held(model) < self.settings.max_held:
             self._room.set()
+
+    async def _land(
+        self,
+        model: str,
+        credit: Credit,
+        batch: Batch,
+        taken: Taken[InferenceRequest],
+        spans: BatchSpans | None,
+        at: float,
+    ) -> None:
+        """Puts the batch on the bus; once it is there its requests are handed over (their offsets may
+        be committed). A failed send gives the requests back for the next batch, and the credit back."""
+        # "batched" is written while the bus takes the batch: watchers see it before "running".
+        marking = asyncio.create_task(self._mark_batched(model, batch))
+        try:
+            try:
+                await self.producer.send(batch, credit.partition)
+            except TransportError as err:
+                log.warning(
+                    "could not hand batch %s to %s: %s; will retry",
+                    batch.batch_id,
+                    credit.worker_id,
+                    err,
+                    extra=ids(batch_id=batch.batch_id, traceparent=batch.traceparent),
+                )
+                if spans is not None:
+                    spans.failed(err)
+                self.former.give_back(model, taken)
+                self._resend_after[model] = self.clock() + self.settings.send_retry_s  # back off a failing bus
+                await self._offer_back(credit)
+                self._wake[model].set()
+                return
+            if spans is not None:
+                spans.sent()
+            self._handed_over(taken.items)
+            self.batches_sent += 1
+            self._record(model, batch, taken, at)
+        finally:
+            await asyncio.gather(marking, return_exceptions=True)
+
+    async def landed(self) -> None:
+        """Waits until every batch sent so far is on the bus or given back (a rebalance and a close
+        hold the hand-over lock meanwhile, so no new one starts)."""
+        while self._landings:
+            await asyncio.gather(*self._landings, return_exceptions=True)
 
     async def _mark_batched(self, model: str, batch: Batch) -> None:
         batched = states.batched(model, batch, wall_ms())
@@ -358,13 +384,12 @@ class Dispatcher:
             items=tuple(BatchItem.of(p.item) for p in taken.items),
         )
 
-    def _record(self, model: str, batch: Batch, taken: Taken[InferenceRequest]) -> None:
+    def _record(self, model: str, batch: Batch, taken: Taken[InferenceRequest], sealed_s: float) -> None:
         metrics.FLUSHES.labels(model=model, reason=batch.flush_reason).inc()
         metrics.BATCH_SIZE.labels(model=model).observe(len(batch.items))
         wait = metrics.QUEUE_WAIT.labels(model=model)
-        now = self.clock()
         for pending in taken.items:
-            wait.observe(max(0.0, now - pending.arrived_s))
+            wait.observe(max(0.0, sealed_s - pending.arrived_s))
         metrics.PENDING.labels(model=model).set(self.former.held(model))
 
     async def _offer_back(self, credit: Credit) -> None:

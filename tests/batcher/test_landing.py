@@ -1,0 +1,107 @@
+"""A sealed batch lands on the bus in a task of its own: the next worker's batch does not wait for
+the first one's acknowledgement, and a request is handed over (committed) only once its batch landed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from batcher.service import Batcher
+from batcher.settings import BatcherSettings
+from schemas.records import Batch, Credit, InferenceRequest
+from tests.support.eventually import eventually
+from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
+from transport.ports import TransportError
+from transport.routing import Partitioner
+
+
+class GatedBatchBus(MemoryBatchBus):
+    """Holds the send of the batch bound for ``held_partition`` until ``release`` is set (a broker
+    slow to acknowledge); ``failures`` sends raise first, as a broker that refuses them."""
+
+    def __init__(self, partitions: int, held_partition: int | None = None, failures: int = 0) -> None:
+        super().__init__(partitions)
+        self.held_partition = held_partition
+        self.failures = failures
+        self.release = asyncio.Event()
+        self.holding = asyncio.Event()
+        self.sent: list[tuple[int, list[str]]] = []
+
+    async def send(self, batch: Batch, partition: int) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise TransportError("the broker refused the batch")
+        if partition == self.held_partition:
+            self.holding.set()
+            await self.release.wait()
+        self.sent.append((partition, [item.task_id for item in batch.items]))
+        await super().send(batch, partition)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def credit(worker: str, partition: int) -> Credit:
+    now = now_ms()
+    return Credit(worker, "sim", partition, 1, now, now + 60_000)
+
+
+class Rig:
+    def __init__(self, batches: GatedBatchBus) -> None:
+        self.requests = MemoryRequestBus(Partitioner(("sim",), 1))
+        self.batches = batches
+        self.credits = MemoryCreditPool()
+        settings = BatcherSettings(models=("sim",), request_partitions=1, keep_credit_s=0, send_retry_s=0.01)
+        self.batcher = Batcher(settings, self.requests.consumer(), batches, self.credits, MemoryTaskStore())
+
+    async def request(self, task_id: str) -> None:
+        now = now_ms()
+        await self.requests.producer().send(InferenceRequest(task_id, "sim", task_id, now, now + 30_000, "gw"))
+
+
+async def test_the_next_workers_batch_goes_out_while_the_first_is_still_landing() -> None:
+    rig = Rig(GatedBatchBus(2, held_partition=0))
+    await rig.batcher.start()
+    try:
+        await rig.request("r1")
+        await rig.credits.offer(credit("w1", 0))
+        await asyncio.wait_for(rig.batches.holding.wait(), 5)  # w1's batch waits for its acknowledgement
+        await rig.request("r2")
+        await rig.credits.offer(credit("w2", 1))
+        await eventually(lambda: rig.batches.sent == [(1, ["r2"])], "w2's batch, while w1's still lands", timeout_s=5)
+        assert rig.requests.lag() == 2, "r1's batch has not landed: the commit point stays below r1 (and r2)"
+        rig.batches.release.set()
+        await eventually(lambda: rig.requests.lag() == 0, "r1 committed once its batch landed", timeout_s=5)
+        assert rig.batches.sent == [(1, ["r2"]), (0, ["r1"])]
+    finally:
+        rig.batches.release.set()
+        await rig.batcher.close()
+
+
+async def test_a_close_waits_for_a_landing_batch_and_commits_it() -> None:
+    rig = Rig(GatedBatchBus(1, held_partition=0))
+    await rig.batcher.start()
+    await rig.request("r1")
+    await rig.credits.offer(credit("w1", 0))
+    await asyncio.wait_for(rig.batches.holding.wait(), 5)
+    closing = asyncio.create_task(rig.batcher.close())
+    done, _ = await asyncio.wait({closing}, timeout=0.3)  # a close that did not wait would be done by now
+    assert not done, "the close waits for the batch on its way"
+    rig.batches.release.set()
+    await asyncio.wait_for(closing, 5)
+    assert rig.batches.sent == [(0, ["r1"])]
+    assert rig.requests.lag() == 0, "the landed batch's request was committed before the batcher left"
+
+
+async def test_a_batch_the_bus_refused_goes_out_again_with_its_requests() -> None:
+    rig = Rig(GatedBatchBus(1, failures=1))
+    await rig.batcher.start()
+    try:
+        await rig.request("r1")
+        await rig.credits.offer(credit("w1", 0))
+        await eventually(lambda: rig.batches.sent == [(0, ["r1"])], "r1 sent again, against its credit offered back")
+        await eventually(lambda: rig.requests.lag() == 0, "r1 committed once its batch landed")
+        assert rig.batcher.healthy()
+    finally:
+        await rig.batcher.close()
