@@ -12,10 +12,9 @@ the workers' calls spread (``batcher.spacing``); and reads paused while every wo
 up before the batch is sealed (``batcher.read_pacing``).
 
 A sealed batch lands on the bus in a task of its own (``_land``): the loop goes on to the next
-credit, which is another worker's, without waiting for the bus's acknowledgement (over Kafka,
-``acks=all`` from every in-sync replica); only then are its requests handed over. A failed claim is
-retried with backoff; a failed send is given back and tried again; a failed ``batched`` write is
-only logged (the worker's writes follow).
+credit (another worker's) without waiting for the acknowledgement (over Kafka, ``acks=all`` from
+every in-sync replica), which hands its requests over. A failed claim is retried with backoff; a
+failed send is given back and tried again; a failed ``batched`` write is only logged.
 """
 
 from __future__ import annotations
@@ -292,8 +291,7 @@ class Dispatcher:
 
     # the send ----------------------------------------------------------------------------------
     async def _send(self, model: str, credit: Credit) -> None:
-        """Seals ``model``'s batch against ``credit`` and starts its landing: the loop goes on to the
-        next credit while the bus takes this batch (over Kafka, ``acks=all`` on every replica)."""
+        """Seals ``model``'s batch against ``credit`` and starts its landing (``_land``)."""
         async with self._handover:
             taken = self.former.take(model, credit.max_batch)
             if taken.items:
@@ -309,6 +307,8 @@ class Dispatcher:
                 landing.add_done_callback(self._landings.discard)
         if not taken.items:
             await self._offer_back(credit)
+        else:  # one turn of the loop: the landing's first hop (the express copy) goes before the next claim
+            await asyncio.sleep(0)
         if taken.expired:  # written outside the hand-over lock: a slow store must not hold up a rebalance
             await self._expire(taken.expired)
         if self.former.held(model) < self.settings.max_held:
