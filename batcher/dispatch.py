@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 from batcher import states
+from batcher.landings import Landings
 from batcher.policy import BatchFormer, Pending, Taken
 from batcher.read_pacing import ReadPacing
 from batcher.settings import BatcherSettings
@@ -98,7 +99,7 @@ class Dispatcher:
         if settings.request_partitions > 0:
             partitioner = Partitioner(settings.models, settings.request_partitions)
             self._own_partitions = {m: frozenset(partitioner.partitions_for(m)) for m in settings.models}
-        self._landings: set[asyncio.Task[None]] = set()
+        self.landings = Landings()
         """Batches sealed and on their way to the bus (``_land``)."""
         self._resend_after: dict[str, float] = {}
         self.batches_sent = 0
@@ -132,7 +133,7 @@ class Dispatcher:
         batches they sent to land: a batch whose worker may run it already is not cut off its bus."""
         await asyncio.gather(*self._loops.values(), return_exceptions=True)
         self._loops.clear()
-        await self.landed()
+        await self.landings.landed()
 
     # the loop ----------------------------------------------------------------------------------
     async def _loop(self, model: str) -> None:
@@ -203,6 +204,9 @@ class Dispatcher:
         wake = self._wake[model]
         wake.clear()
         if kept is None and self._may_keep(model):
+            await self.landings.settled(wake)  # the batch just sealed makes its hops first
+            if wake.is_set():
+                return None
             kept = await self._claim(model)  # blocks while every worker is busy, like any claim
             if kept is None or self.former.ready(model):
                 return kept
@@ -300,11 +304,7 @@ class Dispatcher:
                 traced = BatchSpans(batch, reads, now) if tracing.ACTIVE else None
                 batch = batch if traced is None else traced.batch
                 self._spacing[model].started(credit.worker_id, now + self._starts_in_s(credit), credit.busy_ms / 1000.0)
-                landing = asyncio.create_task(
-                    self._guard(self._land(model, credit, batch, taken, traced, now)), name=f"batcher-land-{model}"
-                )
-                self._landings.add(landing)
-                landing.add_done_callback(self._landings.discard)
+                self.landings.start(self._guard(self._land(model, credit, batch, taken, traced, now)), f"land-{model}")
         if not taken.items:
             await self._offer_back(credit)
         else:  # one turn of the loop: the landing's first hop (the express copy) goes before the next claim
@@ -352,12 +352,6 @@ class Dispatcher:
             self._record(model, batch, taken, at)
         finally:
             await asyncio.gather(marking, return_exceptions=True)
-
-    async def landed(self) -> None:
-        """Waits until every batch sent so far is on the bus or given back (a rebalance and a close
-        hold the hand-over lock meanwhile, so no new one starts)."""
-        while self._landings:
-            await asyncio.gather(*self._landings, return_exceptions=True)
 
     async def _mark_batched(self, model: str, batch: Batch) -> None:
         batched = states.batched(model, batch, wall_ms())

@@ -151,7 +151,7 @@ class Batcher:
 
     async def _on_revoked(self, partitions: frozenset[int]) -> None:
         async with self._handover:
-            await self.dispatcher.landed()  # a batch on its way: its requests are handed over, or held again
+            await self.dispatcher.landings.landed()  # a batch on its way: its requests are handed over, or held again
             await self._commit()
             dropped = self.former.drop_partitions(partitions)
             self.offsets.forget(partitions)

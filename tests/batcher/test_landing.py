@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
+from batcher.landings import Landings
 from batcher.service import Batcher
 from batcher.settings import BatcherSettings
 from schemas.records import Batch, Credit, InferenceRequest
@@ -105,3 +108,58 @@ async def test_a_batch_the_bus_refused_goes_out_again_with_its_requests() -> Non
         assert rig.batcher.healthy()
     finally:
         await rig.batcher.close()
+
+
+class CountingCredits(MemoryCreditPool):
+    def __init__(self) -> None:
+        super().__init__()
+        self.claims = 0
+
+    async def claim(self, model: str, timeout_s: float) -> Credit | None:
+        got = await super().claim(model, timeout_s)
+        self.claims += got is not None
+        return got
+
+
+async def test_a_credit_kept_for_the_next_request_is_claimed_only_once_the_batch_landed() -> None:
+    """Its round trip would compete with the batch's own hops (the express copy, the worker's start)."""
+    batches = GatedBatchBus(2, held_partition=0)
+    credits = CountingCredits()
+    requests = MemoryRequestBus(Partitioner(("sim",), 1))
+    settings = BatcherSettings(models=("sim",), request_partitions=1, keep_credit_s=5)
+    batcher = Batcher(settings, requests.consumer(), batches, credits, MemoryTaskStore())
+    await batcher.start()
+    try:
+        now = now_ms()
+        await requests.producer().send(InferenceRequest("r1", "sim", "r1", now, now + 30_000, "gw"))
+        await credits.offer(credit("w1", 0))
+        await asyncio.wait_for(batches.holding.wait(), 5)
+        await credits.offer(credit("w2", 1))  # idle: the batcher would keep it for the next request
+        with pytest.raises(AssertionError, match="timed out"):  # a check, not a wait: a claim now comes within it
+            await eventually(lambda: credits.claims == 2, "w2's credit kept", timeout_s=0.3)
+        batches.release.set()
+        await eventually(lambda: credits.claims == 2, "w2's credit kept once r1's batch landed", timeout_s=5)
+    finally:
+        batches.release.set()
+        await batcher.close()
+
+
+async def test_settled_returns_when_the_landings_end_or_at_a_wake() -> None:
+    landings = Landings()
+    gate = asyncio.Event()
+    landings.start(_wait(gate), "held")
+    wake = asyncio.Event()
+    settling = asyncio.create_task(landings.settled(wake))
+    done, _ = await asyncio.wait({settling}, timeout=0.2)
+    assert not done, "a landing is under way"
+    wake.set()
+    await asyncio.wait_for(settling, 5)
+    wake.clear()
+    settling = asyncio.create_task(landings.settled(wake))
+    gate.set()
+    await asyncio.wait_for(settling, 5)
+    await asyncio.wait_for(landings.landed(), 5)
+
+
+async def _wait(gate: asyncio.Event) -> None:
+    await gate.wait()
