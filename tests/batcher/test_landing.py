@@ -51,11 +51,15 @@ def credit(worker: str, partition: int) -> Credit:
 
 
 class Rig:
-    def __init__(self, batches: GatedBatchBus) -> None:
+    def __init__(
+        self, batches: GatedBatchBus, credits: MemoryCreditPool | None = None, keep_credit_s: float = 0
+    ) -> None:
         self.requests = MemoryRequestBus(Partitioner(("sim",), 1))
         self.batches = batches
-        self.credits = MemoryCreditPool()
-        settings = BatcherSettings(models=("sim",), request_partitions=1, keep_credit_s=0, send_retry_s=0.01)
+        self.credits = credits or MemoryCreditPool()
+        settings = BatcherSettings(
+            models=("sim",), request_partitions=1, keep_credit_s=keep_credit_s, send_retry_s=0.01
+        )
         self.batcher = Batcher(settings, self.requests.consumer(), batches, self.credits, MemoryTaskStore())
 
     async def request(self, task_id: str) -> None:
@@ -123,25 +127,21 @@ class CountingCredits(MemoryCreditPool):
 
 async def test_a_credit_kept_for_the_next_request_is_claimed_only_once_the_batch_landed() -> None:
     """Its round trip would compete with the batch's own hops (the express copy, the worker's start)."""
-    batches = GatedBatchBus(2, held_partition=0)
     credits = CountingCredits()
-    requests = MemoryRequestBus(Partitioner(("sim",), 1))
-    settings = BatcherSettings(models=("sim",), request_partitions=1, keep_credit_s=5)
-    batcher = Batcher(settings, requests.consumer(), batches, credits, MemoryTaskStore())
-    await batcher.start()
+    rig = Rig(GatedBatchBus(2, held_partition=0), credits, keep_credit_s=5)
+    await rig.batcher.start()
     try:
-        now = now_ms()
-        await requests.producer().send(InferenceRequest("r1", "sim", "r1", now, now + 30_000, "gw"))
+        await rig.request("r1")
         await credits.offer(credit("w1", 0))
-        await asyncio.wait_for(batches.holding.wait(), 5)
+        await asyncio.wait_for(rig.batches.holding.wait(), 5)
         await credits.offer(credit("w2", 1))  # idle: the batcher would keep it for the next request
         with pytest.raises(AssertionError, match="timed out"):  # a check, not a wait: a claim now comes within it
             await eventually(lambda: credits.claims == 2, "w2's credit kept", timeout_s=0.3)
-        batches.release.set()
+        rig.batches.release.set()
         await eventually(lambda: credits.claims == 2, "w2's credit kept once r1's batch landed", timeout_s=5)
     finally:
-        batches.release.set()
-        await batcher.close()
+        rig.batches.release.set()
+        await rig.batcher.close()
 
 
 async def test_settled_returns_when_the_landings_end_or_at_a_wake() -> None:
