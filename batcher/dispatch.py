@@ -11,8 +11,10 @@ for a fresh arrival (``BatchFormer.reserve_s``); a busy worker's batch is sealed
 the workers' calls spread (``batcher.spacing``); and reads paused while every worker was busy catch
 up before the batch is sealed (``batcher.read_pacing``).
 
-A failed claim is retried with backoff; a failed send is given back and tried again; a failed
-``batched`` write is only logged (the worker's writes follow).
+A sealed batch lands on the bus in a task of its own (``_land``): the loop goes on to the next
+credit (another worker's) without waiting for the acknowledgement (over Kafka, ``acks=all`` from
+every in-sync replica), which hands its requests over. A failed claim is retried with backoff; a
+failed send is given back and tried again; a failed ``batched`` write is only logged.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 from batcher import states
+from batcher.landings import Landings
 from batcher.policy import BatchFormer, Pending, Taken
 from batcher.read_pacing import ReadPacing
 from batcher.settings import BatcherSettings
@@ -45,6 +48,8 @@ log = logging.getLogger(__name__)
 Held = Pending[InferenceRequest]
 
 CATCH_UP_MIN_S = 0.002
+LANDING_MAX = 2
+"""A model's batches on their way to the bus at once (see ``batcher.landings``)."""
 
 
 class Dispatcher:
@@ -52,7 +57,7 @@ class Dispatcher:
 
     The ``Batcher`` owns it: the batcher feeds the ``BatchFormer`` and says when a model has
     something (``arrived``, ``wake``); the dispatcher tells it what was handed over (``handed_over``)
-    or ended (``expire``), within the batcher's hand-over lock.
+    or ended (``expire``).
     """
 
     def __init__(
@@ -96,6 +101,9 @@ class Dispatcher:
         if settings.request_partitions > 0:
             partitioner = Partitioner(settings.models, settings.request_partitions)
             self._own_partitions = {m: frozenset(partitioner.partitions_for(m)) for m in settings.models}
+        self.landings = Landings()
+        """Batches sealed and on their way to the bus (``_land``)."""
+        self._resend_after: dict[str, float] = {}
         self.batches_sent = 0
 
     # the batcher's side ------------------------------------------------------------------------
@@ -123,9 +131,11 @@ class Dispatcher:
             loop.cancel()
 
     async def cancelled(self) -> None:
-        """Waits for the cancelled loops to end (each offers back the credit it kept)."""
+        """Waits for the cancelled loops to end (each offers back the credit it kept), then for the
+        batches they sent to land: a batch whose worker may run it already is not cut off its bus."""
         await asyncio.gather(*self._loops.values(), return_exceptions=True)
         self._loops.clear()
+        await self.landings.landed()
 
     # the loop ----------------------------------------------------------------------------------
     async def _loop(self, model: str) -> None:
@@ -135,9 +145,12 @@ class Dispatcher:
                 if not self.former.ready(model):
                     kept = await self._idle(model, kept)
                     continue
+                if (pause_s := self._resend_after.pop(model, 0.0) - self.clock()) > 0:
+                    await asyncio.sleep(pause_s)  # a send failed: the bus gets a moment
                 claimed_from_s: float | None = None  # a kept credit was there before the items
                 credit, kept = kept, None
                 if credit is None:
+                    await self.landings.room(model, LANDING_MAX)
                     claimed_from_s = self.clock()
                     credit = await self._claim_while_busy(model)
                     if credit is None:
@@ -194,6 +207,9 @@ class Dispatcher:
         wake = self._wake[model]
         wake.clear()
         if kept is None and self._may_keep(model):
+            await self.landings.settled(wake)  # the batch just sealed makes its hops first
+            if wake.is_set():
+                return None
             kept = await self._claim(model)  # blocks while every worker is busy, like any claim
             if kept is None or self.former.ready(model):
                 return kept
@@ -282,56 +298,64 @@ class Dispatcher:
 
     # the send ----------------------------------------------------------------------------------
     async def _send(self, model: str, credit: Credit) -> None:
-        expired: list[Held] = []
-        await self._send_locked(model, credit, expired)
-        if expired:  # written outside the hand-over lock: a slow store must not hold up a rebalance
-            await self._expire(expired)
-
-    async def _send_locked(self, model: str, credit: Credit, expired: list[Held]) -> None:
+        """Seals ``model``'s batch against ``credit`` and starts its landing (``_land``)."""
         async with self._handover:
             taken = self.former.take(model, credit.max_batch)
-            expired.extend(taken.expired)
-            if not taken.items:
-                await self._offer_back(credit)
-                return
-            batch = self._batch(model, taken, credit)
-            traced = (
-                BatchSpans(batch, [p.read_s or p.arrived_s for p in taken.items], self.clock())
-                if tracing.ACTIVE
-                else None
-            )
-            batch = batch if traced is None else traced.batch
-            # "batched" is written while Kafka takes the batch: a Redis write is faster than the
-            # hand-over to the worker, so watchers see batched before running.
-            marking = asyncio.create_task(self._mark_batched(model, batch))
-            try:
-                try:
-                    await self.producer.send(batch, credit.partition)
-                except TransportError as err:
-                    log.warning(
-                        "could not hand batch %s to %s: %s; will retry",
-                        batch.batch_id,
-                        credit.worker_id,
-                        err,
-                        extra=ids(batch_id=batch.batch_id, traceparent=batch.traceparent),
-                    )
-                    if traced is not None:
-                        traced.failed(err)
-                    self.former.give_back(model, taken)
-                    await self._offer_back(credit)
-                    await asyncio.sleep(self.settings.send_retry_s)  # back off a failing bus, then try again
-                    return
-                if traced is not None:
-                    traced.sent()
-                self._handed_over(taken.items)
-                starts_at_s = self.clock() + self._starts_in_s(credit)
-                self._spacing[model].started(credit.worker_id, starts_at_s, credit.busy_ms / 1000.0)
-                self.batches_sent += 1
-                self._record(model, batch, taken)
-            finally:
-                await asyncio.gather(marking, return_exceptions=True)
+            if taken.items:
+                batch, now = self._batch(model, taken, credit), self.clock()
+                reads = [p.read_s or p.arrived_s for p in taken.items]
+                traced = BatchSpans(batch, reads, now) if tracing.ACTIVE else None
+                batch = batch if traced is None else traced.batch
+                self._spacing[model].started(credit.worker_id, now + self._starts_in_s(credit), credit.busy_ms / 1000.0)
+                landing = self._land(model, credit, batch, taken, traced, now)
+                self.landings.start(model, self._guard(landing), f"land-{model}")
+        if not taken.items:
+            await self._offer_back(credit)
+        else:  # one turn of the loop: the landing's first hop (the express copy) goes before the next claim
+            await asyncio.sleep(0)
+        if taken.expired:  # written outside the hand-over lock: a slow store must not hold up a rebalance
+            await self._expire(taken.expired)
         if self.former.held(model) < self.settings.max_held:
             self._room.set()
+
+    async def _land(
+        self,
+        model: str,
+        credit: Credit,
+        batch: Batch,
+        taken: Taken[InferenceRequest],
+        spans: BatchSpans | None,
+        at: float,
+    ) -> None:
+        """Puts the batch on the bus; once it is there its requests are handed over (their offsets may
+        be committed). A failed send gives the requests back for the next batch, and the credit back."""
+        # "batched" is written while the bus takes the batch: watchers see it before "running".
+        marking = asyncio.create_task(self._mark_batched(model, batch))
+        try:
+            try:
+                await self.producer.send(batch, credit.partition)
+            except TransportError as err:
+                log.warning(
+                    "could not hand batch %s to %s: %s; will retry",
+                    batch.batch_id,
+                    credit.worker_id,
+                    err,
+                    extra=ids(batch_id=batch.batch_id, traceparent=batch.traceparent),
+                )
+                if spans is not None:
+                    spans.failed(err)
+                self.former.give_back(model, taken)
+                self._resend_after[model] = self.clock() + self.settings.send_retry_s  # back off a failing bus
+                await self._offer_back(credit)
+                self._wake[model].set()
+                return
+            if spans is not None:
+                spans.sent()
+            self._handed_over(taken.items)
+            self.batches_sent += 1
+            self._record(model, batch, taken, at)
+        finally:
+            await asyncio.gather(marking, return_exceptions=True)
 
     async def _mark_batched(self, model: str, batch: Batch) -> None:
         batched = states.batched(model, batch, wall_ms())
@@ -358,13 +382,12 @@ class Dispatcher:
             items=tuple(BatchItem.of(p.item) for p in taken.items),
         )
 
-    def _record(self, model: str, batch: Batch, taken: Taken[InferenceRequest]) -> None:
+    def _record(self, model: str, batch: Batch, taken: Taken[InferenceRequest], sealed_s: float) -> None:
         metrics.FLUSHES.labels(model=model, reason=batch.flush_reason).inc()
         metrics.BATCH_SIZE.labels(model=model).observe(len(batch.items))
         wait = metrics.QUEUE_WAIT.labels(model=model)
-        now = self.clock()
         for pending in taken.items:
-            wait.observe(max(0.0, now - pending.arrived_s))
+            wait.observe(max(0.0, sealed_s - pending.arrived_s))
         metrics.PENDING.labels(model=model).set(self.former.held(model))
 
     async def _offer_back(self, credit: Credit) -> None:

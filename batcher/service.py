@@ -78,7 +78,8 @@ class Batcher:
         """Clear while ``max_held`` requests are held: reading waits for a send."""
         self._room.set()
         self._handover = asyncio.Lock()
-        """Held while a batch goes out or partitions go: the held requests and offsets stay consistent."""
+        """Held while a batch is sealed or partitions go, and by a rebalance or a close until the
+        batches on their way landed: the held requests and offsets stay consistent."""
         self._tasks: list[asyncio.Task[None]] = []
         self.failure: BaseException | None = None
         self.failed = asyncio.Event()
@@ -150,6 +151,7 @@ class Batcher:
 
     async def _on_revoked(self, partitions: frozenset[int]) -> None:
         async with self._handover:
+            await self.dispatcher.landings.landed()  # a batch on its way: its requests are handed over, or held again
             await self._commit()
             dropped = self.former.drop_partitions(partitions)
             self.offsets.forget(partitions)
@@ -261,7 +263,7 @@ class Batcher:
 
     # finishing ---------------------------------------------------------------------------------
     def _handed_over(self, items: Sequence[Pending[InferenceRequest]]) -> None:
-        """The dispatcher put ``items`` on Kafka in a batch (within the hand-over lock)."""
+        """The dispatcher's batch holding ``items`` is on the bus (Kafka acknowledged it)."""
         for pending in items:
             self._finish(pending)
         self._commit_soon()

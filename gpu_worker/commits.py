@@ -1,10 +1,12 @@
 """Storing a batch's results and committing it, one batch after another in the order they came.
 
 Commits go in offset order: a batch's offset commits every offset before it, so each batch is
-stored and committed only after the one handed in before it. Once one is left uncommitted (its
-results not stored or not on enough Redis replicas), no later one is committed. The work runs in a
-task of its own, which neither a cancelled loop nor a failed backend call cuts in half, while the
-loop goes on: on a busy event loop, waiting for the store first would leave the GPU idle as long.
+committed only after the one handed in before it. Once one is left uncommitted (its results not
+stored or not on enough Redis replicas), no later one is committed. Stores and commits run in two
+tasks of their own, which neither a cancelled loop nor a failed backend call cuts in half, while
+the loop goes on: on a busy event loop, waiting for the store first would leave the GPU idle as
+long. A store does not wait for the commits before it: a commit may wait for a batch's Kafka record
+(an express batch's, ``transport.express.batches``), and callers must not wait with it.
 """
 
 from __future__ import annotations
@@ -43,11 +45,13 @@ class _Handed:
     """When the results were handed in (wall clock), only while tracing."""
     stored_ns: int = 0
     """When they were stored (wall clock), only while tracing."""
+    safe: bool = False
+    """Stored (on enough Redis replicas where asked): the batch may be committed."""
     done: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 class Committer:
-    """Stores results and commits batches in the order they are handed in, in one task it owns."""
+    """Stores results and commits batches in the order they are handed in, in two tasks it owns."""
 
     def __init__(
         self,
@@ -75,41 +79,61 @@ class Committer:
         self.stopping = stopping
         self.batches_done = 0
         """Batches finished with: results stored and commit attempted (or skipped as undecodable)."""
-        self._queue: asyncio.Queue[_Handed] = asyncio.Queue()
+        self._stores: asyncio.Queue[_Handed] = asyncio.Queue()
+        self._commits: asyncio.Queue[_Handed] = asyncio.Queue()
         self._held_back = False
         """A batch was left uncommitted: no later one is committed."""
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._serve(), name=f"commits-{self.worker_id}")
+        self._tasks = [
+            asyncio.create_task(self._store_loop(), name=f"stores-{self.worker_id}"),
+            asyncio.create_task(self._commit_loop(), name=f"commits-{self.worker_id}"),
+        ]
 
     def hand_in(self, delivered: Delivered[Batch], states: list[TaskState], call: Timed = None) -> asyncio.Future[None]:
         """Queues the batch's results (none for an undecodable one) behind those handed in before;
         the future is done once it is through, stored and committed or held back."""
         handed = _Handed(delivered, states, call, time.time_ns() if tracing.ACTIVE else 0)
-        self._queue.put_nowait(handed)
+        self._stores.put_nowait(handed)
         return handed.done
 
     async def drained(self) -> None:
         """Returns once every batch handed in is through."""
-        await self._queue.join()
+        await self._stores.join()
+        await self._commits.join()
 
     async def close(self) -> None:
         """Lets the batches handed in go through (their retries give up once ``abandoned()``), then stops."""
-        if self._task is None:
+        if not self._tasks:
             return
         await self.drained()
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
-        self._task = None
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
 
-    async def _serve(self) -> None:
+    async def _store_loop(self) -> None:
         while True:
-            handed = await self._queue.get()
+            handed = await self._stores.get()
             try:
-                await self._through(handed)
+                await self._store(handed)
                 if handed.stored_ns and handed.handed_ns and handed.delivered.value is not None:
                     _traced(handed.delivered.value, handed.call, handed.handed_ns, handed.stored_ns)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as err:
+                handed.safe = False
+                self.on_failure(err)
+            finally:
+                self._commits.put_nowait(handed)
+                self._stores.task_done()
+
+    async def _commit_loop(self) -> None:
+        while True:
+            handed = await self._commits.get()
+            try:
+                await self._through(handed)
             except asyncio.CancelledError:
                 raise
             except BaseException as err:
@@ -118,20 +142,24 @@ class Committer:
             finally:
                 if not handed.done.done():  # a waiter that was cancelled cancelled it
                     handed.done.set_result(None)
-                self._queue.task_done()
+                self._commits.task_done()
 
-    async def _through(self, handed: _Handed) -> None:
-        delivered, states = handed.delivered, handed.states
-        batch = delivered.value
+    async def _store(self, handed: _Handed) -> None:
+        states, batch = handed.states, handed.delivered.value
         if (
             self.replicas is not None and batch is not None
         ):  # every state again: earlier writes may be on a lost primary
-            replicated = await self.replicas.store_results(states, give_up=self.abandoned, stopping=self.stopping)
-            self._held_back = self._held_back or not replicated
-        elif states:
-            await self.retry("storing results", lambda: self.store.apply(states))
+            handed.safe = await self.replicas.store_results(states, give_up=self.abandoned, stopping=self.stopping)
+        else:
+            if states:
+                await self.retry("storing results", lambda: self.store.apply(states))
+            handed.safe = True
         if tracing.ACTIVE:
             handed.stored_ns = time.time_ns()  # what the callers wait for; the commit follows
+
+    async def _through(self, handed: _Handed) -> None:
+        delivered, batch = handed.delivered, handed.delivered.value
+        self._held_back = self._held_back or not handed.safe
         if self._held_back:  # committing this batch's offset would also commit one left uncommitted before it
             log.info(
                 "worker %s: batch at %d/%d goes back uncommitted (its results, or an earlier batch's, are not safe)",

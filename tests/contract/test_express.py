@@ -60,11 +60,13 @@ class Kit:
         await producer.start()
         return self.closer.add(producer)  # type: ignore[no-any-return]
 
-    async def consumer(self, worker: str = "w1") -> ExpressBatchConsumer:
+    async def consumer(
+        self, worker: str = "w1", confirm_timeout_s: float = WAIT_S, *, owns: bool = True
+    ) -> ExpressBatchConsumer:
         kafka = KafkaBatchConsumer(
             self.infra.kafka_bootstrap, self.names, MODEL, timing=GroupTiming(heartbeat_interval_ms=500)
         )
-        consumer = ExpressBatchConsumer(kafka, self.express(), worker, confirm_timeout_s=WAIT_S)
+        consumer = ExpressBatchConsumer(kafka, self.express(), worker, confirm_timeout_s=confirm_timeout_s)
         owned: set[int] = set()
 
         async def assigned(partitions: frozenset[int]) -> None:
@@ -75,7 +77,8 @@ class Kit:
 
         await consumer.start(assigned, revoked)
         self.closer.add(consumer)
-        await eventually(lambda: bool(owned), "the worker to own the batch partition", timeout_s=WAIT_S)
+        if owns:
+            await eventually(lambda: bool(owned), "the worker to own the batch partition", timeout_s=WAIT_S)
         return consumer
 
 
@@ -129,6 +132,39 @@ async def test_an_express_copy_that_comes_after_the_kafka_copy_is_dropped(kit: K
     assert await express.push("w1", encode_batch(sent), sent.batch_id, [item.task_id for item in sent.items])
     assert await worker.next(1.0) is None, "a batch must run once, whichever copy comes first"
     await worker.commit(delivered)
+
+
+async def express_only(kit: Kit, worker: ExpressBatchConsumer, ids: list[str]) -> list[Delivered[Batch]]:
+    """Pushes batches to the worker's express list alone (their Kafka records never come) and reads them."""
+    express = kit.express()
+    kit.closer.add(express)
+    got = []
+    for batch_id in ids:
+        sent = batch(batch_id)
+        assert await express.push("w1", encode_batch(sent), batch_id, [item.task_id for item in sent.items])
+        delivered = await worker.next(WAIT_S)
+        assert delivered is not None and delivered.via == "express"
+        got.append(delivered)
+    return got
+
+
+async def test_express_batches_whose_records_are_late_together_wait_for_them_once(kit: Kit) -> None:
+    """A broker's failover holds up many records at once: their commits wait out one timeout, not one each."""
+    worker = await kit.consumer(confirm_timeout_s=1.0)
+    got = await express_only(kit, worker, ["b1", "b2", "b3", "b4"])
+    started = time.monotonic()
+    for delivered in got:
+        await worker.commit(delivered)
+    assert time.monotonic() - started < 2.5, "each commit waited its own timeout for a record that is late"
+
+
+async def test_a_rebalance_ends_the_wait_for_an_express_batchs_record(kit: Kit) -> None:
+    """The record may go to the partition's next owner: the batch is not waited for (nor committed) here."""
+    worker = await kit.consumer()
+    (delivered,) = await express_only(kit, worker, ["b1"])
+    committing = asyncio.ensure_future(worker.commit(delivered))
+    await kit.consumer("w2", owns=False)  # joins the group: w1's partition is revoked
+    await asyncio.wait_for(committing, WAIT_S / 2)
 
 
 async def test_a_batch_holding_a_task_that_ended_is_not_pushed(kit: Kit) -> None:

@@ -9,6 +9,7 @@ from typing import TypeVar
 
 from gpu_worker.commits import Committer
 from schemas.records import Batch, TaskState, TaskStatus
+from tests.support.eventually import eventually
 from tests.support.worker_rig import now_ms
 from transport.deliveries import MemoryDeliveryLog
 from transport.memory.bus import MemoryTaskStore
@@ -96,3 +97,32 @@ async def test_no_batch_is_committed_after_one_whose_results_could_not_be_stored
     assert [type(err) for err in failures] == [TransportError], f"the failure is reported once, got {failures}"
     assert store.stored == ["fine", "after"], "a later batch's results are still stored"
     assert consumer.committed == [1], f"committing 3 would commit 2, which is not stored; got {consumer.committed}"
+
+
+class GatedCommits(Recording):
+    """Holds the commit of offset 1 until ``gate`` opens (an express batch's Kafka copy not come yet)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    async def commit(self, delivered: Delivered[Batch]) -> None:
+        if delivered.offset == 1:
+            await self.gate.wait()
+        await super().commit(delivered)
+
+
+async def test_a_batchs_results_are_stored_while_an_earlier_commit_waits() -> None:
+    """Callers must not wait for a commit: it may wait for a Kafka record a broker's failover holds up."""
+    store, consumer, failures = GatedStore(), GatedCommits(), []
+    store.gate.set()
+    commits = committer(store, consumer, failures)
+    commits.start()
+    first = commits.hand_in(*handed(1, "first"))
+    second = commits.hand_in(*handed(2, "second"))
+    await eventually(lambda: store.stored == ["first", "second"], "both batches' results stored")
+    assert consumer.committed == [] and not first.done() and not second.done(), "the commits still wait in order"
+    consumer.gate.set()
+    await asyncio.wait_for(asyncio.gather(first, second), 5)
+    await commits.close()
+    assert consumer.committed == [1, 2] and failures == []

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 from schemas.codec import CodecError, decode_batch, encode_batch
 from schemas.records import Batch, Credit
@@ -89,6 +90,15 @@ class ExpressBatchProducer:
 _MISSING = object()
 
 
+@dataclass(slots=True)
+class _Awaited:
+    """An express batch's Kafka copy, awaited until ``due``: its arrival plus the confirm timeout, so
+    that copies late together (a broker's failover) cost their commits that long once, not each."""
+
+    record: asyncio.Future[Delivered[Batch] | None]
+    due: float
+
+
 class ExpressBatchConsumer:
     """``BatchConsumer``: a worker's batches from its Kafka partitions and its express list, each once.
 
@@ -118,7 +128,7 @@ class ExpressBatchConsumer:
         self._wake = asyncio.Event()
         self._room = asyncio.Event()
         self._room.set()
-        self._seen: OrderedDict[str, asyncio.Future[Delivered[Batch] | None] | None] = OrderedDict()
+        self._seen: OrderedDict[str, _Awaited | None] = OrderedDict()
         """Batch id -> for a batch run from the express list, its Kafka copy once it comes; else None."""
         self._tasks: list[asyncio.Task[None]] = []
         self._failure: TransportError | None = None
@@ -129,7 +139,12 @@ class ExpressBatchConsumer:
             await self.express.clear(self.worker_id)
         except TransportError as err:  # what it holds is run once anyway: copies are matched by batch id
             log.warning("worker %s: could not clear its express list: %s", self.worker_id, err)
-        await self.kafka.start(on_assigned, on_revoked)
+
+        async def revoked(partitions: frozenset[int]) -> None:
+            self._release()  # their records may go to the partitions' next owners
+            await on_revoked(partitions)
+
+        await self.kafka.start(on_assigned, revoked)
         self._tasks = [
             asyncio.create_task(self._read_kafka(), name=f"{self.worker_id}-kafka-reader"),
             asyncio.create_task(self._read_express(), name=f"{self.worker_id}-express-reader"),
@@ -141,9 +156,7 @@ class ExpressBatchConsumer:
         for task in self._tasks:
             await cancel_and_wait(task)
         self._tasks.clear()
-        for copy in self._seen.values():
-            if copy is not None and not copy.done():
-                copy.set_result(None)
+        self._release()
         self._arrived.clear()
         await self.kafka.close()
         await self.express.close()
@@ -182,8 +195,8 @@ class ExpressBatchConsumer:
         if batch is None or copy is None:
             return
         try:
-            async with asyncio.timeout(self.confirm_timeout_s):
-                record = await asyncio.shield(copy)
+            async with asyncio.timeout(max(0.0, copy.due - asyncio.get_running_loop().time())):
+                record = await asyncio.shield(copy.record)
         except TimeoutError:
             record = None
         if record is None:  # the next commit on that partition covers it
@@ -203,12 +216,18 @@ class ExpressBatchConsumer:
         if len(self._arrived) >= self.read_ahead:
             self._room.clear()
 
-    def _remember(self, batch_id: str, copy: asyncio.Future[Delivered[Batch] | None] | None) -> None:
+    def _remember(self, batch_id: str, copy: _Awaited | None) -> None:
         self._seen[batch_id] = copy
         while len(self._seen) > self.remember:
             _, old = self._seen.popitem(last=False)
-            if old is not None and not old.done():
-                old.set_result(None)
+            if old is not None and not old.record.done():
+                old.record.set_result(None)
+
+    def _release(self) -> None:
+        """Stops waiting for every Kafka copy not come yet (the commits skip those batches)."""
+        for copy in self._seen.values():
+            if copy is not None and not copy.record.done():
+                copy.record.set_result(None)
 
     def _from_kafka(self, delivered: Delivered[Batch]) -> None:
         batch = delivered.value
@@ -219,8 +238,8 @@ class ExpressBatchConsumer:
         if known is None or known is _MISSING:
             self._remember(batch.batch_id, None)
             self._queue(delivered)
-        elif isinstance(known, asyncio.Future) and not known.done():
-            known.set_result(delivered)  # the express copy ran (or runs): this is its record
+        elif isinstance(known, _Awaited) and not known.record.done():
+            known.record.set_result(delivered)  # the express copy ran (or runs): this is its record
         # else a late copy of an express batch: a later commit covers it
 
     def _from_express(self, data: bytes) -> None:
@@ -233,7 +252,8 @@ class ExpressBatchConsumer:
             return
         if batch.batch_id in self._seen:
             return  # its Kafka copy came first
-        self._remember(batch.batch_id, asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        self._remember(batch.batch_id, _Awaited(loop.create_future(), loop.time() + self.confirm_timeout_s))
         self._queue(Delivered(batch, UNKNOWN, UNKNOWN, via="express"))
 
     async def _read_kafka(self) -> None:

@@ -1,0 +1,60 @@
+"""The batches on their way to the bus: the dispatcher's landing tasks, owned and awaited here.
+
+A sealed batch lands in a task of its own (``Dispatcher._land``) so that the dispatcher need not
+wait for the bus's acknowledgement before the next worker's credit. A rebalance or a close waits for
+every landing (``landed``); a credit claimed only to be kept for a future request waits for them too
+(``settled``), so that its round trip does not compete with the hops of the batch just sent. Only a
+few of a model's batches land at once (``room``): over Kafka with express copies, a worker runs a
+batch before it lands, and a stalled broker must not let copies run far ahead of their records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import Coroutine
+from typing import Any
+
+
+class Landings:
+    def __init__(self) -> None:
+        self._tasks: defaultdict[str, set[asyncio.Task[None]]] = defaultdict(set)
+
+    def start(self, key: str, landing: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(landing, name=name)
+        tasks = self._tasks[key]
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    def under_way(self, key: str | None = None) -> int:
+        """How many batches (of ``key``, or of every key) are on their way."""
+        if key is not None:
+            return len(self._tasks[key])
+        return sum(len(tasks) for tasks in self._tasks.values())
+
+    async def room(self, key: str, limit: int) -> None:
+        """Returns once fewer than ``limit`` of ``key``'s batches are on their way."""
+        tasks = self._tasks[key]
+        while len(tasks) >= limit:
+            await asyncio.wait(set(tasks), return_when=asyncio.FIRST_COMPLETED)
+
+    async def landed(self) -> None:
+        """Returns once every batch started so far is on the bus or given back (landings started
+        meanwhile included)."""
+        while self.under_way():
+            await asyncio.gather(*self._all(), return_exceptions=True)
+
+    async def settled(self, wake: asyncio.Event) -> None:
+        """Returns once no batch is landing, or as soon as ``wake`` is set."""
+        if not self.under_way() or wake.is_set():
+            return
+        woken = asyncio.create_task(wake.wait())
+        try:
+            while self.under_way() and not woken.done():
+                await asyncio.wait({woken, *self._all()}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            woken.cancel()
+            await asyncio.gather(woken, return_exceptions=True)
+
+    def _all(self) -> set[asyncio.Task[None]]:
+        return set[asyncio.Task[None]]().union(*self._tasks.values())

@@ -1,0 +1,188 @@
+"""A sealed batch lands on the bus in a task of its own: the next worker's batch does not wait for
+the first one's acknowledgement, and a request is handed over (committed) only once its batch landed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from batcher.dispatch import LANDING_MAX
+from batcher.landings import Landings
+from batcher.service import Batcher
+from batcher.settings import BatcherSettings
+from schemas.records import Batch, Credit, InferenceRequest
+from tests.support.eventually import eventually
+from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
+from transport.ports import TransportError
+from transport.routing import Partitioner
+
+
+class GatedBatchBus(MemoryBatchBus):
+    """Holds the send of the batch bound for ``held_partition`` until ``release`` is set (a broker
+    slow to acknowledge); ``failures`` sends raise first, as a broker that refuses them."""
+
+    def __init__(self, partitions: int, held_partition: int | None = None, failures: int = 0, held: int = 1) -> None:
+        super().__init__(partitions)
+        self.held_partitions = set() if held_partition is None else set(range(held_partition, held_partition + held))
+        self.failures = failures
+        self.release = asyncio.Event()
+        self.holding = asyncio.Event()
+        self.sent: list[tuple[int, list[str]]] = []
+
+    async def send(self, batch: Batch, partition: int) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise TransportError("the broker refused the batch")
+        if partition in self.held_partitions:
+            self.holding.set()
+            await self.release.wait()
+        self.sent.append((partition, [item.task_id for item in batch.items]))
+        await super().send(batch, partition)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def credit(worker: str, partition: int) -> Credit:
+    now = now_ms()
+    return Credit(worker, "sim", partition, 1, now, now + 60_000)
+
+
+class Rig:
+    def __init__(
+        self, batches: GatedBatchBus, credits: MemoryCreditPool | None = None, keep_credit_s: float = 0
+    ) -> None:
+        self.requests = MemoryRequestBus(Partitioner(("sim",), 1))
+        self.batches = batches
+        self.credits = credits or MemoryCreditPool()
+        settings = BatcherSettings(
+            models=("sim",), request_partitions=1, keep_credit_s=keep_credit_s, send_retry_s=0.01
+        )
+        self.batcher = Batcher(settings, self.requests.consumer(), batches, self.credits, MemoryTaskStore())
+
+    async def request(self, task_id: str) -> None:
+        now = now_ms()
+        await self.requests.producer().send(InferenceRequest(task_id, "sim", task_id, now, now + 30_000, "gw"))
+
+
+async def test_the_next_workers_batch_goes_out_while_the_first_is_still_landing() -> None:
+    rig = Rig(GatedBatchBus(2, held_partition=0))
+    await rig.batcher.start()
+    try:
+        await rig.request("r1")
+        await rig.credits.offer(credit("w1", 0))
+        await asyncio.wait_for(rig.batches.holding.wait(), 5)  # w1's batch waits for its acknowledgement
+        await rig.request("r2")
+        await rig.credits.offer(credit("w2", 1))
+        await eventually(lambda: rig.batches.sent == [(1, ["r2"])], "w2's batch, while w1's still lands", timeout_s=5)
+        assert rig.requests.lag() == 2, "r1's batch has not landed: the commit point stays below r1 (and r2)"
+        rig.batches.release.set()
+        await eventually(lambda: rig.requests.lag() == 0, "r1 committed once its batch landed", timeout_s=5)
+        assert rig.batches.sent == [(1, ["r2"]), (0, ["r1"])]
+    finally:
+        rig.batches.release.set()
+        await rig.batcher.close()
+
+
+async def test_a_close_waits_for_a_landing_batch_and_commits_it() -> None:
+    rig = Rig(GatedBatchBus(1, held_partition=0))
+    await rig.batcher.start()
+    await rig.request("r1")
+    await rig.credits.offer(credit("w1", 0))
+    await asyncio.wait_for(rig.batches.holding.wait(), 5)
+    closing = asyncio.create_task(rig.batcher.close())
+    done, _ = await asyncio.wait({closing}, timeout=0.3)  # a close that did not wait would be done by now
+    assert not done, "the close waits for the batch on its way"
+    rig.batches.release.set()
+    await asyncio.wait_for(closing, 5)
+    assert rig.batches.sent == [(0, ["r1"])]
+    assert rig.requests.lag() == 0, "the landed batch's request was committed before the batcher left"
+
+
+async def test_a_batch_the_bus_refused_goes_out_again_with_its_requests() -> None:
+    rig = Rig(GatedBatchBus(1, failures=1))
+    await rig.batcher.start()
+    try:
+        await rig.request("r1")
+        await rig.credits.offer(credit("w1", 0))
+        await eventually(lambda: rig.batches.sent == [(0, ["r1"])], "r1 sent again, against its credit offered back")
+        await eventually(lambda: rig.requests.lag() == 0, "r1 committed once its batch landed")
+        assert rig.batcher.healthy()
+    finally:
+        await rig.batcher.close()
+
+
+async def test_only_a_few_batches_of_a_model_land_at_once() -> None:
+    """A stalled broker holds the next claim: express copies do not run far ahead of their records."""
+    rig = Rig(GatedBatchBus(3, held_partition=0, held=LANDING_MAX))
+    await rig.batcher.start()
+    landings = rig.batcher.dispatcher.landings
+    try:
+        for partition in range(LANDING_MAX + 1):
+            await rig.request(f"r{partition}")
+            await rig.credits.offer(credit(f"w{partition}", partition))
+            if partition < LANDING_MAX:
+                await eventually(lambda n=partition + 1: landings.under_way("sim") == n, "landing")
+        with pytest.raises(AssertionError, match="timed out"):  # a check, not a wait: a send would come within it
+            await eventually(lambda: bool(rig.batches.sent), "a third batch while two land", timeout_s=0.3)
+        assert await rig.credits.idle("sim") == 1, "the third worker's credit stays unclaimed"
+        rig.batches.release.set()
+        await eventually(lambda: len(rig.batches.sent) == LANDING_MAX + 1, "every batch once the broker answers")
+        await eventually(lambda: rig.requests.lag() == 0, "every request committed")
+    finally:
+        rig.batches.release.set()
+        await rig.batcher.close()
+
+
+class CountingCredits(MemoryCreditPool):
+    def __init__(self) -> None:
+        super().__init__()
+        self.claims = 0
+
+    async def claim(self, model: str, timeout_s: float) -> Credit | None:
+        got = await super().claim(model, timeout_s)
+        self.claims += got is not None
+        return got
+
+
+async def test_a_credit_kept_for_the_next_request_is_claimed_only_once_the_batch_landed() -> None:
+    """Its round trip would compete with the batch's own hops (the express copy, the worker's start)."""
+    credits = CountingCredits()
+    rig = Rig(GatedBatchBus(2, held_partition=0), credits, keep_credit_s=5)
+    await rig.batcher.start()
+    try:
+        await rig.request("r1")
+        await credits.offer(credit("w1", 0))
+        await asyncio.wait_for(rig.batches.holding.wait(), 5)
+        await credits.offer(credit("w2", 1))  # idle: the batcher would keep it for the next request
+        with pytest.raises(AssertionError, match="timed out"):  # a check, not a wait: a claim now comes within it
+            await eventually(lambda: credits.claims == 2, "w2's credit kept", timeout_s=0.3)
+        rig.batches.release.set()
+        await eventually(lambda: credits.claims == 2, "w2's credit kept once r1's batch landed", timeout_s=5)
+    finally:
+        rig.batches.release.set()
+        await rig.batcher.close()
+
+
+async def test_settled_returns_when_the_landings_end_or_at_a_wake() -> None:
+    landings = Landings()
+    gate = asyncio.Event()
+    landings.start("sim", _wait(gate), "held")
+    wake = asyncio.Event()
+    settling = asyncio.create_task(landings.settled(wake))
+    done, _ = await asyncio.wait({settling}, timeout=0.2)
+    assert not done, "a landing is under way"
+    wake.set()
+    await asyncio.wait_for(settling, 5)
+    wake.clear()
+    settling = asyncio.create_task(landings.settled(wake))
+    gate.set()
+    await asyncio.wait_for(settling, 5)
+    await asyncio.wait_for(landings.landed(), 5)
+
+
+async def _wait(gate: asyncio.Event) -> None:
+    await gate.wait()
