@@ -225,6 +225,8 @@ class SystemUnderTest:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if self.spec.mode == "kafka":
             self._stack_up()
+            # The ports again, now that the stack's servers listen: one drawn before could be a Sentinel's.
+            self._plan = plan(self.spec, self.command, self.namespace, self.log_dir)
         env = child_env(os.environ, self.spec.own_stack)
         for role in self._plan.roles:
             role.log = role.log_path.open("wb")

@@ -66,6 +66,26 @@ def test_embedded_plan_is_one_process(tmp_path: Path) -> None:
     assert role.argv[-2:] == ["--max-wait-ms", "5"]
 
 
+def test_the_roles_ports_are_drawn_once_the_stacks_servers_listen(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A port drawn before ``stack up`` may be the one a Sentinel then listens on: a gateway found it taken."""
+    drawn: list[int] = []
+    listening: set[int] = set()
+
+    def draw(host: str = "127.0.0.1") -> int:
+        drawn.append(30_000 + len(drawn))
+        return drawn[-1]
+
+    monkeypatch.setattr(sut_module, "free_port", draw)
+    monkeypatch.setattr(SystemUnderTest, "_stack_up", lambda self: listening.update(drawn))  # the worst case
+    monkeypatch.setattr(subprocess, "Popen", lambda *args, **kwargs: None)  # only the plan is under test
+    with SystemUnderTest(SutSpec(mode="kafka", policy="classic", command=FAKE), tmp_path) as sut:
+        sut.start()
+    ports = {int(url.split(":")[2].split("/")[0]) for url in sut.urls + sut.metrics_urls}
+    assert len(ports) == 3 and not ports & listening, f"roles on {sorted(ports)}, the stack on {sorted(listening)}"
+
+
 async def test_start_wait_ready_and_stop_cleanly(tmp_path: Path) -> None:
     spec = SutSpec(mode="embedded", policy="classic", command=FAKE, ready_timeout_s=20)
     with SystemUnderTest(spec, tmp_path) as sut:
