@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import random
 import socket
+from collections import deque
 from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 BELOW_EPHEMERAL = 12_000
 """How many ports under the kernel's ephemeral range ``free_port`` draws from."""
+_RECENT: deque[int] = deque(maxlen=256)
+"""Ports handed out lately: a stack draws all of its ports before its servers bind them."""
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -19,13 +22,14 @@ def free_port(host: str = LOOPBACK) -> int:
     Ports the OS picks (bind to 0) come from the ephemeral range, where every outgoing connection
     (a Kafka client's, a Redis client's) also takes its local port: on a busy machine one did, and a
     gateway found its port taken. Below that range only another listener can; where no port there is
-    free, the OS picks one.
+    free, the OS picks one. A port handed out lately by this process is not handed out again.
     """
     low = ephemeral_low()
     draw = random.SystemRandom()
     for _ in range(64):
         port = draw.randrange(max(1024, low - BELOW_EPHEMERAL), low)
-        if port_is_free(port, host):
+        if port not in _RECENT and port_is_free(port, host):
+            _RECENT.append(port)
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))

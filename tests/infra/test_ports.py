@@ -4,6 +4,7 @@ take them."""
 from __future__ import annotations
 
 import socket
+from collections import deque
 from pathlib import Path
 
 import pytest
@@ -38,3 +39,12 @@ def test_with_no_port_free_below_the_range_the_os_picks_one(monkeypatch: pytest.
     assert port > 0
     with socket.socket() as sock:
         sock.bind((ports.LOOPBACK, port))
+
+
+def test_a_port_handed_out_lately_is_not_handed_out_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stack draws every server's port before any binds: two draws of one port would collide."""
+    ranges = iter([5000, 5000, 5001])
+    monkeypatch.setattr(ports.random.SystemRandom, "randrange", lambda self, low, high: next(ranges))
+    monkeypatch.setattr(ports, "_RECENT", deque(maxlen=8))
+    monkeypatch.setattr(ports, "port_is_free", lambda port, host=ports.LOOPBACK: True)  # none binds in between
+    assert [ports.free_port(), ports.free_port()] == [5000, 5001]
