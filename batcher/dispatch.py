@@ -11,10 +11,10 @@ for a fresh arrival (``BatchFormer.reserve_s``); a busy worker's batch is sealed
 the workers' calls spread (``batcher.spacing``); and reads paused while every worker was busy catch
 up before the batch is sealed (``batcher.read_pacing``).
 
-A sealed batch lands on the bus in a task of its own (``_land``): the loop goes on to the next
-credit (another worker's) without waiting for the acknowledgement (over Kafka, ``acks=all`` from
-every in-sync replica), which hands its requests over. A failed claim is retried with backoff; a
-failed send is given back and tried again; a failed ``batched`` write is only logged.
+A sealed batch lands on the bus in a task of its own (``_land``; at most ``LANDING_MAX`` of a model's
+at once): the loop goes on to the next credit (another worker's) without waiting for the
+acknowledgement (``acks=all`` over Kafka), which hands its requests over. A failed claim is retried
+with backoff; a failed send is given back and tried again; a failed ``batched`` write is logged.
 """
 
 from __future__ import annotations
