@@ -67,16 +67,19 @@ class Rig:
         now = now_ms()
         await self.requests.producer().send(InferenceRequest(task_id, "sim", task_id, now, now + 30_000, "gw"))
 
+    async def batch_for(self, task_id: str, worker: str, partition: int) -> None:
+        """A request, and an idle worker's credit to send it against."""
+        await self.request(task_id)
+        await self.credits.offer(credit(worker, partition))
+
 
 async def test_the_next_workers_batch_goes_out_while_the_first_is_still_landing() -> None:
     rig = Rig(GatedBatchBus(2, held_partition=0))
     await rig.batcher.start()
     try:
-        await rig.request("r1")
-        await rig.credits.offer(credit("w1", 0))
+        await rig.batch_for("r1", "w1", 0)
         await asyncio.wait_for(rig.batches.holding.wait(), 5)  # w1's batch waits for its acknowledgement
-        await rig.request("r2")
-        await rig.credits.offer(credit("w2", 1))
+        await rig.batch_for("r2", "w2", 1)
         await eventually(lambda: rig.batches.sent == [(1, ["r2"])], "w2's batch, while w1's still lands", timeout_s=5)
         assert rig.requests.lag() == 2, "r1's batch has not landed: the commit point stays below r1 (and r2)"
         rig.batches.release.set()
@@ -90,8 +93,7 @@ async def test_the_next_workers_batch_goes_out_while_the_first_is_still_landing(
 async def test_a_close_waits_for_a_landing_batch_and_commits_it() -> None:
     rig = Rig(GatedBatchBus(1, held_partition=0))
     await rig.batcher.start()
-    await rig.request("r1")
-    await rig.credits.offer(credit("w1", 0))
+    await rig.batch_for("r1", "w1", 0)
     await asyncio.wait_for(rig.batches.holding.wait(), 5)
     closing = asyncio.create_task(rig.batcher.close())
     done, _ = await asyncio.wait({closing}, timeout=0.3)  # a close that did not wait would be done by now
@@ -106,8 +108,7 @@ async def test_a_batch_the_bus_refused_goes_out_again_with_its_requests() -> Non
     rig = Rig(GatedBatchBus(1, failures=1))
     await rig.batcher.start()
     try:
-        await rig.request("r1")
-        await rig.credits.offer(credit("w1", 0))
+        await rig.batch_for("r1", "w1", 0)
         await eventually(lambda: rig.batches.sent == [(0, ["r1"])], "r1 sent again, against its credit offered back")
         await eventually(lambda: rig.requests.lag() == 0, "r1 committed once its batch landed")
         assert rig.batcher.healthy()
@@ -122,8 +123,7 @@ async def test_only_a_few_batches_of_a_model_land_at_once() -> None:
     landings = rig.batcher.dispatcher.landings
     try:
         for partition in range(LANDING_MAX + 1):
-            await rig.request(f"r{partition}")
-            await rig.credits.offer(credit(f"w{partition}", partition))
+            await rig.batch_for(f"r{partition}", f"w{partition}", partition)
             if partition < LANDING_MAX:
                 await eventually(lambda n=partition + 1: landings.under_way("sim") == n, "landing")
         with pytest.raises(AssertionError, match="timed out"):  # a check, not a wait: a send would come within it
@@ -154,8 +154,7 @@ async def test_a_credit_kept_for_the_next_request_is_claimed_only_once_the_batch
     rig = Rig(GatedBatchBus(2, held_partition=0), credits, keep_credit_s=5)
     await rig.batcher.start()
     try:
-        await rig.request("r1")
-        await credits.offer(credit("w1", 0))
+        await rig.batch_for("r1", "w1", 0)
         await asyncio.wait_for(rig.batches.holding.wait(), 5)
         await credits.offer(credit("w2", 1))  # idle: the batcher would keep it for the next request
         with pytest.raises(AssertionError, match="timed out"):  # a check, not a wait: a claim now comes within it
