@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable
 
 import pytest
 
@@ -20,12 +21,12 @@ from transport.routing import Partitioner
 
 
 class GatedBatchBus(MemoryBatchBus):
-    """Holds the send of the batch bound for ``held_partition`` until ``release`` is set (a broker
+    """Holds the sends of batches bound for the ``held`` partitions until ``release`` is set (a broker
     slow to acknowledge); ``failures`` sends raise first, as a broker that refuses them."""
 
-    def __init__(self, partitions: int, held_partition: int | None = None, failures: int = 0, held: int = 1) -> None:
+    def __init__(self, partitions: int, held: Iterable[int] = (), failures: int = 0) -> None:
         super().__init__(partitions)
-        self.held_partitions = set() if held_partition is None else set(range(held_partition, held_partition + held))
+        self.held = frozenset(held)
         self.failures = failures
         self.release = asyncio.Event()
         self.holding = asyncio.Event()
@@ -35,7 +36,7 @@ class GatedBatchBus(MemoryBatchBus):
         if self.failures:
             self.failures -= 1
             raise TransportError("the broker refused the batch")
-        if partition in self.held_partitions:
+        if partition in self.held:
             self.holding.set()
             await self.release.wait()
         self.sent.append((partition, [item.task_id for item in batch.items]))
@@ -74,7 +75,7 @@ class Rig:
 
 
 async def test_the_next_workers_batch_goes_out_while_the_first_is_still_landing() -> None:
-    rig = Rig(GatedBatchBus(2, held_partition=0))
+    rig = Rig(GatedBatchBus(2, held=[0]))
     await rig.batcher.start()
     try:
         await rig.batch_for("r1", "w1", 0)
@@ -91,7 +92,7 @@ async def test_the_next_workers_batch_goes_out_while_the_first_is_still_landing(
 
 
 async def test_a_close_waits_for_a_landing_batch_and_commits_it() -> None:
-    rig = Rig(GatedBatchBus(1, held_partition=0))
+    rig = Rig(GatedBatchBus(1, held=[0]))
     await rig.batcher.start()
     await rig.batch_for("r1", "w1", 0)
     await asyncio.wait_for(rig.batches.holding.wait(), 5)
@@ -118,7 +119,7 @@ async def test_a_batch_the_bus_refused_goes_out_again_with_its_requests() -> Non
 
 async def test_only_a_few_batches_of_a_model_land_at_once() -> None:
     """A stalled broker holds the next claim: express copies do not run far ahead of their records."""
-    rig = Rig(GatedBatchBus(3, held_partition=0, held=LANDING_MAX))
+    rig = Rig(GatedBatchBus(3, held=range(LANDING_MAX)))
     await rig.batcher.start()
     landings = rig.batcher.dispatcher.landings
     try:
@@ -151,7 +152,7 @@ class CountingCredits(MemoryCreditPool):
 async def test_a_credit_kept_for_the_next_request_is_claimed_only_once_the_batch_landed() -> None:
     """Its round trip would compete with the batch's own hops (the express copy, the worker's start)."""
     credits = CountingCredits()
-    rig = Rig(GatedBatchBus(2, held_partition=0), credits, keep_credit_s=5)
+    rig = Rig(GatedBatchBus(2, held=[0]), credits, keep_credit_s=5)
     await rig.batcher.start()
     try:
         await rig.batch_for("r1", "w1", 0)

@@ -98,6 +98,11 @@ class _Awaited:
     record: asyncio.Future[Delivered[Batch] | None]
     due: float
 
+    def give_up(self) -> None:
+        """Stops waiting for the record (the commit skips the batch); a record already come stays."""
+        if not self.record.done():
+            self.record.set_result(None)
+
 
 class ExpressBatchConsumer:
     """``BatchConsumer``: a worker's batches from its Kafka partitions and its express list, each once.
@@ -220,14 +225,14 @@ class ExpressBatchConsumer:
         self._seen[batch_id] = copy
         while len(self._seen) > self.remember:
             _, old = self._seen.popitem(last=False)
-            if old is not None and not old.record.done():
-                old.record.set_result(None)
+            if old is not None:
+                old.give_up()
 
     def _release(self) -> None:
         """Stops waiting for every Kafka copy not come yet (the commits skip those batches)."""
         for copy in self._seen.values():
-            if copy is not None and not copy.record.done():
-                copy.record.set_result(None)
+            if copy is not None:
+                copy.give_up()
 
     def _from_kafka(self, delivered: Delivered[Batch]) -> None:
         batch = delivered.value
