@@ -161,6 +161,7 @@ def _run_started(
                 metrics_urls=() if args.no_metrics else tuple(args.metrics_url or sut.metrics_urls),
                 pid_groups=groups,
                 workers_hint=spec.workers,
+                batch_log=sut.batch_log,
             )
             runner.run(_measure(args, load, target, report))
     finally:

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 
+from batchwire.bench import calls as call_record
 from batchwire.bench import sends
 from batchwire.bench.late import COMPLETED, UNENDED, read_back
 from batchwire.bench.loadgen import TIMEOUT, OpenLoopSender, Tally, Window
@@ -38,6 +42,8 @@ class Probes:
     metrics_session: aiohttp.ClientSession | None = None
     metrics_urls: list[str] = field(default_factory=list)
     workers_hint: int | None = None
+    batch_log: Path | None = None
+    """The workers' batch journal (``--batch-log``): each rate's calls are read from it."""
 
     async def scrape(self) -> Scrape | None:
         """The ``/metrics`` pages now (None: the service exports none)."""
@@ -76,8 +82,10 @@ async def measure_rate(
     send = asyncio.create_task(sender.run(t0, offsets, window))
     try:
         await _sleep_until(window.start)
+        clock_start = time.monotonic()  # the batch journal's clock
         at_start, cpu_start, scrape_start = await probes.snapshot()
         await _sleep_until(window.end)
+        clock_end = time.monotonic()
         at_end, cpu_end, scrape_end = await probes.snapshot()
         tally = await send
     finally:
@@ -108,6 +116,7 @@ async def measure_rate(
         server=server,
         processes=group_stats(cpu_start, cpu_end, cpu_window_s, tally.answers_in_window),
         after_504=_after_504(tally, statuses),
+        calls=call_record.read(probes.batch_log, clock_start, clock_end) if probes.batch_log else [],
     )
 
 
@@ -133,6 +142,7 @@ def _report(
     server: ServerStats | None,
     processes: dict[str, GroupStats],
     after_504: After504,
+    calls: Sequence[tuple[int, float]],
 ) -> RateReport:
     lag = tally.lag.summary_ms()
     by_second = means_by_second(tally.second_sums_s, tally.second_counts)
@@ -160,6 +170,7 @@ def _report(
         lag_ms=lag,
         sends=sends.encode(tally.sends),
         warmup_sends=sends.encode(tally.warmup_sends),
+        calls=call_record.encode(calls),
         refused_ms=tally.refused.summary_ms(),
         refused_from_send_ms=tally.refused_from_send.summary_ms(),
         after_504=after_504,

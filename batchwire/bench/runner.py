@@ -12,6 +12,7 @@ import secrets
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 
@@ -59,6 +60,8 @@ class Target:
     metrics_urls: tuple[str, ...] = ()
     pid_groups: Mapping[str, Sequence[int]] = field(default_factory=dict)
     workers_hint: int | None = None
+    batch_log: Path | None = None
+    """The workers' batch journal, where the bench started them (None: the calls are not recorded)."""
 
 
 def make_client(kind: ClientKind, limit: int, timeout_s: float) -> HttpClient:
@@ -105,6 +108,7 @@ async def bench_run(
             metrics_session=metrics_session,
             metrics_urls=list(target.metrics_urls),
             workers_hint=target.workers_hint,
+            batch_log=target.batch_log,
         )
         loop_name = event_loop_name()
         for index, rate in enumerate(load.rates_rps):

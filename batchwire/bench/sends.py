@@ -17,7 +17,7 @@ import zlib
 from array import array
 from collections.abc import Sequence
 
-ENCODING = "zlib+base64 int32 le us: due steps, then lags"
+ENCODING = "zlib-compressed, base64-encoded little-endian int32"
 
 
 class SendsError(ValueError):
@@ -33,23 +33,34 @@ def encode(sends: Sequence[tuple[float, float]]) -> str:
         steps.append(due_us - before)
         lags.append(max(0, round(lag_s * 1e6)))
         before = due_us
-    data = steps + lags
+    return pack(steps + lags)
+
+
+def pack(numbers: array[int]) -> str:
+    """int32 numbers as zlib-compressed, base64-encoded little-endian bytes (also ``batchwire.bench.calls``)."""
+    data = array("i", numbers)
     if sys.byteorder != "little":
         data.byteswap()
     return base64.b64encode(zlib.compress(data.tobytes(), 9)).decode()
 
 
-def decode(text: str) -> list[tuple[float, float]]:
-    """The ``(due_s, lag_s)`` pairs ``encode`` was given (to the microsecond)."""
+def unpack(text: str, what: str) -> array[int]:
+    """The numbers ``pack`` was given; raises ``SendsError`` naming ``what`` when ``text`` is not its form."""
     data = array("i")
     try:
         data.frombytes(zlib.decompress(base64.b64decode(text, validate=True)))
     except (ValueError, zlib.error) as err:
-        raise SendsError(f"the send record is not {ENCODING}: {err}") from err
-    if len(data) % 2:
-        raise SendsError(f"the send record holds {len(data)} numbers, not pairs")
+        raise SendsError(f"the {what} is not {ENCODING}: {err}") from err
     if sys.byteorder != "little":
         data.byteswap()
+    return data
+
+
+def decode(text: str) -> list[tuple[float, float]]:
+    """The ``(due_s, lag_s)`` pairs ``encode`` was given (to the microsecond)."""
+    data = unpack(text, "send record")
+    if len(data) % 2:
+        raise SendsError(f"the send record holds {len(data)} numbers, not pairs")
     half = len(data) // 2
     pairs, due_us = [], 0
     for step, lag in zip(data[:half], data[half:], strict=True):

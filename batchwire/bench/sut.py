@@ -14,6 +14,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from infra.ports import free_port
 
 Mode = Literal["embedded", "kafka"]
 _POLL_S = 0.2
+BATCH_LOG_VAR = "BATCHWIRE_BATCH_LOG"
 
 
 class SutError(Exception):
@@ -177,6 +179,10 @@ class SystemUnderTest:
         self.command = list(spec.command) or batchwire_command()
         self.namespace = f"bench{secrets.token_hex(4)}"
         self._plan = plan(spec, self.command, self.namespace, log_dir)
+        given = os.environ.get(BATCH_LOG_VAR)
+        self._own_batch_log = not given
+        self.batch_log: Path = Path(given) if given else _scratch_file()
+        """The workers' batch journal: the one set in the environment, else a scratch file removed at stop."""
 
     @property
     def urls(self) -> list[str]:
@@ -227,7 +233,7 @@ class SystemUnderTest:
             self._stack_up()
             # The ports again, now that the stack's servers listen: one drawn before could be a Sentinel's.
             self._plan = plan(self.spec, self.command, self.namespace, self.log_dir)
-        env = child_env(os.environ, self.spec.own_stack)
+        env = {**child_env(os.environ, self.spec.own_stack), BATCH_LOG_VAR: str(self.batch_log)}
         for role in self._plan.roles:
             role.log = role.log_path.open("wb")
             try:
@@ -308,6 +314,8 @@ class SystemUnderTest:
         finally:  # also on a second Ctrl-C while waiting: nothing is left behind
             for role in self._plan.roles:
                 self._kill(role)
+            if self._own_batch_log:
+                self.batch_log.unlink(missing_ok=True)
 
     @staticmethod
     def _kill(role: Role) -> None:
@@ -356,3 +364,10 @@ async def wait_first_answer(urls: Sequence[str], body: bytes, timeout_s: float) 
                 if loop.time() > deadline:
                     raise SutError(f"{url} gave no good answer within {timeout_s:g} s (last: {last})")
                 await asyncio.sleep(_POLL_S)
+
+
+def _scratch_file() -> Path:
+    """A new empty file of the system's temporary directory (the journal grows by a line per batch)."""
+    fd, name = tempfile.mkstemp(prefix="batchwire-bench-", suffix=".batches.jsonl")
+    os.close(fd)
+    return Path(name)

@@ -33,6 +33,8 @@ from gpu_worker.runner import BackendRunner
 from gpu_worker.settings import WorkerSettings
 
 MODEL = "model"
+_FEW_EXTRAS = 20
+"""Measured call extras a batch size needs for its calls to draw from its own (else: from all sizes')."""
 
 
 def _default(cls: Any, name: str) -> Any:
@@ -73,6 +75,9 @@ class SimConfig:
     """Added to every call whatever its size (its steps' wait for the GIL), drawn per call from an
     exponential distribution with this mean if ``call_extra_spread``."""
     call_extra_spread: bool = False
+    call_extras_ms: tuple[tuple[int, float], ...] = ()
+    """Measured ``(size, extra)`` pairs of calls, in place of ``call_extra_ms``: each call adds one
+    drawn at random from those of its size, or from all where its size has few."""
     per_item_ms: float = 0.0
     """Added per answer ahead in its batch: a batch's results are stored and answered one after another."""
     timeout_s: float = math.inf
@@ -160,9 +165,10 @@ class Simulation:
         self._spaced = config.batchers == 1 and config.spacing_margin_ms >= 0
         self._alpha = _ewma_alpha()
         base_s = [0.0] + [config.curve.latency_ms(size) / 1000.0 for size in range(1, config.curve.max_batch + 1)]
-        extra_s = 0.0 if config.call_extra_spread else config.call_extra_ms / 1000.0
+        extra_s = 0.0 if config.call_extra_spread or config.call_extras_ms else config.call_extra_ms / 1000.0
         self._call_s = [[t * config.scale(w) + extra_s * (t > 0) for t in base_s] for w in range(config.workers)]
         """Call duration by worker and batch size, looked up once."""
+        self._extras_s = _extras_by_size(config.call_extras_ms, config.curve.max_batch)
         self._events: list[tuple[float, int, int, int, int]] = []
         self._pool: list[Credit] = []
         """Offered credits nobody waits for; a claim takes the soonest to free."""
@@ -340,7 +346,9 @@ class Simulation:
         size = len(taken.items)
         start_s = max(now + config.transit_ms / 1000.0, worker.free_s)
         call_s = self._call_s[index][size]
-        if config.call_extra_spread and config.call_extra_ms > 0:
+        if self._extras_s:
+            call_s = max(0.0, call_s + self._rng.choice(self._extras_s[size]))
+        elif config.call_extra_spread and config.call_extra_ms > 0:
             call_s += self._rng.expovariate(1000.0 / config.call_extra_ms)
         end_s = start_s + call_s
         b.spacing.started(str(index), now + max(0.0, frees_s - now), worker.credit_busy_s)
@@ -376,3 +384,15 @@ class Simulation:
         if lead_s <= 0:
             return end_s
         return min(end_s, max(start_s + HAND_OVER_POLL_S, start_s + worker.expected_s - lead_s))
+
+
+def _extras_by_size(pairs: Sequence[tuple[int, float]], max_batch: int) -> list[tuple[float, ...]]:
+    """The extras in seconds by batch size (index 0 unused), a size with fewer than ``_FEW_EXTRAS``
+    of its own taking all of them; empty without pairs."""
+    if not pairs:
+        return []
+    everything = tuple(extra / 1000.0 for _, extra in pairs)
+    by_size: list[list[float]] = [[] for _ in range(max_batch + 1)]
+    for size, extra in pairs:
+        by_size[min(max(size, 1), max_batch)].append(extra / 1000.0)
+    return [tuple(own) if len(own) >= _FEW_EXTRAS else everything for own in by_size]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from batchwire.bench import calls as call_record
 from batchwire.bench import sends as sent
 from batchwire.bench.prom import backend_seconds
 from batchwire.bench.settle import opening_backlog
@@ -74,6 +75,8 @@ class MeasuredRate:
     unsettled: bool = False
     """The window opened on the warm-up's backlog (``batchwire.bench.settle``): its latencies are the
     start-up's, not the rate's steady state."""
+    calls: str | None = None
+    """The backend calls that started in the window (``batchwire.bench.calls``; None: not recorded)."""
 
     def replay(self) -> Replay | None:
         """The sends as the simulation replays them, the warm-up's first where the run kept them
@@ -110,6 +113,16 @@ class MeasuredRate:
         frac = min(max(self.mean_batch - low, 0.0), 1.0)
         call_ms = curve.latency_ms(low) * (1 - frac) + curve.latency_ms(high) * frac
         return max(0.0, self.backend_s * 1000.0 / self.batches - call_ms)
+
+    def call_extras_ms(self, curve: Curve) -> tuple[tuple[int, float], ...]:
+        """Each recorded call's size and its duration less what ``curve`` predicts for that size, which
+        may be below 0: the spread of the calls under this load (empty: none recorded)."""
+        try:
+            recorded = call_record.decode(self.calls) if self.calls else []
+        except sent.SendsError as err:
+            raise RunError(str(err)) from err
+        top = curve.max_batch
+        return tuple((size, seconds * 1000.0 - curve.latency_ms(min(max(size, 1), top))) for size, seconds in recorded)
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +176,14 @@ class MeasuredRun:
                 f"(profile with --max-batch {self.max_batch})"
             )
         return dataclasses.replace(self, curve=curve)
+
+    def call_extra_ms(self, rate: MeasuredRate) -> float | None:
+        """The backend's measured extra time per call at ``rate``, fed to every worker (None: not
+        measured, or a slow worker, whose workers' shares of the batches are not recorded apart)."""
+        if self.slow_worker_latency_ms:
+            return None
+        extra = rate.call_extra_ms(self.backend_curve())
+        return None if extra is None else round(extra, 2)
 
     def lone_call_ms(self) -> float:
         """The backend's latency for a batch of one."""
@@ -270,6 +291,7 @@ def _rate(rate: dict[str, Any], cpu_count: int | None) -> MeasuredRate:
         mean_ms=latency.get("mean"),
         stages_ms=server.get("stages_ms") or None,
         unsettled=opening_backlog(rate.get("latency_by_second_ms") or []) is not None,
+        calls=rate.get("calls") or None,
     )
 
 

@@ -77,6 +77,8 @@ class Row:
     """The simulation replayed the generator's recorded sends (else: Poisson arrivals)."""
     transit_ms: float = 0.0
     """A batch's way to an idle worker, fed to the simulation (``MeasuredRun.probe_hops_ms``)."""
+    calls_drawn: int = 0
+    """The measured calls whose extras the simulated calls drew from (0: an exponential spread)."""
 
     @property
     def saturated(self) -> bool:
@@ -233,7 +235,8 @@ def compare(
                 inbound = f" + inbound {inbound_ms:.2f}" if inbound_ms else ""
                 base_from = f"{base_from}; in-service {outside:.2f}{inbound}"
             step_ms = (per_item or {}).get(run.mode, 0.0)
-            extra = call_extra_for(run, measured) if call_extra else None
+            extra = run.call_extra_ms(measured) if call_extra else None
+            drawn = measured.call_extras_ms(run.backend_curve()) if extra is not None and spread else ()
             rate_config = dataclasses.replace(
                 config,
                 overhead_ms=fixed_ms,
@@ -241,12 +244,13 @@ def compare(
                 per_item_ms=step_ms,
                 call_extra_ms=extra or 0.0,
                 call_extra_spread=spread,
+                call_extras_ms=drawn,
                 transit_ms=transit_ms,
             )
             sends = measured.replay() if replay else None
             simulated = simulate_median(rate_config, measured.sent_rate, requests, seeds, sends)
             row = Row(run, measured, simulated, fixed_ms, base_from, step_ms, extra, contention_ms, bool(sends))
-            rows.append(dataclasses.replace(row, transit_ms=transit_ms))
+            rows.append(dataclasses.replace(row, transit_ms=transit_ms, calls_drawn=len(drawn)))
     return rows
 
 
@@ -258,15 +262,6 @@ def in_service_overhead(base_ms: float, outside_ms: float, spread: bool) -> tupl
         return round(outside_ms, 2), 0.0
     fixed = min(base_ms, outside_ms)
     return round(fixed, 2), round(outside_ms - fixed, 2)
-
-
-def call_extra_for(run: MeasuredRun, measured: MeasuredRate) -> float | None:
-    """The backend's measured extra time per call at this rate, fed to every worker (None: not
-    measured, or a run with a slow worker, whose workers' shares of the batches are not recorded apart)."""
-    if run.slow_worker_latency_ms:
-        return None
-    extra = measured.call_extra_ms(run.backend_curve())
-    return None if extra is None else round(extra, 2)
 
 
 # the table ------------------------------------------------------------------------------------------
@@ -288,7 +283,9 @@ def _overhead(row: Row) -> str:
     text = f"{text}; transit {row.transit_ms:g}" if row.transit_ms else text
     text = f"{text}; sends replayed" if row.replayed else text
     text = f"{text} + {row.per_item_ms:.2f}/answer" if row.per_item_ms else text
-    return f"{text}; calls +{row.call_extra_ms:g} ms" if row.call_extra_ms is not None else text
+    if row.call_extra_ms is None:
+        return text
+    return f"{text}; calls +{row.call_extra_ms:g} ms" + (f", spread of {row.calls_drawn}" if row.calls_drawn else "")
 
 
 def format_table(rows: Sequence[Row]) -> str:
@@ -335,7 +332,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     switches = {
         "--cpu-scaling": "stretch the overhead by the machine's measured CPU busy share, less the backend "
         "thread's own: overhead * (1 - backend) / (1 - busy)",
-        "--contention-spread": "draw that stretch per batch, exponential with that mean (off: the mean, fixed)",
+        "--contention-spread": "draw that stretch per batch, exponential with that mean, and each call's extra "
+        "time from the run's recorded calls, else exponential (off: the means, fixed)",
         "--replay": "replay a run's recorded sends (its bursts and lag) where it has them, not Poisson arrivals",
         "--call-extra": "add to each call the time per call the workers spent in the backend beyond the curve's",
         "--stages": "where the run recorded the service's stages, take the path's cost at each rate from "

@@ -36,6 +36,7 @@ RATE_KEYS = {
     "lag_ms",
     "sends",
     "warmup_sends",
+    "calls",
     "refused_ms",
     "refused_from_send_ms",
     "after_504",

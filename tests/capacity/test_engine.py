@@ -198,6 +198,21 @@ def test_a_spread_call_extra_is_drawn_per_call_with_its_mean() -> None:
     assert max(extra_ms) > 12.0, "an exponential's tail passes three times its mean"
 
 
+def test_measured_call_extras_are_drawn_by_size_and_from_all_where_a_size_has_few() -> None:
+    curve = Curve((CurvePoint(1, 10.0, 10.0), CurvePoint(4, 40.0, 40.0)))
+    # size 1 ran 3 or 5 ms over the curve, often; size 2 once, 9 ms under: too few to draw from alone
+    measured = (*((1, 3.0 if k % 2 else 5.0) for k in range(40)), (2, -9.0))
+    config = SimConfig(curve, 1, PURE_WC, call_extra_ms=50.0, call_extras_ms=measured, seed=3, record=True)
+    _, records = run(config, 150.0, 3000)
+    extras: dict[int, set[float]] = defaultdict(set)
+    for r in records:
+        extras[len(r.items)].add(round((r.end_s - r.start_s) * 1000 - curve.latency_ms(len(r.items)), 6))
+    assert extras[1] == {3.0, 5.0}, f"a size with enough calls draws from its own, got {extras[1]}"
+    pooled = extras[2] | extras[3]
+    assert pooled <= {3.0, 5.0, -9.0} and pooled & {3.0, 5.0}, f"sizes with few draw from every size's, got {pooled}"
+    assert 50.0 not in set().union(*extras.values()), "the measured extras replace the mean"
+
+
 def test_the_per_answer_step_delays_each_answer_by_its_place_in_the_batch() -> None:
     times = [0.0, 0.01, 0.01, 0.01]  # one batch of the first, then one of the three that waited for it
     plain = Simulation(SimConfig(FLAT, 1, PURE_WC, overhead_ms=2.0)).run(times).latencies_s

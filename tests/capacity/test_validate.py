@@ -309,12 +309,12 @@ def test_calls_take_the_workers_measured_extra_time_per_call_beyond_the_curves()
     # 100 batches of 6 items: 60 ms each by the curve (interpolated between 4 and 8); 90 ms measured
     rate = MeasuredRate(100.0, 100.0, 100.0, 80.0, 150.0, 30.0, 6.0, None, batches=100.0, backend_s=9.0)
     assert rate.call_extra_ms(run.backend_curve()) == pytest.approx(30.0)
-    assert validate.call_extra_for(run, rate) == 30.0
+    assert run.call_extra_ms(rate) == 30.0
     faster = dataclasses.replace(rate, backend_s=5.0)
-    assert validate.call_extra_for(run, faster) == 0.0, "calls faster than profiled add nothing"
-    assert validate.call_extra_for(run, dataclasses.replace(rate, backend_s=None)) is None, "not scraped"
+    assert run.call_extra_ms(faster) == 0.0, "calls faster than profiled add nothing"
+    assert run.call_extra_ms(dataclasses.replace(rate, backend_s=None)) is None, "not scraped"
     (slow,) = read("slow-worker")
-    assert validate.call_extra_for(slow, rate) is None, "the workers' shares of the batches are not recorded apart"
+    assert slow.call_extra_ms(rate) is None, "the workers' shares of the batches are not recorded apart"
     (row,) = validate.compare([dataclasses.replace(run, rates=(rate,))], {"kafka": 5.0}, requests=300, seeds=1)
     assert row.call_extra_ms == 30.0 and "calls +30 ms" in validate.format_table([row])
     (plain,) = validate.compare(
