@@ -142,7 +142,7 @@ def _report(
     server: ServerStats | None,
     processes: dict[str, GroupStats],
     after_504: After504,
-    calls: Sequence[tuple[int, float]],
+    calls: Sequence[call_record.Call],
 ) -> RateReport:
     lag = tally.lag.summary_ms()
     by_second = means_by_second(tally.second_sums_s, tally.second_counts)

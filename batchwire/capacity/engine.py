@@ -13,6 +13,7 @@ credits, the longest-waiting claim first. Call latency comes from the curve, sca
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
 import inspect
@@ -33,8 +34,8 @@ from gpu_worker.runner import BackendRunner
 from gpu_worker.settings import WorkerSettings
 
 MODEL = "model"
-_FEW_EXTRAS = 20
-"""Measured call extras a batch size needs for its calls to draw from its own (else: from all sizes')."""
+EXTRA_SLACK_S = 0.1
+"""How far from a simulated call's start the measured call whose extra it takes may have started."""
 
 
 def _default(cls: Any, name: str) -> Any:
@@ -75,9 +76,11 @@ class SimConfig:
     """Added to every call whatever its size (its steps' wait for the GIL), drawn per call from an
     exponential distribution with this mean if ``call_extra_spread``."""
     call_extra_spread: bool = False
-    call_extras_ms: tuple[tuple[int, float], ...] = ()
-    """Measured ``(size, extra)`` pairs of calls, in place of ``call_extra_ms``: each call adds one
-    drawn at random from those of its size, or from all where its size has few."""
+    call_extras_ms: tuple[tuple[float, float], ...] = ()
+    """Measured calls' ``(start, extra)``, the start in seconds from the measured window's, in place of
+    ``call_extra_ms``: each call adds the extra of one of the measured calls that started near its own
+    start (counted from where the run's window starts), so a stall that slowed calls in the run slows
+    the simulated ones at the same time."""
     per_item_ms: float = 0.0
     """Added per answer ahead in its batch: a batch's results are stored and answered one after another."""
     timeout_s: float = math.inf
@@ -168,7 +171,9 @@ class Simulation:
         extra_s = 0.0 if config.call_extra_spread or config.call_extras_ms else config.call_extra_ms / 1000.0
         self._call_s = [[t * config.scale(w) + extra_s * (t > 0) for t in base_s] for w in range(config.workers)]
         """Call duration by worker and batch size, looked up once."""
-        self._extras_s = _extras_by_size(config.call_extras_ms, config.curve.max_batch)
+        self._extra_at = [at for at, _ in config.call_extras_ms]
+        self._extra_next = 0
+        """The measured call the next simulated one takes, if it started near enough."""
         self._events: list[tuple[float, int, int, int, int]] = []
         self._pool: list[Credit] = []
         """Offered credits nobody waits for; a claim takes the soonest to free."""
@@ -333,6 +338,20 @@ class Simulation:
         self._dispatch(b)
 
     # the worker's side ------------------------------------------------------------------------------
+    def _measured_extra_s(self, start_s: float) -> float:
+        """The extra of the measured call after the one the call before took, kept within
+        ``EXTRA_SLACK_S`` of a call starting at ``start_s``: the calls follow the run's one by one."""
+        starts, window_s = self._extra_at, self._counted_from if math.isfinite(self._counted_from) else 0.0
+        at = start_s - window_s
+        low = bisect.bisect_left(starts, at - EXTRA_SLACK_S)
+        high = bisect.bisect_right(starts, at + EXTRA_SLACK_S) - 1
+        if high < low:  # none near: the nearest, the one after (low) or the one before
+            after = low < len(starts) and (low == 0 or starts[low] - at < at - starts[low - 1])
+            low = high = low if after else low - 1
+        taken = min(max(self._extra_next, low), high)
+        self._extra_next = taken + 1
+        return self.config.call_extras_ms[taken][1] / 1000.0
+
     def _send(self, b: _Batcher, credit: Credit) -> None:
         """Hands one batch to the credit's worker, runs it when the worker is free, schedules its next credit."""
         frees_s, _, index = credit
@@ -346,8 +365,8 @@ class Simulation:
         size = len(taken.items)
         start_s = max(now + config.transit_ms / 1000.0, worker.free_s)
         call_s = self._call_s[index][size]
-        if self._extras_s:
-            call_s = max(0.0, call_s + self._rng.choice(self._extras_s[size]))
+        if self._extra_at:
+            call_s = max(0.0, call_s + self._measured_extra_s(start_s))
         elif config.call_extra_spread and config.call_extra_ms > 0:
             call_s += self._rng.expovariate(1000.0 / config.call_extra_ms)
         end_s = start_s + call_s
@@ -384,15 +403,3 @@ class Simulation:
         if lead_s <= 0:
             return end_s
         return min(end_s, max(start_s + HAND_OVER_POLL_S, start_s + worker.expected_s - lead_s))
-
-
-def _extras_by_size(pairs: Sequence[tuple[int, float]], max_batch: int) -> list[tuple[float, ...]]:
-    """The extras in seconds by batch size (index 0 unused), a size with fewer than ``_FEW_EXTRAS``
-    of its own taking all of them; empty without pairs."""
-    if not pairs:
-        return []
-    everything = tuple(extra / 1000.0 for _, extra in pairs)
-    by_size: list[list[float]] = [[] for _ in range(max_batch + 1)]
-    for size, extra in pairs:
-        by_size[min(max(size, 1), max_batch)].append(extra / 1000.0)
-    return [tuple(own) if len(own) >= _FEW_EXTRAS else everything for own in by_size]

@@ -114,15 +114,15 @@ class MeasuredRate:
         call_ms = curve.latency_ms(low) * (1 - frac) + curve.latency_ms(high) * frac
         return max(0.0, self.backend_s * 1000.0 / self.batches - call_ms)
 
-    def call_extras_ms(self, curve: Curve) -> tuple[tuple[int, float], ...]:
-        """Each recorded call's size and its duration less what ``curve`` predicts for that size, which
-        may be below 0: the spread of the calls under this load (empty: none recorded)."""
+    def call_extras_ms(self, curve: Curve) -> tuple[tuple[float, float], ...]:
+        """Each recorded call's start (seconds from the window's) and its duration less what ``curve``
+        predicts for its size, which may be below 0: the calls under this load (empty: none recorded)."""
         try:
             recorded = call_record.decode(self.calls) if self.calls else []
         except sent.SendsError as err:
             raise RunError(str(err)) from err
         top = curve.max_batch
-        return tuple((size, seconds * 1000.0 - curve.latency_ms(min(max(size, 1), top))) for size, seconds in recorded)
+        return tuple((c.at_s, c.seconds * 1000.0 - curve.latency_ms(min(max(c.size, 1), top))) for c in recorded)
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,7 +78,7 @@ class Row:
     transit_ms: float = 0.0
     """A batch's way to an idle worker, fed to the simulation (``MeasuredRun.probe_hops_ms``)."""
     calls_drawn: int = 0
-    """The measured calls whose extras the simulated calls drew from (0: an exponential spread)."""
+    """The measured calls whose extras the simulated calls took, by time (0: an exponential spread)."""
 
     @property
     def saturated(self) -> bool:
@@ -285,7 +285,7 @@ def _overhead(row: Row) -> str:
     text = f"{text} + {row.per_item_ms:.2f}/answer" if row.per_item_ms else text
     if row.call_extra_ms is None:
         return text
-    return f"{text}; calls +{row.call_extra_ms:g} ms" + (f", spread of {row.calls_drawn}" if row.calls_drawn else "")
+    return f"{text}; calls +{row.call_extra_ms:g} ms" + (f" as {row.calls_drawn} measured" if row.calls_drawn else "")
 
 
 def format_table(rows: Sequence[Row]) -> str:
@@ -332,8 +332,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     switches = {
         "--cpu-scaling": "stretch the overhead by the machine's measured CPU busy share, less the backend "
         "thread's own: overhead * (1 - backend) / (1 - busy)",
-        "--contention-spread": "draw that stretch per batch, exponential with that mean, and each call's extra "
-        "time from the run's recorded calls, else exponential (off: the means, fixed)",
+        "--contention-spread": "draw that stretch per batch, exponential with that mean, and take each call's "
+        "extra time from the run's call that started nearest it, else exponential (off: the means, fixed)",
         "--replay": "replay a run's recorded sends (its bursts and lag) where it has them, not Poisson arrivals",
         "--call-extra": "add to each call the time per call the workers spent in the backend beyond the curve's",
         "--stages": "where the run recorded the service's stages, take the path's cost at each rate from "

@@ -36,15 +36,14 @@ def test_the_window_holds_the_first_deliveries_successful_calls_that_started_in_
     ]
     journal.write_text("\n".join(lines) + '\n{"size": 2, "sta')  # a line a worker is still writing
     got = calls.read(journal, 10.0, 20.0)
-    assert [size for size, _ in got] == [1, 7]
-    assert [round(seconds, 6) for _, seconds in got] == [0.02, 0.31]
+    assert [(round(c.at_s, 6), c.size, round(c.seconds, 6)) for c in got] == [(0.0, 1, 0.02), (9.99, 7, 0.31)]
     assert calls.read(tmp_path / "missing.jsonl", 0.0, 1.0) == [], "a service without a journal records none"
 
 
 def test_the_record_keeps_sizes_and_microseconds_and_refuses_what_is_not_one() -> None:
-    pairs = [(1, 0.000001), (100, 0.1234567), (37, 2.5)]
-    back = calls.decode(calls.encode(pairs))
-    assert back == [(1, 0.000001), (100, 0.123457), (37, 2.5)]
+    record = [calls.Call(0.0, 1, 0.000001), calls.Call(0.0000015, 100, 0.1234567), calls.Call(19.5, 37, 2.5)]
+    back = calls.decode(calls.encode(record))
+    assert back == [(0.0, 1, 0.000001), (0.000002, 100, 0.123457), (19.5, 37, 2.5)]
     assert calls.decode(calls.encode([])) == []
     with pytest.raises(SendsError, match="call record"):
         calls.decode("not base64!")
@@ -64,7 +63,8 @@ def test_a_run_of_the_real_service_records_its_calls_and_leaves_no_journal(tmp_p
     assert rate.batches is not None and len(extras) == pytest.approx(rate.batches, abs=2), (
         f"{len(extras)} calls recorded, {rate.batches} batches scraped in the same window"
     )
-    assert all(1 <= size <= 100 for size, _ in extras)
+    starts = [at for at, _ in extras]
+    assert starts == sorted(starts) and starts[0] >= 0.0 and starts[-1] < 2.0, "starts within the 2 s window"
     assert all(extra > -1.0 for _, extra in extras), "a 20 ms sleep cannot end much sooner"
     assert statistics.median(extra for _, extra in extras) < 20.0, "a call of the 20 ms sim backend"
     left = set(Path(tempfile.gettempdir()).glob("batchwire-bench-*.batches.jsonl")) - scratch

@@ -10,7 +10,7 @@ from collections import defaultdict
 import pytest
 
 from batcher.policy import FlushPolicy
-from batchwire.capacity import arrivals
+from batchwire.capacity import arrivals, engine
 from batchwire.capacity.curve import Curve, CurvePoint
 from batchwire.capacity.engine import SimConfig, Simulation
 from batchwire.capacity.outcome import BatchRecord
@@ -198,19 +198,24 @@ def test_a_spread_call_extra_is_drawn_per_call_with_its_mean() -> None:
     assert max(extra_ms) > 12.0, "an exponential's tail passes three times its mean"
 
 
-def test_measured_call_extras_are_drawn_by_size_and_from_all_where_a_size_has_few() -> None:
-    curve = Curve((CurvePoint(1, 10.0, 10.0), CurvePoint(4, 40.0, 40.0)))
-    # size 1 ran 3 or 5 ms over the curve, often; size 2 once, 9 ms under: too few to draw from alone
-    measured = (*((1, 3.0 if k % 2 else 5.0) for k in range(40)), (2, -9.0))
-    config = SimConfig(curve, 1, PURE_WC, call_extra_ms=50.0, call_extras_ms=measured, seed=3, record=True)
-    _, records = run(config, 150.0, 3000)
-    extras: dict[int, set[float]] = defaultdict(set)
-    for r in records:
-        extras[len(r.items)].add(round((r.end_s - r.start_s) * 1000 - curve.latency_ms(len(r.items)), 6))
-    assert extras[1] == {3.0, 5.0}, f"a size with enough calls draws from its own, got {extras[1]}"
-    pooled = extras[2] | extras[3]
-    assert pooled <= {3.0, 5.0, -9.0} and pooled & {3.0, 5.0}, f"sizes with few draw from every size's, got {pooled}"
-    assert 50.0 not in set().union(*extras.values()), "the measured extras replace the mean"
+def test_the_calls_take_the_measured_calls_extras_one_by_one_in_the_order_they_ran() -> None:
+    # one request every 200 ms, each finding the worker idle: simulated calls start when the run's did
+    measured = tuple((0.2 * k, float(k % 7) * 3.0) for k in range(20))
+    config = SimConfig(FLAT, 1, PURE_WC, call_extra_ms=50.0, call_extras_ms=measured, record=True)
+    out = Simulation(config).run([0.2 * k for k in range(20)], counted_from=0.0)
+    extras = [round((r.end_s - r.start_s) * 1000 - 100.0, 6) for r in sorted(out.records, key=lambda r: r.start_s)]
+    assert extras == [extra for _, extra in measured], "each measured call once, in its order, in place of the mean"
+
+
+def test_a_call_takes_no_measured_call_from_further_away_than_the_slack(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine, "EXTRA_SLACK_S", 0.1)
+    # the run made a call every 10 ms, the simulation one every 200 ms: it skips those it did not make
+    measured = tuple((0.005 + 0.01 * k, float(k)) for k in range(100))
+    config = SimConfig(FLAT, 1, PURE_WC, call_extras_ms=measured, record=True)
+    out = Simulation(config).run([0.2 * k for k in range(8)], counted_from=0.0)
+    taken = [round((r.end_s - r.start_s) * 1000 - 100.0, 6) for r in sorted(out.records, key=lambda r: r.start_s)]
+    assert taken[:6] == [0.0, 10.0, 30.0, 50.0, 70.0, 90.0], "the first measured call within 100 ms before it"
+    assert taken[6:] == [99.0, 99.0], "past the run's calls, the nearest: its last"
 
 
 def test_the_per_answer_step_delays_each_answer_by_its_place_in_the_batch() -> None:
