@@ -13,7 +13,6 @@ credits, the longest-waiting claim first. Call latency comes from the curve, sca
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import heapq
 import inspect
@@ -28,14 +27,13 @@ from batcher.policy import BatchFormer, FlushPolicy, Pending
 from batcher.settings import BatcherSettings
 from batcher.spacing import Spacing
 from batchwire.capacity.curve import Curve
+from batchwire.capacity.extras import MeasuredExtras
 from batchwire.capacity.outcome import BatchRecord, SimOutcome
 from gpu_worker.pipeline import HAND_OVER_POLL_S
 from gpu_worker.runner import BackendRunner
 from gpu_worker.settings import WorkerSettings
 
 MODEL = "model"
-EXTRA_SLACK_S = 0.1
-"""How far from a simulated call's start the measured call whose extra it takes may have started."""
 
 
 def _default(cls: Any, name: str) -> Any:
@@ -78,9 +76,8 @@ class SimConfig:
     call_extra_spread: bool = False
     call_extras_ms: tuple[tuple[float, float], ...] = ()
     """Measured calls' ``(start, extra)``, the start in seconds from the measured window's, in place of
-    ``call_extra_ms``: each call adds the extra of one of the measured calls that started near its own
-    start (counted from where the run's window starts), so a stall that slowed calls in the run slows
-    the simulated ones at the same time."""
+    ``call_extra_ms``: the calls take them one by one (``batchwire.capacity.extras``), so a stall that
+    slowed calls in the run slows the simulated ones at the same time."""
     per_item_ms: float = 0.0
     """Added per answer ahead in its batch: a batch's results are stored and answered one after another."""
     timeout_s: float = math.inf
@@ -171,9 +168,7 @@ class Simulation:
         extra_s = 0.0 if config.call_extra_spread or config.call_extras_ms else config.call_extra_ms / 1000.0
         self._call_s = [[t * config.scale(w) + extra_s * (t > 0) for t in base_s] for w in range(config.workers)]
         """Call duration by worker and batch size, looked up once."""
-        self._extra_at = [at for at, _ in config.call_extras_ms]
-        self._extra_next = 0
-        """The measured call the next simulated one takes, if it started near enough."""
+        self._extras = MeasuredExtras(config.call_extras_ms) if config.call_extras_ms else None
         self._events: list[tuple[float, int, int, int, int]] = []
         self._pool: list[Credit] = []
         """Offered credits nobody waits for; a claim takes the soonest to free."""
@@ -338,20 +333,6 @@ class Simulation:
         self._dispatch(b)
 
     # the worker's side ------------------------------------------------------------------------------
-    def _measured_extra_s(self, start_s: float) -> float:
-        """The extra of the measured call after the one the call before took, kept within
-        ``EXTRA_SLACK_S`` of a call starting at ``start_s``: the calls follow the run's one by one."""
-        starts, window_s = self._extra_at, self._counted_from if math.isfinite(self._counted_from) else 0.0
-        at = start_s - window_s
-        low = bisect.bisect_left(starts, at - EXTRA_SLACK_S)
-        high = bisect.bisect_right(starts, at + EXTRA_SLACK_S) - 1
-        if high < low:  # none near: the nearest, the one after (low) or the one before
-            after = low < len(starts) and (low == 0 or starts[low] - at < at - starts[low - 1])
-            low = high = low if after else low - 1
-        taken = min(max(self._extra_next, low), high)
-        self._extra_next = taken + 1
-        return self.config.call_extras_ms[taken][1] / 1000.0
-
     def _send(self, b: _Batcher, credit: Credit) -> None:
         """Hands one batch to the credit's worker, runs it when the worker is free, schedules its next credit."""
         frees_s, _, index = credit
@@ -365,8 +346,9 @@ class Simulation:
         size = len(taken.items)
         start_s = max(now + config.transit_ms / 1000.0, worker.free_s)
         call_s = self._call_s[index][size]
-        if self._extra_at:
-            call_s = max(0.0, call_s + self._measured_extra_s(start_s))
+        if self._extras is not None:
+            window_s = self._counted_from if math.isfinite(self._counted_from) else 0.0
+            call_s = max(0.0, call_s + self._extras.take(start_s - window_s))
         elif config.call_extra_spread and config.call_extra_ms > 0:
             call_s += self._rng.expovariate(1000.0 / config.call_extra_ms)
         end_s = start_s + call_s

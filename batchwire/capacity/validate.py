@@ -216,6 +216,7 @@ def compare(
     spread: bool = True,
     replay: bool = True,
     stages: bool = True,
+    call_record: bool = True,
 ) -> list[Row]:
     """Every run's rates, measured and simulated."""
     rows = []
@@ -236,7 +237,7 @@ def compare(
                 base_from = f"{base_from}; in-service {outside:.2f}{inbound}"
             step_ms = (per_item or {}).get(run.mode, 0.0)
             extra = run.call_extra_ms(measured) if call_extra else None
-            drawn = measured.call_extras_ms(run.backend_curve()) if extra is not None and spread else ()
+            drawn = measured.call_extras_ms(run.backend_curve()) if extra is not None and spread and call_record else ()
             rate_config = dataclasses.replace(
                 config,
                 overhead_ms=fixed_ms,
@@ -332,8 +333,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     switches = {
         "--cpu-scaling": "stretch the overhead by the machine's measured CPU busy share, less the backend "
         "thread's own: overhead * (1 - backend) / (1 - busy)",
-        "--contention-spread": "draw that stretch per batch, exponential with that mean, and take each call's "
-        "extra time from the run's call that started nearest it, else exponential (off: the means, fixed)",
+        "--contention-spread": "draw that stretch per batch, and each call's extra, exponential with that mean "
+        "(off: the means, fixed)",
+        "--call-record": "where a run recorded its calls, give each call the extra of the run's, one by one",
         "--replay": "replay a run's recorded sends (its bursts and lag) where it has them, not Poisson arrivals",
         "--call-extra": "add to each call the time per call the workers spent in the backend beyond the curve's",
         "--stages": "where the run recorded the service's stages, take the path's cost at each rate from "
@@ -386,6 +388,7 @@ def run(args: argparse.Namespace) -> int:
             spread=args.contention_spread,
             replay=args.replay,
             stages=args.stages,
+            call_record=args.call_record,
         )
         table = format_table(rows)
     except (RunError, CurveError, ValueError) as err:

@@ -10,7 +10,7 @@ from collections import defaultdict
 import pytest
 
 from batcher.policy import FlushPolicy
-from batchwire.capacity import arrivals, engine
+from batchwire.capacity import arrivals, extras
 from batchwire.capacity.curve import Curve, CurvePoint
 from batchwire.capacity.engine import SimConfig, Simulation
 from batchwire.capacity.outcome import BatchRecord
@@ -203,12 +203,17 @@ def test_the_calls_take_the_measured_calls_extras_one_by_one_in_the_order_they_r
     measured = tuple((0.2 * k, float(k % 7) * 3.0) for k in range(20))
     config = SimConfig(FLAT, 1, PURE_WC, call_extra_ms=50.0, call_extras_ms=measured, record=True)
     out = Simulation(config).run([0.2 * k for k in range(20)], counted_from=0.0)
-    extras = [round((r.end_s - r.start_s) * 1000 - 100.0, 6) for r in sorted(out.records, key=lambda r: r.start_s)]
-    assert extras == [extra for _, extra in measured], "each measured call once, in its order, in place of the mean"
+    taken = [round((r.end_s - r.start_s) * 1000 - 100.0, 6) for r in sorted(out.records, key=lambda r: r.start_s)]
+    assert taken == [extra for _, extra in measured], "each measured call once, in its order, in place of the mean"
+    # calls at 0.2 and 0.25 s both start nearest the one at 0.3 s: the second takes the next one
+    config = SimConfig(FLAT, 3, PURE_WC, call_extras_ms=((0.0, 1.0), (0.3, 2.0), (0.31, 3.0)), record=True)
+    out = Simulation(config).run([0.0, 0.2, 0.25], counted_from=0.0)
+    taken = [round((r.end_s - r.start_s) * 1000 - 100.0, 6) for r in sorted(out.records, key=lambda r: r.start_s)]
+    assert taken == [1.0, 2.0, 3.0], "a long call's gap must not let it be taken twice"
 
 
 def test_a_call_takes_no_measured_call_from_further_away_than_the_slack(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine, "EXTRA_SLACK_S", 0.1)
+    monkeypatch.setattr(extras, "SLACK_S", 0.1)
     # the run made a call every 10 ms, the simulation one every 200 ms: it skips those it did not make
     measured = tuple((0.005 + 0.01 * k, float(k)) for k in range(100))
     config = SimConfig(FLAT, 1, PURE_WC, call_extras_ms=measured, record=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from batchwire import cli
-from batchwire.bench import sends
+from batchwire.bench import calls, sends
 from batchwire.capacity import measured, validate
 from batchwire.capacity.curve import Curve, CurvePoint
 from batchwire.capacity.measured import MeasuredRate, MeasuredRun, RunError
@@ -322,6 +322,23 @@ def test_calls_take_the_workers_measured_extra_time_per_call_beyond_the_curves()
     )
     assert plain.call_extra_ms is None and plain.simulated.p50_ms is not None
     assert row.simulated.p50_ms is not None and row.simulated.p50_ms > plain.simulated.p50_ms, "longer calls"
+
+
+def test_a_run_that_recorded_its_calls_gives_the_simulated_calls_their_extras() -> None:
+    (probed,) = read("durability-rf1/run1")
+    run = dataclasses.replace(probed, max_batch=8).with_curve(hf_curve())
+    recorded = [calls.Call(0.01 * k, 6, 0.090 if k % 2 else 0.070) for k in range(500)]  # 60 ms by the curve
+    rate = MeasuredRate(100.0, 100.0, 100.0, 80.0, 150.0, 30.0, 6.0, None, batches=500.0, backend_s=40.0)
+    rate = dataclasses.replace(rate, calls=calls.encode(recorded))
+    assert [round(extra, 6) for _, extra in rate.call_extras_ms(run.backend_curve())[:2]] == [10.0, 30.0]
+    one = [dataclasses.replace(run, rates=(rate,))]
+    (row,) = validate.compare(one, {"kafka": 5.0}, requests=300, seeds=1)
+    assert row.calls_drawn == 500 and "calls +20 ms as 500 measured" in validate.format_table([row])
+    (drawn,) = validate.compare(one, {"kafka": 5.0}, requests=300, seeds=1, call_record=False)
+    assert drawn.calls_drawn == 0 and "measured" not in validate.format_table([drawn]).split("calls +")[1]
+    broken = dataclasses.replace(rate, calls="not a record")
+    with pytest.raises(RunError, match="call record"):
+        broken.call_extras_ms(run.backend_curve())
 
 
 def test_a_bench_file_gives_the_workers_batches_and_backend_seconds() -> None:
