@@ -1,14 +1,14 @@
 """The record of a rate's backend calls: when each started, its batch size and how long it ran.
 
 A backend that computes on the machine's CPU runs longer under load than when profiled alone, and by
-how much varies from call to call with what else wants the cores. The simulation takes each call's
-extra time from the measured call that started nearest it (``batchwire validate-sim``): a stall of
-the machine lengthens the calls of a second or two together, which neither a mean nor independent
-draws reproduce. The bench reads the calls from the workers' batch journal (``--batch-log``, whose
-times are the system's monotonic clock, the same in every process), and stores them in
-``results.json`` the way it stores the sends (``batchwire.bench.sends``): each call's start as a
-step from the one before (from the window's start), then every call's size, then its duration, in
-microseconds.
+how much varies from call to call with what else wants the cores. The simulation gives its calls
+the measured calls' extra times one by one, in the order the run made them
+(``batchwire.capacity.extras``): a stall of the machine lengthens the calls of a second or two
+together, which neither a mean nor independent draws reproduce. The bench reads the calls from the
+workers' batch journal (``--batch-log``, whose times are the system's monotonic clock, the same in
+every process), and stores them in ``results.json`` the way it stores the sends
+(``batchwire.bench.sends``): each call's start as a step from the one before (from the window's
+start), then every call's size, then its duration, in microseconds.
 """
 
 from __future__ import annotations

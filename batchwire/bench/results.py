@@ -74,8 +74,8 @@ class RateReport(TypedDict):
     """The warm-up's sends, the same way (due before the window), replayed first: near capacity the
     window starts with whatever queue the warm-up left."""
     calls: str
-    """The backend calls that started in the window, their sizes and durations (``batchwire.bench.calls``;
-    empty: the service kept no batch journal that the bench could read)."""
+    """The backend calls that started in the window: their starts, sizes and durations
+    (``batchwire.bench.calls``; empty: the service kept no batch journal that the bench could read)."""
     refused_ms: dict[str, float]
     """503 and 429 answers, timed from the scheduled send like every latency."""
     refused_from_send_ms: dict[str, float]

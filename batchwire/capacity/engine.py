@@ -168,7 +168,6 @@ class Simulation:
         extra_s = 0.0 if config.call_extra_spread or config.call_extras_ms else config.call_extra_ms / 1000.0
         self._call_s = [[t * config.scale(w) + extra_s * (t > 0) for t in base_s] for w in range(config.workers)]
         """Call duration by worker and batch size, looked up once."""
-        self._extras = MeasuredExtras(config.call_extras_ms) if config.call_extras_ms else None
         self._events: list[tuple[float, int, int, int, int]] = []
         self._pool: list[Credit] = []
         """Offered credits nobody waits for; a claim takes the soonest to free."""
@@ -176,6 +175,7 @@ class Simulation:
         self._held = 0
         self._out = SimOutcome(0, 0.0)
         self._rng = random.Random(config.seed)
+        self._extras = MeasuredExtras(config.call_extras_ms, self._rng) if config.call_extras_ms else None
         self._due: Sequence[float] = ()
         """When each request was due, by its index (its arrival unless a run says otherwise)."""
 

@@ -158,9 +158,10 @@ def simulate_median(
 
 
 def simulate_replay(config: SimConfig, replay: Replay, rate: float) -> RateResult:
-    """A run's sends through the simulation, its warm-up's first: the window starts with the queue the
-    warm-up left, and only the window's requests and answers count."""
+    """A run's sends through the simulation, its warm-up's first: the window starts with the queue the warm-up
+    left, only the window's requests and answers count, and a growing queue does not end it early."""
     share = replay.window_start_s / replay.arrivals[-1] if replay.arrivals[-1] > 0 else 0.0
+    config = dataclasses.replace(config, max_backlog=len(replay.due) + 1)
     return simulate(config, replay.arrivals, rate, replay.due, warm_up_share=share, counted_from=replay.window_start_s)
 
 
@@ -284,9 +285,8 @@ def _overhead(row: Row) -> str:
     text = f"{text}; transit {row.transit_ms:g}" if row.transit_ms else text
     text = f"{text}; sends replayed" if row.replayed else text
     text = f"{text} + {row.per_item_ms:.2f}/answer" if row.per_item_ms else text
-    if row.call_extra_ms is None:
-        return text
-    return f"{text}; calls +{row.call_extra_ms:g} ms" + (f" as {row.calls_drawn} measured" if row.calls_drawn else "")
+    text = f"{text}; calls +{row.call_extra_ms:g} ms" if row.call_extra_ms is not None else text
+    return f"{text} as {row.calls_drawn} measured" if row.calls_drawn else text
 
 
 def format_table(rows: Sequence[Row]) -> str:

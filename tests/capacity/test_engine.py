@@ -215,12 +215,23 @@ def test_the_calls_take_the_measured_calls_extras_one_by_one_in_the_order_they_r
 def test_a_call_takes_no_measured_call_from_further_away_than_the_slack(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(extras, "SLACK_S", 0.1)
     # the run made a call every 10 ms, the simulation one every 200 ms: it skips those it did not make
-    measured = tuple((0.005 + 0.01 * k, float(k)) for k in range(100))
-    config = SimConfig(FLAT, 1, PURE_WC, call_extras_ms=measured, record=True)
-    out = Simulation(config).run([0.2 * k for k in range(8)], counted_from=0.0)
+    early = [(0.005 + 0.01 * k, float(k)) for k in range(100)]
+    late = [(2.005 + 0.01 * k, 100.0 + k) for k in range(100)]  # none from 1 s to 2 s: a gap in the record
+    config = SimConfig(FLAT, 1, PURE_WC, call_extras_ms=(*early, *late), record=True)
+    out = Simulation(config).run([0.2 * k for k in range(8)] + [3.6], counted_from=0.0)
     taken = [round((r.end_s - r.start_s) * 1000 - 100.0, 6) for r in sorted(out.records, key=lambda r: r.start_s)]
     assert taken[:6] == [0.0, 10.0, 30.0, 50.0, 70.0, 90.0], "the first measured call within 100 ms before it"
-    assert taken[6:] == [99.0, 99.0], "past the run's calls, the nearest: its last"
+    assert taken[6:8] == [99.0, 99.0], "in a gap of the record, the nearest"
+    assert taken[8] in {extra for _, extra in (*early, *late)}, "past the record, any of its calls"
+
+
+def test_the_warm_ups_calls_draw_from_the_whole_record_not_from_its_first_call() -> None:
+    measured = ((0.0, 500.0), *((0.01 * k, 1.0) for k in range(1, 200)))  # the window opened on a slow call
+    config = SimConfig(FLAT, 2, PURE_WC, call_extras_ms=measured, seed=5, record=True)
+    warmup = [-10.0 + 0.05 * k for k in range(190)]  # 9.5 s before the window
+    out = Simulation(config).run(warmup, counted_from=0.0)
+    slow = [r for r in out.records if (r.end_s - r.start_s) * 1000 > 400.0]
+    assert len(slow) <= 3, f"{len(slow)} of {len(out.records)} warm-up calls took the window's first call's 500 ms"
 
 
 def test_the_per_answer_step_delays_each_answer_by_its_place_in_the_batch() -> None:

@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from batcher.policy import FlushPolicy
 from batchwire import cli
 from batchwire.bench import calls, sends
 from batchwire.capacity import measured, validate
 from batchwire.capacity.curve import Curve, CurvePoint
-from batchwire.capacity.measured import MeasuredRate, MeasuredRun, RunError
+from batchwire.capacity.engine import SimConfig
+from batchwire.capacity.measured import MeasuredRate, MeasuredRun, Replay, RunError
 from batchwire.capacity.simulate import RateResult, capacity
 from batchwire.capacity.validate import Row
 
@@ -321,6 +323,7 @@ def test_calls_take_the_workers_measured_extra_time_per_call_beyond_the_curves()
         [dataclasses.replace(run, rates=(rate,))], {"kafka": 5.0}, requests=300, seeds=1, call_extra=False
     )
     assert plain.call_extra_ms is None and plain.simulated.p50_ms is not None
+    assert "calls +" not in validate.format_table([plain])
     assert row.simulated.p50_ms is not None and row.simulated.p50_ms > plain.simulated.p50_ms, "longer calls"
 
 
@@ -339,6 +342,18 @@ def test_a_run_that_recorded_its_calls_gives_the_simulated_calls_their_extras() 
     broken = dataclasses.replace(rate, calls="not a record")
     with pytest.raises(RunError, match="call record"):
         broken.call_extras_ms(run.backend_curve())
+
+
+def test_a_replayed_run_that_cannot_keep_up_is_simulated_to_the_end_of_its_window() -> None:
+    # one item per 100 ms call, 100 sends a second for 20 s, the calls twice as long in the second half;
+    # the queue passes the backlog that stops a simulation (500) at 6 s
+    recorded = (*((0.1 * k, 0.0) for k in range(100)), *((10.0 + 0.2 * k, 100.0) for k in range(50)))
+    policy = FlushPolicy.work_conserving(max_batch=1)
+    config = SimConfig(Curve.flat(100.0, 1), 1, policy, call_extras_ms=recorded, max_backlog=500)
+    sends = [k / 100.0 for k in range(2_000)]
+    result = validate.simulate_replay(config, Replay(sends, sends, 0.0), 100.0)
+    assert result.unstable and result.p99_ms is None, "the queue only grows: no latencies"
+    assert result.throughput == pytest.approx(7.5, rel=0.05), "10 answers/s, then 5: over the whole window"
 
 
 def test_a_bench_file_gives_the_workers_batches_and_backend_seconds() -> None:
