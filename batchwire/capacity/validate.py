@@ -24,12 +24,12 @@ is measured instead (``--no-stages``: the above): mean latency less accept-to-se
 and the call, plus the way to the batcher; the batch's way to the worker is the transit (both from
 the probes' stages: ``MeasuredRun.probe_hops_ms``). The probe's cost stays fixed, the rest is drawn
 per batch.
-Calls take longer too: the workers' measured time inside the backend per call, less what the curve
-predicts for the batches they ran, is added to every call at that rate. It is a delay per call, not a
-factor: what slows a call is its Python steps waiting for the GIL while the process's event loop runs,
-and a call has as many steps whatever its batch size (a factor overstated large batches and sent a
-loaded model's queue up). A slow worker is worker 0 at its own latency. Runs of a real model (the hf
-backend) take its profiled curve (``--curve``) in place of the flat sim latency.
+Calls take longer too: each simulated call takes a recorded call's time beyond the curve, one by one in
+the run's order (``batchwire.bench.calls``, ``batchwire.capacity.extras``); runs without the record add
+the mean, an exponential draw. It is a delay per call, not a factor: what slows a call is its Python
+steps waiting for the GIL while the event loop runs, and the whole process when the machine stalls (a
+factor overstated large batches and sent a loaded model's queue up). A slow worker is worker 0 at its
+own latency. Runs of a real model (the hf backend) take its profiled curve (``--curve``).
 
 Arrivals are the generator's own where the run recorded its sends (``batchwire.bench.sends``): each
 request arrives when it was sent and its latency counts from when it was due, as the bench counts
@@ -78,7 +78,7 @@ class Row:
     transit_ms: float = 0.0
     """A batch's way to an idle worker, fed to the simulation (``MeasuredRun.probe_hops_ms``)."""
     calls_drawn: int = 0
-    """The measured calls whose extras the simulated calls took, by time (0: an exponential spread)."""
+    """The measured calls the simulated ones took their extras from, one by one (0: an exponential draw)."""
 
     @property
     def saturated(self) -> bool:
