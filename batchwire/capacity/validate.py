@@ -77,7 +77,7 @@ class Row:
     """The simulation replayed the generator's recorded sends (else: Poisson arrivals)."""
     transit_ms: float = 0.0
     """A batch's way to an idle worker, fed to the simulation (``MeasuredRun.probe_hops_ms``)."""
-    calls_drawn: int = 0
+    calls_taken: int = 0
     """The measured calls the simulated ones took their extras from, one by one (0: an exponential draw)."""
 
     @property
@@ -238,7 +238,7 @@ def compare(
                 base_from = f"{base_from}; in-service {outside:.2f}{inbound}"
             step_ms = (per_item or {}).get(run.mode, 0.0)
             extra = run.call_extra_ms(measured) if call_extra else None
-            drawn = measured.call_extras_ms(run.backend_curve()) if extra is not None and spread and call_record else ()
+            taken = measured.call_extras_ms(run.backend_curve()) if extra is not None and spread and call_record else ()
             rate_config = dataclasses.replace(
                 config,
                 overhead_ms=fixed_ms,
@@ -246,13 +246,13 @@ def compare(
                 per_item_ms=step_ms,
                 call_extra_ms=extra or 0.0,
                 call_extra_spread=spread,
-                call_extras_ms=drawn,
+                call_extras_ms=taken,
                 transit_ms=transit_ms,
             )
             sends = measured.replay() if replay else None
             simulated = simulate_median(rate_config, measured.sent_rate, requests, seeds, sends)
             row = Row(run, measured, simulated, fixed_ms, base_from, step_ms, extra, contention_ms, bool(sends))
-            rows.append(dataclasses.replace(row, transit_ms=transit_ms, calls_drawn=len(drawn)))
+            rows.append(dataclasses.replace(row, transit_ms=transit_ms, calls_taken=len(taken)))
     return rows
 
 
@@ -286,7 +286,7 @@ def _overhead(row: Row) -> str:
     text = f"{text}; sends replayed" if row.replayed else text
     text = f"{text} + {row.per_item_ms:.2f}/answer" if row.per_item_ms else text
     text = f"{text}; calls +{row.call_extra_ms:g} ms" if row.call_extra_ms is not None else text
-    return f"{text} as {row.calls_drawn} measured" if row.calls_drawn else text
+    return f"{text} as {row.calls_taken} measured" if row.calls_taken else text
 
 
 def format_table(rows: Sequence[Row]) -> str:

@@ -336,9 +336,9 @@ def test_a_run_that_recorded_its_calls_gives_the_simulated_calls_their_extras() 
     assert [round(extra, 6) for _, extra in rate.call_extras_ms(run.backend_curve())[:2]] == [10.0, 30.0]
     one = [dataclasses.replace(run, rates=(rate,))]
     (row,) = validate.compare(one, {"kafka": 5.0}, requests=300, seeds=1)
-    assert row.calls_drawn == 500 and "calls +20 ms as 500 measured" in validate.format_table([row])
-    (drawn,) = validate.compare(one, {"kafka": 5.0}, requests=300, seeds=1, call_record=False)
-    assert drawn.calls_drawn == 0 and "measured" not in validate.format_table([drawn]).split("calls +")[1]
+    assert row.calls_taken == 500 and "calls +20 ms as 500 measured" in validate.format_table([row])
+    (exponential,) = validate.compare(one, {"kafka": 5.0}, requests=300, seeds=1, call_record=False)
+    assert exponential.calls_taken == 0 and "measured" not in validate.format_table([exponential]).split("calls +")[1]
     broken = dataclasses.replace(rate, calls="not a record")
     with pytest.raises(RunError, match="call record"):
         broken.call_extras_ms(run.backend_curve())
