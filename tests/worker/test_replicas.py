@@ -162,6 +162,38 @@ async def test_a_mark_makes_wait_cover_an_update_already_applied(store: RedisTas
         assert client.exists(names.replication_mark) == 1, "the mark is written although the update was a no-op"
 
 
+def _script_calls(client: redis.Redis) -> tuple[int, int, int]:
+    """(EVALSHA, SCRIPT EXISTS, SCRIPT LOAD) calls the server has counted."""
+    stats = client.info("commandstats")
+    return tuple(  # type: ignore[return-value]
+        int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("evalsha", "script|exists", "script|load")
+    )
+
+
+async def test_a_replicated_store_is_one_round_trip_and_loads_its_script_only_when_missing(
+    primary: RedisServer, store: RedisTaskStore
+) -> None:
+    batch = await _send(Rig(), store, ["first", "second"])
+    first, second = [await store.get(item.task_id) for item in batch.items]
+    assert first is not None and second is not None
+    done = [
+        replace(s, status=TaskStatus.COMPLETED, updated_at_ms=s.updated_at_ms + 1, output="y") for s in (first, second)
+    ]
+    with redis.Redis(port=primary.port) as client:
+        client.script_flush()  # a primary that never ran the script (as a failover's new one)
+        before = _script_calls(client)
+        assert await store.apply_replicated(done[:1], 0, WAIT_MS) == 0
+        evalsha, exists, load = (after - was for after, was in zip(_script_calls(client), before, strict=True))
+        assert (evalsha, exists, load) == (2, 0, 1), "NOSCRIPT: the script is loaded and the pipeline sent again"
+
+        before = _script_calls(client)
+        assert await store.apply_replicated(done[1:], 0, WAIT_MS) == 0
+        evalsha, exists, load = (after - was for after, was in zip(_script_calls(client), before, strict=True))
+        assert (evalsha, exists, load) == (1, 0, 0), "EVALSHA in the pipeline, no SCRIPT EXISTS before it"
+    stored = await store.get_many([item.task_id for item in batch.items])
+    assert [stored[item.task_id].status for item in batch.items] == [TaskStatus.COMPLETED] * 2, stored
+
+
 async def test_a_replica_still_taking_its_first_copy_is_not_counted(
     primary: RedisServer, store: RedisTaskStore, tmp_path: Path
 ) -> None:

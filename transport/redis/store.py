@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
 
+from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError
 
 from schemas.codec import CodecError, decode_state, encode_state
@@ -28,6 +29,7 @@ from telemetry.logs import ids
 from transport.coalesce import Coalescer
 from transport.errors import PermanentTransportError
 from transport.ports import KeyClaim, ReplyHandler, TransportError
+from transport.redis import scripted
 from transport.redis.credits import RedisCreditPool
 from transport.redis.lua import (
     APPLY,
@@ -176,19 +178,17 @@ class RedisTaskStore:
     async def apply_replicated(self, updates: Sequence[TaskState], replicas: int, timeout_ms: int) -> int:
         """``apply``, then Redis ``WAIT``: how many replicas acknowledged the updates within ``timeout_ms``.
 
-        One pipeline, so one connection to one primary: ``WAIT`` counts only its own connection's
-        writes, and after a failover the updates land on the primary that is asked. An update already
-        applied writes nothing, so a mark written after the updates makes the wait cover them wherever
-        they were written on this primary before.
+        One pipeline (one round trip: ``scripted``) on one connection to one primary, as ``WAIT`` counts
+        only its own connection's writes. An update already applied writes nothing, so a mark written
+        after the updates makes the wait cover them wherever they were written on this primary before.
         """
-        pipe = self._client.pipeline(transaction=False)
-        if updates:
-            keys, args = self._apply_call(updates)
-            await self._apply(keys=keys, args=args, client=pipe)  # queued; the pipeline loads the script
-        pipe.set(self.names.replication_mark, b"1", px=self.ttl_ms)
-        pipe.wait(replicas, timeout_ms)
+
+        def then(pipe: Pipeline) -> None:
+            pipe.set(self.names.replication_mark, b"1", px=self.ttl_ms)
+            pipe.wait(replicas, timeout_ms)
+
         try:
-            replies: list[Any] = await pipe.execute()
+            replies = await scripted.execute(self._client, self._apply, self._apply_call(updates), then)
         except RedisError as err:
             raise translate(f"storing {len(updates)} task update(s) on {replicas} replica(s)", err) from err
         return int(replies[-1])

@@ -1,0 +1,45 @@
+"""A pipeline that runs a Lua script by its SHA in one round trip, loading the script only when Redis lacks it.
+
+redis-py's pipeline asks ``SCRIPT EXISTS`` before every execute of a pipeline that holds a
+registered script: a second round trip, on the path of every answer that waits for a Redis replica
+(``RedisTaskStore.apply_replicated``). Here the pipeline sends ``EVALSHA`` straight away; a
+``NOSCRIPT`` reply (a fresh primary after a failover, or ``SCRIPT FLUSH``) loads the script and
+sends the pipeline once more. Every command of such a pipeline must be safe to repeat.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
+from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
+
+
+async def execute(
+    client: Redis, script: AsyncScript, call: tuple[list[str], list[Any]], then: Callable[[Pipeline], None]
+) -> list[Any]:
+    """The replies of one pipeline (no transaction): ``script`` with ``call``'s keys and arguments
+    (not run without keys), then the commands ``then`` queues. Raises the first error reply."""
+    replies = await _run(client, script, call, then)
+    if any(isinstance(reply, NoScriptError) for reply in replies):
+        await client.script_load(script.script)
+        replies = await _run(client, script, call, then)
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
+
+
+async def _run(
+    client: Redis, script: AsyncScript, call: tuple[list[str], list[Any]], then: Callable[[Pipeline], None]
+) -> list[Any]:
+    keys, args = call
+    pipe = client.pipeline(transaction=False)
+    if keys:
+        pipe.evalsha(script.sha, len(keys), *keys, *args)
+    then(pipe)
+    replies: list[Any] = await pipe.execute(raise_on_error=False)
+    return replies
