@@ -148,6 +148,28 @@ async def express_only(kit: Kit, worker: ExpressBatchConsumer, ids: list[str]) -
     return got
 
 
+async def test_the_express_list_is_popped_only_while_the_worker_waits_for_a_batch(kit: Kit) -> None:
+    """A pop sent while the worker starts the batch it just took would hold up that call's start."""
+    worker = await kit.consumer()
+    express = kit.express()
+    kit.closer.add(express)
+    for batch_id in ("b1", "b2"):
+        sent = batch(batch_id)
+        assert await express.push("w1", encode_batch(sent), batch_id, [item.task_id for item in sent.items])
+    key = kit.names.express_list("w1")
+
+    first = await worker.next(WAIT_S)
+    assert first is not None and first.value is not None and first.value.batch_id == "b1"
+    for _ in range(20):  # turns of the loop and round trips in which a reader that pops on would take b2
+        await asyncio.sleep(0)
+        await express._commands.redis.ping()
+    assert await express._commands.redis.llen(key) == 1, "b2 was popped while the worker had not asked again"
+
+    second = await worker.next(WAIT_S)
+    assert second is not None and second.value is not None and second.value.batch_id == "b2"
+    assert await express._commands.redis.llen(key) == 0
+
+
 async def test_express_batches_whose_records_are_late_together_wait_for_them_once(kit: Kit) -> None:
     """A broker's failover holds up many records at once: their commits wait out one timeout, not one each."""
     worker = await kit.consumer(confirm_timeout_s=1.0)

@@ -109,6 +109,9 @@ class ExpressBatchConsumer:
 
     Two owned tasks read the two sources into one queue. A batch id seen before is not queued
     again, except a Kafka record read anew after a rebalance (a redelivery, as without express).
+    The express list is popped only while the worker waits in ``next``: a pop sent while the worker
+    starts the batch it just took would hold up that call's start (a batch comes only against a
+    credit, which the worker offers before it waits again, so none waits the longer).
     """
 
     def __init__(
@@ -133,6 +136,8 @@ class ExpressBatchConsumer:
         self._wake = asyncio.Event()
         self._room = asyncio.Event()
         self._room.set()
+        self._asked = asyncio.Event()
+        """The worker waits in ``next``: the express reader pops."""
         self._seen: OrderedDict[str, _Awaited | None] = OrderedDict()
         """Batch id -> for a batch run from the express list, its Kafka copy once it comes; else None."""
         self._tasks: list[asyncio.Task[None]] = []
@@ -185,6 +190,7 @@ class ExpressBatchConsumer:
             if remaining <= 0:
                 return None
             self._wake.clear()
+            self._asked.set()
             try:
                 async with asyncio.timeout(remaining):
                     await self._wake.wait()
@@ -282,6 +288,7 @@ class ExpressBatchConsumer:
     async def _read_express(self) -> None:
         failures = 0
         while True:
+            await self._asked.wait()
             try:
                 data = await self.express.pop(self.worker_id, 1.0)
             except TransportError as err:  # never fatal: the Kafka copies keep coming
@@ -290,5 +297,5 @@ class ExpressBatchConsumer:
                 continue
             failures = 0
             if data is not None:
+                self._asked.clear()  # until the worker, having taken this batch, waits again
                 self._from_express(data)
-                await asyncio.sleep(0)  # the worker takes the batch before this task asks for the next
