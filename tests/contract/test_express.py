@@ -170,6 +170,36 @@ async def test_the_express_list_is_popped_only_while_the_worker_waits_for_a_batc
     assert await express._commands.redis.llen(key) == 0
 
 
+async def test_the_express_list_is_popped_while_kafka_batches_wait_in_the_queue(kit: Kit) -> None:
+    """A reader that popped only once the queue ran dry would leave express copies to their records
+    while Kafka's read-ahead keeps it full: each run as a second delivery, carefully."""
+    worker = await kit.consumer()
+    kafka = KafkaBatchProducer(kit.infra.kafka_bootstrap, kit.names)
+    await kafka.start()
+    kit.closer.add(kafka)
+    for batch_id in ("k1", "k2", "k3"):
+        await kafka.send(batch(batch_id), 0)  # Kafka only
+    await eventually(lambda: len(worker._arrived) == 3, "the Kafka batches to wait in the queue", timeout_s=WAIT_S)
+    express = kit.express()
+    kit.closer.add(express)
+    sent = batch("e1")
+    assert await express.push("w1", encode_batch(sent), "e1", [item.task_id for item in sent.items])
+
+    first = await worker.next(WAIT_S)
+    assert first is not None and first.via == "kafka"
+    redis = express._commands.redis
+    await eventually(
+        lambda: len(worker._arrived) == 3, "the express batch to be popped while Kafka's wait", timeout_s=WAIT_S
+    )
+    assert await redis.llen(kit.names.express_list("w1")) == 0
+    got = [await worker.next(WAIT_S) for _ in range(3)]
+    assert [(d.value.batch_id, d.via) for d in got if d is not None and d.value is not None] == [
+        ("k2", "kafka"),
+        ("k3", "kafka"),
+        ("e1", "express"),
+    ]
+
+
 async def test_express_batches_whose_records_are_late_together_wait_for_them_once(kit: Kit) -> None:
     """A broker's failover holds up many records at once: their commits wait out one timeout, not one each."""
     worker = await kit.consumer(confirm_timeout_s=1.0)

@@ -109,9 +109,11 @@ class ExpressBatchConsumer:
 
     Two owned tasks read the two sources into one queue. A batch id seen before is not queued
     again, except a Kafka record read anew after a rebalance (a redelivery, as without express).
-    The express list is popped only while the worker waits in ``next``: a pop sent while the worker
-    starts the batch it just took would hold up that call's start (a batch comes only against a
-    credit, which the worker offers before it waits again, so none waits the longer).
+    The express list is popped once per call of ``next``: a pop sent while the worker starts the
+    batch it just took would hold up that call's start, and a batch comes only against a credit,
+    which the worker offers just before it asks again. Every ask lets one pop go, also one that finds
+    Kafka's batches waiting: a reader that waited for the queue to empty would leave each express
+    copy to its Kafka record, counted as a second delivery and run with care (at half speed).
     """
 
     def __init__(
@@ -137,7 +139,7 @@ class ExpressBatchConsumer:
         self._room = asyncio.Event()
         self._room.set()
         self._asked = asyncio.Event()
-        """The worker waits in ``next``: the express reader pops."""
+        """The worker asked (``next``) since the express reader's last batch: it pops."""
         self._seen: OrderedDict[str, _Awaited | None] = OrderedDict()
         """Batch id -> for a batch run from the express list, its Kafka copy once it comes; else None."""
         self._tasks: list[asyncio.Task[None]] = []
@@ -175,6 +177,7 @@ class ExpressBatchConsumer:
         return self.kafka.assignment()
 
     async def next(self, timeout_s: float) -> Delivered[Batch] | None:
+        self._asked.set()  # also when a batch waits already: the express reader never stops for long
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
@@ -190,7 +193,6 @@ class ExpressBatchConsumer:
             if remaining <= 0:
                 return None
             self._wake.clear()
-            self._asked.set()
             try:
                 async with asyncio.timeout(remaining):
                     await self._wake.wait()
