@@ -345,6 +345,7 @@ class Worker:
             "reading what was in flight", lambda: self.deliveries.suspects(batch.batch_id, ids)
         )
         decided = careful.plan(todo, lambda item: item.task_id, suspects, self.settings.max_deliveries)
+        metrics.REDELIVERED.labels(worker=self.settings.worker_id).inc()
         log.warning(
             "worker %s: batch %s is delivered for the %s time (%s); %d of %d tasks were in flight then; "
             "running %s, dead-lettering %d",

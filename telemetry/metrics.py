@@ -124,6 +124,13 @@ BACKEND_CPU = Counter(
 WORKER_BATCHES = Counter(
     "batchwire_worker_batches", "Batches each worker ran, by outcome.", ["worker", "outcome"], registry=REGISTRY
 )
+REDELIVERED = Counter(
+    "batchwire_batches_redelivered",
+    "Batches a worker took that had been delivered before (a holder died or handed them back, or the "
+    "express copy was not popped before the Kafka record came): each runs with care, in halves.",
+    ["worker"],
+    registry=REGISTRY,
+)
 TASKS_ENDED = Counter(
     "batchwire_tasks_ended", "Tasks that reached an end state, by status.", ["model", "status"], registry=REGISTRY
 )

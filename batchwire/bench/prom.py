@@ -21,6 +21,7 @@ BACKEND_ITEMS = "batchwire_backend_items_total"
 FLUSHES = "batchwire_flushes_total"
 WORKER_BUSY = "batchwire_worker_busy_seconds_total"
 BACKEND_CPU = "batchwire_backend_cpu_seconds_total"
+REDELIVERED = "batchwire_batches_redelivered_total"
 #: Where a request's time goes inside the service: histograms whose sum over count is a mean per
 #: request, and the worker's stages, summed over inputs (``batchwire_request_stage_seconds``).
 STAGE_HISTOGRAMS = {
@@ -111,6 +112,8 @@ class ServerStats(TypedDict):
     busy_fraction: float | None
     backend_cpu_s: float | None
     """CPU seconds of the backends' calling threads in the window (None: not exported)."""
+    redelivered: float
+    """Batches the workers took again and ran with care (each a sign of a crash or a lost express copy)."""
     stages_ms: dict[str, float]
     """Mean time per request in each stage over the window (the gateway's accept to answer, accept to
     sealed, sealed to its call's start, the call), those the service exports and saw."""
@@ -195,6 +198,7 @@ def server_stats(before: Scrape, after: Scrape, urls: Iterable[str], workers_hin
         workers=workers,
         busy_fraction=busy / window_s / workers if workers else None,
         backend_cpu_s=_sum(delta, BACKEND_CPU) if _has(delta, BACKEND_CPU) else None,
+        redelivered=_sum(delta, REDELIVERED),
         stages_ms=_stage_means(delta),
     )
 

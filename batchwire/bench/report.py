@@ -117,6 +117,8 @@ def _rate_lines(rate: RateReport) -> list[str]:
     server = rate["server"]
     if server is not None and server["flushes"]:
         lines.append(f"{label} flushes: " + " ".join(f"{k}={v:g}" for k, v in sorted(server["flushes"].items())))
+    if server is not None and server.get("redelivered"):
+        lines.append(f"{label} redelivered batches: {server['redelivered']:g} (each run with care, in halves)")
     others = {k: g for k, g in rate["processes"].items() if k != "batchwire"}
     if others:
         lines.append(

@@ -51,6 +51,8 @@ batchwire_request_stage_seconds_total{model="m",stage="call"} 2.0
 batchwire_request_stage_seconds_total{model="m",stage="sealed_to_started"} 0.4
 # TYPE batchwire_request_stage_inputs counter
 batchwire_request_stage_inputs_total{model="m"} 25.0
+# TYPE batchwire_batches_redelivered counter
+batchwire_batches_redelivered_total{worker="w1"} 2.0
 """
 
 
@@ -78,6 +80,7 @@ def test_server_stats_is_the_difference_over_the_window() -> None:
     assert stats["busy_fraction"] == pytest.approx(0.5)
     assert backend_ms_per_call(stats) == pytest.approx(2000.0 / 5), "2 busy seconds over 5 calls"
     assert stats["backend_cpu_s"] == pytest.approx(0.75 + 0.125), "the backends' threads' CPU, summed over workers"
+    assert stats["redelivered"] == 2, "a worker's counter that appeared in the window counts from 0"
     # the window's 4 requests waited 30 ms in all to be sealed; its 25 inputs 2 s in calls, 0.4 s
     # before (the backends ran 20: duplicates once)
     assert stats["stages_ms"] == {
@@ -98,6 +101,7 @@ def test_workers_hint_wins_and_missing_metrics_give_none() -> None:
     assert stats["backend_cpu_s"] is None, "a service that does not export it"
     assert stats["scrape_errors"] == {"http://y/metrics": "HTTP 404"}
     assert stats["stages_ms"] == {}, "no stage counted anything"
+    assert stats["redelivered"] == 0
 
 
 def test_an_older_service_divides_its_stages_by_the_inputs_the_backends_ran() -> None:

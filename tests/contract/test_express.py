@@ -148,28 +148,6 @@ async def express_only(kit: Kit, worker: ExpressBatchConsumer, ids: list[str]) -
     return got
 
 
-async def test_the_express_list_is_popped_only_while_the_worker_waits_for_a_batch(kit: Kit) -> None:
-    """A pop sent while the worker starts the batch it just took would hold up that call's start."""
-    worker = await kit.consumer()
-    express = kit.express()
-    kit.closer.add(express)
-    for batch_id in ("b1", "b2"):
-        sent = batch(batch_id)
-        assert await express.push("w1", encode_batch(sent), batch_id, [item.task_id for item in sent.items])
-    key = kit.names.express_list("w1")
-
-    first = await worker.next(WAIT_S)
-    assert first is not None and first.value is not None and first.value.batch_id == "b1"
-    for _ in range(20):  # turns of the loop and round trips in which a reader that pops on would take b2
-        await asyncio.sleep(0)
-        await express._commands.redis.ping()
-    assert await express._commands.redis.llen(key) == 1, "b2 was popped while the worker had not asked again"
-
-    second = await worker.next(WAIT_S)
-    assert second is not None and second.value is not None and second.value.batch_id == "b2"
-    assert await express._commands.redis.llen(key) == 0
-
-
 async def test_the_express_list_is_popped_while_kafka_batches_wait_in_the_queue(kit: Kit) -> None:
     """A reader that popped only once the queue ran dry would leave express copies to their records
     while Kafka's read-ahead keeps it full: each run as a second delivery, carefully."""

@@ -13,6 +13,7 @@ from collections import Counter
 from gpu_worker.careful import plan
 from schemas.deadletter import DEAD_LETTERED
 from schemas.records import Batch, TaskStatus
+from telemetry import metrics
 from tests.support.worker_rig import Rig, ScriptedBackend
 from transport.deliveries import Suspects
 
@@ -109,8 +110,10 @@ async def test_one_death_dead_letters_nothing() -> None:
     batch = rig.batch(["a", "b", "c"])
     await rig.create(batch)
     await rig.deliveries.begin(batch.batch_id)  # a first delivery whose worker was killed mid-call
+    redelivered = _redelivered()
     deaths, calls = await deliver_until_answered(rig, batch, die_on=None)
     assert deaths == 0
+    assert _redelivered() == redelivered + 1, "the worker counts the batch it took again"
     assert calls == [["a"], ["b", "c"]], f"a redelivered batch runs its suspects in halves, got {calls}"
     assert {task: states[0].status for task, states in rig.replies.items()} == dict.fromkeys(
         ["t0", "t1", "t2"], TaskStatus.COMPLETED
@@ -132,3 +135,14 @@ async def test_max_deliveries_1_sets_a_lone_input_aside_at_its_first_redelivery(
     ended = await rig.ended(["t0"])
     await second.close()
     assert ended["t0"].error_code == DEAD_LETTERED
+
+
+def _redelivered() -> float:
+    """``batchwire_batches_redelivered_total`` summed over the workers of this process."""
+    return sum(
+        sample.value
+        for family in metrics.REGISTRY.collect()
+        if family.name == "batchwire_batches_redelivered"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    )

@@ -109,11 +109,6 @@ class ExpressBatchConsumer:
 
     Two owned tasks read the two sources into one queue. A batch id seen before is not queued
     again, except a Kafka record read anew after a rebalance (a redelivery, as without express).
-    The express list is popped once per call of ``next``: a pop sent while the worker starts the
-    batch it just took would hold up that call's start, and a batch comes only against a credit,
-    which the worker offers just before it asks again. Every ask lets one pop go, also one that finds
-    Kafka's batches waiting: a reader that waited for the queue to empty would leave each express
-    copy to its Kafka record, counted as a second delivery and run with care (at half speed).
     """
 
     def __init__(
@@ -138,8 +133,6 @@ class ExpressBatchConsumer:
         self._wake = asyncio.Event()
         self._room = asyncio.Event()
         self._room.set()
-        self._asked = asyncio.Event()
-        """The worker asked (``next``) since the express reader's last batch: it pops."""
         self._seen: OrderedDict[str, _Awaited | None] = OrderedDict()
         """Batch id -> for a batch run from the express list, its Kafka copy once it comes; else None."""
         self._tasks: list[asyncio.Task[None]] = []
@@ -177,7 +170,6 @@ class ExpressBatchConsumer:
         return self.kafka.assignment()
 
     async def next(self, timeout_s: float) -> Delivered[Batch] | None:
-        self._asked.set()  # also when a batch waits already: the express reader never stops for long
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
@@ -290,7 +282,6 @@ class ExpressBatchConsumer:
     async def _read_express(self) -> None:
         failures = 0
         while True:
-            await self._asked.wait()
             try:
                 data = await self.express.pop(self.worker_id, 1.0)
             except TransportError as err:  # never fatal: the Kafka copies keep coming
@@ -299,5 +290,5 @@ class ExpressBatchConsumer:
                 continue
             failures = 0
             if data is not None:
-                self._asked.clear()  # until the worker, having taken this batch, waits again
                 self._from_express(data)
+                await asyncio.sleep(0)  # the worker takes the batch before this task asks for the next
