@@ -61,12 +61,18 @@ class Kit:
         return self.closer.add(producer)  # type: ignore[no-any-return]
 
     async def consumer(
-        self, worker: str = "w1", confirm_timeout_s: float = WAIT_S, *, owns: bool = True
+        self,
+        worker: str = "w1",
+        confirm_timeout_s: float = WAIT_S,
+        *,
+        owns: bool = True,
+        express: RedisExpress | None = None,
     ) -> ExpressBatchConsumer:
         kafka = KafkaBatchConsumer(
             self.infra.kafka_bootstrap, self.names, MODEL, timing=GroupTiming(heartbeat_interval_ms=500)
         )
-        consumer = ExpressBatchConsumer(kafka, self.express(), worker, confirm_timeout_s=confirm_timeout_s)
+        express = self.express() if express is None else express
+        consumer = ExpressBatchConsumer(kafka, express, worker, confirm_timeout_s=confirm_timeout_s)
         owned: set[int] = set()
 
         async def assigned(partitions: frozenset[int]) -> None:
@@ -146,6 +152,51 @@ async def express_only(kit: Kit, worker: ExpressBatchConsumer, ids: list[str]) -
         assert delivered is not None and delivered.via == "express"
         got.append(delivered)
     return got
+
+
+class CountingExpress(RedisExpress):
+    """Real express lists; counts the worker's BLPOPs in flight."""
+
+    armed = 0
+
+    async def pop(self, worker_id: str, timeout_s: float) -> bytes | None:
+        self.armed += 1
+        try:
+            return await super().pop(worker_id, timeout_s)
+        finally:
+            self.armed -= 1
+
+
+async def test_a_reader_that_got_a_batch_pops_again_once_the_worker_asks_while_the_other_stays_armed(
+    kit: Kit,
+) -> None:
+    """Nothing is sent between a batch's arrival and its call's start, and a pop stays armed."""
+    counting = CountingExpress(kit.infra.redis_url, kit.names)
+    worker = await kit.consumer(express=counting)
+    await eventually(lambda: counting.armed == 2, "both readers to wait on the list", timeout_s=WAIT_S)
+    pusher = kit.express()
+    kit.closer.add(pusher)
+    redis = pusher._commands.redis
+
+    first = batch("b1")
+    assert await pusher.push("w1", encode_batch(first), "b1", [item.task_id for item in first.items])
+    await eventually(lambda: counting.armed == 1, "a reader to take b1", timeout_s=WAIT_S)
+    for _ in range(20):  # turns of the loop and round trips in which a reader that pops on would send its BLPOP
+        await asyncio.sleep(0)
+        await redis.ping()
+    assert counting.armed == 1, "the reader that got b1 pops again only once the worker asks"
+
+    second = batch("b2")  # the worker has not asked yet: the other reader takes b2 at once
+    assert await pusher.push("w1", encode_batch(second), "b2", [item.task_id for item in second.items])
+    await eventually(lambda: counting.armed == 0, "the armed reader to take b2", timeout_s=WAIT_S)
+    assert await redis.llen(kit.names.express_list("w1")) == 0
+
+    got = [await worker.next(WAIT_S) for _ in range(2)]
+    assert [(d.value.batch_id, d.via) for d in got if d is not None and d.value is not None] == [
+        ("b1", "express"),
+        ("b2", "express"),
+    ]
+    await eventually(lambda: counting.armed == 2, "both readers to pop again once the worker asked", timeout_s=WAIT_S)
 
 
 async def test_the_express_list_is_popped_while_kafka_batches_wait_in_the_queue(kit: Kit) -> None:

@@ -14,7 +14,7 @@ from schemas.codec import CodecError, decode_batch, encode_batch
 from schemas.records import Batch, Credit
 from telemetry.logs import ids
 from transport.cancelling import cancel_and_wait
-from transport.express.copies import RedisExpress
+from transport.express.copies import POPPERS, RedisExpress
 from transport.kafka.producers import KafkaBatchProducer
 from transport.ports import (
     UNKNOWN,
@@ -107,8 +107,14 @@ class _Awaited:
 class ExpressBatchConsumer:
     """``BatchConsumer``: a worker's batches from its Kafka partitions and its express list, each once.
 
-    Two owned tasks read the two sources into one queue. A batch id seen before is not queued
-    again, except a Kafka record read anew after a rebalance (a redelivery, as without express).
+    Owned tasks read the two sources into one queue. A batch id seen before is not queued again,
+    except a Kafka record read anew after a rebalance (a redelivery, as without express).
+
+    Two readers pop the express list, each on a connection of its own, and a reader that got a batch
+    pops again only once the worker asks (``next``): the worker's loop sends nothing between a
+    batch's arrival and its call's start (a command sent there holds up the backend's thread, which
+    needs the GIL to start), while the other reader's BLPOP stays armed, so an express copy never
+    waits for a pop and its Kafka record, which would count as a second delivery, never comes first.
     """
 
     def __init__(
@@ -133,6 +139,8 @@ class ExpressBatchConsumer:
         self._wake = asyncio.Event()
         self._room = asyncio.Event()
         self._room.set()
+        self._asked = asyncio.Event()
+        """The worker asked for a batch (``next``) since a reader's latest one."""
         self._seen: OrderedDict[str, _Awaited | None] = OrderedDict()
         """Batch id -> for a batch run from the express list, its Kafka copy once it comes; else None."""
         self._tasks: list[asyncio.Task[None]] = []
@@ -152,7 +160,10 @@ class ExpressBatchConsumer:
         await self.kafka.start(on_assigned, revoked)
         self._tasks = [
             asyncio.create_task(self._read_kafka(), name=f"{self.worker_id}-kafka-reader"),
-            asyncio.create_task(self._read_express(), name=f"{self.worker_id}-express-reader"),
+            *(
+                asyncio.create_task(self._read_express(), name=f"{self.worker_id}-express-reader-{i}")
+                for i in range(POPPERS)
+            ),
         ]
 
     async def close(self) -> None:
@@ -170,6 +181,7 @@ class ExpressBatchConsumer:
         return self.kafka.assignment()
 
     async def next(self, timeout_s: float) -> Delivered[Batch] | None:
+        self._asked.set()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
@@ -291,4 +303,5 @@ class ExpressBatchConsumer:
             failures = 0
             if data is not None:
                 self._from_express(data)
-                await asyncio.sleep(0)  # the worker takes the batch before this task asks for the next
+                self._asked.clear()
+                await self._asked.wait()  # the other reader's BLPOP is armed meanwhile

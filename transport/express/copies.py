@@ -44,6 +44,8 @@ from transport.redis.lua import TERMINAL_RANK
 from transport.redis.pools import CommandClient, PoolOptions, blocking_pool, translate
 
 EXPRESS_POOL = PoolOptions(max_connections=4)
+POPPERS = 2
+"""BLPOPs a worker keeps armed at once (``ExpressBatchConsumer``), each on a connection of its own."""
 
 # KEYS[1] the worker's express list, KEYS[2] the batch's delivery record, KEYS[3..] its tasks' hashes.
 # ARGV[1] the encoded batch, ARGV[2] the list's ttl ms, ARGV[3] the record's ttl ms, ARGV[4] the
@@ -83,7 +85,7 @@ class RedisExpress:
         self.pool = pool
         self._commands = CommandClient(redis_url, pool)
         self._push = self._commands.redis.register_script(_PUSH)
-        self._blocking_pool = blocking_pool(redis_url, 1, pool)
+        self._blocking_pool = blocking_pool(redis_url, POPPERS, pool)
         self._blocking = Redis(connection_pool=self._blocking_pool)
 
     async def start(self) -> None:
