@@ -113,8 +113,8 @@ class ExpressBatchConsumer:
     Two readers pop the express list, each on a connection of its own, and a reader that got a batch
     pops again only once the worker asks (``next``): the worker's loop sends nothing between a
     batch's arrival and its call's start (a command sent there holds up the backend's thread, which
-    needs the GIL to start), while the other reader's BLPOP stays armed, so an express copy never
-    waits for a pop and its Kafka record, which would count as a second delivery, never comes first.
+    needs the GIL to start), while the other reader's BLPOP stays armed, so an express copy does not
+    wait for a pop, nor its Kafka record (which counts as a second delivery) come first for want of one.
     """
 
     def __init__(
