@@ -8,9 +8,8 @@ worker to free up gets the next batch, whichever batcher holds it.
 Around each send: a batcher that alone serves a model keeps an idle worker's credit while it has
 nothing to send (the next request goes out without a claim); an idle worker may be held in reserve
 for a fresh arrival (``BatchFormer.reserve_s``); a busy worker's batch is sealed late enough to keep
-the workers' calls spread, and a short one late enough for the requests on their way
-(``batcher.late_seal``); and reads paused while every worker was busy catch up before the batch is
-sealed (``batcher.read_pacing``).
+the workers' calls spread (``batcher.spacing``); and reads paused while every worker was busy catch
+up before the batch is sealed (``batcher.read_pacing``).
 
 A sealed batch lands on the bus in a task of its own (``_land``; at most ``LANDING_MAX`` of a model's
 at once): the loop goes on to the next credit (another worker's) without waiting for the
@@ -21,18 +20,20 @@ with backoff; a failed send is given back and tried again; a failed ``batched`` 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 from batcher import states
 from batcher.landings import Landings
-from batcher.late_seal import LateSeal
 from batcher.policy import BatchFormer, Pending, Taken
 from batcher.read_pacing import ReadPacing
 from batcher.settings import BatcherSettings
+from batcher.spacing import Spacing
 from batcher.states import wall_ms
 from schemas.records import Batch, BatchItem, Credit, InferenceRequest
 from telemetry import metrics, tracing
@@ -95,13 +96,7 @@ class Dispatcher:
         self._claiming: set[str] = set()
         """Models whose loop waits for a credit, holding requests: all of their workers are busy."""
         self._keep_after: dict[str, float] = {}
-        self.late_seal = LateSeal(
-            former,
-            self._wake,
-            clock,
-            spacing_margin_ms=settings.spacing_margin_ms,
-            fill_margin_ms=settings.fill_margin_ms,
-        )
+        self._spacing: defaultdict[str, Spacing] = defaultdict(Spacing)
         self._own_partitions: dict[str, frozenset[int]] = {}
         if settings.request_partitions > 0:
             partitioner = Partitioner(settings.models, settings.request_partitions)
@@ -165,8 +160,8 @@ class Dispatcher:
                 hold_s = self.former.reserve_s(model, credit.busy_ms / 1000.0, claimed_from_s, free_s)
                 if hold_s > 0:
                     credit = await self._hold(model, credit, hold_s)
-                elif self._alone(model):
-                    await self.late_seal.wait(model, credit, self._starts_in_s(credit))
+                elif self.settings.spacing_margin_ms >= 0 and self._alone(model):
+                    await self._space(model, credit)
                 await self._send(model, credit)
         finally:
             if kept is not None:
@@ -256,7 +251,27 @@ class Dispatcher:
         """How long until the credit's worker is free (0 for an idle one)."""
         return max(0.0, self._free_at_s(credit) - self.clock())
 
-    # reserve -----------------------------------------------------------------------------------
+    # spacing and reserve -----------------------------------------------------------------------
+    async def _space(self, model: str, credit: Credit) -> None:
+        """Seals the batch for a busy worker late enough to keep the workers' starts spread (see
+        ``batcher.spacing``); a batch that fills up, or a deadline, ends the wait early."""
+        starts_in_s = self._starts_in_s(credit)
+        if starts_in_s <= 0:
+            return  # an idle worker: never kept waiting
+        now = self.clock()
+        start_s = now + starts_in_s
+        due_s = self._spacing[model].due_s(credit.worker_id, start_s, credit.busy_ms / 1000.0)
+        until_s = due_s - self.settings.spacing_margin_ms / 1000.0
+        if due_s <= start_s or until_s <= now:
+            return
+        metrics.SPACING_WAIT.labels(model=model).observe(until_s - now)
+        wake = self._wake[model]
+        while not self.former.sealed(model) and (left_s := until_s - self.clock()) > 0:
+            wake.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left_s):
+                    await wake.wait()
+
     async def _hold(self, model: str, credit: Credit, hold_s: float) -> Credit:
         """Keeps an idle worker in reserve for a fresh arrival (see ``BatchFormer.reserve_s``).
 
@@ -291,8 +306,7 @@ class Dispatcher:
                 reads = [p.read_s or p.arrived_s for p in taken.items]
                 traced = BatchSpans(batch, reads, now) if tracing.ACTIVE else None
                 batch = batch if traced is None else traced.batch
-                start_s = now + self._starts_in_s(credit)
-                self.late_seal.sent(model, credit.worker_id, start_s, credit.busy_ms / 1000.0, len(taken.items))
+                self._spacing[model].started(credit.worker_id, now + self._starts_in_s(credit), credit.busy_ms / 1000.0)
                 landing = self._land(model, credit, batch, taken, traced, now)
                 self.landings.start(model, self._guard(landing), f"land-{model}")
         if not taken.items:

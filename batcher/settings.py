@@ -38,10 +38,6 @@ class BatcherSettings:
     """When this batcher owns all of a model's partitions, it keeps the busy workers' calls spread
     evenly (``batcher.spacing``), sealing a batch this long before its call should start, the time
     the batch takes to reach the worker. -1: do not space the workers."""
-    fill_margin_ms: float = 15.0
-    """When this batcher owns all of a model's partitions, a busy worker's batch that holds less than
-    half of the model's last one waits for more requests (``batcher.late_seal``), sealed at the
-    latest this long before the worker's call can start. -1: seal at once."""
     tier_min_share: float = DEFAULT_MIN_SHARE
     """While a priority tier waits behind a higher one, it earns this share of every batch's slots
     (``batcher.tiers``): no tier starves. 0: strict priority."""

@@ -304,18 +304,20 @@ def batching(parser: argparse.ArgumentParser) -> None:
     add(parser, "--policy", "work-conserving", str, "flush policy: work-conserving or classic (size-or-timeout)")
     add(parser, "--max-batch", None, int, "items per batch at most (work-conserving: 100, classic: 32)")
     add(parser, "--max-wait-ms", None, float, "age that seals a batch (work-conserving: 1000, classic: 50)")
-    for name, help_text in _BATCHING_HELP.items():
-        field_flag(parser, BatcherSettings, name, float, help_text)
-
-
-_BATCHING_HELP = {
-    "spacing_margin_ms": "keep busy workers' calls evenly spread, sealing a batch this long before its call should "
-    "start (-1: off)",
-    "fill_margin_ms": "a busy worker's batch with under half the last one's requests waits for more, until this long "
-    "before its call can start (-1: off)",
-    "tier_min_share": "share of each batch's slots a priority tier earns while it waits behind a higher one (0: strict "
-    "priority)",
-}
+    field_flag(
+        parser,
+        BatcherSettings,
+        "spacing_margin_ms",
+        float,
+        "keep busy workers' calls evenly spread, sealing a batch this long before its call should start (-1: off)",
+    )
+    field_flag(
+        parser,
+        BatcherSettings,
+        "tier_min_share",
+        float,
+        "share of each batch's slots a priority tier earns while it waits behind a higher one (0: strict priority)",
+    )
 
 
 def backend(parser: argparse.ArgumentParser) -> None:

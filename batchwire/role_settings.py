@@ -122,7 +122,6 @@ def batcher_settings(
             models=tuple(args.models),
             request_partitions=request_partitions,
             spacing_margin_ms=args.spacing_margin_ms,
-            fill_margin_ms=args.fill_margin_ms,
             tier_min_share=args.tier_min_share,
             read_pace_ms=read_pace_ms,
             **kwargs,

@@ -76,13 +76,6 @@ SPACING_WAIT = Histogram(
     buckets=_LATENCY_BUCKETS,
     registry=REGISTRY,
 )
-FILL_WAIT = Histogram(
-    "batchwire_fill_wait_seconds",
-    "How long a short batch for a busy worker was sealed late to take the requests on their way.",
-    ["model"],
-    buckets=_LATENCY_BUCKETS,
-    registry=REGISTRY,
-)
 QUEUE_WAIT = Histogram(
     "batchwire_queue_wait_seconds",
     "Time from acceptance until the request was sealed into a batch.",

@@ -2,8 +2,7 @@
 
 It drives batchwire's own batching core, not a copy: ``batcher.policy.BatchFormer`` forms and
 seals the batches under the ``FlushPolicy`` with this clock injected, ``BatchFormer.reserve_s``
-decides the low-load reserve, ``batcher.spacing.Spacing`` spreads the busy workers' starts, and a
-busy worker's short batch waits for more as ``batcher.late_seal`` has it.
+decides the low-load reserve, and ``batcher.spacing.Spacing`` spreads the busy workers' starts.
 Around them it plays what the services do: a worker runs one batch at a time, offers its next
 credit ``credit_lead_ms`` before its running call is expected to end (its expected duration a
 moving average of its calls, as ``gpu_worker`` keeps it), and claims take the credit that frees
@@ -14,6 +13,7 @@ credits, the longest-waiting claim first. Call latency comes from the curve, sca
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import inspect
 import math
@@ -21,16 +21,24 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Any
 
-from batcher.policy import BatchFormer, Pending
+from batcher.policy import BatchFormer, FlushPolicy, Pending
+from batcher.settings import BatcherSettings
 from batcher.spacing import Spacing
-from batchwire.capacity.config import SimConfig
+from batchwire.capacity.curve import Curve
 from batchwire.capacity.extras import MeasuredExtras
 from batchwire.capacity.outcome import BatchRecord, SimOutcome
 from gpu_worker.pipeline import HAND_OVER_POLL_S
 from gpu_worker.runner import BackendRunner
+from gpu_worker.settings import WorkerSettings
 
 MODEL = "model"
+
+
+def _default(cls: Any, name: str) -> Any:
+    """A settings dataclass's default, so the simulation starts from what the services use."""
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
 
 
 def _ewma_alpha() -> float:
@@ -38,12 +46,74 @@ def _ewma_alpha() -> float:
     return float(inspect.signature(BackendRunner).parameters["ewma_alpha"].default)
 
 
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """One deployment of one model: its curve, workers, policy and the service settings that shape dispatch."""
+
+    curve: Curve
+    workers: int
+    policy: FlushPolicy
+    credit_lead_ms: float = _default(WorkerSettings, "credit_lead_ms")
+    credit_lead_full_ms: float = _default(WorkerSettings, "credit_lead_full_ms")
+    spacing_margin_ms: float = _default(BatcherSettings, "spacing_margin_ms")
+    """-1: no spacing. Only a batcher alone with the model's workers spaces them, as in the service."""
+    batchers: int = 1
+    """Batchers that share the model's requests (round robin) and its workers' credits."""
+    transit_ms: float = 0.0
+    """A batch's way from the batcher to its worker."""
+    overhead_ms: float = 0.0
+    """Added to every request's latency: the gateway's and the result's hops."""
+    contention_ms: float = 0.0
+    """Mean of a further delay drawn per batch from an exponential distribution: the hops' queueing for
+    CPU shared with other processes, which delays a whole batch's answers at once (0: none)."""
+    seed: int = 0
+    """Seed of the contention delays (the arrivals have their own)."""
+    worker_scale: tuple[float, ...] = ()
+    """Per-worker multiplier of the curve's latency, by worker index (missing: 1): a slower GPU."""
+    call_extra_ms: float = 0.0
+    """Added to every call whatever its size (its steps' wait for the GIL), drawn per call from an
+    exponential distribution with this mean if ``call_extra_spread``."""
+    call_extra_spread: bool = False
+    call_extras_ms: tuple[tuple[float, float], ...] = ()
+    """Measured calls' ``(start, extra)``, the start in seconds from the measured window's, in place of
+    ``call_extra_ms``: the calls take them one by one (``batchwire.capacity.extras``), so a stall that
+    slowed calls in the run slows the simulated ones at the same time."""
+    per_item_ms: float = 0.0
+    """Added per answer ahead in its batch: a batch's results are stored and answered one after another."""
+    timeout_s: float = math.inf
+    """A request's deadline after its arrival (inf: none)."""
+    max_backlog: int = 0
+    """Stop, reporting unstable, once this many requests are held (0: 50 full batches per worker)."""
+    record: bool = False
+    """Keep every batch's record (tests check the invariants on them)."""
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or self.batchers < 1:
+            raise ValueError(f"workers and batchers must be at least 1, got {self.workers} and {self.batchers}")
+        if min(self.contention_ms, self.overhead_ms, self.call_extra_ms) < 0:
+            raise ValueError(f"overhead, contention and call extra must be >= 0 ms, got {self}")
+        if len(self.worker_scale) > self.workers or any(scale <= 0 for scale in self.worker_scale):
+            raise ValueError(f"worker_scale takes at most one positive factor per worker, got {self.worker_scale}")
+
+    def scale(self, worker: int) -> float:
+        """Worker ``worker``'s latency multiplier."""
+        return self.worker_scale[worker] if worker < len(self.worker_scale) else 1.0
+
+    @property
+    def backlog_limit(self) -> int:
+        return self.max_backlog or max(10_000, 50 * self.workers * self.batch_limit)
+
+    @property
+    def batch_limit(self) -> int:
+        """The largest batch a worker runs: the policy's, cut by the backend's (the curve's largest size)."""
+        return min(self.policy.max_batch, self.curve.max_batch)
+
+
 class _Mode(IntEnum):
     IDLE = 0
     CLAIMING = 1
     HOLDING = 2
     SPACING = 3
-    FILLING = 4
 
 
 class _Event(IntEnum):
@@ -59,13 +129,12 @@ Credit = tuple[float, int, int]
 class _Batcher:
     """One batcher's accumulators and where its dispatch loop stands."""
 
-    __slots__ = ("claim_since", "credit", "former", "index", "last_size", "mode", "spacing", "timer_at", "token")
+    __slots__ = ("claim_since", "credit", "former", "index", "mode", "spacing", "timer_at", "token")
 
     def __init__(self, index: int, former: BatchFormer[int]) -> None:
         self.index = index
         self.former = former
         self.spacing = Spacing()
-        self.last_size = 0
         self.mode = _Mode.IDLE
         self.claim_since = 0.0
         """When its claim (or its hold's second claim) began: waiting claims are served in this order."""
@@ -158,7 +227,7 @@ class Simulation:
             if b.timer_at == self.now:
                 b.timer_at = None
                 self._tick(b)
-        elif token == b.token and b.mode in (_Mode.HOLDING, _Mode.SPACING, _Mode.FILLING):
+        elif token == b.token and b.mode in (_Mode.HOLDING, _Mode.SPACING):
             self._send_held(b)
 
     # the batcher's side -----------------------------------------------------------------------------
@@ -169,9 +238,9 @@ class Simulation:
         self._held += 1
         if b.timer_at is None:
             self._schedule_timer(b)
-        if b.mode == _Mode.HOLDING or (b.mode in (_Mode.SPACING, _Mode.FILLING) and self._filled(b, b.mode)):
+        if b.mode == _Mode.HOLDING or (b.mode == _Mode.SPACING and b.former.sealed(MODEL)):
             self._send_held(b)
-        elif b.mode not in (_Mode.SPACING, _Mode.FILLING):
+        elif b.mode != _Mode.SPACING:
             self._dispatch(b)
 
     def _schedule_timer(self, b: _Batcher) -> None:
@@ -186,7 +255,7 @@ class Simulation:
         self._held -= len(expired)
         self._out.expired += len(expired)
         self._schedule_timer(b)
-        if b.mode in (_Mode.SPACING, _Mode.FILLING) and self._filled(b, b.mode):
+        if b.mode == _Mode.SPACING and b.former.sealed(MODEL):
             self._send_held(b)
         elif b.mode in (_Mode.IDLE, _Mode.CLAIMING):
             self._dispatch(b)
@@ -237,9 +306,6 @@ class Simulation:
             elif (until_s := self._space_until(b, credit, call_s)) > self.now:
                 self._wait(b, _Mode.SPACING, credit, until_s)
                 return
-            elif (until_s := self._fill_until(b, credit)) > self.now:
-                self._wait(b, _Mode.FILLING, credit, until_s)
-                return
             self._send(b, credit)
         b.mode = _Mode.IDLE
 
@@ -252,15 +318,6 @@ class Simulation:
         due_s = b.spacing.due_s(str(credit[2]), start_s, call_s)
         until_s = due_s - self.config.spacing_margin_ms / 1000.0
         return until_s if due_s > start_s and until_s > self.now else self.now
-
-    def _fill_until(self, b: _Batcher, credit: Credit) -> float:
-        """When a busy worker's short batch should be sealed (``batcher.late_seal``; now: at once)."""
-        fills = self.config.batchers == 1 and self.config.fill_margin_ms >= 0 and not self._filled(b, _Mode.FILLING)
-        return credit[0] - self.config.fill_margin_ms / 1000.0 if fills else self.now
-
-    def _filled(self, b: _Batcher, mode: _Mode) -> bool:
-        """Whether a wait of ``mode`` ends: the batch is sealed, or, filling, holds half of the last one."""
-        return b.former.sealed(MODEL) or (mode == _Mode.FILLING and b.former.held(MODEL) >= b.last_size // 2)
 
     def _wait(self, b: _Batcher, mode: _Mode, credit: Credit, until_s: float) -> None:
         b.mode, b.credit = mode, credit
@@ -296,7 +353,6 @@ class Simulation:
             call_s += self._rng.expovariate(1000.0 / config.call_extra_ms)
         end_s = start_s + call_s
         b.spacing.started(str(index), now + max(0.0, frees_s - now), worker.credit_busy_s)
-        b.last_size = size
         offer_s = self._offer_at(worker, start_s, end_s, size)
         self._push(offer_s, _Event.OFFER, index)
         before = worker.expected_s

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from batchwire.capacity.config import SimConfig
 from batchwire.capacity.curve import Curve, CurveError
+from batchwire.capacity.engine import SimConfig
 from batchwire.capacity.simulate import RateResult, add_arguments, config_from, curve_from, simulate_rate
 from batchwire.capacity.sizing import (
     DEFAULT_HEADROOM,

@@ -19,9 +19,8 @@ from typing import Any
 
 from batcher.policy import FlushPolicy, PolicyName
 from batchwire.capacity import arrivals as arrival_processes
-from batchwire.capacity.config import SimConfig
 from batchwire.capacity.curve import Curve, CurveError, load, percentile
-from batchwire.capacity.engine import Simulation
+from batchwire.capacity.engine import SimConfig, Simulation
 from batchwire.capacity.outcome import SimOutcome
 
 UNSTABLE_BACKLOG_SHARE = 0.02

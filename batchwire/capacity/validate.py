@@ -49,8 +49,8 @@ from pathlib import Path
 from typing import Any
 
 from batchwire.capacity import curve as curve_file
-from batchwire.capacity.config import SimConfig
 from batchwire.capacity.curve import CurveError
+from batchwire.capacity.engine import SimConfig
 from batchwire.capacity.measured import MeasuredRate, MeasuredRun, Replay, RunError, read_runs, results_files
 from batchwire.capacity.simulate import RateResult, policy_for, simulate, simulate_rate
 

@@ -11,9 +11,8 @@ import pytest
 
 from batcher.policy import FlushPolicy
 from batchwire.capacity import arrivals, extras
-from batchwire.capacity.config import SimConfig
 from batchwire.capacity.curve import Curve, CurvePoint
-from batchwire.capacity.engine import Simulation
+from batchwire.capacity.engine import SimConfig, Simulation
 from batchwire.capacity.outcome import BatchRecord
 from batchwire.capacity.simulate import capacity, policy_for, simulate_rate
 from gpu_worker.pipeline import HAND_OVER_POLL_S

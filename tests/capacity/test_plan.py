@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from batcher.policy import FlushPolicy
-from batchwire.capacity.config import SimConfig
 from batchwire.capacity.curve import Curve
+from batchwire.capacity.engine import SimConfig
 from batchwire.capacity.plan import PlanError, gpus_for, plan_model
 from batchwire.capacity.sizing import SizingError, SizingInputs, as_dict, size
 

@@ -12,8 +12,8 @@ from batcher.policy import FlushPolicy
 from batchwire import cli
 from batchwire.bench import calls, sends
 from batchwire.capacity import measured, validate
-from batchwire.capacity.config import SimConfig
 from batchwire.capacity.curve import Curve, CurvePoint
+from batchwire.capacity.engine import SimConfig
 from batchwire.capacity.measured import MeasuredRate, MeasuredRun, Replay, RunError
 from batchwire.capacity.simulate import RateResult, capacity
 from batchwire.capacity.validate import Row
