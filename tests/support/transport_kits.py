@@ -38,7 +38,8 @@ class Closer:
 
     async def close_all(self) -> None:
         while self.items:
-            await self.items.pop().close()
+            item = self.items.pop()
+            await (item.aclose() if hasattr(item, "aclose") else item.close())  # redis-py clients: aclose
 
 
 StoreFactory = Callable[..., Awaitable[TaskStore]]

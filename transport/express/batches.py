@@ -180,6 +180,11 @@ class ExpressBatchConsumer:
     def assignment(self) -> frozenset[int]:
         return self.kafka.assignment()
 
+    @property
+    def queued(self) -> int:
+        """Batches read from either source that ``next`` has not handed on yet."""
+        return len(self._arrived)
+
     async def next(self, timeout_s: float) -> Delivered[Batch] | None:
         self._asked.set()
         loop = asyncio.get_running_loop()
