@@ -56,13 +56,9 @@ class Kit:
     def express(self) -> RedisExpress:
         return RedisExpress(self.infra.redis_url, self.names)
 
-    async def listed(self, worker: str = "w1") -> int:
-        """Batches waiting in ``worker``'s express list, read by a client of the test's own."""
-        redis = Redis.from_url(self.infra.redis_url)
-        try:
-            return int(await redis.llen(self.names.express_list(worker)))
-        finally:
-            await redis.aclose()
+    def redis(self) -> Redis:
+        """A Redis client of the test's own, closed at teardown."""
+        return self.closer.add(Redis.from_url(self.infra.redis_url))  # type: ignore[no-any-return]
 
     async def producer(self) -> ExpressBatchProducer:
         producer = ExpressBatchProducer(KafkaBatchProducer(self.infra.kafka_bootstrap, self.names), self.express())
@@ -185,7 +181,7 @@ async def test_a_reader_that_got_a_batch_pops_again_once_the_worker_asks_while_t
     await eventually(lambda: counting.armed == 2, "both readers to wait on the list", timeout_s=WAIT_S)
     pusher = kit.express()
     kit.closer.add(pusher)
-    redis = kit.closer.add(Redis.from_url(kit.infra.redis_url))
+    redis = kit.redis()
 
     first = batch("b1")
     assert await pusher.push("w1", encode_batch(first), "b1", [item.task_id for item in first.items])
@@ -198,7 +194,7 @@ async def test_a_reader_that_got_a_batch_pops_again_once_the_worker_asks_while_t
     second = batch("b2")  # the worker has not asked yet: the other reader takes b2 at once
     assert await pusher.push("w1", encode_batch(second), "b2", [item.task_id for item in second.items])
     await eventually(lambda: counting.armed == 0, "the armed reader to take b2", timeout_s=WAIT_S)
-    assert await kit.listed() == 0
+    assert await redis.llen(kit.names.express_list("w1")) == 0
 
     got = [await worker.next(WAIT_S) for _ in range(2)]
     assert [(d.value.batch_id, d.via) for d in got if d is not None and d.value is not None] == [
@@ -226,7 +222,7 @@ async def test_the_express_list_is_popped_while_kafka_batches_wait_in_the_queue(
     first = await worker.next(WAIT_S)
     assert first is not None and first.via == "kafka"
     await eventually(lambda: worker.queued == 3, "the express batch to be popped while Kafka's wait", timeout_s=WAIT_S)
-    assert await kit.listed() == 0
+    assert await kit.redis().llen(kit.names.express_list("w1")) == 0
     got = [await worker.next(WAIT_S) for _ in range(3)]
     assert [(d.value.batch_id, d.via) for d in got if d is not None and d.value is not None] == [
         ("k2", "kafka"),
