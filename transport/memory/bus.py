@@ -340,7 +340,7 @@ class MemoryQueueDepth:
 class MemoryRateLimiter:
     """``RateLimiter`` for one process: token buckets in a dict, forgetting buckets that refilled.
 
-    Same arithmetic as the Redis script (``redis_lua.TOKEN_BUCKET``), on the monotonic clock.
+    Same arithmetic as the Redis script (``lua.TOKEN_BUCKET``), on the monotonic clock.
     """
 
     def __init__(self, rate_per_s: float, burst: int, max_clients: int = 100_000) -> None:

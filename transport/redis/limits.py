@@ -1,6 +1,6 @@
 """Per-client rate limits in Redis: one token bucket per client, shared by every gateway.
 
-Each acquire is one script call (``redis_lua.TOKEN_BUCKET``) that refills the bucket by the time
+Each acquire is one script call (``lua.TOKEN_BUCKET``) that refills the bucket by the time
 passed on the Redis server's clock, takes a token if there is one, and sets the bucket to expire
 once it would be full again, all atomically: two gateways taking from one bucket at the same
 instant cannot both take its last token.

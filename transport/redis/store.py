@@ -2,20 +2,19 @@
 
 A task is a hash ``names.task_key(id)`` with ``status``, ``rank``, ``doc`` (Avro ``TaskState``) and,
 when it has one, ``owner`` (written once, at create), expiring ``ttl_s`` after its last write.
-Every write is a Lua script (``redis_lua``) that checks that status only moves forward, stores, and
+Every write is a Lua script (``lua``) that checks that status only moves forward, stores, and
 publishes the new state on the task's channel (and, for a terminal state, on the reply channel of
-the gateway that waits for it), all in one round trip. Notifications reach this process through one
-PubSub connection (``redis_pubsub.PubSubHub``). Idempotency keys are plain strings
+the gateway that waits for it), all in one round trip. Notifications reach this process through its
+change feed (``feed.ChangeFeed``: one PubSub connection). Idempotency keys are plain strings
 (``names.idempotency_key``) holding ``lua.binding``, with the same TTL as tasks.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
 from typing import Any
 
@@ -25,12 +24,12 @@ from redis.exceptions import RedisError
 from schemas.codec import CodecError, decode_state, encode_state
 from schemas.records import TaskState, TaskStatus
 from schemas.wire import Names
-from telemetry.logs import ids
 from transport.coalesce import Coalescer
 from transport.errors import PermanentTransportError
 from transport.ports import KeyClaim, ReplyHandler, TransportError
 from transport.redis import scripted
 from transport.redis.credits import RedisCreditPool
+from transport.redis.feed import ChangeFeed
 from transport.redis.lua import (
     APPLY,
     CANCEL,
@@ -46,13 +45,8 @@ from transport.redis.lua import (
 )
 from transport.redis.memory import MemoryWatch
 from transport.redis.pools import CommandClient, PoolOptions, pubsub_pool, redacted, translate
-from transport.redis.pubsub import PubSubHub
 
 __all__ = ["RedisCreditPool", "RedisTaskStore"]
-
-log = logging.getLogger(__name__)
-
-_Item = TaskState | TransportError
 
 
 STORE_POOL = PoolOptions(max_connections=32)  # every gateway request and worker batch writes through it
@@ -94,30 +88,24 @@ class RedisTaskStore:
         self._claim_key = self._client.register_script(CLAIM_KEY)
         self._rebind_key = self._client.register_script(REBIND_KEY)
         self._release_key = self._client.register_script(RELEASE_KEY)
-        self._hub = PubSubHub(
+        self._feed = ChangeFeed(
             pubsub_pool(redis_url, socket_timeout_s=pool.socket_timeout_s),
-            self._on_message,
-            self._on_resubscribed,
-            self._on_failure,
+            names,
+            self.get_many,
             ping_interval_s=ping_interval_s,
             subscribe_timeout_s=subscribe_timeout_s,
         )
-        self._watchers: dict[str, set[asyncio.Queue[_Item]]] = {}  # task channel -> watcher queues
-        self._watched: dict[str, str] = {}  # task channel -> task id
-        self._replies: dict[str, ReplyHandler] = {}  # reply channel -> handler
-        self._undecodable = 0
-        self._feed_return: list[Callable[[], None]] = []
         self._memory = MemoryWatch(self._client, memory_watch_s)
 
     @property
     def reconnects(self) -> int:
         """How often the PubSub connection was re-established (for metrics)."""
-        return self._hub.reconnects
+        return self._feed.reconnects
 
     async def start(self) -> None:
         """Connects the PubSub hub (a failure here names the server) and starts its reader task."""
         try:
-            await self._hub.start()
+            await self._feed.start()
         except (RedisError, OSError) as err:
             await self._commands.close()
             raise TransportError(f"cannot connect to Redis at {redacted(self.redis_url)}: {err}") from err
@@ -127,7 +115,7 @@ class RedisTaskStore:
         """Stops the reader (watchers get a ``TransportError``), then closes every connection."""
         await self._memory.close()
         await self._creates.close(TransportError("the task store was closed"))
-        await self._hub.close()
+        await self._feed.close()
         await self._commands.close()
 
     async def create(self, state: TaskState) -> bool:
@@ -194,7 +182,7 @@ class RedisTaskStore:
         return int(replies[-1])
 
     async def cancel(self, task_id: str, reason_code: str, message: str) -> TaskState | None:
-        """Reads the task, then lets one script decide and write (see ``redis_lua.CANCEL``): two round
+        """Reads the task, then lets one script decide and write (see ``lua.CANCEL``): two round
         trips, and a worker's ``running`` racing in between wins or loses as a whole."""
         current = await self.get(task_id)
         if current is None or current.status.rank > TaskStatus.BATCHED.rank:
@@ -284,45 +272,19 @@ class RedisTaskStore:
             state = replace(state, owner=owner.decode() if isinstance(owner, bytes) else owner)
         return state
 
-    @asynccontextmanager
-    async def watch(self, task_id: str) -> AsyncIterator[AsyncIterator[TaskState]]:
+    def watch(self, task_id: str) -> AbstractAsyncContextManager[AsyncIterator[TaskState]]:
         """Yields once Redis confirmed the subscription: read the stored state after entering."""
-        channel = self.names.task_channel(task_id)
-        queue: asyncio.Queue[_Item] = asyncio.Queue()
-        self._watchers.setdefault(channel, set()).add(queue)
-        self._watched[channel] = task_id
-        try:
-            await self._hub.subscribe(channel)
-            try:
-                yield _iterate(queue)
-            finally:
-                await self._hub.unsubscribe(channel)
-        finally:
-            watchers = self._watchers.get(channel)
-            if watchers is not None:
-                watchers.discard(queue)
-                if not watchers:
-                    del self._watchers[channel]
-                    del self._watched[channel]
+        return self._feed.watch(task_id)
 
     async def listen_replies(self, gateway_id: str, handler: ReplyHandler) -> None:
-        """Returns once subscribed; ``handler`` then runs in the reader task, so it must not block."""
-        channel = self.names.reply_channel(gateway_id)
-        known = channel in self._replies
-        self._replies[channel] = handler
-        if known:
-            return
-        try:
-            await self._hub.subscribe(channel)
-        except BaseException:
-            self._replies.pop(channel, None)
-            raise
+        """Returns once subscribed; ``handler`` then runs in the feed's reader task, so it must not block."""
+        await self._feed.listen_replies(gateway_id, handler)
 
     def reachable(self) -> bool:
-        return self._hub.connected
+        return self._feed.connected
 
     def on_feed_return(self, callback: Callable[[], None]) -> None:
-        self._feed_return.append(callback)
+        self._feed.on_feed_return(callback)
 
     def full(self, model: str) -> str | None:
         return None  # Redis keeps its own memory limit (maxmemory): ``refuses_writes``
@@ -342,59 +304,3 @@ class RedisTaskStore:
                 return bool(await self._client.ping())
         except (TimeoutError, RedisError, OSError):
             return False
-
-    def _on_message(self, channel: str, data: bytes) -> None:
-        try:
-            state = decode_state(data)
-        except CodecError as err:
-            self._undecodable += 1
-            if self._undecodable % 100 == 1:
-                log.warning("%d undecodable task event(s); latest on %s: %s", self._undecodable, channel, err)
-            return
-        for queue in self._watchers.get(channel, ()):
-            queue.put_nowait(state)
-        handler = self._replies.get(channel)
-        if handler is not None and state.status.terminal:
-            try:
-                handler(state)
-            except Exception:
-                log.exception(
-                    "reply handler failed for task %s on %s", state.task_id, channel, extra=ids(task_id=state.task_id)
-                )
-
-    async def _on_resubscribed(self, channels: frozenset[str]) -> None:
-        """States published while PubSub was down are lost: re-read the watched ones and hand them on.
-
-        Watchers may see a state twice (states are idempotent). Replies published in that window
-        cannot be recovered here (we do not know which tasks a gateway waits for): gateways must
-        keep their deadline fallback of reading the store.
-        """
-        for callback in self._feed_return:
-            callback()
-        watched = {self._watched[channel]: channel for channel in channels if channel in self._watched}
-        if any(channel in self._replies for channel in channels):
-            log.warning("terminal replies published while Redis PubSub was down are lost; waiters fall back to reads")
-        if not watched:
-            return
-        try:
-            states = await self.get_many(watched)
-        except TransportError as err:
-            log.warning("re-reading %d watched task(s) after a PubSub reconnect failed: %s", len(watched), err)
-            return
-        for task_id, state in states.items():
-            for queue in self._watchers.get(watched[task_id], ()):
-                queue.put_nowait(state)
-
-    def _on_failure(self, err: BaseException) -> None:
-        failure = TransportError(f"task events unavailable: {err}")
-        for queues in self._watchers.values():
-            for queue in queues:
-                queue.put_nowait(failure)
-
-
-async def _iterate(queue: asyncio.Queue[_Item]) -> AsyncIterator[TaskState]:
-    while True:
-        item = await queue.get()
-        if isinstance(item, TransportError):
-            raise item
-        yield item
