@@ -18,8 +18,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any
 
 from gpu_worker.calls import Failure, GroupResult
 from gpu_worker.states import task_state
@@ -27,10 +25,10 @@ from schemas.records import Batch, BatchItem, TaskState, TaskStatus
 from telemetry import logs
 from transport.deliveries import DeliveryLog
 from transport.ports import Delivered, TaskStore
+from transport.retry import Retrying
 
 log = logging.getLogger(__name__)
 
-Retry = Callable[[str, Callable[[], Awaitable[Any]]], Awaitable[Any]]
 
 EXPIRED = Failure(
     "deadline_exceeded",
@@ -55,7 +53,7 @@ class Admission:
     """Counts a batch's deliveries and moves its live tasks to ``running``, dropping those that ended."""
 
     def __init__(
-        self, worker_id: str, store: TaskStore, deliveries: DeliveryLog, retry: Retry, *, keep_ended: bool
+        self, worker_id: str, store: TaskStore, deliveries: DeliveryLog, retry: Retrying, *, keep_ended: bool
     ) -> None:
         self.worker_id = worker_id
         self.store = store

@@ -14,9 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from gpu_worker.calls import GroupResult
 from schemas.records import Batch, TaskState
@@ -25,12 +24,10 @@ from telemetry.logs import ids
 from transport.deliveries import DeliveryLog
 from transport.ports import BatchConsumer, Delivered, TaskStore, TransportError
 from transport.replicas import ReplicaWait
+from transport.retry import Retrying
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-Retry = Callable[[str, Callable[[], Awaitable[T]]], Awaitable[T]]
 
 Timed = GroupResult | None
 """A batch's backend calls with their times (on ``time.monotonic``, the runner's clock), for its spans."""
@@ -60,7 +57,7 @@ class Committer:
         store: TaskStore,
         deliveries: DeliveryLog,
         replicas: ReplicaWait | None,
-        retry: Retry[list[bool]],
+        retry: Retrying,
         on_failure: Callable[[BaseException], None],
         *,
         abandoned: Callable[[], bool],

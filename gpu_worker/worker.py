@@ -15,7 +15,7 @@ Faults, in the order a batch meets them:
   (an express copy to an idle backend is the one exception, see ``admission``);
 * a batch delivered again (its last holder died or handed it back) runs carefully: suspects in
   halves, each group marked in flight first, results stored after each group; an input that kept
-  killing workers goes to the dead-letter topic (``careful``);
+  killing workers goes to the dead-letter topic (``careful`` plans it, ``redelivery`` runs it);
 * a hung backend call makes the worker give the batch back uncommitted and stop (``hung``);
 * Kafka or Redis unreachable: every step is retried with backoff until it works or the worker is
   told to stop; only errors that retrying cannot fix end the loop (and the process, non-zero).
@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from gpu_worker import careful
 from gpu_worker.admission import Admission, EarlyAdmission
 from gpu_worker.backends.base import Backend
 from gpu_worker.calls import BackendCalls, Failure, GroupResult, oversize
@@ -38,19 +36,13 @@ from gpu_worker.commits import Committer, Timed
 from gpu_worker.credits import CreditOffer
 from gpu_worker.journal import BatchJournal
 from gpu_worker.pipeline import Pipeline
+from gpu_worker.redelivery import Redelivery
 from gpu_worker.runner import BackendHung, BackendRunner
 from gpu_worker.settings import WorkerSettings
 from gpu_worker.states import count_ended, count_stages, task_state, wall_ms
-from schemas.deadletter import DEAD_LETTERED
 from schemas.records import Batch, BatchItem, TaskState, TaskStatus
-from telemetry import logs, metrics
-from transport.deliveries import (
-    DeadLetterSink,
-    DeliveryLog,
-    MemoryDeadLetters,
-    MemoryDeliveryLog,
-    Suspects,
-)
+from telemetry import metrics
+from transport.deliveries import DeadLetterSink, DeliveryLog, MemoryDeadLetters, MemoryDeliveryLog
 from transport.ports import BatchConsumer, CreditPool, Delivered, TaskStore, TransportError
 from transport.replicas import ReplicaWait
 from transport.retry import pause, retry
@@ -95,6 +87,7 @@ class Worker:
         self.admission = Admission(
             settings.worker_id, store, self.deliveries, self._retry, keep_ended=replicas is not None
         )
+        self.redelivery = Redelivery(settings, store, self.deliveries, self.dead_letters, self._retry, self._run_group)
         self.commits = Committer(
             settings.worker_id,
             consumer,
@@ -262,7 +255,7 @@ class Worker:
             # A careful run waits for the calls in flight (one at a time), and every batch's
             # results are stored after those of the batches before it (``commits``).
             await self.pipeline.backend_free()
-            stored = await self._run_careful(batch, todo, count) if todo else []
+            stored = await self.redelivery.run(batch, todo, count) if todo else []
             count_ended(batch, ended)
             self._hand_in(delivered, batch, ended + stored)  # stored again (no-ops) to wait for replicas
             return
@@ -335,56 +328,6 @@ class Worker:
                 states.append(self._state(batch, item, TaskStatus.COMPLETED, output=output))
             else:
                 states.append(self._state(batch, item, TaskStatus.FAILED, error=output))
-        return states
-
-    async def _run_careful(self, batch: Batch, todo: list[BatchItem], count: int) -> list[TaskState]:
-        """A redelivered batch: suspects in halves, each group marked and its results stored at once;
-        returns every state it stored."""
-        ids = [item.task_id for item in todo]
-        suspects = await self._retry(
-            "reading what was in flight", lambda: self.deliveries.suspects(batch.batch_id, ids)
-        )
-        decided = careful.plan(todo, lambda item: item.task_id, suspects, self.settings.max_deliveries)
-        metrics.REDELIVERED.labels(worker=self.settings.worker_id).inc()
-        log.warning(
-            "worker %s: batch %s is delivered for the %s time (%s); %d of %d tasks were in flight then; "
-            "running %s, dead-lettering %d",
-            self.settings.worker_id,
-            batch.batch_id,
-            careful.ordinal(count),
-            suspects.note or "its last holder died or handed it back",
-            len(suspects.task_ids),
-            len(todo),
-            "+".join(str(len(group)) for group in decided.groups) or "nothing",
-            len(decided.dead),
-            extra=logs.ids(batch_id=batch.batch_id, traceparent=batch.traceparent),
-        )
-        stored = await self._dead_letter(batch, decided.dead, suspects, count) if decided.dead else []
-        for group in decided.groups:
-            mark = functools.partial(self.deliveries.mark, batch.batch_id, [item.task_id for item in group])
-            await self._retry("marking tasks in flight", mark)
-            states = await self._run_group(batch, group, count)
-            await self._retry("storing results", functools.partial(self.store.apply, states))
-            count_ended(batch, states)
-            stored.extend(states)
-        return stored
-
-    async def _dead_letter(
-        self, batch: Batch, items: list[BatchItem], suspects: Suspects, count: int
-    ) -> list[TaskState]:
-        task_ids = [item.task_id for item in items]
-        # Marked first: if this worker dies before the letter is stored, the next one sees it again.
-        await self._retry("marking tasks in flight", lambda: self.deliveries.mark(batch.batch_id, task_ids))
-        letter = careful.dead_letter(batch, items, suspects, count, self.settings.worker_id, wall_ms())
-        await self._retry("sending to the dead-letter topic", lambda: self.dead_letters.send(letter))
-        where = logs.ids(batch_id=batch.batch_id, traceparent=batch.traceparent)
-        message = "worker %s: dead-lettered %s of batch %s: %s"
-        log.error(message, self.settings.worker_id, task_ids, batch.batch_id, letter.error, extra=where)
-        failure = Failure(DEAD_LETTERED, careful.dead_lettered_message(letter))
-        states = [self._state(batch, item, TaskStatus.FAILED, error=failure) for item in items]
-        await self._retry("storing dead-lettered tasks", lambda: self.store.apply(states))
-        metrics.WORKER_BATCHES.labels(worker=self.settings.worker_id, outcome="dead_lettered").inc()
-        count_ended(batch, states)
         return states
 
     def _state(

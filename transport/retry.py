@@ -5,11 +5,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from transport.ports import TransportError
 
 T = TypeVar("T")
+
+
+class Retrying(Protocol):
+    """A role's ``retry`` with its log, name and limits bound: ``await retrying("storing results", op)``."""
+
+    def __call__(self, what: str, op: Callable[[], Awaitable[T]], /) -> Awaitable[T]: ...
 
 
 async def pause(log: logging.Logger, who: str, what: str, err: TransportError, failures: int, max_s: float) -> None:

@@ -1,0 +1,99 @@
+"""Runs a batch delivered again by its careful plan (``careful.plan``): the worker's I/O around it.
+
+What was in flight when the last holder died comes from the ``DeliveryLog``; each group is marked
+in flight before it runs and its results are stored at once, so the next death narrows the
+suspects; a proven culprit is marked, sent to the dead-letter topic, then ended ``failed``, in that
+order, so a worker that dies halfway leaves it to the next delivery.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+
+from gpu_worker import careful
+from gpu_worker.calls import Failure
+from gpu_worker.settings import WorkerSettings
+from gpu_worker.states import count_ended, task_state, wall_ms
+from schemas.deadletter import DEAD_LETTERED
+from schemas.records import Batch, BatchItem, TaskState, TaskStatus
+from telemetry import logs, metrics
+from transport.deliveries import DeadLetterSink, DeliveryLog, Suspects
+from transport.ports import TaskStore
+from transport.retry import Retrying
+
+log = logging.getLogger(__name__)
+
+RunGroup = Callable[[Batch, list[BatchItem], int], Awaitable[list[TaskState]]]
+"""One backend call for a group of a batch on its n-th delivery: the group's states (not stored)."""
+
+
+class Redelivery:
+    """A redelivered batch's run: suspects in halves, each group marked and stored, culprits set aside."""
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        store: TaskStore,
+        deliveries: DeliveryLog,
+        dead_letters: DeadLetterSink,
+        retry: Retrying,
+        run_group: RunGroup,
+    ) -> None:
+        self.worker_id = settings.worker_id
+        self.max_deliveries = settings.max_deliveries
+        self.store = store
+        self.deliveries = deliveries
+        self.dead_letters = dead_letters
+        self._retry = retry
+        self._run_group = run_group
+
+    async def run(self, batch: Batch, todo: list[BatchItem], count: int) -> list[TaskState]:
+        """Runs ``todo`` of ``batch`` on its ``count``-th delivery; returns every state it stored."""
+        ids = [item.task_id for item in todo]
+        suspects = await self._retry(
+            "reading what was in flight", lambda: self.deliveries.suspects(batch.batch_id, ids)
+        )
+        decided = careful.plan(todo, lambda item: item.task_id, suspects, self.max_deliveries)
+        metrics.REDELIVERED.labels(worker=self.worker_id).inc()
+        log.warning(
+            "worker %s: batch %s is delivered for the %s time (%s); %d of %d tasks were in flight then; "
+            "running %s, dead-lettering %d",
+            self.worker_id,
+            batch.batch_id,
+            careful.ordinal(count),
+            suspects.note or "its last holder died or handed it back",
+            len(suspects.task_ids),
+            len(todo),
+            "+".join(str(len(group)) for group in decided.groups) or "nothing",
+            len(decided.dead),
+            extra=logs.ids(batch_id=batch.batch_id, traceparent=batch.traceparent),
+        )
+        stored = await self._dead_letter(batch, decided.dead, suspects, count) if decided.dead else []
+        for group in decided.groups:
+            mark = functools.partial(self.deliveries.mark, batch.batch_id, [item.task_id for item in group])
+            await self._retry("marking tasks in flight", mark)
+            states = await self._run_group(batch, group, count)
+            await self._retry("storing results", functools.partial(self.store.apply, states))
+            count_ended(batch, states)
+            stored.extend(states)
+        return stored
+
+    async def _dead_letter(
+        self, batch: Batch, items: list[BatchItem], suspects: Suspects, count: int
+    ) -> list[TaskState]:
+        task_ids = [item.task_id for item in items]
+        # Marked first: if this worker dies before the letter is stored, the next one sees it again.
+        await self._retry("marking tasks in flight", lambda: self.deliveries.mark(batch.batch_id, task_ids))
+        letter = careful.dead_letter(batch, items, suspects, count, self.worker_id, wall_ms())
+        await self._retry("sending to the dead-letter topic", lambda: self.dead_letters.send(letter))
+        where = logs.ids(batch_id=batch.batch_id, traceparent=batch.traceparent)
+        message = "worker %s: dead-lettered %s of batch %s: %s"
+        log.error(message, self.worker_id, task_ids, batch.batch_id, letter.error, extra=where)
+        failure = Failure(DEAD_LETTERED, careful.dead_lettered_message(letter))
+        states = [task_state(self.worker_id, batch, item, TaskStatus.FAILED, None, failure) for item in items]
+        await self._retry("storing dead-lettered tasks", lambda: self.store.apply(states))
+        metrics.WORKER_BATCHES.labels(worker=self.worker_id, outcome="dead_lettered").inc()
+        count_ended(batch, states)
+        return states
