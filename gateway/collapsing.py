@@ -23,8 +23,9 @@ from gateway.clock import Clock
 from gateway.errors import TRANSPORT_ERRORS, ClientDisconnected, DeadlineExceeded, Unavailable
 from gateway.publisher import TaskPublisher
 from gateway.replies import Replies
+from gateway.submission import Submission
 from gateway.waiters import CallerGone, Watch
-from schemas.records import Priority, TaskState, TaskStatus
+from schemas.records import TaskState, TaskStatus
 from telemetry.logs import ids
 from telemetry.metrics import COLLAPSED
 from transport.ports import TaskStore
@@ -55,22 +56,6 @@ class Computation:
     """Its "queued" record once built; written only when it is cancelled (the batcher writes the first)."""
     ended: bool = False
     """Its end state is in: it answers the callers attached now, and no other caller joins it."""
-
-
-@dataclass(frozen=True, slots=True)
-class SharedRequest:
-    """One caller's request, as ``Gateway.submit`` validated it."""
-
-    key: str
-    task_id: str
-    input: str
-    model: str
-    timeout_ms: int
-    deadline: float
-    started: float
-    owner: str | None
-    tier: Priority = Priority.NORMAL
-    """The tier its computation runs at, when it starts one (a caller that joins runs at that one's)."""
 
 
 class Collapser:
@@ -118,11 +103,11 @@ class Collapser:
         await self._runs.close()
         self._inflight.clear()
 
-    async def answer(self, request: SharedRequest, disconnected: Watch | None) -> TaskState:
-        """Attaches the caller to its key's computation (starting one if none fits) and waits for
+    async def answer(self, key: str, request: Submission, disconnected: Watch | None) -> TaskState:
+        """Attaches the caller to ``key``'s computation (starting one if none fits) and waits for
         the caller's own task to end; raises what the caller's answer is instead."""
         future = self._replies.register(request.task_id, request.started, disconnected)
-        computation = self._join(request)
+        computation = self._join(key, request)
         now_ms = self._clock.wall_ms()
         queued = TaskState(
             request.task_id,
@@ -153,22 +138,22 @@ class Collapser:
             if not future.done():
                 future.cancel()
             self._replies.discard(request.task_id)
-            await self._leave(request.key, computation, request.task_id)
+            await self._leave(key, computation, request.task_id)
         if state.status is TaskStatus.FAILED and state.error_code == Unavailable.code:
             raise Unavailable(state.error_message or "the request bus is unavailable", task_id=request.task_id)
         return state
 
-    def _join(self, request: SharedRequest) -> Computation:
+    def _join(self, key: str, request: Submission) -> Computation:
         """The computation this caller waits for: an identical one in flight whose deadline is not
         too early for the caller (``JOIN_SLACK``), else a new one (which replaces it under the key)."""
-        computation = self._inflight.get(request.key)
+        computation = self._inflight.get(key)
         earliest = request.deadline - JOIN_SLACK * request.timeout_ms / 1000
         if computation is not None and computation.deadline >= earliest:
             COLLAPSED.labels(model=request.model).inc()
         else:
             computation = Computation("c-" + secrets.token_urlsafe(16), request.model, request.deadline)
-            self._runs.spawn(self._run(request, computation), name=f"collapsed-{computation.task_id}")
-            self._inflight[request.key] = computation
+            self._runs.spawn(self._run(key, request, computation), name=f"collapsed-{computation.task_id}")
+            self._inflight[key] = computation
         computation.callers.add(request.task_id)
         return computation
 
@@ -184,30 +169,22 @@ class Collapser:
             await self._publisher.record_late(computation.queued)  # so that the cancel finds it
         await self._publisher.cancel_abandoned(computation.task_id)
 
-    async def _run(self, request: SharedRequest, computation: Computation) -> None:
+    async def _run(self, key: str, request: Submission, computation: Computation) -> None:
         """Publishes the computation's request, waits for its end, and answers every attached caller."""
         state = await self._compute(request, computation)
         computation.ended = True
-        if self._inflight.get(request.key) is computation:
-            del self._inflight[request.key]  # from here on a new request starts anew
+        if self._inflight.get(key) is computation:
+            del self._inflight[key]  # from here on a new request starts anew
         callers = tuple(computation.callers)
         if self._keep is not None:
-            await self._keep(request.key, state)
+            await self._keep(key, state)
         await self._answer_callers(state, callers)
 
-    async def _compute(self, request: SharedRequest, computation: Computation) -> TaskState:
+    async def _compute(self, request: Submission, computation: Computation) -> TaskState:
         """The computation's end state; a deadline, the bus refusing it or a gateway shutting down
         become an end state too, so every caller is answered the same way."""
         publisher = self._publisher
-        queued, sent = publisher.task(
-            computation.task_id,
-            request.input,
-            request.model,
-            request.timeout_ms,
-            self._gateway_id,
-            request.owner,
-            request.tier,
-        )
+        queued, sent = publisher.task(request, self._gateway_id, task_id=computation.task_id)
         computation.queued = queued
         started = self._clock.monotonic()
         future = self._replies.register(computation.task_id, started)

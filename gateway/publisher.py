@@ -12,7 +12,8 @@ from dataclasses import replace
 
 from gateway.clock import Clock
 from gateway.errors import TRANSPORT_ERRORS, DeadlineExceeded, QueuedUnrecorded, Unavailable
-from schemas.records import InferenceRequest, Priority, TaskState, TaskStatus
+from gateway.submission import Submission
+from schemas.records import InferenceRequest, TaskState, TaskStatus
 from telemetry import spans, tracing
 from telemetry.logs import ids
 from transport.ports import RequestProducer, TaskStore
@@ -33,28 +34,24 @@ class TaskPublisher:
         self._write_timeout_s = write_timeout_s
 
     def task(
-        self,
-        task_id: str,
-        input: str,
-        model: str,
-        timeout_ms: int,
-        reply_to: str | None,
-        owner: str | None,
-        priority: Priority = Priority.NORMAL,
+        self, submission: Submission, reply_to: str | None, *, task_id: str | None = None
     ) -> tuple[TaskState, InferenceRequest]:
-        """A new task's "queued" record and its request."""
+        """A new task's "queued" record and its request; ``task_id`` when not the submission's own
+        (a collapsed computation's)."""
+        task_id = submission.task_id if task_id is None else task_id
+        model, owner = submission.model, submission.owner
         now_ms = self._clock.wall_ms()
         state = TaskState(task_id, TaskStatus.QUEUED, model, now_ms, now_ms, reply_to=reply_to, owner=owner)
         traceparent = spans.request_sent(task_id) if tracing.ACTIVE else None
         request = InferenceRequest(
             task_id,
             model,
-            input,
+            submission.input,
             now_ms,
-            now_ms + timeout_ms,
+            now_ms + submission.timeout_ms,
             reply_to=reply_to,
             owner=owner,
-            priority=priority,
+            priority=submission.tier,
             traceparent=traceparent,
         )
         return state, request

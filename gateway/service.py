@@ -16,7 +16,6 @@ from gateway import idempotency
 from gateway.admission import ANONYMOUS, Admission, Caller
 from gateway.answers import Accepted, Answer, answer_of
 from gateway.clock import Clock, SystemClock
-from gateway.collapsing import SharedRequest
 from gateway.errors import ClientDisconnected, DeadlineExceeded, NotReady, Overloaded, QueuedUnrecorded, Unavailable
 from gateway.health import probe
 from gateway.priority import request_tier
@@ -26,9 +25,10 @@ from gateway.replay import KeyedReplay
 from gateway.replies import Replies
 from gateway.settings import GatewaySettings, env_name
 from gateway.sharing import SharedAnswers
+from gateway.submission import Submission
 from gateway.validation import validated
 from gateway.waiters import CallerGone, Watch
-from schemas.records import Priority, TaskState, TaskStatus
+from schemas.records import TaskState, TaskStatus
 from telemetry import spans, tracing
 from telemetry.metrics import INFLIGHT, REQUEST_LATENCY
 from transport.ports import CreditPool, QueueDepth, RateLimiter, RequestProducer, ResultCache, TaskStore
@@ -196,22 +196,18 @@ class Gateway:
                 await self._admission.admit(caller, model, timeout_ms, tier)
             if (full := self._store.full(model)) is not None:
                 raise Overloaded(full)
-            task_id = secrets.token_urlsafe(16)
             deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
+            task_id = secrets.token_urlsafe(16)
+            submission = Submission(task_id, input, model, timeout_ms, deadline, started, caller.owner, tier)
             if key is not None:
-                shared = SharedRequest(key, task_id, input, model, timeout_ms, deadline, started, caller.owner, tier)
-                return await self._submit_shared(shared, wait, disconnected)
+                return await self._submit_shared(key, submission, wait, disconnected)
             if idempotency_key is not None:
-                return await self._submit_keyed(
-                    task_id, input, model, timeout_ms, wait, deadline, started, caller.owner, idempotency_key, tier
-                )
+                return await self._submit_keyed(submission, wait, idempotency_key)
             if wait:
-                answer = await self._answer_when_done(
-                    task_id, input, model, timeout_ms, deadline, started, caller.owner, disconnected, tier, keyed=False
-                )
+                answer = await self._answer_when_done(submission, disconnected, keyed=False)
                 self._admission.count(model, tier, "answered")
                 return answer
-            return await self._enqueue(task_id, input, model, timeout_ms, deadline, caller.owner, tier)
+            return await self._enqueue(submission)
         finally:
             self._inflight -= 1
             INFLIGHT.dec()
@@ -239,69 +235,46 @@ class Gateway:
         if (refusal := self._store.refuses_writes()) is not None:  # full: an answer could not be stored
             raise Unavailable(refusal)
 
-    async def _submit_keyed(
-        self,
-        task_id: str,
-        input: str,
-        model: str,
-        timeout_ms: int,
-        wait: bool,
-        deadline: float,
-        started: float,
-        owner: str | None,
-        key: str,
-        tier: Priority,
-    ) -> Answer | Accepted:
+    async def _submit_keyed(self, submission: Submission, wait: bool, key: str) -> Answer | Accepted:
         """A submit with an Idempotency-Key: the earlier task's answer, or a new task the key names."""
+        task_id, model, owner, deadline = submission.task_id, submission.model, submission.owner, submission.deadline
         scope = owner or idempotency.ANONYMOUS_SCOPE
-        fingerprint = idempotency.fingerprint(input, model)
-        deadline_ms = self._clock.wall_ms() + timeout_ms
+        fingerprint = idempotency.fingerprint(submission.input, model)
+        deadline_ms = self._clock.wall_ms() + submission.timeout_ms
         while (claim := await self._keys.claim(scope, key, task_id, fingerprint, deadline_ms)).task_id != task_id:
             if not wait:
                 return await self._keys.accepted(claim.task_id, model, owner)
-            state = await self._keys.ended(claim, deadline, timeout_ms)
+            state = await self._keys.ended(claim, deadline, submission.timeout_ms)
             if state is not None and not (
                 idempotency.starts_anew(state) and asyncio.get_running_loop().time() < deadline
             ):
-                return answer_of(state, self._clock.monotonic() - started, replayed=True)
+                return answer_of(state, self._clock.monotonic() - submission.started, replayed=True)
             # The task ended without being computed, or went stale, while this retry waited for it:
             # the next claim starts a new one (or finds the one a racing retry started).
         try:
             if wait:
-                return await self._answer_when_done(
-                    task_id, input, model, timeout_ms, deadline, started, owner, None, tier, keyed=True
-                )
-            return await self._enqueue(task_id, input, model, timeout_ms, deadline, owner, tier)
+                return await self._answer_when_done(submission, None, keyed=True)
+            return await self._enqueue(submission)
         except QueuedUnrecorded:
             raise  # the task may still run: its key stays bound to it
         except Unavailable:
             await self._keys.release(scope, key, task_id, model, owner, deadline)  # a retry may create it
             raise
 
-    async def _submit_shared(self, request: SharedRequest, wait: bool, watch: Disconnected | None) -> Answer | Accepted:
+    async def _submit_shared(
+        self, key: str, submission: Submission, wait: bool, watch: Disconnected | None
+    ) -> Answer | Accepted:
         """A deterministic model's request: cached, else shared with identical ones (``SharedAnswers``)."""
-        if (hit := await self._shared.cached(request, wait=wait)) is not None:
+        if (hit := await self._shared.cached(key, submission, wait=wait)) is not None:
             accepted = Accepted(hit.task_id, hit.model, status=hit.status)  # completed: no poll needed
-            return self._answer(hit, request.started, shared=True) if wait else accepted
+            return self._answer(hit, submission.started, shared=True) if wait else accepted
         if wait:
             self._check_room()
-            return self._answer(await self._shared.computed(request, watch), request.started, shared=True)
-        args = (request.task_id, request.input, request.model, request.timeout_ms, request.deadline, request.owner)
-        return await self._enqueue(*args, request.tier)
+            return self._answer(await self._shared.computed(key, submission, watch), submission.started, shared=True)
+        return await self._enqueue(submission)
 
     async def _answer_when_done(
-        self,
-        task_id: str,
-        input: str,
-        model: str,
-        timeout_ms: int,
-        deadline: float,
-        started: float,
-        owner: str | None,
-        disconnected: Disconnected | None,
-        tier: Priority,
-        *,
-        keyed: bool,
+        self, submission: Submission, disconnected: Disconnected | None, *, keyed: bool
     ) -> Answer:
         """Publishes the request and waits for its reply.
 
@@ -311,14 +284,15 @@ class Gateway:
         comes milliseconds later. A 504 and a disconnect, which hand the id out or cancel the task
         early, write it then. Sparing the write takes a Redis command off the common request.
         """
-        record = keyed or owner is not None
+        task_id, timeout_ms, started = submission.task_id, submission.timeout_ms, submission.started
+        record = keyed or submission.owner is not None
         publisher = self._publisher
-        queued, request = publisher.task(task_id, input, model, timeout_ms, self.settings.gateway_id, owner, tier)
+        queued, request = publisher.task(submission, self.settings.gateway_id)
         # Register, then publish: the reply may arrive before ``send`` even returns.
         future = self._replies.register(task_id, started, disconnected)
         published = False
         try:
-            async with asyncio.timeout_at(deadline):
+            async with asyncio.timeout_at(submission.deadline):
                 await publisher.publish(queued, request, record=record)
                 published = True
                 state = await future
@@ -346,19 +320,11 @@ class Gateway:
             self._replies.discard(task_id)
         return self._answer(state, started)
 
-    async def _enqueue(
-        self,
-        task_id: str,
-        input: str,
-        model: str,
-        timeout_ms: int,
-        deadline: float,
-        owner: str | None,
-        tier: Priority,
-    ) -> Accepted:
-        queued, request = self._publisher.task(task_id, input, model, timeout_ms, None, owner, tier)
+    async def _enqueue(self, submission: Submission) -> Accepted:
+        task_id, timeout_ms = submission.task_id, submission.timeout_ms
+        queued, request = self._publisher.task(submission, None)
         try:
-            async with asyncio.timeout_at(deadline):
+            async with asyncio.timeout_at(submission.deadline):
                 await self._publisher.publish(queued, request, record=True)
         except TimeoutError:
             # The task's own deadline passed while it was being queued: a deadline, like the
@@ -369,7 +335,7 @@ class Gateway:
                 "send a longer timeout_ms (the task ended expired)",
                 task_id=task_id,
             ) from None
-        return Accepted(task_id, model)
+        return Accepted(task_id, submission.model)
 
     def _answer(self, state: TaskState, started: float, *, shared: bool = False) -> Answer:
         """The caller's answer from its task's terminal state; a completed one counts in the latency

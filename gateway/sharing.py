@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from gateway.answer_keys import AnswerKeys
 from gateway.clock import Clock
-from gateway.collapsing import Collapser, Computed, SharedRequest
+from gateway.collapsing import Collapser, Computed
 from gateway.publisher import TaskPublisher
 from gateway.replies import Replies
 from gateway.result_cache import CachedAnswers
 from gateway.settings import GatewaySettings
+from gateway.submission import Submission
 from gateway.waiters import Watch
 from schemas.records import TaskState
 from transport.ports import ResultCache, TaskStore
@@ -55,12 +56,12 @@ class SharedAnswers:
     async def close(self) -> None:
         await self.collapser.close()
 
-    async def cached(self, request: SharedRequest, *, wait: bool) -> TaskState | None:
+    async def cached(self, key: str, request: Submission, *, wait: bool) -> TaskState | None:
         """The request's task, ended ``completed`` from the cache, or None (no cache, a miss, a bypass)."""
         if self._cached is None:
             return None
-        return await self._cached.answer(request.key, request.task_id, request.model, request.owner, wait=wait)
+        return await self._cached.answer(key, request.task_id, request.model, request.owner, wait=wait)
 
-    async def computed(self, request: SharedRequest, disconnected: Watch | None) -> TaskState:
+    async def computed(self, key: str, request: Submission, disconnected: Watch | None) -> TaskState:
         """A synchronous request's end state, from the computation it shares (see ``Collapser.answer``)."""
-        return await self.collapser.answer(request, disconnected)
+        return await self.collapser.answer(key, request, disconnected)

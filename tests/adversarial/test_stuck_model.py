@@ -140,3 +140,16 @@ def test_a_stuck_model_ends_its_requests_on_time_and_hurts_no_other(request: pyt
         assert time.monotonic() - started < 0.5, "refused at once"
         answered = client.post("/v1/inference", json={"input": "abc"})
         assert answered.status_code == 200 and answered.json()["output"] == "cba"
+    _kill_the_hung(service)
+
+
+def _kill_the_hung(service: Service) -> None:
+    """Ends the processes whose backend hangs by construction: stopped with SIGTERM, each would wait
+    out its drain timeout for a call that never returns before the teardown kills it anyway."""
+    hung = (
+        [service.proc]
+        if service.cluster is None
+        else [proc for proc in service.cluster.procs if proc.name in ("worker2", "worker3")]
+    )
+    for proc in hung:
+        proc.kill9()

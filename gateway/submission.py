@@ -1,0 +1,24 @@
+"""One accepted request on its way through the gateway: what publishing it and answering its caller need."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from schemas.records import Priority
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    """A request as ``Gateway.submit`` validated and admitted it, under the task id it was given."""
+
+    task_id: str
+    input: str
+    model: str
+    timeout_ms: int
+    deadline: float
+    """When its caller stops waiting, on the event loop's clock."""
+    started: float
+    """When the submit began, on the gateway's ``Clock.monotonic`` (for the answer's latency)."""
+    owner: str | None
+    tier: Priority = Priority.NORMAL
+    """The tier it runs at (a collapsed caller that joins a computation runs at that one's)."""
