@@ -175,7 +175,8 @@ class CountingExpress(RedisExpress):
 async def test_a_reader_that_got_a_batch_pops_again_once_the_worker_asks_while_the_other_stays_armed(
     kit: Kit,
 ) -> None:
-    """Nothing is sent between a batch's arrival and its call's start, and a pop stays armed."""
+    """Nothing is sent between a batch's arrival and its call's start, and a pop stays armed, even
+    when two batches come before the worker asks."""
     counting = CountingExpress(kit.infra.redis_url, kit.names)
     worker = await kit.consumer(express=counting)
     await eventually(lambda: counting.armed == 2, "both readers to wait on the list", timeout_s=WAIT_S)
@@ -191,15 +192,20 @@ async def test_a_reader_that_got_a_batch_pops_again_once_the_worker_asks_while_t
         await redis.ping()
     assert counting.armed == 1, "the reader that got b1 pops again only once the worker asks"
 
-    second = batch("b2")  # the worker has not asked yet: the other reader takes b2 at once
-    assert await pusher.push("w1", encode_batch(second), "b2", [item.task_id for item in second.items])
-    await eventually(lambda: counting.armed == 0, "the armed reader to take b2", timeout_s=WAIT_S)
+    # The worker has not asked yet: the other reader takes b2 at once and, the first one waiting for
+    # an ask, pops again at once, so b3 is taken too.
+    for name in ("b2", "b3"):
+        more = batch(name)
+        assert await pusher.push("w1", encode_batch(more), name, [item.task_id for item in more.items])
+    await eventually(lambda: worker.queued == 3, "b2 and b3 to be taken before any ask", timeout_s=WAIT_S)
     assert await redis.llen(kit.names.express_list("w1")) == 0
+    await eventually(lambda: counting.armed == 1, "one reader to stay armed", timeout_s=WAIT_S)
 
-    got = [await worker.next(WAIT_S) for _ in range(2)]
+    got = [await worker.next(WAIT_S) for _ in range(3)]
     assert [(d.value.batch_id, d.via) for d in got if d is not None and d.value is not None] == [
         ("b1", "express"),
         ("b2", "express"),
+        ("b3", "express"),
     ]
     await eventually(lambda: counting.armed == 2, "both readers to pop again once the worker asked", timeout_s=WAIT_S)
 

@@ -115,6 +115,8 @@ class ExpressBatchConsumer:
     batch's arrival and its call's start (a command sent there holds up the backend's thread, which
     needs the GIL to start), while the other reader's BLPOP stays armed, so an express copy does not
     wait for a pop, nor its Kafka record (which counts as a second delivery) come first for want of one.
+    A reader that gets a batch while the other already waits for an ask pops again at once, so one
+    stays armed even when two batches come between two asks.
     """
 
     def __init__(
@@ -141,6 +143,8 @@ class ExpressBatchConsumer:
         self._room.set()
         self._asked = asyncio.Event()
         """The worker asked for a batch (``next``) since a reader's latest one."""
+        self._popping = 0
+        """Readers whose pop is armed: a reader that got a batch waits for an ask only if another is."""
         self._seen: OrderedDict[str, _Awaited | None] = OrderedDict()
         """Batch id -> for a batch run from the express list, its Kafka copy once it comes; else None."""
         self._tasks: list[asyncio.Task[None]] = []
@@ -300,7 +304,7 @@ class ExpressBatchConsumer:
         failures = 0
         while True:
             try:
-                data = await self.express.pop(self.worker_id, 1.0)
+                data = await self._pop()
             except TransportError as err:  # never fatal: the Kafka copies keep coming
                 failures += 1
                 await pause(log, f"worker {self.worker_id}", "reading express batches", err, failures, self.retry_max_s)
@@ -308,5 +312,14 @@ class ExpressBatchConsumer:
             failures = 0
             if data is not None:
                 self._from_express(data)
+                if not self._popping:
+                    continue  # the other reader waits for an ask already: this one stays armed
                 self._asked.clear()
                 await self._asked.wait()  # the other reader's BLPOP is armed meanwhile
+
+    async def _pop(self) -> bytes | None:
+        self._popping += 1
+        try:
+            return await self.express.pop(self.worker_id, 1.0)
+        finally:
+            self._popping -= 1
