@@ -39,6 +39,7 @@ from schemas.records import Batch, BatchItem, Credit, InferenceRequest
 from telemetry import metrics, tracing
 from telemetry.logs import ids
 from telemetry.spans import BatchSpans
+from transport.cancelling import cancel_and_wait
 from transport.ports import BatchProducer, CreditPool, TaskStore, TransportError
 from transport.retry import retry
 from transport.routing import Partitioner
@@ -74,7 +75,7 @@ class Dispatcher:
         assignment: Callable[[], frozenset[int]],
         handed_over: Callable[[Sequence[Held]], None],
         expire: Callable[[list[Held]], Awaitable[None]],
-        guard: Callable[[Coroutine[Any, Any, None]], Coroutine[Any, Any, None]],
+        spawn: Callable[[Coroutine[Any, Any, None], str], asyncio.Task[None]],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
@@ -90,7 +91,7 @@ class Dispatcher:
         self._assignment = assignment
         self._handed_over = handed_over
         self._expire = expire
-        self._guard = guard
+        self._spawn = spawn
         self._loops: dict[str, asyncio.Task[None]] = {}
         self._wake: dict[str, asyncio.Event] = {}
         self._claiming: set[str] = set()
@@ -111,7 +112,7 @@ class Dispatcher:
         """``model`` holds new requests: starts its loop if it has none, wakes it if a batch is ready."""
         if model not in self._loops:
             self._wake[model] = asyncio.Event()
-            self._loops[model] = asyncio.create_task(self._guard(self._loop(model)), name=f"batcher-dispatch-{model}")
+            self._loops[model] = self._spawn(self._loop(model), f"batcher-dispatch-{model}")
         if self.former.ready(model):
             self._wake[model].set()
 
@@ -133,7 +134,7 @@ class Dispatcher:
     async def cancelled(self) -> None:
         """Waits for the cancelled loops to end (each offers back the credit it kept), then for the
         batches they sent to land: a batch whose worker may run it already is not cut off its bus."""
-        await asyncio.gather(*self._loops.values(), return_exceptions=True)
+        await asyncio.gather(*(cancel_and_wait(loop) for loop in self._loops.values()))
         self._loops.clear()
         await self.landings.landed()
 
@@ -308,7 +309,7 @@ class Dispatcher:
                 batch = batch if traced is None else traced.batch
                 self._spacing[model].started(credit.worker_id, now + self._starts_in_s(credit), credit.busy_ms / 1000.0)
                 landing = self._land(model, credit, batch, taken, traced, now)
-                self.landings.start(model, self._guard(landing), f"land-{model}")
+                self.landings.add(model, self._spawn(landing, f"land-{model}"))
         if not taken.items:
             await self._offer_back(credit)
         else:  # one turn of the loop: the landing's first hop (the express copy) goes before the next claim

@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
-from collections.abc import Coroutine
-from typing import Any
 
 
 class Landings:
     def __init__(self) -> None:
         self._tasks: defaultdict[str, set[asyncio.Task[None]]] = defaultdict(set)
 
-    def start(self, key: str, landing: Coroutine[Any, Any, None], name: str) -> None:
-        task = asyncio.create_task(landing, name=name)
+    def add(self, key: str, task: asyncio.Task[None]) -> None:
         tasks = self._tasks[key]
         tasks.add(task)
         task.add_done_callback(tasks.discard)

@@ -31,6 +31,7 @@ from batcher.settings import BatcherSettings
 from batcher.states import wall_ms
 from schemas.records import InferenceRequest, TaskState
 from telemetry import metrics
+from transport.cancelling import cancel_and_wait
 from transport.ports import (
     BatchProducer,
     CreditPool,
@@ -96,7 +97,7 @@ class Batcher:
             assignment=consumer.assignment,
             handed_over=self._handed_over,
             expire=self._expire,
-            guard=self._guard,
+            spawn=self._spawn,
             clock=clock,
         )
 
@@ -108,21 +109,22 @@ class Batcher:
     async def start(self) -> None:
         await self.consumer.start(self._on_assigned, self._on_revoked)
         self._tasks = [
-            asyncio.create_task(self._guard(self._consume_loop()), name="batcher-consume"),
-            asyncio.create_task(self._guard(self._timer_loop()), name="batcher-timer"),
+            self._spawn(self._consume_loop(), "batcher-consume"),
+            self._spawn(self._timer_loop(), "batcher-timer"),
         ]
 
     async def close(self) -> None:
         """Stops reading, lets an in-flight hand-over finish, commits it, and leaves the group.
 
         Whatever is still held (not handed to a worker) was never committed, so the batcher that
-        takes over the partitions reads it again: handed back, not lost.
+        takes over the partitions reads it again: handed back, not lost. A loop that lost its
+        cancellation in a library below is cancelled again (``cancel_and_wait``).
         """
         async with self._handover:
             for task in self._tasks:
                 task.cancel()
             self.dispatcher.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(cancel_and_wait(task) for task in self._tasks))
         await self.dispatcher.cancelled()
         self._tasks.clear()
         if self._committer is not None:
@@ -130,17 +132,19 @@ class Batcher:
         await self._commit()
         await self.consumer.close()
 
-    async def _guard(self, loop: Coroutine[Any, Any, None]) -> None:
-        """Runs a background loop; a crash is recorded and logged, never silent."""
-        try:
-            await loop
-        except asyncio.CancelledError:
-            raise
-        except BaseException as err:
-            self.failure = err
-            self.failed.set()
-            log.exception("batcher loop crashed; the batcher is no longer serving")
-            raise
+    def _spawn(self, loop: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        """Runs a background loop in a task of its own (cancelled before its first step, it still
+        closes ``loop``); a crash is recorded and logged, never silent."""
+        task = asyncio.create_task(loop, name=name)
+        task.add_done_callback(self._ended)
+        return task
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or (err := task.exception()) is None:
+            return
+        self.failure = err
+        self.failed.set()
+        log.error("batcher loop %s crashed; the batcher is no longer serving", task.get_name(), exc_info=err)
 
     def healthy(self) -> bool:
         return self.failure is None and all(not t.done() for t in self._tasks)
@@ -254,7 +258,8 @@ class Batcher:
             self._timer_wake.clear()
             timeout = None if due is None else max(0.0, due - self.clock())
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._timer_wake.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._timer_wake.wait()
             for model in self.former.tick():
                 self.dispatcher.wake(model)
             expired = self.former.expire()
@@ -306,7 +311,7 @@ class Batcher:
         Requests coalesce: one commit in flight, and one more after it if anything finished meanwhile."""
         self._commit_wanted = True
         if self._committer is None or self._committer.done():
-            self._committer = asyncio.create_task(self._guard(self._commit_while_wanted()), name="batcher-commit")
+            self._committer = self._spawn(self._commit_while_wanted(), "batcher-commit")
 
     async def _commit_while_wanted(self) -> None:
         while self._commit_wanted:

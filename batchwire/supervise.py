@@ -70,7 +70,8 @@ async def supervise(
     await asyncio.gather(stop_task, failed_task, return_exceptions=True)
     code = failure_code() if failed.is_set() else 0
     try:
-        await asyncio.wait_for(close(), close_timeout_s)
+        async with asyncio.timeout(close_timeout_s):
+            await close()
     except TimeoutError:
         log.error("shutdown did not finish within %.0f s; exiting anyway", close_timeout_s)
         return code or 1

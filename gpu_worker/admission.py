@@ -23,6 +23,7 @@ from gpu_worker.calls import Failure, GroupResult
 from gpu_worker.states import task_state
 from schemas.records import Batch, BatchItem, TaskState, TaskStatus
 from telemetry import logs
+from transport.cancelling import cancel_and_wait
 from transport.deliveries import DeliveryLog
 from transport.ports import Delivered, TaskStore
 from transport.retry import Retrying
@@ -150,9 +151,7 @@ class EarlyAdmission:
 
     async def close(self) -> None:
         """Stops the admission if the call ended without waiting for it (it failed or was cancelled)."""
-        if not self._admitting.done():
-            self._admitting.cancel()
-            await asyncio.gather(self._admitting, return_exceptions=True)
+        await cancel_and_wait(self._admitting)
 
 
 def _set_from_thread(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:

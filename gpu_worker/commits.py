@@ -21,6 +21,7 @@ from gpu_worker.calls import GroupResult
 from schemas.records import Batch, TaskState
 from telemetry import spans, tracing
 from telemetry.logs import ids
+from transport.cancelling import cancel_and_wait
 from transport.deliveries import DeliveryLog
 from transport.ports import BatchConsumer, Delivered, TaskStore, TransportError
 from transport.replicas import ReplicaWait
@@ -105,9 +106,7 @@ class Committer:
         if not self._tasks:
             return
         await self.drained()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(cancel_and_wait(task) for task in self._tasks))
         self._tasks = []
 
     async def _store_loop(self) -> None:

@@ -144,9 +144,8 @@ class BackendRunner:
             while True:
                 since = timing.started if timing.started is not None else self.clock()
                 try:
-                    return await asyncio.wait_for(
-                        asyncio.shield(running), None if limit is None else since + limit - self.clock()
-                    )
+                    async with asyncio.timeout(None if limit is None else since + limit - self.clock()):
+                        return await asyncio.shield(running)
                 except TimeoutError:
                     if timing.started is not None and self.clock() - timing.started >= (limit or 0.0):
                         self.hung = True

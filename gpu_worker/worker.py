@@ -42,6 +42,7 @@ from gpu_worker.settings import WorkerSettings
 from gpu_worker.states import count_ended, count_stages, task_state, wall_ms
 from schemas.records import Batch, BatchItem, TaskState, TaskStatus
 from telemetry import metrics
+from transport.cancelling import cancel_and_wait
 from transport.deliveries import DeadLetterSink, DeliveryLog, MemoryDeadLetters, MemoryDeliveryLog
 from transport.ports import BatchConsumer, CreditPool, Delivered, TaskStore, TransportError
 from transport.replicas import ReplicaWait
@@ -144,8 +145,7 @@ class Worker:
                     timeout,
                 )
             self._abandon = True
-            self._task.cancel()  # and the calls still in flight: the next owner runs their batches
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait(self._task)  # and the calls still in flight: the next owner runs their batches
             self._task = None
         await self.commits.close()  # results being stored when the drain ran out: one last try
         await self.consumer.close()

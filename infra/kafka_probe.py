@@ -66,7 +66,8 @@ def wait_for_kafka(
 async def _tcp_accepts(bootstrap: str, timeout_s: float = 1.0) -> bool:
     host, _, port = bootstrap.rpartition(":")
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            _, writer = await asyncio.open_connection(host, int(port))
     except (TimeoutError, OSError):
         return False
     writer.close()

@@ -4,7 +4,9 @@ A cancellation can be lost below us: on Python 3.11 ``asyncio.wait_for`` returns
 inner task that finished as the cancellation came, and redis-py sends every command under it, so a
 loop whose Redis command was in flight when it was cancelled can go on as if nothing happened. Its
 owner, waiting for it to end, would wait for ever (a gateway that could not bind its port hung in
-shutdown this way). Cancelled again, such a task ends at its next wait.
+shutdown this way). Cancelled again, such a task ends at its next wait. batchwire's own code waits
+under ``asyncio.timeout`` instead, which keeps the cancellation (ruff bans ``asyncio.wait_for``), and
+every owner that stops a loop doing I/O stops it with ``cancel_and_wait``.
 """
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ async def test_a_credit_kept_for_the_next_request_is_claimed_only_once_the_batch
 async def test_settled_returns_when_the_landings_end_or_at_a_wake() -> None:
     landings = Landings()
     gate = asyncio.Event()
-    landings.start("sim", _wait(gate), "held")
+    landings.add("sim", asyncio.create_task(_wait(gate), name="held"))
     wake = asyncio.Event()
     settling = asyncio.create_task(landings.settled(wake))
     done, _ = await asyncio.wait({settling}, timeout=0.2)

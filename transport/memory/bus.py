@@ -181,7 +181,8 @@ class MemoryRequestConsumer:
             if out or remaining <= 0:
                 return out
             try:
-                await asyncio.wait_for(self.log.changed.wait(), remaining)
+                async with asyncio.timeout(remaining):
+                    await self.log.changed.wait()
             except TimeoutError:
                 return []
 
@@ -232,7 +233,8 @@ class MemoryBatchConsumer:
         queue = self.bus.queues[self.partition]
         async with self.bus.changed:
             try:
-                await asyncio.wait_for(self.bus.changed.wait_for(lambda: bool(queue)), timeout_s)
+                async with asyncio.timeout(timeout_s):
+                    await self.bus.changed.wait_for(lambda: bool(queue))
             except TimeoutError:
                 return None
             return queue.popleft()
@@ -288,7 +290,8 @@ class MemoryCreditPool:
         waiter: asyncio.Future[Credit] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(model, deque()).append(waiter)
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                return await asyncio.shield(waiter)
         except TimeoutError:
             if waiter.done() and not waiter.cancelled():
                 return waiter.result()  # offered in the same instant the wait ran out

@@ -27,6 +27,7 @@ from redis.exceptions import RedisError
 from schemas.codec import CodecError, decode_credit, encode_credit
 from schemas.records import Credit
 from schemas.wire import Names
+from transport.cancelling import cancel_and_wait
 from transport.ports import TransportError
 from transport.redis.pools import CommandClient, PoolOptions, blocking_pool, translate
 
@@ -88,11 +89,7 @@ class RedisCreditPool:
     async def close(self) -> None:
         """Cancels claims in flight (see the module docstring), then closes every connection."""
         self._closed = True
-        claims = list(self._claims)
-        for claim in claims:
-            claim.cancel()
-        if claims:
-            await asyncio.wait(claims)
+        await asyncio.gather(*(cancel_and_wait(claim) for claim in list(self._claims)))
         await self._commands.close()
         await self._blocking.aclose()
         await self._blocking_pool.disconnect()
