@@ -53,9 +53,7 @@ async def supervise(
     def on_signal(signum: int) -> None:
         received.append(signum)
         if len(received) > 1:
-            log.warning("second signal: exiting at once")
-            logging.shutdown()
-            os._exit(128 + signum)
+            exit_at_once(signum)
         log.info("signal %d: finishing the work in hand, then exiting (send again to exit at once)", signum)
         stop.set()
 
@@ -78,6 +76,13 @@ async def supervise(
     if code:
         log.error("exiting with status %d after a failure", code)
     return code
+
+
+def exit_at_once(signum: int) -> None:
+    """A second shutdown signal: the process ends now, with the status a signal's death would give."""
+    log.warning("second signal: exiting at once")
+    logging.shutdown()
+    os._exit(128 + signum)
 
 
 def run_loop(main: Coroutine[Any, Any, int], gc_threshold: Threshold | None) -> int:
@@ -117,8 +122,13 @@ def serve_http(
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
+            """As every role: the first signal shuts down gracefully and the process exits 0 (uvicorn
+            would raise the signal again once done, and the process would die of it), a second one
+            exits at once."""
+            if self.should_exit:
+                exit_at_once(sig)
             streams_end.end()
-            super().handle_exit(sig, frame)
+            self.should_exit = True
 
     server = Server(config)
     server.run()

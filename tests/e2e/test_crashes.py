@@ -118,7 +118,7 @@ async def test_async_tasks_survive_a_gateway_restart(tmp_path: Path, infra: Any,
     async with httpx.AsyncClient(timeout=30) as client:
         created = [(await client.post(f"{first}/v1/tasks", json={"input": text})).json() for text in inputs]
         gateway0 = proc_named(cluster, "gateway0")
-        assert gateway0.stop() in (0, -15), "a gateway stops on SIGTERM (uvicorn re-raises the signal)"
+        assert gateway0.stop() == 0, "a gateway stops on SIGTERM and exits 0"
         cluster.gateway_urls.remove(first)
         cluster.gateway(0)
         restarted = cluster.gateway_urls[-1]

@@ -1,5 +1,5 @@
-"""Graceful shutdown with real signals: SIGTERM finishes or hands back the work in hand, exits 0;
-a second SIGTERM exits at once. Nothing accepted is lost either way."""
+"""Graceful shutdown with real signals, for workers, batchers and gateways: SIGTERM finishes or hands
+back the work in hand and exits 0; a second SIGTERM exits at once. Nothing accepted is lost either way."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.support.cluster_checks import (
@@ -137,3 +138,36 @@ async def test_sigterm_stops_a_batcher_cleanly_and_its_requests_move(
         twice = await terminal_events(cluster, events, [body["task_id"] for body in bodies])
     assert code == 0 and took < 10, f"a batcher stops at once on SIGTERM, got {code} after {took:.1f} s"
     assert not twice, f"tasks answered twice: {twice}"
+
+
+async def test_sigterm_lets_a_gateway_answer_the_requests_it_holds_and_exit_0(
+    tmp_path: Path, infra: Any, clusters: list[Cluster]
+) -> None:
+    cluster = launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, workers=2, sim_latency_ms=2000)
+    clusters.append(cluster)
+    inputs = [f"held-{n}" for n in range(6)]
+    sent = asyncio.create_task(post_all(cluster.gateway_urls[0], inputs))
+    await until_running(cluster)
+    proc = proc_named(cluster, "gateway0")
+    sigterm(proc)
+    code, took = await exit_status(proc, 30)
+    assert_answered(inputs, await sent)  # each synchronous caller got its own answer before the exit
+    assert code == 0 and took < 10, f"a gateway stops once its callers are answered, got {code} after {took:.1f} s"
+
+
+async def test_a_second_sigterm_ends_a_gateway_at_once(tmp_path: Path, infra: Any, clusters: list[Cluster]) -> None:
+    cluster = launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, workers=2, sim_latency_ms=6000)
+    clusters.append(cluster)
+    sent = asyncio.create_task(post_all(cluster.gateway_urls[0], ["impatient"]))
+    await until_running(cluster)
+    proc = proc_named(cluster, "gateway0")
+    sigterm(proc)
+    await asyncio.to_thread(
+        eventually_sync, lambda: logged(cluster, proc.name, "Shutting down") >= 1, "the first SIGTERM", timeout_s=10
+    )
+    assert proc.alive(), "the first SIGTERM waits for the caller's 6 s answer"
+    sigterm(proc)
+    code, took = await exit_status(proc, 5)
+    assert code == 128 + signal.SIGTERM and took < 2, f"second signal: exit 143 at once, got {code} after {took:.1f} s"
+    with pytest.raises(httpx.TransportError):  # the caller's connection went with the process
+        await sent
