@@ -171,3 +171,26 @@ async def test_a_second_sigterm_ends_a_gateway_at_once(tmp_path: Path, infra: An
     assert code == 128 + signal.SIGTERM and took < 2, f"second signal: exit 143 at once, got {code} after {took:.1f} s"
     with pytest.raises(httpx.TransportError):  # the caller's connection went with the process
         await sent
+
+
+async def test_sigterm_ends_a_gateways_event_streams_and_it_exits_at_once(
+    tmp_path: Path, infra: Any, clusters: list[Cluster]
+) -> None:
+    """An open stream would hold the graceful shutdown for its whole timeout (30 s)."""
+    cluster = launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, workers=2, sim_latency_ms=6000)
+    clusters.append(cluster)
+    proc = proc_named(cluster, "gateway0")
+    async with httpx.AsyncClient(base_url=cluster.gateway_urls[0], timeout=30) as client:
+        task_id = (await client.post("/v1/tasks", json={"input": "streamed"})).json()["task_id"]
+        async with client.stream("GET", f"/v1/result/{task_id}/events") as stream:
+            lines = stream.aiter_lines()
+            first = await anext(lines)
+            signalled = time.monotonic()
+            sigterm(proc)
+            rest = [line async for line in lines]
+        code, _ = await exit_status(proc, 20)
+    took = time.monotonic() - signalled
+    print(f"\nstream at SIGTERM: {first!r}, then {rest!r}")
+    assert first.startswith("event: "), f"the stream was open: {first!r}"
+    assert not any("completed" in line for line in rest), f"the stream ended before its 6 s task did: {rest}"
+    assert code == 0 and took < 5, f"the stream ends and the gateway exits 0 at once, got {code} after {took:.1f} s"
