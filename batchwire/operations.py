@@ -14,7 +14,7 @@ from batchwire.settings import SettingsError, SharedSettings
 from infra import cluster_stack, stack, stack_report
 from infra.errors import InfraError
 from infra.topic_checks import Durability
-from infra.topics import TopicConfigError, ensure_topics, group_members, grow_topics
+from infra.topics import TopicError, ensure_topics, group_members, grow_topics
 
 
 def durability(args: argparse.Namespace) -> Durability:
@@ -29,7 +29,8 @@ async def ensure_role_topics(
     *,
     dead_letters: bool = False,
 ) -> None:
-    """Creates the role's topics with the asked replication, after checking them all (exit 2 if one falls short)."""
+    """Creates the role's topics with the asked replication, after checking them all (exit 2 if one falls
+    short, or no broker answers)."""
     names = shared.names
     topics: dict[str, int] = {}
     if request_topic:
@@ -40,7 +41,7 @@ async def ensure_role_topics(
         topics[names.dead_letter_topic] = 1
     try:
         await ensure_topics(shared.require_kafka(), topics, durability=wanted)
-    except TopicConfigError as err:
+    except TopicError as err:
         raise SettingsError(str(err)) from err
 
 
@@ -65,6 +66,15 @@ def run_stack(args: argparse.Namespace) -> int:
 async def _grow(
     bootstrap: str, request_topic: str, batcher_group: str, topics: dict[str, int], request: int | None
 ) -> dict[str, int]:
+    try:
+        return await _grow_checked(bootstrap, request_topic, batcher_group, topics, request)
+    except TopicError as err:
+        raise SettingsError(str(err)) from err
+
+
+async def _grow_checked(
+    bootstrap: str, request_topic: str, batcher_group: str, topics: dict[str, int], request: int | None
+) -> dict[str, int]:
     if request is not None:
         batchers = await group_members(bootstrap, batcher_group)
         if batchers:
@@ -75,10 +85,7 @@ async def _grow(
                 "its metadata refresh, minutes later). Stop the gateways and batchers, run this again, then start "
                 f"them with --request-partitions {request} (workers may keep running)"
             )
-    try:
-        return await grow_topics(bootstrap, topics)
-    except TopicConfigError as err:
-        raise SettingsError(str(err)) from err
+    return await grow_topics(bootstrap, topics)
 
 
 def run_topics(args: argparse.Namespace) -> int:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from schemas.wire import DEFAULT_BATCH_PARTITIONS, DEFAULT_NAMESPACE, DEFAULT_REQUEST_PARTITIONS, Names
-from transport.redis.pools import redacted
+from transport.redis.pools import redacted, unanswered
 from transport.redis.sentinel import FORM, SentinelError, check_sentinels, is_sentinel_url
 
 STACK_ENV = Path(".batchwire") / "stack.env"
@@ -68,8 +68,8 @@ REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel")
 
 def check_redis_url(url: str) -> None:
     """Stops a role at start, before it creates anything, when ``url`` cannot work: a scheme Redis
-    clients do not take, or a Sentinel URL that is malformed or names Sentinels or a master that are
-    not there (the Sentinels are asked once)."""
+    clients do not take, a server that does not answer, or a Sentinel URL that is malformed or names
+    Sentinels or a master that are not there (the server or the Sentinels are asked once)."""
     scheme = url.partition("://")[0].lower()
     if scheme not in REDIS_SCHEMES:
         raise SettingsError(
@@ -82,6 +82,11 @@ def check_redis_url(url: str) -> None:
         except SentinelError as err:
             named = "BATCHWIRE_REDIS_URL" in str(err)
             raise SettingsError(str(err) if named else f"{err} (--redis-url / BATCHWIRE_REDIS_URL)") from err
+    elif (reason := unanswered(url)) is not None:
+        raise SettingsError(
+            f"Redis at {redacted(url)} did not answer ({reason}): check --redis-url / BATCHWIRE_REDIS_URL, and that "
+            "the server runs (`batchwire stack up` starts a local one)"
+        )
 
 
 def stack_env(path: Path | None = None) -> dict[str, str]:

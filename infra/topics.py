@@ -41,8 +41,7 @@ async def ensure_topics(
     used, once metadata shows every partition with a leader, so a producer started right after
     does not meet "unknown topic" or "leader not available".
     """
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id="batchwire-infra-topics")
-    await admin.start()
+    admin = await _connected(bootstrap)
     try:
         cluster = await admin.describe_cluster()
         asked = (durability or Durability()).resolve(len(cluster.get("brokers") or []), bootstrap)
@@ -80,8 +79,7 @@ async def grow_topics(bootstrap: str, topics: Mapping[str, int], *, timeout_s: f
     found before any topic is grown.
     """
     deadline = time.monotonic() + timeout_s
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id="batchwire-infra-topics")
-    await admin.start()
+    admin = await _connected(bootstrap)
     try:
         existing = await _describe_existing(admin, list(topics))
         problems = []
@@ -116,14 +114,28 @@ async def grow_topics(bootstrap: str, topics: Mapping[str, int], *, timeout_s: f
 
 async def group_members(bootstrap: str, group: str) -> int:
     """How many members the consumer group has now (0 when it is empty or unknown)."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id="batchwire-infra-topics")
-    await admin.start()
+    admin = await _connected(bootstrap)
     try:
         described = await admin.describe_consumer_groups([group])
         groups = [g for response in described for g in response.to_object().get("groups", [])]
         return sum(len(g.get("members") or []) for g in groups if g.get("group") == group)
     finally:
         await admin.close()
+
+
+async def _connected(bootstrap: str) -> AIOKafkaAdminClient:
+    """An admin client connected to ``bootstrap``; a ``TopicError`` that says what to check when no
+    broker answers (aiokafka's own error would end the role in a traceback)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id="batchwire-infra-topics")
+    try:
+        await admin.start()
+    except KafkaError as err:
+        await admin.close()
+        raise TopicError(
+            f"no Kafka broker answered at {bootstrap} ({err}): check --kafka-bootstrap / BATCHWIRE_KAFKA_BOOTSTRAP, "
+            "and that the brokers run (`batchwire stack up` starts a local one)"
+        ) from err
+    return admin
 
 
 async def _describe_existing(admin: AIOKafkaAdminClient, names: list[str]) -> dict[str, ExistingTopic]:

@@ -3,24 +3,18 @@ the role creates anything on Kafka."""
 
 from __future__ import annotations
 
-import asyncio
-import os
-import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from aiokafka.admin import AIOKafkaAdminClient
 
+from tests.support.role_start import assert_stopped_cleanly, run_role, topics_of
 from tests.support.sentinels import MASTER, SentinelCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(90)]
 
-EXIT_TIMEOUT_S = 15.0
 FORM = "redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER[/DB]"
 
 
@@ -33,47 +27,6 @@ def lone_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sentinel
         yield servers
     finally:
         servers.stop()
-
-
-def run_role(role: str, redis_url: str, kafka_bootstrap: str, namespace: str, tmp_path: Path) -> tuple[int, str, float]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHWIRE_")}
-    env.update(
-        BATCHWIRE_KAFKA_BOOTSTRAP=kafka_bootstrap,
-        BATCHWIRE_REDIS_URL=redis_url,
-        BATCHWIRE_NAMESPACE=namespace,
-        BATCHWIRE_STACK_ENV=str(tmp_path / "no-stack.env"),
-    )
-    started = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-m", "batchwire.cli", role],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=EXIT_TIMEOUT_S,
-        check=False,
-    )
-    return done.returncode, done.stderr + done.stdout, time.monotonic() - started
-
-
-def topics_of(kafka_bootstrap: str, namespace: str) -> list[str]:
-    async def listed() -> list[str]:
-        admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
-        await admin.start()
-        try:
-            return [topic for topic in await admin.list_topics() if namespace in topic]
-        finally:
-            await admin.close()
-
-    return asyncio.run(listed())
-
-
-def assert_stopped_cleanly(code: int, output: str, elapsed_s: float, *expected: str) -> None:
-    assert code == 2, f"expected exit 2 (a settings error), got {code}:\n{output}"
-    for text in expected:
-        assert text in output, f"expected {text!r} in the output:\n{output}"
-    assert "Traceback" not in output, output
-    assert elapsed_s < 10, f"took {elapsed_s:.1f} s to stop"
 
 
 @pytest.mark.parametrize("role", ["gateway", "batcher", "worker"])

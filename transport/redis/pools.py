@@ -18,13 +18,15 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
+import redis
 from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.connection import HiredisRespSerializer
+from redis.exceptions import BusyLoadingError, OutOfMemoryError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
+from redis.retry import Retry as SyncRetry
 
 from transport.errors import PermanentTransportError, StoreFullError
 from transport.ports import TransportError
@@ -52,6 +54,24 @@ def redacted(url: str) -> str:
         host = f"{host}:{port}"
     user = f"{parts.username}:***@" if parts.username else "***@"
     return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
+
+
+def unanswered(url: str, timeout_s: float = 1.0) -> str | None:
+    """Why the Redis server at ``url`` did not answer a PING (None: it did), asked once, synchronously,
+    at a role's start: a role pointed at nothing stops with that reason rather than a traceback. A
+    server still loading its data answers (``LOADING``); the role's retries wait for it."""
+    client = redis.Redis.from_url(
+        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=SyncRetry(NoBackoff(), 0)
+    )
+    try:
+        client.ping()
+    except BusyLoadingError:
+        return None
+    except (RedisError, OSError) as err:
+        return str(err) or type(err).__name__
+    finally:
+        client.close()
+    return None
 
 
 # Redis's refusal of a write over ``maxmemory``. redis-py maps the ``-OOM`` reply to

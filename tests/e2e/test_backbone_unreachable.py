@@ -1,0 +1,45 @@
+"""A Redis or Kafka address where nothing answers stops every role at once: exit 2 with one line that
+names the address and the setting to check, no traceback, and nothing created on Kafka."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.role_start import assert_stopped_cleanly, run_role, topics_of
+
+pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(90)]
+
+NOWHERE = "127.0.0.1:1"
+"""Port 1 on loopback: nothing listens, so a connection is refused at once."""
+
+
+@pytest.mark.parametrize("role", ["gateway", "batcher", "worker"])
+def test_a_redis_url_where_nothing_answers(role: str, tmp_path: Path, infra: Any) -> None:
+    namespace = f"u{uuid.uuid4().hex[:8]}"
+    url = f"redis://:secret@{NOWHERE}/0"
+    code, output, elapsed_s = run_role(role, url, infra.kafka_bootstrap, namespace, tmp_path)
+    assert_stopped_cleanly(
+        code,
+        output,
+        elapsed_s,
+        f"Redis at redis://***@{NOWHERE}/0 did not answer",
+        "check --redis-url / BATCHWIRE_REDIS_URL",
+    )
+    assert "secret" not in output, "the password stays out of the message"
+    assert topics_of(infra.kafka_bootstrap, namespace) == [], "nothing is created before Redis answers"
+
+
+@pytest.mark.parametrize("role", ["gateway", "batcher", "worker"])
+def test_a_kafka_bootstrap_where_no_broker_answers(role: str, tmp_path: Path, infra: Any) -> None:
+    code, output, elapsed_s = run_role(role, infra.redis_url, NOWHERE, f"u{uuid.uuid4().hex[:8]}", tmp_path)
+    assert_stopped_cleanly(
+        code,
+        output,
+        elapsed_s,
+        f"no Kafka broker answered at {NOWHERE}",
+        "check --kafka-bootstrap / BATCHWIRE_KAFKA_BOOTSTRAP",
+    )
