@@ -16,6 +16,7 @@ from batchwire.capacity import commands as capacity
 from batchwire.settings import SettingsError
 from gateway.settings import GatewaySettings
 from telemetry import logs, tracing
+from transport.errors import PermanentTransportError
 
 
 def _up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -212,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return HANDLERS[args.command](args)
-    except SettingsError as err:
+    except (SettingsError, PermanentTransportError) as err:  # a setting that cannot work, or the servers refuse
         print(f"batchwire {args.command}: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -16,7 +16,7 @@ from typing import Any
 from batcher.settings import BatcherSettings
 from batchwire.gc_tuning import DEFAULT as GC_DEFAULT
 from batchwire.gc_tuning import Threshold, parse_threshold
-from batchwire.settings import SharedSettings, env
+from batchwire.settings import SharedSettings, env, number
 from gateway.settings import GatewaySettings
 from gpu_worker.backends.factory import BackendSettings
 from gpu_worker.settings import WorkerSettings
@@ -67,8 +67,10 @@ def add(
     help_text: str,
     var: str | None = None,
 ) -> None:
-    """Adds ``--flag`` whose default comes from ``BATCHWIRE_FLAG`` (or the stack file) when set."""
+    """Adds ``--flag`` whose default comes from ``BATCHWIRE_FLAG`` (or the stack file) when set; a
+    ``float`` flag takes finite numbers only (``number``)."""
     var = var or "BATCHWIRE_" + flag.lstrip("-").replace("-", "_").upper()
+    kind = number if kind is float else kind
     raw = env(var)
     value = default if raw is None else raw
     shown = "unset" if default is None else default

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +89,15 @@ def check_redis_url(url: str) -> None:
             f"Redis at {redacted(url)} did not answer ({reason}): check --redis-url / BATCHWIRE_REDIS_URL, and that "
             "the server runs (`batchwire stack up` starts a local one)"
         )
+
+
+def number(text: str) -> float:
+    """A float setting's value: NaN and the infinities are refused, since NaN passes no bound check
+    (every comparison with it is false) and no duration or rate means infinity."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
 
 
 def stack_env(path: Path | None = None) -> dict[str, str]:

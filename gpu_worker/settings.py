@@ -63,6 +63,11 @@ class WorkerSettings:
             raise ValueError(
                 f"max_output_bytes must be >= 0 (0: no limit), got {self.max_output_bytes} (BATCHWIRE_MAX_OUTPUT_BYTES)"
             )
+        if self.drain_timeout_s < 0:
+            raise ValueError(
+                f"drain_timeout_s must be >= 0 (0: hand the batch in hand back at once), got {self.drain_timeout_s} "
+                "(BATCHWIRE_DRAIN_TIMEOUT_S)"
+            )
         if self.expected_latency_ms is not None and self.expected_latency_ms <= 0:
             raise ValueError(
                 f"expected_latency_ms must be positive, got {self.expected_latency_ms} (BATCHWIRE_EXPECTED_LATENCY_MS)"

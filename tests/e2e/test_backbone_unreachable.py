@@ -1,5 +1,6 @@
-"""A Redis or Kafka address where nothing answers stops every role at once: exit 2 with one line that
-names the address and the setting to check, no traceback, and nothing created on Kafka."""
+"""A Redis or Kafka address where nothing answers, or a setting the broker refuses, stops every role at
+once: exit 2 with one line that names the address or the setting to check, and no traceback (nothing is
+created on Kafka before Redis answers)."""
 
 from __future__ import annotations
 
@@ -43,3 +44,11 @@ def test_a_kafka_bootstrap_where_no_broker_answers(role: str, tmp_path: Path, in
         f"no Kafka broker answered at {NOWHERE}",
         "check --kafka-bootstrap / BATCHWIRE_KAFKA_BOOTSTRAP",
     )
+
+
+@pytest.mark.parametrize("role", ["batcher", "worker"])
+def test_a_session_timeout_the_broker_refuses(role: str, tmp_path: Path, infra: Any) -> None:
+    namespace = f"u{uuid.uuid4().hex[:8]}"
+    settings = {"BATCHWIRE_SESSION_TIMEOUT_MS": "-5"}
+    code, output, elapsed_s = run_role(role, infra.redis_url, infra.kafka_bootstrap, namespace, tmp_path, **settings)
+    assert_stopped_cleanly(code, output, elapsed_s, "refuses session_timeout_ms=-5", "BATCHWIRE_SESSION_TIMEOUT_MS")

@@ -15,13 +15,18 @@ from aiokafka.admin import AIOKafkaAdminClient
 EXIT_TIMEOUT_S = 15.0
 
 
-def run_role(role: str, redis_url: str, kafka_bootstrap: str, namespace: str, tmp_path: Path) -> tuple[int, str, float]:
+def run_role(
+    role: str, redis_url: str, kafka_bootstrap: str, namespace: str, tmp_path: Path, **settings: str
+) -> tuple[int, str, float]:
+    """Runs ``role`` to its end with these servers and ``BATCHWIRE_*`` ``settings``: its exit status, its
+    output, and how long it ran."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHWIRE_")}
     env.update(
         BATCHWIRE_KAFKA_BOOTSTRAP=kafka_bootstrap,
         BATCHWIRE_REDIS_URL=redis_url,
         BATCHWIRE_NAMESPACE=namespace,
         BATCHWIRE_STACK_ENV=str(tmp_path / "no-stack.env"),
+        **settings,
     )
     started = time.monotonic()
     done = subprocess.run(
