@@ -70,6 +70,10 @@ class EmbeddedSettings:
     are dropped oldest first, and once only live tasks are left, submits get 503 ``overloaded``."""
 
     def __post_init__(self) -> None:
+        if self.workers_per_model < 1:
+            raise SettingsError(
+                f"workers must be at least 1 per model, got {self.workers_per_model} (BATCHWIRE_WORKERS)"
+            )
         if self.max_store_bytes < 0:
             raise SettingsError(
                 f"max_store_bytes must be >= 0 (0: no limit), got {self.max_store_bytes} (BATCHWIRE_MAX_STORE_BYTES)"

@@ -147,7 +147,10 @@ def gateway_settings(args: argparse.Namespace, shared: SharedSettings, **transpo
 
 
 def backend_settings(args: argparse.Namespace) -> BackendSettings:
-    return BackendSettings(**{name: getattr(args, name) for name in BACKEND_FLAGS})
+    try:
+        return BackendSettings(**{name: getattr(args, name) for name in BACKEND_FLAGS})
+    except ValueError as err:
+        raise SettingsError(str(err)) from err
 
 
 def worker_settings(args: argparse.Namespace, model: str, worker_id: str | None = None) -> WorkerSettings:

@@ -42,6 +42,13 @@ class SharedSettings:
                 f"request_partitions ({self.request_partitions}) must be at least the number of models "
                 f"({len(self.models)}) so each model has partitions of its own (BATCHWIRE_REQUEST_PARTITIONS)"
             )
+        if self.batch_partitions < 1:
+            raise SettingsError(
+                f"batch_partitions must be at least 1 (one per worker of a model), got {self.batch_partitions} "
+                "(BATCHWIRE_BATCH_PARTITIONS)"
+            )
+        if not self.result_ttl_s > 0:
+            raise SettingsError(f"result_ttl_s must be positive, got {self.result_ttl_s} (BATCHWIRE_RESULT_TTL_S)")
 
     @property
     def names(self) -> Names:

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from prometheus_client import start_http_server
 
 from batchwire.gc_tuning import Threshold, tune_gc
+from batchwire.settings import SettingsError
 from gateway.descriptors import connection_cap
 from gateway.events import StreamsEnd
 from gateway.http_limits import limited_http_protocol
@@ -93,8 +94,13 @@ def run_loop(main: Coroutine[Any, Any, int], gc_threshold: Threshold | None) -> 
 
 def serve_metrics(port: int) -> None:
     """Prometheus ``/metrics`` of a batcher or worker process on ``port`` (0: none)."""
+    if not 0 <= port <= 65535:
+        raise SettingsError(f"--metrics-port must be within 0..65535 (0: off), got {port} (BATCHWIRE_METRICS_PORT)")
     if port:
-        start_http_server(port, addr="127.0.0.1", registry=REGISTRY)
+        try:
+            start_http_server(port, addr="127.0.0.1", registry=REGISTRY)
+        except OSError as err:
+            raise SettingsError(f"cannot serve /metrics on 127.0.0.1:{port}: {err} (--metrics-port)") from err
 
 
 def serve_http(

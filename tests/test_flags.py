@@ -1,11 +1,12 @@
-"""A float setting takes finite numbers only, refused by its flag's name whether it came as a flag or
-as its variable: NaN passes every bound check (each comparison with it is false)."""
+"""Settings that cannot work stop a role before it starts, with exit 2 and the setting's name: a float
+setting takes finite numbers only (NaN passes every bound check: each comparison with it is false),
+and counts, latencies and ports keep to their ranges."""
 
 from __future__ import annotations
 
 import pytest
 
-from batchwire.cli import build_parser
+from batchwire.cli import build_parser, main
 from gpu_worker.settings import WorkerSettings
 
 
@@ -37,3 +38,26 @@ def test_a_negative_drain_timeout_is_refused_naming_the_variable() -> None:
     with pytest.raises(ValueError, match="BATCHWIRE_DRAIN_TIMEOUT_S"):
         WorkerSettings(drain_timeout_s=-1.0)
     assert WorkerSettings(drain_timeout_s=0.0).drain_timeout_s == 0.0, "0: the batch in hand goes back at once"
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["worker", "--sim-latency-ms=-1"], "--sim-latency-ms must be >= 0"),
+        (["worker", "--max-batch=0"], "--max-batch (BATCHWIRE_MAX_BATCH) must be at least 1"),
+        (["worker", "--hf-num-threads=0"], "--hf-num-threads (BATCHWIRE_HF_NUM_THREADS) must be at least 1"),
+        (["worker", "--metrics-port=70000"], "--metrics-port must be within 0..65535"),
+        (["worker", "--batch-partitions=0"], "batch_partitions must be at least 1"),
+        (["worker", "--result-ttl-s=0"], "result_ttl_s must be positive"),
+        (["up", "--workers=0"], "workers must be at least 1 per model, got 0 (BATCHWIRE_WORKERS)"),
+    ],
+)
+def test_a_setting_that_cannot_work_stops_the_role_before_it_starts(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Nothing listens here: a role that got past its settings would stop at Redis or Kafka instead.
+    monkeypatch.setenv("BATCHWIRE_KAFKA_BOOTSTRAP", "127.0.0.1:1")
+    monkeypatch.setenv("BATCHWIRE_REDIS_URL", "redis://127.0.0.1:1/0")
+    assert main([*argv, "--port=0"] if argv[0] == "up" else argv) == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err, err

@@ -32,6 +32,21 @@ class BackendSettings:
     device: str = "auto"
     dtype: str = "auto"
 
+    def __post_init__(self) -> None:
+        if self.sim_latency_ms < 0:
+            raise BackendConfigError(
+                f"--sim-latency-ms must be >= 0, got {self.sim_latency_ms} (BATCHWIRE_SIM_LATENCY_MS)"
+            )
+        counts = {
+            "--max-batch (BATCHWIRE_MAX_BATCH)": self.max_batch,
+            "--hf-max-new-tokens (BATCHWIRE_HF_MAX_NEW_TOKENS)": self.hf_max_new_tokens,
+            "--hf-max-input-tokens (BATCHWIRE_HF_MAX_INPUT_TOKENS)": self.hf_max_input_tokens,
+            "--hf-num-threads (BATCHWIRE_HF_NUM_THREADS)": self.hf_num_threads,
+        }
+        for flag, count in counts.items():
+            if count is not None and count < 1:
+                raise BackendConfigError(f"{flag} must be at least 1, got {count}")
+
 
 def make_backend(settings: BackendSettings, model: str) -> Backend:
     if settings.backend == "sim":
