@@ -33,6 +33,9 @@ from batchwire.capacity.sizing import (
 
 MAX_GROWTH = 64
 """The search gives up past this many times the closed-form lower bound."""
+MAX_WORKERS = 10_000
+"""The most GPUs of one model the planner simulates: past it a plan would take hours, and the same
+plan for a share of the traffic, multiplied, answers as well."""
 
 
 class PlanError(ValueError):
@@ -80,6 +83,11 @@ def gpus_for(
     if p99_ms < fastest_ms:
         raise PlanError(f"p99 target {p99_ms} ms is below one call of a single item ({fastest_ms:.1f} ms)")
     lower = max(1, math.ceil(rate / per_worker))
+    if lower > MAX_WORKERS:
+        raise PlanError(
+            f"{rate:g} req/s needs at least {lower} GPUs (one serves {per_worker:.0f} req/s at best), more than the "
+            f"{MAX_WORKERS} this planner simulates: plan a share of the traffic (--rate R/k) and multiply its GPUs by k"
+        )
 
     def meets(workers: int) -> RateResult | None:
         result = simulate_rate(configure(workers), rate, requests, seed)
@@ -166,8 +174,8 @@ def _models(args: argparse.Namespace) -> list[tuple[str, float]]:
         models = [("model", args.rate)]
     else:
         raise PlanError("give --rate R or --models NAME=RATE,...")
-    if any(rate <= 0 for _, rate in models):
-        raise PlanError("rates must be positive")
+    if not all(0 < rate < math.inf for _, rate in models):  # NaN too
+        raise PlanError(f"rates must be positive finite numbers, got {', '.join(f'{rate:g}' for _, rate in models)}")
     return models
 
 

@@ -185,3 +185,18 @@ def test_profile_lengths_need_a_tokenizer(run: Run, tmp_path: Path) -> None:
     argv = ["profile", "--backend", "sim", "--sim-latency-ms", "1", "--max-batch", "2", "--repeats", "1"]
     code, _, err = run([*argv, "--lengths", "16", "--out", str(tmp_path / "c.json")])
     assert code == 2 and "needs a backend with a tokenizer" in err
+
+
+@pytest.mark.parametrize(
+    ("rate", "said"),
+    [
+        ("nan", "rates must be positive finite numbers, got nan"),
+        ("inf", "rates must be positive finite numbers, got inf"),
+        ("1e9", "1e+09 req/s needs at least 3125000 GPUs"),  # refused at once, not simulated for hours
+    ],
+)
+def test_plan_refuses_a_rate_it_cannot_plan(run: Run, rate: str, said: str, tmp_path: Path) -> None:
+    curve = tmp_path / "c32.json"
+    Curve.flat(100.0, 32).save(curve)
+    code, _, err = run(["plan", f"--rate={rate}", "--p99-ms", "500", "--curve", str(curve)])
+    assert code == 2 and said in err, err
