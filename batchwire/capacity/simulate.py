@@ -238,8 +238,8 @@ def _rates(text: str) -> list[float]:
         rates = [float(part) for part in text.split(",") if part.strip()]
     except ValueError as err:
         raise ValueError(f"--rate takes comma-separated numbers, got {text!r}") from err
-    if not rates or any(r <= 0 for r in rates):
-        raise ValueError(f"--rate takes positive rates, got {text!r}")
+    if not rates or not all(0 < r < math.inf for r in rates):  # NaN too
+        raise ValueError(f"--rate takes positive finite rates, got {text!r}")
     return rates
 
 

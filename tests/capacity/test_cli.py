@@ -200,3 +200,9 @@ def test_plan_refuses_a_rate_it_cannot_plan(run: Run, rate: str, said: str, tmp_
     Curve.flat(100.0, 32).save(curve)
     code, _, err = run(["plan", f"--rate={rate}", "--p99-ms", "500", "--curve", str(curve)])
     assert code == 2 and said in err, err
+
+
+@pytest.mark.parametrize("rate", ["nan", "inf", "0", "100,-1"])
+def test_simulate_refuses_a_rate_that_is_not_positive_and_finite(run: Run, flat: str, rate: str) -> None:
+    code, _, err = run(["simulate", "--curve", flat, "--workers", "1", f"--rate={rate}"])
+    assert code == 2 and "--rate takes positive finite rates" in err, err
