@@ -8,9 +8,11 @@ matplotlib for every other subcommand.
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from batchwire.bench.streams import Stream, parse_mix
+from batchwire.settings import number
 
 DEFAULT_URL = "http://127.0.0.1:8000/v1/inference"
 POLICIES = ("work-conserving", "classic")
@@ -22,8 +24,8 @@ def _floats(text: str) -> list[float]:
         values = [float(part) for part in text.split(",") if part.strip()]
     except ValueError as err:
         raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from err
-    if not values or any(value <= 0 for value in values):
-        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    if not values or not all(0 < value < math.inf for value in values):  # NaN too
+        raise argparse.ArgumentTypeError(f"expected positive finite numbers, got {text!r}")
     return values
 
 
@@ -90,16 +92,16 @@ def _add_load_arguments(parser: argparse.ArgumentParser) -> None:
         help="instead of --rate: streams sent together, each [model/]tier:rate (e.g. high:200,low:6000 or "
         "a/normal:6000,b/normal:1000), reported per stream; repeat to run several mixes in turn",
     )
-    load.add_argument("--duration", type=float, default=10.0, help="measured seconds per rate (default 10)")
-    load.add_argument("--warmup", type=float, default=2.0, help="seconds sent before each window, not measured")
-    load.add_argument("--pause", type=float, default=1.0, help="seconds between rates (default 1)")
+    load.add_argument("--duration", type=number, default=10.0, help="measured seconds per rate (default 10)")
+    load.add_argument("--warmup", type=number, default=2.0, help="seconds sent before each window, not measured")
+    load.add_argument("--pause", type=number, default=1.0, help="seconds between rates (default 1)")
     load.add_argument(
         "--concurrency-limit",
         type=int,
         default=1000,
         help="most requests outstanding; a send beyond it counts as error client_limit (default 1000)",
     )
-    load.add_argument("--timeout", type=float, default=30.0, help="per-request timeout in s (default 30)")
+    load.add_argument("--timeout", type=number, default=30.0, help="per-request timeout in s (default 30)")
     _add_input_arguments(load)
     load.add_argument(
         "--client",
@@ -116,7 +118,7 @@ def _add_load_arguments(parser: argparse.ArgumentParser) -> None:
     )
     load.add_argument(
         "--lone-gap-ms",
-        type=float,
+        type=number,
         default=300.0,
         help="idle time after each lone request's answer before the next is sent (default 300)",
     )
@@ -160,7 +162,7 @@ def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
     output.add_argument("--label", help="name for this run in tables, plots and --compare")
     output.add_argument(
         "--backend-latency-ms",
-        type=float,
+        type=number,
         help="draw this ideal latency on the latency plot (default with --start: --sim-latency-ms)",
     )
     output.add_argument(
@@ -178,14 +180,14 @@ def _add_start_arguments(parser: argparse.ArgumentParser) -> None:
     start.add_argument("--policy", choices=POLICIES, default="work-conserving", help="batching policy to start")
     start.add_argument("--policies", type=_names, help="comma list: run every rate once per policy (with --start)")
     start.add_argument("--workers", type=int, default=1, help="GPU workers to start (default 1)")
-    start.add_argument("--sim-latency-ms", type=float, default=100.0, help="simulated GPU latency (default 100)")
+    start.add_argument("--sim-latency-ms", type=number, default=100.0, help="simulated GPU latency (default 100)")
     start.add_argument(
         "--slow-worker-latency-ms",
-        type=float,
+        type=number,
         help="kafka mode: the first worker takes this latency instead (slow-worker figure)",
     )
     start.add_argument("--max-batch", type=int, help="passed to the batcher")
-    start.add_argument("--max-wait-ms", type=float, help="passed to the batcher")
+    start.add_argument("--max-wait-ms", type=number, help="passed to the batcher")
     start.add_argument("--gateways", type=int, default=1, help="kafka mode: gateway processes (default 1)")
     start.add_argument("--batchers", type=int, default=1, help="kafka mode: batcher processes (default 1)")
     start.add_argument(
@@ -211,11 +213,11 @@ def _add_start_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         help="more flags for the started gateways (or the embedded service), e.g. '--max-queue-depth 4000'",
     )
-    start.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for readiness (default 60)")
-    start.add_argument("--stop-grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    start.add_argument("--ready-timeout", type=number, default=60.0, help="seconds to wait for readiness (default 60)")
+    start.add_argument("--stop-grace", type=number, default=10.0, help="seconds between SIGTERM and SIGKILL")
     start.add_argument(
         "--result-ttl-s",
-        type=float,
+        type=number,
         default=RESULT_TTL_S,
         help="how long the started service keeps results (its --result-ttl-s; default %(default)g): the bench reads "
         "each answer at once, and a short life keeps a shared stack's Redis from filling up over many runs",

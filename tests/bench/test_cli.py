@@ -198,3 +198,19 @@ def test_compare_refuses_other_json(tmp_path: Path, capsys: pytest.CaptureFixtur
     other.write_text("{}")
     assert main(["--compare", str(other), str(other)]) == 2
     assert "not a batchwire bench result" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--rate=nan"], "argument --rate: expected positive finite numbers, got 'nan'"),
+        (["--rate=10,inf"], "argument --rate: expected positive finite numbers"),
+        (["--rate=10", "--duration=nan"], "argument --duration: expected a finite number, got 'nan'"),
+    ],
+)
+def test_a_rate_or_duration_that_is_not_a_finite_number_is_refused(
+    flags: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(flags)
+    assert exited.value.code == 2 and said in capsys.readouterr().err
