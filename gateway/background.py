@@ -1,7 +1,9 @@
 """Tasks a gateway part starts and does not await itself, owned by one ``TaskGroup``.
 
 A request handler that hands work off (a shared computation, a write to finish once the store is
-back) must not outlive the gateway: ``close`` cancels every such task and waits for it.
+back) must not outlive the gateway: ``close`` cancels every such task and waits for it, cancelling
+again a task that lost its cancellation in a library below (``transport.cancelling``): the group
+itself cancels its tasks once only.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import asyncio
 import contextlib
 from collections.abc import Coroutine
 from typing import Any
+
+from transport.cancelling import RECANCEL_S
 
 
 class Background:
@@ -20,6 +24,7 @@ class Background:
         self._group: asyncio.TaskGroup | None = None
         self._host: asyncio.Task[None] | None = None
         self._started = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     @property
     def alive(self) -> bool:
@@ -35,13 +40,19 @@ class Background:
         if self._group is None:
             work.close()
             raise RuntimeError(f"{self._name}: a task spawned before start()")
-        self._group.create_task(work, name=name)
+        task = self._group.create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def close(self) -> None:
         """Cancels every task in the group and waits for them."""
         host, self._host = self._host, None
         if host is not None:
             host.cancel()
+            while not host.done():
+                await asyncio.wait({host}, timeout=RECANCEL_S)
+                for task in self._tasks:
+                    task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await host
         self._group = None
