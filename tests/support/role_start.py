@@ -12,14 +12,21 @@ from pathlib import Path
 
 from aiokafka.admin import AIOKafkaAdminClient
 
-EXIT_TIMEOUT_S = 15.0
+EXIT_TIMEOUT_S = 20.0
 
 
 def run_role(
-    role: str, redis_url: str, kafka_bootstrap: str, namespace: str, tmp_path: Path, **settings: str
+    role: str,
+    redis_url: str,
+    kafka_bootstrap: str,
+    namespace: str,
+    tmp_path: Path,
+    *,
+    flags: tuple[str, ...] = (),
+    **settings: str,
 ) -> tuple[int, str, float]:
-    """Runs ``role`` to its end with these servers and ``BATCHWIRE_*`` ``settings``: its exit status, its
-    output, and how long it ran."""
+    """Runs ``role`` to its end with these servers, ``flags`` and ``BATCHWIRE_*`` ``settings``: its exit
+    status, its output, and how long it ran."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHWIRE_")}
     env.update(
         BATCHWIRE_KAFKA_BOOTSTRAP=kafka_bootstrap,
@@ -30,7 +37,7 @@ def run_role(
     )
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "batchwire.cli", role],
+        [sys.executable, "-m", "batchwire.cli", role, *flags],
         env=env,
         cwd=tmp_path,
         capture_output=True,
@@ -46,7 +53,7 @@ def topics_of(kafka_bootstrap: str, namespace: str) -> list[str]:
         admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
         await admin.start()
         try:
-            return [topic for topic in await admin.list_topics() if namespace in topic]
+            return [topic for topic in await admin.list_topics() if topic.startswith(namespace + ".")]
         finally:
             await admin.close()
 
