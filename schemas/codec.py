@@ -16,6 +16,7 @@ from typing import Any, Generic, TypeVar
 import fastavro
 from fastavro.types import Schema
 
+from schemas import strict
 from schemas.records import Batch, BatchItem, Credit, InferenceRequest, Priority, TaskState, TaskStatus
 
 MAGIC = 0xB7
@@ -84,20 +85,10 @@ class _Codec(Generic[T]):
                 f"{self.kind.name} schema version {data[2]} is unknown to this reader (knows {sorted(self.versions)}); "
                 "upgrade this process"
             )
-        buf = io.BytesIO(data)
-        buf.seek(HEADER_SIZE)
         try:
-            if writer is self.schema:
-                record = fastavro.schemaless_reader(buf, writer, None)
-            else:
-                record = fastavro.schemaless_reader(buf, writer, self.schema)
+            return strict.read(data, HEADER_SIZE, writer, self.schema)
         except Exception as err:  # fastavro raises assorted types on truncated or corrupt input
             raise CodecError(f"corrupt {self.kind.name} record: {err}") from err
-        if not isinstance(record, dict):
-            raise CodecError(f"corrupt {self.kind.name} record")
-        if buf.tell() != len(data):
-            raise CodecError(f"corrupt {self.kind.name} record: {len(data) - buf.tell()} trailing bytes")
-        return record
 
 
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}

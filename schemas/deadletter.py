@@ -16,6 +16,7 @@ from typing import Any
 import fastavro
 from fastavro.types import Schema
 
+from schemas import strict
 from schemas.codec import HEADER_SIZE, MAGIC, CodecError
 
 DEAD_LETTER_KIND = 5
@@ -84,13 +85,9 @@ def decode_dead_letter(data: bytes) -> DeadLetter:
             f"dead-letter schema version {data[2]} is unknown to this reader (knows {sorted(_VERSIONS)}); "
             "upgrade this process"
         )
-    buf = io.BytesIO(data)
-    buf.seek(HEADER_SIZE)
     try:
-        record = fastavro.schemaless_reader(buf, writer, None if writer is _SCHEMA else _SCHEMA)
+        record = strict.read(data, HEADER_SIZE, writer, _SCHEMA)
     except Exception as err:  # fastavro raises assorted types on truncated or corrupt input
         raise CodecError(f"corrupt dead-letter record: {err}") from err
-    if not isinstance(record, dict) or buf.tell() != len(data):
-        raise CodecError("corrupt dead-letter record")
     items = tuple(DeadLetterItem(**item) for item in record.pop("items"))
     return DeadLetter(items=items, **record)

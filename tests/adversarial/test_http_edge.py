@@ -258,7 +258,10 @@ def test_a_connection_flood_over_the_cap_is_refused_unread(service_factory: Serv
             for sock in socks:
                 sock.close()
 
-    harm = unharmed(service, attack)
+    # The loop accepts and closes every flooded connection (refused ones now, held ones in the burst
+    # when the attacker ends), and the attacker shares the two cores with the gateway and the probe.
+    # Allowed: 20 µs a connection. Reading or answering each one on the loop costs far more.
+    harm = unharmed(service, attack, p99_slack_ms=P99_SLACK_MS + 0.02 * flood)
     refused = [answer for answer in answers if answer != b"held"]
     held = len(answers) - len(refused)
     assert len(answers) == flood
