@@ -47,6 +47,7 @@ from schemas.wire import Names
 from tests.support.eventually import eventually_sync
 from tests.support.processes import Cluster, launch, stopped_after
 from tests.support.stack_cli import stack_cli as _cli
+from tests.support.trail import trail
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(480)]
 
@@ -280,6 +281,9 @@ def test_a_broker_and_the_redis_primary_killed_under_load_lose_nothing(backbone:
     result = json.loads(out.read_text())
     report, failures = judge(result, faults, cluster.journal())
     report.append(f"cpu (vmstat, every 5 s): {_vmstat_summary(vmstat_path)}")
+    lost = [a["task_id"] for r in result["records"] if not _succeeded(r) for a in r["attempts"] if a["task_id"]]
+    if lost:  # where their trail ends, read while the cluster still runs
+        report.extend(trail(backbone.bootstrap, names, "sim", lost[:8]))
     text = "\nBACKBONE " + "\nBACKBONE ".join(report)
     print(text)
     assert not failures, "\n".join(failures) + text

@@ -1,0 +1,84 @@
+"""Where a lost task's trail ends on Kafka: for a failing e2e test's message, read before teardown.
+
+Reads every record of the request topic and of a model's batch topic, and the batcher and worker
+groups' committed offsets, and says for each task id which request records and batches hold it and
+whether their offsets were committed: a request never produced, one read and committed but never
+batched, or a batch produced and never run each point at a different part of the pipeline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiokafka import AIOKafkaConsumer, TopicPartition  # type: ignore[import-untyped, unused-ignore]
+from aiokafka.admin import AIOKafkaAdminClient  # type: ignore[import-untyped, unused-ignore]
+
+from schemas.codec import decode_batch
+from schemas.wire import Names
+
+READ_TIMEOUT_S = 30.0
+
+
+async def _holding(bootstrap: str, topic: str, task_ids: list[str]) -> dict[str, list[tuple[int, int, bytes]]]:
+    """Per task id, the (partition, offset, value) of every record of ``topic`` whose value names it."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest")
+    await consumer.start()
+    found: dict[str, list[tuple[int, int, bytes]]] = {task: [] for task in task_ids}
+    try:
+        partitions = [TopicPartition(topic, p) for p in (consumer.partitions_for_topic(topic) or set())]
+        if not partitions:
+            await consumer.topics()
+            partitions = [TopicPartition(topic, p) for p in (consumer.partitions_for_topic(topic) or set())]
+        consumer.assign(partitions)
+        await consumer.seek_to_beginning(*partitions)
+        ends = await consumer.end_offsets(partitions)
+        left = {tp for tp in partitions if ends[tp] > 0}
+        async with asyncio.timeout(READ_TIMEOUT_S):
+            while left:
+                for tp, records in (await consumer.getmany(timeout_ms=1000)).items():
+                    for record in records:
+                        for task in task_ids:
+                            if record.value is not None and task.encode() in record.value:
+                                found[task].append((tp.partition, record.offset, record.value))
+                        if record.offset + 1 >= ends[tp]:
+                            left.discard(tp)
+    finally:
+        await consumer.stop()
+    return found
+
+
+async def _committed(bootstrap: str, group: str) -> dict[tuple[str, int], int]:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
+    await admin.start()
+    try:
+        offsets = await admin.list_consumer_group_offsets(group)
+    finally:
+        await admin.close()
+    return {(tp.topic, tp.partition): meta.offset for tp, meta in offsets.items()}
+
+
+async def _trail(bootstrap: str, names: Names, model: str, task_ids: list[str]) -> list[str]:
+    requests = await _holding(bootstrap, names.request_topic, task_ids)
+    batches = await _holding(bootstrap, names.batch_topic(model), task_ids)
+    batcher = await _committed(bootstrap, names.batcher_group)
+    worker = await _committed(bootstrap, names.worker_group(model))
+    lines = []
+    for task in task_ids:
+        parts = [
+            f"request p{p}@{o} (batchers committed {batcher.get((names.request_topic, p))})"
+            for p, o, _ in requests[task]
+        ]
+        for p, o, value in batches[task]:
+            batch = decode_batch(value)
+            committed = worker.get((names.batch_topic(model), p))
+            parts.append(f"batch {batch.batch_id} ({batch.flush_reason}) p{p}@{o} (workers committed {committed})")
+        lines.append(f"{task}: " + ("; ".join(parts) if parts else "on no request record and in no batch"))
+    return lines
+
+
+def trail(bootstrap: str, names: Names, model: str, task_ids: list[str]) -> list[str]:
+    """One line per task id: the request records and batches on Kafka that hold it."""
+    try:
+        return asyncio.run(_trail(bootstrap, names, model, task_ids))
+    except Exception as err:  # a diagnosis, never the failure itself
+        return [f"could not read the trail: {type(err).__name__}: {err}"]
