@@ -96,8 +96,8 @@ class TaskPublisher:
                 f"so retry with an Idempotency-Key or poll /v1/result/{state.task_id} later",
                 task_id=state.task_id,
             ) from created
-        # ``created`` False: a retry with this task's Idempotency-Key recorded it queued first (see
-        # ``KeyedReplay.replay``); ids are 128 random bits, so it is never another task's.
+        # ``created`` False: a retry with this task's Idempotency-Key sent it again and recorded it
+        # first (``Gateway._submit_keyed``); ids are 128 random bits, so it is never another task's.
 
     async def end_unsent(self, queued: TaskState, timeout_ms: int) -> None:
         """Ends ``expired`` a task whose deadline passed while it was being published: the bus may

@@ -5,19 +5,20 @@ A binding carries its task's deadline. Past it (and ``STALE_AFTER_MS``) a bound 
 ended never will: no batcher batches and no worker starts a request past its deadline. So a key whose
 task was lost (its request never reached the bus and the store was down when the gateway tried to
 unbind it, or that gateway died in between) names a new task from then on, instead of answering
-every retry 504 until the key expires.
+every retry 504 until the key expires. A key bound to a task that is not stored at all is one whose
+submit ended before it stored the task: a retry sends that task again (``Gateway._submit_keyed``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from contextlib import aclosing
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from gateway import idempotency
-from gateway.answers import Accepted
 from gateway.background import Background
 from gateway.changes import follow
 from gateway.clock import Clock
@@ -33,7 +34,24 @@ STALE_AFTER_MS = 2_000
 """How long after its deadline a bound task that has not ended counts as one that never will: the
 margin covers clocks that disagree between hosts."""
 
+UNSTORED_GRACE_S = 1.0
+"""How long a retry waits for the task its key names to be stored before it takes that task for one
+whose submit ended first (``Gateway._submit_keyed``): a live submit stores it within a round trip."""
+
 UNQUEUED = "the request never reached the request bus (the gateway could not send it); retry it"
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """A claimed key: the task it names and, when that is an earlier task, its stored state (None:
+    not stored, see ``Gateway._submit_keyed``)."""
+
+    claim: KeyClaim
+    earlier: TaskState | None
+
+    @property
+    def task_id(self) -> str:
+        return self.claim.task_id
 
 
 class KeyedReplay:
@@ -56,14 +74,15 @@ class KeyedReplay:
         """Stops unbinding keys whose tasks were lost (``STALE_AFTER_MS`` frees them later)."""
         await self._settling.close()
 
-    async def claim(self, scope: str, key: str, task_id: str, fingerprint: str, deadline_ms: int) -> KeyClaim:
+    async def claim(self, scope: str, key: str, task_id: str, fingerprint: str, deadline_ms: int) -> Bound:
         """Binds the key to ``task_id`` (whose deadline is ``deadline_ms``) when it is free, when the
         task it names ended without being computed (``idempotency.starts_anew``), or when that task is
         past its deadline and will never end; else returns the binding of the task to replay."""
+        earlier: TaskState | None = None
         try:
             claim = await self._store.claim_key(scope, key, task_id, fingerprint, deadline_ms)
             if claim.task_id != task_id and claim.fingerprint == fingerprint:
-                earlier = await self._store.get(claim.task_id)  # None: its submit has not stored it yet
+                earlier = await self._store.get(claim.task_id)  # None: its submit has not stored it
                 if self._replaced(claim, earlier):
                     claim = await self._store.rebind_key(scope, key, claim.task_id, task_id, fingerprint, deadline_ms)
         except TRANSPORT_ERRORS as err:
@@ -73,7 +92,20 @@ class KeyedReplay:
                 "this Idempotency-Key was used for a request with another input or model; send a new key for "
                 "a new request (keys are kept as long as results)"
             )
-        return claim
+        return Bound(claim, None if claim.task_id == task_id else earlier)
+
+    async def stored(self, task_id: str, within_s: float) -> TaskState | None:
+        """The task's stored state, waited for up to ``within_s``; None if it is still not stored."""
+        try:
+            async with self._store.watch(task_id) as changes:
+                state = await self._store.get(task_id)
+                if state is None:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(within_s):
+                            state = await anext(changes)
+        except TRANSPORT_ERRORS as err:
+            raise Unavailable(f"the task store is unavailable: {err}") from err
+        return state
 
     async def release(self, scope: str, key: str, task_id: str, model: str, owner: str | None, deadline: float) -> None:
         """Unbinds the key from a task whose request never reached the bus, so that a retry creates
@@ -124,23 +156,6 @@ class KeyedReplay:
                 exc_info=True,
                 extra=ids(task_id=failed.task_id),
             )
-
-    async def accepted(self, task_id: str, model: str, owner: str | None) -> Accepted:
-        """An asynchronous retry's answer: the earlier task, recorded as queued if it is not stored yet.
-
-        The earlier task may not be stored yet (its submit is between claiming the key and storing
-        the task, or its record was lost to a store outage after its request was sent). ``create``
-        keeps whatever a batcher or worker stored first, and the original submit's own create then
-        finds it: the id handed out is then one GET can find.
-        """
-        try:
-            state = await self._store.get(task_id)
-            if state is None:
-                now_ms = self._clock.wall_ms()
-                await self._store.create(TaskState(task_id, TaskStatus.QUEUED, model, now_ms, now_ms, owner=owner))
-        except TRANSPORT_ERRORS as err:
-            raise Unavailable(f"the task store is unavailable: {err}") from err
-        return Accepted(task_id, model, replayed=True, status=state.status if state else TaskStatus.QUEUED)
 
     async def ended(self, claim: KeyClaim, deadline: float, timeout_ms: int) -> TaskState | None:
         """A synchronous retry's answer: the bound task's terminal state, waited for up to this

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import secrets
 from collections.abc import AsyncGenerator
+from dataclasses import replace
 from typing import Literal, overload
 
 from gateway import idempotency
@@ -21,7 +22,7 @@ from gateway.health import probe
 from gateway.priority import request_tier
 from gateway.publisher import TaskPublisher
 from gateway.reads import TaskReads
-from gateway.replay import KeyedReplay
+from gateway.replay import UNSTORED_GRACE_S, KeyedReplay
 from gateway.replies import Replies
 from gateway.settings import GatewaySettings, env_name
 from gateway.sharing import SharedAnswers
@@ -31,7 +32,7 @@ from gateway.waiters import CallerGone, Watch
 from schemas.records import TaskState, TaskStatus
 from telemetry import spans, tracing
 from telemetry.metrics import INFLIGHT, REQUEST_LATENCY
-from transport.ports import CreditPool, QueueDepth, RateLimiter, RequestProducer, ResultCache, TaskStore
+from transport.ports import CreditPool, KeyClaim, QueueDepth, RateLimiter, RequestProducer, ResultCache, TaskStore
 
 log = logging.getLogger(__name__)
 
@@ -236,15 +237,26 @@ class Gateway:
             raise Unavailable(refusal)
 
     async def _submit_keyed(self, submission: Submission, wait: bool, key: str) -> Answer | Accepted:
-        """A submit with an Idempotency-Key: the earlier task's answer, or a new task the key names."""
+        """A submit with an Idempotency-Key: the earlier task's answer, or a new task the key names.
+
+        A key bound to a task that is still not stored after ``UNSTORED_GRACE_S`` is one whose submit
+        ended before it stored the task, and maybe before it sent its request (the answer to its claim
+        was lost with a failed-over Redis primary, or its gateway was killed in between): the retry
+        sends that task again (``_resend``), so it ends. A request sent twice is computed twice at
+        worst, and answered once.
+        """
         task_id, model, owner, deadline = submission.task_id, submission.model, submission.owner, submission.deadline
         scope = owner or idempotency.ANONYMOUS_SCOPE
         fingerprint = idempotency.fingerprint(submission.input, model)
         deadline_ms = self._clock.wall_ms() + submission.timeout_ms
-        while (claim := await self._keys.claim(scope, key, task_id, fingerprint, deadline_ms)).task_id != task_id:
+        while (bound := await self._keys.claim(scope, key, task_id, fingerprint, deadline_ms)).task_id != task_id:
+            earlier = bound.earlier or await self._keys.stored(bound.task_id, UNSTORED_GRACE_S)
+            if earlier is None:
+                await self._resend(submission, bound.claim)
             if not wait:
-                return await self._keys.accepted(claim.task_id, model, owner)
-            state = await self._keys.ended(claim, deadline, submission.timeout_ms)
+                status = TaskStatus.QUEUED if earlier is None else earlier.status
+                return Accepted(bound.task_id, model, replayed=True, status=status)
+            state = await self._keys.ended(bound.claim, deadline, submission.timeout_ms)
             if state is not None and not (
                 idempotency.starts_anew(state) and asyncio.get_running_loop().time() < deadline
             ):
@@ -260,6 +272,17 @@ class Gateway:
         except Unavailable:
             await self._keys.release(scope, key, task_id, model, owner, deadline)  # a retry may create it
             raise
+
+    async def _resend(self, submission: Submission, claim: KeyClaim) -> None:
+        """Records and sends the bound task ``claim`` names, whose submit ended before it stored it:
+        under that task's id and its deadline (when sooner than this retry's), with no reply wanted
+        (a caller who waits for it follows the store, as for any replayed task)."""
+        timeout_ms = submission.timeout_ms
+        if claim.deadline_ms is not None:
+            timeout_ms = max(1, min(timeout_ms, claim.deadline_ms - self._clock.wall_ms()))
+        deadline = min(submission.deadline, asyncio.get_running_loop().time() + timeout_ms / 1000)
+        log.info("sending task %s again: its key is bound to it, but it was never stored", claim.task_id)
+        await self._enqueue(replace(submission, task_id=claim.task_id, timeout_ms=timeout_ms, deadline=deadline))
 
     async def _submit_shared(
         self, key: str, submission: Submission, wait: bool, watch: Disconnected | None

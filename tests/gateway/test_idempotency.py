@@ -144,21 +144,27 @@ async def test_a_key_whose_request_never_reached_the_bus_is_released(make_rig: R
     assert error_of(second)["task_id"] != error_of(first)["task_id"], "the retry must try again, not replay"
 
 
-async def test_an_asynchronous_retry_of_a_task_whose_record_was_lost_hands_out_an_id_that_reads(
+async def test_an_asynchronous_retry_of_a_bound_task_that_was_never_stored_sends_it_and_it_ends(
     make_rig: RigFactory, key_store: RedisTaskStore | None
 ) -> None:
-    """The first submit sent its request and bound its key, but its "queued" record was lost (the
-    store failed over between the two): the retry's 202 names a task that GET finds, not a 404."""
+    """The first submit bound its key and then failed or died before it stored its task, and maybe
+    before it sent its request (its claim's answer was lost with a failed-over Redis primary, or its
+    gateway was killed): the retry's 202 names that task, and the retry sends it, so it ends."""
     rig = await make_rig(store=key_store)
     store = key_store if key_store is not None else rig.store
+    worker = await rig.worker()
     model = rig.settings.default_model
-    await store.claim_key(idempotency.ANONYMOUS_SCOPE, "k-lost", "lost-record", idempotency.fingerprint("lost", model))
+    await store.claim_key(
+        idempotency.ANONYMOUS_SCOPE, "k-lost", "lost-record", idempotency.fingerprint("lost", model), now_ms() + 30_000
+    )
     retry = await rig.client.post("/v1/tasks", json={"input": "lost"}, headers=_key("k-lost"))
     assert (retry.status_code, retry.json()["task_id"]) == (202, "lost-record"), retry.text
-    read = await rig.client.get("/v1/result/lost-record")
-    assert (read.status_code, read.json()["status"]) == (200, "queued"), read.text
+    assert retry.headers["idempotent-replayed"] == "true"
+    read = await rig.client.get("/v1/result/lost-record", params={"wait": 10})
+    assert (read.status_code, read.json()["status"], read.json().get("output")) == (200, "completed", "tsol"), read.text
     again = await rig.client.post("/v1/tasks", json={"input": "lost"}, headers=_key("k-lost"))
-    assert again.json()["task_id"] == "lost-record", "the recorded task is replayed, not replaced"
+    assert again.json()["task_id"] == "lost-record", "the task is replayed from then on, not replaced"
+    assert [r.input for r in worker.seen] == ["lost"]
 
 
 # a key whose task ended without being computed -----------------------------------------------------
@@ -357,24 +363,24 @@ async def test_a_key_bound_to_a_task_past_its_deadline_that_was_never_stored_nam
     assert again.json()["task_id"] == sync.json()["task_id"], "the new task is replayed from then on"
 
 
-async def test_a_retry_waiting_for_a_bound_task_that_never_appears_starts_its_own_once_that_task_is_stale(
+async def test_a_synchronous_retry_of_a_bound_task_that_was_never_stored_sends_it_and_answers_at_once(
     make_rig: RigFactory, key_store: RedisTaskStore | None
 ) -> None:
+    """Not waiting until the bound task is stale: nothing would ever send it."""
     rig = await make_rig(store=key_store)
     store = key_store if key_store is not None else rig.store
     await rig.worker()
     fingerprint = idempotency.fingerprint("late", rig.settings.default_model)
-    soon = now_ms() + 300
-    await store.claim_key(idempotency.ANONYMOUS_SCOPE, "k-late", "never-stored", fingerprint, soon)
+    far = now_ms() + 60_000
+    await store.claim_key(idempotency.ANONYMOUS_SCOPE, "k-late", "never-stored", fingerprint, far)
 
     answer = await rig.client.post(
         "/v1/inference", json={"input": "late", "timeout_ms": 20_000}, headers=_key("k-late"), timeout=30
     )
 
     assert answer.status_code == 200, answer.text
-    assert answer.json()["task_id"] != "never-stored"
-    assert answer.json()["output"] == "etal"
-    assert now_ms() >= soon + STALE_AFTER_MS, "a bound task is waited for until it is stale, not replaced sooner"
+    assert (answer.json()["task_id"], answer.json()["output"]) == ("never-stored", "etal")
+    assert answer.headers["idempotent-replayed"] == "true"
 
 
 class _StoreDownForKeys(RecordingStore):

@@ -19,20 +19,19 @@ from schemas.wire import Names
 READ_TIMEOUT_S = 30.0
 
 
-async def _holding(bootstrap: str, topic: str, task_ids: list[str]) -> dict[str, list[tuple[int, int, bytes]]]:
+async def _holding(
+    bootstrap: str, topic: str, partitions: int, task_ids: list[str]
+) -> dict[str, list[tuple[int, int, bytes]]]:
     """Per task id, the (partition, offset, value) of every record of ``topic`` whose value names it."""
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest")
     await consumer.start()
     found: dict[str, list[tuple[int, int, bytes]]] = {task: [] for task in task_ids}
     try:
-        partitions = [TopicPartition(topic, p) for p in (consumer.partitions_for_topic(topic) or set())]
-        if not partitions:
-            await consumer.topics()
-            partitions = [TopicPartition(topic, p) for p in (consumer.partitions_for_topic(topic) or set())]
-        consumer.assign(partitions)
-        await consumer.seek_to_beginning(*partitions)
-        ends = await consumer.end_offsets(partitions)
-        left = {tp for tp in partitions if ends[tp] > 0}
+        assigned = [TopicPartition(topic, p) for p in range(partitions)]
+        consumer.assign(assigned)
+        await consumer.seek_to_beginning(*assigned)
+        ends = await consumer.end_offsets(assigned)
+        left = {tp for tp in assigned if ends[tp] > 0}
         async with asyncio.timeout(READ_TIMEOUT_S):
             while left:
                 for tp, records in (await consumer.getmany(timeout_ms=1000)).items():
@@ -47,31 +46,38 @@ async def _holding(bootstrap: str, topic: str, task_ids: list[str]) -> dict[str,
     return found
 
 
-async def _committed(bootstrap: str, group: str) -> dict[tuple[str, int], int]:
+async def _layout(
+    bootstrap: str, topics: list[str], groups: list[str]
+) -> tuple[dict[str, int], dict[tuple[str, int], int]]:
+    """(Each topic's partition count, every group's committed offsets by topic and partition.)"""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
     await admin.start()
     try:
-        offsets = await admin.list_consumer_group_offsets(group)
+        described = await admin.describe_topics(topics)
+        committed = {}
+        for group in groups:
+            for tp, meta in (await admin.list_consumer_group_offsets(group)).items():
+                committed[(tp.topic, tp.partition)] = meta.offset
     finally:
         await admin.close()
-    return {(tp.topic, tp.partition): meta.offset for tp, meta in offsets.items()}
+    return {t["topic"]: len(t["partitions"]) for t in described}, committed
 
 
 async def _trail(bootstrap: str, names: Names, model: str, task_ids: list[str]) -> list[str]:
-    requests = await _holding(bootstrap, names.request_topic, task_ids)
-    batches = await _holding(bootstrap, names.batch_topic(model), task_ids)
-    batcher = await _committed(bootstrap, names.batcher_group)
-    worker = await _committed(bootstrap, names.worker_group(model))
+    request_topic, batch_topic = names.request_topic, names.batch_topic(model)
+    partitions, committed = await _layout(
+        bootstrap, [request_topic, batch_topic], [names.batcher_group, names.worker_group(model)]
+    )
+    requests = await _holding(bootstrap, request_topic, partitions[request_topic], task_ids)
+    batches = await _holding(bootstrap, batch_topic, partitions[batch_topic], task_ids)
     lines = []
     for task in task_ids:
         parts = [
-            f"request p{p}@{o} (batchers committed {batcher.get((names.request_topic, p))})"
-            for p, o, _ in requests[task]
+            f"request p{p}@{o} (batchers committed {committed.get((request_topic, p))})" for p, o, _ in requests[task]
         ]
         for p, o, value in batches[task]:
-            batch = decode_batch(value)
-            committed = worker.get((names.batch_topic(model), p))
-            parts.append(f"batch {batch.batch_id} ({batch.flush_reason}) p{p}@{o} (workers committed {committed})")
+            batch, done = decode_batch(value), committed.get((batch_topic, p))
+            parts.append(f"batch {batch.batch_id} ({batch.flush_reason}) p{p}@{o} (workers committed {done})")
         lines.append(f"{task}: " + ("; ".join(parts) if parts else "on no request record and in no batch"))
     return lines
 
