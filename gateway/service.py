@@ -31,6 +31,7 @@ from gateway.validation import validated
 from gateway.waiters import CallerGone, Watch
 from schemas.records import TaskState, TaskStatus
 from telemetry import spans, tracing
+from telemetry.logs import ids
 from telemetry.metrics import INFLIGHT, REQUEST_LATENCY
 from transport.ports import CreditPool, KeyClaim, QueueDepth, RateLimiter, RequestProducer, ResultCache, TaskStore
 
@@ -281,7 +282,11 @@ class Gateway:
         if claim.deadline_ms is not None:
             timeout_ms = max(1, min(timeout_ms, claim.deadline_ms - self._clock.wall_ms()))
         deadline = min(submission.deadline, asyncio.get_running_loop().time() + timeout_ms / 1000)
-        log.info("sending task %s again: its key is bound to it, but it was never stored", claim.task_id)
+        log.info(
+            "sending task %s again: its key is bound to it, but it was never stored",
+            claim.task_id,
+            extra=ids(task_id=claim.task_id),
+        )
         await self._enqueue(replace(submission, task_id=claim.task_id, timeout_ms=timeout_ms, deadline=deadline))
 
     async def _submit_shared(
