@@ -11,7 +11,7 @@ import json
 from dataclasses import fields
 from enum import IntEnum
 from importlib import resources
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import fastavro
 from fastavro.types import Schema
@@ -34,39 +34,32 @@ class Kind(IntEnum):
     TASK_STATE = 4
 
 
-_FILES: dict[Kind, str] = {
-    Kind.REQUEST: "request",
-    Kind.BATCH: "batch",
-    Kind.CREDIT: "credit",
-    Kind.TASK_STATE: "result",
-}
-
-
-def _load(kind: Kind) -> dict[int, Schema]:
-    """Every known version of one record kind, parsed."""
+def _load(stem: str) -> dict[int, Schema]:
+    """Every known version of one record kind (``<stem>.v<N>.avsc``), parsed."""
     folder = resources.files("schemas") / "avro"
+    prefix = stem + ".v"
     versions: dict[int, Schema] = {}
     for entry in folder.iterdir():
         name = entry.name
-        prefix = _FILES[kind] + ".v"
         if name.startswith(prefix) and name.endswith(".avsc"):
             version = int(name[len(prefix) : -len(".avsc")])
             versions[version] = fastavro.parse_schema(json.loads(entry.read_text()))
     if not versions:
-        raise RuntimeError(f"no Avro schema found for {kind.name} in {folder}")
+        raise RuntimeError(f"no Avro schema {prefix}*.avsc in {folder}")
     return versions
 
 
-T = TypeVar("T")
+class RecordCodec:
+    """One record kind's header and schemas: writes the newest version, reads every known one."""
 
-
-class _Codec(Generic[T]):
-    def __init__(self, kind: Kind) -> None:
+    def __init__(self, kind: int, stem: str, label: str) -> None:
+        """``kind``: the header's kind byte; ``stem``: its schema files' names; ``label``: its name in errors."""
         self.kind = kind
-        self.versions = _load(kind)
+        self.label = label
+        self.versions = _load(stem)
         self.version = max(self.versions)
         self.schema = self.versions[self.version]
-        self._header = bytes((MAGIC, int(kind), self.version))
+        self._header = bytes((MAGIC, kind, self.version))
 
     def encode_dict(self, record: dict[str, Any]) -> bytes:
         buf = io.BytesIO()
@@ -78,17 +71,17 @@ class _Codec(Generic[T]):
         if len(data) < HEADER_SIZE or data[0] != MAGIC:
             raise CodecError("not a batchwire record (bad magic byte)")
         if data[1] != self.kind:
-            raise CodecError(f"expected a {self.kind.name} record, got kind {data[1]}")
+            raise CodecError(f"expected a {self.label} record (kind {self.kind}), got kind {data[1]}")
         writer = self.versions.get(data[2])
         if writer is None:
             raise CodecError(
-                f"{self.kind.name} schema version {data[2]} is unknown to this reader (knows {sorted(self.versions)}); "
+                f"{self.label} schema version {data[2]} is unknown to this reader (knows {sorted(self.versions)}); "
                 "upgrade this process"
             )
         try:
             return strict.read(data, HEADER_SIZE, writer, self.schema)
         except Exception as err:  # fastavro raises assorted types on truncated or corrupt input
-            raise CodecError(f"corrupt {self.kind.name} record: {err}") from err
+            raise CodecError(f"corrupt {self.label} record: {err}") from err
 
 
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
@@ -102,10 +95,10 @@ def _as_record(obj: Any) -> dict[str, Any]:
     return {name: getattr(obj, name) for name in names}
 
 
-_request = _Codec[InferenceRequest](Kind.REQUEST)
-_batch = _Codec[Batch](Kind.BATCH)
-_credit = _Codec[Credit](Kind.CREDIT)
-_state = _Codec[TaskState](Kind.TASK_STATE)
+_request = RecordCodec(Kind.REQUEST, "request", Kind.REQUEST.name)
+_batch = RecordCodec(Kind.BATCH, "batch", Kind.BATCH.name)
+_credit = RecordCodec(Kind.CREDIT, "credit", Kind.CREDIT.name)
+_state = RecordCodec(Kind.TASK_STATE, "result", Kind.TASK_STATE.name)
 
 
 def encode_request(request: InferenceRequest) -> bytes:

@@ -7,17 +7,9 @@ kind of its own (``DEAD_LETTER_KIND``), so a reader can tell it from a batch or 
 
 from __future__ import annotations
 
-import io
-import json
 from dataclasses import asdict, dataclass, field
-from importlib import resources
-from typing import Any
 
-import fastavro
-from fastavro.types import Schema
-
-from schemas import strict
-from schemas.codec import HEADER_SIZE, MAGIC, CodecError
+from schemas.codec import RecordCodec
 
 DEAD_LETTER_KIND = 5
 """Record kind byte of dead letters; ``schemas.codec.Kind`` uses 1-4."""
@@ -48,46 +40,14 @@ class DeadLetter:
     items: tuple[DeadLetterItem, ...] = field(default_factory=tuple)
 
 
-def _load() -> dict[int, Schema]:
-    folder = resources.files("schemas") / "avro"
-    versions: dict[int, Schema] = {}
-    for entry in folder.iterdir():
-        name = entry.name
-        if name.startswith("deadletter.v") and name.endswith(".avsc"):
-            version = int(name[len("deadletter.v") : -len(".avsc")])
-            versions[version] = fastavro.parse_schema(json.loads(entry.read_text()))
-    if not versions:
-        raise RuntimeError(f"no Avro schema deadletter.v*.avsc in {folder}")
-    return versions
-
-
-_VERSIONS = _load()
-_VERSION = max(_VERSIONS)
-_SCHEMA = _VERSIONS[_VERSION]
+_CODEC = RecordCodec(DEAD_LETTER_KIND, "deadletter", "dead-letter")
 
 
 def encode_dead_letter(letter: DeadLetter) -> bytes:
-    record: dict[str, Any] = asdict(letter)
-    buf = io.BytesIO()
-    buf.write(bytes((MAGIC, DEAD_LETTER_KIND, _VERSION)))
-    fastavro.schemaless_writer(buf, _SCHEMA, record)
-    return buf.getvalue()
+    return _CODEC.encode_dict(asdict(letter))
 
 
 def decode_dead_letter(data: bytes) -> DeadLetter:
-    if len(data) < HEADER_SIZE or data[0] != MAGIC:
-        raise CodecError("not a batchwire record (bad magic byte)")
-    if data[1] != DEAD_LETTER_KIND:
-        raise CodecError(f"expected a dead-letter record (kind {DEAD_LETTER_KIND}), got kind {data[1]}")
-    writer = _VERSIONS.get(data[2])
-    if writer is None:
-        raise CodecError(
-            f"dead-letter schema version {data[2]} is unknown to this reader (knows {sorted(_VERSIONS)}); "
-            "upgrade this process"
-        )
-    try:
-        record = strict.read(data, HEADER_SIZE, writer, _SCHEMA)
-    except Exception as err:  # fastavro raises assorted types on truncated or corrupt input
-        raise CodecError(f"corrupt dead-letter record: {err}") from err
+    record = _CODEC.decode_dict(data)
     items = tuple(DeadLetterItem(**item) for item in record.pop("items"))
     return DeadLetter(items=items, **record)
