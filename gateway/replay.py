@@ -12,10 +12,9 @@ submit ended before it stored the task: a retry sends that task again (``Gateway
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
-from contextlib import aclosing
+from contextlib import aclosing, suppress
 from dataclasses import dataclass, replace
 
 from gateway import idempotency
@@ -100,7 +99,7 @@ class KeyedReplay:
             async with self._store.watch(task_id) as changes:
                 state = await self._store.get(task_id)
                 if state is None:
-                    with contextlib.suppress(TimeoutError):
+                    with suppress(TimeoutError):
                         async with asyncio.timeout(within_s):
                             state = await anext(changes)
         except TRANSPORT_ERRORS as err:
