@@ -26,8 +26,10 @@ from infra.process import ServiceProcess
 # collector start faster than the JVM defaults (the CDS archive, infra.kafka_cds, faster still).
 # C1-only code is slower at peak throughput, which a test broker sharing two cores never reaches;
 # the serial collector has no concurrent GC threads competing with the services under test.
+# The heap starts at the size a cluster node keeps (`infra.kafka_cluster.cluster_jvm_opts`): a heap
+# that grows does so in a full collection, which stops the broker while it serves.
 FAST_START_JVM_OPTS: tuple[str, ...] = (
-    "-Xms64m",
+    "-Xms256m",
     "-Xmx512m",
     "-XX:+UseSerialGC",
     "-XX:TieredStopAtLevel=1",
@@ -72,6 +74,10 @@ BROKER_PROPERTIES: Mapping[str, str] = {
     "num.network.threads": "2",
     "num.io.threads": "4",
     "background.threads": "4",
+    # The log cleaner (it compacts the offsets topic) takes its dedupe buffer from the heap at
+    # start: 128 MiB by default, which leaves a small heap's young generation a sliver and the
+    # collector pausing the broker often. A few MiB hold the keys of these compacted topics.
+    "log.cleaner.dedupe.buffer.size": str(8 * 1024 * 1024),
 }
 
 DEFAULT_START_TIMEOUT_S = 60.0

@@ -8,8 +8,15 @@ import pytest
 
 from infra.docker_stack import kafka_container_env
 from infra.errors import InfraError, NotSupportedError, ToolMissingError
+from infra.kafka_cluster import cluster_jvm_opts
 from infra.kafka_dist import cache_root, default_libs_dir
-from infra.kafka_server import new_cluster_id, read_config_ports, render_server_properties
+from infra.kafka_server import (
+    BROKER_PROPERTIES,
+    FAST_START_JVM_OPTS,
+    new_cluster_id,
+    read_config_ports,
+    render_server_properties,
+)
 from infra.redis_server import RedisServer, checked_maxmemory, read_config_port
 from infra.select import ProvidedInfra, choose_infra_kind
 
@@ -84,6 +91,21 @@ def test_stack_up_flag_names_a_bad_size_and_defaults_to_the_stacks_bound() -> No
 def test_server_properties_extra_overrides(tmp_path: Path) -> None:
     text = render_server_properties(data_dir=tmp_path, broker_port=1, controller_port=2, extra={"num.partitions": "4"})
     assert _props(text)["num.partitions"] == "4"
+
+
+def _mebibytes(opts: tuple[str, ...], flag: str) -> int:
+    (value,) = (opt.removeprefix(flag) for opt in opts if opt.startswith(flag))
+    assert value.endswith("m"), value
+    return int(value[:-1])
+
+
+def test_a_cluster_nodes_heap_is_sized_at_start_and_the_cleaner_takes_little_of_it() -> None:
+    opts = cluster_jvm_opts(FAST_START_JVM_OPTS)
+    heap_mib = _mebibytes(opts, "-Xmx")
+    dedupe_mib = int(BROKER_PROPERTIES["log.cleaner.dedupe.buffer.size"]) / 2**20
+
+    assert _mebibytes(opts, "-Xms") == heap_mib
+    assert dedupe_mib * 16 <= heap_mib, (dedupe_mib, heap_mib)
 
 
 def test_cluster_id_is_22_url_safe_chars() -> None:
