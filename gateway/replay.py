@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import AsyncIterator
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, replace
 
@@ -95,15 +96,21 @@ class KeyedReplay:
 
     async def stored(self, task_id: str, within_s: float) -> TaskState | None:
         """The task's stored state, waited for up to ``within_s``; None if it is still not stored."""
+        until = asyncio.get_running_loop().time() + within_s
         try:
             async with self._store.watch(task_id) as changes:
-                state = await self._store.get(task_id)
-                if state is None:
-                    with suppress(TimeoutError):
-                        async with asyncio.timeout(within_s):
-                            state = await anext(changes)
+                return await self._first_stored(task_id, changes, until)
         except TRANSPORT_ERRORS as err:
             raise Unavailable(f"the task store is unavailable: {err}") from err
+
+    async def _first_stored(self, task_id: str, changes: AsyncIterator[TaskState], until: float) -> TaskState | None:
+        """The task's state once it is stored (``changes``: its watch, opened before this read), or
+        None if it is not stored by the loop time ``until``."""
+        state = await self._store.get(task_id)
+        with suppress(TimeoutError):
+            async with asyncio.timeout_at(until):
+                while state is None:
+                    state = await anext(changes)
         return state
 
     async def release(self, scope: str, key: str, task_id: str, model: str, owner: str | None, deadline: float) -> None:
@@ -164,13 +171,7 @@ class KeyedReplay:
         until = min(deadline, asyncio.get_running_loop().time() + self._stale_in_s(claim))
         try:
             async with self._store.watch(task_id) as changes:
-                state = await self._store.get(task_id)
-                try:
-                    async with asyncio.timeout_at(until):
-                        while state is None:
-                            state = await anext(changes)
-                except TimeoutError:
-                    state = None
+                state = await self._first_stored(task_id, changes, until)
                 if state is not None and not state.status.terminal:
                     async with aclosing(follow(self._store, changes, state, until, self._recheck_s)) as later:
                         async for change in later:
