@@ -334,7 +334,7 @@ class Dispatcher:
         marking = asyncio.create_task(self._mark_batched(model, batch))
         try:
             try:
-                await self.producer.send(batch, credit.partition)
+                await self.producer.send(batch, credit.partition, idle_worker=self._starts_in_s(credit) <= 0)
             except TransportError as err:
                 log.warning(
                     "could not hand batch %s to %s: %s; will retry",

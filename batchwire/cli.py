@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from batcher.settings import BatcherSettings
 from batchwire import flags, operations, roles
@@ -48,19 +49,25 @@ def _gateway(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     flags.gateway_admission(gateway)
     flags.answer_sharing(gateway)
     flags.express(gateway)
-    flags.field_flag(
-        gateway,
-        GatewaySettings,
-        "express_record_delay_ms",
-        float,
-        "with --express, produce a synchronous request's Kafka record this long after its express copy",
-    )
+    _express_record_delay(gateway, GatewaySettings)
     flags.field_flag(
         gateway,
         GatewaySettings,
         "request_linger_ms",
         float,
         "gather requests this long into one Kafka produce request (fewer round trips; 0: send at once)",
+    )
+
+
+def _express_record_delay(parser: argparse.ArgumentParser, settings: type[Any]) -> None:
+    """The gateway's and the batcher's flag, one text for both (the configuration table keeps one)."""
+    flags.field_flag(
+        parser,
+        settings,
+        "express_record_delay_ms",
+        float,
+        "with --express, produce a Kafka record this long after its express copy: a synchronous request's "
+        "(gateway), a batch's for an idle worker (batcher)",
     )
 
 
@@ -84,6 +91,7 @@ def _batcher(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "while every worker is busy, fetch requests at most this often, catching up before each seal (0: always)",
     )
     flags.express(batcher)
+    _express_record_delay(batcher, BatcherSettings)
     flags.redis_replica_wait(batcher)
 
 

@@ -109,13 +109,16 @@ def batcher_settings(
     read_pace_ms: float,
     keep_credit_s: float | None = None,
     batcher_id: str | None = None,
+    express_record_delay_ms: float | None = None,
 ) -> BatcherSettings:
-    """``keep_credit_s`` and ``batcher_id`` left None keep BatcherSettings' defaults."""
+    """The keywords left None keep BatcherSettings' defaults."""
     kwargs: dict[str, Any] = {}
     if keep_credit_s is not None:
         kwargs["keep_credit_s"] = keep_credit_s
     if batcher_id:
         kwargs["batcher_id"] = batcher_id
+    if express_record_delay_ms is not None:
+        kwargs["express_record_delay_ms"] = express_record_delay_ms
     try:
         return BatcherSettings(
             policy=_policy(args),

@@ -113,7 +113,11 @@ def run_gateway(args: argparse.Namespace) -> int:
 def run_batcher(args: argparse.Namespace) -> int:
     shared = rs.process_shared_settings(args)
     settings = rs.batcher_settings(
-        args, shared.request_partitions, read_pace_ms=args.read_pace_ms, batcher_id=args.batcher_id
+        args,
+        shared.request_partitions,
+        read_pace_ms=args.read_pace_ms,
+        batcher_id=args.batcher_id,
+        express_record_delay_ms=args.express_record_delay_ms,
     )
 
     replicas = _replica_settings(args)
@@ -131,7 +135,9 @@ def run_batcher(args: argparse.Namespace) -> int:
         )
         if args.express:
             express = RedisExpress(redis_url, shared.names, deliveries_ttl_s=shared.result_ttl_s)  # as the workers'
-            producer = ExpressBatchProducer(kafka_producer, express)
+            producer = ExpressBatchProducer(
+                kafka_producer, express, record_delay_s=settings.express_record_delay_ms / 1000
+            )
             consumer = ExpressRequestConsumer(consumer, redis_url, shared.names)
         wait = ReplicaWait(store, replicas, settings.batcher_id, role="batcher", retry_max_s=settings.retry_max_s)
         batcher = Batcher(settings, consumer, producer, credits, store, replicas=wait)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 
 import pytest
 
@@ -31,8 +32,9 @@ class GatedBatchBus(MemoryBatchBus):
         self.release = asyncio.Event()
         self.holding = asyncio.Event()
         self.sent: list[tuple[int, list[str]]] = []
+        self.idle_worker: list[bool] = []
 
-    async def send(self, batch: Batch, partition: int) -> None:
+    async def send(self, batch: Batch, partition: int, *, idle_worker: bool = False) -> None:
         if self.failures:
             self.failures -= 1
             raise TransportError("the broker refused the batch")
@@ -40,7 +42,8 @@ class GatedBatchBus(MemoryBatchBus):
             self.holding.set()
             await self.release.wait()
         self.sent.append((partition, [item.task_id for item in batch.items]))
-        await super().send(batch, partition)
+        self.idle_worker.append(idle_worker)
+        await super().send(batch, partition, idle_worker=idle_worker)
 
 
 def now_ms() -> int:
@@ -88,6 +91,23 @@ async def test_the_next_workers_batch_goes_out_while_the_first_is_still_landing(
         assert rig.batches.sent == [(1, ["r2"]), (0, ["r1"])]
     finally:
         rig.batches.release.set()
+        await rig.batcher.close()
+
+
+async def test_the_bus_is_told_whether_the_batchs_worker_is_idle() -> None:
+    """An express transport sends the Kafka record of an idle worker's batch a little later."""
+    rig = Rig(GatedBatchBus(2))
+    await rig.batcher.start()
+    try:
+        await rig.batch_for("r1", "w1", 0)
+        await eventually(lambda: len(rig.batches.sent) == 1, "the idle worker's batch", timeout_s=5)
+        await rig.request("r2")
+        busy = credit("w2", 1)
+        await rig.credits.offer(replace(busy, busy_ms=100, free_at_ms=now_ms() + 200))  # an early credit
+        await eventually(lambda: len(rig.batches.sent) == 2, "the busy worker's batch", timeout_s=5)
+        assert rig.batches.sent == [(0, ["r1"]), (1, ["r2"])]
+        assert rig.batches.idle_worker == [True, False]
+    finally:
         await rig.batcher.close()
 
 

@@ -60,8 +60,9 @@ class Kit:
         """A Redis client of the test's own, closed at teardown."""
         return self.closer.add(Redis.from_url(self.infra.redis_url))  # type: ignore[no-any-return]
 
-    async def producer(self) -> ExpressBatchProducer:
-        producer = ExpressBatchProducer(KafkaBatchProducer(self.infra.kafka_bootstrap, self.names), self.express())
+    async def producer(self, record_delay_s: float = 0.0) -> ExpressBatchProducer:
+        kafka = KafkaBatchProducer(self.infra.kafka_bootstrap, self.names)
+        producer = ExpressBatchProducer(kafka, self.express(), record_delay_s=record_delay_s)
         await producer.start()
         return self.closer.add(producer)  # type: ignore[no-any-return]
 
@@ -125,6 +126,26 @@ async def test_a_batch_runs_once_from_the_express_list_and_its_kafka_offset_is_c
     assert resumed is not None
     assert resumed.value == later, f"b1 was committed; expected b2 next, got {resumed.value}"
     assert resumed.partition == 0
+
+
+async def test_a_batch_for_an_idle_worker_lands_on_kafka_after_its_copy_by_the_delay(kit: Kit) -> None:
+    worker = await kit.consumer()
+    producer = await kit.producer(record_delay_s=1.0)
+    started = time.monotonic()
+    sending = asyncio.ensure_future(producer.send(batch("idle-1"), 0, idle_worker=True))
+    delivered = await worker.next(WAIT_S)
+    assert delivered is not None and delivered.via == "express"
+    assert not sending.done(), "the Kafka record waits for the delay"
+    await sending
+    assert time.monotonic() - started >= 1.0
+    await worker.commit(delivered)  # the record is there now: its offset commits
+
+    started = time.monotonic()
+    await producer.send(batch("busy-1"), 0)
+    assert time.monotonic() - started < 1.0, "a batch for a busy worker lands at once"
+    delivered = await worker.next(WAIT_S)
+    assert delivered is not None and delivered.value is not None and delivered.value.batch_id == "busy-1"
+    await worker.commit(delivered)
 
 
 async def test_an_express_copy_that_comes_after_the_kafka_copy_is_dropped(kit: Kit) -> None:

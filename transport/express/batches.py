@@ -29,11 +29,21 @@ log = logging.getLogger(__name__)
 
 
 class ExpressBatchProducer:
-    """``BatchProducer``: the Kafka copy, and an express copy to the worker the batch's credit names."""
+    """``BatchProducer``: the Kafka copy, and an express copy to the worker the batch's credit names.
 
-    def __init__(self, kafka: KafkaBatchProducer, express: RedisExpress, *, retry_max_s: float = 2.0) -> None:
+    A batch for an idle worker has its Kafka record produced ``record_delay_s`` after its copy: that
+    worker starts the call the moment the copy arrives, and on a small machine the brokers' work for
+    the record (the leader's append, the followers' fetches, the worker's own fetch) would take CPU
+    from that start; delayed, it happens while the GPU computes. A batch for a busy worker waits for
+    it anyway, so its record goes at once.
+    """
+
+    def __init__(
+        self, kafka: KafkaBatchProducer, express: RedisExpress, *, record_delay_s: float = 0.0, retry_max_s: float = 2.0
+    ) -> None:
         self.kafka = kafka
         self.express = express
+        self.record_delay_s = record_delay_s
         self.retry_max_s = retry_max_s
 
     async def start(self) -> None:
@@ -44,7 +54,7 @@ class ExpressBatchProducer:
         await self.kafka.close()
         await self.express.close()
 
-    async def send(self, batch: Batch, partition: int) -> None:
+    async def send(self, batch: Batch, partition: int, *, idle_worker: bool = False) -> None:
         if batch.credit is None:
             await self.kafka.send(batch, partition)
             return
@@ -53,6 +63,8 @@ class ExpressBatchProducer:
         # The copy first, then the record: on a small machine the broker's work for the record would
         # otherwise compete for the CPU with the copy's hop and the worker's start.
         pushed = await self._push(worker, data, batch)
+        if pushed and idle_worker and self.record_delay_s > 0:
+            await asyncio.sleep(self.record_delay_s)
         try:
             await self.kafka.send_encoded(batch.model, data, partition, batch.traceparent)  # encoded once, for both
         except TransportError as err:
