@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from batcher.policy import FlushPolicy
 from batcher.tiers import DEFAULT_MIN_SHARE, TierShares
+from transport.express import RECORD_DELAY_MS
 
 
 def _batcher_id() -> str:
@@ -45,7 +46,7 @@ class BatcherSettings:
     """While every worker is busy, read the request topic at most this often, and catch up when a
     credit comes, before sealing (``batcher.read_pacing``): over Kafka each read is a fetch round
     trip. 0: read continuously (the embedded mode passes 0: a read there costs no round trip)."""
-    express_record_delay_ms: float = 6.0
+    express_record_delay_ms: float = RECORD_DELAY_MS
     """Over Kafka with express copies, a batch for an idle worker has its Kafka record produced this
     long after its copy (``transport.express.batches``)."""
 

@@ -11,6 +11,8 @@ import re
 import secrets
 from dataclasses import dataclass, field, fields
 
+from transport.express import RECORD_DELAY_MS
+
 ENV_PREFIX = "BATCHWIRE_"
 
 # Gateway ids end up in Redis channel names and Kafka headers: keep them to a safe alphabet.
@@ -94,7 +96,7 @@ class GatewaySettings:
     express: bool = True
     """Over Kafka: also publish each request to its batcher over Redis while load is light (a faster
     hop than Kafka's; the Kafka record stays the one that counts). See ``transport.express.copies``."""
-    express_record_delay_ms: float = 6.0
+    express_record_delay_ms: float = RECORD_DELAY_MS
     """With ``express``: a synchronous request's Kafka record is produced this long after its express
     copy, so the broker's work for it runs while the GPU computes rather than on the copy's way there
     (``ExpressRequestProducer``). 0 produces it at once."""
