@@ -21,6 +21,7 @@ from gateway.errors import Overloaded, RateLimited, Unavailable
 from gateway.priority import KeyTiers
 from gateway.settings import GatewaySettings, env_name
 from gateway.tier_mix import TierMix
+from gateway.unseen import Ticket, Unseen
 from gateway.worker_rates import Stated, WorkerRates
 from schemas.records import Priority
 from telemetry.metrics import STATED_RATE, TIER_SUBMITS
@@ -56,8 +57,8 @@ class Admission:
     the rates the model's workers state in their credits (read every ``SAMPLE_EVERY_S``).
 
     The counters may be read less often than requests come (over Kafka every ``refresh_s``): the
-    requests this gateway admitted since they were read count as queued too, so a burst that
-    arrives between two reads is not admitted whole against one figure.
+    requests this gateway admitted that the last read may not hold count as queued too
+    (``gateway.unseen``), so a burst is not admitted whole against one figure.
 
     Lower priority tiers are shed first: ``low`` is refused once the queue holds
     ``queue_fraction_low`` of ``max_queue_depth``, ``normal`` past ``queue_fraction_normal``, ``high``
@@ -71,8 +72,10 @@ class Admission:
         queue_depth: QueueDepth | None,
         limiter: RateLimiter | None,
         credits: CreditPool | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``credits``: the pool the workers offer credits to, read for their rates (``gateway.worker_rates``)."""
+        """``credits``: the pool the workers offer credits to, read for their rates (``gateway.worker_rates``);
+        ``clock``: the one that stamps the queue's counters (``Backlog.at_s``)."""
         self.max_queue_depth = settings.max_queue_depth
         self._tier_limits = {
             Priority.HIGH: (settings.max_queue_depth, "max_queue_depth"),
@@ -94,8 +97,7 @@ class Admission:
         self._worker_rates = WorkerRates()
         self._stated: dict[str, Stated | None] = {}
         """Per model: what its workers state, as last read from the credit pool."""
-        self._since_read: dict[str, tuple[float, int]] = {}
-        """Per model: when its counters were read (``Backlog.at_s``) and how many requests were admitted since."""
+        self._unseen = {model: Unseen(clock) for model in settings.models}
         self._sampler = BackgroundLoop("admission-sampler")
         self.active = self._queue_depth is not None or self._limiter is not None
         """Whether a submit has anything to check here (else the gateway skips the call)."""
@@ -127,16 +129,21 @@ class Admission:
             stated = self._stated[model] = self._worker_rates.stated(model, int(time.time() * 1000))
             STATED_RATE.labels(model=model).set(stated.rate_per_s if stated else 0.0)
 
-    async def admit(self, caller: Caller, model: str, timeout_ms: int, tier: Priority = Priority.NORMAL) -> None:
+    async def admit(
+        self, caller: Caller, model: str, timeout_ms: int, tier: Priority = Priority.NORMAL
+    ) -> Ticket | None:
         """Returns when the request may go on; raises ``Overloaded``, ``RateLimited`` or ``Unavailable``.
 
-        Each outcome counts in ``batchwire_tier_submits`` under the request's model and tier."""
+        The ticket (None when no queue is watched) is to be told when the request is ``sent`` and
+        ``close``d when its submit ends. Each outcome counts in ``batchwire_tier_submits`` under the
+        request's model and tier."""
         try:
-            await self._admit(caller, model, timeout_ms, tier)
+            ticket = await self._admit(caller, model, timeout_ms, tier)
         except Overloaded:
             self.count(model, tier, "refused")
             raise
         self.count(model, tier, "admitted")
+        return ticket
 
     def count(self, model: str, tier: Priority, outcome: str) -> None:
         """One submit of ``model`` at ``tier`` in ``batchwire_tier_submits`` (admitted, refused, answered)."""
@@ -146,19 +153,15 @@ class Admission:
             counter = self._counters[key] = TIER_SUBMITS.labels(model=model, priority=tier.value, outcome=outcome)
         counter.inc()
 
-    async def _admit(self, caller: Caller, model: str, timeout_ms: int, tier: Priority) -> None:
+    async def _admit(self, caller: Caller, model: str, timeout_ms: int, tier: Priority) -> Ticket | None:
         queue_depth = self._queue_depth
-        since_read: tuple[float, int] | None = None
+        unseen = self._unseen.get(model)
         if queue_depth is not None:
             backlog = queue_depth.backlog(model)
             if backlog is not None:
-                read_at, admitted = self._since_read.get(model, (backlog.at_s, 0))
-                if read_at != backlog.at_s:
-                    admitted = 0  # counters read since: they hold what was published before
-                elif admitted:
+                if unseen is not None and (admitted := unseen.count(backlog.at_s)):
                     backlog = replace(backlog, depth=backlog.depth + admitted)
                 self._check_queue(model, backlog, timeout_ms, tier)
-                since_read = (backlog.at_s, admitted + 1)
             elif self.max_queue_depth > 0:
                 depth = await queue_depth.depth()  # the deployment-wide figure, while the model's is unknown
                 limit, setting = self._tier_limits[tier]
@@ -181,9 +184,8 @@ class Admission:
                     f"the next request is accepted in {wait_s:.3f} s",
                     retry_after_s=max(1, math.ceil(wait_s)),
                 )
-        if since_read is not None:
-            self._since_read[model] = since_read
         self._mix.admitted(model, tier)
+        return unseen.admitted() if unseen is not None and queue_depth is not None else None
 
     def answered(self, model: str, latency_s: float) -> None:
         """A synchronous answer's latency: the fastest recent one is the model's service time."""

@@ -190,7 +190,7 @@ class Collapser:
         future = self._replies.register(computation.task_id, started)
         try:
             async with asyncio.timeout_at(computation.deadline):
-                await publisher.publish(queued, sent, record=False)
+                await publisher.publish(queued, sent, record=False, ticket=request.ticket)
                 state = await future
             if state.status is TaskStatus.COMPLETED and self._computed is not None:
                 self._computed(state.model, self._clock.monotonic() - started)

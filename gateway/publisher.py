@@ -13,6 +13,7 @@ from dataclasses import replace
 from gateway.clock import Clock
 from gateway.errors import TRANSPORT_ERRORS, DeadlineExceeded, QueuedUnrecorded, Unavailable
 from gateway.submission import Submission
+from gateway.unseen import Ticket
 from schemas.records import InferenceRequest, TaskState, TaskStatus
 from telemetry import spans, tracing
 from telemetry.logs import ids
@@ -56,8 +57,11 @@ class TaskPublisher:
         )
         return state, request
 
-    async def publish(self, state: TaskState, request: InferenceRequest, *, record: bool) -> None:
-        """Produces the request and, with ``record``, records the task as queued, both at once.
+    async def publish(
+        self, state: TaskState, request: InferenceRequest, *, record: bool, ticket: Ticket | None = None
+    ) -> None:
+        """Produces the request and, with ``record``, records the task as queued, both at once; tells
+        admission's ``ticket`` once the request is on the bus.
 
         Neither waits for the other (one round trip off every request's latency): the store's
         ``create`` accepts a task that a batcher or worker reached first and only fills in its
@@ -70,6 +74,8 @@ class TaskPublisher:
         sent: BaseException | None = None
         try:
             await self._producer.send(request)
+            if ticket is not None:
+                ticket.sent()
         except asyncio.CancelledError:
             if creating is not None:
                 creating.cancel()

@@ -193,14 +193,15 @@ class Gateway:
         self._check_open(cache_first=wait and key is not None)
         self._inflight += 1
         INFLIGHT.inc()
+        ticket = None
         try:
             if self._admission.active:
-                await self._admission.admit(caller, model, timeout_ms, tier)
+                ticket = await self._admission.admit(caller, model, timeout_ms, tier)
             if (full := self._store.full(model)) is not None:
                 raise Overloaded(full)
             deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
             task_id = secrets.token_urlsafe(16)
-            submission = Submission(task_id, input, model, timeout_ms, deadline, started, caller.owner, tier)
+            submission = Submission(task_id, input, model, timeout_ms, deadline, started, caller.owner, tier, ticket)
             if key is not None:
                 return await self._submit_shared(key, submission, wait, disconnected)
             if idempotency_key is not None:
@@ -211,6 +212,8 @@ class Gateway:
                 return answer
             return await self._enqueue(submission)
         finally:
+            if ticket is not None:
+                ticket.close()
             self._inflight -= 1
             INFLIGHT.dec()
 
@@ -321,7 +324,7 @@ class Gateway:
         published = False
         try:
             async with asyncio.timeout_at(submission.deadline):
-                await publisher.publish(queued, request, record=record)
+                await publisher.publish(queued, request, record=record, ticket=submission.ticket)
                 published = True
                 state = await future
         except TimeoutError:
@@ -353,7 +356,7 @@ class Gateway:
         queued, request = self._publisher.task(submission, None)
         try:
             async with asyncio.timeout_at(submission.deadline):
-                await self._publisher.publish(queued, request, record=True)
+                await self._publisher.publish(queued, request, record=True, ticket=submission.ticket)
         except TimeoutError:
             # The task's own deadline passed while it was being queued: a deadline, like the
             # synchronous route's, whether the bus was stuck or the deadline was just short.

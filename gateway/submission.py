@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.unseen import Ticket
 from schemas.records import Priority
 
 
@@ -22,3 +23,5 @@ class Submission:
     owner: str | None
     tier: Priority = Priority.NORMAL
     """The tier it runs at (a collapsed caller that joins a computation runs at that one's)."""
+    ticket: Ticket | None = None
+    """Its place among the requests admission counts until the queue's counters show them."""

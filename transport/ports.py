@@ -243,7 +243,7 @@ class Backlog:
     batches: int
     """Batches handed to the model's workers."""
     at_s: float
-    """When the counters were read (monotonic seconds)."""
+    """When the read of the counters began (monotonic seconds): they hold every request sent before."""
 
 
 class QueueDepth(Protocol):

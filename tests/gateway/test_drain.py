@@ -12,8 +12,9 @@ from gateway.admission import ANONYMOUS, Admission, ServiceTime
 from gateway.drain import DrainMeter
 from gateway.errors import Overloaded
 from gateway.settings import GatewaySettings
+from gateway.unseen import Ticket
 from schemas.records import Credit
-from tests.support.queue_depth import Counters
+from tests.support.queue_depth import Counters, admit_sent
 from transport.memory.bus import MemoryCreditPool
 from transport.ports import Backlog
 
@@ -115,7 +116,7 @@ async def burst(admission: Admission, deadline_says: str, count: int = 200) -> l
     outcomes = []
     for _ in range(count):
         try:
-            await admission.admit(ANONYMOUS, "a", 1_000)
+            await admit_sent(admission, "a", 1_000)
             outcomes.append("admitted")
         except Overloaded as refused:
             outcomes.append("deadline" if deadline_says in refused.message else refused.message)
@@ -124,43 +125,78 @@ async def burst(admission: Admission, deadline_says: str, count: int = 200) -> l
 
 async def test_a_request_whose_deadline_the_queue_cannot_meet_is_refused_at_once() -> None:
     counters = Counters()
-    admission = Admission(settings(), counters, None)
+    admission = Admission(settings(), counters, None, clock=counters.clock)
     counters.backlogs["a"] = Backlog(100, 0, 0, 0.0)
     for n in range(1, 11):  # a queue of 100 that drains 100/s: a 1 s wait
         counters.backlogs["a"] = Backlog(100, 10 * n, n, 0.1 * n)
-        await admission.admit(ANONYMOUS, "a", 30_000)
+        await admit_sent(admission, "a", 30_000)
     with pytest.raises(Overloaded) as refused:
-        await admission.admit(ANONYMOUS, "a", 1_000)
+        await admit_sent(admission, "a", 1_000)
     assert "timeout_ms=1000 cannot be met" in refused.value.message
     assert refused.value.retry_after_s == 1
-    await admission.admit(ANONYMOUS, "a", 2_000)
+    await admit_sent(admission, "a", 2_000)
     admission.answered("a", 0.1)
     counters.backlogs["a"] = Backlog(0, 100, 10, 1.1)
-    await admission.admit(ANONYMOUS, "a", 1), "an empty queue refuses nothing: a deadline too short for a call expires"
+    await admit_sent(admission, "a", 1), "an empty queue refuses nothing: a deadline too short for a call expires"
     counters.backlogs["a"] = Backlog(5, 100, 10, 1.2)
-    await admission.admit(ANONYMOUS, "a", 1), "nor does less than one answer's time of work ahead"
+    await admit_sent(admission, "a", 1), "nor does less than one answer's time of work ahead"
     counters.backlogs["a"] = Backlog(15, 100, 10, 1.3)
     with pytest.raises(Overloaded):
-        await admission.admit(ANONYMOUS, "a", 1)
+        await admit_sent(admission, "a", 1)
     counters.backlogs["b"] = Backlog(0, 0, 0, 1.0)
-    await admission.admit(ANONYMOUS, "b", 1), "another model's queue is its own"
+    await admit_sent(admission, "b", 1), "another model's queue is its own"
 
 
 async def test_a_burst_between_two_reads_of_the_counters_counts_what_it_already_admitted() -> None:
     """Over Kafka the counters are read every 150 ms: requests that arrive together are checked
     against one figure, so each counts those admitted before it since that read."""
     counters = Counters()
-    admission = Admission(settings(), counters, None)
+    admission = Admission(settings(), counters, None, clock=counters.clock)
     for n in range(1, 11):  # a queue that drains 100 requests/s
         counters.backlogs["a"] = Backlog(100, 10 * n, n, 0.1 * n)
-        await admission.admit(ANONYMOUS, "a", 30_000)
+        await admit_sent(admission, "a", 30_000)
     counters.backlogs["a"] = Backlog(0, 100, 10, 1.1)  # empty when read; a burst of 200 comes
     outcomes = await burst(admission, "timeout_ms=1000 cannot be met")
     admitted = outcomes.count("admitted")
     assert 60 <= admitted <= 100, admitted  # about 1 s of work at the measured rate, less the margin
     assert outcomes == ["admitted"] * admitted + ["deadline"] * (200 - admitted)
     counters.backlogs["a"] = Backlog(40, 160, 16, 1.2)  # read again: it holds the burst, partly drained
-    await admission.admit(ANONYMOUS, "a", 1_000), "what the new read holds is not counted twice"
+    await admit_sent(admission, "a", 1_000), "what the new read holds is not counted twice"
+
+
+async def test_a_burst_still_on_its_way_to_the_bus_counts_across_a_read_that_misses_it() -> None:
+    """Under a burst, produces wait behind each other for longer than a refresh: a read begun before
+    a request landed does not hold it, so it still counts; one never sent counts until its submit ends."""
+    counters = Counters()
+    admission = Admission(settings(), counters, None, clock=counters.clock)
+    for n in range(1, 11):  # a queue that drains 100 requests/s
+        counters.backlogs["a"] = Backlog(100, 10 * n, n, 0.1 * n)
+        await admit_sent(admission, "a", 30_000)
+    counters.backlogs["a"] = Backlog(0, 100, 10, 1.1)  # empty when read; a burst comes, none of it sent yet
+    tickets: list[Ticket] = []
+    refusal = ""
+    while not refusal and len(tickets) < 200:
+        try:
+            ticket = await admission.admit(ANONYMOUS, "a", 1_000)
+        except Overloaded as refused:
+            refusal = refused.message
+        else:
+            assert ticket is not None
+            tickets.append(ticket)
+    assert "timeout_ms=1000 cannot be met" in refusal
+    assert 60 <= len(tickets) <= 100, len(tickets)
+    counters.backlogs["a"] = Backlog(0, 100, 10, 1.2)  # read again before any of the burst landed
+    with pytest.raises(Overloaded):
+        await admission.admit(ANONYMOUS, "a", 1_000)
+    for ticket in tickets[:40]:
+        ticket.sent()
+        ticket.close()
+    counters.backlogs["a"] = Backlog(40, 100, 10, 1.3)  # holds the 40 sent; the others are still on their way
+    with pytest.raises(Overloaded):
+        await admission.admit(ANONYMOUS, "a", 1_000)
+    for ticket in tickets[40:]:
+        ticket.close()  # their submits ended unsent (a cached answer, a failed publish): they queue nothing
+    await admit_sent(admission, "a", 1_000), "the 40 the read holds are not counted twice"
 
 
 async def test_before_a_rate_is_measured_the_workers_stated_rates_predict_the_wait() -> None:
@@ -171,7 +207,7 @@ async def test_before_a_rate_is_measured_the_workers_stated_rates_predict_the_wa
     now = int(time.time() * 1000)
     for worker in ("w1", "w2"):  # 5 inputs a call in 100 ms each: 100 requests/s together
         await pool.offer(Credit(worker, "a", 0, 1, now, now + 60_000, max_batch=5, busy_ms=100))
-    admission = Admission(settings(), counters, None, pool)
+    admission = Admission(settings(), counters, None, pool, clock=counters.clock)
     await admission.read_worker_rates()
     counters.backlogs["a"] = Backlog(0, 0, 0, 0.0)
     outcomes = await burst(admission, "at the 100 requests/s it drains")
@@ -179,15 +215,15 @@ async def test_before_a_rate_is_measured_the_workers_stated_rates_predict_the_wa
     assert 60 <= admitted <= 100, admitted  # about 1 s of work at the stated rate, less the margin
     assert outcomes == ["admitted"] * admitted + ["deadline"] * (200 - admitted)
     assert await pool.idle("a") == 2, "the credits were read, not claimed"
-    fresh = Admission(settings(), counters, None, pool)
+    fresh = Admission(settings(), counters, None, pool, clock=counters.clock)
     await fresh.read_worker_rates()
     counters.backlogs["a"] = Backlog(1, 0, 0, 5.0)
-    await fresh.admit(ANONYMOUS, "a", 2), "less than a call ahead: a 2 ms deadline expires, as on an empty queue"
+    await admit_sent(fresh, "a", 2), "less than a call ahead: a 2 ms deadline expires, as on an empty queue"
 
 
 async def test_a_stalled_model_is_refused_and_named_while_the_others_serve() -> None:
     counters = Counters()
-    admission = Admission(settings(stall_s=2.0), counters, None)
+    admission = Admission(settings(stall_s=2.0), counters, None, clock=counters.clock)
     counters.backlogs = {"a": Backlog(0, 0, 0, 0.0), "b": Backlog(0, 0, 0, 0.0)}
     assert admission.models() == {"a": "serving", "b": "serving"}
     for n in range(1, 26):  # sampled every 0.1 s, as the gateway's sampler does
@@ -195,17 +231,17 @@ async def test_a_stalled_model_is_refused_and_named_while_the_others_serve() -> 
         states = admission.models()
     assert states == {"a": "stalled", "b": "serving"}
     with pytest.raises(Overloaded, match="taken none for 2 s"):
-        await admission.admit(ANONYMOUS, "a", 30_000)
-    await admission.admit(ANONYMOUS, "b", 30_000)
+        await admit_sent(admission, "a", 30_000)
+    await admit_sent(admission, "b", 30_000)
 
 
 async def test_the_queue_depth_limit_is_per_model() -> None:
     counters = Counters()
-    admission = Admission(settings(max_queue_depth=10), counters, None)
+    admission = Admission(settings(max_queue_depth=10), counters, None, clock=counters.clock)
     counters.backlogs = {"a": Backlog(10, 0, 0, 0.0), "b": Backlog(0, 0, 0, 0.0)}
     with pytest.raises(Overloaded, match="model 'a' has 10 requests waiting"):
-        await admission.admit(ANONYMOUS, "a", 30_000)
-    await admission.admit(ANONYMOUS, "b", 30_000)
+        await admit_sent(admission, "a", 30_000)
+    await admit_sent(admission, "b", 30_000)
 
 
 def test_service_time_is_the_fastest_recent_answer_and_forgets_an_old_one() -> None:

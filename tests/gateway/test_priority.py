@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.admission import ANONYMOUS, Admission, Caller
+from gateway.admission import Admission, Caller
 from gateway.auth import digest_of, load_api_keys
 from gateway.errors import InvalidPriority, Overloaded, PriorityAboveCeiling
 from gateway.priority import KeyTiers, request_tier
@@ -15,7 +15,7 @@ from gateway.tier_mix import TierMix
 from schemas.records import Priority
 from telemetry.metrics import REGISTRY
 from tests.support.gateway_rig import RigFactory, error_of
-from tests.support.queue_depth import Counters
+from tests.support.queue_depth import Counters, admit_sent
 from transport.ports import Backlog
 
 pytestmark = pytest.mark.timeout(60)
@@ -170,16 +170,18 @@ def tier_submits(tier: str, outcome: str) -> float:
 
 async def test_a_high_request_waits_only_behind_its_share_of_a_low_flood() -> None:
     counters = Counters()
-    admission = Admission(GatewaySettings(models=("a",), default_model="a", max_queue_depth=0), counters, None)
+    admission = Admission(
+        GatewaySettings(models=("a",), default_model="a", max_queue_depth=0), counters, None, clock=counters.clock
+    )
     counters.backlogs["a"] = Backlog(100, 0, 0, 0.0)
     for n in range(1, 11):  # a queue of 100 that drains 100/s: a 1 s wait; 9 low admitted for each high
         counters.backlogs["a"] = Backlog(100, 10 * n, n, 0.1 * n)
-        await admission.admit(ANONYMOUS, "a", 30_000, Priority.HIGH)
+        await admit_sent(admission, "a", 30_000, Priority.HIGH)
         for _ in range(9):
-            await admission.admit(ANONYMOUS, "a", 30_000, Priority.LOW)
+            await admit_sent(admission, "a", 30_000, Priority.LOW)
     with pytest.raises(Overloaded, match="ahead of a 'low' request"):
-        await admission.admit(ANONYMOUS, "a", 500, Priority.LOW)
-    await admission.admit(Caller(), "a", 500, Priority.HIGH)
+        await admit_sent(admission, "a", 500, Priority.LOW)
+    await admit_sent(admission, "a", 500, Priority.HIGH, Caller())
 
 
 def test_the_mix_counts_what_is_ahead_of_each_tier_and_forgets() -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from gateway.admission import ANONYMOUS, Admission, Caller
+from schemas.records import Priority
 from transport.ports import Backlog
 
 
 class Counters:
-    """A ``QueueDepth`` whose counters the test sets."""
+    """A ``QueueDepth`` whose counters the test sets; ``clock`` is the time of the latest read."""
 
     def __init__(self) -> None:
         self.backlogs: dict[str, Backlog] = {}
@@ -22,3 +24,17 @@ class Counters:
 
     def backlog(self, model: str) -> Backlog | None:
         return self.backlogs.get(model)
+
+    def clock(self) -> float:
+        return max((b.at_s for b in self.backlogs.values()), default=0.0)
+
+
+async def admit_sent(
+    admission: Admission, model: str, timeout_ms: int, tier: Priority = Priority.NORMAL, caller: Caller = ANONYMOUS
+) -> None:
+    """Admits one request that the bus takes at once, as the gateway does: it counts as queued until
+    the next read of the counters (raises what ``admit`` raises)."""
+    ticket = await admission.admit(caller, model, timeout_ms, tier)
+    if ticket is not None:
+        ticket.sent()
+        ticket.close()

@@ -79,6 +79,7 @@ class KafkaQueueDepth:
         self._coordinator: int | None = None
         self._depth = 0
         self._refreshed_at = float("-inf")  # monotonic time of the last successful refresh
+        self._read_at = float("-inf")  # when that refresh began
         self._failures = 0
         self._loop = BackgroundLoop(f"queue-depth-{self.topic}")
 
@@ -124,6 +125,7 @@ class KafkaQueueDepth:
 
     async def refresh(self) -> int:
         """Reads end offsets and committed offsets now; returns (and caches) the lag."""
+        read_at = time.monotonic()  # a request produced before this is in the end offsets
         ends: dict[TopicPartition, int] = await self._consumer.end_offsets(self._partitions)
         if self._coordinator is None:
             self._coordinator = await self._admin.find_coordinator(self.group)
@@ -160,6 +162,7 @@ class KafkaQueueDepth:
             await self._count_batches()
         self._waiting, self._left = waiting, left
         self._depth = lag
+        self._read_at = read_at
         self._refreshed_at = time.monotonic()
         REQUEST_LAG.set(lag)
         return lag
@@ -183,7 +186,7 @@ class KafkaQueueDepth:
             sum(self._waiting.get(p, 0) for p in partitions),
             sum(self._left.get(p, 0) for p in partitions),
             self._batches.get(model, 0),
-            self._refreshed_at,
+            self._read_at,
         )
 
     async def _refresh_forever(self) -> None:
