@@ -2,7 +2,7 @@
 FROM python:3.11-slim
 
 ARG EXTRAS=""
-ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PATH=/opt/batchwire/bin:$PATH
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY batchwire ./batchwire
@@ -13,7 +13,8 @@ COPY transport ./transport
 COPY telemetry ./telemetry
 COPY schemas ./schemas
 COPY infra ./infra
-RUN pip install ".${EXTRAS}"
+# The same script the core-install smoke test runs (tests/smoke), so the image installs what is tested.
+RUN sh infra/install.sh /opt/batchwire "${EXTRAS}"
 RUN useradd --create-home batchwire
 USER batchwire
 EXPOSE 8000 9100

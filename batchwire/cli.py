@@ -7,15 +7,17 @@ Values come from, in order: the flag, the environment, ``.batchwire/stack.env`` 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from batcher.settings import BatcherSettings
 from batchwire import flags, operations, roles
-from batchwire.capacity import commands as capacity
 from batchwire.settings import SettingsError
 from gateway.settings import GatewaySettings
+from gpu_worker.backends.factory import BackendConfigError
 from telemetry import logs, tracing
 from transport.errors import PermanentTransportError
 
@@ -107,26 +109,6 @@ def _worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     flags.deterministic_models(worker)
 
 
-def _stack(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    stack = sub.add_parser("stack", help="start or stop a local Kafka broker and Redis server in the background")
-    stack.add_argument("action", choices=["up", "down", "status"])
-    flags.add(stack, "--state-dir", ".batchwire", str, "where the stack keeps data, logs and stack.env")
-    flags.add(
-        stack,
-        "--redis-maxmemory",
-        "512mb",
-        flags.memory_size,
-        "Redis's memory bound (bytes, or with kb/mb/gb; 0: none) when up starts it; over it writes are refused",
-    )
-    flags.add(stack, "--brokers", 1, int, "Kafka nodes up starts (more than 1: a KRaft cluster, internal topics RF 3)")
-    flags.add(
-        stack, "--redis-replicas", 0, int, "Redis replicas up starts beside the primary (1 or more: 3 Sentinels too)"
-    )
-    stack.add_argument("--json", action="store_true", help="status: every server as JSON (pid, port, leaders, roles)")
-    flags.shared(stack)
-    flags.replication(stack)
-
-
 def _topics(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     topics = sub.add_parser("topics", help="grow the topics of a running deployment (more workers per model)")
     topics.add_argument("action", choices=["grow"])
@@ -140,19 +122,25 @@ def _topics(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     flags.add(topics, "--log-level", "info", str, "debug, info, warning or error")
 
 
-def _capacity(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    capacity.add_parsers(sub)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batchwire", description=__doc__)
     # Commands without the observability flags (stack, topics, capacity) log text and trace nothing.
     parser.set_defaults(log_format="text", otlp_endpoint=None, trace_sample_ratio=1.0)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add_command in (_up, _gateway, _batcher, _worker, _stack, _topics, _capacity):
+    for add_command in (_up, _gateway, _batcher, _worker, _topics):
         add_command(sub)
-    bench = sub.add_parser("bench", help="open-loop load test with latency percentiles", add_help=False)
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    for name, tool in TOOLS.items():
+        # A stand-in for `--help`: the tool's own parser, in its own module, reads its arguments (`tool_parser`).
+        sub.add_parser(name, help=tool.help, add_help=False)
+    return parser
+
+
+def tool_parser(name: str) -> argparse.ArgumentParser:
+    """The parser of one tool command, from its module (which this imports)."""
+    parser = argparse.ArgumentParser(prog="batchwire", description=__doc__)
+    parser.set_defaults(log_level="info", log_format="text", otlp_endpoint=None, trace_sample_ratio=1.0)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    importlib.import_module(TOOLS[name].module).add_parser(sub)
     return parser
 
 
@@ -176,16 +164,30 @@ def config_table() -> str:
     return "\n".join(lines)
 
 
-def _bench(argv: list[str]) -> int:
-    try:
-        from batchwire.bench.cli import main as bench_main  # the [bench] extra: not in the core install
-    except ImportError as err:
-        print(
-            f"batchwire bench: {err.name or err} is missing; install the bench extra: pip install -e '.[bench]'",
-            file=sys.stderr,
-        )
-        return 2
-    return bench_main(argv)
+@dataclass(frozen=True)
+class Tool:
+    """A command that is not a role: its module is imported only when the command runs, so nothing that
+    ``batchwire up`` or a role imports reaches it, nor the optional extra it may need."""
+
+    module: str
+    """Holds ``add_parser(sub)`` and ``run(args)``."""
+    help: str
+    extra: str | None = None
+    """The optional dependencies it needs (``pip install 'batchwire[EXTRA]'``); None: the core's."""
+
+
+TOOLS: dict[str, Tool] = {
+    "stack": Tool("batchwire.stack_command", "start or stop a local Kafka broker and Redis server in the background"),
+    "bench": Tool("batchwire.bench.cli", "open-loop load test with latency percentiles", "bench"),
+    "profile": Tool("batchwire.capacity.profile", "time a backend's calls by batch size and write a curve file"),
+    "simulate": Tool("batchwire.capacity.simulate", "simulate a deployment on a latency curve at given request rates"),
+    "plan": Tool("batchwire.capacity.plan", "size a deployment: GPUs (simulated), partitions, processes, Kafka, Redis"),
+    "validate-sim": Tool(
+        "batchwire.capacity.validate",
+        "measured bench runs beside the simulation of the same deployment, as a markdown table",
+        "bench",
+    ),
+}
 
 
 SERVICE_NAMES = {
@@ -201,17 +203,30 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "gateway": roles.run_gateway,
     "batcher": roles.run_batcher,
     "worker": roles.run_worker,
-    "stack": operations.run_stack,
     "topics": operations.run_topics,
-    **capacity.HANDLERS,
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:
-        return _bench(argv[1:])
-    args = build_parser().parse_args(argv)
+    command = build_parser().parse_known_args(argv)[0].command
+    tool = TOOLS.get(command)
+    if tool is None:
+        return _run(build_parser().parse_args(argv), HANDLERS[command])
+    try:
+        return _run(tool_parser(command).parse_args(argv), importlib.import_module(tool.module).run)
+    except ModuleNotFoundError as err:
+        if tool.extra is None:
+            raise
+        print(
+            f"batchwire {command} needs the {tool.extra} extra: pip install 'batchwire[{tool.extra}]' "
+            f"(missing module: {err.name})",
+            file=sys.stderr,
+        )
+        return 2
+
+
+def _run(args: argparse.Namespace, handler: Callable[[argparse.Namespace], int]) -> int:
     try:
         logs.configure(str(args.log_level), args.log_format)
         service = SERVICE_NAMES.get(args.command, "batchwire")
@@ -220,8 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"batchwire {args.command}: {err}", file=sys.stderr)
         return 2
     try:
-        return HANDLERS[args.command](args)
-    except (SettingsError, PermanentTransportError) as err:  # a setting that cannot work, or the servers refuse
+        return handler(args)
+    # a setting that cannot work, a backend that cannot load, or the servers refuse
+    except (SettingsError, BackendConfigError, PermanentTransportError) as err:
         print(f"batchwire {args.command}: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -20,7 +20,6 @@ from batchwire.settings import SharedSettings, env, number
 from gateway.settings import GatewaySettings
 from gpu_worker.backends.factory import BackendSettings
 from gpu_worker.settings import WorkerSettings
-from infra.redis_server import checked_maxmemory
 from telemetry.settings import ObservabilitySettings
 from transport.replicas import parse_min_replicas
 
@@ -36,13 +35,6 @@ def boolean(text: str) -> bool:
     if lowered in ("0", "false", "no", "off", ""):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
-def memory_size(text: str) -> str:
-    try:
-        return checked_maxmemory(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from err
 
 
 def _min_replicas(text: str) -> int | None:

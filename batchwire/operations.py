@@ -1,18 +1,11 @@
-"""Operators' commands: ``stack`` (a local Kafka and Redis) and ``topics grow``, and the topic set-up every
-Kafka role runs before it starts."""
+"""Kafka topics: the set-up every Kafka role runs before it starts, and the operators' ``topics grow``."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
-import sys
-from pathlib import Path
 
-from batchwire.role_settings import shared_settings
 from batchwire.settings import SettingsError, SharedSettings
-from infra import cluster_stack, stack, stack_report
-from infra.errors import InfraError
 from infra.topic_checks import Durability
 from infra.topics import TopicError, ensure_topics, group_members, grow_topics
 
@@ -43,24 +36,6 @@ async def ensure_role_topics(
         await ensure_topics(shared.require_kafka(), topics, durability=wanted)
     except TopicError as err:
         raise SettingsError(str(err)) from err
-
-
-def run_stack(args: argparse.Namespace) -> int:
-    state_dir = Path(args.state_dir)
-    if args.action == "up":
-        shape = cluster_stack.Shape(args.brokers, args.redis_replicas)
-        try:
-            up = cluster_stack.up_any(state_dir, shape, redis_maxmemory=args.redis_maxmemory)
-        except InfraError as err:
-            print(f"stack up failed: {err}", file=sys.stderr)
-            return 1
-        shared = dataclasses.replace(shared_settings(args), kafka_bootstrap=up.env[stack.KAFKA_ENV])
-        asyncio.run(ensure_role_topics(shared, durability(args), True, shared.models))
-        stack.print_up(up, state_dir, out=sys.stdout, err=sys.stderr)
-        return 0
-    if args.action == "down":
-        return cluster_stack.cmd_down_any(state_dir, out=sys.stdout, err=sys.stderr)
-    return stack_report.cmd_status_report(state_dir, as_json=args.json, out=sys.stdout)
 
 
 async def _grow(

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
-# The API only (a dependency of FastAPI, so of the core install): no provider, no SDK.
+# The API only (declared by the core install): no provider, no SDK.
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanContext, Status, StatusCode, TraceFlags, Tracer
 
@@ -70,11 +70,16 @@ def configure(
         )
     url = traces_url(endpoint) if endpoint else ""
     # The [tracing] extra: imported only when tracing is configured, so the core install needs none of it.
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
-    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+    except ModuleNotFoundError as err:
+        raise TracingError(
+            f"--otlp-endpoint needs the tracing extra: pip install 'batchwire[tracing]' (missing module: {err.name})"
+        ) from err
 
     provider = TracerProvider(
         resource=Resource.create({"service.name": service}), sampler=ParentBased(TraceIdRatioBased(sample_ratio))

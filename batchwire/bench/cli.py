@@ -224,14 +224,21 @@ def _add_start_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+DESCRIPTION = (
+    "Open-loop (Poisson) load against an inference URL: latency from the scheduled send time, "
+    "throughput, batch sizes, GPU busy share and CPU per request."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="batchwire bench",
-        description="Open-loop (Poisson) load against an inference URL: latency from the scheduled send time, "
-        "throughput, batch sizes, GPU busy share and CPU per request.",
-    )
+    parser = argparse.ArgumentParser(prog="batchwire bench", description=DESCRIPTION)
     add_arguments(parser)
     return parser
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``bench`` as a ``batchwire`` command."""
+    add_arguments(sub.add_parser("bench", description=DESCRIPTION))
 
 
 def main(argv: list[str] | None = None) -> int:

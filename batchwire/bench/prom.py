@@ -10,10 +10,9 @@ import asyncio
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 from urllib.parse import urlsplit, urlunsplit
 
-import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 BATCH_SIZE = "batchwire_batch_size"
@@ -31,6 +30,9 @@ STAGE_HISTOGRAMS = {
 REQUEST_STAGE = "batchwire_request_stage_seconds_total"
 REQUEST_STAGE_INPUTS = "batchwire_request_stage_inputs_total"
 WORKER_STAGES = {"sealed_to_started_ms_mean": "sealed_to_started", "call_ms_mean": "call"}
+
+if TYPE_CHECKING:
+    import aiohttp
 
 LabelSet = frozenset[tuple[str, str]]
 SampleKey = tuple[str, LabelSet]
@@ -64,6 +66,9 @@ class Scrape:
 
 async def scrape(session: aiohttp.ClientSession, urls: Sequence[str], timeout_s: float = 5.0) -> Scrape:
     """Scrapes every URL at once; a failing endpoint is recorded, not raised, so load keeps going."""
+    # Here, not at the top: `validate-sim` reads saved runs through this module on a core install.
+    import aiohttp
+
     loop = asyncio.get_running_loop()
     started = loop.time()
 

@@ -150,7 +150,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 # the command ------------------------------------------------------------------------------------------
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser("plan", help="size a deployment: GPUs (simulated), partitions, processes, Kafka, Redis")
+    parser = sub.add_parser("plan")
     add_arguments(parser)
     parser.add_argument("--rate", type=float, default=None, help="requests per second in all (one model)")
     parser.add_argument("--models", default=None, help="several models: NAME=RATE,NAME=RATE (instead of --rate)")

@@ -172,7 +172,7 @@ def plot(curve: Curve, path: Path) -> bool:
 
 # the command ------------------------------------------------------------------------------------------
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser("profile", help="time a backend's calls by batch size and write a curve file")
+    parser = sub.add_parser("profile")
     parser.add_argument("--backend", default="sim", choices=["sim", "hf"], help="model backend to time")
     parser.add_argument("--sim-latency-ms", type=float, default=100.0, help="sim backend: latency of one call")
     parser.add_argument("--model-path", default=None, help="hf backend: local checkpoint directory")

@@ -225,7 +225,7 @@ def config_from(args: argparse.Namespace, curve: Curve, workers: int, batchers: 
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser("simulate", help="simulate a deployment on a latency curve at given request rates")
+    parser = sub.add_parser("simulate")
     add_arguments(parser)
     parser.add_argument("--workers", type=int, required=True, help="workers (GPUs) serving the model")
     parser.add_argument("--rate", default=None, help="comma-separated request rates per second (Poisson arrivals)")

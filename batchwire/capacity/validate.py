@@ -312,9 +312,7 @@ def format_table(rows: Sequence[Row]) -> str:
 
 # the command ----------------------------------------------------------------------------------------
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser(
-        "validate-sim", help="measured bench runs beside the simulation of the same deployment, as a markdown table"
-    )
+    parser = sub.add_parser("validate-sim")
     parser.add_argument("results", nargs="+", help="bench result directories (bench/results/<figure>)")
     parser.add_argument(
         "--overhead-ms",

@@ -63,7 +63,12 @@ def make_backend(settings: BackendSettings, model: str) -> Backend:
                 "checkpoint saved by save_pretrained; nothing is downloaded at run time"
             )
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # one log line per load, not a bar
-        from gpu_worker.backends.hf import HFBackend
+        try:
+            from gpu_worker.backends.hf import HFBackend
+        except ModuleNotFoundError as err:
+            raise BackendConfigError(
+                f"the hf backend needs the hf extra: pip install 'batchwire[hf]' (missing module: {err.name})"
+            ) from err
 
         if settings.hf_task not in ("generate", "embed"):
             raise BackendConfigError(f"--hf-task is {settings.hf_task!r}; use generate or embed (BATCHWIRE_HF_TASK)")

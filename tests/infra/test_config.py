@@ -73,10 +73,10 @@ def test_stack_up_flag_names_a_bad_size_and_defaults_to_the_stacks_bound() -> No
     import subprocess
     import sys
 
-    from batchwire.cli import build_parser
+    from batchwire.cli import tool_parser
     from infra.stack import DEFAULT_REDIS_MAXMEMORY
 
-    parser = build_parser()
+    parser = tool_parser("stack")
     assert parser.parse_args(["stack", "up"]).redis_maxmemory == DEFAULT_REDIS_MAXMEMORY
     done = subprocess.run(
         [sys.executable, "-m", "batchwire.cli", "stack", "up", "--redis-maxmemory", "lots"],
