@@ -13,6 +13,7 @@ PACKAGES = ("batchwire", "gateway", "batcher", "gpu_worker", "transport", "telem
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
 
 OPTIONAL = (
+    "aiohttp",
     "torch",
     "transformers",
     "docker",

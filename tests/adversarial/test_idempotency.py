@@ -18,7 +18,7 @@ import pytest
 from tests.support.adversarial_rig import Service, ServiceFactory
 from tests.support.eventually import eventually_sync
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 CALL_MS = 1000.0
 

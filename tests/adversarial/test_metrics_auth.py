@@ -5,9 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import pytest
 
 from gateway.auth import digest_of
 from tests.support.adversarial_rig import ServiceFactory
+
+pytestmark = pytest.mark.slow
 
 TENANT_KEY = "tenant-key-0123456789abcdef"
 OTHER_TENANT_KEY = "other-tenant-0123456789abcdef"

@@ -1,6 +1,7 @@
 """Overload fails fast: a model offered three times what its worker can do answers what it admits
 within the deadline and refuses the rest at once (503 + Retry-After), computes (almost) nothing for
-a caller already told 504, and leaves another model's callers unharmed."""
+a caller already told 504, and leaves another model's callers unharmed (their answers, and the
+gateway's memory: ``unharmed``)."""
 
 from __future__ import annotations
 
@@ -27,13 +28,12 @@ DURATION_S = 8.0
 TIMEOUT_MS = 3000
 WARM_CONNECTIONS = 500
 ANSWER_SLACK_S = 0.05
+END_SLACK_S = 2.0
+"""A 504 ends by its deadline plus this, as timed by the flooding client on the shared cores."""
+ONE_CALL_S = 0.1
+"""A queued request waits at least one model call: a refusal must come sooner, before any queue."""
 ATTACKER_NICENESS = 5
 WAITING = ("queued", "batched", "running")
-
-TIMING_GAP = (
-    "known gap (issue 14): on a 2-core machine shared with the service, the flooding client falls behind: it "
-    "times some refusals late or offers less than its schedule (batchwire bench measures both itself)"
-)
 
 
 def _start(request: pytest.FixtureRequest, mode: str) -> Service:
@@ -62,6 +62,8 @@ class Outcomes:
     """Latency (s) of each 503."""
     late: list[str] = field(default_factory=list)
     """Task ids answered 504."""
+    late_took: list[float] = field(default_factory=list)
+    """Latency (s) of each 504, as this client timed it."""
     other: list[str] = field(default_factory=list)
     sending_s: float = 0.0
     """How long the flood took to send every request (DURATION_S unless its client lagged)."""
@@ -105,6 +107,7 @@ async def _flood(url: str) -> Outcomes:
                     outcomes.other.append(f"503 {response.text[:200]}")
             elif response.status_code == 504:
                 outcomes.late.append(response.json()["error"]["task_id"])
+                outcomes.late_took.append(took)
             else:
                 outcomes.other.append(f"{response.status_code} {response.text[:200]}")
 
@@ -143,28 +146,20 @@ def test_three_times_capacity_is_answered_in_time_or_refused_at_once(request: py
     assert max(outcomes.answered) <= TIMEOUT_MS / 1000 + ANSWER_SLACK_S, (
         f"an admitted request is answered in time: {summary}"
     )
+    slowest_504 = max(outcomes.late_took, default=0.0)
+    assert slowest_504 <= TIMEOUT_MS / 1000 + END_SLACK_S, f"a 504 ends at its deadline: {summary}"
+    # The overload is the case: a client that could not offer well past capacity tested nothing.
+    assert outcomes.offered_per_s >= 1.5 * CAPACITY_PER_S, f"the flooding client fell behind: {summary}"
     refusals = sorted(outcomes.refused)
-    assert refusals, f"the excess is refused: {summary}"
+    assert len(refusals) >= 0.3 * OFFERED_PER_S * DURATION_S, f"the excess is refused: {summary}"
     assert len(outcomes.answered) >= 0.8 * CAPACITY_PER_S * DURATION_S, f"the worker stays busy: {summary}"
     computed_late = _computed(service.url, outcomes.late)
     assert computed_late <= 0.02 * len(outcomes.answered), f"{computed_late} computed after their 504: {summary}"
-    # Timed by this client, which shares two cores with the service: the typical refusal is immediate
-    # and none waits for the deadline as a queued request would; the figures are in docs/performance.md
-    # ("Overload"), measured by batchwire bench.
-    missed = [
-        f"{what} {seconds * 1000:.0f} ms"
-        for what, seconds, bound in (
-            ("refusal p50", refusals[len(refusals) // 2], 0.05),
-            ("refusal p99", refusals[int(0.99 * len(refusals))], TIMEOUT_MS / 2000),
-        )
-        if seconds >= bound
-    ]
-    # The client shares the machine with the service and may fall behind its schedule (it then sends
-    # for longer): the refusals asserted above show an overload, but one well past capacity is the case.
-    if outcomes.offered_per_s < 1.5 * CAPACITY_PER_S:
-        missed.append(f"the flooding client offered only {outcomes.offered_per_s:.0f} requests/s")
-    if missed:
-        pytest.xfail(f"{TIMING_GAP}: {', '.join(missed)}; {summary}")
+    # Timed by this client, which shares two cores with the service: the typical refusal comes before
+    # a queued request's first call could, and none waits half the deadline. The figures themselves are
+    # in docs/performance.md ("Overload"), measured by batchwire bench.
+    assert refusals[len(refusals) // 2] < ONE_CALL_S, f"a refusal is not queued first: {summary}"
+    assert refusals[int(0.99 * len(refusals))] < TIMEOUT_MS / 2000, f"no refusal waits half the deadline: {summary}"
 
 
 @pytest.mark.parametrize("mode", ["embedded", "kafka"])

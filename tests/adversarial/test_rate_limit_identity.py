@@ -12,8 +12,11 @@ import time
 import uuid
 
 import httpx
+import pytest
 
 from tests.support.adversarial_rig import Service, ServiceFactory, unharmed
+
+pytestmark = pytest.mark.slow
 
 RATE_PER_S = 3.0
 BURST = 3
@@ -57,7 +60,9 @@ def test_a_client_naming_another_clients_id_spends_only_its_own_bucket(service_f
                 time.sleep(max(0.0, started + (n + 1) * ATTACK_PERIOD_S - time.monotonic()))  # pacing the attack
         took_s = time.monotonic() - started
 
-    harm = unharmed(service, attack, rate_per_s=PROBE_RATE_PER_S)
+    # The claim is about buckets: the normal client must get every answer, but its p99 over the ten or
+    # so requests it can send under its own limit is one slow answer, not a latency figure.
+    harm = unharmed(service, attack, rate_per_s=PROBE_RATE_PER_S, check_p99=False)
 
     accepted = statuses.count(202)
     most = BURST + math.ceil(RATE_PER_S * took_s) + 1

@@ -22,7 +22,6 @@ HANG = "HANG"
 FLAGS = {"BATCHWIRE_MODELS": "sim,blocked", "BATCHWIRE_SIM_HANG_ON": HANG, "BATCHWIRE_HANG_MIN_S": "120"}
 TASKS = 100
 TIMEOUT_MS = 2000
-HALF_A_CALL_MS = 50.0
 
 
 def _start(request: pytest.FixtureRequest, mode: str) -> Service:
@@ -107,10 +106,9 @@ def test_a_stuck_model_ends_its_requests_on_time_and_hurts_no_other(request: pyt
     attack: Callable[[], None] = lambda: asyncio.run(  # noqa: E731
         _flood_and_follow(service.url, ended, refused, events)
     )
-    # The attack's own client follows a hundred long-polls on the same two cores as the service and
-    # Kafka. The harm guarded against, the healthy model's requests waiting behind the hung workers or
-    # their dispatch, costs a call (100 ms) or more: half a call is the slack, not the default 20 ms.
-    harm = unharmed(service, attack, p99_slack_ms=HALF_A_CALL_MS)
+    # The harm guarded against, the healthy model's requests waiting behind the hung workers or their
+    # dispatch, costs a call (100 ms) or more: the rig's slack is half a call.
+    harm = unharmed(service, attack)
 
     assert len(ended) + len(refused) == TASKS, harm
     assert len(ended) >= 20, f"the first requests (before the stall shows) are accepted: {len(ended)}"

@@ -14,6 +14,8 @@ from batchwire.bench.cli import main
 from batchwire.bench.results import SCHEMA
 from tests.support.fake_inference_server import Behaviour, FakeServer
 
+pytestmark = pytest.mark.slow
+
 RATE_KEYS = {
     "offered_rps",
     "window_s",

@@ -12,7 +12,6 @@ from batchwire import cli
 from batchwire.capacity import profile
 from batchwire.capacity.curve import Curve, CurvePoint, load
 from gpu_worker.backends.sim import SimBackend
-from gpu_worker.backends.tiny import build_tiny_encoder
 
 Run = Callable[[list[str]], tuple[int, str, str]]
 
@@ -162,8 +161,11 @@ def test_the_input_of_a_length_is_the_longest_that_fits_it() -> None:
 
 # Two repeats of a 1-2 ms call on a shared CPU: a batch of 2 can time under a batch of 1, which the
 # curve accepts with a warning (not what this test is about).
+@pytest.mark.hf
 @pytest.mark.filterwarnings("ignore::batchwire.capacity.curve.CurveWarning")
 def test_profile_hf_times_each_length_in_the_models_own_tokens(run: Run, tmp_path: Path) -> None:
+    from gpu_worker.backends.tiny import build_tiny_encoder  # torch: imported by the tests that use it
+
     model = build_tiny_encoder(tmp_path / "bert")
     out_path = tmp_path / "tiny.json"
     argv = ["profile", "--backend", "hf", "--model-path", str(model), "--hf-task", "embed", "--device", "cpu"]

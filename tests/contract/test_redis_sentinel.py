@@ -110,6 +110,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SentinelCluste
         servers.stop()
 
 
+@pytest.mark.kafka
 def test_start_up_check_finds_the_primary_or_names_the_masters_the_sentinels_know(cluster: SentinelCluster) -> None:
     assert check_sentinels(cluster.url) == ("127.0.0.1", cluster.primary_port)
     assert SharedSettings(redis_url=cluster.url).require_redis() == cluster.url
@@ -125,6 +126,7 @@ def test_start_up_check_finds_the_primary_or_names_the_masters_the_sentinels_kno
 # (b) the transports over a Sentinel URL
 
 
+@pytest.mark.kafka
 async def test_every_pool_kind_is_sentinel_managed_and_packs_with_hiredis(cluster: SentinelCluster) -> None:
     options = PoolOptions()
     pools: list[ConnectionPool] = [command_pool(cluster.url, options), blocking_pool(cluster.url, 1, options)]
@@ -142,6 +144,7 @@ async def test_every_pool_kind_is_sentinel_managed_and_packs_with_hiredis(cluste
             await pool.disconnect()
 
 
+@pytest.mark.kafka
 async def test_task_store_and_credit_pool_work_over_a_sentinel_url(cluster: SentinelCluster, names: Names) -> None:
     store = RedisTaskStore(cluster.url, names, ttl_s=60)
     credits = RedisCreditPool(cluster.url, names)
@@ -199,6 +202,7 @@ async def until_running(events: AsyncIterator[TaskState]) -> list[TaskState]:
     return seen
 
 
+@pytest.mark.kafka
 async def test_the_same_store_follows_a_failover_to_the_promoted_replica(
     cluster: SentinelCluster, names: Names
 ) -> None:

@@ -17,8 +17,6 @@ import httpx
 import pytest
 import redis
 
-from gpu_worker.backends.hf import HFBackend
-from gpu_worker.backends.tiny import build_tiny_causal_lm
 from schemas.wire import Names
 from tests.support.eventually import eventually_sync
 from tests.support.http_calls import collect_events
@@ -38,6 +36,8 @@ def _wait_for_credits(redis_url: str, namespace: str, model: str, count: int, ti
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from gpu_worker.backends.tiny import build_tiny_causal_lm  # torch: imported by the tests that use it
+
     return build_tiny_causal_lm(tmp_path_factory.mktemp("tiny") / "tiny-gpt2", arch="gpt2")
 
 
@@ -77,6 +77,8 @@ def hf_cluster(
 
 
 async def test_a_tiny_transformers_model_answers_sync_poll_and_sse(hf_cluster: Cluster, tiny_model: Path) -> None:
+    from gpu_worker.backends.hf import HFBackend
+
     reference = HFBackend(tiny_model, max_new_tokens=8, warmup=False)
     reference.load()
     inputs = ["hello", "a longer prompt with more bytes", "é"]

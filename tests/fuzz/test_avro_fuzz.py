@@ -46,7 +46,7 @@ from schemas.deadletter import DEAD_LETTER_KIND, DeadLetter, DeadLetterItem, dec
 from schemas.records import Batch, BatchItem, Credit, InferenceRequest, TaskState, TaskStatus
 from tests.fuzz.avro_wire import varint
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 SETTINGS = settings(
     max_examples=1000,

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,8 +80,10 @@ def test_every_command_answers_help(core: CoreInstall) -> None:
     assert {"up", "gateway", "batcher", "worker", "stack", "bench", "plan"} <= set(commands), commands
     top = core.run("batchwire", "--help")
     assert top.returncode == 0 and all(command in top.stdout for command in commands), top.stderr
-    for command in commands:
-        done = core.run("batchwire", command, "--help")
+    with ThreadPoolExecutor(4) as pool:  # a second each, most of it the interpreter's start
+        answers = pool.map(lambda command: core.run("batchwire", command, "--help"), commands)
+        helps = dict(zip(commands, answers, strict=True))
+    for command, done in helps.items():
         assert done.returncode == 0 and "usage: batchwire" in done.stdout, f"{command} --help: {done.stderr}"
 
 

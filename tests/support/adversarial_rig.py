@@ -3,7 +3,7 @@
 Every adversarial test attacks a real process (``batchwire up``, or a Kafka-mode gateway with its
 batcher and workers over the session's Kafka and Redis) through real sockets, while a :class:`Probe`
 plays a normal client. :func:`unharmed` states what "one client must not hurt anyone else" means:
-the normal client's sync p99 stays within ``P99_SLACK_MS`` of its value without the attack and none
+the normal client's sync p99 stays within ``P99_SLACK_MS`` (half a model call) of its value without the attack and none
 of its requests fails, the process's RSS grows by at most ``RSS_GROWTH_BYTES``, and its file
 descriptors come back down once the attack ends.
 """
@@ -28,7 +28,10 @@ import httpx
 from tests.support.eventually import eventually_sync
 from tests.support.processes import Cluster, Proc
 
-P99_SLACK_MS = 20.0
+P99_SLACK_MS = 50.0
+"""Half a sim call: the harms guarded against (a normal request waiting behind an attacker's work, or
+for a slot it holds) cost a call (100 ms) or more, while a shared 2-core machine's own stalls cost tens
+of milliseconds."""
 RSS_GROWTH_BYTES = 50 * 1024 * 1024
 FD_SLACK = 20
 """Descriptors a gateway may hold beyond its baseline once an attack ended (pooled connections)."""
