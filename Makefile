@@ -1,6 +1,8 @@
-# batchwire: `make run` starts the embedded service on 127.0.0.1:8000, `make test` runs every check.
+# batchwire: `make run` starts the embedded service on 127.0.0.1:8000; `make check` is the everyday
+# tier (lint, types, the unit tests and the core-install smoke test: no Kafka, no Redis); `make test`
+# runs every check, with a real Kafka and Redis.
 # `make run` installs the core only (no torch, no Kafka, no Redis: the embedded mode needs none of them);
-# `make test` installs everything the tests use. Both are quick once .venv exists.
+# `make check` and `make test` install everything the tests use. All are quick once .venv exists.
 
 PYTHON ?= python3
 VENV := .venv
@@ -10,7 +12,15 @@ CORE := $(VENV)/.core-stamp
 FULL := $(VENV)/.full-stamp
 MINILM_VERSION := 0.1.0
 
-.PHONY: install run test test-fast lint typecheck pytest stack-up stack-down bench docs clean
+# The tiers, by marks (pyproject.toml): the unit tests run in `make check`; `make test` adds the rest,
+# in parallel where they measure no time, then the `timing` ones alone. Torch is imported only by the
+# tier that collects tests/backends (HF_TESTS).
+PYTEST := $(PY) -m pytest
+HF_TESTS := tests/backends
+UNIT := not kafka and not slow and not hf and not timing
+PARALLEL := -n 2 --dist loadfile
+
+.PHONY: install run check test lint typecheck stack-up stack-down bench docs clean
 
 install: $(FULL) redis-server
 	@$(PY) -m infra.fetch_kafka
@@ -37,31 +47,20 @@ redis-server:
 run: $(CORE)
 	$(VENV)/bin/batchwire up
 
-lint: install
+lint: $(FULL)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 
-typecheck: install
+typecheck: $(FULL)
 	$(VENV)/bin/mypy
 
-pytest: install
-	$(PY) -m pytest
+check: lint typecheck
+	$(PYTEST) $(PARALLEL) --no-servers -m "$(UNIT)" --ignore=$(HF_TESTS)
 
-test: install
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/lint-imports
-	$(VENV)/bin/mypy
-	$(PY) -m pytest
-
-# The day-to-day tier: lint, layers, types, and every test not marked slow (real Kafka and Redis included).
-test-fast: install
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/lint-imports
-	$(VENV)/bin/mypy
-	$(PY) -m pytest -m "not slow" -x
+test: check install
+	$(PYTEST) $(PARALLEL) --shared-stack -m "not ($(UNIT)) and not timing"
+	$(PYTEST) --shared-stack -m timing --ignore=$(HF_TESTS)
 
 stack-up: install
 	$(VENV)/bin/batchwire stack up
@@ -70,7 +69,7 @@ stack-down:
 	$(VENV)/bin/batchwire stack down
 
 bench: install
-	$(VENV)/bin/batchwire bench --start embedded --workers 2 --sim-latency-ms 100 --rate 20,600,1600 --check --out bench/results/latest
+	$(VENV)/bin/batchwire bench --start embedded --workers 2 --sim-latency-ms 100 --rate 20,600,1600 --check --out bench/runs/latest
 
 docs: install
 	$(PY) -m batchwire.docs

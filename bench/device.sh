@@ -6,7 +6,7 @@
 # It installs the carried wheels beside the machine's torch and transformers, unpacks MiniLM, then
 # runs the steps: the hf backend's tests on CUDA; bench/gpu_calls.py (one call's costs beyond its
 # profile); `figures.sh validate-hf` on CUDA (VALIDATE_HF_MODELS picks the models). Everything it
-# writes lands in $OUT (a tarball of bench/results/validate-hf-cuda*, the logs).
+# writes lands in $OUT (a tarball of bench/runs/validate-hf-cuda*, the logs).
 set -uo pipefail
 OUT=${OUT:-/tmp/device-out}
 PY=${BATCHWIRE_PYTHON:-python3}
@@ -34,11 +34,11 @@ if [[ " $steps " == *" calls "* ]]; then  # one call's costs beyond its profile
   head -c 3000 "$OUT/calls.json"
 fi
 if [[ " $steps " == *" figure "* ]]; then
-  # Each sitting in a folder of its own beside the earlier ones (bench/results/validate-hf-cuda/).
-  VALIDATE_HF_OUT=${VALIDATE_HF_OUT:-bench/results/validate-hf-cuda/sitting-$(date -u +%Y%m%d-%H%M)} \
+  # Each sitting in a folder of its own beside the earlier ones (bench/runs/validate-hf-cuda/).
+  VALIDATE_HF_OUT=${VALIDATE_HF_OUT:-bench/runs/validate-hf-cuda/sitting-$(date -u +%Y%m%d-%H%M)} \
     VALIDATE_HF_DEVICE=${VALIDATE_HF_DEVICE:-cuda} VALIDATE_HF_MINILM=.gpu/minilm VALIDATE_HF_MAX_RATE=${VALIDATE_HF_MAX_RATE:-2000} \
     VALIDATE_HF_SEEDS=${VALIDATE_HF_SEEDS:-1} \
     timeout "${DEVICE_FIGURE_TIMEOUT:-420}" ./bench/figures.sh validate-hf 2>&1 | tee "$OUT/validate-hf.txt"
-  tar czf "$OUT/validate-hf.tgz" bench/results/validate-hf-cuda 2>/dev/null
+  tar czf "$OUT/validate-hf.tgz" bench/runs/validate-hf-cuda 2>/dev/null
 fi
 ls -la "$OUT"

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Every published figure, one command each (issue 2 and 3). Run from the repository root on an
-# otherwise idle machine: ./bench/figures.sh [figure ...]; results land in bench/results/<figure>.
+# otherwise idle machine: ./bench/figures.sh [figure ...]; results land in bench/runs/<figure>.
 set -euo pipefail
 BW=${BATCHWIRE_CMD:-.venv/bin/batchwire}  # bench/device.sh runs it as python3 -m batchwire.cli
 PY=${BATCHWIRE_PYTHON:-.venv/bin/python}
 B="$BW bench --client raw --check"
-R=bench/results
+R=bench/runs
 run() { local name=$1; shift; echo "== $name: $*"; $B "$@" --out "$R/$name" | tail -n 4; }
 
 # A real model beside its simulation (issue 17): the hf backend, embedding with a tiny BERT built on
@@ -20,9 +20,9 @@ run() { local name=$1; shift; echo "== $name: $*"; $B "$@" --out "$R/$name" | ta
 # On a GPU the max batch is the mission's 100 for MiniLM and each curve is also profiled by length.
 validate_hf() {
   local device=${VALIDATE_HF_DEVICE:-cpu} tiny=.batchwire/tiny-encoder minilm name path batch chars rates lone_ms
-  local out="$R/validate-hf" table="$R/validate-hf.md" specs lengths=${VALIDATE_HF_LENGTHS:-none}
+  local out="$R/validate-hf" table="bench/results/validate-hf.md" specs lengths=${VALIDATE_HF_LENGTHS:-none}
   if [ "$device" != cpu ]; then
-    out="$R/validate-hf-$device" table="$R/validate-hf-$device.md" lengths=${VALIDATE_HF_LENGTHS:-auto}
+    out="$R/validate-hf-$device" table="bench/results/validate-hf-$device.md" lengths=${VALIDATE_HF_LENGTHS:-auto}
   fi
   if [ -n "${VALIDATE_HF_OUT:-}" ]; then out=$VALIDATE_HF_OUT table=$VALIDATE_HF_OUT.md; fi  # a sitting of its own
   minilm=${VALIDATE_HF_MINILM:-$($PY -c 'from gpu_worker.backends.packaged import minilm_dir; print(minilm_dir())')}
@@ -105,7 +105,7 @@ figure() {
     # results/validate/ (each run records its sends, which the simulation replays); the table in
     # validate.md.
     validate) (
-      R=bench/results/validate
+      R=bench/runs/validate
       for f in 20rps load-embedded load-kafka 1900-embedded 1900-kafka policies slow-worker; do
         figure "$f"
       done

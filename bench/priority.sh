@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Priority tiers and per-model admission (issue 18): the figures of bench/results/priority.md.
-# Run from the repository root: ./bench/priority.sh <figure> ...; results land in bench/results/priority/.
+# Run from the repository root: ./bench/priority.sh <figure> ...; results land in bench/runs/priority/.
 #
 # Embedded figures start `batchwire up` themselves. Kafka figures start one gateway, one batcher and
 # two sim workers per model against the Kafka and Redis named by KAFKA and REDIS (for a local stack:
@@ -11,7 +11,7 @@
 # the default max batch of 100 (2,000 req/s per model); the generator reports what it could offer.
 set -euo pipefail
 BW=.venv/bin/batchwire
-R=bench/results/priority
+R=bench/runs/priority
 COMMON=(--client raw --check --duration "${DURATION:-20}" --warmup 3 --pause 2 --lone 0 --concurrency-limit 20000)
 
 embedded() {  # name, max batch, max queue depth, mixes...

@@ -6,7 +6,7 @@ set -euo pipefail
 NEW=$(cd "$(dirname "$0")/.." && pwd)
 OLD=$(cd "${1:?usage: $0 OLD_TREE [RUNS]}" && pwd)
 RUNS=${2:-3}
-OUT="$NEW/bench/results/tracing"
+OUT="$NEW/bench/runs/tracing"
 PY="$NEW/.venv/bin/python"
 BENCH=(bench --client raw --check --start embedded --workers 2 --sim-latency-ms 100 --rate 1000
        --duration 10 --warmup 3 --lone 0)

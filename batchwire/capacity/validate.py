@@ -313,7 +313,7 @@ def format_table(rows: Sequence[Row]) -> str:
 # the command ----------------------------------------------------------------------------------------
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser("validate-sim")
-    parser.add_argument("results", nargs="+", help="bench result directories (bench/results/<figure>)")
+    parser.add_argument("results", nargs="+", help="bench result directories (bench/runs/<figure>)")
     parser.add_argument(
         "--overhead-ms",
         action="append",
