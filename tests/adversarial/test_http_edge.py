@@ -197,6 +197,7 @@ def _run_slow_clients(service: Service, clients: list[Slow]) -> None:
                 client.sock.close()
 
 
+@pytest.mark.timing
 def test_slow_and_silent_connections_are_closed_at_their_timeouts(service_factory: ServiceFactory) -> None:
     service = service_factory("--header-timeout-s", str(HEADER_TIMEOUT_S), "--body-timeout-s", str(BODY_TIMEOUT_S))
     clients = _slow_clients()
@@ -219,6 +220,7 @@ def test_slow_and_silent_connections_are_closed_at_their_timeouts(service_factor
 
 
 # connection flood ---------------------------------------------------------------------------------
+@pytest.mark.timing
 def test_a_connection_flood_over_the_cap_is_refused_unread(service_factory: ServiceFactory) -> None:
     service = service_factory("--max-connections", str(MAX_CONNECTIONS))
     flood = 5 * MAX_CONNECTIONS

@@ -28,7 +28,7 @@ import pytest
 from tests.support.adversarial_rig import RSS_GROWTH_BYTES, Service, ServiceFactory, attacker_output, unharmed
 from tests.support.eventually import eventually_sync
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timing, pytest.mark.timeout(300)]
 
 BUDGET_BYTES = 32 * 2**20
 INPUT_CHARS = 256 * 1024

@@ -20,7 +20,7 @@ import pytest
 from tests.support.adversarial_rig import Service, ServiceFactory, attacker_output, unharmed
 from tests.support.eventually import eventually_sync
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timing]
 
 CAPACITY_PER_S = 50.0  # one worker, 5 items per 100 ms call
 OFFERED_PER_S = 3 * CAPACITY_PER_S

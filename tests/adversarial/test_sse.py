@@ -22,7 +22,7 @@ import pytest
 from tests.support.adversarial_rig import RSS_GROWTH_BYTES, Service, ServiceFactory, unharmed
 from tests.support.eventually import eventually_sync
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timing, pytest.mark.timeout(300)]
 
 STREAMS = 1000
 OPEN_RATE_PER_S = 100.0

@@ -16,7 +16,7 @@ from schemas.wire import Names
 from tests.support.adversarial_rig import Service, ServiceFactory, unharmed
 from tests.support.eventually import eventually_sync
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timing]
 
 HANG = "HANG"
 FLAGS = {"BATCHWIRE_MODELS": "sim,blocked", "BATCHWIRE_SIM_HANG_ON": HANG, "BATCHWIRE_HANG_MIN_S": "120"}
