@@ -10,7 +10,6 @@ import argparse
 import asyncio
 import dataclasses
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from batchwire import flags
@@ -49,7 +48,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     flags.replication(parser)
 
 
-def run_stack(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     state_dir = Path(args.state_dir)
     if args.action == "up":
         shape = cluster_stack.Shape(args.brokers, args.redis_replicas)
@@ -66,5 +65,3 @@ def run_stack(args: argparse.Namespace) -> int:
         return cluster_stack.cmd_down_any(state_dir, out=sys.stdout, err=sys.stderr)
     return stack_report.cmd_status_report(state_dir, as_json=args.json, out=sys.stdout)
 
-
-HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {"stack": run_stack}

@@ -99,6 +99,15 @@ def test_the_roles_reach_no_tool(core: CoreInstall) -> None:
     assert done.stdout.strip() == "[]", f"batchwire up imports tools: {done.stdout}"
 
 
+def test_the_tools_run_on_the_core(core: CoreInstall, tmp_path: Path) -> None:
+    """A tool's module loads only when its command runs: one run of each kind, past ``--help``."""
+    status = core.run("batchwire", "stack", "status", "--state-dir", str(tmp_path / "stack"))
+    assert "kafka: none yet" in status.stdout, (status.stdout, status.stderr)
+    curve = ROOT / "bench" / "results" / "capacity" / "sim-100ms-32.json"
+    plan = core.run("batchwire", "plan", "--rate", "100", "--p99-ms", "500", "--curve", str(curve))
+    assert plan.returncode == 0 and "simulated p50" in plan.stdout, (plan.stdout, plan.stderr)
+
+
 @pytest.mark.parametrize(
     ("argv", "extra"),
     [
