@@ -64,4 +64,3 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "down":
         return cluster_stack.cmd_down_any(state_dir, out=sys.stdout, err=sys.stderr)
     return stack_report.cmd_status_report(state_dir, as_json=args.json, out=sys.stdout)
-
