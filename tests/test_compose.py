@@ -80,6 +80,9 @@ def test_dockerfile_installs_the_cli_for_every_role() -> None:
     for package in ("batchwire", "gateway", "batcher", "gpu_worker", "schemas"):
         assert f"COPY {package} ./{package}" in dockerfile, f"the image must contain {package}/"
     assert 'ENTRYPOINT ["batchwire"]' in dockerfile
+    # The image installs with the script the core-install smoke test runs (tests/smoke), nothing else.
+    assert 'RUN sh infra/install.sh /opt/batchwire "${EXTRAS}"' in dockerfile
+    assert "pip install" not in dockerfile, "the image installs through infra/install.sh only"
 
 
 def test_redis_is_bounded_refuses_writes_when_full_and_persists(compose: dict[str, Any]) -> None:
