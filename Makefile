@@ -58,9 +58,10 @@ typecheck: $(FULL)
 check: lint typecheck
 	$(PYTEST) $(PARALLEL) --no-servers -m "$(UNIT)" --ignore=$(HF_TESTS)
 
+# One Kafka and Redis for both runs (tests/with_stack.py): the parallel tier, then the timing tier alone.
 test: check install
-	$(PYTEST) $(PARALLEL) --shared-stack -m "not ($(UNIT)) and not timing"
-	$(PYTEST) --shared-stack -m timing --ignore=$(HF_TESTS)
+	$(PY) -m tests.with_stack sh -c '$(PYTEST) $(PARALLEL) -m "not ($(UNIT)) and not timing" && \
+	  $(PYTEST) -m timing --ignore=$(HF_TESTS)'
 
 stack-up: install
 	$(VENV)/bin/batchwire stack up

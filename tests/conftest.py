@@ -2,9 +2,8 @@
 
 Which infrastructure (local processes, testcontainers, or external) is chosen by
 ``infra.select.provide_infra``; each test gets its own namespace (topics and Redis keys), so tests
-never see each other's traffic. Under pytest-xdist, ``--shared-stack`` starts one local stack in the
-controlling process and hands its addresses to every worker as the external infrastructure, so the
-workers share one Kafka and one Redis instead of starting one each.
+never see each other's traffic. ``make test`` runs pytest under ``tests.with_stack``, so every
+pytest process (the xdist workers included) shares one Kafka and one Redis as external ones.
 
 The tiers (see the Makefile): ``--no-servers`` runs the tests that need neither Kafka nor Redis, and
 a test that asks for them there fails, naming the mark it lacks.
@@ -12,7 +11,6 @@ a test that asks for them there fails, naming the mark it lacks.
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,40 +20,11 @@ import pytest
 
 from schemas.wire import Names
 
-_SHARED_STACK = pytest.StashKey[Any]()
-
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
-        "--shared-stack",
-        action="store_true",
-        help="start one local Kafka and Redis in this process for every xdist worker to share",
-    )
-    parser.addoption(
         "--no-servers", action="store_true", help="the check tier: a test that asks for Kafka or Redis fails"
     )
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    from infra.select import EXTERNAL_KAFKA_ENV, EXTERNAL_REDIS_ENV
-
-    is_worker = hasattr(config, "workerinput")
-    if not config.getoption("shared_stack") or is_worker or os.environ.get(EXTERNAL_KAFKA_ENV):
-        return
-    from infra.local_stack import LocalStack
-
-    stack = LocalStack()
-    stack.start()
-    config.stash[_SHARED_STACK] = stack
-    # The workers start after this and inherit the environment: to them the stack is external.
-    os.environ[EXTERNAL_KAFKA_ENV] = stack.kafka_bootstrap
-    os.environ[EXTERNAL_REDIS_ENV] = stack.redis_url
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    stack = config.stash.get(_SHARED_STACK, None)
-    if stack is not None:
-        stack.close()
 
 
 SERVER_FIXTURES = {"infra", "redis_url", "kafka_bootstrap", "local_stack"}
