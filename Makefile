@@ -18,7 +18,10 @@ MINILM_VERSION := 0.1.0
 PYTEST := $(PY) -m pytest
 HF_TESTS := tests/backends
 UNIT := not kafka and not slow and not hf and not timing
-PARALLEL := -n 2 --dist loadfile
+# A file's tests stay on one xdist worker, so module-scoped clusters start once. The Kafka tier waits on
+# processes and deadlines more than it computes: three workers keep two cores busy.
+CHECK_PARALLEL := -n 2 --dist loadfile
+TEST_PARALLEL := -n 3 --dist loadfile
 
 .PHONY: install run check test lint typecheck stack-up stack-down bench docs clean
 
@@ -56,11 +59,11 @@ typecheck: $(FULL)
 	$(VENV)/bin/mypy
 
 check: lint typecheck
-	$(PYTEST) $(PARALLEL) --no-servers -m "$(UNIT)" --ignore=$(HF_TESTS)
+	$(PYTEST) $(CHECK_PARALLEL) --no-servers -m "$(UNIT)" --ignore=$(HF_TESTS)
 
 # One Kafka and Redis for both runs (tests/with_stack.py): the parallel tier, then the timing tier alone.
 test: check install
-	$(PY) -m tests.with_stack sh -c '$(PYTEST) $(PARALLEL) -m "not ($(UNIT)) and not timing" && \
+	$(PY) -m tests.with_stack sh -c '$(PYTEST) $(TEST_PARALLEL) -m "not ($(UNIT)) and not timing" && \
 	  $(PYTEST) -m timing --ignore=$(HF_TESTS)'
 
 stack-up: install
