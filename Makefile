@@ -12,16 +12,16 @@ CORE := $(VENV)/.core-stamp
 FULL := $(VENV)/.full-stamp
 MINILM_VERSION := 0.1.0
 
-# The tiers, by marks (pyproject.toml): the unit tests run in `make check`; `make test` adds the rest,
-# in parallel where they measure no time, then the `timing` ones alone. Torch is imported only by the
+# The tiers, by marks (pyproject.toml): the unit tests run in `make check`; `make test` runs them with
+# the rest, in parallel where they measure no time, then the `timing` ones alone. Torch is imported only by the
 # tier that collects tests/backends (HF_TESTS).
 PYTEST := $(PY) -m pytest
 HF_TESTS := tests/backends
 UNIT := not kafka and not slow and not hf and not timing
 # A file's tests stay on one xdist worker, so module-scoped clusters start once. The Kafka tier waits on
-# processes and deadlines more than it computes: three workers keep two cores busy.
+# processes and deadlines more than it computes: four workers keep two cores busy.
 CHECK_PARALLEL := -n 2 --dist loadfile
-TEST_PARALLEL := -n 3 --dist loadfile
+TEST_PARALLEL := -n 4 --dist loadfile
 
 .PHONY: install run check test lint typecheck stack-up stack-down bench docs clean
 
@@ -61,9 +61,10 @@ typecheck: $(FULL)
 check: lint typecheck
 	$(PYTEST) $(CHECK_PARALLEL) --no-servers -m "$(UNIT)" --ignore=$(HF_TESTS)
 
-# One Kafka and Redis for both runs (tests/with_stack.py): the parallel tier, then the timing tier alone.
-test: check install
-	$(PY) -m tests.with_stack sh -c '$(PYTEST) $(TEST_PARALLEL) -m "not ($(UNIT)) and not timing" && \
+# Every test but the timing ones in one parallel run (the unit tests fill the gaps between the Kafka
+# files), then the timing ones alone; one Kafka and Redis for both runs (tests/with_stack.py).
+test: lint typecheck install
+	$(PY) -m tests.with_stack sh -c '$(PYTEST) $(TEST_PARALLEL) -m "not timing" && \
 	  $(PYTEST) -m timing --ignore=$(HF_TESTS)'
 
 stack-up: install

@@ -98,6 +98,7 @@ HUGE_SHAPES = {
 }
 
 
+@pytest.mark.timing
 def test_huge_headers_are_refused_at_the_limit(service: Service) -> None:
     results: dict[str, tuple[int, bytes]] = {}
     shapes = [*HUGE_SHAPES.items(), ("one huge header, again", HUGE_SHAPES["one huge header"])]

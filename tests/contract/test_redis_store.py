@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 from redis.asyncio import Redis
 
+from infra.redis_server import RedisServer
 from schemas.codec import decode_state
 from schemas.records import TaskState, TaskStatus
 from schemas.wire import Names
@@ -68,7 +70,30 @@ async def test_a_large_apply_is_one_call(store: RedisTaskStore) -> None:
     assert len(await store.get_many([u.task_id for u in updates])) == 2000
 
 
-async def test_pubsub_drop_reconnects_and_resubscribes(store: RedisTaskStore, raw: Redis) -> None:
+@pytest.fixture
+def own_redis_url(tmp_path: Path) -> Iterator[str]:
+    """A redis-server of this test's own: it kills every PubSub connection, which on the shared server
+    would cut other tests' listeners."""
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+async def test_pubsub_drop_reconnects_and_resubscribes(own_redis_url: str, names: Names) -> None:
+    store = RedisTaskStore(own_redis_url, names, ttl_s=TTL_S)
+    await store.start()
+    raw = Redis.from_url(own_redis_url)
+    try:
+        await _drop_pubsub_and_follow(store, raw)
+    finally:
+        await raw.aclose()
+        await store.close()
+
+
+async def _drop_pubsub_and_follow(store: RedisTaskStore, raw: Redis) -> None:
     await store.create(state("t1", TaskStatus.QUEUED, reply_to="g1"))
     replies: list[TaskState] = []
     replied = asyncio.Event()
