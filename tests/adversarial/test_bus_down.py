@@ -19,7 +19,7 @@ from tests.support.adversarial_rig import Service
 from tests.support.eventually import eventually_sync
 from tests.support.processes import launch, stopped_after
 
-pytestmark = [pytest.mark.slow, pytest.mark.kafka]
+pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timing]
 
 REFUSALS = 50
 FAST_MS = 100.0
