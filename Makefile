@@ -19,9 +19,9 @@ PYTEST := $(PY) -m pytest
 HF_TESTS := tests/backends
 UNIT := not kafka and not slow and not hf and not timing
 # A file's tests stay on one xdist worker, so module-scoped clusters start once. The Kafka tier waits on
-# processes and deadlines more than it computes: three workers keep two cores busy (four starve them).
+# processes and deadlines; more workers than cores make restart and outage windows miss their bounds.
 CHECK_PARALLEL := -n 2 --dist loadfile
-TEST_PARALLEL := -n 3 --dist loadfile
+TEST_PARALLEL := -n 2 --dist loadfile
 
 .PHONY: install run check test lint typecheck stack-up stack-down bench docs clean
 

@@ -28,7 +28,7 @@ from tests.support.cluster_checks import proc_named
 from tests.support.eventually import eventually_sync
 from tests.support.processes import Cluster, TerminalEvents, launch, respawn, stopped_after, task_states
 
-pytestmark = [pytest.mark.slow, pytest.mark.kafka]
+pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timing]
 
 SYNC_RATE_PER_S = 120.0
 ASYNC_RATE_PER_S = 10.0

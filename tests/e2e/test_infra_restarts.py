@@ -20,7 +20,7 @@ import pytest
 from infra.local_stack import LocalStack
 from tests.support.processes import Cluster, launch, stopped_after
 
-pytestmark = [pytest.mark.slow, pytest.mark.kafka]
+pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timing]
 
 
 @pytest.fixture(scope="module")
