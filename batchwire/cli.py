@@ -122,11 +122,15 @@ def _topics(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     flags.add(topics, "--log-level", "info", str, "debug, info, warning or error")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _root() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction[argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(prog="batchwire", description=__doc__)
-    # Commands without the observability flags (stack, topics, capacity) log text and trace nothing.
-    parser.set_defaults(log_format="text", otlp_endpoint=None, trace_sample_ratio=1.0)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # Commands without the observability flags (stack, topics, the tools) log text and trace nothing.
+    parser.set_defaults(log_level="info", log_format="text", otlp_endpoint=None, trace_sample_ratio=1.0)
+    return parser, parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser, sub = _root()
     for add_command in (_up, _gateway, _batcher, _worker, _topics):
         add_command(sub)
     for name, tool in TOOLS.items():
@@ -137,9 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def tool_parser(name: str) -> argparse.ArgumentParser:
     """The parser of one tool command, from its module (which this imports)."""
-    parser = argparse.ArgumentParser(prog="batchwire", description=__doc__)
-    parser.set_defaults(log_level="info", log_format="text", otlp_endpoint=None, trace_sample_ratio=1.0)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser, sub = _root()
     importlib.import_module(TOOLS[name].module).add_parser(sub)
     return parser
 
@@ -209,10 +211,11 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = build_parser().parse_known_args(argv)[0].command
+    command = argv[0] if argv else ""
     tool = TOOLS.get(command)
-    if tool is None:
-        return _run(build_parser().parse_args(argv), HANDLERS[command])
+    if tool is None:  # a role, `topics`, `--help` or a mistake: the full parser says which
+        args = build_parser().parse_args(argv)
+        return _run(args, HANDLERS[args.command])
     try:
         return _run(tool_parser(command).parse_args(argv), importlib.import_module(tool.module).run)
     except ModuleNotFoundError as err:
