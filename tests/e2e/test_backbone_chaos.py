@@ -5,8 +5,8 @@ Redis primary with a replica, three Sentinels) carries two gateways, two batcher
 workers. A client in its own process (``tests.e2e.chaos_client``) sends synchronous requests and
 async tasks over both gateways for ``LOAD_S``, each with an Idempotency-Key, and sends a 503 again
 after its Retry-After with the same key. Faults, from the load's start: the broker that leads the
-most request partitions is killed at 15 s and restarted (`stack up`, which restarts only what is
-dead) at 30 s; the Redis primary is killed at 40 s and brought back (as a replica) at 50 s.
+most request partitions is killed at 10 s and restarted (`stack up`, which restarts only what is
+dead) at 20 s; the Redis primary is killed at 26 s and brought back (as a replica) at 34 s.
 
 Asserts that every request ends with its own answer, none is lost, none is answered twice, every
 answered task reads back completed afterwards, and that the only refusals are 503 ``unavailable``
@@ -53,12 +53,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(480)]
 
 SYNC_RATE_PER_S = 150.0
 ASYNC_RATE_PER_S = 20.0
-LOAD_S = 60.0
-BROKER_KILL_AT_S = 15.0
-BROKER_RESTART_AT_S = 30.0
-REDIS_KILL_AT_S = 40.0
-REDIS_RESTART_AT_S = 50.0
-DURING = (BROKER_KILL_AT_S, 50.0)
+LOAD_S = 42.0
+BROKER_KILL_AT_S = 10.0
+BROKER_RESTART_AT_S = 20.0
+REDIS_KILL_AT_S = 26.0
+REDIS_RESTART_AT_S = 34.0
+DURING = (BROKER_KILL_AT_S, REDIS_RESTART_AT_S)
 """Requests sent in this span are "during" the faults; before it "before", after it "after"."""
 ALLOWED_REFUSALS = frozenset({"unavailable"})
 """What a fault may cost a request: a 503 ``unavailable`` with Retry-After, and a retry."""

@@ -32,10 +32,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timing]
 
 SYNC_RATE_PER_S = 120.0
 ASYNC_RATE_PER_S = 10.0
-WORKER_KILL_AT_S = 8.0
-BATCHER_KILL_AT_S = 18.0
-GATEWAY_RESTART_AT_S = 28.0
-LOAD_FOR_S = 38.0
+WORKER_KILL_AT_S = 5.0
+BATCHER_KILL_AT_S = 12.0
+GATEWAY_RESTART_AT_S = 19.0
+LOAD_FOR_S = 26.0
 RESTART_AFTER_S = 2.0
 # What a client sees from a gateway that is not listening, or that closed an idle keep-alive
 # connection as it shut down while the request was being written: the request was not accepted.
@@ -236,8 +236,9 @@ async def test_chaos(cluster: Cluster) -> None:
         f"requests: {len(syncs)} sync ({len(syncs) / (load_end - timeline.t0):.0f}/s offered; {len(accepted)} "
         f"accepted, {len(refused)} refused while gateway1 restarted), {len(created)} async "
         f"({len(refused_async)} refused); {len(task_ids)} tasks, {terminal_events} terminal events",
-        "faults: kill -9 worker0 at 8 s (restarted 2 s later), kill -9 batcher0 at 18 s (restarted 2 s later), "
-        f"gateway1 restarted at 28 s (down {timeline.gateway_back - timeline.gateway_down:.1f} s, "
+        f"faults: kill -9 worker0 at {WORKER_KILL_AT_S:.0f} s (restarted {RESTART_AFTER_S:.0f} s later), kill -9 "
+        f"batcher0 at {BATCHER_KILL_AT_S:.0f} s (restarted {RESTART_AFTER_S:.0f} s later), "
+        f"gateway1 restarted at {GATEWAY_RESTART_AT_S:.0f} s (down {timeline.gateway_back - timeline.gateway_down:.1f} s, "
         f"{timeline.async_in_flight} of its async tasks in flight)",
         f"p99 before faults: {ms(base)}",
         f"p99 of requests sent 1.5 s before to 10 s after the worker kill: "
