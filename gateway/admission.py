@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -27,6 +28,8 @@ from schemas.records import Priority
 from telemetry.metrics import STATED_RATE, TIER_SUBMITS
 from transport.background_loop import BackgroundLoop
 from transport.ports import Backlog, CreditPool, QueueDepth, RateLimiter, TransportError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +101,8 @@ class Admission:
         self._stated: dict[str, Stated | None] = {}
         """Per model: what its workers state, as last read from the credit pool."""
         self._unseen = {model: Unseen(clock) for model in settings.models}
+        self._states: dict[str, str] = {}
+        """Each model's state as last logged (``models``)."""
         self._sampler = BackgroundLoop("admission-sampler")
         self.active = self._queue_depth is not None or self._limiter is not None
         """Whether a submit has anything to check here (else the gateway skips the call)."""
@@ -122,11 +127,15 @@ class Admission:
         credits = self._credits
         if credits is None:
             return
-        for model in self._meters:
+        for model, meter in self._meters.items():
+            now_ms = int(time.time() * 1000)
             # Unread this time, the rates already read stand until their credits expire.
             with contextlib.suppress(TransportError):
-                self._worker_rates.seen(model, await credits.offered(model))
-            stated = self._stated[model] = self._worker_rates.stated(model, int(time.time() * 1000))
+                offered = await credits.offered(model)
+                self._worker_rates.seen(model, offered)
+                if any(credit.expires_at_ms > now_ms for credit in offered) and meter.worker_idle():
+                    self._state_changed(model, "serving", "an idle worker waits for work and no request waits")
+            stated = self._stated[model] = self._worker_rates.stated(model, now_ms)
             STATED_RATE.labels(model=model).set(stated.rate_per_s if stated else 0.0)
 
     async def admit(
@@ -163,9 +172,11 @@ class Admission:
                     backlog = replace(backlog, depth=backlog.depth + admitted)
                 self._check_queue(model, backlog, timeout_ms, tier)
             elif self.max_queue_depth > 0:
-                depth = await queue_depth.depth()  # the deployment-wide figure, while the model's is unknown
+                # the deployment-wide figure, while the model's is unknown; unknown too, nothing is held
+                # against the request (a bus that is down fails its send anyway)
+                depth = await queue_depth.depth()
                 limit, setting = self._tier_limits[tier]
-                if depth >= limit:
+                if depth is not None and depth >= limit:
                     raise Overloaded(
                         f"the deployment holds {depth} requests not yet handed to a worker; {tier.value!r} requests "
                         f"are refused from {limit} ({_limit_of(setting, self.max_queue_depth)}); nothing was "
@@ -194,14 +205,29 @@ class Admission:
             service.observe(latency_s)
 
     def models(self) -> dict[str, str]:
-        """Each model's state for ``/readyz``: ``stalled`` while requests wait and its workers take none."""
+        """Each model's state for ``/readyz``: ``stalled`` while requests wait and its workers take none.
+
+        Each change of a model's state is logged, with why (read here, and by the sampler every
+        ``SAMPLE_EVERY_S``)."""
         states: dict[str, str] = {}
         for model, meter in self._meters.items():
             backlog = self._queue_depth.backlog(model) if self._queue_depth is not None else None
-            if backlog is not None:
-                meter.observe(backlog)
-            states[model] = "stalled" if meter.stalled else "serving"
+            estimate = meter.observe(backlog) if backlog is not None else None
+            state = states[model] = "stalled" if meter.stalled else "serving"
+            if state != self._states.get(model, "serving"):
+                if estimate is not None and state == "stalled":
+                    why = (
+                        f"{estimate.depth} requests wait and no batch has reached its workers for "
+                        f"{estimate.stalled_s:.1f} s; its submits are refused until one does"
+                    )
+                else:
+                    why = "a batch reached its workers"
+                self._state_changed(model, state, why)
         return states
+
+    def _state_changed(self, model: str, state: str, why: str) -> None:
+        self._states[model] = state
+        log.warning("model %r is %s: %s", model, state, why)
 
     def _check_queue(self, model: str, backlog: Backlog, timeout_ms: int, tier: Priority) -> None:
         depth = backlog.depth

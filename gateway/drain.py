@@ -14,7 +14,8 @@ a rate learned while little queued, and a model that lost workers is seen within
 A model is *stalled* when requests have waited ``settle_s`` and no batch has reached its workers for
 ``stall_s`` (every worker busy past any normal call, hung or gone): its requests are refused, and
 ``/readyz`` names it, until a batch is taken again; an empty queue lets one request through every
-``stall_s`` as a probe, so a model whose workers came back is seen.
+``stall_s`` as a probe, so a model whose workers came back is seen, and ends the stall at once when
+an idle worker is seen waiting for work (``worker_idle``).
 
 Pure: samples come from :class:`~transport.ports.Backlog` (each stamped with when it was
 read), so the same code runs over the in-memory counters, Kafka's offsets, and a test's numbers.
@@ -79,6 +80,17 @@ class DrainMeter:
     def stalled(self) -> bool:
         """Requests waited while no batch reached a worker for ``stall_s``, and none has since."""
         return self._stalled_at_s is not None
+
+    def worker_idle(self) -> bool:
+        """An idle worker waits for work now (its credit lies unclaimed in the pool). A stall with no
+        request waiting then ends at once rather than at the next probe: whatever held the model (its
+        workers gone or busy, or counters misread) is over. Returns whether it ended a stall."""
+        last = self._last
+        if self._stalled_at_s is None or last is None or last.depth > 0:
+            return False
+        self._stalled_at_s = None
+        self._batch_at_s = last.at_s  # a new stall needs stall_s without a batch again
+        return True
 
     def observe(self, backlog: Backlog, prior_rate_per_s: float | None = None) -> Estimate:
         """Takes a sample (if it is ``sample_every_s`` newer than the last) and predicts the wait, by

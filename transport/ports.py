@@ -251,8 +251,9 @@ class QueueDepth(Protocol):
 
     async def start(self) -> None: ...
     async def close(self) -> None: ...
-    async def depth(self) -> int:
-        """The latest known depth; cheap enough to ask on every request (no I/O)."""
+    async def depth(self) -> int | None:
+        """The latest known depth, None while it is unknown (unread, or stale); cheap enough to ask
+        on every request (no I/O)."""
         ...
 
     def backlog(self, model: str) -> Backlog | None:

@@ -9,7 +9,7 @@ from starlette.responses import Response
 
 from gateway.errors import error_body
 from gateway.handlers import json_response
-from gateway.health import Ready, not_ready, probe
+from gateway.health import Down, Ready, not_ready, probe
 from gateway.models import Health, NotReadyResponse, Readiness, error_responses
 from gateway.routes.deployment import Lifecycle, deployment_of
 from gateway.settings import GatewaySettings
@@ -26,7 +26,12 @@ async def readyz(request: Request) -> Response:
     settings = gateway.settings
     checks = await _lifecycle_checks(deployment.lifecycle, settings.ready_timeout_s)
     checks.update(await gateway.ready())
-    models = gateway.models()  # informational: one stalled model must not turn the others away
+    # One stalled model must not turn the others away; with every model stalled, this gateway only refuses.
+    models = gateway.models()
+    if models and all(state == "stalled" for state in models.values()):
+        checks["models"] = Down(
+            "down", f"no model can be admitted: {', '.join(sorted(models))} stalled (requests wait, no batch is taken)"
+        )
     down = not_ready(checks)
     ok = {part: check is True for part, check in checks.items()}
     if not down:

@@ -237,8 +237,8 @@ async def test_chaos(cluster: Cluster) -> None:
         f"accepted, {len(refused)} refused while gateway1 restarted), {len(created)} async "
         f"({len(refused_async)} refused); {len(task_ids)} tasks, {terminal_events} terminal events",
         f"faults: kill -9 worker0 at {WORKER_KILL_AT_S:.0f} s (restarted {RESTART_AFTER_S:.0f} s later), kill -9 "
-        f"batcher0 at {BATCHER_KILL_AT_S:.0f} s (restarted {RESTART_AFTER_S:.0f} s later), "
-        f"gateway1 restarted at {GATEWAY_RESTART_AT_S:.0f} s (down {timeline.gateway_back - timeline.gateway_down:.1f} s, "
+        f"batcher0 at {BATCHER_KILL_AT_S:.0f} s (restarted {RESTART_AFTER_S:.0f} s later), gateway1 restarted at "
+        f"{GATEWAY_RESTART_AT_S:.0f} s (down {timeline.gateway_back - timeline.gateway_down:.1f} s, "
         f"{timeline.async_in_flight} of its async tasks in flight)",
         f"p99 before faults: {ms(base)}",
         f"p99 of requests sent 1.5 s before to 10 s after the worker kill: "

@@ -235,6 +235,44 @@ async def test_a_stalled_model_is_refused_and_named_while_the_others_serve() -> 
     await admit_sent(admission, "b", 30_000)
 
 
+def test_an_idle_worker_ends_a_stall_at_once_only_when_no_request_waits() -> None:
+    meter = DrainMeter(stall_s=5.0)
+    meter.observe(Backlog(0, 10, 7, 0.0))
+    hold(meter, Backlog(3, 10, 7, 0.0), 5.2)
+    assert meter.stalled
+    assert not meter.worker_idle(), "requests still wait: an idle worker they do not reach is no progress"
+    assert meter.stalled
+    meter.observe(Backlog(0, 13, 7, 5.3))
+    assert meter.worker_idle(), "the queue emptied and a worker waits: nothing is stalled"
+    assert not meter.stalled and meter.observe(Backlog(0, 13, 7, 5.4)).wait_s == 0
+    hold(meter, Backlog(2, 13, 7, 5.4), 6.6)
+    assert not meter.stalled, "a new stall needs stall_s without a batch again, counted from the end of the last"
+
+
+async def test_a_stalled_model_whose_queue_empties_serves_again_as_soon_as_a_worker_waits(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """After the workers (or the counters) come back, the next sample ends the stall: no refusal
+    waits for a probe, and each change of state is logged with why."""
+    counters = Counters()
+    pool = MemoryCreditPool()
+    admission = Admission(settings(stall_s=2.0), counters, None, pool, clock=counters.clock)
+    for n in range(0, 26):
+        counters.backlogs = {"a": Backlog(5, 0, 0, n / 10), "b": Backlog(0, 0, 0, n / 10)}
+        admission.models()
+    assert admission.models()["a"] == "stalled"
+    assert "model 'a' is stalled: 5 requests wait and no batch has reached its workers" in caplog.text
+    counters.backlogs = {"a": Backlog(0, 5, 0, 2.7), "b": Backlog(0, 0, 0, 2.7)}
+    await admission.read_worker_rates()
+    assert admission.models()["a"] == "stalled", "no worker waits yet"
+    now = int(time.time() * 1000)
+    await pool.offer(Credit("w1", "a", 0, 1, now, now + 60_000, max_batch=5, busy_ms=100))
+    await admission.read_worker_rates()
+    assert admission.models() == {"a": "serving", "b": "serving"}
+    assert "model 'a' is serving: an idle worker waits for work and no request waits" in caplog.text
+    await admit_sent(admission, "a", 30_000)
+
+
 async def test_the_queue_depth_limit_is_per_model() -> None:
     counters = Counters()
     admission = Admission(settings(max_queue_depth=10), counters, None, clock=counters.clock)

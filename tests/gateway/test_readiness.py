@@ -38,3 +38,20 @@ async def test_a_plain_redis_url_that_is_down_is_named_without_its_password() ->
     down = await redis_readiness(False, "redis://:secret@127.0.0.1:1/0", 1.0)
     assert isinstance(down, Down) and down.state == "down", down
     assert "127.0.0.1:1" in down.reason and "secret" not in down.reason, down
+
+
+async def test_readyz_is_503_when_no_model_can_be_admitted(make_rig: RigFactory, monkeypatch: Any) -> None:
+    """One stalled model leaves the gateway ready for the others; with every model stalled it only
+    refuses, and a load balancer should send callers to another gateway."""
+    rig = await make_rig()
+    states = {"sim": "stalled", "other": "serving"}
+    monkeypatch.setattr(rig.gateway, "models", lambda: dict(states))
+    ready = await rig.client.get("/readyz")
+    assert ready.status_code == 200 and ready.json()["models"] == states, ready.text
+
+    states["other"] = "stalled"
+    response = await rig.client.get("/readyz")
+    assert response.status_code == 503, response.text
+    doc = response.json()
+    assert doc["down"]["models"]["reason"].startswith("no model can be admitted: other, sim stalled"), doc
+    assert doc["models"] == states and response.headers["retry-after"], doc

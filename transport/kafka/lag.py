@@ -4,12 +4,21 @@ A batcher commits a request's offset only once the batch holding it is on the ba
 difference counts every request that gateways produced and no worker was handed yet, whichever
 gateway produced it and whichever batcher holds it. One owned task refreshes it every
 ``refresh_s``; ``depth()`` reads the cached figure, so asking on every request costs nothing.
+
+A read is trusted only when the group's coordinator answered a committed offset (or "none yet", -1)
+for every partition asked. A broker that no longer coordinates the group answers an empty list
+without an error (aiokafka's ``list_consumer_group_offsets`` drops the response's top-level error
+code): counting that as "nothing committed" would read every record the topic keeps as waiting, and
+refuse every request. Such a read fails instead, the coordinator is looked up again, and the last
+good figure stands for ``stale_after_s``; after that the figure is unknown (None), which admission
+treats as unknown, not as a full queue.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -28,10 +37,16 @@ from transport.routing import Partitioner
 log = logging.getLogger(__name__)
 
 DEFAULT_REFRESH_S = 0.15
-# Without a successful refresh for this long the figure is not trusted: depth() answers 0 (admit),
-# because a bus that is really down fails the produce anyway, while a stale high figure would turn
-# every request away for as long as the lag cannot be read.
+# Without a successful refresh for this long the figure is unknown: depth() and backlog() answer None
+# (admission then admits), because a bus that is really down fails the produce anyway, while a stale
+# high figure would turn every request away for as long as the lag cannot be read.
 DEFAULT_STALE_AFTER_S = 5.0
+
+
+class LagUnreadable(TransportError):
+    """A read of the lag that cannot be trusted: the coordinator asked left partitions unanswered."""
+
+
 _WARN_EVERY = 50
 
 
@@ -81,6 +96,7 @@ class KafkaQueueDepth:
         self._refreshed_at = float("-inf")  # monotonic time of the last successful refresh
         self._read_at = float("-inf")  # when that refresh began
         self._failures = 0
+        self._trusted = True  # for logging each change between a trusted and an untrusted figure
         self._loop = BackgroundLoop(f"queue-depth-{self.topic}")
 
     @property
@@ -118,10 +134,13 @@ class KafkaQueueDepth:
         await self._loop.close()
         await self._disconnect()
 
-    async def depth(self) -> int:
-        if time.monotonic() - self._refreshed_at > self.stale_after_s:
-            return 0
+    async def depth(self) -> int | None:
+        if self._stale():
+            return None
         return self._depth
+
+    def _stale(self) -> bool:
+        return time.monotonic() - self._refreshed_at > self.stale_after_s
 
     async def refresh(self) -> int:
         """Reads end offsets and committed offsets now; returns (and caches) the lag."""
@@ -129,13 +148,22 @@ class KafkaQueueDepth:
         ends: dict[TopicPartition, int] = await self._consumer.end_offsets(self._partitions)
         if self._coordinator is None:
             self._coordinator = await self._admin.find_coordinator(self.group)
+        coordinator = self._coordinator
         try:
             committed = await self._admin.list_consumer_group_offsets(
-                self.group, group_coordinator_id=self._coordinator, partitions=self._partitions
+                self.group, group_coordinator_id=coordinator, partitions=self._partitions
             )
         except KafkaError:
             self._coordinator = None  # it may have moved: look it up again next time
             raise
+        unanswered = [tp for tp in self._partitions if tp not in committed]
+        if unanswered:
+            self._coordinator = None
+            raise LagUnreadable(
+                f"broker {coordinator} answered no committed offset for {len(unanswered)} of the "
+                f"{len(self._partitions)} partitions of {self.topic} for group {self.group} (it may no longer "
+                "coordinate the group): looking the coordinator up again"
+            )
         # Gathered apart and swapped in with the time, after the last await: a backlog read meanwhile
         # never pairs new counts with the previous read's time (admission counts by that time).
         waiting: dict[int, int] = {}
@@ -180,7 +208,7 @@ class KafkaQueueDepth:
 
     def backlog(self, model: str) -> Backlog | None:
         partitions = self._model_partitions.get(model)
-        if partitions is None or time.monotonic() - self._refreshed_at > self.stale_after_s:
+        if partitions is None or self._stale():
             return None
         return Backlog(
             sum(self._waiting.get(p, 0) for p in partitions),
@@ -196,14 +224,22 @@ class KafkaQueueDepth:
                 await self.refresh()
             except (KafkaError, TransportError, OSError) as err:
                 self._failures += 1
-                if self._failures % _WARN_EVERY == 1:
+                if self._trusted or self._failures % _WARN_EVERY == 1:
                     log.warning(
-                        "reading the request topic lag failed %d time(s) so far: %s; over %.0f s stale, "
-                        "the queue-depth limit is not applied",
+                        "reading the lag of %s failed (%d time(s) in a row): %s; the last figure stands for %.0f s, "
+                        "then the queue depth is unknown and its limit is not applied",
+                        self.group,
                         self._failures,
                         err,
                         self.stale_after_s,
                     )
+                self._trusted = False
+                if self._stale():
+                    REQUEST_LAG.set(math.nan)
+            else:
+                if not self._trusted:
+                    log.warning("the lag of %s is read again after %d failed read(s)", self.group, self._failures)
+                self._trusted, self._failures = True, 0
 
     async def _disconnect(self) -> None:
         consumer, self._consumer = self._consumer, None

@@ -326,7 +326,7 @@ class MemoryQueueDepth:
     async def close(self) -> None:
         return None
 
-    async def depth(self) -> int:
+    async def depth(self) -> int | None:
         lag = self.bus.lag()
         REQUEST_LAG.set(lag)
         return lag

@@ -1,0 +1,107 @@
+"""A lag read that cannot be trusted never becomes "everything is waiting".
+
+A broker that no longer coordinates the batchers' group answers the committed-offsets request with
+no partitions and no error that aiokafka raises. These tests hand ``KafkaQueueDepth`` a client whose
+answers are scripted (the shape of that answer, not Kafka's behaviour: the real one is attacked in
+``tests/e2e/test_lag_coordinator_moves.py``), so each step of the read is checked alone.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from aiokafka import TopicPartition
+from aiokafka.structs import OffsetAndMetadata
+
+from schemas.wire import Names
+from telemetry.metrics import REGISTRY
+from tests.support.eventually import eventually
+from transport.kafka.lag import KafkaQueueDepth, LagUnreadable
+
+PARTITIONS = 4
+END = 1000
+COMMITTED = 990
+
+
+class ScriptedCluster:
+    """End offsets, and the committed offsets each coordinator answers (a missing one: answers ``{}``)."""
+
+    def __init__(self, names: Names) -> None:
+        self.topic = names.request_topic
+        self.coordinator = 1
+        self.answering = {1}
+        self.asked: list[int | None] = []
+
+    async def end_offsets(self, partitions: list[TopicPartition]) -> dict[TopicPartition, int]:
+        return dict.fromkeys(partitions, END)
+
+    async def beginning_offsets(self, partitions: list[TopicPartition]) -> dict[TopicPartition, int]:
+        return dict.fromkeys(partitions, 0)
+
+    async def find_coordinator(self, group: str) -> int:
+        return self.coordinator
+
+    async def list_consumer_group_offsets(
+        self, group: str, group_coordinator_id: int | None = None, partitions: list[TopicPartition] | None = None
+    ) -> dict[TopicPartition, OffsetAndMetadata]:
+        self.asked.append(group_coordinator_id)
+        if group_coordinator_id not in self.answering:
+            return {}  # what a broker that no longer coordinates the group comes back with
+        assert partitions is not None
+        return {tp: OffsetAndMetadata(COMMITTED, "") for tp in partitions}
+
+
+def _depth(names: Names, cluster: Any, stale_after_s: float = 5.0) -> KafkaQueueDepth:
+    depth = KafkaQueueDepth("127.0.0.1:1", names, PARTITIONS, models=("sim",), stale_after_s=stale_after_s)
+    depth._admin = depth._consumer = cluster
+    return depth
+
+
+def _gauge() -> float | None:
+    return REGISTRY.get_sample_value("batchwire_request_topic_lag")
+
+
+async def test_an_empty_answer_from_a_former_coordinator_is_not_read_as_a_full_queue(names: Names) -> None:
+    cluster = ScriptedCluster(names)
+    depth = _depth(names, cluster)
+    assert await depth.refresh() == PARTITIONS * (END - COMMITTED)
+    good = await depth.depth()
+
+    cluster.coordinator, cluster.answering = 2, {2}  # the role moved; broker 1 now answers {}
+    with pytest.raises(LagUnreadable, match="no committed offset for 4 of the 4 partitions"):
+        await depth.refresh()
+    assert await depth.depth() == good, "the last good figure stands, not every record the topic keeps"
+    backlog = depth.backlog("sim")
+    assert backlog is not None and backlog.depth <= good, f"the model's figure stands too: {backlog}"
+    assert _gauge() == good
+
+    assert await depth.refresh() == good, "the next read looks the coordinator up again and is right"
+    assert cluster.asked[-2:] == [1, 2], f"asked the old coordinator once, then the new one: {cluster.asked}"
+
+
+async def test_a_figure_that_cannot_be_read_becomes_unknown_after_stale_after_s(names: Names) -> None:
+    cluster = ScriptedCluster(names)
+    depth = _depth(names, cluster, stale_after_s=0.0)
+    await depth.refresh()
+    cluster.answering = set()  # no broker answers for the group
+    with pytest.raises(LagUnreadable):
+        await depth.refresh()
+    assert await depth.depth() is None, "past stale_after_s the depth is unknown, not 0 and not the old figure"
+    assert depth.backlog("sim") is None
+
+
+async def test_the_refresher_marks_the_gauge_unknown_once_stale(names: Names) -> None:
+    cluster = ScriptedCluster(names)
+    depth = KafkaQueueDepth("127.0.0.1:1", names, PARTITIONS, refresh_s=0.01, stale_after_s=0.05)
+    depth._admin = depth._consumer = cluster
+    await depth.refresh()
+    cluster.answering = set()
+    depth._loop.start(depth._refresh_forever())
+    try:
+        await eventually(lambda: math.isnan(_gauge() or 0.0), "the lag gauge to read NaN (unknown)", timeout_s=10)
+        cluster.answering = {cluster.coordinator}
+        await eventually(lambda: _gauge() == PARTITIONS * (END - COMMITTED), "the gauge to read the lag again")
+    finally:
+        await depth._loop.close()
