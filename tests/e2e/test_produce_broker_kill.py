@@ -1,5 +1,6 @@
 """The broker that leads the batch topic killed (-9) while the batcher produces to it: every request
 is answered once, with its own answer, and every task a client was answered for reached a worker.
+And a gateway's lag read after the group coordinator moved to another broker stays true.
 
 A stack of its own (`batchwire stack up --brokers 3`, a plain Redis) in a state dir of its own;
 topics with RF 3 and min ISR 2, so an acked write is on two brokers. The batch topic has one
@@ -16,6 +17,7 @@ import json
 import os
 import signal
 import time
+import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,7 +26,7 @@ from typing import Any
 
 import httpx
 import pytest
-from aiokafka import AIOKafkaConsumer, TopicPartition  # type: ignore[import-untyped, unused-ignore]
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition  # type: ignore[import-untyped, unused-ignore]
 from aiokafka.admin import AIOKafkaAdminClient  # type: ignore[import-untyped, unused-ignore]
 from aiokafka.admin.config_resource import (  # type: ignore[import-untyped, unused-ignore]
     ConfigResource,
@@ -39,6 +41,8 @@ from schemas.wire import Names
 from tests.support.eventually import eventually_sync
 from tests.support.processes import TerminalEvents, launch, stopped_after, task_states
 from tests.support.stack_cli import stack_cli as _cli
+from tests.support.transport_kits import ensure_topics
+from transport.kafka.lag import KafkaQueueDepth, LagUnreadable
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(300)]
 
@@ -148,6 +152,59 @@ def kill9(pid: int) -> None:
     assert process is not None, f"process {pid} is not running"
     os.kill(pid, signal.SIGKILL)
     assert process.wait_exit(10.0), f"process {pid} survived SIGKILL"
+
+
+async def test_a_lag_read_at_a_broker_that_no_longer_coordinates_the_group_keeps_the_true_figure(
+    state_dir: Path,
+) -> None:
+    """What a gateway meets once the batchers' group coordinator moved (a broker killed, restarted, and
+    given its partitions back by the preferred-leader election): its cached coordinator, asked for the
+    group's committed offsets, answers none, without an error. The lag must not read as every record
+    the topic keeps (the outage this guards against: every request refused as overloaded)."""
+    bootstrap = read_env_file(state_dir / ENV_FILE_NAME)[KAFKA_ENV]
+    names = Names(f"t{uuid.uuid4().hex[:10]}")
+    partitions = 4
+    await ensure_topics(bootstrap, {names.request_topic: partitions})
+    tps = [TopicPartition(names.request_topic, p) for p in range(partitions)]
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+    await producer.start()
+    try:
+        for n in range(40):
+            await producer.send_and_wait(names.request_topic, b"r", partition=n % partitions)
+    finally:
+        await producer.stop()
+    batcher = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=names.batcher_group, enable_auto_commit=False)
+    await batcher.start()
+    try:
+        batcher.assign(tps)
+        await batcher.commit(dict.fromkeys(tps, 8))  # 2 of each partition's 10 records still wait
+    finally:
+        await batcher.stop()
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
+    await admin.start()
+    try:
+        coordinator = await admin.find_coordinator(names.batcher_group)
+        others = [b["node_id"] for b in (await admin.describe_cluster())["brokers"] if b["node_id"] != coordinator]
+        assert others, "a three-broker stack has brokers besides the coordinator"
+        answer = await admin.list_consumer_group_offsets(
+            names.batcher_group, group_coordinator_id=others[0], partitions=tps
+        )
+    finally:
+        await admin.close()
+    assert answer == {}, f"Kafka's answer from a broker that is not the coordinator (no error raised): {answer}"
+
+    depth = KafkaQueueDepth(bootstrap, names, partitions, refresh_s=60)
+    await depth.start()
+    try:
+        assert await depth.depth() == 8, "the true lag: 2 waiting on each of 4 partitions"
+        depth._coordinator = others[0]  # the cached coordinator, after the role moved away from it
+        with pytest.raises(LagUnreadable, match="no committed offset for 4 of the 4 partitions"):
+            await depth.refresh()
+        assert await depth.depth() == 8, "the last good figure stands, not the 40 records the topic keeps"
+        assert await depth.refresh() == 8, "the next read finds the coordinator again"
+    finally:
+        await depth.close()
 
 
 async def test_killing_the_batch_topics_leader_under_load_loses_no_batch_and_answers_each_request_once(

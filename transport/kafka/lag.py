@@ -123,6 +123,8 @@ class KafkaQueueDepth:
             raise
         try:
             await self.refresh()
+        except LagUnreadable as err:
+            log.info("first read of the lag of %s failed (%s); retrying in the background", self.group, err)
         except KafkaError as err:
             if not getattr(err, "retriable", False):
                 await self._disconnect()
