@@ -246,6 +246,17 @@ def http_status(error: GatewayError) -> int:
     return HTTP_STATUS.get(error.code, 500)
 
 
+SHOWN_CHARS = 64
+
+
+def shown(value: str, limit: int = SHOWN_CHARS) -> str:
+    """``value`` as an error message quotes it: whole when short, else its first ``limit`` characters
+    and its length, so an answer never grows with what a client sent (a 1 MB model name is no 1 MB 404)."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} characters)"
+
+
 def error_body(code: str, message: str, task_id: str | None = None) -> dict[str, Any]:
     """The one error shape every non-2xx answer has."""
     inner: dict[str, Any] = {"code": code, "message": message}

@@ -19,7 +19,7 @@ from starlette.responses import Response
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import GatewayError, error_body, http_status
+from gateway.errors import GatewayError, error_body, http_status, shown
 from telemetry.metrics import REQUESTS
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
         code = _CODE_BY_HTTP_STATUS.get(exc.status_code, f"http_{exc.status_code}")
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if exc.status_code == 404:
-            message = f"no route {request.method} {request.url.path}; see /docs for the API"
+            message = f"no route {shown(request.method)} {shown(request.url.path)}; see /docs for the API"
         headers = dict(exc.headers or {})
         if exc.status_code == 405:
             # Starlette names only the first route whose path matched; GET and DELETE of one path

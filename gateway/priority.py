@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.errors import InvalidPriority, PriorityAboveCeiling
+from gateway.errors import InvalidPriority, PriorityAboveCeiling, shown
 from gateway.settings import env_name
 from schemas.records import Priority
 
@@ -66,11 +66,11 @@ def request_tier(asked: str | None, tiers: KeyTiers | None) -> Priority:
         tier = Priority(asked)
     except ValueError:
         raise InvalidPriority(
-            f"priority is {asked!r}; send one of {_ALLOWED}, or leave it out for {tiers.default.value!r}"
+            f"priority is {shown(asked)}; send one of {_ALLOWED}, or leave it out for {tiers.default.value!r}"
         ) from None
     if tier.rank < tiers.ceiling.rank:
         raise PriorityAboveCeiling(
-            f"priority {asked!r} is above this API key's ceiling, {tiers.ceiling.value!r}; send "
+            f"priority {shown(asked)} is above this API key's ceiling, {tiers.ceiling.value!r}; send "
             f"{tiers.ceiling.value!r} or lower, or leave it out for {tiers.default.value!r} (the operator sets a "
             f"key's tiers in {env_name('api_keys_file')})"
         )

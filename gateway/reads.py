@@ -51,9 +51,10 @@ class TaskReads:
 
         A task another API key created is reported unknown (``owner`` is the caller's)."""
         check_task_id(task_id)
-        if not 0 <= wait_s <= self.settings.max_wait_s:
+        if not 0 <= wait_s <= self.settings.max_poll_wait_s:
             raise ValidationFailed(
-                f"wait is {wait_s}; send seconds from 0 to {self.settings.max_wait_s} ({env_name('max_wait_s')})"
+                f"wait is {wait_s:g}; send seconds from 0 to {self.settings.max_poll_wait_s:g} "
+                f"({env_name('max_poll_wait_s')})"
             )
         try:
             if wait_s == 0:

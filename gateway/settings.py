@@ -55,7 +55,7 @@ class GatewaySettings:
     """Long-polls and event streams held open at once; beyond it: 503 ``overloaded`` + Retry-After.
     Each holds memory while open (its connection, request and store watch); the process keeps
     the high-water mark of that memory for reuse, so this also bounds what a burst of streams costs."""
-    max_wait_s: float = 60.0
+    max_poll_wait_s: float = 60.0
     """The longest ``?wait=`` a long-poll may ask for."""
     sse_max_s: float = 600.0
     """An event stream closes after this long even without a terminal state; clients reconnect."""
@@ -221,7 +221,7 @@ def _check_bounds(settings: GatewaySettings) -> None:
     _at_least(settings, "max_body_bytes", 64)
     _at_least(settings, "max_inflight", 1)
     _at_least(settings, "max_watchers", 1)
-    _at_least(settings, "max_wait_s", 0)
+    _at_least(settings, "max_poll_wait_s", 0)
     _at_least(settings, "retry_after_s", 1)
     _at_least(settings, "max_header_bytes", 1024)
     _at_least(settings, "max_connections", 1)

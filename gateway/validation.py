@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.errors import EmptyInput, InputTooLarge, TimeoutOutOfRange, UnknownModel
+from gateway.errors import EmptyInput, InputTooLarge, TimeoutOutOfRange, UnknownModel, shown
 from gateway.settings import GatewaySettings, env_name
 
 
@@ -12,7 +12,7 @@ def validated(settings: GatewaySettings, input: str, model: str | None, timeout_
     if model is None:
         model = settings.default_model
     elif model not in settings.models:
-        raise UnknownModel(f"model {model!r} is not served here; served models: {', '.join(settings.models)}")
+        raise UnknownModel(f"model {shown(model)} is not served here; served models: {', '.join(settings.models)}")
     if timeout_ms is None:
         timeout_ms = settings.default_timeout_ms
     elif not settings.min_timeout_ms <= timeout_ms <= settings.max_timeout_ms:

@@ -42,8 +42,8 @@ def add_routes(routes: APIRouter, settings: GatewaySettings) -> None:
     wait_doc = Query(
         ge=0,
         allow_inf_nan=False,
-        json_schema_extra={"maximum": settings.max_wait_s},
-        description="Seconds to wait for the task to end (long-poll), up to BATCHWIRE_MAX_WAIT_S; "
+        json_schema_extra={"maximum": settings.max_poll_wait_s},
+        description="Seconds to wait for the task to end (long-poll), up to BATCHWIRE_MAX_POLL_WAIT_S; "
         "0 answers at once. The answer is the latest state, ended or not.",
     )
 

@@ -91,6 +91,30 @@ async def test_unknown_route_and_wrong_method_use_the_error_shape(make_rig: RigF
     assert wrong.headers["allow"] == "POST"
 
 
+async def test_an_error_quotes_a_huge_value_by_its_prefix_and_length(make_rig: RigFactory) -> None:
+    """A client's value echoed in an error is cut: a 1 MB model name is no 1 MB 404."""
+    rig = await make_rig()
+    huge = "m" * 1_000_000
+    response = await rig.client.post("/v1/inference", json={"input": "x", "model": huge})
+    assert response.status_code == 404 and error_of(response)["code"] == "unknown_model", response.text[:300]
+    assert len(response.content) < 1_000, f"the answer grew with the name: {len(response.content)} bytes"
+    assert "(1000000 characters)" in error_of(response)["message"]
+    missing = await rig.client.get("/" + "p" * 20_000)
+    assert missing.status_code == 404 and len(missing.content) < 1_000, len(missing.content)
+
+
+async def test_a_long_poll_wait_past_the_cap_names_a_setting_that_exists(make_rig: RigFactory) -> None:
+    from batchwire.cli import build_parser
+
+    rig = await make_rig()
+    response = await rig.client.get("/v1/result/0123456789abcdef0123456789abcdef", params={"wait": "1e9"})
+    assert response.status_code in (400, 422), response.text
+    message = error_of(response)["message"]
+    assert "BATCHWIRE_MAX_POLL_WAIT_S" in message, message
+    gateway_help = build_parser().parse_args(["gateway", "--max-poll-wait-s", "5"])
+    assert gateway_help.max_poll_wait_s == 5.0, "the variable the message names is a real setting, with its flag"
+
+
 class ExplodingStore(MemoryTaskStore):
     async def get(self, task_id: str) -> TaskState | None:
         raise ZeroDivisionError("a bug")

@@ -157,12 +157,12 @@ async def test_dead_sweeper_is_logged_and_turns_readiness_red(caplog: pytest.Log
 
 async def test_result_refuses_bad_ids_unknown_ids_and_long_waits() -> None:
     store = MemoryTaskStore()
-    gateway = Gateway(_settings(max_wait_s=5.0), InstantProducer(store), store)
+    gateway = Gateway(_settings(max_poll_wait_s=5.0), InstantProducer(store), store)
     with pytest.raises(InvalidTaskId):
         await gateway.result("no:colons")
     with pytest.raises(TaskNotFound):
         await gateway.result("unknown-id", 0.5)
-    with pytest.raises(ValidationFailed, match="BATCHWIRE_MAX_WAIT_S"):
+    with pytest.raises(ValidationFailed, match="BATCHWIRE_MAX_POLL_WAIT_S"):
         await gateway.result("unknown-id", 6.0)
     assert gateway.watchers == 0
 

@@ -39,7 +39,7 @@ def test_env_name_is_the_prefixed_upper_case_field() -> None:
         ({"max_input_chars": 0}, "BATCHWIRE_MAX_INPUT_CHARS"),
         ({"max_body_bytes": 10}, "BATCHWIRE_MAX_BODY_BYTES"),
         ({"max_inflight": 0}, "BATCHWIRE_MAX_INFLIGHT"),
-        ({"max_wait_s": -1.0}, "BATCHWIRE_MAX_WAIT_S"),
+        ({"max_poll_wait_s": -1.0}, "BATCHWIRE_MAX_POLL_WAIT_S"),
         ({"sse_ping_s": 0.0}, "BATCHWIRE_SSE_PING_S"),
         ({"reply_recheck_s": float("inf")}, "BATCHWIRE_REPLY_RECHECK_S"),
         ({"max_queue_depth": -1}, "BATCHWIRE_MAX_QUEUE_DEPTH"),
@@ -66,7 +66,7 @@ def test_invalid_values_are_refused_naming_the_variable(overrides: dict[str, Any
         ({"port": "8000"}, "BATCHWIRE_PORT"),
         ({"max_inflight": True}, "BATCHWIRE_MAX_INFLIGHT"),
         ({"models": ["sim"]}, "BATCHWIRE_MODELS"),
-        ({"max_wait_s": float("nan")}, "BATCHWIRE_MAX_WAIT_S"),
+        ({"max_poll_wait_s": float("nan")}, "BATCHWIRE_MAX_POLL_WAIT_S"),
     ],
 )
 def test_unconverted_values_are_refused_naming_the_variable(overrides: dict[str, Any], named: str) -> None:
