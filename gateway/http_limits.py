@@ -122,6 +122,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._refusal_sent = False
         self._operations = False
         """Served over the cap for ``OPERATIONS_PATHS`` (counted in ``occupancy.operations``)."""
+        self._invalid = False
+        """Bytes that are not HTTP came: the 400 waits for the answers to the requests before them."""
+        self._unanswered = 0
+        """Requests whose headers came and whose response has not ended."""
 
     # asyncio callbacks ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -210,6 +214,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._invalid:
+            return  # behind bytes that were not HTTP: nothing more is read
         if self._refused is not None:
             self._read_refused(self._refused, data)
             return
@@ -268,6 +274,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_begin()
 
     def on_headers_complete(self) -> None:
+        self._unanswered += 1
         super().on_headers_complete()
         if self._operations and self.cycle is not None:
             self.cycle.keep_alive = False  # its place is over the cap: one answer, then closed
@@ -290,8 +297,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._deadline = None  # the app works on it: no deadline of the connection's own
 
     def on_response_complete(self) -> None:
+        self._unanswered -= 1
         super().on_response_complete()
         if self.transport.is_closing():
+            return
+        if self._invalid:
+            self.flow.pause_reading()  # uvicorn resumed it
+            self._answer_invalid_when_due()
             return
         cycle = self.cycle
         if not cycle.response_complete:  # a pipelined request started
@@ -311,7 +323,34 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().handle_websocket_upgrade()
 
     def send_400_response(self, msg: str) -> None:
-        self._refuse(_INVALID_HTTP)
+        """Bytes that are not HTTP/1.1 (a bad request line or header, a malformed chunk size, an unknown
+        transfer coding): the requests read before them are answered, then this 400, then the
+        connection closes; nothing after them is read."""
+        cycle = self.cycle
+        if self._in_body and cycle is not None and not cycle.response_complete:
+            # The bad bytes are in the body of the request read last: that request is the invalid one.
+            if self.pipeline and self.pipeline[0][0] is cycle:
+                self.pipeline.popleft()  # queued behind another response, never started
+                self._unanswered -= 1
+            elif cycle.response_started:
+                self.transport.close()  # its answer is on its way: nothing can follow it
+                return
+            else:
+                cycle.disconnected = True  # the app waits in receive(): it is told the client left
+                cycle.message_event.set()
+                self.transport.write(_INVALID_HTTP)
+                self.transport.close()
+                return
+        self._invalid = True
+        self.flow.pause_reading()
+        self._answer_invalid_when_due()
+
+    def _answer_invalid_when_due(self) -> None:
+        """The 400 and the close, once no request read before the invalid bytes is still unanswered."""
+        if self._unanswered == 0:
+            self._deadline = None
+            self.transport.write(_INVALID_HTTP)
+            self.transport.close()
 
     # deadlines -----------------------------------------------------------------------------------
     def _expect(self, within_s: float) -> None:

@@ -427,3 +427,37 @@ def test_pipelined_requests_are_all_answered_in_order(service: Service) -> None:
             received += data
     assert received.count(b"HTTP/1.1 200 OK") == 31, received[-500:]
     assert b'"output":"depip"' in received.rsplit(b"HTTP/1.1 ", 1)[1], "the last answer is the submit's"
+
+    # Five valid requests, then bytes that are not HTTP: the five answers, then the 400, then the close.
+    answers = _until_closed(service, b"GET /healthz HTTP/1.1\r\nhost: gw\r\n\r\n" * 5 + b"GET / HTTP/1.1 junk\r\n\r\n")
+    assert [status for status, _ in answers] == [200] * 5 + [400], answers
+    assert answers[-1][1] == "invalid_http", answers
+    # A malformed chunk size, or a transfer coding that is not chunked: a JSON 400, never a bare close.
+    head = b"POST /v1/inference HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\ntransfer-encoding: %s\r\n\r\n"
+    for encoding, size in (
+        (b"chunked", b"zz"),
+        (b"chunked", b"f" * 40),
+        (b"chunked", b"-10"),
+        (b"chunked", b"1 0"),
+        (b"xchunked", b"3"),
+    ):
+        answers = _until_closed(service, head % encoding + size + b"\r\n{}\r\n0\r\n\r\n")
+        assert answers == [(400, "invalid_http")], f"{encoding!r} with a chunk size {size[:8]!r}: {answers}"
+
+
+def _until_closed(service: Service, request: bytes) -> list[tuple[int, str]]:
+    """Sends ``request`` on a new connection and reads until the server closes it: each answer's
+    status and error code ("" for none)."""
+    with socket.create_connection((service.host, service.port), timeout=10) as sock:
+        sock.sendall(request)
+        received = b""
+        deadline = time.monotonic() + 10
+        while data := sock.recv(65536):
+            assert time.monotonic() < deadline, f"the connection stayed open: {received[-300:]!r}"
+            received += data
+    answers = []
+    for raw in received.split(b"HTTP/1.1 ")[1:]:
+        body = raw.partition(b"\r\n\r\n")[2]
+        code = json.loads(body)["error"]["code"] if body.startswith(b'{"error"') else ""
+        answers.append((int(raw.split(b" ", 1)[0]), code))
+    return answers

@@ -602,6 +602,46 @@ async def test_invalid_http_gets_a_json_400() -> None:
     assert error_code_of(transport.written) == "invalid_http"
 
 
+def chunked(size_line: bytes, path: str = "/", encoding: bytes = b"chunked") -> bytes:
+    head = b"POST %s HTTP/1.1\r\nhost: gw\r\ntransfer-encoding: %s\r\n\r\n" % (path.encode(), encoding)
+    return head + size_line + b"\r\nabc\r\n0\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    "framing",
+    [chunked(b"zz"), chunked(b"f" * 40), chunked(b"-10"), chunked(b"1 0"), chunked(b"3", encoding=b"xchunked")],
+    ids=["zz", "overflow", "negative", "space", "xchunked"],
+)
+async def test_a_malformed_chunked_body_gets_a_json_400(framing: bytes) -> None:
+    edge = Edge()
+    protocol, transport, _ = edge.connect()
+    protocol.data_received(framing)
+    await eventually(lambda: transport.closed, "the connection to close", timeout_s=5)
+    assert transport.written.count(b"HTTP/1.1 ") == 1, transport.written
+    assert status_of(transport.written) == 400 and error_code_of(transport.written) == "invalid_http"
+
+
+async def test_requests_pipelined_before_an_invalid_one_are_answered_then_the_400() -> None:
+    edge = Edge()
+    protocol, transport, _ = edge.connect()
+    protocol.data_received(get("/a") * 5 + b"NOT HTTP AT ALL\r\n\r\n" + get("/never"))
+    await eventually(lambda: transport.closed, "the connection to close", timeout_s=5)
+    answers = [b"HTTP/1.1 " + part for part in transport.written.split(b"HTTP/1.1 ")[1:]]
+    assert [status_of(one) for one in answers] == [200] * 5 + [400], transport.written
+    assert error_code_of(answers[-1]) == "invalid_http"
+    assert edge.app.calls == ["/a"] * 5, "nothing after the invalid request is read"
+
+
+async def test_a_malformed_body_pipelined_behind_requests_is_answered_400_after_them() -> None:
+    edge = Edge()
+    protocol, transport, _ = edge.connect()
+    protocol.data_received(get("/a") * 2 + chunked(b"zz", "/bad"))
+    await eventually(lambda: transport.closed, "the connection to close", timeout_s=5)
+    answers = [b"HTTP/1.1 " + part for part in transport.written.split(b"HTTP/1.1 ")[1:]]
+    assert [status_of(one) for one in answers] == [200, 200, 400], transport.written
+    assert "/bad" not in edge.app.calls, "the request whose body is not HTTP never reaches the app"
+
+
 # the descriptor limit ------------------------------------------------------------------------------
 class Rlimit:
     """``resource``'s open-file limit, as a test sets it."""
