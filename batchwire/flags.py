@@ -203,6 +203,9 @@ def gateway_admission(parser: argparse.ArgumentParser) -> None:
     g = GatewaySettings
     field_flag(parser, g, "max_inflight", int, "requests one gateway holds at once before answering 503")
     field_flag(parser, g, "max_watchers", int, "event streams and long-polls one gateway holds open before a 503")
+    field_flag(
+        parser, g, "max_watchers_per_client", int, "of --max-watchers, what one client (API key, or address) may hold"
+    )
     field_flag(parser, g, "max_poll_wait_s", float, "the longest ?wait= a long-poll may ask for (longer: 400)")
     field_flag(
         parser,

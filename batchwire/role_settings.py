@@ -26,6 +26,7 @@ GATEWAY_FLAGS = (
     "max_body_bytes",
     "max_inflight",
     "max_watchers",
+    "max_watchers_per_client",
     "max_poll_wait_s",
     "max_queue_depth",
     "queue_fraction_normal",

@@ -37,16 +37,25 @@ def caller_of(settings: GatewaySettings) -> CallerOf:
             return Caller(owner, tiers=request_tiers(request))
         if owner is not None:
             return Caller(owner, f"key:{owner}", request_tiers(request))
-        claimed = request.headers.get(CLIENT_ID_HEADER) if trust_client_id else None
-        if claimed is not None:
-            if not _CLIENT_ID_PATTERN.fullmatch(claimed):
-                raise InvalidClientId(
-                    f"the {CLIENT_ID_HEADER} header must be 1 to 128 visible ASCII characters (no spaces)"
-                )
-            return Caller(None, f"id:{claimed}")
-        return Caller(None, f"ip:{request.client.host if request.client else 'unknown'}")
+        return Caller(None, client_of(request, trust_client_id))
 
     return caller
+
+
+def client_of(request: Request, trust_client_id: bool) -> str:
+    """Which client sent ``request``: ``key:<owner>`` with API keys, else ``id:<X-Client-Id>`` behind a
+    trusted proxy, else ``ip:<peer address>``."""
+    owner = request_owner(request)
+    if owner is not None:
+        return f"key:{owner}"
+    claimed = request.headers.get(CLIENT_ID_HEADER) if trust_client_id else None
+    if claimed is not None:
+        if not _CLIENT_ID_PATTERN.fullmatch(claimed):
+            raise InvalidClientId(
+                f"the {CLIENT_ID_HEADER} header must be 1 to 128 visible ASCII characters (no spaces)"
+            )
+        return f"id:{claimed}"
+    return f"ip:{request.client.host if request.client else 'unknown'}"
 
 
 def request_tiers(request: Request) -> KeyTiers | None:

@@ -91,8 +91,10 @@ class TaskPublisher:
         if sent is not None:
             if not isinstance(sent, TRANSPORT_ERRORS):
                 raise sent
-            if created is True:
-                await self._abandon(state, sent)
+            if created is True and await self._abandon(state, sent):
+                if ticket is not None:
+                    ticket.sent()
+                return  # a worker has it after all: its answer comes as any other's
             raise Unavailable(f"the request bus is unavailable: {sent}", task_id=state.task_id) from sent
         if isinstance(created, BaseException):
             if not isinstance(created, TRANSPORT_ERRORS):
@@ -148,21 +150,31 @@ class TaskPublisher:
                 "could not cancel task %s of a caller who left", task_id, exc_info=True, extra=ids(task_id=task_id)
             )
 
-    async def _abandon(self, state: TaskState, err: BaseException) -> None:
-        """Marks a task that never reached the bus as failed, so a poller is not left at ``queued``."""
-        failed = replace(
-            state,
-            status=TaskStatus.FAILED,
-            updated_at_ms=self._clock.wall_ms(),
-            error_code="unavailable",
-            error_message=f"the request bus did not take the request: {err}",
-        )
+    async def _abandon(self, state: TaskState, err: BaseException) -> bool:
+        """Ends a task whose send failed before any worker started it, so that none ever does: a send
+        that timed out may still have reached the bus, and a request answered 503 must not be
+        computed (a retry with its Idempotency-Key then starts anew, and would compute it twice).
+        Returns True when a worker started it first (or it ended otherwise): the bus had it, and no 503
+        is due; the caller's answer comes as any other's."""
+        message = f"the request bus did not take the request: {err}"
         try:
-            await self._store.apply([failed])
+            ended = await self._store.cancel(state.task_id, "unavailable", message, TaskStatus.FAILED)
+            if ended is None:  # not recorded (a synchronous request's record is optional): no worker wrote it either
+                failed = replace(
+                    state,
+                    status=TaskStatus.FAILED,
+                    updated_at_ms=self._clock.wall_ms(),
+                    error_code="unavailable",
+                    error_message=message,
+                )
+                await self._store.apply([failed])
         except TRANSPORT_ERRORS:
             log.warning(
-                "could not mark task %s failed after the bus refused it",
+                "could not end task %s after the bus refused it",
                 state.task_id,
                 exc_info=True,
                 extra=ids(task_id=state.task_id),
             )
+            return False
+        mine = ended is None or (ended.status is TaskStatus.FAILED and ended.error_code == "unavailable")
+        return not mine

@@ -40,16 +40,21 @@ class TaskReads:
         self.settings = settings
         self._store = store
         self._watchers = 0
+        self._by_client: dict[str, int] = {}
+        """Open watches per client (``gateway.callers.client_of``), for its share of the cap."""
 
     @property
     def watchers(self) -> int:
         """Long-polls and event streams open."""
         return self._watchers
 
-    async def result(self, task_id: str, wait_s: float = 0.0, *, owner: str | None = None) -> TaskState:
+    async def result(
+        self, task_id: str, wait_s: float = 0.0, *, owner: str | None = None, client: str = "-"
+    ) -> TaskState:
         """The task's state; with ``wait_s`` > 0, waits up to that long for it to end (long-poll).
 
-        A task another API key created is reported unknown (``owner`` is the caller's)."""
+        A task another API key created is reported unknown (``owner`` is the caller's); a wait counts
+        against ``client``'s share of the open watches."""
         check_task_id(task_id)
         if not 0 <= wait_s <= self.settings.max_poll_wait_s:
             raise ValidationFailed(
@@ -59,7 +64,7 @@ class TaskReads:
         try:
             if wait_s == 0:
                 return await self._get(task_id, owner)
-            with self._watching():
+            with self._watching(client):
                 async with self._store.watch(task_id) as changes:
                     state = await self._get(task_id, owner)
                     if state.status.terminal:
@@ -78,7 +83,9 @@ class TaskReads:
         except TRANSPORT_ERRORS as err:
             raise Unavailable(f"the task store is unavailable: {err}") from err
 
-    async def events(self, task_id: str, *, owner: str | None = None) -> AsyncGenerator[TaskState, None]:
+    async def events(
+        self, task_id: str, *, owner: str | None = None, client: str = "-"
+    ) -> AsyncGenerator[TaskState, None]:
         """The task's current state, then each later state, until it ends (or ``sse_max_s`` passes).
 
         Never yields a status twice nor goes back: only states of a higher rank than the last are
@@ -87,7 +94,7 @@ class TaskReads:
         check_task_id(task_id)
         deadline = asyncio.get_running_loop().time() + self.settings.sse_max_s
         try:
-            with self._watching():
+            with self._watching(client):
                 async with self._store.watch(task_id) as changes:
                     state = await self._get(task_id, owner)
                     yield state
@@ -129,18 +136,30 @@ class TaskReads:
         return state
 
     @contextmanager
-    def _watching(self) -> Iterator[None]:
+    def _watching(self, client: str) -> Iterator[None]:
         if self._watchers >= self.settings.max_watchers:
             raise Overloaded(
                 f"this gateway has {self._watchers} long-polls and event streams open, its limit "
                 f"({env_name('max_watchers')}); retry after the Retry-After delay"
             )
+        held = self._by_client.get(client, 0)
+        if held >= self.settings.max_watchers_per_client:
+            raise Overloaded(
+                f"this client holds {held} long-polls and event streams open on this gateway, its share "
+                f"({env_name('max_watchers_per_client')}); close one, or retry after the Retry-After delay"
+            )
         self._watchers += 1
+        self._by_client[client] = held + 1
         WATCHERS.inc()
         try:
             yield
         finally:
             self._watchers -= 1
+            left = self._by_client[client] - 1
+            if left:
+                self._by_client[client] = left
+            else:
+                del self._by_client[client]
             WATCHERS.dec()
 
 

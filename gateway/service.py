@@ -383,13 +383,15 @@ class Gateway:
 
     # -- reading (TaskReads) -------------------------------------------------------------------
 
-    async def result(self, task_id: str, wait_s: float = 0.0, *, owner: str | None = None) -> TaskState:
+    async def result(
+        self, task_id: str, wait_s: float = 0.0, *, owner: str | None = None, client: str = "-"
+    ) -> TaskState:
         """The task's state; with ``wait_s`` > 0, waits up to that long for it to end (see ``TaskReads``)."""
-        return await self._reads.result(task_id, wait_s, owner=owner)
+        return await self._reads.result(task_id, wait_s, owner=owner, client=client)
 
-    def events(self, task_id: str, *, owner: str | None = None) -> AsyncGenerator[TaskState, None]:
+    def events(self, task_id: str, *, owner: str | None = None, client: str = "-") -> AsyncGenerator[TaskState, None]:
         """The task's current state, then each later one until it ends (see ``TaskReads``)."""
-        return self._reads.events(task_id, owner=owner)
+        return self._reads.events(task_id, owner=owner, client=client)
 
     async def cancel(self, task_id: str, *, owner: str | None = None) -> TaskState:
         """Cancels a task no worker has started yet (see ``TaskReads``)."""

@@ -55,6 +55,9 @@ class GatewaySettings:
     """Long-polls and event streams held open at once; beyond it: 503 ``overloaded`` + Retry-After.
     Each holds memory while open (its connection, request and store watch); the process keeps
     the high-water mark of that memory for reuse, so this also bounds what a burst of streams costs."""
+    max_watchers_per_client: int = 500
+    """Of ``max_watchers``, what one client (its API key; without keys its address, or its
+    ``X-Client-Id`` behind a trusted proxy) may hold: one client cannot take every slot."""
     max_poll_wait_s: float = 60.0
     """The longest ``?wait=`` a long-poll may ask for."""
     sse_max_s: float = 600.0
@@ -221,6 +224,7 @@ def _check_bounds(settings: GatewaySettings) -> None:
     _at_least(settings, "max_body_bytes", 64)
     _at_least(settings, "max_inflight", 1)
     _at_least(settings, "max_watchers", 1)
+    _at_least(settings, "max_watchers_per_client", 1)
     _at_least(settings, "max_poll_wait_s", 0)
     _at_least(settings, "retry_after_s", 1)
     _at_least(settings, "max_header_bytes", 1024)

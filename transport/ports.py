@@ -10,7 +10,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Generic, Literal, Protocol, TypeVar
 
-from schemas.records import Batch, Credit, InferenceRequest, TaskState
+from schemas.records import Batch, Credit, InferenceRequest, TaskState, TaskStatus
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -174,8 +174,11 @@ class TaskStore(Protocol):
         """
         ...
 
-    async def cancel(self, task_id: str, reason_code: str, message: str) -> TaskState | None:
-        """Ends a task no worker has started (``queued`` or ``batched``) as ``cancelled``, atomically.
+    async def cancel(
+        self, task_id: str, reason_code: str, message: str, status: TaskStatus = TaskStatus.CANCELLED
+    ) -> TaskState | None:
+        """Ends a task no worker has started (``queued`` or ``batched``) as ``status`` (``cancelled``,
+        or ``failed`` for a gateway's send that failed), atomically.
 
         The cancelled state is published like ``apply`` publishes (watchers, and the gateway in
         ``reply_to``), and carries ``reason_code`` and ``message`` as its error. Returns the state

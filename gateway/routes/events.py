@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from starlette.requests import Request
 
-from gateway.callers import request_owner
+from gateway.callers import client_of, request_owner
 from gateway.events import EventStream, TaskEvents
 from gateway.models import error_responses
 from gateway.routes.deployment import deployment_of
@@ -17,7 +17,8 @@ EVENTS_PATH = f"{RESULT_PATH}/events"
 async def events(request: Request, task_id: TaskId) -> EventStream:
     deployment = deployment_of(request)
     gateway = deployment.gateway
-    stream = gateway.events(task_id, owner=request_owner(request))
+    client = client_of(request, gateway.settings.trust_client_id)
+    stream = gateway.events(task_id, owner=request_owner(request), client=client)
     try:
         first = await anext(stream)  # unknown id or overload: a JSON error before the stream starts
     except BaseException:

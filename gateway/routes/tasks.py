@@ -8,7 +8,7 @@ from fastapi import APIRouter, Path, Query
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.callers import request_owner
+from gateway.callers import client_of, request_owner
 from gateway.handlers import json_response
 from gateway.models import TaskResult, error_responses
 from gateway.reads import TASK_ID_PATTERN
@@ -27,7 +27,9 @@ READ_ERRORS = ("invalid_task_id", "task_not_found", "validation_error", "overloa
 
 async def read_result(request: Request, task_id: str, wait: float) -> Response:
     """The task's state, once it ended or ``wait`` seconds passed."""
-    state = await deployment_of(request).gateway.result(task_id, wait, owner=request_owner(request))
+    gateway = deployment_of(request).gateway
+    client = client_of(request, gateway.settings.trust_client_id) if wait > 0 else "-"
+    state = await gateway.result(task_id, wait, owner=request_owner(request), client=client)
     return json_response(200, state.to_public())
 
 

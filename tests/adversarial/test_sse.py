@@ -37,6 +37,7 @@ PARK = "PARK"
 SETTINGS = {
     "BATCHWIRE_MODELS": "sim,parked",
     "BATCHWIRE_MAX_WATCHERS": str(STREAMS),
+    "BATCHWIRE_MAX_WATCHERS_PER_CLIENT": str(STREAMS),  # the streams all come from one address
     "BATCHWIRE_ADMIT_BY_WAIT": "false",  # the parked queue must take every task the streams follow
     "BATCHWIRE_STALL_S": "3600",
     "BATCHWIRE_MAX_TIMEOUT_MS": "120000",

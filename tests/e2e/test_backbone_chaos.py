@@ -334,11 +334,11 @@ def judge(result: dict[str, Any], faults: Faults, journal: list[dict[str, Any]])
     # none answered twice: one task per key (unless a refused one's retry), the same result on every read
     twice: list[str] = []
     recomputed = 0
+    recomputed_in_broker_fault: list[str] = []
     for record in records:
         if not _succeeded(record):
             continue
         accepted = [a["task_id"] for a in record["attempts"] if a["status"] in (200, 202)]
-        refused_ids = {a["task_id"] for a in record["attempts"] if a["status"] == 503 and a["task_id"]}
         if accepted != [record["task_id"]]:
             twice.append(f"{show(record)}: answered by {accepted}")
         reads = [a for a in record["reads"] if a["status"] == 200]
@@ -346,7 +346,18 @@ def judge(result: dict[str, Any], faults: Faults, journal: list[dict[str, Any]])
             a["state"] == "completed" and a["output"] != record["output"] for a in reads
         ):
             twice.append(f"{show(record)}: its reads name another task or another output")
-        recomputed += sum(1 for t in refused_ids - {record["task_id"]} if finals.get(t, {}).get("state") == "completed")
+        for attempt in record["attempts"]:
+            refused_id = attempt["task_id"] if attempt["status"] == 503 else None
+            done = finals.get(refused_id, {}).get("state") == "completed" if refused_id else False
+            if done and refused_id != record["task_id"]:
+                recomputed += 1
+                if attempt["at_s"] < faults.redis_killed_s:  # Redis is whole: the bus refused it
+                    recomputed_in_broker_fault.append(f"{show(record)}: refused task {refused_id} completed")
+    if recomputed_in_broker_fault:
+        failures.append(
+            f"{len(recomputed_in_broker_fault)} requests answered 503 by a bus that did not take them were computed "
+            "anyway, and again on their retry:\n  " + "\n  ".join(recomputed_in_broker_fault[:8])
+        )
     if twice:
         failures.append(f"{len(twice)} requests answered twice or inconsistently:\n  " + "\n  ".join(twice[:8]))
 
@@ -384,7 +395,8 @@ def judge(result: dict[str, Any], faults: Faults, journal: list[dict[str, Any]])
         f"old primary back as a replica at {faults.redis_back_s:.1f} s",
         f"outcome: {len(records) - len(lost)} of {len(records)} ended with their own answer; "
         f"{len(twice)} answered twice; {len(missing)} results missing afterwards; "
-        f"{recomputed} refused tasks that also completed (their retry's task answered)",
+        f"{recomputed} refused tasks that also completed (their retry's task answered), "
+        f"{len(recomputed_in_broker_fault)} of them refused by the bus",
     ]
     periods = [
         ("before the faults", -math.inf, faults.broker_killed_s),

@@ -400,6 +400,13 @@ class _StoreDownForKeys(RecordingStore):
             raise TransportError("store unreachable")
         return await super().apply(updates)
 
+    async def cancel(
+        self, task_id: str, reason_code: str, message: str, status: TaskStatus = TaskStatus.CANCELLED
+    ) -> TaskState | None:
+        if self.down:
+            raise TransportError("store unreachable")
+        return await super().cancel(task_id, reason_code, message, status)
+
 
 class _RefusesOnce:
     """The bus's producer, refusing the first send (the broker was away for it)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
 import pytest
 
 from tests.support.eventually import eventually
@@ -118,3 +119,29 @@ async def test_beyond_max_watchers_is_503_overloaded(make_rig: RigFactory) -> No
         assert error_of(refused)["code"] == "overloaded"
         assert "BATCHWIRE_MAX_WATCHERS" in error_of(refused)["message"]
     assert plain.status_code == 200, "a plain poll holds nothing open and is never refused"
+
+
+async def test_one_client_holds_only_its_share_of_the_watchers_and_another_is_still_served(
+    make_rig: RigFactory,
+) -> None:
+    """A client that opens long-polls and streams up to its share is refused the next one, naming the
+    share; a client at another address still gets its long-poll."""
+    rig = await make_rig(max_watchers=10, max_watchers_per_client=2)
+    task_id = (await rig.client.post("/v1/tasks", json={"input": "x"})).json()["task_id"]
+    held = [asyncio.create_task(rig.client.get(f"/v1/result/{task_id}", params={"wait": 30})) for _ in range(2)]
+    await eventually(lambda: rig.gateway.watchers == 2, "the first client's two long-polls to wait")
+    over = await rig.client.get(f"/v1/result/{task_id}", params={"wait": 30})
+    stream = await rig.client.get(f"/v1/result/{task_id}/events")
+    for refused in (over, stream):
+        assert refused.status_code == 503 and error_of(refused)["code"] == "overloaded", refused.text
+        assert "BATCHWIRE_MAX_WATCHERS_PER_CLIENT" in error_of(refused)["message"], refused.text
+    other = httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=rig.app, client=("127.0.0.9", 4321)), base_url="http://gateway"
+    )
+    async with other:
+        theirs = asyncio.create_task(other.get(f"/v1/result/{task_id}", params={"wait": 30}))
+        await eventually(lambda: rig.gateway.watchers == 3, "the other client's long-poll to wait")
+        await rig.worker()
+        answered = await asyncio.wait_for(asyncio.gather(theirs, *held), 10)
+    assert [response.json()["status"] for response in answered] == ["completed"] * 3
+    assert rig.gateway.watchers == 0

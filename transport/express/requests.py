@@ -48,9 +48,9 @@ class LightLoad:
 class ExpressRequestProducer:
     """``RequestProducer``: the Kafka record and, at light load, an express copy to its batcher.
 
-    The copy is published, then Kafka takes the record. If Kafka refuses it, the gateway
-    answers 503 and marks the task failed (``Gateway._abandon``), so a copy a worker started anyway
-    ends as that failure rather than as an answer nobody asked for twice.
+    The copy is published, then Kafka takes the record. If Kafka refuses it, the gateway ends the
+    task unless a worker started it (``Publisher._abandon``): an ended task's copy is not run, and a
+    started one's answer is the caller's, with no 503.
 
     A synchronous request's record (one with a ``reply_to``: its caller waits for the answer, not
     for the record's acknowledgement) is produced ``record_delay_s`` after its copy. On a small

@@ -220,13 +220,15 @@ class MemoryTaskStore:
             if handler is not None:
                 handler(state)
 
-    async def cancel(self, task_id: str, reason_code: str, message: str) -> TaskState | None:
+    async def cancel(
+        self, task_id: str, reason_code: str, message: str, status: TaskStatus = TaskStatus.CANCELLED
+    ) -> TaskState | None:
         current = self._lookup(task_id)
         if current is None or current.status.rank > TaskStatus.BATCHED.rank:
             return current
         cancelled = replace(
             current,
-            status=TaskStatus.CANCELLED,
+            status=status,
             updated_at_ms=_now_ms(),
             error_code=reason_code,
             error_message=message,

@@ -181,7 +181,9 @@ class RedisTaskStore:
             raise translate(f"storing {len(updates)} task update(s) on {replicas} replica(s)", err) from err
         return int(replies[-1])
 
-    async def cancel(self, task_id: str, reason_code: str, message: str) -> TaskState | None:
+    async def cancel(
+        self, task_id: str, reason_code: str, message: str, status: TaskStatus = TaskStatus.CANCELLED
+    ) -> TaskState | None:
         """Reads the task, then lets one script decide and write (see ``lua.CANCEL``): two round
         trips, and a worker's ``running`` racing in between wins or loses as a whole."""
         current = await self.get(task_id)
@@ -189,7 +191,7 @@ class RedisTaskStore:
             return current
         cancelled = replace(
             current,
-            status=TaskStatus.CANCELLED,
+            status=status,
             updated_at_ms=time.time_ns() // 1_000_000,
             error_code=reason_code,
             error_message=message,
