@@ -14,11 +14,13 @@ only the asyncio callbacks, the parser callbacks, ``on_response_complete`` and
 - each connection has one deadline (headers, from the connection's opening or the end of the
   previous response; a body, from its headers) behind one timer that is re-armed lazily, so a busy
   keep-alive connection makes about one timer per header timeout, not one per request;
-- at the cap, a new connection takes the place of the one that has waited longest without sending a
-  whole request, once that one has waited ``SLOW_AFTER_S``: a flood of connections that send
-  nothing, or a slowloris, cannot lock clients out, and a burst's connections, too new to have sent
-  theirs, are not closed unanswered. Otherwise the new connection gets 503 once its request has come
-  whole (within the header timeout and ``REFUSED_READ_BYTES``; it is read and dropped,
+- at the cap, a new connection takes the place of the one that has waited longest for a whole
+  request (since it opened, or since its last response: an idle or trickling keep-alive connection
+  too), once that one has waited ``SLOW_AFTER_S``: a flood of connections that send nothing, a
+  slowloris, or connections that send one cheap request and then trickle the next cannot lock
+  clients out, and a burst's connections, too new to have sent theirs, are not closed unanswered. A
+  connection whose request the app works on keeps its place. Otherwise the new connection gets 503
+  once its request has come whole (within the header timeout and ``REFUSED_READ_BYTES``; it is read and dropped,
   ``gateway.refused_request``): a client that meets an answer and a close while it still writes
   fails without reading it. The connection then stays open until the client closes it, for
   ``REFUSAL_LINGER_S`` at most (a socket closed with bytes unread sends a reset). At most
@@ -64,15 +66,15 @@ _INVALID_HTTP = answer("invalid_http", "the request is not valid HTTP/1.1; the c
 
 
 class Occupancy:
-    """One server's connections at the cap's edge: those that have not yet sent a whole request (longest
-    waiting first), and counts of those being closed to make room (uvicorn counts them until their
+    """One server's connections at the cap's edge: those waiting for a whole request (longest waiting
+    first), and counts of those being closed to make room (uvicorn counts them until their
     close completes), refused, and served over the cap."""
 
-    __slots__ = ("closing", "operations", "refusing", "unproven")
+    __slots__ = ("closing", "operations", "refusing", "waiting")
 
     def __init__(self) -> None:
-        self.unproven: dict[LimitedHttpToolsProtocol, float] = {}
-        """Oldest first, with the loop time each opened."""
+        self.waiting: dict[LimitedHttpToolsProtocol, float] = {}
+        """Oldest first, with the loop time each began to wait (opened, or answered its last request)."""
         self.closing = 0
         self.refusing = 0
         """Connections refused at the cap that are still open (see the module)."""
@@ -114,8 +116,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """Loop time by which what the connection waits for must have come; None while the app works."""
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
-        self._unproven = False
-        """Open, and no request's headers have come whole yet (in ``occupancy.unproven``)."""
+        self._waiting = False
+        """Waiting for a request's headers, opened or after a response (in ``occupancy.waiting``)."""
         self._making_room = False
         self._refused: RefusedRequest | None = None
         """Refused at the cap and still open (counted in ``occupancy.refusing``): what it sent."""
@@ -131,7 +133,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         occupancy = self.occupancy
         if len(self.connections) - occupancy.closing - occupancy.operations >= self.max_connections:
-            oldest = next(iter(occupancy.unproven.items()), None)
+            oldest = next(iter(occupancy.waiting.items()), None)
             if oldest is None or self.loop.time() - oldest[1] < SLOW_AFTER_S:
                 # Never added to uvicorn's connections, so connection_lost's discard leaves the count right.
                 self.transport = transport
@@ -139,8 +141,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 return
             oldest[0]._make_room()
         super().connection_made(transport)
-        occupancy.unproven[self] = self.loop.time()
-        self._unproven = True
+        self._wait_for_request()
         self._expect(self.header_timeout_s)
 
     def _refuse_over_cap(self, transport: asyncio.Transport) -> None:
@@ -189,10 +190,19 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.write(self.too_many_connections)
         self.transport.close()
 
+    def _wait_for_request(self) -> None:
+        """Counts the connection as waiting for a request (the newest such), evictable at the cap."""
+        self.occupancy.waiting[self] = self.loop.time()
+        self._waiting = True
+
+    def _stop_waiting(self) -> None:
+        if self._waiting:
+            del self.occupancy.waiting[self]
+            self._waiting = False
+
     def _make_room(self) -> None:
-        """Closes this connection, which has waited longest without a whole request, for a new one."""
-        del self.occupancy.unproven[self]
-        self._unproven = False
+        """Closes this connection, which has waited longest for a whole request, for a new one."""
+        self._stop_waiting()
         self._making_room = True
         self.occupancy.closing += 1
         self.transport.close()
@@ -200,9 +210,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._deadline = None
         self._cancel_timer()
-        if self._unproven:
-            del self.occupancy.unproven[self]
-            self._unproven = False
+        if self._waiting:
+            self._stop_waiting()
         elif self._making_room:
             self.occupancy.closing -= 1
         elif self._refused is not None:
@@ -279,9 +288,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._operations and self.cycle is not None:
             self.cycle.keep_alive = False  # its place is over the cap: one answer, then closed
         self._in_body = True
-        if self._unproven:
-            del self.occupancy.unproven[self]
-            self._unproven = False
+        self._stop_waiting()
         if self.pipeline:
             self._deadline = None  # it waits behind an earlier response, with reading paused
         else:
@@ -317,6 +324,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 self.transport.write_eof()
         else:
             self._expect(self.header_timeout_s)
+            if not self._operations:
+                self._wait_for_request()  # idle keep-alive: evictable at the cap like a new connection
 
     def handle_websocket_upgrade(self) -> None:
         self._deadline = None  # the WebSocket protocol owns the connection from here

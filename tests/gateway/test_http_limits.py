@@ -440,16 +440,39 @@ async def test_at_the_cap_a_new_connection_replaces_the_longest_waiting_slow_one
     assert oldest_silent.closed and oldest_silent.written == b"", "the longest waiting one makes room, unanswered"
     assert not admitted.closed, "the new connection is served"
     assert not newer_silent.closed and not served_transport.closed
-    _, refused, _ = edge.connect()
+    _, also_admitted, _ = edge.connect()
+    assert served_transport.closed, "a keep-alive connection idle SLOW_AFTER_S since its answer makes room too"
     assert not newer_silent.closed, "one open for less than SLOW_AFTER_S may be a burst's, not yet read"
+    assert not also_admitted.closed
+    _, refused, _ = edge.connect()
     assert not refused.closed and refused.written == b"", "the new one is refused: its request will be answered 503"
     edge.loop.advance(SLOW_AFTER_S)
     _, again, _ = edge.connect()
     assert newer_silent.closed, "then the next longest waiting one without a request"
-    assert not again.closed and not served_transport.closed, "a connection that sent a request keeps its place"
+    assert not again.closed
     await settle()
     assert len(edge.state.connections) == 3
     assert edge.protocol_class.occupancy.closing == 0, "closes that made room are done"
+
+
+async def test_at_the_cap_a_connection_whose_request_is_worked_on_keeps_its_place() -> None:
+    """Connections that send one cheap request and then trickle the next wait for a request like new
+    ones (evictable); one whose request the app works on does not."""
+    edge = Edge(max_connections=2)
+    trickler, trickler_transport, _ = edge.connect()
+    trickler.data_received(get("/healthz"))
+    await answered(trickler_transport)
+    trickler.data_received(b"GET / HTTP/1.1\r\nhost")  # the next request's headers, trickled
+    edge.app.gate.clear()
+    busy, busy_transport, _ = edge.connect()
+    busy.data_received(post(b"x"))
+    await eventually(lambda: "/" in edge.app.calls, "the app to work on the request")
+    edge.loop.advance(SLOW_AFTER_S)
+    _, new, _ = edge.connect()
+    assert trickler_transport.closed, "the trickling keep-alive connection makes room"
+    assert not busy_transport.closed and not new.closed, "the one being answered keeps its place"
+    edge.app.gate.set()
+    await answered(busy_transport)
 
 
 async def test_at_the_cap_with_every_connection_proven_a_new_ones_request_gets_503_unread() -> None:
@@ -550,9 +573,10 @@ async def test_over_the_cap_a_probe_or_a_scrape_is_served_and_its_connection_clo
 
 async def test_over_the_cap_other_requests_to_operations_paths_are_refused() -> None:
     edge = Edge(max_connections=1)
-    protocol, transport, _ = edge.connect()
+    protocol, _, _ = edge.connect()
+    edge.app.gate.clear()  # its request is worked on all along: its place is never given up
     protocol.data_received(get())
-    await answered(transport)
+    await eventually(lambda: edge.app.calls == ["/"], "the app to work on the request")
     big_head = get("/metrics", b"x-big: " + b"a" * LIMIT + b"\r\n")
     for request in (post(b"{}", "/healthz"), get("/healthzz"), get("/v1/result/x"), big_head):
         over, over_transport, parser = edge.connect()
