@@ -41,6 +41,10 @@ def internal_replication(brokers: int) -> tuple[int, int]:
     return factor, max(1, factor - 1)
 
 
+LEADER_REBALANCE_CHECK_S = 5
+"""How often a cluster's controller moves leaders back to their preferred replicas."""
+
+
 def node_properties(node_id: int, controller_ports: Mapping[int, int]) -> dict[str, str]:
     """What a cluster node's server.properties sets beyond a lone node's (`BROKER_PROPERTIES`).
 
@@ -55,6 +59,10 @@ def node_properties(node_id: int, controller_ports: Mapping[int, int]) -> dict[s
         "offsets.topic.replication.factor": str(factor),
         "transaction.state.log.replication.factor": str(factor),
         "transaction.state.log.min.isr": str(min_isr),
+        # The preferred-leader election that gives a restarted broker its partitions back (and with
+        # them the group coordinators of __consumer_offsets) runs every 300 s by default: sooner here,
+        # so that what follows a broker restart in production happens within a test.
+        "leader.imbalance.check.interval.seconds": str(LEADER_REBALANCE_CHECK_S),
     }
 
 

@@ -280,3 +280,115 @@ async def test_killing_the_batch_topics_leader_under_load_loses_no_batch_and_ans
             f"{batcher_log.count('could not hand batch')} batch sends retried; {len(kept)} batch records, "
             f"{sum(n > 1 for n in copies.values())} batches written twice"
         )
+
+
+async def _coordinator(bootstrap: str, group: str) -> int:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5_000)
+    await admin.start()
+    try:
+        node: int = await admin.find_coordinator(group)
+        return node
+    finally:
+        await admin.close()
+
+
+async def _true_lag(bootstrap: str, topic: str, group: str) -> int:
+    """End offsets minus the group's committed offsets, asked of the group's coordinator now."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5_000)
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await admin.start()
+    await consumer.start()
+    try:
+        [described] = await admin.describe_topics([topic])
+        tps = [TopicPartition(topic, p["partition"]) for p in described["partitions"]]
+        ends = await consumer.end_offsets(tps)
+        committed = await admin.list_consumer_group_offsets(group, partitions=tps)
+        assert set(committed) == set(tps), f"the coordinator answered every partition: {committed}"
+        return sum(ends[tp] - max(0, committed[tp].offset) for tp in tps)
+    finally:
+        await consumer.stop()
+        await admin.close()
+
+
+def _gauge(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    line = next(line for line in text.splitlines() if line.startswith("batchwire_request_topic_lag "))
+    return float(line.split()[1])
+
+
+async def test_the_group_coordinator_killed_and_given_back_leaves_the_gateway_admitting(
+    state_dir: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """The outage this guards against: kill -9 the broker that coordinates the batchers' group; the
+    role moves to another broker, which the gateway's lag reader then asks. The broker comes back and
+    the preferred-leader election (every few seconds in the test stack) gives the role back to it: the
+    broker the gateway asks now answers no offsets. That must not read as every record the topic keeps
+    (every request refused 503 ``overloaded``, for good)."""
+    assert (
+        _cli(state_dir, "up", "--brokers", "3", "--redis-replicas", "0").returncode == 0
+    )  # whole, whatever ran before
+    env = read_env_file(state_dir / ENV_FILE_NAME)
+    bootstrap, redis_url = env[KAFKA_ENV], env[REDIS_ENV]
+    settings = {"BATCHWIRE_REPLICATION_FACTOR": "3", "BATCHWIRE_MIN_INSYNC_REPLICAS": "2"}
+    started = launch(tmp_path, bootstrap, redis_url, workers=2, sim_latency_ms=30, extra_env=settings)
+    with stopped_after(request, started) as cluster:
+        names = Names(cluster.namespace)
+        url = cluster.gateway_urls[0]
+        answers: list[tuple[float, int, str, bool]] = []  # (sent, status, error code, Retry-After)
+        stop = asyncio.Event()
+
+        async def one(client: httpx.AsyncClient, n: int) -> None:
+            sent = time.monotonic()
+            response = await client.post(f"{url}/v1/inference", json={"input": f"wedge-{n}"})
+            code = response.json().get("error", {}).get("code", "") if response.status_code != 200 else ""
+            answers.append((sent, response.status_code, code, "retry-after" in response.headers))
+
+        async def load() -> None:
+            async with httpx.AsyncClient(timeout=40, limits=httpx.Limits(max_connections=200)) as client:
+                tasks = []
+                while not stop.is_set():
+                    tasks.append(asyncio.create_task(one(client, len(tasks))))
+                    await asyncio.sleep(1 / 40)  # pacing the load at 40 requests/s, not synchronization
+                await asyncio.gather(*tasks)
+
+        group = names.batcher_group
+        loader = asyncio.create_task(load())
+        await asyncio.sleep(2.0)  # steady load first
+        victim = await _coordinator(bootstrap, group)
+        servers = json.loads(_cli(state_dir, "status", "--json").stdout)["servers"]
+        [pid] = [s["pid"] for s in servers if s["kind"] == "kafka" and s["node_id"] == victim]
+        await asyncio.to_thread(kill9, pid)
+        await asyncio.sleep(4.0)  # the role moves away; the gateway finds the new coordinator
+        moved_to = await _coordinator(bootstrap, group)
+        assert moved_to != victim, "the coordinator role left the killed broker"
+        assert (
+            await asyncio.to_thread(_cli, state_dir, "up", "--brokers", "3", "--redis-replicas", "0")
+        ).returncode == 0
+        deadline = time.monotonic() + 60
+        while (back := await _coordinator(bootstrap, group)) != victim:
+            assert time.monotonic() < deadline, f"the role never came back to broker {victim} (at {back})"
+            await asyncio.sleep(0.5)  # polling the cluster's state, which nothing signals
+        whole_at = time.monotonic()
+        await asyncio.sleep(12.0)  # the load goes on past the 10 s the service has to be normal again
+        stop.set()
+        await loader
+
+        late = [a for a in answers if a[0] > whole_at + 10]
+        assert late, "requests were sent after the cluster was whole"
+        refused_late = Counter((status, code) for _, status, code, _ in late if status != 200)
+        assert not refused_late, f"10 s after the cluster was whole, requests are still refused: {refused_late}"
+        bad = Counter(
+            (status, code) for _, status, code, retry in answers if status != 200 and not (status == 503 and retry)
+        )
+        assert not bad, f"answers neither 200 nor 503 with Retry-After: {bad}"
+        true_lag = await _true_lag(bootstrap, names.request_topic, group)
+        await asyncio.to_thread(
+            eventually_sync,
+            lambda: _gauge(url) == true_lag,
+            f"the gateway's lag gauge to read the group's true lag ({true_lag})",
+            timeout_s=10,
+        )
+        print(
+            f"\ncoordinator {victim} killed, role moved to {moved_to} and back; {len(answers)} requests: "
+            f"{Counter(status for _, status, _, _ in answers)}; true lag {true_lag}"
+        )
