@@ -186,6 +186,9 @@ def gateway_http(parser: argparse.ArgumentParser) -> None:
     field_flag(parser, g, "max_timeout_ms", int, "the longest timeout_ms a request may ask for")
     field_flag(parser, g, "max_input_chars", int, "longest accepted input, in characters")
     field_flag(parser, g, "max_body_bytes", int, "largest accepted request body")
+    field_flag(
+        parser, g, "max_body_bytes_in_flight", int, "bytes all bodies being read may hold at once (past it: 503)"
+    )
     field_flag(parser, g, "max_header_bytes", int, "largest request line plus headers; beyond it 431 and a close")
     field_flag(parser, g, "header_timeout_s", float, "a request's headers must come within this; then 408 and a close")
     field_flag(parser, g, "body_timeout_s", float, "a request's body must come within this of its headers; then 408")

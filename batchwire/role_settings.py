@@ -24,6 +24,7 @@ GATEWAY_FLAGS = (
     "max_timeout_ms",
     "max_input_chars",
     "max_body_bytes",
+    "max_body_bytes_in_flight",
     "max_inflight",
     "max_watchers",
     "max_watchers_per_client",

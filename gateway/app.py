@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp
 
 from gateway.auth import OPEN_PATHS, ApiKeys, AuthMiddleware
+from gateway.body import BodyBudget
 from gateway.callers import caller_of
 from gateway.errors import ERROR_TABLE, error_body
 from gateway.events import StreamsEnd
@@ -42,7 +43,9 @@ def create_app(gateway: Gateway, lifecycle: Lifecycle, streams_end: StreamsEnd |
         # batchwire exports Prometheus metrics; native OpenTelemetry would wrap every request too.
         telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False},
     )
-    app.state.deployment = Deployment(gateway, lifecycle, caller_of(settings), streams_end)
+    app.state.deployment = Deployment(
+        gateway, lifecycle, caller_of(settings), streams_end, BodyBudget(settings.max_body_bytes_in_flight)
+    )
     install_error_handlers(app, settings.retry_after_s)
     keys = ApiKeys(settings.api_keys, settings.operator_keys, settings.key_tiers) if settings.api_keys else None
     if keys is not None:

@@ -17,6 +17,7 @@ from gateway.errors import (
     GatewayError,
     InvalidJson,
     InvalidUtf8,
+    Overloaded,
     UnsupportedMediaType,
     ValidationFailed,
 )
@@ -26,9 +27,34 @@ from gateway.settings import env_name
 _LIMIT_HINT = env_name("max_body_bytes")
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The whole JSON body, refusing another Content-Type, and a body too large early (Content-Length)
-    and while streaming (chunked or lying clients)."""
+class BodyBudget:
+    """The bytes that the bodies being read hold together, bounded (``max_body_bytes_in_flight``).
+
+    Each body takes its bytes as they come and gives them back when it is read whole (or fails): a
+    request whose next bytes would pass the budget is refused 503 ``overloaded`` at once, so a crowd
+    of connections that each send most of a large body and stall holds the budget at most, not
+    ``max_connections`` times ``max_body_bytes``.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.held = 0
+
+    def take(self, size: int) -> None:
+        if self.held + size > self.max_bytes:
+            raise Overloaded(
+                f"the bodies this gateway is reading hold {self.held} bytes, its limit "
+                f"({env_name('max_body_bytes_in_flight')} = {self.max_bytes}); retry after the Retry-After delay"
+            )
+        self.held += size
+
+    def give_back(self, size: int) -> None:
+        self.held -= size
+
+
+async def read_body(request: Request, max_bytes: int, budget: BodyBudget | None = None) -> bytes:
+    """The whole JSON body, refusing another Content-Type, a body too large early (Content-Length)
+    and while streaming (chunked or lying clients), and a body the ``budget`` has no room for."""
     headers = request.headers
     check_json_media_type(headers.get("content-type"))
     declared = headers.get("content-length")
@@ -41,9 +67,14 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
             size += len(chunk)
             if size > max_bytes:
                 raise BodyTooLarge(f"the body is over {max_bytes} bytes, the limit ({_LIMIT_HINT})")
+            if budget is not None:
+                budget.take(len(chunk))
             chunks.append(chunk)
     except ClientDisconnect as err:  # gone, or cut off by the body timeout: no one reads the answer
         raise ClientDisconnected("the client closed the connection before its body ended") from err
+    finally:
+        if budget is not None:
+            budget.give_back(sum(len(chunk) for chunk in chunks))
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 

@@ -178,6 +178,11 @@ ERROR_TABLE: dict[str, tuple[int, str]] = {
     "invalid_idempotency_key": (400, "The Idempotency-Key header is empty, over 255 characters, or not visible ASCII."),
     "invalid_client_id": (400, "The X-Client-Id header is empty, over 128 characters, or not visible ASCII."),
     "invalid_http": (400, "The request is not valid HTTP/1.1; the connection is closed."),
+    "body_too_fragmented": (
+        400,
+        "The body came in more pieces (chunks or reads) than BATCHWIRE_MAX_BODY_BYTES / 256 (at least 1024); "
+        "send it in larger chunks. The connection is closed.",
+    ),
     "unauthorized": (401, "API keys are on and the Authorization: Bearer key is missing or not accepted."),
     "forbidden": (403, "`/metrics` with a tenant key: it needs an operator key (`operator <key>` in the keys file)."),
     "validation_error": (422, "A field is missing, unknown or of the wrong type, or a parameter is out of range."),

@@ -96,6 +96,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     header_timeout: ClassVar[bytes] = b""
     body_timeout: ClassVar[bytes] = b""
     too_many_connections: ClassVar[bytes] = b""
+    max_body_pieces: ClassVar[int] = 4096
+    """Pieces (chunks, or reads) one body may come in: each costs the parser and the app a callback,
+    so a body of 1-byte chunks would cost a second of CPU per MiB."""
+    body_too_fragmented: ClassVar[bytes] = b""
     occupancy: ClassVar[Occupancy] = Occupancy()
 
     def __init__(
@@ -128,6 +132,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """Bytes that are not HTTP came: the 400 waits for the answers to the requests before them."""
         self._unanswered = 0
         """Requests whose headers came and whose response has not ended."""
+        self._body_pieces = 0
+        """Pieces of the body being read that reached the parser's callback."""
 
     # asyncio callbacks ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -288,11 +294,19 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._operations and self.cycle is not None:
             self.cycle.keep_alive = False  # its place is over the cap: one answer, then closed
         self._in_body = True
+        self._body_pieces = 0
         self._stop_waiting()
         if self.pipeline:
             self._deadline = None  # it waits behind an earlier response, with reading paused
         else:
             self._expect(self.body_timeout_s)
+
+    def on_body(self, body: bytes) -> None:
+        self._body_pieces += 1
+        if self._body_pieces <= self.max_body_pieces:
+            super().on_body(body)
+        elif self._body_pieces == self.max_body_pieces + 1:
+            self._refuse_body(self.body_too_fragmented)
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -341,14 +355,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             if self.pipeline and self.pipeline[0][0] is cycle:
                 self.pipeline.popleft()  # queued behind another response, never started
                 self._unanswered -= 1
-            elif cycle.response_started:
-                self.transport.close()  # its answer is on its way: nothing can follow it
-                return
             else:
-                cycle.disconnected = True  # the app waits in receive(): it is told the client left
-                cycle.message_event.set()
-                self.transport.write(_INVALID_HTTP)
-                self.transport.close()
+                self._refuse_body(_INVALID_HTTP)
                 return
         self._invalid = True
         self.flow.pause_reading()
@@ -389,14 +397,20 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         self._deadline = None
         if self._in_body:
-            cycle = self.cycle
-            if cycle is not None and not cycle.response_started:
-                # The app waits in receive(): it is told the client left, and nothing it sends is written.
-                cycle.disconnected = True
-                cycle.message_event.set()
-                self.transport.write(self.body_timeout)
-        elif self._header_bytes:
+            self._refuse_body(self.body_timeout)
+            return
+        if self._header_bytes:
             self.transport.write(self.header_timeout)  # an idle connection is closed without a word
+        self.transport.close()
+
+    def _refuse_body(self, response: bytes) -> None:
+        """Answers and closes mid-body: the app waiting in receive() is told the client left (so
+        nothing it sends is written), unless its answer is already on its way."""
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_started:
+            cycle.disconnected = True
+            cycle.message_event.set()
+            self.transport.write(response)
         self.transport.close()
 
     def _refuse(self, response: bytes) -> None:
@@ -433,6 +447,12 @@ def limited_http_protocol(
             "request_timeout",
             f"the request's body did not come within {settings.body_timeout_s:g} s of its headers "
             f"({env_name('body_timeout_s')})",
+        )
+        max_body_pieces = max(1024, settings.max_body_bytes // 256)
+        body_too_fragmented = answer(
+            "body_too_fragmented",
+            f"the body came in more than {max(1024, settings.max_body_bytes // 256)} pieces (chunks or reads); "
+            "send it in larger chunks",
         )
         occupancy = Occupancy()
         too_many_connections = answer(

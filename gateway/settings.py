@@ -49,6 +49,9 @@ class GatewaySettings:
     min_timeout_ms: int = 1
     max_input_chars: int = 65_536
     max_body_bytes: int = 1_048_576
+    max_body_bytes_in_flight: int = 33_554_432
+    """What the bodies being read hold together, at most: past it a request is refused (503), so that
+    connections that each send most of a large body and stall cannot take the process's memory."""
     max_inflight: int = 10_000
     """Submissions in progress plus synchronous callers held open; beyond it: 503 + Retry-After."""
     max_watchers: int = 2_000
@@ -222,6 +225,7 @@ def _check_bounds(settings: GatewaySettings) -> None:
     _at_least(settings, "max_timeout_ms", settings.default_timeout_ms, "default_timeout_ms")
     _at_least(settings, "max_input_chars", 1)
     _at_least(settings, "max_body_bytes", 64)
+    _at_least(settings, "max_body_bytes_in_flight", settings.max_body_bytes)
     _at_least(settings, "max_inflight", 1)
     _at_least(settings, "max_watchers", 1)
     _at_least(settings, "max_watchers_per_client", 1)

@@ -8,6 +8,7 @@ from typing import Protocol
 
 from starlette.requests import Request
 
+from gateway.body import BodyBudget
 from gateway.callers import CallerOf
 from gateway.events import StreamsEnd
 from gateway.health import Ready
@@ -34,6 +35,8 @@ class Deployment:
     caller_of: CallerOf
     streams_end: StreamsEnd | None = None
     """Once ended (the server began shutting down), ends every open event stream."""
+    bodies: BodyBudget | None = None
+    """What the bodies being read may hold together (``max_body_bytes_in_flight``)."""
 
 
 def deployment_of(request: Request) -> Deployment:

@@ -54,7 +54,7 @@ async def infer(request: Request) -> Response:
     gateway = deployment.gateway
     caller = deployment.caller_of(request)
     key = request.headers.get(IDEMPOTENCY_HEADER)
-    body = parse_inference_body(await read_body(request, gateway.settings.max_body_bytes))
+    body = parse_inference_body(await read_body(request, gateway.settings.max_body_bytes, deployment.bodies))
     answer = await gateway.submit(
         body.input,
         body.model,
@@ -86,7 +86,7 @@ async def enqueue(request: Request) -> Response:
     gateway = deployment.gateway
     caller = deployment.caller_of(request)
     key = request.headers.get(IDEMPOTENCY_HEADER)
-    body = parse_inference_body(await read_body(request, gateway.settings.max_body_bytes))
+    body = parse_inference_body(await read_body(request, gateway.settings.max_body_bytes, deployment.bodies))
     accepted = await gateway.submit(
         body.input, body.model, body.timeout_ms, False, caller=caller, idempotency_key=key, priority=body.priority
     )

@@ -17,6 +17,7 @@ import signal
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ import aiohttp
 import httpx
 import pytest
 
-from tests.support.adversarial_rig import P99_SLACK_MS, Service, ServiceFactory, unharmed
+from tests.support.adversarial_rig import P99_SLACK_MS, RSS_GROWTH_BYTES, Service, ServiceFactory, unharmed
 from tests.support.eventually import eventually_sync
 
 pytestmark = pytest.mark.slow
@@ -464,3 +465,50 @@ def _until_closed(service: Service, request: bytes) -> list[tuple[int, str]]:
         code = json.loads(body)["error"]["code"] if body.startswith(b'{"error"') else ""
         answers.append((int(raw.split(b" ", 1)[0]), code))
     return answers
+
+
+# bodies ---------------------------------------------------------------------------------------------
+def test_half_sent_bodies_hold_at_most_the_budget_and_give_their_memory_back(
+    embedded_service_factory: ServiceFactory,
+) -> None:
+    """Connections that each send 999,991 of a 1,000,000-byte body and stall: past the bodies' budget
+    (``--max-body-bytes-in-flight``) the next is refused 503 at once; the rest get 408 at the body
+    timeout. RSS stays within the budget plus the rig's bound, and comes back to within 50 MB of its
+    start; a normal client is served throughout."""
+    budget = 16 * 1024 * 1024
+    service = embedded_service_factory("--max-body-bytes-in-flight", str(budget), "--body-timeout-s", "3")
+    httpx.post(f"{service.url}/v1/inference", json={"input": "warm"}, timeout=10)
+    rss_before = service.rss_bytes()
+    head = (
+        b"POST /v1/inference HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\ncontent-length: 1000000\r\n\r\n"
+    )
+    payload = head + b'{"input": "' + b"a" * (999_991 - 11)
+    stalled: list[socket.socket] = []
+    peak = rss_before
+    try:
+        for _ in range(60):  # 60 MB of bodies against a 16 MiB budget
+            sock = socket.create_connection((service.host, service.port), timeout=10)
+            sock.settimeout(2)
+            stalled.append(sock)
+            with contextlib.suppress(OSError):  # a refused body is not read on: the send may stall
+                sock.sendall(payload)
+            peak = max(peak, service.rss_bytes())
+        served = httpx.post(f"{service.url}/v1/inference", json={"input": "abc"}, timeout=10)
+        assert served.status_code == 200 and served.json()["output"] == "cba", served.text
+        answers = []
+        for sock in stalled:
+            sock.settimeout(15)
+            with contextlib.suppress(OSError):
+                answers.append(read_response(sock)[:12])
+        statuses = Counter(answer[9:12] for answer in answers)
+        assert statuses[b"503"] >= 30, f"past the budget, bodies are refused: {statuses}"
+        assert statuses[b"408"] >= 1 and set(statuses) <= {b"503", b"408"}, statuses
+    finally:
+        for sock in stalled:
+            sock.close()
+    assert peak - rss_before < budget + RSS_GROWTH_BYTES, f"RSS {rss_before >> 20} -> {peak >> 20} MiB"
+    eventually_sync(
+        lambda: service.rss_bytes() - rss_before < 50 * 1024 * 1024,
+        f"RSS to come back within 50 MB of its start ({rss_before >> 20} MiB)",
+        timeout_s=15,
+    )

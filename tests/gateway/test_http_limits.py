@@ -666,6 +666,28 @@ async def test_a_malformed_body_pipelined_behind_requests_is_answered_400_after_
     assert "/bad" not in edge.app.calls, "the request whose body is not HTTP never reaches the app"
 
 
+def chunked_in(pieces: int) -> bytes:
+    head = b"POST /frag HTTP/1.1\r\nhost: gw\r\ntransfer-encoding: chunked\r\n\r\n"
+    return head + b"1\r\nx\r\n" * pieces + b"0\r\n\r\n"
+
+
+async def test_a_body_in_too_many_pieces_gets_400_and_the_app_is_told_the_client_left() -> None:
+    edge = Edge()
+    pieces = edge.protocol_class.max_body_pieces
+    assert pieces == 4096, "a 1 MiB body limit allows 4096 pieces"
+    protocol, transport, _ = edge.connect()
+    protocol.data_received(chunked_in(pieces + 1))
+    await eventually(lambda: transport.closed, "the connection to close", timeout_s=5)
+    assert status_of(transport.written) == 400 and error_code_of(transport.written) == "body_too_fragmented"
+    await eventually(lambda: edge.app.disconnected == ["/frag"], "the app to see the client leave")
+    assert transport.written.count(b"HTTP/1.1 ") == 1, "nothing the app sends after is written"
+
+    whole, whole_transport, _ = edge.connect()
+    whole.data_received(chunked_in(pieces))
+    await answered(whole_transport)
+    assert status_of(whole_transport.written) == 200 and whole_transport.written.endswith(b"%d" % pieces)
+
+
 # the descriptor limit ------------------------------------------------------------------------------
 class Rlimit:
     """``resource``'s open-file limit, as a test sets it."""
