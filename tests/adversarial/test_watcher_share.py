@@ -33,10 +33,12 @@ def test_a_client_holding_its_share_of_streams_leaves_the_others_served(
     )
     with client_at(service.url, HOG) as hog, client_at(service.url, OTHER) as other, contextlib.ExitStack() as held:
         task_id = hog.post("/v1/tasks", json={"input": "slow"}).json()["task_id"]
+        lines = []  # each stream's line iterator, kept: a dropped one closes its stream
         for _ in range(SHARE):
             stream = held.enter_context(hog.stream("GET", f"/v1/result/{task_id}/events"))
             assert stream.status_code == 200, stream.read()
-            next(stream.iter_lines())  # the first event: the stream is open and counted
+            lines.append(stream.iter_lines())
+            next(lines[-1])  # the first event: the stream is open and counted
         refused = hog.get(f"/v1/result/{task_id}/events")
         assert refused.status_code == 503, refused.text
         assert refused.json()["error"]["code"] == "overloaded" and refused.headers["retry-after"], refused.text
