@@ -62,7 +62,8 @@ def test_a_client_naming_another_clients_id_spends_only_its_own_bucket(service_f
 
     # The claim is about buckets: the normal client must get every answer, but its p99 over the ten or
     # so requests it can send under its own limit is one slow answer, not a latency figure.
-    harm = unharmed(service, attack, rate_per_s=PROBE_RATE_PER_S, check_p99=False)
+    # No p99 is compared here (a few answers a second), so short windows: every answer is still checked.
+    harm = unharmed(service, attack, rate_per_s=PROBE_RATE_PER_S, check_p99=False, baseline_s=1.0, min_during_s=2.5)
 
     accepted = statuses.count(202)
     most = BURST + math.ceil(RATE_PER_S * took_s) + 1
