@@ -19,6 +19,7 @@ from prometheus_client import Counter
 
 from gateway.drain import DrainMeter
 from gateway.errors import Overloaded, RateLimited, Unavailable
+from gateway.fair_share import FAIR_AFTER_S, FairShare
 from gateway.priority import KeyTiers
 from gateway.settings import GatewaySettings, env_name
 from gateway.tier_mix import TierMix
@@ -89,6 +90,8 @@ class Admission:
             Priority.LOW: (math.ceil(settings.max_queue_depth * settings.queue_fraction_low), "queue_fraction_low"),
         }
         self._mix = TierMix()
+        self._fair = FairShare()
+        self._clock = clock
         self._counters: dict[tuple[str, Priority, str], Counter] = {}
         self.retry_after_s = settings.retry_after_s
         self.by_wait = settings.admit_by_wait
@@ -170,7 +173,7 @@ class Admission:
             if backlog is not None:
                 if unseen is not None and (admitted := unseen.count(backlog.at_s)):
                     backlog = replace(backlog, depth=backlog.depth + admitted)
-                self._check_queue(model, backlog, timeout_ms, tier)
+                self._check_queue(model, backlog, timeout_ms, tier, _fairness_id(caller))
             elif self.max_queue_depth > 0:
                 # the deployment-wide figure, while the model's is unknown; unknown too, nothing is held
                 # against the request (a bus that is down fails its send anyway)
@@ -196,6 +199,8 @@ class Admission:
                     retry_after_s=max(1, math.ceil(wait_s)),
                 )
         self._mix.admitted(model, tier)
+        if (client := _fairness_id(caller)) is not None:
+            self._fair.admitted(model, client, self._clock())
         return unseen.admitted() if unseen is not None and queue_depth is not None else None
 
     def answered(self, model: str, latency_s: float) -> None:
@@ -229,7 +234,9 @@ class Admission:
         self._states[model] = state
         log.warning("model %r is %s: %s", model, state, why)
 
-    def _check_queue(self, model: str, backlog: Backlog, timeout_ms: int, tier: Priority) -> None:
+    def _check_queue(
+        self, model: str, backlog: Backlog, timeout_ms: int, tier: Priority, client: str | None = None
+    ) -> None:
         depth = backlog.depth
         limit, setting = self._tier_limits[tier]
         if self.max_queue_depth > 0 and limit <= depth:
@@ -252,6 +259,17 @@ class Admission:
                 f"{estimate.stalled_s:.0f} s (busy past any normal call, hung or gone); nothing was queued: "
                 "retry after the Retry-After delay"
             )
+        drain = estimate.rate_per_s
+        if client is not None and drain and estimate.wait_s >= FAIR_AFTER_S:
+            over = self._fair.over_share(model, client, drain, self._clock())
+            if over is not None:
+                rate, share, clients = over
+                raise Overloaded(
+                    f"this client sends {rate:.0f} requests/s to model {model!r}, above its fair share of "
+                    f"{share:.0f} of the {drain:.0f} requests/s the model drains among the {clients} clients sending "
+                    f"now, and {estimate.wait_s:.1f} s of work is queued; nothing was queued: send less, or retry "
+                    "after the Retry-After delay"
+                )
         service_s = self._service[model].seconds or (stated.call_s if stated else 0.0)
         budget_s = timeout_ms / 1000 - service_s
         # Less than one answer's time ahead is not the queue's doing: the request rides the next batch,
@@ -267,6 +285,14 @@ class Admission:
 
 
 SAMPLE_EVERY_S = 0.2
+
+
+def _fairness_id(caller: Caller) -> str | None:
+    """Who a fair share is kept for: the API key's owner, else the rate limit's client; None when the
+    caller is not told apart (no keys, no rate limits)."""
+    if caller.owner is not None:
+        return f"key:{caller.owner}"
+    return None if caller.client == "-" else caller.client
 
 
 def _limit_of(setting: str, max_queue_depth: int) -> str:

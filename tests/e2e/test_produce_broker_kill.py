@@ -167,7 +167,8 @@ async def test_a_lag_read_at_a_broker_that_no_longer_coordinates_the_group_keeps
     partitions = 4
     await ensure_topics(bootstrap, {names.request_topic: partitions})
     tps = [TopicPartition(names.request_topic, p) for p in range(partitions)]
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+    # acks=all: each record is replicated when sent, so the end offsets (the high watermark) hold it
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
     await producer.start()
     try:
         for n in range(40):
@@ -195,6 +196,10 @@ async def test_a_lag_read_at_a_broker_that_no_longer_coordinates_the_group_keeps
         await admin.close()
     assert answer == {}, f"Kafka's answer from a broker that is not the coordinator (no error raised): {answer}"
 
+    deadline = time.monotonic() + 20
+    while (true_lag := await _true_lag(bootstrap, names.request_topic, names.batcher_group)) != 8:
+        assert time.monotonic() < deadline, f"the cluster never showed 2 waiting on each of 4 partitions: {true_lag}"
+        await asyncio.sleep(0.2)  # polling the cluster until every record and commit shows, which nothing signals
     depth = KafkaQueueDepth(bootstrap, names, partitions, refresh_s=60)
     await depth.start()
     try:

@@ -1,0 +1,75 @@
+"""Each client's fair share of a model's capacity, while its queue builds.
+
+Batches take a model's requests first in, first out within a tier, so one API key that sends more
+than the model drains fills the queue, and every other key's requests wait behind its flood. While
+a model's queue holds more than ``FAIR_AFTER_S`` of work, admission refuses a client whose recent
+rate is above its max-min fair share of the model's drain rate: clients that send less than an
+equal share keep their rate, and the rest of the capacity is split evenly among the others. A flood
+from one key is then refused before another key's requests wait behind it, and a lone client (no
+other client sent meanwhile) is never held to a share.
+
+Rates are this gateway's own admissions, decayed with a half-life of ``HALF_LIFE_S``: with several
+gateways, a client spread over them is held to a share at each. Pure: time is passed in.
+"""
+
+from __future__ import annotations
+
+import math
+
+HALF_LIFE_S = 1.0
+FAIR_AFTER_S = 1.0
+"""The queue's predicted wait past which shares apply: below it, every request is served soon."""
+ACTIVE_PER_S = 0.5
+"""A client whose rate has decayed below this is no longer counted as sending."""
+
+
+class FairShare:
+    """Per model, each client's decayed rate of admitted requests."""
+
+    def __init__(self, half_life_s: float = HALF_LIFE_S) -> None:
+        self.half_life_s = half_life_s
+        self._rates: dict[str, dict[str, tuple[float, float]]] = {}
+        """model -> client -> (rate per second, when it was last brought up to date)."""
+
+    def admitted(self, model: str, client: str, now_s: float) -> None:
+        clients = self._rates.setdefault(model, {})
+        rate = self._decayed(clients.get(client), now_s)
+        clients[client] = (rate + math.log(2) / self.half_life_s, now_s)
+
+    def over_share(self, model: str, client: str, drain_per_s: float, now_s: float) -> tuple[float, float, int] | None:
+        """``(rate, share, clients)`` when ``client`` sends ``model`` more than its fair share of
+        ``drain_per_s`` among the clients sending now; None when it does not, or sends alone."""
+        clients = self._rates.get(model)
+        if not clients or client not in clients:
+            return None
+        rates = {}
+        for name, entry in list(clients.items()):
+            rate = self._decayed(entry, now_s)
+            if rate < ACTIVE_PER_S:
+                del clients[name]
+            else:
+                rates[name] = rate
+        mine = rates.get(client)
+        if mine is None or len(rates) < 2:
+            return None
+        share = water_level(sorted(rates.values()), drain_per_s)
+        return (mine, share, len(rates)) if mine > share else None
+
+    def _decayed(self, entry: tuple[float, float] | None, now_s: float) -> float:
+        if entry is None:
+            return 0.0
+        rate, at_s = entry
+        decay: float = 0.5 ** (max(0.0, now_s - at_s) / self.half_life_s)
+        return rate * decay
+
+
+def water_level(ascending: list[float], capacity: float) -> float:
+    """The max-min fair share of ``capacity`` among demands ``ascending``: the demands below an equal
+    share are met whole, and what is left is split evenly among the rest."""
+    left = capacity
+    for index, demand in enumerate(ascending):
+        level = left / (len(ascending) - index)
+        if demand > level:
+            return level
+        left -= demand
+    return math.inf

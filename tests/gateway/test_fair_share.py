@@ -1,0 +1,83 @@
+"""Each client's fair share of a model's capacity while its queue builds: pure, and in admission."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gateway.admission import Admission, Caller
+from gateway.errors import Overloaded
+from gateway.fair_share import FairShare, water_level
+from gateway.settings import GatewaySettings
+from tests.support.queue_depth import Counters, admit_sent
+from transport.ports import Backlog
+
+
+def test_the_water_level_meets_small_demands_whole_and_splits_the_rest() -> None:
+    assert water_level([5.0, 150.0], 50.0) == 45.0
+    assert water_level([30.0, 30.0, 30.0], 60.0) == 20.0
+    assert water_level([1.0, 2.0], 50.0) == math.inf, "demands under the capacity are all met"
+
+
+def test_a_client_over_its_share_is_named_and_one_under_it_is_not() -> None:
+    fair = FairShare()
+    for step in range(40):  # 2 s: "flood" at 100/s, "quiet" at 2/s
+        now = step / 20
+        for _ in range(5):
+            fair.admitted("m", "flood", now)
+        if step % 10 == 0:
+            fair.admitted("m", "quiet", now)
+    over = fair.over_share("m", "flood", 50.0, 2.0)
+    assert over is not None, "the flood sends more than the 48/s left to it"
+    rate, share, clients = over
+    assert 60 < rate < 110 and share > 45 and clients == 2, over  # the rate nears 100/s as history grows
+    assert fair.over_share("m", "quiet", 50.0, 2.0) is None
+
+
+def test_a_lone_client_is_never_held_to_a_share() -> None:
+    fair = FairShare()
+    for step in range(40):
+        for _ in range(5):
+            fair.admitted("m", "flood", step / 20)
+    assert fair.over_share("m", "flood", 50.0, 2.0) is None
+    fair.admitted("m", "quiet", 2.0)
+    assert fair.over_share("m", "flood", 50.0, 2.0) is not None, "a second client sending makes shares count"
+    assert fair.over_share("m", "flood", 50.0, 12.0) is None, "once both stopped, nobody is over a share"
+
+
+async def test_a_key_flooding_a_building_queue_is_refused_and_another_key_is_admitted() -> None:
+    """A queue of 100 that drains 50/s (2 s of work): key A at 100 requests/s is refused past its share
+    of the capacity, naming it; key C at 2 requests/s is admitted every time."""
+    counters = Counters()
+    admission = Admission(GatewaySettings(models=("a",), default_model="a"), counters, None, clock=counters.clock)
+    flood, quiet = Caller(owner="tenant-a"), Caller(owner="tenant-c")
+    left = batches = 0
+    refused: list[str] = []
+    for step in range(1, 41):  # 4 s, sampled every 0.1 s as the gateway's sampler does
+        left, batches = left + 5, batches + 1
+        counters.backlogs = {"a": Backlog(100, left, batches, step / 10)}
+        admission.models()
+        for _ in range(10):
+            try:
+                await admit_sent(admission, "a", 30_000, caller=flood)
+            except Overloaded as err:
+                refused.append(err.message)
+        if step % 5 == 0:
+            await admit_sent(admission, "a", 30_000, caller=quiet)  # raises if the quiet key is refused
+    assert refused, "the flooding key is held to its share"
+    assert "above its fair share" in refused[-1] and "model 'a'" in refused[-1], refused[-1]
+    assert len(refused) < 400 - 100, f"the flood keeps about its share of the capacity: {len(refused)} refused"
+
+
+@pytest.mark.parametrize("caller", [Caller(), Caller(client="-")])
+async def test_callers_not_told_apart_have_no_share(caller: Caller) -> None:
+    counters = Counters()
+    admission = Admission(GatewaySettings(models=("a",), default_model="a"), counters, None, clock=counters.clock)
+    left = batches = 0
+    for step in range(1, 21):
+        left, batches = left + 5, batches + 1
+        counters.backlogs = {"a": Backlog(100, left, batches, step / 10)}
+        admission.models()
+        for _ in range(10):
+            await admit_sent(admission, "a", 30_000, caller=caller)
