@@ -1,0 +1,88 @@
+"""One API key's flood does not make another key's requests wait behind it (issue 43, item 7).
+
+A real ``batchwire up`` with API keys and one worker of 5 inputs per 100 ms call (50 requests/s).
+Key A floods async tasks at three times that; key C sends synchronous requests with a 5 s deadline
+beside it. Without fair shares, A's tasks fill the queue up to what their own deadlines allow, and
+C's requests wait behind them, past their deadline (or are refused as the queue's wait passes it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support.adversarial_rig import ServiceFactory
+from tests.support.eventually import eventually_sync
+
+pytestmark = pytest.mark.slow
+
+FLOOD_KEY = "tenant-a-0123456789abcdef"
+QUIET_KEY = "tenant-c-0123456789abcdef"
+FLOOD_PER_S = 150.0
+QUIET_PER_S = 4.0
+FOR_S = 6.0
+QUIET_TIMEOUT_MS = 5_000
+
+
+async def _paced(client: httpx.AsyncClient, rate_per_s: float, send: object) -> list[httpx.Response]:
+    started = time.monotonic()
+    tasks = []
+    n = 0
+    while time.monotonic() - started < FOR_S:
+        tasks.append(asyncio.create_task(send(client, n)))  # type: ignore[operator]
+        n += 1
+        await asyncio.sleep(max(0.0, started + n / rate_per_s - time.monotonic()))  # pacing, not synchronization
+    return list(await asyncio.gather(*tasks))
+
+
+async def _both(url: str) -> tuple[list[httpx.Response], list[httpx.Response]]:
+    async def flood(client: httpx.AsyncClient, n: int) -> httpx.Response:
+        return await client.post(
+            "/v1/tasks", json={"input": f"flood-{n}"}, headers={"Authorization": f"Bearer {FLOOD_KEY}"}
+        )
+
+    async def quiet(client: httpx.AsyncClient, n: int) -> httpx.Response:
+        body = {"input": f"quiet-{n}", "timeout_ms": QUIET_TIMEOUT_MS}
+        return await client.post("/v1/inference", json=body, headers={"Authorization": f"Bearer {QUIET_KEY}"})
+
+    limits = httpx.Limits(max_connections=400)
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as a,
+        httpx.AsyncClient(base_url=url, timeout=30) as c,
+    ):
+        flooded, quieted = await asyncio.gather(_paced(a, FLOOD_PER_S, flood), _paced(c, QUIET_PER_S, quiet))
+    return flooded, quieted
+
+
+def test_a_key_flooding_a_model_leaves_another_key_answered_in_time(
+    embedded_service_factory: ServiceFactory, tmp_path: Path
+) -> None:
+    keys = tmp_path / "api-keys"
+    keys.write_text(f"{FLOOD_KEY}\n{QUIET_KEY}\n")
+    service = embedded_service_factory("--api-keys-file", str(keys), "--max-batch", "5", workers=1)
+    eventually_sync(  # answered once, so the worker states its rate, as on any service that has been running
+        lambda: (
+            httpx.post(
+                f"{service.url}/v1/inference", json={"input": "up"}, headers={"Authorization": f"Bearer {QUIET_KEY}"}
+            ).status_code
+            == 200
+        ),
+        "the worker to answer",
+        timeout_s=60,
+    )
+    flooded, quieted = asyncio.run(_both(service.url))
+
+    quiet = Counter(response.status_code for response in quieted)
+    assert quiet == {200: len(quieted)}, f"key C is answered within its {QUIET_TIMEOUT_MS} ms deadline: {quiet}"
+    wrong = [r for r in quieted if r.json()["output"] != json.loads(r.request.content)["input"][::-1]]
+    assert not wrong, f"answers that are not their own input's: {[r.text for r in wrong[:3]]}"
+    flood = Counter(response.status_code for response in flooded)
+    refused = [r.json()["error"]["message"] for r in flooded if r.status_code == 503]
+    assert flood[202] > 0 and refused, f"key A is admitted to its share and refused past it: {flood}"
+    assert any("above its fair share" in message for message in refused), refused[:3]
