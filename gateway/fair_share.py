@@ -21,6 +21,8 @@ FAIR_AFTER_S = 1.0
 """The queue's predicted wait past which shares apply: below it, every request is served soon."""
 ACTIVE_PER_S = 0.5
 """A client whose rate has decayed below this is no longer counted as sending."""
+PRUNE_AT = 1024
+"""Clients of one model remembered before those no longer sending are dropped."""
 
 
 class FairShare:
@@ -35,6 +37,14 @@ class FairShare:
         clients = self._rates.setdefault(model, {})
         rate = self._decayed(clients.get(client), now_s)
         clients[client] = (rate + math.log(2) / self.half_life_s, now_s)
+        if len(clients) >= PRUNE_AT:  # clients that stopped sending are forgotten: the map stays small
+            for name, entry in list(clients.items()):
+                if self._decayed(entry, now_s) < ACTIVE_PER_S:
+                    del clients[name]
+
+    def remembered(self, model: str) -> int:
+        """How many of ``model``'s clients are remembered (those sending, and some that stopped)."""
+        return len(self._rates.get(model, ()))
 
     def over_share(self, model: str, client: str, drain_per_s: float, now_s: float) -> tuple[float, float, int] | None:
         """``(rate, share, clients)`` when ``client`` sends ``model`` more than its fair share of

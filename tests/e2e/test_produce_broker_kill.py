@@ -325,14 +325,15 @@ def _gauge(url: str) -> float:
     return float(line.split()[1])
 
 
+@pytest.mark.parametrize("down", [1, 2], ids=["coordinator", "coordinator and another for 10 s"])
 async def test_the_group_coordinator_killed_and_given_back_leaves_the_gateway_admitting(
-    state_dir: Path, tmp_path: Path, request: pytest.FixtureRequest
+    state_dir: Path, tmp_path: Path, request: pytest.FixtureRequest, down: int
 ) -> None:
-    """The outage this guards against: kill -9 the broker that coordinates the batchers' group; the
-    role moves to another broker, which the gateway's lag reader then asks. The broker comes back and
-    the preferred-leader election (every few seconds in the test stack) gives the role back to it: the
-    broker the gateway asks now answers no offsets. That must not read as every record the topic keeps
-    (every request refused 503 ``overloaded``, for good)."""
+    """The outage this guards against: kill -9 the broker that coordinates the batchers' group (and,
+    in the second case, one more for 10 s); the role moves to another broker, which the gateway's lag
+    reader then asks. The brokers come back and the preferred-leader election (every few seconds in
+    the test stack) gives the role back: the broker the gateway asks now answers no offsets. That must
+    not read as every record the topic keeps (every request refused 503 ``overloaded``, for good)."""
     assert (
         _cli(state_dir, "up", "--brokers", "3", "--redis-replicas", "0").returncode == 0
     )  # whole, whatever ran before
@@ -365,14 +366,17 @@ async def test_the_group_coordinator_killed_and_given_back_leaves_the_gateway_ad
         await asyncio.sleep(2.0)  # steady load first
         victim = await _coordinator(bootstrap, group)
         assert victim is not None, "the cluster names the group's coordinator"
-        servers = json.loads(_cli(state_dir, "status", "--json").stdout)["servers"]
-        [pid] = [s["pid"] for s in servers if s["kind"] == "kafka" and s["node_id"] == victim]
-        await asyncio.to_thread(kill9, pid)
-        deadline = time.monotonic() + 60
+        brokers = [s for s in json.loads(_cli(state_dir, "status", "--json").stdout)["servers"] if s["kind"] == "kafka"]
+        victims = sorted(brokers, key=lambda s: s["node_id"] != victim)[:down]  # the coordinator first
+        for broker in victims:
+            await asyncio.to_thread(kill9, broker["pid"])
+        killed_at = time.monotonic()
+        deadline = killed_at + 60
         while (moved_to := await _coordinator(bootstrap, group)) in (victim, None):  # the role moves away
             assert time.monotonic() < deadline, f"the coordinator role never left the killed broker {victim}"
             await asyncio.sleep(0.5)  # polling the cluster's state, which nothing signals
-        await asyncio.sleep(2.0)  # load against the new coordinator, which the gateway finds
+        # Load against the new coordinator, which the gateway finds; two brokers stay down for 10 s.
+        await asyncio.sleep(max(2.0, killed_at + 10 * (down - 1) - time.monotonic()))
         assert (
             await asyncio.to_thread(_cli, state_dir, "up", "--brokers", "3", "--redis-replicas", "0")
         ).returncode == 0
@@ -401,6 +405,7 @@ async def test_the_group_coordinator_killed_and_given_back_leaves_the_gateway_ad
             timeout_s=10,
         )
         print(
-            f"\ncoordinator {victim} killed, role moved to {moved_to} and back; {len(answers)} requests: "
+            f"\ncoordinator {victim} killed ({down} broker(s) down), role moved to {moved_to} and back; "
+            f"{len(answers)} requests: "
             f"{Counter(status for _, status, _, _ in answers)}; true lag {true_lag}"
         )

@@ -81,3 +81,10 @@ async def test_callers_not_told_apart_have_no_share(caller: Caller) -> None:
         admission.models()
         for _ in range(10):
             await admit_sent(admission, "a", 30_000, caller=caller)
+
+
+def test_clients_that_stopped_sending_are_forgotten() -> None:
+    fair = FairShare()
+    for n in range(5000):
+        fair.admitted("m", f"ip:10.0.{n // 256}.{n % 256}", n / 100)  # each sends once, 10 ms apart
+    assert fair.remembered("m") < 2048, "the map holds the clients still sending, not every one seen"
