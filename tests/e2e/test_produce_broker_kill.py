@@ -325,6 +325,9 @@ def _gauge(url: str) -> float:
     return float(line.split()[1])
 
 
+WEDGE_RATE_PER_S = 200.0
+
+
 @pytest.mark.parametrize("down", [1, 2], ids=["coordinator", "coordinator and another for 10 s"])
 async def test_the_group_coordinator_killed_and_given_back_leaves_the_gateway_admitting(
     state_dir: Path, tmp_path: Path, request: pytest.FixtureRequest, down: int
@@ -359,9 +362,11 @@ async def test_the_group_coordinator_killed_and_given_back_leaves_the_gateway_ad
             limits = httpx.Limits(max_connections=200, keepalive_expiry=2.0)
             async with httpx.AsyncClient(timeout=40, limits=limits) as client:
                 tasks = []
+                started = time.monotonic()
                 while not stop.is_set():
                     tasks.append(asyncio.create_task(one(client, len(tasks))))
-                    await asyncio.sleep(1 / 40)  # pacing the load at 40 requests/s, not synchronization
+                    # open loop: request n goes at n / WEDGE_RATE_PER_S, however long the answers take
+                    await asyncio.sleep(max(0.0, started + len(tasks) / WEDGE_RATE_PER_S - time.monotonic()))
                 await asyncio.gather(*tasks)
 
         group = names.batcher_group
