@@ -459,6 +459,45 @@ def test_pipelined_requests_are_all_answered_in_order(service: Service) -> None:
     # (4096 for a 1 MiB body limit; just past it, so the whole request fits one read and none is left unread).
     answers = _until_closed(service, head % b"chunked" + b"1\r\nx\r\n" * 4_100 + b"0\r\n\r\n")
     assert answers == [(400, "body_too_fragmented")], answers
+    normal = httpx.post(f"{service.url}/v1/inference", json={"input": "after"}, timeout=10)
+    assert (normal.status_code, normal.json()["output"]) == (200, "retfa"), "a normal client is served after"
+
+
+def test_bodies_in_one_byte_chunks_are_cut_off_and_a_normal_client_is_answered(
+    embedded_service_factory: ServiceFactory,
+) -> None:
+    """Two attackers loop sending 1 MiB bodies as 1-byte chunks: each is cut off after its pieces'
+    bound (without it, each body cost the gateway a second of CPU), and a normal client beside them
+    is answered, every time, within its deadline (its latency is not compared: the attackers reconnect
+    as fast as they can, and each cut-off body still costs its 4096 pieces)."""
+    service = embedded_service_factory()
+    chunk = b"1\r\nx\r\n" * 1024
+    head = (
+        b"POST /v1/inference HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+        b"transfer-encoding: chunked\r\n\r\n"
+    )
+    cut: list[int] = []
+
+    def attacker(until: float) -> None:
+        while time.monotonic() < until:
+            with socket.create_connection((service.host, service.port), timeout=10) as sock:
+                try:
+                    sock.sendall(head)
+                    for _ in range(1024):  # 1 MiB of body, a byte a chunk
+                        sock.sendall(chunk)
+                except OSError:
+                    cut.append(1)  # the gateway closed it: past the bound
+
+    def attack() -> None:
+        until = time.monotonic() + 5
+        threads = [threading.Thread(target=attacker, args=(until,)) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+
+    harm = unharmed(service, attack, check_p99=False, baseline_s=1.0)
+    assert cut, f"no attacker's body was cut off: {harm}"
 
 
 def _until_closed(service: Service, request: bytes) -> list[tuple[int, str]]:
