@@ -416,6 +416,13 @@ def test_media_type_head_and_trailing_slash(service: Service) -> None:
         for path in ("/healthz", "/readyz", "/metrics", f"/v1/result/{ok.json()['task_id']}"):
             head = client.head(path)
             assert (head.status_code, head.content) == (200, b""), f"HEAD {path}: {head.status_code}"
+        # What a client sent is quoted by its prefix and length: a 1 MB model name is no 1 MB 404.
+        huge = client.post("/v1/inference", json={"input": "x", "model": "m" * 1_000_000})
+        assert huge.status_code == 404 and len(huge.content) < 1_000, (huge.status_code, len(huge.content))
+        assert "(1000000 characters)" in huge.json()["error"]["message"]
+        # A long-poll past the cap names the setting that raises it, and that setting exists.
+        too_long = client.get(f"/v1/result/{ok.json()['task_id']}", params={"wait": "1e9"})
+        assert too_long.status_code == 422 and "BATCHWIRE_MAX_POLL_WAIT_S" in too_long.json()["error"]["message"]
         slash = client.post("/v1/inference/", json={"input": "x"}, headers={"host": "evil.example"})
         assert slash.status_code == 404, slash.text
         assert "location" not in slash.headers
