@@ -168,12 +168,14 @@ class Admission:
     async def _admit(self, caller: Caller, model: str, timeout_ms: int, tier: Priority) -> Ticket | None:
         queue_depth = self._queue_depth
         unseen = self._unseen.get(model)
+        # A fair share applies where the predicted wait is checked: only there are rates kept.
+        client = _fairness_id(caller) if queue_depth is not None and self.by_wait else None
         if queue_depth is not None:
             backlog = queue_depth.backlog(model)
             if backlog is not None:
                 if unseen is not None and (admitted := unseen.count(backlog.at_s)):
                     backlog = replace(backlog, depth=backlog.depth + admitted)
-                self._check_queue(model, backlog, timeout_ms, tier, _fairness_id(caller))
+                self._check_queue(model, backlog, timeout_ms, tier, client)
             elif self.max_queue_depth > 0:
                 # the deployment-wide figure, while the model's is unknown; unknown too, nothing is held
                 # against the request (a bus that is down fails its send anyway)
@@ -199,7 +201,7 @@ class Admission:
                     retry_after_s=max(1, math.ceil(wait_s)),
                 )
         self._mix.admitted(model, tier)
-        if (client := _fairness_id(caller)) is not None:
+        if client is not None:
             self._fair.admitted(model, client, self._clock())
         return unseen.admitted() if unseen is not None and queue_depth is not None else None
 

@@ -61,7 +61,7 @@ async def read_body(request: Request, max_bytes: int, budget: BodyBudget | None 
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise BodyTooLarge(f"the body is {declared} bytes; the limit is {max_bytes} ({_LIMIT_HINT})")
     chunks: list[bytes] = []
-    size = 0
+    size = taken = 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
@@ -69,12 +69,13 @@ async def read_body(request: Request, max_bytes: int, budget: BodyBudget | None 
                 raise BodyTooLarge(f"the body is over {max_bytes} bytes, the limit ({_LIMIT_HINT})")
             if budget is not None:
                 budget.take(len(chunk))
+                taken = size
             chunks.append(chunk)
     except ClientDisconnect as err:  # gone, or cut off by the body timeout: no one reads the answer
         raise ClientDisconnected("the client closed the connection before its body ended") from err
     finally:
         if budget is not None:
-            budget.give_back(sum(len(chunk) for chunk in chunks))
+            budget.give_back(taken)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 

@@ -20,8 +20,8 @@ only the asyncio callbacks, the parser callbacks, ``on_response_complete`` and
   slowloris, or connections that send one cheap request and then trickle the next cannot lock
   clients out, and a burst's connections, too new to have sent theirs, are not closed unanswered. A
   connection whose request the app works on keeps its place. Otherwise the new connection gets 503
-  once its request has come whole (within the header timeout and ``REFUSED_READ_BYTES``; it is read and dropped,
-  ``gateway.refused_request``): a client that meets an answer and a close while it still writes
+  once its request has come whole (within the header timeout and ``REFUSED_READ_BYTES``; it is read
+  and dropped, ``gateway.refused_request``): a client that meets an answer and a close while it still writes
   fails without reading it. The connection then stays open until the client closes it, for
   ``REFUSAL_LINGER_S`` at most (a socket closed with bytes unread sends a reset). At most
   ``refusal_budget`` refusals wait so at once; past it a new connection is answered and closed at
@@ -451,8 +451,7 @@ def limited_http_protocol(
         max_body_pieces = max(1024, settings.max_body_bytes // 256)
         body_too_fragmented = answer(
             "body_too_fragmented",
-            f"the body came in more than {max(1024, settings.max_body_bytes // 256)} pieces (chunks or reads); "
-            "send it in larger chunks",
+            f"the body came in more than {max_body_pieces} pieces (chunks or reads); send it in larger chunks",
         )
         occupancy = Occupancy()
         too_many_connections = answer(

@@ -176,5 +176,5 @@ class TaskPublisher:
                 extra=ids(task_id=state.task_id),
             )
             return False
-        mine = ended is None or (ended.status is TaskStatus.FAILED and ended.error_code == "unavailable")
-        return not mine
+        # Ours (or an earlier abandon's) is failed/unavailable; anything else a worker or the caller wrote.
+        return ended is not None and (ended.status, ended.error_code) != (TaskStatus.FAILED, "unavailable")

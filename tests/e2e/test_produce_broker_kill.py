@@ -39,6 +39,7 @@ from infra.stack import ENV_FILE_NAME, KAFKA_ENV, REDIS_ENV, read_env_file
 from schemas.codec import decode_batch
 from schemas.records import Batch
 from schemas.wire import Names
+from tests.support.cluster_checks import group_offsets
 from tests.support.eventually import eventually_sync
 from tests.support.processes import TerminalEvents, launch, stopped_after, task_states
 from tests.support.stack_cli import stack_cli as _cli
@@ -303,20 +304,8 @@ async def _coordinator(bootstrap: str, group: str) -> int | None:
 
 async def _true_lag(bootstrap: str, topic: str, group: str) -> int:
     """End offsets minus the group's committed offsets, asked of the group's coordinator now."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5_000)
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
-    await admin.start()
-    await consumer.start()
-    try:
-        [described] = await admin.describe_topics([topic])
-        tps = [TopicPartition(topic, p["partition"]) for p in described["partitions"]]
-        ends = await consumer.end_offsets(tps)
-        committed = await admin.list_consumer_group_offsets(group, partitions=tps)
-        assert set(committed) == set(tps), f"the coordinator answered every partition: {committed}"
-        return sum(ends[tp] - max(0, committed[tp].offset) for tp in tps)
-    finally:
-        await consumer.stop()
-        await admin.close()
+    committed, ends = await group_offsets(bootstrap, group, topic)
+    return sum(ends[p] - committed[p] for p in ends)
 
 
 def _gauge(url: str) -> float:

@@ -28,8 +28,6 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from aiokafka import AIOKafkaConsumer, TopicPartition  # type: ignore[import-untyped, unused-ignore]
-from aiokafka.admin import AIOKafkaAdminClient  # type: ignore[import-untyped, unused-ignore]
 
 from infra.process import ServiceProcess
 from infra.redis_sentinel import MASTER_NAME, sentinel_primary
@@ -37,6 +35,7 @@ from infra.stack import ENV_FILE_NAME, KAFKA_ENV, REDIS_ENV, read_env_file
 from schemas.codec import decode_state
 from schemas.records import TaskStatus
 from schemas.wire import Names
+from tests.support.cluster_checks import group_offsets
 from tests.support.eventually import eventually_sync
 from tests.support.processes import Cluster, free_port, launch, metric, respawn, stopped_after
 from tests.support.stack_cli import stack_cli as _cli
@@ -88,27 +87,6 @@ def backbone(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Backbon
         _cli(state_dir, "down")
 
 
-async def _offsets(bootstrap: str, group: str, topic: str) -> tuple[dict[int, int], dict[int, int]]:
-    """The group's committed offset and the end offset of each of ``topic``'s partitions."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
-    await admin.start()
-    await consumer.start()
-    try:
-        [described] = await admin.describe_topics([topic])
-        partitions = [TopicPartition(topic, p["partition"]) for p in described["partitions"]]
-        assert partitions, f"{topic} has partitions: {described}"
-        committed = await admin.list_consumer_group_offsets(group)
-        ends = await consumer.end_offsets(partitions)
-    finally:
-        await consumer.stop()
-        await admin.close()
-    return (
-        {tp.partition: max(0, committed[tp].offset) if tp in committed else 0 for tp in partitions},
-        {tp.partition: ends[tp] for tp in partitions},
-    )
-
-
 def _stored(port: int, names: Names, task_ids: list[str]) -> dict[str, Any]:
     """Each found task's stored state on the Redis server at ``port``."""
     with redis.Redis(port=port) as client:
@@ -147,11 +125,11 @@ def test_a_batch_whose_results_no_replica_acknowledged_is_committed_only_after_t
 
     def committed_all(batches: int) -> bool:
         """Whether ``batches`` batches are on the topic and every one is committed."""
-        committed, ends = asyncio.run(_offsets(backbone.bootstrap, group, topic))
+        committed, ends = asyncio.run(group_offsets(backbone.bootstrap, group, topic))
         return sum(committed.values()) == sum(ends.values()) == batches
 
     eventually_sync(lambda: committed_all(1), "the warm-up batch to be committed", timeout_s=WAIT_S, interval_s=0.2)
-    before, _ = asyncio.run(_offsets(backbone.bootstrap, group, topic))
+    before, _ = asyncio.run(group_offsets(backbone.bootstrap, group, topic))
     primary, replica = backbone.redis("primary"), backbone.redis("replica")
 
     _signal(replica["pid"], signal.SIGSTOP)  # alive to the primary, acknowledging nothing
@@ -174,7 +152,7 @@ def test_a_batch_whose_results_no_replica_acknowledged_is_committed_only_after_t
 
         held = _stored(primary["port"], names, [later])[later]
         assert not held.status.terminal, f"no later batch ends while one waits for replicas: {held}"
-        committed, ends = asyncio.run(_offsets(backbone.bootstrap, group, topic))
+        committed, ends = asyncio.run(group_offsets(backbone.bootstrap, group, topic))
         assert committed == before, f"nothing committed while no replica holds the results: {before} -> {committed}"
         # The later task's batch is on the topic too when the batcher held a credit from before the wait.
         assert sum(ends.values()) >= 2, f"the first batch is on its topic, uncommitted: ends {ends}"
@@ -224,7 +202,7 @@ def test_a_worker_killed_while_its_results_wait_for_a_replica_leaves_the_batch_t
     assert warm.status_code == 200, warm.text
 
     def committed_all(batches: int) -> bool:
-        committed, ends = asyncio.run(_offsets(backbone.bootstrap, group, topic))
+        committed, ends = asyncio.run(group_offsets(backbone.bootstrap, group, topic))
         return sum(committed.values()) == sum(ends.values()) == batches
 
     eventually_sync(lambda: committed_all(1), "the warm-up batch to be committed", timeout_s=WAIT_S, interval_s=0.2)

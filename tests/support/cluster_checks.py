@@ -8,11 +8,35 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from aiokafka import AIOKafkaConsumer, TopicPartition  # type: ignore[import-untyped, unused-ignore]
+from aiokafka.admin import AIOKafkaAdminClient  # type: ignore[import-untyped, unused-ignore]
 
 from schemas.codec import decode_state
 from schemas.records import TaskStatus
 from tests.support.eventually import eventually_sync
 from tests.support.processes import Cluster, Proc, TerminalEvents, free_port, launch, task_states
+
+
+async def group_offsets(bootstrap: str, group: str, topic: str) -> tuple[dict[int, int], dict[int, int]]:
+    """The group's committed offset (0 where none yet) and the end offset of each of ``topic``'s
+    partitions, as the cluster tells them now."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=10_000)
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await admin.start()
+    await consumer.start()
+    try:
+        [described] = await admin.describe_topics([topic])
+        partitions = [TopicPartition(topic, p["partition"]) for p in described["partitions"]]
+        assert partitions, f"{topic} has partitions: {described}"
+        committed = await admin.list_consumer_group_offsets(group)
+        ends = await consumer.end_offsets(partitions)
+    finally:
+        await consumer.stop()
+        await admin.close()
+    return (
+        {tp.partition: max(0, committed[tp].offset) if tp in committed else 0 for tp in partitions},
+        {tp.partition: ends[tp] for tp in partitions},
+    )
 
 
 def running(cluster: Cluster) -> dict[str, str]:

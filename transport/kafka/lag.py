@@ -41,13 +41,11 @@ DEFAULT_REFRESH_S = 0.15
 # (admission then admits), because a bus that is really down fails the produce anyway, while a stale
 # high figure would turn every request away for as long as the lag cannot be read.
 DEFAULT_STALE_AFTER_S = 5.0
+_WARN_EVERY = 50
 
 
 class LagUnreadable(TransportError):
     """A read of the lag that cannot be trusted: the coordinator asked left partitions unanswered."""
-
-
-_WARN_EVERY = 50
 
 
 class KafkaQueueDepth:
