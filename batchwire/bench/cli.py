@@ -79,6 +79,11 @@ def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--pids", type=_ints, default=[], help="comma list of server pids whose CPU to count")
     target.add_argument("--kafka-pids", type=_ints, default=[], help="Kafka broker pids, counted separately")
     target.add_argument("--redis-pids", type=_ints, default=[], help="Redis server pids, counted separately")
+    target.add_argument(
+        "--redis-url",
+        help="the deployment's Redis, whose INFO commandstats give its commands per request "
+        "(default with --start kafka: the stack's)",
+    )
 
 
 def _add_load_arguments(parser: argparse.ArgumentParser) -> None:

@@ -145,11 +145,14 @@ def _run_started(
             _, body = _probe_body(load)
             runner.run(wait_first_answer(sut.urls, body, args.ready_timeout))
             groups = dict(sut.pid_groups())
+            redis_url = args.redis_url
             if spec.mode == "kafka":
+                state_dir = stack.own.state_dir if stack is not None and stack.own is not None else STACK_DIR
+                settings = {**read_env_file(state_dir / "stack.env"), **os.environ}
+                redis_url = redis_url or settings.get("BATCHWIRE_REDIS_URL")
                 if stack is not None and stack.own is not None:
                     infra, how = stack.server_pids(), "stack status --json"
                 else:
-                    settings = {**read_env_file(STACK_DIR / "stack.env"), **os.environ}
                     infra, how = discover_infra_pids(STACK_DIR, settings)
                 groups["kafka"] = args.kafka_pids or infra["kafka"]
                 groups["redis"] = args.redis_pids or infra["redis"]
@@ -162,6 +165,7 @@ def _run_started(
                 pid_groups=groups,
                 workers_hint=spec.workers,
                 batch_log=sut.batch_log,
+                redis_url=redis_url,
             )
             runner.run(_measure(args, load, target, report))
     finally:
@@ -282,7 +286,7 @@ def _given_target(args: argparse.Namespace) -> Target:
     if not args.no_metrics:
         metrics = args.metrics_url or list(dict.fromkeys(default_metrics_url(url) for url in urls))
     groups = {"batchwire": args.pids, "kafka": args.kafka_pids, "redis": args.redis_pids}
-    return Target(urls=tuple(urls), metrics_urls=tuple(metrics), pid_groups=groups)
+    return Target(urls=tuple(urls), metrics_urls=tuple(metrics), pid_groups=groups, redis_url=args.redis_url)
 
 
 def _label(args: argparse.Namespace) -> str:

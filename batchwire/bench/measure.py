@@ -22,6 +22,7 @@ from batchwire.bench.late import COMPLETED, UNENDED, read_back
 from batchwire.bench.loadgen import TIMEOUT, OpenLoopSender, Tally, Window
 from batchwire.bench.procstats import CpuSampler, CpuSnapshot, GroupStats, group_stats
 from batchwire.bench.prom import Scrape, ServerStats, scrape, server_stats
+from batchwire.bench.redis_commands import command_counts, per_request
 from batchwire.bench.results import After504, GeneratorStats, RateReport
 from batchwire.bench.schedule import poisson_offsets
 from batchwire.bench.settle import means_by_second, opening_backlog
@@ -44,6 +45,11 @@ class Probes:
     workers_hint: int | None = None
     batch_log: Path | None = None
     """The workers' batch journal (``--batch-log``): each rate's calls are read from it."""
+    redis_url: str | None = None
+    """The deployment's Redis, whose command counts are read at the window bounds (None: not read)."""
+
+    async def redis_counts(self) -> dict[str, int] | None:
+        return None if self.redis_url is None else await command_counts(self.redis_url)
 
     async def scrape(self) -> Scrape | None:
         """The ``/metrics`` pages now (None: the service exports none)."""
@@ -84,9 +90,11 @@ async def measure_rate(
         await _sleep_until(window.start)
         clock_start = time.monotonic()  # the batch journal's clock
         at_start, cpu_start, scrape_start = await probes.snapshot()
+        redis_start = await probes.redis_counts()
         await _sleep_until(window.end)
         clock_end = time.monotonic()
         at_end, cpu_end, scrape_end = await probes.snapshot()
+        redis_end = await probes.redis_counts()
         tally = await send
     finally:
         if not send.done():
@@ -107,7 +115,7 @@ async def measure_rate(
         event_loop=event_loop,
         client=client,
     )
-    return _report(
+    report = _report(
         tally,
         rate_rps=rate_rps,
         duration_s=duration_s,
@@ -118,6 +126,9 @@ async def measure_rate(
         after_504=_after_504(tally, statuses),
         calls=call_record.read(probes.batch_log, clock_start, clock_end) if probes.batch_log else [],
     )
+    if redis_start is not None and redis_end is not None:
+        report["redis_commands"] = per_request(redis_start, redis_end, tally.answers_in_window)
+    return report
 
 
 def _after_504(tally: Tally, statuses: dict[str, int]) -> After504:

@@ -20,6 +20,7 @@ from typing import Any, NotRequired, TypedDict, cast
 from batchwire.bench.lone import LoneReport
 from batchwire.bench.procstats import GroupStats
 from batchwire.bench.prom import ServerStats
+from batchwire.bench.redis_commands import RedisCommands
 
 SCHEMA = "batchwire-bench/1"
 
@@ -84,6 +85,9 @@ class RateReport(TypedDict):
     generator: GeneratorStats
     server: ServerStats | None
     processes: dict[str, GroupStats]
+    redis_commands: NotRequired[RedisCommands]
+    """Commands the deployment's Redis ran in the window (``batchwire.bench.redis_commands``), where the
+    bench knows it."""
     notes: list[str]
 
 

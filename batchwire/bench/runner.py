@@ -62,6 +62,8 @@ class Target:
     workers_hint: int | None = None
     batch_log: Path | None = None
     """The workers' batch journal, where the bench started them (None: the calls are not recorded)."""
+    redis_url: str | None = None
+    """The deployment's Redis (None: its commands are not counted)."""
 
 
 def make_client(kind: ClientKind, limit: int, timeout_s: float) -> HttpClient:
@@ -109,6 +111,7 @@ async def bench_run(
             metrics_urls=list(target.metrics_urls),
             workers_hint=target.workers_hint,
             batch_log=target.batch_log,
+            redis_url=target.redis_url,
         )
         loop_name = event_loop_name()
         for index, rate in enumerate(load.rates_rps):
@@ -190,4 +193,7 @@ def summary_line(rate: RateReport) -> str:
     timeouts = rate["errors"].get(TIMEOUT, 0)
     if timeouts:
         line += f", client timeouts {timeouts}"
+    commands = rate.get("redis_commands")
+    if commands is not None and commands["per_request"] is not None:
+        line += f", Redis commands/request {commands['per_request']:.2f}"
     return line

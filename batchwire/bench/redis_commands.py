@@ -1,0 +1,48 @@
+"""Redis commands per request, from the server's own counters (``INFO commandstats``).
+
+A count the server keeps, not one the bench infers: every command any role ran in the window is in
+it, the bench's own two ``INFO`` calls excepted. It tells what a request costs the result store,
+which CPU seconds of a Redis shared by other work would not.
+"""
+
+from __future__ import annotations
+
+from typing import TypedDict
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+TOP = 8
+"""Commands listed by name in a report; the rest are in the total."""
+
+
+class RedisCommands(TypedDict):
+    total: int
+    per_request: float | None
+    by_command: dict[str, float]
+    """The ``TOP`` most frequent commands, each per answered request."""
+
+
+async def command_counts(url: str) -> dict[str, int] | None:
+    """Calls so far by command name (lower case); None when Redis cannot be read."""
+    client = Redis.from_url(url, socket_timeout=2.0)
+    try:
+        stats = await client.info("commandstats")
+    except (RedisError, OSError):
+        return None
+    finally:
+        await client.aclose()
+    return {name.removeprefix("cmdstat_"): int(entry["calls"]) for name, entry in stats.items()}
+
+
+def per_request(start: dict[str, int], end: dict[str, int], answers: int) -> RedisCommands:
+    """The commands run between two counts, in all and per answered request."""
+    ran = {name: calls - start.get(name, 0) for name, calls in end.items() if name != "info"}
+    ran = {name: calls for name, calls in ran.items() if calls > 0}
+    total = sum(ran.values())
+    top = sorted(ran.items(), key=lambda item: -item[1])[:TOP]
+    return RedisCommands(
+        total=total,
+        per_request=round(total / answers, 2) if answers else None,
+        by_command={name: round(calls / answers, 2) if answers else float(calls) for name, calls in top},
+    )
