@@ -11,10 +11,10 @@ for a fresh arrival (``BatchFormer.reserve_s``); a busy worker's batch is sealed
 the workers' calls spread (``batcher.spacing``); and reads paused while every worker was busy catch
 up before the batch is sealed (``batcher.read_pacing``).
 
-A sealed batch lands on the bus in a task of its own (``_land``; at most ``LANDING_MAX`` of a model's
-at once): the loop goes on to the next credit (another worker's) without waiting for the
-acknowledgement (``acks=all`` over Kafka), which hands its requests over. A failed claim is retried
-with backoff; a failed send is given back and tried again; a failed ``batched`` write is logged.
+A sealed batch lands on the bus in a task of its own (``_land``): the loop goes on to the next credit
+(another worker's) without waiting for the acknowledgement (``acks=all`` over Kafka), which hands its
+requests over. A failed claim is retried with backoff; a failed send is given back and tried again;
+a failed ``batched`` write is logged.
 """
 
 from __future__ import annotations
@@ -49,8 +49,6 @@ log = logging.getLogger(__name__)
 Held = Pending[InferenceRequest]
 
 CATCH_UP_MIN_S = 0.002
-LANDING_MAX = 2
-"""A model's batches on their way to the bus at once (see ``batcher.landings``)."""
 
 
 class Dispatcher:
@@ -151,7 +149,6 @@ class Dispatcher:
                 claimed_from_s: float | None = None  # a kept credit was there before the items
                 credit, kept = kept, None
                 if credit is None:
-                    await self.landings.room(model, LANDING_MAX)
                     claimed_from_s = self.clock()
                     credit = await self._claim_while_busy(model)
                     if credit is None:
@@ -312,8 +309,6 @@ class Dispatcher:
                 self.landings.add(model, self._spawn(landing, f"land-{model}"))
         if not taken.items:
             await self._offer_back(credit)
-        else:  # one turn of the loop: the landing's first hop (the express copy) goes before the next claim
-            await asyncio.sleep(0)
         if taken.expired:  # written outside the hand-over lock: a slow store must not hold up a rebalance
             await self._expire(taken.expired)
         if self.former.held(model) < self.settings.max_held:
@@ -334,7 +329,7 @@ class Dispatcher:
         marking = asyncio.create_task(self._mark_batched(model, batch))
         try:
             try:
-                await self.producer.send(batch, credit.partition, idle_worker=self._starts_in_s(credit) <= 0)
+                await self.producer.send(batch, credit.partition)
             except TransportError as err:
                 log.warning(
                     "could not hand batch %s to %s: %s; will retry",

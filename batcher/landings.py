@@ -3,9 +3,9 @@
 A sealed batch lands in a task of its own (``Dispatcher._land``) so that the dispatcher need not
 wait for the bus's acknowledgement before the next worker's credit. A rebalance or a close waits for
 every landing (``landed``); a credit claimed only to be kept for a future request waits for them too
-(``settled``), so that its round trip does not compete with the hops of the batch just sent. Only a
-few of a model's batches land at once (``room``): over Kafka with express copies, a worker runs a
-batch before it lands, and a stalled broker must not let copies run far ahead of their records.
+(``settled``), so that its round trip does not compete with the hops of the batch just sent. How many
+land at once needs no cap of its own: each holds a credit, and a worker offers its next credit only
+after a batch reached it.
 """
 
 from __future__ import annotations
@@ -28,12 +28,6 @@ class Landings:
         if key is not None:
             return len(self._tasks[key])
         return sum(len(tasks) for tasks in self._tasks.values())
-
-    async def room(self, key: str, limit: int) -> None:
-        """Returns once fewer than ``limit`` of ``key``'s batches are on their way."""
-        tasks = self._tasks[key]
-        while len(tasks) >= limit:
-            await asyncio.wait(set(tasks), return_when=asyncio.FIRST_COMPLETED)
 
     async def landed(self) -> None:
         """Returns once every batch started so far is on the bus or given back (landings started

@@ -99,8 +99,6 @@ class Pending(Generic[Item]):
     offset: int
     arrived_s: float
     deadline_s: float
-    awaiting_record: bool = False
-    """An express copy whose Kafka record has not come: ``offset`` is not known yet."""
     rank: int = 1
     """Its priority tier's rank (``schemas.records.Priority.rank``): 0 goes first."""
     read_s: float | None = None

@@ -1,7 +1,7 @@
 """The batcher: reads requests into a ``BatchFormer`` and finishes them; its ``Dispatcher`` sends them.
 
-Reading, matching express copies with their Kafka records, expiry and offset commits live here;
-how a held request reaches an idle worker is ``batcher.dispatch``.
+Reading, expiry and offset commits live here; how a held request reaches an idle worker is
+``batcher.dispatch``.
 
 Kafka or Redis going away stops no loop: reads, claims and expiry writes are retried with backoff
 until they work. Only an error that retrying cannot fix ends a loop, and a loop that ends sets
@@ -23,7 +23,6 @@ from typing import Any, TypeVar
 
 from batcher import states
 from batcher.dispatch import Dispatcher
-from batcher.express import ExpressLedger, Record
 from batcher.offsets import OffsetTracker
 from batcher.policy import BatchFormer, Pending
 from batcher.read_pacing import ReadPacing
@@ -70,7 +69,6 @@ class Batcher:
         self.clock = clock
         self.former: BatchFormer[InferenceRequest] = BatchFormer(settings.policy, clock, settings.tier_min_share)
         self.offsets = OffsetTracker()
-        self.express: ExpressLedger[InferenceRequest] = ExpressLedger()
         self.pacing = ReadPacing(settings.read_pace_ms / 1000)
         self._commit_wanted = False
         self._committer: asyncio.Task[None] | None = None
@@ -159,7 +157,6 @@ class Batcher:
             await self._commit()
             dropped = self.former.drop_partitions(partitions)
             self.offsets.forget(partitions)
-            self.express.drop(partitions)
         log.info(
             "batcher %s gave up partitions %s (%d held requests go to their new owner)",
             self.settings.batcher_id,
@@ -189,25 +186,10 @@ class Batcher:
         unknown: list[Delivered[InferenceRequest]] = []
         for record in records:
             request = record.value
-            if record.via == "express":  # a copy ahead of its Kafka record (transport.express.copies)
-                if request is None or (self.settings.models and request.model not in self.settings.models):
-                    continue  # its record is handled when it comes
-                pending = self._pending(request, record, now_s, now_ms)
-                if self.express.copy(request.task_id, pending):
-                    self.former.add(request.model, pending)
-                    touched.add(request.model)
-                continue
             self.offsets.read(record.partition, record.offset)
             if request is None:
                 self.offsets.finish(record.partition, record.offset)
                 self._commit_soon()
-                continue
-            matched = self.express.record(request.task_id, record.partition, record.offset)
-            if matched is Record.DONE:
-                self.offsets.finish(record.partition, record.offset)
-                self._commit_soon()  # its express copy was handed over already
-                continue
-            if matched is Record.HELD:
                 continue
             if self.settings.models and request.model not in self.settings.models:
                 # No worker will ever take it: holding it would pin its partition's commit point
@@ -236,7 +218,6 @@ class Batcher:
             record.offset,
             arrived_s,
             deadline_s,
-            awaiting_record=record.via == "express",
             rank=request.priority.rank,
             read_s=now_s,
         )
@@ -295,10 +276,7 @@ class Batcher:
 
     def _finish(self, pending: Pending[InferenceRequest]) -> None:
         """The request is on Kafka in a batch, or ended: its offset may be committed."""
-        if pending.awaiting_record:
-            self.express.finished(pending.item.task_id)
-        else:
-            self.offsets.finish(pending.partition, pending.offset)
+        self.offsets.finish(pending.partition, pending.offset)
 
     async def _retry(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
         """``op`` until it works; raises only an error that retrying cannot fix (or a cancellation)."""

@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 from batcher.policy import FlushPolicy
 from batcher.tiers import DEFAULT_MIN_SHARE, TierShares
-from transport.express import RECORD_DELAY_MS
 
 
 def _batcher_id() -> str:
@@ -46,14 +45,12 @@ class BatcherSettings:
     """While every worker is busy, read the request topic at most this often, and catch up when a
     credit comes, before sealing (``batcher.read_pacing``): over Kafka each read is a fetch round
     trip. 0: read continuously (the embedded mode passes 0: a read there costs no round trip)."""
-    express_record_delay_ms: float = RECORD_DELAY_MS
-    """Over Kafka with express copies, a batch for an idle worker has its Kafka record produced this
-    long after its copy (``transport.express.batches``)."""
 
     def __post_init__(self) -> None:
-        for name in ("read_pace_ms", "express_record_delay_ms"):
-            if not 0 <= (value := getattr(self, name)) <= 1000:
-                raise ValueError(f"{name} ({value}) must be within 0..1000 milliseconds (BATCHWIRE_{name.upper()})")
+        if not 0 <= self.read_pace_ms <= 1000:
+            raise ValueError(
+                f"read_pace_ms ({self.read_pace_ms}) must be within 0..1000 milliseconds (BATCHWIRE_READ_PACE_MS)"
+            )
         TierShares(self.tier_min_share)  # its range check names the setting
         if self.max_held < self.policy.max_batch:
             raise ValueError(

@@ -11,7 +11,6 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from batcher.settings import BatcherSettings
 from batchwire import flags, operations, roles
@@ -50,26 +49,12 @@ def _gateway(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     flags.gateway_http(gateway)
     flags.gateway_admission(gateway)
     flags.answer_sharing(gateway)
-    flags.express(gateway)
-    _express_record_delay(gateway, GatewaySettings)
     flags.field_flag(
         gateway,
         GatewaySettings,
         "request_linger_ms",
         float,
         "gather requests this long into one Kafka produce request (fewer round trips; 0: send at once)",
-    )
-
-
-def _express_record_delay(parser: argparse.ArgumentParser, settings: type[Any]) -> None:
-    """The gateway's and the batcher's flag, one text for both (the configuration table keeps one)."""
-    flags.field_flag(
-        parser,
-        settings,
-        "express_record_delay_ms",
-        float,
-        "with --express, produce a Kafka record this long after its express copy: a synchronous request's "
-        "(gateway), a batch's for an idle worker (batcher)",
     )
 
 
@@ -92,8 +77,6 @@ def _batcher(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         float,
         "while every worker is busy, fetch requests at most this often, catching up before each seal (0: always)",
     )
-    flags.express(batcher)
-    _express_record_delay(batcher, BatcherSettings)
     flags.redis_replica_wait(batcher)
 
 

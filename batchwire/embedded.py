@@ -49,7 +49,7 @@ class _BatchRouter:
     async def close(self) -> None:
         return None
 
-    async def send(self, batch: Batch, partition: int, *, idle_worker: bool = False) -> None:
+    async def send(self, batch: Batch, partition: int) -> None:
         await self.buses[batch.model].send(batch, partition)
         self.sent[batch.model] += 1
 

@@ -165,16 +165,6 @@ def replication(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def express(parser: argparse.ArgumentParser) -> None:
-    field_flag(
-        parser,
-        GatewaySettings,
-        "express",
-        boolean,
-        "over Kafka, also hand requests and batches on over Redis, a faster hop (Kafka keeps the record)",
-    )
-
-
 def gateway_http(parser: argparse.ArgumentParser) -> None:
     """Where the gateway listens, and what one HTTP request may be."""
     g = GatewaySettings

@@ -7,8 +7,6 @@ from typing import Any
 from batchwire.settings import SharedSettings
 from gateway.health import Down, Ready, redis_readiness
 from gateway.settings import REQUEST_RUN, GatewaySettings
-from transport.express.copies import RedisExpress
-from transport.express.requests import ExpressRequestProducer
 from transport.kafka.lag import KafkaQueueDepth
 from transport.kafka.producers import KafkaRequestProducer
 from transport.ports import RequestProducer
@@ -38,12 +36,9 @@ class GatewayTransports:
         bootstrap = shared.require_kafka()
         redis_url = shared.require_redis()
         partitioner = Partitioner(shared.models, shared.request_partitions, run=REQUEST_RUN)
-        kafka = KafkaRequestProducer(bootstrap, shared.names, partitioner, linger_ms=settings.request_linger_ms)
-        self.producer: RequestProducer = kafka
-        if settings.express:
-            self.producer = ExpressRequestProducer(
-                kafka, RedisExpress(redis_url, shared.names), record_delay_s=settings.express_record_delay_ms / 1000
-            )
+        self.producer: RequestProducer = KafkaRequestProducer(
+            bootstrap, shared.names, partitioner, linger_ms=settings.request_linger_ms
+        )
         self.store = RedisTaskStore(redis_url, shared.names, ttl_s=shared.result_ttl_s, memory_watch_s=MEMORY_WATCH_S)
         self.redis_url = redis_url
         self.queue_depth: KafkaQueueDepth | None = None

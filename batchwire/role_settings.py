@@ -1,7 +1,7 @@
 """Each role's typed settings, built from its parsed flags.
 
 A role reads only flags its own command defines; what another command lacks (the embedded mode
-has no Kafka, no read pacing, no express copies) is passed in by name, never probed for.
+has no Kafka, no read pacing) is passed in by name, never probed for.
 """
 
 from __future__ import annotations
@@ -112,7 +112,6 @@ def batcher_settings(
     read_pace_ms: float,
     keep_credit_s: float | None = None,
     batcher_id: str | None = None,
-    express_record_delay_ms: float | None = None,
 ) -> BatcherSettings:
     """The keywords left None keep BatcherSettings' defaults."""
     kwargs: dict[str, Any] = {}
@@ -120,8 +119,6 @@ def batcher_settings(
         kwargs["keep_credit_s"] = keep_credit_s
     if batcher_id:
         kwargs["batcher_id"] = batcher_id
-    if express_record_delay_ms is not None:
-        kwargs["express_record_delay_ms"] = express_record_delay_ms
     try:
         return BatcherSettings(
             policy=_policy(args),
@@ -137,7 +134,7 @@ def batcher_settings(
 
 
 def gateway_settings(args: argparse.Namespace, shared: SharedSettings, **transport: Any) -> GatewaySettings:
-    """``transport``: the fields only the Kafka gateway's command sets (express, linger)."""
+    """``transport``: the fields only the Kafka gateway's command sets (its linger)."""
     kwargs: dict[str, Any] = {name: getattr(args, name) for name in GATEWAY_FLAGS}
     kwargs.update(transport, models=shared.models, default_model=args.default_model or shared.models[0])
     if args.gateway_id:

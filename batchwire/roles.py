@@ -26,15 +26,11 @@ from gpu_worker.journal import BatchJournal
 from gpu_worker.runner import EXIT_BACKEND_HUNG
 from gpu_worker.settings import WorkerSettings
 from gpu_worker.worker import Worker
-from transport.express.batches import ExpressBatchConsumer, ExpressBatchProducer
-from transport.express.copies import RedisExpress
-from transport.express.requests import ExpressRequestConsumer
 from transport.kafka.consumers import KafkaBatchConsumer, KafkaRequestConsumer
 from transport.kafka.group import GroupTiming
 from transport.kafka.producers import KafkaBatchProducer, KafkaDeadLetterProducer
 from transport.memory.bus import MemoryRateLimiter
 from transport.memory.cache import MemoryResultCache
-from transport.ports import BatchProducer, RequestConsumer
 from transport.redis.deliveries import RedisDeliveryLog
 from transport.redis.pools import PoolOptions
 from transport.redis.store import STORE_POOL, RedisCreditPool, RedisTaskStore
@@ -90,8 +86,6 @@ def run_gateway(args: argparse.Namespace) -> int:
     settings = rs.gateway_settings(
         args,
         shared,
-        express=args.express,
-        express_record_delay_ms=args.express_record_delay_ms,
         request_linger_ms=args.request_linger_ms,
     )
     transports = GatewayTransports(shared, settings)
@@ -117,7 +111,6 @@ def run_batcher(args: argparse.Namespace) -> int:
         shared.request_partitions,
         read_pace_ms=args.read_pace_ms,
         batcher_id=args.batcher_id,
-        express_record_delay_ms=args.express_record_delay_ms,
     )
 
     replicas = _replica_settings(args)
@@ -128,17 +121,10 @@ def run_batcher(args: argparse.Namespace) -> int:
         await ensure_role_topics(shared, durability(args), True, shared.models)
         store = RedisTaskStore(redis_url, shared.names, ttl_s=shared.result_ttl_s, pool=_replica_pool(replicas))
         credits = RedisCreditPool(redis_url, shared.names)
-        kafka_producer = KafkaBatchProducer(bootstrap, shared.names)
-        producer: BatchProducer = kafka_producer
-        consumer: RequestConsumer = KafkaRequestConsumer(
+        producer = KafkaBatchProducer(bootstrap, shared.names)
+        consumer = KafkaRequestConsumer(
             bootstrap, shared.names, timing=GroupTiming(session_timeout_ms=args.session_timeout_ms)
         )
-        if args.express:
-            express = RedisExpress(redis_url, shared.names, deliveries_ttl_s=shared.result_ttl_s)  # as the workers'
-            producer = ExpressBatchProducer(
-                kafka_producer, express, record_delay_s=settings.express_record_delay_ms / 1000
-            )
-            consumer = ExpressRequestConsumer(consumer, redis_url, shared.names)
         wait = ReplicaWait(store, replicas, settings.batcher_id, role="batcher", retry_max_s=settings.retry_max_s)
         batcher = Batcher(settings, consumer, producer, credits, store, replicas=wait)
         parts: tuple[Lifecycle, ...] = (store, credits, producer, batcher)
@@ -189,12 +175,8 @@ class _WorkerProcess:
         credits = RedisCreditPool(redis_url, names)
         deliveries = RedisDeliveryLog(redis_url, names, ttl_s=shared.result_ttl_s)
         dead_letters = KafkaDeadLetterProducer(bootstrap, names)
-        consumer = ExpressBatchConsumer(  # batchers may send by Redis too (batcher --express)
-            KafkaBatchConsumer(
-                bootstrap, names, settings.model, timing=GroupTiming(session_timeout_ms=args.session_timeout_ms)
-            ),
-            RedisExpress(redis_url, names),
-            settings.worker_id,
+        consumer = KafkaBatchConsumer(
+            bootstrap, names, settings.model, timing=GroupTiming(session_timeout_ms=args.session_timeout_ms)
         )
         worker = Worker(
             settings,

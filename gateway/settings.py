@@ -11,8 +11,6 @@ import re
 import secrets
 from dataclasses import dataclass, field, fields
 
-from transport.express import RECORD_DELAY_MS
-
 ENV_PREFIX = "BATCHWIRE_"
 
 # Gateway ids end up in Redis channel names and Kafka headers: keep them to a safe alphabet.
@@ -99,20 +97,12 @@ class GatewaySettings:
     proxy in front that sets the header itself: a client that may send it can spend anyone's bucket."""
     rate_limit_burst: int = 0
     """Submits a client may save up and send at once; 0 means one second's worth of the rate."""
-    express: bool = True
-    """Over Kafka: also publish each request to its batcher over Redis while load is light (a faster
-    hop than Kafka's; the Kafka record stays the one that counts). See ``transport.express.copies``."""
-    express_record_delay_ms: float = RECORD_DELAY_MS
-    """With ``express``: a synchronous request's Kafka record is produced this long after its express
-    copy, so the broker's work for it runs while the GPU computes rather than on the copy's way there
-    (``ExpressRequestProducer``). 0 produces it at once."""
     request_linger_ms: float = 4.0
     """Over Kafka: how long the request producer gathers requests into one produce request
     (``linger_ms``), which carries up to ``REQUEST_RUN`` consecutive requests to one partition. Each
     produce round trip costs the gateway and the broker CPU whatever it carries (aiokafka encodes
     the protocol in Python), so fewer, fuller ones pay for the linger a batcher waits before it reads
-    a request: under load that request waits for a busy worker anyway, and at light load its express
-    copy is there first. 0 sends at once."""
+    a request: under load that request waits for a busy worker anyway. 0 sends at once."""
     max_header_bytes: int = 16_384
     """Largest request line plus headers; beyond it the gateway answers 431 and closes the connection,
     having parsed no byte past the limit (``gateway.http_limits``)."""
@@ -258,10 +248,11 @@ def _check_durations(settings: GatewaySettings) -> None:
             raise ValueError(f"{name} ({env_name(name)}) is {value}; it must be a positive finite number")
     if not settings.stall_s > 0:
         raise ValueError(f"stall_s must be > 0, got {settings.stall_s} ({env_name('stall_s')})")
-    for name in ("request_linger_ms", "express_record_delay_ms"):
-        value = getattr(settings, name)
-        if not 0 <= value <= 1000:
-            raise ValueError(f"{name} ({env_name(name)}) is {value}; it must be within 0..1000 (milliseconds)")
+    if not 0 <= settings.request_linger_ms <= 1000:
+        name = "request_linger_ms"
+        raise ValueError(
+            f"{name} ({env_name(name)}) is {settings.request_linger_ms}; it must be within 0..1000 (milliseconds)"
+        )
 
 
 def _check_rate_limits(settings: GatewaySettings) -> None:

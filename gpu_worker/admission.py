@@ -3,29 +3,19 @@
 A task whose move is refused because it already ended (cancelled, expired, done by an earlier
 delivery) is not run at all. Each Kafka delivery of a batch is counted first, so a redelivered
 batch is known and runs carefully (``careful``).
-
-The one exception, and the one place an express batch differs: an express copy (a first delivery,
-counted by the push that brought it, ``RedisExpress.push``) reaching an idle backend starts its
-call first and its tasks are admitted while it runs, a round trip less before the GPU starts; a
-task that ended meanwhile (cancelled within those milliseconds) is computed but its result is
-dropped. Should that call kill the worker, Kafka's copy comes again as a second delivery and runs
-carefully.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import logging
 
-from gpu_worker.calls import Failure, GroupResult
+from gpu_worker.calls import Failure
 from gpu_worker.states import task_state
 from schemas.records import Batch, BatchItem, TaskState, TaskStatus
 from telemetry import logs
-from transport.cancelling import cancel_and_wait
 from transport.deliveries import DeliveryLog
-from transport.ports import Delivered, TaskStore
+from transport.ports import TaskStore
 from transport.retry import Retrying
 
 log = logging.getLogger(__name__)
@@ -65,11 +55,6 @@ class Admission:
         results (with Redis replicas: they may be on a lost primary alone)."""
         self._ended_before: dict[str, list[TaskState]] = {}
 
-    @staticmethod
-    def starts_early(delivered: Delivered[Batch], live: list[BatchItem], backend_idle: bool) -> bool:
-        """Whether the batch's call starts before its tasks are admitted (``admit_once_started``)."""
-        return bool(live) and delivered.via == "express" and backend_idle
-
     def expire_late(
         self, batch: Batch, ends_by_ms: int, call_ms: float = 0.0
     ) -> tuple[list[TaskState], list[BatchItem]]:
@@ -83,12 +68,8 @@ class Admission:
         ]
         return late, [item for item in batch.items if item.deadline_ms > ends_by_ms]
 
-    async def count_and_admit(
-        self, delivered: Delivered[Batch], batch: Batch, live: list[BatchItem]
-    ) -> tuple[int, list[BatchItem]]:
+    async def count_and_admit(self, batch: Batch, live: list[BatchItem]) -> tuple[int, list[BatchItem]]:
         """Counts this delivery and admits the live items: (deliveries so far, the items to run)."""
-        if delivered.via == "express":  # counted by the push that brought it
-            return 1, await self.admit(batch, live)
         counted: int
         admitted: list[BatchItem]
         counted, admitted = await asyncio.gather(  # one round trip's wait, not two
@@ -96,17 +77,6 @@ class Admission:
             self.admit(batch, live),
         )
         return counted, admitted
-
-    def admit_once_started(self, result: GroupResult, batch: Batch, live: list[BatchItem]) -> EarlyAdmission:
-        """Admits the items once the thread has begun the call that fills ``result``: the event loop
-        sends nothing meanwhile, so the thread gets the GIL at once."""
-        began = asyncio.Event()
-        result.first.on_start = functools.partial(_set_from_thread, asyncio.get_running_loop(), began)
-        return EarlyAdmission(asyncio.ensure_future(self._admit_after(began, batch, live)))
-
-    async def _admit_after(self, began: asyncio.Event, batch: Batch, live: list[BatchItem]) -> list[BatchItem]:
-        await began.wait()
-        return await self.admit(batch, live)
 
     async def admit(self, batch: Batch, live: list[BatchItem]) -> list[BatchItem]:
         """Moves the live items to ``running``; returns them less those that had already ended."""
@@ -136,24 +106,3 @@ class Admission:
     def ended_before(self, batch_id: str) -> list[TaskState]:
         """The kept states of the batch's tasks that had ended before it ran (see ``keep_ended``)."""
         return self._ended_before.pop(batch_id, [])
-
-
-class EarlyAdmission:
-    """An express batch's admission, running while its call does; owned by the call that started it."""
-
-    def __init__(self, admitting: asyncio.Future[list[BatchItem]]) -> None:
-        self._admitting = admitting
-
-    async def admitted(self, states: list[TaskState]) -> list[TaskState]:
-        """``states`` less those of tasks that had ended before their admission (their results are dropped)."""
-        kept = {item.task_id for item in await self._admitting}
-        return [state for state in states if state.task_id in kept]
-
-    async def close(self) -> None:
-        """Stops the admission if the call ended without waiting for it (it failed or was cancelled)."""
-        await cancel_and_wait(self._admitting)
-
-
-def _set_from_thread(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
-    with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
-        loop.call_soon_threadsafe(event.set)

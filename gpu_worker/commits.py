@@ -5,8 +5,8 @@ committed only after the one handed in before it. Once one is left uncommitted (
 stored or not on enough Redis replicas), no later one is committed. Stores and commits run in two
 tasks of their own, which neither a cancelled loop nor a failed backend call cuts in half, while
 the loop goes on: on a busy event loop, waiting for the store first would leave the GPU idle as
-long. A store does not wait for the commits before it: a commit may wait for a batch's Kafka record
-(an express batch's, ``transport.express.batches``), and callers must not wait with it.
+long. A store does not wait for the commits before it: a commit may wait for the group's coordinator
+(a broker failing over), and callers must not wait with it.
 """
 
 from __future__ import annotations

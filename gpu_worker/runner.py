@@ -50,9 +50,6 @@ class Timing:
     """CPU seconds the backend's thread used during the call (``time.thread_time``): a model's own
     compute on CPU with one torch thread, the Python around a GPU's kernels; threads that a library
     starts for itself are not counted."""
-    on_start: Callable[[], None] | None = None
-    """Called on the thread as the call begins: it must not block, and may reach an event loop only
-    through ``call_soon_threadsafe``."""
 
 
 _Job = tuple[Callable[..., Any], tuple[Any, ...], "Future[Any]", Timing]
@@ -106,8 +103,6 @@ class BackendRunner:
             timing.started = self.clock()
             cpu_from = time.thread_time()
             try:
-                if timing.on_start is not None:
-                    timing.on_start()
                 result = fn(*args)
             except BaseException as err:  # handed to the awaiting coroutine, which decides
                 timing.cpu_s, timing.ended = time.thread_time() - cpu_from, self.clock()

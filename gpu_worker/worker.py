@@ -11,8 +11,7 @@ and a call that hangs is noticed), and the results stored and batches committed 
 Faults, in the order a batch meets them:
 
 * its tasks move to ``running`` *before* the backend sees them, and a task whose move is refused
-  because it already ended (cancelled, expired, done by an earlier delivery) is not run at all
-  (an express copy to an idle backend is the one exception, see ``admission``);
+  because it already ended (cancelled, expired, done by an earlier delivery) is not run at all;
 * a batch delivered again (its last holder died or handed it back) runs carefully: suspects in
   halves, each group marked in flight first, results stored after each group; an input that kept
   killing workers goes to the dead-letter topic (``careful`` plans it, ``redelivery`` runs it);
@@ -29,7 +28,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from gpu_worker.admission import Admission, EarlyAdmission
+from gpu_worker.admission import Admission
 from gpu_worker.backends.base import Backend
 from gpu_worker.calls import BackendCalls, Failure, GroupResult, oversize
 from gpu_worker.commits import Committer, Timed
@@ -246,11 +245,7 @@ class Worker:
         call_ms = (self.runner.expected_s or 0.0) * 1000
         ends_by_ms = now + round(self.pipeline.busy_for_s() * 1000 + call_ms)
         ended, live = self.admission.expire_late(batch, ends_by_ms, call_ms)
-        if self.admission.starts_early(delivered, live, backend_idle=self.pipeline.empty):  # express only
-            self._start_call(delivered, batch, live, ended, early=True)
-            await asyncio.sleep(0)  # let it hand its call to the thread before the loop goes on
-            return
-        count, todo = await self.admission.count_and_admit(delivered, batch, live)
+        count, todo = await self.admission.count_and_admit(batch, live)
         if not todo or count != 1:
             # A careful run waits for the calls in flight (one at a time), and every batch's
             # results are stored after those of the batches before it (``commits``).
@@ -266,19 +261,11 @@ class Worker:
         self.commits.hand_in(delivered, states + self.admission.ended_before(batch.batch_id), call)
 
     def _start_call(
-        self,
-        delivered: Delivered[Batch],
-        batch: Batch,
-        todo: list[BatchItem],
-        ended: list[TaskState],
-        *,
-        early: bool = False,
+        self, delivered: Delivered[Batch], batch: Batch, todo: list[BatchItem], ended: list[TaskState]
     ) -> None:
-        """Starts the call behind the ones in flight; its results are handed in when it ends.
-        ``early``: the tasks are admitted while it starts (``Admission.admit_once_started``)."""
+        """Starts the call behind the ones in flight; its results are handed in when it ends."""
         result = GroupResult()
-        admission = self.admission.admit_once_started(result, batch, todo) if early else None
-        self.pipeline.start(result, len(todo), self._compute(delivered, batch, todo, ended, result, admission))
+        self.pipeline.start(result, len(todo), self._compute(delivered, batch, todo, ended, result))
 
     async def _compute(
         self,
@@ -287,18 +274,12 @@ class Worker:
         todo: list[BatchItem],
         ended: list[TaskState],
         result: GroupResult,
-        admission: EarlyAdmission | None,
     ) -> None:
         try:
             states = await self._run_group(batch, todo, 1, result)
-            if admission is not None:
-                states = await admission.admitted(states)  # the rest had ended
         except BackendHung as err:
             await self._hung(batch, err)
             raise
-        finally:
-            if admission is not None:
-                await admission.close()
         count_ended(batch, ended + states)
         self._hand_in(delivered, batch, ended + states, result)
 

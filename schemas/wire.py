@@ -56,14 +56,6 @@ class Names:
         """Idle workers' credits: a sorted set scored by when each worker frees."""
         return f"{self.namespace}:idle:{model}"
 
-    def express_list(self, worker_id: str) -> str:
-        """A worker's express copies of the batches sent to it (``transport.express.copies``)."""
-        return f"{self.namespace}:express:{worker_id}"
-
-    def express_channel(self, partition: int) -> str:
-        """Express copies of the requests produced to one request-topic partition."""
-        return f"{self.namespace}:express-requests:{partition}"
-
     def idempotency_key(self, scope: str, key: str) -> str:
         """A client's ``Idempotency-Key``, within its owner's ``scope``: names the task it created."""
         return f"{self.namespace}:idem:{scope}:{key}"

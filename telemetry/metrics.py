@@ -126,8 +126,8 @@ WORKER_BATCHES = Counter(
 )
 REDELIVERED = Counter(
     "batchwire_batches_redelivered",
-    "Batches a worker runs again that had been delivered before (a holder died or handed them back, or the "
-    "express copy was not popped before the Kafka record came): each runs with care, in halves. A batch whose "
+    "Batches a worker runs again that had been delivered before (a holder died or handed them back): each runs "
+    "with care, in halves. A batch whose "
     "tasks had all ended meanwhile runs nothing and is not counted.",
     ["worker"],
     registry=REGISTRY,

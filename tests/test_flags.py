@@ -48,7 +48,7 @@ def test_a_negative_drain_timeout_is_refused_naming_the_variable() -> None:
         (["worker", "--hf-num-threads=0"], "--hf-num-threads (BATCHWIRE_HF_NUM_THREADS) must be at least 1"),
         (["worker", "--metrics-port=70000"], "--metrics-port must be within 0..65535"),
         (["worker", "--batch-partitions=0"], "batch_partitions must be at least 1"),
-        (["batcher", "--express-record-delay-ms=-1"], "BATCHWIRE_EXPRESS_RECORD_DELAY_MS"),
+        (["batcher", "--read-pace-ms=-1"], "BATCHWIRE_READ_PACE_MS"),
         (["worker", "--result-ttl-s=0"], "result_ttl_s must be positive"),
         (["up", "--workers=0"], "workers must be at least 1 per model, got 0 (BATCHWIRE_WORKERS)"),
     ],

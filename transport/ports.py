@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Generic, Literal, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from schemas.records import Batch, Credit, InferenceRequest, TaskState, TaskStatus
 
@@ -21,25 +21,14 @@ class TransportError(Exception):
     retriable = True
 
 
-Via = Literal["kafka", "express"]
-"""How a record came: from Kafka, or as an express copy over Redis ahead of its Kafka record
-(``transport.express.copies``)."""
-
-UNKNOWN = -1
-"""A Kafka coordinate an express copy does not have: its offset, and for a batch its partition."""
-
-
 @dataclass(frozen=True, slots=True)
 class Delivered(Generic[T_co]):
-    """A record and where it came from. ``value`` is None for bytes that could not be decoded.
-
-    ``partition`` and ``offset`` are Kafka coordinates; an express copy (``via``) has them only where
-    it knows them, else ``UNKNOWN``."""
+    """A record and where it came from (its partition and offset). ``value`` is None for bytes that
+    could not be decoded."""
 
     value: T_co | None
     partition: int
     offset: int
-    via: Via = "kafka"
 
 
 PartitionsCallback = Callable[[frozenset[int]], Awaitable[None]]
@@ -80,9 +69,8 @@ class BatchProducer(Protocol):
 
     async def start(self) -> None: ...
     async def close(self) -> None: ...
-    async def send(self, batch: Batch, partition: int, *, idle_worker: bool = False) -> None:
-        """Returns once the batch is on the bus. ``idle_worker``: its worker is idle and starts it the
-        moment it arrives (a transport with two copies may then send the second one a little later)."""
+    async def send(self, batch: Batch, partition: int) -> None:
+        """Returns once the batch is on the bus."""
         ...
 
 

@@ -118,7 +118,7 @@ class ServerStats(TypedDict):
     backend_cpu_s: float | None
     """CPU seconds of the backends' calling threads in the window (None: not exported)."""
     redelivered: float
-    """Batches the workers took again and ran with care (each a sign of a crash or a lost express copy)."""
+    """Batches the workers took again and ran with care (each a sign of a crash or a hand-back)."""
     stages_ms: dict[str, float]
     """Mean time per request in each stage over the window (the gateway's accept to answer, accept to
     sealed, sealed to its call's start, the call), those the service exports and saw."""

@@ -6,11 +6,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterable
-from dataclasses import replace
 
 import pytest
 
-from batcher.dispatch import LANDING_MAX
 from batcher.landings import Landings
 from batcher.service import Batcher
 from batcher.settings import BatcherSettings
@@ -32,9 +30,8 @@ class GatedBatchBus(MemoryBatchBus):
         self.release = asyncio.Event()
         self.holding = asyncio.Event()
         self.sent: list[tuple[int, list[str]]] = []
-        self.idle_worker: list[bool] = []
 
-    async def send(self, batch: Batch, partition: int, *, idle_worker: bool = False) -> None:
+    async def send(self, batch: Batch, partition: int) -> None:
         if self.failures:
             self.failures -= 1
             raise TransportError("the broker refused the batch")
@@ -42,8 +39,7 @@ class GatedBatchBus(MemoryBatchBus):
             self.holding.set()
             await self.release.wait()
         self.sent.append((partition, [item.task_id for item in batch.items]))
-        self.idle_worker.append(idle_worker)
-        await super().send(batch, partition, idle_worker=idle_worker)
+        await super().send(batch, partition)
 
 
 def now_ms() -> int:
@@ -94,23 +90,6 @@ async def test_the_next_workers_batch_goes_out_while_the_first_is_still_landing(
         await rig.batcher.close()
 
 
-async def test_the_bus_is_told_whether_the_batchs_worker_is_idle() -> None:
-    """An express transport sends the Kafka record of an idle worker's batch a little later."""
-    rig = Rig(GatedBatchBus(2))
-    await rig.batcher.start()
-    try:
-        await rig.batch_for("r1", "w1", 0)
-        await eventually(lambda: len(rig.batches.sent) == 1, "the idle worker's batch", timeout_s=5)
-        await rig.request("r2")
-        busy = credit("w2", 1)
-        await rig.credits.offer(replace(busy, busy_ms=100, free_at_ms=now_ms() + 200))  # an early credit
-        await eventually(lambda: len(rig.batches.sent) == 2, "the busy worker's batch", timeout_s=5)
-        assert rig.batches.sent == [(0, ["r1"]), (1, ["r2"])]
-        assert rig.batches.idle_worker == [True, False]
-    finally:
-        await rig.batcher.close()
-
-
 async def test_a_close_waits_for_a_landing_batch_and_commits_it() -> None:
     rig = Rig(GatedBatchBus(1, held=[0]))
     await rig.batcher.start()
@@ -137,27 +116,6 @@ async def test_a_batch_the_bus_refused_goes_out_again_with_its_requests() -> Non
         await rig.batcher.close()
 
 
-async def test_only_a_few_batches_of_a_model_land_at_once() -> None:
-    """A stalled broker holds the next claim: express copies do not run far ahead of their records."""
-    rig = Rig(GatedBatchBus(3, held=range(LANDING_MAX)))
-    await rig.batcher.start()
-    landings = rig.batcher.dispatcher.landings
-    try:
-        for partition in range(LANDING_MAX + 1):
-            await rig.batch_for(f"r{partition}", f"w{partition}", partition)
-            if partition < LANDING_MAX:
-                await eventually(lambda n=partition + 1: landings.under_way("sim") == n, "landing")
-        with pytest.raises(AssertionError, match="timed out"):  # a check, not a wait: a send would come within it
-            await eventually(lambda: bool(rig.batches.sent), "a third batch while two land", timeout_s=0.3)
-        assert await rig.credits.idle("sim") == 1, "the third worker's credit stays unclaimed"
-        rig.batches.release.set()
-        await eventually(lambda: len(rig.batches.sent) == LANDING_MAX + 1, "every batch once the broker answers")
-        await eventually(lambda: rig.requests.lag() == 0, "every request committed")
-    finally:
-        rig.batches.release.set()
-        await rig.batcher.close()
-
-
 class CountingCredits(MemoryCreditPool):
     def __init__(self) -> None:
         super().__init__()
@@ -170,7 +128,7 @@ class CountingCredits(MemoryCreditPool):
 
 
 async def test_a_credit_kept_for_the_next_request_is_claimed_only_once_the_batch_landed() -> None:
-    """Its round trip would compete with the batch's own hops (the express copy, the worker's start)."""
+    """Its round trip would compete with the batch's own hops (the produce, the worker's fetch)."""
     credits = CountingCredits()
     rig = Rig(GatedBatchBus(2, held=[0]), credits, keep_credit_s=5)
     await rig.batcher.start()

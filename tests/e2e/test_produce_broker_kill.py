@@ -4,8 +4,8 @@ And a gateway's lag read after the group coordinator moved to another broker sta
 
 A stack of its own (`batchwire stack up --brokers 3`, a plain Redis) in a state dir of its own;
 topics with RF 3 and min ISR 2, so an acked write is on two brokers. The batch topic has one
-partition, so every batch in flight at the kill goes to the killed broker, and express hand-over is
-off, so a worker gets a batch only from that topic. A client retries a 503 with the same
+partition, so every batch in flight at the kill goes to the killed broker, and a worker gets a batch
+only from that topic. A client retries a 503 with the same
 Idempotency-Key (the gateway's own request produce may hit the killed broker too), so each request
 is one task however often it is sent.
 """
@@ -223,7 +223,6 @@ async def test_killing_the_batch_topics_leader_under_load_loses_no_batch_and_ans
         "BATCHWIRE_BATCH_PARTITIONS": "1",
         "BATCHWIRE_REPLICATION_FACTOR": "3",
         "BATCHWIRE_MIN_INSYNC_REPLICAS": "2",
-        "BATCHWIRE_EXPRESS": "false",
     }
     started = launch(tmp_path, bootstrap, redis_url, workers=1, sim_latency_ms=30, extra_env=settings)
     with stopped_after(request, started) as cluster:

@@ -46,7 +46,6 @@ def test_env_name_is_the_prefixed_upper_case_field() -> None:
         ({"rate_limit_per_s": -1.0}, "BATCHWIRE_RATE_LIMIT_PER_S"),
         ({"rate_limit_per_s": float("inf")}, "BATCHWIRE_RATE_LIMIT_PER_S"),
         ({"rate_limit_burst": -1}, "BATCHWIRE_RATE_LIMIT_BURST"),
-        ({"express_record_delay_ms": -1.0}, "BATCHWIRE_EXPRESS_RECORD_DELAY_MS"),
         ({"request_linger_ms": 1001.0}, "BATCHWIRE_REQUEST_LINGER_MS"),
         ({"api_keys": ("not-a-digest",)}, "BATCHWIRE_API_KEYS"),
         ({"max_header_bytes": 100}, "BATCHWIRE_MAX_HEADER_BYTES"),

@@ -1,18 +1,13 @@
-"""Tasks move to ``running`` before the backend sees them; tasks that already ended never run. An
-express batch to an idle worker is the exception: its call starts while its tasks are admitted."""
+"""Tasks move to ``running`` before the backend sees them; tasks that already ended never run."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 
-from gpu_worker.settings import WorkerSettings
-from gpu_worker.worker import Worker
-from schemas.records import Batch, TaskState, TaskStatus
+from schemas.records import TaskState, TaskStatus
 from tests.support.eventually import eventually
 from tests.support.worker_rig import Rig, ScriptedBackend, now_ms
 from transport.memory.bus import MemoryTaskStore
-from transport.ports import UNKNOWN, BatchConsumer, Delivered, PartitionsCallback
 
 
 async def test_a_cancelled_task_never_reaches_the_backend() -> None:
@@ -95,92 +90,3 @@ async def test_running_is_stored_before_the_backend_is_called() -> None:
     await rig.ended(["t0"])
     await worker.close()
     assert events == ["stored running", "backend", "stored completed"], events
-
-
-class ExpressCopies:
-    """The rig's batch partition read as express copies, as ``ExpressBatchConsumer`` hands them on:
-    each batch's first and only delivery from its batcher."""
-
-    def __init__(self, inner: BatchConsumer) -> None:
-        self.inner = inner
-
-    async def start(self, on_assigned: PartitionsCallback, on_revoked: PartitionsCallback) -> None:
-        await self.inner.start(on_assigned, on_revoked)
-
-    async def close(self) -> None:
-        await self.inner.close()
-
-    async def next(self, timeout_s: float) -> Delivered[Batch] | None:
-        delivered = await self.inner.next(timeout_s)
-        return None if delivered is None else Delivered(delivered.value, UNKNOWN, UNKNOWN, via="express")
-
-    async def commit(self, delivered: Delivered[Batch]) -> None:
-        return None
-
-    def assignment(self) -> frozenset[int]:
-        return self.inner.assignment()
-
-
-class GatedStore(MemoryTaskStore):
-    """Holds every ``running`` write until ``gate`` opens."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate = asyncio.Event()
-        self.held = 0
-
-    async def apply(self, updates: Sequence[TaskState]) -> list[bool]:
-        if any(state.status is TaskStatus.RUNNING for state in updates):
-            self.held += 1
-            await self.gate.wait()
-        return await super().apply(updates)
-
-
-async def express_worker(rig: Rig, backend: ScriptedBackend) -> Worker:
-    worker = Worker(
-        WorkerSettings(worker_id="w1"),
-        ExpressCopies(rig.bus.consumer(0)),
-        rig.credits,
-        rig.store,
-        backend,
-        deliveries=rig.deliveries,
-    )
-    await worker.start()
-    return worker
-
-
-async def test_an_express_batch_to_an_idle_worker_runs_while_its_tasks_are_admitted() -> None:
-    store = GatedStore()
-    rig = Rig(store=store)
-    await rig.listen()
-    backend = ScriptedBackend()
-    worker = await express_worker(rig, backend)
-    batch = rig.batch(["abc", "xyz"])
-    await rig.create(batch)
-    await rig.send(batch)
-    await eventually(lambda: backend.calls, "the call to start while the running write is held")
-    assert store.held == 1 and rig.replies == {}, "admitted after the call began, answered after both"
-    store.gate.set()
-    ended = await rig.ended(["t0", "t1"])
-    await worker.close()
-    assert backend.calls == [["abc", "xyz"]]
-    assert [ended["t0"].output, ended["t1"].output] == ["cba", "zyx"]
-
-
-async def test_an_express_batch_drops_the_result_of_a_task_cancelled_before_its_admission() -> None:
-    rig = Rig()
-    await rig.listen()
-    backend = ScriptedBackend()
-    worker = await express_worker(rig, backend)
-    batch = rig.batch(["abc", "cancel me", "xyz"])
-    await rig.create(batch)
-    await rig.store.apply([TaskState("t1", TaskStatus.CANCELLED, "sim", now_ms(), 0, error_code="cancelled")])
-    await rig.send(batch)
-    ended = await rig.ended(["t0", "t2"])
-    await eventually(lambda: worker.batches_done == 1, "the batch to be finished")
-    await worker.close()
-    assert backend.calls == [["abc", "cancel me", "xyz"]], "computed before its admission was known"
-    assert ended["t0"].output == "cba" and ended["t2"].output == "zyx"
-    assert "t1" not in rig.replies, f"no answer for a cancelled task, got {rig.replies.get('t1')}"
-    stored = await rig.store.get("t1")
-    assert stored is not None and stored.status is TaskStatus.CANCELLED, f"the cancel stands, got {stored}"

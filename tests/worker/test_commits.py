@@ -100,7 +100,7 @@ async def test_no_batch_is_committed_after_one_whose_results_could_not_be_stored
 
 
 class GatedCommits(Recording):
-    """Holds the commit of offset 1 until ``gate`` opens (an express batch's Kafka copy not come yet)."""
+    """Holds the commit of offset 1 until ``gate`` opens (a coordinator failing over)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -54,21 +54,6 @@ async def test_a_call_past_its_limit_is_hung_and_the_runner_refuses_more() -> No
     runner.close()
 
 
-async def test_on_start_is_called_on_the_thread_as_the_call_begins() -> None:
-    runner = BackendRunner("test")
-    seen: list[tuple[str, str]] = []
-    timing = Timing(on_start=lambda: seen.append(("on_start", threading.current_thread().name)))
-
-    def fn() -> str:
-        seen.append(("fn", threading.current_thread().name))
-        return "done"
-
-    assert await runner.call(fn, timing=timing) == "done"
-    runner.close()
-    assert seen == [("on_start", "test"), ("fn", "test")], seen
-    assert timing.started is not None and timing.ended is not None and timing.started <= timing.ended
-
-
 async def test_a_call_records_its_threads_cpu_time_computing_not_waiting() -> None:
     """A model computing on the CPU uses its thread's CPU; one waiting for a device (a sleep) does not."""
     runner = BackendRunner("test")

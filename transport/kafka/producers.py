@@ -159,7 +159,7 @@ class KafkaBatchProducer:
     async def close(self) -> None:
         await self._producer.close()
 
-    async def send(self, batch: Batch, partition: int, *, idle_worker: bool = False) -> None:
+    async def send(self, batch: Batch, partition: int) -> None:
         """Returns once the broker acknowledged the batch."""
         await self.send_encoded(batch.model, encode_batch(batch), partition, batch.traceparent)
 

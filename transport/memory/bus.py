@@ -208,7 +208,7 @@ class MemoryBatchBus:
     async def close(self) -> None:
         return None
 
-    async def send(self, batch: Batch, partition: int, *, idle_worker: bool = False) -> None:
+    async def send(self, batch: Batch, partition: int) -> None:
         async with self.changed:
             self.queues[partition].append(Delivered(batch, partition, self.offsets[partition]))
             self.offsets[partition] += 1
