@@ -181,7 +181,11 @@ def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_start_arguments(parser: argparse.ArgumentParser) -> None:
     start = parser.add_argument_group("start the system under test")
-    start.add_argument("--start", choices=("embedded", "kafka"), help="start batchwire itself and stop it at the end")
+    start.add_argument(
+        "--start",
+        choices=("embedded", "kafka", "echo"),
+        help="start batchwire itself and stop it at the end (echo: a bare FastAPI echo endpoint, the CPU floor)",
+    )
     start.add_argument("--policy", choices=POLICIES, default="work-conserving", help="batching policy to start")
     start.add_argument("--policies", type=_names, help="comma list: run every rate once per policy (with --start)")
     start.add_argument("--workers", type=int, default=1, help="GPU workers to start (default 1)")

@@ -27,7 +27,7 @@ import aiohttp
 from batchwire.bench.own_stack import OwnStack, child_env
 from infra.ports import free_port
 
-Mode = Literal["embedded", "kafka"]
+Mode = Literal["embedded", "kafka", "echo"]
 _POLL_S = 0.2
 BATCH_LOG_VAR = "BATCHWIRE_BATCH_LOG"
 
@@ -108,6 +108,12 @@ def plan(spec: SutSpec, command: Sequence[str], namespace: str, log_dir: Path) -
     shared = ["--models", ",".join(spec.models)] if spec.models else []  # flags every role takes
     if spec.result_ttl_s is not None:
         shared += ["--result-ttl-s", f"{spec.result_ttl_s:g}"]
+    if spec.mode == "echo":
+        port = free_port(spec.host)
+        argv = [sys.executable, "-m", "batchwire.bench.echo", "--host", spec.host, "--port", str(port)]
+        out.roles.append(Role("echo", "echo", argv, f"{origin}:{port}/readyz", log_dir / "echo.log"))
+        out.urls.append(f"{origin}:{port}{spec.inference_path}")
+        return out
     if spec.mode == "embedded":
         port = free_port(spec.host)
         argv = [

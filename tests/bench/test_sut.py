@@ -96,6 +96,19 @@ async def test_start_wait_ready_and_stop_cleanly(tmp_path: Path) -> None:
     assert sut.describe()["returncodes"] == {"up": 0}, "SIGTERM should have stopped it cleanly"
 
 
+async def test_the_echo_floor_answers_as_the_sim_backend_does(tmp_path: Path) -> None:
+    """``--start echo``: a bare FastAPI endpoint, so ``--check`` holds against it as against batchwire."""
+    spec = SutSpec(mode="echo", policy="work-conserving", ready_timeout_s=30)
+    with SystemUnderTest(spec, tmp_path) as sut:
+        sut.start()
+        await sut.wait_ready()
+        async with aiohttp.ClientSession() as session, session.post(sut.urls[0], json={"input": "abc"}) as answer:
+            assert answer.status == 200
+            assert (await answer.json()) == {"output": "cba"}
+    # uvicorn re-raises the SIGTERM it shut down on: -15, not -9 (the SIGKILL after the grace period)
+    assert sut.describe()["returncodes"] == {"echo": -signal.SIGTERM}, "SIGTERM should have stopped it"
+
+
 async def test_sigkill_when_sigterm_is_ignored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAKE_BW_IGNORE_TERM", "1")
     spec = SutSpec(mode="embedded", policy="classic", command=FAKE, ready_timeout_s=20, stop_grace_s=0.5)
