@@ -35,7 +35,7 @@ from batcher.read_pacing import ReadPacing
 from batcher.settings import BatcherSettings
 from batcher.spacing import Spacing
 from batcher.states import wall_ms
-from schemas.records import Batch, BatchItem, Credit, InferenceRequest
+from schemas.records import Batch, BatchItem, Credit, InferenceRequest, TaskState
 from telemetry import metrics, tracing
 from telemetry.logs import ids
 from telemetry.spans import BatchSpans
@@ -326,7 +326,8 @@ class Dispatcher:
         """Puts the batch on the bus; once it is there its requests are handed over (their offsets may
         be committed). A failed send gives the requests back for the next batch, and the credit back."""
         # "batched" is written while the bus takes the batch: watchers see it before "running".
-        marking = asyncio.create_task(self._mark_batched(model, batch))
+        batched = states.batched(model, batch, wall_ms())
+        marking = asyncio.create_task(self._mark_batched(batch, batched)) if batched else None
         try:
             try:
                 await self.producer.send(batch, credit.partition)
@@ -351,10 +352,10 @@ class Dispatcher:
             self.batches_sent += 1
             self._record(model, batch, taken, at)
         finally:
-            await asyncio.gather(marking, return_exceptions=True)
+            if marking is not None:
+                await asyncio.gather(marking, return_exceptions=True)
 
-    async def _mark_batched(self, model: str, batch: Batch) -> None:
-        batched = states.batched(model, batch, wall_ms())
+    async def _mark_batched(self, batch: Batch, batched: list[TaskState]) -> None:
         try:
             await self.store.apply(batched)
         except TransportError as err:  # informational: the worker's running/completed writes follow

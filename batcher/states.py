@@ -15,6 +15,9 @@ def wall_ms() -> int:
 
 
 def batched(model: str, batch: Batch, now_ms: int) -> list[TaskState]:
+    """The ``batched`` states of the items someone may read them for: not a synchronous request's
+    (``reply_to``), whose caller waits for the answer alone and learns its id with it (a 504 or a
+    disconnect records the task then, ``Publisher.record_late``)."""
     return [
         TaskState(
             item.task_id,
@@ -24,9 +27,9 @@ def batched(model: str, batch: Batch, now_ms: int) -> list[TaskState]:
             item.enqueued_at_ms,
             batch_id=batch.batch_id,
             batch_size=len(batch.items),
-            reply_to=item.reply_to,
         )
         for item in batch.items
+        if item.reply_to is None
     ]
 
 

@@ -1,4 +1,5 @@
-"""What only the Redis task store can show: key layout, TTL on every write, surviving a PubSub drop."""
+"""What only the Redis task store can show: key layout, the TTL at a task's first write and at its end,
+one reply message per write, surviving a PubSub drop."""
 
 from __future__ import annotations
 
@@ -50,17 +51,43 @@ async def test_task_is_a_hash_with_status_and_avro_doc(store: RedisTaskStore, ra
     assert decode_state(doc) == queued
 
 
-async def test_every_write_sets_the_ttl(store: RedisTaskStore, raw: Redis, names: Names) -> None:
+async def test_the_ttl_is_set_where_a_task_is_first_stored_and_where_it_ends(
+    store: RedisTaskStore, raw: Redis, names: Names
+) -> None:
     key = names.task_key("t1")
     await store.create(state("t1", TaskStatus.QUEUED))
     assert (TTL_S - 5) * 1000 < await raw.pttl(key) <= TTL_S * 1000
 
     await raw.pexpire(key, 5000)
     await store.apply([state("t1", TaskStatus.RUNNING)])
-    assert await raw.pttl(key) > (TTL_S - 5) * 1000, "apply must refresh the TTL"
+    assert await raw.pttl(key) <= 5000, "a step between the first write and the end leaves the TTL"
+    await store.apply([state("t1", TaskStatus.COMPLETED, output="ok")])
+    assert await raw.pttl(key) > (TTL_S - 5) * 1000, "the end sets it: a result is kept ttl_s"
 
+    await store.apply([state("first", TaskStatus.RUNNING)])
+    assert await raw.pttl(names.task_key("first")) > (TTL_S - 5) * 1000, "a hash an update creates expires"
     await store.apply([state("late", TaskStatus.COMPLETED)])
     assert await raw.pttl(names.task_key("late")) > (TTL_S - 5) * 1000
+
+
+async def test_one_write_ending_many_tasks_sends_each_gateway_one_reply_message(
+    store: RedisTaskStore, raw: Redis, names: Names
+) -> None:
+    got: dict[str, list[TaskState]] = {"g1": [], "g2": []}
+    for gateway in got:
+        await store.listen_replies(gateway, got[gateway].append)
+    listener = raw.pubsub()
+    await listener.subscribe(names.reply_channel("g1"))
+    await listener.get_message(timeout=1.0)  # the subscription's confirmation
+    ended = [state(f"t{i}", TaskStatus.COMPLETED, output=f"o{i}", reply_to=f"g{1 + i % 2}") for i in range(5)]
+    assert await store.apply([*ended, state("t9", TaskStatus.RUNNING, reply_to="g1")]) == [True] * 6
+    await eventually(lambda: len(got["g1"]) == 3 and len(got["g2"]) == 2, "every ended task's reply")
+    assert [s.task_id for s in got["g1"]] == ["t0", "t2", "t4"] and [s.output for s in got["g2"]] == ["o1", "o3"]
+    messages = []
+    while (message := await listener.get_message(timeout=0.5)) is not None:
+        messages.append(message)
+    assert len(messages) == 1, f"one message for g1's three tasks, got {len(messages)}"
+    await listener.aclose()
 
 
 async def test_a_large_apply_is_one_call(store: RedisTaskStore) -> None:

@@ -1,7 +1,8 @@
 """The task store's change feed: watchers of one task and the reply channels of gateways.
 
 Every store write publishes the new state on the task's channel and, for a terminal state, on the
-reply channel of the gateway that waits for it (``lua``). This module turns those messages
+reply channel of the gateway that waits for it, one message per write for all of a gateway's tasks
+(``lua``). This module turns those messages
 into what the store's callers see: a queue per watcher, a handler per reply channel, and, after the
 feed reconnected, the watched tasks re-read (PubSub keeps nothing for a subscriber that is away)
 and the ``on_feed_return`` callbacks run, so a gateway re-reads the callers it holds.
@@ -21,6 +22,7 @@ from schemas.records import TaskState
 from schemas.wire import Names
 from telemetry.logs import ids
 from transport.ports import ReplyHandler, TransportError
+from transport.redis.lua import reply_frames
 from transport.redis.pubsub import PubSubHub
 
 log = logging.getLogger(__name__)
@@ -111,17 +113,21 @@ class ChangeFeed:
         self._feed_return.append(callback)
 
     def _on_message(self, channel: str, data: bytes) -> None:
+        handler = self._replies.get(channel)
         try:
-            state = decode_state(data)
-        except CodecError as err:
+            states = [decode_state(doc) for doc in reply_frames(data)] if handler is not None else [decode_state(data)]
+        except (CodecError, ValueError) as err:
             self._undecodable += 1
             if self._undecodable % 100 == 1:
                 log.warning("%d undecodable task event(s); latest on %s: %s", self._undecodable, channel, err)
             return
-        for queue in self._watchers.get(channel, ()):
-            queue.put_nowait(state)
-        handler = self._replies.get(channel)
-        if handler is not None and state.status.terminal:
+        if handler is None:
+            for queue in self._watchers.get(channel, ()):
+                queue.put_nowait(states[0])
+            return
+        for state in states:
+            if not state.status.terminal:
+                continue
             try:
                 handler(state)
             except Exception:

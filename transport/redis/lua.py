@@ -2,7 +2,9 @@
 
 Doing the check and the PUBLISH in the same script is what makes "a terminal state is written
 once" hold across processes: two workers finishing the same task cannot both pass the check, and
-only the one that wrote publishes. The hash keeps ``rank`` next to ``status`` so the scripts never
+only the one that wrote publishes. A gateway's reply channel gets one message per write, however
+many of its tasks the write ended: the states as frames, each a 4-byte big-endian length and the
+doc (``reply_frames`` reads them). The hash keeps ``rank`` next to ``status`` so the scripts never
 need to know the status names (a newer writer's statuses still order correctly).
 """
 
@@ -52,11 +54,15 @@ return created
 # KEYS[i] task hash of update i. ARGV[1] ttl ms, ARGV[2] lowest terminal rank, then per update 5
 # values: status, rank, doc, task channel, reply channel ('' = no reply). Returns 1/0 per update.
 # A missing hash (never created, or expired) accepts any update: a worker that finishes a task
-# whose queued entry expired still stores the result.
+# whose queued entry expired still stores the result. The TTL is set where this write creates the
+# hash and where it ends the task, not at the steps between (a PEXPIRE each would renew what the
+# first one set): a task is kept ``ttl`` after it ended.
 APPLY = """
 local ttl = ARGV[1]
 local terminal = tonumber(ARGV[2])
 local applied = {}
+local replies = {}
+local channels = {}
 for i, key in ipairs(KEYS) do
   local at = 3 + (i - 1) * 5
   local rank = tonumber(ARGV[at + 1])
@@ -65,13 +71,25 @@ for i, key in ipairs(KEYS) do
     applied[i] = 0
   else
     redis.call('HSET', key, 'status', ARGV[at], 'rank', ARGV[at + 1], 'doc', ARGV[at + 2])
-    redis.call('PEXPIRE', key, ttl)
+    if current == nil or rank >= terminal then
+      redis.call('PEXPIRE', key, ttl)
+    end
     redis.call('PUBLISH', ARGV[at + 3], ARGV[at + 2])
-    if ARGV[at + 4] ~= '' then
-      redis.call('PUBLISH', ARGV[at + 4], ARGV[at + 2])
+    local channel = ARGV[at + 4]
+    if channel ~= '' then
+      local frames = replies[channel]
+      if frames == nil then
+        frames = {}
+        replies[channel] = frames
+        channels[#channels + 1] = channel
+      end
+      frames[#frames + 1] = struct.pack('>I4', string.len(ARGV[at + 2])) .. ARGV[at + 2]
     end
     applied[i] = 1
   end
+end
+for _, channel in ipairs(channels) do
+  redis.call('PUBLISH', channel, table.concat(replies[channel]))
 end
 return applied
 """
@@ -94,7 +112,7 @@ redis.call('HSET', KEYS[1], 'status', ARGV[3], 'rank', ARGV[4], 'doc', ARGV[5])
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 redis.call('PUBLISH', ARGV[6], ARGV[5])
 if ARGV[7] ~= '' then
-  redis.call('PUBLISH', ARGV[7], ARGV[5])
+  redis.call('PUBLISH', ARGV[7], struct.pack('>I4', string.len(ARGV[5])) .. ARGV[5])
 end
 return {1}
 """
@@ -209,3 +227,18 @@ def parse_binding(text: str) -> KeyClaim | None:
     if len(parts) == 3 and parts[1].isdigit():
         return KeyClaim(parts[2], parts[0], int(parts[1]))
     return None
+
+
+def reply_frames(data: bytes) -> list[bytes]:
+    """The docs of one reply-channel message (``APPLY``, ``CANCEL``); raises ValueError on a message
+    that is not whole frames."""
+    docs: list[bytes] = []
+    at = 0
+    while at < len(data):
+        size = int.from_bytes(data[at : at + 4], "big")
+        end = at + 4 + size
+        if size == 0 or end > len(data):
+            raise ValueError(f"a reply frame of {size} bytes at {at} overruns the message's {len(data)}")
+        docs.append(data[at + 4 : end])
+        at = end
+    return docs

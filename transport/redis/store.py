@@ -1,7 +1,8 @@
 """Redis transports: the task store (status, results, change notifications) and the credit pool.
 
 A task is a hash ``names.task_key(id)`` with ``status``, ``rank``, ``doc`` (Avro ``TaskState``) and,
-when it has one, ``owner`` (written once, at create), expiring ``ttl_s`` after its last write.
+when it has one, ``owner`` (written once, at create), expiring ``ttl_s`` after it ended (while it
+runs, ``ttl_s`` after it was first stored).
 Every write is a Lua script (``lua``) that checks that status only moves forward, stores, and
 publishes the new state on the task's channel (and, for a terminal state, on the reply channel of
 the gateway that waits for it), all in one round trip. Notifications reach this process through its
