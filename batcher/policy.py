@@ -66,6 +66,8 @@ class FlushPolicy:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch} (BATCHWIRE_MAX_BATCH)")
         if self.max_wait_ms < 0:
             raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms} (BATCHWIRE_MAX_WAIT_MS)")
+        if not 0 <= self.reserve_ms <= 10_000:
+            raise ValueError(f"reserve_ms must be within 0..10000, got {self.reserve_ms} (BATCHWIRE_RESERVE_MS)")
 
     @classmethod
     def work_conserving(
@@ -78,7 +80,13 @@ class FlushPolicy:
         return cls(PolicyName.CLASSIC, max_batch, max_wait_ms, flush_on_idle_worker=False)
 
     @classmethod
-    def named(cls, name: str, max_batch: int | None = None, max_wait_ms: float | None = None) -> FlushPolicy:
+    def named(
+        cls,
+        name: str,
+        max_batch: int | None = None,
+        max_wait_ms: float | None = None,
+        reserve_ms: float | None = None,
+    ) -> FlushPolicy:
         policy = PolicyName(name)
         base = cls.work_conserving() if policy is PolicyName.WORK_CONSERVING else cls.classic()
         return cls(
@@ -86,7 +94,7 @@ class FlushPolicy:
             base.max_batch if max_batch is None else max_batch,
             base.max_wait_ms if max_wait_ms is None else max_wait_ms,
             base.flush_on_idle_worker,
-            reserve_ms=base.reserve_ms,
+            reserve_ms=base.reserve_ms if reserve_ms is None else reserve_ms,
         )
 
 

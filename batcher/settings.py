@@ -51,6 +51,10 @@ class BatcherSettings:
             raise ValueError(
                 f"read_pace_ms ({self.read_pace_ms}) must be within 0..1000 milliseconds (BATCHWIRE_READ_PACE_MS)"
             )
+        if not 0 <= self.keep_credit_s <= 60:
+            raise ValueError(
+                f"keep_credit_s ({self.keep_credit_s}) must be within 0..60 seconds (BATCHWIRE_KEEP_CREDIT_S)"
+            )
         TierShares(self.tier_min_share)  # its range check names the setting
         if self.max_held < self.policy.max_batch:
             raise ValueError(

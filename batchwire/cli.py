@@ -77,6 +77,14 @@ def _batcher(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         float,
         "while every worker is busy, fetch requests at most this often, catching up before each seal (0: always)",
     )
+    flags.field_flag(
+        batcher,
+        BatcherSettings,
+        "keep_credit_s",
+        float,
+        "a batcher that alone serves a model keeps an idle worker's credit up to this long for the next request "
+        "(0: keep none)",
+    )
     flags.redis_replica_wait(batcher)
 
 

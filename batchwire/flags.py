@@ -295,6 +295,14 @@ def batching(parser: argparse.ArgumentParser) -> None:
     add(parser, "--policy", "work-conserving", str, "flush policy: work-conserving or classic (size-or-timeout)")
     add(parser, "--max-batch", None, int, "items per batch at most (work-conserving: 100, classic: 32)")
     add(parser, "--max-wait-ms", None, float, "age that seals a batch (work-conserving: 1000, classic: 50)")
+    add(
+        parser,
+        "--reserve-ms",
+        None,
+        float,
+        "work-conserving at light load: hold a just-claimed idle worker up to this long for a fresh arrival "
+        "when only requests that already waited are there (default 50; 0: off)",
+    )
     field_flag(
         parser,
         BatcherSettings,

@@ -100,7 +100,7 @@ def process_shared_settings(args: argparse.Namespace) -> SharedSettings:
 
 def _policy(args: argparse.Namespace) -> FlushPolicy:
     try:
-        return FlushPolicy.named(args.policy, args.max_batch, args.max_wait_ms)
+        return FlushPolicy.named(args.policy, args.max_batch, args.max_wait_ms, args.reserve_ms)
     except ValueError as err:
         raise SettingsError(f"{err} (--policy is work-conserving or classic)") from err
 

@@ -110,6 +110,7 @@ def run_batcher(args: argparse.Namespace) -> int:
         args,
         shared.request_partitions,
         read_pace_ms=args.read_pace_ms,
+        keep_credit_s=args.keep_credit_s,
         batcher_id=args.batcher_id,
     )
 

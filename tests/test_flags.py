@@ -49,6 +49,8 @@ def test_a_negative_drain_timeout_is_refused_naming_the_variable() -> None:
         (["worker", "--metrics-port=70000"], "--metrics-port must be within 0..65535"),
         (["worker", "--batch-partitions=0"], "batch_partitions must be at least 1"),
         (["batcher", "--read-pace-ms=-1"], "BATCHWIRE_READ_PACE_MS"),
+        (["batcher", "--reserve-ms=-1"], "BATCHWIRE_RESERVE_MS"),
+        (["batcher", "--keep-credit-s=-1"], "BATCHWIRE_KEEP_CREDIT_S"),
         (["worker", "--result-ttl-s=0"], "result_ttl_s must be positive"),
         (["up", "--workers=0"], "workers must be at least 1 per model, got 0 (BATCHWIRE_WORKERS)"),
     ],
