@@ -5,11 +5,10 @@ credit only when it has something to send, and sends exactly one batch against i
 always goes to a worker that is idle right now, never queues behind a busy one, and the first
 worker to free up gets the next batch, whichever batcher holds it.
 
-Around each send: a batcher that alone serves a model keeps an idle worker's credit while it has
-nothing to send (the next request goes out without a claim); an idle worker may be held in reserve
-for a fresh arrival (``BatchFormer.reserve_s``); a busy worker's batch is sealed late enough to keep
-the workers' calls spread (``batcher.spacing``); and reads paused while every worker was busy catch
-up before the batch is sealed (``batcher.read_pacing``).
+Two named options act around a send: at light load an idle worker may be held in reserve for a fresh
+arrival (``--reserve-ms``, ``BatchFormer.reserve_s``), and a batcher that alone serves a model seals
+a busy worker's batch late enough to keep the workers' calls spread (``--spacing-margin-ms``,
+``batcher.spacing``).
 
 A sealed batch lands on the bus in a task of its own (``_land``): the loop goes on to the next credit
 (another worker's) without waiting for the acknowledgement (``acks=all`` over Kafka), which hands its
@@ -31,7 +30,6 @@ from typing import Any
 from batcher import states
 from batcher.landings import Landings
 from batcher.policy import BatchFormer, Pending, Taken
-from batcher.read_pacing import ReadPacing
 from batcher.settings import BatcherSettings
 from batcher.spacing import Spacing
 from batcher.states import wall_ms
@@ -47,8 +45,6 @@ from transport.routing import Partitioner
 log = logging.getLogger(__name__)
 
 Held = Pending[InferenceRequest]
-
-CATCH_UP_MIN_S = 0.002
 
 
 class Dispatcher:
@@ -66,7 +62,6 @@ class Dispatcher:
         credits: CreditPool,
         producer: BatchProducer,
         store: TaskStore,
-        pacing: ReadPacing,
         *,
         handover: asyncio.Lock,
         room: asyncio.Event,
@@ -81,7 +76,6 @@ class Dispatcher:
         self.credits = credits
         self.producer = producer
         self.store = store
-        self.pacing = pacing
         self.clock = clock
         self._handover = handover
         self._room = room
@@ -92,9 +86,6 @@ class Dispatcher:
         self._spawn = spawn
         self._loops: dict[str, asyncio.Task[None]] = {}
         self._wake: dict[str, asyncio.Event] = {}
-        self._claiming: set[str] = set()
-        """Models whose loop waits for a credit, holding requests: all of their workers are busy."""
-        self._keep_after: dict[str, float] = {}
         self._spacing: defaultdict[str, Spacing] = defaultdict(Spacing)
         self._own_partitions: dict[str, frozenset[int]] = {}
         if settings.request_partitions > 0:
@@ -118,19 +109,13 @@ class Dispatcher:
         """A timer sealed ``model``'s batch."""
         self._wake[model].set()
 
-    def all_busy(self) -> bool:
-        """Whether every served model's loop waits for a credit (see ``batcher.read_pacing``): a model
-        with an idle worker sends a request the moment it is read."""
-        served = self.settings.models or self._loops.keys()
-        return bool(self._claiming) and all(model in self._claiming for model in served)
-
     def cancel(self) -> None:
         """Cancels every loop (the caller holds the hand-over lock: no send is cut in half)."""
         for loop in self._loops.values():
             loop.cancel()
 
     async def cancelled(self) -> None:
-        """Waits for the cancelled loops to end (each offers back the credit it kept), then for the
+        """Waits for the cancelled loops to end, then for the
         batches they sent to land: a batch whose worker may run it already is not cut off its bus."""
         await asyncio.gather(*(cancel_and_wait(loop) for loop in self._loops.values()))
         self._loops.clear()
@@ -138,51 +123,26 @@ class Dispatcher:
 
     # the loop ----------------------------------------------------------------------------------
     async def _loop(self, model: str) -> None:
-        kept: Credit | None = None
-        try:
-            while True:
-                if not self.former.ready(model):
-                    kept = await self._idle(model, kept)
-                    continue
-                if (pause_s := self._resend_after.pop(model, 0.0) - self.clock()) > 0:
-                    await asyncio.sleep(pause_s)  # a send failed: the bus gets a moment
-                claimed_from_s: float | None = None  # a kept credit was there before the items
-                credit, kept = kept, None
-                if credit is None:
-                    claimed_from_s = self.clock()
-                    credit = await self._claim_while_busy(model)
-                    if credit is None:
-                        continue
-                metrics.IDLE_WORKERS.labels(model=model).set(0)
-                free_s = self._free_at_s(credit)
-                hold_s = self.former.reserve_s(model, credit.busy_ms / 1000.0, claimed_from_s, free_s)
-                if hold_s > 0:
-                    credit = await self._hold(model, credit, hold_s)
-                elif self.settings.spacing_margin_ms >= 0 and self._alone(model):
-                    await self._space(model, credit)
-                await self._send(model, credit)
-        finally:
-            if kept is not None:
-                await self._offer_back(kept)
-
-    async def _claim_while_busy(self, model: str) -> Credit | None:
-        """Claims a credit for a ready batch, counted in ``all_busy`` meanwhile; once one comes,
-        catches up the reads that paused during the claim."""
-        pauses = self.pacing.pauses
-        self._claiming.add(model)
-        try:
+        wake = self._wake[model]
+        while True:
+            if not self.former.ready(model):
+                wake.clear()  # no await since the check: ``arrived`` sets it only for a ready model
+                await wake.wait()
+                continue
+            if (pause_s := self._resend_after.pop(model, 0.0) - self.clock()) > 0:
+                await asyncio.sleep(pause_s)  # a send failed: the bus gets a moment
+            claimed_from_s = self.clock()
             credit = await self._claim(model)
-        finally:
-            self._claiming.discard(model)
-        if credit is not None:
-            await self.pacing.catch_up(pauses, self._catch_up_limit_s(credit))
-        return credit
-
-    def _catch_up_limit_s(self, credit: Credit) -> float:
-        """A catch-up may use the time until the credit's worker frees, less the batch's way there,
-        and a little of an idle worker's (it ends sooner: the first read brings what waited)."""
-        travel_s = max(0.0, self.settings.spacing_margin_ms) / 1000
-        return min(self.pacing.pace_s, max(CATCH_UP_MIN_S, self._starts_in_s(credit) - travel_s))
+            if credit is None:
+                continue
+            metrics.IDLE_WORKERS.labels(model=model).set(0)
+            free_s = self._free_at_s(credit)
+            hold_s = self.former.reserve_s(model, credit.busy_ms / 1000.0, claimed_from_s, free_s)
+            if hold_s > 0:
+                credit = await self._hold(model, credit, hold_s)
+            elif self.settings.spacing_margin_ms >= 0 and self._alone(model):
+                await self._space(model, credit)
+            await self._send(model, credit)
 
     async def _claim(self, model: str) -> Credit | None:
         """A credit for ``model``, retried while the pool is unreachable (None: none came in time)."""
@@ -194,48 +154,7 @@ class Dispatcher:
             self.settings.retry_max_s,
         )
 
-    # the kept credit ---------------------------------------------------------------------------
-    async def _idle(self, model: str, kept: Credit | None) -> Credit | None:
-        """Waits until ``model`` has something to send; returns the credit kept in hand meanwhile.
-
-        Only a batcher that owns all of the model's request partitions keeps one (see
-        ``BatcherSettings.request_partitions``), and not for long: the credit goes back to the pool
-        well before its worker would renew it.
-        """
-        wake = self._wake[model]
-        wake.clear()
-        if kept is None and self._may_keep(model):
-            await self.landings.settled(wake)  # the batch just sealed makes its hops first
-            if wake.is_set():
-                return None
-            kept = await self._claim(model)  # blocks while every worker is busy, like any claim
-            if kept is None or self.former.ready(model):
-                return kept
-            starts_in_s = self._starts_in_s(kept)
-            if starts_in_s > 0:  # a busy worker's early credit: an idle one may come first
-                self._keep_after[model] = self.clock() + starts_in_s
-                await self._offer_back(kept)
-                kept = None
-        if kept is None:
-            await wake.wait()
-            return None
-        keep_s = min(self.settings.keep_credit_s, (kept.expires_at_ms - wall_ms()) / 4000.0)
-        try:
-            async with asyncio.timeout(keep_s):
-                await wake.wait()
-            return kept
-        except TimeoutError:
-            self._keep_after[model] = self.clock() + 0.1  # a credit near its renewal is not taken again at once
-            await self._offer_back(kept)
-            return None
-
-    def _may_keep(self, model: str) -> bool:
-        return (
-            self.settings.keep_credit_s > 0
-            and self._alone(model)
-            and self.clock() >= self._keep_after.get(model, float("-inf"))
-        )
-
+    # spacing and reserve -----------------------------------------------------------------------
     def _alone(self, model: str) -> bool:
         """Whether this batcher owns all of ``model``'s request partitions: no other sends to its workers."""
         owned = self._own_partitions.get(model)
@@ -249,7 +168,6 @@ class Dispatcher:
         """How long until the credit's worker is free (0 for an idle one)."""
         return max(0.0, self._free_at_s(credit) - self.clock())
 
-    # spacing and reserve -----------------------------------------------------------------------
     async def _space(self, model: str, credit: Credit) -> None:
         """Seals the batch for a busy worker late enough to keep the workers' starts spread (see
         ``batcher.spacing``); a batch that fills up, or a deadline, ends the wait early."""

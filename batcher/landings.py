@@ -2,10 +2,8 @@
 
 A sealed batch lands in a task of its own (``Dispatcher._land``) so that the dispatcher need not
 wait for the bus's acknowledgement before the next worker's credit. A rebalance or a close waits for
-every landing (``landed``); a credit claimed only to be kept for a future request waits for them too
-(``settled``), so that its round trip does not compete with the hops of the batch just sent. How many
-land at once needs no cap of its own: each holds a credit, and a worker offers its next credit only
-after a batch reached it.
+every landing (``landed``). How many land at once needs no cap of its own: each holds a credit, and
+a worker offers its next credit only after a batch reached it.
 """
 
 from __future__ import annotations
@@ -34,18 +32,6 @@ class Landings:
         meanwhile included)."""
         while self.under_way():
             await asyncio.gather(*self._all(), return_exceptions=True)
-
-    async def settled(self, wake: asyncio.Event) -> None:
-        """Returns once no batch is landing, or as soon as ``wake`` is set."""
-        if not self.under_way() or wake.is_set():
-            return
-        woken = asyncio.create_task(wake.wait())
-        try:
-            while self.under_way() and not woken.done():
-                await asyncio.wait({woken, *self._all()}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            woken.cancel()
-            await asyncio.gather(woken, return_exceptions=True)
 
     def _all(self) -> set[asyncio.Task[None]]:
         return set[asyncio.Task[None]]().union(*self._tasks.values())

@@ -25,7 +25,6 @@ from batcher import states
 from batcher.dispatch import Dispatcher
 from batcher.offsets import OffsetTracker
 from batcher.policy import BatchFormer, Pending
-from batcher.read_pacing import ReadPacing
 from batcher.settings import BatcherSettings
 from batcher.states import wall_ms
 from schemas.records import InferenceRequest, TaskState
@@ -69,7 +68,6 @@ class Batcher:
         self.clock = clock
         self.former: BatchFormer[InferenceRequest] = BatchFormer(settings.policy, clock, settings.tier_min_share)
         self.offsets = OffsetTracker()
-        self.pacing = ReadPacing(settings.read_pace_ms / 1000)
         self._commit_wanted = False
         self._committer: asyncio.Task[None] | None = None
         self._timer_wake = asyncio.Event()
@@ -89,7 +87,6 @@ class Batcher:
             credits,
             producer,
             store,
-            self.pacing,
             handover=self._handover,
             room=self._room,
             assignment=consumer.assignment,
@@ -176,7 +173,6 @@ class Batcher:
                 unknown = self._accept(records)
                 if unknown:
                     await self._fail_unknown(unknown)
-            await self.pacing.after_read(self.dispatcher.all_busy())
 
     def _accept(self, records: Sequence[Delivered[InferenceRequest]]) -> list[Delivered[InferenceRequest]]:
         """Feeds the accumulators; returns the requests for models this deployment does not serve."""

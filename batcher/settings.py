@@ -29,11 +29,8 @@ class BatcherSettings:
     """The served models; a request for another one fails at once (empty: take any model)."""
     request_partitions: int = 0
     """Partitions of the request topic (``transport.routing``). When this batcher owns all of a
-    model's partitions, no other batcher can need that model's workers, so while it has nothing to
-    send it keeps one idle worker's credit in hand: a request that arrives then goes out without
-    the round trip of a claim. 0: unknown, never keep one."""
-    keep_credit_s: float = 1.0
-    """Longest time a kept credit is held before it goes back to the pool (0: keep none)."""
+    model's partitions, no other batcher sends to that model's workers, so it may space their calls
+    (``spacing_margin_ms``). 0: unknown, never space."""
     spacing_margin_ms: float = 5.0
     """When this batcher owns all of a model's partitions, it keeps the busy workers' calls spread
     evenly (``batcher.spacing``), sealing a batch this long before its call should start, the time
@@ -41,20 +38,8 @@ class BatcherSettings:
     tier_min_share: float = DEFAULT_MIN_SHARE
     """While a priority tier waits behind a higher one, it earns this share of every batch's slots
     (``batcher.tiers``): no tier starves. 0: strict priority."""
-    read_pace_ms: float = 10.0
-    """While every worker is busy, read the request topic at most this often, and catch up when a
-    credit comes, before sealing (``batcher.read_pacing``): over Kafka each read is a fetch round
-    trip. 0: read continuously (the embedded mode passes 0: a read there costs no round trip)."""
 
     def __post_init__(self) -> None:
-        if not 0 <= self.read_pace_ms <= 1000:
-            raise ValueError(
-                f"read_pace_ms ({self.read_pace_ms}) must be within 0..1000 milliseconds (BATCHWIRE_READ_PACE_MS)"
-            )
-        if not 0 <= self.keep_credit_s <= 60:
-            raise ValueError(
-                f"keep_credit_s ({self.keep_credit_s}) must be within 0..60 seconds (BATCHWIRE_KEEP_CREDIT_S)"
-            )
         TierShares(self.tier_min_share)  # its range check names the setting
         if self.max_held < self.policy.max_batch:
             raise ValueError(

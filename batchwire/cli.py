@@ -12,7 +12,6 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from batcher.settings import BatcherSettings
 from batchwire import flags, operations, roles
 from batchwire.settings import SettingsError
 from gateway.settings import GatewaySettings
@@ -69,21 +68,6 @@ def _batcher(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     flags.add(batcher, "--metrics-port", 0, int, "serve Prometheus /metrics on this port (0: off)")
     flags.add(
         batcher, "--session-timeout-ms", 3000, int, "Kafka group session: a dead batcher's requests move after this"
-    )
-    flags.field_flag(
-        batcher,
-        BatcherSettings,
-        "read_pace_ms",
-        float,
-        "while every worker is busy, fetch requests at most this often, catching up before each seal (0: always)",
-    )
-    flags.field_flag(
-        batcher,
-        BatcherSettings,
-        "keep_credit_s",
-        float,
-        "a batcher that alone serves a model keeps an idle worker's credit up to this long for the next request "
-        "(0: keep none)",
     )
     flags.redis_replica_wait(batcher)
 

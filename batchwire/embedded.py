@@ -57,8 +57,7 @@ class _BatchRouter:
 @dataclass
 class EmbeddedSettings:
     shared: SharedSettings = field(default_factory=SharedSettings)
-    batcher: BatcherSettings = field(default_factory=lambda: BatcherSettings(read_pace_ms=0.0))
-    """In one process a read costs no round trip: no read pacing."""
+    batcher: BatcherSettings = field(default_factory=BatcherSettings)
     workers_per_model: int = 2
     batch_log: str | None = None
     worker: WorkerSettings = field(default_factory=WorkerSettings)

@@ -1,7 +1,7 @@
 """Each role's typed settings, built from its parsed flags.
 
 A role reads only flags its own command defines; what another command lacks (the embedded mode
-has no Kafka, no read pacing) is passed in by name, never probed for.
+has no Kafka) is passed in by name, never probed for.
 """
 
 from __future__ import annotations
@@ -109,14 +109,10 @@ def batcher_settings(
     args: argparse.Namespace,
     request_partitions: int,
     *,
-    read_pace_ms: float,
-    keep_credit_s: float | None = None,
     batcher_id: str | None = None,
 ) -> BatcherSettings:
     """The keywords left None keep BatcherSettings' defaults."""
     kwargs: dict[str, Any] = {}
-    if keep_credit_s is not None:
-        kwargs["keep_credit_s"] = keep_credit_s
     if batcher_id:
         kwargs["batcher_id"] = batcher_id
     try:
@@ -126,7 +122,6 @@ def batcher_settings(
             request_partitions=request_partitions,
             spacing_margin_ms=args.spacing_margin_ms,
             tier_min_share=args.tier_min_share,
-            read_pace_ms=read_pace_ms,
             **kwargs,
         )
     except ValueError as err:

@@ -45,8 +45,7 @@ def run_embedded(args: argparse.Namespace) -> int:
     runtime = EmbeddedRuntime(
         EmbeddedSettings(
             shared=shared,
-            # in one process a claim and a read cost no round trip: no kept credit, no read pacing
-            batcher=rs.batcher_settings(args, shared.request_partitions, read_pace_ms=0.0, keep_credit_s=0.0),
+            batcher=rs.batcher_settings(args, shared.request_partitions),
             workers_per_model=args.workers,
             batch_log=args.batch_log,
             worker=rs.worker_settings(args, shared.models[0]),
@@ -109,8 +108,6 @@ def run_batcher(args: argparse.Namespace) -> int:
     settings = rs.batcher_settings(
         args,
         shared.request_partitions,
-        read_pace_ms=args.read_pace_ms,
-        keep_credit_s=args.keep_credit_s,
         batcher_id=args.batcher_id,
     )
 

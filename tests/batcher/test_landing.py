@@ -7,9 +7,6 @@ import asyncio
 import time
 from collections.abc import Iterable
 
-import pytest
-
-from batcher.landings import Landings
 from batcher.service import Batcher
 from batcher.settings import BatcherSettings
 from schemas.records import Batch, Credit, InferenceRequest
@@ -52,15 +49,11 @@ def credit(worker: str, partition: int) -> Credit:
 
 
 class Rig:
-    def __init__(
-        self, batches: GatedBatchBus, credits: MemoryCreditPool | None = None, keep_credit_s: float = 0
-    ) -> None:
+    def __init__(self, batches: GatedBatchBus, credits: MemoryCreditPool | None = None) -> None:
         self.requests = MemoryRequestBus(Partitioner(("sim",), 1))
         self.batches = batches
         self.credits = credits or MemoryCreditPool()
-        settings = BatcherSettings(
-            models=("sim",), request_partitions=1, keep_credit_s=keep_credit_s, send_retry_s=0.01
-        )
+        settings = BatcherSettings(models=("sim",), request_partitions=1, send_retry_s=0.01)
         self.batcher = Batcher(settings, self.requests.consumer(), batches, self.credits, MemoryTaskStore())
 
     async def request(self, task_id: str) -> None:
@@ -114,53 +107,3 @@ async def test_a_batch_the_bus_refused_goes_out_again_with_its_requests() -> Non
         assert rig.batcher.healthy()
     finally:
         await rig.batcher.close()
-
-
-class CountingCredits(MemoryCreditPool):
-    def __init__(self) -> None:
-        super().__init__()
-        self.claims = 0
-
-    async def claim(self, model: str, timeout_s: float) -> Credit | None:
-        got = await super().claim(model, timeout_s)
-        self.claims += got is not None
-        return got
-
-
-async def test_a_credit_kept_for_the_next_request_is_claimed_only_once_the_batch_landed() -> None:
-    """Its round trip would compete with the batch's own hops (the produce, the worker's fetch)."""
-    credits = CountingCredits()
-    rig = Rig(GatedBatchBus(2, held=[0]), credits, keep_credit_s=5)
-    await rig.batcher.start()
-    try:
-        await rig.batch_for("r1", "w1", 0)
-        await asyncio.wait_for(rig.batches.holding.wait(), 5)
-        await credits.offer(credit("w2", 1))  # idle: the batcher would keep it for the next request
-        with pytest.raises(AssertionError, match="timed out"):  # a check, not a wait: a claim now comes within it
-            await eventually(lambda: credits.claims == 2, "w2's credit kept", timeout_s=0.3)
-        rig.batches.release.set()
-        await eventually(lambda: credits.claims == 2, "w2's credit kept once r1's batch landed", timeout_s=5)
-    finally:
-        rig.batches.release.set()
-        await rig.batcher.close()
-
-
-async def test_settled_returns_when_the_landings_end_or_at_a_wake() -> None:
-    landings = Landings()
-    gate = asyncio.Event()
-    landings.add("sim", asyncio.create_task(_wait(gate), name="held"))
-    wake = asyncio.Event()
-    settling = asyncio.create_task(landings.settled(wake))
-    done, _ = await asyncio.wait({settling}, timeout=0.2)
-    assert not done, "a landing is under way"
-    wake.set()
-    await asyncio.wait_for(settling, 5)
-    wake.clear()
-    settling = asyncio.create_task(landings.settled(wake))
-    gate.set()
-    await asyncio.wait_for(settling, 5)
-    await asyncio.wait_for(landings.landed(), 5)
-
-
-async def _wait(gate: asyncio.Event) -> None:
-    await gate.wait()

@@ -67,9 +67,7 @@ async def second_batch_after_s(spacing_margin_ms: float, then_send: int = 1) -> 
     before then), offers an early credit: how long after w1's batch does w2's go out?"""
     pool = MemoryCreditPool()
     bus = MemoryRequestBus(Partitioner(("sim",), PARTITIONS))
-    settings = BatcherSettings(
-        models=("sim",), request_partitions=PARTITIONS, keep_credit_s=0, spacing_margin_ms=spacing_margin_ms
-    )
+    settings = BatcherSettings(models=("sim",), request_partitions=PARTITIONS, spacing_margin_ms=spacing_margin_ms)
     batcher = Batcher(settings, bus.consumer(), MemoryBatchBus(2), pool, MemoryTaskStore())
     await batcher.start()
     try:
