@@ -187,9 +187,8 @@ class Worker:
         failures = 0
         while not self._stopping:
             await self.pipeline.until_free_soon(self.offers.lead_s)
-            await self.offers.offer()
             try:
-                delivered = await self.consumer.next(self.settings.poll_timeout_s)
+                delivered = await self._next_batch()
             except TransportError as err:
                 if not err.retriable:
                     raise
@@ -204,6 +203,17 @@ class Worker:
                 return
             with self.pipeline.handling():
                 await self._handle(delivered)
+
+    async def _next_batch(self) -> Delivered[Batch] | None:
+        """A batch already here first, with no new credit: one that came against an earlier credit
+        (two can be on their way to a worker while its group forms: one against a credit claimed
+        before a rebalance, one against the credit offered after). Offering a credit before taking it
+        would keep the worker one batch behind, each batch waiting a call longer than it needs."""
+        waiting = await self.consumer.next(0)
+        if waiting is not None:
+            return waiting
+        await self.offers.offer()
+        return await self.consumer.next(self.settings.poll_timeout_s)
 
     def _where(self, delivered: Delivered[Batch]) -> tuple[str, int, int]:
         return self.settings.worker_id, delivered.partition, delivered.offset
