@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.adversarial_rig import RSS_GROWTH_BYTES, Service, ServiceFactory, unharmed
+from tests.support.adversarial_rig import ONE_PER_CALL, RSS_GROWTH_BYTES, Service, ServiceFactory, unharmed
 from tests.support.eventually import eventually_sync
 
 pytestmark = [pytest.mark.slow, pytest.mark.timing, pytest.mark.timeout(300)]
@@ -133,9 +133,7 @@ def test_many_event_streams_are_bounded_and_their_memory_comes_back(request: pyt
 
     # One probe request per call, as before the rig's default rose to 20/s: the attack runs ten
     # seconds, and a faster probe meets more of the streams' opening bursts on two shared cores.
-    harm = unharmed(
-        service, lambda: _attack(service, task_ids, seen), rate_per_s=10.0, baseline_s=4.0, min_during_s=5.0
-    )
+    harm = unharmed(service, lambda: _attack(service, task_ids, seen), **ONE_PER_CALL)
 
     assert seen["statuses"] == ["200"], f"every stream up to the cap opens: {seen['statuses']}"
     assert seen["first_events"] == STREAMS, f"each stream got its task's state first: {seen['first_events']}"

@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from schemas.wire import Names
-from tests.support.adversarial_rig import Service, ServiceFactory, unharmed
+from tests.support.adversarial_rig import ONE_PER_CALL, Service, ServiceFactory, unharmed
 from tests.support.eventually import eventually_sync
 
 pytestmark = [pytest.mark.slow, pytest.mark.timing]
@@ -109,7 +109,7 @@ def test_a_stuck_model_ends_its_requests_on_time_and_hurts_no_other(request: pyt
     # The harm guarded against, the healthy model's requests waiting behind the hung workers or their
     # dispatch, costs a call (100 ms) or more: the rig's slack is half a call. The probe keeps to one
     # request per call here: the flood's own batches share the cores, and a faster probe meets them more.
-    harm = unharmed(service, attack, rate_per_s=10.0, baseline_s=4.0, min_during_s=5.0)
+    harm = unharmed(service, attack, **ONE_PER_CALL)
 
     assert len(ended) + len(refused) == TASKS, harm
     assert len(ended) >= 20, f"the first requests (before the stall shows) are accepted: {len(ended)}"
