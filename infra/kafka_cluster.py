@@ -63,6 +63,9 @@ def node_properties(node_id: int, controller_ports: Mapping[int, int]) -> dict[s
         # them the group coordinators of __consumer_offsets) runs every 300 s by default: sooner here,
         # so that what follows a broker restart in production happens within a test.
         "leader.imbalance.check.interval.seconds": str(LEADER_REBALANCE_CHECK_S),
+        # ...and only for a broker that leads more than 10% fewer partitions than it prefers, by
+        # default: the last few to come back could stay away for good. Any imbalance here.
+        "leader.imbalance.per.broker.percentage": "0",
     }
 
 

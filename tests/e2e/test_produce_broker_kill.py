@@ -34,6 +34,7 @@ from aiokafka.admin.config_resource import (  # type: ignore[import-untyped, unu
 )
 from aiokafka.errors import KafkaError  # type: ignore[import-untyped, unused-ignore]
 
+from infra.kafka_cluster import OFFSETS_TOPIC
 from infra.process import ServiceProcess
 from infra.stack import ENV_FILE_NAME, KAFKA_ENV, REDIS_ENV, read_env_file
 from schemas.codec import decode_batch
@@ -301,6 +302,30 @@ async def _coordinator(bootstrap: str, group: str) -> int | None:
         await admin.close()
 
 
+async def _misled(bootstrap: str) -> list[int]:
+    """The partitions of the offsets topic (whose leaders are the group coordinators) led by another
+    broker than their preferred replica, or by none; all of them while the cluster cannot tell."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5_000)
+    try:
+        await admin.start()
+        [described] = await admin.describe_topics([OFFSETS_TOPIC])
+        partitions = described["partitions"]
+        return [p["partition"] for p in partitions if p["leader"] != p["replicas"][0]] if partitions else [-1]
+    except KafkaError:
+        return [-1]
+    finally:
+        await admin.close()
+
+
+async def _balanced(bootstrap: str, *, timeout_s: float = 60.0) -> None:
+    """Wait until every group coordinator is its partition's preferred replica (the controller's
+    preferred-leader election runs every few seconds in the test stack)."""
+    deadline = time.monotonic() + timeout_s
+    while misled := await _misled(bootstrap):
+        assert time.monotonic() < deadline, f"offsets partitions {misled} still led off their preferred replica"
+        await asyncio.sleep(0.5)  # polling the cluster's state, which nothing signals
+
+
 async def _true_lag(bootstrap: str, topic: str, group: str) -> int:
     """End offsets minus the group's committed offsets, asked of the group's coordinator now."""
     committed, ends = await group_offsets(bootstrap, group, topic)
@@ -311,6 +336,35 @@ def _gauge(url: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=5).text
     line = next(line for line in text.splitlines() if line.startswith("batchwire_request_topic_lag "))
     return float(line.split()[1])
+
+
+async def _wedge(state_dir: Path, bootstrap: str, group: str, down: int) -> tuple[int, int | None, float]:
+    """Under load: kill -9 the group's coordinator (and `down` - 1 more brokers), bring them back
+    and wait until the role is home again. (victim, where the role went, when the cluster was whole)"""
+    await asyncio.sleep(2.0)  # steady load first
+    victim = await _coordinator(bootstrap, group)
+    assert victim is not None, "the cluster names the group's coordinator"
+    brokers = [s for s in json.loads(_cli(state_dir, "status", "--json").stdout)["servers"] if s["kind"] == "kafka"]
+    victims = sorted(brokers, key=lambda s: s["node_id"] != victim)[:down]  # the coordinator first
+    for broker in victims:
+        await asyncio.to_thread(kill9, broker["pid"])
+    if down == 1:
+        deadline = time.monotonic() + 60
+        while (moved_to := await _coordinator(bootstrap, group)) in (victim, None):  # the role moves away
+            assert time.monotonic() < deadline, f"the coordinator role never left the killed broker {victim}"
+            await asyncio.sleep(0.5)  # polling the cluster's state, which nothing signals
+        await asyncio.sleep(2.0)  # load against the new coordinator, which the gateway finds
+    else:
+        # Two of three KRaft voters down: no quorum, so no leader moves until they are back.
+        await asyncio.sleep(10.0)  # the fault's length, under load
+        moved_to = await _coordinator(bootstrap, group)
+    assert (await asyncio.to_thread(_cli, state_dir, "up", "--brokers", "3", "--redis-replicas", "0")).returncode == 0
+    await _balanced(bootstrap)
+    back = await _coordinator(bootstrap, group)
+    assert back == victim, f"the role came back to its preferred broker {victim} (it is at {back})"
+    whole_at = time.monotonic()
+    await asyncio.sleep(12.0)  # the load goes on past the 10 s the service has to be normal again
+    return victim, moved_to, whole_at
 
 
 WEDGE_RATE_PER_S = 200.0
@@ -349,7 +403,7 @@ async def test_the_group_coordinator_killed_and_given_back_leaves_the_gateway_ad
             # (a request written into it would fail unread).
             limits = httpx.Limits(max_connections=200, keepalive_expiry=2.0)
             async with httpx.AsyncClient(timeout=40, limits=limits) as client:
-                tasks = []
+                tasks: list[asyncio.Task[None]] = []
                 started = time.monotonic()
                 while not stop.is_set():
                     tasks.append(asyncio.create_task(one(client, len(tasks))))
@@ -358,35 +412,14 @@ async def test_the_group_coordinator_killed_and_given_back_leaves_the_gateway_ad
                 await asyncio.gather(*tasks)
 
         group = names.batcher_group
-        loader = asyncio.create_task(load())
-        await asyncio.sleep(2.0)  # steady load first
-        victim = await _coordinator(bootstrap, group)
-        assert victim is not None, "the cluster names the group's coordinator"
-        brokers = [s for s in json.loads(_cli(state_dir, "status", "--json").stdout)["servers"] if s["kind"] == "kafka"]
-        victims = sorted(brokers, key=lambda s: s["node_id"] != victim)[:down]  # the coordinator first
-        for broker in victims:
-            await asyncio.to_thread(kill9, broker["pid"])
-        if down == 1:
-            deadline = time.monotonic() + 60
-            while (moved_to := await _coordinator(bootstrap, group)) in (victim, None):  # the role moves away
-                assert time.monotonic() < deadline, f"the coordinator role never left the killed broker {victim}"
-                await asyncio.sleep(0.5)  # polling the cluster's state, which nothing signals
-            await asyncio.sleep(2.0)  # load against the new coordinator, which the gateway finds
-        else:
-            # Two of three KRaft voters down: no quorum, so no leader moves until they are back.
-            await asyncio.sleep(10.0)  # the fault's length, under load
-            moved_to = await _coordinator(bootstrap, group)
-        assert (
-            await asyncio.to_thread(_cli, state_dir, "up", "--brokers", "3", "--redis-replicas", "0")
-        ).returncode == 0
-        deadline = time.monotonic() + 60
-        while (back := await _coordinator(bootstrap, group)) != victim:
-            assert time.monotonic() < deadline, f"the role never came back to broker {victim} (at {back})"
-            await asyncio.sleep(0.5)  # polling the cluster's state, which nothing signals
-        whole_at = time.monotonic()
-        await asyncio.sleep(12.0)  # the load goes on past the 10 s the service has to be normal again
-        stop.set()
-        await loader
+        await _balanced(bootstrap)  # so the coordinator is the preferred replica, which gets the role back
+        async with asyncio.TaskGroup() as owner:
+            loader = owner.create_task(load())
+            try:
+                victim, moved_to, whole_at = await _wedge(state_dir, bootstrap, group, down)
+            finally:
+                stop.set()
+            await loader
 
         late = [a for a in answers if a[0] > whole_at + 10]
         assert late, "requests were sent after the cluster was whole"
