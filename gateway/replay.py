@@ -111,7 +111,9 @@ class KeyedReplay:
             async with asyncio.timeout_at(until):
                 while state is None:
                     state = await anext(changes)
-        return state
+        # A synchronous task's end is published to its watchers only once it was stored
+        # (``TaskStore.apply``): one that ended before its submit stored it is read, not heard.
+        return state if state is not None else await self._store.get(task_id)
 
     async def release(self, scope: str, key: str, task_id: str, model: str, owner: str | None, deadline: float) -> None:
         """Unbinds the key from a task whose request never reached the bus, so that a retry creates

@@ -1,8 +1,9 @@
 """Admission: a batch's tasks move to ``running`` before the backend sees them.
 
 A task whose move is refused because it already ended (cancelled, expired, done by an earlier
-delivery) is not run at all. Each Kafka delivery of a batch is counted first, so a redelivered
-batch is known and runs carefully (``careful``).
+delivery) is not run at all. A synchronous task that no one stored moves by that check alone: only
+its caller waits for it, and for its end (``TaskStore.apply``). Each Kafka delivery of a batch is
+counted first, so a redelivered batch is known and runs carefully (``careful``).
 """
 
 from __future__ import annotations

@@ -158,7 +158,9 @@ class TaskStore(Protocol):
         """Applies status changes in one round trip; per update, whether it changed anything.
 
         Each applied change is published to the task's watchers, and a terminal one also to the
-        gateway named in ``reply_to``.
+        gateway named in ``reply_to``. A synchronous task (``reply_to`` set) that no one stored is
+        one whose id only its caller will learn, with its end: a change short of the end is only
+        checked (True while the task has not ended) and not stored.
         """
         ...
 

@@ -105,6 +105,29 @@ async def test_terminal_is_written_and_published_once(make_store: StoreFactory) 
     assert stored.output == "first", f"got {stored}"
 
 
+async def test_an_unstored_synchronous_tasks_progress_is_checked_and_only_its_end_is_stored(
+    make_store: StoreFactory,
+) -> None:
+    """No one else knows its id, and its caller waits for the end alone (``reply_to``): a step short
+    of it says whether the task may still run, and stores nothing. A stored one's steps are stored."""
+    store = await make_store()
+    running = state("unstored", TaskStatus.RUNNING, reply_to="g1")
+    assert await store.apply([running]) == [True], "a task no one stored may run"
+    assert await store.get("unstored") is None, "and its progress is not stored"
+    await store.create(state("keyed", TaskStatus.QUEUED, reply_to="g1"))
+    assert await store.apply([state("keyed", TaskStatus.RUNNING, reply_to="g1")]) == [True]
+    stored = await store.get("keyed")
+    assert stored is not None and stored.status is TaskStatus.RUNNING, f"a stored task's progress is read: {stored}"
+    await store.create(state("ended", TaskStatus.QUEUED, reply_to="g1"))
+    assert await store.apply([state("ended", TaskStatus.CANCELLED, reply_to="g1")]) == [True]
+    assert await store.apply([state("ended", TaskStatus.RUNNING, reply_to="g1")]) == [False], "an ended task may not"
+    mixed = [state("other", TaskStatus.RUNNING, reply_to="g1"), state("ended", TaskStatus.RUNNING, reply_to="g1")]
+    assert await store.apply(mixed) == [True, False], "each is checked on its own"
+    done = state("unstored", TaskStatus.COMPLETED, output="ok", reply_to="g1")
+    assert await store.apply([done]) == [True]
+    assert await store.get("unstored") == done
+
+
 async def test_watch_receives_changes_after_subscribing(make_store: StoreFactory) -> None:
     store = await make_store()
     async with store.watch("t1") as events:

@@ -27,6 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
 
 async def until_running(cluster: Cluster) -> dict[str, str]:
+    """Task id -> worker of the tasks stored running (the requests here are keyed, so stored)."""
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         found = await asyncio.to_thread(running, cluster)
@@ -54,7 +55,7 @@ async def test_sigterm_lets_a_worker_finish_its_batch_and_exit_0(
     cluster = launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, workers=2, sim_latency_ms=2000)
     clusters.append(cluster)
     inputs = [f"drain-{n}" for n in range(5)]
-    sent = asyncio.create_task(post_all(cluster.gateway_urls[0], inputs))
+    sent = asyncio.create_task(post_all(cluster.gateway_urls[0], inputs, keyed=True))
     in_flight = await until_running(cluster)
     victim = next(iter(in_flight.values()))
     proc = proc_named(cluster, victim)
@@ -81,7 +82,7 @@ async def test_a_batch_longer_than_the_drain_timeout_is_handed_back(
         worker_args=("--drain-timeout-s", "0.5"),
     )
     clusters.append(cluster)
-    sent = asyncio.create_task(post_all(cluster.gateway_urls[0], ["handed back"]))
+    sent = asyncio.create_task(post_all(cluster.gateway_urls[0], ["handed back"], keyed=True))
     in_flight = await until_running(cluster)
     victim = next(iter(in_flight.values()))
     proc = proc_named(cluster, victim)
@@ -100,7 +101,7 @@ async def test_a_second_sigterm_exits_at_once_and_loses_nothing(
 ) -> None:
     cluster = launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, workers=2, sim_latency_ms=6000)
     clusters.append(cluster)
-    sent = asyncio.create_task(post_all(cluster.gateway_urls[0], ["impatient"]))
+    sent = asyncio.create_task(post_all(cluster.gateway_urls[0], ["impatient"], keyed=True))
     in_flight = await until_running(cluster)
     proc = proc_named(cluster, next(iter(in_flight.values())))
     sigterm(proc)
@@ -146,7 +147,7 @@ async def test_sigterm_lets_a_gateway_answer_the_requests_it_holds_and_exit_0(
     cluster = launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, workers=2, sim_latency_ms=2000)
     clusters.append(cluster)
     inputs = [f"held-{n}" for n in range(6)]
-    sent = asyncio.create_task(post_all(cluster.gateway_urls[0], inputs))
+    sent = asyncio.create_task(post_all(cluster.gateway_urls[0], inputs, keyed=True))
     await until_running(cluster)
     proc = proc_named(cluster, "gateway0")
     sigterm(proc)
@@ -158,7 +159,7 @@ async def test_sigterm_lets_a_gateway_answer_the_requests_it_holds_and_exit_0(
 async def test_a_second_sigterm_ends_a_gateway_at_once(tmp_path: Path, infra: Any, clusters: list[Cluster]) -> None:
     cluster = launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, workers=2, sim_latency_ms=6000)
     clusters.append(cluster)
-    sent = asyncio.create_task(post_all(cluster.gateway_urls[0], ["impatient"]))
+    sent = asyncio.create_task(post_all(cluster.gateway_urls[0], ["impatient"], keyed=True))
     await until_running(cluster)
     proc = proc_named(cluster, "gateway0")
     sigterm(proc)

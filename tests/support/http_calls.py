@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from collections import Counter
 from typing import Any
 
@@ -11,10 +12,20 @@ import httpx
 from httpx_sse import aconnect_sse
 
 
-async def post_all(url: str, inputs: list[str], timeout_s: float = 60) -> list[httpx.Response]:
-    """Posts every input at once; the responses, in order."""
+async def post_all(url: str, inputs: list[str], timeout_s: float = 60, *, keyed: bool = False) -> list[httpx.Response]:
+    """Posts every input at once; the responses, in order. ``keyed``: each with an Idempotency-Key of its
+    own, so the task is stored from its submit and its progress can be read (``TaskStore.apply``)."""
     async with httpx.AsyncClient(timeout=timeout_s) as client:
-        return await asyncio.gather(*(client.post(f"{url}/v1/inference", json={"input": text}) for text in inputs))
+        return await asyncio.gather(
+            *(
+                client.post(f"{url}/v1/inference", json={"input": text}, headers=_key() if keyed else {})
+                for text in inputs
+            )
+        )
+
+
+def _key() -> dict[str, str]:
+    return {"Idempotency-Key": uuid.uuid4().hex}
 
 
 async def post_stream(url: str, inputs: list[str], interval_s: float, timeout_s: float = 60) -> list[httpx.Response]:

@@ -303,7 +303,9 @@ class Restarter:
 
 
 class TerminalEvents:
-    """Every terminal state published on the namespace's task channels, counted per task (PSUBSCRIBE)."""
+    """Every terminal state published in the namespace, counted per task (PSUBSCRIBE): on the task
+    channels, and in the gateways' reply frames, where alone the end of a synchronous task that no
+    one stored is published (``TaskStore.apply``)."""
 
     def __init__(self, redis_url: str, namespace: str) -> None:
         import threading
@@ -315,9 +317,12 @@ class TerminalEvents:
 
         self._client = redis.Redis.from_url(redis_url)
         self._pubsub = self._client.pubsub(ignore_subscribe_messages=True)
-        self._pubsub.psubscribe(f"{namespace}:events:*")
-        self._pubsub.get_message(timeout=5)  # the psubscribe confirmation: from here on nothing is missed
-        self.states: dict[str, list[TaskState]] = defaultdict(list)
+        self._pubsub.psubscribe(f"{namespace}:events:*", f"{namespace}:reply:*")
+        for _ in range(2):  # the psubscribe confirmations: from here on nothing is missed
+            self._pubsub.get_message(timeout=5)
+        self._events_prefix = f"{namespace}:events:".encode()
+        self._events: dict[str, list[TaskState]] = defaultdict(list)
+        self._replies: dict[str, list[TaskState]] = defaultdict(list)
         self.failure: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="terminal-events", daemon=True)
@@ -334,23 +339,40 @@ class TerminalEvents:
 
     def _run(self) -> None:
         from schemas.codec import decode_state
+        from transport.redis.lua import reply_frames
 
         try:
             while not self._stop.is_set():
                 message = self._pubsub.get_message(timeout=0.1)
                 if message is None or message["type"] != "pmessage":
                     continue
-                state = decode_state(message["data"])
-                if state.status.terminal:
-                    self.states[state.task_id].append(state)
+                if message["channel"].startswith(self._events_prefix):
+                    state = decode_state(message["data"])
+                    if state.status.terminal:
+                        self._events[state.task_id].append(state)
+                else:
+                    for doc in reply_frames(message["data"]):
+                        state = decode_state(doc)
+                        self._replies[state.task_id].append(state)
         except BaseException as err:  # reported by twice(): a dead listener must not pass for silence
             self.failure = err
             raise
 
+    @property
+    def states(self) -> dict[str, list[Any]]:
+        """Each task's published terminal states: on its task channel, else in reply frames (a stored
+        synchronous task's end goes to both: counted once)."""
+        tasks = set(self._events) | set(self._replies)
+        return {task: list(self._events.get(task) or self._replies.get(task) or ()) for task in tasks}
+
     def twice(self) -> dict[str, int]:
-        """Tasks whose terminal state was published more than once (must stay empty)."""
+        """Tasks whose terminal state was published more than once on one path (must stay empty)."""
         assert self.failure is None, f"the terminal-event listener died: {self.failure!r}"
-        return {task: len(states) for task, states in list(self.states.items()) if len(states) > 1}
+        counts: dict[str, int] = {}
+        for published in (dict(self._events), dict(self._replies)):
+            for task, states in list(published.items()):
+                counts[task] = max(counts.get(task, 0), len(states))
+        return {task: count for task, count in counts.items() if count > 1}
 
 
 def task_states(redis_url: str, namespace: str, task_ids: list[str]) -> dict[str, Any]:

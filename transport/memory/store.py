@@ -205,6 +205,9 @@ class MemoryTaskStore:
             if current is not None and (current.status.terminal or state.status.rank <= current.status.rank):
                 applied.append(False)
                 continue
+            if current is None and state.reply_to is not None and not state.status.terminal:
+                applied.append(True)  # an unstored synchronous task's progress: checked, not written
+                continue
             if current is not None and current.owner is not None and state.owner is None:
                 state = replace(state, owner=current.owner)  # the owner is set once, at create
             self._write(state)

@@ -52,40 +52,63 @@ return created
 """
 
 # KEYS[i] task hash of update i. ARGV[1] ttl ms, ARGV[2] lowest terminal rank, then per update 5
-# values: status, rank, doc, task channel, reply channel ('' = no reply). Returns 1/0 per update.
-# A missing hash (never created, or expired) accepts any update: a worker that finishes a task
-# whose queued entry expired still stores the result. The TTL is set where this write creates the
-# hash and where it ends the task, not at the steps between (a PEXPIRE each would renew what the
-# first one set): a task is kept ``ttl`` after it ended.
+# values: status, rank, doc, task channel, reply channel ('' = none: not a synchronous task; a
+# terminal update is sent there as a frame). Returns 1/0 per update. A missing hash (never created,
+# or expired) accepts any update: a worker that finishes a task whose queued entry expired still
+# stores the result. The TTL is set where this
+# write creates the hash and where it ends the task, not at the steps between (a PEXPIRE each would
+# renew what the first one set): a task is kept ``ttl`` after it ended.
+# A synchronous task no one stored (no key, no owner: ``Gateway._answer_when_done``) is one no one
+# else knows the id of: only its caller waits, and for its end. Its progress is checked (has it
+# ended?) and not written, and its end is not published on its task channel, which no one watches.
+# Most synchronous tasks are such, so one EXISTS over a write's synchronous steps answers for all
+# of them; only where one is stored is each checked (and written, as any task's).
 APPLY = """
 local ttl = ARGV[1]
 local terminal = tonumber(ARGV[2])
 local applied = {}
 local replies = {}
 local channels = {}
+local probed = {}
+for i, key in ipairs(KEYS) do
+  local at = 3 + (i - 1) * 5
+  if ARGV[at + 4] ~= '' and tonumber(ARGV[at + 1]) < terminal then
+    probed[#probed + 1] = key
+  end
+end
+local none_stored = #probed > 0 and redis.call('EXISTS', unpack(probed)) == 0
 for i, key in ipairs(KEYS) do
   local at = 3 + (i - 1) * 5
   local rank = tonumber(ARGV[at + 1])
-  local current = tonumber(redis.call('HGET', key, 'rank'))
-  if current ~= nil and (current >= terminal or rank <= current) then
-    applied[i] = 0
-  else
-    redis.call('HSET', key, 'status', ARGV[at], 'rank', ARGV[at + 1], 'doc', ARGV[at + 2])
-    if current == nil or rank >= terminal then
-      redis.call('PEXPIRE', key, ttl)
-    end
-    redis.call('PUBLISH', ARGV[at + 3], ARGV[at + 2])
-    local channel = ARGV[at + 4]
-    if channel ~= '' then
-      local frames = replies[channel]
-      if frames == nil then
-        frames = {}
-        replies[channel] = frames
-        channels[#channels + 1] = channel
-      end
-      frames[#frames + 1] = struct.pack('>I4', string.len(ARGV[at + 2])) .. ARGV[at + 2]
-    end
+  local channel = ARGV[at + 4]
+  local progress = channel ~= '' and rank < terminal
+  if progress and none_stored then
     applied[i] = 1
+  else
+    local current = tonumber(redis.call('HGET', key, 'rank'))
+    if current ~= nil and (current >= terminal or rank <= current) then
+      applied[i] = 0
+    elseif progress and current == nil then
+      applied[i] = 1
+    else
+      redis.call('HSET', key, 'status', ARGV[at], 'rank', ARGV[at + 1], 'doc', ARGV[at + 2])
+      if current == nil or rank >= terminal then
+        redis.call('PEXPIRE', key, ttl)
+      end
+      if current ~= nil or channel == '' then
+        redis.call('PUBLISH', ARGV[at + 3], ARGV[at + 2])
+      end
+      if channel ~= '' and rank >= terminal then
+        local frames = replies[channel]
+        if frames == nil then
+          frames = {}
+          replies[channel] = frames
+          channels[#channels + 1] = channel
+        end
+        frames[#frames + 1] = struct.pack('>I4', string.len(ARGV[at + 2])) .. ARGV[at + 2]
+      end
+      applied[i] = 1
+    end
   end
 end
 for _, channel in ipairs(channels) do

@@ -147,8 +147,7 @@ class RedisTaskStore:
         rows: list[tuple[TaskState, bytes, str, str]] = []
         for state in updates:
             keys.append(self.names.task_key(state.task_id))
-            reply = state.reply_to if state.status.terminal and state.reply_to is not None else None
-            reply_channel = self.names.reply_channel(reply) if reply is not None else ""
+            reply_channel = self.names.reply_channel(state.reply_to) if state.reply_to is not None else ""
             rows.append((state, encode_state(state), self.names.task_channel(state.task_id), reply_channel))
         return keys, apply_args(self.ttl_ms, rows)
 
