@@ -302,27 +302,33 @@ async def _coordinator(bootstrap: str, group: str) -> int | None:
         await admin.close()
 
 
-async def _misled(bootstrap: str) -> list[int]:
-    """The partitions of the offsets topic (whose leaders are the group coordinators) led by another
-    broker than their preferred replica, or by none; all of them while the cluster cannot tell."""
+def _offsets_partition(group: str, partitions: int) -> int:
+    """The offsets-topic partition whose leader coordinates ``group``: Kafka's
+    ``Utils.abs(group.hashCode()) % partitions``, Java's String hash over UTF-16 code units."""
+    code = 0
+    for unit in group.encode("utf-16-be").hex(" ", 2).split():
+        code = (31 * code + int(unit, 16)) & 0xFFFFFFFF
+    return (code & 0x7FFFFFFF) % partitions
+
+
+async def _preferred_coordinator(bootstrap: str, group: str) -> int:
+    """The broker the controller's preferred-leader election gives ``group``'s coordinator role."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5_000)
     try:
         await admin.start()
         [described] = await admin.describe_topics([OFFSETS_TOPIC])
-        partitions = described["partitions"]
-        return [p["partition"] for p in partitions if p["leader"] != p["replicas"][0]] if partitions else [-1]
-    except KafkaError:
-        return [-1]
     finally:
         await admin.close()
+    partitions = {p["partition"]: p["replicas"] for p in described["partitions"]}
+    preferred: int = partitions[_offsets_partition(group, len(partitions))][0]
+    return preferred
 
 
-async def _balanced(bootstrap: str, *, timeout_s: float = 60.0) -> None:
-    """Wait until every group coordinator is its partition's preferred replica (the controller's
-    preferred-leader election runs every few seconds in the test stack)."""
+async def _coordinated_by(bootstrap: str, group: str, broker: int, *, timeout_s: float = 60.0) -> None:
+    """Wait until ``broker`` coordinates ``group`` (the test stack's election runs every few seconds)."""
     deadline = time.monotonic() + timeout_s
-    while misled := await _misled(bootstrap):
-        assert time.monotonic() < deadline, f"offsets partitions {misled} still led off their preferred replica"
+    while (now := await _coordinator(bootstrap, group)) != broker:
+        assert time.monotonic() < deadline, f"the coordinator role never came to broker {broker} (at {now})"
         await asyncio.sleep(0.5)  # polling the cluster's state, which nothing signals
 
 
@@ -359,9 +365,7 @@ async def _wedge(state_dir: Path, bootstrap: str, group: str, down: int) -> tupl
         await asyncio.sleep(10.0)  # the fault's length, under load
         moved_to = await _coordinator(bootstrap, group)
     assert (await asyncio.to_thread(_cli, state_dir, "up", "--brokers", "3", "--redis-replicas", "0")).returncode == 0
-    await _balanced(bootstrap)
-    back = await _coordinator(bootstrap, group)
-    assert back == victim, f"the role came back to its preferred broker {victim} (it is at {back})"
+    await _coordinated_by(bootstrap, group, victim)
     whole_at = time.monotonic()
     await asyncio.sleep(12.0)  # the load goes on past the 10 s the service has to be normal again
     return victim, moved_to, whole_at
@@ -412,7 +416,8 @@ async def test_the_group_coordinator_killed_and_given_back_leaves_the_gateway_ad
                 await asyncio.gather(*tasks)
 
         group = names.batcher_group
-        await _balanced(bootstrap)  # so the coordinator is the preferred replica, which gets the role back
+        # The role starts at its preferred broker, which the election gives it back to after the kill.
+        await _coordinated_by(bootstrap, group, await _preferred_coordinator(bootstrap, group))
         async with asyncio.TaskGroup() as owner:
             loader = owner.create_task(load())
             try:
