@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from batchwire.settings import SharedSettings
-from gateway.health import Down, Ready, redis_readiness
+from gateway.health import Down, Ready
 from gateway.settings import REQUEST_RUN, GatewaySettings
 from transport.kafka.lag import KafkaQueueDepth
 from transport.kafka.producers import KafkaRequestProducer
@@ -13,6 +14,8 @@ from transport.ports import RequestProducer
 from transport.redis.cache import RedisResultCache
 from transport.redis.credits import RedisCreditPool
 from transport.redis.limits import RedisRateLimiter
+from transport.redis.pools import redacted
+from transport.redis.sentinel import is_sentinel_url, master_state
 from transport.redis.store import RedisTaskStore
 from transport.routing import Partitioner
 
@@ -99,3 +102,18 @@ class GatewayTransports:
         if self.queue_depth is not None:
             checks["queue_depth"] = self.queue_depth.alive
         return checks
+
+
+async def redis_readiness(ready: bool, redis_url: str, timeout_s: float) -> Ready:
+    """The task store's readiness; when it is down behind Sentinel, whether the Sentinels are failing
+    it over (asked only then, so a ready Redis costs no extra round trip)."""
+    if ready:
+        return True
+    if not is_sentinel_url(redis_url):
+        return Down("down", f"Redis at {redacted(redis_url)} does not answer, or the change feed is reconnecting")
+    try:
+        async with asyncio.timeout(timeout_s):
+            master = await master_state(redis_url, timeout_s / 2)
+    except TimeoutError:
+        return Down("down", f"Redis does not answer, nor do the Sentinels within {timeout_s} s")
+    return Down("failing over" if master.failing_over else "down", master.reason)

@@ -8,9 +8,6 @@ from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from transport.redis.pools import redacted
-from transport.redis.sentinel import is_sentinel_url, master_state
-
 log = logging.getLogger(__name__)
 
 
@@ -37,21 +34,6 @@ async def probe(check: Awaitable[bool], timeout_s: float, part: str) -> bool:
     except Exception:
         log.warning("readiness check of %s failed", part, exc_info=True)
     return False
-
-
-async def redis_readiness(ready: bool, redis_url: str, timeout_s: float) -> Ready:
-    """The task store's readiness; when it is down behind Sentinel, whether the Sentinels are failing
-    it over (asked only then, so a ready Redis costs no extra round trip)."""
-    if ready:
-        return True
-    if not is_sentinel_url(redis_url):
-        return Down("down", f"Redis at {redacted(redis_url)} does not answer, or the change feed is reconnecting")
-    try:
-        async with asyncio.timeout(timeout_s):
-            master = await master_state(redis_url, timeout_s / 2)
-    except TimeoutError:
-        return Down("down", f"Redis does not answer, nor do the Sentinels within {timeout_s} s")
-    return Down("failing over" if master.failing_over else "down", master.reason)
 
 
 def not_ready(checks: Mapping[str, Ready]) -> dict[str, Down]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.health import Down, redis_readiness
+from batchwire.gateway_transports import redis_readiness
+from gateway.health import Down
 from tests.support.gateway_rig import RigFactory, error_of
 
 
