@@ -7,7 +7,8 @@ the suspects in smaller groups, marking each group before it runs it; an input t
 alone at ``max_deliveries`` deaths goes to the dead-letter topic instead (see ``gpu_worker.careful``).
 
 Two small Protocols with their in-memory twins here (embedded mode, unit tests); the Redis log is
-``redis_deliveries.py``, the Kafka dead-letter producer ``kafka.KafkaDeadLetterProducer``.
+``transport.redis.deliveries.RedisDeliveryLog``, the Kafka dead-letter producer
+``transport.kafka.producers.KafkaDeadLetterProducer``.
 """
 
 from __future__ import annotations

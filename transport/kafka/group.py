@@ -2,7 +2,7 @@
 
 Both the batcher (request topic) and the workers (batch topics) read through a group-managed
 subscription, commit by hand, and must learn about rebalances *before* their partitions move, so
-they can commit what they handed on. ``GroupConsumer`` owns that once; ``kafka.py`` adds decoding.
+they can commit what they handed on. ``GroupConsumer`` owns that once; ``consumers.py`` adds decoding.
 """
 
 from __future__ import annotations
