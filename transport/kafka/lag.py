@@ -79,8 +79,9 @@ class KafkaQueueDepth:
         self._batch_partitions = {
             m: [TopicPartition(names.batch_topic(m), p) for p in range(batch_partitions)] for m in models
         }
-        self._waiting: dict[int, int] = {}
-        self._left: dict[int, int] = {}
+        self._sums: dict[str, tuple[int, int]] = {}
+        """Each model's (records waiting, records read) over its partitions, summed once per refresh:
+        ``backlog`` is asked once per request."""
         self._batches: dict[str, int] = {}
         self._settings: dict[str, Any] = {
             "bootstrap_servers": bootstrap,
@@ -188,7 +189,10 @@ class KafkaQueueDepth:
         lag = sum(waiting.values())
         if self._batch_partitions:
             await self._count_batches()
-        self._waiting, self._left = waiting, left
+        self._sums = {
+            model: (sum(waiting.get(p, 0) for p in partitions), sum(left.get(p, 0) for p in partitions))
+            for model, partitions in self._model_partitions.items()
+        }
         self._depth = lag
         self._read_at = read_at
         self._refreshed_at = time.monotonic()
@@ -207,15 +211,10 @@ class KafkaQueueDepth:
             self._batches[model] = sum(ends.get(tp, 0) for tp in tps)
 
     def backlog(self, model: str) -> Backlog | None:
-        partitions = self._model_partitions.get(model)
-        if partitions is None or self._stale():
+        if model not in self._model_partitions or self._stale():
             return None
-        return Backlog(
-            sum(self._waiting.get(p, 0) for p in partitions),
-            sum(self._left.get(p, 0) for p in partitions),
-            self._batches.get(model, 0),
-            self._read_at,
-        )
+        waiting, left = self._sums.get(model, (0, 0))
+        return Backlog(waiting, left, self._batches.get(model, 0), self._read_at)
 
     async def _refresh_forever(self) -> None:
         while True:
