@@ -23,7 +23,7 @@ from gpu_worker.settings import WorkerSettings
 from gpu_worker.worker import Worker
 from schemas.records import Batch
 from transport.deliveries import MemoryDeadLetters, MemoryDeliveryLog
-from transport.memory.bus import (
+from transport.memory.requests import (
     MemoryBatchBus,
     MemoryCreditPool,
     MemoryQueueDepth,

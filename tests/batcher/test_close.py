@@ -16,7 +16,7 @@ import pytest
 from batcher.service import Batcher
 from batcher.settings import BatcherSettings
 from schemas.records import InferenceRequest
-from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
+from transport.memory.requests import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
 from transport.routing import Partitioner
 
 SETTLE = 5

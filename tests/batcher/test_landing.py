@@ -11,7 +11,7 @@ from batcher.service import Batcher
 from batcher.settings import BatcherSettings
 from schemas.records import Batch, Credit, InferenceRequest
 from tests.support.eventually import eventually
-from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
+from transport.memory.requests import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
 from transport.ports import TransportError
 from transport.routing import Partitioner
 

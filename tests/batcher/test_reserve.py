@@ -11,7 +11,7 @@ from batcher.service import Batcher
 from batcher.settings import BatcherSettings
 from schemas.records import Credit
 from tests.support.sim_records import PARTITIONS, request
-from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
+from transport.memory.requests import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
 from transport.routing import Partitioner
 
 HOLD_MS = 2000.0

@@ -11,7 +11,7 @@ from batcher.settings import BatcherSettings
 from schemas.records import Credit, InferenceRequest, TaskState, TaskStatus
 from tests.support.eventually import eventually
 from transport.errors import PermanentTransportError
-from transport.memory.bus import (
+from transport.memory.requests import (
     MemoryBatchBus,
     MemoryCreditPool,
     MemoryRequestBus,

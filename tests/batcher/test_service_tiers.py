@@ -8,7 +8,7 @@ from batcher.service import Batcher
 from batcher.settings import BatcherSettings
 from schemas.records import Credit, InferenceRequest, Priority
 from tests.support.eventually import eventually
-from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
+from transport.memory.requests import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
 from transport.routing import Partitioner
 
 

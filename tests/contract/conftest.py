@@ -25,7 +25,7 @@ from tests.support.transport_kits import (
     StoreFactory,
     ensure_topics,
 )
-from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
+from transport.memory.requests import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
 from transport.ports import CreditPool, TaskStore
 from transport.redis.store import RedisCreditPool, RedisTaskStore
 from transport.routing import Partitioner

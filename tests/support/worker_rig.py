@@ -13,7 +13,7 @@ from gpu_worker.settings import WorkerSettings
 from gpu_worker.worker import Worker
 from schemas.records import Batch, BatchItem, TaskState, TaskStatus
 from transport.deliveries import MemoryDeadLetters, MemoryDeliveryLog
-from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryTaskStore
+from transport.memory.requests import MemoryBatchBus, MemoryCreditPool, MemoryTaskStore
 
 
 class Died(BaseException):
