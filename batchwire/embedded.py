@@ -23,13 +23,11 @@ from gpu_worker.settings import WorkerSettings
 from gpu_worker.worker import Worker
 from schemas.records import Batch
 from transport.deliveries import MemoryDeadLetters, MemoryDeliveryLog
-from transport.memory.bus import (
-    MemoryBatchBus,
-    MemoryCreditPool,
-    MemoryQueueDepth,
-    MemoryRequestBus,
-    MemoryTaskStore,
-)
+from transport.memory.batches import MemoryBatchBus
+from transport.memory.credits import MemoryCreditPool
+from transport.memory.lag import MemoryQueueDepth
+from transport.memory.requests import MemoryRequestBus
+from transport.memory.store import MemoryTaskStore
 from transport.routing import Partitioner
 
 log = logging.getLogger(__name__)

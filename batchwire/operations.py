@@ -6,8 +6,8 @@ import argparse
 import asyncio
 
 from batchwire.settings import SettingsError, SharedSettings
-from infra.topic_checks import Durability
-from infra.topics import TopicError, ensure_topics, group_members, grow_topics
+from infra.topic_checks import Durability, TopicError
+from infra.topics import ensure_topics, group_members, grow_topics
 
 
 def durability(args: argparse.Namespace) -> Durability:

@@ -29,11 +29,12 @@ from gpu_worker.worker import Worker
 from transport.kafka.consumers import KafkaBatchConsumer, KafkaRequestConsumer
 from transport.kafka.group import GroupTiming
 from transport.kafka.producers import KafkaBatchProducer, KafkaDeadLetterProducer
-from transport.memory.bus import MemoryRateLimiter
 from transport.memory.cache import MemoryResultCache
+from transport.memory.limits import MemoryRateLimiter
+from transport.redis.credits import RedisCreditPool
 from transport.redis.deliveries import RedisDeliveryLog
 from transport.redis.pools import PoolOptions
-from transport.redis.store import STORE_POOL, RedisCreditPool, RedisTaskStore
+from transport.redis.store import STORE_POOL, RedisTaskStore
 from transport.replicas import ReplicaSettings, ReplicaWait
 
 log = logging.getLogger("batchwire")

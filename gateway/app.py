@@ -24,8 +24,6 @@ from gateway.routes import events, operations, submit, tasks
 from gateway.routes.deployment import Deployment, Lifecycle
 from gateway.service import Gateway
 
-__all__ = ["Lifecycle", "create_app"]
-
 
 def create_app(gateway: Gateway, lifecycle: Lifecycle, streams_end: StreamsEnd | None = None) -> FastAPI:
     """The gateway's ASGI app; its lifespan starts ``lifecycle`` then ``gateway``, and stops them in reverse.

@@ -42,8 +42,6 @@ log = logging.getLogger(__name__)
 # builds it; the service never sees the transport.
 Disconnected = Watch
 
-__all__ = ["Accepted", "Answer", "Disconnected", "Gateway"]
-
 
 class Gateway:
     """Takes a request from admission to its answer: checks and admits it, publishes it, and answers

@@ -33,7 +33,6 @@ from infra.errors import InfraError
 from infra.fetch_kafka import prepare_kafka
 from infra.kafka_probe import kafka_serves, wait_for_kafka
 from infra.kafka_server import DEFAULT_STOP_TIMEOUT_S, KafkaServer, read_config_ports
-from infra.local_stack import LocalStack
 from infra.locks import file_lock
 from infra.ports import LOOPBACK
 from infra.process import ServiceProcess
@@ -45,7 +44,6 @@ __all__ = [
     "ENV_FILE_NAME",
     "KAFKA_ENV",
     "REDIS_ENV",
-    "LocalStack",
     "ServerStatus",
     "StackStatus",
     "StackUp",

@@ -20,8 +20,6 @@ from aiokafka.errors import (  # type: ignore[import-untyped, unused-ignore]
 
 from infra.topic_checks import Durability, ExistingTopic, Replication, TopicConfigError, TopicError
 
-__all__ = ["Durability", "Replication", "TopicConfigError", "TopicError", "ensure_topics", "grow_topics"]
-
 _POLL_INTERVAL_S = 0.05
 MIN_ISR = "min.insync.replicas"
 

@@ -25,8 +25,9 @@ from schemas.wire import Names
 from tests.support.eventually import eventually_sync
 from tests.support.processes import Cluster, launch, stopped_after
 from transport.errors import StoreFullError
+from transport.redis.credits import RedisCreditPool
 from transport.redis.deliveries import RedisDeliveryLog
-from transport.redis.store import RedisCreditPool, RedisTaskStore
+from transport.redis.store import RedisTaskStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 

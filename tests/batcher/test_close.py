@@ -16,7 +16,10 @@ import pytest
 from batcher.service import Batcher
 from batcher.settings import BatcherSettings
 from schemas.records import InferenceRequest
-from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
+from transport.memory.batches import MemoryBatchBus
+from transport.memory.credits import MemoryCreditPool
+from transport.memory.requests import MemoryRequestBus
+from transport.memory.store import MemoryTaskStore
 from transport.routing import Partitioner
 
 SETTLE = 5

@@ -11,7 +11,10 @@ from batcher.service import Batcher
 from batcher.settings import BatcherSettings
 from schemas.records import Batch, Credit, InferenceRequest
 from tests.support.eventually import eventually
-from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
+from transport.memory.batches import MemoryBatchBus
+from transport.memory.credits import MemoryCreditPool
+from transport.memory.requests import MemoryRequestBus
+from transport.memory.store import MemoryTaskStore
 from transport.ports import TransportError
 from transport.routing import Partitioner
 

@@ -22,7 +22,9 @@ from infra.redis_server import RedisServer
 from schemas.records import InferenceRequest, TaskState, TaskStatus
 from schemas.wire import Names
 from tests.support.eventually import eventually
-from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus
+from transport.memory.batches import MemoryBatchBus
+from transport.memory.credits import MemoryCreditPool
+from transport.memory.requests import MemoryRequestBus
 from transport.redis.store import RedisTaskStore
 from transport.replicas import ReplicaSettings, ReplicaWait
 from transport.routing import Partitioner

@@ -11,7 +11,10 @@ from batcher.service import Batcher
 from batcher.settings import BatcherSettings
 from schemas.records import Credit
 from tests.support.sim_records import PARTITIONS, request
-from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
+from transport.memory.batches import MemoryBatchBus
+from transport.memory.credits import MemoryCreditPool
+from transport.memory.requests import MemoryRequestBus
+from transport.memory.store import MemoryTaskStore
 from transport.routing import Partitioner
 
 HOLD_MS = 2000.0

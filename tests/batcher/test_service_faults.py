@@ -11,13 +11,10 @@ from batcher.settings import BatcherSettings
 from schemas.records import Credit, InferenceRequest, TaskState, TaskStatus
 from tests.support.eventually import eventually
 from transport.errors import PermanentTransportError
-from transport.memory.bus import (
-    MemoryBatchBus,
-    MemoryCreditPool,
-    MemoryRequestBus,
-    MemoryRequestConsumer,
-    MemoryTaskStore,
-)
+from transport.memory.batches import MemoryBatchBus
+from transport.memory.credits import MemoryCreditPool
+from transport.memory.requests import MemoryRequestBus, MemoryRequestConsumer
+from transport.memory.store import MemoryTaskStore
 from transport.ports import Delivered, TransportError
 from transport.routing import Partitioner
 

@@ -13,7 +13,10 @@ from batcher.spacing import Spacing
 from schemas.records import Credit
 from tests.support.eventually import eventually
 from tests.support.sim_records import PARTITIONS, request
-from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
+from transport.memory.batches import MemoryBatchBus
+from transport.memory.credits import MemoryCreditPool
+from transport.memory.requests import MemoryRequestBus
+from transport.memory.store import MemoryTaskStore
 from transport.routing import Partitioner
 
 L = 0.1

@@ -11,7 +11,7 @@ from batchwire.bench.late import read_back
 from batchwire.bench.report import run_table
 from batchwire.bench.results import RunReport
 from batchwire.bench.runner import summary_line
-from batchwire.bench.sut import free_port
+from infra.ports import free_port
 from tests.support.bench_rates import one_rate
 from tests.support.fake_inference_server import Behaviour, FakeServer
 

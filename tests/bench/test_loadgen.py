@@ -10,7 +10,7 @@ import pytest
 
 from batchwire.bench import sends
 from batchwire.bench.client import ClientKind
-from batchwire.bench.sut import free_port
+from infra.ports import free_port
 from tests.support.bench_rates import one_rate
 from tests.support.fake_inference_server import Behaviour, FakeServer
 

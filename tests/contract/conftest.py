@@ -25,9 +25,13 @@ from tests.support.transport_kits import (
     StoreFactory,
     ensure_topics,
 )
-from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryRequestBus, MemoryTaskStore
+from transport.memory.batches import MemoryBatchBus
+from transport.memory.credits import MemoryCreditPool
+from transport.memory.requests import MemoryRequestBus
+from transport.memory.store import MemoryTaskStore
 from transport.ports import CreditPool, TaskStore
-from transport.redis.store import RedisCreditPool, RedisTaskStore
+from transport.redis.credits import RedisCreditPool
+from transport.redis.store import RedisTaskStore
 from transport.routing import Partitioner
 
 

@@ -20,7 +20,8 @@ from schemas.wire import Names
 from transport.kafka.consumers import KafkaRequestConsumer
 from transport.kafka.group import GroupTiming
 from transport.kafka.producers import KafkaRequestProducer
-from transport.redis.store import RedisCreditPool, RedisTaskStore
+from transport.redis.credits import RedisCreditPool
+from transport.redis.store import RedisTaskStore
 from transport.routing import Partitioner
 
 

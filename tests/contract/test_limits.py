@@ -20,7 +20,8 @@ from telemetry.metrics import REGISTRY
 from tests.support.eventually import eventually
 from tests.support.transport_kits import MODELS, REAL, REQUEST_PARTITIONS, Closer, RequestBusKit, ensure_topics
 from transport.kafka.lag import KafkaQueueDepth
-from transport.memory.bus import MemoryQueueDepth, MemoryRateLimiter
+from transport.memory.lag import MemoryQueueDepth
+from transport.memory.limits import MemoryRateLimiter
 from transport.ports import QueueDepth, RateLimiter
 from transport.redis.limits import RedisRateLimiter, bucket_id
 

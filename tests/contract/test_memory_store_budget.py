@@ -10,7 +10,7 @@ from batchwire.settings import SettingsError
 from gpu_worker.settings import WorkerSettings
 from schemas.records import InferenceRequest, TaskStatus
 from tests.support.task_states import state
-from transport.memory.bus import MemoryRequestBus, request_bytes
+from transport.memory.requests import MemoryRequestBus, request_bytes
 from transport.memory.store import ENTRY_BYTES, MemoryTaskStore, state_bytes
 from transport.routing import Partitioner
 

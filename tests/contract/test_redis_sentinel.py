@@ -23,6 +23,7 @@ from tests.support.eventually import eventually, eventually_sync
 from tests.support.sentinels import FAILOVER_WAIT_S, MASTER, SentinelCluster
 from tests.support.task_states import state
 from transport.ports import TransportError
+from transport.redis.credits import RedisCreditPool
 from transport.redis.pools import PoolOptions, blocking_pool, command_pool, pubsub_pool, redacted
 from transport.redis.sentinel import (
     DEFAULT_SENTINEL_PORT,
@@ -32,7 +33,7 @@ from transport.redis.sentinel import (
     check_sentinels,
     parse_sentinel_url,
 )
-from transport.redis.store import RedisCreditPool, RedisTaskStore
+from transport.redis.store import RedisTaskStore
 
 pytestmark = pytest.mark.timeout(90)
 

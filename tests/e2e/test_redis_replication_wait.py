@@ -29,6 +29,7 @@ import httpx
 import pytest
 import redis
 
+from infra.ports import free_port
 from infra.process import ServiceProcess
 from infra.redis_sentinel import MASTER_NAME, sentinel_primary
 from infra.stack import ENV_FILE_NAME, KAFKA_ENV, REDIS_ENV, read_env_file
@@ -37,7 +38,7 @@ from schemas.records import TaskStatus
 from schemas.wire import Names
 from tests.support.cluster_checks import group_offsets
 from tests.support.eventually import eventually_sync
-from tests.support.processes import Cluster, free_port, launch, metric, respawn, stopped_after
+from tests.support.processes import Cluster, launch, metric, respawn, stopped_after
 from tests.support.stack_cli import stack_cli as _cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(180)]

@@ -39,7 +39,8 @@ from gateway.settings import GatewaySettings
 from schemas.records import TaskStatus
 from schemas.wire import IDEMPOTENCY_HEADER
 from tests.support.processes import Proc, embedded
-from transport.memory.bus import MemoryRequestBus, MemoryTaskStore
+from transport.memory.requests import MemoryRequestBus
+from transport.memory.store import MemoryTaskStore
 from transport.routing import Partitioner
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

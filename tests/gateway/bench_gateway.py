@@ -26,7 +26,8 @@ from gateway.app import create_app
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from tests.support.gateway_rig import FakeWorker, StubLifecycle
-from transport.memory.bus import MemoryRequestBus, MemoryTaskStore
+from transport.memory.requests import MemoryRequestBus
+from transport.memory.store import MemoryTaskStore
 from transport.routing import Partitioner
 
 BODY = json.dumps({"input": "the quick brown fox jumps over the lazy dog"}).encode()

@@ -12,7 +12,8 @@ from gateway.app import create_app
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from tests.support.gateway_rig import MODELS, RecordingStore, Rig, RigFactory, StubLifecycle
-from transport.memory.bus import MemoryQueueDepth, MemoryRequestBus
+from transport.memory.lag import MemoryQueueDepth
+from transport.memory.requests import MemoryRequestBus
 from transport.routing import Partitioner
 
 

@@ -15,7 +15,7 @@ from gateway.settings import GatewaySettings
 from gateway.unseen import Ticket
 from schemas.records import Credit
 from tests.support.queue_depth import Counters, admit_sent
-from transport.memory.bus import MemoryCreditPool
+from transport.memory.credits import MemoryCreditPool
 from transport.ports import Backlog
 
 

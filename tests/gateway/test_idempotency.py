@@ -26,7 +26,7 @@ from tests.support.gateway_rig import (
     error_of,
     now_ms,
 )
-from transport.memory.bus import MemoryRequestBus
+from transport.memory.requests import MemoryRequestBus
 from transport.ports import TransportError
 from transport.redis.store import RedisTaskStore
 from transport.routing import Partitioner

@@ -16,7 +16,7 @@ from tests.support.gateway_rig import MODELS, RigFactory, error_of
 from tests.support.transport_kits import ensure_topics
 from transport.kafka.lag import KafkaQueueDepth
 from transport.kafka.producers import KafkaRequestProducer
-from transport.memory.bus import MemoryRateLimiter
+from transport.memory.limits import MemoryRateLimiter
 from transport.redis.limits import RedisRateLimiter
 from transport.routing import Partitioner
 

@@ -9,7 +9,7 @@ from gateway.reconnect_recheck import ReconnectRecheck
 from gateway.waiters import ReplyWaiters
 from schemas.records import TaskState, TaskStatus
 from tests.support.gateway_rig import now_ms
-from transport.memory.bus import MemoryTaskStore
+from transport.memory.store import MemoryTaskStore
 
 
 class FlakyFeedStore(MemoryTaskStore):

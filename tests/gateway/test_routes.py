@@ -17,7 +17,8 @@ from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from schemas.records import TaskState, TaskStatus
 from tests.support.gateway_rig import RecordingStore, RigFactory, StubLifecycle, error_of
-from transport.memory.bus import MemoryRequestBus, MemoryTaskStore
+from transport.memory.requests import MemoryRequestBus
+from transport.memory.store import MemoryTaskStore
 from transport.routing import Partitioner
 
 

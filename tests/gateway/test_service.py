@@ -18,7 +18,8 @@ from schemas.records import InferenceRequest, TaskState, TaskStatus
 from tests.support.eventually import eventually
 from tests.support.fake_clock import FixedClock
 from tests.support.gateway_rig import FakeWorker, now_ms, statuses
-from transport.memory.bus import MemoryRequestBus, MemoryTaskStore
+from transport.memory.requests import MemoryRequestBus
+from transport.memory.store import MemoryTaskStore
 from transport.ports import TransportError
 from transport.routing import Partitioner
 

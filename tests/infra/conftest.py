@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from infra.local_stack import LocalStack
 from infra.select import FORCE_ENV
-from infra.stack import LocalStack
 
 
 @pytest.fixture(scope="module")

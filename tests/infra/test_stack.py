@@ -22,10 +22,12 @@ from aiokafka.admin import AIOKafkaAdminClient  # type: ignore[import-untyped, u
 
 from infra.aio import run_blocking
 from infra.kafka_probe import kafka_serves
+from infra.local_stack import LocalStack
 from infra.process import ServiceProcess
 from infra.redis_server import redis_pings
-from infra.stack import ENV_FILE_NAME, KAFKA_ENV, REDIS_ENV, LocalStack, stack_down, stack_status, stack_up
-from infra.topics import TopicError, ensure_topics
+from infra.stack import ENV_FILE_NAME, KAFKA_ENV, REDIS_ENV, stack_down, stack_status, stack_up
+from infra.topic_checks import TopicError
+from infra.topics import ensure_topics
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(180)]
 

@@ -11,10 +11,11 @@ import redis
 from aiokafka import AIOKafkaConsumer, TopicPartition  # type: ignore[import-untyped, unused-ignore]
 from aiokafka.admin import AIOKafkaAdminClient  # type: ignore[import-untyped, unused-ignore]
 
+from infra.ports import free_port
 from schemas.codec import decode_state
 from schemas.records import TaskStatus
 from tests.support.eventually import eventually_sync
-from tests.support.processes import Cluster, Proc, TerminalEvents, free_port, launch, task_states
+from tests.support.processes import Cluster, Proc, TerminalEvents, launch, task_states
 
 
 async def group_offsets(bootstrap: str, group: str, topic: str) -> tuple[dict[int, int], dict[int, int]]:

@@ -21,7 +21,8 @@ from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from schemas.records import InferenceRequest, TaskState, TaskStatus
 from tests.support.eventually import eventually
-from transport.memory.bus import MemoryRequestBus, MemoryTaskStore
+from transport.memory.requests import MemoryRequestBus
+from transport.memory.store import MemoryTaskStore
 from transport.ports import TransportError
 
 MODELS = ("sim", "echo")

@@ -11,7 +11,8 @@ from schemas.wire import Names
 from transport.kafka.consumers import KafkaBatchConsumer, KafkaRequestConsumer
 from transport.kafka.group import GroupTiming
 from transport.kafka.producers import KafkaBatchProducer, KafkaRequestProducer
-from transport.memory.bus import MemoryBatchBus, MemoryRequestBus
+from transport.memory.batches import MemoryBatchBus
+from transport.memory.requests import MemoryRequestBus
 from transport.ports import BatchConsumer, BatchProducer, CreditPool, RequestConsumer, RequestProducer, TaskStore
 from transport.routing import Partitioner
 

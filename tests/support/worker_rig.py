@@ -13,7 +13,9 @@ from gpu_worker.settings import WorkerSettings
 from gpu_worker.worker import Worker
 from schemas.records import Batch, BatchItem, TaskState, TaskStatus
 from transport.deliveries import MemoryDeadLetters, MemoryDeliveryLog
-from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryTaskStore
+from transport.memory.batches import MemoryBatchBus
+from transport.memory.credits import MemoryCreditPool
+from transport.memory.store import MemoryTaskStore
 
 
 class Died(BaseException):

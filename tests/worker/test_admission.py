@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from schemas.records import TaskState, TaskStatus
 from tests.support.eventually import eventually
 from tests.support.worker_rig import Rig, ScriptedBackend, now_ms
-from transport.memory.bus import MemoryTaskStore
+from transport.memory.store import MemoryTaskStore
 
 
 async def test_a_cancelled_task_never_reaches_the_backend() -> None:

@@ -12,7 +12,7 @@ from schemas.records import Batch, TaskState, TaskStatus
 from tests.support.eventually import eventually
 from tests.support.worker_rig import now_ms
 from transport.deliveries import MemoryDeliveryLog
-from transport.memory.bus import MemoryTaskStore
+from transport.memory.store import MemoryTaskStore
 from transport.ports import Delivered, TransportError
 
 T = TypeVar("T")

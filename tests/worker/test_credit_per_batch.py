@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from schemas.records import Credit
 from tests.support.worker_rig import Rig, ScriptedBackend
-from transport.memory.bus import MemoryCreditPool
+from transport.memory.credits import MemoryCreditPool
 
 
 class WatchedCredits(MemoryCreditPool):

@@ -24,7 +24,8 @@ from schemas.records import Batch, TaskState, TaskStatus
 from schemas.wire import Names
 from tests.support.eventually import eventually
 from tests.support.worker_rig import Rig, ScriptedBackend, now_ms
-from transport.memory.bus import MemoryBatchConsumer, MemoryTaskStore
+from transport.memory.batches import MemoryBatchConsumer
+from transport.memory.store import MemoryTaskStore
 from transport.ports import Delivered
 from transport.redis.store import RedisTaskStore
 from transport.replicas import ReplicaSettings, ReplicaWait, parse_min_replicas

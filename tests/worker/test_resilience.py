@@ -11,7 +11,8 @@ from gpu_worker.worker import Worker
 from schemas.records import Batch, TaskState, TaskStatus
 from tests.support.worker_rig import Rig, ScriptedBackend
 from transport.errors import PermanentTransportError
-from transport.memory.bus import MemoryBatchConsumer, MemoryTaskStore
+from transport.memory.batches import MemoryBatchConsumer
+from transport.memory.store import MemoryTaskStore
 from transport.ports import Delivered, TransportError
 
 

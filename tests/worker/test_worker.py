@@ -12,7 +12,9 @@ from gpu_worker.worker import Worker
 from schemas.records import Batch, BatchItem, TaskState, TaskStatus
 from telemetry.metrics import REGISTRY
 from tests.support.worker_rig import PoisonBackend, Rig, ScriptedBackend, now_ms, run_batch
-from transport.memory.bus import MemoryBatchBus, MemoryCreditPool, MemoryTaskStore
+from transport.memory.batches import MemoryBatchBus
+from transport.memory.credits import MemoryCreditPool
+from transport.memory.store import MemoryTaskStore
 
 
 async def test_healthy_batch_completes_in_order() -> None:

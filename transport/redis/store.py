@@ -1,4 +1,4 @@
-"""Redis transports: the task store (status, results, change notifications) and the credit pool.
+"""The Redis task store: status, results and change notifications (the credit pool is ``credits``).
 
 A task is a hash ``names.task_key(id)`` with ``status``, ``rank``, ``doc`` (Avro ``TaskState``) and,
 when it has one, ``owner`` (written once, at create), expiring ``ttl_s`` after it ended (while it
@@ -29,7 +29,6 @@ from transport.coalesce import Coalescer
 from transport.errors import PermanentTransportError
 from transport.ports import KeyClaim, ReplyHandler, TransportError
 from transport.redis import scripted
-from transport.redis.credits import RedisCreditPool
 from transport.redis.feed import ChangeFeed
 from transport.redis.lua import (
     APPLY,
@@ -46,9 +45,6 @@ from transport.redis.lua import (
 )
 from transport.redis.memory import MemoryWatch
 from transport.redis.pools import CommandClient, PoolOptions, pubsub_pool, redacted, translate
-
-__all__ = ["RedisCreditPool", "RedisTaskStore"]
-
 
 STORE_POOL = PoolOptions(max_connections=32)  # every gateway request and worker batch writes through it
 
