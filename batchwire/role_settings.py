@@ -12,7 +12,7 @@ from typing import Any
 from batcher.policy import FlushPolicy
 from batcher.settings import BatcherSettings
 from batchwire.settings import SettingsError, SharedSettings
-from gateway.auth import load_api_keys
+from gateway.edge.auth import load_api_keys
 from gateway.settings import GatewaySettings
 from gpu_worker.backends.factory import BackendSettings
 from gpu_worker.settings import WorkerSettings

@@ -17,8 +17,8 @@ from batchwire.gateway_transports import GatewayTransports
 from batchwire.operations import durability, ensure_role_topics
 from batchwire.settings import SettingsError, SharedSettings
 from batchwire.supervise import Lifecycle, run_loop, serve_http, serve_metrics, supervise
-from gateway.app import create_app
-from gateway.events import StreamsEnd
+from gateway.edge.app import create_app
+from gateway.edge.events import StreamsEnd
 from gateway.service import Gateway
 from gpu_worker.backends.base import Backend
 from gpu_worker.backends.factory import make_backend

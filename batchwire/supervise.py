@@ -16,9 +16,9 @@ from prometheus_client import start_http_server
 
 from batchwire.gc_tuning import Threshold, tune_gc
 from batchwire.settings import SettingsError
-from gateway.descriptors import connection_cap
-from gateway.events import StreamsEnd
-from gateway.http_limits import limited_http_protocol
+from gateway.edge.descriptors import connection_cap
+from gateway.edge.events import StreamsEnd
+from gateway.edge.http_limits import limited_http_protocol
 from gateway.settings import GatewaySettings
 from telemetry import logs
 from telemetry.metrics import REGISTRY
@@ -106,7 +106,7 @@ def serve_metrics(port: int) -> None:
 def serve_http(
     app: FastAPI, settings: GatewaySettings, log_level: str, gc_threshold: Threshold | None, streams_end: StreamsEnd
 ) -> int:
-    """Serves ``app`` with uvicorn, under the gateway's HTTP limits (``gateway.http_limits``); the first
+    """Serves ``app`` with uvicorn, under the gateway's HTTP limits (``gateway.edge.http_limits``); the first
     shutdown signal also ends ``streams_end``'s event streams, which would hold the graceful shutdown."""
     tune_gc(gc_threshold)
     config = uvicorn.Config(

@@ -1,6 +1,6 @@
 """The gateway's domain errors, and the one table that turns them into HTTP answers.
 
-``service.py`` raises these and knows nothing of HTTP; ``app.py`` renders any of them as
+``service.py`` raises these and knows nothing of HTTP; ``edge/app.py`` renders any of them as
 ``{"error": {"code": ..., "message": ...}}`` with the status from :data:`HTTP_STATUS`.
 """
 

@@ -1,6 +1,6 @@
 """The gateway's work without HTTP: accept a request, publish it, and answer from the task store.
 
-``gateway.routes`` is a thin HTTP skin over :class:`Gateway`; everything here raises the domain
+``gateway.edge.routes`` is a thin HTTP skin over :class:`Gateway`; everything here raises the domain
 errors of ``errors.py``, so it can be driven directly (embedded mode, tests) as well as over HTTP.
 """
 
@@ -13,22 +13,22 @@ from collections.abc import AsyncGenerator
 from dataclasses import replace
 from typing import Literal, overload
 
-from gateway import idempotency
-from gateway.admission import ANONYMOUS, Admission, Caller
-from gateway.answers import Accepted, Answer, answer_of
+from gateway.admission.gate import ANONYMOUS, Admission, Caller
+from gateway.admission.priority import request_tier
+from gateway.admission.validation import validated
+from gateway.answers.outcomes import Accepted, Answer, answer_of
+from gateway.answers.reads import TaskReads
+from gateway.answers.replies import Replies
+from gateway.answers.waiters import CallerGone, Watch
 from gateway.clock import Clock, SystemClock
 from gateway.errors import ClientDisconnected, DeadlineExceeded, NotReady, Overloaded, QueuedUnrecorded, Unavailable
 from gateway.health import probe
-from gateway.priority import request_tier
+from gateway.keys import idempotency
+from gateway.keys.replay import UNSTORED_GRACE_S, KeyedReplay
 from gateway.publisher import TaskPublisher
-from gateway.reads import TaskReads
-from gateway.replay import UNSTORED_GRACE_S, KeyedReplay
-from gateway.replies import Replies
 from gateway.settings import GatewaySettings, env_name
-from gateway.sharing import SharedAnswers
+from gateway.sharing.shared import SharedAnswers
 from gateway.submission import Submission
-from gateway.validation import validated
-from gateway.waiters import CallerGone, Watch
 from schemas.records import TaskState, TaskStatus
 from telemetry import spans, tracing
 from telemetry.logs import ids
@@ -180,7 +180,7 @@ class Gateway:
         used, nothing new is queued: the answer (or acceptance) is that of the earlier task. A
         synchronous caller without a key whose ``disconnected`` completes has its task cancelled;
         with a key the task runs on, for the retry the key announces. ``priority`` names the tier
-        (``gateway.priority``: the key's default when None, never above its ceiling).
+        (``gateway.admission.priority``: the key's default when None, never above its ceiling).
         """
         started = self._clock.monotonic()
         model, timeout_ms = validated(self.settings, input, model, timeout_ms)

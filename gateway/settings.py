@@ -85,7 +85,7 @@ class GatewaySettings:
     """The same for ``low``: at most ``queue_fraction_normal``."""
     admit_by_wait: bool = True
     """Refuse (503 + Retry-After) a request whose deadline the wait its model's queue predicts would
-    pass (see ``gateway.drain``), and every request of a model whose workers take nothing."""
+    pass (see ``gateway.admission.drain``), and every request of a model whose workers take nothing."""
     stall_s: float = 5.0
     """A model whose queue holds requests while no batch reaches its workers for this long is stalled."""
     rate_limit_per_s: float = 0.0
@@ -105,7 +105,7 @@ class GatewaySettings:
     a request: under load that request waits for a busy worker anyway. 0 sends at once."""
     max_header_bytes: int = 16_384
     """Largest request line plus headers; beyond it the gateway answers 431 and closes the connection,
-    having parsed no byte past the limit (``gateway.http_limits``)."""
+    having parsed no byte past the limit (``gateway.edge.http_limits``)."""
     header_timeout_s: float = 10.0
     """How long a request's headers may take to arrive, from the connection's opening or the end of the
     previous response; then 408 (a plain close when nothing came) and the connection closes."""
@@ -117,19 +117,19 @@ class GatewaySettings:
     503 + Retry-After and closed before it is read. Each open connection holds memory, so the cap also
     bounds what a flood of idle ones costs."""
     api_keys: tuple[str, ...] = field(default=(), repr=False)
-    """sha256 hex digests of the accepted API keys (never the keys; ``gateway.auth.load_api_keys``
+    """sha256 hex digests of the accepted API keys (never the keys; ``gateway.edge.auth.load_api_keys``
     turns keys into digests). Empty: no keys needed and every task is visible to every caller."""
     operator_keys: tuple[str, ...] = field(default=(), repr=False)
     """Those of ``api_keys`` that are operator keys: with keys on, only they read ``/metrics``."""
     key_tiers: tuple[str, ...] = field(default=(), repr=False)
     """Priority tiers of those of ``api_keys`` the keys file gives any, each ``<digest> <default>
-    <ceiling>`` (``gateway.priority.KeyTiers``); a key not here defaults to normal, up to high."""
+    <ceiling>`` (``gateway.admission.priority.KeyTiers``); a key not here defaults to normal, up to high."""
     deterministic_models: tuple[str, ...] = ()
     """Models whose answer depends on the input alone (the sim backend's reversal, greedy decoding).
     Only their requests are collapsed and cached: another model's identical requests each run."""
     public_models: tuple[str, ...] = ()
     """Deterministic models whose answers every API key may share: their cache and collapsing span
-    all callers. Any other model's are scoped per API key (``gateway.answer_keys``)."""
+    all callers. Any other model's are scoped per API key (``gateway.sharing.answer_keys``)."""
     cache_ttl_s: float = 0.0
     """How long a completed answer of a deterministic model is served from the result cache; 0 turns
     the cache off."""
@@ -270,7 +270,7 @@ def _check_keys(settings: GatewaySettings) -> None:
         # The value is not shown: a plain key passed here by mistake must not reach a log.
         raise ValueError(
             f"api_keys ({env_name('api_keys')}) must hold sha256 hex digests; keys given as text are hashed "
-            "by the CLI (gateway.auth.load_api_keys)"
+            "by the CLI (gateway.edge.auth.load_api_keys)"
         )
     if not set(settings.operator_keys) <= set(settings.api_keys):
         raise ValueError(f"operator_keys must be among api_keys ({env_name('api_keys')}), as digests")

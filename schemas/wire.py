@@ -61,7 +61,7 @@ class Names:
         return f"{self.namespace}:idem:{scope}:{key}"
 
     def cached_answer(self, key: str) -> str:
-        """A completed answer in the result cache, under its scoped key (``gateway.answer_keys``)."""
+        """A completed answer in the result cache, under its scoped key (``gateway.sharing.answer_keys``)."""
         return f"{self.namespace}:answer:{key}"
 
     def rate_bucket(self, client: str) -> str:

@@ -6,7 +6,7 @@ status (431, 408, 503) or a close, within the limit's own bound, while a normal 
 unharmed (``rig.unharmed``). And a submit that is not declared JSON, HEAD, a trailing slash, bytes
 that are not HTTP, pipelining, idle connections at the cap, and half-sent or fragmented bodies.
 
-The edge is one code path in both modes (``gateway.http_limits`` in the gateway's process), so the
+The edge is one code path in both modes (``gateway.edge.http_limits`` in the gateway's process), so the
 timed attacks run in embedded mode only, where the attack shares its process with the workers (the
 harsher case); the answers are checked in both modes.
 """

@@ -7,7 +7,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.auth import digest_of
+from gateway.edge.auth import digest_of
 from tests.support.adversarial_rig import ServiceFactory
 
 pytestmark = pytest.mark.slow

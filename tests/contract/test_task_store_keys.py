@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from gateway import idempotency
+from gateway.keys import idempotency
 from schemas.records import TaskStatus
 from tests.support.task_states import state
 from tests.support.transport_kits import StoreFactory

@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway import idempotency
-from gateway.replay import UNSTORED_GRACE_S
+from gateway.keys import idempotency
+from gateway.keys.replay import UNSTORED_GRACE_S
 from schemas.wire import IDEMPOTENCY_HEADER, Names
 from tests.support.processes import Cluster, launch, stopped_after
 from transport.redis.store import RedisTaskStore

@@ -31,9 +31,9 @@ from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import use_after_free
 
-from gateway.app import create_app
-from gateway.auth import digest_of
-from gateway.idempotency import KEY_PATTERN
+from gateway.edge.app import create_app
+from gateway.edge.auth import digest_of
+from gateway.keys.idempotency import KEY_PATTERN
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from schemas.records import TaskStatus

@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from gateway.app import create_app
+from gateway.edge.app import create_app
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from tests.support.gateway_rig import FakeWorker, StubLifecycle

@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.app import create_app
+from gateway.edge.app import create_app
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from tests.support.gateway_rig import MODELS, RecordingStore, Rig, RigFactory, StubLifecycle

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.answer_keys import AnswerKeys, answer_key
 from gateway.settings import GatewaySettings
+from gateway.sharing.answer_keys import AnswerKeys, answer_key
 
 MODELS = {"models": ("sim", "echo", "gen"), "default_model": "sim"}
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.auth import ApiKeys, KeyHolder, LoadedKeys, digest_of, load_api_keys, owner_of
+from gateway.edge.auth import ApiKeys, KeyHolder, LoadedKeys, digest_of, load_api_keys, owner_of
 from gateway.settings import GatewaySettings
 from schemas.records import TaskStatus
 from schemas.wire import Names

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from gateway.admission import ANONYMOUS, Admission, ServiceTime
-from gateway.drain import DrainMeter
+from gateway.admission.drain import DrainMeter
+from gateway.admission.gate import ANONYMOUS, Admission, ServiceTime
 from gateway.errors import Overloaded
 from gateway.settings import GatewaySettings
 from gateway.unseen import Ticket

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from gateway.admission import Admission, Caller
+from gateway.admission.fair_share import FairShare, water_level
+from gateway.admission.gate import Admission, Caller
 from gateway.errors import Overloaded
-from gateway.fair_share import FairShare, water_level
 from gateway.settings import GatewaySettings
 from tests.support.queue_depth import Counters, admit_sent
 from transport.ports import Backlog

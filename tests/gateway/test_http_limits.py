@@ -19,15 +19,15 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
-from gateway.descriptors import FD_RESERVE, connection_cap, refusal_budget
-from gateway.http_limits import (
+from gateway.edge.descriptors import FD_RESERVE, connection_cap, refusal_budget
+from gateway.edge.http_limits import (
     OPERATIONS_OVER_CAP,
     REFUSAL_LINGER_S,
     SLOW_AFTER_S,
     LimitedHttpToolsProtocol,
     limited_http_protocol,
 )
-from gateway.refused_request import REFUSED_READ_BYTES
+from gateway.edge.refused_request import REFUSED_READ_BYTES
 from gateway.settings import GatewaySettings
 from tests.support.eventually import eventually
 
@@ -718,7 +718,7 @@ def test_a_cap_the_hard_limit_cannot_hold_is_lowered_with_a_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     Rlimit(monkeypatch, soft=1024, hard=2048)
-    with caplog.at_level(logging.WARNING, logger="gateway.descriptors"):
+    with caplog.at_level(logging.WARNING, logger="gateway.edge.descriptors"):
         assert connection_cap(10_000) == 2048 - FD_RESERVE
     assert "BATCHWIRE_MAX_CONNECTIONS" in caplog.text, caplog.text
 

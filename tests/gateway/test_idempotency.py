@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from gateway import idempotency
 from gateway.errors import Unavailable
-from gateway.replay import STALE_AFTER_MS
+from gateway.keys import idempotency
+from gateway.keys.replay import STALE_AFTER_MS
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from schemas.records import InferenceRequest, TaskState, TaskStatus

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gateway.auth import digest_of
+from gateway.edge.auth import digest_of
 from schemas.wire import Names
 from tests.support.eventually import eventually
 from tests.support.gateway_rig import MODELS, RigFactory, error_of

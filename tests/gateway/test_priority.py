@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from gateway.admission import Admission, Caller
-from gateway.auth import digest_of, load_api_keys
+from gateway.admission.gate import Admission, Caller
+from gateway.admission.priority import KeyTiers, request_tier
+from gateway.admission.tier_mix import TierMix
+from gateway.edge.auth import digest_of, load_api_keys
 from gateway.errors import InvalidPriority, Overloaded, PriorityAboveCeiling
-from gateway.priority import KeyTiers, request_tier
 from gateway.settings import GatewaySettings
-from gateway.tier_mix import TierMix
 from schemas.records import Priority
 from telemetry.metrics import REGISTRY
 from tests.support.gateway_rig import RigFactory, error_of

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from gateway.reconnect_recheck import ReconnectRecheck
-from gateway.waiters import ReplyWaiters
+from gateway.answers.reconnect_recheck import ReconnectRecheck
+from gateway.answers.waiters import ReplyWaiters
 from schemas.records import TaskState, TaskStatus
 from tests.support.gateway_rig import now_ms
 from transport.memory.store import MemoryTaskStore

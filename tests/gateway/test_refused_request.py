@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.refused_request import RefusedRequest
+from gateway.edge.refused_request import RefusedRequest
 
 
 def test_a_request_with_a_length_ends_with_its_body() -> None:

@@ -11,8 +11,8 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from starlette.types import Receive, Scope, Send
 
-from gateway.app import create_app
-from gateway.models import StatusName
+from gateway.edge.app import create_app
+from gateway.edge.models import StatusName
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from schemas.records import TaskState, TaskStatus

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
+from gateway.answers.waiters import ReplyWaiters
 from gateway.errors import InvalidTaskId, NotReady, TaskNotFound, ValidationFailed
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
-from gateway.waiters import ReplyWaiters
 from schemas.records import InferenceRequest, TaskState, TaskStatus
 from tests.support.eventually import eventually
 from tests.support.fake_clock import FixedClock

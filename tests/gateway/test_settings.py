@@ -88,7 +88,7 @@ def test_the_burst_defaults_to_one_second_of_the_rate() -> None:
 def test_the_cli_reads_limits_and_keys_and_keeps_only_digests(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from batchwire.cli import build_parser
     from batchwire.role_settings import gateway_settings, shared_settings
-    from gateway.auth import digest_of
+    from gateway.edge.auth import digest_of
 
     keys_file = tmp_path / "keys"
     keys_file.write_text("file-key-0123456789\n")

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.auth import digest_of, owner_of
+from gateway.edge.auth import digest_of, owner_of
 from schemas.records import TaskState, TaskStatus
 from schemas.wire import Names
 from telemetry.metrics import CACHE_BYPASSED, CACHE_HITS, COLLAPSED

@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 import httpx
 from httpx_sse import ServerSentEvent, aconnect_sse
 
-from gateway.events import EventStream, StreamsEnd, TaskEvents
+from gateway.edge.events import EventStream, StreamsEnd, TaskEvents
 from schemas.records import TaskState, TaskStatus
 from tests.support.eventually import eventually
 from tests.support.gateway_rig import RecordingStore, RigFactory, error_of, serving

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.worker_rates import Stated, WorkerRates
+from gateway.admission.worker_rates import Stated, WorkerRates
 from schemas.records import Credit
 
 

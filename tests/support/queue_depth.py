@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.admission import ANONYMOUS, Admission, Caller
+from gateway.admission.gate import ANONYMOUS, Admission, Caller
 from schemas.records import Priority
 from transport.ports import Backlog
 

@@ -141,7 +141,7 @@ class ChangeFeed:
         Watchers may see a state twice (states are idempotent). Replies published in that window
         cannot be recovered here (the feed does not know which tasks a gateway waits for): the
         ``on_feed_return`` callbacks run first, and a gateway re-reads the callers it holds
-        (``gateway.reconnect_recheck``).
+        (``gateway.answers.reconnect_recheck``).
         """
         for callback in self._feed_return:
             callback()

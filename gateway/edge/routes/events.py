@@ -5,11 +5,11 @@ from __future__ import annotations
 from fastapi import APIRouter
 from starlette.requests import Request
 
-from gateway.callers import client_of, request_owner
-from gateway.events import EventStream, TaskEvents
-from gateway.models import error_responses
-from gateway.routes.deployment import deployment_of
-from gateway.routes.tasks import READ_ERRORS, RESULT_PATH, TaskId
+from gateway.edge.callers import client_of, request_owner
+from gateway.edge.events import EventStream, TaskEvents
+from gateway.edge.models import error_responses
+from gateway.edge.routes.deployment import deployment_of
+from gateway.edge.routes.tasks import READ_ERRORS, RESULT_PATH, TaskId
 
 EVENTS_PATH = f"{RESULT_PATH}/events"
 

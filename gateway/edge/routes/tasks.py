@@ -8,11 +8,11 @@ from fastapi import APIRouter, Path, Query
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.callers import client_of, request_owner
-from gateway.handlers import json_response
-from gateway.models import TaskResult, error_responses
-from gateway.reads import TASK_ID_PATTERN
-from gateway.routes.deployment import deployment_of
+from gateway.answers.reads import TASK_ID_PATTERN
+from gateway.edge.callers import client_of, request_owner
+from gateway.edge.handlers import json_response
+from gateway.edge.models import TaskResult, error_responses
+from gateway.edge.routes.deployment import deployment_of
 from gateway.settings import GatewaySettings
 
 RESULT_PATH = "/v1/result/{task_id}"

@@ -7,11 +7,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.edge.handlers import json_response
+from gateway.edge.models import Health, NotReadyResponse, Readiness, error_responses
+from gateway.edge.routes.deployment import Lifecycle, deployment_of
 from gateway.errors import error_body
-from gateway.handlers import json_response
 from gateway.health import Down, Ready, not_ready, probe
-from gateway.models import Health, NotReadyResponse, Readiness, error_responses
-from gateway.routes.deployment import Lifecycle, deployment_of
 from gateway.settings import GatewaySettings
 from telemetry.metrics import REGISTRY
 

@@ -98,7 +98,7 @@ class ReplyWaiters:
 
     def held(self) -> list[str]:
         """Task ids of every caller still waiting: all of them are read again after the store's change
-        feed was down (``gateway.reconnect_recheck``)."""
+        feed was down (``gateway.answers.reconnect_recheck``)."""
         return [task_id for task_id, waiter in self._waiting.items() if not waiter.future.done()]
 
     def watch_callers(self, now: float) -> int:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from gateway.answers.waiters import ReplyWaiters
 from gateway.errors import TRANSPORT_ERRORS
-from gateway.waiters import ReplyWaiters
 from transport.background_loop import BackgroundLoop
 from transport.ports import TaskStore
 

@@ -11,7 +11,7 @@ import re
 from collections.abc import AsyncGenerator, Iterator
 from contextlib import aclosing, contextmanager
 
-from gateway.changes import follow
+from gateway.answers.changes import follow
 from gateway.errors import (
     TRANSPORT_ERRORS,
     InvalidTaskId,
@@ -41,7 +41,7 @@ class TaskReads:
         self._store = store
         self._watchers = 0
         self._by_client: dict[str, int] = {}
-        """Open watches per client (``gateway.callers.client_of``), for its share of the cap."""
+        """Open watches per client (``gateway.edge.callers.client_of``), for its share of the cap."""
 
     @property
     def watchers(self) -> int:

@@ -23,8 +23,8 @@ from starlette.responses import Response
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.edge.handlers import gateway_error_response
 from gateway.errors import GatewayError
-from gateway.handlers import gateway_error_response
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 

@@ -8,9 +8,9 @@ from typing import Protocol
 
 from starlette.requests import Request
 
-from gateway.body import BodyBudget
-from gateway.callers import CallerOf
-from gateway.events import StreamsEnd
+from gateway.edge.body import BodyBudget
+from gateway.edge.callers import CallerOf
+from gateway.edge.events import StreamsEnd
 from gateway.health import Ready
 from gateway.service import Gateway
 

@@ -82,7 +82,7 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
                 if match is not Match.NONE:
                     methods.update(getattr(route, "methods", None) or ())
             if "GET" in methods:
-                methods.add("HEAD")  # answered for every GET route (gateway.lanes)
+                methods.add("HEAD")  # answered for every GET route (gateway.edge.lanes)
             if methods:
                 headers["Allow"] = ", ".join(sorted(methods))
             allowed = headers.get("Allow", "?")

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 class CachedAnswers:
-    """Reads and writes completed answers under their keys (``gateway.answer_keys``) for ``ttl_s``."""
+    """Reads and writes completed answers under their keys (``gateway.sharing.answer_keys``) for ``ttl_s``."""
 
     def __init__(self, cache: ResultCache, store: TaskStore, clock: Clock, *, ttl_s: float) -> None:
         if not ttl_s > 0:

@@ -18,13 +18,13 @@ import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
+from gateway.answers.replies import Replies
+from gateway.answers.waiters import CallerGone, Watch
 from gateway.background import Background
 from gateway.clock import Clock
 from gateway.errors import TRANSPORT_ERRORS, ClientDisconnected, DeadlineExceeded, Unavailable
 from gateway.publisher import TaskPublisher
-from gateway.replies import Replies
 from gateway.submission import Submission
-from gateway.waiters import CallerGone, Watch
 from schemas.records import TaskState, TaskStatus
 from telemetry.logs import ids
 from telemetry.metrics import COLLAPSED

@@ -1,22 +1,22 @@
 """Answers that requests share: from the result cache, or from one computation of identical requests.
 
-Only a deterministic model's requests share (``gateway.answer_keys`` says which, and under which
+Only a deterministic model's requests share (``gateway.sharing.answer_keys`` says which, and under which
 key). A synchronous request is looked up in the cache (when ``cache_ttl_s`` is set), then joins the
-computation of an identical request in flight (``gateway.collapsing``). An asynchronous request is
+computation of an identical request in flight (``gateway.sharing.collapsing``). An asynchronous request is
 looked up in the cache only: its task must survive this gateway, so it goes on the bus as its own.
 """
 
 from __future__ import annotations
 
-from gateway.answer_keys import AnswerKeys
+from gateway.answers.replies import Replies
+from gateway.answers.waiters import Watch
 from gateway.clock import Clock
-from gateway.collapsing import Collapser, Computed
 from gateway.publisher import TaskPublisher
-from gateway.replies import Replies
-from gateway.result_cache import CachedAnswers
 from gateway.settings import GatewaySettings
+from gateway.sharing.answer_keys import AnswerKeys
+from gateway.sharing.collapsing import Collapser, Computed
+from gateway.sharing.result_cache import CachedAnswers
 from gateway.submission import Submission
-from gateway.waiters import Watch
 from schemas.records import TaskState
 from transport.ports import ResultCache, TaskStore
 

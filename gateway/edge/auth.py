@@ -7,7 +7,7 @@ digest) is what tasks are stored under: a task is visible only to the key that c
 
 An entry may end with ``priority=<tier>`` (the tier its requests get without asking) and
 ``ceiling=<tier>`` (the highest they may ask for; above it, 403 ``priority_above_ceiling``), in
-either order: ``gateway.priority``. Without ``priority=`` the default is normal, or the ceiling if
+either order: ``gateway.admission.priority``. Without ``priority=`` the default is normal, or the ceiling if
 that is lower.
 
 Keys are of two classes. A *tenant* key (an entry as it is) uses the API. An *operator* key (an
@@ -25,8 +25,8 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.handlers import error_response
-from gateway.priority import KeyTiers, tier_named
+from gateway.admission.priority import KeyTiers, tier_named
+from gateway.edge.handlers import error_response
 from gateway.settings import env_name
 from schemas.records import Priority
 

@@ -1,4 +1,4 @@
-"""The gateway's ASGI app: its lifespan, middlewares, error handlers and the routes of ``gateway.routes``.
+"""The gateway's ASGI app: its lifespan, middlewares, error handlers and the routes of ``gateway.edge.routes``.
 
 The composition root builds the transports, the ``Gateway`` and a ``Lifecycle`` (which starts the
 transports, and in embedded mode the batcher and workers) and hands both to :func:`create_app`.
@@ -13,15 +13,15 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.types import ASGIApp
 
-from gateway.auth import OPEN_PATHS, ApiKeys, AuthMiddleware
-from gateway.body import BodyBudget
-from gateway.callers import caller_of
+from gateway.edge.auth import OPEN_PATHS, ApiKeys, AuthMiddleware
+from gateway.edge.body import BodyBudget
+from gateway.edge.callers import caller_of
+from gateway.edge.events import StreamsEnd
+from gateway.edge.handlers import EdgeMiddleware, install_error_handlers
+from gateway.edge.lanes import GatewayApp
+from gateway.edge.routes import events, operations, submit, tasks
+from gateway.edge.routes.deployment import Deployment, Lifecycle
 from gateway.errors import ERROR_TABLE, error_body
-from gateway.events import StreamsEnd
-from gateway.handlers import EdgeMiddleware, install_error_handlers
-from gateway.lanes import GatewayApp
-from gateway.routes import events, operations, submit, tasks
-from gateway.routes.deployment import Deployment, Lifecycle
 from gateway.service import Gateway
 
 

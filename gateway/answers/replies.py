@@ -1,10 +1,10 @@
 """Routing each synchronous caller's reply to it, and finding the replies that were lost.
 
 Replies come over one subscription per process (``TaskStore.listen_replies``) into
-:class:`~gateway.waiters.ReplyWaiters`. A reply can be lost (PubSub keeps nothing for a subscriber
+:class:`~gateway.answers.waiters.ReplyWaiters`. A reply can be lost (PubSub keeps nothing for a subscriber
 that is away), so two store reads stand behind it: the lost-reply sweep, here, reads the tasks of
 callers that have waited ``reply_recheck_s`` (then with a doubling delay), and
-:class:`~gateway.reconnect_recheck.ReconnectRecheck` reads every held caller's task once the store's
+:class:`~gateway.answers.reconnect_recheck.ReconnectRecheck` reads every held caller's task once the store's
 change feed is back. The sweep also starts watching those callers' connections.
 """
 
@@ -14,10 +14,10 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from gateway.answers.reconnect_recheck import ReconnectRecheck
+from gateway.answers.waiters import ReplyWaiters, Watch
 from gateway.clock import Clock
 from gateway.errors import TRANSPORT_ERRORS
-from gateway.reconnect_recheck import ReconnectRecheck
-from gateway.waiters import ReplyWaiters, Watch
 from schemas.records import TaskState
 from transport.background_loop import BackgroundLoop
 from transport.ports import TaskStore
@@ -72,7 +72,7 @@ class Replies:
         return self._waiters.register(task_id, now, watch)
 
     def deliver(self, state: TaskState) -> None:
-        """Hands a terminal state to its caller directly, as a reply would (``gateway.collapsing``)."""
+        """Hands a terminal state to its caller directly, as a reply would (``gateway.sharing.collapsing``)."""
         self._waiters.resolve(state)
 
     def discard(self, task_id: str) -> None:

@@ -21,7 +21,7 @@ only the asyncio callbacks, the parser callbacks, ``on_response_complete`` and
   clients out, and a burst's connections, too new to have sent theirs, are not closed unanswered. A
   connection whose request the app works on keeps its place. Otherwise the new connection gets 503
   once its request has come whole (within the header timeout and ``REFUSED_READ_BYTES``; it is read
-  and dropped, ``gateway.refused_request``): a client that meets an answer and a close while it still writes
+  and dropped, ``gateway.edge.refused_request``): a client that meets an answer and a close while it still writes
   fails without reading it. The connection then stays open until the client closes it, for
   ``REFUSAL_LINGER_S`` at most (a socket closed with bytes unread sends a reset). At most
   ``refusal_budget`` refusals wait so at once; past it a new connection is answered and closed at
@@ -40,9 +40,9 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from gateway.descriptors import refusal_budget
+from gateway.edge.descriptors import refusal_budget
+from gateway.edge.refused_request import OPERATIONS_PATHS, REFUSED_READ_BYTES, RefusedRequest
 from gateway.errors import HTTP_STATUS, error_body
-from gateway.refused_request import OPERATIONS_PATHS, REFUSED_READ_BYTES, RefusedRequest
 from gateway.settings import GatewaySettings, env_name
 
 SLOW_AFTER_S = 2.0

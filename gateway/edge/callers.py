@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 from starlette.requests import Request
 
-from gateway.admission import ANONYMOUS, Caller
+from gateway.admission.gate import ANONYMOUS, Caller
+from gateway.admission.priority import KeyTiers
 from gateway.errors import InvalidClientId
-from gateway.priority import KeyTiers
 from gateway.settings import GatewaySettings
 
 CLIENT_ID_HEADER = "X-Client-Id"

@@ -1,7 +1,7 @@
 """The request of a connection refused at the connection cap: read, dropped, and where it ends.
 
 The gateway answers such a connection 503 only once its request has come whole (see
-``gateway.http_limits``). Its bytes never reach the app: a parser of its own finds the message's
+``gateway.edge.http_limits``). Its bytes never reach the app: a parser of its own finds the message's
 end, through bodies of any framing (length or chunked), and the request's method and path. A probe
 or a metrics scrape (``GET`` of one of ``served`` paths) is served all the same, so the bytes up to
 the end of the head are kept for the protocol that serves it.
@@ -14,7 +14,7 @@ import httptools
 REFUSED_READ_BYTES = 1 << 20
 """What a refused connection may send, its request and after: then it is answered (if not yet) and closed."""
 OPERATIONS_PATHS = frozenset({b"/healthz", b"/readyz", b"/metrics"})
-"""Paths served over the cap (``GET``): the probes and the scrape (``gateway.routes.operations``)."""
+"""Paths served over the cap (``GET``): the probes and the scrape (``gateway.edge.routes.operations``)."""
 MAX_URL_BYTES = 2048
 """Longer request targets are not one of the served paths: they are not kept whole."""
 

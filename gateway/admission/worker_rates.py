@@ -3,7 +3,7 @@
 Each idle worker's credit says how many inputs its backend takes per call and how long its recent
 calls took (``Credit.rate_per_s``). Summed over the model's workers, that bounds from above the rate
 at which its queue can drain: a gateway's first burst for a model is held against it, instead of
-being admitted whole, until ``gateway.drain`` has measured the real rate. A credit shows only while
+being admitted whole, until ``gateway.admission.drain`` has measured the real rate. A credit shows only while
 it waits unclaimed, so each worker's latest one is kept until it expires (a gone worker's does).
 """
 

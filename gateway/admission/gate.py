@@ -17,14 +17,14 @@ from dataclasses import dataclass, replace
 
 from prometheus_client import Counter
 
-from gateway.drain import DrainMeter
+from gateway.admission.drain import DrainMeter
+from gateway.admission.fair_share import FAIR_AFTER_S, FairShare
+from gateway.admission.priority import KeyTiers
+from gateway.admission.tier_mix import TierMix
+from gateway.admission.worker_rates import Stated, WorkerRates
 from gateway.errors import Overloaded, RateLimited, Unavailable
-from gateway.fair_share import FAIR_AFTER_S, FairShare
-from gateway.priority import KeyTiers
 from gateway.settings import GatewaySettings, env_name
-from gateway.tier_mix import TierMix
 from gateway.unseen import Ticket, Unseen
-from gateway.worker_rates import Stated, WorkerRates
 from schemas.records import Priority
 from telemetry.metrics import STATED_RATE, TIER_SUBMITS
 from transport.background_loop import BackgroundLoop
@@ -67,7 +67,7 @@ class Admission:
     Lower priority tiers are shed first: ``low`` is refused once the queue holds
     ``queue_fraction_low`` of ``max_queue_depth``, ``normal`` past ``queue_fraction_normal``, ``high``
     only at the whole limit; and a tier's predicted wait counts only the share of the queue ahead of
-    it (``gateway.tier_mix``).
+    it (``gateway.admission.tier_mix``).
     """
 
     def __init__(
@@ -78,8 +78,9 @@ class Admission:
         credits: CreditPool | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``credits``: the pool the workers offer credits to, read for their rates (``gateway.worker_rates``);
-        ``clock``: the one that stamps the queue's counters (``Backlog.at_s``)."""
+        """``credits``: the pool the workers offer credits to, read for their rates
+        (``gateway.admission.worker_rates``); ``clock``: the one that stamps the queue's counters
+        (``Backlog.at_s``)."""
         self.max_queue_depth = settings.max_queue_depth
         self._tier_limits = {
             Priority.HIGH: (settings.max_queue_depth, "max_queue_depth"),

@@ -1,6 +1,6 @@
 """``POST /v1/inference`` (wait for the output) and ``POST /v1/tasks`` (queue and return at once).
 
-Both are served ahead of FastAPI's middleware stack (``gateway.lanes``): their endpoints take only
+Both are served ahead of FastAPI's middleware stack (``gateway.edge.lanes``): their endpoints take only
 the request, read and bound their own body, and raise the gateway's own errors.
 """
 
@@ -13,15 +13,15 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.body import parse_inference_body, read_body
-from gateway.callers import CLIENT_ID_HEADER
-from gateway.handlers import json_response
-from gateway.idempotency import KEY_PATTERN, MAX_KEY_CHARS
-from gateway.models import InferenceBody, InferenceResponse, TaskAccepted, error_responses
-from gateway.priority import TIER_NAMES
-from gateway.routes.deployment import deployment_of
+from gateway.admission.priority import TIER_NAMES
+from gateway.edge.body import parse_inference_body, read_body
+from gateway.edge.callers import CLIENT_ID_HEADER
+from gateway.edge.handlers import json_response
+from gateway.edge.models import InferenceBody, InferenceResponse, TaskAccepted, error_responses
+from gateway.edge.routes.deployment import deployment_of
+from gateway.edge.traced import traced
+from gateway.keys.idempotency import KEY_PATTERN, MAX_KEY_CHARS
 from gateway.settings import GatewaySettings
-from gateway.traced import traced
 from schemas.wire import IDEMPOTENCY_HEADER
 
 INFERENCE_PATH = "/v1/inference"

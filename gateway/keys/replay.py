@@ -1,4 +1,4 @@
-"""The store side of ``Idempotency-Key`` (rules in ``gateway.idempotency``): binding a key to its
+"""The store side of ``Idempotency-Key`` (rules in ``gateway.keys.idempotency``): binding a key to its
 task, and giving a retry the task its key names.
 
 A binding carries its task's deadline. Past it (and ``STALE_AFTER_MS``) a bound task that has not
@@ -18,11 +18,11 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, replace
 
-from gateway import idempotency
+from gateway.answers.changes import follow
 from gateway.background import Background
-from gateway.changes import follow
 from gateway.clock import Clock
 from gateway.errors import TRANSPORT_ERRORS, DeadlineExceeded, IdempotencyKeyReused, Unavailable
+from gateway.keys import idempotency
 from schemas.records import TaskState, TaskStatus
 from telemetry.logs import ids
 from transport.ports import KeyClaim, TaskStore

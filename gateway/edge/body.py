@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 from starlette.requests import ClientDisconnect, Request
 
+from gateway.edge.models import InferenceBody
 from gateway.errors import (
     BodyTooLarge,
     ClientDisconnected,
@@ -21,7 +22,6 @@ from gateway.errors import (
     UnsupportedMediaType,
     ValidationFailed,
 )
-from gateway.models import InferenceBody
 from gateway.settings import env_name
 
 _LIMIT_HINT = env_name("max_body_bytes")
