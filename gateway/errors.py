@@ -143,6 +143,10 @@ class Overloaded(GatewayError):
     retriable = True
 
 
+class NotEmbeddings(GatewayError):
+    code = "not_an_embedding_model"
+
+
 class RateLimited(GatewayError):
     """The client used up its token bucket; ``retry_after_s`` says when the next token comes."""
 
@@ -215,6 +219,7 @@ ERROR_TABLE: dict[str, tuple[int, str]] = {
         "one's request is answered unread and the connection closed; retry after Retry-After.",
     ),
     "unknown_model": (404, "`model` is not served by this deployment."),
+    "not_an_embedding_model": (400, "`/v1/embeddings` named a model whose outputs are not vectors."),
     "task_not_found": (404, "No task has this id (or it expired, or another API key created it)."),
     "not_found": (404, "No route has this path."),
     "method_not_allowed": (405, "The route does not take this method."),

@@ -19,7 +19,7 @@ from gateway.edge.callers import caller_of
 from gateway.edge.events import StreamsEnd
 from gateway.edge.handlers import EdgeMiddleware, install_error_handlers
 from gateway.edge.lanes import GatewayApp
-from gateway.edge.routes import events, operations, submit, tasks
+from gateway.edge.routes import events, openai, operations, submit, tasks
 from gateway.edge.routes.deployment import Deployment, Lifecycle
 from gateway.errors import ERROR_TABLE, error_body
 from gateway.service import Gateway
@@ -55,6 +55,7 @@ def create_app(gateway: Gateway, lifecycle: Lifecycle, streams_end: StreamsEnd |
     tasks.add_routes(app.router, settings)
     events.add_routes(app.router)
     operations.add_routes(app.router, settings)
+    openai.add_routes(app.router, settings)
 
     def edge(lane: ASGIApp) -> ASGIApp:
         return EdgeMiddleware(lane if keys is None else AuthMiddleware(lane, keys))

@@ -1,0 +1,130 @@
+"""The OpenAI-compatible routes, called through the ``openai`` package's own client: its request
+building, response parsing (base64 decoding included), retries and error classes.
+
+The embedded runtime runs a backend that embeds each input as ``[len, index-free constants]``, so the
+answers are known; a second model (``sim``) reverses strings and is no embedding model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+import openai
+import pytest
+
+from batchwire.embedded import EmbeddedRuntime, EmbeddedSettings
+from batchwire.settings import SharedSettings
+from gateway.edge.app import create_app
+from gateway.edge.routes.openai import MAX_EMBEDDING_INPUTS
+from gateway.service import Gateway
+from gateway.settings import GatewaySettings
+from gpu_worker.backends.sim import SimBackend
+from transport.memory.limits import MemoryRateLimiter
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class FakeEmbedder(SimBackend):
+    """Embeds each input as ``[its length, 0.25, -1.5]`` (exact in float32), as a JSON array."""
+
+    def batchstring(self, inputs: list[str]) -> list[str]:
+        return [json.dumps([float(len(text)), 0.25, -1.5]) for text in inputs]
+
+
+def _vector(text: str) -> list[float]:
+    return [float(len(text)), 0.25, -1.5]
+
+
+@asynccontextmanager
+async def _client(sent: list[str] | None = None, **gateway_options: object) -> AsyncIterator[openai.AsyncOpenAI]:
+    """The openai package's client on an embedded deployment (``sent``: each request's path, as sent)."""
+    shared = SharedSettings(models=("embed", "sim"))
+    runtime = EmbeddedSettings(shared=shared, workers_per_model=1)
+    backends = {"embed": FakeEmbedder(latency_ms=5), "sim": SimBackend(latency_ms=5)}
+    system = EmbeddedRuntime(runtime, lambda model, index: backends[model])
+    gateway = Gateway(
+        GatewaySettings(models=("embed", "sim"), **gateway_options),  # type: ignore[arg-type]
+        system.producer,
+        system.store,
+        limiter=MemoryRateLimiter(float(gateway_options["rate_limit_per_s"]), 1)  # type: ignore[arg-type]
+        if "rate_limit_per_s" in gateway_options
+        else None,
+    )
+    await system.start()
+    await gateway.start()
+    app = create_app(gateway, system)
+
+    async def record(request: httpx.Request) -> None:
+        if sent is not None:
+            sent.append(request.url.path)
+
+    http = httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://batchwire", event_hooks={"request": [record]}
+    )
+    try:
+        yield openai.AsyncOpenAI(base_url="http://batchwire/v1", api_key="unused", http_client=http, max_retries=1)
+    finally:
+        await http.aclose()
+        await gateway.close()
+        await system.close()
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[openai.AsyncOpenAI]:
+    async with _client() as made:
+        yield made
+
+
+async def test_one_string_and_a_list_come_back_in_order_as_floats_and_as_base64(client: openai.AsyncOpenAI) -> None:
+    one = await client.embeddings.create(model="embed", input="hello", encoding_format="float")
+    assert [d.embedding for d in one.data] == [_vector("hello")]
+    assert one.model == "embed" and one.usage.prompt_tokens == math.ceil(len("hello") / 4)
+    texts = ["a", "bb", "ccc", "dddd", "a"]
+    many = await client.embeddings.create(model="embed", input=texts)  # the package asks for base64
+    assert [d.index for d in many.data] == list(range(len(texts)))
+    assert [d.embedding for d in many.data] == [_vector(t) for t in texts], "decoded from little-endian float32"
+
+
+async def test_models_are_listed(client: openai.AsyncOpenAI) -> None:
+    listed = await client.models.list()
+    assert [m.id for m in listed.data] == ["embed", "sim"]
+
+
+async def test_what_cannot_be_answered_is_refused_with_the_clients_own_errors(client: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as unknown:
+        await client.embeddings.create(model="no-such-model", input="x")
+    assert unknown.value.code == "unknown_model" and "no-such-model" in unknown.value.message
+    with pytest.raises(openai.BadRequestError) as tokens:
+        await client.embeddings.create(model="embed", input=[[1, 2, 3]])
+    assert "check_embedding_ctx_length=False" in tokens.value.message
+    with pytest.raises(openai.BadRequestError) as dimensions:
+        await client.embeddings.create(model="embed", input="x", dimensions=2)
+    assert "dimensions" in dimensions.value.message
+    with pytest.raises(openai.BadRequestError) as too_many:
+        await client.embeddings.create(model="embed", input=["x"] * (MAX_EMBEDDING_INPUTS + 1))
+    assert str(MAX_EMBEDDING_INPUTS) in too_many.value.message
+    with pytest.raises(openai.BadRequestError) as not_embeddings:
+        await client.embeddings.create(model="sim", input="x", encoding_format="float")
+    assert not_embeddings.value.code == "not_an_embedding_model"
+    body = not_embeddings.value.body
+    assert isinstance(body, dict) and {"message", "code"} <= set(body), f"OpenAI's error shape: {body}"
+    assert not_embeddings.value.type == "invalid_request_error"
+
+
+async def test_a_rate_limit_surfaces_as_the_clients_rate_limit_error_after_its_retries(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sent: list[str] = []
+    async with _client(sent, rate_limit_per_s=0.01, rate_limit_burst=1) as client:
+        # The client honours Retry-After (100 s here) before its retry: the wait is cut, the retry is its own.
+        monkeypatch.setattr(client, "_calculate_retry_timeout", lambda *args, **kwargs: 0.01)
+        await client.embeddings.create(model="embed", input="first")  # the one token for 100 s
+        with pytest.raises(openai.RateLimitError) as limited:
+            await client.embeddings.create(model="embed", input="second")  # one retry (max_retries=1)
+        assert sent == ["/v1/embeddings"] * 3, f"the client retried the 429 once: {sent}"
+        assert limited.value.response.headers.get("retry-after") == "100", "429 says when to come back"
+        assert limited.value.code == "rate_limited"
