@@ -80,6 +80,7 @@ def _traced(receiver: OtlpReceiver, trace_ids: list[str]) -> Any:
     return receiver.spans()
 
 
+@pytest.mark.timing  # the spans cover the call but 5 ms (about 1.5 ms on a quiet machine): timed alone
 def test_one_synchronous_request_is_one_trace_across_the_three_roles(cluster: Cluster, receiver: OtlpReceiver) -> None:
     with httpx.Client(base_url=cluster.gateway_urls[0], timeout=30) as client:
         for n in range(3):  # first-request costs (connections, metadata) are not what is traced

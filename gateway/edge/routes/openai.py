@@ -16,10 +16,10 @@ import json
 import math
 import struct
 from collections.abc import Awaitable
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -27,6 +27,7 @@ from gateway.admission.gate import Caller
 from gateway.answers.outcomes import Answer
 from gateway.edge.body import read_body
 from gateway.edge.handlers import json_response
+from gateway.edge.models import error_responses
 from gateway.edge.routes.deployment import deployment_of
 from gateway.edge.traced import traced
 from gateway.errors import GatewayError, InvalidJson, NotEmbeddings, ValidationFailed, http_status, shown
@@ -42,6 +43,51 @@ MAX_EMBEDDING_INPUTS = 256
 CHARS_PER_TOKEN = 4
 """``usage`` counts tokens as characters / 4 (OpenAI's own rule of thumb): the gateway has no
 tokenizer, and the workers' backends report none."""
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    code: str
+
+
+class OpenAIError(BaseModel):
+    error: OpenAIErrorDetail
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str = Field(description="Floats, or base64 of little-endian float32.")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingsResponse(BaseModel):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+_ERROR_STATUSES = (400, 404, 413, 415, 429, 502, 503, 504)
+"""What ``/v1/embeddings`` answers in OpenAI's error shape (a request refused at the edge, before the
+route, has batchwire's: ``error_responses``)."""
 
 
 class EmbeddingsBody(BaseModel):
@@ -186,22 +232,39 @@ def _base64(vector: list[float]) -> str:
 
 
 def add_routes(routes: APIRouter, settings: GatewaySettings) -> None:
-    """The OpenAI-compatible routes."""
+    """The OpenAI-compatible routes, documented with this deployment's models and limits."""
     routes.add_api_route(
         MODELS_PATH,
         traced(models),
         methods=["GET"],
+        response_model=ModelList,
         summary="The deployment's models (OpenAI-compatible)",
         description=f"Lists {', '.join(settings.models)} in OpenAI's model-list shape.",
     )
+    text = {"type": "string", "minLength": 1, "maxLength": settings.max_input_chars}
+    body = {
+        "type": "object",
+        "required": ["input", "model"],
+        "properties": {
+            "input": {"anyOf": [text, {"type": "array", "items": text, "minItems": 1, "maxItems": 8}]},
+            "model": {"type": "string", "enum": list(settings.models)},
+            "encoding_format": {"type": "string", "enum": ["float", "base64"]},
+        },
+        "additionalProperties": False,
+    }
+    edge = error_responses("unauthorized", "method_not_allowed", "request_timeout") if settings.api_keys else {}
+    shaped: dict[int | str, dict[str, Any]] = {status: {"model": OpenAIError} for status in _ERROR_STATUSES}
     routes.add_api_route(
         EMBEDDINGS_PATH,
         traced(embeddings),
         methods=["POST"],
+        response_model=EmbeddingsResponse,
+        responses={**edge, **shaped},
+        openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": body}}}},
         summary="Embeddings of one string or a list (OpenAI-compatible)",
         description="OpenAI's embeddings API for models served by an embedding backend (the hf backend with "
-        f"`--hf-task embed`). Each string is one item of a batch, at most {MAX_EMBEDDING_INPUTS} per request; "
-        "`encoding_format` is `float` or `base64` (little-endian float32); `dimensions` and token-id inputs "
-        "are refused. `usage` estimates tokens as characters / 4. Errors have OpenAI's shape "
-        '`{"error": {"message", "type", "code"}}`; 429 and 503 carry Retry-After.',
+        f"`--hf-task embed`). Each string is one item of a batch, at most {MAX_EMBEDDING_INPUTS} per request "
+        "(the schema shows a few); `encoding_format` is `float` or `base64` (little-endian float32); "
+        "`dimensions` and token-id inputs are refused. `usage` estimates tokens as characters / 4. Errors "
+        "have OpenAI's shape; 429 and 503 carry Retry-After.",
     )
