@@ -107,7 +107,7 @@ def test_a_stuck_model_ends_its_requests_on_time_and_hurts_no_other(request: pyt
         _flood_and_follow(service.url, ended, refused, events)
     )
     # The harm guarded against, the healthy model's requests waiting behind the hung workers or their
-    # dispatch, costs a call (100 ms) or more: the rig's slack is half a call. The probe keeps to one
+    # dispatch, costs a call (100 ms) or more: the rig's slack is three quarters of a call. The probe keeps to one
     # request per call here: the flood's own batches share the cores, and a faster probe meets them more.
     harm = unharmed(service, attack, **ONE_PER_CALL)
 

@@ -3,9 +3,9 @@
 Every adversarial test attacks a real process (``batchwire up``, or a Kafka-mode gateway with its
 batcher and workers over the session's Kafka and Redis) through real sockets, while a :class:`Probe`
 plays a normal client. :func:`unharmed` states what "one client must not hurt anyone else" means:
-the normal client's sync p99 stays within ``P99_SLACK_MS`` (half a model call) of its value without the attack and none
-of its requests fails, the process's RSS grows by at most ``RSS_GROWTH_BYTES``, and its file
-descriptors come back down once the attack ends.
+the normal client's sync p99 stays within ``P99_SLACK_MS`` (three quarters of a model call) of its
+value without the attack and none of its requests fails, the process's RSS grows by at most
+``RSS_GROWTH_BYTES``, and its file descriptors come back down once the attack ends.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import httpx
 from tests.support.eventually import eventually_sync
 from tests.support.processes import Cluster, Proc
 
-P99_SLACK_MS = 50.0
-"""Half a sim call: the harms guarded against (a normal request waiting behind an attacker's work, or
-for a slot it holds) cost a call (100 ms) or more, while a shared 2-core machine's own stalls cost tens
-of milliseconds."""
+P99_SLACK_MS = 75.0
+"""Three quarters of a sim call: the harms guarded against (a normal request waiting behind an
+attacker's work, or for a slot it holds) cost a call (100 ms) or more, while a shared 2-core
+machine's own stalls, met by an attack that hurts no one, reach half a call."""
 RSS_GROWTH_BYTES = 50 * 1024 * 1024
 ONE_PER_CALL: dict[str, float] = {"rate_per_s": 10.0, "baseline_s": 4.0, "min_during_s": 5.0}
 """The normal client at one request per sim call, for attacks whose own work a faster probe would meet
