@@ -7,7 +7,9 @@ error codes (``invalid_json`` 400 rather than a generic 422) and because one
 
 from __future__ import annotations
 
-from pydantic import ValidationError
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 from starlette.requests import ClientDisconnect, Request
 
@@ -97,20 +99,26 @@ def check_json_media_type(content_type: str | None) -> None:
 
 def parse_inference_body(body: bytes) -> InferenceBody:
     """``body`` as an :class:`InferenceBody`, or the domain error that says what to change."""
+    return parse_body(body, InferenceBody)
+
+
+Shape = TypeVar("Shape", bound=BaseModel)
+
+
+def parse_body(body: bytes, shape: type[Shape]) -> Shape:
+    """``body`` as a ``shape``, or the domain error that says what to change (``invalid_utf8``,
+    ``invalid_json``, ``validation_error`` naming each field)."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as err:
         raise InvalidUtf8(f"the body is not valid UTF-8 (bad byte at offset {err.start}); send UTF-8 JSON") from err
     try:
-        return InferenceBody.model_validate_json(text)
+        return shape.model_validate_json(text)
     except ValidationError as err:
-        raise _explain(err.errors(include_url=False, include_input=False)) from err
+        raise _explain(err.errors(include_url=False, include_input=False), ", ".join(shape.model_fields)) from err
 
 
-_FIELDS = ", ".join(InferenceBody.model_fields)
-
-
-def _explain(errors: list[ErrorDetails]) -> GatewayError:
+def _explain(errors: list[ErrorDetails], fields: str) -> GatewayError:
     for error in errors:
         if error["type"] == "json_invalid":
             detail = error.get("ctx", {}).get("error", error["msg"])
@@ -124,7 +132,7 @@ def _explain(errors: list[ErrorDetails]) -> GatewayError:
         elif kind == "missing":
             problems.append(f"field '{loc}' is required")
         elif kind == "extra_forbidden":
-            problems.append(f"field '{loc}' is unknown; the fields are {_FIELDS}")
+            problems.append(f"field '{loc}' is unknown; the fields are {fields}")
         elif kind == "string_type":
             problems.append(f"field '{loc}' must be a string")
         elif kind == "int_type":

@@ -49,10 +49,14 @@ def error_response(
 def gateway_error_response(exc: GatewayError, retry_after_s: int) -> Response:
     """The answer to a domain error; 429s and 503s carry ``Retry-After``."""
     status = http_status(exc)
-    headers = None
-    if status in (429, 503):
-        headers = {"Retry-After": str(exc.retry_after_s or retry_after_s)}
-    return error_response(status, exc.error_code, exc.message, exc.task_id, headers)
+    return error_response(status, exc.error_code, exc.message, exc.task_id, retry_headers(exc, status, retry_after_s))
+
+
+def retry_headers(exc: GatewayError, status: int, retry_after_s: int) -> dict[str, str] | None:
+    """``Retry-After`` for a 429 or 503 (the error's own delay, else the deployment's); None otherwise."""
+    if status not in (429, 503):
+        return None
+    return {"Retry-After": str(exc.retry_after_s or retry_after_s)}
 
 
 def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:

@@ -305,9 +305,10 @@ async def _coordinator(bootstrap: str, group: str) -> int | None:
 def _offsets_partition(group: str, partitions: int) -> int:
     """The offsets-topic partition whose leader coordinates ``group``: Kafka's
     ``Utils.abs(group.hashCode()) % partitions``, Java's String hash over UTF-16 code units."""
+    units = group.encode("utf-16-be")
     code = 0
-    for unit in group.encode("utf-16-be").hex(" ", 2).split():
-        code = (31 * code + int(unit, 16)) & 0xFFFFFFFF
+    for at in range(0, len(units), 2):
+        code = (31 * code + int.from_bytes(units[at : at + 2], "big")) & 0xFFFFFFFF
     return (code & 0x7FFFFFFF) % partitions
 
 

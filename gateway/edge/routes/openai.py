@@ -19,18 +19,18 @@ from collections.abc import Awaitable
 from typing import Any, Literal
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.admission.gate import Caller
 from gateway.answers.outcomes import Answer
-from gateway.edge.body import read_body
-from gateway.edge.handlers import json_response
+from gateway.edge.body import parse_body, read_body
+from gateway.edge.handlers import json_response, retry_headers
 from gateway.edge.models import error_responses
 from gateway.edge.routes.deployment import deployment_of
 from gateway.edge.traced import traced
-from gateway.errors import GatewayError, InvalidJson, NotEmbeddings, ValidationFailed, http_status, shown
+from gateway.errors import GatewayError, NotEmbeddings, ValidationFailed, http_status, shown
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 
@@ -101,7 +101,7 @@ class EmbeddingsBody(BaseModel):
     dimensions: int | None = None
 
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
+_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error"}
 
 
 def openai_error(exc: GatewayError, retry_after_s: int) -> Response:
@@ -111,11 +111,9 @@ def openai_error(exc: GatewayError, retry_after_s: int) -> Response:
         status = 404
     elif status == 422:  # OpenAI answers an invalid request 400, and its clients raise BadRequestError
         status = 400
-    kind = _TYPES.get(status, "rate_limit_error" if status == 429 else "invalid_request_error")
-    if status >= 500:
-        kind = "server_error"
-    headers = {"Retry-After": str(exc.retry_after_s or retry_after_s)} if status in (429, 503) else None
-    return json_response(status, {"error": {"message": exc.message, "type": kind, "code": exc.error_code}}, headers)
+    kind = "server_error" if status >= 500 else _TYPES.get(status, "invalid_request_error")
+    error = {"message": exc.message, "type": kind, "code": exc.error_code}
+    return json_response(status, {"error": error}, retry_headers(exc, status, retry_after_s))
 
 
 async def models(request: Request) -> Response:
@@ -135,7 +133,8 @@ async def embeddings(request: Request) -> Response:
     gateway = deployment.gateway
     try:
         caller = deployment.caller_of(request)
-        body = _parse(await read_body(request, gateway.settings.max_body_bytes, deployment.bodies))
+        raw = await read_body(request, gateway.settings.max_body_bytes, deployment.bodies)
+        body = parse_body(raw, EmbeddingsBody)
         texts = _texts(body)
         answers = await _submit_all(gateway, texts, body.model, caller, request)
         model = answers[0].model
@@ -179,17 +178,6 @@ async def _submit_all(
     finally:
         gone.cancel()
     return [submit.result() for submit in submits]
-
-
-def _parse(raw: bytes) -> EmbeddingsBody:
-    try:
-        return EmbeddingsBody.model_validate_json(raw)
-    except ValidationError as err:
-        if any(e["type"] == "json_invalid" for e in err.errors()):
-            raise InvalidJson("the body is not valid JSON; send a JSON object") from None
-        raise ValidationFailed(
-            "send `input` as a string or a list of strings, `encoding_format` as 'float' or 'base64'"
-        ) from None
 
 
 def _texts(body: EmbeddingsBody) -> list[str]:
