@@ -1,5 +1,6 @@
 """The OpenAI-compatible routes over Kafka and Redis: a gateway, a batcher and a worker as processes,
-the worker running the packaged all-MiniLM-L6-v2, called with the ``openai`` package."""
+the worker running the packaged all-MiniLM-L6-v2, called with the ``openai`` package (embeddings, and
+completions with and without a stream)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,13 @@ def test_embeddings_over_kafka_are_the_inferences_and_errors_are_the_clients(
     with pytest.raises(openai.NotFoundError) as unknown:
         client.embeddings.create(model="gpt-4", input="x")
     assert unknown.value.code == "unknown_model"
+    # Completions run the same path; this model's text is its vector's JSON, which /v1/inference answers.
+    outputs = [httpx.post(f"{url}/v1/inference", json={"input": t}, timeout=30).json()["output"] for t in TEXTS]
+    completed = client.completions.create(model="sim", prompt=TEXTS)
+    assert [choice.text for choice in completed.choices] == outputs
+    streamed = {
+        chunk.choices[0].index: chunk.choices[0].text
+        for chunk in client.completions.create(model="sim", prompt=TEXTS, stream=True)
+        if chunk.choices
+    }
+    assert streamed == dict(enumerate(outputs))

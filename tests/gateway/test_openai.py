@@ -11,6 +11,7 @@ import json
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
 import openai
@@ -18,8 +19,11 @@ import pytest
 
 from batchwire.embedded import EmbeddedRuntime, EmbeddedSettings
 from batchwire.settings import SharedSettings
+from gateway.admission.gate import ANONYMOUS
+from gateway.answers.outcomes import Answer
 from gateway.edge.app import create_app
-from gateway.edge.routes.openai import MAX_EMBEDDING_INPUTS
+from gateway.edge.routes.openai import MAX_INPUTS, CompletionChunks, CompletionsBody
+from gateway.errors import ClientDisconnected
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from gpu_worker.backends.sim import SimBackend
@@ -105,8 +109,8 @@ async def test_what_cannot_be_answered_is_refused_with_the_clients_own_errors(cl
         await client.embeddings.create(model="embed", input="x", dimensions=2)
     assert "dimensions" in dimensions.value.message
     with pytest.raises(openai.BadRequestError) as too_many:
-        await client.embeddings.create(model="embed", input=["x"] * (MAX_EMBEDDING_INPUTS + 1))
-    assert str(MAX_EMBEDDING_INPUTS) in too_many.value.message
+        await client.embeddings.create(model="embed", input=["x"] * (MAX_INPUTS + 1))
+    assert str(MAX_INPUTS) in too_many.value.message
     with pytest.raises(openai.BadRequestError) as not_embeddings:
         await client.embeddings.create(model="sim", input="x", encoding_format="float")
     assert not_embeddings.value.code == "not_an_embedding_model"
@@ -128,3 +132,68 @@ async def test_a_rate_limit_surfaces_as_the_clients_rate_limit_error_after_its_r
         assert sent == ["/v1/embeddings"] * 3, f"the client retried the 429 once: {sent}"
         assert limited.value.response.headers.get("retry-after") == "100", "429 says when to come back"
         assert limited.value.code == "rate_limited"
+
+
+async def test_completions_answer_each_prompt_in_order_with_and_without_a_stream(client: openai.AsyncOpenAI) -> None:
+    # The sim backend reverses each input.
+    one = await client.completions.create(model="sim", prompt="hello")
+    assert [(c.index, c.text, c.finish_reason) for c in one.choices] == [(0, "olleh", "stop")]
+    assert one.object == "text_completion" and one.model == "sim" and one.id.startswith("cmpl-")
+    assert one.usage is not None and one.usage.prompt_tokens == 2 and one.usage.total_tokens == 4
+    prompts = ["abc", "hello world", "xyz", "abc"]
+    many = await client.completions.create(model="sim", prompt=prompts, stop=["ow"], echo=True)
+    assert [c.text for c in many.choices] == ["abccba", "hello worlddlr", "xyzzyx", "abccba"], "cut at the stop, echoed"
+    stream = await client.completions.create(
+        model="sim", prompt=prompts, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [chunk async for chunk in stream]
+    texts = {c.choices[0].index: c.choices[0].text for c in chunks if c.choices}
+    assert texts == {i: p[::-1] for i, p in enumerate(prompts)}, "one chunk per prompt, each with its index"
+    assert len({chunk.id for chunk in chunks}) == 1
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None, "usage comes last, as asked"
+    assert chunks[-1].usage.completion_tokens == sum(math.ceil(len(p) / 4) for p in prompts)
+
+
+async def test_completions_refuse_what_greedy_text_decoding_cannot_give(client: openai.AsyncOpenAI) -> None:
+    refusals = {
+        "n": {"n": 2},
+        "best_of": {"best_of": 3},
+        "logprobs": {"logprobs": 1},
+        "suffix": {"suffix": "end"},
+        "token ids": {"prompt": [1, 2, 3]},
+        "stop": {"stop": ["a", "b", "c", "d", "e"]},
+    }
+    for name, fields in refusals.items():
+        request: dict[str, Any] = {"model": "sim", "prompt": "x", **fields}
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.completions.create(**request)
+        assert refused.value.code == "validation_error", name
+        assert name.split()[0] in refused.value.message, (name, refused.value.message)
+    with pytest.raises(openai.NotFoundError) as unknown:
+        await client.completions.create(model="no-such-model", prompt="x", stream=True)
+    assert unknown.value.code == "unknown_model", "an error before the stream starts is a status, not a chunk"
+
+
+async def test_a_closed_stream_tells_its_unanswered_prompts_that_their_caller_has_gone() -> None:
+    told: list[str] = []
+
+    class Submits:
+        """A gateway whose "a" is answered at once and whose "b" waits for its caller to leave."""
+
+        settings = GatewaySettings(models=("sim",))
+
+        async def submit(self, text: str, model: str | None, *args: object, disconnected: Any, **kw: object) -> Answer:
+            if text == "b":
+                await disconnected()
+                told.append(text)
+                raise ClientDisconnected("gone", task_id="t-b")
+            return Answer("t-a", "sim", text[::-1], 1.0, 1)
+
+    body = CompletionsBody(prompt=["a", "b"], model="sim", stream=True)
+    chunks = CompletionChunks(Submits(), ["a", "b"], body, [], ANONYMOUS)  # type: ignore[arg-type]
+    first = json.loads((await anext(chunks)).decode().removeprefix("data: "))
+    assert first["choices"] == [{"text": "a", "index": 0, "logprobs": None, "finish_reason": "stop"}]
+    await chunks.aclose()
+    assert told == ["b"], "the unanswered prompt's submit saw its caller leave, and was awaited"
+    with pytest.raises(StopAsyncIteration):
+        await anext(chunks)

@@ -1,9 +1,10 @@
-"""OpenAI-compatible routes: ``GET /v1/models`` and ``POST /v1/embeddings``.
+"""OpenAI-compatible routes: ``GET /v1/models``, ``POST /v1/embeddings`` and ``POST /v1/completions``.
 
 People call self-hosted models with the clients they already have (the ``openai`` package,
 LangChain's ``OpenAIEmbeddings``, LiteLLM's ``openai/`` prefix); these routes answer them. Each
-string of an embeddings request is one item of a batch: a request with 32 inputs is 32 synchronous
-submits that batch with other callers' items, and its answer gathers them in order. Errors take
+string of a request (an embeddings input, a completions prompt) is one item of a batch: a request
+with 32 inputs is 32 synchronous submits that batch with other callers' items, and its answer
+gathers them in order; a streamed completion sends each prompt's text as it lands. Errors take
 OpenAI's shape, ``{"error": {"message", "type", "code"}}``: the client maps the status to its own
 exceptions (429 ``RateLimitError``, 404 ``NotFoundError``) and honours ``Retry-After``.
 """
@@ -14,7 +15,9 @@ import asyncio
 import base64
 import json
 import math
+import secrets
 import struct
+import time
 from collections.abc import Awaitable
 from typing import Any, Literal
 
@@ -26,6 +29,7 @@ from starlette.responses import Response
 from gateway.admission.gate import Caller
 from gateway.answers.outcomes import Answer
 from gateway.edge.body import parse_body, read_body
+from gateway.edge.events import EventStream
 from gateway.edge.handlers import json_response, retry_headers
 from gateway.edge.models import error_responses
 from gateway.edge.routes.deployment import deployment_of
@@ -36,9 +40,14 @@ from gateway.settings import GatewaySettings
 
 MODELS_PATH = "/v1/models"
 EMBEDDINGS_PATH = "/v1/embeddings"
+COMPLETIONS_PATH = "/v1/completions"
 
-MAX_EMBEDDING_INPUTS = 256
-"""Strings per embeddings request: each is an item of a batch (a batch holds at most 100)."""
+MAX_INPUTS = 256
+"""Strings per request (embeddings inputs, completions prompts): each is an item of a batch (a batch
+holds at most 100)."""
+
+MAX_STOPS = 4
+"""Stop sequences per completions request, as OpenAI allows."""
 
 CHARS_PER_TOKEN = 4
 """``usage`` counts tokens as characters / 4 (OpenAI's own rule of thumb): the gateway has no
@@ -93,13 +102,62 @@ route, has batchwire's: ``error_responses``)."""
 class EmbeddingsBody(BaseModel):
     """OpenAI's embeddings request; ``user`` and fields this API does not know are ignored."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     input: str | list[str] | list[int] | list[list[int]]
-    model: str | None = None
+    model: str
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
 
+
+class CompletionsBody(BaseModel):
+    """OpenAI's completions request. Decoding is the backend's (greedy): sampling fields
+    (``temperature``, ``top_p``, ``seed``, penalties), ``max_tokens`` (the worker's
+    ``--hf-max-new-tokens`` bounds every answer) and ``user`` are accepted and ignored; fields that
+    would change the answer's shape and cannot be honoured are refused (``_refusals``)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    model: str
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    echo: bool = False
+    n: int = 1
+    best_of: int | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+
+class CompletionChoice(BaseModel):
+    text: str
+    index: int
+    logprobs: None
+    finish_reason: Literal["stop"]
+
+
+class CompletionUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionsResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: CompletionUsage | None = None
+
+
+_SSE_EVENT = {
+    "type": "object",
+    "properties": {"data": {"type": "string", "description": "A chunk's JSON, or `[DONE]`."}},
+    "required": ["data"],
+}
+"""One event of a streamed completion, as the OpenAPI document describes it."""
 
 _TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error"}
 
@@ -111,9 +169,13 @@ def openai_error(exc: GatewayError, retry_after_s: int) -> Response:
         status = 404
     elif status == 422:  # OpenAI answers an invalid request 400, and its clients raise BadRequestError
         status = 400
-    kind = "server_error" if status >= 500 else _TYPES.get(status, "invalid_request_error")
-    error = {"message": exc.message, "type": kind, "code": exc.error_code}
+    error = {"message": exc.message, "type": _kind(status), "code": exc.error_code}
     return json_response(status, {"error": error}, retry_headers(exc, status, retry_after_s))
+
+
+def _kind(status: int) -> str:
+    """OpenAI's error ``type`` for a status."""
+    return "server_error" if status >= 500 else _TYPES.get(status, "invalid_request_error")
 
 
 async def models(request: Request) -> Response:
@@ -141,7 +203,7 @@ async def embeddings(request: Request) -> Response:
         vectors = [_vector(answer.output, model) for answer in answers]
     except GatewayError as exc:
         return openai_error(exc, gateway.settings.retry_after_s)
-    tokens = sum(math.ceil(len(text) / CHARS_PER_TOKEN) for text in texts)
+    tokens = sum(_tokens(text) for text in texts)
     encode = _base64 if body.encoding_format == "base64" else list
     return json_response(
         200,
@@ -152,6 +214,192 @@ async def embeddings(request: Request) -> Response:
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         },
     )
+
+
+async def completions(request: Request) -> Response:
+    deployment = deployment_of(request)
+    gateway = deployment.gateway
+    try:
+        caller = deployment.caller_of(request)
+        raw = await read_body(request, gateway.settings.max_body_bytes, deployment.bodies)
+        body = parse_body(raw, CompletionsBody)
+        prompts = _prompts(body)
+        stops = _stops(body.stop)
+        if body.stream:
+            chunks = CompletionChunks(gateway, prompts, body, stops, caller)
+            try:
+                first = await anext(chunks)  # an error before anything was answered is a JSON error, not a stream
+            except BaseException:
+                await chunks.aclose()
+                raise
+            return EventStream(
+                _Prepended(first, chunks), ping_s=gateway.settings.sse_ping_s, end=deployment.streams_end
+            )
+        answers = await _submit_all(gateway, prompts, body.model, caller, request)
+    except GatewayError as exc:
+        return openai_error(exc, gateway.settings.retry_after_s)
+    model = answers[0].model
+    texts = [
+        _completed(prompt, answer.output, body.echo, stops) for prompt, answer in zip(prompts, answers, strict=True)
+    ]
+    return json_response(
+        200,
+        {
+            "id": f"cmpl-{answers[0].task_id}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [_choice(i, text) for i, text in enumerate(texts)],
+            "usage": _usage(prompts, texts),
+        },
+    )
+
+
+class CompletionChunks:
+    """A streamed completions request's events (``gateway.edge.events.Events``): each prompt's text as
+    its answer lands (OpenAI's chunk, ``index`` the prompt's), then the usage chunk if asked for, then
+    ``data: [DONE]``. An error ends the stream with OpenAI's error chunk, which the client raises.
+    Every prompt is submitted at construction; ``aclose`` tells the unanswered ones their caller has
+    gone (their tasks are cancelled, as at a disconnect) and awaits them."""
+
+    def __init__(
+        self, gateway: Gateway, prompts: list[str], body: CompletionsBody, stops: list[str], caller: Caller
+    ) -> None:
+        self._gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._index: dict[asyncio.Future[Answer], int] = {}
+        for index, prompt in enumerate(prompts):
+            submit = asyncio.ensure_future(
+                gateway.submit(prompt, body.model, None, True, caller=caller, disconnected=self._watch)
+            )
+            self._index[submit] = index
+        self._pending = set(self._index)
+        self._ready: list[asyncio.Future[Answer]] = []
+        self._prompts, self._body, self._stops = prompts, body, stops
+        self._texts: list[str] = [""] * len(prompts)
+        self._id = f"cmpl-{secrets.token_urlsafe(16)}"
+        self._created = int(time.time())
+        self._model = body.model or gateway.settings.default_model
+        self._ended = False
+        self._streaming = False
+
+    def _watch(self) -> Awaitable[object]:
+        return asyncio.shield(self._gone)
+
+    def __aiter__(self) -> CompletionChunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._ended:
+            raise StopAsyncIteration
+        if not self._ready and self._pending:
+            done, self._pending = await asyncio.wait(self._pending, return_when=asyncio.FIRST_COMPLETED)
+            self._ready.extend(done)
+        if not self._ready:
+            self._ended = True
+            usage = (self._body.stream_options or {}).get("include_usage") is True
+            last = _event(self._chunk([], _usage(self._prompts, self._texts))) if usage else b""
+            return last + b"data: [DONE]\r\n\r\n"
+        submit = self._ready.pop()
+        index = self._index[submit]
+        try:
+            answer = submit.result()
+        except GatewayError as exc:
+            self._ended = True
+            if not self._streaming:
+                raise  # nothing streamed yet: the route answers it as a JSON error
+            error = {"message": exc.message, "type": _kind(http_status(exc)), "code": exc.error_code}
+            return _event({"error": error})
+        self._streaming = True
+        self._model = answer.model
+        text = _completed(self._prompts[index], answer.output, self._body.echo, self._stops)
+        self._texts[index] = text
+        return _event(self._chunk([_choice(index, text)]))
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
+        chunk = {"id": self._id, "object": "text_completion", "created": self._created, "model": self._model}
+        return {**chunk, "choices": choices, **({"usage": usage} if usage is not None else {})}
+
+    async def aclose(self) -> None:
+        self._ended = True
+        if not self._gone.done():
+            self._gone.set_result(None)
+        submits = list(self._index)
+        if self._pending:
+            await asyncio.wait(self._pending)
+        for submit in submits:  # retrieved, so none logs "exception was never retrieved"
+            if not submit.cancelled():
+                submit.exception()
+
+
+class _Prepended:
+    """``first``, then the rest of ``chunks``: the chunk the route awaited before the stream began."""
+
+    def __init__(self, first: bytes, chunks: CompletionChunks) -> None:
+        self._first: bytes | None = first
+        self._chunks = chunks
+
+    def __aiter__(self) -> _Prepended:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        return await anext(self._chunks)
+
+    async def aclose(self) -> None:
+        await self._chunks.aclose()
+
+
+def _prompts(body: CompletionsBody) -> list[str]:
+    """The request's prompts; what cannot be honoured (``n``, ``best_of``, ``logprobs``, ``suffix``) is
+    refused, saying what to send instead."""
+    if body.n != 1 or (body.best_of is not None and body.best_of != 1):
+        raise ValidationFailed(
+            f"n={body.n}, best_of={body.best_of}: decoding is greedy, so every choice would be the same; "
+            "send n=1 (or leave it out) and no best_of"
+        )
+    if body.logprobs is not None:
+        raise ValidationFailed("logprobs: batchwire's backends return text only; leave `logprobs` out")
+    if body.suffix is not None:
+        raise ValidationFailed("suffix: batchwire's models continue a prompt and cannot insert; leave `suffix` out")
+    return _strings(body.prompt, "prompt", "Send the prompt as a string")
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    """The stop sequences: the answer is cut before the first of them."""
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOPS or not all(stops):
+        raise ValidationFailed(f"`stop` holds {len(stops)} sequences; send at most {MAX_STOPS}, none empty")
+    return stops
+
+
+def _completed(prompt: str, output: str, echo: bool, stops: list[str]) -> str:
+    """The choice's text: the output cut before its first stop sequence, after the prompt with ``echo``."""
+    cut = min((at for stop in stops if (at := output.find(stop)) >= 0), default=len(output))
+    return (prompt if echo else "") + output[:cut]
+
+
+def _choice(index: int, text: str) -> dict[str, Any]:
+    return {"text": text, "index": index, "logprobs": None, "finish_reason": "stop"}
+
+
+def _usage(prompts: list[str], texts: list[str]) -> dict[str, int]:
+    prompt_tokens = sum(_tokens(prompt) for prompt in prompts)
+    completion_tokens = sum(_tokens(text) for text in texts)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _tokens(text: str) -> int:
+    return math.ceil(len(text) / CHARS_PER_TOKEN)
+
+
+def _event(data: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\r\n\r\n".encode()
 
 
 async def _submit_all(
@@ -181,22 +429,28 @@ async def _submit_all(
 
 
 def _texts(body: EmbeddingsBody) -> list[str]:
-    """The request's strings; token arrays and ``dimensions`` are refused, saying what to send."""
+    """The request's strings; ``dimensions`` is refused, saying what to send."""
     if body.dimensions is not None:
         raise ValidationFailed(
             f"dimensions={body.dimensions}: batchwire's models return their full vectors and cannot truncate; "
             "leave `dimensions` out"
         )
-    texts = [body.input] if isinstance(body.input, str) else body.input
+    return _strings(
+        body.input,
+        "input",
+        "With LangChain's OpenAIEmbeddings, set check_embedding_ctx_length=False so it sends the strings",
+    )
+
+
+def _strings(value: str | list[str] | list[int] | list[list[int]], field: str, hint: str) -> list[str]:
+    """One string or a list of them, at most ``MAX_INPUTS``; token ids are refused (``hint``: how to send text)."""
+    texts = [value] if isinstance(value, str) else value
     if not texts:
-        raise ValidationFailed("`input` is an empty list; send at least one string")
+        raise ValidationFailed(f"`{field}` is an empty list; send at least one string")
     if not all(isinstance(text, str) for text in texts):
-        raise ValidationFailed(
-            "`input` holds token ids: batchwire takes text. With LangChain's OpenAIEmbeddings, set "
-            "check_embedding_ctx_length=False so it sends the strings"
-        )
-    if len(texts) > MAX_EMBEDDING_INPUTS:
-        raise ValidationFailed(f"`input` holds {len(texts)} strings; send at most {MAX_EMBEDDING_INPUTS} per request")
+        raise ValidationFailed(f"`{field}` holds token ids: batchwire takes text. {hint}")
+    if len(texts) > MAX_INPUTS:
+        raise ValidationFailed(f"`{field}` holds {len(texts)} strings; send at most {MAX_INPUTS} per request")
     return [str(text) for text in texts]
 
 
@@ -234,11 +488,10 @@ def add_routes(routes: APIRouter, settings: GatewaySettings) -> None:
         "type": "object",
         "required": ["input", "model"],
         "properties": {
-            "input": {"anyOf": [text, {"type": "array", "items": text, "minItems": 1, "maxItems": 8}]},
+            "input": {"anyOf": [text, {"type": "array", "items": text, "minItems": 1, "maxItems": MAX_INPUTS}]},
             "model": {"type": "string", "enum": list(settings.models)},
             "encoding_format": {"type": "string", "enum": ["float", "base64"]},
         },
-        "additionalProperties": False,
     }
     edge = error_responses("unauthorized", "method_not_allowed", "request_timeout") if settings.api_keys else {}
     shaped: dict[int | str, dict[str, Any]] = {status: {"model": OpenAIError} for status in _ERROR_STATUSES}
@@ -251,8 +504,51 @@ def add_routes(routes: APIRouter, settings: GatewaySettings) -> None:
         openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": body}}}},
         summary="Embeddings of one string or a list (OpenAI-compatible)",
         description="OpenAI's embeddings API for models served by an embedding backend (the hf backend with "
-        f"`--hf-task embed`). Each string is one item of a batch, at most {MAX_EMBEDDING_INPUTS} per request "
-        "(the schema shows a few); `encoding_format` is `float` or `base64` (little-endian float32); "
+        f"`--hf-task embed`). Each string is one item of a batch, at most {MAX_INPUTS} per request; "
+        "`encoding_format` is `float` or `base64` (little-endian float32); "
         "`dimensions` and token-id inputs are refused. `usage` estimates tokens as characters / 4. Errors "
         "have OpenAI's shape; 429 and 503 carry Retry-After.",
+    )
+    prompt = {"type": "string", "minLength": 1, "maxLength": settings.max_input_chars}
+    completions_body = {
+        "type": "object",
+        "required": ["prompt", "model"],
+        "properties": {
+            "prompt": {"anyOf": [prompt, {"type": "array", "items": prompt, "minItems": 1, "maxItems": MAX_INPUTS}]},
+            "model": {"type": "string", "enum": list(settings.models)},
+            "stream": {"type": "boolean"},
+            "echo": {"type": "boolean"},
+            "stop": {
+                "anyOf": [
+                    {"type": "string", "minLength": 1},
+                    {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOPS},
+                    {"type": "null"},
+                ]
+            },
+        },
+    }
+    routes.add_api_route(
+        COMPLETIONS_PATH,
+        traced(completions),
+        methods=["POST"],
+        response_model=CompletionsResponse,
+        responses={
+            **edge,
+            **shaped,
+            200: {
+                "description": "The completions; with `stream`, server-sent events: one `data:` chunk per prompt "
+                "as it is answered (`choices[0].index` the prompt's), then `data: [DONE]`.",
+                "content": {"text/event-stream": {"schema": _SSE_EVENT}},
+            },
+        },
+        openapi_extra={
+            "requestBody": {"required": True, "content": {"application/json": {"schema": completions_body}}}
+        },
+        summary="Completions of one prompt or a list (OpenAI-compatible)",
+        description="OpenAI's completions API for models served by a generating backend. Each prompt is one item "
+        f"of a batch, at most {MAX_INPUTS} per request; decoding is greedy, bounded by the worker's "
+        "`--hf-max-new-tokens` (`max_tokens` and sampling fields are accepted and ignored); `stop` cuts each "
+        "answer before its first stop sequence; `echo` prepends the prompt. `n` and `best_of` above 1, "
+        "`logprobs` and `suffix` are refused. `usage` estimates tokens as characters / 4. Errors have OpenAI's "
+        "shape; 429 and 503 carry Retry-After.",
     )

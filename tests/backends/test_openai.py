@@ -1,10 +1,14 @@
-"""``/v1/embeddings`` on the packaged all-MiniLM-L6-v2, called with the ``openai`` package: the vectors
-are the ones ``/v1/inference`` answers and the ones one-by-one computation gives."""
+"""The OpenAI-compatible routes on real models, called with the ``openai`` package: ``/v1/embeddings`` on
+the packaged all-MiniLM-L6-v2 (the vectors are the ones ``/v1/inference`` answers and the ones one-by-one
+computation gives) and ``/v1/completions`` on a tiny GPT-2 built by the test (greedy completions, batched
+with each other, are one-by-one generation's)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
 
 import httpx
 import openai
@@ -32,11 +36,12 @@ def minilm() -> HFBackend:
     return backend
 
 
-@pytest.fixture
-async def served(minilm: HFBackend) -> AsyncIterator[tuple[openai.AsyncOpenAI, httpx.AsyncClient]]:
-    shared = SharedSettings(models=("minilm",))
-    runtime = EmbeddedRuntime(EmbeddedSettings(shared=shared, workers_per_model=1), lambda model, index: minilm)
-    gateway = Gateway(GatewaySettings(models=("minilm",), default_model="minilm"), runtime.producer, runtime.store)
+@asynccontextmanager
+async def _serving(name: str, backend: HFBackend) -> AsyncIterator[tuple[openai.AsyncOpenAI, httpx.AsyncClient]]:
+    """An embedded deployment of ``backend`` as model ``name``, with the openai client and a plain one."""
+    shared = SharedSettings(models=(name,))
+    runtime = EmbeddedRuntime(EmbeddedSettings(shared=shared, workers_per_model=1), lambda model, index: backend)
+    gateway = Gateway(GatewaySettings(models=(name,), default_model=name), runtime.producer, runtime.store)
     await runtime.start()
     await gateway.start()
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(gateway, runtime)), base_url="http://bw")
@@ -46,6 +51,12 @@ async def served(minilm: HFBackend) -> AsyncIterator[tuple[openai.AsyncOpenAI, h
         await http.aclose()
         await gateway.close()
         await runtime.close()
+
+
+@pytest.fixture
+async def served(minilm: HFBackend) -> AsyncIterator[tuple[openai.AsyncOpenAI, httpx.AsyncClient]]:
+    async with _serving("minilm", minilm) as clients:
+        yield clients
 
 
 async def test_the_vectors_are_inferences_and_one_by_one_computation(
@@ -66,3 +77,19 @@ async def test_the_vectors_are_inferences_and_one_by_one_computation(
         assert max(abs(a - b) for a, b in zip(vector, inferred[index], strict=True)) <= 1e-5, text
         assert max(abs(a - b) for a, b in zip(vector, alone[index], strict=True)) <= 1e-5, text
         assert max(abs(a - b) for a, b in zip(as_base64.data[index].embedding, vector, strict=True)) <= 1e-6, text
+
+
+PROMPTS = ["Hello, how are you?", "a", "The quick brown fox jumps over", "a", "0123456789" * 3]
+
+
+async def test_greedy_completions_batched_together_are_one_by_one_generation(tiny_models: dict[str, Path]) -> None:
+    backend = HFBackend(tiny_models["gpt2"], task="generate", max_batch=8, max_new_tokens=12, warmup=False)
+    backend.load()
+    alone = [backend.batchstring([prompt])[0] for prompt in PROMPTS]
+    assert len(set(alone)) > 2, f"the tiny model's answers tell the prompts apart: {alone}"
+    async with _serving("tiny", backend) as (client, _):
+        many = await client.completions.create(model="tiny", prompt=PROMPTS, max_tokens=12)
+        assert [choice.text for choice in many.choices] == alone
+        stream = await client.completions.create(model="tiny", prompt=PROMPTS, stream=True)
+        streamed = {chunk.choices[0].index: chunk.choices[0].text async for chunk in stream if chunk.choices}
+        assert streamed == dict(enumerate(alone))
