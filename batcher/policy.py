@@ -18,10 +18,17 @@ deadline before they are handed over come back as expired, never sent to a GPU.
 While a model holds items of more than one priority tier, a credit's batch is chosen across
 everything it could take (sealed batches, and pending items when work-conserving): higher tiers
 first, FIFO within a tier, with each lower tier's earned share (``batcher.tiers``).
+
+With a token budget (``max_batch_tokens``), a batch's padded size (items x its longest input, in
+tokens) stays within the budget: a backend pads every input to the longest, so its cost and memory
+go with the padded size, not the count. The batch starts with the most urgent item (highest tier,
+earliest deadline: nothing starves, and deadlines come before the budget), then takes the items
+whose lengths are closest to it, so that little of a batch is padding (``within_budget``).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -60,6 +67,8 @@ class FlushPolicy:
     fresh_ms: float = 3.0
     """A worker found within this long of the newest arrival (or of the claim's start) means the items
     did not wait for one: it covers the claim's round trip to the credit pool."""
+    max_batch_tokens: int = 0
+    """A batch's padded tokens (items x its longest input) at most this (0: count only)."""
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -68,6 +77,11 @@ class FlushPolicy:
             raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms} (BATCHWIRE_MAX_WAIT_MS)")
         if not 0 <= self.reserve_ms <= 10_000:
             raise ValueError(f"reserve_ms must be within 0..10000, got {self.reserve_ms} (BATCHWIRE_RESERVE_MS)")
+        if self.max_batch_tokens < 0:
+            raise ValueError(
+                f"max_batch_tokens must be >= 0, got {self.max_batch_tokens} "
+                "(BATCHWIRE_MAX_BATCH_TOKENS; 0: count only)"
+            )
 
     @classmethod
     def work_conserving(
@@ -86,6 +100,7 @@ class FlushPolicy:
         max_batch: int | None = None,
         max_wait_ms: float | None = None,
         reserve_ms: float | None = None,
+        max_batch_tokens: int = 0,
     ) -> FlushPolicy:
         policy = PolicyName(name)
         base = cls.work_conserving() if policy is PolicyName.WORK_CONSERVING else cls.classic()
@@ -95,6 +110,7 @@ class FlushPolicy:
             base.max_wait_ms if max_wait_ms is None else max_wait_ms,
             base.flush_on_idle_worker,
             reserve_ms=base.reserve_ms if reserve_ms is None else reserve_ms,
+            max_batch_tokens=max_batch_tokens,
         )
 
 
@@ -111,6 +127,8 @@ class Pending(Generic[Item]):
     """Its priority tier's rank (``schemas.records.Priority.rank``): 0 goes first."""
     read_s: float | None = None
     """When this batcher read it (``arrived_s`` is when the gateway enqueued it), for its spans."""
+    tokens: int = 1
+    """Its input's length in tokens (``batcher.tokens``), for the token budget."""
 
 
 @dataclass(slots=True)
@@ -293,6 +311,8 @@ class BatchFormer(Generic[Item]):
         now = self.clock()
         if queue is None:
             return Taken([], None, now)
+        if self.policy.max_batch_tokens > 0:
+            return self._take_by_budget(queue, now, limit)
         if queue.tiered:
             taken = self._take_by_tier(queue, now, limit)
             if taken is not None:
@@ -339,6 +359,28 @@ class BatchFormer(Generic[Item]):
             sealed.items = [p for p in sealed.items if id(p) not in gone]
             sealed.min_deadline_s = min((p.deadline_s for p in sealed.items), default=float("inf"))
         queue.sealed = deque(s for s in queue.sealed if s.items)
+        if self.policy.flush_on_idle_worker:
+            queue.pending = [p for p in queue.pending if id(p) not in gone]
+            queue.min_deadline_s = min((p.deadline_s for p in queue.pending), default=float("inf"))
+        return Taken(chosen, reason, sealed_s, expired)
+
+    def _take_by_budget(self, queue: _ModelQueue[Item], now: float, limit: int) -> Taken[Item]:
+        """``take`` within the token budget, across everything that could go; what is not taken keeps
+        its place (sealed items stay sealed, pending ones pending)."""
+        sealed_items = [p for sealed in queue.sealed for p in sealed.items]
+        pool = sealed_items + queue.pending if self.policy.flush_on_idle_worker else sealed_items
+        if not pool:
+            return Taken([], None, now)
+        reason, sealed_s = (
+            (queue.sealed[0].reason, queue.sealed[0].sealed_s) if queue.sealed else (FlushReason.IDLE_WORKER, now)
+        )
+        expired = [p for p in pool if p.deadline_s <= now]
+        live = [p for p in pool if p.deadline_s > now] if expired else pool
+        slots = min(self.policy.max_batch, limit) if limit > 0 else self.policy.max_batch
+        chosen = within_budget(live, self.policy.max_batch_tokens, slots)
+        gone = {id(p) for p in chosen} | {id(p) for p in expired}
+        kept_sealed = [p for p in sealed_items if id(p) not in gone]
+        queue.sealed = deque([Sealed(kept_sealed, reason, sealed_s)] if kept_sealed else [])
         if self.policy.flush_on_idle_worker:
             queue.pending = [p for p in queue.pending if id(p) not in gone]
             queue.min_deadline_s = min((p.deadline_s for p in queue.pending), default=float("inf"))
@@ -400,3 +442,39 @@ class BatchFormer(Generic[Item]):
         if queue is None:
             return 0
         return len(queue.pending) + sum(len(s.items) for s in queue.sealed)
+
+
+LENGTH_SPREAD = 1.5
+"""A budgeted batch's longest input is at most this many times its shortest, so padding stays under
+a third of it (a sixth with lengths spread evenly); the rest wait for a batch of their own length."""
+
+
+def within_budget(candidates: list[Pending[Item]], budget: int, slots: int) -> list[Pending[Item]]:
+    """A batch from ``candidates`` of at most ``slots`` items whose padded tokens (count x longest)
+    stay within ``budget``: the most urgent item (highest tier, then earliest deadline), which goes
+    even alone over the budget (the gateway refuses such inputs; one from elsewhere must not block
+    its partition), then the others closest to its length (on a log scale), the more urgent first
+    among equals. Grouping by length keeps padding small; starting from the most urgent means a
+    long input waits at most until it is the most urgent, and a deadline is never traded for it.
+    """
+    if not candidates:
+        return []
+    head = min(candidates, key=lambda p: (p.rank, p.deadline_s))
+    chosen = [head]
+    longest = head.tokens
+    centre = math.log(max(head.tokens, 1))
+    others = sorted(
+        (p for p in candidates if p is not head),
+        key=lambda p: (abs(math.log(max(p.tokens, 1)) - centre), p.rank, p.deadline_s),
+    )
+    shortest = head.tokens
+    for pending in others:
+        if len(chosen) >= slots:
+            break
+        low, high = min(shortest, pending.tokens), max(longest, pending.tokens)
+        if high > LENGTH_SPREAD * low:
+            break  # sorted by closeness: every later one is further still
+        if high * (len(chosen) + 1) <= budget:
+            chosen.append(pending)
+            shortest, longest = low, high
+    return chosen

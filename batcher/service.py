@@ -27,6 +27,7 @@ from batcher.offsets import OffsetTracker
 from batcher.policy import BatchFormer, Pending
 from batcher.settings import BatcherSettings
 from batcher.states import wall_ms
+from batcher.tokens import TokenCounter, estimated
 from schemas.records import InferenceRequest, TaskState
 from telemetry import metrics
 from transport.cancelling import cancel_and_wait
@@ -59,8 +60,11 @@ class Batcher:
         store: TaskStore,
         clock: Callable[[], float] = time.monotonic,
         replicas: ReplicaWait | None = None,
+        count_tokens: TokenCounter = estimated,
     ) -> None:
+        """``count_tokens`` gives each request its length for the token budget (when the policy has one)."""
         self.settings = settings
+        self._count_tokens = count_tokens if settings.policy.max_batch_tokens > 0 else None
         self.consumer = consumer
         self.store = store
         self.replicas = replicas
@@ -202,9 +206,8 @@ class Batcher:
             self._room.clear()
         return unknown
 
-    @staticmethod
     def _pending(
-        request: InferenceRequest, record: Delivered[InferenceRequest], now_s: float, now_ms: int
+        self, request: InferenceRequest, record: Delivered[InferenceRequest], now_s: float, now_ms: int
     ) -> Pending[InferenceRequest]:
         deadline_s = now_s + (request.deadline_ms - now_ms) / 1000.0
         arrived_s = now_s - max(0, now_ms - request.enqueued_at_ms) / 1000.0
@@ -216,7 +219,17 @@ class Batcher:
             deadline_s,
             rank=request.priority.rank,
             read_s=now_s,
+            tokens=1 if self._count_tokens is None else self._tokens(request.input),
         )
+
+    def _tokens(self, text: str) -> int:
+        """The input's tokens; the estimate for one the tokenizer cannot read (the gateway refused
+        those from its callers; the backend fails one that comes from elsewhere, alone)."""
+        assert self._count_tokens is not None
+        try:
+            return self._count_tokens(text)
+        except ValueError:
+            return estimated(text)
 
     async def _fail_unknown(self, records: list[Delivered[InferenceRequest]]) -> None:
         failed = states.unknown_model(

@@ -28,6 +28,7 @@ def _up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     flags.gateway_admission(up)
     flags.answer_sharing(up)
     flags.batching(up)
+    flags.token_budget(up)
     flags.worker(up)
     flags.add(up, "--workers", 2, int, "workers per model")
     flags.add(
@@ -48,6 +49,7 @@ def _gateway(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     flags.gateway_http(gateway)
     flags.gateway_admission(gateway)
     flags.answer_sharing(gateway)
+    flags.token_budget(gateway)
     flags.field_flag(
         gateway,
         GatewaySettings,
@@ -64,6 +66,7 @@ def _batcher(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     flags.kafka_redis(batcher)
     flags.replication(batcher)
     flags.batching(batcher)
+    flags.token_budget(batcher)
     flags.add(batcher, "--batcher-id", None, str, "unique id of this batcher (random when unset)")
     flags.add(batcher, "--metrics-port", 0, int, "serve Prometheus /metrics on this port (0: off)")
     flags.add(

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from batcher.service import Batcher
 from batcher.settings import BatcherSettings
+from batcher.tokens import TokenCounter, estimated
 from batchwire.settings import SettingsError, SharedSettings
 from gpu_worker.backends.base import Backend
 from gpu_worker.journal import BatchJournal
@@ -85,7 +86,13 @@ class EmbeddedSettings:
 class EmbeddedRuntime:
     """Owns every in-process part; ``start`` and ``close`` bring them up and down in order."""
 
-    def __init__(self, settings: EmbeddedSettings, backend_factory: Callable[[str, int], Backend]) -> None:
+    def __init__(
+        self,
+        settings: EmbeddedSettings,
+        backend_factory: Callable[[str, int], Backend],
+        count_tokens: TokenCounter = estimated,
+    ) -> None:
+        """``count_tokens``: each input's length for the batcher's token budget (when it has one)."""
         self.settings = settings
         shared = settings.shared
         self.partitioner = Partitioner(shared.models, shared.request_partitions)
@@ -99,7 +106,9 @@ class EmbeddedRuntime:
         self.credits = MemoryCreditPool()
         self.batch_buses = {model: MemoryBatchBus(settings.workers_per_model) for model in shared.models}
         router = _BatchRouter(self.batch_buses)
-        self.batcher = Batcher(settings.batcher, self.requests.consumer(), router, self.credits, self.store)
+        self.batcher = Batcher(
+            settings.batcher, self.requests.consumer(), router, self.credits, self.store, count_tokens=count_tokens
+        )
         # The gateway's admission: queue depth and drain per model.
         self.queue_depth = MemoryQueueDepth(self.requests, router.sent.__getitem__)
         self.backend_factory = backend_factory

@@ -319,6 +319,26 @@ def batching(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def token_budget(parser: argparse.ArgumentParser) -> None:
+    """The token budget: batchers keep every batch's padded tokens within it, gateways refuse an input over it."""
+    field_flag(
+        parser,
+        GatewaySettings,
+        "max_batch_tokens",
+        int,
+        "padded tokens per batch at most (inputs x the longest, in tokens); batches group inputs of like lengths "
+        "and an input over it gets 413 (0: count items only)",
+    )
+    add(
+        parser,
+        "--tokenizer",
+        None,
+        str,
+        "with --max-batch-tokens: the model's tokenizer.json, or its directory (up: default --model-path; "
+        "unset: one token per 4 UTF-8 bytes)",
+    )
+
+
 def backend(parser: argparse.ArgumentParser) -> None:
     b = BackendSettings
     field_flag(parser, b, "backend", str, "model backend: sim (reversed input) or hf (transformers)")

@@ -11,6 +11,7 @@ from typing import Any
 
 from batcher.policy import FlushPolicy
 from batcher.settings import BatcherSettings
+from batcher.tokens import TokenCounter, token_counter
 from batchwire.settings import SettingsError, SharedSettings
 from gateway.edge.auth import load_api_keys
 from gateway.settings import GatewaySettings
@@ -46,6 +47,7 @@ GATEWAY_FLAGS = (
     "deterministic_models",
     "public_models",
     "cache_ttl_s",
+    "max_batch_tokens",
 )
 """GatewaySettings fields set one to one from the flag of the same name."""
 
@@ -100,7 +102,7 @@ def process_shared_settings(args: argparse.Namespace) -> SharedSettings:
 
 def _policy(args: argparse.Namespace) -> FlushPolicy:
     try:
-        return FlushPolicy.named(args.policy, args.max_batch, args.max_wait_ms, args.reserve_ms)
+        return FlushPolicy.named(args.policy, args.max_batch, args.max_wait_ms, args.reserve_ms, args.max_batch_tokens)
     except ValueError as err:
         raise SettingsError(f"{err} (--policy is work-conserving or classic)") from err
 
@@ -160,3 +162,13 @@ def worker_settings(args: argparse.Namespace, model: str, worker_id: str | None 
         return WorkerSettings(model=model, deterministic=model in args.deterministic_models, **kwargs)
     except ValueError as err:
         raise SettingsError(str(err)) from err
+
+
+def token_counter_of(args: argparse.Namespace) -> TokenCounter:
+    """The counter for the token budget: ``--tokenizer``, else the hf backend's ``--model-path`` (where
+    this command has it), else the estimate."""
+    path = args.tokenizer or getattr(args, "model_path", None)
+    try:
+        return token_counter(path if args.max_batch_tokens > 0 else None)
+    except ValueError as err:
+        raise SettingsError(f"{err} (--tokenizer)") from err

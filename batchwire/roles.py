@@ -43,6 +43,7 @@ log = logging.getLogger("batchwire")
 def run_embedded(args: argparse.Namespace) -> int:
     shared = rs.shared_settings(args)
     backends = rs.backend_settings(args)
+    count_tokens = rs.token_counter_of(args)
     runtime = EmbeddedRuntime(
         EmbeddedSettings(
             shared=shared,
@@ -54,6 +55,7 @@ def run_embedded(args: argparse.Namespace) -> int:
             deterministic_models=tuple(args.deterministic_models),
         ),
         lambda model, index: make_backend(backends, model),
+        count_tokens,
     )
     settings = rs.gateway_settings(args, shared)
     limiter = None  # one process: the rate limits' buckets live in memory
@@ -68,6 +70,7 @@ def run_embedded(args: argparse.Namespace) -> int:
         limiter=limiter,
         cache=cache,
         credits=runtime.credits,
+        count_tokens=count_tokens,
     )
     log.info(
         "batchwire (embedded) on http://%s:%d: models %s, %d workers each",
@@ -98,6 +101,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         limiter=transports.limiter,
         cache=transports.cache,
         credits=transports.credits,
+        count_tokens=rs.token_counter_of(args),
     )
     streams_end = StreamsEnd()
     app = create_app(gateway, transports, streams_end)
@@ -113,6 +117,7 @@ def run_batcher(args: argparse.Namespace) -> int:
     )
 
     replicas = _replica_settings(args)
+    count_tokens = rs.token_counter_of(args)
 
     async def main() -> int:
         bootstrap = shared.require_kafka()
@@ -125,7 +130,7 @@ def run_batcher(args: argparse.Namespace) -> int:
             bootstrap, shared.names, timing=GroupTiming(session_timeout_ms=args.session_timeout_ms)
         )
         wait = ReplicaWait(store, replicas, settings.batcher_id, role="batcher", retry_max_s=settings.retry_max_s)
-        batcher = Batcher(settings, consumer, producer, credits, store, replicas=wait)
+        batcher = Batcher(settings, consumer, producer, credits, store, replicas=wait, count_tokens=count_tokens)
         parts: tuple[Lifecycle, ...] = (store, credits, producer, batcher)
 
         async def start() -> None:

@@ -54,6 +54,14 @@ class InputTooLarge(GatewayError):
     code = "input_too_large"
 
 
+class InputOverTokenBudget(GatewayError):
+    code = "input_over_token_budget"
+
+
+class Untokenizable(GatewayError):
+    code = "untokenizable_input"
+
+
 class BodyTooLarge(GatewayError):
     code = "body_too_large"
 
@@ -198,6 +206,11 @@ ERROR_TABLE: dict[str, tuple[int, str]] = {
     ),
     "timeout_out_of_range": (422, "`timeout_ms` is outside the allowed range."),
     "input_too_large": (413, "`input` has more characters than BATCHWIRE_MAX_INPUT_CHARS."),
+    "input_over_token_budget": (
+        413,
+        "`input` has more tokens than a whole batch may hold (BATCHWIRE_MAX_BATCH_TOKENS); send a shorter input.",
+    ),
+    "untokenizable_input": (400, "The model's tokenizer cannot read `input` (BATCHWIRE_MAX_BATCH_TOKENS is set)."),
     "body_too_large": (413, "The body is larger than BATCHWIRE_MAX_BODY_BYTES."),
     "idempotency_key_reused": (422, "The Idempotency-Key was used before with another input or model."),
     "unsupported_media_type": (

@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import replace
 from typing import Literal, overload
 
 from gateway.admission.gate import ANONYMOUS, Admission, Caller
 from gateway.admission.priority import request_tier
-from gateway.admission.validation import validated
+from gateway.admission.validation import validated, within_token_budget
 from gateway.answers.outcomes import Accepted, Answer, answer_of
 from gateway.answers.reads import TaskReads
 from gateway.answers.replies import Replies
@@ -58,12 +58,15 @@ class Gateway:
         limiter: RateLimiter | None = None,
         cache: ResultCache | None = None,
         credits: CreditPool | None = None,
+        count_tokens: Callable[[str], int] | None = None,
     ) -> None:
         """``queue_depth`` and ``limiter`` enforce ``max_queue_depth`` and the rate limits; without
         them those settings are not applied (the composition roots always pass them). ``cache``
         holds answers for ``cache_ttl_s``; ``credits`` is the workers' credit pool, read for the
-        rates they state (admission by predicted wait before a model's drain rate is measured)."""
+        rates they state (admission by predicted wait before a model's drain rate is measured).
+        ``count_tokens`` (with ``max_batch_tokens``) refuses an input over the token budget."""
         self.settings = settings
+        self._count_tokens = count_tokens if settings.max_batch_tokens > 0 else None
         self._producer = producer
         self._store = store
         self._clock: Clock = clock or SystemClock()
@@ -184,6 +187,8 @@ class Gateway:
         """
         started = self._clock.monotonic()
         model, timeout_ms = validated(self.settings, input, model, timeout_ms)
+        if self._count_tokens is not None:
+            within_token_budget(self.settings, input, self._count_tokens)
         tier = request_tier(priority, caller.tiers)
         if idempotency_key is not None:
             idempotency.check_key(idempotency_key)

@@ -46,6 +46,9 @@ class GatewaySettings:
     max_timeout_ms: int = 30_000
     min_timeout_ms: int = 1
     max_input_chars: int = 65_536
+    max_batch_tokens: int = 0
+    """With a token counter (``Gateway``'s ``count_tokens``), an input over this many tokens is refused
+    (413): the batchers' budget, which no batch may exceed (0: no budget)."""
     max_body_bytes: int = 1_048_576
     max_body_bytes_in_flight: int = 33_554_432
     """What the bodies being read hold together, at most: past it a request is refused (503), so that

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from gateway.errors import EmptyInput, InputTooLarge, TimeoutOutOfRange, UnknownModel, shown
+from collections.abc import Callable
+
+from gateway.errors import (
+    EmptyInput,
+    InputOverTokenBudget,
+    InputTooLarge,
+    TimeoutOutOfRange,
+    UnknownModel,
+    Untokenizable,
+    shown,
+)
 from gateway.settings import GatewaySettings, env_name
 
 
@@ -28,3 +38,17 @@ def validated(settings: GatewaySettings, input: str, model: str | None, timeout_
             f"input is {len(input)} characters; the limit is {settings.max_input_chars} ({env_name('max_input_chars')})"
         )
     return model, timeout_ms
+
+
+def within_token_budget(settings: GatewaySettings, input: str, count_tokens: Callable[[str], int]) -> None:
+    """Refuses an input that alone is over the token budget (no batch could hold it), or that the
+    model's tokenizer cannot read: that input fails, and nothing else."""
+    try:
+        tokens = count_tokens(input)
+    except ValueError as err:
+        raise Untokenizable(f"{err}; send text the model's tokenizer reads") from None
+    if tokens > settings.max_batch_tokens:
+        raise InputOverTokenBudget(
+            f"input is {tokens} tokens; a batch holds at most {settings.max_batch_tokens} "
+            f"({env_name('max_batch_tokens')}): send a shorter input"
+        )

@@ -29,7 +29,7 @@ from transport.redis.store import RedisTaskStore
 from transport.replicas import ReplicaSettings, ReplicaWait
 from transport.routing import Partitioner
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.kafka, pytest.mark.timeout(60)]  # their own redis-server processes
 
 WAIT_MS = 50
 

@@ -30,7 +30,7 @@ from transport.ports import Delivered
 from transport.redis.store import RedisTaskStore
 from transport.replicas import ReplicaSettings, ReplicaWait, parse_min_replicas
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.kafka, pytest.mark.timeout(60)]  # their own redis-server processes
 
 WAIT_MS = 50
 
