@@ -16,6 +16,7 @@ OPTIONAL = (
     "aiohttp",
     "torch",
     "transformers",
+    "tokenizers",
     "docker",
     "batchwire.bench",
     "gpu_worker.backends.hf",
