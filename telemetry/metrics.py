@@ -112,6 +112,13 @@ BACKEND_BATCH_LATENCY = Gauge(
     ["model", "backend", "batch_size"],
     registry=REGISTRY,
 )
+BACKEND_TOKENS = Counter(
+    "batchwire_backend_tokens",
+    "Tokens of the batches an hf backend ran: `input` (the inputs' own) and `padding` (added to line each "
+    "batch up to its longest input); padding / (input + padding) is the share of compute spent on padding.",
+    ["model", "kind"],
+    registry=REGISTRY,
+)
 WORKER_BUSY = Counter(
     "batchwire_worker_busy_seconds", "Seconds each worker spent inside batchstring.", ["worker"], registry=REGISTRY
 )

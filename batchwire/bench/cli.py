@@ -51,6 +51,16 @@ def _names(text: str) -> list[str]:
     return names
 
 
+def _budgets(text: str) -> list[int]:
+    try:
+        budgets = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        budgets = []
+    if not budgets or any(budget < 0 for budget in budgets):
+        raise argparse.ArgumentTypeError(f"token budgets are whole numbers, 0 or more (0: count only); got {text!r}")
+    return budgets
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Every ``batchwire bench`` flag, on a parser of the caller's choosing (e.g. a subparser)."""
     _add_target_arguments(parser)
@@ -153,6 +163,12 @@ def _add_input_arguments(load: argparse._ArgumentGroup) -> None:
         "shows what collapsing and the result cache save",
     )
     load.add_argument(
+        "--lengths",
+        metavar="MEDIAN:P99",
+        help="inputs of log-normal lengths in words (one token each in most vocabularies), e.g. 16:256, "
+        "instead of --input-size characters",
+    )
+    load.add_argument(
         "--expect",
         choices=("reverse", "none"),
         default="none",
@@ -188,6 +204,12 @@ def _add_start_arguments(parser: argparse.ArgumentParser) -> None:
     )
     start.add_argument("--policy", choices=POLICIES, default="work-conserving", help="batching policy to start")
     start.add_argument("--policies", type=_names, help="comma list: run every rate once per policy (with --start)")
+    start.add_argument(
+        "--budgets",
+        type=_budgets,
+        help="comma list of token budgets: run every rate once per budget, the started service's "
+        "--max-batch-tokens (0: count only; with --start)",
+    )
     start.add_argument("--workers", type=int, default=1, help="GPU workers to start (default 1)")
     start.add_argument("--sim-latency-ms", type=number, default=100.0, help="simulated GPU latency (default 100)")
     start.add_argument(

@@ -22,6 +22,7 @@ import uvloop
 
 from batchwire.bench import results
 from batchwire.bench.cli import DEFAULT_URL
+from batchwire.bench.lengths import Lengths
 from batchwire.bench.loadgen import Expect
 from batchwire.bench.mix import mix_run, mix_table, write_mix
 from batchwire.bench.own_stack import OwnStack
@@ -50,7 +51,7 @@ def execute(args: argparse.Namespace) -> int:
         if args.compare:
             return _compare(args.compare[0], args.compare[1])
         load = _load_config(args)
-        policies = _policies(args)
+        arms = [(policy, budget) for policy in _policies(args) for budget in _budgets(args)]
         loop_factory = _loop_factory(args.loop)
     except (UsageError, results.ResultsError) as err:
         print(f"batchwire bench: {err}", file=sys.stderr)
@@ -66,11 +67,12 @@ def execute(args: argparse.Namespace) -> int:
         if stack is not None:
             stack.note_state()
         with asyncio.Runner(loop_factory=loop_factory) as runner:
-            for policy in policies:
-                report = RunReport(label=_label(args), policy=policy, sut=None, rates=[])
+            for policy, budget in arms:
+                label = _label(args) if budget is None else f"{_label(args)} {_budget_name(budget)}"
+                report = RunReport(label=label, policy=policy, sut=None, rates=[])
                 runs.append(report)
                 if args.start:
-                    _run_started(runner, args, load, policy, report, stack)
+                    _run_started(runner, args, load, policy, budget, report, stack)
                 else:
                     runner.run(_measure(args, load, _given_target(args), report))
     except (KeyboardInterrupt, asyncio.CancelledError):
@@ -114,6 +116,7 @@ def _run_started(
     args: argparse.Namespace,
     load: LoadConfig,
     policy: str | None,
+    budget: int | None,
     report: RunReport,
     stack: Stack | None,
 ) -> None:
@@ -133,8 +136,10 @@ def _run_started(
         models=mix_models(args.mix or ()),
         gateway_args=tuple(shlex.split(args.sut_args)),
         result_ttl_s=args.result_ttl_s,
+        max_batch_tokens=budget,
     )
-    log_dir = (args.out / "logs" / spec.policy) if args.out else Path(tempfile.mkdtemp(prefix="batchwire-bench-"))
+    name = spec.policy if budget is None else f"{spec.policy}-{_budget_name(budget).replace(' ', '-')}"
+    log_dir = (args.out / "logs" / name) if args.out else Path(tempfile.mkdtemp(prefix="batchwire-bench-"))
     sut = SystemUnderTest(spec, log_dir)
     infra_found: dict[str, object] | None = None
     try:
@@ -253,6 +258,7 @@ def _load_config(args: argparse.Namespace) -> LoadConfig:
         input_size=args.input_size,
         seed=args.seed,
         zipf=_zipf(args.zipf),
+        lengths=_lengths(args.lengths),
         expect=expect,
         payload_field=args.payload_field,
         pause_s=args.pause,
@@ -261,6 +267,15 @@ def _load_config(args: argparse.Namespace) -> LoadConfig:
         lone_gap_s=args.lone_gap_ms / 1000.0,
         warm_count=args.warm,
     )
+
+
+def _lengths(text: str | None) -> Lengths | None:
+    if not text:
+        return None
+    try:
+        return Lengths.parse(text)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
 
 
 def _zipf(text: str | None) -> Zipf | None:
@@ -278,6 +293,18 @@ def _policies(args: argparse.Namespace) -> list[str | None]:
             raise UsageError("--policies needs --start: the bench can only switch policies of a system it starts")
         return list(args.policies)
     return [args.policy] if args.start else [None]
+
+
+def _budgets(args: argparse.Namespace) -> list[int | None]:
+    if args.budgets:
+        if not args.start:
+            raise UsageError("--budgets needs --start: the bench can only set the token budget of a system it starts")
+        return list(args.budgets)
+    return [None]
+
+
+def _budget_name(budget: int) -> str:
+    return "count only" if budget == 0 else f"budget {budget}"
 
 
 def _given_target(args: argparse.Namespace) -> Target:

@@ -10,7 +10,7 @@ import asyncio
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 from urllib.parse import urlsplit, urlunsplit
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -21,6 +21,7 @@ FLUSHES = "batchwire_flushes_total"
 WORKER_BUSY = "batchwire_worker_busy_seconds_total"
 BACKEND_CPU = "batchwire_backend_cpu_seconds_total"
 REDELIVERED = "batchwire_batches_redelivered_total"
+BACKEND_TOKENS = "batchwire_backend_tokens_total"
 #: Where a request's time goes inside the service: histograms whose sum over count is a mean per
 #: request, and the worker's stages, summed over inputs (``batchwire_request_stage_seconds``).
 STAGE_HISTOGRAMS = {
@@ -119,6 +120,8 @@ class ServerStats(TypedDict):
     """CPU seconds of the backends' calling threads in the window (None: not exported)."""
     redelivered: float
     """Batches the workers took again and ran with care (each a sign of a crash or a hand-back)."""
+    padding_share: NotRequired[float | None]
+    """Of the tokens the hf backends ran, the share that was padding (None: no token counts exported)."""
     stages_ms: dict[str, float]
     """Mean time per request in each stage over the window (the gateway's accept to answer, accept to
     sealed, sealed to its call's start, the call), those the service exports and saw."""
@@ -204,8 +207,15 @@ def server_stats(before: Scrape, after: Scrape, urls: Iterable[str], workers_hin
         busy_fraction=busy / window_s / workers if workers else None,
         backend_cpu_s=_sum(delta, BACKEND_CPU) if _has(delta, BACKEND_CPU) else None,
         redelivered=_sum(delta, REDELIVERED),
+        padding_share=_padding_share(delta),
         stages_ms=_stage_means(delta),
     )
+
+
+def _padding_share(delta: Mapping[tuple[str, SampleKey], float]) -> float | None:
+    tokens = _by_label(delta, BACKEND_TOKENS, "kind")
+    total = tokens.get("input", 0.0) + tokens.get("padding", 0.0)
+    return tokens.get("padding", 0.0) / total if total else None
 
 
 def _stage_means(delta: Mapping[tuple[str, SampleKey], float]) -> dict[str, float]:

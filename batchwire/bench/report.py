@@ -117,6 +117,9 @@ def _rate_lines(rate: RateReport) -> list[str]:
     server = rate["server"]
     if server is not None and server["flushes"]:
         lines.append(f"{label} flushes: " + " ".join(f"{k}={v:g}" for k, v in sorted(server["flushes"].items())))
+    padding = server.get("padding_share") if server is not None else None
+    if padding is not None:
+        lines.append(f"{label} padding: {100 * padding:.1f}% of the tokens the backends ran")
     if server is not None and server.get("redelivered"):
         lines.append(f"{label} redelivered batches: {server['redelivered']:g} (each run with care, in halves)")
     others = {k: g for k, g in rate["processes"].items() if k != "batchwire"}

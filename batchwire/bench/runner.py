@@ -17,6 +17,7 @@ from pathlib import Path
 import aiohttp
 
 from batchwire.bench.client import AiohttpClient, ClientKind, HttpClient
+from batchwire.bench.lengths import LengthInputs, Lengths
 from batchwire.bench.loadgen import TIMEOUT, Expect, OpenLoopSender
 from batchwire.bench.lone import DEFAULT_GAP_MS, lone_line, lone_probe
 from batchwire.bench.measure import Probes, measure_rate
@@ -41,6 +42,8 @@ class LoadConfig:
     seed: int = 1
     zipf: Zipf | None = None
     """Inputs repeat with Zipf popularity (``batchwire.bench.zipf``); None: every input unique."""
+    lengths: Lengths | None = None
+    """Inputs of log-normal lengths in words (``batchwire.bench.lengths``); None: ``input_size`` characters."""
     expect: Expect = "none"
     payload_field: str = "input"
     pause_s: float = 1.0
@@ -89,11 +92,13 @@ async def bench_run(
     ``run["warm"]``) once the service is idle again."""
     rng = random.Random(load.seed)
     nonce = secrets.token_hex(2)
-    inputs = (
-        ZipfInputs(load.zipf, load.input_size, rng, field=load.payload_field, nonce=nonce)
-        if load.zipf is not None
-        else InputFactory(load.input_size, rng, field=load.payload_field, nonce=nonce)
-    )
+    inputs: InputFactory
+    if load.zipf is not None:
+        inputs = ZipfInputs(load.zipf, load.input_size, rng, field=load.payload_field, nonce=nonce)
+    elif load.lengths is not None:
+        inputs = LengthInputs(load.lengths, rng, field=load.payload_field, nonce=nonce)
+    else:
+        inputs = InputFactory(load.input_size, rng, field=load.payload_field, nonce=nonce)
     client = make_client(load.client, load.concurrency_limit, load.timeout_s)
     metrics_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=16)) if target.metrics_urls else None
     try:

@@ -69,6 +69,8 @@ class SutSpec:
     """More flags for the gateways (or the embedded service)."""
     result_ttl_s: float | None = None
     """Every role's ``--result-ttl-s`` (None: the roles' default)."""
+    max_batch_tokens: int | None = None
+    """The batchers' token budget and the gateways' limit (``--max-batch-tokens``); None: the default."""
 
 
 @dataclass(slots=True)
@@ -98,7 +100,11 @@ def _policy_flags(spec: SutSpec) -> list[str]:
         flags += ["--max-batch", str(spec.max_batch)]
     if spec.max_wait_ms is not None:
         flags += ["--max-wait-ms", f"{spec.max_wait_ms:g}"]
-    return flags
+    return flags + _budget_flags(spec)
+
+
+def _budget_flags(spec: SutSpec) -> list[str]:
+    return [] if spec.max_batch_tokens is None else ["--max-batch-tokens", str(spec.max_batch_tokens)]
 
 
 def plan(spec: SutSpec, command: Sequence[str], namespace: str, log_dir: Path) -> _Plan:
@@ -159,7 +165,18 @@ def plan(spec: SutSpec, command: Sequence[str], namespace: str, log_dir: Path) -
         out.metrics_urls.append(f"{origin}:{port}/metrics")
     for index in range(spec.gateways):
         port = free_port(spec.host)
-        argv = [*command, "gateway", *shared, *spec.gateway_args, "--host", spec.host, "--port", str(port), *ns]
+        argv = [
+            *command,
+            "gateway",
+            *shared,
+            *_budget_flags(spec),
+            *spec.gateway_args,
+            "--host",
+            spec.host,
+            "--port",
+            str(port),
+            *ns,
+        ]
         out.roles.append(
             Role(f"gateway-{index}", "gateway", argv, f"{origin}:{port}/readyz", log_dir / f"gateway-{index}.log")
         )

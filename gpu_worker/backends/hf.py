@@ -27,7 +27,7 @@ from gpu_worker.backends.base import BackendError, BatchSizeError, InputError
 from gpu_worker.backends.hf_embed import mean_pool, to_json
 from gpu_worker.backends.hf_load import DTYPES, TASKS, LoadedModel, Task, load_model_dir, resolve_device, resolve_dtype
 from gpu_worker.backends.sim import ReentryError
-from telemetry.metrics import BACKEND_BATCH_LATENCY
+from telemetry.metrics import BACKEND_BATCH_LATENCY, BACKEND_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +222,9 @@ class HFBackend:
             error = self._length_error(index, int(count), loaded.max_input_tokens)
             if error is not None:
                 raise error
+        tokens = int(attention_mask.sum())
+        BACKEND_TOKENS.labels(model=self.model, kind="input").inc(tokens)
+        BACKEND_TOKENS.labels(model=self.model, kind="padding").inc(attention_mask.numel() - tokens)
         input_ids = input_ids.to(loaded.device)
         attention_mask = attention_mask.to(loaded.device)
         if self.task == "embed":

@@ -1,0 +1,36 @@
+"""The token budget's counter on a real tokenizer, and the hf backend's count of the padding it ran."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from batcher.tokens import token_counter
+from gpu_worker.backends.hf import HFBackend
+from telemetry.metrics import BACKEND_TOKENS
+
+
+def test_the_counter_counts_as_the_model_does(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    backend = HFBackend(tiny_models["gpt2"], task="generate", max_batch=4, max_new_tokens=2, warmup=False)
+    backend.load()
+    texts = ["a", "hello world", "é" * 10, "The quick brown fox"]
+    for source in (tiny_models["gpt2"], tiny_models["gpt2"] / "tokenizer.json"):
+        count = token_counter(str(source))
+        assert [count(text) for text in texts] == backend.count_tokens(texts)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        token_counter(str(tmp_path))
+
+
+def test_the_backend_counts_the_padding_of_each_batch(tiny_models: dict[str, Path]) -> None:
+    backend = HFBackend(tiny_models["bert"], task="embed", max_batch=4, warmup=False, model="padding-test")
+    backend.load()
+
+    def counted(kind: str) -> float:
+        return BACKEND_TOKENS.labels(model="padding-test", kind=kind)._value.get()
+
+    before = counted("input"), counted("padding")
+    lengths = backend.count_tokens(["ab", "abcdefgh"])
+    backend.batchstring(["ab", "abcdefgh"])
+    assert counted("input") - before[0] == sum(lengths)
+    assert counted("padding") - before[1] == max(lengths) - min(lengths), "the short input padded to the long"

@@ -1,0 +1,87 @@
+"""The token budget on an embedded deployment: an input over it gets 413, one the tokenizer cannot read
+gets 400, every other request of the same moment is answered, and no batch a worker ran exceeds it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from batcher.policy import FlushPolicy
+from batcher.settings import BatcherSettings
+from batcher.tokens import estimated
+from batchwire.embedded import EmbeddedRuntime, EmbeddedSettings
+from batchwire.settings import SharedSettings
+from gateway.edge.app import create_app
+from gateway.service import Gateway
+from gateway.settings import GatewaySettings
+from gpu_worker.backends.sim import SimBackend
+
+pytestmark = pytest.mark.timeout(60)
+
+BUDGET = 16
+"""Tokens per batch: with the estimate (4 UTF-8 bytes a token), inputs up to 64 bytes."""
+
+
+class Recording(SimBackend):
+    """The sim backend, keeping each batch's inputs."""
+
+    def __init__(self) -> None:
+        super().__init__(latency_ms=20)
+        self.batches: list[list[str]] = []
+
+    def batchstring(self, inputs: list[str]) -> list[str]:
+        self.batches.append(list(inputs))
+        return super().batchstring(inputs)
+
+
+def count(text: str) -> int:
+    """The estimate, except for an input that a real tokenizer could not read."""
+    if "\x00" in text:
+        raise ValueError("the tokenizer cannot read a NUL")
+    return estimated(text)
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[httpx.AsyncClient, Recording]]:
+    backend = Recording()
+    policy = FlushPolicy.named("work-conserving", max_batch_tokens=BUDGET)
+    settings = EmbeddedSettings(
+        shared=SharedSettings(models=("sim",)), batcher=BatcherSettings(policy=policy), workers_per_model=1
+    )
+    runtime = EmbeddedRuntime(settings, lambda model, index: backend, count)
+    gateway = Gateway(
+        GatewaySettings(models=("sim",), max_batch_tokens=BUDGET), runtime.producer, runtime.store, count_tokens=count
+    )
+    await runtime.start()
+    await gateway.start()
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(gateway, runtime)), base_url="http://bw")
+    try:
+        yield client, backend
+    finally:
+        await client.aclose()
+        await gateway.close()
+        await runtime.close()
+
+
+async def test_over_the_budget_is_413_unreadable_is_400_and_the_rest_are_answered(
+    served: tuple[httpx.AsyncClient, Recording],
+) -> None:
+    client, backend = served
+    inputs = ["a" * (1 + 5 * n % 64) for n in range(40)] + ["x" * 65, "bad\x00input"]
+    responses = await asyncio.gather(*(client.post("/v1/inference", json={"input": text}) for text in inputs))
+    by_input = dict(zip(inputs, responses, strict=True))
+    over, unreadable = by_input.pop("x" * 65), by_input.pop("bad\x00input")
+    assert over.status_code == 413 and over.json()["error"]["code"] == "input_over_token_budget", over.text
+    assert "17 tokens" in over.json()["error"]["message"] and "BATCHWIRE_MAX_BATCH_TOKENS" in over.text
+    assert unreadable.status_code == 400 and unreadable.json()["error"]["code"] == "untokenizable_input"
+    for text, response in by_input.items():
+        assert response.status_code == 200, response.text
+        assert response.json()["output"] == text[::-1]
+    ran = [text for batch in backend.batches for text in batch]
+    assert sorted(ran) == sorted(by_input), "each answered input ran once; the refused ones never ran"
+    for batch in backend.batches:
+        assert max(map(estimated, batch)) * len(batch) <= BUDGET, [len(text) for text in batch]
+    assert max(map(len, backend.batches)) > 1, "short inputs still share batches"
