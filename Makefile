@@ -12,8 +12,8 @@ CORE := $(VENV)/.core-stamp
 FULL := $(VENV)/.full-stamp
 MINILM_VERSION := 0.1.0
 
-# The tiers, by marks (pyproject.toml): the unit tests run in `make check`; `make test` runs them with
-# the rest, in parallel where they measure no time, then the `timing` ones alone. Torch is imported only by the
+# The tiers, by marks (pyproject.toml): the unit tests run in `make check`; `make test` adds the rest,
+# in parallel where they measure no time, then the `timing` ones alone. Torch is imported only by the
 # tier that collects tests/backends (HF_TESTS).
 PYTEST := $(PY) -m pytest
 HF_TESTS := tests/backends
@@ -61,11 +61,10 @@ typecheck: $(FULL)
 check: lint typecheck
 	$(PYTEST) $(CHECK_PARALLEL) --no-servers -m "$(UNIT)" --ignore=$(HF_TESTS)
 
-# Lint and types first, then every test that measures no time in parallel (the unit tests fill the
-# cores while the Kafka tests wait on processes), then the timing tests alone; one Kafka and Redis
-# for both runs (tests/with_stack.py).
-test: lint typecheck install
-	$(PY) -m tests.with_stack sh -c '$(PYTEST) $(TEST_PARALLEL) -m "not timing" && \
+# `make check` first, then the rest in parallel where it measures no time, then the timing tests alone;
+# one Kafka and Redis for both runs (tests/with_stack.py).
+test: check install
+	$(PY) -m tests.with_stack sh -c '$(PYTEST) $(TEST_PARALLEL) -m "not ($(UNIT)) and not timing" && \
 	  $(PYTEST) -m timing --ignore=$(HF_TESTS)'
 
 stack-up: install
