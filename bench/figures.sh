@@ -131,6 +131,14 @@ figure() {
         $BW bench --client raw --start embedded --workers 1 --lengths 16:256 --budgets "0,${TOKEN_BUDGET:-2048}" \
         --rate "${TOKEN_BUDGET_RATES:-10,20,30,40,50}" --duration 20 --warmup 3 --lone 0 --warm 0 \
         --concurrency-limit 5000 --out "$R/token-budget" ;;
+    # The same with a tiny BERT built on the spot (2 layers, width 32, byte tokens, 4,096 positions):
+    # inputs of the same words are 5 to 6 tokens a word, and a budget of TOKEN_BUDGET_TINY bytes.
+    token-budget-tiny) local tiny=.batchwire/tiny-encoder-4096
+      [ -d "$tiny" ] || $PY -c "from gpu_worker.backends.tiny import build_tiny_encoder as b; b('$tiny', positions=4096)"
+      BATCHWIRE_BACKEND=hf BATCHWIRE_HF_TASK=embed BATCHWIRE_MODEL_PATH="$tiny" \
+        $BW bench --client raw --start embedded --workers 1 --lengths 16:256 --budgets "0,${TOKEN_BUDGET_TINY:-8192}" \
+        --rate "${TOKEN_BUDGET_RATES:-20,40,80,120}" --duration 20 --warmup 3 --lone 0 --warm 0 \
+        --concurrency-limit 5000 --out "$R/token-budget-tiny" ;;
     # Request collapsing and the result cache (issue 18; bench/results/cache.md): 10,000 requests
     # over 1,000 inputs of Zipf popularity (s = 1.1) at 1,600 req/s, with collapsing alone and with
     # the cache; then 3,000 req/s, past the 2,000/s GPU ceiling, with and without them.

@@ -43,7 +43,9 @@ prompt, which would hide a padding bug; wide weights make the output depend on t
 CausalArch = Literal["gpt2", "llama"]
 
 
-def byte_tokenizer(*, template: Literal["none", "eos", "bos_eos"] = "none") -> PreTrainedTokenizerFast:
+def byte_tokenizer(
+    *, template: Literal["none", "eos", "bos_eos"] = "none", max_length: int = MAX_POSITIONS
+) -> PreTrainedTokenizerFast:
     """A byte-level tokenizer: ids 0-3 are ``<pad> <s> </s> <unk>``, then one id per byte.
 
     ``template`` says which special tokens wrap each input: none (GPT-2 style), a trailing
@@ -68,7 +70,7 @@ def byte_tokenizer(*, template: Literal["none", "eos", "bos_eos"] = "none") -> P
         unk_token=UNK,
         cls_token=BOS if template == "bos_eos" else None,
         sep_token=EOS if template == "bos_eos" else None,
-        model_max_length=MAX_POSITIONS,
+        model_max_length=max_length,
     )
 
 
@@ -140,16 +142,17 @@ def build_tiny_seq2seq(path: str | Path, *, seed: int = 0) -> Path:
     return _save(path, tokenizer, seed, lambda: T5ForConditionalGeneration(config))
 
 
-def build_tiny_encoder(path: str | Path, *, seed: int = 0) -> Path:
-    """A 2-layer BERT encoder, for the ``embed`` task (the shape of all-MiniLM-L6-v2, much smaller)."""
-    tokenizer = byte_tokenizer(template="bos_eos")
+def build_tiny_encoder(path: str | Path, *, seed: int = 0, positions: int = MAX_POSITIONS) -> Path:
+    """A 2-layer BERT encoder, for the ``embed`` task (the shape of all-MiniLM-L6-v2, much smaller);
+    ``positions`` is its longest input in tokens (bytes), for benchmarks of long inputs."""
+    tokenizer = byte_tokenizer(template="bos_eos", max_length=positions)
     config = BertConfig(
         vocab_size=len(tokenizer),
         hidden_size=32,
         num_hidden_layers=2,
         num_attention_heads=2,
         intermediate_size=64,
-        max_position_embeddings=MAX_POSITIONS,
+        max_position_embeddings=positions,
         pad_token_id=PAD_ID,
     )
     return _save(path, tokenizer, seed, lambda: BertModel(config))

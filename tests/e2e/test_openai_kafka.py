@@ -39,6 +39,8 @@ def test_embeddings_over_kafka_are_the_inferences_and_errors_are_the_clients(
         assert len(vector) == 384
         got = embedded.data[index].embedding
         assert max(abs(a - b) for a, b in zip(got, vector, strict=True)) <= 1e-5, text
+    one = client.embeddings.create(model="sim", input=TEXTS[0], encoding_format="float")
+    assert max(abs(a - b) for a, b in zip(one.data[0].embedding, embedded.data[0].embedding, strict=True)) <= 1e-5
     with pytest.raises(openai.NotFoundError) as unknown:
         client.embeddings.create(model="gpt-4", input="x")
     assert unknown.value.code == "unknown_model"
