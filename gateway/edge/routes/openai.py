@@ -28,7 +28,7 @@ from starlette.responses import Response
 
 from gateway.admission.gate import Caller
 from gateway.answers.outcomes import Answer
-from gateway.edge.body import parse_body, read_body
+from gateway.edge.body import Shape, parse_body, read_body
 from gateway.edge.events import EventStream
 from gateway.edge.handlers import json_response, retry_headers
 from gateway.edge.models import error_responses
@@ -190,13 +190,19 @@ async def models(request: Request) -> Response:
     )
 
 
+async def _read(request: Request, shape: type[Shape]) -> tuple[Caller, Shape]:
+    """The caller (its API key checked) and the request's body as ``shape``."""
+    deployment = deployment_of(request)
+    caller = deployment.caller_of(request)
+    raw = await read_body(request, deployment.gateway.settings.max_body_bytes, deployment.bodies)
+    return caller, parse_body(raw, shape)
+
+
 async def embeddings(request: Request) -> Response:
     deployment = deployment_of(request)
     gateway = deployment.gateway
     try:
-        caller = deployment.caller_of(request)
-        raw = await read_body(request, gateway.settings.max_body_bytes, deployment.bodies)
-        body = parse_body(raw, EmbeddingsBody)
+        caller, body = await _read(request, EmbeddingsBody)
         texts = _texts(body)
         answers = await _submit_all(gateway, texts, body.model, caller, request)
         model = answers[0].model
@@ -220,9 +226,7 @@ async def completions(request: Request) -> Response:
     deployment = deployment_of(request)
     gateway = deployment.gateway
     try:
-        caller = deployment.caller_of(request)
-        raw = await read_body(request, gateway.settings.max_body_bytes, deployment.bodies)
-        body = parse_body(raw, CompletionsBody)
+        caller, body = await _read(request, CompletionsBody)
         prompts = _prompts(body)
         stops = _stops(body.stop)
         if body.stream:
