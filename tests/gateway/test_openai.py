@@ -7,6 +7,7 @@ answers are known; a second model (``sim``) reverses strings and is no embedding
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from collections.abc import AsyncIterator
@@ -22,7 +23,7 @@ from batchwire.settings import SharedSettings
 from gateway.admission.gate import ANONYMOUS
 from gateway.answers.outcomes import Answer
 from gateway.edge.app import create_app
-from gateway.edge.routes.openai import MAX_INPUTS, CompletionChunks, CompletionsBody
+from gateway.edge.routes.openai import GONE_GRACE_S, MAX_INPUTS, CompletionChunks, CompletionsBody
 from gateway.errors import ClientDisconnected
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
@@ -155,7 +156,7 @@ async def test_completions_answer_each_prompt_in_order_with_and_without_a_stream
 
 
 async def test_completions_refuse_what_greedy_text_decoding_cannot_give(client: openai.AsyncOpenAI) -> None:
-    refusals = {
+    refusals: dict[str, dict[str, Any]] = {
         "n": {"n": 2},
         "best_of": {"best_of": 3},
         "logprobs": {"logprobs": 1},
@@ -176,9 +177,11 @@ async def test_completions_refuse_what_greedy_text_decoding_cannot_give(client: 
 
 async def test_a_closed_stream_tells_its_unanswered_prompts_that_their_caller_has_gone() -> None:
     told: list[str] = []
+    cancelled: list[str] = []
 
     class Submits:
-        """A gateway whose "a" is answered at once and whose "b" waits for its caller to leave."""
+        """A gateway whose "a" is answered at once, whose "b" waits for its caller to leave, and whose
+        "c" waits in admission (where no connection is watched yet)."""
 
         settings = GatewaySettings(models=("sim",))
 
@@ -187,13 +190,21 @@ async def test_a_closed_stream_tells_its_unanswered_prompts_that_their_caller_ha
                 await disconnected()
                 told.append(text)
                 raise ClientDisconnected("gone", task_id="t-b")
+            if text == "c":
+                try:
+                    await asyncio.Event().wait()
+                except asyncio.CancelledError:
+                    cancelled.append(text)
+                    raise
             return Answer("t-a", "sim", text[::-1], 1.0, 1)
 
-    body = CompletionsBody(prompt=["a", "b"], model="sim", stream=True)
-    chunks = CompletionChunks(Submits(), ["a", "b"], body, [], ANONYMOUS)  # type: ignore[arg-type]
+    body = CompletionsBody(prompt=["a", "b", "c"], model="sim", stream=True)
+    chunks = CompletionChunks(Submits(), ["a", "b", "c"], body, [], ANONYMOUS)  # type: ignore[arg-type]
     first = json.loads((await anext(chunks)).decode().removeprefix("data: "))
     assert first["choices"] == [{"text": "a", "index": 0, "logprobs": None, "finish_reason": "stop"}]
-    await chunks.aclose()
+    async with asyncio.timeout(GONE_GRACE_S * 10):
+        await chunks.aclose()
     assert told == ["b"], "the unanswered prompt's submit saw its caller leave, and was awaited"
+    assert cancelled == ["c"], "one still in admission was cancelled after the grace"
     with pytest.raises(StopAsyncIteration):
         await anext(chunks)

@@ -37,6 +37,7 @@ from gateway.edge.traced import traced
 from gateway.errors import GatewayError, NotEmbeddings, ValidationFailed, http_status, shown
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
+from transport.cancelling import cancel_and_wait
 
 MODELS_PATH = "/v1/models"
 EMBEDDINGS_PATH = "/v1/embeddings"
@@ -45,6 +46,10 @@ COMPLETIONS_PATH = "/v1/completions"
 MAX_INPUTS = 256
 """Strings per request (embeddings inputs, completions prompts): each is an item of a batch (a batch
 holds at most 100)."""
+
+GONE_GRACE_S = 1.0
+"""How long a closed stream's unanswered submits get to end as a disconnect (cancelling their tasks)
+before they are cancelled where they are."""
 
 MAX_STOPS = 4
 """Stop sequences per completions request, as OpenAI allows."""
@@ -329,7 +334,10 @@ class CompletionChunks:
             self._gone.set_result(None)
         submits = list(self._index)
         if self._pending:
-            await asyncio.wait(self._pending)
+            # A submit still waiting for admission watches no connection yet: it is cancelled instead.
+            _, waiting = await asyncio.wait(self._pending, timeout=GONE_GRACE_S)
+            for submit in waiting:
+                await cancel_and_wait(submit)
         for submit in submits:  # retrieved, so none logs "exception was never retrieved"
             if not submit.cancelled():
                 submit.exception()
