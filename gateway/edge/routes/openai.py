@@ -237,13 +237,11 @@ async def completions(request: Request) -> Response:
         if body.stream:
             chunks = CompletionChunks(gateway, prompts, body, stops, caller)
             try:
-                first = await anext(chunks)  # an error before anything was answered is a JSON error, not a stream
+                await chunks.begin()  # an error before anything was answered is a JSON error, not a stream
             except BaseException:
                 await chunks.aclose()
                 raise
-            return EventStream(
-                _Prepended(first, chunks), ping_s=gateway.settings.sse_ping_s, end=deployment.streams_end
-            )
+            return EventStream(chunks, ping_s=gateway.settings.sse_ping_s, end=deployment.streams_end)
         answers = await _submit_all(gateway, prompts, body.model, caller, request)
     except GatewayError as exc:
         return openai_error(exc, gateway.settings.retry_after_s)
@@ -287,9 +285,10 @@ class CompletionChunks:
         self._texts: list[str] = [""] * len(prompts)
         self._id = f"cmpl-{secrets.token_urlsafe(16)}"
         self._created = int(time.time())
-        self._model = body.model or gateway.settings.default_model
+        self._model = body.model
         self._ended = False
         self._streaming = False
+        self._first: bytes | None = None
 
     def _watch(self) -> Awaitable[object]:
         return asyncio.shield(self._gone)
@@ -297,7 +296,17 @@ class CompletionChunks:
     def __aiter__(self) -> CompletionChunks:
         return self
 
+    async def begin(self) -> None:
+        """Waits for the first chunk (the route's last chance to answer an error as a status)."""
+        self._first = await self._next()
+
     async def __anext__(self) -> bytes:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        return await self._next()
+
+    async def _next(self) -> bytes:
         if self._ended:
             raise StopAsyncIteration
         if not self._ready and self._pending:
@@ -341,26 +350,6 @@ class CompletionChunks:
         for submit in submits:  # retrieved, so none logs "exception was never retrieved"
             if not submit.cancelled():
                 submit.exception()
-
-
-class _Prepended:
-    """``first``, then the rest of ``chunks``: the chunk the route awaited before the stream began."""
-
-    def __init__(self, first: bytes, chunks: CompletionChunks) -> None:
-        self._first: bytes | None = first
-        self._chunks = chunks
-
-    def __aiter__(self) -> _Prepended:
-        return self
-
-    async def __anext__(self) -> bytes:
-        if self._first is not None:
-            first, self._first = self._first, None
-            return first
-        return await anext(self._chunks)
-
-    async def aclose(self) -> None:
-        await self._chunks.aclose()
 
 
 def _prompts(body: CompletionsBody) -> list[str]:
