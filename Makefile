@@ -23,7 +23,12 @@ UNIT := not kafka and not slow and not hf and not timing
 CHECK_PARALLEL := -n 2 --dist loadfile
 TEST_PARALLEL := -n 2 --dist loadfile
 
-.PHONY: install run check test lint typecheck stack-up stack-down bench docs clean
+# Every Python process writes and reuses its bytecode (__pycache__, ignored by git): a shell that sets
+# PYTHONDONTWRITEBYTECODE would make each of the test suite's hundreds of processes compile every module
+# it imports again, and pytest rewrite every test module again.
+unexport PYTHONDONTWRITEBYTECODE
+
+.PHONY: install run check unit test lint typecheck stack-up stack-down bench docs clean
 
 install: $(FULL) redis-server
 	@$(PY) -m infra.fetch_kafka
@@ -58,7 +63,11 @@ lint: $(FULL)
 typecheck: $(FULL)
 	$(VENV)/bin/mypy
 
-check: lint typecheck
+# The linters and mypy run beside the unit tests: each takes one core for part of the run.
+check: $(FULL)
+	@$(MAKE) --no-print-directory -j3 --output-sync=line lint typecheck unit
+
+unit: $(FULL)
 	$(PYTEST) $(CHECK_PARALLEL) --no-servers -m "$(UNIT)" --ignore=$(HF_TESTS)
 
 # `make check` first, then the rest in parallel where it measures no time, then the timing tests alone;

@@ -35,7 +35,8 @@ machine's own stalls, met by an attack that hurts no one, reach half a call."""
 RSS_GROWTH_BYTES = 50 * 1024 * 1024
 ONE_PER_CALL: dict[str, float] = {"rate_per_s": 10.0, "baseline_s": 4.0, "min_during_s": 5.0}
 """The normal client at one request per sim call, for attacks whose own work a faster probe would meet
-more often on two shared cores (the flood of a stuck model, a thousand event streams opening)."""
+more often on two shared cores: a stuck model's flood, three times a model's capacity, a thousand event
+streams opening."""
 FD_SLACK = 20
 """Descriptors a gateway may hold beyond its baseline once an attack ended (pooled connections)."""
 
