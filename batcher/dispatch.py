@@ -5,10 +5,10 @@ credit only when it has something to send, and sends exactly one batch against i
 always goes to a worker that is idle right now, never queues behind a busy one, and the first
 worker to free up gets the next batch, whichever batcher holds it.
 
-Two named options act around a send: at light load an idle worker may be held in reserve for a fresh
-arrival (``--reserve-ms``, ``BatchFormer.reserve_s``), and a batcher that alone serves a model seals
-a busy worker's batch late enough to keep the workers' calls spread (``--spacing-margin-ms``,
-``batcher.spacing``).
+What to do with a claimed credit is ``batcher.scheduler``'s decision: send at once, hold an idle
+worker in reserve for a fresh arrival at light load (``--reserve-ms``), or, in a batcher that alone
+serves a model, seal a busy worker's batch late enough to keep the workers' calls spread
+(``--spacing-margin-ms``). This module carries it out.
 
 A sealed batch lands on the bus in a task of its own (``_land``): the loop goes on to the next credit
 (another worker's) without waiting for the acknowledgement (``acks=all`` over Kafka), which hands its
@@ -23,15 +23,14 @@ import contextlib
 import logging
 import time
 import uuid
-from collections import defaultdict
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 from batcher import states
 from batcher.landings import Landings
 from batcher.policy import BatchFormer, Pending, Taken
+from batcher.scheduler import Action, Claimed, Scheduler
 from batcher.settings import BatcherSettings
-from batcher.spacing import Spacing
 from batcher.states import wall_ms
 from schemas.records import Batch, BatchItem, Credit, InferenceRequest, TaskState
 from telemetry import metrics, tracing
@@ -86,7 +85,8 @@ class Dispatcher:
         self._spawn = spawn
         self._loops: dict[str, asyncio.Task[None]] = {}
         self._wake: dict[str, asyncio.Event] = {}
-        self._spacing: defaultdict[str, Spacing] = defaultdict(Spacing)
+        margin_s = settings.spacing_margin_ms / 1000.0 if settings.spacing_margin_ms >= 0 else None
+        self.scheduler = Scheduler(former, clock, margin_s)
         self._own_partitions: dict[str, frozenset[int]] = {}
         if settings.request_partitions > 0:
             partitioner = Partitioner(settings.models, settings.request_partitions)
@@ -136,12 +136,11 @@ class Dispatcher:
             if credit is None:
                 continue
             metrics.IDLE_WORKERS.labels(model=model).set(0)
-            free_s = self._free_at_s(credit)
-            hold_s = self.former.reserve_s(model, credit.busy_ms / 1000.0, claimed_from_s, free_s)
-            if hold_s > 0:
-                credit = await self._hold(model, credit, hold_s)
-            elif self.settings.spacing_margin_ms >= 0 and self._alone(model):
-                await self._space(model, credit)
+            decision = self.scheduler.decide(model, self._claimed(credit), claimed_from_s, alone=self._alone(model))
+            if decision.action is Action.HOLD:
+                credit = await self._hold(model, credit, decision.until_s - self.clock())
+            elif decision.action is Action.SPACE:
+                await self._space(model, decision.until_s)
             await self._send(model, credit)
 
     async def _claim(self, model: str) -> Credit | None:
@@ -160,27 +159,15 @@ class Dispatcher:
         owned = self._own_partitions.get(model)
         return owned is not None and owned <= self._assignment()
 
-    def _free_at_s(self, credit: Credit) -> float:
-        """When the credit's worker became (or becomes) idle, on this batcher's clock."""
-        return self.clock() + (credit.idle_from_ms - wall_ms()) / 1000.0
+    def _claimed(self, credit: Credit) -> Claimed:
+        """The credit as the scheduler sees it: its worker's idle time moved onto this batcher's clock."""
+        free_s = self.clock() + (credit.idle_from_ms - wall_ms()) / 1000.0
+        return Claimed(credit.worker_id, free_s, credit.busy_ms / 1000.0)
 
-    def _starts_in_s(self, credit: Credit) -> float:
-        """How long until the credit's worker is free (0 for an idle one)."""
-        return max(0.0, self._free_at_s(credit) - self.clock())
-
-    async def _space(self, model: str, credit: Credit) -> None:
-        """Seals the batch for a busy worker late enough to keep the workers' starts spread (see
-        ``batcher.spacing``); a batch that fills up, or a deadline, ends the wait early."""
-        starts_in_s = self._starts_in_s(credit)
-        if starts_in_s <= 0:
-            return  # an idle worker: never kept waiting
-        now = self.clock()
-        start_s = now + starts_in_s
-        due_s = self._spacing[model].due_s(credit.worker_id, start_s, credit.busy_ms / 1000.0)
-        until_s = due_s - self.settings.spacing_margin_ms / 1000.0
-        if due_s <= start_s or until_s <= now:
-            return
-        metrics.SPACING_WAIT.labels(model=model).observe(until_s - now)
+    async def _space(self, model: str, until_s: float) -> None:
+        """Waits to seal a busy worker's batch until ``until_s`` (see ``batcher.spacing``); a batch
+        that fills up, or a deadline, ends the wait early."""
+        metrics.SPACING_WAIT.labels(model=model).observe(max(0.0, until_s - self.clock()))
         wake = self._wake[model]
         while not self.former.sealed(model) and (left_s := until_s - self.clock()) > 0:
             wake.clear()
@@ -222,7 +209,7 @@ class Dispatcher:
                 reads = [p.read_s or p.arrived_s for p in taken.items]
                 traced = BatchSpans(batch, reads, now) if tracing.ACTIVE else None
                 batch = batch if traced is None else traced.batch
-                self._spacing[model].started(credit.worker_id, now + self._starts_in_s(credit), credit.busy_ms / 1000.0)
+                self.scheduler.sent(model, self._claimed(credit))
                 landing = self._land(model, credit, batch, taken, traced, now)
                 self.landings.add(model, self._spawn(landing, f"land-{model}"))
         if not taken.items:

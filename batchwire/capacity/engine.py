@@ -1,9 +1,9 @@
 """A discrete-event simulation of one model's batcher and workers on a virtual clock.
 
 It drives batchwire's own batching core, not a copy: ``batcher.policy.BatchFormer`` forms and
-seals the batches under the ``FlushPolicy`` with this clock injected, ``BatchFormer.reserve_s``
-decides the low-load reserve, and ``batcher.spacing.Spacing`` spreads the busy workers' starts.
-Around them it plays what the services do: a worker runs one batch at a time, offers its next
+seals the batches under the ``FlushPolicy`` with this clock injected, and ``batcher.scheduler``
+decides what each claimed credit gets (sent at once, held in reserve, or spaced), as it does in the
+batcher. Around them it plays what the services do: a worker runs one batch at a time, offers its next
 credit ``credit_lead_ms`` before its running call is expected to end (its expected duration a
 moving average of its calls, as ``gpu_worker`` keeps it), and claims take the credit that frees
 soonest, as the credit pools do. Several batchers split the requests round robin and share the
@@ -24,8 +24,8 @@ from enum import IntEnum
 from typing import Any
 
 from batcher.policy import BatchFormer, FlushPolicy, Pending
+from batcher.scheduler import Action, Claimed, Scheduler
 from batcher.settings import BatcherSettings
-from batcher.spacing import Spacing
 from batchwire.capacity.curve import Curve
 from batchwire.capacity.extras import MeasuredExtras
 from batchwire.capacity.outcome import BatchRecord, SimOutcome
@@ -129,12 +129,12 @@ Credit = tuple[float, int, int]
 class _Batcher:
     """One batcher's accumulators and where its dispatch loop stands."""
 
-    __slots__ = ("claim_since", "credit", "former", "index", "mode", "spacing", "timer_at", "token")
+    __slots__ = ("claim_since", "credit", "former", "index", "mode", "scheduler", "timer_at", "token")
 
-    def __init__(self, index: int, former: BatchFormer[int]) -> None:
+    def __init__(self, index: int, former: BatchFormer[int], scheduler: Scheduler[int]) -> None:
         self.index = index
         self.former = former
-        self.spacing = Spacing()
+        self.scheduler = scheduler
         self.mode = _Mode.IDLE
         self.claim_since = 0.0
         """When its claim (or its hold's second claim) began: waiting claims are served in this order."""
@@ -160,9 +160,12 @@ class Simulation:
     def __init__(self, config: SimConfig) -> None:
         self.config = config
         self.now = 0.0
-        self.batchers = [_Batcher(i, BatchFormer(config.policy, self.clock)) for i in range(config.batchers)]
+        margin_s = config.spacing_margin_ms / 1000.0 if config.spacing_margin_ms >= 0 else None
+        self.batchers = []
+        for i in range(config.batchers):
+            former = BatchFormer[int](config.policy, self.clock)
+            self.batchers.append(_Batcher(i, former, Scheduler(former, self.clock, margin_s)))
         self.workers = [_Worker() for _ in range(config.workers)]
-        self._spaced = config.batchers == 1 and config.spacing_margin_ms >= 0
         self._alpha = _ewma_alpha()
         base_s = [0.0] + [config.curve.latency_ms(size) / 1000.0 for size in range(1, config.curve.max_batch + 1)]
         extra_s = 0.0 if config.call_extra_spread or config.call_extras_ms else config.call_extra_ms / 1000.0
@@ -292,32 +295,25 @@ class Simulation:
             claimed_from = b.claim_since if b.mode == _Mode.CLAIMING else self.now
             credit = heapq.heappop(self._pool)
             b.mode = _Mode.IDLE
-            call_s = self.workers[credit[2]].credit_busy_s
-            hold_s = b.former.reserve_s(MODEL, call_s, claimed_from)
-            if hold_s > 0:
+            decision = b.scheduler.decide(MODEL, self._claimed(credit), claimed_from, alone=len(self.batchers) == 1)
+            if decision.action is Action.HOLD:
                 if self._pool:  # the second claim succeeds at once: send against it, the first goes back
                     other = heapq.heappop(self._pool)
                     heapq.heappush(self._pool, credit)
                     credit = other
                 else:
                     b.claim_since = self.now
-                    self._wait(b, _Mode.HOLDING, credit, self.now + hold_s)
+                    self._wait(b, _Mode.HOLDING, credit, decision.until_s)
                     return
-            elif (until_s := self._space_until(b, credit, call_s)) > self.now:
-                self._wait(b, _Mode.SPACING, credit, until_s)
+            elif decision.action is Action.SPACE:
+                self._wait(b, _Mode.SPACING, credit, decision.until_s)
                 return
             self._send(b, credit)
         b.mode = _Mode.IDLE
 
-    def _space_until(self, b: _Batcher, credit: Credit, call_s: float) -> float:
-        """When the batch for a busy worker should be sealed to keep the starts spread (now: at once)."""
-        starts_in_s = max(0.0, credit[0] - self.now)
-        if not self._spaced or starts_in_s <= 0 or b.former.sealed(MODEL):
-            return self.now
-        start_s = self.now + starts_in_s
-        due_s = b.spacing.due_s(str(credit[2]), start_s, call_s)
-        until_s = due_s - self.config.spacing_margin_ms / 1000.0
-        return until_s if due_s > start_s and until_s > self.now else self.now
+    def _claimed(self, credit: Credit) -> Claimed:
+        frees_s, _, worker = credit
+        return Claimed(str(worker), frees_s, self.workers[worker].credit_busy_s)
 
     def _wait(self, b: _Batcher, mode: _Mode, credit: Credit, until_s: float) -> None:
         b.mode, b.credit = mode, credit
@@ -335,7 +331,7 @@ class Simulation:
     # the worker's side ------------------------------------------------------------------------------
     def _send(self, b: _Batcher, credit: Credit) -> None:
         """Hands one batch to the credit's worker, runs it when the worker is free, schedules its next credit."""
-        frees_s, _, index = credit
+        index = credit[2]
         taken = b.former.take(MODEL, self.config.curve.max_batch)
         self._held -= len(taken.items) + len(taken.expired)
         self._out.expired += len(taken.expired)
@@ -352,7 +348,7 @@ class Simulation:
         elif config.call_extra_spread and config.call_extra_ms > 0:
             call_s += self._rng.expovariate(1000.0 / config.call_extra_ms)
         end_s = start_s + call_s
-        b.spacing.started(str(index), now + max(0.0, frees_s - now), worker.credit_busy_s)
+        b.scheduler.sent(MODEL, self._claimed(credit))
         offer_s = self._offer_at(worker, start_s, end_s, size)
         self._push(offer_s, _Event.OFFER, index)
         before = worker.expected_s

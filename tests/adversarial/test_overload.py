@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from tests.support.adversarial_rig import ONE_PER_CALL, Service, ServiceFactory, attacker_output, unharmed
+from tests.support.adversarial_rig import Service, ServiceFactory, attacker_output, unharmed
 from tests.support.eventually import eventually_sync
 
 pytestmark = [pytest.mark.slow, pytest.mark.timing]
@@ -130,7 +130,7 @@ def _computed(url: str, task_ids: list[str]) -> int:
 def test_three_times_capacity_is_answered_in_time_or_refused_at_once(request: pytest.FixtureRequest, mode: str) -> None:
     service = _start(request, mode)
     flood: list[Outcomes] = []
-    harm = unharmed(service, lambda: flood.append(_run_flood(service.url)), **ONE_PER_CALL)
+    harm = unharmed(service, lambda: flood.append(_run_flood(service.url)), rate_per_s=5.0, baseline_s=10.0)
     outcomes = flood[0]
 
     summary = (
