@@ -23,11 +23,11 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 from batcher import states
-from batcher.landings import Landings
 from batcher.policy import BatchFormer, Pending, Taken
 from batcher.scheduler import Action, Claimed, Scheduler
 from batcher.settings import BatcherSettings
@@ -44,6 +44,35 @@ from transport.routing import Partitioner
 log = logging.getLogger(__name__)
 
 Held = Pending[InferenceRequest]
+
+
+class Landings:
+    """The batches on their way to the bus: the landing tasks, owned and awaited here. How many land
+    at once needs no cap of its own: each holds a credit, and a worker offers its next credit only
+    after a batch reached it."""
+
+    def __init__(self) -> None:
+        self._tasks: defaultdict[str, set[asyncio.Task[None]]] = defaultdict(set)
+
+    def add(self, key: str, task: asyncio.Task[None]) -> None:
+        tasks = self._tasks[key]
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    def under_way(self, key: str | None = None) -> int:
+        """How many batches (of ``key``, or of every key) are on their way."""
+        if key is not None:
+            return len(self._tasks[key])
+        return sum(len(tasks) for tasks in self._tasks.values())
+
+    async def landed(self) -> None:
+        """Returns once every batch started so far is on the bus or given back (landings started
+        meanwhile included)."""
+        while self.under_way():
+            await asyncio.gather(*self._all(), return_exceptions=True)
+
+    def _all(self) -> set[asyncio.Task[None]]:
+        return set[asyncio.Task[None]]().union(*self._tasks.values())
 
 
 class Dispatcher:
@@ -165,7 +194,7 @@ class Dispatcher:
         return Claimed(credit.worker_id, free_s, credit.busy_ms / 1000.0)
 
     async def _space(self, model: str, until_s: float) -> None:
-        """Waits to seal a busy worker's batch until ``until_s`` (see ``batcher.spacing``); a batch
+        """Waits to seal a busy worker's batch until ``until_s`` (see ``batcher.scheduler.Spacing``); a batch
         that fills up, or a deadline, ends the wait early."""
         metrics.SPACING_WAIT.labels(model=model).observe(max(0.0, until_s - self.clock()))
         wake = self._wake[model]

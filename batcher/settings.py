@@ -33,7 +33,7 @@ class BatcherSettings:
     (``spacing_margin_ms``). 0: unknown, never space."""
     spacing_margin_ms: float = 5.0
     """When this batcher owns all of a model's partitions, it keeps the busy workers' calls spread
-    evenly (``batcher.spacing``), sealing a batch this long before its call should start, the time
+    evenly (``batcher.scheduler.Spacing``), sealing a batch this long before its call should start, the time
     the batch takes to reach the worker. -1: do not space the workers."""
     tier_min_share: float = DEFAULT_MIN_SHARE
     """While a priority tier waits behind a higher one, it earns this share of every batch's slots

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
+from batcher.scheduler import Spacing
 from batcher.service import Batcher
 from batcher.settings import BatcherSettings
-from batcher.spacing import Spacing
 from schemas.records import Credit
 from tests.support.eventually import eventually
 from tests.support.sim_records import PARTITIONS, request
