@@ -399,7 +399,11 @@ async def test_the_group_coordinator_killed_and_given_back_leaves_the_gateway_ad
 
         async def one(client: httpx.AsyncClient, n: int) -> None:
             sent = time.monotonic()
-            response = await client.post(f"{url}/v1/inference", json={"input": f"wedge-{n}"})
+            try:
+                response = await client.post(f"{url}/v1/inference", json={"input": f"wedge-{n}"})
+            except httpx.TransportError as err:  # counted, and failed below, without ending the load
+                answers.append((sent, 0, type(err).__name__, False))
+                return
             code = response.json().get("error", {}).get("code", "") if response.status_code != 200 else ""
             answers.append((sent, response.status_code, code, "retry-after" in response.headers))
 
