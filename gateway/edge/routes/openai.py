@@ -345,8 +345,7 @@ class CompletionChunks:
         if self._pending:
             # A submit still waiting for admission watches no connection yet: it is cancelled instead.
             _, waiting = await asyncio.wait(self._pending, timeout=GONE_GRACE_S)
-            for submit in waiting:
-                await cancel_and_wait(submit)
+            await asyncio.gather(*(cancel_and_wait(submit) for submit in waiting))
         for submit in submits:  # retrieved, so none logs "exception was never retrieved"
             if not submit.cancelled():
                 submit.exception()
