@@ -14,20 +14,23 @@ only the asyncio callbacks, the parser callbacks, ``on_response_complete`` and
 - each connection has one deadline (headers, from the connection's opening or the end of the
   previous response; a body, from its headers) behind one timer that is re-armed lazily, so a busy
   keep-alive connection makes about one timer per header timeout, not one per request;
-- at the cap, a new connection takes the place of the one that has waited longest for a whole
-  request (since it opened, or since its last response: an idle or trickling keep-alive connection
-  too), once that one has waited ``SLOW_AFTER_S``: a flood of connections that send nothing, a
-  slowloris, or connections that send one cheap request and then trickle the next cannot lock
-  clients out, and a burst's connections, too new to have sent theirs, are not closed unanswered. A
-  connection whose request the app works on keeps its place. Otherwise the new connection gets 503
-  once its request has come whole (within the header timeout and ``REFUSED_READ_BYTES``; it is read
-  and dropped, ``gateway.edge.refused_request``): a client that meets an answer and a close while it still writes
-  fails without reading it. The connection then stays open until the client closes it, for
-  ``REFUSAL_LINGER_S`` at most (a socket closed with bytes unread sends a reset). At most
-  ``refusal_budget`` refusals wait so at once; past it a new connection is answered and closed at
-  once. A refused connection whose request is a ``GET`` of ``OPERATIONS_PATHS`` is served instead,
-  and closed after its answer (``OPERATIONS_OVER_CAP`` at once): a supervisor's liveness probe that
-  met a full gateway would restart it, and its metrics are wanted most when it is full.
+- at the cap, a new connection is held apart and its request read (``gateway.edge.refused_request``).
+  Once its head has come whole it takes the place of the connection that has waited longest for a
+  whole request (since it opened, or since its last response: an idle or trickling keep-alive
+  connection too), if that one has waited ``SLOW_AFTER_S``: a flood of connections that send
+  nothing, a slowloris, or connections that send one cheap request and then trickle the next cannot
+  lock out a client, which writes its head as it connects. A connection whose request the app works
+  on keeps its place, and a new connection that sends nothing takes no one's. Otherwise the new
+  connection gets 503 once its request has come whole (within the header timeout and
+  ``REFUSED_READ_BYTES``; it is read and dropped): a client that meets an answer and a close while it
+  still writes fails without reading it. The connection then stays open until the client closes it,
+  for ``REFUSAL_LINGER_S`` at most (a socket closed with bytes unread sends a reset). At most
+  ``refusal_budget`` connections are held apart at once; past it a new one takes the place of the
+  oldest held one whose head has not come (that one is answered 503 and closed), or, when every held
+  one has sent its head, is answered and closed at once. A held connection whose request is a
+  ``GET`` of ``OPERATIONS_PATHS`` is served instead, and closed after its answer
+  (``OPERATIONS_OVER_CAP`` at once): a supervisor's liveness probe that met a full gateway would
+  restart it, and its metrics are wanted most when it is full.
 """
 
 from __future__ import annotations
@@ -45,10 +48,11 @@ from gateway.edge.refused_request import OPERATIONS_PATHS, REFUSED_READ_BYTES, R
 from gateway.errors import HTTP_STATUS, error_body
 from gateway.settings import GatewaySettings, env_name
 
-SLOW_AFTER_S = 2.0
-"""A connection open this long without a whole request is a slow one: at the cap it gives its place
-to a new connection. Younger ones are a burst's, whose requests a busy loop has not read yet: the new
-connection is refused instead. (A slowloris must open the cap's worth of connections this often.)"""
+SLOW_AFTER_S = 0.25
+"""A connection open this long without a whole request (or idle this long since its last response)
+is a slow one: at the cap it gives its place to a new connection whose head has come. A client's
+head arrives with the handshake's last packet; the wait covers a head that a lost packet delays, or
+that a gateway too busy to read for this long has not read yet."""
 REFUSAL_LINGER_S = 1.0
 """How long a refused connection stays open after its 503 for the client to close it."""
 OPERATIONS_OVER_CAP = 16
@@ -70,14 +74,16 @@ class Occupancy:
     first), and counts of those being closed to make room (uvicorn counts them until their
     close completes), refused, and served over the cap."""
 
-    __slots__ = ("closing", "operations", "refusing", "waiting")
+    __slots__ = ("closing", "headless", "operations", "refusing", "waiting")
 
     def __init__(self) -> None:
         self.waiting: dict[LimitedHttpToolsProtocol, float] = {}
         """Oldest first, with the loop time each began to wait (opened, or answered its last request)."""
         self.closing = 0
         self.refusing = 0
-        """Connections refused at the cap that are still open (see the module)."""
+        """Connections held apart at the cap that are still open (see the module)."""
+        self.headless: dict[LimitedHttpToolsProtocol, None] = {}
+        """Those held apart whose head has not come, oldest first: each may make room for a newer one."""
         self.operations = 0
         """Connections over the cap served because they asked for ``OPERATIONS_PATHS``."""
 
@@ -139,44 +145,67 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         occupancy = self.occupancy
         if len(self.connections) - occupancy.closing - occupancy.operations >= self.max_connections:
-            oldest = next(iter(occupancy.waiting.items()), None)
-            if oldest is None or self.loop.time() - oldest[1] < SLOW_AFTER_S:
-                # Never added to uvicorn's connections, so connection_lost's discard leaves the count right.
-                self.transport = transport
-                self._refuse_over_cap(transport)
-                return
-            oldest[0]._make_room()
+            # Never added to uvicorn's connections, so connection_lost's discard leaves the count right.
+            self.transport = transport
+            self._hold_over_cap(transport)
+            return
         super().connection_made(transport)
         self._wait_for_request()
         self._expect(self.header_timeout_s)
 
-    def _refuse_over_cap(self, transport: asyncio.Transport) -> None:
-        """Waits for the request to answer it 503 (see the module), or answers and closes at once."""
+    def _hold_over_cap(self, transport: asyncio.Transport) -> None:
+        """Holds the connection apart to read its request (see the module), or answers and closes at once."""
         occupancy = self.occupancy
         if occupancy.refusing >= self.max_refusing:
-            transport.write(self.too_many_connections)
-            transport.close()
-            return
+            oldest = next(iter(occupancy.headless), None)
+            if oldest is None:
+                transport.write(self.too_many_connections)
+                transport.close()
+                return
+            oldest._end_refusal()  # it had its time to send a head; counted until its close completes
         occupancy.refusing += 1
+        occupancy.headless[self] = None
         self._refused = RefusedRequest(OPERATIONS_PATHS, self.max_header_bytes)
         self._timer = self.loop.call_later(self.header_timeout_s, self._end_refusal)
 
     def _read_refused(self, refused: RefusedRequest, data: bytes) -> None:
-        """Drops what a refused connection sends; answers once its request is whole (or not HTTP)."""
+        """Reads what a connection held apart sends: when its head comes, serves it if it may take a
+        place (or asks for ``OPERATIONS_PATHS``); else drops its request and answers once it is whole."""
         ended = refused.feed(data)
         if refused.serve and not self._refusal_sent and self.occupancy.operations < OPERATIONS_OVER_CAP:
             self._serve_over_cap(bytes(refused.kept))
             return
+        if refused.head_ended and self in self.occupancy.headless:
+            del self.occupancy.headless[self]
+            if self._take_place(refused):
+                return
         if ended and not self._refusal_sent:
             self._send_refusal()
         if refused.read > REFUSED_READ_BYTES:
             self._end_refusal()
+
+    def _take_place(self, refused: RefusedRequest) -> bool:
+        """Serves this connection, whose head came whole, in the place of the one that has waited
+        longest for a request, if that one has waited ``SLOW_AFTER_S``."""
+        oldest = next(iter(self.occupancy.waiting.items()), None)
+        if not refused.head_kept or oldest is None or self.loop.time() - oldest[1] < SLOW_AFTER_S:
+            return False
+        oldest[0]._make_room()
+        self._cancel_timer()
+        self._refused = None
+        self.occupancy.refusing -= 1
+        super().connection_made(self.transport)
+        self._wait_for_request()
+        self._expect(self.header_timeout_s)
+        self.data_received(bytes(refused.kept))
+        return True
 
     def _serve_over_cap(self, head: bytes) -> None:
         """Serves a refused connection after all, from what it sent so far (its request's head at least)."""
         self._cancel_timer()
         self._refused = None
         self.occupancy.refusing -= 1
+        self.occupancy.headless.pop(self, None)
         self.occupancy.operations += 1
         self._operations = True
         super().connection_made(self.transport)
@@ -191,6 +220,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._timer = self.loop.call_later(REFUSAL_LINGER_S, self._end_refusal)
 
     def _end_refusal(self) -> None:
+        self.occupancy.headless.pop(self, None)
         self._cancel_timer()
         if not self._refusal_sent and not self.transport.is_closing():  # answered unasked: none came whole
             self.transport.write(self.too_many_connections)
@@ -222,6 +252,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.occupancy.closing -= 1
         elif self._refused is not None:
             self.occupancy.refusing -= 1
+            self.occupancy.headless.pop(self, None)
             self._refused = None
         if self._operations:
             self.occupancy.operations -= 1

@@ -1,10 +1,11 @@
 """The request of a connection refused at the connection cap: read, dropped, and where it ends.
 
 The gateway answers such a connection 503 only once its request has come whole (see
-``gateway.edge.http_limits``). Its bytes never reach the app: a parser of its own finds the message's
-end, through bodies of any framing (length or chunked), and the request's method and path. A probe
-or a metrics scrape (``GET`` of one of ``served`` paths) is served all the same, so the bytes up to
-the end of the head are kept for the protocol that serves it.
+``gateway.edge.http_limits``). Its bytes never reach the app: a parser of its own finds the head's
+and the message's end, through bodies of any framing (length or chunked), and the request's method
+and path. A connection whose head comes may still be served (it takes a slow one's place, or it is
+a probe or a metrics scrape), so the bytes up to the end of the head are kept for the protocol that
+serves it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,19 @@ class RefusedRequest:
     """Counts what a refused connection sent, notes when its request came whole, and whether it asks for
     one of ``served`` paths."""
 
-    __slots__ = ("_head_ended", "_keep_bytes", "_parser", "_served", "_url", "ended", "kept", "read", "serve")
+    __slots__ = (
+        "_keep_bytes",
+        "_kept_all",
+        "_parser",
+        "_served",
+        "_url",
+        "ended",
+        "head_ended",
+        "head_kept",
+        "kept",
+        "read",
+        "serve",
+    )
 
     def __init__(self, served: frozenset[bytes] = frozenset(), keep_bytes: int = 0) -> None:
         self.ended = False
@@ -32,12 +45,16 @@ class RefusedRequest:
         """Bytes the connection sent, its request and anything after it."""
         self.serve = False
         """The request is a ``GET`` of one of ``served`` paths and its head came within ``keep_bytes``."""
+        self.head_ended = False
+        """The request's head (request line and headers) came whole."""
+        self.head_kept = False
+        """The head came whole within ``kept``: everything the connection sent up to it is there."""
         self.kept = bytearray()
         """What the connection sent until its head came whole, while that is at most ``keep_bytes``."""
         self._served = served
         self._keep_bytes = keep_bytes
+        self._kept_all = True
         self._url = b""
-        self._head_ended = False
         self._parser = httptools.HttpRequestParser(self)
 
     def on_url(self, url: bytes) -> None:
@@ -47,7 +64,8 @@ class RefusedRequest:
 
     def on_headers_complete(self) -> None:
         """The parser's callback."""
-        self._head_ended = True
+        self.head_ended = True
+        self.head_kept = self._kept_all
         if self._served and len(self.kept) <= self._keep_bytes and self._parser.get_method() == b"GET":
             path = self._url.partition(b"?")[0]
             self.serve = path in self._served
@@ -61,8 +79,11 @@ class RefusedRequest:
         self.read += len(data)
         if self.ended:
             return True
-        if self._served and not self._head_ended and len(self.kept) <= self._keep_bytes:
-            self.kept += data  # one read past the bound at most: then nothing more is kept or served
+        if not self.head_ended:
+            if self._keep_bytes and len(self.kept) <= self._keep_bytes:
+                self.kept += data  # one read past the bound at most: then nothing more is kept or served
+            else:
+                self._kept_all = False
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserUpgrade, httptools.HttpParserError):

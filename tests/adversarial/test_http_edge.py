@@ -235,6 +235,7 @@ def test_a_connection_flood_over_the_cap_is_refused_unread(embedded_service_fact
     service = embedded_service_factory("--max-connections", str(MAX_CONNECTIONS))
     flood = 5 * MAX_CONNECTIONS
     answers: list[bytes] = []
+    fresh: list[httpx.Response] = []
 
     def attack() -> None:
         """Opens ``flood`` connections at 2,000 a second, writes nothing, and holds them 3 s, reading
@@ -252,6 +253,8 @@ def test_a_connection_flood_over_the_cap_is_refused_unread(embedded_service_fact
                 socks.append(sock)
                 got[sock] = b""
                 selector.register(sock, selectors.EVENT_READ)
+            # A new client meanwhile, on a connection of its own: its request takes a silent one's place.
+            fresh.append(httpx.post(f"{service.url}/v1/inference", json={"input": "fresh"}, timeout=10))
             until = time.monotonic() + 3.0
             while time.monotonic() < until:
                 for key, _ in selector.select(0.05):
@@ -277,8 +280,9 @@ def test_a_connection_flood_over_the_cap_is_refused_unread(embedded_service_fact
     refused = [answer for answer in answers if answer != b"held"]
     held = len(answers) - len(refused)
     assert len(answers) == flood
-    # Connections too new to count as slow are not closed for newer ones: those are refused, each kept
-    # until its request comes (never, here) or the header timeout, as many as the cap at once.
+    assert [(r.status_code, r.json().get("output")) for r in fresh] == [(200, "hserf")], fresh[0].text[:200]
+    # A connection that sends nothing takes no one's place: past the cap each is held apart until its
+    # request comes (never, here), its header timeout, or a newer one needs its place, the cap's worth at once.
     assert held <= 2 * MAX_CONNECTIONS, f"{held} connections held open; the cap is {MAX_CONNECTIONS}: {harm}"
     assert len(refused) >= flood - 2 * MAX_CONNECTIONS, f"only {len(refused)} of {flood} refused: {harm}"
     for answer in refused:  # closed unanswered to make room, or refused when no room could be made

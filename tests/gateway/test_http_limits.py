@@ -428,7 +428,7 @@ async def test_a_busy_keep_alive_connection_makes_few_timers() -> None:
 
 
 # connections and bad requests -------------------------------------------------------------------
-async def test_at_the_cap_a_new_connection_replaces_the_longest_waiting_slow_one_without_a_request() -> None:
+async def test_at_the_cap_a_new_connection_whose_head_comes_takes_the_longest_waiting_slow_one_s_place() -> None:
     edge = Edge(max_connections=3)
     _, oldest_silent, _ = edge.connect()
     served, served_transport, _ = edge.connect()
@@ -436,23 +436,49 @@ async def test_at_the_cap_a_new_connection_replaces_the_longest_waiting_slow_one
     await answered(served_transport)
     edge.loop.advance(SLOW_AFTER_S)
     _, newer_silent, _ = edge.connect()
-    _, admitted, _ = edge.connect()
+    _, silent_newcomer_transport, _ = edge.connect()
+    assert not oldest_silent.closed, "a new connection that sends nothing takes no one's place"
+    assert silent_newcomer_transport.written == b"" and not silent_newcomer_transport.closed, "held apart"
+    admitted, admitted_transport, _ = edge.connect()
+    admitted.data_received(post(b'{"input":"x"}'))
     assert oldest_silent.closed and oldest_silent.written == b"", "the longest waiting one makes room, unanswered"
-    assert not admitted.closed, "the new connection is served"
+    await answered(admitted_transport)
+    assert status_of(admitted_transport.written) == 200, "the new connection is served"
     assert not newer_silent.closed and not served_transport.closed
-    _, also_admitted, _ = edge.connect()
+    also_admitted, also_admitted_transport, _ = edge.connect()
+    also_admitted.data_received(get())
     assert served_transport.closed, "a keep-alive connection idle SLOW_AFTER_S since its answer makes room too"
-    assert not newer_silent.closed, "one open for less than SLOW_AFTER_S may be a burst's, not yet read"
-    assert not also_admitted.closed
-    _, refused, _ = edge.connect()
-    assert not refused.closed and refused.written == b"", "the new one is refused: its request will be answered 503"
+    await answered(also_admitted_transport)
+    assert not newer_silent.closed, "one waiting for less than SLOW_AFTER_S keeps its place"
+    refused, refused_transport, _ = edge.connect()
+    refused.data_received(get())
+    assert status_of(refused_transport.written) == 503, "no one slow: the new one's request is answered 503"
     edge.loop.advance(SLOW_AFTER_S)
-    _, again, _ = edge.connect()
+    again, again_transport, _ = edge.connect()
+    again.data_received(get())
     assert newer_silent.closed, "then the next longest waiting one without a request"
-    assert not again.closed
+    await answered(again_transport)
+    assert status_of(again_transport.written) == 200
     await settle()
     assert len(edge.state.connections) == 3
     assert edge.protocol_class.occupancy.closing == 0, "closes that made room are done"
+
+
+async def test_a_new_connection_whose_head_comes_in_pieces_takes_a_place_once_it_is_whole() -> None:
+    edge = Edge(max_connections=1)
+    _, silent, _ = edge.connect()
+    edge.loop.advance(SLOW_AFTER_S)
+    newcomer, newcomer_transport, parser = edge.connect()
+    request = post(b'{"input":"x"}', "/piecewise")
+    newcomer.data_received(request[:12])
+    assert not silent.closed, "not before its head is whole"
+    newcomer.data_received(request[12:-5])
+    assert silent.closed and parser.fed == len(request) - 5, "what it sent so far reaches the parser"
+    newcomer.data_received(request[-5:])
+    await answered(newcomer_transport)
+    assert edge.app.calls == ["/piecewise"] and status_of(newcomer_transport.written) == 200
+    await settle()
+    assert edge.protocol_class.occupancy.refusing == 0 and len(edge.state.connections) == 1
 
 
 async def test_at_the_cap_a_connection_whose_request_is_worked_on_keeps_its_place() -> None:
@@ -468,9 +494,10 @@ async def test_at_the_cap_a_connection_whose_request_is_worked_on_keeps_its_plac
     busy.data_received(post(b"x"))
     await eventually(lambda: "/" in edge.app.calls, "the app to work on the request")
     edge.loop.advance(SLOW_AFTER_S)
-    _, new, _ = edge.connect()
+    new, new_transport, _ = edge.connect()
+    new.data_received(get("/new"))
     assert trickler_transport.closed, "the trickling keep-alive connection makes room"
-    assert not busy_transport.closed and not new.closed, "the one being answered keeps its place"
+    assert not busy_transport.closed and not new_transport.closed, "the one being answered keeps its place"
     edge.app.gate.set()
     await answered(busy_transport)
 
@@ -535,19 +562,38 @@ async def test_a_refused_connection_that_sends_nothing_is_answered_at_the_header
     assert status_of(silent.written) == 503 and silent.closed
 
 
-async def test_past_the_refusal_budget_a_connection_is_answered_and_closed_at_once() -> None:
+async def test_past_the_refusal_budget_the_oldest_held_without_a_head_makes_room() -> None:
     edge = Edge(max_connections=2)
     assert edge.protocol_class.max_refusing == 2, "as many as the cap"
+    edge.app.gate.clear()  # the two in the cap are worked on all along: no place to take
     for _ in range(2):
-        protocol, transport, _ = edge.connect()
+        protocol, _, _ = edge.connect()
         protocol.data_received(get())
-        await answered(transport)
-    waiting = [edge.connect()[1] for _ in range(2)]
-    _, over_budget, _ = edge.connect()
-    assert all(transport.written == b"" and not transport.closed for transport in waiting)
-    assert status_of(over_budget.written) == 503 and over_budget.closed
+    await eventually(lambda: len(edge.app.calls) == 2, "the app to work on both requests")
+    headed, headed_transport, _ = edge.connect()
+    headed.data_received(post(b"{}")[:-2])  # its head came, its body not yet
+    _, silent, _ = edge.connect()
+    _, newest, _ = edge.connect()
+    assert status_of(silent.written) == 503 and silent.closed, "the oldest held one without a head makes room"
+    assert newest.written == b"" and not newest.closed, "the new one is held in its place"
+    assert headed_transport.written == b"" and not headed_transport.closed, "one whose head came keeps its place"
     await settle()
-    assert edge.protocol_class.occupancy.refusing == 2, "the ones still waiting"
+    _, also_silent, _ = edge.connect()
+    assert status_of(newest.written) == 503 and newest.closed
+    await settle()
+    _, over_budget, _ = edge.connect()
+    assert status_of(also_silent.written) == 503 and also_silent.closed
+    assert not over_budget.closed
+    await settle()
+    headed_too, headed_too_transport, _ = edge.connect()  # over_budget makes room for it
+    headed_too.data_received(post(b"{}")[:-2])
+    await settle()
+    _, unheld, _ = edge.connect()
+    assert status_of(unheld.written) == 503 and unheld.closed, "every held one sent its head: answered at once"
+    assert not headed_transport.closed and not headed_too_transport.closed
+    await settle()
+    assert edge.protocol_class.occupancy.refusing == 2, "the ones still held"
+    edge.app.gate.set()
 
 
 async def test_over_the_cap_a_probe_or_a_scrape_is_served_and_its_connection_closed() -> None:
@@ -732,13 +778,13 @@ def test_as_many_refusals_as_the_cap_may_wait_within_the_spare_descriptors(monke
     assert refusal_budget(2048 - FD_RESERVE) == 0, "none left: refused at once"
 
 
-async def test_a_burst_at_the_cap_keeps_its_first_connections_and_refuses_the_rest() -> None:
+async def test_a_burst_at_the_cap_keeps_its_first_connections_and_holds_its_newest() -> None:
     edge = Edge(max_connections=3)
     transports = [edge.connect()[1] for _ in range(13)]  # all in one go: none has sent its request yet
-    first, waiting, answered_at_once = transports[:3], transports[3:6], transports[6:]
-    assert not any(transport.closed or transport.written for transport in first + waiting), "kept, and refusals waiting"
-    assert all(status_of(transport.written) == 503 and transport.closed for transport in answered_at_once), (
-        "past the budget"
+    first, answered_for_room, held = transports[:3], transports[3:10], transports[10:]
+    assert not any(transport.closed or transport.written for transport in first + held), "kept, and held apart"
+    assert all(status_of(transport.written) == 503 and transport.closed for transport in answered_for_room), (
+        "the oldest held ones make room past the budget"
     )
     await settle()
     assert len(edge.state.connections) == 3

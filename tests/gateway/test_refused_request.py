@@ -54,4 +54,19 @@ def test_other_requests_are_not_served_and_a_head_past_the_bound_is_not_kept() -
     assert len(large.kept) <= 64 + 110, "and no more is kept"
     unserved = RefusedRequest()
     assert unserved.feed(b"GET /healthz HTTP/1.1\r\nhost: gw\r\n\r\n") and not unserved.serve
-    assert not unserved.kept, "nothing is kept when no path is served"
+    assert not unserved.kept and not unserved.head_kept, "nothing is kept without a bound"
+
+
+def test_a_head_within_the_bound_is_kept_whole_with_what_came_in_its_read() -> None:
+    refused = RefusedRequest(SERVED, keep_bytes=1024)
+    head = b"POST /v1/inference HTTP/1.1\r\nhost: gw\r\ncontent-length: 9\r\n\r\n"
+    assert not refused.feed(head[:20]) and not refused.head_ended
+    assert not refused.feed(head[20:] + b"{}")
+    assert refused.head_ended and refused.head_kept and not refused.ended
+    assert bytes(refused.kept) == head + b"{}", "the body's first bytes came in the head's read"
+    refused.feed(b"1234567")
+    assert refused.ended and bytes(refused.kept) == head + b"{}", "nothing after the head's read is kept"
+    large = RefusedRequest(SERVED, keep_bytes=16)
+    large.feed(b"POST /v1/inference HTTP/1.1\r\n")
+    large.feed(b"host: gw\r\ncontent-length: 0\r\n\r\n")
+    assert large.head_ended and not large.head_kept, "a read past the bound was dropped"
