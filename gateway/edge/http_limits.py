@@ -13,7 +13,8 @@ only the asyncio callbacks, the parser callbacks, ``on_response_complete`` and
   cross the limit is parsed only up to it, so no byte past the limit is buffered or parsed;
 - each connection has one deadline (headers, from the connection's opening or the end of the
   previous response; a body, from its headers) behind one timer that is re-armed lazily, so a busy
-  keep-alive connection makes about one timer per header timeout, not one per request;
+  keep-alive connection makes about one timer per header timeout, not one per request; the header
+  deadline is also the keep-alive timeout (uvicorn's own is set past it);
 - at the cap, a new connection is held apart and its request read (``gateway.edge.refused_request``).
   Once its head has come whole it takes the place of the connection that has waited longest for a
   whole request (since it opened, or since its last response: an idle or trickling keep-alive
@@ -116,6 +117,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         _loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         super().__init__(config, server_state, app_state, _loop)
+        # The header deadline closes an idle keep-alive connection, not uvicorn's shorter timeout:
+        # clients keep an idle connection up to 5 s (httpx, openai-python), and a request written
+        # into one that the server closes at that moment meets a reset instead of an answer.
+        self.timeout_keep_alive = int(self.header_timeout_s) + 1
         self._in_body = False
         """The parser is past a request's headers and before its end."""
         self._header_bytes = 0

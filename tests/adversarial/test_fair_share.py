@@ -51,8 +51,7 @@ async def _both(url: str) -> tuple[list[httpx.Response], list[httpx.Response]]:
         body = {"input": f"quiet-{n}", "timeout_ms": QUIET_TIMEOUT_MS}
         return await client.post("/v1/inference", json=body, headers={"Authorization": f"Bearer {QUIET_KEY}"})
 
-    # Connections idle under the gateway's 5 s keep-alive: one it is closing as idle is never reused.
-    limits = httpx.Limits(max_connections=400, keepalive_expiry=2.0)
+    limits = httpx.Limits(max_connections=400)
     async with (
         httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as a,
         httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as c,

@@ -82,9 +82,7 @@ def _run_flood(url: str) -> Outcomes:
 async def _flood(url: str) -> Outcomes:
     """Synchronous requests at OFFERED_PER_S for DURATION_S, open loop; waits for every answer."""
     outcomes = Outcomes()
-    # A connection idle past the gateway's keep-alive (uvicorn's 5 s) may be closed by the server
-    # just as it is reused; httpx's default expiry is the same 5 s, so it is dropped sooner here.
-    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000, keepalive_expiry=3.0)
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
     async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_MS / 1000 + 10, limits=limits) as client:
         # Connections opened before the flood, a few at a time as clients come: a refusal's time is
         # then the gateway's, not a burst of TCP connects (a SYN dropped from a full listen queue is

@@ -357,7 +357,7 @@ async def test_the_header_timeout_counts_from_the_end_of_the_previous_response()
     edge.loop.advance(HEADER_TIMEOUT_S * 0.9)
     protocol.data_received(get())
     await answered(transport)
-    edge.loop.advance(4.0)  # within uvicorn's keep-alive timeout, which the next byte cancels
+    edge.loop.advance(4.0)
     protocol.data_received(b"GET / HT")
     edge.loop.advance(HEADER_TIMEOUT_S - 4.0 - 0.1)
     assert not transport.closed, "the header timeout runs from the end of the response"
@@ -365,6 +365,19 @@ async def test_the_header_timeout_counts_from_the_end_of_the_previous_response()
     assert transport.closed
     assert transport.written.count(b"HTTP/1.1 ") == 2
     assert status_of(transport.written[transport.written.rindex(b"HTTP/1.1 ") :]) == 408
+
+
+async def test_an_idle_keep_alive_connection_stays_open_until_the_header_timeout() -> None:
+    """Past the 5 s that clients keep an idle connection (httpx, openai-python): the client closes
+    first, and never writes a request into a connection that the gateway is closing."""
+    edge = Edge()
+    protocol, transport, _ = edge.connect()
+    protocol.data_received(get())
+    await answered(transport)
+    edge.loop.advance(HEADER_TIMEOUT_S - 0.1)
+    assert not transport.closed, "still open for the client's next request"
+    edge.loop.advance(0.2)
+    assert transport.closed and transport.written.count(b"HTTP/1.1 ") == 1, "closed without a word"
 
 
 @pytest.mark.parametrize("shape", ["short of its content-length", "chunked without end"])
