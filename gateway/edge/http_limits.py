@@ -16,28 +16,32 @@ only the asyncio callbacks, the parser callbacks, ``on_response_complete`` and
   keep-alive connection makes about one timer per header timeout, not one per request; the header
   deadline is also the keep-alive timeout (uvicorn's own is set past it);
 - at the cap, a new connection is held apart and its request read (``gateway.edge.refused_request``).
-  Once its head has come whole it takes the place of the connection that has waited longest for a
-  whole request (since it opened, or since its last response: an idle or trickling keep-alive
-  connection too), if that one has waited ``SLOW_AFTER_S``: a flood of connections that send
-  nothing, a slowloris, or connections that send one cheap request and then trickle the next cannot
-  lock out a client, which writes its head as it connects. A connection whose request the app works
-  on keeps its place, and a new connection that sends nothing takes no one's. Otherwise the new
+  Once its head has come whole it takes a place freed meanwhile, or the place of the connection that
+  has waited longest for a whole request (since it opened, or since its last response: an idle or
+  trickling keep-alive connection too), if that one has waited ``SLOW_AFTER_S`` and none of its bytes
+  wait unread in its socket: a flood of connections that send nothing, a slowloris, or connections
+  that send one cheap request and then trickle the next cannot lock out a client, which writes its
+  head as it connects. A connection whose request the app works on keeps its place, and a new
+  connection that sends nothing takes no one's. Otherwise (or once the server shuts down) the new
   connection gets 503 once its request has come whole (within the header timeout and
   ``REFUSED_READ_BYTES``; it is read and dropped): a client that meets an answer and a close while it
   still writes fails without reading it. The connection then stays open until the client closes it,
   for ``REFUSAL_LINGER_S`` at most (a socket closed with bytes unread sends a reset). At most
   ``refusal_budget`` connections are held apart at once; past it a new one takes the place of the
-  oldest held one whose head has not come (that one is answered 503 and closed), or, when every held
-  one has sent its head, is answered and closed at once. A held connection whose request is a
-  ``GET`` of ``OPERATIONS_PATHS`` is served instead, and closed after its answer
-  (``OPERATIONS_OVER_CAP`` at once): a supervisor's liveness probe that met a full gateway would
-  restart it, and its metrics are wanted most when it is full.
+  oldest held one not yet answered, one whose head has not come first (that one is answered 503 and
+  closed), or, when every held one has its answer, is answered and closed at once. A held
+  connection whose request is a ``GET`` of ``OPERATIONS_PATHS`` is served instead, and closed after
+  its answer (``OPERATIONS_OVER_CAP`` at once): a supervisor's liveness probe that met a full gateway
+  would restart it, and its metrics are wanted most when it is full.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
+import struct
+import termios
 from typing import Any, ClassVar
 
 from uvicorn.config import Config
@@ -52,12 +56,26 @@ from gateway.settings import GatewaySettings, env_name
 SLOW_AFTER_S = 0.25
 """A connection open this long without a whole request (or idle this long since its last response)
 is a slow one: at the cap it gives its place to a new connection whose head has come. A client's
-head arrives with the handshake's last packet; the wait covers a head that a lost packet delays, or
-that a gateway too busy to read for this long has not read yet."""
+head arrives with the handshake's last packet; the wait covers a head that a lost packet delays.
+One whose bytes wait unread in its socket is not slow, whatever its age: the gateway has not read
+them yet (a busy loop), or a keep-alive client has just sent its next request."""
+UNREAD_SCAN = 16
+"""Slow-looking connections with unread bytes passed over, at most, to find one to close."""
 REFUSAL_LINGER_S = 1.0
 """How long a refused connection stays open after its 503 for the client to close it."""
 OPERATIONS_OVER_CAP = 16
 """Connections over the cap that may be serving ``OPERATIONS_PATHS`` at once."""
+
+
+def _unread(transport: asyncio.BaseTransport) -> int:
+    """Bytes that wait in the transport's socket for the gateway to read them (0 when unknown)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]  # type: ignore[no-any-return]
+    except OSError:
+        return 0
 
 
 def answer(code: str, message: str, headers: bytes = b"") -> bytes:
@@ -75,7 +93,7 @@ class Occupancy:
     first), and counts of those being closed to make room (uvicorn counts them until their
     close completes), refused, and served over the cap."""
 
-    __slots__ = ("closing", "headless", "operations", "refusing", "waiting")
+    __slots__ = ("closing", "headless", "operations", "refusing", "shutting_down", "unanswered", "waiting")
 
     def __init__(self) -> None:
         self.waiting: dict[LimitedHttpToolsProtocol, float] = {}
@@ -83,8 +101,12 @@ class Occupancy:
         self.closing = 0
         self.refusing = 0
         """Connections held apart at the cap that are still open (see the module)."""
+        self.unanswered: dict[LimitedHttpToolsProtocol, None] = {}
+        """Those held apart and not answered yet, oldest first: each may make room for a newer one."""
         self.headless: dict[LimitedHttpToolsProtocol, None] = {}
-        """Those held apart whose head has not come, oldest first: each may make room for a newer one."""
+        """Those of ``unanswered`` whose head has not come, oldest first: they make room first."""
+        self.shutting_down = False
+        """The server shuts down: a connection held apart takes no place."""
         self.operations = 0
         """Connections over the cap served because they asked for ``OPERATIONS_PATHS``."""
 
@@ -162,13 +184,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """Holds the connection apart to read its request (see the module), or answers and closes at once."""
         occupancy = self.occupancy
         if occupancy.refusing >= self.max_refusing:
-            oldest = next(iter(occupancy.headless), None)
+            oldest = next(iter(occupancy.headless or occupancy.unanswered), None)
             if oldest is None:
                 transport.write(self.too_many_connections)
                 transport.close()
                 return
-            oldest._end_refusal()  # it had its time to send a head; counted until its close completes
+            oldest._end_refusal()  # it had its time; counted until its close completes
         occupancy.refusing += 1
+        occupancy.unanswered[self] = None
         occupancy.headless[self] = None
         self._refused = RefusedRequest(OPERATIONS_PATHS, self.max_header_bytes)
         self._timer = self.loop.call_later(self.header_timeout_s, self._end_refusal)
@@ -190,26 +213,42 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._end_refusal()
 
     def _take_place(self, refused: RefusedRequest) -> bool:
-        """Serves this connection, whose head came whole, in the place of the one that has waited
-        longest for a request, if that one has waited ``SLOW_AFTER_S``."""
-        oldest = next(iter(self.occupancy.waiting.items()), None)
-        if not refused.head_kept or oldest is None or self.loop.time() - oldest[1] < SLOW_AFTER_S:
+        """Serves this connection, whose head came whole, in a place freed since it came, or in the
+        place of the one that has waited longest for a request, if that one is slow (``SLOW_AFTER_S``)."""
+        occupancy = self.occupancy
+        if not refused.head_kept or occupancy.shutting_down:
             return False
-        oldest[0]._make_room()
+        if len(self.connections) - occupancy.closing - occupancy.operations >= self.max_connections:
+            slow = self._slowest()
+            if slow is None:
+                return False
+            slow._make_room()
         self._cancel_timer()
         self._refused = None
-        self.occupancy.refusing -= 1
+        occupancy.refusing -= 1
+        occupancy.unanswered.pop(self, None)
         super().connection_made(self.transport)
         self._wait_for_request()
         self._expect(self.header_timeout_s)
         self.data_received(bytes(refused.kept))
         return True
 
+    def _slowest(self) -> LimitedHttpToolsProtocol | None:
+        """The connection that has waited longest for a request, if it is slow and no bytes of its wait unread."""
+        deadline = self.loop.time() - SLOW_AFTER_S
+        for scanned, (connection, since) in enumerate(self.occupancy.waiting.items()):
+            if since > deadline or scanned >= UNREAD_SCAN:
+                return None
+            if not _unread(connection.transport):
+                return connection
+        return None
+
     def _serve_over_cap(self, head: bytes) -> None:
         """Serves a refused connection after all, from what it sent so far (its request's head at least)."""
         self._cancel_timer()
         self._refused = None
         self.occupancy.refusing -= 1
+        self.occupancy.unanswered.pop(self, None)
         self.occupancy.headless.pop(self, None)
         self.occupancy.operations += 1
         self._operations = True
@@ -220,11 +259,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def _send_refusal(self) -> None:
         """The 503 (``connection: close``); then the wait is for the client's close (see the module)."""
         self._refusal_sent = True
+        self.occupancy.unanswered.pop(self, None)
         self.transport.write(self.too_many_connections)
         self._cancel_timer()
         self._timer = self.loop.call_later(REFUSAL_LINGER_S, self._end_refusal)
 
     def _end_refusal(self) -> None:
+        self.occupancy.unanswered.pop(self, None)
         self.occupancy.headless.pop(self, None)
         self._cancel_timer()
         if not self._refusal_sent and not self.transport.is_closing():  # answered unasked: none came whole
@@ -257,6 +298,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.occupancy.closing -= 1
         elif self._refused is not None:
             self.occupancy.refusing -= 1
+            self.occupancy.unanswered.pop(self, None)
             self.occupancy.headless.pop(self, None)
             self._refused = None
         if self._operations:
@@ -376,6 +418,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._expect(self.header_timeout_s)
             if not self._operations:
                 self._wait_for_request()  # idle keep-alive: evictable at the cap like a new connection
+
+    def shutdown(self) -> None:
+        """uvicorn's graceful shutdown (of the connections it counts): from now on a connection held
+        apart is refused, as it would find the app shutting down."""
+        self.occupancy.shutting_down = True
+        super().shutdown()
 
     def handle_websocket_upgrade(self) -> None:
         self._deadline = None  # the WebSocket protocol owns the connection from here

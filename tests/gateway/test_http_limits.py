@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import resource
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -90,9 +91,12 @@ class Transport:
         self.read_paused = False
         self.eof_written = False
         self.protocol: Any = None
+        self.sock: socket.socket | None = None
+        """A real socket, for what waits unread in it (``_unread``); None: nothing does."""
 
     def get_extra_info(self, key: str, default: Any = None) -> Any:
-        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 40000)}.get(key, default)
+        extra = {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 40000), "socket": self.sock}
+        return extra.get(key, default)
 
     def write(self, data: bytes) -> None:
         if not self.closed:  # a closed socket takes nothing more
@@ -575,7 +579,7 @@ async def test_a_refused_connection_that_sends_nothing_is_answered_at_the_header
     assert status_of(silent.written) == 503 and silent.closed
 
 
-async def test_past_the_refusal_budget_the_oldest_held_without_a_head_makes_room() -> None:
+async def test_past_the_refusal_budget_the_oldest_unanswered_makes_room_one_without_a_head_first() -> None:
     edge = Edge(max_connections=2)
     assert edge.protocol_class.max_refusing == 2, "as many as the cap"
     edge.app.gate.clear()  # the two in the cap are worked on all along: no place to take
@@ -586,27 +590,80 @@ async def test_past_the_refusal_budget_the_oldest_held_without_a_head_makes_room
     headed, headed_transport, _ = edge.connect()
     headed.data_received(post(b"{}")[:-2])  # its head came, its body not yet
     _, silent, _ = edge.connect()
-    _, newest, _ = edge.connect()
+    newest, newest_transport, _ = edge.connect()
     assert status_of(silent.written) == 503 and silent.closed, "the oldest held one without a head makes room"
-    assert newest.written == b"" and not newest.closed, "the new one is held in its place"
-    assert headed_transport.written == b"" and not headed_transport.closed, "one whose head came keeps its place"
+    assert newest_transport.written == b"" and not newest_transport.closed, "the new one is held in its place"
+    assert headed_transport.written == b"" and not headed_transport.closed, "one whose head came is kept longer"
     await settle()
-    _, also_silent, _ = edge.connect()
-    assert status_of(newest.written) == 503 and newest.closed
+    newest.data_received(post(b"{}")[:-2])
+    _, newer, _ = edge.connect()
+    assert status_of(headed_transport.written) == 503 and headed_transport.closed, "then the oldest unanswered"
+    assert not newest_transport.closed and not newer.closed
     await settle()
-    _, over_budget, _ = edge.connect()
-    assert status_of(also_silent.written) == 503 and also_silent.closed
-    assert not over_budget.closed
-    await settle()
-    headed_too, headed_too_transport, _ = edge.connect()  # over_budget makes room for it
-    headed_too.data_received(post(b"{}")[:-2])
-    await settle()
+    newer.protocol.data_received(post(b"{}"))
+    newest.data_received(b"{}")
+    assert status_of(newer.written) == 503 and status_of(newest_transport.written) == 503, "no place to take"
+    assert not newer.closed and not newest_transport.closed, "answered, and open for the client to close"
     _, unheld, _ = edge.connect()
-    assert status_of(unheld.written) == 503 and unheld.closed, "every held one sent its head: answered at once"
-    assert not headed_transport.closed and not headed_too_transport.closed
+    assert status_of(unheld.written) == 503 and unheld.closed, "every held one has its answer: answered at once"
     await settle()
     assert edge.protocol_class.occupancy.refusing == 2, "the ones still held"
     edge.app.gate.set()
+
+
+async def test_a_held_connection_takes_a_place_freed_since_it_came_and_closes_no_one() -> None:
+    edge = Edge(max_connections=2)
+    _, silent, _ = edge.connect()
+    protocol, transport, _ = edge.connect()
+    protocol.data_received(get())
+    await answered(transport)
+    edge.loop.advance(SLOW_AFTER_S)
+    held, held_transport, _ = edge.connect()
+    transport.close()
+    await settle()
+    held.data_received(get("/held"))
+    await answered(held_transport)
+    assert status_of(held_transport.written) == 200 and edge.app.calls[-1] == "/held"
+    assert not silent.closed, "the place was free: no one is closed for it"
+
+
+async def test_a_slow_looking_connection_whose_bytes_wait_unread_keeps_its_place() -> None:
+    """A busy loop has not read it yet, or a keep-alive client has just sent its next request."""
+    edge = Edge(max_connections=1)
+    protocol, transport, _ = edge.connect()
+    protocol.data_received(get())
+    await answered(transport)
+    ours, theirs = socket.socketpair()
+    try:
+        transport.sock = ours
+        theirs.sendall(get("/next"))  # in the socket, not read
+        edge.loop.advance(SLOW_AFTER_S * 4)
+        newcomer, newcomer_transport, _ = edge.connect()
+        newcomer.data_received(get("/newcomer"))
+        assert not transport.closed, "its request waits to be read: not slow"
+        assert status_of(newcomer_transport.written) == 503
+        ours.recv(1024)  # read: now it is idle
+        edge.loop.advance(REFUSAL_LINGER_S)  # the refused one closes: the budget has room again
+        await settle()
+        _, again, _ = edge.connect()
+        again.protocol.data_received(get("/again"))
+        assert transport.closed, "idle, with nothing unread: it makes room"
+    finally:
+        ours.close()
+        theirs.close()
+
+
+async def test_once_the_server_shuts_down_a_held_connection_takes_no_place() -> None:
+    edge = Edge(max_connections=1)
+    protocol, transport, _ = edge.connect()
+    protocol.data_received(get())
+    await answered(transport)
+    edge.loop.advance(SLOW_AFTER_S)
+    held, held_transport, _ = edge.connect()
+    protocol.shutdown()
+    assert transport.closed, "uvicorn's shutdown closes its idle connection"
+    held.data_received(get("/held"))
+    assert status_of(held_transport.written) == 503 and "/held" not in edge.app.calls
 
 
 async def test_over_the_cap_a_probe_or_a_scrape_is_served_and_its_connection_closed() -> None:
