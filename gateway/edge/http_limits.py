@@ -24,15 +24,16 @@ only the asyncio callbacks, the parser callbacks, ``on_response_complete`` and
   head as it connects. A connection whose request the app works on keeps its place, and a new
   connection that sends nothing takes no one's. Otherwise (or once the server shuts down) the new
   connection gets 503 once its request has come whole (within the header timeout and
-  ``REFUSED_READ_BYTES``; it is read and dropped): a client that meets an answer and a close while it
-  still writes fails without reading it. The connection then stays open until the client closes it,
-  for ``REFUSAL_LINGER_S`` at most (a socket closed with bytes unread sends a reset). At most
-  ``refusal_budget`` connections are held apart at once; past it a new one takes the place of the
-  oldest held one not yet answered, one whose head has not come first (that one is answered 503 and
-  closed), or, when every held one has its answer, is answered and closed at once. A held
-  connection whose request is a ``GET`` of ``OPERATIONS_PATHS`` is served instead, and closed after
-  its answer (``OPERATIONS_OVER_CAP`` at once): a supervisor's liveness probe that met a full gateway
-  would restart it, and its metrics are wanted most when it is full.
+  ``REFUSED_READ_BYTES``; it is read and dropped; at its head if it asks for ``100-continue``): a
+  client that meets an answer and a close while it still writes fails without reading it. The
+  connection then stays open until the client closes it, for ``REFUSAL_LINGER_S`` at most (a socket
+  closed with bytes unread sends a reset). At most ``refusal_budget`` connections are held apart at
+  once; past it a new one takes the place of the oldest held one not yet answered, one whose head
+  has not come first (that one is answered 503 and closed), or, when every held one has its answer,
+  is answered and closed at once. A held connection whose request is a ``GET`` of
+  ``OPERATIONS_PATHS`` is served instead, and closed after its answer (``OPERATIONS_OVER_CAP`` at
+  once): a supervisor's liveness probe that met a full gateway would restart it, and its metrics are
+  wanted most when it is full.
 """
 
 from __future__ import annotations
@@ -207,6 +208,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             del self.occupancy.headless[self]
             if self._take_place(refused):
                 return
+            if refused.expects_continue:  # its client sends the body only after an answer: this one
+                ended = True
         if ended and not self._refusal_sent:
             self._send_refusal()
         if refused.read > REFUSED_READ_BYTES:

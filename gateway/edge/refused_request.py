@@ -31,6 +31,7 @@ class RefusedRequest:
         "_served",
         "_url",
         "ended",
+        "expects_continue",
         "head_ended",
         "head_kept",
         "kept",
@@ -47,6 +48,8 @@ class RefusedRequest:
         """The request is a ``GET`` of one of ``served`` paths and its head came within ``keep_bytes``."""
         self.head_ended = False
         """The request's head (request line and headers) came whole."""
+        self.expects_continue = False
+        """The head asks for ``100 Continue`` before the body: its client waits for an answer to send it."""
         self.head_kept = False
         """The head came whole within ``kept``: everything the connection sent up to it is there."""
         self.kept = bytearray()
@@ -61,6 +64,11 @@ class RefusedRequest:
         """The parser's callback (the target may come in pieces)."""
         if len(self._url) <= MAX_URL_BYTES:
             self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        """The parser's callback (once per header, whole even when it came split across reads)."""
+        if name.lower() == b"expect" and value.strip().lower() == b"100-continue":
+            self.expects_continue = True
 
     def on_headers_complete(self) -> None:
         """The parser's callback."""

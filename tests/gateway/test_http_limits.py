@@ -611,6 +611,19 @@ async def test_past_the_refusal_budget_the_oldest_unanswered_makes_room_one_with
     edge.app.gate.set()
 
 
+async def test_a_held_request_that_waits_for_100_continue_is_refused_at_its_head() -> None:
+    """Its client sends the body only after an answer: the 503 is that answer (not the header timeout)."""
+    edge = Edge(max_connections=1)
+    edge.app.gate.clear()
+    protocol, _, _ = edge.connect()
+    protocol.data_received(get())
+    await eventually(lambda: edge.app.calls == ["/"], "the app to work on the request")
+    held, held_transport, _ = edge.connect()
+    held.data_received(b"POST / HTTP/1.1\r\nhost: gw\r\nexpect: 100-continue\r\ncontent-length: 5\r\n\r\n")
+    assert status_of(held_transport.written) == 503 and not held_transport.closed
+    edge.app.gate.set()
+
+
 async def test_a_held_connection_takes_a_place_freed_since_it_came_and_closes_no_one() -> None:
     edge = Edge(max_connections=2)
     _, silent, _ = edge.connect()

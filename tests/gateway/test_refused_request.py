@@ -70,3 +70,13 @@ def test_a_head_within_the_bound_is_kept_whole_with_what_came_in_its_read() -> N
     large.feed(b"POST /v1/inference HTTP/1.1\r\n")
     large.feed(b"host: gw\r\ncontent-length: 0\r\n\r\n")
     assert large.head_ended and not large.head_kept, "a read past the bound was dropped"
+
+
+def test_a_head_that_asks_for_100_continue_is_noted_even_split_across_reads() -> None:
+    refused = RefusedRequest()
+    for piece in (b"POST / HTTP/1.1\r\nhost: gw\r\nExp", b"ect: 100-Con", b"tinue\r\ncontent-length: 5\r\n\r\n"):
+        refused.feed(piece)
+    assert refused.head_ended and refused.expects_continue and not refused.ended
+    plain = RefusedRequest()
+    plain.feed(b"POST / HTTP/1.1\r\nhost: gw\r\ncontent-length: 5\r\n\r\n")
+    assert plain.head_ended and not plain.expects_continue
