@@ -202,7 +202,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         place (or asks for ``OPERATIONS_PATHS``); else drops its request and answers once it is whole."""
         ended = refused.feed(data)
         if refused.serve and not self._refusal_sent and self.occupancy.operations < OPERATIONS_OVER_CAP:
-            self._serve_over_cap(bytes(refused.kept))
+            self._serve_after_all(bytes(refused.kept), operations=True)
             return
         if refused.head_ended and self in self.occupancy.headless:
             del self.occupancy.headless[self]
@@ -226,14 +226,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             if slow is None:
                 return False
             slow._make_room()
-        self._cancel_timer()
-        self._refused = None
-        occupancy.refusing -= 1
-        occupancy.unanswered.pop(self, None)
-        super().connection_made(self.transport)
-        self._wait_for_request()
-        self._expect(self.header_timeout_s)
-        self.data_received(bytes(refused.kept))
+        self._serve_after_all(bytes(refused.kept), operations=False)
         return True
 
     def _slowest(self) -> LimitedHttpToolsProtocol | None:
@@ -246,18 +239,26 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 return connection
         return None
 
-    def _serve_over_cap(self, head: bytes) -> None:
-        """Serves a refused connection after all, from what it sent so far (its request's head at least)."""
+    def _serve_after_all(self, head: bytes, *, operations: bool) -> None:
+        """Serves a connection held apart after all, from what it sent so far (its request's head at
+        least): in a place of the cap, or over it for ``OPERATIONS_PATHS`` (``operations``)."""
         self._cancel_timer()
         self._refused = None
         self.occupancy.refusing -= 1
-        self.occupancy.unanswered.pop(self, None)
-        self.occupancy.headless.pop(self, None)
-        self.occupancy.operations += 1
-        self._operations = True
+        self._unhold()
+        if operations:
+            self.occupancy.operations += 1
+            self._operations = True
         super().connection_made(self.transport)
+        if not operations:
+            self._wait_for_request()
         self._expect(self.header_timeout_s)
         self.data_received(head)
+
+    def _unhold(self) -> None:
+        """No longer among the held connections that may make room for a newer one."""
+        self.occupancy.unanswered.pop(self, None)
+        self.occupancy.headless.pop(self, None)
 
     def _send_refusal(self) -> None:
         """The 503 (``connection: close``); then the wait is for the client's close (see the module)."""
@@ -268,8 +269,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._timer = self.loop.call_later(REFUSAL_LINGER_S, self._end_refusal)
 
     def _end_refusal(self) -> None:
-        self.occupancy.unanswered.pop(self, None)
-        self.occupancy.headless.pop(self, None)
+        self._unhold()
         self._cancel_timer()
         if not self._refusal_sent and not self.transport.is_closing():  # answered unasked: none came whole
             self.transport.write(self.too_many_connections)
@@ -301,8 +301,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.occupancy.closing -= 1
         elif self._refused is not None:
             self.occupancy.refusing -= 1
-            self.occupancy.unanswered.pop(self, None)
-            self.occupancy.headless.pop(self, None)
+            self._unhold()
             self._refused = None
         if self._operations:
             self.occupancy.operations -= 1
