@@ -45,6 +45,7 @@ from infra.stack import ENV_FILE_NAME, KAFKA_ENV, REDIS_ENV, read_env_file
 from schemas.wire import Names
 from tests.support.eventually import eventually_sync
 from tests.support.processes import Cluster, launch, stopped_after
+from tests.support.stack_cli import discard_stack
 from tests.support.stack_cli import stack_cli as _cli
 from tests.support.trail import trail
 
@@ -113,7 +114,7 @@ def backbone(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Backbon
         with stopped_after(request, cluster):
             yield Backbone(state_dir, env[KAFKA_ENV], env[REDIS_ENV], cluster)
     finally:
-        _cli(state_dir, "down")
+        discard_stack(state_dir)
 
 
 async def _replication(bootstrap: str, topics: list[str]) -> dict[str, tuple[set[int], str | None]]:

@@ -43,6 +43,7 @@ from schemas.wire import Names
 from tests.support.cluster_checks import group_offsets
 from tests.support.eventually import eventually_sync
 from tests.support.processes import TerminalEvents, launch, stopped_after, task_states
+from tests.support.stack_cli import discard_stack
 from tests.support.stack_cli import stack_cli as _cli
 from tests.support.transport_kits import ensure_topics
 from transport.kafka.lag import KafkaQueueDepth, LagUnreadable
@@ -66,7 +67,7 @@ def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         print(f"\nstack up in {time.monotonic() - started:.1f} s")
         yield path
     finally:
-        _cli(path, "down")
+        discard_stack(path)
 
 
 @dataclass

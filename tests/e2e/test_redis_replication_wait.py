@@ -39,6 +39,7 @@ from schemas.wire import Names
 from tests.support.cluster_checks import group_offsets
 from tests.support.eventually import eventually_sync
 from tests.support.processes import Cluster, launch, metric, respawn, stopped_after
+from tests.support.stack_cli import discard_stack
 from tests.support.stack_cli import stack_cli as _cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(180)]
@@ -85,7 +86,7 @@ def backbone(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Backbon
         with stopped_after(request, cluster):
             yield Backbone(env[KAFKA_ENV], status["servers"], cluster, port)
     finally:
-        _cli(state_dir, "down")
+        discard_stack(state_dir)
 
 
 def _stored(port: int, names: Names, task_ids: list[str]) -> dict[str, Any]:

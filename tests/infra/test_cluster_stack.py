@@ -28,6 +28,7 @@ from aiokafka.admin.config_resource import (  # type: ignore[import-untyped, unu
 from infra.process import ServiceProcess
 from infra.redis_sentinel import MASTER_NAME, sentinel_primary
 from infra.stack import ENV_FILE_NAME, KAFKA_ENV, REDIS_ENV, read_env_file
+from tests.support.stack_cli import discard_stack
 from tests.support.stack_cli import stack_cli as _cli
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(120)]
@@ -72,7 +73,7 @@ def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     _up(path)
     print(f"cluster up in {time.monotonic() - started:.1f} s")
     yield path
-    _cli(path, "down")
+    discard_stack(path)
 
 
 async def _admin(bootstrap: str) -> AIOKafkaAdminClient:

@@ -26,6 +26,7 @@ from aiokafka.admin.config_resource import (  # type: ignore[import-untyped, unu
 
 from infra.stack import ENV_FILE_NAME, KAFKA_ENV, REDIS_ENV, read_env_file
 from schemas.wire import Names
+from tests.support.stack_cli import discard_stack
 from transport.errors import PermanentTransportError
 from transport.kafka.consumers import KafkaBatchConsumer
 from transport.kafka.producers import KafkaBatchProducer
@@ -59,7 +60,7 @@ def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     done = _cli(path, "stack", "up", "--brokers", "3", "--state-dir", str(path))
     assert done.returncode == 0, f"stack up exited {done.returncode}:\n{done.stderr}"
     yield path
-    _cli(path, "stack", "down", "--state-dir", str(path))
+    discard_stack(path)
 
 
 @pytest.fixture

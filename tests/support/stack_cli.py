@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from infra.cluster_stack import nodes, read_shape
+
 
 def stack_cli(state_dir: Path, action: str, *extra: str, timeout_s: float = 150) -> subprocess.CompletedProcess[str]:
     """Runs ``batchwire stack ACTION --state-dir STATE_DIR EXTRA...`` without the developer's
@@ -21,3 +23,16 @@ def stack_cli(state_dir: Path, action: str, *extra: str, timeout_s: float = 150)
         timeout=timeout_s,
         check=False,
     )
+
+
+def discard_stack(state_dir: Path) -> None:
+    """Ends a test's own replicated stack with SIGKILL, every server at once. Its data goes with the
+    test, and a graceful ``stack down`` waits out Kafka's raft shutdown timeout (5 s), since the
+    quorum's last leader has no one left to hand the leadership to."""
+    shape = read_shape(state_dir.resolve())
+    if shape is None:
+        return  # its `up` never got as far as recording one
+    for node in nodes(state_dir.resolve(), shape):
+        process = node.server.process()
+        if process is not None:
+            process.kill()
