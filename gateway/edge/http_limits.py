@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import json
+import math
 import struct
 import termios
 from typing import Any, ClassVar
@@ -66,6 +67,10 @@ REFUSAL_LINGER_S = 1.0
 """How long a refused connection stays open after its 503 for the client to close it."""
 OPERATIONS_OVER_CAP = 16
 """Connections over the cap that may be serving ``OPERATIONS_PATHS`` at once."""
+DRAIN_BYTES = 64 * 1024
+"""A body declared this long or shorter and answered before it came (a 415, a 404) is read and dropped,
+so the connection serves the client's next request: a client keeps a connection whose answer did not
+say ``connection: close``, and a connection closed under it fails the request it sends next."""
 
 
 def _unread(transport: asyncio.BaseTransport) -> int:
@@ -392,8 +397,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_complete()
         self._in_body = False
         self._header_bytes = 0
-        if self.cycle.response_complete:
-            self._expect(self.header_timeout_s)
+        if self.cycle.response_complete:  # answered before its body came, which is now read and dropped
+            self._idle()
         else:
             self._deadline = None  # the app works on it: no deadline of the connection's own
 
@@ -410,16 +415,29 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if not cycle.response_complete:  # a pipelined request started
             if self._in_body and self._deadline is None:
                 self._expect(self.body_timeout_s)
-        elif self._in_body:
-            # Answered before its body came (a 413 or 415): no one reads the rest. Half-close so the
+        elif self._in_body and self._declared_body_bytes() > DRAIN_BYTES:
+            # Answered before a long body came (a 413): no one reads the rest. Half-close so the
             # client sees the answer end, and stop reading; the body deadline closes the connection.
             self.flow.pause_reading()
             if self.transport.can_write_eof():
                 self.transport.write_eof()
-        else:
-            self._expect(self.header_timeout_s)
-            if not self._operations:
-                self._wait_for_request()  # idle keep-alive: evictable at the cap like a new connection
+        elif not self._in_body:
+            self._idle()
+        # else: answered before a short body came; it is read and dropped (``DRAIN_BYTES``), within the
+        # body deadline, and the connection then waits for the next request (``on_message_complete``).
+
+    def _idle(self) -> None:
+        """The connection waits for its next request."""
+        self._expect(self.header_timeout_s)
+        if not self._operations:
+            self._wait_for_request()  # idle keep-alive: evictable at the cap like a new connection
+
+    def _declared_body_bytes(self) -> float:
+        """The Content-Length of the request being read (inf: chunked, or none given)."""
+        for name, value in self.headers:
+            if name == b"content-length":
+                return int(value) if value.isdigit() else math.inf
+        return math.inf
 
     def shutdown(self) -> None:
         """uvicorn's graceful shutdown (of the connections it counts): from now on a connection held

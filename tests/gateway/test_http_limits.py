@@ -434,6 +434,33 @@ async def test_an_answer_before_the_body_stops_reading_and_half_closes() -> None
     assert transport.closed
 
 
+async def test_an_answer_before_a_short_body_reads_and_drops_it_and_serves_the_next_request() -> None:
+    edge = Edge()
+    protocol, transport, _ = edge.connect()
+    body = b'{"input": "cross-site"}'
+    head, rest = post(body, "/early")[: -len(body) + 4], body[4:]
+    protocol.data_received(head)  # the answer comes before the body's rest, as under load
+    await answered(transport)
+    assert status_of(transport.written) == 415
+    assert not transport.read_paused and not transport.eof_written, "the connection stays usable"
+    protocol.data_received(rest)
+    protocol.data_received(post(b"1234"))
+    await answered(transport, 2)
+    assert transport.written.rsplit(b"HTTP/1.1 ", 1)[1].endswith(b"4"), "the next request is read whole, alone"
+    assert edge.app.calls == ["/early", "/"]
+    edge.loop.advance(HEADER_TIMEOUT_S + 1)
+    assert transport.closed, "then it idles under the header deadline, as any kept connection"
+
+
+async def test_an_answer_before_a_body_that_never_ends_is_closed_at_the_body_deadline() -> None:
+    edge = Edge()
+    protocol, transport, _ = edge.connect()
+    protocol.data_received(b"POST /early HTTP/1.1\r\nhost: gw\r\ncontent-length: 100\r\n\r\nxx")
+    await answered(transport)
+    edge.loop.advance(BODY_TIMEOUT_S + 1)
+    assert transport.closed
+
+
 async def test_a_busy_keep_alive_connection_makes_few_timers() -> None:
     edge = Edge()
     protocol, transport, _ = edge.connect()
