@@ -80,7 +80,7 @@ def _traced(receiver: OtlpReceiver, trace_ids: list[str]) -> Any:
     return receiver.spans()
 
 
-@pytest.mark.timing  # the spans cover the call but 5 ms (about 1.5 ms on a quiet machine): timed alone
+@pytest.mark.timing  # the spans cover the call but 10 ms (the caller's own send and read), several times a quiet figure
 def test_one_synchronous_request_is_one_trace_across_the_three_roles(cluster: Cluster, receiver: OtlpReceiver) -> None:
     with httpx.Client(base_url=cluster.gateway_urls[0], timeout=30) as client:
         for n in range(3):  # first-request costs (connections, metadata) are not what is traced
@@ -95,7 +95,7 @@ def test_one_synchronous_request_is_one_trace_across_the_three_roles(cluster: Cl
     backend = [s for s in spans if s.name == "backend" and s.parent_id == chain["worker.run"].span_id]
     assert len(backend) == 1, "the backend call is a child of worker.run"
     assert chain["batch.formed"].links == ((trace_id, chain["gateway.accept"].span_id),)
-    check_covers(chain, started, ended, slack_ms=5)
+    check_covers(chain, started, ended, slack_ms=10)
     assert not receiver.refused, receiver.refused
 
 
