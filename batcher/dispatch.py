@@ -160,8 +160,7 @@ class Dispatcher:
             if isinstance(command, Claim):
                 credit = await self._claim(model)
                 if credit is None:
-                    loop.unclaimed()
-                    command = await self._poke(model, loop)
+                    command = loop.unclaimed()
                     continue
                 metrics.IDLE_WORKERS.labels(model=model).set(0)
                 command = loop.claimed(credit, self._claimed(credit), alone=self._alone(model))
@@ -209,9 +208,10 @@ class Dispatcher:
         free_s = self.clock() + (credit.idle_from_ms - wall_ms()) / 1000.0
         return Claimed(credit.worker_id, free_s, credit.busy_ms / 1000.0)
 
-    async def _woken(self, wake: asyncio.Event, until_s: float) -> bool:
-        """Whether ``wake`` (an arrival, or a timer that sealed the batch) came before ``until_s``. The
-        caller clears it first, with no await since it last asked the ``DispatchLoop``."""
+    async def _woken(self, model: str, until_s: float) -> bool:
+        """Whether a wake (an arrival, or a timer that sealed the batch) came before ``until_s``."""
+        wake = self._wake[model]
+        wake.clear()
         try:
             async with asyncio.timeout(until_s - self.clock()):
                 await wake.wait()
@@ -221,16 +221,12 @@ class Dispatcher:
 
     async def _wait(self, model: str, loop: DispatchLoop[Credit], until_s: float) -> Command[Credit]:
         """Spacing: waits to seal a busy worker's batch until ``until_s`` (see ``Spacing``)."""
-        wake = self._wake[model]
-        wake.clear()
-        return loop.poke() if await self._woken(wake, until_s) else loop.woke()
+        return loop.poke() if await self._woken(model, until_s) else loop.woke()
 
     async def _hold(self, model: str, loop: DispatchLoop[Credit], until_s: float) -> Command[Credit]:
         """Keeps an idle worker in reserve (see ``BatchFormer.reserve_s``) while claiming a second
         credit: a fresh arrival, a second worker that frees first, or the end of the hold ends it."""
-        wake = self._wake[model]
-        wake.clear()
-        woken = asyncio.create_task(self._woken(wake, until_s))
+        woken = asyncio.create_task(self._woken(model, until_s))
         second = asyncio.create_task(self.credits.claim(model, max(0.0, until_s - self.clock())))
         try:
             await asyncio.wait({woken, second}, return_when=asyncio.FIRST_COMPLETED)

@@ -28,7 +28,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Generic, TypeAlias, TypeVar
+from typing import Any, Generic, TypeVar
 
 from batcher.policy import BatchFormer, Item
 
@@ -174,7 +174,7 @@ class Send(Generic[C]):
     back: C | None = None
 
 
-Command: TypeAlias = Idle | Claim | Hold | Space | Send[C]
+Command = Idle | Claim | Hold | Space | Send[C]
 IDLE, CLAIM = Idle(), Claim()
 
 
@@ -187,8 +187,8 @@ class _Stage(Enum):
 
 
 class DispatchLoop(Generic[C]):
-    """Where one model's dispatch loop stands, without I/O: a claim starts only while a batch is ready,
-    and each claimed credit gets exactly one ``Send`` (or goes ``back``)."""
+    """Where one model's dispatch loop stands, without I/O: a credit is claimed only while a batch is
+    ready, and each claimed credit gets exactly one ``Send`` (or goes ``back``)."""
 
     def __init__(self, scheduler: Scheduler[Any], model: str) -> None:
         self._scheduler = scheduler
@@ -220,18 +220,14 @@ class DispatchLoop(Generic[C]):
             self._stage, self.since_s = _Stage.CLAIMING, self._clock()
             return CLAIM
         if stage is _Stage.CLAIMING:
-            if self._former.ready(self._model):
-                return CLAIM
-            self._stage = _Stage.IDLE  # what it waited for expired (a driver whose claim can stop)
-            return IDLE
+            return CLAIM
         if stage is _Stage.HOLDING or (stage is _Stage.SPACING and self._former.sealed(self._model)):
             return self._send()
-        assert self._wait is not None, f"poked while {stage.value}"
+        assert self._wait is not None
         return self._wait  # spacing: not sealed yet
 
     def claimed(self, credit: C, claimed: Claimed, *, alone: bool) -> Command[C]:
         """The claim returned ``credit``; ``alone``: this batcher alone sends to the model's workers."""
-        assert self._stage is _Stage.CLAIMING, self._stage
         self._credit = credit
         decision = self._scheduler.decide(self._model, claimed, self.since_s, alone=alone)
         if decision.action is Action.HOLD:
@@ -243,10 +239,10 @@ class DispatchLoop(Generic[C]):
             return self._send()
         return self._wait
 
-    def unclaimed(self) -> None:
-        """The claim ended without a credit: ``poke`` starts again."""
-        assert self._stage is _Stage.CLAIMING, self._stage
+    def unclaimed(self) -> Command[C]:
+        """The claim ended without a credit: start again."""
         self._stage = _Stage.IDLE
+        return self.poke()
 
     def second(self, credit: C) -> Command[C]:
         """During a hold, another worker freed first: it takes the batch, the held one goes back."""
@@ -261,7 +257,6 @@ class DispatchLoop(Generic[C]):
 
     def sent(self) -> None:
         """The ``Send`` was carried out: ``poke`` says what comes next."""
-        assert self._stage is _Stage.SENDING, self._stage
         self._stage = _Stage.IDLE
 
     def _send(self, back: C | None = None) -> Send[C]:

@@ -242,15 +242,12 @@ class Simulation:
             self._push(b.timer_at, _Event.TIMER, b.index)
 
     def _tick(self, b: _Batcher) -> None:
-        """As the batcher's timer: a sealed batch wakes the loop (a claim also learns when all it waited
-        for expired)."""
-        sealed = MODEL in b.former.tick()
+        b.former.tick()
         expired = b.former.expire()
         self._held -= len(expired)
         self._out.expired += len(expired)
         self._schedule_timer(b)
-        if sealed or (b.loop.claiming and not b.loop.holding):
-            self._run(b, b.loop.poke())
+        self._run(b, b.loop.poke())
 
     def _offered(self, worker: int) -> None:
         self._seq += 1
