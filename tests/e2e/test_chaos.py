@@ -261,4 +261,7 @@ async def test_chaos(cluster: Cluster) -> None:
         print(
             f"TIMELINE {second:3d} s: {len(values):4d} sent, p50 {median * 1e3:5.0f} ms, p99 {p99(values) * 1e3:5.0f}"
         )
-    assert len(base) > 300, "enough requests before the first fault to compare with"
+    # The schedule sends SYNC_RATE_PER_S in the window's 2.5 s (300); a generator that lags on the shared
+    # cores sends a few fewer, and 80 % of them still make a p99 to compare with.
+    scheduled = SYNC_RATE_PER_S * (WORKER_KILL_AT_S - 1 - 1.5)
+    assert len(base) >= 0.8 * scheduled, f"enough requests before the first fault to compare with: {len(base)}"
