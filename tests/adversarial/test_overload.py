@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+import aiohttp
 import httpx
 import pytest
 
@@ -26,7 +27,10 @@ CAPACITY_PER_S = 50.0  # one worker, 5 items per 100 ms call
 OFFERED_PER_S = 3 * CAPACITY_PER_S
 DURATION_S = 8.0
 TIMEOUT_MS = 3000
-WARM_CONNECTIONS = 500
+WARM_CONNECTIONS = 300
+"""More than the flood keeps in flight: the deadline's worth of admitted requests and the refusals."""
+KEEPALIVE_S = 9.0
+"""Idle connections are reused this long: past the flood's gaps, short of the gateway's 10 s keep-alive."""
 ANSWER_SLACK_S = 0.05
 END_SLACK_S = 2.0
 """A 504 ends by its deadline plus this, as timed by the flooding client on the shared cores."""
@@ -82,34 +86,36 @@ def _run_flood(url: str) -> Outcomes:
 async def _flood(url: str) -> Outcomes:
     """Synchronous requests at OFFERED_PER_S for DURATION_S, open loop; waits for every answer."""
     outcomes = Outcomes()
-    # httpcore checks every connection its pool keeps, idle ones with a syscall, whenever a request
-    # starts or ends: idle connections dropped after 3 s keep this low-priority client's CPU for the flood.
-    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000, keepalive_expiry=3.0)
-    async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_MS / 1000 + 10, limits=limits) as client:
-        # Connections opened before the flood, a few at a time as clients come: a refusal's time is
-        # then the gateway's, not a burst of TCP connects (a SYN dropped from a full listen queue is
-        # retried after 1 s).
-        for _ in range(WARM_CONNECTIONS // 50):
-            await asyncio.gather(*(client.get("/healthz") for _ in range(50)))
+    # aiohttp: httpcore's pool checks every connection it keeps whenever a request starts or ends,
+    # which made this low-priority client's own CPU, not the gateway, decide when a refusal was read.
+    # Its connections outlive the flood but not the gateway's keep-alive (its header timeout).
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+    timeout = aiohttp.ClientTimeout(total=TIMEOUT_MS / 1000 + 10)
+    async with aiohttp.ClientSession(url, connector=connector, timeout=timeout) as session:
+        # Connections opened before the flood: a refusal's time is then the gateway's, not a TCP connect's.
+        async def warm() -> None:
+            async with session.get("/healthz") as response:
+                await response.read()
+
+        await asyncio.gather(*(warm() for _ in range(WARM_CONNECTIONS)))
 
         async def one(n: int) -> None:
             body = {"input": f"flood-{n}", "model": "flood", "timeout_ms": TIMEOUT_MS}
             sent = time.monotonic()
-            response = await client.post("/v1/inference", json=body)
+            async with session.post("/v1/inference", json=body) as response:
+                status, text, retry_after = response.status, await response.text(), response.headers.get("retry-after")
+                payload = json.loads(text) if response.content_type == "application/json" else {}
             took = time.monotonic() - sent
-            if response.status_code == 200 and response.json()["output"] == f"flood-{n}"[::-1]:
+            if status == 200 and payload.get("output") == f"flood-{n}"[::-1]:
                 # The gateway's own latency: on two shared cores this client lags behind the answers.
-                outcomes.answered.append(response.json()["latency_ms"] / 1000)
-            elif response.status_code == 503 and response.headers.get("retry-after"):
-                if response.json()["error"]["code"] == "overloaded":
-                    outcomes.refused.append(took)
-                else:
-                    outcomes.other.append(f"503 {response.text[:200]}")
-            elif response.status_code == 504:
-                outcomes.late.append(response.json()["error"]["task_id"])
+                outcomes.answered.append(payload["latency_ms"] / 1000)
+            elif status == 503 and retry_after and payload.get("error", {}).get("code") == "overloaded":
+                outcomes.refused.append(took)
+            elif status == 504:
+                outcomes.late.append(payload["error"]["task_id"])
                 outcomes.late_took.append(took)
             else:
-                outcomes.other.append(f"{response.status_code} {response.text[:200]}")
+                outcomes.other.append(f"{status} {text[:200]}")
 
         tasks = []
         started = time.monotonic()
