@@ -8,7 +8,8 @@ worker to free up gets the next batch, whichever batcher holds it.
 What to do with a claimed credit is ``batcher.scheduler``'s decision: send at once, hold an idle
 worker in reserve for a fresh arrival at light load (``--reserve-ms``), or, in a batcher that alone
 serves a model, seal a busy worker's batch late enough to keep the workers' calls spread
-(``--spacing-margin-ms``). This module carries it out.
+(``--spacing-margin-ms``). Where the loop stands is pure code too (``batcher.scheduler.DispatchLoop``):
+this module carries out its commands.
 
 A sealed batch lands on the bus in a task of its own (``_land``): the loop goes on to the next credit
 (another worker's) without waiting for the acknowledgement (``acks=all`` over Kafka), which hands its
@@ -19,7 +20,6 @@ a failed ``batched`` write is logged.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -29,7 +29,7 @@ from typing import Any
 
 from batcher import states
 from batcher.policy import BatchFormer, Pending, Taken
-from batcher.scheduler import Action, Claimed, Scheduler
+from batcher.scheduler import Claim, Claimed, Command, DispatchLoop, Hold, Scheduler, Send, Space
 from batcher.settings import BatcherSettings
 from batcher.states import wall_ms
 from schemas.records import Batch, BatchItem, Credit, InferenceRequest, TaskState
@@ -152,25 +152,41 @@ class Dispatcher:
 
     # the loop ----------------------------------------------------------------------------------
     async def _loop(self, model: str) -> None:
+        """Carries out ``model``'s ``DispatchLoop`` commands, reporting back what happened."""
+        loop = DispatchLoop[Credit](self.scheduler, model)
         wake = self._wake[model]
+        command = await self._poke(model, loop)
         while True:
-            if not self.former.ready(model):
-                wake.clear()  # no await since the check: ``arrived`` sets it only for a ready model
+            if isinstance(command, Claim):
+                credit = await self._claim(model)
+                if credit is None:
+                    loop.unclaimed()
+                    command = await self._poke(model, loop)
+                    continue
+                metrics.IDLE_WORKERS.labels(model=model).set(0)
+                command = loop.claimed(credit, self._claimed(credit), alone=self._alone(model))
+                if isinstance(command, Space):
+                    metrics.SPACING_WAIT.labels(model=model).observe(max(0.0, command.until_s - self.clock()))
+            elif isinstance(command, Hold):
+                command = await self._hold(model, loop, command.until_s)
+            elif isinstance(command, Space):
+                command = await self._wait(model, loop, command.until_s)
+            elif isinstance(command, Send):
+                if command.back is not None:
+                    await self._offer_back(command.back)
+                await self._send(model, command.credit)
+                loop.sent()
+                command = await self._poke(model, loop)
+            else:
+                wake.clear()  # no await since ``poke`` found nothing ready: ``arrived`` sets it only for a ready model
                 await wake.wait()
-                continue
-            if (pause_s := self._resend_after.pop(model, 0.0) - self.clock()) > 0:
-                await asyncio.sleep(pause_s)  # a send failed: the bus gets a moment
-            claimed_from_s = self.clock()
-            credit = await self._claim(model)
-            if credit is None:
-                continue
-            metrics.IDLE_WORKERS.labels(model=model).set(0)
-            decision = self.scheduler.decide(model, self._claimed(credit), claimed_from_s, alone=self._alone(model))
-            if decision.action is Action.HOLD:
-                credit = await self._hold(model, credit, decision.until_s - self.clock())
-            elif decision.action is Action.SPACE:
-                await self._space(model, decision.until_s)
-            await self._send(model, credit)
+                command = await self._poke(model, loop)
+
+    async def _poke(self, model: str, loop: DispatchLoop[Credit]) -> Command[Credit]:
+        """``loop.poke()``, once the bus has had its moment after a failed send."""
+        if (pause_s := self._resend_after.pop(model, 0.0) - self.clock()) > 0:
+            await asyncio.sleep(pause_s)
+        return loop.poke()
 
     async def _claim(self, model: str) -> Credit | None:
         """A credit for ``model``, retried while the pool is unreachable (None: none came in time)."""
@@ -193,40 +209,40 @@ class Dispatcher:
         free_s = self.clock() + (credit.idle_from_ms - wall_ms()) / 1000.0
         return Claimed(credit.worker_id, free_s, credit.busy_ms / 1000.0)
 
-    async def _space(self, model: str, until_s: float) -> None:
-        """Waits to seal a busy worker's batch until ``until_s`` (see ``batcher.scheduler.Spacing``); a batch
-        that fills up, or a deadline, ends the wait early."""
-        metrics.SPACING_WAIT.labels(model=model).observe(max(0.0, until_s - self.clock()))
-        wake = self._wake[model]
-        while not self.former.sealed(model) and (left_s := until_s - self.clock()) > 0:
-            wake.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(left_s):
-                    await wake.wait()
+    async def _woken(self, wake: asyncio.Event, until_s: float) -> bool:
+        """Whether ``wake`` (an arrival, or a timer that sealed the batch) came before ``until_s``. The
+        caller clears it first, with no await since it last asked the ``DispatchLoop``."""
+        try:
+            async with asyncio.timeout(until_s - self.clock()):
+                await wake.wait()
+        except TimeoutError:
+            return False
+        return True
 
-    async def _hold(self, model: str, credit: Credit, hold_s: float) -> Credit:
-        """Keeps an idle worker in reserve for a fresh arrival (see ``BatchFormer.reserve_s``).
-
-        Returns the credit to send what waits against: this one when a fresh request arrives or the
-        hold runs out, or a second worker's if it frees first (this one then goes back to the pool,
-        idle, for the next arrival).
-        """
+    async def _wait(self, model: str, loop: DispatchLoop[Credit], until_s: float) -> Command[Credit]:
+        """Spacing: waits to seal a busy worker's batch until ``until_s`` (see ``Spacing``)."""
         wake = self._wake[model]
         wake.clear()
-        arrival = asyncio.create_task(wake.wait())
-        second = asyncio.create_task(self.credits.claim(model, hold_s))
+        return loop.poke() if await self._woken(wake, until_s) else loop.woke()
+
+    async def _hold(self, model: str, loop: DispatchLoop[Credit], until_s: float) -> Command[Credit]:
+        """Keeps an idle worker in reserve (see ``BatchFormer.reserve_s``) while claiming a second
+        credit: a fresh arrival, a second worker that frees first, or the end of the hold ends it."""
+        wake = self._wake[model]
+        wake.clear()
+        woken = asyncio.create_task(self._woken(wake, until_s))
+        second = asyncio.create_task(self.credits.claim(model, max(0.0, until_s - self.clock())))
         try:
-            await asyncio.wait({arrival, second}, timeout=hold_s, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({woken, second}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            arrival.cancel()
-            if not second.done():
-                second.cancel()
-            await asyncio.gather(arrival, second, return_exceptions=True)
-        other = second.result() if second.done() and not second.cancelled() and second.exception() is None else None
-        if other is None:
-            return credit
-        await self._offer_back(credit)
-        return other
+            woken.cancel()
+            second.cancel()
+            await asyncio.gather(woken, second, return_exceptions=True)
+        if not second.cancelled() and second.exception() is None and (other := second.result()) is not None:
+            return loop.second(other)
+        if not woken.cancelled() and woken.result():
+            return loop.poke()
+        return loop.woke()
 
     # the send ----------------------------------------------------------------------------------
     async def _send(self, model: str, credit: Credit) -> None:

@@ -2,10 +2,13 @@
 reserve, or seal a busy worker's batch later to keep the calls spread. Times in seconds on the
 caller's clock.
 
-``batcher.dispatch`` asks it after every claim, over asyncio, the credit pool and the bus;
-``batchwire.capacity.engine`` asks the same object on its virtual clock, so the simulation decides
-as the service does. It weighs the two named options of the dispatch loop: the reserve hold
+``Scheduler.decide`` weighs the two named options of the dispatch loop: the reserve hold
 (``--reserve-ms``, ``BatchFormer.reserve_s``) and spacing (``--spacing-margin-ms``, ``Spacing``).
+``DispatchLoop`` is where one model's dispatch loop stands: the driver reports what happened (a
+request arrived or a timer sealed a batch, a credit was claimed, a second credit came during a hold,
+a wait ran out) and each call returns the next command (claim, hold, space, send, or wait for news).
+``batcher.dispatch`` drives it over asyncio, the credit pool and the bus; ``batchwire.capacity.engine``
+drives the same object on its virtual clock, so the simulation decides as the service does.
 
 Spacing keeps busy workers' calls spread evenly over a call's duration. Under load, a request waits
 for the next batch to be sealed and then for its call. With k busy workers that start their calls
@@ -25,9 +28,12 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Generic
+from typing import Any, Generic, TypeAlias, TypeVar
 
 from batcher.policy import BatchFormer, Item
+
+C = TypeVar("C")
+"""A driver's credit: the dispatcher's ``Credit``, the simulation's tuple."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +113,7 @@ class Scheduler(Generic[Item]):
 
     def __init__(self, former: BatchFormer[Item], clock: Callable[[], float], spacing_margin_s: float | None) -> None:
         self.former = former
-        self._clock = clock
+        self.clock = clock
         self._margin_s = spacing_margin_s
         """None: no spacing."""
         self._spacing: defaultdict[str, Spacing] = defaultdict(Spacing)
@@ -115,7 +121,7 @@ class Scheduler(Generic[Item]):
     def decide(self, model: str, claimed: Claimed, claimed_from_s: float, *, alone: bool) -> Decision:
         """What to do with ``claimed``, claimed for ``model`` since ``claimed_from_s``. ``alone``: this
         batcher is the only one sending to the model's workers (spacing needs to know every start)."""
-        now = self._clock()
+        now = self.clock()
         hold_s = self.former.reserve_s(model, claimed.call_s, claimed_from_s, claimed.free_s)
         if hold_s > 0:
             return Decision(Action.HOLD, now + hold_s)
@@ -129,4 +135,137 @@ class Scheduler(Generic[Item]):
 
     def sent(self, model: str, claimed: Claimed) -> None:
         """A batch went against ``claimed``: its call starts when its worker is free."""
-        self._spacing[model].started(claimed.worker, max(self._clock(), claimed.free_s), claimed.call_s)
+        self._spacing[model].started(claimed.worker, max(self.clock(), claimed.free_s), claimed.call_s)
+
+
+# one model's dispatch loop ------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Idle:
+    """Nothing to send: wait until a request arrives or a timer seals a batch (``poke``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """Claim a credit for the model; report it with ``claimed`` (or ``unclaimed``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """Keep the claimed idle worker until ``until_s`` and meanwhile claim a second credit: ``poke`` on
+    a fresh arrival, ``second`` when another worker frees first, ``woke`` when the time is up."""
+
+    until_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Space:
+    """Seal the busy worker's batch at ``until_s``: ``poke`` when something may have sealed it sooner,
+    ``woke`` when the time is up."""
+
+    until_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Send(Generic[C]):
+    """Send the model's batch against ``credit`` (offer ``back`` back, unused), then report ``sent``
+    and ``poke``."""
+
+    credit: C
+    back: C | None = None
+
+
+Command: TypeAlias = Idle | Claim | Hold | Space | Send[C]
+IDLE, CLAIM = Idle(), Claim()
+
+
+class _Stage(Enum):
+    IDLE = "idle"
+    CLAIMING = "claiming"
+    HOLDING = "holding"
+    SPACING = "spacing"
+    SENDING = "sending"
+
+
+class DispatchLoop(Generic[C]):
+    """Where one model's dispatch loop stands, without I/O: a claim starts only while a batch is ready,
+    and each claimed credit gets exactly one ``Send`` (or goes ``back``)."""
+
+    def __init__(self, scheduler: Scheduler[Any], model: str) -> None:
+        self._scheduler = scheduler
+        self._former = scheduler.former
+        self._model = model
+        self._clock = scheduler.clock
+        self._stage = _Stage.IDLE
+        self._credit: C | None = None
+        self._wait: Hold | Space | None = None
+        self.since_s = 0.0
+        """When the claim (or the hold's second claim) began: the simulation serves waiting claims in
+        this order, as the credit pools do."""
+
+    @property
+    def claiming(self) -> bool:
+        """Whether a credit given now would be taken: a claim, or a hold's second claim, waits."""
+        return self._stage in (_Stage.CLAIMING, _Stage.HOLDING)
+
+    @property
+    def holding(self) -> bool:
+        return self._stage is _Stage.HOLDING
+
+    def poke(self) -> Command[C]:
+        """A request arrived or a timer sealed a batch: it may be time to claim, or to end a wait."""
+        stage = self._stage
+        if stage is _Stage.IDLE:
+            if not self._former.ready(self._model):
+                return IDLE
+            self._stage, self.since_s = _Stage.CLAIMING, self._clock()
+            return CLAIM
+        if stage is _Stage.CLAIMING:
+            if self._former.ready(self._model):
+                return CLAIM
+            self._stage = _Stage.IDLE  # what it waited for expired (a driver whose claim can stop)
+            return IDLE
+        if stage is _Stage.HOLDING or (stage is _Stage.SPACING and self._former.sealed(self._model)):
+            return self._send()
+        assert self._wait is not None, f"poked while {stage.value}"
+        return self._wait  # spacing: not sealed yet
+
+    def claimed(self, credit: C, claimed: Claimed, *, alone: bool) -> Command[C]:
+        """The claim returned ``credit``; ``alone``: this batcher alone sends to the model's workers."""
+        assert self._stage is _Stage.CLAIMING, self._stage
+        self._credit = credit
+        decision = self._scheduler.decide(self._model, claimed, self.since_s, alone=alone)
+        if decision.action is Action.HOLD:
+            self._stage, self.since_s = _Stage.HOLDING, self._clock()
+            self._wait = Hold(decision.until_s)
+        elif decision.action is Action.SPACE:
+            self._stage, self._wait = _Stage.SPACING, Space(decision.until_s)
+        else:
+            return self._send()
+        return self._wait
+
+    def unclaimed(self) -> None:
+        """The claim ended without a credit: ``poke`` starts again."""
+        assert self._stage is _Stage.CLAIMING, self._stage
+        self._stage = _Stage.IDLE
+
+    def second(self, credit: C) -> Command[C]:
+        """During a hold, another worker freed first: it takes the batch, the held one goes back."""
+        assert self._stage is _Stage.HOLDING, self._stage
+        back, self._credit = self._credit, credit
+        return self._send(back)
+
+    def woke(self) -> Command[C]:
+        """The hold or the spacing ran out."""
+        assert self._stage in (_Stage.HOLDING, _Stage.SPACING), self._stage
+        return self._send()
+
+    def sent(self) -> None:
+        """The ``Send`` was carried out: ``poke`` says what comes next."""
+        assert self._stage is _Stage.SENDING, self._stage
+        self._stage = _Stage.IDLE
+
+    def _send(self, back: C | None = None) -> Send[C]:
+        credit, self._credit, self._wait = self._credit, None, None
+        assert credit is not None
+        self._stage = _Stage.SENDING
+        return Send(credit, back)

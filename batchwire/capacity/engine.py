@@ -24,7 +24,7 @@ from enum import IntEnum
 from typing import Any
 
 from batcher.policy import BatchFormer, FlushPolicy, Pending
-from batcher.scheduler import Action, Claimed, Scheduler
+from batcher.scheduler import Claim, Claimed, Command, DispatchLoop, Hold, Scheduler, Send, Space
 from batcher.settings import BatcherSettings
 from batchwire.capacity.curve import Curve
 from batchwire.capacity.extras import MeasuredExtras
@@ -109,13 +109,6 @@ class SimConfig:
         return min(self.policy.max_batch, self.curve.max_batch)
 
 
-class _Mode(IntEnum):
-    IDLE = 0
-    CLAIMING = 1
-    HOLDING = 2
-    SPACING = 3
-
-
 class _Event(IntEnum):
     OFFER = 0
     TIMER = 1
@@ -127,20 +120,19 @@ Credit = tuple[float, int, int]
 
 
 class _Batcher:
-    """One batcher's accumulators and where its dispatch loop stands."""
+    """One batcher: its accumulators, and its dispatch loop (``batcher.scheduler.DispatchLoop``)."""
 
-    __slots__ = ("claim_since", "credit", "former", "index", "mode", "scheduler", "timer_at", "token")
+    __slots__ = ("former", "index", "loop", "scheduler", "timer_at", "token", "waiting")
 
-    def __init__(self, index: int, former: BatchFormer[int], scheduler: Scheduler[int]) -> None:
+    def __init__(self, index: int, scheduler: Scheduler[int]) -> None:
         self.index = index
-        self.former = former
+        self.former = scheduler.former
         self.scheduler = scheduler
-        self.mode = _Mode.IDLE
-        self.claim_since = 0.0
-        """When its claim (or its hold's second claim) began: waiting claims are served in this order."""
-        self.credit: Credit | None = None
-        """The credit it holds in reserve, or while it spaces the workers' starts."""
+        self.loop = DispatchLoop[Credit](scheduler, MODEL)
+        self.waiting: Hold | Space | None = None
+        """The hold or spacing whose end is scheduled."""
         self.token = 0
+        """Counts its waits: a wait's end event that carries an older count is stale."""
         self.timer_at: float | None = None
 
 
@@ -164,7 +156,7 @@ class Simulation:
         self.batchers = []
         for i in range(config.batchers):
             former = BatchFormer[int](config.policy, self.clock)
-            self.batchers.append(_Batcher(i, former, Scheduler(former, self.clock, margin_s)))
+            self.batchers.append(_Batcher(i, Scheduler(former, self.clock, margin_s)))
         self.workers = [_Worker() for _ in range(config.workers)]
         self._alpha = _ewma_alpha()
         base_s = [0.0] + [config.curve.latency_ms(size) / 1000.0 for size in range(1, config.curve.max_batch + 1)]
@@ -230,8 +222,8 @@ class Simulation:
             if b.timer_at == self.now:
                 b.timer_at = None
                 self._tick(b)
-        elif token == b.token and b.mode in (_Mode.HOLDING, _Mode.SPACING):
-            self._send_held(b)
+        elif token == b.token:
+            self._run(b, b.loop.woke())
 
     # the batcher's side -----------------------------------------------------------------------------
     def _arrive(self, index: int) -> None:
@@ -241,10 +233,7 @@ class Simulation:
         self._held += 1
         if b.timer_at is None:
             self._schedule_timer(b)
-        if b.mode == _Mode.HOLDING or (b.mode == _Mode.SPACING and b.former.sealed(MODEL)):
-            self._send_held(b)
-        elif b.mode != _Mode.SPACING:
-            self._dispatch(b)
+        self._run(b, b.loop.poke())
 
     def _schedule_timer(self, b: _Batcher) -> None:
         due = b.former.next_due_s()
@@ -253,15 +242,15 @@ class Simulation:
             self._push(b.timer_at, _Event.TIMER, b.index)
 
     def _tick(self, b: _Batcher) -> None:
-        b.former.tick()
+        """As the batcher's timer: a sealed batch wakes the loop (a claim also learns when all it waited
+        for expired)."""
+        sealed = MODEL in b.former.tick()
         expired = b.former.expire()
         self._held -= len(expired)
         self._out.expired += len(expired)
         self._schedule_timer(b)
-        if b.mode == _Mode.SPACING and b.former.sealed(MODEL):
-            self._send_held(b)
-        elif b.mode in (_Mode.IDLE, _Mode.CLAIMING):
-            self._dispatch(b)
+        if sealed or (b.loop.claiming and not b.loop.holding):
+            self._run(b, b.loop.poke())
 
     def _offered(self, worker: int) -> None:
         self._seq += 1
@@ -269,64 +258,46 @@ class Simulation:
 
     def _give(self, credit: Credit) -> None:
         """A credit goes to the claim that has waited longest, or to the pool when none waits."""
-        waiting = [b for b in self.batchers if b.mode in (_Mode.CLAIMING, _Mode.HOLDING)]
+        waiting = [b for b in self.batchers if b.loop.claiming]
         if not waiting:
             heapq.heappush(self._pool, credit)
             return
-        b = min(waiting, key=lambda b: b.claim_since)
-        if b.mode == _Mode.HOLDING and b.credit is not None:
-            held, b.credit = b.credit, None  # a second worker came first: the held one goes back
-            b.token += 1
-            b.mode = _Mode.IDLE
-            self._send(b, credit)
-            self._give(held)
-            self._dispatch(b)
+        b = min(waiting, key=lambda b: b.loop.since_s)
+        if b.loop.holding:
+            self._run(b, b.loop.second(credit))
             return
         heapq.heappush(self._pool, credit)
-        self._dispatch(b)
+        self._run(b, b.loop.poke())
 
-    def _dispatch(self, b: _Batcher) -> None:
-        """The dispatch loop of ``batcher.dispatch``: a credit per ready batch, held or spaced as it would be."""
-        while b.former.ready(MODEL):
-            if not self._pool:
-                if b.mode != _Mode.CLAIMING:
-                    b.mode, b.claim_since = _Mode.CLAIMING, self.now
+    def _run(self, b: _Batcher, command: Command[Credit]) -> None:
+        """Carries out ``b``'s dispatch-loop commands until it waits: for a credit, the end of a hold or
+        of spacing, or a ready batch. A claim takes the offered credit that frees soonest."""
+        while True:
+            if isinstance(command, Claim):
+                if not self._pool:
+                    return  # ``_give`` hands it the next credit offered
+                credit = heapq.heappop(self._pool)
+                command = b.loop.claimed(credit, self._claimed(credit), alone=len(self.batchers) == 1)
+            elif isinstance(command, Hold) and self._pool:  # the second claim succeeds at once
+                command = b.loop.second(heapq.heappop(self._pool))
+            elif isinstance(command, Hold | Space):
+                if command is not b.waiting:  # a wait goes on as it was
+                    b.waiting, b.token = command, b.token + 1
+                    self._push(command.until_s, _Event.WAIT_END, b.index, b.token)
                 return
-            claimed_from = b.claim_since if b.mode == _Mode.CLAIMING else self.now
-            credit = heapq.heappop(self._pool)
-            b.mode = _Mode.IDLE
-            decision = b.scheduler.decide(MODEL, self._claimed(credit), claimed_from, alone=len(self.batchers) == 1)
-            if decision.action is Action.HOLD:
-                if self._pool:  # the second claim succeeds at once: send against it, the first goes back
-                    other = heapq.heappop(self._pool)
-                    heapq.heappush(self._pool, credit)
-                    credit = other
-                else:
-                    b.claim_since = self.now
-                    self._wait(b, _Mode.HOLDING, credit, decision.until_s)
-                    return
-            elif decision.action is Action.SPACE:
-                self._wait(b, _Mode.SPACING, credit, decision.until_s)
+            elif isinstance(command, Send):
+                b.waiting, b.token = None, b.token + 1
+                self._send(b, command.credit)
+                if command.back is not None:
+                    self._give(command.back)
+                b.loop.sent()
+                command = b.loop.poke()
+            else:
                 return
-            self._send(b, credit)
-        b.mode = _Mode.IDLE
 
     def _claimed(self, credit: Credit) -> Claimed:
         frees_s, _, worker = credit
         return Claimed(str(worker), frees_s, self.workers[worker].credit_busy_s)
-
-    def _wait(self, b: _Batcher, mode: _Mode, credit: Credit, until_s: float) -> None:
-        b.mode, b.credit = mode, credit
-        b.token += 1
-        self._push(until_s, _Event.WAIT_END, b.index, b.token)
-
-    def _send_held(self, b: _Batcher) -> None:
-        credit, b.credit = b.credit, None
-        b.token += 1
-        b.mode = _Mode.IDLE
-        if credit is not None:
-            self._send(b, credit)
-        self._dispatch(b)
 
     # the worker's side ------------------------------------------------------------------------------
     def _send(self, b: _Batcher, credit: Credit) -> None:
