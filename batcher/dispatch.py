@@ -154,6 +154,14 @@ class Dispatcher:
     async def _loop(self, model: str) -> None:
         """Carries out ``model``'s ``DispatchLoop`` commands, reporting back what happened."""
         loop = DispatchLoop[Credit](self.scheduler, model)
+        try:
+            await self._drive(model, loop)
+        except asyncio.CancelledError:
+            if (held := loop.release()) is not None:
+                await self._offer_back(held)  # the batcher closes: the worker is not kept from the others
+            raise
+
+    async def _drive(self, model: str, loop: DispatchLoop[Credit]) -> None:
         wake = self._wake[model]
         command = await self._poke(model, loop)
         while True:
@@ -233,12 +241,17 @@ class Dispatcher:
         woken = asyncio.create_task(self._woken(wake, until_s))
         second = asyncio.create_task(self.credits.claim(model, max(0.0, until_s - self.clock())))
         try:
-            await asyncio.wait({woken, second}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            woken.cancel()
-            second.cancel()
-            await asyncio.gather(woken, second, return_exceptions=True)
-        if not second.cancelled() and second.exception() is None and (other := second.result()) is not None:
+            try:
+                await asyncio.wait({woken, second}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                woken.cancel()
+                second.cancel()
+                await asyncio.gather(woken, second, return_exceptions=True)
+        except asyncio.CancelledError:
+            if (other := _credit_of(second)) is not None:
+                await self._offer_back(other)  # the batcher closes: a second credit claimed meanwhile goes back
+            raise
+        if (other := _credit_of(second)) is not None:
             return loop.second(other)
         if not woken.cancelled() and woken.result():
             return loop.poke()
@@ -343,3 +356,8 @@ class Dispatcher:
             await self.credits.offer(credit)
         except TransportError as err:
             log.warning("could not hand back credit %s: %s (its worker re-offers it)", credit.ref, err)
+
+
+def _credit_of(claim: asyncio.Task[Credit | None]) -> Credit | None:
+    """The credit a finished claim returned (None when it timed out, failed or was cancelled)."""
+    return claim.result() if not claim.cancelled() and claim.exception() is None else None

@@ -264,6 +264,15 @@ class DispatchLoop(Generic[C]):
         assert self._stage is _Stage.SENDING, self._stage
         self._stage = _Stage.IDLE
 
+    def release(self) -> C | None:
+        """The loop stops (its batcher closes): the credit it holds and has not sent (a hold's, or a
+        spaced batch's), for the pool. A credit it dropped would keep its worker idle until the worker
+        offers another, as the old one expires."""
+        if self._stage not in (_Stage.HOLDING, _Stage.SPACING):
+            return None
+        credit, self._credit, self._wait, self._stage = self._credit, None, None, _Stage.IDLE
+        return credit
+
     def _send(self, back: C | None = None) -> Send[C]:
         credit, self._credit, self._wait = self._credit, None, None
         assert credit is not None

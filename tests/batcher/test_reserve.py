@@ -49,3 +49,51 @@ async def test_a_request_that_finds_a_worker_idle_is_not_held_in_reserve_by_a_sl
         assert took_s < HOLD_MS / 2000, f"sent after {took_s:.3f} s: held in reserve for a worker it had found idle"
     finally:
         await batcher.close()
+
+
+class WatchedClaims(MemoryCreditPool):
+    """Marks the first claim, and a claim that starts after one returned a credit: a hold's second claim."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.claiming = asyncio.Event()
+        self.second_claim = asyncio.Event()
+        self._handed = 0
+
+    async def claim(self, model: str, timeout_s: float) -> Credit | None:
+        (self.second_claim if self._handed else self.claiming).set()
+        credit = await super().claim(model, timeout_s)
+        self._handed += credit is not None
+        return credit
+
+
+async def test_a_batcher_that_closes_while_it_holds_a_worker_in_reserve_gives_the_credit_back() -> None:
+    """Otherwise the worker, idle, gets no batch from any batcher until its credit expires."""
+    pool = WatchedClaims()
+    bus = MemoryRequestBus(Partitioner(("sim",), PARTITIONS))
+    batches = MemoryBatchBus(2)
+    ahead_s = 0.0
+    policy = FlushPolicy.work_conserving(max_wait_ms=60_000, reserve_ms=HOLD_MS)
+    batcher = Batcher(
+        BatcherSettings(models=("sim",), policy=policy),
+        bus.consumer(),
+        batches,
+        pool,
+        MemoryTaskStore(),
+        clock=lambda: time.monotonic() + ahead_s,
+    )
+    await batcher.start()
+    try:
+        await bus.producer().send(request("t1"))
+        async with asyncio.timeout(10):
+            await pool.claiming.wait()
+        ahead_s = 1.0  # the worker comes a second after the request: the request waited, the load is light
+        now = int(time.time() * 1000)
+        idle = Credit("w1", "sim", 1, 1, now, now + 60_000, max_batch=100, busy_ms=100, free_at_ms=now)
+        await pool.offer(idle)
+        async with asyncio.timeout(10):
+            await pool.second_claim.wait()  # held in reserve, claiming a second worker
+    finally:
+        await batcher.close()
+    assert await batches.consumer(1).next(0) is None, "the held worker was sent nothing"
+    assert await pool.offered("sim") == [idle], "the held worker's credit is back for the other batchers"

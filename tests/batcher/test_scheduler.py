@@ -141,3 +141,22 @@ def test_a_spaced_batch_waits_until_it_seals_or_its_time_comes() -> None:
     s.sent("other", Claimed("w1", clock.now, L))
     assert isinstance(other.claimed("c3", Claimed("w3", clock.now + 0.01, L), alone=True), Space)
     assert other.woke() == Send("c3")
+
+
+def test_a_stopping_loop_releases_the_credit_it_holds_unsent_and_no_other() -> None:
+    s, clock = scheduler(margin_s=0.005, reserve_ms=20.0)
+    loop = DispatchLoop[str](s, MODEL)
+    assert loop.release() is None, "an idle loop holds no credit"
+    add(s, clock)
+    assert loop.poke() == CLAIM
+    assert loop.release() is None, "a claim in flight holds none yet"
+    clock.now += 0.05
+    assert isinstance(loop.claimed("c1", Claimed("w1", clock.now, L), alone=True), Hold)
+    assert loop.release() == "c1", "a held worker's credit goes back"
+    assert not loop.claiming and loop.poke() == CLAIM, "and the loop starts again from idle"
+    s.sent(MODEL, Claimed("w2", clock.now, L))
+    assert isinstance(loop.claimed("c3", Claimed("w3", clock.now + 0.01, L), alone=True), Space)
+    assert loop.release() == "c3", "a spaced batch's credit goes back"
+    assert loop.poke() == CLAIM
+    assert loop.claimed("c4", Claimed("w4", clock.now, L), alone=False) == Send("c4")
+    assert loop.release() is None, "a credit on its way to its send is the send's"
