@@ -47,7 +47,8 @@ Held = Pending[InferenceRequest]
 
 
 class Landings:
-    """The batches on their way to the bus: the landing tasks, owned and awaited here. How many land
+    """The batches on their way to the bus, and the unused credits on their way back to the pool: the
+    tasks that carry them, owned and awaited here. How many land
     at once needs no cap of its own: each holds a credit, and a worker offers its next credit only
     after a batch reached it."""
 
@@ -60,7 +61,7 @@ class Landings:
         task.add_done_callback(tasks.discard)
 
     def under_way(self, key: str | None = None) -> int:
-        """How many batches (of ``key``, or of every key) are on their way."""
+        """How many tasks (of ``key``, or of every key) are under way."""
         if key is not None:
             return len(self._tasks[key])
         return sum(len(tasks) for tasks in self._tasks.values())
@@ -158,7 +159,7 @@ class Dispatcher:
             await self._drive(model, loop)
         except asyncio.CancelledError:
             if (held := loop.release()) is not None:
-                await self._offer_back(held)  # the batcher closes: the worker is not kept from the others
+                self._give_back(model, held)  # the batcher closes: the worker is not kept from the others
             raise
 
     async def _drive(self, model: str, loop: DispatchLoop[Credit]) -> None:
@@ -181,9 +182,8 @@ class Dispatcher:
                 command = await self._wait(model, loop, command.until_s)
             elif isinstance(command, Send):
                 if command.back is not None:
-                    await self._offer_back(command.back)
-                await self._send(model, command.credit)
-                loop.sent()
+                    self._give_back(model, command.back)
+                await self._send(model, loop, command.credit)
                 command = await self._poke(model, loop)
             else:
                 wake.clear()  # no await since ``poke`` found nothing ready: ``arrived`` sets it only for a ready model
@@ -249,7 +249,7 @@ class Dispatcher:
                 await asyncio.gather(woken, second, return_exceptions=True)
         except asyncio.CancelledError:
             if (other := _credit_of(second)) is not None:
-                await self._offer_back(other)  # the batcher closes: a second credit claimed meanwhile goes back
+                self._give_back(model, other)  # the batcher closes: a second credit claimed meanwhile goes back
             raise
         if (other := _credit_of(second)) is not None:
             return loop.second(other)
@@ -258,9 +258,10 @@ class Dispatcher:
         return loop.woke()
 
     # the send ----------------------------------------------------------------------------------
-    async def _send(self, model: str, credit: Credit) -> None:
+    async def _send(self, model: str, loop: DispatchLoop[Credit], credit: Credit) -> None:
         """Seals ``model``'s batch against ``credit`` and starts its landing (``_land``)."""
         async with self._handover:
+            loop.sent()  # no await until the landing starts: from here the credit is this send's
             taken = self.former.take(model, credit.max_batch)
             if taken.items:
                 batch, now = self._batch(model, taken, credit), self.clock()
@@ -271,7 +272,7 @@ class Dispatcher:
                 landing = self._land(model, credit, batch, taken, traced, now)
                 self.landings.add(model, self._spawn(landing, f"land-{model}"))
         if not taken.items:
-            await self._offer_back(credit)
+            self._give_back(model, credit)
         if taken.expired:  # written outside the hand-over lock: a slow store must not hold up a rebalance
             await self._expire(taken.expired)
         if self.former.held(model) < self.settings.max_held:
@@ -349,6 +350,11 @@ class Dispatcher:
         for pending in taken.items:
             wait.observe(max(0.0, sealed_s - pending.arrived_s))
         metrics.PENDING.labels(model=model).set(self.former.held(model))
+
+    def _give_back(self, model: str, credit: Credit) -> None:
+        """Returns an unused credit in a task of its own (``landings``, awaited at close): a loop that is
+        being cancelled cannot cut the offer short, and does not wait for it."""
+        self.landings.add(model, self._spawn(self._offer_back(credit), f"give-back-{model}"))
 
     async def _offer_back(self, credit: Credit) -> None:
         """Returns an unused credit; if that fails the worker re-offers it when it expires."""

@@ -260,21 +260,21 @@ class DispatchLoop(Generic[C]):
         return self._send()
 
     def sent(self) -> None:
-        """The ``Send`` was carried out: ``poke`` says what comes next."""
+        """The send took the credit: ``poke`` says what comes next."""
         assert self._stage is _Stage.SENDING, self._stage
-        self._stage = _Stage.IDLE
+        self._stage, self._credit = _Stage.IDLE, None
 
     def release(self) -> C | None:
-        """The loop stops (its batcher closes): the credit it holds and has not sent (a hold's, or a
-        spaced batch's), for the pool. A credit it dropped would keep its worker idle until the worker
-        offers another, as the old one expires."""
-        if self._stage not in (_Stage.HOLDING, _Stage.SPACING):
+        """The loop stops (its batcher closes): the claimed credit that no send has taken yet (held,
+        spaced, or on its way to its send), for the pool. A credit dropped would keep its worker idle
+        until the worker offers another, as the old one expires."""
+        if self._stage not in (_Stage.HOLDING, _Stage.SPACING, _Stage.SENDING):
             return None
         credit, self._credit, self._wait, self._stage = self._credit, None, None, _Stage.IDLE
         return credit
 
     def _send(self, back: C | None = None) -> Send[C]:
-        credit, self._credit, self._wait = self._credit, None, None
+        credit, self._wait = self._credit, None
         assert credit is not None
         self._stage = _Stage.SENDING
         return Send(credit, back)

@@ -159,4 +159,8 @@ def test_a_stopping_loop_releases_the_credit_it_holds_unsent_and_no_other() -> N
     assert loop.release() == "c3", "a spaced batch's credit goes back"
     assert loop.poke() == CLAIM
     assert loop.claimed("c4", Claimed("w4", clock.now, L), alone=False) == Send("c4")
-    assert loop.release() is None, "a credit on its way to its send is the send's"
+    assert loop.release() == "c4", "a credit on its way to its send, not yet taken, goes back"
+    assert loop.poke() == CLAIM
+    assert loop.claimed("c5", Claimed("w5", clock.now, L), alone=False) == Send("c5")
+    loop.sent()
+    assert loop.release() is None, "a credit its send took is the send's"
