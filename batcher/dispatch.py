@@ -48,9 +48,8 @@ Held = Pending[InferenceRequest]
 
 class Landings:
     """The batches on their way to the bus, and the unused credits on their way back to the pool: the
-    tasks that carry them, owned and awaited here. How many land
-    at once needs no cap of its own: each holds a credit, and a worker offers its next credit only
-    after a batch reached it."""
+    tasks that carry them, owned and awaited here. How many land at once needs no cap of its own:
+    each holds a credit, and a worker offers its next credit only after a batch reached it."""
 
     def __init__(self) -> None:
         self._tasks: defaultdict[str, set[asyncio.Task[None]]] = defaultdict(set)
