@@ -130,6 +130,10 @@ class IdempotencyKeyReused(GatewayError):
     code = "idempotency_key_reused"
 
 
+class InvalidLastEventId(GatewayError):
+    code = "invalid_last_event_id"
+
+
 class InvalidClientId(GatewayError):
     code = "invalid_client_id"
 
@@ -188,6 +192,11 @@ ERROR_TABLE: dict[str, tuple[int, str]] = {
     "invalid_utf8": (400, "The body is not valid UTF-8."),
     "invalid_task_id": (400, "The task id has characters or a length no task id has."),
     "invalid_idempotency_key": (400, "The Idempotency-Key header is empty, over 255 characters, or not visible ASCII."),
+    "invalid_last_event_id": (
+        400,
+        "The Last-Event-ID header is not an event id this task's stream sent (an integer from 0 to 3); resume "
+        "with the `id` of the last event read, or without the header to start over.",
+    ),
     "invalid_client_id": (400, "The X-Client-Id header is empty, over 128 characters, or not visible ASCII."),
     "invalid_http": (400, "The request is not valid HTTP/1.1; the connection is closed."),
     "body_too_fragmented": (

@@ -25,6 +25,9 @@ from schemas.records import TaskState
 from transport.cancelling import cancel_and_wait
 
 PING = b": ping\r\n\r\n"
+RETRY = b"retry: 1000\r\n"
+"""Opens a task stream's first event: a client whose connection drops reconnects after a second, with
+the ``Last-Event-ID`` it read, and the stream resumes after that event."""
 _HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
 
 
@@ -48,29 +51,40 @@ class Events(Protocol):
 
 
 class TaskEvents:
-    """A task's states as events: ``first``, then each of ``later`` (a started ``TaskReads.events``),
-    and an ``error`` event if the store fails mid-stream. ``aclose`` closes ``later`` (its store watch)."""
+    """A task's states as events: ``first`` (after ``RETRY``), then each of ``later`` (a started
+    ``TaskReads.events``), and an ``error`` event if the store fails mid-stream. A state whose rank is
+    at most ``after`` (the client's ``Last-Event-ID``) or than one already sent is skipped, so a resumed
+    stream sends each status once. ``aclose`` closes ``later`` (its store watch)."""
 
-    def __init__(self, first: TaskState, later: AsyncGenerator[TaskState, None]) -> None:
+    def __init__(self, first: TaskState, later: AsyncGenerator[TaskState, None], *, after: int = -1) -> None:
         self._first: TaskState | None = first
         self._later = later
+        self._sent = after
+        self._opening = RETRY
         self._failed = False
 
     def __aiter__(self) -> TaskEvents:
         return self
 
     async def __anext__(self) -> bytes:
-        if self._first is not None:
-            first, self._first = self._first, None
-            return state_event(first)
-        if self._failed:
-            raise StopAsyncIteration
-        try:
-            state = await anext(self._later)
-        except GatewayError as err:
-            self._failed = True
-            return error_event(err.error_code, err.message)
-        return state_event(state)
+        while True:
+            if self._first is not None:
+                state, self._first = self._first, None
+            elif self._failed:
+                raise StopAsyncIteration
+            else:
+                try:
+                    state = await anext(self._later)
+                except GatewayError as err:
+                    self._failed = True
+                    return self._open(error_event(err.error_code, err.message))
+            if state.status.rank > self._sent:
+                self._sent = state.status.rank
+                return self._open(state_event(state))
+
+    def _open(self, event: bytes) -> bytes:
+        opening, self._opening = self._opening, b""
+        return opening + event
 
     async def aclose(self) -> None:
         await self._later.aclose()

@@ -84,6 +84,58 @@ async def test_a_client_that_leaves_ends_its_stream(make_rig: RigFactory) -> Non
         await eventually(lambda: rig.gateway.watchers == 0, "the server to stop the abandoned stream")
 
 
+async def test_a_cut_stream_resumes_after_its_last_event_with_each_status_once(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    worker = await rig.worker(progress=True)
+    worker.gate.clear()
+    async with serving(rig) as client:
+        task_id = (await client.post("/v1/tasks", json={"input": "resumed"})).json()["task_id"]
+        async with aconnect_sse(client, "GET", f"/v1/result/{task_id}/events") as source:
+            before = await anext(source.aiter_sse())  # then the connection is cut
+        assert (before.event, before.retry) == ("queued", 1000)
+        await eventually(lambda: rig.gateway.watchers == 0, "the cut stream to close")
+        resumed: list[ServerSentEvent] = []
+        headers = {"Last-Event-ID": before.id}
+        async with aconnect_sse(client, "GET", f"/v1/result/{task_id}/events", headers=headers) as source:
+            await eventually(lambda: rig.gateway.watchers == 1, "the resumed stream to watch the task")
+            worker.gate.set()
+            async for event in source.aiter_sse():
+                resumed.append(event)
+    assert [e.event for e in [before, *resumed]] == ["queued", "batched", "running", "completed"]
+    assert [int(e.id) for e in [before, *resumed]] == [0, 1, 2, 3]
+
+
+async def test_a_resume_after_the_end_is_204_and_a_resume_after_a_passed_state_gets_the_current_one(
+    make_rig: RigFactory,
+) -> None:
+    rig = await make_rig()
+    await rig.worker()
+    async with serving(rig) as client:
+        task_id = (await client.post("/v1/inference", json={"input": "over"})).json()["task_id"]
+        ended = await client.get(f"/v1/result/{task_id}/events", headers={"Last-Event-ID": "3"})
+        async with aconnect_sse(
+            client, "GET", f"/v1/result/{task_id}/events", headers={"Last-Event-ID": "0"}
+        ) as source:
+            caught_up = [event async for event in source.aiter_sse()]
+    assert (ended.status_code, ended.content) == (204, b"")
+    assert [(e.event, e.id) for e in caught_up] == [("completed", "3")]
+    assert rig.gateway.watchers == 0
+
+
+async def test_a_last_event_id_the_stream_never_sent_is_a_400_that_says_what_to_send(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    async with serving(rig) as client:
+        task_id = (await client.post("/v1/tasks", json={"input": "x"})).json()["task_id"]
+        answers = [
+            await client.get(f"/v1/result/{task_id}/events", headers={b"Last-Event-ID": bad})
+            for bad in (b"4", b"-1", b"one", "\xb2".encode("latin-1"))
+        ]
+    assert [a.status_code for a in answers] == [400] * 4
+    assert {error_of(a)["code"] for a in answers} == {"invalid_last_event_id"}
+    assert "Last-Event-ID" in error_of(answers[0])["message"]
+    assert rig.gateway.watchers == 0
+
+
 async def test_pings_keep_an_idle_stream_alive(make_rig: RigFactory) -> None:
     rig = await make_rig(sse_ping_s=0.05)
     async with serving(rig) as client:

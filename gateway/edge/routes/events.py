@@ -4,17 +4,32 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 from starlette.requests import Request
+from starlette.responses import Response
 
 from gateway.edge.callers import client_of, request_owner
 from gateway.edge.events import EventStream, TaskEvents
 from gateway.edge.models import error_responses
 from gateway.edge.routes.deployment import deployment_of
 from gateway.edge.routes.tasks import READ_ERRORS, RESULT_PATH, TaskId
+from gateway.errors import InvalidLastEventId
+from schemas.records import TaskStatus
 
 EVENTS_PATH = f"{RESULT_PATH}/events"
+_LAST_RANK = max(status.rank for status in TaskStatus)
 
 
-async def events(request: Request, task_id: TaskId) -> EventStream:
+def last_event_id(request: Request) -> int:
+    """The ``Last-Event-ID`` a reconnecting client sends: the rank of the last state it read; -1 without one."""
+    raw = request.headers.get("last-event-id")
+    if raw is None or raw == "":
+        return -1
+    if not (raw.isascii() and raw.isdigit()) or int(raw) > _LAST_RANK:
+        raise InvalidLastEventId(f"Last-Event-ID {raw[:16]!r} is not an event id of this stream (0 to {_LAST_RANK})")
+    return int(raw)
+
+
+async def events(request: Request, task_id: TaskId) -> Response:
+    after = last_event_id(request)
     deployment = deployment_of(request)
     gateway = deployment.gateway
     client = client_of(request, gateway.settings.trust_client_id)
@@ -24,7 +39,12 @@ async def events(request: Request, task_id: TaskId) -> EventStream:
     except BaseException:
         await stream.aclose()
         raise
-    return EventStream(TaskEvents(first, stream), ping_s=gateway.settings.sse_ping_s, end=deployment.streams_end)
+    if first.status.terminal and first.status.rank <= after:  # the client read the end: 204 stops its retries
+        await stream.aclose()
+        return Response(status_code=204)
+    return EventStream(
+        TaskEvents(first, stream, after=after), ping_s=gateway.settings.sse_ping_s, end=deployment.streams_end
+    )
 
 
 def add_routes(routes: APIRouter) -> None:
@@ -36,19 +56,21 @@ def add_routes(routes: APIRouter) -> None:
         response_class=EventStream,
         responses={
             200: {
-                "description": "Server-sent events: the current state first, then each change; `event` is the "
-                "status, `data` the task's JSON (as from /v1/result), `id` the status rank. The stream "
-                'closes after the terminal event. An `error` event carries `{"error": {...}}` if the '
-                "store fails mid-stream.",
+                "description": "Server-sent events: `retry: 1000`, the current state, then each change; `event` "
+                "is the status, `data` the task's JSON (as from /v1/result), `id` the status rank (0 queued, 1 "
+                "batched, 2 running, 3 ended). The stream closes after the terminal event. An `error` event "
+                'carries `{"error": {...}}` if the store fails mid-stream. A `Last-Event-ID` header resumes '
+                "after that event: no status is sent twice. A keep-alive comment comes after 15 s of quiet.",
                 "content": {
                     "text/event-stream": {
                         "schema": {"type": "string"},
-                        "example": 'event: queued\r\ndata: {"task_id":"q3bY0h2mXw1kL9aF5cZr6Q","status":"queued",'
-                        '"model":"sim"}\r\nid: 0\r\n\r\n',
+                        "example": "retry: 1000\r\nevent: queued\r\n"
+                        'data: {"task_id":"q3bY0h2mXw1kL9aF5cZr6Q","status":"queued","model":"sim"}\r\nid: 0\r\n\r\n',
                     }
                 },
             },
-            **error_responses(*READ_ERRORS),
+            204: {"description": "`Last-Event-ID` names the terminal event: the stream has nothing left to send."},
+            **error_responses(*READ_ERRORS, "invalid_last_event_id"),
         },
         summary="Stream a task's status changes",
     )
