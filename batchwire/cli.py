@@ -68,7 +68,7 @@ def _batcher(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     flags.batching(batcher)
     flags.token_budget(batcher)
     flags.add(batcher, "--batcher-id", None, str, "unique id of this batcher (random when unset)")
-    flags.add(batcher, "--metrics-port", 0, int, "serve Prometheus /metrics on this port (0: off)")
+    flags.metrics_endpoint(batcher)
     flags.add(
         batcher, "--session-timeout-ms", 3000, int, "Kafka group session: a dead batcher's requests move after this"
     )

@@ -406,10 +406,22 @@ def redis_replica_wait(parser: argparse.ArgumentParser) -> None:
     add(parser, "--redis-replica-wait-ms", 1000, int, "how long one store of task states waits for those replicas")
 
 
+def metrics_endpoint(parser: argparse.ArgumentParser) -> None:
+    """Where a batcher or worker process serves its Prometheus ``/metrics``."""
+    add(parser, "--metrics-port", 0, int, "serve Prometheus /metrics on this port (0: off)")
+    add(
+        parser,
+        "--metrics-host",
+        "127.0.0.1",
+        str,
+        "address /metrics listens on (0.0.0.0 for a Prometheus in another container or host)",
+    )
+
+
 def worker_process(parser: argparse.ArgumentParser) -> None:
     """The flags only a worker process has: its identity and its endpoints."""
     add(parser, "--model", None, str, "the model this worker serves (first of --models)")
     add(parser, "--worker-id", None, str, "unique id of this worker (random when unset)")
     add(parser, "--max-batch", None, int, "largest batch this worker's backend takes (sim: 100, hf: 32)")
-    add(parser, "--metrics-port", 0, int, "serve Prometheus /metrics on this port (0: off)")
+    metrics_endpoint(parser)
     add(parser, "--session-timeout-ms", 3000, int, "Kafka group session: a dead worker's batches move after this")

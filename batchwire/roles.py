@@ -144,7 +144,7 @@ def run_batcher(args: argparse.Namespace) -> int:
 
         return await supervise(start, close, batcher.failed)
 
-    serve_metrics(args.metrics_port)
+    serve_metrics(args.metrics_port, args.metrics_host)
     return run_loop(main(), args.gc_threshold)
 
 
@@ -222,5 +222,5 @@ def run_worker(args: argparse.Namespace) -> int:
     replicas = _replica_settings(args)
     settings = rs.worker_settings(args, model, args.worker_id)
     process = _WorkerProcess(args, shared, settings, replicas, make_backend(rs.backend_settings(args), model))
-    serve_metrics(args.metrics_port)
+    serve_metrics(args.metrics_port, args.metrics_host)
     return run_loop(process.main(), args.gc_threshold)

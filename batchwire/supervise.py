@@ -92,15 +92,17 @@ def run_loop(main: Coroutine[Any, Any, int], gc_threshold: Threshold | None) -> 
     return uvloop.run(main)
 
 
-def serve_metrics(port: int) -> None:
-    """Prometheus ``/metrics`` of a batcher or worker process on ``port`` (0: none)."""
+def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
+    """Prometheus ``/metrics`` of a batcher or worker process on ``host:port`` (port 0: none)."""
     if not 0 <= port <= 65535:
         raise SettingsError(f"--metrics-port must be within 0..65535 (0: off), got {port} (BATCHWIRE_METRICS_PORT)")
     if port:
         try:
-            start_http_server(port, addr="127.0.0.1", registry=REGISTRY)
+            start_http_server(port, addr=host, registry=REGISTRY)
         except OSError as err:
-            raise SettingsError(f"cannot serve /metrics on 127.0.0.1:{port}: {err} (--metrics-port)") from err
+            raise SettingsError(
+                f"cannot serve /metrics on {host}:{port}: {err} (--metrics-host, --metrics-port)"
+            ) from err
 
 
 def serve_http(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,7 @@ import yaml
 
 from batchwire.cli import build_parser
 from schemas.wire import DEFAULT_NAMESPACE
+from telemetry.metrics import REGISTRY
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCHWIRE_SERVICES = ("gateway", "batcher", "gpu_worker")
@@ -19,6 +22,8 @@ HA_KAFKA = ("kafka-1", "kafka-2", "kafka-3")
 HA_SENTINELS = ("sentinel-1", "sentinel-2", "sentinel-3")
 HA_BACKBONE = (*HA_KAFKA, "kafka-ha-init", "redis-primary", "redis-replica", *HA_SENTINELS)
 TRACING_ROLES = ("gateway-tracing", "batcher-tracing", "gpu_worker-tracing")
+MONITORING = ROOT / "infra" / "monitoring"
+DASHBOARD = MONITORING / "grafana" / "dashboards" / "batchwire.json"
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +120,9 @@ def test_the_ha_profile_is_separate_and_every_long_running_service_has_a_health_
     in_ha = {name for name, spec in services.items() if "ha" in spec.get("profiles", [])}
     assert in_ha == {*HA_BACKBONE, *HA_ROLES}
     in_tracing = {name for name, spec in services.items() if "tracing" in spec.get("profiles", [])}
-    assert all("profiles" not in spec for name, spec in services.items() if name not in in_ha | in_tracing), (
+    in_monitoring = {name for name, spec in services.items() if "monitoring" in spec.get("profiles", [])}
+    in_profiles = in_ha | in_tracing | in_monitoring
+    assert all("profiles" not in spec for name, spec in services.items() if name not in in_profiles), (
         "`docker compose up` without a profile starts what it did"
     )
     for name in sorted(in_ha - {"kafka-ha-init"}):
@@ -205,3 +212,177 @@ def test_the_tracing_profile_sends_every_roles_spans_to_jaeger(compose: dict[str
         assert spec["restart"] == "unless-stopped"
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert "\ntracing = [" in pyproject, "the [tracing] extra the image installs"
+
+
+@pytest.fixture(scope="module")
+def prometheus() -> dict[str, Any]:
+    config: dict[str, Any] = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
+    return config
+
+
+@pytest.fixture(scope="module")
+def dashboard() -> dict[str, Any]:
+    model: dict[str, Any] = json.loads(DASHBOARD.read_text())
+    return model
+
+
+def _mounts(spec: dict[str, Any]) -> dict[str, Path]:
+    """A service's bind mounts: where in the container, from which path of this repository."""
+    mounts = {}
+    for mount in spec.get("volumes", []):
+        source, target = mount.split(":")[:2]
+        assert source.startswith("./"), f"{mount}: the monitoring services mount files of this repository"
+        mounts[target] = ROOT / source
+    return mounts
+
+
+def _provisioned_datasource_uid() -> str:
+    provisioning = yaml.safe_load((MONITORING / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    (datasource,) = provisioning["datasources"]
+    assert (datasource["type"], datasource["url"]) == ("prometheus", "http://prometheus:9090")
+    return str(datasource["uid"])
+
+
+def test_the_monitoring_profile_runs_prometheus_and_grafana_over_the_repositorys_files(
+    compose: dict[str, Any],
+) -> None:
+    services = compose["services"]
+    in_monitoring = {name for name, spec in services.items() if "monitoring" in spec.get("profiles", [])}
+    assert in_monitoring == {"prometheus", "grafana"}
+    prometheus, grafana = services["prometheus"], services["grafana"]
+    for spec, repository in ((prometheus, "prom/prometheus"), (grafana, "grafana/grafana")):
+        name, _, tag = spec["image"].partition(":")
+        assert name == repository and tag and tag != "latest", f"{spec['image']}: a pinned {repository} tag"
+        assert "healthcheck" in spec, f"{repository} needs a health check"
+    assert _mounts(prometheus) == {"/etc/prometheus/prometheus.yml": MONITORING / "prometheus.yml"}
+    assert "127.0.0.1:9090:9090" in prometheus["ports"], "the port the Grafana datasource names"
+    grafana_mounts = _mounts(grafana)
+    assert grafana_mounts == {
+        "/etc/grafana/provisioning": MONITORING / "grafana" / "provisioning",
+        "/var/lib/grafana/dashboards": DASHBOARD.parent,
+    }
+    assert "127.0.0.1:3000:3000" in grafana["ports"]
+    env = grafana["environment"]
+    assert (env["GF_AUTH_ANONYMOUS_ENABLED"], env["GF_AUTH_ANONYMOUS_ORG_ROLE"]) == ("true", "Viewer")
+    home = Path(env["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"])
+    assert (home.parent, home.name) == (Path("/var/lib/grafana/dashboards"), DASHBOARD.name)
+    assert grafana["depends_on"]["prometheus"]["condition"] == "service_healthy"
+    provider = yaml.safe_load((MONITORING / "grafana/provisioning/dashboards/batchwire.yml").read_text())
+    (files,) = provider["providers"]
+    assert files["options"]["path"] == "/var/lib/grafana/dashboards", "where the dashboards are mounted"
+    _provisioned_datasource_uid()
+
+
+def test_prometheus_scrapes_every_role_of_the_default_deployment(
+    compose: dict[str, Any], prometheus: dict[str, Any]
+) -> None:
+    services = compose["services"]
+    roles = {name for name, spec in services.items() if "profiles" not in spec and "build" in spec}
+    assert roles == set(BATCHWIRE_SERVICES), "the roles of `docker compose up`"
+    scraped: dict[str, set[int]] = {}
+    for job in prometheus["scrape_configs"]:
+        assert job.get("metrics_path", "/metrics") == "/metrics", job["job_name"]
+        for target in job.get("dns_sd_configs", []):
+            for name in target["names"]:
+                scraped.setdefault(name, set()).add(target["port"])
+        for group in job.get("static_configs", []):
+            for address in group["targets"]:
+                host, _, port = address.rpartition(":")
+                scraped.setdefault(host, set()).add(int(port))
+    gateway = services["gateway"]
+    command = gateway["command"]
+    assert scraped.get("gateway") == {int(command[command.index("--port") + 1])}, "the gateway's HTTP port"
+    for role in ("batcher", "gpu_worker"):
+        command = services[role]["command"]
+        assert "--metrics-port" in command, f"{role} must serve its metrics"
+        port = int(command[command.index("--metrics-port") + 1])
+        assert port > 0 and scraped.get(role) == {port}, f"{role}: scrape {port}, the --metrics-port; got {scraped}"
+    # With API keys on, /metrics takes an operator key only: the gateway's job would need one.
+    (gateway_job,) = [job for job in prometheus["scrape_configs"] if job["job_name"] == "gateway"]
+    keys = {"BATCHWIRE_API_KEYS", "BATCHWIRE_API_KEYS_FILE"} & set(gateway["environment"])
+    assert not keys or "authorization" in gateway_job, f"the gateway has {keys}: Prometheus needs an operator key"
+
+
+_FAMILY_SUFFIXES = {
+    "counter": ("_total",),
+    "gauge": ("",),
+    "histogram": ("_bucket", "_sum", "_count"),
+    "summary": ("", "_sum", "_count"),
+}
+_NOT_METRICS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset", "and", "or", "unless"}
+
+
+def _exported_names() -> set[str]:
+    """The series names REGISTRY's metrics appear under in Prometheus."""
+    return {family.name + suffix for family in REGISTRY.collect() for suffix in _FAMILY_SUFFIXES[family.type]}
+
+
+def _metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression selects: the identifiers outside label matchers, ranges, strings
+    and groupings that call nothing and are no keyword (a number or a duration is no identifier)."""
+    bare = re.sub(r'\{[^}]*\}|\[[^\]]*\]|"[^"]*"', " ", expr)
+    bare = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", bare)
+    tokens = re.findall(r"(\d[\w.+-]*)|([A-Za-z_:][A-Za-z0-9_:]*)(\s*\()?", bare)
+    return {name for _number, name, call in tokens if name and not call and name not in _NOT_METRICS}
+
+
+def _panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every panel that draws something (rows only group them), nested rows' panels too."""
+    panels = []
+    for panel in dashboard["panels"]:
+        if panel["type"] == "row":
+            panels.extend(panel.get("panels", []))
+        else:
+            panels.append(panel)
+    return panels
+
+
+def test_the_dashboard_queries_the_provisioned_prometheus_in_every_panel(dashboard: dict[str, Any]) -> None:
+    uid = _provisioned_datasource_uid()
+    assert dashboard["uid"] and dashboard["title"] and 36 <= dashboard["schemaVersion"] <= 41
+    panels = _panels(dashboard)
+    assert panels, "the dashboard has panels"
+    ids = [panel["id"] for panel in dashboard["panels"]]
+    assert len(ids) == len(set(ids)), f"panel ids repeat: {ids}"
+    variables = {variable["name"] for variable in dashboard["templating"]["list"]}
+    assert "model" in variables
+    for panel in panels:
+        title = panel["title"]
+        assert panel["datasource"] == {"type": "prometheus", "uid": uid}, f"{title}: the provisioned datasource"
+        assert panel["targets"], f"{title} has no query"
+        assert set(panel["gridPos"]) == {"h", "w", "x", "y"}, title
+        for target in panel["targets"]:
+            assert target["datasource"]["uid"] == uid and target["expr"].strip(), title
+            used = set(re.findall(r"\$(\w+)", target["expr"])) - {"__rate_interval", "__interval", "__range"}
+            assert used <= variables, f"{title}: undefined variables {used - variables}"
+
+
+def test_every_metric_the_dashboard_queries_is_one_batchwire_exports(
+    dashboard: dict[str, Any], prometheus: dict[str, Any]
+) -> None:
+    exported = _exported_names()
+    assert {"batchwire_requests_total", "batchwire_batch_size_bucket", "batchwire_batcher_pending"} <= exported
+    jobs = {job["job_name"] for job in prometheus["scrape_configs"]}
+    queried: set[str] = set()
+    for panel in _panels(dashboard):
+        for target in panel["targets"]:
+            names = _metric_names(target["expr"])
+            assert names, f"{panel['title']}: no metric found in {target['expr']!r}"
+            assert names <= exported, f"{panel['title']}: {sorted(names - exported)} are not in telemetry/metrics.py"
+            named_jobs = set(re.findall(r'job="([^"]*)"', target["expr"]))
+            assert named_jobs <= jobs, f"{panel['title']}: jobs {named_jobs - jobs} are not scraped"
+            queried |= names
+    # The panels the dashboard is for: rate, latency, refusals, queue, batches, flushes, workers, cache.
+    for name in (
+        "batchwire_request_latency_seconds_bucket",
+        "batchwire_tier_submits_total",
+        "batchwire_request_topic_lag",
+        "batchwire_batch_size_sum",
+        "batchwire_flushes_total",
+        "batchwire_worker_busy_seconds_total",
+        "batchwire_worker_batches_total",
+        "batchwire_idle_workers",
+        "batchwire_cache_hits_total",
+        "batchwire_cache_misses_total",
+    ):
+        assert name in queried, f"no panel shows {name}"
