@@ -82,6 +82,7 @@ class Batcher:
         """Held while a batch is sealed or partitions go, and by a rebalance or a close until the
         batches on their way landed: the held requests and offsets stay consistent."""
         self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
         self.failure: BaseException | None = None
         self.failed = asyncio.Event()
         """Set when a background loop crashed: the process supervisor should exit."""
@@ -104,6 +105,13 @@ class Batcher:
     def batches_sent(self) -> int:
         return self.dispatcher.batches_sent
 
+    @property
+    def state(self) -> str:
+        """What the fleet's heartbeat shows: draining (closing), busy (requests held) or idle."""
+        if self._closing:
+            return "draining"
+        return "busy" if any(self.former.held(model) for model in self.former.models()) else "idle"
+
     # lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
         await self.consumer.start(self._on_assigned, self._on_revoked)
@@ -119,6 +127,7 @@ class Batcher:
         takes over the partitions reads it again: handed back, not lost. A loop that lost its
         cancellation in a library below is cancelled again (``cancel_and_wait``).
         """
+        self._closing = True
         async with self._handover:
             for task in self._tasks:
                 task.cancel()

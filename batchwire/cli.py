@@ -162,6 +162,7 @@ TOOLS: dict[str, Tool] = {
     "profile": Tool("batchwire.capacity.profile", "time a backend's calls by batch size and write a curve file"),
     "simulate": Tool("batchwire.capacity.simulate", "simulate a deployment on a latency curve at given request rates"),
     "plan": Tool("batchwire.capacity.plan", "size a deployment: GPUs (simulated), partitions, processes, Kafka, Redis"),
+    "status": Tool("batchwire.status", "the fleet: every gateway, batcher and worker and their figures, per model"),
     "validate-sim": Tool(
         "batchwire.capacity.validate",
         "measured bench runs beside the simulation of the same deployment, as a markdown table",

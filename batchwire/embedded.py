@@ -17,15 +17,19 @@ from dataclasses import dataclass, field
 from batcher.service import Batcher
 from batcher.settings import BatcherSettings
 from batcher.tokens import TokenCounter, estimated
+from batchwire.fleet import Heartbeats, batcher_beat, worker_beat
 from batchwire.settings import SettingsError, SharedSettings
 from gpu_worker.backends.base import Backend
 from gpu_worker.journal import BatchJournal
 from gpu_worker.settings import WorkerSettings
 from gpu_worker.worker import Worker
+from schemas.heartbeat import Beat
 from schemas.records import Batch
+from telemetry.heartbeat import Window
 from transport.deliveries import MemoryDeadLetters, MemoryDeliveryLog
 from transport.memory.batches import MemoryBatchBus
 from transport.memory.credits import MemoryCreditPool
+from transport.memory.fleet import MemoryFleet
 from transport.memory.lag import MemoryQueueDepth
 from transport.memory.requests import MemoryRequestBus
 from transport.memory.store import MemoryTaskStore
@@ -119,6 +123,15 @@ class EmbeddedRuntime:
         self.workers: list[Worker] = [self._worker(slot) for slot in range(len(self._slots))]
         self.replaced = 0
         self._watchers: list[asyncio.Task[None]] = []
+        self.fleet = MemoryFleet()
+        self.heartbeats: Heartbeats | None = None
+        """Set by the composition root, which adds the gateway's beat to ``beats``; it beats from before the
+        workers start until after they drained, so a draining worker is shown draining, not gone."""
+
+    def beats(self, window: Window) -> list[Beat]:
+        """The batcher's and every worker's heartbeat."""
+        batcher = batcher_beat(self.batcher, self.settings.shared.models, window)
+        return [batcher, *(worker_beat(worker, window) for worker in self.workers)]
 
     def _worker(self, slot: int) -> Worker:
         model, index = self._slots[slot]
@@ -170,6 +183,8 @@ class EmbeddedRuntime:
     async def start(self) -> None:
         await self.store.start()
         await self.credits.start()
+        if self.heartbeats is not None:
+            await self.heartbeats.start()
         await asyncio.gather(*(worker.start() for worker in self.workers))
         self._watchers = [
             asyncio.create_task(self._watch(slot), name=f"embedded-watch-{slot}") for slot in range(len(self._slots))
@@ -187,6 +202,8 @@ class EmbeddedRuntime:
             watcher.cancel()
         await asyncio.gather(*self._watchers, return_exceptions=True)
         await asyncio.gather(*(worker.close() for worker in self.workers))
+        if self.heartbeats is not None:
+            await self.heartbeats.close()
         await self.credits.close()
         await self.store.close()
 

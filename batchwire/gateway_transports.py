@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from batchwire.fleet import Heartbeats
 from batchwire.settings import SharedSettings
 from gateway.health import Down, Ready
 from gateway.settings import REQUEST_RUN, GatewaySettings
@@ -13,6 +14,7 @@ from transport.kafka.producers import KafkaRequestProducer
 from transport.ports import RequestProducer
 from transport.redis.cache import RedisResultCache
 from transport.redis.credits import RedisCreditPool
+from transport.redis.fleet import RedisFleet
 from transport.redis.limits import RedisRateLimiter
 from transport.redis.pools import redacted
 from transport.redis.sentinel import is_sentinel_url, master_state
@@ -65,6 +67,9 @@ class GatewayTransports:
         self.cache: RedisResultCache | None = None
         if settings.cache_ttl_s > 0:
             self.cache = RedisResultCache(redis_url, shared.names)
+        self.fleet = RedisFleet(redis_url, shared.names)
+        self.heartbeats: Heartbeats | None = None
+        """Set by the composition root (it builds the gateway's beat); started last, closed first."""
 
     async def start(self) -> None:
         await self.store.start()
@@ -77,8 +82,14 @@ class GatewayTransports:
             await self.credits.start()
         if self.limiter is not None:
             await self.limiter.start()
+        await self.fleet.start()
+        if self.heartbeats is not None:
+            await self.heartbeats.start()
 
     async def close(self) -> None:
+        if self.heartbeats is not None:
+            await self.heartbeats.close()
+        await self.fleet.close()
         if self.limiter is not None:
             await self.limiter.close()
         if self.credits is not None:

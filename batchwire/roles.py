@@ -13,6 +13,7 @@ import logging
 from batcher.service import Batcher
 from batchwire import role_settings as rs
 from batchwire.embedded import EmbeddedRuntime, EmbeddedSettings
+from batchwire.fleet import Heartbeats, batcher_beat, gateway_beat, worker_beat
 from batchwire.gateway_transports import GatewayTransports
 from batchwire.operations import durability, ensure_role_topics
 from batchwire.settings import SettingsError, SharedSettings
@@ -33,6 +34,7 @@ from transport.memory.cache import MemoryResultCache
 from transport.memory.limits import MemoryRateLimiter
 from transport.redis.credits import RedisCreditPool
 from transport.redis.deliveries import RedisDeliveryLog
+from transport.redis.fleet import RedisFleet
 from transport.redis.pools import PoolOptions
 from transport.redis.store import STORE_POOL, RedisTaskStore
 from transport.replicas import ReplicaSettings, ReplicaWait
@@ -80,7 +82,10 @@ def run_embedded(args: argparse.Namespace) -> int:
         args.workers,
     )
     streams_end = StreamsEnd()
-    app = create_app(gateway, runtime, streams_end)
+    runtime.heartbeats = Heartbeats(
+        runtime.fleet, lambda window: [gateway_beat(gateway, window, streams_end.ended), *runtime.beats(window)]
+    )
+    app = create_app(gateway, runtime, streams_end, runtime.fleet)
     return serve_http(app, settings, args.log_level, args.gc_threshold, streams_end)
 
 
@@ -104,7 +109,10 @@ def run_gateway(args: argparse.Namespace) -> int:
         count_tokens=rs.token_counter_of(args),
     )
     streams_end = StreamsEnd()
-    app = create_app(gateway, transports, streams_end)
+    transports.heartbeats = Heartbeats(
+        transports.fleet, lambda window: [gateway_beat(gateway, window, streams_end.ended)]
+    )
+    app = create_app(gateway, transports, streams_end, transports.fleet)
     return serve_http(app, settings, args.log_level, args.gc_threshold, streams_end)
 
 
@@ -131,7 +139,9 @@ def run_batcher(args: argparse.Namespace) -> int:
         )
         wait = ReplicaWait(store, replicas, settings.batcher_id, role="batcher", retry_max_s=settings.retry_max_s)
         batcher = Batcher(settings, consumer, producer, credits, store, replicas=wait, count_tokens=count_tokens)
-        parts: tuple[Lifecycle, ...] = (store, credits, producer, batcher)
+        fleet = RedisFleet(redis_url, shared.names)
+        heartbeats = Heartbeats(fleet, lambda window: [batcher_beat(batcher, shared.models, window)])
+        parts: tuple[Lifecycle, ...] = (store, credits, producer, fleet, heartbeats, batcher)
 
         async def start() -> None:
             for part in parts:
@@ -193,7 +203,9 @@ class _WorkerProcess:
             dead_letters=dead_letters,
             replicas=ReplicaWait(store, self.replicas, settings.worker_id, retry_max_s=settings.retry_max_s),
         )
-        parts: tuple[Lifecycle, ...] = (store, credits, deliveries, dead_letters, worker)
+        fleet = RedisFleet(redis_url, names)
+        heartbeats = Heartbeats(fleet, lambda window: [worker_beat(worker, window)])
+        parts: tuple[Lifecycle, ...] = (store, credits, deliveries, dead_letters, fleet, heartbeats, worker)
 
         async def start() -> None:
             for part in parts:

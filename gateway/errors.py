@@ -205,7 +205,11 @@ ERROR_TABLE: dict[str, tuple[int, str]] = {
         "send it in larger chunks. The connection is closed.",
     ),
     "unauthorized": (401, "API keys are on and the Authorization: Bearer key is missing or not accepted."),
-    "forbidden": (403, "`/metrics` with a tenant key: it needs an operator key (`operator <key>` in the keys file)."),
+    "forbidden": (
+        403,
+        "`/metrics`, `/v1/fleet` or `/dashboard/events` with a tenant key: they need an operator key "
+        "(`operator <key>` in the keys file).",
+    ),
     "validation_error": (422, "A field is missing, unknown or of the wrong type, or a parameter is out of range."),
     "empty_input": (422, "`input` is the empty string."),
     "invalid_priority": (422, "`priority` is not one of `high`, `normal`, `low`."),

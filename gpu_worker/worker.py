@@ -114,6 +114,15 @@ class Worker:
         return self.runner.hung
 
     @property
+    def state(self) -> str:
+        """What the fleet's heartbeat shows: hung, draining (closing), busy (a batch in hand) or idle."""
+        if self.hung:
+            return "hung"
+        if self._stopping:
+            return "draining"
+        return "idle" if self.pipeline.empty else "busy"
+
+    @property
     def batches_done(self) -> int:
         """Batches finished with: results stored and commit attempted (or skipped as undecodable)."""
         return self.commits.batches_done
@@ -301,6 +310,7 @@ class Worker:
         self.batches_run += 1
         outcome = "ok" if all(isinstance(r, str) for r in outputs.values()) else "partial"
         metrics.WORKER_BATCHES.labels(worker=self.settings.worker_id, outcome=outcome).inc()
+        metrics.WORKER_ITEMS.labels(worker=self.settings.worker_id).inc(len(items))
         if result.started is not None and result.ended is not None:
             started_ms = wall_ms() - (self.runner.clock() - result.started) * 1000.0  # runner clock to wall
             count_stages(batch, len(items), started_ms, result.ended - result.started)

@@ -69,6 +69,11 @@ class Names:
         return f"{self.namespace}:rate:{client}"
 
     @property
+    def fleet(self) -> str:
+        """Every process's last heartbeat: a hash of member name to beat."""
+        return f"{self.namespace}:fleet"
+
+    @property
     def replication_mark(self) -> str:
         """Written just before a worker's Redis ``WAIT``, so the wait covers results already stored."""
         return f"{self.namespace}:replication-mark"

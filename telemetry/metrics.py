@@ -131,6 +131,12 @@ BACKEND_CPU = Counter(
 WORKER_BATCHES = Counter(
     "batchwire_worker_batches", "Batches each worker ran, by outcome.", ["worker", "outcome"], registry=REGISTRY
 )
+WORKER_ITEMS = Counter(
+    "batchwire_worker_items",
+    "Inputs of the batches each worker ran; over batchwire_worker_batches_total, its mean batch size.",
+    ["worker"],
+    registry=REGISTRY,
+)
 REDELIVERED = Counter(
     "batchwire_batches_redelivered",
     "Batches a worker runs again that had been delivered before (a holder died or handed them back): each runs "

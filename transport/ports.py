@@ -10,6 +10,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+from schemas.heartbeat import Beat
 from schemas.records import Batch, Credit, InferenceRequest, TaskState, TaskStatus
 
 T_co = TypeVar("T_co", covariant=True)
@@ -280,4 +281,18 @@ class RateLimiter(Protocol):
     async def acquire(self, client: str) -> float:
         """Takes a token from ``client``'s bucket: 0.0 if there was one, else the seconds until there
         will be one (nothing is taken then)."""
+        ...
+
+
+class Fleet(Protocol):
+    """Every process's heartbeat, beside the task store: what ``batchwire status`` and ``/dashboard`` read."""
+
+    async def start(self) -> None: ...
+    async def close(self) -> None: ...
+    async def beat(self, beats: Sequence[Beat]) -> None:
+        """Stores one process's beats (one per role it hosts) in one write, each replacing its last."""
+        ...
+
+    async def members(self) -> list[Beat]:
+        """The last beat of every member; one past ``FORGET_AFTER_S`` is dropped, not returned."""
         ...

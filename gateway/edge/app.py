@@ -19,16 +19,20 @@ from gateway.edge.callers import caller_of
 from gateway.edge.events import StreamsEnd
 from gateway.edge.handlers import EdgeMiddleware, install_error_handlers
 from gateway.edge.lanes import GatewayApp
-from gateway.edge.routes import events, openai, operations, submit, tasks
+from gateway.edge.routes import events, fleet, openai, operations, submit, tasks
 from gateway.edge.routes.deployment import Deployment, Lifecycle
 from gateway.errors import ERROR_TABLE, error_body
 from gateway.service import Gateway
+from transport.ports import Fleet
 
 
-def create_app(gateway: Gateway, lifecycle: Lifecycle, streams_end: StreamsEnd | None = None) -> FastAPI:
+def create_app(
+    gateway: Gateway, lifecycle: Lifecycle, streams_end: StreamsEnd | None = None, fleet_store: Fleet | None = None
+) -> FastAPI:
     """The gateway's ASGI app; its lifespan starts ``lifecycle`` then ``gateway``, and stops them in reverse.
 
-    ``streams_end``, once ended (the server began shutting down), ends every open event stream."""
+    ``streams_end``, once ended (the server began shutting down), ends every open event stream.
+    ``fleet_store`` is where the heartbeats land that ``/v1/fleet`` and ``/dashboard`` show."""
     settings = gateway.settings
     app = GatewayApp(
         title="batchwire gateway",
@@ -42,7 +46,12 @@ def create_app(gateway: Gateway, lifecycle: Lifecycle, streams_end: StreamsEnd |
         telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False},
     )
     app.state.deployment = Deployment(
-        gateway, lifecycle, caller_of(settings), streams_end, BodyBudget(settings.max_body_bytes_in_flight)
+        gateway,
+        lifecycle,
+        caller_of(settings),
+        streams_end,
+        BodyBudget(settings.max_body_bytes_in_flight),
+        fleet_store,
     )
     install_error_handlers(app, settings.retry_after_s)
     keys = ApiKeys(settings.api_keys, settings.operator_keys, settings.key_tiers) if settings.api_keys else None
@@ -56,6 +65,7 @@ def create_app(gateway: Gateway, lifecycle: Lifecycle, streams_end: StreamsEnd |
     events.add_routes(app.router)
     operations.add_routes(app.router, settings)
     openai.add_routes(app.router, settings)
+    fleet.add_routes(app.router, settings)
 
     def edge(lane: ASGIApp) -> ASGIApp:
         return EdgeMiddleware(lane if keys is None else AuthMiddleware(lane, keys))

@@ -30,11 +30,15 @@ from gateway.edge.handlers import error_response
 from gateway.settings import env_name
 from schemas.records import Priority
 
-# Open without a key: liveness and readiness probes (load balancers hold no keys) and the API's
-# own description. /metrics is protected: Prometheus sends a bearer token (``authorization``).
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+# Open without a key: liveness and readiness probes (load balancers hold no keys), the API's own
+# description, and the dashboard's page (code only: the figures it shows come from
+# /dashboard/events, which its script reads with the key). /metrics is protected: Prometheus sends
+# a bearer token (``authorization``).
+OPEN_PATHS = frozenset(
+    {"/healthz", "/readyz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc", "/dashboard"}
+)
 # Deployment-wide views: with API keys on, only an operator key reads them.
-OPERATOR_PATHS = frozenset({"/metrics"})
+OPERATOR_PATHS = frozenset({"/metrics", "/v1/fleet", "/dashboard/events"})
 OPERATOR = "operator"
 OWNER_HEX = 16
 _MIN_KEY_CHARS = 16

@@ -13,6 +13,7 @@ from gateway.edge.callers import CallerOf
 from gateway.edge.events import StreamsEnd
 from gateway.health import Ready
 from gateway.service import Gateway
+from transport.ports import Fleet
 
 
 class Lifecycle(Protocol):
@@ -37,6 +38,8 @@ class Deployment:
     """Once ended (the server began shutting down), ends every open event stream."""
     bodies: BodyBudget | None = None
     """What the bodies being read may hold together (``max_body_bytes_in_flight``)."""
+    fleet: Fleet | None = None
+    """Where every process's heartbeat lands: what ``/v1/fleet`` and ``/dashboard`` read."""
 
 
 def deployment_of(request: Request) -> Deployment:

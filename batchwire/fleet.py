@@ -1,0 +1,122 @@
+"""Heartbeats: every process publishes one beat per role it hosts, each second, into the fleet.
+
+The composition root knows which roles a process hosts (embedded: all of them), so it builds the
+beats; the services only expose their state. The figures come from the process's own metrics
+(``telemetry.heartbeat``), so a heartbeat adds one registry read and one store write a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable, Mapping
+
+from batcher.service import Batcher
+from gateway.service import Gateway
+from gpu_worker.worker import Worker
+from schemas.heartbeat import Beat
+from telemetry import heartbeat
+from telemetry.heartbeat import Reader, Window
+from transport.cancelling import cancel_and_wait
+from transport.ports import Fleet, TransportError
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0
+"""How often each role beats; it is shown as gone after ``GONE_AFTER_BEATS`` missed beats."""
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("batchwire")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+_HOST, _PID, _VERSION = socket.gethostname(), os.getpid(), _version()
+
+
+def _beat(
+    role: str,
+    member_id: str,
+    models: Iterable[str],
+    state: str,
+    figures: Mapping[str, float],
+    breakdowns: Mapping[str, Mapping[str, float]] | None = None,
+    per_model: Mapping[str, Mapping[str, float]] | None = None,
+) -> Beat:
+    return Beat(
+        role=role,
+        id=member_id,
+        host=_HOST,
+        pid=_PID,
+        version=_VERSION,
+        models=tuple(models),
+        state=state,
+        at_ms=int(time.time() * 1000),
+        interval_s=HEARTBEAT_S,
+        figures=figures,
+        breakdowns=breakdowns or {},
+        per_model=per_model or {},
+    )
+
+
+def gateway_beat(gateway: Gateway, window: Window, draining: bool = False) -> Beat:
+    models = gateway.settings.models
+    figures, breakdowns, per_model = heartbeat.gateway_figures(window, models)
+    state = "draining" if draining else ("busy" if figures["inflight"] > 0 else "idle")
+    return _beat("gateway", gateway.settings.gateway_id, models, state, figures, breakdowns, per_model)
+
+
+def batcher_beat(batcher: Batcher, models: Iterable[str], window: Window) -> Beat:
+    models = tuple(models)
+    figures, breakdowns, per_model = heartbeat.batcher_figures(window, models)
+    return _beat("batcher", batcher.settings.batcher_id, models, batcher.state, figures, breakdowns, per_model)
+
+
+def worker_beat(worker: Worker, window: Window) -> Beat:
+    settings = worker.settings
+    figures = heartbeat.worker_figures(window, settings.worker_id)
+    return _beat("worker", settings.worker_id, (settings.model,), worker.state, figures)
+
+
+class Heartbeats:
+    """Publishes ``beats(window)`` into ``fleet`` every ``HEARTBEAT_S``, from ``start`` until ``close``.
+
+    A store that cannot take a beat is logged once per outage and tried again at the next beat: the
+    process goes on serving, and the fleet views show it as gone until its beats land again.
+    """
+
+    def __init__(self, fleet: Fleet, beats: Callable[[Window], list[Beat]], interval_s: float = HEARTBEAT_S) -> None:
+        self.fleet = fleet
+        self.beats = beats
+        self.interval_s = interval_s
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="heartbeats")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            await cancel_and_wait(self._task)
+            self._task = None
+
+    async def _run(self) -> None:
+        reader = Reader()
+        failing = False
+        while True:
+            await asyncio.sleep(self.interval_s)  # a timer: the beat's period, not a wait for another task
+            try:
+                await self.fleet.beat(self.beats(reader.advance()))
+            except TransportError as err:
+                if not failing:
+                    log.warning("heartbeat not stored (the fleet views show this process as gone): %s", err)
+                failing = True
+            else:
+                if failing:
+                    log.info("heartbeats stored again")
+                failing = False

@@ -1,0 +1,199 @@
+"""``batchwire status``: the fleet as a table, read from any gateway's ``/v1/fleet``.
+
+Every process of a deployment beats into the store, and every gateway serves what they said, so one
+URL shows the whole fleet: embedded or over Kafka, whichever gateway it is. The standard library's
+HTTP client is enough for one GET, and keeps this command in the core install.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from typing import Any, TextIO
+
+from batchwire import flags
+
+EXIT_NO_WORKER = 1
+"""A model the gateway serves has no live worker: its requests wait or are refused."""
+EXIT_UNREACHABLE = 2
+
+_MEMBER_COLUMNS = (
+    "ROLE",
+    "ID",
+    "MODELS",
+    "STATE",
+    "AGE",
+    "REQ/S",
+    "P50",
+    "P99",
+    "BATCH/S",
+    "BATCH",
+    "BUSY",
+    "QUEUE",
+    "HOST",
+    "PID",
+)
+_MODEL_COLUMNS = (
+    "MODEL",
+    "WORKERS",
+    "BUSY",
+    "HUNG",
+    "ANSWERED/S",
+    "REFUSED/S",
+    "P50",
+    "P99",
+    "QUEUE",
+    "BATCH/S",
+    "BATCH",
+)
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Adds ``status``."""
+    parser = sub.add_parser("status", help="the fleet: every gateway, batcher and worker, per model")
+    flags.add(parser, "--url", "http://127.0.0.1:8000", str, "a gateway of the deployment")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("BATCHWIRE_API_KEY"),
+        help="an operator key when the gateway has API keys [BATCHWIRE_API_KEY]",
+    )
+    parser.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=2.0,
+        default=None,
+        metavar="SECONDS",
+        help="redraw every SECONDS (2 when given alone) until interrupted",
+    )
+    parser.add_argument("--json", action="store_true", help="the gateway's /v1/fleet document as it is")
+
+
+def run(args: argparse.Namespace) -> int:
+    """0 when every model has a live worker, 1 when one has none, 2 when the gateway cannot be read."""
+    if args.watch is not None and not args.watch > 0:
+        print("batchwire status: --watch takes a positive number of seconds", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    code = EXIT_UNREACHABLE
+    try:
+        while True:
+            code = _once(args.url, args.api_key, args.json, clear=args.watch is not None)
+            if args.watch is None:
+                return code
+            time.sleep(args.watch)  # the refresh period a person asked for
+    except KeyboardInterrupt:
+        return code
+
+
+def _once(url: str, api_key: str | None, as_json: bool, *, clear: bool, out: TextIO = sys.stdout) -> int:
+    try:
+        view = read_fleet(url, api_key)
+    except FleetUnreadable as err:
+        print(f"batchwire status: {err}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    if clear:
+        out.write("\x1b[H\x1b[2J")
+    out.write(json.dumps(view, indent=2) + "\n" if as_json else render(view))
+    out.flush()
+    return EXIT_NO_WORKER if without_workers(view) else 0
+
+
+class FleetUnreadable(Exception):
+    """The gateway did not answer, or answered something other than its fleet."""
+
+
+def read_fleet(url: str, api_key: str | None, timeout_s: float = 5.0) -> dict[str, Any]:
+    """The ``/v1/fleet`` document of the gateway at ``url``."""
+    request = urllib.request.Request(url.rstrip("/") + "/v1/fleet", headers={"Accept": "application/json"})
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            doc: dict[str, Any] = json.load(response)
+            return doc
+    except urllib.error.HTTPError as err:
+        raise FleetUnreadable(f"{url} answered {err.code}: {_error_message(err)}") from err
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        raise FleetUnreadable(f"cannot read the fleet from {url}: {err}") from err
+
+
+def _error_message(err: urllib.error.HTTPError) -> str:
+    try:
+        return str(json.load(err)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return str(err.reason)
+
+
+def without_workers(view: Mapping[str, Any]) -> list[str]:
+    """The models with no live worker."""
+    return [model for model, row in view.get("models", {}).items() if not row.get("workers_live")]
+
+
+def render(view: Mapping[str, Any]) -> str:
+    """The members, then the models, as two aligned tables; models with no live worker named last."""
+    members = [_member_row(member) for member in view.get("members", [])]
+    models = [_model_row(model, row) for model, row in view.get("models", {}).items()]
+    text = _table(_MEMBER_COLUMNS, members) + "\n" + _table(_MODEL_COLUMNS, models)
+    missing = without_workers(view)
+    if missing:
+        text += f"\nno live worker for {', '.join(missing)}: its requests wait or are refused\n"
+    return text
+
+
+def _member_row(member: Mapping[str, Any]) -> list[str]:
+    figures = member.get("figures", {})
+    return [
+        member["role"],
+        member["id"],
+        ",".join(member.get("models", [])),
+        member["state"],
+        f"{member.get('age_s', 0):.1f}s",
+        _num(figures.get("requests_per_s")),
+        _num(figures.get("p50_ms"), 0),
+        _num(figures.get("p99_ms"), 0),
+        _num(figures.get("batches_per_s")),
+        _num(figures.get("mean_batch_size")),
+        _percent(figures.get("busy_fraction")),
+        _num(figures.get("queue_depth"), 0),
+        str(member.get("host", "")),
+        str(member.get("pid", "")),
+    ]
+
+
+def _model_row(model: str, row: Mapping[str, Any]) -> list[str]:
+    return [
+        model,
+        str(row.get("workers_live", 0)),
+        str(row.get("workers_busy", 0)),
+        str(row.get("workers_hung", 0)),
+        _num(row.get("answered_per_s")),
+        _num(row.get("refused_per_s")),
+        _num(row.get("p50_ms"), 0),
+        _num(row.get("p99_ms"), 0),
+        _num(row.get("queue_depth"), 0),
+        _num(row.get("batches_per_s")),
+        _num(row.get("mean_batch_size")),
+    ]
+
+
+def _num(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def _table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(column), *(len(row[i]) for row in rows)) for i, column in enumerate(columns)]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in [columns, *rows]
+    ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,119 @@
+"""A process's heartbeat: which role it plays, what it is doing, and its figures of the last second.
+
+Every role publishes one about once a second (``batchwire.fleet``), and ``batchwire status`` and the
+gateway's ``/dashboard`` read them all. A beat is JSON, not Avro: it is small, read by people's tools
+as much as by batchwire, and a field added later must not break a reader of an older release.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLES = ("gateway", "batcher", "worker")
+STATES = ("idle", "busy", "draining", "hung")
+GONE_AFTER_BEATS = 3
+"""A member that missed this many beats is shown as gone: its process died or cannot reach the store."""
+FORGET_AFTER_S = 60.0
+"""A gone member is dropped from the fleet this long after its last beat."""
+
+
+@dataclass(frozen=True, slots=True)
+class Beat:
+    """One member of the fleet at ``at_ms`` (Unix ms).
+
+    ``figures`` are the member's rates and levels over the last ``interval_s`` (``requests_per_s``,
+    ``p99_ms``, ``busy_fraction``...), ``breakdowns`` the rates it splits by a label (refusals by
+    status, flushes by reason), and ``per_model`` its figures for each model it serves.
+    """
+
+    role: str
+    id: str
+    host: str
+    pid: int
+    version: str
+    models: tuple[str, ...]
+    state: str
+    at_ms: int
+    interval_s: float
+    figures: Mapping[str, float] = field(default_factory=dict)
+    breakdowns: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    per_model: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        """The member's name in the fleet: a role and an id are unique together."""
+        return f"{self.role}:{self.id}"
+
+    def live(self, now_ms: int) -> bool:
+        """False once the member missed ``GONE_AFTER_BEATS`` beats."""
+        return now_ms - self.at_ms <= GONE_AFTER_BEATS * self.interval_s * 1000
+
+    def forgotten(self, now_ms: int) -> bool:
+        return now_ms - self.at_ms > FORGET_AFTER_S * 1000
+
+    def to_public(self, now_ms: int) -> dict[str, Any]:
+        """The JSON shape of ``/v1/fleet`` and ``batchwire status --json``: the beat, and whether it is live."""
+        return {
+            "role": self.role,
+            "id": self.id,
+            "host": self.host,
+            "pid": self.pid,
+            "version": self.version,
+            "models": list(self.models),
+            "state": self.state if self.live(now_ms) else "gone",
+            "age_s": round(max(0, now_ms - self.at_ms) / 1000, 1),
+            "figures": _rounded(self.figures),
+            "breakdowns": {name: _rounded(values) for name, values in self.breakdowns.items()},
+            "per_model": {model: _rounded(values) for model, values in self.per_model.items()},
+        }
+
+    def encode(self) -> bytes:
+        doc = {
+            "role": self.role,
+            "id": self.id,
+            "host": self.host,
+            "pid": self.pid,
+            "version": self.version,
+            "models": list(self.models),
+            "state": self.state,
+            "at_ms": self.at_ms,
+            "interval_s": self.interval_s,
+            "figures": _rounded(self.figures),
+            "breakdowns": {name: _rounded(values) for name, values in self.breakdowns.items()},
+            "per_model": {model: _rounded(values) for model, values in self.per_model.items()},
+        }
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def decode_beat(raw: bytes | str) -> Beat | None:
+    """The beat ``raw`` holds, or None for bytes that are not one (a reader skips them, never fails)."""
+    try:
+        doc = json.loads(raw)
+        return Beat(
+            role=str(doc["role"]),
+            id=str(doc["id"]),
+            host=str(doc["host"]),
+            pid=int(doc["pid"]),
+            version=str(doc["version"]),
+            models=tuple(str(model) for model in doc["models"]),
+            state=str(doc["state"]),
+            at_ms=int(doc["at_ms"]),
+            interval_s=float(doc["interval_s"]),
+            figures=_floats(doc.get("figures", {})),
+            breakdowns={str(name): _floats(values) for name, values in doc.get("breakdowns", {}).items()},
+            per_model={str(model): _floats(values) for model, values in doc.get("per_model", {}).items()},
+        )
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def _floats(values: Mapping[str, Any]) -> dict[str, float]:
+    return {str(name): float(value) for name, value in values.items()}
+
+
+def _rounded(values: Mapping[str, float]) -> dict[str, float]:
+    """Three decimals: a rate of 0.001/s, a millisecond to a microsecond; shorter beats."""
+    return {name: round(value, 3) for name, value in values.items()}

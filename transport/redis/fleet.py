@@ -1,0 +1,64 @@
+"""The fleet in Redis: one hash, ``<ns>:fleet``, of member name to its last heartbeat (JSON).
+
+A process writes its beats with one ``HSET`` a second. Readers drop members whose last beat is older
+than ``FORGET_AFTER_S`` (``HDEL``), so the hash holds the processes of the last minute, whatever
+died: Redis 7.0 has no per-field expiry, and a key per member would cost a ``SCAN`` per read.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from redis.exceptions import RedisError
+
+from schemas.heartbeat import Beat, decode_beat
+from schemas.wire import Names
+from transport.redis.pools import CommandClient, PoolOptions, translate
+
+FLEET_POOL = PoolOptions(max_connections=2, socket_timeout_s=1.0, pool_timeout_s=1.0)
+"""A beat a second and the fleet views' reads: a slow Redis delays a heartbeat, never a request."""
+
+
+class RedisFleet:
+    """``Fleet`` over one Redis hash."""
+
+    def __init__(self, redis_url: str, names: Names, *, pool: PoolOptions = FLEET_POOL) -> None:
+        self.names = names
+        self._commands = CommandClient(redis_url, pool)
+        self._client = self._commands.redis
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        await self._commands.close()
+
+    async def beat(self, beats: Sequence[Beat]) -> None:
+        if not beats:
+            return
+        try:
+            await self._client.hset(self.names.fleet, mapping={beat.key: beat.encode() for beat in beats})
+        except RedisError as err:
+            raise translate("storing a heartbeat", err) from err
+
+    async def members(self) -> list[Beat]:
+        try:
+            raw = await self._client.hgetall(self.names.fleet)
+        except RedisError as err:
+            raise translate("reading the fleet", err) from err
+        now_ms = int(time.time() * 1000)  # beats carry wall time: they cross processes and hosts
+        members: list[Beat] = []
+        forgotten: list[bytes | str] = []
+        for key, value in raw.items():
+            beat = decode_beat(value)
+            if beat is None or beat.forgotten(now_ms):
+                forgotten.append(key)
+            else:
+                members.append(beat)
+        if forgotten:
+            try:
+                await self._client.hdel(self.names.fleet, *forgotten)
+            except RedisError as err:
+                raise translate("dropping forgotten fleet members", err) from err
+        return members
