@@ -28,9 +28,9 @@ TEST_PARALLEL := -n 2 --dist loadfile
 # it imports again, and pytest rewrite every test module again.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install run check unit test lint typecheck stack-up stack-down bench docs clean
+.PHONY: install redis-server chromium run check unit test lint typecheck stack-up stack-down bench docs clean
 
-install: $(FULL) redis-server
+install: $(FULL) redis-server chromium
 	@$(PY) -m infra.fetch_kafka
 
 $(CORE): pyproject.toml
@@ -51,6 +51,13 @@ redis-server:
 	  echo "installing redis-server (Debian package)"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) || \
 	  { echo "could not install redis-server: run 'apt-get install redis-server' as root"; exit 1; }; }
+
+# The dashboard's browser test drives Debian's Chromium through its ChromeDriver (nothing downloaded at run time).
+chromium:
+	@command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 || { \
+	  echo "installing chromium and chromium-driver (Debian packages)"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) || \
+	  { echo "could not install chromium: run 'apt-get install chromium chromium-driver' as root"; exit 1; }; }
 
 run: $(CORE)
 	$(VENV)/bin/batchwire up

@@ -15,7 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
-from typing import Any, TextIO
+from typing import Any
 
 from batchwire import flags
 
@@ -91,16 +91,16 @@ def run(args: argparse.Namespace) -> int:
         return code
 
 
-def _once(url: str, api_key: str | None, as_json: bool, *, clear: bool, out: TextIO = sys.stdout) -> int:
+def _once(url: str, api_key: str | None, as_json: bool, *, clear: bool) -> int:
     try:
         view = read_fleet(url, api_key)
     except FleetUnreadable as err:
         print(f"batchwire status: {err}", file=sys.stderr)
         return EXIT_UNREACHABLE
     if clear:
-        out.write("\x1b[H\x1b[2J")
-    out.write(json.dumps(view, indent=2) + "\n" if as_json else render(view))
-    out.flush()
+        sys.stdout.write("\x1b[H\x1b[2J")
+    sys.stdout.write(json.dumps(view, indent=2) + "\n" if as_json else render(view))
+    sys.stdout.flush()
     return EXIT_NO_WORKER if without_workers(view) else 0
 
 
@@ -191,7 +191,7 @@ def _percent(value: float | None) -> str:
 
 
 def _table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(column), *(len(row[i]) for row in rows)) for i, column in enumerate(columns)]
+    widths = [max([len(column), *(len(row[i]) for row in rows)]) for i, column in enumerate(columns)]
     lines = [
         "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
         for line in [columns, *rows]

@@ -23,7 +23,7 @@ async def make_rig() -> AsyncIterator[RigFactory]:
 
     ``store`` may be any TaskStore (a Redis one for tests over the real thing); ``queue_depth="bus"``
     measures the rig's own bus; ``bus`` lets several gateways share one bus; ``cache`` is the
-    gateway's result cache.
+    gateway's result cache; ``fleet`` is where ``/v1/fleet`` reads heartbeats.
     """
     stack: list[Rig] = []
     contexts: list[Any] = []
@@ -36,6 +36,7 @@ async def make_rig() -> AsyncIterator[RigFactory]:
         limiter: Any = None,
         bus: MemoryRequestBus | None = None,
         cache: Any = None,
+        fleet: Any = None,
         **overrides: Any,
     ) -> Rig:
         settings = GatewaySettings(**{"models": MODELS, "default_model": "sim", **overrides})
@@ -47,7 +48,7 @@ async def make_rig() -> AsyncIterator[RigFactory]:
             settings, producer or bus.producer(), store, queue_depth=queue_depth, limiter=limiter, cache=cache
         )
         lifecycle = StubLifecycle()
-        app = create_app(gateway, lifecycle)
+        app = create_app(gateway, lifecycle, fleet_store=fleet)
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway")
         if start:
             context = app.router.lifespan_context(app)

@@ -1,0 +1,155 @@
+"""``/v1/fleet`` and ``/dashboard``: the fleet's members, totals and models, and who may read them."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from httpx_sse import aconnect_sse
+
+from gateway.edge.auth import digest_of
+from gateway.edge.routes.fleet import fleet_view
+from schemas.heartbeat import Beat
+from tests.support.gateway_rig import RigFactory, error_of, serving
+from transport.memory.fleet import MemoryFleet
+
+NOW_MS = 1_700_000_000_000
+TENANT = "tenant-key-0123456789"
+OPERATOR = "operator-key-0123456789"
+
+
+def beat(
+    role: str,
+    member_id: str,
+    *,
+    models: tuple[str, ...] = ("sim",),
+    state: str = "busy",
+    age_ms: int = 100,
+    figures: dict[str, float] | None = None,
+    breakdowns: dict[str, dict[str, float]] | None = None,
+    per_model: dict[str, dict[str, float]] | None = None,
+) -> Beat:
+    return Beat(
+        role=role,
+        id=member_id,
+        host="h",
+        pid=1,
+        version="0.1.0",
+        models=models,
+        state=state,
+        at_ms=NOW_MS - age_ms,
+        interval_s=1.0,
+        figures=figures or {},
+        breakdowns=breakdowns or {},
+        per_model=per_model or {},
+    )
+
+
+FLEET = [
+    beat(
+        "gateway",
+        "g1",
+        figures={"requests_per_s": 300.0, "answered_per_s": 300.0, "refused_per_s": 5, "p50_ms": 100, "p99_ms": 150},
+        breakdowns={"refusals_per_s": {"503": 5.0}},
+        per_model={"sim": {"answered_per_s": 300.0, "refused_per_s": 5, "p50_ms": 100, "p99_ms": 150}},
+    ),
+    beat(
+        "gateway",
+        "g2",
+        figures={"requests_per_s": 100.0, "answered_per_s": 100.0, "refused_per_s": 1, "p50_ms": 120, "p99_ms": 400},
+        breakdowns={"refusals_per_s": {"503": 0.5, "429": 0.5}},
+        per_model={"sim": {"answered_per_s": 100.0, "refused_per_s": 1, "p50_ms": 120, "p99_ms": 400}},
+    ),
+    beat(
+        "batcher",
+        "b1",
+        figures={"queue_depth": 7},
+        breakdowns={"flushes_per_s": {"full": 2.0}},
+        per_model={"sim": {"queue_depth": 7}},
+    ),
+    beat("worker", "w1", figures={"batches_per_s": 10, "mean_batch_size": 30, "busy_fraction": 1.0}),
+    beat("worker", "w2", state="idle", figures={"batches_per_s": 10, "mean_batch_size": 10, "busy_fraction": 0.5}),
+    beat("worker", "w3", age_ms=10_000, figures={"batches_per_s": 99, "mean_batch_size": 99, "busy_fraction": 1.0}),
+    beat("worker", "e1", models=("embed",), state="hung", figures={"batches_per_s": 0.0, "busy_fraction": 0.0}),
+]
+
+
+def test_the_view_sums_live_members_and_shows_the_dead_as_gone() -> None:
+    view = fleet_view(FLEET, ("sim", "embed", "idle-model"), NOW_MS)
+    states = {member["id"]: member["state"] for member in view["members"]}
+    assert states == {"g1": "busy", "g2": "busy", "b1": "busy", "w1": "busy", "w2": "idle", "w3": "gone", "e1": "hung"}
+    assert [member["role"] for member in view["members"]][:3] == ["gateway", "gateway", "batcher"]
+    totals = view["totals"]
+    assert totals["requests_per_s"] == 400.0
+    assert totals["p50_ms"] == pytest.approx(105.0), "the gateways' p50s weighted by what each answered"
+    assert totals["p99_ms"] == 400, "the highest p99: quantiles of several gateways do not average"
+    assert totals["refusals_per_s"] == {"503": 5.5, "429": 0.5}
+    assert totals["flushes_per_s"] == {"full": 2.0}
+    assert totals["queue_depth"] == 7
+    assert totals["batches_per_s"] == 20, "the gone worker's last figures count no more"
+    assert totals["mean_batch_size"] == pytest.approx(20.0)
+
+
+def test_each_model_has_a_row_and_one_with_no_live_worker_says_so() -> None:
+    rows = fleet_view(FLEET, ("sim", "embed", "idle-model"), NOW_MS)["models"]
+    assert set(rows) == {"sim", "embed", "idle-model"}
+    assert (rows["sim"]["workers_live"], rows["sim"]["workers_busy"], rows["sim"]["workers_hung"]) == (2, 1, 0)
+    assert rows["sim"]["queue_depth"] == 7 and rows["sim"]["answered_per_s"] == 400.0
+    assert (rows["embed"]["workers_live"], rows["embed"]["workers_hung"]) == (1, 1)
+    assert rows["idle-model"]["workers_live"] == 0
+
+
+async def test_the_fleet_route_serves_the_store_s_members(make_rig: RigFactory) -> None:
+    fleet = MemoryFleet()
+    now_ms = int(time.time() * 1000)
+    await fleet.beat(
+        [beat("worker", "w1", age_ms=NOW_MS - now_ms + 200), beat("worker", "w9", age_ms=NOW_MS - now_ms + 9000)]
+    )
+    rig = await make_rig(fleet=fleet)
+    response = await rig.client.get("/v1/fleet")
+    assert response.status_code == 200
+    doc = response.json()
+    assert {member["id"]: member["state"] for member in doc["members"]} == {"w1": "busy", "w9": "gone"}
+    assert doc["models"]["sim"]["workers_live"] == 1
+    assert abs(doc["at_ms"] - now_ms) < 60_000
+
+
+async def test_without_a_fleet_store_the_route_says_so(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    response = await rig.client.get("/v1/fleet")
+    assert response.status_code == 503
+    assert error_of(response)["code"] == "unavailable"
+    assert "fleet" in error_of(response)["message"]
+
+
+async def test_the_page_is_open_and_the_fleet_needs_an_operator_key(make_rig: RigFactory) -> None:
+    operator = digest_of(OPERATOR)
+    rig = await make_rig(fleet=MemoryFleet(), api_keys=(digest_of(TENANT), operator), operator_keys=(operator,))
+    page = await rig.client.get("/dashboard")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "/dashboard/events" in page.text and "<script" in page.text
+    assert "http://" not in page.text and "https://" not in page.text, "nothing fetched from elsewhere"
+    for path in ("/v1/fleet", "/dashboard/events"):
+        assert (await rig.client.get(path)).status_code == 401
+        tenant = await rig.client.get(path, headers={"Authorization": f"Bearer {TENANT}"})
+        assert tenant.status_code == 403 and error_of(tenant)["code"] == "forbidden"
+    answer = await rig.client.get("/v1/fleet", headers={"Authorization": f"Bearer {OPERATOR}"})
+    assert answer.status_code == 200 and answer.json()["members"] == []
+
+
+async def test_the_dashboard_stream_sends_the_fleet_with_rising_ids_and_resumes_after_the_last(
+    make_rig: RigFactory,
+) -> None:
+    fleet = MemoryFleet()
+    await fleet.beat([beat("worker", "w1", age_ms=NOW_MS - int(time.time() * 1000))])
+    rig = await make_rig(fleet=fleet)
+    async with serving(rig) as client:
+        async with aconnect_sse(client, "GET", "/dashboard/events") as source:
+            events = source.aiter_sse()
+            first, second = await anext(events), await anext(events)
+        async with aconnect_sse(client, "GET", "/dashboard/events", headers={"Last-Event-ID": second.id}) as source:
+            resumed = await anext(source.aiter_sse())
+    assert (first.event, first.retry, second.event) == ("fleet", 1000, "fleet")
+    assert int(first.id) < int(second.id) < int(resumed.id)
+    assert [member["id"] for member in json.loads(second.data)["members"]] == ["w1"]

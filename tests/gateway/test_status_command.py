@@ -1,0 +1,114 @@
+"""``batchwire status`` against a gateway's ``/v1/fleet``: the tables, the JSON, and the exit codes scripts read."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import pytest
+
+from batchwire.cli import main
+from gateway.edge.auth import digest_of
+from schemas.heartbeat import Beat
+from tests.support.gateway_rig import RigFactory, serving
+from transport.memory.fleet import MemoryFleet
+
+TENANT = "tenant-key-0123456789"
+OPERATOR = "operator-key-0123456789"
+
+
+def beat(role: str, member_id: str, models: tuple[str, ...], *, age_s: float = 0.1, **figures: float) -> Beat:
+    return Beat(
+        role=role,
+        id=member_id,
+        host="host-a",
+        pid=4242,
+        version="0.1.0",
+        models=models,
+        state="busy",
+        at_ms=int((time.time() - age_s) * 1000),
+        interval_s=1.0,
+        figures=figures,
+    )
+
+
+async def fleet_of(*beats: Beat) -> MemoryFleet:
+    fleet = MemoryFleet()
+    await fleet.beat(beats)
+    return fleet
+
+
+async def status(*args: str) -> int:
+    return await asyncio.to_thread(main, ["status", *args])
+
+
+async def test_the_fleet_prints_as_a_members_table_and_a_models_table(
+    make_rig: RigFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fleet = await fleet_of(
+        beat("gateway", "gw-1", ("sim",), requests_per_s=812.0, p99_ms=180.0),
+        beat("worker", "sim-worker-0", ("sim",), batches_per_s=9.9, mean_batch_size=81.2, busy_fraction=0.49),
+    )
+    rig = await make_rig(fleet=fleet, models=("sim",))
+    async with serving(rig) as client:
+        code = await status("--url", str(client.base_url))
+    out = capsys.readouterr().out
+    assert code == 0, out
+    lines = out.splitlines()
+    assert lines[0].split()[:4] == ["ROLE", "ID", "MODELS", "STATE"]
+    gateway_line = next(line for line in lines if line.startswith("gateway"))
+    assert "gw-1" in gateway_line and "812.0" in gateway_line and "180" in gateway_line
+    worker_line = next(line for line in lines if line.startswith("worker"))
+    assert "sim-worker-0" in worker_line and "81.2" in worker_line and "49%" in worker_line
+    model_line = next(line for line in lines if line.startswith("sim "))
+    assert model_line.split()[1] == "1", "one live worker for sim"
+
+
+async def test_a_model_without_a_live_worker_exits_1_and_is_named(
+    make_rig: RigFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fleet = await fleet_of(beat("worker", "w-dead", ("sim",), age_s=10))
+    rig = await make_rig(fleet=fleet, models=("sim",))
+    async with serving(rig) as client:
+        code = await status("--url", str(client.base_url))
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "gone" in next(line for line in out.splitlines() if "w-dead" in line)
+    assert "no live worker for sim" in out
+
+
+async def test_json_is_the_gateway_s_document(make_rig: RigFactory, capsys: pytest.CaptureFixture[str]) -> None:
+    fleet = await fleet_of(beat("worker", "w1", ("sim",)))
+    rig = await make_rig(fleet=fleet, models=("sim",))
+    async with serving(rig) as client:
+        code = await status("--url", str(client.base_url), "--json")
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert [member["id"] for member in doc["members"]] == ["w1"]
+    assert doc["models"]["sim"]["workers_live"] == 1
+
+
+async def test_a_key_the_gateway_refuses_exits_2_with_its_reason(
+    make_rig: RigFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    operator = digest_of(OPERATOR)
+    rig = await make_rig(
+        fleet=MemoryFleet(), models=("sim",), api_keys=(digest_of(TENANT), operator), operator_keys=(operator,)
+    )
+    async with serving(rig) as client:
+        refused = await status("--url", str(client.base_url), "--api-key", TENANT)
+        refused_err = capsys.readouterr().err
+        accepted = await status("--url", str(client.base_url), "--api-key", OPERATOR)
+    assert refused == 2 and "403" in refused_err and "operator key" in refused_err
+    assert accepted == 1, "an empty fleet: sim has no live worker"
+
+
+async def test_an_unreachable_gateway_exits_2_and_says_where_it_looked(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed again before the command runs: nothing listens there
+    code = await status("--url", f"http://127.0.0.1:{port}")
+    assert code == 2
+    assert f"127.0.0.1:{port}" in capsys.readouterr().err
