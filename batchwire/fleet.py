@@ -87,8 +87,8 @@ def worker_beat(worker: Worker, window: Window) -> Beat:
 class Heartbeats:
     """Publishes ``beats(window)`` into ``fleet`` every ``HEARTBEAT_S``, from ``start`` until ``close``.
 
-    A store that cannot take a beat is logged once per outage and tried again at the next beat: the
-    process goes on serving, and the fleet views show it as gone until its beats land again.
+    A beat that cannot be stored (or built) is logged once per outage and tried again at the next
+    beat: the process goes on serving, and the fleet views show it as gone until its beats land again.
     """
 
     def __init__(self, fleet: Fleet, beats: Callable[[Window], list[Beat]], interval_s: float = HEARTBEAT_S) -> None:
@@ -115,6 +115,10 @@ class Heartbeats:
             except TransportError as err:
                 if not failing:
                     log.warning("heartbeat not stored (the fleet views show this process as gone): %s", err)
+                failing = True
+            except Exception:  # a fault in the figures must not stop the process, nor go unseen
+                if not failing:
+                    log.exception("heartbeat not built (the fleet views show this process as gone)")
                 failing = True
             else:
                 if failing:

@@ -1,0 +1,69 @@
+"""``Heartbeats``: a beat each period from start to close, through a store that fails for a while."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+from batchwire.fleet import Heartbeats
+from schemas.heartbeat import Beat
+from telemetry.heartbeat import Window
+from tests.support.eventually import eventually
+from transport.memory.fleet import MemoryFleet
+from transport.ports import TransportError
+
+
+def beat(window: Window) -> Beat:
+    now_ms = int(time.time() * 1000)
+    return Beat("worker", "w1", "h", 1, "0", ("sim",), "idle", now_ms, 1.0, figures={"window_s": window.interval_s})
+
+
+class FlakyFleet(MemoryFleet):
+    """Refuses the first ``failures`` beats, as a store that is down would."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+        self.stored = 0
+
+    async def beat(self, beats: Sequence[Beat]) -> None:
+        if self.failures > 0:
+            self.failures -= 1
+            raise TransportError("storing a heartbeat failed: connection refused")
+        self.stored += 1
+        await super().beat(beats)
+
+
+async def test_beats_land_each_period_after_the_store_comes_back_and_stop_at_close() -> None:
+    fleet = FlakyFleet(failures=3)
+    heartbeats = Heartbeats(fleet, lambda window: [beat(window)], interval_s=0.01)
+    await heartbeats.start()
+    await eventually(lambda: fleet.stored >= 3, "beats to land once the store takes them")
+    await heartbeats.close()
+    stopped_at = fleet.stored
+    members = await fleet.members()
+    assert [member.key for member in members] == ["worker:w1"]
+    assert 0 < members[0].figures["window_s"] < 1.0, "each beat's window is the period since the last read"
+    await asyncio.sleep(0.05)  # five periods with nothing running: no beat may land after close
+    assert fleet.stored == stopped_at
+
+
+async def test_a_fault_in_building_a_beat_is_survived() -> None:
+    fleet = MemoryFleet()
+    calls = 0
+
+    def beats(window: Window) -> list[Beat]:
+        nonlocal calls
+        calls += 1
+        if calls <= 2:
+            raise KeyError("a figure that is not there")
+        return [beat(window)]
+
+    heartbeats = Heartbeats(fleet, beats, interval_s=0.01)
+    await heartbeats.start()
+    try:
+        await eventually(lambda: calls >= 4, "the loop to go on after a faulty beat")
+    finally:
+        await heartbeats.close()
+    assert [member.key for member in await fleet.members()] == ["worker:w1"]
