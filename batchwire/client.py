@@ -1,0 +1,845 @@
+"""A typed Python client of batchwire's HTTP API: synchronous inference, tasks, and their event streams.
+
+Only callers import it: ``pip install 'batchwire[client]'`` adds httpx, which the core install lacks,
+and no role imports this module (an import-linter contract in pyproject.toml). ``Client`` blocks and
+``AsyncClient`` awaits; they have the same methods and share every decision, made here without I/O:
+when to retry and how long to wait (:class:`Attempts`), which exception an error answer is
+(:func:`error_of`), how an event stream is read and resumed (:class:`EventDecoder`, :class:`Resume`).
+
+What it does for its callers, so that each need not learn the protocol:
+
+- every submit carries an ``Idempotency-Key``, one per call and the same on each of its retries, so
+  no retry computes the input twice: a 503 or a 429 queued nothing, and after a lost connection the
+  key finds the task the first attempt created;
+- a retry waits at least the answer's ``Retry-After``, plus jittered exponential backoff, and none
+  starts past the call's deadline (its ``timeout``), which is also the deadline the server holds the
+  request to (``timeout_ms``);
+- an event stream that drops reconnects with ``Last-Event-ID``, so each status arrives once.
+
+The routes' paths and fields are written here, not imported from ``gateway`` (which needs the
+server's dependencies); ``tests/client/test_openapi_contract.py`` holds them to the server's OpenAPI
+document.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from email.utils import parsedate_to_datetime
+from types import TracebackType
+from typing import Any, ClassVar, Literal, Self
+from urllib.parse import quote
+
+from schemas.records import TaskStatus
+from schemas.wire import IDEMPOTENCY_HEADER
+
+try:
+    import httpx
+except ImportError as err:  # the core install has no httpx
+    raise ImportError("batchwire.client needs httpx: pip install 'batchwire[client]'") from err
+
+__all__ = [
+    "AsyncClient",
+    "AsyncTask",
+    "BatchwireError",
+    "Client",
+    "DeadlineExceeded",
+    "InvalidRequest",
+    "NotCancellable",
+    "NotFound",
+    "Overloaded",
+    "ServerError",
+    "Task",
+    "TaskEvent",
+    "TaskFailed",
+    "Unauthorized",
+    "Unreachable",
+]
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+API_KEY_ENV = "BATCHWIRE_API_KEY"
+DEFAULT_TIMEOUT_S = 30.0
+"""The server's default and longest ``timeout_ms`` (BATCHWIRE_MAX_TIMEOUT_MS): a longer one is refused."""
+DEFAULT_MAX_RETRIES = 5
+DEFAULT_CONCURRENCY = 32
+
+INFERENCE_PATH = "/v1/inference"
+TASKS_PATH = "/v1/tasks"
+RESULT_PATH = "/v1/result/{task_id}"
+EVENTS_PATH = "/v1/result/{task_id}/events"
+LAST_EVENT_ID_HEADER = "Last-Event-ID"
+RETRY_AFTER_HEADER = "Retry-After"
+
+BASE_BACKOFF_S = 0.1
+MAX_BACKOFF_S = 5.0
+GRACE_S = 1.0
+"""How long past the deadline an attempt waits for its answer: the server answers 504 at the deadline,
+and that typed answer (with the task's id) is worth more than a client-side timeout."""
+POLL_CHUNK_S = 10.0
+"""The longest single long-poll: well under the server's longest (BATCHWIRE_MAX_POLL_WAIT_S, 60 s by
+default) and under the idle timeout of most proxies; a longer wait polls again."""
+
+Priority = Literal["high", "normal", "low"]
+TERMINAL = frozenset(status.value for status in TaskStatus if status.terminal)
+_RANKS = {status.value: status.rank for status in TaskStatus}
+
+
+# errors -------------------------------------------------------------------------------------------
+class BatchwireError(Exception):
+    """An answer other than the one asked for.
+
+    ``code`` is the server's stable error code (docs/operations.md, "Errors"); ``status`` the HTTP
+    status, None when no error answer came (a task that ended without an output, an event stream's
+    ``error`` event, no connection). ``retriable``: the same call may succeed later.
+    """
+
+    retriable: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        status: int | None = None,
+        *,
+        task_id: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.status = status
+        self.task_id = task_id
+        """The task concerned, when one was created (a 504's task may still finish: poll it)."""
+        self.retry_after_s = retry_after_s
+
+
+class InvalidRequest(BatchwireError):
+    """The request itself is refused (400, 413, 415, 422): sent again, it gets the same answer."""
+
+
+class Unauthorized(BatchwireError):
+    """401 or 403: the API key is missing, not accepted, or not allowed this."""
+
+
+class NotFound(BatchwireError):
+    """404: no such task (or another API key's), or no such model."""
+
+
+class NotCancellable(BatchwireError):
+    """409: the task is running or ended; only a queued or batched task can be cancelled."""
+
+
+class Overloaded(BatchwireError):
+    """503 or 429: nothing was queued; the same call may succeed after ``retry_after_s``."""
+
+    retriable = True
+
+
+class DeadlineExceeded(BatchwireError):
+    """No answer within the call's deadline (504, or the client's own); the task may still finish."""
+
+
+class TaskFailed(BatchwireError):
+    """The task ended without an output: ``task_status`` is failed, expired or cancelled, ``code`` the
+    task's own error code."""
+
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        status: int | None = None,
+        *,
+        task_id: str | None = None,
+        retry_after_s: float | None = None,
+        task_status: str | None = None,
+    ) -> None:
+        super().__init__(code, message, status, task_id=task_id, retry_after_s=retry_after_s)
+        self.task_status = task_status
+
+
+class ServerError(BatchwireError):
+    """A 5xx the API does not define: a bug on the server, or a proxy's own answer."""
+
+
+class Unreachable(BatchwireError):
+    """No answer at all: every attempt's connection failed (the last failure is the ``__cause__``)."""
+
+    retriable = True
+
+
+_BY_CODE: dict[str, type[BatchwireError]] = {
+    "unauthorized": Unauthorized,
+    "forbidden": Unauthorized,
+    "priority_above_ceiling": InvalidRequest,  # a 403, but a request to change, not a key to fix
+    "task_not_found": NotFound,
+    "unknown_model": NotFound,
+    "not_found": NotFound,
+    "not_cancellable": NotCancellable,
+    "task_cancelled": TaskFailed,  # the 409 a synchronous caller gets when its task was cancelled
+    "overloaded": Overloaded,
+    "rate_limited": Overloaded,
+    "unavailable": Overloaded,  # also what an event stream's ``error`` event says when the store fails
+    "not_ready": Overloaded,
+    "too_many_connections": Overloaded,
+    "deadline_exceeded": DeadlineExceeded,
+    "internal_error": ServerError,
+}
+"""Each of the server's codes whose meaning the client acts on (gateway/errors.py's ERROR_TABLE); any
+other code is typed by its status (``_BY_STATUS``), and a 502's code is always a failed task's own."""
+_BY_STATUS: dict[int, type[BatchwireError]] = {
+    401: Unauthorized,
+    403: Unauthorized,
+    404: NotFound,
+    409: NotCancellable,
+    429: Overloaded,
+    503: Overloaded,
+    504: DeadlineExceeded,
+}
+
+
+def error_of(response: httpx.Response) -> BatchwireError:
+    """The typed error of an error answer (its body read): from the ``{"error": {...}}`` body's code,
+    else its status; an answer without that body (a proxy's) gets the code ``http_<status>``."""
+    status = response.status_code
+    try:
+        doc = response.json()
+    except ValueError:
+        doc = None
+    detail = doc.get("error") if isinstance(doc, dict) else None
+    if not isinstance(detail, dict):
+        detail = {"code": f"http_{status}", "message": response.text[:200] or response.reason_phrase}
+    return _error(detail, status, retry_after_s(response.headers.get(RETRY_AFTER_HEADER)))
+
+
+def _error(detail: Mapping[str, Any], status: int | None, retry_after: float | None = None) -> BatchwireError:
+    code = str(detail.get("code", "unknown"))
+    message = str(detail.get("message", ""))
+    task_id = detail.get("task_id")
+    task_id = task_id if isinstance(task_id, str) else None
+    if status == 502:
+        kind: type[BatchwireError] = TaskFailed
+    elif code in _BY_CODE:
+        kind = _BY_CODE[code]
+    elif status in _BY_STATUS:
+        kind = _BY_STATUS[status]
+    else:
+        kind = InvalidRequest if status is not None and 400 <= status < 500 else ServerError
+    if kind is TaskFailed:
+        task_status = "cancelled" if code == "task_cancelled" else "failed"
+        return TaskFailed(code, message, status, task_id=task_id, task_status=task_status)
+    return kind(code, message, status, task_id=task_id, retry_after_s=retry_after)
+
+
+def retry_after_s(value: str | None) -> float | None:
+    """A ``Retry-After`` header's seconds: an integer, or an HTTP date; None if absent or unreadable."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def output_of(state: Mapping[str, Any]) -> str:
+    """A terminal state's output; a task that ended without one raises :class:`TaskFailed`."""
+    status = str(state.get("status"))
+    task_id = str(state.get("task_id"))
+    if status == TaskStatus.COMPLETED.value:
+        return str(state.get("output"))
+    detail = state.get("error")
+    code, message = status, f"task {task_id} ended {status}"
+    if isinstance(detail, dict):
+        code = str(detail.get("code", code))
+        message = str(detail.get("message", message))
+    raise TaskFailed(code, message, task_id=task_id, task_status=status)
+
+
+# retries ------------------------------------------------------------------------------------------
+def full_jitter(cap_s: float) -> float:
+    return random.uniform(0.0, cap_s)
+
+
+@dataclass
+class Attempts:
+    """One logical call's attempts, within its deadline (``time.monotonic()`` seconds).
+
+    No I/O: the time comes in, the delays go out. A delay is the answer's ``Retry-After`` (if it had
+    one) plus full jitter over an exponential backoff, so that callers refused together do not come
+    back together; no retry starts past the deadline, nor after ``max_retries`` of them.
+    """
+
+    deadline: float
+    max_retries: int
+    jitter: Callable[[float], float] = full_jitter
+    retries: int = 0
+
+    def remaining_s(self, now: float) -> float:
+        return max(0.0, self.deadline - now)
+
+    def timeout_ms(self, now: float) -> int:
+        """The server's deadline for an attempt starting ``now``: the call's own."""
+        return max(1, math.ceil(self.remaining_s(now) * 1000))
+
+    def retry_in(self, now: float, retry_after: float | None = None) -> float | None:
+        """Seconds to wait before the next attempt; None: stop (retries spent, or the deadline would pass)."""
+        if self.retries >= self.max_retries:
+            return None
+        delay = self.jitter(min(MAX_BACKOFF_S, BASE_BACKOFF_S * 2**self.retries))
+        if retry_after is not None:
+            delay += retry_after
+        if now + delay >= self.deadline:
+            return None
+        self.retries += 1
+        return delay
+
+    def progressed(self) -> None:
+        """The call got somewhere (an event stream delivered an event): its retries start over."""
+        self.retries = 0
+
+
+# server-sent events -------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class TaskEvent:
+    """One status of a task, as its event stream sent it: ``id`` the status's rank (0 queued, 1 batched,
+    2 running, 3 ended), ``task`` the task's JSON (as ``GET /v1/result/<id>`` answers it)."""
+
+    id: int
+    status: str
+    task: Mapping[str, Any] = field(hash=False)
+
+    @property
+    def task_id(self) -> str:
+        return str(self.task.get("task_id"))
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL
+
+    @property
+    def output(self) -> str | None:
+        output = self.task.get("output")
+        return output if isinstance(output, str) else None
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSentEvent:
+    event: str
+    data: str
+    id: str | None
+
+
+class EventDecoder:
+    """Server-sent events from a stream's lines, after the WHATWG rules.
+
+    By hand rather than with httpx-sse: the rules this API's streams need are these thirty lines, and
+    the client then needs httpx alone.
+    """
+
+    def __init__(self) -> None:
+        self.retry_s: float | None = None
+        """The stream's reconnection time (its ``retry:`` field), once sent."""
+        self._event = ""
+        self._data: list[str] = []
+        self._id: str | None = None
+
+    def restart(self) -> None:
+        """A new connection: an event the last one cut off is dropped; ``retry_s`` stands."""
+        self._event, self._data, self._id = "", [], None
+
+    def line(self, line: str) -> ServerSentEvent | None:
+        """Takes one line (without its end); returns the event a blank line completes."""
+        if not line:
+            if not self._data:
+                self._event, self._id = "", None
+                return None
+            event = ServerSentEvent(self._event or "message", "\n".join(self._data), self._id)
+            self._event, self._data, self._id = "", [], None
+            return event
+        if line.startswith(":"):  # a comment: the server's keep-alive ping
+            return None
+        name, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if name == "event":
+            self._event = value
+        elif name == "data":
+            self._data.append(value)
+        elif name == "id" and "\0" not in value:
+            self._id = value
+        elif name == "retry" and value.isdigit():
+            self.retry_s = int(value) / 1000
+        return None
+
+
+@dataclass
+class Resume:
+    """What a task's event streams delivered so far: the last event id, which a reconnection sends as
+    ``Last-Event-ID`` so the server skips what was read, and whether the terminal event came.
+
+    An event whose id is not above the last is dropped here too, so no status is yielded twice even
+    by a server that does not resume."""
+
+    last_id: int = -1
+    ended: bool = False
+
+    def headers(self) -> dict[str, str]:
+        return {LAST_EVENT_ID_HEADER: str(self.last_id)} if self.last_id >= 0 else {}
+
+    def take(self, event: ServerSentEvent) -> TaskEvent | None:
+        """The task's event ``event`` is, or None for one already delivered; an ``error`` event raises
+        its typed error (status None)."""
+        doc = json.loads(event.data)
+        if event.event == "error":
+            detail = doc.get("error") if isinstance(doc, dict) else None
+            raise _error(detail if isinstance(detail, dict) else {"code": "unknown"}, None)
+        status = str(doc.get("status", event.event))
+        rank = int(event.id) if event.id is not None and event.id.isdigit() else _RANKS.get(status, self.last_id)
+        if rank <= self.last_id:
+            return None
+        self.last_id = rank
+        task_event = TaskEvent(rank, status, doc)
+        self.ended = task_event.terminal
+        return task_event
+
+
+# shared by both clients ---------------------------------------------------------------------------
+def _headers(api_key: str | None) -> dict[str, str]:
+    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+    headers = {"User-Agent": "batchwire-client"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    return headers
+
+
+def _submit_body(input: str, model: str | None, priority: Priority | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"input": input}
+    if model is not None:
+        body["model"] = model
+    if priority is not None:
+        body["priority"] = priority
+    return body
+
+
+def _result_path(task_id: str) -> str:
+    return RESULT_PATH.format(task_id=quote(task_id, safe=""))
+
+
+def _events_path(task_id: str) -> str:
+    return EVENTS_PATH.format(task_id=quote(task_id, safe=""))
+
+
+def _still_running(task_id: str, state: Mapping[str, Any], wait_s: float) -> DeadlineExceeded:
+    return DeadlineExceeded(
+        "deadline_exceeded", f"task {task_id} is still {state.get('status')} after {wait_s:g} s", task_id=task_id
+    )
+
+
+def _deadline_passed(err: httpx.TimeoutException) -> DeadlineExceeded:
+    return DeadlineExceeded("deadline_exceeded", f"no answer before the call's deadline (its timeout): {err!r}")
+
+
+def _unreachable(err: httpx.TransportError) -> Unreachable:
+    return Unreachable("unreachable", f"no connection to the server: {err!r}")
+
+
+class Client:
+    """batchwire's HTTP API, blocking. Thread-safe: ``infer_many`` runs its calls in threads.
+
+    ``api_key`` falls back to ``$BATCHWIRE_API_KEY``; ``timeout`` (seconds) is each call's deadline,
+    retries included, unless the call gives its own (a submit's may not pass the server's
+    BATCHWIRE_MAX_TIMEOUT_MS, 30 s by default); ``transport`` is handed to httpx (tests record or cut
+    connections with it).
+    """
+
+    def __init__(
+        self,
+        base_url: str = DEFAULT_BASE_URL,
+        *,
+        api_key: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self._http = httpx.Client(base_url=base_url, headers=_headers(api_key), timeout=timeout, transport=transport)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def infer(
+        self, input: str, *, model: str | None = None, timeout: float | None = None, priority: Priority | None = None
+    ) -> str:
+        """Runs ``input`` and returns its output (``POST /v1/inference``: the connection waits for it)."""
+        attempts = self._attempts(timeout)
+        response = self._call("POST", INFERENCE_PATH, attempts, body=_submit_body(input, model, priority))
+        return str(response.json()["output"])
+
+    def submit(
+        self, input: str, *, model: str | None = None, timeout: float | None = None, priority: Priority | None = None
+    ) -> Task:
+        """Queues ``input`` (``POST /v1/tasks``); ``timeout`` is also how long the task may wait for its answer."""
+        attempts = self._attempts(timeout)
+        response = self._call("POST", TASKS_PATH, attempts, body=_submit_body(input, model, priority))
+        return Task(str(response.json()["task_id"]), self)
+
+    def task(self, task_id: str) -> Task:
+        """The task ``task_id`` names, e.g. one a :class:`DeadlineExceeded` carries."""
+        return Task(task_id, self)
+
+    def result(self, task_id: str, *, wait: float | None = None) -> str:
+        """The task's output once it ends, long-polling up to ``wait`` seconds (default: the client's
+        ``timeout``); raises :class:`TaskFailed` if it ends without one, :class:`DeadlineExceeded` if
+        it has not ended by then."""
+        wait_s = self.timeout if wait is None else wait
+        attempts = self._attempts(wait_s)
+        while True:
+            chunk_s = min(POLL_CHUNK_S, attempts.remaining_s(time.monotonic()))
+            state = self._call("GET", _result_path(task_id), attempts, params={"wait": round(chunk_s, 3)}).json()
+            if state.get("status") in TERMINAL:
+                return output_of(state)
+            if attempts.remaining_s(time.monotonic()) <= 0:
+                raise _still_running(task_id, state, wait_s)
+
+    def events(self, task_id: str) -> Iterator[TaskEvent]:
+        """The task's statuses as they change, each once, the terminal one last: a task that fails,
+        expires or is cancelled ends the events, it raises nothing. A connection that drops is
+        resumed after the last event read."""
+        resume = Resume()
+        attempts = Attempts(math.inf, self.max_retries)
+        decoder = EventDecoder()
+        while not resume.ended:
+            decoder.restart()
+            try:
+                with self._http.stream("GET", _events_path(task_id), headers=resume.headers()) as response:
+                    if response.status_code == 204:  # the server saw the end: the last id read was it
+                        return
+                    if not response.is_success:
+                        response.read()
+                        raise error_of(response)
+                    for line in response.iter_lines():
+                        sse = decoder.line(line)
+                        event = resume.take(sse) if sse is not None else None
+                        if event is not None:
+                            attempts.progressed()
+                            yield event
+                        if resume.ended:
+                            return
+                failure: BatchwireError | httpx.TransportError | None = None  # closed early: server shutting down
+            except BatchwireError as err:
+                if not err.retriable:
+                    raise
+                failure = err
+            except httpx.TransportError as err:  # a reset, a read past the timeout, a proxy that closes
+                failure = err
+            delay = attempts.retry_in(time.monotonic(), _reconnect_after(decoder, failure))
+            if delay is None:
+                raise _gave_up(failure)
+            time.sleep(delay)
+
+    def cancel(self, task_id: str) -> None:
+        """Cancels a queued or batched task (``DELETE``); :class:`NotCancellable` if it runs or ended."""
+        self._call("DELETE", _result_path(task_id), self._attempts(None))
+
+    def infer_many(
+        self, inputs: Iterable[str], *, model: str | None = None, concurrency: int = DEFAULT_CONCURRENCY
+    ) -> list[str]:
+        """Each input's output, in input order, with at most ``concurrency`` calls in flight (threads),
+        so the server's queue holds at most that many of them. The first failing input's error is
+        raised, and the calls not yet started are dropped."""
+        if concurrency < 1:
+            raise ValueError(f"concurrency is {concurrency}; it must be at least 1")
+        items = list(inputs)
+        if not items:
+            return []
+        with ThreadPoolExecutor(max_workers=min(concurrency, len(items)), thread_name_prefix="batchwire") as pool:
+            futures = [pool.submit(self.infer, text, model=model) for text in items]
+            try:
+                return [future.result() for future in futures]
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
+
+    def _attempts(self, timeout: float | None) -> Attempts:
+        return Attempts(time.monotonic() + (self.timeout if timeout is None else timeout), self.max_retries)
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        attempts: Attempts,
+        *,
+        body: dict[str, Any] | None = None,
+        params: dict[str, Any] | None = None,
+    ) -> httpx.Response:
+        """One logical call: attempts until an answer that is not a refusal, or the deadline. A submit
+        (``body``) carries one Idempotency-Key throughout, and the time left as its ``timeout_ms``."""
+        headers = {IDEMPOTENCY_HEADER: uuid.uuid4().hex} if body is not None else {}
+        while True:
+            now = time.monotonic()
+            sent = {**body, "timeout_ms": attempts.timeout_ms(now)} if body is not None else None
+            try:
+                response = self._http.request(
+                    method, path, json=sent, params=params, headers=headers, timeout=attempts.remaining_s(now) + GRACE_S
+                )
+            except httpx.TimeoutException as err:
+                raise _deadline_passed(err) from err
+            except httpx.TransportError as err:
+                delay = attempts.retry_in(time.monotonic())
+                if delay is None:
+                    raise _unreachable(err) from err
+                time.sleep(delay)
+                continue
+            if response.is_success:
+                return response
+            error = error_of(response)
+            delay = attempts.retry_in(time.monotonic(), error.retry_after_s) if error.retriable else None
+            if delay is None:
+                raise error
+            time.sleep(delay)
+
+
+class AsyncClient:
+    """batchwire's HTTP API, awaited: :class:`Client`'s methods, as coroutines (``events`` is an async
+    iterator)."""
+
+    def __init__(
+        self,
+        base_url: str = DEFAULT_BASE_URL,
+        *,
+        api_key: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self._http = httpx.AsyncClient(
+            base_url=base_url, headers=_headers(api_key), timeout=timeout, transport=transport
+        )
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def infer(
+        self,
+        input: str,
+        *,
+        model: str | None = None,
+        # Not asyncio.timeout's job: it is also the deadline the server holds the request to (``timeout_ms``).
+        timeout: float | None = None,  # noqa: ASYNC109
+        priority: Priority | None = None,
+    ) -> str:
+        """Runs ``input`` and returns its output (``POST /v1/inference``: the connection waits for it)."""
+        attempts = self._attempts(timeout)
+        response = await self._call("POST", INFERENCE_PATH, attempts, body=_submit_body(input, model, priority))
+        return str(response.json()["output"])
+
+    async def submit(
+        self,
+        input: str,
+        *,
+        model: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 (as infer's)
+        priority: Priority | None = None,
+    ) -> AsyncTask:
+        """Queues ``input`` (``POST /v1/tasks``); ``timeout`` is also how long the task may wait for its answer."""
+        attempts = self._attempts(timeout)
+        response = await self._call("POST", TASKS_PATH, attempts, body=_submit_body(input, model, priority))
+        return AsyncTask(str(response.json()["task_id"]), self)
+
+    def task(self, task_id: str) -> AsyncTask:
+        """The task ``task_id`` names, e.g. one a :class:`DeadlineExceeded` carries."""
+        return AsyncTask(task_id, self)
+
+    async def result(self, task_id: str, *, wait: float | None = None) -> str:
+        """:meth:`Client.result`, awaited."""
+        wait_s = self.timeout if wait is None else wait
+        attempts = self._attempts(wait_s)
+        while True:
+            chunk_s = min(POLL_CHUNK_S, attempts.remaining_s(time.monotonic()))
+            response = await self._call("GET", _result_path(task_id), attempts, params={"wait": round(chunk_s, 3)})
+            state = response.json()
+            if state.get("status") in TERMINAL:
+                return output_of(state)
+            if attempts.remaining_s(time.monotonic()) <= 0:
+                raise _still_running(task_id, state, wait_s)
+
+    async def events(self, task_id: str) -> AsyncIterator[TaskEvent]:
+        """:meth:`Client.events`, as an async iterator."""
+        resume = Resume()
+        attempts = Attempts(math.inf, self.max_retries)
+        decoder = EventDecoder()
+        while not resume.ended:
+            decoder.restart()
+            try:
+                async with self._http.stream("GET", _events_path(task_id), headers=resume.headers()) as response:
+                    if response.status_code == 204:
+                        return
+                    if not response.is_success:
+                        await response.aread()
+                        raise error_of(response)
+                    async for line in response.aiter_lines():
+                        sse = decoder.line(line)
+                        event = resume.take(sse) if sse is not None else None
+                        if event is not None:
+                            attempts.progressed()
+                            yield event
+                        if resume.ended:
+                            return
+                failure: BatchwireError | httpx.TransportError | None = None
+            except BatchwireError as err:
+                if not err.retriable:
+                    raise
+                failure = err
+            except httpx.TransportError as err:  # a reset, a read past the timeout, a proxy that closes
+                failure = err
+            delay = attempts.retry_in(time.monotonic(), _reconnect_after(decoder, failure))
+            if delay is None:
+                raise _gave_up(failure)
+            await asyncio.sleep(delay)
+
+    async def cancel(self, task_id: str) -> None:
+        """:meth:`Client.cancel`, awaited."""
+        await self._call("DELETE", _result_path(task_id), self._attempts(None))
+
+    async def infer_many(
+        self, inputs: Iterable[str], *, model: str | None = None, concurrency: int = DEFAULT_CONCURRENCY
+    ) -> list[str]:
+        """Each input's output, in input order, with at most ``concurrency`` calls in flight (a
+        semaphore), so the server's queue holds at most that many of them. The first error raised
+        is raised here, and the other calls are cancelled."""
+        if concurrency < 1:
+            raise ValueError(f"concurrency is {concurrency}; it must be at least 1")
+        slots = asyncio.Semaphore(concurrency)
+
+        async def one(text: str) -> str:
+            async with slots:
+                return await self.infer(text, model=model)
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                calls = [group.create_task(one(text)) for text in inputs]
+        except ExceptionGroup as failed:
+            raise failed.exceptions[0] from None
+        return [call.result() for call in calls]
+
+    def _attempts(self, timeout: float | None) -> Attempts:
+        return Attempts(time.monotonic() + (self.timeout if timeout is None else timeout), self.max_retries)
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        attempts: Attempts,
+        *,
+        body: dict[str, Any] | None = None,
+        params: dict[str, Any] | None = None,
+    ) -> httpx.Response:
+        """:meth:`Client._call`, awaited."""
+        headers = {IDEMPOTENCY_HEADER: uuid.uuid4().hex} if body is not None else {}
+        while True:
+            now = time.monotonic()
+            sent = {**body, "timeout_ms": attempts.timeout_ms(now)} if body is not None else None
+            try:
+                response = await self._http.request(
+                    method, path, json=sent, params=params, headers=headers, timeout=attempts.remaining_s(now) + GRACE_S
+                )
+            except httpx.TimeoutException as err:
+                raise _deadline_passed(err) from err
+            except httpx.TransportError as err:
+                delay = attempts.retry_in(time.monotonic())
+                if delay is None:
+                    raise _unreachable(err) from err
+                await asyncio.sleep(delay)
+                continue
+            if response.is_success:
+                return response
+            error = error_of(response)
+            delay = attempts.retry_in(time.monotonic(), error.retry_after_s) if error.retriable else None
+            if delay is None:
+                raise error
+            await asyncio.sleep(delay)
+
+
+def _reconnect_after(decoder: EventDecoder, failure: BatchwireError | httpx.TransportError | None) -> float | None:
+    """The wait an event stream asked for before reconnecting: a refusal's Retry-After, else its ``retry:``."""
+    if isinstance(failure, BatchwireError) and failure.retry_after_s is not None:
+        return failure.retry_after_s
+    return decoder.retry_s
+
+
+def _gave_up(failure: BatchwireError | httpx.TransportError | None) -> BatchwireError:
+    if isinstance(failure, BatchwireError):
+        return failure
+    if failure is None:
+        return Unreachable("unreachable", "the event stream kept closing before the task ended")
+    error = _unreachable(failure)
+    error.__cause__ = failure
+    return error
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """A queued task of a :class:`Client`: follow it by its ``id``."""
+
+    id: str
+    client: Client = field(repr=False)
+
+    def result(self, *, wait: float | None = None) -> str:
+        """:meth:`Client.result` of this task."""
+        return self.client.result(self.id, wait=wait)
+
+    def events(self) -> Iterator[TaskEvent]:
+        """:meth:`Client.events` of this task."""
+        return self.client.events(self.id)
+
+    def cancel(self) -> None:
+        """:meth:`Client.cancel` of this task."""
+        self.client.cancel(self.id)
+
+
+@dataclass(frozen=True, slots=True)
+class AsyncTask:
+    """A queued task of an :class:`AsyncClient`: follow it by its ``id``."""
+
+    id: str
+    client: AsyncClient = field(repr=False)
+
+    async def result(self, *, wait: float | None = None) -> str:
+        """:meth:`AsyncClient.result` of this task."""
+        return await self.client.result(self.id, wait=wait)
+
+    def events(self) -> AsyncIterator[TaskEvent]:
+        """:meth:`AsyncClient.events` of this task."""
+        return self.client.events(self.id)
+
+    async def cancel(self) -> None:
+        """:meth:`AsyncClient.cancel` of this task."""
+        await self.client.cancel(self.id)

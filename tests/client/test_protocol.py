@@ -1,0 +1,230 @@
+"""The client's decisions without sockets: retry delays, error types, and reading and resuming event streams.
+
+Event streams are fed the very bytes the gateway writes (``gateway.edge.events``), and error answers
+are built from the gateway's own error table, so a change on either side shows here first.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
+from typing import Any
+
+import httpx
+import pytest
+
+from batchwire.client import (
+    BASE_BACKOFF_S,
+    MAX_BACKOFF_S,
+    Attempts,
+    BatchwireError,
+    DeadlineExceeded,
+    EventDecoder,
+    InvalidRequest,
+    NotCancellable,
+    NotFound,
+    Overloaded,
+    Resume,
+    ServerError,
+    ServerSentEvent,
+    TaskEvent,
+    TaskFailed,
+    Unauthorized,
+    error_of,
+    output_of,
+    retry_after_s,
+)
+from gateway.edge.events import PING, RETRY, error_event, state_event
+from gateway.errors import ERROR_TABLE, GatewayError, error_body
+from schemas.records import TaskState, TaskStatus
+
+
+def highest(cap_s: float) -> float:
+    """The jitter's top: the longest delay the backoff allows."""
+    return cap_s
+
+
+# retries ---------------------------------------------------------------------------------------------
+def test_delays_double_up_to_the_cap_and_stop_after_max_retries() -> None:
+    attempts = Attempts(deadline=math.inf, max_retries=8, jitter=highest)
+    delays = [attempts.retry_in(0.0) for _ in range(9)]
+    expected = [min(MAX_BACKOFF_S, BASE_BACKOFF_S * 2**n) for n in range(8)]
+    assert delays == [*expected, None], delays
+
+
+def test_jitter_spreads_each_delay_below_its_cap() -> None:
+    attempts = Attempts(deadline=math.inf, max_retries=200)
+    delays = [attempts.retry_in(0.0) for _ in range(200)]
+    assert all(d is not None and 0 <= d <= MAX_BACKOFF_S for d in delays), delays
+    assert len(set(delays)) > 100, "full jitter: callers refused together come back apart"
+
+
+def test_a_retry_waits_at_least_retry_after() -> None:
+    attempts = Attempts(deadline=math.inf, max_retries=3)
+    for retry in range(3):
+        delay = attempts.retry_in(0.0, retry_after=2.0)
+        assert delay is not None and 2.0 <= delay <= 2.0 + BASE_BACKOFF_S * 2**retry, delay
+
+
+def test_no_retry_starts_past_the_deadline() -> None:
+    attempts = Attempts(deadline=10.0, max_retries=5, jitter=highest)
+    assert attempts.retry_in(now=8.5, retry_after=1.0) == pytest.approx(1.1)
+    assert attempts.retry_in(now=9.5, retry_after=1.0) is None, "1 s of Retry-After does not fit in 0.5 s"
+    assert attempts.retries == 1, "a refused retry is not counted"
+
+
+def test_the_server_gets_the_time_left_as_its_deadline() -> None:
+    attempts = Attempts(deadline=30.0, max_retries=0)
+    assert attempts.timeout_ms(0.0) == 30_000
+    assert attempts.timeout_ms(29.9991) == 1
+    assert attempts.timeout_ms(31.0) == 1, "never 0, which the server refuses"
+
+
+def test_progress_starts_the_retries_over() -> None:
+    attempts = Attempts(deadline=math.inf, max_retries=1, jitter=highest)
+    assert attempts.retry_in(0.0) is not None and attempts.retry_in(0.0) is None
+    attempts.progressed()
+    assert attempts.retry_in(0.0) == BASE_BACKOFF_S
+
+
+def test_retry_after_reads_seconds_and_http_dates() -> None:
+    assert retry_after_s("3") == 3.0
+    assert retry_after_s(None) is None and retry_after_s("soon") is None
+    later = format_datetime(datetime.now(UTC) + timedelta(seconds=120), usegmt=True)
+    assert 110 < (retry_after_s(later) or 0) <= 120
+
+
+# errors ----------------------------------------------------------------------------------------------
+EXPECTED_TYPE: dict[int, type[BatchwireError]] = {
+    400: InvalidRequest,
+    401: Unauthorized,
+    403: Unauthorized,
+    404: NotFound,
+    405: InvalidRequest,
+    408: InvalidRequest,
+    409: NotCancellable,
+    413: InvalidRequest,
+    415: InvalidRequest,
+    422: InvalidRequest,
+    429: Overloaded,
+    431: InvalidRequest,
+    499: InvalidRequest,
+    500: ServerError,
+    502: TaskFailed,
+    503: Overloaded,
+    504: DeadlineExceeded,
+}
+EXCEPTIONS = {"task_cancelled": TaskFailed, "priority_above_ceiling": InvalidRequest}
+
+
+def answer(status: int, doc: Any = None, headers: dict[str, str] | None = None, text: str = "") -> httpx.Response:
+    if doc is not None:
+        return httpx.Response(status, json=doc, headers=headers)
+    return httpx.Response(status, text=text, headers=headers)
+
+
+@pytest.mark.parametrize("code", sorted(ERROR_TABLE))
+def test_every_error_code_of_the_gateway_has_its_type(code: str) -> None:
+    status = ERROR_TABLE[code][0]
+    error = error_of(answer(status, error_body(code, "what to change", "t1")))
+    expected = EXCEPTIONS.get(code) or EXPECTED_TYPE.get(status)
+    assert expected is not None, f"{code} answers {status}, new to the client: map it in batchwire.client and here"
+    assert type(error) is expected, f"{code} ({status}) became {type(error).__name__}, expected {expected.__name__}"
+    assert (error.code, error.message, error.status, error.task_id) == (code, "what to change", status, "t1")
+
+
+def test_what_the_gateway_retries_is_what_the_client_retries() -> None:
+    retriable = {cls.code for cls in _subclasses(GatewayError) if cls.retriable and cls.code in ERROR_TABLE}
+    assert retriable, "no retriable gateway error found"
+    for code in sorted(ERROR_TABLE):
+        error = error_of(answer(ERROR_TABLE[code][0], error_body(code, "m")))
+        assert error.retriable == (code in retriable or ERROR_TABLE[code][0] == 503), f"{code}: {type(error)}"
+
+
+def _subclasses(cls: type[GatewayError]) -> set[type[GatewayError]]:
+    found = set(cls.__subclasses__())
+    return found.union(*(_subclasses(sub) for sub in found))
+
+
+def test_a_failed_tasks_own_code_is_a_task_failure_and_retry_after_is_kept() -> None:
+    failed = error_of(answer(502, error_body("backend_error", "the model raised", "t1")))
+    assert isinstance(failed, TaskFailed) and failed.code == "backend_error" and failed.task_status == "failed"
+    refused = error_of(answer(503, error_body("overloaded", "full"), {"Retry-After": "7"}))
+    assert isinstance(refused, Overloaded) and refused.retry_after_s == 7.0
+
+
+def test_an_answer_without_the_error_body_is_typed_by_its_status() -> None:
+    proxy = error_of(answer(503, text="<html>upstream down</html>"))
+    assert isinstance(proxy, Overloaded) and proxy.code == "http_503" and "upstream down" in proxy.message
+    odd = error_of(answer(500, {"detail": "not ours"}))
+    assert isinstance(odd, ServerError) and odd.code == "http_500"
+
+
+def test_a_terminal_state_is_its_output_or_a_task_failure() -> None:
+    assert output_of({"task_id": "t", "status": "completed", "output": "olleh"}) == "olleh"
+    failed = {"task_id": "t", "status": "failed", "error": {"code": "backend_error", "message": "boom"}}
+    with pytest.raises(TaskFailed) as raised:
+        output_of(failed)
+    assert (raised.value.code, raised.value.task_status, raised.value.task_id) == ("backend_error", "failed", "t")
+    with pytest.raises(TaskFailed) as cancelled:
+        output_of({"task_id": "t", "status": "cancelled"})
+    assert (cancelled.value.code, cancelled.value.task_status) == ("cancelled", "cancelled")
+
+
+# event streams ---------------------------------------------------------------------------------------
+def state(status: TaskStatus, **extra: Any) -> TaskState:
+    return TaskState("t1", status, "sim", 1, 1, **extra)
+
+
+def decode(stream: bytes) -> tuple[list[ServerSentEvent], EventDecoder]:
+    decoder = EventDecoder()
+    events = [e for line in stream.decode().splitlines() if (e := decoder.line(line)) is not None]
+    return events, decoder
+
+
+def test_the_gateways_stream_decodes_to_its_events_and_retry() -> None:
+    stream = (
+        RETRY
+        + state_event(state(TaskStatus.QUEUED))
+        + PING
+        + state_event(state(TaskStatus.RUNNING))
+        + state_event(state(TaskStatus.COMPLETED, output="olleh"))
+    )
+    events, decoder = decode(stream)
+    assert [(e.event, e.id) for e in events] == [("queued", "0"), ("running", "2"), ("completed", "3")], events
+    assert decoder.retry_s == 1.0
+
+
+def test_multi_line_data_is_joined_and_an_event_without_data_is_dropped() -> None:
+    events, _ = decode(b"event: a\ndata: one\ndata: two\nid: 5\n\nevent: empty\n\n: ping\n\ndata: x\n\n")
+    assert events == [ServerSentEvent("a", "one\ntwo", "5"), ServerSentEvent("message", "x", None)], events
+
+
+def test_an_event_cut_off_by_a_dropped_connection_is_not_delivered() -> None:
+    decoder = EventDecoder()
+    for line in ["retry: 1000", "event: queued", 'data: {"status": "queued"}']:
+        assert decoder.line(line) is None
+    decoder.restart()
+    assert decoder.line("") is None, "the half event died with its connection"
+    assert decoder.retry_s == 1.0, "the reconnection time stands"
+
+
+def test_resume_sends_the_last_id_and_drops_what_was_delivered() -> None:
+    resume = Resume()
+    assert resume.headers() == {}
+    events, _ = decode(state_event(state(TaskStatus.QUEUED)) + state_event(state(TaskStatus.RUNNING)))
+    taken = [resume.take(e) for e in events]
+    assert [(t.id, t.status) for t in taken if t is not None] == [(0, "queued"), (2, "running")]
+    assert resume.headers() == {"Last-Event-ID": "2"} and not resume.ended
+    again, _ = decode(state_event(state(TaskStatus.RUNNING)) + state_event(state(TaskStatus.FAILED)))
+    assert resume.take(again[0]) is None, "a status delivered before is not delivered again"
+    end = resume.take(again[1])
+    assert end == TaskEvent(3, "failed", end.task if end else {}) and resume.ended, end
+
+
+def test_an_error_event_raises_its_typed_error() -> None:
+    events, _ = decode(error_event("unavailable", "the task store is down"))
+    with pytest.raises(Overloaded) as raised:
+        Resume().take(events[0])
+    assert raised.value.retriable and raised.value.status is None and raised.value.code == "unavailable"
