@@ -54,6 +54,17 @@ def add_routes(routes: APIRouter) -> None:
         events,
         methods=["GET"],
         response_class=EventStream,
+        openapi_extra={
+            "parameters": [
+                {
+                    "name": "Last-Event-ID",
+                    "in": "header",
+                    "required": False,
+                    "description": "The `id` of the last event read: the stream resumes after it (204 after the end).",
+                    "schema": {"type": "string", "pattern": f"^[0-{_LAST_RANK}]$"},
+                }
+            ]
+        },
         responses={
             200: {
                 "description": "Server-sent events: `retry: 1000`, the current state, then each change; `event` "
