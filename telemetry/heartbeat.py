@@ -115,7 +115,7 @@ def gateway_figures(window: Window, models: Iterable[str]) -> tuple[Figures, dic
     served = sum(
         rate
         for route, rate in window.by("batchwire_requests_total", "route").items()
-        if not route.startswith(_OPERATIONAL)
+        if route != "unmatched" and not route.startswith(_OPERATIONAL)  # a scanner's 404s serve no one
     )
     figures: Figures = {
         "requests_per_s": served,

@@ -72,12 +72,15 @@ def test_a_gateway_counts_its_api_not_its_probes_and_refusals_by_status(registry
     requests.labels(route="/v1/tasks", status="429").inc(2)
     requests.labels(route="/metrics", status="200").inc(50)
     requests.labels(route="/healthz", status="200").inc(50)
+    requests.labels(route="unmatched", status="404").inc(50)
     submits.labels(model="sim", priority="normal", outcome="refused").inc(6)
     for _ in range(40):
         latency.labels(model="sim").observe(0.15)
     clock.advance(2.0)
     figures, breakdowns, per_model = gateway_figures(reader.advance(), ("sim", "other"))
-    assert figures["requests_per_s"] == pytest.approx(24.0), "48 API requests in 2 s; probes and scrapes left out"
+    assert figures["requests_per_s"] == pytest.approx(24.0), (
+        "48 API requests in 2 s; probes, scrapes and unknown paths left out"
+    )
     assert figures["answered_per_s"] == pytest.approx(20.0)
     assert figures["inflight"] == 4
     assert figures["refused_per_s"] == pytest.approx(4.0)

@@ -1,0 +1,135 @@
+"""``batchwire status`` against a deployment over Kafka and Redis: two gateways, two batchers, three workers.
+
+Every process beats into the namespace's fleet in Redis, so either gateway shows all seven. The command
+runs as a process of its own, as a person runs it: exit 0 while every model has a live worker, 1 once
+the model's workers are killed with ``kill -9`` (naming the model), 2 when the URL answers nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from infra.ports import free_port
+from tests.support.cluster_checks import proc_named
+from tests.support.eventually import eventually_sync
+from tests.support.processes import Cluster, launch, respawn, stopped_after
+
+EXIT_NO_WORKER, EXIT_UNREACHABLE = 1, 2
+FLEET = {
+    "gateway": {"gw0", "gw1"},
+    "batcher": {"batcher0", "batcher1"},
+    "worker": {"worker0", "worker1", "worker2"},
+}
+LIVE = ("idle", "busy")
+
+
+def status(*args: str) -> subprocess.CompletedProcess[str]:
+    """``batchwire status ARGS`` run as a command, outside the deployment's environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHWIRE_")}
+    return subprocess.run(
+        [sys.executable, "-m", "batchwire.cli", "status", *args], capture_output=True, text=True, env=env, timeout=60
+    )
+
+
+def by_role(view: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """Each role's members and their states."""
+    roles: dict[str, dict[str, str]] = {}
+    for member in view["members"]:
+        roles.setdefault(member["role"], {})[member["id"]] = member["state"]
+    return roles
+
+
+def wait_for_status(url: str, what: str, holds: Any, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+    """Runs ``status --url URL --json`` until ``holds(run, view)``; returns that run."""
+    runs: list[subprocess.CompletedProcess[str]] = []
+
+    def check() -> bool:
+        run = status("--url", url, "--json")
+        runs.append(run)
+        return run.returncode in (0, EXIT_NO_WORKER) and bool(holds(run, json.loads(run.stdout)))
+
+    try:
+        eventually_sync(check, what, timeout_s=timeout_s, interval_s=0.2)
+    except AssertionError as err:
+        last = runs[-1] if runs else None
+        raise AssertionError(f"{err}; last run: {last and (last.returncode, last.stdout, last.stderr)}") from None
+    return runs[-1]
+
+
+def whole_fleet_live(run: subprocess.CompletedProcess[str], view: dict[str, Any]) -> bool:
+    roles = by_role(view)
+    return {role: set(members) for role, members in roles.items()} == FLEET and all(
+        state in LIVE for members in roles.values() for state in members.values()
+    )
+
+
+@pytest.fixture(scope="module")
+def fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, infra: Any) -> Iterator[Cluster]:
+    base = tmp_path_factory.mktemp("fleet")
+    cluster = launch(base, infra.kafka_bootstrap, infra.redis_url, gateways=2, batchers=2, workers=3)
+    with stopped_after(request, cluster):
+        yield cluster
+
+
+@pytest.mark.slow
+@pytest.mark.kafka
+def test_either_gateway_shows_the_whole_fleet(fleet: Cluster) -> None:
+    for url in fleet.gateway_urls:
+        run = wait_for_status(url, f"2 gateways, 2 batchers and 3 workers, all live, from {url}", whole_fleet_live)
+        assert run.returncode == 0, (run.returncode, run.stderr)
+        view = json.loads(run.stdout)
+        assert view["models"]["sim"]["workers_live"] == 3, view["models"]
+
+        table = status("--url", url)
+        assert table.returncode == 0 and table.stderr == "", (table.returncode, table.stderr)
+        lines = table.stdout.splitlines()
+        assert lines[0].split()[:4] == ["ROLE", "ID", "MODELS", "STATE"], table.stdout
+        for role, ids in FLEET.items():
+            for member_id in ids:
+                row = next((line.split() for line in lines if line.split()[:2] == [role, member_id]), None)
+                assert row is not None, f"no row for {role} {member_id} in:\n{table.stdout}"
+                assert row[2] == "sim" and row[3] in LIVE, row
+        assert "no live worker" not in table.stdout, table.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.kafka
+def test_a_model_whose_workers_were_killed_exits_1_and_is_named(fleet: Cluster) -> None:
+    url = fleet.gateway_urls[0]
+    wait_for_status(url, "the whole fleet live", whole_fleet_live)
+    workers = [proc_named(fleet, name) for name in sorted(FLEET["worker"])]
+    try:
+        for worker in workers:
+            worker.kill9()
+        run = wait_for_status(
+            url,
+            "every worker to show as gone",
+            lambda run, view: all(state == "gone" for state in by_role(view)["worker"].values()),
+        )
+        assert run.returncode == EXIT_NO_WORKER, (run.returncode, run.stdout)
+        assert json.loads(run.stdout)["models"]["sim"]["workers_live"] == 0, run.stdout
+        table = status("--url", url)
+        assert table.returncode == EXIT_NO_WORKER, (table.returncode, table.stderr)
+        assert "no live worker for sim" in table.stdout, table.stdout
+        for name in FLEET["worker"]:
+            row = next(line.split() for line in table.stdout.splitlines() if line.split()[:2] == ["worker", name])
+            assert row[3] == "gone", row
+    finally:
+        for worker in workers:  # the module's fleet whole again for the tests that follow
+            respawn(fleet, worker)
+
+
+def test_an_unreachable_gateway_exits_2_saying_why() -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    for args in (("--url", url), ("--url", url, "--json")):
+        run = status(*args)
+        assert run.returncode == EXIT_UNREACHABLE, (run.returncode, run.stdout, run.stderr)
+        assert run.stdout == "", run.stdout
+        assert run.stderr.startswith(f"batchwire status: cannot read the fleet from {url}"), run.stderr
