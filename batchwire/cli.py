@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from batchwire import flags, operations, roles
+from batchwire import flags
 from batchwire.settings import SettingsError
 from gateway.settings import GatewaySettings
 from gpu_worker.backends.factory import BackendConfigError
@@ -179,13 +179,20 @@ SERVICE_NAMES = {
 }
 """The OpenTelemetry service name each role's spans carry."""
 
-HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "up": roles.run_embedded,
-    "gateway": roles.run_gateway,
-    "batcher": roles.run_batcher,
-    "worker": roles.run_worker,
-    "topics": operations.run_topics,
+HANDLERS: dict[str, tuple[str, str]] = {
+    "up": ("batchwire.roles", "run_embedded"),
+    "gateway": ("batchwire.roles", "run_gateway"),
+    "batcher": ("batchwire.roles", "run_batcher"),
+    "worker": ("batchwire.roles", "run_worker"),
+    "topics": ("batchwire.operations", "run_topics"),
 }
+"""Each command's module and function, imported when it runs: a tool (``status``) need not load the roles."""
+
+
+def _handler(command: str) -> Callable[[argparse.Namespace], int]:
+    module, name = HANDLERS[command]
+    handler: Callable[[argparse.Namespace], int] = getattr(importlib.import_module(module), name)
+    return handler
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -194,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tool = TOOLS.get(command)
     if tool is None:  # a role, `topics`, `--help` or a mistake: the full parser says which
         args = build_parser().parse_args(argv)
-        return _run(args, HANDLERS[args.command])
+        return _run(args, _handler(args.command))
     try:
         return _run(tool_parser(command).parse_args(argv), importlib.import_module(tool.module).run)
     except ModuleNotFoundError as err:
