@@ -78,6 +78,14 @@ EVENTS_PATH = "/v1/result/{task_id}/events"
 LAST_EVENT_ID_HEADER = "Last-Event-ID"
 RETRY_AFTER_HEADER = "Retry-After"
 
+POOL_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=5.0)
+"""The connection pool closes no idle connection of its own accord but one idle for ``keepalive_expiry``
+(under the gateway's 10 s idle close, BATCHWIRE_HEADER_TIMEOUT_S). httpcore 1.0.x can close an idle
+connection it has just handed to another request (encode/httpcore#1110): a surplus keep-alive one
+(httpx keeps 20 by default, fewer than ``infer_many``'s 32 calls) or one closed to make room. That
+request's socket is then closed under it: it fails, or hangs until its deadline. Each call holds one
+connection at most, so the connections are as many as the caller's concurrent calls."""
+
 BASE_BACKOFF_S = 0.1
 MAX_BACKOFF_S = 5.0
 GRACE_S = 1.0
@@ -473,7 +481,9 @@ class Client:
     ) -> None:
         self.timeout = timeout
         self.max_retries = max_retries
-        self._http = httpx.Client(base_url=base_url, headers=_headers(api_key), timeout=timeout, transport=transport)
+        self._http = httpx.Client(
+            base_url=base_url, headers=_headers(api_key), timeout=timeout, limits=POOL_LIMITS, transport=transport
+        )
 
     def __enter__(self) -> Self:
         return self
@@ -633,7 +643,7 @@ class AsyncClient:
         self.timeout = timeout
         self.max_retries = max_retries
         self._http = httpx.AsyncClient(
-            base_url=base_url, headers=_headers(api_key), timeout=timeout, transport=transport
+            base_url=base_url, headers=_headers(api_key), timeout=timeout, limits=POOL_LIMITS, transport=transport
         )
 
     async def __aenter__(self) -> Self:
