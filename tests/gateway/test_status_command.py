@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
+import sys
 import time
 
 import pytest
@@ -15,6 +17,7 @@ from schemas.heartbeat import Beat
 from tests.support.gateway_rig import RigFactory, serving
 from transport.memory.fleet import MemoryFleet
 
+CLEAR = b"\x1b[H\x1b[2J"
 TENANT = "tenant-key-0123456789"
 OPERATOR = "operator-key-0123456789"
 
@@ -112,3 +115,34 @@ async def test_an_unreachable_gateway_exits_2_and_says_where_it_looked(capsys: p
     code = await status("--url", f"http://127.0.0.1:{port}")
     assert code == 2
     assert f"127.0.0.1:{port}" in capsys.readouterr().err
+
+
+async def test_watch_redraws_until_interrupted_and_exits_with_the_last_code(make_rig: RigFactory) -> None:
+    fleet = await fleet_of(beat("worker", "w1", ("sim",)))
+    rig = await make_rig(fleet=fleet, models=("sim",))
+    async with serving(rig) as client:
+        watch = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "batchwire.cli",
+            "status",
+            "--url",
+            str(client.base_url),
+            "--watch",
+            "0.05",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        assert watch.stdout is not None
+        seen = b""
+        try:
+            async with asyncio.timeout(30):
+                while seen.count(CLEAR) < 3:
+                    seen += await watch.stdout.read(4096) or b""
+                    assert watch.returncode is None, seen
+        finally:
+            watch.send_signal(signal.SIGINT)
+            code = await watch.wait()
+    assert code == 0, "interrupted after a fleet whose every model had a live worker"
+    frames = [frame for frame in seen.split(CLEAR) if frame]
+    assert all(b"w1" in frame for frame in frames[:2]), "each redraw is the whole table"
