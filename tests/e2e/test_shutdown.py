@@ -185,13 +185,13 @@ async def test_sigterm_ends_a_gateways_event_streams_and_it_exits_at_once(
         task_id = (await client.post("/v1/tasks", json={"input": "streamed"})).json()["task_id"]
         async with client.stream("GET", f"/v1/result/{task_id}/events") as stream:
             lines = stream.aiter_lines()
-            first = await anext(lines)
+            retry, first = await anext(lines), await anext(lines)  # the first event opens with its retry field
             signalled = time.monotonic()
             sigterm(proc)
             rest = [line async for line in lines]
         code, _ = await exit_status(proc, 20)
     took = time.monotonic() - signalled
     print(f"\nstream at SIGTERM: {first!r}, then {rest!r}")
-    assert first.startswith("event: "), f"the stream was open: {first!r}"
+    assert (retry, first[:7]) == ("retry: 1000", "event: "), f"the stream was open: {retry!r}, {first!r}"
     assert not any("completed" in line for line in rest), f"the stream ended before its 6 s task did: {rest}"
     assert code == 0 and took < 5, f"the stream ends and the gateway exits 0 at once, got {code} after {took:.1f} s"
