@@ -56,22 +56,17 @@ class Beat:
 
     def to_public(self, now_ms: int) -> dict[str, Any]:
         """The JSON shape of ``/v1/fleet`` and ``batchwire status --json``: the beat, and whether it is live."""
-        return {
-            "role": self.role,
-            "id": self.id,
-            "host": self.host,
-            "pid": self.pid,
-            "version": self.version,
-            "models": list(self.models),
-            "state": self.state if self.live(now_ms) else "gone",
-            "age_s": round(max(0, now_ms - self.at_ms) / 1000, 1),
-            "figures": _rounded(self.figures),
-            "breakdowns": {name: _rounded(values) for name, values in self.breakdowns.items()},
-            "per_model": {model: _rounded(values) for model, values in self.per_model.items()},
-        }
+        doc = self._doc()
+        del doc["at_ms"], doc["interval_s"]
+        doc["state"] = self.state if self.live(now_ms) else "gone"
+        doc["age_s"] = round(max(0, now_ms - self.at_ms) / 1000, 1)
+        return doc
 
     def encode(self) -> bytes:
-        doc = {
+        return json.dumps(self._doc(), separators=(",", ":")).encode()
+
+    def _doc(self) -> dict[str, Any]:
+        return {
             "role": self.role,
             "id": self.id,
             "host": self.host,
@@ -85,7 +80,6 @@ class Beat:
             "breakdowns": {name: _rounded(values) for name, values in self.breakdowns.items()},
             "per_model": {model: _rounded(values) for model, values in self.per_model.items()},
         }
-        return json.dumps(doc, separators=(",", ":")).encode()
 
 
 def decode_beat(raw: bytes | str) -> Beat | None:

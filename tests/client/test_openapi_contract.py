@@ -12,29 +12,17 @@ from gateway.edge.app import create_app
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from schemas.wire import IDEMPOTENCY_HEADER
+from tests.support.gateway_rig import StubLifecycle
 from transport.memory.requests import MemoryRequestBus
 from transport.memory.store import MemoryTaskStore
 from transport.routing import Partitioner
-
-
-class _Idle:
-    """The lifecycle of an app that is only asked for its OpenAPI document."""
-
-    async def start(self) -> None:
-        return None
-
-    async def close(self) -> None:
-        return None
-
-    async def ready(self) -> dict[str, bool]:
-        return {}
 
 
 @pytest.fixture(scope="module")
 def doc() -> dict[str, Any]:
     settings = GatewaySettings(gateway_id="doc")
     bus = MemoryRequestBus(Partitioner(settings.models, 4))
-    spec: dict[str, Any] = create_app(Gateway(settings, bus.producer(), MemoryTaskStore()), _Idle()).openapi()
+    spec: dict[str, Any] = create_app(Gateway(settings, bus.producer(), MemoryTaskStore()), StubLifecycle()).openapi()
     return spec
 
 

@@ -38,6 +38,7 @@ from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from schemas.records import TaskStatus
 from schemas.wire import IDEMPOTENCY_HEADER
+from tests.support.gateway_rig import StubLifecycle
 from tests.support.processes import Proc, embedded
 from transport.memory.requests import MemoryRequestBus
 from transport.memory.store import MemoryTaskStore
@@ -69,26 +70,13 @@ FUZZ_SETTINGS = settings(
 STATEFUL_SETTINGS = settings(FUZZ_SETTINGS, max_examples=STATEFUL_SCENARIOS, stateful_step_count=6)
 
 
-class _Idle:
-    """The lifecycle of an app that is only asked for its OpenAPI document."""
-
-    async def start(self) -> None:
-        return None
-
-    async def close(self) -> None:
-        return None
-
-    async def ready(self) -> dict[str, bool]:
-        return {}
-
-
 def _document(api_keys: tuple[str, ...] = ()) -> dict[str, Any]:
     """The OpenAPI document of ``batchwire up`` with ``SERVICE_FLAGS`` (and these key digests)."""
     gateway_settings = GatewaySettings(
         default_timeout_ms=TIMEOUT_MS, max_timeout_ms=TIMEOUT_MS, api_keys=api_keys, gateway_id="doc"
     )
     bus = MemoryRequestBus(Partitioner(gateway_settings.models, 12))
-    app = create_app(Gateway(gateway_settings, bus.producer(), MemoryTaskStore()), _Idle())
+    app = create_app(Gateway(gateway_settings, bus.producer(), MemoryTaskStore()), StubLifecycle())
     return app.openapi()
 
 
