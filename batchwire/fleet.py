@@ -21,7 +21,7 @@ from gpu_worker.worker import Worker
 from schemas.heartbeat import Beat
 from telemetry import heartbeat
 from telemetry.heartbeat import Reader, Window
-from transport.cancelling import cancel_and_wait
+from transport.background_loop import BackgroundLoop
 from transport.ports import Fleet, TransportError
 
 log = logging.getLogger(__name__)
@@ -95,15 +95,13 @@ class Heartbeats:
         self.fleet = fleet
         self.beats = beats
         self.interval_s = interval_s
-        self._task: asyncio.Task[None] | None = None
+        self._loop = BackgroundLoop("heartbeats")
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="heartbeats")
+        self._loop.start(self._run())
 
     async def close(self) -> None:
-        if self._task is not None:
-            await cancel_and_wait(self._task)
-            self._task = None
+        await self._loop.close()
 
     async def _run(self) -> None:
         reader = Reader()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ROLES = ("gateway", "batcher", "worker")
-STATES = ("idle", "busy", "draining", "hung")
+"""The roles, in the order the fleet views list them; a role a later release adds comes after them."""
 GONE_AFTER_BEATS = 3
 """A member that missed this many beats is shown as gone: its process died or cannot reach the store."""
 FORGET_AFTER_S = 60.0
@@ -22,7 +22,7 @@ FORGET_AFTER_S = 60.0
 
 @dataclass(frozen=True, slots=True)
 class Beat:
-    """One member of the fleet at ``at_ms`` (Unix ms).
+    """One member of the fleet at ``at_ms`` (Unix ms), in ``state`` idle, busy, draining or hung.
 
     ``figures`` are the member's rates and levels over the last ``interval_s`` (``requests_per_s``,
     ``p99_ms``, ``busy_fraction``...), ``breakdowns`` the rates it splits by a label (refusals by

@@ -91,6 +91,11 @@ def test_the_view_sums_live_members_and_shows_the_dead_as_gone() -> None:
     assert totals["mean_batch_size"] == pytest.approx(20.0)
 
 
+def test_a_role_a_later_release_adds_is_listed_after_the_known_ones() -> None:
+    view = fleet_view([beat("router", "r1"), *FLEET], ("sim",), NOW_MS)
+    assert [member["role"] for member in view["members"]][-1] == "router"
+
+
 def test_each_model_has_a_row_and_one_with_no_live_worker_says_so() -> None:
     rows = fleet_view(FLEET, ("sim", "embed", "idle-model"), NOW_MS)["models"]
     assert set(rows) == {"sim", "embed", "idle-model"}

@@ -19,13 +19,13 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 
-from gateway.edge.events import RETRY, EventStream, StreamsEnd
+from gateway.edge.events import RETRY, EventStream, StreamsEnd, error_event
 from gateway.edge.handlers import json_response
 from gateway.edge.models import error_responses
 from gateway.edge.routes.deployment import deployment_of
 from gateway.errors import GatewayError, Unavailable
 from gateway.settings import GatewaySettings
-from schemas.heartbeat import Beat
+from schemas.heartbeat import ROLES, Beat
 from transport.ports import Fleet, TransportError
 
 FLEET_PATH = "/v1/fleet"
@@ -56,7 +56,7 @@ def fleet_view(members: list[Beat], models: tuple[str, ...], now_ms: int) -> dic
         row["workers_busy"] = sum(beat.state == "busy" for beat in serving)
         row["workers_hung"] = sum(beat.state == "hung" for beat in serving)
         rows[model] = row
-    ordered = sorted(members, key=lambda beat: (("gateway", "batcher", "worker").index(beat.role), beat.id))
+    ordered = sorted(members, key=lambda beat: (ROLES.index(beat.role) if beat.role in ROLES else len(ROLES), beat.id))
     return {
         "at_ms": now_ms,
         "members": [beat.to_public(now_ms) for beat in ordered],
@@ -66,18 +66,12 @@ def fleet_view(members: list[Beat], models: tuple[str, ...], now_ms: int) -> dic
 
 
 def _served(gateways: list[Beat], model: str | None) -> dict[str, Any]:
-    def figures(beat: Beat) -> dict[str, float]:
-        return dict(beat.figures) if model is None else dict(beat.per_model.get(model, {}))
-
-    rows = [figures(beat) for beat in gateways]
-    answered = sum(row.get("answered_per_s", 0.0) for row in rows)
+    rows = [beat.figures if model is None else beat.per_model.get(model, {}) for beat in gateways]
     served: dict[str, Any] = {
-        "requests_per_s": sum(row.get("requests_per_s", 0.0) for row in rows),
-        "answered_per_s": answered,
-        "refused_per_s": sum(row.get("refused_per_s", 0.0) for row in rows),
+        name: sum(row.get(name, 0.0) for row in rows) for name in ("answered_per_s", "refused_per_s")
     }
-    if model is not None:
-        del served["requests_per_s"]  # a gateway counts requests per route, not per model
+    if model is None:  # a gateway counts requests per route, not per model
+        served["requests_per_s"] = sum(row.get("requests_per_s", 0.0) for row in rows)
     timed = [row for row in rows if "p50_ms" in row]
     if timed:
         weights = [row.get("answered_per_s", 0.0) or 1.0 for row in timed]
@@ -155,8 +149,7 @@ class FleetEvents:
         try:
             view = await _view(self._store, self._models)
         except GatewayError as err:
-            data = json.dumps({"error": {"code": err.error_code, "message": err.message}})
-            return opening + f"event: error\r\ndata: {data}\r\nid: {now_ms}\r\n\r\n".encode()
+            return opening + error_event(err.error_code, err.message)
         data = json.dumps(view, separators=(",", ":"))
         return opening + f"event: fleet\r\ndata: {data}\r\nid: {now_ms}\r\n\r\n".encode()
 
