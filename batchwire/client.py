@@ -316,6 +316,15 @@ class Attempts:
         """The call got somewhere (an event stream delivered an event): its retries start over."""
         self.retries = 0
 
+    def wait_after(self, error: BatchwireError, now: float, default_s: float | None = None) -> float:
+        """Seconds to wait before retrying after ``error``: its ``Retry-After``, else ``default_s``, plus
+        backoff. Raises ``error`` if it is not retriable, or if :meth:`retry_in` says stop."""
+        retry_after = error.retry_after_s if error.retry_after_s is not None else default_s
+        delay = self.retry_in(now, retry_after) if error.retriable else None
+        if delay is None:
+            raise error
+        return delay
+
 
 # server-sent events -------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
@@ -421,6 +430,38 @@ class Resume:
         return task_event
 
 
+class _Follow:
+    """One ``events`` call over all its connections, without I/O: lines in; new events, each
+    connection's headers and the wait before the next one out."""
+
+    def __init__(self, max_retries: int) -> None:
+        self._resume = Resume()
+        self._decoder = EventDecoder()
+        self._attempts = Attempts(math.inf, max_retries)
+
+    @property
+    def ended(self) -> bool:
+        return self._resume.ended
+
+    def connect(self) -> dict[str, str]:
+        """A new connection's headers (its ``Last-Event-ID``)."""
+        self._decoder.restart()
+        return self._resume.headers()
+
+    def line(self, line: str) -> TaskEvent | None:
+        """The event not yet delivered that ``line`` completes; delivering one starts the retries over."""
+        sse = self._decoder.line(line)
+        event = self._resume.take(sse) if sse is not None else None
+        if event is not None:
+            self._attempts.progressed()
+        return event
+
+    def reconnect_in(self, failure: BatchwireError, now: float) -> float:
+        """The wait before reconnecting after ``failure`` (a refusal's Retry-After, else the stream's
+        ``retry:``); raises ``failure`` if it is not retriable or the retries are spent."""
+        return self._attempts.wait_after(failure, now, self._decoder.retry_s)
+
+
 # shared by both clients ---------------------------------------------------------------------------
 def _headers(api_key: str | None) -> dict[str, str]:
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
@@ -458,10 +499,27 @@ def _deadline_passed(err: httpx.TimeoutException) -> DeadlineExceeded:
 
 
 def _unreachable(err: httpx.TransportError) -> Unreachable:
-    return Unreachable("unreachable", f"no connection to the server: {err!r}")
+    error = Unreachable("unreachable", f"no connection to the server: {err!r}")
+    error.__cause__ = err
+    return error
 
 
-class Client:
+def _closed_early() -> Unreachable:
+    return Unreachable("unreachable", "the event stream kept closing before the task ended")
+
+
+class _ClientBase:
+    """What both clients share besides their httpx client: each call's deadline and retries."""
+
+    def __init__(self, timeout: float, max_retries: int) -> None:
+        self.timeout = timeout
+        self.max_retries = max_retries
+
+    def _attempts(self, timeout: float | None) -> Attempts:
+        return Attempts(time.monotonic() + (self.timeout if timeout is None else timeout), self.max_retries)
+
+
+class Client(_ClientBase):
     """batchwire's HTTP API, blocking. Thread-safe: ``infer_many`` runs its calls in threads.
 
     ``api_key`` falls back to ``$BATCHWIRE_API_KEY``; ``timeout`` (seconds) is each call's deadline,
@@ -479,8 +537,7 @@ class Client:
         max_retries: int = DEFAULT_MAX_RETRIES,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        self.timeout = timeout
-        self.max_retries = max_retries
+        super().__init__(timeout, max_retries)
         self._http = httpx.Client(
             base_url=base_url, headers=_headers(api_key), timeout=timeout, limits=POOL_LIMITS, transport=transport
         )
@@ -532,37 +589,27 @@ class Client:
         """The task's statuses as they change, each once, the terminal one last: a task that fails,
         expires or is cancelled ends the events, it raises nothing. A connection that drops is
         resumed after the last event read."""
-        resume = Resume()
-        attempts = Attempts(math.inf, self.max_retries)
-        decoder = EventDecoder()
-        while not resume.ended:
-            decoder.restart()
+        follow = _Follow(self.max_retries)
+        while not follow.ended:
             try:
-                with self._http.stream("GET", _events_path(task_id), headers=resume.headers()) as response:
+                with self._http.stream("GET", _events_path(task_id), headers=follow.connect()) as response:
                     if response.status_code == 204:  # the server saw the end: the last id read was it
                         return
                     if not response.is_success:
                         response.read()
                         raise error_of(response)
                     for line in response.iter_lines():
-                        sse = decoder.line(line)
-                        event = resume.take(sse) if sse is not None else None
+                        event = follow.line(line)
                         if event is not None:
-                            attempts.progressed()
                             yield event
-                        if resume.ended:
+                        if follow.ended:
                             return
-                failure: BatchwireError | httpx.TransportError | None = None  # closed early: server shutting down
+                failure: BatchwireError = _closed_early()  # e.g. the server shutting down
             except BatchwireError as err:
-                if not err.retriable:
-                    raise
                 failure = err
             except httpx.TransportError as err:  # a reset, a read past the timeout, a proxy that closes
-                failure = err
-            delay = attempts.retry_in(time.monotonic(), _reconnect_after(decoder, failure))
-            if delay is None:
-                raise _gave_up(failure)
-            time.sleep(delay)
+                failure = _unreachable(err)
+            time.sleep(follow.reconnect_in(failure, time.monotonic()))
 
     def cancel(self, task_id: str) -> None:
         """Cancels a queued or batched task (``DELETE``); :class:`NotCancellable` if it runs or ended."""
@@ -588,9 +635,6 @@ class Client:
                     future.cancel()
                 raise
 
-    def _attempts(self, timeout: float | None) -> Attempts:
-        return Attempts(time.monotonic() + (self.timeout if timeout is None else timeout), self.max_retries)
-
     def _call(
         self,
         method: str,
@@ -613,21 +657,15 @@ class Client:
             except httpx.TimeoutException as err:
                 raise _deadline_passed(err) from err
             except httpx.TransportError as err:
-                delay = attempts.retry_in(time.monotonic())
-                if delay is None:
-                    raise _unreachable(err) from err
-                time.sleep(delay)
-                continue
-            if response.is_success:
-                return response
-            error = error_of(response)
-            delay = attempts.retry_in(time.monotonic(), error.retry_after_s) if error.retriable else None
-            if delay is None:
-                raise error
-            time.sleep(delay)
+                error: BatchwireError = _unreachable(err)
+            else:
+                if response.is_success:
+                    return response
+                error = error_of(response)
+            time.sleep(attempts.wait_after(error, time.monotonic()))
 
 
-class AsyncClient:
+class AsyncClient(_ClientBase):
     """batchwire's HTTP API, awaited: :class:`Client`'s methods, as coroutines (``events`` is an async
     iterator)."""
 
@@ -640,8 +678,7 @@ class AsyncClient:
         max_retries: int = DEFAULT_MAX_RETRIES,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        self.timeout = timeout
-        self.max_retries = max_retries
+        super().__init__(timeout, max_retries)
         self._http = httpx.AsyncClient(
             base_url=base_url, headers=_headers(api_key), timeout=timeout, limits=POOL_LIMITS, transport=transport
         )
@@ -703,37 +740,27 @@ class AsyncClient:
 
     async def events(self, task_id: str) -> AsyncIterator[TaskEvent]:
         """:meth:`Client.events`, as an async iterator."""
-        resume = Resume()
-        attempts = Attempts(math.inf, self.max_retries)
-        decoder = EventDecoder()
-        while not resume.ended:
-            decoder.restart()
+        follow = _Follow(self.max_retries)
+        while not follow.ended:
             try:
-                async with self._http.stream("GET", _events_path(task_id), headers=resume.headers()) as response:
+                async with self._http.stream("GET", _events_path(task_id), headers=follow.connect()) as response:
                     if response.status_code == 204:
                         return
                     if not response.is_success:
                         await response.aread()
                         raise error_of(response)
                     async for line in response.aiter_lines():
-                        sse = decoder.line(line)
-                        event = resume.take(sse) if sse is not None else None
+                        event = follow.line(line)
                         if event is not None:
-                            attempts.progressed()
                             yield event
-                        if resume.ended:
+                        if follow.ended:
                             return
-                failure: BatchwireError | httpx.TransportError | None = None
+                failure: BatchwireError = _closed_early()
             except BatchwireError as err:
-                if not err.retriable:
-                    raise
                 failure = err
             except httpx.TransportError as err:  # a reset, a read past the timeout, a proxy that closes
-                failure = err
-            delay = attempts.retry_in(time.monotonic(), _reconnect_after(decoder, failure))
-            if delay is None:
-                raise _gave_up(failure)
-            await asyncio.sleep(delay)
+                failure = _unreachable(err)
+            await asyncio.sleep(follow.reconnect_in(failure, time.monotonic()))
 
     async def cancel(self, task_id: str) -> None:
         """:meth:`Client.cancel`, awaited."""
@@ -760,9 +787,6 @@ class AsyncClient:
             raise failed.exceptions[0] from None
         return [call.result() for call in calls]
 
-    def _attempts(self, timeout: float | None) -> Attempts:
-        return Attempts(time.monotonic() + (self.timeout if timeout is None else timeout), self.max_retries)
-
     async def _call(
         self,
         method: str,
@@ -784,35 +808,12 @@ class AsyncClient:
             except httpx.TimeoutException as err:
                 raise _deadline_passed(err) from err
             except httpx.TransportError as err:
-                delay = attempts.retry_in(time.monotonic())
-                if delay is None:
-                    raise _unreachable(err) from err
-                await asyncio.sleep(delay)
-                continue
-            if response.is_success:
-                return response
-            error = error_of(response)
-            delay = attempts.retry_in(time.monotonic(), error.retry_after_s) if error.retriable else None
-            if delay is None:
-                raise error
-            await asyncio.sleep(delay)
-
-
-def _reconnect_after(decoder: EventDecoder, failure: BatchwireError | httpx.TransportError | None) -> float | None:
-    """The wait an event stream asked for before reconnecting: a refusal's Retry-After, else its ``retry:``."""
-    if isinstance(failure, BatchwireError) and failure.retry_after_s is not None:
-        return failure.retry_after_s
-    return decoder.retry_s
-
-
-def _gave_up(failure: BatchwireError | httpx.TransportError | None) -> BatchwireError:
-    if isinstance(failure, BatchwireError):
-        return failure
-    if failure is None:
-        return Unreachable("unreachable", "the event stream kept closing before the task ended")
-    error = _unreachable(failure)
-    error.__cause__ = failure
-    return error
+                error: BatchwireError = _unreachable(err)
+            else:
+                if response.is_success:
+                    return response
+                error = error_of(response)
+            await asyncio.sleep(attempts.wait_after(error, time.monotonic()))
 
 
 @dataclass(frozen=True, slots=True)
