@@ -64,7 +64,8 @@ def test_a_run_of_the_real_service_records_its_calls_and_leaves_no_journal(tmp_p
         f"{len(extras)} calls recorded, {rate.batches} batches scraped in the same window"
     )
     starts = [at for at, _ in extras]
-    assert starts == sorted(starts) and starts[0] >= 0.0 and starts[-1] < 2.0, "starts within the 2 s window"
+    # The window's ends are read when the bench's sleeps wake, so a busy loop can stretch it a little.
+    assert starts == sorted(starts) and starts[0] >= 0.0 and starts[-1] < 2.5, "starts within the 2 s window"
     assert all(extra > -1.0 for _, extra in extras), "a 20 ms sleep cannot end much sooner"
     assert statistics.median(extra for _, extra in extras) < 20.0, "a call of the 20 ms sim backend"
     left = set(Path(tempfile.gettempdir()).glob("batchwire-bench-*.batches.jsonl")) - scratch

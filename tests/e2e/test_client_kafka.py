@@ -122,11 +122,12 @@ class Failover(httpx.HTTPTransport):
 # the deployments --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def deployment(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """Two gateways, a batcher and three sim workers (100 ms a call, up to 100 inputs): 10,000 short
-    inputs are about 3.5 s of their compute."""
+    """Two gateways, a batcher and three sim workers (10 ms a call): 10,000 inputs at 32 a time are
+    about 300 batches, so the run is paced by the client's concurrency and the service, not the sim."""
     infra = request.getfixturevalue("infra")
     base = tmp_path_factory.mktemp("client-kafka")
-    with stopped_after(request, launch(base, infra.kafka_bootstrap, infra.redis_url, gateways=2, workers=3)) as cluster:
+    started = launch(base, infra.kafka_bootstrap, infra.redis_url, gateways=2, workers=3, sim_latency_ms=10)
+    with stopped_after(request, started) as cluster:
         yield cluster
 
 

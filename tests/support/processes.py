@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,10 +111,18 @@ class Cluster:
 
     def gateway(self, index: int | None = None, *extra: str) -> Proc:
         index = len(self.gateway_urls) if index is None else index
-        port = free_port()
-        proc = self.spawn(f"gateway{index}", "gateway", "--port", str(port), "--gateway-id", f"gw{index}", *extra)
-        url = f"http://127.0.0.1:{port}"
-        eventually_sync(lambda: _ready(url), f"gateway {index} to be ready ({proc.tail(5)})", timeout_s=60)
+        name = f"gateway{index}"
+
+        def start(port: int) -> Proc:
+            return Proc(
+                name,
+                ["gateway", "--port", str(port), "--gateway-id", f"gw{index}", *extra],
+                self._env(),
+                self.base / f"{name}.log",
+            ).start()
+
+        proc, url = serving(start, f"gateway {index}")
+        self.procs.append(proc)
         self.gateway_urls.append(url)
         return proc
 
@@ -156,31 +164,53 @@ def _ready(url: str) -> bool:
         return False
 
 
+PORT_TAKEN = "address already in use"
+START_TRIES = 3
+
+
+def serving(start: Callable[[int], Proc], what: str, timeout_s: float = 60.0) -> tuple[Proc, str]:
+    """Starts a listening process on a free port and waits until it is ready; returns it and its URL.
+
+    A port is drawn free but bound by the child a moment later, so another test's process can take it
+    in between: a child that exits saying so is started again on another port. A child that exits for
+    any other reason fails the test at once, with its log's tail.
+    """
+    for _ in range(START_TRIES):
+        port = free_port()
+        proc = start(port)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout_s
+        while proc.alive() and not _ready(url):
+            if time.monotonic() > deadline:
+                proc.stop()
+                raise AssertionError(
+                    f"timed out after {timeout_s:g} s waiting for {what} to be ready:\n{proc.tail(10)}"
+                )
+            time.sleep(0.05)
+        if proc.alive():
+            return proc, url
+        if PORT_TAKEN not in proc.tail(10):
+            raise AssertionError(f"{what} exited with {proc.stop()} before it was ready:\n{proc.tail(10)}")
+    raise AssertionError(f"{what} found its port taken {START_TRIES} times:\n{proc.tail(10)}")
+
+
 def embedded(base: Path, workers: int = 2, sim_latency_ms: float = 100.0, *extra: str) -> tuple[Proc, str]:
     """``batchwire up`` as a subprocess; returns it and its URL once ready."""
-    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHWIRE_")}
     env["PYTHONUNBUFFERED"] = "1"
-    proc = Proc(
-        "embedded",
-        [
-            "up",
-            "--port",
-            str(port),
-            "--workers",
-            str(workers),
-            "--sim-latency-ms",
-            str(sim_latency_ms),
-            "--batch-log",
-            str(base / "batches.jsonl"),
-            *extra,
-        ],
-        env,
-        base / "embedded.log",
-    ).start()
-    url = f"http://127.0.0.1:{port}"
-    eventually_sync(lambda: _ready(url), f"embedded service to be ready ({proc.tail(5)})", timeout_s=60)
-    return proc, url
+    flags = [
+        "--workers",
+        str(workers),
+        "--sim-latency-ms",
+        str(sim_latency_ms),
+        "--batch-log",
+        str(base / "batches.jsonl"),
+    ]
+
+    def start(port: int) -> Proc:
+        return Proc("embedded", ["up", "--port", str(port), *flags, *extra], env, base / "embedded.log").start()
+
+    return serving(start, "embedded service")
 
 
 # fault tests --------------------------------------------------------------------------------------
