@@ -227,6 +227,63 @@ def test_a_first_burst_is_refused_past_what_the_worker_answers(request: pytest.F
     assert codes[504] <= 0.05 * BURST, f"admitted past what the worker answers in time: {codes}"
 
 
+IDLE_BURST = 40
+"""Concurrent synchronous requests to a model whose one worker is idle: well within its next batch."""
+QUEUED_ELSEWHERE = {"embedded": 1000, "kafka": 300}
+"""Tasks queued for the other model first: seconds of its worker's work (10 calls of 100 items and 1 s
+embedded, 60 calls of 5 items and 100 ms over Kafka)."""
+
+
+@pytest.mark.parametrize("mode", ["embedded", "kafka"])
+def test_a_burst_that_fits_an_idle_workers_next_batch_is_admitted_whole(
+    request: pytest.FixtureRequest, mode: str
+) -> None:
+    """Another model's deep queue is not this model's: a burst that one batch of its idle worker
+    answers well within the deadline is admitted whole and answered, none refused."""
+    factory: ServiceFactory = request.getfixturevalue(f"{mode}_service_factory")
+    if mode == "embedded":  # one worker a model, batches of up to 100 and 1 s calls for both
+        service = factory("--models", "sim,flood", workers=1, sim_latency_ms=1000)
+    else:  # the sim model's worker takes batches of up to 100, the flood model's of 5 (100 ms calls)
+        service = factory(workers=1, extra_env={"BATCHWIRE_MODELS": "sim,flood"})
+        assert service.cluster is not None
+        service.cluster.worker(1, "--model", "flood", "--max-batch", "5")
+    for model in ("sim", "flood"):  # each worker has answered once, as on any service that has been running
+        eventually_sync(
+            lambda model=model: (
+                httpx.post(f"{service.url}/v1/inference", json={"input": "up", "model": model}).status_code == 200
+            ),
+            f"the {model} model's worker to answer",
+            timeout_s=60,
+        )
+
+    async def run() -> tuple[list[httpx.Response], list[httpx.Response], Counter[str]]:
+        limits = httpx.Limits(max_connections=IDLE_BURST + 20)
+        timeout = httpx.Timeout(TIMEOUT_MS / 1000 + 10, pool=None)  # the queued tasks wait their turn for a connection
+        async with httpx.AsyncClient(base_url=service.url, timeout=timeout, limits=limits) as client:
+            tasks = await asyncio.gather(
+                *(
+                    client.post("/v1/tasks", json={"model": "flood", "input": f"queued-{n}"})
+                    for n in range(QUEUED_ELSEWHERE[mode])
+                )
+            )
+            body = {"model": "sim", "timeout_ms": TIMEOUT_MS}
+            burst = await asyncio.gather(
+                *(client.post("/v1/inference", json={**body, "input": f"idle-{n}"}) for n in range(IDLE_BURST))
+            )
+            # what still waits for the other model's worker once the burst is answered
+            reads = await asyncio.gather(*(client.get(f"/v1/result/{task.json()['task_id']}") for task in tasks))
+            states = Counter(read.json()["status"] for read in reads)
+            return tasks, burst, states
+
+    tasks, burst, states = asyncio.run(run())
+    assert all(response.status_code == 202 for response in tasks), Counter(r.status_code for r in tasks)
+    assert sum(states[state] for state in WAITING) > 0, f"the other model's queue still holds tasks: {states}"
+    codes = Counter(response.status_code for response in burst)
+    assert codes == {200: IDLE_BURST}, f"a burst within an idle worker's next batch is answered whole: {codes}"
+    wrong = [r.json() for n, r in enumerate(burst) if r.json()["output"] != f"idle-{n}"[::-1]]
+    assert not wrong, f"each caller gets its own answer: {wrong[:3]}"
+
+
 if __name__ == "__main__":
     os.nice(ATTACKER_NICENESS)
     print(json.dumps(dataclasses.asdict(asyncio.run(_flood(sys.argv[1])))))
