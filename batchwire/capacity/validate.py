@@ -56,6 +56,8 @@ from batchwire.capacity.simulate import RateResult, policy_for, simulate, simula
 
 THROUGHPUT_BOUND = 0.03
 LATENCY_BOUND = 0.10
+HELD_OUT_BOUNDS = (0.05, 0.10, 0.25)
+"""A held-out rate's prediction: throughput, p50 and p99 within these shares of the measured ones."""
 SATURATED_SHARE = 0.97
 """A rate is saturated when the measured throughput is below this share of what was sent."""
 BUSY_CAP = 0.9
@@ -79,6 +81,8 @@ class Row:
     """A batch's way to an idle worker, fed to the simulation (``MeasuredRun.probe_hops_ms``)."""
     calls_taken: int = 0
     """The measured calls the simulated ones took their extras from, one by one (0: an exponential draw)."""
+    held_out: bool = False
+    """Predicted from the run's other rates alone (``--held-out``): nothing measured at this rate went in."""
 
     @property
     def saturated(self) -> bool:
@@ -97,11 +101,15 @@ class Row:
         """The figures over their bounds: throughput always, latencies below saturation and in a settled
         window only (``unsettled``: the measured window opened on the warm-up's backlog)."""
         thru, p50, p99 = self.diffs()
-        flags = ["throughput"] if abs(thru) > THROUGHPUT_BOUND else []
+        thru_bound, p50_bound, p99_bound = (
+            HELD_OUT_BOUNDS if self.held_out else (THROUGHPUT_BOUND, LATENCY_BOUND, LATENCY_BOUND)
+        )
+        flags = ["throughput"] if abs(thru) > thru_bound else []
         if self.measured.unsettled:
             flags.append("unsettled")
         elif not self.saturated:
-            flags += [name for name, d in (("p50", p50), ("p99", p99)) if d is not None and abs(d) > LATENCY_BOUND]
+            bounded = (("p50", p50, p50_bound), ("p99", p99, p99_bound))
+            flags += [name for name, d, bound in bounded if d is not None and abs(d) > bound]
         return flags
 
 
@@ -218,17 +226,23 @@ def compare(
     replay: bool = True,
     stages: bool = True,
     call_record: bool = True,
+    held_out: float | None = None,
 ) -> list[Row]:
-    """Every run's rates, measured and simulated."""
+    """Every run's rates, measured and simulated; with ``held_out``, only each run's rate nearest it,
+    simulated from what the run's other rates predict for it (``predicted_inputs``)."""
     rows = []
     for run in runs:
         overhead, source = overhead_for(run, given, runs)
         config = sim_config(run, overhead)
-        for measured in run.rates:
-            base, base_from = awake_overhead(run, measured, overhead, source)
-            at_rate = loaded_overhead_ms(base, measured) if cpu_scaling else base
+        for measured in run.rates if held_out is None else [_nearest(run, held_out)]:
+            inputs, extra = measured, run.call_extra_ms(measured) if call_extra else None
+            if held_out is not None:
+                inputs, extra = predicted_inputs(run, measured)
+                extra = extra if call_extra else None
+            base, base_from = awake_overhead(run, inputs, overhead, source)
+            at_rate = loaded_overhead_ms(base, inputs) if cpu_scaling else base
             fixed_ms, contention_ms = (base, round(at_rate - base, 2)) if spread else (at_rate, 0.0)
-            outside = measured.outside_ms() if stages and source != "flag" else None
+            outside = inputs.outside_ms() if stages and source != "flag" else None
             transit_ms = 0.0
             if outside is not None:  # measured at this rate: no stretch to estimate
                 inbound_ms, transit = run.probe_hops_ms(lone_wait_ms(run), warm=base_from == "warm")
@@ -237,8 +251,7 @@ def compare(
                 inbound = f" + inbound {inbound_ms:.2f}" if inbound_ms else ""
                 base_from = f"{base_from}; in-service {outside:.2f}{inbound}"
             step_ms = (per_item or {}).get(run.mode, 0.0)
-            extra = run.call_extra_ms(measured) if call_extra else None
-            taken = measured.call_extras_ms(run.backend_curve()) if extra is not None and spread and call_record else ()
+            taken = inputs.call_extras_ms(run.backend_curve()) if extra is not None and spread and call_record else ()
             rate_config = dataclasses.replace(
                 config,
                 overhead_ms=fixed_ms,
@@ -249,11 +262,60 @@ def compare(
                 call_extras_ms=taken,
                 transit_ms=transit_ms,
             )
-            sends = measured.replay() if replay else None
-            simulated = simulate_median(rate_config, measured.sent_rate, requests, seeds, sends)
+            sends = inputs.replay() if replay else None
+            simulated = simulate_median(rate_config, inputs.sent_rate, requests, seeds, sends)
             row = Row(run, measured, simulated, fixed_ms, base_from, step_ms, extra, contention_ms, bool(sends))
-            rows.append(dataclasses.replace(row, transit_ms=transit_ms, calls_taken=len(taken)))
+            rows.append(
+                dataclasses.replace(row, transit_ms=transit_ms, calls_taken=len(taken), held_out=held_out is not None)
+            )
     return rows
+
+
+# a rate held out ------------------------------------------------------------------------------------
+def _nearest(run: MeasuredRun, rate: float) -> MeasuredRate:
+    """The run's rate offered nearest ``rate``: the one to predict."""
+    return min(run.rates, key=lambda measured: abs(measured.offered - rate))
+
+
+def predicted_inputs(run: MeasuredRun, target: MeasuredRate) -> tuple[MeasuredRate, float | None]:
+    """What the simulation of ``target`` may take, from the run's other rates alone: the machine's CPU busy
+    share, the backend thread's share of it and each call's extra time, each on the straight line through
+    the other rates (least squares by rate offered), at the rate offered; Poisson arrivals at that rate.
+    Nothing measured at ``target`` goes in: not its sends, its calls, its stages or its CPU. (The rate,
+    and the extra per call: None where the other rates did not measure it.)"""
+    others = [measured for measured in run.rates if measured is not target]
+    if len(others) < 2:
+        raise RunError(
+            f"run {run.name}: --held-out needs at least two other rates to predict {target.offered:g}/s from"
+        )
+    at = target.offered
+    busy = _fit([(m.offered, m.cpu_busy) for m in others], at)
+    backend = _fit([(m.offered, m.backend_share) for m in others], at)
+    extra = _fit([(m.offered, run.call_extra_ms(m)) for m in others], at)
+    predicted = dataclasses.replace(
+        target,
+        sent_rate=at,
+        cpu_busy=None if busy is None else min(max(busy, 0.0), 1.0),
+        backend_share=None if backend is None else max(backend, 0.0),
+        stages_ms=None,
+        sends=None,
+        warmup_sends=None,
+        calls=None,
+    )
+    return predicted, None if extra is None else round(max(extra, 0.0), 2)
+
+
+def _fit(points: Sequence[tuple[float, float | None]], at: float) -> float | None:
+    """The least-squares line through ``points`` (rate, figure), read at ``at``; None when fewer than two
+    figures were measured. (Two points: the line through them.)"""
+    known = [(x, y) for x, y in points if y is not None]
+    if len(known) < 2:
+        return None
+    mean_x = statistics.fmean(x for x, _ in known)
+    mean_y = statistics.fmean(y for _, y in known)
+    spread = sum((x - mean_x) ** 2 for x, _ in known)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in known) / spread if spread else 0.0
+    return mean_y + slope * (at - mean_x)
 
 
 def in_service_overhead(base_ms: float, outside_ms: float, spread: bool) -> tuple[float, float]:
@@ -286,7 +348,8 @@ def _overhead(row: Row) -> str:
     text = f"{text}; sends replayed" if row.replayed else text
     text = f"{text} + {row.per_item_ms:.2f}/answer" if row.per_item_ms else text
     text = f"{text}; calls +{row.call_extra_ms:g} ms" if row.call_extra_ms is not None else text
-    return f"{text} as {row.calls_taken} measured" if row.calls_taken else text
+    text = f"{text} as {row.calls_taken} measured" if row.calls_taken else text
+    return f"{text}; predicted from the other rates" if row.held_out else text
 
 
 def format_table(rows: Sequence[Row]) -> str:
@@ -347,6 +410,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=None,
         help="the curve file (batchwire profile) of the runs' backend, for a real model; default: the flat sim latency",
     )
+    parser.add_argument(
+        "--held-out",
+        type=float,
+        default=None,
+        metavar="RATE",
+        help="predict each run's rate nearest RATE from its other rates alone (CPU busy share, backend share "
+        "and call extra fitted by rate; Poisson arrivals), and hold the prediction to 5%% throughput, 10%% p50, "
+        "25%% p99",
+    )
     parser.add_argument("--requests", type=int, default=20_000, help="simulated requests per rate and seed")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per rate (the median is shown)")
     parser.add_argument("--out", default=None, help="also write the table to this file")
@@ -387,6 +459,7 @@ def run(args: argparse.Namespace) -> int:
             replay=args.replay,
             stages=args.stages,
             call_record=args.call_record,
+            held_out=args.held_out,
         )
         table = format_table(rows)
     except (RunError, CurveError, ValueError) as err:

@@ -423,3 +423,60 @@ def test_the_probes_measure_the_hops_to_an_idle_worker_which_the_path_and_the_tr
     assert plain.transit_ms == 0.0, "the probe's whole cost stands in for the path, both hops included"
     assert row.simulated.p50_ms is not None and plain.simulated.p50_ms is not None
     assert row.simulated.p50_ms < plain.simulated.p50_ms, "the path measured at the rate, not stretched"
+
+
+# a rate held out --------------------------------------------------------------------------------------
+def test_a_figure_is_read_off_the_least_squares_line_through_the_other_rates() -> None:
+    assert validate._fit([(100.0, 0.1), (300.0, 0.3)], 200.0) == pytest.approx(0.2), "between two rates"
+    assert validate._fit([(100.0, 0.1), (300.0, 0.3)], 500.0) == pytest.approx(0.5), "beyond them"
+    assert validate._fit([(100.0, 1.0), (200.0, 3.0), (300.0, 2.0)], 200.0) == pytest.approx(2.0)
+    assert validate._fit([(100.0, 0.1), (300.0, None)], 200.0) is None, "one figure is no line"
+
+
+def three_rates() -> MeasuredRun:
+    """The RF 1 run with a third rate: 500, 1,000 and 1,600 req/s, the machine 20 %, 40 % and 64 % busy."""
+    (run,) = read("durability-rf1/run1")
+    low = dataclasses.replace(run.rates[0], offered=500.0, sent_rate=498.0, throughput=498.0)
+    busy = {500.0: 0.2, 1000.0: 0.4, 1600.0: 0.64}
+    rates = tuple(dataclasses.replace(r, cpu_busy=busy[r.offered]) for r in (low, *run.rates))
+    return dataclasses.replace(run, rates=rates)
+
+
+def test_a_held_out_rate_takes_nothing_measured_at_it() -> None:
+    run = three_rates()
+    recorded = dataclasses.replace(
+        run.rates[1],
+        cpu_busy=0.99,
+        sends=sends.encode([(i / 1000.0, 0.0) for i in range(1000)]),
+        calls=calls.encode([calls.Call(0.0, 50, 0.2)]),
+        stages_ms={"accept_to_sealed": 5.0},
+        mean_ms=170.0,
+    )
+    run = dataclasses.replace(run, rates=(run.rates[0], recorded, run.rates[2]))
+    target = run.rates[1]
+    assert target.offered == 1000.0 and target.replay() is not None, "the run recorded this rate's sends"
+    inputs, extra = validate.predicted_inputs(run, target)
+    assert inputs.cpu_busy == pytest.approx(0.4, abs=1e-6), "the line through 20 % and 64 %, not the 99 % measured"
+    assert inputs.sent_rate == 1000.0, "the rate offered, not what the generator managed"
+    assert (inputs.sends, inputs.warmup_sends, inputs.calls, inputs.stages_ms) == (None, None, None, None)
+    assert inputs.replay() is None and inputs.outside_ms() is None
+    low, high = (run.call_extra_ms(r) for r in (run.rates[0], run.rates[2]))
+    assert low is not None and high is not None, "the run measured the calls' extra time at the other rates"
+    assert extra == pytest.approx(max(0.0, low + (high - low) * 500 / 1100), abs=0.01), "on the line at 1,000/s"
+    with pytest.raises(RunError, match="at least two other rates"):
+        validate.predicted_inputs(dataclasses.replace(run, rates=run.rates[:2]), target)
+
+
+def test_the_command_predicts_the_rate_nearest_the_one_held_out_and_holds_it_to_wider_bounds(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    (predicted,) = validate.compare([three_rates()], {}, requests=2_000, seeds=1, held_out=1100.0)
+    assert predicted.held_out and predicted.measured.offered == 1000.0 and not predicted.replayed
+    assert predicted.calls_taken == 0, "no call of the held-out rate's record is taken"
+    assert "predicted from the other rates" in validate.format_table([predicted])
+    within = dataclasses.replace(row((1000, 150, 200), (1040, 160, 240)), held_out=True)
+    assert within.flags() == [], "4 %, 6.7 % and 20 % are within 5 %, 10 % and 25 %"
+    over = dataclasses.replace(row((1000, 150, 200), (1060, 170, 260)), held_out=True)
+    assert over.flags() == ["throughput", "p50", "p99"]
+    assert cli.main(["validate-sim", str(DATA / "durability-rf1"), "--held-out", "1000"]) == 2
+    assert "at least two other rates" in capsys.readouterr().err
