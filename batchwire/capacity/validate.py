@@ -235,14 +235,15 @@ def compare(
         overhead, source = overhead_for(run, given, runs)
         config = sim_config(run, overhead)
         for measured in run.rates if held_out is None else [_nearest(run, held_out)]:
-            inputs, extra = measured, run.call_extra_ms(measured) if call_extra else None
+            inputs, extra, outside = measured, run.call_extra_ms(measured), measured.outside_ms()
             if held_out is not None:
-                inputs, extra = predicted_inputs(run, measured)
-                extra = extra if call_extra else None
+                predicted = predicted_inputs(run, measured)
+                inputs, extra, outside = predicted.rate, predicted.call_extra_ms, predicted.outside_ms
+            extra = extra if call_extra else None
             base, base_from = awake_overhead(run, inputs, overhead, source)
             at_rate = loaded_overhead_ms(base, inputs) if cpu_scaling else base
             fixed_ms, contention_ms = (base, round(at_rate - base, 2)) if spread else (at_rate, 0.0)
-            outside = inputs.outside_ms() if stages and source != "flag" else None
+            outside = outside if stages and source != "flag" else None
             transit_ms = 0.0
             if outside is not None:  # measured at this rate: no stretch to estimate
                 inbound_ms, transit = run.probe_hops_ms(lone_wait_ms(run), warm=base_from == "warm")
@@ -277,12 +278,23 @@ def _nearest(run: MeasuredRun, rate: float) -> MeasuredRate:
     return min(run.rates, key=lambda measured: abs(measured.offered - rate))
 
 
-def predicted_inputs(run: MeasuredRun, target: MeasuredRate) -> tuple[MeasuredRate, float | None]:
+@dataclass(frozen=True, slots=True)
+class Predicted:
+    """What the run's other rates predict for a rate held out."""
+
+    rate: MeasuredRate
+    """The rate as the simulation reads it: offered, with the CPU figures fitted and nothing of its own."""
+    call_extra_ms: float | None
+    outside_ms: float | None
+    """The path's own cost at the rate (``MeasuredRate.outside_ms``), fitted."""
+
+
+def predicted_inputs(run: MeasuredRun, target: MeasuredRate) -> Predicted:
     """What the simulation of ``target`` may take, from the run's other rates alone: the machine's CPU busy
-    share, the backend thread's share of it and each call's extra time, each on the straight line through
-    the other rates (least squares by rate offered), at the rate offered; Poisson arrivals at that rate.
-    Nothing measured at ``target`` goes in: not its sends, its calls, its stages or its CPU. (The rate,
-    and the extra per call: None where the other rates did not measure it.)"""
+    share, the backend thread's share of it, each call's extra time and the path's cost in the service,
+    each on the straight line through the other rates (least squares by rate offered), at the rate
+    offered; Poisson arrivals at that rate. Nothing measured at ``target`` goes in: not its sends, its
+    calls, its stages or its CPU. (A figure the other rates did not measure is None.)"""
     others = [measured for measured in run.rates if measured is not target]
     if len(others) < 2:
         raise RunError(
@@ -292,17 +304,23 @@ def predicted_inputs(run: MeasuredRun, target: MeasuredRate) -> tuple[MeasuredRa
     busy = _fit([(m.offered, m.cpu_busy) for m in others], at)
     backend = _fit([(m.offered, m.backend_share) for m in others], at)
     extra = _fit([(m.offered, run.call_extra_ms(m)) for m in others], at)
-    predicted = dataclasses.replace(
+    outside = _fit([(m.offered, m.outside_ms()) for m in others], at)
+    rate = dataclasses.replace(
         target,
         sent_rate=at,
         cpu_busy=None if busy is None else min(max(busy, 0.0), 1.0),
         backend_share=None if backend is None else max(backend, 0.0),
         stages_ms=None,
+        mean_ms=None,
         sends=None,
         warmup_sends=None,
         calls=None,
     )
-    return predicted, None if extra is None else round(max(extra, 0.0), 2)
+    return Predicted(
+        rate,
+        None if extra is None else round(max(extra, 0.0), 2),
+        None if outside is None else round(max(outside, 0.0), 2),
+    )
 
 
 def _fit(points: Sequence[tuple[float, float | None]], at: float) -> float | None:

@@ -455,11 +455,12 @@ def test_a_held_out_rate_takes_nothing_measured_at_it() -> None:
     run = dataclasses.replace(run, rates=(run.rates[0], recorded, run.rates[2]))
     target = run.rates[1]
     assert target.offered == 1000.0 and target.replay() is not None, "the run recorded this rate's sends"
-    inputs, extra = validate.predicted_inputs(run, target)
+    predicted = validate.predicted_inputs(run, target)
+    inputs, extra = predicted.rate, predicted.call_extra_ms
     assert inputs.cpu_busy == pytest.approx(0.4, abs=1e-6), "the line through 20 % and 64 %, not the 99 % measured"
     assert inputs.sent_rate == 1000.0, "the rate offered, not what the generator managed"
     assert (inputs.sends, inputs.warmup_sends, inputs.calls, inputs.stages_ms) == (None, None, None, None)
-    assert inputs.replay() is None and inputs.outside_ms() is None
+    assert inputs.replay() is None and inputs.outside_ms() is None and inputs.mean_ms is None
     low, high = (run.call_extra_ms(r) for r in (run.rates[0], run.rates[2]))
     assert low is not None and high is not None, "the run measured the calls' extra time at the other rates"
     assert extra == pytest.approx(max(0.0, low + (high - low) * 500 / 1100), abs=0.01), "on the line at 1,000/s"
