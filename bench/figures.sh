@@ -121,6 +121,13 @@ figure() {
         --out bench/results/validate.md
     ) ;;
     validate-hf) validate_hf ;;
+    # A rate predicted from two others, then measured (docs/capacity.md, "A rate held out";
+    # bench/results/held-out.md): each of the three rates held out in turn.
+    held-out)
+      for mode in embedded kafka; do
+        run "held-out-$mode" --start "$mode" --workers 2 --rate 300,800,1300 --duration 20 --warmup 3
+        for rate in 300 800 1300; do $BW validate-sim "$R/held-out-$mode" --held-out "$rate" | tail -n 1; done
+      done ;;
     # The token budget (issue 45; docs/performance.md): the packaged MiniLM embedding on CPU, one worker,
     # inputs of log-normal lengths (median 16 words of one token each, p99 256; MiniLM's 512 positions
     # take the longest, past its 256-token default), count-only batching against a budget of
