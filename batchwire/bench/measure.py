@@ -22,7 +22,7 @@ from batchwire.bench.late import COMPLETED, UNENDED, read_back
 from batchwire.bench.loadgen import TIMEOUT, OpenLoopSender, Tally, Window
 from batchwire.bench.procstats import CpuSampler, CpuSnapshot, GroupStats, group_stats
 from batchwire.bench.prom import Scrape, ServerStats, scrape, server_stats
-from batchwire.bench.redis_commands import command_counts, per_request
+from batchwire.bench.redis_commands import bytes_per_request, command_counts, per_request, used_memory
 from batchwire.bench.results import After504, GeneratorStats, RateReport
 from batchwire.bench.schedule import poisson_offsets
 from batchwire.bench.settle import means_by_second, opening_backlog
@@ -48,8 +48,12 @@ class Probes:
     redis_url: str | None = None
     """The deployment's Redis, whose command counts are read at the window bounds (None: not read)."""
 
-    async def redis_counts(self) -> dict[str, int] | None:
-        return None if self.redis_url is None else await command_counts(self.redis_url)
+    async def redis_counts(self) -> tuple[dict[str, int], int] | None:
+        """The Redis's command counts and ``used_memory`` now (None: not read, or unreadable)."""
+        if self.redis_url is None:
+            return None
+        counts, memory = await command_counts(self.redis_url), await used_memory(self.redis_url)
+        return None if counts is None or memory is None else (counts, memory)
 
     async def scrape(self) -> Scrape | None:
         """The ``/metrics`` pages now (None: the service exports none)."""
@@ -127,7 +131,9 @@ async def measure_rate(
         calls=call_record.read(probes.batch_log, clock_start, clock_end) if probes.batch_log else [],
     )
     if redis_start is not None and redis_end is not None:
-        report["redis_commands"] = per_request(redis_start, redis_end, tally.answers_in_window)
+        (calls_start, memory_start), (calls_end, memory_end) = redis_start, redis_end
+        report["redis_commands"] = per_request(calls_start, calls_end, tally.answers_in_window)
+        report["redis_bytes_per_request"] = bytes_per_request(memory_start, memory_end, tally.answers_in_window)
     return report
 
 

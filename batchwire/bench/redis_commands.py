@@ -1,8 +1,12 @@
-"""Redis commands per request, from the server's own counters (``INFO commandstats``).
+"""Redis commands per request, from the server's own counters (``INFO commandstats``), and the
+memory a request leaves behind (``INFO memory``).
 
 A count the server keeps, not one the bench infers: every command any role ran in the window is in
-it, the bench's own two ``INFO`` calls excepted. It tells what a request costs the result store,
-which CPU seconds of a Redis shared by other work would not.
+it, the bench's own ``INFO`` calls excepted. It tells what a request costs the result store, which
+CPU seconds of a Redis shared by other work would not. The memory is ``used_memory``'s growth over
+the window per answered request: each task stays for the result TTL, so while the window is shorter
+than the TTL the growth is what a task holds (its record, result and keys, with the allocator's
+share); ``batchwire plan --costs`` sizes the shards' memory from it.
 """
 
 from __future__ import annotations
@@ -33,6 +37,24 @@ async def command_counts(url: str) -> dict[str, int] | None:
     finally:
         await client.aclose()
     return {name.removeprefix("cmdstat_"): int(entry["calls"]) for name, entry in stats.items()}
+
+
+async def used_memory(url: str) -> int | None:
+    """The server's ``used_memory`` in bytes now; None when Redis cannot be read."""
+    client = Redis.from_url(url, socket_timeout=2.0)
+    try:
+        memory = await client.info("memory")
+    except (RedisError, OSError):
+        return None
+    finally:
+        await client.aclose()
+    return int(memory["used_memory"])
+
+
+def bytes_per_request(start: int, end: int, answers: int) -> float | None:
+    """``used_memory``'s growth per answered request (None: none answered, or the memory shrank, as it
+    does when tasks older than the window expire in it)."""
+    return round((end - start) / answers, 1) if answers and end > start else None
 
 
 def per_request(start: dict[str, int], end: dict[str, int], answers: int) -> RedisCommands:

@@ -88,6 +88,9 @@ class RateReport(TypedDict):
     redis_commands: NotRequired[RedisCommands]
     """Commands the deployment's Redis ran in the window (``batchwire.bench.redis_commands``), where the
     bench knows it."""
+    redis_bytes_per_request: NotRequired[float | None]
+    """The deployment's Redis memory growth over the window per answered request
+    (``batchwire.bench.redis_commands.bytes_per_request``), where the bench knows it."""
     notes: list[str]
 
 

@@ -201,4 +201,7 @@ def summary_line(rate: RateReport) -> str:
     commands = rate.get("redis_commands")
     if commands is not None and commands["per_request"] is not None:
         line += f", Redis commands/request {commands['per_request']:.2f}"
+    memory = rate.get("redis_bytes_per_request")
+    if memory is not None:
+        line += f", Redis bytes/request {memory:,.0f}"
     return line

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from batchwire.capacity.costs import read_costs, sources_for
 from batchwire.capacity.curve import Curve, CurveError
 from batchwire.capacity.engine import SimConfig
 from batchwire.capacity.simulate import RateResult, add_arguments, config_from, curve_from, simulate_rate
@@ -145,6 +146,10 @@ def format_table(result: dict[str, Any]) -> str:
             f"simulated p50 {sim['p50_ms']} ms, "
             f"p99 {sim['p99_ms']} ms, mean batch {sim['mean_batch']}, busy {sim['busy']}"
         )
+    inputs = result.get("inputs", {})
+    if inputs:
+        lines.append(f"{'input':<27} {'value':>12}  from")
+        lines += [f"{name:<27} {entry['value']:>12,.6g}  {entry['from']}" for name, entry in inputs.items()]
     return "\n".join(lines)
 
 
@@ -157,6 +162,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     parser.add_argument("--p99-ms", type=float, required=True, help="p99 latency target in milliseconds")
     parser.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, help="share of each resource to fill")
     parser.add_argument("--cpu-file", default=None, help="JSON of CPU per request and other sizing inputs")
+    parser.add_argument(
+        "--costs",
+        default=None,
+        metavar="RUN",
+        help="a batchwire bench run over Kafka (its directory): CPU per role, Redis commands and memory per "
+        "request measured at its busiest rate that kept up replace the defaults (after --cpu-file)",
+    )
     parser.add_argument("--result-ttl-s", type=float, default=None, help="how long results stay in Redis")
     parser.add_argument("--replication-factor", type=int, default=None, help="Kafka replication factor")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -179,15 +191,29 @@ def _models(args: argparse.Namespace) -> list[tuple[str, float]]:
     return models
 
 
-def _inputs(args: argparse.Namespace) -> SizingInputs:
+def _inputs(args: argparse.Namespace) -> tuple[SizingInputs, dict[str, str]]:
+    """The sizing inputs, and where each came from."""
     inputs = SizingInputs(headroom=args.headroom)
+    given = {"headroom": "--headroom"} if args.headroom != DEFAULT_HEADROOM else {}
     if args.cpu_file:
+        before = inputs
         inputs = load_cpu_file(args.cpu_file, inputs)
+        given.update({name: f"--cpu-file {args.cpu_file}" for name in changed(before, inputs)})
+    costs = read_costs(args.costs) if getattr(args, "costs", None) else None
+    if costs is not None:
+        inputs = replace(inputs, **{name: type(getattr(inputs, name))(value) for name, value in costs.values.items()})
     if args.result_ttl_s is not None:
         inputs = replace(inputs, result_ttl_s=args.result_ttl_s)
+        given["result_ttl_s"] = "--result-ttl-s"
     if args.replication_factor is not None:
         inputs = replace(inputs, replication_factor=args.replication_factor)
-    return inputs
+        given["replication_factor"] = "--replication-factor"
+    return inputs, sources_for(inputs, costs, given)
+
+
+def changed(before: SizingInputs, after: SizingInputs) -> list[str]:
+    """The inputs whose values differ."""
+    return [name for name in SizingInputs.__dataclass_fields__ if getattr(before, name) != getattr(after, name)]
 
 
 def batchers_for(args: argparse.Namespace, rate: float, inputs: SizingInputs) -> int:
@@ -196,7 +222,7 @@ def batchers_for(args: argparse.Namespace, rate: float, inputs: SizingInputs) ->
 
 
 def make_plan(args: argparse.Namespace, curve: Curve) -> dict[str, Any]:
-    inputs = _inputs(args)
+    inputs, sources = _inputs(args)
     plans = [
         plan_model(
             functools.partial(config_from, args, curve, batchers=batchers_for(args, rate, inputs)),
@@ -209,7 +235,9 @@ def make_plan(args: argparse.Namespace, curve: Curve) -> dict[str, Any]:
         for model, rate in _models(args)
     ]
     total_rate = sum(rate for _, rate in _models(args))
-    return summary(plans, size(total_rate, inputs), inputs, args.p99_ms)
+    result = summary(plans, size(total_rate, inputs), inputs, args.p99_ms)
+    result["inputs"] = {name: {"value": getattr(inputs, name), "from": source} for name, source in sources.items()}
+    return result
 
 
 def run(args: argparse.Namespace) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from batchwire.bench.redis_commands import per_request
+from batchwire.bench.redis_commands import bytes_per_request, per_request
 
 
 def test_commands_between_two_counts_are_divided_by_the_answers() -> None:
@@ -16,3 +16,9 @@ def test_commands_between_two_counts_are_divided_by_the_answers() -> None:
 
 def test_no_answers_gives_no_ratio() -> None:
     assert per_request({}, {"get": 4}, answers=0)["per_request"] is None
+
+
+def test_the_memory_a_request_leaves_is_the_growth_per_answer() -> None:
+    assert bytes_per_request(1_000_000, 1_500_000, answers=400) == 1250.0
+    assert bytes_per_request(1_000_000, 900_000, answers=400) is None, "memory freed in the window: no figure"
+    assert bytes_per_request(1_000_000, 1_500_000, answers=0) is None
