@@ -22,7 +22,7 @@ from batchwire.bench.late import COMPLETED, UNENDED, read_back
 from batchwire.bench.loadgen import TIMEOUT, OpenLoopSender, Tally, Window
 from batchwire.bench.procstats import CpuSampler, CpuSnapshot, GroupStats, group_stats
 from batchwire.bench.prom import Scrape, ServerStats, scrape, server_stats
-from batchwire.bench.redis_commands import bytes_per_request, command_counts, per_request, used_memory
+from batchwire.bench.redis_commands import bytes_per_request, counts, per_request
 from batchwire.bench.results import After504, GeneratorStats, RateReport
 from batchwire.bench.schedule import poisson_offsets
 from batchwire.bench.settle import means_by_second, opening_backlog
@@ -50,10 +50,7 @@ class Probes:
 
     async def redis_counts(self) -> tuple[dict[str, int], int] | None:
         """The Redis's command counts and ``used_memory`` now (None: not read, or unreadable)."""
-        if self.redis_url is None:
-            return None
-        counts, memory = await command_counts(self.redis_url), await used_memory(self.redis_url)
-        return None if counts is None or memory is None else (counts, memory)
+        return None if self.redis_url is None else await counts(self.redis_url)
 
     async def scrape(self) -> Scrape | None:
         """The ``/metrics`` pages now (None: the service exports none)."""

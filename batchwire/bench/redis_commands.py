@@ -27,28 +27,22 @@ class RedisCommands(TypedDict):
     """The ``TOP`` most frequent commands, each per answered request."""
 
 
-async def command_counts(url: str) -> dict[str, int] | None:
-    """Calls so far by command name (lower case); None when Redis cannot be read."""
+async def counts(url: str) -> tuple[dict[str, int], int] | None:
+    """Calls so far by command name (lower case), and ``used_memory`` in bytes, in one ``INFO``; None
+    when Redis cannot be read."""
     client = Redis.from_url(url, socket_timeout=2.0)
     try:
-        stats = await client.info("commandstats")
+        info = await client.info("all")
     except (RedisError, OSError):
         return None
     finally:
         await client.aclose()
-    return {name.removeprefix("cmdstat_"): int(entry["calls"]) for name, entry in stats.items()}
-
-
-async def used_memory(url: str) -> int | None:
-    """The server's ``used_memory`` in bytes now; None when Redis cannot be read."""
-    client = Redis.from_url(url, socket_timeout=2.0)
-    try:
-        memory = await client.info("memory")
-    except (RedisError, OSError):
-        return None
-    finally:
-        await client.aclose()
-    return int(memory["used_memory"])
+    calls = {
+        name.removeprefix("cmdstat_"): int(entry["calls"])
+        for name, entry in info.items()
+        if name.startswith("cmdstat_")
+    }
+    return calls, int(info["used_memory"])
 
 
 def bytes_per_request(start: int, end: int, answers: int) -> float | None:
