@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from aiokafka import TopicPartition
+from aiokafka.errors import KafkaTimeoutError
 from aiokafka.structs import OffsetAndMetadata
 
 from schemas.wire import Names
@@ -33,9 +34,20 @@ class ScriptedCluster:
         self.coordinator = 1
         self.answering = {1}
         self.asked: list[int | None] = []
+        self.timing_out = False
+        """Every end-offsets lookup times out: a client that asks a broker no longer leading."""
+        self.stopped = False
 
     async def end_offsets(self, partitions: list[TopicPartition]) -> dict[TopicPartition, int]:
+        if self.timing_out:
+            raise KafkaTimeoutError("Failed to get offsets by times in 2000 ms")
         return dict.fromkeys(partitions, END)
+
+    async def stop(self) -> None:
+        self.stopped = True
+
+    async def close(self) -> None:
+        self.stopped = True
 
     async def beginning_offsets(self, partitions: list[TopicPartition]) -> dict[TopicPartition, int]:
         return dict.fromkeys(partitions, 0)
@@ -57,6 +69,18 @@ def _depth(names: Names, cluster: Any, stale_after_s: float = 5.0) -> KafkaQueue
     depth = KafkaQueueDepth("127.0.0.1:1", names, PARTITIONS, models=("sim",), stale_after_s=stale_after_s)
     depth._admin = depth._consumer = cluster
     return depth
+
+
+def _reconnecting_to(depth: KafkaQueueDepth, cluster: Any) -> list[Any]:
+    """Makes ``depth`` reconnect to ``cluster`` (instead of Kafka); returns the clients it connected."""
+    connected: list[Any] = []
+
+    async def connect() -> None:
+        depth._admin = depth._consumer = cluster
+        connected.append(cluster)
+
+    depth._connect = connect  # type: ignore[method-assign]
+    return connected
 
 
 def _gauge() -> float | None:
@@ -96,6 +120,7 @@ async def test_the_refresher_marks_the_gauge_unknown_once_stale(names: Names) ->
     cluster = ScriptedCluster(names)
     depth = KafkaQueueDepth("127.0.0.1:1", names, PARTITIONS, refresh_s=0.01, stale_after_s=0.05)
     depth._admin = depth._consumer = cluster
+    _reconnecting_to(depth, cluster)
     await depth.refresh()
     cluster.answering = set()
     depth._loop.start(depth._refresh_forever())
@@ -103,5 +128,24 @@ async def test_the_refresher_marks_the_gauge_unknown_once_stale(names: Names) ->
         await eventually(lambda: math.isnan(_gauge() or 0.0), "the lag gauge to read NaN (unknown)", timeout_s=10)
         cluster.answering = {cluster.coordinator}
         await eventually(lambda: _gauge() == PARTITIONS * (END - COMMITTED), "the gauge to read the lag again")
+    finally:
+        await depth._loop.close()
+
+
+async def test_a_client_whose_reads_time_out_past_stale_after_s_is_replaced(names: Names) -> None:
+    """aiokafka's offset lookups do not refresh its metadata when they time out: after an outage a
+    client can keep asking a broker that no longer leads. The refresher replaces it once stale."""
+    stuck, fresh = ScriptedCluster(names), ScriptedCluster(names)
+    depth = KafkaQueueDepth("127.0.0.1:1", names, PARTITIONS, refresh_s=0.01, stale_after_s=0.05)
+    depth._admin = depth._consumer = stuck
+    connected = _reconnecting_to(depth, fresh)
+    await depth.refresh()
+    stuck.timing_out = True
+    depth._loop.start(depth._refresh_forever())
+    try:
+        await eventually(lambda: bool(connected), "the refresher to connect new clients", timeout_s=10)
+        assert stuck.stopped, "the stuck clients are stopped"
+        await eventually(lambda: _gauge() == PARTITIONS * (END - COMMITTED), "the gauge to read the lag again")
+        assert await depth.depth() == PARTITIONS * (END - COMMITTED)
     finally:
         await depth._loop.close()

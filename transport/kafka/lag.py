@@ -11,7 +11,7 @@ without an error (aiokafka's ``list_consumer_group_offsets`` drops the response'
 code): counting that as "nothing committed" would read every record the topic keeps as waiting, and
 refuse every request. Such a read fails instead, the coordinator is looked up again, and the last
 good figure stands for ``stale_after_s``; after that the figure is unknown (None), which admission
-treats as unknown, not as a full queue.
+treats as unknown, not as a full queue, and the reader replaces its clients (``_reconnect``).
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ class KafkaQueueDepth:
         self._refreshed_at = float("-inf")  # monotonic time of the last successful refresh
         self._read_at = float("-inf")  # when that refresh began
         self._failures = 0
+        self._connected_at = float("-inf")
         self._trusted = True  # for logging each change between a trusted and an untrusted figure
         self._loop = BackgroundLoop(f"queue-depth-{self.topic}")
 
@@ -110,11 +111,8 @@ class KafkaQueueDepth:
         by the refresher."""
         if self._loop.started:
             raise RuntimeError("KafkaQueueDepth started twice")
-        self._admin = AIOKafkaAdminClient(**self._settings)
-        self._consumer = AIOKafkaConsumer(group_id=None, enable_auto_commit=False, **self._settings)
         try:
-            await self._admin.start()
-            await self._consumer.start()
+            await self._connect()
         except BaseException as err:
             await self._disconnect()
             if isinstance(err, KafkaError):
@@ -135,6 +133,30 @@ class KafkaQueueDepth:
         await self._loop.close()
         await self._disconnect()
 
+    async def _connect(self) -> None:
+        self._admin = AIOKafkaAdminClient(**self._settings)
+        self._consumer = AIOKafkaConsumer(group_id=None, enable_auto_commit=False, **self._settings)
+        await self._admin.start()
+        await self._consumer.start()
+        self._connected_at = time.monotonic()
+
+    async def _reconnect(self) -> None:
+        """New clients in place of clients whose reads have failed for ``stale_after_s``: aiokafka's
+        offset lookups do not refresh the cluster's metadata when they time out, so a client that knew
+        the leaders from before an outage can keep asking the wrong broker after the cluster is whole.
+        At most once per ``stale_after_s``."""
+        if time.monotonic() - self._connected_at < self.stale_after_s:
+            return
+        self._connected_at = time.monotonic()
+        await self._disconnect()
+        try:
+            await self._connect()
+        except (KafkaError, OSError) as err:
+            log.warning("reconnecting to %s to read the lag of %s failed: %s", self.bootstrap, self.group, err)
+            await self._disconnect()
+        else:
+            log.warning("reconnected to %s to read the lag of %s", self.bootstrap, self.group)
+
     async def depth(self) -> int | None:
         if self._stale():
             return None
@@ -146,6 +168,8 @@ class KafkaQueueDepth:
     async def refresh(self) -> int:
         """Reads end offsets and committed offsets now; returns (and caches) the lag."""
         read_at = time.monotonic()  # a request produced before this is in the end offsets
+        if self._consumer is None or self._admin is None:
+            raise LagUnreadable(f"not connected to {self.bootstrap}: a reconnection failed, and is tried again")
         ends: dict[TopicPartition, int] = await self._consumer.end_offsets(self._partitions)
         if self._coordinator is None:
             self._coordinator = await self._admin.find_coordinator(self.group)
@@ -220,8 +244,10 @@ class KafkaQueueDepth:
         while True:
             await asyncio.sleep(self.refresh_s)
             try:
-                await self.refresh()
-            except (KafkaError, TransportError, OSError) as err:
+                # A read that hangs (a broker gone mid-request) fails like one that errs.
+                async with asyncio.timeout(self.stale_after_s):
+                    await self.refresh()
+            except (KafkaError, TransportError, OSError, TimeoutError) as err:
                 self._failures += 1
                 if self._trusted or self._failures % _WARN_EVERY == 1:
                     log.warning(
@@ -235,6 +261,7 @@ class KafkaQueueDepth:
                 self._trusted = False
                 if self._stale():
                     REQUEST_LAG.set(math.nan)
+                    await self._reconnect()
             else:
                 if not self._trusted:
                     log.warning("the lag of %s is read again after %d failed read(s)", self.group, self._failures)
@@ -243,7 +270,15 @@ class KafkaQueueDepth:
     async def _disconnect(self) -> None:
         consumer, self._consumer = self._consumer, None
         admin, self._admin = self._admin, None
+        # A client stopped after its broker went away can raise from its own metadata task (uvloop's
+        # closed transport): stopping it is best effort, so the gateway still shuts down.
         if consumer is not None:
-            await consumer.stop()
+            try:
+                await consumer.stop()
+            except (KafkaError, OSError, RuntimeError) as err:
+                log.info("stopping the lag reader's consumer: %s", err)
         if admin is not None:
-            await admin.close()
+            try:
+                await admin.close()
+            except (KafkaError, OSError, RuntimeError) as err:
+                log.info("closing the lag reader's admin client: %s", err)
