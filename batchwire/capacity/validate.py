@@ -245,7 +245,7 @@ def compare(
             fixed_ms, contention_ms = (base, round(at_rate - base, 2)) if spread else (at_rate, 0.0)
             outside = outside if stages and source != "flag" else None
             transit_ms = 0.0
-            if outside is not None:  # measured at this rate: no stretch to estimate
+            if outside is not None:  # measured at this rate (or fitted from the others): no stretch to estimate
                 inbound_ms, transit = run.probe_hops_ms(lone_wait_ms(run), warm=base_from == "warm")
                 transit_ms = round(transit, 2)
                 fixed_ms, contention_ms = in_service_overhead(base, outside + inbound_ms, spread)
