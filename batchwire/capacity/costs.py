@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -94,10 +94,10 @@ def read_costs(path: str | Path) -> Costs:
     return Costs(values, sources)
 
 
-def sources_for(inputs: SizingInputs, costs: Costs | None, given: Mapping[str, str]) -> dict[str, str]:
+def sources_for(costs: Costs | None, given: Mapping[str, str]) -> dict[str, str]:
     """Where each sizing input came from: measured (``costs``), a flag or file (``given``), else the default."""
-    sources = {name: "default (docs/capacity.md)" for name in SizingInputs.__dataclass_fields__}
+    sources = {field.name: "default (docs/capacity.md)" for field in fields(SizingInputs)}
     sources.update(given)
     if costs is not None:
         sources.update(costs.sources)
-    return {name: sources[name] for name in sources if hasattr(inputs, name)}
+    return sources

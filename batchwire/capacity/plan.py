@@ -14,7 +14,7 @@ import json
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from batchwire.capacity.costs import read_costs, sources_for
@@ -199,7 +199,7 @@ def _inputs(args: argparse.Namespace) -> tuple[SizingInputs, dict[str, str]]:
         before = inputs
         inputs = load_cpu_file(args.cpu_file, inputs)
         given.update({name: f"--cpu-file {args.cpu_file}" for name in changed(before, inputs)})
-    costs = read_costs(args.costs) if getattr(args, "costs", None) else None
+    costs = read_costs(args.costs) if args.costs else None
     if costs is not None:
         inputs = replace(inputs, **{name: type(getattr(inputs, name))(value) for name, value in costs.values.items()})
     if args.result_ttl_s is not None:
@@ -208,12 +208,12 @@ def _inputs(args: argparse.Namespace) -> tuple[SizingInputs, dict[str, str]]:
     if args.replication_factor is not None:
         inputs = replace(inputs, replication_factor=args.replication_factor)
         given["replication_factor"] = "--replication-factor"
-    return inputs, sources_for(inputs, costs, given)
+    return inputs, sources_for(costs, given)
 
 
 def changed(before: SizingInputs, after: SizingInputs) -> list[str]:
     """The inputs whose values differ."""
-    return [name for name in SizingInputs.__dataclass_fields__ if getattr(before, name) != getattr(after, name)]
+    return [field.name for field in fields(SizingInputs) if getattr(before, field.name) != getattr(after, field.name)]
 
 
 def batchers_for(args: argparse.Namespace, rate: float, inputs: SizingInputs) -> int:

@@ -6,6 +6,7 @@ Workers write a batch journal (``--batch-log``) that the tests read to check inv
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -104,8 +105,11 @@ class Cluster:
         env.update(self.extra_env)
         return env
 
+    def _start(self, name: str, *args: str) -> Proc:
+        return Proc(name, list(args), self._env(), self.base / f"{name}.log").start()
+
     def spawn(self, name: str, *args: str) -> Proc:
-        proc = Proc(name, list(args), self._env(), self.base / f"{name}.log").start()
+        proc = self._start(name, *args)
         self.procs.append(proc)
         return proc
 
@@ -114,12 +118,7 @@ class Cluster:
         name = f"gateway{index}"
 
         def start(port: int) -> Proc:
-            return Proc(
-                name,
-                ["gateway", "--port", str(port), "--gateway-id", f"gw{index}", *extra],
-                self._env(),
-                self.base / f"{name}.log",
-            ).start()
+            return self._start(name, "gateway", "--port", str(port), "--gateway-id", f"gw{index}", *extra)
 
         proc, url = serving(start, f"gateway {index}")
         self.procs.append(proc)
@@ -164,6 +163,10 @@ def _ready(url: str) -> bool:
         return False
 
 
+def _ready_or_exited(proc: Proc, url: str) -> bool:
+    return not proc.alive() or _ready(url)
+
+
 PORT_TAKEN = "address already in use"
 START_TRIES = 3
 
@@ -179,14 +182,11 @@ def serving(start: Callable[[int], Proc], what: str, timeout_s: float = 60.0) ->
         port = free_port()
         proc = start(port)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + timeout_s
-        while proc.alive() and not _ready(url):
-            if time.monotonic() > deadline:
-                proc.stop()
-                raise AssertionError(
-                    f"timed out after {timeout_s:g} s waiting for {what} to be ready:\n{proc.tail(10)}"
-                )
-            time.sleep(0.05)
+        try:
+            eventually_sync(functools.partial(_ready_or_exited, proc, url), f"{what} to be ready", timeout_s=timeout_s)
+        except AssertionError as err:
+            proc.stop()
+            raise AssertionError(f"{err}:\n{proc.tail(10)}") from None
         if proc.alive():
             return proc, url
         if PORT_TAKEN not in proc.tail(10):
