@@ -174,11 +174,14 @@ def _load_weights(
 ) -> PreTrainedModel:
     """The weights, in the model class the task and the config call for, in eval mode."""
     auto_class = AutoModel if task == "embed" else AutoModelForSeq2SeqLM if is_encoder_decoder else AutoModelForCausalLM
-    kwargs: dict[str, object] = {"local_files_only": True, "trust_remote_code": False, "dtype": dtype}
-    if device.type != "cpu":
-        kwargs["device_map"] = str(device)  # straight onto the GPU, without a CPU copy first
+    device_map = None if device.type == "cpu" else str(device)  # straight onto the GPU, without a CPU copy first
     try:
-        pretrained = cast(PreTrainedModel, auto_class.from_pretrained(model_path, **kwargs))
+        pretrained = cast(
+            PreTrainedModel,
+            auto_class.from_pretrained(
+                model_path, local_files_only=True, trust_remote_code=False, dtype=dtype, device_map=device_map
+            ),
+        )
     except Exception as err:  # OSError, SafetensorError, ValueError, RuntimeError (shape mismatch)...
         raise ModelLoadError(
             f"cannot load the {task} model in {model_path} with {auto_class.__name__} ({EXPECTED_FILES}): {err}"
