@@ -24,15 +24,17 @@ HF_TESTS := tests/backends
 UNIT := not kafka and not slow and not hf and not timing
 # A file's tests stay on one xdist worker, so module-scoped clusters start once. The Kafka tier waits on
 # processes and deadlines; more workers than cores make restart and outage windows miss their bounds.
-CHECK_PARALLEL := -n 2 --dist loadfile
-TEST_PARALLEL := -n 2 --dist loadfile
+# Files go out longest first, by tests/durations.json (`make durations` records it; tests/conftest.py),
+# not by xdist's count of tests per file: a run that ends on one long file leaves a core idle.
+CHECK_PARALLEL := -n 2 --dist loadfile --no-loadscope-reorder
+TEST_PARALLEL := -n 2 --dist loadfile --no-loadscope-reorder
 
 # Every Python process writes and reuses its bytecode (__pycache__, ignored by git): a shell that sets
 # PYTHONDONTWRITEBYTECODE would make each of the test suite's hundreds of processes compile every module
 # it imports again, and pytest rewrite every test module again.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install redis-server chromium run check unit test lint typecheck stack-up stack-down bench docs clean lock
+.PHONY: install redis-server chromium run check unit test lint typecheck stack-up stack-down bench docs clean lock durations
 
 install: $(FULL) redis-server chromium
 	@$(PY) -m infra.fetch_kafka
@@ -91,6 +93,11 @@ unit: $(FULL)
 test: check install
 	$(PY) -m tests.with_stack sh -c '$(PYTEST) $(TEST_PARALLEL) -m "not ($(UNIT)) and not timing" && \
 	  $(PYTEST) -m timing --ignore=$(HF_TESTS)'
+
+# The parallel tiers as `make test` runs them, each file's seconds written into tests/durations.json.
+durations: install
+	$(PYTEST) $(CHECK_PARALLEL) --no-servers -m "$(UNIT)" --ignore=$(HF_TESTS) --record-durations
+	$(PY) -m tests.with_stack $(PYTEST) $(TEST_PARALLEL) -m "not ($(UNIT)) and not timing" --record-durations
 
 stack-up: install
 	$(VENV)/bin/batchwire stack up

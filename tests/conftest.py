@@ -11,7 +11,10 @@ a test that asks for them there fails, naming the mark it lacks.
 
 from __future__ import annotations
 
+import json
+import statistics
 import uuid
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,59 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--no-servers", action="store_true", help="the check tier: a test that asks for Kafka or Redis fails"
     )
+    parser.addoption(
+        "--record-durations",
+        action="store_true",
+        help=f"write each test file's seconds (setup, call and teardown) into {DURATIONS.name} (`make durations`)",
+    )
+
+
+DURATIONS = Path(__file__).parent / "durations.json"
+"""Each test file's seconds in the last `make durations`. Files run longest first: xdist hands a whole
+file to a worker (``--dist loadfile``), and a run whose long files come last ends with one worker
+busy and the others idle."""
+
+
+def _file_of(nodeid: str) -> str:
+    return nodeid.partition("::")[0]
+
+
+class _DurationRecorder:
+    """Sums each file's test seconds as reports reach this process (under xdist, the controller)."""
+
+    def __init__(self) -> None:
+        self.seconds: defaultdict[str, float] = defaultdict(float)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.seconds[_file_of(report.nodeid)] += report.duration
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if hasattr(session.config, "workerinput"):  # an xdist worker: the controller records
+            return
+        recorded = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+        recorded.update({name: round(seconds, 1) for name, seconds in self.seconds.items()})
+        DURATIONS.write_text(json.dumps(dict(sorted(recorded.items())), indent=1) + "\n")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("record_durations"):
+        config.pluginmanager.register(_DurationRecorder(), "batchwire-durations")
+
+
+def _longest_files_first(items: list[pytest.Item]) -> None:
+    """Sorts ``items`` by their file's recorded seconds, longest first (a file missing from the
+    record counts the median); each file's tests keep their order and stay together."""
+    recorded: dict[str, float] = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    unknown = statistics.median(recorded.values()) if recorded else 0.0
+    first_seen: dict[str, int] = {}
+    for item in items:
+        first_seen.setdefault(_file_of(item.nodeid), len(first_seen))
+
+    def cost(item: pytest.Item) -> tuple[float, int]:
+        name = _file_of(item.nodeid)
+        return -recorded.get(name, unknown), first_seen[name]
+
+    items.sort(key=cost)
 
 
 SERVER_FIXTURES = {"infra", "redis_url", "kafka_bootstrap", "local_stack"}
@@ -36,7 +92,8 @@ folder where they do not run it, so that no other tier pays for importing torch.
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Marks ``kafka`` every test that takes real servers or runs in the Kafka or Redis mode, and
-    ``hf`` every test of ``HF_TESTS``."""
+    ``hf`` every test of ``HF_TESTS``; then puts the longest files first."""
+    _longest_files_first(items)
     for item in items:
         if HF_TESTS in item.path.parents:
             item.add_marker(pytest.mark.hf)
