@@ -18,6 +18,7 @@ import aiohttp
 
 from batchwire.bench import calls as call_record
 from batchwire.bench import sends
+from batchwire.bench.kafka_log import KafkaLogs, writes
 from batchwire.bench.late import COMPLETED, UNENDED, read_back
 from batchwire.bench.loadgen import TIMEOUT, OpenLoopSender, Tally, Window
 from batchwire.bench.procstats import CpuSampler, CpuSnapshot, GroupStats, group_stats
@@ -47,6 +48,8 @@ class Probes:
     """The workers' batch journal (``--batch-log``): each rate's calls are read from it."""
     redis_url: str | None = None
     """The deployment's Redis, whose command counts are read at the window bounds (None: not read)."""
+    kafka_logs: KafkaLogs | None = None
+    """The brokers' logs, whose appends are read at the window bounds (None: not read)."""
 
     async def redis_counts(self) -> tuple[dict[str, int], int] | None:
         """The Redis's command counts and ``used_memory`` now (None: not read, or unreadable)."""
@@ -92,10 +95,13 @@ async def measure_rate(
         clock_start = time.monotonic()  # the batch journal's clock
         at_start, cpu_start, scrape_start = await probes.snapshot()
         redis_start = await probes.redis_counts()
+        if probes.kafka_logs is not None:
+            await asyncio.to_thread(probes.kafka_logs.advance)  # off the sender's loop: it reads files
         await _sleep_until(window.end)
         clock_end = time.monotonic()
         at_end, cpu_end, scrape_end = await probes.snapshot()
         redis_end = await probes.redis_counts()
+        kafka_grown = None if probes.kafka_logs is None else await asyncio.to_thread(probes.kafka_logs.advance)
         tally = await send
     finally:
         if not send.done():
@@ -131,6 +137,8 @@ async def measure_rate(
         (calls_start, memory_start), (calls_end, memory_end) = redis_start, redis_end
         report["redis_commands"] = per_request(calls_start, calls_end, tally.answers_in_window)
         report["redis_bytes_per_request"] = bytes_per_request(memory_start, memory_end, tally.answers_in_window)
+    if kafka_grown is not None:
+        report["kafka_writes"] = writes(kafka_grown, tally.answers_in_window)
     return report
 
 

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any, NotRequired, TypedDict, cast
 
+from batchwire.bench.kafka_log import KafkaWrites
 from batchwire.bench.lone import LoneReport
 from batchwire.bench.procstats import GroupStats
 from batchwire.bench.prom import ServerStats
@@ -91,6 +92,9 @@ class RateReport(TypedDict):
     redis_bytes_per_request: NotRequired[float | None]
     """The deployment's Redis memory growth over the window per answered request
     (``batchwire.bench.redis_commands.bytes_per_request``), where the bench knows it."""
+    kafka_writes: NotRequired[KafkaWrites]
+    """Records and bytes the brokers appended in the window (``batchwire.bench.kafka_log``), where the
+    bench knows their pids and can read their logs."""
     notes: list[str]
 
 

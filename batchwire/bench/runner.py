@@ -17,6 +17,7 @@ from pathlib import Path
 import aiohttp
 
 from batchwire.bench.client import AiohttpClient, ClientKind, HttpClient
+from batchwire.bench.kafka_log import KafkaLogs
 from batchwire.bench.lengths import LengthInputs, Lengths
 from batchwire.bench.loadgen import TIMEOUT, Expect, OpenLoopSender
 from batchwire.bench.lone import DEFAULT_GAP_MS, lone_line, lone_probe
@@ -117,6 +118,7 @@ async def bench_run(
             workers_hint=target.workers_hint,
             batch_log=target.batch_log,
             redis_url=target.redis_url,
+            kafka_logs=KafkaLogs.of_brokers(target.pid_groups.get("kafka", ())),
         )
         loop_name = event_loop_name()
         for index, rate in enumerate(load.rates_rps):
@@ -204,4 +206,7 @@ def summary_line(rate: RateReport) -> str:
     memory = rate.get("redis_bytes_per_request")
     if memory is not None:
         line += f", Redis bytes/request {memory:,.0f}"
+    kafka = rate.get("kafka_writes")
+    if kafka is not None and kafka["bytes_per_request"] is not None:
+        line += f", Kafka bytes/request {kafka['bytes_per_request']:,.0f} ({kafka['records_per_request']:.2f} records)"
     return line

@@ -2,10 +2,11 @@
 ``batchwire bench`` run over Kafka (``--start kafka`` or ``--url`` with ``--redis-url``).
 
 At each rate the bench measures, over its window and per answered request, each role's CPU (whole
-process groups), the Redis commands (``INFO commandstats``) and the Redis memory a request leaves
-(``INFO memory``). The plan takes them from the run's busiest rate that kept up with what was sent:
-the costs under load, without a queue's. Each input the plan sizes with names where it came from;
-what the run did not measure keeps its default, and says so.
+process groups), the Redis commands (``INFO commandstats``), the Redis memory a request leaves
+(``INFO memory``) and the records and bytes the brokers append (their logs on disk: ``kafka_log``).
+The plan takes them from the run's busiest rate that kept up with what was sent: the costs under
+load, without a queue's. Each input the plan sizes with names where it came from; what the run did
+not measure keeps its default, and says so.
 """
 
 from __future__ import annotations
@@ -41,11 +42,21 @@ def _memory(rate: Mapping[str, Any]) -> float | None:
     return value
 
 
+def _kafka(figure: str) -> Callable[[Mapping[str, Any]], float | None]:
+    def read(rate: Mapping[str, Any]) -> float | None:
+        value: float | None = rate.get("kafka_writes", {}).get(figure)
+        return value
+
+    return read
+
+
 MEASURED: dict[str, tuple[Callable[[Mapping[str, Any]], float | None], str]] = {
     "gateway_us_per_request": (_role_us("gateway"), "the gateways' CPU per request"),
     "batcher_us_per_request": (_role_us("batcher"), "the batchers' CPU per request"),
     "redis_commands_per_request": (_commands, "Redis commands per request (INFO commandstats)"),
     "result_bytes": (_memory, "Redis memory per task (used_memory's growth per request; record and keys in it)"),
+    "kafka_bytes_per_request": (_kafka("bytes_per_request"), "Kafka bytes per request (the log appends)"),
+    "kafka_records_per_request": (_kafka("records_per_request"), "Kafka records per request (the log appends)"),
 }
 """The sizing inputs a bench run measures: how each is read from a rate of ``results.json``, and what it is."""
 

@@ -29,8 +29,11 @@ class SizingInputs:
     """CPU per request of a gateway over Kafka and Redis (``batchwire bench``'s per-process figure)."""
     batcher_us_per_request: float = 240.0
     """CPU per request of a batcher."""
-    request_bytes: int = 1024
-    """A request record on the request topic (input, ids, headers)."""
+    kafka_bytes_per_request: float = 2048.0
+    """Bytes the brokers append per request over every topic, before replication: the request record,
+    its share of a batch record, offsets (``batchwire bench``'s ``kafka_writes``)."""
+    kafka_records_per_request: float = 2.0
+    """Records the brokers append per request over every topic."""
     result_bytes: int = 1024
     """A result as stored in Redis."""
     key_overhead_bytes: int = 300
@@ -110,14 +113,19 @@ def _processes_figures(rate: float, inputs: SizingInputs) -> list[Figure]:
 
 
 def _kafka_figures(rate: float, inputs: SizingInputs) -> list[Figure]:
-    replicated = rate * 2 * inputs.request_bytes * inputs.replication_factor
+    replicated = rate * inputs.kafka_bytes_per_request * inputs.replication_factor
     brokers = max(inputs.replication_factor, math.ceil(replicated / inputs.broker_bytes_per_s))
     return [
         Figure(
+            "kafka_records_per_s",
+            round(rate * inputs.kafka_records_per_request),
+            f"rate x records per request ({inputs.kafka_records_per_request:g}), before replication",
+        ),
+        Figure(
             "kafka_bytes_per_s",
             round(replicated),
-            f"rate x (request record + its copy in a batch record) x replication factor "
-            f"({inputs.request_bytes} B x 2 x {inputs.replication_factor})",
+            f"rate x bytes per request x replication factor "
+            f"({inputs.kafka_bytes_per_request:g} B x {inputs.replication_factor})",
         ),
         Figure(
             "kafka_brokers",

@@ -27,6 +27,7 @@ def rate(offered: float, throughput: float, gateway_us: float, commands: float, 
         },
         "redis_commands": {"per_request": commands},
         "redis_bytes_per_request": memory,
+        "kafka_writes": {"bytes_per_request": 3 * memory if memory else None, "records_per_request": 2.5},
     }
 
 
@@ -50,6 +51,8 @@ def test_the_busiest_rate_that_kept_up_gives_the_costs(tmp_path: Path) -> None:
         "redis_commands_per_request": 3.2,
         "result_bytes": 1100.0,
         "key_overhead_bytes": 0.0,
+        "kafka_bytes_per_request": 3300.0,
+        "kafka_records_per_request": 2.5,
     }, "1,000 req/s: 2,000 fell behind (1,500 answered/s)"
     assert all("kafka-run, 1000 req/s" in source for source in costs.sources.values())
 
@@ -77,7 +80,9 @@ def test_the_plan_sizes_from_the_costs_and_says_where_each_input_came_from(
     assert plan["redis_commands_per_s"] == 4000, "1,000 req/s x 4 commands measured"
     assert plan["gateways"] == 1 and plan["inputs"]["gateway_us_per_request"]["value"] == 500.0
     assert plan["inputs"]["redis_commands_per_request"]["from"].startswith("measured: Redis commands per request")
-    assert plan["inputs"]["request_bytes"]["from"].startswith("default"), "Kafka's bytes are not measured"
+    assert plan["inputs"]["kafka_bytes_per_request"]["from"].startswith("measured: Kafka bytes per request")
+    assert plan["kafka_bytes_per_s"] == 1000 * 6000 * 3, "rate x the measured bytes x the replication factor"
+    assert plan["kafka_records_per_s"] == 2500
     assert plan["redis_memory_bytes"] == 1000 * 3600 * 2000, "rate x TTL x the measured bytes per task"
     assert cli.main([*argv, "--costs", str(run), "--result-ttl-s", "60"]) == 0
     table = capsys.readouterr().out
