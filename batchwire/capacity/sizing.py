@@ -147,7 +147,7 @@ def _redis_figures(rate: float, inputs: SizingInputs) -> list[Figure]:
         Figure(
             "redis_commands_per_s",
             round(commands),
-            f"rate x {inputs.redis_commands_per_request:g} commands per request (create, result, read)",
+            f"rate x {inputs.redis_commands_per_request:g} commands per request",
         ),
         Figure(
             "redis_memory_bytes",
