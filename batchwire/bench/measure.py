@@ -23,7 +23,7 @@ from batchwire.bench.late import COMPLETED, UNENDED, read_back
 from batchwire.bench.loadgen import TIMEOUT, OpenLoopSender, Tally, Window
 from batchwire.bench.procstats import CpuSampler, CpuSnapshot, GroupStats, group_stats
 from batchwire.bench.prom import Scrape, ServerStats, scrape, server_stats
-from batchwire.bench.redis_commands import bytes_per_request, counts, per_request
+from batchwire.bench.redis_info import bytes_per_request, counts, per_request
 from batchwire.bench.results import After504, GeneratorStats, RateReport
 from batchwire.bench.schedule import poisson_offsets
 from batchwire.bench.settle import means_by_second, opening_backlog

@@ -21,7 +21,7 @@ from batchwire.bench.kafka_log import KafkaWrites
 from batchwire.bench.lone import LoneReport
 from batchwire.bench.procstats import GroupStats
 from batchwire.bench.prom import ServerStats
-from batchwire.bench.redis_commands import RedisCommands
+from batchwire.bench.redis_info import RedisCommands
 
 SCHEMA = "batchwire-bench/1"
 
@@ -87,11 +87,11 @@ class RateReport(TypedDict):
     server: ServerStats | None
     processes: dict[str, GroupStats]
     redis_commands: NotRequired[RedisCommands]
-    """Commands the deployment's Redis ran in the window (``batchwire.bench.redis_commands``), where the
+    """Commands the deployment's Redis ran in the window (``batchwire.bench.redis_info``), where the
     bench knows it."""
     redis_bytes_per_request: NotRequired[float | None]
     """The deployment's Redis memory growth over the window per answered request
-    (``batchwire.bench.redis_commands.bytes_per_request``), where the bench knows it."""
+    (``batchwire.bench.redis_info.bytes_per_request``), where the bench knows it."""
     kafka_writes: NotRequired[KafkaWrites]
     """Records and bytes the brokers appended in the window (``batchwire.bench.kafka_log``), where the
     bench knows their pids and can read their logs."""

@@ -20,7 +20,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -150,8 +150,9 @@ class KafkaQueueDepth:
         self._connected_at = time.monotonic()
         await self._disconnect()
         try:
-            await self._connect()
-        except (KafkaError, OSError) as err:
+            async with asyncio.timeout(self.stale_after_s):  # a bootstrap server that does not answer
+                await self._connect()
+        except (KafkaError, OSError, TimeoutError) as err:
             log.warning("reconnecting to %s to read the lag of %s failed: %s", self.bootstrap, self.group, err)
             await self._disconnect()
         else:
@@ -273,12 +274,13 @@ class KafkaQueueDepth:
         # A client stopped after its broker went away can raise from its own metadata task (uvloop's
         # closed transport): stopping it is best effort, so the gateway still shuts down.
         if consumer is not None:
-            try:
-                await consumer.stop()
-            except (KafkaError, OSError, RuntimeError) as err:
-                log.info("stopping the lag reader's consumer: %s", err)
+            await _best_effort("stopping the lag reader's consumer", consumer.stop())
         if admin is not None:
-            try:
-                await admin.close()
-            except (KafkaError, OSError, RuntimeError) as err:
-                log.info("closing the lag reader's admin client: %s", err)
+            await _best_effort("closing the lag reader's admin client", admin.close())
+
+
+async def _best_effort(what: str, stop: Awaitable[None]) -> None:
+    try:
+        await stop
+    except (KafkaError, OSError, RuntimeError) as err:
+        log.info("%s: %s", what, err)

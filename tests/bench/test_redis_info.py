@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from batchwire.bench.redis_commands import bytes_per_request, per_request
+from batchwire.bench.redis_info import bytes_per_request, per_request
 
 
 def test_commands_between_two_counts_are_divided_by_the_answers() -> None:
