@@ -89,10 +89,10 @@ unit: $(FULL)
 	$(PYTEST) $(CHECK_PARALLEL) --no-servers -m "$(UNIT)" --ignore=$(HF_TESTS)
 
 # `make check` first, then the rest in parallel where it measures no time, then the timing tests alone;
-# one Kafka and Redis for both runs (tests/with_stack.py).
+# one Kafka and Redis for both runs (tests/with_stack.py). Each run lists its slowest tests.
 test: check install
-	$(PY) -m tests.with_stack sh -c '$(PYTEST) $(TEST_PARALLEL) -m "not ($(UNIT)) and not timing" && \
-	  $(PYTEST) -m timing --ignore=$(HF_TESTS)'
+	$(PY) -m tests.with_stack sh -c '$(PYTEST) $(TEST_PARALLEL) --durations=10 -m "not ($(UNIT)) and not timing" && \
+	  $(PYTEST) --durations=10 -m timing --ignore=$(HF_TESTS)'
 
 # The parallel tiers as `make test` runs them, each file's seconds written into tests/durations.json.
 durations: install
