@@ -3,7 +3,7 @@
 A broker that no longer coordinates the batchers' group answers the committed-offsets request with
 no partitions and no error that aiokafka raises. These tests hand ``KafkaQueueDepth`` a client whose
 answers are scripted (the shape of that answer, not Kafka's behaviour: the real one is attacked in
-``tests/e2e/test_lag_coordinator_moves.py``), so each step of the read is checked alone.
+``tests/e2e/test_produce_broker_kill.py``), so each step of the read is checked alone.
 """
 
 from __future__ import annotations
