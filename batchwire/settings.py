@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from schemas.wire import DEFAULT_BATCH_PARTITIONS, DEFAULT_NAMESPACE, DEFAULT_REQUEST_PARTITIONS, Names
-from transport.redis.pools import redacted, unanswered
+from transport.redis.pools import CLUSTER_SCHEME, redacted, unanswered
 from transport.redis.sentinel import FORM, SentinelError, check_sentinels, is_sentinel_url
 
 STACK_ENV = Path(".batchwire") / "stack.env"
@@ -80,6 +80,12 @@ def check_redis_url(url: str) -> None:
     clients do not take, a server that does not answer, or a Sentinel URL that is malformed or names
     Sentinels or a master that are not there (the server or the Sentinels are asked once)."""
     scheme = url.partition("://")[0].lower()
+    if scheme == CLUSTER_SCHEME:
+        raise SettingsError(
+            f"Redis URL {redacted(url)!r}: only the task store runs on Redis Cluster so far, not the roles "
+            f"(their credits, delivery log, rate limits and fleet registry take one primary); use redis://HOST:PORT/DB "
+            f"or {FORM} (--redis-url / BATCHWIRE_REDIS_URL)"
+        )
     if scheme not in REDIS_SCHEMES:
         raise SettingsError(
             f"Redis URL {redacted(url)!r}: the scheme must be one of {', '.join(s + '://' for s in REDIS_SCHEMES)}; "

@@ -21,6 +21,8 @@ DEFAULT_START_TIMEOUT_S = 15.0
 DEFAULT_STOP_TIMEOUT_S = 10.0
 _POLL_INTERVAL_S = 0.02
 CONFIG_NAME = "redis.conf"
+CLUSTER_NODE_TIMEOUT_MS = 2000
+"""How long a cluster node may not answer before its replica takes over (Redis's default is 15 s)."""
 
 # batchwire's keys are task states, idempotency keys, rate-limit buckets and delivery counts, all
 # with a TTL, and worker credits. An evicting policy would drop live ones silently (a queued task
@@ -106,6 +108,8 @@ class RedisServer(LoopbackServer):
     process loses nothing it acknowledged). Otherwise a restart gives an empty server.
     `maxmemory`: the memory bound (`checked_maxmemory`; None: none), past which writes are refused.
     `replica_of`: the loopback port of the primary this server replicates (None: a primary).
+    `cluster`: a Redis Cluster node (`infra.redis_cluster` joins the nodes); its node id and view of
+    the cluster are kept in `nodes.conf` in its work folder.
     """
 
     def __init__(
@@ -118,6 +122,7 @@ class RedisServer(LoopbackServer):
         maxmemory: str | None = None,
         persistent: bool = False,
         replica_of: int | None = None,
+        cluster: bool = False,
     ) -> None:
         super().__init__(
             ports_chosen_by_us=port is None,
@@ -131,6 +136,7 @@ class RedisServer(LoopbackServer):
         self._maxmemory = "0" if maxmemory is None else checked_maxmemory(maxmemory)
         self._persistent = persistent
         self._replica_of = replica_of
+        self._cluster = cluster
 
     @property
     def port(self) -> int:
@@ -172,6 +178,12 @@ class RedisServer(LoopbackServer):
         ]
         if self._replica_of is not None:
             settings.append(("replicaof", f"{LOOPBACK} {self._replica_of}"))
+        if self._cluster:
+            settings += [
+                ("cluster-enabled", "yes"),
+                ("cluster-config-file", "nodes.conf"),
+                ("cluster-node-timeout", str(CLUSTER_NODE_TIMEOUT_MS)),
+            ]
         return "".join(f"{key} {value}\n" for key, value in settings)
 
     def _argv(self) -> list[str]:

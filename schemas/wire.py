@@ -44,10 +44,12 @@ class Names:
 
     # Redis ---------------------------------------------------------------
     def task_key(self, task_id: str) -> str:
-        return f"{self.namespace}:task:{task_id}"
+        return f"{self.namespace}:task:{{{task_id}}}"
 
     def task_channel(self, task_id: str) -> str:
-        return f"{self.namespace}:events:{task_id}"
+        """In the task key's hash slot (the id is the hash tag of both): on Redis Cluster, the
+        script that writes a task publishes its channel on the node that holds the task."""
+        return f"{self.namespace}:events:{{{task_id}}}"
 
     def reply_channel(self, gateway_id: str) -> str:
         return f"{self.namespace}:reply:{gateway_id}"

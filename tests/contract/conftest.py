@@ -3,15 +3,19 @@
 Every test that takes ``kind`` runs twice, so the in-memory transports (embedded mode, unit tests)
 are held to the same contract as the Kafka and Redis ones. Real infrastructure comes from the
 session fixture ``infra`` (tests/conftest.py); ``names`` gives every test its own topics and keys.
+The task store's contract runs a third time, over a Redis Cluster of three primaries
+(``redis_cluster``).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from infra.redis_cluster import LocalRedisCluster
 from schemas.wire import Names
 from tests.support.transport_kits import (
     BATCH_PARTITIONS,
@@ -62,18 +66,40 @@ def kafka_bootstrap(request: pytest.FixtureRequest) -> str:
 # Task store ---------------------------------------------------------------------------------------
 
 
+CLUSTER = "cluster"
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Redis Cluster of three primaries for this session: its ``redis+cluster://`` URL."""
+    with LocalRedisCluster(Path(tmp_path_factory.mktemp("redis-cluster"))) as cluster:
+        yield cluster.url
+
+
+@pytest.fixture(
+    params=["memory", pytest.param(REAL, marks=pytest.mark.kafka), pytest.param(CLUSTER, marks=pytest.mark.kafka)]
+)
+def store_kind(request: pytest.FixtureRequest) -> str:
+    """``memory``, ``real`` (the session's Redis) or ``cluster`` (``redis_cluster``)."""
+    return str(request.param)
+
+
 @pytest.fixture
-async def make_store(kind: str, real_infra: Any, names: Names) -> AsyncIterator[StoreFactory]:
+async def make_store(store_kind: str, request: pytest.FixtureRequest, names: Names) -> AsyncIterator[StoreFactory]:
     """Each call is one process's view of the store: a new Redis client, or the one shared memory store."""
     closer = Closer()
     shared: list[MemoryTaskStore] = []
+    url = {
+        REAL: lambda: request.getfixturevalue("infra").redis_url,
+        CLUSTER: lambda: request.getfixturevalue("redis_cluster"),
+    }
 
     async def make(ttl_s: float = 3600.0) -> TaskStore:
-        if kind != REAL and shared:
+        if store_kind == "memory" and shared:
             return shared[0]
         store: TaskStore
-        if kind == REAL:
-            store = RedisTaskStore(real_infra.redis_url, names, ttl_s=ttl_s)
+        if store_kind != "memory":
+            store = RedisTaskStore(str(url[store_kind]()), names, ttl_s=ttl_s)
         else:
             shared.append(MemoryTaskStore(ttl_s=ttl_s))
             store = shared[0]

@@ -8,7 +8,8 @@ from redis.asyncio import Redis
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.exceptions import DataError
 
-from transport.redis.pools import PoolOptions, blocking_pool, command_pool, pubsub_pool
+from transport.errors import PermanentTransportError
+from transport.redis.pools import PoolOptions, blocking_pool, cluster_nodes, command_pool, pubsub_pool, redacted
 
 ARGS = ("EVALSHA", "f" * 40, 2, "bw:task:a", "bw:task:b", 86_400_000, 0.25, b"\x00avro\xff", "é", "")
 
@@ -49,3 +50,21 @@ async def test_a_packed_script_call_runs(redis_url: str) -> None:
     finally:
         await redis.aclose()
         await pool.disconnect()
+
+
+def test_a_cluster_url_names_its_startup_nodes_and_hides_its_password() -> None:
+    url = "redis+cluster://app:s3cret@10.0.0.1:7000,10.0.0.2:7001"
+    nodes, user, password = cluster_nodes(url)
+    assert [(node.host, node.port) for node in nodes] == [("10.0.0.1", 7000), ("10.0.0.2", 7001)]
+    assert (user, password) == ("app", "s3cret")
+    assert "s3cret" not in redacted(url) and "10.0.0.2:7001" in redacted(url)
+    with pytest.raises(PermanentTransportError, match="is not HOST:PORT"):
+        cluster_nodes("redis+cluster://10.0.0.1")
+
+
+def test_only_the_task_store_takes_a_cluster_url() -> None:
+    """The other transports' pools refuse one with what to change, before anything connects."""
+    with pytest.raises(PermanentTransportError, match="only the task store runs on Redis Cluster"):
+        command_pool("redis+cluster://127.0.0.1:7000", PoolOptions())
+    with pytest.raises(PermanentTransportError, match="redis:// or redis\\+sentinel://"):
+        blocking_pool("redis+cluster://127.0.0.1:7000", 2, PoolOptions())

@@ -98,6 +98,11 @@ def test_a_scheme_redis_does_not_take_is_a_settings_error(url: str) -> None:
         SharedSettings(redis_url=url).require_redis()
 
 
+def test_a_cluster_url_is_refused_by_the_roles_with_what_to_use() -> None:
+    with pytest.raises(SettingsError, match=r"only the task store runs on Redis Cluster so far.*redis://HOST:PORT/DB"):
+        SharedSettings(redis_url="redis+cluster://h:1,h:2").require_redis()
+
+
 # Real servers
 
 

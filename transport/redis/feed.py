@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from contextlib import asynccontextmanager
 
 from redis.asyncio import ConnectionPool
+from redis.asyncio.cluster import RedisCluster
 
 from schemas.codec import CodecError, decode_state
 from schemas.records import TaskState
@@ -23,7 +24,7 @@ from schemas.wire import Names
 from telemetry.logs import ids
 from transport.ports import ReplyHandler, TransportError
 from transport.redis.lua import reply_frames
-from transport.redis.pubsub import PubSubHub
+from transport.redis.pubsub import PubSubHub, ShardedHubs
 
 log = logging.getLogger(__name__)
 
@@ -33,27 +34,34 @@ Reader = Callable[[Collection[str]], Awaitable[dict[str, TaskState]]]
 
 
 class ChangeFeed:
-    """Task watchers and reply handlers over one ``PubSubHub`` (one connection, one reader task)."""
+    """Task watchers and reply handlers over one ``PubSubHub`` (one connection, one reader task), or
+    over ``ShardedHubs`` (one per Redis Cluster primary)."""
 
     def __init__(
         self,
-        pool: ConnectionPool,
+        pool: ConnectionPool | RedisCluster,
         names: Names,
         read: Reader,
         *,
         ping_interval_s: float,
         subscribe_timeout_s: float,
+        pool_of: Callable[[str, int], ConnectionPool] | None = None,
     ) -> None:
+        """``pool``: the PubSub connection's; a cluster client instead gives one sharded hub per
+        primary, each over ``pool_of(host, port)``."""
         self.names = names
         self._read = read
-        self._hub = PubSubHub(
-            pool,
-            self._on_message,
-            self._on_resubscribed,
-            self._on_failure,
-            ping_interval_s=ping_interval_s,
-            subscribe_timeout_s=subscribe_timeout_s,
-        )
+        handlers = (self._on_message, self._on_resubscribed, self._on_failure)
+        self._hub: PubSubHub | ShardedHubs
+        if isinstance(pool, RedisCluster):
+            assert pool_of is not None, "a cluster's feed needs pool_of"
+            self._hub = ShardedHubs(
+                pool, pool_of, *handlers, ping_interval_s=ping_interval_s, subscribe_timeout_s=subscribe_timeout_s
+            )
+        else:
+            self._hub = PubSubHub(
+                pool, *handlers, ping_interval_s=ping_interval_s, subscribe_timeout_s=subscribe_timeout_s
+            )
         self._watchers: dict[str, set[asyncio.Queue[_Item]]] = {}  # task channel -> watcher queues
         self._watched: dict[str, str] = {}  # task channel -> task id
         self._replies: dict[str, ReplyHandler] = {}  # reply channel -> handler

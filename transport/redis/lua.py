@@ -15,16 +15,24 @@ from collections.abc import Sequence
 from schemas.records import TaskState, TaskStatus
 from transport.ports import KeyClaim
 
+ROW = 5
+"""Values per task in ``CREATE``'s and ``APPLY``'s ARGV, after their leading values."""
+PUBLISH = "PUBLISH"
+SPUBLISH = "SPUBLISH"
+"""Each write script's last ARGV: ``PUBLISH`` (one Redis: the script publishes the task's channel and
+the gateways' reply frames) or ``SPUBLISH`` (Redis Cluster: the task's channel, in the task's slot,
+with SPUBLISH; the reply frames, whose channels live in other slots, returned for the caller to send)."""
 TERMINAL_RANK = min(status.rank for status in TaskStatus if status.terminal)
 CANCELLABLE_RANK = TaskStatus.BATCHED.rank
 
 # KEYS[i] task hash of task i. ARGV[1] ttl ms, then per task 5 values: status, rank, doc, task
-# channel, owner ('' = none). Returns per task 1 if created, 2 if a later status got there first (the
-# gateway produces while it creates, so a batcher may write "batched" before "queued" lands): the
-# owner is then filled in, nothing else changes. 0 if the task exists at this rank or lower (a
-# duplicate id). The owner is a field of its own, written once here: later writers (batcher,
+# channel, owner ('' = none), then PUBLISH or SPUBLISH. Returns per task 1 if created, 2 if a later
+# status got there first (the gateway produces while it creates, so a batcher may write "batched"
+# before "queued" lands): the owner is then filled in, nothing else changes. 0 if the task exists at
+# this rank or lower (a duplicate id). The owner is a field of its own, written once here: later writers (batcher,
 # workers) replace ``doc`` without knowing it, and readers merge it back (``RedisTaskStore.get``).
 CREATE = """
+local publish = ARGV[#ARGV]
 local created = {}
 for i, key in ipairs(KEYS) do
   local at = 2 + (i - 1) * 5
@@ -44,7 +52,7 @@ for i, key in ipairs(KEYS) do
       redis.call('HSET', key, 'owner', ARGV[at + 4])
     end
     redis.call('PEXPIRE', key, ARGV[1])
-    redis.call('PUBLISH', ARGV[at + 3], ARGV[at + 2])
+    redis.call(publish, ARGV[at + 3], ARGV[at + 2])
     created[i] = 1
   end
 end
@@ -53,7 +61,8 @@ return created
 
 # KEYS[i] task hash of update i. ARGV[1] ttl ms, ARGV[2] lowest terminal rank, then per update 5
 # values: status, rank, doc, task channel, reply channel ('' = none: not a synchronous task; a
-# terminal update is sent there as a frame). Returns 1/0 per update. A missing hash (never created,
+# terminal update is sent there as a frame), then PUBLISH or SPUBLISH. Returns 1/0 per update, then
+# under SPUBLISH a reply channel and its frames for each reply channel written to. A missing hash (never created,
 # or expired) accepts any update: a worker that finishes a task whose queued entry expired still
 # stores the result. The TTL is set where this
 # write creates the hash and where it ends the task, not at the steps between (a PEXPIRE each would
@@ -64,6 +73,7 @@ return created
 # Most synchronous tasks are such, so one EXISTS over a write's synchronous steps answers for all
 # of them; only where one is stored is each checked (and written, as any task's).
 APPLY = """
+local publish = ARGV[#ARGV]
 local ttl = ARGV[1]
 local terminal = tonumber(ARGV[2])
 local applied = {}
@@ -96,7 +106,7 @@ for i, key in ipairs(KEYS) do
         redis.call('PEXPIRE', key, ttl)
       end
       if current ~= nil or channel == '' then
-        redis.call('PUBLISH', ARGV[at + 3], ARGV[at + 2])
+        redis.call(publish, ARGV[at + 3], ARGV[at + 2])
       end
       if channel ~= '' and rank >= terminal then
         local frames = replies[channel]
@@ -112,15 +122,21 @@ for i, key in ipairs(KEYS) do
   end
 end
 for _, channel in ipairs(channels) do
-  redis.call('PUBLISH', channel, table.concat(replies[channel]))
+  if publish == 'PUBLISH' then
+    redis.call('PUBLISH', channel, table.concat(replies[channel]))
+  else
+    applied[#applied + 1] = channel
+    applied[#applied + 1] = table.concat(replies[channel])
+  end
 end
 return applied
 """
 
 
 # KEYS[1] task hash. ARGV: ttl ms, highest cancellable rank, status, rank, doc, task channel, reply
-# channel ('' = none). The caller built ``doc`` from a state it read just before; whether that task
-# may still be cancelled is decided here, atomically with the write. Returns {1} when cancelled,
+# channel ('' = none), PUBLISH or SPUBLISH. The caller built ``doc`` from a state it read just
+# before; whether that task may still be cancelled is decided here, atomically with the write.
+# Returns {1} when cancelled (under SPUBLISH with a reply channel: {1, reply channel, frame}),
 # {0, doc, owner} when it is too late (doc: the stored state), {-1} when there is no such task.
 CANCEL = """
 local current = tonumber(redis.call('HGET', KEYS[1], 'rank'))
@@ -133,9 +149,13 @@ if current > tonumber(ARGV[2]) then
 end
 redis.call('HSET', KEYS[1], 'status', ARGV[3], 'rank', ARGV[4], 'doc', ARGV[5])
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
-redis.call('PUBLISH', ARGV[6], ARGV[5])
+redis.call(ARGV[8], ARGV[6], ARGV[5])
 if ARGV[7] ~= '' then
-  redis.call('PUBLISH', ARGV[7], struct.pack('>I4', string.len(ARGV[5])) .. ARGV[5])
+  local frame = struct.pack('>I4', string.len(ARGV[5])) .. ARGV[5]
+  if ARGV[8] ~= 'PUBLISH' then
+    return {1, ARGV[7], frame}
+  end
+  redis.call('PUBLISH', ARGV[7], frame)
 end
 return {1}
 """
@@ -206,16 +226,19 @@ return wait
 """
 
 
-def create_args(ttl_ms: int, rows: Sequence[tuple[TaskState, bytes, str]]) -> list[str | int | bytes]:
+def create_args(
+    ttl_ms: int, rows: Sequence[tuple[TaskState, bytes, str]], publish: str = PUBLISH
+) -> list[str | int | bytes]:
     """ARGV of ``CREATE`` for (state, doc, task channel) rows."""
     args: list[str | int | bytes] = [ttl_ms]
     for state, doc, task_channel in rows:
         args.extend((state.status.value, state.status.rank, doc, task_channel, state.owner or ""))
+    args.append(publish)
     return args
 
 
 def cancel_args(
-    ttl_ms: int, cancelled: TaskState, doc: bytes, task_channel: str, reply_channel: str
+    ttl_ms: int, cancelled: TaskState, doc: bytes, task_channel: str, reply_channel: str, publish: str = PUBLISH
 ) -> list[str | int | bytes]:
     return [
         ttl_ms,
@@ -225,14 +248,18 @@ def cancel_args(
         doc,
         task_channel,
         reply_channel,
+        publish,
     ]
 
 
-def apply_args(ttl_ms: int, updates: Sequence[tuple[TaskState, bytes, str, str]]) -> list[str | int | bytes]:
+def apply_args(
+    ttl_ms: int, updates: Sequence[tuple[TaskState, bytes, str, str]], publish: str = PUBLISH
+) -> list[str | int | bytes]:
     """ARGV for ``APPLY`` from (state, encoded doc, task channel, reply channel or '') per update."""
     args: list[str | int | bytes] = [ttl_ms, TERMINAL_RANK]
     for state, doc, task_channel, reply_channel in updates:
         args.extend((state.status.value, state.status.rank, doc, task_channel, reply_channel))
+    args.append(publish)
     return args
 
 

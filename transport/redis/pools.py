@@ -10,6 +10,10 @@
 Every pool's connections pack commands with hiredis (``_hiredis_packing``). A ``redis+sentinel://``
 URL gives pools that ask the Sentinels for the primary on every new connection (``redis_sentinel``),
 so every user of these pools follows a failover.
+
+A ``redis+cluster://HOST:PORT,...`` URL names a Redis Cluster's startup nodes. Only the task store
+takes one (``cluster_client``, redis-py's cluster client, which learns the slot map and routes each
+command to the primary of its key's slot); the other transports' pools refuse it, naming the store.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff, NoBackoff
@@ -37,10 +42,16 @@ from transport.redis.sentinel import (
     sentinel_pool,
 )
 
+CLUSTER_SCHEME = "redis+cluster"
+
+
+def is_cluster_url(url: str) -> bool:
+    return url.partition("://")[0].lower() == CLUSTER_SCHEME
+
 
 def redacted(url: str) -> str:
     """The URL without its password, for error messages and logs."""
-    if is_sentinel_url(url):
+    if is_sentinel_url(url) or is_cluster_url(url):
         return redacted_sentinel_url(url)  # several HOST:PORT, which urlsplit does not take
     parts = urlsplit(url)
     try:
@@ -150,6 +161,12 @@ def _packing_with_hiredis(pool: P) -> P:
 
 
 def _blocking_from_url(url: str, **kwargs: Any) -> BlockingConnectionPool:
+    if is_cluster_url(url):
+        raise PermanentTransportError(
+            f"{redacted(url)}: only the task store runs on Redis Cluster so far; the credit pool, the "
+            "delivery log, the rate limits, the fleet registry and the answer cache need a redis:// or "
+            "redis+sentinel:// URL"
+        )
     if is_sentinel_url(url):
         return _packing_with_hiredis(blocking_sentinel_pool(url, **kwargs))
     return _packing_with_hiredis(BlockingConnectionPool.from_url(url, **kwargs))
@@ -180,6 +197,39 @@ class CommandClient:
         await self.pool.disconnect()
 
 
+def cluster_nodes(url: str) -> tuple[list[ClusterNode], str | None, str | None]:
+    """The startup nodes, user and password of a ``redis+cluster://[USER:PASSWORD@]HOST:PORT,...`` URL."""
+    _, _, rest = url.partition("://")
+    netloc = rest.partition("/")[0]
+    userinfo, at, hosts = netloc.rpartition("@")
+    user, _, password = userinfo.partition(":") if at else ("", "", "")
+    nodes: list[ClusterNode] = []
+    for address in hosts.split(","):
+        host, _, port = address.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise PermanentTransportError(
+                f"Redis URL {redacted(url)!r}: {address!r} is not HOST:PORT; the form is "
+                f"{CLUSTER_SCHEME}://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]"
+            )
+        nodes.append(ClusterNode(host, int(port)))
+    return nodes, user or None, password or None
+
+
+def cluster_client(url: str, options: PoolOptions) -> RedisCluster:
+    """A cluster client over the URL's startup nodes, with ``options``' connections per node."""
+    nodes, user, password = cluster_nodes(url)
+    return RedisCluster(
+        startup_nodes=nodes,
+        username=user,
+        password=password,
+        max_connections=options.max_connections,
+        socket_timeout=options.socket_timeout_s,
+        socket_connect_timeout=options.socket_timeout_s,
+        socket_keepalive=True,
+        health_check_interval=options.health_check_interval_s,
+    )
+
+
 def blocking_pool(url: str, max_connections: int, options: PoolOptions) -> BlockingConnectionPool:
     """Connections for blocking commands: no read timeout (the caller bounds each wait itself)."""
     return _blocking_from_url(
@@ -194,10 +244,8 @@ def blocking_pool(url: str, max_connections: int, options: PoolOptions) -> Block
     )
 
 
-def pubsub_pool(url: str, *, socket_timeout_s: float) -> ConnectionPool:
-    """The PubSub connection: reads are bounded per call by the reader; no health check and no retry
-    inside redis-py, whose own reconnect would read replies behind the reader's back."""
-    options: dict[str, Any] = {
+def _pubsub_options(url: str, socket_timeout_s: float) -> dict[str, Any]:
+    return {
         "max_connections": 2,
         "socket_timeout": socket_timeout_s,
         "socket_connect_timeout": socket_timeout_s,
@@ -205,6 +253,19 @@ def pubsub_pool(url: str, *, socket_timeout_s: float) -> ConnectionPool:
         "health_check_interval": 0,
         "retry": Retry(NoBackoff(), 0, supported_errors=()),
     }
+
+
+def pubsub_pool(url: str, *, socket_timeout_s: float) -> ConnectionPool:
+    """The PubSub connection: reads are bounded per call by the reader; no health check and no retry
+    inside redis-py, whose own reconnect would read replies behind the reader's back."""
+    options = _pubsub_options(url, socket_timeout_s)
     if is_sentinel_url(url):
         return _packing_with_hiredis(sentinel_pool(url, **options))
     return _packing_with_hiredis(ConnectionPool.from_url(url, **options))
+
+
+def node_pubsub_pool(url: str, host: str, port: int, *, socket_timeout_s: float) -> ConnectionPool:
+    """``pubsub_pool`` to one node of the Redis Cluster of ``url`` (its credentials)."""
+    _, user, password = cluster_nodes(url)
+    options = _pubsub_options(url, socket_timeout_s)
+    return _packing_with_hiredis(ConnectionPool(host=host, port=port, username=user, password=password, **options))

@@ -16,6 +16,8 @@ from typing import Any
 
 from redis.asyncio import ConnectionPool
 from redis.asyncio.client import PubSub
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -54,8 +56,11 @@ class PubSubHub:
         subscribe_timeout_s: float = 5.0,
         min_backoff_s: float = 0.05,
         max_backoff_s: float = 0.5,
+        sharded: bool = False,
     ) -> None:
+        """``sharded``: shard channels (SSUBSCRIBE), each on the cluster node that owns its slot."""
         self._pool = pool
+        self._sharded = sharded
         self._on_message = on_message
         self._on_resubscribed = on_resubscribed
         self._on_failure = on_failure
@@ -149,9 +154,9 @@ class PubSubHub:
             return
         try:
             if command == "SUBSCRIBE":
-                await pubsub.subscribe(channel)
+                await (pubsub.ssubscribe(channel) if self._sharded else pubsub.subscribe(channel))
             else:
-                await pubsub.unsubscribe(channel)
+                await (pubsub.sunsubscribe(channel) if self._sharded else pubsub.unsubscribe(channel))
         except _SEND_ERRORS as err:
             # The reader sees the same broken connection, reconnects, and subscribes to every
             # channel still referenced, which confirms this one too (or the caller times out).
@@ -223,7 +228,10 @@ class PubSubHub:
             for channel in channels:
                 self._pending[channel] = deque([self._active[channel]])
             if channels:
-                await self._pubsub.subscribe(*channels)
+                if self._sharded:
+                    await self._pubsub.ssubscribe(*channels)
+                else:
+                    await self._pubsub.subscribe(*channels)
                 await self._confirmed(channels)
             return channels
 
@@ -262,11 +270,11 @@ class PubSubHub:
         kind = message.get("type")
         channel_raw = message.get("channel")
         channel = channel_raw.decode() if isinstance(channel_raw, bytes) else str(channel_raw)
-        if kind == "message":
+        if kind in ("message", "smessage"):
             data = message.get("data")
             if isinstance(data, bytes):
                 self._on_message(channel, data)
-        elif kind == "subscribe":
+        elif kind in ("subscribe", "ssubscribe"):
             # Confirmations come in the order the SUBSCRIBEs went out: one per entry.
             pending = self._pending.get(channel)
             if pending:
@@ -282,3 +290,83 @@ class PubSubHub:
                 confirmed.set_exception(TransportError(f"Redis PubSub unavailable: {err!r}"))
                 confirmed.exception()  # retrieved here: a waiter may have gone already
         self._on_failure(err)
+
+
+class ShardedHubs:
+    """One sharded ``PubSubHub`` per Redis Cluster primary: each channel is subscribed (SSUBSCRIBE)
+    on the primary that owns its slot, where the scripts that write its task SPUBLISH to it, so a
+    message published before a subscription is confirmed never arrives after it."""
+
+    def __init__(
+        self,
+        cluster: RedisCluster,
+        pool_of: Callable[[str, int], ConnectionPool],
+        on_message: MessageHandler,
+        on_resubscribed: ResubscribedHandler,
+        on_failure: FailureHandler,
+        *,
+        ping_interval_s: float,
+        subscribe_timeout_s: float,
+    ) -> None:
+        self._cluster = cluster
+        self._pool_of = pool_of
+        self._handlers = (on_message, on_resubscribed, on_failure)
+        self.ping_interval_s = ping_interval_s
+        self.subscribe_timeout_s = subscribe_timeout_s
+        self._hubs: dict[str, PubSubHub] = {}
+        self._of: dict[str, PubSubHub] = {}  # channel -> the hub it is subscribed on
+        self._lock = asyncio.Lock()
+        self._started = False
+
+    @property
+    def reconnects(self) -> int:
+        return sum(hub.reconnects for hub in self._hubs.values())
+
+    @property
+    def alive(self) -> bool:
+        return self._started and all(hub.alive for hub in self._hubs.values())
+
+    @property
+    def connected(self) -> bool:
+        return self._started and all(hub.connected for hub in self._hubs.values())
+
+    async def start(self) -> None:
+        await self._cluster.initialize()  # the slot map, which routes each channel
+        self._started = True
+
+    async def close(self) -> None:
+        self._started = False
+        hubs, self._hubs = self._hubs, {}
+        for hub in hubs.values():
+            await hub.close()
+
+    async def subscribe(self, channel: str) -> None:
+        hub = await self._hub_of(channel)
+        await hub.subscribe(channel)
+        self._of[channel] = hub
+
+    async def unsubscribe(self, channel: str) -> None:
+        hub = self._of.get(channel)
+        if hub is not None:
+            await hub.unsubscribe(channel)
+            if channel not in hub.channels():
+                self._of.pop(channel, None)
+
+    def channels(self) -> frozenset[str]:
+        return frozenset(self._of)
+
+    async def _hub_of(self, channel: str) -> PubSubHub:
+        node = self._cluster.nodes_manager.get_node_from_slot(key_slot(channel.encode()))
+        async with self._lock:
+            hub = self._hubs.get(node.name)
+            if hub is None:
+                hub = PubSubHub(
+                    self._pool_of(node.host, int(node.port)),
+                    *self._handlers,
+                    ping_interval_s=self.ping_interval_s,
+                    subscribe_timeout_s=self.subscribe_timeout_s,
+                    sharded=True,
+                )
+                await hub.start()
+                self._hubs[node.name] = hub
+            return hub

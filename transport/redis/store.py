@@ -8,18 +8,29 @@ publishes the new state on the task's channel (and, for a terminal state, on the
 the gateway that waits for it), all in one round trip. Notifications reach this process through its
 change feed (``feed.ChangeFeed``: one PubSub connection). Idempotency keys are plain strings
 (``names.idempotency_key``) holding ``lua.binding``, with the same TTL as tasks.
+
+Over Redis Cluster (a ``redis+cluster://`` URL) each write script runs once per hash slot of the
+keys it writes, concurrently. A task's channel shares its key's hash tag, so the script publishes
+it with SPUBLISH on the node that holds the task, where the feed subscribed it (``ShardedHubs``);
+the scripts return the reply frames instead, and they go out with one SPUBLISH per gateway's reply
+channel. Writes that wait for replicas (``apply_replicated``) and the memory watch take one
+primary, so they refuse a cluster.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import replace
 from typing import Any
 
-from redis.asyncio.client import Pipeline
+from redis.asyncio.client import Pipeline, Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.commands.core import AsyncScript
+from redis.crc import key_slot
 from redis.exceptions import RedisError
 
 from schemas.codec import CodecError, decode_state, encode_state
@@ -35,8 +46,11 @@ from transport.redis.lua import (
     CANCEL,
     CLAIM_KEY,
     CREATE,
+    PUBLISH,
     REBIND_KEY,
     RELEASE_KEY,
+    ROW,
+    SPUBLISH,
     apply_args,
     binding,
     cancel_args,
@@ -44,7 +58,16 @@ from transport.redis.lua import (
     parse_binding,
 )
 from transport.redis.memory import MemoryWatch
-from transport.redis.pools import CommandClient, PoolOptions, pubsub_pool, redacted, translate
+from transport.redis.pools import (
+    CommandClient,
+    PoolOptions,
+    cluster_client,
+    is_cluster_url,
+    node_pubsub_pool,
+    pubsub_pool,
+    redacted,
+    translate,
+)
 
 STORE_POOL = PoolOptions(max_connections=32)  # every gateway request and worker batch writes through it
 
@@ -76,8 +99,17 @@ class RedisTaskStore:
         self.names = names
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.ready_timeout_s = ready_timeout_s
-        self._commands = CommandClient(redis_url, pool)
-        self._client = self._commands.redis
+        self._cluster = is_cluster_url(redis_url)
+        self._publish = SPUBLISH if self._cluster else PUBLISH
+        if self._cluster and memory_watch_s is not None:
+            raise PermanentTransportError(
+                f"{redacted(redis_url)}: watching Redis's memory takes one primary; a gateway needs a "
+                "redis:// or redis+sentinel:// URL"
+            )
+        self._commands = None if self._cluster else CommandClient(redis_url, pool)
+        self._client: Redis | RedisCluster = (
+            cluster_client(redis_url, pool) if self._commands is None else self._commands.redis
+        )
         self._create = self._client.register_script(CREATE)
         self._creates: Coalescer[TaskState, bool] = Coalescer(self._create_many)
         self._apply = self._client.register_script(APPLY)
@@ -86,13 +118,16 @@ class RedisTaskStore:
         self._rebind_key = self._client.register_script(REBIND_KEY)
         self._release_key = self._client.register_script(RELEASE_KEY)
         self._feed = ChangeFeed(
-            pubsub_pool(redis_url, socket_timeout_s=pool.socket_timeout_s),
+            self._client
+            if isinstance(self._client, RedisCluster)
+            else pubsub_pool(redis_url, socket_timeout_s=pool.socket_timeout_s),
             names,
             self.get_many,
             ping_interval_s=ping_interval_s,
             subscribe_timeout_s=subscribe_timeout_s,
+            pool_of=functools.partial(node_pubsub_pool, redis_url, socket_timeout_s=pool.socket_timeout_s),
         )
-        self._memory = MemoryWatch(self._client, memory_watch_s)
+        self._memory = MemoryWatch(self._client, memory_watch_s) if isinstance(self._client, Redis) else None
 
     @property
     def reconnects(self) -> int:
@@ -104,16 +139,24 @@ class RedisTaskStore:
         try:
             await self._feed.start()
         except (RedisError, OSError) as err:
-            await self._commands.close()
+            await self._close_commands()
             raise TransportError(f"cannot connect to Redis at {redacted(self.redis_url)}: {err}") from err
-        await self._memory.start()
+        if self._memory is not None:
+            await self._memory.start()
 
     async def close(self) -> None:
         """Stops the reader (watchers get a ``TransportError``), then closes every connection."""
-        await self._memory.close()
+        if self._memory is not None:
+            await self._memory.close()
         await self._creates.close(TransportError("the task store was closed"))
         await self._feed.close()
-        await self._commands.close()
+        await self._close_commands()
+
+    async def _close_commands(self) -> None:
+        if self._commands is not None:
+            await self._commands.close()
+        else:
+            await self._client.aclose()
 
     async def create(self, state: TaskState) -> bool:
         return await self._creates(state)  # with the creates of other requests in flight (coalesce.py)
@@ -122,7 +165,7 @@ class RedisTaskStore:
         keys = [self.names.task_key(state.task_id) for state in states]
         rows = [(state, encode_state(state), self.names.task_channel(state.task_id)) for state in states]
         try:
-            created: list[int] = await self._create(keys=keys, args=create_args(self.ttl_ms, rows))
+            created = await self._run(self._create, keys, create_args(self.ttl_ms, rows, self._publish), head=1)
         except RedisError as err:
             what = f"task {states[0].task_id}" if len(states) == 1 else f"{len(states)} tasks"
             raise translate(f"creating {what}", err) from err
@@ -133,10 +176,46 @@ class RedisTaskStore:
             return []
         keys, args = self._apply_call(updates)
         try:
-            applied: list[int] = await self._apply(keys=keys, args=args)
+            applied = await self._run(self._apply, keys, args, head=2)
         except RedisError as err:
             raise translate(f"applying {len(updates)} task update(s)", err) from err
         return [bool(flag) for flag in applied]
+
+    async def _run(self, script: AsyncScript, keys: list[str], args: list[Any], *, head: int) -> list[int]:
+        """One call of a write script (``args``: ``head`` values, ``lua.ROW`` per key, the publish
+        command); over a cluster, one call per hash slot of ``keys``, concurrently, the results in the
+        keys' order, and then one SPUBLISH per reply channel of the reply frames they returned."""
+        if not self._cluster:
+            return list(await script(keys=keys, args=args))
+        slots: dict[int, list[int]] = {}
+        for index, key in enumerate(keys):
+            slots.setdefault(key_slot(key.encode()), []).append(index)
+        results: list[int] = [0] * len(keys)
+        replies: dict[bytes, list[bytes]] = {}
+
+        async def one(indexes: list[int]) -> None:
+            rows = [value for i in indexes for value in args[head + i * ROW : head + (i + 1) * ROW]]
+            tail = args[head + len(keys) * ROW :]
+            out = await script(keys=[keys[i] for i in indexes], args=[*args[:head], *rows, *tail])
+            for index, result in zip(indexes, out, strict=False):
+                results[index] = int(result)
+            pairs = out[len(indexes) :]
+            for channel, frames in zip(pairs[::2], pairs[1::2], strict=True):
+                replies.setdefault(channel, []).append(frames)
+
+        await self._each(one(indexes) for indexes in slots.values())
+        await self._each(self._client.spublish(channel, b"".join(frames)) for channel, frames in replies.items())
+        return results
+
+    @staticmethod
+    async def _each(calls: Iterable[Awaitable[Any]]) -> None:
+        """Runs ``calls`` concurrently; the first error is raised as the one call would raise it."""
+        try:
+            async with asyncio.TaskGroup() as group:
+                for call in calls:
+                    group.create_task(call)  # type: ignore[arg-type]
+        except ExceptionGroup as errors:
+            raise errors.exceptions[0] from None
 
     def _apply_call(self, updates: Sequence[TaskState]) -> tuple[list[str], list[Any]]:
         keys: list[str] = []
@@ -145,13 +224,14 @@ class RedisTaskStore:
             keys.append(self.names.task_key(state.task_id))
             reply_channel = self.names.reply_channel(state.reply_to) if state.reply_to is not None else ""
             rows.append((state, encode_state(state), self.names.task_channel(state.task_id), reply_channel))
-        return keys, apply_args(self.ttl_ms, rows)
+        return keys, apply_args(self.ttl_ms, rows, self._publish)
 
     async def connected_replicas(self) -> int:
         """How many replicas the primary counts as connected and in sync now (``INFO replication``).
 
         A replica still taking its first full copy (a restarted one rejoining) acknowledges nothing
         until it has it, so it is not counted."""
+        self._one_primary("counting the primary's replicas")
         try:
             info: dict[str, Any] = await self._client.info("replication")
         except RedisError as err:
@@ -171,11 +251,20 @@ class RedisTaskStore:
             pipe.set(self.names.replication_mark, b"1", px=self.ttl_ms)
             pipe.wait(replicas, timeout_ms)
 
+        self._one_primary("waiting for replicas to store updates (WAIT)")
+        assert isinstance(self._client, Redis)
         try:
             replies = await scripted.execute(self._client, self._apply, self._apply_call(updates), then)
         except RedisError as err:
             raise translate(f"storing {len(updates)} task update(s) on {replicas} replica(s)", err) from err
         return int(replies[-1])
+
+    def _one_primary(self, what: str) -> None:
+        if self._cluster:
+            raise PermanentTransportError(
+                f"{what} takes one primary, and {redacted(self.redis_url)} is a Redis Cluster: run the "
+                "workers with --redis-min-replicas 0, or over redis:// or redis+sentinel://"
+            )
 
     async def cancel(
         self, task_id: str, reason_code: str, message: str, status: TaskStatus = TaskStatus.CANCELLED
@@ -194,13 +283,23 @@ class RedisTaskStore:
         )
         reply_channel = self.names.reply_channel(current.reply_to) if current.reply_to is not None else ""
         args = cancel_args(
-            self.ttl_ms, cancelled, encode_state(cancelled), self.names.task_channel(task_id), reply_channel
+            self.ttl_ms,
+            cancelled,
+            encode_state(cancelled),
+            self.names.task_channel(task_id),
+            reply_channel,
+            self._publish,
         )
         try:
             outcome: list[Any] = await self._cancel(keys=[self.names.task_key(task_id)], args=args)
         except RedisError as err:
             raise translate(f"cancelling task {task_id}", err) from err
         if outcome[0] == 1:
+            if len(outcome) == 3:  # over a cluster: the reply frame, for its gateway's channel
+                try:
+                    await self._client.spublish(outcome[1], outcome[2])
+                except RedisError as err:
+                    raise translate(f"answering the cancel of task {task_id}", err) from err
             return cancelled
         if outcome[0] == -1:
             return None  # expired between the read and the script
@@ -288,7 +387,7 @@ class RedisTaskStore:
         return None  # Redis keeps its own memory limit (maxmemory): ``refuses_writes``
 
     def refuses_writes(self) -> str | None:
-        return self._memory.refusal
+        return None if self._memory is None else self._memory.refusal
 
     async def ready(self) -> bool:
         """The change feed is connected and Redis answers PING within ``ready_timeout_s``.

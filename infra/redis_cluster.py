@@ -1,0 +1,91 @@
+"""A Redis Cluster on loopback: primaries, each with replicas, from Debian's `redis-server`, joined
+by `redis-cli --cluster create` (which spreads the 16,384 slots evenly over the primaries).
+
+Its URL is `redis+cluster://127.0.0.1:P1,127.0.0.1:P2,...`, every node a startup node: a client
+asks any of them for the slot map (`transport.redis.pools`).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from types import TracebackType
+
+import redis
+
+from infra.errors import ServiceStartError, ToolMissingError
+from infra.ports import LOOPBACK
+from infra.redis_server import RedisServer
+
+CLUSTER_SCHEME = "redis+cluster"
+_POLL_INTERVAL_S = 0.05
+
+
+def cluster_url(ports: list[int]) -> str:
+    return f"{CLUSTER_SCHEME}://" + ",".join(f"{LOOPBACK}:{port}" for port in ports)
+
+
+def _cluster_ok(port: int) -> bool:
+    """Whether the node on ``port`` sees every slot served (``CLUSTER INFO``)."""
+    client = redis.Redis(port=port, socket_timeout=1.0, socket_connect_timeout=1.0)
+    try:
+        info = client.cluster("INFO")
+    except (redis.RedisError, OSError):
+        return False
+    finally:
+        client.close()
+    return bool(info.get("cluster_state") == "ok" and str(info.get("cluster_slots_ok")) == "16384")
+
+
+class LocalRedisCluster:
+    """``primaries`` primaries and ``replicas`` replicas of each, in ``work_dir/node-N``; started
+    and joined by ``start``, stopped by ``stop`` (or as a context manager)."""
+
+    def __init__(self, work_dir: Path, *, primaries: int = 3, replicas: int = 0) -> None:
+        if primaries < 3:
+            raise ValueError(f"a Redis Cluster needs at least 3 primaries, got {primaries}")
+        self.replicas = replicas
+        self.nodes = [
+            RedisServer(work_dir / f"node-{index}", cluster=True) for index in range(primaries * (1 + replicas))
+        ]
+
+    @property
+    def url(self) -> str:
+        return cluster_url([node.port for node in self.nodes])
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise ToolMissingError("redis-cli not found on PATH; install it (Debian: apt-get install redis-tools)")
+        for node in self.nodes:
+            node.start()
+        addresses = [f"{LOOPBACK}:{node.port}" for node in self.nodes]
+        created = subprocess.run(
+            [cli, "--cluster", "create", *addresses, "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+            capture_output=True,
+            text=True,
+            timeout=max(1.0, deadline - time.monotonic()),
+            check=False,
+        )
+        if created.returncode != 0:
+            raise ServiceStartError(f"redis-cli --cluster create failed:\n{created.stdout}\n{created.stderr}")
+        while not all(_cluster_ok(node.port) for node in self.nodes):
+            if time.monotonic() > deadline:
+                raise ServiceStartError(f"the Redis Cluster on {addresses} did not serve every slot in {timeout_s} s")
+            time.sleep(_POLL_INTERVAL_S)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> LocalRedisCluster:
+        self.start()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.stop()
