@@ -31,6 +31,7 @@ import pytest
 
 from batchwire.client import DEFAULT_CONCURRENCY, BatchwireError, Client, TaskEvent
 from gateway.keys.idempotency import ANONYMOUS_SCOPE
+from schemas.codec import decode_state
 from schemas.records import TaskStatus
 from schemas.wire import IDEMPOTENCY_HEADER, Names
 from tests.support.eventually import eventually_sync
@@ -145,11 +146,11 @@ def slow_deployment(tmp_path: Path, infra: Any, request: pytest.FixtureRequest) 
 def stored_statuses(cluster: Cluster) -> dict[str, str]:
     """Every task stored in the cluster's namespace, with its status."""
     names = Names(cluster.namespace)
-    prefix = names.task_key("")
     client = redis_client(cluster.redis_url)
     try:
         keys = sorted(client.scan_iter(match=names.task_key("*"), count=1000))
-        return {key.decode().removeprefix(prefix): (client.hget(key, "status") or b"").decode() for key in keys}
+        rows = [client.hmget(key, ["doc", "status"]) for key in keys]
+        return {decode_state(doc).task_id: status.decode() for doc, status in rows if doc is not None}
     finally:
         client.close()
 
