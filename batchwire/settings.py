@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from schemas.wire import DEFAULT_BATCH_PARTITIONS, DEFAULT_NAMESPACE, DEFAULT_REQUEST_PARTITIONS, Names
-from transport.redis.pools import CLUSTER_SCHEME, redacted, unanswered
+from transport.redis.pools import CLUSTER_SCHEME, ONE_PRIMARY, redacted, unanswered
 from transport.redis.sentinel import FORM, SentinelError, check_sentinels, is_sentinel_url
 
 STACK_ENV = Path(".batchwire") / "stack.env"
@@ -82,9 +82,8 @@ def check_redis_url(url: str) -> None:
     scheme = url.partition("://")[0].lower()
     if scheme == CLUSTER_SCHEME:
         raise SettingsError(
-            f"Redis URL {redacted(url)!r}: only the task store runs on Redis Cluster so far, not the roles "
-            f"(their credits, delivery log, rate limits and fleet registry take one primary); use redis://HOST:PORT/DB "
-            f"or {FORM} (--redis-url / BATCHWIRE_REDIS_URL)"
+            f"Redis URL {redacted(url)!r}: {ONE_PRIMARY}: use redis://HOST:PORT/DB or {FORM} "
+            "(--redis-url / BATCHWIRE_REDIS_URL)"
         )
     if scheme not in REDIS_SCHEMES:
         raise SettingsError(

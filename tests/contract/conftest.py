@@ -71,7 +71,7 @@ CLUSTER = "cluster"
 
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A Redis Cluster of three primaries for this session: its ``redis+cluster://`` URL."""
+    """A Redis Cluster of three primaries for the whole test run: its ``redis+cluster://`` URL."""
     with LocalRedisCluster(Path(tmp_path_factory.mktemp("redis-cluster"))) as cluster:
         yield cluster.url
 
@@ -89,17 +89,15 @@ async def make_store(store_kind: str, request: pytest.FixtureRequest, names: Nam
     """Each call is one process's view of the store: a new Redis client, or the one shared memory store."""
     closer = Closer()
     shared: list[MemoryTaskStore] = []
-    url = {
-        REAL: lambda: request.getfixturevalue("infra").redis_url,
-        CLUSTER: lambda: request.getfixturevalue("redis_cluster"),
-    }
 
     async def make(ttl_s: float = 3600.0) -> TaskStore:
         if store_kind == "memory" and shared:
             return shared[0]
         store: TaskStore
         if store_kind != "memory":
-            store = RedisTaskStore(str(url[store_kind]()), names, ttl_s=ttl_s)
+            served = request.getfixturevalue("redis_cluster" if store_kind == CLUSTER else "infra")
+            url = served if store_kind == CLUSTER else served.redis_url
+            store = RedisTaskStore(str(url), names, ttl_s=ttl_s)
         else:
             shared.append(MemoryTaskStore(ttl_s=ttl_s))
             store = shared[0]

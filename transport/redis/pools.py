@@ -43,6 +43,11 @@ from transport.redis.sentinel import (
 )
 
 CLUSTER_SCHEME = "redis+cluster"
+ONE_PRIMARY = (
+    "only the task store runs on Redis Cluster so far; the credit pool, the delivery log, the rate "
+    "limits, the fleet registry and the answer cache take one primary"
+)
+"""Why a ``redis+cluster://`` URL is refused outside the task store (the pools and the roles say it)."""
 
 
 def is_cluster_url(url: str) -> bool:
@@ -162,11 +167,7 @@ def _packing_with_hiredis(pool: P) -> P:
 
 def _blocking_from_url(url: str, **kwargs: Any) -> BlockingConnectionPool:
     if is_cluster_url(url):
-        raise PermanentTransportError(
-            f"{redacted(url)}: only the task store runs on Redis Cluster so far; the credit pool, the "
-            "delivery log, the rate limits, the fleet registry and the answer cache need a redis:// or "
-            "redis+sentinel:// URL"
-        )
+        raise PermanentTransportError(f"{redacted(url)}: {ONE_PRIMARY}: use a redis:// or redis+sentinel:// URL")
     if is_sentinel_url(url):
         return _packing_with_hiredis(blocking_sentinel_pool(url, **kwargs))
     return _packing_with_hiredis(BlockingConnectionPool.from_url(url, **kwargs))
