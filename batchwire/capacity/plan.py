@@ -30,6 +30,7 @@ from batchwire.capacity.sizing import (
     load_cpu_file,
     processes,
     size,
+    with_values,
 )
 
 MAX_GROWTH = 64
@@ -166,8 +167,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--costs",
         default=None,
         metavar="RUN",
-        help="a batchwire bench run over Kafka (its directory): CPU per role, Redis commands and memory per "
-        "request measured at its busiest rate that kept up replace the defaults (after --cpu-file)",
+        help="a batchwire bench run over Kafka (its directory): CPU per role, Redis commands and memory, and "
+        "Kafka bytes and records per request, measured at its busiest rate that kept up, replace the defaults "
+        "(after --cpu-file)",
     )
     parser.add_argument("--result-ttl-s", type=float, default=None, help="how long results stay in Redis")
     parser.add_argument("--replication-factor", type=int, default=None, help="Kafka replication factor")
@@ -201,7 +203,7 @@ def _inputs(args: argparse.Namespace) -> tuple[SizingInputs, dict[str, str]]:
         given.update({name: f"--cpu-file {args.cpu_file}" for name in changed(before, inputs)})
     costs = read_costs(args.costs) if args.costs else None
     if costs is not None:
-        inputs = replace(inputs, **{name: type(getattr(inputs, name))(value) for name, value in costs.values.items()})
+        inputs = with_values(inputs, costs.values)
     if args.result_ttl_s is not None:
         inputs = replace(inputs, result_ttl_s=args.result_ttl_s)
         given["result_ttl_s"] = "--result-ttl-s"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,11 @@ class SizingInputs:
             raise SizingError(f"replication factor must be at least 1, got {self.replication_factor}")
 
 
+def with_values(inputs: SizingInputs, values: Mapping[str, Any]) -> SizingInputs:
+    """``inputs`` with these fields replaced, each converted to its field's type (int or float)."""
+    return replace(inputs, **{name: type(getattr(inputs, name))(value) for name, value in values.items()})
+
+
 def load_cpu_file(path: str | Path, inputs: SizingInputs) -> SizingInputs:
     """``inputs`` with values from a JSON object of ``SizingInputs`` fields (``gateway_us_per_request``, ...)."""
     try:
@@ -67,7 +73,7 @@ def load_cpu_file(path: str | Path, inputs: SizingInputs) -> SizingInputs:
     if not isinstance(data, dict) or not set(data) <= known:
         raise SizingError(f"the CPU file {path} must be a JSON object with keys among {sorted(known)}")
     try:
-        return replace(inputs, **{k: type(getattr(inputs, k))(v) for k, v in data.items()})
+        return with_values(inputs, data)
     except (TypeError, ValueError) as err:
         raise SizingError(f"the CPU file {path} holds a value that is not a number: {err}") from err
 
