@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from tests.support.cluster_checks import (
     logged,
     proc_named,
     running,
+    stored,
     terminal_events,
     two_batchers_one_slow_worker,
 )
@@ -26,15 +28,20 @@ from tests.support.processes import Cluster, Proc, TerminalEvents, launch, metri
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
 
-async def until_running(cluster: Cluster) -> dict[str, str]:
-    """Task id -> worker of the tasks stored running (the requests here are keyed, so stored)."""
+async def until_running(cluster: Cluster, sent: asyncio.Task[list[httpx.Response]]) -> dict[str, str]:
+    """Task id -> worker of the tasks stored running (the requests here are keyed, so stored); fails
+    with the answers if ``sent``'s requests end before any ran (refused, say)."""
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         found = await asyncio.to_thread(running, cluster)
         if found:
             return found
+        if sent.done():
+            answers = [(r.status_code, r.text[:200]) for r in sent.result()]
+            raise AssertionError(f"the requests ended before a batch was seen running: {answers}")
         await asyncio.sleep(0.05)
-    raise AssertionError("no batch started running within 20 s")
+    states = Counter(state.status.value for state in stored(cluster).values())
+    raise AssertionError(f"no batch started running within 20 s; stored states: {states}")
 
 
 def sigterm(proc: Proc) -> None:
@@ -56,7 +63,7 @@ async def test_sigterm_lets_a_worker_finish_its_batch_and_exit_0(
     clusters.append(cluster)
     inputs = [f"drain-{n}" for n in range(5)]
     sent = asyncio.create_task(post_all(cluster.gateway_urls[0], inputs, keyed=True))
-    in_flight = await until_running(cluster)
+    in_flight = await until_running(cluster, sent)
     victim = next(iter(in_flight.values()))
     proc = proc_named(cluster, victim)
     sigterm(proc)
@@ -83,7 +90,7 @@ async def test_a_batch_longer_than_the_drain_timeout_is_handed_back(
     )
     clusters.append(cluster)
     sent = asyncio.create_task(post_all(cluster.gateway_urls[0], ["handed back"], keyed=True))
-    in_flight = await until_running(cluster)
+    in_flight = await until_running(cluster, sent)
     victim = next(iter(in_flight.values()))
     proc = proc_named(cluster, victim)
     sigterm(proc)
@@ -102,7 +109,7 @@ async def test_a_second_sigterm_exits_at_once_and_loses_nothing(
     cluster = launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, workers=2, sim_latency_ms=6000)
     clusters.append(cluster)
     sent = asyncio.create_task(post_all(cluster.gateway_urls[0], ["impatient"], keyed=True))
-    in_flight = await until_running(cluster)
+    in_flight = await until_running(cluster, sent)
     proc = proc_named(cluster, next(iter(in_flight.values())))
     sigterm(proc)
     await asyncio.to_thread(
@@ -148,7 +155,7 @@ async def test_sigterm_lets_a_gateway_answer_the_requests_it_holds_and_exit_0(
     clusters.append(cluster)
     inputs = [f"held-{n}" for n in range(6)]
     sent = asyncio.create_task(post_all(cluster.gateway_urls[0], inputs, keyed=True))
-    await until_running(cluster)
+    await until_running(cluster, sent)
     proc = proc_named(cluster, "gateway0")
     sigterm(proc)
     code, took = await exit_status(proc, 30)
@@ -160,7 +167,7 @@ async def test_a_second_sigterm_ends_a_gateway_at_once(tmp_path: Path, infra: An
     cluster = launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, workers=2, sim_latency_ms=6000)
     clusters.append(cluster)
     sent = asyncio.create_task(post_all(cluster.gateway_urls[0], ["impatient"], keyed=True))
-    await until_running(cluster)
+    await until_running(cluster, sent)
     proc = proc_named(cluster, "gateway0")
     sigterm(proc)
     await asyncio.to_thread(

@@ -289,7 +289,8 @@ def test_topics_grow_refuses_the_request_topic_while_a_batcher_is_in_its_group(
 
     assert refused.returncode == 2, refused.stderr
     assert "1 batcher(s) are running" in refused.stderr and "--request-partitions 16" in refused.stderr
-    assert asyncio.run(_describe(bootstrap, [names.request_topic]))[names.request_topic][0] == 12
+    # a broker that has not yet heard of the new topic shows it with no partitions: wait for it
+    assert asyncio.run(_described_with(bootstrap, names.request_topic, 12))[0] == 12
 
     grown = _cli(state_dir, "topics", "grow", "--namespace", names.namespace, "--request-partitions", "16")
 

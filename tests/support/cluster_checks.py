@@ -13,7 +13,7 @@ from aiokafka.admin import AIOKafkaAdminClient  # type: ignore[import-untyped, u
 
 from infra.ports import free_port
 from schemas.codec import decode_state
-from schemas.records import TaskStatus
+from schemas.records import TaskState, TaskStatus
 from tests.support.eventually import eventually_sync
 from tests.support.processes import Cluster, Proc, TerminalEvents, launch, task_states
 
@@ -40,20 +40,28 @@ async def group_offsets(bootstrap: str, group: str, topic: str) -> tuple[dict[in
     )
 
 
-def running(cluster: Cluster) -> dict[str, str]:
-    """Task id -> worker id of every task stored as running in the cluster's namespace."""
+def stored(cluster: Cluster) -> dict[str, TaskState]:
+    """Every task stored in the cluster's namespace, by id."""
     client = redis.Redis.from_url(cluster.redis_url)
     try:
-        out: dict[str, str] = {}
+        out: dict[str, TaskState] = {}
         for key in client.scan_iter(match=f"{cluster.namespace}:task:*", count=1000):
             doc = client.hget(key, "doc")
             if doc:
                 state = decode_state(doc)
-                if state.status is TaskStatus.RUNNING and state.worker_id:
-                    out[state.task_id] = state.worker_id
+                out[state.task_id] = state
         return out
     finally:
         client.close()
+
+
+def running(cluster: Cluster) -> dict[str, str]:
+    """Task id -> worker id of every task stored as running in the cluster's namespace."""
+    return {
+        task_id: state.worker_id
+        for task_id, state in stored(cluster).items()
+        if state.status is TaskStatus.RUNNING and state.worker_id
+    }
 
 
 def proc_named(cluster: Cluster, name: str) -> Proc:
