@@ -199,7 +199,10 @@ class CommandClient:
 
 
 def cluster_nodes(url: str) -> tuple[list[ClusterNode], str | None, str | None]:
-    """The startup nodes, user and password of a ``redis+cluster://[USER:PASSWORD@]HOST:PORT,...`` URL."""
+    """The startup nodes, user and password of a ``redis+cluster://[USER:PASSWORD@]HOST:PORT,...`` URL.
+
+    Parsed here: redis-py's ``RedisCluster.from_url`` takes one node, and a deployment names several,
+    so that losing one does not stop a client from finding the cluster."""
     _, _, rest = url.partition("://")
     netloc = rest.partition("/")[0]
     userinfo, at, hosts = netloc.rpartition("@")

@@ -69,6 +69,7 @@ from transport.redis.pools import (
     translate,
 )
 
+MIN_REPLICAS_0 = "run the workers with --redis-min-replicas 0, or over redis:// or redis+sentinel://"
 STORE_POOL = PoolOptions(max_connections=32)  # every gateway request and worker batch writes through it
 
 
@@ -101,11 +102,8 @@ class RedisTaskStore:
         self.ready_timeout_s = ready_timeout_s
         self._cluster = is_cluster_url(redis_url)
         self._publish = SPUBLISH if self._cluster else PUBLISH
-        if self._cluster and memory_watch_s is not None:
-            raise PermanentTransportError(
-                f"{redacted(redis_url)}: watching Redis's memory takes one primary; a gateway needs a "
-                "redis:// or redis+sentinel:// URL"
-            )
+        if memory_watch_s is not None:
+            self._one_primary("watching Redis's memory", "a gateway needs a redis:// or redis+sentinel:// URL")
         self._commands = None if self._cluster else CommandClient(redis_url, pool)
         self._client: Redis | RedisCluster = (
             cluster_client(redis_url, pool) if self._commands is None else self._commands.redis
@@ -231,7 +229,7 @@ class RedisTaskStore:
 
         A replica still taking its first full copy (a restarted one rejoining) acknowledges nothing
         until it has it, so it is not counted."""
-        self._one_primary("counting the primary's replicas")
+        self._one_primary("counting the primary's replicas", MIN_REPLICAS_0)
         try:
             info: dict[str, Any] = await self._client.info("replication")
         except RedisError as err:
@@ -251,7 +249,7 @@ class RedisTaskStore:
             pipe.set(self.names.replication_mark, b"1", px=self.ttl_ms)
             pipe.wait(replicas, timeout_ms)
 
-        self._one_primary("waiting for replicas to store updates (WAIT)")
+        self._one_primary("waiting for replicas to store updates (WAIT)", MIN_REPLICAS_0)
         assert isinstance(self._client, Redis)
         try:
             replies = await scripted.execute(self._client, self._apply, self._apply_call(updates), then)
@@ -259,11 +257,11 @@ class RedisTaskStore:
             raise translate(f"storing {len(updates)} task update(s) on {replicas} replica(s)", err) from err
         return int(replies[-1])
 
-    def _one_primary(self, what: str) -> None:
+    def _one_primary(self, what: str, instead: str) -> None:
+        """Refuses ``what`` over a Redis Cluster, saying what to run ``instead``."""
         if self._cluster:
             raise PermanentTransportError(
-                f"{what} takes one primary, and {redacted(self.redis_url)} is a Redis Cluster: run the "
-                "workers with --redis-min-replicas 0, or over redis:// or redis+sentinel://"
+                f"{what} takes one primary, and {redacted(self.redis_url)} is a Redis Cluster: {instead}"
             )
 
     async def cancel(
