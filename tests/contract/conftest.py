@@ -95,9 +95,11 @@ async def make_store(store_kind: str, request: pytest.FixtureRequest, names: Nam
             return shared[0]
         store: TaskStore
         if store_kind != "memory":
-            served = request.getfixturevalue("redis_cluster" if store_kind == CLUSTER else "infra")
-            url = served if store_kind == CLUSTER else served.redis_url
-            store = RedisTaskStore(str(url), names, ttl_s=ttl_s)
+            if store_kind == CLUSTER:
+                url: str = request.getfixturevalue("redis_cluster")
+            else:
+                url = request.getfixturevalue("infra").redis_url
+            store = RedisTaskStore(url, names, ttl_s=ttl_s)
         else:
             shared.append(MemoryTaskStore(ttl_s=ttl_s))
             store = shared[0]

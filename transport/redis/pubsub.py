@@ -222,16 +222,13 @@ class PubSubHub:
         """A fresh connection subscribed to every referenced channel (the old one is dropped)."""
         async with self._lock:
             await self._drop_connection()
-            self._pubsub = await self._connect()
+            pubsub = self._pubsub = await self._connect()
             channels = frozenset(self._refs)
             self._pending = {}
             for channel in channels:
                 self._pending[channel] = deque([self._active[channel]])
             if channels:
-                if self._sharded:
-                    await self._pubsub.ssubscribe(*channels)
-                else:
-                    await self._pubsub.subscribe(*channels)
+                await (pubsub.ssubscribe(*channels) if self._sharded else pubsub.subscribe(*channels))
                 await self._confirmed(channels)
             return channels
 
