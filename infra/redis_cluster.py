@@ -20,6 +20,8 @@ from infra.ports import LOOPBACK
 from infra.redis_server import RedisServer
 
 CLUSTER_SCHEME = "redis+cluster"
+"""The scheme ``transport.redis.pools`` reads; written here too because infra sits below transport
+(tests/contract/test_redis_pools.py checks that the two agree)."""
 _POLL_INTERVAL_S = 0.05
 
 

@@ -8,8 +8,17 @@ from redis.asyncio import Redis
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.exceptions import DataError
 
+from infra.redis_cluster import cluster_url
 from transport.errors import PermanentTransportError
-from transport.redis.pools import PoolOptions, blocking_pool, cluster_nodes, command_pool, pubsub_pool, redacted
+from transport.redis.pools import (
+    PoolOptions,
+    blocking_pool,
+    cluster_nodes,
+    command_pool,
+    is_cluster_url,
+    pubsub_pool,
+    redacted,
+)
 
 ARGS = ("EVALSHA", "f" * 40, 2, "bw:task:a", "bw:task:b", 86_400_000, 0.25, b"\x00avro\xff", "é", "")
 
@@ -60,6 +69,13 @@ def test_a_cluster_url_names_its_startup_nodes_and_hides_its_password() -> None:
     assert "s3cret" not in redacted(url) and "10.0.0.2:7001" in redacted(url)
     with pytest.raises(PermanentTransportError, match="is not HOST:PORT"):
         cluster_nodes("redis+cluster://10.0.0.1")
+
+
+def test_the_local_clusters_url_is_one_the_pools_read() -> None:
+    """infra sits below transport, so it writes the scheme itself: the two must agree."""
+    nodes, _, _ = cluster_nodes(cluster_url([7000, 7001]))
+    assert [(node.host, node.port) for node in nodes] == [("127.0.0.1", 7000), ("127.0.0.1", 7001)]
+    assert is_cluster_url(cluster_url([7000]))
 
 
 def test_only_the_task_store_takes_a_cluster_url() -> None:
