@@ -31,9 +31,9 @@ import pytest
 
 from batchwire.client import DEFAULT_CONCURRENCY, BatchwireError, Client, TaskEvent
 from gateway.keys.idempotency import ANONYMOUS_SCOPE
-from schemas.codec import decode_state
 from schemas.records import TaskStatus
 from schemas.wire import IDEMPOTENCY_HEADER, Names
+from tests.support.cluster_checks import stored
 from tests.support.eventually import eventually_sync
 from tests.support.processes import Cluster, launch, redis_client, stopped_after
 from transport.redis.lua import parse_binding
@@ -145,14 +145,7 @@ def slow_deployment(tmp_path: Path, infra: Any, request: pytest.FixtureRequest) 
 
 def stored_statuses(cluster: Cluster) -> dict[str, str]:
     """Every task stored in the cluster's namespace, with its status."""
-    names = Names(cluster.namespace)
-    client = redis_client(cluster.redis_url)
-    try:
-        keys = sorted(client.scan_iter(match=names.task_key("*"), count=1000))
-        rows = [client.hmget(key, ["doc", "status"]) for key in keys]
-        return {decode_state(doc).task_id: status.decode() for doc, status in rows if doc is not None}
-    finally:
-        client.close()
+    return {task_id: state.status.value for task_id, state in stored(cluster).items()}
 
 
 def bound_task(cluster: Cluster, key: str) -> str | None:

@@ -7,15 +7,15 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-import redis
 from aiokafka import AIOKafkaConsumer, TopicPartition  # type: ignore[import-untyped, unused-ignore]
 from aiokafka.admin import AIOKafkaAdminClient  # type: ignore[import-untyped, unused-ignore]
 
 from infra.ports import free_port
 from schemas.codec import decode_state
 from schemas.records import TaskState, TaskStatus
+from schemas.wire import Names
 from tests.support.eventually import eventually_sync
-from tests.support.processes import Cluster, Proc, TerminalEvents, launch, task_states
+from tests.support.processes import Cluster, Proc, TerminalEvents, launch, redis_client, task_states
 
 
 async def group_offsets(bootstrap: str, group: str, topic: str) -> tuple[dict[int, int], dict[int, int]]:
@@ -41,16 +41,12 @@ async def group_offsets(bootstrap: str, group: str, topic: str) -> tuple[dict[in
 
 
 def stored(cluster: Cluster) -> dict[str, TaskState]:
-    """Every task stored in the cluster's namespace, by id."""
-    client = redis.Redis.from_url(cluster.redis_url)
+    """Every task stored in the cluster's namespace, by id (in the order of their keys)."""
+    client = redis_client(cluster.redis_url)
     try:
-        out: dict[str, TaskState] = {}
-        for key in client.scan_iter(match=f"{cluster.namespace}:task:*", count=1000):
-            doc = client.hget(key, "doc")
-            if doc:
-                state = decode_state(doc)
-                out[state.task_id] = state
-        return out
+        keys = sorted(client.scan_iter(match=Names(cluster.namespace).task_key("*"), count=1000))
+        docs = [client.hget(key, "doc") for key in keys]
+        return {state.task_id: state for state in (decode_state(doc) for doc in docs if doc)}
     finally:
         client.close()
 
