@@ -1,4 +1,6 @@
-"""The open-loop sender against a fake server: timing from the schedule, and every error kind."""
+"""The open-loop sender against a fake server: timing from the schedule, and every error kind.
+
+The tests that bound a time are marked ``timing``; those that count outcomes run with the unit tests."""
 
 from __future__ import annotations
 
@@ -14,8 +16,6 @@ from infra.ports import free_port
 from tests.support.bench_rates import one_rate
 from tests.support.fake_inference_server import Behaviour, FakeServer
 
-pytestmark = pytest.mark.timing
-
 
 @pytest.fixture(params=["aiohttp", "raw"])
 def client(request: pytest.FixtureRequest) -> ClientKind:
@@ -29,6 +29,7 @@ def behaviour() -> Behaviour:
     return Behaviour(delay_s=0.2)
 
 
+@pytest.mark.timing
 async def test_latency_is_the_server_delay_at_low_rate(fake: FakeServer, client: ClientKind) -> None:
     rate = await one_rate(fake.url, 20.0, metrics=fake.metrics_url, client=client)
     assert rate["errors"] == {}
@@ -42,6 +43,7 @@ async def test_latency_is_the_server_delay_at_low_rate(fake: FakeServer, client:
     assert server["flushes"].get("full", 0) > 0
 
 
+@pytest.mark.timing
 async def test_throughput_counts_answers_inside_the_window(fake: FakeServer, client: ClientKind) -> None:
     rate = await one_rate(fake.url, 50.0, duration=1.0, warmup=0.3, client=client)
     # Requests sent in the last 200 ms of the window are answered after it: they are drained, not throughput.
@@ -51,6 +53,7 @@ async def test_throughput_counts_answers_inside_the_window(fake: FakeServer, cli
     assert 25 <= rate["throughput_rps"] <= 80
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("behaviour", [Behaviour()])
 async def test_latency_counts_from_the_schedule_not_the_send(fake: FakeServer, client: ClientKind) -> None:
     """A stalled client must show up as latency and lag (no coordinated omission)."""
@@ -84,6 +87,7 @@ async def test_check_catches_wrong_answers(fake: FakeServer, client: ClientKind)
     assert unchecked["errors"] == {}
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("behaviour", [Behaviour(delay_s=0.3)])
 async def test_concurrency_limit_counts_instead_of_blocking(fake: FakeServer, client: ClientKind) -> None:
     rate = await one_rate(fake.url, 50.0, concurrency_limit=3, client=client)
@@ -106,6 +110,7 @@ async def test_connection_errors_are_counted(client: ClientKind) -> None:
     assert rate["ok"] == 0
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("behaviour", [Behaviour(delay_s=0.2, script=("200", "503", "429", "200", "503"))])
 async def test_refusals_are_timed_apart_from_answers(fake: FakeServer, client: ClientKind) -> None:
     rate = await one_rate(fake.url, 50.0, duration=1.0, warmup=0.0, client=client)
