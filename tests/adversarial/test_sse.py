@@ -33,6 +33,7 @@ CLOSE_RATE_PER_S = 500.0
 gateway's teardown that a probe request waits behind (``test_http_edge`` allows such a burst 0.1 ms
 per connection); paced, the probe measures what each stream's end costs the others."""
 ATTACKER_NICENESS = 10
+SUBMITTING = 8
 PARK = "PARK"
 SETTINGS = {
     "BATCHWIRE_MODELS": "sim,parked",
@@ -102,6 +103,19 @@ async def _streams(url: str, task_ids: list[str]) -> None:
     await asyncio.gather(*(writer.wait_closed() for writer, _ in opened), return_exceptions=True)
 
 
+async def _park(url: str) -> list[str]:
+    """The tasks the streams follow, one more than the cap: submitted a few at a time, as the test's set-up."""
+    limits = httpx.Limits(max_connections=SUBMITTING)
+    async with httpx.AsyncClient(base_url=url, timeout=10, limits=limits) as client:
+
+        async def one(n: int) -> str:
+            body = {"input": f"{PARK}-{n}", "model": "parked", "timeout_ms": 120_000}
+            task_id: str = (await client.post("/v1/tasks", json=body)).json()["task_id"]
+            return task_id
+
+        return list(await asyncio.gather(*(one(n) for n in range(STREAMS + 1))))
+
+
 def _attack(service: Service, task_ids: list[str], seen: dict[str, Any]) -> None:
     """The streams from a process of their own at a lower CPU priority: on a small test machine the
     attacker's own CPU use would otherwise be what the probe measures, not the service's."""
@@ -122,13 +136,7 @@ def _attack(service: Service, task_ids: list[str], seen: dict[str, Any]) -> None
 @pytest.mark.parametrize("mode", ["embedded", "kafka"])
 def test_many_event_streams_are_bounded_and_their_memory_comes_back(request: pytest.FixtureRequest, mode: str) -> None:
     service = _start(request, mode)
-    with httpx.Client(base_url=service.url, timeout=10) as client:
-        task_ids = [
-            client.post("/v1/tasks", json={"input": f"{PARK}-{n}", "model": "parked", "timeout_ms": 120_000}).json()[
-                "task_id"
-            ]
-            for n in range(STREAMS + 1)
-        ]
+    task_ids = asyncio.run(_park(service.url))
     seen: dict[str, Any] = {}
 
     # One probe request per call: the streams open over five seconds, and a faster probe meets more of

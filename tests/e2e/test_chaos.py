@@ -32,10 +32,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timing]
 
 SYNC_RATE_PER_S = 120.0
 ASYNC_RATE_PER_S = 10.0
-WORKER_KILL_AT_S = 5.0
-BATCHER_KILL_AT_S = 12.0
-GATEWAY_RESTART_AT_S = 19.0
-LOAD_FOR_S = 26.0
+WORKER_KILL_AT_S = 4.0
+BATCHER_KILL_AT_S = 9.0
+GATEWAY_RESTART_AT_S = 14.0
+LOAD_FOR_S = 19.0
+FAULT_EVERY_S = BATCHER_KILL_AT_S - WORKER_KILL_AT_S
+"""The faults' spacing: each victim is back ``RESTART_AFTER_S`` after its kill, well before the next."""
 RESTART_AFTER_S = 2.0
 # What a client sees from a gateway that is not listening, or that closed an idle keep-alive
 # connection as it shut down while the request was being written: the request was not accepted.
@@ -241,10 +243,10 @@ async def test_chaos(cluster: Cluster) -> None:
         f"{GATEWAY_RESTART_AT_S:.0f} s (down {timeline.gateway_back - timeline.gateway_down:.1f} s, "
         f"{timeline.async_in_flight} of its async tasks in flight)",
         f"p99 before faults: {ms(base)}",
-        f"p99 of requests sent 1.5 s before to 10 s after the worker kill: "
-        f"{ms(window(timeline.worker_killed - 1.5, timeline.worker_killed + 10))}",
-        f"p99 of requests sent 1.5 s before to 10 s after the batcher kill: "
-        f"{ms(window(timeline.batcher_killed - 1.5, timeline.batcher_killed + 10))}",
+        f"p99 of requests sent 1.5 s before to {FAULT_EVERY_S:.0f} s after the worker kill: "
+        f"{ms(window(timeline.worker_killed - 1.5, timeline.worker_killed + FAULT_EVERY_S))}",
+        f"p99 of requests sent 1.5 s before to {FAULT_EVERY_S:.0f} s after the batcher kill: "
+        f"{ms(window(timeline.batcher_killed - 1.5, timeline.batcher_killed + FAULT_EVERY_S))}",
         f"p99 of requests sent while gateway1 restarted: {ms(window(timeline.gateway_down, timeline.gateway_back))}",
         f"worker kill -> first redelivered batch done: {first_redelivered - timeline.worker_killed:.1f} s "
         f"({len(redelivered)} redelivered batch calls; nan: the victim had no batch in hand)",
