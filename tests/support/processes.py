@@ -63,6 +63,11 @@ class Proc:
         if self.popen is None or self.popen.poll() is not None:
             return self.popen.returncode if self.popen else None
         self.popen.send_signal(signal.SIGTERM)
+        return self.stopped(timeout_s)
+
+    def stopped(self, timeout_s: float = 20.0) -> int | None:
+        """Waits for a signalled process to exit; kills it (-9) if it takes longer than ``timeout_s``."""
+        assert self.popen is not None
         try:
             return self.popen.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -147,8 +152,14 @@ class Cluster:
         return [json.loads(line) for line in self.batch_log.read_text().splitlines() if line.strip()]
 
     def stop(self) -> None:
-        for proc in reversed(self.procs):
-            proc.stop()
+        """SIGTERM to every process at once, then waits for each: each one drains on its own, so a worker
+        finishing a long batch does not hold up the others' exits."""
+        running = [proc for proc in reversed(self.procs) if proc.alive()]
+        for proc in running:
+            assert proc.popen is not None
+            proc.popen.send_signal(signal.SIGTERM)
+        for proc in running:
+            proc.stopped()
 
     def logs(self) -> str:
         return "\n".join(
