@@ -79,27 +79,34 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture(
     params=["memory", pytest.param(REAL, marks=pytest.mark.kafka), pytest.param(CLUSTER, marks=pytest.mark.kafka)]
 )
-def store_kind(request: pytest.FixtureRequest) -> str:
-    """``memory``, ``real`` (the session's Redis) or ``cluster`` (``redis_cluster``)."""
+def keyed_kind(request: pytest.FixtureRequest) -> str:
+    """For the transports that run on a Redis Cluster too (the task store, the rate limits, the fleet,
+    the answer cache): ``memory``, ``real`` (the session's Redis) or ``cluster`` (``redis_cluster``)."""
     return str(request.param)
 
 
 @pytest.fixture
-async def make_store(store_kind: str, request: pytest.FixtureRequest, names: Names) -> AsyncIterator[StoreFactory]:
+def keyed_url(keyed_kind: str, request: pytest.FixtureRequest) -> str | None:
+    """The Redis URL of ``keyed_kind``; None in memory."""
+    if keyed_kind == CLUSTER:
+        return str(request.getfixturevalue("redis_cluster"))
+    if keyed_kind == REAL:
+        return str(request.getfixturevalue("infra").redis_url)
+    return None
+
+
+@pytest.fixture
+async def make_store(keyed_url: str | None, names: Names) -> AsyncIterator[StoreFactory]:
     """Each call is one process's view of the store: a new Redis client, or the one shared memory store."""
     closer = Closer()
     shared: list[MemoryTaskStore] = []
 
     async def make(ttl_s: float = 3600.0) -> TaskStore:
-        if store_kind == "memory" and shared:
+        if keyed_url is None and shared:
             return shared[0]
         store: TaskStore
-        if store_kind != "memory":
-            if store_kind == CLUSTER:
-                url: str = request.getfixturevalue("redis_cluster")
-            else:
-                url = request.getfixturevalue("infra").redis_url
-            store = RedisTaskStore(url, names, ttl_s=ttl_s)
+        if keyed_url is not None:
+            store = RedisTaskStore(keyed_url, names, ttl_s=ttl_s)
         else:
             shared.append(MemoryTaskStore(ttl_s=ttl_s))
             store = shared[0]

@@ -1,17 +1,16 @@
-"""The fleet's contract, in memory and over the real Redis: each member's last beat, forgotten after a minute."""
+"""The fleet's contract, in memory, over the real Redis and over a Redis Cluster: each member's last beat,
+forgotten after a minute."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
 from redis.asyncio import Redis
 
 from schemas.heartbeat import FORGET_AFTER_S, Beat
 from schemas.wire import Names
-from tests.support.transport_kits import REAL
 from transport.memory.fleet import MemoryFleet
 from transport.ports import Fleet
 from transport.redis.fleet import RedisFleet
@@ -37,8 +36,8 @@ def beat(role: str, member_id: str, *, age_s: float = 0.0, state: str = "idle", 
 
 
 @pytest.fixture
-async def fleet(kind: str, real_infra: Any, names: Names) -> AsyncIterator[Fleet]:
-    made: Fleet = RedisFleet(real_infra.redis_url, names) if kind == REAL else MemoryFleet()
+async def fleet(keyed_url: str | None, names: Names) -> AsyncIterator[Fleet]:
+    made: Fleet = RedisFleet(keyed_url, names) if keyed_url is not None else MemoryFleet()
     await made.start()
     yield made
     await made.close()

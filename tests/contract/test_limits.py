@@ -1,4 +1,5 @@
-"""RateLimiter and QueueDepth contracts, in memory and over the real Redis and Kafka.
+"""RateLimiter and QueueDepth contracts, in memory and over the real Redis and Kafka (the limiter over a
+Redis Cluster too).
 
 Each ``make_limiter`` call is one gateway's limiter: over Redis a new client, so two of them must
 share one bucket per client; in memory the one process has one limiter.
@@ -18,7 +19,7 @@ from schemas.records import InferenceRequest
 from schemas.wire import Names
 from telemetry.metrics import REGISTRY
 from tests.support.eventually import eventually
-from tests.support.transport_kits import MODELS, REAL, REQUEST_PARTITIONS, Closer, RequestBusKit, ensure_topics
+from tests.support.transport_kits import MODELS, REQUEST_PARTITIONS, Closer, RequestBusKit, ensure_topics
 from transport.kafka.lag import KafkaQueueDepth
 from transport.memory.lag import MemoryQueueDepth
 from transport.memory.limits import MemoryRateLimiter
@@ -31,14 +32,14 @@ LimiterFactory = Callable[[float, int], Awaitable[RateLimiter]]
 
 
 @pytest.fixture
-async def make_limiter(kind: str, real_infra: Any, names: Names) -> AsyncIterator[LimiterFactory]:
+async def make_limiter(keyed_url: str | None, names: Names) -> AsyncIterator[LimiterFactory]:
     closer = Closer()
     shared: list[RateLimiter] = []
 
     async def make(rate_per_s: float, burst: int) -> RateLimiter:
         limiter: RateLimiter
-        if kind == REAL:
-            limiter = RedisRateLimiter(real_infra.redis_url, names, rate_per_s, burst)
+        if keyed_url is not None:
+            limiter = RedisRateLimiter(keyed_url, names, rate_per_s, burst)
         elif shared:
             return shared[0]
         else:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import pytest
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.exceptions import DataError
 
 from infra.redis_cluster import cluster_url
 from transport.errors import PermanentTransportError
 from transport.redis.pools import (
+    KeyedClient,
     PoolOptions,
     blocking_pool,
     cluster_nodes,
@@ -78,9 +80,21 @@ def test_the_local_clusters_url_is_one_the_pools_read() -> None:
     assert is_cluster_url(cluster_url([7000]))
 
 
-def test_only_the_task_store_takes_a_cluster_url() -> None:
-    """The other transports' pools refuse one with what to change, before anything connects."""
-    with pytest.raises(PermanentTransportError, match="only the task store runs on Redis Cluster"):
+async def test_a_keyed_transports_client_is_the_cluster_client_over_a_cluster_url() -> None:
+    """The store, the limits, the fleet and the cache route each command by its key's slot."""
+    over_cluster = KeyedClient("redis+cluster://127.0.0.1:7000,127.0.0.1:7001", PoolOptions())
+    over_one = KeyedClient("redis://127.0.0.1:6379/0", PoolOptions())
+    try:
+        assert isinstance(over_cluster.redis, RedisCluster)
+        assert isinstance(over_one.redis, Redis)
+    finally:
+        await over_cluster.close()
+        await over_one.close()
+
+
+def test_the_credit_and_delivery_pools_refuse_a_cluster_url() -> None:
+    """Their pools refuse one with what to change, before anything connects."""
+    with pytest.raises(PermanentTransportError, match="the credit pool and the delivery log do not run on Redis"):
         command_pool("redis+cluster://127.0.0.1:7000", PoolOptions())
     with pytest.raises(PermanentTransportError, match="redis:// or redis\\+sentinel://"):
         blocking_pool("redis+cluster://127.0.0.1:7000", 2, PoolOptions())

@@ -1,17 +1,16 @@
-"""The result cache's contract, in memory and over the real Redis: answers by key, gone after their TTL."""
+"""The result cache's contract, in memory, over the real Redis and over a Redis Cluster: answers by key,
+gone after their TTL."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
 
 from schemas.wire import Names
 from tests.support.fake_clock import FakeClock
-from tests.support.transport_kits import REAL
 from transport.memory.cache import MemoryResultCache
 from transport.ports import ResultCache, TransportError
 from transport.redis.cache import RedisResultCache
@@ -20,8 +19,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-async def cache(kind: str, real_infra: Any, names: Names) -> AsyncIterator[ResultCache]:
-    made: ResultCache = RedisResultCache(real_infra.redis_url, names) if kind == REAL else MemoryResultCache()
+async def cache(keyed_url: str | None, names: Names) -> AsyncIterator[ResultCache]:
+    made: ResultCache = RedisResultCache(keyed_url, names) if keyed_url is not None else MemoryResultCache()
     await made.start()
     yield made
     await made.close()

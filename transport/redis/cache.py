@@ -9,7 +9,7 @@ from __future__ import annotations
 from redis.exceptions import RedisError
 
 from schemas.wire import Names
-from transport.redis.pools import CommandClient, PoolOptions, translate
+from transport.redis.pools import KeyedClient, PoolOptions, translate
 
 CACHE_POOL = PoolOptions(max_connections=32, socket_timeout_s=0.5, pool_timeout_s=0.25)
 """A look-up per request of a deterministic model; a slow Redis is bypassed after half a second
@@ -21,11 +21,11 @@ class RedisResultCache:
 
     def __init__(self, redis_url: str, names: Names, *, pool: PoolOptions = CACHE_POOL) -> None:
         self.names = names
-        self._commands = CommandClient(redis_url, pool)
+        self._commands = KeyedClient(redis_url, pool)
         self._client = self._commands.redis
 
     async def start(self) -> None:
-        return None
+        await self._commands.start()
 
     async def close(self) -> None:
         await self._commands.close()

@@ -14,7 +14,7 @@ from redis.exceptions import RedisError
 
 from schemas.heartbeat import Beat, decode_beat
 from schemas.wire import Names
-from transport.redis.pools import CommandClient, PoolOptions, translate
+from transport.redis.pools import KeyedClient, PoolOptions, translate
 
 FLEET_POOL = PoolOptions(max_connections=2, socket_timeout_s=1.0, pool_timeout_s=1.0)
 """A beat a second and the fleet views' reads: a slow Redis delays a heartbeat, never a request."""
@@ -25,11 +25,11 @@ class RedisFleet:
 
     def __init__(self, redis_url: str, names: Names, *, pool: PoolOptions = FLEET_POOL) -> None:
         self.names = names
-        self._commands = CommandClient(redis_url, pool)
+        self._commands = KeyedClient(redis_url, pool)
         self._client = self._commands.redis
 
     async def start(self) -> None:
-        return None
+        await self._commands.start()
 
     async def close(self) -> None:
         await self._commands.close()

@@ -14,7 +14,7 @@ from redis.exceptions import RedisError
 
 from schemas.wire import Names
 from transport.redis.lua import TOKEN_BUCKET
-from transport.redis.pools import CommandClient, PoolOptions, translate
+from transport.redis.pools import KeyedClient, PoolOptions, translate
 
 
 def bucket_id(client: str) -> str:
@@ -42,12 +42,12 @@ class RedisRateLimiter:
         self.names = names
         self.rate_per_s = rate_per_s
         self.burst = burst
-        self._commands = CommandClient(redis_url, pool)
+        self._commands = KeyedClient(redis_url, pool)
         self._client = self._commands.redis
         self._script = self._client.register_script(TOKEN_BUCKET)
 
     async def start(self) -> None:
-        return None
+        await self._commands.start()
 
     async def close(self) -> None:
         await self._commands.close()

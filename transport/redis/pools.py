@@ -11,13 +11,16 @@ Every pool's connections pack commands with hiredis (``_hiredis_packing``). A ``
 URL gives pools that ask the Sentinels for the primary on every new connection (``redis_sentinel``),
 so every user of these pools follows a failover.
 
-A ``redis+cluster://HOST:PORT,...`` URL names a Redis Cluster's startup nodes. Only the task store
-takes one (``cluster_client``, redis-py's cluster client, which learns the slot map and routes each
-command to the primary of its key's slot); the other transports' pools refuse it, naming the store.
+A ``redis+cluster://HOST:PORT,...`` URL names a Redis Cluster's startup nodes. The transports whose
+every command and script touches one key's slot (the task store, the rate limits, the fleet registry,
+the answer cache) take one through ``KeyedClient``: redis-py's cluster client learns the slot map and
+routes each command to the primary of its key's slot. The credit pool's and the delivery log's pools
+refuse it (``ONE_PRIMARY``).
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
@@ -44,10 +47,11 @@ from transport.redis.sentinel import (
 
 CLUSTER_SCHEME = "redis+cluster"
 ONE_PRIMARY = (
-    "only the task store runs on Redis Cluster so far; the credit pool, the delivery log, the rate "
-    "limits, the fleet registry and the answer cache take one primary"
+    "the credit pool and the delivery log do not run on Redis Cluster yet (the task store, the rate "
+    "limits, the fleet registry and the answer cache do); they take one primary"
 )
-"""Why a ``redis+cluster://`` URL is refused outside the task store (the pools and the roles say it)."""
+"""Why a ``redis+cluster://`` URL is refused where credits or deliveries need it (the pools and the roles
+say it)."""
 
 
 def is_cluster_url(url: str) -> bool:
@@ -198,6 +202,33 @@ class CommandClient:
         await self.pool.disconnect()
 
 
+class KeyedClient:
+    """A client for a transport whose every command and script touches one key's slot: over a
+    ``redis+cluster://`` URL, the cluster client (``cluster_client``); otherwise a ``CommandClient``."""
+
+    def __init__(self, url: str, options: PoolOptions) -> None:
+        self.url = url
+        self._commands = None if is_cluster_url(url) else CommandClient(url, options)
+        self.redis: Redis | RedisCluster = (
+            cluster_client(url, options) if self._commands is None else self._commands.redis
+        )
+
+    async def start(self) -> None:
+        """Reads a cluster's slot map before any command: redis-py's cluster client, first used by many
+        coroutines at once, has them all read it together, and some of their commands fail."""
+        if isinstance(self.redis, RedisCluster):
+            try:
+                await self.redis.initialize()
+            except RedisError as err:
+                raise translate(f"reading the slot map of the Redis Cluster at {redacted(self.url)}", err) from err
+
+    async def close(self) -> None:
+        if self._commands is not None:
+            await self._commands.close()
+        else:
+            await self.redis.aclose()
+
+
 def cluster_nodes(url: str) -> tuple[list[ClusterNode], str | None, str | None]:
     """The startup nodes, user and password of a ``redis+cluster://[USER:PASSWORD@]HOST:PORT,...`` URL.
 
@@ -219,10 +250,33 @@ def cluster_nodes(url: str) -> tuple[list[ClusterNode], str | None, str | None]:
     return nodes, user or None, password or None
 
 
+class _WaitingCluster(RedisCluster):
+    """redis-py's cluster client raises ``MaxConnectionsError`` once a node's connections are all busy.
+    Here a command waits up to the pool timeout for one of ``max_connections`` turns instead, as it
+    does on the single-Redis command pool (``BlockingConnectionPool``). Pipelines do not take a turn."""
+
+    def __init__(self, *, max_connections: int, pool_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(max_connections=max_connections, **kwargs)
+        self._turns = asyncio.Semaphore(max_connections)
+        self._pool_timeout_s = pool_timeout_s
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            async with asyncio.timeout(self._pool_timeout_s):
+                await self._turns.acquire()
+        except TimeoutError:
+            raise RedisConnectionError(f"no free cluster connection within {self._pool_timeout_s} s") from None
+        try:
+            return await super().execute_command(*args, **kwargs)
+        finally:
+            self._turns.release()
+
+
 def cluster_client(url: str, options: PoolOptions) -> RedisCluster:
     """A cluster client over the URL's startup nodes, with ``options``' connections per node."""
     nodes, user, password = cluster_nodes(url)
-    return RedisCluster(
+    return _WaitingCluster(
+        pool_timeout_s=options.pool_timeout_s,
         startup_nodes=nodes,
         username=user,
         password=password,

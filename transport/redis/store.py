@@ -59,9 +59,8 @@ from transport.redis.lua import (
 )
 from transport.redis.memory import MemoryWatch
 from transport.redis.pools import (
-    CommandClient,
+    KeyedClient,
     PoolOptions,
-    cluster_client,
     is_cluster_url,
     node_pubsub_pool,
     pubsub_pool,
@@ -104,10 +103,8 @@ class RedisTaskStore:
         self._publish = SPUBLISH if self._cluster else PUBLISH
         if memory_watch_s is not None:
             self._one_primary("watching Redis's memory", "a gateway needs a redis:// or redis+sentinel:// URL")
-        self._commands = None if self._cluster else CommandClient(redis_url, pool)
-        self._client: Redis | RedisCluster = (
-            cluster_client(redis_url, pool) if self._commands is None else self._commands.redis
-        )
+        self._commands = KeyedClient(redis_url, pool)
+        self._client = self._commands.redis
         self._create = self._client.register_script(CREATE)
         self._creates: Coalescer[TaskState, bool] = Coalescer(self._create_many)
         self._apply = self._client.register_script(APPLY)
@@ -133,11 +130,16 @@ class RedisTaskStore:
         return self._feed.reconnects
 
     async def start(self) -> None:
-        """Connects the PubSub hub (a failure here names the server) and starts its reader task."""
+        """Reads a cluster's slot map, connects the PubSub hub (a failure here names the server) and
+        starts its reader task."""
         try:
+            await self._commands.start()
             await self._feed.start()
+        except TransportError:
+            await self._commands.close()
+            raise
         except (RedisError, OSError) as err:
-            await self._close_commands()
+            await self._commands.close()
             raise TransportError(f"cannot connect to Redis at {redacted(self.redis_url)}: {err}") from err
         if self._memory is not None:
             await self._memory.start()
@@ -148,13 +150,7 @@ class RedisTaskStore:
             await self._memory.close()
         await self._creates.close(TransportError("the task store was closed"))
         await self._feed.close()
-        await self._close_commands()
-
-    async def _close_commands(self) -> None:
-        if self._commands is not None:
-            await self._commands.close()
-        else:
-            await self._client.aclose()
+        await self._commands.close()
 
     async def create(self, state: TaskState) -> bool:
         return await self._creates(state)  # with the creates of other requests in flight (coalesce.py)
