@@ -83,7 +83,7 @@ def _longest_files_first(items: list[pytest.Item]) -> None:
     items.sort(key=cost)
 
 
-SERVER_FIXTURES = {"infra", "redis_url", "kafka_bootstrap", "local_stack"}
+SERVER_FIXTURES = {"infra", "redis_url", "kafka_bootstrap", "local_stack", "redis_cluster"}
 """Fixtures that hand a test real servers: a test that takes one is marked ``kafka``."""
 HF_TESTS = Path(__file__).parent / "backends"
 """The tests that import torch (the hf extra) as they are collected: the Makefile's tiers ignore the
@@ -111,6 +111,18 @@ def infra(request: pytest.FixtureRequest) -> Iterator[Any]:
 
     with provide_infra() as provided:
         yield provided
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A Redis Cluster of three primaries for the whole test run (one per xdist worker that asks): its
+    ``redis+cluster://`` URL."""
+    if request.config.getoption("no_servers"):
+        pytest.fail("this test uses a Redis Cluster, which the check tier (--no-servers) has not: mark it kafka")
+    from infra.redis_cluster import LocalRedisCluster
+
+    with LocalRedisCluster(Path(tmp_path_factory.mktemp("redis-cluster"))) as cluster:
+        yield cluster.url
 
 
 @pytest.fixture

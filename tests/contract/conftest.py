@@ -9,13 +9,11 @@ The task store's contract runs a third time, over a Redis Cluster of three prima
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
-from infra.redis_cluster import LocalRedisCluster
 from schemas.wire import Names
 from tests.support.transport_kits import (
     BATCH_PARTITIONS,
@@ -69,19 +67,13 @@ def kafka_bootstrap(request: pytest.FixtureRequest) -> str:
 CLUSTER = "cluster"
 
 
-@pytest.fixture(scope="session")
-def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A Redis Cluster of three primaries for the whole test run: its ``redis+cluster://`` URL."""
-    with LocalRedisCluster(Path(tmp_path_factory.mktemp("redis-cluster"))) as cluster:
-        yield cluster.url
-
-
 @pytest.fixture(
     params=["memory", pytest.param(REAL, marks=pytest.mark.kafka), pytest.param(CLUSTER, marks=pytest.mark.kafka)]
 )
 def keyed_kind(request: pytest.FixtureRequest) -> str:
-    """For the transports that run on a Redis Cluster too (the task store, the rate limits, the fleet,
-    the answer cache): ``memory``, ``real`` (the session's Redis) or ``cluster`` (``redis_cluster``)."""
+    """For the transports that run on a Redis Cluster too (the task store, the credit pool, the rate
+    limits, the fleet, the answer cache): ``memory``, ``real`` (the session's Redis) or ``cluster``
+    (``redis_cluster``)."""
     return str(request.param)
 
 
@@ -121,15 +113,15 @@ async def make_store(keyed_url: str | None, names: Names) -> AsyncIterator[Store
 
 
 @pytest.fixture
-async def make_pool(kind: str, real_infra: Any, names: Names) -> AsyncIterator[PoolFactory]:
+async def make_pool(keyed_url: str | None, names: Names) -> AsyncIterator[PoolFactory]:
     """Each call is one process's view of the pool: a new Redis client, or the one shared memory pool."""
     closer = Closer()
     shared = MemoryCreditPool()
 
     async def make() -> CreditPool:
-        pool: CreditPool = RedisCreditPool(real_infra.redis_url, names) if kind == REAL else shared
+        pool: CreditPool = RedisCreditPool(keyed_url, names) if keyed_url is not None else shared
         await pool.start()
-        if kind == REAL or not closer.items:
+        if keyed_url is not None or not closer.items:
             closer.add(pool)
         return pool
 

@@ -81,7 +81,7 @@ def test_the_local_clusters_url_is_one_the_pools_read() -> None:
 
 
 async def test_a_keyed_transports_client_is_the_cluster_client_over_a_cluster_url() -> None:
-    """The store, the limits, the fleet and the cache route each command by its key's slot."""
+    """Every transport routes each command by its key's slot."""
     over_cluster = KeyedClient("redis+cluster://127.0.0.1:7000,127.0.0.1:7001", PoolOptions())
     over_one = KeyedClient("redis://127.0.0.1:6379/0", PoolOptions())
     try:
@@ -92,9 +92,9 @@ async def test_a_keyed_transports_client_is_the_cluster_client_over_a_cluster_ur
         await over_one.close()
 
 
-def test_the_credit_and_delivery_pools_refuse_a_cluster_url() -> None:
-    """Their pools refuse one with what to change, before anything connects."""
-    with pytest.raises(PermanentTransportError, match="the credit pool and the delivery log do not run on Redis"):
+def test_the_single_redis_pools_refuse_a_cluster_url() -> None:
+    """They name what takes one, before anything connects."""
+    with pytest.raises(PermanentTransportError, match="a Redis Cluster takes a KeyedClient"):
         command_pool("redis+cluster://127.0.0.1:7000", PoolOptions())
     with pytest.raises(PermanentTransportError, match="redis:// or redis\\+sentinel://"):
         blocking_pool("redis+cluster://127.0.0.1:7000", 2, PoolOptions())

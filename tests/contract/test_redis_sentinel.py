@@ -101,7 +101,7 @@ def test_a_scheme_redis_does_not_take_is_a_settings_error(url: str) -> None:
 def test_a_cluster_url_is_refused_by_the_roles_with_what_to_use() -> None:
     with pytest.raises(
         SettingsError,
-        match=r"the credit pool and the delivery log do not run on Redis Cluster yet.*redis://HOST:PORT/DB",
+        match=r"the roles do not run on Redis Cluster yet.*redis://HOST:PORT/DB",
     ):
         SharedSettings(redis_url="redis+cluster://h:1,h:2").require_redis()
 

@@ -1,10 +1,9 @@
-"""The delivery log's contract, in memory and over Redis: counts, marks, strikes, notes."""
+"""The delivery log's contract, in memory, over Redis and over a Redis Cluster: counts, marks, strikes, notes."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
 
@@ -13,13 +12,19 @@ from transport.deliveries import DeliveryLog, MemoryDeliveryLog
 from transport.redis.deliveries import RedisDeliveryLog
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(
+    params=["memory", pytest.param("redis", marks=pytest.mark.kafka), pytest.param("cluster", marks=pytest.mark.kafka)]
+)
 async def log(request: pytest.FixtureRequest) -> AsyncIterator[DeliveryLog]:
     if request.param == "memory":
         yield MemoryDeliveryLog()
         return
-    infra: Any = request.getfixturevalue("infra")
-    redis_log = RedisDeliveryLog(infra.redis_url, Names(f"t{uuid.uuid4().hex[:10]}"), ttl_s=60)
+    url = (
+        request.getfixturevalue("redis_cluster")
+        if request.param == "cluster"
+        else request.getfixturevalue("infra").redis_url
+    )
+    redis_log = RedisDeliveryLog(url, Names(f"t{uuid.uuid4().hex[:10]}"), ttl_s=60)
     await redis_log.start()
     yield redis_log
     await redis_log.close()

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
 from dataclasses import dataclass
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from schemas.codec import CodecError, decode_credit, encode_credit
@@ -29,7 +29,7 @@ from schemas.records import Credit
 from schemas.wire import Names
 from transport.cancelling import cancel_and_wait
 from transport.ports import TransportError
-from transport.redis.pools import CommandClient, PoolOptions, blocking_pool, translate
+from transport.redis.pools import KeyedClient, PoolOptions, translate
 
 log = logging.getLogger(__name__)
 
@@ -72,27 +72,24 @@ class RedisCreditPool:
         self.names = names
         self.claim_grace_s = claim_grace_s
         self.max_credits = max_credits
-        self._commands = CommandClient(redis_url, pool)
-        self._blocking_pool = blocking_pool(
-            redis_url,
-            max_claimers,
-            pool,
-        )
+        self._commands = KeyedClient(redis_url, pool)
+        self._claimers = KeyedClient(redis_url, dataclasses.replace(pool, max_connections=max_claimers), blocking=True)
         self._client = self._commands.redis
-        self._blocking = Redis(connection_pool=self._blocking_pool)
+        self._blocking = self._claimers.redis
         self._claims: set[asyncio.Task[Credit | None]] = set()
         self._closed = False
 
     async def start(self) -> None:
         self._closed = False
+        await self._commands.start()
+        await self._claimers.start()
 
     async def close(self) -> None:
         """Cancels claims in flight (see the module docstring), then closes every connection."""
         self._closed = True
         await asyncio.gather(*(cancel_and_wait(claim) for claim in list(self._claims)))
         await self._commands.close()
-        await self._blocking.aclose()
-        await self._blocking_pool.disconnect()
+        await self._claimers.close()
 
     async def offer(self, credit: Credit) -> None:
         key = self.names.credit_queue(credit.model)

@@ -17,7 +17,7 @@ from redis.exceptions import RedisError
 
 from schemas.wire import Names
 from transport.deliveries import Suspects
-from transport.redis.pools import CommandClient, PoolOptions, translate
+from transport.redis.pools import KeyedClient, PoolOptions, translate
 
 # KEYS[1] the batch's hash. ARGV[1] ttl ms, ARGV[2..] the task ids still to run.
 # Returns {marked 0/1, note or '', id1, strikes1, id2, strikes2, ...}.
@@ -67,12 +67,12 @@ class RedisDeliveryLog:
     ) -> None:
         self.names = names
         self.ttl_ms = max(1, int(ttl_s * 1000))
-        self._commands = CommandClient(redis_url, pool)
+        self._commands = KeyedClient(redis_url, pool)
         self._client = self._commands.redis
         self._suspects = self._client.register_script(_SUSPECTS)
 
     async def start(self) -> None:
-        return None
+        await self._commands.start()
 
     async def close(self) -> None:
         await self._commands.close()

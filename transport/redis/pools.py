@@ -11,11 +11,11 @@ Every pool's connections pack commands with hiredis (``_hiredis_packing``). A ``
 URL gives pools that ask the Sentinels for the primary on every new connection (``redis_sentinel``),
 so every user of these pools follows a failover.
 
-A ``redis+cluster://HOST:PORT,...`` URL names a Redis Cluster's startup nodes. The transports whose
-every command and script touches one key's slot (the task store, the rate limits, the fleet registry,
-the answer cache) take one through ``KeyedClient``: redis-py's cluster client learns the slot map and
-routes each command to the primary of its key's slot. The credit pool's and the delivery log's pools
-refuse it (``ONE_PRIMARY``).
+A ``redis+cluster://HOST:PORT,...`` URL names a Redis Cluster's startup nodes. Every transport (the
+task store, the credit pool, the delivery log, the rate limits, the fleet registry, the answer cache)
+touches one key's slot per command and script, and takes one through ``KeyedClient``: redis-py's
+cluster client learns the slot map and routes each command to the primary of its key's slot. The
+pools here refuse it; the roles do too, for now (``ONE_PRIMARY``).
 """
 
 from __future__ import annotations
@@ -47,11 +47,10 @@ from transport.redis.sentinel import (
 
 CLUSTER_SCHEME = "redis+cluster"
 ONE_PRIMARY = (
-    "the credit pool and the delivery log do not run on Redis Cluster yet (the task store, the rate "
-    "limits, the fleet registry and the answer cache do); they take one primary"
+    "the roles do not run on Redis Cluster yet: the gateway's memory watch and the workers' replica "
+    "WAIT ask one primary"
 )
-"""Why a ``redis+cluster://`` URL is refused where credits or deliveries need it (the pools and the roles
-say it)."""
+"""Why a role refuses a ``redis+cluster://`` URL (``batchwire.settings`` says it at start)."""
 
 
 def is_cluster_url(url: str) -> bool:
@@ -171,7 +170,10 @@ def _packing_with_hiredis(pool: P) -> P:
 
 def _blocking_from_url(url: str, **kwargs: Any) -> BlockingConnectionPool:
     if is_cluster_url(url):
-        raise PermanentTransportError(f"{redacted(url)}: {ONE_PRIMARY}: use a redis:// or redis+sentinel:// URL")
+        raise PermanentTransportError(
+            f"{redacted(url)}: a connection pool talks to one primary, over a redis:// or redis+sentinel:// URL; "
+            "a Redis Cluster takes a KeyedClient"
+        )
     if is_sentinel_url(url):
         return _packing_with_hiredis(blocking_sentinel_pool(url, **kwargs))
     return _packing_with_hiredis(BlockingConnectionPool.from_url(url, **kwargs))
@@ -191,10 +193,11 @@ def command_pool(url: str, options: PoolOptions) -> BlockingConnectionPool:
 
 
 class CommandClient:
-    """A Redis client over a command pool of its own; ``close`` releases both."""
+    """A Redis client over a pool of its own (``command_pool``, or ``blocking_pool`` with ``options``'
+    connections); ``close`` releases both."""
 
-    def __init__(self, url: str, options: PoolOptions) -> None:
-        self.pool = command_pool(url, options)
+    def __init__(self, url: str, options: PoolOptions, *, blocking: bool = False) -> None:
+        self.pool = blocking_pool(url, options.max_connections, options) if blocking else command_pool(url, options)
         self.redis = Redis(connection_pool=self.pool)
 
     async def close(self) -> None:
@@ -204,13 +207,14 @@ class CommandClient:
 
 class KeyedClient:
     """A client for a transport whose every command and script touches one key's slot: over a
-    ``redis+cluster://`` URL, the cluster client (``cluster_client``); otherwise a ``CommandClient``."""
+    ``redis+cluster://`` URL, the cluster client (``cluster_client``); otherwise a ``CommandClient``.
+    ``blocking``: for blocking commands, as they take it."""
 
-    def __init__(self, url: str, options: PoolOptions) -> None:
+    def __init__(self, url: str, options: PoolOptions, *, blocking: bool = False) -> None:
         self.url = url
-        self._commands = None if is_cluster_url(url) else CommandClient(url, options)
+        self._commands = None if is_cluster_url(url) else CommandClient(url, options, blocking=blocking)
         self.redis: Redis | RedisCluster = (
-            cluster_client(url, options) if self._commands is None else self._commands.redis
+            cluster_client(url, options, blocking=blocking) if self._commands is None else self._commands.redis
         )
 
     async def start(self) -> None:
@@ -255,7 +259,7 @@ class _WaitingCluster(RedisCluster):
     Here a command waits up to the pool timeout for one of ``max_connections`` turns instead, as it
     does on the single-Redis command pool (``BlockingConnectionPool``). Pipelines do not take a turn."""
 
-    def __init__(self, *, max_connections: int, pool_timeout_s: float, **kwargs: Any) -> None:
+    def __init__(self, *, max_connections: int, pool_timeout_s: float | None, **kwargs: Any) -> None:
         super().__init__(max_connections=max_connections, **kwargs)
         self._turns = asyncio.Semaphore(max_connections)
         self._pool_timeout_s = pool_timeout_s
@@ -272,16 +276,18 @@ class _WaitingCluster(RedisCluster):
             self._turns.release()
 
 
-def cluster_client(url: str, options: PoolOptions) -> RedisCluster:
-    """A cluster client over the URL's startup nodes, with ``options``' connections per node."""
+def cluster_client(url: str, options: PoolOptions, *, blocking: bool = False) -> RedisCluster:
+    """A cluster client over the URL's startup nodes, with ``options``' connections per node. ``blocking``:
+    for blocking commands (BZPOPMIN), as ``blocking_pool``: no read timeout, and no limit on the wait for
+    a connection (the caller bounds each wait itself)."""
     nodes, user, password = cluster_nodes(url)
     return _WaitingCluster(
-        pool_timeout_s=options.pool_timeout_s,
+        pool_timeout_s=None if blocking else options.pool_timeout_s,
         startup_nodes=nodes,
         username=user,
         password=password,
         max_connections=options.max_connections,
-        socket_timeout=options.socket_timeout_s,
+        socket_timeout=None if blocking else options.socket_timeout_s,
         socket_connect_timeout=options.socket_timeout_s,
         socket_keepalive=True,
         health_check_interval=options.health_check_interval_s,
