@@ -141,8 +141,9 @@ def kafka_redis(parser: argparse.ArgumentParser) -> None:
         "--redis-url",
         None,
         str,
-        "Redis URL: redis://HOST:PORT/DB, or redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER[/DB] to follow "
-        "Sentinel failovers",
+        "Redis URL: redis://HOST:PORT/DB, redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER[/DB] to follow "
+        "Sentinel failovers, or redis+cluster://HOST:PORT[,HOST:PORT...] for a Redis Cluster "
+        "(with --redis-min-replicas 0)",
     )
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from schemas.wire import DEFAULT_BATCH_PARTITIONS, DEFAULT_NAMESPACE, DEFAULT_REQUEST_PARTITIONS, Names
-from transport.redis.pools import CLUSTER_SCHEME, ONE_PRIMARY, redacted, unanswered
+from transport.redis.pools import CLUSTER_SCHEME, redacted, unanswered
 from transport.redis.sentinel import FORM, SentinelError, check_sentinels, is_sentinel_url
 
 STACK_ENV = Path(".batchwire") / "stack.env"
@@ -72,23 +72,19 @@ class SharedSettings:
         return self.redis_url
 
 
-REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel")
+REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", CLUSTER_SCHEME)
+CLUSTER_FORM = f"{CLUSTER_SCHEME}://HOST:PORT[,HOST:PORT...]"
 
 
 def check_redis_url(url: str) -> None:
     """Stops a role at start, before it creates anything, when ``url`` cannot work: a scheme Redis
-    clients do not take, a server that does not answer, or a Sentinel URL that is malformed or names
-    Sentinels or a master that are not there (the server or the Sentinels are asked once)."""
+    clients do not take, a server (or no node of a Redis Cluster) that does not answer, or a Sentinel
+    URL that is malformed or names Sentinels or a master that are not there (asked once)."""
     scheme = url.partition("://")[0].lower()
-    if scheme == CLUSTER_SCHEME:
-        raise SettingsError(
-            f"Redis URL {redacted(url)!r}: {ONE_PRIMARY}: use redis://HOST:PORT/DB or {FORM} "
-            "(--redis-url / BATCHWIRE_REDIS_URL)"
-        )
     if scheme not in REDIS_SCHEMES:
         raise SettingsError(
             f"Redis URL {redacted(url)!r}: the scheme must be one of {', '.join(s + '://' for s in REDIS_SCHEMES)}; "
-            f"the forms are redis://HOST:PORT/DB and {FORM} (--redis-url / BATCHWIRE_REDIS_URL)"
+            f"the forms are redis://HOST:PORT/DB, {FORM} and {CLUSTER_FORM} (--redis-url / BATCHWIRE_REDIS_URL)"
         )
     if is_sentinel_url(url):
         try:

@@ -17,6 +17,7 @@ from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 from redis.asyncio.sentinel import SentinelManagedConnection
 
 from batchwire.settings import SettingsError, SharedSettings
+from infra.ports import free_port
 from schemas.records import Credit, TaskState, TaskStatus
 from schemas.wire import Names
 from tests.support.eventually import eventually, eventually_sync
@@ -98,12 +99,15 @@ def test_a_scheme_redis_does_not_take_is_a_settings_error(url: str) -> None:
         SharedSettings(redis_url=url).require_redis()
 
 
-def test_a_cluster_url_is_refused_by_the_roles_with_what_to_use() -> None:
-    with pytest.raises(
-        SettingsError,
-        match=r"the roles do not run on Redis Cluster yet.*redis://HOST:PORT/DB",
-    ):
-        SharedSettings(redis_url="redis+cluster://h:1,h:2").require_redis()
+def test_a_cluster_url_whose_nodes_do_not_answer_stops_a_role_naming_the_setting() -> None:
+    url = f"redis+cluster://127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    with pytest.raises(SettingsError, match=r"did not answer .*--redis-url / BATCHWIRE_REDIS_URL"):
+        SharedSettings(redis_url=url).require_redis()
+
+
+@pytest.mark.kafka
+def test_a_cluster_url_whose_nodes_answer_is_taken(redis_cluster: str) -> None:
+    assert SharedSettings(redis_url=redis_cluster).require_redis() == redis_cluster
 
 
 # Real servers

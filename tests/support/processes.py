@@ -227,12 +227,17 @@ def embedded(base: Path, workers: int = 2, sim_latency_ms: float = 100.0, *extra
 # fault tests --------------------------------------------------------------------------------------
 def redis_client(redis_url: str) -> Any:
     """A synchronous client of the Redis that ``redis_url`` names; for a ``redis+sentinel://`` URL, of
-    the primary the Sentinels name when each connection opens."""
+    the primary the Sentinels name when each connection opens; for a ``redis+cluster://`` URL, of the
+    cluster."""
     import redis
     from redis.sentinel import Sentinel
 
+    from transport.redis.pools import cluster_nodes, is_cluster_url
     from transport.redis.sentinel import is_sentinel_url, parse_sentinel_url
 
+    if is_cluster_url(redis_url):
+        nodes, _, _ = cluster_nodes(redis_url)
+        return redis.RedisCluster(startup_nodes=[redis.cluster.ClusterNode(node.host, node.port) for node in nodes])
     if not is_sentinel_url(redis_url):
         return redis.Redis.from_url(redis_url)
     parsed = parse_sentinel_url(redis_url)

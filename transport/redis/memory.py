@@ -1,4 +1,5 @@
-"""Whether a Redis refuses writes for memory right now, read from ``INFO memory`` in the background.
+"""Whether a Redis refuses writes for memory right now, read from ``INFO memory`` in the background
+(of every primary of a Redis Cluster: a task goes to whichever shard its id names).
 
 A gateway asks on every submit, with no I/O. A synchronous submit without an Idempotency-Key writes
 nothing to Redis before its answer, so without this it would learn of a full Redis only at its
@@ -13,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from telemetry.metrics import REDIS_FULL
@@ -52,7 +54,7 @@ class MemoryWatch:
     to report (``TaskStore.reachable``), not a full one.
     """
 
-    def __init__(self, client: Redis, interval_s: float | None) -> None:
+    def __init__(self, client: Redis | RedisCluster, interval_s: float | None) -> None:
         """``interval_s``: None reads never (``refusal`` stays None)."""
         if interval_s is not None and interval_s <= 0:
             raise ValueError(f"interval_s must be positive, got {interval_s}")
@@ -74,11 +76,14 @@ class MemoryWatch:
     async def read(self) -> None:
         try:
             async with asyncio.timeout(READ_TIMEOUT_S):
-                info = await self._client.info("memory")
+                if isinstance(self._client, RedisCluster):  # {node name: its INFO memory}
+                    infos = list((await self._client.info("memory", target_nodes=RedisCluster.PRIMARIES)).values())
+                else:
+                    infos = [await self._client.info("memory")]
         except (RedisError, OSError, TimeoutError):
             self.refusal = None
             return
-        was, self.refusal = self.refusal, refusal(info)
+        was, self.refusal = self.refusal, next((why for info in infos if (why := refusal(info))), None)
         REDIS_FULL.set(0 if self.refusal is None else 1)
         if (was is None) != (self.refusal is None):
             if self.refusal is None:

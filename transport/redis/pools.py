@@ -15,7 +15,7 @@ A ``redis+cluster://HOST:PORT,...`` URL names a Redis Cluster's startup nodes. E
 task store, the credit pool, the delivery log, the rate limits, the fleet registry, the answer cache)
 touches one key's slot per command and script, and takes one through ``KeyedClient``: redis-py's
 cluster client learns the slot map and routes each command to the primary of its key's slot. The
-pools here refuse it; the roles do too, for now (``ONE_PRIMARY``).
+pools here refuse it.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.connection import HiredisRespSerializer
-from redis.exceptions import BusyLoadingError, OutOfMemoryError, RedisError, ResponseError
+from redis.exceptions import BusyLoadingError, OutOfMemoryError, RedisClusterException, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.retry import Retry as SyncRetry
 
@@ -46,11 +46,6 @@ from transport.redis.sentinel import (
 )
 
 CLUSTER_SCHEME = "redis+cluster"
-ONE_PRIMARY = (
-    "the roles do not run on Redis Cluster yet: the gateway's memory watch and the workers' replica "
-    "WAIT ask one primary"
-)
-"""Why a role refuses a ``redis+cluster://`` URL (``batchwire.settings`` says it at start)."""
 
 
 def is_cluster_url(url: str) -> bool:
@@ -79,18 +74,28 @@ def unanswered(url: str, timeout_s: float = 1.0) -> str | None:
     """Why the Redis server at ``url`` did not answer a PING (None: it did), asked once, synchronously,
     at a role's start: a role pointed at nothing stops with that reason rather than a traceback. A
     server still loading its data answers (``LOADING``); the role's retries wait for it."""
-    client = redis.Redis.from_url(
-        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=SyncRetry(NoBackoff(), 0)
-    )
+    try:
+        client = _sync_client(url, timeout_s)
+    except (RedisError, RedisClusterException, OSError) as err:  # a cluster client reads the slot map here
+        return str(err) or type(err).__name__
     try:
         client.ping()
     except BusyLoadingError:
         return None
-    except (RedisError, OSError) as err:
+    except (RedisError, RedisClusterException, OSError) as err:
         return str(err) or type(err).__name__
     finally:
         client.close()
     return None
+
+
+def _sync_client(url: str, timeout_s: float) -> redis.Redis | redis.RedisCluster:
+    options: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+    if is_cluster_url(url):
+        nodes, user, password = cluster_nodes(url)
+        startup = [redis.cluster.ClusterNode(node.host, node.port) for node in nodes]  # type: ignore[no-untyped-call]
+        return redis.RedisCluster(startup_nodes=startup, username=user, password=password, **options)
+    return redis.Redis.from_url(url, retry=SyncRetry(NoBackoff(), 0), **options)
 
 
 # Redis's refusal of a write over ``maxmemory``. redis-py maps the ``-OOM`` reply to

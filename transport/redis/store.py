@@ -101,8 +101,6 @@ class RedisTaskStore:
         self.ready_timeout_s = ready_timeout_s
         self._cluster = is_cluster_url(redis_url)
         self._publish = SPUBLISH if self._cluster else PUBLISH
-        if memory_watch_s is not None:
-            self._one_primary("watching Redis's memory", "a gateway needs a redis:// or redis+sentinel:// URL")
         self._commands = KeyedClient(redis_url, pool)
         self._client = self._commands.redis
         self._create = self._client.register_script(CREATE)
@@ -122,7 +120,7 @@ class RedisTaskStore:
             subscribe_timeout_s=subscribe_timeout_s,
             pool_of=functools.partial(node_pubsub_pool, redis_url, socket_timeout_s=pool.socket_timeout_s),
         )
-        self._memory = MemoryWatch(self._client, memory_watch_s) if isinstance(self._client, Redis) else None
+        self._memory = MemoryWatch(self._client, memory_watch_s)
 
     @property
     def reconnects(self) -> int:
@@ -141,13 +139,11 @@ class RedisTaskStore:
         except (RedisError, OSError) as err:
             await self._commands.close()
             raise TransportError(f"cannot connect to Redis at {redacted(self.redis_url)}: {err}") from err
-        if self._memory is not None:
-            await self._memory.start()
+        await self._memory.start()
 
     async def close(self) -> None:
         """Stops the reader (watchers get a ``TransportError``), then closes every connection."""
-        if self._memory is not None:
-            await self._memory.close()
+        await self._memory.close()
         await self._creates.close(TransportError("the task store was closed"))
         await self._feed.close()
         await self._commands.close()
@@ -381,7 +377,7 @@ class RedisTaskStore:
         return None  # Redis keeps its own memory limit (maxmemory): ``refuses_writes``
 
     def refuses_writes(self) -> str | None:
-        return None if self._memory is None else self._memory.refusal
+        return self._memory.refusal
 
     async def ready(self) -> bool:
         """The change feed is connected and Redis answers PING within ``ready_timeout_s``.

@@ -1,0 +1,72 @@
+"""A Kafka deployment over a Redis Cluster of three primaries (``redis_cluster``): two gateways, a
+batcher and two sim workers, every Redis transport routed by its keys' slots.
+
+The three ways to get an answer, a task polled and streamed from the other gateway, and a retry with
+the same Idempotency-Key answered from the first computation. No process waits for replicas over a
+cluster yet, so the batchers and workers run with ``--redis-min-replicas 0``; without it they stop at
+start saying so.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.processes import Cluster, launch, stopped_after
+
+pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(180)]
+
+NO_REPLICAS = {"BATCHWIRE_REDIS_MIN_REPLICAS": "0"}
+
+
+@pytest.fixture
+def deployment(tmp_path: Path, infra: Any, redis_cluster: str, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    started = launch(tmp_path, infra.kafka_bootstrap, redis_cluster, gateways=2, workers=2, extra_env=NO_REPLICAS)
+    with stopped_after(request, started) as cluster:
+        yield cluster
+
+
+def test_the_three_ways_and_both_gateways_answer_over_the_cluster(deployment: Cluster) -> None:
+    first, second = deployment.gateway_urls
+    with httpx.Client(timeout=30) as client:
+        answers = [client.post(f"{first}/v1/inference", json={"input": f"sync-{n}"}) for n in range(20)]
+        assert [a.status_code for a in answers] == [200] * 20, [a.text for a in answers if a.status_code != 200]
+        assert [a.json()["output"] for a in answers] == [f"sync-{n}"[::-1] for n in range(20)]
+
+        task_ids = [client.post(f"{first}/v1/tasks", json={"input": f"task-{n}"}).json()["task_id"] for n in range(20)]
+        for n, task_id in enumerate(task_ids):  # over as many slots, and primaries, as tasks
+            done = client.get(f"{second}/v1/result/{task_id}", params={"wait": "20"}).json()
+            assert (done["status"], done["output"]) == ("completed", f"task-{n}"[::-1]), done
+
+        streamed = client.post(f"{second}/v1/tasks", json={"input": "streamed"}).json()["task_id"]
+        with client.stream("GET", f"{first}/v1/result/{streamed}/events") as events:
+            lines = [line for line in events.iter_lines() if line.startswith("event: ")]
+        assert lines[-1] == "event: completed", lines
+
+
+def test_a_retry_with_the_same_key_is_answered_from_the_first_computation(deployment: Cluster) -> None:
+    first, second = deployment.gateway_urls
+    headers = {"Idempotency-Key": "cluster-retry-1"}
+    with httpx.Client(timeout=30) as client:
+        answer = client.post(f"{first}/v1/inference", json={"input": "once"}, headers=headers)
+        again = client.post(f"{second}/v1/inference", json={"input": "once"}, headers=headers)
+    assert answer.status_code == again.status_code == 200, (answer.text, again.text)
+    assert again.json()["task_id"] == answer.json()["task_id"], "one task behind both answers"
+    assert again.json()["output"] == "ecno"
+
+
+def test_a_worker_over_a_cluster_that_would_wait_for_replicas_stops_saying_what_to_set(
+    infra: Any, redis_cluster: str
+) -> None:
+    command = [sys.executable, "-m", "batchwire.cli", "worker", "--redis-url", redis_cluster]
+    done = subprocess.run(
+        [*command, "--kafka-bootstrap", infra.kafka_bootstrap], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    assert "--redis-min-replicas 0" in done.stderr and "Redis Cluster" in done.stderr, done.stderr[-2000:]
