@@ -1,8 +1,9 @@
 """A Kafka deployment over a Redis Cluster of three primaries (``redis_cluster``): two gateways, a
 batcher and two sim workers, every Redis transport routed by its keys' slots.
 
-The three ways to get an answer, a task polled and streamed from the other gateway, and a retry with
-the same Idempotency-Key answered from the first computation. No process waits for replicas over a
+The three ways to get an answer, a task polled and streamed from the other gateway, a retry with the
+same Idempotency-Key answered from the first computation, an answer cached by one gateway served by
+the other, and a high-priority request. No process waits for replicas over a
 cluster yet, so the batchers and workers run with ``--redis-min-replicas 0``; without it they stop at
 start saying so.
 """
@@ -22,12 +23,16 @@ from tests.support.processes import Cluster, launch, stopped_after
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(180)]
 
-NO_REPLICAS = {"BATCHWIRE_REDIS_MIN_REPLICAS": "0"}
+SETTINGS = {
+    "BATCHWIRE_REDIS_MIN_REPLICAS": "0",
+    "BATCHWIRE_DETERMINISTIC_MODELS": "sim",  # its answers are cached, in the cluster
+    "BATCHWIRE_CACHE_TTL_S": "60",
+}
 
 
 @pytest.fixture
 def deployment(tmp_path: Path, infra: Any, redis_cluster: str, request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    started = launch(tmp_path, infra.kafka_bootstrap, redis_cluster, gateways=2, workers=2, extra_env=NO_REPLICAS)
+    started = launch(tmp_path, infra.kafka_bootstrap, redis_cluster, gateways=2, workers=2, extra_env=SETTINGS)
     with stopped_after(request, started) as cluster:
         yield cluster
 
@@ -70,3 +75,22 @@ def test_a_worker_over_a_cluster_that_would_wait_for_replicas_stops_saying_what_
     )
     assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
     assert "--redis-min-replicas 0" in done.stderr and "Redis Cluster" in done.stderr, done.stderr[-2000:]
+
+
+def test_an_answer_one_gateway_cached_is_served_by_the_other_and_priority_is_taken(deployment: Cluster) -> None:
+    first, second = deployment.gateway_urls
+    with httpx.Client(timeout=30) as client:
+        computed = client.post(f"{first}/v1/inference", json={"input": "cached"})
+        assert computed.status_code == 200, computed.text
+        served = client.post(f"{second}/v1/inference", json={"input": "cached"})
+        urgent = client.post(f"{second}/v1/inference", json={"input": "urgent", "priority": "high"})
+        hits = _metric(client, second, "batchwire_cache_hits_total")
+    assert served.status_code == 200 and served.json()["output"] == "dehcac", served.text
+    assert hits == 1, f"the second gateway answered from the cache: {hits} hits"
+    assert urgent.status_code == 200 and urgent.json()["output"] == "tnegru", urgent.text
+
+
+def _metric(client: httpx.Client, url: str, name: str) -> float:
+    """A counter's total on a gateway's /metrics."""
+    lines = client.get(f"{url}/metrics").text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith((f"{name} ", f"{name}{{")))
