@@ -9,8 +9,10 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.exceptions import DataError
 
+from infra.ports import free_port
 from infra.redis_cluster import cluster_url
 from transport.errors import PermanentTransportError
+from transport.ports import TransportError
 from transport.redis.pools import (
     KeyedClient,
     PoolOptions,
@@ -90,6 +92,15 @@ async def test_a_keyed_transports_client_is_the_cluster_client_over_a_cluster_ur
     finally:
         await over_cluster.close()
         await over_one.close()
+
+
+async def test_a_cluster_whose_nodes_do_not_answer_fails_start_with_a_transport_error() -> None:
+    client = KeyedClient(f"redis+cluster://127.0.0.1:{free_port()}", PoolOptions())
+    try:
+        with pytest.raises(TransportError, match="reading the slot map of the Redis Cluster at redis\\+cluster://"):
+            await client.start()
+    finally:
+        await client.close()
 
 
 def test_the_single_redis_pools_refuse_a_cluster_url() -> None:

@@ -213,7 +213,7 @@ class CommandClient:
 class KeyedClient:
     """A client for a transport whose every command and script touches one key's slot: over a
     ``redis+cluster://`` URL, the cluster client (``cluster_client``); otherwise a ``CommandClient``.
-    ``blocking``: for blocking commands, as they take it."""
+    ``blocking``: for blocking commands (BZPOPMIN), with no read timeout."""
 
     def __init__(self, url: str, options: PoolOptions, *, blocking: bool = False) -> None:
         self.url = url
@@ -226,10 +226,13 @@ class KeyedClient:
         """Reads a cluster's slot map before any command: redis-py's cluster client, first used by many
         coroutines at once, has them all read it together, and some of their commands fail."""
         if isinstance(self.redis, RedisCluster):
+            what = f"reading the slot map of the Redis Cluster at {redacted(self.url)}"
             try:
                 await self.redis.initialize()
             except RedisError as err:
-                raise translate(f"reading the slot map of the Redis Cluster at {redacted(self.url)}", err) from err
+                raise translate(what, err) from err
+            except RedisClusterException as err:  # no startup node answered
+                raise TransportError(f"{what} failed: {err}") from err
 
     async def close(self) -> None:
         if self._commands is not None:
