@@ -118,7 +118,9 @@ async def test_one_waiting_credit_is_claimed_once(make_pool: PoolFactory) -> Non
 
 async def test_expired_credits_are_skipped_and_dropped(make_pool: PoolFactory) -> None:
     pool = await make_pool()
-    await pool.offer(credit("stale", ttl_ms=-1000))
+    # Idle longer than the fresh one, so it is popped first: made in the same millisecond, the two would
+    # tie on their score and Redis would order them by their bytes.
+    await pool.offer(credit("stale", ttl_ms=-1000, age_ms=10))
     fresh = credit("fresh")
     await pool.offer(fresh)
 
