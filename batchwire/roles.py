@@ -36,7 +36,7 @@ from transport.redis.credits import RedisCreditPool
 from transport.redis.deliveries import RedisDeliveryLog
 from transport.redis.fleet import RedisFleet
 from transport.redis.pools import PoolOptions, is_cluster_url, redacted
-from transport.redis.store import STORE_POOL, RedisTaskStore
+from transport.redis.store import MIN_REPLICAS_0, STORE_POOL, RedisTaskStore
 from transport.replicas import ReplicaSettings, ReplicaWait
 
 log = logging.getLogger("batchwire")
@@ -168,7 +168,7 @@ def _replica_settings(args: argparse.Namespace, redis_url: str | None) -> Replic
     if redis_url is not None and is_cluster_url(redis_url) and replicas.min_replicas != 0:
         raise SettingsError(
             f"Redis URL {redacted(redis_url)!r} is a Redis Cluster, whose writes batchwire does not wait to see "
-            "on replicas yet: run the batchers and workers with --redis-min-replicas 0 (BATCHWIRE_REDIS_MIN_REPLICAS)"
+            f"on replicas yet: {MIN_REPLICAS_0}"
         )
     return replicas
 

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from schemas.wire import Names
+from tests.support.transport_kits import REAL
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -123,6 +124,29 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixt
 
     with LocalRedisCluster(Path(tmp_path_factory.mktemp("redis-cluster"))) as cluster:
         yield cluster.url
+
+
+KEYED_CLUSTER = "cluster"
+
+
+@pytest.fixture(
+    params=["memory", pytest.param(REAL, marks=pytest.mark.kafka), pytest.param(KEYED_CLUSTER, marks=pytest.mark.kafka)]
+)
+def keyed_kind(request: pytest.FixtureRequest) -> str:
+    """For the Redis transports, which run on a Redis Cluster too (the task store, the credit pool, the
+    delivery log, the rate limits, the fleet, the answer cache): ``memory``, ``real`` (the session's
+    Redis) or ``cluster`` (``redis_cluster``)."""
+    return str(request.param)
+
+
+@pytest.fixture
+def keyed_url(keyed_kind: str, request: pytest.FixtureRequest) -> str | None:
+    """The Redis URL of ``keyed_kind``; None in memory."""
+    if keyed_kind == KEYED_CLUSTER:
+        return str(request.getfixturevalue("redis_cluster"))
+    if keyed_kind == REAL:
+        return str(request.getfixturevalue("infra").redis_url)
+    return None
 
 
 @pytest.fixture

@@ -64,29 +64,6 @@ def kafka_bootstrap(request: pytest.FixtureRequest) -> str:
 # Task store ---------------------------------------------------------------------------------------
 
 
-CLUSTER = "cluster"
-
-
-@pytest.fixture(
-    params=["memory", pytest.param(REAL, marks=pytest.mark.kafka), pytest.param(CLUSTER, marks=pytest.mark.kafka)]
-)
-def keyed_kind(request: pytest.FixtureRequest) -> str:
-    """For the transports that run on a Redis Cluster too (the task store, the credit pool, the rate
-    limits, the fleet, the answer cache): ``memory``, ``real`` (the session's Redis) or ``cluster``
-    (``redis_cluster``)."""
-    return str(request.param)
-
-
-@pytest.fixture
-def keyed_url(keyed_kind: str, request: pytest.FixtureRequest) -> str | None:
-    """The Redis URL of ``keyed_kind``; None in memory."""
-    if keyed_kind == CLUSTER:
-        return str(request.getfixturevalue("redis_cluster"))
-    if keyed_kind == REAL:
-        return str(request.getfixturevalue("infra").redis_url)
-    return None
-
-
 @pytest.fixture
 async def make_store(keyed_url: str | None, names: Names) -> AsyncIterator[StoreFactory]:
     """Each call is one process's view of the store: a new Redis client, or the one shared memory store."""

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.processes import Cluster, launch, stopped_after
+from tests.support.processes import Cluster, launch, metric, stopped_after
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(180)]
 
@@ -84,13 +84,7 @@ def test_an_answer_one_gateway_cached_is_served_by_the_other_and_priority_is_tak
         assert computed.status_code == 200, computed.text
         served = client.post(f"{second}/v1/inference", json={"input": "cached"})
         urgent = client.post(f"{second}/v1/inference", json={"input": "urgent", "priority": "high"})
-        hits = _metric(client, second, "batchwire_cache_hits_total")
+    hits = metric(int(second.rsplit(":", 1)[1]), "batchwire_cache_hits_total")
     assert served.status_code == 200 and served.json()["output"] == "dehcac", served.text
     assert hits == 1, f"the second gateway answered from the cache: {hits} hits"
     assert urgent.status_code == 200 and urgent.json()["output"] == "tnegru", urgent.text
-
-
-def _metric(client: httpx.Client, url: str, name: str) -> float:
-    """A counter's total on a gateway's /metrics."""
-    lines = client.get(f"{url}/metrics").text.splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith((f"{name} ", f"{name}{{")))

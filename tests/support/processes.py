@@ -232,12 +232,11 @@ def redis_client(redis_url: str) -> Any:
     import redis
     from redis.sentinel import Sentinel
 
-    from transport.redis.pools import cluster_nodes, is_cluster_url
+    from transport.redis.pools import is_cluster_url, sync_client
     from transport.redis.sentinel import is_sentinel_url, parse_sentinel_url
 
     if is_cluster_url(redis_url):
-        nodes, _, _ = cluster_nodes(redis_url)
-        return redis.RedisCluster(startup_nodes=[redis.cluster.ClusterNode(node.host, node.port) for node in nodes])
+        return sync_client(redis_url, timeout_s=5.0)
     if not is_sentinel_url(redis_url):
         return redis.Redis.from_url(redis_url)
     parsed = parse_sentinel_url(redis_url)

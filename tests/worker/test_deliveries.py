@@ -12,19 +12,12 @@ from transport.deliveries import DeliveryLog, MemoryDeliveryLog
 from transport.redis.deliveries import RedisDeliveryLog
 
 
-@pytest.fixture(
-    params=["memory", pytest.param("redis", marks=pytest.mark.kafka), pytest.param("cluster", marks=pytest.mark.kafka)]
-)
-async def log(request: pytest.FixtureRequest) -> AsyncIterator[DeliveryLog]:
-    if request.param == "memory":
+@pytest.fixture
+async def log(keyed_url: str | None) -> AsyncIterator[DeliveryLog]:
+    if keyed_url is None:
         yield MemoryDeliveryLog()
         return
-    url = (
-        request.getfixturevalue("redis_cluster")
-        if request.param == "cluster"
-        else request.getfixturevalue("infra").redis_url
-    )
-    redis_log = RedisDeliveryLog(url, Names(f"t{uuid.uuid4().hex[:10]}"), ttl_s=60)
+    redis_log = RedisDeliveryLog(keyed_url, Names(f"t{uuid.uuid4().hex[:10]}"), ttl_s=60)
     await redis_log.start()
     yield redis_log
     await redis_log.close()

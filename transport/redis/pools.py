@@ -75,7 +75,7 @@ def unanswered(url: str, timeout_s: float = 1.0) -> str | None:
     at a role's start: a role pointed at nothing stops with that reason rather than a traceback. A
     server still loading its data answers (``LOADING``); the role's retries wait for it."""
     try:
-        client = _sync_client(url, timeout_s)
+        client = sync_client(url, timeout_s)
     except (RedisError, RedisClusterException, OSError) as err:  # a cluster client reads the slot map here
         return str(err) or type(err).__name__
     try:
@@ -89,7 +89,9 @@ def unanswered(url: str, timeout_s: float = 1.0) -> str | None:
     return None
 
 
-def _sync_client(url: str, timeout_s: float) -> redis.Redis | redis.RedisCluster:
+def sync_client(url: str, timeout_s: float) -> redis.Redis | redis.RedisCluster:
+    """A synchronous client of ``url`` that tries each command once (a cluster's: of its startup nodes,
+    whose slot map it reads as it is made), for checks made once at start, and for tools and tests."""
     options: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
     if is_cluster_url(url):
         nodes, user, password = cluster_nodes(url)

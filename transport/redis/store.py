@@ -68,7 +68,11 @@ from transport.redis.pools import (
     translate,
 )
 
-MIN_REPLICAS_0 = "run the workers with --redis-min-replicas 0, or over redis:// or redis+sentinel://"
+MIN_REPLICAS_0 = (
+    "run the batchers and workers with --redis-min-replicas 0 (BATCHWIRE_REDIS_MIN_REPLICAS), or over redis:// or "
+    "redis+sentinel://"
+)
+"""What to do when a process would wait for replicas over a Redis Cluster (the roles say it at start too)."""
 STORE_POOL = PoolOptions(max_connections=32)  # every gateway request and worker batch writes through it
 
 
