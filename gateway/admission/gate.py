@@ -17,15 +17,13 @@ from dataclasses import dataclass, replace
 
 from prometheus_client import Counter
 
-from gateway.admission.drain import DrainMeter
 from gateway.admission.fair_share import FAIR_AFTER_S, FairShare
 from gateway.admission.priority import KeyTiers
-from gateway.admission.tier_mix import TierMix
-from gateway.admission.worker_rates import Stated, WorkerRates
+from gateway.admission.wait import MARGIN, ModelQueue, Prediction
 from gateway.errors import Overloaded, RateLimited, Unavailable
 from gateway.settings import GatewaySettings, env_name
 from gateway.unseen import Ticket, Unseen
-from schemas.records import Priority
+from schemas.records import Credit, Priority
 from telemetry.metrics import STATED_RATE, TIER_SUBMITS
 from transport.background_loop import BackgroundLoop
 from transport.ports import Backlog, CreditPool, QueueDepth, RateLimiter, TransportError
@@ -54,20 +52,14 @@ ANONYMOUS = Caller()
 class Admission:
     """The checks of one submit, cheapest first: its model's queue, then the client's rate limit.
 
-    A model's queue refuses a request when it holds ``max_queue_depth`` requests, when its workers
-    have taken nothing for a while (``drain``: stalled), or when the wait it predicts would pass
-    the request's deadline: a refusal now (503 with Retry-After) instead of a 504 later, and no GPU
-    time for an answer nobody waits for. Until the drain rate is measured, the wait is predicted by
-    the rates the model's workers state in their credits (read every ``SAMPLE_EVERY_S``).
-
-    The counters may be read less often than requests come (over Kafka every ``refresh_s``): the
-    requests this gateway admitted that the last read may not hold count as queued too
-    (``gateway.unseen``), so a burst is not admitted whole against one figure.
+    A model's queue refuses a request when it holds ``max_queue_depth`` requests, or when its answer
+    is predicted past the request's deadline (``gateway.admission.wait``, which also says when a
+    model is stalled): a refusal now (503 with Retry-After) instead of a 504 later, and no GPU time
+    for an answer nobody waits for. The workers' credits are read every ``SAMPLE_EVERY_S``.
 
     Lower priority tiers are shed first: ``low`` is refused once the queue holds
     ``queue_fraction_low`` of ``max_queue_depth``, ``normal`` past ``queue_fraction_normal``, ``high``
-    only at the whole limit; and a tier's predicted wait counts only the share of the queue ahead of
-    it (``gateway.admission.tier_mix``).
+    only at the whole limit.
     """
 
     def __init__(
@@ -90,7 +82,6 @@ class Admission:
             ),
             Priority.LOW: (math.ceil(settings.max_queue_depth * settings.queue_fraction_low), "queue_fraction_low"),
         }
-        self._mix = TierMix()
         self._fair = FairShare()
         self._clock = clock
         self._counters: dict[tuple[str, Priority, str], Counter] = {}
@@ -98,12 +89,8 @@ class Admission:
         self.by_wait = settings.admit_by_wait
         self._queue_depth = queue_depth if settings.max_queue_depth > 0 or settings.admit_by_wait else None
         self._limiter = limiter if settings.rate_limit_per_s > 0 else None
-        self._meters = {model: DrainMeter(stall_s=settings.stall_s) for model in settings.models}
-        self._service = {model: ServiceTime() for model in settings.models}
+        self._queues = {model: ModelQueue(stall_s=settings.stall_s) for model in settings.models}
         self._credits = credits
-        self._worker_rates = WorkerRates()
-        self._stated: dict[str, Stated | None] = {}
-        """Per model: what its workers state, as last read from the credit pool."""
         self._unseen = {model: Unseen(clock) for model in settings.models}
         self._states: dict[str, str] = {}
         """Each model's state as last logged (``models``)."""
@@ -131,15 +118,16 @@ class Admission:
         credits = self._credits
         if credits is None:
             return
-        for model, meter in self._meters.items():
+        for model, queue in self._queues.items():
             now_ms = int(time.time() * 1000)
+            offered: list[Credit] = []
             # Unread this time, the rates already read stand until their credits expire.
             with contextlib.suppress(TransportError):
                 offered = await credits.offered(model)
-                self._worker_rates.seen(model, offered)
-                if any(credit.expires_at_ms > now_ms for credit in offered) and meter.worker_idle():
-                    self._state_changed(model, "serving", "an idle worker waits for work and no request waits")
-            stated = self._stated[model] = self._worker_rates.stated(model, now_ms)
+            queue.read_credits(offered, now_ms)
+            if any(credit.expires_at_ms > now_ms for credit in offered) and queue.drain.worker_idle():
+                self._state_changed(model, "serving", "an idle worker waits for work and no request waits")
+            stated = queue.stated
             STATED_RATE.labels(model=model).set(stated.rate_per_s if stated else 0.0)
 
     async def admit(
@@ -201,16 +189,18 @@ class Admission:
                     f"the next request is accepted in {wait_s:.3f} s",
                     retry_after_s=max(1, math.ceil(wait_s)),
                 )
-        self._mix.admitted(model, tier)
+        queue = self._queues.get(model)
+        if queue is not None:
+            queue.mix.admitted(tier)
         if client is not None:
             self._fair.admitted(model, client, self._clock())
         return unseen.admitted() if unseen is not None and queue_depth is not None else None
 
     def answered(self, model: str, latency_s: float) -> None:
         """A synchronous answer's latency: the fastest recent one is the model's service time."""
-        service = self._service.get(model)
-        if service is not None:
-            service.observe(latency_s)
+        queue = self._queues.get(model)
+        if queue is not None:
+            queue.answered(latency_s, int(time.time() * 1000))
 
     def models(self) -> dict[str, str]:
         """Each model's state for ``/readyz``: ``stalled`` while requests wait and its workers take none.
@@ -218,7 +208,8 @@ class Admission:
         Each change of a model's state is logged, with why (read here, and by the sampler every
         ``SAMPLE_EVERY_S``)."""
         states: dict[str, str] = {}
-        for model, meter in self._meters.items():
+        for model, queue in self._queues.items():
+            meter = queue.drain
             backlog = self._queue_depth.backlog(model) if self._queue_depth is not None else None
             estimate = meter.observe(backlog) if backlog is not None else None
             state = states[model] = "stalled" if meter.stalled else "serving"
@@ -250,40 +241,42 @@ class Admission:
             )
         if not self.by_wait:
             return
-        meter = self._meters.get(model)
-        if meter is None:
+        queue = self._queues.get(model)
+        if queue is None:
             return
-        stated = self._stated.get(model)
-        estimate = meter.observe(backlog, stated.rate_per_s if stated else None)
-        wait_s = estimate.wait_s * self._mix.ahead(model, tier)
-        if estimate.wait_s == math.inf:
+        predicted = queue.predict(backlog, tier)
+        if predicted.ahead_s == math.inf:
             raise Overloaded(
                 f"model {model!r} has {depth} requests waiting and its workers have taken none for "
-                f"{estimate.stalled_s:.0f} s (busy past any normal call, hung or gone); nothing was queued: "
+                f"{predicted.stalled_s:.0f} s (busy past any normal call, hung or gone); nothing was queued: "
                 "retry after the Retry-After delay"
             )
-        drain = estimate.rate_per_s
-        if client is not None and drain and estimate.wait_s >= FAIR_AFTER_S:
-            over = self._fair.over_share(model, client, drain, self._clock())
-            if over is not None:
-                rate, share, clients = over
-                raise Overloaded(
-                    f"this client sends {rate:.0f} requests/s to model {model!r}, above its fair share of "
-                    f"{share:.0f} of the {drain:.0f} requests/s the model drains among the {clients} clients sending "
-                    f"now, and {estimate.wait_s:.1f} s of work is queued; nothing was queued: send less, or retry "
-                    "after the Retry-After delay"
-                )
-        service_s = self._service[model].seconds or (stated.call_s if stated else 0.0)
-        budget_s = timeout_ms / 1000 - service_s
-        # Less than one answer's time ahead is not the queue's doing: the request rides the next batch,
-        # and a deadline too short for any call expires (504, never computed), as on an empty queue.
-        if wait_s > service_s and wait_s * WAIT_MARGIN > budget_s:
-            rate = estimate.rate_per_s or 0.0
+        if client is not None:
+            self._check_share(model, client, predicted)
+        timeout_s = timeout_ms / 1000
+        if predicted.refuses(timeout_s):
             raise Overloaded(
-                f"model {model!r} has {depth} requests waiting, about {wait_s:.1f} s of work ahead of a "
-                f"{tier.value!r} request at the {rate:.0f} requests/s it drains; timeout_ms={timeout_ms} cannot be "
-                "met, so nothing was queued: retry after the Retry-After delay, or send a longer timeout_ms",
-                retry_after_s=min(MAX_RETRY_AFTER_S, max(1, math.ceil(wait_s * WAIT_MARGIN - budget_s))),
+                f"model {model!r} has {depth} requests waiting; a {tier.value!r} request's answer is predicted in "
+                f"about {predicted.answer_s:.1f} s at the {predicted.rate_per_s or 0:.0f} requests/s it drains; "
+                f"timeout_ms={timeout_ms} cannot be met, so nothing was queued: retry after the Retry-After delay, "
+                "or send a longer timeout_ms",
+                retry_after_s=min(MAX_RETRY_AFTER_S, max(1, math.ceil(predicted.answer_s * MARGIN - timeout_s))),
+            )
+
+    def _check_share(self, model: str, client: str, predicted: Prediction) -> None:
+        """Past ``FAIR_AFTER_S`` of queued work, a client above its fair share of the drain is refused."""
+        drain = predicted.rate_per_s
+        queued_s = predicted.depth / drain if drain else 0.0
+        if not drain or queued_s < FAIR_AFTER_S:
+            return
+        over = self._fair.over_share(model, client, drain, self._clock())
+        if over is not None:
+            rate, share, clients = over
+            raise Overloaded(
+                f"this client sends {rate:.0f} requests/s to model {model!r}, above its fair share of "
+                f"{share:.0f} of the {drain:.0f} requests/s the model drains among the {clients} clients sending "
+                f"now, and {queued_s:.1f} s of work is queued; nothing was queued: send less, or retry "
+                "after the Retry-After delay"
             )
 
 
@@ -305,32 +298,4 @@ def _limit_of(setting: str, max_queue_depth: int) -> str:
     return f"{env_name(setting)} of {env_name('max_queue_depth')} = {max_queue_depth}"
 
 
-WAIT_MARGIN = 1.1
-"""Predicted waits are stretched this much before they are held against a deadline: the drain rate
-is measured, and a request admitted at the edge would more often expire than be answered."""
-
 MAX_RETRY_AFTER_S = 60
-
-
-class ServiceTime:
-    """The fastest answer in the last one or two windows of ``window_s``: a model's call plus the
-    hops, without queueing (a request that found an idle worker). Windows forget a slower past."""
-
-    def __init__(self, window_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self.window_s = window_s
-        self._clock = clock
-        self._started_s = clock()
-        self._current = math.inf
-        self._previous = math.inf
-
-    @property
-    def seconds(self) -> float:
-        fastest = min(self._current, self._previous)
-        return 0.0 if fastest == math.inf else fastest
-
-    def observe(self, latency_s: float) -> None:
-        now = self._clock()
-        if now - self._started_s >= self.window_s:
-            self._previous, self._current, self._started_s = self._current, math.inf, now
-        if latency_s < self._current:
-            self._current = latency_s

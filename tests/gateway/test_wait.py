@@ -1,4 +1,5 @@
-"""The drain meter and the admission it drives, on hand-made counters: no clock, no I/O."""
+"""Admission's one estimate (``gateway.admission.wait``) and the refusals it drives, on hand-made
+counters and credits: no clock, no I/O."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ import time
 
 import pytest
 
-from gateway.admission.drain import DrainMeter
-from gateway.admission.gate import ANONYMOUS, Admission, ServiceTime
+from gateway.admission.gate import ANONYMOUS, Admission
+from gateway.admission.wait import DrainMeter, ModelQueue, ServiceTime, Stated, TierMix, WorkerRates
 from gateway.errors import Overloaded
 from gateway.settings import GatewaySettings
 from gateway.unseen import Ticket
-from schemas.records import Credit
+from schemas.records import Credit, Priority
 from tests.support.queue_depth import Counters, admit_sent
 from transport.memory.credits import MemoryCreditPool
 from transport.ports import Backlog
@@ -324,3 +325,91 @@ def test_a_rate_drained_in_whole_batches_is_not_overestimated(seed: int) -> None
         estimate = meter.observe(Backlog(150, left, batches, at))
         assert estimate.rate_per_s is None or estimate.rate_per_s <= 50.0 * 1.02, f"{estimate} after {at:.1f} s"
     assert estimate.rate_per_s == pytest.approx(50.0, rel=0.1)
+
+
+# the workers' word, before a drain is measured -------------------------------------------------
+
+
+def credit(worker: str, *, issued_ms: int = 0, ttl_ms: int = 5_000, max_batch: int = 5, busy_ms: int = 100) -> Credit:
+    return Credit(worker, "a", 0, 1, issued_ms, issued_ms + ttl_ms, max_batch=max_batch, busy_ms=busy_ms)
+
+
+def test_the_model_drains_at_most_the_sum_of_its_workers_full_batches_per_call() -> None:
+    rates = WorkerRates()
+    rates.seen([credit("w1"), credit("w2", max_batch=10, busy_ms=200)])
+    assert rates.stated(1_000) == Stated(pytest.approx(50 + 50), 0.2)
+    assert WorkerRates().stated(1_000) is None, "a model whose credits were never read has no rate"
+
+
+def test_a_workers_latest_credit_counts_once_and_is_kept_until_it_expires() -> None:
+    """A credit shows only while unclaimed: the one read before stands until its expiry."""
+    rates = WorkerRates()
+    rates.seen([credit("w1", busy_ms=100), credit("w2")])
+    rates.seen([credit("w1", issued_ms=1_000, busy_ms=200)])  # w2's credit is claimed meanwhile
+    assert rates.stated(2_000) == Stated(pytest.approx(25 + 50), 0.2)
+    assert rates.stated(5_000) == Stated(pytest.approx(25), 0.2), "w2 is gone: its credit expired"
+    assert rates.stated(6_000) is None
+
+
+def test_a_worker_that_has_not_run_a_call_leaves_the_rate_unknown() -> None:
+    """A partial sum would refuse what the model can answer, so none is given."""
+    rates = WorkerRates()
+    rates.seen([credit("w1"), credit("fresh", busy_ms=0)])
+    assert rates.stated(1_000) is None
+    assert rates.stated(1_000, answer_s=0.2) == Stated(pytest.approx(50 + 25), 0.2), (
+        "once an answer came, it stands for the call time a fresh worker has not stated"
+    )
+    unlimited = WorkerRates()
+    unlimited.seen([credit("unlimited", max_batch=0)])
+    assert unlimited.stated(1_000) is None
+
+
+# the tier mix -----------------------------------------------------------------------------------
+
+
+def test_the_mix_counts_what_is_ahead_of_each_tier_and_forgets() -> None:
+    mix = TierMix(window=10)
+    assert mix.ahead(Priority.HIGH) == 1.0, "unknown: all of the queue"
+    for _ in range(3):
+        mix.admitted(Priority.HIGH)
+    for _ in range(7):
+        mix.admitted(Priority.LOW)
+    assert mix.ahead(Priority.HIGH) == pytest.approx(0.3)
+    assert mix.ahead(Priority.NORMAL) == pytest.approx(0.3)
+    assert mix.ahead(Priority.LOW) == 1.0
+    for _ in range(40):
+        mix.admitted(Priority.LOW)
+    assert mix.ahead(Priority.HIGH) < 0.15, "older admissions count less"
+
+
+# the prediction ---------------------------------------------------------------------------------
+
+
+def test_an_answer_is_predicted_after_the_work_ahead_and_two_calls() -> None:
+    """The queue drains in whole batches: past the work ahead, a request waits for the call that may
+    be running when its turn comes, then for its own."""
+    queue = ModelQueue(stall_s=5.0)
+    queue.read_credits([credit("w1", max_batch=100, busy_ms=100), credit("w2", max_batch=100, busy_ms=100)], 1_000)
+    predicted = queue.predict(Backlog(500, 0, 0, 0.0), Priority.NORMAL)
+    assert predicted.rate_per_s == pytest.approx(2_000)
+    assert predicted.answer_s == pytest.approx(500 / 2_000 + 2 * 0.1)
+    assert not predicted.refuses(0.5), "0.45 s, stretched by the margin, still within 500 ms"
+    assert queue.predict(Backlog(600, 0, 0, 0.1), Priority.NORMAL).refuses(0.5)
+    assert not queue.predict(Backlog(150, 0, 0, 0.2), Priority.NORMAL).refuses(0.001), (
+        "what fits the next batch is admitted whatever its deadline: a deadline too short expires"
+    )
+    queue.answered(0.05, 1_000)
+    assert queue.predict(Backlog(500, 0, 0, 0.3), Priority.NORMAL).call_s == 0.05, "the fastest answer, first"
+
+
+def test_a_cold_models_first_answer_gives_its_fresh_workers_a_rate() -> None:
+    """Before any call, the workers' credits state their batch and no call time: the first answer's
+    latency stands for it, so the first burst is held against a rate within one call."""
+    queue = ModelQueue(stall_s=5.0)
+    queue.read_credits([credit("w1", max_batch=100, busy_ms=0), credit("w2", max_batch=100, busy_ms=0)], 1_000)
+    assert queue.predict(Backlog(800, 0, 0, 0.0), Priority.NORMAL).rate_per_s is None
+    assert not queue.predict(Backlog(800, 0, 0, 0.0), Priority.NORMAL).refuses(0.5), "nothing known, nothing refused"
+    queue.answered(0.1, 1_050)
+    predicted = queue.predict(Backlog(800, 0, 0, 0.1), Priority.NORMAL)
+    assert predicted.rate_per_s == pytest.approx(2_000)
+    assert predicted.refuses(0.5)
