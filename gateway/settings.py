@@ -87,8 +87,8 @@ class GatewaySettings:
     queue_fraction_low: float = 0.5
     """The same for ``low``: at most ``queue_fraction_normal``."""
     admit_by_wait: bool = True
-    """Refuse (503 + Retry-After) a request whose deadline the wait its model's queue predicts would
-    pass (see ``gateway.admission.drain``), and every request of a model whose workers take nothing."""
+    """Refuse (503 + Retry-After) a request whose answer its model's queue predicts past its deadline
+    (see ``gateway.admission.wait``), and every request of a model whose workers take nothing."""
     stall_s: float = 5.0
     """A model whose queue holds requests while no batch reaches its workers for this long is stalled."""
     rate_limit_per_s: float = 0.0

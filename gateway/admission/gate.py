@@ -71,7 +71,7 @@ class Admission:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``credits``: the pool the workers offer credits to, read for their rates
-        (``gateway.admission.worker_rates``); ``clock``: the one that stamps the queue's counters
+        (``WorkerRates`` in ``gateway.admission.wait``); ``clock``: the one that stamps the queue's counters
         (``Backlog.at_s``)."""
         self.max_queue_depth = settings.max_queue_depth
         self._tier_limits = {

@@ -183,7 +183,7 @@ class DrainMeter:
 
     def observe(self, backlog: Backlog, prior_rate_per_s: float | None = None) -> Estimate:
         """Takes a sample (if it is ``sample_every_s`` newer than the last) and predicts the wait, by
-        ``prior_rate_per_s`` (the workers' own word, ``gateway.admission.worker_rates``) until a rate is measured.
+        ``prior_rate_per_s`` (the workers' own word, ``WorkerRates``) until a rate is measured.
 
         A stalled model's empty queue admits one request every ``stall_s``, as a probe: a batch
         taken ends the stall."""
