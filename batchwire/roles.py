@@ -35,8 +35,8 @@ from transport.memory.limits import MemoryRateLimiter
 from transport.redis.credits import RedisCreditPool
 from transport.redis.deliveries import RedisDeliveryLog
 from transport.redis.fleet import RedisFleet
-from transport.redis.pools import PoolOptions, is_cluster_url, redacted
-from transport.redis.store import MIN_REPLICAS_0, STORE_POOL, RedisTaskStore
+from transport.redis.pools import PoolOptions
+from transport.redis.store import STORE_POOL, RedisTaskStore
 from transport.replicas import ReplicaSettings, ReplicaWait
 
 log = logging.getLogger("batchwire")
@@ -124,7 +124,7 @@ def run_batcher(args: argparse.Namespace) -> int:
         batcher_id=args.batcher_id,
     )
 
-    replicas = _replica_settings(args, shared.redis_url)
+    replicas = _replica_settings(args)
     count_tokens = rs.token_counter_of(args)
 
     async def main() -> int:
@@ -158,19 +158,12 @@ def run_batcher(args: argparse.Namespace) -> int:
     return run_loop(main(), args.gc_threshold)
 
 
-def _replica_settings(args: argparse.Namespace, redis_url: str | None) -> ReplicaSettings:
-    """``--redis-min-replicas`` and ``--redis-replica-wait-ms``, checked: over a Redis Cluster, no process
-    waits for replicas yet (``WAIT`` counts one primary's)."""
+def _replica_settings(args: argparse.Namespace) -> ReplicaSettings:
+    """``--redis-min-replicas`` and ``--redis-replica-wait-ms``, checked."""
     try:
-        replicas = ReplicaSettings(args.redis_min_replicas, args.redis_replica_wait_ms)
+        return ReplicaSettings(args.redis_min_replicas, args.redis_replica_wait_ms)
     except ValueError as err:
         raise SettingsError(str(err)) from err
-    if redis_url is not None and is_cluster_url(redis_url) and replicas.min_replicas != 0:
-        raise SettingsError(
-            f"Redis URL {redacted(redis_url)!r} is a Redis Cluster, whose writes batchwire does not wait to see "
-            f"on replicas yet: {MIN_REPLICAS_0}"
-        )
-    return replicas
 
 
 def _replica_pool(replicas: ReplicaSettings) -> PoolOptions:
@@ -238,7 +231,7 @@ def run_worker(args: argparse.Namespace) -> int:
     model = args.model or shared.models[0]
     if model not in shared.models:
         raise SettingsError(f"--model {model!r} is not among --models {','.join(shared.models)}")
-    replicas = _replica_settings(args, shared.redis_url)
+    replicas = _replica_settings(args)
     settings = rs.worker_settings(args, model, args.worker_id)
     process = _WorkerProcess(args, shared, settings, replicas, make_backend(rs.backend_settings(args), model))
     serve_metrics(args.metrics_port, args.metrics_host)

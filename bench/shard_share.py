@@ -2,7 +2,7 @@
 
 Starts a local Kafka broker (``LocalStack``) and a Redis Cluster of three primaries
 (``LocalRedisCluster``), then one gateway, one batcher and two sim workers (100 ms a call) over them
-(``--redis-min-replicas 0``: no process waits for replicas over a cluster yet). It zeroes every
+(``--redis-min-replicas 0``: the primaries have no replicas). It zeroes every
 node's ``INFO commandstats``, runs ``batchwire bench`` against the gateway, and prints each primary's
 commands (those its scripts run included), its share of all of them, and its busiest commands.
 

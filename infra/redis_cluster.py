@@ -41,6 +41,19 @@ def _cluster_ok(port: int) -> bool:
     return bool(info.get("cluster_state") == "ok" and str(info.get("cluster_slots_ok")) == "16384")
 
 
+def _online_replicas(port: int) -> int:
+    """The replicas the node on ``port`` serves that have their first copy (0 for a replica node)."""
+    client = redis.Redis(port=port, socket_timeout=1.0, socket_connect_timeout=1.0)
+    try:
+        info = client.info("replication")
+    except (redis.RedisError, OSError):
+        return 0
+    finally:
+        client.close()
+    connected = (info.get(f"slave{index}") for index in range(int(info.get("connected_slaves", 0))))
+    return sum(1 for replica in connected if isinstance(replica, dict) and replica.get("state") == "online")
+
+
 class LocalRedisCluster:
     """``primaries`` primaries and ``replicas`` replicas of each, in ``work_dir/node-N``; started
     and joined by ``start``, stopped by ``stop`` (or as a context manager)."""
@@ -77,6 +90,11 @@ class LocalRedisCluster:
         while not all(_cluster_ok(node.port) for node in self.nodes):
             if time.monotonic() > deadline:
                 raise ServiceStartError(f"the Redis Cluster on {addresses} did not serve every slot in {timeout_s} s")
+            time.sleep(_POLL_INTERVAL_S)
+        replicas = len(self.nodes) - len(self.nodes) // (1 + self.replicas)
+        while sum(_online_replicas(node.port) for node in self.nodes) < replicas:
+            if time.monotonic() > deadline:
+                raise ServiceStartError(f"the Redis Cluster's replicas on {addresses} did not sync in {timeout_s} s")
             time.sleep(_POLL_INTERVAL_S)
 
     def stop(self) -> None:

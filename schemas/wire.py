@@ -79,3 +79,7 @@ class Names:
     def replication_mark(self) -> str:
         """Written just before a worker's Redis ``WAIT``, so the wait covers results already stored."""
         return f"{self.namespace}:replication-mark"
+
+    def replication_mark_of(self, task_id: str) -> str:
+        """``replication_mark`` in ``task_id``'s hash slot: on a Redis Cluster, on the primary holding the task."""
+        return f"{self.replication_mark}:{{{task_id}}}"

@@ -84,7 +84,7 @@ def _longest_files_first(items: list[pytest.Item]) -> None:
     items.sort(key=cost)
 
 
-SERVER_FIXTURES = {"infra", "redis_url", "kafka_bootstrap", "local_stack", "redis_cluster"}
+SERVER_FIXTURES = {"infra", "redis_url", "kafka_bootstrap", "local_stack", "redis_cluster", "replicated_cluster"}
 """Fixtures that hand a test real servers: a test that takes one is marked ``kafka``."""
 HF_TESTS = Path(__file__).parent / "backends"
 """The tests that import torch (the hf extra) as they are collected: the Makefile's tiers ignore the
@@ -124,6 +124,18 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory, request: pytest.Fixt
 
     with LocalRedisCluster(Path(tmp_path_factory.mktemp("redis-cluster"))) as cluster:
         yield cluster.url
+
+
+@pytest.fixture(scope="session")
+def replicated_cluster(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A Redis Cluster of three primaries, each with a replica, for the whole test run (one per xdist
+    worker that asks): the ``LocalRedisCluster``. Tests that stop a node run a cluster of their own."""
+    if request.config.getoption("no_servers"):
+        pytest.fail("this test uses a Redis Cluster, which the check tier (--no-servers) has not: mark it kafka")
+    from infra.redis_cluster import LocalRedisCluster
+
+    with LocalRedisCluster(Path(tmp_path_factory.mktemp("replicated-cluster")), replicas=1) as cluster:
+        yield cluster
 
 
 KEYED_CLUSTER = "cluster"

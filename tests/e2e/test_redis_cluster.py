@@ -10,8 +10,6 @@ start saying so.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +22,6 @@ from tests.support.processes import Cluster, launch, metric, stopped_after
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(180)]
 
 SETTINGS = {
-    "BATCHWIRE_REDIS_MIN_REPLICAS": "0",
     "BATCHWIRE_DETERMINISTIC_MODELS": "sim",  # its answers are cached, in the cluster
     "BATCHWIRE_CACHE_TTL_S": "60",
 }
@@ -64,17 +61,6 @@ def test_a_retry_with_the_same_key_is_answered_from_the_first_computation(deploy
     assert answer.status_code == again.status_code == 200, (answer.text, again.text)
     assert again.json()["task_id"] == answer.json()["task_id"], "one task behind both answers"
     assert again.json()["output"] == "ecno"
-
-
-def test_a_worker_over_a_cluster_that_would_wait_for_replicas_stops_saying_what_to_set(
-    infra: Any, redis_cluster: str
-) -> None:
-    command = [sys.executable, "-m", "batchwire.cli", "worker", "--redis-url", redis_cluster]
-    done = subprocess.run(
-        [*command, "--kafka-bootstrap", infra.kafka_bootstrap], capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
-    assert "--redis-min-replicas 0" in done.stderr and "Redis Cluster" in done.stderr, done.stderr[-2000:]
 
 
 def test_an_answer_one_gateway_cached_is_served_by_the_other_and_priority_is_taken(deployment: Cluster) -> None:

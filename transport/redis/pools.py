@@ -243,6 +243,46 @@ class KeyedClient:
             await self.redis.aclose()
 
 
+class NodeClients:
+    """Plain clients to single nodes of the Redis Cluster of ``url`` (its credentials), each over a
+    pool of ``options``' connections, made on first use: for pipelines that must run on one
+    connection to one primary (``WAIT`` counts only its own connection's writes)."""
+
+    def __init__(self, url: str, options: PoolOptions) -> None:
+        self.url = url
+        self.options = options
+        self._clients: dict[tuple[str, int], Redis] = {}
+
+    def of(self, host: str, port: int) -> Redis:
+        client = self._clients.get((host, port))
+        if client is None:
+            _, user, password = cluster_nodes(self.url)
+            options = self.options
+            pool = _packing_with_hiredis(
+                BlockingConnectionPool(
+                    host=host,
+                    port=port,
+                    username=user,
+                    password=password,
+                    max_connections=options.max_connections,
+                    timeout=options.pool_timeout_s,
+                    socket_timeout=options.socket_timeout_s,
+                    socket_connect_timeout=options.socket_timeout_s,
+                    socket_keepalive=True,
+                    health_check_interval=options.health_check_interval_s,
+                    retry=_retry_once(),
+                )
+            )
+            client = self._clients[(host, port)] = Redis(connection_pool=pool)
+        return client
+
+    async def close(self) -> None:
+        clients, self._clients = self._clients, {}
+        for client in clients.values():
+            await client.aclose()
+            await client.connection_pool.disconnect()
+
+
 def cluster_nodes(url: str) -> tuple[list[ClusterNode], str | None, str | None]:
     """The startup nodes, user and password of a ``redis+cluster://[USER:PASSWORD@]HOST:PORT,...`` URL.
 

@@ -9,7 +9,7 @@ sends the pipeline once more. Every command of such a pipeline must be safe to r
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis.asyncio import Redis
@@ -17,16 +17,20 @@ from redis.asyncio.client import Pipeline
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
+Call = tuple[list[str], list[Any]]
+"""One call of a script: its keys and its arguments."""
+
 
 async def execute(
-    client: Redis, script: AsyncScript, call: tuple[list[str], list[Any]], then: Callable[[Pipeline], None]
+    client: Redis, script: AsyncScript, calls: Sequence[Call], then: Callable[[Pipeline], None]
 ) -> list[Any]:
-    """The replies of one pipeline (no transaction): ``script`` with ``call``'s keys and arguments
-    (not run without keys), then the commands ``then`` queues. Raises the first error reply."""
-    replies = await _run(client, script, call, then)
+    """The replies of one pipeline (no transaction): ``script`` once per call, with its keys and
+    arguments (a call without keys is not run), then the commands ``then`` queues. Raises the first
+    error reply."""
+    replies = await _run(client, script, calls, then)
     if any(isinstance(reply, NoScriptError) for reply in replies):
         await client.script_load(script.script)
-        replies = await _run(client, script, call, then)
+        replies = await _run(client, script, calls, then)
     for reply in replies:
         if isinstance(reply, Exception):
             raise reply
@@ -34,12 +38,12 @@ async def execute(
 
 
 async def _run(
-    client: Redis, script: AsyncScript, call: tuple[list[str], list[Any]], then: Callable[[Pipeline], None]
+    client: Redis, script: AsyncScript, calls: Sequence[Call], then: Callable[[Pipeline], None]
 ) -> list[Any]:
-    keys, args = call
     pipe = client.pipeline(transaction=False)
-    if keys:
-        pipe.evalsha(script.sha, len(keys), *keys, *args)
+    for keys, args in calls:
+        if keys:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
     then(pipe)
     replies: list[Any] = await pipe.execute(raise_on_error=False)
     return replies

@@ -13,13 +13,14 @@ Over Redis Cluster (a ``redis+cluster://`` URL) each write script runs once per 
 keys it writes, concurrently. A task's channel shares its key's hash tag, so the script publishes
 it with SPUBLISH on the node that holds the task, where the feed subscribed it (``ShardedHubs``);
 the scripts return the reply frames instead, and they go out with one SPUBLISH per gateway's reply
-channel. Writes that wait for replicas (``apply_replicated``) and the memory watch take one
-primary, so they refuse a cluster.
+channel. A write that waits for replicas (``apply_replicated``) runs, per primary, one pipeline
+on one connection: its script calls, a mark and ``WAIT``, which counts that connection's writes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Sequence
@@ -28,10 +29,10 @@ from dataclasses import replace
 from typing import Any
 
 from redis.asyncio.client import Pipeline, Redis
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.commands.core import AsyncScript
 from redis.crc import key_slot
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from schemas.codec import CodecError, decode_state, encode_state
 from schemas.records import TaskState, TaskStatus
@@ -60,6 +61,7 @@ from transport.redis.lua import (
 from transport.redis.memory import MemoryWatch
 from transport.redis.pools import (
     KeyedClient,
+    NodeClients,
     PoolOptions,
     is_cluster_url,
     node_pubsub_pool,
@@ -68,11 +70,6 @@ from transport.redis.pools import (
     translate,
 )
 
-MIN_REPLICAS_0 = (
-    "run the batchers and workers with --redis-min-replicas 0 (BATCHWIRE_REDIS_MIN_REPLICAS), or over redis:// or "
-    "redis+sentinel://"
-)
-"""What to do when a process would wait for replicas over a Redis Cluster (the roles say it at start too)."""
 STORE_POOL = PoolOptions(max_connections=32)  # every gateway request and worker batch writes through it
 
 
@@ -107,6 +104,8 @@ class RedisTaskStore:
         self._publish = SPUBLISH if self._cluster else PUBLISH
         self._commands = KeyedClient(redis_url, pool)
         self._client = self._commands.redis
+        self._primaries = NodeClients(redis_url, pool) if self._cluster else None
+        """Over a cluster: a plain client per primary, for the pipelines that end in ``WAIT``."""
         self._create = self._client.register_script(CREATE)
         self._creates: Coalescer[TaskState, bool] = Coalescer(self._create_many)
         self._apply = self._client.register_script(APPLY)
@@ -151,6 +150,8 @@ class RedisTaskStore:
         await self._creates.close(TransportError("the task store was closed"))
         await self._feed.close()
         await self._commands.close()
+        if self._primaries is not None:
+            await self._primaries.close()
 
     async def create(self, state: TaskState) -> bool:
         return await self._creates(state)  # with the creates of other requests in flight (coalesce.py)
@@ -188,18 +189,22 @@ class RedisTaskStore:
         replies: dict[bytes, list[bytes]] = {}
 
         async def one(indexes: list[int]) -> None:
-            rows = [value for i in indexes for value in args[head + i * ROW : head + (i + 1) * ROW]]
-            tail = args[head + len(keys) * ROW :]
-            out = await script(keys=[keys[i] for i in indexes], args=[*args[:head], *rows, *tail])
+            call_keys, call_args = self._slot_call(keys, args, indexes, head=head)
+            out = await script(keys=call_keys, args=call_args)
             for index, result in zip(indexes, out, strict=False):
                 results[index] = int(result)
-            pairs = out[len(indexes) :]
-            for channel, frames in zip(pairs[::2], pairs[1::2], strict=True):
-                replies.setdefault(channel, []).append(frames)
+            _gather_frames(out[len(indexes) :], replies)
 
         await self._each(one(indexes) for indexes in slots.values())
         await self._each(self._client.spublish(channel, b"".join(frames)) for channel, frames in replies.items())
         return results
+
+    @staticmethod
+    def _slot_call(keys: list[str], args: list[Any], indexes: list[int], *, head: int) -> scripted.Call:
+        """The part of a write script's call (``head`` values, ``lua.ROW`` per key, the publish command)
+        that writes the keys at ``indexes``."""
+        rows = [value for i in indexes for value in args[head + i * ROW : head + (i + 1) * ROW]]
+        return [keys[i] for i in indexes], [*args[:head], *rows, *args[head + len(keys) * ROW :]]
 
     @staticmethod
     async def _each(calls: Iterable[Awaitable[Any]]) -> None:
@@ -221,44 +226,85 @@ class RedisTaskStore:
         return keys, apply_args(self.ttl_ms, rows, self._publish)
 
     async def connected_replicas(self) -> int:
-        """How many replicas the primary counts as connected and in sync now (``INFO replication``).
+        """How many replicas the primary counts as connected and in sync now (``INFO replication``);
+        over a cluster, the fewest any primary counts.
 
         A replica still taking its first full copy (a restarted one rejoining) acknowledges nothing
         until it has it, so it is not counted."""
-        self._one_primary("counting the primary's replicas", MIN_REPLICAS_0)
         try:
-            info: dict[str, Any] = await self._client.info("replication")
+            if not isinstance(self._client, RedisCluster):
+                return _online(await self._client.info("replication"))
+            return min([_online(await self._on(node).info("replication")) for node in self._client.get_primaries()])
         except RedisError as err:
-            raise translate("asking Redis how many replicas it has", err) from err
-        replicas = (info.get(f"slave{index}") for index in range(int(info.get("connected_slaves", 0))))
-        return sum(1 for replica in replicas if isinstance(replica, dict) and replica.get("state") == "online")
+            raise await self._translated("asking Redis how many replicas it has", err) from err
 
     async def apply_replicated(self, updates: Sequence[TaskState], replicas: int, timeout_ms: int) -> int:
-        """``apply``, then Redis ``WAIT``: how many replicas acknowledged the updates within ``timeout_ms``.
+        """``apply``, then Redis ``WAIT``: how many replicas acknowledged the updates within ``timeout_ms``
+        (over a cluster, the fewest of any primary that holds some of them).
 
-        One pipeline (one round trip: ``scripted``) on one connection to one primary, as ``WAIT`` counts
-        only its own connection's writes. An update already applied writes nothing, so a mark written
-        after the updates makes the wait cover them wherever they were written on this primary before.
+        One pipeline (one round trip: ``scripted``) on one connection to each primary, as ``WAIT``
+        counts only its own connection's writes. An update already applied writes nothing, so a mark
+        written after the updates makes the wait cover them wherever they were written on that
+        primary before.
         """
+        keys, args = self._apply_call(updates)
 
-        def then(pipe: Pipeline) -> None:
-            pipe.set(self.names.replication_mark, b"1", px=self.ttl_ms)
-            pipe.wait(replicas, timeout_ms)
+        def then(mark: str) -> Callable[[Pipeline], None]:
+            def queue(pipe: Pipeline) -> None:
+                pipe.set(mark, b"1", px=self.ttl_ms)
+                pipe.wait(replicas, timeout_ms)
 
-        self._one_primary("waiting for replicas to store updates (WAIT)", MIN_REPLICAS_0)
-        assert isinstance(self._client, Redis)
+            return queue
+
         try:
-            replies = await scripted.execute(self._client, self._apply, self._apply_call(updates), then)
-        except RedisError as err:
-            raise translate(f"storing {len(updates)} task update(s) on {replicas} replica(s)", err) from err
-        return int(replies[-1])
+            if not isinstance(self._client, RedisCluster):
+                replies = await scripted.execute(
+                    self._client, self._apply, [(keys, args)], then(self.names.replication_mark)
+                )
+                return int(replies[-1])
+            if not keys:
+                return replicas  # nothing written, nothing to wait for
+            acked: list[int] = []
+            frames: dict[bytes, list[bytes]] = {}
 
-    def _one_primary(self, what: str, instead: str) -> None:
-        """Refuses ``what`` over a Redis Cluster, saying what to run ``instead``."""
-        if self._cluster:
-            raise PermanentTransportError(
-                f"{what} takes one primary, and {redacted(self.redis_url)} is a Redis Cluster: {instead}"
-            )
+            async def on(node: ClusterNode, slots: dict[int, list[int]]) -> None:
+                calls = [self._slot_call(keys, args, indexes, head=2) for indexes in slots.values()]
+                mark = self.names.replication_mark_of(updates[next(iter(slots.values()))[0]].task_id)
+                replies = await scripted.execute(self._on(node), self._apply, calls, then(mark))
+                for (call_keys, _), out in zip(calls, replies, strict=False):
+                    _gather_frames(out[len(call_keys) :], frames)
+                acked.append(int(replies[-1]))
+
+            await self._each(on(node, slots) for node, slots in self._by_primary(keys).values())
+            await self._each(self._client.spublish(channel, b"".join(parts)) for channel, parts in frames.items())
+            return min(acked)
+        except RedisError as err:
+            what = f"storing {len(updates)} task update(s) on {replicas} replica(s)"
+            raise await self._translated(what, err) from err
+
+    def _on(self, node: ClusterNode) -> Redis:
+        """The plain client to one primary of the cluster."""
+        assert self._primaries is not None
+        return self._primaries.of(node.host, int(node.port))
+
+    def _by_primary(self, keys: list[str]) -> dict[str, tuple[ClusterNode, dict[int, list[int]]]]:
+        """The keys' indexes by hash slot, by the primary that serves the slot (the cluster's slot map)."""
+        assert isinstance(self._client, RedisCluster)
+        nodes = self._client.nodes_manager
+        grouped: dict[str, tuple[ClusterNode, dict[int, list[int]]]] = {}
+        for index, key in enumerate(keys):
+            slot = key_slot(key.encode())
+            node = nodes.get_node_from_slot(slot)
+            grouped.setdefault(node.name, (node, {}))[1].setdefault(slot, []).append(index)
+        return grouped
+
+    async def _translated(self, what: str, err: RedisError) -> TransportError:
+        """``err`` as a ``TransportError``; over a cluster, the slot map is read again first, since a
+        primary that moved (a failover) answers the direct connections with an error."""
+        if isinstance(self._client, RedisCluster):
+            with contextlib.suppress(RedisError, RedisClusterException):
+                await self._client.nodes_manager.initialize()
+        return translate(what, err)
 
     async def cancel(
         self, task_id: str, reason_code: str, message: str, status: TaskStatus = TaskStatus.CANCELLED
@@ -395,3 +441,15 @@ class RedisTaskStore:
                 return bool(await self._client.ping())
         except (TimeoutError, RedisError, OSError):
             return False
+
+
+def _online(info: dict[str, Any]) -> int:
+    """The replicas an ``INFO replication`` reply counts as connected and in sync."""
+    replicas = (info.get(f"slave{index}") for index in range(int(info.get("connected_slaves", 0))))
+    return sum(1 for replica in replicas if isinstance(replica, dict) and replica.get("state") == "online")
+
+
+def _gather_frames(pairs: list[Any], into: dict[bytes, list[bytes]]) -> None:
+    """The reply frames a write script returned over a cluster (channel, frames, ...), by channel."""
+    for channel, frames in zip(pairs[::2], pairs[1::2], strict=True):
+        into.setdefault(channel, []).append(frames)
