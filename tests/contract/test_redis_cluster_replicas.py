@@ -10,14 +10,18 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
+from redis.crc import key_slot
 
+from infra.redis_cluster import LocalRedisCluster
 from schemas.codec import decode_state
 from schemas.records import TaskState, TaskStatus
 from schemas.wire import Names
+from transport.ports import TransportError
 from transport.redis.store import RedisTaskStore
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(60)]
@@ -124,3 +128,51 @@ async def test_a_mark_in_the_tasks_slot_makes_wait_cover_an_update_already_appli
                 except redis.exceptions.MovedError:
                     marks.append(-1)  # the slot is another primary's
     assert sorted(marks) == [-1, -1, 1], "the mark was written, on the primary that holds the task"
+
+
+async def test_after_a_primarys_failover_replies_and_watches_follow_its_slots(tmp_path: Path, names: Names) -> None:
+    """kill -9 of the primary that holds a gateway's reply channel and a watched task: once its replica
+    took over, the feed is connected again, says it came back (the gateway re-reads its callers), and
+    the next end of a task reaches both its reply listener and its watcher."""
+    with LocalRedisCluster(tmp_path / "cluster", replicas=1) as cluster:
+        store = RedisTaskStore(cluster.url, names)
+        await store.start()
+        try:
+            returned = asyncio.Event()
+            store.on_feed_return(returned.set)
+            replies: asyncio.Queue[TaskState] = asyncio.Queue()
+            await store.listen_replies("g1", replies.put_nowait)
+            channel = names.reply_channel("g1")
+            victim = next(node for node in cluster.nodes if _serves(node.port, key_slot(channel.encode())))
+            task_id = next(f"w{n}" for n in range(1_000) if _serves(victim.port, key_slot(f"w{n}".encode())))
+            await store.create(state(task_id, TaskStatus.QUEUED, reply_to="g1"))
+            async with store.watch(task_id) as events:
+                victim.kill()
+                await asyncio.wait_for(returned.wait(), 30)
+                assert store.reachable(), "every hub it needs is connected, the dead node's closed"
+                done = state(task_id, TaskStatus.COMPLETED, output="after", reply_to="g1")
+                assert await _applied_once_served(store, done)
+                reply = await asyncio.wait_for(replies.get(), 10)
+                assert (reply.task_id, reply.output) == (task_id, "after")
+                seen = await asyncio.wait_for(anext(events), 10)
+                while seen.status is not TaskStatus.COMPLETED:  # a state re-read at the move may come first
+                    seen = await asyncio.wait_for(anext(events), 10)
+                assert seen.output == "after"
+        finally:
+            await store.close()
+
+
+def _serves(port: int, slot: int) -> bool:
+    """Whether the node on ``port`` is the primary serving ``slot``."""
+    with redis.RedisCluster(host="127.0.0.1", port=port) as client:
+        return int(client.nodes_manager.get_node_from_slot(slot).port) == port
+
+
+async def _applied_once_served(store: RedisTaskStore, done: TaskState) -> bool:
+    """Applies ``done``, retrying while the cluster client still routes to the dead primary."""
+    for _ in range(100):
+        try:
+            return (await store.apply([done])) == [True]
+        except TransportError:
+            await asyncio.sleep(0.1)
+    return False

@@ -16,9 +16,10 @@ from typing import Any
 
 from redis.asyncio import ConnectionPool
 from redis.asyncio.client import PubSub
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from transport.cancelling import cancel_and_wait
@@ -57,10 +58,13 @@ class PubSubHub:
         min_backoff_s: float = 0.05,
         max_backoff_s: float = 0.5,
         sharded: bool = False,
+        on_lost: Callable[[], None] | None = None,
     ) -> None:
-        """``sharded``: shard channels (SSUBSCRIBE), each on the cluster node that owns its slot."""
+        """``sharded``: shard channels (SSUBSCRIBE), each on the cluster node that owns its slot.
+        ``on_lost``: runs in the reader task each time the connection is lost, before it reconnects."""
         self._pool = pool
         self._sharded = sharded
+        self._on_lost = on_lost
         self._on_message = on_message
         self._on_resubscribed = on_resubscribed
         self._on_failure = on_failure
@@ -144,6 +148,16 @@ class PubSubHub:
     def channels(self) -> frozenset[str]:
         return frozenset(self._refs)
 
+    def refs(self, channel: str) -> int:
+        """How many subscribers hold ``channel`` here."""
+        return self._refs.get(channel, 0)
+
+    def forget(self, channel: str) -> None:
+        """Drops ``channel`` with all its references, sending nothing: another hub took it over."""
+        self._refs.pop(channel, None)
+        self._active.pop(channel, None)
+        self._pending.pop(channel, None)
+
     async def _send(self, command: str, channel: str) -> None:
         """Sends without reading: the reader task owns every reply on this connection."""
         pubsub = self._pubsub
@@ -190,6 +204,8 @@ class PubSubHub:
                     await self._read()
                 except _CONNECTION_ERRORS as err:
                     self._connected = False
+                    if self._on_lost is not None:
+                        self._on_lost()
                     log.warning(
                         "Redis PubSub connection lost (%s: %s); reconnecting in %.2f s, "
                         "then subscribing %d channel(s) again",
@@ -292,7 +308,13 @@ class PubSubHub:
 class ShardedHubs:
     """One sharded ``PubSubHub`` per Redis Cluster primary: each channel is subscribed (SSUBSCRIBE)
     on the primary that owns its slot, where the scripts that write its task SPUBLISH to it, so a
-    message published before a subscription is confirmed never arrives after it."""
+    message published before a subscription is confirmed never arrives after it.
+
+    A failover is followed: when a hub loses its connection, the slot map is read again until its
+    channels' slots have a new owner (or the hub is back); each moved channel is subscribed on the
+    new owner's hub, with its references, and ``on_resubscribed`` re-reads what was missed. A hub
+    left with no channel is closed.
+    """
 
     def __init__(
         self,
@@ -304,20 +326,27 @@ class ShardedHubs:
         *,
         ping_interval_s: float,
         subscribe_timeout_s: float,
+        max_backoff_s: float = 1.0,
     ) -> None:
         self._cluster = cluster
         self._pool_of = pool_of
-        self._handlers = (on_message, on_resubscribed, on_failure)
+        self._on_message = on_message
+        self._on_resubscribed = on_resubscribed
+        self._on_failure = on_failure
         self.ping_interval_s = ping_interval_s
         self.subscribe_timeout_s = subscribe_timeout_s
+        self.max_backoff_s = max_backoff_s
         self._hubs: dict[str, PubSubHub] = {}
         self._of: dict[str, PubSubHub] = {}  # channel -> the hub it is subscribed on
         self._lock = asyncio.Lock()
+        self._moves = asyncio.Lock()  # a channel moves between hubs, or loses a reference, one at a time
+        self._rehoming: dict[str, asyncio.Task[None]] = {}
+        self._retired_reconnects = 0
         self._started = False
 
     @property
     def reconnects(self) -> int:
-        return sum(hub.reconnects for hub in self._hubs.values())
+        return self._retired_reconnects + sum(hub.reconnects for hub in self._hubs.values())
 
     @property
     def alive(self) -> bool:
@@ -333,6 +362,9 @@ class ShardedHubs:
 
     async def close(self) -> None:
         self._started = False
+        rehoming, self._rehoming = self._rehoming, {}
+        for task in rehoming.values():
+            await cancel_and_wait(task)
         hubs, self._hubs = self._hubs, {}
         for hub in hubs.values():
             await hub.close()
@@ -343,27 +375,91 @@ class ShardedHubs:
         self._of[channel] = hub
 
     async def unsubscribe(self, channel: str) -> None:
-        hub = self._of.get(channel)
-        if hub is not None:
-            await hub.unsubscribe(channel)
-            if channel not in hub.channels():
-                self._of.pop(channel, None)
+        async with self._moves:
+            hub = self._of.get(channel)
+            if hub is not None:
+                await hub.unsubscribe(channel)
+                if channel not in hub.channels():
+                    self._of.pop(channel, None)
 
     def channels(self) -> frozenset[str]:
         return frozenset(self._of)
 
+    def _owner(self, channel: str) -> ClusterNode:
+        """The primary that serves ``channel``'s slot, by the slot map as last read."""
+        return self._cluster.nodes_manager.get_node_from_slot(key_slot(channel.encode()))
+
     async def _hub_of(self, channel: str) -> PubSubHub:
-        node = self._cluster.nodes_manager.get_node_from_slot(key_slot(channel.encode()))
+        node = self._owner(channel)
         async with self._lock:
             hub = self._hubs.get(node.name)
             if hub is None:
+                name = node.name
                 hub = PubSubHub(
                     self._pool_of(node.host, int(node.port)),
-                    *self._handlers,
+                    self._on_message,
+                    self._on_resubscribed,
+                    lambda err: self._failed(name, err),
                     ping_interval_s=self.ping_interval_s,
                     subscribe_timeout_s=self.subscribe_timeout_s,
                     sharded=True,
+                    on_lost=lambda: self._lost(name),
                 )
                 await hub.start()
                 self._hubs[node.name] = hub
             return hub
+
+    def _failed(self, name: str, err: BaseException) -> None:
+        """A hub's reader failed: the subscribers hear of it, unless the hub was retired (its channels moved)."""
+        if name in self._hubs:
+            self._on_failure(err)
+
+    def _lost(self, name: str) -> None:
+        task = self._rehoming.get(name)
+        if self._started and (task is None or task.done()):
+            self._rehoming[name] = asyncio.create_task(self._rehome(name), name=f"redis-pubsub-rehome-{name}")
+
+    async def _rehome(self, name: str) -> None:
+        """Until the hub on ``name`` is back or has no channel left: reads the slot map and moves
+        the channels whose slots another primary now serves."""
+        backoff = 0.05
+        while (hub := self._hubs.get(name)) is not None and not hub.connected:
+            try:
+                await self._cluster.nodes_manager.initialize()
+            except (RedisError, RedisClusterException, OSError) as err:
+                log.info("reading the Redis Cluster's slot map failed (%s); retrying", err)
+            else:
+                moved = await self._move(hub, [c for c in hub.channels() if self._owner(c).name != name])
+                if not hub.channels():
+                    del self._hubs[name]
+                    self._retired_reconnects += hub.reconnects
+                    await hub.close()
+                    log.warning("Redis Cluster node %s serves none of this process's channels now: hub closed", name)
+                if moved:
+                    log.warning("%d channel(s) moved to their slots' new primaries after a failover", len(moved))
+                    await self._on_resubscribed(frozenset(moved))
+                if name not in self._hubs:
+                    return
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.max_backoff_s)
+
+    async def _move(self, hub: PubSubHub, channels: list[str]) -> list[str]:
+        """Subscribes each of ``channels`` on its slot's owner with the references it had on ``hub``;
+        returns those moved (one whose subscribe failed stays, for the next try)."""
+        moved: list[str] = []
+        for channel in channels:
+            async with self._moves:
+                refs = hub.refs(channel)
+                if not refs:
+                    continue  # its last subscriber left meanwhile
+                target = await self._hub_of(channel)
+                try:
+                    for _ in range(refs):
+                        await target.subscribe(channel)
+                except TransportError as err:
+                    log.warning("moving channel %s to its slot's new primary failed (%s); retrying", channel, err)
+                    continue
+                hub.forget(channel)
+                self._of[channel] = target
+                moved.append(channel)
+        return moved
