@@ -32,7 +32,17 @@ from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.connection import HiredisRespSerializer
-from redis.exceptions import BusyLoadingError, OutOfMemoryError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import (
+    AskError,
+    BusyLoadingError,
+    ClusterDownError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.retry import Retry as SyncRetry
 
@@ -119,7 +129,13 @@ def translate(action: str, err: RedisError) -> TransportError:
             f"(batchwire stack up --redis-maxmemory, BATCHWIRE_REDIS_MAXMEMORY): {err}"
         )
     message = f"{action} failed: {type(err).__name__}: {err}"
-    return PermanentTransportError(message) if isinstance(err, ResponseError) else TransportError(message)
+    permanent = isinstance(err, ResponseError) and not isinstance(err, _TOPOLOGY_ERRORS)
+    return PermanentTransportError(message) if permanent else TransportError(message)
+
+
+_TOPOLOGY_ERRORS = (ClusterDownError, TryAgainError, AskError, ReadOnlyError)
+"""Error replies of a failover in progress (a Redis Cluster whose shard has lost its primary, a slot
+that moved, a primary turned replica): retried, not permanent."""
 
 
 def _retry_once() -> Retry:
@@ -322,6 +338,8 @@ class _WaitingCluster(RedisCluster):
             raise RedisConnectionError(f"no free cluster connection within {self._pool_timeout_s} s") from None
         try:
             return await super().execute_command(*args, **kwargs)
+        except RedisClusterException as err:  # a slot no node serves, mid-failover: a RedisError, as others
+            raise ClusterDownError(f"{type(err).__name__}: {err}") from err
         finally:
             self._turns.release()
 
