@@ -142,8 +142,7 @@ def kafka_redis(parser: argparse.ArgumentParser) -> None:
         None,
         str,
         "Redis URL: redis://HOST:PORT/DB, redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER[/DB] to follow "
-        "Sentinel failovers, or redis+cluster://HOST:PORT[,HOST:PORT...] for a Redis Cluster "
-        "(with --redis-min-replicas 0)",
+        "Sentinel failovers, or redis+cluster://HOST:PORT[,HOST:PORT...] for a Redis Cluster",
     )
 
 

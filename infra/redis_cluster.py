@@ -56,7 +56,8 @@ def _online_replicas(port: int) -> int:
 
 class LocalRedisCluster:
     """``primaries`` primaries and ``replicas`` replicas of each, in ``work_dir/node-N``; started
-    and joined by ``start``, stopped by ``stop`` (or as a context manager)."""
+    and joined by ``start``, which returns once every slot is served and every replica holds its
+    first copy; stopped by ``stop`` (or as a context manager)."""
 
     def __init__(self, work_dir: Path, *, primaries: int = 3, replicas: int = 0) -> None:
         if primaries < 3:

@@ -7,7 +7,7 @@ import pytest
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
-from redis.exceptions import DataError
+from redis.exceptions import ClusterDownError, DataError, MovedError, ReadOnlyError, ResponseError, TryAgainError
 
 from infra.ports import free_port
 from infra.redis_cluster import cluster_url
@@ -22,6 +22,7 @@ from transport.redis.pools import (
     is_cluster_url,
     pubsub_pool,
     redacted,
+    translate,
 )
 
 ARGS = ("EVALSHA", "f" * 40, 2, "bw:task:a", "bw:task:b", 86_400_000, 0.25, b"\x00avro\xff", "é", "")
@@ -109,3 +110,19 @@ def test_the_single_redis_pools_refuse_a_cluster_url() -> None:
         command_pool("redis+cluster://127.0.0.1:7000", PoolOptions())
     with pytest.raises(PermanentTransportError, match="redis:// or redis\\+sentinel://"):
         blocking_pool("redis+cluster://127.0.0.1:7000", 2, PoolOptions())
+
+
+@pytest.mark.parametrize(
+    ("reply", "permanent"),
+    [
+        (ClusterDownError("The cluster is down"), False),
+        (TryAgainError("Multiple keys request during rehashing of slot"), False),
+        (MovedError("3999 127.0.0.1:6381"), False),
+        (ReadOnlyError("You can't write against a read only replica."), False),
+        (ResponseError("ERR Error running script"), True),
+    ],
+)
+def test_a_failovers_error_replies_are_retried_a_scripts_error_is_not(reply: ResponseError, permanent: bool) -> None:
+    translated = translate("storing", reply)
+    assert isinstance(translated, TransportError)
+    assert isinstance(translated, PermanentTransportError) is permanent, translated
