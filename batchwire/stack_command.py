@@ -43,6 +43,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     flags.add(
         parser, "--redis-replicas", 0, int, "Redis replicas up starts beside the primary (1 or more: 3 Sentinels too)"
     )
+    flags.add(
+        parser,
+        "--redis-cluster",
+        0,
+        int,
+        "instead of one Redis: a Redis Cluster of this many primaries (3 or more), each with a replica",
+    )
     parser.add_argument("--json", action="store_true", help="status: every server as JSON (pid, port, leaders, roles)")
     flags.shared(parser)
     flags.replication(parser)
@@ -51,7 +58,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def run(args: argparse.Namespace) -> int:
     state_dir = Path(args.state_dir)
     if args.action == "up":
-        shape = cluster_stack.Shape(args.brokers, args.redis_replicas)
+        shape = cluster_stack.Shape(args.brokers, args.redis_replicas, args.redis_cluster)
         try:
             up = cluster_stack.up_any(state_dir, shape, redis_maxmemory=args.redis_maxmemory)
         except InfraError as err:

@@ -1,14 +1,17 @@
-"""The detached replicated stack: `batchwire stack up --brokers N --redis-replicas R`.
+"""The detached replicated stack: `batchwire stack up --brokers N --redis-replicas R` or
+`--redis-cluster P`.
 
-N KRaft nodes (controller and broker in each), a Redis primary with R replicas and, with a replica,
-three Sentinels watching them. Same contract as the single stack (`infra.stack`): `up` makes the
-stack whole and leaves what works alone; a dead server starts again on its recorded ports over its
-data; pid files are checked before a signal. The shape is recorded in the state dir
-(`cluster.shape`), so `status` and `down` need no flags and an `up` with another shape is refused.
+N KRaft nodes (controller and broker in each), and a Redis primary with R replicas and, with a
+replica, three Sentinels watching them; or a Redis Cluster of P primaries, each with a replica.
+Same contract as the single stack (`infra.stack`): `up` makes the stack whole and leaves what works
+alone; a dead server starts again on its recorded ports over its data; pid files are checked before
+a signal. The shape is recorded in the state dir (`cluster.shape`), so `status` and `down` need no
+flags and an `up` with another shape is refused.
 
-A dead Redis node starts as a replica of the primary the Sentinels name (after a failover, the old
-primary comes back as a replica of the promoted one); it starts as the primary only when they
-still name it, i.e. no failover happened.
+A dead cluster node rejoins from its `nodes.conf` (a killed primary comes back as the replica of the
+one that replaced it). A dead Redis node of the Sentinel shape starts as a replica of the primary
+the Sentinels name (after a failover, the old primary comes back as a replica of the promoted one);
+it starts as the primary only when they still name it, i.e. no failover happened.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from infra.kafka_server import DEFAULT_STOP_TIMEOUT_S, KafkaServer, new_cluster_
 from infra.locks import file_lock
 from infra.ports import LOOPBACK, free_port
 from infra.process import ServiceProcess
+from infra.redis_cluster import cluster_url, create, wait_whole
 from infra.redis_sentinel import (
     MASTER_NAME,
     SENTINEL_CONFIG_NAME,
@@ -60,17 +64,25 @@ class Shape:
 
     brokers: int
     redis_replicas: int
+    redis_cluster: int = 0
+    """Primaries of a Redis Cluster, each with a replica (0: no cluster)."""
 
     @property
     def sentinels(self) -> int:
-        return SENTINELS if self.redis_replicas > 0 else 0
+        return SENTINELS if self.redis_replicas > 0 and not self.redis_cluster else 0
+
+    @property
+    def redis_nodes(self) -> int:
+        return 2 * self.redis_cluster if self.redis_cluster else self.redis_replicas + 1
 
     @property
     def replicated(self) -> bool:
         """Anything beyond the single stack (one broker, one Redis)."""
-        return self.brokers > 1 or self.redis_replicas > 0
+        return self.brokers > 1 or self.redis_replicas > 0 or self.redis_cluster > 0
 
     def flags(self) -> str:
+        if self.redis_cluster:
+            return f"--brokers {self.brokers} --redis-cluster {self.redis_cluster}"
         return f"--brokers {self.brokers} --redis-replicas {self.redis_replicas}"
 
 
@@ -81,7 +93,7 @@ def read_shape(state_dir: Path) -> Shape | None:
     except FileNotFoundError:
         return None
     values = dict(line.split("=", 1) for line in lines if "=" in line)
-    return Shape(int(values["brokers"]), int(values["redis_replicas"]))
+    return Shape(int(values["brokers"]), int(values["redis_replicas"]), int(values.get("redis_cluster", 0)))
 
 
 @dataclass(frozen=True)
@@ -108,7 +120,7 @@ def nodes(state_dir: Path, shape: Shape) -> list[Node]:
         properties = state_dir / f"kafka-{node_id}" / "server.properties"
         found.append(make("kafka", node_id, "server.properties", ("kafka.Kafka", str(properties))))
     # redis-server rewrites its command line: its folder says whose it is.
-    found += [make("redis", n, CONFIG_NAME, ("redis-server",)) for n in range(1, shape.redis_replicas + 2)]
+    found += [make("redis", n, CONFIG_NAME, ("redis-server",)) for n in range(1, shape.redis_nodes + 1)]
     found += [make("sentinel", n, SENTINEL_CONFIG_NAME, ("redis-server",)) for n in range(1, shape.sentinels + 1)]
     return found
 
@@ -123,15 +135,18 @@ def _redis_ports(config_path: Path) -> tuple[int, ...]:
 
 
 def cluster_env(all_nodes: list[Node], shape: Shape) -> dict[str, str]:
-    """The `BATCHWIRE_*` addresses the recorded ports make: every broker, and the Sentinels' URL
-    (or the lone Redis's)."""
+    """The `BATCHWIRE_*` addresses the recorded ports make: every broker, and the Redis Cluster's
+    nodes, the Sentinels' URL or the lone Redis's."""
     ports = {(node.kind, node.node_id): node.server.ports() for node in all_nodes}
     brokers = [f"{LOOPBACK}:{p[0]}" for (kind, _), p in ports.items() if kind == "kafka" and p]
     env: dict[str, str] = {}
     if brokers:
         env[KAFKA_ENV] = ",".join(brokers)
     sentinels = [f"{LOOPBACK}:{p[0]}" for (kind, _), p in ports.items() if kind == "sentinel" and p]
-    if shape.sentinels and sentinels:
+    cluster_nodes = [p[0] for (kind, _), p in ports.items() if kind == "redis" and p]
+    if shape.redis_cluster and cluster_nodes:
+        env[REDIS_ENV] = cluster_url(cluster_nodes)
+    elif shape.sentinels and sentinels:
         env[REDIS_ENV] = f"redis+sentinel://{','.join(sentinels)}/{MASTER_NAME}"
     elif ports.get(("redis", 1)):
         env[REDIS_ENV] = f"redis://{LOOPBACK}:{ports[('redis', 1)][0]}/0"
@@ -159,8 +174,13 @@ def cluster_up(
         for node in all_nodes:
             if running[node.server.name] is None:
                 refuse_taken_ports(node.server)
-        (state_dir / SHAPE_FILE_NAME).write_text(f"brokers={shape.brokers}\nredis_replicas={shape.redis_replicas}\n")
-        actions = _up_redis_nodes(all_nodes, running, redis_maxmemory, deadline)
+        (state_dir / SHAPE_FILE_NAME).write_text(
+            f"brokers={shape.brokers}\nredis_replicas={shape.redis_replicas}\nredis_cluster={shape.redis_cluster}\n"
+        )
+        if shape.redis_cluster:
+            actions = _up_redis_cluster(all_nodes, running, redis_maxmemory, deadline)
+        else:
+            actions = _up_redis_nodes(all_nodes, running, redis_maxmemory, deadline)
         actions += _up_kafka_nodes(state_dir, kafka_nodes, running, fresh_kafka, deadline)
         env = cluster_env(all_nodes, shape)
         run_blocking(lambda: harden_offsets_topic(env[KAFKA_ENV], shape.brokers))
@@ -249,6 +269,42 @@ def _up_redis_nodes(
         write_pid(node.server.pid_path, sentinel.pid)
         kept = "restarted with what it knew" if recorded[name] else f"started watching port {primary}"
         actions.append(f"{name}: was not running; {kept} (pid {sentinel.pid}, port {sentinel.port})")
+    return actions
+
+
+def _up_redis_cluster(
+    all_nodes: list[Node], running: dict[str, ServiceProcess | None], maxmemory: str, deadline: float
+) -> list[str]:
+    """Starts every dead node of the Redis Cluster on its recorded port over its data (its
+    `nodes.conf` keeps its place in the cluster: a killed primary comes back as its replacement's
+    replica); a fresh one is created first, each primary with one replica."""
+    redis_nodes = [node for node in all_nodes if node.kind == "redis"]
+    recorded = {node.server.name: node.server.ports() for node in redis_nodes}
+    fresh = not any(recorded.values())
+    if not fresh and not all(recorded.values()):
+        raise InfraError(
+            "some Redis Cluster nodes have no recorded ports; run `batchwire stack down`, delete the state dir "
+            "and run `batchwire stack up` again for a new cluster"
+        )
+    spare = iter(_fresh_ports(len(redis_nodes), {p for ps in recorded.values() for p in ps}))
+    port_of = {name: ports[0] if ports else next(spare) for name, ports in recorded.items()}
+    actions = []
+    for node in redis_nodes:
+        name, process = node.server.name, running[node.server.name]
+        if process is not None:
+            actions.append(_keep_alive(node, process, redis_pings, deadline))
+            continue
+        server = RedisServer(
+            node.server.work_dir, port=port_of[name], detached=True, maxmemory=maxmemory, persistent=True, cluster=True
+        )
+        server.start(max(deadline - time.monotonic(), 1.0))
+        write_pid(node.server.pid_path, server.pid)
+        kept = "started empty" if fresh else "restarted over its data"
+        actions.append(f"{name}: was not running; {kept} as a cluster node (pid {server.pid}, port {port_of[name]})")
+    ports = list(port_of.values())
+    if fresh:
+        create(ports, 1, deadline)
+    wait_whole(ports, len(ports) // 2, deadline)
     return actions
 
 
@@ -365,6 +421,11 @@ def up_any(state_dir: Path, shape: Shape, *, redis_maxmemory: str) -> StackUp:
     """`batchwire stack up` for either shape: the single stack as before, or the replicated one."""
     if shape.brokers < 1 or shape.redis_replicas < 0:
         raise InfraError(f"--brokers must be 1 or more and --redis-replicas 0 or more; got `{shape.flags()}`")
+    if shape.redis_cluster and (shape.redis_cluster < 3 or shape.redis_replicas):
+        raise InfraError(
+            "--redis-cluster takes 3 primaries or more, each with one replica, and no --redis-replicas (which sizes "
+            f"the Sentinel shape); got --redis-cluster {shape.redis_cluster} --redis-replicas {shape.redis_replicas}"
+        )
     if not shape.replicated and read_shape(state_dir.resolve()) is None:
         return stack_up(state_dir, redis_maxmemory=redis_maxmemory)
     env, actions = cluster_up(state_dir, shape, redis_maxmemory=redis_maxmemory, timeout_s=DEFAULT_UP_TIMEOUT_S)

@@ -54,6 +54,37 @@ def _online_replicas(port: int) -> int:
     return sum(1 for replica in connected if isinstance(replica, dict) and replica.get("state") == "online")
 
 
+def create(ports: list[int], replicas: int, deadline: float) -> None:
+    """Joins the fresh nodes on ``ports`` into one cluster (``redis-cli --cluster create``), each
+    primary with ``replicas`` replicas, the slots spread evenly over the primaries."""
+    cli = shutil.which("redis-cli")
+    if cli is None:
+        raise ToolMissingError("redis-cli not found on PATH; install it (Debian: apt-get install redis-tools)")
+    addresses = [f"{LOOPBACK}:{port}" for port in ports]
+    created = subprocess.run(
+        [cli, "--cluster", "create", *addresses, "--cluster-replicas", str(replicas), "--cluster-yes"],
+        capture_output=True,
+        text=True,
+        timeout=max(1.0, deadline - time.monotonic()),
+        check=False,
+    )
+    if created.returncode != 0:
+        raise ServiceStartError(f"redis-cli --cluster create failed:\n{created.stdout}\n{created.stderr}")
+
+
+def wait_whole(ports: list[int], replicas: int, deadline: float) -> None:
+    """Returns once every node on ``ports`` sees every slot served and ``replicas`` replicas hold
+    their first copy."""
+    while not all(_cluster_ok(port) for port in ports):
+        if time.monotonic() > deadline:
+            raise ServiceStartError(f"the Redis Cluster on ports {ports} does not serve every slot")
+        time.sleep(_POLL_INTERVAL_S)
+    while sum(_online_replicas(port) for port in ports) < replicas:
+        if time.monotonic() > deadline:
+            raise ServiceStartError(f"the Redis Cluster's replicas on ports {ports} did not sync")
+        time.sleep(_POLL_INTERVAL_S)
+
+
 class LocalRedisCluster:
     """``primaries`` primaries and ``replicas`` replicas of each, in ``work_dir/node-N``; started
     and joined by ``start``, which returns once every slot is served and every replica holds its
@@ -73,30 +104,11 @@ class LocalRedisCluster:
 
     def start(self, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
-        cli = shutil.which("redis-cli")
-        if cli is None:
-            raise ToolMissingError("redis-cli not found on PATH; install it (Debian: apt-get install redis-tools)")
         for node in self.nodes:
             node.start()
-        addresses = [f"{LOOPBACK}:{node.port}" for node in self.nodes]
-        created = subprocess.run(
-            [cli, "--cluster", "create", *addresses, "--cluster-replicas", str(self.replicas), "--cluster-yes"],
-            capture_output=True,
-            text=True,
-            timeout=max(1.0, deadline - time.monotonic()),
-            check=False,
-        )
-        if created.returncode != 0:
-            raise ServiceStartError(f"redis-cli --cluster create failed:\n{created.stdout}\n{created.stderr}")
-        while not all(_cluster_ok(node.port) for node in self.nodes):
-            if time.monotonic() > deadline:
-                raise ServiceStartError(f"the Redis Cluster on {addresses} did not serve every slot in {timeout_s} s")
-            time.sleep(_POLL_INTERVAL_S)
-        replicas = len(self.nodes) - len(self.nodes) // (1 + self.replicas)
-        while sum(_online_replicas(node.port) for node in self.nodes) < replicas:
-            if time.monotonic() > deadline:
-                raise ServiceStartError(f"the Redis Cluster's replicas on {addresses} did not sync in {timeout_s} s")
-            time.sleep(_POLL_INTERVAL_S)
+        ports = [node.port for node in self.nodes]
+        create(ports, self.replicas, deadline)
+        wait_whole(ports, len(self.nodes) - len(self.nodes) // (1 + self.replicas), deadline)
 
     def stop(self) -> None:
         for node in self.nodes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ HA_KAFKA = ("kafka-1", "kafka-2", "kafka-3")
 HA_SENTINELS = ("sentinel-1", "sentinel-2", "sentinel-3")
 HA_BACKBONE = (*HA_KAFKA, "kafka-ha-init", "redis-primary", "redis-replica", *HA_SENTINELS)
 TRACING_ROLES = ("gateway-tracing", "batcher-tracing", "gpu_worker-tracing")
+CLUSTER_ROLES = ("gateway-cluster", "batcher-cluster", "gpu_worker-cluster")
+CLUSTER_NODES = tuple(f"redis-node-{n}" for n in range(1, 7))
 MONITORING = ROOT / "infra" / "monitoring"
 DASHBOARD = MONITORING / "grafana" / "dashboards" / "batchwire.json"
 
@@ -45,7 +48,7 @@ def flags_and_vars(parser: argparse.ArgumentParser) -> tuple[set[str], set[str]]
     return flags, variables
 
 
-@pytest.mark.parametrize("service", BATCHWIRE_SERVICES + HA_ROLES)
+@pytest.mark.parametrize("service", BATCHWIRE_SERVICES + HA_ROLES + CLUSTER_ROLES)
 def test_every_command_flag_and_variable_exists_in_the_cli(compose: dict[str, Any], service: str) -> None:
     spec = compose["services"][service]
     command = spec["command"]
@@ -121,7 +124,8 @@ def test_the_ha_profile_is_separate_and_every_long_running_service_has_a_health_
     assert in_ha == {*HA_BACKBONE, *HA_ROLES}
     in_tracing = {name for name, spec in services.items() if "tracing" in spec.get("profiles", [])}
     in_monitoring = {name for name, spec in services.items() if "monitoring" in spec.get("profiles", [])}
-    in_profiles = in_ha | in_tracing | in_monitoring
+    in_cluster = {name for name, spec in services.items() if "cluster" in spec.get("profiles", [])}
+    in_profiles = in_ha | in_tracing | in_monitoring | in_cluster
     assert all("profiles" not in spec for name, spec in services.items() if name not in in_profiles), (
         "`docker compose up` without a profile starts what it did"
     )
@@ -191,6 +195,33 @@ def test_the_ha_redis_is_a_persistent_primary_a_replica_and_three_sentinels(comp
     url = f"redis+sentinel://{','.join(f'{name}:26379' for name in HA_SENTINELS)}/{MASTER_NAME}"
     for role in HA_ROLES:
         assert services[role]["environment"]["BATCHWIRE_REDIS_URL"] == url, role
+
+
+def test_the_cluster_profile_is_three_primaries_with_a_replica_each_and_the_roles_over_them(
+    compose: dict[str, Any],
+) -> None:
+    services = compose["services"]
+    in_cluster = {name for name, spec in services.items() if "cluster" in spec.get("profiles", [])}
+    assert in_cluster == {*CLUSTER_NODES, "redis-cluster-init", *CLUSTER_ROLES}
+    single = _redis_options(services["redis"]["command"])
+    for name in CLUSTER_NODES:
+        spec = services[name]
+        assert spec["image"] == services["redis"]["image"] and spec["hostname"] == name
+        options = _redis_options(shlex.split(spec["command"][-1])[1:])  # after `exec`
+        for key in ("--maxmemory", "--maxmemory-policy", "--appendonly", "--appendfsync"):
+            assert options[key] == single[key], f"{name} {key}: as the single Redis (bounded, noeviction, AOF everysec)"
+        assert options["--cluster-enabled"] == "yes" and options["--cluster-config-file"] == "nodes.conf"
+        assert spec["volumes"] == [f"{name}-data:/data"] and f"{name}-data" in compose["volumes"], "nodes.conf kept"
+        assert "healthcheck" in spec
+    init = services["redis-cluster-init"]
+    assert init["restart"] == "no" and set(init["depends_on"]) == set(CLUSTER_NODES)
+    assert "--cluster create" in init["command"][-1] and "--cluster-replicas 1" in init["command"][-1]
+    url = "redis+cluster://" + ",".join(f"{name}:6379" for name in CLUSTER_NODES)
+    for role in CLUSTER_ROLES:
+        assert services[role]["environment"]["BATCHWIRE_REDIS_URL"] == url, role
+        depends = services[role]["depends_on"]
+        assert depends["redis-cluster-init"]["condition"] == "service_completed_successfully", role
+        assert "healthcheck" in services[role]
 
 
 def test_the_tracing_profile_sends_every_roles_spans_to_jaeger(compose: dict[str, Any]) -> None:
