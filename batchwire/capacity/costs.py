@@ -42,6 +42,20 @@ def _memory(rate: Mapping[str, Any]) -> float | None:
     return value
 
 
+def _per_core_second(
+    amount: Callable[[Mapping[str, Any]], float | None], group: str
+) -> Callable[[Mapping[str, Any]], float | None]:
+    """``amount`` per request over the CPU the process group took per request: how much of it one core
+    does in a second."""
+
+    def read(rate: Mapping[str, Any]) -> float | None:
+        per_request = amount(rate)
+        us: float | None = rate.get("processes", {}).get(group, {}).get("us_per_request")
+        return per_request / (us / 1e6) if per_request and us else None
+
+    return read
+
+
 def _kafka(figure: str) -> Callable[[Mapping[str, Any]], float | None]:
     def read(rate: Mapping[str, Any]) -> float | None:
         value: float | None = rate.get("kafka_writes", {}).get(figure)
@@ -57,8 +71,18 @@ MEASURED: dict[str, tuple[Callable[[Mapping[str, Any]], float | None], str]] = {
     "result_bytes": (_memory, "Redis memory per task (used_memory's growth per request; record and keys in it)"),
     "kafka_bytes_per_request": (_kafka("bytes_per_request"), "Kafka bytes per request (the log appends)"),
     "kafka_records_per_request": (_kafka("records_per_request"), "Kafka records per request (the log appends)"),
+    "redis_commands_per_s": (
+        _per_core_second(_commands, "redis"),
+        "Redis commands per request over Redis's CPU per request (one thread: one core per shard)",
+    ),
+    "broker_core_bytes_per_s": (
+        _per_core_second(_kafka("bytes_per_request"), "kafka"),
+        "Kafka bytes appended per request over the brokers' CPU per request (reads low over replicated "
+        "topics, whose copies cost CPU too)",
+    ),
 }
-"""The sizing inputs a bench run measures: how each is read from a rate of ``results.json``, and what it is."""
+"""The sizing inputs a bench run measures: how each is read from a rate of ``results.json``, and what it is.
+The Redis and Kafka figures need the servers' CPU, which the bench measures only on its own machine."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,14 +40,18 @@ class SizingInputs:
     key_overhead_bytes: int = 300
     """Redis's per-task cost beyond the result: the task record's other fields and the key's own overhead."""
     replication_factor: int = 3
-    broker_bytes_per_s: float = 50e6
-    """Replicated bytes a broker takes in per second at the headroom."""
+    broker_core_bytes_per_s: float = 6.25e6
+    """Replicated bytes one core of a broker takes in per second (``--costs``: the bytes the brokers
+    appended per request over their CPU per request)."""
+    broker_cores: float = 8.0
+    """Cores of one broker: hardware chosen, not measured."""
     result_ttl_s: float = 3600.0
     """How long a result stays in Redis (the store's TTL)."""
     redis_commands_per_request: float = 3.0
     """Commands per request: the task's creation, its result, its read."""
     redis_commands_per_s: float = 100_000.0
-    """Commands a Redis shard serves per second at the headroom."""
+    """Commands a Redis shard serves per second (``--costs``: one core over Redis's CPU per command, as
+    Redis runs its commands on one thread)."""
     redis_shard_bytes: float = 25e9
     """Memory of one Redis shard."""
 
@@ -120,7 +124,8 @@ def _processes_figures(rate: float, inputs: SizingInputs) -> list[Figure]:
 
 def _kafka_figures(rate: float, inputs: SizingInputs) -> list[Figure]:
     replicated = rate * inputs.kafka_bytes_per_request * inputs.replication_factor
-    brokers = max(inputs.replication_factor, math.ceil(replicated / inputs.broker_bytes_per_s))
+    per_broker = inputs.broker_core_bytes_per_s * inputs.broker_cores
+    brokers = max(inputs.replication_factor, math.ceil(replicated / (per_broker * inputs.headroom)))
     return [
         Figure(
             "kafka_records_per_s",
@@ -136,8 +141,8 @@ def _kafka_figures(rate: float, inputs: SizingInputs) -> list[Figure]:
         Figure(
             "kafka_brokers",
             brokers,
-            f"replicated bytes/s / {inputs.broker_bytes_per_s / 1e6:g} MB/s per broker, "
-            "at least the replication factor",
+            f"replicated bytes/s / ({inputs.broker_core_bytes_per_s / 1e6:.3g} MB/s per core x "
+            f"{inputs.broker_cores:g} cores per broker x headroom), at least the replication factor",
         ),
     ]
 

@@ -24,6 +24,8 @@ def rate(offered: float, throughput: float, gateway_us: float, commands: float, 
         "processes": {
             "batchwire.gateway": {"us_per_request": gateway_us},
             "batchwire.batcher": {"us_per_request": gateway_us / 2},
+            "redis": {"us_per_request": 40.0},
+            "kafka": {"us_per_request": 300.0},
         },
         "redis_commands": {"per_request": commands},
         "redis_bytes_per_request": memory,
@@ -53,6 +55,8 @@ def test_the_busiest_rate_that_kept_up_gives_the_costs(tmp_path: Path) -> None:
         "key_overhead_bytes": 0.0,
         "kafka_bytes_per_request": 3300.0,
         "kafka_records_per_request": 2.5,
+        "redis_commands_per_s": pytest.approx(3.2 / 40e-6),
+        "broker_core_bytes_per_s": pytest.approx(3300.0 / 300e-6),
     }, "1,000 req/s: 2,000 fell behind (1,500 answered/s)"
     assert all("kafka-run, 1000 req/s" in source for source in costs.sources.values())
 
@@ -84,6 +88,9 @@ def test_the_plan_sizes_from_the_costs_and_says_where_each_input_came_from(
     assert plan["kafka_bytes_per_s"] == 1000 * 6000 * 3, "rate x the measured bytes x the replication factor"
     assert plan["kafka_records_per_s"] == 2500
     assert plan["redis_memory_bytes"] == 1000 * 3600 * 2000, "rate x TTL x the measured bytes per task"
+    assert plan["inputs"]["redis_commands_per_s"]["value"] == pytest.approx(4.0 / 40e-6), "a shard: one core"
+    assert plan["inputs"]["broker_core_bytes_per_s"]["from"].startswith("measured: Kafka bytes appended")
+    assert plan["inputs"]["broker_cores"]["from"].startswith("default"), "hardware: chosen, not measured"
     assert cli.main([*argv, "--costs", str(run), "--result-ttl-s", "60"]) == 0
     table = capsys.readouterr().out
     assert "result_ttl_s" in table and "--result-ttl-s" in table and "measured: the gateways' CPU" in table

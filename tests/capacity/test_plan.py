@@ -48,7 +48,7 @@ def test_the_closed_form_figures_follow_their_formulas() -> None:
     assert figures["batchers"] == 35  # 24 cores / 0.7
     assert figures["request_partitions"] == 116
     assert figures["kafka_bytes_per_s"] == 100_000 * 2 * 1024 * 3
-    assert figures["kafka_brokers"] == 13  # 614.4 MB/s / 50 MB/s
+    assert figures["kafka_brokers"] == 18  # 614.4 MB/s / (6.25 MB/s per core x 8 cores x headroom 0.7)
     assert figures["redis_memory_bytes"] == 100_000 * 3600 * (1024 + 300)
     assert figures["redis_commands_per_s"] == 300_000
     small = as_dict(size(10.0, inputs))

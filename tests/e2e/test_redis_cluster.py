@@ -1,5 +1,5 @@
-"""A Kafka deployment over a Redis Cluster of three primaries (``redis_cluster``): two gateways, a
-batcher and two sim workers, every Redis transport routed by its keys' slots.
+"""A Kafka deployment over a Redis Cluster of three primaries, each with a replica (``replicated_cluster``):
+two gateways, a batcher and two sim workers, every Redis transport routed by its keys' slots.
 
 The three ways to get an answer, a task polled and streamed from the other gateway, a retry with the
 same Idempotency-Key answered from the first computation, an answer cached by one gateway served by
@@ -28,8 +28,11 @@ SETTINGS = {
 
 
 @pytest.fixture
-def deployment(tmp_path: Path, infra: Any, redis_cluster: str, request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    started = launch(tmp_path, infra.kafka_bootstrap, redis_cluster, gateways=2, workers=2, extra_env=SETTINGS)
+def deployment(
+    tmp_path: Path, infra: Any, replicated_cluster: Any, request: pytest.FixtureRequest
+) -> Iterator[Cluster]:
+    url = replicated_cluster.url
+    started = launch(tmp_path, infra.kafka_bootstrap, url, gateways=2, workers=2, extra_env=SETTINGS)
     with stopped_after(request, started) as cluster:
         yield cluster
 
