@@ -40,7 +40,7 @@ from infra.kafka_cluster import cluster_jvm_opts, harden_offsets_topic, node_pro
 from infra.kafka_probe import wait_for_kafka
 from infra.kafka_server import DEFAULT_STOP_TIMEOUT_S, KafkaServer, new_cluster_id, read_config_ports
 from infra.locks import file_lock
-from infra.ports import LOOPBACK, free_port
+from infra.ports import LOOPBACK, free_port, free_port_pair
 from infra.process import ServiceProcess
 from infra.redis_cluster import cluster_url, create, wait_whole
 from infra.redis_sentinel import (
@@ -51,7 +51,7 @@ from infra.redis_sentinel import (
     redis_role,
     sentinel_primary,
 )
-from infra.redis_server import CONFIG_NAME, RedisServer, read_config_port, redis_pings
+from infra.redis_server import CLUSTER_BUS_OFFSET, CONFIG_NAME, RedisServer, read_config_port, redis_pings
 from infra.stack import DEFAULT_UP_TIMEOUT_S, ENV_FILE_NAME, KAFKA_ENV, REDIS_ENV, StackUp, cmd_down, stack_up
 
 SHAPE_FILE_NAME = "cluster.shape"
@@ -286,8 +286,7 @@ def _up_redis_cluster(
             "some Redis Cluster nodes have no recorded ports; run `batchwire stack down`, delete the state dir "
             "and run `batchwire stack up` again for a new cluster"
         )
-    spare = iter(_fresh_ports(len(redis_nodes), {p for ps in recorded.values() for p in ps}))
-    port_of = {name: ports[0] if ports else next(spare) for name, ports in recorded.items()}
+    port_of = {name: ports[0] if ports else free_port_pair(CLUSTER_BUS_OFFSET) for name, ports in recorded.items()}
     actions = []
     for node in redis_nodes:
         name, process = node.server.name, running[node.server.name]

@@ -56,3 +56,14 @@ def port_is_free(port: int, host: str = LOOPBACK) -> bool:
         except OSError:
             return False
         return True
+
+
+def free_port_pair(offset: int, host: str = LOOPBACK) -> int:
+    """A port ``free_port`` gives whose companion ``port - offset`` is free too (and above 1024): a Redis
+    Cluster node's bus port, which Redis would otherwise put 10,000 above it, in the ephemeral range."""
+    for _ in range(64):
+        port = free_port(host)
+        if port - offset > 1024 and port - offset not in _RECENT and port_is_free(port - offset, host):
+            _RECENT.append(port - offset)
+            return port
+    raise OSError(f"no free pair of loopback ports {offset} apart")

@@ -14,13 +14,16 @@ from pathlib import Path
 
 from infra.errors import ServiceStartError, ToolMissingError
 from infra.loopback import LoopbackServer
-from infra.ports import LOOPBACK, free_port
+from infra.ports import LOOPBACK, free_port, free_port_pair
 from infra.process import ServiceProcess
 
 DEFAULT_START_TIMEOUT_S = 15.0
 DEFAULT_STOP_TIMEOUT_S = 10.0
 _POLL_INTERVAL_S = 0.02
 CONFIG_NAME = "redis.conf"
+CLUSTER_BUS_OFFSET = 10_000
+"""A cluster node's bus listens this far below its port (``cluster-port``). Redis's default, 10,000
+above, lands in the kernel's ephemeral range, where any outgoing connection may hold it."""
 CLUSTER_NODE_TIMEOUT_MS = 2000
 """How long a cluster node may not answer before its replica takes over (Redis's default is 15 s)."""
 
@@ -130,13 +133,13 @@ class RedisServer(LoopbackServer):
             stop_timeout_s=DEFAULT_STOP_TIMEOUT_S,
         )
         self._work_dir = work_dir
-        self._port = port if port is not None else free_port()
+        self._cluster = cluster
+        self._port = port if port is not None else self._free_port()
         self._detached = detached
         self._binary = binary
         self._maxmemory = "0" if maxmemory is None else checked_maxmemory(maxmemory)
         self._persistent = persistent
         self._replica_of = replica_of
-        self._cluster = cluster
 
     @property
     def port(self) -> int:
@@ -160,7 +163,10 @@ class RedisServer(LoopbackServer):
         return self._work_dir
 
     def _choose_new_ports(self) -> None:
-        self._port = free_port()
+        self._port = self._free_port()
+
+    def _free_port(self) -> int:
+        return free_port_pair(CLUSTER_BUS_OFFSET) if self._cluster else free_port()
 
     def config_text(self) -> str:
         """The text of redis.conf for this server."""
@@ -181,6 +187,7 @@ class RedisServer(LoopbackServer):
         if self._cluster:
             settings += [
                 ("cluster-enabled", "yes"),
+                ("cluster-port", str(self._port - CLUSTER_BUS_OFFSET)),
                 ("cluster-config-file", "nodes.conf"),
                 ("cluster-node-timeout", str(CLUSTER_NODE_TIMEOUT_MS)),
             ]

@@ -17,11 +17,13 @@ import argparse
 import asyncio
 import json
 import resource
+import subprocess
+import sys
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import aiohttp
 
@@ -205,6 +207,28 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "records": [asdict(record) for record in records],
         "final_reads": {task_id: asdict(read) for task_id, read in zip(task_ids, finals, strict=True)},
     }
+
+
+def spawn(
+    gateways: list[str],
+    *,
+    sync_rate: float,
+    async_rate: float,
+    duration_s: float,
+    out: Path,
+    t0_file: Path,
+    log: IO[bytes],
+) -> subprocess.Popen[bytes]:
+    """Starts this client in a process of its own (a test's CPU never stalls it), writing to ``log``."""
+    argv = [sys.executable, "-m", "tests.e2e.chaos_client", "--gateways", ",".join(gateways)]
+    argv += ["--sync-rate", str(sync_rate), "--async-rate", str(async_rate), "--duration-s", str(duration_s)]
+    argv += ["--out", str(out), "--t0-file", str(t0_file)]
+    return subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[2], stdout=log, stderr=subprocess.STDOUT)
+
+
+def succeeded(record: dict[str, Any]) -> bool:
+    """A request of the client's output that ended with its own answer."""
+    return record["done_s"] is not None and record["output"] == record["input"][::-1]
 
 
 def main() -> None:

@@ -24,7 +24,6 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -43,6 +42,7 @@ from infra.process import ServiceProcess
 from infra.redis_sentinel import MASTER_NAME, sentinel_primary
 from infra.stack import ENV_FILE_NAME, KAFKA_ENV, REDIS_ENV, read_env_file
 from schemas.wire import Names
+from tests.e2e import chaos_client
 from tests.support.eventually import eventually_sync
 from tests.support.processes import Cluster, launch, stopped_after
 from tests.support.stack_cli import discard_stack
@@ -67,7 +67,6 @@ ALLOWED_BEFORE_FAULTS = ALLOWED_REFUSALS | {"overloaded"}
 load starts while the machine is behind, the queue's first drain measure (half a second) can be low
 enough that admission refuses a few requests for a second, each answered on its retry."""
 SHAPE = ("--brokers", "3", "--redis-replicas", "1")
-REPO = Path(__file__).resolve().parents[2]
 FAILOVER_DEADLINE_S = 40.0
 """The wait for the Sentinels' promotion: a failover whose vote splits is tried again after twice the
 failover timeout (10 s), and on a loaded machine the first try can miss; this covers three tries."""
@@ -236,27 +235,14 @@ def test_a_broker_and_the_redis_primary_killed_under_load_lose_nothing(backbone:
     client_log = (tmp_path / "client.log").open("wb")
     vmstat_log = vmstat_path.open("wb")
     vmstat = subprocess.Popen(["vmstat", "-n", "5"], stdout=vmstat_log)
-    client = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tests.e2e.chaos_client",
-            "--gateways",
-            ",".join(cluster.gateway_urls),
-            "--sync-rate",
-            str(SYNC_RATE_PER_S),
-            "--async-rate",
-            str(ASYNC_RATE_PER_S),
-            "--duration-s",
-            str(LOAD_S),
-            "--out",
-            str(out),
-            "--t0-file",
-            str(t0_file),
-        ],
-        cwd=REPO,
-        stdout=client_log,
-        stderr=subprocess.STDOUT,
+    client = chaos_client.spawn(
+        cluster.gateway_urls,
+        sync_rate=SYNC_RATE_PER_S,
+        async_rate=ASYNC_RATE_PER_S,
+        duration_s=LOAD_S,
+        out=out,
+        t0_file=t0_file,
+        log=client_log,
     )
     try:
         eventually_sync(
@@ -277,16 +263,13 @@ def test_a_broker_and_the_redis_primary_killed_under_load_lose_nothing(backbone:
     result = json.loads(out.read_text())
     report, failures = judge(result, faults, cluster.journal())
     report.append(f"cpu (vmstat, every 5 s): {_vmstat_summary(vmstat_path)}")
-    lost = [a["task_id"] for r in result["records"] if not _succeeded(r) for a in r["attempts"] if a["task_id"]]
+    records = result["records"]
+    lost = [a["task_id"] for r in records if not chaos_client.succeeded(r) for a in r["attempts"] if a["task_id"]]
     if lost:  # where their trail ends, read while the cluster still runs
         report.extend(trail(backbone.bootstrap, names, "sim", lost[:8]))
     text = "\nBACKBONE " + "\nBACKBONE ".join(report)
     print(text)
     assert not failures, "\n".join(failures) + text
-
-
-def _succeeded(record: dict[str, Any]) -> bool:
-    return record["done_s"] is not None and record["output"] == record["input"][::-1]
 
 
 def judge(result: dict[str, Any], faults: Faults, journal: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
@@ -306,7 +289,7 @@ def judge(result: dict[str, Any], faults: Faults, journal: list[dict[str, Any]])
         )
 
     # every request ended with its own answer -------------------------------------------------------
-    lost = [r for r in records if not _succeeded(r)]
+    lost = [r for r in records if not chaos_client.succeeded(r)]
     if lost:
         failures.append(
             f"{len(lost)} requests did not end with their own answer, e.g.:\n  " + "\n  ".join(map(show, lost[:8]))
@@ -332,7 +315,7 @@ def judge(result: dict[str, Any], faults: Faults, journal: list[dict[str, Any]])
     recomputed = 0
     recomputed_in_broker_fault: list[str] = []
     for record in records:
-        if not _succeeded(record):
+        if not chaos_client.succeeded(record):
             continue
         accepted = [a["task_id"] for a in record["attempts"] if a["status"] in (200, 202)]
         if accepted != [record["task_id"]]:
@@ -361,7 +344,7 @@ def judge(result: dict[str, Any], faults: Faults, journal: list[dict[str, Any]])
     missing = [
         (r, finals.get(r["task_id"]))
         for r in records
-        if _succeeded(r)
+        if chaos_client.succeeded(r)
         and not (
             (final := finals.get(r["task_id"])) is not None
             and final["status"] == 200
@@ -434,7 +417,7 @@ def judge(result: dict[str, Any], faults: Faults, journal: list[dict[str, Any]])
         return [
             r["done_s"] - r["sent_s"]
             for r in records
-            if r["kind"] == kind and _succeeded(r) and start <= r["sent_s"] < end
+            if r["kind"] == kind and chaos_client.succeeded(r) and start <= r["sent_s"] < end
         ]
 
     for kind in ("sync", "async"):

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -33,6 +31,7 @@ from redis.crc import key_slot
 from infra.redis_cluster import LocalRedisCluster
 from infra.redis_server import RedisServer
 from schemas.wire import Names
+from tests.e2e import chaos_client
 from tests.support.eventually import eventually_sync
 from tests.support.processes import Cluster, launch, stopped_after
 
@@ -40,14 +39,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(300)]
 
 SYNC_RATE_PER_S = 280.0
 ASYNC_RATE_PER_S = 20.0
-LOAD_S = 20.0
-KILL_AT_S = 6.0
-RESTART_AT_S = 14.0
+LOAD_S = 15.0
+KILL_AT_S = 4.0
+RESTART_AT_S = 10.0
 ALLOWED_REFUSALS = frozenset({"unavailable", "overloaded"})
 """What the failover may cost a request: a 503 with Retry-After, and a retry. ``overloaded`` too: the
 queue that builds while the writes of one shard wait for its new primary is shed by admission."""
 FAILOVER_DEADLINE_S = 30.0
-REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -93,27 +91,14 @@ def test_a_primary_killed_under_300_requests_per_s_loses_nothing(deployment: Dep
     reply_slot = key_slot(Names(cluster.namespace).reply_channel("gw0").encode())
     out, t0_file = tmp_path / "client.json", tmp_path / "t0"
     client_log = (tmp_path / "client.log").open("wb")
-    client = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tests.e2e.chaos_client",
-            "--gateways",
-            ",".join(cluster.gateway_urls),
-            "--sync-rate",
-            str(SYNC_RATE_PER_S),
-            "--async-rate",
-            str(ASYNC_RATE_PER_S),
-            "--duration-s",
-            str(LOAD_S),
-            "--out",
-            str(out),
-            "--t0-file",
-            str(t0_file),
-        ],
-        cwd=REPO,
-        stdout=client_log,
-        stderr=subprocess.STDOUT,
+    client = chaos_client.spawn(
+        cluster.gateway_urls,
+        sync_rate=SYNC_RATE_PER_S,
+        async_rate=ASYNC_RATE_PER_S,
+        duration_s=LOAD_S,
+        out=out,
+        t0_file=t0_file,
+        log=client_log,
     )
     fault = Fault()
     try:
@@ -150,16 +135,12 @@ def test_a_primary_killed_under_300_requests_per_s_loses_nothing(deployment: Dep
     assert not failures, "\n".join(failures) + text
 
 
-def _succeeded(record: dict[str, Any]) -> bool:
-    return record["done_s"] is not None and record["output"] == record["input"][::-1]
-
-
 def judge(result: dict[str, Any], fault: Fault) -> tuple[list[str], list[str]]:
     """The report's lines, and what broke the promise (empty when nothing did)."""
     records: list[dict[str, Any]] = result["records"]
     finals: dict[str, dict[str, Any]] = result["final_reads"]
     failures: list[str] = []
-    lost = [r for r in records if not _succeeded(r)]
+    lost = [r for r in records if not chaos_client.succeeded(r)]
     if lost:
         failures.append(f"{len(lost)} requests did not end with their own answer, e.g.: {lost[:5]}")
     refusals = [a for r in records for a in (*r["attempts"], *r["reads"]) if a["status"] not in (200, 202)]
@@ -170,7 +151,7 @@ def judge(result: dict[str, Any], fault: Fault) -> tuple[list[str], list[str]]:
     twice = [
         r
         for r in records
-        if _succeeded(r)
+        if chaos_client.succeeded(r)
         and (
             [a["task_id"] for a in r["attempts"] if a["status"] in (200, 202)] != [r["task_id"]]
             or any(a["status"] == 200 and a["task_id"] != r["task_id"] for a in r["reads"])
@@ -181,7 +162,7 @@ def judge(result: dict[str, Any], fault: Fault) -> tuple[list[str], list[str]]:
     missing = [
         r
         for r in records
-        if _succeeded(r)
+        if chaos_client.succeeded(r)
         and not (
             (final := finals.get(r["task_id"])) is not None
             and final["status"] == 200
