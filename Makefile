@@ -24,12 +24,12 @@ HF_TESTS := tests/backends
 UNIT := not kafka and not slow and not hf and not timing
 # A file's tests stay on one xdist worker, so module-scoped clusters start once. The unit tests mostly
 # wait on their own timers: twice as many workers as the two cores. The Kafka tier's tests wait on
-# brokers, restarts and deadlines part of the time: one worker more than the cores fills those waits,
-# where more would stretch restart and outage windows past their bounds. Files go out longest first, by
+# brokers, restarts, failovers and deadlines much of the time: twice as many workers as the cores fill
+# those waits, with every outage and recovery bound still met. Files go out longest first, by
 # tests/durations.json (`make durations` records it; tests/conftest.py), not by xdist's count of tests
 # per file: a run that ends on one long file leaves a core idle.
 CHECK_PARALLEL := -n 4 --dist loadfile --no-loadscope-reorder
-TEST_PARALLEL := -n 3 --dist loadfile --no-loadscope-reorder
+TEST_PARALLEL := -n 4 --dist loadfile --no-loadscope-reorder
 
 # Every Python process writes and reuses its bytecode (__pycache__, ignored by git): a shell that sets
 # PYTHONDONTWRITEBYTECODE would make each of the test suite's hundreds of processes compile every module

@@ -39,9 +39,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(300)]
 
 SYNC_RATE_PER_S = 280.0
 ASYNC_RATE_PER_S = 20.0
-LOAD_S = 15.0
-KILL_AT_S = 4.0
-RESTART_AT_S = 10.0
+LOAD_S = 12.0
+KILL_AT_S = 3.0
+RESTART_AT_S = 9.0
 ALLOWED_REFUSALS = frozenset({"unavailable", "overloaded"})
 """What the failover may cost a request: a 503 with Retry-After, and a retry. ``overloaded`` too: the
 queue that builds while the writes of one shard wait for its new primary is shed by admission."""

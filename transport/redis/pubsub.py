@@ -417,7 +417,9 @@ class ShardedHubs:
     def _lost(self, name: str) -> None:
         task = self._rehoming.get(name)
         if self._started and (task is None or task.done()):
-            self._rehoming[name] = asyncio.create_task(self._rehome(name), name=f"redis-pubsub-rehome-{name}")
+            task = asyncio.create_task(self._rehome(name), name=f"redis-pubsub-rehome-{name}")
+            task.add_done_callback(_log_failure)
+            self._rehoming[name] = task
 
     async def _rehome(self, name: str) -> None:
         """Until the hub on ``name`` is back or has no channel left: reads the slot map and moves
@@ -463,3 +465,9 @@ class ShardedHubs:
                 self._of[channel] = target
                 moved.append(channel)
         return moved
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    """A rehoming that died: its channels stay on the lost hub, which goes on reconnecting; say why."""
+    if not task.cancelled() and (err := task.exception()) is not None:
+        log.error("following a Redis Cluster failover failed: %r", err, exc_info=err)
