@@ -11,7 +11,6 @@ start saying so.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -27,12 +26,13 @@ SETTINGS = {
 }
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def deployment(
-    tmp_path: Path, infra: Any, replicated_cluster: Any, request: pytest.FixtureRequest
+    tmp_path_factory: pytest.TempPathFactory, infra: Any, replicated_cluster: Any, request: pytest.FixtureRequest
 ) -> Iterator[Cluster]:
-    url = replicated_cluster.url
-    started = launch(tmp_path, infra.kafka_bootstrap, url, gateways=2, workers=2, extra_env=SETTINGS)
+    """One deployment for the module's tests: each uses inputs and keys of its own."""
+    base = tmp_path_factory.mktemp("cluster-deployment")
+    started = launch(base, infra.kafka_bootstrap, replicated_cluster.url, gateways=2, workers=2, extra_env=SETTINGS)
     with stopped_after(request, started) as cluster:
         yield cluster
 

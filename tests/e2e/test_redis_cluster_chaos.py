@@ -1,7 +1,7 @@
 """A Redis Cluster primary killed with SIGKILL under 300 requests/s.
 
 A cluster of its own (three primaries, each with a replica: ``LocalRedisCluster``) and the session's
-Kafka carry two gateways, a batcher and three sim workers; the batcher and the workers count each
+Kafka carry two gateways, a batcher and two sim workers; the batcher and the workers count each
 primary's replica and wait for it (``WAIT`` per primary) before they commit. The chaos client
 (``tests.e2e.chaos_client``, its own process) sends synchronous requests and async tasks over both
 gateways for ``LOAD_S``, each with an Idempotency-Key, and sends a 503 again after its Retry-After
@@ -39,9 +39,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(300)]
 
 SYNC_RATE_PER_S = 280.0
 ASYNC_RATE_PER_S = 20.0
-LOAD_S = 12.0
-KILL_AT_S = 3.0
-RESTART_AT_S = 9.0
+LOAD_S = 10.0
+KILL_AT_S = 2.5
+RESTART_AT_S = 8.0
 ALLOWED_REFUSALS = frozenset({"unavailable", "overloaded"})
 """What the failover may cost a request: a 503 with Retry-After, and a retry. ``overloaded`` too: the
 queue that builds while the writes of one shard wait for its new primary is shed by admission."""
@@ -57,7 +57,7 @@ class Deployment:
 @pytest.fixture
 def deployment(tmp_path: Path, infra: Any, request: pytest.FixtureRequest) -> Iterator[Deployment]:
     with LocalRedisCluster(tmp_path / "redis", replicas=1) as redis_cluster:
-        started = launch(tmp_path, infra.kafka_bootstrap, redis_cluster.url, gateways=2, workers=3)
+        started = launch(tmp_path, infra.kafka_bootstrap, redis_cluster.url, gateways=2, workers=2)
         with stopped_after(request, started) as cluster:
             yield Deployment(redis_cluster, cluster)
 
