@@ -231,6 +231,23 @@ def succeeded(record: dict[str, Any]) -> bool:
     return record["done_s"] is not None and record["output"] == record["input"][::-1]
 
 
+def missing_afterwards(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The requests answered with their own output whose task does not read back completed with that
+    output once the load has ended (a committed result lost)."""
+    finals: dict[str, dict[str, Any]] = result["final_reads"]
+    return [
+        record
+        for record in result["records"]
+        if succeeded(record)
+        and not (
+            (final := finals.get(record["task_id"])) is not None
+            and final["status"] == 200
+            and final["state"] == "completed"
+            and final["output"] == record["output"]
+        )
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--gateways", required=True, help="comma-separated base URLs")

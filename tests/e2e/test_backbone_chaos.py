@@ -341,17 +341,7 @@ def judge(result: dict[str, Any], faults: Faults, journal: list[dict[str, Any]])
         failures.append(f"{len(twice)} requests answered twice or inconsistently:\n  " + "\n  ".join(twice[:8]))
 
     # no completed result missing afterwards ----------------------------------------------------------
-    missing = [
-        (r, finals.get(r["task_id"]))
-        for r in records
-        if chaos_client.succeeded(r)
-        and not (
-            (final := finals.get(r["task_id"])) is not None
-            and final["status"] == 200
-            and final["state"] == "completed"
-            and final["output"] == r["output"]
-        )
-    ]
+    missing = [(r, finals.get(r["task_id"])) for r in chaos_client.missing_afterwards(result)]
     if missing:
         failures.append(
             f"{len(missing)} answered tasks do not read back completed with their output afterwards, e.g.:\n  "

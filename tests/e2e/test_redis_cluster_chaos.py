@@ -138,7 +138,6 @@ def test_a_primary_killed_under_300_requests_per_s_loses_nothing(deployment: Dep
 def judge(result: dict[str, Any], fault: Fault) -> tuple[list[str], list[str]]:
     """The report's lines, and what broke the promise (empty when nothing did)."""
     records: list[dict[str, Any]] = result["records"]
-    finals: dict[str, dict[str, Any]] = result["final_reads"]
     failures: list[str] = []
     lost = [r for r in records if not chaos_client.succeeded(r)]
     if lost:
@@ -159,17 +158,7 @@ def judge(result: dict[str, Any], fault: Fault) -> tuple[list[str], list[str]]:
     ]
     if twice:
         failures.append(f"{len(twice)} requests answered twice or by another task, e.g.: {twice[:3]}")
-    missing = [
-        r
-        for r in records
-        if chaos_client.succeeded(r)
-        and not (
-            (final := finals.get(r["task_id"])) is not None
-            and final["status"] == 200
-            and final["state"] == "completed"
-            and final["output"] == r["output"]
-        )
-    ]
+    missing = chaos_client.missing_afterwards(result)
     if missing:
         failures.append(f"{len(missing)} answered tasks do not read back completed afterwards, e.g.: {missing[:3]}")
     load_s = result["load_end_s"]
