@@ -200,7 +200,7 @@ class Admission:
         """A synchronous answer's latency: the fastest recent one is the model's service time."""
         queue = self._queues.get(model)
         if queue is not None:
-            queue.answered(latency_s, int(time.time() * 1000))
+            queue.answered(latency_s)
 
     def models(self) -> dict[str, str]:
         """Each model's state for ``/readyz``: ``stalled`` while requests wait and its workers take none.
@@ -245,7 +245,7 @@ class Admission:
         if queue is None:
             return
         predicted = queue.predict(backlog, tier)
-        if predicted.ahead_s == math.inf:
+        if predicted.stalled:
             raise Overloaded(
                 f"model {model!r} has {depth} requests waiting and its workers have taken none for "
                 f"{predicted.stalled_s:.0f} s (busy past any normal call, hung or gone); nothing was queued: "

@@ -56,6 +56,11 @@ class Prediction:
     """How long no batch has reached a worker, once the model is stalled (0: it is not)."""
 
     @property
+    def stalled(self) -> bool:
+        """No batch reached the model's workers for ``stall_s`` while requests waited: no answer is predicted."""
+        return self.ahead_s == math.inf
+
+    @property
     def answer_s(self) -> float:
         """When the request would be answered (inf: the model is stalled)."""
         return self.ahead_s + 2 * self.call_s
@@ -70,7 +75,15 @@ class ModelQueue:
     """One model's queue as admission sees it: its drain, its workers' word, its recent tier mix and
     its fastest answer, combined into one ``Prediction``."""
 
-    def __init__(self, *, stall_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        stall_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        wall_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
+    ) -> None:
+        """``wall_ms``: the wall clock credits expire by, read only while a worker's call time is unknown."""
+        self._wall_ms = wall_ms
         self.drain = DrainMeter(stall_s=stall_s)
         self.workers = WorkerRates()
         self.mix = TierMix()
@@ -82,14 +95,14 @@ class ModelQueue:
         self.workers.seen(credits)
         self.stated = self.workers.stated(now_ms, self.service.seconds)
 
-    def answered(self, latency_s: float, now_ms: int) -> None:
+    def answered(self, latency_s: float) -> None:
         """A synchronous answer's latency. The model's first one gives a call time to the workers that
         have not stated theirs yet, so a cold model's first burst is held against a rate within one
         call, not after its drain is measured."""
         known = self.service.seconds
         self.service.observe(latency_s)
-        if self.stated is None or not known:
-            self.stated = self.workers.stated(now_ms, self.service.seconds)
+        if self.stated is None or not known:  # rarely: the clock is read only then
+            self.stated = self.workers.stated(self._wall_ms(), self.service.seconds)
 
     def predict(self, backlog: Backlog, tier: Priority) -> Prediction:
         """``backlog``: the counters, with this gateway's unseen admissions already added to ``depth``."""

@@ -388,7 +388,7 @@ def test_the_mix_counts_what_is_ahead_of_each_tier_and_forgets() -> None:
 def test_an_answer_is_predicted_after_the_work_ahead_and_two_calls() -> None:
     """The queue drains in whole batches: past the work ahead, a request waits for the call that may
     be running when its turn comes, then for its own."""
-    queue = ModelQueue(stall_s=5.0)
+    queue = ModelQueue(stall_s=5.0, wall_ms=lambda: 1_000)
     queue.read_credits([credit("w1", max_batch=100, busy_ms=100), credit("w2", max_batch=100, busy_ms=100)], 1_000)
     predicted = queue.predict(Backlog(500, 0, 0, 0.0), Priority.NORMAL)
     assert predicted.rate_per_s == pytest.approx(2_000)
@@ -398,18 +398,18 @@ def test_an_answer_is_predicted_after_the_work_ahead_and_two_calls() -> None:
     assert not queue.predict(Backlog(150, 0, 0, 0.2), Priority.NORMAL).refuses(0.001), (
         "what fits the next batch is admitted whatever its deadline: a deadline too short expires"
     )
-    queue.answered(0.05, 1_000)
+    queue.answered(0.05)
     assert queue.predict(Backlog(500, 0, 0, 0.3), Priority.NORMAL).call_s == 0.05, "the fastest answer, first"
 
 
 def test_a_cold_models_first_answer_gives_its_fresh_workers_a_rate() -> None:
     """Before any call, the workers' credits state their batch and no call time: the first answer's
     latency stands for it, so the first burst is held against a rate within one call."""
-    queue = ModelQueue(stall_s=5.0)
+    queue = ModelQueue(stall_s=5.0, wall_ms=lambda: 1_050)
     queue.read_credits([credit("w1", max_batch=100, busy_ms=0), credit("w2", max_batch=100, busy_ms=0)], 1_000)
     assert queue.predict(Backlog(800, 0, 0, 0.0), Priority.NORMAL).rate_per_s is None
     assert not queue.predict(Backlog(800, 0, 0, 0.0), Priority.NORMAL).refuses(0.5), "nothing known, nothing refused"
-    queue.answered(0.1, 1_050)
+    queue.answered(0.1)
     predicted = queue.predict(Backlog(800, 0, 0, 0.1), Priority.NORMAL)
     assert predicted.rate_per_s == pytest.approx(2_000)
     assert predicted.refuses(0.5)

@@ -203,16 +203,20 @@ def _blocking_from_url(url: str, **kwargs: Any) -> BlockingConnectionPool:
 
 
 def command_pool(url: str, options: PoolOptions) -> BlockingConnectionPool:
-    return _blocking_from_url(
-        url,
-        max_connections=options.max_connections,
-        timeout=options.pool_timeout_s,
-        socket_timeout=options.socket_timeout_s,
-        socket_connect_timeout=options.socket_timeout_s,
+    return _blocking_from_url(url, **_command_options(url, options))
+
+
+def _command_options(url: str, options: PoolOptions) -> dict[str, Any]:
+    """A command pool's settings: ``options``' connections and timeouts, keepalive, one retry."""
+    return {
+        "max_connections": options.max_connections,
+        "timeout": options.pool_timeout_s,
+        "socket_timeout": options.socket_timeout_s,
+        "socket_connect_timeout": options.socket_timeout_s,
         **_keepalive(url),
-        health_check_interval=options.health_check_interval_s,
-        retry=_retry_once(),
-    )
+        "health_check_interval": options.health_check_interval_s,
+        "retry": _retry_once(),
+    }
 
 
 class CommandClient:
@@ -273,21 +277,9 @@ class NodeClients:
         client = self._clients.get((host, port))
         if client is None:
             _, user, password = cluster_nodes(self.url)
-            options = self.options
+            options = _command_options(self.url, self.options)
             pool = _packing_with_hiredis(
-                BlockingConnectionPool(
-                    host=host,
-                    port=port,
-                    username=user,
-                    password=password,
-                    max_connections=options.max_connections,
-                    timeout=options.pool_timeout_s,
-                    socket_timeout=options.socket_timeout_s,
-                    socket_connect_timeout=options.socket_timeout_s,
-                    socket_keepalive=True,
-                    health_check_interval=options.health_check_interval_s,
-                    retry=_retry_once(),
-                )
+                BlockingConnectionPool(host=host, port=port, username=user, password=password, **options)
             )
             client = self._clients[(host, port)] = Redis(connection_pool=pool)
         return client
