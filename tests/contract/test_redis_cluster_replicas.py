@@ -162,6 +162,36 @@ async def test_after_a_primarys_failover_replies_and_watches_follow_its_slots(tm
             await store.close()
 
 
+async def test_a_watch_on_a_dead_primarys_slot_fails_as_a_transport_error_until_its_replica_serves(
+    tmp_path: Path, names: Names
+) -> None:
+    """Mid-failover the slot map still names the killed primary: a first watch of one of its slots
+    fails with ``TransportError`` (which the gateway answers 503), not redis-py's own error (a 500),
+    and one made once the replica took over works."""
+    with LocalRedisCluster(tmp_path / "cluster", replicas=1) as cluster:
+        store = RedisTaskStore(cluster.url, names)
+        await store.start()
+        try:
+            victim = next(node for node in cluster.nodes if _serves(node.port, 0))
+            task_id = next(
+                f"d{n}" for n in range(1_000) if _serves(victim.port, key_slot(names.task_channel(f"d{n}").encode()))
+            )
+            victim.kill()
+            with pytest.raises(TransportError, match="subscribing to"):
+                async with store.watch(task_id):
+                    pass
+            for _ in range(300):
+                try:
+                    async with store.watch(task_id):
+                        break
+                except TransportError:
+                    await asyncio.sleep(0.1)
+            else:
+                pytest.fail("no watch of the dead primary's slot worked within 30 s of the kill")
+        finally:
+            await store.close()
+
+
 def _serves(port: int, slot: int) -> bool:
     """Whether the node on ``port`` is the primary serving ``slot``."""
     with redis.RedisCluster(host="127.0.0.1", port=port) as client:

@@ -1,5 +1,6 @@
-"""Every pool packs commands with hiredis, byte for byte as redis-py would, whatever the URL's scheme
-(and a ``unix://`` URL makes a pool at all: TCP keepalive is asked for only over TCP)."""
+"""Every pool packs commands with hiredis (redis-py does, with ``redis[hiredis]`` installed), byte for
+byte as its Python packer would, whatever the URL's scheme (and a ``unix://`` URL makes a pool at all:
+TCP keepalive is asked for only over TCP)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,15 @@ import pytest
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
-from redis.exceptions import ClusterDownError, DataError, MovedError, ReadOnlyError, ResponseError, TryAgainError
+from redis.exceptions import (
+    ClusterDownError,
+    DataError,
+    MovedError,
+    ReadOnlyError,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 
 from infra.ports import free_port
 from infra.redis_cluster import cluster_url
@@ -36,7 +45,7 @@ ARGS = ("EVALSHA", "f" * 40, 2, "bw:task:a", "bw:task:b", 86_400_000, 0.25, b"\x
         ("unix:///tmp/redis.sock", UnixDomainSocketConnection),
     ],
 )
-def test_every_pool_packs_like_redis_py(url: str, base: type[Connection]) -> None:
+def test_every_pool_packs_with_hiredis_like_redis_py(url: str, base: type[Connection]) -> None:
     pools = [
         command_pool(url, PoolOptions()),
         blocking_pool(url, 2, PoolOptions()),
@@ -45,7 +54,8 @@ def test_every_pool_packs_like_redis_py(url: str, base: type[Connection]) -> Non
     for pool in pools:
         connection = pool.connection_class(**pool.connection_kwargs)  # as the pool makes them
         assert isinstance(connection, base)  # the scheme's class still (TLS stays TLS)
-        python_packed = b"".join(base.pack_command(connection, *ARGS))
+        assert connection._command_packer is not None  # hiredis's packer, not the Python one
+        python_packed = b"".join(connection._pack_command_python(*ARGS))
         assert b"".join(connection.pack_command(*ARGS)) == python_packed
         # A command name with a space is split, as redis-py does ("SCRIPT LOAD" is two words).
         assert connection.pack_command("SCRIPT LOAD", "return 1") == [
@@ -126,3 +136,10 @@ def test_a_failovers_error_replies_are_retried_a_scripts_error_is_not(reply: Res
     translated = translate("storing", reply)
     assert isinstance(translated, TransportError)
     assert isinstance(translated, PermanentTransportError) is permanent, translated
+
+
+def test_the_cluster_clients_own_errors_are_retried() -> None:
+    """A slot no primary serves mid-failover is not a ``RedisError`` in redis-py, but is as transient."""
+    translated = translate("storing", SlotNotCoveredError('Slot "0" not covered by the cluster.'))
+    assert isinstance(translated, TransportError)
+    assert not isinstance(translated, PermanentTransportError), translated

@@ -6,10 +6,8 @@ pool of its own; a failure is a ``TransportError``, on which the gateway bypasse
 
 from __future__ import annotations
 
-from redis.exceptions import RedisError
-
 from schemas.wire import Names
-from transport.redis.pools import KeyedClient, PoolOptions, translate
+from transport.redis.pools import REDIS_ERRORS, KeyedClient, PoolOptions, translate
 
 CACHE_POOL = PoolOptions(max_connections=32, socket_timeout_s=0.5, pool_timeout_s=0.25)
 """A look-up per request of a deterministic model; a slow Redis is bypassed after half a second
@@ -33,7 +31,7 @@ class RedisResultCache:
     async def get(self, key: str) -> str | None:
         try:
             value = await self._client.get(self.names.cached_answer(key))
-        except RedisError as err:
+        except REDIS_ERRORS as err:
             raise translate("reading the result cache", err) from err
         if value is None:
             return None
@@ -45,5 +43,5 @@ class RedisResultCache:
             return
         try:
             await self._client.set(self.names.cached_answer(key), output.encode(), px=ttl_ms)
-        except RedisError as err:
+        except REDIS_ERRORS as err:
             raise translate("writing the result cache", err) from err

@@ -22,14 +22,12 @@ import logging
 import time
 from dataclasses import dataclass
 
-from redis.exceptions import RedisError
-
 from schemas.codec import CodecError, decode_credit, encode_credit
 from schemas.records import Credit
 from schemas.wire import Names
 from transport.cancelling import cancel_and_wait
 from transport.ports import TransportError
-from transport.redis.pools import KeyedClient, PoolOptions, translate
+from transport.redis.pools import REDIS_ERRORS, KeyedClient, PoolOptions, translate
 
 log = logging.getLogger(__name__)
 
@@ -98,27 +96,27 @@ class RedisCreditPool:
                 pipe.zadd(key, {encode_credit(credit): credit.idle_from_ms})
                 pipe.zremrangebyrank(key, 0, -self.max_credits - 1)
                 await pipe.execute()
-        except RedisError as err:
+        except REDIS_ERRORS as err:
             raise translate(f"offering credit {credit.worker_id}/{credit.seq} for {credit.model}", err) from err
 
     async def withdraw(self, credit: Credit) -> None:
         try:
             await self._client.zrem(self.names.credit_queue(credit.model), encode_credit(credit))
-        except RedisError as err:
+        except REDIS_ERRORS as err:
             raise translate(f"withdrawing credit {credit.worker_id}/{credit.seq} for {credit.model}", err) from err
 
     async def idle(self, model: str) -> int:
         """Credits waiting in the set, expired ones included until a claim drops them."""
         try:
             return int(await self._client.zcard(self.names.credit_queue(model)))
-        except RedisError as err:
+        except REDIS_ERRORS as err:
             raise translate(f"counting credits for {model}", err) from err
 
     async def offered(self, model: str) -> list[Credit]:
         """Credits waiting in the set (undecodable members skipped), read without claiming them."""
         try:
             members = await self._client.zrange(self.names.credit_queue(model), 0, -1)
-        except RedisError as err:
+        except REDIS_ERRORS as err:
             raise translate(f"reading credits for {model}", err) from err
         credits = []
         for member in members:
@@ -162,7 +160,7 @@ class RedisCreditPool:
     async def _hand_back(self, credit: Credit) -> None:
         try:
             await self._client.zadd(self.names.credit_queue(credit.model), {encode_credit(credit): credit.idle_from_ms})
-        except RedisError as err:
+        except REDIS_ERRORS as err:
             log.warning("could not hand back credit %s/%s for %s: %s", credit.worker_id, credit.seq, credit.model, err)
 
     async def _claim(self, model: str, timeout_s: float, state: _Claim) -> Credit | None:
@@ -197,7 +195,7 @@ class RedisCreditPool:
                 f"BZPOPMIN {key} got no answer within {remaining_s + self.claim_grace_s:.1f} s: Redis is "
                 "unreachable, or more claims run at once than max_claimers connections"
             ) from err
-        except RedisError as err:
+        except REDIS_ERRORS as err:
             raise translate(f"claiming a credit from {key}", err) from err
         return None if popped is None else _as_bytes(popped[1])  # (key, member, score)
 

@@ -13,11 +13,9 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from redis.exceptions import RedisError
-
 from schemas.wire import Names
 from transport.deliveries import Suspects
-from transport.redis.pools import KeyedClient, PoolOptions, translate
+from transport.redis.pools import REDIS_ERRORS, KeyedClient, PoolOptions, translate
 
 # KEYS[1] the batch's hash. ARGV[1] ttl ms, ARGV[2..] the task ids still to run.
 # Returns {marked 0/1, note or '', id1, strikes1, id2, strikes2, ...}.
@@ -84,7 +82,7 @@ class RedisDeliveryLog:
                 pipe.hincrby(key, "n", 1)
                 pipe.pexpire(key, self.ttl_ms)
                 count, _ = await pipe.execute()
-        except RedisError as err:
+        except REDIS_ERRORS as err:
             raise translate(f"counting a delivery of batch {batch_id}", err) from err
         return int(count)
 
@@ -92,7 +90,7 @@ class RedisDeliveryLog:
         key = deliveries_key(self.names, batch_id)
         try:
             reply: list[Any] = await self._suspects(keys=[key], args=[self.ttl_ms, *task_ids])
-        except RedisError as err:
+        except REDIS_ERRORS as err:
             raise translate(f"reading what was in flight of batch {batch_id}", err) from err
         marked, note, rest = int(reply[0]), _text(reply[1]), reply[2:]
         strikes = {_text(rest[i]): int(rest[i + 1]) for i in range(0, len(rest), 2)}
@@ -107,7 +105,7 @@ class RedisDeliveryLog:
     async def finish(self, batch_id: str) -> None:
         try:
             await self._client.delete(deliveries_key(self.names, batch_id))
-        except RedisError as err:
+        except REDIS_ERRORS as err:
             raise translate(f"forgetting batch {batch_id}", err) from err
 
     async def _hset(self, batch_id: str, field: str, value: str, action: str) -> None:
@@ -117,7 +115,7 @@ class RedisDeliveryLog:
                 pipe.hset(key, field, value)
                 pipe.pexpire(key, self.ttl_ms)
                 await pipe.execute()
-        except RedisError as err:
+        except REDIS_ERRORS as err:
             raise translate(f"{action} of batch {batch_id}", err) from err
 
 

@@ -10,11 +10,9 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from redis.exceptions import RedisError
-
 from schemas.heartbeat import Beat, decode_beat
 from schemas.wire import Names
-from transport.redis.pools import KeyedClient, PoolOptions, translate
+from transport.redis.pools import REDIS_ERRORS, KeyedClient, PoolOptions, translate
 
 FLEET_POOL = PoolOptions(max_connections=2, socket_timeout_s=1.0, pool_timeout_s=1.0)
 """A beat a second and the fleet views' reads: a slow Redis delays a heartbeat, never a request."""
@@ -39,13 +37,13 @@ class RedisFleet:
             return
         try:
             await self._client.hset(self.names.fleet, mapping={beat.key: beat.encode() for beat in beats})
-        except RedisError as err:
+        except REDIS_ERRORS as err:
             raise translate("storing a heartbeat", err) from err
 
     async def members(self) -> list[Beat]:
         try:
             raw = await self._client.hgetall(self.names.fleet)
-        except RedisError as err:
+        except REDIS_ERRORS as err:
             raise translate("reading the fleet", err) from err
         now_ms = int(time.time() * 1000)  # beats carry wall time: they cross processes and hosts
         members: list[Beat] = []
@@ -59,6 +57,6 @@ class RedisFleet:
         if forgotten:
             try:
                 await self._client.hdel(self.names.fleet, *forgotten)
-            except RedisError as err:
+            except REDIS_ERRORS as err:
                 raise translate("dropping forgotten fleet members", err) from err
         return members

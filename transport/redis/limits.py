@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import hashlib
 
-from redis.exceptions import RedisError
-
 from schemas.wire import Names
 from transport.redis.lua import TOKEN_BUCKET
-from transport.redis.pools import KeyedClient, PoolOptions, translate
+from transport.redis.pools import REDIS_ERRORS, KeyedClient, PoolOptions, translate
 
 
 def bucket_id(client: str) -> str:
@@ -56,6 +54,6 @@ class RedisRateLimiter:
         key = self.names.rate_bucket(bucket_id(client))
         try:
             wait_us = await self._script(keys=[key], args=[repr(float(self.rate_per_s)), self.burst])
-        except RedisError as err:
+        except REDIS_ERRORS as err:
             raise translate("taking a rate-limit token", err) from err
         return int(wait_us) / 1_000_000

@@ -7,9 +7,8 @@
 - pubsub: the one subscribed connection; no retry inside redis-py, because the reader task owns
   reconnecting (with backoff, logging, and subscribing again).
 
-Every pool's connections pack commands with hiredis (``_hiredis_packing``). A ``redis+sentinel://``
-URL gives pools that ask the Sentinels for the primary on every new connection (``redis_sentinel``),
-so every user of these pools follows a failover.
+A ``redis+sentinel://`` URL gives pools that ask the Sentinels for the primary on every new
+connection (``redis_sentinel``), so every user of these pools follows a failover.
 
 A ``redis+cluster://HOST:PORT,...`` URL names a Redis Cluster's startup nodes. Every transport (the
 task store, the credit pool, the delivery log, the rate limits, the fleet registry, the answer cache)
@@ -22,16 +21,14 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff, NoBackoff
-from redis.connection import HiredisRespSerializer
 from redis.exceptions import (
     AskError,
     BusyLoadingError,
@@ -86,13 +83,13 @@ def unanswered(url: str, timeout_s: float = 1.0) -> str | None:
     server still loading its data answers (``LOADING``); the role's retries wait for it."""
     try:
         client = sync_client(url, timeout_s)
-    except (RedisError, RedisClusterException, OSError) as err:  # a cluster client reads the slot map here
+    except (*REDIS_ERRORS, OSError) as err:  # a cluster client reads the slot map here
         return str(err) or type(err).__name__
     try:
         client.ping()
     except BusyLoadingError:
         return None
-    except (RedisError, RedisClusterException, OSError) as err:
+    except (*REDIS_ERRORS, OSError) as err:
         return str(err) or type(err).__name__
     finally:
         client.close()
@@ -115,13 +112,19 @@ def sync_client(url: str, timeout_s: float) -> redis.Redis | redis.RedisCluster:
 _OOM_TEXT = "command not allowed when used memory"
 
 
-def _is_out_of_memory(err: RedisError) -> bool:
+def _is_out_of_memory(err: Exception) -> bool:
     return isinstance(err, OutOfMemoryError) or (isinstance(err, ResponseError) and _OOM_TEXT in str(err))
 
 
-def translate(action: str, err: RedisError) -> TransportError:
-    """``ResponseError`` (a script or type error) will repeat; connection trouble may not, and neither
-    does a full store (``OOM``: the server refuses writes until expiring states free memory)."""
+REDIS_ERRORS = (RedisError, RedisClusterException)
+"""What a command can raise: redis-py's errors, and its cluster client's own, which are not
+``RedisError``s (a slot no primary serves mid-failover, a slot map no node could give)."""
+
+
+def translate(action: str, err: RedisError | RedisClusterException) -> TransportError:
+    """``ResponseError`` (a script or type error) will repeat; connection trouble may not, nor the
+    topology of a failover in progress, and neither does a full store (``OOM``: the server refuses
+    writes until expiring states free memory)."""
     if _is_out_of_memory(err):
         return StoreFullError(
             f"{action} failed: the result store is full (Redis used memory is over its maxmemory, and "
@@ -158,37 +161,9 @@ class PoolOptions:
     health_check_interval_s: float = 10.0
 
 
-class _HiredisPacking:
-    """Packs commands with hiredis, as redis-py's synchronous connections do; its asyncio ones pack
-    in Python, several times slower for the Lua call that writes a batch's states, and those calls
-    carry every task of every batch through the batcher and the workers."""
-
-    _packer = HiredisRespSerializer()
-
-    def pack_command(self, *args: Any) -> list[bytes]:
-        packed: list[bytes] = self._packer.pack(*args)
-        return packed
-
-
 def _keepalive(url: str) -> dict[str, bool]:
     """TCP keepalive, where there is TCP: a ``unix://`` connection refuses the option."""
     return {} if url.partition("://")[0].lower() == "unix" else {"socket_keepalive": True}
-
-
-_PACKING: dict[type[AbstractConnection], type[AbstractConnection]] = {}
-
-P = TypeVar("P", bound=ConnectionPool)
-
-
-def _packing_with_hiredis(pool: P) -> P:
-    """``pool`` making its connections (plain, TLS or Unix socket: the URL's scheme chose which) pack
-    with hiredis."""
-    base = pool.connection_class
-    packing = _PACKING.get(base)
-    if packing is None:
-        packing = _PACKING[base] = type(f"Hiredis{base.__name__}", (_HiredisPacking, base), {})
-    pool.connection_class = packing
-    return pool
 
 
 def _blocking_from_url(url: str, **kwargs: Any) -> BlockingConnectionPool:
@@ -198,8 +173,8 @@ def _blocking_from_url(url: str, **kwargs: Any) -> BlockingConnectionPool:
             "a Redis Cluster takes a KeyedClient"
         )
     if is_sentinel_url(url):
-        return _packing_with_hiredis(blocking_sentinel_pool(url, **kwargs))
-    return _packing_with_hiredis(BlockingConnectionPool.from_url(url, **kwargs))
+        return blocking_sentinel_pool(url, **kwargs)
+    return BlockingConnectionPool.from_url(url, **kwargs)
 
 
 def command_pool(url: str, options: PoolOptions) -> BlockingConnectionPool:
@@ -251,10 +226,8 @@ class KeyedClient:
             what = f"reading the slot map of the Redis Cluster at {redacted(self.url)}"
             try:
                 await self.redis.initialize()
-            except RedisError as err:
+            except REDIS_ERRORS as err:
                 raise translate(what, err) from err
-            except RedisClusterException as err:  # no startup node answered
-                raise TransportError(f"{what} failed: {err}") from err
 
     async def close(self) -> None:
         if self._commands is not None:
@@ -278,9 +251,7 @@ class NodeClients:
         if client is None:
             _, user, password = cluster_nodes(self.url)
             options = _command_options(self.url, self.options)
-            pool = _packing_with_hiredis(
-                BlockingConnectionPool(host=host, port=port, username=user, password=password, **options)
-            )
+            pool = BlockingConnectionPool(host=host, port=port, username=user, password=password, **options)
             client = self._clients[(host, port)] = Redis(connection_pool=pool)
         return client
 
@@ -330,8 +301,6 @@ class _WaitingCluster(RedisCluster):
             raise RedisConnectionError(f"no free cluster connection within {self._pool_timeout_s} s") from None
         try:
             return await super().execute_command(*args, **kwargs)
-        except RedisClusterException as err:  # a slot no node serves, mid-failover: a RedisError, as others
-            raise ClusterDownError(f"{type(err).__name__}: {err}") from err
         finally:
             self._turns.release()
 
@@ -384,12 +353,12 @@ def pubsub_pool(url: str, *, socket_timeout_s: float) -> ConnectionPool:
     inside redis-py, whose own reconnect would read replies behind the reader's back."""
     options = _pubsub_options(url, socket_timeout_s)
     if is_sentinel_url(url):
-        return _packing_with_hiredis(sentinel_pool(url, **options))
-    return _packing_with_hiredis(ConnectionPool.from_url(url, **options))
+        return sentinel_pool(url, **options)
+    return ConnectionPool.from_url(url, **options)
 
 
 def node_pubsub_pool(url: str, host: str, port: int, *, socket_timeout_s: float) -> ConnectionPool:
     """``pubsub_pool`` to one node of the Redis Cluster of ``url`` (its credentials)."""
     _, user, password = cluster_nodes(url)
     options = _pubsub_options(url, socket_timeout_s)
-    return _packing_with_hiredis(ConnectionPool(host=host, port=port, username=user, password=password, **options))
+    return ConnectionPool(host=host, port=port, username=user, password=password, **options)

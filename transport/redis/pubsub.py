@@ -9,6 +9,7 @@ reconnects with backoff and subscribes every channel again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -187,14 +188,14 @@ class PubSubHub:
         try:
             await pubsub.connect()  # type: ignore[no-untyped-call]  # untyped in redis-py
         except BaseException:
-            await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await pubsub.aclose()
             raise
         return pubsub
 
     async def _drop_connection(self) -> None:
         pubsub, self._pubsub = self._pubsub, None
         if pubsub is not None:
-            await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await pubsub.aclose()
 
     async def _run(self) -> None:
         try:
@@ -390,7 +391,13 @@ class ShardedHubs:
         return self._cluster.nodes_manager.get_node_from_slot(key_slot(channel.encode()))
 
     async def _hub_of(self, channel: str) -> PubSubHub:
-        node = self._owner(channel)
+        """The hub on the primary that serves ``channel``'s slot, started on first use. A primary that
+        does not answer (the slot map is out of date, mid-failover) raises ``TransportError`` after the
+        slot map is read again, so that the caller's retry finds the new one."""
+        try:
+            node = self._owner(channel)
+        except RedisClusterException as err:  # a slot no primary serves, mid-failover
+            raise TransportError(f"subscribing to {channel}: {err}") from err
         async with self._lock:
             hub = self._hubs.get(node.name)
             if hub is None:
@@ -405,7 +412,13 @@ class ShardedHubs:
                     sharded=True,
                     on_lost=lambda: self._lost(name),
                 )
-                await hub.start()
+                try:
+                    await hub.start()
+                except (RedisError, OSError) as err:
+                    await hub.close()
+                    with contextlib.suppress(RedisError, RedisClusterException, OSError):
+                        await self._cluster.nodes_manager.initialize()
+                    raise TransportError(f"subscribing to {channel} on Redis Cluster node {name}: {err}") from err
                 self._hubs[node.name] = hub
             return hub
 

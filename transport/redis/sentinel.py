@@ -225,7 +225,7 @@ class _Sentinels(Sentinel):
     """redis-py's Sentinel client; its lookup failure says what to change instead of "No master found"."""
 
     def __init__(self, parsed: SentinelUrl, **sentinel_kwargs: Any) -> None:
-        super().__init__(list(parsed.sentinels), sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
+        super().__init__(list(parsed.sentinels), sentinel_kwargs=sentinel_kwargs)
         self.parsed = parsed
 
     async def discover_master(self, service_name: str) -> tuple[str, int]:

@@ -60,6 +60,7 @@ from transport.redis.lua import (
 )
 from transport.redis.memory import MemoryWatch
 from transport.redis.pools import (
+    REDIS_ERRORS,
     KeyedClient,
     NodeClients,
     PoolOptions,
@@ -139,7 +140,7 @@ class RedisTaskStore:
         except TransportError:
             await self._commands.close()
             raise
-        except (RedisError, OSError) as err:
+        except (*REDIS_ERRORS, OSError) as err:
             await self._commands.close()
             raise TransportError(f"cannot connect to Redis at {redacted(self.redis_url)}: {err}") from err
         await self._memory.start()
@@ -161,7 +162,7 @@ class RedisTaskStore:
         rows = [(state, encode_state(state), self.names.task_channel(state.task_id)) for state in states]
         try:
             created = await self._run(self._create, keys, create_args(self.ttl_ms, rows, self._publish), head=1)
-        except RedisError as err:
+        except REDIS_ERRORS as err:
             what = f"task {states[0].task_id}" if len(states) == 1 else f"{len(states)} tasks"
             raise translate(f"creating {what}", err) from err
         return [bool(flag) for flag in created]
@@ -172,7 +173,7 @@ class RedisTaskStore:
         keys, args = self._apply_call(updates)
         try:
             applied = await self._run(self._apply, keys, args, head=2)
-        except RedisError as err:
+        except REDIS_ERRORS as err:
             raise translate(f"applying {len(updates)} task update(s)", err) from err
         return [bool(flag) for flag in applied]
 
@@ -235,7 +236,7 @@ class RedisTaskStore:
             if not isinstance(self._client, RedisCluster):
                 return _online(await self._client.info("replication"))
             return min([_online(await self._on(node).info("replication")) for node in self._client.get_primaries()])
-        except RedisError as err:
+        except REDIS_ERRORS as err:
             raise await self._translated("asking Redis how many replicas it has", err) from err
 
     async def apply_replicated(self, updates: Sequence[TaskState], replicas: int, timeout_ms: int) -> int:
@@ -278,7 +279,7 @@ class RedisTaskStore:
             await self._each(on(node, slots) for node, slots in self._by_primary(keys).values())
             await self._each(self._client.spublish(channel, b"".join(parts)) for channel, parts in frames.items())
             return min(acked)
-        except RedisError as err:
+        except REDIS_ERRORS as err:
             what = f"storing {len(updates)} task update(s) on {replicas} replica(s)"
             raise await self._translated(what, err) from err
 
@@ -298,11 +299,11 @@ class RedisTaskStore:
             grouped.setdefault(node.name, (node, {}))[1].setdefault(slot, []).append(index)
         return grouped
 
-    async def _translated(self, what: str, err: RedisError) -> TransportError:
+    async def _translated(self, what: str, err: RedisError | RedisClusterException) -> TransportError:
         """``err`` as a ``TransportError``; over a cluster, the slot map is read again first, since a
         primary that moved (a failover) answers the direct connections with an error."""
         if isinstance(self._client, RedisCluster):
-            with contextlib.suppress(RedisError, RedisClusterException):
+            with contextlib.suppress(*REDIS_ERRORS):
                 await self._client.nodes_manager.initialize()
         return translate(what, err)
 
@@ -332,13 +333,13 @@ class RedisTaskStore:
         )
         try:
             outcome: list[Any] = await self._cancel(keys=[self.names.task_key(task_id)], args=args)
-        except RedisError as err:
+        except REDIS_ERRORS as err:
             raise translate(f"cancelling task {task_id}", err) from err
         if outcome[0] == 1:
             if len(outcome) == 3:  # over a cluster: the reply frame, for its gateway's channel
                 try:
                     await self._client.spublish(outcome[1], outcome[2])
-                except RedisError as err:
+                except REDIS_ERRORS as err:
                     raise translate(f"answering the cancel of task {task_id}", err) from err
             return cancelled
         if outcome[0] == -1:
@@ -362,7 +363,7 @@ class RedisTaskStore:
         name = self.names.idempotency_key(scope, key)
         try:
             held = await script(keys=[name], args=[self.ttl_ms, *args])
-        except RedisError as err:
+        except REDIS_ERRORS as err:
             raise translate(f"{what} an idempotency key", err) from err
         text = held.decode() if isinstance(held, bytes) else str(held)
         if (claim := parse_binding(text)) is None:
@@ -372,13 +373,13 @@ class RedisTaskStore:
     async def release_key(self, scope: str, key: str, task_id: str) -> None:
         try:
             await self._release_key(keys=[self.names.idempotency_key(scope, key)], args=[task_id])
-        except RedisError as err:
+        except REDIS_ERRORS as err:
             raise translate("releasing an idempotency key", err) from err
 
     async def get(self, task_id: str) -> TaskState | None:
         try:
             doc, owner = await self._client.hmget(self.names.task_key(task_id), ["doc", "owner"])
-        except RedisError as err:
+        except REDIS_ERRORS as err:
             raise translate(f"reading task {task_id}", err) from err
         return None if doc is None else self._decode_stored(task_id, doc, owner)
 
@@ -392,7 +393,7 @@ class RedisTaskStore:
             pipe.hmget(self.names.task_key(task_id), ["doc", "owner"])
         try:
             rows: list[Any] = await pipe.execute()
-        except RedisError as err:
+        except REDIS_ERRORS as err:
             raise translate(f"reading {len(ids)} task(s)", err) from err
         return {
             task_id: self._decode_stored(task_id, row[0], row[1])
