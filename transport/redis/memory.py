@@ -15,10 +15,10 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import RedisError
 
 from telemetry.metrics import REDIS_FULL
 from transport.background_loop import BackgroundLoop
+from transport.redis.pools import REDIS_ERRORS
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class MemoryWatch:
                     infos = list((await self._client.info("memory", target_nodes=RedisCluster.PRIMARIES)).values())
                 else:
                     infos = [await self._client.info("memory")]
-        except (RedisError, OSError, TimeoutError):
+        except (*REDIS_ERRORS, OSError, TimeoutError):
             self.refusal = None
             return
         was, self.refusal = self.refusal, next((why for info in infos if (why := refusal(info))), None)

@@ -25,6 +25,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from transport.cancelling import cancel_and_wait
 from transport.ports import TransportError
+from transport.redis.pools import REDIS_ERRORS
 
 log = logging.getLogger(__name__)
 
@@ -416,7 +417,7 @@ class ShardedHubs:
                     await hub.start()
                 except (RedisError, OSError) as err:
                     await hub.close()
-                    with contextlib.suppress(RedisError, RedisClusterException, OSError):
+                    with contextlib.suppress(*REDIS_ERRORS, OSError):
                         await self._cluster.nodes_manager.initialize()
                     raise TransportError(f"subscribing to {channel} on Redis Cluster node {name}: {err}") from err
                 self._hubs[node.name] = hub
@@ -441,7 +442,7 @@ class ShardedHubs:
         while (hub := self._hubs.get(name)) is not None and not hub.connected:
             try:
                 await self._cluster.nodes_manager.initialize()
-            except (RedisError, RedisClusterException, OSError) as err:
+            except (*REDIS_ERRORS, OSError) as err:
                 log.info("reading the Redis Cluster's slot map failed (%s); retrying", err)
             else:
                 moved = await self._move(hub, [c for c in hub.channels() if self._owner(c).name != name])

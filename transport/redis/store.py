@@ -440,7 +440,7 @@ class RedisTaskStore:
         try:
             async with asyncio.timeout(self.ready_timeout_s):
                 return bool(await self._client.ping())
-        except (TimeoutError, RedisError, OSError):
+        except (TimeoutError, *REDIS_ERRORS, OSError):
             return False
 
 
