@@ -84,7 +84,15 @@ def _longest_files_first(items: list[pytest.Item]) -> None:
     items.sort(key=cost)
 
 
-SERVER_FIXTURES = {"infra", "redis_url", "kafka_bootstrap", "local_stack", "redis_cluster", "replicated_cluster"}
+SERVER_FIXTURES = {
+    "infra",
+    "redis_url",
+    "kafka_bootstrap",
+    "local_stack",
+    "redis_cluster",
+    "replicated_cluster",
+    "redis_sentinel",
+}
 """Fixtures that hand a test real servers: a test that takes one is marked ``kafka``."""
 HF_TESTS = Path(__file__).parent / "backends"
 """The tests that import torch (the hf extra) as they are collected: the Makefile's tiers ignore the
@@ -138,16 +146,38 @@ def replicated_cluster(tmp_path_factory: pytest.TempPathFactory, request: pytest
         yield cluster
 
 
+@pytest.fixture(scope="session")
+def redis_sentinel(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A ``redis+sentinel://`` URL: a primary watched by one Sentinel, for the whole test run (one per
+    xdist worker that asks). Failover tests run Sentinels of their own."""
+    if request.config.getoption("no_servers"):
+        pytest.fail("this test uses Redis Sentinel, which the check tier (--no-servers) has not: mark it kafka")
+    from tests.support.sentinels import SentinelCluster
+
+    servers = SentinelCluster(Path(tmp_path_factory.mktemp("sentinel")), replicas=0, sentinels=1)
+    try:
+        servers.start()
+        yield servers.url
+    finally:
+        servers.stop()
+
+
 KEYED_CLUSTER = "cluster"
+KEYED_SENTINEL = "sentinel"
 
 
 @pytest.fixture(
-    params=["memory", pytest.param(REAL, marks=pytest.mark.kafka), pytest.param(KEYED_CLUSTER, marks=pytest.mark.kafka)]
+    params=[
+        "memory",
+        pytest.param(REAL, marks=pytest.mark.kafka),
+        pytest.param(KEYED_CLUSTER, marks=pytest.mark.kafka),
+        pytest.param(KEYED_SENTINEL, marks=pytest.mark.kafka),
+    ]
 )
 def keyed_kind(request: pytest.FixtureRequest) -> str:
-    """For the Redis transports, which run on a Redis Cluster too (the task store, the credit pool, the
-    delivery log, the rate limits, the fleet, the answer cache): ``memory``, ``real`` (the session's
-    Redis) or ``cluster`` (``redis_cluster``)."""
+    """For the Redis transports, which run on a Redis Cluster and behind Sentinel too (the task store,
+    the credit pool, the delivery log, the rate limits, the fleet, the answer cache): ``memory``,
+    ``real`` (the session's Redis), ``cluster`` (``redis_cluster``) or ``sentinel`` (``redis_sentinel``)."""
     return str(request.param)
 
 
@@ -156,6 +186,8 @@ def keyed_url(keyed_kind: str, request: pytest.FixtureRequest) -> str | None:
     """The Redis URL of ``keyed_kind``; None in memory."""
     if keyed_kind == KEYED_CLUSTER:
         return str(request.getfixturevalue("redis_cluster"))
+    if keyed_kind == KEYED_SENTINEL:
+        return str(request.getfixturevalue("redis_sentinel"))
     if keyed_kind == REAL:
         return str(request.getfixturevalue("infra").redis_url)
     return None

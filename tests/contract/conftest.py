@@ -3,8 +3,8 @@
 Every test that takes ``kind`` runs twice, so the in-memory transports (embedded mode, unit tests)
 are held to the same contract as the Kafka and Redis ones. Real infrastructure comes from the
 session fixture ``infra`` (tests/conftest.py); ``names`` gives every test its own topics and keys.
-The task store's contract runs a third time, over a Redis Cluster of three primaries
-(``redis_cluster``).
+The Redis transports' contracts (the task store's among them) run twice more: over a Redis Cluster
+of three primaries (``redis_cluster``) and behind a Sentinel (``redis_sentinel``).
 """
 
 from __future__ import annotations
