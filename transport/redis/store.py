@@ -38,7 +38,7 @@ from schemas.codec import CodecError, decode_state, encode_state
 from schemas.records import TaskState, TaskStatus
 from schemas.wire import Names
 from transport.coalesce import Coalescer
-from transport.errors import PermanentTransportError
+from transport.errors import PermanentTransportError, StoreFullError
 from transport.ports import KeyClaim, ReplyHandler, TransportError
 from transport.redis import scripted
 from transport.redis.feed import ChangeFeed
@@ -300,12 +300,16 @@ class RedisTaskStore:
         return grouped
 
     async def _translated(self, what: str, err: RedisError | RedisClusterException) -> TransportError:
-        """``err`` as a ``TransportError``; over a cluster, the slot map is read again first, since a
-        primary that moved (a failover) answers the direct connections with an error."""
-        if isinstance(self._client, RedisCluster):
+        """``err`` as a ``TransportError``; over a cluster, after one that a retry may cure, the slot
+        map is read again first, since a primary that moved (a failover) answers the direct
+        connections with an error. A script's error or a full store leave the map alone."""
+        translated = translate(what, err)
+        if isinstance(self._client, RedisCluster) and not isinstance(
+            translated, (PermanentTransportError, StoreFullError)
+        ):
             with contextlib.suppress(*REDIS_ERRORS):
                 await self._client.nodes_manager.initialize()
-        return translate(what, err)
+        return translated
 
     async def cancel(
         self, task_id: str, reason_code: str, message: str, status: TaskStatus = TaskStatus.CANCELLED
