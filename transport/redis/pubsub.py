@@ -401,27 +401,30 @@ class ShardedHubs:
             raise TransportError(f"subscribing to {channel}: {err}") from err
         async with self._lock:
             hub = self._hubs.get(node.name)
-            if hub is None:
-                name = node.name
-                hub = PubSubHub(
-                    self._pool_of(node.host, int(node.port)),
-                    self._on_message,
-                    self._on_resubscribed,
-                    lambda err: self._failed(name, err),
-                    ping_interval_s=self.ping_interval_s,
-                    subscribe_timeout_s=self.subscribe_timeout_s,
-                    sharded=True,
-                    on_lost=lambda: self._lost(name),
-                )
-                try:
-                    await hub.start()
-                except (RedisError, OSError) as err:
-                    await hub.close()
-                    with contextlib.suppress(*REDIS_ERRORS, OSError):
-                        await self._cluster.nodes_manager.initialize()
-                    raise TransportError(f"subscribing to {channel} on Redis Cluster node {name}: {err}") from err
-                self._hubs[node.name] = hub
-            return hub
+            if hub is not None:
+                return hub
+            name = node.name
+            hub = PubSubHub(
+                self._pool_of(node.host, int(node.port)),
+                self._on_message,
+                self._on_resubscribed,
+                lambda err: self._failed(name, err),
+                ping_interval_s=self.ping_interval_s,
+                subscribe_timeout_s=self.subscribe_timeout_s,
+                sharded=True,
+                on_lost=lambda: self._lost(name),
+            )
+            try:
+                await hub.start()
+            except (RedisError, OSError) as err:
+                await hub.close()
+                failure = err
+            else:
+                self._hubs[name] = hub
+                return hub
+        with contextlib.suppress(*REDIS_ERRORS, OSError):  # outside the lock: other nodes' hubs need not wait
+            await self._cluster.nodes_manager.initialize()
+        raise TransportError(f"subscribing to {channel} on Redis Cluster node {name}: {failure}") from failure
 
     def _failed(self, name: str, err: BaseException) -> None:
         """A hub's reader failed: the subscribers hear of it, unless the hub was retired (its channels moved)."""
@@ -468,8 +471,8 @@ class ShardedHubs:
                 refs = hub.refs(channel)
                 if not refs:
                     continue  # its last subscriber left meanwhile
-                target = await self._hub_of(channel)
                 try:
+                    target = await self._hub_of(channel)
                     for _ in range(refs):
                         await target.subscribe(channel)
                 except TransportError as err:
