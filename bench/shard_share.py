@@ -1,10 +1,11 @@
 """Each Redis Cluster primary's share of the commands a Kafka deployment sends at a given rate.
 
-Starts a local Kafka broker (``LocalStack``) and a Redis Cluster of three primaries
-(``LocalRedisCluster``), then one gateway, one batcher and two sim workers (100 ms a call) over them
-(``--redis-min-replicas 0``: the primaries have no replicas). It zeroes every
-node's ``INFO commandstats``, runs ``batchwire bench`` against the gateway, and prints each primary's
-commands (those its scripts run included), its share of all of them, and its busiest commands.
+Starts a local Kafka broker (``LocalStack``) and a Redis Cluster of three primaries with a replica
+each (``LocalRedisCluster``), then one gateway, one batcher and two sim workers (100 ms a call) over
+them, with the roles' default replica wait (``WAIT`` per primary). It zeroes every node's
+``INFO commandstats``, runs ``batchwire bench`` against the gateway, and prints each primary's
+commands (those its scripts run included), its share of all of them, and its busiest commands. A
+replica's commands are the copies of its primary's writes, so the shares count primaries only.
 
     .venv/bin/python bench/shard_share.py --rate 1000 --duration 20
 
@@ -36,13 +37,12 @@ def main() -> int:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="shard-share-"))
     (work / "roles").mkdir()
-    with LocalStack() as stack, LocalRedisCluster(work / "cluster") as shards:
+    with LocalStack() as stack, LocalRedisCluster(work / "cluster", replicas=1) as shards:
         deployment = launch(
             work / "roles",
             stack.kafka_bootstrap,
             shards.url,
             workers=2,
-            extra_env={"BATCHWIRE_REDIS_MIN_REPLICAS": "0"},
         )
         try:
             for node in shards.nodes:
@@ -51,7 +51,12 @@ def main() -> int:
             out = str(REPO / "bench" / "runs" / "shard-share")
             load = ["--rate", args.rate, "--duration", args.duration, "--warmup", "3", "--no-metrics", "--out", out]
             subprocess.run([sys.executable, "-m", "batchwire.cli", "bench", "--url", url, *load], check=True)
-            calls = {node.port: redis.Redis(port=node.port).info("commandstats") for node in shards.nodes}
+            primaries = [
+                node.port
+                for node in shards.nodes
+                if redis.Redis(port=node.port).info("replication")["role"] == "master"
+            ]
+            calls = {port: redis.Redis(port=port).info("commandstats") for port in primaries}
         finally:
             deployment.stop()
     totals = {port: sum(stat["calls"] for stat in stats.values()) for port, stats in calls.items()}
