@@ -340,7 +340,7 @@ def test_huge_claimed_lengths_allocate_little_and_end_fast() -> None:
     print(f"\n{count} huge-length inputs: at most {worst_bytes} bytes allocated, {worst_s * 1e3:.2f} ms per decode")
 
 
-# gaps in fastavro's reader that the codec guards against (schemas/strict.py) ----------------------------------
+# gaps in fastavro's reader that the codec guards against (schemas/codec.py, read_canonical) ---------------------
 def _replace_after(encoded: bytes, marker: bytes, old: bytes, new: bytes, *, before: bool = False) -> bytes:
     """``encoded`` with ``old`` (right after the string ``marker``, or right before its length) made ``new``."""
     at = encoded.index(marker)
