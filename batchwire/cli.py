@@ -55,7 +55,8 @@ def _gateway(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         GatewaySettings,
         "request_linger_ms",
         float,
-        "gather requests this long into one Kafka produce request (fewer round trips; 0: send at once)",
+        "gather requests this long into one Kafka produce request (fewer round trips); a request 5 lingers or more "
+        "after the one before goes at once; 0: send each at once",
     )
 
 

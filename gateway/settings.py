@@ -105,7 +105,9 @@ class GatewaySettings:
     (``linger_ms``), which carries up to ``REQUEST_RUN`` consecutive requests to one partition. Each
     produce round trip costs the gateway and the broker CPU whatever it carries (aiokafka encodes
     the protocol in Python), so fewer, fuller ones pay for the linger a batcher waits before it reads
-    a request: under load that request waits for a busy worker anyway. 0 sends at once."""
+    a request: under load that request waits for a busy worker anyway. A request that comes 5 lingers
+    or more after the one before it goes at once (``transport.kafka.producers.IDLE_LINGERS``), so light
+    load pays no linger. 0 sends each at once."""
     max_header_bytes: int = 16_384
     """Largest request line plus headers; beyond it the gateway answers 431 and closes the connection,
     having parsed no byte past the limit (``gateway.edge.http_limits``)."""

@@ -77,6 +77,29 @@ async def test_a_lingering_producer_sends_a_run_of_requests_as_one_partitions_ba
     assert by_partition == {0: [f"t{i}" for i in range(8)], 1: [f"t{i}" for i in range(8, 16)]}
 
 
+async def test_a_request_after_an_idle_gap_goes_at_once_and_one_close_behind_it_lingers(
+    kafka_bootstrap: str, names: Names, closer: Closer
+) -> None:
+    """Light load pays no linger: the first request goes in a produce request of its own; the next,
+    sent right behind it, waits out the linger for company. Both arrive, in order."""
+    await ensure_topics(kafka_bootstrap, {names.request_topic: 1})
+    producer = closer.add(KafkaRequestProducer(kafka_bootstrap, names, Partitioner(["alpha"], 1), linger_ms=1000))
+    await producer.start()
+    started = time.monotonic()
+    await producer.send(request("lone", "alpha"))
+    lone_s = time.monotonic() - started
+    started = time.monotonic()
+    await producer.send(request("behind", "alpha"))
+    behind_s = time.monotonic() - started
+    assert lone_s < 0.5, f"a lone request waited {lone_s:.3f} s: it lingered"
+    assert behind_s >= 0.9, f"a request right behind another went after {behind_s:.3f} s, not after the 1 s linger"
+
+    consumer = closer.add(KafkaRequestConsumer(kafka_bootstrap, names))
+    partitions = Partitions()
+    await consumer.start(partitions.on_assigned, partitions.on_revoked)
+    assert [d.value.task_id for d in await read(consumer, 2) if d.value] == ["lone", "behind"]
+
+
 async def test_producer_refuses_a_missing_topic(kafka_bootstrap: str, names: Names) -> None:
     producer = KafkaRequestProducer(kafka_bootstrap, names, Partitioner(["alpha"], 1), request_timeout_ms=1000)
     with pytest.raises(PermanentTransportError, match=names.request_topic):

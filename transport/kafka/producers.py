@@ -5,13 +5,15 @@ Gateways send requests to batchers, batchers send batches to workers, workers se
 people. Each producer is a ``RenewingProducer`` pointed at its topic, which replaces itself when the
 broker refuses its record numbering; records are Avro (``schemas.codec``). Tuned for latency on a
 lightly loaded bus: a producer sends at once unless it is asked to linger (``linger_ms``), and a
-send awaits the broker's ack.
+send awaits the broker's ack. The request producer lingers only while requests come close together:
+a lone request goes at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import Any
 
@@ -186,7 +188,11 @@ class RenewingProducer:
             raise translate(f"reading metadata of {topic}", err) from err
         return found
 
-    async def send(self, topic: str, partition: int, value: bytes, headers: Headers | None = None) -> None:
+    async def send(
+        self, topic: str, partition: int, value: bytes, headers: Headers | None = None, *, at_once: bool = False
+    ) -> None:
+        """Returns once the broker acknowledged the record. ``at_once``: the record goes in a record batch
+        of its own, closed, which aiokafka sends without waiting out ``linger_ms``."""
         partitions = await self.partitions(topic)
         if partition not in partitions:  # the topic may have grown (`topics grow`) since metadata was cached
             partitions = await self._refreshed_partitions(topic)
@@ -206,7 +212,13 @@ class RenewingProducer:
             if producer is None:
                 raise PermanentTransportError("producer is not started (or closed)")
             try:
-                acked = await producer.send(topic, value, partition=partition, headers=headers)
+                if at_once:
+                    alone = producer.create_batch()
+                    alone.append(timestamp=None, key=None, value=value, headers=headers or [])
+                    alone.close()
+                    acked = await producer.send_batch(alone, topic, partition=partition)
+                else:
+                    acked = await producer.send(topic, value, partition=partition, headers=headers)
             except ProducerClosed:
                 continue  # retired by a send that renewed it: the fresh producer takes the record
             except KafkaError as err:
@@ -274,6 +286,8 @@ class RenewingProducer:
 
 # While the request producer's breaker is open, the bus is probed this often (a connection attempt).
 BREAKER_RETRY_S = 0.5
+IDLE_LINGERS = 5
+"""A request this many lingers after the one before it goes at once (``KafkaRequestProducer``)."""
 
 
 def trace_headers(traceparent: str | None) -> Headers | None:
@@ -288,6 +302,13 @@ class KafkaRequestProducer:
     ``send`` returns once the request is durably accepted (``acks="all"``: see ``RenewingProducer``); a
     duplicate record is harmless, because task states only move forward and a terminal state is
     written once.
+
+    ``linger_ms`` gathers requests into one produce request: a round trip costs the gateway, the
+    batcher and the broker CPU whatever it carries, and under load a request read a few ms later
+    waits for a busy worker anyway. A request that comes ``IDLE_LINGERS`` lingers or more after the one
+    before it goes at once: light load does not pay for the linger, where company would seldom come
+    within it. Under load the gateway's requests come in clumps (its event loop takes them in turns),
+    so a gap of one linger is not rare there, and a gap of several is.
 
     A circuit breaker (``breaker``) remembers that the bus is down: a send that failed or a
     readiness probe that found no connected leader opens it, and until a background probe reaches
@@ -317,6 +338,8 @@ class KafkaRequestProducer:
             compression_type=compression_type,
             ready_timeout_s=ready_timeout_s,
         )
+        self._linger_s = linger_ms / 1000
+        self._last_send = -math.inf
         # A send cancelled (its caller's deadline) after this long is a hint that the bus may be down.
         self._suspect_after_s = ready_timeout_s
         self.breaker = CircuitBreaker(
@@ -358,8 +381,10 @@ class KafkaRequestProducer:
         if self.breaker.open:
             raise TransportError(f"{self.breaker.name} is down ({self.breaker.reason}); nothing was sent")
         started = time.monotonic()
+        at_once = self._linger_s > 0 and started - self._last_send >= IDLE_LINGERS * self._linger_s
+        self._last_send = started
         try:
-            await self._producer.send(self.topic, partition, data, trace_headers(traceparent))
+            await self._producer.send(self.topic, partition, data, trace_headers(traceparent), at_once=at_once)
         except PermanentTransportError:
             raise  # a configuration fault, not an outage
         except TransportError as err:
