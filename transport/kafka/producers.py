@@ -212,12 +212,11 @@ class RenewingProducer:
             if producer is None:
                 raise PermanentTransportError("producer is not started (or closed)")
             try:
-                if at_once:
-                    alone = producer.create_batch()
-                    alone.append(timestamp=None, key=None, value=value, headers=headers or [])
+                alone = producer.create_batch() if at_once else None
+                if alone is not None and alone.append(timestamp=None, key=None, value=value, headers=headers or []):
                     alone.close()
                     acked = await producer.send_batch(alone, topic, partition=partition)
-                else:
+                else:  # lingers (a batch takes its first record whatever its size, so at_once ends above)
                     acked = await producer.send(topic, value, partition=partition, headers=headers)
             except ProducerClosed:
                 continue  # retired by a send that renewed it: the fresh producer takes the record
