@@ -31,7 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.support.otlp_receiver import OtlpReceiver  # noqa: E402  (the repository's root is put on the path first)
+from batchwire.settings import STACK_ENV, stack_env  # noqa: E402  (the repository's root is put on the path first)
+from tests.support.otlp_receiver import OtlpReceiver  # noqa: E402
 from tests.support.processes import launch  # noqa: E402
 from tests.support.trace_checks import SpanRecord  # noqa: E402
 
@@ -46,7 +47,7 @@ def main() -> int:
     args = parser.parse_args()
     extra = dict(item.split("=", 1) for item in args.env)
     subprocess.run([sys.executable, "-m", "batchwire.cli", "stack", "up"], cwd=REPO, check=True, capture_output=True)
-    stack = dict(line.split("=", 1) for line in (REPO / ".batchwire" / "stack.env").read_text().split())
+    stack = stack_env(REPO / STACK_ENV)
     receiver = OtlpReceiver().start()
     latencies: list[float] = []
     deployment = launch(

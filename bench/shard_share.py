@@ -51,12 +51,7 @@ def main() -> int:
             out = str(REPO / "bench" / "runs" / "shard-share")
             load = ["--rate", args.rate, "--duration", args.duration, "--warmup", "3", "--no-metrics", "--out", out]
             subprocess.run([sys.executable, "-m", "batchwire.cli", "bench", "--url", url, *load], check=True)
-            primaries = [
-                node.port
-                for node in shards.nodes
-                if redis.Redis(port=node.port).info("replication")["role"] == "master"
-            ]
-            calls = {port: redis.Redis(port=port).info("commandstats") for port in primaries}
+            calls = {port: redis.Redis(port=port).info("commandstats") for port in shards.primary_ports()}
         finally:
             deployment.stop()
     totals = {port: sum(stat["calls"] for stat in stats.values()) for port, stats in calls.items()}

@@ -102,6 +102,15 @@ class LocalRedisCluster:
     def url(self) -> str:
         return cluster_url([node.port for node in self.nodes])
 
+    def primary_ports(self) -> list[int]:
+        """The ports of the nodes that are primaries now (a failover moves the role)."""
+        ports = []
+        for node in self.nodes:
+            with redis.Redis(port=node.port) as client:
+                if client.info("replication")["role"] == "master":
+                    ports.append(node.port)
+        return ports
+
     def start(self, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
         for node in self.nodes:
