@@ -335,9 +335,11 @@ def test_over_the_cap_a_request_already_sent_still_reads_its_503(embedded_servic
     """Clients that connect over the cap and send their request at once (as every HTTP client does)
     read the 503, even when the server accepts them after their requests came (it is busy: here,
     stopped). Closing a socket with its request unread in it would send a reset instead, and the
-    client's TCP stack would drop the answer with it."""
+    client's TCP stack would drop the answer with it. The connections that hold the cap each have a
+    request the app works on (3 s calls): none of them is idle, so none gives its place to the burst,
+    however slowly the machine takes the burst in."""
     cap, over = 20, 100
-    service = embedded_service_factory("--max-connections", str(cap))
+    service = embedded_service_factory("--max-connections", str(cap), sim_latency_ms=3000)
     request = (
         b"POST /v1/inference HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
         b'content-length: 15\r\n\r\n{"input":"abc"}'
@@ -350,6 +352,8 @@ def test_over_the_cap_a_request_already_sent_still_reads_its_503(embedded_servic
             assert read_response(sock).startswith(b"HTTP/1.1 200 ")
         os.kill(service.pid, signal.SIGSTOP)  # the kernel still completes handshakes into the backlog
         try:
+            for sock in kept:
+                sock.sendall(request)  # unread until the server runs again, then worked on
             for _ in range(over):
                 sock = socket.create_connection((service.host, service.port), timeout=10)
                 burst.append(sock)
@@ -367,6 +371,7 @@ def test_over_the_cap_a_request_already_sent_still_reads_its_503(embedded_servic
         ]
         assert not lost, f"{len(lost)} of {over} connections over the cap got no 503: {lost[:3]}"
         assert all(error_code(answer) == "too_many_connections" for answer in answers if isinstance(answer, bytes))
+        assert all(read_response(sock).startswith(b"HTTP/1.1 200 ") for sock in kept), "the kept requests served"
         kept[0].sendall(b"GET /healthz HTTP/1.1\r\nhost: gw\r\n\r\n")
         assert read_response(kept[0]).startswith(b"HTTP/1.1 200 "), "a kept connection still serves"
     finally:
