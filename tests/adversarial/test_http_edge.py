@@ -384,9 +384,10 @@ def test_a_burst_over_the_cap_is_answered_or_refused_503_none_dropped(embedded_s
     from its head): those past the cap read a 503 for their request. None of the burst's is closed
     unanswered to make room for a newer one (it is not slow, only not read yet), and no answer comes
     before the request it answers (a client that meets an answer and a close while it writes fails
-    without reading it)."""
+    without reading it). Calls of 2 s keep the served connections open through the burst, so no place
+    frees for a later one however slowly the client opens them."""
     cap, burst = 20, 100
-    service = embedded_service_factory("--max-connections", str(cap))
+    service = embedded_service_factory("--max-connections", str(cap), sim_latency_ms=2000)
 
     async def send_all() -> list[int | str]:
         connector = aiohttp.TCPConnector(limit=0, force_close=True)
