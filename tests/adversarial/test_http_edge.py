@@ -544,7 +544,7 @@ def test_half_sent_bodies_hold_at_most_the_budget_and_give_their_memory_back(
     timeout. RSS stays within the budget plus the rig's bound, and comes back to within 50 MB of its
     start; a normal client is served throughout."""
     budget = 16 * 1024 * 1024
-    service = embedded_service_factory("--max-body-bytes-in-flight", str(budget), "--body-timeout-s", "3")
+    service = embedded_service_factory("--max-body-bytes-in-flight", str(budget), "--body-timeout-s", "10")
     httpx.post(f"{service.url}/v1/inference", json={"input": "warm"}, timeout=10)
     rss_before = service.rss_bytes()
     head = (

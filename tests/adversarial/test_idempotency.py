@@ -20,7 +20,8 @@ from tests.support.eventually import eventually_sync
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
-CALL_MS = 1000.0
+CALL_MS = 2000.0
+"""Long enough that a task queued behind the filler is still queued when the test cancels it, on a busy machine."""
 
 
 def _key() -> dict[str, str]:
@@ -53,7 +54,7 @@ def _error(response: httpx.Response) -> dict[str, Any]:
 def test_a_key_whose_task_expired_or_was_cancelled_starts_anew_on_retry(service_factory: ServiceFactory) -> None:
     service: Service = service_factory(workers=1, sim_latency_ms=CALL_MS)
     with httpx.Client(base_url=service.url, timeout=30) as client:
-        # Expired: a 300 ms deadline behind a 1 s call ends expired, its sync caller told 504.
+        # Expired: a 300 ms deadline behind a 2 s call ends expired, its sync caller told 504.
         _occupy_the_worker(client)
         key = _key()
         body = {"input": "expire-then-retry", "timeout_ms": 300}

@@ -87,9 +87,9 @@ async def test_an_idle_workers_stale_credit_delays_one_batch_only_until_the_reba
             response = await client.post(f"{cluster.gateway_urls[0]}/v1/inference", json={"input": "stale"})
             assert response.status_code == 200 and response.json()["output"] == "elats", response.text
             latencies.append((started - killed_at, time.monotonic() - started))
-    slow = [(at, took) for at, took in latencies if took > 1.0]
+    slow = [(at, took) for at, took in latencies if took > 2.5]
     worst = max(took for _, took in latencies)
-    print(f"\nidle worker killed: {len(latencies)} sequential requests, {len(slow)} over 1 s, worst {worst:.1f} s")
+    print(f"\nidle worker killed: {len(latencies)} sequential requests, {len(slow)} over 2.5 s, worst {worst:.1f} s")
     assert len(slow) <= 1, f"only the batch sent against the dead worker's credit waits: {slow}"
     assert worst < 10, f"it waits for the rebalance (about 3-4 s), not longer: {worst:.1f} s"
 

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 @pytest.fixture
 def cluster(tmp_path: Path, infra: Any, request: pytest.FixtureRequest) -> Iterator[Cluster]:
     with stopped_after(
-        request, launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, workers=1, sim_latency_ms=1500)
+        request, launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, workers=1, sim_latency_ms=3000)
     ) as started:
         yield started
 
