@@ -99,7 +99,9 @@ class EmbeddedRuntime:
         """``count_tokens``: each input's length for the batcher's token budget (when it has one)."""
         self.settings = settings
         shared = settings.shared
-        self.partitioner = Partitioner(shared.models, shared.request_partitions)
+        # One in-memory partition per model: Kafka's partitions spread a topic over batchers, and the
+        # embedded service has one batcher, which would read every partition in turn for each request.
+        self.partitioner = Partitioner(shared.models, max(1, len(shared.models)))
         self.requests = MemoryRequestBus(self.partitioner)
         self.producer = self.requests.producer()
         self.store = MemoryTaskStore(
