@@ -172,7 +172,7 @@ class Dispatcher:
                     command = await self._poke(model, loop)
                     continue
                 metrics.IDLE_WORKERS.labels(model=model).set(0)
-                command = loop.claimed(credit, self._claimed(credit), alone=self._alone(model))
+                command = loop.claimed(credit, self._claimed(credit), alone=self.alone(model))
                 if isinstance(command, Space):
                     metrics.SPACING_WAIT.labels(model=model).observe(max(0.0, command.until_s - self.clock()))
             elif isinstance(command, Hold):
@@ -206,7 +206,7 @@ class Dispatcher:
         )
 
     # spacing and reserve -----------------------------------------------------------------------
-    def _alone(self, model: str) -> bool:
+    def alone(self, model: str) -> bool:
         """Whether this batcher owns all of ``model``'s request partitions: no other sends to its workers."""
         owned = self._own_partitions.get(model)
         return owned is not None and owned <= self._assignment()

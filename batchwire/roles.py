@@ -12,7 +12,7 @@ import logging
 
 from batcher.service import Batcher
 from batchwire import role_settings as rs
-from batchwire.embedded import EmbeddedRuntime, EmbeddedSettings
+from batchwire.embedded import EmbeddedRuntime, EmbeddedSettings, request_partitions
 from batchwire.fleet import Heartbeats, batcher_beat, gateway_beat, worker_beat
 from batchwire.gateway_transports import GatewayTransports
 from batchwire.operations import durability, ensure_role_topics
@@ -42,22 +42,26 @@ from transport.replicas import ReplicaSettings, ReplicaWait
 log = logging.getLogger("batchwire")
 
 
+def embedded_settings(args: argparse.Namespace, shared: SharedSettings) -> EmbeddedSettings:
+    """``batchwire up``'s settings: its batcher takes the in-memory log's partitions, so it knows it
+    serves each model alone (``request_partitions``)."""
+    return EmbeddedSettings(
+        shared=shared,
+        batcher=rs.batcher_settings(args, request_partitions(shared.models)),
+        workers_per_model=args.workers,
+        batch_log=args.batch_log,
+        worker=rs.worker_settings(args, shared.models[0]),
+        max_store_bytes=args.max_store_bytes,
+        deterministic_models=tuple(args.deterministic_models),
+    )
+
+
 def run_embedded(args: argparse.Namespace) -> int:
     shared = rs.shared_settings(args)
     backends = rs.backend_settings(args)
     count_tokens = rs.token_counter_of(args)
     runtime = EmbeddedRuntime(
-        EmbeddedSettings(
-            shared=shared,
-            batcher=rs.batcher_settings(args, shared.request_partitions),
-            workers_per_model=args.workers,
-            batch_log=args.batch_log,
-            worker=rs.worker_settings(args, shared.models[0]),
-            max_store_bytes=args.max_store_bytes,
-            deterministic_models=tuple(args.deterministic_models),
-        ),
-        lambda model, index: make_backend(backends, model),
-        count_tokens,
+        embedded_settings(args, shared), lambda model, index: make_backend(backends, model), count_tokens
     )
     settings = rs.gateway_settings(args, shared)
     limiter = None  # one process: the rate limits' buckets live in memory
