@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CPU per request against the floor, in one sitting: a bare FastAPI echo endpoint (`--start echo`),
-# the embedded service and the Kafka roles (2 sim workers of 100 ms), each at 1,000 req/s, the three
-# alternated, three rounds by default. Prints each one's medians: µs per request of its processes
+# the same echo as a plain ASGI callable (`--start echo-asgi`: the HTTP server's share), the embedded
+# service and the Kafka roles (2 sim workers of 100 ms), each at 1,000 req/s, the four alternated,
+# three rounds by default. Prints each one's medians: µs per request of its processes
 # (the Kafka roles together; Kafka and Redis apart), the ratio to the echo, and Redis commands.
 # Usage: bench/cpu_floor.sh [rounds] [out dir]
 set -euo pipefail
@@ -12,7 +13,7 @@ bw=.venv/bin/batchwire
 mkdir -p "$out"
 $bw stack up >/dev/null
 for round in $(seq 1 "$rounds"); do
-  for mode in echo embedded kafka; do
+  for mode in echo echo-asgi embedded kafka; do
     echo "round $round: $mode" >&2
     $bw bench --start "$mode" --workers 2 --sim-latency-ms 100 --rate 1000 --duration 10 --warmup 3 \
       --client raw --lone 20 --seed "$round" --check --out "$out/$mode-$round" >"$out/$mode-$round.log" 2>&1 \
@@ -24,7 +25,7 @@ import json, statistics, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 figures = {}
-for mode in ("echo", "embedded", "kafka"):
+for mode in ("echo", "echo-asgi", "embedded", "kafka"):
     rows = []
     for path in sorted(out.glob(f"{mode}-*/results.json")):
         run = json.loads(path.read_text())["runs"][0]

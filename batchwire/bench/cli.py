@@ -199,8 +199,9 @@ def _add_start_arguments(parser: argparse.ArgumentParser) -> None:
     start = parser.add_argument_group("start the system under test")
     start.add_argument(
         "--start",
-        choices=("embedded", "kafka", "echo"),
-        help="start batchwire itself and stop it at the end (echo: a bare FastAPI echo endpoint, the CPU floor)",
+        choices=("embedded", "kafka", "echo", "echo-asgi"),
+        help="start batchwire itself and stop it at the end (echo: a bare FastAPI echo endpoint, the CPU floor; "
+        "echo-asgi: the same answers from a plain ASGI callable, the HTTP server's share of it)",
     )
     start.add_argument("--policy", choices=POLICIES, default="work-conserving", help="batching policy to start")
     start.add_argument("--policies", type=_names, help="comma list: run every rate once per policy (with --start)")

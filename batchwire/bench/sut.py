@@ -27,7 +27,7 @@ import aiohttp
 from batchwire.bench.own_stack import OwnStack, child_env
 from infra.ports import free_port
 
-Mode = Literal["embedded", "kafka", "echo"]
+Mode = Literal["embedded", "kafka", "echo", "echo-asgi"]
 _POLL_S = 0.2
 BATCH_LOG_VAR = "BATCHWIRE_BATCH_LOG"
 
@@ -114,9 +114,10 @@ def plan(spec: SutSpec, command: Sequence[str], namespace: str, log_dir: Path) -
     shared = ["--models", ",".join(spec.models)] if spec.models else []  # flags every role takes
     if spec.result_ttl_s is not None:
         shared += ["--result-ttl-s", f"{spec.result_ttl_s:g}"]
-    if spec.mode == "echo":
+    if spec.mode in ("echo", "echo-asgi"):
         port = free_port(spec.host)
         argv = [sys.executable, "-m", "batchwire.bench.echo", "--host", spec.host, "--port", str(port)]
+        argv += ["--asgi"] if spec.mode == "echo-asgi" else []
         out.roles.append(Role("echo", "echo", argv, f"{origin}:{port}/readyz", log_dir / "echo.log"))
         out.urls.append(f"{origin}:{port}{spec.inference_path}")
         return out

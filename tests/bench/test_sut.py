@@ -18,7 +18,7 @@ import pytest
 from batchwire.bench import stack as stack_module
 from batchwire.bench import sut as sut_module
 from batchwire.bench.cli import main
-from batchwire.bench.sut import SutError, SutSpec, SystemUnderTest, plan
+from batchwire.bench.sut import Mode, SutError, SutSpec, SystemUnderTest, plan
 
 FAKE = (sys.executable, str(Path(__file__).with_name("fake_batchwire.py")))
 
@@ -96,14 +96,17 @@ async def test_start_wait_ready_and_stop_cleanly(tmp_path: Path) -> None:
     assert sut.describe()["returncodes"] == {"up": 0}, "SIGTERM should have stopped it cleanly"
 
 
-async def test_the_echo_floor_answers_as_the_sim_backend_does(tmp_path: Path) -> None:
-    """``--start echo``: a bare FastAPI endpoint, so ``--check`` holds against it as against batchwire."""
-    spec = SutSpec(mode="echo", policy="work-conserving", ready_timeout_s=30)
+@pytest.mark.parametrize("mode", ["echo", "echo-asgi"])
+async def test_the_echo_floor_answers_as_the_sim_backend_does(tmp_path: Path, mode: Mode) -> None:
+    """``--start echo``: a bare FastAPI endpoint (``echo-asgi``: a plain ASGI callable), so ``--check``
+    holds against it as against batchwire."""
+    spec = SutSpec(mode=mode, policy="work-conserving", ready_timeout_s=30)
     with SystemUnderTest(spec, tmp_path) as sut:
         sut.start()
         await sut.wait_ready()
         async with aiohttp.ClientSession() as session, session.post(sut.urls[0], json={"input": "abc"}) as answer:
             assert answer.status == 200
+            assert answer.content_type == "application/json"
             assert (await answer.json()) == {"output": "cba"}
     # uvicorn re-raises the SIGTERM it shut down on: -15, not -9 (the SIGKILL after the grace period)
     assert sut.describe()["returncodes"] == {"echo": -signal.SIGTERM}, "SIGTERM should have stopped it"
