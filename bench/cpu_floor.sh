@@ -27,7 +27,7 @@ out = Path(sys.argv[1])
 figures = {}
 for mode in ("echo", "echo-asgi", "embedded", "kafka"):
     rows = []
-    for path in sorted(out.glob(f"{mode}-*/results.json")):
+    for path in sorted(out.glob(f"{mode}-[0-9]*/results.json")):  # echo-[0-9]: not echo-asgi-N
         run = json.loads(path.read_text())["runs"][0]
         rate = run["rates"][0]
         groups = rate["processes"]
