@@ -20,7 +20,7 @@ import pytest
 from tests.support.adversarial_rig import ServiceFactory
 from tests.support.eventually import eventually_sync
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timing]  # a 3x flood beside a deadline: run alone
 
 FLOOD_KEY = "tenant-a-0123456789abcdef"
 QUIET_KEY = "tenant-c-0123456789abcdef"
