@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from batcher.service import Batcher
@@ -57,13 +57,6 @@ class _BatchRouter:
         self.sent[batch.model] += 1
 
 
-def request_partitions(models: Sequence[str]) -> int:
-    """The in-memory request log's partitions: one per model. Kafka's partitions spread a topic over
-    batchers; the embedded service has one batcher, which would read every partition in turn for each
-    request. Its batcher's settings take the same count, so that it knows it serves each model alone."""
-    return max(1, len(models))
-
-
 @dataclass
 class EmbeddedSettings:
     shared: SharedSettings = field(default_factory=SharedSettings)
@@ -106,7 +99,7 @@ class EmbeddedRuntime:
         """``count_tokens``: each input's length for the batcher's token budget (when it has one)."""
         self.settings = settings
         shared = settings.shared
-        self.partitioner = Partitioner(shared.models, request_partitions(shared.models))
+        self.partitioner = Partitioner(shared.models, shared.request_partitions)
         self.requests = MemoryRequestBus(self.partitioner)
         self.producer = self.requests.producer()
         self.store = MemoryTaskStore(

@@ -96,11 +96,7 @@ def shared(parser: argparse.ArgumentParser) -> None:
         "comma-separated models served; requests name one",
     )
     field_flag(
-        parser,
-        SharedSettings,
-        "request_partitions",
-        int,
-        "partitions of the request topic (split among models; embedded: one in-memory partition per model)",
+        parser, SharedSettings, "request_partitions", int, "partitions of the request topic (split among models)"
     )
     field_flag(
         parser,

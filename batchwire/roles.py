@@ -12,7 +12,7 @@ import logging
 
 from batcher.service import Batcher
 from batchwire import role_settings as rs
-from batchwire.embedded import EmbeddedRuntime, EmbeddedSettings, request_partitions
+from batchwire.embedded import EmbeddedRuntime, EmbeddedSettings
 from batchwire.fleet import Heartbeats, batcher_beat, gateway_beat, worker_beat
 from batchwire.gateway_transports import GatewayTransports
 from batchwire.operations import durability, ensure_role_topics
@@ -43,11 +43,11 @@ log = logging.getLogger("batchwire")
 
 
 def embedded_settings(args: argparse.Namespace, shared: SharedSettings) -> EmbeddedSettings:
-    """``batchwire up``'s settings: its batcher takes the in-memory log's partitions, so it knows it
-    serves each model alone (``request_partitions``)."""
+    """``batchwire up``'s settings: its batcher takes the request log's partitions, so it knows it
+    serves each model alone (``Dispatcher.alone``) and spaces its busy workers."""
     return EmbeddedSettings(
         shared=shared,
-        batcher=rs.batcher_settings(args, request_partitions(shared.models)),
+        batcher=rs.batcher_settings(args, shared.request_partitions),
         workers_per_model=args.workers,
         batch_log=args.batch_log,
         worker=rs.worker_settings(args, shared.models[0]),
