@@ -16,6 +16,7 @@ it starts as the primary only when they still name it, i.e. no failover happened
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -34,12 +35,14 @@ from infra.detached import (
     write_atomically,
     write_pid,
 )
-from infra.errors import InfraError
+from infra.errors import InfraError, ServiceStartError
 from infra.fetch_kafka import prepare_kafka
 from infra.kafka_cluster import cluster_jvm_opts, harden_offsets_topic, node_properties
+from infra.kafka_dist import KafkaRuntime
 from infra.kafka_probe import wait_for_kafka
 from infra.kafka_server import DEFAULT_STOP_TIMEOUT_S, KafkaServer, new_cluster_id, read_config_ports
 from infra.locks import file_lock
+from infra.loopback import PORT_ATTEMPTS
 from infra.ports import LOOPBACK, free_port, free_port_pair
 from infra.process import ServiceProcess
 from infra.redis_cluster import cluster_url, create, wait_whole
@@ -343,10 +346,42 @@ def _up_kafka_nodes(
     else:
         port_pairs = {node.node_id: (node.server.ports()[0], node.server.ports()[1]) for node in kafka_nodes}
     cluster_id = id_path.read_text().strip()
-    controllers = {node_id: pair[1] for node_id, pair in port_pairs.items()}
     runtime = prepare_kafka()
     dead = [node for node in kafka_nodes if running[node.server.name] is None]
-    servers = {
+    # A fresh cluster's ports were free when drawn, but another process may bind one before its JVM
+    # does: every node then starts again on new ports (each knows every controller's address).
+    for attempt in range(1, (PORT_ATTEMPTS if fresh else 1) + 1):
+        servers = _kafka_servers(runtime, dead, port_pairs, cluster_id)
+        failure = _start_together(servers, deadline)
+        if failure is None:
+            break
+        taken = any("Address already in use" in server.log_tail() for server in servers.values())
+        for server in servers.values():
+            server.stop()
+        if not (fresh and taken) or attempt == PORT_ATTEMPTS:
+            raise failure
+        for node in dead:
+            shutil.rmtree(node.server.work_dir / "data", ignore_errors=True)  # formatted for the old quorum
+        ports = _fresh_ports(2 * len(kafka_nodes), {port for pair in port_pairs.values() for port in pair})
+        port_pairs = {node.node_id: (ports[2 * i], ports[2 * i + 1]) for i, node in enumerate(kafka_nodes)}
+    actions = []
+    for node in kafka_nodes:
+        process = running[node.server.name]
+        if process is not None:
+            actions.append(_keep_alive(node, process, _kafka_serves_until(deadline), deadline))
+            continue
+        server = servers[node.node_id]
+        write_pid(node.server.pid_path, server.pid)
+        kept = "started empty" if fresh else "restarted over its data"
+        actions.append(f"{node.server.name}: was not running; {kept} (pid {server.pid}, port {server.broker_port})")
+    return actions
+
+
+def _kafka_servers(
+    runtime: KafkaRuntime, dead: list[Node], port_pairs: dict[int, tuple[int, int]], cluster_id: str
+) -> dict[int, KafkaServer]:
+    controllers = {node_id: pair[1] for node_id, pair in port_pairs.items()}
+    return {
         node.node_id: KafkaServer(
             runtime,
             node.server.work_dir,
@@ -359,23 +394,22 @@ def _up_kafka_nodes(
         )
         for node in dead
     }
-    if dead:
-        # Together: a node serves only once a majority of the controller quorum runs.
-        with ThreadPoolExecutor(max_workers=len(dead), thread_name_prefix="stack-kafka") as pool:
-            started = [pool.submit(server.start, max(deadline - time.monotonic(), 1.0)) for server in servers.values()]
-            for future in started:
-                future.result()
-    actions = []
-    for node in kafka_nodes:
-        process = running[node.server.name]
-        if process is not None:
-            actions.append(_keep_alive(node, process, _kafka_serves_until(deadline), deadline))
-            continue
-        server = servers[node.node_id]
-        write_pid(node.server.pid_path, server.pid)
-        kept = "started empty" if fresh else "restarted over its data"
-        actions.append(f"{node.server.name}: was not running; {kept} (pid {server.pid}, port {server.broker_port})")
-    return actions
+
+
+def _start_together(servers: dict[int, KafkaServer], deadline: float) -> ServiceStartError | None:
+    """Starts the nodes at once (a node serves only once a majority of the controller quorum runs) and
+    waits for every start to end; the first failure, or None."""
+    if not servers:
+        return None
+    with ThreadPoolExecutor(max_workers=len(servers), thread_name_prefix="stack-kafka") as pool:
+        started = [pool.submit(server.start, max(deadline - time.monotonic(), 1.0)) for server in servers.values()]
+        errors = [future.exception() for future in started]
+    for error in errors:
+        if isinstance(error, ServiceStartError):
+            return error
+        if error is not None:
+            raise error
+    return None
 
 
 def _kafka_serves_until(deadline: float) -> Callable[[int], bool]:

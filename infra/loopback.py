@@ -10,7 +10,8 @@ from pathlib import Path
 from infra.errors import ServiceStartError
 from infra.process import ServiceProcess, tail_text
 
-_PORT_ATTEMPTS = 3
+PORT_ATTEMPTS = 3
+"""Starts on fresh ports a server whose port another process bound first gets, in all."""
 
 
 class LoopbackServer(ABC):
@@ -55,7 +56,7 @@ class LoopbackServer(ABC):
         if self.is_running():
             return
         deadline = time.monotonic() + (self._start_timeout_s if timeout_s is None else timeout_s)
-        attempts = _PORT_ATTEMPTS if self._ports_chosen_by_us and not self._has_served else 1
+        attempts = PORT_ATTEMPTS if self._ports_chosen_by_us and not self._has_served else 1
         for attempt in range(1, attempts + 1):
             try:
                 self._start_once(deadline)
