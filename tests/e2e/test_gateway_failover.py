@@ -124,6 +124,12 @@ def _long_poll(url: str, task_id: str) -> tuple[float, dict[str, Any]]:
     return time.monotonic(), response.json()
 
 
+def _outcome(future: Future[tuple[float, dict[str, Any]]]) -> str:
+    """What a caller's call ended with: its answer, or the error it raised."""
+    error = future.exception()
+    return repr(future.result()) if error is None else f"{type(error).__name__}: {error}"
+
+
 def _stream(url: str, task_id: str) -> tuple[float, dict[str, Any]]:
     with httpx.stream("GET", f"{url}/v1/result/{task_id}/events", timeout=40) as response:
         assert response.status_code == 200
@@ -201,7 +207,8 @@ def test_held_callers_are_answered_when_their_gateway_is_back_on_the_new_primary
         eventually_sync(
             _all(lambda: new_port, names, "completed", TOTAL), "every answer on the new primary", timeout_s=20
         )
-        assert not any(future.done() for _, future in calls), "no caller of a frozen gateway can have its answer"
+        ended = {text: _outcome(future) for text, future in calls if future.done()}
+        assert not ended, f"no caller of a frozen gateway can have its answer: {ended}"
 
         os.kill(frozen, signal.SIGCONT)
         resumed_at = time.monotonic()
