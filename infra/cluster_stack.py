@@ -355,13 +355,13 @@ def _up_kafka_nodes(
         failure = _start_together(servers, deadline)
         if failure is None:
             break
-        taken = any("Address already in use" in server.log_tail() for server in servers.values())
+        taken = any(server.port_taken() for server in servers.values())
         for server in servers.values():
             server.stop()
         if not (fresh and taken) or attempt == PORT_ATTEMPTS:
             raise failure
-        for node in dead:
-            shutil.rmtree(node.server.work_dir / "data", ignore_errors=True)  # formatted for the old quorum
+        for server in servers.values():
+            shutil.rmtree(server.data_dir, ignore_errors=True)  # formatted for the old quorum
         ports = _fresh_ports(2 * len(kafka_nodes), {port for pair in port_pairs.values() for port in pair})
         port_pairs = {node.node_id: (ports[2 * i], ports[2 * i + 1]) for i, node in enumerate(kafka_nodes)}
     actions = []

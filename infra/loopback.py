@@ -51,6 +51,10 @@ class LoopbackServer(ABC):
     def log_tail(self, lines: int = 40) -> str:
         return tail_text(self.log_path, lines)
 
+    def port_taken(self) -> bool:
+        """Whether its last start failed because another process held one of its ports."""
+        return "Address already in use" in self.log_tail()
+
     def start(self, timeout_s: float | None = None) -> None:
         """Launches the server and returns once it serves (does nothing if it runs already)."""
         if self.is_running():
@@ -61,7 +65,7 @@ class LoopbackServer(ABC):
             try:
                 self._start_once(deadline)
             except ServiceStartError:
-                if attempt == attempts or "Address already in use" not in self.log_tail():
+                if attempt == attempts or not self.port_taken():
                     raise
                 self._choose_new_ports()
                 continue
