@@ -27,6 +27,7 @@ CAPACITY_PER_S = 50.0  # one worker, 5 items per 100 ms call
 OFFERED_PER_S = 3 * CAPACITY_PER_S
 DURATION_S = 8.0
 TIMEOUT_MS = 3000
+WARM_ANSWERS = 4
 WARM_CONNECTIONS = 300
 """More than the flood keeps in flight: the deadline's worth of admitted requests and the refusals."""
 KEEPALIVE_S = 9.0
@@ -49,12 +50,17 @@ def _start(request: pytest.FixtureRequest, mode: str) -> Service:
         service = factory(workers=1, worker_flags=("--max-batch", "5"), extra_env={"BATCHWIRE_MODELS": "sim,flood"})
         assert service.cluster is not None
         service.cluster.worker(1, "--model", "flood", "--max-batch", "5")
-    # Answered once, so the worker knows its call's latency (as on any service that has been running).
+    # Answered a few times, so the gateway knows the model's call time (its fastest answer) and the
+    # worker states its rate, as on any service that has been running: a lone first answer can carry
+    # a cold path's seconds.
     eventually_sync(
         lambda: httpx.post(f"{service.url}/v1/inference", json={"input": "up", "model": "flood"}).status_code == 200,
         "the flood model's worker to answer",
         timeout_s=60,
     )
+    for n in range(WARM_ANSWERS):
+        response = httpx.post(f"{service.url}/v1/inference", json={"input": f"warm-{n}", "model": "flood"}, timeout=10)
+        assert response.status_code == 200, response.text
     return service
 
 

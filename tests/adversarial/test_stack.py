@@ -114,4 +114,6 @@ def test_stack_up_on_a_half_dead_stack_brings_the_running_deployment_back_with_i
             return True
 
         eventually_sync(completed, f"the {ACCEPTED} tasks accepted before the crash to complete", timeout_s=60)
-        assert {proc.name: proc.pid for proc in cluster.procs if proc.alive()} == pids, "every role ran on"
+        ended = [f"{proc.name} exited {proc.stop()}:\n{proc.tail(30)}" for proc in cluster.procs if not proc.alive()]
+        assert not ended, "every role runs on; these ended:\n" + "\n".join(ended)
+        assert {proc.name: proc.pid for proc in cluster.procs} == pids, "no role was started again"

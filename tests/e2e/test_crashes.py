@@ -120,11 +120,13 @@ async def test_a_batcher_killed_with_held_requests_loses_none(
 
 
 async def test_async_tasks_survive_a_gateway_restart(tmp_path: Path, infra: Any, clusters: list[Cluster]) -> None:
-    cluster = launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, gateways=2, workers=2, sim_latency_ms=3000)
+    # 8 s calls: the last batch ends two calls after the first post (within the 30 s default deadline),
+    # which leaves a busy machine about 14 s to stop the gateway and bring it back.
+    cluster = launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, gateways=2, workers=2, sim_latency_ms=8000)
     clusters.append(cluster)
     first, other = cluster.gateway_urls
     inputs = [f"async-{n}" for n in range(20)]
-    async with httpx.AsyncClient(timeout=30) as client:
+    async with httpx.AsyncClient(timeout=60) as client:
         created = [(await client.post(f"{first}/v1/tasks", json={"input": text})).json() for text in inputs]
         gateway0 = proc_named(cluster, "gateway0")
         assert gateway0.stop() == 0, "a gateway stops on SIGTERM and exits 0"
@@ -135,10 +137,10 @@ async def test_async_tasks_survive_a_gateway_restart(tmp_path: Path, infra: Any,
         stored = await asyncio.to_thread(task_states, cluster.redis_url, cluster.namespace, ids)
         pending = [task for task in ids if not stored[task].status.terminal]
         polled = await asyncio.gather(
-            *(client.get(f"{restarted}/v1/result/{task['task_id']}", params={"wait": 20}) for task in created)
+            *(client.get(f"{restarted}/v1/result/{task['task_id']}", params={"wait": 45}) for task in created)
         )
         streamed = await asyncio.gather(
-            *(asyncio.wait_for(collect_events(client, other, task["task_id"]), 20) for task in created[:5])
+            *(asyncio.wait_for(collect_events(client, other, task["task_id"]), 45) for task in created[:5])
         )
     for text, response in zip(inputs, polled, strict=True):
         body = response.json()
