@@ -142,10 +142,13 @@ class BackendRunner:
                     async with asyncio.timeout(None if limit is None else since + limit - self.clock()):
                         return await asyncio.shield(running)
                 except TimeoutError:
-                    if timing.started is not None and self.clock() - timing.started >= (limit or 0.0):
+                    started, ended = timing.started, timing.ended
+                    ran_s = None if started is None else (self.clock() if ended is None else ended) - started
+                    if ran_s is not None and ran_s >= (limit or 0.0):
                         self.hung = True
-                        raise BackendHung(self.clock() - timing.started, limit or 0.0, self.expected_s) from None
-                    # still queued behind the call before, which is under a limit of its own
+                        raise BackendHung(ran_s, limit or 0.0, self.expected_s) from None
+                    # still queued behind the call before (under a limit of its own), or it ended in
+                    # time while this process was held up past the limit (a starved machine)
         finally:
             if timing.started is not None and timing.ended is not None:
                 self._observe(timing.ended - timing.started)

@@ -54,6 +54,17 @@ async def test_a_call_past_its_limit_is_hung_and_the_runner_refuses_more() -> No
     runner.close()
 
 
+async def test_a_call_that_ends_in_time_is_not_hung_however_late_the_event_loop_wakes() -> None:
+    """A process held up (a starved machine) past the limit while its call ended in time: not a hang."""
+    runner = BackendRunner("r", hang_factor=10, hang_min_s=0.2, expected_s=0.001)
+    call = asyncio.ensure_future(runner.call(time.sleep, 0.01))
+    await asyncio.sleep(0)  # the call is on the thread and its limit armed
+    time.sleep(0.6)  # noqa: ASYNC251  # the event loop held up three limits long; the call ends meanwhile
+    assert await call is None
+    assert not runner.hung
+    runner.close()
+
+
 async def test_a_call_records_its_threads_cpu_time_computing_not_waiting() -> None:
     """A model computing on the CPU uses its thread's CPU; one waiting for a device (a sleep) does not."""
     runner = BackendRunner("test")
