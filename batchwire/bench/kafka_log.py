@@ -94,7 +94,7 @@ class KafkaLogs:
         first call reads nothing and marks where each file ends."""
         replicas: dict[tuple[Path, str], tuple[int, int]] = {}
         for folder in self.dirs:
-            for segment in folder.glob("*/*.log"):
+            for segment in _segments(folder):
                 try:
                     with segment.open("rb") as file:
                         if not self._started:
@@ -118,6 +118,17 @@ class KafkaLogs:
             if appended[1] >= grown.get(partition, (0, 0))[1]:
                 grown[partition] = appended
         return grown
+
+
+def _segments(folder: Path) -> list[Path]:
+    """A log dir's segment files; a partition folder deleted while it is listed (its topic deleted) has none."""
+    segments: list[Path] = []
+    for partition in folder.iterdir():
+        try:
+            segments.extend(partition.glob("*.log"))
+        except OSError:
+            continue
+    return segments
 
 
 def writes(grown: dict[str, tuple[int, int]], answers: int) -> KafkaWrites:
