@@ -19,7 +19,7 @@ from transport.errors import PermanentTransportError
 from transport.kafka.consumers import KafkaBatchConsumer, KafkaRequestConsumer
 from transport.kafka.group import GroupTiming
 from transport.kafka.producers import KafkaBatchProducer, KafkaRequestProducer
-from transport.ports import Delivered
+from transport.ports import Delivered, TransportError
 from transport.routing import Partitioner
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(90)]
@@ -235,3 +235,54 @@ async def test_a_long_poll_returns_as_soon_as_a_record_lands(
 
 async def _ignore(partitions: frozenset[int]) -> None:
     return None
+
+
+async def test_records_fetched_in_a_rebalance_whose_callback_failed_come_to_the_service(
+    kafka_bootstrap: str, names: Names, closer: Closer
+) -> None:
+    """A failed rebalance callback surfaces as a retriable fetch error, and the records the fetch it
+    failed in brought (read again from the committed offsets) still reach the service: aiokafka has
+    moved past them, so dropping them would skip them until the next rebalance."""
+    await ensure_topics(kafka_bootstrap, {names.request_topic: 2})
+    producer = closer.add(KafkaRequestProducer(kafka_bootstrap, names, Partitioner(["alpha"], 2)))
+    await producer.start()
+    for n in range(8):
+        await producer.send(request(f"t{n}", "alpha"))
+    group = f"{names.batcher_group}.{uuid.uuid4().hex[:6]}"
+    timing = GroupTiming(heartbeat_interval_ms=200)
+    failed: list[frozenset[int]] = []
+
+    async def fails_once(partitions: frozenset[int]) -> None:
+        if not failed:
+            failed.append(partitions)
+            raise RuntimeError("the service could not give its partitions up")
+
+    first = closer.add(KafkaRequestConsumer(kafka_bootstrap, names, group_id=group, timing=timing))
+    await first.start(_ignore, fails_once)
+    sent: dict[int, set[str]] = {0: set(), 1: set()}
+    for item in await read(first, 8):  # nothing committed: the partition's next owner reads them again
+        assert item.value is not None
+        sent[item.partition].add(item.value.task_id)
+    waiting = asyncio.create_task(first.fetch(WAIT_S, 100))  # nothing new: it waits through the rebalance
+    second = closer.add(KafkaRequestConsumer(kafka_bootstrap, names, group_id=group, timing=timing))
+    await second.start(_ignore, _ignore)
+    await eventually(lambda: len(first.assignment()) == 1, "the two members to split", timeout_s=WAIT_S)
+    (kept,) = first.assignment()
+    fetches = [waiting]
+    again: set[str] = set()
+    errors: list[TransportError] = []
+    deadline = time.monotonic() + WAIT_S
+    while again != sent[kept] and time.monotonic() < deadline:
+        try:
+            again.update(item.value.task_id for item in await fetches.pop() if item.value is not None)
+        except TransportError as err:
+            errors.append(err)
+        fetches.append(asyncio.ensure_future(first.fetch(1.0, 100)))
+    fetches.pop().cancel()
+    if not errors:  # every record came in the fetch the callback failed in: the next one says so
+        with pytest.raises(TransportError) as raised:
+            await first.fetch(0.1, 100)
+        errors.append(raised.value)
+    assert failed, "the revoked callback ran and failed"
+    assert errors and all(err.retriable for err in errors), errors
+    assert again == sent[kept], f"partition {kept}'s records read again: {sorted(again)} of {sorted(sent[kept])}"

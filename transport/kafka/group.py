@@ -198,7 +198,12 @@ class GroupConsumer:
             raise TransportError(f"a rebalance callback for {self.topic} failed: {failure!r}") from failure
 
     async def getmany(self, timeout_s: float, max_records: int) -> list[Any]:
-        """Records from every assigned partition, in offset order per partition, waiting at most ``timeout_s``."""
+        """Records from every assigned partition, in offset order per partition, waiting at most ``timeout_s``.
+
+        A rebalance callback that failed raises here before the next fetch. One that failed during a
+        fetch raises on the call after it: that fetch's records are returned, since aiokafka has
+        moved past them and would not return them again.
+        """
         self._raise_callback_failure()
         if self._consumer is None:
             raise PermanentTransportError(f"consumer of {self.topic} is not started (or closed)")
@@ -206,7 +211,6 @@ class GroupConsumer:
             batches = await self._consumer.getmany(timeout_ms=max(0, int(timeout_s * 1000)), max_records=max_records)
         except KafkaError as err:
             raise translate(f"fetching from {self.topic}", err) from err
-        self._raise_callback_failure()
         records: list[Any] = []
         for tp in sorted(batches, key=lambda tp: tp.partition):
             records.extend(batches[tp])
