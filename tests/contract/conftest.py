@@ -75,7 +75,9 @@ async def make_store(keyed_url: str | None, names: Names) -> AsyncIterator[Store
             return shared[0]
         store: TaskStore
         if keyed_url is not None:
-            store = RedisTaskStore(keyed_url, names, ttl_s=ttl_s)
+            # A first PING over a Sentinel asks it for the primary and connects: on a busy machine that
+            # takes longer than the default ready timeout, which bounds the answer of a live store.
+            store = RedisTaskStore(keyed_url, names, ttl_s=ttl_s, ready_timeout_s=5.0)
         else:
             shared.append(MemoryTaskStore(ttl_s=ttl_s))
             store = shared[0]

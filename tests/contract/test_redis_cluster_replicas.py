@@ -144,7 +144,12 @@ async def test_after_a_primarys_failover_replies_and_watches_follow_its_slots(tm
             channel = names.reply_channel("g1")
             victim = next(node for node in cluster.nodes if _serves(node.port, key_slot(channel.encode())))
             task_id = next(f"w{n}" for n in range(1_000) if _serves(victim.port, key_slot(f"w{n}".encode())))
-            await store.create(state(task_id, TaskStatus.QUEUED, reply_to="g1"))
+            queued = state(task_id, TaskStatus.QUEUED, reply_to="g1")
+            await store.create(queued)
+            # Replication is asynchronous: a task the killed primary had not yet sent its replica is
+            # gone after the failover, and the end of a task no one stored is not published on its
+            # channel. Wait for the replica, as a caller that needs the task to outlive its primary does.
+            assert await store.apply_replicated([queued], 1, WAIT_MS) == 1, "the replica holds the task"
             async with store.watch(task_id) as events:
                 victim.kill()
                 await asyncio.wait_for(returned.wait(), 30)
