@@ -165,7 +165,6 @@ class EmbeddedRuntime:
                 log.error("embedded worker %s crashed and is not replaced", worker.settings.worker_id)
                 return
             model, index = self._slots[slot]
-            batch = worker.hung_batch
             await worker.close(drain_timeout_s=0)
             self._generations[slot] += 1
             fresh = self._worker(slot)
@@ -177,7 +176,7 @@ class EmbeddedRuntime:
                 worker.settings.worker_id,
                 fresh.settings.worker_id,
             )
-            if batch is not None:  # given back uncommitted: in memory that means sent again
+            for batch in worker.given_back:  # uncommitted: in memory that means sent again
                 await self.batch_buses[model].send(batch, index)
 
     async def start(self) -> None:

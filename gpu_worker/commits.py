@@ -1,8 +1,11 @@
 """Storing a batch's results and committing it, one batch after another in the order they came.
 
-Commits go in offset order: a batch's offset commits every offset before it, so each batch is
-committed only after the one handed in before it. Once one is left uncommitted (its results not
-stored or not on enough Redis replicas), no later one is committed. Stores and commits run in two
+Commits go in offset order: a batch's offset commits every offset before it, so each batch takes
+its place in the commit order when it is fetched (``reserve``), and is committed only after every
+batch fetched before it, whichever call ends first (a failing call is split and runs again behind
+the call queued after it). Once one is left uncommitted (its results not stored or not on enough
+Redis replicas, or its call never ended), no later one is committed: those batches are kept in
+``given_back`` for a supervisor that sends them again (embedded mode). Stores and commits run in two
 tasks of their own, which neither a cancelled loop nor a failed backend call cuts in half, while
 the loop goes on: on a busy event loop, waiting for the store first would leave the GPU idle as
 long. A store does not wait for the commits before it: a commit may wait for the group's coordinator
@@ -35,16 +38,21 @@ Timed = GroupResult | None
 
 
 @dataclass(slots=True)
-class _Handed:
+class Slot:
+    """A fetched batch's place in the commit order; its results come later (``Committer.fill``)."""
+
     delivered: Delivered[Batch]
-    states: list[TaskState]
+    states: list[TaskState] = field(default_factory=list)
     call: Timed = None
+    filled: bool = False
     handed_ns: int = 0
     """When the results were handed in (wall clock), only while tracing."""
     stored_ns: int = 0
     """When they were stored (wall clock), only while tracing."""
     safe: bool = False
     """Stored (on enough Redis replicas where asked): the batch may be committed."""
+    stored: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    """Done once its store was tried (or it was given up): its commit may go."""
     done: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -77,10 +85,12 @@ class Committer:
         self.stopping = stopping
         self.batches_done = 0
         """Batches finished with: results stored and commit attempted (or skipped as undecodable)."""
-        self._stores: asyncio.Queue[_Handed] = asyncio.Queue()
-        self._commits: asyncio.Queue[_Handed] = asyncio.Queue()
+        self._stores: asyncio.Queue[Slot] = asyncio.Queue()
+        self._commits: asyncio.Queue[Slot] = asyncio.Queue()
         self._held_back = False
         """A batch was left uncommitted: no later one is committed."""
+        self.given_back: list[Batch] = []
+        """The batches left uncommitted, in the order they came."""
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -89,12 +99,34 @@ class Committer:
             asyncio.create_task(self._commit_loop(), name=f"commits-{self.worker_id}"),
         ]
 
+    def reserve(self, delivered: Delivered[Batch]) -> Slot:
+        """The batch's place in the commit order, behind every batch reserved before it. It must be
+        filled or given up, or no later batch is committed."""
+        slot = Slot(delivered)
+        self._commits.put_nowait(slot)
+        return slot
+
+    def fill(self, slot: Slot, states: list[TaskState], call: Timed = None) -> asyncio.Future[None]:
+        """Queues the batch's results (none for an undecodable one) to be stored at once; the future
+        is done once the batch is through, stored and committed or held back."""
+        if slot.filled:
+            raise RuntimeError(f"the results of batch at {slot.delivered.offset} were handed in twice")
+        slot.filled = True
+        slot.states, slot.call = states, call
+        slot.handed_ns = time.time_ns() if tracing.ACTIVE else 0
+        self._stores.put_nowait(slot)
+        return slot.done
+
+    def give_up(self, slot: Slot) -> None:
+        """The batch will have no results (its call failed or was cancelled): it goes back uncommitted,
+        and every batch after it with it. Nothing once it was filled."""
+        if not slot.filled:
+            slot.filled = True
+            slot.stored.set_result(None)
+
     def hand_in(self, delivered: Delivered[Batch], states: list[TaskState], call: Timed = None) -> asyncio.Future[None]:
-        """Queues the batch's results (none for an undecodable one) behind those handed in before;
-        the future is done once it is through, stored and committed or held back."""
-        handed = _Handed(delivered, states, call, time.time_ns() if tracing.ACTIVE else 0)
-        self._stores.put_nowait(handed)
-        return handed.done
+        """``reserve`` and ``fill`` at once."""
+        return self.fill(self.reserve(delivered), states, call)
 
     async def drained(self) -> None:
         """Returns once every batch handed in is through."""
@@ -122,13 +154,14 @@ class Committer:
                 handed.safe = False
                 self.on_failure(err)
             finally:
-                self._commits.put_nowait(handed)
+                handed.stored.set_result(None)
                 self._stores.task_done()
 
     async def _commit_loop(self) -> None:
         while True:
             handed = await self._commits.get()
             try:
+                await handed.stored
                 await self._through(handed)
             except asyncio.CancelledError:
                 raise
@@ -140,7 +173,7 @@ class Committer:
                     handed.done.set_result(None)
                 self._commits.task_done()
 
-    async def _store(self, handed: _Handed) -> None:
+    async def _store(self, handed: Slot) -> None:
         states, batch = handed.states, handed.delivered.value
         if (
             self.replicas is not None and batch is not None
@@ -153,10 +186,12 @@ class Committer:
         if tracing.ACTIVE:
             handed.stored_ns = time.time_ns()  # what the callers wait for; the commit follows
 
-    async def _through(self, handed: _Handed) -> None:
+    async def _through(self, handed: Slot) -> None:
         delivered, batch = handed.delivered, handed.delivered.value
         self._held_back = self._held_back or not handed.safe
         if self._held_back:  # committing this batch's offset would also commit one left uncommitted before it
+            if batch is not None:
+                self.given_back.append(batch)
             log.info(
                 "worker %s: batch at %d/%d goes back uncommitted (its results, or an earlier batch's, are not safe)",
                 self.worker_id,

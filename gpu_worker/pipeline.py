@@ -81,11 +81,12 @@ class Pipeline:
             await self._loop_idle.wait()
             await self.backend_free()
 
-    def start(self, result: GroupResult, size: int, call: Coroutine[Any, Any, None]) -> None:
+    def start(self, result: GroupResult, size: int, call: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Starts ``call`` (which fills ``result``) beside the loop, behind the calls in flight."""
         assert self._group is not None, "calls start from the loop, inside run()"
         task = self._group.create_task(call, name="backend-call")
         self._started.append(InFlight(task, result, size))
+        return task
 
     async def backend_free(self) -> None:
         """Waits until no call runs or waits on the backend's thread."""

@@ -15,7 +15,8 @@ Faults, in the order a batch meets them:
 * a batch delivered again (its last holder died or handed it back) runs carefully: suspects in
   halves, each group marked in flight first, results stored after each group; an input that kept
   killing workers goes to the dead-letter topic (``careful`` plans it, ``redelivery`` runs it);
-* a hung backend call makes the worker give the batch back uncommitted and stop (``hung``);
+* a hung backend call makes the worker give the batch back uncommitted, with every batch fetched
+  after it, and stop (``hung``; ``given_back`` names them);
 * Kafka or Redis unreachable: every step is retried with backoff until it works or the worker is
   told to stop; only errors that retrying cannot fix end the loop (and the process, non-zero).
 """
@@ -31,7 +32,7 @@ from typing import TypeVar
 from gpu_worker.admission import Admission
 from gpu_worker.backends.base import Backend
 from gpu_worker.calls import BackendCalls, Failure, GroupResult, oversize
-from gpu_worker.commits import Committer, Timed
+from gpu_worker.commits import Committer, Slot, Timed
 from gpu_worker.credits import CreditOffer
 from gpu_worker.journal import BatchJournal
 from gpu_worker.pipeline import Pipeline
@@ -105,8 +106,6 @@ class Worker:
         self.failure: BaseException | None = None
         self.failed = asyncio.Event()
         """Set when the loop, a call or a store failed (or the backend hung): the supervisor should exit."""
-        self.hung_batch: Batch | None = None
-        """The batch whose backend call hung; it was given back uncommitted."""
         self.batches_run = 0
 
     @property
@@ -121,6 +120,11 @@ class Worker:
         if self._stopping:
             return "draining"
         return "idle" if self.pipeline.empty else "busy"
+
+    @property
+    def given_back(self) -> list[Batch]:
+        """The batches left uncommitted (a hung call's, and those fetched after it), once closed."""
+        return self.commits.given_back
 
     @property
     def batches_done(self) -> int:
@@ -236,27 +240,30 @@ class Worker:
         return await retry(log, who, what, op, self.settings.retry_max_s, give_up=lambda: self._abandon)
 
     async def _handle(self, delivered: Delivered[Batch]) -> None:
-        batch = delivered.value
-        await self.offers.taken(batch)
-        if batch is None:
-            log.warning("worker %s: undecodable batch at partition %d offset %d skipped", *self._where(delivered))
-            await self.pipeline.backend_free()
-            await self.commits.hand_in(delivered, [])  # committed after the batches before it
-            return
+        slot = self.commits.reserve(delivered)  # committed after every batch fetched before it
         try:
-            await self._process(delivered, batch)
-        except BackendHung as err:
-            await self._hung(batch, err)
+            batch = delivered.value
+            await self.offers.taken(batch)
+            if batch is None:
+                log.warning("worker %s: undecodable batch at partition %d offset %d skipped", *self._where(delivered))
+                await self.commits.fill(slot, [])
+                return
+            try:
+                await self._process(slot, batch)
+            except BackendHung as err:
+                await self._hung(batch, err)
+                raise
+        except BaseException:
+            self.commits.give_up(slot)
             raise
 
     async def _hung(self, batch: Batch, err: BackendHung) -> None:
-        self.hung_batch = batch
         with contextlib.suppress(TransportError, TimeoutError):
             async with asyncio.timeout(2.0):
                 await self.deliveries.note(batch.batch_id, f"worker {self.settings.worker_id}: {err}")
 
     # one batch ---------------------------------------------------------------------------------
-    async def _process(self, delivered: Delivered[Batch], batch: Batch) -> None:
+    async def _process(self, slot: Slot, batch: Batch) -> None:
         """Admits the batch, then starts a first delivery's call behind the one in flight; a
         redelivered batch runs carefully once the backend is free. The results go to the commits."""
         now = wall_ms()
@@ -271,24 +278,24 @@ class Worker:
             await self.pipeline.backend_free()
             stored = await self.redelivery.run(batch, todo, count) if todo else []
             count_ended(batch, ended)
-            self._hand_in(delivered, batch, ended + stored)  # stored again (no-ops) to wait for replicas
+            self._fill(slot, batch, ended + stored)  # stored again (no-ops) to wait for replicas
             return
-        self._start_call(delivered, batch, todo, ended)
+        self._start_call(slot, batch, todo, ended)
         await asyncio.sleep(0)
 
-    def _hand_in(self, delivered: Delivered[Batch], batch: Batch, states: list[TaskState], call: Timed = None) -> None:
-        self.commits.hand_in(delivered, states + self.admission.ended_before(batch.batch_id), call)
+    def _fill(self, slot: Slot, batch: Batch, states: list[TaskState], call: Timed = None) -> None:
+        self.commits.fill(slot, states + self.admission.ended_before(batch.batch_id), call)
 
-    def _start_call(
-        self, delivered: Delivered[Batch], batch: Batch, todo: list[BatchItem], ended: list[TaskState]
-    ) -> None:
-        """Starts the call behind the ones in flight; its results are handed in when it ends."""
+    def _start_call(self, slot: Slot, batch: Batch, todo: list[BatchItem], ended: list[TaskState]) -> None:
+        """Starts the call behind the ones in flight; its results fill the batch's slot when it ends.
+        A call that fails or is cancelled (even before it began) gives the slot up."""
         result = GroupResult()
-        self.pipeline.start(result, len(todo), self._compute(delivered, batch, todo, ended, result))
+        task = self.pipeline.start(result, len(todo), self._compute(slot, batch, todo, ended, result))
+        task.add_done_callback(lambda _: self.commits.give_up(slot))
 
     async def _compute(
         self,
-        delivered: Delivered[Batch],
+        slot: Slot,
         batch: Batch,
         todo: list[BatchItem],
         ended: list[TaskState],
@@ -300,7 +307,7 @@ class Worker:
             await self._hung(batch, err)
             raise
         count_ended(batch, ended + states)
-        self._hand_in(delivered, batch, ended + states, result)
+        self._fill(slot, batch, ended + states, result)
 
     async def _run_group(
         self, batch: Batch, items: list[BatchItem], delivery: int, result: GroupResult | None = None

@@ -13,9 +13,10 @@ from gpu_worker.settings import WorkerSettings
 from gpu_worker.worker import Worker
 from schemas.records import Batch, BatchItem, TaskState, TaskStatus
 from transport.deliveries import MemoryDeadLetters, MemoryDeliveryLog
-from transport.memory.batches import MemoryBatchBus
+from transport.memory.batches import MemoryBatchBus, MemoryBatchConsumer
 from transport.memory.credits import MemoryCreditPool
 from transport.memory.store import MemoryTaskStore
+from transport.ports import Delivered
 
 
 class Died(BaseException):
@@ -23,14 +24,22 @@ class Died(BaseException):
 
 
 class ScriptedBackend:
-    """Reverses inputs; dies on inputs containing ``die_on``, hangs on ``hang_on``; records every call."""
+    """Reverses inputs; dies on inputs containing ``die_on``, hangs on ``hang_on``, fails a call
+    with one containing ``fail_on`` (after its latency); records every call."""
 
     name = "scripted"
     max_batch = 100
 
-    def __init__(self, die_on: str | None = None, hang_on: str | None = None, latency_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        die_on: str | None = None,
+        hang_on: str | None = None,
+        latency_s: float = 0.0,
+        fail_on: str | None = None,
+    ) -> None:
         self.die_on = die_on
         self.hang_on = hang_on
+        self.fail_on = fail_on
         self.latency_s = latency_s
         self.calls: list[list[str]] = []
         self.release = threading.Event()
@@ -50,6 +59,8 @@ class ScriptedBackend:
             self.release.wait()
         if self.latency_s:
             time.sleep(self.latency_s)
+        if self.fail_on is not None and any(self.fail_on in text for text in inputs):
+            raise BackendError(f"failed on {inputs}")
         return [text[::-1] for text in inputs]
 
     def close(self) -> None:
@@ -86,6 +97,17 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
+class RecordingConsumer(MemoryBatchConsumer):
+    """Records the offsets committed, in order."""
+
+    def __init__(self, bus: MemoryBatchBus, committed: list[int]) -> None:
+        super().__init__(bus, 0)
+        self.committed = committed
+
+    async def commit(self, delivered: Delivered[Batch]) -> None:
+        self.committed.append(delivered.offset)
+
+
 @dataclass
 class Rig:
     """One batch partition, a store, a credit pool and a delivery log that outlive the workers on them."""
@@ -98,6 +120,8 @@ class Rig:
     replies: dict[str, list[TaskState]] = field(default_factory=dict)
     replied: asyncio.Event = field(default_factory=asyncio.Event)
     generation: int = 0
+    committed: list[int] = field(default_factory=list)
+    """Offsets committed, by every worker on the partition."""
 
     async def listen(self) -> None:
         def on_reply(state: TaskState) -> None:
@@ -110,7 +134,7 @@ class Rig:
         self.generation += 1
         worker = Worker(
             WorkerSettings(worker_id=f"w{self.generation}", **settings),  # type: ignore[arg-type]
-            self.bus.consumer(0),
+            RecordingConsumer(self.bus, self.committed),
             self.credits,
             self.store,
             backend,
@@ -120,9 +144,13 @@ class Rig:
         await worker.start()
         return worker
 
-    def batch(self, inputs: Sequence[str], batch_id: str = "b1", deadline_ms: int | None = None) -> Batch:
+    def batch(
+        self, inputs: Sequence[str], batch_id: str = "b1", deadline_ms: int | None = None, prefix: str = "t"
+    ) -> Batch:
+        """Task ids ``prefix`` and the input's index."""
         now = now_ms()
-        items = tuple(BatchItem(f"t{i}", text, now, deadline_ms or now + 30_000, "gw") for i, text in enumerate(inputs))
+        deadline = deadline_ms or now + 30_000
+        items = tuple(BatchItem(f"{prefix}{i}", text, now, deadline, "gw") for i, text in enumerate(inputs))
         return Batch(batch_id, "sim", "test", now, "idle_worker", None, items)
 
     async def create(self, batch: Batch) -> None:

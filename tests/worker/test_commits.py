@@ -126,3 +126,36 @@ async def test_a_batchs_results_are_stored_while_an_earlier_commit_waits() -> No
     await asyncio.wait_for(asyncio.gather(first, second), 5)
     await commits.close()
     assert consumer.committed == [1, 2] and failures == []
+
+
+async def test_a_batch_fetched_first_is_committed_first_whichever_call_ends_first() -> None:
+    """A failing call is split and runs again behind the call queued after it: the later batch's
+    results are stored at once, and its commit (which commits every offset before it) waits."""
+    store, consumer, failures = GatedStore(), Recording(), []
+    store.gate.set()
+    commits = committer(store, consumer, failures)
+    commits.start()
+    earlier = commits.reserve(handed(1, "split")[0])
+    later = commits.hand_in(*handed(2, "quick"))
+    await eventually(lambda: store.stored == ["quick"], "the later batch's results are stored at once")
+    assert consumer.committed == [], "committing offset 2 would commit offset 1, whose results are not stored"
+    commits.fill(earlier, handed(1, "split")[1])
+    await asyncio.wait_for(later, 5)
+    await commits.close()
+    assert consumer.committed == [1, 2] and failures == []
+
+
+async def test_a_batch_given_up_goes_back_uncommitted_with_every_batch_after_it() -> None:
+    store, consumer, failures = GatedStore(), Recording(), []
+    store.gate.set()
+    commits = committer(store, consumer, failures)
+    commits.start()
+    commits.hand_in(*handed(1, "fine"))
+    hung = commits.reserve(handed(2, "hung")[0])
+    commits.hand_in(*handed(3, "after"))
+    commits.give_up(hung)
+    commits.give_up(hung)  # a call's task ends after its slot was given up: nothing more
+    await asyncio.wait_for(commits.drained(), 5)
+    await commits.close()
+    assert consumer.committed == [1], f"committing 3 would commit 2, which has no results; got {consumer.committed}"
+    assert [batch.batch_id for batch in commits.given_back] == ["b2", "b3"], "a supervisor sends both again"

@@ -93,7 +93,6 @@ async def test_a_worker_whose_backend_hangs_gives_the_batch_back_and_stops() -> 
     await rig.send(batch)
     await asyncio.wait_for(worker.failed.wait(), 10)
     assert worker.hung and isinstance(worker.failure, BackendHung)
-    assert worker.hung_batch == batch, "the supervisor needs the batch to send it again (embedded mode)"
     assert worker.batches_done == 0, "nothing stored, nothing committed"
     for task in ("t0", "t1"):
         state = await rig.store.get(task)
@@ -103,5 +102,24 @@ async def test_a_worker_whose_backend_hangs_gives_the_batch_back_and_stops() -> 
     closing = time.monotonic()
     await worker.close()
     assert time.monotonic() - closing < 2, "closing must not wait for the stuck thread"
+    assert worker.given_back == [batch], "the supervisor needs the batch to send it again (embedded mode)"
     assert not backend.closed, "a backend under a stuck call is not closed"
     backend.release.set()
+
+
+async def test_a_batch_fetched_behind_a_hung_call_is_given_back_with_it() -> None:
+    """b2 was taken off the bus while b1's call ran; b1 hangs, b2's call never starts. Both go
+    back uncommitted, and both are named for a supervisor to send again (embedded mode)."""
+    rig = Rig()
+    backend = ScriptedBackend(hang_on="stuck")
+    worker = await rig.worker(backend, expected_latency_ms=400, credit_lead_ms=300, hang_min_s=0.5)
+    first, second = rig.batch(["stuck"], "b1", prefix="a"), rig.batch(["fine"], "b2", prefix="b")
+    for batch in (first, second):
+        await rig.create(batch)
+        await rig.send(batch)
+    await asyncio.wait_for(worker.failed.wait(), 10)
+    assert not rig.bus.queues[0], "b2 was fetched while b1's call ran"
+    await worker.close(drain_timeout_s=0)
+    backend.release.set()
+    assert worker.given_back == [first, second]
+    assert rig.committed == [], "nothing committed"

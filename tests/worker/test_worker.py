@@ -11,6 +11,7 @@ from gpu_worker.settings import WorkerSettings
 from gpu_worker.worker import Worker
 from schemas.records import Batch, BatchItem, TaskState, TaskStatus
 from telemetry.metrics import REGISTRY
+from tests.support.eventually import eventually
 from tests.support.worker_rig import PoisonBackend, Rig, ScriptedBackend, now_ms, run_batch
 from transport.memory.batches import MemoryBatchBus
 from transport.memory.credits import MemoryCreditPool
@@ -148,6 +149,33 @@ async def test_a_batch_that_needs_no_call_is_stored_after_the_one_still_running(
         assert ended["t0"].status is TaskStatus.COMPLETED and ended["t9"].status is TaskStatus.EXPIRED
         order = list(rig.replies)
         assert order.index("t0") < order.index("t9"), f"b2 was stored before b1, which ran first: {order}"
+    finally:
+        await worker.close()
+
+
+async def test_a_batch_whose_call_failed_is_committed_before_the_one_whose_call_ran_behind_it() -> None:
+    """b1's call fails and is split; its halves run behind b2's call, queued meanwhile. b2's results
+    come first, but committing b2 would commit b1 too: a worker killed before b1's results are
+    stored would lose it (never delivered again)."""
+    rig = Rig()
+    await rig.listen()
+    backend = ScriptedBackend(latency_s=0.3, fail_on="poison")
+    worker = await rig.worker(backend, expected_latency_ms=300, credit_lead_ms=250)
+    try:
+        first = rig.batch(["poison", "fine"], "b1", prefix="a")
+        second = rig.batch(["next"], "b2", prefix="b")
+        for batch in (first, second):
+            await rig.create(batch)
+            await rig.send(batch)
+        ended = await rig.ended(["a0", "a1", "b0"])
+        assert [ended[task].status for task in ("a0", "a1", "b0")] == [
+            TaskStatus.FAILED,
+            TaskStatus.COMPLETED,
+            TaskStatus.COMPLETED,
+        ]
+        assert backend.calls[:2] == [["poison", "fine"], ["next"]], "b2's call ran before b1's halves"
+        await eventually(lambda: len(rig.committed) == 2, "both batches committed")
+        assert rig.committed == [0, 1], f"b2 (offset 1) was committed before b1 (offset 0): {rig.committed}"
     finally:
         await worker.close()
 
