@@ -92,7 +92,7 @@ class Dispatcher:
         store: TaskStore,
         *,
         handover: asyncio.Lock,
-        room: asyncio.Event,
+        freed: Callable[[], None],
         assignment: Callable[[], frozenset[int]],
         handed_over: Callable[[Sequence[Held]], None],
         expire: Callable[[list[Held]], Awaitable[None]],
@@ -106,8 +106,8 @@ class Dispatcher:
         self.store = store
         self.clock = clock
         self._handover = handover
-        self._room = room
-        """Set after a send leaves a model below ``max_held``: the reader may read again."""
+        self._freed = freed
+        """Told after a send took held requests: the reader may read again."""
         self._assignment = assignment
         self._handed_over = handed_over
         self._expire = expire
@@ -274,8 +274,7 @@ class Dispatcher:
             self._give_back(model, credit)
         if taken.expired:  # written outside the hand-over lock: a slow store must not hold up a rebalance
             await self._expire(taken.expired)
-        if self.former.held(model) < self.settings.max_held:
-            self._room.set()
+        self._freed()
 
     async def _land(
         self,

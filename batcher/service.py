@@ -76,7 +76,8 @@ class Batcher:
         self._committer: asyncio.Task[None] | None = None
         self._timer_wake = asyncio.Event()
         self._room = asyncio.Event()
-        """Clear while ``max_held`` requests are held: reading waits for a send."""
+        """Clear while ``max_held`` requests are held, over all models: reading waits for a send, an
+        expiry or a rebalance to take some (``_check_room``)."""
         self._room.set()
         self._handover = asyncio.Lock()
         """Held while a batch is sealed or partitions go, and by a rebalance or a close until the
@@ -93,7 +94,7 @@ class Batcher:
             producer,
             store,
             handover=self._handover,
-            room=self._room,
+            freed=self._check_room,
             assignment=consumer.assignment,
             handed_over=self._handed_over,
             expire=self._expire,
@@ -167,6 +168,7 @@ class Batcher:
             await self._commit()
             dropped = self.former.drop_partitions(partitions)
             self.offsets.forget(partitions)
+            self._check_room()
         log.info(
             "batcher %s gave up partitions %s (%d held requests go to their new owner)",
             self.settings.batcher_id,
@@ -211,9 +213,14 @@ class Batcher:
             self.dispatcher.arrived(model)
             metrics.PENDING.labels(model=model).set(self.former.held(model))
         self._timer_wake.set()
-        if sum(self.former.held(m) for m in self.former.models()) >= self.settings.max_held:
-            self._room.clear()
+        self._check_room()
         return unknown
+
+    def _check_room(self) -> None:
+        if sum(self.former.held(model) for model in self.former.models()) < self.settings.max_held:
+            self._room.set()
+        else:
+            self._room.clear()
 
     def _pending(
         self, request: InferenceRequest, record: Delivered[InferenceRequest], now_s: float, now_ms: int
@@ -280,6 +287,7 @@ class Batcher:
         await self._store_ended(ended, f"storing {len(ended)} expired task(s)")
         for pending in expired:
             self._finish(pending)
+        self._check_room()
         # Committed now, not with the next batch: the queue depth gateways admit by counts what is
         # uncommitted, and a quiet model holding only ended requests would look stalled.
         self._commit_soon()

@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 
+from batcher.policy import FlushPolicy
 from batcher.service import Batcher
 from batcher.settings import BatcherSettings
 from schemas.records import Credit, InferenceRequest, TaskState, TaskStatus
@@ -67,13 +68,15 @@ class Rig:
         store: MemoryTaskStore | None = None,
         fetch_failures: int = 0,
         fetch_error: TransportError | None = None,
+        settings: BatcherSettings | None = None,
     ) -> None:
         self.requests = MemoryRequestBus(Partitioner(("sim",), 2))
         self.batches = MemoryBatchBus(1)
         self.credits = credits or MemoryCreditPool()
         self.store = store or MemoryTaskStore()
         consumer = FlakyRequests(self.requests, fetch_failures, fetch_error or TransportError("broker down"))
-        self.batcher = Batcher(BatcherSettings(retry_max_s=0.05), consumer, self.batches, self.credits, self.store)
+        settings = settings or BatcherSettings(retry_max_s=0.05)
+        self.batcher = Batcher(settings, consumer, self.batches, self.credits, self.store)
 
     async def request(self, task_id: str, deadline_ms: int = 30_000) -> None:
         now = now_ms()
@@ -148,4 +151,21 @@ async def test_an_expired_request_leaves_the_queue_at_once() -> None:
     await rig.request("late", deadline_ms=50)  # no worker offers a credit: it expires in the batcher
     await asyncio.wait_for(ended.wait(), 10)
     await eventually(lambda: rig.requests.lag() == 0, "the expired request's offset to be committed")
+    await rig.batcher.close()
+
+
+async def test_reading_goes_on_once_the_requests_that_filled_the_batcher_expired() -> None:
+    """``max_held`` requests held stop the reads; their expiry, not only a send, makes room again.
+    Claims that end empty before the deadlines leave the expiry to the batcher's timer."""
+    policy = FlushPolicy.work_conserving(max_batch=2, reserve_ms=0)
+    rig = Rig(settings=BatcherSettings(retry_max_s=0.05, policy=policy, max_held=2, claim_timeout_s=0.1))
+    ended: set[str] = set()
+    await rig.store.listen_replies("gw", lambda state: ended.add(state.task_id))
+    await rig.batcher.start()
+    await rig.request("late1", deadline_ms=300)  # no worker offers a credit: both expire in the batcher
+    await rig.request("late2", deadline_ms=300)
+    await eventually(lambda: ended == {"late1", "late2"}, "both held requests to expire")
+    await rig.request("next")
+    await rig.offer()
+    assert await rig.batch() == ["next"]
     await rig.batcher.close()
