@@ -16,8 +16,10 @@ from schemas.records import TaskState, TaskStatus
 from schemas.wire import Names
 from tests.support.eventually import eventually
 from tests.support.task_states import EVENT_TIMEOUT_S, next_state, state
+from transport.cancelling import cancel_and_wait
 from transport.ports import TransportError
 from transport.redis.pools import PoolOptions
+from transport.redis.pubsub import PubSubHub
 from transport.redis.store import RedisTaskStore
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(60)]
@@ -152,6 +154,38 @@ async def _drop_pubsub_and_follow(store: RedisTaskStore, raw: Redis) -> None:
         assert seen.output == "ok"
         await asyncio.wait_for(replied.wait(), EVENT_TIMEOUT_S)
         assert [r.task_id for r in replies] == ["t1"]
+
+
+async def test_a_watcher_cancelled_while_the_feed_is_busy_still_unsubscribes(
+    store: RedisTaskStore, raw: Redis, names: Names
+) -> None:
+    """An SSE client that leaves has its watch cancelled, and cancelled again every 50 ms until it ends
+    (``cancel_and_wait``), while the feed may hold its lock (a reconnect subscribing every channel again)."""
+    channel = names.task_channel("t1")
+    subscribed = asyncio.Event()
+
+    async def follow() -> None:
+        async with store.watch("t1") as events:
+            subscribed.set()
+            await anext(events)
+
+    following = asyncio.create_task(follow())
+    await asyncio.wait_for(subscribed.wait(), EVENT_TIMEOUT_S)
+    hub = store._feed._hub
+    assert isinstance(hub, PubSubHub)
+    await hub._lock.acquire()  # as a reconnect holds it
+    asyncio.get_running_loop().call_later(0.3, hub._lock.release)
+    await cancel_and_wait(following)
+    await eventually(lambda: not hub._lock.locked(), "the feed's lock to be free again")
+    await eventually(lambda: hub.refs(channel) == 0, "the watcher's reference to the channel to go")
+
+    async def numsub() -> int:
+        return int(dict(await raw.pubsub_numsub(channel))[channel.encode()])
+
+    deadline = asyncio.get_running_loop().time() + EVENT_TIMEOUT_S
+    while await numsub() != 0:
+        assert asyncio.get_running_loop().time() < deadline, "the channel is still subscribed on Redis"
+        await asyncio.sleep(0.05)
 
 
 async def test_close_ends_watchers_with_an_error(redis_url: str, names: Names) -> None:

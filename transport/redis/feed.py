@@ -95,7 +95,10 @@ class ChangeFeed:
             try:
                 yield _iterate(queue)
             finally:
-                await self._hub.unsubscribe(channel)
+                # Shielded: a watcher that leaves is cancelled, and cancelled again until it ends
+                # (``cancel_and_wait``); cut short while it waits for the hub's lock (a reconnect
+                # subscribing every channel again), the channel would keep its reference for good.
+                await asyncio.shield(self._hub.unsubscribe(channel))
         finally:
             watchers = self._watchers.get(channel)
             if watchers is not None:
