@@ -84,7 +84,10 @@ class KeyedReplay:
             if claim.task_id != task_id and claim.fingerprint == fingerprint:
                 earlier = await self._store.get(claim.task_id)  # None: its submit has not stored it
                 if self._replaced(claim, earlier):
-                    claim = await self._store.rebind_key(scope, key, claim.task_id, task_id, fingerprint, deadline_ms)
+                    replaced = claim.task_id
+                    claim = await self._store.rebind_key(scope, key, replaced, task_id, fingerprint, deadline_ms)
+                    if claim.task_id != replaced:  # a racing retry's new task: ``earlier`` is not its state
+                        earlier = None
         except TRANSPORT_ERRORS as err:
             raise Unavailable(f"the task store is unavailable: {err}") from err
         if claim.fingerprint != fingerprint:

@@ -269,6 +269,33 @@ async def test_racing_retries_of_an_expired_task_share_one_new_task(
     assert [r.task_id for r in worker.seen if r.task_id != first_id] == list(new_ids), "computed once"
 
 
+class RoundTripStore(RecordingStore):
+    """Each read is a round trip, as over Redis: other submits run meanwhile."""
+
+    async def get(self, task_id: str) -> TaskState | None:
+        await asyncio.sleep(0)
+        return await super().get(task_id)
+
+
+async def test_racing_asynchronous_retries_of_an_expired_task_each_report_the_new_task(
+    make_rig: RigFactory, key_store: RedisTaskStore | None
+) -> None:
+    """The retry that loses the race to replace the expired task is told the winner's new task, not
+    the expired one's status under the new id."""
+    rig = await make_rig(store=key_store or RoundTripStore())
+    first = await rig.client.post("/v1/tasks", json={"input": "race"}, headers=_key("k-race-async"))
+    first_id = first.json()["task_id"]
+    await _end(rig.store, first_id, TaskStatus.EXPIRED, "deadline_exceeded")
+
+    answers = await asyncio.gather(
+        *(rig.client.post("/v1/tasks", json={"input": "race"}, headers=_key("k-race-async")) for _ in range(4))
+    )
+    assert {a.status_code for a in answers} == {202}, [a.text for a in answers]
+    bodies = [a.json() for a in answers]
+    assert len({b["task_id"] for b in bodies}) == 1 and bodies[0]["task_id"] != first_id, bodies
+    assert {b["status"] for b in bodies} == {"queued"}, f"a retry reported the expired task's status: {bodies}"
+
+
 async def test_a_retry_waiting_on_a_task_that_expires_starts_its_own_within_its_deadline(
     make_rig: RigFactory, key_store: RedisTaskStore | None
 ) -> None:
