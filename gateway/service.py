@@ -250,7 +250,9 @@ class Gateway:
         ended before it stored the task, and maybe before it sent its request (the answer to its claim
         was lost with a failed-over Redis primary, or its gateway was killed in between): the retry
         sends that task again (``_resend``), so it ends. A request sent twice is computed twice at
-        worst, and answered once.
+        worst, and answered once. One with less than ``UNSTORED_GRACE_S`` left before its deadline
+        would expire on its way: it is ended ``expired`` instead, and the next claim replaces it with
+        this retry's task, under this retry's own timeout.
         """
         task_id, model, owner, deadline = submission.task_id, submission.model, submission.owner, submission.deadline
         scope = owner or idempotency.ANONYMOUS_SCOPE
@@ -258,8 +260,8 @@ class Gateway:
         deadline_ms = self._clock.wall_ms() + submission.timeout_ms
         while (bound := await self._keys.claim(scope, key, task_id, fingerprint, deadline_ms)).task_id != task_id:
             earlier = bound.earlier or await self._keys.stored(bound.task_id, UNSTORED_GRACE_S)
-            if earlier is None:
-                await self._resend(submission, bound.claim)
+            if earlier is None and not await self._resend(submission, bound.claim):
+                continue  # ended expired: the next claim replaces it
             if not wait:
                 status = TaskStatus.QUEUED if earlier is None else earlier.status
                 return Accepted(bound.task_id, model, replayed=True, status=status)
@@ -280,13 +282,19 @@ class Gateway:
             await self._keys.release(scope, key, task_id, model, owner, deadline)  # a retry may create it
             raise
 
-    async def _resend(self, submission: Submission, claim: KeyClaim) -> None:
+    async def _resend(self, submission: Submission, claim: KeyClaim) -> bool:
         """Records and sends the bound task ``claim`` names, whose submit ended before it stored it:
         under that task's id and its deadline (when sooner than this retry's), with no reply wanted
-        (a caller who waits for it follows the store, as for any replayed task)."""
+        (a caller who waits for it follows the store, as for any replayed task). False when too
+        little of its time is left to send it: it was ended ``expired`` instead."""
         timeout_ms = submission.timeout_ms
         if claim.deadline_ms is not None:
-            timeout_ms = max(1, min(timeout_ms, claim.deadline_ms - self._clock.wall_ms()))
+            left_ms = claim.deadline_ms - self._clock.wall_ms()
+            if left_ms < UNSTORED_GRACE_S * 1000:
+                queued, _ = self._publisher.task(replace(submission, task_id=claim.task_id), None)
+                await self._publisher.end_unsent(queued, max(0, left_ms))
+                return False
+            timeout_ms = min(timeout_ms, left_ms)
         deadline = min(submission.deadline, asyncio.get_running_loop().time() + timeout_ms / 1000)
         log.info(
             "sending task %s again: its key is bound to it, but it was never stored",
@@ -294,6 +302,7 @@ class Gateway:
             extra=ids(task_id=claim.task_id),
         )
         await self._enqueue(replace(submission, task_id=claim.task_id, timeout_ms=timeout_ms, deadline=deadline))
+        return True
 
     async def _submit_shared(
         self, key: str, submission: Submission, wait: bool, watch: Disconnected | None

@@ -410,6 +410,30 @@ async def test_a_synchronous_retry_of_a_bound_task_that_was_never_stored_sends_i
     assert answer.headers["idempotent-replayed"] == "true"
 
 
+@pytest.mark.parametrize("left_ms", [-500, 300])
+async def test_a_retry_of_a_lost_task_at_its_deadline_gets_a_new_task_with_its_own_timeout(
+    make_rig: RigFactory, key_store: RedisTaskStore | None, left_ms: int
+) -> None:
+    """The first try's client timed out and retries around the lost task's deadline, before the
+    binding is stale: sending that task again with what is left of its time would expire on the way
+    (a 504 naming a timeout_ms the caller never sent)."""
+    rig = await make_rig(store=key_store)
+    store = key_store if key_store is not None else rig.store
+    await rig.worker()
+    fingerprint = idempotency.fingerprint("lost", rig.settings.default_model)
+    key = f"k-lost{left_ms}"
+    await store.claim_key(idempotency.ANONYMOUS_SCOPE, key, f"lost{left_ms}", fingerprint, now_ms() + left_ms)
+
+    sync = await rig.client.post("/v1/inference", json={"input": "lost"}, headers=_key(key), timeout=30)
+    queued = await rig.client.post("/v1/tasks", json={"input": "lost"}, headers=_key(key))
+
+    assert sync.status_code == 200, sync.text
+    assert sync.json()["task_id"] != f"lost{left_ms}" and sync.json()["output"] == "tsol"
+    lost = await store.get(f"lost{left_ms}")
+    assert lost is not None and lost.status is TaskStatus.EXPIRED, "the lost task ends, so nothing answers it later"
+    assert queued.status_code == 202 and queued.json()["task_id"] == sync.json()["task_id"], queued.text
+
+
 class _StoreDownForKeys(RecordingStore):
     """The memory store whose writes fail while ``down`` (a store that went away mid-submit)."""
 
