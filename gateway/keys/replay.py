@@ -143,7 +143,8 @@ class KeyedReplay:
                 error_message=UNQUEUED,
                 owner=owner,
             )
-            self._settling.spawn(self._settle(scope, key, failed, deadline), name=f"settle-{task_id}")
+            if self._settling.alive:  # else the gateway is closing: the binding is freed once stale
+                self._settling.spawn(self._settle(scope, key, failed, deadline), name=f"settle-{task_id}")
 
     async def _settle(self, scope: str, key: str, failed: TaskState, deadline: float) -> None:
         async def end_and_unbind() -> None:

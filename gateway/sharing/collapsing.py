@@ -22,7 +22,7 @@ from gateway.answers.replies import Replies
 from gateway.answers.waiters import CallerGone, Watch
 from gateway.background import Background
 from gateway.clock import Clock
-from gateway.errors import TRANSPORT_ERRORS, ClientDisconnected, DeadlineExceeded, Unavailable
+from gateway.errors import TRANSPORT_ERRORS, ClientDisconnected, DeadlineExceeded, NotReady, Unavailable
 from gateway.publisher import TaskPublisher
 from gateway.submission import Submission
 from schemas.records import TaskState, TaskStatus
@@ -106,6 +106,8 @@ class Collapser:
     async def answer(self, key: str, request: Submission, disconnected: Watch | None) -> TaskState:
         """Attaches the caller to ``key``'s computation (starting one if none fits) and waits for
         the caller's own task to end; raises what the caller's answer is instead."""
+        if not self._runs.alive:  # a submit that got here as the gateway closed: it starts nothing
+            raise NotReady("the gateway is shutting down; retry on another instance")
         future = self._replies.register(request.task_id, request.started, disconnected)
         computation = self._join(key, request)
         now_ms = self._clock.wall_ms()

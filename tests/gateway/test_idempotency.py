@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
+from gateway.clock import SystemClock
 from gateway.errors import Unavailable
 from gateway.keys import idempotency
-from gateway.keys.replay import STALE_AFTER_MS
+from gateway.keys.replay import STALE_AFTER_MS, KeyedReplay
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from schemas.records import InferenceRequest, TaskState, TaskStatus
@@ -508,3 +509,15 @@ async def test_a_key_whose_task_could_not_be_sent_or_released_is_freed_once_the_
     finally:
         await worker.close()
         await gateway.close()
+
+
+async def test_a_key_that_cannot_be_released_as_the_gateway_closes_is_left_to_go_stale() -> None:
+    """A submit whose request never reached the bus, ending after the gateway closed, with the store
+    down: nothing is left to end its task later, and its caller gets its own error, not a 500."""
+    store = _StoreDownForKeys()
+    keys = KeyedReplay(store, SystemClock(), recheck_s=1.0, name="gw")
+    await keys.start()
+    await keys.close()
+    store.down = True
+    await keys.release("scope", "k", "t1", "sim", None, asyncio.get_running_loop().time() + 5)
+    assert not keys.alive

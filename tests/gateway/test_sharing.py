@@ -10,16 +10,21 @@ import httpx
 import pytest
 
 from gateway.edge.auth import digest_of, owner_of
+from gateway.errors import NotReady
+from gateway.service import Gateway
+from gateway.settings import GatewaySettings
 from schemas.records import TaskState, TaskStatus
 from schemas.wire import Names
 from telemetry.metrics import CACHE_BYPASSED, CACHE_HITS, COLLAPSED
 from tests.support.eventually import eventually
 from tests.support.fake_clock import FakeClock
-from tests.support.gateway_rig import RecordingStore, Rig, RigFactory, error_of
+from tests.support.gateway_rig import MODELS, RecordingStore, Rig, RigFactory, error_of
 from transport.memory.cache import MemoryResultCache
+from transport.memory.requests import MemoryRequestBus
 from transport.ports import TransportError
 from transport.redis.cache import RedisResultCache
 from transport.redis.store import RedisTaskStore
+from transport.routing import Partitioner
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -262,6 +267,36 @@ async def test_a_cache_that_fails_is_bypassed(make_rig: RigFactory) -> None:
         assert answer.status_code == 200 and answer.json()["output"] == "zyx", answer.text
     assert len(worker.seen) == 2
     assert count(CACHE_BYPASSED) - bypassed == 4, "two reads and two writes bypassed"
+
+
+class HeldCache(MemoryResultCache):
+    """A cache whose reads wait for ``release``: a round trip in flight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reading = False
+        self.release = asyncio.Event()
+
+    async def get(self, key: str) -> str | None:
+        self.reading = True
+        await self.release.wait()
+        return None
+
+
+async def test_a_shared_submit_that_goes_on_after_the_gateway_closed_is_refused_not_ready() -> None:
+    """It was reading the cache as the gateway closed: it starts no computation (the collapser is
+    closed) and is answered 503 ``not_ready``, as every caller the closing gateway held."""
+    settings = GatewaySettings(models=MODELS, default_model="sim", cache_ttl_s=60.0, **SHARING)
+    cache = HeldCache()
+    gateway = Gateway(settings, MemoryRequestBus(Partitioner(MODELS, 4)).producer(), RecordingStore(), cache=cache)
+    await gateway.start()
+    submit = asyncio.create_task(gateway.submit("same", None, 5_000, True))
+    await eventually(lambda: cache.reading, "the submit to read the cache")
+    await gateway.close()
+    cache.release.set()
+    with pytest.raises(NotReady):
+        await asyncio.wait_for(submit, 5)
+    assert gateway.waiting == 0, "no waiter is left behind"
 
 
 # over the real Redis ------------------------------------------------------------------------------
