@@ -251,7 +251,7 @@ class Dispatcher:
                 self._give_back(model, other)  # the batcher closes: a second credit claimed meanwhile goes back
             raise
         if (other := _credit_of(second)) is not None:
-            return loop.second(other)
+            return loop.second(other, self._claimed(other))
         if not woken.cancelled() and woken.result():
             return loop.poke()
         return loop.woke()

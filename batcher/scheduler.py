@@ -197,6 +197,8 @@ class DispatchLoop(Generic[C]):
         self._clock = scheduler.clock
         self._stage = _Stage.IDLE
         self._credit: C | None = None
+        self._worker: str | None = None
+        """The worker of ``_credit``."""
         self._wait: Hold | Space | None = None
         self.since_s = 0.0
         """When the claim (or the hold's second claim) began: the simulation serves waiting claims in
@@ -232,7 +234,7 @@ class DispatchLoop(Generic[C]):
     def claimed(self, credit: C, claimed: Claimed, *, alone: bool) -> Command[C]:
         """The claim returned ``credit``; ``alone``: this batcher alone sends to the model's workers."""
         assert self._stage is _Stage.CLAIMING, self._stage
-        self._credit = credit
+        self._credit, self._worker = credit, claimed.worker
         decision = self._scheduler.decide(self._model, claimed, self.since_s, alone=alone)
         if decision.action is Action.HOLD:
             self._stage, self.since_s = _Stage.HOLDING, self._clock()
@@ -248,10 +250,13 @@ class DispatchLoop(Generic[C]):
         assert self._stage is _Stage.CLAIMING, self._stage
         self._stage = _Stage.IDLE
 
-    def second(self, credit: C) -> Command[C]:
-        """During a hold, another worker freed first: it takes the batch, the held one goes back."""
+    def second(self, credit: C, claimed: Claimed) -> Command[C]:
+        """During a hold, another worker freed first: it takes the batch, the held one goes back. One
+        from the held worker itself renewed the held credit (its credits expire unclaimed): the held
+        one is stale, and offered back it would send a second batch to a busy worker."""
         assert self._stage is _Stage.HOLDING, self._stage
-        back, self._credit = self._credit, credit
+        back = None if claimed.worker == self._worker else self._credit
+        self._credit, self._worker = credit, claimed.worker
         return self._send(back)
 
     def woke(self) -> Command[C]:

@@ -264,7 +264,7 @@ class Simulation:
             return
         b = min(waiting, key=lambda b: b.loop.since_s)
         if b.loop.holding:
-            self._run(b, b.loop.second(credit))
+            self._run(b, b.loop.second(credit, self._claimed(credit)))
             return
         heapq.heappush(self._pool, credit)
         self._run(b, b.loop.poke())
@@ -279,7 +279,8 @@ class Simulation:
                 credit = heapq.heappop(self._pool)
                 command = b.loop.claimed(credit, self._claimed(credit), alone=len(self.batchers) == 1)
             elif isinstance(command, Hold) and self._pool:  # the second claim succeeds at once
-                command = b.loop.second(heapq.heappop(self._pool))
+                credit = heapq.heappop(self._pool)
+                command = b.loop.second(credit, self._claimed(credit))
             elif isinstance(command, Hold | Space):
                 if command is not b.waiting:  # a wait goes on as it was
                     b.waiting, b.token = command, b.token + 1

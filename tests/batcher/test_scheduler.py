@@ -113,9 +113,13 @@ def test_a_held_worker_goes_back_when_a_second_one_frees_first_and_is_sent_on_an
         assert loop.holding and loop.claiming, "a hold claims a second credit meanwhile"
         return loop, s, clock
 
-    loop, _, _ = held()
-    assert loop.second("c2") == Send("c2", back="c1")
+    loop, _, clock = held()
+    assert loop.second("c2", Claimed("w2", clock.now, L)) == Send("c2", back="c1")
     assert not loop.claiming
+    loop, _, clock = held()
+    assert loop.second("c1'", Claimed("w1", clock.now, L)) == Send("c1'"), (
+        "w1 renewed its credit during the hold: the held one is stale, and goes nowhere"
+    )
     loop, _, _ = held()
     assert loop.poke() == Send("c1"), "a fresh arrival takes the held worker"
     loop, _, _ = held()
