@@ -360,7 +360,14 @@ def worker(parser: argparse.ArgumentParser) -> None:
     field_flag(
         parser, w, "credit_ttl_s", float, "an idle worker's credit lives this long; it is renewed while unclaimed"
     )
-    field_flag(parser, w, "max_deliveries", int, "an input in flight alone at this many worker deaths is dead-lettered")
+    field_flag(
+        parser,
+        w,
+        "max_deliveries",
+        int,
+        "an input in flight alone at this many worker deaths is dead-lettered (a batch of one fetched behind the "
+        "call that killed its worker counts as alone: at 1 it is dead-lettered without having run)",
+    )
     field_flag(parser, w, "hang_factor", float, "a backend call this many times its expected latency is hung (0: off)")
     field_flag(parser, w, "hang_min_s", float, "the hang limit is never shorter than this")
     field_flag(parser, w, "expected_latency_ms", float, "expected backend call latency (default: moving average)")
