@@ -129,6 +129,12 @@ def test_the_single_redis_pools_refuse_a_cluster_url() -> None:
         (TryAgainError("Multiple keys request during rehashing of slot"), False),
         (MovedError("3999 127.0.0.1:6381"), False),
         (ReadOnlyError("You can't write against a read only replica."), False),
+        (
+            ResponseError(
+                "UNBLOCKED force unblock from blocking operation, instance state changed (master -> replica?)"
+            ),
+            False,
+        ),
         (ResponseError("ERR Error running script"), True),
     ],
 )

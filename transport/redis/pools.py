@@ -132,13 +132,19 @@ def translate(action: str, err: RedisError | RedisClusterException) -> Transport
             f"(batchwire stack up --redis-maxmemory, BATCHWIRE_REDIS_MAXMEMORY): {err}"
         )
     message = f"{action} failed: {type(err).__name__}: {err}"
-    permanent = isinstance(err, ResponseError) and not isinstance(err, _TOPOLOGY_ERRORS)
+    permanent = isinstance(err, ResponseError) and not _is_topology(err)
     return PermanentTransportError(message) if permanent else TransportError(message)
 
 
 _TOPOLOGY_ERRORS = (ClusterDownError, TryAgainError, AskError, ReadOnlyError)
 """Error replies of a failover in progress (a Redis Cluster whose shard has lost its primary, a slot
 that moved, a primary turned replica): retried, not permanent."""
+
+
+def _is_topology(err: RedisError | RedisClusterException) -> bool:
+    """A failover's error reply; ``UNBLOCKED`` too, which a primary turned replica gives a blocked
+    command (``BZPOPMIN``) and redis-py raises as a plain ``ResponseError``."""
+    return isinstance(err, _TOPOLOGY_ERRORS) or str(err).startswith("UNBLOCKED")
 
 
 def _retry_once() -> Retry:
