@@ -120,6 +120,20 @@ async def test_what_cannot_be_answered_is_refused_with_the_clients_own_errors(cl
     assert not_embeddings.value.type == "invalid_request_error"
 
 
+@pytest.mark.parametrize(
+    "output",
+    ["[" + "9" * 400 + "]", "[" + "9" * 5000 + "]", "[1e39]", "[1e999]", "[NaN]", "[true]", "[1, 2"],
+)
+@pytest.mark.parametrize("encoding_format", ["float", "base64"])
+async def test_an_output_that_is_no_float32_vector_is_refused_not_a_500(
+    client: openai.AsyncOpenAI, output: str, encoding_format: Any
+) -> None:
+    """``sim`` answers the input reversed: the caller steers the output, as a generating model's."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.embeddings.create(model="sim", input=output[::-1], encoding_format=encoding_format)
+    assert refused.value.code == "not_an_embedding_model", refused.value.message
+
+
 async def test_a_rate_limit_surfaces_as_the_clients_rate_limit_error_after_its_retries(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -454,18 +454,37 @@ def _strings(value: str | list[str] | list[int] | list[list[int]], field: str, h
     return [str(text) for text in texts]
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _vector(output: str, model: str) -> list[float]:
-    """An embedding backend's output (a JSON array of numbers) as floats."""
+    """An embedding backend's output (a JSON array of numbers) as floats, each finite and within float32
+    (what base64 packs, and what strict JSON can carry): a model whose output its input steers (one
+    that generates text) may print any number."""
     try:
-        vector = json.loads(output)
-    except json.JSONDecodeError:
-        vector = None
-    if not isinstance(vector, list) or not all(isinstance(x, int | float) for x in vector):
+        vector = json.loads(output, parse_constant=_not_a_number)
+        floats = [_float32(x) for x in vector] if isinstance(vector, list) else None
+    except (ValueError, TypeError, OverflowError):  # ValueError: not JSON, NaN, or an int past Python's digit limit
+        floats = None
+    if floats is None:
         raise NotEmbeddings(
-            f"model {shown(model)} does not return embeddings (its output is not a list of numbers); "
-            "send `model` naming an embedding model (the hf backend with --hf-task embed)"
+            f"model {shown(model)} does not return embeddings (its output is not a list of finite float32 "
+            "numbers); send `model` naming an embedding model (the hf backend with --hf-task embed)"
         )
-    return [float(x) for x in vector]
+    return floats
+
+
+def _not_a_number(constant: str) -> float:
+    raise ValueError(f"{constant} is not a number")
+
+
+def _float32(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{value!r} is not a number")
+    number = float(value)
+    if not math.isfinite(number) or abs(number) > FLOAT32_MAX:
+        raise ValueError(f"{value!r} is not a finite float32")
+    return number
 
 
 def _base64(vector: list[float]) -> str:
