@@ -22,6 +22,7 @@ from schemas.codec import decode_state
 from schemas.records import TaskState, TaskStatus
 from schemas.wire import Names
 from transport.ports import TransportError
+from transport.redis.pubsub import ShardedHubs
 from transport.redis.store import RedisTaskStore
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(60)]
@@ -164,6 +165,79 @@ async def test_after_a_primarys_failover_replies_and_watches_follow_its_slots(tm
                 assert seen.output == "after"
         finally:
             await store.close()
+
+
+async def test_a_primarys_pubsub_connection_dropped_comes_back_with_channels_of_several_slots(
+    tmp_path: Path, names: Names
+) -> None:
+    """A primary drops the feed's connection (a restart, a network blip, an unanswered PING): the hub
+    subscribes its channels again, one SSUBSCRIBE per slot (Redis refuses one that spans slots), and a
+    task's end reaches its reply listener and its watcher."""
+    with LocalRedisCluster(tmp_path / "cluster") as cluster:
+        store = RedisTaskStore(cluster.url, names)
+        await store.start()
+        try:
+            returned = asyncio.Event()
+            store.on_feed_return(returned.set)
+            replies: asyncio.Queue[TaskState] = asyncio.Queue()
+            await store.listen_replies("g1", replies.put_nowait)
+            channel = names.reply_channel("g1")
+            node = next(node for node in cluster.nodes if _serves(node.port, key_slot(channel.encode())))
+            task_id = next(
+                f"p{n}"
+                for n in range(1_000)
+                if _serves(node.port, key_slot(f"p{n}".encode()))
+                and key_slot(f"p{n}".encode()) != key_slot(channel.encode())
+            )
+            await store.create(state(task_id, TaskStatus.QUEUED, reply_to="g1"))
+            async with store.watch(task_id) as events:
+                with redis.Redis(port=node.port) as raw:
+                    assert raw.client_kill_filter(_type="pubsub") >= 1, "the feed's connection to the node"
+                await asyncio.wait_for(returned.wait(), 30)
+                assert store.reachable(), "the hub is connected again"
+                done = state(task_id, TaskStatus.COMPLETED, output="again", reply_to="g1")
+                assert await store.apply([done]) == [True]
+                reply = await asyncio.wait_for(replies.get(), 10)
+                assert (reply.task_id, reply.output) == (task_id, "again")
+                seen = await asyncio.wait_for(anext(events), 10)
+                while seen.status is not TaskStatus.COMPLETED:  # the state re-read on the return may come first
+                    seen = await asyncio.wait_for(anext(events), 10)
+                assert seen.output == "again"
+        finally:
+            await store.close()
+
+
+async def test_a_second_watcher_of_a_channel_joins_the_hub_that_holds_it_whatever_the_slot_map_says(
+    redis_cluster: str, names: Names
+) -> None:
+    """The slot map can name a new owner before the channel moved (a refresh after a migration or a
+    failover): a second watcher subscribing there, and the first unsubscribing from there as it left,
+    would leave the second one deaf."""
+    store = RedisTaskStore(redis_cluster, names)
+    await store.start()
+    try:
+        task_id = "moved-1"
+        await store.create(state(task_id, TaskStatus.QUEUED))
+        hubs = store._feed._hub
+        assert isinstance(hubs, ShardedHubs)
+        nodes = hubs._cluster.nodes_manager
+        slot = key_slot(task_id.encode())
+        owner = nodes.slots_cache[slot][0]
+        other = next(node for node in nodes.get_nodes_by_server_type("primary") if node.name != owner.name)
+        first = store.watch(task_id)
+        await first.__aenter__()
+        nodes.slots_cache[slot] = [other]  # a map that names another owner than the hub's
+        try:
+            async with store.watch(task_id) as second:
+                nodes.slots_cache[slot] = [owner]
+                await first.__aexit__(None, None, None)  # the first watcher leaves
+                assert await store.apply([state(task_id, TaskStatus.COMPLETED, output="heard")]) == [True]
+                seen = await asyncio.wait_for(anext(second), 10)
+                assert (seen.status, seen.output) == (TaskStatus.COMPLETED, "heard")
+        finally:
+            nodes.slots_cache[slot] = [owner]
+    finally:
+        await store.close()
 
 
 async def test_a_watch_on_a_dead_primarys_slot_fails_as_a_transport_error_until_its_replica_serves(

@@ -20,7 +20,7 @@ from redis.asyncio.client import PubSub
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from transport.cancelling import cancel_and_wait
@@ -127,12 +127,14 @@ class PubSubHub:
             async with asyncio.timeout(self.subscribe_timeout_s):
                 await asyncio.shield(confirmed)
         except TimeoutError as err:
-            await self.unsubscribe(channel)
+            await asyncio.shield(self.unsubscribe(channel))
             raise TransportError(
                 f"Redis did not confirm SUBSCRIBE {channel} within {self.subscribe_timeout_s} s"
             ) from err
         except BaseException:
-            await self.unsubscribe(channel)
+            # Shielded: a subscriber that leaves is cancelled again until it ends (``cancel_and_wait``);
+            # cut short while it waits for the lock (a reconnect), the channel would keep its reference.
+            await asyncio.shield(self.unsubscribe(channel))
             raise
 
     async def unsubscribe(self, channel: str) -> None:
@@ -245,8 +247,18 @@ class PubSubHub:
             self._pending = {}
             for channel in channels:
                 self._pending[channel] = deque([self._active[channel]])
-            if channels:
-                await (pubsub.ssubscribe(*channels) if self._sharded else pubsub.subscribe(*channels))
+            if channels and self._sharded:
+                # One SSUBSCRIBE per slot: Redis refuses one whose channels span slots (CROSSSLOT). A
+                # slot this node no longer serves answers MOVED: the connection counts as lost, so that
+                # the slot map is read again and the channel moves to its new owner (``ShardedHubs``).
+                for slot_channels in _by_slot(channels):
+                    await pubsub.ssubscribe(*slot_channels)
+                try:
+                    await self._confirmed(channels)
+                except ResponseError as err:
+                    raise RedisConnectionError(f"subscribing again: {err}") from err
+            elif channels:
+                await pubsub.subscribe(*channels)
                 await self._confirmed(channels)
             return channels
 
@@ -372,7 +384,11 @@ class ShardedHubs:
             await hub.close()
 
     async def subscribe(self, channel: str) -> None:
-        hub = await self._hub_of(channel)
+        """On the hub that already holds ``channel`` (its references live there, and a failover moves
+        them together), else on its slot's primary's."""
+        hub = self._of.get(channel)
+        if hub is None or hub not in self._hubs.values():
+            hub = await self._hub_of(channel)
         await hub.subscribe(channel)
         self._of[channel] = hub
 
@@ -482,6 +498,14 @@ class ShardedHubs:
                 self._of[channel] = target
                 moved.append(channel)
         return moved
+
+
+def _by_slot(channels: frozenset[str]) -> list[list[str]]:
+    """``channels`` grouped by their cluster hash slot."""
+    slots: dict[int, list[str]] = {}
+    for channel in sorted(channels):
+        slots.setdefault(key_slot(channel.encode()), []).append(channel)
+    return list(slots.values())
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:
