@@ -94,7 +94,9 @@ class CircuitBreaker:
             await cancel_and_wait(prober)
 
     def _start_probing(self, first_delay_s: float) -> None:
-        if self._prober is not None:
+        # A prober that has just ended is still set until its done callback runs, a loop turn later:
+        # a failure reported in between must start a new one, or nothing would ever close the breaker.
+        if self._prober is not None and not self._prober.done():
             return
         self._prober = asyncio.create_task(self._probe_until_up(first_delay_s), name=f"{self.name}-breaker-probe")
         self._prober.add_done_callback(self._probing_ended)

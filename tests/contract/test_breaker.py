@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from tests.support.eventually import eventually
 from transport.breaker import CircuitBreaker
 
 
@@ -75,6 +76,31 @@ async def test_failures_while_open_keep_one_probe(breaker: CircuitBreaker, depen
     assert "failure 49" in breaker.reason, "the latest failure is reported"
     probes = [task for task in asyncio.all_tasks() if "breaker-probe" in task.get_name()]
     assert len(probes) == 1, f"one probe at a time, found {len(probes)}"
+
+
+async def test_a_failure_in_the_turn_a_probe_closed_it_probes_again() -> None:
+    """A send that fails in the loop turn the probe reached the dependency (both woken by one
+    connection event) opens the breaker before the ended probe's done callback has run."""
+    dependency = Dependency()
+    fail_with_the_probe = True
+
+    async def probe() -> bool:
+        nonlocal fail_with_the_probe
+        up = await dependency.probe()
+        if up and fail_with_the_probe:
+            fail_with_the_probe = False
+            asyncio.get_running_loop().call_soon(breaker.failed, "a send failed in the same turn")
+        return up
+
+    breaker = CircuitBreaker("the test bus", probe, retry_s=0.02, probe_timeout_s=0.2)
+    try:
+        breaker.failed("the first failure")
+        dependency.up = True
+        await eventually(lambda: not fail_with_the_probe, "a probe to reach the dependency")
+        await dependency.next_probe()  # a new probe: without it, nothing would ever close the breaker
+        await eventually(lambda: not breaker.open, "the breaker to close")
+    finally:
+        await breaker.close()
 
 
 async def test_a_success_reported_from_outside_closes_it(breaker: CircuitBreaker) -> None:
