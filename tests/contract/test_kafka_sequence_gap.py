@@ -14,13 +14,18 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition  # type: ignore[import-untyped, unused-ignore]
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic  # type: ignore[import-untyped, unused-ignore]
 from aiokafka.errors import (  # type: ignore[import-untyped, unused-ignore]
+    KafkaConnectionError,
+    KafkaError,
+    KafkaTimeoutError,
     MessageSizeTooLargeError,
     OutOfOrderSequenceNumber,
 )
 
 from schemas.wire import Names
 from tests.support.transport_kits import Closer
+from transport.cancelling import cancel_and_wait
 from transport.errors import PermanentTransportError
+from transport.kafka.group import translate
 from transport.kafka.producers import KafkaBatchProducer
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(60)]
@@ -104,3 +109,33 @@ async def test_a_producer_replaced_after_a_gap_writes_every_later_record_once(
     assert "MessageSizeTooLarge" in str(outcomes[0]), outcomes[0]
     assert outcomes[1] is None, f"the record queued behind the refused one must be written: {outcomes[1]!r}"
     assert await values(kafka_bootstrap, topic) == [b"before", b"after", b"later"]
+
+
+async def test_a_producer_whose_sender_task_died_is_replaced_and_the_record_written(
+    kafka_bootstrap: str, names: Names, topic: str, closer: Closer
+) -> None:
+    """aiokafka's sender task ended with an error (a bug, a ``RuntimeError`` from a closed transport):
+    aiokafka fails every later send at once with that error, and never starts another sender."""
+    producer = closer.add(KafkaBatchProducer(kafka_bootstrap, names))
+    await producer.start()
+    await producer.send_encoded(MODEL, b"before", 0)
+    aio = producer._producer.producer
+    died = KafkaError("Unexpected error during batch delivery")
+    await cancel_and_wait(aio._sender.sender_task)  # as it ends on an error: aiokafka stores that error
+    aio._message_accumulator.fail_all(died)
+    with pytest.raises(KafkaError):
+        await aio.send(topic, b"refused", partition=0)
+
+    await producer.send_encoded(MODEL, b"after", 0)
+
+    assert producer._producer.renewals == 1
+    assert await values(kafka_bootstrap, topic) == [b"before", b"after"]
+
+
+@pytest.mark.parametrize(
+    ("error", "permanent"),
+    [(KafkaTimeoutError(), False), (KafkaConnectionError(), False), (MessageSizeTooLargeError(), True)],
+)
+def test_a_timeout_is_retried_whatever_aiokafka_marks_it(error: Exception, permanent: bool) -> None:
+    """A send buffer that did not drain while a broker was away drains once it is back."""
+    assert isinstance(translate("producing", error), PermanentTransportError) is permanent

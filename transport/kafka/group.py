@@ -15,7 +15,13 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
-from aiokafka.errors import CommitFailedError, IllegalStateError, InvalidSessionTimeoutError, KafkaError
+from aiokafka.errors import (
+    CommitFailedError,
+    IllegalStateError,
+    InvalidSessionTimeoutError,
+    KafkaError,
+    KafkaTimeoutError,
+)
 
 from transport.errors import PermanentTransportError
 from transport.ports import PartitionsCallback, TransportError
@@ -29,8 +35,10 @@ METADATA_MAX_AGE_MS = 10_000
 
 
 def translate(action: str, err: BaseException) -> TransportError:
-    """A ``TransportError`` for a client failure, retriable exactly when the Kafka error is."""
-    retriable = bool(getattr(err, "retriable", True))
+    """A ``TransportError`` for a client failure, retriable exactly when the Kafka error is; a timeout
+    too, which aiokafka marks not retriable (a send buffer that did not drain while a broker was
+    away drains once it is back)."""
+    retriable = isinstance(err, KafkaTimeoutError) or bool(getattr(err, "retriable", True))
     message = f"{action} failed: {type(err).__name__}: {err}"
     return TransportError(message) if retriable else PermanentTransportError(message)
 

@@ -221,6 +221,10 @@ class RenewingProducer:
             except ProducerClosed:
                 continue  # retired by a send that renewed it: the fresh producer takes the record
             except KafkaError as err:
+                if _sender_died(producer):  # it refuses every record from now on: a fresh one takes this one
+                    refused = err
+                    await self._renew(producer, err)
+                    continue
                 raise translate(f"producing to {topic}[{partition}]", err) from err
             try:
                 async with asyncio.timeout(self.ack_timeout_s):
@@ -482,3 +486,11 @@ class KafkaDeadLetterProducer:
 
     async def send(self, letter: DeadLetter) -> None:
         await self._producer.send(self.topic, 0, encode_dead_letter(letter))
+
+
+def _sender_died(producer: Any) -> bool:
+    """Whether the aiokafka producer's sender task ended: aiokafka then fails every later send at once
+    with the error that ended it, and never starts another (read from its private ``_sender``, which
+    no public API shows)."""
+    task = producer._sender.sender_task
+    return task is not None and task.done()
