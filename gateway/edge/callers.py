@@ -1,4 +1,5 @@
-"""Who is calling: the API key's owner and the bucket a request's rate limit counts against.
+"""Who is calling: the API key's owner and the bucket a request's rate limit counts against, and
+whether the caller is still there.
 
 Without API keys, rate limits count per peer address. ``X-Client-Id`` chooses the bucket only with
 ``trust_client_id`` (a proxy in front sets it): a header any client may send would let one client
@@ -7,15 +8,21 @@ spend another's bucket.
 
 from __future__ import annotations
 
+import asyncio
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from starlette.requests import Request
+from starlette.types import Receive
 
 from gateway.admission.gate import ANONYMOUS, Caller
 from gateway.admission.priority import KeyTiers
-from gateway.errors import InvalidClientId
+from gateway.errors import ClientDisconnected, InvalidClientId
 from gateway.settings import GatewaySettings
+from transport.cancelling import cancel_and_wait
+
+T = TypeVar("T")
 
 CLIENT_ID_HEADER = "X-Client-Id"
 _CLIENT_ID_PATTERN = re.compile(r"[\x21-\x7e]{1,128}")
@@ -68,3 +75,26 @@ def request_owner(request: Request) -> str | None:
     """The API key's owner id that ``AuthMiddleware`` found, or None without API keys."""
     state = request.scope.get("state")
     return None if state is None else state.get("owner")
+
+
+async def disconnected(receive: Receive) -> None:
+    """Returns once the client has gone: ASGI's ``receive()`` gives the request's body first (read
+    already, or none for a GET), then waits for the disconnect."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_gone(work: Awaitable[T], receive: Receive) -> T:
+    """``work``'s result, or ``ClientDisconnected`` once the client has gone: a wait must not hold
+    what it counts against (a long-poll's watch) for a client that left (uvicorn cancels nothing)."""
+    working = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(disconnected(receive))
+    try:
+        await asyncio.wait({working, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        await cancel_and_wait(gone)
+        if not working.done():
+            await cancel_and_wait(working)
+    if working.cancelled():
+        raise ClientDisconnected("the caller closed the connection before the answer")
+    return working.result()

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from gateway.edge.callers import disconnected
 from gateway.errors import GatewayError, error_body
 from schemas.records import TaskState
 from transport.cancelling import cancel_and_wait
@@ -146,7 +147,7 @@ class EventStream(Response):
 
     async def _stream(self, receive: Receive, send: Send) -> bool:
         """Sends events until one of the ends; True if the client is still there to be told it ended."""
-        gone = asyncio.ensure_future(_disconnect(receive))
+        gone = asyncio.ensure_future(disconnected(receive))
         stops: set[asyncio.Future[Any]] = {gone}
         if self.end is not None:
             stops.add(self.end.future())
@@ -173,9 +174,3 @@ class EventStream(Response):
             for pending in (following, gone):
                 if pending is not None:
                     await cancel_and_wait(pending)
-
-
-async def _disconnect(receive: Receive) -> None:
-    """Returns once the client has gone (the request's body was read before the stream began)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass

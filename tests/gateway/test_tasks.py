@@ -145,3 +145,44 @@ async def test_one_client_holds_only_its_share_of_the_watchers_and_another_is_st
         answered = await asyncio.wait_for(asyncio.gather(theirs, *held), 10)
     assert [response.json()["status"] for response in answered] == ["completed"] * 3
     assert rig.gateway.watchers == 0
+
+
+async def test_a_long_poll_whose_client_left_gives_back_its_watch_at_once(make_rig: RigFactory) -> None:
+    """A client whose read timeout is shorter than its ``wait`` leaves; its watch counted against its
+    share (and, behind a proxy, every client's) until the wait ran out."""
+    rig = await make_rig(max_watchers_per_client=1)
+    task_id = (await rig.client.post("/v1/tasks", json={"input": "x"})).json()["task_id"]  # no worker: queued
+    left = asyncio.Event()
+    messages = [{"type": "http.request", "body": b"", "more_body": False}]
+
+    async def receive() -> dict[str, object]:
+        if messages:
+            return messages.pop()
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: object) -> None:
+        return None
+
+    path = f"/v1/result/{task_id}"
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"wait=60",
+        "root_path": "",
+        "headers": [(b"host", b"gateway")],
+        "client": ("127.0.0.1", 1234),
+        "server": ("gateway", 80),
+    }
+    poll = asyncio.create_task(rig.app(scope, receive, send))
+    await eventually(lambda: rig.gateway.watchers == 1, "the long-poll to wait")
+    left.set()
+    await asyncio.wait_for(poll, 5)
+    assert rig.gateway.watchers == 0, "the watch goes with its client"
+    again = await rig.client.get(path, params={"wait": 0.1})
+    assert again.status_code == 200, again.text

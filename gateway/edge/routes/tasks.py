@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.answers.reads import TASK_ID_PATTERN
-from gateway.edge.callers import client_of, request_owner
+from gateway.edge.callers import client_of, request_owner, unless_gone
 from gateway.edge.handlers import json_response
 from gateway.edge.models import TaskResult, error_responses
 from gateway.edge.routes.deployment import deployment_of
@@ -28,8 +28,12 @@ READ_ERRORS = ("invalid_task_id", "task_not_found", "validation_error", "overloa
 async def read_result(request: Request, task_id: str, wait: float) -> Response:
     """The task's state, once it ended or ``wait`` seconds passed."""
     gateway = deployment_of(request).gateway
-    client = client_of(request, gateway.settings.trust_client_id) if wait > 0 else "-"
-    state = await gateway.result(task_id, wait, owner=request_owner(request), client=client)
+    owner = request_owner(request)
+    if wait <= 0:
+        state = await gateway.result(task_id, owner=owner)
+    else:
+        client = client_of(request, gateway.settings.trust_client_id)
+        state = await unless_gone(gateway.result(task_id, wait, owner=owner, client=client), request.receive)
     return json_response(200, state.to_public())
 
 
