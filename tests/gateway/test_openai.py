@@ -28,6 +28,8 @@ from gateway.errors import ClientDisconnected
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from gpu_worker.backends.sim import SimBackend
+from schemas.records import TaskStatus
+from tests.support.gateway_rig import RigFactory
 from transport.memory.limits import MemoryRateLimiter
 
 pytestmark = pytest.mark.timeout(60)
@@ -222,3 +224,50 @@ async def test_a_closed_stream_tells_its_unanswered_prompts_that_their_caller_ha
     assert cancelled == ["c"], "one still in admission was cancelled after the grace"
     with pytest.raises(StopAsyncIteration):
         await anext(chunks)
+
+
+# over the gateway's rig: prompts whose caller is gone --------------------------------------------
+
+
+async def test_the_prompts_left_when_one_is_refused_are_cancelled_as_at_a_disconnect(make_rig: RigFactory) -> None:
+    """The caller got its error: the request's other prompts, on the bus already, are not computed."""
+    rig = await make_rig(reply_recheck_s=0.1)  # no worker: "a" waits on the bus
+    refused = await rig.client.post("/v1/completions", json={"model": "echo", "prompt": ["a", "x" * 70_000]})
+    assert refused.status_code == 413, refused.text
+    waiting = rig.only_request()
+    assert waiting.input == "a"
+    state = await rig.store.get(waiting.task_id)
+    assert state is not None and state.status is TaskStatus.CANCELLED, state
+    assert rig.gateway.inflight == 0
+
+
+async def test_a_stream_whose_client_left_before_its_first_chunk_cancels_its_prompts(make_rig: RigFactory) -> None:
+    rig = await make_rig(reply_recheck_s=0.1)  # no worker: the prompts wait
+    body = json.dumps({"model": "sim", "prompt": ["a", "b", "c"], "stream": True}).encode()
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, object]:
+        return messages.pop() if messages else {"type": "http.disconnect"}  # the client has gone
+
+    async def send(message: object) -> None:
+        return None
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"host", b"gateway")],
+        "client": ("127.0.0.1", 1234),
+        "server": ("gateway", 80),
+    }
+    await asyncio.wait_for(rig.app(scope, receive, send), 5)
+    assert rig.gateway.inflight == 0, "the prompts give back their slots"
+    for request in [request for records in rig.bus.log.records for request in records]:
+        state = await rig.store.get(request.task_id)
+        assert state is not None and state.status is TaskStatus.CANCELLED, state

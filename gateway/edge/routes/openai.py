@@ -18,7 +18,7 @@ import math
 import secrets
 import struct
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 from typing import Any, Literal
 
 from fastapi import APIRouter
@@ -29,6 +29,7 @@ from starlette.responses import Response
 from gateway.admission.gate import Caller
 from gateway.answers.outcomes import Answer
 from gateway.edge.body import Shape, parse_body, read_body
+from gateway.edge.callers import disconnected, unless_gone
 from gateway.edge.events import EventStream
 from gateway.edge.handlers import json_response, retry_headers
 from gateway.edge.models import error_responses
@@ -237,7 +238,9 @@ async def completions(request: Request) -> Response:
         if body.stream:
             chunks = CompletionChunks(gateway, prompts, body, stops, caller)
             try:
-                await chunks.begin()  # an error before anything was answered is a JSON error, not a stream
+                # An error before anything was answered is a JSON error, not a stream; a client that
+                # leaves before then has its prompts' tasks cancelled, as one that leaves the stream.
+                await unless_gone(chunks.begin(), request.receive)
             except BaseException:
                 await chunks.aclose()
                 raise
@@ -339,16 +342,7 @@ class CompletionChunks:
 
     async def aclose(self) -> None:
         self._ended = True
-        if not self._gone.done():
-            self._gone.set_result(None)
-        submits = list(self._index)
-        if self._pending:
-            # A submit still waiting for admission watches no connection yet: it is cancelled instead.
-            _, waiting = await asyncio.wait(self._pending, timeout=GONE_GRACE_S)
-            await asyncio.gather(*(cancel_and_wait(submit) for submit in waiting))
-        for submit in submits:  # retrieved, so none logs "exception was never retrieved"
-            if not submit.cancelled():
-                submit.exception()
+        await _abandon(self._gone, self._pending, list(self._index))
 
 
 def _prompts(body: CompletionsBody) -> list[str]:
@@ -406,26 +400,44 @@ async def _submit_all(
     gateway: Gateway, texts: list[str], model: str | None, caller: Caller, request: Request
 ) -> list[Answer]:
     """Every string submitted at once and waited for together; the first error ends the request (the
-    others' callers are gone, as at a disconnect). One watch of the connection serves every submit."""
-    gone = asyncio.ensure_future(request.receive())  # once the body is read: completes when the client goes
+    others' callers are gone, as at a disconnect: their tasks are cancelled). One watch of the
+    connection serves every submit."""
+    gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # the client left, or an error
+    receiving = asyncio.ensure_future(disconnected(request.receive))
+    receiving.add_done_callback(lambda _: None if gone.done() else gone.set_result(None))
 
     def watch() -> Awaitable[object]:
         return asyncio.shield(gone)
 
+    submits = [
+        asyncio.ensure_future(gateway.submit(text, model, None, True, caller=caller, disconnected=watch))
+        for text in texts
+    ]
     try:
-        async with asyncio.TaskGroup() as group:
-            submits = [
-                group.create_task(gateway.submit(text, model, None, True, caller=caller, disconnected=watch))
-                for text in texts
-            ]
-    except BaseExceptionGroup as errors:
-        first = next((e for e in errors.exceptions if isinstance(e, GatewayError)), None)
-        if first is None:
-            raise
-        raise first from None
+        done, _ = await asyncio.wait(submits, return_when=asyncio.FIRST_EXCEPTION)
     finally:
-        gone.cancel()
+        await cancel_and_wait(receiving)
+        await _abandon(gone, {submit for submit in submits if not submit.done()}, submits)
+    for submit in done:
+        if not submit.cancelled() and (error := submit.exception()) is not None:
+            raise error
     return [submit.result() for submit in submits]
+
+
+async def _abandon(
+    gone: asyncio.Future[None], pending: set[asyncio.Future[Answer]], submits: Iterable[asyncio.Future[Answer]]
+) -> None:
+    """Tells the ``pending`` submits their caller has gone (``gone``: what they watch), so their tasks
+    are cancelled; one still in admission watches nothing yet, and is cancelled where it is after
+    ``GONE_GRACE_S``. Every submit's error is retrieved, so none logs "exception was never retrieved"."""
+    if not gone.done():
+        gone.set_result(None)
+    if pending:
+        _, waiting = await asyncio.wait(pending, timeout=GONE_GRACE_S)
+        await asyncio.gather(*(cancel_and_wait(submit) for submit in waiting))
+    for submit in submits:
+        if not submit.cancelled():
+            submit.exception()
 
 
 def _texts(body: EmbeddingsBody) -> list[str]:
