@@ -22,7 +22,9 @@ TENANT = "tenant-key-0123456789"
 OPERATOR = "operator-key-0123456789"
 
 
-def beat(role: str, member_id: str, models: tuple[str, ...], *, age_s: float = 0.1, **figures: float) -> Beat:
+def beat(
+    role: str, member_id: str, models: tuple[str, ...], *, age_s: float = 0.1, interval_s: float = 1.0, **figures: float
+) -> Beat:
     return Beat(
         role=role,
         id=member_id,
@@ -32,7 +34,7 @@ def beat(role: str, member_id: str, models: tuple[str, ...], *, age_s: float = 0
         models=models,
         state="busy",
         at_ms=int((time.time() - age_s) * 1000),
-        interval_s=1.0,
+        interval_s=interval_s,
         figures=figures,
     )
 
@@ -118,7 +120,8 @@ async def test_an_unreachable_gateway_exits_2_and_says_where_it_looked(capsys: p
 
 
 async def test_watch_redraws_until_interrupted_and_exits_with_the_last_code(make_rig: RigFactory) -> None:
-    fleet = await fleet_of(beat("worker", "w1", ("sim",)))
+    # Live for three beats: a long beat, so that it is still live however slowly the command starts.
+    fleet = await fleet_of(beat("worker", "w1", ("sim",), interval_s=60.0))
     rig = await make_rig(fleet=fleet, models=("sim",))
     async with serving(rig) as client:
         watch = await asyncio.create_subprocess_exec(
