@@ -240,6 +240,34 @@ async def test_a_second_watcher_of_a_channel_joins_the_hub_that_holds_it_whateve
         await store.close()
 
 
+async def test_a_watch_follows_its_slot_to_another_primary(tmp_path: Path, names: Names) -> None:
+    """The slot moves to another primary (``CLUSTER SETSLOT``, as a resharding does); its old owner ends
+    the shard channels of the slot (``sunsubscribe``): the feed moves the watch to the new owner, and
+    the task's end reaches the watcher."""
+    with LocalRedisCluster(tmp_path / "cluster") as cluster:
+        store = RedisTaskStore(cluster.url, names)
+        await store.start()
+        try:
+            task_id = "slot-1"  # not stored: its slot holds no key, so the slot can be handed over as it is
+            slot = key_slot(task_id.encode())
+            owner = next(node for node in cluster.nodes if _serves(node.port, slot))
+            heir = next(node for node in cluster.nodes if node.port != owner.port)
+            async with store.watch(task_id) as events:
+                with redis.Redis(port=heir.port) as client:
+                    heir_id = client.execute_command("CLUSTER", "MYID")
+                for node in (owner, heir):
+                    with redis.Redis(port=node.port) as client:
+                        client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", heir_id)
+                assert await _applied_once_served(store, state(task_id, TaskStatus.COMPLETED, output="moved"))
+                seen = await asyncio.wait_for(anext(events), 10)
+                while seen.status is not TaskStatus.COMPLETED:
+                    seen = await asyncio.wait_for(anext(events), 10)
+                assert seen.output == "moved"
+                assert store.reachable(), "the hub of the old owner is connected again"
+        finally:
+            await store.close()
+
+
 async def test_a_watch_on_a_dead_primarys_slot_fails_as_a_transport_error_until_its_replica_serves(
     tmp_path: Path, names: Names
 ) -> None:

@@ -83,6 +83,9 @@ class PubSubHub:
         self._pending: dict[str, deque[asyncio.Future[None]]] = {}  # per SUBSCRIBE sent, in order
         self._failure: BaseException | None = None
         self._connected = False
+        self._unsubscribing: dict[str, int] = {}
+        """UNSUBSCRIBEs sent and not yet confirmed, per channel: any other (sharded) one came from the
+        server, as a slot left this node."""
 
     @property
     def alive(self) -> bool:
@@ -104,8 +107,10 @@ class PubSubHub:
         """Stops the reader, then drops the connection; subscribers are told through ``on_failure``."""
         reader, self._reader = self._reader, None
         if reader is not None:
-            # A reader that failed earlier has reported it through on_failure already.
-            await cancel_and_wait(reader)
+            # A reader that failed earlier has reported it through on_failure already. Not while it
+            # (re)connects, which holds the lock: a connect cut short leaves its socket open.
+            async with self._lock:
+                await cancel_and_wait(reader)
         await self._drop_connection()
         await self._pool.disconnect()
         self._fail_waiters(TransportError("the Redis PubSub hub was closed"))
@@ -147,6 +152,7 @@ class PubSubHub:
             self._refs.pop(channel, None)
             self._active.pop(channel, None)
             if self._pubsub is not None and self.alive:
+                self._unsubscribing[channel] = self._unsubscribing.get(channel, 0) + 1
                 await self._send("UNSUBSCRIBE", channel)
 
     def channels(self) -> frozenset[str]:
@@ -157,9 +163,12 @@ class PubSubHub:
         return self._refs.get(channel, 0)
 
     def forget(self, channel: str) -> None:
-        """Drops ``channel`` with all its references, sending nothing: another hub took it over."""
+        """Drops ``channel`` with all its references, sending nothing: another hub took it over (and
+        confirmed it), so a subscriber still waiting here goes on."""
         self._refs.pop(channel, None)
-        self._active.pop(channel, None)
+        confirmed = self._active.pop(channel, None)
+        if confirmed is not None and not confirmed.done():
+            confirmed.set_result(None)
         self._pending.pop(channel, None)
 
     async def _send(self, command: str, channel: str) -> None:
@@ -245,6 +254,7 @@ class PubSubHub:
             pubsub = self._pubsub = await self._connect()
             channels = frozenset(self._refs)
             self._pending = {}
+            self._unsubscribing = {}
             for channel in channels:
                 self._pending[channel] = deque([self._active[channel]])
             if channels and self._sharded:
@@ -280,7 +290,14 @@ class PubSubHub:
         assert pubsub is not None
         awaiting_pong = False
         while True:
-            message: dict[str, Any] | None = await pubsub.get_message(timeout=self.ping_interval_s)
+            try:
+                message: dict[str, Any] | None = await pubsub.get_message(timeout=self.ping_interval_s)
+            except ResponseError as err:
+                if not self._sharded:
+                    raise
+                # A slot this node no longer serves (MOVED: the slot map was out of date): counted as a
+                # lost connection, so that the slot map is read again and the channel moves to its owner.
+                raise RedisConnectionError(f"Redis refused a subscription: {err}") from err
             if message is None:
                 if awaiting_pong:
                     raise RedisTimeoutError(f"no answer to PING within {self.ping_interval_s} s")
@@ -310,6 +327,14 @@ class PubSubHub:
                     confirmed.set_result(None)
                 if not pending:
                     del self._pending[channel]
+        elif kind in ("unsubscribe", "sunsubscribe"):
+            sent = self._unsubscribing.pop(channel, 0)
+            if sent > 1:
+                self._unsubscribing[channel] = sent - 1
+            elif not sent and kind == "sunsubscribe" and channel in self._refs:
+                # Not ours: Redis ends the shard channels of a slot that left this node (a migration, a
+                # failover). Counted as a lost connection, so that the channel moves to the slot's owner.
+                raise RedisConnectionError(f"Redis ended the subscription of {channel}: its slot left this node")
 
     def _fail_waiters(self, err: BaseException) -> None:
         for confirmed in self._active.values():
@@ -390,7 +415,7 @@ class ShardedHubs:
         if hub is None or hub not in self._hubs.values():
             hub = await self._hub_of(channel)
         await hub.subscribe(channel)
-        self._of[channel] = hub
+        self._of.setdefault(channel, hub)  # unless a failover moved it meanwhile (``_move`` set its new hub)
 
     async def unsubscribe(self, channel: str) -> None:
         async with self._moves:
