@@ -22,7 +22,9 @@ FAIR_AFTER_S = 1.0
 ACTIVE_PER_S = 0.5
 """A client whose rate has decayed below this is no longer counted as sending."""
 PRUNE_AT = 1024
-"""Clients of one model remembered before those no longer sending are dropped."""
+"""Clients of one model remembered before those no longer sending are first dropped; after that, once
+they are twice as many as the last pruning left, so each admission pays for a walk of them only
+once in a while, however many clients are sending."""
 
 
 class FairShare:
@@ -32,15 +34,18 @@ class FairShare:
         self.half_life_s = half_life_s
         self._rates: dict[str, dict[str, tuple[float, float]]] = {}
         """model -> client -> (rate per second, when it was last brought up to date)."""
+        self._prune_at: dict[str, int] = {}
+        """model -> how many clients it may remember before the next pruning."""
 
     def admitted(self, model: str, client: str, now_s: float) -> None:
         clients = self._rates.setdefault(model, {})
         rate = self._decayed(clients.get(client), now_s)
         clients[client] = (rate + math.log(2) / self.half_life_s, now_s)
-        if len(clients) >= PRUNE_AT:  # clients that stopped sending are forgotten: the map stays small
+        if len(clients) >= self._prune_at.get(model, PRUNE_AT):  # clients that stopped sending are forgotten
             for name, entry in list(clients.items()):
                 if self._decayed(entry, now_s) < ACTIVE_PER_S:
                     del clients[name]
+            self._prune_at[model] = max(PRUNE_AT, 2 * len(clients))
 
     def remembered(self, model: str) -> int:
         """How many of ``model``'s clients are remembered (those sending, and some that stopped)."""

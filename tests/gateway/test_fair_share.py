@@ -88,3 +88,24 @@ def test_clients_that_stopped_sending_are_forgotten() -> None:
     for n in range(5000):
         fair.admitted("m", f"ip:10.0.{n // 256}.{n % 256}", n / 100)  # each sends once, 10 ms apart
     assert fair.remembered("m") < 2048, "the map holds the clients still sending, not every one seen"
+
+
+def test_an_admission_does_not_walk_every_client_while_many_are_sending(monkeypatch: pytest.MonkeyPatch) -> None:
+    """3,000 clients sending at once: each admission brings one rate up to date, and the walks that
+    prune the stopped clients come once the map has doubled, not on every admission past the limit."""
+    fair = FairShare()
+    decays = 0
+    decayed = FairShare._decayed
+
+    def counted(self: FairShare, entry: tuple[float, float] | None, now_s: float) -> float:
+        nonlocal decays
+        decays += 1
+        return decayed(self, entry, now_s)
+
+    monkeypatch.setattr(FairShare, "_decayed", counted)
+    for n in range(3_000):
+        fair.admitted("m", f"key:{n}", n / 10_000)  # all within 0.3 s: every one still sending
+    for n in range(3_000):
+        fair.admitted("m", f"key:{n}", 0.3 + n / 10_000)
+    assert fair.remembered("m") == 3_000
+    assert decays < 6_000 + 4 * 3_000, f"{decays} rates brought up to date for 6,000 admissions"
