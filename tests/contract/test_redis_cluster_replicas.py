@@ -159,10 +159,7 @@ async def test_after_a_primarys_failover_replies_and_watches_follow_its_slots(tm
                 assert await _applied_once_served(store, done)
                 reply = await asyncio.wait_for(replies.get(), 10)
                 assert (reply.task_id, reply.output) == (task_id, "after")
-                seen = await asyncio.wait_for(anext(events), 10)
-                while seen.status is not TaskStatus.COMPLETED:  # a state re-read at the move may come first
-                    seen = await asyncio.wait_for(anext(events), 10)
-                assert seen.output == "after"
+                await _ends_with(events, "after")
         finally:
             await store.close()
 
@@ -199,10 +196,7 @@ async def test_a_primarys_pubsub_connection_dropped_comes_back_with_channels_of_
                 assert await store.apply([done]) == [True]
                 reply = await asyncio.wait_for(replies.get(), 10)
                 assert (reply.task_id, reply.output) == (task_id, "again")
-                seen = await asyncio.wait_for(anext(events), 10)
-                while seen.status is not TaskStatus.COMPLETED:  # the state re-read on the return may come first
-                    seen = await asyncio.wait_for(anext(events), 10)
-                assert seen.output == "again"
+                await _ends_with(events, "again")
         finally:
             await store.close()
 
@@ -259,10 +253,7 @@ async def test_a_watch_follows_its_slot_to_another_primary(tmp_path: Path, names
                     with redis.Redis(port=node.port) as client:
                         client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", heir_id)
                 assert await _applied_once_served(store, state(task_id, TaskStatus.COMPLETED, output="moved"))
-                seen = await asyncio.wait_for(anext(events), 10)
-                while seen.status is not TaskStatus.COMPLETED:
-                    seen = await asyncio.wait_for(anext(events), 10)
-                assert seen.output == "moved"
+                await _ends_with(events, "moved")
                 assert store.reachable(), "the hub of the old owner is connected again"
         finally:
             await store.close()
@@ -296,6 +287,15 @@ async def test_a_watch_on_a_dead_primarys_slot_fails_as_a_transport_error_until_
                 pytest.fail("no watch of the dead primary's slot worked within 30 s of the kill")
         finally:
             await store.close()
+
+
+async def _ends_with(events: AsyncIterator[TaskState], output: str) -> None:
+    """The watcher hears its task complete with ``output``; the state re-read when the feed came back
+    (or its channel moved) may come first."""
+    seen = await asyncio.wait_for(anext(events), 10)
+    while seen.status is not TaskStatus.COMPLETED:
+        seen = await asyncio.wait_for(anext(events), 10)
+    assert seen.output == output
 
 
 def _serves(port: int, slot: int) -> bool:

@@ -29,7 +29,7 @@ from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from gpu_worker.backends.sim import SimBackend
 from schemas.records import TaskStatus
-from tests.support.gateway_rig import RigFactory
+from tests.support.gateway_rig import RigFactory, http_scope
 from transport.memory.limits import MemoryRateLimiter
 
 pytestmark = pytest.mark.timeout(60)
@@ -252,20 +252,7 @@ async def test_a_stream_whose_client_left_before_its_first_chunk_cancels_its_pro
     async def send(message: object) -> None:
         return None
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": "/v1/completions",
-        "raw_path": b"/v1/completions",
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"host", b"gateway")],
-        "client": ("127.0.0.1", 1234),
-        "server": ("gateway", 80),
-    }
+    scope = http_scope("POST", "/v1/completions", headers=[(b"content-type", b"application/json")])
     await asyncio.wait_for(rig.app(scope, receive, send), 5)
     assert rig.gateway.inflight == 0, "the prompts give back their slots"
     for request in [request for records in rig.bus.log.records for request in records]:

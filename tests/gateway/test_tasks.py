@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from tests.support.eventually import eventually
-from tests.support.gateway_rig import RigFactory, error_of
+from tests.support.gateway_rig import RigFactory, error_of, http_scope
 
 
 async def test_submit_answers_202_with_where_to_look(make_rig: RigFactory) -> None:
@@ -165,21 +165,7 @@ async def test_a_long_poll_whose_client_left_gives_back_its_watch_at_once(make_r
         return None
 
     path = f"/v1/result/{task_id}"
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "GET",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"wait=60",
-        "root_path": "",
-        "headers": [(b"host", b"gateway")],
-        "client": ("127.0.0.1", 1234),
-        "server": ("gateway", 80),
-    }
-    poll = asyncio.create_task(rig.app(scope, receive, send))
+    poll = asyncio.create_task(rig.app(http_scope("GET", path, b"wait=60"), receive, send))
     await eventually(lambda: rig.gateway.watchers == 1, "the long-poll to wait")
     left.set()
     await asyncio.wait_for(poll, 5)

@@ -170,6 +170,26 @@ class Rig:
 RigFactory = Callable[..., Awaitable[Rig]]
 
 
+def http_scope(
+    method: str, path: str, query: bytes = b"", headers: Sequence[tuple[bytes, bytes]] = ()
+) -> dict[str, Any]:
+    """An ASGI HTTP scope, for a test that plays the server itself (a client that leaves, say)."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": query,
+        "root_path": "",
+        "headers": [(b"host", b"gateway"), *headers],
+        "client": ("127.0.0.1", 1234),
+        "server": ("gateway", 80),
+    }
+
+
 def error_of(response: httpx.Response) -> dict[str, Any]:
     """The ``error`` object of a JSON error answer, failing clearly if the shape is wrong."""
     assert response.headers.get("content-type", "").startswith("application/json"), (
