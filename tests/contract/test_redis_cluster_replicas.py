@@ -138,10 +138,7 @@ async def test_after_a_primarys_failover_replies_and_watches_follow_its_slots(tm
         store = RedisTaskStore(cluster.url, names)
         await store.start()
         try:
-            returned = asyncio.Event()
-            store.on_feed_return(returned.set)
-            replies: asyncio.Queue[TaskState] = asyncio.Queue()
-            await store.listen_replies("g1", replies.put_nowait)
+            returned, replies = await _following(store, "g1")
             channel = names.reply_channel("g1")
             victim = next(node for node in cluster.nodes if _serves(node.port, key_slot(channel.encode())))
             task_id = next(f"w{n}" for n in range(1_000) if _serves(victim.port, key_slot(f"w{n}".encode())))
@@ -174,10 +171,7 @@ async def test_a_primarys_pubsub_connection_dropped_comes_back_with_channels_of_
         store = RedisTaskStore(cluster.url, names)
         await store.start()
         try:
-            returned = asyncio.Event()
-            store.on_feed_return(returned.set)
-            replies: asyncio.Queue[TaskState] = asyncio.Queue()
-            await store.listen_replies("g1", replies.put_nowait)
+            returned, replies = await _following(store, "g1")
             channel = names.reply_channel("g1")
             node = next(node for node in cluster.nodes if _serves(node.port, key_slot(channel.encode())))
             task_id = next(
@@ -287,6 +281,15 @@ async def test_a_watch_on_a_dead_primarys_slot_fails_as_a_transport_error_until_
                 pytest.fail("no watch of the dead primary's slot worked within 30 s of the kill")
         finally:
             await store.close()
+
+
+async def _following(store: RedisTaskStore, gateway_id: str) -> tuple[asyncio.Event, asyncio.Queue[TaskState]]:
+    """What a gateway follows: its feed's return (set each time), and the replies to it."""
+    returned = asyncio.Event()
+    store.on_feed_return(returned.set)
+    replies: asyncio.Queue[TaskState] = asyncio.Queue()
+    await store.listen_replies(gateway_id, replies.put_nowait)
+    return returned, replies
 
 
 async def _ends_with(events: AsyncIterator[TaskState], output: str) -> None:
