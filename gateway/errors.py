@@ -245,7 +245,10 @@ ERROR_TABLE: dict[str, tuple[int, str]] = {
         "one's request is answered unread and the connection closed; retry after Retry-After.",
     ),
     "unknown_model": (404, "`model` is not served by this deployment."),
-    "not_an_embedding_model": (400, "`/v1/embeddings` named a model whose outputs are not vectors."),
+    "not_an_embedding_model": (
+        400,
+        "`/v1/embeddings` named a model whose outputs are not vectors (a list of finite float32 numbers).",
+    ),
     "task_not_found": (404, "No task has this id (or it expired, or another API key created it)."),
     "not_found": (404, "No route has this path."),
     "method_not_allowed": (405, "The route does not take this method."),
