@@ -254,8 +254,9 @@ class Worker:
                 await self._hung(batch, err)
                 raise
         except BaseException:
-            self.commits.give_up(slot)
+            self.commits.give_up(slot)  # before any call started: a started call owns its slot (``_start_call``)
             raise
+        await asyncio.sleep(0)  # a call just started reaches the backend's thread before the next fetch
 
     async def _hung(self, batch: Batch, err: BackendHung) -> None:
         with contextlib.suppress(TransportError, TimeoutError):
@@ -281,7 +282,6 @@ class Worker:
             self._fill(slot, batch, ended + stored)  # stored again (no-ops) to wait for replicas
             return
         self._start_call(slot, batch, todo, ended)
-        await asyncio.sleep(0)
 
     def _fill(self, slot: Slot, batch: Batch, states: list[TaskState], call: Timed = None) -> None:
         self.commits.fill(slot, states + self.admission.ended_before(batch.batch_id), call)
