@@ -342,7 +342,7 @@ class CompletionChunks:
 
     async def aclose(self) -> None:
         self._ended = True
-        await _abandon(self._gone, self._pending, list(self._index))
+        await _abandon(self._gone, self._index)
 
 
 def _prompts(body: CompletionsBody) -> list[str]:
@@ -417,21 +417,20 @@ async def _submit_all(
         done, _ = await asyncio.wait(submits, return_when=asyncio.FIRST_EXCEPTION)
     finally:
         await cancel_and_wait(receiving)
-        await _abandon(gone, {submit for submit in submits if not submit.done()}, submits)
+        await _abandon(gone, submits)
     for submit in done:
         if not submit.cancelled() and (error := submit.exception()) is not None:
             raise error
     return [submit.result() for submit in submits]
 
 
-async def _abandon(
-    gone: asyncio.Future[None], pending: set[asyncio.Future[Answer]], submits: Iterable[asyncio.Future[Answer]]
-) -> None:
-    """Tells the ``pending`` submits their caller has gone (``gone``: what they watch), so their tasks
-    are cancelled; one still in admission watches nothing yet, and is cancelled where it is after
+async def _abandon(gone: asyncio.Future[None], submits: Iterable[asyncio.Future[Answer]]) -> None:
+    """Tells the submits not yet ended that their caller has gone (``gone``: what they watch), so their
+    tasks are cancelled; one still in admission watches nothing yet, and is cancelled where it is after
     ``GONE_GRACE_S``. Every submit's error is retrieved, so none logs "exception was never retrieved"."""
     if not gone.done():
         gone.set_result(None)
+    pending = [submit for submit in submits if not submit.done()]
     if pending:
         _, waiting = await asyncio.wait(pending, timeout=GONE_GRACE_S)
         await asyncio.gather(*(cancel_and_wait(submit) for submit in waiting))
