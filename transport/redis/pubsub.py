@@ -258,17 +258,12 @@ class PubSubHub:
             for channel in channels:
                 self._pending[channel] = deque([self._active[channel]])
             if channels and self._sharded:
-                # One SSUBSCRIBE per slot: Redis refuses one whose channels span slots (CROSSSLOT). A
-                # slot this node no longer serves answers MOVED: the connection counts as lost, so that
-                # the slot map is read again and the channel moves to its new owner (``ShardedHubs``).
+                # One SSUBSCRIBE per slot: Redis refuses one whose channels span slots (CROSSSLOT).
                 for slot_channels in _by_slot(channels):
                     await pubsub.ssubscribe(*slot_channels)
-                try:
-                    await self._confirmed(channels)
-                except ResponseError as err:
-                    raise RedisConnectionError(f"subscribing again: {err}") from err
             elif channels:
                 await pubsub.subscribe(*channels)
+            if channels:
                 await self._confirmed(channels)
             return channels
 
@@ -280,7 +275,7 @@ class PubSubHub:
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
                 raise RedisTimeoutError(f"SUBSCRIBE not confirmed within {self.subscribe_timeout_s} s")
-            message: dict[str, Any] | None = await self._pubsub.get_message(timeout=remaining)
+            message = await self._message(self._pubsub, remaining)
             if message is not None:
                 self._dispatch(message)
 
@@ -290,14 +285,7 @@ class PubSubHub:
         assert pubsub is not None
         awaiting_pong = False
         while True:
-            try:
-                message: dict[str, Any] | None = await pubsub.get_message(timeout=self.ping_interval_s)
-            except ResponseError as err:
-                if not self._sharded:
-                    raise
-                # A slot this node no longer serves (MOVED: the slot map was out of date): counted as a
-                # lost connection, so that the slot map is read again and the channel moves to its owner.
-                raise RedisConnectionError(f"Redis refused a subscription: {err}") from err
+            message = await self._message(pubsub, self.ping_interval_s)
             if message is None:
                 if awaiting_pong:
                     raise RedisTimeoutError(f"no answer to PING within {self.ping_interval_s} s")
@@ -309,6 +297,18 @@ class PubSubHub:
                 continue
             awaiting_pong = False
             self._dispatch(message)
+
+    async def _message(self, pubsub: PubSub, timeout_s: float) -> dict[str, Any] | None:
+        """The next message, None after ``timeout_s``. On a sharded hub an error reply (MOVED: a slot
+        this node no longer serves, the slot map being out of date) counts as a lost connection, so
+        that the slot map is read again and the channel moves to its slot's owner (``ShardedHubs``)."""
+        try:
+            message: dict[str, Any] | None = await pubsub.get_message(timeout=timeout_s)
+        except ResponseError as err:
+            if not self._sharded:
+                raise
+            raise RedisConnectionError(f"Redis refused a subscription: {err}") from err
+        return message
 
     def _dispatch(self, message: dict[str, Any]) -> None:
         kind = message.get("type")
