@@ -57,7 +57,8 @@ class Slot:
 
 
 class Committer:
-    """Stores results and commits batches in the order they are handed in, in two tasks it owns."""
+    """Stores results as they are handed in, and commits batches in the order they were fetched
+    (``reserve``), in two tasks it owns."""
 
     def __init__(
         self,
@@ -123,10 +124,6 @@ class Committer:
         if not slot.filled:
             slot.filled = True
             slot.stored.set_result(None)
-
-    def hand_in(self, delivered: Delivered[Batch], states: list[TaskState], call: Timed = None) -> asyncio.Future[None]:
-        """``reserve`` and ``fill`` at once."""
-        return self.fill(self.reserve(delivered), states, call)
 
     async def drained(self) -> None:
         """Returns once every batch handed in is through."""

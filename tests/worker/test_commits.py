@@ -55,6 +55,12 @@ def handed(offset: int, task_id: str) -> tuple[Delivered[Batch], list[TaskState]
     return Delivered(batch, 0, offset), [state]
 
 
+def hand_in(commits: Committer, offset: int, task_id: str) -> asyncio.Future[None]:
+    """A batch fetched with its results ready at once."""
+    delivered, states = handed(offset, task_id)
+    return commits.fill(commits.reserve(delivered), states)
+
+
 def committer(store: GatedStore, consumer: Recording, failures: list[BaseException]) -> Committer:
     return Committer(
         "w1",
@@ -73,8 +79,8 @@ async def test_a_batch_ready_first_waits_for_the_one_handed_in_before_it() -> No
     store, consumer, failures = GatedStore(), Recording(), []
     commits = committer(store, consumer, failures)
     commits.start()
-    first = commits.hand_in(*handed(1, "slow"))
-    second = commits.hand_in(*handed(2, "quick"))
+    first = hand_in(commits, 1, "slow")
+    second = hand_in(commits, 2, "quick")
     await asyncio.sleep(0.05)
     assert store.stored == [] and consumer.committed == [], "the second batch must wait for the first"
     store.gate.set()
@@ -89,9 +95,9 @@ async def test_no_batch_is_committed_after_one_whose_results_could_not_be_stored
     store.gate.set()
     commits = committer(store, consumer, failures)
     commits.start()
-    commits.hand_in(*handed(1, "fine"))
-    commits.hand_in(*handed(2, "broken"))
-    commits.hand_in(*handed(3, "after"))
+    hand_in(commits, 1, "fine")
+    hand_in(commits, 2, "broken")
+    hand_in(commits, 3, "after")
     await asyncio.wait_for(commits.drained(), 5)
     await commits.close()
     assert [type(err) for err in failures] == [TransportError], f"the failure is reported once, got {failures}"
@@ -118,8 +124,8 @@ async def test_a_batchs_results_are_stored_while_an_earlier_commit_waits() -> No
     store.gate.set()
     commits = committer(store, consumer, failures)
     commits.start()
-    first = commits.hand_in(*handed(1, "first"))
-    second = commits.hand_in(*handed(2, "second"))
+    first = hand_in(commits, 1, "first")
+    second = hand_in(commits, 2, "second")
     await eventually(lambda: store.stored == ["first", "second"], "both batches' results stored")
     assert consumer.committed == [] and not first.done() and not second.done(), "the commits still wait in order"
     consumer.gate.set()
@@ -136,7 +142,7 @@ async def test_a_batch_fetched_first_is_committed_first_whichever_call_ends_firs
     commits = committer(store, consumer, failures)
     commits.start()
     earlier = commits.reserve(handed(1, "split")[0])
-    later = commits.hand_in(*handed(2, "quick"))
+    later = hand_in(commits, 2, "quick")
     await eventually(lambda: store.stored == ["quick"], "the later batch's results are stored at once")
     assert consumer.committed == [], "committing offset 2 would commit offset 1, whose results are not stored"
     commits.fill(earlier, handed(1, "split")[1])
@@ -150,9 +156,9 @@ async def test_a_batch_given_up_goes_back_uncommitted_with_every_batch_after_it(
     store.gate.set()
     commits = committer(store, consumer, failures)
     commits.start()
-    commits.hand_in(*handed(1, "fine"))
+    hand_in(commits, 1, "fine")
     hung = commits.reserve(handed(2, "hung")[0])
-    commits.hand_in(*handed(3, "after"))
+    hand_in(commits, 3, "after")
     commits.give_up(hung)
     commits.give_up(hung)  # a call's task ends after its slot was given up: nothing more
     await asyncio.wait_for(commits.drained(), 5)
