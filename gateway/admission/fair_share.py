@@ -25,6 +25,10 @@ PRUNE_AT = 1024
 """Clients of one model remembered before those no longer sending are first dropped; after that, once
 they are twice as many as the last pruning left, so each admission pays for a walk of them only
 once in a while, however many clients are sending."""
+LEVEL_FOR_S = 0.1
+"""How long a model's share, worked out from all its clients' rates, judges admissions: rates decay over
+seconds, so a share this fresh still holds, and a crowd of senders costs one walk of them per interval,
+not one per admission."""
 
 
 class FairShare:
@@ -36,6 +40,8 @@ class FairShare:
         """model -> client -> (rate per second, when it was last brought up to date)."""
         self._prune_at: dict[str, int] = {}
         """model -> how many clients it may remember before the next pruning."""
+        self._levels: dict[str, tuple[float, float, float, int]] = {}
+        """model -> (when, for which drain, the share, how many clients were sending)."""
 
     def admitted(self, model: str, client: str, now_s: float) -> None:
         clients = self._rates.setdefault(model, {})
@@ -55,20 +61,29 @@ class FairShare:
         """``(rate, share, clients)`` when ``client`` sends ``model`` more than its fair share of
         ``drain_per_s`` among the clients sending now; None when it does not, or sends alone."""
         clients = self._rates.get(model)
-        if not clients or client not in clients:
+        mine = self._decayed(clients.get(client), now_s) if clients else 0.0
+        if not clients or mine < ACTIVE_PER_S:
             return None
-        rates = {}
+        level = self._levels.get(model)
+        if level is None or level[3] < 2 or level[1] != drain_per_s or now_s - level[0] >= LEVEL_FOR_S:
+            level = self._levels[model] = self._level(clients, drain_per_s, now_s)
+        _, _, share, sending = level
+        if sending < 2:
+            return None
+        return (mine, share, sending) if mine > share else None
+
+    def _level(
+        self, clients: dict[str, tuple[float, float]], drain_per_s: float, now_s: float
+    ) -> tuple[float, float, float, int]:
+        """The share of ``drain_per_s`` among the clients sending now, forgetting those that stopped."""
+        rates = []
         for name, entry in list(clients.items()):
             rate = self._decayed(entry, now_s)
             if rate < ACTIVE_PER_S:
                 del clients[name]
             else:
-                rates[name] = rate
-        mine = rates.get(client)
-        if mine is None or len(rates) < 2:
-            return None
-        share = water_level(sorted(rates.values()), drain_per_s)
-        return (mine, share, len(rates)) if mine > share else None
+                rates.append(rate)
+        return (now_s, drain_per_s, water_level(sorted(rates), drain_per_s), len(rates))
 
     def _decayed(self, entry: tuple[float, float] | None, now_s: float) -> float:
         if entry is None:

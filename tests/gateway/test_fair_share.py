@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from gateway.admission.fair_share import FairShare, water_level
+from gateway.admission.fair_share import LEVEL_FOR_S, FairShare, water_level
 from gateway.admission.gate import Admission, Caller
 from gateway.errors import Overloaded
 from gateway.settings import GatewaySettings
@@ -109,3 +109,31 @@ def test_an_admission_does_not_walk_every_client_while_many_are_sending(monkeypa
         fair.admitted("m", f"key:{n}", 0.3 + n / 10_000)
     assert fair.remembered("m") == 3_000
     assert decays < 6_000 + 4 * 3_000, f"{decays} rates brought up to date for 6,000 admissions"
+
+
+def test_judging_shares_does_not_walk_every_client_on_each_admission(monkeypatch: pytest.MonkeyPatch) -> None:
+    """3,000 clients sending while the queue is long: the shares among them are worked out once in a
+    while, not on every admission, so a crowd of senders cannot make each admission cost a walk of all."""
+    fair = FairShare()
+    for n in range(3_000):
+        fair.admitted("m", f"key:{n}", n / 10_000)
+    decays = 0
+    decayed = FairShare._decayed
+
+    def counted(self: FairShare, entry: tuple[float, float] | None, now_s: float) -> float:
+        nonlocal decays
+        decays += 1
+        return decayed(self, entry, now_s)
+
+    monkeypatch.setattr(FairShare, "_decayed", counted)
+    named = 0
+    for n in range(3_000):  # 0.3 s of admissions, judged against a drain above what they send in all
+        now = 0.3 + n / 10_000
+        named += fair.over_share("m", f"key:{n}", 4_000.0, now) is not None
+        fair.admitted("m", f"key:{n}", now)
+    assert decays < 2 * 3_000 + 4 * 3_000, f"{decays} rates brought up to date for 3,000 judgements"
+    assert named == 0, "3,000 clients at about 1/s each send under the 4,000/s drained"
+    for _ in range(2_000):
+        fair.admitted("m", "key:7", 0.6)
+    flood = fair.over_share("m", "key:7", 4_000.0, 0.6 + LEVEL_FOR_S)
+    assert flood is not None, "a client that floods is named once the share is worked out again"
