@@ -124,7 +124,9 @@ async def test_what_cannot_be_answered_is_refused_with_the_clients_own_errors(cl
 
 @pytest.mark.parametrize(
     "output",
-    ["[" + "9" * 400 + "]", "[" + "9" * 5000 + "]", "[1e39]", "[1e999]", "[NaN]", "[true]", "[1, 2"],
+    ["[" + "9" * 400 + "]", "[" + "9" * 5000 + "]", "[1e39]", "[1e999]", "[NaN]", "[true]", "[1, 2"]
+    + ["[" * 20_000 + "]" * 20_000],  # nested past json's recursion limit
+    ids=lambda output: output[:12],
 )
 @pytest.mark.parametrize("encoding_format", ["float", "base64"])
 async def test_an_output_that_is_no_float32_vector_is_refused_not_a_500(
@@ -169,6 +171,13 @@ async def test_completions_answer_each_prompt_in_order_with_and_without_a_stream
     assert len({chunk.id for chunk in chunks}) == 1
     assert chunks[-1].choices == [] and chunks[-1].usage is not None, "usage comes last, as asked"
     assert chunks[-1].usage.completion_tokens == sum(math.ceil(len(p) / 4) for p in prompts)
+
+
+@pytest.mark.parametrize("field", ["n", "echo", "stream"])
+async def test_a_null_option_is_its_default(client: openai.AsyncOpenAI, field: str) -> None:
+    """openai-python sends ``null`` for an option passed as None, and OpenAI reads it as the default."""
+    done = await client.completions.create(model="sim", prompt="hello", **{field: None})
+    assert [c.text for c in done.choices] == ["olleh"]
 
 
 async def test_completions_refuse_what_greedy_text_decoding_cannot_give(client: openai.AsyncOpenAI) -> None:

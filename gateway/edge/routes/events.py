@@ -23,7 +23,7 @@ def last_event_id(request: Request) -> int:
     raw = request.headers.get("last-event-id")
     if raw is None or raw == "":
         return -1
-    if not (raw.isascii() and raw.isdigit()) or int(raw) > _LAST_RANK:
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > len(str(_LAST_RANK)) or int(raw) > _LAST_RANK:
         raise InvalidLastEventId(f"Last-Event-ID {raw[:16]!r} is not an event id of this stream (0 to {_LAST_RANK})")
     return int(raw)
 

@@ -112,7 +112,8 @@ class EmbeddingsBody(BaseModel):
 
     input: str | list[str] | list[int] | list[list[int]]
     model: str
-    encoding_format: Literal["float", "base64"] = "float"
+    encoding_format: Literal["float", "base64"] | None = None
+    """None (what a client sends for an option passed as None) is the default, ``float``."""
     dimensions: int | None = None
 
 
@@ -126,11 +127,12 @@ class CompletionsBody(BaseModel):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     model: str
-    stream: bool = False
+    stream: bool | None = None
+    """None, here and in ``echo`` and ``n``, is what a client sends for an option passed as None: the default."""
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
-    echo: bool = False
-    n: int = 1
+    echo: bool | None = None
+    n: int | None = None
     best_of: int | None = None
     logprobs: int | None = None
     suffix: str | None = None
@@ -250,7 +252,7 @@ async def completions(request: Request) -> Response:
         return openai_error(exc, gateway.settings.retry_after_s)
     model = answers[0].model
     texts = [
-        _completed(prompt, answer.output, body.echo, stops) for prompt, answer in zip(prompts, answers, strict=True)
+        _completed(prompt, answer.output, bool(body.echo), stops) for prompt, answer in zip(prompts, answers, strict=True)
     ]
     return json_response(
         200,
@@ -332,7 +334,7 @@ class CompletionChunks:
             return _event({"error": error})
         self._streaming = True
         self._model = answer.model
-        text = _completed(self._prompts[index], answer.output, self._body.echo, self._stops)
+        text = _completed(self._prompts[index], answer.output, bool(self._body.echo), self._stops)
         self._texts[index] = text
         return _event(self._chunk([_choice(index, text)]))
 
@@ -348,7 +350,7 @@ class CompletionChunks:
 def _prompts(body: CompletionsBody) -> list[str]:
     """The request's prompts; what cannot be honoured (``n``, ``best_of``, ``logprobs``, ``suffix``) is
     refused, saying what to send instead."""
-    if body.n != 1 or (body.best_of is not None and body.best_of != 1):
+    if body.n not in (None, 1) or (body.best_of is not None and body.best_of != 1):
         raise ValidationFailed(
             f"n={body.n}, best_of={body.best_of}: decoding is greedy, so every choice would be the same; "
             "send n=1 (or leave it out) and no best_of"
@@ -475,7 +477,8 @@ def _vector(output: str, model: str) -> list[float]:
     try:
         vector = json.loads(output, parse_constant=_not_a_number)
         floats = [_float32(x) for x in vector] if isinstance(vector, list) else None
-    except (ValueError, TypeError, OverflowError):  # ValueError: not JSON, NaN, or an int past Python's digit limit
+    # ValueError: not JSON, NaN, or an int past Python's digit limit; RecursionError: arrays nested too deep
+    except (ValueError, TypeError, OverflowError, RecursionError):
         floats = None
     if floats is None:
         raise NotEmbeddings(
@@ -520,7 +523,7 @@ def add_routes(routes: APIRouter, settings: GatewaySettings) -> None:
         "properties": {
             "input": {"anyOf": [text, {"type": "array", "items": text, "minItems": 1, "maxItems": MAX_INPUTS}]},
             "model": {"type": "string", "enum": list(settings.models)},
-            "encoding_format": {"type": "string", "enum": ["float", "base64"]},
+            "encoding_format": {"anyOf": [{"type": "string", "enum": ["float", "base64"]}, {"type": "null"}]},
         },
     }
     edge = error_responses("unauthorized", "method_not_allowed", "request_timeout") if settings.api_keys else {}
@@ -546,8 +549,8 @@ def add_routes(routes: APIRouter, settings: GatewaySettings) -> None:
         "properties": {
             "prompt": {"anyOf": [prompt, {"type": "array", "items": prompt, "minItems": 1, "maxItems": MAX_INPUTS}]},
             "model": {"type": "string", "enum": list(settings.models)},
-            "stream": {"type": "boolean"},
-            "echo": {"type": "boolean"},
+            "stream": {"type": ["boolean", "null"]},
+            "echo": {"type": ["boolean", "null"]},
             "stop": {
                 "anyOf": [
                     {"type": "string", "minLength": 1},
