@@ -257,8 +257,13 @@ class Gateway:
         task_id, model, owner, deadline = submission.task_id, submission.model, submission.owner, submission.deadline
         scope = owner or idempotency.ANONYMOUS_SCOPE
         fingerprint = idempotency.fingerprint(submission.input, model)
-        deadline_ms = self._clock.wall_ms() + submission.timeout_ms
-        while (bound := await self._keys.claim(scope, key, task_id, fingerprint, deadline_ms)).task_id != task_id:
+        # The deadline is taken at each claim: the claim that binds this retry's task comes just before
+        # it is sent, with the deadline it will carry (``publisher``), however long the retry waited.
+        while (
+            bound := await self._keys.claim(
+                scope, key, task_id, fingerprint, self._clock.wall_ms() + submission.timeout_ms
+            )
+        ).task_id != task_id:
             earlier = bound.earlier or await self._keys.stored(bound.task_id, UNSTORED_GRACE_S)
             if earlier is None and not await self._resend(submission, bound.claim):
                 continue  # ended expired: the next claim replaces it

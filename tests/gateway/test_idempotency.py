@@ -521,3 +521,43 @@ async def test_a_key_that_cannot_be_released_as_the_gateway_closes_is_left_to_go
     store.down = True
     await keys.release("scope", "k", "t1", "sim", None, asyncio.get_running_loop().time() + 5)
     assert not keys.alive
+
+
+class _WallAhead(SystemClock):
+    """The real clocks, with wall time the test moves forward: seconds passing, as deadlines see them."""
+
+    def __init__(self) -> None:
+        self.ahead_ms = 0
+
+    def wall_ms(self) -> int:
+        return super().wall_ms() + self.ahead_ms
+
+
+async def test_a_retry_that_started_its_own_task_binds_the_key_for_that_tasks_whole_deadline() -> None:
+    """A retry waits 9 s for the key's task, which then expires: the retry's own task, sent then with
+    its full timeout, keeps the key until its deadline, so a later retry finds it instead of
+    taking it for a lost one (``STALE_AFTER_MS`` past the binding's deadline) and sending a third."""
+    settings = GatewaySettings(models=MODELS, default_model="sim")
+    bus = MemoryRequestBus(Partitioner(settings.models, 4))
+    store, clock = RecordingStore(), _WallAhead()
+    gateway = Gateway(settings, bus.producer(), store, clock)
+    await gateway.start()
+    try:
+        first = await gateway.submit("x", None, 10_000, False, idempotency_key="k")
+        retry = asyncio.create_task(gateway.submit("x", None, 10_000, True, idempotency_key="k"))
+        await eventually(lambda: first.task_id in store._watchers, "the retry to wait for the first task")
+        clock.ahead_ms += 9_000
+        stored = await store.get(first.task_id)
+        assert stored is not None
+        await store.apply([replace(stored, status=TaskStatus.EXPIRED, updated_at_ms=clock.wall_ms())])
+        await eventually(lambda: sum(map(len, bus.log.records)) == 2, "the retry to send its own task")
+        own = [r for records in bus.log.records for r in records][-1]
+        clock.ahead_ms += STALE_AFTER_MS + 1_500  # past the deadline the key had when the retry began
+        assert own.deadline_ms > clock.wall_ms(), "the retry's own task is still live"
+        again = await gateway.submit("x", None, 10_000, False, idempotency_key="k")
+        assert again.task_id == own.task_id, "the key still names the live task"
+        assert sum(map(len, bus.log.records)) == 2, "nothing was sent a third time"
+    finally:
+        retry.cancel()
+        await asyncio.gather(retry, return_exceptions=True)
+        await gateway.close()
