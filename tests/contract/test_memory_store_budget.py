@@ -1,5 +1,6 @@
 """The embedded task store's byte budget: ended tasks go oldest-ended first, live ones stay, and
-``full`` speaks once only live tasks (and queued inputs) are left."""
+``full`` speaks once only live tasks (and queued inputs) are left. Its age and count limits hold for
+every write."""
 
 from __future__ import annotations
 
@@ -124,6 +125,18 @@ async def test_without_a_budget_nothing_is_dropped_for_bytes() -> None:
         await _complete(store, f"t{index}")
     assert await store.get("t0") is not None
     assert store.full("alpha") is None
+
+
+@pytest.mark.parametrize(("ttl_s", "max_tasks"), [(3600.0, 10), (1e-9, 200_000)], ids=["count", "age"])
+async def test_synchronous_results_written_only_at_their_end_are_held_to_the_limits(
+    ttl_s: float, max_tasks: int
+) -> None:
+    """A plain synchronous task is never created: the worker's terminal write is its only one."""
+    store = MemoryTaskStore(ttl_s, max_tasks)
+    for index in range(100):
+        result = state(f"t{index}", TaskStatus.COMPLETED, output=OUTPUT, reply_to="gateway-1")
+        assert await store.apply([result]) == [True]
+    assert store.held_bytes <= 10 * RESULT_BYTES, f"{store.held_bytes} bytes held for 100 results"
 
 
 def test_a_budget_that_cannot_hold_one_result_is_refused_naming_both_settings() -> None:

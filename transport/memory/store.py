@@ -212,7 +212,7 @@ class MemoryTaskStore:
                 state = replace(state, owner=current.owner)  # the owner is set once, at create
             self._write(state)
             applied.append(True)
-        self._shrink()
+        self._evict()  # a plain synchronous task is never created: its end is its first write
         return applied
 
     def _write(self, state: TaskState) -> None:
@@ -237,7 +237,7 @@ class MemoryTaskStore:
             error_message=message,
         )
         self._write(cancelled)
-        self._shrink()
+        self._evict()
         return cancelled
 
     def _lookup(self, task_id: str) -> TaskState | None:
