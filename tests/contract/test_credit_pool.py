@@ -9,6 +9,7 @@ import pytest
 
 from schemas.records import Credit
 from tests.support.transport_kits import PoolFactory
+from transport.memory.credits import MemoryCreditPool
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -153,3 +154,16 @@ async def test_a_cancelled_claim_does_not_eat_a_later_credit(make_pool: PoolFact
     offered = credit("w1")
     await pool.offer(offered)
     assert await pool.claim("alpha", WAIT_S) == offered
+
+
+async def test_claims_that_ran_out_or_were_cancelled_leave_no_waiter_in_the_memory_pool() -> None:
+    """A model whose workers are all gone is claimed every ``claim_timeout_s`` for as long as it lasts:
+    each claim's waiter goes with it, not at the next offer, which may never come."""
+    pool = MemoryCreditPool()
+    for _ in range(100):
+        assert await pool.claim("alpha", 0.0) is None
+        claim = asyncio.create_task(pool.claim("alpha", WAIT_S))
+        await asyncio.sleep(0)  # one loop turn: the claim starts waiting
+        claim.cancel()
+        await asyncio.gather(claim, return_exceptions=True)
+    assert not pool._waiters.get("alpha"), f"{len(pool._waiters['alpha'])} waiters left by 200 claims"

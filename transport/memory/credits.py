@@ -70,6 +70,10 @@ class MemoryCreditPool:
                 await self.offer(waiter.result())  # hand a credit we will not use to the next claimer
             waiter.cancel()
             raise
+        finally:  # a wait that ran out or was cancelled leaves no waiter for offers to walk past
+            waiters = self._waiters.get(model)
+            if waiters is not None and waiter in waiters:
+                waiters.remove(waiter)
 
     async def idle(self, model: str) -> int:
         return len(self._credits.get(model, ()))
