@@ -149,6 +149,7 @@ class Gateway:
         idempotency_key: str | None = ...,
         disconnected: Disconnected | None = ...,
         priority: str | None = ...,
+        charged: bool = ...,
     ) -> Answer: ...
     @overload
     async def submit(
@@ -162,6 +163,7 @@ class Gateway:
         idempotency_key: str | None = ...,
         disconnected: Disconnected | None = ...,
         priority: str | None = ...,
+        charged: bool = ...,
     ) -> Accepted: ...
 
     async def submit(
@@ -175,6 +177,7 @@ class Gateway:
         idempotency_key: str | None = None,
         disconnected: Disconnected | None = None,
         priority: str | None = None,
+        charged: bool = False,
     ) -> Answer | Accepted:
         """Stores and publishes one request; with ``wait``, holds the caller until its answer or deadline.
 
@@ -184,6 +187,7 @@ class Gateway:
         synchronous caller without a key whose ``disconnected`` completes has its task cancelled;
         with a key the task runs on, for the retry the key announces. ``priority`` names the tier
         (``gateway.admission.priority``: the key's default when None, never above its ceiling).
+        ``charged``: the request is one input of several whose rate-limit tokens ``charge`` took.
         """
         started = self._clock.monotonic()
         model, timeout_ms = validated(self.settings, input, model, timeout_ms)
@@ -199,7 +203,7 @@ class Gateway:
         ticket = None
         try:
             if self._admission.active:
-                ticket = await self._admission.admit(caller, model, timeout_ms, tier)
+                ticket = await self._admission.admit(caller, model, timeout_ms, tier, charged=charged)
             if (full := self._store.full(model)) is not None:
                 raise Overloaded(full)
             deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
@@ -242,6 +246,12 @@ class Gateway:
     def _check_room(self) -> None:
         if (refusal := self._store.refuses_writes()) is not None:  # full: an answer could not be stored
             raise Unavailable(refusal)
+
+    async def charge(self, caller: Caller, inputs: int) -> None:
+        """Takes the rate-limit tokens of a request of ``inputs`` inputs at once, before its submits
+        (``charged``), so it is admitted whole or refused whole (``Admission.charge``)."""
+        if self._admission.active:
+            await self._admission.charge(caller, inputs)
 
     async def _submit_keyed(self, submission: Submission, wait: bool, key: str) -> Answer | Accepted:
         """A submit with an Idempotency-Key: the earlier task's answer, or a new task the key names.

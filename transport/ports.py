@@ -278,9 +278,9 @@ class RateLimiter(Protocol):
 
     async def start(self) -> None: ...
     async def close(self) -> None: ...
-    async def acquire(self, client: str) -> float:
-        """Takes a token from ``client``'s bucket: 0.0 if there was one, else the seconds until there
-        will be one (nothing is taken then)."""
+    async def acquire(self, client: str, tokens: int = 1) -> float:
+        """Takes ``tokens`` (at most ``burst``: one per input of a request) from ``client``'s bucket at
+        once: 0.0 if it held them, else the seconds until it will (nothing is taken then)."""
         ...
 
 

@@ -20,7 +20,7 @@ from prometheus_client import Counter
 from gateway.admission.fair_share import FAIR_AFTER_S, FairShare
 from gateway.admission.priority import KeyTiers
 from gateway.admission.wait import MARGIN, ModelQueue, Prediction
-from gateway.errors import Overloaded, RateLimited, Unavailable
+from gateway.errors import Overloaded, RateLimited, Unavailable, ValidationFailed
 from gateway.settings import GatewaySettings, env_name
 from gateway.unseen import Ticket, Unseen
 from schemas.records import Credit, Priority
@@ -131,15 +131,16 @@ class Admission:
             STATED_RATE.labels(model=model).set(stated.rate_per_s if stated else 0.0)
 
     async def admit(
-        self, caller: Caller, model: str, timeout_ms: int, tier: Priority = Priority.NORMAL
+        self, caller: Caller, model: str, timeout_ms: int, tier: Priority = Priority.NORMAL, *, charged: bool = False
     ) -> Ticket | None:
         """Returns when the request may go on; raises ``Overloaded``, ``RateLimited`` or ``Unavailable``.
+        ``charged``: its rate-limit token was taken with its request's others (``charge``).
 
         The ticket (None when no queue is watched) is to be told when the request is ``sent`` and
         ``close``d when its submit ends. Each outcome counts in ``batchwire_tier_submits`` under the
         request's model and tier."""
         try:
-            ticket = await self._admit(caller, model, timeout_ms, tier)
+            ticket = await self._admit(caller, model, timeout_ms, tier, charged)
         except Overloaded:
             self.count(model, tier, "refused")
             raise
@@ -154,7 +155,31 @@ class Admission:
             counter = self._counters[key] = TIER_SUBMITS.labels(model=model, priority=tier.value, outcome=outcome)
         counter.inc()
 
-    async def _admit(self, caller: Caller, model: str, timeout_ms: int, tier: Priority) -> Ticket | None:
+    async def charge(self, caller: Caller, inputs: int) -> None:
+        """Takes ``inputs`` tokens from the caller's rate limit at once, one per input of its request, so
+        a request of several inputs is admitted whole or refused whole; raises ``RateLimited``,
+        ``Unavailable``, or ``ValidationFailed`` for more inputs than a burst, which no wait admits."""
+        limiter = self._limiter
+        if limiter is None:
+            return
+        if inputs > limiter.burst:
+            raise ValidationFailed(
+                f"this request holds {inputs} inputs, more than this client's rate limit lets through at once "
+                f"({limiter.burst}: {env_name('rate_limit_burst')}); send at most {limiter.burst} per request"
+            )
+        try:
+            wait_s = await limiter.acquire(caller.client, inputs)
+        except TransportError as err:
+            raise Unavailable(f"the rate limiter's store is unavailable: {err}") from err
+        if wait_s > 0:
+            raise RateLimited(
+                f"this client is over its rate limit of {limiter.rate_per_s:g} requests/s with bursts of "
+                f"{limiter.burst} ({env_name('rate_limit_per_s')}, {env_name('rate_limit_burst')}); "
+                f"the next {'request is' if inputs == 1 else f'{inputs} inputs are'} accepted in {wait_s:.3f} s",
+                retry_after_s=max(1, math.ceil(wait_s)),
+            )
+
+    async def _admit(self, caller: Caller, model: str, timeout_ms: int, tier: Priority, charged: bool) -> Ticket | None:
         queue_depth = self._queue_depth
         unseen = self._unseen.get(model)
         # A fair share applies where the predicted wait is checked: only there are rates kept.
@@ -176,19 +201,8 @@ class Admission:
                         f"are refused from {limit} ({_limit_of(setting, self.max_queue_depth)}); nothing was "
                         "queued: retry after the Retry-After delay"
                     )
-        limiter = self._limiter
-        if limiter is not None:
-            try:
-                wait_s = await limiter.acquire(caller.client)
-            except TransportError as err:
-                raise Unavailable(f"the rate limiter's store is unavailable: {err}") from err
-            if wait_s > 0:
-                raise RateLimited(
-                    f"this client is over its rate limit of {limiter.rate_per_s:g} requests/s with bursts of "
-                    f"{limiter.burst} ({env_name('rate_limit_per_s')}, {env_name('rate_limit_burst')}); "
-                    f"the next request is accepted in {wait_s:.3f} s",
-                    retry_after_s=max(1, math.ceil(wait_s)),
-                )
+        if not charged:
+            await self.charge(caller, 1)
         queue = self._queues.get(model)
         if queue is not None:
             queue.mix.admitted(tier)

@@ -231,3 +231,12 @@ async def test_kafka_depth_of_an_unreachable_broker_fails_start(names: Names) ->
     with pytest.raises(Exception, match=r"127\.0\.0\.1:1"):
         await depth.start()
     assert not depth.alive
+
+
+async def test_a_request_of_several_inputs_takes_its_tokens_at_once_or_none(make_limiter: LimiterFactory) -> None:
+    limiter = await make_limiter(1.0, 5)
+    assert await limiter.acquire("c", 3) == 0.0
+    short = await limiter.acquire("c", 3)
+    assert 0.9 < short <= 1.05, f"2 tokens left: the third comes in about 1 s at 1/s, got {short}"
+    assert await limiter.acquire("c", 2) == 0.0, "the refused request took none of the 2 left"
+    assert await limiter.acquire("c") > 0

@@ -57,7 +57,10 @@ async def _client(sent: list[str] | None = None, **gateway_options: object) -> A
         GatewaySettings(models=("embed", "sim"), **gateway_options),  # type: ignore[arg-type]
         system.producer,
         system.store,
-        limiter=MemoryRateLimiter(float(gateway_options["rate_limit_per_s"]), 1)  # type: ignore[arg-type]
+        limiter=MemoryRateLimiter(
+            float(gateway_options["rate_limit_per_s"]),  # type: ignore[arg-type]
+            int(gateway_options.get("rate_limit_burst", 1)),  # type: ignore[call-overload]
+        )
         if "rate_limit_per_s" in gateway_options
         else None,
     )
@@ -124,8 +127,10 @@ async def test_what_cannot_be_answered_is_refused_with_the_clients_own_errors(cl
 
 @pytest.mark.parametrize(
     "output",
-    ["[" + "9" * 400 + "]", "[" + "9" * 5000 + "]", "[1e39]", "[1e999]", "[NaN]", "[true]", "[1, 2"]
-    + ["[" * 20_000 + "]" * 20_000],  # nested past json's recursion limit
+    [
+        *("[" + "9" * 400 + "]", "[" + "9" * 5000 + "]", "[1e39]", "[1e999]", "[NaN]", "[true]", "[1, 2"),
+        "[" * 20_000 + "]" * 20_000,  # nested past json's recursion limit
+    ],
     ids=lambda output: output[:12],
 )
 @pytest.mark.parametrize("encoding_format", ["float", "base64"])
@@ -151,6 +156,26 @@ async def test_a_rate_limit_surfaces_as_the_clients_rate_limit_error_after_its_r
         assert sent == ["/v1/embeddings"] * 3, f"the client retried the 429 once: {sent}"
         assert limited.value.response.headers.get("retry-after") == "100", "429 says when to come back"
         assert limited.value.code == "rate_limited"
+
+
+async def test_a_request_of_several_inputs_takes_its_rate_limit_tokens_whole_or_not_at_all() -> None:
+    """Each input is one request to the rate limit, taken together: a list the bucket cannot hold now
+    is refused whole (retrying after Retry-After admits it), and one longer than a burst, which no wait
+    admits, is a 400 that says how many to send."""
+    sent: list[str] = []
+    async with _client(sent, rate_limit_per_s=0.01, rate_limit_burst=3) as client:
+        client = client.with_options(max_retries=0)
+        done = await client.completions.create(model="sim", prompt=["ab", "cd"])
+        assert [c.text for c in done.choices] == ["ba", "dc"]
+        with pytest.raises(openai.RateLimitError):
+            await client.completions.create(model="sim", prompt=["ef", "gh"])  # 1 token left of 3
+        with pytest.raises(openai.RateLimitError):
+            await client.completions.create(model="sim", prompt=["ij", "kl"], stream=True)
+        one = await client.embeddings.create(model="embed", input=["the refused took none"])
+        assert len(one.data) == 1, "the last token was still there"
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.embeddings.create(model="embed", input=["a", "b", "c", "d"])
+        assert "send at most 3 per request" in refused.value.message, refused.value.message
 
 
 async def test_completions_answer_each_prompt_in_order_with_and_without_a_stream(client: openai.AsyncOpenAI) -> None:

@@ -27,16 +27,16 @@ class MemoryRateLimiter:
     async def close(self) -> None:
         return None
 
-    async def acquire(self, client: str) -> float:
+    async def acquire(self, client: str, tokens: int = 1) -> float:
         now = time.monotonic()
-        tokens, at = self._buckets.pop(client, (float(self.burst), now))
-        tokens = min(float(self.burst), tokens + (now - at) * self.rate_per_s)
+        held, at = self._buckets.pop(client, (float(self.burst), now))
+        held = min(float(self.burst), held + (now - at) * self.rate_per_s)
         wait_s = 0.0
-        if tokens >= 1:
-            tokens -= 1
+        if held >= tokens:
+            held -= tokens
         else:
-            wait_s = (1 - tokens) / self.rate_per_s
-        self._buckets[client] = (tokens, now)  # most recently used last
+            wait_s = (tokens - held) / self.rate_per_s
+        self._buckets[client] = (held, now)  # most recently used last
         self._forget(now)
         return wait_s
 

@@ -50,10 +50,10 @@ class RedisRateLimiter:
     async def close(self) -> None:
         await self._commands.close()
 
-    async def acquire(self, client: str) -> float:
+    async def acquire(self, client: str, tokens: int = 1) -> float:
         key = self.names.rate_bucket(bucket_id(client))
         try:
-            wait_us = await self._script(keys=[key], args=[repr(float(self.rate_per_s)), self.burst])
+            wait_us = await self._script(keys=[key], args=[repr(float(self.rate_per_s)), self.burst, tokens])
         except REDIS_ERRORS as err:
             raise translate("taking a rate-limit token", err) from err
         return int(wait_us) / 1_000_000

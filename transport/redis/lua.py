@@ -194,9 +194,9 @@ end
 return 0
 """
 
-# KEYS[1] a client's bucket (hash: tokens, at_us). ARGV: rate per second, burst. Uses the Redis
-# server's clock, so gateways whose clocks disagree still share one bucket correctly. Returns 0 when
-# a token was taken, else the microseconds until one will be there (nothing taken). The bucket
+# KEYS[1] a client's bucket (hash: tokens, at_us). ARGV: rate per second, burst, tokens to take. Uses
+# the Redis server's clock, so gateways whose clocks disagree still share one bucket correctly. Returns
+# 0 when the tokens were taken, else the microseconds until they will be there (nothing taken). The bucket
 # expires once it would be full again: a client that stops costs nothing.
 TOKEN_BUCKET = """
 if redis.replicate_commands then
@@ -204,6 +204,7 @@ if redis.replicate_commands then
 end
 local rate = tonumber(ARGV[1])
 local burst = tonumber(ARGV[2])
+local count = tonumber(ARGV[3])
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
 local held = redis.call('HMGET', KEYS[1], 'tokens', 'at_us')
@@ -215,10 +216,10 @@ if tokens == nil or at == nil then
 end
 tokens = math.min(burst, tokens + math.max(0, now - at) * rate / 1000000)
 local wait = 0
-if tokens >= 1 then
-  tokens = tokens - 1
+if tokens >= count then
+  tokens = tokens - count
 else
-  wait = math.ceil((1 - tokens) * 1000000 / rate)
+  wait = math.ceil((count - tokens) * 1000000 / rate)
 end
 redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'at_us', tostring(now))
 redis.call('PEXPIRE', KEYS[1], math.ceil((burst - tokens) * 1000 / rate) + 1000)

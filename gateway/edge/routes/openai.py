@@ -212,6 +212,7 @@ async def embeddings(request: Request) -> Response:
     try:
         caller, body = await _read(request, EmbeddingsBody)
         texts = _texts(body)
+        await gateway.charge(caller, len(texts))
         answers = await _submit_all(gateway, texts, body.model, caller, request)
         model = answers[0].model
         vectors = [_vector(answer.output, model) for answer in answers]
@@ -237,6 +238,7 @@ async def completions(request: Request) -> Response:
         caller, body = await _read(request, CompletionsBody)
         prompts = _prompts(body)
         stops = _stops(body.stop)
+        await gateway.charge(caller, len(prompts))
         if body.stream:
             chunks = CompletionChunks(gateway, prompts, body, stops, caller)
             try:
@@ -252,7 +254,8 @@ async def completions(request: Request) -> Response:
         return openai_error(exc, gateway.settings.retry_after_s)
     model = answers[0].model
     texts = [
-        _completed(prompt, answer.output, bool(body.echo), stops) for prompt, answer in zip(prompts, answers, strict=True)
+        _completed(prompt, answer.output, bool(body.echo), stops)
+        for prompt, answer in zip(prompts, answers, strict=True)
     ]
     return json_response(
         200,
@@ -281,7 +284,7 @@ class CompletionChunks:
         self._index: dict[asyncio.Future[Answer], int] = {}
         for index, prompt in enumerate(prompts):
             submit = asyncio.ensure_future(
-                gateway.submit(prompt, body.model, None, True, caller=caller, disconnected=self._watch)
+                gateway.submit(prompt, body.model, None, True, caller=caller, disconnected=self._watch, charged=True)
             )
             self._index[submit] = index
         self._pending = set(self._index)
@@ -401,7 +404,8 @@ def _event(data: dict[str, Any]) -> bytes:
 async def _submit_all(
     gateway: Gateway, texts: list[str], model: str | None, caller: Caller, request: Request
 ) -> list[Answer]:
-    """Every string submitted at once and waited for together; the first error ends the request (the
+    """Every string submitted at once (their rate-limit tokens already taken: ``Gateway.charge``) and
+    waited for together; the first error ends the request (the
     others' callers are gone, as at a disconnect: their tasks are cancelled). One watch of the
     connection serves every submit."""
     gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # the client left, or an error
@@ -412,7 +416,7 @@ async def _submit_all(
         return asyncio.shield(gone)
 
     submits = [
-        asyncio.ensure_future(gateway.submit(text, model, None, True, caller=caller, disconnected=watch))
+        asyncio.ensure_future(gateway.submit(text, model, None, True, caller=caller, disconnected=watch, charged=True))
         for text in texts
     ]
     try:
