@@ -122,14 +122,25 @@ class StreamsEnd:
 class EventStream(Response):
     """``text/event-stream`` of the byte events ``events`` yields, until it ends, the client leaves,
     or ``end`` says the server is shutting down; a keep-alive comment after ``ping_s`` of quiet.
-    ``events`` is closed on every path. HEAD gets the headers alone."""
+    ``events`` is closed on every path. HEAD gets the headers alone. ``cut`` is the last event of a
+    stream the shutdown ends: none for one the client resumes (``Last-Event-ID``), an error for one it
+    cannot, so the client does not take the cut for a complete end."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: Events, *, ping_s: float, end: StreamsEnd | None = None, status_code: int = 200) -> None:
+    def __init__(
+        self,
+        events: Events,
+        *,
+        ping_s: float,
+        end: StreamsEnd | None = None,
+        cut: bytes = b"",
+        status_code: int = 200,
+    ) -> None:
         self.events = events
         self.ping_s = ping_s
         self.end = end
+        self.cut = cut
         self.status_code = status_code  # FastAPI's OpenAPI reads this parameter's default
         self.background = None
         self.init_headers(_HEADERS)
@@ -167,7 +178,11 @@ class EventStream(Response):
                         return True
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 elif done:
-                    return gone not in done
+                    if gone in done:
+                        return False
+                    if self.cut:
+                        await send({"type": "http.response.body", "body": self.cut, "more_body": True})
+                    return True
                 else:
                     await send({"type": "http.response.body", "body": PING, "more_body": True})
         finally:

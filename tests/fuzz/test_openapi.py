@@ -238,6 +238,7 @@ def test_every_route_is_fuzzed() -> None:
         ("GET", "/readyz"),
         ("GET", "/metrics"),
         ("GET", "/v1/models"),
+        ("GET", "/v1/models/{model}"),
         ("POST", "/v1/embeddings"),
         ("POST", "/v1/completions"),
         ("GET", "/v1/fleet"),

@@ -23,7 +23,8 @@ from batchwire.settings import SharedSettings
 from gateway.admission.gate import ANONYMOUS
 from gateway.answers.outcomes import Answer
 from gateway.edge.app import create_app
-from gateway.edge.routes.openai import GONE_GRACE_S, MAX_INPUTS, CompletionChunks, CompletionsBody
+from gateway.edge.events import EventStream, StreamsEnd
+from gateway.edge.routes.openai import CUT, GONE_GRACE_S, MAX_INPUTS, CompletionChunks, CompletionsBody
 from gateway.errors import ClientDisconnected
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
@@ -99,9 +100,13 @@ async def test_one_string_and_a_list_come_back_in_order_as_floats_and_as_base64(
     assert [d.embedding for d in many.data] == [_vector(t) for t in texts], "decoded from little-endian float32"
 
 
-async def test_models_are_listed(client: openai.AsyncOpenAI) -> None:
+async def test_models_are_listed_and_each_retrieved(client: openai.AsyncOpenAI) -> None:
     listed = await client.models.list()
     assert [m.id for m in listed.data] == ["embed", "sim"]
+    assert (await client.models.retrieve("sim")).model_dump() == listed.data[1].model_dump()
+    with pytest.raises(openai.NotFoundError) as unknown:
+        await client.models.retrieve("org/other")
+    assert unknown.value.code == "unknown_model" and "served models: embed, sim" in unknown.value.message
 
 
 async def test_what_cannot_be_answered_is_refused_with_the_clients_own_errors(client: openai.AsyncOpenAI) -> None:
@@ -187,6 +192,7 @@ async def test_completions_answer_each_prompt_in_order_with_and_without_a_stream
     prompts = ["abc", "hello world", "xyz", "abc"]
     many = await client.completions.create(model="sim", prompt=prompts, stop=["ow"], echo=True)
     assert [c.text for c in many.choices] == ["abccba", "hello worlddlr", "xyzzyx", "abccba"], "cut at the stop, echoed"
+    assert many.usage is not None and many.usage.completion_tokens == 4, "an echoed prompt counts as the prompt's"
     stream = await client.completions.create(
         model="sim", prompt=prompts, stream=True, stream_options={"include_usage": True}
     )
@@ -258,6 +264,47 @@ async def test_a_closed_stream_tells_its_unanswered_prompts_that_their_caller_ha
     assert cancelled == ["c"], "one still in admission was cancelled after the grace"
     with pytest.raises(StopAsyncIteration):
         await anext(chunks)
+
+
+async def test_a_stream_the_server_shutdown_ends_says_so_and_the_client_raises() -> None:
+    """A completions stream cannot be resumed: one the shutdown cuts after its first prompt's chunk ends
+    with an error chunk, not as if every prompt had been answered."""
+
+    class Submits:
+        settings = GatewaySettings(models=("sim",))
+
+        async def submit(self, text: str, model: str | None, *args: object, disconnected: Any, **kw: object) -> Answer:
+            if text == "b":  # unanswered when the shutdown comes
+                await disconnected()
+                raise ClientDisconnected("gone", task_id="t-b")
+            return Answer("t-a", "sim", text[::-1], 1.0, 1)
+
+    body = CompletionsBody(prompt=["a", "b"], model="sim", stream=True)
+    chunks = CompletionChunks(Submits(), ["a", "b"], body, [], ANONYMOUS)  # type: ignore[arg-type]
+    end, sent = StreamsEnd(), bytearray()
+
+    async def send(message: Any) -> None:
+        sent.extend(message.get("body", b""))
+        if b"data:" in sent:
+            end.end()  # the server begins shutting down once the first chunk is out
+
+    async def receive() -> Any:
+        await asyncio.Event().wait()
+
+    async with asyncio.timeout(10):
+        await EventStream(chunks, ping_s=60, end=end, cut=CUT)({"method": "POST"}, receive, send)
+    sse = {"content-type": "text/event-stream"}
+    replay = httpx.MockTransport(lambda _: httpx.Response(200, content=bytes(sent), headers=sse))
+    seen: list[int] = []
+
+    async def read(client: openai.AsyncOpenAI) -> None:
+        async for chunk in await client.completions.create(model="sim", prompt=["a", "b"], stream=True):
+            seen.extend(choice.index for choice in chunk.choices)
+
+    async with httpx.AsyncClient(transport=replay) as http:
+        with pytest.raises(openai.APIError, match="shutting down"):
+            await read(openai.AsyncOpenAI(base_url="http://x/v1", api_key="k", http_client=http))
+    assert seen == [0], "the first prompt's chunk came before the cut"
 
 
 # over the gateway's rig: prompts whose caller is gone --------------------------------------------

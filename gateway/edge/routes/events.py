@@ -60,8 +60,9 @@ def add_routes(routes: APIRouter) -> None:
                     "name": "Last-Event-ID",
                     "in": "header",
                     "required": False,
-                    "description": "The `id` of the last event read: the stream resumes after it (204 after the end).",
-                    "schema": {"type": "string", "pattern": f"^[0-{_LAST_RANK}]$"},
+                    "description": "The `id` of the last event read: the stream resumes after it (204 after the end). "
+                    "Empty, it is none.",
+                    "schema": {"type": "string", "pattern": f"^[0-{_LAST_RANK}]?$"},
                 }
             ]
         },

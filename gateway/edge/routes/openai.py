@@ -35,7 +35,15 @@ from gateway.edge.handlers import json_response, retry_headers
 from gateway.edge.models import error_responses
 from gateway.edge.routes.deployment import deployment_of
 from gateway.edge.traced import traced
-from gateway.errors import GatewayError, NotEmbeddings, ValidationFailed, http_status, shown
+from gateway.errors import (
+    GatewayError,
+    NotEmbeddings,
+    NotReady,
+    UnknownModel,
+    ValidationFailed,
+    http_status,
+    shown,
+)
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from transport.cancelling import cancel_and_wait
@@ -189,13 +197,22 @@ def _kind(status: int) -> str:
 async def models(request: Request) -> Response:
     """The deployment's models, as OpenAI lists its own."""
     settings = deployment_of(request).gateway.settings
-    return json_response(
-        200,
-        {
-            "object": "list",
-            "data": [{"id": m, "object": "model", "created": 0, "owned_by": "batchwire"} for m in settings.models],
-        },
-    )
+    return json_response(200, {"object": "list", "data": [_card(m) for m in settings.models]})
+
+
+async def retrieve_model(request: Request) -> Response:
+    """One of the deployment's models, as OpenAI retrieves its own; any other is 404 ``unknown_model``."""
+    settings = deployment_of(request).gateway.settings
+    name: str = request.path_params["model"]
+    if name not in settings.models:
+        served = ", ".join(settings.models)
+        unknown = UnknownModel(f"model {shown(name)} is not served here; served models: {served}")
+        return openai_error(unknown, settings.retry_after_s)
+    return json_response(200, _card(name))
+
+
+def _card(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "batchwire"}
 
 
 async def _read(request: Request, shape: type[Shape]) -> tuple[Caller, Shape]:
@@ -248,7 +265,7 @@ async def completions(request: Request) -> Response:
             except BaseException:
                 await chunks.aclose()
                 raise
-            return EventStream(chunks, ping_s=gateway.settings.sse_ping_s, end=deployment.streams_end)
+            return EventStream(chunks, ping_s=gateway.settings.sse_ping_s, end=deployment.streams_end, cut=CUT)
         answers = await _submit_all(gateway, prompts, body.model, caller, request)
     except GatewayError as exc:
         return openai_error(exc, gateway.settings.retry_after_s)
@@ -265,7 +282,7 @@ async def completions(request: Request) -> Response:
             "created": int(time.time()),
             "model": model,
             "choices": [_choice(i, text) for i, text in enumerate(texts)],
-            "usage": _usage(prompts, texts),
+            "usage": _usage(prompts, texts, bool(body.echo)),
         },
     )
 
@@ -323,7 +340,7 @@ class CompletionChunks:
         if not self._ready:
             self._ended = True
             usage = (self._body.stream_options or {}).get("include_usage") is True
-            last = _event(self._chunk([], _usage(self._prompts, self._texts))) if usage else b""
+            last = _event(self._chunk([], _usage(self._prompts, self._texts, bool(self._body.echo)))) if usage else b""
             return last + b"data: [DONE]\r\n\r\n"
         submit = self._ready.pop()
         index = self._index[submit]
@@ -333,8 +350,7 @@ class CompletionChunks:
             self._ended = True
             if not self._streaming:
                 raise  # nothing streamed yet: the route answers it as a JSON error
-            error = {"message": exc.message, "type": _kind(http_status(exc)), "code": exc.error_code}
-            return _event({"error": error})
+            return _error_chunk(exc)
         self._streaming = True
         self._model = answer.model
         text = _completed(self._prompts[index], answer.output, bool(self._body.echo), self._stops)
@@ -383,9 +399,12 @@ def _choice(index: int, text: str) -> dict[str, Any]:
     return {"text": text, "index": index, "logprobs": None, "finish_reason": "stop"}
 
 
-def _usage(prompts: list[str], texts: list[str]) -> dict[str, int]:
+def _usage(prompts: list[str], texts: list[str], echo: bool) -> dict[str, int]:
+    """Token estimates; an echoed prompt counts once, as the prompt's, as OpenAI counts it."""
     prompt_tokens = sum(_tokens(prompt) for prompt in prompts)
-    completion_tokens = sum(_tokens(text) for text in texts)
+    completion_tokens = sum(
+        _tokens(text[len(prompt) :] if echo else text) for prompt, text in zip(prompts, texts, strict=True)
+    )
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -399,6 +418,15 @@ def _tokens(text: str) -> int:
 
 def _event(data: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\r\n\r\n".encode()
+
+
+def _error_chunk(exc: GatewayError) -> bytes:
+    """OpenAI's error chunk, which ends a stream: the client raises it."""
+    return _event({"error": {"message": exc.message, "type": _kind(http_status(exc)), "code": exc.error_code}})
+
+
+CUT = _error_chunk(NotReady("the server is shutting down before every prompt was answered; send the request again"))
+"""The last chunk of a completions stream the server's shutdown ends: a client cannot resume it."""
 
 
 async def _submit_all(
@@ -519,6 +547,16 @@ def add_routes(routes: APIRouter, settings: GatewaySettings) -> None:
         response_model=ModelList,
         summary="The deployment's models (OpenAI-compatible)",
         description=f"Lists {', '.join(settings.models)} in OpenAI's model-list shape.",
+    )
+    routes.add_api_route(
+        MODELS_PATH + "/{model:path}",
+        traced(retrieve_model),
+        methods=["GET"],
+        response_model=ModelCard,
+        responses={404: {"model": OpenAIError}},
+        openapi_extra={"parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]},
+        summary="One of the deployment's models (OpenAI-compatible)",
+        description="The model's card in OpenAI's shape; a model not served here is 404 `unknown_model`.",
     )
     text = {"type": "string", "minLength": 1, "maxLength": settings.max_input_chars}
     body = {
