@@ -11,7 +11,9 @@ import pytest
 from schemas.records import InferenceRequest
 from tests.support.bus_records import WAIT_S, Partitions, read, request
 from tests.support.transport_kits import MODELS, REQUEST_PARTITIONS, RequestBusKit
+from transport.memory.requests import MemoryRequestBus
 from transport.ports import Delivered, RequestConsumer
+from transport.routing import Partitioner
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -95,3 +97,19 @@ async def test_fetch_returns_a_record_sent_while_waiting(request_bus: RequestBus
     await producer.send(request("t1", MODELS[0]))
     got = await asyncio.wait_for(waiting, WAIT_S)
     assert [d.value.task_id for d in got if d.value] == ["t1"]
+
+
+async def test_a_backlog_on_one_models_partitions_does_not_hide_another_models_requests_in_memory() -> None:
+    """Each fetch of the in-memory bus begins where the last one stopped, as Kafka's fetches go round the
+    partitions: a batcher that reads a few at a time reaches every model's requests, not only the
+    lowest partitions' backlog."""
+    bus = MemoryRequestBus(Partitioner(MODELS, REQUEST_PARTITIONS))
+    producer, consumer = bus.producer(), bus.consumer()
+    for index in range(100):
+        await producer.send(request(f"a{index}", "alpha"))
+    await producer.send(request("b0", "beta"))
+    await started(consumer)
+    read: list[str] = []
+    for _ in range(3):
+        read.extend(record.value.task_id for record in await consumer.fetch(0, 10))
+    assert "b0" in read, f"three fetches of 10 reached only {read}"

@@ -139,6 +139,9 @@ class MemoryRequestConsumer:
         self._positions = [0] * self.partitions
         self._assigned: frozenset[int] = frozenset()
         self._on_revoked: PartitionsCallback | None = None
+        self._next = 0
+        """Where in the sorted assignment the next fetch begins: after the partition the last one filled
+        up at, so fetches go round every partition, as Kafka's do, and one backlog hides no other."""
 
     async def start(self, on_assigned: PartitionsCallback, on_revoked: PartitionsCallback) -> None:
         self._assigned = frozenset(range(self.partitions))
@@ -156,12 +159,15 @@ class MemoryRequestConsumer:
         while True:
             self.log.changed.clear()
             out: list[Delivered[InferenceRequest]] = []
-            for partition in sorted(self._assigned):
+            order = sorted(self._assigned)
+            for step in range(len(order)):
+                partition = order[(self._next + step) % len(order)]
                 got = self.log.read(partition, self._positions[partition], max_records - len(out))
                 if got:
                     self._positions[partition] = got[-1].offset + 1
                     out.extend(got)
                 if len(out) >= max_records:
+                    self._next = (self._next + step + 1) % len(order)
                     break
             remaining = deadline - time.monotonic()
             if out or remaining <= 0:
