@@ -22,6 +22,7 @@ from schemas.codec import decode_state
 from schemas.records import TaskState, TaskStatus
 from schemas.wire import Names
 from transport.ports import TransportError
+from transport.redis.pools import PoolOptions, cluster_client
 from transport.redis.pubsub import ShardedHubs
 from transport.redis.store import RedisTaskStore
 
@@ -315,3 +316,29 @@ async def _applied_once_served(store: RedisTaskStore, done: TaskState) -> bool:
         except TransportError:
             await asyncio.sleep(0.1)
     return False
+
+
+async def test_a_write_one_of_whose_slots_fails_still_answers_the_tasks_the_others_stored(
+    redis_cluster: str, names: Names
+) -> None:
+    """A write runs one script call per hash slot: one that fails (here a key of another type) fails the
+    write, and the tasks the other calls stored still reach their gateway at once, not only when its
+    sweep reads a reply it takes for lost."""
+    good = "good-0"
+    bad = next(f"bad-{n}" for n in range(100) if key_slot(f"bad-{n}".encode()) != key_slot(good.encode()))
+    raw = cluster_client(redis_cluster, PoolOptions())
+    store = RedisTaskStore(redis_cluster, names)
+    await store.start()
+    try:
+        await raw.set(names.task_key(bad), "not a task")
+        replied = asyncio.Event()
+        replies: list[str] = []
+        await store.listen_replies("g1", lambda reply: (replies.append(reply.task_id), replied.set()))
+        ends = [state(task_id, TaskStatus.COMPLETED, output="x", reply_to="g1") for task_id in (good, bad)]
+        with pytest.raises(TransportError):
+            await store.apply(ends)
+        await asyncio.wait_for(replied.wait(), 5)
+        assert replies == [good]
+    finally:
+        await store.close()
+        await raw.aclose()

@@ -196,8 +196,10 @@ class RedisTaskStore:
                 results[index] = int(result)
             _gather_frames(out[len(indexes) :], replies)
 
-        await self._each(one(indexes) for indexes in slots.values())
-        await self._each(self._client.spublish(channel, b"".join(frames)) for channel, frames in replies.items())
+        try:
+            await self._each(one(indexes) for indexes in slots.values())
+        finally:  # the slots written answer their callers, whichever other slot failed
+            await self._each(self._client.spublish(channel, b"".join(frames)) for channel, frames in replies.items())
         return results
 
     @staticmethod
@@ -209,13 +211,12 @@ class RedisTaskStore:
 
     @staticmethod
     async def _each(calls: Iterable[Awaitable[Any]]) -> None:
-        """Runs ``calls`` concurrently; the first error is raised as the one call would raise it."""
-        try:
-            async with asyncio.TaskGroup() as group:
-                for call in calls:
-                    group.create_task(call)  # type: ignore[arg-type]
-        except ExceptionGroup as errors:
-            raise errors.exceptions[0] from None
+        """Runs ``calls`` concurrently, each to its end (a script another call's failure cancelled may
+        have written all the same, its replies unread); then the first error is raised as the one call
+        would raise it."""
+        for outcome in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(outcome, BaseException):
+                raise outcome
 
     def _apply_call(self, updates: Sequence[TaskState]) -> tuple[list[str], list[Any]]:
         keys: list[str] = []
