@@ -110,13 +110,15 @@ class FleetUnreadable(Exception):
 
 def read_fleet(url: str, api_key: str | None, timeout_s: float = 5.0) -> dict[str, Any]:
     """The ``/v1/fleet`` document of the gateway at ``url``."""
-    request = urllib.request.Request(url.rstrip("/") + "/v1/fleet", headers={"Accept": "application/json"})
-    if api_key:
-        request.add_header("Authorization", f"Bearer {api_key}")
     try:
+        request = urllib.request.Request(url.rstrip("/") + "/v1/fleet", headers={"Accept": "application/json"})
+        if api_key:
+            request.add_header("Authorization", f"Bearer {api_key}")
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            doc: dict[str, Any] = json.load(response)
-            return doc
+            doc = json.load(response)
+        if not isinstance(doc, dict):
+            raise ValueError(f"the answer is a JSON {type(doc).__name__}, not the fleet's object")
+        return doc
     except urllib.error.HTTPError as err:
         raise FleetUnreadable(f"{url} answered {err.code}: {_error_message(err)}") from err
     except (urllib.error.URLError, OSError, ValueError) as err:
