@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
 from batcher import states
@@ -168,6 +168,7 @@ class Batcher:
             await self._commit()
             dropped = self.former.drop_partitions(partitions)
             self.offsets.forget(partitions)
+            self._show_held(self.former.models())
             self._check_room()
         log.info(
             "batcher %s gave up partitions %s (%d held requests go to their new owner)",
@@ -211,10 +212,15 @@ class Batcher:
             touched.add(request.model)
         for model in touched:
             self.dispatcher.arrived(model)
-            metrics.PENDING.labels(model=model).set(self.former.held(model))
+        self._show_held(touched)
         self._timer_wake.set()
         self._check_room()
         return unknown
+
+    def _show_held(self, models: Iterable[str]) -> None:
+        """``batchwire_batcher_pending`` (the fleet's queue column) after requests came or went."""
+        for model in models:
+            metrics.PENDING.labels(model=model).set(self.former.held(model))
 
     def _check_room(self) -> None:
         if sum(self.former.held(model) for model in self.former.models()) < self.settings.max_held:
@@ -287,6 +293,7 @@ class Batcher:
         await self._store_ended(ended, f"storing {len(ended)} expired task(s)")
         for pending in expired:
             self._finish(pending)
+        self._show_held({pending.item.model for pending in expired})
         self._check_room()
         # Committed now, not with the next batch: the queue depth gateways admit by counts what is
         # uncommitted, and a quiet model holding only ended requests would look stalled.

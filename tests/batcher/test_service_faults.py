@@ -10,6 +10,7 @@ from batcher.policy import FlushPolicy
 from batcher.service import Batcher
 from batcher.settings import BatcherSettings
 from schemas.records import Credit, InferenceRequest, TaskState, TaskStatus
+from telemetry.metrics import REGISTRY
 from tests.support.eventually import eventually
 from transport.errors import PermanentTransportError
 from transport.memory.batches import MemoryBatchBus
@@ -143,7 +144,7 @@ async def test_expiry_is_stored_once_the_store_is_back() -> None:
 async def test_an_expired_request_leaves_the_queue_at_once() -> None:
     """Its offset is committed when its expiry is stored, not at the next batch: the queue depth the
     gateway admits by (uncommitted requests) would otherwise show it waiting, and a quiet model
-    would look stalled."""
+    would look stalled. Nor is it counted as held (``batchwire_batcher_pending``, the fleet's queue)."""
     rig = Rig()
     ended = asyncio.Event()
     await rig.store.listen_replies("gw", lambda state: ended.set())
@@ -151,6 +152,8 @@ async def test_an_expired_request_leaves_the_queue_at_once() -> None:
     await rig.request("late", deadline_ms=50)  # no worker offers a credit: it expires in the batcher
     await asyncio.wait_for(ended.wait(), 10)
     await eventually(lambda: rig.requests.lag() == 0, "the expired request's offset to be committed")
+    held = {"model": "sim"}
+    await eventually(lambda: REGISTRY.get_sample_value("batchwire_batcher_pending", held) == 0, "the gauge to show it")
     await rig.batcher.close()
 
 
