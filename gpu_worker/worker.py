@@ -114,9 +114,12 @@ class Worker:
 
     @property
     def state(self) -> str:
-        """What the fleet's heartbeat shows: hung, draining (closing), busy (a batch in hand) or idle."""
+        """What the fleet's heartbeat shows: hung, failed (stopped by an error: not live, though an embedded
+        process goes on beating for it), draining (closing), busy (a batch in hand) or idle."""
         if self.hung:
             return "hung"
+        if self.failure is not None:
+            return "failed"
         if self._stopping:
             return "draining"
         return "idle" if self.pipeline.empty else "busy"

@@ -72,13 +72,17 @@ FLEET = [
     beat("worker", "w2", state="idle", figures={"batches_per_s": 10, "mean_batch_size": 10, "busy_fraction": 0.5}),
     beat("worker", "w3", age_ms=10_000, figures={"batches_per_s": 99, "mean_batch_size": 99, "busy_fraction": 1.0}),
     beat("worker", "e1", models=("embed",), state="hung", figures={"batches_per_s": 0.0, "busy_fraction": 0.0}),
+    beat("worker", "e2", models=("embed",), state="failed"),
 ]
 
 
 def test_the_view_sums_live_members_and_shows_the_dead_as_gone() -> None:
     view = fleet_view(FLEET, ("sim", "embed", "idle-model"), NOW_MS)
     states = {member["id"]: member["state"] for member in view["members"]}
-    assert states == {"g1": "busy", "g2": "busy", "b1": "busy", "w1": "busy", "w2": "idle", "w3": "gone", "e1": "hung"}
+    assert states == {
+        **{"g1": "busy", "g2": "busy", "b1": "busy", "w1": "busy", "w2": "idle", "w3": "gone"},
+        **{"e1": "hung", "e2": "failed"},
+    }
     assert [member["role"] for member in view["members"]][:3] == ["gateway", "gateway", "batcher"]
     totals = view["totals"]
     assert totals["requests_per_s"] == 400.0
@@ -101,7 +105,7 @@ def test_each_model_has_a_row_and_one_with_no_live_worker_says_so() -> None:
     assert set(rows) == {"sim", "embed", "idle-model"}
     assert (rows["sim"]["workers_live"], rows["sim"]["workers_busy"], rows["sim"]["workers_hung"]) == (2, 1, 0)
     assert rows["sim"]["queue_depth"] == 7 and rows["sim"]["answered_per_s"] == 400.0
-    assert (rows["embed"]["workers_live"], rows["embed"]["workers_hung"]) == (1, 1)
+    assert (rows["embed"]["workers_live"], rows["embed"]["workers_hung"]) == (1, 1), "a failed worker is not live"
     assert rows["idle-model"]["workers_live"] == 0
 
 

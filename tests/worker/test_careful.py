@@ -67,6 +67,7 @@ async def deliver_until_answered(
         await asyncio.gather(answered, return_exceptions=True)
         assert died.done(), "the worker neither answered nor died within 10 s"
         assert isinstance(worker.failure, BaseException), "a dead worker records why"
+        assert worker.state == "failed", "and its heartbeat shows it is not live"
         await worker.close()
     raise AssertionError(f"batch still not answered after {rounds} deliveries")
 

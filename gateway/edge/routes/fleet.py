@@ -48,7 +48,7 @@ def fleet_view(members: list[Beat], models: tuple[str, ...], now_ms: int) -> dic
     totals["flushes_per_s"] = _summed(batchers, "flushes_per_s")
     rows = {}
     for model in sorted({*models, *(m for beat in members for m in beat.models)}):
-        serving = [beat for beat in workers if model in beat.models]
+        serving = [beat for beat in workers if model in beat.models and beat.state != "failed"]
         row = _served(gateways, model)
         row.update(_batched(serving))
         row["queue_depth"] = sum(beat.per_model.get(model, {}).get("queue_depth", 0.0) for beat in batchers)
