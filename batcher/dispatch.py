@@ -171,7 +171,6 @@ class Dispatcher:
                     loop.unclaimed()
                     command = await self._poke(model, loop)
                     continue
-                metrics.IDLE_WORKERS.labels(model=model).set(0)
                 command = loop.claimed(credit, self._claimed(credit), alone=self.alone(model))
                 if isinstance(command, Space):
                     metrics.SPACING_WAIT.labels(model=model).observe(max(0.0, command.until_s - self.clock()))

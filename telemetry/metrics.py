@@ -146,7 +146,10 @@ REDELIVERED = Counter(
     registry=REGISTRY,
 )
 TASKS_ENDED = Counter(
-    "batchwire_tasks_ended", "Tasks that reached an end state, by status.", ["model", "status"], registry=REGISTRY
+    "batchwire_tasks_ended",
+    "Tasks a batcher (expired) or worker (completed, failed, dead-lettered) ended, by status; not cancellations.",
+    ["model", "status"],
+    registry=REGISTRY,
 )
 RESULTS_UNREPLICATED = Counter(
     "batchwire_results_unreplicated",
@@ -169,12 +172,6 @@ REQUEST_LAG = Gauge(
 PENDING = Gauge(
     "batchwire_batcher_pending",
     "Requests a batcher holds that are not yet handed to a worker.",
-    ["model"],
-    registry=REGISTRY,
-)
-IDLE_WORKERS = Gauge(
-    "batchwire_idle_workers",
-    "Unclaimed worker credits (idle workers) seen by this batcher.",
     ["model"],
     registry=REGISTRY,
 )

@@ -412,7 +412,6 @@ def test_every_metric_the_dashboard_queries_is_one_batchwire_exports(
         "batchwire_flushes_total",
         "batchwire_worker_busy_seconds_total",
         "batchwire_worker_batches_total",
-        "batchwire_idle_workers",
         "batchwire_cache_hits_total",
         "batchwire_cache_misses_total",
     ):
