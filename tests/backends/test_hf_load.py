@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gpu_worker.backends.hf import HFBackend
-from gpu_worker.backends.hf_load import ModelLoadError, resolve_device, resolve_dtype
+from gpu_worker.backends.hf_load import ModelLoadError, _load_weights, resolve_device, resolve_dtype
 
 
 def load(path: Path, **kwargs: Any) -> HFBackend:
@@ -142,3 +142,18 @@ def test_resolve_device_and_dtype() -> None:
         assert resolve_device("auto") == torch.device("cpu")
         with pytest.raises(ModelLoadError, match="torch sees no CUDA GPU"):
             resolve_device("cuda")
+
+
+def test_a_gpu_load_needs_no_package_the_hf_extra_leaves_out(tiny_models: dict[str, Path]) -> None:
+    """transformers loads weights straight onto a GPU (``device_map``) only with ``accelerate``, which the
+    hf extra installs: here, with no GPU, the load fails for want of CUDA, never of a package."""
+    try:
+        _load_weights(
+            tiny_models["gpt2"],
+            task="generate",
+            device=torch.device("cuda"),
+            dtype=torch.float32,
+            is_encoder_decoder=False,
+        )
+    except ModelLoadError as err:
+        assert "accelerate" not in str(err), err
