@@ -473,7 +473,7 @@ def within_budget(candidates: list[Pending[Item]], budget: int, slots: int) -> l
             break
         low, high = min(shortest, pending.tokens), max(longest, pending.tokens)
         if high > LENGTH_SPREAD * low:
-            break  # sorted by closeness: every later one is further still
+            continue  # a later one, closer to the chosen's other end, may still fit
         if high * (len(chosen) + 1) <= budget:
             chosen.append(pending)
             shortest, longest = low, high

@@ -113,6 +113,15 @@ def test_a_higher_tier_heads_the_batch() -> None:
     assert within_budget(candidates, 1000, 100)[0].item == "r99"
 
 
+def test_one_that_would_stretch_the_spread_is_passed_over_not_the_end_of_the_batch() -> None:
+    """After a longer one was taken, a shorter one can break the spread while a later, longer one, still
+    within it, fits: 10 heads, 14 joins, 7 would make 14 twice it, and 15 still goes."""
+    clock = FakeClock()
+    head = item(clock, 0, 10, ttl_s=1)
+    candidates = [head, item(clock, 1, 14, ttl_s=2), item(clock, 2, 7, ttl_s=3), item(clock, 3, 15, ttl_s=4)]
+    assert sorted(p.tokens for p in within_budget(candidates, 1000, 10)) == [10, 14, 15]
+
+
 def test_a_single_input_over_the_budget_still_goes_alone() -> None:
     clock = FakeClock()
     former: BatchFormer[str] = BatchFormer(FlushPolicy.named("work-conserving", 100, max_batch_tokens=64), clock)
