@@ -147,8 +147,10 @@ class HFBackend:
             torch.get_num_threads(),
         )
         if self.warmup:
+            # a limit shorter than the usual prompt (``max_input_tokens``) is warmed up with a character
+            prompt = WARMUP_PROMPT if not self.input_errors([WARMUP_PROMPT]) else WARMUP_PROMPT[0]
             for size in sorted({1, self.max_batch}):
-                self.batchstring([WARMUP_PROMPT] * size)
+                self.batchstring([prompt] * size)
             log.info("hf backend: warm-up latency by batch size %s", self.latency_by_batch_s)
 
     def close(self) -> None:

@@ -245,8 +245,14 @@ def resolve_max_input_tokens(
     """
     positions = getattr(config, "max_position_embeddings", None)
     hard = positions if isinstance(positions, int) and positions > 0 else None
+    why = ""  # how ``hard`` comes from ``positions``, for the error that names it
+    pad = getattr(config, "pad_token_id", None)
+    if hard is not None and getattr(config, "model_type", None) in _POSITIONS_AFTER_PADDING and isinstance(pad, int):
+        hard -= pad + 1  # 514 positions hold 512 tokens: position ids start after the padding's
+        why = f" ({positions} positions, the first {pad + 1} of which hold no token)"
     if hard is not None and task == "generate" and not getattr(config, "is_encoder_decoder", False):
         hard -= max_new_tokens
+        why = f" ({positions} positions less max_new_tokens={max_new_tokens})"
         if hard < 1:
             raise ModelLoadError(
                 f"max_new_tokens={max_new_tokens} leaves no room for input: the model in {model_path} has "
@@ -269,11 +275,17 @@ def resolve_max_input_tokens(
         return default
     if hard is not None and asked > hard:
         raise ModelLoadError(
-            f"max_input_tokens={asked} is more than the model in {model_path} can take: at most {hard}"
-            + (f" ({positions} positions less max_new_tokens={max_new_tokens})" if hard != positions else "")
-            + " (BATCHWIRE_HF_MAX_INPUT_TOKENS)"
+            f"max_input_tokens={asked} is more than the model in {model_path} can take: at most {hard}{why} "
+            "(BATCHWIRE_HF_MAX_INPUT_TOKENS)"
         )
     return asked
+
+
+_POSITIONS_AFTER_PADDING = frozenset(
+    {"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text", "mpnet"}
+)
+"""Encoders whose position ids start at ``pad_token_id + 1`` (RoBERTa's numbering, which embedders built on
+them keep): the first ``pad_token_id + 1`` of their ``max_position_embeddings`` hold no token."""
 
 
 def _sentence_transformers_max_seq_length(model_path: Path) -> list[int]:

@@ -27,6 +27,8 @@ from transformers import (
     LlamaForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerFast,
+    RobertaConfig,
+    RobertaModel,
     T5Config,
     T5ForConditionalGeneration,
 )
@@ -142,20 +144,22 @@ def build_tiny_seq2seq(path: str | Path, *, seed: int = 0) -> Path:
     return _save(path, tokenizer, seed, lambda: T5ForConditionalGeneration(config))
 
 
-def build_tiny_encoder(path: str | Path, *, seed: int = 0, positions: int = MAX_POSITIONS) -> Path:
-    """A 2-layer BERT encoder, for the ``embed`` task (the shape of all-MiniLM-L6-v2, much smaller);
-    ``positions`` is its longest input in tokens (bytes), for benchmarks of long inputs."""
+def build_tiny_encoder(
+    path: str | Path, *, seed: int = 0, positions: int = MAX_POSITIONS, arch: Literal["bert", "roberta"] = "bert"
+) -> Path:
+    """A 2-layer encoder, for the ``embed`` task (the shape of all-MiniLM-L6-v2, much smaller);
+    ``positions`` is its longest input in tokens (bytes), for benchmarks of long inputs. A RoBERTa
+    numbers positions after the padding's, so its config states ``PAD_ID + 1`` more, as roberta-base's
+    514 for 512 tokens."""
     tokenizer = byte_tokenizer(template="bos_eos", max_length=positions)
-    config = BertConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=positions,
-        pad_token_id=PAD_ID,
-    )
-    return _save(path, tokenizer, seed, lambda: BertModel(config))
+    shape = {"vocab_size": len(tokenizer), "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
+    if arch == "roberta":
+        config = RobertaConfig(
+            **shape, intermediate_size=64, max_position_embeddings=positions + PAD_ID + 1, pad_token_id=PAD_ID
+        )
+        return _save(path, tokenizer, seed, lambda: RobertaModel(config))
+    bert = BertConfig(**shape, intermediate_size=64, max_position_embeddings=positions, pad_token_id=PAD_ID)
+    return _save(path, tokenizer, seed, lambda: BertModel(bert))
 
 
 def _save(

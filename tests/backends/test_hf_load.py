@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from gpu_worker.backends.hf import HFBackend
+from gpu_worker.backends.hf import WARMUP_PROMPT, HFBackend
+from gpu_worker.backends.tiny import build_tiny_encoder
 from gpu_worker.backends.hf_load import ModelLoadError, _load_weights, resolve_device, resolve_dtype
 
 
@@ -124,6 +125,23 @@ def test_asked_input_limit_above_the_model_positions_fails(tiny_models: dict[str
         load(tiny_models["gpt2"], max_input_tokens=500, max_new_tokens=32)
     with pytest.raises(ModelLoadError, match="max_new_tokens=128 leaves no room for input"):
         load(tiny_models["gpt2"], max_new_tokens=128)
+
+
+def test_an_encoder_that_numbers_positions_after_the_padding_takes_fewer_tokens_than_them(tmp_path: Path) -> None:
+    """RoBERTa's 514 positions hold 512 tokens (its padding id is 1; the tiny one's is 0: 65 hold 64); an
+    input as long as its config's positions would crash it."""
+    path = build_tiny_encoder(tmp_path / "roberta", positions=64, arch="roberta")
+    with pytest.raises(ModelLoadError, match=r"at most 64 \(65 positions, the first 1 of which hold no token\)"):
+        load(path, task="embed", max_input_tokens=65)
+    backend = load(path, task="embed", max_input_tokens=64)
+    assert len(backend.batchstring(["x" * 62, "short"])) == 2, "62 bytes and <s> </s>: the whole 64"
+
+
+def test_a_limit_under_the_warm_up_prompt_warms_up_with_less(tiny_models: dict[str, Path]) -> None:
+    limit = len(WARMUP_PROMPT) - 1  # a token a byte: the prompt is one over
+    backend = HFBackend(tiny_models["gpt2"], max_input_tokens=limit, max_new_tokens=4, max_batch=2)
+    backend.load()
+    assert backend.batchstring(["hi"])
 
 
 def test_impossible_limits_fail_before_the_weights_load(tiny_models: dict[str, Path], tmp_path: Path) -> None:
