@@ -344,7 +344,14 @@ def backend(parser: argparse.ArgumentParser) -> None:
     field_flag(parser, b, "backend", str, "model backend: sim (reversed input) or hf (transformers)")
     field_flag(parser, b, "sim_latency_ms", float, "sim backend: latency of one call, whatever the batch size")
     field_flag(parser, b, "model_path", str, "hf backend: local directory of the checkpoint (nothing is downloaded)")
-    field_flag(parser, b, "hf_task", str, "hf backend: generate or embed")
+    field_flag(
+        parser,
+        b,
+        "hf_task",
+        str,
+        "hf backend: generate or embed (embed pools as the model's sentence-transformers layout says, by the "
+        "mean or the CLS token, L2-normalized; a Dense layer or another pooling is refused at load)",
+    )
     field_flag(parser, b, "hf_max_new_tokens", int, "hf backend: tokens generated per input")
     field_flag(parser, b, "hf_max_input_tokens", int, "hf backend: longest input in tokens (default: the model's)")
     field_flag(parser, b, "hf_truncate", boolean, "hf backend: truncate long inputs instead of rejecting them")

@@ -24,7 +24,7 @@ import torch
 from transformers import GenerationConfig
 
 from gpu_worker.backends.base import BackendError, BatchSizeError, InputError
-from gpu_worker.backends.hf_embed import mean_pool, to_json
+from gpu_worker.backends.hf_embed import cls_pool, mean_pool, to_json
 from gpu_worker.backends.hf_load import DTYPES, TASKS, LoadedModel, Task, load_model_dir, resolve_device, resolve_dtype
 from gpu_worker.backends.sim import ReentryError
 from telemetry.metrics import BACKEND_BATCH_LATENCY, BACKEND_TOKENS
@@ -231,7 +231,8 @@ class HFBackend:
         attention_mask = attention_mask.to(loaded.device)
         if self.task == "embed":
             hidden = loaded.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-            return to_json(mean_pool(cast(torch.Tensor, hidden), attention_mask))
+            states = cast(torch.Tensor, hidden)
+            return to_json(cls_pool(states) if loaded.pooling == "cls" else mean_pool(states, attention_mask))
         generated = cast(_Generates, loaded.model).generate(
             input_ids=input_ids, attention_mask=attention_mask, generation_config=loaded.generation_config
         )

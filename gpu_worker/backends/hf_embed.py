@@ -1,7 +1,10 @@
-"""Sentence embeddings from a token encoder: attention-mask-weighted mean, L2-normalized, as JSON.
+"""Sentence embeddings from a token encoder: attention-mask-weighted mean (or the first token's state),
+L2-normalized, as JSON.
 
-This is the pooling all-MiniLM-L6-v2 and most sentence-transformers models were trained with
-(``1_Pooling/config.json``: ``pooling_mode_mean_tokens``), so the vectors match theirs.
+The mean is the pooling all-MiniLM-L6-v2 and most sentence-transformers models were trained with
+(``1_Pooling/config.json``: ``pooling_mode_mean_tokens``); BAAI's bge models pool by the CLS token
+(``pooling_mode_cls_token``). The model directory says which (``hf_load.sentence_transformers_pooling``),
+so the vectors match the model's own.
 """
 
 from __future__ import annotations
@@ -25,6 +28,12 @@ def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tenso
     summed = (hidden.to(torch.float32) * mask).sum(dim=1)
     counts = mask.sum(dim=1).clamp(min=1e-9)
     return torch.nn.functional.normalize(summed / counts, p=2.0, dim=1)
+
+
+def cls_pool(hidden: torch.Tensor) -> torch.Tensor:
+    """(batch, tokens, dim) -> (batch, dim) unit vectors: each input's first (CLS) token's state; padding
+    is on the right, so it is every input's own first token."""
+    return torch.nn.functional.normalize(hidden[:, 0].to(torch.float32), p=2.0, dim=1)
 
 
 def to_json(vectors: torch.Tensor) -> list[str]:

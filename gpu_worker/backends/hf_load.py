@@ -56,6 +56,9 @@ class ModelLoadError(BackendError):
     """The model directory is missing, is not a model, or does not fit the settings asked for."""
 
 
+Pooling = Literal["mean", "cls"]
+
+
 @dataclass(frozen=True)
 class LoadedModel:
     """What ``HFBackend`` needs to run batches; ``tokenizer`` and ``counter`` are separate instances."""
@@ -71,6 +74,8 @@ class LoadedModel:
     is_encoder_decoder: bool
     max_input_tokens: int
     generation_config: GenerationConfig | None
+    pooling: Pooling = "mean"
+    """How ``embed`` turns token states into one vector (``sentence_transformers_pooling``)."""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -149,6 +154,7 @@ def load_model_dir(
     limit = resolve_max_input_tokens(
         model_path, config, tokenizer, task=task, max_new_tokens=max_new_tokens, asked=max_input_tokens
     )
+    pooling = sentence_transformers_pooling(model_path) if task == "embed" else "mean"
 
     pretrained = _load_weights(model_path, task=task, device=device, dtype=dtype, is_encoder_decoder=is_encoder_decoder)
     model: torch.nn.Module = pretrained
@@ -166,6 +172,7 @@ def load_model_dir(
         is_encoder_decoder=is_encoder_decoder,
         max_input_tokens=limit,
         generation_config=generation,
+        pooling=pooling,
     )
 
 
@@ -286,6 +293,51 @@ _POSITIONS_AFTER_PADDING = frozenset(
 )
 """Encoders whose position ids start at ``pad_token_id + 1`` (RoBERTa's numbering, which embedders built on
 them keep): the first ``pad_token_id + 1`` of their ``max_position_embeddings`` hold no token."""
+
+
+_MODULES = "sentence_transformers.models."
+_RUN_HERE = frozenset({f"{_MODULES}Transformer", f"{_MODULES}Pooling", f"{_MODULES}Normalize"})
+"""The sentence-transformers layers the backend runs: the encoder, its pooling, and the L2 norm it
+applies to every vector anyway."""
+
+
+def sentence_transformers_pooling(model_path: Path) -> Pooling:
+    """How the sentence-transformers model in ``model_path`` pools its token states: ``mean`` or ``cls``
+    (``1_Pooling/config.json``, as BAAI's bge models use); ``mean`` for a directory without
+    ``modules.json``. A layout the backend would get wrong (another pooling, a Dense layer) is refused:
+    its vectors would not be the model's."""
+    modules_path = model_path / "modules.json"
+    if not modules_path.is_file():
+        return "mean"
+    try:
+        modules = json.loads(modules_path.read_text())
+        layers = [(str(module["type"]), str(module.get("path", ""))) for module in modules]
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        raise ModelLoadError(f"cannot read {modules_path}: {err}") from err
+    others = [kind for kind, _ in layers if kind not in _RUN_HERE]
+    if others:
+        raise ModelLoadError(
+            f"{modules_path} names layers the hf backend does not run ({', '.join(others)}): its embeddings would "
+            "not be the model's; use a model of a Transformer, a Pooling (mean or CLS) and a Normalize"
+        )
+    pooling_dirs = [path for kind, path in layers if kind == f"{_MODULES}Pooling"]
+    if not pooling_dirs:
+        return "mean"
+    config_path = model_path / pooling_dirs[0] / "config.json"
+    try:
+        modes = {
+            key for key, on in json.loads(config_path.read_text()).items() if key.startswith("pooling_mode_") and on
+        }
+    except (OSError, ValueError, AttributeError) as err:
+        raise ModelLoadError(f"cannot read {config_path}: {err}") from err
+    if modes == {"pooling_mode_mean_tokens"}:
+        return "mean"
+    if modes == {"pooling_mode_cls_token"}:
+        return "cls"
+    raise ModelLoadError(
+        f"{config_path} pools by {', '.join(sorted(modes)) or 'nothing'}; the hf backend pools by the mean of the "
+        "tokens or by the first (CLS) token only: use a model that pools one of those ways"
+    )
 
 
 def _sentence_transformers_max_seq_length(model_path: Path) -> list[int]:

@@ -152,13 +152,26 @@ def build_tiny_encoder(
     numbers positions after the padding's, so its config states ``PAD_ID + 1`` more, as roberta-base's
     514 for 512 tokens."""
     tokenizer = byte_tokenizer(template="bos_eos", max_length=positions)
-    shape = {"vocab_size": len(tokenizer), "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2}
     if arch == "roberta":
-        config = RobertaConfig(
-            **shape, intermediate_size=64, max_position_embeddings=positions + PAD_ID + 1, pad_token_id=PAD_ID
+        roberta = RobertaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=positions + PAD_ID + 1,
+            pad_token_id=PAD_ID,
         )
-        return _save(path, tokenizer, seed, lambda: RobertaModel(config))
-    bert = BertConfig(**shape, intermediate_size=64, max_position_embeddings=positions, pad_token_id=PAD_ID)
+        return _save(path, tokenizer, seed, lambda: RobertaModel(roberta))
+    bert = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=positions,
+        pad_token_id=PAD_ID,
+    )
     return _save(path, tokenizer, seed, lambda: BertModel(bert))
 
 

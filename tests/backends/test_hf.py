@@ -16,6 +16,7 @@ import torch
 
 from gpu_worker.backends.base import BackendError, BatchSizeError, InputError
 from gpu_worker.backends.hf import HFBackend, batch_bucket, plan_free_attention
+from gpu_worker.backends.hf_load import ModelLoadError
 from gpu_worker.backends.sim import ReentryError
 from gpu_worker.backends.tiny import MAX_POSITIONS
 from telemetry.metrics import REGISTRY
@@ -311,6 +312,55 @@ def test_embed_batched_matches_one_by_one(tiny_models: dict[str, Path], make_bac
         single = json.loads(backend.batchstring([text])[0])
         worst = max(abs(a - b) for a, b in zip(vector, single, strict=True))
         assert worst <= 2e-6, f"{text!r}: batched differs from single by {worst}"
+
+
+def _sentence_transformers_layout(path: Path, into: Path, pooling: dict[str, bool], *extra: str) -> Path:
+    """A copy of ``path`` in ``into``, laid out as sentence-transformers saves a model: modules.json, and
+    its pooling's config."""
+    copy = Path(shutil.copytree(path, into))
+    (copy / "1_Pooling").mkdir()
+    (copy / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 32, **pooling}))
+    layers = ["Transformer", "Pooling", *extra]
+    modules = [
+        {"idx": i, "path": "1_Pooling" if kind == "Pooling" else "", "type": f"sentence_transformers.models.{kind}"}
+        for i, kind in enumerate(layers)
+    ]
+    (copy / "modules.json").write_text(json.dumps(modules))
+    return copy
+
+
+def test_embed_pools_as_the_model_directory_says(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """BAAI's bge models pool by the CLS token: their vectors are that token's state, not the mean."""
+    cls = _sentence_transformers_layout(tiny_models["bert"], tmp_path / "cls", {"pooling_mode_cls_token": True})
+    mean = _sentence_transformers_layout(
+        tiny_models["bert"], tmp_path / "mean", {"pooling_mode_mean_tokens": True}, "Normalize"
+    )
+    text = "A man is eating food."
+    by_cls, by_mean = (HFBackend(path, task="embed", device="cpu", warmup=False) for path in (cls, mean))
+    by_cls.load()
+    by_mean.load()
+    encoded = by_cls.loaded.tokenizer([text], return_tensors="pt")
+    with torch.no_grad():
+        first = by_cls.loaded.model(**encoded).last_hidden_state[0, 0]
+    want = torch.nn.functional.normalize(first, dim=0)
+    got = torch.tensor(json.loads(by_cls.batchstring([text])[0]))
+    assert torch.allclose(got, want, atol=1e-5), f"cosine to the CLS state: {float(got @ want):.3f}"
+    assert by_mean.batchstring([text]) != by_cls.batchstring([text])
+
+
+@pytest.mark.parametrize(
+    ("pooling", "extra", "message"),
+    [
+        ({"pooling_mode_max_tokens": True}, (), "pools by pooling_mode_max_tokens"),
+        ({"pooling_mode_mean_tokens": True}, ("Dense",), "layers the hf backend does not run"),
+    ],
+)
+def test_a_layout_the_backend_would_get_wrong_is_refused_at_load(
+    tiny_models: dict[str, Path], tmp_path: Path, pooling: dict[str, bool], extra: tuple[str, ...], message: str
+) -> None:
+    path = _sentence_transformers_layout(tiny_models["bert"], tmp_path / "model", pooling, *extra)
+    with pytest.raises(ModelLoadError, match=message):
+        HFBackend(path, task="embed", device="cpu", warmup=False).load()
 
 
 def test_on_a_gpu_attention_needs_no_plan_per_shape(tiny_models: dict[str, Path]) -> None:
