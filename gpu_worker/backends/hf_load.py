@@ -360,7 +360,8 @@ def greedy_generation_config(
     """The model's own generation config (eos ids, repetition penalty), made greedy.
 
     Sampling settings shipped with the model (Llama's temperature 0.6, top-p 0.9) are cleared:
-    a batch must give the same answer whoever else is in it and however often it is retried.
+    a batch must give the same answer whoever else is in it and however often it is retried. So are
+    settings that change the answer's shape (several sequences per input, a dict of outputs).
     """
     base = model.generation_config
     config = GenerationConfig.from_dict(base.to_dict()) if base is not None else GenerationConfig()
@@ -369,6 +370,8 @@ def greedy_generation_config(
     config.temperature = None
     config.top_p = None
     config.top_k = None
+    config.num_return_sequences = 1  # one answer per input, as a plain tensor of ids
+    config.return_dict_in_generate = False
     config.max_new_tokens = max_new_tokens
     config.max_length = None
     config.pad_token_id = tokenizer.pad_token_id

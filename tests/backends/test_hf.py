@@ -108,11 +108,13 @@ def test_decoder_only_returns_only_new_text(
 def test_sampling_settings_shipped_with_the_model_are_ignored(
     tiny_models: dict[str, Path], make_backend: Callable[..., HFBackend], tmp_path: Path
 ) -> None:
-    """Llama 3 and others ship temperature/top-p with do_sample=true; batchwire answers greedily."""
+    """Llama 3 and others ship temperature/top-p with do_sample=true; batchwire answers greedily, one
+    answer per input."""
     path = Path(shutil.copytree(tiny_models["gpt2"], tmp_path / "sampling"))
     config_path = path / "generation_config.json"
     config = json.loads(config_path.read_text())
     config.update(do_sample=True, temperature=0.7, top_p=0.9, top_k=5, max_length=20)
+    config.update(num_return_sequences=2, return_dict_in_generate=True)  # one answer per input, as a tensor
     config_path.write_text(json.dumps(config))
     greedy = make_backend(tiny_models["gpt2"]).batchstring(MIXED)
     assert make_backend(path).batchstring(MIXED) == greedy
