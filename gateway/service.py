@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import replace
 from typing import Literal, overload
 
@@ -247,11 +247,25 @@ class Gateway:
         if (refusal := self._store.refuses_writes()) is not None:  # full: an answer could not be stored
             raise Unavailable(refusal)
 
-    async def charge(self, caller: Caller, inputs: int) -> None:
-        """Takes the rate-limit tokens of a request of ``inputs`` inputs at once, before its submits
-        (``charged``), so it is admitted whole or refused whole (``Admission.charge``)."""
+    async def charge(self, caller: Caller, inputs: Sequence[str], model: str | None) -> None:
+        """Takes the rate-limit tokens of a request of several ``inputs`` at once, before their submits
+        (``charged``), so it is admitted whole or refused whole (``Admission.charge``). What refuses an
+        input without I/O (its validation, the token budget, a gateway not open) is checked first, as a
+        single request's is before its token."""
+        if not self._admission.active:
+            return
+        for input in inputs:
+            validated(self.settings, input, model, None)
+            if self._count_tokens is not None:
+                within_token_budget(self.settings, input, self._count_tokens)
+        self._check_open()
+        await self._admission.charge(caller, len(inputs))
+
+    async def refund(self, caller: Caller, inputs: int) -> None:
+        """Gives back the tokens ``charge`` took for a request its queue, or a gateway closing, then
+        refused (503): a single request refused so takes none."""
         if self._admission.active:
-            await self._admission.charge(caller, inputs)
+            await self._admission.charge(caller, -inputs)
 
     async def _submit_keyed(self, submission: Submission, wait: bool, key: str) -> Answer | Accepted:
         """A submit with an Idempotency-Key: the earlier task's answer, or a new task the key names.
@@ -287,6 +301,7 @@ class Gateway:
                 return answer_of(state, self._clock.monotonic() - submission.started, replayed=True)
             # The task ended without being computed, or went stale, while this retry waited for it:
             # the next claim starts a new one (or finds the one a racing retry started).
+        bound_until = asyncio.get_running_loop().time() + submission.timeout_ms / 1000  # as the binding's deadline
         try:
             if wait:
                 return await self._answer_when_done(submission, None, keyed=True)
@@ -294,7 +309,7 @@ class Gateway:
         except QueuedUnrecorded:
             raise  # the task may still run: its key stays bound to it
         except Unavailable:
-            await self._keys.release(scope, key, task_id, model, owner, deadline)  # a retry may create it
+            await self._keys.release(scope, key, task_id, model, owner, bound_until)  # a retry may create it
             raise
 
     async def _resend(self, submission: Submission, claim: KeyClaim) -> bool:

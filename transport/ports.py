@@ -280,7 +280,8 @@ class RateLimiter(Protocol):
     async def close(self) -> None: ...
     async def acquire(self, client: str, tokens: int = 1) -> float:
         """Takes ``tokens`` (at most ``burst``: one per input of a request) from ``client``'s bucket at
-        once: 0.0 if it held them, else the seconds until it will (nothing is taken then)."""
+        once: 0.0 if it held them, else the seconds until it will (nothing is taken then). Negative
+        ``tokens`` are given back, up to ``burst``: a request refused whole after it took them."""
         ...
 
 

@@ -2,7 +2,9 @@
 
 Checked before anything is stored or produced, cheapest first: the request's model's queue (cached
 counters, no I/O), then the client's rate limit (one store round trip, only when limits are on).
-A refusal says what limit was hit and which setting raises it.
+A request of several inputs (the OpenAI routes) takes its tokens at once before its inputs' queue
+checks, and gets them back if those refuse it (``charge``). A refusal says what limit was hit and
+which setting raises it.
 """
 
 from __future__ import annotations
@@ -158,9 +160,14 @@ class Admission:
     async def charge(self, caller: Caller, inputs: int) -> None:
         """Takes ``inputs`` tokens from the caller's rate limit at once, one per input of its request, so
         a request of several inputs is admitted whole or refused whole; raises ``RateLimited``,
-        ``Unavailable``, or ``ValidationFailed`` for more inputs than a burst, which no wait admits."""
+        ``Unavailable``, or ``ValidationFailed`` for more inputs than a burst, which no wait admits.
+        Negative ``inputs`` give tokens back (best effort: a store that fails keeps them)."""
         limiter = self._limiter
         if limiter is None:
+            return
+        if inputs < 0:
+            with contextlib.suppress(TransportError):
+                await limiter.acquire(caller.client, inputs)
             return
         if inputs > limiter.burst:
             raise ValidationFailed(

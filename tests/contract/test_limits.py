@@ -240,3 +240,7 @@ async def test_a_request_of_several_inputs_takes_its_tokens_at_once_or_none(make
     assert 0.9 < short <= 1.05, f"2 tokens left: the third comes in about 1 s at 1/s, got {short}"
     assert await limiter.acquire("c", 2) == 0.0, "the refused request took none of the 2 left"
     assert await limiter.acquire("c") > 0
+    assert await limiter.acquire("c", -2) == 0.0, "a request refused whole gives its 2 back"
+    assert await limiter.acquire("c", 2) == 0.0
+    assert await limiter.acquire("c", -9) == 0.0
+    assert await limiter.acquire("c", 6) > 0, "given back up to the burst of 5, no more"

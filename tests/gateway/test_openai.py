@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -30,6 +31,7 @@ from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from gpu_worker.backends.sim import SimBackend
 from schemas.records import TaskStatus
+from tests.support.eventually import eventually
 from tests.support.gateway_rig import RigFactory, http_scope
 from transport.memory.limits import MemoryRateLimiter
 
@@ -181,6 +183,29 @@ async def test_a_request_of_several_inputs_takes_its_rate_limit_tokens_whole_or_
         with pytest.raises(openai.BadRequestError) as refused:
             await client.embeddings.create(model="embed", input=["a", "b", "c", "d"])
         assert "send at most 3 per request" in refused.value.message, refused.value.message
+
+
+async def test_a_request_refused_before_it_was_admitted_keeps_its_tokens(make_rig: RigFactory) -> None:
+    """As a single request's: refused for its input (404, 413) or by the queue (503), a list takes none."""
+    limits: dict[str, Any] = {"rate_limit_per_s": 0.01, "rate_limit_burst": 6}
+    rig = await make_rig(queue_depth="bus", max_queue_depth=3, limiter=MemoryRateLimiter(0.01, 6), **limits)
+    for index in range(3):  # the queue is full; 3 tokens are left
+        assert (await rig.client.post("/v1/tasks", json={"input": f"t{index}"})).status_code == 202
+    three = ["ab", "cd", "ef"]
+    refused = [
+        await rig.client.post("/v1/completions", json={"model": "sim", "prompt": three}),
+        await rig.client.post("/v1/completions", json={"model": "sim", "prompt": three, "stream": True}),
+        await rig.client.post("/v1/completions", json={"model": "no-such-model", "prompt": three}),
+        await rig.client.post("/v1/completions", json={"model": "sim", "prompt": [*three[:2], "x" * 10**6]}),
+    ]
+    assert [r.status_code for r in refused] == [503, 503, 404, 413], [r.text for r in refused]
+    await rig.worker()
+    await eventually(lambda: rig.bus.lag() == 0, "the worker to drain the queue")
+    deadline = time.monotonic() + 10
+    while (done := await rig.client.post("/v1/completions", json={"model": "sim", "prompt": three})).status_code == 503:
+        assert time.monotonic() < deadline, done.text
+        await asyncio.sleep(0.05)  # poll with a deadline: the queue's sample comes every 0.2 s
+    assert done.status_code == 200, done.text
 
 
 async def test_completions_answer_each_prompt_in_order_with_and_without_a_stream(client: openai.AsyncOpenAI) -> None:

@@ -32,8 +32,8 @@ class MemoryRateLimiter:
         held, at = self._buckets.pop(client, (float(self.burst), now))
         held = min(float(self.burst), held + (now - at) * self.rate_per_s)
         wait_s = 0.0
-        if held >= tokens:
-            held -= tokens
+        if tokens <= 0 or held >= tokens:
+            held = min(float(self.burst), held - tokens)
         else:
             wait_s = (tokens - held) / self.rate_per_s
         self._buckets[client] = (held, now)  # most recently used last

@@ -196,7 +196,8 @@ return 0
 
 # KEYS[1] a client's bucket (hash: tokens, at_us). ARGV: rate per second, burst, tokens to take. Uses
 # the Redis server's clock, so gateways whose clocks disagree still share one bucket correctly. Returns
-# 0 when the tokens were taken, else the microseconds until they will be there (nothing taken). The bucket
+# 0 when the tokens were taken, else the microseconds until they will be there (nothing taken). A
+# negative count gives that many back, up to the burst. The bucket
 # expires once it would be full again: a client that stops costs nothing.
 TOKEN_BUCKET = """
 if redis.replicate_commands then
@@ -216,8 +217,8 @@ if tokens == nil or at == nil then
 end
 tokens = math.min(burst, tokens + math.max(0, now - at) * rate / 1000000)
 local wait = 0
-if tokens >= count then
-  tokens = tokens - count
+if count <= 0 or tokens >= count then
+  tokens = math.min(burst, tokens - count)
 else
   wait = math.ceil((count - tokens) * 1000000 / rate)
 end

@@ -19,7 +19,7 @@ import secrets
 import struct
 import time
 from collections.abc import Awaitable, Iterable
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
@@ -39,6 +39,7 @@ from gateway.errors import (
     GatewayError,
     NotEmbeddings,
     NotReady,
+    Overloaded,
     UnknownModel,
     ValidationFailed,
     http_status,
@@ -47,6 +48,8 @@ from gateway.errors import (
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from transport.cancelling import cancel_and_wait
+
+T = TypeVar("T")
 
 MODELS_PATH = "/v1/models"
 EMBEDDINGS_PATH = "/v1/embeddings"
@@ -229,8 +232,8 @@ async def embeddings(request: Request) -> Response:
     try:
         caller, body = await _read(request, EmbeddingsBody)
         texts = _texts(body)
-        await gateway.charge(caller, len(texts))
-        answers = await _submit_all(gateway, texts, body.model, caller, request)
+        await gateway.charge(caller, texts, body.model)
+        answers = await _refunded(_submit_all(gateway, texts, body.model, caller, request), gateway, caller, texts)
         model = answers[0].model
         vectors = [_vector(answer.output, model) for answer in answers]
     except GatewayError as exc:
@@ -255,18 +258,18 @@ async def completions(request: Request) -> Response:
         caller, body = await _read(request, CompletionsBody)
         prompts = _prompts(body)
         stops = _stops(body.stop)
-        await gateway.charge(caller, len(prompts))
+        await gateway.charge(caller, prompts, body.model)
         if body.stream:
             chunks = CompletionChunks(gateway, prompts, body, stops, caller)
             try:
                 # An error before anything was answered is a JSON error, not a stream; a client that
                 # leaves before then has its prompts' tasks cancelled, as one that leaves the stream.
-                await unless_gone(chunks.begin(), request.receive)
+                await _refunded(unless_gone(chunks.begin(), request.receive), gateway, caller, prompts)
             except BaseException:
                 await chunks.aclose()
                 raise
             return EventStream(chunks, ping_s=gateway.settings.sse_ping_s, end=deployment.streams_end, cut=CUT)
-        answers = await _submit_all(gateway, prompts, body.model, caller, request)
+        answers = await _refunded(_submit_all(gateway, prompts, body.model, caller, request), gateway, caller, prompts)
     except GatewayError as exc:
         return openai_error(exc, gateway.settings.retry_after_s)
     model = answers[0].model
@@ -427,6 +430,16 @@ def _error_chunk(exc: GatewayError) -> bytes:
 
 CUT = _error_chunk(NotReady("the server is shutting down before every prompt was answered; send the request again"))
 """The last chunk of a completions stream the server's shutdown ends: a client cannot resume it."""
+
+
+async def _refunded(submits: Awaitable[T], gateway: Gateway, caller: Caller, inputs: list[str]) -> T:
+    """``submits``' outcome; a refusal by the queue or a gateway closing (503) gives the request's
+    rate-limit tokens back, as a single request refused so takes none."""
+    try:
+        return await submits
+    except (Overloaded, NotReady):
+        await gateway.refund(caller, len(inputs))
+        raise
 
 
 async def _submit_all(
