@@ -116,8 +116,8 @@ def read_fleet(url: str, api_key: str | None, timeout_s: float = 5.0) -> dict[st
             request.add_header("Authorization", f"Bearer {api_key}")
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             doc = json.load(response)
-        if not isinstance(doc, dict):
-            raise ValueError(f"the answer is a JSON {type(doc).__name__}, not the fleet's object")
+        if not (isinstance(doc, dict) and isinstance(doc.get("members"), list) and isinstance(doc.get("models"), dict)):
+            raise ValueError("the answer is not the fleet's document (an object with `members` and `models`)")
         return doc
     except urllib.error.HTTPError as err:
         raise FleetUnreadable(f"{url} answered {err.code}: {_error_message(err)}") from err

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import io
+import urllib.request
 
 import pytest
 
@@ -15,3 +17,15 @@ def test_a_url_that_names_no_gateway_exits_2_saying_so(url: str, capsys: pytest.
     out, err = capsys.readouterr()
     assert (code, out) == (EXIT_UNREACHABLE, ""), (code, out, err)
     assert err.startswith(f"batchwire status: cannot read the fleet from {url}"), err
+
+
+@pytest.mark.parametrize("body", [b"[]", b"{}", b'{"members": [], "models": []}'])
+def test_an_answer_that_is_not_the_fleet_exits_2_saying_so(
+    body: bytes, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Something else listening where the gateway was expected, answering 200 with other JSON."""
+    monkeypatch.setattr(urllib.request, "urlopen", lambda request, timeout: io.BytesIO(body))
+    code = run(argparse.Namespace(url="http://127.0.0.1:1", api_key=None, json=False, watch=None))
+    out, err = capsys.readouterr()
+    assert (code, out) == (EXIT_UNREACHABLE, ""), (code, out, err)
+    assert "not the fleet's document" in err, err

@@ -259,7 +259,11 @@ def resolve_max_input_tokens(
         why = f" ({positions} positions, the first {pad + 1} of which hold no token)"
     if hard is not None and task == "generate" and not getattr(config, "is_encoder_decoder", False):
         hard -= max_new_tokens
-        why = f" ({positions} positions less max_new_tokens={max_new_tokens})"
+        why = (
+            f"{why[:-1]}, less max_new_tokens={max_new_tokens})"
+            if why
+            else f" ({positions} positions less max_new_tokens={max_new_tokens})"
+        )
         if hard < 1:
             raise ModelLoadError(
                 f"max_new_tokens={max_new_tokens} leaves no room for input: the model in {model_path} has "

@@ -318,8 +318,9 @@ async def _applied_once_served(store: RedisTaskStore, done: TaskState) -> bool:
     return False
 
 
+@pytest.mark.parametrize("replicated", [False, True], ids=["apply", "apply_replicated"])
 async def test_a_write_one_of_whose_slots_fails_still_answers_the_tasks_the_others_stored(
-    redis_cluster: str, names: Names
+    redis_cluster: str, names: Names, replicated: bool
 ) -> None:
     """A write runs one script call per hash slot: one that fails (here a key of another type) fails the
     write, and the tasks the other calls stored still reach their gateway at once, not only when its
@@ -336,7 +337,7 @@ async def test_a_write_one_of_whose_slots_fails_still_answers_the_tasks_the_othe
         await store.listen_replies("g1", lambda reply: (replies.append(reply.task_id), replied.set()))
         ends = [state(task_id, TaskStatus.COMPLETED, output="x", reply_to="g1") for task_id in (good, bad)]
         with pytest.raises(TransportError):
-            await store.apply(ends)
+            await (store.apply_replicated(ends, 1, 100) if replicated else store.apply(ends))
         await asyncio.wait_for(replied.wait(), 5)
         assert replies == [good]
     finally:

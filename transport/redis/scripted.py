@@ -27,14 +27,27 @@ async def execute(
     """The replies of one pipeline (no transaction): ``script`` once per call, with its keys and
     arguments (a call without keys is not run), then the commands ``then`` queues. Raises the first
     error reply."""
+    replies = await replies_of(client, script, calls, then)
+    raise_first(replies)
+    return replies
+
+
+async def replies_of(
+    client: Redis, script: AsyncScript, calls: Sequence[Call], then: Callable[[Pipeline], None]
+) -> list[Any]:
+    """``execute``'s replies with each error reply in its place, for a caller that uses the replies of
+    the calls that ran before it raises (``raise_first``)."""
     replies = await _run(client, script, calls, then)
     if any(isinstance(reply, NoScriptError) for reply in replies):
         await client.script_load(script.script)
         replies = await _run(client, script, calls, then)
+    return replies
+
+
+def raise_first(replies: Sequence[Any]) -> None:
     for reply in replies:
         if isinstance(reply, Exception):
             raise reply
-    return replies
 
 
 async def _run(

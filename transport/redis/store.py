@@ -272,13 +272,17 @@ class RedisTaskStore:
             async def on(node: ClusterNode, slots: dict[int, list[int]]) -> None:
                 calls = [self._slot_call(keys, args, indexes, head=2) for indexes in slots.values()]
                 mark = self.names.replication_mark_of(updates[next(iter(slots.values()))[0]].task_id)
-                replies = await scripted.execute(self._on(node), self._apply, calls, then(mark))
+                replies = await scripted.replies_of(self._on(node), self._apply, calls, then(mark))
                 for (call_keys, _), out in zip(calls, replies, strict=False):
-                    _gather_frames(out[len(call_keys) :], frames)
+                    if not isinstance(out, Exception):  # a slot stored, whichever other slot failed
+                        _gather_frames(out[len(call_keys) :], frames)
+                scripted.raise_first(replies)
                 acked.append(int(replies[-1]))
 
-            await self._each(on(node, slots) for node, slots in self._by_primary(keys).values())
-            await self._each(self._client.spublish(channel, b"".join(parts)) for channel, parts in frames.items())
+            try:
+                await self._each(on(node, slots) for node, slots in self._by_primary(keys).values())
+            finally:  # as in ``_run``: the slots written answer their callers
+                await self._each(self._client.spublish(channel, b"".join(parts)) for channel, parts in frames.items())
             return min(acked)
         except REDIS_ERRORS as err:
             what = f"storing {len(updates)} task update(s) on {replicas} replica(s)"

@@ -40,7 +40,7 @@ def fleet_view(members: list[Beat], models: tuple[str, ...], now_ms: int) -> dic
     live = [beat for beat in members if beat.live(now_ms)]
     gateways = [beat for beat in live if beat.role == "gateway"]
     batchers = [beat for beat in live if beat.role == "batcher"]
-    workers = [beat for beat in live if beat.role == "worker"]
+    workers = [beat for beat in live if beat.role == "worker" and beat.state != "failed"]  # a failed one serves none
     totals = _served(gateways, None)
     totals.update(_batched(workers))
     totals["queue_depth"] = sum(beat.figures.get("queue_depth", 0.0) for beat in batchers)
@@ -48,7 +48,7 @@ def fleet_view(members: list[Beat], models: tuple[str, ...], now_ms: int) -> dic
     totals["flushes_per_s"] = _summed(batchers, "flushes_per_s")
     rows = {}
     for model in sorted({*models, *(m for beat in members for m in beat.models)}):
-        serving = [beat for beat in workers if model in beat.models and beat.state != "failed"]
+        serving = [beat for beat in workers if model in beat.models]
         row = _served(gateways, model)
         row.update(_batched(serving))
         row["queue_depth"] = sum(beat.per_model.get(model, {}).get("queue_depth", 0.0) for beat in batchers)
