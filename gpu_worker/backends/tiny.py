@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
@@ -152,26 +152,18 @@ def build_tiny_encoder(
     numbers positions after the padding's, so its config states ``PAD_ID + 1`` more, as roberta-base's
     514 for 512 tokens."""
     tokenizer = byte_tokenizer(template="bos_eos", max_length=positions)
+    shape: dict[str, Any] = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "intermediate_size": 64,
+        "pad_token_id": PAD_ID,
+    }
     if arch == "roberta":
-        roberta = RobertaConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=64,
-            max_position_embeddings=positions + PAD_ID + 1,
-            pad_token_id=PAD_ID,
-        )
+        roberta = RobertaConfig(**shape, max_position_embeddings=positions + PAD_ID + 1)
         return _save(path, tokenizer, seed, lambda: RobertaModel(roberta))
-    bert = BertConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=positions,
-        pad_token_id=PAD_ID,
-    )
+    bert = BertConfig(**shape, max_position_embeddings=positions)
     return _save(path, tokenizer, seed, lambda: BertModel(bert))
 
 

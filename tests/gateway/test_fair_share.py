@@ -90,48 +90,50 @@ def test_clients_that_stopped_sending_are_forgotten() -> None:
     assert fair.remembered("m") < 2048, "the map holds the clients still sending, not every one seen"
 
 
-def test_an_admission_does_not_walk_every_client_while_many_are_sending(monkeypatch: pytest.MonkeyPatch) -> None:
+class Decays:
+    """Counts the rates ``FairShare`` brings up to date: the work an admission costs."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        decayed = FairShare._decayed
+
+        def counted(fair: FairShare, entry: tuple[float, float] | None, now_s: float) -> float:
+            self.count += 1
+            return decayed(fair, entry, now_s)
+
+        monkeypatch.setattr(FairShare, "_decayed", counted)
+
+
+@pytest.fixture
+def decays(monkeypatch: pytest.MonkeyPatch) -> Decays:
+    return Decays(monkeypatch)
+
+
+def test_an_admission_does_not_walk_every_client_while_many_are_sending(decays: Decays) -> None:
     """3,000 clients sending at once: each admission brings one rate up to date, and the walks that
     prune the stopped clients come once the map has doubled, not on every admission past the limit."""
     fair = FairShare()
-    decays = 0
-    decayed = FairShare._decayed
-
-    def counted(self: FairShare, entry: tuple[float, float] | None, now_s: float) -> float:
-        nonlocal decays
-        decays += 1
-        return decayed(self, entry, now_s)
-
-    monkeypatch.setattr(FairShare, "_decayed", counted)
     for n in range(3_000):
         fair.admitted("m", f"key:{n}", n / 10_000)  # all within 0.3 s: every one still sending
     for n in range(3_000):
         fair.admitted("m", f"key:{n}", 0.3 + n / 10_000)
     assert fair.remembered("m") == 3_000
-    assert decays < 6_000 + 4 * 3_000, f"{decays} rates brought up to date for 6,000 admissions"
+    assert decays.count < 6_000 + 4 * 3_000, f"{decays.count} rates brought up to date for 6,000 admissions"
 
 
-def test_judging_shares_does_not_walk_every_client_on_each_admission(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_judging_shares_does_not_walk_every_client_on_each_admission(decays: Decays) -> None:
     """3,000 clients sending while the queue is long: the shares among them are worked out once in a
     while, not on every admission, so a crowd of senders cannot make each admission cost a walk of all."""
     fair = FairShare()
     for n in range(3_000):
         fair.admitted("m", f"key:{n}", n / 10_000)
-    decays = 0
-    decayed = FairShare._decayed
-
-    def counted(self: FairShare, entry: tuple[float, float] | None, now_s: float) -> float:
-        nonlocal decays
-        decays += 1
-        return decayed(self, entry, now_s)
-
-    monkeypatch.setattr(FairShare, "_decayed", counted)
+    decays.count = 0
     named = 0
     for n in range(3_000):  # 0.3 s of admissions, judged against a drain above what they send in all
         now = 0.3 + n / 10_000
         named += fair.over_share("m", f"key:{n}", 4_000.0, now) is not None
         fair.admitted("m", f"key:{n}", now)
-    assert decays < 2 * 3_000 + 4 * 3_000, f"{decays} rates brought up to date for 3,000 judgements"
+    assert decays.count < 2 * 3_000 + 4 * 3_000, f"{decays.count} rates brought up to date for 3,000 judgements"
     assert named == 0, "3,000 clients at about 1/s each send under the 4,000/s drained"
     for _ in range(2_000):
         fair.admitted("m", "key:7", 0.6)
