@@ -28,10 +28,13 @@ import json
 import math
 import os
 import random
+import re
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 from types import TracebackType
@@ -94,6 +97,9 @@ and that typed answer (with the task's id) is worth more than a client-side time
 POLL_CHUNK_S = 10.0
 """The longest single long-poll: well under the server's longest (BATCHWIRE_MAX_POLL_WAIT_S, 60 s by
 default) and under the idle timeout of most proxies; a longer wait polls again."""
+STREAM_READ_S = 60.0
+"""The longest quiet an event stream's read waits out, at least: a task may sit in one status for long,
+and the server pings a quiet stream only every 15 s (BATCHWIRE_SSE_PING_S)."""
 
 Priority = Literal["high", "normal", "low"]
 TERMINAL = frozenset(status.value for status in TaskStatus if status.terminal)
@@ -127,6 +133,17 @@ class BatchwireError(Exception):
         self.task_id = task_id
         """The task concerned, when one was created (a 504's task may still finish: poll it)."""
         self.retry_after_s = retry_after_s
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (a process pool's failure) and copied by its fields: ``args`` holds the message alone."""
+        return (_rebuilt, (type(self), dict(self.__dict__)))
+
+
+def _rebuilt(kind: type[BatchwireError], fields: dict[str, Any]) -> BatchwireError:
+    error = kind.__new__(kind)
+    Exception.__init__(error, f"{fields['code']}: {fields['message']}")
+    error.__dict__.update(fields)
+    return error
 
 
 class InvalidRequest(BatchwireError):
@@ -463,6 +480,30 @@ class _Follow:
 
 
 # shared by both clients ---------------------------------------------------------------------------
+_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+class _Lines:
+    """An event stream's lines from its text as it comes. Only CR, LF and CRLF end a line: httpx's
+    ``iter_lines`` splits as ``str.splitlines`` does, also at U+2028 and others, which a JSON string in
+    an event's data may hold."""
+
+    def __init__(self) -> None:
+        self._rest = ""
+
+    def feed(self, text: str) -> list[str]:
+        text = self._rest + text
+        held = "\r" if text.endswith("\r") else ""  # maybe the first half of a CRLF
+        *lines, rest = _LINE_END.split(text[: len(text) - len(held)])
+        self._rest = rest + held
+        return lines
+
+
+def _poll_params(attempts: Attempts, now: float) -> dict[str, float]:
+    """A long-poll attempt's ``?wait=``: at most ``POLL_CHUNK_S``, and the time left now."""
+    return {"wait": round(min(POLL_CHUNK_S, attempts.remaining_s(now)), 3)}
+
+
 def _headers(api_key: str | None) -> dict[str, str]:
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
     headers = {"User-Agent": "batchwire-client"}
@@ -514,6 +555,7 @@ class _ClientBase:
     def __init__(self, timeout: float, max_retries: int) -> None:
         self.timeout = timeout
         self.max_retries = max_retries
+        self._stream_timeout = httpx.Timeout(timeout, read=max(timeout, STREAM_READ_S))
 
     def _attempts(self, timeout: float | None) -> Attempts:
         return Attempts(time.monotonic() + (self.timeout if timeout is None else timeout), self.max_retries)
@@ -578,8 +620,7 @@ class Client(_ClientBase):
         wait_s = self.timeout if wait is None else wait
         attempts = self._attempts(wait_s)
         while True:
-            chunk_s = min(POLL_CHUNK_S, attempts.remaining_s(time.monotonic()))
-            state = self._call("GET", _result_path(task_id), attempts, params={"wait": round(chunk_s, 3)}).json()
+            state = self._call("GET", _result_path(task_id), attempts, poll=True).json()
             if state.get("status") in TERMINAL:
                 return output_of(state)
             if attempts.remaining_s(time.monotonic()) <= 0:
@@ -592,18 +633,22 @@ class Client(_ClientBase):
         follow = _Follow(self.max_retries)
         while not follow.ended:
             try:
-                with self._http.stream("GET", _events_path(task_id), headers=follow.connect()) as response:
+                with self._http.stream(
+                    "GET", _events_path(task_id), headers=follow.connect(), timeout=self._stream_timeout
+                ) as response:
                     if response.status_code == 204:  # the server saw the end: the last id read was it
                         return
                     if not response.is_success:
                         response.read()
                         raise error_of(response)
-                    for line in response.iter_lines():
-                        event = follow.line(line)
-                        if event is not None:
-                            yield event
-                        if follow.ended:
-                            return
+                    lines = _Lines()
+                    for text in response.iter_text():
+                        for line in lines.feed(text):
+                            event = follow.line(line)
+                            if event is not None:
+                                yield event
+                            if follow.ended:
+                                return
                 failure: BatchwireError = _closed_early()  # e.g. the server shutting down
             except BatchwireError as err:
                 failure = err
@@ -626,14 +671,28 @@ class Client(_ClientBase):
         items = list(inputs)
         if not items:
             return []
-        with ThreadPoolExecutor(max_workers=min(concurrency, len(items)), thread_name_prefix="batchwire") as pool:
-            futures = [pool.submit(self.infer, text, model=model) for text in items]
+        failed = threading.Event()
+
+        def one(text: str) -> str | None:
+            if failed.is_set():
+                return None  # not started when another call failed: dropped
             try:
-                return [future.result() for future in futures]
+                return self.infer(text, model=model)
             except BaseException:
-                for future in futures:
-                    future.cancel()
+                failed.set()
                 raise
+
+        with ThreadPoolExecutor(max_workers=min(concurrency, len(items)), thread_name_prefix="batchwire") as pool:
+            futures = [pool.submit(one, text) for text in items]
+            try:
+                wait_for(futures)
+            except BaseException:  # the caller interrupted: nothing more starts
+                failed.set()
+                raise
+        for future in futures:
+            if (error := future.exception()) is not None:
+                raise error
+        return [str(future.result()) for future in futures]
 
     def _call(
         self,
@@ -642,14 +701,16 @@ class Client(_ClientBase):
         attempts: Attempts,
         *,
         body: dict[str, Any] | None = None,
-        params: dict[str, Any] | None = None,
+        poll: bool = False,
     ) -> httpx.Response:
         """One logical call: attempts until an answer that is not a refusal, or the deadline. A submit
-        (``body``) carries one Idempotency-Key throughout, and the time left as its ``timeout_ms``."""
+        (``body``) carries one Idempotency-Key throughout, and the time left as its ``timeout_ms``; a
+        long-poll (``poll``) asks each attempt to wait at most ``POLL_CHUNK_S`` and the time left."""
         headers = {IDEMPOTENCY_HEADER: uuid.uuid4().hex} if body is not None else {}
         while True:
             now = time.monotonic()
             sent = {**body, "timeout_ms": attempts.timeout_ms(now)} if body is not None else None
+            params = _poll_params(attempts, now) if poll else None
             try:
                 response = self._http.request(
                     method, path, json=sent, params=params, headers=headers, timeout=attempts.remaining_s(now) + GRACE_S
@@ -730,9 +791,7 @@ class AsyncClient(_ClientBase):
         wait_s = self.timeout if wait is None else wait
         attempts = self._attempts(wait_s)
         while True:
-            chunk_s = min(POLL_CHUNK_S, attempts.remaining_s(time.monotonic()))
-            response = await self._call("GET", _result_path(task_id), attempts, params={"wait": round(chunk_s, 3)})
-            state = response.json()
+            state = (await self._call("GET", _result_path(task_id), attempts, poll=True)).json()
             if state.get("status") in TERMINAL:
                 return output_of(state)
             if attempts.remaining_s(time.monotonic()) <= 0:
@@ -743,18 +802,22 @@ class AsyncClient(_ClientBase):
         follow = _Follow(self.max_retries)
         while not follow.ended:
             try:
-                async with self._http.stream("GET", _events_path(task_id), headers=follow.connect()) as response:
+                async with self._http.stream(
+                    "GET", _events_path(task_id), headers=follow.connect(), timeout=self._stream_timeout
+                ) as response:
                     if response.status_code == 204:
                         return
                     if not response.is_success:
                         await response.aread()
                         raise error_of(response)
-                    async for line in response.aiter_lines():
-                        event = follow.line(line)
-                        if event is not None:
-                            yield event
-                        if follow.ended:
-                            return
+                    lines = _Lines()
+                    async for text in response.aiter_text():
+                        for line in lines.feed(text):
+                            event = follow.line(line)
+                            if event is not None:
+                                yield event
+                            if follow.ended:
+                                return
                 failure: BatchwireError = _closed_early()
             except BatchwireError as err:
                 failure = err
@@ -794,13 +857,14 @@ class AsyncClient(_ClientBase):
         attempts: Attempts,
         *,
         body: dict[str, Any] | None = None,
-        params: dict[str, Any] | None = None,
+        poll: bool = False,
     ) -> httpx.Response:
         """:meth:`Client._call`, awaited."""
         headers = {IDEMPOTENCY_HEADER: uuid.uuid4().hex} if body is not None else {}
         while True:
             now = time.monotonic()
             sent = {**body, "timeout_ms": attempts.timeout_ms(now)} if body is not None else None
+            params = _poll_params(attempts, now) if poll else None
             try:
                 response = await self._http.request(
                     method, path, json=sent, params=params, headers=headers, timeout=attempts.remaining_s(now) + GRACE_S

@@ -6,7 +6,10 @@ are built from the gateway's own error table, so a change on either side shows h
 
 from __future__ import annotations
 
+import copy
+import json
 import math
+import pickle
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 from typing import Any
@@ -17,8 +20,11 @@ import pytest
 from batchwire.client import (
     BASE_BACKOFF_S,
     MAX_BACKOFF_S,
+    STREAM_READ_S,
+    AsyncClient,
     Attempts,
     BatchwireError,
+    Client,
     DeadlineExceeded,
     EventDecoder,
     InvalidRequest,
@@ -31,6 +37,7 @@ from batchwire.client import (
     TaskEvent,
     TaskFailed,
     Unauthorized,
+    _Lines,
     error_of,
     output_of,
     retry_after_s,
@@ -228,3 +235,96 @@ def test_an_error_event_raises_its_typed_error() -> None:
     with pytest.raises(Overloaded) as raised:
         Resume().take(events[0])
     assert raised.value.retriable and raised.value.status is None and raised.value.code == "unavailable"
+
+
+# over httpx's mock transport: what goes on the wire and what comes back -----------------------------
+
+LINE_SEPARATED = "line one\u2028line two\u0085three"
+
+
+def _stream_with_separators(request: httpx.Request) -> httpx.Response:
+    """The gateway writes event data with ``ensure_ascii=False``: U+2028 and U+0085 travel as they are."""
+    queued = TaskState("t1", TaskStatus.QUEUED, "sim", 1, 1)
+    done = TaskState("t1", TaskStatus.COMPLETED, "sim", 1, 1, output=LINE_SEPARATED, batch_size=1)
+    body = RETRY + state_event(queued) + state_event(done)
+    return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+
+async def test_only_cr_and_lf_end_an_events_line_not_the_separators_a_json_string_holds() -> None:
+    with Client("http://gw", transport=httpx.MockTransport(_stream_with_separators), max_retries=0) as client:
+        events = list(client.events("t1"))
+    async with AsyncClient(
+        "http://gw", transport=httpx.MockTransport(_stream_with_separators), max_retries=0
+    ) as aclient:
+        aevents = [event async for event in aclient.events("t1")]
+    for got in (events, aevents):
+        assert [(event.status, event.output) for event in got] == [("queued", None), ("completed", LINE_SEPARATED)]
+
+
+def test_lines_split_across_chunks_and_a_crlf_cut_in_two_end_once() -> None:
+    lines = _Lines()
+    assert lines.feed("event: queued\r") == []
+    assert lines.feed("\ndata: {}\r\n\r\ndata: x\u2028y") == ["event: queued", "data: {}", ""]
+    assert lines.feed("\n") == ["data: x\u2028y"]
+
+
+def test_a_stream_waits_out_quiet_between_the_servers_pings_whatever_the_calls_timeout() -> None:
+    reads: list[float] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        reads.append(request.extensions["timeout"]["read"])
+        return _stream_with_separators(request)
+
+    with Client("http://gw", timeout=2, transport=httpx.MockTransport(handler), max_retries=0) as client:
+        list(client.events("t1"))
+    assert reads == [STREAM_READ_S], "a 2 s timeout would give up on a task that sits 15 s in one status"
+
+
+def test_a_retried_long_poll_asks_for_no_more_than_the_time_left() -> None:
+    asked: list[float] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        asked.append(float(request.url.params["wait"]))
+        if len(asked) == 1:
+            refusal = {"error": {"code": "overloaded", "message": "full"}}
+            return httpx.Response(503, json=refusal, headers={"Retry-After": "1"})
+        return httpx.Response(200, json={"task_id": "t1", "status": "completed", "output": "x"})
+
+    with Client("http://gw", transport=httpx.MockTransport(handler)) as client:
+        assert client.result("t1", wait=1.5) == "x"
+    assert asked[0] == 1.5 and asked[1] <= 0.5, f"the retry came a second in, and asked {asked[1]}"
+
+
+def test_errors_cross_a_process_boundary_whole() -> None:
+    """A process pool hands a call's failure back pickled."""
+    refused = httpx.Response(
+        503, json={"error": {"code": "overloaded", "message": "full"}}, headers={"Retry-After": "3"}
+    )
+    late = httpx.Response(504, json={"error": {"code": "deadline_exceeded", "message": "late", "task_id": "t1"}})
+    for error in (error_of(refused), error_of(late)):
+        for again in (pickle.loads(pickle.dumps(error)), copy.copy(error)):
+            assert (type(again), again.code, again.message, again.task_id, again.retry_after_s, str(again)) == (
+                type(error),
+                error.code,
+                error.message,
+                error.task_id,
+                error.retry_after_s,
+                str(error),
+            )
+
+
+def test_infer_many_starts_no_call_once_one_failed() -> None:
+    """One thread: the failing call is the second; the eight after it are dropped, not sent."""
+    sent: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        text = json.loads(request.content)["input"]
+        sent.append(text)
+        if text == "bad":
+            return httpx.Response(422, json={"error": {"code": "empty_input", "message": "no"}})
+        return httpx.Response(200, json={"output": text[::-1]})
+
+    mock = httpx.MockTransport(handler)
+    with Client("http://gw", transport=mock, max_retries=0) as client, pytest.raises(InvalidRequest):
+        client.infer_many(["ok", "bad", *(f"later-{n}" for n in range(8))], concurrency=1)
+    assert sent == ["ok", "bad"]
