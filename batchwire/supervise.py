@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 from collections.abc import Awaitable, Callable, Coroutine
@@ -105,6 +106,17 @@ def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
             ) from err
 
 
+SHUTDOWN_GRACE_S = 5
+"""How long past the longest request deadline the HTTP server waits for requests in hand at shutdown."""
+
+
+def graceful_shutdown_s(settings: GatewaySettings) -> int:
+    """How long a shutdown waits for requests in hand before uvicorn cancels them (a plain 500): past the
+    longest deadline a request may have (``--max-timeout-ms``), which answers it. Long-polls and event
+    streams end at the signal (``StreamsEnd``)."""
+    return math.ceil(settings.max_timeout_ms / 1000) + SHUTDOWN_GRACE_S
+
+
 def serve_http(
     app: FastAPI, settings: GatewaySettings, log_level: str, gc_threshold: Threshold | None, streams_end: StreamsEnd
 ) -> int:
@@ -125,7 +137,7 @@ def serve_http(
         proxy_headers=False,  # bound to loopback by default; a proxy in front sets X-Client-Id
         server_header=False,
         date_header=False,
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=graceful_shutdown_s(settings),
     )
 
     class Server(uvicorn.Server):

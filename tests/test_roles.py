@@ -8,6 +8,8 @@ from batchwire import role_settings as rs
 from batchwire.cli import build_parser
 from batchwire.embedded import EmbeddedRuntime
 from batchwire.roles import embedded_settings
+from batchwire.supervise import graceful_shutdown_s
+from gateway.settings import GatewaySettings
 from gpu_worker.backends.sim import SimBackend
 
 pytestmark = pytest.mark.timeout(60)
@@ -25,3 +27,11 @@ async def test_the_embedded_batcher_serves_each_model_alone() -> None:
         assert alone == {"a": True, "b": True}, f"the one batcher serves every model alone: {alone}"
     finally:
         await runtime.close()
+
+
+def test_a_shutdown_waits_for_requests_in_hand_past_the_longest_deadline() -> None:
+    """uvicorn cancels what is still running when its wait runs out: a plain 500 to a caller whose
+    request, given a longer timeout, would have been answered."""
+    for max_timeout_ms in (30_000, 120_000):
+        settings = GatewaySettings(models=("sim",), max_timeout_ms=max_timeout_ms, default_timeout_ms=30_000)
+        assert graceful_shutdown_s(settings) > max_timeout_ms / 1000

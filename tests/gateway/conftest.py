@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from gateway.edge.app import create_app
+from gateway.edge.events import StreamsEnd
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from tests.support.gateway_rig import MODELS, RecordingStore, Rig, RigFactory, StubLifecycle
@@ -23,7 +24,8 @@ async def make_rig() -> AsyncIterator[RigFactory]:
 
     ``store`` may be any TaskStore (a Redis one for tests over the real thing); ``queue_depth="bus"``
     measures the rig's own bus; ``bus`` lets several gateways share one bus; ``cache`` is the
-    gateway's result cache; ``fleet`` is where ``/v1/fleet`` reads heartbeats.
+    gateway's result cache; ``fleet`` is where ``/v1/fleet`` reads heartbeats; ``streams_end`` is the
+    server's shutdown signal to its waits.
     """
     stack: list[Rig] = []
     contexts: list[Any] = []
@@ -37,6 +39,7 @@ async def make_rig() -> AsyncIterator[RigFactory]:
         bus: MemoryRequestBus | None = None,
         cache: Any = None,
         fleet: Any = None,
+        streams_end: StreamsEnd | None = None,
         **overrides: Any,
     ) -> Rig:
         settings = GatewaySettings(**{"models": MODELS, "default_model": "sim", **overrides})
@@ -48,7 +51,7 @@ async def make_rig() -> AsyncIterator[RigFactory]:
             settings, producer or bus.producer(), store, queue_depth=queue_depth, limiter=limiter, cache=cache
         )
         lifecycle = StubLifecycle()
-        app = create_app(gateway, lifecycle, fleet_store=fleet)
+        app = create_app(gateway, lifecycle, streams_end, fleet_store=fleet)
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway")
         if start:
             context = app.router.lifespan_context(app)

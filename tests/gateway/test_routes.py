@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import get_args
 
@@ -12,10 +13,12 @@ from fastapi.routing import APIRoute
 from starlette.types import Receive, Scope, Send
 
 from gateway.edge.app import create_app
+from gateway.edge.events import StreamsEnd
 from gateway.edge.models import StatusName
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from schemas.records import TaskState, TaskStatus
+from tests.support.eventually import eventually
 from tests.support.gateway_rig import RecordingStore, RigFactory, StubLifecycle, error_of
 from transport.memory.requests import MemoryRequestBus
 from transport.memory.store import MemoryTaskStore
@@ -114,6 +117,20 @@ async def test_a_long_poll_wait_past_the_cap_names_a_setting_that_exists(make_ri
     assert "BATCHWIRE_MAX_POLL_WAIT_S" in message, message
     gateway_help = build_parser().parse_args(["gateway", "--max-poll-wait-s", "5"])
     assert gateway_help.max_poll_wait_s == 5.0, "the variable the message names is a real setting, with its flag"
+
+
+async def test_a_long_poll_answers_the_state_it_has_once_the_server_begins_shutting_down(make_rig: RigFactory) -> None:
+    """As an event stream ends: a 30 s ``?wait=`` would hold the graceful shutdown past its limit, and be
+    cut with a 500; the caller polls again, at a gateway that stays."""
+    end = StreamsEnd()
+    rig = await make_rig(streams_end=end)  # no worker: the task stays queued
+    task_id = (await rig.client.post("/v1/tasks", json={"input": "x"})).json()["task_id"]
+    poll = asyncio.create_task(rig.client.get(f"/v1/result/{task_id}", params={"wait": "30"}))
+    await eventually(lambda: rig.gateway.watchers == 1, "the long-poll to wait")
+    end.end()  # as the server's signal handler does
+    answered = await asyncio.wait_for(poll, 5)
+    assert (answered.status_code, answered.json()["status"]) == (200, "queued"), answered.text
+    assert rig.gateway.watchers == 0
 
 
 class ExplodingStore(MemoryTaskStore):

@@ -2,7 +2,9 @@
 
 # No ``from __future__ import annotations``: FastAPI reads the route signatures at runtime, and the
 # long-poll's ``Annotated`` metadata is this deployment's (a local of ``router``).
-from typing import Annotated
+import asyncio
+from collections.abc import Awaitable
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query
 from starlette.requests import Request
@@ -10,10 +12,13 @@ from starlette.responses import Response
 
 from gateway.answers.reads import TASK_ID_PATTERN
 from gateway.edge.callers import client_of, request_owner, unless_gone
+from gateway.edge.events import StreamsEnd
 from gateway.edge.handlers import json_response
 from gateway.edge.models import TaskResult, error_responses
 from gateway.edge.routes.deployment import deployment_of
 from gateway.settings import GatewaySettings
+from schemas.records import TaskState
+from transport.cancelling import cancel_and_wait
 
 RESULT_PATH = "/v1/result/{task_id}"
 
@@ -33,8 +38,27 @@ async def read_result(request: Request, task_id: str, wait: float) -> Response:
         state = await gateway.result(task_id, owner=owner)
     else:
         client = client_of(request, gateway.settings.trust_client_id)
-        state = await unless_gone(gateway.result(task_id, wait, owner=owner, client=client), request.receive)
+        waiting = _until_shutdown(gateway.result(task_id, wait, owner=owner, client=client), request)
+        ended = await unless_gone(waiting, request.receive)
+        # None: the server began shutting down; the state now, and the caller polls again
+        state = ended if ended is not None else await gateway.result(task_id, owner=owner)
     return json_response(200, state.to_public())
+
+
+async def _until_shutdown(waiting: Awaitable[TaskState], request: Request) -> TaskState | None:
+    """``waiting``'s state, or None once the server begins shutting down: a long-poll would hold the
+    graceful shutdown for its whole ``?wait=``, as an event stream would (``StreamsEnd``)."""
+    end: StreamsEnd | None = deployment_of(request).streams_end
+    if end is None:
+        return await waiting
+    work = asyncio.ensure_future(waiting)
+    either: set[asyncio.Future[Any]] = {work, end.future()}
+    try:
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work.done():
+            await cancel_and_wait(work)
+    return None if work.cancelled() else work.result()
 
 
 async def cancel(request: Request, task_id: TaskId) -> Response:
