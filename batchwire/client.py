@@ -448,13 +448,14 @@ class Resume:
 
 
 class _Follow:
-    """One ``events`` call over all its connections, without I/O: lines in; new events, each
-    connection's headers and the wait before the next one out."""
+    """One ``events`` call over all its connections, without I/O: the stream's text in; new events,
+    each connection's headers and the wait before the next one out."""
 
     def __init__(self, max_retries: int) -> None:
         self._resume = Resume()
         self._decoder = EventDecoder()
         self._attempts = Attempts(math.inf, max_retries)
+        self._lines = _Lines()
 
     @property
     def ended(self) -> bool:
@@ -463,7 +464,19 @@ class _Follow:
     def connect(self) -> dict[str, str]:
         """A new connection's headers (its ``Last-Event-ID``)."""
         self._decoder.restart()
+        self._lines = _Lines()
         return self._resume.headers()
+
+    def text(self, text: str) -> list[TaskEvent]:
+        """The events not yet delivered that ``text``, the stream's next piece, completes; none after the
+        terminal one."""
+        events = []
+        for line in self._lines.feed(text):
+            if self.ended:
+                break
+            if (event := self.line(line)) is not None:
+                events.append(event)
+        return events
 
     def line(self, line: str) -> TaskEvent | None:
         """The event not yet delivered that ``line`` completes; delivering one starts the retries over."""
@@ -641,14 +654,10 @@ class Client(_ClientBase):
                     if not response.is_success:
                         response.read()
                         raise error_of(response)
-                    lines = _Lines()
                     for text in response.iter_text():
-                        for line in lines.feed(text):
-                            event = follow.line(line)
-                            if event is not None:
-                                yield event
-                            if follow.ended:
-                                return
+                        yield from follow.text(text)
+                        if follow.ended:
+                            return
                 failure: BatchwireError = _closed_early()  # e.g. the server shutting down
             except BatchwireError as err:
                 failure = err
@@ -810,14 +819,11 @@ class AsyncClient(_ClientBase):
                     if not response.is_success:
                         await response.aread()
                         raise error_of(response)
-                    lines = _Lines()
                     async for text in response.aiter_text():
-                        for line in lines.feed(text):
-                            event = follow.line(line)
-                            if event is not None:
-                                yield event
-                            if follow.ended:
-                                return
+                        for event in follow.text(text):
+                            yield event
+                        if follow.ended:
+                            return
                 failure: BatchwireError = _closed_early()
             except BatchwireError as err:
                 failure = err
