@@ -265,7 +265,7 @@ class Gateway:
         """Gives back the tokens ``charge`` took for a request its queue, or a gateway closing, then
         refused (503): a single request refused so takes none."""
         if self._admission.active:
-            await self._admission.charge(caller, -inputs)
+            await self._admission.refund(caller, inputs)
 
     async def _submit_keyed(self, submission: Submission, wait: bool, key: str) -> Answer | Accepted:
         """A submit with an Idempotency-Key: the earlier task's answer, or a new task the key names.

@@ -160,14 +160,9 @@ class Admission:
     async def charge(self, caller: Caller, inputs: int) -> None:
         """Takes ``inputs`` tokens from the caller's rate limit at once, one per input of its request, so
         a request of several inputs is admitted whole or refused whole; raises ``RateLimited``,
-        ``Unavailable``, or ``ValidationFailed`` for more inputs than a burst, which no wait admits.
-        Negative ``inputs`` give tokens back (best effort: a store that fails keeps them)."""
+        ``Unavailable``, or ``ValidationFailed`` for more inputs than a burst, which no wait admits."""
         limiter = self._limiter
         if limiter is None:
-            return
-        if inputs < 0:
-            with contextlib.suppress(TransportError):
-                await limiter.acquire(caller.client, inputs)
             return
         if inputs > limiter.burst:
             raise ValidationFailed(
@@ -185,6 +180,12 @@ class Admission:
                 f"the next {'request is' if inputs == 1 else f'{inputs} inputs are'} accepted in {wait_s:.3f} s",
                 retry_after_s=max(1, math.ceil(wait_s)),
             )
+
+    async def refund(self, caller: Caller, inputs: int) -> None:
+        """Gives back the ``inputs`` tokens ``charge`` took (best effort: a store that fails keeps them)."""
+        if self._limiter is not None:
+            with contextlib.suppress(TransportError):
+                await self._limiter.acquire(caller.client, -inputs)
 
     async def _admit(self, caller: Caller, model: str, timeout_ms: int, tier: Priority, charged: bool) -> Ticket | None:
         queue_depth = self._queue_depth

@@ -199,8 +199,12 @@ class RedisTaskStore:
         try:
             await self._each(one(indexes) for indexes in slots.values())
         finally:  # the slots written answer their callers, whichever other slot failed
-            await self._each(self._client.spublish(channel, b"".join(frames)) for channel, frames in replies.items())
+            await self._send_replies(replies)
         return results
+
+    async def _send_replies(self, frames: dict[bytes, list[bytes]]) -> None:
+        """The reply frames the write scripts returned over a cluster: one SPUBLISH per gateway channel."""
+        await self._each(self._client.spublish(channel, b"".join(parts)) for channel, parts in frames.items())
 
     @staticmethod
     def _slot_call(keys: list[str], args: list[Any], indexes: list[int], *, head: int) -> scripted.Call:
@@ -282,7 +286,7 @@ class RedisTaskStore:
             try:
                 await self._each(on(node, slots) for node, slots in self._by_primary(keys).values())
             finally:  # as in ``_run``: the slots written answer their callers
-                await self._each(self._client.spublish(channel, b"".join(parts)) for channel, parts in frames.items())
+                await self._send_replies(frames)
             return min(acked)
         except REDIS_ERRORS as err:
             what = f"storing {len(updates)} task update(s) on {replicas} replica(s)"

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Iterable
 from typing import Any, Literal, TypeVar
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -138,15 +138,20 @@ class CompletionsBody(BaseModel):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     model: str
-    stream: bool | None = None
-    """None, here and in ``echo`` and ``n``, is what a client sends for an option passed as None: the default."""
+    stream: bool = False
     stream_options: dict[str, Any] | None = None
     stop: str | list[str] | None = None
-    echo: bool | None = None
-    n: int | None = None
+    echo: bool = False
+    n: int = 1
     best_of: int | None = None
     logprobs: int | None = None
     suffix: str | None = None
+
+    @field_validator("stream", "echo", "n", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
+        """``null`` is what a client sends for an option passed as None, and OpenAI reads it as the default."""
+        return cls.model_fields[str(info.field_name)].default if value is None else value
 
 
 class CompletionChoice(BaseModel):
@@ -233,7 +238,7 @@ async def embeddings(request: Request) -> Response:
         caller, body = await _read(request, EmbeddingsBody)
         texts = _texts(body)
         await gateway.charge(caller, texts, body.model)
-        answers = await _refunded(_submit_all(gateway, texts, body.model, caller, request), gateway, caller, texts)
+        answers = await _refunded(_submit_all(gateway, texts, body.model, caller, request), gateway, caller, len(texts))
         model = answers[0].model
         vectors = [_vector(answer.output, model) for answer in answers]
     except GatewayError as exc:
@@ -264,18 +269,19 @@ async def completions(request: Request) -> Response:
             try:
                 # An error before anything was answered is a JSON error, not a stream; a client that
                 # leaves before then has its prompts' tasks cancelled, as one that leaves the stream.
-                await _refunded(unless_gone(chunks.begin(), request.receive), gateway, caller, prompts)
+                await _refunded(unless_gone(chunks.begin(), request.receive), gateway, caller, len(prompts))
             except BaseException:
                 await chunks.aclose()
                 raise
             return EventStream(chunks, ping_s=gateway.settings.sse_ping_s, end=deployment.streams_end, cut=CUT)
-        answers = await _refunded(_submit_all(gateway, prompts, body.model, caller, request), gateway, caller, prompts)
+        answers = await _refunded(
+            _submit_all(gateway, prompts, body.model, caller, request), gateway, caller, len(prompts)
+        )
     except GatewayError as exc:
         return openai_error(exc, gateway.settings.retry_after_s)
     model = answers[0].model
     texts = [
-        _completed(prompt, answer.output, bool(body.echo), stops)
-        for prompt, answer in zip(prompts, answers, strict=True)
+        _completed(prompt, answer.output, body.echo, stops) for prompt, answer in zip(prompts, answers, strict=True)
     ]
     return json_response(
         200,
@@ -285,7 +291,7 @@ async def completions(request: Request) -> Response:
             "created": int(time.time()),
             "model": model,
             "choices": [_choice(i, text) for i, text in enumerate(texts)],
-            "usage": _usage(prompts, texts, bool(body.echo)),
+            "usage": _usage(prompts, texts, body.echo),
         },
     )
 
@@ -343,7 +349,7 @@ class CompletionChunks:
         if not self._ready:
             self._ended = True
             usage = (self._body.stream_options or {}).get("include_usage") is True
-            last = _event(self._chunk([], _usage(self._prompts, self._texts, bool(self._body.echo)))) if usage else b""
+            last = _event(self._chunk([], _usage(self._prompts, self._texts, self._body.echo))) if usage else b""
             return last + b"data: [DONE]\r\n\r\n"
         submit = self._ready.pop()
         index = self._index[submit]
@@ -356,7 +362,7 @@ class CompletionChunks:
             return _error_chunk(exc)
         self._streaming = True
         self._model = answer.model
-        text = _completed(self._prompts[index], answer.output, bool(self._body.echo), self._stops)
+        text = _completed(self._prompts[index], answer.output, self._body.echo, self._stops)
         self._texts[index] = text
         return _event(self._chunk([_choice(index, text)]))
 
@@ -372,7 +378,7 @@ class CompletionChunks:
 def _prompts(body: CompletionsBody) -> list[str]:
     """The request's prompts; what cannot be honoured (``n``, ``best_of``, ``logprobs``, ``suffix``) is
     refused, saying what to send instead."""
-    if body.n not in (None, 1) or (body.best_of is not None and body.best_of != 1):
+    if body.n != 1 or (body.best_of is not None and body.best_of != 1):
         raise ValidationFailed(
             f"n={body.n}, best_of={body.best_of}: decoding is greedy, so every choice would be the same; "
             "send n=1 (or leave it out) and no best_of"
@@ -432,13 +438,13 @@ CUT = _error_chunk(NotReady("the server is shutting down before every prompt was
 """The last chunk of a completions stream the server's shutdown ends: a client cannot resume it."""
 
 
-async def _refunded(submits: Awaitable[T], gateway: Gateway, caller: Caller, inputs: list[str]) -> T:
+async def _refunded(submits: Awaitable[T], gateway: Gateway, caller: Caller, inputs: int) -> T:
     """``submits``' outcome; a refusal by the queue or a gateway closing (503) gives the request's
-    rate-limit tokens back, as a single request refused so takes none."""
+    ``inputs`` rate-limit tokens back, as a single request refused so takes none."""
     try:
         return await submits
     except (Overloaded, NotReady):
-        await gateway.refund(caller, len(inputs))
+        await gateway.refund(caller, inputs)
         raise
 
 
@@ -446,9 +452,8 @@ async def _submit_all(
     gateway: Gateway, texts: list[str], model: str | None, caller: Caller, request: Request
 ) -> list[Answer]:
     """Every string submitted at once (their rate-limit tokens already taken: ``Gateway.charge``) and
-    waited for together; the first error ends the request (the
-    others' callers are gone, as at a disconnect: their tasks are cancelled). One watch of the
-    connection serves every submit."""
+    waited for together; the first error ends the request (the others' callers are gone, as at a
+    disconnect: their tasks are cancelled). One watch of the connection serves every submit."""
     gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # the client left, or an error
     receiving = asyncio.ensure_future(disconnected(request.receive))
     receiving.add_done_callback(lambda _: None if gone.done() else gone.set_result(None))
