@@ -95,8 +95,8 @@ GRACE_S = 1.0
 """How long past the deadline an attempt waits for its answer: the server answers 504 at the deadline,
 and that typed answer (with the task's id) is worth more than a client-side timeout."""
 POLL_CHUNK_S = 10.0
-"""The longest single long-poll: well under the server's longest (BATCHWIRE_MAX_POLL_WAIT_S, 60 s by
-default) and under the idle timeout of most proxies; a longer wait polls again."""
+"""The longest single long-poll: under the idle timeout of most proxies; a longer wait polls again, as it
+does when a server cuts the poll to its own longest (BATCHWIRE_MAX_POLL_WAIT_S, 60 s by default)."""
 STREAM_READ_S = 60.0
 """The longest quiet an event stream's read waits out, at least: a task may sit in one status for long,
 and the server pings a quiet stream only every 15 s (BATCHWIRE_SSE_PING_S)."""

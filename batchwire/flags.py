@@ -199,7 +199,7 @@ def gateway_admission(parser: argparse.ArgumentParser) -> None:
     field_flag(
         parser, g, "max_watchers_per_client", int, "of --max-watchers, what one client (API key, or address) may hold"
     )
-    field_flag(parser, g, "max_poll_wait_s", float, "the longest ?wait= a long-poll may ask for (longer: 422)")
+    field_flag(parser, g, "max_poll_wait_s", float, "the longest a long-poll waits (a longer ?wait= waits this long)")
     field_flag(
         parser,
         g,

@@ -56,11 +56,11 @@ class TaskReads:
         A task another API key created is reported unknown (``owner`` is the caller's); a wait counts
         against ``client``'s share of the open watches."""
         check_task_id(task_id)
-        if not 0 <= wait_s <= self.settings.max_poll_wait_s:
-            raise ValidationFailed(
-                f"wait is {wait_s:g}; send seconds from 0 to {self.settings.max_poll_wait_s:g} "
-                f"({env_name('max_poll_wait_s')})"
-            )
+        if not wait_s >= 0:  # NaN too
+            raise ValidationFailed(f"wait is {wait_s:g}; send seconds, 0 or more")
+        # A longer wait is cut to the deployment's longest, as long-polls are: the answer is the state
+        # then, and a client that asked more polls again, knowing no server's setting.
+        wait_s = min(wait_s, self.settings.max_poll_wait_s)
         try:
             if wait_s == 0:
                 return await self._get(task_id, owner)

@@ -24,8 +24,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def slow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One sim worker, a second a call: a task submitted while it computes stays queued for a while,
-    so its event stream has states to show (``tests.client.test_calls.occupy``)."""
-    proc, url = embedded(tmp_path_factory.mktemp("slow"), 1, 1000.0)
+    so its event stream has states to show (``tests.client.test_calls.occupy``). Its long-polls wait at
+    most 0.3 s, shorter than the client asks: the client polls again until the task ends."""
+    proc, url = embedded(tmp_path_factory.mktemp("slow"), 1, 1000.0, "--max-poll-wait-s", "0.3")
     yield url
     proc.stop()
 

@@ -107,16 +107,15 @@ async def test_an_error_quotes_a_huge_value_by_its_prefix_and_length(make_rig: R
     assert missing.status_code == 404 and len(missing.content) < 1_000, len(missing.content)
 
 
-async def test_a_long_poll_wait_past_the_cap_names_a_setting_that_exists(make_rig: RigFactory) -> None:
-    from batchwire.cli import build_parser
-
-    rig = await make_rig()
-    response = await rig.client.get("/v1/result/0123456789abcdef0123456789abcdef", params={"wait": "1e9"})
-    assert response.status_code in (400, 422), response.text
-    message = error_of(response)["message"]
-    assert "BATCHWIRE_MAX_POLL_WAIT_S" in message, message
-    gateway_help = build_parser().parse_args(["gateway", "--max-poll-wait-s", "5"])
-    assert gateway_help.max_poll_wait_s == 5.0, "the variable the message names is a real setting, with its flag"
+async def test_a_long_poll_wait_past_the_cap_waits_the_cap_and_a_negative_one_is_refused(make_rig: RigFactory) -> None:
+    rig = await make_rig(max_poll_wait_s=0.2)
+    queued = await rig.client.post("/v1/tasks", json={"input": "nobody computes it"})
+    assert queued.status_code == 202, queued.text
+    polled = await rig.client.get(queued.json()["result_url"], params={"wait": "1e9"})
+    assert polled.status_code == 200 and polled.json()["status"] == "queued", polled.text
+    negative = await rig.client.get(queued.json()["result_url"], params={"wait": "-1"})
+    assert negative.status_code == 422 and error_of(negative)["code"] == "validation_error", negative.text
+    assert "wait" in error_of(negative)["message"], negative.text
 
 
 async def test_a_long_poll_answers_the_state_it_has_once_the_server_begins_shutting_down(make_rig: RigFactory) -> None:

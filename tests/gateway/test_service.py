@@ -156,15 +156,31 @@ async def test_dead_sweeper_is_logged_and_turns_readiness_red(caplog: pytest.Log
     assert "bug in get_many" in caplog.text
 
 
-async def test_result_refuses_bad_ids_unknown_ids_and_long_waits() -> None:
+async def test_result_refuses_bad_ids_unknown_ids_and_waits_that_are_not_a_time() -> None:
     store = MemoryTaskStore()
     gateway = Gateway(_settings(max_poll_wait_s=5.0), InstantProducer(store), store)
     with pytest.raises(InvalidTaskId):
         await gateway.result("no:colons")
     with pytest.raises(TaskNotFound):
         await gateway.result("unknown-id", 0.5)
-    with pytest.raises(ValidationFailed, match="BATCHWIRE_MAX_POLL_WAIT_S"):
-        await gateway.result("unknown-id", 6.0)
+    for wait_s in (-1.0, float("nan")):
+        with pytest.raises(ValidationFailed, match="send seconds, 0 or more"):
+            await gateway.result("unknown-id", wait_s)
+    assert gateway.watchers == 0
+
+
+async def test_a_wait_past_the_longest_waits_the_longest_and_answers_the_state_then() -> None:
+    """As long-polls do: a client need not know the deployment's setting, and polls again."""
+    store = MemoryTaskStore()
+    bus = MemoryRequestBus(Partitioner(("sim",), 2))
+    gateway = Gateway(_settings(max_poll_wait_s=0.2), bus.producer(), store)
+    await gateway.start()
+    try:
+        queued = await gateway.submit("nobody computes it", None, 30_000, False)
+        state = await asyncio.wait_for(gateway.result(queued.task_id, 1e9), 10)
+    finally:
+        await gateway.close()
+    assert state.status is TaskStatus.QUEUED, state
     assert gateway.watchers == 0
 
 

@@ -93,7 +93,7 @@ async def test_malformed_task_id_is_400(make_rig: RigFactory, task_id: str) -> N
     assert error_of(response)["code"] == "invalid_task_id"
 
 
-@pytest.mark.parametrize("wait", ["-1", "abc", "nan", "inf", "61"])
+@pytest.mark.parametrize("wait", ["-1", "abc", "nan", "inf"])
 async def test_bad_wait_is_422(make_rig: RigFactory, wait: str) -> None:
     rig = await make_rig()
     task_id = (await rig.client.post("/v1/tasks", json={"input": "x"})).json()["task_id"]

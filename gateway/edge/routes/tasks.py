@@ -72,9 +72,9 @@ def add_routes(routes: APIRouter, settings: GatewaySettings) -> None:
     wait_doc = Query(
         ge=0,
         allow_inf_nan=False,
-        json_schema_extra={"maximum": settings.max_poll_wait_s},
-        description="Seconds to wait for the task to end (long-poll), up to BATCHWIRE_MAX_POLL_WAIT_S; "
-        "0 answers at once. The answer is the latest state, ended or not.",
+        description="Seconds to wait for the task to end (long-poll); a longer wait than this deployment's "
+        f"longest ({settings.max_poll_wait_s:g} s, BATCHWIRE_MAX_POLL_WAIT_S) waits that long. 0 answers at "
+        "once. The answer is the latest state, ended or not: poll again while it has not ended.",
     )
 
     async def result(request: Request, task_id: TaskId, wait: Annotated[float, wait_doc] = 0.0) -> Response:
