@@ -20,6 +20,7 @@ OPTIONAL = (
     "docker",
     "batchwire.bench",
     "gpu_worker.backends.hf",
+    "gpu_worker.backends.hf_load",
     "infra.docker_stack",
     "opentelemetry.sdk",
     "opentelemetry.exporter",

@@ -65,6 +65,7 @@ def make_backend(settings: BackendSettings, model: str) -> Backend:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # one log line per load, not a bar
         try:
             from gpu_worker.backends.hf import HFBackend
+            from gpu_worker.backends.hf_load import ModelLoadError, check_model_dir, resolve_device
         except ModuleNotFoundError as err:
             raise BackendConfigError(
                 f"the hf backend needs the hf extra: pip install 'batchwire[hf]' (missing module: {err.name})"
@@ -72,16 +73,30 @@ def make_backend(settings: BackendSettings, model: str) -> Backend:
 
         if settings.hf_task not in ("generate", "embed"):
             raise BackendConfigError(f"--hf-task is {settings.hf_task!r}; use generate or embed (BATCHWIRE_HF_TASK)")
-        return HFBackend(
-            settings.model_path,
-            task="embed" if settings.hf_task == "embed" else "generate",
-            max_batch=settings.max_batch or 32,
-            max_new_tokens=settings.hf_max_new_tokens,
-            max_input_tokens=settings.hf_max_input_tokens,
-            truncate=settings.hf_truncate,
-            num_threads=settings.hf_num_threads,
-            device=settings.device,
-            dtype=settings.dtype,
-            model=model,
-        )
+        try:
+            backend = HFBackend(
+                settings.model_path,
+                task="embed" if settings.hf_task == "embed" else "generate",
+                max_batch=settings.max_batch or 32,
+                max_new_tokens=settings.hf_max_new_tokens,
+                max_input_tokens=settings.hf_max_input_tokens,
+                truncate=settings.hf_truncate,
+                num_threads=settings.hf_num_threads,
+                device=settings.device,
+                dtype=settings.dtype,
+                model=model,
+            )
+        except ValueError as err:
+            raise BackendConfigError(f"the hf backend: {err}") from err
+        # The cheap part of the load, checked before the role starts: a wrong path or device is a flag
+        # to change, said in one line, not in a traceback from the worker's start.
+        try:
+            check_model_dir(backend.model_path)
+        except ModelLoadError as err:
+            raise BackendConfigError(f"{err} (--model-path, BATCHWIRE_MODEL_PATH)") from err
+        try:
+            resolve_device(settings.device)
+        except ModelLoadError as err:
+            raise BackendConfigError(f"{err} (--device, BATCHWIRE_DEVICE)") from err
+        return backend
     raise BackendConfigError(f"unknown backend {settings.backend!r}: use sim or hf (--backend / BATCHWIRE_BACKEND)")

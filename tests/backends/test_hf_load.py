@@ -176,3 +176,27 @@ def test_a_gpu_load_needs_no_package_the_hf_extra_leaves_out(tiny_models: dict[s
     with pytest.raises(ModelLoadError) as caught:
         load_on_gpu()
     assert "accelerate" not in str(caught.value), caught.value
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        ((), "does not exist; expected a local Hugging Face model directory"),
+        (("--device", "tpu9"), "not a torch device"),
+        (("--dtype", "fp8"), "dtype must be auto or one of"),
+    ],
+)
+def test_a_model_path_or_device_that_cannot_load_is_one_line_before_anything_starts(
+    tiny_models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: tuple[str, ...], said: str
+) -> None:
+    """Not a traceback from the worker's start, after the service began to come up: a flag to change."""
+    from batchwire.cli import main
+
+    model_path = tmp_path / "no-such-model" if not flags else tiny_models["gpt2"]
+    argv = ["up", "--port", "0", "--backend", "hf", "--model-path", str(model_path), *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("batchwire up: ") and said in err and "Traceback" not in err, err
+    assert err.count("\n") == 1, err
+    flag = flags[0] if flags else "--model-path"
+    assert flag.removeprefix("--") in err, f"the message does not name {flag}: {err}"
