@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from batchwire import flags
 from batchwire.settings import SettingsError
 from gateway.settings import GatewaySettings
+from gpu_worker.backends.base import BackendError
 from gpu_worker.backends.factory import BackendConfigError
 from telemetry import logs, tracing
 from transport.errors import PermanentTransportError
@@ -229,6 +230,9 @@ def _run(args: argparse.Namespace, handler: Callable[[argparse.Namespace], int])
     # a setting that cannot work, a backend that cannot load, or the servers refuse
     except (SettingsError, BackendConfigError, PermanentTransportError) as err:
         print(f"batchwire {args.command}: {err}", file=sys.stderr)
+        return 2
+    except BackendError as err:  # raised out of a role only by its start: the model did not load
+        print(f"batchwire {args.command}: the model did not load: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

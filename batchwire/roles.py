@@ -17,7 +17,7 @@ from batchwire.fleet import Heartbeats, batcher_beat, gateway_beat, worker_beat
 from batchwire.gateway_transports import GatewayTransports
 from batchwire.operations import durability, ensure_role_topics
 from batchwire.settings import SettingsError, SharedSettings
-from batchwire.supervise import Lifecycle, run_loop, serve_http, serve_metrics, supervise
+from batchwire.supervise import Parts, run_loop, serve_http, serve_metrics, supervise
 from gateway.edge.app import create_app
 from gateway.edge.events import StreamsEnd
 from gateway.service import Gateway
@@ -145,18 +145,13 @@ def run_batcher(args: argparse.Namespace) -> int:
         batcher = Batcher(settings, consumer, producer, credits, store, replicas=wait, count_tokens=count_tokens)
         fleet = RedisFleet(redis_url, shared.names)
         heartbeats = Heartbeats(fleet, lambda window: [batcher_beat(batcher, shared.models, window)])
-        parts: tuple[Lifecycle, ...] = (store, credits, producer, fleet, heartbeats, batcher)
+        parts = Parts(store, credits, producer, fleet, heartbeats, batcher)
 
         async def start() -> None:
-            for part in parts:
-                await part.start()
+            await parts.start()
             log.info("batcher %s up (%s policy)", settings.batcher_id, settings.policy.name.value)
 
-        async def close() -> None:
-            for part in reversed(parts):
-                await part.close()
-
-        return await supervise(start, close, batcher.failed)
+        return await supervise(start, parts.close, batcher.failed)
 
     serve_metrics(args.metrics_port, args.metrics_host)
     return run_loop(main(), args.gc_threshold)
@@ -209,20 +204,15 @@ class _WorkerProcess:
         )
         fleet = RedisFleet(redis_url, names)
         heartbeats = Heartbeats(fleet, lambda window: [worker_beat(worker, window)])
-        parts: tuple[Lifecycle, ...] = (store, credits, deliveries, dead_letters, fleet, heartbeats, worker)
+        parts = Parts(store, credits, deliveries, dead_letters, fleet, heartbeats, worker)
 
         async def start() -> None:
-            for part in parts:
-                await part.start()
+            await parts.start()
             log.info("worker %s up (model %s, backend %s)", settings.worker_id, settings.model, self.backend.name)
-
-        async def close() -> None:
-            for part in reversed(parts):
-                await part.close()
 
         return await supervise(
             start,
-            close,
+            parts.close,
             worker.failed,
             failure_code=lambda: EXIT_BACKEND_HUNG if worker.hung else 1,
             close_timeout_s=settings.drain_timeout_s + 30.0,

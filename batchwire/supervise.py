@@ -35,6 +35,24 @@ class Lifecycle(Protocol):
     async def close(self) -> None: ...
 
 
+class Parts:
+    """A role's parts: started in order, closed in reverse. Only the parts that started are closed, so a
+    start that fails part-way (a model that cannot load) closes what came up before it."""
+
+    def __init__(self, *parts: Lifecycle) -> None:
+        self._parts = parts
+        self._started: list[Lifecycle] = []
+
+    async def start(self) -> None:
+        for part in self._parts:
+            await part.start()
+            self._started.append(part)
+
+    async def close(self) -> None:
+        while self._started:
+            await self._started.pop().close()
+
+
 async def supervise(
     start: Callable[[], Awaitable[None]],
     close: Callable[[], Awaitable[None]],
@@ -45,8 +63,9 @@ async def supervise(
 ) -> int:
     """Runs until SIGTERM/SIGINT (graceful: ``close``) or a crashed loop; a second signal exits at once.
 
-    Returns 0 after a signal, ``failure_code()`` after a crash. ``close`` gets ``close_timeout_s``:
-    a shutdown that cannot finish (a broker that does not answer) must not hang the process.
+    Returns 0 after a signal, ``failure_code()`` after a crash; a ``start`` that raises is closed, then
+    re-raised. ``close`` gets ``close_timeout_s``: a shutdown that cannot finish (a broker that does not
+    answer) must not hang the process.
     """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -61,7 +80,11 @@ async def supervise(
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
-    await start()
+    try:
+        await start()
+    except BaseException:
+        await _close_within(close, close_timeout_s)
+        raise
     stop_task = asyncio.create_task(stop.wait())
     failed_task = asyncio.create_task(failed.wait())
     await asyncio.wait([stop_task, failed_task], return_when=asyncio.FIRST_COMPLETED)
@@ -69,15 +92,22 @@ async def supervise(
     failed_task.cancel()
     await asyncio.gather(stop_task, failed_task, return_exceptions=True)
     code = failure_code() if failed.is_set() else 0
-    try:
-        async with asyncio.timeout(close_timeout_s):
-            await close()
-    except TimeoutError:
-        log.error("shutdown did not finish within %.0f s; exiting anyway", close_timeout_s)
+    if not await _close_within(close, close_timeout_s):
         return code or 1
     if code:
         log.error("exiting with status %d after a failure", code)
     return code
+
+
+async def _close_within(close: Callable[[], Awaitable[None]], timeout_s: float) -> bool:
+    """Whether ``close`` finished within ``timeout_s``."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await close()
+    except TimeoutError:
+        log.error("shutdown did not finish within %.0f s; exiting anyway", timeout_s)
+        return False
+    return True
 
 
 def exit_at_once(signum: int) -> None:

@@ -1,11 +1,17 @@
-"""The role supervisor: a crashed loop ends the process non-zero, and a stuck shutdown cannot hang it."""
+"""The role supervisor: a crashed loop ends the process non-zero, a stuck shutdown cannot hang it, and a
+start that fails part-way closes what started."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import time
 
-from batchwire.supervise import supervise
+import pytest
+
+from batchwire.cli import _run, build_parser
+from batchwire.supervise import Parts, supervise
+from gpu_worker.backends.base import BackendError
 
 
 async def test_a_crashed_loop_makes_the_process_exit_non_zero() -> None:
@@ -34,3 +40,45 @@ async def test_a_shutdown_that_hangs_is_cut_short() -> None:
     started = time.monotonic()
     assert await supervise(start, close, failed, close_timeout_s=0.2) == 1
     assert time.monotonic() - started < 2
+
+
+class Part:
+    def __init__(self, name: str, log: list[str], fails: bool = False) -> None:
+        self.name, self.log, self.fails = name, log, fails
+
+    async def start(self) -> None:
+        if self.fails:
+            raise RuntimeError(f"{self.name} did not start")
+        self.log.append(f"start {self.name}")
+
+    async def close(self) -> None:
+        self.log.append(f"close {self.name}")
+
+
+async def test_a_start_that_fails_part_way_closes_what_started_in_reverse_and_raises() -> None:
+    log: list[str] = []
+    parts = Parts(Part("store", log), Part("fleet", log), Part("worker", log, fails=True), Part("after", log))
+    with pytest.raises(RuntimeError, match="worker did not start"):
+        await supervise(parts.start, parts.close, asyncio.Event())
+    assert log == ["start store", "start fleet", "close fleet", "close store"], log
+
+
+async def test_parts_close_in_reverse_once() -> None:
+    log: list[str] = []
+    parts = Parts(Part("a", log), Part("b", log))
+    await parts.start()
+    await parts.close()
+    await parts.close()
+    assert log == ["start a", "start b", "close b", "close a"], log
+
+
+def test_a_model_that_does_not_load_at_a_roles_start_is_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def worker(args: argparse.Namespace) -> int:
+        raise BackendError("the tokenizer in /models/x has no vocabulary")
+
+    args = build_parser().parse_args(["worker"])
+    assert _run(args, worker) == 2
+    err = capsys.readouterr().err
+    assert err == "batchwire worker: the model did not load: the tokenizer in /models/x has no vocabulary\n", err
