@@ -108,9 +108,12 @@ class Batcher:
 
     @property
     def state(self) -> str:
-        """What the fleet's heartbeat shows: draining (closing), busy (requests held) or idle."""
+        """What the fleet's heartbeat shows: starting (joining its group), draining (closing), busy
+        (requests held) or idle."""
         if self._closing:
             return "draining"
+        if not self._tasks:
+            return "starting"
         return "busy" if any(self.former.held(model) for model in self.former.models()) else "idle"
 
     # lifecycle ---------------------------------------------------------------------------------

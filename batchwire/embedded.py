@@ -171,6 +171,8 @@ class EmbeddedRuntime:
             await fresh.start()
             self.workers[slot] = fresh
             self.replaced += 1
+            if self.heartbeats is not None:
+                self.heartbeats.beat_soon()
             log.warning(
                 "embedded worker %s hung and was replaced by %s over a fresh backend",
                 worker.settings.worker_id,
@@ -189,6 +191,8 @@ class EmbeddedRuntime:
             asyncio.create_task(self._watch(slot), name=f"embedded-watch-{slot}") for slot in range(len(self._slots))
         ]
         await self.batcher.start()
+        if self.heartbeats is not None:
+            self.heartbeats.beat_soon()  # the workers shown serving now, not a period later
         log.info(
             "embedded runtime up: models %s, %d workers each",
             list(self.settings.shared.models),

@@ -85,7 +85,9 @@ def worker_beat(worker: Worker, window: Window) -> Beat:
 
 
 class Heartbeats:
-    """Publishes ``beats(window)`` into ``fleet`` every ``HEARTBEAT_S``, from ``start`` until ``close``.
+    """Publishes ``beats(window)`` into ``fleet`` at start and every ``HEARTBEAT_S`` after, until ``close``.
+    ``beat_soon`` has the next beat go out at once: a role that has just come up is shown serving
+    without waiting a period.
 
     A beat that cannot be stored (or built) is logged once per outage and tried again at the next
     beat: the process goes on serving, and the fleet views show it as gone until its beats land again.
@@ -96,6 +98,7 @@ class Heartbeats:
         self.beats = beats
         self.interval_s = interval_s
         self._loop = BackgroundLoop("heartbeats")
+        self._soon = asyncio.Event()
 
     async def start(self) -> None:
         self._loop.start(self._run())
@@ -103,13 +106,17 @@ class Heartbeats:
     async def close(self) -> None:
         await self._loop.close()
 
+    def beat_soon(self) -> None:
+        self._soon.set()
+
     async def _run(self) -> None:
         reader = Reader()
+        window = reader.levels()  # the first beat: the state and the gauges, no rates over no time
         failing = False
         while True:
-            await asyncio.sleep(self.interval_s)  # a timer: the beat's period, not a wait for another task
+            self._soon.clear()
             try:
-                await self.fleet.beat(self.beats(reader.advance()))
+                await self.fleet.beat(self.beats(window))
             except TransportError as err:
                 if not failing:
                     log.warning("heartbeat not stored (the fleet views show this process as gone): %s", err)
@@ -122,3 +129,9 @@ class Heartbeats:
                 if failing:
                     log.info("heartbeats stored again")
                 failing = False
+            try:  # a timer: the beat's period, cut short by beat_soon
+                async with asyncio.timeout(self.interval_s):
+                    await self._soon.wait()
+            except TimeoutError:
+                pass
+            window = reader.advance()

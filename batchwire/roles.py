@@ -149,6 +149,7 @@ def run_batcher(args: argparse.Namespace) -> int:
 
         async def start() -> None:
             await parts.start()
+            heartbeats.beat_soon()  # shown serving now, not a period later
             log.info("batcher %s up (%s policy)", settings.batcher_id, settings.policy.name.value)
 
         return await supervise(start, parts.close, batcher.failed)
@@ -208,6 +209,7 @@ class _WorkerProcess:
 
         async def start() -> None:
             await parts.start()
+            heartbeats.beat_soon()  # shown serving now, not a period later
             log.info("worker %s up (model %s, backend %s)", settings.worker_id, settings.model, self.backend.name)
 
         return await supervise(

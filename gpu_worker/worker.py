@@ -114,14 +114,17 @@ class Worker:
 
     @property
     def state(self) -> str:
-        """What the fleet's heartbeat shows: hung, failed (stopped by an error: not live, though an embedded
-        process goes on beating for it), draining (closing), busy (a batch in hand) or idle."""
+        """What the fleet's heartbeat shows: starting (loading its model, joining its group: not live yet),
+        hung, failed (stopped by an error: not live, though an embedded process goes on beating for it),
+        draining (closing), busy (a batch in hand) or idle."""
         if self.hung:
             return "hung"
         if self.failure is not None:
             return "failed"
         if self._stopping:
             return "draining"
+        if self._task is None:
+            return "starting"
         return "idle" if self.pipeline.empty else "busy"
 
     @property

@@ -100,6 +100,10 @@ class Reader:
         self._last = _read(registry)
         self._last_at = clock()
 
+    def levels(self) -> Window:
+        """The last read as a window of no length: its gauges, and no counter grown."""
+        return Window(self._last, self._last, 0.0)
+
     def advance(self) -> Window:
         now, at = _read(self._registry), self._clock()
         window = Window(now, self._last, at - self._last_at)

@@ -67,3 +67,23 @@ async def test_a_fault_in_building_a_beat_is_survived() -> None:
     finally:
         await heartbeats.close()
     assert [member.key for member in await fleet.members()] == ["worker:w1"]
+
+
+async def test_the_first_beat_goes_at_start_without_rates_and_beat_soon_sends_the_next_at_once() -> None:
+    fleet = FlakyFleet(failures=0)
+    windows: list[float] = []
+
+    def beats(window: Window) -> list[Beat]:
+        windows.append(window.interval_s)
+        return [beat(window)]
+
+    heartbeats = Heartbeats(fleet, beats, interval_s=3600.0)
+    await heartbeats.start()
+    try:
+        await eventually(lambda: fleet.stored == 1, "the first beat, a period sooner than the period")
+        heartbeats.beat_soon()
+        await eventually(lambda: fleet.stored == 2, "the beat beat_soon asked for")
+    finally:
+        await heartbeats.close()
+    assert windows[0] < 1e-6, f"the first beat's window has no length (no rates over no time): {windows}"
+    assert windows[1] > 0

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import pytest
 
 from batchwire import role_settings as rs
 from batchwire.cli import build_parser
 from batchwire.embedded import EmbeddedRuntime
+from batchwire.fleet import Heartbeats
 from batchwire.roles import embedded_settings
 from batchwire.supervise import graceful_shutdown_s
 from gateway.settings import GatewaySettings
 from gpu_worker.backends.sim import SimBackend
+from transport.memory.fleet import MemoryFleet
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,3 +40,46 @@ def test_a_shutdown_waits_for_requests_in_hand_past_the_longest_deadline() -> No
     for max_timeout_ms in (30_000, 120_000):
         settings = GatewaySettings(models=("sim",), max_timeout_ms=max_timeout_ms, default_timeout_ms=30_000)
         assert graceful_shutdown_s(settings) > max_timeout_ms / 1000
+
+
+class SlowLoading(SimBackend):
+    """Loads once ``loaded`` is set: a model that takes a while."""
+
+    def __init__(self, loaded: threading.Event) -> None:
+        super().__init__(1.0)
+        self.loaded = loaded
+
+    def load(self) -> None:
+        self.loaded.wait(30)
+
+
+async def worker_states(fleet: MemoryFleet, want: dict[str, str]) -> None:
+    """Until the fleet shows the workers in ``want``'s states (each check awaits the fleet's read)."""
+    seen: dict[str, str] = {}
+    for _ in range(2000):
+        seen = {beat.id: beat.state for beat in await fleet.members() if beat.role == "worker"}
+        if seen == want:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"the fleet shows {seen}, not {want}")
+
+
+async def test_a_worker_loading_its_model_is_starting_and_shown_serving_as_soon_as_it_is_up() -> None:
+    """``status`` right after the service is ready must not say the model has no live worker, nor, while
+    the model loads, that an idle worker serves it. The heartbeats' period is an hour: only the beat at
+    start and the one the runtime asks for once up can show these."""
+    args = build_parser().parse_args(["up", "--workers", "1"])
+    loaded = threading.Event()
+    settings = embedded_settings(args, rs.shared_settings(args))
+    runtime = EmbeddedRuntime(settings, lambda model, index: SlowLoading(loaded))
+    runtime.heartbeats = Heartbeats(runtime.fleet, runtime.beats, interval_s=3600.0)
+    starting = asyncio.create_task(runtime.start())
+    try:
+        await worker_states(runtime.fleet, {"sim-worker-0": "starting"})
+        loaded.set()
+        await asyncio.wait_for(starting, 30)
+        await worker_states(runtime.fleet, {"sim-worker-0": "idle"})
+    finally:
+        loaded.set()
+        await asyncio.gather(starting, return_exceptions=True)
+        await runtime.close()

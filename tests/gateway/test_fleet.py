@@ -162,3 +162,11 @@ async def test_the_dashboard_stream_sends_the_fleet_with_rising_ids_and_resumes_
     assert (first.event, first.retry, second.event) == ("fleet", 1000, "fleet")
     assert int(first.id) < int(second.id) < int(resumed.id)
     assert [member["id"] for member in json.loads(second.data)["members"]] == ["w1"]
+
+
+def test_a_worker_still_starting_is_shown_and_not_live() -> None:
+    """It is loading its model or joining its group: its model's requests wait, as ``status`` must say."""
+    members = [beat("worker", "w1", state="starting"), beat("worker", "w2", models=("embed",), state="idle")]
+    view = fleet_view(members, ("sim", "embed"), NOW_MS)
+    assert [member["state"] for member in view["members"]] == ["starting", "idle"]
+    assert (view["models"]["sim"]["workers_live"], view["models"]["embed"]["workers_live"]) == (0, 1)

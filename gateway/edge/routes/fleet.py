@@ -40,7 +40,8 @@ def fleet_view(members: list[Beat], models: tuple[str, ...], now_ms: int) -> dic
     live = [beat for beat in members if beat.live(now_ms)]
     gateways = [beat for beat in live if beat.role == "gateway"]
     batchers = [beat for beat in live if beat.role == "batcher"]
-    workers = [beat for beat in live if beat.role == "worker" and beat.state != "failed"]  # a failed one serves none
+    # a failed worker serves none, nor one still starting (loading its model)
+    workers = [beat for beat in live if beat.role == "worker" and beat.state not in ("failed", "starting")]
     totals = _served(gateways, None)
     totals.update(_batched(workers))
     totals["queue_depth"] = sum(beat.figures.get("queue_depth", 0.0) for beat in batchers)
