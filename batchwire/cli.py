@@ -231,7 +231,7 @@ def _run(args: argparse.Namespace, handler: Callable[[argparse.Namespace], int])
     except (SettingsError, BackendConfigError, PermanentTransportError) as err:
         print(f"batchwire {args.command}: {err}", file=sys.stderr)
         return 2
-    except BackendError as err:  # raised out of a role only by its start: the model did not load
+    except BackendError as err:  # raised out of a role only by its load: the model did not load
         print(f"batchwire {args.command}: the model did not load: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from batcher.service import Batcher
@@ -127,6 +128,14 @@ class EmbeddedRuntime:
         self.heartbeats: Heartbeats | None = None
         """Set by the composition root, which adds the gateway's beat to ``beats``; it beats from before the
         workers start until after they drained, so a draining worker is shown draining, not gone."""
+
+    def load(self) -> None:
+        """Loads every worker's backend, each on a thread of its own as their starts would, before the
+        service starts: a model that cannot load ends ``up`` with its message, before anything serves
+        (inside the HTTP server's start it would be a traceback)."""
+        with ThreadPoolExecutor(max_workers=len(self.workers), thread_name_prefix="load") as pool:
+            for loading in [pool.submit(worker.backend.load) for worker in self.workers]:
+                loading.result()
 
     def beats(self, window: Window) -> list[Beat]:
         """The batcher's and every worker's heartbeat."""

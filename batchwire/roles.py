@@ -78,6 +78,7 @@ def run_embedded(args: argparse.Namespace) -> int:
         credits=runtime.credits,
         count_tokens=count_tokens,
     )
+    runtime.load()
     log.info(
         "batchwire (embedded) on http://%s:%d: models %s, %d workers each",
         settings.host,

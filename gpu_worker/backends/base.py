@@ -37,7 +37,8 @@ class Backend(Protocol):
     max_batch: int
 
     def load(self) -> None:
-        """Loads weights and warms up; raises with a clear message when it cannot."""
+        """Loads weights and warms up, once (a loaded backend's ``load`` does nothing); raises with a
+        clear message when it cannot."""
         ...
 
     def input_errors(self, inputs: Sequence[str]) -> dict[int, InputError]: ...

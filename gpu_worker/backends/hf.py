@@ -117,7 +117,10 @@ class HFBackend:
     # lifecycle -------------------------------------------------------------------------------
     def load(self) -> None:
         """Loads from the local directory only, then runs a warm-up batch of 1 and of ``max_batch``
-        so that CUDA kernels, allocator pools and lazy inits are paid for before the first user."""
+        so that CUDA kernels, allocator pools and lazy inits are paid for before the first user. Once:
+        a loaded backend stays as it is (``up`` loads before it serves, and the worker's start again)."""
+        if self._loaded is not None:
+            return
         start = time.perf_counter()
         torch_device = resolve_device(self.device)
         torch_dtype = resolve_dtype(self.dtype, torch_device)

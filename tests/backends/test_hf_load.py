@@ -200,3 +200,25 @@ def test_a_model_path_or_device_that_cannot_load_is_one_line_before_anything_sta
     assert err.count("\n") == 1, err
     flag = flags[0] if flags else "--model-path"
     assert flag.removeprefix("--") in err, f"the message does not name {flag}: {err}"
+
+
+def test_up_loads_its_models_before_it_serves_and_one_that_does_not_load_is_one_line(
+    tiny_models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What only the load finds (here, no tokenizer files) ends ``up`` as a flag would: one line, exit 2,
+    not uvicorn's startup traceback."""
+    from batchwire.cli import main
+
+    path = broken_copy(tiny_models, tmp_path, remove=("tokenizer.json", "tokenizer_config.json"))
+    assert main(["up", "--port", "0", "--backend", "hf", "--device", "cpu", "--model-path", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("batchwire up: the model did not load: ") and "Traceback" not in err, err
+    assert "has no vocabulary" in err and err.count("\n") == 1, err
+
+
+def test_a_second_load_keeps_the_loaded_model(tiny_models: dict[str, Path]) -> None:
+    """``up`` loads before it serves, and the worker's start loads again: once is the load."""
+    backend = load(tiny_models["gpt2"])
+    first = backend.loaded
+    backend.load()
+    assert first is not None and backend.loaded is first
