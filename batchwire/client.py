@@ -97,6 +97,9 @@ and that typed answer (with the task's id) is worth more than a client-side time
 POLL_CHUNK_S = 10.0
 """The longest single long-poll: under the idle timeout of most proxies; a longer wait polls again, as it
 does when a server cuts the poll to its own longest (BATCHWIRE_MAX_POLL_WAIT_S, 60 s by default)."""
+POLL_EVERY_S = 0.5
+"""The shortest time between two polls: a server whose longest poll is shorter than this (0: no long-polls)
+answers a poll at once, and the next one waits out the rest."""
 STREAM_READ_S = 60.0
 """The longest quiet an event stream's read waits out, at least: a task may sit in one status for long,
 and the server pings a quiet stream only every 15 s (BATCHWIRE_SSE_PING_S)."""
@@ -517,6 +520,12 @@ def _poll_params(attempts: Attempts, now: float) -> dict[str, float]:
     return {"wait": round(min(POLL_CHUNK_S, attempts.remaining_s(now)), 3)}
 
 
+def _poll_pause(attempts: Attempts, polled: float, now: float) -> float:
+    """How long to wait before the next poll of one that began at ``polled`` and answered a task still
+    running: the rest of ``POLL_EVERY_S``, within the time left (0 after a poll the server held)."""
+    return max(0.0, min(POLL_EVERY_S - (now - polled), attempts.remaining_s(now)))
+
+
 def _headers(api_key: str | None) -> dict[str, str]:
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
     headers = {"User-Agent": "batchwire-client"}
@@ -633,11 +642,13 @@ class Client(_ClientBase):
         wait_s = self.timeout if wait is None else wait
         attempts = self._attempts(wait_s)
         while True:
+            polled = time.monotonic()
             state = self._call("GET", _result_path(task_id), attempts, poll=True).json()
             if state.get("status") in TERMINAL:
                 return output_of(state)
             if attempts.remaining_s(time.monotonic()) <= 0:
                 raise _still_running(task_id, state, wait_s)
+            time.sleep(_poll_pause(attempts, polled, time.monotonic()))
 
     def events(self, task_id: str) -> Iterator[TaskEvent]:
         """The task's statuses as they change, each once, the terminal one last: a task that fails,
@@ -800,11 +811,13 @@ class AsyncClient(_ClientBase):
         wait_s = self.timeout if wait is None else wait
         attempts = self._attempts(wait_s)
         while True:
+            polled = time.monotonic()
             state = (await self._call("GET", _result_path(task_id), attempts, poll=True)).json()
             if state.get("status") in TERMINAL:
                 return output_of(state)
             if attempts.remaining_s(time.monotonic()) <= 0:
                 raise _still_running(task_id, state, wait_s)
+            await asyncio.sleep(_poll_pause(attempts, polled, time.monotonic()))
 
     async def events(self, task_id: str) -> AsyncIterator[TaskEvent]:
         """:meth:`Client.events`, as an async iterator."""

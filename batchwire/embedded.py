@@ -12,7 +12,6 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from batcher.service import Batcher
@@ -130,12 +129,11 @@ class EmbeddedRuntime:
         workers start until after they drained, so a draining worker is shown draining, not gone."""
 
     def load(self) -> None:
-        """Loads every worker's backend, each on a thread of its own as their starts would, before the
-        service starts: a model that cannot load ends ``up`` with its message, before anything serves
-        (inside the HTTP server's start it would be a traceback)."""
-        with ThreadPoolExecutor(max_workers=len(self.workers), thread_name_prefix="load") as pool:
-            for loading in [pool.submit(worker.backend.load) for worker in self.workers]:
-                loading.result()
+        """Loads every worker's backend, one after another (weights load one at a time in a process
+        anyway), before the service starts: a model that cannot load ends ``up`` with its message,
+        before anything serves (inside the HTTP server's start it would be a traceback)."""
+        for worker in self.workers:
+            worker.backend.load()
 
     def beats(self, window: Window) -> list[Beat]:
         """The batcher's and every worker's heartbeat."""
@@ -180,8 +178,6 @@ class EmbeddedRuntime:
             await fresh.start()
             self.workers[slot] = fresh
             self.replaced += 1
-            if self.heartbeats is not None:
-                self.heartbeats.beat_soon()
             log.warning(
                 "embedded worker %s hung and was replaced by %s over a fresh backend",
                 worker.settings.worker_id,

@@ -107,6 +107,7 @@ class Heartbeats:
         await self._loop.close()
 
     def beat_soon(self) -> None:
+        """For a role that has just started: its beat carries the state and gauges, and no rates."""
         self._soon.set()
 
     async def _run(self) -> None:
@@ -133,5 +134,6 @@ class Heartbeats:
                 async with asyncio.timeout(self.interval_s):
                     await self._soon.wait()
             except TimeoutError:
-                pass
-            window = reader.advance()
+                window = reader.advance()
+            else:
+                window = reader.levels()  # the state now, no rates over the sliver since the last beat

@@ -49,8 +49,18 @@ class Parts:
             self._started.append(part)
 
     async def close(self) -> None:
+        """Closes every part that started, the others too when one's close fails; then raises the first
+        failure (each is logged)."""
+        failure: Exception | None = None
         while self._started:
-            await self._started.pop().close()
+            part = self._started.pop()
+            try:
+                await part.close()
+            except Exception as err:
+                log.exception("closing %s failed", type(part).__name__)
+                failure = failure or err
+        if failure is not None:
+            raise failure
 
 
 async def supervise(
@@ -83,7 +93,10 @@ async def supervise(
     try:
         await start()
     except BaseException:
-        await _close_within(close, close_timeout_s)
+        try:
+            await _close_within(close, close_timeout_s)
+        except Exception as err:  # the start's failure is the one to tell
+            log.warning("closing after the failed start failed too: %r", err)
         raise
     stop_task = asyncio.create_task(stop.wait())
     failed_task = asyncio.create_task(failed.wait())

@@ -101,8 +101,10 @@ class Reader:
         self._last_at = clock()
 
     def levels(self) -> Window:
-        """The last read as a window of no length: its gauges, and no counter grown."""
-        return Window(self._last, self._last, 0.0)
+        """The registry now as a window of no length: its gauges, no counter grown. The window that
+        ``advance`` hands out next still starts at the last ``advance``."""
+        now = _read(self._registry)
+        return Window(now, now, 0.0)
 
     def advance(self) -> Window:
         now, at = _read(self._registry), self._clock()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, cast
@@ -176,6 +177,13 @@ def load_model_dir(
     )
 
 
+_WEIGHTS = threading.Lock()
+"""One weights load at a time in a process: transformers' ``from_pretrained`` swaps process-wide state
+while it loads (torch's default dtype, ``PreTrainedModel.tie_weights``) and puts it back after, so two
+loads on two threads (an embedded process's workers) could leave one's swap in place for good: every
+later model in a wrong dtype, a GPT-2's output layer untied from its embeddings."""
+
+
 def _load_weights(
     model_path: Path, *, task: Task, device: torch.device, dtype: torch.dtype, is_encoder_decoder: bool
 ) -> PreTrainedModel:
@@ -183,12 +191,13 @@ def _load_weights(
     auto_class = AutoModel if task == "embed" else AutoModelForSeq2SeqLM if is_encoder_decoder else AutoModelForCausalLM
     device_map = None if device.type == "cpu" else str(device)  # straight onto the GPU, without a CPU copy first
     try:
-        pretrained = cast(
-            PreTrainedModel,
-            auto_class.from_pretrained(
-                model_path, local_files_only=True, trust_remote_code=False, dtype=dtype, device_map=device_map
-            ),
-        )
+        with _WEIGHTS:
+            pretrained = cast(
+                PreTrainedModel,
+                auto_class.from_pretrained(
+                    model_path, local_files_only=True, trust_remote_code=False, dtype=dtype, device_map=device_map
+                ),
+            )
     except Exception as err:  # OSError, SafetensorError, ValueError, RuntimeError (shape mismatch)...
         raise ModelLoadError(
             f"cannot load the {task} model in {model_path} with {auto_class.__name__} ({EXPECTED_FILES}): {err}"

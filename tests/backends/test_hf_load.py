@@ -6,11 +6,13 @@ import json
 import os
 import shutil
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
+import transformers
 
 from gpu_worker.backends.hf import WARMUP_PROMPT, HFBackend
 from gpu_worker.backends.hf_load import ModelLoadError, _load_weights, resolve_device, resolve_dtype
@@ -222,3 +224,21 @@ def test_a_second_load_keeps_the_loaded_model(tiny_models: dict[str, Path]) -> N
     first = backend.loaded
     backend.load()
     assert first is not None and backend.loaded is first
+
+
+def test_loads_on_several_threads_at_once_leave_each_model_whole_and_the_process_as_it_was(
+    tiny_models: dict[str, Path],
+) -> None:
+    """An embedded process's workers start together, each loading on its backend's thread; transformers
+    swaps process-wide state while it loads, which two loads at once could leave swapped for good."""
+    tie, default = transformers.PreTrainedModel.tie_weights, torch.get_default_dtype()
+    for _ in range(5):
+        backends = [HFBackend(tiny_models["gpt2"], device="cpu", dtype="bf16", warmup=False) for _ in range(6)]
+        with ThreadPoolExecutor(max_workers=len(backends)) as pool:
+            for loading in [pool.submit(backend.load) for backend in backends]:
+                loading.result()
+        assert torch.get_default_dtype() == default and transformers.PreTrainedModel.tie_weights is tie
+        for backend in backends:
+            assert backend.loaded is not None
+            model = cast(Any, backend.loaded.model)
+            assert model.lm_head.weight is model.transformer.wte.weight, "the output layer was left untied"

@@ -7,9 +7,11 @@ are built from the gateway's own error table, so a change on either side shows h
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import math
 import pickle
+import time
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 from typing import Any
@@ -20,6 +22,7 @@ import pytest
 from batchwire.client import (
     BASE_BACKOFF_S,
     MAX_BACKOFF_S,
+    POLL_EVERY_S,
     STREAM_READ_S,
     AsyncClient,
     Attempts,
@@ -328,3 +331,31 @@ def test_infer_many_starts_no_call_once_one_failed() -> None:
     with Client("http://gw", transport=mock, max_retries=0) as client, pytest.raises(InvalidRequest):
         client.infer_many(["ok", "bad", *(f"later-{n}" for n in range(8))], concurrency=1)
     assert sent == ["ok", "bad"]
+
+
+def _answered_at_once(polls: list[float]) -> httpx.MockTransport:
+    """A server whose longest poll is 0: each ``?wait=`` answered at once with the task still queued."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        polls.append(time.monotonic())
+        return httpx.Response(200, json={"task_id": "t1", "status": "queued", "model": "sim"})
+
+    return httpx.MockTransport(handler)
+
+
+def test_polls_a_server_answers_at_once_are_spaced_not_a_busy_loop() -> None:
+    polls: list[float] = []
+    client = Client("http://gw", transport=_answered_at_once(polls), max_retries=0)
+    with client, pytest.raises(DeadlineExceeded):
+        client.result("t1", wait=1.2)
+    gaps = [later - earlier for earlier, later in itertools.pairwise(polls)]
+    assert 2 <= len(polls) <= 4, f"{len(polls)} polls in 1.2 s"
+    assert all(gap >= POLL_EVERY_S * 0.9 for gap in gaps[:-1]), f"only the last, at the deadline, comes sooner: {gaps}"
+
+
+async def test_async_polls_a_server_answers_at_once_are_spaced_not_a_busy_loop() -> None:
+    polls: list[float] = []
+    async with AsyncClient("http://gw", transport=_answered_at_once(polls), max_retries=0) as client:
+        with pytest.raises(DeadlineExceeded):
+            await client.result("t1", wait=1.2)
+    assert 2 <= len(polls) <= 4, polls

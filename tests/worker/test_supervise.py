@@ -82,3 +82,17 @@ def test_a_model_that_does_not_load_at_a_roles_start_is_one_line_and_exit_2(
     assert _run(args, worker) == 2
     err = capsys.readouterr().err
     assert err == "batchwire worker: the model did not load: the tokenizer in /models/x has no vocabulary\n", err
+
+
+class ClosesBadly(Part):
+    async def close(self) -> None:
+        self.log.append(f"close {self.name} failed")
+        raise ConnectionError(f"{self.name}: connection reset")
+
+
+async def test_a_close_that_fails_after_a_failed_start_hides_neither_the_start_error_nor_the_other_closes() -> None:
+    log: list[str] = []
+    parts = Parts(Part("store", log), ClosesBadly("fleet", log), Part("worker", log, fails=True))
+    with pytest.raises(RuntimeError, match="worker did not start"):
+        await supervise(parts.start, parts.close, asyncio.Event())
+    assert log == ["start store", "start fleet", "close fleet failed", "close store"], log
