@@ -7,6 +7,7 @@ from typing import Any
 
 from batchwire.fleet import Heartbeats
 from batchwire.settings import SharedSettings
+from batchwire.supervise import Parts
 from gateway.health import Down, Ready
 from gateway.settings import REQUEST_RUN, GatewaySettings
 from transport.kafka.lag import KafkaQueueDepth
@@ -70,36 +71,25 @@ class GatewayTransports:
         self.fleet = RedisFleet(redis_url, shared.names)
         self.heartbeats: Heartbeats | None = None
         """Set by the composition root (it builds the gateway's beat); started last, closed first."""
+        self._parts = Parts()
 
     async def start(self) -> None:
-        await self.store.start()
-        if self.cache is not None:
-            await self.cache.start()
-        await self.producer.start()
-        if self.queue_depth is not None:
-            await self.queue_depth.start()
-        if self.credits is not None:
-            await self.credits.start()
-        if self.limiter is not None:
-            await self.limiter.start()
-        await self.fleet.start()
-        if self.heartbeats is not None:
-            await self.heartbeats.start()
+        """The parts in order, the heartbeats last; ``close`` closes those that started, in reverse."""
+        parts = (
+            self.store,
+            self.cache,
+            self.producer,
+            self.queue_depth,
+            self.credits,
+            self.limiter,
+            self.fleet,
+            self.heartbeats,
+        )
+        self._parts = Parts(*(part for part in parts if part is not None))
+        await self._parts.start()
 
     async def close(self) -> None:
-        if self.heartbeats is not None:
-            await self.heartbeats.close()
-        await self.fleet.close()
-        if self.limiter is not None:
-            await self.limiter.close()
-        if self.credits is not None:
-            await self.credits.close()
-        if self.queue_depth is not None:
-            await self.queue_depth.close()
-        await self.producer.close()
-        if self.cache is not None:
-            await self.cache.close()
-        await self.store.close()
+        await self._parts.close()
 
     async def ready(self) -> dict[str, Any]:
         """Each part's readiness (``gateway.health.Ready``): Redis says whether it is failing over."""
