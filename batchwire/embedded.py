@@ -1,9 +1,11 @@
 """Embedded mode: gateway, batcher and workers in one process over in-memory transports.
 
 The same ``Batcher``, ``Worker`` and ``Gateway`` classes as the multi-process deployment; only
-the transports differ. A worker whose backend hangs is replaced in place, as a process supervisor
-would restart a worker process: a fresh ``Worker`` over a fresh backend and thread takes its
-partition, and the batch it held is sent to that partition again.
+the transports differ. A worker that stops is replaced in place, as a process supervisor restarts a
+worker process that exits: a fresh ``Worker`` over a fresh backend and thread takes its partition,
+and the batches it had not committed are sent to that partition again. A hung backend's worker is
+replaced at once; a crashed one after a backoff, so that a fault that crashes every replacement
+does not turn into a busy loop.
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ from transport.memory.store import MemoryTaskStore
 from transport.routing import Partitioner
 
 log = logging.getLogger(__name__)
+
+CRASH_BACKOFF_S = 1.0
+"""How long a crashed worker's slot stays down before its replacement starts; it doubles while each
+replacement crashes before it finishes a batch."""
+CRASH_BACKOFF_MAX_S = 60.0
 
 
 class _BatchRouter:
@@ -164,13 +171,17 @@ class EmbeddedRuntime:
         )
 
     async def _watch(self, slot: int) -> None:
-        """Replaces the slot's worker whenever its backend hangs; a crashed worker stays down (unready)."""
+        """Replaces the slot's worker whenever it stops: at once when its backend hung, after a backoff
+        when it crashed (the process is unready meanwhile)."""
+        crashes = 0
         while True:
             worker = self.workers[slot]
             await worker.failed.wait()
             if not worker.hung:
-                log.error("embedded worker %s crashed and is not replaced", worker.settings.worker_id)
-                return
+                crashes = crashes + 1 if worker.batches_done == 0 else 1
+                backoff_s = min(CRASH_BACKOFF_MAX_S, CRASH_BACKOFF_S * 2 ** (crashes - 1))
+                log.error("embedded worker %s crashed; replacing it in %.0f s", worker.settings.worker_id, backoff_s)
+                await asyncio.sleep(backoff_s)
             model, index = self._slots[slot]
             await worker.close(drain_timeout_s=0)
             self._generations[slot] += 1
@@ -179,8 +190,9 @@ class EmbeddedRuntime:
             self.workers[slot] = fresh
             self.replaced += 1
             log.warning(
-                "embedded worker %s hung and was replaced by %s over a fresh backend",
+                "embedded worker %s %s and was replaced by %s over a fresh backend",
                 worker.settings.worker_id,
+                "hung" if worker.hung else "crashed",
                 fresh.settings.worker_id,
             )
             for batch in worker.given_back:  # uncommitted: in memory that means sent again
