@@ -42,10 +42,6 @@ class OffsetTracker:
     def committed(self, offsets: dict[int, int]) -> None:
         self._committed.update(offsets)
 
-    def committed_at(self, partition: int) -> int | None:
-        """The partition's last commit point (None before the first commit)."""
-        return self._committed.get(partition)
-
     def forget(self, partitions: frozenset[int]) -> None:
         for partition in partitions:
             self._open.pop(partition, None)

@@ -50,11 +50,3 @@ def token_counter(path: str | None) -> TokenCounter:
             raise ValueError(f"the tokenizer cannot read this input: {err}") from err
 
     return count
-
-
-def batch_padding(lengths: list[int]) -> float:
-    """The share of a batch's padded tokens that is padding (0 for one input or equal lengths)."""
-    if not lengths:
-        return 0.0
-    padded = max(lengths) * len(lengths)
-    return 1.0 - sum(lengths) / padded

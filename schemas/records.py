@@ -149,11 +149,6 @@ class Credit:
         """Names this credit inside the batch sent against it."""
         return f"{self.worker_id}:{self.seq}"
 
-    @staticmethod
-    def worker_of(ref: str) -> str:
-        """The worker that offered the credit ``ref`` names."""
-        return ref.rpartition(":")[0]
-
 
 @dataclass(frozen=True, slots=True)
 class TaskState:

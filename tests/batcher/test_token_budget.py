@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batcher.policy import LENGTH_SPREAD, BatchFormer, FlushPolicy, Pending, within_budget
-from batcher.tokens import batch_padding, estimated
+from batcher.tokens import estimated
 from tests.support.fake_clock import FakeClock
 
 
@@ -131,11 +131,9 @@ def test_a_single_input_over_the_budget_still_goes_alone() -> None:
     assert [p.item for p in former.take("m").items] == ["r1"]
 
 
-def test_the_estimate_and_the_padding_share() -> None:
+def test_the_estimate_counts_utf8_bytes_four_to_a_token() -> None:
     assert estimated("") == 1 and estimated("abcd") == 1 and estimated("abcde") == 2
     assert estimated("é" * 4) == 2, "UTF-8 bytes, not characters"
-    assert batch_padding([4, 4, 4]) == 0.0
-    assert batch_padding([1, 3]) == pytest.approx(1 / 3)
 
 
 def test_a_negative_budget_is_refused_naming_its_setting() -> None:
