@@ -29,6 +29,7 @@ from gateway.edge.routes.openai import CUT, GONE_GRACE_S, MAX_INPUTS, Completion
 from gateway.errors import ClientDisconnected
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
+from gpu_worker.backends.base import BackendError
 from gpu_worker.backends.sim import SimBackend
 from schemas.records import TaskStatus
 from tests.support.eventually import eventually
@@ -49,12 +50,25 @@ def _vector(text: str) -> list[float]:
     return [float(len(text)), 0.25, -1.5]
 
 
+class PoisonedSim(SimBackend):
+    """Reverses, as ``sim``, but raises on a batch holding an input containing "poison": that input
+    alone ends ``failed`` (``backend_error``), as often as it is sent."""
+
+    def batchstring(self, inputs: list[str]) -> list[str]:
+        if any("poison" in text for text in inputs):
+            raise BackendError("the model cannot read this input")
+        return super().batchstring(inputs)
+
+
 @asynccontextmanager
-async def _client(sent: list[str] | None = None, **gateway_options: object) -> AsyncIterator[openai.AsyncOpenAI]:
-    """The openai package's client on an embedded deployment (``sent``: each request's path, as sent)."""
+async def _client(
+    sent: list[str] | None = None, *, sim: SimBackend | None = None, **gateway_options: object
+) -> AsyncIterator[openai.AsyncOpenAI]:
+    """The openai package's client on an embedded deployment (``sent``: each request's path, as sent;
+    ``sim``: the backend of model ``sim``)."""
     shared = SharedSettings(models=("embed", "sim"))
     runtime = EmbeddedSettings(shared=shared, workers_per_model=1)
-    backends = {"embed": FakeEmbedder(latency_ms=5), "sim": SimBackend(latency_ms=5)}
+    backends = {"embed": FakeEmbedder(latency_ms=5), "sim": sim or SimBackend(latency_ms=5)}
     system = EmbeddedRuntime(runtime, lambda model, index: backends[model])
     gateway = Gateway(
         GatewaySettings(models=("embed", "sim"), **gateway_options),  # type: ignore[arg-type]
@@ -163,6 +177,25 @@ async def test_a_rate_limit_surfaces_as_the_clients_rate_limit_error_after_its_r
         assert sent == ["/v1/embeddings"] * 3, f"the client retried the 429 once: {sent}"
         assert limited.value.response.headers.get("retry-after") == "100", "429 says when to come back"
         assert limited.value.code == "rate_limited"
+
+
+async def test_a_prompt_the_model_failed_is_not_sent_again_by_the_clients_retries(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A task the model itself failed (``backend_error``; ``dead_lettered``: its input crashed workers;
+    ``output_too_large``) fails the same way when sent again: its 502 says ``x-should-retry: false``, so
+    the client's retries of a 5xx do not run (or crash workers on) the input twice more."""
+    sent: list[str] = []
+    async with _client(sent, sim=PoisonedSim(latency_ms=5)) as client:
+        client = client.with_options(max_retries=2)
+        monkeypatch.setattr(client, "_calculate_retry_timeout", lambda *args, **kwargs: 0.01)
+        with pytest.raises(openai.InternalServerError) as failed:
+            await client.completions.create(model="sim", prompt=["fine", "poison"])
+        assert failed.value.status_code == 502 and failed.value.code == "backend_error", failed.value.message
+        with pytest.raises(openai.InternalServerError) as streamed:
+            await client.completions.create(model="sim", prompt="poison", stream=True)
+        assert streamed.value.code == "backend_error", "an error before the stream starts is a status"
+        assert sent == ["/v1/completions"] * 2, f"each request was sent once: {sent}"
 
 
 async def test_a_request_of_several_inputs_takes_its_rate_limit_tokens_whole_or_not_at_all() -> None:

@@ -40,11 +40,13 @@ from gateway.errors import (
     NotEmbeddings,
     NotReady,
     Overloaded,
+    TaskFailed,
     UnknownModel,
     ValidationFailed,
     http_status,
     shown,
 )
+from gateway.keys.idempotency import UNCOMPUTED_FAILURES
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from transport.cancelling import cancel_and_wait
@@ -185,16 +187,24 @@ _SSE_EVENT = {
 
 _TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error"}
 
+_NO_RETRY = {"x-should-retry": "false"}
+"""What tells OpenAI's clients (openai-python, openai-node) not to retry a 5xx, which they otherwise do."""
+
 
 def openai_error(exc: GatewayError, retry_after_s: int) -> Response:
-    """``exc`` in OpenAI's error shape; an unknown model is 404, as OpenAI answers it."""
+    """``exc`` in OpenAI's error shape; an unknown model is 404, as OpenAI answers it. A task the model
+    itself failed (its error, an input that crashed workers, an output too large) fails again if sent
+    again: its 502 tells the client not to retry."""
     status = http_status(exc)
     if exc.error_code == "unknown_model":
         status = 404
     elif status == 422:  # OpenAI answers an invalid request 400, and its clients raise BadRequestError
         status = 400
     error = {"message": exc.message, "type": _kind(status), "code": exc.error_code}
-    return json_response(status, {"error": error}, retry_headers(exc, status, retry_after_s))
+    headers = retry_headers(exc, status, retry_after_s)
+    if isinstance(exc, TaskFailed) and exc.task_code not in UNCOMPUTED_FAILURES:
+        headers = _NO_RETRY
+    return json_response(status, {"error": error}, headers)
 
 
 def _kind(status: int) -> str:
