@@ -198,6 +198,16 @@ async def test_a_prompt_the_model_failed_is_not_sent_again_by_the_clients_retrie
         assert sent == ["/v1/completions"] * 2, f"each request was sent once: {sent}"
 
 
+async def test_a_prompt_not_answered_in_time_is_a_504_that_names_the_timeout_to_change() -> None:
+    """The OpenAI routes take no ``timeout_ms`` and give no task id: the 504 says which setting bounds the
+    wait, not to poll a task the caller cannot name."""
+    async with _client(sim=SimBackend(latency_ms=3_000), default_timeout_ms=300) as client:
+        with pytest.raises(openai.InternalServerError) as late:
+            await client.with_options(max_retries=0).completions.create(model="sim", prompt="slow")
+    assert late.value.status_code == 504 and late.value.code == "deadline_exceeded"
+    assert "poll" not in late.value.message and "BATCHWIRE_DEFAULT_TIMEOUT_MS" in late.value.message, late.value.message
+
+
 async def test_a_request_of_several_inputs_takes_its_rate_limit_tokens_whole_or_not_at_all() -> None:
     """Each input is one request to the rate limit, taken together: a list the bucket cannot hold now
     is refused whole (retrying after Retry-After admits it), and one longer than a burst, which no wait

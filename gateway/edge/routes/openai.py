@@ -36,6 +36,7 @@ from gateway.edge.models import error_responses
 from gateway.edge.routes.deployment import deployment_of
 from gateway.edge.traced import traced
 from gateway.errors import (
+    DeadlineExceeded,
     GatewayError,
     NotEmbeddings,
     NotReady,
@@ -200,11 +201,21 @@ def openai_error(exc: GatewayError, retry_after_s: int) -> Response:
         status = 404
     elif status == 422:  # OpenAI answers an invalid request 400, and its clients raise BadRequestError
         status = 400
-    error = {"message": exc.message, "type": _kind(status), "code": exc.error_code}
+    error = {"message": _message(exc), "type": _kind(status), "code": exc.error_code}
     headers = retry_headers(exc, status, retry_after_s)
     if isinstance(exc, TaskFailed) and exc.task_code not in UNCOMPUTED_FAILURES:
         headers = _NO_RETRY
     return json_response(status, {"error": error}, headers)
+
+
+def _message(exc: GatewayError) -> str:
+    """``exc``'s message for a caller of these routes, which give no task id to poll and take no timeout."""
+    if isinstance(exc, DeadlineExceeded):
+        return (
+            "no answer within the deployment's timeout (BATCHWIRE_DEFAULT_TIMEOUT_MS): "
+            "send the request again once the model is less busy"
+        )
+    return exc.message
 
 
 def _kind(status: int) -> str:
@@ -441,7 +452,7 @@ def _event(data: dict[str, Any]) -> bytes:
 
 def _error_chunk(exc: GatewayError) -> bytes:
     """OpenAI's error chunk, which ends a stream: the client raises it."""
-    return _event({"error": {"message": exc.message, "type": _kind(http_status(exc)), "code": exc.error_code}})
+    return _event({"error": {"message": _message(exc), "type": _kind(http_status(exc)), "code": exc.error_code}})
 
 
 CUT = _error_chunk(NotReady("the server is shutting down before every prompt was answered; send the request again"))
