@@ -542,19 +542,19 @@ FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _vector(output: str, model: str) -> list[float]:
-    """An embedding backend's output (a JSON array of numbers) as floats, each finite and within float32
+    """An embedding backend's output (a non-empty JSON array of numbers) as floats, each finite and within float32
     (what base64 packs, and what strict JSON can carry): a model whose output its input steers (one
     that generates text) may print any number."""
     try:
         vector = json.loads(output, parse_constant=_not_a_number)
-        floats = [_float32(x) for x in vector] if isinstance(vector, list) else None
+        floats = [_float32(x) for x in vector] if isinstance(vector, list) and vector else None
     # ValueError: not JSON, NaN, or an int past Python's digit limit; RecursionError: arrays nested too deep
     except (ValueError, TypeError, OverflowError, RecursionError):
         floats = None
     if floats is None:
         raise NotEmbeddings(
-            f"model {shown(model)} does not return embeddings (its output is not a list of finite float32 "
-            "numbers); send `model` naming an embedding model (the hf backend with --hf-task embed)"
+            f"model {shown(model)} does not return embeddings (its output is not a non-empty list of finite "
+            "float32 numbers); send `model` naming an embedding model (the hf backend with --hf-task embed)"
         )
     return floats
 
