@@ -470,16 +470,15 @@ class _Follow:
         self._lines = _Lines()
         return self._resume.headers()
 
-    def text(self, text: str) -> list[TaskEvent]:
+    def text(self, text: str) -> Iterator[TaskEvent]:
         """The events not yet delivered that ``text``, the stream's next piece, completes; none after the
-        terminal one."""
-        events = []
+        terminal one. Each is yielded as it is read: an ``error`` event after them raises only once they
+        are delivered, since the reconnection resumes after them."""
         for line in self._lines.feed(text):
             if self.ended:
                 break
             if (event := self.line(line)) is not None:
-                events.append(event)
-        return events
+                yield event
 
     def line(self, line: str) -> TaskEvent | None:
         """The event not yet delivered that ``line`` completes; delivering one starts the retries over."""

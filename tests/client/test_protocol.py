@@ -264,6 +264,35 @@ async def test_only_cr_and_lf_end_an_events_line_not_the_separators_a_json_strin
         assert [(event.status, event.output) for event in got] == [("queued", None), ("completed", LINE_SEPARATED)]
 
 
+def _store_fails_after_queued(seen: list[str | None]) -> httpx.MockTransport:
+    """The first stream's one chunk holds its queued event and the ``error`` event of a store that
+    failed next (a client reading late gets both in one read); the reconnection's, what came after."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("Last-Event-ID"))
+        if len(seen) == 1:
+            body = state_event(state(TaskStatus.QUEUED)) + error_event("unavailable", "the task store is down")
+        else:
+            after = int(seen[-1] or -1)
+            later = [state(TaskStatus.QUEUED), state(TaskStatus.RUNNING), state(TaskStatus.COMPLETED, output="x")]
+            body = b"".join(state_event(s) for s in later if s.status.rank > after)
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+    return httpx.MockTransport(handler)
+
+
+async def test_an_event_read_with_an_error_event_is_delivered_before_the_reconnection() -> None:
+    seen: list[str | None] = []
+    with Client("http://gw", transport=_store_fails_after_queued(seen)) as client:
+        events = [event.status for event in client.events("t1")]
+    aseen: list[str | None] = []
+    async with AsyncClient("http://gw", transport=_store_fails_after_queued(aseen)) as aclient:
+        aevents = [event.status async for event in aclient.events("t1")]
+    for got, streams in ((events, seen), (aevents, aseen)):
+        assert streams == [None, "0"], f"one reconnection, after the queued event: {streams}"
+        assert got == ["queued", "running", "completed"], f"an event resumed after was never delivered: {got}"
+
+
 def test_lines_split_across_chunks_and_a_crlf_cut_in_two_end_once() -> None:
     lines = _Lines()
     assert lines.feed("event: queued\r") == []
