@@ -454,10 +454,11 @@ class _Follow:
     """One ``events`` call over all its connections, without I/O: the stream's text in; new events,
     each connection's headers and the wait before the next one out."""
 
-    def __init__(self, max_retries: int) -> None:
+    def __init__(self, max_retries: int, longest_wait_s: float) -> None:
         self._resume = Resume()
         self._decoder = EventDecoder()
         self._attempts = Attempts(math.inf, max_retries)
+        self._longest_wait_s = longest_wait_s
         self._lines = _Lines()
 
     @property
@@ -490,7 +491,10 @@ class _Follow:
 
     def reconnect_in(self, failure: BatchwireError, now: float) -> float:
         """The wait before reconnecting after ``failure`` (a refusal's Retry-After, else the stream's
-        ``retry:``); raises ``failure`` if it is not retriable or the retries are spent."""
+        ``retry:``); raises ``failure`` if it is not retriable, the retries are spent, or its Retry-After
+        is ``longest_wait_s`` or more (the client's timeout: a call raises a Retry-After past its deadline)."""
+        if failure.retry_after_s is not None and failure.retry_after_s >= self._longest_wait_s:
+            raise failure
         return self._attempts.wait_after(failure, now, self._decoder.retry_s)
 
 
@@ -652,8 +656,9 @@ class Client(_ClientBase):
     def events(self, task_id: str) -> Iterator[TaskEvent]:
         """The task's statuses as they change, each once, the terminal one last: a task that fails,
         expires or is cancelled ends the events, it raises nothing. A connection that drops is
-        resumed after the last event read."""
-        follow = _Follow(self.max_retries)
+        resumed after the last event read; a refusal whose Retry-After is the client's ``timeout`` or
+        longer is raised, as a call's past its deadline is."""
+        follow = _Follow(self.max_retries, self.timeout)
         while not follow.ended:
             try:
                 with self._http.stream(
@@ -820,7 +825,7 @@ class AsyncClient(_ClientBase):
 
     async def events(self, task_id: str) -> AsyncIterator[TaskEvent]:
         """:meth:`Client.events`, as an async iterator."""
-        follow = _Follow(self.max_retries)
+        follow = _Follow(self.max_retries, self.timeout)
         while not follow.ended:
             try:
                 async with self._http.stream(

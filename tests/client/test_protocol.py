@@ -293,6 +293,34 @@ async def test_an_event_read_with_an_error_event_is_delivered_before_the_reconne
         assert got == ["queued", "running", "completed"], f"an event resumed after was never delivered: {got}"
 
 
+def _refused_then_completed(opened: list[float]) -> httpx.MockTransport:
+    """An event stream refused with a Retry-After of 3 s (a proxy's 503), then, if asked again, the task's end."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        opened.append(time.monotonic())
+        if len(opened) == 1:
+            refusal = {"error": {"code": "overloaded", "message": "full"}}
+            return httpx.Response(503, json=refusal, headers={"Retry-After": "3"})
+        body = state_event(state(TaskStatus.COMPLETED, output="x"))
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+    return httpx.MockTransport(handler)
+
+
+async def test_an_event_stream_waits_no_retry_after_longer_than_the_clients_timeout() -> None:
+    """As a call whose Retry-After would pass its deadline raises at once, rather than wait it out."""
+    opened: list[float] = []
+    client = Client("http://gw", timeout=1, transport=_refused_then_completed(opened))
+    with client, pytest.raises(Overloaded) as refused:
+        list(client.events("t1"))
+    assert refused.value.retry_after_s == 3.0 and len(opened) == 1, f"reconnected after {opened}"
+    aopened: list[float] = []
+    async with AsyncClient("http://gw", timeout=1, transport=_refused_then_completed(aopened)) as aclient:
+        with pytest.raises(Overloaded):
+            [event async for event in aclient.events("t1")]
+    assert len(aopened) == 1, f"reconnected after {aopened}"
+
+
 def test_lines_split_across_chunks_and_a_crlf_cut_in_two_end_once() -> None:
     lines = _Lines()
     assert lines.feed("event: queued\r") == []
