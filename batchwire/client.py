@@ -221,7 +221,7 @@ _BY_CODE: dict[str, type[BatchwireError]] = {
     "internal_error": ServerError,
 }
 """Each of the server's codes whose meaning the client acts on (gateway/errors.py's ERROR_TABLE); any
-other code is typed by its status (``_BY_STATUS``), and a 502's code is always a failed task's own."""
+other code is typed by its status (``_BY_STATUS``), and the API's 502's code is always a failed task's own."""
 _BY_STATUS: dict[int, type[BatchwireError]] = {
     401: Unauthorized,
     403: Unauthorized,
@@ -235,24 +235,28 @@ _BY_STATUS: dict[int, type[BatchwireError]] = {
 
 def error_of(response: httpx.Response) -> BatchwireError:
     """The typed error of an error answer (its body read): from the ``{"error": {...}}`` body's code,
-    else its status; an answer without that body (a proxy's) gets the code ``http_<status>``."""
+    else its status; an answer without that body (a proxy's) gets the code ``http_<status>``, and is
+    no failed task even as a 502 (a proxy's Bad Gateway: its upstream did not answer)."""
     status = response.status_code
     try:
         doc = response.json()
     except ValueError:
         doc = None
     detail = doc.get("error") if isinstance(doc, dict) else None
+    api = isinstance(detail, dict)
     if not isinstance(detail, dict):
         detail = {"code": f"http_{status}", "message": response.text[:200] or response.reason_phrase}
-    return _error(detail, status, retry_after_s(response.headers.get(RETRY_AFTER_HEADER)))
+    return _error(detail, status, retry_after_s(response.headers.get(RETRY_AFTER_HEADER)), api=api)
 
 
-def _error(detail: Mapping[str, Any], status: int | None, retry_after: float | None = None) -> BatchwireError:
+def _error(
+    detail: Mapping[str, Any], status: int | None, retry_after: float | None = None, *, api: bool = True
+) -> BatchwireError:
     code = str(detail.get("code", "unknown"))
     message = str(detail.get("message", ""))
     task_id = detail.get("task_id")
     task_id = task_id if isinstance(task_id, str) else None
-    if status == 502:
+    if status == 502 and api:
         kind: type[BatchwireError] = TaskFailed
     elif code in _BY_CODE:
         kind = _BY_CODE[code]

@@ -171,6 +171,12 @@ def test_an_answer_without_the_error_body_is_typed_by_its_status() -> None:
     assert isinstance(odd, ServerError) and odd.code == "http_500"
 
 
+def test_a_proxys_502_is_a_server_error_not_a_failed_task() -> None:
+    """Only the gateway's 502 (with its error body) says a task failed; a proxy's says nothing of any task."""
+    proxy = error_of(answer(502, text="<html><h1>502 Bad Gateway</h1></html>"))
+    assert type(proxy) is ServerError and proxy.code == "http_502", f"{type(proxy).__name__}: {proxy}"
+
+
 def test_a_terminal_state_is_its_output_or_a_task_failure() -> None:
     assert output_of({"task_id": "t", "status": "completed", "output": "olleh"}) == "olleh"
     failed = {"task_id": "t", "status": "failed", "error": {"code": "backend_error", "message": "boom"}}
