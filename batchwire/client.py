@@ -337,7 +337,8 @@ class Attempts:
         return delay
 
     def progressed(self) -> None:
-        """The call got somewhere (an event stream delivered an event): its retries start over."""
+        """The call got somewhere (an event stream delivered an event, a long-poll answered): its retries
+        start over."""
         self.retries = 0
 
     def wait_after(self, error: BatchwireError, now: float, default_s: float | None = None) -> float:
@@ -655,6 +656,7 @@ class Client(_ClientBase):
                 return output_of(state)
             if attempts.remaining_s(time.monotonic()) <= 0:
                 raise _still_running(task_id, state, wait_s)
+            attempts.progressed()  # the poll got through: a refusal later has its own retries
             time.sleep(_poll_pause(attempts, polled, time.monotonic()))
 
     def events(self, task_id: str) -> Iterator[TaskEvent]:
@@ -825,6 +827,7 @@ class AsyncClient(_ClientBase):
                 return output_of(state)
             if attempts.remaining_s(time.monotonic()) <= 0:
                 raise _still_running(task_id, state, wait_s)
+            attempts.progressed()  # the poll got through: a refusal later has its own retries
             await asyncio.sleep(_poll_pause(attempts, polled, time.monotonic()))
 
     async def events(self, task_id: str) -> AsyncIterator[TaskEvent]:

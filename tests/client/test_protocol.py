@@ -361,6 +361,35 @@ def test_a_retried_long_poll_asks_for_no_more_than_the_time_left() -> None:
     assert asked[0] == 1.5 and asked[1] <= 0.5, f"the retry came a second in, and asked {asked[1]}"
 
 
+def _refused_between_polls(answers: list[str]) -> httpx.MockTransport:
+    """Every other poll refused (a 503, as while a gateway restarts), the others still queued; the
+    sixth poll finds the task completed."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        answers.append("refused" if len(answers) % 2 == 0 else "queued")
+        if len(answers) == 6:
+            return httpx.Response(200, json={"task_id": "t1", "status": "completed", "output": "x"})
+        if answers[-1] == "refused":
+            return httpx.Response(503, json={"error": {"code": "overloaded", "message": "full"}})
+        return httpx.Response(200, json={"task_id": "t1", "status": "queued", "model": "sim"})
+
+    return httpx.MockTransport(handler)
+
+
+def test_a_long_wait_takes_refusals_between_polls_that_got_through_each_with_its_own_retries() -> None:
+    answers: list[str] = []
+    with Client("http://gw", transport=_refused_between_polls(answers), max_retries=1) as client:
+        assert client.result("t1", wait=20) == "x"
+    assert answers == ["refused", "queued"] * 3, "a poll that got through starts the retries over"
+
+
+async def test_async_a_long_wait_takes_refusals_between_polls_that_got_through() -> None:
+    answers: list[str] = []
+    async with AsyncClient("http://gw", transport=_refused_between_polls(answers), max_retries=1) as client:
+        assert await client.result("t1", wait=20) == "x"
+    assert answers == ["refused", "queued"] * 3
+
+
 def test_errors_cross_a_process_boundary_whole() -> None:
     """A process pool hands a call's failure back pickled."""
     refused = httpx.Response(
