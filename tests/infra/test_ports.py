@@ -18,7 +18,11 @@ def test_a_free_port_is_below_the_ephemeral_range_and_can_be_bound() -> None:
         port = ports.free_port()
         assert max(1024, low - ports.BELOW_EPHEMERAL) <= port < low, f"{port} is not below {low}"
         with socket.socket() as sock:
+            # As servers bind (Kafka, Redis, uvicorn): a connection of an earlier test's server left in
+            # TIME_WAIT does not hold the port, a listener does
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((ports.LOOPBACK, port))  # raises if it was not free
+            sock.listen(1)
 
 
 def test_the_range_is_read_from_the_kernel_or_taken_as_linuxs_default(
