@@ -45,6 +45,18 @@ replacement crashes before it finishes a batch."""
 CRASH_BACKOFF_MAX_S = 60.0
 
 
+def crash_backoff_s(crashes: int) -> float:
+    """How long a slot stays down after its ``crashes``-th crash in a row (the exponent capped, so that
+    a fault that never clears cannot overflow it)."""
+    return min(CRASH_BACKOFF_MAX_S, CRASH_BACKOFF_S * 2.0 ** min(crashes - 1, 16))
+
+
+async def _back_off(worker_id: str, what: str, crashes: int) -> None:
+    backoff_s = crash_backoff_s(crashes)
+    log.error("embedded worker %s %s; replacing it in %.0f s", worker_id, what, backoff_s)
+    await asyncio.sleep(backoff_s)
+
+
 class _BatchRouter:
     """The batcher's view of all models' batch buses."""
 
@@ -172,21 +184,20 @@ class EmbeddedRuntime:
 
     async def _watch(self, slot: int) -> None:
         """Replaces the slot's worker whenever it stops: at once when its backend hung, after a backoff
-        when it crashed (the process is unready meanwhile)."""
+        when it crashed or a replacement could not start (the process is unready meanwhile)."""
         crashes = 0
         while True:
             worker = self.workers[slot]
             await worker.failed.wait()
             if not worker.hung:
                 crashes = crashes + 1 if worker.batches_done == 0 else 1
-                backoff_s = min(CRASH_BACKOFF_MAX_S, CRASH_BACKOFF_S * 2 ** (crashes - 1))
-                log.error("embedded worker %s crashed; replacing it in %.0f s", worker.settings.worker_id, backoff_s)
-                await asyncio.sleep(backoff_s)
+                await worker.offers.stop()  # no batch is sent against its credit while it is down
+                await _back_off(worker.settings.worker_id, "crashed", crashes)
             model, index = self._slots[slot]
             await worker.close(drain_timeout_s=0)
-            self._generations[slot] += 1
-            fresh = self._worker(slot)
-            await fresh.start()
+            while (fresh := await self._started(slot)) is None:  # a load that fails is a crash too
+                crashes += 1
+                await _back_off(f"{model}-worker-{index}", "could not start", crashes)
             self.workers[slot] = fresh
             self.replaced += 1
             log.warning(
@@ -197,6 +208,21 @@ class EmbeddedRuntime:
             )
             for batch in worker.given_back:  # uncommitted: in memory that means sent again
                 await self.batch_buses[model].send(batch, index)
+
+    async def _started(self, slot: int) -> Worker | None:
+        """A fresh worker for the slot, started; None (logged, closed) when it could not start."""
+        self._generations[slot] += 1
+        fresh = self._worker(slot)
+        try:
+            await fresh.start()
+        except Exception as err:
+            log.error("embedded worker %s could not start: %r", fresh.settings.worker_id, err, exc_info=err)
+            await fresh.close(drain_timeout_s=0)
+            return None
+        except BaseException:  # shut down while it started: it is in no list that close() goes through
+            await fresh.close(drain_timeout_s=0)
+            raise
+        return fresh
 
     async def start(self) -> None:
         await self.store.start()

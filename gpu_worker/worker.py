@@ -102,6 +102,7 @@ class Worker:
         )
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self._closed = False
         self._abandon = False
         self.failure: BaseException | None = None
         self.failed = asyncio.Event()
@@ -145,7 +146,11 @@ class Worker:
         self._task = asyncio.create_task(self._guarded(), name=f"worker-{self.settings.worker_id}")
 
     async def close(self, drain_timeout_s: float | None = None) -> None:
-        """Stops offering credits, finishes the batch in hand (or hands it back), then leaves the group."""
+        """Stops offering credits, finishes the batch in hand (or hands it back), then leaves the group.
+        Once: embedded mode's shutdown closes a worker its watcher may have closed already."""
+        if self._closed:
+            return
+        self._closed = True
         self._stopping = True
         await self.offers.stop()
         drained = True

@@ -7,7 +7,10 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-from batchwire.embedded import EmbeddedRuntime, EmbeddedSettings
+import pytest
+
+from batchwire import embedded
+from batchwire.embedded import CRASH_BACKOFF_MAX_S, EmbeddedRuntime, EmbeddedSettings, crash_backoff_s
 from gpu_worker.backends.sim import SimBackend
 from schemas.records import InferenceRequest, TaskState, TaskStatus
 from transport.ports import TransportError
@@ -56,3 +59,88 @@ async def test_a_crashed_worker_is_replaced_after_a_backoff_and_its_batch_runs_a
         assert all((await runtime.ready()).values()), "the replacement serves"
     finally:
         await runtime.close()
+
+
+class _LoadFails(SimBackend):
+    def load(self) -> None:
+        raise RuntimeError("out of GPU memory while loading")
+
+
+async def test_a_replacement_that_cannot_start_is_retried_after_a_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load that fails is one more crash in a row, not the end of the slot's replacements."""
+    monkeypatch.setattr(embedded, "CRASH_BACKOFF_S", 0.01)
+    made: list[SimBackend] = []
+
+    def backend(model: str, index: int) -> SimBackend:
+        made.append(_LoadFails(latency_ms=5) if len(made) in (1, 2) else SimBackend(latency_ms=5))
+        return made[-1]
+
+    runtime = EmbeddedRuntime(EmbeddedSettings(workers_per_model=1), backend)
+    apply = runtime.store.apply
+    refusals = 0
+
+    async def refuse_once(updates: Sequence[TaskState]) -> list[bool]:
+        nonlocal refusals
+        if refusals == 0 and any(state.status.terminal for state in updates):
+            refusals += 1
+            raise _Refused("a store fault that retrying cannot fix")
+        return await apply(updates)
+
+    runtime.store.apply = refuse_once  # type: ignore[method-assign]
+    await runtime.start()
+    answered = asyncio.Event()
+    try:
+        await runtime.store.listen_replies("gw", lambda state: answered.set())
+        now = int(time.time() * 1000)
+        await runtime.store.create(TaskState("a", TaskStatus.QUEUED, "sim", now, now, reply_to="gw"))
+        await runtime.producer.send(InferenceRequest("a", "sim", "hello", now, now + 30_000, reply_to="gw"))
+        async with asyncio.timeout(20):
+            await answered.wait()
+        assert len(made) == 4 and runtime.replaced == 1, "two replacements failed to load; the third serves"
+        assert all((await runtime.ready()).values())
+    finally:
+        await runtime.close()
+
+
+def test_the_backoff_doubles_with_each_crash_in_a_row_up_to_its_cap() -> None:
+    assert [crash_backoff_s(n) for n in (1, 2, 3)] == [1.0, 2.0, 4.0]
+    assert crash_backoff_s(7) == CRASH_BACKOFF_MAX_S == crash_backoff_s(10_000), "capped, never an overflow"
+
+
+async def test_shutdown_while_a_slot_waits_to_replace_its_worker_closes_each_worker_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The crashed worker, closed by its watcher before a replacement that does not load, is not closed
+    again by the shutdown; each replacement that did not load is closed once."""
+    monkeypatch.setattr(embedded, "CRASH_BACKOFF_S", 0.01)
+    closes: list[int] = []
+    made: list[SimBackend] = []
+    tried = asyncio.Event()
+
+    class Counted(SimBackend):
+        def load(self) -> None:
+            if len(made) > 1:
+                raise RuntimeError("out of GPU memory while loading")
+
+        def close(self) -> None:
+            closes.append(made.index(self))
+
+    def backend(model: str, index: int) -> SimBackend:
+        made.append(Counted(latency_ms=5))
+        if len(made) == 3:
+            tried.set()
+        return made[-1]
+
+    runtime = EmbeddedRuntime(EmbeddedSettings(workers_per_model=1), backend)
+
+    async def refuse(updates: Sequence[TaskState]) -> list[bool]:
+        raise _Refused("a store fault that retrying cannot fix")
+
+    runtime.store.apply = refuse  # type: ignore[method-assign]
+    await runtime.start()
+    now = int(time.time() * 1000)
+    await runtime.producer.send(InferenceRequest("a", "sim", "hello", now, now + 30_000, reply_to="gw"))
+    async with asyncio.timeout(20):
+        await tried.wait()  # two replacements made; the watcher waits to try a third
+    await runtime.close()
+    assert sorted(closes) == list(range(len(made))), f"each backend closed once: {closes} of {len(made)}"
