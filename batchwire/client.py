@@ -198,7 +198,8 @@ class ServerError(BatchwireError):
 
 
 class Unreachable(BatchwireError):
-    """No answer at all: every attempt's connection failed (the last failure is the ``__cause__``)."""
+    """No answer from the gateway: every attempt's connection failed (the last failure is the
+    ``__cause__``), or a proxy in front of it said so (its own 502, code ``http_502``)."""
 
     retriable = True
 
@@ -236,7 +237,7 @@ _BY_STATUS: dict[int, type[BatchwireError]] = {
 def error_of(response: httpx.Response) -> BatchwireError:
     """The typed error of an error answer (its body read): from the ``{"error": {...}}`` body's code,
     else its status; an answer without that body (a proxy's) gets the code ``http_<status>``, and is
-    no failed task even as a 502 (a proxy's Bad Gateway: its upstream did not answer)."""
+    no failed task even as a 502 (a proxy's Bad Gateway: the gateway did not answer it, so a retry may)."""
     status = response.status_code
     try:
         doc = response.json()
@@ -256,8 +257,8 @@ def _error(
     message = str(detail.get("message", ""))
     task_id = detail.get("task_id")
     task_id = task_id if isinstance(task_id, str) else None
-    if status == 502 and api:
-        kind: type[BatchwireError] = TaskFailed
+    if status == 502:  # the API's: a failed task; a proxy's: its upstream, the gateway, did not answer
+        kind: type[BatchwireError] = TaskFailed if api else Unreachable
     elif code in _BY_CODE:
         kind = _BY_CODE[code]
     elif status in _BY_STATUS:
@@ -309,7 +310,8 @@ class Attempts:
 
     No I/O: the time comes in, the delays go out. A delay is the answer's ``Retry-After`` (if it had
     one) plus full jitter over an exponential backoff, so that callers refused together do not come
-    back together; no retry starts past the deadline, nor after ``max_retries`` of them.
+    back together; no retry starts past the deadline, nor after ``max_retries`` in a row
+    (``progressed`` starts them over).
     """
 
     deadline: float
@@ -497,7 +499,7 @@ class _Follow:
     def reconnect_in(self, failure: BatchwireError, now: float) -> float:
         """The wait before reconnecting after ``failure`` (a refusal's Retry-After, else the stream's
         ``retry:``); raises ``failure`` if it is not retriable, the retries are spent, or its Retry-After
-        is ``longest_wait_s`` or more (the client's timeout: a call raises a Retry-After past its deadline)."""
+        is ``longest_wait_s`` or more (the stream's read timeout: no wait longer than a silence it allows)."""
         if failure.retry_after_s is not None and failure.retry_after_s >= self._longest_wait_s:
             raise failure
         return self._attempts.wait_after(failure, now, self._decoder.retry_s)
@@ -662,9 +664,9 @@ class Client(_ClientBase):
     def events(self, task_id: str) -> Iterator[TaskEvent]:
         """The task's statuses as they change, each once, the terminal one last: a task that fails,
         expires or is cancelled ends the events, it raises nothing. A connection that drops is
-        resumed after the last event read; a refusal whose Retry-After is the client's ``timeout`` or
-        longer is raised, as a call's past its deadline is."""
-        follow = _Follow(self.max_retries, self.timeout)
+        resumed after the last event read; a refusal whose Retry-After is the stream's read timeout
+        (the client's ``timeout``, at least ``STREAM_READ_S``) or longer is raised."""
+        follow = _Follow(self.max_retries, max(self.timeout, STREAM_READ_S))
         while not follow.ended:
             try:
                 with self._http.stream(
@@ -832,7 +834,7 @@ class AsyncClient(_ClientBase):
 
     async def events(self, task_id: str) -> AsyncIterator[TaskEvent]:
         """:meth:`Client.events`, as an async iterator."""
-        follow = _Follow(self.max_retries, self.timeout)
+        follow = _Follow(self.max_retries, max(self.timeout, STREAM_READ_S))
         while not follow.ended:
             try:
                 async with self._http.stream(

@@ -40,6 +40,7 @@ from batchwire.client import (
     TaskEvent,
     TaskFailed,
     Unauthorized,
+    Unreachable,
     _Lines,
     error_of,
     output_of,
@@ -171,10 +172,22 @@ def test_an_answer_without_the_error_body_is_typed_by_its_status() -> None:
     assert isinstance(odd, ServerError) and odd.code == "http_500"
 
 
-def test_a_proxys_502_is_a_server_error_not_a_failed_task() -> None:
-    """Only the gateway's 502 (with its error body) says a task failed; a proxy's says nothing of any task."""
+def test_a_proxys_502_is_no_failed_task_but_an_unreachable_gateway_and_is_retried() -> None:
+    """Only the gateway's 502 (with its error body) says a task failed; a proxy's says the gateway did not
+    answer it (restarting, say), which a retry under the same Idempotency-Key may get past."""
     proxy = error_of(answer(502, text="<html><h1>502 Bad Gateway</h1></html>"))
-    assert type(proxy) is ServerError and proxy.code == "http_502", f"{type(proxy).__name__}: {proxy}"
+    assert type(proxy) is Unreachable and proxy.code == "http_502" and proxy.retriable, f"{proxy!r}"
+    keys: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        keys.append(request.headers["Idempotency-Key"])
+        if len(keys) == 1:
+            return httpx.Response(502, text="<html><h1>502 Bad Gateway</h1></html>")
+        return httpx.Response(200, json={"output": "olleh"})
+
+    with Client("http://gw", transport=httpx.MockTransport(handler)) as client:
+        assert client.infer("hello") == "olleh"
+    assert len(keys) == 2 and keys[0] == keys[1], "retried once, under one key"
 
 
 def test_a_terminal_state_is_its_output_or_a_task_failure() -> None:
@@ -300,13 +313,13 @@ async def test_an_event_read_with_an_error_event_is_delivered_before_the_reconne
 
 
 def _refused_then_completed(opened: list[float]) -> httpx.MockTransport:
-    """An event stream refused with a Retry-After of 3 s (a proxy's 503), then, if asked again, the task's end."""
+    """An event stream refused with a Retry-After of an hour (a proxy's 503), then, if asked again, the task's end."""
 
     def handler(request: httpx.Request) -> httpx.Response:
         opened.append(time.monotonic())
         if len(opened) == 1:
             refusal = {"error": {"code": "overloaded", "message": "full"}}
-            return httpx.Response(503, json=refusal, headers={"Retry-After": "3"})
+            return httpx.Response(503, json=refusal, headers={"Retry-After": "3600"})
         body = state_event(state(TaskStatus.COMPLETED, output="x"))
         return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
 
@@ -319,7 +332,7 @@ async def test_an_event_stream_waits_no_retry_after_longer_than_the_clients_time
     client = Client("http://gw", timeout=1, transport=_refused_then_completed(opened))
     with client, pytest.raises(Overloaded) as refused:
         list(client.events("t1"))
-    assert refused.value.retry_after_s == 3.0 and len(opened) == 1, f"reconnected after {opened}"
+    assert refused.value.retry_after_s == 3600.0 and len(opened) == 1, f"reconnected after {opened}"
     aopened: list[float] = []
     async with AsyncClient("http://gw", timeout=1, transport=_refused_then_completed(aopened)) as aclient:
         with pytest.raises(Overloaded):
