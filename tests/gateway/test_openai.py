@@ -201,7 +201,7 @@ async def test_a_prompt_the_model_failed_is_not_sent_again_by_the_clients_retrie
 async def test_a_prompt_not_answered_in_time_is_a_504_that_names_the_timeout_to_change() -> None:
     """The OpenAI routes take no ``timeout_ms`` and give no task id: the 504 says which setting bounds the
     wait, not to poll a task the caller cannot name."""
-    async with _client(sim=SimBackend(latency_ms=3_000), default_timeout_ms=300) as client:
+    async with _client(sim=SimBackend(latency_ms=1_000), default_timeout_ms=300) as client:
         with pytest.raises(openai.InternalServerError) as late:
             await client.with_options(max_retries=0).completions.create(model="sim", prompt="slow")
     assert late.value.status_code == 504 and late.value.code == "deadline_exceeded"

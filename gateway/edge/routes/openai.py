@@ -49,7 +49,7 @@ from gateway.errors import (
 )
 from gateway.keys.idempotency import UNCOMPUTED_FAILURES
 from gateway.service import Gateway
-from gateway.settings import GatewaySettings
+from gateway.settings import GatewaySettings, env_name
 from transport.cancelling import cancel_and_wait
 
 T = TypeVar("T")
@@ -212,7 +212,7 @@ def _message(exc: GatewayError) -> str:
     """``exc``'s message for a caller of these routes, which give no task id to poll and take no timeout."""
     if isinstance(exc, DeadlineExceeded):
         return (
-            "no answer within the deployment's timeout (BATCHWIRE_DEFAULT_TIMEOUT_MS): "
+            f"no answer within the deployment's timeout ({env_name('default_timeout_ms')}): "
             "send the request again once the model is less busy"
         )
     return exc.message
