@@ -697,7 +697,7 @@ class Client(_ClientBase):
     ) -> list[str]:
         """Each input's output, in input order, with at most ``concurrency`` calls in flight (threads),
         so the server's queue holds at most that many of them. The first failing input's error is
-        raised, and the calls not yet started are dropped."""
+        raised, and the calls not yet started are dropped. An interrupt (Ctrl-C) is raised at once."""
         if concurrency < 1:
             raise ValueError(f"concurrency is {concurrency}; it must be at least 1")
         items = list(inputs)
@@ -714,13 +714,15 @@ class Client(_ClientBase):
                 failed.set()
                 raise
 
-        with ThreadPoolExecutor(max_workers=min(concurrency, len(items)), thread_name_prefix="batchwire") as pool:
-            futures = [pool.submit(one, text) for text in items]
-            try:
-                wait_for(futures)
-            except BaseException:  # the caller interrupted: nothing more starts
-                failed.set()
-                raise
+        pool = ThreadPoolExecutor(max_workers=min(concurrency, len(items)), thread_name_prefix="batchwire")
+        futures = [pool.submit(one, text) for text in items]
+        try:
+            wait_for(futures)
+        except BaseException:  # the caller interrupted: nothing more starts, and nothing waits for the calls
+            failed.set()  # in flight, which end on their own (an answer, or the client's timeout)
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
         for future in futures:
             if (error := future.exception()) is not None:
                 raise error

@@ -11,6 +11,7 @@ import itertools
 import json
 import math
 import pickle
+import threading
 import time
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
@@ -19,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
+from batchwire import client as client_module
 from batchwire.client import (
     BASE_BACKOFF_S,
     MAX_BACKOFF_S,
@@ -436,6 +438,33 @@ def test_infer_many_starts_no_call_once_one_failed() -> None:
     with Client("http://gw", transport=mock, max_retries=0) as client, pytest.raises(InvalidRequest):
         client.infer_many(["ok", "bad", *(f"later-{n}" for n in range(8))], concurrency=1)
     assert sent == ["ok", "bad"]
+
+
+def test_infer_many_interrupted_returns_at_once_not_after_the_calls_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while calls are in flight: the interrupt is raised at once, nothing more starts, and the
+    calls in flight end on their own (here: their answers, released once the interrupt is out)."""
+    started, release = threading.Event(), threading.Event()
+    sent: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content)["input"])
+        started.set()
+        release.wait(10)
+        return httpx.Response(200, json={"output": "x"})
+
+    def interrupted(futures: object) -> None:
+        started.wait(10)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(client_module, "wait_for", interrupted)
+    with Client("http://gw", transport=httpx.MockTransport(handler), max_retries=0) as client:
+        began = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            client.infer_many([f"input-{n}" for n in range(10)], concurrency=2)
+        interrupted_after = time.monotonic() - began
+        release.set()
+    assert interrupted_after < 5, f"the interrupt waited {interrupted_after:.1f} s for the calls in flight"
+    assert len(sent) <= 2, f"no call started after the interrupt: {sent}"
 
 
 def _answered_at_once(polls: list[float]) -> httpx.MockTransport:
