@@ -4,6 +4,7 @@ crashed worker process, and the batch it had not committed runs again."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Sequence
 
@@ -20,19 +21,30 @@ class _Refused(TransportError):
     retriable = False
 
 
-async def test_a_crashed_worker_is_replaced_after_a_backoff_and_its_batch_runs_again() -> None:
-    runtime = EmbeddedRuntime(EmbeddedSettings(workers_per_model=1), lambda model, index: SimBackend(latency_ms=5))
-    apply = runtime.store.apply
-    refusals = 0
+def _refuse_results(runtime: EmbeddedRuntime, times: float) -> list[int]:
+    """The store refuses the first ``times`` writes of results with an error that retrying cannot fix
+    (the worker stops: it crashed); the list holds how many it refused."""
+    apply, refused = runtime.store.apply, [0]
 
-    async def refuse_once(updates: Sequence[TaskState]) -> list[bool]:
-        nonlocal refusals
-        if refusals == 0 and any(state.status.terminal for state in updates):
-            refusals += 1
-            raise _Refused("a store fault that retrying cannot fix")  # the worker stops: it crashed
+    async def refusing(updates: Sequence[TaskState]) -> list[bool]:
+        if refused[0] < times and any(state.status.terminal for state in updates):
+            refused[0] += 1
+            raise _Refused("a store fault that retrying cannot fix")
         return await apply(updates)
 
-    runtime.store.apply = refuse_once  # type: ignore[method-assign]
+    runtime.store.apply = refusing  # type: ignore[method-assign]
+    return refused
+
+
+async def _submit(runtime: EmbeddedRuntime) -> None:
+    now = int(time.time() * 1000)
+    await runtime.store.create(TaskState("a", TaskStatus.QUEUED, "sim", now, now, reply_to="gw"))
+    await runtime.producer.send(InferenceRequest("a", "sim", "hello", now, now + 30_000, reply_to="gw"))
+
+
+async def test_a_crashed_worker_is_replaced_after_a_backoff_and_its_batch_runs_again() -> None:
+    runtime = EmbeddedRuntime(EmbeddedSettings(workers_per_model=1), lambda model, index: SimBackend(latency_ms=5))
+    refusals = _refuse_results(runtime, 1)
     await runtime.start()
     answered = asyncio.Event()
     replies: list[TaskState] = []
@@ -44,14 +56,12 @@ async def test_a_crashed_worker_is_replaced_after_a_backoff_and_its_batch_runs_a
     try:
         await runtime.store.listen_replies("gw", on_reply)
         crashed = runtime.workers[0]
-        now = int(time.time() * 1000)
-        await runtime.store.create(TaskState("a", TaskStatus.QUEUED, "sim", now, now, reply_to="gw"))
-        await runtime.producer.send(InferenceRequest("a", "sim", "hello", now, now + 30_000, reply_to="gw"))
+        await _submit(runtime)
         async with asyncio.timeout(20):
             await crashed.failed.wait()
             assert not (await runtime.ready())["workers"], "unready while the crashed worker is down"
             await answered.wait()
-        assert refusals == 1
+        assert refusals == [1]
         assert [(state.task_id, state.status, state.output) for state in replies] == [
             ("a", TaskStatus.COMPLETED, "olleh")
         ], "the batch the crashed worker held runs again on its replacement, and is answered once"
@@ -76,24 +86,12 @@ async def test_a_replacement_that_cannot_start_is_retried_after_a_backoff(monkey
         return made[-1]
 
     runtime = EmbeddedRuntime(EmbeddedSettings(workers_per_model=1), backend)
-    apply = runtime.store.apply
-    refusals = 0
-
-    async def refuse_once(updates: Sequence[TaskState]) -> list[bool]:
-        nonlocal refusals
-        if refusals == 0 and any(state.status.terminal for state in updates):
-            refusals += 1
-            raise _Refused("a store fault that retrying cannot fix")
-        return await apply(updates)
-
-    runtime.store.apply = refuse_once  # type: ignore[method-assign]
+    _refuse_results(runtime, 1)
     await runtime.start()
     answered = asyncio.Event()
     try:
         await runtime.store.listen_replies("gw", lambda state: answered.set())
-        now = int(time.time() * 1000)
-        await runtime.store.create(TaskState("a", TaskStatus.QUEUED, "sim", now, now, reply_to="gw"))
-        await runtime.producer.send(InferenceRequest("a", "sim", "hello", now, now + 30_000, reply_to="gw"))
+        await _submit(runtime)
         async with asyncio.timeout(20):
             await answered.wait()
         assert len(made) == 4 and runtime.replaced == 1, "two replacements failed to load; the third serves"
@@ -132,14 +130,9 @@ async def test_shutdown_while_a_slot_waits_to_replace_its_worker_closes_each_wor
         return made[-1]
 
     runtime = EmbeddedRuntime(EmbeddedSettings(workers_per_model=1), backend)
-
-    async def refuse(updates: Sequence[TaskState]) -> list[bool]:
-        raise _Refused("a store fault that retrying cannot fix")
-
-    runtime.store.apply = refuse  # type: ignore[method-assign]
+    _refuse_results(runtime, math.inf)
     await runtime.start()
-    now = int(time.time() * 1000)
-    await runtime.producer.send(InferenceRequest("a", "sim", "hello", now, now + 30_000, reply_to="gw"))
+    await _submit(runtime)
     async with asyncio.timeout(20):
         await tried.wait()  # two replacements made; the watcher waits to try a third
     await runtime.close()
