@@ -118,20 +118,18 @@ Figures = dict[str, float]
 
 def gateway_figures(window: Window, models: Iterable[str]) -> tuple[Figures, dict[str, Figures], dict[str, Figures]]:
     """A gateway's figures, its refusals by status, and its figures per model."""
-    served = sum(
-        rate
-        for route, rate in window.by("batchwire_requests_total", "route").items()
-        if route != "unmatched" and not route.startswith(_OPERATIONAL)  # a scanner's 404s serve no one
-    )
+    served = sum(rate for route, rate in window.by("batchwire_requests_total", "route").items() if _api(route))
     figures: Figures = {
         "requests_per_s": served,
         "answered_per_s": window.rate("batchwire_request_latency_seconds_count"),
         "inflight": window.level("batchwire_inflight_requests"),
     }
     _put_latency(figures, window)
-    refusals = {
-        status: rate for status, rate in window.by("batchwire_requests_total", "status").items() if status in REFUSED
-    }
+    refusals: Figures = {}
+    for status in REFUSED:  # an unready gateway's 503s to its probes refuse no request
+        rates = window.by("batchwire_requests_total", "route", status=status)
+        if rate := sum(value for route, value in rates.items() if _api(route)):
+            refusals[status] = rate
     figures["refused_per_s"] = sum(refusals.values())
     per_model: dict[str, Figures] = {}
     for model in models:
@@ -140,6 +138,11 @@ def gateway_figures(window: Window, models: Iterable[str]) -> tuple[Figures, dic
         _put_latency(row, window, model=model)
         per_model[model] = row
     return figures, {"refusals_per_s": refusals}, per_model
+
+
+def _api(route: str) -> bool:
+    """A route of the API: not a probe, a scrape or a fleet view, nor an unknown path (a scanner's 404s)."""
+    return route != "unmatched" and not route.startswith(_OPERATIONAL)
 
 
 def _put_latency(figures: Figures, window: Window, **labels: str) -> None:

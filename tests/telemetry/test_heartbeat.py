@@ -90,6 +90,20 @@ def test_a_gateway_counts_its_api_not_its_probes_and_refusals_by_status(registry
     assert per_model["other"] == {"answered_per_s": 0.0, "refused_per_s": 0.0}
 
 
+def test_a_gateway_s_unready_probes_and_unreadable_fleet_are_not_refusals(registry: CollectorRegistry) -> None:
+    requests = Counter("batchwire_requests", "", ["route", "status"], registry=registry)
+    clock = FakeClock()
+    reader = Reader(registry, clock)
+    requests.labels(route="/v1/inference", status="503").inc(2)
+    requests.labels(route="/readyz", status="503").inc(10)  # a load balancer probing an unready gateway
+    requests.labels(route="/v1/fleet", status="503").inc(4)  # the fleet's store cannot be read
+    requests.labels(route="/dashboard/events", status="503").inc(4)
+    clock.advance(2.0)
+    figures, breakdowns, _ = gateway_figures(reader.advance(), ("sim",))
+    assert figures["refused_per_s"] == pytest.approx(1.0), "only the API's 503s are refusals"
+    assert breakdowns == {"refusals_per_s": {"503": pytest.approx(1.0)}}
+
+
 def test_a_batcher_s_batches_sizes_queue_and_flush_reasons(registry: CollectorRegistry) -> None:
     sizes = Histogram("batchwire_batch_size", "", ["model"], buckets=(1, 10, 100), registry=registry)
     flushes = Counter("batchwire_flushes", "", ["model", "reason"], registry=registry)
