@@ -8,6 +8,7 @@ HTTP client is enough for one GET, and keeps this command in the core install.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import sys
@@ -121,14 +122,14 @@ def read_fleet(url: str, api_key: str | None, timeout_s: float = 5.0) -> dict[st
         return doc
     except urllib.error.HTTPError as err:
         raise FleetUnreadable(f"{url} answered {err.code}: {_error_message(err)}") from err
-    except (urllib.error.URLError, OSError, ValueError) as err:
+    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as err:  # HTTPException: cut short
         raise FleetUnreadable(f"cannot read the fleet from {url}: {err}") from err
 
 
 def _error_message(err: urllib.error.HTTPError) -> str:
     try:
         return str(json.load(err)["error"]["message"])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, OSError, http.client.HTTPException):
         return str(err.reason)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import http.client
 import io
 import urllib.request
 
@@ -29,3 +30,20 @@ def test_an_answer_that_is_not_the_fleet_exits_2_saying_so(
     out, err = capsys.readouterr()
     assert (code, out) == (EXIT_UNREACHABLE, ""), (code, out, err)
     assert "not the fleet's document" in err, err
+
+
+class _CutShort(io.BytesIO):
+    """A gateway that closed the connection part-way through its answer's body."""
+
+    def read(self, size: int | None = -1) -> bytes:
+        raise http.client.IncompleteRead(b'{"members', 90)
+
+
+def test_an_answer_cut_short_exits_2_saying_so(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(urllib.request, "urlopen", lambda request, timeout: _CutShort())
+    code = run(argparse.Namespace(url="http://127.0.0.1:1", api_key=None, json=False, watch=None))
+    out, err = capsys.readouterr()
+    assert (code, out) == (EXIT_UNREACHABLE, ""), (code, out, err)
+    assert err.startswith("batchwire status: cannot read the fleet from http://127.0.0.1:1"), err
