@@ -141,6 +141,9 @@ class EmbeddedRuntime:
         self._generations = [0] * len(self._slots)
         self.workers: list[Worker] = [self._worker(slot) for slot in range(len(self._slots))]
         self.replaced = 0
+        self._retired: list[Worker] = []
+        """Workers replaced since the last beat: beaten once more, in the state they stopped in (not live),
+        or the fleet would show them as they last beat (busy: live) until their beats went stale."""
         self._watchers: list[asyncio.Task[None]] = []
         self.fleet = MemoryFleet()
         self.heartbeats: Heartbeats | None = None
@@ -157,7 +160,8 @@ class EmbeddedRuntime:
     def beats(self, window: Window) -> list[Beat]:
         """The batcher's and every worker's heartbeat."""
         batcher = batcher_beat(self.batcher, self.settings.shared.models, window)
-        return [batcher, *(worker_beat(worker, window) for worker in self.workers)]
+        retired, self._retired = self._retired, []
+        return [batcher, *(worker_beat(worker, window) for worker in (*retired, *self.workers))]
 
     def _worker(self, slot: int) -> Worker:
         model, index = self._slots[slot]
@@ -208,6 +212,9 @@ class EmbeddedRuntime:
             )
             for batch in worker.given_back:  # uncommitted: in memory that means sent again
                 await self.batch_buses[model].send(batch, index)
+            self._retired.append(worker)
+            if self.heartbeats is not None:
+                self.heartbeats.beat_soon()  # the replacement shown serving, the worker it replaced stopped
 
     async def _started(self, slot: int) -> Worker | None:
         """A fresh worker for the slot, started; None (logged, closed) when it could not start."""

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
 from batchwire import role_settings as rs
 from batchwire.cli import build_parser
-from batchwire.embedded import EmbeddedRuntime
+from batchwire.embedded import EmbeddedRuntime, EmbeddedSettings
 from batchwire.fleet import Heartbeats
 from batchwire.roles import embedded_settings
 from batchwire.supervise import graceful_shutdown_s
 from gateway.settings import GatewaySettings
 from gpu_worker.backends.sim import SimBackend
+from gpu_worker.settings import WorkerSettings
+from schemas.records import InferenceRequest
+from tests.support.eventually import eventually
 from transport.memory.fleet import MemoryFleet
 
 pytestmark = pytest.mark.timeout(60)
@@ -82,4 +86,29 @@ async def test_a_worker_loading_its_model_is_starting_and_shown_serving_as_soon_
     finally:
         loaded.set()
         await asyncio.gather(starting, return_exceptions=True)
+        await runtime.close()
+
+
+async def test_a_replaced_worker_is_shown_in_the_state_it_stopped_in_and_its_replacement_at_once() -> None:
+    """A worker replaced before its next beat stayed shown as it last beat (idle: live) until its beats went
+    stale, and its replacement was missing for a period. The heartbeats' period is an hour here."""
+    backends = [SimBackend(latency_ms=20, hang_on="hang")]
+
+    def backend(model: str, index: int) -> SimBackend:
+        return backends.pop() if backends else SimBackend(latency_ms=20)
+
+    settings = EmbeddedSettings(workers_per_model=1, worker=WorkerSettings(hang_min_s=0.3, expected_latency_ms=20))
+    runtime = EmbeddedRuntime(settings, backend)
+    runtime.heartbeats = Heartbeats(runtime.fleet, runtime.beats, interval_s=3600.0)
+    await runtime.start()
+    try:
+        now = int(time.time() * 1000)
+        await runtime.producer.send(InferenceRequest("a", "sim", "hang here", now, now + 30_000, reply_to="gw"))
+        await eventually(lambda: runtime.replaced == 1, "the hung worker's replacement")
+        shown: dict[str, str] = {}
+        async with asyncio.timeout(10):  # polled: only the beats the runtime asks for can show it
+            while not (shown.get("sim-worker-0") == "hung" and shown.get("sim-worker-0.1") in ("idle", "busy")):
+                await asyncio.sleep(0.005)
+                shown = {beat.id: beat.state for beat in await runtime.fleet.members() if beat.role == "worker"}
+    finally:
         await runtime.close()
