@@ -35,6 +35,7 @@ from transport.memory.fleet import MemoryFleet
 from transport.memory.lag import MemoryQueueDepth
 from transport.memory.requests import MemoryRequestBus
 from transport.memory.store import MemoryTaskStore
+from transport.retry import backoff_s
 from transport.routing import Partitioner
 
 log = logging.getLogger(__name__)
@@ -46,9 +47,8 @@ CRASH_BACKOFF_MAX_S = 60.0
 
 
 def crash_backoff_s(crashes: int) -> float:
-    """How long a slot stays down after its ``crashes``-th crash in a row (the exponent capped, so that
-    a fault that never clears cannot overflow it)."""
-    return min(CRASH_BACKOFF_MAX_S, CRASH_BACKOFF_S * 2.0 ** min(crashes - 1, 16))
+    """How long a slot stays down after its ``crashes``-th crash in a row."""
+    return backoff_s(crashes, CRASH_BACKOFF_MAX_S, CRASH_BACKOFF_S)
 
 
 async def _back_off(worker_id: str, what: str, crashes: int) -> None:

@@ -27,7 +27,7 @@ from typing import Protocol, TypeVar
 
 from schemas.records import TaskState
 from telemetry import metrics
-from transport.retry import retry
+from transport.retry import backoff_s, retry
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ class ReplicaWait:
                         needed,
                     )
                     return False
-                await asyncio.sleep(min(0.05 * 2 ** min(tries, 10), self.retry_max_s))
+                await asyncio.sleep(backoff_s(tries, self.retry_max_s))
         finally:
             if tries:
                 self._short -= 1

@@ -18,11 +18,17 @@ class Retrying(Protocol):
     def __call__(self, what: str, op: Callable[[], Awaitable[T]], /) -> Awaitable[T]: ...
 
 
+def backoff_s(tries: int, max_s: float, first_s: float = 0.1) -> float:
+    """The pause after the ``tries``-th failure in a row: ``first_s``, doubling with each failure, at most
+    ``max_s``; the doubling stops after the tenth, so that no count of failures overflows it."""
+    return min(max_s, first_s * 2.0 ** min(tries - 1, 9))
+
+
 async def pause(log: logging.Logger, who: str, what: str, err: TransportError, failures: int, max_s: float) -> None:
-    """Logs the first failure and every 20th, then backs off exponentially (50 ms doubling, at most ``max_s``)."""
+    """Logs the first failure and every 20th, then backs off exponentially (``backoff_s``)."""
     if failures == 1 or failures % 20 == 0:
         log.warning("%s: %s failed (%d tries so far): %s; retrying", who, what, failures, err)
-    await asyncio.sleep(min(0.05 * 2 ** min(failures, 10), max_s))
+    await asyncio.sleep(backoff_s(failures, max_s))
 
 
 async def retry(

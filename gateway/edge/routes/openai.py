@@ -202,10 +202,8 @@ def openai_error(exc: GatewayError, retry_after_s: int) -> Response:
     elif status == 422:  # OpenAI answers an invalid request 400, and its clients raise BadRequestError
         status = 400
     error = {"message": _message(exc), "type": _kind(status), "code": exc.error_code}
-    headers = retry_headers(exc, status, retry_after_s)
-    if isinstance(exc, TaskFailed) and exc.task_code not in UNCOMPUTED_FAILURES:
-        headers = _NO_RETRY
-    return json_response(status, {"error": error}, headers)
+    computed = isinstance(exc, TaskFailed) and exc.task_code not in UNCOMPUTED_FAILURES
+    return json_response(status, {"error": error}, _NO_RETRY if computed else retry_headers(exc, status, retry_after_s))
 
 
 def _message(exc: GatewayError) -> str:
