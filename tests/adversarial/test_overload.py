@@ -20,6 +20,7 @@ import pytest
 
 from tests.support.adversarial_rig import Service, ServiceFactory, attacker_output, unharmed
 from tests.support.eventually import eventually_sync
+from tests.support.http_calls import many_at_once
 
 pytestmark = [pytest.mark.slow, pytest.mark.timing]
 
@@ -180,7 +181,7 @@ def test_a_request_whose_deadline_cannot_be_met_is_never_computed(request: pytes
     service = _start(request, mode)
 
     async def short() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=service.url, timeout=10) as client:
+        async with httpx.AsyncClient(base_url=service.url, timeout=10, limits=many_at_once()) as client:
             body = {"model": "flood", "timeout_ms": 1}
             return await asyncio.gather(
                 *(client.post("/v1/inference", json={**body, "input": f"short-{n}"}) for n in range(200))

@@ -22,7 +22,7 @@ from tests.support.cluster_checks import (
     two_batchers_one_slow_worker,
 )
 from tests.support.eventually import eventually_sync
-from tests.support.http_calls import assert_answered, collect_events, post_all, post_stream
+from tests.support.http_calls import assert_answered, collect_events, many_at_once, post_all, post_stream
 from tests.support.processes import (
     Cluster,
     Restarter,
@@ -126,7 +126,7 @@ async def test_async_tasks_survive_a_gateway_restart(tmp_path: Path, infra: Any,
     clusters.append(cluster)
     first, other = cluster.gateway_urls
     inputs = [f"async-{n}" for n in range(20)]
-    async with httpx.AsyncClient(timeout=60) as client:
+    async with httpx.AsyncClient(timeout=60, limits=many_at_once()) as client:
         created = [(await client.post(f"{first}/v1/tasks", json={"input": text})).json() for text in inputs]
         gateway0 = proc_named(cluster, "gateway0")
         assert gateway0.stop() == 0, "a gateway stops on SIGTERM and exits 0"

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from infra.local_stack import LocalStack
+from tests.support.http_calls import many_at_once
 from tests.support.processes import Cluster, launch, stopped_after
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timing]
@@ -51,7 +52,7 @@ class Outcome:
 
 async def load(url: str, stop: asyncio.Event, rate_per_s: float, outcomes: list[Outcome]) -> None:
     """Open-loop sync requests at ``rate_per_s`` until ``stop``; every outcome recorded."""
-    async with httpx.AsyncClient(timeout=40, limits=httpx.Limits(max_connections=500)) as client:
+    async with httpx.AsyncClient(timeout=40, limits=many_at_once(500)) as client:
 
         async def one(n: int) -> None:
             text = f"outage-{n}"

@@ -42,6 +42,7 @@ from schemas.records import Batch
 from schemas.wire import Names
 from tests.support.cluster_checks import group_offsets
 from tests.support.eventually import eventually_sync
+from tests.support.http_calls import many_at_once
 from tests.support.processes import TerminalEvents, launch, stopped_after, task_states
 from tests.support.stack_cli import discard_stack
 from tests.support.stack_cli import stack_cli as _cli
@@ -100,7 +101,7 @@ async def ask(client: httpx.AsyncClient, url: str, asked: Asked) -> None:
 
 async def load(url: str, stop: asyncio.Event, asked: list[Asked]) -> None:
     """Open loop at ``RATE_PER_S`` until ``stop``; returns once every request has its final answer."""
-    async with httpx.AsyncClient(timeout=40, limits=httpx.Limits(max_connections=500)) as client:
+    async with httpx.AsyncClient(timeout=40, limits=many_at_once(500)) as client:
         tasks = []
         while not stop.is_set():
             one = Asked(f"broker-kill-{len(asked)}", time.monotonic())
@@ -410,7 +411,7 @@ async def test_the_group_coordinator_killed_and_given_back_leaves_the_gateway_ad
             answers.append((sent, response.status_code, code, "retry-after" in response.headers))
 
         async def load() -> None:
-            limits = httpx.Limits(max_connections=200)
+            limits = many_at_once(200)
             async with httpx.AsyncClient(timeout=40, limits=limits) as client:
                 tasks: list[asyncio.Task[None]] = []
                 started = time.monotonic()

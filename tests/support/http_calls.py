@@ -12,10 +12,18 @@ import httpx
 from httpx_sse import aconnect_sse
 
 
+def many_at_once(connections: int = 100) -> httpx.Limits:
+    """A test client's limits when it has many requests in flight: it keeps every idle connection, as
+    ``batchwire.client.POOL_LIMITS`` does. With a cap on idle ones (httpx keeps 20 by default), httpcore
+    can close a surplus idle connection it has just handed to a request (encode/httpcore#1110): that
+    request fails with a ReadError or hangs, a failure of the test's client, not of the service."""
+    return httpx.Limits(max_connections=connections, max_keepalive_connections=None)
+
+
 async def post_all(url: str, inputs: list[str], timeout_s: float = 60, *, keyed: bool = False) -> list[httpx.Response]:
     """Posts every input at once; the responses, in order. ``keyed``: each with an Idempotency-Key of its
     own, so the task is stored from its submit and its progress can be read (``TaskStore.apply``)."""
-    async with httpx.AsyncClient(timeout=timeout_s) as client:
+    async with httpx.AsyncClient(timeout=timeout_s, limits=many_at_once()) as client:
         return await asyncio.gather(
             *(
                 client.post(f"{url}/v1/inference", json={"input": text}, headers=_key() if keyed else {})
@@ -30,7 +38,7 @@ def _key() -> dict[str, str]:
 
 async def post_stream(url: str, inputs: list[str], interval_s: float, timeout_s: float = 60) -> list[httpx.Response]:
     """Open loop: one request every ``interval_s`` whatever the answers do; all the responses, in order."""
-    async with httpx.AsyncClient(timeout=timeout_s) as client:
+    async with httpx.AsyncClient(timeout=timeout_s, limits=many_at_once()) as client:
         sent = []
         for text in inputs:
             sent.append(asyncio.create_task(client.post(f"{url}/v1/inference", json={"input": text})))
