@@ -230,6 +230,16 @@ def gateway_admission(parser: argparse.ArgumentParser) -> None:
         "and its connection watched",
     )
     field_flag(parser, g, "stream_recheck_s", float, "an event stream without a change this long re-reads its task")
+    field_flag(
+        parser,
+        g,
+        "sse_ping_s",
+        float,
+        "an event stream quiet this long gets a keep-alive comment (keep it under a proxy's idle timeout)",
+    )
+    field_flag(
+        parser, g, "sse_max_s", float, "an event stream closes after this long; its client resumes it (Last-Event-ID)"
+    )
     field_flag(parser, g, "rate_limit_per_s", float, "submits per second per client, shared by all gateways (0: off)")
     field_flag(parser, g, "rate_limit_burst", int, "submits a client may save up (0: one second's worth of the rate)")
     field_flag(

@@ -37,6 +37,8 @@ GATEWAY_FLAGS = (
     "stall_s",
     "reply_recheck_s",
     "stream_recheck_s",
+    "sse_ping_s",
+    "sse_max_s",
     "rate_limit_per_s",
     "rate_limit_burst",
     "trust_client_id",

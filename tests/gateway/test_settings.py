@@ -115,3 +115,22 @@ def test_the_cli_refuses_a_bad_key_naming_the_variable(monkeypatch: pytest.Monke
     args = build_parser().parse_args(["up", "--api-keys", "tiny"])
     with pytest.raises(SettingsError, match="BATCHWIRE_API_KEYS"):
         gateway_settings(args, shared_settings(args))
+
+
+@pytest.mark.parametrize("command", ["up", "gateway"])
+def test_the_cli_reads_the_event_streams_ping_and_longest_life_from_their_variables(
+    command: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from batchwire.cli import build_parser
+    from batchwire.role_settings import gateway_settings, shared_settings
+
+    monkeypatch.setenv("BATCHWIRE_STACK_ENV", str(tmp_path / "no-stack.env"))
+    monkeypatch.setenv("BATCHWIRE_SSE_PING_S", "4.5")
+    monkeypatch.setenv("BATCHWIRE_SSE_MAX_S", "120")
+    args = build_parser().parse_args([command])
+
+    settings = gateway_settings(args, shared_settings(args))
+
+    assert (settings.sse_ping_s, settings.sse_max_s) == (4.5, 120.0), "docs/operations.md names both variables"
+    flagged = build_parser().parse_args([command, "--sse-ping-s", "2", "--sse-max-s", "30"])
+    assert (flagged.sse_ping_s, flagged.sse_max_s) == (2.0, 30.0)
