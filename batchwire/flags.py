@@ -105,7 +105,13 @@ def shared(parser: argparse.ArgumentParser) -> None:
         int,
         "partitions of each model's batch topic (max workers per model)",
     )
-    field_flag(parser, SharedSettings, "result_ttl_s", float, "how long task states and results are kept")
+    field_flag(
+        parser,
+        SharedSettings,
+        "result_ttl_s",
+        float,
+        "how long task states and results are kept (at least the gateways' --max-timeout-ms)",
+    )
     add(parser, "--log-level", "info", str, "debug, info, warning or error")
     add(
         parser,

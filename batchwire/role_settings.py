@@ -143,9 +143,24 @@ def gateway_settings(args: argparse.Namespace, shared: SharedSettings, **transpo
         kwargs["api_keys"], kwargs["operator_keys"] = keys.digests, keys.operators
         kwargs["key_tiers"] = keys.tiers
         args.api_keys = None  # only digests are kept (the environment is the operator's: use sha256: there)
-        return GatewaySettings(**kwargs)
+        settings = GatewaySettings(**kwargs)
     except ValueError as err:
         raise SettingsError(str(err)) from err
+    _check_result_ttl(shared, settings)
+    return settings
+
+
+def _check_result_ttl(shared: SharedSettings, settings: GatewaySettings) -> None:
+    """A task is first stored when it is queued and kept ``result_ttl_s`` from then until it ends: a TTL
+    shorter than the longest deadline drops a task still waiting for a worker (its polls 404, and its
+    end, written afresh without its API key's owner, is unreadable to the caller)."""
+    if shared.result_ttl_s * 1000 < settings.max_timeout_ms:
+        raise SettingsError(
+            f"--result-ttl-s (BATCHWIRE_RESULT_TTL_S) is {shared.result_ttl_s:g} s, shorter than the longest "
+            f"timeout_ms a request may ask for ({settings.max_timeout_ms} ms, --max-timeout-ms / "
+            "BATCHWIRE_MAX_TIMEOUT_MS): a task still waiting past the TTL would be dropped before it ends; "
+            f"raise --result-ttl-s to at least {settings.max_timeout_ms / 1000:g} s or lower --max-timeout-ms"
+        )
 
 
 def backend_settings(args: argparse.Namespace) -> BackendSettings:

@@ -51,6 +51,11 @@ def test_a_negative_drain_timeout_is_refused_naming_the_variable() -> None:
         (["batcher", "--reserve-ms=-1"], "BATCHWIRE_RESERVE_MS"),
         (["worker", "--result-ttl-s=0"], "result_ttl_s must be positive"),
         (["up", "--workers=0"], "workers must be at least 1 per model, got 0 (BATCHWIRE_WORKERS)"),
+        (["up", "--result-ttl-s=3"], "--result-ttl-s (BATCHWIRE_RESULT_TTL_S) is 3 s, shorter than the longest"),
+        (
+            ["gateway", "--result-ttl-s=20", "--default-timeout-ms=5000", "--max-timeout-ms=25000"],
+            "raise --result-ttl-s to at least 25 s",
+        ),
     ],
 )
 def test_a_setting_that_cannot_work_stops_the_role_before_it_starts(
