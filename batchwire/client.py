@@ -14,7 +14,8 @@ What it does for its callers, so that each need not learn the protocol:
 - a retry waits at least the answer's ``Retry-After``, plus jittered exponential backoff, and none
   starts past the call's deadline (its ``timeout``), which is also the deadline the server holds the
   request to (``timeout_ms``);
-- an event stream that drops reconnects with ``Last-Event-ID``, so each status arrives once.
+- an event stream that drops, or that the server ends before the task (BATCHWIRE_SSE_MAX_S), reconnects
+  with ``Last-Event-ID``, so each status arrives once.
 
 The routes' paths and fields are written here, not imported from ``gateway`` (which needs the
 server's dependencies); ``tests/client/test_openapi_contract.py`` holds them to the server's OpenAPI
@@ -496,10 +497,18 @@ class _Follow:
             self._attempts.progressed()
         return event
 
-    def reconnect_in(self, failure: BatchwireError, now: float) -> float:
+    def reconnect_in(self, failure: BatchwireError | None, now: float) -> float:
         """The wait before reconnecting after ``failure`` (a refusal's Retry-After, else the stream's
         ``retry:``); raises ``failure`` if it is not retriable, the retries are spent, or its Retry-After
-        is ``longest_wait_s`` or more (the stream's read timeout: no wait longer than a silence it allows)."""
+        is ``longest_wait_s`` or more (the stream's read timeout: no wait longer than a silence it allows).
+
+        ``failure`` None: the server ended the stream before the task ended (it closes one after
+        BATCHWIRE_SSE_MAX_S, and as it shuts down). That spends no retry, as a long-poll that answers a
+        task still running spends none: the stream's ``retry:`` (else ``POLL_EVERY_S``) and a jitter."""
+        if failure is None:
+            self._attempts.progressed()
+            pause = self._decoder.retry_s if self._decoder.retry_s is not None else POLL_EVERY_S
+            return pause + self._attempts.jitter(BASE_BACKOFF_S)
         if failure.retry_after_s is not None and failure.retry_after_s >= self._longest_wait_s:
             raise failure
         return self._attempts.wait_after(failure, now, self._decoder.retry_s)
@@ -575,10 +584,6 @@ def _unreachable(err: httpx.TransportError) -> Unreachable:
     error = Unreachable("unreachable", f"no connection to the server: {err!r}")
     error.__cause__ = err
     return error
-
-
-def _closed_early() -> Unreachable:
-    return Unreachable("unreachable", "the event stream kept closing before the task ended")
 
 
 class _ClientBase:
@@ -663,9 +668,10 @@ class Client(_ClientBase):
 
     def events(self, task_id: str) -> Iterator[TaskEvent]:
         """The task's statuses as they change, each once, the terminal one last: a task that fails,
-        expires or is cancelled ends the events, it raises nothing. A connection that drops is
-        resumed after the last event read; a refusal whose Retry-After is the stream's read timeout
-        (the client's ``timeout``, at least ``STREAM_READ_S``) or longer is raised."""
+        expires or is cancelled ends the events, it raises nothing. A connection that drops, or a
+        stream the server ends first (after BATCHWIRE_SSE_MAX_S), is resumed after the last event read;
+        a refusal whose Retry-After is the stream's read timeout (the client's ``timeout``, at least
+        ``STREAM_READ_S``) or longer is raised."""
         follow = _Follow(self.max_retries, max(self.timeout, STREAM_READ_S))
         while not follow.ended:
             try:
@@ -681,7 +687,7 @@ class Client(_ClientBase):
                         yield from follow.text(text)
                         if follow.ended:
                             return
-                failure: BatchwireError = _closed_early()  # e.g. the server shutting down
+                failure: BatchwireError | None = None  # the server ended the stream before the task
             except BatchwireError as err:
                 failure = err
             except httpx.TransportError as err:  # a reset, a read past the timeout, a proxy that closes
@@ -852,7 +858,7 @@ class AsyncClient(_ClientBase):
                             yield event
                         if follow.ended:
                             return
-                failure: BatchwireError = _closed_early()
+                failure: BatchwireError | None = None
             except BatchwireError as err:
                 failure = err
             except httpx.TransportError as err:  # a reset, a read past the timeout, a proxy that closes

@@ -32,6 +32,16 @@ def slow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
+def short_streams_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One sim worker, three seconds a call, and event streams the server ends after 0.2 s
+    (``--sse-max-s``): a task submitted while it computes waits through several streams that end with
+    nothing new."""
+    proc, url = embedded(tmp_path_factory.mktemp("short-streams"), 1, 3000.0, "--sse-max-s", "0.2")
+    yield url
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
 def refusing_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Holds one request at a time (``--max-inflight 1``: a second gets 503 with Retry-After) and
     takes only ``OPERATOR_KEY``; one sim worker, a second a call."""

@@ -261,6 +261,17 @@ async def test_async_events_resume_after_a_dropped_connection_without_repeating_
 
 
 # errors ------------------------------------------------------------------------------------------------
+def test_events_go_on_through_streams_the_server_ends_before_the_task(short_streams_server: str) -> None:
+    """The server ends each stream after --sse-max-s; one that ended with nothing new spends no retry, so a
+    task that waits through more such streams than max_retries is followed to its end."""
+    text = unique("outlasts")
+    with Client(short_streams_server) as plain, Client(short_streams_server, max_retries=1) as client:
+        occupy(plain)
+        events = list(client.submit(text).events())
+    assert events and events[-1].status == "completed", f"the task's end was not delivered: {events}"
+    assert_each_status_once_in_order(events, text)
+
+
 def test_bad_requests_raise_typed_errors_with_the_servers_code(server: str) -> None:
     with Client(server) as client:
         with pytest.raises(InvalidRequest) as empty:

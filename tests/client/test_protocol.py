@@ -314,6 +314,37 @@ async def test_an_event_read_with_an_error_event_is_delivered_before_the_reconne
         assert got == ["queued", "running", "completed"], f"an event resumed after was never delivered: {got}"
 
 
+def _ended_at_its_longest_life(opened: list[str | None], quiet_streams: int) -> httpx.MockTransport:
+    """A task queued through ``quiet_streams`` streams that the server ends with nothing new (it closes a
+    stream after BATCHWIRE_SSE_MAX_S), then completed."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        opened.append(request.headers.get("last-event-id"))
+        if len(opened) == 1:
+            body = RETRY.replace(b"1000", b"10") + state_event(state(TaskStatus.QUEUED))
+        elif len(opened) <= quiet_streams:
+            body = PING
+        else:
+            body = state_event(state(TaskStatus.COMPLETED, output="x"))
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+    return httpx.MockTransport(handler)
+
+
+async def test_a_stream_the_server_ends_before_the_task_is_resumed_without_spending_a_retry() -> None:
+    """A long-poll that answers a task still running spends no retry; nor does a stream the server ended
+    at its longest life: a task queued longer than max_retries such streams was given up as unreachable."""
+    opened: list[str | None] = []
+    with Client("http://gw", transport=_ended_at_its_longest_life(opened, 4), max_retries=1) as client:
+        events = [event.status for event in client.events("t1")]
+    aopened: list[str | None] = []
+    async with AsyncClient("http://gw", transport=_ended_at_its_longest_life(aopened, 4), max_retries=1) as aclient:
+        aevents = [event.status async for event in aclient.events("t1")]
+    for got, streams in ((events, opened), (aevents, aopened)):
+        assert got == ["queued", "completed"], f"the task's end was not delivered: {got} over streams {streams}"
+        assert streams == [None, "0", "0", "0", "0"], f"each stream resumes after the queued event: {streams}"
+
+
 def _refused_then_completed(opened: list[float]) -> httpx.MockTransport:
     """An event stream refused with a Retry-After of an hour (a proxy's 503), then, if asked again, the task's end."""
 
