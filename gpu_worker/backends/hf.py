@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Protocol, cast
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from gpu_worker.backends.base import BackendError, BatchSizeError, InputError
 from gpu_worker.backends.hf_embed import cls_pool, mean_pool, to_json
@@ -39,7 +39,12 @@ class _Generates(Protocol):
     """What ``_run`` uses of a generative model: ``GenerationMixin.generate`` without dict outputs."""
 
     def generate(
-        self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor, generation_config: GenerationConfig | None
+        self,
+        *,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        generation_config: GenerationConfig | None,
+        tokenizer: PreTrainedTokenizerBase,
     ) -> torch.Tensor: ...
 
 
@@ -236,8 +241,13 @@ class HFBackend:
             hidden = loaded.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
             states = cast(torch.Tensor, hidden)
             return to_json(cls_pool(states) if loaded.pooling == "cls" else mean_pool(states, attention_mask))
+        # The tokenizer is for the stop strings a model's generation config may name (Gemma's
+        # <end_of_turn>): without it generate refuses every batch.
         generated = cast(_Generates, loaded.model).generate(
-            input_ids=input_ids, attention_mask=attention_mask, generation_config=loaded.generation_config
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=loaded.generation_config,
+            tokenizer=loaded.tokenizer,
         )
         if not loaded.is_encoder_decoder:
             # Left padding lines every prompt up to end at the same column: the rest is new.

@@ -374,7 +374,8 @@ def greedy_generation_config(
 
     Sampling settings shipped with the model (Llama's temperature 0.6, top-p 0.9) are cleared:
     a batch must give the same answer whoever else is in it and however often it is retried. So are
-    settings that change the answer's shape (several sequences per input, a dict of outputs).
+    settings that change the answer's shape (several sequences per input, a dict of outputs) and token
+    healing. Stop strings stay: the backend hands ``generate`` the tokenizer they need.
     """
     base = model.generation_config
     config = GenerationConfig.from_dict(base.to_dict()) if base is not None else GenerationConfig()
@@ -385,6 +386,7 @@ def greedy_generation_config(
     config.top_k = None
     config.num_return_sequences = 1  # one answer per input, as a plain tensor of ids
     config.return_dict_in_generate = False
+    config.token_healing = False  # it rewrites the end of each prompt, in a batch by what else is in it
     config.max_new_tokens = max_new_tokens
     config.max_length = None
     config.pad_token_id = tokenizer.pad_token_id

@@ -121,6 +121,25 @@ def test_sampling_settings_shipped_with_the_model_are_ignored(
     assert make_backend(path).batchstring(MIXED) == greedy
 
 
+def test_stop_strings_shipped_with_the_model_end_each_answer(
+    tiny_models: dict[str, Path], make_backend: Callable[..., HFBackend], tmp_path: Path
+) -> None:
+    """Gemma ships ``stop_strings`` in its generation config; each answer ends after its first one,
+    whoever shares the batch. Token healing, which the tokenizer would make possible, stays off."""
+    stop = "7"
+    unstopped = make_backend(tiny_models["gpt2"]).batchstring(MIXED)
+    assert sum(stop in answer[:-1] for answer in unstopped) >= 2, f"pick a stop string the answers hold: {unstopped}"
+    path = Path(shutil.copytree(tiny_models["gpt2"], tmp_path / "stops"))
+    config_path = path / "generation_config.json"
+    config_path.write_text(
+        json.dumps({**json.loads(config_path.read_text()), "stop_strings": [stop], "token_healing": True})
+    )
+    backend = make_backend(path)
+    expected = [answer[: answer.index(stop) + 1] if stop in answer else answer for answer in unstopped]
+    assert backend.batchstring(MIXED) == expected
+    assert [backend.batchstring([text])[0] for text in MIXED] == expected
+
+
 # the contract ----------------------------------------------------------------------------------
 def test_zero_or_too_many_inputs_is_a_batch_size_error(
     tiny_models: dict[str, Path], make_backend: Callable[..., HFBackend]
