@@ -25,7 +25,16 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from gpu_worker.backends.base import BackendError, BatchSizeError, InputError
 from gpu_worker.backends.hf_embed import cls_pool, mean_pool, to_json
-from gpu_worker.backends.hf_load import DTYPES, TASKS, LoadedModel, Task, load_model_dir, resolve_device, resolve_dtype
+from gpu_worker.backends.hf_load import (
+    DTYPES,
+    TASKS,
+    LoadedModel,
+    ModelLoadError,
+    Task,
+    load_model_dir,
+    resolve_device,
+    resolve_dtype,
+)
 from gpu_worker.backends.sim import ReentryError
 from telemetry.metrics import BACKEND_BATCH_LATENCY, BACKEND_TOKENS
 
@@ -122,8 +131,9 @@ class HFBackend:
     # lifecycle -------------------------------------------------------------------------------
     def load(self) -> None:
         """Loads from the local directory only, then runs a warm-up batch of 1 and of ``max_batch``
-        so that CUDA kernels, allocator pools and lazy inits are paid for before the first user. Once:
-        a loaded backend stays as it is (``up`` loads before it serves, and the worker's start again)."""
+        so that CUDA kernels, allocator pools and lazy inits are paid for before the first user, and a
+        model that cannot run a batch fails here (``ModelLoadError``). Once: a loaded backend stays as it
+        is (``up`` loads before it serves, and the worker's start again)."""
         if self._loaded is not None:
             return
         start = time.perf_counter()
@@ -155,11 +165,20 @@ class HFBackend:
             torch.get_num_threads(),
         )
         if self.warmup:
-            # a limit shorter than the usual prompt (``max_input_tokens``) is warmed up with a character
-            prompt = WARMUP_PROMPT if not self.input_errors([WARMUP_PROMPT]) else WARMUP_PROMPT[0]
-            for size in sorted({1, self.max_batch}):
-                self.batchstring([prompt] * size)
+            try:
+                self._warm_up()
+            except Exception as err:  # whatever the model raised: it cannot serve, which is a load that failed
+                self.close()
+                raise ModelLoadError(
+                    f"the model in {self.model_path} loaded, but its warm-up batch failed: {type(err).__name__}: {err}"
+                ) from err
             log.info("hf backend: warm-up latency by batch size %s", self.latency_by_batch_s)
+
+    def _warm_up(self) -> None:
+        # a limit shorter than the usual prompt (``max_input_tokens``) is warmed up with a character
+        prompt = WARMUP_PROMPT if not self.input_errors([WARMUP_PROMPT]) else WARMUP_PROMPT[0]
+        for size in sorted({1, self.max_batch}):
+            self.batchstring([prompt] * size)
 
     def close(self) -> None:
         """Drops the model; a call still running keeps its own reference until it returns."""

@@ -16,7 +16,7 @@ import transformers
 
 from gpu_worker.backends.hf import WARMUP_PROMPT, HFBackend
 from gpu_worker.backends.hf_load import ModelLoadError, _load_weights, resolve_device, resolve_dtype
-from gpu_worker.backends.tiny import build_tiny_encoder
+from gpu_worker.backends.tiny import MAX_POSITIONS, build_tiny_encoder, byte_tokenizer
 
 
 def load(path: Path, **kwargs: Any) -> HFBackend:
@@ -242,3 +242,26 @@ def test_loads_on_several_threads_at_once_leave_each_model_whole_and_the_process
             assert backend.loaded is not None
             model = cast(Any, backend.loaded.model)
             assert model.lm_head.weight is model.transformer.wte.weight, "the output layer was left untied"
+
+
+def test_a_model_that_fails_its_warm_up_did_not_load_and_up_says_so_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Weights saved beside another model's tokenizer (8 embeddings, ids up to 259) load, then the
+    warm-up batch fails: the load failed, said as one line, not the model's traceback."""
+    from batchwire.cli import main
+
+    path = tmp_path / "mismatched"
+    config = transformers.GPT2Config(vocab_size=8, n_positions=MAX_POSITIONS, n_embd=8, n_layer=1, n_head=1)
+    transformers.GPT2LMHeadModel(config).save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    backend = HFBackend(path, device="cpu")
+    with pytest.raises(ModelLoadError, match="warm-up") as caught:
+        backend.load()
+    assert str(path) in str(caught.value), caught.value
+    assert backend.loaded is None, "a backend whose warm-up failed still says it is loaded"
+    assert main(["up", "--port", "0", "--backend", "hf", "--device", "cpu", "--model-path", str(path)]) == 2
+    err = capsys.readouterr().err  # transformers, imported here already, shows its progress bars as well
+    said = err.splitlines()[-1]
+    assert said.startswith("batchwire up: the model did not load: ") and "warm-up" in said, err
+    assert "Traceback" not in err, err
