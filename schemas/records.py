@@ -150,6 +150,13 @@ class Credit:
         return f"{self.worker_id}:{self.seq}"
 
 
+INPUT_TOO_LONG = "input_too_long"
+INPUT_EMPTY = "input_empty"
+INPUT_REFUSED = frozenset({INPUT_TOO_LONG, INPUT_EMPTY})
+"""The error codes of a task whose input the model cannot take (a backend's ``input_errors``): the
+request's fault, not the model's, which the OpenAI routes answer 400 as OpenAI does."""
+
+
 @dataclass(frozen=True, slots=True)
 class TaskState:
     task_id: str

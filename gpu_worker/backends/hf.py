@@ -36,6 +36,7 @@ from gpu_worker.backends.hf_load import (
     resolve_dtype,
 )
 from gpu_worker.backends.sim import ReentryError
+from schemas.records import INPUT_EMPTY, INPUT_TOO_LONG
 from telemetry.metrics import BACKEND_BATCH_LATENCY, BACKEND_TOKENS
 
 log = logging.getLogger(__name__)
@@ -275,11 +276,11 @@ class HFBackend:
 
     def _length_error(self, index: int, count: int, limit: int) -> InputError | None:
         if count == 0:
-            return InputError(index, "input_empty", "input has no tokens; the model needs at least one")
+            return InputError(index, INPUT_EMPTY, "input has no tokens; the model needs at least one")
         if count > limit and not self.truncate:
             return InputError(
                 index,
-                "input_too_long",
+                INPUT_TOO_LONG,
                 f"input is {count} tokens; the model accepts at most {limit} ({MAX_INPUT_TOKENS_SETTING})",
             )
         return None

@@ -93,3 +93,18 @@ async def test_greedy_completions_batched_together_are_one_by_one_generation(tin
         stream = await client.completions.create(model="tiny", prompt=PROMPTS, stream=True)
         streamed = {chunk.choices[0].index: chunk.choices[0].text async for chunk in stream if chunk.choices}
         assert streamed == dict(enumerate(alone))
+
+
+async def test_a_string_longer_than_the_model_takes_is_a_bad_request(
+    served: tuple[openai.AsyncOpenAI, httpx.AsyncClient],
+) -> None:
+    """OpenAI answers an input over the model's context 400 (the client's BadRequestError); so does
+    batchwire, naming the limit: the request is at fault, not the server (a 502 said so)."""
+    client, _ = served
+    too_long = "word " * 300  # 302 tokens with [CLS] and [SEP]; all-MiniLM-L6-v2 takes 256
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.embeddings.create(model="minilm", input=["Hi", too_long])
+    assert refused.value.status_code == 400 and refused.value.code == "input_too_long", refused.value.message
+    assert refused.value.type == "invalid_request_error" and "256" in refused.value.message, refused.value.body
+    fits = await client.embeddings.create(model="minilm", input=["Hi", too_long[:500]])
+    assert [len(item.embedding) for item in fits.data] == [384, 384]

@@ -50,6 +50,7 @@ from gateway.errors import (
 from gateway.keys.idempotency import UNCOMPUTED_FAILURES
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings, env_name
+from schemas.records import INPUT_REFUSED
 from transport.cancelling import cancel_and_wait
 
 T = TypeVar("T")
@@ -193,17 +194,25 @@ _NO_RETRY = {"x-should-retry": "false"}
 
 
 def openai_error(exc: GatewayError, retry_after_s: int) -> Response:
-    """``exc`` in OpenAI's error shape; an unknown model is 404, as OpenAI answers it. A task the model
-    itself failed (its error, an input that crashed workers, an output too large) fails again if sent
-    again: its 502 tells the client not to retry."""
-    status = http_status(exc)
-    if exc.error_code == "unknown_model":
-        status = 404
-    elif status == 422:  # OpenAI answers an invalid request 400, and its clients raise BadRequestError
-        status = 400
+    """``exc`` in OpenAI's error shape, with OpenAI's status (``_status``). A task the model itself failed
+    (its error, an input that crashed workers, an output too large) fails again if sent again: its 502
+    tells the client not to retry."""
+    status = _status(exc)
     error = {"message": _message(exc), "type": _kind(status), "code": exc.error_code}
     computed = isinstance(exc, TaskFailed) and exc.task_code not in UNCOMPUTED_FAILURES
     return json_response(status, {"error": error}, _NO_RETRY if computed else retry_headers(exc, status, retry_after_s))
+
+
+def _status(exc: GatewayError) -> int:
+    """The status OpenAI answers ``exc`` with: an unknown model is 404; an invalid request, and an input
+    longer than the model takes (OpenAI's context length error), 400, which its clients raise as
+    BadRequestError."""
+    if exc.error_code == "unknown_model":
+        return 404
+    if isinstance(exc, TaskFailed) and exc.task_code in INPUT_REFUSED:
+        return 400
+    status = http_status(exc)
+    return 400 if status == 422 else status
 
 
 def _message(exc: GatewayError) -> str:
@@ -450,7 +459,7 @@ def _event(data: dict[str, Any]) -> bytes:
 
 def _error_chunk(exc: GatewayError) -> bytes:
     """OpenAI's error chunk, which ends a stream: the client raises it."""
-    return _event({"error": {"message": _message(exc), "type": _kind(http_status(exc)), "code": exc.error_code}})
+    return _event({"error": {"message": _message(exc), "type": _kind(_status(exc)), "code": exc.error_code}})
 
 
 CUT = _error_chunk(NotReady("the server is shutting down before every prompt was answered; send the request again"))
