@@ -366,7 +366,8 @@ def backend(parser: argparse.ArgumentParser) -> None:
         "hf_task",
         str,
         "hf backend: generate or embed (embed pools as the model's sentence-transformers layout says, by the "
-        "mean or the CLS token, L2-normalized; a Dense layer or another pooling is refused at load)",
+        "mean or the CLS token, L2-normalized unless the layout has no Normalize; a Dense layer or another "
+        "pooling is refused at load)",
     )
     field_flag(parser, b, "hf_max_new_tokens", int, "hf backend: tokens generated per input")
     field_flag(parser, b, "hf_max_input_tokens", int, "hf backend: longest input in tokens (default: the model's)")

@@ -68,8 +68,9 @@ class HFBackend:
 
     ``task="generate"``: greedy continuation (decoder-only) or output (encoder-decoder), at most
     ``max_new_tokens`` tokens, special tokens dropped. ``task="embed"``: one JSON float array per
-    input (mean-pooled, unit length). ``name`` is what the worker reports as the ``backend`` label;
-    ``model`` labels the latency gauge (the worker's model name; default: the directory name).
+    input (pooled, and unit length, as the model's sentence-transformers layout says). ``name`` is what
+    the worker reports as the ``backend`` label; ``model`` labels the latency gauge (the worker's model
+    name; default: the directory name).
     """
 
     def __init__(
@@ -260,7 +261,9 @@ class HFBackend:
         if self.task == "embed":
             hidden = loaded.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
             states = cast(torch.Tensor, hidden)
-            return to_json(cls_pool(states) if loaded.pooling == "cls" else mean_pool(states, attention_mask))
+            if loaded.pooling == "cls":
+                return to_json(cls_pool(states, normalize=loaded.normalize))
+            return to_json(mean_pool(states, attention_mask, normalize=loaded.normalize))
         # The tokenizer is for the stop strings a model's generation config may name (Gemma's
         # <end_of_turn>): without it generate refuses every batch.
         generated = cast(_Generates, loaded.model).generate(

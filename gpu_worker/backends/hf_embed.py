@@ -1,10 +1,11 @@
 """Sentence embeddings from a token encoder: attention-mask-weighted mean (or the first token's state),
-L2-normalized, as JSON.
+L2-normalized unless the model's layout leaves that out, as JSON.
 
 The mean is the pooling all-MiniLM-L6-v2 and most sentence-transformers models were trained with
 (``1_Pooling/config.json``: ``pooling_mode_mean_tokens``); BAAI's bge models pool by the CLS token
-(``pooling_mode_cls_token``). The model directory says which (``hf_load.sentence_transformers_pooling``),
-so the vectors match the model's own.
+(``pooling_mode_cls_token``). Dot-product models (msmarco-distilbert-dot-v5) leave out the L2
+norm. The model directory says which (``hf_load.sentence_transformers_layout``), so the vectors match
+the model's own.
 """
 
 from __future__ import annotations
@@ -19,21 +20,27 @@ rounded unit vectors moves by at most sqrt(dim) * 1e-6 (2e-5 for 384 dimensions)
 ranking by similarity notices, and the JSON is much shorter than with full float repr."""
 
 
-def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """(batch, tokens, dim) -> (batch, dim) unit vectors; padding positions count for nothing.
+def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor, *, normalize: bool = True) -> torch.Tensor:
+    """(batch, tokens, dim) -> (batch, dim) vectors, unit length with ``normalize``; padding positions
+    count for nothing.
 
     Pooled in float32 whatever the model's dtype: a sum over hundreds of fp16 tokens loses digits.
     """
     mask = attention_mask.unsqueeze(-1).to(torch.float32)
     summed = (hidden.to(torch.float32) * mask).sum(dim=1)
     counts = mask.sum(dim=1).clamp(min=1e-9)
-    return torch.nn.functional.normalize(summed / counts, p=2.0, dim=1)
+    return _unit(summed / counts) if normalize else summed / counts
 
 
-def cls_pool(hidden: torch.Tensor) -> torch.Tensor:
-    """(batch, tokens, dim) -> (batch, dim) unit vectors: each input's first (CLS) token's state; padding
-    is on the right, so it is every input's own first token."""
-    return torch.nn.functional.normalize(hidden[:, 0].to(torch.float32), p=2.0, dim=1)
+def cls_pool(hidden: torch.Tensor, *, normalize: bool = True) -> torch.Tensor:
+    """(batch, tokens, dim) -> (batch, dim) vectors, unit length with ``normalize``: each input's first
+    (CLS) token's state; padding is on the right, so it is every input's own first token."""
+    first = hidden[:, 0].to(torch.float32)
+    return _unit(first) if normalize else first
+
+
+def _unit(vectors: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.normalize(vectors, p=2.0, dim=1)
 
 
 def to_json(vectors: torch.Tensor) -> list[str]:

@@ -76,7 +76,9 @@ class LoadedModel:
     max_input_tokens: int
     generation_config: GenerationConfig | None
     pooling: Pooling = "mean"
-    """How ``embed`` turns token states into one vector (``sentence_transformers_pooling``)."""
+    """How ``embed`` turns token states into one vector (``sentence_transformers_layout``)."""
+    normalize: bool = True
+    """Whether ``embed`` makes each vector unit length (``sentence_transformers_layout``)."""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -155,7 +157,7 @@ def load_model_dir(
     limit = resolve_max_input_tokens(
         model_path, config, tokenizer, task=task, max_new_tokens=max_new_tokens, asked=max_input_tokens
     )
-    pooling = sentence_transformers_pooling(model_path) if task == "embed" else "mean"
+    pooling, normalize = sentence_transformers_layout(model_path) if task == "embed" else ("mean", True)
 
     pretrained = _load_weights(model_path, task=task, device=device, dtype=dtype, is_encoder_decoder=is_encoder_decoder)
     model: torch.nn.Module = pretrained
@@ -174,6 +176,7 @@ def load_model_dir(
         max_input_tokens=limit,
         generation_config=generation,
         pooling=pooling,
+        normalize=normalize,
     )
 
 
@@ -310,18 +313,19 @@ them keep): the first ``pad_token_id + 1`` of their ``max_position_embeddings`` 
 
 _MODULES = "sentence_transformers.models."
 _RUN_HERE = frozenset({f"{_MODULES}Transformer", f"{_MODULES}Pooling", f"{_MODULES}Normalize"})
-"""The sentence-transformers layers the backend runs: the encoder, its pooling, and the L2 norm it
-applies to every vector anyway."""
+"""The sentence-transformers layers the backend runs: the encoder, its pooling, and the L2 norm."""
 
 
-def sentence_transformers_pooling(model_path: Path) -> Pooling:
-    """How the sentence-transformers model in ``model_path`` pools its token states: ``mean`` or ``cls``
-    (``1_Pooling/config.json``, as BAAI's bge models use); ``mean`` for a directory without
-    ``modules.json``. A layout the backend would get wrong (another pooling, a Dense layer) is refused:
-    its vectors would not be the model's."""
+def sentence_transformers_layout(model_path: Path) -> tuple[Pooling, bool]:
+    """How the sentence-transformers model in ``model_path`` pools its token states, ``mean`` or ``cls``
+    (``1_Pooling/config.json``, as BAAI's bge models use), and whether it then makes each vector unit
+    length (a ``Normalize`` layer: dot-product models, as msmarco-distilbert-dot-v5, have none, and
+    their scores use the length). A directory without ``modules.json``: the mean, unit length. A layout
+    the backend would get wrong (another pooling, a Dense layer) is refused: its vectors would not be
+    the model's."""
     modules_path = model_path / "modules.json"
     if not modules_path.is_file():
-        return "mean"
+        return "mean", True
     try:
         modules = json.loads(modules_path.read_text())
         layers = [(str(module["type"]), str(module.get("path", ""))) for module in modules]
@@ -331,11 +335,12 @@ def sentence_transformers_pooling(model_path: Path) -> Pooling:
     if others:
         raise ModelLoadError(
             f"{modules_path} names layers the hf backend does not run ({', '.join(others)}): its embeddings would "
-            "not be the model's; use a model of a Transformer, a Pooling (mean or CLS) and a Normalize"
+            "not be the model's; use a model of a Transformer, a Pooling (mean or CLS) and at most a Normalize"
         )
+    normalize = any(kind == f"{_MODULES}Normalize" for kind, _ in layers)
     pooling_dirs = [path for kind, path in layers if kind == f"{_MODULES}Pooling"]
     if not pooling_dirs:
-        return "mean"
+        return "mean", normalize
     config_path = model_path / pooling_dirs[0] / "config.json"
     try:
         modes = {
@@ -344,9 +349,9 @@ def sentence_transformers_pooling(model_path: Path) -> Pooling:
     except (OSError, ValueError, AttributeError) as err:
         raise ModelLoadError(f"cannot read {config_path}: {err}") from err
     if modes == {"pooling_mode_mean_tokens"}:
-        return "mean"
+        return "mean", normalize
     if modes == {"pooling_mode_cls_token"}:
-        return "cls"
+        return "cls", normalize
     raise ModelLoadError(
         f"{config_path} pools by {', '.join(sorted(modes)) or 'nothing'}; the hf backend pools by the mean of the "
         "tokens or by the first (CLS) token only: use a model that pools one of those ways"

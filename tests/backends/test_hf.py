@@ -352,7 +352,9 @@ def _sentence_transformers_layout(path: Path, into: Path, pooling: dict[str, boo
 
 def test_embed_pools_as_the_model_directory_says(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     """BAAI's bge models pool by the CLS token: their vectors are that token's state, not the mean."""
-    cls = _sentence_transformers_layout(tiny_models["bert"], tmp_path / "cls", {"pooling_mode_cls_token": True})
+    cls = _sentence_transformers_layout(
+        tiny_models["bert"], tmp_path / "cls", {"pooling_mode_cls_token": True}, "Normalize"
+    )
     mean = _sentence_transformers_layout(
         tiny_models["bert"], tmp_path / "mean", {"pooling_mode_mean_tokens": True}, "Normalize"
     )
@@ -367,6 +369,25 @@ def test_embed_pools_as_the_model_directory_says(tiny_models: dict[str, Path], t
     got = torch.tensor(json.loads(by_cls.batchstring([text])[0]))
     assert torch.allclose(got, want, atol=1e-5), f"cosine to the CLS state: {float(got @ want):.3f}"
     assert by_mean.batchstring([text]) != by_cls.batchstring([text])
+
+
+def test_embed_keeps_the_length_of_a_model_that_does_not_normalize(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """Dot-product models (msmarco-distilbert-dot-v5: a Transformer and a Pooling, no Normalize) score by
+    the vectors' length as well: their vectors are the pooled states as they are (here the CLS token's)."""
+    dot = _sentence_transformers_layout(tiny_models["bert"], tmp_path / "dot", {"pooling_mode_cls_token": True})
+    texts = ["A man is eating food.", "Hi"]
+    backend = HFBackend(dot, task="embed", device="cpu", warmup=False)
+    backend.load()
+    encoded = backend.loaded.tokenizer(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        want = backend.loaded.model(**encoded).last_hidden_state[:, 0]
+    got = torch.tensor([json.loads(vector) for vector in backend.batchstring(texts)])
+    assert torch.allclose(got, want, atol=1e-5), (
+        f"lengths {got.norm(dim=1).tolist()}, the model's {want.norm(dim=1).tolist()}"
+    )
+    assert not torch.allclose(want.norm(dim=1), torch.ones(2), atol=1e-2), "the tiny model's CLS states are unit length"
 
 
 @pytest.mark.parametrize(
