@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from telemetry import spans, tracing
 
 FORMATS = ("text", "json")
+LEVELS = ("debug", "info", "warning", "error", "critical")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _IDS = ("task_id", "batch_id", "trace_id")
 
@@ -57,6 +58,16 @@ def check_format(fmt: str) -> str:
     return fmt
 
 
+def check_level(level: str) -> str:
+    """``level`` in lower case when it is a known level; else a ValueError naming the flag (uvicorn
+    fails its start on an unknown one, and ``logging`` would quietly log at info)."""
+    lowered = level.lower()
+    if lowered not in LEVELS:
+        named = f"{', '.join(LEVELS[:-1])} or {LEVELS[-1]}"
+        raise ValueError(f"--log-level is {level!r}; use {named} (BATCHWIRE_LOG_LEVEL)")
+    return lowered
+
+
 _structured = False
 
 
@@ -64,10 +75,11 @@ def configure(level: str, fmt: str = "text") -> None:
     """Sends the root logger's records to stderr in ``fmt`` at ``level`` (as ``logging.basicConfig``:
     a root logger that has handlers already keeps them)."""
     global _structured
+    level = check_level(level)
     _structured = check_format(fmt) == "json"
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if _structured else logging.Formatter(TEXT_FORMAT))
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), handlers=[handler])
+    logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler])
 
 
 def structured() -> bool:

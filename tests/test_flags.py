@@ -56,6 +56,8 @@ def test_a_negative_drain_timeout_is_refused_naming_the_variable() -> None:
             ["gateway", "--result-ttl-s=20", "--default-timeout-ms=5000", "--max-timeout-ms=25000"],
             "raise --result-ttl-s to at least 25 s",
         ),
+        (["up", "--log-level=verbose"], "--log-level is 'verbose'; use debug, info, warning, error or critical"),
+        (["worker", "--log-level=verbose"], "(BATCHWIRE_LOG_LEVEL)"),
     ],
 )
 def test_a_setting_that_cannot_work_stops_the_role_before_it_starts(

@@ -62,6 +62,12 @@ def test_an_unknown_format_names_the_flag() -> None:
         logs.check_format("xml")
 
 
+def test_an_unknown_level_names_the_flag_and_a_known_one_is_taken_in_any_case() -> None:
+    with pytest.raises(ValueError, match="--log-level is 'verbose'; use debug, info, warning, error or critical"):
+        logs.check_level("verbose")
+    assert logs.check_level("WARNING") == "warning"
+
+
 SOURCE_PACKAGES = ("gateway", "batcher", "gpu_worker", "transport", "telemetry", "schemas", "batchwire", "infra")
 
 
