@@ -16,6 +16,7 @@ from batchwire.settings import SettingsError, SharedSettings
 from gateway.edge.auth import load_api_keys
 from gateway.settings import GatewaySettings
 from gpu_worker.backends.factory import BackendSettings
+from gpu_worker.journal import BatchJournal
 from gpu_worker.settings import WorkerSettings
 
 GATEWAY_FLAGS = (
@@ -173,12 +174,24 @@ def backend_settings(args: argparse.Namespace) -> BackendSettings:
 def worker_settings(args: argparse.Namespace, model: str, worker_id: str | None = None) -> WorkerSettings:
     """A worker's settings from its flags (in embedded mode, the template of every worker's)."""
     kwargs: dict[str, Any] = {name: getattr(args, name) for name in WORKER_FLAGS}
+    _check_batch_log(args.batch_log)
     if worker_id:
         kwargs["worker_id"] = worker_id
     try:
         return WorkerSettings(model=model, deterministic=model in args.deterministic_models, **kwargs)
     except ValueError as err:
         raise SettingsError(str(err)) from err
+
+
+def _check_batch_log(path: str | None) -> None:
+    """Opens the batch log once: one that cannot be written stops the role before it starts, naming the
+    flag, rather than in a traceback when its workers are built."""
+    if not path:
+        return
+    try:
+        BatchJournal(path).close()
+    except OSError as err:
+        raise SettingsError(f"cannot append to --batch-log {path}: {err.strerror} (BATCHWIRE_BATCH_LOG)") from err
 
 
 def token_counter_of(args: argparse.Namespace) -> TokenCounter:
