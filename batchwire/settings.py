@@ -30,10 +30,15 @@ class SharedSettings:
     redis_url: str | None = None
 
     def __post_init__(self) -> None:
+        if not _wire_name(self.namespace):
+            raise SettingsError(
+                f"namespace {self.namespace!r} must be one or more letters, digits, -, _ and . (it begins every "
+                "Kafka topic's name and every Redis key) (--namespace / BATCHWIRE_NAMESPACE)"
+            )
         if not self.models:
             raise SettingsError("at least one model must be served (--models / BATCHWIRE_MODELS)")
         for model in self.models:
-            if not model or not all(c.isalnum() or c in "-_." for c in model):
+            if not _wire_name(model):
                 raise SettingsError(
                     f"model name {model!r} may hold only letters, digits, -, _ and . (--models / BATCHWIRE_MODELS)"
                 )
@@ -70,6 +75,11 @@ class SharedSettings:
             )
         check_redis_url(self.redis_url)
         return self.redis_url
+
+
+def _wire_name(text: str) -> bool:
+    """Whether ``text`` may go into Kafka topic names (ASCII letters, digits, ``-``, ``_``, ``.``)."""
+    return bool(text) and all((c.isascii() and c.isalnum()) or c in "-_." for c in text)
 
 
 REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", CLUSTER_SCHEME)

@@ -60,6 +60,8 @@ def test_a_negative_drain_timeout_is_refused_naming_the_variable() -> None:
         (["worker", "--log-level=verbose"], "(BATCHWIRE_LOG_LEVEL)"),
         (["worker", "--batch-log=/nonexistent/batches.jsonl"], "cannot append to --batch-log /nonexistent/"),
         (["up", "--batch-log=/nonexistent/batches.jsonl"], "No such file or directory (BATCHWIRE_BATCH_LOG)"),
+        (["worker", "--namespace="], "namespace '' must be one or more letters, digits, -, _ and ."),
+        (["batcher", "--namespace=team a"], "namespace 'team a' must be"),
     ],
 )
 def test_a_setting_that_cannot_work_stops_the_role_before_it_starts(
