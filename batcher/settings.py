@@ -43,5 +43,6 @@ class BatcherSettings:
         TierShares(self.tier_min_share)  # its range check names the setting
         if self.max_held < self.policy.max_batch:
             raise ValueError(
-                f"max_held ({self.max_held}) must be at least max_batch ({self.policy.max_batch}) (BATCHWIRE_MAX_HELD)"
+                f"--max-batch (BATCHWIRE_MAX_BATCH) is {self.policy.max_batch}; a batch holds at most the "
+                f"{self.max_held} requests a batcher holds in memory"
             )

@@ -62,6 +62,7 @@ def test_a_negative_drain_timeout_is_refused_naming_the_variable() -> None:
         (["up", "--batch-log=/nonexistent/batches.jsonl"], "No such file or directory (BATCHWIRE_BATCH_LOG)"),
         (["worker", "--namespace="], "namespace '' must be one or more letters, digits, -, _ and ."),
         (["batcher", "--namespace=team a"], "namespace 'team a' must be"),
+        (["batcher", "--max-batch=60000"], "--max-batch (BATCHWIRE_MAX_BATCH) is 60000; a batch holds at most"),
     ],
 )
 def test_a_setting_that_cannot_work_stops_the_role_before_it_starts(
