@@ -112,6 +112,13 @@ def load_api_keys(keys: str | None, keys_file: str | None) -> LoadedKeys:
         digests.append(digest)
         if key_tiers is not None:
             tiers[digest] = key_tiers
+    if (keys or keys_file) and not digests:
+        # An empty file (a secret that was not mounted) must not turn authentication off unnoticed.
+        given = f"{env_name('api_keys_file')} {keys_file}" if keys_file else env_name("api_keys")
+        raise ValueError(
+            f"{given} holds no API key, and the gateway would take requests without one: add keys, or unset "
+            f"{env_name('api_keys')} and {env_name('api_keys_file')} to run without keys"
+        )
     encoded = tuple(t.encode(digest) for digest, t in tiers.items())
     return LoadedKeys(tuple(dict.fromkeys(digests)), tuple(dict.fromkeys(operators)), encoded)
 

@@ -194,6 +194,19 @@ def test_a_missing_keys_file_names_the_variable(tmp_path: Path) -> None:
         load_api_keys(None, str(tmp_path / "absent"))
 
 
+@pytest.mark.parametrize("text", ["", "# keys come here\n\n"])
+def test_a_keys_file_that_holds_no_key_is_refused_rather_than_leaving_the_gateway_open(
+    tmp_path: Path, text: str
+) -> None:
+    keys_file = tmp_path / "keys"
+    keys_file.write_text(text)
+    with pytest.raises(ValueError, match=f"BATCHWIRE_API_KEYS_FILE {keys_file} holds no API key"):
+        load_api_keys(None, str(keys_file))
+    with pytest.raises(ValueError, match="BATCHWIRE_API_KEYS holds no API key"):
+        load_api_keys(" , ", None)
+    assert load_api_keys(KEY_A, str(keys_file)).digests == (digest_of(KEY_A),), "the other source has one"
+
+
 def test_settings_take_digests_only_and_do_not_echo_the_value() -> None:
     with pytest.raises(ValueError, match="BATCHWIRE_API_KEYS") as failure:
         GatewaySettings(api_keys=(KEY_A,))
