@@ -7,6 +7,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from schemas.wire import DEFAULT_BATCH_PARTITIONS, DEFAULT_NAMESPACE, DEFAULT_REQUEST_PARTITIONS, Names
 from transport.redis.pools import CLUSTER_SCHEME, redacted, unanswered
@@ -65,6 +66,7 @@ class SharedSettings:
                 "Kafka is not configured: pass --kafka-bootstrap HOST:PORT or set BATCHWIRE_KAFKA_BOOTSTRAP "
                 "(`batchwire stack up` starts a local broker and writes .batchwire/stack.env)"
             )
+        check_kafka_bootstrap(self.kafka_bootstrap)
         return self.kafka_bootstrap
 
     def require_redis(self) -> str:
@@ -86,6 +88,36 @@ REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", CLUSTER_SCHEME)
 CLUSTER_FORM = f"{CLUSTER_SCHEME}://HOST:PORT[,HOST:PORT...]"
 
 
+def check_kafka_bootstrap(bootstrap: str) -> None:
+    """Stops a role when an address of ``bootstrap`` has a port that is no port: aiokafka would raise
+    a bare ValueError from deep in its connection code. A host without a port is Kafka's 9092."""
+    for address in bootstrap.split(","):
+        host, colon, port = address.strip().rpartition(":")
+        if ":" in host and not host.endswith("]"):
+            continue  # an IPv6 address without brackets, so without a port
+        if colon and not (host and port.isdigit() and 0 < int(port) <= 65535):
+            raise SettingsError(
+                f"Kafka bootstrap address {address.strip()!r} is not HOST:PORT with a port from 1 to 65535; "
+                "the form is HOST:PORT[,HOST:PORT...] (--kafka-bootstrap / BATCHWIRE_KAFKA_BOOTSTRAP)"
+            )
+
+
+def _check_server_url(url: str) -> None:
+    """The port and DB of a ``redis://`` or ``rediss://`` URL: redis-py raises a bare ValueError on a
+    port that is no number, and reads a DB that is no number as DB 0."""
+    parts = urlsplit(url)
+    form = "the form is redis://HOST:PORT/DB (--redis-url / BATCHWIRE_REDIS_URL)"
+    try:
+        port = parts.port
+    except ValueError:  # not a number, or out of range
+        port = 0
+    if port == 0:
+        raise SettingsError(f"Redis URL {redacted(url)!r}: the port must be a number from 1 to 65535; {form}")
+    db = parts.path.removeprefix("/")
+    if db and not db.isdigit():
+        raise SettingsError(f"Redis URL {redacted(url)!r}: the DB {db!r} must be a number; {form}")
+
+
 def check_redis_url(url: str) -> None:
     """Stops a role at start, before it creates anything, when ``url`` cannot work: a scheme Redis
     clients do not take, a server (or no node of a Redis Cluster) that does not answer, or a Sentinel
@@ -96,6 +128,8 @@ def check_redis_url(url: str) -> None:
             f"Redis URL {redacted(url)!r}: the scheme must be one of {', '.join(s + '://' for s in REDIS_SCHEMES)}; "
             f"the forms are redis://HOST:PORT/DB, {FORM} and {CLUSTER_FORM} (--redis-url / BATCHWIRE_REDIS_URL)"
         )
+    if scheme in ("redis", "rediss"):
+        _check_server_url(url)
     if is_sentinel_url(url):
         try:
             check_sentinels(url)
