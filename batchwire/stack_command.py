@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         shape = cluster_stack.Shape(args.brokers, args.redis_replicas, args.redis_cluster)
         try:
             up = cluster_stack.up_any(state_dir, shape, redis_maxmemory=args.redis_maxmemory)
-        except InfraError as err:
+        except (InfraError, OSError) as err:  # OSError: a --state-dir that cannot be made or written
             print(f"stack up failed: {err}", file=sys.stderr)
             return 1
         shared = dataclasses.replace(shared_settings(args), kafka_bootstrap=up.env[stack.KAFKA_ENV])

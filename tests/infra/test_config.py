@@ -88,6 +88,18 @@ def test_stack_up_flag_names_a_bad_size_and_defaults_to_the_stacks_bound() -> No
     assert done.returncode == 2 and "--redis-maxmemory" in done.stderr and "not a memory size" in done.stderr, done
 
 
+def test_stack_up_in_a_state_dir_that_cannot_be_made_says_so_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from batchwire.cli import main
+
+    (tmp_path / "a-file").write_text("")
+    state_dir = tmp_path / "a-file" / "stack"
+    assert main(["stack", "up", "--state-dir", str(state_dir)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("stack up failed: ") and str(state_dir.parent) in err and "Traceback" not in err, err
+
+
 def test_server_properties_extra_overrides(tmp_path: Path) -> None:
     text = render_server_properties(data_dir=tmp_path, broker_port=1, controller_port=2, extra={"num.partitions": "4"})
     assert _props(text)["num.partitions"] == "4"
