@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import platform
 import sys
 import time
@@ -205,9 +206,18 @@ def _backend(args: argparse.Namespace) -> Backend:
     return make_backend(settings, "profile")
 
 
+def _check_out(out: Path) -> None:
+    """Before the timing, which takes minutes on a real model: a curve with nowhere to go is lost."""
+    folder = out.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise ProfileError(f"--out {out}: {folder} is not a folder this can write the curve into")
+
+
 def run(args: argparse.Namespace) -> int:
     """``batchwire profile``."""
+    out = Path(args.out)
     try:
+        _check_out(out)
         backend = _backend(args)
         backend.load()
         try:
@@ -219,7 +229,6 @@ def run(args: argparse.Namespace) -> int:
     except (ProfileError, BackendConfigError, BackendError) as err:
         print(f"batchwire profile: {err}", file=sys.stderr)
         return 2
-    out = Path(args.out)
     curve.save(out)
     plotted = plot(curve, out.with_suffix(".png"))
     note = f" and {out.with_suffix('.png')}" if plotted else " (no plot: matplotlib is not installed)"

@@ -104,6 +104,15 @@ def test_profile_sim_writes_a_curve(run: Run, tmp_path: Path) -> None:
     assert all(p.p50_ms >= 2.0 for p in curve.points)
 
 
+def test_profile_into_a_folder_that_is_not_there_says_so_before_it_times_anything(
+    run: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(profile, "profile_backend", lambda *args, **kwargs: pytest.fail("timed for nothing"))
+    out_path = tmp_path / "no-such-folder" / "c.json"
+    code, _, err = run(["profile", "--backend", "sim", "--sim-latency-ms", "2", "--out", str(out_path)])
+    assert code == 2 and f"--out {out_path}: {out_path.parent} is not a folder" in err, err
+
+
 def test_profile_hf_without_torch_names_the_extra(run: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real = profile.importlib.util.find_spec
     monkeypatch.setattr(profile.importlib.util, "find_spec", lambda name: None if name == "torch" else real(name))
