@@ -17,7 +17,7 @@ from batchwire.fleet import Heartbeats, batcher_beat, gateway_beat, worker_beat
 from batchwire.gateway_transports import GatewayTransports
 from batchwire.operations import durability, ensure_role_topics
 from batchwire.settings import SettingsError, SharedSettings
-from batchwire.supervise import Parts, run_loop, serve_http, serve_metrics, supervise
+from batchwire.supervise import Parts, check_listen, run_loop, serve_http, serve_metrics, supervise
 from gateway.edge.app import create_app
 from gateway.edge.events import StreamsEnd
 from gateway.service import Gateway
@@ -64,6 +64,7 @@ def run_embedded(args: argparse.Namespace) -> int:
         embedded_settings(args, shared), lambda model, index: make_backend(backends, model), count_tokens
     )
     settings = rs.gateway_settings(args, shared)
+    check_listen(settings)  # before the models load
     limiter = None  # one process: the rate limits' buckets live in memory
     if settings.rate_limit_per_s > 0:
         limiter = MemoryRateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst_tokens)
@@ -101,6 +102,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         shared,
         request_linger_ms=args.request_linger_ms,
     )
+    check_listen(settings)
     transports = GatewayTransports(shared, settings)
     asyncio.run(ensure_role_topics(shared, durability(args), True, ()))  # before serving: a refusal exits 2
     gateway = Gateway(

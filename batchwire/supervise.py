@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import math
 import os
 import signal
+import socket
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
@@ -147,6 +149,26 @@ def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
             raise SettingsError(
                 f"cannot serve /metrics on {host}:{port}: {err} (--metrics-host, --metrics-port)"
             ) from err
+
+
+def check_listen(settings: GatewaySettings) -> None:
+    """Binds the gateway's address once, as the server will, and lets it go: a port in use or a host this
+    machine lacks stops the role in one line naming the setting, before its parts start (uvicorn finds
+    out only once the app has started: models loaded, the gateway shown in the fleet)."""
+    try:
+        found = socket.getaddrinfo(settings.host, settings.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in found:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:  # as asyncio's create_server, beside an IPv4 socket on the port
+                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                probe.bind(address)
+    except OSError as err:  # socket.gaierror too: a host that does not resolve
+        reason = "address already in use" if err.errno == errno.EADDRINUSE else err.strerror or str(err)
+        raise SettingsError(
+            f"cannot listen on {settings.host}:{settings.port}: {reason} (--host / BATCHWIRE_HOST, "
+            "--port / BATCHWIRE_PORT)"
+        ) from err
 
 
 SHUTDOWN_GRACE_S = 5

@@ -4,6 +4,8 @@ and counts, latencies and ports keep to their ranges."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from batchwire.cli import build_parser, main
@@ -77,3 +79,19 @@ def test_a_setting_that_cannot_work_stops_the_role_before_it_starts(
     assert main([*argv, "--port=0"] if argv[0] == "up" else argv) == 2
     err = capsys.readouterr().err
     assert named in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("role", ["gateway", "up"])
+def test_a_port_in_use_stops_the_role_before_anything_starts(
+    role: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Nothing listens here: a gateway that got past the port would stop at Redis instead.
+    monkeypatch.setenv("BATCHWIRE_KAFKA_BOOTSTRAP", "127.0.0.1:1")
+    monkeypatch.setenv("BATCHWIRE_REDIS_URL", "redis://127.0.0.1:1/0")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main([role, "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}: address already in use" in err and "BATCHWIRE_PORT" in err, err
