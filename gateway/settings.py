@@ -300,3 +300,9 @@ def _check_sharing(settings: GatewaySettings) -> None:
             f"cache_ttl_s ({env_name('cache_ttl_s')}) is {settings.cache_ttl_s}; it must be a finite number "
             "of seconds, 0 to turn the cache off"
         )
+    if settings.cache_ttl_s > 0 and not settings.deterministic_models:
+        # The cache keeps a deterministic model's answers only: without one it would be on in name alone.
+        raise ValueError(
+            f"cache_ttl_s ({env_name('cache_ttl_s')}) is {settings.cache_ttl_s}, but no model is deterministic "
+            f"({env_name('deterministic_models')}), and only their answers are cached: name them, or set 0"
+        )

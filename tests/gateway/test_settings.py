@@ -52,6 +52,7 @@ def test_env_name_is_the_prefixed_upper_case_field() -> None:
         ({"header_timeout_s": 0.0}, "BATCHWIRE_HEADER_TIMEOUT_S"),
         ({"body_timeout_s": float("inf")}, "BATCHWIRE_BODY_TIMEOUT_S"),
         ({"max_connections": 0}, "BATCHWIRE_MAX_CONNECTIONS"),
+        ({"cache_ttl_s": 60.0}, "but no model is deterministic .BATCHWIRE_DETERMINISTIC_MODELS."),
     ],
 )
 def test_invalid_values_are_refused_naming_the_variable(overrides: dict[str, Any], named: str) -> None:
