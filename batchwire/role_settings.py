@@ -197,6 +197,11 @@ def _check_batch_log(path: str | None) -> None:
 def token_counter_of(args: argparse.Namespace) -> TokenCounter:
     """The counter for the token budget: ``--tokenizer``, else the hf backend's ``--model-path`` (where
     this command has it), else the estimate."""
+    if args.tokenizer and args.max_batch_tokens <= 0:
+        raise SettingsError(
+            "--tokenizer (BATCHWIRE_TOKENIZER) counts tokens for a token budget, and --max-batch-tokens "
+            "(BATCHWIRE_MAX_BATCH_TOKENS) is 0: set the budget, or leave the tokenizer unset"
+        )
     path = args.tokenizer or getattr(args, "model_path", None)
     try:
         return token_counter(path if args.max_batch_tokens > 0 else None)

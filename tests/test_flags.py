@@ -68,6 +68,7 @@ def test_a_negative_drain_timeout_is_refused_naming_the_variable() -> None:
         (["batcher", "--kafka-bootstrap=127.0.0.1:abc"], "Kafka bootstrap address '127.0.0.1:abc' is not HOST:PORT"),
         (["worker", "--redis-url=redis://127.0.0.1:abc/0"], "the port must be a number from 1 to 65535"),
         (["worker", "--redis-url=redis://127.0.0.1:1/staging"], "the DB 'staging' must be a number"),
+        (["batcher", "--tokenizer=/models/minilm"], "--tokenizer (BATCHWIRE_TOKENIZER) counts tokens for a token"),
     ],
 )
 def test_a_setting_that_cannot_work_stops_the_role_before_it_starts(
