@@ -230,6 +230,11 @@ def run_worker(args: argparse.Namespace) -> int:
     model = args.model or shared.models[0]
     if model not in shared.models:
         raise SettingsError(f"--model {model!r} is not among --models {','.join(shared.models)}")
+    if unknown := [name for name in args.deterministic_models if name not in shared.models]:
+        raise SettingsError(
+            f"--deterministic-models names {','.join(unknown)}, not among --models {','.join(shared.models)} "
+            "(BATCHWIRE_DETERMINISTIC_MODELS)"
+        )
     replicas = _replica_settings(args)
     settings = rs.worker_settings(args, model, args.worker_id)
     process = _WorkerProcess(args, shared, settings, replicas, make_backend(rs.backend_settings(args), model))
