@@ -29,10 +29,12 @@ def models(text: str) -> tuple[str, ...]:
 
 
 def boolean(text: str) -> bool:
+    """An empty value is refused, as a number flag's is: read as false, ``BATCHWIRE_ADMIT_BY_WAIT=`` would
+    turn off a setting that is on by default."""
     lowered = text.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
         return True
-    if lowered in ("0", "false", "no", "off", ""):
+    if lowered in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 

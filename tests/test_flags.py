@@ -30,6 +30,17 @@ def test_a_float_variable_is_refused_by_its_flags_name(
     assert "argument --drain-timeout-s: expected a finite number, got 'inf'" in capsys.readouterr().err
 
 
+def test_an_empty_boolean_variable_is_refused_rather_than_read_as_false(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("BATCHWIRE_ADMIT_BY_WAIT", "")
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["gateway"])
+    assert exited.value.code == 2
+    assert "argument --admit-by-wait: expected true or false, got ''" in capsys.readouterr().err
+    assert build_parser().parse_args(["gateway", "--admit-by-wait", "off"]).admit_by_wait is False
+
+
 def test_finite_numbers_still_parse() -> None:
     assert (
         build_parser().parse_args(["worker", "--credit-ttl-s", "2.5", "--drain-timeout-s", "1e1"]).credit_ttl_s == 2.5
