@@ -53,6 +53,7 @@ def execute(args: argparse.Namespace) -> int:
         load = _load_config(args)
         arms = [(policy, budget) for policy in _policies(args) for budget in _budgets(args)]
         loop_factory = _loop_factory(args.loop)
+        _make_out(args.out)
     except (UsageError, results.ResultsError) as err:
         print(f"batchwire bench: {err}", file=sys.stderr)
         return 2
@@ -101,6 +102,16 @@ def execute(args: argparse.Namespace) -> int:
     if args.out is not None and runs:
         _write(args, started, runs)
     return status
+
+
+def _make_out(out: Path | None) -> None:
+    """Makes ``--out`` before the run: one that cannot be made would lose every measurement at the end."""
+    if out is None:
+        return
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"--out {out}: {err.strerror}") from err
 
 
 def _own_stack(args: argparse.Namespace) -> OwnStack | None:

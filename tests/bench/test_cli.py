@@ -195,6 +195,16 @@ def test_usage_errors_say_which_flag(argv: list[str], message: str, capsys: pyte
     assert message in capsys.readouterr().err
 
 
+def test_an_out_folder_that_cannot_be_made_is_refused_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "a-file").write_text("")
+    out = tmp_path / "a-file" / "results"
+    argv = ["--rate", "10", "--duration", "1", "--lone", "0", "--warm", "0", "--no-metrics"]
+    assert main([*argv, "--url", "http://127.0.0.1:1/v1/inference", "--out", str(out)]) == 2
+    assert f"--out {out}: Not a directory" in capsys.readouterr().err
+
+
 def test_compare_refuses_other_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     other = tmp_path / "x.json"
     other.write_text("{}")
