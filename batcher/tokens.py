@@ -39,7 +39,10 @@ def token_counter(path: str | None) -> TokenCounter:
         from tokenizers import Tokenizer  # in the hf extra: the core install has no tokenizer
     except ImportError as err:
         raise ValueError("counting tokens with a tokenizer needs the `tokenizers` package (the hf extra)") from err
-    tokenizer = Tokenizer.from_file(str(file))
+    try:
+        tokenizer = Tokenizer.from_file(str(file))
+    except Exception as err:  # the Rust tokenizer's errors are plain Exceptions
+        raise ValueError(f"{file} is not a tokenizer.json the tokenizers package reads: {err}") from err
     tokenizer.no_truncation()  # a tokenizer.json may pad or cut (sentence-transformers pads to 128)
     tokenizer.no_padding()
 
