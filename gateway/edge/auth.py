@@ -89,6 +89,8 @@ def load_api_keys(keys: str | None, keys_file: str | None) -> LoadedKeys:
             text = Path(keys_file).read_text()
         except OSError as err:
             raise ValueError(f"cannot read {env_name('api_keys_file')} {keys_file}: {err.strerror}") from err
+        except UnicodeDecodeError as err:  # the bytes are not shown: they may be a key
+            raise ValueError(f"{env_name('api_keys_file')} {keys_file} is not UTF-8 text") from err
         entries.extend((f"line {n} of {keys_file}", line) for n, line in enumerate(text.splitlines(), 1))
     digests: list[str] = []
     operators: list[str] = []

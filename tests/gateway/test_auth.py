@@ -194,6 +194,13 @@ def test_a_missing_keys_file_names_the_variable(tmp_path: Path) -> None:
         load_api_keys(None, str(tmp_path / "absent"))
 
 
+def test_a_keys_file_that_is_not_text_names_the_variable_and_the_file(tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys.bin"
+    keys_file.write_bytes(b"\xff\xfe" + KEY_A.encode())
+    with pytest.raises(ValueError, match=f"BATCHWIRE_API_KEYS_FILE {keys_file} is not UTF-8 text"):
+        load_api_keys(None, str(keys_file))
+
+
 @pytest.mark.parametrize("text", ["", "# keys come here\n\n"])
 def test_a_keys_file_that_holds_no_key_is_refused_rather_than_leaving_the_gateway_open(
     tmp_path: Path, text: str
