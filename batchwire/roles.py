@@ -104,7 +104,9 @@ def run_gateway(args: argparse.Namespace) -> int:
     )
     check_listen(settings)
     transports = GatewayTransports(shared, settings)
-    asyncio.run(ensure_role_topics(shared, durability(args), True, ()))  # before serving: a refusal exits 2
+    # Before serving (a refusal exits 2), and the batch topics too: the queue depth reads their end offsets,
+    # which for a topic no batcher or worker created yet fail after seconds of aiokafka ERROR lines.
+    asyncio.run(ensure_role_topics(shared, durability(args), True, shared.models))
     gateway = Gateway(
         settings,
         transports.producer,
