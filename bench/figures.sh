@@ -26,7 +26,7 @@ validate_hf() {
   fi
   if [ -n "${VALIDATE_HF_OUT:-}" ]; then out=$VALIDATE_HF_OUT table=$VALIDATE_HF_OUT.md; fi  # a sitting of its own
   minilm=${VALIDATE_HF_MINILM:-$($PY -c 'from gpu_worker.backends.packaged import minilm_dir; print(minilm_dir())')}
-  [ -d "$tiny" ] || $PY -c "from gpu_worker.backends.tiny import build_tiny_encoder as b; b('$tiny')"
+  [ -d "$tiny" ] || $PY -c "from batchwire.bench.tiny_models import build_tiny_encoder as b; b('$tiny')"
   specs=("tiny:$tiny:8:32" "minilm:$minilm:32:160")
   [ "$device" = cpu ] || specs=("tiny:$tiny:32:32" "minilm:$minilm:100:160")
   mkdir -p "$(dirname "$table")"; : > "$table"
@@ -141,7 +141,7 @@ figure() {
     # The same with a tiny BERT built on the spot (2 layers, width 32, byte tokens, 4,096 positions):
     # inputs of the same words are 5 to 6 tokens a word, and a budget of TOKEN_BUDGET_TINY bytes.
     token-budget-tiny) local tiny=.batchwire/tiny-encoder-4096
-      [ -d "$tiny" ] || $PY -c "from gpu_worker.backends.tiny import build_tiny_encoder as b; b('$tiny', positions=4096)"
+      [ -d "$tiny" ] || $PY -c "from batchwire.bench.tiny_models import build_tiny_encoder as b; b('$tiny', positions=4096)"
       BATCHWIRE_BACKEND=hf BATCHWIRE_HF_TASK=embed BATCHWIRE_MODEL_PATH="$tiny" \
         $BW bench --client raw --start embedded --workers 1 --lengths 16:256 --budgets "0,${TOKEN_BUDGET_TINY:-8192}" \
         --rate "${TOKEN_BUDGET_RATES:-20,40,80,120}" --duration 20 --warmup 3 --lone 0 --warm 0 \

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_worker.backends.tiny import build_tiny_causal_lm, build_tiny_encoder, build_tiny_seq2seq
+from batchwire.bench.tiny_models import build_tiny_causal_lm, build_tiny_encoder, build_tiny_seq2seq
 
 
 @pytest.fixture(scope="session")

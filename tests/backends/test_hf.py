@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import torch
 
+from batchwire.bench.tiny_models import MAX_POSITIONS
 from gpu_worker.backends.base import BackendError, BatchSizeError, InputError
 from gpu_worker.backends.hf import HFBackend, batch_bucket, plan_free_attention
 from gpu_worker.backends.hf_load import ModelLoadError
 from gpu_worker.backends.sim import ReentryError
-from gpu_worker.backends.tiny import MAX_POSITIONS
 from telemetry.metrics import REGISTRY
 
 # Lengths from 1 to 60 tokens, multi-byte characters, a leading space: padding has work to do.

@@ -14,9 +14,9 @@ import pytest
 import torch
 import transformers
 
+from batchwire.bench.tiny_models import MAX_POSITIONS, build_tiny_encoder, byte_tokenizer
 from gpu_worker.backends.hf import WARMUP_PROMPT, HFBackend
 from gpu_worker.backends.hf_load import ModelLoadError, _load_weights, resolve_device, resolve_dtype
-from gpu_worker.backends.tiny import MAX_POSITIONS, build_tiny_encoder, byte_tokenizer
 
 
 def load(path: Path, **kwargs: Any) -> HFBackend:

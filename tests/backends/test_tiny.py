@@ -8,7 +8,7 @@ from typing import Any, cast
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gpu_worker.backends.tiny import build_tiny_causal_lm, byte_tokenizer
+from batchwire.bench.tiny_models import build_tiny_causal_lm, byte_tokenizer
 
 
 def test_same_seed_same_weights(tmp_path: Path) -> None:

@@ -173,7 +173,7 @@ def test_the_input_of_a_length_is_the_longest_that_fits_it() -> None:
 @pytest.mark.hf
 @pytest.mark.filterwarnings("ignore::batchwire.capacity.curve.CurveWarning")
 def test_profile_hf_times_each_length_in_the_models_own_tokens(run: Run, tmp_path: Path) -> None:
-    from gpu_worker.backends.tiny import build_tiny_encoder  # torch: imported by the tests that use it
+    from batchwire.bench.tiny_models import build_tiny_encoder  # torch: imported by the tests that use it
 
     model = build_tiny_encoder(tmp_path / "bert")
     out_path = tmp_path / "tiny.json"

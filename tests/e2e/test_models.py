@@ -35,7 +35,7 @@ def _wait_for_credits(redis_url: str, namespace: str, model: str, count: int, ti
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from gpu_worker.backends.tiny import build_tiny_causal_lm  # torch: imported by the tests that use it
+    from batchwire.bench.tiny_models import build_tiny_causal_lm  # torch: imported by the tests that use it
 
     return build_tiny_causal_lm(tmp_path_factory.mktemp("tiny") / "tiny-gpt2", arch="gpt2")
 

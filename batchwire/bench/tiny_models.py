@@ -1,4 +1,5 @@
-"""Tiny Hugging Face models built on the spot, for tests and docs: no download, no network.
+"""Tiny Hugging Face models built on the spot, for the tests and the bench's figures: no download, no
+network. A tool: it needs the hf extra, and nothing a role imports reaches it.
 
 Each builder writes a complete model directory (config, seeded random weights, tokenizer) with
 ``save_pretrained``, so it loads through exactly the path users take:
