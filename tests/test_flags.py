@@ -20,24 +20,35 @@ def test_a_float_flag_refuses_what_is_not_a_finite_number(value: str, capsys: py
     assert f"argument --credit-ttl-s: expected a finite number, got {value!r}" in capsys.readouterr().err
 
 
-def test_a_float_variable_is_refused_by_its_flags_name(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("command", "variable", "value", "refusal"),
+    [
+        (
+            "worker",
+            "BATCHWIRE_DRAIN_TIMEOUT_S",
+            "inf",
+            "argument --drain-timeout-s: expected a finite number, got 'inf'",
+        ),
+        # empty in an env file: not read as false, which would turn a setting on by default off
+        ("gateway", "BATCHWIRE_ADMIT_BY_WAIT", "", "argument --admit-by-wait: expected true or false, got ''"),
+    ],
+)
+def test_a_variable_that_is_no_value_of_its_flag_is_refused_by_the_flags_name(
+    command: str,
+    variable: str,
+    value: str,
+    refusal: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    monkeypatch.setenv("BATCHWIRE_DRAIN_TIMEOUT_S", "inf")
+    monkeypatch.setenv(variable, value)
     with pytest.raises(SystemExit) as exited:
-        build_parser().parse_args(["worker"])
+        build_parser().parse_args([command])
     assert exited.value.code == 2
-    assert "argument --drain-timeout-s: expected a finite number, got 'inf'" in capsys.readouterr().err
+    assert refusal in capsys.readouterr().err
 
 
-def test_an_empty_boolean_variable_is_refused_rather_than_read_as_false(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.setenv("BATCHWIRE_ADMIT_BY_WAIT", "")
-    with pytest.raises(SystemExit) as exited:
-        build_parser().parse_args(["gateway"])
-    assert exited.value.code == 2
-    assert "argument --admit-by-wait: expected true or false, got ''" in capsys.readouterr().err
+def test_a_boolean_flag_takes_off() -> None:
     assert build_parser().parse_args(["gateway", "--admit-by-wait", "off"]).admit_by_wait is False
 
 
