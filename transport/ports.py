@@ -108,6 +108,21 @@ class CreditPool(Protocol):
 ReplyHandler = Callable[[TaskState], None]
 
 
+STALE_AFTER_MS = 2_000
+"""How long after its deadline a bound task that has not ended counts as one that never will (no
+batcher batches and no worker starts a request past its deadline): the margin covers clocks that
+disagree between hosts."""
+
+
+def binding_ttl_ms(ttl_ms: int, deadline_ms: int | None, now_ms: int) -> int:
+    """How long a store keeps a new binding (``claim_key``, ``rebind_key``): ``ttl_ms`` past the moment
+    its task goes stale (``STALE_AFTER_MS`` past its deadline), so that the result of a task that ends
+    before then, kept ``ttl_ms`` from its end, never outlives its key; ``ttl_ms`` without a deadline."""
+    if deadline_ms is None:
+        return ttl_ms
+    return ttl_ms + max(0, deadline_ms + STALE_AFTER_MS - now_ms)
+
+
 @dataclass(frozen=True, slots=True)
 class KeyClaim:
     """Which task an idempotency key names, the fingerprint of the request that created it, and that
@@ -183,8 +198,8 @@ class TaskStore(Protocol):
     ) -> KeyClaim:
         """Binds an idempotency ``key`` (within ``scope``) to ``task_id`` unless it is bound already.
 
-        Returns the binding that holds: ours when this call won, else the first one. Bindings live
-        as long as task states (the store's TTL).
+        Returns the binding that holds: ours when this call won, else the first one. A binding is kept
+        at least as long as the result of its task (``binding_ttl_ms``).
         """
         ...
 

@@ -25,14 +25,10 @@ from gateway.errors import TRANSPORT_ERRORS, DeadlineExceeded, IdempotencyKeyReu
 from gateway.keys import idempotency
 from schemas.records import TaskState, TaskStatus
 from telemetry.logs import ids
-from transport.ports import KeyClaim, TaskStore
+from transport.ports import STALE_AFTER_MS, KeyClaim, TaskStore
 from transport.retry import retry
 
 log = logging.getLogger(__name__)
-
-STALE_AFTER_MS = 2_000
-"""How long after its deadline a bound task that has not ended counts as one that never will: the
-margin covers clocks that disagree between hosts."""
 
 UNSTORED_GRACE_S = 1.0
 """How long a retry waits for the task its key names to be stored before it takes that task for one

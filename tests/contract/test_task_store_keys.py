@@ -4,6 +4,7 @@ replaces the key's task, atomically, and never a binding that moved on."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -82,6 +83,31 @@ async def test_rebinding_keeps_scopes_apart(make_store: StoreFactory) -> None:
     await store.rebind_key("owner-a", "same", "task-a", "task-c", "fp")
 
     assert (await store.claim_key("owner-b", "same", "task-x", "fp")).task_id == "task-b"
+
+
+@pytest.mark.parametrize("bound_by", ["claim", "rebind"])
+async def test_a_key_is_kept_as_long_as_the_result_it_names(make_store: StoreFactory, bound_by: str) -> None:
+    """A task ends up to its timeout after its key was bound, and its result is kept the TTL from that
+    end: a retry in the result's last part must find the key, not compute the task again."""
+    ttl_s = 2.0
+    store = await make_store(ttl_s=ttl_s)
+    bound_at_s = time.monotonic()
+    deadline_ms = int(time.time() * 1000 + ttl_s * 1000)  # the longest timeout the TTL allows
+    if bound_by == "rebind":
+        await store.claim_key("o", "k", "task-0", "fp", deadline_ms)
+        bound = await store.rebind_key("o", "k", "task-0", "task-a", "fp", deadline_ms)
+    else:
+        bound = await store.claim_key("o", "k", "task-a", "fp", deadline_ms)
+    assert bound.task_id == "task-a"
+    await store.create(state("task-a", TaskStatus.QUEUED))
+    await asyncio.sleep(ttl_s * 0.75)  # the task waits most of its timeout, then ends
+    assert await store.apply([state("task-a", TaskStatus.COMPLETED, output="done")]) == [True]
+    await asyncio.sleep(max(0.0, bound_at_s + ttl_s + 0.25 - time.monotonic()))  # the TTL from the binding
+
+    retry = await store.claim_key("o", "k", "task-b", "fp", deadline_ms + 3_000)
+
+    assert await store.get("task-a") is not None, "the result must still be kept (its TTL runs from its end)"
+    assert retry.task_id == "task-a", f"a retry while the result is kept must replay it, not bind {retry}"
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import pytest
 from gateway.clock import SystemClock
 from gateway.errors import Unavailable
 from gateway.keys import idempotency
-from gateway.keys.replay import STALE_AFTER_MS, KeyedReplay
+from gateway.keys.replay import KeyedReplay
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from schemas.records import InferenceRequest, TaskState, TaskStatus
@@ -28,7 +28,7 @@ from tests.support.gateway_rig import (
     now_ms,
 )
 from transport.memory.requests import MemoryRequestBus
-from transport.ports import TransportError
+from transport.ports import STALE_AFTER_MS, TransportError
 from transport.redis.store import RedisTaskStore
 from transport.routing import Partitioner
 

@@ -6,8 +6,9 @@ the request bus), under one budget. Ended tasks are dropped oldest-ended first t
 only tasks not yet ended are left, ``full`` says so and the gateway refuses new submits: those for
 a model whose queued inputs fill its share of the budget (the budget over the models served, so a
 model that cannot keep up does not shut out the others), and every submit once the whole budget is
-held. An idempotency key lives as long as its task, so a retry after its task was dropped starts a
-new one instead of waiting for a state that will never come.
+held. An idempotency key lives as long as its task (kept ``ttl_s`` from its binding, and from its
+task's end once that comes later), so a retry after its task was dropped starts a new one instead of
+waiting for a state that will never come, and one while its result is kept replays it.
 """
 
 from __future__ import annotations
@@ -178,10 +179,14 @@ class MemoryTaskStore:
         previous = self._tasks.pop(state.task_id, None)
         if previous is not None:
             self._bytes -= previous.size
-        self._tasks[state.task_id] = _Stored(time.monotonic() + self.ttl_s, state, size)
+        expires_s = time.monotonic() + self.ttl_s
+        self._tasks[state.task_id] = _Stored(expires_s, state, size)
         self._bytes += size
         if state.status.terminal:
             self._ended[state.task_id] = None
+            if (bound := self._key_of.get(state.task_id)) is not None:
+                self._keys[bound].expires_s = expires_s  # the latest expiry of all: the order holds
+                self._keys.move_to_end(bound)
 
     # tasks -------------------------------------------------------------------------------------
 

@@ -7,7 +7,9 @@ Every write is a Lua script (``lua``) that checks that status only moves forward
 publishes the new state on the task's channel (and, for a terminal state, on the reply channel of
 the gateway that waits for it), all in one round trip. Notifications reach this process through its
 change feed (``feed.ChangeFeed``: one PubSub connection). Idempotency keys are plain strings
-(``names.idempotency_key``) holding ``lua.binding``, with the same TTL as tasks.
+(``names.idempotency_key``) holding ``lua.binding``, kept the TTL past their task's deadline and
+``ports.STALE_AFTER_MS`` (``ports.binding_ttl_ms``), since its result is kept the TTL past its end:
+the script that writes the end cannot reach the key, which lives in another hash slot.
 
 Over Redis Cluster (a ``redis+cluster://`` URL) each write script runs once per hash slot of the
 keys it writes, concurrently. A task's channel shares its key's hash tag, so the script publishes
@@ -39,7 +41,7 @@ from schemas.records import TaskState, TaskStatus
 from schemas.wire import Names
 from transport.coalesce import Coalescer
 from transport.errors import PermanentTransportError, StoreFullError
-from transport.ports import KeyClaim, ReplyHandler, TransportError
+from transport.ports import KeyClaim, ReplyHandler, TransportError, binding_ttl_ms
 from transport.redis import scripted
 from transport.redis.feed import ChangeFeed
 from transport.redis.lua import (
@@ -363,19 +365,23 @@ class RedisTaskStore:
         self, scope: str, key: str, task_id: str, fingerprint: str, deadline_ms: int | None = None
     ) -> KeyClaim:
         value = binding(fingerprint, deadline_ms, task_id)
-        return await self._key_script(self._claim_key, "claiming", scope, key, value)
+        return await self._key_script(self._claim_key, "claiming", scope, key, deadline_ms, value)
 
     async def rebind_key(
         self, scope: str, key: str, ended_task_id: str, task_id: str, fingerprint: str, deadline_ms: int | None = None
     ) -> KeyClaim:
         value = binding(fingerprint, deadline_ms, task_id)
-        return await self._key_script(self._rebind_key, "re-claiming", scope, key, ended_task_id, value)
+        return await self._key_script(self._rebind_key, "re-claiming", scope, key, deadline_ms, ended_task_id, value)
 
-    async def _key_script(self, script: Any, what: str, scope: str, key: str, *args: str) -> KeyClaim:
-        """Runs a key script (``CLAIM_KEY``, ``REBIND_KEY``): the binding that holds afterwards."""
+    async def _key_script(
+        self, script: Any, what: str, scope: str, key: str, deadline_ms: int | None, *args: str
+    ) -> KeyClaim:
+        """Runs a key script (``CLAIM_KEY``, ``REBIND_KEY``): the binding that holds afterwards. A new
+        binding expires ``binding_ttl_ms`` from now, as its task may end as late as its deadline."""
         name = self.names.idempotency_key(scope, key)
+        ttl_ms = binding_ttl_ms(self.ttl_ms, deadline_ms, time.time_ns() // 1_000_000)
         try:
-            held = await script(keys=[name], args=[self.ttl_ms, *args])
+            held = await script(keys=[name], args=[ttl_ms, *args])
         except REDIS_ERRORS as err:
             raise translate(f"{what} an idempotency key", err) from err
         text = held.decode() if isinstance(held, bytes) else str(held)
