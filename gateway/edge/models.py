@@ -88,7 +88,8 @@ class TaskAccepted(BaseModel):
 
     task_id: str
     status: StatusName = Field(
-        description="`queued` for a new task; for a retry with an Idempotency-Key, the earlier task's status."
+        description="`queued` for a new task; `completed` for one answered from the result cache (its output "
+        "is at `result_url` at once); for a retry with an Idempotency-Key, the earlier task's status."
     )
     result_url: str = Field(description="Poll here; add ?wait=<seconds> to long-poll.")
     events_url: str = Field(description="Server-sent events of every status change.")

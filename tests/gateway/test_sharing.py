@@ -148,6 +148,9 @@ async def test_a_cache_hit_answers_without_the_bus_in_every_shape(make_rig: RigF
     assert set(body) == set(computed.json()) and body["output"] == "olleh", body
     assert body["task_id"] != computed.json()["task_id"], "a hit gets a task id of its own"
     assert accepted.status_code == 202 and accepted.json()["status"] == "completed", accepted.text
+    spec = (await rig.client.get("/openapi.json")).json()
+    documented = spec["components"]["schemas"]["TaskAccepted"]["properties"]["status"]["description"]
+    assert "`completed` for one answered from the result cache" in documented, f"the 202 documents {documented!r}"
     polled = (await rig.client.get(accepted.json()["result_url"])).json()
     assert (polled["status"], polled["output"]) == ("completed", "olleh"), polled
     async with rig.client.stream("GET", accepted.json()["events_url"]) as events:

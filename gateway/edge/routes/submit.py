@@ -138,7 +138,8 @@ def add_routes(routes: APIRouter, settings: GatewaySettings) -> None:
         openapi_extra=body_doc,
         summary="Queue one input and return at once",
         description="Answers 202 with where to poll (`result_url`, also the Location header) or stream "
-        "(`events_url`) the task's progress. A retry with an Idempotency-Key used before answers 202 with the "
+        "(`events_url`) the task's progress. An input whose answer the result cache holds answers 202 with its "
+        "task already `completed`. A retry with an Idempotency-Key used before answers 202 with the "
         "earlier task (its current status) and the header `Idempotent-Replayed: true`.",
     )
 
