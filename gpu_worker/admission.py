@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 
 from gpu_worker.calls import Failure
 from gpu_worker.states import task_state
@@ -57,17 +58,19 @@ class Admission:
         self._ended_before: dict[str, list[TaskState]] = {}
 
     def expire_late(
-        self, batch: Batch, ends_by_ms: int, call_ms: float = 0.0
+        self, batch: Batch, ends_by_ms: int, call_ms: float = 0.0, items: Sequence[BatchItem] | None = None
     ) -> tuple[list[TaskState], list[BatchItem]]:
-        """(The ``expired`` states of the items whose deadline a call ending at ``ends_by_ms`` would
-        miss, the live items.) Such a call computes an answer nobody may receive: the GPU's time goes
-        to items that can still be answered. ``call_ms``: the model's expected call."""
+        """(The ``expired`` states of the items (``items``, else the batch's) whose deadline a call
+        ending at ``ends_by_ms`` would miss, the live items.) Such a call computes an answer nobody
+        may receive: the GPU's time goes to items that can still be answered. ``call_ms``: the
+        model's expected call."""
+        items = batch.items if items is None else items
         late = [
             task_state(self.worker_id, batch, item, TaskStatus.EXPIRED, error=expired_error(item, call_ms))
-            for item in batch.items
+            for item in items
             if item.deadline_ms <= ends_by_ms
         ]
-        return late, [item for item in batch.items if item.deadline_ms > ends_by_ms]
+        return late, [item for item in items if item.deadline_ms > ends_by_ms]
 
     async def count_and_admit(self, batch: Batch, live: list[BatchItem]) -> tuple[int, list[BatchItem]]:
         """Counts this delivery and admits the live items: (deliveries so far, the items to run)."""

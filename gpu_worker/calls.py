@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gpu_worker.backends.base import Backend, InputError
-from gpu_worker.runner import BackendHung, BackendRunner, Timing
+from gpu_worker.runner import BackendHung, BackendRunner, NotStarted, Timing
 from telemetry import metrics
 
 
@@ -66,30 +66,35 @@ class BackendCalls:
         self.worker_id = worker_id
         self.distinct_only = distinct_only
 
-    async def run(self, inputs: list[str], result: GroupResult | None = None) -> GroupResult:
-        """Outputs (or failures) by input index, filled into ``result`` (a new one by default)."""
+    async def run(
+        self, inputs: list[str], result: GroupResult | None = None, start_by: float | None = None
+    ) -> GroupResult:
+        """Outputs (or failures) by input index, filled into ``result`` (a new one by default).
+        ``start_by``: the first call, not begun by then (the runner's clock), raises ``NotStarted``."""
         result = GroupResult() if result is None else result
         distinct = list(dict.fromkeys(inputs)) if self.distinct_only else inputs
         if len(distinct) < len(inputs):
-            await self._run_each(distinct, result)
+            await self._run_each(distinct, result, start_by)
             position = {text: index for index, text in enumerate(distinct)}
             result.outputs = {index: result.outputs[position[text]] for index, text in enumerate(inputs)}
             return result
-        return await self._run_each(inputs, result)
+        return await self._run_each(inputs, result, start_by)
 
-    async def _run_each(self, inputs: list[str], result: GroupResult) -> GroupResult:
+    async def _run_each(self, inputs: list[str], result: GroupResult, start_by: float | None) -> GroupResult:
         rejected: dict[int, InputError] = self.backend.input_errors(inputs)
         for index, err in rejected.items():
             result.outputs[index] = Failure(err.code, str(err))
         todo = [index for index in range(len(inputs)) if index not in rejected]
         if todo:
-            await self._bisect(inputs, todo, result)
+            await self._bisect(inputs, todo, result, start_by)
         return result
 
-    async def _bisect(self, inputs: list[str], indices: list[int], result: GroupResult) -> None:
+    async def _bisect(
+        self, inputs: list[str], indices: list[int], result: GroupResult, start_by: float | None = None
+    ) -> None:
         try:
-            outputs = await self._call([inputs[i] for i in indices], result)
-        except BackendHung:
+            outputs = await self._call([inputs[i] for i in indices], result, start_by)
+        except (BackendHung, NotStarted):
             raise
         except Exception as err:
             if len(indices) == 1:
@@ -102,10 +107,10 @@ class BackendCalls:
         for index, output in zip(indices, outputs, strict=True):
             result.outputs[index] = output
 
-    async def _call(self, inputs: list[str], result: GroupResult) -> list[str]:
+    async def _call(self, inputs: list[str], result: GroupResult, start_by: float | None) -> list[str]:
         timing = result.first if result.started is None else Timing()
         try:
-            outputs = await self.runner.call(self.backend.batchstring, inputs, timing=timing)
+            outputs = await self.runner.call(self.backend.batchstring, inputs, timing=timing, start_by=start_by)
         finally:
             if timing.started is not None and timing.ended is not None:  # thread times: not the queueing
                 elapsed = timing.ended - timing.started

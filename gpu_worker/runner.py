@@ -27,6 +27,10 @@ EXIT_BACKEND_HUNG = 75
 FIRST_CALL_LIMIT_S = 60.0
 
 
+class NotStarted(Exception):
+    """A call still waiting for the thread at its ``start_by`` was withdrawn: the thread skips it."""
+
+
 class BackendHung(Exception):
     """A backend call ran past its hang limit; the thread that runs it is lost."""
 
@@ -111,37 +115,47 @@ class BackendRunner:
                 timing.cpu_s, timing.ended = time.thread_time() - cpu_from, self.clock()
                 future.set_result(result)
 
-    def _submit(self, fn: Callable[..., T], *args: Any, timing: Timing | None = None) -> asyncio.Future[T]:
+    def _submit(
+        self, fn: Callable[..., T], *args: Any, timing: Timing | None = None
+    ) -> tuple[asyncio.Future[T], Future[T]]:
         future: Future[T] = Future()
         self._jobs.put((fn, args, future, Timing() if timing is None else timing))
         wrapped = asyncio.wrap_future(future)
         # A call given up on (hung, or its caller cancelled) may still end in an error nobody awaits.
         wrapped.add_done_callback(_retrieve)
-        return wrapped
+        return wrapped, future
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs ``fn`` on the thread with no hang limit (loading weights)."""
-        return await asyncio.shield(self._submit(fn, *args))
+        return await asyncio.shield(self._submit(fn, *args)[0])
 
-    async def call(self, fn: Callable[..., T], *args: Any, timing: Timing | None = None) -> T:
+    async def call(
+        self, fn: Callable[..., T], *args: Any, timing: Timing | None = None, start_by: float | None = None
+    ) -> T:
         """Runs ``fn`` on the thread; raises ``BackendHung`` once it overruns the limit (it keeps running).
 
         ``timing``, if given, gets when the call really ran. Calls queue in order: one submitted while
         another runs starts the moment that one ends, with no wait for the event loop, and its limit
-        counts from then.
+        counts from then. One still waiting at ``start_by`` (this runner's clock) is withdrawn and
+        raises ``NotStarted``: its caller decides what still runs, behind the call that overran.
         """
         if self.hung:
             raise BackendHung(0.0, 0.0, self.expected_s)
         limit = self.limit_s()
         timing = Timing() if timing is None else timing
-        running = self._submit(fn, *args, timing=timing)
+        running, queued = self._submit(fn, *args, timing=timing)
         try:
             while True:
                 since = timing.started if timing.started is not None else self.clock()
+                until = None if limit is None else since + limit
+                if timing.started is None and start_by is not None:
+                    until = start_by if until is None else min(until, start_by)
                 try:
-                    async with asyncio.timeout(None if limit is None else since + limit - self.clock()):
+                    async with asyncio.timeout(None if until is None else until - self.clock()):
                         return await asyncio.shield(running)
                 except TimeoutError:
+                    if start_by is not None and self.clock() >= start_by and queued.cancel():
+                        raise NotStarted from None  # the thread had not taken it: it never will
                     started, ended = timing.started, timing.ended
                     ran_s = None if started is None else (self.clock() if ended is None else ended) - started
                     if ran_s is not None and ran_s >= (limit or 0.0):

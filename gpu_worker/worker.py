@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -37,7 +39,7 @@ from gpu_worker.credits import CreditOffer
 from gpu_worker.journal import BatchJournal
 from gpu_worker.pipeline import Pipeline
 from gpu_worker.redelivery import Redelivery
-from gpu_worker.runner import BackendHung, BackendRunner
+from gpu_worker.runner import BackendHung, BackendRunner, NotStarted
 from gpu_worker.settings import WorkerSettings
 from gpu_worker.states import count_ended, count_stages, task_state, wall_ms
 from schemas.records import Batch, BatchItem, TaskState, TaskStatus
@@ -313,17 +315,45 @@ class Worker:
         result: GroupResult,
     ) -> None:
         try:
-            states = await self._run_group(batch, todo, 1, result)
+            expired, states = await self._run_first(batch, todo, result)
         except BackendHung as err:
             await self._hung(batch, err)
             raise
         count_ended(batch, ended + states)
-        self._fill(slot, batch, ended + states, result)
+        self._fill(slot, batch, ended + expired + states, result)  # ``expired`` again: a no-op, but for replicas
+
+    async def _run_first(
+        self, batch: Batch, todo: list[BatchItem], result: GroupResult
+    ) -> tuple[list[TaskState], list[TaskState]]:
+        """Runs a first delivery's call, queued behind the one in flight: (the states of the items
+        that ended ``expired`` waiting, already stored; those of the items that ran). Should the call
+        in flight overrun (or hang), an item whose call can no longer end by its deadline ends then,
+        not when its call ends (or the batch's next owner admits it), and its call runs without it."""
+        expired: list[TaskState] = []
+        while todo:
+            call_ms = (self.runner.expected_s or 0.0) * 1000
+            now_ms, now_s = wall_ms(), self.runner.clock()
+            start_by = now_s + (min(item.deadline_ms for item in todo) - call_ms - now_ms) / 1000
+            try:
+                return expired, await self._run_group(batch, todo, 1, result, start_by)
+            except NotStarted:
+                ends_by_ms = now_ms + math.ceil((self.runner.clock() - now_s) * 1000 + call_ms)
+                late, todo = self.admission.expire_late(batch, ends_by_ms, call_ms, todo)
+                await self._retry("ending expired tasks", functools.partial(self.store.apply, late))
+                count_ended(batch, late)
+                expired += late
+                result.outputs.clear()
+        return expired, []
 
     async def _run_group(
-        self, batch: Batch, items: list[BatchItem], delivery: int, result: GroupResult | None = None
+        self,
+        batch: Batch,
+        items: list[BatchItem],
+        delivery: int,
+        result: GroupResult | None = None,
+        start_by: float | None = None,
     ) -> list[TaskState]:
-        result = await self.calls.run([item.input for item in items], result)
+        result = await self.calls.run([item.input for item in items], result, start_by)
         outputs = result.outputs
         self.batches_run += 1
         outcome = "ok" if all(isinstance(r, str) for r in outputs.values()) else "partial"

@@ -8,9 +8,10 @@ import time
 
 import pytest
 
-from gpu_worker.runner import FIRST_CALL_LIMIT_S, BackendHung, BackendRunner, Timing
-from schemas.records import TaskStatus
-from tests.support.worker_rig import Rig, ScriptedBackend
+from gpu_worker.runner import FIRST_CALL_LIMIT_S, BackendHung, BackendRunner, NotStarted, Timing
+from schemas.records import Batch, BatchItem, TaskState, TaskStatus
+from tests.support.eventually import eventually
+from tests.support.worker_rig import Rig, ScriptedBackend, now_ms
 
 
 def test_the_limit_follows_the_moving_average_of_calls() -> None:
@@ -62,6 +63,22 @@ async def test_a_call_that_ends_in_time_is_not_hung_however_late_the_event_loop_
     time.sleep(0.6)  # noqa: ASYNC251  # the event loop held up three limits long; the call ends meanwhile
     assert await call is None
     assert not runner.hung
+    runner.close()
+
+
+async def test_a_call_still_queued_at_its_start_by_is_withdrawn_and_never_runs() -> None:
+    """Behind a call that overran, a queued call whose start_by passes is taken back: the thread skips it."""
+    release = threading.Event()
+    runner = BackendRunner("r", hang_factor=10, hang_min_s=30, expected_s=0.01)
+    ran: list[str] = []
+    blocking = asyncio.ensure_future(runner.call(release.wait))
+    await asyncio.sleep(0)  # it reaches the thread first
+    with pytest.raises(NotStarted):
+        await runner.call(ran.append, "queued", start_by=runner.clock() + 0.2)
+    release.set()
+    assert await blocking is True
+    assert await runner.call(ran.append, "after", start_by=runner.clock() + 0.2) is None, "one that starts in time runs"
+    assert ran == ["after"], "the withdrawn call never ran"
     runner.close()
 
 
@@ -123,3 +140,71 @@ async def test_a_batch_fetched_behind_a_hung_call_is_given_back_with_it() -> Non
     backend.release.set()
     assert worker.given_back == [first, second]
     assert rig.committed == [], "nothing committed"
+
+
+async def test_a_task_queued_behind_a_hung_call_expires_at_its_deadline_and_its_call_runs_without_it() -> None:
+    """b2 is admitted (``running``) and its call queued while b1's call hangs, well inside the hang
+    limit: its item whose deadline comes first ends ``expired`` then, not once the worker gives up;
+    when b1's call returns after all, b2's call runs its other item alone."""
+    rig = Rig()
+    await rig.listen()
+    backend = ScriptedBackend(hang_on="stuck")
+    worker = await rig.worker(backend, expected_latency_ms=400, credit_lead_ms=300, hang_min_s=60)
+    first = rig.batch(["stuck"], "b1", prefix="a")
+    now = now_ms()
+    items = (BatchItem("b0", "soon", now, now + 3_000, "gw"), BatchItem("b1", "later", now, now + 60_000, "gw"))
+    second = Batch("b2", "sim", "test", now, "idle_worker", None, items)
+    seen: list[TaskState] = []
+    async with rig.store.watch("b0") as changes:
+        for batch in (first, second):
+            await rig.create(batch)
+            await rig.send(batch)
+        async with asyncio.timeout(15):
+            async for state in changes:
+                seen.append(state)
+                if state.status.terminal:
+                    break
+    assert [state.status for state in seen][-2:] == [TaskStatus.RUNNING, TaskStatus.EXPIRED], seen
+    ended = seen[-1]
+    assert ended.status is TaskStatus.EXPIRED and ended.error_code == "deadline_exceeded", ended
+    assert now + 3_000 - 400 - 5 <= ended.updated_at_ms <= now + 3_000 + 5_000, (
+        f"ended {ended.updated_at_ms - now} ms in: once a call could no longer end in time, near its deadline"
+    )
+    assert not worker.hung
+    later = await rig.store.get("b1")
+    assert later is not None and later.status is TaskStatus.RUNNING, f"b1 still waits for its call: {later}"
+    backend.release.set()
+    done = await rig.ended(["a0", "b1"])
+    assert done["a0"].output == "kcuts" and done["b1"].output == "retal", done
+    assert backend.calls == [["stuck"], ["later"]], "the expired item never reaches the backend"
+    await eventually(lambda: rig.committed == [0, 1], "both batches committed")
+    assert rig.replies["b0"] == [ended], "b0 answered once"
+    await worker.close()
+
+
+async def test_a_batch_whose_every_item_expired_behind_a_hung_call_keeps_its_place() -> None:
+    """b2's only item expires while b1's call hangs: the worker still has a batch waiting for the
+    thread, so it takes no other (b3 stays on the bus for a worker that can run it) until b1's call ends."""
+    rig = Rig()
+    await rig.listen()
+    backend = ScriptedBackend(hang_on="stuck")
+    worker = await rig.worker(backend, expected_latency_ms=400, credit_lead_ms=300, hang_min_s=60)
+    now = now_ms()
+    first = rig.batch(["stuck"], "b1", prefix="a")
+    second = rig.batch(["soon"], "b2", deadline_ms=now + 2_000, prefix="b")
+    third = rig.batch(["next"], "b3", prefix="c")
+    for batch in (first, second, third):
+        await rig.create(batch)
+        await rig.send(batch)
+    ended = (await rig.ended(["b0"], timeout_s=15))["b0"]
+    assert ended.status is TaskStatus.EXPIRED, ended
+    with pytest.raises(AssertionError, match="timed out"):
+        await eventually(lambda: not rig.bus.queues[0], "b3 taken while b1's call hangs", timeout_s=1.0)
+    waiting = await rig.store.get("c0")
+    assert waiting is not None and waiting.status is TaskStatus.QUEUED, waiting
+    backend.release.set()
+    done = await rig.ended(["a0", "c0"])
+    assert done["c0"].output == "txen", done
+    assert backend.calls == [["stuck"], ["next"]], "the expired item never reaches the backend"
+    await eventually(lambda: rig.committed == [0, 1, 2], "the three batches committed in order")
+    await worker.close()
