@@ -31,8 +31,10 @@ def task_state(
     status: TaskStatus,
     output: str | None = None,
     error: Failure | None = None,
+    ran_with: int | None = None,
 ) -> TaskState:
-    """``item``'s state as this worker writes it, stamped now."""
+    """``item``'s state as this worker writes it, stamped now. ``ran_with``: how many items its
+    call ran (its ``batch_size``; by default the sealed batch's, before any was dropped)."""
     return TaskState(
         task_id=item.task_id,
         status=status,
@@ -43,7 +45,7 @@ def task_state(
         error_code=error.code if error else None,
         error_message=error.message if error else None,
         batch_id=batch.batch_id,
-        batch_size=len(batch.items),
+        batch_size=len(batch.items) if ran_with is None else ran_with,
         worker_id=worker_id,
         reply_to=item.reply_to,
     )

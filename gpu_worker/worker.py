@@ -374,15 +374,21 @@ class Worker:
             if isinstance(output, str):
                 output = oversize(output, limit) or output
             if isinstance(output, str):
-                states.append(self._state(batch, item, TaskStatus.COMPLETED, output=output))
+                states.append(self._state(batch, item, len(items), TaskStatus.COMPLETED, output=output))
             else:
-                states.append(self._state(batch, item, TaskStatus.FAILED, error=output))
+                states.append(self._state(batch, item, len(items), TaskStatus.FAILED, error=output))
         return states
 
     def _state(
-        self, batch: Batch, item: BatchItem, status: TaskStatus, output: str | None = None, error: Failure | None = None
+        self,
+        batch: Batch,
+        item: BatchItem,
+        ran_with: int,
+        status: TaskStatus,
+        output: str | None = None,
+        error: Failure | None = None,
     ) -> TaskState:
-        return task_state(self.settings.worker_id, batch, item, status, output, error)
+        return task_state(self.settings.worker_id, batch, item, status, output, error, ran_with)
 
 
 def _first(err: BaseException) -> BaseException:

@@ -23,6 +23,8 @@ async def test_a_cancelled_task_never_reaches_the_backend() -> None:
     await worker.close()
     assert backend.calls == [["abc", "xyz"]], f"only live tasks reach the backend, got {backend.calls}"
     assert ended["t0"].output == "cba" and ended["t2"].output == "zyx"
+    sizes = [ended["t0"].batch_size, ended["t2"].batch_size]
+    assert sizes == [2, 2], f"the answers ran in a batch of 2, the cancelled task dropped; got {sizes}"
     stored = await rig.store.get("t1")
     assert stored is not None and stored.status is TaskStatus.CANCELLED, f"the cancel stands, got {stored}"
 
