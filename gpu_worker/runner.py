@@ -137,7 +137,8 @@ class BackendRunner:
         ``timing``, if given, gets when the call really ran. Calls queue in order: one submitted while
         another runs starts the moment that one ends, with no wait for the event loop, and its limit
         counts from then. One still waiting at ``start_by`` (this runner's clock) is withdrawn and
-        raises ``NotStarted``: its caller decides what still runs, behind the call that overran.
+        raises ``NotStarted``: its caller decides what still runs, behind the call that overran. One
+        whose caller is cancelled before the thread takes it never runs.
         """
         if self.hung:
             raise BackendHung(0.0, 0.0, self.expected_s)
@@ -163,6 +164,9 @@ class BackendRunner:
                         raise BackendHung(ran_s, limit or 0.0, self.expected_s) from None
                     # still queued behind the call before (under a limit of its own), or it ended in
                     # time while this process was held up past the limit (a starved machine)
+        except asyncio.CancelledError:
+            queued.cancel()  # given up on before the thread took it: it never runs
+            raise
         finally:
             if timing.started is not None and timing.ended is not None:
                 self._observe(timing.ended - timing.started)

@@ -82,6 +82,26 @@ async def test_a_call_still_queued_at_its_start_by_is_withdrawn_and_never_runs()
     runner.close()
 
 
+async def test_a_queued_call_whose_caller_is_cancelled_never_runs() -> None:
+    """A worker that stops taking batches (its loop cancelled, and the calls in flight with it)
+    leaves no call waiting on the thread to compute a batch that goes back uncommitted."""
+    release = threading.Event()
+    runner = BackendRunner("r", hang_factor=10, hang_min_s=30, expected_s=0.01)
+    ran: list[str] = []
+    blocking = asyncio.ensure_future(runner.call(release.wait))
+    await asyncio.sleep(0)  # it reaches the thread first
+    queued = asyncio.ensure_future(runner.call(ran.append, "given up"))
+    await asyncio.sleep(0)  # queued behind it
+    queued.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await queued
+    release.set()
+    assert await blocking is True
+    assert await runner.call(ran.append, "after") is None
+    assert ran == ["after"], f"the call given up on before it began never ran; ran {ran}"
+    runner.close()
+
+
 async def test_a_call_records_its_threads_cpu_time_computing_not_waiting() -> None:
     """A model computing on the CPU uses its thread's CPU; one waiting for a device (a sleep) does not."""
     runner = BackendRunner("test")
