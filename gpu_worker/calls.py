@@ -3,10 +3,12 @@
 Each call runs on the backend's own thread (``runner.BackendRunner``); a plain exception splits the
 inputs in halves until the failing ones are alone, so the healthy ones still get answers. A hung
 call is not an input's failure: ``BackendHung`` goes up to the worker, which gives the batch back.
+The up-front check (``input_errors``: a tokenizer's counts) runs on a thread too, off the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 from gpu_worker.backends.base import Backend, InputError
@@ -81,7 +83,9 @@ class BackendCalls:
         return await self._run_each(inputs, result, start_by)
 
     async def _run_each(self, inputs: list[str], result: GroupResult, start_by: float | None) -> GroupResult:
-        rejected: dict[int, InputError] = self.backend.input_errors(inputs)
+        # Tokenizing a batch of long inputs takes long enough to stall every other task of the loop
+        # (in one process: the HTTP server's, the heartbeats', the hang detection's).
+        rejected: dict[int, InputError] = await asyncio.to_thread(self.backend.input_errors, inputs)
         for index, err in rejected.items():
             result.outputs[index] = Failure(err.code, str(err))
         todo = [index for index in range(len(inputs)) if index not in rejected]

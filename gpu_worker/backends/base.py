@@ -30,7 +30,8 @@ class Backend(Protocol):
 
     Implementations are blocking (a GPU call); the worker runs them in a dedicated thread, one
     call at a time. ``input_errors`` lets a backend reject single inputs up front (returned as
-    per-request errors) so that one bad input does not fail a whole batch.
+    per-request errors) so that one bad input does not fail a whole batch; the worker calls it on
+    another thread, possibly while ``batchstring`` runs, so it must be safe there.
     """
 
     name: str

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,8 @@ from gpu_worker.backends.base import BackendError, BatchSizeError, InputError
 from gpu_worker.backends.hf import HFBackend, batch_bucket, plan_free_attention
 from gpu_worker.backends.hf_load import ModelLoadError
 from gpu_worker.backends.sim import ReentryError
+from gpu_worker.calls import BackendCalls, Failure
+from gpu_worker.runner import BackendRunner
 from telemetry.metrics import REGISTRY
 
 # Lengths from 1 to 60 tokens, multi-byte characters, a leading space: padding has work to do.
@@ -182,7 +186,7 @@ def test_entering_twice_at_once_fails_loudly(
 def test_input_errors_is_safe_while_a_batch_runs(
     tiny_models: dict[str, Path], make_backend: Callable[..., HFBackend]
 ) -> None:
-    """The worker calls input_errors on its event loop while batchstring runs in the model thread.
+    """The worker calls input_errors on a thread of its own while batchstring runs in the model thread.
     One shared fast tokenizer breaks there (its padding state is changed under the batch)."""
     backend = make_backend(tiny_models["gpt2"], max_new_tokens=1)
     failures: list[BaseException] = []
@@ -206,6 +210,37 @@ def test_input_errors_is_safe_while_a_batch_runs(
     thread.join(10)
     assert not failures, f"batchstring failed while input_errors ran: {failures[0]!r}"
     assert counted > 0
+
+
+async def test_the_worker_checks_long_inputs_off_its_event_loop(
+    tiny_models: dict[str, Path], make_backend: Callable[..., HFBackend]
+) -> None:
+    """Counting the tokens of a batch of long inputs takes a while; in one process (up) the HTTP server,
+    the heartbeats and the hang detection share the worker's loop, so it must not stall there."""
+    backend = make_backend(tiny_models["bert"], task="embed")
+    inputs = [f"word {index} " * 9000 for index in range(32)]  # 64k characters each, all too long
+    began = time.perf_counter()
+    backend.input_errors(inputs)
+    check_s = time.perf_counter() - began
+    runner = BackendRunner("test-hf")
+    calls = BackendCalls(backend, runner, "bert", "w")
+    gaps: list[float] = []
+    checking = asyncio.create_task(calls.run(inputs))
+    last = time.perf_counter()
+    try:
+        while not checking.done():
+            await asyncio.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+        outputs = (await checking).outputs
+    finally:
+        runner.close()
+    codes = {output.code for output in outputs.values() if isinstance(output, Failure)}
+    assert len(outputs) == 32 and codes == {"input_too_long"}, f"expected 32 input_too_long, got {outputs}"
+    assert max(gaps) < check_s / 2, (
+        f"the event loop stalled {max(gaps):.2f} s while a batch that takes {check_s:.2f} s to check was checked"
+    )
 
 
 def test_too_long_input_is_a_per_request_error(
