@@ -14,7 +14,7 @@ import shlex
 import signal
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -23,7 +23,7 @@ import uvloop
 from batchwire.bench import results
 from batchwire.bench.cli import DEFAULT_URL
 from batchwire.bench.lengths import Lengths
-from batchwire.bench.loadgen import Expect
+from batchwire.bench.loadgen import BAD_BODY, WRONG_ANSWER, Expect
 from batchwire.bench.mix import mix_run, mix_table, write_mix
 from batchwire.bench.own_stack import OwnStack
 from batchwire.bench.procstats import discover_infra_pids, read_env_file
@@ -60,6 +60,7 @@ def execute(args: argparse.Namespace) -> int:
     _raise_open_files_limit(load.concurrency_limit + 256)
     started = dt.datetime.now(dt.UTC)
     runs: list[RunReport] = []
+    outcomes: list[Outcome] = []
     status = 0
     restore_sigterm = _sigterm_as_sigint()
     own = _own_stack(args)
@@ -73,9 +74,9 @@ def execute(args: argparse.Namespace) -> int:
                 report = RunReport(label=label, policy=policy, sut=None, rates=[])
                 runs.append(report)
                 if args.start:
-                    _run_started(runner, args, load, policy, budget, report, stack)
+                    outcomes += _run_started(runner, args, load, policy, budget, report, stack)
                 else:
-                    runner.run(_measure(args, load, _given_target(args), report))
+                    outcomes += runner.run(_measure(args, load, _given_target(args), report))
     except (KeyboardInterrupt, asyncio.CancelledError):
         print("batchwire bench: interrupted; writing what was measured", file=sys.stderr)
         status = 130
@@ -101,7 +102,33 @@ def execute(args: argparse.Namespace) -> int:
         print("\n" + compare_table(runs[0], runs[1]))
     if args.out is not None and runs:
         _write(args, started, runs)
+    failure = _failure(outcomes)
+    if failure is not None and status == 0:
+        print(f"batchwire bench: {failure}", file=sys.stderr)
+        status = 1
     return status
+
+
+Outcome = tuple[int, Mapping[str, int]]
+"""One rate's (or one mix stream's) requests answered 200 and its errors by kind."""
+
+
+def _failure(outcomes: Sequence[Outcome]) -> str | None:
+    """Why the run is a failure for a script that reads the exit status (a wrong --url, a refused
+    connection, a wrong answer under --check), or None: the tables alone do not stop a CI job."""
+    if not outcomes:
+        return None
+    if sum(ok for ok, _ in outcomes) == 0:
+        errors: dict[str, int] = {}
+        for _, kinds in outcomes:
+            for kind, count in kinds.items():
+                errors[kind] = errors.get(kind, 0) + count
+        said = " ".join(f"{kind}={count}" for kind, count in sorted(errors.items()) if count) or "none sent"
+        return f"no request was answered ({said})"
+    wrong = sum(kinds.get(WRONG_ANSWER, 0) + kinds.get(BAD_BODY, 0) for _, kinds in outcomes)
+    if wrong:
+        return f"{wrong} answers were wrong (--check / --expect reverse)"
+    return None
 
 
 def _make_out(out: Path | None) -> None:
@@ -130,7 +157,7 @@ def _run_started(
     budget: int | None,
     report: RunReport,
     stack: Stack | None,
-) -> None:
+) -> list[Outcome]:
     spec = SutSpec(
         mode=args.start,
         policy=policy or args.policy,
@@ -183,16 +210,17 @@ def _run_started(
                 batch_log=sut.batch_log,
                 redis_url=redis_url,
             )
-            runner.run(_measure(args, load, target, report))
+            return runner.run(_measure(args, load, target, report))
     finally:
         report["sut"] = {**sut.describe(), "infra_pids": infra_found}
 
 
-async def _measure(args: argparse.Namespace, load: LoadConfig, target: Target, report: RunReport) -> None:
-    """The rates of ``--rate`` into ``report``, or each ``--mix`` (its table, and mix.json under ``--out``)."""
+async def _measure(args: argparse.Namespace, load: LoadConfig, target: Target, report: RunReport) -> list[Outcome]:
+    """The rates of ``--rate`` into ``report``, or each ``--mix`` (its table, and mix.json under ``--out``);
+    returns each rate's (or stream's) outcome."""
     if not args.mix:
         await bench_run(load, target, report)
-        return
+        return [(rate["ok"], rate["errors"]) for rate in report["rates"]]
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -203,6 +231,11 @@ async def _measure(args: argparse.Namespace, load: LoadConfig, target: Target, r
         print(f"mix {mix['mix']}\n" + "\n".join(mix_table(mix["streams"])) + "\n", flush=True)
     if args.out is not None:
         print(f"wrote {write_mix(args.out / (report['policy'] or 'given'), mixes)}", file=sys.stderr)
+    return [
+        (stream["ok"], {**stream["other_errors"], "refused": stream["refused"]})
+        for mix in mixes
+        for stream in mix["streams"]
+    ]
 
 
 def _probe_body(load: LoadConfig) -> tuple[str, bytes]:

@@ -205,6 +205,26 @@ def test_an_out_folder_that_cannot_be_made_is_refused_before_the_run(
     assert f"--out {out}: Not a directory" in capsys.readouterr().err
 
 
+def test_a_run_with_no_request_answered_exits_1_saying_why(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--rate", "10", "--duration", "1", "--warmup", "0", "--lone", "0", "--warm", "0", "--no-metrics"]
+    assert main([*argv, "--url", "http://127.0.0.1:1/v1/inference"]) == 1
+    captured = capsys.readouterr()
+    assert "rate/s" in captured.out, f"the table should still be printed:\n{captured.out}"
+    assert "batchwire bench: no request was answered (connection=" in captured.err, captured.err
+
+
+def test_wrong_answers_under_check_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
+    server = FakeServer(Behaviour(wrong_every=3)).start()
+    argv = ["--rate", "20", "--duration", "1", "--warmup", "0", "--lone", "0", "--warm", "0", "--no-metrics"]
+    try:
+        status = main([*argv, "--url", server.url, "--check"])
+    finally:
+        server.stop()
+    err = capsys.readouterr().err
+    assert status == 1, f"expected exit 1 for wrong answers, got {status}:\n{err}"
+    assert "answers were wrong (--check / --expect reverse)" in err, err
+
+
 def test_compare_refuses_other_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     other = tmp_path / "x.json"
     other.write_text("{}")
