@@ -23,6 +23,16 @@ def env_name(setting: str) -> str:
     return ENV_PREFIX + setting.upper()
 
 
+_NO_VARIABLE = frozenset({"min_timeout_ms", "retry_after_s", "ready_timeout_s"})
+"""Fields that no flag or variable sets (code that builds the settings does): a message about one
+names no ``BATCHWIRE_*`` variable, which would send an operator to set what nothing reads."""
+
+
+def _named(setting: str) -> str:
+    """``setting`` as a message names it: with its variable, where it has one."""
+    return setting if setting in _NO_VARIABLE else f"{setting} ({env_name(setting)})"
+
+
 def new_gateway_id() -> str:
     """A process-unique id, so that replies for this process's callers reach only this process."""
     return "gw-" + secrets.token_hex(4)
@@ -176,8 +186,8 @@ def _check_types(settings: GatewaySettings) -> None:
 def _at_least(settings: GatewaySettings, name: str, minimum: float, other: str | None = None) -> None:
     value = getattr(settings, name)
     if value < minimum:
-        bound = f"{other} ({env_name(other)}) = {minimum}" if other else str(minimum)
-        raise ValueError(f"{name} ({env_name(name)}) is {value}; it must be at least {bound}")
+        bound = f"{_named(other)} = {minimum}" if other else str(minimum)
+        raise ValueError(f"{_named(name)} is {value}; it must be at least {bound}")
 
 
 def _check_identity(settings: GatewaySettings) -> None:
@@ -216,7 +226,7 @@ def _check_models(settings: GatewaySettings) -> None:
 def _check_bounds(settings: GatewaySettings) -> None:
     """The timeouts in order, and every size and count at least its minimum."""
     _at_least(settings, "min_timeout_ms", 1)
-    _at_least(settings, "default_timeout_ms", settings.min_timeout_ms, "min_timeout_ms")
+    _at_least(settings, "default_timeout_ms", settings.min_timeout_ms)
     _at_least(settings, "max_timeout_ms", settings.default_timeout_ms, "default_timeout_ms")
     _at_least(settings, "max_input_chars", 1)
     _at_least(settings, "max_body_bytes", 64)
@@ -250,7 +260,7 @@ def _check_durations(settings: GatewaySettings) -> None:
     ):
         value = getattr(settings, name)
         if not value > 0 or value == float("inf"):
-            raise ValueError(f"{name} ({env_name(name)}) is {value}; it must be a positive finite number")
+            raise ValueError(f"{_named(name)} is {value}; it must be a positive finite number")
     if not settings.stall_s > 0:
         raise ValueError(f"stall_s must be > 0, got {settings.stall_s} ({env_name('stall_s')})")
     if not 0 <= settings.request_linger_ms <= 1000:

@@ -4,11 +4,12 @@ and counts, latencies and ports keep to their ranges."""
 
 from __future__ import annotations
 
+import re
 import socket
 
 import pytest
 
-from batchwire.cli import build_parser, main
+from batchwire.cli import build_parser, config_table, main
 from gpu_worker.settings import WorkerSettings
 
 
@@ -104,6 +105,19 @@ def test_a_setting_that_cannot_work_stops_the_role_before_it_starts(
     assert main([*argv, "--port=0"] if argv[0] == "up" else argv) == 2
     err = capsys.readouterr().err
     assert named in err and "Traceback" not in err, err
+
+
+def test_a_refusal_names_only_variables_that_exist(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("BATCHWIRE_KAFKA_BOOTSTRAP", "127.0.0.1:1")
+    monkeypatch.setenv("BATCHWIRE_REDIS_URL", "redis://127.0.0.1:1/0")
+    assert main(["gateway", "--default-timeout-ms=0"]) == 2
+    err = capsys.readouterr().err
+    named = set(re.findall(r"BATCHWIRE_[A-Z_]+", err))
+    unknown = {name for name in named if f"`{name}`" not in config_table()}
+    assert not unknown, f"the message names variables that no flag reads ({unknown}): {err}"
+    assert "default_timeout_ms (BATCHWIRE_DEFAULT_TIMEOUT_MS) is 0; it must be at least 1" in err, err
 
 
 @pytest.mark.parametrize("role", ["gateway", "up"])

@@ -32,7 +32,7 @@ def test_env_name_is_the_prefixed_upper_case_field() -> None:
         ({"models": ("sim", "sim")}, "BATCHWIRE_MODELS"),
         ({"models": ("sim", "bad name")}, "BATCHWIRE_MODELS"),
         ({"default_timeout_ms": 40_000}, "BATCHWIRE_MAX_TIMEOUT_MS"),
-        ({"min_timeout_ms": 0}, "BATCHWIRE_MIN_TIMEOUT_MS"),
+        ({"min_timeout_ms": 0}, "min_timeout_ms is 0"),
         ({"min_timeout_ms": 50_000}, "BATCHWIRE_DEFAULT_TIMEOUT_MS"),
         ({"port": 70_000}, "BATCHWIRE_PORT"),
         ({"gateway_id": "has:colon"}, "BATCHWIRE_GATEWAY_ID"),
