@@ -206,18 +206,21 @@ def _backend(args: argparse.Namespace) -> Backend:
     return make_backend(settings, "profile")
 
 
-def _check_out(out: Path) -> None:
-    """Before the timing, which takes minutes on a real model: a curve with nowhere to go is lost."""
+def check_out(out: Path) -> None:
+    """Before the work (the timing takes minutes on a real model; validate-sim's simulations, a while):
+    an output with nowhere to go would be lost in a traceback at the end."""
     folder = out.parent
     if not folder.is_dir() or not os.access(folder, os.W_OK):
-        raise ProfileError(f"--out {out}: {folder} is not a folder this can write the curve into")
+        raise ProfileError(f"--out {out}: {folder} is not a folder this can write into")
+    if out.is_dir():
+        raise ProfileError(f"--out {out} is a folder; name a file")
 
 
 def run(args: argparse.Namespace) -> int:
     """``batchwire profile``."""
     out = Path(args.out)
     try:
-        _check_out(out)
+        check_out(out)
         backend = _backend(args)
         backend.load()
         try:

@@ -52,6 +52,7 @@ from batchwire.capacity import curve as curve_file
 from batchwire.capacity.curve import CurveError
 from batchwire.capacity.engine import SimConfig
 from batchwire.capacity.measured import MeasuredRate, MeasuredRun, Replay, RunError, read_runs, results_files
+from batchwire.capacity.profile import check_out
 from batchwire.capacity.simulate import RateResult, policy_for, simulate, simulate_rate
 
 THROUGHPUT_BOUND = 0.03
@@ -457,6 +458,8 @@ def _overheads(pairs: Sequence[str], flag: str = "--overhead-ms") -> dict[str, f
 def run(args: argparse.Namespace) -> int:
     """``batchwire validate-sim``."""
     try:
+        if args.out is not None:
+            check_out(Path(args.out))
         given = _overheads(args.overhead_ms)
         per_item = _overheads(args.per_item_ms, "--per-item-ms")
         if args.seeds < 1 or args.requests < 1:

@@ -250,6 +250,19 @@ def test_bad_input_is_refused_with_what_to_change(
     assert message in capsys.readouterr().err
 
 
+def test_an_out_with_nowhere_to_go_is_refused_before_the_simulations(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(validate, "compare", lambda *args, **kwargs: pytest.fail("simulated for nothing"))
+    out = tmp_path / "no-such-folder" / "validate.md"
+    assert cli.main(["validate-sim", str(DATA / "durability-rf1"), "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert f"batchwire validate-sim: --out {out}: {out.parent} is not a folder" in captured.err, captured.err
+    assert captured.out == "", f"nothing should be printed before the refusal:\n{captured.out}"
+    assert cli.main(["validate-sim", str(DATA / "durability-rf1"), "--out", str(tmp_path)]) == 2
+    assert f"--out {tmp_path} is a folder; name a file" in capsys.readouterr().err
+
+
 def test_a_missing_directory_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert cli.main(["validate-sim", str(tmp_path / "nope")]) == 2
     assert "holds no results.json" in capsys.readouterr().err
