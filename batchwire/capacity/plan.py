@@ -220,7 +220,9 @@ def changed(before: SizingInputs, after: SizingInputs) -> list[str]:
 
 def batchers_for(args: argparse.Namespace, rate: float, inputs: SizingInputs) -> int:
     """The batchers that share one model's requests in the simulation: ``--batchers``, else as sized for its rate."""
-    return int(args.batchers or processes(rate, inputs.batcher_us_per_request, inputs.headroom))
+    if args.batchers is not None:
+        return int(args.batchers)
+    return processes(rate, inputs.batcher_us_per_request, inputs.headroom)
 
 
 def make_plan(args: argparse.Namespace, curve: Curve) -> dict[str, Any]:

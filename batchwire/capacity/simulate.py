@@ -203,6 +203,9 @@ def curve_from(args: argparse.Namespace) -> Curve:
 
 def config_from(args: argparse.Namespace, curve: Curve, workers: int, batchers: int | None = None) -> SimConfig:
     """The simulated deployment from the shared flags; unset service settings keep the services' defaults."""
+    if args.batchers is not None and args.batchers < 1:
+        # plan reads no --batchers as "size it": 0 has no meaning of its own in either command
+        raise ValueError(f"--batchers is {args.batchers}; it must be at least 1")
     policy = policy_for(args.policy, args.max_batch, args.max_wait_ms, args.reserve_ms, curve.max_batch)
     base = SimConfig(
         curve,
@@ -210,7 +213,7 @@ def config_from(args: argparse.Namespace, curve: Curve, workers: int, batchers: 
         policy,
         transit_ms=args.transit_ms,
         overhead_ms=args.overhead_ms,
-        batchers=batchers or args.batchers or 1,
+        batchers=batchers or args.batchers,
     )
 
     def given(value: float | None, default: float) -> float:

@@ -93,6 +93,16 @@ def test_plan_table_shows_each_formula(run: Run, tmp_path: Path) -> None:
     assert code == 0 and "ceil(gpus / headroom 0.7)" in out and "replication factor" in out
 
 
+@pytest.mark.parametrize("command", ["simulate", "plan"])
+def test_zero_batchers_is_refused_by_simulate_and_plan_alike(run: Run, flat: str, command: str) -> None:
+    rate = ["--rate", "100"] if command == "simulate" else ["--rate", "100", "--p99-ms", "500"]
+    argv = [command, "--curve", flat, *rate, "--requests", "2000", "--batchers", "0"]
+    if command == "simulate":
+        argv += ["--workers", "1"]
+    code, _, err = run(argv)
+    assert code == 2 and f"batchwire {command}: --batchers is 0; it must be at least 1" in err, err
+
+
 @pytest.mark.filterwarnings("ignore::batchwire.capacity.curve.CurveWarning")
 def test_profile_sim_writes_a_curve(run: Run, tmp_path: Path) -> None:
     out_path = tmp_path / "sim.json"
