@@ -319,7 +319,7 @@ def batching(parser: argparse.ArgumentParser) -> None:
         None,
         float,
         "work-conserving at light load: hold a just-claimed idle worker up to this long for a fresh arrival "
-        "when only requests that already waited are there (default 50; 0: off)",
+        "when only requests that already waited are there (default 50; 0: off; classic refuses it)",
     )
     field_flag(
         parser,
@@ -439,15 +439,19 @@ def redis_replica_wait(parser: argparse.ArgumentParser) -> None:
     add(parser, "--redis-replica-wait-ms", 1000, int, "how long one store of task states waits for those replicas")
 
 
+METRICS_HOST = "127.0.0.1"
+"""The default ``--metrics-host``: this machine alone."""
+
+
 def metrics_endpoint(parser: argparse.ArgumentParser) -> None:
     """Where a batcher or worker process serves its Prometheus ``/metrics``."""
     add(parser, "--metrics-port", 0, int, "serve Prometheus /metrics on this port (0: off)")
     add(
         parser,
         "--metrics-host",
-        "127.0.0.1",
+        METRICS_HOST,
         str,
-        "address /metrics listens on (0.0.0.0 for a Prometheus in another container or host)",
+        "address /metrics listens on, with --metrics-port (0.0.0.0 for a Prometheus in another container or host)",
     )
 
 

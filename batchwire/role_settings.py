@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from batcher.policy import FlushPolicy
+from batcher.policy import FlushPolicy, PolicyName
 from batcher.settings import BatcherSettings
 from batcher.tokens import TokenCounter, token_counter
 from batchwire.settings import SettingsError, SharedSettings
@@ -104,6 +104,12 @@ def process_shared_settings(args: argparse.Namespace) -> SharedSettings:
 
 
 def _policy(args: argparse.Namespace) -> FlushPolicy:
+    if args.reserve_ms and args.policy == PolicyName.CLASSIC:
+        # Only work-conserving holds an idle worker in reserve: classic seals by size or age alone.
+        raise SettingsError(
+            f"--reserve-ms (BATCHWIRE_RESERVE_MS) is {args.reserve_ms:g}, and --policy (BATCHWIRE_POLICY) is "
+            "classic, which holds no worker in reserve: use work-conserving, or leave the reserve unset"
+        )
     try:
         return FlushPolicy.named(args.policy, args.max_batch, args.max_wait_ms, args.reserve_ms, args.max_batch_tokens)
     except ValueError as err:

@@ -17,6 +17,7 @@ import uvloop
 from fastapi import FastAPI
 from prometheus_client import start_http_server
 
+from batchwire.flags import METRICS_HOST
 from batchwire.gc_tuning import Threshold, tune_gc
 from batchwire.settings import SettingsError
 from gateway.edge.descriptors import connection_cap
@@ -138,10 +139,15 @@ def run_loop(main: Coroutine[Any, Any, int], gc_threshold: Threshold | None) -> 
     return uvloop.run(main)
 
 
-def serve_metrics(port: int, host: str = "127.0.0.1") -> None:
+def serve_metrics(port: int, host: str = METRICS_HOST) -> None:
     """Prometheus ``/metrics`` of a batcher or worker process on ``host:port`` (port 0: none)."""
     if not 0 <= port <= 65535:
         raise SettingsError(f"--metrics-port must be within 0..65535 (0: off), got {port} (BATCHWIRE_METRICS_PORT)")
+    if not port and host != METRICS_HOST:
+        raise SettingsError(
+            f"--metrics-host (BATCHWIRE_METRICS_HOST) is {host}, and --metrics-port (BATCHWIRE_METRICS_PORT) is 0, "
+            "which serves no /metrics: set the port, or leave the host unset"
+        )
     if port:
         try:
             start_http_server(port, addr=host, registry=REGISTRY)

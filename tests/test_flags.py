@@ -9,7 +9,9 @@ import socket
 
 import pytest
 
+from batchwire import role_settings as rs
 from batchwire.cli import build_parser, config_table, main
+from batchwire.supervise import serve_metrics
 from gpu_worker.settings import WorkerSettings
 
 
@@ -94,6 +96,15 @@ def test_a_negative_drain_timeout_is_refused_naming_the_variable() -> None:
         (["batcher", "--tokenizer=/models/minilm"], "--tokenizer (BATCHWIRE_TOKENIZER) counts tokens for a token"),
         (["worker", "--deterministic-models=Sim"], "--deterministic-models names Sim, not among --models sim"),
         (["batcher", "--max-batch-tokens=100", f"--tokenizer={__file__}"], "is not a tokenizer.json the tokenizers"),
+        (
+            ["batcher", "--policy=classic", "--reserve-ms=20"],
+            "--reserve-ms (BATCHWIRE_RESERVE_MS) is 20, and --policy (BATCHWIRE_POLICY) is classic",
+        ),
+        (
+            ["worker", "--metrics-host=0.0.0.0"],
+            "--metrics-host (BATCHWIRE_METRICS_HOST) is 0.0.0.0, and --metrics-port (BATCHWIRE_METRICS_PORT) is 0",
+        ),
+        (["batcher", "--metrics-host=0.0.0.0"], "which serves no /metrics: set the port, or leave the host unset"),
     ],
 )
 def test_a_setting_that_cannot_work_stops_the_role_before_it_starts(
@@ -105,6 +116,12 @@ def test_a_setting_that_cannot_work_stops_the_role_before_it_starts(
     assert main([*argv, "--port=0"] if argv[0] == "up" else argv) == 2
     err = capsys.readouterr().err
     assert named in err and "Traceback" not in err, err
+
+
+def test_a_setting_at_its_default_is_not_refused_for_its_pair() -> None:
+    args = build_parser().parse_args(["batcher", "--policy=classic", "--reserve-ms=0"])
+    assert rs.batcher_settings(args, 12).policy.reserve_ms == 0.0
+    serve_metrics(0, "127.0.0.1")  # the default host with no port: nothing to serve, nothing to refuse
 
 
 def test_a_refusal_names_only_variables_that_exist(
