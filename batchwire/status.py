@@ -146,6 +146,12 @@ def render(view: Mapping[str, Any]) -> str:
     missing = without_workers(view)
     if missing:
         text += f"\nno live worker for {', '.join(missing)}: its requests wait or are refused\n"
+    for shared in view.get("shared_ids", []):
+        text += (
+            f"\n{len(shared['processes'])} live processes beat as {shared['role']} {shared['id']} "
+            f"({', '.join(shared['processes'])}): give each its own --{shared['role']}-id, unless one has just "
+            "restarted\n"
+        )
     return text
 
 

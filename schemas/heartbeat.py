@@ -44,8 +44,9 @@ class Beat:
 
     @property
     def key(self) -> str:
-        """The member's name in the fleet: a role and an id are unique together."""
-        return f"{self.role}:{self.id}"
+        """The member's name in the fleet: its role and id, and the process that beats (host and pid), so
+        that two live processes given one id are two members, not two writers of one beat."""
+        return f"{self.role}:{self.id}@{self.host}:{self.pid}"
 
     def live(self, now_ms: int) -> bool:
         """False once the member missed ``GONE_AFTER_BEATS`` beats."""

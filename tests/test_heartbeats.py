@@ -43,7 +43,7 @@ async def test_beats_land_each_period_after_the_store_comes_back_and_stop_at_clo
     await heartbeats.close()
     stopped_at = fleet.stored
     members = await fleet.members()
-    assert [member.key for member in members] == ["worker:w1"]
+    assert [(member.role, member.id) for member in members] == [("worker", "w1")]
     assert 0 < members[0].figures["window_s"] < 1.0, "each beat's window is the period since the last read"
     await asyncio.sleep(0.05)  # five periods with nothing running: no beat may land after close
     assert fleet.stored == stopped_at
@@ -66,7 +66,7 @@ async def test_a_fault_in_building_a_beat_is_survived() -> None:
         await eventually(lambda: calls >= 4, "the loop to go on after a faulty beat")
     finally:
         await heartbeats.close()
-    assert [member.key for member in await fleet.members()] == ["worker:w1"]
+    assert [(member.role, member.id) for member in await fleet.members()] == [("worker", "w1")]
 
 
 async def test_the_first_beat_goes_at_start_without_rates_and_beat_soon_sends_the_next_at_once() -> None:

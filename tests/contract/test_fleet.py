@@ -18,12 +18,14 @@ from transport.redis.fleet import RedisFleet
 pytestmark = pytest.mark.timeout(60)
 
 
-def beat(role: str, member_id: str, *, age_s: float = 0.0, state: str = "idle", rate: float = 0.0) -> Beat:
+def beat(
+    role: str, member_id: str, *, age_s: float = 0.0, state: str = "idle", rate: float = 0.0, pid: int = 7
+) -> Beat:
     return Beat(
         role=role,
         id=member_id,
         host="h",
-        pid=7,
+        pid=pid,
         version="0.1.0",
         models=("sim",),
         state=state,
@@ -46,26 +48,34 @@ async def fleet(keyed_url: str | None, names: Names) -> AsyncIterator[Fleet]:
 async def test_each_member_keeps_its_last_beat_and_nothing_else(fleet: Fleet) -> None:
     await fleet.beat([beat("gateway", "g1"), beat("worker", "w1", rate=1.0)])
     await fleet.beat([beat("worker", "w1", state="busy", rate=9.5)])
-    members = {member.key: member for member in await fleet.members()}
-    assert set(members) == {"gateway:g1", "worker:w1"}
-    assert members["worker:w1"].state == "busy"
-    assert members["worker:w1"].figures == {"batches_per_s": 9.5}
-    assert members["worker:w1"].breakdowns == {"flushes_per_s": {"full": 9.5}}
-    assert members["worker:w1"].per_model == {"sim": {"queue_depth": 3.0}}
+    members = {(member.role, member.id): member for member in await fleet.members()}
+    assert set(members) == {("gateway", "g1"), ("worker", "w1")}
+    assert members["worker", "w1"].state == "busy"
+    assert members["worker", "w1"].figures == {"batches_per_s": 9.5}
+    assert members["worker", "w1"].breakdowns == {"flushes_per_s": {"full": 9.5}}
+    assert members["worker", "w1"].per_model == {"sim": {"queue_depth": 3.0}}
 
 
 async def test_a_role_and_an_id_name_a_member_together(fleet: Fleet) -> None:
     await fleet.beat([beat("batcher", "x"), beat("worker", "x")])
-    assert sorted(member.key for member in await fleet.members()) == ["batcher:x", "worker:x"]
+    assert sorted((member.role, member.id) for member in await fleet.members()) == [("batcher", "x"), ("worker", "x")]
+
+
+async def test_two_processes_given_one_id_are_two_members(fleet: Fleet) -> None:
+    await fleet.beat([beat("worker", "w1", pid=7)])
+    await fleet.beat([beat("worker", "w1", pid=8)])
+    await fleet.beat([beat("worker", "w1", pid=7, state="busy")])
+    members = {member.pid: member.state for member in await fleet.members()}
+    assert members == {7: "busy", 8: "idle"}, "each process keeps its own last beat; neither overwrites the other"
 
 
 async def test_a_member_silent_for_a_minute_is_forgotten_and_a_recent_one_kept(fleet: Fleet) -> None:
     await fleet.beat([beat("worker", "dead", age_s=FORGET_AFTER_S + 5), beat("worker", "gone", age_s=10)])
-    members = {member.key: member for member in await fleet.members()}
-    assert set(members) == {"worker:gone"}, "only the one past FORGET_AFTER_S is dropped"
+    members = {member.id: member for member in await fleet.members()}
+    assert set(members) == {"gone"}, "only the one past FORGET_AFTER_S is dropped"
     now_ms = int(time.time() * 1000)
-    assert not members["worker:gone"].live(now_ms), "ten seconds without a beat is gone, not idle"
-    assert await fleet.members() == [members["worker:gone"]]
+    assert not members["gone"].live(now_ms), "ten seconds without a beat is gone, not idle"
+    assert await fleet.members() == [members["gone"]]
 
 
 async def test_no_beats_is_an_empty_fleet(fleet: Fleet) -> None:
@@ -80,8 +90,8 @@ async def test_a_field_that_is_no_beat_is_skipped_and_dropped(redis_url: str, na
     try:
         await redis.hset(names.fleet, mapping={"worker:broken": b"{not json", "worker:old": b'{"role": "worker"}'})
         await fleet.beat([beat("worker", "w1")])
-        assert [member.key for member in await fleet.members()] == ["worker:w1"]
-        assert await redis.hkeys(names.fleet) == [b"worker:w1"], "what no reader can use is deleted"
+        assert [member.id for member in await fleet.members()] == ["w1"]
+        assert await redis.hkeys(names.fleet) == [b"worker:w1@h:7"], "what no reader can use is deleted"
     finally:
         await redis.aclose()
         await fleet.close()

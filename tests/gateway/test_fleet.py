@@ -26,6 +26,7 @@ def beat(
     models: tuple[str, ...] = ("sim",),
     state: str = "busy",
     age_ms: int = 100,
+    pid: int = 1,
     figures: dict[str, float] | None = None,
     breakdowns: dict[str, dict[str, float]] | None = None,
     per_model: dict[str, dict[str, float]] | None = None,
@@ -34,7 +35,7 @@ def beat(
         role=role,
         id=member_id,
         host="h",
-        pid=1,
+        pid=pid,
         version="0.1.0",
         models=models,
         state=state,
@@ -93,6 +94,16 @@ def test_the_view_sums_live_members_and_shows_the_dead_as_gone() -> None:
     assert totals["queue_depth"] == 7
     assert totals["batches_per_s"] == 20, "the gone worker's last figures count no more"
     assert totals["mean_batch_size"] == pytest.approx(20.0)
+
+
+def test_an_id_two_live_processes_beat_as_is_named_with_both() -> None:
+    twins = [beat("worker", "w1", pid=2), beat("worker", "w9", pid=3), beat("worker", "w9", pid=4, age_ms=10_000)]
+    view = fleet_view([*FLEET, *twins], ("sim",), NOW_MS)
+    assert view["shared_ids"] == [{"role": "worker", "id": "w1", "processes": ["h:1", "h:2"]}], (
+        "w1 twice live is named; w9's second process is gone (a restart), not a twin"
+    )
+    assert view["models"]["sim"]["workers_live"] == 4, "w1 twice, w2 and w9: both processes of w1 serve, and count"
+    assert fleet_view(FLEET, ("sim",), NOW_MS)["shared_ids"] == []
 
 
 def test_a_role_a_later_release_adds_is_listed_after_the_known_ones() -> None:

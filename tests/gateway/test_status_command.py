@@ -23,13 +23,20 @@ OPERATOR = "operator-key-0123456789"
 
 
 def beat(
-    role: str, member_id: str, models: tuple[str, ...], *, age_s: float = 0.1, interval_s: float = 1.0, **figures: float
+    role: str,
+    member_id: str,
+    models: tuple[str, ...],
+    *,
+    age_s: float = 0.1,
+    interval_s: float = 1.0,
+    pid: int = 4242,
+    **figures: float,
 ) -> Beat:
     return Beat(
         role=role,
         id=member_id,
         host="host-a",
-        pid=4242,
+        pid=pid,
         version="0.1.0",
         models=models,
         state="busy",
@@ -69,6 +76,20 @@ async def test_the_fleet_prints_as_a_members_table_and_a_models_table(
     assert "sim-worker-0" in worker_line and "81.2" in worker_line and "49%" in worker_line
     model_line = next(line for line in lines if line.startswith("sim "))
     assert model_line.split()[1] == "1", "one live worker for sim"
+
+
+async def test_two_live_processes_with_one_id_are_both_shown_and_named(
+    make_rig: RigFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fleet = await fleet_of(beat("worker", "w1", ("sim",), pid=11), beat("worker", "w1", ("sim",), pid=12))
+    rig = await make_rig(fleet=fleet, models=("sim",))
+    async with serving(rig) as client:
+        code = await status("--url", str(client.base_url))
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert sum(line.startswith("worker") for line in out.splitlines()) == 2, out
+    warning = "2 live processes beat as worker w1 (host-a:11, host-a:12): give each its own --worker-id"
+    assert warning in out, out
 
 
 async def test_a_model_without_a_live_worker_exits_1_and_is_named(

@@ -57,13 +57,30 @@ def fleet_view(members: list[Beat], models: tuple[str, ...], now_ms: int) -> dic
         row["workers_busy"] = sum(beat.state == "busy" for beat in serving)
         row["workers_hung"] = sum(beat.state == "hung" for beat in serving)
         rows[model] = row
-    ordered = sorted(members, key=lambda beat: (ROLES.index(beat.role) if beat.role in ROLES else len(ROLES), beat.id))
+    ordered = sorted(
+        members,
+        key=lambda beat: (ROLES.index(beat.role) if beat.role in ROLES else len(ROLES), beat.id, beat.host, beat.pid),
+    )
     return {
         "at_ms": now_ms,
         "members": [beat.to_public(now_ms) for beat in ordered],
         "totals": totals,
         "models": rows,
+        "shared_ids": _shared_ids(live),
     }
+
+
+def _shared_ids(live: list[Beat]) -> list[dict[str, Any]]:
+    """Each role and id that more than one live process beats as (a copied ``--worker-id``), with those
+    processes as ``host:pid``: both serve, and whatever reads the fleet by id sees one of them."""
+    processes: dict[tuple[str, str], list[str]] = {}
+    for beat in live:
+        processes.setdefault((beat.role, beat.id), []).append(f"{beat.host}:{beat.pid}")
+    return [
+        {"role": role, "id": member_id, "processes": sorted(found)}
+        for (role, member_id), found in sorted(processes.items())
+        if len(found) > 1
+    ]
 
 
 def _served(gateways: list[Beat], model: str | None) -> dict[str, Any]:
@@ -177,7 +194,8 @@ def add_routes(routes: APIRouter, settings: GatewaySettings) -> None:
         responses={
             200: {
                 "description": "`members` (each process's last beat: role, id, state, figures), `totals` and "
-                "`models` (a row per model: live, busy and hung workers, rates, latency, queue depth).",
+                "`models` (a row per model: live, busy and hung workers, rates, latency, queue depth), "
+                "`shared_ids` (each role and id that several live processes beat as, with their `host:pid`).",
                 "content": {"application/json": {"schema": {"type": "object"}}},
             },
             **error_responses("unavailable", *(("forbidden",) if settings.api_keys else ())),
