@@ -206,6 +206,11 @@ def config_from(args: argparse.Namespace, curve: Curve, workers: int, batchers: 
     if args.batchers is not None and args.batchers < 1:
         # plan reads no --batchers as "size it": 0 has no meaning of its own in either command
         raise ValueError(f"--batchers is {args.batchers}; it must be at least 1")
+    if args.reserve_ms and args.policy == PolicyName.CLASSIC:
+        raise ValueError(
+            f"--reserve-ms is {args.reserve_ms:g}, and --policy is classic, which holds no worker in reserve: "
+            "use work-conserving, or leave the reserve unset"
+        )
     policy = policy_for(args.policy, args.max_batch, args.max_wait_ms, args.reserve_ms, curve.max_batch)
     base = SimConfig(
         curve,

@@ -93,6 +93,14 @@ def test_plan_table_shows_each_formula(run: Run, tmp_path: Path) -> None:
     assert code == 0 and "ceil(gpus / headroom 0.7)" in out and "replication factor" in out
 
 
+def test_a_reserve_with_the_classic_policy_is_refused(run: Run, flat: str) -> None:
+    argv = ["simulate", "--curve", flat, "--workers", "1", "--rate", "100", "--policy", "classic"]
+    code, _, err = run([*argv, "--reserve-ms", "20"])
+    assert code == 2 and "--reserve-ms is 20, and --policy is classic" in err, err
+    code, _, err = run([*argv, "--reserve-ms", "0", "--requests", "2000"])
+    assert code == 0, f"a reserve of 0 is what classic does: {err}"
+
+
 @pytest.mark.parametrize("command", ["simulate", "plan"])
 def test_zero_batchers_is_refused_by_simulate_and_plan_alike(run: Run, flat: str, command: str) -> None:
     rate = ["--rate", "100"] if command == "simulate" else ["--rate", "100", "--p99-ms", "500"]
