@@ -72,7 +72,7 @@ def fleet_view(members: list[Beat], models: tuple[str, ...], now_ms: int) -> dic
 
 def _shared_ids(live: list[Beat]) -> list[dict[str, Any]]:
     """Each role and id that more than one live process beats as (a copied ``--worker-id``), with those
-    processes as ``host:pid``: both serve, and whatever reads the fleet by id sees one of them."""
+    processes as ``host:pid``: both serve, and logs and metrics labelled by that id mix the two."""
     processes: dict[tuple[str, str], list[str]] = {}
     for beat in live:
         processes.setdefault((beat.role, beat.id), []).append(f"{beat.host}:{beat.pid}")
