@@ -189,17 +189,29 @@ class Batcher:
                 "reading requests", lambda: self.consumer.fetch(settings.fetch_timeout_s, settings.fetch_max_records)
             )
             if records:
-                unknown = self._accept(records)
+                unknown = self._accept(records, await self._count(records))
                 if unknown:
                     await self._fail_unknown(unknown)
 
-    def _accept(self, records: Sequence[Delivered[InferenceRequest]]) -> list[Delivered[InferenceRequest]]:
-        """Feeds the accumulators; returns the requests for models this deployment does not serve."""
+    async def _count(self, records: Sequence[Delivered[InferenceRequest]]) -> list[int]:
+        """Each request's tokens for the budget (1 without one), counted on a thread: a fetch of long
+        inputs takes a while to tokenize, and the loop serves the dispatch (and, embedded, the gateway)
+        meanwhile."""
+        if self._count_tokens is None:
+            return [1] * len(records)
+        texts = [record.value.input if record.value is not None else "" for record in records]
+        return await asyncio.to_thread(lambda: [self._tokens(text) for text in texts])
+
+    def _accept(
+        self, records: Sequence[Delivered[InferenceRequest]], tokens: Sequence[int]
+    ) -> list[Delivered[InferenceRequest]]:
+        """Feeds the accumulators (``tokens``: each request's, ``_count``); returns the requests for
+        models this deployment does not serve."""
         now_s = self.clock()
         now_ms = wall_ms()
         touched: set[str] = set()
         unknown: list[Delivered[InferenceRequest]] = []
-        for record in records:
+        for record, length in zip(records, tokens, strict=True):
             request = record.value
             self.offsets.read(record.partition, record.offset)
             if request is None:
@@ -211,7 +223,7 @@ class Batcher:
                 # until its deadline. (Gateways reject unknown models; this guards other producers.)
                 unknown.append(record)
                 continue
-            self.former.add(request.model, self._pending(request, record, now_s, now_ms))
+            self.former.add(request.model, self._pending(request, record, now_s, now_ms, length))
             touched.add(request.model)
         for model in touched:
             self.dispatcher.arrived(model)
@@ -232,7 +244,7 @@ class Batcher:
             self._room.clear()
 
     def _pending(
-        self, request: InferenceRequest, record: Delivered[InferenceRequest], now_s: float, now_ms: int
+        self, request: InferenceRequest, record: Delivered[InferenceRequest], now_s: float, now_ms: int, tokens: int
     ) -> Pending[InferenceRequest]:
         deadline_s = now_s + (request.deadline_ms - now_ms) / 1000.0
         arrived_s = now_s - max(0, now_ms - request.enqueued_at_ms) / 1000.0
@@ -244,7 +256,7 @@ class Batcher:
             deadline_s,
             rank=request.priority.rank,
             read_s=now_s,
-            tokens=1 if self._count_tokens is None else self._tokens(request.input),
+            tokens=tokens,
         )
 
     def _tokens(self, text: str) -> int:

@@ -192,7 +192,7 @@ class Gateway:
         started = self._clock.monotonic()
         model, timeout_ms = validated(self.settings, input, model, timeout_ms)
         if self._count_tokens is not None:
-            within_token_budget(self.settings, input, self._count_tokens)
+            await within_token_budget(self.settings, input, self._count_tokens)
         tier = request_tier(priority, caller.tiers)
         if idempotency_key is not None:
             idempotency.check_key(idempotency_key)
@@ -257,7 +257,7 @@ class Gateway:
         for input in inputs:
             validated(self.settings, input, model, None)
             if self._count_tokens is not None:
-                within_token_budget(self.settings, input, self._count_tokens)
+                await within_token_budget(self.settings, input, self._count_tokens)
         self._check_open()
         await self._admission.charge(caller, len(inputs))
 

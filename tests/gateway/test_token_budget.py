@@ -1,10 +1,13 @@
 """The token budget on an embedded deployment: an input over it gets 413, one the tokenizer cannot read
-gets 400, every other request of the same moment is answered, and no batch a worker ran exceeds it."""
+gets 400, every other request of the same moment is answered, and no batch a worker ran exceeds it;
+counting a long input holds up no other request."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
 import httpx
 import pytest
@@ -14,6 +17,7 @@ from batcher.settings import BatcherSettings
 from batcher.tokens import estimated
 from batchwire.embedded import EmbeddedRuntime, EmbeddedSettings
 from batchwire.settings import SharedSettings
+from gateway.admission.validation import LONG_INPUT_CHARS
 from gateway.edge.app import create_app
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
@@ -44,26 +48,35 @@ def count(text: str) -> int:
     return estimated(text)
 
 
-@pytest.fixture
-async def served() -> AsyncIterator[tuple[httpx.AsyncClient, Recording]]:
-    backend = Recording()
-    policy = FlushPolicy.named("work-conserving", max_batch_tokens=BUDGET)
+@asynccontextmanager
+async def serving(
+    backend: Recording, counter: Callable[[str], int], budget: int = BUDGET
+) -> AsyncIterator[httpx.AsyncClient]:
+    """An embedded deployment whose gateway and batcher count tokens with ``counter``."""
+    policy = FlushPolicy.named("work-conserving", max_batch_tokens=budget)
     settings = EmbeddedSettings(
         shared=SharedSettings(models=("sim",)), batcher=BatcherSettings(policy=policy), workers_per_model=1
     )
-    runtime = EmbeddedRuntime(settings, lambda model, index: backend, count)
+    runtime = EmbeddedRuntime(settings, lambda model, index: backend, counter)
     gateway = Gateway(
-        GatewaySettings(models=("sim",), max_batch_tokens=BUDGET), runtime.producer, runtime.store, count_tokens=count
+        GatewaySettings(models=("sim",), max_batch_tokens=budget), runtime.producer, runtime.store, count_tokens=counter
     )
     await runtime.start()
     await gateway.start()
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(gateway, runtime)), base_url="http://bw")
     try:
-        yield client, backend
+        yield client
     finally:
         await client.aclose()
         await gateway.close()
         await runtime.close()
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[httpx.AsyncClient, Recording]]:
+    backend = Recording()
+    async with serving(backend, count) as client:
+        yield client, backend
 
 
 async def test_over_the_budget_is_413_unreadable_is_400_and_the_rest_are_answered(
@@ -85,3 +98,49 @@ async def test_over_the_budget_is_413_unreadable_is_400_and_the_rest_are_answere
     for batch in backend.batches:
         assert max(map(estimated, batch)) * len(batch) <= BUDGET, [len(text) for text in batch]
     assert max(map(len, backend.batches)) > 1, "short inputs still share batches"
+
+
+class HeldCount:
+    """The estimate, but the ``hold``-th count of a long input waits for ``release``: a tokenizer at work
+    on a long text, the GIL released (as ``batcher.tokens``' counter does), first in the gateway, then in
+    the batcher."""
+
+    def __init__(self, hold: int) -> None:
+        self.hold = hold
+        self.long_counts = 0
+        self.holding = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, text: str) -> int:
+        if len(text) >= LONG_INPUT_CHARS:
+            self.long_counts += 1
+            if self.long_counts == self.hold:
+                self.holding.set()
+                self.release.wait(30)
+        return estimated(text)
+
+
+@pytest.mark.parametrize("hold", [1, 2], ids=["gateway", "batcher"])
+async def test_while_a_long_input_is_counted_the_loop_serves_others(hold: int) -> None:
+    """The gateway's count of a long input (the first) or the batcher's (the second) runs on a thread: the
+    event loop meanwhile answers the health probe and, while the gateway counts, a short request (while the
+    batcher counts, the short one waits for the batcher's next read, behind the long one)."""
+    counter = HeldCount(hold)
+    async with serving(Recording(), counter, budget=10_000) as client:
+        long_input = "l" * LONG_INPUT_CHARS
+        long = asyncio.create_task(client.post("/v1/inference", json={"input": long_input}))
+        assert await asyncio.to_thread(counter.holding.wait, 10), "the long input's count began"
+        try:
+            async with asyncio.timeout(10):
+                health = await client.get("/healthz")
+                short = asyncio.create_task(client.post("/v1/inference", json={"input": "short"}))
+                if hold == 1:
+                    answered = await short
+                    assert answered.status_code == 200 and answered.json()["output"] == "trohs", answered.text
+            assert health.status_code == 200, health.text
+            assert not counter.release.is_set() and not long.done(), "all of that while the count was held"
+        finally:
+            counter.release.set()
+        answer = await long
+        assert answer.status_code == 200 and answer.json()["output"] == long_input[::-1], answer.text
+        assert (await short).status_code == 200
