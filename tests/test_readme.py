@@ -1,10 +1,13 @@
-"""The README's first screen, its links, and the configuration table in docs/operations.md stay true."""
+"""The README's first screen, its links (to files and to sections), the configuration table in docs/operations.md,
+and the BATCHWIRE_* variables the user docs name stay true."""
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
+from batchwire.cli import TOOLS, build_parser, tool_parser
 from batchwire.docs import OPERATIONS, START, with_table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,3 +37,45 @@ def test_the_readme_is_short_and_its_links_resolve() -> None:
     for root, name in [(ROOT, "README.md"), *((ROOT / "docs", p.name) for p in (ROOT / "docs").glob("*.md"))]:
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", (root / name).read_text()):
             assert (root / target).exists(), f"{name} links {target}, which does not exist"
+
+
+USER_DOCS = [
+    README,
+    *(ROOT / "docs" / name for name in ("openai.md", "cache.md", "priority.md", "tracing.md", "operations.md")),
+]
+
+
+def _help_texts() -> str:
+    """Every command's --help, the tools' included (their parsers live in their own modules)."""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    parsers = [sub.choices[name] for name in sub.choices if name not in TOOLS]
+    for name in TOOLS:
+        tool = tool_parser(name)
+        parsers.extend(next(a for a in tool._actions if isinstance(a, argparse._SubParsersAction)).choices.values())
+    return " ".join(" ".join(p.format_help().split()) for p in parsers)
+
+
+def test_every_variable_the_docs_name_is_a_flags() -> None:
+    helps = _help_texts()
+    for doc in USER_DOCS:
+        for variable in sorted(set(re.findall(r"BATCHWIRE_[A-Z0-9_]*[A-Z0-9]", doc.read_text()))):
+            assert f"[{variable};" in helps or f"[{variable}]" in helps, (
+                f"{doc.name} names {variable}, no flag reads it"
+            )
+
+
+def _anchors(doc: Path) -> set[str]:
+    """GitHub's anchors of ``doc``'s headings (lower case, punctuation dropped, spaces as hyphens)."""
+    prose = re.sub(r"```.*?```", "", doc.read_text(), flags=re.DOTALL)
+    return {
+        re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+        for title in re.findall(r"^#+ (.+)$", prose, flags=re.MULTILINE)
+    }
+
+
+def test_the_docs_links_to_a_section_find_it() -> None:
+    for doc in [README, *(ROOT / "docs").glob("*.md")]:
+        for path, anchor in re.findall(r"\]\(([^)#:\s]*)#([^)\s]+)\)", doc.read_text()):
+            target = doc.parent / path if path else doc
+            assert anchor in _anchors(target), f"{doc.name} links {path}#{anchor}, a section {target.name} lacks"
