@@ -79,6 +79,8 @@ class Batcher:
         """Clear while ``max_held`` requests are held, over all models: reading waits for a send, an
         expiry or a rebalance to take some (``_check_room``)."""
         self._room.set()
+        self._revoked_meanwhile: set[int] = set()
+        """Partitions revoked since the read loop began counting its last read (``_count``)."""
         self._handover = asyncio.Lock()
         """Held while a batch is sealed or partitions go, and by a rebalance or a close until the
         batches on their way landed: the held requests and offsets stay consistent."""
@@ -171,6 +173,7 @@ class Batcher:
             await self._commit()
             dropped = self.former.drop_partitions(partitions)
             self.offsets.forget(partitions)
+            self._revoked_meanwhile |= partitions
             self._show_held(self.former.models())
             self._check_room()
         log.info(
@@ -189,18 +192,27 @@ class Batcher:
                 "reading requests", lambda: self.consumer.fetch(settings.fetch_timeout_s, settings.fetch_max_records)
             )
             if records:
-                unknown = self._accept(records, await self._count(records))
+                records, tokens = await self._count(records)
+                unknown = self._accept(records, tokens)
                 if unknown:
                     await self._fail_unknown(unknown)
 
-    async def _count(self, records: Sequence[Delivered[InferenceRequest]]) -> list[int]:
-        """Each request's tokens for the budget (1 without one), counted on a thread: a fetch of long
-        inputs takes a while to tokenize, and the loop serves the dispatch (and, embedded, the gateway)
-        meanwhile."""
+    async def _count(
+        self, records: Sequence[Delivered[InferenceRequest]]
+    ) -> tuple[Sequence[Delivered[InferenceRequest]], list[int]]:
+        """The records still this batcher's, and each one's tokens for the budget (1 without one),
+        counted on a thread: a fetch of long inputs takes a while to tokenize, and the loop serves the
+        dispatch (and, embedded, the gateway) meanwhile. A partition revoked meanwhile committed below
+        its records in hand, so its new owner reads them again: they are left out."""
         if self._count_tokens is None:
-            return [1] * len(records)
+            return records, [1] * len(records)
         texts = [record.value.input if record.value is not None else "" for record in records]
-        return await asyncio.to_thread(lambda: [self._tokens(text) for text in texts])
+        self._revoked_meanwhile.clear()
+        tokens = await asyncio.to_thread(lambda: [self._tokens(text) for text in texts])
+        if not self._revoked_meanwhile:
+            return records, tokens
+        kept = [(r, n) for r, n in zip(records, tokens, strict=True) if r.partition not in self._revoked_meanwhile]
+        return [record for record, _ in kept], [n for _, n in kept]
 
     def _accept(
         self, records: Sequence[Delivered[InferenceRequest]], tokens: Sequence[int]
