@@ -3,7 +3,8 @@
 Each call runs on the backend's own thread (``runner.BackendRunner``); a plain exception splits the
 inputs in halves until the failing ones are alone, so the healthy ones still get answers. A hung
 call is not an input's failure: ``BackendHung`` goes up to the worker, which gives the batch back.
-The up-front check (``input_errors``: a tokenizer's counts) runs on a thread too, off the event loop.
+The up-front check (``input_errors``: a tokenizer's counts) of long inputs runs on a thread too, off the
+event loop.
 """
 
 from __future__ import annotations
@@ -14,6 +15,11 @@ from dataclasses import dataclass, field
 from gpu_worker.backends.base import Backend, InputError
 from gpu_worker.runner import BackendHung, BackendRunner, NotStarted, Timing
 from telemetry import metrics
+
+LONG_CHECK_CHARS = 16_384
+"""A batch whose inputs hold this many characters together is checked (``Backend.input_errors``: a
+tokenizer's counts) on a thread; a shorter one costs less to check than the hop, which every batch
+would pay, those of a backend that checks nothing (sim) included."""
 
 
 class Failure:
@@ -85,7 +91,11 @@ class BackendCalls:
     async def _run_each(self, inputs: list[str], result: GroupResult, start_by: float | None) -> GroupResult:
         # Tokenizing a batch of long inputs takes long enough to stall every other task of the loop
         # (in one process: the HTTP server's, the heartbeats', the hang detection's).
-        rejected: dict[int, InputError] = await asyncio.to_thread(self.backend.input_errors, inputs)
+        rejected: dict[int, InputError] = (
+            self.backend.input_errors(inputs)
+            if sum(map(len, inputs)) < LONG_CHECK_CHARS
+            else await asyncio.to_thread(self.backend.input_errors, inputs)
+        )
         for index, err in rejected.items():
             result.outputs[index] = Failure(err.code, str(err))
         todo = [index for index in range(len(inputs)) if index not in rejected]

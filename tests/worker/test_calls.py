@@ -1,0 +1,57 @@
+"""Where a batch's up-front input check runs: on the event loop while it is short, on a thread once long."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+
+import pytest
+
+from gpu_worker.calls import LONG_CHECK_CHARS, BackendCalls
+from gpu_worker.runner import BackendRunner
+
+
+class CheckedOn:
+    """Reverses each input, and records the thread each ``input_errors`` ran on."""
+
+    name = "checked-on"
+
+    def __init__(self) -> None:
+        self.threads: list[int] = []
+
+    def load(self) -> None:
+        return None
+
+    def input_errors(self, inputs: object) -> dict[int, object]:
+        self.threads.append(threading.get_ident())
+        return {}
+
+    def batchstring(self, inputs: list[str]) -> list[str]:
+        return [text[::-1] for text in inputs]
+
+
+@pytest.fixture
+async def runner() -> AsyncIterator[BackendRunner]:
+    made = BackendRunner("test")
+    yield made
+    made.close()
+
+
+async def test_a_short_batch_is_checked_on_the_loop_without_a_thread_hop(runner: BackendRunner) -> None:
+    """Every batch of a backend that checks nothing (sim) would pay the hop: it costs more than the check."""
+    backend = CheckedOn()
+    calls = BackendCalls(backend, runner, "m", "w")  # type: ignore[arg-type]
+    result = await calls.run(["abc"] * 100)
+    assert result.outputs == {index: "cba" for index in range(100)}
+    assert backend.threads == [threading.get_ident()], "a short batch was checked on another thread"
+
+
+async def test_a_long_batch_is_checked_off_the_loop(runner: BackendRunner) -> None:
+    backend = CheckedOn()
+    calls = BackendCalls(backend, runner, "m", "w")  # type: ignore[arg-type]
+    inputs = ["x" * (LONG_CHECK_CHARS // 4)] * 4
+    result = await calls.run(inputs)
+    assert len(result.outputs) == 4
+    assert len(backend.threads) == 1 and backend.threads[0] != threading.get_ident(), (
+        "a long batch was checked on the event loop"
+    )
