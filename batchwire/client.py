@@ -468,6 +468,8 @@ class _Follow:
         self._attempts = Attempts(math.inf, max_retries)
         self._longest_wait_s = longest_wait_s
         self._lines = _Lines()
+        self._heard = False
+        """Whether this connection's stream carried anything: the gateway's always opens with an event or a ping."""
 
     @property
     def ended(self) -> bool:
@@ -477,12 +479,14 @@ class _Follow:
         """A new connection's headers (its ``Last-Event-ID``)."""
         self._decoder.restart()
         self._lines = _Lines()
+        self._heard = False
         return self._resume.headers()
 
     def text(self, text: str) -> Iterator[TaskEvent]:
         """The events not yet delivered that ``text``, the stream's next piece, completes; none after the
         terminal one. Each is yielded as it is read: an ``error`` event after them raises only once they
         are delivered, since the reconnection resumes after them."""
+        self._heard = self._heard or bool(text)
         for line in self._lines.feed(text):
             if self.ended:
                 break
@@ -504,7 +508,10 @@ class _Follow:
 
         ``failure`` None: the server ended the stream before the task ended (it closes one after
         BATCHWIRE_SSE_MAX_S, and as it shuts down). That spends no retry, as a long-poll that answers a
-        task still running spends none: the stream's ``retry:`` (else ``POLL_EVERY_S``) and a jitter."""
+        task still running spends none: the stream's ``retry:`` (else ``POLL_EVERY_S``) and a jitter. A
+        stream that carried nothing at all is no gateway's (a proxy answering for it): a failure."""
+        if failure is None and not self._heard:
+            failure = Unreachable("unreachable", "the event stream ended empty, before the task ended")
         if failure is None:
             self._attempts.progressed()
             pause = self._decoder.retry_s if self._decoder.retry_s is not None else POLL_EVERY_S

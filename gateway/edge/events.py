@@ -55,7 +55,9 @@ class TaskEvents:
     """A task's states as events: ``first`` (after ``RETRY``), then each of ``later`` (a started
     ``TaskReads.events``), and an ``error`` event if the store fails mid-stream. A state whose rank is
     at most ``after`` (the client's ``Last-Event-ID``) or than one already sent is skipped, so a resumed
-    stream sends each status once. ``aclose`` closes ``later`` (its store watch)."""
+    stream sends each status once; one that has nothing new opens with a ``PING`` at once, so that every
+    stream of the gateway's carries something (a client tells an empty answer, a proxy's, from it).
+    ``aclose`` closes ``later`` (its store watch)."""
 
     def __init__(self, first: TaskState, later: AsyncGenerator[TaskState, None], *, after: int = -1) -> None:
         self._first: TaskState | None = first
@@ -69,6 +71,7 @@ class TaskEvents:
 
     async def __anext__(self) -> bytes:
         while True:
+            first = self._first is not None
             if self._first is not None:
                 state, self._first = self._first, None
             elif self._failed:
@@ -82,6 +85,8 @@ class TaskEvents:
             if state.status.rank > self._sent:
                 self._sent = state.status.rank
                 return self._open(state_event(state))
+            if first:  # resumed with nothing new: the stream still opens at once (RETRY comes with an event)
+                return PING
 
     def _open(self, event: bytes) -> bytes:
         opening, self._opening = self._opening, b""

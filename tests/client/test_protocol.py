@@ -345,6 +345,32 @@ async def test_a_stream_the_server_ends_before_the_task_is_resumed_without_spend
         assert streams == [None, "0", "0", "0", "0"], f"each stream resumes after the queued event: {streams}"
 
 
+def _empty_streams(opened: list[str | None]) -> httpx.MockTransport:
+    """A proxy answering for the gateway with an empty event stream, every time."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        opened.append(request.headers.get("last-event-id"))
+        return httpx.Response(200, content=b"", headers={"content-type": "text/event-stream"})
+
+    return httpx.MockTransport(handler)
+
+
+async def test_streams_that_end_empty_spend_the_retries_and_raise_unreachable() -> None:
+    """Every stream of the gateway's carries something (an event, or a ping at once), so an empty one is a
+    proxy's answer, a failed connection: it spends a retry, where a stream the gateway ended spends none."""
+    opened: list[str | None] = []
+    with (
+        Client("http://gw", transport=_empty_streams(opened), max_retries=1) as client,
+        pytest.raises(Unreachable, match="ended empty"),
+    ):
+        list(client.events("t1"))
+    aopened: list[str | None] = []
+    async with AsyncClient("http://gw", transport=_empty_streams(aopened), max_retries=1) as aclient:
+        with pytest.raises(Unreachable, match="ended empty"):
+            _ = [event async for event in aclient.events("t1")]
+    assert len(opened) == len(aopened) == 2, f"one try and one retry each: {opened}, {aopened}"
+
+
 def _refused_then_completed(opened: list[float]) -> httpx.MockTransport:
     """An event stream refused with a Retry-After of an hour (a proxy's 503), then, if asked again, the task's end."""
 

@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 import httpx
 from httpx_sse import ServerSentEvent, aconnect_sse
 
-from gateway.edge.events import EventStream, StreamsEnd, TaskEvents
+from gateway.edge.events import PING, EventStream, StreamsEnd, TaskEvents
 from schemas.records import TaskState, TaskStatus
 from tests.support.eventually import eventually
 from tests.support.gateway_rig import RecordingStore, RigFactory, error_of, serving
@@ -120,6 +120,17 @@ async def test_a_resume_after_the_end_is_204_and_a_resume_after_a_passed_state_g
     assert (ended.status_code, ended.content) == (204, b"")
     assert [(e.event, e.id) for e in caught_up] == [("completed", "3")]
     assert rig.gateway.watchers == 0
+
+
+async def test_a_resumed_stream_with_nothing_new_opens_at_once(make_rig: RigFactory) -> None:
+    """A client tells the gateway's quiet stream from a proxy's empty answer by this opening."""
+    rig = await make_rig()  # no worker: the task stays queued
+    async with serving(rig) as client:
+        task_id = (await client.post("/v1/tasks", json={"input": "quiet"})).json()["task_id"]
+        headers = {"Last-Event-ID": "0"}
+        async with client.stream("GET", f"/v1/result/{task_id}/events", headers=headers) as response:
+            first = await asyncio.wait_for(anext(response.aiter_bytes()), 5)
+    assert first == PING, first
 
 
 async def test_a_last_event_id_the_stream_never_sent_is_a_400_that_says_what_to_send(make_rig: RigFactory) -> None:
