@@ -15,7 +15,7 @@ from typing import Literal, overload
 
 from gateway.admission.gate import ANONYMOUS, Admission, Caller
 from gateway.admission.priority import request_tier
-from gateway.admission.validation import validated, within_token_budget
+from gateway.admission.validation import TokenBudget, validated
 from gateway.answers.outcomes import Accepted, Answer, answer_of
 from gateway.answers.reads import TaskReads
 from gateway.answers.replies import Replies
@@ -66,7 +66,9 @@ class Gateway:
         rates they state (admission by predicted wait before a model's drain rate is measured).
         ``count_tokens`` (with ``max_batch_tokens``) refuses an input over the token budget."""
         self.settings = settings
-        self._count_tokens = count_tokens if settings.max_batch_tokens > 0 else None
+        self._token_budget = (
+            TokenBudget(settings, count_tokens) if count_tokens is not None and settings.max_batch_tokens > 0 else None
+        )
         self._producer = producer
         self._store = store
         self._clock: Clock = clock or SystemClock()
@@ -102,6 +104,8 @@ class Gateway:
         await self._shared.close()
         await self._keys.close()
         await self._admission.close()
+        if self._token_budget is not None:
+            self._token_budget.close()
 
     async def ready(self) -> dict[str, bool]:
         """This gateway's own parts: the bus, the store, and the tasks that guard against lost replies."""
@@ -191,8 +195,8 @@ class Gateway:
         """
         started = self._clock.monotonic()
         model, timeout_ms = validated(self.settings, input, model, timeout_ms)
-        if self._count_tokens is not None:
-            await within_token_budget(self.settings, input, self._count_tokens)
+        if self._token_budget is not None:
+            await self._token_budget.check(input)
         tier = request_tier(priority, caller.tiers)
         if idempotency_key is not None:
             idempotency.check_key(idempotency_key)
@@ -256,8 +260,8 @@ class Gateway:
             return
         for input in inputs:
             validated(self.settings, input, model, None)
-            if self._count_tokens is not None:
-                await within_token_budget(self.settings, input, self._count_tokens)
+            if self._token_budget is not None:
+                await self._token_budget.check(input)
         self._check_open()
         await self._admission.charge(caller, len(inputs))
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from gateway.errors import (
     EmptyInput,
     InputOverTokenBudget,
     InputTooLarge,
+    NotReady,
     TimeoutOutOfRange,
     UnknownModel,
     Untokenizable,
@@ -42,20 +44,44 @@ def validated(settings: GatewaySettings, input: str, model: str | None, timeout_
 
 
 LONG_INPUT_CHARS = 2_048
-"""An input this long is counted on a thread: a tokenizer takes a while over a long text, and the one
-``batcher.tokens`` builds releases the GIL meanwhile, so the event loop serves other requests; a
+"""An input this long is counted on the budget's thread: a tokenizer takes a while over a long text, and
+the one ``batcher.tokens`` builds releases the GIL meanwhile, so the event loop serves other requests; a
 shorter input costs less to count than the hop to a thread."""
 
 
-async def within_token_budget(settings: GatewaySettings, input: str, count_tokens: Callable[[str], int]) -> None:
+class TokenBudget:
     """Refuses an input that alone is over the token budget (no batch could hold it), or that the
-    model's tokenizer cannot read: that input fails, and nothing else."""
-    try:
-        tokens = count_tokens(input) if len(input) < LONG_INPUT_CHARS else await asyncio.to_thread(count_tokens, input)
-    except ValueError as err:
-        raise Untokenizable(f"{err}; send text the model's tokenizer reads") from None
-    if tokens > settings.max_batch_tokens:
-        raise InputOverTokenBudget(
-            f"input is {tokens} tokens; a batch holds at most {settings.max_batch_tokens} "
-            f"({env_name('max_batch_tokens')}): send a shorter input"
-        )
+    model's tokenizer cannot read: that input fails, and nothing else.
+
+    Long inputs are counted on one thread of the budget's own, not on the event loop's default
+    executor: what clients send would otherwise queue there ahead of the hops that every request takes
+    in an embedded process (the batcher's count of each read, the workers' input checks), so one
+    client's flood of long inputs would hold up everyone's answers; and one thread leaves the event
+    loop a core while the flood is counted."""
+
+    def __init__(self, settings: GatewaySettings, count_tokens: Callable[[str], int]) -> None:
+        self._settings = settings
+        self._count_tokens = count_tokens
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gateway-tokens")
+        self._closed = False
+
+    async def check(self, input: str) -> None:
+        if self._closed:
+            raise NotReady("the gateway is shutting down; retry on another instance")
+        try:
+            if len(input) < LONG_INPUT_CHARS:
+                tokens = self._count_tokens(input)
+            else:
+                tokens = await asyncio.get_running_loop().run_in_executor(self._thread, self._count_tokens, input)
+        except ValueError as err:
+            raise Untokenizable(f"{err}; send text the model's tokenizer reads") from None
+        if tokens > self._settings.max_batch_tokens:
+            raise InputOverTokenBudget(
+                f"input is {tokens} tokens; a batch holds at most {self._settings.max_batch_tokens} "
+                f"({env_name('max_batch_tokens')}): send a shorter input"
+            )
+
+    def close(self) -> None:
+        """Lets the thread end once the counts already asked for are done; a later one is refused."""
+        self._closed = True
+        self._thread.shutdown(wait=False)

@@ -144,3 +144,46 @@ async def test_while_a_long_input_is_counted_the_loop_serves_others(hold: int) -
         answer = await long
         assert answer.status_code == 200 and answer.json()["output"] == long_input[::-1], answer.text
         assert (await short).status_code == 200
+
+
+class HeldLongCounts:
+    """The estimate, but every count of a long input by the gateway (those holding ``tag``) waits for
+    ``release``: a tokenizer slow over the long texts a flood sends."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+        self.began = 0
+        self.first = asyncio.Event()
+        self.release = threading.Event()
+        self._loop = asyncio.get_running_loop()
+
+    def __call__(self, text: str) -> int:
+        if text.startswith(self.tag):
+            self.began += 1
+            self._loop.call_soon_threadsafe(self.first.set)
+            self.release.wait(30)
+        return estimated(text)
+
+
+FLOODED = 40
+"""More long inputs at once than the event loop's default executor has threads (at most 32)."""
+
+
+async def test_a_flood_of_long_inputs_being_counted_holds_up_no_other_request() -> None:
+    """The gateway counts long inputs on a thread of its own: while every one of a flood's counts waits,
+    the embedded batcher's and workers' hops to the default executor still run, so a short request is
+    answered; the flood's inputs are counted one at a time and answered once the counts go on."""
+    counter = HeldLongCounts("flood")
+    async with serving(Recording(), counter, budget=10_000) as client:
+        flood = [f"flood{n:03d}".ljust(LONG_INPUT_CHARS, "l") for n in range(FLOODED)]
+        sent = [asyncio.create_task(client.post("/v1/tasks", json={"input": text})) for text in flood]
+        try:
+            async with asyncio.timeout(10):
+                await counter.first.wait()
+                short = await client.post("/v1/inference", json={"input": "short"})
+            assert short.status_code == 200 and short.json()["output"] == "trohs", short.text
+            assert counter.began == 1, f"one count at a time, on the gateway's thread: {counter.began} began"
+        finally:
+            counter.release.set()
+        accepted = await asyncio.gather(*sent)
+        assert [response.status_code for response in accepted] == [202] * FLOODED
