@@ -252,7 +252,8 @@ def _add_start_arguments(parser: argparse.ArgumentParser) -> None:
         type=number,
         default=RESULT_TTL_S,
         help="how long the started service keeps results (its --result-ttl-s; default %(default)g): the bench reads "
-        "each answer at once, and a short life keeps a shared stack's Redis from filling up over many runs",
+        "each answer at once, and a short life keeps a shared stack's Redis from filling up over many runs; at "
+        "least the started gateways' --max-timeout-ms (30 s by default), or they refuse to start",
     )
 
 
