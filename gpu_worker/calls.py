@@ -10,9 +10,10 @@ event loop.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from gpu_worker.backends.base import Backend, InputError
+from gpu_worker.backends.base import Backend, InputError, PartialOutputs
 from gpu_worker.runner import BackendHung, BackendRunner, NotStarted, Timing
 from telemetry import metrics
 
@@ -119,12 +120,15 @@ class BackendCalls:
             await self._bisect(inputs, indices[middle:], result)
             return
         for index, output in zip(indices, outputs, strict=True):
-            result.outputs[index] = output
+            result.outputs[index] = output if isinstance(output, str) else Failure(output.code, str(output))
 
-    async def _call(self, inputs: list[str], result: GroupResult, start_by: float | None) -> list[str]:
+    async def _call(self, inputs: list[str], result: GroupResult, start_by: float | None) -> Sequence[str | InputError]:
         timing = result.first if result.started is None else Timing()
+        outputs: Sequence[str | InputError]
         try:
             outputs = await self.runner.call(self.backend.batchstring, inputs, timing=timing, start_by=start_by)
+        except PartialOutputs as partial:  # the others' outputs stand: nothing to split
+            outputs = partial.outputs
         finally:
             if timing.started is not None and timing.ended is not None:  # thread times: not the queueing
                 elapsed = timing.ended - timing.started

@@ -23,8 +23,8 @@ from typing import Protocol, cast
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from gpu_worker.backends.base import BackendError, BatchSizeError, InputError
-from gpu_worker.backends.hf_embed import cls_pool, mean_pool, to_json
+from gpu_worker.backends.base import BackendError, BatchSizeError, InputError, answered
+from gpu_worker.backends.hf_embed import cls_pool, embedding_outputs, mean_pool
 from gpu_worker.backends.hf_load import (
     DTYPES,
     TASKS,
@@ -219,7 +219,8 @@ class HFBackend:
         return [len(ids) for ids in encoded["input_ids"]]
 
     def batchstring(self, inputs: list[str]) -> list[str]:
-        """One output per input, in order: generated text, or a JSON embedding for ``embed``."""
+        """One output per input, in order: generated text, or a JSON embedding for ``embed``;
+        ``PartialOutputs`` when some embeddings are not finite."""
         if not inputs or len(inputs) > self.max_batch:
             raise BatchSizeError(f"batchstring takes 1 to {self.max_batch} inputs, got {len(inputs)}")
         if not self._busy.acquire(blocking=False):
@@ -229,13 +230,13 @@ class HFBackend:
             start = time.perf_counter()
             outputs = self._run(loaded, inputs)
             self._record_latency(len(inputs), time.perf_counter() - start)
-            return outputs
+            return answered(outputs)
         finally:
             self._busy.release()
 
     # batches ---------------------------------------------------------------------------------
     @torch.inference_mode()
-    def _run(self, loaded: LoadedModel, inputs: list[str]) -> list[str]:
+    def _run(self, loaded: LoadedModel, inputs: list[str]) -> Sequence[str | InputError]:
         encoded = loaded.tokenizer(
             inputs,
             padding=True,
@@ -262,8 +263,10 @@ class HFBackend:
             hidden = loaded.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
             states = cast(torch.Tensor, hidden)
             if loaded.pooling == "cls":
-                return to_json(cls_pool(states, normalize=loaded.normalize))
-            return to_json(mean_pool(states, attention_mask, normalize=loaded.normalize))
+                vectors = cls_pool(states, normalize=loaded.normalize)
+            else:
+                vectors = mean_pool(states, attention_mask, normalize=loaded.normalize)
+            return embedding_outputs(vectors, loaded.dtype)
         # The tokenizer is for the stop strings a model's generation config may name (Gemma's
         # <end_of_turn>): without it generate refuses every batch.
         generated = cast(_Generates, loaded.model).generate(

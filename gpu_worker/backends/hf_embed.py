@@ -14,6 +14,11 @@ import json
 
 import torch
 
+from gpu_worker.backends.base import InputError
+
+NON_FINITE_EMBEDDING = "non_finite_embedding"
+"""The error code of an input whose vector holds NaN or infinity (float16's range overflowed, say)."""
+
 DECIMALS = 6
 """Rounding of each component. float32 holds about 7 significant digits anyway; a cosine of two
 rounded unit vectors moves by at most sqrt(dim) * 1e-6 (2e-5 for 384 dimensions), far below what
@@ -47,3 +52,26 @@ def to_json(vectors: torch.Tensor) -> list[str]:
     """One JSON array of floats per row, e.g. ``[0.012345,-0.5,...]``, rounded to ``DECIMALS``."""
     rows: list[list[float]] = vectors.detach().to("cpu", torch.float64).round(decimals=DECIMALS).tolist()
     return [json.dumps(row, separators=(",", ":")) for row in rows]
+
+
+def embedding_outputs(vectors: torch.Tensor, dtype: torch.dtype) -> list[str | InputError]:
+    """``to_json`` of each row, or for a row that is not finite (which JSON cannot carry, and no
+    similarity can use) an ``InputError`` saying what to change; ``dtype`` is the model's."""
+    finite: list[bool] = torch.isfinite(vectors).all(dim=1).tolist()
+    return [
+        row if ok else _not_finite(index, dtype)
+        for index, (row, ok) in enumerate(zip(to_json(vectors), finite, strict=True))
+    ]
+
+
+def _not_finite(index: int, dtype: torch.dtype) -> InputError:
+    if dtype == torch.float16:
+        why = "the model's activations likely overflowed float16; run it in bfloat16 or float32"
+        why += " (--dtype, BATCHWIRE_DTYPE)"
+    elif dtype != torch.float32:
+        why = f"the model computes in {str(dtype).removeprefix('torch.')}; run it in float32 (--dtype, BATCHWIRE_DTYPE)"
+    else:
+        why = "the model computes in float32, so its weights may hold NaN or infinity"
+    return InputError(
+        index, NON_FINITE_EMBEDDING, f"the embedding of this input is not finite (NaN or infinity): {why}"
+    )

@@ -11,13 +11,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
+from transformers import AutoTokenizer, BertModel
 
 from batchwire.bench.tiny_models import MAX_POSITIONS
-from gpu_worker.backends.base import BackendError, BatchSizeError, InputError
+from gpu_worker.backends.base import BackendError, BatchSizeError, InputError, PartialOutputs
 from gpu_worker.backends.hf import HFBackend, batch_bucket, plan_free_attention
 from gpu_worker.backends.hf_load import ModelLoadError
 from gpu_worker.backends.sim import ReentryError
@@ -368,6 +369,47 @@ def test_embed_batched_matches_one_by_one(tiny_models: dict[str, Path], make_bac
         single = json.loads(backend.batchstring([text])[0])
         worst = max(abs(a - b) for a, b in zip(vector, single, strict=True))
         assert worst <= 2e-6, f"{text!r}: batched differs from single by {worst}"
+
+
+def _overflowing_copy(path: Path, into: Path, char: str) -> Path:
+    """A copy of the encoder in ``path`` whose embedding row for ``char`` is past float16's range (the
+    overflow a model in float16 meets in its activations): finite in float32, inf in float16."""
+    copy = Path(shutil.copytree(path, into))
+    model = BertModel.from_pretrained(copy)
+    row = AutoTokenizer.from_pretrained(copy).convert_tokens_to_ids(char)
+    with torch.no_grad():
+        model.embeddings.word_embeddings.weight[row] *= 1e7
+    model.save_pretrained(copy)
+    return copy
+
+
+async def test_an_embedding_that_is_not_finite_fails_its_input_alone(
+    tiny_models: dict[str, Path], make_backend: Callable[..., HFBackend], tmp_path: Path
+) -> None:
+    """NaN is not JSON (most parsers refuse it): such an input fails with a code of its own and what to
+    change, while the rest of its batch gets its vectors from the same call."""
+    path = _overflowing_copy(tiny_models["bert"], tmp_path / "overflow", "z")
+    inputs = ["a", "lazy dog", "hello there", "xyz " * 5]
+    in_float32 = make_backend(path, task="embed").batchstring(inputs)
+    assert all(math.isfinite(x) for output in in_float32 for x in json.loads(output)), in_float32
+    backend = make_backend(path, task="embed", dtype="float16")
+    runner = BackendRunner("test-hf")
+    calls = BackendCalls(backend, runner, "bert", "w")
+    try:
+        result = await calls.run(inputs)
+    finally:
+        runner.close()
+    codes = {index: output.code if isinstance(output, Failure) else "ok" for index, output in result.outputs.items()}
+    assert codes == {0: "ok", 1: "non_finite_embedding", 2: "ok", 3: "non_finite_embedding"}, result.outputs
+    failure = cast(Failure, result.outputs[1])
+    assert "overflowed float16; run it in bfloat16 or float32 (--dtype, BATCHWIRE_DTYPE)" in failure.message
+    for index in (0, 2):
+        vector = json.loads(cast(str, result.outputs[index]))
+        assert len(vector) == 32 and all(math.isfinite(x) for x in vector), f"{inputs[index]!r}: {vector}"
+
+    with pytest.raises(PartialOutputs) as caught:  # one call answered the others: no bisection
+        backend.batchstring(inputs)
+    assert caught.value.outputs[0] == result.outputs[0] and isinstance(caught.value.outputs[1], InputError)
 
 
 def _sentence_transformers_layout(path: Path, into: Path, pooling: dict[str, bool], *extra: str) -> Path:
