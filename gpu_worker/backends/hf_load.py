@@ -160,6 +160,7 @@ def load_model_dir(
     pooling, normalize = sentence_transformers_layout(model_path) if task == "embed" else ("mean", True)
 
     pretrained = _load_weights(model_path, task=task, device=device, dtype=dtype, is_encoder_decoder=is_encoder_decoder)
+    _check_embedding_rows(tokenizer, pretrained, model_path)
     model: torch.nn.Module = pretrained
     if task == "embed" and is_encoder_decoder:
         model = cast(torch.nn.Module, pretrained.get_encoder())  # sentence-T5 style: embed with the encoder alone
@@ -225,6 +226,23 @@ def _check_vocabulary(tokenizer: PreTrainedTokenizerBase, model_path: Path) -> N
         raise ModelLoadError(
             f"the tokenizer in {model_path} has no vocabulary: tokenizer files are missing "
             "(tokenizer.json, or vocab/merges or sentencepiece model files, as save_pretrained writes)"
+        )
+
+
+def _check_embedding_rows(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel, model_path: Path) -> None:
+    """A token id past the model's input embedding rows fails each batch it is in (on a GPU, a device-side
+    assert that breaks the process's CUDA context for every later call too): a tokenizer with ids past the
+    table (tokens added, the model not resized) is refused. A smaller one is common (padded tables)."""
+    try:
+        rows = getattr(model.get_input_embeddings(), "num_embeddings", None)
+    except NotImplementedError:  # a model class that does not say where its embeddings are
+        return
+    top = max(tokenizer.get_vocab().values(), default=0)
+    if isinstance(rows, int) and top >= rows:
+        raise ModelLoadError(
+            f"the tokenizer in {model_path} has token ids up to {top}, but the model's input embeddings have "
+            f"{rows} rows (ids 0 to {rows - 1}): an input with a token past them would fail; use the tokenizer "
+            "the model was trained with, or resize the model's embeddings to the tokenizer (resize_token_embeddings)"
         )
 
 

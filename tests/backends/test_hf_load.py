@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import socket
@@ -14,7 +15,7 @@ import pytest
 import torch
 import transformers
 
-from batchwire.bench.tiny_models import MAX_POSITIONS, build_tiny_encoder, byte_tokenizer
+from batchwire.bench.tiny_models import build_tiny_encoder
 from gpu_worker.backends.hf import WARMUP_PROMPT, HFBackend
 from gpu_worker.backends.hf_load import ModelLoadError, _load_weights, resolve_device, resolve_dtype
 
@@ -74,6 +75,38 @@ def test_missing_tokenizer_is_refused_not_replaced_by_an_empty_one(
     path = broken_copy(tiny_models, tmp_path, remove=("tokenizer.json", "tokenizer_config.json"))
     with pytest.raises(ModelLoadError, match="has no vocabulary: tokenizer files are missing"):
         load(path)
+
+
+@pytest.mark.parametrize(("arch", "task"), [("gpt2", "generate"), ("bert", "embed"), ("t5", "embed")])
+def test_a_tokenizer_with_ids_past_the_embedding_table_is_refused(
+    arch: str, task: str, tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """A token added to the tokenizer, the model not resized: each input holding it would fail its call
+    (an IndexError on CPU; on a GPU, a device-side assert that fails every later call of the process)."""
+    path = Path(shutil.copytree(tiny_models[arch], tmp_path / "model"))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    rows = len(tokenizer)
+    tokenizer.add_tokens(["<tool>"])
+    tokenizer.save_pretrained(path)
+    with pytest.raises(ModelLoadError) as caught:
+        load(path, task=task)
+    assert str(caught.value) == (
+        f"the tokenizer in {path} has token ids up to {rows}, but the model's input embeddings have {rows} rows "
+        f"(ids 0 to {rows - 1}): an input with a token past them would fail; use the tokenizer the model was "
+        "trained with, or resize the model's embeddings to the tokenizer (resize_token_embeddings)"
+    )
+
+
+def test_an_embedding_table_larger_than_the_tokenizer_loads(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """Tables padded past the vocabulary (to a multiple of 64, say) are common, and fine."""
+    path = Path(shutil.copytree(tiny_models["gpt2"], tmp_path / "padded"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    model.resize_token_embeddings(320)
+    model.save_pretrained(path)
+    backend = load(path)
+    assert backend.loaded is not None
+    assert backend.loaded.model.get_input_embeddings().num_embeddings == 320
+    assert len(backend.batchstring(["a", "longer input"])) == 2
 
 
 @pytest.mark.parametrize(
@@ -247,20 +280,24 @@ def test_loads_on_several_threads_at_once_leave_each_model_whole_and_the_process
 def test_a_model_that_fails_its_warm_up_did_not_load_and_up_says_so_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Weights saved beside another model's tokenizer (8 embeddings, ids up to 259) load, then the
-    warm-up batch fails: the load failed, said as one line, not the model's traceback."""
+    """An encoder whose weights hold an infinity (in the row of the warm-up prompt's first byte) loads,
+    then the warm-up batch's embeddings are not finite: the load failed, said as one line, not the
+    model's traceback."""
     from batchwire.cli import main
 
-    path = tmp_path / "mismatched"
-    config = transformers.GPT2Config(vocab_size=8, n_positions=MAX_POSITIONS, n_embd=8, n_layer=1, n_head=1)
-    transformers.GPT2LMHeadModel(config).save_pretrained(path)
-    byte_tokenizer().save_pretrained(path)
-    backend = HFBackend(path, device="cpu")
-    with pytest.raises(ModelLoadError, match="warm-up") as caught:
+    path = build_tiny_encoder(tmp_path / "infinite")
+    model = transformers.BertModel.from_pretrained(path)
+    row = transformers.AutoTokenizer.from_pretrained(path).convert_tokens_to_ids(WARMUP_PROMPT[0])
+    with torch.no_grad():
+        model.embeddings.word_embeddings.weight[row] = math.inf
+    model.save_pretrained(path)
+    backend = HFBackend(path, task="embed", device="cpu")
+    with pytest.raises(ModelLoadError, match=r"warm-up batch failed: PartialOutputs: .* not finite") as caught:
         backend.load()
     assert str(path) in str(caught.value), caught.value
     assert backend.loaded is None, "a backend whose warm-up failed still says it is loaded"
-    assert main(["up", "--port", "0", "--backend", "hf", "--device", "cpu", "--model-path", str(path)]) == 2
+    up = ["up", "--port", "0", "--backend", "hf", "--hf-task", "embed", "--device", "cpu", "--model-path", str(path)]
+    assert main(up) == 2
     err = capsys.readouterr().err  # transformers, imported here already, shows its progress bars as well
     said = err.splitlines()[-1]
     assert said.startswith("batchwire up: the model did not load: ") and "warm-up" in said, err
