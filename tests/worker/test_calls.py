@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator
-
-import pytest
 
 from gpu_worker.calls import LONG_CHECK_CHARS, BackendCalls
 from gpu_worker.runner import BackendRunner
@@ -28,13 +25,6 @@ class CheckedOn:
 
     def batchstring(self, inputs: list[str]) -> list[str]:
         return [text[::-1] for text in inputs]
-
-
-@pytest.fixture
-async def runner() -> AsyncIterator[BackendRunner]:
-    made = BackendRunner("test")
-    yield made
-    made.close()
 
 
 async def test_a_short_batch_is_checked_on_the_loop_without_a_thread_hop(runner: BackendRunner) -> None:

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
-import pytest
-
 from gpu_worker.calls import BackendCalls, Failure
 from gpu_worker.runner import BackendRunner
 
@@ -29,13 +25,6 @@ class Recording:
         if any(text.startswith("bad") for text in inputs):
             raise RuntimeError("the model failed")
         return [text[::-1] for text in inputs]
-
-
-@pytest.fixture
-async def runner() -> AsyncIterator[BackendRunner]:
-    made = BackendRunner("test")
-    yield made
-    made.close()
 
 
 async def test_duplicates_run_once_and_each_item_gets_its_inputs_output(runner: BackendRunner) -> None:
