@@ -33,7 +33,7 @@ from typing import TypeVar
 
 from gpu_worker.admission import Admission
 from gpu_worker.backends.base import Backend
-from gpu_worker.calls import BackendCalls, Failure, GroupResult, oversize
+from gpu_worker.calls import BackendCalls, GroupResult, oversize
 from gpu_worker.commits import Committer, Slot, Timed
 from gpu_worker.credits import CreditOffer
 from gpu_worker.journal import BatchJournal
@@ -368,27 +368,16 @@ class Worker:
                     self.settings.worker_id, batch.batch_id, ids, result.started, result.ended, outcome, delivery
                 )
         states = []
-        limit = self.settings.max_output_bytes
+        limit, worker_id = self.settings.max_output_bytes, self.settings.worker_id
         for index, item in enumerate(items):
             output = outputs[index]
             if isinstance(output, str):
                 output = oversize(output, limit) or output
             if isinstance(output, str):
-                states.append(self._state(batch, item, len(items), TaskStatus.COMPLETED, output=output))
+                states.append(task_state(worker_id, batch, item, TaskStatus.COMPLETED, output, ran_with=len(items)))
             else:
-                states.append(self._state(batch, item, len(items), TaskStatus.FAILED, error=output))
+                states.append(task_state(worker_id, batch, item, TaskStatus.FAILED, error=output, ran_with=len(items)))
         return states
-
-    def _state(
-        self,
-        batch: Batch,
-        item: BatchItem,
-        ran_with: int,
-        status: TaskStatus,
-        output: str | None = None,
-        error: Failure | None = None,
-    ) -> TaskState:
-        return task_state(self.settings.worker_id, batch, item, status, output, error, ran_with)
 
 
 def _first(err: BaseException) -> BaseException:
