@@ -195,8 +195,8 @@ class Gateway:
         """
         started = self._clock.monotonic()
         model, timeout_ms = validated(self.settings, input, model, timeout_ms)
-        if self._token_budget is not None:
-            await self._token_budget.check(input)
+        if self._token_budget is not None and not (charged and self._admission.active):
+            await self._token_budget.check(input)  # a charged input's count was checked by ``charge``
         tier = request_tier(priority, caller.tiers)
         if idempotency_key is not None:
             idempotency.check_key(idempotency_key)

@@ -187,3 +187,39 @@ async def test_a_flood_of_long_inputs_being_counted_holds_up_no_other_request() 
             counter.release.set()
         accepted = await asyncio.gather(*sent)
         assert [response.status_code for response in accepted] == [202] * FLOODED
+
+
+async def test_the_inputs_of_a_charged_list_are_counted_once() -> None:
+    """With admission on, ``Gateway.charge`` checks a list's inputs against the budget before their
+    submits (an OpenAI request of several): each submit does not count its input again."""
+    counted: list[str] = []
+
+    def gateway_count(text: str) -> int:
+        counted.append(text)
+        return estimated(text)
+
+    settings = EmbeddedSettings(
+        shared=SharedSettings(models=("sim",)),
+        batcher=BatcherSettings(policy=FlushPolicy.named("work-conserving", max_batch_tokens=10_000)),
+        workers_per_model=1,
+    )
+    runtime = EmbeddedRuntime(settings, lambda model, index: Recording(), estimated)
+    gateway = Gateway(
+        GatewaySettings(models=("sim",), max_batch_tokens=10_000),
+        runtime.producer,
+        runtime.store,
+        queue_depth=runtime.queue_depth,
+        count_tokens=gateway_count,
+    )
+    await runtime.start()
+    await gateway.start()
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(gateway, runtime)), base_url="http://bw")
+    try:
+        inputs = ["one", "two", "l" * LONG_INPUT_CHARS]
+        answer = await client.post("/v1/completions", json={"model": "sim", "prompt": inputs, "max_tokens": 16})
+        assert answer.status_code == 200, answer.text
+    finally:
+        await client.aclose()
+        await gateway.close()
+        await runtime.close()
+    assert sorted(counted) == sorted(inputs), f"each input counted once by the gateway: {len(counted)} counts"
