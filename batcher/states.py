@@ -27,6 +27,7 @@ def batched(model: str, batch: Batch, now_ms: int) -> list[TaskState]:
             item.enqueued_at_ms,
             batch_id=batch.batch_id,
             batch_size=len(batch.items),
+            deadline_ms=item.deadline_ms,
         )
         for item in batch.items
         if item.reply_to is None

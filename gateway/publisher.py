@@ -42,14 +42,17 @@ class TaskPublisher:
         task_id = submission.task_id if task_id is None else task_id
         model, owner = submission.model, submission.owner
         now_ms = self._clock.wall_ms()
-        state = TaskState(task_id, TaskStatus.QUEUED, model, now_ms, now_ms, reply_to=reply_to, owner=owner)
+        deadline_ms = now_ms + submission.timeout_ms
+        state = TaskState(
+            task_id, TaskStatus.QUEUED, model, now_ms, now_ms, reply_to=reply_to, owner=owner, deadline_ms=deadline_ms
+        )
         traceparent = spans.request_sent(task_id) if tracing.ACTIVE else None
         request = InferenceRequest(
             task_id,
             model,
             submission.input,
             now_ms,
-            now_ms + submission.timeout_ms,
+            deadline_ms,
             reply_to=reply_to,
             owner=owner,
             priority=submission.tier,
@@ -129,10 +132,11 @@ class TaskPublisher:
 
     async def record_late(self, queued: TaskState) -> None:
         """Writes a task's "queued" record after the fact (a later status that got there first stays);
-        bounded, as a 504 waits for it."""
+        bounded, as a 504 waits for it. The record carries no deadline: a worker may be running the
+        task, its "running" unwritten (``TaskStore.apply``), and its answer is still to be polled."""
         try:
             async with asyncio.timeout(self._write_timeout_s):
-                await self._store.create(queued)
+                await self._store.create(replace(queued, deadline_ms=None))
         except (*TRANSPORT_ERRORS, TimeoutError):
             log.warning("could not record task %s", queued.task_id, exc_info=True, extra=ids(task_id=queued.task_id))
 

@@ -183,8 +183,9 @@ class TaskStore(Protocol):
     async def cancel(
         self, task_id: str, reason_code: str, message: str, status: TaskStatus = TaskStatus.CANCELLED
     ) -> TaskState | None:
-        """Ends a task no worker has started (``queued`` or ``batched``) as ``status`` (``cancelled``,
-        or ``failed`` for a gateway's send that failed), atomically.
+        """Ends a task no worker has started (``queued`` or ``batched``) as ``status`` (``cancelled``;
+        ``failed`` for a gateway's send that failed; ``expired`` for one a gateway reads past its
+        deadline), atomically.
 
         The cancelled state is published like ``apply`` publishes (watchers, and the gateway in
         ``reply_to``), and carries ``reason_code`` and ``message`` as its error. Returns the state

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import aclosing, contextmanager
 
 from gateway.answers.changes import follow
+from gateway.clock import Clock
 from gateway.errors import (
     TRANSPORT_ERRORS,
+    DeadlineExceeded,
     InvalidTaskId,
     NotCancellable,
     Overloaded,
@@ -31,14 +33,19 @@ from transport.ports import TaskStore
 TASK_ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 CANCELLED_BY_OWNER = "cancelled"
+PAST_DEADLINE = (
+    "the request's deadline passed before a GPU worker took it (no batcher or worker reached it in time); "
+    "retry, or send a longer timeout_ms"
+)
 
 
 class TaskReads:
     """The read side of the gateway over the task store, with its count of open watches."""
 
-    def __init__(self, settings: GatewaySettings, store: TaskStore) -> None:
+    def __init__(self, settings: GatewaySettings, store: TaskStore, clock: Clock) -> None:
         self.settings = settings
         self._store = store
+        self._clock = clock
         self._watchers = 0
         self._by_client: dict[str, int] = {}
         """Open watches per client (``gateway.edge.callers.client_of``), for its share of the cap."""
@@ -64,22 +71,17 @@ class TaskReads:
         try:
             if wait_s == 0:
                 return await self._get(task_id, owner)
+            until = asyncio.get_running_loop().time() + wait_s
             with self._watching(client):
                 async with self._store.watch(task_id) as changes:
                     state = await self._get(task_id, owner)
+                    async with aclosing(self._follow(changes, state, until)) as later:
+                        async for change in later:
+                            state = change
                     if state.status.terminal:
                         return state
-                    try:
-                        async with asyncio.timeout(wait_s):
-                            async for change in changes:
-                                if change.status.rank > state.status.rank:
-                                    state = change
-                                if state.status.terminal:
-                                    return state
-                    except TimeoutError:
-                        pass
             # The wait ran out: read once more, in case a change message was lost on the way.
-            return await self._store.get(task_id) or state
+            return await self._read(task_id) or state
         except TRANSPORT_ERRORS as err:
             raise Unavailable(f"the task store is unavailable: {err}") from err
 
@@ -98,9 +100,7 @@ class TaskReads:
                 async with self._store.watch(task_id) as changes:
                     state = await self._get(task_id, owner)
                     yield state
-                    async with aclosing(
-                        follow(self._store, changes, state, deadline, self.settings.stream_recheck_s)
-                    ) as later:
+                    async with aclosing(self._follow(changes, state, deadline)) as later:
                         async for state in later:
                             yield state
         except TRANSPORT_ERRORS as err:
@@ -133,7 +133,36 @@ class TaskReads:
         state = await self._store.get(task_id)
         if state is None or state.owner != owner:
             raise not_found(task_id)  # another key's task looks exactly like a missing one
-        return state
+        return await self._ended_if_late(state)
+
+    async def _read(self, task_id: str) -> TaskState | None:
+        """The stored state, ended if late (``_ended_if_late``); for a task whose owner was checked."""
+        state = await self._store.get(task_id)
+        return None if state is None else await self._ended_if_late(state)
+
+    def _follow(
+        self, changes: AsyncIterator[TaskState], state: TaskState, until: float
+    ) -> AsyncGenerator[TaskState, None]:
+        """``follow`` with a read at the task's deadline, which ends it if it still waits."""
+        return follow(self._read, changes, state, until, self.settings.stream_recheck_s, self._late_in_s)
+
+    def _late_in_s(self, state: TaskState) -> float | None:
+        """Seconds until ``state`` is past its deadline while no worker runs it; None when it has no
+        deadline (a ``running`` or ended state, or one recorded after its deadline)."""
+        if state.deadline_ms is None or state.status.rank > TaskStatus.BATCHED.rank:
+            return None
+        return (state.deadline_ms - self._clock.wall_ms()) / 1000
+
+    async def _ended_if_late(self, state: TaskState) -> TaskState:
+        """``state``, or the task ended ``expired`` when it still waits (queued, batched) past its
+        deadline. The batcher that would end it may be down (a worker drops such an item unrun), and
+        its caller learns the end now, not when a batcher comes back. The store decides atomically:
+        a worker's ``running`` that got there first stays, and once ended the task never runs."""
+        late_in_s = self._late_in_s(state)
+        if late_in_s is None or late_in_s > 0:
+            return state
+        ended = await self._store.cancel(state.task_id, DeadlineExceeded.code, PAST_DEADLINE, TaskStatus.EXPIRED)
+        return state if ended is None else ended
 
     @contextmanager
     def _watching(self, client: str) -> Iterator[None]:

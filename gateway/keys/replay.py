@@ -175,7 +175,7 @@ class KeyedReplay:
             async with self._store.watch(task_id) as changes:
                 state = await self._first_stored(task_id, changes, until)
                 if state is not None and not state.status.terminal:
-                    async with aclosing(follow(self._store, changes, state, until, self._recheck_s)) as later:
+                    async with aclosing(follow(self._store.get, changes, state, until, self._recheck_s)) as later:
                         async for change in later:
                             state = change
         except TRANSPORT_ERRORS as err:

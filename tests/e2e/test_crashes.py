@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from infra.ports import free_port
 from tests.support.cluster_checks import (
     proc_named,
     running,
@@ -149,6 +150,47 @@ async def test_async_tasks_survive_a_gateway_restart(tmp_path: Path, infra: Any,
         assert events[-1][0] == "completed" and events[-1][1]["output"] == text[::-1], events
     print(f"\ngateway restarted with {len(pending)} of {len(inputs)} async tasks still in flight; all retrieved")
     assert pending, "the restart should happen while tasks are in flight (make the batches slower)"
+
+
+async def test_a_task_whose_deadline_passes_while_every_batcher_is_down_ends_expired(
+    tmp_path: Path, infra: Any, clusters: list[Cluster]
+) -> None:
+    cluster = launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, workers=1)
+    clusters.append(cluster)
+    proc_named(cluster, "batcher0").kill9()
+    url = cluster.gateway_urls[0]
+    async with httpx.AsyncClient(timeout=30) as client:
+        created = await client.post(f"{url}/v1/tasks", json={"input": "too late", "timeout_ms": 2000})
+        assert created.status_code == 202, created.text
+        task_id = created.json()["task_id"]
+        streamed = asyncio.create_task(asyncio.wait_for(collect_events(client, url, task_id), 20))
+        started = time.monotonic()
+        try:
+            polled = (await client.get(f"{url}/v1/result/{task_id}", params={"wait": 15})).json()
+            answered_in = time.monotonic() - started
+        finally:
+            if not streamed.done():
+                await asyncio.wait({streamed}, timeout=20)  # its own bound: it ends or fails within 20 s
+        assert polled["status"] == "expired" and polled["error"]["code"] == "deadline_exceeded", (
+            f"a long-poll of a task past its deadline while no batcher runs: expected expired, got {polled}"
+        )
+        assert answered_in < 10, (
+            f"the long-poll answers at the deadline (2 s), not at its wait's end: {answered_in:.1f} s"
+        )
+        events = await streamed
+    assert [name for name, _ in events] == ["queued", "expired"], f"the stream ends expired: {events}"
+    port = free_port()
+    cluster.batcher(0, "--metrics-port", str(port))
+    await asyncio.to_thread(
+        eventually_sync,
+        lambda: metric(port, "batchwire_tasks_ended_total") >= 1,
+        "the batcher that came back to end the task",
+        timeout_s=30,
+    )
+    stored = task_states(cluster.redis_url, cluster.namespace, [task_id])[task_id]
+    assert stored.status.value == "expired", f"the stored task stays expired: {stored}"
+    ran = [batch for batch in cluster.journal() if task_id in batch.get("task_ids", [])]
+    assert not ran, f"no worker computes a task past its deadline: {ran}"
 
 
 async def read_dead_letters(bootstrap: str, topic: str, want: int, timeout_s: float = 20) -> list[Any]:

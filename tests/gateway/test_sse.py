@@ -54,6 +54,15 @@ async def test_stream_follows_the_task_to_its_end_and_closes(make_rig: RigFactor
     assert rig.gateway.watchers == 0
 
 
+async def test_a_stream_of_a_task_no_batcher_takes_ends_expired_at_its_deadline(make_rig: RigFactory) -> None:
+    rig = await make_rig()  # no worker, no batcher: nothing but its deadline ends the task
+    async with serving(rig) as client:
+        response = await client.post("/v1/tasks", json={"input": "nobody", "timeout_ms": 300})
+        events = await asyncio.wait_for(collect(client, response.json()["task_id"]), 10)
+    assert [e.event for e in events] == ["queued", "expired"], [(e.event, e.data) for e in events]
+    assert json.loads(events[-1].data)["error"]["code"] == "deadline_exceeded"
+
+
 async def test_late_connect_gets_the_current_state_first(make_rig: RigFactory) -> None:
     rig = await make_rig()
     await rig.worker()

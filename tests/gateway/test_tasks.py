@@ -8,8 +8,9 @@ import time
 import httpx
 import pytest
 
+from schemas.records import TaskState, TaskStatus
 from tests.support.eventually import eventually
-from tests.support.gateway_rig import RigFactory, error_of, http_scope
+from tests.support.gateway_rig import RigFactory, error_of, http_scope, now_ms
 
 
 async def test_submit_answers_202_with_where_to_look(make_rig: RigFactory) -> None:
@@ -66,6 +67,39 @@ async def test_long_poll_that_runs_out_returns_the_latest_state(make_rig: RigFac
     assert response.status_code == 200
     assert response.json()["status"] == "queued"
     assert 0.19 <= elapsed < 5, f"expected to wait about 0.2 s, waited {elapsed:.3f} s"
+
+
+async def test_a_task_no_batcher_takes_ends_expired_at_its_deadline_and_a_long_poll_says_so(
+    make_rig: RigFactory,
+) -> None:
+    """No batcher runs (none here): a long-poll answers ``expired`` at the deadline, not ``queued`` later."""
+    rig = await make_rig()
+    task_id = (await rig.client.post("/v1/tasks", json={"input": "nobody", "timeout_ms": 300})).json()["task_id"]
+    started = time.monotonic()
+    body = (await rig.client.get(f"/v1/result/{task_id}", params={"wait": 10})).json()
+    elapsed = time.monotonic() - started
+    assert body["status"] == "expired" and body["error"]["code"] == "deadline_exceeded", body
+    assert elapsed < 5, f"answered {elapsed:.1f} s in; the deadline was 0.3 s after the submit"
+    stored = await rig.store.get(task_id)
+    assert stored is not None and stored.status is TaskStatus.EXPIRED, f"the store holds the end: {stored}"
+    again = (await rig.client.get(f"/v1/result/{task_id}")).json()
+    assert again == body, "a poll reads the same end"
+
+
+async def test_a_batched_task_past_its_deadline_reads_expired_and_a_running_one_does_not(make_rig: RigFactory) -> None:
+    """A batch waiting for a worker that is hung or gone: its task ends at its deadline. A running task
+    is its worker's to end (its answer may still come), as is one recorded with no deadline."""
+    rig = await make_rig()
+    past = now_ms() - 1
+    waiting = TaskState("waits", TaskStatus.BATCHED, "sim", past, past - 1000, batch_id="b1", deadline_ms=past)
+    running = TaskState("runs", TaskStatus.RUNNING, "sim", past, past - 1000, batch_id="b1", worker_id="w1")
+    unbounded = TaskState("late", TaskStatus.QUEUED, "sim", past, past - 1000)
+    await rig.store.apply([waiting, running, unbounded])
+    polled = {task: (await rig.client.get(f"/v1/result/{task}")).json() for task in ("waits", "runs", "late")}
+    assert polled["waits"]["status"] == "expired", polled["waits"]
+    assert polled["waits"]["error"]["code"] == "deadline_exceeded", polled["waits"]
+    assert polled["runs"]["status"] == "running", polled["runs"]
+    assert polled["late"]["status"] == "queued", polled["late"]
 
 
 async def test_failed_task_shows_its_error(make_rig: RigFactory) -> None:
