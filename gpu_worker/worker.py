@@ -289,12 +289,38 @@ class Worker:
         if not todo or count != 1:
             # A careful run waits for the calls in flight (one at a time), and every batch's
             # results are stored after those of the batches before it (``commits``).
-            await self.pipeline.backend_free()
+            late, todo = await self._backend_free_for(batch, todo)
             stored = await self.redelivery.run(batch, todo, count) if todo else []
             count_ended(batch, ended)
-            self._fill(slot, batch, ended + stored)  # stored again (no-ops) to wait for replicas
+            self._fill(slot, batch, ended + late + stored)  # stored again (no-ops) to wait for replicas
             return
         self._start_call(slot, batch, todo, ended)
+
+    async def _backend_free_for(self, batch: Batch, todo: list[BatchItem]) -> tuple[list[TaskState], list[BatchItem]]:
+        """Waits until no call runs or waits on the backend: (the states of the items that ended
+        ``expired`` meanwhile, already stored; those still to run). Should the call in flight overrun
+        (or hang), an admitted item whose call can no longer end by its deadline ends then, as a
+        first delivery's does (``_run_first``), not when the backend frees (and runs it late) or
+        the worker gives up on the call."""
+        expired: list[TaskState] = []
+        while todo:
+            call_ms = (self.runner.expected_s or 0.0) * 1000
+            start_in_s = (min(item.deadline_ms for item in todo) - call_ms - wall_ms()) / 1000
+            try:
+                async with asyncio.timeout(max(0.0, start_in_s)):
+                    await self.pipeline.backend_free()
+                free = True
+            except TimeoutError:
+                free = False
+            late, todo = self.admission.expire_late(batch, wall_ms() + math.ceil(call_ms), call_ms, todo)
+            if late:
+                await self._retry("ending expired tasks", functools.partial(self.store.apply, late))
+                count_ended(batch, late)
+                expired += late
+            if free:
+                break
+        await self.pipeline.backend_free()  # every item expired: still after the calls in flight
+        return expired, todo
 
     def _fill(self, slot: Slot, batch: Batch, states: list[TaskState], call: Timed = None) -> None:
         self.commits.fill(slot, states + self.admission.ended_before(batch.batch_id), call)

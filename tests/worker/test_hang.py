@@ -228,3 +228,30 @@ async def test_a_batch_whose_every_item_expired_behind_a_hung_call_keeps_its_pla
     assert backend.calls == [["stuck"], ["next"]], "the expired item never reaches the backend"
     await eventually(lambda: rig.committed == [0, 1, 2], "the three batches committed in order")
     await worker.close()
+
+
+async def test_a_redelivered_task_admitted_behind_a_hung_call_expires_at_its_deadline() -> None:
+    """b2 comes again (its last holder died) while b1's call hangs, well inside the hang limit: its
+    item, admitted ``running`` to wait for the backend, ends ``expired`` at its deadline, as a first
+    delivery's does, not once the worker gives up on b1's call."""
+    rig = Rig()
+    await rig.listen()
+    backend = ScriptedBackend(hang_on="stuck")
+    worker = await rig.worker(backend, expected_latency_ms=400, credit_lead_ms=300, hang_min_s=60)
+    now = now_ms()
+    first = rig.batch(["stuck"], "b1", prefix="a")
+    second = rig.batch(["soon"], "b2", deadline_ms=now + 2_000, prefix="b")
+    await rig.deliveries.begin("b2")  # its first delivery, to a worker that died
+    for batch in (first, second):
+        await rig.create(batch)
+        await rig.send(batch)
+    ended = (await rig.ended(["b0"], timeout_s=15))["b0"]
+    assert ended.status is TaskStatus.EXPIRED and ended.error_code == "deadline_exceeded", ended
+    assert ended.updated_at_ms <= now + 2_000 + 5_000, f"ended {ended.updated_at_ms - now} ms in, near its deadline"
+    assert not worker.hung
+    backend.release.set()
+    done = await rig.ended(["a0"])
+    assert done["a0"].output == "kcuts", done
+    assert backend.calls == [["stuck"]], "the expired item never reaches the backend"
+    await eventually(lambda: rig.committed == [0, 1], "both batches committed in order")
+    await worker.close()
