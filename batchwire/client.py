@@ -13,7 +13,8 @@ What it does for its callers, so that each need not learn the protocol:
   key finds the task the first attempt created;
 - a retry waits at least the answer's ``Retry-After``, plus jittered exponential backoff, and none
   starts past the call's deadline (its ``timeout``), which is also the deadline the server holds the
-  request to (``timeout_ms``);
+  request to (``timeout_ms``), and an attempt gives up on an answer still coming past that deadline
+  and ``GRACE_S``;
 - an event stream that drops, or that the server ends before the task (BATCHWIRE_SSE_MAX_S), reconnects
   with ``Last-Event-ID``, so each status arrives once.
 
@@ -93,8 +94,10 @@ connection at most, so the connections are as many as the caller's concurrent ca
 BASE_BACKOFF_S = 0.1
 MAX_BACKOFF_S = 5.0
 GRACE_S = 1.0
-"""How long past the deadline an attempt waits for its answer: the server answers 504 at the deadline,
-and that typed answer (with the task's id) is worth more than a client-side timeout."""
+"""How long past the deadline an attempt waits for its whole answer: the server answers 504 at the deadline,
+and that typed answer (with the task's id) is worth more than a client-side timeout. httpx's timeouts
+bound each read, not the answer, so the attempt itself is bounded too: ``AsyncClient``'s whole; ``Client``
+gives up on an answer whose body is still coming then (each of its reads waits at most as long)."""
 POLL_CHUNK_S = 10.0
 """The longest single long-poll: under the idle timeout of most proxies; a longer wait polls again, as it
 does when a server cuts the poll to its own longest (BATCHWIRE_MAX_POLL_WAIT_S, 60 s by default)."""
@@ -322,6 +325,10 @@ class Attempts:
 
     def remaining_s(self, now: float) -> float:
         return max(0.0, self.deadline - now)
+
+    def answer_within_s(self, now: float) -> float:
+        """How long an attempt starting ``now`` may take, its answer read: the time left and ``GRACE_S``."""
+        return self.remaining_s(now) + GRACE_S
 
     def timeout_ms(self, now: float) -> int:
         """The server's deadline for an attempt starting ``now``: the call's own."""
@@ -583,8 +590,40 @@ def _still_running(task_id: str, state: Mapping[str, Any], wait_s: float) -> Dea
     )
 
 
-def _deadline_passed(err: httpx.TimeoutException) -> DeadlineExceeded:
+def _deadline_passed(err: Exception) -> DeadlineExceeded:
     return DeadlineExceeded("deadline_exceeded", f"no answer before the call's deadline (its timeout): {err!r}")
+
+
+class _BodyBy(httpx.SyncByteStream):
+    """An answer's body that gives up once ``give_up`` (``time.monotonic()``) passes before its end."""
+
+    def __init__(self, body: httpx.SyncByteStream, give_up: float, request: httpx.Request) -> None:
+        self._body = body
+        self._give_up = give_up
+        self._request = request
+
+    def __iter__(self) -> Iterator[bytes]:
+        for chunk in self._body:
+            if time.monotonic() > self._give_up:
+                raise httpx.ReadTimeout("the answer was still coming past the call's deadline", request=self._request)
+            yield chunk
+
+    def close(self) -> None:
+        self._body.close()
+
+
+def _read_by(response: httpx.Response, give_up: float) -> httpx.Response:
+    """Reads a blocking attempt's answer, closed unread (its connection with it) if its body is still coming
+    at ``give_up``: a server that sends a byte now and then, each within the read timeout, would hold
+    the call for as long as it likes."""
+    try:
+        assert isinstance(response.stream, httpx.SyncByteStream)
+        response.stream = _BodyBy(response.stream, give_up, response.request)
+        response.read()
+    except BaseException:
+        response.close()
+        raise
+    return response
 
 
 def _unreachable(err: httpx.TransportError) -> Unreachable:
@@ -758,10 +797,12 @@ class Client(_ClientBase):
             now = time.monotonic()
             sent = {**body, "timeout_ms": attempts.timeout_ms(now)} if body is not None else None
             params = _poll_params(attempts, now) if poll else None
+            within_s = attempts.answer_within_s(now)
+            request = self._http.build_request(
+                method, path, json=sent, params=params, headers=headers, timeout=within_s
+            )
             try:
-                response = self._http.request(
-                    method, path, json=sent, params=params, headers=headers, timeout=attempts.remaining_s(now) + GRACE_S
-                )
+                response = _read_by(self._http.send(request, stream=True), now + within_s)
             except httpx.TimeoutException as err:
                 raise _deadline_passed(err) from err
             except httpx.TransportError as err:
@@ -912,11 +953,13 @@ class AsyncClient(_ClientBase):
             now = time.monotonic()
             sent = {**body, "timeout_ms": attempts.timeout_ms(now)} if body is not None else None
             params = _poll_params(attempts, now) if poll else None
+            within_s = attempts.answer_within_s(now)
             try:
-                response = await self._http.request(
-                    method, path, json=sent, params=params, headers=headers, timeout=attempts.remaining_s(now) + GRACE_S
-                )
-            except httpx.TimeoutException as err:
+                async with asyncio.timeout(within_s):  # httpx's timeout bounds each read, not the answer
+                    response = await self._http.request(
+                        method, path, json=sent, params=params, headers=headers, timeout=within_s
+                    )
+            except (httpx.TimeoutException, TimeoutError) as err:
                 raise _deadline_passed(err) from err
             except httpx.TransportError as err:
                 error: BatchwireError = _unreachable(err)
