@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
+from datetime import UTC
 from email.utils import parsedate_to_datetime
 from types import TracebackType
 from typing import Any, ClassVar, Literal, Self
@@ -276,16 +277,19 @@ def _error(
 
 
 def retry_after_s(value: str | None) -> float | None:
-    """A ``Retry-After`` header's seconds: an integer, or an HTTP date; None if absent or unreadable."""
+    """A ``Retry-After`` header's seconds: ASCII digits, or an HTTP date (in UTC, a "-0000" one too, which
+    ``parsedate_to_datetime`` leaves without a zone); None if absent or unreadable."""
     if value is None:
         return None
     value = value.strip()
-    if value.isdigit():
+    if value.isascii() and value.isdigit():  # "²" is a digit to isdigit, and no number to float
         return float(value)
     try:
         when = parsedate_to_datetime(value)
     except (TypeError, ValueError):
         return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
     return max(0.0, when.timestamp() - time.time())
 
 

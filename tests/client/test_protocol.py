@@ -108,6 +108,37 @@ def test_retry_after_reads_seconds_and_http_dates() -> None:
     assert 110 < (retry_after_s(later) or 0) <= 120
 
 
+def test_retry_after_of_other_digits_is_unreadable_not_an_error() -> None:
+    """The header's seconds are ASCII digits; "²" is a digit to ``str.isdigit`` and no number to ``float``."""
+    for value in ("²", "³⁵", "٣", "3.5", "-1"):
+        assert retry_after_s(value) is None, f"{value!r} read as {retry_after_s(value)}"
+    refused = [(b"Retry-After", "²".encode("latin-1"))]
+    keys: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        keys.append(request.headers["Idempotency-Key"])
+        if len(keys) == 1:
+            return httpx.Response(503, json={"error": {"code": "overloaded", "message": "full"}}, headers=refused)
+        return httpx.Response(200, json={"output": "olleh"})
+
+    with Client("http://gw", transport=httpx.MockTransport(handler)) as client:
+        assert client.infer("hello") == "olleh", "the refusal is retried after the backoff alone"
+    assert len(keys) == 2, keys
+
+
+def test_retry_after_dated_in_utc_without_naming_a_zone_is_read_as_utc(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A date whose zone is "-0000" (RFC 5322: UTC, the sender's own zone unknown) is UTC whatever the
+    caller's local zone; it was read as local time."""
+    monkeypatch.setenv("TZ", "Asia/Tokyo")
+    time.tzset()
+    try:
+        later = (datetime.now(UTC) + timedelta(seconds=120)).strftime("%a, %d %b %Y %H:%M:%S -0000")
+        assert 110 < (retry_after_s(later) or 0) <= 120, f"{later!r} read as {retry_after_s(later)}"
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+
+
 # errors ----------------------------------------------------------------------------------------------
 EXPECTED_TYPE: dict[int, type[BatchwireError]] = {
     400: InvalidRequest,
