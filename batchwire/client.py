@@ -99,6 +99,10 @@ GRACE_S = 1.0
 and that typed answer (with the task's id) is worth more than a client-side timeout. httpx's timeouts
 bound each read, not the answer, so the attempt itself is bounded too: ``AsyncClient``'s whole; ``Client``
 gives up on an answer whose body is still coming then (each of its reads waits at most as long)."""
+LONGEST_ATTEMPT_S = 86_400.0
+"""The longest an attempt waits, whatever its call's ``timeout`` (``math.inf`` included): a socket's timeout
+overflows near 292 years, and no answer takes a day (a long-poll's is ``POLL_CHUNK_S``; a longer
+``timeout_ms`` than the server's longest, which this sends for an endless ``timeout``, is refused)."""
 POLL_CHUNK_S = 10.0
 """The longest single long-poll: under the idle timeout of most proxies; a longer wait polls again, as it
 does when a server cuts the poll to its own longest (BATCHWIRE_MAX_POLL_WAIT_S, 60 s by default)."""
@@ -332,11 +336,11 @@ class Attempts:
 
     def answer_within_s(self, now: float) -> float:
         """How long an attempt starting ``now`` may take, its answer read: the time left and ``GRACE_S``."""
-        return self.remaining_s(now) + GRACE_S
+        return min(self.remaining_s(now) + GRACE_S, LONGEST_ATTEMPT_S)
 
     def timeout_ms(self, now: float) -> int:
         """The server's deadline for an attempt starting ``now``: the call's own."""
-        return max(1, math.ceil(self.remaining_s(now) * 1000))
+        return max(1, math.ceil(min(self.remaining_s(now), LONGEST_ATTEMPT_S) * 1000))
 
     def retry_in(self, now: float, retry_after: float | None = None) -> float | None:
         """Seconds to wait before the next attempt; None: stop (retries spent, or the deadline would pass)."""
@@ -642,7 +646,9 @@ class _ClientBase:
     def __init__(self, timeout: float, max_retries: int) -> None:
         self.timeout = timeout
         self.max_retries = max_retries
-        self._stream_timeout = httpx.Timeout(timeout, read=max(timeout, STREAM_READ_S))
+        self._stream_timeout = httpx.Timeout(
+            min(timeout, LONGEST_ATTEMPT_S), read=min(max(timeout, STREAM_READ_S), LONGEST_ATTEMPT_S)
+        )
 
     def _attempts(self, timeout: float | None) -> Attempts:
         return Attempts(time.monotonic() + (self.timeout if timeout is None else timeout), self.max_retries)

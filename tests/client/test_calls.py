@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import threading
 import time
 import uuid
@@ -331,6 +332,30 @@ def test_a_missed_deadline_names_the_task_whose_result_then_raises_task_failed(s
             client.task(late.value.task_id).result(wait=20)  # too short for any call: it expires, never computed
     assert (expired.value.task_status, expired.value.code) == ("expired", "deadline_exceeded"), expired.value
     assert expired.value.status is None, "a task that ended badly comes in a 200"
+
+
+def test_an_endless_wait_or_timeout_is_a_wait_without_deadline_or_refused_by_the_server(server: str) -> None:
+    """``wait=math.inf`` waits for the task's end, as ``AsyncClient`` did; a submit's endless timeout gets the
+    server's refusal of any timeout past its longest, as a huge finite one does. Both overflowed a socket's
+    timeout or ``math.ceil`` (OverflowError)."""
+    text = unique("endless")
+    with Client(server) as client:
+        assert client.submit(text).result(wait=math.inf) == text[::-1]
+        with pytest.raises(InvalidRequest) as endless:
+            client.infer(text, timeout=math.inf)
+    assert endless.value.code == "timeout_out_of_range", endless.value
+    with Client(server, timeout=math.inf) as endless_client:
+        events = list(endless_client.events(endless_client.submit(text, timeout=10).id))
+    assert events and events[-1].status == "completed", events
+
+
+async def test_async_an_endless_wait_or_timeout_is_a_wait_without_deadline_or_refused(server: str) -> None:
+    text = unique("endless")
+    async with AsyncClient(server) as client:
+        assert await (await client.submit(text)).result(wait=math.inf) == text[::-1]
+        with pytest.raises(InvalidRequest) as endless:
+            await client.infer(text, timeout=math.inf)
+    assert endless.value.code == "timeout_out_of_range", endless.value
 
 
 def test_a_result_not_ready_within_wait_raises_deadline_exceeded(slow_server: str) -> None:
