@@ -280,13 +280,18 @@ def _error(
     return kind(code, message, status, task_id=task_id, retry_after_s=retry_after)
 
 
+def _ascii_digits(value: str) -> bool:
+    """Whether ``value`` is a number as the wire writes one: ``str.isdigit`` also takes "²", which ``int`` refuses."""
+    return value.isascii() and value.isdigit()
+
+
 def retry_after_s(value: str | None) -> float | None:
     """A ``Retry-After`` header's seconds: ASCII digits, or an HTTP date (in UTC, a "-0000" one too, which
     ``parsedate_to_datetime`` leaves without a zone); None if absent or unreadable."""
     if value is None:
         return None
     value = value.strip()
-    if value.isascii() and value.isdigit():  # "²" is a digit to isdigit, and no number to float
+    if _ascii_digits(value):
         return float(value)
     try:
         when = parsedate_to_datetime(value)
@@ -437,7 +442,7 @@ class EventDecoder:
             self._data.append(value)
         elif name == "id" and "\0" not in value:
             self._id = value
-        elif name == "retry" and value.isdigit():
+        elif name == "retry" and _ascii_digits(value):
             self.retry_s = int(value) / 1000
         return None
 
@@ -464,7 +469,7 @@ class Resume:
             detail = doc.get("error") if isinstance(doc, dict) else None
             raise _error(detail if isinstance(detail, dict) else {"code": "unknown"}, None)
         status = str(doc.get("status", event.event))
-        rank = int(event.id) if event.id is not None and event.id.isdigit() else _RANKS.get(status, self.last_id)
+        rank = int(event.id) if event.id is not None and _ascii_digits(event.id) else _RANKS.get(status, self.last_id)
         if rank <= self.last_id:
             return None
         self.last_id = rank

@@ -285,6 +285,14 @@ def test_resume_sends_the_last_id_and_drops_what_was_delivered() -> None:
     assert end == TaskEvent(3, "failed", end.task if end else {}) and resume.ended, end
 
 
+def test_a_retry_or_id_of_other_digits_is_unreadable_not_an_error() -> None:
+    """As a Retry-After's: "²" is a digit to ``str.isdigit`` and no number to ``int``."""
+    decoder = EventDecoder()
+    assert decoder.line("retry: ²") is None and decoder.retry_s is None, decoder.retry_s
+    taken = Resume().take(ServerSentEvent("running", '{"status": "running"}', "²"))
+    assert taken is not None and taken.id == TaskStatus.RUNNING.rank, f"an unreadable id is the status's rank: {taken}"
+
+
 def test_an_error_event_raises_its_typed_error() -> None:
     events, _ = decode(error_event("unavailable", "the task store is down"))
     with pytest.raises(Overloaded) as raised:
