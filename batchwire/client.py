@@ -14,7 +14,10 @@ What it does for its callers, so that each need not learn the protocol:
 - a retry waits at least the answer's ``Retry-After``, plus jittered exponential backoff, and none
   starts past the call's deadline (its ``timeout``), which is also the deadline the server holds the
   request to (``timeout_ms``), and an attempt gives up on an answer still coming past that deadline
-  and ``GRACE_S``;
+  and ``GRACE_S``; a submit with no time (a ``timeout`` of 0 or less) raises
+  :class:`DeadlineExceeded` unsent;
+- every answer is a typed error or the API's JSON: a success that is not (a proxy's page) raises
+  :class:`ServerError` ``invalid_answer``;
 - an event stream that drops, or that the server ends before the task (BATCHWIRE_SSE_MAX_S), reconnects
   with ``Last-Event-ID``, so each status arrives once.
 
@@ -257,6 +260,23 @@ def error_of(response: httpx.Response) -> BatchwireError:
     if not isinstance(detail, dict):
         detail = {"code": f"http_{status}", "message": response.text[:200] or response.reason_phrase}
     return _error(detail, status, retry_after_s(response.headers.get(RETRY_AFTER_HEADER)), api=api)
+
+
+def _answer(response: httpx.Response, field: str) -> dict[str, Any]:
+    """A success's body, the API's JSON object with ``field``; anything else (a proxy's page answered
+    200) is a :class:`ServerError`, not the caller's ``KeyError`` or ``JSONDecodeError``."""
+    try:
+        doc = response.json()
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict) or field not in doc:
+        raise ServerError(
+            "invalid_answer",
+            f"the {response.status_code} answer is not the API's (no {field!r} in a JSON object; a proxy's "
+            f"page?): {response.text[:200]!r}",
+            response.status_code,
+        )
+    return doc
 
 
 def _error(
@@ -658,6 +678,17 @@ class _ClientBase:
     def _attempts(self, timeout: float | None) -> Attempts:
         return Attempts(time.monotonic() + (self.timeout if timeout is None else timeout), self.max_retries)
 
+    def _submit_attempts(self, timeout: float | None) -> Attempts:
+        """A submit's attempts; one with no time (a ``timeout`` of 0 or less) is refused unsent, since the
+        server would queue a task already past its deadline. A wait of 0 (``result``) is a plain read."""
+        timeout = self.timeout if timeout is None else timeout
+        if not timeout > 0:  # NaN too
+            raise DeadlineExceeded(
+                "deadline_exceeded",
+                f"timeout is {timeout!r} s, no time for an answer: nothing was sent; give one above 0",
+            )
+        return self._attempts(timeout)
+
 
 class Client(_ClientBase):
     """batchwire's HTTP API, blocking. Thread-safe: ``infer_many`` runs its calls in threads.
@@ -695,17 +726,17 @@ class Client(_ClientBase):
         self, input: str, *, model: str | None = None, timeout: float | None = None, priority: Priority | None = None
     ) -> str:
         """Runs ``input`` and returns its output (``POST /v1/inference``: the connection waits for it)."""
-        attempts = self._attempts(timeout)
+        attempts = self._submit_attempts(timeout)
         response = self._call("POST", INFERENCE_PATH, attempts, body=_submit_body(input, model, priority))
-        return str(response.json()["output"])
+        return str(_answer(response, "output")["output"])
 
     def submit(
         self, input: str, *, model: str | None = None, timeout: float | None = None, priority: Priority | None = None
     ) -> Task:
         """Queues ``input`` (``POST /v1/tasks``); ``timeout`` is also how long the task may wait for its answer."""
-        attempts = self._attempts(timeout)
+        attempts = self._submit_attempts(timeout)
         response = self._call("POST", TASKS_PATH, attempts, body=_submit_body(input, model, priority))
-        return Task(str(response.json()["task_id"]), self)
+        return Task(str(_answer(response, "task_id")["task_id"]), self)
 
     def task(self, task_id: str) -> Task:
         """The task ``task_id`` names, e.g. one a :class:`DeadlineExceeded` carries."""
@@ -719,7 +750,7 @@ class Client(_ClientBase):
         attempts = self._attempts(wait_s)
         while True:
             polled = time.monotonic()
-            state = self._call("GET", _result_path(task_id), attempts, poll=True).json()
+            state = _answer(self._call("GET", _result_path(task_id), attempts, poll=True), "status")
             if state.get("status") in TERMINAL:
                 return output_of(state)
             if attempts.remaining_s(time.monotonic()) <= 0:
@@ -868,9 +899,9 @@ class AsyncClient(_ClientBase):
         priority: Priority | None = None,
     ) -> str:
         """Runs ``input`` and returns its output (``POST /v1/inference``: the connection waits for it)."""
-        attempts = self._attempts(timeout)
+        attempts = self._submit_attempts(timeout)
         response = await self._call("POST", INFERENCE_PATH, attempts, body=_submit_body(input, model, priority))
-        return str(response.json()["output"])
+        return str(_answer(response, "output")["output"])
 
     async def submit(
         self,
@@ -881,9 +912,9 @@ class AsyncClient(_ClientBase):
         priority: Priority | None = None,
     ) -> AsyncTask:
         """Queues ``input`` (``POST /v1/tasks``); ``timeout`` is also how long the task may wait for its answer."""
-        attempts = self._attempts(timeout)
+        attempts = self._submit_attempts(timeout)
         response = await self._call("POST", TASKS_PATH, attempts, body=_submit_body(input, model, priority))
-        return AsyncTask(str(response.json()["task_id"]), self)
+        return AsyncTask(str(_answer(response, "task_id")["task_id"]), self)
 
     def task(self, task_id: str) -> AsyncTask:
         """The task ``task_id`` names, e.g. one a :class:`DeadlineExceeded` carries."""
@@ -895,7 +926,7 @@ class AsyncClient(_ClientBase):
         attempts = self._attempts(wait_s)
         while True:
             polled = time.monotonic()
-            state = (await self._call("GET", _result_path(task_id), attempts, poll=True)).json()
+            state = _answer(await self._call("GET", _result_path(task_id), attempts, poll=True), "status")
             if state.get("status") in TERMINAL:
                 return output_of(state)
             if attempts.remaining_s(time.monotonic()) <= 0:

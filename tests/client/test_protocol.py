@@ -589,3 +589,50 @@ async def test_async_polls_a_server_answers_at_once_are_spaced_not_a_busy_loop()
         with pytest.raises(DeadlineExceeded):
             await client.result("t1", wait=1.2)
     assert 2 <= len(polls) <= 4, polls
+
+
+def _a_proxys_page(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(200, text="<html><body>Welcome to the captive portal</body></html>")
+
+
+async def test_a_success_that_is_not_the_apis_json_is_a_server_error() -> None:
+    """A proxy's page answered 200 (or JSON without the field) is the client's typed error, never the
+    caller's ``KeyError`` or ``JSONDecodeError``."""
+    with Client("http://gw", transport=httpx.MockTransport(_a_proxys_page), max_retries=0) as client:
+        calls: list[Any] = [lambda: client.infer("x"), lambda: client.submit("x"), lambda: client.result("t1", wait=0)]
+        for call in calls:
+            with pytest.raises(ServerError) as raised:
+                call()
+            assert raised.value.code == "invalid_answer" and "captive portal" in raised.value.message
+    async with AsyncClient("http://gw", transport=httpx.MockTransport(_a_proxys_page), max_retries=0) as aclient:
+        for acall in (aclient.infer("x"), aclient.submit("x"), aclient.result("t1", wait=0)):
+            with pytest.raises(ServerError) as raised:
+                await acall
+            assert raised.value.code == "invalid_answer"
+    wrong_shape = httpx.MockTransport(lambda request: httpx.Response(200, json=["olleh"]))
+    with Client("http://gw", transport=wrong_shape, max_retries=0) as client, pytest.raises(ServerError) as raised:
+        client.infer("x")
+    assert raised.value.code == "invalid_answer" and raised.value.status == 200
+
+
+async def test_a_submit_with_no_time_left_is_refused_unsent() -> None:
+    """A timeout of 0 or less (or NaN) would queue a task already past its deadline: nothing is sent."""
+    sent: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        return httpx.Response(200, json={"task_id": "t1", "status": "completed", "output": "olleh"})
+
+    with Client("http://gw", transport=httpx.MockTransport(handler)) as client:
+        for timeout in (0.0, -1.0, math.nan):
+            for call in (client.infer, client.submit):
+                with pytest.raises(DeadlineExceeded, match="nothing was sent"):
+                    call("x", timeout=timeout)
+        assert client.result("t1", wait=0) == "olleh", "a wait of 0 still reads"
+    async with AsyncClient("http://gw", transport=httpx.MockTransport(handler)) as aclient:
+        for timeout in (0.0, -1.0):
+            with pytest.raises(DeadlineExceeded, match="nothing was sent"):
+                await aclient.infer("x", timeout=timeout)
+            with pytest.raises(DeadlineExceeded, match="nothing was sent"):
+                await aclient.submit("x", timeout=timeout)
+    assert [request.url.path for request in sent] == ["/v1/result/t1"], "only the read went out"
