@@ -125,9 +125,13 @@ class Committer:
             slot.filled = True
             slot.stored.set_result(None)
 
+    async def stored(self) -> None:
+        """Returns once the results of every batch handed in are stored (or their store was given up)."""
+        await self._stores.join()
+
     async def drained(self) -> None:
         """Returns once every batch handed in is through."""
-        await self._stores.join()
+        await self.stored()
         await self._commits.join()
 
     async def close(self) -> None:

@@ -29,6 +29,7 @@ HAND_OVER_POLL_S = 0.001
 class InFlight:
     """A batch whose backend call runs or waits on the thread."""
 
+    batch_id: str
     task: asyncio.Task[None]
     result: GroupResult
     """Filled as the call runs: ``result.first.started`` is when the thread began it."""
@@ -81,12 +82,18 @@ class Pipeline:
             await self._loop_idle.wait()
             await self.backend_free()
 
-    def start(self, result: GroupResult, size: int, call: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    def start(
+        self, batch_id: str, result: GroupResult, size: int, call: Coroutine[Any, Any, None]
+    ) -> asyncio.Task[None]:
         """Starts ``call`` (which fills ``result``) beside the loop, behind the calls in flight."""
         assert self._group is not None, "calls start from the loop, inside run()"
         task = self._group.create_task(call, name="backend-call")
-        self._started.append(InFlight(task, result, size))
+        self._started.append(InFlight(batch_id, task, result, size))
         return task
+
+    def running(self, batch_id: str) -> bool:
+        """Whether a call of batch ``batch_id`` runs or waits on the backend's thread."""
+        return any(entry.batch_id == batch_id for entry in self._in_flight)
 
     async def backend_free(self) -> None:
         """Waits until no call runs or waits on the backend's thread."""

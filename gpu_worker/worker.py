@@ -290,6 +290,12 @@ class Worker:
             # A careful run waits for the calls in flight (one at a time), and every batch's
             # results are stored after those of the batches before it (``commits``).
             late, todo = await self._backend_free_for(batch, todo)
+            if todo:
+                # Its tasks are admitted again once the results in hand are stored: a batch fetched again
+                # while its first delivery ran here (a rebalance hands a kept partition back at its
+                # committed offset) has ended by then, and runs no task twice.
+                await self.commits.stored()
+                todo = await self.admission.admit(batch, todo)
             stored = await self.redelivery.run(batch, todo, count) if todo else []
             count_ended(batch, ended)
             self._fill(slot, batch, ended + late + stored)  # stored again (no-ops) to wait for replicas
@@ -303,6 +309,9 @@ class Worker:
         first delivery's does (``_run_first``), not when the backend frees (and runs it late) or
         the worker gives up on the call."""
         expired: list[TaskState] = []
+        if self.pipeline.running(batch.batch_id):  # fetched again: the call in flight answers its items
+            await self.pipeline.backend_free()
+            return expired, todo
         while todo:
             call_ms = (self.runner.expected_s or 0.0) * 1000
             start_in_s = (min(item.deadline_ms for item in todo) - call_ms - wall_ms()) / 1000
@@ -329,7 +338,7 @@ class Worker:
         """Starts the call behind the ones in flight; its results fill the batch's slot when it ends.
         A call that fails or is cancelled (even before it began) gives the slot up."""
         result = GroupResult()
-        task = self.pipeline.start(result, len(todo), self._compute(slot, batch, todo, ended, result))
+        task = self.pipeline.start(batch.batch_id, result, len(todo), self._compute(slot, batch, todo, ended, result))
         task.add_done_callback(lambda _: self.commits.give_up(slot))
 
     async def _compute(

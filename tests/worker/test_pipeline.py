@@ -28,8 +28,8 @@ async def test_a_failing_call_cancels_the_loop_and_the_calls_behind_it() -> None
         raise RuntimeError("the call failed")
 
     async def loop() -> None:
-        pipeline.start(GroupResult(), 1, fails())
-        pipeline.start(GroupResult(), 1, waits("queued call"))
+        pipeline.start("b1", GroupResult(), 1, fails())
+        pipeline.start("b1", GroupResult(), 1, waits("queued call"))
         await waits("loop")
 
     with pytest.raises(ExceptionGroup) as raised:
@@ -52,7 +52,7 @@ async def test_run_ends_once_the_calls_the_loop_started_have_ended() -> None:
 
     async def loop() -> None:
         with pipeline.handling():
-            pipeline.start(GroupResult(), 1, call())
+            pipeline.start("b1", GroupResult(), 1, call())
         ended.append("loop")
 
     running = asyncio.ensure_future(pipeline.run(loop))
