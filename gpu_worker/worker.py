@@ -15,8 +15,9 @@ Faults, in the order a batch meets them:
 * a batch delivered again (its last holder died or handed it back) runs carefully: suspects in
   halves, each group marked in flight first, results stored after each group; an input that kept
   killing workers goes to the dead-letter topic (``careful`` plans it, ``redelivery`` runs it);
-* a hung backend call makes the worker give the batch back uncommitted, with every batch fetched
-  after it, and stop (``hung``; ``given_back`` names them);
+* a hung backend call makes the worker end ``expired`` the batch's items already past their
+  deadline, give the batch back uncommitted, with every batch fetched after it, and stop (``hung``;
+  ``given_back`` names them);
 * Kafka or Redis unreachable: every step is retried with backoff until it works or the worker is
   told to stop; only errors that retrying cannot fix end the loop (and the process, non-zero).
 """
@@ -33,7 +34,7 @@ from typing import TypeVar
 
 from gpu_worker.admission import Admission
 from gpu_worker.backends.base import Backend
-from gpu_worker.calls import BackendCalls, GroupResult, oversize
+from gpu_worker.calls import BackendCalls, Failure, GroupResult, oversize
 from gpu_worker.commits import Committer, Slot, Timed
 from gpu_worker.credits import CreditOffer
 from gpu_worker.journal import BatchJournal
@@ -53,6 +54,15 @@ from transport.retry import pause, retry
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+HUNG_WRITE_S = 2.0
+"""How long a worker whose backend hung waits for each of its two last writes (the delivery note,
+the late items' ends) before it stops."""
+HUNG_PAST_DEADLINE = Failure(
+    "deadline_exceeded",
+    "the request's deadline passed while the GPU worker's backend call hung (the worker is replaced): "
+    "retry, or send a longer timeout_ms",
+)
 
 
 class Worker:
@@ -272,9 +282,25 @@ class Worker:
         await asyncio.sleep(0)  # a call just started reaches the backend's thread before the next fetch
 
     async def _hung(self, batch: Batch, err: BackendHung) -> None:
+        """Before the worker stops: notes why on the batch's delivery log, for its next holder, and
+        ends ``expired`` its items already past their deadline, which would read ``running`` until
+        another worker takes the batch (there may be none). Items still in time go back with it.
+        Each write has one bounded try: the worker is stopping because something hangs."""
         with contextlib.suppress(TransportError, TimeoutError):
-            async with asyncio.timeout(2.0):
+            async with asyncio.timeout(HUNG_WRITE_S):
                 await self.deliveries.note(batch.batch_id, f"worker {self.settings.worker_id}: {err}")
+        now, worker_id = wall_ms(), self.settings.worker_id
+        late = [
+            task_state(worker_id, batch, item, TaskStatus.EXPIRED, error=HUNG_PAST_DEADLINE)
+            for item in batch.items
+            if item.deadline_ms <= now
+        ]
+        if not late:
+            return
+        # Not counted in batchwire_tasks_ended: the batch's next holder counts them as it admits it.
+        with contextlib.suppress(TransportError, TimeoutError):
+            async with asyncio.timeout(HUNG_WRITE_S):
+                await self.store.apply(late)  # forward only: an end written first stays
 
     # one batch ---------------------------------------------------------------------------------
     async def _process(self, slot: Slot, batch: Batch) -> None:

@@ -193,6 +193,30 @@ async def test_a_task_whose_deadline_passes_while_every_batcher_is_down_ends_exp
     assert not ran, f"no worker computes a task past its deadline: {ran}"
 
 
+async def test_a_task_past_its_deadline_in_a_hung_call_ends_expired_when_its_only_worker_stops(
+    tmp_path: Path, infra: Any, clusters: list[Cluster]
+) -> None:
+    """The only worker's call hangs: once it gives up (exit 75), the task whose deadline has passed
+    reads ``expired``, not ``running`` until a worker comes back or its record expires."""
+    args = ("--sim-hang-on", "forever", "--hang-min-s", "3", "--expected-latency-ms", "100")
+    cluster = launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, workers=1, worker_args=args)
+    clusters.append(cluster)
+    worker = proc_named(cluster, "worker0")
+    url = cluster.gateway_urls[0]
+    async with httpx.AsyncClient(timeout=30) as client:
+        created = await client.post(f"{url}/v1/tasks", json={"input": "hang forever", "timeout_ms": 1000})
+        assert created.status_code == 202, created.text
+        task_id = created.json()["task_id"]
+        code = await asyncio.to_thread(worker.stopped, 30)
+        assert code == 75, f"the worker gives up on the hung call and exits 75: {code}\n{worker.tail()}"
+        polled = (await client.get(f"{url}/v1/result/{task_id}")).json()
+    assert polled["status"] == "expired" and polled["error"]["code"] == "deadline_exceeded", (
+        f"a task past its deadline in a hung call, its worker gone: expected expired, got {polled}"
+    )
+    stored = task_states(cluster.redis_url, cluster.namespace, [task_id])[task_id]
+    assert stored.status.value == "expired", f"the stored task is expired: {stored}"
+
+
 async def read_dead_letters(bootstrap: str, topic: str, want: int, timeout_s: float = 20) -> list[Any]:
     from aiokafka import AIOKafkaConsumer
 

@@ -10,6 +10,7 @@ import pytest
 
 from gpu_worker.runner import FIRST_CALL_LIMIT_S, BackendHung, BackendRunner, NotStarted, Timing
 from schemas.records import Batch, BatchItem, TaskState, TaskStatus
+from telemetry import metrics
 from tests.support.eventually import eventually
 from tests.support.worker_rig import Rig, ScriptedBackend, now_ms
 
@@ -255,3 +256,42 @@ async def test_a_redelivered_task_admitted_behind_a_hung_call_expires_at_its_dea
     assert backend.calls == [["stuck"]], "the expired item never reaches the backend"
     await eventually(lambda: rig.committed == [0, 1], "both batches committed in order")
     await worker.close()
+
+
+async def test_a_hung_calls_items_past_their_deadline_end_expired_before_the_worker_stops() -> None:
+    """The worker gives up on a hung call: its item whose deadline has passed ends ``expired`` then,
+    not when another worker takes the batch (there may be none); the item still in time goes back
+    ``running`` with the batch, for its next holder to run with care."""
+    rig = Rig()
+    await rig.listen()
+    backend = ScriptedBackend(hang_on="stuck")
+    worker = await rig.worker(backend, hang_min_s=1.0, expected_latency_ms=10.0)
+    expired_before = expired_count()
+    now = now_ms()
+    items = (BatchItem("t0", "stuck soon", now, now + 500, "gw"), BatchItem("t1", "later", now, now + 60_000, "gw"))
+    batch = Batch("b1", "sim", "test", now, "idle_worker", None, items)
+    await rig.create(batch)
+    await rig.send(batch)
+    await asyncio.wait_for(worker.failed.wait(), 10)
+    ended = await rig.store.get("t0")
+    assert ended is not None and ended.status is TaskStatus.EXPIRED, f"t0 is past its deadline: {ended}"
+    assert ended.error_code == "deadline_exceeded" and "hung" in (ended.error_message or ""), ended
+    assert rig.replies.get("t0") == [ended], "its caller is answered once"
+    kept = await rig.store.get("t1")
+    assert kept is not None and kept.status is TaskStatus.RUNNING, f"t1 goes back with the batch: {kept}"
+    suspects = await rig.deliveries.suspects(batch.batch_id, ["t0", "t1"])
+    assert suspects.note is not None and "hang limit" in suspects.note, "the next holder learns why"
+    await worker.close()
+    assert worker.given_back == [batch]
+    backend.release.set()
+    await rig.worker(ScriptedBackend(), expected_latency_ms=10.0)
+    await rig.send(batch)  # its next holder
+    done = await rig.ended(["t1"])
+    assert done["t1"].output == "retal", done
+    assert expired_count() - expired_before == 1, "t0's end is counted once, by the batch's next holder"
+
+
+def expired_count() -> float:
+    return (
+        metrics.REGISTRY.get_sample_value("batchwire_tasks_ended_total", {"model": "sim", "status": "expired"}) or 0.0
+    )
