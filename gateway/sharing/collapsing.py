@@ -119,6 +119,7 @@ class Collapser:
             now_ms,
             reply_to=self._gateway_id,
             owner=request.owner,
+            deadline_ms=now_ms + request.timeout_ms,  # a gateway that reads it late ends it, should this one die
         )
         try:
             async with asyncio.timeout_at(request.deadline):

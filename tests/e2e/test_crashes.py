@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from infra.ports import free_port
+from schemas.wire import Names
 from tests.support.cluster_checks import (
     proc_named,
     running,
@@ -30,6 +31,7 @@ from tests.support.processes import (
     TerminalEvents,
     launch,
     metric,
+    redis_client,
     task_states,
 )
 
@@ -215,6 +217,49 @@ async def test_a_task_past_its_deadline_in_a_hung_call_ends_expired_when_its_onl
     )
     stored = task_states(cluster.redis_url, cluster.namespace, [task_id])[task_id]
     assert stored.status.value == "expired", f"the stored task is expired: {stored}"
+
+
+async def test_a_collapsed_callers_task_ends_expired_at_its_deadline_after_its_gateway_is_killed(
+    tmp_path: Path, infra: Any, clusters: list[Cluster]
+) -> None:
+    """Two identical synchronous calls share one computation, each recorded ``queued`` under its
+    own task id; their gateway dies (kill -9) before any answer. Past its deadline, each caller's
+    task reads ``expired`` from another gateway, not ``queued`` until its record expires."""
+    cluster = launch(
+        tmp_path, infra.kafka_bootstrap, infra.redis_url, workers=1, gateway_args=("--deterministic-models", "sim")
+    )
+    clusters.append(cluster)
+    proc_named(cluster, "worker0").kill9()  # the computation waits: no answer comes
+    url = cluster.gateway_urls[0]
+
+    async def call() -> httpx.Response | httpx.HTTPError:
+        async with httpx.AsyncClient(timeout=30) as client:
+            try:
+                return await client.post(f"{url}/v1/inference", json={"input": "same", "timeout_ms": 3000})
+            except httpx.HTTPError as err:
+                return err
+
+    calls = [asyncio.create_task(call()) for _ in range(2)]
+    redis = redis_client(cluster.redis_url)
+    prefix = Names(cluster.namespace).task_key("")[:-2]  # "<ns>:task:", before the id's braces
+    try:
+        await asyncio.to_thread(
+            eventually_sync, lambda: len(list(redis.scan_iter(f"{prefix}*"))) >= 2, "both callers' records"
+        )
+        task_ids = [key.decode()[len(prefix) + 1 : -1] for key in redis.scan_iter(f"{prefix}*")]
+    finally:
+        redis.close()
+    assert len(task_ids) == 2, f"one record per caller, none for the computation: {task_ids}"
+    proc_named(cluster, "gateway0").kill9()
+    answered = await asyncio.gather(*calls)
+    assert all(isinstance(outcome, httpx.HTTPError) for outcome in answered), f"no answer came: {answered}"
+    cluster.gateway(1, "--deterministic-models", "sim")
+    async with httpx.AsyncClient(timeout=30) as client:
+        for task_id in task_ids:
+            polled = (await client.get(f"{cluster.gateway_urls[1]}/v1/result/{task_id}", params={"wait": 15})).json()
+            assert polled["status"] == "expired" and polled["error"]["code"] == "deadline_exceeded", (
+                f"a collapsed caller's task past its deadline, its gateway dead: expected expired, got {polled}"
+            )
 
 
 async def read_dead_letters(bootstrap: str, topic: str, want: int, timeout_s: float = 20) -> list[Any]:
