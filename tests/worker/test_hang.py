@@ -258,6 +258,27 @@ async def test_a_redelivered_task_admitted_behind_a_hung_call_expires_at_its_dea
     await worker.close()
 
 
+async def test_a_batch_fetched_again_while_its_own_call_runs_here_is_answered_by_that_call() -> None:
+    """A rebalance hands a kept partition back at its committed offset, so b1 comes again while its own
+    call runs here, a call that ends past the point where a new one could end by the item's deadline.
+    The call in flight answers the item: the second delivery neither ends it ``expired`` nor runs it again."""
+    rig = Rig()
+    await rig.listen()
+    backend = ScriptedBackend(latency_s=2.5)
+    worker = await rig.worker(backend, expected_latency_ms=400, credit_lead_ms=300, hang_min_s=60)
+    batch = rig.batch(["slow"], "b1", deadline_ms=now_ms() + 2_000)
+    await rig.create(batch)
+    await rig.send(batch)
+    await eventually(lambda: backend.calls == [["slow"]], "the first delivery's call runs")
+    await rig.send(batch)  # fetched again, as after a rebalance
+    ended = (await rig.ended(["t0"], timeout_s=15))["t0"]
+    assert ended.status is TaskStatus.COMPLETED and ended.output == "wols", ended
+    await eventually(lambda: rig.committed == [0, 1], "both deliveries committed in order")
+    assert backend.calls == [["slow"]], "the item ran once"
+    assert [state.status for state in rig.replies["t0"]] == [TaskStatus.COMPLETED], rig.replies["t0"]
+    await worker.close()
+
+
 async def test_a_hung_calls_items_past_their_deadline_end_expired_before_the_worker_stops() -> None:
     """The worker gives up on a hung call: its item whose deadline has passed ends ``expired`` then,
     not when another worker takes the batch (there may be none); the item still in time goes back
