@@ -70,7 +70,9 @@ OPERATIONS_OVER_CAP = 16
 DRAIN_BYTES = 64 * 1024
 """A body declared this long or shorter and answered before it came (a 415, a 404) is read and dropped,
 so the connection serves the client's next request: a client keeps a connection whose answer did not
-say ``connection: close``, and a connection closed under it fails the request it sends next."""
+say ``connection: close``, and a connection closed under it fails the request it sends next. A longer
+or chunked one (a 413) is read and dropped behind a half-close, and the connection closes once it ends:
+a lingering close (RFC 9112 section 9.6, see ``on_response_complete``)."""
 
 
 def _unread(transport: asyncio.BaseTransport) -> int:
@@ -173,6 +175,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """Requests whose headers came and whose response has not ended."""
         self._body_pieces = 0
         """Pieces of the body being read that reached the parser's callback."""
+        self._lingering = False
+        """Answered and half-closed before a long body came: its rest is read and dropped, then it closes."""
 
     # asyncio callbacks ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -320,7 +324,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._read_refused(self._refused, data)
             return
         if self._in_body:
-            if len(data) > self.max_header_bytes:
+            if len(data) > self.max_header_bytes and not self._lingering:  # lingering: no request follows
                 self._parse_in_pieces(data)
                 return
         else:
@@ -374,6 +378,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_begin()
 
     def on_headers_complete(self) -> None:
+        if self.transport.is_closing():
+            return  # read behind a close (a lingering body's end) in the same read: no one reads its answer
         self._unanswered += 1
         super().on_headers_complete()
         if self._operations and self.cycle is not None:
@@ -397,7 +403,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_complete()
         self._in_body = False
         self._header_bytes = 0
-        if self.cycle.response_complete:  # answered before its body came, which is now read and dropped
+        if self._lingering:
+            self.transport.close()  # the client has written its whole body: its answer ends the connection
+        elif self.cycle.response_complete:  # answered before its body came, which is now read and dropped
             self._idle()
         else:
             self._deadline = None  # the app works on it: no deadline of the connection's own
@@ -416,9 +424,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             if self._in_body and self._deadline is None:
                 self._expect(self.body_timeout_s)
         elif self._in_body and self._declared_body_bytes() > DRAIN_BYTES:
-            # Answered before a long body came (a 413): no one reads the rest. Half-close so the
-            # client sees the answer end, and stop reading; the body deadline closes the connection.
-            self.flow.pause_reading()
+            # Answered before a long body came (a 413). Half-close so the client sees the answer end,
+            # and read the rest, dropped as parsed (uvicorn's ``on_body`` keeps nothing once answered):
+            # a client that writes its whole body before it reads (httpx) blocks on a full socket
+            # until it is read, and a close with bytes unread resets the connection, losing the answer.
+            # The body deadline and the pieces' bound still hold; the close comes at the body's end.
+            self._lingering = True
+            self._unset_keepalive_if_required()  # uvicorn's idle timer: the body deadline bounds this
             if self.transport.can_write_eof():
                 self.transport.write_eof()
         elif not self._in_body:

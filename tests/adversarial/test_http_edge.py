@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 import aiohttp
@@ -582,3 +582,54 @@ def test_half_sent_bodies_hold_at_most_the_budget_and_give_their_memory_back(
         f"RSS to come back within 50 MB of its start ({rss_before >> 20} MiB)",
         timeout_s=15,
     )
+
+
+EARLY_BODY_BYTES = 4 * 1024 * 1024
+SMALL_SEND_BUFFER = [(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)]
+"""A client socket whose buffer holds little of a body: what the kernels on the way do not hold, the
+gateway must read for the client's write to end, as across a network (loopback buffers hold megabytes)."""
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_a_body_over_the_limit_gets_413_at_once_from_a_client_that_writes_it_all_before_reading(
+    embedded_service_factory: ServiceFactory, framing: str
+) -> None:
+    """httpx writes a whole body before it reads an answer. The gateway answers 413 before the body
+    came, then reads the rest and drops it (a lingering close): the client's write ends and it reads
+    the 413 at once. Not reading blocked the write until the connection closed (uvicorn's keep-alive
+    timer, just past the header timeout), and async httpx then lost the answer (ReadError)."""
+    body_timeout_s = 20.0
+    service = embedded_service_factory("--max-body-bytes", "65536", "--body-timeout-s", str(body_timeout_s))
+    url = f"{service.url}/v1/inference"
+    headers = {"content-type": "application/json"}
+    payload = json.dumps({"input": "z" * EARLY_BODY_BYTES}).encode()
+    chunked = framing == "chunked"
+
+    def pieces() -> Iterator[bytes]:
+        for start in range(0, len(payload), 65536):
+            yield payload[start : start + 65536]
+
+    async def pieces_async() -> AsyncIterator[bytes]:
+        for piece in pieces():
+            yield piece
+
+    async def post_async() -> tuple[httpx.Response, float]:
+        transport = httpx.AsyncHTTPTransport(socket_options=SMALL_SEND_BUFFER)
+        async with httpx.AsyncClient(transport=transport, timeout=body_timeout_s * 2) as client:
+            began = time.monotonic()
+            response = await client.post(url, content=pieces_async() if chunked else payload, headers=headers)
+            return response, time.monotonic() - began
+
+    def post_sync() -> tuple[httpx.Response, float]:
+        transport = httpx.HTTPTransport(socket_options=SMALL_SEND_BUFFER)
+        with httpx.Client(transport=transport, timeout=body_timeout_s * 2) as client:
+            began = time.monotonic()
+            response = client.post(url, content=pieces() if chunked else payload, headers=headers)
+            return response, time.monotonic() - began
+
+    for name, (response, took_s) in (("async", asyncio.run(post_async())), ("sync", post_sync())):
+        assert response.status_code == 413, f"{name}: {response.status_code} {response.text[:300]}"
+        assert response.json()["error"]["code"] == "body_too_large", f"{name}: {response.text[:300]}"
+        assert took_s < 5.0, f"{name}: the 413 came after {took_s:.1f} s (the body deadline is {body_timeout_s:g} s)"
+    normal = httpx.post(url, json={"input": "after"}, timeout=10)
+    assert (normal.status_code, normal.json()["output"]) == (200, "retfa"), "a normal client is served after"

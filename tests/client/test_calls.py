@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import socket
 import threading
 import time
 import uuid
@@ -284,6 +285,31 @@ def test_bad_requests_raise_typed_errors_with_the_servers_code(server: str) -> N
         with pytest.raises(InvalidRequest) as priority:
             client.infer("x", priority="urgent")  # type: ignore[arg-type]  # what an untyped caller may send
         assert priority.value.code == "invalid_priority", priority.value
+
+
+async def test_an_input_over_the_body_limit_raises_invalid_request_at_once(server: str) -> None:
+    """The client writes a whole body before it reads; the gateway answers a body over its limit before
+    it came, and reads the rest and drops it so that the client reads that answer. It raised
+    DeadlineExceeded after its whole timeout, having sent the body again (the 413 lost to a reset).
+    The client's socket holds little of the body, as across a network: loopback buffers hold megabytes."""
+    options = [(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)]
+    text = "z" * (4 * 1024 * 1024)  # the server's limit is 1 MiB
+    began = time.monotonic()
+    async with AsyncClient(server, transport=httpx.AsyncHTTPTransport(socket_options=options)) as client:
+        with pytest.raises(InvalidRequest) as large:
+            await client.infer(text)
+    took_s = time.monotonic() - began
+    assert (large.value.code, large.value.status) == ("body_too_large", 413), large.value
+    assert took_s < 5.0, f"the 413 came after {took_s:.1f} s"
+    began = time.monotonic()
+    with (
+        Client(server, transport=httpx.HTTPTransport(socket_options=options)) as sync_client,
+        pytest.raises(InvalidRequest) as sync_large,
+    ):
+        sync_client.infer(text)
+    took_s = time.monotonic() - began
+    assert (sync_large.value.code, sync_large.value.status) == ("body_too_large", 413), sync_large.value
+    assert took_s < 5.0, f"the sync client's 413 came after {took_s:.1f} s"
 
 
 def test_an_unknown_task_is_not_found_by_each_route(server: str) -> None:

@@ -422,16 +422,46 @@ async def test_no_deadline_runs_while_the_app_works_on_a_request() -> None:
     assert status_of(transport.written) == 200
 
 
-async def test_an_answer_before_the_body_stops_reading_and_half_closes() -> None:
-    edge = Edge()
-    protocol, transport, _ = edge.connect()
-    protocol.data_received(b"POST /early HTTP/1.1\r\nhost: gw\r\ncontent-length: 1000000\r\n\r\nxxxx")
+async def test_an_answer_before_a_long_body_half_closes_reads_and_drops_it_and_closes_at_its_end() -> None:
+    """A client that writes its whole body before it reads (httpx) reads the answer once its write ends:
+    the rest is read as it comes, in reads as large as the socket gives (20 MiB in 256 KiB reads is
+    within the pieces' bound of a 64 KiB limit, 1024; cut into pieces of the header limit it is not),
+    kept nowhere, and a request behind it is not served."""
+    edge = Edge(max_body_bytes=65536)
+    protocol, transport, parser = edge.connect()
+    read, reads = b"x" * 256 * 1024, 80
+    head = b"POST /early HTTP/1.1\r\nhost: gw\r\ncontent-length: %d\r\n\r\n" % (len(read) * reads)
+    protocol.data_received(head)
     await answered(transport)
     assert status_of(transport.written) == 415
-    assert transport.read_paused, "no one reads the rest of the body"
     assert transport.eof_written, "the client sees the answer end"
-    edge.loop.advance(BODY_TIMEOUT_S + 1)
-    assert transport.closed
+    for _ in range(reads - 1):
+        protocol.data_received(read)
+        assert not transport.read_paused and not transport.closed, "the rest of the body is read"
+    assert protocol.cycle.body == b"", "and kept nowhere"
+    protocol.data_received(read + get("/next"))
+    assert transport.closed, "closed once the body ended"
+    assert parser.fed == len(head) + len(read) * reads + len(get("/next")), parser.fed
+    await settle()
+    assert edge.app.calls == ["/early"], "a request behind the body is not served"
+    assert transport.written.count(b"HTTP/1.1 ") == 1, transport.written
+
+
+@pytest.mark.parametrize("framing", [b"content-length: 1000000", b"transfer-encoding: chunked"])
+async def test_a_long_body_answered_early_is_read_until_the_body_deadline_at_most(framing: bytes) -> None:
+    edge = Edge()
+    protocol, transport, _ = edge.connect()
+    protocol.data_received(b"POST /early HTTP/1.1\r\nhost: gw\r\n" + framing + b"\r\n\r\n")
+    await answered(transport)
+    edge.loop.advance(BODY_TIMEOUT_S / 2)  # past uvicorn's keep-alive timeout
+    protocol.data_received(b"1\r\nz\r\n")
+    edge.loop.advance(BODY_TIMEOUT_S / 2 - 0.1)
+    assert not transport.closed, "the body deadline bounds the drain, no shorter timer"
+    for _ in range(10):
+        protocol.data_received(b"1\r\nz\r\n")
+    edge.loop.advance(0.2)
+    assert transport.closed, "closed at the body deadline"
+    assert transport.written.count(b"HTTP/1.1 ") == 1, "no 408 behind the answer"
 
 
 async def test_an_answer_before_a_short_body_reads_and_drops_it_and_serves_the_next_request() -> None:
