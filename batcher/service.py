@@ -315,8 +315,6 @@ class Batcher:
     async def _expire(self, expired: list[Pending[InferenceRequest]]) -> None:
         """Ends held requests whose deadline passed; their offsets are done once that is stored."""
         ended = states.expired((pending.item for pending in expired), wall_ms())
-        for pending in expired:
-            metrics.TASKS_ENDED.labels(model=pending.item.model, status="expired").inc()
         await self._store_ended(ended, f"storing {len(ended)} expired task(s)")
         for pending in expired:
             self._finish(pending)

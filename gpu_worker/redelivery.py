@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from gpu_worker import careful
 from gpu_worker.calls import Failure
 from gpu_worker.settings import WorkerSettings
-from gpu_worker.states import count_ended, task_state, wall_ms
+from gpu_worker.states import task_state, wall_ms
 from schemas.deadletter import DEAD_LETTERED
 from schemas.records import Batch, BatchItem, TaskState, TaskStatus
 from telemetry import logs, metrics
@@ -76,7 +76,6 @@ class Redelivery:
             await self._retry("marking tasks in flight", mark)
             states = await self._run_group(batch, group, count)
             await self._retry("storing results", functools.partial(self.store.apply, states))
-            count_ended(batch, states)
             stored.extend(states)
         return stored
 
@@ -95,5 +94,4 @@ class Redelivery:
         states = [task_state(self.worker_id, batch, item, TaskStatus.FAILED, None, failure) for item in items]
         await self._retry("storing dead-lettered tasks", lambda: self.store.apply(states))
         metrics.WORKER_BATCHES.labels(worker=self.worker_id, outcome="dead_lettered").inc()
-        count_ended(batch, states)
         return states

@@ -1,10 +1,9 @@
-"""The task states a worker writes for a batch's items, the count of those that ended, and the time
-its inputs spent waiting for and in their call."""
+"""The task states a worker writes for a batch's items, and the time its inputs spent waiting for and
+in their call."""
 
 from __future__ import annotations
 
 import time
-from collections import Counter
 
 from gpu_worker.calls import Failure
 from schemas.records import Batch, BatchItem, TaskState, TaskStatus
@@ -49,9 +48,3 @@ def task_state(
         worker_id=worker_id,
         reply_to=item.reply_to,
     )
-
-
-def count_ended(batch: Batch, states: list[TaskState]) -> None:
-    ended = Counter(state.status.value for state in states)  # one labels() lookup per status, not per task
-    for status, count in ended.items():
-        metrics.TASKS_ENDED.labels(model=batch.model, status=status).inc(count)

@@ -42,7 +42,7 @@ from gpu_worker.pipeline import Pipeline
 from gpu_worker.redelivery import Redelivery
 from gpu_worker.runner import BackendHung, BackendRunner, NotStarted
 from gpu_worker.settings import WorkerSettings
-from gpu_worker.states import count_ended, count_stages, task_state, wall_ms
+from gpu_worker.states import count_stages, task_state, wall_ms
 from schemas.records import Batch, BatchItem, TaskState, TaskStatus
 from telemetry import metrics
 from transport.cancelling import cancel_and_wait
@@ -297,7 +297,6 @@ class Worker:
         ]
         if not late:
             return
-        # Not counted in batchwire_tasks_ended: the batch's next holder counts them as it admits it.
         with contextlib.suppress(TransportError, TimeoutError):
             async with asyncio.timeout(HUNG_WRITE_S):
                 await self.store.apply(late)  # forward only: an end written first stays
@@ -323,7 +322,6 @@ class Worker:
                 await self.commits.stored()
                 todo = await self.admission.admit(batch, todo)
             stored = await self.redelivery.run(batch, todo, count) if todo else []
-            count_ended(batch, ended)
             self._fill(slot, batch, ended + late + stored)  # stored again (no-ops) to wait for replicas
             return
         self._start_call(slot, batch, todo, ended)
@@ -350,7 +348,6 @@ class Worker:
             late, todo = self.admission.expire_late(batch, wall_ms() + math.ceil(call_ms), call_ms, todo)
             if late:
                 await self._retry("ending expired tasks", functools.partial(self.store.apply, late))
-                count_ended(batch, late)
                 expired += late
             if free:
                 break
@@ -380,7 +377,6 @@ class Worker:
         except BackendHung as err:
             await self._hung(batch, err)
             raise
-        count_ended(batch, ended + states)
         self._fill(slot, batch, ended + expired + states, result)  # ``expired`` again: a no-op, but for replicas
 
     async def _run_first(
@@ -401,7 +397,6 @@ class Worker:
                 ends_by_ms = now_ms + math.ceil((self.runner.clock() - now_s) * 1000 + call_ms)
                 late, todo = self.admission.expire_late(batch, ends_by_ms, call_ms, todo)
                 await self._retry("ending expired tasks", functools.partial(self.store.apply, late))
-                count_ended(batch, late)
                 expired += late
                 result.outputs.clear()
         return expired, []

@@ -6,7 +6,12 @@ the separate roles each serve their own.
 
 from __future__ import annotations
 
+from collections import Counter as Tally
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from schemas.records import TaskState
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -147,7 +152,8 @@ REDELIVERED = Counter(
 )
 TASKS_ENDED = Counter(
     "batchwire_tasks_ended",
-    "Tasks a batcher (expired) or worker (completed, failed, dead-lettered) ended, by status; not cancellations.",
+    "Tasks ended, by their end status, each counted once: by the process whose write to the task store ended "
+    "it (a write the store refused, the task having ended already, is not counted).",
     ["model", "status"],
     registry=REGISTRY,
 )
@@ -220,3 +226,11 @@ REQUEST_STAGE_INPUTS = Counter(
     ["model"],
     registry=REGISTRY,
 )
+
+
+def count_ended(written: Iterable[TaskState]) -> None:
+    """Counts in ``batchwire_tasks_ended`` the terminal states among ``written``: those the task store
+    says this write applied, so that each end is counted once, whichever process writes it first."""
+    ended = Tally((state.model, state.status.value) for state in written if state.status.terminal)
+    for (model, status), count in ended.items():  # one labels() lookup per model and status, not per task
+        TASKS_ENDED.labels(model=model, status=status).inc(count)

@@ -137,7 +137,8 @@ class TaskStore(Protocol):
     """Where task status and results live, and how changes reach the gateways.
 
     Status only moves forward (see ``TaskStatus.rank``); a terminal state is written once, so a
-    result computed twice after a redelivery is delivered once.
+    result computed twice after a redelivery is delivered once. The write that ends a task counts
+    it in ``batchwire_tasks_ended`` (``apply``, ``cancel``), so each end is counted once, whoever writes it.
     """
 
     async def start(self) -> None: ...

@@ -18,6 +18,7 @@ import pytest
 from infra.ports import free_port
 from schemas.wire import Names
 from tests.support.cluster_checks import (
+    group_offsets,
     proc_named,
     running,
     terminal_events,
@@ -183,14 +184,28 @@ async def test_a_task_whose_deadline_passes_while_every_batcher_is_down_ends_exp
     assert [name for name, _ in events] == ["queued", "expired"], f"the stream ends expired: {events}"
     port = free_port()
     cluster.batcher(0, "--metrics-port", str(port))
+    names = Names(cluster.namespace)
+
+    async def read_and_committed() -> bool:
+        committed, ends = await group_offsets(cluster.kafka_bootstrap, names.batcher_group, names.request_topic)
+        return sum(committed.values()) == sum(ends.values()) > 0
+
     await asyncio.to_thread(
         eventually_sync,
-        lambda: metric(port, "batchwire_tasks_ended_total") >= 1,
-        "the batcher that came back to end the task",
+        lambda: asyncio.run(read_and_committed()),
+        "the batcher that came back to read the request and commit it",
         timeout_s=30,
+        interval_s=0.5,
     )
     stored = task_states(cluster.redis_url, cluster.namespace, [task_id])[task_id]
     assert stored.status.value == "expired", f"the stored task stays expired: {stored}"
+    # The task's one end is the gateway's: the batcher's expiry, which the store refused, is not counted.
+    served = (await asyncio.to_thread(httpx.get, f"http://127.0.0.1:{port}/metrics", timeout=5)).text
+    assert "batchwire_batcher_pending{" in served, "the batcher that came back serves its metrics"
+    batcher_ended = metric(port, "batchwire_tasks_ended_total")
+    assert batcher_ended == 0, f"the batcher counts no end of a task the gateway ended: {batcher_ended}"
+    gateway_ended = metric(int(url.rsplit(":", 1)[1]), 'batchwire_tasks_ended_total{model="sim",status="expired"}')
+    assert gateway_ended == 1, f"the gateway counts the end it wrote, once: {gateway_ended}"
     ran = [batch for batch in cluster.journal() if task_id in batch.get("task_ids", [])]
     assert not ran, f"no worker computes a task past its deadline: {ran}"
 

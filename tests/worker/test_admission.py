@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from schemas.records import TaskState, TaskStatus
+from telemetry.metrics import REGISTRY
 from tests.support.eventually import eventually
 from tests.support.worker_rig import Rig, ScriptedBackend, now_ms
 from transport.memory.store import MemoryTaskStore
@@ -92,3 +93,27 @@ async def test_running_is_stored_before_the_backend_is_called() -> None:
     await rig.ended(["t0"])
     await worker.close()
     assert events == ["stored running", "backend", "stored completed"], events
+
+
+def ended_count(status: str) -> float:
+    return REGISTRY.get_sample_value("batchwire_tasks_ended_total", {"model": "sim", "status": status}) or 0.0
+
+
+async def test_an_expiry_at_admission_is_counted_once_when_the_batch_comes_again() -> None:
+    """The batch comes again (its commit was lost, say): its item past its deadline is expired again at
+    admission, a write the store refuses, and its end is not counted a second time."""
+    rig = Rig()
+    await rig.listen()
+    worker = await rig.worker(ScriptedBackend())
+    before = ended_count("expired")
+    batch = rig.batch(["late"], deadline_ms=now_ms() - 1_000)
+    await rig.create(batch)
+    await rig.send(batch)
+    ended = await rig.ended(["t0"])
+    assert ended["t0"].status is TaskStatus.EXPIRED, ended
+    await eventually(lambda: rig.committed == [0], "the first delivery to be committed")
+    await rig.send(batch)
+    await eventually(lambda: rig.committed == [0, 1], "the second delivery to be committed")
+    await worker.close()
+    assert rig.replies["t0"] == [ended["t0"]], f"one end: {rig.replies['t0']}"
+    assert ended_count("expired") - before == 1, f"one end, counted once; counted {ended_count('expired') - before}"

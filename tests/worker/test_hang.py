@@ -309,7 +309,7 @@ async def test_a_hung_calls_items_past_their_deadline_end_expired_before_the_wor
     await rig.send(batch)  # its next holder
     done = await rig.ended(["t1"])
     assert done["t1"].output == "retal", done
-    assert expired_count() - expired_before == 1, "t0's end is counted once, by the batch's next holder"
+    assert expired_count() - expired_before == 1, "t0's end is counted once, by the worker whose write ended it"
 
 
 def expired_count() -> float:

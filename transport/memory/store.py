@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from schemas.records import TaskState, TaskStatus
+from telemetry import metrics
 from transport.ports import KeyClaim, ReplyHandler
 
 ENTRY_BYTES = 600
@@ -218,6 +219,7 @@ class MemoryTaskStore:
             self._write(state)
             applied.append(True)
         self._evict()  # a plain synchronous task is never created: its end is its first write
+        metrics.count_ended(state for state, ok in zip(updates, applied, strict=True) if ok)
         return applied
 
     def _write(self, state: TaskState) -> None:
@@ -243,6 +245,7 @@ class MemoryTaskStore:
         )
         self._write(cancelled)
         self._evict()
+        metrics.count_ended([cancelled])
         return cancelled
 
     def _lookup(self, task_id: str) -> TaskState | None:

@@ -39,6 +39,7 @@ from redis.exceptions import RedisClusterException, RedisError
 from schemas.codec import CodecError, decode_state, encode_state
 from schemas.records import TaskState, TaskStatus
 from schemas.wire import Names
+from telemetry import metrics
 from transport.coalesce import Coalescer
 from transport.errors import PermanentTransportError, StoreFullError
 from transport.ports import KeyClaim, ReplyHandler, TransportError, binding_ttl_ms
@@ -177,7 +178,9 @@ class RedisTaskStore:
             applied = await self._run(self._apply, keys, args, head=2)
         except REDIS_ERRORS as err:
             raise translate(f"applying {len(updates)} task update(s)", err) from err
-        return [bool(flag) for flag in applied]
+        flags = [bool(flag) for flag in applied]
+        metrics.count_ended(state for state, ok in zip(updates, flags, strict=True) if ok)
+        return flags
 
     async def _run(self, script: AsyncScript, keys: list[str], args: list[Any], *, head: int) -> list[int]:
         """One call of a write script (``args``: ``head`` values, ``lua.ROW`` per key, the publish
@@ -269,6 +272,8 @@ class RedisTaskStore:
                 replies = await scripted.execute(
                     self._client, self._apply, [(keys, args)], then(self.names.replication_mark)
                 )
+                if keys:
+                    _count_applied(updates, range(len(keys)), replies[0])
                 return int(replies[-1])
             if not keys:
                 return replicas  # nothing written, nothing to wait for
@@ -279,9 +284,10 @@ class RedisTaskStore:
                 calls = [self._slot_call(keys, args, indexes, head=2) for indexes in slots.values()]
                 mark = self.names.replication_mark_of(updates[next(iter(slots.values()))[0]].task_id)
                 replies = await scripted.replies_of(self._on(node), self._apply, calls, then(mark))
-                for (call_keys, _), out in zip(calls, replies, strict=False):
+                for indexes, out in zip(slots.values(), replies, strict=False):
                     if not isinstance(out, Exception):  # a slot stored, whichever other slot failed
-                        _gather_frames(out[len(call_keys) :], frames)
+                        _count_applied(updates, indexes, out)
+                        _gather_frames(out[len(indexes) :], frames)
                 scripted.raise_first(replies)
                 acked.append(int(replies[-1]))
 
@@ -351,6 +357,7 @@ class RedisTaskStore:
         except REDIS_ERRORS as err:
             raise translate(f"cancelling task {task_id}", err) from err
         if outcome[0] == 1:
+            metrics.count_ended([cancelled])
             if len(outcome) == 3:  # over a cluster: the reply frame, for its gateway's channel
                 try:
                     await self._client.spublish(outcome[1], outcome[2])
@@ -467,6 +474,12 @@ def _online(info: dict[str, Any]) -> int:
     """The replicas an ``INFO replication`` reply counts as connected and in sync."""
     replicas = (info.get(f"slave{index}") for index in range(int(info.get("connected_slaves", 0))))
     return sum(1 for replica in replicas if isinstance(replica, dict) and replica.get("state") == "online")
+
+
+def _count_applied(updates: Sequence[TaskState], indexes: Iterable[int], flags: Sequence[Any]) -> None:
+    """Counts the ends among ``updates`` at ``indexes`` that ``APPLY``'s reply (``flags``, in their
+    order) says it wrote."""
+    metrics.count_ended(updates[index] for index, flag in zip(indexes, flags, strict=False) if flag == 1)
 
 
 def _gather_frames(pairs: list[Any], into: dict[bytes, list[bytes]]) -> None:

@@ -1,0 +1,76 @@
+"""TaskStore contract: ``batchwire_tasks_ended`` counts each end once, in the process whose write applied it.
+
+A batcher's expiry of a task a caller cancelled, an end written again after a redelivery, or a
+gateway's expiry racing a batcher's: the store refuses every write after the first end, and only
+the write it applied is counted, whichever call wrote it (``apply``, ``apply_replicated``, ``cancel``).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from schemas.records import TaskStatus
+from telemetry.metrics import REGISTRY
+from tests.support.task_states import state
+from tests.support.transport_kits import StoreFactory
+from transport.redis.store import RedisTaskStore
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def counted(model: str) -> dict[str, float]:
+    """The ends counted for ``model`` in this process, by status (those above zero)."""
+    values = {
+        status.value: REGISTRY.get_sample_value("batchwire_tasks_ended_total", {"model": model, "status": status.value})
+        for status in TaskStatus
+        if status.terminal
+    }
+    return {status: value for status, value in values.items() if value}
+
+
+async def test_an_end_is_counted_by_the_write_that_applied_it_and_by_no_other(make_store: StoreFactory) -> None:
+    model = f"m{uuid.uuid4().hex[:8]}"  # counts of this test alone: the registry is the process's
+    store = await make_store()
+    other = await make_store()  # another process's view: a batcher beside the worker, say
+    for task_id in ("t1", "t2", "t3"):
+        await store.create(state(task_id, TaskStatus.QUEUED, model=model))
+
+    assert await store.apply([state("t1", TaskStatus.COMPLETED, model=model, output="x")]) == [True]
+    assert await other.apply([state("t1", TaskStatus.EXPIRED, model=model)]) == [False], "t1 ended already"
+    assert await store.apply([state("t1", TaskStatus.COMPLETED, model=model, output="x")]) == [False]
+    assert counted(model) == {"completed": 1.0}, f"one end, counted once: {counted(model)}"
+
+    assert await store.cancel("t2", "cancelled", "by its caller") is not None
+    assert await other.cancel("t2", "cancelled", "by its caller again") is not None  # cancelled already
+    assert await other.apply([state("t2", TaskStatus.EXPIRED, model=model)]) == [False], "t2 ended already"
+    assert counted(model) == {"completed": 1.0, "cancelled": 1.0}, f"the cancel, counted once: {counted(model)}"
+
+    expired = await other.cancel("t3", "deadline_exceeded", "past its deadline", TaskStatus.EXPIRED)
+    assert expired is not None and expired.status is TaskStatus.EXPIRED, expired
+    assert await store.apply([state("t3", TaskStatus.EXPIRED, model=model)]) == [False], "t3 ended already"
+    assert await store.cancel("t3", "cancelled", "too late") == expired, "an ended task is not cancelled"
+    want = {"completed": 1.0, "cancelled": 1.0, "expired": 1.0}
+    assert counted(model) == want, f"the gateway's expiry, counted once: {counted(model)}"
+
+    # A synchronous task no one stored: its end is its first write.
+    assert await store.apply([state("s1", TaskStatus.COMPLETED, model=model, reply_to="g1", output="y")]) == [True]
+    assert await other.apply([state("s1", TaskStatus.COMPLETED, model=model, reply_to="g1", output="y")]) == [False]
+    want["completed"] = 2.0
+    assert counted(model) == want, f"the synchronous task's end, counted once: {counted(model)}"
+
+
+async def test_an_end_stored_while_waiting_for_replicas_is_counted_once(make_store: StoreFactory) -> None:
+    """A short store is tried again (``ReplicaWait``), and a worker stores a batch's ends again with its
+    results: only the write that applied an end counts it."""
+    store = await make_store()
+    if not isinstance(store, RedisTaskStore):
+        pytest.skip("only the Redis store waits for replicas")
+    model = f"m{uuid.uuid4().hex[:8]}"
+    ends = [state(f"t{i}", TaskStatus.EXPIRED, model=model) for i in range(4)]  # several hash slots in a cluster
+    await store.create(state("t0", TaskStatus.QUEUED, model=model))
+    await store.apply_replicated(ends, 0, 100)
+    await store.apply_replicated(ends, 0, 100)  # stored again: no-ops
+    assert await store.apply(ends) == [False] * 4
+    assert counted(model) == {"expired": 4.0}, f"each end counted once: {counted(model)}"
