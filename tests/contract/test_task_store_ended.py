@@ -10,11 +10,15 @@ from __future__ import annotations
 import uuid
 
 import pytest
+from redis.crc import key_slot
 
 from schemas.records import TaskStatus
+from schemas.wire import Names
 from telemetry.metrics import REGISTRY
 from tests.support.task_states import state
 from tests.support.transport_kits import StoreFactory
+from transport.ports import TransportError
+from transport.redis.pools import PoolOptions, cluster_client
 from transport.redis.store import RedisTaskStore
 
 pytestmark = pytest.mark.timeout(60)
@@ -74,3 +78,28 @@ async def test_an_end_stored_while_waiting_for_replicas_is_counted_once(make_sto
     await store.apply_replicated(ends, 0, 100)  # stored again: no-ops
     assert await store.apply(ends) == [False] * 4
     assert counted(model) == {"expired": 4.0}, f"each end counted once: {counted(model)}"
+
+
+@pytest.mark.kafka
+@pytest.mark.parametrize("replicated", [False, True], ids=["apply", "apply_replicated"])
+async def test_an_end_a_cluster_write_stored_is_counted_though_another_slot_failed(
+    redis_cluster: str, names: Names, replicated: bool
+) -> None:
+    """A write over a cluster runs one script call per hash slot: the ends one call stored are counted
+    though another slot's call fails the write, as a retry of it finds them ended and counts nothing."""
+    model = f"m{uuid.uuid4().hex[:8]}"
+    good = "good-0"
+    bad = next(f"bad-{n}" for n in range(100) if key_slot(f"bad-{n}".encode()) != key_slot(good.encode()))
+    raw = cluster_client(redis_cluster, PoolOptions())
+    store = RedisTaskStore(redis_cluster, names)
+    await store.start()
+    try:
+        await raw.set(names.task_key(bad), "not a task")
+        ends = [state(task_id, TaskStatus.COMPLETED, model=model, output="x") for task_id in (good, bad)]
+        with pytest.raises(TransportError):
+            await (store.apply_replicated(ends, 0, 100) if replicated else store.apply(ends))
+        assert await store.apply(ends[:1]) == [False], "the good slot's call stored its end"
+        assert counted(model) == {"completed": 1.0}, f"the stored end, counted once: {counted(model)}"
+    finally:
+        await store.close()
+        await raw.aclose()

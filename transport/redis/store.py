@@ -174,20 +174,31 @@ class RedisTaskStore:
         if not updates:
             return []
         keys, args = self._apply_call(updates)
+        counted = functools.partial(_count_applied, updates)
         try:
-            applied = await self._run(self._apply, keys, args, head=2)
+            applied = await self._run(self._apply, keys, args, head=2, stored=counted)
         except REDIS_ERRORS as err:
             raise translate(f"applying {len(updates)} task update(s)", err) from err
-        flags = [bool(flag) for flag in applied]
-        metrics.count_ended(state for state, ok in zip(updates, flags, strict=True) if ok)
-        return flags
+        return [bool(flag) for flag in applied]
 
-    async def _run(self, script: AsyncScript, keys: list[str], args: list[Any], *, head: int) -> list[int]:
+    async def _run(
+        self,
+        script: AsyncScript,
+        keys: list[str],
+        args: list[Any],
+        *,
+        head: int,
+        stored: Callable[[Iterable[int], Sequence[Any]], None] | None = None,
+    ) -> list[int]:
         """One call of a write script (``args``: ``head`` values, ``lua.ROW`` per key, the publish
         command); over a cluster, one call per hash slot of ``keys``, concurrently, the results in the
-        keys' order, and then one SPUBLISH per reply channel of the reply frames they returned."""
+        keys' order, and then one SPUBLISH per reply channel of the reply frames they returned.
+        ``stored`` gets each call's keys' indexes and reply as it comes, whichever other call fails."""
         if not self._cluster:
-            return list(await script(keys=keys, args=args))
+            out = list(await script(keys=keys, args=args))
+            if stored is not None:
+                stored(range(len(keys)), out)
+            return out
         slots: dict[int, list[int]] = {}
         for index, key in enumerate(keys):
             slots.setdefault(key_slot(key.encode()), []).append(index)
@@ -197,6 +208,8 @@ class RedisTaskStore:
         async def one(indexes: list[int]) -> None:
             call_keys, call_args = self._slot_call(keys, args, indexes, head=head)
             out = await script(keys=call_keys, args=call_args)
+            if stored is not None:
+                stored(indexes, out)
             for index, result in zip(indexes, out, strict=False):
                 results[index] = int(result)
             _gather_frames(out[len(indexes) :], replies)
