@@ -189,7 +189,83 @@ async def test_task_store_and_credit_pool_work_over_a_sentinel_url(cluster: Sent
         await primary.aclose()
 
 
-# (c) a failover under the same objects (kills the primary: keep this test last)
+# (c) a graceful failover: the old primary stays up, and takes writes, until the Sentinels demote it
+
+FOLLOW_BOUND_S = 3.0
+"""How soon after every Sentinel names the promoted replica the pools' connections must follow it."""
+
+
+@pytest.fixture
+def own_cluster(tmp_path: Path) -> Iterator[SentinelCluster]:
+    """Servers for one test that swaps their roles, leaving the module's ``cluster`` as it was."""
+    servers = SentinelCluster(tmp_path)
+    try:
+        servers.start()
+        yield servers
+    finally:
+        servers.stop()
+
+
+async def demoted(old: Redis, new_port: int) -> bool:
+    """The old primary is a replica of the promoted one and has copied it (dropping its own writes)."""
+    info = await old.info("replication")
+    return (
+        info.get("role") == "slave" and info.get("master_port") == new_port and info.get("master_link_status") == "up"
+    )
+
+
+@pytest.mark.kafka
+async def test_after_a_graceful_failover_no_write_the_store_accepts_is_lost(
+    own_cluster: SentinelCluster, names: Names
+) -> None:
+    cluster = own_cluster
+    store = RedisTaskStore(cluster.url, names, ttl_s=120)
+    await store.start()
+    old, new = Redis(port=cluster.primary_port), Redis(port=cluster.replica_port)
+    sentinel = Redis(port=cluster.sentinel_ports[0])
+    accepted: list[tuple[float, str]] = []
+    try:
+        assert await store.create(state("before", TaskStatus.QUEUED))  # the pool's connection opens to the primary
+        assert await old.wait(1, 5000) == 1, "the replica must hold 'before' when it is promoted"
+        assert await sentinel.execute_command("SENTINEL", "FAILOVER", MASTER)
+        promoted = ("127.0.0.1", cluster.replica_port)
+        await asyncio.to_thread(
+            eventually_sync,
+            lambda: cluster.master_address() == promoted,
+            "the Sentinels to promote the replica",
+            timeout_s=30,
+        )
+        switched_at = time.monotonic()
+        # Writes through the same store, paced, until the Sentinels demote the old primary and it copies
+        # the new one: whatever the old primary took by then is gone.
+        index = 0
+        while not await demoted(old, cluster.replica_port):
+            assert time.monotonic() - switched_at < 60, "the Sentinels did not demote the old primary in 60 s"
+            task_id = f"after-{index}"
+            index += 1
+            try:
+                if await store.create(state(task_id, TaskStatus.QUEUED)):
+                    accepted.append((time.monotonic() - switched_at, task_id))
+            except TransportError:
+                pass  # the demotion closes the old primary's connections: refused, not accepted
+            await asyncio.sleep(0.05)
+    finally:
+        await store.close()
+    try:
+        kept = {task_id for _, task_id in accepted if await new.exists(names.task_key(task_id))}
+    finally:
+        for client in (old, new, sentinel):
+            await client.aclose()
+    late = [(round(at, 2), task_id) for at, task_id in accepted if at >= FOLLOW_BOUND_S]
+    lost = [item for item in late if item[1] not in kept]
+    assert late, "no write was accepted after the pools had time to follow the promoted replica"
+    assert not lost, (
+        f"{len(lost)} of {len(late)} writes accepted {FOLLOW_BOUND_S:g} s or more after every Sentinel named the "
+        f"promoted replica were lost (seconds after the switch, task): {lost[:5]}"
+    )
+
+
+# (d) a failover under the same objects (kills the primary: keep this test last)
 
 
 async def retrying(action: Callable[[], Awaitable[T]], what: str, timeout_s: float = FAILOVER_WAIT_S) -> T:

@@ -2,12 +2,17 @@
 
 A pool built from such a URL asks the Sentinels for the primary's address whenever it opens a
 connection (redis-py's ``SentinelConnectionPool``), so a connection that breaks in a failover is
-reopened to the new primary without a restart. The credentials and DB are the Redis servers'; the
-Sentinels are asked without credentials. A HOST without ``:PORT`` means Sentinel's port, 26379.
+reopened to the new primary without a restart. A connection that does not break (a graceful failover,
+or a partition, leaves the old primary up and taking writes until the Sentinels demote it, which wipes
+them) is closed by the pool's own check of the Sentinels (``SentinelPool``). The credentials and DB
+are the Redis servers'; the Sentinels are asked without credentials. A HOST without ``:PORT`` means
+Sentinel's port, 26379.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,16 +22,22 @@ import redis
 from redis.asyncio import BlockingConnectionPool
 from redis.asyncio import Redis as AsyncRedis
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
+from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool, SentinelManagedConnection
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry as SyncRetry
 
+from transport.background_loop import BackgroundLoop
+
+log = logging.getLogger(__name__)
+
 SCHEME = "redis+sentinel"
 FORM = "redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER[/DB]"
 DEFAULT_SENTINEL_PORT = 26379
+FOLLOW_INTERVAL_S = 0.5
+"""How often a pool asks the Sentinels for the primary, to close its connections to any other server."""
 HINT = "check --redis-url / BATCHWIRE_REDIS_URL"
 
 
@@ -252,12 +263,57 @@ class _Sentinels(Sentinel):
 
 
 class SentinelPool(SentinelConnectionPool):
-    """Connections to the master the Sentinels name; closing the pool closes its Sentinel clients too."""
+    """Connections to the master the Sentinels name; closing the pool closes its Sentinel clients too.
+
+    redis-py asks the Sentinels only when it opens a connection, so an open one stays on a server that
+    lost the primary role without closing it (a graceful failover, a partition): that server takes
+    writes until the Sentinels demote it, then drops them as it copies the new primary. From its first
+    connection to its close, the pool asks the Sentinels every ``FOLLOW_INTERVAL_S`` and closes its
+    connections, idle and in use, to any other server; each reopens to the primary they name.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
+        self._following = BackgroundLoop(f"following the Redis primary of {self.service_name!r}")
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._following.started:
+            self._following.start(self._follow_primary())
+        return await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
 
     async def disconnect(self, inuse_connections: bool = True) -> None:
-        await super().disconnect(inuse_connections)
         if inuse_connections:  # a full close; a master change drops only the idle connections
+            await self._following.close()
+        await super().disconnect(inuse_connections)
+        if inuse_connections:
             await self.sentinel_manager.aclose()
+
+    async def _follow_primary(self) -> None:
+        while True:
+            await asyncio.sleep(FOLLOW_INTERVAL_S)
+            try:
+                primary = await self.sentinel_manager.discover_master(self.service_name)
+            except (RedisError, OSError):
+                continue  # the Sentinels name no primary now; connections to a dead one fail by themselves
+            open_ = [*self._get_free_connections(), *self._get_in_use_connections()]
+            stale = [
+                conn
+                for conn in open_
+                if isinstance(conn, SentinelManagedConnection)
+                and conn.is_connected
+                and (conn.host, conn.port) != primary
+            ]
+            for conn in stale:
+                await conn.disconnect()
+            if stale:
+                log.warning(
+                    "closed %d connection(s) to %s, which the Sentinels no longer name primary of %r; "
+                    "they reopen to %s",
+                    len(stale),
+                    ", ".join(sorted({_address(conn.host, conn.port) for conn in stale})),
+                    self.service_name,
+                    _address(*primary),
+                )
 
 
 class BlockingSentinelPool(SentinelPool, BlockingConnectionPool):
@@ -284,14 +340,14 @@ def sentinel_pool(url: str, **connection_kwargs: Any) -> SentinelPool:
     """A pool over the master named by ``url``; ``connection_kwargs`` as for ``ConnectionPool``."""
     parsed = parse_sentinel_url(url)
     sentinels = _sentinels(parsed, connection_kwargs)
-    return SentinelPool(parsed.master, sentinels, **_server_kwargs(parsed), **connection_kwargs)  # type: ignore[no-untyped-call]
+    return SentinelPool(parsed.master, sentinels, **_server_kwargs(parsed), **connection_kwargs)
 
 
 def blocking_sentinel_pool(url: str, **connection_kwargs: Any) -> BlockingSentinelPool:
     """As ``sentinel_pool``, with ``BlockingConnectionPool``'s ``timeout`` for a free connection."""
     parsed = parse_sentinel_url(url)
     sentinels = _sentinels(parsed, connection_kwargs)
-    return BlockingSentinelPool(parsed.master, sentinels, **_server_kwargs(parsed), **connection_kwargs)  # type: ignore[no-untyped-call]
+    return BlockingSentinelPool(parsed.master, sentinels, **_server_kwargs(parsed), **connection_kwargs)
 
 
 __all__ = [
