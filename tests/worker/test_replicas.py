@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from redis.asyncio import Redis as AsyncRedis
 
 from gpu_worker.settings import WorkerSettings
 from gpu_worker.worker import Worker
@@ -23,6 +24,8 @@ from schemas.codec import decode_state
 from schemas.records import Batch, TaskState, TaskStatus
 from schemas.wire import Names
 from tests.support.eventually import eventually
+from tests.support.sentinels import MASTER, SentinelCluster
+from tests.support.task_states import state
 from tests.support.worker_rig import Rig, ScriptedBackend, now_ms
 from transport.memory.batches import MemoryBatchConsumer
 from transport.memory.store import MemoryTaskStore
@@ -305,3 +308,53 @@ async def test_a_task_an_earlier_delivery_ended_is_stored_again_with_the_batch(
     kept = decode_state(doc)
     assert (kept.status, kept.output) == (TaskStatus.COMPLETED, "answer"), kept
     assert backend.calls == [], "an ended task is not run again"
+
+
+@pytest.mark.timeout(120)
+async def test_auto_behind_sentinel_commits_no_result_that_a_gracefully_failed_over_primary_drops(
+    tmp_path: Path, names: Names
+) -> None:
+    """``SENTINEL FAILOVER`` leaves the old primary up until the Sentinels demote it: asked after a short
+    ``WAIT``, it counts no replica (its own was promoted), so ``auto`` trusted it and committed results
+    that it dropped once demoted. Now the count comes only from a primary the Sentinels confirm."""
+    cluster = SentinelCluster(tmp_path)
+    cluster.start()
+    store = RedisTaskStore(cluster.url, names, ttl_s=120)
+    old = AsyncRedis(port=cluster.primary_port)
+    new = AsyncRedis(port=cluster.replica_port)
+    try:
+        await store.start()
+        task_ids = [f"r{index}" for index in range(1000)]
+        for task_id in task_ids:
+            assert await store.create(state(task_id, TaskStatus.RUNNING))
+        assert await old.wait(1, 5000) == 1, "the replica must hold every record before the failover"
+        wait = ReplicaWait(store, ReplicaSettings(min_replicas=None, wait_ms=WAIT_MS), "w1", retry_max_s=0.05)
+        committed: list[str] = []
+        sentinel = AsyncRedis(port=cluster.sentinel_ports[0])
+        try:
+            assert await sentinel.execute_command("SENTINEL", "FAILOVER", MASTER)
+        finally:
+            await sentinel.aclose()
+        started = time.monotonic()
+        for task_id in task_ids:  # one result a worker commits after another, paced, until the old primary is demoted
+            info = await old.info("replication")
+            if info.get("role") == "slave" and info.get("master_link_status") == "up":
+                break
+            assert time.monotonic() - started < 60, "the Sentinels did not demote the old primary in 60 s"
+            done = [state(task_id, TaskStatus.COMPLETED, output="ok")]
+            if await wait.store_results(done, give_up=lambda: False, stopping=lambda: False):
+                committed.append(task_id)
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("the old primary was not demoted before the test ran out of results to commit")
+        lost = [task_id for task_id in committed if await new.hget(names.task_key(task_id), "status") != b"completed"]
+    finally:
+        await store.close()
+        await old.aclose()
+        await new.aclose()
+        cluster.stop()
+    assert committed, "no result was committed across the failover"
+    assert wait.short_stores, "no store came back short: the failover did not reach the results' writes"
+    assert not lost, (
+        f"{len(lost)} of {len(committed)} committed results were dropped by the demoted primary: {lost[:5]}"
+    )

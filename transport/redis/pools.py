@@ -46,6 +46,7 @@ from redis.retry import Retry as SyncRetry
 from transport.errors import PermanentTransportError, StoreFullError
 from transport.ports import TransportError
 from transport.redis.sentinel import (
+    SentinelPool,
     blocking_sentinel_pool,
     is_sentinel_url,
     redacted_sentinel_url,
@@ -208,6 +209,10 @@ class CommandClient:
         self.pool = blocking_pool(url, options.max_connections, options) if blocking else command_pool(url, options)
         self.redis = Redis(connection_pool=self.pool)
 
+    async def confirm_primary(self) -> bool:
+        """Behind Sentinel, ``SentinelPool.confirm_primary``; a plain Redis URL names its primary itself."""
+        return not isinstance(self.pool, SentinelPool) or await self.pool.confirm_primary()
+
     async def close(self) -> None:
         await self.redis.aclose()
         await self.pool.disconnect()
@@ -234,6 +239,11 @@ class KeyedClient:
                 await self.redis.initialize()
             except REDIS_ERRORS as err:
                 raise translate(what, err) from err
+
+    async def confirm_primary(self) -> bool:
+        """Whether the server the commands reach is surely the primary (``CommandClient.confirm_primary``;
+        a cluster's client routes by its slot map, which a failover's errors make it read again)."""
+        return self._commands is None or await self._commands.confirm_primary()
 
     async def close(self) -> None:
         if self._commands is not None:

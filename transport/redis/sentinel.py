@@ -262,6 +262,12 @@ class _Sentinels(Sentinel):
         raise MasterNotFoundError(lookup_error(self.parsed, unanswered, known, down))
 
 
+def _settled(state: Mapping[str, Any]) -> bool:
+    """One Sentinel's view of the master: a primary that is up and not being failed over."""
+    failing_over = "failover" in str(state.get("flags", ""))
+    return bool(state["is_master"]) and not state["is_sdown"] and not state["is_odown"] and not failing_over
+
+
 class SentinelPool(SentinelConnectionPool):
     """Connections to the master the Sentinels name; closing the pool closes its Sentinel clients too.
 
@@ -288,32 +294,56 @@ class SentinelPool(SentinelConnectionPool):
         if inuse_connections:
             await self.sentinel_manager.aclose()
 
+    async def confirm_primary(self) -> bool:
+        """Whether most Sentinels answer and every one that does names the same primary, not down and
+        with no failover under way; if so, the pool's connections to any other server are closed, so
+        the commands that follow reach that primary. A server's own word is no proof: one that lost
+        the role while still up calls itself primary until the Sentinels demote it."""
+        sentinels = self.sentinel_manager.sentinels
+        answered = 0
+        named: set[tuple[str, int] | None] = set()
+        for sentinel in sentinels:
+            try:
+                masters = _by_name(await sentinel.sentinel_masters())
+            except (RedisError, OSError, SentinelError):
+                continue
+            answered += 1
+            state = masters.get(self.service_name)
+            named.add((str(state["ip"]), int(state["port"])) if state is not None and _settled(state) else None)
+        if answered * 2 <= len(sentinels) or len(named) != 1 or None in named:
+            return False
+        primary = named.pop()
+        assert primary is not None
+        await self._close_others(primary)
+        return True
+
     async def _follow_primary(self) -> None:
         while True:
             await asyncio.sleep(FOLLOW_INTERVAL_S)
             try:
                 primary = await self.sentinel_manager.discover_master(self.service_name)
-            except (RedisError, OSError):
+            except (RedisError, OSError, SentinelError):
                 continue  # the Sentinels name no primary now; connections to a dead one fail by themselves
-            open_ = [*self._get_free_connections(), *self._get_in_use_connections()]
-            stale = [
-                conn
-                for conn in open_
-                if isinstance(conn, SentinelManagedConnection)
-                and conn.is_connected
-                and (conn.host, conn.port) != primary
-            ]
-            for conn in stale:
-                await conn.disconnect()
-            if stale:
-                log.warning(
-                    "closed %d connection(s) to %s, which the Sentinels no longer name primary of %r; "
-                    "they reopen to %s",
-                    len(stale),
-                    ", ".join(sorted({_address(conn.host, conn.port) for conn in stale})),
-                    self.service_name,
-                    _address(*primary),
-                )
+            await self._close_others(primary)
+
+    async def _close_others(self, primary: tuple[str, int]) -> None:
+        """Closes the pool's connections, idle or in use, to any server but ``primary``."""
+        open_ = [*self._get_free_connections(), *self._get_in_use_connections()]
+        stale = [
+            conn
+            for conn in open_
+            if isinstance(conn, SentinelManagedConnection) and conn.is_connected and (conn.host, conn.port) != primary
+        ]
+        for conn in stale:
+            await conn.disconnect()
+        if stale:
+            log.warning(
+                "closed %d connection(s) to %s, which the Sentinels no longer name primary of %r; they reopen to %s",
+                len(stale),
+                ", ".join(sorted({_address(conn.host, conn.port) for conn in stale})),
+                self.service_name,
+                _address(*primary),
+            )
 
 
 class BlockingSentinelPool(SentinelPool, BlockingConnectionPool):

@@ -254,9 +254,14 @@ class RedisTaskStore:
         over a cluster, the fewest any primary counts.
 
         A replica still taking its first full copy (a restarted one rejoining) acknowledges nothing
-        until it has it, so it is not counted."""
+        until it has it, so it is not counted. Behind Sentinel, a server the Sentinels do not confirm
+        as primary (``KeyedClient.confirm_primary``: a failover under way) counts one: an old primary
+        that lost its replica to the promotion counts none, and would be trusted with states it drops
+        once demoted."""
         try:
             if not isinstance(self._client, RedisCluster):
+                if not await self._commands.confirm_primary():
+                    return 1
                 return _online(await self._client.info("replication"))
             return min([_online(await self._on(node).info("replication")) for node in self._client.get_primaries()])
         except REDIS_ERRORS as err:
