@@ -237,7 +237,9 @@ def gateway_admission(parser: argparse.ArgumentParser) -> None:
         "a synchronous caller without its reply this long is looked up in the store (then at 2x, 4x, up to 8x), "
         "and its connection watched",
     )
-    field_flag(parser, g, "stream_recheck_s", float, "an event stream without a change this long re-reads its task")
+    field_flag(
+        parser, g, "stream_recheck_s", float, "a long-poll or event stream without a change this long re-reads its task"
+    )
     field_flag(
         parser,
         g,

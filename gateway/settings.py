@@ -85,7 +85,8 @@ class GatewaySettings:
     again after 2x, 4x, up to 8x as long (guards against a reply lost in a Redis PubSub reconnect).
     From then on its connection is also watched: a caller who leaves has its task cancelled."""
     stream_recheck_s: float = 5.0
-    """An event stream with no change for this long re-reads the task from the store."""
+    """A long-poll or event stream with no change for this long re-reads the task from the store (a
+    change message can be lost in a PubSub reconnect)."""
     ready_timeout_s: float = 2.0
     """How long ``/readyz`` waits for each readiness check before counting it as down."""
     max_queue_depth: int = 20_000

@@ -1,12 +1,15 @@
 """Reading tasks: poll, long-poll, event streams and cancellation, each seen only by the task's owner.
 
 A task created under one API key is invisible to every other key: it answers exactly like a task
-that does not exist (404), so ids cannot be probed.
+that does not exist (404), so ids cannot be probed. A read of a task still waiting (queued, batched)
+past its deadline also ends it ``expired``: the batcher that would may be down, and the caller learns
+the end when it reads, not when a batcher comes back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import aclosing, contextmanager
@@ -25,8 +28,11 @@ from gateway.errors import (
 )
 from gateway.settings import GatewaySettings, env_name
 from schemas.records import TaskState, TaskStatus
+from telemetry.logs import ids
 from telemetry.metrics import WATCHERS
 from transport.ports import TaskStore
+
+log = logging.getLogger(__name__)
 
 # Task ids are ours (``secrets.token_urlsafe``), but a client may send anything: keep odd
 # characters out of store keys and channel names.
@@ -40,7 +46,8 @@ PAST_DEADLINE = (
 
 
 class TaskReads:
-    """The read side of the gateway over the task store, with its count of open watches."""
+    """The read side of the gateway over the task store, with its count of open watches; its one write
+    ends a task it reads late (``_ended_if_late``)."""
 
     def __init__(self, settings: GatewaySettings, store: TaskStore, clock: Clock) -> None:
         self.settings = settings
@@ -114,7 +121,7 @@ class TaskReads:
         """
         check_task_id(task_id)
         try:
-            await self._get(task_id, owner)
+            await self._owned(task_id, owner)  # as stored: a late task is still the owner's to cancel
             state = await self._store.cancel(
                 task_id, CANCELLED_BY_OWNER, "cancelled by DELETE /v1/result/{task_id} before a worker ran it"
             )
@@ -130,10 +137,13 @@ class TaskReads:
         return state
 
     async def _get(self, task_id: str, owner: str | None) -> TaskState:
+        return await self._ended_if_late(await self._owned(task_id, owner))
+
+    async def _owned(self, task_id: str, owner: str | None) -> TaskState:
         state = await self._store.get(task_id)
         if state is None or state.owner != owner:
             raise not_found(task_id)  # another key's task looks exactly like a missing one
-        return await self._ended_if_late(state)
+        return state
 
     async def _read(self, task_id: str) -> TaskState | None:
         """The stored state, ended if late (``_ended_if_late``); for a task whose owner was checked."""
@@ -157,11 +167,21 @@ class TaskReads:
         """``state``, or the task ended ``expired`` when it still waits (queued, batched) past its
         deadline. The batcher that would end it may be down (a worker drops such an item unrun), and
         its caller learns the end now, not when a batcher comes back. The store decides atomically:
-        a worker's ``running`` that got there first stays, and once ended the task never runs."""
+        a worker's ``running`` that got there first stays, and once ended the task never runs. The end
+        is a read's extra: a store that refuses it (full, failing) leaves the read its state."""
         late_in_s = self._late_in_s(state)
         if late_in_s is None or late_in_s > 0:
             return state
-        ended = await self._store.cancel(state.task_id, DeadlineExceeded.code, PAST_DEADLINE, TaskStatus.EXPIRED)
+        try:
+            ended = await self._store.cancel(state.task_id, DeadlineExceeded.code, PAST_DEADLINE, TaskStatus.EXPIRED)
+        except TRANSPORT_ERRORS:
+            log.warning(
+                "could not end late task %s; read as stored",
+                state.task_id,
+                exc_info=True,
+                extra=ids(task_id=state.task_id),
+            )
+            return state
         return state if ended is None else ended
 
     @contextmanager

@@ -10,7 +10,8 @@ import pytest
 
 from schemas.records import TaskState, TaskStatus
 from tests.support.eventually import eventually
-from tests.support.gateway_rig import RigFactory, error_of, http_scope, now_ms
+from tests.support.gateway_rig import RecordingStore, RigFactory, error_of, http_scope, now_ms
+from transport.errors import StoreFullError
 
 
 async def test_submit_answers_202_with_where_to_look(make_rig: RigFactory) -> None:
@@ -206,3 +207,31 @@ async def test_a_long_poll_whose_client_left_gives_back_its_watch_at_once(make_r
     assert rig.gateway.watchers == 0, "the watch goes with its client"
     again = await rig.client.get(path, params={"wait": 0.1})
     assert again.status_code == 200, again.text
+
+
+class _RefusesEnds(RecordingStore):
+    """A store that reads but refuses to end a task (Redis full: ``-OOM`` on every write)."""
+
+    async def cancel(
+        self, task_id: str, reason_code: str, message: str, status: TaskStatus = TaskStatus.CANCELLED
+    ) -> TaskState | None:
+        raise StoreFullError("OOM command not allowed when used memory > 'maxmemory'")
+
+
+async def test_a_late_task_reads_as_stored_when_the_store_refuses_its_end(make_rig: RigFactory) -> None:
+    """Ending a late task is a read's extra: a store that refuses writes still answers the read."""
+    rig = await make_rig(store=_RefusesEnds())
+    past = now_ms() - 1
+    await rig.store.apply([TaskState("waits", TaskStatus.QUEUED, "sim", past, past - 1000, deadline_ms=past)])
+    for wait in (0, 0.2):  # a poll, and a long-poll that reads the task again as it ends
+        polled = await rig.client.get("/v1/result/waits", params={"wait": wait})
+        assert polled.status_code == 200 and polled.json()["status"] == "queued", polled.text
+
+
+async def test_the_owner_cancels_a_late_task_that_no_one_ended(make_rig: RigFactory) -> None:
+    """DELETE of a task still queued past its deadline cancels it (200), as before its deadline."""
+    rig = await make_rig()
+    past = now_ms() - 1
+    await rig.store.apply([TaskState("waits", TaskStatus.QUEUED, "sim", past, past - 1000, deadline_ms=past)])
+    response = await rig.client.delete("/v1/result/waits")
+    assert response.status_code == 200 and response.json()["status"] == "cancelled", response.text
