@@ -15,6 +15,8 @@ Faults, in the order a batch meets them:
 * a batch delivered again (its last holder died or handed it back) runs carefully: suspects in
   halves, each group marked in flight first, results stored after each group; an input that kept
   killing workers goes to the dead-letter topic (``careful`` plans it, ``redelivery`` runs it);
+  fetched again while its own call runs here (a rebalance hands a kept partition back at its
+  committed offset), it waits for that call's stored results and runs none of the tasks they ended;
 * a hung backend call makes the worker end ``expired`` the batch's items already past their
   deadline, give the batch back uncommitted, with every batch fetched after it, and stop (``hung``;
   ``given_back`` names them);
@@ -318,9 +320,13 @@ class Worker:
             if todo:
                 # Its tasks are admitted again once the results in hand are stored: a batch fetched again
                 # while its first delivery ran here (a rebalance hands a kept partition back at its
-                # committed offset) has ended by then, and runs no task twice.
+                # committed offset) has ended by then, and runs no task twice. That store may take a
+                # while (replicas, retries): what can no longer be answered in time ends first.
                 await self.commits.stored()
                 todo = await self.admission.admit(batch, todo)
+                call_ms = (self.runner.expected_s or 0.0) * 1000
+                stale, todo = await self._end_late(batch, todo, wall_ms() + math.ceil(call_ms), call_ms)
+                late += stale
             stored = await self.redelivery.run(batch, todo, count) if todo else []
             self._fill(slot, batch, ended + late + stored)  # stored again (no-ops) to wait for replicas
             return
@@ -345,14 +351,22 @@ class Worker:
                 free = True
             except TimeoutError:
                 free = False
-            late, todo = self.admission.expire_late(batch, wall_ms() + math.ceil(call_ms), call_ms, todo)
-            if late:
-                await self._retry("ending expired tasks", functools.partial(self.store.apply, late))
-                expired += late
+            late, todo = await self._end_late(batch, todo, wall_ms() + math.ceil(call_ms), call_ms)
+            expired += late
             if free:
                 break
         await self.pipeline.backend_free()  # every item expired: still after the calls in flight
         return expired, todo
+
+    async def _end_late(
+        self, batch: Batch, todo: list[BatchItem], ends_by_ms: int, call_ms: float
+    ) -> tuple[list[TaskState], list[BatchItem]]:
+        """Ends ``expired`` (stored) the items of ``todo`` that a call ending at ``ends_by_ms`` would
+        answer past their deadline: (their states, the items still to run)."""
+        late, todo = self.admission.expire_late(batch, ends_by_ms, call_ms, todo)
+        if late:
+            await self._retry("ending expired tasks", functools.partial(self.store.apply, late))
+        return late, todo
 
     def _fill(self, slot: Slot, batch: Batch, states: list[TaskState], call: Timed = None) -> None:
         self.commits.fill(slot, states + self.admission.ended_before(batch.batch_id), call)
@@ -395,8 +409,7 @@ class Worker:
                 return expired, await self._run_group(batch, todo, 1, result, start_by)
             except NotStarted:
                 ends_by_ms = now_ms + math.ceil((self.runner.clock() - now_s) * 1000 + call_ms)
-                late, todo = self.admission.expire_late(batch, ends_by_ms, call_ms, todo)
-                await self._retry("ending expired tasks", functools.partial(self.store.apply, late))
+                late, todo = await self._end_late(batch, todo, ends_by_ms, call_ms)
                 expired += late
                 result.outputs.clear()
         return expired, []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Sequence
 
 import pytest
 
@@ -13,6 +14,7 @@ from schemas.records import Batch, BatchItem, TaskState, TaskStatus
 from telemetry import metrics
 from tests.support.eventually import eventually
 from tests.support.worker_rig import Rig, ScriptedBackend, now_ms
+from transport.memory.store import MemoryTaskStore
 
 
 def test_the_limit_follows_the_moving_average_of_calls() -> None:
@@ -276,6 +278,38 @@ async def test_a_batch_fetched_again_while_its_own_call_runs_here_is_answered_by
     await eventually(lambda: rig.committed == [0, 1], "both deliveries committed in order")
     assert backend.calls == [["slow"]], "the item ran once"
     assert [state.status for state in rig.replies["t0"]] == [TaskStatus.COMPLETED], rig.replies["t0"]
+    await worker.close()
+
+
+class _SlowToStore(MemoryTaskStore):
+    """Stores the results of the tasks named ``a...`` only after ``STORE_S``: a store that retries, or
+    waits for its replicas."""
+
+    STORE_S = 1.5
+
+    async def apply(self, updates: Sequence[TaskState]) -> list[bool]:
+        if any(state.status.terminal and state.task_id.startswith("a") for state in updates):
+            await asyncio.sleep(self.STORE_S)  # the slow store's own latency
+        return await super().apply(updates)
+
+
+async def test_a_redelivered_item_that_the_wait_for_stored_results_made_late_ends_expired_unrun() -> None:
+    """b1 comes again (its last holder died) while b0's results are being stored, slowly: it runs once
+    they are, and by then its item's call could no longer end by its deadline. It ends ``expired``, unrun."""
+    rig = Rig(store=_SlowToStore())
+    await rig.listen()
+    backend = ScriptedBackend()
+    worker = await rig.worker(backend, expected_latency_ms=400, credit_lead_ms=300, hang_min_s=60)
+    first = rig.batch(["first"], "b0", prefix="a")
+    second = rig.batch(["late"], "b1", deadline_ms=now_ms() + 1_000, prefix="b")
+    await rig.deliveries.begin("b1")  # its first delivery, to a worker that died
+    for batch in (first, second):
+        await rig.create(batch)
+        await rig.send(batch)
+    ended = (await rig.ended(["b0"], timeout_s=15))["b0"]
+    assert ended.status is TaskStatus.EXPIRED and ended.error_code == "deadline_exceeded", ended
+    assert backend.calls == [["first"]], "the late item never reaches the backend"
+    await eventually(lambda: rig.committed == [0, 1], "both batches committed in order")
     await worker.close()
 
 
