@@ -175,8 +175,9 @@ class TaskState:
     """Hash of the API key that created the task (None without API keys); never shown to clients."""
     deadline_ms: int | None = None
     """The request's deadline (wall-clock ms) on a ``queued`` or ``batched`` state: past it, a gateway
-    that reads the task ends it ``expired`` (``TaskReads``), since no other role may be up to. None
-    on the states after those, and on a record written once the deadline had passed."""
+    that reads the task ends it ``expired`` (``TaskReads``), since no other role may be up to. None on
+    a record written once the deadline had passed; ignored on the states after those (an end built
+    from a waiting state carries it over)."""
 
     def to_public(self) -> dict[str, Any]:
         """The JSON shape clients see for ``GET /v1/result/{task_id}`` and SSE events."""
