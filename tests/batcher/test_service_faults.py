@@ -12,6 +12,7 @@ from batcher.settings import BatcherSettings
 from schemas.records import Credit, InferenceRequest, TaskState, TaskStatus
 from telemetry.metrics import REGISTRY
 from tests.support.eventually import eventually
+from tests.support.metrics import tasks_ended
 from transport.errors import PermanentTransportError
 from transport.memory.batches import MemoryBatchBus
 from transport.memory.credits import MemoryCreditPool
@@ -174,15 +175,11 @@ async def test_reading_goes_on_once_the_requests_that_filled_the_batcher_expired
     await rig.batcher.close()
 
 
-def ended_count(status: str) -> float:
-    return REGISTRY.get_sample_value("batchwire_tasks_ended_total", {"model": "sim", "status": status}) or 0.0
-
-
 async def test_an_expiry_of_a_task_a_delete_cancelled_first_is_not_counted() -> None:
     """The store refuses the batcher's ``expired`` (a terminal state is written once): the task's one
     end is the cancel, counted once, by the store that applied it."""
     rig = Rig()
-    expired_before, cancelled_before = ended_count("expired"), ended_count("cancelled")
+    expired_before, cancelled_before = tasks_ended("expired"), tasks_ended("cancelled")
     await rig.store.create(TaskState("gone", TaskStatus.QUEUED, "sim", now_ms(), now_ms()))
     await rig.store.cancel("gone", "cancelled", "cancelled by its caller")
     await rig.batcher.start()
@@ -191,18 +188,18 @@ async def test_an_expiry_of_a_task_a_delete_cancelled_first_is_not_counted() -> 
     await rig.batcher.close()
     stored = await rig.store.get("gone")
     assert stored is not None and stored.status is TaskStatus.CANCELLED, f"the cancel stands: {stored}"
-    assert ended_count("expired") - expired_before == 0, "the refused expiry is not counted"
-    assert ended_count("cancelled") - cancelled_before == 1, "the cancel is the task's one end"
+    assert tasks_ended("expired") - expired_before == 0, "the refused expiry is not counted"
+    assert tasks_ended("cancelled") - cancelled_before == 1, "the cancel is the task's one end"
 
 
 async def test_a_request_read_again_after_its_expiry_is_counted_once() -> None:
     """A batcher that dies after storing an expiry but before committing its offset leaves the request
     to the batcher that reads it again; that batcher's expiry changes nothing and is not counted."""
     rig = Rig()
-    before = ended_count("expired")
+    before = tasks_ended("expired")
     await rig.batcher.start()
     await rig.request("late", deadline_ms=50)
     await rig.request("late", deadline_ms=50)  # the same request read again
     await eventually(lambda: rig.requests.lag() == 0, "both reads' offsets to be committed")
     await rig.batcher.close()
-    assert ended_count("expired") - before == 1, f"one end, counted once; counted {ended_count('expired') - before}"
+    assert tasks_ended("expired") - before == 1, f"one end, counted once; counted {tasks_ended('expired') - before}"

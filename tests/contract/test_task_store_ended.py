@@ -14,7 +14,7 @@ from redis.crc import key_slot
 
 from schemas.records import TaskStatus
 from schemas.wire import Names
-from telemetry.metrics import REGISTRY
+from tests.support.metrics import ends_by_status
 from tests.support.task_states import state
 from tests.support.transport_kits import StoreFactory
 from transport.ports import TransportError
@@ -22,16 +22,6 @@ from transport.redis.pools import PoolOptions, cluster_client
 from transport.redis.store import RedisTaskStore
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def counted(model: str) -> dict[str, float]:
-    """The ends counted for ``model`` in this process, by status (those above zero)."""
-    values = {
-        status.value: REGISTRY.get_sample_value("batchwire_tasks_ended_total", {"model": model, "status": status.value})
-        for status in TaskStatus
-        if status.terminal
-    }
-    return {status: value for status, value in values.items() if value}
 
 
 async def test_an_end_is_counted_by_the_write_that_applied_it_and_by_no_other(make_store: StoreFactory) -> None:
@@ -44,25 +34,27 @@ async def test_an_end_is_counted_by_the_write_that_applied_it_and_by_no_other(ma
     assert await store.apply([state("t1", TaskStatus.COMPLETED, model=model, output="x")]) == [True]
     assert await other.apply([state("t1", TaskStatus.EXPIRED, model=model)]) == [False], "t1 ended already"
     assert await store.apply([state("t1", TaskStatus.COMPLETED, model=model, output="x")]) == [False]
-    assert counted(model) == {"completed": 1.0}, f"one end, counted once: {counted(model)}"
+    assert ends_by_status(model) == {"completed": 1.0}, f"one end, counted once: {ends_by_status(model)}"
 
     assert await store.cancel("t2", "cancelled", "by its caller") is not None
     assert await other.cancel("t2", "cancelled", "by its caller again") is not None  # cancelled already
     assert await other.apply([state("t2", TaskStatus.EXPIRED, model=model)]) == [False], "t2 ended already"
-    assert counted(model) == {"completed": 1.0, "cancelled": 1.0}, f"the cancel, counted once: {counted(model)}"
+    assert ends_by_status(model) == {"completed": 1.0, "cancelled": 1.0}, (
+        f"the cancel, counted once: {ends_by_status(model)}"
+    )
 
     expired = await other.cancel("t3", "deadline_exceeded", "past its deadline", TaskStatus.EXPIRED)
     assert expired is not None and expired.status is TaskStatus.EXPIRED, expired
     assert await store.apply([state("t3", TaskStatus.EXPIRED, model=model)]) == [False], "t3 ended already"
     assert await store.cancel("t3", "cancelled", "too late") == expired, "an ended task is not cancelled"
     want = {"completed": 1.0, "cancelled": 1.0, "expired": 1.0}
-    assert counted(model) == want, f"the gateway's expiry, counted once: {counted(model)}"
+    assert ends_by_status(model) == want, f"the gateway's expiry, counted once: {ends_by_status(model)}"
 
     # A synchronous task no one stored: its end is its first write.
     assert await store.apply([state("s1", TaskStatus.COMPLETED, model=model, reply_to="g1", output="y")]) == [True]
     assert await other.apply([state("s1", TaskStatus.COMPLETED, model=model, reply_to="g1", output="y")]) == [False]
     want["completed"] = 2.0
-    assert counted(model) == want, f"the synchronous task's end, counted once: {counted(model)}"
+    assert ends_by_status(model) == want, f"the synchronous task's end, counted once: {ends_by_status(model)}"
 
 
 async def test_an_end_stored_while_waiting_for_replicas_is_counted_once(make_store: StoreFactory) -> None:
@@ -77,7 +69,7 @@ async def test_an_end_stored_while_waiting_for_replicas_is_counted_once(make_sto
     await store.apply_replicated(ends, 0, 100)
     await store.apply_replicated(ends, 0, 100)  # stored again: no-ops
     assert await store.apply(ends) == [False] * 4
-    assert counted(model) == {"expired": 4.0}, f"each end counted once: {counted(model)}"
+    assert ends_by_status(model) == {"expired": 4.0}, f"each end counted once: {ends_by_status(model)}"
 
 
 @pytest.mark.kafka
@@ -99,7 +91,7 @@ async def test_an_end_a_cluster_write_stored_is_counted_though_another_slot_fail
         with pytest.raises(TransportError):
             await (store.apply_replicated(ends, 0, 100) if replicated else store.apply(ends))
         assert await store.apply(ends[:1]) == [False], "the good slot's call stored its end"
-        assert counted(model) == {"completed": 1.0}, f"the stored end, counted once: {counted(model)}"
+        assert ends_by_status(model) == {"completed": 1.0}, f"the stored end, counted once: {ends_by_status(model)}"
     finally:
         await store.close()
         await raw.aclose()

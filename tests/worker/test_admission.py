@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from schemas.records import TaskState, TaskStatus
-from telemetry.metrics import REGISTRY
 from tests.support.eventually import eventually
+from tests.support.metrics import tasks_ended
 from tests.support.worker_rig import Rig, ScriptedBackend, now_ms
 from transport.memory.store import MemoryTaskStore
 
@@ -95,17 +95,13 @@ async def test_running_is_stored_before_the_backend_is_called() -> None:
     assert events == ["stored running", "backend", "stored completed"], events
 
 
-def ended_count(status: str) -> float:
-    return REGISTRY.get_sample_value("batchwire_tasks_ended_total", {"model": "sim", "status": status}) or 0.0
-
-
 async def test_an_expiry_at_admission_is_counted_once_when_the_batch_comes_again() -> None:
     """The batch comes again (its commit was lost, say): its item past its deadline is expired again at
     admission, a write the store refuses, and its end is not counted a second time."""
     rig = Rig()
     await rig.listen()
     worker = await rig.worker(ScriptedBackend())
-    before = ended_count("expired")
+    before = tasks_ended("expired")
     batch = rig.batch(["late"], deadline_ms=now_ms() - 1_000)
     await rig.create(batch)
     await rig.send(batch)
@@ -116,4 +112,4 @@ async def test_an_expiry_at_admission_is_counted_once_when_the_batch_comes_again
     await eventually(lambda: rig.committed == [0, 1], "the second delivery to be committed")
     await worker.close()
     assert rig.replies["t0"] == [ended["t0"]], f"one end: {rig.replies['t0']}"
-    assert ended_count("expired") - before == 1, f"one end, counted once; counted {ended_count('expired') - before}"
+    assert tasks_ended("expired") - before == 1, f"one end, counted once; counted {tasks_ended('expired') - before}"

@@ -11,8 +11,8 @@ import pytest
 
 from gpu_worker.runner import FIRST_CALL_LIMIT_S, BackendHung, BackendRunner, NotStarted, Timing
 from schemas.records import Batch, BatchItem, TaskState, TaskStatus
-from telemetry import metrics
 from tests.support.eventually import eventually
+from tests.support.metrics import tasks_ended
 from tests.support.worker_rig import Rig, ScriptedBackend, now_ms
 from transport.memory.store import MemoryTaskStore
 
@@ -321,7 +321,7 @@ async def test_a_hung_calls_items_past_their_deadline_end_expired_before_the_wor
     await rig.listen()
     backend = ScriptedBackend(hang_on="stuck")
     worker = await rig.worker(backend, hang_min_s=1.0, expected_latency_ms=10.0)
-    expired_before = expired_count()
+    expired_before = tasks_ended("expired")
     now = now_ms()
     items = (BatchItem("t0", "stuck soon", now, now + 500, "gw"), BatchItem("t1", "later", now, now + 60_000, "gw"))
     batch = Batch("b1", "sim", "test", now, "idle_worker", None, items)
@@ -336,7 +336,9 @@ async def test_a_hung_calls_items_past_their_deadline_end_expired_before_the_wor
     assert kept is not None and kept.status is TaskStatus.RUNNING, f"t1 goes back with the batch: {kept}"
     suspects = await rig.deliveries.suspects(batch.batch_id, ["t0", "t1"])
     assert suspects.note is not None and "hang limit" in suspects.note, "the next holder learns why"
-    assert expired_count() - expired_before == 1, "t0's end is counted by the worker that wrote it, next holder or none"
+    assert tasks_ended("expired") - expired_before == 1, (
+        "t0's end is counted by the worker that wrote it, next holder or none"
+    )
     await worker.close()
     assert worker.given_back == [batch]
     backend.release.set()
@@ -344,10 +346,4 @@ async def test_a_hung_calls_items_past_their_deadline_end_expired_before_the_wor
     await rig.send(batch)  # its next holder
     done = await rig.ended(["t1"])
     assert done["t1"].output == "retal", done
-    assert expired_count() - expired_before == 1, "t0's end is counted once, by the worker whose write ended it"
-
-
-def expired_count() -> float:
-    return (
-        metrics.REGISTRY.get_sample_value("batchwire_tasks_ended_total", {"model": "sim", "status": "expired"}) or 0.0
-    )
+    assert tasks_ended("expired") - expired_before == 1, "t0's end is counted once, by the worker whose write ended it"
