@@ -171,13 +171,15 @@ class TaskStore(Protocol):
         """
         ...
 
-    async def apply(self, updates: Sequence[TaskState]) -> list[bool]:
+    async def apply(self, updates: Sequence[TaskState], *, counted: bool = True) -> list[bool]:
         """Applies status changes in one round trip; per update, whether it changed anything.
 
         Each applied change is published to the task's watchers, and a terminal one also to the
         gateway named in ``reply_to``. A synchronous task (``reply_to`` set) that no one stored is
         one whose id only its caller will learn, with its end: a change short of the end is only
-        checked (True while the task has not ended) and not stored.
+        checked (True while the task has not ended) and not stored. ``counted=False`` leaves the
+        ends out of ``batchwire_tasks_ended``: copies of an end counted where it was written (a
+        collapsed computation's, onto its callers' tasks).
         """
         ...
 

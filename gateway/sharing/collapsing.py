@@ -222,12 +222,13 @@ class Collapser:
 
     async def _answer_callers(self, state: TaskState, callers: tuple[str, ...]) -> None:
         """Copies the computation's end onto each caller's task (one write; a caller cancelled
-        meanwhile keeps its cancel) and hands each its answer."""
+        meanwhile keeps its cancel) and hands each its answer. The copies are not counted in
+        ``batchwire_tasks_ended``: the computation's end is, once, where it is written."""
         if not callers:
             return
         ended = [replace(state, task_id=task_id, reply_to=None, owner=None) for task_id in callers]
         try:
-            applied = await self._store.apply(ended)
+            applied = await self._store.apply(ended, counted=False)
         except TRANSPORT_ERRORS:
             log.warning("could not record the answers of %d collapsed callers", len(ended), exc_info=True)
             applied = [True] * len(ended)  # they are answered all the same; their records stay behind

@@ -56,6 +56,10 @@ async def test_an_end_is_counted_by_the_write_that_applied_it_and_by_no_other(ma
     want["completed"] = 2.0
     assert ends_by_status(model) == want, f"the synchronous task's end, counted once: {ends_by_status(model)}"
 
+    # A copy of an end counted elsewhere (a collapsed computation's, onto a caller's task).
+    assert await store.apply([state("s2", TaskStatus.COMPLETED, model=model, output="y")], counted=False) == [True]
+    assert ends_by_status(model) == want, f"the copy is not counted: {ends_by_status(model)}"
+
 
 async def test_an_end_stored_while_waiting_for_replicas_is_counted_once(make_store: StoreFactory) -> None:
     """A short store is tried again (``ReplicaWait``), and a worker stores a batch's ends again with its

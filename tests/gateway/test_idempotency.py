@@ -447,10 +447,10 @@ class _StoreDownForKeys(RecordingStore):
             raise TransportError("store unreachable")
         await super().release_key(scope, key, task_id)
 
-    async def apply(self, updates: Sequence[TaskState]) -> list[bool]:
+    async def apply(self, updates: Sequence[TaskState], *, counted: bool = True) -> list[bool]:
         if self.down:
             raise TransportError("store unreachable")
-        return await super().apply(updates)
+        return await super().apply(updates, counted=counted)
 
     async def cancel(
         self, task_id: str, reason_code: str, message: str, status: TaskStatus = TaskStatus.CANCELLED

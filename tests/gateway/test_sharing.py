@@ -19,6 +19,7 @@ from telemetry.metrics import CACHE_BYPASSED, CACHE_HITS, COLLAPSED
 from tests.support.eventually import eventually
 from tests.support.fake_clock import FakeClock
 from tests.support.gateway_rig import MODELS, RecordingStore, Rig, RigFactory, error_of
+from tests.support.metrics import tasks_ended
 from transport.memory.cache import MemoryResultCache
 from transport.memory.requests import MemoryRequestBus
 from transport.ports import TransportError
@@ -69,6 +70,22 @@ async def test_identical_requests_in_flight_share_one_computation(make_rig: RigF
     for answer in answers:
         polled = (await rig.client.get(f"/v1/result/{answer['task_id']}")).json()
         assert (polled["status"], polled["output"]) == ("completed", "gnidnert"), polled
+
+
+async def test_collapsed_callers_count_one_end_their_computations(make_rig: RigFactory) -> None:
+    """``batchwire_tasks_ended`` counts the computation's end once, where it is written; its copies
+    onto the callers' tasks are not counted again."""
+    rig = await make_rig(**SHARING)
+    worker = await rig.worker()
+    worker.gate.clear()
+    before = tasks_ended("completed")
+    calls = [asyncio.create_task(infer(rig, "thrice")) for _ in range(3)]
+    await eventually(lambda: len(collapsed_callers(rig)) == 3, "three callers recorded")
+    worker.gate.set()
+    assert [(await call).status_code for call in calls] == [200, 200, 200]
+    assert rig.produced() == 1, "one computation"
+    counted = tasks_ended("completed") - before
+    assert counted == 1, f"the computation's end, counted once; counted {counted}"
 
 
 async def test_every_answer_matches_its_own_input(make_rig: RigFactory) -> None:

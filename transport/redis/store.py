@@ -170,13 +170,13 @@ class RedisTaskStore:
             raise translate(f"creating {what}", err) from err
         return [bool(flag) for flag in created]
 
-    async def apply(self, updates: Sequence[TaskState]) -> list[bool]:
+    async def apply(self, updates: Sequence[TaskState], *, counted: bool = True) -> list[bool]:
         if not updates:
             return []
         keys, args = self._apply_call(updates)
-        counted = functools.partial(_count_applied, updates)
+        stored = functools.partial(_count_applied, updates) if counted else None
         try:
-            applied = await self._run(self._apply, keys, args, head=2, stored=counted)
+            applied = await self._run(self._apply, keys, args, head=2, stored=stored)
         except REDIS_ERRORS as err:
             raise translate(f"applying {len(updates)} task update(s)", err) from err
         return [bool(flag) for flag in applied]
