@@ -76,6 +76,21 @@ async def test_an_end_stored_while_waiting_for_replicas_is_counted_once(make_sto
     assert ends_by_status(model) == {"expired": 4.0}, f"each end counted once: {ends_by_status(model)}"
 
 
+async def test_an_end_stored_before_the_replica_wait_failed_is_counted(make_store: StoreFactory) -> None:
+    """``apply_replicated`` stores the ends, then waits for replicas, in one pipeline: a wait that fails
+    (here a timeout Redis refuses) fails the call after the ends were stored, and they are counted all
+    the same, as a retry of it finds them ended and counts nothing."""
+    store = await make_store()
+    if not isinstance(store, RedisTaskStore):
+        pytest.skip("only the Redis store waits for replicas")
+    model = f"m{uuid.uuid4().hex[:8]}"
+    ends = [state(f"t{i}", TaskStatus.COMPLETED, model=model, output="x") for i in range(2)]
+    with pytest.raises(TransportError):
+        await store.apply_replicated(ends, 0, -1)
+    assert await store.apply(ends) == [False, False], "the ends were stored before the wait failed"
+    assert ends_by_status(model) == {"completed": 2.0}, f"each stored end, counted once: {ends_by_status(model)}"
+
+
 @pytest.mark.kafka
 @pytest.mark.parametrize("replicated", [False, True], ids=["apply", "apply_replicated"])
 async def test_an_end_a_cluster_write_stored_is_counted_though_another_slot_failed(

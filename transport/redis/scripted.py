@@ -21,22 +21,12 @@ Call = tuple[list[str], list[Any]]
 """One call of a script: its keys and its arguments."""
 
 
-async def execute(
-    client: Redis, script: AsyncScript, calls: Sequence[Call], then: Callable[[Pipeline], None]
-) -> list[Any]:
-    """The replies of one pipeline (no transaction): ``script`` once per call, with its keys and
-    arguments (a call without keys is not run), then the commands ``then`` queues. Raises the first
-    error reply."""
-    replies = await replies_of(client, script, calls, then)
-    raise_first(replies)
-    return replies
-
-
 async def replies_of(
     client: Redis, script: AsyncScript, calls: Sequence[Call], then: Callable[[Pipeline], None]
 ) -> list[Any]:
-    """``execute``'s replies with each error reply in its place, for a caller that uses the replies of
-    the calls that ran before it raises (``raise_first``)."""
+    """The replies of one pipeline (no transaction): ``script`` once per call, with its keys and
+    arguments (a call without keys is not run), then the commands ``then`` queues. Each error reply
+    is in its place, for a caller that uses the replies that came before it raises (``raise_first``)."""
     replies = await _run(client, script, calls, then)
     if any(isinstance(reply, NoScriptError) for reply in replies):
         await client.script_load(script.script)

@@ -287,11 +287,12 @@ class RedisTaskStore:
 
         try:
             if not isinstance(self._client, RedisCluster):
-                replies = await scripted.execute(
+                replies = await scripted.replies_of(
                     self._client, self._apply, [(keys, args)], then(self.names.replication_mark)
                 )
-                if keys:
+                if keys and not isinstance(replies[0], Exception):  # stored, whether or not the wait failed
                     _count_applied(updates, range(len(keys)), replies[0])
+                scripted.raise_first(replies)
                 return int(replies[-1])
             if not keys:
                 return replicas  # nothing written, nothing to wait for
