@@ -14,14 +14,20 @@ from redis.crc import key_slot
 
 from schemas.records import TaskStatus
 from schemas.wire import Names
+from tests.conftest import KEYED_CLUSTER, KEYED_SENTINEL
 from tests.support.metrics import ends_by_status
 from tests.support.task_states import state
-from tests.support.transport_kits import StoreFactory
+from tests.support.transport_kits import REAL, StoreFactory
 from transport.ports import TransportError
 from transport.redis.pools import PoolOptions, cluster_client
 from transport.redis.store import RedisTaskStore
 
 pytestmark = pytest.mark.timeout(60)
+
+on_redis = pytest.mark.parametrize(
+    "keyed_kind", [pytest.param(kind, marks=pytest.mark.kafka) for kind in (REAL, KEYED_CLUSTER, KEYED_SENTINEL)]
+)
+"""A test of what only the Redis store does (waits for replicas): each Redis deployment, no memory case."""
 
 
 async def test_an_end_is_counted_by_the_write_that_applied_it_and_by_no_other(make_store: StoreFactory) -> None:
@@ -61,12 +67,12 @@ async def test_an_end_is_counted_by_the_write_that_applied_it_and_by_no_other(ma
     assert ends_by_status(model) == want, f"the copy is not counted: {ends_by_status(model)}"
 
 
+@on_redis
 async def test_an_end_stored_while_waiting_for_replicas_is_counted_once(make_store: StoreFactory) -> None:
     """A short store is tried again (``ReplicaWait``), and a worker stores a batch's ends again with its
     results: only the write that applied an end counts it."""
     store = await make_store()
-    if not isinstance(store, RedisTaskStore):
-        pytest.skip("only the Redis store waits for replicas")
+    assert isinstance(store, RedisTaskStore)
     model = f"m{uuid.uuid4().hex[:8]}"
     ends = [state(f"t{i}", TaskStatus.EXPIRED, model=model) for i in range(4)]  # several hash slots in a cluster
     await store.create(state("t0", TaskStatus.QUEUED, model=model))
@@ -76,13 +82,13 @@ async def test_an_end_stored_while_waiting_for_replicas_is_counted_once(make_sto
     assert ends_by_status(model) == {"expired": 4.0}, f"each end counted once: {ends_by_status(model)}"
 
 
+@on_redis
 async def test_an_end_stored_before_the_replica_wait_failed_is_counted(make_store: StoreFactory) -> None:
     """``apply_replicated`` stores the ends, then waits for replicas, in one pipeline: a wait that fails
     (here a timeout Redis refuses) fails the call after the ends were stored, and they are counted all
     the same, as a retry of it finds them ended and counts nothing."""
     store = await make_store()
-    if not isinstance(store, RedisTaskStore):
-        pytest.skip("only the Redis store waits for replicas")
+    assert isinstance(store, RedisTaskStore)
     model = f"m{uuid.uuid4().hex[:8]}"
     ends = [state(f"t{i}", TaskStatus.COMPLETED, model=model, output="x") for i in range(2)]
     with pytest.raises(TransportError):
