@@ -33,6 +33,7 @@ from transport.redis.sentinel import (
     SentinelUrl,
     check_sentinels,
     parse_sentinel_url,
+    sentinel_pool,
 )
 from transport.redis.store import RedisTaskStore
 
@@ -263,6 +264,49 @@ async def test_after_a_graceful_failover_no_write_the_store_accepts_is_lost(
         f"{len(lost)} of {len(late)} writes accepted {FOLLOW_BOUND_S:g} s or more after every Sentinel named the "
         f"promoted replica were lost (seconds after the switch, task): {lost[:5]}"
     )
+
+
+@pytest.mark.kafka
+async def test_a_pool_closes_every_connection_to_a_cut_off_primary_though_no_close_finishes(
+    own_cluster: SentinelCluster,
+) -> None:
+    """A primary cut off (here stopped) with writes in flight never takes the rest of them, so a close
+    that waits for them to go out times out (redis-py raises TimeoutError). That error ended the pool's
+    follower for good, after closing one connection: the others stayed on the old primary."""
+    cluster = own_cluster
+    # A write waits longer than the test: only the pool's follower closes the connections.
+    pool = sentinel_pool(cluster.url, socket_timeout=60, socket_connect_timeout=0.5, client_name="cut-off")
+    connections = [await pool.get_connection() for _ in range(3)]
+    assert {(conn.host, conn.port) for conn in connections} == {("127.0.0.1", cluster.primary_port)}
+    value = b"x" * (32 << 20)  # more than the sockets' kernel buffers hold: the rest waits in the connection's
+    command = [b"*3\r\n$3\r\nSET\r\n$5\r\nlarge\r\n$%d\r\n" % len(value), value, b"\r\n"]
+    cluster.pause(cluster.primary_port)
+    writes = [asyncio.create_task(conn.send_packed_command(command, check_health=False)) for conn in connections]
+    try:
+        promoted = ("127.0.0.1", cluster.replica_port)
+        await asyncio.to_thread(
+            eventually_sync,
+            lambda: cluster.master_address() == promoted,
+            "the Sentinels to promote the replica of the stopped primary",
+            timeout_s=30,
+        )
+        await eventually(
+            lambda: not any(conn.is_connected for conn in connections),
+            "the pool to close all its connections to the stopped primary",
+            timeout_s=FOLLOW_BOUND_S,
+        )
+    finally:
+        cluster.resume(cluster.primary_port)
+        await asyncio.wait_for(asyncio.gather(*writes, return_exceptions=True), 30)  # it reads them now
+        for conn in connections:
+            await pool.release(conn)
+        await pool.disconnect()
+        await asyncio.to_thread(  # the sockets closed without waiting are closed once their writes went out
+            eventually_sync,
+            lambda: not cluster.clients(cluster.primary_port, "cut-off"),
+            "the old primary to see the pool's connections closed",
+            timeout_s=30,
+        )
 
 
 # (d) a failover under the same objects (kills the primary: keep this test last)

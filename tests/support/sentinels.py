@@ -78,6 +78,19 @@ class SentinelCluster:
         os.kill(process.pid, signal.SIGKILL)
         process.wait(timeout=10)
 
+    def pause(self, port: int) -> None:
+        """SIGSTOP of the server on ``port``: up, its sockets open, answering nothing (a partition)."""
+        os.kill(self.processes[port].pid, signal.SIGSTOP)
+
+    def resume(self, port: int) -> None:
+        """SIGCONT of a server ``pause`` stopped."""
+        os.kill(self.processes[port].pid, signal.SIGCONT)
+
+    def clients(self, port: int, name: str) -> list[dict[str, Any]]:
+        """The connections to the server on ``port`` whose client name is ``name``."""
+        with redis.Redis(port=port, socket_timeout=5, socket_connect_timeout=5) as client:
+            return [entry for entry in client.client_list() if entry.get("name") == name]
+
     def master_address(self) -> tuple[str, int] | None:
         """The primary every Sentinel names, when they agree (None while they do not)."""
         seen: set[tuple[str, int]] = set()

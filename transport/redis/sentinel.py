@@ -318,13 +318,24 @@ class SentinelPool(SentinelConnectionPool):
         return True
 
     async def _follow_primary(self) -> None:
+        """Runs until the pool closes: a round that fails is logged, and the next one tries again."""
+        failing = ""  # the error last logged: one that repeats is logged once
         while True:
             await asyncio.sleep(FOLLOW_INTERVAL_S)
             try:
-                primary = await self.sentinel_manager.discover_master(self.service_name)
-            except (RedisError, OSError, SentinelError):
-                continue  # the Sentinels name no primary now; connections to a dead one fail by themselves
-            await self._close_others(primary)
+                await self._close_others(await self.sentinel_manager.discover_master(self.service_name))
+                failing = ""
+            except MasterNotFoundError:
+                pass  # the Sentinels name no primary now; connections to a dead one fail by themselves
+            except (RedisError, OSError, SentinelError) as err:
+                if repr(err) != failing:
+                    log.warning(
+                        "following the primary of %r failed (tried again every %g s): %r",
+                        self.service_name,
+                        FOLLOW_INTERVAL_S,
+                        err,
+                    )
+                failing = repr(err)
 
     async def _close_others(self, primary: tuple[str, int]) -> None:
         """Closes the pool's connections, idle or in use, to any server but ``primary``."""
@@ -335,7 +346,8 @@ class SentinelPool(SentinelConnectionPool):
             if isinstance(conn, SentinelManagedConnection) and conn.is_connected and (conn.host, conn.port) != primary
         ]
         for conn in stale:
-            await conn.disconnect()
+            # Not waiting for the close to finish: a server cut off by a partition never acknowledges it.
+            await conn.disconnect(nowait=True)
         if stale:
             log.warning(
                 "closed %d connection(s) to %s, which the Sentinels no longer name primary of %r; they reopen to %s",
