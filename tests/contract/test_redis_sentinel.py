@@ -21,7 +21,7 @@ from infra.ports import free_port
 from schemas.records import Credit, TaskState, TaskStatus
 from schemas.wire import Names
 from tests.support.eventually import eventually, eventually_sync
-from tests.support.sentinels import FAILOVER_WAIT_S, MASTER, SentinelCluster
+from tests.support.sentinels import FAILOVER_WAIT_S, MASTER, HeldSentinel, SentinelCluster
 from tests.support.task_states import state
 from transport.ports import TransportError
 from transport.redis.credits import RedisCreditPool
@@ -188,6 +188,32 @@ async def test_task_store_and_credit_pool_work_over_a_sentinel_url(cluster: Sent
         assert await primary.hget(names.task_key("t1"), "status") == b"running", "the writes went to the primary"
     finally:
         await primary.aclose()
+
+
+@pytest.mark.kafka
+async def test_confirming_the_primary_asks_each_sentinel_once_though_a_lookup_reorders_them(
+    cluster: SentinelCluster,
+) -> None:
+    """A lookup (``discover_master``, as the pool's follower runs it) moves the Sentinel that answered to
+    the front of the list, in place. ``confirm_primary`` went through that list one by one, awaiting
+    each: a reorder meanwhile made it ask the silent Sentinel twice and skip one that answers, so two
+    of four answered and it confirmed nothing."""
+    silent = HeldSentinel()
+    await silent.start()
+    hosts = ",".join(f"127.0.0.1:{port}" for port in [silent.port, *cluster.sentinel_ports])
+    pool = sentinel_pool(f"redis+sentinel://{hosts}/{MASTER}/0", socket_connect_timeout=5.0)
+    try:
+        confirming = asyncio.create_task(pool.confirm_primary())
+        await asyncio.wait_for(silent.holding.wait(), 10)  # it waits on the silent Sentinel
+        primary = await pool.sentinel_manager.discover_master(MASTER)  # its retries are closed at once
+        assert primary == ("127.0.0.1", cluster.primary_port)
+        front = pool.sentinel_manager.sentinels[0].connection_pool.connection_kwargs["port"]
+        assert front == cluster.sentinel_ports[0], f"the lookup moved no answering Sentinel to the front: {front}"
+        silent.release()
+        assert await asyncio.wait_for(confirming, 10), "three of four Sentinels name the primary: it is confirmed"
+    finally:
+        await pool.disconnect()
+        await silent.close()
 
 
 # (c) a graceful failover: the old primary stays up, and takes writes, until the Sentinels demote it

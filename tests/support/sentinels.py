@@ -6,6 +6,7 @@ Every wait is bounded; ``stop`` kills every process it started.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -145,3 +146,40 @@ class SentinelCluster:
             return int(state["num-slaves"]) >= replicas and int(state["num-other-sentinels"]) >= others
 
         return all(_answers(port, sees) for port in self.sentinel_ports)
+
+
+class HeldSentinel:
+    """A server on loopback in a Sentinel's place that never answers (a Sentinel cut off): it holds
+    the first connection, unanswered, until ``release``, and closes every other on its first request.
+    ``holding`` is set once the first connection has sent a request."""
+
+    def __init__(self) -> None:
+        self.holding = asyncio.Event()
+        self._released = asyncio.Event()
+        self._server: asyncio.Server | None = None
+        self._taken = False
+        self.port = 0
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    def release(self) -> None:
+        """Closes the held connection; every later one is closed on its first request."""
+        self._released.set()
+
+    async def close(self) -> None:
+        self.release()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        first, self._taken = not self._taken, True
+        try:
+            await reader.read(1)
+            if first:
+                self.holding.set()
+                await self._released.wait()
+        finally:
+            writer.close()

@@ -262,6 +262,14 @@ class _Sentinels(Sentinel):
         raise MasterNotFoundError(lookup_error(self.parsed, unanswered, known, down))
 
 
+async def _masters(sentinel: AsyncRedis) -> Mapping[str, Mapping[str, Any]] | None:
+    """One Sentinel's SENTINEL MASTERS; None if it does not answer, or answers something else."""
+    try:
+        return _by_name(await sentinel.sentinel_masters())
+    except (RedisError, OSError, SentinelError):
+        return None
+
+
 def _settled(state: Mapping[str, Any]) -> bool:
     """One Sentinel's view of the master: a primary that is up and not being failed over."""
     failing_over = "failover" in str(state.get("flags", ""))
@@ -299,18 +307,17 @@ class SentinelPool(SentinelConnectionPool):
         with no failover under way; if so, the pool's connections to any other server are closed, so
         the commands that follow reach that primary. A server's own word is no proof: one that lost
         the role while still up calls itself primary until the Sentinels demote it."""
-        sentinels = self.sentinel_manager.sentinels
-        answered = 0
+        # All at once, so silent Sentinels cost one timeout together; over a copy, as ``discover_master``
+        # reorders the list in place meanwhile.
+        sentinels = list(self.sentinel_manager.sentinels)
+        async with asyncio.TaskGroup() as group:
+            asked = [group.create_task(_masters(sentinel)) for sentinel in sentinels]
+        answers = [masters for task in asked if (masters := task.result()) is not None]
         named: set[tuple[str, int] | None] = set()
-        for sentinel in sentinels:
-            try:
-                masters = _by_name(await sentinel.sentinel_masters())
-            except (RedisError, OSError, SentinelError):
-                continue
-            answered += 1
+        for masters in answers:
             state = masters.get(self.service_name)
             named.add((str(state["ip"]), int(state["port"])) if state is not None and _settled(state) else None)
-        if answered * 2 <= len(sentinels) or len(named) != 1 or None in named:
+        if len(answers) * 2 <= len(sentinels) or len(named) != 1 or None in named:
             return False
         primary = named.pop()
         assert primary is not None
