@@ -153,6 +153,16 @@ def _by_name(masters: object) -> Mapping[str, Mapping[str, Any]]:
     return masters
 
 
+def _up(state: Mapping[str, Any]) -> bool:
+    """One Sentinel's view of the master (an entry of SENTINEL MASTERS): a primary it does not see down."""
+    return bool(state["is_master"]) and not state["is_sdown"] and not state["is_odown"]
+
+
+def _settled(state: Mapping[str, Any]) -> bool:
+    """As ``_up``, and with no failover under way (one started leaves the primary up until it ends)."""
+    return _up(state) and "failover" not in str(state.get("flags", ""))
+
+
 def check_sentinels(url: str, timeout_s: float = 1.0) -> tuple[str, int]:
     """The primary's address as the Sentinels report it, asked once, synchronously, at start-up, so a
     role with a wrong URL stops before it creates anything; raises ``SentinelError`` otherwise."""
@@ -178,7 +188,7 @@ def check_sentinels(url: str, timeout_s: float = 1.0) -> tuple[str, int]:
         state = masters.get(parsed.master)
         if state is None:
             known.update(masters)
-        elif state["is_master"] and not state["is_sdown"] and not state["is_odown"]:
+        elif _up(state):
             return str(state["ip"]), int(state["port"])
         else:
             down = True
@@ -219,7 +229,7 @@ async def master_state(url: str, timeout_s: float = 1.0) -> MasterState:
             known.update(masters)
             continue
         where = _address(str(state["ip"]), int(state["port"]))
-        if state["is_sdown"] or state["is_odown"] or "failover" in str(state.get("flags", "")):
+        if not _settled(state):
             return MasterState(
                 True,
                 f"the Sentinels see the primary of {parsed.master!r} at {where} as down; they are promoting a replica",
@@ -268,12 +278,6 @@ async def _masters(sentinel: AsyncRedis) -> Mapping[str, Mapping[str, Any]] | No
         return _by_name(await sentinel.sentinel_masters())
     except (RedisError, OSError, SentinelError):
         return None
-
-
-def _settled(state: Mapping[str, Any]) -> bool:
-    """One Sentinel's view of the master: a primary that is up and not being failed over."""
-    failing_over = "failover" in str(state.get("flags", ""))
-    return bool(state["is_master"]) and not state["is_sdown"] and not state["is_odown"] and not failing_over
 
 
 class SentinelPool(SentinelConnectionPool):
