@@ -233,6 +233,12 @@ def own_cluster(tmp_path: Path) -> Iterator[SentinelCluster]:
         servers.stop()
 
 
+async def _promoted(cluster: SentinelCluster, what: str) -> None:
+    """Waits until the Sentinels name the replica primary."""
+    promoted = ("127.0.0.1", cluster.replica_port)
+    await asyncio.to_thread(eventually_sync, lambda: cluster.master_address() == promoted, what, timeout_s=30)
+
+
 async def demoted(old: Redis, new_port: int) -> bool:
     """The old primary is a replica of the promoted one and has copied it (dropping its own writes)."""
     info = await old.info("replication")
@@ -255,13 +261,7 @@ async def test_after_a_graceful_failover_no_write_the_store_accepts_is_lost(
         assert await store.create(state("before", TaskStatus.QUEUED))  # the pool's connection opens to the primary
         assert await old.wait(1, 5000) == 1, "the replica must hold 'before' when it is promoted"
         assert await sentinel.execute_command("SENTINEL", "FAILOVER", MASTER)
-        promoted = ("127.0.0.1", cluster.replica_port)
-        await asyncio.to_thread(
-            eventually_sync,
-            lambda: cluster.master_address() == promoted,
-            "the Sentinels to promote the replica",
-            timeout_s=30,
-        )
+        await _promoted(cluster, "the Sentinels to promote the replica")
         switched_at = time.monotonic()
         # Writes through the same store, paced, until the Sentinels demote the old primary and it copies
         # the new one: whatever the old primary took by then is gone.
@@ -309,13 +309,7 @@ async def test_a_pool_closes_every_connection_to_a_cut_off_primary_though_no_clo
     cluster.pause(cluster.primary_port)
     writes = [asyncio.create_task(conn.send_packed_command(command, check_health=False)) for conn in connections]
     try:
-        promoted = ("127.0.0.1", cluster.replica_port)
-        await asyncio.to_thread(
-            eventually_sync,
-            lambda: cluster.master_address() == promoted,
-            "the Sentinels to promote the replica of the stopped primary",
-            timeout_s=30,
-        )
+        await _promoted(cluster, "the Sentinels to promote the replica of the stopped primary")
         await eventually(
             lambda: not any(conn.is_connected for conn in connections),
             "the pool to close all its connections to the stopped primary",
@@ -380,13 +374,7 @@ async def test_the_same_store_follows_a_failover_to_the_promoted_replica(
 
         async with store.watch("before") as events:  # the change feed, held across the failover
             cluster.kill(cluster.primary_port)
-            promoted = ("127.0.0.1", cluster.replica_port)
-            await asyncio.to_thread(
-                eventually_sync,
-                lambda: cluster.master_address() == promoted,
-                "the Sentinels to promote the replica",
-                timeout_s=30,
-            )
+            await _promoted(cluster, "the Sentinels to promote the replica")
 
             # A write, a read, and a reply through the re-made PubSub subscription, all on the new primary.
             assert await retrying(lambda: store.create(state("after", TaskStatus.QUEUED, reply_to="g1")), "create")
