@@ -235,7 +235,8 @@ def gateway_admission(parser: argparse.ArgumentParser) -> None:
         "reply_recheck_s",
         float,
         "a synchronous caller without its reply this long is looked up in the store (then at 2x, 4x, up to 8x), "
-        "and its connection watched",
+        "and its connection watched; a task still queued or batched this long past its deadline is ended expired "
+        "by a gateway that reads it",
     )
     field_flag(
         parser, g, "stream_recheck_s", float, "a long-poll or event stream without a change this long re-reads its task"

@@ -83,7 +83,9 @@ class GatewaySettings:
     reply_recheck_s: float = 1.0
     """A synchronous caller whose reply has not come after this long is looked up in the store, and
     again after 2x, 4x, up to 8x as long (guards against a reply lost in a Redis PubSub reconnect).
-    From then on its connection is also watched: a caller who leaves has its task cancelled."""
+    From then on its connection is also watched: a caller who leaves has its task cancelled. A task still
+    queued or batched this long past its deadline is ended ``expired`` by a gateway that reads it (its
+    batcher or worker would have ended it at the deadline: none is up)."""
     stream_recheck_s: float = 5.0
     """A long-poll or event stream with no change for this long re-reads the task from the store (a
     change message can be lost in a PubSub reconnect)."""

@@ -2,8 +2,8 @@
 
 A task created under one API key is invisible to every other key: it answers exactly like a task
 that does not exist (404), so ids cannot be probed. A read of a task still waiting (queued, batched)
-past its deadline also ends it ``expired``: the batcher that would may be down, and the caller learns
-the end when it reads, not when a batcher comes back.
+``reply_recheck_s`` past its deadline also ends it ``expired``: the batcher that would may be down, and
+the caller learns the end when it reads, not when a batcher comes back.
 """
 
 from __future__ import annotations
@@ -157,15 +157,17 @@ class TaskReads:
         return follow(self._read, changes, state, until, self.settings.stream_recheck_s, self._late_in_s)
 
     def _late_in_s(self, state: TaskState) -> float | None:
-        """Seconds until ``state`` is past its deadline while no worker runs it; None when it has no
-        deadline (a ``running`` or ended state, or one recorded after its deadline)."""
+        """Seconds until ``state`` is late: still waiting ``reply_recheck_s`` past its deadline, time for
+        the batcher or worker that holds it to end it, as they do at the deadline, so that a crowd of
+        watchers of tasks ending together costs the store nothing more. None when it has no deadline
+        (a ``running`` or ended state, or one recorded after its deadline)."""
         if state.deadline_ms is None or state.status.rank > TaskStatus.BATCHED.rank:
             return None
-        return (state.deadline_ms - self._clock.wall_ms()) / 1000
+        return (state.deadline_ms - self._clock.wall_ms()) / 1000 + self.settings.reply_recheck_s
 
     async def _ended_if_late(self, state: TaskState) -> TaskState:
-        """``state``, or the task ended ``expired`` when it still waits (queued, batched) past its
-        deadline. The batcher that would end it may be down (a worker drops such an item unrun), and
+        """``state``, or the task ended ``expired`` when it still waits (queued, batched) late
+        (``_late_in_s``). The batcher that would end it may be down (a worker drops such an item unrun), and
         its caller learns the end now, not when a batcher comes back. The store decides atomically:
         a worker's ``running`` that got there first stays, and once ended the task never runs. The end
         is a read's extra: a store that refuses it (full, failing) leaves the read its state."""

@@ -91,7 +91,7 @@ async def test_a_batched_task_past_its_deadline_reads_expired_and_a_running_one_
     """A batch waiting for a worker that is hung or gone: its task ends at its deadline. A running task
     is its worker's to end (its answer may still come), as is one recorded with no deadline."""
     rig = await make_rig()
-    past = now_ms() - 1
+    past = now_ms() - 5_000  # past its deadline by more than the grace (--reply-recheck-s) a read gives
     waiting = TaskState("waits", TaskStatus.BATCHED, "sim", past, past - 1000, batch_id="b1", deadline_ms=past)
     running = TaskState("runs", TaskStatus.RUNNING, "sim", past, past - 1000, batch_id="b1", worker_id="w1")
     unbounded = TaskState("late", TaskStatus.QUEUED, "sim", past, past - 1000)
@@ -221,7 +221,7 @@ class _RefusesEnds(RecordingStore):
 async def test_a_late_task_reads_as_stored_when_the_store_refuses_its_end(make_rig: RigFactory) -> None:
     """Ending a late task is a read's extra: a store that refuses writes still answers the read."""
     rig = await make_rig(store=_RefusesEnds())
-    past = now_ms() - 1
+    past = now_ms() - 5_000  # past its deadline by more than the grace (--reply-recheck-s) a read gives
     await rig.store.apply([TaskState("waits", TaskStatus.QUEUED, "sim", past, past - 1000, deadline_ms=past)])
     for wait in (0, 0.2):  # a poll, and a long-poll that reads the task again as it ends
         polled = await rig.client.get("/v1/result/waits", params={"wait": wait})
@@ -231,7 +231,21 @@ async def test_a_late_task_reads_as_stored_when_the_store_refuses_its_end(make_r
 async def test_the_owner_cancels_a_late_task_that_no_one_ended(make_rig: RigFactory) -> None:
     """DELETE of a task still queued past its deadline cancels it (200), as before its deadline."""
     rig = await make_rig()
-    past = now_ms() - 1
+    past = now_ms() - 5_000  # past its deadline by more than the grace (--reply-recheck-s) a read gives
     await rig.store.apply([TaskState("waits", TaskStatus.QUEUED, "sim", past, past - 1000, deadline_ms=past)])
     response = await rig.client.delete("/v1/result/waits")
     assert response.status_code == 200 and response.json()["status"] == "cancelled", response.text
+
+
+async def test_a_task_just_past_its_deadline_is_left_to_the_role_that_holds_it(make_rig: RigFactory) -> None:
+    """Its batcher or worker ends it at its deadline, and its watchers learn it from the change: a read
+    within ``--reply-recheck-s`` of the deadline writes nothing, so many watchers of tasks that end
+    together cost the store no burst of writes (and the gateway no burst of connections)."""
+    rig = await make_rig(reply_recheck_s=30.0)
+    past = now_ms() - 1
+    await rig.store.apply([TaskState("waits", TaskStatus.QUEUED, "sim", past, past - 1000, deadline_ms=past)])
+    for wait in (0, 0.2):
+        polled = await rig.client.get("/v1/result/waits", params={"wait": wait})
+        assert polled.status_code == 200 and polled.json()["status"] == "queued", polled.text
+    stored = await rig.store.get("waits")
+    assert stored is not None and stored.status is TaskStatus.QUEUED, stored
