@@ -32,6 +32,9 @@ def gateways(tmp_path: Path, infra: Any) -> Iterator[Cluster]:
             "BATCHWIRE_MAX_QUEUE_DEPTH": "3",
             "BATCHWIRE_RATE_LIMIT_PER_S": "0.05",
             "BATCHWIRE_RATE_LIMIT_BURST": "2",
+            # no batcher takes anything: the model would read stalled (503) after the default 5 s, which a
+            # busy machine can reach before the test's last submit; stalls are tested elsewhere
+            "BATCHWIRE_STALL_S": "600",
             # one key as its digest, one as text: both forms work; the first reads /metrics
             "BATCHWIRE_API_KEYS": f"operator sha256:{hashlib.sha256(KEYS[0].encode()).hexdigest()},{KEYS[1]}",
         },
@@ -74,7 +77,7 @@ def test_limits_and_keys_hold_across_gateway_processes(gateways: Cluster) -> Non
     assert httpx.get(f"{second}{task_url}", headers=_auth(KEYS[0]), timeout=5).json()["status"] == "queued"
     assert httpx.get(f"{second}{task_url}", headers=_auth(KEYS[1]), timeout=5).status_code == 404
     refused = submit(second, KEYS[0])
-    assert refused.status_code == 429
+    assert refused.status_code == 429, refused.text
     assert "BATCHWIRE_RATE_LIMIT_PER_S" in refused.json()["error"]["message"]
     assert int(refused.headers["retry-after"]) >= 1
 
