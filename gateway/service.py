@@ -7,6 +7,7 @@ errors of ``errors.py``, so it can be driven directly (embedded mode, tests) as 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -195,8 +196,6 @@ class Gateway:
         """
         started = self._clock.monotonic()
         model, timeout_ms = validated(self.settings, input, model, timeout_ms)
-        if self._token_budget is not None and not (charged and self._admission.active):
-            await self._token_budget.check(input)  # a charged input's count was checked by ``charge``
         tier = request_tier(priority, caller.tiers)
         if idempotency_key is not None:
             idempotency.check_key(idempotency_key)
@@ -205,9 +204,15 @@ class Gateway:
         self._inflight += 1
         INFLIGHT.inc()
         ticket = None
+        # The token count comes last, once the cheaper checks and the rate limit let the request through
+        # (admission runs it after taking the token); a charged input's was run by ``charge``.
+        count = None if self._token_budget is None else functools.partial(self._token_budget.check, input)
         try:
             if self._admission.active:
-                ticket = await self._admission.admit(caller, model, timeout_ms, tier, charged=charged)
+                check = None if charged else count
+                ticket = await self._admission.admit(caller, model, timeout_ms, tier, charged=charged, check=check)
+            elif count is not None:
+                await count()
             if (full := self._store.full(model)) is not None:
                 raise Overloaded(full)
             deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
@@ -254,16 +259,15 @@ class Gateway:
     async def charge(self, caller: Caller, inputs: Sequence[str], model: str | None) -> None:
         """Takes the rate-limit tokens of a request of several ``inputs`` at once, before their submits
         (``charged``), so it is admitted whole or refused whole (``Admission.charge``). What refuses an
-        input without I/O (its validation, the token budget, a gateway not open) is checked first, as a
-        single request's is before its token."""
+        input without I/O (its validation, a gateway not open) is checked first, and the inputs' token
+        counts last, as a single request's are."""
         if not self._admission.active:
             return
         for input in inputs:
             validated(self.settings, input, model, None)
-            if self._token_budget is not None:
-                await self._token_budget.check(input)
         self._check_open()
-        await self._admission.charge(caller, len(inputs))
+        count = None if self._token_budget is None else functools.partial(self._token_budget.check, *inputs)
+        await self._admission.charge(caller, len(inputs), count)
 
     async def refund(self, caller: Caller, inputs: int) -> None:
         """Gives back the tokens ``charge`` took for a request its queue, or a gateway closing, then

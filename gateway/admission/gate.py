@@ -1,10 +1,11 @@
 """Who a caller is, and whether the deployment takes one more request from them right now.
 
 Checked before anything is stored or produced, cheapest first: the request's model's queue (cached
-counters, no I/O), then the client's rate limit (one store round trip, only when limits are on).
-A request of several inputs (the OpenAI routes) takes its tokens at once before its inputs' queue
-checks, and gets them back if those refuse it (``charge``). A refusal says what limit was hit and
-which setting raises it.
+counters, no I/O), then the client's rate limit (one store round trip, only when limits are on), then
+the request's own dearer check (its inputs' token count), which gives the rate-limit tokens back if it
+refuses: a client over its limit is refused before it costs a count. A request of several inputs (the
+OpenAI routes) takes its tokens at once before its inputs' queue checks, and gets them back if those
+refuse it (``charge``). A refusal says what limit was hit and which setting raises it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
 from prometheus_client import Counter
@@ -22,7 +23,7 @@ from prometheus_client import Counter
 from gateway.admission.fair_share import FAIR_AFTER_S, FairShare
 from gateway.admission.priority import KeyTiers
 from gateway.admission.wait import MARGIN, ModelQueue, Prediction
-from gateway.errors import Overloaded, RateLimited, Unavailable, ValidationFailed
+from gateway.errors import GatewayError, Overloaded, RateLimited, Unavailable, ValidationFailed
 from gateway.settings import GatewaySettings, env_name
 from gateway.unseen import Ticket, Unseen
 from schemas.records import Credit, Priority
@@ -49,6 +50,10 @@ class Caller:
 
 
 ANONYMOUS = Caller()
+
+Check = Callable[[], Awaitable[None]]
+"""A request's check that costs more than its rate-limit token (its inputs' token count): run once the
+token is taken, so a client over its limit is refused before it costs one; raises a ``GatewayError``."""
 
 
 class Admission:
@@ -133,16 +138,24 @@ class Admission:
             STATED_RATE.labels(model=model).set(stated.rate_per_s if stated else 0.0)
 
     async def admit(
-        self, caller: Caller, model: str, timeout_ms: int, tier: Priority = Priority.NORMAL, *, charged: bool = False
+        self,
+        caller: Caller,
+        model: str,
+        timeout_ms: int,
+        tier: Priority = Priority.NORMAL,
+        *,
+        charged: bool = False,
+        check: Check | None = None,
     ) -> Ticket | None:
         """Returns when the request may go on; raises ``Overloaded``, ``RateLimited`` or ``Unavailable``.
-        ``charged``: its rate-limit token was taken with its request's others (``charge``).
+        ``charged``: its rate-limit token was taken with its request's others (``charge``); else
+        ``check`` runs once its token is taken (``charge``), before it counts as admitted.
 
         The ticket (None when no queue is watched) is to be told when the request is ``sent`` and
         ``close``d when its submit ends. Each outcome counts in ``batchwire_tier_submits`` under the
         request's model and tier."""
         try:
-            ticket = await self._admit(caller, model, timeout_ms, tier, charged)
+            ticket = await self._admit(caller, model, timeout_ms, tier, charged, check)
         except Overloaded:
             self.count(model, tier, "refused")
             raise
@@ -157,10 +170,21 @@ class Admission:
             counter = self._counters[key] = TIER_SUBMITS.labels(model=model, priority=tier.value, outcome=outcome)
         counter.inc()
 
-    async def charge(self, caller: Caller, inputs: int) -> None:
+    async def charge(self, caller: Caller, inputs: int, check: Check | None = None) -> None:
         """Takes ``inputs`` tokens from the caller's rate limit at once, one per input of its request, so
         a request of several inputs is admitted whole or refused whole; raises ``RateLimited``,
-        ``Unavailable``, or ``ValidationFailed`` for more inputs than a burst, which no wait admits."""
+        ``Unavailable``, or ``ValidationFailed`` for more inputs than a burst, which no wait admits.
+        Then runs ``check``, what refuses the request at more cost than the token (its token count), so
+        that a client over its limit never gets that far; a refusal there gives the tokens back."""
+        await self._take(caller, inputs)
+        if check is not None:
+            try:
+                await check()
+            except GatewayError:
+                await self.refund(caller, inputs)
+                raise
+
+    async def _take(self, caller: Caller, inputs: int) -> None:
         limiter = self._limiter
         if limiter is None:
             return
@@ -187,7 +211,9 @@ class Admission:
             with contextlib.suppress(TransportError):
                 await self._limiter.acquire(caller.client, -inputs)
 
-    async def _admit(self, caller: Caller, model: str, timeout_ms: int, tier: Priority, charged: bool) -> Ticket | None:
+    async def _admit(
+        self, caller: Caller, model: str, timeout_ms: int, tier: Priority, charged: bool, check: Check | None
+    ) -> Ticket | None:
         queue_depth = self._queue_depth
         unseen = self._unseen.get(model)
         # A fair share applies where the predicted wait is checked: only there are rates kept.
@@ -210,7 +236,7 @@ class Admission:
                         "queued: retry after the Retry-After delay"
                     )
         if not charged:
-            await self.charge(caller, 1)
+            await self.charge(caller, 1, check)
         queue = self._queues.get(model)
         if queue is not None:
             queue.mix.admitted(tier)

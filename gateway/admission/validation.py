@@ -65,21 +65,23 @@ class TokenBudget:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gateway-tokens")
         self._closed = False
 
-    async def check(self, input: str) -> None:
-        if self._closed:
-            raise NotReady("the gateway is shutting down; retry on another instance")
-        try:
-            if len(input) < LONG_INPUT_CHARS:
-                tokens = self._count_tokens(input)
-            else:
-                tokens = await asyncio.get_running_loop().run_in_executor(self._thread, self._count_tokens, input)
-        except ValueError as err:
-            raise Untokenizable(f"{err}; send text the model's tokenizer reads") from None
-        if tokens > self._settings.max_batch_tokens:
-            raise InputOverTokenBudget(
-                f"input is {tokens} tokens; a batch holds at most {self._settings.max_batch_tokens} "
-                f"({env_name('max_batch_tokens')}): send a shorter input"
-            )
+    async def check(self, *inputs: str) -> None:
+        """Refuses the first of ``inputs`` (those of one request) over the budget or unreadable."""
+        for input in inputs:
+            if self._closed:
+                raise NotReady("the gateway is shutting down; retry on another instance")
+            try:
+                if len(input) < LONG_INPUT_CHARS:
+                    tokens = self._count_tokens(input)
+                else:
+                    tokens = await asyncio.get_running_loop().run_in_executor(self._thread, self._count_tokens, input)
+            except ValueError as err:
+                raise Untokenizable(f"{err}; send text the model's tokenizer reads") from None
+            if tokens > self._settings.max_batch_tokens:
+                raise InputOverTokenBudget(
+                    f"input is {tokens} tokens; a batch holds at most {self._settings.max_batch_tokens} "
+                    f"({env_name('max_batch_tokens')}): send a shorter input"
+                )
 
     def close(self) -> None:
         """Lets the thread end once the counts already asked for are done; a later one is refused."""

@@ -1,11 +1,12 @@
 """A flood of long inputs under a token budget: counting them must not hold up another client.
 
 With ``--max-batch-tokens`` the gateway counts each input with the model's tokenizer (the packaged
-all-MiniLM-L6-v2's) before anything else, a long one on a thread. The attacker sends inputs of
-64k characters, each over the budget: every one is counted, then refused 413, so nothing is queued
-and no rate limit, fair share or queue bound ever sees it. The normal client (the rig's probe, short
-inputs) must be served as before: in the embedded process every request also takes the batcher's and
-the workers' hops to a thread, which must not wait behind the attacker's counts.
+all-MiniLM-L6-v2's) once its other checks let it through, a long one on a thread. The attacker sends
+inputs of 64k characters, each over the budget, and no rate limit is set: every one passes the queue's
+checks, is counted, then refused 413, so nothing is queued and no fair share records it. The normal
+client (the rig's probe, short inputs) must be served as before: in the embedded process every request
+also takes the batcher's and the workers' hops to a thread, which must not wait behind the attacker's
+counts.
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ async def make_rig() -> AsyncIterator[RigFactory]:
     ``store`` may be any TaskStore (a Redis one for tests over the real thing); ``queue_depth="bus"``
     measures the rig's own bus; ``bus`` lets several gateways share one bus; ``cache`` is the
     gateway's result cache; ``fleet`` is where ``/v1/fleet`` reads heartbeats; ``streams_end`` is the
-    server's shutdown signal to its waits.
+    server's shutdown signal to its waits; ``count_tokens`` is the token budget's counter (with
+    ``max_batch_tokens``).
     """
     stack: list[Rig] = []
     contexts: list[Any] = []
@@ -40,6 +41,7 @@ async def make_rig() -> AsyncIterator[RigFactory]:
         cache: Any = None,
         fleet: Any = None,
         streams_end: StreamsEnd | None = None,
+        count_tokens: Any = None,
         **overrides: Any,
     ) -> Rig:
         settings = GatewaySettings(**{"models": MODELS, "default_model": "sim", **overrides})
@@ -48,7 +50,13 @@ async def make_rig() -> AsyncIterator[RigFactory]:
         if queue_depth == "bus":
             queue_depth = MemoryQueueDepth(bus)
         gateway = Gateway(
-            settings, producer or bus.producer(), store, queue_depth=queue_depth, limiter=limiter, cache=cache
+            settings,
+            producer or bus.producer(),
+            store,
+            queue_depth=queue_depth,
+            limiter=limiter,
+            cache=cache,
+            count_tokens=count_tokens,
         )
         lifecycle = StubLifecycle()
         app = create_app(gateway, lifecycle, streams_end, fleet_store=fleet)

@@ -1,6 +1,7 @@
 """The token budget on an embedded deployment: an input over it gets 413, one the tokenizer cannot read
 gets 400, every other request of the same moment is answered, and no batch a worker ran exceeds it;
-counting a long input holds up no other request."""
+counting a long input holds up no other request, and a request that a cheaper check refuses (the rate
+limit, the queue) is refused before its input is counted."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from gateway.edge.app import create_app
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from gpu_worker.backends.sim import SimBackend
+from tests.support.gateway_rig import RigFactory, error_of
+from transport.memory.limits import MemoryRateLimiter
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -223,3 +226,83 @@ async def test_the_inputs_of_a_charged_list_are_counted_once() -> None:
         await gateway.close()
         await runtime.close()
     assert sorted(counted) == sorted(inputs), f"each input counted once by the gateway: {len(counted)} counts"
+
+
+class Counting:
+    """The estimate, keeping each input the gateway counted."""
+
+    def __init__(self) -> None:
+        self.counted: list[str] = []
+
+    def __call__(self, text: str) -> int:
+        self.counted.append(text)
+        return estimated(text)
+
+
+LONG = "l" * LONG_INPUT_CHARS
+"""Counted on the budget's thread."""
+
+
+def _limited(burst: int) -> dict[str, object]:
+    """A rate limit whose bucket holds ``burst`` tokens, the next one 100 s away, per X-Client-Id."""
+    return {
+        "limiter": MemoryRateLimiter(0.01, burst),
+        "rate_limit_per_s": 0.01,
+        "rate_limit_burst": burst,
+        "trust_client_id": True,
+    }
+
+
+async def test_a_request_over_its_rate_limit_is_refused_before_its_inputs_are_counted(make_rig: RigFactory) -> None:
+    """Refused 429 as before, and uncounted: a client over its limit cannot make the gateway tokenize
+    (one input, or an OpenAI request of several), even an input over the budget (429, not 413)."""
+    counter = Counting()
+    rig = await make_rig(count_tokens=counter, max_batch_tokens=10_000, **_limited(2))
+    await rig.worker()
+    flooder = {"X-Client-Id": "flooder"}
+    admitted = [f"first{LONG}", f"second{LONG}"]
+    first = await rig.client.post("/v1/completions", json={"model": "sim", "prompt": admitted}, headers=flooder)
+    assert first.status_code == 200, first.text  # the client's two tokens, for 100 s
+
+    refused = [
+        await rig.client.post("/v1/tasks", json={"input": f"task{LONG}"}, headers=flooder),
+        await rig.client.post("/v1/inference", json={"input": f"inference{LONG}"}, headers=flooder),
+        await rig.client.post("/v1/inference", json={"input": "o" * 50_000}, headers=flooder),  # over the budget
+        await rig.client.post("/v1/completions", json={"model": "sim", "prompt": [f"a{LONG}"]}, headers=flooder),
+        await rig.client.post(
+            "/v1/completions", json={"model": "sim", "prompt": [f"b{LONG}"], "stream": True}, headers=flooder
+        ),
+    ]
+
+    assert len(counter.counted) == len(admitted), (
+        f"only the admitted inputs are counted: {len(counter.counted)} counts, of "
+        f"{[text[:10] for text in counter.counted]}"
+    )
+    assert [r.status_code for r in refused] == [429] * len(refused), [r.text for r in refused]
+    assert all(error_of(r)["code"] == "rate_limited" for r in refused)
+    other = await rig.client.post("/v1/tasks", json={"input": f"other{LONG}"}, headers={"X-Client-Id": "other"})
+    assert other.status_code == 202 and counter.counted[-1] == f"other{LONG}", other.text
+
+
+async def test_a_request_the_queue_refuses_is_refused_before_its_input_is_counted(make_rig: RigFactory) -> None:
+    counter = Counting()
+    rig = await make_rig(count_tokens=counter, max_batch_tokens=10_000, queue_depth="bus", max_queue_depth=1)
+    assert (await rig.client.post("/v1/tasks", json={"input": f"queued{LONG}"})).status_code == 202  # no worker
+    refused = await rig.client.post("/v1/tasks", json={"input": f"refused{LONG}"})
+    assert refused.status_code == 503 and error_of(refused)["code"] == "overloaded", refused.text
+    assert counter.counted == [f"queued{LONG}"], f"{len(counter.counted)} counts: the refused input was counted"
+
+
+async def test_a_request_refused_for_its_token_count_keeps_its_rate_limit_tokens(make_rig: RigFactory) -> None:
+    """Counted once its tokens are taken, an input over the budget (413) or unreadable (400) gives them
+    back, one request or an OpenAI request of several: refused for its input, a request takes none."""
+    rig = await make_rig(count_tokens=count, max_batch_tokens=10_000, **_limited(2))
+    over = "o" * 50_000
+    refused = [
+        await rig.client.post("/v1/tasks", json={"input": over}),
+        await rig.client.post("/v1/inference", json={"input": "bad\x00input"}),
+        await rig.client.post("/v1/completions", json={"model": "sim", "prompt": ["fine", over]}),
+    ]
+    assert [r.status_code for r in refused] == [413, 400, 413], [r.text for r in refused]
+    statuses = [(await rig.client.post("/v1/tasks", json={"input": f"t{n}"})).status_code for n in range(3)]
+    assert statuses == [202, 202, 429], "the refused requests took none of the bucket's two tokens"
