@@ -43,10 +43,10 @@ def validated(settings: GatewaySettings, input: str, model: str | None, timeout_
     return model, timeout_ms
 
 
-LONG_INPUT_CHARS = 256
-"""An input this long is counted on the budget's thread: a tokenizer's time grows with the text, and the
-one ``batcher.tokens`` builds releases the GIL meanwhile, so the event loop serves other requests; a
-shorter input costs less to count than the hop to a thread (docs/performance.md, the token budget)."""
+LONG_INPUT_CHARS = 2_048
+"""An input this long is counted on the budget's thread: a tokenizer takes a while over a long text, and
+the one ``batcher.tokens`` builds releases the GIL meanwhile, so the event loop serves other requests; a
+shorter input costs less to count than the hop to a thread."""
 
 
 class TokenBudget:

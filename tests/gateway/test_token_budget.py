@@ -123,26 +123,6 @@ class HeldCount:
         return estimated(text)
 
 
-async def test_a_paragraph_is_counted_off_the_event_loop() -> None:
-    """A paragraph takes the tokenizer longer to count than a hop to a thread and back, a word less: the
-    gateway counts the paragraph on its thread, so the event loop serves other requests meanwhile, and a
-    word on the loop. Each input's first count is the gateway's (the batcher's comes after)."""
-    loop_thread = threading.get_ident()
-    counted_on: dict[str, int] = {}
-
-    def counter(text: str) -> int:
-        counted_on.setdefault(text, threading.get_ident())
-        return estimated(text)
-
-    paragraph = "a paragraph of words " * 50
-    async with serving(Recording(), counter, budget=10_000) as client:
-        for text in (paragraph, "word"):
-            answer = await client.post("/v1/inference", json={"input": text})
-            assert answer.status_code == 200, answer.text
-    assert counted_on[paragraph] != loop_thread, f"a {len(paragraph)}-character input was counted on the event loop"
-    assert counted_on["word"] == loop_thread, "a word is counted where it is, without a hop"
-
-
 @pytest.mark.parametrize("hold", [1, 2], ids=["gateway", "batcher"])
 async def test_while_a_long_input_is_counted_the_loop_serves_others(hold: int) -> None:
     """The gateway's count of a long input (the first) or the batcher's (the second) runs on a thread: the
