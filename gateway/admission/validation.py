@@ -44,9 +44,10 @@ def validated(settings: GatewaySettings, input: str, model: str | None, timeout_
 
 
 LONG_INPUT_CHARS = 2_048
-"""An input this long is counted on the budget's thread: a tokenizer takes a while over a long text, and
-the one ``batcher.tokens`` builds releases the GIL meanwhile, so the event loop serves other requests; a
-shorter input costs less to count than the hop to a thread."""
+"""An input this long is counted on the budget's thread: a tokenizer's time grows with the text, and the
+one ``batcher.tokens`` builds releases the GIL meanwhile, so the event loop serves other requests. A
+shorter input is counted on the event loop, which it holds for well under a millisecond: it never waits
+behind another client's long inputs on the one thread (docs/performance.md, the token budget)."""
 
 
 class TokenBudget:
