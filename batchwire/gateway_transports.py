@@ -17,7 +17,7 @@ from transport.redis.cache import RedisResultCache
 from transport.redis.credits import RedisCreditPool
 from transport.redis.fleet import RedisFleet
 from transport.redis.limits import RedisRateLimiter
-from transport.redis.pools import redacted
+from transport.redis.pools import follower_of, redacted
 from transport.redis.sentinel import is_sentinel_url, master_state
 from transport.redis.store import RedisTaskStore
 from transport.routing import Partitioner
@@ -45,12 +45,15 @@ class GatewayTransports:
         self.producer: RequestProducer = KafkaRequestProducer(
             bootstrap, shared.names, partitioner, linger_ms=settings.request_linger_ms
         )
-        self.store = RedisTaskStore(redis_url, shared.names, ttl_s=shared.result_ttl_s, memory_watch_s=MEMORY_WATCH_S)
+        follower = follower_of(redis_url)  # one for every pool: the Sentinels are asked once a round
+        self.store = RedisTaskStore(
+            redis_url, shared.names, ttl_s=shared.result_ttl_s, memory_watch_s=MEMORY_WATCH_S, follower=follower
+        )
         self.redis_url = redis_url
         self.queue_depth: KafkaQueueDepth | None = None
         self.credits: RedisCreditPool | None = None  # read only, for the rates the workers state
         if settings.admit_by_wait:
-            self.credits = RedisCreditPool(redis_url, shared.names, max_claimers=1)
+            self.credits = RedisCreditPool(redis_url, shared.names, max_claimers=1, follower=follower)
         if settings.max_queue_depth > 0 or settings.admit_by_wait:
             self.queue_depth = KafkaQueueDepth(
                 bootstrap,
@@ -62,13 +65,17 @@ class GatewayTransports:
         self.limiter: RedisRateLimiter | None = None
         if settings.rate_limit_per_s > 0:
             self.limiter = RedisRateLimiter(
-                redis_url, shared.names, settings.rate_limit_per_s, settings.rate_limit_burst_tokens
+                redis_url,
+                shared.names,
+                settings.rate_limit_per_s,
+                settings.rate_limit_burst_tokens,
+                follower=follower,
             )
 
         self.cache: RedisResultCache | None = None
         if settings.cache_ttl_s > 0:
-            self.cache = RedisResultCache(redis_url, shared.names)
-        self.fleet = RedisFleet(redis_url, shared.names)
+            self.cache = RedisResultCache(redis_url, shared.names, follower=follower)
+        self.fleet = RedisFleet(redis_url, shared.names, follower=follower)
         self.heartbeats: Heartbeats | None = None
         """Set by the composition root (it builds the gateway's beat); started last, closed first."""
         self._parts = Parts()

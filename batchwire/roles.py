@@ -35,7 +35,7 @@ from transport.memory.limits import MemoryRateLimiter
 from transport.redis.credits import RedisCreditPool
 from transport.redis.deliveries import RedisDeliveryLog
 from transport.redis.fleet import RedisFleet
-from transport.redis.pools import PoolOptions
+from transport.redis.pools import PoolOptions, follower_of
 from transport.redis.store import STORE_POOL, RedisTaskStore
 from transport.replicas import ReplicaSettings, ReplicaWait
 
@@ -140,15 +140,18 @@ def run_batcher(args: argparse.Namespace) -> int:
         bootstrap = shared.require_kafka()
         redis_url = shared.require_redis()
         await ensure_role_topics(shared, durability(args), True, shared.models)
-        store = RedisTaskStore(redis_url, shared.names, ttl_s=shared.result_ttl_s, pool=_replica_pool(replicas))
-        credits = RedisCreditPool(redis_url, shared.names)
+        follower = follower_of(redis_url)  # one for every pool: the Sentinels are asked once a round
+        store = RedisTaskStore(
+            redis_url, shared.names, ttl_s=shared.result_ttl_s, pool=_replica_pool(replicas), follower=follower
+        )
+        credits = RedisCreditPool(redis_url, shared.names, follower=follower)
         producer = KafkaBatchProducer(bootstrap, shared.names)
         consumer = KafkaRequestConsumer(
             bootstrap, shared.names, timing=GroupTiming(session_timeout_ms=args.session_timeout_ms)
         )
         wait = ReplicaWait(store, replicas, settings.batcher_id, role="batcher", retry_max_s=settings.retry_max_s)
         batcher = Batcher(settings, consumer, producer, credits, store, replicas=wait, count_tokens=count_tokens)
-        fleet = RedisFleet(redis_url, shared.names)
+        fleet = RedisFleet(redis_url, shared.names, follower=follower)
         heartbeats = Heartbeats(fleet, lambda window: [batcher_beat(batcher, shared.models, window)])
         parts = Parts(store, credits, producer, fleet, heartbeats, batcher)
 
@@ -190,9 +193,12 @@ class _WorkerProcess:
         args, shared, settings = self.args, self.shared, self.settings
         bootstrap, redis_url, names = shared.require_kafka(), shared.require_redis(), shared.names
         await ensure_role_topics(shared, durability(args), False, (settings.model,), dead_letters=True)
-        store = RedisTaskStore(redis_url, names, ttl_s=shared.result_ttl_s, pool=_replica_pool(self.replicas))
-        credits = RedisCreditPool(redis_url, names)
-        deliveries = RedisDeliveryLog(redis_url, names, ttl_s=shared.result_ttl_s)
+        follower = follower_of(redis_url)  # one for every pool: the Sentinels are asked once a round
+        store = RedisTaskStore(
+            redis_url, names, ttl_s=shared.result_ttl_s, pool=_replica_pool(self.replicas), follower=follower
+        )
+        credits = RedisCreditPool(redis_url, names, follower=follower)
+        deliveries = RedisDeliveryLog(redis_url, names, ttl_s=shared.result_ttl_s, follower=follower)
         dead_letters = KafkaDeadLetterProducer(bootstrap, names)
         consumer = KafkaBatchConsumer(
             bootstrap, names, settings.model, timing=GroupTiming(session_timeout_ms=args.session_timeout_ms)
@@ -208,7 +214,7 @@ class _WorkerProcess:
             dead_letters=dead_letters,
             replicas=ReplicaWait(store, self.replicas, settings.worker_id, retry_max_s=settings.retry_max_s),
         )
-        fleet = RedisFleet(redis_url, names)
+        fleet = RedisFleet(redis_url, names, follower=follower)
         heartbeats = Heartbeats(fleet, lambda window: [worker_beat(worker, window)])
         parts = Parts(store, credits, deliveries, dead_letters, fleet, heartbeats, worker)
 

@@ -25,7 +25,7 @@ from tests.support.sentinels import FAILOVER_WAIT_S, MASTER, HeldSentinel, Senti
 from tests.support.task_states import state
 from transport.ports import TransportError
 from transport.redis.credits import RedisCreditPool
-from transport.redis.pools import PoolOptions, blocking_pool, command_pool, pubsub_pool, redacted
+from transport.redis.pools import PoolOptions, blocking_pool, command_pool, follower_of, pubsub_pool, redacted
 from transport.redis.sentinel import (
     DEFAULT_SENTINEL_PORT,
     SentinelError,
@@ -33,6 +33,7 @@ from transport.redis.sentinel import (
     SentinelUrl,
     check_sentinels,
     parse_sentinel_url,
+    primary_follower,
     sentinel_pool,
 )
 from transport.redis.store import RedisTaskStore
@@ -252,7 +253,8 @@ async def test_after_a_graceful_failover_no_write_the_store_accepts_is_lost(
     own_cluster: SentinelCluster, names: Names
 ) -> None:
     cluster = own_cluster
-    store = RedisTaskStore(cluster.url, names, ttl_s=120)
+    # As a role builds it: its pools (commands, change feed) follow the primary through one follower.
+    store = RedisTaskStore(cluster.url, names, ttl_s=120, follower=follower_of(cluster.url))
     await store.start()
     old, new = Redis(port=cluster.primary_port), Redis(port=cluster.replica_port)
     sentinel = Redis(port=cluster.sentinel_ports[0])
@@ -327,6 +329,47 @@ async def test_a_pool_closes_every_connection_to_a_cut_off_primary_though_no_clo
             "the old primary to see the pool's connections closed",
             timeout_s=30,
         )
+
+
+@pytest.mark.kafka
+async def test_pools_sharing_a_follower_all_follow_a_graceful_failover_past_a_silent_sentinel(
+    own_cluster: SentinelCluster,
+) -> None:
+    """A process's pools share one follower (``follower_of``): each lookup of it moves every pool's
+    connections, and a Sentinel that never answers, listed first, holds its first lookup for its
+    timeout only; the Sentinel that answered is asked first from then on."""
+    cluster = own_cluster
+    silent = HeldSentinel()
+    await silent.start()
+    hosts = ",".join(f"127.0.0.1:{port}" for port in [silent.port, *cluster.sentinel_ports])
+    url = f"redis+sentinel://{hosts}/{MASTER}/0"
+    follower = primary_follower(url, timeout_s=1.0)
+    options = PoolOptions(socket_timeout_s=1.0)
+    pools = [command_pool(url, options, follower), blocking_pool(url, 1, options, follower)]
+    sentinel = Redis(port=cluster.sentinel_ports[0])
+    try:
+        follower.join(pools[0])  # as the pool's first connection does, here before the pools' own lookups
+        await asyncio.wait_for(silent.holding.wait(), 10)  # the follower's first lookup waits on the silent one
+        connections = [await pool.get_connection() for pool in pools]
+        assert {(conn.host, conn.port) for conn in connections} == {("127.0.0.1", cluster.primary_port)}
+        assert await sentinel.execute_command("SENTINEL", "FAILOVER", MASTER)
+        await _promoted(cluster, "the Sentinels to promote the replica")
+        await eventually(
+            lambda: not any(conn.is_connected for conn in connections),
+            "the shared follower to close both pools' connections to the old primary",
+            timeout_s=FOLLOW_BOUND_S,
+        )
+        for pool, conn in zip(pools, connections, strict=True):
+            await pool.release(conn)
+        again = [await pool.get_connection() for pool in pools]
+        assert {(conn.host, conn.port) for conn in again} == {("127.0.0.1", cluster.replica_port)}
+        for pool, conn in zip(pools, again, strict=True):
+            await pool.release(conn)
+    finally:
+        for pool in pools:
+            await pool.disconnect()
+        await sentinel.aclose()
+        await silent.close()
 
 
 # (d) a failover under the same objects (kills the primary: keep this test last)

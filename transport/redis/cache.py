@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from schemas.wire import Names
 from transport.redis.pools import REDIS_ERRORS, KeyedClient, PoolOptions, translate
+from transport.redis.sentinel import PrimaryFollower
 
 CACHE_POOL = PoolOptions(max_connections=32, socket_timeout_s=0.5, pool_timeout_s=0.25)
 """A look-up per request of a deterministic model; a slow Redis is bypassed after half a second
@@ -17,9 +18,12 @@ rather than holding the request for the store's longer timeouts."""
 class RedisResultCache:
     """``ResultCache`` over Redis ``GET`` and ``SET ... PX``: Redis drops an entry at its TTL."""
 
-    def __init__(self, redis_url: str, names: Names, *, pool: PoolOptions = CACHE_POOL) -> None:
+    def __init__(
+        self, redis_url: str, names: Names, *, pool: PoolOptions = CACHE_POOL, follower: PrimaryFollower | None = None
+    ) -> None:
+        """``follower``: behind Sentinel, the one the process's pools share (``follower_of``)."""
         self.names = names
-        self._commands = KeyedClient(redis_url, pool)
+        self._commands = KeyedClient(redis_url, pool, follower=follower)
         self._client = self._commands.redis
 
     async def start(self) -> None:

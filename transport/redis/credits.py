@@ -28,6 +28,7 @@ from schemas.wire import Names
 from transport.cancelling import cancel_and_wait
 from transport.ports import TransportError
 from transport.redis.pools import REDIS_ERRORS, KeyedClient, PoolOptions, translate
+from transport.redis.sentinel import PrimaryFollower
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +67,16 @@ class RedisCreditPool:
         max_claimers: int = 16,
         claim_grace_s: float = 2.0,
         max_credits: int = 10_000,
+        follower: PrimaryFollower | None = None,
     ) -> None:
+        """``follower``: behind Sentinel, the one the process's pools share (``follower_of``)."""
         self.names = names
         self.claim_grace_s = claim_grace_s
         self.max_credits = max_credits
-        self._commands = KeyedClient(redis_url, pool)
-        self._claimers = KeyedClient(redis_url, dataclasses.replace(pool, max_connections=max_claimers), blocking=True)
+        self._commands = KeyedClient(redis_url, pool, follower=follower)
+        self._claimers = KeyedClient(
+            redis_url, dataclasses.replace(pool, max_connections=max_claimers), blocking=True, follower=follower
+        )
         self._client = self._commands.redis
         self._blocking = self._claimers.redis
         self._claims: set[asyncio.Task[Credit | None]] = set()

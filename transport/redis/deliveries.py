@@ -16,6 +16,7 @@ from typing import Any
 from schemas.wire import Names
 from transport.deliveries import Suspects
 from transport.redis.pools import REDIS_ERRORS, KeyedClient, PoolOptions, translate
+from transport.redis.sentinel import PrimaryFollower
 
 # KEYS[1] the batch's hash. ARGV[1] ttl ms, ARGV[2..] the task ids still to run.
 # Returns {marked 0/1, note or '', id1, strikes1, id2, strikes2, ...}.
@@ -62,10 +63,12 @@ class RedisDeliveryLog:
         *,
         ttl_s: float = DELIVERIES_TTL_S,
         pool: PoolOptions = DELIVERIES_POOL,
+        follower: PrimaryFollower | None = None,
     ) -> None:
+        """``follower``: behind Sentinel, the one the process's pools share (``follower_of``)."""
         self.names = names
         self.ttl_ms = max(1, int(ttl_s * 1000))
-        self._commands = KeyedClient(redis_url, pool)
+        self._commands = KeyedClient(redis_url, pool, follower=follower)
         self._client = self._commands.redis
         self._suspects = self._client.register_script(_SUSPECTS)
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from schemas.heartbeat import Beat, decode_beat
 from schemas.wire import Names
 from transport.redis.pools import REDIS_ERRORS, KeyedClient, PoolOptions, translate
+from transport.redis.sentinel import PrimaryFollower
 
 FLEET_POOL = PoolOptions(max_connections=2, socket_timeout_s=1.0, pool_timeout_s=1.0)
 """A beat a second and the fleet views' reads: a slow Redis delays a heartbeat, never a request."""
@@ -21,9 +22,12 @@ FLEET_POOL = PoolOptions(max_connections=2, socket_timeout_s=1.0, pool_timeout_s
 class RedisFleet:
     """``Fleet`` over one Redis hash."""
 
-    def __init__(self, redis_url: str, names: Names, *, pool: PoolOptions = FLEET_POOL) -> None:
+    def __init__(
+        self, redis_url: str, names: Names, *, pool: PoolOptions = FLEET_POOL, follower: PrimaryFollower | None = None
+    ) -> None:
+        """``follower``: behind Sentinel, the one the process's pools share (``follower_of``)."""
         self.names = names
-        self._commands = KeyedClient(redis_url, pool)
+        self._commands = KeyedClient(redis_url, pool, follower=follower)
         self._client = self._commands.redis
 
     async def start(self) -> None:

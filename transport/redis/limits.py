@@ -13,6 +13,7 @@ import hashlib
 from schemas.wire import Names
 from transport.redis.lua import TOKEN_BUCKET
 from transport.redis.pools import REDIS_ERRORS, KeyedClient, PoolOptions, translate
+from transport.redis.sentinel import PrimaryFollower
 
 
 def bucket_id(client: str) -> str:
@@ -34,13 +35,15 @@ class RedisRateLimiter:
         burst: int,
         *,
         pool: PoolOptions = LIMITS_POOL,
+        follower: PrimaryFollower | None = None,
     ) -> None:
+        """``follower``: behind Sentinel, the one the process's pools share (``follower_of``)."""
         if not rate_per_s > 0 or burst < 1:
             raise ValueError(f"a rate limiter needs rate_per_s > 0 and burst >= 1, got {rate_per_s} and {burst}")
         self.names = names
         self.rate_per_s = rate_per_s
         self.burst = burst
-        self._commands = KeyedClient(redis_url, pool)
+        self._commands = KeyedClient(redis_url, pool, follower=follower)
         self._client = self._commands.redis
         self._script = self._client.register_script(TOKEN_BUCKET)
 

@@ -8,7 +8,8 @@
   reconnecting (with backoff, logging, and subscribing again).
 
 A ``redis+sentinel://`` URL gives pools that ask the Sentinels for the primary on every new
-connection (``redis_sentinel``), so every user of these pools follows a failover.
+connection (``transport.redis.sentinel``), so every user of these pools follows a failover; the pools
+of one process share a ``PrimaryFollower`` (``follower``), which moves their open connections too.
 
 A ``redis+cluster://HOST:PORT,...`` URL names a Redis Cluster's startup nodes. Every transport (the
 task store, the credit pool, the delivery log, the rate limits, the fleet registry, the answer cache)
@@ -46,9 +47,11 @@ from redis.retry import Retry as SyncRetry
 from transport.errors import PermanentTransportError, StoreFullError
 from transport.ports import TransportError
 from transport.redis.sentinel import (
+    PrimaryFollower,
     SentinelPool,
     blocking_sentinel_pool,
     is_sentinel_url,
+    primary_follower,
     redacted_sentinel_url,
     sentinel_pool,
 )
@@ -173,19 +176,26 @@ def _keepalive(url: str) -> dict[str, bool]:
     return {} if url.partition("://")[0].lower() == "unix" else {"socket_keepalive": True}
 
 
-def _blocking_from_url(url: str, **kwargs: Any) -> BlockingConnectionPool:
+def _blocking_from_url(url: str, follower: PrimaryFollower | None, **kwargs: Any) -> BlockingConnectionPool:
     if is_cluster_url(url):
         raise PermanentTransportError(
             f"{redacted(url)}: a connection pool talks to one primary, over a redis:// or redis+sentinel:// URL; "
             "a Redis Cluster takes a KeyedClient"
         )
     if is_sentinel_url(url):
-        return blocking_sentinel_pool(url, **kwargs)
+        return blocking_sentinel_pool(url, follower, **kwargs)
     return BlockingConnectionPool.from_url(url, **kwargs)
 
 
-def command_pool(url: str, options: PoolOptions) -> BlockingConnectionPool:
-    return _blocking_from_url(url, **_command_options(url, options))
+def follower_of(url: str) -> PrimaryFollower | None:
+    """The ``PrimaryFollower`` that every pool of ``url`` in a process shares: one for a Sentinel URL,
+    None for any other (a plain server is its own primary; a cluster client follows its slot map)."""
+    return primary_follower(url) if is_sentinel_url(url) else None
+
+
+def command_pool(url: str, options: PoolOptions, follower: PrimaryFollower | None = None) -> BlockingConnectionPool:
+    """``follower``: behind Sentinel, the one the process's pools of ``url`` share (None: one of its own)."""
+    return _blocking_from_url(url, follower, **_command_options(url, options))
 
 
 def _command_options(url: str, options: PoolOptions) -> dict[str, Any]:
@@ -205,8 +215,14 @@ class CommandClient:
     """A Redis client over a pool of its own (``command_pool``, or ``blocking_pool`` with ``options``'
     connections); ``close`` releases both."""
 
-    def __init__(self, url: str, options: PoolOptions, *, blocking: bool = False) -> None:
-        self.pool = blocking_pool(url, options.max_connections, options) if blocking else command_pool(url, options)
+    def __init__(
+        self, url: str, options: PoolOptions, *, blocking: bool = False, follower: PrimaryFollower | None = None
+    ) -> None:
+        self.pool = (
+            blocking_pool(url, options.max_connections, options, follower)
+            if blocking
+            else command_pool(url, options, follower)
+        )
         self.redis = Redis(connection_pool=self.pool)
 
     async def confirm_primary(self) -> bool:
@@ -221,11 +237,15 @@ class CommandClient:
 class KeyedClient:
     """A client for a transport whose every command and script touches one key's slot: over a
     ``redis+cluster://`` URL, the cluster client (``cluster_client``); otherwise a ``CommandClient``.
-    ``blocking``: for blocking commands (BZPOPMIN), with no read timeout."""
+    ``blocking``: for blocking commands (BZPOPMIN), with no read timeout. ``follower``: as ``command_pool``."""
 
-    def __init__(self, url: str, options: PoolOptions, *, blocking: bool = False) -> None:
+    def __init__(
+        self, url: str, options: PoolOptions, *, blocking: bool = False, follower: PrimaryFollower | None = None
+    ) -> None:
         self.url = url
-        self._commands = None if is_cluster_url(url) else CommandClient(url, options, blocking=blocking)
+        self._commands = (
+            None if is_cluster_url(url) else CommandClient(url, options, blocking=blocking, follower=follower)
+        )
         self.redis: Redis | RedisCluster = (
             cluster_client(url, options, blocking=blocking) if self._commands is None else self._commands.redis
         )
@@ -339,10 +359,13 @@ def cluster_client(url: str, options: PoolOptions, *, blocking: bool = False) ->
     )
 
 
-def blocking_pool(url: str, max_connections: int, options: PoolOptions) -> BlockingConnectionPool:
+def blocking_pool(
+    url: str, max_connections: int, options: PoolOptions, follower: PrimaryFollower | None = None
+) -> BlockingConnectionPool:
     """Connections for blocking commands: no read timeout (the caller bounds each wait itself)."""
     return _blocking_from_url(
         url,
+        follower,
         max_connections=max_connections,
         timeout=None,
         socket_timeout=None,
@@ -364,12 +387,12 @@ def _pubsub_options(url: str, socket_timeout_s: float) -> dict[str, Any]:
     }
 
 
-def pubsub_pool(url: str, *, socket_timeout_s: float) -> ConnectionPool:
+def pubsub_pool(url: str, *, socket_timeout_s: float, follower: PrimaryFollower | None = None) -> ConnectionPool:
     """The PubSub connection: reads are bounded per call by the reader; no health check and no retry
     inside redis-py, whose own reconnect would read replies behind the reader's back."""
     options = _pubsub_options(url, socket_timeout_s)
     if is_sentinel_url(url):
-        return sentinel_pool(url, **options)
+        return sentinel_pool(url, follower, **options)
     return ConnectionPool.from_url(url, **options)
 
 

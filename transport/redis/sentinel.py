@@ -4,9 +4,9 @@ A pool built from such a URL asks the Sentinels for the primary's address whenev
 connection (redis-py's ``SentinelConnectionPool``), so a connection that breaks in a failover is
 reopened to the new primary without a restart. A connection that does not break (a graceful failover,
 or a partition, leaves the old primary up and taking writes until the Sentinels demote it, which wipes
-them) is closed by the pool's own check of the Sentinels (``SentinelPool``). The credentials and DB
-are the Redis servers'; the Sentinels are asked without credentials. A HOST without ``:PORT`` means
-Sentinel's port, 26379.
+them) is closed by a check of the Sentinels that the pools of one URL in a process share
+(``PrimaryFollower``). The credentials and DB are the Redis servers'; the Sentinels are asked without
+credentials. A HOST without ``:PORT`` means Sentinel's port, 26379.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ SCHEME = "redis+sentinel"
 FORM = "redis+sentinel://HOST:PORT[,HOST:PORT...]/MASTER[/DB]"
 DEFAULT_SENTINEL_PORT = 26379
 FOLLOW_INTERVAL_S = 0.5
-"""How often a pool asks the Sentinels for the primary, to close its connections to any other server."""
+"""How often a ``PrimaryFollower`` asks the Sentinels for the primary, to close its pools' connections to
+any other server."""
 HINT = "check --redis-url / BATCHWIRE_REDIS_URL"
 
 
@@ -280,28 +281,89 @@ async def _masters(sentinel: AsyncRedis) -> Mapping[str, Mapping[str, Any]] | No
         return None
 
 
-class SentinelPool(SentinelConnectionPool):
-    """Connections to the master the Sentinels name; closing the pool closes its Sentinel clients too.
+class PrimaryFollower:
+    """Asks the Sentinels for the primary every ``FOLLOW_INTERVAL_S`` and closes the connections, idle
+    and in use, of every pool that follows it to any other server; each reopens to the primary they name.
 
     redis-py asks the Sentinels only when it opens a connection, so an open one stays on a server that
     lost the primary role without closing it (a graceful failover, a partition): that server takes
-    writes until the Sentinels demote it, then drops them as it copies the new primary. From its first
-    connection to its close, the pool asks the Sentinels every ``FOLLOW_INTERVAL_S`` and closes its
-    connections, idle and in use, to any other server; each reopens to the primary they name.
+    writes until the Sentinels demote it, then drops them as it copies the new primary. One follower
+    serves every pool of a Sentinel URL in a process (the composition root makes it with
+    ``pools.follower_of``), so the Sentinels are asked once a round however many pools the process
+    has. Its loop runs from the first pool's first connection to the last pool's close, and a round
+    that fails is logged and tried again; a silent Sentinel costs a round its timeout, and the next
+    one asks the others first.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, sentinels: _Sentinels, master: str) -> None:
+        self.master = master
+        self._sentinels = sentinels
+        self._pools: set[SentinelPool] = set()
+        self._following = BackgroundLoop(f"following the Redis primary of {master!r}")
+
+    def join(self, pool: SentinelPool) -> None:
+        """Follows for ``pool`` too, starting the loop if no pool had."""
+        self._pools.add(pool)
+        if not self._following.started:
+            self._following.start(self._follow())
+
+    async def leave(self, pool: SentinelPool) -> None:
+        """Stops following for ``pool``; after the last pool, cancels and awaits the loop and closes the
+        Sentinel connections (a pool that joins later starts them again)."""
+        self._pools.discard(pool)
+        if not self._pools:
+            await self._following.close()
+            await self._sentinels.aclose()
+
+    async def _follow(self) -> None:
+        """Runs until the last pool leaves: a round that fails is logged, and the next one tries again."""
+        failing = ""  # the error last logged: one that repeats is logged once
+        while True:
+            await asyncio.sleep(FOLLOW_INTERVAL_S)
+            try:
+                primary = await self._sentinels.discover_master(self.master)
+                for pool in list(self._pools):
+                    await pool.close_others(primary)
+                failing = ""
+            except MasterNotFoundError:
+                pass  # the Sentinels name no primary now; connections to a dead one fail by themselves
+            except (RedisError, OSError, SentinelError) as err:
+                if repr(err) != failing:
+                    log.warning(
+                        "following the primary of %r failed (tried again every %g s): %r",
+                        self.master,
+                        FOLLOW_INTERVAL_S,
+                        err,
+                    )
+                failing = repr(err)
+
+
+def primary_follower(url: str, timeout_s: float = 2.0) -> PrimaryFollower:
+    """One follower for every pool of ``url`` in a process (pass it to each transport over that URL);
+    ``timeout_s`` bounds each Sentinel's answer."""
+    parsed = parse_sentinel_url(url)
+    return PrimaryFollower(_sentinels(parsed, {"socket_connect_timeout": timeout_s}), parsed.master)
+
+
+class SentinelPool(SentinelConnectionPool):
+    """Connections to the master the Sentinels name; closing the pool closes its Sentinel clients too.
+
+    From its first connection to its close, the pool's open connections follow the primary through
+    ``follower`` (``PrimaryFollower``), shared with the other pools of its URL; given none, it follows
+    with one of its own.
+    """
+
+    def __init__(self, *args: Any, follower: PrimaryFollower | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
-        self._following = BackgroundLoop(f"following the Redis primary of {self.service_name!r}")
+        self._follower = follower or PrimaryFollower(self.sentinel_manager, self.service_name)
 
     async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._following.started:
-            self._following.start(self._follow_primary())
+        self._follower.join(self)
         return await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
 
     async def disconnect(self, inuse_connections: bool = True) -> None:
         if inuse_connections:  # a full close; a master change drops only the idle connections
-            await self._following.close()
+            await self._follower.leave(self)
         await super().disconnect(inuse_connections)
         if inuse_connections:
             await self.sentinel_manager.aclose()
@@ -325,30 +387,10 @@ class SentinelPool(SentinelConnectionPool):
             return False
         primary = named.pop()
         assert primary is not None
-        await self._close_others(primary)
+        await self.close_others(primary)
         return True
 
-    async def _follow_primary(self) -> None:
-        """Runs until the pool closes: a round that fails is logged, and the next one tries again."""
-        failing = ""  # the error last logged: one that repeats is logged once
-        while True:
-            await asyncio.sleep(FOLLOW_INTERVAL_S)
-            try:
-                await self._close_others(await self.sentinel_manager.discover_master(self.service_name))
-                failing = ""
-            except MasterNotFoundError:
-                pass  # the Sentinels name no primary now; connections to a dead one fail by themselves
-            except (RedisError, OSError, SentinelError) as err:
-                if repr(err) != failing:
-                    log.warning(
-                        "following the primary of %r failed (tried again every %g s): %r",
-                        self.service_name,
-                        FOLLOW_INTERVAL_S,
-                        err,
-                    )
-                failing = repr(err)
-
-    async def _close_others(self, primary: tuple[str, int]) -> None:
+    async def close_others(self, primary: tuple[str, int]) -> None:
         """Closes the pool's connections, idle or in use, to any server but ``primary``."""
         open_ = [*self._get_free_connections(), *self._get_in_use_connections()]
         stale = [
@@ -389,24 +431,30 @@ def _server_kwargs(parsed: SentinelUrl) -> dict[str, Any]:
     return {"db": parsed.db, "username": parsed.username, "password": parsed.password}
 
 
-def sentinel_pool(url: str, **connection_kwargs: Any) -> SentinelPool:
-    """A pool over the master named by ``url``; ``connection_kwargs`` as for ``ConnectionPool``."""
+def sentinel_pool(url: str, follower: PrimaryFollower | None = None, **connection_kwargs: Any) -> SentinelPool:
+    """A pool over the master named by ``url``, following it through ``follower`` (None: one of its own);
+    ``connection_kwargs`` as for ``ConnectionPool``."""
     parsed = parse_sentinel_url(url)
     sentinels = _sentinels(parsed, connection_kwargs)
-    return SentinelPool(parsed.master, sentinels, **_server_kwargs(parsed), **connection_kwargs)
+    return SentinelPool(parsed.master, sentinels, follower=follower, **_server_kwargs(parsed), **connection_kwargs)
 
 
-def blocking_sentinel_pool(url: str, **connection_kwargs: Any) -> BlockingSentinelPool:
+def blocking_sentinel_pool(
+    url: str, follower: PrimaryFollower | None = None, **connection_kwargs: Any
+) -> BlockingSentinelPool:
     """As ``sentinel_pool``, with ``BlockingConnectionPool``'s ``timeout`` for a free connection."""
     parsed = parse_sentinel_url(url)
     sentinels = _sentinels(parsed, connection_kwargs)
-    return BlockingSentinelPool(parsed.master, sentinels, **_server_kwargs(parsed), **connection_kwargs)
+    return BlockingSentinelPool(
+        parsed.master, sentinels, follower=follower, **_server_kwargs(parsed), **connection_kwargs
+    )
 
 
 __all__ = [
     "FORM",
     "BlockingSentinelPool",
     "MasterState",
+    "PrimaryFollower",
     "SentinelError",
     "SentinelPool",
     "SentinelUrl",
@@ -415,6 +463,7 @@ __all__ = [
     "is_sentinel_url",
     "master_state",
     "parse_sentinel_url",
+    "primary_follower",
     "redacted_sentinel_url",
     "sentinel_pool",
 ]

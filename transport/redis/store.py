@@ -73,6 +73,7 @@ from transport.redis.pools import (
     redacted,
     translate,
 )
+from transport.redis.sentinel import PrimaryFollower
 
 STORE_POOL = PoolOptions(max_connections=32)  # every gateway request and worker batch writes through it
 
@@ -96,8 +97,10 @@ class RedisTaskStore:
         subscribe_timeout_s: float = 5.0,
         ping_interval_s: float = 5.0,
         memory_watch_s: float | None = None,
+        follower: PrimaryFollower | None = None,
     ) -> None:
-        """``memory_watch_s``: how often to read whether Redis is full (None: never, for roles that admit nothing)."""
+        """``memory_watch_s``: how often to read whether Redis is full (None: never, for roles that admit nothing);
+        ``follower``: behind Sentinel, the one the process's pools share (``follower_of``)."""
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         self.redis_url = redis_url
@@ -106,7 +109,7 @@ class RedisTaskStore:
         self.ready_timeout_s = ready_timeout_s
         self._cluster = is_cluster_url(redis_url)
         self._publish = SPUBLISH if self._cluster else PUBLISH
-        self._commands = KeyedClient(redis_url, pool)
+        self._commands = KeyedClient(redis_url, pool, follower=follower)
         self._client = self._commands.redis
         self._primaries = NodeClients(redis_url, pool) if self._cluster else None
         """Over a cluster: a plain client per primary, for the pipelines that end in ``WAIT``."""
@@ -120,7 +123,7 @@ class RedisTaskStore:
         self._feed = ChangeFeed(
             self._client
             if isinstance(self._client, RedisCluster)
-            else pubsub_pool(redis_url, socket_timeout_s=pool.socket_timeout_s),
+            else pubsub_pool(redis_url, socket_timeout_s=pool.socket_timeout_s, follower=follower),
             names,
             self.get_many,
             ping_interval_s=ping_interval_s,
