@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import math
 
 from batcher.service import Batcher
 from batchwire import role_settings as rs
@@ -200,9 +201,12 @@ class _WorkerProcess:
         credits = RedisCreditPool(redis_url, names, follower=follower)
         deliveries = RedisDeliveryLog(redis_url, names, ttl_s=shared.result_ttl_s, follower=follower)
         dead_letters = KafkaDeadLetterProducer(bootstrap, names)
-        consumer = KafkaBatchConsumer(
-            bootstrap, names, settings.model, timing=GroupTiming(session_timeout_ms=args.session_timeout_ms)
+        timing = GroupTiming(
+            session_timeout_ms=args.session_timeout_ms,
+            # the group waits for a revocation, which lets the batches in hand end: drain_timeout_s
+            rebalance_timeout_ms=args.session_timeout_ms + math.ceil(settings.drain_timeout_s * 1000),
         )
+        consumer = KafkaBatchConsumer(bootstrap, names, settings.model, timing=timing)
         worker = Worker(
             settings,
             consumer,

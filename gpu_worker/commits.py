@@ -93,6 +93,8 @@ class Committer:
         self.given_back: list[Batch] = []
         """The batches left uncommitted, in the order they came."""
         self._tasks: list[asyncio.Task[None]] = []
+        self.in_hand = 0
+        """Batches fetched and not yet through (committed, or held back)."""
 
     def start(self) -> None:
         self._tasks = [
@@ -105,6 +107,7 @@ class Committer:
         filled or given up, or no later batch is committed."""
         slot = Slot(delivered)
         self._commits.put_nowait(slot)
+        self.in_hand += 1
         return slot
 
     def fill(self, slot: Slot, states: list[TaskState], call: Timed = None) -> asyncio.Future[None]:
@@ -172,6 +175,7 @@ class Committer:
             finally:
                 if not handed.done.done():  # a waiter that was cancelled cancelled it
                     handed.done.set_result(None)
+                self.in_hand -= 1
                 self._commits.task_done()
 
     async def _store(self, handed: Slot) -> None:

@@ -36,7 +36,8 @@ class WorkerSettings:
     idles the GPU, and the requests that miss it would have waited for a worker anyway. At light
     load a long lead would seal batches early for nothing, so ``credit_lead_ms`` applies."""
     drain_timeout_s: float = 30.0
-    """On shutdown, how long the batch in hand may take before it is handed back uncommitted."""
+    """On shutdown or a rebalance, how long the batches in hand may take before they are handed back
+    uncommitted."""
     retry_max_s: float = 2.0
     """Longest pause between tries while Kafka or Redis is unreachable."""
     max_output_bytes: int = 1_048_576

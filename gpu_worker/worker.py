@@ -15,8 +15,9 @@ Faults, in the order a batch meets them:
 * a batch delivered again (its last holder died or handed it back) runs carefully: suspects in
   halves, each group marked in flight first, results stored after each group; an input that kept
   killing workers goes to the dead-letter topic (``careful`` plans it, ``redelivery`` runs it);
-  fetched again while its own call runs here (a rebalance hands a kept partition back at its
-  committed offset), it waits for that call's stored results and runs none of the tasks they ended;
+  fetched again while its own call runs here (a rebalance that outlasts ``drain_timeout_s`` hands a
+  kept partition back at its committed offset), it waits for that call's stored results and runs
+  none of the tasks they ended;
 * a hung backend call makes the worker end ``expired`` the batch's items already past their
   deadline, give the batch back uncommitted, with every batch fetched after it, and stop (``hung``;
   ``given_back`` names them);
@@ -155,7 +156,7 @@ class Worker:
     # lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
         await self.runner.run(self.backend.load)
-        await self.consumer.start(self.offers.on_assigned, self.offers.on_revoked)
+        await self.consumer.start(self.offers.on_assigned, self._on_revoked)
         self.commits.start()
         self._task = asyncio.create_task(self._guarded(), name=f"worker-{self.settings.worker_id}")
 
@@ -191,6 +192,33 @@ class Worker:
             self.backend.close()
         if self.journal is not None:
             self.journal.close()
+
+    async def _on_revoked(self, partitions: frozenset[int]) -> None:
+        """Withdraws the credit, then lets the batches in hand end and commit before the partitions go:
+        the group's next assignment waits for this, and their next owner reads from the committed
+        offset, so it runs none of them while they still run here. At most ``drain_timeout_s`` (a
+        hung call fails the worker at its hang limit): past it they go uncommitted, and their next
+        owner may run them again (each task is answered once)."""
+        await self.offers.on_revoked(partitions)
+        if not self.commits.in_hand:
+            return
+        log.info(
+            "worker %s: partitions %s revoked with %d batch(es) in hand; they end and commit first",
+            self.settings.worker_id,
+            sorted(partitions),
+            self.commits.in_hand,
+        )
+        try:
+            async with asyncio.timeout(self.settings.drain_timeout_s):
+                await self.commits.drained()
+        except TimeoutError:
+            log.warning(
+                "worker %s: batches in hand still running %.0f s after partitions %s were revoked; they go "
+                "uncommitted, and their next owner may run them again",
+                self.settings.worker_id,
+                self.settings.drain_timeout_s,
+                sorted(partitions),
+            )
 
     async def _guarded(self) -> None:
         try:

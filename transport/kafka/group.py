@@ -85,6 +85,10 @@ class GroupTiming:
     max_poll_interval_ms: int = 300_000
     """A worker runs one batch between fetches: heartbeats flow from aiokafka's background task
     meanwhile, and this only bounds a stuck model call."""
+    rebalance_timeout_ms: int | None = None
+    """How long the coordinator waits for each member to rejoin once a rebalance starts, its revoked
+    callback included: a member still in it past this is dropped from the group, and its commits are
+    refused. None: the session timeout (aiokafka's default)."""
     request_timeout_ms: int = 30_000
     commit_timeout_s: float = 10.0
 
@@ -120,6 +124,7 @@ class GroupConsumer:
             "session_timeout_ms": timing.session_timeout_ms,
             "heartbeat_interval_ms": timing.heartbeat_interval_ms,
             "max_poll_interval_ms": timing.max_poll_interval_ms,
+            "rebalance_timeout_ms": timing.rebalance_timeout_ms,
             "fetch_max_wait_ms": timing.fetch_max_wait_ms,
             "max_poll_records": max_poll_records,
             "request_timeout_ms": timing.request_timeout_ms,
