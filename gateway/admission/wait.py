@@ -93,7 +93,7 @@ class ModelQueue:
 
     def read_credits(self, credits: Iterable[Credit], now_ms: int) -> None:
         self.workers.seen(credits)
-        self.stated = self.workers.stated(now_ms, self.service.seconds)
+        self._state(self.workers.stated(now_ms, self.service.seconds))
 
     def answered(self, latency_s: float) -> None:
         """A synchronous answer's latency. The model's first one gives a call time to the workers that
@@ -102,7 +102,11 @@ class ModelQueue:
         known = self.service.seconds
         self.service.observe(latency_s)
         if self.stated is None or not known:  # rarely: the clock is read only then
-            self.stated = self.workers.stated(self._wall_ms(), self.service.seconds)
+            self._state(self.workers.stated(self._wall_ms(), self.service.seconds))
+
+    def _state(self, stated: Stated | None) -> None:
+        self.stated = stated
+        self.drain.full_batch = stated.full_batch if stated is not None else 1
 
     def predict(self, backlog: Backlog, tier: Priority) -> Prediction:
         """``backlog``: the counters, with this gateway's unseen admissions already added to ``depth``."""
@@ -134,7 +138,10 @@ class Estimate:
 class DrainMeter:
     """One model's drain rate and progress, from successive ``Backlog`` samples.
 
-    The rate is measured only over spans in which the queue stayed non-empty; one in which no batch
+    The rate is measured only over spans in which the queue held a full batch (``full_batch``, the
+    smallest its workers take; 1 while unknown) at both reads: a queue shorter than that drains as
+    fast as requests come (one client sending one request at a time, read through counters that lag,
+    looks non-empty from read to read), which says nothing of the workers. A span in which no batch
     left measures nothing (a batcher still joining its group is a stall's question). That makes it a
     lower bound on the model's capacity, so the meter keeps the highest, halving it only over
     ``half_life_s`` of spans that measure less: a burst after a quiet spell is not refused for a rate
@@ -168,6 +175,8 @@ class DrainMeter:
         """Requests must have waited this long with no batch before a stall is declared: a model idle
         for an hour is not stalled the moment its next request arrives."""
         self.sample_every_s = sample_every_s
+        self.full_batch = 1
+        """The fewest waiting requests that keep a worker's next batch full (``ModelQueue`` sets it)."""
         self._last: Backlog | None = None
         self._busy_s = 0.0
         self._busy_left = 0
@@ -237,7 +246,7 @@ class DrainMeter:
             # unknown, so the wait for a batch starts again rather than counting the outage.
             self._batch_at_s = now.at_s
             self._waiting_since_s = None
-        if last.depth > 0 and now.depth > 0:
+        if min(last.depth, now.depth) >= self.full_batch:
             self._busy_s += now.at_s - last.at_s
             self._busy_left += max(0, now.left - last.left)
             self._busy_batches += max(0, now.batches - last.batches)
@@ -260,6 +269,8 @@ class Stated:
     """Requests/s they take together in full batches at their recent call times."""
     call_s: float
     """The longest of their recent call times: the least an answer takes, while none is measured."""
+    full_batch: int
+    """The smallest of their largest batches: a queue this deep keeps any of them busy with a full one."""
 
 
 class WorkerRates:
@@ -290,7 +301,7 @@ class WorkerRates:
         if not calls_s or min(calls_s) <= 0 or any(credit.max_batch <= 0 for credit in latest.values()):
             return None
         rate = sum(credit.max_batch / call_s for credit, call_s in zip(latest.values(), calls_s, strict=True))
-        return Stated(rate, max(calls_s))
+        return Stated(rate, max(calls_s), min(credit.max_batch for credit in latest.values()))
 
 
 WINDOW = 1000

@@ -337,7 +337,7 @@ def credit(worker: str, *, issued_ms: int = 0, ttl_ms: int = 5_000, max_batch: i
 def test_the_model_drains_at_most_the_sum_of_its_workers_full_batches_per_call() -> None:
     rates = WorkerRates()
     rates.seen([credit("w1"), credit("w2", max_batch=10, busy_ms=200)])
-    assert rates.stated(1_000) == Stated(pytest.approx(50 + 50), 0.2)
+    assert rates.stated(1_000) == Stated(pytest.approx(50 + 50), 0.2, 5), "a queue of 5 fills either's batch"
     assert WorkerRates().stated(1_000) is None, "a model whose credits were never read has no rate"
 
 
@@ -346,8 +346,8 @@ def test_a_workers_latest_credit_counts_once_and_is_kept_until_it_expires() -> N
     rates = WorkerRates()
     rates.seen([credit("w1", busy_ms=100), credit("w2")])
     rates.seen([credit("w1", issued_ms=1_000, busy_ms=200)])  # w2's credit is claimed meanwhile
-    assert rates.stated(2_000) == Stated(pytest.approx(25 + 50), 0.2)
-    assert rates.stated(5_000) == Stated(pytest.approx(25), 0.2), "w2 is gone: its credit expired"
+    assert rates.stated(2_000) == Stated(pytest.approx(25 + 50), 0.2, 5)
+    assert rates.stated(5_000) == Stated(pytest.approx(25), 0.2, 5), "w2 is gone: its credit expired"
     assert rates.stated(6_000) is None
 
 
@@ -356,7 +356,7 @@ def test_a_worker_that_has_not_run_a_call_leaves_the_rate_unknown() -> None:
     rates = WorkerRates()
     rates.seen([credit("w1"), credit("fresh", busy_ms=0)])
     assert rates.stated(1_000) is None
-    assert rates.stated(1_000, answer_s=0.2) == Stated(pytest.approx(50 + 25), 0.2), (
+    assert rates.stated(1_000, answer_s=0.2) == Stated(pytest.approx(50 + 25), 0.2, 5), (
         "once an answer came, it stands for the call time a fresh worker has not stated"
     )
     unlimited = WorkerRates()
@@ -413,3 +413,21 @@ def test_a_cold_models_first_answer_gives_its_fresh_workers_a_rate() -> None:
     predicted = queue.predict(Backlog(800, 0, 0, 0.1), Priority.NORMAL)
     assert predicted.rate_per_s == pytest.approx(2_000)
     assert predicted.refuses(0.5)
+
+
+def test_one_request_at_a_time_teaches_no_rate_below_what_the_workers_state() -> None:
+    """A client that sends its next request when the last is answered keeps at most one waiting; read
+    through counters that lag (a batcher commits after its batch is on the bus), the queue looks
+    non-empty from read to read while one request a call leaves. That drain is the client's pace, not
+    the workers': it must not stand for the model's rate, or the next burst, which one worker's batches
+    would answer in time, is refused (one worker of 5 a batch and 100 ms calls: 50 requests/s)."""
+    queue = ModelQueue(stall_s=5.0, wall_ms=lambda: 1_000)
+    queue.read_credits([credit("w1", max_batch=5, busy_ms=100)], 1_000)
+    left, at = 0, 0.0
+    for _ in range(40):  # 6 s of one request per 0.15 s read, each read still counting one as waiting
+        at += 0.15
+        left += 1
+        queue.predict(Backlog(1, left, left, at), Priority.NORMAL)
+    predicted = queue.predict(Backlog(100, left, left, at + 0.05), Priority.NORMAL)
+    assert predicted.rate_per_s == pytest.approx(50.0), "the workers' own word stands"
+    assert not predicted.refuses(3.0), f"100 requests at 50/s are answered within 3 s: {predicted}"
