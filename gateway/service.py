@@ -155,6 +155,7 @@ class Gateway:
         disconnected: Disconnected | None = ...,
         priority: str | None = ...,
         charged: bool = ...,
+        weight: int | None = ...,
     ) -> Answer: ...
     @overload
     async def submit(
@@ -169,6 +170,7 @@ class Gateway:
         disconnected: Disconnected | None = ...,
         priority: str | None = ...,
         charged: bool = ...,
+        weight: int | None = ...,
     ) -> Accepted: ...
 
     async def submit(
@@ -183,6 +185,7 @@ class Gateway:
         disconnected: Disconnected | None = None,
         priority: str | None = None,
         charged: bool = False,
+        weight: int | None = None,
     ) -> Answer | Accepted:
         """Stores and publishes one request; with ``wait``, holds the caller until its answer or deadline.
 
@@ -192,7 +195,8 @@ class Gateway:
         synchronous caller without a key whose ``disconnected`` completes has its task cancelled;
         with a key the task runs on, for the retry the key announces. ``priority`` names the tier
         (``gateway.admission.priority``: the key's default when None, never above its ceiling).
-        ``charged``: the request is one input of several whose rate-limit tokens ``charge`` took.
+        ``charged``: the request is one input of several whose rate-limit tokens ``charge`` took, and
+        ``weight`` its tokens that ``charge`` counted.
         """
         started = self._clock.monotonic()
         model, timeout_ms = validated(self.settings, input, model, timeout_ms)
@@ -210,7 +214,9 @@ class Gateway:
         try:
             if self._admission.active:
                 check = None if charged else count
-                ticket = await self._admission.admit(caller, model, timeout_ms, tier, charged=charged, check=check)
+                ticket = await self._admission.admit(
+                    caller, model, timeout_ms, tier, charged=charged, check=check, weight=weight
+                )
             elif count is not None:
                 await count()
             if (full := self._store.full(model)) is not None:
@@ -256,18 +262,19 @@ class Gateway:
         if (refusal := self._store.refuses_writes()) is not None:  # full: an answer could not be stored
             raise Unavailable(refusal)
 
-    async def charge(self, caller: Caller, inputs: Sequence[str], model: str | None) -> None:
+    async def charge(self, caller: Caller, inputs: Sequence[str], model: str | None) -> Sequence[int] | None:
         """Takes the rate-limit tokens of a request of several ``inputs`` at once, before their submits
         (``charged``), so it is admitted whole or refused whole (``Admission.charge``). What refuses an
         input without I/O (its validation, a gateway not open) is checked first, and the inputs' token
-        counts last, as a single request's are."""
+        counts last, as a single request's are: returns them (None without a token budget), each
+        input's ``weight`` for its submit."""
         if not self._admission.active:
-            return
+            return None
         for input in inputs:
             validated(self.settings, input, model, None)
         self._check_open()
         count = None if self._token_budget is None else functools.partial(self._token_budget.check, *inputs)
-        await self._admission.charge(caller, len(inputs), count)
+        return await self._admission.charge(caller, len(inputs), count)
 
     async def refund(self, caller: Caller, inputs: int) -> None:
         """Gives back the tokens ``charge`` took for a request its queue, or a gateway closing, then

@@ -10,6 +10,11 @@ other client sent meanwhile) is never held to a share.
 
 Rates are this gateway's own admissions, decayed with a half-life of ``HALF_LIFE_S``: with several
 gateways, a client spread over them is held to a share at each. Pure: time is passed in.
+
+Under a token budget a request weighs its tokens: a batch's cost goes with its padded tokens, so a
+long input costs the model what many short ones do. Rates are then tokens/s, and the drain, measured
+in requests, is taken at the mean weight of the model's recent admissions, so that a client of long
+inputs is held to its share of the model's work, not of its count of requests.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ HALF_LIFE_S = 1.0
 FAIR_AFTER_S = 1.0
 """The queue's predicted wait past which shares apply: below it, every request is served soon."""
 ACTIVE_PER_S = 0.5
-"""A client whose rate has decayed below this is no longer counted as sending."""
+"""A client whose rate has decayed below this is no longer counted as sending (in requests/s, or in
+tokens/s where requests weigh their tokens: a client of short inputs still sending counts)."""
 PRUNE_AT = 1024
 """Clients of one model remembered before those no longer sending are first dropped; after that, once
 they are twice as many as the last pruning left, so each admission pays for a walk of them only
@@ -36,17 +42,29 @@ class FairShare:
 
     def __init__(self, half_life_s: float = HALF_LIFE_S) -> None:
         self.half_life_s = half_life_s
+        self._step = math.log(2) / half_life_s
+        """What one admission of weight one adds to its client's decayed rate."""
         self._rates: dict[str, dict[str, tuple[float, float]]] = {}
         """model -> client -> (rate per second, when it was last brought up to date)."""
         self._prune_at: dict[str, int] = {}
         """model -> how many clients it may remember before the next pruning."""
         self._levels: dict[str, tuple[float, float, float, int]] = {}
         """model -> (when, for which drain, the share, how many clients were sending)."""
+        self._weighed: dict[str, tuple[float, float, float]] = {}
+        """model -> (decayed rate of requests, of their weight, when), kept only for weighed admissions."""
 
-    def admitted(self, model: str, client: str, now_s: float) -> None:
+    def admitted(self, model: str, client: str, now_s: float, weight: int | None = None) -> None:
+        """``weight``: what the request costs the model (its tokens, under a token budget); None: one."""
         clients = self._rates.setdefault(model, {})
         rate = self._decayed(clients.get(client), now_s)
-        clients[client] = (rate + math.log(2) / self.half_life_s, now_s)
+        step = self._step
+        if weight is None:
+            clients[client] = (rate + step, now_s)
+        else:
+            clients[client] = (rate + weight * step, now_s)
+            requests, weights, at_s = self._weighed.get(model, (0.0, 0.0, now_s))
+            decay = 0.5 ** (max(0.0, now_s - at_s) / self.half_life_s)
+            self._weighed[model] = (requests * decay + step, weights * decay + weight * step, now_s)
         if len(clients) >= self._prune_at.get(model, PRUNE_AT):  # clients that stopped sending are forgotten
             for name, entry in list(clients.items()):
                 if self._decayed(entry, now_s) < ACTIVE_PER_S:
@@ -59,23 +77,28 @@ class FairShare:
 
     def over_share(self, model: str, client: str, drain_per_s: float, now_s: float) -> tuple[float, float, int] | None:
         """``(rate, share, clients)`` when ``client`` sends ``model`` more than its fair share of
-        ``drain_per_s`` among the clients sending now; None when it does not, or sends alone."""
+        ``drain_per_s`` (requests) among the clients sending now; None when it does not, or sends alone.
+        With weighed admissions, rates and shares are weight per second, and the drain is taken at the
+        mean weight of the model's recent admissions."""
         clients = self._rates.get(model)
         mine = self._decayed(clients.get(client), now_s) if clients else 0.0
         if not clients or mine < ACTIVE_PER_S:
             return None
         level = self._levels.get(model)
         if level is None or level[3] < 2 or level[1] != drain_per_s or now_s - level[0] >= LEVEL_FOR_S:
-            level = self._levels[model] = self._level(clients, drain_per_s, now_s)
+            level = self._levels[model] = self._level(model, clients, drain_per_s, now_s)
         _, _, share, sending = level
         if sending < 2:
             return None
         return (mine, share, sending) if mine > share else None
 
     def _level(
-        self, clients: dict[str, tuple[float, float]], drain_per_s: float, now_s: float
+        self, model: str, clients: dict[str, tuple[float, float]], drain_per_s: float, now_s: float
     ) -> tuple[float, float, float, int]:
-        """The share of ``drain_per_s`` among the clients sending now, forgetting those that stopped."""
+        """The share of ``drain_per_s`` (in weight, with weighed admissions) among the clients sending now,
+        forgetting those that stopped."""
+        weighed = self._weighed.get(model)
+        mean = 1.0 if weighed is None else weighed[1] / weighed[0]
         rates = []
         for name, entry in list(clients.items()):
             rate = self._decayed(entry, now_s)
@@ -83,7 +106,7 @@ class FairShare:
                 del clients[name]
             else:
                 rates.append(rate)
-        return (now_s, drain_per_s, water_level(sorted(rates), drain_per_s), len(rates))
+        return (now_s, drain_per_s, water_level(sorted(rates), drain_per_s * mean), len(rates))
 
     def _decayed(self, entry: tuple[float, float] | None, now_s: float) -> float:
         if entry is None:

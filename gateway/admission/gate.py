@@ -15,7 +15,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from prometheus_client import Counter
@@ -51,9 +51,10 @@ class Caller:
 
 ANONYMOUS = Caller()
 
-Check = Callable[[], Awaitable[None]]
+Check = Callable[[], Awaitable[Sequence[int]]]
 """A request's check that costs more than its rate-limit token (its inputs' token count): run once the
-token is taken, so a client over its limit is refused before it costs one; raises a ``GatewayError``."""
+token is taken, so a client over its limit is refused before it costs one; raises a ``GatewayError``,
+else returns each input's weight (its tokens) in its client's fair share."""
 
 
 class Admission:
@@ -90,6 +91,8 @@ class Admission:
             Priority.LOW: (math.ceil(settings.max_queue_depth * settings.queue_fraction_low), "queue_fraction_low"),
         }
         self._fair = FairShare()
+        self._share_unit = "tokens" if settings.max_batch_tokens > 0 else "requests"
+        """What a fair share counts: a request's tokens weigh it where a token budget counts them."""
         self._clock = clock
         self._counters: dict[tuple[str, Priority, str], Counter] = {}
         self.retry_after_s = settings.retry_after_s
@@ -146,16 +149,18 @@ class Admission:
         *,
         charged: bool = False,
         check: Check | None = None,
+        weight: int | None = None,
     ) -> Ticket | None:
         """Returns when the request may go on; raises ``Overloaded``, ``RateLimited`` or ``Unavailable``.
-        ``charged``: its rate-limit token was taken with its request's others (``charge``); else
-        ``check`` runs once its token is taken (``charge``), before it counts as admitted.
+        ``charged``: its rate-limit token was taken with its request's others (``charge``), and
+        ``weight`` is its weight that ``charge`` returned; else ``check`` runs once its token is taken
+        (``charge``), before it counts as admitted, and returns its weight.
 
         The ticket (None when no queue is watched) is to be told when the request is ``sent`` and
         ``close``d when its submit ends. Each outcome counts in ``batchwire_tier_submits`` under the
         request's model and tier."""
         try:
-            ticket = await self._admit(caller, model, timeout_ms, tier, charged, check)
+            ticket = await self._admit(caller, model, timeout_ms, tier, charged, check, weight)
         except Overloaded:
             self.count(model, tier, "refused")
             raise
@@ -170,19 +175,21 @@ class Admission:
             counter = self._counters[key] = TIER_SUBMITS.labels(model=model, priority=tier.value, outcome=outcome)
         counter.inc()
 
-    async def charge(self, caller: Caller, inputs: int, check: Check | None = None) -> None:
+    async def charge(self, caller: Caller, inputs: int, check: Check | None = None) -> Sequence[int] | None:
         """Takes ``inputs`` tokens from the caller's rate limit at once, one per input of its request, so
         a request of several inputs is admitted whole or refused whole; raises ``RateLimited``,
         ``Unavailable``, or ``ValidationFailed`` for more inputs than a burst, which no wait admits.
         Then runs ``check``, what refuses the request at more cost than the token (its token count), so
-        that a client over its limit never gets that far; a refusal there gives the tokens back."""
+        that a client over its limit never gets that far; a refusal there gives the tokens back.
+        Returns the inputs' weights that ``check`` returns (None without one)."""
         await self._take(caller, inputs)
-        if check is not None:
-            try:
-                await check()
-            except GatewayError:
-                await self.refund(caller, inputs)
-                raise
+        if check is None:
+            return None
+        try:
+            return await check()
+        except GatewayError:
+            await self.refund(caller, inputs)
+            raise
 
     async def _take(self, caller: Caller, inputs: int) -> None:
         limiter = self._limiter
@@ -212,7 +219,14 @@ class Admission:
                 await self._limiter.acquire(caller.client, -inputs)
 
     async def _admit(
-        self, caller: Caller, model: str, timeout_ms: int, tier: Priority, charged: bool, check: Check | None
+        self,
+        caller: Caller,
+        model: str,
+        timeout_ms: int,
+        tier: Priority,
+        charged: bool,
+        check: Check | None,
+        weight: int | None,
     ) -> Ticket | None:
         queue_depth = self._queue_depth
         unseen = self._unseen.get(model)
@@ -235,13 +249,13 @@ class Admission:
                         f"are refused from {limit} ({_limit_of(setting, self.max_queue_depth)}); nothing was "
                         "queued: retry after the Retry-After delay"
                     )
-        if not charged:
-            await self.charge(caller, 1, check)
+        if not charged and (weights := await self.charge(caller, 1, check)):
+            weight = weights[0]
         queue = self._queues.get(model)
         if queue is not None:
             queue.mix.admitted(tier)
         if client is not None:
-            self._fair.admitted(model, client, self._clock())
+            self._fair.admitted(model, client, self._clock(), weight)
         return unseen.admitted() if unseen is not None and queue_depth is not None else None
 
     def answered(self, model: str, latency_s: float) -> None:
@@ -320,10 +334,11 @@ class Admission:
         over = self._fair.over_share(model, client, drain, self._clock())
         if over is not None:
             rate, share, clients = over
+            unit = self._share_unit
             raise Overloaded(
-                f"this client sends {rate:.0f} requests/s to model {model!r}, above its fair share of "
-                f"{share:.0f} of the {drain:.0f} requests/s the model drains among the {clients} clients sending "
-                f"now, and {queued_s:.1f} s of work is queued; nothing was queued: send less, or retry "
+                f"this client sends {rate:.0f} {unit}/s to model {model!r}, above its fair share of "
+                f"{share:.0f} {unit}/s among the {clients} clients sending now; the model drains {drain:.0f} "
+                f"requests/s and {queued_s:.1f} s of work is queued; nothing was queued: send less, or retry "
                 "after the Retry-After delay"
             )
 

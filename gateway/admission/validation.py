@@ -66,8 +66,10 @@ class TokenBudget:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gateway-tokens")
         self._closed = False
 
-    async def check(self, *inputs: str) -> None:
-        """Refuses the first of ``inputs`` (those of one request) over the budget or unreadable."""
+    async def check(self, *inputs: str) -> list[int]:
+        """Refuses the first of ``inputs`` (those of one request) over the budget or unreadable; returns
+        each one's tokens, what it weighs in its client's fair share (``gateway.admission.fair_share``)."""
+        counts = []
         for input in inputs:
             if self._closed:
                 raise NotReady("the gateway is shutting down; retry on another instance")
@@ -83,6 +85,8 @@ class TokenBudget:
                     f"input is {tokens} tokens; a batch holds at most {self._settings.max_batch_tokens} "
                     f"({env_name('max_batch_tokens')}): send a shorter input"
                 )
+            counts.append(tokens)
+        return counts
 
     def close(self) -> None:
         """Lets the thread end once the counts already asked for are done; a later one is refused."""

@@ -35,6 +35,29 @@ def test_a_client_over_its_share_is_named_and_one_under_it_is_not() -> None:
     assert fair.over_share("m", "quiet", 50.0, 2.0) is None
 
 
+def test_weighed_by_tokens_the_client_of_long_inputs_is_over_its_share_not_the_one_of_many_short() -> None:
+    """30 requests/s drained: "long" sends 20/s of 250 tokens, "short" 40/s of 5. By count, "short" is
+    over its share (15/s); by weight, "long" sends nearly all the work, and is."""
+    fair = FairShare()
+    for step in range(40):  # 2 s
+        now = step / 20
+        fair.admitted("m", "long", now, 250)
+        fair.admitted("m", "short", now, 5)
+        fair.admitted("m", "short", now, 5)
+    over = fair.over_share("m", "long", 30.0, 2.0)
+    assert over is not None, "the long inputs' client sends more work than is left to it"
+    _, share, clients = over
+    mean = (20 * 250 + 40 * 5) / 60
+    assert clients == 2 and abs(share - (30 * mean - 40 * 5)) < 0.2 * 30 * mean, f"a share in tokens/s: {over}"
+    assert fair.over_share("m", "short", 30.0, 2.0) is None, "the short inputs' client is within its share"
+    by_count = FairShare()
+    for step in range(40):
+        now = step / 20
+        for client in ("long", "short", "short"):
+            by_count.admitted("m", client, now)
+    assert by_count.over_share("m", "short", 30.0, 2.0) is not None, "counted, the many short requests look over"
+
+
 def test_a_lone_client_is_never_held_to_a_share() -> None:
     fair = FairShare()
     for step in range(40):

@@ -18,7 +18,7 @@ import math
 import secrets
 import struct
 import time
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Iterable, Sequence
 from typing import Any, Literal, TypeVar
 
 from fastapi import APIRouter
@@ -265,8 +265,10 @@ async def embeddings(request: Request) -> Response:
     try:
         caller, body = await _read(request, EmbeddingsBody)
         texts = _texts(body)
-        await gateway.charge(caller, texts, body.model)
-        answers = await _refunded(_submit_all(gateway, texts, body.model, caller, request), gateway, caller, len(texts))
+        weights = await gateway.charge(caller, texts, body.model)
+        answers = await _refunded(
+            _submit_all(gateway, texts, weights, body.model, caller, request), gateway, caller, len(texts)
+        )
         model = answers[0].model
         vectors = [_vector(answer.output, model) for answer in answers]
     except GatewayError as exc:
@@ -291,9 +293,9 @@ async def completions(request: Request) -> Response:
         caller, body = await _read(request, CompletionsBody)
         prompts = _prompts(body)
         stops = _stops(body.stop)
-        await gateway.charge(caller, prompts, body.model)
+        weights = await gateway.charge(caller, prompts, body.model)
         if body.stream:
-            chunks = CompletionChunks(gateway, prompts, body, stops, caller)
+            chunks = CompletionChunks(gateway, prompts, body, stops, caller, weights)
             try:
                 # An error before anything was answered is a JSON error, not a stream; a client that
                 # leaves before then has its prompts' tasks cancelled, as one that leaves the stream.
@@ -303,7 +305,7 @@ async def completions(request: Request) -> Response:
                 raise
             return EventStream(chunks, ping_s=gateway.settings.sse_ping_s, end=deployment.streams_end, cut=CUT)
         answers = await _refunded(
-            _submit_all(gateway, prompts, body.model, caller, request), gateway, caller, len(prompts)
+            _submit_all(gateway, prompts, weights, body.model, caller, request), gateway, caller, len(prompts)
         )
     except GatewayError as exc:
         return openai_error(exc, gateway.settings.retry_after_s)
@@ -332,13 +334,29 @@ class CompletionChunks:
     gone (their tasks are cancelled, as at a disconnect) and awaits them."""
 
     def __init__(
-        self, gateway: Gateway, prompts: list[str], body: CompletionsBody, stops: list[str], caller: Caller
+        self,
+        gateway: Gateway,
+        prompts: list[str],
+        body: CompletionsBody,
+        stops: list[str],
+        caller: Caller,
+        weights: Sequence[int] | None = None,
     ) -> None:
+        """``weights``: each prompt's tokens, as ``Gateway.charge`` counted them (None: not counted)."""
         self._gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._index: dict[asyncio.Future[Answer], int] = {}
         for index, prompt in enumerate(prompts):
             submit = asyncio.ensure_future(
-                gateway.submit(prompt, body.model, None, True, caller=caller, disconnected=self._watch, charged=True)
+                gateway.submit(
+                    prompt,
+                    body.model,
+                    None,
+                    True,
+                    caller=caller,
+                    disconnected=self._watch,
+                    charged=True,
+                    weight=None if weights is None else weights[index],
+                )
             )
             self._index[submit] = index
         self._pending = set(self._index)
@@ -477,11 +495,17 @@ async def _refunded(submits: Awaitable[T], gateway: Gateway, caller: Caller, inp
 
 
 async def _submit_all(
-    gateway: Gateway, texts: list[str], model: str | None, caller: Caller, request: Request
+    gateway: Gateway,
+    texts: list[str],
+    weights: Sequence[int] | None,
+    model: str | None,
+    caller: Caller,
+    request: Request,
 ) -> list[Answer]:
-    """Every string submitted at once (their rate-limit tokens already taken: ``Gateway.charge``) and
-    waited for together; the first error ends the request (the others' callers are gone, as at a
-    disconnect: their tasks are cancelled). One watch of the connection serves every submit."""
+    """Every string submitted at once (their rate-limit tokens already taken, and ``weights`` their tokens
+    counted: ``Gateway.charge``) and waited for together; the first error ends the request (the others'
+    callers are gone, as at a disconnect: their tasks are cancelled). One watch of the connection serves
+    every submit."""
     gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # the client left, or an error
     receiving = asyncio.ensure_future(disconnected(request.receive))
     receiving.add_done_callback(lambda _: None if gone.done() else gone.set_result(None))
@@ -490,8 +514,19 @@ async def _submit_all(
         return asyncio.shield(gone)
 
     submits = [
-        asyncio.ensure_future(gateway.submit(text, model, None, True, caller=caller, disconnected=watch, charged=True))
-        for text in texts
+        asyncio.ensure_future(
+            gateway.submit(
+                text,
+                model,
+                None,
+                True,
+                caller=caller,
+                disconnected=watch,
+                charged=True,
+                weight=None if weights is None else weights[index],
+            )
+        )
+        for index, text in enumerate(texts)
     ]
     try:
         done, _ = await asyncio.wait(submits, return_when=asyncio.FIRST_EXCEPTION)
