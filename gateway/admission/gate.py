@@ -99,7 +99,8 @@ class Admission:
         self.by_wait = settings.admit_by_wait
         self._queue_depth = queue_depth if settings.max_queue_depth > 0 or settings.admit_by_wait else None
         self._limiter = limiter if settings.rate_limit_per_s > 0 else None
-        self._queues = {model: ModelQueue(stall_s=settings.stall_s) for model in settings.models}
+        by_tokens = settings.max_batch_tokens > 0
+        self._queues = {model: ModelQueue(stall_s=settings.stall_s, by_tokens=by_tokens) for model in settings.models}
         self._credits = credits
         self._unseen = {model: Unseen(clock) for model in settings.models}
         self._states: dict[str, str] = {}

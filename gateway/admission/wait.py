@@ -81,9 +81,13 @@ class ModelQueue:
         stall_s: float,
         clock: Callable[[], float] = time.monotonic,
         wall_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
+        by_tokens: bool = False,
     ) -> None:
-        """``wall_ms``: the wall clock credits expire by, read only while a worker's call time is unknown."""
+        """``wall_ms``: the wall clock credits expire by, read only while a worker's call time is unknown.
+        ``by_tokens``: batches are bounded by a token budget, so how many requests fill one is not known
+        (the drain is measured whenever requests wait)."""
         self._wall_ms = wall_ms
+        self._by_tokens = by_tokens
         self.drain = DrainMeter(stall_s=stall_s)
         self.workers = WorkerRates()
         self.mix = TierMix()
@@ -106,7 +110,7 @@ class ModelQueue:
 
     def _state(self, stated: Stated | None) -> None:
         self.stated = stated
-        self.drain.full_batch = stated.full_batch if stated is not None else 1
+        self.drain.full_batch = stated.full_batch if stated is not None and not self._by_tokens else 1
 
     def predict(self, backlog: Backlog, tier: Priority) -> Prediction:
         """``backlog``: the counters, with this gateway's unseen admissions already added to ``depth``."""
@@ -139,9 +143,10 @@ class DrainMeter:
     """One model's drain rate and progress, from successive ``Backlog`` samples.
 
     The rate is measured only over spans in which the queue held a full batch (``full_batch``, the
-    smallest its workers take; 1 while unknown) at both reads: a queue shorter than that drains as
-    fast as requests come (one client sending one request at a time, read through counters that lag,
-    looks non-empty from read to read), which says nothing of the workers. A span in which no batch
+    smallest its workers take; 1 while unknown, or where a token budget bounds batches) at both reads:
+    a queue shorter than that drains as fast as requests come (one client sending one request at a
+    time, read through counters that lag, looks non-empty from read to read), which says nothing of
+    the workers. A span in which no batch
     left measures nothing (a batcher still joining its group is a stall's question). That makes it a
     lower bound on the model's capacity, so the meter keeps the highest, halving it only over
     ``half_life_s`` of spans that measure less: a burst after a quiet spell is not refused for a rate
