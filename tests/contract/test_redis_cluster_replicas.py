@@ -7,6 +7,7 @@ the one without replicas (``redis_cluster``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -236,6 +237,62 @@ async def test_a_watch_follows_its_slot_to_another_primary(tmp_path: Path, names
             assert store.reachable(), "the hub of the old owner is connected again"
 
 
+async def test_a_slot_moved_off_a_node_moves_its_channels_and_the_feed_stays_connected(
+    tmp_path: Path, names: Names
+) -> None:
+    """A resharding moves one slot of the node that holds two watched channels: Redis ends the moved
+    slot's subscription (``sunsubscribe``) and no other. The feed moves that channel alone; its
+    connection to the node is no lost connection, so the store never reads unreachable (which a
+    gateway answers 503) and nothing reconnects; both watches hear their task's end."""
+    async with _own_cluster(tmp_path, names) as (cluster, store):
+        moved_id = "slot-1"  # not stored before the move: its slot holds no key to migrate
+        slot = key_slot(moved_id.encode())
+        owner = next(node for node in cluster.nodes if _serves(node.port, slot))
+        heir = next(node for node in cluster.nodes if node.port != owner.port)
+        kept_id = next(
+            f"k{n}"
+            for n in range(1_000)
+            if _serves(owner.port, key_slot(f"k{n}".encode())) and key_slot(f"k{n}".encode()) != slot
+        )
+        await store.create(state(kept_id, TaskStatus.QUEUED))
+        async with store.watch(kept_id) as kept, store.watch(moved_id) as events, _reachable_throughout(store) as gaps:
+            await asyncio.to_thread(_move_slot, cluster, slot, owner.port, heir.port)
+            assert await _applied_once_served(store, state(moved_id, TaskStatus.COMPLETED, output="moved"))
+            await _ends_with(events, "moved")
+            assert await store.apply([state(kept_id, TaskStatus.COMPLETED, output="kept")]) == [True]
+            await _ends_with(kept, "kept")
+        assert gaps == [], f"the store read unreachable while one slot moved: {gaps}"
+        assert store.reconnects == 0, "no PubSub connection was lost"
+
+
+async def test_a_watch_subscribed_on_a_slots_old_owner_follows_it_to_the_new_one(tmp_path: Path, names: Names) -> None:
+    """The slot map names a slot's old owner (it moved since the map was read): the SSUBSCRIBE there
+    answers ``MOVED``, and the feed subscribes the channel on the new owner, its connection to the old
+    one kept, so the store never reads unreachable, and the watch hears its task's end."""
+    async with _own_cluster(tmp_path, names) as (cluster, store):
+        task_id = "stale-1"
+        slot = key_slot(task_id.encode())
+        owner = next(node for node in cluster.nodes if _serves(node.port, slot))
+        heir = next(node for node in cluster.nodes if node.port != owner.port)
+        kept_id = next(
+            f"k{n}"
+            for n in range(1_000)
+            if _serves(owner.port, key_slot(f"k{n}".encode())) and key_slot(f"k{n}".encode()) != slot
+        )
+        hubs = store._feed._hub
+        assert isinstance(hubs, ShardedHubs)
+        nodes = hubs._cluster.nodes_manager
+        stale = nodes.slots_cache[slot]
+        async with store.watch(kept_id), _reachable_throughout(store) as gaps:
+            await asyncio.to_thread(_move_slot, cluster, slot, owner.port, heir.port)
+            nodes.slots_cache[slot] = stale  # as read before the move
+            async with asyncio.timeout(10), store.watch(task_id) as events:
+                assert await _applied_once_served(store, state(task_id, TaskStatus.COMPLETED, output="followed"))
+                await _ends_with(events, "followed")
+        assert gaps == [], f"the store read unreachable while a watch followed its slot: {gaps}"
+        assert store.reconnects == 0, "no PubSub connection was lost"
+
+
 async def test_a_watch_on_a_dead_primarys_slot_fails_as_a_transport_error_until_its_replica_serves(
     tmp_path: Path, names: Names
 ) -> None:
@@ -300,6 +357,44 @@ async def _ends_with(events: AsyncIterator[TaskState], output: str) -> None:
     while seen.status is not TaskStatus.COMPLETED:
         seen = await asyncio.wait_for(anext(events), 10)
     assert seen.output == output
+
+
+def _move_slot(cluster: LocalRedisCluster, slot: int, owner: int, heir: int) -> None:
+    """Moves an empty ``slot`` from the primary on ``owner`` to the one on ``heir`` as a resharding
+    does (``redis-cli --cluster reshard``): importing, migrating, then the new owner told to every node."""
+    with redis.Redis(port=heir, decode_responses=True) as client:
+        heir_id = client.execute_command("CLUSTER", "MYID")
+    with redis.Redis(port=owner, decode_responses=True) as client:
+        owner_id = client.execute_command("CLUSTER", "MYID")
+    with redis.Redis(port=heir) as client:
+        client.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", owner_id)
+    with redis.Redis(port=owner) as client:
+        client.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", heir_id)
+    for port in sorted(cluster.primary_ports(), key=lambda port: (port != heir, port != owner)):
+        with redis.Redis(port=port) as client:
+            client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", heir_id)
+
+
+@asynccontextmanager
+async def _reachable_throughout(store: RedisTaskStore) -> AsyncIterator[list[float]]:
+    """Samples ``store.reachable()`` every millisecond meanwhile; yields the list of the times (from
+    the start) it read False, filled as it goes."""
+    gaps: list[float] = []
+    start = time.monotonic()
+
+    async def sample() -> None:
+        while True:
+            if not store.reachable():
+                gaps.append(round(time.monotonic() - start, 3))
+            await asyncio.sleep(0.001)
+
+    sampler = asyncio.create_task(sample())
+    try:
+        yield gaps
+    finally:
+        sampler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sampler
 
 
 def _serves(port: int, slot: int) -> bool:

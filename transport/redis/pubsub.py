@@ -20,7 +20,7 @@ from redis.asyncio.client import PubSub
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisClusterException, RedisError, ResponseError
+from redis.exceptions import MovedError, RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from transport.cancelling import cancel_and_wait
@@ -61,12 +61,18 @@ class PubSubHub:
         max_backoff_s: float = 0.5,
         sharded: bool = False,
         on_lost: Callable[[], None] | None = None,
+        on_moved: Callable[[frozenset[str]], None] | None = None,
     ) -> None:
         """``sharded``: shard channels (SSUBSCRIBE), each on the cluster node that owns its slot.
-        ``on_lost``: runs in the reader task each time the connection is lost, before it reconnects."""
+        ``on_lost``: runs in the reader task each time the connection is lost, before it reconnects.
+        ``on_moved``: sharded, runs in the reader task with the channels whose slot this node no longer
+        serves (a resharding: Redis ended their subscription, or refused one with ``MOVED``); they keep
+        their references here until the caller subscribed them elsewhere (``forget``), and the connection
+        stays. Without it, that counts as a lost connection."""
         self._pool = pool
         self._sharded = sharded
         self._on_lost = on_lost
+        self._on_moved = on_moved
         self._on_message = on_message
         self._on_resubscribed = on_resubscribed
         self._on_failure = on_failure
@@ -299,16 +305,26 @@ class PubSubHub:
             self._dispatch(message)
 
     async def _message(self, pubsub: PubSub, timeout_s: float) -> dict[str, Any] | None:
-        """The next message, None after ``timeout_s``. On a sharded hub an error reply (MOVED: a slot
-        this node no longer serves, the slot map being out of date) counts as a lost connection, so
-        that the slot map is read again and the channel moves to its slot's owner (``ShardedHubs``)."""
-        try:
-            message: dict[str, Any] | None = await pubsub.get_message(timeout=timeout_s)
-        except ResponseError as err:
-            if not self._sharded:
-                raise
-            raise RedisConnectionError(f"Redis refused a subscription: {err}") from err
-        return message
+        """The next message, None after ``timeout_s``. On a sharded hub a ``MOVED`` reply (an SSUBSCRIBE
+        sent by an out-of-date slot map) hands the slot's channels to ``on_moved``; any other error reply
+        counts as a lost connection, so that the slot map is read again and the channels move to their
+        slots' owners (``ShardedHubs``)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            try:
+                message: dict[str, Any] | None = await pubsub.get_message(
+                    timeout=max(0.0, deadline - asyncio.get_running_loop().time())
+                )
+            except ResponseError as err:
+                if not self._sharded:
+                    raise
+                if not isinstance(err, MovedError) or self._on_moved is None:
+                    raise RedisConnectionError(f"Redis refused a subscription: {err}") from err
+                moved = frozenset(channel for channel in self._refs if key_slot(channel.encode()) == err.slot_id)
+                if moved:  # else it answers an SUNSUBSCRIBE, or a channel whose subscribers left
+                    self._on_moved(moved)
+                continue
+            return message
 
     def _dispatch(self, message: dict[str, Any]) -> None:
         kind = message.get("type")
@@ -332,9 +348,11 @@ class PubSubHub:
             if sent > 1:
                 self._unsubscribing[channel] = sent - 1
             elif not sent and kind == "sunsubscribe" and channel in self._refs:
-                # Not ours: Redis ends the shard channels of a slot that left this node (a migration, a
-                # failover). Counted as a lost connection, so that the channel moves to the slot's owner.
-                raise RedisConnectionError(f"Redis ended the subscription of {channel}: its slot left this node")
+                # Not ours: Redis ends the shard channels of a slot that left this node (a resharding, a
+                # failover); the channel moves to the slot's owner.
+                if self._on_moved is None:
+                    raise RedisConnectionError(f"Redis ended the subscription of {channel}: its slot left this node")
+                self._on_moved(frozenset({channel}))
 
     def _fail_waiters(self, err: BaseException) -> None:
         for confirmed in self._active.values():
@@ -352,7 +370,10 @@ class ShardedHubs:
     A failover is followed: when a hub loses its connection, the slot map is read again until its
     channels' slots have a new owner (or the hub is back); each moved channel is subscribed on the
     new owner's hub, with its references, and ``on_resubscribed`` re-reads what was missed. A hub
-    left with no channel is closed.
+    that lost its connection and is left with no channel is closed. A resharding is followed the same
+    way, channel by channel: a slot that left a node (Redis ends its subscriptions there, or answers
+    ``MOVED``) moves its channels, and the hub keeps its connection and its other channels, so the
+    feed stays connected meanwhile.
     """
 
     def __init__(
@@ -380,6 +401,8 @@ class ShardedHubs:
         self._lock = asyncio.Lock()
         self._moves = asyncio.Lock()  # a channel moves between hubs, or loses a reference, one at a time
         self._rehoming: dict[str, asyncio.Task[None]] = {}
+        self._strays: dict[str, set[str]] = {}
+        """Per node: channels whose slot Redis said left it, until they moved (``_moved``)."""
         self._retired_reconnects = 0
         self._started = False
 
@@ -454,6 +477,7 @@ class ShardedHubs:
                 subscribe_timeout_s=self.subscribe_timeout_s,
                 sharded=True,
                 on_lost=lambda: self._lost(name),
+                on_moved=lambda channels: self._moved(name, channels),
             )
             try:
                 await hub.start()
@@ -472,6 +496,16 @@ class ShardedHubs:
         if name in self._hubs:
             self._on_failure(err)
 
+    def _moved(self, name: str, channels: frozenset[str]) -> None:
+        self._strays.setdefault(name, set()).update(channels)
+        self._lost(name)
+
+    def _astray(self, name: str, hub: PubSubHub) -> bool:
+        """Whether ``hub`` still holds a channel whose slot Redis said left the node ``name``."""
+        strays = self._strays.get(name, set())
+        strays.intersection_update(hub.channels())
+        return bool(strays)
+
     def _lost(self, name: str) -> None:
         task = self._rehoming.get(name)
         if self._started and (task is None or task.done()):
@@ -480,23 +514,24 @@ class ShardedHubs:
             self._rehoming[name] = task
 
     async def _rehome(self, name: str) -> None:
-        """Until the hub on ``name`` is back or has no channel left: reads the slot map and moves
-        the channels whose slots another primary now serves."""
+        """Until the hub on ``name`` is back, holds no channel whose slot left the node, or has no
+        channel left: reads the slot map and moves the channels whose slots another primary now serves."""
         backoff = 0.05
-        while (hub := self._hubs.get(name)) is not None and not hub.connected:
+        while (hub := self._hubs.get(name)) is not None and (not hub.connected or self._astray(name, hub)):
             try:
                 await self._cluster.nodes_manager.initialize()
             except (*REDIS_ERRORS, OSError) as err:
                 log.info("reading the Redis Cluster's slot map failed (%s); retrying", err)
             else:
                 moved = await self._move(hub, [c for c in hub.channels() if self._owner(c).name != name])
-                if not hub.channels():
+                if not hub.channels() and not hub.connected:
                     del self._hubs[name]
+                    self._strays.pop(name, None)
                     self._retired_reconnects += hub.reconnects
                     await hub.close()
                     log.warning("Redis Cluster node %s serves none of this process's channels now: hub closed", name)
                 if moved:
-                    log.warning("%d channel(s) moved to their slots' new primaries after a failover", len(moved))
+                    log.warning("%d channel(s) moved to their slots' new primaries", len(moved))
                     await self._on_resubscribed(frozenset(moved))
                 if name not in self._hubs:
                     return
