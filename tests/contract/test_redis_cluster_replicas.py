@@ -20,6 +20,7 @@ import redis
 from redis.crc import key_slot
 
 from infra.redis_cluster import LocalRedisCluster
+from infra.redis_server import CLUSTER_BUS_OFFSET, RedisServer
 from schemas.codec import decode_state
 from schemas.records import TaskState, TaskStatus
 from schemas.wire import Names
@@ -436,3 +437,45 @@ async def test_a_write_one_of_whose_slots_fails_still_answers_the_tasks_the_othe
     finally:
         await store.close()
         await raw.aclose()
+
+
+async def test_a_key_moving_to_a_node_added_since_the_slot_map_was_read_is_followed_there(tmp_path: Path) -> None:
+    """A scale-out: a node joins, and a key's slot migrates to it while a client still holds the slot map
+    it read before the node joined. The old owner answers ``ASK`` for the moved key, naming the new
+    node, and the command is followed there (redis-py follows a ``MOVED`` to a node it has not met, but
+    looked an ``ASK``'s node up in its cache alone, and failed with an AttributeError of its own: a
+    batcher's credit claim died of it during a rebalance)."""
+    with LocalRedisCluster(tmp_path / "cluster") as cluster:
+        joining = RedisServer(tmp_path / "joining", cluster=True)
+        joining.start()
+        try:
+            client = cluster_client(cluster.url, PoolOptions())
+            try:
+                key = f"credits-{uuid.uuid4().hex}"
+                await client.zadd(key, {"w1:1": 1.0})  # the slot map is read now, without the joining node
+                slot = key_slot(key.encode())
+                owner = int(client.nodes_manager.get_node_from_slot(slot).port)
+                with redis.Redis(port=owner, decode_responses=True) as first:
+                    bus = joining.port - CLUSTER_BUS_OFFSET
+                    first.execute_command("CLUSTER", "MEET", "127.0.0.1", joining.port, bus)
+                    owner_id = first.execute_command("CLUSTER", "MYID")
+                with redis.Redis(port=joining.port, decode_responses=True) as new:
+                    new_id = new.execute_command("CLUSTER", "MYID")
+                    deadline = time.monotonic() + 30
+                    while "cluster_state:ok" not in new.execute_command("CLUSTER", "INFO"):
+                        assert time.monotonic() < deadline, "the joining node learns who serves every slot"
+                        await asyncio.sleep(0.05)
+                    new.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", owner_id)
+                with redis.Redis(port=owner) as old:
+                    deadline = time.monotonic() + 30
+                    while new_id not in old.execute_command("CLUSTER", "NODES").decode():
+                        assert time.monotonic() < deadline, "the owner knows the joining node"
+                        await asyncio.sleep(0.05)
+                    old.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", new_id)
+                    old.migrate("127.0.0.1", joining.port, [key], 0, 5000)
+                popped = await client.bzpopmin([key], timeout=1)
+                assert popped is not None and popped[1] == b"w1:1", popped
+            finally:
+                await client.aclose()
+        finally:
+            joining.stop()

@@ -30,6 +30,7 @@ from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.cluster import PRIMARY
 from redis.exceptions import (
     AskError,
     BusyLoadingError,
@@ -322,7 +323,11 @@ def cluster_nodes(url: str) -> tuple[list[ClusterNode], str | None, str | None]:
 class _WaitingCluster(RedisCluster):
     """redis-py's cluster client raises ``MaxConnectionsError`` once a node's connections are all busy.
     Here a command waits up to the pool timeout for one of ``max_connections`` turns instead, as it
-    does on the single-Redis command pool (``BlockingConnectionPool``). Pipelines do not take a turn."""
+    does on the single-Redis command pool (``BlockingConnectionPool``). Pipelines do not take a turn.
+
+    It also meets a node that an ``ASK`` names before the slot map does (a slot migrating to a primary
+    added since the map was read, as a scale-out does): redis-py follows a ``MOVED`` to such a node but
+    looks an ``ASK``'s up in its cache alone, and fails with an ``AttributeError`` of its own."""
 
     def __init__(self, *, max_connections: int, pool_timeout_s: float | None, **kwargs: Any) -> None:
         super().__init__(max_connections=max_connections, **kwargs)
@@ -339,6 +344,16 @@ class _WaitingCluster(RedisCluster):
             return await super().execute_command(*args, **kwargs)
         finally:
             self._turns.release()
+
+    def get_node(
+        self, host: str | None = None, port: int | None = None, node_name: str | None = None
+    ) -> ClusterNode | None:
+        node = super().get_node(host, port, node_name)
+        if node is None and host and port:  # a redirect's node, not met yet: as redis-py meets a MOVED's
+            manager = self.nodes_manager
+            node = ClusterNode(host, port, PRIMARY, **manager.connection_kwargs)
+            manager.set_nodes(manager.nodes_cache, {node.name: node})
+        return node
 
 
 def cluster_client(url: str, options: PoolOptions, *, blocking: bool = False) -> RedisCluster:
