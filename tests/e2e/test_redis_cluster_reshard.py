@@ -93,6 +93,14 @@ def _cli(*args: str, timeout_s: float = SCALE_DEADLINE_S) -> str:
     return done.stdout
 
 
+def _agree(entry: str) -> bool:
+    """Whether ``redis-cli --cluster check`` finds every node agreeing on who serves each slot."""
+    cli = shutil.which("redis-cli")
+    assert cli is not None, "redis-cli is not installed"
+    done = subprocess.run([cli, "--cluster", "check", entry], capture_output=True, text=True, timeout=30, check=False)
+    return done.returncode == 0 and "All nodes agree about slots configuration" in done.stdout
+
+
 def _node_id(port: int) -> str:
     with redis.Redis(port=port, decode_responses=True) as client:
         return str(client.execute_command("CLUSTER", "MYID"))
@@ -199,6 +207,8 @@ def scale_out(deployment: Deployment, t0: float, record: ScaleOut) -> None:
     primaries = [*deployment.redis.primary_ports(), primary.port]
     for slot in sorted({key_slot(key.encode()) for key in hot}):
         migrate_slot(primaries, slot, _owner_port(ports[0], slot), primary.port)
+    # redis-cli refuses to rebalance a cluster whose nodes have not all heard of those moves yet.
+    eventually_sync(lambda: _agree(entry), "every node to agree on the slots moved by hand", timeout_s=30)
     _cli("--cluster", "rebalance", entry, "--cluster-use-empty-masters", "--cluster-pipeline", "20")
     record.done_s = time.monotonic() - t0
     record.slots_moved = _slots_of(ports[0], primary_id)
