@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -246,6 +247,58 @@ def missing_afterwards(result: dict[str, Any]) -> list[dict[str, Any]]:
             and final["output"] == record["output"]
         )
     ]
+
+
+@dataclass
+class Verdict:
+    """A run's records against the promise: each request ends with its own answer, once, from its own
+    task, which reads back completed afterwards; a refusal is a 503 with Retry-After and an allowed code."""
+
+    lost: list[dict[str, Any]]
+    refusals: list[dict[str, Any]]
+    wrong: list[dict[str, Any]]
+    twice: list[dict[str, Any]]
+    missing: list[dict[str, Any]]
+    allowed: frozenset[str]
+
+    def failures(self) -> list[str]:
+        """What broke the promise (empty when nothing did)."""
+        failures = []
+        if self.lost:
+            failures.append(f"{len(self.lost)} requests did not end with their own answer, e.g.: {self.lost[:5]}")
+        if self.wrong:
+            kinds = Counter((a["status"], a["code"], bool(a["retry_after"])) for a in self.wrong)
+            allowed = "/".join(sorted(self.allowed))
+            failures.append(f"{len(self.wrong)} refusals other than 503 {allowed} with Retry-After: {dict(kinds)}")
+        if self.twice:
+            failures.append(f"{len(self.twice)} requests answered twice or by another task, e.g.: {self.twice[:3]}")
+        if self.missing:
+            failures.append(
+                f"{len(self.missing)} answered tasks do not read back completed afterwards, e.g.: {self.missing[:3]}"
+            )
+        return failures
+
+
+def verdict(result: dict[str, Any], allowed_refusals: frozenset[str]) -> Verdict:
+    records: list[dict[str, Any]] = result["records"]
+    refusals = [a for r in records for a in (*r["attempts"], *r["reads"]) if a["status"] not in (200, 202)]
+    twice = [
+        r
+        for r in records
+        if succeeded(r)
+        and (
+            [a["task_id"] for a in r["attempts"] if a["status"] in (200, 202)] != [r["task_id"]]
+            or any(a["status"] == 200 and a["task_id"] != r["task_id"] for a in r["reads"])
+        )
+    ]
+    return Verdict(
+        lost=[r for r in records if not succeeded(r)],
+        refusals=refusals,
+        wrong=[a for a in refusals if a["status"] != 503 or a["code"] not in allowed_refusals or not a["retry_after"]],
+        twice=twice,
+        missing=missing_afterwards(result),
+        allowed=allowed_refusals,
+    )
 
 
 def main() -> None:

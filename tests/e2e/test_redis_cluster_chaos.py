@@ -138,29 +138,9 @@ def test_a_primary_killed_under_300_requests_per_s_loses_nothing(deployment: Dep
 def judge(result: dict[str, Any], fault: Fault) -> tuple[list[str], list[str]]:
     """The report's lines, and what broke the promise (empty when nothing did)."""
     records: list[dict[str, Any]] = result["records"]
-    failures: list[str] = []
-    lost = [r for r in records if not chaos_client.succeeded(r)]
-    if lost:
-        failures.append(f"{len(lost)} requests did not end with their own answer, e.g.: {lost[:5]}")
-    refusals = [a for r in records for a in (*r["attempts"], *r["reads"]) if a["status"] not in (200, 202)]
-    wrong = [a for a in refusals if a["status"] != 503 or a["code"] not in ALLOWED_REFUSALS or not a["retry_after"]]
-    if wrong:
-        kinds = Counter((a["status"], a["code"], bool(a["retry_after"])) for a in wrong)
-        failures.append(f"{len(wrong)} answers other than 503 with Retry-After: {dict(kinds)}")
-    twice = [
-        r
-        for r in records
-        if chaos_client.succeeded(r)
-        and (
-            [a["task_id"] for a in r["attempts"] if a["status"] in (200, 202)] != [r["task_id"]]
-            or any(a["status"] == 200 and a["task_id"] != r["task_id"] for a in r["reads"])
-        )
-    ]
-    if twice:
-        failures.append(f"{len(twice)} requests answered twice or by another task, e.g.: {twice[:3]}")
-    missing = chaos_client.missing_afterwards(result)
-    if missing:
-        failures.append(f"{len(missing)} answered tasks do not read back completed afterwards, e.g.: {missing[:3]}")
+    checked = chaos_client.verdict(result, ALLOWED_REFUSALS)
+    failures = checked.failures()
+    lost, refusals, twice, missing = checked.lost, checked.refusals, checked.twice, checked.missing
     load_s = result["load_end_s"]
     refused_at = sorted(a["at_s"] + a["took_s"] for a in refusals)
     lines = [
