@@ -30,7 +30,7 @@ from gpu_worker.settings import WorkerSettings
 from gpu_worker.worker import Worker
 from transport.kafka.consumers import KafkaBatchConsumer, KafkaRequestConsumer
 from transport.kafka.group import GroupTiming
-from transport.kafka.producers import KafkaBatchProducer, KafkaDeadLetterProducer
+from transport.kafka.producers import DEFAULT_REQUEST_TIMEOUT_MS, KafkaBatchProducer, KafkaDeadLetterProducer
 from transport.memory.cache import MemoryResultCache
 from transport.memory.limits import MemoryRateLimiter
 from transport.redis.credits import RedisCreditPool
@@ -147,9 +147,7 @@ def run_batcher(args: argparse.Namespace) -> int:
         )
         credits = RedisCreditPool(redis_url, shared.names, follower=follower)
         producer = KafkaBatchProducer(bootstrap, shared.names)
-        consumer = KafkaRequestConsumer(
-            bootstrap, shared.names, timing=GroupTiming(session_timeout_ms=args.session_timeout_ms)
-        )
+        consumer = KafkaRequestConsumer(bootstrap, shared.names, timing=batcher_group_timing(args.session_timeout_ms))
         wait = ReplicaWait(store, replicas, settings.batcher_id, role="batcher", retry_max_s=settings.retry_max_s)
         batcher = Batcher(settings, consumer, producer, credits, store, replicas=wait, count_tokens=count_tokens)
         fleet = RedisFleet(redis_url, shared.names, follower=follower)
@@ -165,6 +163,16 @@ def run_batcher(args: argparse.Namespace) -> int:
 
     serve_metrics(args.metrics_port, args.metrics_host)
     return run_loop(main(), args.gc_threshold)
+
+
+def batcher_group_timing(session_timeout_ms: int) -> GroupTiming:
+    """The batchers' group timing. Its revocation lets the batches on their way land (each waits at most
+    the batch producer's ack timeout) and then commits them (at most ``commit_timeout_s``); the group
+    waits that long for it, or drops it and refuses the commit, and another batcher reads those
+    requests again."""
+    timing = GroupTiming(session_timeout_ms=session_timeout_ms)
+    revoke_ms = DEFAULT_REQUEST_TIMEOUT_MS + math.ceil(timing.commit_timeout_s * 1000)
+    return dataclasses.replace(timing, rebalance_timeout_ms=session_timeout_ms + revoke_ms)
 
 
 def _replica_settings(args: argparse.Namespace) -> ReplicaSettings:

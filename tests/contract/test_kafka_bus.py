@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
@@ -10,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Sequence
 import pytest
 from aiokafka import AIOKafkaProducer
 
+from batchwire.roles import batcher_group_timing
 from schemas.records import Batch, InferenceRequest
 from schemas.wire import Names
 from tests.support.bus_records import WAIT_S, Partitions, batch, read, request
@@ -18,7 +20,7 @@ from tests.support.transport_kits import Closer, ensure_topics
 from transport.errors import PermanentTransportError
 from transport.kafka.consumers import KafkaBatchConsumer, KafkaRequestConsumer
 from transport.kafka.group import GroupTiming
-from transport.kafka.producers import KafkaBatchProducer, KafkaRequestProducer
+from transport.kafka.producers import DEFAULT_REQUEST_TIMEOUT_MS, KafkaBatchProducer, KafkaRequestProducer
 from transport.ports import Delivered, TransportError
 from transport.routing import Partitioner
 
@@ -287,3 +289,49 @@ async def test_records_fetched_in_a_rebalance_whose_callback_failed_come_to_the_
     assert failed, "the revoked callback ran and failed"
     assert errors and all(err.retriable for err in errors), errors
     assert again == sent[kept], f"partition {kept}'s records read again: {sorted(again)} of {sorted(sent[kept])}"
+
+
+async def test_a_batcher_whose_revocation_waits_out_a_landing_still_commits(
+    kafka_bootstrap: str, names: Names, closer: Closer
+) -> None:
+    """A batcher's revocation waits for a batch still landing (its ack may take the batch producer's
+    whole ack timeout, past the session timeout) and then commits the requests it handed over: its
+    group waits for it, so the commit is taken and no other batcher reads those requests again."""
+    await ensure_topics(kafka_bootstrap, {names.request_topic: 2})
+    producer = closer.add(KafkaRequestProducer(kafka_bootstrap, names, Partitioner(["alpha"], 2)))
+    await producer.start()
+    group = f"{names.batcher_group}.{uuid.uuid4().hex[:6]}"
+    timing = dataclasses.replace(batcher_group_timing(3000), heartbeat_interval_ms=200)
+    first = closer.add(KafkaRequestConsumer(kafka_bootstrap, names, group_id=group, timing=timing))
+    partitions = Partitions()
+    handed: dict[int, int] = {}
+    commit_errors: list[BaseException] = []
+    revoked_at: list[float] = []
+
+    async def land_then_commit(revoked: frozenset[int]) -> None:
+        revoked_at.append(time.monotonic())
+        await asyncio.sleep(DEFAULT_REQUEST_TIMEOUT_MS / 1000)  # the landing's ack comes at its timeout
+        try:
+            await first.commit({p: o for p, o in handed.items() if p in revoked})
+        except BaseException as err:
+            commit_errors.append(err)
+
+    await first.start(partitions.on_assigned, land_then_commit)
+    await eventually(lambda: first.assignment() == {0, 1}, "the first member to own both partitions", timeout_s=WAIT_S)
+    for n in range(4):
+        await producer.send(request(f"t{n}", "alpha"))
+    for record in await read(first, 4):
+        handed[record.partition] = max(handed.get(record.partition, 0), record.offset + 1)
+
+    second = closer.add(KafkaRequestConsumer(kafka_bootstrap, names, group_id=group, timing=timing))
+    await second.start(_ignore, _ignore)
+    await eventually(
+        lambda: len(first.assignment()) == 1 and len(second.assignment()) == 1,
+        "the two members to split",
+        timeout_s=3 * WAIT_S,
+    )
+    assert revoked_at, "the first member's partitions were revoked"
+    assert not commit_errors, f"the commit after the landing was refused: {commit_errors}"
+    for member in (first, second):
+        again = await member.fetch(0.5, 10)
+        assert not again, f"the committed requests came again: {[(r.partition, r.offset) for r in again]}"
