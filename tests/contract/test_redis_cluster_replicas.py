@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +30,7 @@ from schemas.wire import Names
 from transport.ports import TransportError
 from transport.redis.pools import PoolOptions, cluster_client
 from transport.redis.pubsub import ShardedHubs
-from transport.redis.store import RedisTaskStore
+from transport.redis.store import STORE_POOL, RedisTaskStore
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(60)]
 
@@ -132,6 +135,39 @@ async def test_a_mark_in_the_tasks_slot_makes_wait_cover_an_update_already_appli
             except redis.exceptions.MovedError:
                 marks.append(-1)  # the slot is another primary's
     assert sorted(marks) == [-1, -1, 1], "the mark was written, on the primary that holds the task"
+
+
+async def test_a_reply_goes_out_before_wait_answers_as_on_one_redis(tmp_path: Path, names: Names) -> None:
+    """A replica slow to acknowledge delays the write's ``WAIT``, and so the commit behind it, not the
+    caller's answer: the reply frames go out once the scripts stored the ends, as one Redis's script
+    publishes them before its ``WAIT``. The replicas stay stopped until every reply is heard, so a
+    write that sent them after ``WAIT`` answers would have none acknowledged."""
+    wait_ms = 20_000
+    with LocalRedisCluster(tmp_path / "cluster", replicas=1) as cluster:
+        pool = replace(STORE_POOL, socket_timeout_s=STORE_POOL.socket_timeout_s + wait_ms / 1000)  # as roles.py
+        store = RedisTaskStore(cluster.url, names, pool=pool)
+        await store.start()
+        try:
+            _, replies = await _following(store, "g1")
+            primaries = cluster.primary_ports()
+            stopped = [node.pid for node in cluster.nodes if node.port not in primaries and node.pid is not None]
+            assert len(stopped) == 3, "a replica per primary"
+            ends = [state(f"slow-{n}", TaskStatus.COMPLETED, output=f"o{n}", reply_to="g1") for n in range(6)]
+            for pid in stopped:
+                os.kill(pid, signal.SIGSTOP)
+            write = asyncio.create_task(store.apply_replicated(ends, 1, wait_ms))
+            try:
+                heard = [await asyncio.wait_for(replies.get(), 10) for _ in ends]
+            except TimeoutError:
+                write.cancel()
+                raise
+            finally:
+                for pid in stopped:
+                    os.kill(pid, signal.SIGCONT)
+            assert sorted((reply.task_id, reply.output) for reply in heard) == [(e.task_id, e.output) for e in ends]
+            assert await asyncio.wait_for(write, 60) == 1, "WAIT still waited: the resumed replicas acknowledged"
+        finally:
+            await store.close()
 
 
 async def test_after_a_primarys_failover_replies_and_watches_follow_its_slots(tmp_path: Path, names: Names) -> None:

@@ -15,8 +15,9 @@ Over Redis Cluster (a ``redis+cluster://`` URL) each write script runs once per 
 keys it writes, concurrently. A task's channel shares its key's hash tag, so the script publishes
 it with SPUBLISH on the node that holds the task, where the feed subscribed it (``ShardedHubs``);
 the scripts return the reply frames instead, and they go out with one SPUBLISH per gateway's reply
-channel. A write that waits for replicas (``apply_replicated``) runs, per primary, one pipeline
-on one connection: its script calls, a mark and ``WAIT``, which counts that connection's writes.
+channel. A write that waits for replicas (``apply_replicated``) runs, per primary, one pipeline of
+its script calls; the reply frames go out, and then, per primary, a mark and ``WAIT``, which counts
+the writes of its own connection (the mark, written after the scripts' writes).
 """
 
 from __future__ import annotations
@@ -274,10 +275,14 @@ class RedisTaskStore:
         """``apply``, then Redis ``WAIT``: how many replicas acknowledged the updates within ``timeout_ms``
         (over a cluster, the fewest of any primary that holds some of them).
 
-        One pipeline (one round trip: ``scripted``) on one connection to each primary, as ``WAIT``
-        counts only its own connection's writes. An update already applied writes nothing, so a mark
-        written after the updates makes the wait cover them wherever they were written on that
-        primary before.
+        ``WAIT`` counts only its own connection's writes. An update already applied writes nothing, so a
+        mark written after the updates, on the connection that waits, makes the wait cover them wherever
+        they were written on that primary before. On one Redis, one pipeline (one round trip:
+        ``scripted``): the script, which publishes the reply frames, the mark and ``WAIT``. Over a
+        cluster, per primary that holds some of the updates, one pipeline of its slots' script calls;
+        once every primary's is in, the reply frames go out, and then each primary's mark and ``WAIT``
+        on the same node: a slow replica delays the commit behind the wait, not the caller's answer,
+        as on one Redis.
         """
         keys, args = self._apply_call(updates)
 
@@ -299,24 +304,29 @@ class RedisTaskStore:
                 return int(replies[-1])
             if not keys:
                 return replicas  # nothing written, nothing to wait for
-            acked: list[int] = []
             frames: dict[bytes, list[bytes]] = {}
+            acked: list[int] = []
+            primaries = self._by_primary(keys).values()
 
-            async def on(node: ClusterNode, slots: dict[int, list[int]]) -> None:
+            async def stored_on(node: ClusterNode, slots: dict[int, list[int]]) -> None:
                 calls = [self._slot_call(keys, args, indexes, head=2) for indexes in slots.values()]
-                mark = self.names.replication_mark_of(updates[next(iter(slots.values()))[0]].task_id)
-                replies = await scripted.replies_of(self._on(node), self._apply, calls, then(mark))
+                replies = await scripted.replies_of(self._on(node), self._apply, calls, lambda pipe: None)
                 for indexes, out in zip(slots.values(), replies, strict=False):
                     if not isinstance(out, Exception):  # a slot stored, whichever other slot failed
                         _count_applied(updates, indexes, out)
                         _gather_frames(out[len(indexes) :], frames)
                 scripted.raise_first(replies)
-                acked.append(int(replies[-1]))
+
+            async def waited_on(node: ClusterNode, slots: dict[int, list[int]]) -> None:
+                pipe = self._on(node).pipeline(transaction=False)
+                then(self.names.replication_mark_of(updates[next(iter(slots.values()))[0]].task_id))(pipe)
+                acked.append(int((await pipe.execute())[-1]))
 
             try:
-                await self._each(on(node, slots) for node, slots in self._by_primary(keys).values())
+                await self._each(stored_on(node, slots) for node, slots in primaries)
             finally:  # as in ``_run``: the slots written answer their callers
                 await self._send_replies(frames)
+            await self._each(waited_on(node, slots) for node, slots in primaries)
             return min(acked)
         except REDIS_ERRORS as err:
             what = f"storing {len(updates)} task update(s) on {replicas} replica(s)"
