@@ -9,7 +9,6 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-import math
 
 from batcher.service import Batcher
 from batchwire import role_settings as rs
@@ -167,12 +166,10 @@ def run_batcher(args: argparse.Namespace) -> int:
 
 def batcher_group_timing(session_timeout_ms: int) -> GroupTiming:
     """The batchers' group timing. Its revocation lets the batches on their way land (each waits at most
-    the batch producer's ack timeout) and then commits them (at most ``commit_timeout_s``); the group
-    waits that long for it, or drops it and refuses the commit, and another batcher reads those
-    requests again."""
-    timing = GroupTiming(session_timeout_ms=session_timeout_ms)
-    revoke_ms = DEFAULT_REQUEST_TIMEOUT_MS + math.ceil(timing.commit_timeout_s * 1000)
-    return dataclasses.replace(timing, rebalance_timeout_ms=session_timeout_ms + revoke_ms)
+    the batch producer's ack timeout) and then commits them (at most ``commit_timeout_s``)."""
+    return GroupTiming.revoking_within(
+        session_timeout_ms, DEFAULT_REQUEST_TIMEOUT_MS / 1000 + GroupTiming().commit_timeout_s
+    )
 
 
 def _replica_settings(args: argparse.Namespace) -> ReplicaSettings:
@@ -209,11 +206,8 @@ class _WorkerProcess:
         credits = RedisCreditPool(redis_url, names, follower=follower)
         deliveries = RedisDeliveryLog(redis_url, names, ttl_s=shared.result_ttl_s, follower=follower)
         dead_letters = KafkaDeadLetterProducer(bootstrap, names)
-        timing = GroupTiming(
-            session_timeout_ms=args.session_timeout_ms,
-            # the group waits for a revocation, which lets the batches in hand end: drain_timeout_s
-            rebalance_timeout_ms=args.session_timeout_ms + math.ceil(settings.drain_timeout_s * 1000),
-        )
+        # the worker's revocation lets the batches in hand end and commit: drain_timeout_s
+        timing = GroupTiming.revoking_within(args.session_timeout_ms, settings.drain_timeout_s)
         consumer = KafkaBatchConsumer(bootstrap, names, settings.model, timing=timing)
         worker = Worker(
             settings,

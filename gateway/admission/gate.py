@@ -91,7 +91,8 @@ class Admission:
             Priority.LOW: (math.ceil(settings.max_queue_depth * settings.queue_fraction_low), "queue_fraction_low"),
         }
         self._fair = FairShare()
-        self._share_unit = "tokens" if settings.max_batch_tokens > 0 else "requests"
+        by_tokens = settings.max_batch_tokens > 0  # a token budget bounds batches: shares count tokens
+        self._share_unit = "tokens" if by_tokens else "requests"
         """What a fair share counts: a request's tokens weigh it where a token budget counts them."""
         self._clock = clock
         self._counters: dict[tuple[str, Priority, str], Counter] = {}
@@ -99,7 +100,6 @@ class Admission:
         self.by_wait = settings.admit_by_wait
         self._queue_depth = queue_depth if settings.max_queue_depth > 0 or settings.admit_by_wait else None
         self._limiter = limiter if settings.rate_limit_per_s > 0 else None
-        by_tokens = settings.max_batch_tokens > 0
         self._queues = {model: ModelQueue(stall_s=settings.stall_s, by_tokens=by_tokens) for model in settings.models}
         self._credits = credits
         self._unseen = {model: Unseen(clock) for model in settings.models}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -91,6 +92,15 @@ class GroupTiming:
     refused. None: the session timeout (aiokafka's default)."""
     request_timeout_ms: int = 30_000
     commit_timeout_s: float = 10.0
+
+    @classmethod
+    def revoking_within(cls, session_timeout_ms: int, revoke_s: float) -> GroupTiming:
+        """For a member whose revocation may take ``revoke_s`` (its work in hand ends and commits first):
+        the group waits that long past the session timeout for it, rather than drop it and refuse its
+        commit, after which the partitions' next owner reads that work again."""
+        return cls(
+            session_timeout_ms=session_timeout_ms, rebalance_timeout_ms=session_timeout_ms + math.ceil(revoke_s * 1000)
+        )
 
 
 class GroupConsumer:
