@@ -17,7 +17,7 @@ def wall_ms() -> int:
 def batched(model: str, batch: Batch, now_ms: int) -> list[TaskState]:
     """The ``batched`` states of the items someone may read them for: not a synchronous request's
     (``reply_to``), whose caller waits for the answer alone and learns its id with it (a 504 or a
-    disconnect records the task then, ``Publisher.record_late``)."""
+    disconnect records the task then, ``TaskPublisher.record_late``)."""
     return [
         TaskState(
             item.task_id,

@@ -1,4 +1,4 @@
-"""Transport errors beyond the retriable ``TransportError`` (base.py): ones that retrying cannot fix
+"""Transport errors beyond the retriable ``TransportError`` (``transport.ports``): ones that retrying cannot fix
 (a missing topic, a partition moved to another member) and a store that is full.
 """
 

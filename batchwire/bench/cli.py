@@ -1,8 +1,8 @@
 """``batchwire bench``: its flags, and ``main``/``run`` to execute them.
 
-Importing this module is cheap (argparse only) so that the ``batchwire`` command can mount it as a
-subcommand with ``add_arguments(subparser)`` and ``run(namespace)`` without loading aiohttp or
-matplotlib for every other subcommand.
+Importing this module is cheap (argparse only): ``batchwire bench`` mounts it with ``add_parser(sub)``
+and ``run(args)`` (``batchwire.cli.TOOLS``), so parsing its flags, ``--help`` included, loads neither
+aiohttp nor matplotlib.
 """
 
 from __future__ import annotations

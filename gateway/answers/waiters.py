@@ -65,7 +65,7 @@ class ReplyWaiters:
 
     def register(self, task_id: str, now: float, watch: Watch | None = None) -> asyncio.Future[TaskState]:
         """A future that :meth:`resolve` completes with the task's terminal state. ``watch``, if
-        given, is handed out by :meth:`unwatched` once the caller has waited ``first_check_s``."""
+        given, is started by :meth:`watch_callers` once the caller has waited ``first_check_s``."""
         future: asyncio.Future[TaskState] = asyncio.get_running_loop().create_future()
         self._waiting[task_id] = _Waiter(future, now, self.first_check_s, watch)
         return future

@@ -136,7 +136,7 @@ class CompletionsBody(BaseModel):
     """OpenAI's completions request. Decoding is the backend's (greedy): sampling fields
     (``temperature``, ``top_p``, ``seed``, penalties), ``max_tokens`` (the worker's
     ``--hf-max-new-tokens`` bounds every answer) and ``user`` are accepted and ignored; fields that
-    would change the answer's shape and cannot be honoured are refused (``_refusals``)."""
+    would change the answer's shape and cannot be honoured are refused (``_prompts``)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
