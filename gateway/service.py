@@ -368,10 +368,10 @@ class Gateway:
 
         The task's "queued" record is written only where its id can be asked for before the answer:
         with an idempotency key (a retry reads it) or an owner (who may read it, written only at
-        create); else its caller learns the id with the answer, and the worker's "running" write is
-        its first (no one reads a synchronous task's "batched": the batcher writes none). A 504 and a
-        disconnect, which hand the id out or cancel the task early, write it then. Sparing the write
-        takes a Redis command off the common request.
+        create); else its caller learns the id with the answer, and its end is its first write (the
+        batcher writes no "batched" for it, and the worker's "running" only checks that it has not
+        ended). A 504 and a disconnect, which hand the id out or cancel the task early, write it then.
+        Sparing the write takes a Redis command off the common request.
         """
         task_id, timeout_ms, started = submission.task_id, submission.timeout_ms, submission.started
         record = keyed or submission.owner is not None

@@ -2,7 +2,7 @@
 
 - commands: short requests from many coroutines; waits for a free connection instead of failing a
   burst, and gives up quickly (socket timeout) when Redis stops answering;
-- blocking: BLPOP holds its connection for the whole wait, so claimers get a pool of their own and
+- blocking: BZPOPMIN holds its connection for the whole wait, so claimers get a pool of their own and
   never starve the commands;
 - pubsub: the one subscribed connection; no retry inside redis-py, because the reader task owns
   reconnecting (with backoff, logging, and subscribing again).
