@@ -66,6 +66,10 @@ class Names:
         """A completed answer in the result cache, under its scoped key (``gateway.sharing.answer_keys``)."""
         return f"{self.namespace}:answer:{key}"
 
+    def delivery_record(self, batch_id: str) -> str:
+        """A batch that came back: its deliveries and what was in flight at each worker death (a hash)."""
+        return f"{self.namespace}:deliveries:{batch_id}"
+
     def rate_bucket(self, client: str) -> str:
         """One client's token bucket, shared by every gateway."""
         return f"{self.namespace}:rate:{client}"

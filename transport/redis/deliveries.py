@@ -44,11 +44,6 @@ return out
 """
 
 
-def deliveries_key(names: Names, batch_id: str) -> str:
-    """The batch's delivery record (a Redis hash under the deployment's namespace)."""
-    return f"{names.namespace}:deliveries:{batch_id}"
-
-
 DELIVERIES_TTL_S = 3600.0
 """How long a batch's delivery record outlives its last change (a committed batch's is deleted)."""
 
@@ -79,7 +74,7 @@ class RedisDeliveryLog:
         await self._commands.close()
 
     async def begin(self, batch_id: str) -> int:
-        key = deliveries_key(self.names, batch_id)
+        key = self.names.delivery_record(batch_id)
         try:
             async with self._client.pipeline(transaction=True) as pipe:
                 pipe.hincrby(key, "n", 1)
@@ -90,7 +85,7 @@ class RedisDeliveryLog:
         return int(count)
 
     async def suspects(self, batch_id: str, task_ids: Sequence[str]) -> Suspects:
-        key = deliveries_key(self.names, batch_id)
+        key = self.names.delivery_record(batch_id)
         try:
             reply: list[Any] = await self._suspects(keys=[key], args=[self.ttl_ms, *task_ids])
         except REDIS_ERRORS as err:
@@ -107,12 +102,12 @@ class RedisDeliveryLog:
 
     async def finish(self, batch_id: str) -> None:
         try:
-            await self._client.delete(deliveries_key(self.names, batch_id))
+            await self._client.delete(self.names.delivery_record(batch_id))
         except REDIS_ERRORS as err:
             raise translate(f"forgetting batch {batch_id}", err) from err
 
     async def _hset(self, batch_id: str, field: str, value: str, action: str) -> None:
-        key = deliveries_key(self.names, batch_id)
+        key = self.names.delivery_record(batch_id)
         try:
             async with self._client.pipeline(transaction=True) as pipe:
                 pipe.hset(key, field, value)
