@@ -130,7 +130,7 @@ def config_table() -> str:
     """docs/operations.md's configuration table, made from the parsers so the two cannot drift apart."""
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    rows: dict[str, tuple[str, str, list[str]]] = {}
+    rows: dict[str, tuple[str, dict[str, list[str]]]] = {}
     for command in ("up", "gateway", "batcher", "worker"):
         for action in sub.choices[command]._actions:
             flag = next((o for o in action.option_strings if o.startswith("--")), None)
@@ -138,10 +138,15 @@ def config_table() -> str:
                 continue
             text, _, tail = action.help.rpartition(" [")
             var, _, default = tail.rstrip("]").partition("; default: ")
-            entry = rows.setdefault(flag, (var, f"{text} (default: {default})", []))
-            entry[2].append(command)
+            meanings = rows.setdefault(flag, (var, {}))[1]
+            meanings.setdefault(f"{text} (default: {default})", []).append(command)
     lines = ["| flag | variable | used by | meaning |", "|---|---|---|---|"]
-    for flag, (var, text, commands) in rows.items():
+    for flag, (var, meanings) in rows.items():
+        commands = [command for users in meanings.values() for command in users]
+        if len(meanings) == 1:
+            text = next(iter(meanings))
+        else:  # a flag that means something else to another command (a worker's --max-batch) says both
+            text = "; ".join(f"{', '.join(users)}: {meaning}" for meaning, users in meanings.items())
         lines.append(f"| `{flag}` | `{var}` | {', '.join(commands)} | {text} |")
     return "\n".join(lines)
 

@@ -67,7 +67,7 @@ def add(
     kind = number if kind is float else kind
     raw = env(var)
     value = default if raw is None else raw
-    shown = "unset" if default is None else default
+    shown = "unset" if default is None else "none" if default == "" else default
     parser.add_argument(flag, default=value, type=kind, help=f"{help_text} [{var}; default: {shown}]")
 
 

@@ -7,7 +7,7 @@ import argparse
 import re
 from pathlib import Path
 
-from batchwire.cli import TOOLS, build_parser, tool_parser
+from batchwire.cli import TOOLS, build_parser, config_table, tool_parser
 from batchwire.docs import OPERATIONS, START, with_table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,3 +79,17 @@ def test_the_docs_links_to_a_section_find_it() -> None:
         for path, anchor in re.findall(r"\]\(([^)#:\s]*)#([^)\s]+)\)", doc.read_text()):
             target = doc.parent / path if path else doc
             assert anchor in _anchors(target), f"{doc.name} links {path}#{anchor}, a section {target.name} lacks"
+
+
+def test_the_configuration_table_gives_each_command_its_flags_own_meaning() -> None:
+    table = config_table()
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for command in ("up", "gateway", "batcher", "worker"):
+        for action in sub.choices[command]._actions:
+            flag = next((o for o in action.option_strings if o.startswith("--")), None)
+            if flag is None or flag == "--help" or action.help is None:
+                continue
+            row = next(line for line in table.splitlines() if line.startswith(f"| `{flag}` |"))
+            meaning = action.help.rpartition(" [")[0]
+            assert meaning in row, f"the table's {flag} row lacks what it means to `batchwire {command}`: {meaning!r}"
