@@ -1,5 +1,5 @@
-"""The README's first screen, its links (to files and to sections), the configuration table in docs/operations.md,
-and the BATCHWIRE_* variables the user docs name stay true."""
+"""The README's first screen, its links (to files and to sections), the configuration and metrics tables in
+docs/operations.md, and the BATCHWIRE_* variables the user docs name stay true."""
 
 from __future__ import annotations
 
@@ -7,8 +7,11 @@ import argparse
 import re
 from pathlib import Path
 
+from prometheus_client.metrics import MetricWrapperBase
+
 from batchwire.cli import TOOLS, build_parser, config_table, tool_parser
 from batchwire.docs import OPERATIONS, START, with_table
+from telemetry import metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -79,6 +82,29 @@ def test_the_docs_links_to_a_section_find_it() -> None:
         for path, anchor in re.findall(r"\]\(([^)#:\s]*)#([^)\s]+)\)", doc.read_text()):
             target = doc.parent / path if path else doc
             assert anchor in _anchors(target), f"{doc.name} links {path}#{anchor}, a section {target.name} lacks"
+
+
+def _documented_metrics() -> dict[str, tuple[str, set[str]]]:
+    """docs/operations.md's metrics table: each metric's type and labels, as its rows name them."""
+    section = OPERATIONS.read_text().split("\n## Metrics\n")[1].split("\n## ")[0]
+    rows = re.findall(r"^\| `(batchwire_\w+)(?:\{([\w,]*)\})?` \| (\w+) \|", section, flags=re.MULTILINE)
+    return {name: (kind, set(filter(None, labels.split(",")))) for name, labels, kind in rows}
+
+
+def test_the_metrics_table_names_every_metric_with_its_type_and_labels() -> None:
+    exported: dict[str, tuple[str, set[str]]] = {}
+    for metric in vars(metrics).values():
+        if isinstance(metric, MetricWrapperBase):
+            (family,) = metric.describe()
+            name = family.name + "_total" if family.type == "counter" else family.name
+            exported[name] = (family.type, set(metric._labelnames))
+    documented = _documented_metrics()
+    assert documented.keys() == exported.keys(), (
+        f"docs/operations.md's metrics table lacks {sorted(exported.keys() - documented.keys())}, "
+        f"names {sorted(documented.keys() - exported.keys())} that no role exports"
+    )
+    differ = {name: (documented[name], exported[name]) for name in exported if documented[name] != exported[name]}
+    assert not differ, f"documented (type, labels) differ from the exported ones: {differ}"
 
 
 def test_the_configuration_table_gives_each_command_its_flags_own_meaning() -> None:
