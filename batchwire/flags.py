@@ -308,7 +308,8 @@ def api_keys(parser: argparse.ArgumentParser) -> None:
         "--api-keys-file",
         None,
         str,
-        "file of API keys (or sha256:<hex> digests), one a line; 'operator <key>' marks a key that may read /metrics",
+        "file of API keys (or sha256:<hex> digests), one a line; 'operator <key>' marks a key that may read "
+        "/metrics and the fleet",
     )
 
 

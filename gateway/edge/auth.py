@@ -11,8 +11,9 @@ either order: ``gateway.admission.priority``. Without ``priority=`` the default 
 that is lower.
 
 Keys are of two classes. A *tenant* key (an entry as it is) uses the API. An *operator* key (an
-entry written ``operator <key>``) also reads the deployment-wide ``OPERATOR_PATHS`` (``/metrics``),
-which a tenant key is refused with 403 ``forbidden``: metrics show every tenant's traffic.
+entry written ``operator <key>``) also reads the deployment-wide ``OPERATOR_PATHS`` (``/metrics``,
+``/v1/fleet``, ``/dashboard/events``), which a tenant key is refused with 403 ``forbidden``: they show
+every tenant's traffic.
 """
 
 from __future__ import annotations
