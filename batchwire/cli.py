@@ -1,4 +1,4 @@
-"""``batchwire``: one command for every role. Each flag has a ``BATCHWIRE_*`` variable behind it.
+"""``batchwire``: one command for every role and tool. Each flag of a role has a ``BATCHWIRE_*`` variable behind it.
 
 Values come from, in order: the flag, the environment, ``.batchwire/stack.env`` (written by
 ``batchwire stack up``), the default. ``batchwire <command> --help`` lists them all.
@@ -22,7 +22,7 @@ from transport.errors import PermanentTransportError
 
 
 def _up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    up = sub.add_parser("up", help="gateway, batcher and sim workers in one process (no Kafka, no Redis)")
+    up = sub.add_parser("up", help="gateway, batcher and workers in one process (no Kafka, no Redis)")
     flags.shared(up)
     flags.observability(up)
     flags.gateway_http(up)

@@ -1,4 +1,4 @@
-"""The flags of each command, each with a ``BATCHWIRE_*`` variable behind it.
+"""The flags of the roles (and of some tools), each with a ``BATCHWIRE_*`` variable behind it.
 
 A flag that sets a field of a role's settings takes its default from that field
 (``field_flag``), so the settings dataclasses are the one place a default is written.
