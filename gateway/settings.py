@@ -131,7 +131,7 @@ class GatewaySettings:
     """How long a request's body may take to arrive after its headers; then 408 and the connection closes."""
     max_connections: int = 4096
     """Open HTTP connections. At the cap a new connection takes the place of the one that has waited
-    longest without sending a whole request; when every one has sent a request, the new one is answered
+    longest without sending a whole request (its head or its body); when every one has, the new one is answered
     503 + Retry-After and closed before it is read. Each open connection holds memory, so the cap also
     bounds what a flood of idle ones costs."""
     api_keys: tuple[str, ...] = field(default=(), repr=False)

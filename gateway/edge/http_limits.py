@@ -17,12 +17,12 @@ only the asyncio callbacks, the parser callbacks, ``on_response_complete`` and
   deadline is also the keep-alive timeout (uvicorn's own is set past it);
 - at the cap, a new connection is held apart and its request read (``gateway.edge.refused_request``).
   Once its head has come whole it takes a place freed meanwhile, or the place of the connection that
-  has waited longest for a whole request (since it opened, or since its last response: an idle or
-  trickling keep-alive connection too), if that one has waited ``SLOW_AFTER_S`` and none of its bytes
-  wait unread in its socket: a flood of connections that send nothing, a slowloris, or connections
-  that send one cheap request and then trickle the next cannot lock out a client, which writes its
-  head as it connects. A connection whose request the app works on keeps its place, and a new
-  connection that sends nothing takes no one's. Otherwise (or once the server shuts down) the new
+  has waited longest for a whole request, head and body (since it opened, or since its last response:
+  an idle or trickling keep-alive connection too), if that one has waited ``SLOW_AFTER_S`` and none of
+  its bytes wait unread in its socket: a flood of connections that send nothing, a slowloris of heads
+  or of bodies, or connections that send one cheap request and then trickle the next cannot lock out a
+  client, which writes its head as it connects. A connection whose whole request the app works on
+  keeps its place, and a new connection that sends nothing takes no one's. Otherwise (or once the server shuts down) the new
   connection gets 503 once its request has come whole (within the header timeout and
   ``REFUSED_READ_BYTES``; it is read and dropped; at its head if it asks for ``100-continue``): a
   client that meets an answer and a close while it still writes fails without reading it. The
@@ -386,7 +386,6 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.cycle.keep_alive = False  # its place is over the cap: one answer, then closed
         self._in_body = True
         self._body_pieces = 0
-        self._stop_waiting()
         if self.pipeline:
             self._deadline = None  # it waits behind an earlier response, with reading paused
         else:
@@ -401,6 +400,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
+        # Only now has the whole request come: one stalled in its body waits for it as one that trickles
+        # its headers does, and at the cap makes room like it.
+        self._stop_waiting()
         self._in_body = False
         self._header_bytes = 0
         if self._lingering:
@@ -459,6 +461,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def handle_websocket_upgrade(self) -> None:
         self._deadline = None  # the WebSocket protocol owns the connection from here
+        self._stop_waiting()
         super().handle_websocket_upgrade()
 
     def send_400_response(self, msg: str) -> None:

@@ -576,6 +576,24 @@ async def test_at_the_cap_a_connection_whose_request_is_worked_on_keeps_its_plac
     await answered(busy_transport)
 
 
+async def test_at_the_cap_a_connection_stalled_in_its_body_makes_room_like_one_stalled_in_its_head() -> None:
+    """A request's body is part of the request: a connection that sent its headers and stalls in its body
+    has not sent a whole request, and once it has waited ``SLOW_AFTER_S`` it makes room for a new client, as
+    a trickling one does. Else one client holding the cap with bodies it never ends shut every other client
+    out until the body timeout, and again after it. The app reading the body is told the client left."""
+    edge = Edge(max_connections=1)
+    stalled, stalled_transport, _ = edge.connect()
+    stalled.data_received(b"POST /stalled HTTP/1.1\r\nhost: gw\r\ncontent-length: 100\r\n\r\n" + b"x" * 10)
+    await eventually(lambda: "/stalled" in edge.app.calls, "the app to read the stalled body")
+    edge.loop.advance(SLOW_AFTER_S)
+    new, new_transport, _ = edge.connect()
+    new.data_received(get("/new"))
+    assert stalled_transport.closed and stalled_transport.written == b"", "the stalled body's connection makes room"
+    await answered(new_transport)
+    assert status_of(new_transport.written) == 200, new_transport.written[:200]
+    await eventually(lambda: edge.app.disconnected == ["/stalled"], "the app to be told its client left")
+
+
 async def test_at_the_cap_with_every_connection_proven_a_new_ones_request_gets_503_unread() -> None:
     edge = Edge(max_connections=2, retry_after_s=3)
     transports = []
