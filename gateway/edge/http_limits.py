@@ -22,9 +22,9 @@ only the asyncio callbacks, the parser callbacks, ``on_response_complete`` and
   its bytes wait unread in its socket: a flood of connections that send nothing, a slowloris of heads
   or of bodies, or connections that send one cheap request and then trickle the next cannot lock out a
   client, which writes its head as it connects. A connection whose whole request the app works on
-  keeps its place, and a new connection that sends nothing takes no one's. Otherwise (or once the server shuts down) the new
-  connection gets 503 once its request has come whole (within the header timeout and
-  ``REFUSED_READ_BYTES``; it is read and dropped; at its head if it asks for ``100-continue``): a
+  keeps its place, and a new connection that sends nothing takes no one's. Otherwise (or once the
+  server shuts down) the new connection gets 503 once its request has come whole (within the header
+  timeout and ``REFUSED_READ_BYTES``; it is read and dropped; at its head if it asks for ``100-continue``): a
   client that meets an answer and a close while it still writes fails without reading it. The
   connection then stays open until the client closes it, for ``REFUSAL_LINGER_S`` at most (a socket
   closed with bytes unread sends a reset). At most ``refusal_budget`` connections are held apart at
