@@ -62,7 +62,8 @@ class GatewaySettings:
     max_body_bytes: int = 1_048_576
     max_body_bytes_in_flight: int = 33_554_432
     """What the bodies being read hold together, at most: past it a request is refused (503), so that
-    connections that each send most of a large body and stall cannot take the process's memory."""
+    connections that each send most of a large body and stall cannot take the process's memory. One
+    client's bodies hold at most ``body_bytes_per_client`` of it."""
     max_inflight: int = 10_000
     """Submissions in progress plus synchronous callers held open; beyond it: 503 + Retry-After."""
     max_watchers: int = 2_000
@@ -161,6 +162,13 @@ class GatewaySettings:
         _check_rate_limits(self)
         _check_keys(self)
         _check_sharing(self)
+
+    @property
+    def body_bytes_per_client(self) -> int:
+        """What the bodies one client (its API key; without keys its address, or its ``X-Client-Id``
+        behind a trusted proxy) sends may hold at once: a quarter of ``max_body_bytes_in_flight``, at
+        least one body of ``max_body_bytes``, so that one client's stalled bodies leave room for others'."""
+        return max(self.max_body_bytes, self.max_body_bytes_in_flight // 4)
 
     @property
     def rate_limit_burst_tokens(self) -> int:

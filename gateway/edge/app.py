@@ -50,7 +50,7 @@ def create_app(
         lifecycle,
         caller_of(settings),
         streams_end,
-        BodyBudget(settings.max_body_bytes_in_flight),
+        BodyBudget(settings.max_body_bytes_in_flight, settings.body_bytes_per_client),
         fleet_store,
     )
     install_error_handlers(app, settings.retry_after_s)

@@ -30,33 +30,51 @@ _LIMIT_HINT = env_name("max_body_bytes")
 
 
 class BodyBudget:
-    """The bytes that the bodies being read hold together, bounded (``max_body_bytes_in_flight``).
+    """The bytes that the bodies being read hold together, bounded (``max_body_bytes_in_flight``), and
+    those of each client, bounded to its share (``GatewaySettings.body_bytes_per_client``).
 
     Each body takes its bytes as they come and gives them back when it is read whole (or fails): a
-    request whose next bytes would pass the budget is refused 503 ``overloaded`` at once, so a crowd
-    of connections that each send most of a large body and stall holds the budget at most, not
-    ``max_connections`` times ``max_body_bytes``.
+    request whose next bytes would pass the budget, or its client's share, is refused 503 ``overloaded``
+    at once, so a crowd of connections that each send most of a large body and stall holds the budget
+    at most, not ``max_connections`` times ``max_body_bytes``, and one client's crowd holds its share at
+    most: the rest of the budget still reads other clients' bodies.
     """
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, per_client: int | None = None) -> None:
         self.max_bytes = max_bytes
+        self.per_client = max_bytes if per_client is None else per_client
         self.held = 0
+        self._by_client: dict[str, int] = {}
 
-    def take(self, size: int) -> None:
+    def take(self, size: int, client: str = "-") -> None:
+        mine = self._by_client.get(client, 0)
+        if mine + size > self.per_client:
+            raise Overloaded(
+                f"the bodies this client is sending hold {mine} bytes, its share of what this gateway reads at "
+                f"once ({self.per_client}: a quarter of {env_name('max_body_bytes_in_flight')}, at least "
+                f"{env_name('max_body_bytes')}); end the bodies it sends, or retry after the Retry-After delay"
+            )
         if self.held + size > self.max_bytes:
             raise Overloaded(
                 f"the bodies this gateway is reading hold {self.held} bytes, its limit "
                 f"({env_name('max_body_bytes_in_flight')} = {self.max_bytes}); retry after the Retry-After delay"
             )
         self.held += size
+        self._by_client[client] = mine + size
 
-    def give_back(self, size: int) -> None:
+    def give_back(self, size: int, client: str = "-") -> None:
         self.held -= size
+        left = self._by_client.get(client, 0) - size
+        if left > 0:
+            self._by_client[client] = left
+        else:
+            self._by_client.pop(client, None)
 
 
-async def read_body(request: Request, max_bytes: int, budget: BodyBudget | None = None) -> bytes:
+async def read_body(request: Request, max_bytes: int, budget: BodyBudget | None = None, client: str = "-") -> bytes:
     """The whole JSON body, refusing another Content-Type, a body too large early (Content-Length)
-    and while streaming (chunked or lying clients), and a body the ``budget`` has no room for."""
+    and while streaming (chunked or lying clients), and a body the ``budget`` has no room for (or
+    ``client``'s share of it: ``gateway.edge.callers.client_of``)."""
     headers = request.headers
     check_json_media_type(headers.get("content-type"))
     declared = headers.get("content-length")
@@ -70,14 +88,14 @@ async def read_body(request: Request, max_bytes: int, budget: BodyBudget | None 
             if size > max_bytes:
                 raise BodyTooLarge(f"the body is over {max_bytes} bytes, the limit ({_LIMIT_HINT})")
             if budget is not None:
-                budget.take(len(chunk))
+                budget.take(len(chunk), client)
                 taken = size
             chunks.append(chunk)
     except ClientDisconnect as err:  # gone, or cut off by the body timeout: no one reads the answer
         raise ClientDisconnected("the client closed the connection before its body ended") from err
     finally:
         if budget is not None:
-            budget.give_back(taken)
+            budget.give_back(taken, client)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 import pytest
 
 from gateway.edge.auth import digest_of
 from schemas.wire import Names
 from tests.support.eventually import eventually
-from tests.support.gateway_rig import MODELS, RigFactory, error_of
+from tests.support.gateway_rig import MODELS, RigFactory, error_of, http_scope
 from tests.support.transport_kits import ensure_topics
 from transport.kafka.lag import KafkaQueueDepth
 from transport.kafka.producers import KafkaRequestProducer
@@ -85,6 +87,73 @@ async def test_queue_depth_from_the_real_request_topic(make_rig: RigFactory, nam
     finally:
         await depth.close()
         await producer.close()
+
+
+# the bodies being read ----------------------------------------------------------------------------------
+
+
+class StalledBody:
+    """A POST to /v1/inference from ``host`` whose client sends all of its body but the last byte, then
+    waits until ``gone`` is set, and leaves."""
+
+    def __init__(self, app: Any, host: str, size: int, gone: asyncio.Event) -> None:
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % size)]
+        scope = http_scope("POST", "/v1/inference", headers=headers)
+        scope["client"] = (host, 40000)
+        self._messages = [{"type": "http.request", "body": b'{"input": "' + b"a" * (size - 12), "more_body": True}]
+        self._gone = gone
+        self.stalled = False
+        """The gateway took what was sent and waits for the rest."""
+        self.status: int | None = None
+        self.answer = b""
+        self.task = asyncio.create_task(app(scope, self._receive, self._send))
+
+    async def _receive(self) -> dict[str, Any]:
+        if self._messages:
+            return self._messages.pop()
+        self.stalled = True
+        await self._gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def _send(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+        else:
+            self.answer += message.get("body", b"")
+
+
+async def test_one_clients_stalled_bodies_hold_only_its_share_and_another_clients_body_is_read(
+    make_rig: RigFactory,
+) -> None:
+    """A client whose connections each send all of a body but its last byte and stall holds at most its
+    share of the bodies' budget (a quarter): its next body is refused 503 naming the setting, and another
+    client's body is still read and answered. Without a share, four such bodies left the budget 4 bytes,
+    and every other client's submit was refused until the attacker's body timeout, again and again."""
+    rig = await make_rig(max_body_bytes=1000, max_body_bytes_in_flight=4000)
+    await rig.worker()
+    gone = asyncio.Event()
+    hog = [StalledBody(rig.app, "127.0.0.2", 1000, gone) for _ in range(4)]
+    try:
+        await eventually(
+            lambda: all(body.stalled or body.status is not None for body in hog), "each stalled body read or refused"
+        )
+        other = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=rig.app, client=("127.0.0.3", 4321)), base_url="http://gateway"
+        )
+        async with other:
+            served = await other.post("/v1/inference", json={"input": "abc"})
+        assert (served.status_code, served.json().get("output")) == (200, "cba"), served.text
+        refused = [body for body in hog if body.status is not None]
+        assert [body.stalled for body in hog].count(True) == 1 and len(refused) == 3, [b.status for b in hog]
+        for body in refused:
+            error = json.loads(body.answer)["error"]
+            assert (body.status, error["code"]) == (503, "overloaded"), body.answer
+            assert "this client" in error["message"] and "BATCHWIRE_MAX_BODY_BYTES_IN_FLIGHT" in error["message"]
+    finally:
+        gone.set()
+        await asyncio.gather(*(body.task for body in hog))
+    bodies = rig.app.state.deployment.bodies
+    assert bodies.held == 0, "the stalled body gives its bytes back once its client leaves"
 
 
 # rate limits ----------------------------------------------------------------------------------------

@@ -15,10 +15,10 @@ from starlette.responses import Response
 
 from gateway.admission.priority import TIER_NAMES
 from gateway.edge.body import parse_inference_body, read_body
-from gateway.edge.callers import CLIENT_ID_HEADER
+from gateway.edge.callers import CLIENT_ID_HEADER, client_of
 from gateway.edge.handlers import json_response
 from gateway.edge.models import InferenceBody, InferenceResponse, TaskAccepted, error_responses
-from gateway.edge.routes.deployment import deployment_of
+from gateway.edge.routes.deployment import Deployment, deployment_of
 from gateway.edge.traced import traced
 from gateway.keys.idempotency import KEY_PATTERN, MAX_KEY_CHARS
 from gateway.settings import GatewaySettings
@@ -48,13 +48,21 @@ _SUBMIT_ERRORS = (
 )
 
 
+async def _read_body(request: Request, deployment: Deployment) -> bytes:
+    """The submit's body, held against its client's share of the bodies being read."""
+    settings = deployment.gateway.settings
+    return await read_body(
+        request, settings.max_body_bytes, deployment.bodies, client_of(request, settings.trust_client_id)
+    )
+
+
 async def infer(request: Request) -> Response:
     """Runs one input and holds the connection until its output (or its error)."""
     deployment = deployment_of(request)
     gateway = deployment.gateway
     caller = deployment.caller_of(request)
     key = request.headers.get(IDEMPOTENCY_HEADER)
-    body = parse_inference_body(await read_body(request, gateway.settings.max_body_bytes, deployment.bodies))
+    body = parse_inference_body(await _read_body(request, deployment))
     answer = await gateway.submit(
         body.input,
         body.model,
@@ -86,7 +94,7 @@ async def enqueue(request: Request) -> Response:
     gateway = deployment.gateway
     caller = deployment.caller_of(request)
     key = request.headers.get(IDEMPOTENCY_HEADER)
-    body = parse_inference_body(await read_body(request, gateway.settings.max_body_bytes, deployment.bodies))
+    body = parse_inference_body(await _read_body(request, deployment))
     accepted = await gateway.submit(
         body.input, body.model, body.timeout_ms, False, caller=caller, idempotency_key=key, priority=body.priority
     )
@@ -112,7 +120,7 @@ def add_routes(routes: APIRouter, settings: GatewaySettings) -> None:
     submit_errors = _SUBMIT_ERRORS + (("rate_limited",) if settings.rate_limit_per_s > 0 else ())
     if settings.key_tiers:
         submit_errors += ("priority_above_ceiling",)
-    if settings.rate_limit_per_s > 0 and settings.trust_client_id:
+    if settings.trust_client_id:
         submit_errors += ("invalid_client_id",)
     routes.add_api_route(
         INFERENCE_PATH,
@@ -158,7 +166,7 @@ def _body_doc(settings: GatewaySettings) -> dict[str, Any]:
         minimum=settings.min_timeout_ms, maximum=settings.max_timeout_ms
     )
     parameters = [copy.deepcopy(_IDEMPOTENCY_KEY_DOC)]
-    if settings.rate_limit_per_s > 0 and settings.trust_client_id and not settings.api_keys:
+    if settings.trust_client_id and not settings.api_keys:
         parameters.append(copy.deepcopy(_CLIENT_ID_DOC))
     return {
         "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
@@ -188,7 +196,7 @@ _CLIENT_ID_DOC: dict[str, Any] = {
     "name": CLIENT_ID_HEADER,
     "in": "header",
     "required": False,
-    "description": "Whose rate limit the request counts against, set by the proxy in front (else "
-    "the peer's IP address).",
+    "description": "Who sent the request (whose rate limit and share of the bodies being read it counts "
+    "against), set by the proxy in front (else the peer's IP address).",
     "schema": {"type": "string", "minLength": 1, "maxLength": 128, "pattern": r"^[\x21-\x7e]+$"},
 }
