@@ -197,7 +197,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             oldest = next(iter(occupancy.headless or occupancy.unanswered), None)
             if oldest is None:
                 transport.write(self.too_many_connections)
-                transport.close()
+                self._close()
                 return
             oldest._end_refusal()  # it had its time; counted until its close completes
         occupancy.refusing += 1
@@ -282,7 +282,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._cancel_timer()
         if not self._refusal_sent and not self.transport.is_closing():  # answered unasked: none came whole
             self.transport.write(self.too_many_connections)
-        self.transport.close()
+        self._close()
 
     def _wait_for_request(self) -> None:
         """Counts the connection as waiting for a request (the newest such), evictable at the cap."""
@@ -299,7 +299,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._stop_waiting()
         self._making_room = True
         self.occupancy.closing += 1
-        self.transport.close()
+        self._close(unread_for_s=0)  # slow: its client has left its last answer unread since
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._deadline = None
@@ -406,7 +406,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._in_body = False
         self._header_bytes = 0
         if self._lingering:
-            self.transport.close()  # the client has written its whole body: its answer ends the connection
+            self._close()  # the client has written its whole body: its answer ends the connection
         elif self.cycle.response_complete:  # answered before its body came, which is now read and dropped
             self._idle()
         else:
@@ -416,6 +416,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._unanswered -= 1
         super().on_response_complete()
         if self.transport.is_closing():
+            self._reset_if_unread(self.header_timeout_s)  # closed by uvicorn after a ``connection: close`` answer
             return
         if self._invalid:
             self.flow.pause_reading()  # uvicorn resumed it
@@ -486,7 +487,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._unanswered == 0:
             self._deadline = None
             self.transport.write(_INVALID_HTTP)
-            self.transport.close()
+            self._close()
 
     # deadlines -----------------------------------------------------------------------------------
     def _expect(self, within_s: float) -> None:
@@ -520,7 +521,25 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         if self._header_bytes:
             self.transport.write(self.header_timeout)  # an idle connection is closed without a word
+        self._close(unread_for_s=0)  # its last answer, if still unread, had this timeout to be read
+
+    def _close(self, *, unread_for_s: float | None = None) -> None:
+        """Closes the connection, and resets it if what was written to it is still unread
+        ``unread_for_s`` later (the header timeout unless given; 0: at once)."""
         self.transport.close()
+        self._reset_if_unread(self.header_timeout_s if unread_for_s is None else unread_for_s)
+
+    def _reset_if_unread(self, within_s: float) -> None:
+        """A close waits for the client to read what was written to it: one that never reads (its
+        window shut) would hold the connection, its descriptor and those bytes for ever, counted against
+        no cap once it is closing. Still unread ``within_s`` from now, the connection is reset."""
+        if not self.transport.get_write_buffer_size():
+            return  # nothing waits: the close completes now
+        self._cancel_timer()
+        if within_s <= 0:
+            self.transport.abort()
+        else:
+            self._timer = self.loop.call_later(within_s, self.transport.abort)
 
     def _refuse_body(self, response: bytes) -> None:
         """Answers and closes mid-body: the app waiting in receive() is told the client left (so
@@ -530,14 +549,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             cycle.disconnected = True
             cycle.message_event.set()
             self.transport.write(response)
-        self.transport.close()
+        self._close()
 
     def _refuse(self, response: bytes) -> None:
         """Answers and closes, or only closes while an earlier response is still being written."""
         cycle = self.cycle
         if cycle is None or cycle.response_complete:
             self.transport.write(response)
-        self.transport.close()
+        self._close()
 
 
 def limited_http_protocol(

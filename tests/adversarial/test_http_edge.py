@@ -30,7 +30,7 @@ import aiohttp
 import httpx
 import pytest
 
-from tests.support.adversarial_rig import P99_SLACK_MS, RSS_GROWTH_BYTES, Service, ServiceFactory, unharmed
+from tests.support.adversarial_rig import FD_SLACK, P99_SLACK_MS, RSS_GROWTH_BYTES, Service, ServiceFactory, unharmed
 from tests.support.eventually import eventually_sync
 
 pytestmark = pytest.mark.slow
@@ -408,6 +408,46 @@ def test_a_burst_over_the_cap_is_answered_or_refused_503_none_dropped(embedded_s
     assert not failed, f"{len(failed)} of {burst} neither answered nor refused: {failed[:3]}"
     assert statuses.count(503) >= burst - cap, statuses
     assert statuses.count(200) >= 1, "the connections within the cap are served"
+
+
+def test_connections_whose_clients_never_read_their_answers_are_reset(embedded_service_factory: ServiceFactory) -> None:
+    """Clients that ask for a large result on many connections and never read it, their receive window
+    shut: each answer waits in the gateway's write buffer, and a close waits for it to drain, so those
+    connections stayed open for ever past their header timeout, each with its descriptor and the
+    answer's unsent bytes, and, once closing, counted against no cap. Closed with their answers unread,
+    they are reset: the gateway's descriptors come back while the clients still hold their sockets."""
+    header_timeout_s = 3.0
+    service = embedded_service_factory("--header-timeout-s", str(header_timeout_s))
+    made = httpx.post(f"{service.url}/v1/inference", json={"input": "\U0001f600" * 65536}, timeout=30)
+    assert made.status_code == 200, made.text[:200]
+    request = b"GET /v1/result/%s HTTP/1.1\r\nhost: gw\r\n\r\n" % made.json()["task_id"].encode()
+    fds_before = service.open_fds()
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(50):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            # Small segments, as across a network: loopback's large ones let the kernels on the way hold
+            # the whole 256 KiB answer, which then leaves the gateway's buffer at once.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
+            sock.connect((service.host, service.port))
+            socks.append(sock)
+            sock.sendall(request)
+        eventually_sync(
+            lambda: service.open_fds() >= fds_before + 40,
+            "the attack's connections to be open (before their header timeout)",
+            timeout_s=header_timeout_s,
+        )
+        eventually_sync(
+            lambda: service.open_fds() <= fds_before + FD_SLACK,
+            "the connections left unread to be reset",
+            timeout_s=3 * header_timeout_s + 5,
+        )
+    finally:
+        for sock in socks:
+            sock.close()
+    normal = httpx.post(f"{service.url}/v1/inference", json={"input": "after"}, timeout=10)
+    assert (normal.status_code, normal.json()["output"]) == (200, "retfa"), "a normal client is served after"
 
 
 # what a submit must say ----------------------------------------------------------------------------

@@ -83,11 +83,15 @@ class VirtualLoop:
 
 
 class Transport:
-    """Records what the protocol writes; ``close`` reports the loss to the protocol soon, as asyncio does."""
+    """Records what the protocol writes; ``close`` reports the loss to the protocol soon, as asyncio does,
+    unless ``unread`` bytes wait for a client that does not read (then only ``abort`` does)."""
 
     def __init__(self) -> None:
         self.written = b""
+        self.unread = 0
+        """Bytes written that the client has not read, its window shut: a close waits for them."""
         self.closed = False
+        self.aborted = False
         self.read_paused = False
         self.eof_written = False
         self.protocol: Any = None
@@ -105,7 +109,17 @@ class Transport:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            if not self.unread:
+                asyncio.get_running_loop().call_soon(self.protocol.connection_lost, None)
+
+    def abort(self) -> None:
+        if not self.aborted and (self.unread or not self.closed):
             asyncio.get_running_loop().call_soon(self.protocol.connection_lost, None)
+        self.closed = self.aborted = True
+        self.unread = 0
+
+    def get_write_buffer_size(self) -> int:
+        return self.unread
 
     def is_closing(self) -> bool:
         return self.closed
@@ -592,6 +606,33 @@ async def test_at_the_cap_a_connection_stalled_in_its_body_makes_room_like_one_s
     await answered(new_transport)
     assert status_of(new_transport.written) == 200, new_transport.written[:200]
     await eventually(lambda: edge.app.disconnected == ["/stalled"], "the app to be told its client left")
+
+
+@pytest.mark.parametrize("closed_by", ["the header timeout", "the cap", "connection: close"])
+async def test_a_connection_closed_with_its_answer_unread_is_reset(closed_by: str) -> None:
+    """A close waits for the client to read what was written to it: a client that asks for a large answer
+    and never reads it (its window shut) held the connection, its descriptor and the answer's bytes for
+    ever, and once closing it counted against no cap. Idle with its answer unread until the header timeout,
+    or until a new client needs its place at the cap, it is reset at once; closed after a ``connection:
+    close`` answer, it is reset if that answer is still unread a header timeout later."""
+    edge = Edge(max_connections=1)
+    protocol, transport, _ = edge.connect()
+    transport.unread = 200_000  # the answer's bytes, written and never read
+    protocol.data_received(get(extra=b"connection: close\r\n" if closed_by == "connection: close" else b""))
+    await answered(transport)
+    if closed_by == "the cap":
+        edge.loop.advance(SLOW_AFTER_S)
+        new, new_transport, _ = edge.connect()
+        new.data_received(get("/new"))
+        await answered(new_transport)
+        assert status_of(new_transport.written) == 200, "the new client takes its place"
+    else:
+        edge.loop.advance(HEADER_TIMEOUT_S - 0.1)
+        assert not transport.aborted, "a client has the header timeout to read its answer"
+        edge.loop.advance(0.1)
+    assert transport.aborted, f"closed by {closed_by} with its answer unread: reset"
+    await settle()
+    assert protocol not in edge.state.connections and edge.protocol_class.occupancy.closing == 0
 
 
 async def test_at_the_cap_with_every_connection_proven_a_new_ones_request_gets_503_unread() -> None:
