@@ -4,7 +4,8 @@ Huge headers in every shape, clients too slow to send their headers or body, con
 never written to, and a flood of connections over ``--max-connections``: each attacker gets a clear
 status (431, 408, 503) or a close, within the limit's own bound, while a normal client beside it is
 unharmed (``rig.unharmed``). And a submit that is not declared JSON, HEAD, a trailing slash, bytes
-that are not HTTP, pipelining, idle connections at the cap, and half-sent or fragmented bodies.
+that are not HTTP, pipelining, idle connections and stalled bodies at the cap, answers never read, and
+half-sent or fragmented bodies.
 
 The edge is one code path in both modes (``gateway.edge.http_limits`` in the gateway's process), so the
 timed attacks run in embedded mode only, where the attack shares its process with the workers (the
@@ -326,6 +327,35 @@ def test_at_the_cap_idle_and_trickling_keep_alive_connections_make_room_for_new_
         answers = [fresh() for _ in range(20)]
         assert [a.status_code for a in answers] == [200] * 20, [a.text[:100] for a in answers if a.status_code != 200]
         assert all(a.json()["output"] == "cba" for a in answers)
+    finally:
+        for sock in kept:
+            sock.close()
+
+
+def test_at_the_cap_connections_stalled_in_their_bodies_make_room_for_new_clients(
+    embedded_service_factory: ServiceFactory,
+) -> None:
+    """Connections that each send a submit's head and part of its body, then stall, fill the cap. A
+    request is whole once its body has come: once they have waited ``SLOW_AFTER_S``, each new client
+    takes the place of the one that waited longest, as with trickled heads. (Their places were kept
+    until the body timeout, and the attacker reconnected: every other client got 503.)"""
+    cap = 20
+    # A body timeout longer than the test: only eviction, never a timeout, can free a stalled body's place.
+    service = embedded_service_factory("--max-connections", str(cap), "--body-timeout-s", "120")
+    head = b"POST /v1/inference HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n"
+    kept = [socket.create_connection((service.host, service.port), timeout=10) for _ in range(cap)]
+    try:
+        for sock in kept:
+            sock.sendall(head + b'{"input": "')
+
+        def fresh() -> httpx.Response:
+            return httpx.post(f"{service.url}/v1/inference", json={"input": "abc"}, timeout=10)
+
+        eventually_sync(
+            lambda: fresh().status_code == 200, "a fresh client to be served at the cap", timeout_s=30, interval_s=0.2
+        )
+        answers = [fresh() for _ in range(10)]
+        assert [a.status_code for a in answers] == [200] * 10, [a.text[:100] for a in answers if a.status_code != 200]
     finally:
         for sock in kept:
             sock.close()
