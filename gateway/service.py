@@ -11,6 +11,7 @@ import functools
 import logging
 import secrets
 from collections.abc import AsyncGenerator, Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Literal, overload
 
@@ -450,6 +451,11 @@ class Gateway:
     def events(self, task_id: str, *, owner: str | None = None, client: str = "-") -> AsyncGenerator[TaskState, None]:
         """The task's current state, then each later one until it ends (see ``TaskReads``)."""
         return self._reads.events(task_id, owner=owner, client=client)
+
+    def watching(self, client: str) -> AbstractContextManager[None]:
+        """Counts a stream held open for ``client`` (the dashboard's) while inside, against
+        ``max_watchers`` and the client's share, as a long-poll and a task's stream count."""
+        return self._reads.watching(client)
 
     async def cancel(self, task_id: str, *, owner: str | None = None) -> TaskState:
         """Cancels a task no worker has started yet (see ``TaskReads``)."""

@@ -79,7 +79,7 @@ class TaskReads:
             if wait_s == 0:
                 return await self._get(task_id, owner)
             until = asyncio.get_running_loop().time() + wait_s
-            with self._watching(client):
+            with self.watching(client):
                 async with self._store.watch(task_id) as changes:
                     state = await self._get(task_id, owner)
                     async with aclosing(self._follow(changes, state, until)) as later:
@@ -103,7 +103,7 @@ class TaskReads:
         check_task_id(task_id)
         deadline = asyncio.get_running_loop().time() + self.settings.sse_max_s
         try:
-            with self._watching(client):
+            with self.watching(client):
                 async with self._store.watch(task_id) as changes:
                     state = await self._get(task_id, owner)
                     yield state
@@ -187,7 +187,9 @@ class TaskReads:
         return state if ended is None else ended
 
     @contextmanager
-    def _watching(self, client: str) -> Iterator[None]:
+    def watching(self, client: str) -> Iterator[None]:
+        """Counts one open watch (a long-poll, an event stream) of ``client`` while inside; raises
+        ``Overloaded`` past ``max_watchers``, or past ``client``'s share of them."""
         if self._watchers >= self.settings.max_watchers:
             raise Overloaded(
                 f"this gateway has {self._watchers} long-polls and event streams open, its limit "

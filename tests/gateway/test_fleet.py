@@ -11,6 +11,7 @@ from httpx_sse import aconnect_sse
 from gateway.edge.auth import digest_of
 from gateway.edge.routes.fleet import fleet_view
 from schemas.heartbeat import Beat
+from tests.support.eventually import eventually
 from tests.support.gateway_rig import RigFactory, error_of, serving
 from transport.memory.fleet import MemoryFleet
 
@@ -181,3 +182,26 @@ def test_a_worker_still_starting_is_shown_and_not_live() -> None:
     view = fleet_view(members, ("sim", "embed"), NOW_MS)
     assert [member["state"] for member in view["members"]] == ["starting", "idle"]
     assert (view["models"]["sim"]["workers_live"], view["models"]["embed"]["workers_live"]) == (0, 1)
+
+
+async def test_dashboard_streams_count_against_the_watchers_and_end_after_sse_max_s(make_rig: RigFactory) -> None:
+    """Each dashboard stream holds its connection's place at the cap and a fleet view a second, and with
+    keys off anyone may open one: it counts against ``--max-watchers`` and the client's share, as a task's
+    stream does, and ends after ``sse_max_s`` (the page resumes it). Uncounted and endless, one client's
+    streams held every place of the cap for good."""
+    fleet = MemoryFleet()
+    await fleet.beat([beat("worker", "w1", age_ms=NOW_MS - int(time.time() * 1000))])
+    rig = await make_rig(fleet=fleet, max_watchers_per_client=2, sse_max_s=1.5)
+    async with serving(rig) as client:
+        async with aconnect_sse(client, "GET", "/dashboard/events") as first:
+            firsts = first.aiter_sse()
+            assert (await anext(firsts)).event == "fleet"
+            async with aconnect_sse(client, "GET", "/dashboard/events") as second:
+                assert (await anext(second.aiter_sse())).event == "fleet"
+                assert rig.gateway.watchers == 2
+                over = await client.get("/dashboard/events")
+                assert over.status_code == 503 and error_of(over)["code"] == "overloaded", over.text
+                assert "BATCHWIRE_MAX_WATCHERS_PER_CLIENT" in error_of(over)["message"]
+            ended = [event.event async for event in firsts]  # until the stream ends, sse_max_s after it began
+        assert set(ended) <= {"fleet"} and len(ended) <= 3, ended
+        await eventually(lambda: rig.gateway.watchers == 0, "the streams' places to be given back")

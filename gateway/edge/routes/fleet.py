@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
+from contextlib import ExitStack
 from importlib import resources
 from typing import Any
 
@@ -19,6 +21,7 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 
+from gateway.edge.callers import client_of
 from gateway.edge.events import RETRY, EventStream, StreamsEnd, error_event
 from gateway.edge.handlers import json_response
 from gateway.edge.models import error_responses
@@ -144,21 +147,34 @@ async def dashboard() -> HTMLResponse:
 
 
 class FleetEvents:
-    """The fleet as an ``event: fleet`` each ``REFRESH_S``; each event's ``id`` is its time (Unix ms), so
-    a client that resumes with ``Last-Event-ID`` gets only later views. A store that cannot be read
-    sends an ``error`` event and the stream goes on."""
+    """The fleet as an ``event: fleet`` each ``REFRESH_S``, for ``max_s``; each event's ``id`` is its time
+    (Unix ms), so a client that resumes with ``Last-Event-ID`` gets only later views. A store that cannot
+    be read sends an ``error`` event and the stream goes on. ``aclose`` leaves ``held`` (the stream's
+    place among the gateway's watchers)."""
 
-    def __init__(self, store: Fleet, models: tuple[str, ...], after_ms: int) -> None:
+    def __init__(
+        self,
+        store: Fleet,
+        models: tuple[str, ...],
+        after_ms: int,
+        *,
+        max_s: float = math.inf,
+        held: ExitStack | None = None,
+    ) -> None:
         self._store = store
         self._models = models
         self._after_ms = after_ms
         self._opening = RETRY
         self._next = time.monotonic()
+        self._until = self._next + max_s
+        self._held = held
 
     def __aiter__(self) -> FleetEvents:
         return self
 
     async def __anext__(self) -> bytes:
+        if self._next >= self._until:
+            raise StopAsyncIteration  # its client resumes it (``retry``), as a task's stream past sse_max_s
         await asyncio.sleep(max(0.0, self._next - time.monotonic()))  # the refresh period, a timer
         self._next = time.monotonic() + REFRESH_S
         now_ms = max(int(time.time() * 1000), self._after_ms + 1)  # ids rise even if the wall clock steps back
@@ -172,16 +188,24 @@ class FleetEvents:
         return opening + f"event: fleet\r\ndata: {data}\r\nid: {now_ms}\r\n\r\n".encode()
 
     async def aclose(self) -> None:
-        return None
+        if self._held is not None:
+            self._held.close()
 
 
 async def dashboard_events(request: Request) -> EventStream:
+    """The fleet's stream. It counts as a watcher (``--max-watchers`` and the client's share) and ends
+    after ``sse_max_s``, as a task's stream does: each holds its connection's place at the cap and a
+    fleet view a second, and with keys off anyone may open them."""
     store, models = _fleet_of(request)
     raw = request.headers.get("last-event-id", "")
     after_ms = int(raw) if raw.isascii() and raw.isdigit() and len(raw) < 16 else 0  # a stale id only skips time
     deployment = deployment_of(request)
+    settings = deployment.gateway.settings
+    held = ExitStack()
+    held.enter_context(deployment.gateway.watching(client_of(request, settings.trust_client_id)))  # or 503
+    events = FleetEvents(store, models, after_ms, max_s=settings.sse_max_s, held=held)
     end: StreamsEnd | None = deployment.streams_end
-    return EventStream(FleetEvents(store, models, after_ms), ping_s=deployment.gateway.settings.sse_ping_s, end=end)
+    return EventStream(events, ping_s=settings.sse_ping_s, end=end)
 
 
 def add_routes(routes: APIRouter, settings: GatewaySettings) -> None:
