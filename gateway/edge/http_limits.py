@@ -15,6 +15,9 @@ only the asyncio callbacks, the parser callbacks, ``on_response_complete`` and
   previous response; a body, from its headers) behind one timer that is re-armed lazily, so a busy
   keep-alive connection makes about one timer per header timeout, not one per request; the header
   deadline is also the keep-alive timeout (uvicorn's own is set past it);
+- a connection closed while its client has not read what was written to it is reset (at once when
+  it was idle, else a header timeout later, ``_close``): a close waits for that read, which a client
+  that never reads never makes;
 - at the cap, a new connection is held apart and its request read (``gateway.edge.refused_request``).
   Once its head has come whole it takes a place freed meanwhile, or the place of the connection that
   has waited longest for a whole request, head and body (since it opened, or since its last response:
