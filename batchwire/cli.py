@@ -103,7 +103,8 @@ def _topics(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _root() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction[argparse.ArgumentParser]]:
-    parser = argparse.ArgumentParser(prog="batchwire", description=__doc__)
+    # The module docstring is the help, its reST literals read as plain text.
+    parser = argparse.ArgumentParser(prog="batchwire", description=(__doc__ or "").replace("``", ""))
     # Commands without the observability flags (stack, topics, the tools) log text and trace nothing.
     parser.set_defaults(log_level="info", log_format="text", otlp_endpoint=None, trace_sample_ratio=1.0)
     return parser, parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -59,6 +59,12 @@ def _help_texts() -> str:
     return " ".join(" ".join(p.format_help().split()) for p in parsers)
 
 
+def test_help_reads_as_plain_text() -> None:
+    """Docstrings become help texts: their reST literals must not reach the terminal."""
+    texts = _help_texts() + " " + build_parser().format_help()
+    assert "``" not in texts, f"a --help shows reST markup: {texts[max(0, texts.find('``') - 80) :][:200]}"
+
+
 def test_every_variable_the_docs_name_is_a_flags() -> None:
     helps = _help_texts()
     for doc in USER_DOCS:
