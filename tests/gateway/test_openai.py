@@ -11,7 +11,7 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -144,6 +144,25 @@ async def test_what_cannot_be_answered_is_refused_with_the_clients_own_errors(cl
     body = not_embeddings.value.body
     assert isinstance(body, dict) and {"message", "code"} <= set(body), f"OpenAI's error shape: {body}"
     assert not_embeddings.value.type == "invalid_request_error"
+
+
+async def test_every_error_the_routes_answer_has_openais_four_fields(client: openai.AsyncOpenAI) -> None:
+    """OpenAI's error object always holds ``message``, ``type``, ``param`` and ``code`` (``param`` null
+    where no one parameter is at fault); clients typed on it read each one."""
+    refusals: list[Callable[[], Awaitable[object]]] = [
+        lambda: client.embeddings.create(model="no-such-model", input="x"),
+        lambda: client.embeddings.create(model="embed", input="x", dimensions=2),
+        lambda: client.completions.create(model="sim", prompt="x", n=2),
+        lambda: client.models.retrieve("org/other"),
+    ]
+    for refusal in refusals:
+        with pytest.raises(openai.APIStatusError) as refused:
+            await refusal()
+        body = refused.value.body
+        assert isinstance(body, dict) and sorted(body) == ["code", "message", "param", "type"], body
+        assert body["param"] is None and refused.value.type and refused.value.code, body
+    chunk = json.loads(CUT.decode().removeprefix("data: "))
+    assert sorted(chunk["error"]) == ["code", "message", "param", "type"], f"a stream's error chunk: {chunk}"
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ LangChain's ``OpenAIEmbeddings``, LiteLLM's ``openai/`` prefix); these routes an
 string of a request (an embeddings input, a completions prompt) is one item of a batch: a request
 with 32 inputs is 32 synchronous submits that batch with other callers' items, and its answer
 gathers them in order; a streamed completion sends each prompt's text as it lands. Errors take
-OpenAI's shape, ``{"error": {"message", "type", "code"}}``: the client maps the status to its own
+OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: the client maps the status to its own
 exceptions (429 ``RateLimitError``, 404 ``NotFoundError``) and honours ``Retry-After``.
 """
 
@@ -78,6 +78,7 @@ tokenizer, and the workers' backends report none."""
 class OpenAIErrorDetail(BaseModel):
     message: str
     type: str
+    param: None = Field(description="The parameter at fault; always null here, as in most of OpenAI's errors.")
     code: str
 
 
@@ -198,9 +199,13 @@ def openai_error(exc: GatewayError, retry_after_s: int) -> Response:
     (its error, an input that crashed workers, an output too large) fails again if sent again: its 502
     tells the client not to retry."""
     status = _status(exc)
-    error = {"message": _message(exc), "type": _kind(status), "code": exc.error_code}
     computed = isinstance(exc, TaskFailed) and exc.task_code not in UNCOMPUTED_FAILURES
-    return json_response(status, {"error": error}, _NO_RETRY if computed else retry_headers(exc, status, retry_after_s))
+    return json_response(status, _error(exc), _NO_RETRY if computed else retry_headers(exc, status, retry_after_s))
+
+
+def _error(exc: GatewayError) -> dict[str, Any]:
+    """OpenAI's error object, every field present, as its clients' types describe it."""
+    return {"error": {"message": _message(exc), "type": _kind(_status(exc)), "param": None, "code": exc.error_code}}
 
 
 def _status(exc: GatewayError) -> int:
@@ -479,7 +484,7 @@ def _event(data: dict[str, Any]) -> bytes:
 
 def _error_chunk(exc: GatewayError) -> bytes:
     """OpenAI's error chunk, which ends a stream: the client raises it."""
-    return _event({"error": {"message": _message(exc), "type": _kind(_status(exc)), "code": exc.error_code}})
+    return _event(_error(exc))
 
 
 CUT = _error_chunk(NotReady("the server is shutting down before every prompt was answered; send the request again"))
