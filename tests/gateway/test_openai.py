@@ -294,7 +294,8 @@ async def test_completions_answer_each_prompt_in_order_with_and_without_a_stream
 @pytest.mark.parametrize("field", ["n", "echo", "stream"])
 async def test_a_null_option_is_its_default(client: openai.AsyncOpenAI, field: str) -> None:
     """openai-python sends ``null`` for an option passed as None, and OpenAI reads it as the default."""
-    done = await client.completions.create(model="sim", prompt="hello", **{field: None})
+    options: dict[str, Any] = {field: None}
+    done = await client.completions.create(model="sim", prompt="hello", **options)
     assert [c.text for c in done.choices] == ["olleh"]
 
 
