@@ -211,7 +211,7 @@ class ServerError(BatchwireError):
 
 class Unreachable(BatchwireError):
     """No answer from the gateway: every attempt's connection failed (the last failure is the
-    ``__cause__``), or a proxy in front of it said so (its own 502, code ``http_502``)."""
+    ``__cause__``), or a proxy in front of it said so (its own 502 or 504, code ``http_502`` or ``http_504``)."""
 
     retriable = True
 
@@ -249,7 +249,8 @@ _BY_STATUS: dict[int, type[BatchwireError]] = {
 def error_of(response: httpx.Response) -> BatchwireError:
     """The typed error of an error answer (its body read): from the ``{"error": {...}}`` body's code,
     else its status; an answer without that body (a proxy's) gets the code ``http_<status>``, and is
-    no failed task even as a 502 (a proxy's Bad Gateway: the gateway did not answer it, so a retry may)."""
+    no failed task or deadline even as a 502 or 504 (a proxy's Bad Gateway or Gateway Timeout: the gateway
+    did not answer it, maybe within the proxy's own timeout, shorter than the call's; a retry may)."""
     status = response.status_code
     try:
         doc = response.json()
@@ -286,8 +287,10 @@ def _error(
     message = str(detail.get("message", ""))
     task_id = detail.get("task_id")
     task_id = task_id if isinstance(task_id, str) else None
-    if status == 502:  # the API's: a failed task; a proxy's: its upstream, the gateway, did not answer
-        kind: type[BatchwireError] = TaskFailed if api else Unreachable
+    if not api and status in (502, 504):  # a proxy's own: its upstream, the gateway, did not answer (in time)
+        kind: type[BatchwireError] = Unreachable
+    elif status == 502:  # the API's: a failed task
+        kind = TaskFailed
     elif code in _BY_CODE:
         kind = _BY_CODE[code]
     elif status in _BY_STATUS:

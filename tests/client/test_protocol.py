@@ -205,17 +205,21 @@ def test_an_answer_without_the_error_body_is_typed_by_its_status() -> None:
     assert isinstance(odd, ServerError) and odd.code == "http_500"
 
 
-def test_a_proxys_502_is_no_failed_task_but_an_unreachable_gateway_and_is_retried() -> None:
-    """Only the gateway's 502 (with its error body) says a task failed; a proxy's says the gateway did not
-    answer it (restarting, say), which a retry under the same Idempotency-Key may get past."""
-    proxy = error_of(answer(502, text="<html><h1>502 Bad Gateway</h1></html>"))
-    assert type(proxy) is Unreachable and proxy.code == "http_502" and proxy.retriable, f"{proxy!r}"
+@pytest.mark.parametrize(("status", "page"), [(502, "502 Bad Gateway"), (504, "504 Gateway Time-out")])
+def test_a_proxys_502_or_504_is_no_failed_task_or_deadline_but_an_unreachable_gateway_and_is_retried(
+    status: int, page: str
+) -> None:
+    """Only the gateway's 502 or 504 (with its error body) says a task failed or its deadline passed; a
+    proxy's says the gateway did not answer it (restarting, or slower than the proxy's own timeout, with the
+    call's deadline still ahead), which a retry under the same Idempotency-Key may get past."""
+    proxy = error_of(answer(status, text=f"<html><h1>{page}</h1></html>"))
+    assert type(proxy) is Unreachable and proxy.code == f"http_{status}" and proxy.retriable, f"{proxy!r}"
     keys: list[str] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
         keys.append(request.headers["Idempotency-Key"])
         if len(keys) == 1:
-            return httpx.Response(502, text="<html><h1>502 Bad Gateway</h1></html>")
+            return httpx.Response(status, text=f"<html><h1>{page}</h1></html>")
         return httpx.Response(200, json={"output": "olleh"})
 
     with Client("http://gw", transport=httpx.MockTransport(handler)) as client:
