@@ -500,6 +500,42 @@ def test_an_inference_whose_answer_is_lost_is_retried_and_computed_once(server: 
     assert again["task_id"] == first["task_id"], f"the retry ran another task: {transport.answers}"
 
 
+class ImpatientProxy(httpx.HTTPTransport):
+    """Real connections, behind a proxy whose timeout is shorter than the call's: the first submit reaches
+    the gateway, and the proxy gives up on its answer after ``PROXY_TIMEOUT_S``, answering its own 504 page."""
+
+    PROXY_TIMEOUT_S = 0.2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answers: list[tuple[str | None, int, str | None]] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        key = request.headers.get(IDEMPOTENCY_HEADER)
+        if not self.answers:
+            request.extensions["timeout"] = {**request.extensions.get("timeout", {}), "read": self.PROXY_TIMEOUT_S}
+            try:
+                super().handle_request(request).read()
+            except httpx.ReadTimeout:
+                self.answers.append((key, 504, None))
+                return httpx.Response(504, text="<html><h1>504 Gateway Time-out</h1></html>", request=request)
+            raise AssertionError("the gateway answered within the proxy's timeout: the call was not slow enough")
+        response = super().handle_request(request)
+        self.answers.append((key, response.status_code, response.headers.get("Idempotent-Replayed")))
+        return response
+
+
+def test_a_proxys_504_before_the_calls_deadline_is_retried_and_answered_from_the_first_task(slow_server: str) -> None:
+    text = unique("proxy-timeout")
+    transport = ImpatientProxy()
+    with Client(slow_server, transport=transport) as client:
+        assert client.infer(text) == text[::-1]
+    first, *retries = transport.answers
+    assert first[1] == 504 and retries, f"expected the proxy's 504, then a retry: {transport.answers}"
+    assert {key for key, _, _ in transport.answers} == {first[0]}, f"one key for every attempt: {transport.answers}"
+    assert retries[-1][1:] == (200, "true"), f"the retry was not answered from the first task: {transport.answers}"
+
+
 class CountingAttempts(httpx.HTTPTransport):
     def __init__(self) -> None:
         super().__init__()
