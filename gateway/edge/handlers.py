@@ -59,6 +59,13 @@ def retry_headers(exc: GatewayError, status: int, retry_after_s: int) -> dict[st
     return {"Retry-After": str(exc.retry_after_s or retry_after_s)}
 
 
+_UNSERVED = {
+    "/v1/chat/completions": "chat completions are not served (no model here has a chat template): send the "
+    "conversation as one prompt to POST /v1/completions",
+}
+"""What a caller of an API this gateway does not serve sends instead (the OpenAI clients' chat calls)."""
+
+
 def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     """Routes every failure through the one error shape; 429s and 503s carry ``Retry-After``."""
 
@@ -75,7 +82,9 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
         code = _CODE_BY_HTTP_STATUS.get(exc.status_code, f"http_{exc.status_code}")
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if exc.status_code == 404:
-            message = f"no route {shown(request.method)} {shown(request.url.path)}; see /docs for the API"
+            message = f"no route {shown(request.method)} {shown(request.url.path)}; " + _UNSERVED.get(
+                request.url.path, "see /docs for the API"
+            )
         headers = dict(exc.headers or {})
         if exc.status_code == 405:
             # Starlette names only the first route whose path matched; GET and DELETE of one path

@@ -144,6 +144,9 @@ async def test_what_cannot_be_answered_is_refused_with_the_clients_own_errors(cl
     body = not_embeddings.value.body
     assert isinstance(body, dict) and {"message", "code"} <= set(body), f"OpenAI's error shape: {body}"
     assert not_embeddings.value.type == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError) as chat:
+        await client.chat.completions.create(model="sim", messages=[{"role": "user", "content": "hi"}])
+    assert "POST /v1/completions" in chat.value.message, f"a chat call is told what to send: {chat.value.message}"
 
 
 async def test_every_error_the_routes_answer_has_openais_four_fields(client: openai.AsyncOpenAI) -> None:
