@@ -39,6 +39,16 @@ async def test_ended_tasks_go_oldest_ended_first_and_live_ones_stay() -> None:
     assert store.full("alpha") is None, "ended results can still make room"
 
 
+async def test_a_store_held_exactly_at_its_budget_by_ended_tasks_makes_room_rather_than_refuse() -> None:
+    store = MemoryTaskStore(max_bytes=3 * RESULT_BYTES)  # three results fill it to the byte
+    for index in range(3):
+        await _complete(store, f"done-{index}")
+    assert store.held_bytes <= 3 * RESULT_BYTES
+
+    assert store.full("alpha") is None, "an ended result can make room: nothing is refused"
+    assert await store.get("done-2") is not None, "the newest result stays"
+
+
 async def test_the_order_is_when_a_task_ended_not_when_it_was_created() -> None:
     store = MemoryTaskStore(max_bytes=2 * RESULT_BYTES + 4 * ENTRY_BYTES)
     await store.create(state("early", TaskStatus.QUEUED))

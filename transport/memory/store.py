@@ -160,10 +160,10 @@ class MemoryTaskStore:
         self._shrink()
 
     def _shrink(self) -> None:
-        """Drops ended tasks, the oldest-ended first, while the budget is exceeded."""
+        """Drops ended tasks, the oldest-ended first, until the store is under its budget (``full`` refuses at it)."""
         if self.max_bytes is None:
             return
-        while self._ended and self._bytes + self._pinned() > self.max_bytes:
+        while self._ended and self._bytes + self._pinned() >= self.max_bytes:
             self._drop(next(iter(self._ended)))
 
     def _drop(self, task_id: str) -> None:
