@@ -317,19 +317,25 @@ def test_at_the_cap_idle_and_trickling_keep_alive_connections_make_room_for_new_
             response = httpx.get(f"{service.url}{path}", timeout=10)
             assert response.status_code == 200, f"{path} over the cap: {response.status_code} {response.text[:200]}"
 
-        def fresh() -> httpx.Response:
-            return httpx.post(f"{service.url}/v1/inference", json={"input": "abc"}, timeout=10)
-
         # The tricklers are evictable once they waited SLOW_AFTER_S; before, a new client is refused 503.
-        eventually_sync(
-            lambda: fresh().status_code == 200, "a fresh client to be served at the cap", timeout_s=30, interval_s=0.2
-        )
-        answers = [fresh() for _ in range(20)]
-        assert [a.status_code for a in answers] == [200] * 20, [a.text[:100] for a in answers if a.status_code != 200]
-        assert all(a.json()["output"] == "cba" for a in answers)
+        _fresh_clients_served(service, 20)
     finally:
         for sock in kept:
             sock.close()
+
+
+def _fresh_clients_served(service: Service, count: int) -> None:
+    """Once a fresh client is served at the cap, ``count`` more in a row are, each on a new connection."""
+
+    def fresh() -> httpx.Response:
+        return httpx.post(f"{service.url}/v1/inference", json={"input": "abc"}, timeout=10)
+
+    eventually_sync(
+        lambda: fresh().status_code == 200, "a fresh client to be served at the cap", timeout_s=30, interval_s=0.2
+    )
+    answers = [fresh() for _ in range(count)]
+    assert [a.status_code for a in answers] == [200] * count, [a.text[:100] for a in answers if a.status_code != 200]
+    assert all(a.json()["output"] == "cba" for a in answers)
 
 
 def test_at_the_cap_connections_stalled_in_their_bodies_make_room_for_new_clients(
@@ -337,8 +343,8 @@ def test_at_the_cap_connections_stalled_in_their_bodies_make_room_for_new_client
 ) -> None:
     """Connections that each send a submit's head and part of its body, then stall, fill the cap. A
     request is whole once its body has come: once they have waited ``SLOW_AFTER_S``, each new client
-    takes the place of the one that waited longest, as with trickled heads. (Their places were kept
-    until the body timeout, and the attacker reconnected: every other client got 503.)"""
+    takes the place of the one that waited longest, as with trickled heads. (Kept until the body
+    timeout, their places would shut out every other client of an attacker that reconnects.)"""
     cap = 20
     # A body timeout longer than the test: only eviction, never a timeout, can free a stalled body's place.
     service = embedded_service_factory("--max-connections", str(cap), "--body-timeout-s", "120")
@@ -348,14 +354,7 @@ def test_at_the_cap_connections_stalled_in_their_bodies_make_room_for_new_client
         for sock in kept:
             sock.sendall(head + b'{"input": "')
 
-        def fresh() -> httpx.Response:
-            return httpx.post(f"{service.url}/v1/inference", json={"input": "abc"}, timeout=10)
-
-        eventually_sync(
-            lambda: fresh().status_code == 200, "a fresh client to be served at the cap", timeout_s=30, interval_s=0.2
-        )
-        answers = [fresh() for _ in range(10)]
-        assert [a.status_code for a in answers] == [200] * 10, [a.text[:100] for a in answers if a.status_code != 200]
+        _fresh_clients_served(service, 10)
     finally:
         for sock in kept:
             sock.close()
