@@ -8,8 +8,9 @@ from typing import Protocol
 
 from starlette.requests import Request
 
-from gateway.edge.body import BodyBudget
-from gateway.edge.callers import CallerOf
+from gateway.admission.gate import ANONYMOUS, Caller
+from gateway.edge.body import BodyBudget, read_body
+from gateway.edge.callers import CallerOf, client_of
 from gateway.edge.events import StreamsEnd
 from gateway.health import Ready
 from gateway.service import Gateway
@@ -40,6 +41,13 @@ class Deployment:
     """What the bodies being read may hold together (``max_body_bytes_in_flight``)."""
     fleet: Fleet | None = None
     """Where every process's heartbeat lands: what ``/v1/fleet`` and ``/dashboard`` read."""
+
+    async def body_of(self, request: Request, caller: Caller) -> bytes:
+        """The request's body, held against ``bodies`` and its client's share of them: the caller's
+        client where it names one (with rate limits), else looked up (``client_of``)."""
+        settings = self.gateway.settings
+        client = caller.client if caller.client != ANONYMOUS.client else client_of(request, settings.trust_client_id)
+        return await read_body(request, settings.max_body_bytes, self.bodies, client)
 
 
 def deployment_of(request: Request) -> Deployment:

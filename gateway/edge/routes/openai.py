@@ -28,8 +28,8 @@ from starlette.responses import Response
 
 from gateway.admission.gate import Caller
 from gateway.answers.outcomes import Answer
-from gateway.edge.body import Shape, parse_body, read_body
-from gateway.edge.callers import client_of, disconnected, unless_gone
+from gateway.edge.body import Shape, parse_body
+from gateway.edge.callers import disconnected, unless_gone
 from gateway.edge.events import EventStream
 from gateway.edge.handlers import json_response, retry_headers
 from gateway.edge.models import error_responses
@@ -260,10 +260,7 @@ async def _read(request: Request, shape: type[Shape]) -> tuple[Caller, Shape]:
     """The caller (its API key checked) and the request's body as ``shape``."""
     deployment = deployment_of(request)
     caller = deployment.caller_of(request)
-    settings = deployment.gateway.settings
-    client = client_of(request, settings.trust_client_id)
-    raw = await read_body(request, settings.max_body_bytes, deployment.bodies, client)
-    return caller, parse_body(raw, shape)
+    return caller, parse_body(await deployment.body_of(request, caller), shape)
 
 
 async def embeddings(request: Request) -> Response:

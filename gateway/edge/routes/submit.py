@@ -14,11 +14,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.admission.priority import TIER_NAMES
-from gateway.edge.body import parse_inference_body, read_body
-from gateway.edge.callers import CLIENT_ID_HEADER, client_of
+from gateway.edge.body import parse_inference_body
+from gateway.edge.callers import CLIENT_ID_HEADER
 from gateway.edge.handlers import json_response
 from gateway.edge.models import InferenceBody, InferenceResponse, TaskAccepted, error_responses
-from gateway.edge.routes.deployment import Deployment, deployment_of
+from gateway.edge.routes.deployment import deployment_of
 from gateway.edge.traced import traced
 from gateway.keys.idempotency import KEY_PATTERN, MAX_KEY_CHARS
 from gateway.settings import GatewaySettings
@@ -48,21 +48,13 @@ _SUBMIT_ERRORS = (
 )
 
 
-async def _read_body(request: Request, deployment: Deployment) -> bytes:
-    """The submit's body, held against its client's share of the bodies being read."""
-    settings = deployment.gateway.settings
-    return await read_body(
-        request, settings.max_body_bytes, deployment.bodies, client_of(request, settings.trust_client_id)
-    )
-
-
 async def infer(request: Request) -> Response:
     """Runs one input and holds the connection until its output (or its error)."""
     deployment = deployment_of(request)
     gateway = deployment.gateway
     caller = deployment.caller_of(request)
     key = request.headers.get(IDEMPOTENCY_HEADER)
-    body = parse_inference_body(await _read_body(request, deployment))
+    body = parse_inference_body(await deployment.body_of(request, caller))
     answer = await gateway.submit(
         body.input,
         body.model,
@@ -94,7 +86,7 @@ async def enqueue(request: Request) -> Response:
     gateway = deployment.gateway
     caller = deployment.caller_of(request)
     key = request.headers.get(IDEMPOTENCY_HEADER)
-    body = parse_inference_body(await _read_body(request, deployment))
+    body = parse_inference_body(await deployment.body_of(request, caller))
     accepted = await gateway.submit(
         body.input, body.model, body.timeout_ms, False, caller=caller, idempotency_key=key, priority=body.priority
     )
