@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from batchwire import flags
@@ -127,20 +127,25 @@ def tool_parser(name: str) -> argparse.ArgumentParser:
     return parser
 
 
-def config_table() -> str:
-    """docs/operations.md's configuration table, made from the parsers so the two cannot drift apart."""
+def role_flags() -> Iterator[tuple[str, str, str]]:
+    """(command, flag, help) of each flag of the role commands (``up``, ``gateway``, ``batcher``, ``worker``)."""
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    rows: dict[str, tuple[str, dict[str, list[str]]]] = {}
     for command in ("up", "gateway", "batcher", "worker"):
         for action in sub.choices[command]._actions:
             flag = next((o for o in action.option_strings if o.startswith("--")), None)
-            if flag is None or flag == "--help" or action.help is None:
-                continue
-            text, _, tail = action.help.rpartition(" [")
-            var, _, default = tail.rstrip("]").partition("; default: ")
-            meanings = rows.setdefault(flag, (var, {}))[1]
-            meanings.setdefault(f"{text} (default: {default})", []).append(command)
+            if flag is not None and flag != "--help" and action.help is not None:
+                yield command, flag, action.help
+
+
+def config_table() -> str:
+    """docs/operations.md's configuration table, made from the parsers so the two cannot drift apart."""
+    rows: dict[str, tuple[str, dict[str, list[str]]]] = {}
+    for command, flag, help_text in role_flags():
+        text, _, tail = help_text.rpartition(" [")
+        var, _, default = tail.rstrip("]").partition("; default: ")
+        meanings = rows.setdefault(flag, (var, {}))[1]
+        meanings.setdefault(f"{text} (default: {default})", []).append(command)
     lines = ["| flag | variable | used by | meaning |", "|---|---|---|---|"]
     for flag, (var, meanings) in rows.items():
         commands = [command for users in meanings.values() for command in users]

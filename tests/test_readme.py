@@ -9,7 +9,7 @@ from pathlib import Path
 
 from prometheus_client.metrics import MetricWrapperBase
 
-from batchwire.cli import TOOLS, build_parser, config_table, tool_parser
+from batchwire.cli import TOOLS, build_parser, config_table, role_flags, tool_parser
 from batchwire.docs import OPERATIONS, START, with_table
 from telemetry import metrics
 
@@ -115,13 +115,7 @@ def test_the_metrics_table_names_every_metric_with_its_type_and_labels() -> None
 
 def test_the_configuration_table_gives_each_command_its_flags_own_meaning() -> None:
     table = config_table()
-    parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    for command in ("up", "gateway", "batcher", "worker"):
-        for action in sub.choices[command]._actions:
-            flag = next((o for o in action.option_strings if o.startswith("--")), None)
-            if flag is None or flag == "--help" or action.help is None:
-                continue
-            row = next(line for line in table.splitlines() if line.startswith(f"| `{flag}` |"))
-            meaning = action.help.rpartition(" [")[0]
-            assert meaning in row, f"the table's {flag} row lacks what it means to `batchwire {command}`: {meaning!r}"
+    for command, flag, help_text in role_flags():
+        row = next(line for line in table.splitlines() if line.startswith(f"| `{flag}` |"))
+        meaning = help_text.rpartition(" [")[0]
+        assert meaning in row, f"the table's {flag} row lacks what it means to `batchwire {command}`: {meaning!r}"
