@@ -442,7 +442,7 @@ def test_a_burst_over_the_cap_is_answered_or_refused_503_none_dropped(embedded_s
 def test_connections_whose_clients_never_read_their_answers_are_reset(embedded_service_factory: ServiceFactory) -> None:
     """Clients that ask for a large result on many connections and never read it, their receive window
     shut: each answer waits in the gateway's write buffer, and a close waits for it to drain, so those
-    connections stayed open for ever past their header timeout, each with its descriptor and the
+    connections would stay open for ever past their header timeout, each with its descriptor and the
     answer's unsent bytes, and, once closing, counted against no cap. Closed with their answers unread,
     they are reset: the gateway's descriptors come back while the clients still hold their sockets."""
     header_timeout_s = 3.0

@@ -188,7 +188,7 @@ async def test_dashboard_streams_count_against_the_watchers_and_end_after_sse_ma
     """Each dashboard stream holds its connection's place at the cap and a fleet view a second, and with
     keys off anyone may open one: it counts against ``--max-watchers`` and the client's share, as a task's
     stream does, and ends after ``sse_max_s`` (the page resumes it). Uncounted and endless, one client's
-    streams held every place of the cap for good."""
+    streams would hold every place of the cap for good."""
     fleet = MemoryFleet()
     await fleet.beat([beat("worker", "w1", age_ms=NOW_MS - int(time.time() * 1000))])
     rig = await make_rig(fleet=fleet, max_watchers_per_client=2, sse_max_s=1.5)

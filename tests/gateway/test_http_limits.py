@@ -611,8 +611,8 @@ async def test_at_the_cap_a_connection_stalled_in_its_body_makes_room_like_one_s
 @pytest.mark.parametrize("closed_by", ["the header timeout", "the cap", "connection: close"])
 async def test_a_connection_closed_with_its_answer_unread_is_reset(closed_by: str) -> None:
     """A close waits for the client to read what was written to it: a client that asks for a large answer
-    and never reads it (its window shut) held the connection, its descriptor and the answer's bytes for
-    ever, and once closing it counted against no cap. Idle with its answer unread until the header timeout,
+    and never reads it (its window shut) would hold the connection, its descriptor and the answer's bytes
+    for ever, counted against no cap once closing. Idle with its answer unread until the header timeout,
     or until a new client needs its place at the cap, it is reset at once; closed after a ``connection:
     close`` answer, it is reset if that answer is still unread a header timeout later."""
     edge = Edge(max_connections=1)

@@ -127,8 +127,9 @@ async def test_one_clients_stalled_bodies_hold_only_its_share_and_another_client
 ) -> None:
     """A client whose connections each send all of a body but its last byte and stall holds at most its
     share of the bodies' budget (a quarter): its next body is refused 503 naming the setting, and another
-    client's body is still read and answered. Without a share, four such bodies left the budget 4 bytes,
-    and every other client's submit was refused until the attacker's body timeout, again and again."""
+    client's body is still read and answered. Without a share, four such bodies would leave the budget 4
+    bytes, and every other client's submit would be refused until the attacker's body timeout, again and
+    again."""
     rig = await make_rig(max_body_bytes=1000, max_body_bytes_in_flight=4000)
     await rig.worker()
     gone = asyncio.Event()
