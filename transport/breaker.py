@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 
@@ -45,6 +46,7 @@ class CircuitBreaker:
         self._clock = clock
         self._open = False
         self._opened_at = 0.0
+        self._closed_at = -math.inf
         self._reason = ""
         self._prober: asyncio.Task[None] | None = None
         self._closed_for_good = False
@@ -63,9 +65,13 @@ class CircuitBreaker:
             return ""
         return f"{self._reason}; down for {self._clock() - self._opened_at:.1f} s"
 
-    def failed(self, reason: str) -> None:
-        """Opens the breaker (a call or a readiness probe failed) and starts the probing if none runs."""
-        if self._closed_for_good:
+    def failed(self, reason: str, *, started_at: float | None = None) -> None:
+        """Opens the breaker (a call or a readiness probe failed) and starts the probing if none runs.
+
+        ``started_at`` (the breaker's clock): a call begun before the breaker last closed says nothing
+        of the dependency since, so its failure (one in flight through the outage, failing late) is
+        ignored rather than reopening a breaker that a probe closed meanwhile."""
+        if self._closed_for_good or (started_at is not None and started_at < self._closed_at):
             return
         if not self._open:
             self._open = True
@@ -79,6 +85,7 @@ class CircuitBreaker:
         """Closes the breaker: the dependency answered (a readiness probe or a call went through)."""
         if self._open:
             self._open = False
+            self._closed_at = self._clock()
             log.warning("%s is reachable again after %.1f s", self.name, self._clock() - self._opened_at)
 
     def suspect(self) -> None:

@@ -167,3 +167,22 @@ def test_bad_timings_are_refused() -> None:
 
     with pytest.raises(ValueError, match="retry_s"):
         CircuitBreaker("x", probe, retry_s=0)
+
+
+async def test_a_call_begun_before_the_breaker_closed_does_not_reopen_it_by_failing_late(
+    dependency: Dependency,
+) -> None:
+    now = [0.0]
+    breaker = CircuitBreaker("the test bus", dependency.probe, retry_s=0.02, probe_timeout_s=0.2, clock=lambda: now[0])
+    try:
+        breaker.failed("a send failed: connection refused")
+        dependency.up = True
+        now[0] = 10.0
+        await dependency.next_probe()
+        assert not breaker.open, "the dependency is back: a probe closed the breaker"
+        breaker.failed("a send begun in the outage timed out", started_at=5.0)
+        assert not breaker.open, "a call from before the close says nothing of the dependency since"
+        breaker.failed("a send failed: connection refused", started_at=10.5)
+        assert breaker.open, "a call begun after the close that fails opens it"
+    finally:
+        await breaker.close()

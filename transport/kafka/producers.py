@@ -391,7 +391,7 @@ class KafkaRequestProducer:
         except PermanentTransportError:
             raise  # a configuration fault, not an outage
         except TransportError as err:
-            self.breaker.failed(f"a send failed: {err}")
+            self.breaker.failed(f"a send failed: {err}", started_at=started)
             raise
         except asyncio.CancelledError:
             if time.monotonic() - started >= self._suspect_after_s:
