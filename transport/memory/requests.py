@@ -45,12 +45,9 @@ class _Log(Generic[T]):
         return self.base[partition] + len(self.records[partition]) - 1
 
     def read(self, partition: int, position: int, limit: int) -> list[Delivered[T]]:
-        records = self.records[partition]
-        start = position - self.base[partition]
-        out: list[Delivered[T]] = []
-        for index in range(max(start, 0), min(len(records), max(start, 0) + limit)):
-            out.append(Delivered(records[index], partition, self.base[partition] + index))
-        return out
+        records, base = self.records[partition], self.base[partition]
+        start = max(position - base, 0)
+        return [Delivered(records[i], partition, base + i) for i in range(start, min(len(records), start + limit))]
 
     def end(self, partition: int) -> int:
         return self.base[partition] + len(self.records[partition])
@@ -162,6 +159,8 @@ class MemoryRequestConsumer:
             order = sorted(self._assigned)
             for step in range(len(order)):
                 partition = order[(self._next + step) % len(order)]
+                if self._positions[partition] >= self.log.end(partition):
+                    continue  # nothing new: a fetch wakes on every send to any partition
                 got = self.log.read(partition, self._positions[partition], max_records - len(out))
                 if got:
                     self._positions[partition] = got[-1].offset + 1
