@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any
 
 from batcher.settings import BatcherSettings
 from batchwire.gc_tuning import DEFAULT as GC_DEFAULT
 from batchwire.gc_tuning import Threshold, parse_threshold
-from batchwire.settings import SharedSettings, env, number
+from batchwire.settings import SharedSettings, env, number, stack_env_path
 from gateway.settings import GatewaySettings
 from gpu_worker.backends.factory import BackendSettings
 from gpu_worker.settings import WorkerSettings
@@ -53,6 +54,29 @@ def _gc_threshold(text: str) -> Threshold | None:
         raise argparse.ArgumentTypeError(str(err)) from err
 
 
+class _FromVariable(str):
+    """A flag's default read from its variable: argparse converts it with the flag's type, and a
+    refusal then names the variable, since whoever set it passed no flag."""
+
+    origin: str
+
+
+def _naming_variables(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    name = getattr(kind, "__name__", repr(kind))
+
+    def convert(text: str) -> Any:
+        try:
+            return kind(str(text))
+        except (ValueError, TypeError, argparse.ArgumentTypeError) as err:
+            if not isinstance(text, _FromVariable):
+                raise  # a flag's own value: argparse words the refusal, by this function's name
+            reason = err if isinstance(err, argparse.ArgumentTypeError) else f"invalid {name} value: {str(text)!r}"
+            raise argparse.ArgumentTypeError(f"{reason} (from {text.origin}: correct it or unset it)") from err
+
+    convert.__name__ = name
+    return convert
+
+
 def add(
     parser: argparse.ArgumentParser,
     flag: str,
@@ -66,9 +90,14 @@ def add(
     var = var or "BATCHWIRE_" + flag.lstrip("-").replace("-", "_").upper()
     kind = number if kind is float else kind
     raw = env(var)
-    value = default if raw is None else raw
+    value = default
+    if raw is not None:
+        value = _FromVariable(raw)
+        value.origin = var if var in os.environ else f"{var} in {stack_env_path()}"
     shown = "unset" if default is None else "none" if default == "" else default
-    parser.add_argument(flag, default=value, type=kind, help=f"{help_text} [{var}; default: {shown}]")
+    parser.add_argument(
+        flag, default=value, type=_naming_variables(kind), help=f"{help_text} [{var}; default: {shown}]"
+    )
 
 
 def default_of(settings: type[Any], name: str) -> Any:

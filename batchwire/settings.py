@@ -152,9 +152,14 @@ def number(text: str) -> float:
     return value
 
 
+def stack_env_path() -> Path:
+    """The stack file the roles read: ``BATCHWIRE_STACK_ENV``, else ``.batchwire/stack.env``."""
+    return Path(os.environ.get("BATCHWIRE_STACK_ENV", str(STACK_ENV)))
+
+
 def stack_env(path: Path | None = None) -> dict[str, str]:
     """``BATCHWIRE_*`` values from ``.batchwire/stack.env`` (written by ``batchwire stack up``)."""
-    path = path or Path(os.environ.get("BATCHWIRE_STACK_ENV", str(STACK_ENV)))
+    path = path or stack_env_path()
     values: dict[str, str] = {}
     if path.is_file():
         for line in path.read_text().splitlines():

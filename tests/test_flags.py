@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -49,6 +50,49 @@ def test_a_variable_that_is_no_value_of_its_flag_is_refused_by_the_flags_name(
         build_parser().parse_args([command])
     assert exited.value.code == 2
     assert refusal in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("command", "variable", "value", "refusal"),
+    [
+        ("up", "BATCHWIRE_PORT", "abc", "argument --port: invalid int value: 'abc' (from BATCHWIRE_PORT"),
+        ("worker", "BATCHWIRE_DRAIN_TIMEOUT_S", "inf", "got 'inf' (from BATCHWIRE_DRAIN_TIMEOUT_S: correct it"),
+    ],
+)
+def test_a_refused_variable_is_named_beside_its_flag(
+    command: str,
+    variable: str,
+    value: str,
+    refusal: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The caller who set the variable passed no flag: the flag's name alone would not say what to fix."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args([command])
+    assert exited.value.code == 2
+    assert refusal in capsys.readouterr().err
+
+
+def test_a_refused_value_from_the_stack_file_names_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stack = tmp_path / "stack.env"
+    stack.write_text("BATCHWIRE_METRICS_PORT=ninety\n")
+    monkeypatch.setenv("BATCHWIRE_STACK_ENV", str(stack))
+    monkeypatch.delenv("BATCHWIRE_METRICS_PORT", raising=False)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["worker"])
+    err = capsys.readouterr().err
+    assert f"invalid int value: 'ninety' (from BATCHWIRE_METRICS_PORT in {stack}" in err, err
+
+
+def test_a_refused_flag_names_no_variable(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--port", "abc"])
+    err = capsys.readouterr().err
+    assert "argument --port: invalid int value: 'abc'\n" in err, err
 
 
 def test_a_boolean_flag_takes_off() -> None:
