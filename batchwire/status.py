@@ -121,9 +121,12 @@ def read_fleet(url: str, api_key: str | None, timeout_s: float = 5.0) -> dict[st
             raise ValueError("the answer is not the fleet's document (an object with `members` and `models`)")
         return doc
     except urllib.error.HTTPError as err:
-        raise FleetUnreadable(f"{url} answered {err.code}: {_error_message(err)}") from err
+        fix = "; give an operator key with --api-key or BATCHWIRE_API_KEY" if err.code in (401, 403) else ""
+        raise FleetUnreadable(f"{url} answered {err.code}: {_error_message(err)}{fix}") from err
     except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as err:  # HTTPException: cut short
-        raise FleetUnreadable(f"cannot read the fleet from {url}: {err}") from err
+        raise FleetUnreadable(
+            f"cannot read the fleet from {url}: {err}; name a running gateway with --url or BATCHWIRE_URL"
+        ) from err
 
 
 def _error_message(err: urllib.error.HTTPError) -> str:

@@ -124,11 +124,17 @@ async def test_a_key_the_gateway_refuses_exits_2_with_its_reason(
         fleet=MemoryFleet(), models=("sim",), api_keys=(digest_of(TENANT), operator), operator_keys=(operator,)
     )
     async with serving(rig) as client:
+        keyless = await status("--url", str(client.base_url))
+        keyless_err = capsys.readouterr().err
         refused = await status("--url", str(client.base_url), "--api-key", TENANT)
         refused_err = capsys.readouterr().err
         accepted = await status("--url", str(client.base_url), "--api-key", OPERATOR)
     assert refused == 2 and "403" in refused_err and "operator key" in refused_err
     assert accepted == 1, "an empty fleet: sim has no live worker"
+    # the gateway's own message speaks of a header; the command's caller sets a flag or a variable
+    for err in (keyless_err, refused_err):
+        assert "--api-key" in err and "BATCHWIRE_API_KEY" in err, err
+    assert keyless == 2 and "401" in keyless_err, keyless_err
 
 
 async def test_an_unreachable_gateway_exits_2_and_says_where_it_looked(capsys: pytest.CaptureFixture[str]) -> None:
@@ -136,8 +142,10 @@ async def test_an_unreachable_gateway_exits_2_and_says_where_it_looked(capsys: p
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]  # closed again before the command runs: nothing listens there
     code = await status("--url", f"http://127.0.0.1:{port}")
+    err = capsys.readouterr().err
     assert code == 2
-    assert f"127.0.0.1:{port}" in capsys.readouterr().err
+    assert f"127.0.0.1:{port}" in err, err
+    assert "--url" in err and "BATCHWIRE_URL" in err, f"the message says how to name another gateway: {err}"
 
 
 async def test_watch_redraws_until_interrupted_and_exits_with_the_last_code(make_rig: RigFactory) -> None:
