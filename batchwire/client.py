@@ -595,6 +595,12 @@ def _poll_pause(attempts: Attempts, polled: float, now: float) -> float:
     return max(0.0, min(POLL_EVERY_S - (now - polled), attempts.remaining_s(now)))
 
 
+def _note_input(error: BaseException, index: int) -> None:
+    """Names the input of ``infer_many`` whose call failed: the server's message does not say which of them."""
+    if isinstance(error, BatchwireError):
+        error.add_note(f"infer_many: inputs[{index}] failed")
+
+
 def _headers(api_key: str | None) -> dict[str, str]:
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
     headers = {"User-Agent": "batchwire-client"}
@@ -798,7 +804,8 @@ class Client(_ClientBase):
     ) -> list[str]:
         """Each input's output, in input order, with at most ``concurrency`` calls in flight (threads),
         so the server's queue holds at most that many of them. The first failing input's error is
-        raised, and the calls not yet started are dropped. An interrupt (Ctrl-C) is raised at once."""
+        raised, with a note naming its index (``inputs[i]``), and the calls not yet started are dropped.
+        An interrupt (Ctrl-C) is raised at once."""
         if concurrency < 1:
             raise ValueError(f"concurrency is {concurrency}; it must be at least 1")
         items = list(inputs)
@@ -806,17 +813,18 @@ class Client(_ClientBase):
             return []
         failed = threading.Event()
 
-        def one(text: str) -> str | None:
+        def one(index: int, text: str) -> str | None:
             if failed.is_set():
                 return None  # not started when another call failed: dropped
             try:
                 return self.infer(text, model=model)
-            except BaseException:
+            except BaseException as err:
                 failed.set()
+                _note_input(err, index)
                 raise
 
         pool = ThreadPoolExecutor(max_workers=min(concurrency, len(items)), thread_name_prefix="batchwire")
-        futures = [pool.submit(one, text) for text in items]
+        futures = [pool.submit(one, index, text) for index, text in enumerate(items)]
         try:
             wait_for(futures)
         except BaseException:  # the caller interrupted: nothing more starts, and nothing waits for the calls
@@ -971,18 +979,22 @@ class AsyncClient(_ClientBase):
     ) -> list[str]:
         """Each input's output, in input order, with at most ``concurrency`` calls in flight (a
         semaphore), so the server's queue holds at most that many of them. The first error raised
-        is raised here, and the other calls are cancelled."""
+        is raised here, with a note naming its input's index, and the other calls are cancelled."""
         if concurrency < 1:
             raise ValueError(f"concurrency is {concurrency}; it must be at least 1")
         slots = asyncio.Semaphore(concurrency)
 
-        async def one(text: str) -> str:
+        async def one(index: int, text: str) -> str:
             async with slots:
-                return await self.infer(text, model=model)
+                try:
+                    return await self.infer(text, model=model)
+                except BatchwireError as err:
+                    _note_input(err, index)
+                    raise
 
         try:
             async with asyncio.TaskGroup() as group:
-                calls = [group.create_task(one(text)) for text in inputs]
+                calls = [group.create_task(one(index, text)) for index, text in enumerate(inputs)]
         except ExceptionGroup as failed:
             raise failed.exceptions[0] from None
         return [call.result() for call in calls]

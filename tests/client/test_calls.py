@@ -610,3 +610,14 @@ async def test_async_infer_many_raises_the_first_error(server: str) -> None:
         with pytest.raises(InvalidRequest) as bad:
             await client.infer_many(["fine", "", "also fine"])
     assert bad.value.code == "empty_input", bad.value
+    assert getattr(bad.value, "__notes__", []) == ["infer_many: inputs[1] failed"], "the error names the input to fix"
+
+
+def test_infer_many_names_the_input_whose_call_failed(server: str) -> None:
+    """Among hundreds of inputs, the server's message alone does not say which one to fix."""
+    inputs = [unique(f"item{n}") for n in range(40)]
+    inputs[17] = ""
+    with Client(server) as client, pytest.raises(InvalidRequest) as bad:
+        client.infer_many(inputs, concurrency=4)
+    assert bad.value.code == "empty_input", bad.value
+    assert getattr(bad.value, "__notes__", []) == ["infer_many: inputs[17] failed"], bad.value
