@@ -197,7 +197,11 @@ ERROR_TABLE: dict[str, tuple[int, str]] = {
         "The Last-Event-ID header is not an event id this task's stream sent (an integer from 0 to 3); resume "
         "with the `id` of the last event read, or without the header to start over.",
     ),
-    "invalid_client_id": (400, "The X-Client-Id header is empty, over 128 characters, or not visible ASCII."),
+    "invalid_client_id": (
+        400,
+        "With BATCHWIRE_TRUST_CLIENT_ID on, the X-Client-Id header is empty, over 128 characters, or not visible "
+        "ASCII (without it the header is ignored).",
+    ),
     "invalid_http": (400, "The request is not valid HTTP/1.1; the connection is closed."),
     "body_too_fragmented": (
         400,
