@@ -13,7 +13,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import torch
 from transformers import (
@@ -196,16 +196,31 @@ def _load_weights(
     device_map = None if device.type == "cpu" else str(device)  # straight onto the GPU, without a CPU copy first
     try:
         with _WEIGHTS:
-            pretrained = cast(
-                PreTrainedModel,
+            pretrained, info = cast(
+                tuple[PreTrainedModel, dict[str, Any]],
                 auto_class.from_pretrained(
-                    model_path, local_files_only=True, trust_remote_code=False, dtype=dtype, device_map=device_map
+                    model_path,
+                    local_files_only=True,
+                    trust_remote_code=False,
+                    dtype=dtype,
+                    device_map=device_map,
+                    output_loading_info=True,
                 ),
             )
     except Exception as err:  # OSError, SafetensorError, ValueError, RuntimeError (shape mismatch)...
         raise ModelLoadError(
             f"cannot load the {task} model in {model_path} with {auto_class.__name__} ({EXPECTED_FILES}): {err}"
         ) from err
+    missing = sorted(info.get("missing_keys") or ())
+    if task == "generate" and missing:
+        # An encoder's checkpoint (an embedding model) under a language-model class: its head is random.
+        # Embed is not checked: it runs the encoder alone, and a checkpoint may lack a pooler it never uses.
+        raise ModelLoadError(
+            f"the checkpoint in {model_path} has no weights for {len(missing)} parameters of "
+            f"{type(pretrained).__name__} ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}), which "
+            "would answer from random values: it is not a generating model. For an embedding model pass "
+            "--hf-task embed (BATCHWIRE_HF_TASK)"
+        )
     # from_pretrained does this too; said again because equal answers in any batch depend on no dropout.
     pretrained.eval()  # type: ignore[no-untyped-call]  # transformers' override is unannotated
     return pretrained

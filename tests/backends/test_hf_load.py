@@ -69,6 +69,16 @@ def test_corrupt_weights(tiny_models: dict[str, Path], tmp_path: Path) -> None:
         load(path)
 
 
+def test_an_encoder_asked_to_generate_is_refused_not_served_with_a_random_head(tiny_models: dict[str, Path]) -> None:
+    """``--hf-task generate`` is the default: an embedding model loaded for it gets a language-model head the
+    checkpoint has no weights for, which transformers fills at random, and would answer noise."""
+    with pytest.raises(ModelLoadError, match="has no weights for") as caught:
+        load(tiny_models["bert"], task="generate")
+    message = str(caught.value)
+    assert "cls.predictions" in message and "--hf-task embed" in message, message
+    assert str(tiny_models["bert"]) in message, message
+
+
 def test_missing_tokenizer_is_refused_not_replaced_by_an_empty_one(
     tiny_models: dict[str, Path], tmp_path: Path
 ) -> None:
