@@ -77,5 +77,12 @@ def run_topics(args: argparse.Namespace) -> int:
         print(
             f"{name}: {before[name]} -> {count} partitions" if before[name] < count else f"{name}: {count} partitions"
         )
-    print("start new roles with the new counts (--batch-partitions / --request-partitions); running ones keep working")
+    if args.batch_partitions is not None:
+        print(f"start new roles with --batch-partitions {args.batch_partitions}; running ones keep working")
+    if args.request_partitions is not None:
+        # Gateways are in no consumer group, so the check before the grow could not see them running.
+        print(
+            f"restart every gateway and batcher with --request-partitions {args.request_partitions}: one left on "
+            "the old count routes a model's requests to the old ranges"
+        )
     return 0

@@ -110,11 +110,23 @@ async def grow_topics(bootstrap: str, topics: Mapping[str, int], *, timeout_s: f
         await admin.close()
 
 
-async def group_members(bootstrap: str, group: str) -> int:
-    """How many members the consumer group has now (0 when it is empty or unknown)."""
+async def group_members(bootstrap: str, group: str, *, timeout_s: float = 30.0) -> int:
+    """How many members the consumer group has now (0 when it is empty or unknown).
+
+    A broker on which no group has committed yet answers "coordinator not available" while it creates
+    ``__consumer_offsets`` for the question: asked again, it answers.
+    """
+    deadline = time.monotonic() + timeout_s
     admin = await _connected(bootstrap)
     try:
-        described = await admin.describe_consumer_groups([group])
+        while True:
+            try:
+                described = await admin.describe_consumer_groups([group])
+                break
+            except KafkaError as err:
+                if not err.retriable or time.monotonic() >= deadline:
+                    raise TopicError(f"could not read the members of consumer group {group!r}: {err}") from err
+            await asyncio.sleep(_POLL_INTERVAL_S)
         groups = [g for response in described for g in response.to_object().get("groups", [])]
         return sum(len(g.get("members") or []) for g in groups if g.get("group") == group)
     finally:
