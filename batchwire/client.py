@@ -595,6 +595,15 @@ def _poll_pause(attempts: Attempts, polled: float, now: float) -> float:
     return max(0.0, min(POLL_EVERY_S - (now - polled), attempts.remaining_s(now)))
 
 
+def _submit_error(response: httpx.Response) -> BatchwireError:
+    """A submit's error answer: a ``timeout_ms`` the server refuses is the caller's ``timeout``, which the
+    server's message cannot name."""
+    error = error_of(response)
+    if error.code == "timeout_out_of_range":
+        error.add_note("the client sends each call's timeout (seconds) as timeout_ms: pass a shorter timeout")
+    return error
+
+
 def _note_input(error: BaseException, index: int) -> None:
     """Names the input of ``infer_many`` whose call failed: the server's message does not say which of them."""
     if isinstance(error, BatchwireError):
@@ -867,7 +876,7 @@ class Client(_ClientBase):
             else:
                 if response.is_success:
                     return response
-                error = error_of(response)
+                error = error_of(response) if body is None else _submit_error(response)
             time.sleep(attempts.wait_after(error, time.monotonic()))
 
 
@@ -1027,7 +1036,7 @@ class AsyncClient(_ClientBase):
             else:
                 if response.is_success:
                     return response
-                error = error_of(response)
+                error = error_of(response) if body is None else _submit_error(response)
             await asyncio.sleep(attempts.wait_after(error, time.monotonic()))
 
 

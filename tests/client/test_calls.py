@@ -379,6 +379,24 @@ def test_an_endless_wait_or_timeout_is_a_wait_without_deadline_or_refused_by_the
     assert events and events[-1].status == "completed", events
 
 
+TIMEOUT_NOTE = "the client sends each call's timeout (seconds) as timeout_ms: pass a shorter timeout"
+
+
+def test_a_client_timeout_past_the_server_s_longest_is_refused_naming_the_client_s_setting(server: str) -> None:
+    """The server's message speaks of ``timeout_ms``, which a caller of the client never wrote."""
+    with Client(server, timeout=60) as client, pytest.raises(InvalidRequest) as long:
+        client.infer(unique("long"))
+    assert long.value.code == "timeout_out_of_range", long.value
+    assert getattr(long.value, "__notes__", []) == [TIMEOUT_NOTE], long.value
+
+
+async def test_async_a_client_timeout_past_the_server_s_longest_names_the_client_s_setting(server: str) -> None:
+    async with AsyncClient(server) as client:
+        with pytest.raises(InvalidRequest) as long:
+            await client.submit(unique("long"), timeout=60)
+    assert getattr(long.value, "__notes__", []) == [TIMEOUT_NOTE], long.value
+
+
 async def test_async_an_endless_wait_or_timeout_is_a_wait_without_deadline_or_refused(server: str) -> None:
     text = unique("endless")
     async with AsyncClient(server) as client:
