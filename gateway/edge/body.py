@@ -121,6 +121,8 @@ def parse_inference_body(body: bytes) -> InferenceBody:
 
 
 Shape = TypeVar("Shape", bound=BaseModel)
+TEXT_EXPECTED = "text_expected"
+"""The error type of a field validator that refuses a value which is not text, in its own words."""
 
 
 def parse_body(body: bytes, shape: type[Shape]) -> Shape:
@@ -153,6 +155,8 @@ def _explain(errors: list[ErrorDetails], fields: str) -> GatewayError:
             problems.append(f"field '{loc}' is unknown; the fields are {fields}")
         elif kind == "string_type":
             problems.append(f"field '{loc}' must be a string")
+        elif kind == TEXT_EXPECTED:  # a text field's own validator: its message says what the field takes
+            problems.append(f"field '{loc}' {error['msg']}")
         elif kind == "int_type":
             problems.append(f"field '{loc}' must be an integer (no quotes, no fraction)")
         else:

@@ -149,6 +149,20 @@ async def test_what_cannot_be_answered_is_refused_with_the_clients_own_errors(cl
     assert "POST /v1/completions" in chat.value.message, f"a chat call is told what to send: {chat.value.message}"
 
 
+@pytest.mark.parametrize(("route", "field"), [("embeddings", "input"), ("completions", "prompt")])
+@pytest.mark.parametrize("value", [5, {"text": "x"}, ["x", 1], None])
+async def test_a_text_field_of_another_type_is_refused_in_one_line_saying_what_to_send(
+    client: openai.AsyncOpenAI, route: str, field: str, value: object
+) -> None:
+    """Not one line per branch of the type union (``input.str``, ``input.list[int]``, ...), which names
+    shapes no caller wrote."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.post(f"/{route}", body={"model": "sim", field: value}, cast_to=object)
+    body = refused.value.body
+    assert isinstance(body, dict) and body.get("code") == "validation_error", body
+    assert body.get("message") == f"field '{field}' must be a string or a list of strings", body
+
+
 async def test_every_error_the_routes_answer_has_openais_four_fields(client: openai.AsyncOpenAI) -> None:
     """OpenAI's error object always holds ``message``, ``type``, ``param`` and ``code`` (``param`` null
     where no one parameter is at fault); clients typed on it read each one."""

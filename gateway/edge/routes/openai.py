@@ -19,16 +19,17 @@ import secrets
 import struct
 import time
 from collections.abc import Awaitable, Iterable, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.admission.gate import Caller
 from gateway.answers.outcomes import Answer
-from gateway.edge.body import Shape, parse_body
+from gateway.edge.body import TEXT_EXPECTED, Shape, parse_body
 from gateway.edge.callers import disconnected, unless_gone
 from gateway.edge.events import EventStream
 from gateway.edge.handlers import json_response, retry_headers
@@ -121,12 +122,26 @@ _ERROR_STATUSES = (400, 404, 413, 415, 429, 502, 503, 504)
 route, has batchwire's: ``error_responses``)."""
 
 
+def _text_or_texts(value: Any) -> Any:
+    """One refusal for a value that is neither text nor token ids, instead of a line per branch of the
+    field's type union (``input.str``, ``input.list[int]``, ...); token ids pass, to be refused by name."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and (
+        all(isinstance(item, str) for item in value)
+        or all(type(item) is int for item in value)
+        or all(isinstance(item, list) for item in value)
+    ):
+        return value
+    raise PydanticCustomError(TEXT_EXPECTED, "must be a string or a list of strings")
+
+
 class EmbeddingsBody(BaseModel):
     """OpenAI's embeddings request; ``user`` and fields this API does not know are ignored."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    input: str | list[str] | list[int] | list[list[int]]
+    input: Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(_text_or_texts)]
     model: str
     encoding_format: Literal["float", "base64"] | None = None
     """None (what a client sends for an option passed as None) is the default, ``float``."""
@@ -141,7 +156,7 @@ class CompletionsBody(BaseModel):
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]], BeforeValidator(_text_or_texts)]
     model: str
     stream: bool = False
     stream_options: dict[str, Any] | None = None
