@@ -93,6 +93,7 @@ class Dispatcher:
         *,
         handover: asyncio.Lock,
         freed: Callable[[], None],
+        requeued: Callable[[], None],
         assignment: Callable[[], frozenset[int]],
         handed_over: Callable[[Sequence[Held]], None],
         expire: Callable[[list[Held]], Awaitable[None]],
@@ -108,6 +109,9 @@ class Dispatcher:
         self._handover = handover
         self._freed = freed
         """Told after a send took held requests: the reader may read again."""
+        self._requeued = requeued
+        """Told after a refused send put its requests back: the timer that ends held requests at their
+        deadlines looks at them again (it last looked while they were on their way)."""
         self._assignment = assignment
         self._handed_over = handed_over
         self._expire = expire
@@ -303,6 +307,7 @@ class Dispatcher:
                 if spans is not None:
                     spans.failed(err)
                 self.former.give_back(model, taken)
+                self._requeued()
                 self._resend_after[model] = self.clock() + self.settings.send_retry_s  # back off a failing bus
                 await self._offer_back(credit)
                 self._wake[model].set()

@@ -97,6 +97,7 @@ class Batcher:
             store,
             handover=self._handover,
             freed=self._check_room,
+            requeued=self._requeued,
             assignment=consumer.assignment,
             handed_over=self._handed_over,
             expire=self._expire,
@@ -248,6 +249,12 @@ class Batcher:
         """``batchwire_batcher_pending`` (the fleet's queue column) after requests came or went."""
         for model in models:
             metrics.PENDING.labels(model=model).set(self.former.held(model))
+
+    def _requeued(self) -> None:
+        """A refused send put requests back: the timer counts their deadlines again, and the reader
+        holds them against ``max_held`` again."""
+        self._timer_wake.set()
+        self._check_room()
 
     def _check_room(self) -> None:
         if sum(self.former.held(model) for model in self.former.models()) < self.settings.max_held:

@@ -150,6 +150,7 @@ async def test_a_closing_batcher_gives_back_the_credit_of_a_send_that_waits_for_
         MemoryTaskStore(),
         handover=handover,
         freed=lambda: None,
+        requeued=lambda: None,
         assignment=lambda: frozenset(range(PARTITIONS)),
         handed_over=lambda _: None,
         expire=expire,

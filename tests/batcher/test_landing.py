@@ -7,9 +7,10 @@ import asyncio
 import time
 from collections.abc import Iterable
 
+from batcher.policy import FlushPolicy
 from batcher.service import Batcher
 from batcher.settings import BatcherSettings
-from schemas.records import Batch, Credit, InferenceRequest
+from schemas.records import Batch, Credit, InferenceRequest, TaskState
 from tests.support.eventually import eventually
 from transport.memory.batches import MemoryBatchBus
 from transport.memory.credits import MemoryCreditPool
@@ -110,3 +111,70 @@ async def test_a_batch_the_bus_refused_goes_out_again_with_its_requests() -> Non
         assert rig.batcher.healthy()
     finally:
         await rig.batcher.close()
+
+
+class RefusedLateBus(MemoryBatchBus):
+    """Holds each send until ``release`` is set, then refuses it (a broker that never acknowledged)."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.release = asyncio.Event()
+        self.holding = asyncio.Event()
+
+    async def send(self, batch: Batch, partition: int) -> None:
+        self.holding.set()
+        await self.release.wait()
+        raise TransportError("no ack within the request timeout")
+
+
+class GoneWorkerCredits(MemoryCreditPool):
+    """Takes no credit once ``gone`` is set: the worker died, and the credit given back expired."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gone = False
+
+    async def offer(self, credit: Credit) -> None:
+        if not self.gone:
+            await super().offer(credit)
+
+
+async def test_a_batch_given_back_by_a_refused_send_still_expires_at_its_deadline() -> None:
+    """The timer last looked while r1 was on its way (r2 came then, due in a minute): r1, put back by
+    the refused send with no worker left to take it, still ends at its own deadline."""
+    credits = GoneWorkerCredits()
+    bus = RefusedLateBus()
+    store = MemoryTaskStore()
+    ended: dict[str, str] = {}
+    r1_ended = asyncio.Event()
+
+    def on_reply(state: TaskState) -> None:
+        ended[state.task_id] = state.status.value
+        if state.task_id == "r1":
+            r1_ended.set()
+
+    await store.listen_replies("gw", on_reply)
+    requests = MemoryRequestBus(Partitioner(("sim",), 1))
+    policy = FlushPolicy.work_conserving(max_wait_ms=60_000)  # no seal timer ends r2's wait soon
+    settings = BatcherSettings(policy=policy, models=("sim",), request_partitions=1, claim_timeout_s=0.05)
+    batcher = Batcher(settings, requests.consumer(), bus, credits, store)
+    await batcher.start()
+    try:
+        now = now_ms()
+        await requests.producer().send(InferenceRequest("r1", "sim", "r1", now, now + 500, "gw"))
+        await credits.offer(credit("w1", 0))
+        await asyncio.wait_for(bus.holding.wait(), 5)  # r1's batch is on its way
+        await requests.producer().send(InferenceRequest("r2", "sim", "r2", now, now + 60_000, "gw"))
+        await eventually(lambda: batcher.former.held("sim") == 1, "r2 held while r1's batch lands")
+        credits.gone = True  # r1's worker dies: the credit its refused send gives back goes nowhere
+        bus.release.set()
+        await eventually(lambda: batcher.former.held("sim") == 2, "r1 put back by the refused send")
+        try:
+            await asyncio.wait_for(r1_ended.wait(), 5)
+        except TimeoutError:
+            raise AssertionError(f"r1 (deadline 0.5 s) ends expired within 5 s; ended so far: {ended}") from None
+        assert ended == {"r1": "expired"}, ended
+        await eventually(lambda: requests.lag() == 1, "r1 committed once it expired (r2 still held)", timeout_s=5)
+    finally:
+        bus.release.set()
+        await batcher.close()
