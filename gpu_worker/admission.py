@@ -73,14 +73,17 @@ class Admission:
         return late, [item for item in items if item.deadline_ms > ends_by_ms]
 
     async def count_and_admit(self, batch: Batch, live: list[BatchItem]) -> tuple[int, list[BatchItem]]:
-        """Counts this delivery and admits the live items: (deliveries so far, the items to run)."""
-        counted: int
-        admitted: list[BatchItem]
-        counted, admitted = await asyncio.gather(  # one round trip's wait, not two
-            self.retry("counting a delivery", lambda: self.deliveries.begin(batch.batch_id)),
-            self.admit(batch, live),
-        )
-        return counted, admitted
+        """Counts this delivery and admits the live items: (deliveries so far, the items to run). The
+        two wait one round trip together, not two; one that fails stops the other (a ``TaskGroup``:
+        its errors come grouped)."""
+
+        async def count() -> int:
+            return await self.retry("counting a delivery", lambda: self.deliveries.begin(batch.batch_id))
+
+        async with asyncio.TaskGroup() as group:
+            counting = group.create_task(count())
+            admitting = group.create_task(self.admit(batch, live))
+        return counting.result(), admitting.result()
 
     async def admit(self, batch: Batch, live: list[BatchItem]) -> list[BatchItem]:
         """Moves the live items to ``running``; returns them less those that had already ended."""

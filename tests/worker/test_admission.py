@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
+from gpu_worker.admission import Admission
 from schemas.records import TaskState, TaskStatus
 from tests.support.eventually import eventually
 from tests.support.metrics import tasks_ended
 from tests.support.worker_rig import Rig, ScriptedBackend, now_ms
+from transport.deliveries import MemoryDeliveryLog
+from transport.errors import PermanentTransportError
 from transport.memory.store import MemoryTaskStore
+
+T = TypeVar("T")
 
 
 async def test_a_cancelled_task_never_reaches_the_backend() -> None:
@@ -113,3 +120,48 @@ async def test_an_expiry_at_admission_is_counted_once_when_the_batch_comes_again
     await worker.close()
     assert rig.replies["t0"] == [ended["t0"]], f"one end: {rig.replies['t0']}"
     assert tasks_ended("expired") - before == 1, f"one end, counted once; counted {tasks_ended('expired') - before}"
+
+
+class StuckDeliveries(MemoryDeliveryLog):
+    """Counts a delivery only once ``answer`` is set (a Redis round trip that hangs); notes its end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answer = asyncio.Event()
+        self.counting = asyncio.Event()
+        self.ended: str | None = None
+
+    async def begin(self, batch_id: str) -> int:
+        self.counting.set()
+        try:
+            await self.answer.wait()
+        except asyncio.CancelledError:
+            self.ended = "cancelled"
+            raise
+        self.ended = "counted"
+        return await super().begin(batch_id)
+
+
+class RefusingStore(MemoryTaskStore):
+    async def apply(self, updates: Sequence[TaskState], *, counted: bool = True) -> list[bool]:
+        raise PermanentTransportError("the store refuses the write (a script error)")
+
+
+async def test_an_admission_that_fails_leaves_no_delivery_count_running_behind_it() -> None:
+    """The count and the move to ``running`` go together: when one fails, the other is stopped, not
+    left running on its own after the worker gave the batch up."""
+
+    async def once(what: str, op: Callable[[], Awaitable[T]]) -> T:
+        return await op()
+
+    deliveries = StuckDeliveries()
+    admission = Admission("w", RefusingStore(), deliveries, once, keep_ended=False)
+    batch = Rig().batch(["one"])
+    refused: list[Exception] = []
+    try:
+        await admission.count_and_admit(batch, list(batch.items))
+    except* PermanentTransportError as errors:
+        refused.extend(errors.exceptions)
+    assert refused, "the store's refusal comes out"
+    assert deliveries.counting.is_set(), "the count had begun"
+    assert deliveries.ended == "cancelled", f"the count is stopped with the admission, got {deliveries.ended}"
