@@ -40,7 +40,7 @@ from transport.ports import (
     TransportError,
 )
 from transport.replicas import ReplicaWait
-from transport.retry import retry
+from transport.retry import pause, retry
 
 log = logging.getLogger(__name__)
 
@@ -357,17 +357,33 @@ class Batcher:
             self._committer = self._spawn(self._commit_while_wanted(), "batcher-commit")
 
     async def _commit_while_wanted(self) -> None:
+        """A commit that failed (the group's coordinator moving) is tried again after a pause, not left
+        for the next hand-over: on a quiet model there may be none, and the gateways would count the
+        requests it handed over as still queued. A close commits once more itself."""
+        failures = 0
         while self._commit_wanted:
             self._commit_wanted = False
-            await self._commit()
+            failed = await self._try_commit()
+            if failed is None or self._closing:
+                failures = 0
+                continue
+            failures += 1
+            self._commit_wanted = True
+            who, max_s = f"batcher {self.settings.batcher_id}", self.settings.retry_max_s
+            await pause(log, who, "committing request offsets", failed, failures, max_s)
 
     async def _commit(self) -> None:
+        if (failed := await self._try_commit()) is not None:
+            log.warning("offset commit failed (%s); those requests may be read again", failed)
+
+    async def _try_commit(self) -> TransportError | None:
+        """Commits what is finished; the error when the commit failed (those requests may be read again)."""
         offsets = self.offsets.committable()
         if not offsets:
-            return
+            return None
         try:
             await self.consumer.commit(offsets)
         except TransportError as err:
-            log.warning("offset commit failed (%s); those requests may be read again", err)
-            return
+            return err
         self.offsets.committed(offsets)
+        return None

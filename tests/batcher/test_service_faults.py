@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from batcher.policy import FlushPolicy
 from batcher.service import Batcher
@@ -203,3 +203,34 @@ async def test_a_request_read_again_after_its_expiry_is_counted_once() -> None:
     await eventually(lambda: rig.requests.lag() == 0, "both reads' offsets to be committed")
     await rig.batcher.close()
     assert tasks_ended("expired") - before == 1, f"one end, counted once; counted {tasks_ended('expired') - before}"
+
+
+class FailingCommits(MemoryRequestConsumer):
+    """Refuses the first ``failures`` commits (the group's coordinator moving to another broker)."""
+
+    def __init__(self, bus: MemoryRequestBus, failures: int) -> None:
+        super().__init__(bus)
+        self.failures = failures
+
+    async def commit(self, offsets: Mapping[int, int]) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise TransportError("the group coordinator is not available")
+        await super().commit(offsets)
+
+
+async def test_a_failed_commit_is_tried_again_while_nothing_else_comes() -> None:
+    """The last hand-over's commit fails and no request follows: the commit is tried again, so the
+    queue depth the gateways admit by (uncommitted requests) does not show a request that left."""
+    rig = Rig()
+    consumer = FailingCommits(rig.requests, failures=1)
+    rig.batcher = Batcher(BatcherSettings(retry_max_s=0.05), consumer, rig.batches, rig.credits, rig.store)
+    await rig.batcher.start()
+    try:
+        await rig.request("r1")
+        await rig.offer()
+        assert await rig.batch() == ["r1"]
+        await eventually(lambda: consumer.failures == 0, "the hand-over's commit to be tried (and refused)")
+        await eventually(lambda: rig.requests.lag() == 0, "r1's offset committed on a later try", timeout_s=5)
+    finally:
+        await rig.batcher.close()
