@@ -364,13 +364,15 @@ class Batcher:
         while self._commit_wanted:
             self._commit_wanted = False
             failed = await self._try_commit()
-            if failed is None or self._closing:
+            if failed is None:
                 failures = 0
                 continue
+            if self._closing:
+                return  # the close commits once more itself
             failures += 1
-            self._commit_wanted = True
             who, max_s = f"batcher {self.settings.batcher_id}", self.settings.retry_max_s
             await pause(log, who, "committing request offsets", failed, failures, max_s)
+            self._commit_wanted = not self._closing
 
     async def _commit(self) -> None:
         if (failed := await self._try_commit()) is not None:
