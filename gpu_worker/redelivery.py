@@ -1,9 +1,10 @@
 """Runs a batch delivered again by its careful plan (``careful.plan``): the worker's I/O around it.
 
-What was in flight when the last holder died comes from the ``DeliveryLog``; each group is marked
-in flight before it runs and its results are stored at once, so the next death narrows the
-suspects; a proven culprit is marked, sent to the dead-letter topic, then ended ``failed``, in that
-order, so a worker that dies halfway leaves it to the next delivery.
+What was in flight when the last holder died comes from the ``DeliveryLog``; the items of each group
+that could no longer be answered in time end ``expired``, the others are marked in flight before they
+run and their results are stored at once, so the next death narrows the suspects; a proven culprit
+is marked, sent to the dead-letter topic, then ended ``failed``, in that order, so a worker that dies
+halfway leaves it to the next delivery.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ log = logging.getLogger(__name__)
 
 RunGroup = Callable[[Batch, list[BatchItem], int], Awaitable[list[TaskState]]]
 """One backend call for a group of a batch on its n-th delivery: the group's states (not stored)."""
+EndLate = Callable[[Batch, list[BatchItem]], Awaitable[tuple[list[TaskState], list[BatchItem]]]]
+"""Ends ``expired`` (stored) the items of a group that a call started now would answer past their
+deadline: (their states, the items still to run)."""
 
 
 class Redelivery:
@@ -40,6 +44,7 @@ class Redelivery:
         dead_letters: DeadLetterSink,
         retry: Retrying,
         run_group: RunGroup,
+        end_late: EndLate,
     ) -> None:
         self.worker_id = settings.worker_id
         self.max_deliveries = settings.max_deliveries
@@ -48,6 +53,7 @@ class Redelivery:
         self.dead_letters = dead_letters
         self._retry = retry
         self._run_group = run_group
+        self._end_late = end_late
 
     async def run(self, batch: Batch, todo: list[BatchItem], count: int) -> list[TaskState]:
         """Runs ``todo`` of ``batch`` on its ``count``-th delivery; returns every state it stored."""
@@ -72,6 +78,12 @@ class Redelivery:
         )
         stored = await self._dead_letter(batch, decided.dead, suspects, count) if decided.dead else []
         for group in decided.groups:
+            # The groups run one call after another: one that waited behind the others' calls may no
+            # longer end by its items' deadlines (a synchronous caller is answered 504 at its own).
+            late, group = await self._end_late(batch, group)
+            stored.extend(late)
+            if not group:
+                continue
             mark = functools.partial(self.deliveries.mark, batch.batch_id, [item.task_id for item in group])
             await self._retry("marking tasks in flight", mark)
             states = await self._run_group(batch, group, count)

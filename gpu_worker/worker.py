@@ -103,7 +103,9 @@ class Worker:
         self.admission = Admission(
             settings.worker_id, store, self.deliveries, self._retry, keep_ended=replicas is not None
         )
-        self.redelivery = Redelivery(settings, store, self.deliveries, self.dead_letters, self._retry, self._run_group)
+        self.redelivery = Redelivery(
+            settings, store, self.deliveries, self.dead_letters, self._retry, self._run_group, self._end_late_now
+        )
         self.commits = Committer(
             settings.worker_id,
             consumer,
@@ -352,8 +354,7 @@ class Worker:
                 # while (replicas, retries): what can no longer be answered in time ends first.
                 await self.commits.stored()
                 todo = await self.admission.admit(batch, todo)
-                call_ms = (self.runner.expected_s or 0.0) * 1000
-                stale, todo = await self._end_late(batch, todo, wall_ms() + math.ceil(call_ms), call_ms)
+                stale, todo = await self._end_late_now(batch, todo)
                 late += stale
             stored = await self.redelivery.run(batch, todo, count) if todo else []
             self._fill(slot, batch, ended + late + stored)  # stored again (no-ops) to wait for replicas
@@ -395,6 +396,11 @@ class Worker:
         if late:
             await self._retry("ending expired tasks", functools.partial(self.store.apply, late))
         return late, todo
+
+    async def _end_late_now(self, batch: Batch, todo: list[BatchItem]) -> tuple[list[TaskState], list[BatchItem]]:
+        """``_end_late`` for a call that starts now and takes the expected time."""
+        call_ms = (self.runner.expected_s or 0.0) * 1000
+        return await self._end_late(batch, todo, wall_ms() + math.ceil(call_ms), call_ms)
 
     def _fill(self, slot: Slot, batch: Batch, states: list[TaskState], call: Timed = None) -> None:
         self.commits.fill(slot, states + self.admission.ended_before(batch.batch_id), call)

@@ -14,7 +14,7 @@ from gpu_worker.careful import plan
 from schemas.deadletter import DEAD_LETTERED
 from schemas.records import Batch, TaskStatus
 from telemetry import metrics
-from tests.support.worker_rig import Rig, ScriptedBackend
+from tests.support.worker_rig import Rig, ScriptedBackend, now_ms
 from transport.deliveries import Suspects
 
 
@@ -141,3 +141,22 @@ async def test_max_deliveries_1_sets_a_lone_input_aside_at_its_first_redelivery(
 def _redelivered() -> float:
     """``batchwire_batches_redelivered_total`` of the rig's first worker (its count from earlier tests too)."""
     return metrics.REGISTRY.get_sample_value("batchwire_batches_redelivered_total", {"worker": "w1"}) or 0.0
+
+
+async def test_a_later_group_whose_items_can_no_longer_be_answered_in_time_ends_expired_unrun() -> None:
+    """A redelivered batch runs its groups one call after another: before each, the items a call
+    started then would answer past their deadline end ``expired`` (as a first delivery's do), not
+    computed for callers who were answered 504."""
+    rig = Rig()
+    await rig.listen()
+    backend = ScriptedBackend(latency_s=1.0)
+    worker = await rig.worker(backend, expected_latency_ms=1000.0)
+    batch = rig.batch(["aa", "bb"], deadline_ms=now_ms() + 1500)  # one call fits, two do not
+    await rig.create(batch)
+    await rig.deliveries.begin(batch.batch_id)  # its last holder died unmarked: both suspects, one group each
+    await rig.send(batch)
+    ended = await rig.ended(["t0", "t1"])
+    await worker.close()
+    assert ended["t0"].status is TaskStatus.COMPLETED, ended["t0"]
+    assert ended["t1"].status is TaskStatus.EXPIRED, f"bb could only end past its deadline: {ended['t1']}"
+    assert backend.calls == [["aa"]], f"only the group still in time reaches the backend, got {backend.calls}"
