@@ -67,6 +67,12 @@ class Pipeline:
         """No call runs or waits on the backend's thread."""
         return not self._in_flight
 
+    @property
+    def idle(self) -> bool:
+        """No batch in hand: the loop handles none (a redelivered batch runs its calls there, outside the
+        calls in flight) and no call runs or waits."""
+        return self._loop_idle.is_set() and self.empty
+
     @contextlib.contextmanager
     def handling(self) -> Iterator[None]:
         """Marks the loop busy with a batch while the block runs (see ``drained``)."""
@@ -78,7 +84,7 @@ class Pipeline:
 
     async def drained(self) -> None:
         """Returns once the loop handles no batch and no call is in flight."""
-        while not (self._loop_idle.is_set() and self.empty):
+        while not self.idle:
             await self._loop_idle.wait()
             await self.backend_free()
 

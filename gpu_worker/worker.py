@@ -143,7 +143,7 @@ class Worker:
             return "draining"
         if self._task is None:
             return "starting"
-        return "idle" if self.pipeline.empty else "busy"
+        return "idle" if self.pipeline.idle else "busy"
 
     @property
     def given_back(self) -> list[Batch]:

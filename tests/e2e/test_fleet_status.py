@@ -12,8 +12,10 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from infra.ports import free_port
@@ -133,3 +135,33 @@ def test_an_unreachable_gateway_exits_2_saying_why() -> None:
         assert run.returncode == EXIT_UNREACHABLE, (run.returncode, run.stdout, run.stderr)
         assert run.stdout == "", run.stdout
         assert run.stderr.startswith(f"batchwire status: cannot read the fleet from {url}"), run.stderr
+
+
+def worker_states(view: dict[str, Any], worker_id: str) -> list[str]:
+    """The states of the members that beat as worker ``worker_id``."""
+    return [m["state"] for m in view["members"] if m["role"] == "worker" and m["id"] == worker_id]
+
+
+@pytest.mark.slow
+@pytest.mark.kafka
+def test_a_worker_running_a_redelivered_batch_shows_busy(tmp_path: Path, infra: Any, clusters: list[Cluster]) -> None:
+    """A redelivered batch runs carefully, outside the calls a first delivery queues: the worker that runs
+    it beats ``busy`` (and the model counts it busy) for as long as its call runs, here a hung one."""
+    hangs = ("--sim-hang-on", "forever", "--expected-latency-ms", "100")
+    cluster = launch(
+        tmp_path, infra.kafka_bootstrap, infra.redis_url, workers=1, worker_args=(*hangs, "--hang-min-s", "1")
+    )
+    clusters.append(cluster)
+    url = cluster.gateway_urls[0]
+    first = proc_named(cluster, "worker0")
+    created = httpx.post(f"{url}/v1/tasks", json={"input": "hang forever", "timeout_ms": 30000}, timeout=10)
+    assert created.status_code == 202, created.text
+    assert first.stopped(30) == 75, "the first worker gives up on its hung call with exit 75"
+    # The next worker takes the batch back from Kafka: its second delivery, which it runs with care.
+    cluster.worker(1, *hangs, "--hang-min-s", "60", "--drain-timeout-s", "1")
+    run = wait_for_status(
+        url,
+        "worker1, running the redelivered batch's hung call, to show busy",
+        lambda run, view: worker_states(view, "worker1") == ["busy"] and view["models"]["sim"]["workers_busy"] == 1,
+    )
+    assert "is delivered for the 2nd time" in proc_named(cluster, "worker1").tail(80), run.stdout
