@@ -20,8 +20,8 @@ from typing import Any
 
 from batchwire import flags
 
-EXIT_NO_WORKER = 1
-"""A model the gateway serves has no live worker: its requests wait or are refused."""
+EXIT_UNSERVED = 1
+"""A model the gateway serves has no live worker or no live batcher: its requests wait or are refused."""
 EXIT_UNREACHABLE = 2
 
 _MEMBER_COLUMNS = (
@@ -42,6 +42,7 @@ _MEMBER_COLUMNS = (
 )
 _MODEL_COLUMNS = (
     "MODEL",
+    "BATCHERS",
     "WORKERS",
     "BUSY",
     "HUNG",
@@ -77,7 +78,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
-    """0 when every model has a live worker, 1 when one has none, 2 when the gateway cannot be read."""
+    """0 when every model has a live batcher and worker, 1 when one lacks either, 2 when the gateway cannot
+    be read."""
     if args.watch is not None and not args.watch > 0:
         print("batchwire status: --watch takes a positive number of seconds", file=sys.stderr)
         return EXIT_UNREACHABLE
@@ -102,7 +104,7 @@ def _once(url: str, api_key: str | None, as_json: bool, *, clear: bool) -> int:
         sys.stdout.write("\x1b[H\x1b[2J")
     sys.stdout.write(json.dumps(view, indent=2) + "\n" if as_json else render(view))
     sys.stdout.flush()
-    return EXIT_NO_WORKER if without_workers(view) else 0
+    return EXIT_UNSERVED if without_workers(view) or without_batchers(view) else 0
 
 
 class FleetUnreadable(Exception):
@@ -141,11 +143,20 @@ def without_workers(view: Mapping[str, Any]) -> list[str]:
     return [model for model, row in view.get("models", {}).items() if not row.get("workers_live")]
 
 
+def without_batchers(view: Mapping[str, Any]) -> list[str]:
+    """The models with no live batcher: their requests wait on the bus, unbatched, whatever the workers do.
+    (A row without the count, from a gateway of an earlier release, is not judged.)"""
+    return [model for model, row in view.get("models", {}).items() if row.get("batchers_live", 1) == 0]
+
+
 def render(view: Mapping[str, Any]) -> str:
-    """The members, then the models, as two aligned tables; models with no live worker named last."""
+    """The members, then the models, as two aligned tables; models with no live batcher or worker named last."""
     members = [_member_row(member) for member in view.get("members", [])]
     models = [_model_row(model, row) for model, row in view.get("models", {}).items()]
     text = _table(_MEMBER_COLUMNS, members) + "\n" + _table(_MODEL_COLUMNS, models)
+    unbatched = without_batchers(view)
+    if unbatched:
+        text += f"\nno live batcher for {', '.join(unbatched)}: its requests wait unbatched or are refused\n"
     missing = without_workers(view)
     if missing:
         text += f"\nno live worker for {', '.join(missing)}: its requests wait or are refused\n"
@@ -181,6 +192,7 @@ def _member_row(member: Mapping[str, Any]) -> list[str]:
 def _model_row(model: str, row: Mapping[str, Any]) -> list[str]:
     return [
         model,
+        _count(row.get("batchers_live")),
         str(row.get("workers_live", 0)),
         str(row.get("workers_busy", 0)),
         str(row.get("workers_hung", 0)),
@@ -192,6 +204,10 @@ def _model_row(model: str, row: Mapping[str, Any]) -> list[str]:
         _num(row.get("batches_per_s")),
         _num(row.get("mean_batch_size")),
     ]
+
+
+def _count(value: int | None) -> str:
+    return "-" if value is None else str(value)
 
 
 def _num(value: float | None, digits: int = 1) -> str:

@@ -1,8 +1,9 @@
 """``batchwire status`` against a deployment over Kafka and Redis: two gateways, two batchers, three workers.
 
 Every process beats into the namespace's fleet in Redis, so either gateway shows all seven. The command
-runs as a process of its own, as a person runs it: exit 0 while every model has a live worker, 1 once
-the model's workers are killed with ``kill -9`` (naming the model), 2 when the URL answers nothing.
+runs as a process of its own, as a person runs it: exit 0 while every model has a live batcher and
+worker, 1 once the model's workers, or its batchers, are killed with ``kill -9`` (naming the model), 2
+when the URL answers nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from tests.support.cluster_checks import proc_named
 from tests.support.eventually import eventually_sync
 from tests.support.processes import Cluster, launch, respawn, stopped_after
 
-EXIT_NO_WORKER, EXIT_UNREACHABLE = 1, 2
+EXIT_UNSERVED, EXIT_UNREACHABLE = 1, 2
 FLEET = {
     "gateway": {"gw0", "gw1"},
     "batcher": {"batcher0", "batcher1"},
@@ -55,7 +56,7 @@ def wait_for_status(url: str, what: str, holds: Any, timeout_s: float = 60) -> s
     def check() -> bool:
         run = status("--url", url, "--json")
         runs.append(run)
-        return run.returncode in (0, EXIT_NO_WORKER) and bool(holds(run, json.loads(run.stdout)))
+        return run.returncode in (0, EXIT_UNSERVED) and bool(holds(run, json.loads(run.stdout)))
 
     try:
         eventually_sync(check, what, timeout_s=timeout_s, interval_s=0.2)
@@ -115,10 +116,10 @@ def test_a_model_whose_workers_were_killed_exits_1_and_is_named(fleet: Cluster) 
             "every worker to show as gone",
             lambda run, view: all(state == "gone" for state in by_role(view)["worker"].values()),
         )
-        assert run.returncode == EXIT_NO_WORKER, (run.returncode, run.stdout)
+        assert run.returncode == EXIT_UNSERVED, (run.returncode, run.stdout)
         assert json.loads(run.stdout)["models"]["sim"]["workers_live"] == 0, run.stdout
         table = status("--url", url)
-        assert table.returncode == EXIT_NO_WORKER, (table.returncode, table.stderr)
+        assert table.returncode == EXIT_UNSERVED, (table.returncode, table.stderr)
         assert "no live worker for sim" in table.stdout, table.stdout
         for name in FLEET["worker"]:
             row = next(line.split() for line in table.stdout.splitlines() if line.split()[:2] == ["worker", name])
@@ -126,6 +127,33 @@ def test_a_model_whose_workers_were_killed_exits_1_and_is_named(fleet: Cluster) 
     finally:
         for worker in workers:  # the module's fleet whole again for the tests that follow
             respawn(fleet, worker)
+
+
+@pytest.mark.slow
+@pytest.mark.kafka
+def test_a_fleet_whose_batchers_were_killed_exits_1_and_names_the_model(fleet: Cluster) -> None:
+    """With every batcher gone, requests wait on Kafka unbatched while the workers idle: the model is not
+    served, as with no worker."""
+    url = fleet.gateway_urls[0]
+    wait_for_status(url, "the whole fleet live", whole_fleet_live)
+    batchers = [proc_named(fleet, name) for name in sorted(FLEET["batcher"])]
+    try:
+        for batcher in batchers:
+            batcher.kill9()
+        run = wait_for_status(
+            url,
+            "every batcher to show as gone",
+            lambda run, view: all(state == "gone" for state in by_role(view)["batcher"].values()),
+        )
+        assert run.returncode == EXIT_UNSERVED, (run.returncode, run.stdout)
+        row = json.loads(run.stdout)["models"]["sim"]
+        assert (row["batchers_live"], row["workers_live"]) == (0, 3), row
+        table = status("--url", url)
+        assert table.returncode == EXIT_UNSERVED, (table.returncode, table.stderr)
+        assert "no live batcher for sim" in table.stdout, table.stdout
+    finally:
+        for batcher in batchers:  # the module's fleet whole again for the tests that follow
+            respawn(fleet, batcher)
 
 
 def test_an_unreachable_gateway_exits_2_saying_why() -> None:

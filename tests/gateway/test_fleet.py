@@ -184,6 +184,21 @@ def test_a_worker_still_starting_is_shown_and_not_live() -> None:
     assert (view["models"]["sim"]["workers_live"], view["models"]["embed"]["workers_live"]) == (0, 1)
 
 
+def test_each_model_counts_its_live_batchers_and_not_one_still_joining() -> None:
+    """With no batcher live, requests wait on the bus unbatched however many workers idle: ``status`` must
+    say so, and a batcher still joining its group batches nothing yet."""
+    members = [
+        beat("batcher", "b1", models=("sim", "embed")),
+        beat("batcher", "b2", models=("sim",), state="starting"),
+        beat("batcher", "b3", models=("embed",), age_ms=10_000),
+        beat("worker", "w1", state="idle"),
+    ]
+    rows = fleet_view(members, ("sim", "embed", "idle-model"), NOW_MS)["models"]
+    assert {model: row["batchers_live"] for model, row in rows.items()} == {"sim": 1, "embed": 1, "idle-model": 0}
+    alone = fleet_view([members[1], members[3]], ("sim",), NOW_MS)["models"]["sim"]
+    assert (alone["batchers_live"], alone["workers_live"]) == (0, 1)
+
+
 async def test_dashboard_streams_count_against_the_watchers_and_end_after_sse_max_s(make_rig: RigFactory) -> None:
     """Each dashboard stream holds its connection's place at the cap and a fleet view a second, and with
     keys off anyone may open one: it counts against ``--max-watchers`` and the client's share, as a task's

@@ -61,6 +61,7 @@ async def test_the_fleet_prints_as_a_members_table_and_a_models_table(
 ) -> None:
     fleet = await fleet_of(
         beat("gateway", "gw-1", ("sim",), requests_per_s=812.0, p99_ms=180.0),
+        beat("batcher", "b-1", ("sim",)),
         beat("worker", "sim-worker-0", ("sim",), batches_per_s=9.9, mean_batch_size=81.2, busy_fraction=0.49),
     )
     rig = await make_rig(fleet=fleet, models=("sim",))
@@ -75,13 +76,15 @@ async def test_the_fleet_prints_as_a_members_table_and_a_models_table(
     worker_line = next(line for line in lines if line.startswith("worker"))
     assert "sim-worker-0" in worker_line and "81.2" in worker_line and "49%" in worker_line
     model_line = next(line for line in lines if line.startswith("sim "))
-    assert model_line.split()[1] == "1", "one live worker for sim"
+    assert model_line.split()[1:3] == ["1", "1"], "one live batcher and one live worker for sim"
 
 
 async def test_two_live_processes_with_one_id_are_both_shown_and_named(
     make_rig: RigFactory, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    fleet = await fleet_of(beat("worker", "w1", ("sim",), pid=11), beat("worker", "w1", ("sim",), pid=12))
+    fleet = await fleet_of(
+        beat("batcher", "b1", ("sim",)), beat("worker", "w1", ("sim",), pid=11), beat("worker", "w1", ("sim",), pid=12)
+    )
     rig = await make_rig(fleet=fleet, models=("sim",))
     async with serving(rig) as client:
         code = await status("--url", str(client.base_url))
@@ -105,14 +108,26 @@ async def test_a_model_without_a_live_worker_exits_1_and_is_named(
     assert "no live worker for sim" in out
 
 
+async def test_a_model_without_a_live_batcher_exits_1_and_is_named(
+    make_rig: RigFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fleet = await fleet_of(beat("batcher", "b-dead", ("sim",), age_s=10), beat("worker", "w1", ("sim",)))
+    rig = await make_rig(fleet=fleet, models=("sim",))
+    async with serving(rig) as client:
+        code = await status("--url", str(client.base_url))
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "no live batcher for sim" in out and "no live worker" not in out, out
+
+
 async def test_json_is_the_gateway_s_document(make_rig: RigFactory, capsys: pytest.CaptureFixture[str]) -> None:
-    fleet = await fleet_of(beat("worker", "w1", ("sim",)))
+    fleet = await fleet_of(beat("batcher", "b1", ("sim",)), beat("worker", "w1", ("sim",)))
     rig = await make_rig(fleet=fleet, models=("sim",))
     async with serving(rig) as client:
         code = await status("--url", str(client.base_url), "--json")
     doc = json.loads(capsys.readouterr().out)
     assert code == 0
-    assert [member["id"] for member in doc["members"]] == ["w1"]
+    assert [member["id"] for member in doc["members"]] == ["b1", "w1"]
     assert doc["models"]["sim"]["workers_live"] == 1
 
 
@@ -150,7 +165,9 @@ async def test_an_unreachable_gateway_exits_2_and_says_where_it_looked(capsys: p
 
 async def test_watch_redraws_until_interrupted_and_exits_with_the_last_code(make_rig: RigFactory) -> None:
     # Live for three beats: a long beat, so that it is still live however slowly the command starts.
-    fleet = await fleet_of(beat("worker", "w1", ("sim",), interval_s=60.0))
+    fleet = await fleet_of(
+        beat("batcher", "b1", ("sim",), interval_s=60.0), beat("worker", "w1", ("sim",), interval_s=60.0)
+    )
     rig = await make_rig(fleet=fleet, models=("sim",))
     async with serving(rig) as client:
         watch = await asyncio.create_subprocess_exec(
@@ -175,6 +192,6 @@ async def test_watch_redraws_until_interrupted_and_exits_with_the_last_code(make
         finally:
             watch.send_signal(signal.SIGINT)
             code = await watch.wait()
-    assert code == 0, "interrupted after a fleet whose every model had a live worker"
+    assert code == 0, "interrupted after a fleet whose every model had a live batcher and worker"
     frames = [frame for frame in seen.split(CLEAR) if frame]
     assert all(b"w1" in frame for frame in frames[:2]), "each redraw is the whole table"

@@ -43,6 +43,8 @@ def fleet_view(members: list[Beat], models: tuple[str, ...], now_ms: int) -> dic
     live = [beat for beat in members if beat.live(now_ms)]
     gateways = [beat for beat in live if beat.role == "gateway"]
     batchers = [beat for beat in live if beat.role == "batcher"]
+    # a batcher still joining its group batches nothing yet
+    batching = [beat for beat in batchers if beat.state != "starting"]
     # a failed worker serves none, nor one still starting (loading its model)
     workers = [beat for beat in live if beat.role == "worker" and beat.state not in ("failed", "starting")]
     totals = _served(gateways, None)
@@ -56,6 +58,7 @@ def fleet_view(members: list[Beat], models: tuple[str, ...], now_ms: int) -> dic
         row = _served(gateways, model)
         row.update(_batched(serving))
         row["queue_depth"] = sum(beat.per_model.get(model, {}).get("queue_depth", 0.0) for beat in batchers)
+        row["batchers_live"] = sum(model in beat.models for beat in batching)
         row["workers_live"] = len(serving)
         row["workers_busy"] = sum(beat.state == "busy" for beat in serving)
         row["workers_hung"] = sum(beat.state == "hung" for beat in serving)
@@ -218,7 +221,8 @@ def add_routes(routes: APIRouter, settings: GatewaySettings) -> None:
         responses={
             200: {
                 "description": "`members` (each process's last beat: role, id, state, figures), `totals` and "
-                "`models` (a row per model: live, busy and hung workers, rates, latency, queue depth), "
+                "`models` (a row per model: live batchers, live, busy and hung workers, rates, latency, "
+                "queue depth), "
                 "`shared_ids` (each role and id that several live processes beat as, with their `host:pid`).",
                 "content": {"application/json": {"schema": {"type": "object"}}},
             },
