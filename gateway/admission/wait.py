@@ -153,10 +153,10 @@ class DrainMeter:
     learned while little queued, and a model that lost workers is seen within seconds.
 
     A model is *stalled* when requests have waited ``settle_s`` and no batch has reached its workers
-    for ``stall_s`` (every worker busy past any normal call, hung or gone): its requests are refused,
-    and ``/readyz`` names it, until a batch is taken again. An empty queue lets one request through
-    every ``stall_s`` as a probe, and a stall ends at once when an idle worker is seen waiting
-    (``worker_idle``).
+    for ``stall_s`` (every worker busy past any normal call, hung or gone, or no batcher reading its
+    requests): its requests are refused, and ``/readyz`` names it, until a batch is taken again. An
+    empty queue lets one request through every ``stall_s`` as a probe, and a stall ends at once when an
+    idle worker is seen waiting (``worker_idle``).
     """
 
     def __init__(

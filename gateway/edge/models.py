@@ -137,7 +137,8 @@ class Health(BaseModel):
 
 _MODELS_DOC = (
     "Each served model and whether its workers take work: `serving`, or `stalled` (requests wait and no batch "
-    "has reached a worker for BATCHWIRE_STALL_S: every worker busy past any normal call, hung or gone; its "
+    "has reached a worker for BATCHWIRE_STALL_S: every worker busy past any normal call, hung or gone, or no "
+    "batcher reading its requests; its "
     "submits get 503 `overloaded`). A stalled model does not make the gateway unready for the others."
 )
 

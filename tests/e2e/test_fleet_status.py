@@ -133,7 +133,7 @@ def test_a_model_whose_workers_were_killed_exits_1_and_is_named(fleet: Cluster) 
 @pytest.mark.kafka
 def test_a_fleet_whose_batchers_were_killed_exits_1_and_names_the_model(fleet: Cluster) -> None:
     """With every batcher gone, requests wait on Kafka unbatched while the workers idle: the model is not
-    served, as with no worker."""
+    served, as with no worker, and the refusal once it stalls names the missing batchers among the causes."""
     url = fleet.gateway_urls[0]
     wait_for_status(url, "the whole fleet live", whole_fleet_live)
     batchers = [proc_named(fleet, name) for name in sorted(FLEET["batcher"])]
@@ -151,6 +151,18 @@ def test_a_fleet_whose_batchers_were_killed_exits_1_and_names_the_model(fleet: C
         table = status("--url", url)
         assert table.returncode == EXIT_UNSERVED, (table.returncode, table.stderr)
         assert "no live batcher for sim" in table.stdout, table.stdout
+
+        waiting = httpx.post(f"{url}/v1/tasks", json={"input": "unbatched", "timeout_ms": 30000}, timeout=10)
+        assert waiting.status_code == 202, waiting.text
+        answers: list[httpx.Response] = []
+
+        def refused() -> bool:
+            answers.append(httpx.post(f"{url}/v1/tasks", json={"input": "unbatched too"}, timeout=10))
+            return answers[-1].status_code == 503
+
+        eventually_sync(refused, "the model to stall and its submits to be refused", timeout_s=30, interval_s=0.5)
+        error = answers[-1].json()["error"]
+        assert error["code"] == "overloaded" and "no batcher" in error["message"], error
     finally:
         for batcher in batchers:  # the module's fleet whole again for the tests that follow
             respawn(fleet, batcher)
