@@ -74,6 +74,18 @@ class BackendCalls:
         self.model = model
         self.worker_id = worker_id
         self.distinct_only = distinct_only
+        self._uncounted: list[Timing] = []
+        """The calls submitted and not yet in the busy seconds: one runs at a time on the backend's thread."""
+        metrics.WORKER_CALL_RUNNING.labels(worker=worker_id).set_function(self._running_s)
+
+    def _running_s(self) -> float:
+        """How long the call on the backend's thread has run, while the busy seconds do not hold it yet."""
+        now = self.runner.clock()
+        return sum(
+            (now if timing.ended is None else timing.ended) - timing.started
+            for timing in self._uncounted
+            if timing.started is not None
+        )
 
     async def run(
         self, inputs: list[str], result: GroupResult | None = None, start_by: float | None = None
@@ -125,11 +137,14 @@ class BackendCalls:
     async def _call(self, inputs: list[str], result: GroupResult, start_by: float | None) -> Sequence[str | InputError]:
         timing = result.first if result.started is None else Timing()
         outputs: Sequence[str | InputError]
+        self._uncounted.append(timing)
         try:
             outputs = await self.runner.call(self.backend.batchstring, inputs, timing=timing, start_by=start_by)
         except PartialOutputs as partial:  # the others' outputs stand: nothing to split
             outputs = partial.outputs
         finally:
+            if timing.ended is not None or timing.started is None:  # a hung call's time keeps counting
+                self._uncounted = [other for other in self._uncounted if other is not timing]
             if timing.started is not None and timing.ended is not None:  # thread times: not the queueing
                 elapsed = timing.ended - timing.started
                 metrics.BACKEND_CALL.labels(model=self.model, backend=self.backend.name).observe(elapsed)

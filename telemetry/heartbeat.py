@@ -57,6 +57,10 @@ class Window:
         """The gauges named ``name`` and matching ``labels``, summed."""
         return sum(value for _, value in self._matching(name, labels))
 
+    def change(self, name: str, **labels: str) -> float:
+        """How much the gauges named ``name`` and matching ``labels`` moved over the window, summed."""
+        return sum(value - self.before.get((name, found), 0.0) for found, value in self._matching(name, labels))
+
     def by(self, name: str, label: str, **labels: str) -> dict[str, float]:
         """The growth of ``name`` per value of ``label``, per second; values that did not grow left out."""
         rates: dict[str, float] = {}
@@ -175,9 +179,13 @@ def _batches(window: Window, **labels: str) -> Figures:
 def worker_figures(window: Window, worker_id: str) -> Figures:
     """A worker's batches, their mean size, and the share of the window it spent inside the backend."""
     batches = window.increase("batchwire_worker_batches_total", worker=worker_id)
+    # A call counts in the busy seconds when it ends; the time of the one running counts as it runs.
+    busy_s = window.increase("batchwire_worker_busy_seconds_total", worker=worker_id) + window.change(
+        "batchwire_worker_call_running_seconds", worker=worker_id
+    )
     figures: Figures = {
         "batches_per_s": batches / window.interval_s,
-        "busy_fraction": min(1.0, window.rate("batchwire_worker_busy_seconds_total", worker=worker_id)),
+        "busy_fraction": min(1.0, max(0.0, busy_s / window.interval_s)),
     }
     if batches > 0:
         figures["mean_batch_size"] = window.increase("batchwire_worker_items_total", worker=worker_id) / batches

@@ -127,6 +127,13 @@ BACKEND_TOKENS = Counter(
 WORKER_BUSY = Counter(
     "batchwire_worker_busy_seconds", "Seconds each worker spent inside batchstring.", ["worker"], registry=REGISTRY
 )
+WORKER_CALL_RUNNING = Gauge(
+    "batchwire_worker_call_running_seconds",
+    "How long each worker's backend call has run so far, until its end counts it in the busy seconds (0 "
+    "between calls): their sum grows with the time inside batchstring while a long or hung call runs.",
+    ["worker"],
+    registry=REGISTRY,
+)
 BACKEND_CPU = Counter(
     "batchwire_backend_cpu_seconds",
     "CPU seconds the backend's calling thread used inside batchstring (a model computing on the CPU).",

@@ -129,6 +129,38 @@ def test_a_model_whose_workers_were_killed_exits_1_and_is_named(fleet: Cluster) 
             respawn(fleet, worker)
 
 
+def worker_busy_fraction(view: dict[str, Any], worker_id: str) -> float:
+    """The busy fraction the live member beating as worker ``worker_id`` last sent (-1: none live)."""
+    live = [m for m in view["members"] if m["role"] == "worker" and m["id"] == worker_id and m["state"] != "gone"]
+    return float(live[0]["figures"].get("busy_fraction", 0.0)) if live else -1.0
+
+
+@pytest.mark.slow
+@pytest.mark.kafka
+def test_a_worker_inside_a_long_call_counts_it_busy_while_it_runs(
+    tmp_path: Path, infra: Any, clusters: list[Cluster]
+) -> None:
+    """A call's time counts toward the busy fraction as it runs, not only once it ends: a worker held by a
+    hung call (up to its hang limit) shows nearly all of each second busy, as does one whose calls take
+    longer than a beat."""
+    hangs = ("--sim-hang-on", "forever", "--expected-latency-ms", "100", "--hang-min-s", "60")
+    cluster = launch(
+        tmp_path, infra.kafka_bootstrap, infra.redis_url, workers=1, worker_args=(*hangs, "--drain-timeout-s", "1")
+    )
+    clusters.append(cluster)
+    url = cluster.gateway_urls[0]
+    created = httpx.post(f"{url}/v1/tasks", json={"input": "hang forever", "timeout_ms": 30000}, timeout=10)
+    assert created.status_code == 202, created.text
+    wait_for_status(
+        url,
+        "worker0, inside its hung call, to show it busy most of a beat",
+        lambda run, view: (
+            worker_busy_fraction(view, "worker0") >= 0.8 and view["models"]["sim"]["busy_fraction"] >= 0.8
+        ),
+        timeout_s=30,
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.kafka
 def test_a_fleet_whose_batchers_were_killed_exits_1_and_names_the_model(fleet: Cluster) -> None:

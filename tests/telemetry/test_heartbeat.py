@@ -137,3 +137,22 @@ def test_a_worker_s_busy_share_and_mean_batch_are_its_own(registry: CollectorReg
     window = reader.advance()
     assert worker_figures(window, "w1") == {"batches_per_s": 10.0, "busy_fraction": 0.75, "mean_batch_size": 20.0}
     assert worker_figures(window, "w2") == {"batches_per_s": 0.0, "busy_fraction": pytest.approx(0.1)}
+
+
+def test_a_worker_s_call_counts_busy_as_it_runs_and_once_over_its_end(registry: CollectorRegistry) -> None:
+    """A call longer than a beat: each beat it spans counts its own share, and the beat of its end adds only
+    what is left, as the busy seconds take the whole call then."""
+    busy = Counter("batchwire_worker_busy_seconds", "", ["worker"], registry=registry)
+    running = Gauge("batchwire_worker_call_running_seconds", "", ["worker"], registry=registry)
+    clock = FakeClock()
+    reader = Reader(registry, clock)
+    shares = []
+    for ran_s in (0.6, 1.6):  # a call started 0.4 s into the first beat, still running at the second's end
+        running.labels(worker="w1").set(ran_s)
+        clock.advance(1.0)
+        shares.append(worker_figures(reader.advance(), "w1")["busy_fraction"])
+    running.labels(worker="w1").set(0.0)  # it ended 0.5 s into the third beat: 2.1 s in all
+    busy.labels(worker="w1").inc(2.1)
+    clock.advance(1.0)
+    shares.append(worker_figures(reader.advance(), "w1")["busy_fraction"])
+    assert shares == [pytest.approx(0.6), pytest.approx(1.0), pytest.approx(0.5)]
