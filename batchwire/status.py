@@ -1,4 +1,5 @@
-"""``batchwire status``: the fleet as a table, read from any gateway's ``/v1/fleet``.
+"""``batchwire status``: the fleet as a table, read from any gateway's ``/v1/fleet``, and what its
+``/readyz`` says is not served.
 
 Every process of a deployment beats into the store, and every gateway serves what they said, so one
 URL shows the whole fleet: embedded or over Kafka, whichever gateway it is. The standard library's
@@ -21,7 +22,8 @@ from typing import Any
 from batchwire import flags
 
 EXIT_UNSERVED = 1
-"""A model the gateway serves has no live worker or no live batcher: its requests wait or are refused."""
+"""A model the gateway serves has no live worker or no live batcher, or is stalled, or the gateway is not
+ready (its bus or store down): requests wait or are refused."""
 EXIT_UNREACHABLE = 2
 
 _MEMBER_COLUMNS = (
@@ -78,8 +80,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
-    """0 when every model has a live batcher and worker, 1 when one lacks either, 2 when the gateway cannot
-    be read."""
+    """0 when every model has a live batcher and worker and the gateway is ready, 1 when not, 2 when the
+    gateway cannot be read."""
     if args.watch is not None and not args.watch > 0:
         print("batchwire status: --watch takes a positive number of seconds", file=sys.stderr)
         return EXIT_UNREACHABLE
@@ -100,11 +102,17 @@ def _once(url: str, api_key: str | None, as_json: bool, *, clear: bool) -> int:
     except FleetUnreadable as err:
         print(f"batchwire status: {err}", file=sys.stderr)
         return EXIT_UNREACHABLE
+    readiness = not_ready(url)
     if clear:
         sys.stdout.write("\x1b[H\x1b[2J")
-    sys.stdout.write(json.dumps(view, indent=2) + "\n" if as_json else render(view))
+    if as_json:
+        sys.stdout.write(json.dumps(view, indent=2) + "\n")
+        for line in readiness:
+            print(f"batchwire status: {line}", file=sys.stderr)
+    else:
+        sys.stdout.write(render(view) + "".join(f"\n{line}\n" for line in readiness))
     sys.stdout.flush()
-    return EXIT_UNSERVED if without_workers(view) or without_batchers(view) else 0
+    return EXIT_UNSERVED if without_workers(view) or without_batchers(view) or readiness else 0
 
 
 class FleetUnreadable(Exception):
@@ -129,6 +137,36 @@ def read_fleet(url: str, api_key: str | None, timeout_s: float = 5.0) -> dict[st
         raise FleetUnreadable(
             f"cannot read the fleet from {url}: {err}; name a running gateway with --url or BATCHWIRE_URL"
         ) from err
+
+
+def not_ready(url: str, timeout_s: float = 5.0) -> list[str]:
+    """What the gateway's ``/readyz`` says is not served: the gateway itself when it is not ready (its bus or
+    store down, every model stalled), and each stalled model. Every member may beat as idle meanwhile, as
+    they beat into the store, not over the bus. ``/readyz`` needs no key; one that cannot be read says so."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/readyz", timeout=timeout_s) as response:
+            doc = json.load(response)
+    except urllib.error.HTTPError as err:
+        try:
+            doc = json.load(err)
+        except (ValueError, OSError, http.client.HTTPException):
+            return [f"the gateway is not ready: /readyz answered {err.code}"]
+    except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as err:
+        return [f"the gateway's readiness cannot be read: {err}"]
+    if not isinstance(doc, dict):
+        return ["the gateway's readiness cannot be read: /readyz's answer is not an object"]
+    lines = []
+    error = doc.get("error")
+    if isinstance(error, dict):
+        message = str(error.get("message", ""))
+        lines.append(f"the gateway is not ready: {message.removeprefix('not ready: ')}")
+    models = doc.get("models")
+    for model, state in sorted(models.items()) if isinstance(models, dict) else ():
+        if state == "stalled":
+            lines.append(
+                f"model {model} is stalled: requests wait and no batch reaches its workers; its submits are refused"
+            )
+    return lines
 
 
 def _error_message(err: urllib.error.HTTPError) -> str:

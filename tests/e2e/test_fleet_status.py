@@ -2,8 +2,8 @@
 
 Every process beats into the namespace's fleet in Redis, so either gateway shows all seven. The command
 runs as a process of its own, as a person runs it: exit 0 while every model has a live batcher and
-worker, 1 once the model's workers, or its batchers, are killed with ``kill -9`` (naming the model), 2
-when the URL answers nothing.
+worker, 1 once the model's workers, or its batchers, are killed with ``kill -9`` (naming the model) or
+Kafka is down (the gateway not ready), 2 when the URL answers nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
+from infra.local_stack import LocalStack
 from infra.ports import free_port
 from tests.support.cluster_checks import proc_named
 from tests.support.eventually import eventually_sync
@@ -198,6 +199,31 @@ def test_a_fleet_whose_batchers_were_killed_exits_1_and_names_the_model(fleet: C
     finally:
         for batcher in batchers:  # the module's fleet whole again for the tests that follow
             respawn(fleet, batcher)
+
+
+@pytest.mark.slow
+@pytest.mark.kafka
+def test_a_gateway_that_cannot_reach_kafka_exits_1_and_says_why(
+    tmp_path_factory: pytest.TempPathFactory, clusters: list[Cluster]
+) -> None:
+    """Every member still beats into Redis while Kafka is down, and each idles: the fleet alone reads as
+    healthy while every submit is refused. The command also reads the gateway's ``/readyz``."""
+    with LocalStack(tmp_path_factory.mktemp("private-stack")) as stack:  # a broker of its own to stop
+        cluster = launch(tmp_path_factory.mktemp("fleet"), stack.kafka_bootstrap, stack.redis_url, workers=1)
+        clusters.append(cluster)
+        url = cluster.gateway_urls[0]
+        wait_for_status(url, "the fleet served", lambda run, view: run.returncode == 0)
+        stack.stop_kafka()
+        try:
+            run = wait_for_status(url, "status to exit 1 with Kafka down", lambda run, view: run.returncode == 1)
+            assert "kafka" in run.stderr, run.stderr
+            table = status("--url", url)
+            assert table.returncode == EXIT_UNSERVED, (table.returncode, table.stdout)
+            assert "the gateway is not ready" in table.stdout and "kafka" in table.stdout, table.stdout
+            stack.start_kafka()
+            wait_for_status(url, "status to exit 0 once Kafka is back", lambda run, view: run.returncode == 0)
+        finally:
+            cluster.stop()  # before its Kafka and Redis go
 
 
 def test_an_unreachable_gateway_exits_2_saying_why() -> None:
