@@ -64,13 +64,13 @@ def dead_letter(
     )
 
 
-def dead_lettered_message(letter: DeadLetter) -> str:
-    """What the caller of a dead-lettered task reads (its error message)."""
+def dead_lettered_message(letter: DeadLetter, where: str) -> str:
+    """What the caller of a dead-lettered task reads (its error message); ``where`` the letter went."""
     deaths = max(item.strikes for item in letter.items)
     return (
         f"the model's worker died {deaths} times while running this input, the last time with nothing else in "
-        f"flight ({letter.error}); it was set aside on the dead-letter topic (batch {letter.batch_id}): check the "
-        "input, or send another"
+        f"flight ({letter.error}); it was set aside {where} (batch {letter.batch_id}): check the input, or send "
+        "another"
     )
 
 

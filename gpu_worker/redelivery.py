@@ -102,7 +102,7 @@ class Redelivery:
         where = logs.ids(batch_id=batch.batch_id, traceparent=batch.traceparent)
         message = "worker %s: dead-lettered %s of batch %s: %s"
         log.error(message, self.worker_id, task_ids, batch.batch_id, letter.error, extra=where)
-        failure = Failure(DEAD_LETTERED, careful.dead_lettered_message(letter))
+        failure = Failure(DEAD_LETTERED, careful.dead_lettered_message(letter, self.dead_letters.where))
         states = [task_state(self.worker_id, batch, item, TaskStatus.FAILED, None, failure) for item in items]
         await self._retry("storing dead-lettered tasks", lambda: self.store.apply(states))
         metrics.WORKER_BATCHES.labels(worker=self.worker_id, outcome="dead_lettered").inc()

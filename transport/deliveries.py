@@ -65,6 +65,9 @@ class DeliveryLog(Protocol):
 class DeadLetterSink(Protocol):
     """Where dead-lettered inputs go (``names.dead_letter_topic`` over Kafka)."""
 
+    where: str
+    """Where a dead-lettered task's message says its input went, for the operator who looks for it."""
+
     async def start(self) -> None: ...
     async def close(self) -> None: ...
     async def send(self, letter: DeadLetter) -> None:
@@ -133,6 +136,8 @@ class MemoryDeliveryLog:
 
 class MemoryDeadLetters:
     """``DeadLetterSink`` as a list (embedded mode keeps them for the process's life; tests read them)."""
+
+    where = "in this process's memory (embedded mode keeps no other copy; the worker's log names the task)"
 
     def __init__(self) -> None:
         self.letters: list[DeadLetter] = []

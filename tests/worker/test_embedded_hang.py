@@ -43,6 +43,8 @@ async def test_a_hung_worker_is_replaced_and_only_the_hanging_input_is_set_aside
         assert {task: len(states) for task, states in replies.items()} == {"a": 1, "b": 1, "c": 1}
         assert replies["a"][0].output == "eno enif" and replies["c"][0].output == "owt enif"
         assert replies["b"][0].status is TaskStatus.FAILED and replies["b"][0].error_code == DEAD_LETTERED
+        message = replies["b"][0].error_message or ""
+        assert "topic" not in message and "memory" in message, f"embedded mode has no dead-letter topic: {message}"
         assert runtime.replaced >= 3, f"each hang replaces a worker; {runtime.replaced} replaced"
         assert [item.input for letter in runtime.dead_letters.letters for item in letter.items] == ["hang here"]
         assert all((await runtime.ready()).values()), "the replacements serve"

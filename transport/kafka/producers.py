@@ -469,6 +469,7 @@ class KafkaDeadLetterProducer:
         ready_timeout_s: float = 1.0,
     ) -> None:
         self.topic = names.dead_letter_topic
+        self.where = f"on the dead-letter topic {self.topic}"
         self._producer = RenewingProducer(
             bootstrap,
             client_id=client_id,
