@@ -84,9 +84,9 @@ class WatchedClaims(MemoryCreditPool):
         self.handed = asyncio.Event()
         self.second_claim = asyncio.Event()
 
-    async def offer(self, credit: Credit) -> None:
+    async def offer(self, credit: Credit, *, after_ms: int = 0) -> None:
         await asyncio.sleep(OFFER_S)  # the store's latency, not a wait for anything
-        await super().offer(credit)
+        await super().offer(credit, after_ms=after_ms)
 
     async def claim(self, model: str, timeout_s: float) -> Credit | None:
         (self.second_claim if self.handed.is_set() else self.claiming).set()

@@ -49,6 +49,32 @@ async def test_a_worker_that_frees_sooner_is_claimed_before_one_still_busy(make_
     assert await pool.claim("alpha", 1.0) == early
 
 
+async def test_a_credit_offered_after_a_pause_goes_behind_those_that_free_before_it(make_pool: PoolFactory) -> None:
+    """A batcher offers back the credit of a send its bus refused queued at the end of its pause: the
+    retry goes to another idle worker, whose partition may take it, before this one again."""
+    pool = await make_pool()
+    now = int(time.time() * 1000)
+    refused = Credit("refused", "alpha", 0, 1, now - 1_000, now + 60_000, free_at_ms=now - 1_000)
+    idle = Credit("idle", "alpha", 1, 1, now, now + 60_000, free_at_ms=now)
+    busy = Credit("busy", "alpha", 2, 1, now, now + 60_000, free_at_ms=now + 1_000)
+    await pool.offer(refused, after_ms=now + 200)
+    await pool.offer(idle)
+    await pool.offer(busy, after_ms=now)  # earlier than it frees: queued when it frees
+
+    assert [await pool.claim("alpha", 1.0) for _ in range(3)] == [idle, refused, busy]
+
+
+async def test_a_credit_offered_after_a_pause_can_be_withdrawn(make_pool: PoolFactory) -> None:
+    pool = await make_pool()
+    now = int(time.time() * 1000)
+    refused = credit("w1")
+    await pool.offer(refused, after_ms=now + 200)
+
+    await pool.withdraw(refused)
+    assert await pool.idle("alpha") == 0
+    assert await pool.claim("alpha", 0.05) is None
+
+
 async def test_offered_credits_are_read_without_being_claimed(make_pool: PoolFactory) -> None:
     """What a gateway reads for the rates workers state: every waiting credit, none taken."""
     pool = await make_pool()

@@ -20,9 +20,9 @@ class WatchedCredits(MemoryCreditPool):
         self.partition: Sized = ()
         self.waiting_at_offer: list[int] = []
 
-    async def offer(self, credit: Credit) -> None:
+    async def offer(self, credit: Credit, *, after_ms: int = 0) -> None:
         self.waiting_at_offer.append(len(self.partition))
-        await super().offer(credit)
+        await super().offer(credit, after_ms=after_ms)
 
 
 async def test_a_batch_already_waiting_is_taken_before_a_new_credit_is_offered() -> None:

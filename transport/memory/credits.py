@@ -15,11 +15,13 @@ def _now_ms() -> int:
 
 
 class MemoryCreditPool:
-    """Credits per model, the soonest to free claimed first (``Credit.idle_from_ms``; FIFO among equals);
-    a waiting claimer gets the next credit offered, in arrival order."""
+    """Credits per model, the soonest to free claimed first (``Credit.idle_from_ms``, or the ``after_ms``
+    it was offered with; FIFO among equals); a waiting claimer gets the next credit offered, in arrival
+    order."""
 
     def __init__(self) -> None:
-        self._credits: dict[str, deque[Credit]] = {}
+        self._credits: dict[str, deque[tuple[int, Credit]]] = {}
+        """Each model's credits with the time they are queued at, lowest first."""
         self._waiters: dict[str, deque[asyncio.Future[Credit]]] = {}
 
     async def start(self) -> None:
@@ -30,7 +32,7 @@ class MemoryCreditPool:
             for waiter in waiters:
                 waiter.cancel()
 
-    async def offer(self, credit: Credit) -> None:
+    async def offer(self, credit: Credit, *, after_ms: int = 0) -> None:
         waiters = self._waiters.get(credit.model)
         while waiters:
             waiter = waiters.popleft()
@@ -38,21 +40,24 @@ class MemoryCreditPool:
                 waiter.set_result(credit)
                 return
         credits = self._credits.setdefault(credit.model, deque())
+        queued_ms = max(credit.idle_from_ms, after_ms)
         at = len(credits)
-        while at > 0 and credits[at - 1].idle_from_ms > credit.idle_from_ms:
+        while at > 0 and credits[at - 1][0] > queued_ms:
             at -= 1
-        credits.insert(at, credit)
+        credits.insert(at, (queued_ms, credit))
 
     async def withdraw(self, credit: Credit) -> None:
-        credits = self._credits.get(credit.model)
-        if credits and credit in credits:
-            credits.remove(credit)
+        credits = self._credits.get(credit.model, deque())
+        for entry in credits:
+            if entry[1] == credit:
+                credits.remove(entry)
+                return
 
     async def claim(self, model: str, timeout_s: float) -> Credit | None:
         now = _now_ms()
         credits = self._credits.get(model)
         while credits:
-            credit = credits.popleft()
+            _, credit = credits.popleft()
             if credit.expires_at_ms > now:
                 return credit
         waiter: asyncio.Future[Credit] = asyncio.get_running_loop().create_future()
@@ -79,4 +84,4 @@ class MemoryCreditPool:
         return len(self._credits.get(model, ()))
 
     async def offered(self, model: str) -> list[Credit]:
-        return list(self._credits.get(model, ()))
+        return [credit for _, credit in self._credits.get(model, ())]

@@ -94,11 +94,11 @@ class RedisCreditPool:
         await self._commands.close()
         await self._claimers.close()
 
-    async def offer(self, credit: Credit) -> None:
+    async def offer(self, credit: Credit, *, after_ms: int = 0) -> None:
         key = self.names.credit_queue(credit.model)
         try:
             async with self._client.pipeline(transaction=False) as pipe:
-                pipe.zadd(key, {encode_credit(credit): credit.idle_from_ms})
+                pipe.zadd(key, {encode_credit(credit): max(credit.idle_from_ms, after_ms)})
                 pipe.zremrangebyrank(key, 0, -self.max_credits - 1)
                 await pipe.execute()
         except REDIS_ERRORS as err:
