@@ -13,8 +13,8 @@ this module carries out its commands.
 
 A sealed batch lands on the bus in a task of its own (``_land``): the loop goes on to the next credit
 (another worker's) without waiting for the acknowledgement (``acks=all`` over Kafka), which hands its
-requests over. A failed claim is retried with backoff; a failed send is given back and tried again;
-a failed ``batched`` write is logged.
+requests over. A failed claim is retried with backoff; a failed send is given back and tried again
+after a pause, its credit queued behind the others for that pause; a failed ``batched`` write is logged.
 """
 
 from __future__ import annotations
@@ -309,7 +309,9 @@ class Dispatcher:
                 self.former.give_back(model, taken)
                 self._requeued()
                 self._resend_after[model] = self.clock() + self.settings.send_retry_s  # back off a failing bus
-                await self._offer_back(credit)
+                # queued after the pause: the retry, here or in another batcher, goes to an idle worker
+                # whose partition may take it before this one again
+                await self._offer_back(credit, after_ms=wall_ms() + round(self.settings.send_retry_s * 1000))
                 self._wake[model].set()
                 return
             if spans is not None:
@@ -358,10 +360,11 @@ class Dispatcher:
         being cancelled cannot cut the offer short, and does not wait for it."""
         self.landings.add(model, self._spawn(self._offer_back(credit), f"give-back-{model}"))
 
-    async def _offer_back(self, credit: Credit) -> None:
-        """Returns an unused credit; if that fails the worker re-offers it when it expires."""
+    async def _offer_back(self, credit: Credit, after_ms: int = 0) -> None:
+        """Returns an unused credit (queued no earlier than ``after_ms``); if that fails the worker
+        re-offers it when it expires."""
         try:
-            await self.credits.offer(credit)
+            await self.credits.offer(credit, after_ms=after_ms)
         except TransportError as err:
             log.warning("could not hand back credit %s: %s (its worker re-offers it)", credit.ref, err)
 

@@ -47,17 +47,19 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def credit(worker: str, partition: int) -> Credit:
-    now = now_ms()
+def credit(worker: str, partition: int, idle_ms: int = 0) -> Credit:
+    now = now_ms() - idle_ms
     return Credit(worker, "sim", partition, 1, now, now + 60_000)
 
 
 class Rig:
-    def __init__(self, batches: GatedBatchBus, credits: MemoryCreditPool | None = None) -> None:
+    def __init__(
+        self, batches: GatedBatchBus, credits: MemoryCreditPool | None = None, send_retry_s: float = 0.01
+    ) -> None:
         self.requests = MemoryRequestBus(Partitioner(("sim",), 1))
         self.batches = batches
         self.credits = credits or MemoryCreditPool()
-        settings = BatcherSettings(models=("sim",), request_partitions=1, send_retry_s=0.01)
+        settings = BatcherSettings(models=("sim",), request_partitions=1, send_retry_s=send_retry_s)
         self.batcher = Batcher(settings, self.requests.consumer(), batches, self.credits, MemoryTaskStore())
 
     async def request(self, task_id: str) -> None:
@@ -113,6 +115,51 @@ async def test_a_batch_the_bus_refused_goes_out_again_with_its_requests() -> Non
         await rig.batcher.close()
 
 
+class OnePartitionDown(GatedBatchBus):
+    """Refuses every send to the ``down`` partitions (its leader is being elected, or unreachable)."""
+
+    def __init__(self, partitions: int, down: Iterable[int]) -> None:
+        super().__init__(partitions)
+        self.down = set(down)
+        self.refused = 0
+
+    async def send(self, batch: Batch, partition: int) -> None:
+        if partition in self.down:
+            self.refused += 1
+            raise TransportError(f"partition {partition} has no leader")
+        await super().send(batch, partition)
+
+
+async def test_a_partition_that_refuses_sends_does_not_keep_requests_from_another_idle_worker() -> None:
+    """w0 is idle longest, so its credit is claimed first, but its partition refuses the batch: r1 goes
+    to w1 after the pause, not to w0 again and again until w0 refreshes its credit. w0's credit is
+    not lost: it takes the next batch once its partition takes sends."""
+    bus = OnePartitionDown(2, down=[0])
+    rig = Rig(bus, send_retry_s=0.2)
+    await rig.credits.offer(credit("w0", 0, idle_ms=1_000))
+    await rig.credits.offer(credit("w1", 1))
+    await rig.batcher.start()
+    try:
+        await rig.request("r1")
+        await eventually(lambda: bus.refused, "a send to w0's partition refused", timeout_s=5)
+        await eventually(
+            lambda: rig.batches.sent == [(1, ["r1"])],
+            "r1 sent to w1 on partition 1 while w0's partition refuses sends, well before w0 would refresh "
+            "its credit (about 4 s)",
+            timeout_s=2,
+        )
+        bus.down.clear()
+        await rig.request("r2")
+        await eventually(
+            lambda: rig.batches.sent == [(1, ["r1"]), (0, ["r2"])],
+            "r2 sent to w0 against its credit given back, once its partition takes sends",
+            timeout_s=5,
+        )
+        await eventually(lambda: rig.requests.lag() == 0, "r1 and r2 committed once their batches landed")
+    finally:
+        await rig.batcher.close()
+
+
 class RefusedLateBus(MemoryBatchBus):
     """Holds each send until ``release`` is set, then refuses it (a broker that never acknowledged)."""
 
@@ -134,9 +181,9 @@ class GoneWorkerCredits(MemoryCreditPool):
         super().__init__()
         self.gone = False
 
-    async def offer(self, credit: Credit) -> None:
+    async def offer(self, credit: Credit, *, after_ms: int = 0) -> None:
         if not self.gone:
-            await super().offer(credit)
+            await super().offer(credit, after_ms=after_ms)
 
 
 async def test_a_batch_given_back_by_a_refused_send_still_expires_at_its_deadline() -> None:
