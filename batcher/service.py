@@ -111,8 +111,10 @@ class Batcher:
 
     @property
     def state(self) -> str:
-        """What the fleet's heartbeat shows: starting (joining its group), draining (closing), busy
-        (requests held) or idle."""
+        """What the fleet's heartbeat shows: failed (a loop crashed: the process exits), starting (joining
+        its group), draining (closing), busy (requests held) or idle."""
+        if self.failure is not None:
+            return "failed"
         if self._closing:
             return "draining"
         if not self._tasks:

@@ -120,7 +120,9 @@ async def test_a_permanent_read_error_stops_the_batcher_loudly() -> None:
     await asyncio.wait_for(rig.batcher.failed.wait(), 5)
     assert isinstance(rig.batcher.failure, PermanentTransportError)
     assert not rig.batcher.healthy()
+    assert rig.batcher.state == "failed", "the fleet shows it failed, not idle, until its process exits"
     await rig.batcher.close()
+    assert rig.batcher.state == "failed", "its last beat, at close, says failed: not a clean stop"
 
 
 async def test_expiry_is_stored_once_the_store_is_back() -> None:
