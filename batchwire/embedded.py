@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from batcher.service import Batcher
 from batcher.settings import BatcherSettings
 from batcher.tokens import TokenCounter, estimated
-from batchwire.fleet import Heartbeats, batcher_beat, worker_beat
+from batchwire.fleet import Heartbeats, batcher_beat, last_beat, worker_beat
 from batchwire.settings import SettingsError, SharedSettings
 from gpu_worker.backends.base import Backend
 from gpu_worker.journal import BatchJournal
@@ -142,8 +142,8 @@ class EmbeddedRuntime:
         self.workers: list[Worker] = [self._worker(slot) for slot in range(len(self._slots))]
         self.replaced = 0
         self._retired: list[Worker] = []
-        """Workers replaced since the last beat: beaten once more, in the state they stopped in (not live),
-        or the fleet would show them as they last beat (busy: live) until their beats went stale."""
+        """Workers replaced since the last beat: beaten once more, their last beat, in the state they stopped
+        in (not live), or the fleet would show them as they last beat (busy: live) until their beats went stale."""
         self._watchers: list[asyncio.Task[None]] = []
         self.fleet = MemoryFleet()
         self.heartbeats: Heartbeats | None = None
@@ -161,7 +161,8 @@ class EmbeddedRuntime:
         """The batcher's and every worker's heartbeat."""
         batcher = batcher_beat(self.batcher, self.settings.shared.models, window)
         retired, self._retired = self._retired, []
-        return [batcher, *(worker_beat(worker, window) for worker in (*retired, *self.workers))]
+        ended = [last_beat(worker_beat(worker, window)) for worker in retired]
+        return [batcher, *ended, *(worker_beat(worker, window) for worker in self.workers)]
 
     def _worker(self, slot: int) -> Worker:
         model, index = self._slots[slot]

@@ -8,6 +8,7 @@ beats; the services only expose their state. The figures come from the process's
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.metadata
 import logging
 import os
@@ -28,6 +29,9 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
 """How often each role beats; it is shown as gone after ``GONE_AFTER_BEATS`` missed beats."""
+LAST_BEAT_S = 1.0
+"""How long a stopping process waits for its last beat to be stored: an unreachable store must not hold
+up its exit (the fleet views then show it as gone, as after a crash)."""
 
 
 def _version() -> str:
@@ -65,6 +69,13 @@ def _beat(
     )
 
 
+def last_beat(beat: Beat) -> Beat:
+    """``beat`` as its member's last, saying how it stopped: ``hung`` or ``failed`` as it says; ``failed``
+    for a role still ``starting`` (its start did not finish); ``stopped`` for any other, a clean stop."""
+    ended = {"hung": "hung", "failed": "failed", "starting": "failed"}
+    return dataclasses.replace(beat, state=ended.get(beat.state, "stopped"), final=True)
+
+
 def gateway_beat(gateway: Gateway, window: Window, draining: bool = False) -> Beat:
     models = gateway.settings.models
     figures, breakdowns, per_model = heartbeat.gateway_figures(window, models)
@@ -85,9 +96,9 @@ def worker_beat(worker: Worker, window: Window) -> Beat:
 
 
 class Heartbeats:
-    """Publishes ``beats(window)`` into ``fleet`` at start and every ``HEARTBEAT_S`` after, until ``close``.
-    ``beat_soon`` has the next beat go out at once: a role that has just come up is shown serving
-    without waiting a period.
+    """Publishes ``beats(window)`` into ``fleet`` at start and every ``HEARTBEAT_S`` after, until ``close``,
+    which sends one last beat (``last_beat``). ``beat_soon`` has the next beat go out at once: a role that
+    has just come up is shown serving without waiting a period.
 
     A beat that cannot be stored (or built) is logged once per outage and tried again at the next
     beat: the process goes on serving, and the fleet views show it as gone until its beats land again.
@@ -99,19 +110,40 @@ class Heartbeats:
         self.interval_s = interval_s
         self._loop = BackgroundLoop("heartbeats")
         self._soon = asyncio.Event()
+        self._reader: Reader | None = None
 
     async def start(self) -> None:
-        self._loop.start(self._run())
+        self._reader = Reader()
+        self._loop.start(self._run(self._reader))
 
     async def close(self) -> None:
+        """Stops the beats, then stores the last one within ``LAST_BEAT_S``: the fleet views show how each
+        role stopped until its record is dropped, not ``gone`` as after a crash. Nothing is sent for
+        heartbeats that never started (the role was never shown)."""
+        reader, self._reader = self._reader, None
         await self._loop.close()
+        if reader is not None:
+            await self._last(reader.levels())
+
+    async def _last(self, window: Window) -> None:
+        try:
+            beats = [last_beat(beat) for beat in self.beats(window)]
+            async with asyncio.timeout(LAST_BEAT_S):
+                await self.fleet.beat(beats)
+        except TimeoutError:
+            log.warning(
+                "last heartbeat not stored within %.0f s (the fleet views show this process as gone)", LAST_BEAT_S
+            )
+        except TransportError as err:
+            log.warning("last heartbeat not stored (the fleet views show this process as gone): %s", err)
+        except Exception:  # a fault in the figures must not stop the shutdown, nor go unseen
+            log.exception("last heartbeat not built (the fleet views show this process as gone)")
 
     def beat_soon(self) -> None:
         """For a role that has just started: its beat carries the state and gauges, and no rates."""
         self._soon.set()
 
-    async def _run(self) -> None:
-        reader = Reader()
+    async def _run(self, reader: Reader) -> None:
         window = reader.levels()  # the first beat: the state and the gauges, no rates over no time
         failing = False
         while True:

@@ -22,11 +22,14 @@ FORGET_AFTER_S = 60.0
 
 @dataclass(frozen=True, slots=True)
 class Beat:
-    """One member of the fleet at ``at_ms`` (Unix ms), in ``state`` idle, busy, draining or hung.
+    """One member of the fleet at ``at_ms`` (Unix ms), in ``state`` starting, idle, busy, draining, hung,
+    failed or stopped.
 
     ``figures`` are the member's rates and levels over the last ``interval_s`` (``requests_per_s``,
     ``p99_ms``, ``busy_fraction``...), ``breakdowns`` the rates it splits by a label (refusals by
-    status, flushes by reason), and ``per_model`` its figures for each model it serves.
+    status, flushes by reason), and ``per_model`` its figures for each model it serves. ``final`` marks
+    the last beat of a member that stopped (``stopped``, or ``hung``/``failed``): it is never live, and
+    shows that state, not ``gone``, until it is dropped, so a planned stop reads apart from a crash.
     """
 
     role: str
@@ -41,6 +44,7 @@ class Beat:
     figures: Mapping[str, float] = field(default_factory=dict)
     breakdowns: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     per_model: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    final: bool = False
 
     @property
     def key(self) -> str:
@@ -49,17 +53,18 @@ class Beat:
         return f"{self.role}:{self.id}@{self.host}:{self.pid}"
 
     def live(self, now_ms: int) -> bool:
-        """False once the member missed ``GONE_AFTER_BEATS`` beats."""
-        return now_ms - self.at_ms <= GONE_AFTER_BEATS * self.interval_s * 1000
+        """False once the member missed ``GONE_AFTER_BEATS`` beats, or stopped (its last beat)."""
+        return not self.final and now_ms - self.at_ms <= GONE_AFTER_BEATS * self.interval_s * 1000
 
     def forgotten(self, now_ms: int) -> bool:
         return now_ms - self.at_ms > FORGET_AFTER_S * 1000
 
     def to_public(self, now_ms: int) -> dict[str, Any]:
-        """The JSON shape of ``/v1/fleet`` and ``batchwire status --json``: the beat, and whether it is live."""
+        """The JSON shape of ``/v1/fleet`` and ``batchwire status --json``: the beat, its state ``gone`` once
+        it missed ``GONE_AFTER_BEATS`` beats (a last beat keeps the state it stopped in), and its age."""
         doc = self._doc()
         del doc["at_ms"], doc["interval_s"]
-        doc["state"] = self.state if self.live(now_ms) else "gone"
+        doc["state"] = self.state if self.final or self.live(now_ms) else "gone"
         doc["age_s"] = round(max(0, now_ms - self.at_ms) / 1000, 1)
         return doc
 
@@ -80,6 +85,7 @@ class Beat:
             "figures": _rounded(self.figures),
             "breakdowns": {name: _rounded(values) for name, values in self.breakdowns.items()},
             "per_model": {model: _rounded(values) for model, values in self.per_model.items()},
+            "final": self.final,
         }
 
 
@@ -100,6 +106,7 @@ def decode_beat(raw: bytes | str) -> Beat | None:
             figures=_floats(doc.get("figures", {})),
             breakdowns={str(name): _floats(values) for name, values in doc.get("breakdowns", {}).items()},
             per_model={str(model): _floats(values) for model, values in doc.get("per_model", {}).items()},
+            final=doc.get("final") is True,  # absent from an earlier release's beats
         )
     except (ValueError, TypeError, KeyError, AttributeError):
         return None

@@ -109,5 +109,13 @@ async def test_a_replaced_worker_is_shown_in_the_state_it_stopped_in_and_its_rep
         await runtime.producer.send(InferenceRequest("a", "sim", "hang here", now, now + 30_000, reply_to="gw"))
         await eventually(lambda: runtime.replaced == 1, "the hung worker's replacement")
         await worker_states(runtime.fleet, {"sim-worker-0": "hung", "sim-worker-0.1": ("idle", "busy")})
+        finals = {beat.id: beat.final for beat in await runtime.fleet.members() if beat.role == "worker"}
+        assert finals == {"sim-worker-0": True, "sim-worker-0.1": False}, "the replaced worker's beat is its last"
     finally:
         await runtime.close()
+    ended = {(beat.role, beat.id): (beat.state, beat.final) for beat in await runtime.fleet.members()}
+    assert ended == {
+        ("batcher", runtime.batcher.settings.batcher_id): ("stopped", True),
+        ("worker", "sim-worker-0"): ("hung", True),
+        ("worker", "sim-worker-0.1"): ("stopped", True),
+    }, "at close each role beats once more, saying how it stopped"

@@ -19,7 +19,14 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def beat(
-    role: str, member_id: str, *, age_s: float = 0.0, state: str = "idle", rate: float = 0.0, pid: int = 7
+    role: str,
+    member_id: str,
+    *,
+    age_s: float = 0.0,
+    state: str = "idle",
+    rate: float = 0.0,
+    pid: int = 7,
+    final: bool = False,
 ) -> Beat:
     return Beat(
         role=role,
@@ -34,6 +41,7 @@ def beat(
         figures={"batches_per_s": rate},
         breakdowns={"flushes_per_s": {"full": rate}},
         per_model={"sim": {"queue_depth": 3.0}},
+        final=final,
     )
 
 
@@ -95,3 +103,12 @@ async def test_a_field_that_is_no_beat_is_skipped_and_dropped(redis_url: str, na
     finally:
         await redis.aclose()
         await fleet.close()
+
+
+async def test_a_last_beat_is_kept_as_last_and_forgotten_a_minute_after_it_as_any_other(fleet: Fleet) -> None:
+    """A member's last beat says so through the store, and expires as every beat does."""
+    await fleet.beat([beat("worker", "w1", state="stopped", final=True, age_s=30), beat("worker", "w2", state="busy")])
+    await fleet.beat([beat("worker", "w3", state="stopped", final=True, age_s=FORGET_AFTER_S + 5)])
+    members = {member.id: member for member in await fleet.members()}
+    assert set(members) == {"w1", "w2"}, "the last beat past FORGET_AFTER_S is dropped"
+    assert (members["w1"].state, members["w1"].final, members["w2"].final) == ("stopped", True, False)

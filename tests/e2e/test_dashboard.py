@@ -1,5 +1,6 @@
 """The gateway's ``/dashboard`` in a real browser: its figures move under load and agree with ``/metrics``,
-its feed needs an operator key when API keys are on, and a worker killed with ``kill -9`` shows as gone.
+its feed needs an operator key when API keys are on, a worker killed with ``kill -9`` shows as gone, and
+one stopped with SIGTERM as stopped.
 
 Headless Chromium (``tests.support.browser``) against real processes: ``batchwire up`` for the embedded
 mode, and a gateway, a batcher and two workers over the session's Kafka and Redis. The load is
@@ -46,6 +47,8 @@ SCREENSHOT_HISTORY_S = 60.0
 """How long the load runs before the README's screenshot, so that its charts show a stretch of history."""
 GONE_WITHIN_S = 5.0
 """3 missed one-second beats make a member gone; the page hears of it at its next one-second update."""
+GREY = "rgb(164, 170, 184)"
+"""The page's ``--grey``, in which a stopped member's state is drawn (``gone``, ``hung``, ``failed``: red)."""
 NO_FIGURE = "\u2013"
 """What the page prints where it has no figure (an en dash)."""
 TENANT_KEY = "dashboard-tenant-key-0123456789"
@@ -327,3 +330,38 @@ def test_a_worker_killed_with_kill_9_shows_as_gone_within_5_s(
     assert gone["workers"]["worker1"]["state"] in ("idle", "busy"), gone
     assert gone["tiles"]["busy"].endswith("/1"), f"one live worker left: {gone['tiles']}"
     assert gone_after_s <= GONE_WITHIN_S, f"worker0 showed as gone {gone_after_s:.2f} s after its kill -9"
+
+
+@pytest.mark.kafka
+def test_a_worker_stopped_with_sigterm_shows_as_stopped_not_gone(
+    tmp_path: Path, infra: Any, browser: WebDriver, clusters: list[Cluster]
+) -> None:
+    """A planned stop reads apart from a crash: the worker's last beat shows it ``stopped`` (grey, not the
+    red of ``gone``), past the 3 beats after which a silent member reads gone, and it is not counted live."""
+    cluster = launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, workers=2, sim_latency_ms=SIM_LATENCY_MS)
+    clusters.append(cluster)
+    url = cluster.gateway_urls[0]
+    dashboard = Dashboard(browser, url)
+    dashboard.open()
+    dashboard.wait(
+        lambda shown: all(shown["workers"].get(w, {}).get("state") in ("idle", "busy") for w in ("worker0", "worker1")),
+        "both workers live on the page",
+        timeout_s=30,
+    )
+    assert proc_named(cluster, "worker0").stop() == 0, "worker0 stops cleanly on SIGTERM"
+
+    def silent_past_3_beats() -> bool:
+        members = httpx.get(f"{url}/v1/fleet", timeout=10).json()["members"]
+        return any(m["id"] == "worker0" and m["age_s"] > 3.5 for m in members)
+
+    eventually_sync(silent_past_3_beats, "worker0's last beat to be over 3 beats old", timeout_s=30, interval_s=0.2)
+    shown = dashboard.wait(
+        lambda shown: shown["workers"].get("worker0", {}).get("state") == "stopped",
+        "worker0 shown stopped, over 3 beats after its last beat",
+        timeout_s=10,
+    )
+    assert shown["workers"]["worker1"]["state"] in ("idle", "busy"), shown
+    assert shown["tiles"]["busy"].endswith("/1"), f"one live worker left: {shown['tiles']}"
+    cell = "#workers tr[data-worker=worker0] td.state"
+    color = script(browser, f"return getComputedStyle(document.querySelector('{cell}')).color")
+    assert color == GREY, f"a stopped worker is no alarm: drawn {color}, not the page's grey {GREY}"

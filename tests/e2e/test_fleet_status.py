@@ -263,3 +263,73 @@ def test_a_worker_running_a_redelivered_batch_shows_busy(tmp_path: Path, infra: 
         lambda run, view: worker_states(view, "worker1") == ["busy"] and view["models"]["sim"]["workers_busy"] == 1,
     )
     assert "is delivered for the 2nd time" in proc_named(cluster, "worker1").tail(80), run.stdout
+
+
+def member(view: dict[str, Any], role: str, member_id: str, pid: int) -> dict[str, Any]:
+    """The member ``role member_id`` whose process is ``pid`` ({} while none)."""
+    found = [m for m in view["members"] if (m["role"], m["id"], m["pid"]) == (role, member_id, pid)]
+    return found[0] if found else {}
+
+
+def past_3_beats(view: dict[str, Any], role: str, member_id: str, pid: int) -> bool:
+    """Whether that member's last beat is over 3 beats old: a member that only fell silent reads gone by then."""
+    return float(member(view, role, member_id, pid).get("age_s", 0.0)) > 3.5
+
+
+@pytest.mark.slow
+@pytest.mark.kafka
+def test_a_member_stopped_with_sigterm_shows_stopped_not_gone(
+    tmp_path: Path, infra: Any, clusters: list[Cluster]
+) -> None:
+    """A worker, a batcher and a gateway stopped cleanly beat once more on their way out: each reads
+    ``stopped`` (not counted live, no alarm while the others serve) until its record is dropped, so an
+    operator tells a planned stop from a crash (``kill -9``, which reads ``gone``)."""
+    cluster = launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, gateways=2, batchers=2, workers=2)
+    clusters.append(cluster)
+    url = cluster.gateway_urls[0]
+    wait_for_status(url, "the fleet served", lambda run, view: run.returncode == 0 and len(view["members"]) == 6)
+    stopping = {("worker", "worker1"): "worker1", ("batcher", "batcher1"): "batcher1", ("gateway", "gw1"): "gateway1"}
+    pids = {key: proc_named(cluster, name).pid for key, name in stopping.items()}
+    for name in stopping.values():
+        assert proc_named(cluster, name).stop() == 0, f"{name} stops cleanly on SIGTERM"
+    run = wait_for_status(
+        url,
+        "the stopped members' last beats to be over 3 beats old",
+        lambda run, view: all(past_3_beats(view, role, i, pids[role, i]) for role, i in stopping),
+    )
+    view = json.loads(run.stdout)
+    shown = {(role, i): member(view, role, i, pids[role, i])["state"] for role, i in stopping}
+    assert shown == dict.fromkeys(stopping, "stopped"), shown
+    assert run.returncode == 0, (run.returncode, run.stdout, run.stderr)
+    row = view["models"]["sim"]
+    assert (row["batchers_live"], row["workers_live"]) == (1, 1), row
+    table = status("--url", url)
+    assert table.returncode == 0, (table.returncode, table.stdout, table.stderr)
+    for role, member_id in stopping:
+        line = next(line.split() for line in table.stdout.splitlines() if line.split()[:2] == [role, member_id])
+        assert line[3] == "stopped", line
+
+
+@pytest.mark.slow
+@pytest.mark.kafka
+def test_a_worker_whose_backend_hung_shows_hung_after_it_exits(
+    tmp_path: Path, infra: Any, clusters: list[Cluster]
+) -> None:
+    """A worker stops (exit 75) once its backend call hangs past the hang limit: its last beat says
+    ``hung``, which the fleet shows until the record is dropped, instead of going from busy to gone."""
+    hangs = ("--sim-hang-on", "forever", "--expected-latency-ms", "100", "--hang-min-s", "1")
+    cluster = launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, workers=1, worker_args=hangs)
+    clusters.append(cluster)
+    url = cluster.gateway_urls[0]
+    worker = proc_named(cluster, "worker0")
+    created = httpx.post(f"{url}/v1/tasks", json={"input": "hang forever", "timeout_ms": 30000}, timeout=10)
+    assert created.status_code == 202, created.text
+    assert worker.stopped(30) == 75, "the worker gives up on its hung call with exit 75"
+    run = wait_for_status(
+        url,
+        "the hung worker's last beat to be over 3 beats old",
+        lambda run, view: past_3_beats(view, "worker", "worker0", worker.pid),
+    )
+    view = json.loads(run.stdout)
+    assert member(view, "worker", "worker0", worker.pid)["state"] == "hung", view["members"]
+    assert (view["models"]["sim"]["workers_live"], run.returncode) == (0, EXIT_UNSERVED), run.stdout

@@ -31,6 +31,7 @@ def beat(
     figures: dict[str, float] | None = None,
     breakdowns: dict[str, dict[str, float]] | None = None,
     per_model: dict[str, dict[str, float]] | None = None,
+    final: bool = False,
 ) -> Beat:
     return Beat(
         role=role,
@@ -45,6 +46,7 @@ def beat(
         figures=figures or {},
         breakdowns=breakdowns or {},
         per_model=per_model or {},
+        final=final,
     )
 
 
@@ -186,12 +188,13 @@ def test_a_worker_still_starting_is_shown_and_not_live() -> None:
 
 def test_each_model_counts_its_live_batchers_and_not_one_still_joining() -> None:
     """With no batcher live, requests wait on the bus unbatched however many workers idle: ``status`` must
-    say so, and a batcher still joining its group batches nothing yet."""
+    say so, and a batcher still joining its group batches nothing yet, nor one whose loop crashed."""
     members = [
         beat("batcher", "b1", models=("sim", "embed")),
         beat("batcher", "b2", models=("sim",), state="starting"),
         beat("batcher", "b3", models=("embed",), age_ms=10_000),
         beat("worker", "w1", state="idle"),
+        beat("batcher", "b4", models=("sim",), state="failed"),
     ]
     rows = fleet_view(members, ("sim", "embed", "idle-model"), NOW_MS)["models"]
     assert {model: row["batchers_live"] for model, row in rows.items()} == {"sim": 1, "embed": 1, "idle-model": 0}
@@ -220,3 +223,35 @@ async def test_dashboard_streams_count_against_the_watchers_and_end_after_sse_ma
             ended = [event.event async for event in firsts]  # until the stream ends, sse_max_s after it began
         assert set(ended) <= {"fleet"} and len(ended) <= 3, ended
         await eventually(lambda: rig.gateway.watchers == 0, "the streams' places to be given back")
+
+
+def test_a_member_that_stopped_shows_the_state_it_stopped_in_until_dropped_and_is_not_live() -> None:
+    """A process that stops beats once more (``final``): a clean stop reads ``stopped``, a worker that
+    stopped because its backend hung or failed reads ``hung`` or ``failed``, past the 3 beats after which
+    a member that only fell silent (``kill -9``) reads ``gone``. None of them is live."""
+    members = [
+        beat("gateway", "g1", state="idle"),
+        beat("gateway", "g2", state="stopped", final=True, age_ms=30_000),
+        beat("batcher", "b1", state="idle"),
+        beat("batcher", "b2", state="stopped", final=True, age_ms=30_000),
+        beat("worker", "w1", state="idle"),
+        beat("worker", "w2", state="stopped", final=True, age_ms=30_000),
+        beat("worker", "w3", state="hung", final=True, age_ms=30_000),
+        beat("worker", "w4", state="failed", final=True, age_ms=30_000),
+        beat("worker", "w5", state="busy", age_ms=30_000),
+        beat("worker", "w6", state="stopped", final=True, age_ms=10),
+        beat("worker", "w1", state="stopped", final=True, pid=2, figures={"batches_per_s": 50.0}),
+    ]
+    view = fleet_view(members, ("sim",), NOW_MS)
+    states = {(member["id"], member["pid"]): member["state"] for member in view["members"]}
+    assert states == {
+        **{("g1", 1): "idle", ("g2", 1): "stopped", ("b1", 1): "idle", ("b2", 1): "stopped"},
+        **{("w1", 1): "idle", ("w1", 2): "stopped", ("w2", 1): "stopped", ("w3", 1): "hung"},
+        **{("w4", 1): "failed", ("w5", 1): "gone", ("w6", 1): "stopped"},
+    }, states
+    row = view["models"]["sim"]
+    assert (row["batchers_live"], row["workers_live"], row["workers_hung"]) == (1, 1, 0), row
+    assert view["totals"]["batches_per_s"] == 0.0, "a stopped member's last figures count no more"
+    assert view["shared_ids"] == [], "w1 restarted after a clean stop: one live process, not two"
+    assert all(member["final"] == (member["state"] in ("stopped", "hung", "failed")) for member in view["members"])
+    assert all(member["final"] is False for member in fleet_view(FLEET, ("sim",), NOW_MS)["members"])

@@ -30,6 +30,8 @@ def beat(
     age_s: float = 0.1,
     interval_s: float = 1.0,
     pid: int = 4242,
+    state: str = "busy",
+    final: bool = False,
     **figures: float,
 ) -> Beat:
     return Beat(
@@ -39,10 +41,11 @@ def beat(
         pid=pid,
         version="0.1.0",
         models=models,
-        state="busy",
+        state=state,
         at_ms=int((time.time() - age_s) * 1000),
         interval_s=interval_s,
         figures=figures,
+        final=final,
     )
 
 
@@ -118,6 +121,49 @@ async def test_a_model_without_a_live_batcher_exits_1_and_is_named(
     out = capsys.readouterr().out
     assert code == 1, out
     assert "no live batcher for sim" in out and "no live worker" not in out, out
+
+
+async def test_a_member_that_stopped_reads_as_it_stopped_past_3_beats_and_is_not_counted(
+    make_rig: RigFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A clean stop is no alarm: the model is still served by the others, and the command exits 0. A
+    worker that stopped because its backend hung reads ``hung``, not live."""
+    fleet = await fleet_of(
+        beat("gateway", "gw-old", ("sim",), age_s=20, state="stopped", final=True),
+        beat("batcher", "b1", ("sim",)),
+        beat("batcher", "b-old", ("sim",), age_s=20, state="stopped", final=True),
+        beat("worker", "w1", ("sim",)),
+        beat("worker", "w-old", ("sim",), age_s=20, state="stopped", final=True),
+        beat("worker", "w-hung", ("sim",), age_s=20, state="hung", final=True),
+    )
+    rig = await make_rig(fleet=fleet, models=("sim",))
+    async with serving(rig) as client:
+        code = await status("--url", str(client.base_url))
+    out = capsys.readouterr().out
+    assert code == 0, out
+    rows = {line.split()[1]: line.split() for line in out.splitlines() if line.split()[:1] in (["batcher"], ["worker"])}
+    rows.update({line.split()[1]: line.split() for line in out.splitlines() if line.startswith("gateway")})
+    states = {member_id: row[3] for member_id, row in rows.items()}
+    assert states == {"gw-old": "stopped", "b1": "busy", "b-old": "stopped", "w1": "busy", "w-old": "stopped"} | {
+        "w-hung": "hung"
+    }, out
+    model = next(line for line in out.splitlines() if line.startswith("sim "))
+    assert model.split()[1:5] == ["1", "1", "1", "0"], "one live batcher and worker, busy; the hung one gone: " + out
+
+
+async def test_a_model_whose_workers_all_stopped_exits_1_and_is_named(
+    make_rig: RigFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fleet = await fleet_of(
+        beat("batcher", "b1", ("sim",)), beat("worker", "w1", ("sim",), age_s=5, state="stopped", final=True)
+    )
+    rig = await make_rig(fleet=fleet, models=("sim",))
+    async with serving(rig) as client:
+        code = await status("--url", str(client.base_url))
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "stopped" in next(line for line in out.splitlines() if "w1" in line)
+    assert "no live worker for sim" in out, out
 
 
 async def test_json_is_the_gateway_s_document(make_rig: RigFactory, capsys: pytest.CaptureFixture[str]) -> None:

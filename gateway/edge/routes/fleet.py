@@ -43,8 +43,8 @@ def fleet_view(members: list[Beat], models: tuple[str, ...], now_ms: int) -> dic
     live = [beat for beat in members if beat.live(now_ms)]
     gateways = [beat for beat in live if beat.role == "gateway"]
     batchers = [beat for beat in live if beat.role == "batcher"]
-    # a batcher still joining its group batches nothing yet
-    batching = [beat for beat in batchers if beat.state != "starting"]
+    # a batcher still joining its group batches nothing yet, nor does a failed one
+    batching = [beat for beat in batchers if beat.state not in ("failed", "starting")]
     # a failed worker serves none, nor one still starting (loading its model)
     workers = [beat for beat in live if beat.role == "worker" and beat.state not in ("failed", "starting")]
     totals = _served(gateways, None)
@@ -229,8 +229,10 @@ def add_routes(routes: APIRouter, settings: GatewaySettings) -> None:
             **error_responses("unavailable", *(("forbidden",) if settings.api_keys else ())),
         },
         summary="The fleet: every process's last heartbeat, totals and a row per model",
-        description="Members whose last beat is over 3 beats old show `state: gone`; after 60 s they are "
-        "dropped. `batchwire status` prints this document. With API keys on, only an operator key reads it.",
+        description="A member that stopped sent a last beat (`final: true`) and shows the state it stopped "
+        "in (`stopped`, `hung` or `failed`); one whose last beat is otherwise over 3 beats old shows "
+        "`state: gone` (it died). Neither is live; 60 s after its last beat a member is dropped. "
+        "`batchwire status` prints this document. With API keys on, only an operator key reads it.",
     )
     routes.add_api_route(
         DASHBOARD_PATH,
