@@ -104,7 +104,7 @@ class GatewayTransports:
         redis_ready = await redis_readiness(await self.store.ready(), self.redis_url, timeout_s=1.0)
         checks: dict[str, Ready] = {
             "kafka": kafka
-            or Down("down", "the request topic has no connected leader (its broker is down or being replaced)"),
+            or Down("down", "the request topic's leader does not answer (its broker is down, frozen or replaced)"),
             "redis": redis_ready,
         }
         if self.queue_depth is not None:

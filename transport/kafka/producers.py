@@ -28,6 +28,7 @@ from aiokafka.errors import (
     UnknownProducerId,
     UnknownTopicOrPartitionError,
 )
+from aiokafka.protocol.metadata import MetadataRequest
 
 from schemas.codec import encode_batch, encode_request
 from schemas.deadletter import DeadLetter, encode_dead_letter
@@ -272,7 +273,10 @@ class RenewingProducer:
         return False
 
     async def ready(self, topic: str) -> bool:
-        """Metadata for ``topic`` is known and the leader of its first partition is connected."""
+        """The leader of ``topic``'s first partition answers a metadata request within ``ready_timeout_s``.
+
+        A round trip, not the connection's state: a frozen or partitioned broker (a long pause, a
+        network cut) keeps its connections open while it answers nothing."""
         producer = self.producer
         if producer is None:
             return False
@@ -282,7 +286,9 @@ class RenewingProducer:
                 tp = TopicPartition(topic, min(partitions))
                 if not self._leader_known(producer, tp):
                     return False
-                return bool(await producer.client.ready(producer.client.cluster.leader_for_partition(tp)))
+                leader = producer.client.cluster.leader_for_partition(tp)
+                await producer.client.send(leader, MetadataRequest([topic]))
+                return True
         except (TimeoutError, KafkaError, ValueError):
             return False
 
@@ -313,10 +319,12 @@ class KafkaRequestProducer:
     within it. Under load the gateway's requests come in clumps (its event loop takes them in turns),
     so a gap of one linger is not rare there, and a gap of several is.
 
-    A circuit breaker (``breaker``) remembers that the bus is down: a send that failed or a
-    readiness probe that found no connected leader opens it, and until a background probe reaches
-    the broker again ``reachable()`` is False and ``send`` fails at once, instead of every request
-    waiting out the produce timeout.
+    A circuit breaker (``breaker``) remembers that the bus is down: a send that failed, or a
+    readiness probe whose leader did not answer, opens it; a send still unacked after
+    ``ready_timeout_s`` has the bus probed at once, so a broker that is frozen (connected, answering
+    nothing) opens it too. Until a background probe reaches the broker again ``reachable()`` is False
+    and ``send`` fails at once, instead of every request waiting out the produce timeout. A send in
+    flight when it opens still waits for its ack or its caller's deadline.
     """
 
     def __init__(
@@ -343,7 +351,7 @@ class KafkaRequestProducer:
         )
         self._linger_s = linger_ms / 1000
         self._last_send = -math.inf
-        # A send cancelled (its caller's deadline) after this long is a hint that the bus may be down.
+        # A send unacked after this long is a hint that the bus may be down (a probe tells).
         self._suspect_after_s = ready_timeout_s
         self.breaker = CircuitBreaker(
             f"the request bus at {bootstrap}",
@@ -386,6 +394,9 @@ class KafkaRequestProducer:
         started = time.monotonic()
         at_once = self._linger_s > 0 and started - self._last_send >= IDLE_LINGERS * self._linger_s
         self._last_send = started
+        # A send still unacked after this long has the bus probed at once: a frozen broker fails no
+        # send before the produce timeout, and every submit until then would wait on it.
+        slow = asyncio.get_running_loop().call_later(self._suspect_after_s, self.breaker.suspect)
         try:
             await self._producer.send(self.topic, partition, data, trace_headers(traceparent), at_once=at_once)
         except PermanentTransportError:
@@ -393,20 +404,18 @@ class KafkaRequestProducer:
         except TransportError as err:
             self.breaker.failed(f"a send failed: {err}", started_at=started)
             raise
-        except asyncio.CancelledError:
-            if time.monotonic() - started >= self._suspect_after_s:
-                self.breaker.suspect()
-            raise
+        finally:
+            slow.cancel()
 
     async def ready(self) -> bool:
-        """The topic's metadata is known and its leader connected; the answer also moves the breaker."""
+        """The topic's leader answers (``RenewingProducer.ready``); the answer also moves the breaker."""
         if self._producer.producer is None:
             return False
         up = await self._producer.ready(self.topic)
         if up:
             self.breaker.succeeded()
         else:
-            self.breaker.failed("a readiness probe found no connected leader")
+            self.breaker.failed("a readiness probe found no answering leader")
         return up
 
 
