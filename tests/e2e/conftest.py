@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from infra.local_stack import LocalStack
 from tests.support.e2e_system import System
 from tests.support.processes import Cluster, Proc, embedded, launch, stopped_after
 
@@ -48,3 +49,11 @@ def clusters(request: pytest.FixtureRequest) -> Iterator[list[Cluster]]:
         cluster.stop()
         if failed:
             print(cluster.logs())
+
+
+@pytest.fixture(scope="module")
+def private_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    """A Kafka broker and a Redis of the module's own, to stop, restart or freeze without disturbing the
+    tests that share the session's servers."""
+    with LocalStack(tmp_path_factory.mktemp("private-stack")) as stack:
+        yield stack

@@ -33,19 +33,19 @@ SEEN_DOWN_WITHIN_S = 5.0
 """How long after the freeze the gateway may take to find the bus down (bounded waits of 1 s to 2 s)."""
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    private = LocalStack(tmp_path_factory.mktemp("frozen-stack"))
-    private.start()
-    yield private
-    private.close()
-
-
 @pytest.fixture
-def cluster(stack: LocalStack, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+def cluster(private_stack: LocalStack, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
     with stopped_after(
         request,
-        launch(tmp_path, stack.kafka_bootstrap, stack.redis_url, gateways=1, batchers=1, workers=1, sim_latency_ms=10),
+        launch(
+            tmp_path,
+            private_stack.kafka_bootstrap,
+            private_stack.redis_url,
+            gateways=1,
+            batchers=1,
+            workers=1,
+            sim_latency_ms=10,
+        ),
     ) as started:
         yield started
 
@@ -71,11 +71,11 @@ async def submit(client: httpx.AsyncClient, url: str, text: str) -> tuple[int, s
 
 
 @asynccontextmanager
-async def frozen(stack: LocalStack, cluster: Cluster, client: httpx.AsyncClient) -> AsyncIterator[float]:
+async def frozen(private_stack: LocalStack, cluster: Cluster, client: httpx.AsyncClient) -> AsyncIterator[float]:
     """The broker stopped (SIGSTOP) for the block, whose value is when; then resumed (SIGCONT, always),
     and the gateway ready and answering again within a bound."""
     url = cluster.gateway_urls[0]
-    pid = stack.kafka.pid
+    pid = private_stack.kafka.pid
     assert pid is not None, "the private broker runs"
     assert (await submit(client, url, "before"))[0] == 200, "the stack answers before the freeze"
     assert (await client.get(f"{url}/readyz")).status_code == 200, "ready before the freeze"
@@ -101,9 +101,9 @@ async def frozen(stack: LocalStack, cluster: Cluster, client: httpx.AsyncClient)
         assert proc.alive(), f"{proc.name} died while the broker was frozen:\n{proc.tail()}"
 
 
-async def test_readyz_turns_503_while_the_broker_is_frozen(stack: LocalStack, cluster: Cluster) -> None:
+async def test_readyz_turns_503_while_the_broker_is_frozen(private_stack: LocalStack, cluster: Cluster) -> None:
     url = cluster.gateway_urls[0]
-    async with httpx.AsyncClient(timeout=30) as client, frozen(stack, cluster, client) as frozen_at:
+    async with httpx.AsyncClient(timeout=30) as client, frozen(private_stack, cluster, client) as frozen_at:
         seen: list[tuple[float, int]] = []
         while not seen or seen[-1][1] != 503:
             status = (await client.get(f"{url}/readyz")).status_code
@@ -115,10 +115,12 @@ async def test_readyz_turns_503_while_the_broker_is_frozen(stack: LocalStack, cl
         assert seen[-1][0] < SEEN_DOWN_WITHIN_S, f"/readyz turned 503 too late: (s after, status) {seen}"
 
 
-async def test_submits_are_refused_at_once_while_the_broker_is_frozen(stack: LocalStack, cluster: Cluster) -> None:
+async def test_submits_are_refused_at_once_while_the_broker_is_frozen(
+    private_stack: LocalStack, cluster: Cluster
+) -> None:
     """No /readyz read during the freeze: the sends themselves find the bus down."""
     url = cluster.gateway_urls[0]
-    async with httpx.AsyncClient(timeout=30) as client, frozen(stack, cluster, client) as frozen_at:
+    async with httpx.AsyncClient(timeout=30) as client, frozen(private_stack, cluster, client) as frozen_at:
         outcomes: list[Outcome] = []
 
         async def one(n: int) -> None:

@@ -24,19 +24,19 @@ from tests.support.processes import Cluster, launch, stopped_after
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timing]
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    private = LocalStack(tmp_path_factory.mktemp("private-stack"))
-    private.start()
-    yield private
-    private.close()
-
-
 @pytest.fixture
-def cluster(stack: LocalStack, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+def cluster(private_stack: LocalStack, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
     with stopped_after(
         request,
-        launch(tmp_path, stack.kafka_bootstrap, stack.redis_url, gateways=1, batchers=1, workers=2, sim_latency_ms=50),
+        launch(
+            tmp_path,
+            private_stack.kafka_bootstrap,
+            private_stack.redis_url,
+            gateways=1,
+            batchers=1,
+            workers=2,
+            sim_latency_ms=50,
+        ),
     ) as started:
         yield started
 
@@ -144,9 +144,9 @@ async def outage(
         assert proc.alive(), f"{proc.name} died during the {label} outage:\n{proc.tail()}"
 
 
-async def test_a_kafka_restart_under_load(stack: LocalStack, cluster: Cluster) -> None:
-    await outage(cluster, stack.stop_kafka, stack.start_kafka, "Kafka outage")
+async def test_a_kafka_restart_under_load(private_stack: LocalStack, cluster: Cluster) -> None:
+    await outage(cluster, private_stack.stop_kafka, private_stack.start_kafka, "Kafka outage")
 
 
-async def test_a_redis_restart_under_load(stack: LocalStack, cluster: Cluster) -> None:
-    await outage(cluster, stack.stop_redis, stack.start_redis, "Redis outage (its data is lost)")
+async def test_a_redis_restart_under_load(private_stack: LocalStack, cluster: Cluster) -> None:
+    await outage(cluster, private_stack.stop_redis, private_stack.start_redis, "Redis outage (its data is lost)")
