@@ -10,6 +10,7 @@ event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -77,6 +78,12 @@ class BackendCalls:
         self._uncounted: list[Timing] = []
         """The calls submitted and not yet in the busy seconds: one runs at a time on the backend's thread."""
         metrics.WORKER_CALL_RUNNING.labels(worker=worker_id).set_function(self._running_s)
+
+    def close(self) -> None:
+        """Drops this worker's running-call gauge: the registry keeps the function that reads it, which would
+        keep a replaced worker's backend (its model) alive for the process's life."""
+        with contextlib.suppress(KeyError):
+            metrics.WORKER_CALL_RUNNING.remove(self.worker_id)
 
     def _running_s(self) -> float:
         """How long the call on the backend's thread has run, while the busy seconds do not hold it yet."""

@@ -194,6 +194,7 @@ class Worker:
             self.backend.close()
         if self.journal is not None:
             self.journal.close()
+        self.calls.close()
 
     async def _on_revoked(self, partitions: frozenset[int]) -> None:
         """Withdraws the credit, then lets the batches in hand end and commit before the partitions go:

@@ -211,3 +211,16 @@ async def test_each_input_counts_its_batchs_wait_for_the_call_and_the_call_itsel
     inputs_after = counted()
     assert inputs_after[0] - inputs_before[0] == 3, "the stages' denominator counts every input"
     assert inputs_after[1] - inputs_before[1] == 2, "the backend ran the duplicate once"
+
+
+async def test_a_closed_worker_leaves_no_running_call_gauge_holding_its_backend() -> None:
+    """The gauge reads the worker's calls through a function the registry keeps: left there, it would keep
+    a replaced worker's backend (a model's weights) alive for the process's life, and export a figure for
+    a worker that is gone."""
+    rig = Rig()
+    await rig.listen()
+    worker = await rig.worker(ScriptedBackend(latency_s=0.01))
+    gauge = {"worker": worker.settings.worker_id}
+    assert REGISTRY.get_sample_value("batchwire_worker_call_running_seconds", gauge) == 0.0, "exported while it runs"
+    await worker.close()
+    assert REGISTRY.get_sample_value("batchwire_worker_call_running_seconds", gauge) is None
