@@ -74,6 +74,8 @@ class Batcher:
         self.offsets = OffsetTracker()
         self._commit_wanted = False
         self._committer: asyncio.Task[None] | None = None
+        self._commit_pausing = False
+        """The committer sleeps between a failed commit and its retry: a close stops it there."""
         self._timer_wake = asyncio.Event()
         self._room = asyncio.Event()
         """Clear while ``max_held`` requests are held, over all models: reading waits for a send, an
@@ -145,6 +147,8 @@ class Batcher:
         await self.dispatcher.cancelled()
         self._tasks.clear()
         if self._committer is not None:
+            if self._commit_pausing:
+                self._committer.cancel()  # a retry's pause: the commit below is the last try
             await asyncio.gather(self._committer, return_exceptions=True)
         await self._commit()
         await self.consumer.close()
@@ -369,11 +373,18 @@ class Batcher:
             if failed is None:
                 failures = 0
                 continue
+            if not failed.retriable:
+                log.warning("offset commit failed (%s); those requests may be read again", failed)
+                return
             if self._closing:
                 return  # the close commits once more itself
             failures += 1
             who, max_s = f"batcher {self.settings.batcher_id}", self.settings.retry_max_s
-            await pause(log, who, "committing request offsets", failed, failures, max_s)
+            self._commit_pausing = True
+            try:
+                await pause(log, who, "committing request offsets", failed, failures, max_s)
+            finally:
+                self._commit_pausing = False
             self._commit_wanted = not self._closing
 
     async def _commit(self) -> None:

@@ -236,3 +236,23 @@ async def test_a_failed_commit_is_tried_again_while_nothing_else_comes() -> None
         await eventually(lambda: rig.requests.lag() == 0, "r1's offset committed on a later try", timeout_s=5)
     finally:
         await rig.batcher.close()
+
+
+async def test_a_close_does_not_wait_out_a_failed_commits_pause() -> None:
+    """The close commits once more itself: a retry pausing meanwhile (up to ``retry_max_s``) is stopped, not
+    waited for."""
+    rig = Rig()
+    consumer = FailingCommits(rig.requests, failures=1_000_000)
+    rig.batcher = Batcher(BatcherSettings(retry_max_s=30.0), consumer, rig.batches, rig.credits, rig.store)
+    await rig.batcher.start()
+    try:
+        await rig.request("r1")
+        await rig.offer()
+        assert await rig.batch() == ["r1"]
+        refused = consumer.failures
+        # pauses of 0.1, 0.2, 0.4, 0.8 and 1.6 s: after the sixth refusal the retry pauses 3.2 s
+        await eventually(lambda: consumer.failures <= refused - 6, "six commits refused", timeout_s=15)
+    finally:
+        started = time.monotonic()
+        await rig.batcher.close()
+    assert time.monotonic() - started < 2.0, "the close waited out the retry's pause"
