@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from aiokafka import AIOKafkaProducer, TopicPartition
+from aiokafka.client import ConnectionGroup
 from aiokafka.errors import (
     InvalidProducerEpoch,
     KafkaError,
@@ -287,7 +288,9 @@ class RenewingProducer:
                 if not self._leader_known(producer, tp):
                     return False
                 leader = producer.client.cluster.leader_for_partition(tp)
-                await producer.client.send(leader, MetadataRequest([topic]))
+                # A connection of its own: the broker answers one request per connection at a time, and on
+                # the sender's a probe would wait behind a produce request that is slow to be acknowledged.
+                await producer.client.send(leader, MetadataRequest([topic]), group=ConnectionGroup.COORDINATION)
                 return True
         except (TimeoutError, KafkaError, ValueError):
             return False
