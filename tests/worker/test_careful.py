@@ -149,9 +149,10 @@ async def test_a_later_group_whose_items_can_no_longer_be_answered_in_time_ends_
     computed for callers who were answered 504."""
     rig = Rig()
     await rig.listen()
-    backend = ScriptedBackend(latency_s=1.0)
-    worker = await rig.worker(backend, expected_latency_ms=1000.0)
-    batch = rig.batch(["aa", "bb"], deadline_ms=now_ms() + 1500)  # one call fits, two do not
+    backend = ScriptedBackend(latency_s=2.0)
+    worker = await rig.worker(backend, expected_latency_ms=2000.0)
+    # one call fits, two do not: 1.5 s of slack for the first group's start
+    batch = rig.batch(["aa", "bb"], deadline_ms=now_ms() + 3500)
     await rig.create(batch)
     await rig.deliveries.begin(batch.batch_id)  # its last holder died unmarked: both suspects, one group each
     await rig.send(batch)
