@@ -221,17 +221,27 @@ class FailingCommits(MemoryRequestConsumer):
         await super().commit(offsets)
 
 
-async def test_a_failed_commit_is_tried_again_while_nothing_else_comes() -> None:
-    """The last hand-over's commit fails and no request follows: the commit is tried again, so the
-    queue depth the gateways admit by (uncommitted requests) does not show a request that left."""
+async def handed_over_r1(failures: int, retry_max_s: float) -> tuple[Rig, FailingCommits]:
+    """A batcher whose first ``failures`` commits are refused, started, with request r1 handed to a worker."""
     rig = Rig()
-    consumer = FailingCommits(rig.requests, failures=1)
-    rig.batcher = Batcher(BatcherSettings(retry_max_s=0.05), consumer, rig.batches, rig.credits, rig.store)
+    consumer = FailingCommits(rig.requests, failures=failures)
+    rig.batcher = Batcher(BatcherSettings(retry_max_s=retry_max_s), consumer, rig.batches, rig.credits, rig.store)
     await rig.batcher.start()
     try:
         await rig.request("r1")
         await rig.offer()
         assert await rig.batch() == ["r1"]
+    except BaseException:
+        await rig.batcher.close()
+        raise
+    return rig, consumer
+
+
+async def test_a_failed_commit_is_tried_again_while_nothing_else_comes() -> None:
+    """The last hand-over's commit fails and no request follows: the commit is tried again, so the
+    queue depth the gateways admit by (uncommitted requests) does not show a request that left."""
+    rig, consumer = await handed_over_r1(failures=1, retry_max_s=0.05)
+    try:
         await eventually(lambda: consumer.failures == 0, "the hand-over's commit to be tried (and refused)")
         await eventually(lambda: rig.requests.lag() == 0, "r1's offset committed on a later try", timeout_s=5)
     finally:
@@ -241,14 +251,8 @@ async def test_a_failed_commit_is_tried_again_while_nothing_else_comes() -> None
 async def test_a_close_does_not_wait_out_a_failed_commits_pause() -> None:
     """The close commits once more itself: a retry pausing meanwhile (up to ``retry_max_s``) is stopped, not
     waited for."""
-    rig = Rig()
-    consumer = FailingCommits(rig.requests, failures=1_000_000)
-    rig.batcher = Batcher(BatcherSettings(retry_max_s=30.0), consumer, rig.batches, rig.credits, rig.store)
-    await rig.batcher.start()
+    rig, consumer = await handed_over_r1(failures=1_000_000, retry_max_s=30.0)
     try:
-        await rig.request("r1")
-        await rig.offer()
-        assert await rig.batch() == ["r1"]
         refused = consumer.failures
         # pauses of 0.1, 0.2, 0.4, 0.8 and 1.6 s: after the sixth refusal the retry pauses 3.2 s
         await eventually(lambda: consumer.failures <= refused - 6, "six commits refused", timeout_s=15)
