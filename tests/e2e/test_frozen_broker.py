@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from infra.local_stack import LocalStack
-from tests.support.processes import Cluster, launch, stopped_after
+from tests.support.processes import Cluster, private_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(240)]
 
@@ -35,19 +35,7 @@ SEEN_DOWN_WITHIN_S = 5.0
 
 @pytest.fixture
 def cluster(private_stack: LocalStack, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    with stopped_after(
-        request,
-        launch(
-            tmp_path,
-            private_stack.kafka_bootstrap,
-            private_stack.redis_url,
-            gateways=1,
-            batchers=1,
-            workers=1,
-            sim_latency_ms=10,
-        ),
-    ) as started:
-        yield started
+    yield from private_cluster(request, private_stack, tmp_path, workers=1, sim_latency_ms=10)
 
 
 @dataclass(frozen=True)

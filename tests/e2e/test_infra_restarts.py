@@ -19,26 +19,14 @@ import pytest
 
 from infra.local_stack import LocalStack
 from tests.support.http_calls import many_at_once
-from tests.support.processes import Cluster, launch, stopped_after
+from tests.support.processes import Cluster, private_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timing]
 
 
 @pytest.fixture
 def cluster(private_stack: LocalStack, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    with stopped_after(
-        request,
-        launch(
-            tmp_path,
-            private_stack.kafka_bootstrap,
-            private_stack.redis_url,
-            gateways=1,
-            batchers=1,
-            workers=2,
-            sim_latency_ms=50,
-        ),
-    ) as started:
-        yield started
+    yield from private_cluster(request, private_stack, tmp_path, workers=2, sim_latency_ms=50)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
+from infra.local_stack import LocalStack
 from infra.ports import free_port
 from tests.support.eventually import eventually_sync
 
@@ -448,3 +449,21 @@ def metric(port: int, name: str) -> float:
         if line.startswith(name) and (line[len(name)] in " {"):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def private_cluster(
+    request: pytest.FixtureRequest, stack: LocalStack, base: Path, *, workers: int, sim_latency_ms: float
+) -> Iterator[Cluster]:
+    """One gateway, one batcher and ``workers`` sim workers over a stack of the test module's own, stopped
+    after the test."""
+    launched = launch(
+        base,
+        stack.kafka_bootstrap,
+        stack.redis_url,
+        gateways=1,
+        batchers=1,
+        workers=workers,
+        sim_latency_ms=sim_latency_ms,
+    )
+    with stopped_after(request, launched) as started:
+        yield started
