@@ -16,7 +16,9 @@ import pytest
 from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
 from redis.asyncio.sentinel import SentinelManagedConnection
 
+from batchwire.gateway_transports import redis_readiness
 from batchwire.settings import SettingsError, SharedSettings
+from gateway.health import Down
 from infra.ports import free_port
 from schemas.records import Credit, TaskState, TaskStatus
 from schemas.wire import Names
@@ -230,6 +232,30 @@ def own_cluster(tmp_path: Path) -> Iterator[SentinelCluster]:
     try:
         servers.start()
         yield servers
+    finally:
+        servers.stop()
+
+
+@pytest.mark.kafka
+async def test_readiness_says_failing_over_while_the_sentinels_see_the_primary_down(tmp_path: Path) -> None:
+    """With no replica to promote, the Sentinels hold a killed primary down for good, so /readyz's
+    "failing over" can be read without racing a promotion that ends in well under a second."""
+    servers = SentinelCluster(tmp_path, replicas=0)
+    try:
+        servers.start()
+        where = f"127.0.0.1:{servers.primary_port}"
+        assert await redis_readiness(True, servers.url, 1.0) is True
+        settled = await redis_readiness(False, servers.url, 1.0)
+        assert isinstance(settled, Down) and settled.state == "down", settled
+        assert where in settled.reason and "does not answer" in settled.reason, settled
+
+        servers.kill(servers.primary_port)
+        deadline = time.monotonic() + FAILOVER_WAIT_S
+        while (ready := await redis_readiness(False, servers.url, 1.0)) == settled:
+            assert time.monotonic() < deadline, f"the Sentinels never saw {where} down: {ready}"
+            await asyncio.sleep(0.05)
+        assert isinstance(ready, Down) and ready.state == "failing over", ready
+        assert where in ready.reason and "promoting a replica" in ready.reason, ready
     finally:
         servers.stop()
 

@@ -228,12 +228,13 @@ def test_held_callers_are_answered_when_their_gateway_is_back_on_the_new_primary
         assert down, f"gateway B's /readyz never named redis while it failed over: {seen}"
         for _, part in down:
             assert part["state"] in ("down", "failing over") and part["reason"], part
+        # Sentinel can promote in well under a second, between two reads; the "failing over" state
+        # itself is read, held still, in tests/contract/test_redis_sentinel.py.
         states = [part["state"] for _, part in down]
         print(
             f"/readyz redis states during the failover: {states}; ready again after {seen[-1][0]:.1f} s; "
             f"every held caller answered within {slowest_s:.2f} s of gateway A resuming"
         )
-        assert "failing over" in states, f"expected /readyz to say 'failing over' while Sentinel promoted: {down}"
     except BaseException:
         print(cluster.logs())
         raise
