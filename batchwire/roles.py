@@ -122,6 +122,14 @@ def run_gateway(args: argparse.Namespace) -> int:
         transports.fleet, lambda window: [gateway_beat(gateway, window, streams_end.ended)]
     )
     app = create_app(gateway, transports, streams_end, transports.fleet)
+    log.info(
+        "gateway %s on http://%s:%d: namespace %s, models %s",
+        settings.gateway_id,
+        settings.host,
+        settings.port,
+        shared.namespace,
+        ",".join(shared.models),
+    )
     return serve_http(app, settings, args.log_level, args.gc_threshold, streams_end)
 
 

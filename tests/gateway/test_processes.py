@@ -62,6 +62,8 @@ def _auth(key: str) -> dict[str, str]:
 
 def test_limits_and_keys_hold_across_gateway_processes(gateways: Cluster) -> None:
     first, second = gateways.gateway_urls
+    for url in (first, second):  # each says where it serves, as the batcher and the worker say they are up
+        assert re.search(rf"gateway \S+ on {re.escape(url)}: namespace gwp\w+, models ", gateways.logs()), url
     ready = httpx.get(f"{first}/readyz", timeout=5).json()
     assert ready["checks"].get("queue_depth") is True, ready
     assert httpx.post(f"{first}/v1/tasks", json={"input": "x"}, timeout=5).status_code == 401
