@@ -211,6 +211,8 @@ def _handler(command: str) -> Callable[[argparse.Namespace], int]:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv[0] if argv else ""
+    if command.startswith("-") and command not in ("-h", "--help"):
+        return _options_first(argv)
     tool = TOOLS.get(command)
     if tool is None:  # a role, `topics`, `--help` or a mistake: the full parser says which
         args = build_parser().parse_args(argv)
@@ -226,6 +228,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+
+
+def _options_first(argv: list[str]) -> int:
+    """Options before the command: argparse alone would call the first option's value an unknown command."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    named = next((arg for arg in argv if arg in sub.choices), None)
+    if named is None:
+        build_parser().parse_args(argv)  # no command at all: argparse's own error, exit 2
+        return 2
+    rest = list(argv)
+    rest.remove(named)
+    print(f"batchwire: options go after the command: batchwire {named} {' '.join(rest)}", file=sys.stderr)
+    return 2
 
 
 def _run(args: argparse.Namespace, handler: Callable[[argparse.Namespace], int]) -> int:

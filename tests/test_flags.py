@@ -175,3 +175,18 @@ def test_a_port_in_use_stops_the_role_before_anything_starts(
         assert main([role, "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1:{port}: address already in use" in err and "BATCHWIRE_PORT" in err, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "meant"),
+    [
+        (["--port", "8001", "gateway"], "batchwire gateway --port 8001"),
+        (["--workers=2", "up", "--port", "8002"], "batchwire up --workers=2 --port 8002"),
+        (["--duration-s", "5", "bench"], "batchwire bench --duration-s 5"),
+    ],
+)
+def test_options_before_the_command_are_refused_showing_where_they_go(
+    argv: list[str], meant: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"batchwire: options go after the command: {meant}\n"
