@@ -263,6 +263,8 @@ class EmbeddedRuntime:
 
     async def ready(self) -> dict[str, bool]:
         return {
+            "bus": await self.producer.ready(),
+            "store": await self.store.ready(),
             "batcher": self.batcher.healthy(),
             "workers": bool(self.workers) and all(worker.healthy() for worker in self.workers),
         }

@@ -8,7 +8,7 @@ from typing import Any
 from batchwire.fleet import Heartbeats
 from batchwire.settings import SharedSettings
 from batchwire.supervise import Parts
-from gateway.health import Down, Ready
+from gateway.health import Down, Ready, probe
 from gateway.settings import REQUEST_RUN, GatewaySettings
 from transport.kafka.lag import KafkaQueueDepth
 from transport.kafka.producers import KafkaRequestProducer
@@ -50,6 +50,7 @@ class GatewayTransports:
             redis_url, shared.names, ttl_s=shared.result_ttl_s, memory_watch_s=MEMORY_WATCH_S, follower=follower
         )
         self.redis_url = redis_url
+        self.ready_timeout_s = settings.ready_timeout_s
         self.queue_depth: KafkaQueueDepth | None = None
         self.credits: RedisCreditPool | None = None  # read only, for the rates the workers state
         if settings.admit_by_wait:
@@ -99,9 +100,15 @@ class GatewayTransports:
         await self._parts.close()
 
     async def ready(self) -> dict[str, Any]:
-        """Each part's readiness (``gateway.health.Ready``): Redis says whether it is failing over."""
-        kafka = await self.producer.ready()
-        redis_ready = await redis_readiness(await self.store.ready(), self.redis_url, timeout_s=1.0)
+        """Each part's readiness (``gateway.health.Ready``), each probed once, Kafka and Redis side by side
+        (a frozen broker's probe takes its full second): Redis says whether it is failing over."""
+        # Within the route's bound on the whole (``ready_timeout_s``): half for the probes, four tenths for
+        # the Sentinels, asked only when Redis is down.
+        probe_s = self.ready_timeout_s * 0.5
+        kafka, store = await asyncio.gather(
+            probe(self.producer.ready(), probe_s, "kafka"), probe(self.store.ready(), probe_s, "redis")
+        )
+        redis_ready = await redis_readiness(store, self.redis_url, timeout_s=self.ready_timeout_s * 0.4)
         checks: dict[str, Ready] = {
             "kafka": kafka
             or Down("down", "the request topic's leader does not answer (its broker is down, frozen or replaced)"),

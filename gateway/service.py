@@ -24,7 +24,6 @@ from gateway.answers.replies import Replies
 from gateway.answers.waiters import CallerGone, Watch
 from gateway.clock import Clock, SystemClock
 from gateway.errors import ClientDisconnected, DeadlineExceeded, NotReady, Overloaded, QueuedUnrecorded, Unavailable
-from gateway.health import probe
 from gateway.keys import idempotency
 from gateway.keys.replay import UNSTORED_GRACE_S, KeyedReplay
 from gateway.publisher import TaskPublisher
@@ -109,13 +108,10 @@ class Gateway:
         if self._token_budget is not None:
             self._token_budget.close()
 
-    async def ready(self) -> dict[str, bool]:
-        """This gateway's own parts: the bus, the store, and the tasks that guard against lost replies."""
-        return {
-            "bus": await probe(self._producer.ready(), self.settings.ready_timeout_s, "bus"),
-            "store": await probe(self._store.ready(), self.settings.ready_timeout_s, "store"),
-            "gateway": self._accepting and self._replies.alive and self._shared.alive and self._keys.alive,
-        }
+    def ready(self) -> dict[str, bool]:
+        """This gateway's own part: accepting, with the tasks that guard against lost replies alive. The
+        transports are the composition root's to probe (``Lifecycle.ready``), once each."""
+        return {"gateway": self._accepting and self._replies.alive and self._shared.alive and self._keys.alive}
 
     def models(self) -> dict[str, str]:
         """Each served model: ``serving``, or ``stalled`` (see ``Admission.models``)."""

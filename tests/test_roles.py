@@ -38,6 +38,19 @@ async def test_the_embedded_batcher_serves_each_model_alone() -> None:
         await runtime.close()
 
 
+async def test_the_embedded_runtime_reports_its_transports_to_readyz() -> None:
+    """The composition root probes the bus and the store (the gateway probes neither): once each."""
+    args = build_parser().parse_args(["up", "--workers", "1"])
+    runtime = EmbeddedRuntime(embedded_settings(args, rs.shared_settings(args)), lambda model, index: SimBackend(1.0))
+    await runtime.start()
+    try:
+        assert await runtime.ready() == {"bus": True, "store": True, "batcher": True, "workers": True}
+        await runtime.store.close()  # the memory store reports not ready once closed
+        assert (await runtime.ready())["store"] is False
+    finally:
+        await runtime.close()
+
+
 def test_a_shutdown_waits_for_requests_in_hand_past_the_longest_deadline() -> None:
     """uvicorn cancels what is still running when its wait runs out: a plain 500 to a caller whose
     request, given a longer timeout, would have been answered."""

@@ -88,7 +88,7 @@ def test_a_submit_while_kafka_is_down_is_refused_at_once_and_work_resumes_after(
         stack.stop_kafka()
         try:
             eventually_sync(
-                lambda: readiness(client)[1].get("bus") is False, "/readyz to report the bus down", timeout_s=30
+                lambda: readiness(client)[1].get("kafka") is False, "/readyz to report Kafka down", timeout_s=30
             )
             refused_fast(client, "request bus")
         finally:
@@ -108,7 +108,7 @@ def test_a_submit_while_redis_is_down_is_refused_at_once_and_work_resumes_after(
         stack.stop_redis()
         try:
             eventually_sync(
-                lambda: readiness(client)[1].get("store") is False, "/readyz to report the store down", timeout_s=30
+                lambda: readiness(client)[1].get("redis") is False, "/readyz to report Redis down", timeout_s=30
             )
             refused_fast(client, "task store")
         finally:

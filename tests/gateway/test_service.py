@@ -118,7 +118,7 @@ async def test_close_wakes_waiting_callers_with_not_ready() -> None:
     with pytest.raises(NotReady):
         await asyncio.wait_for(caller, 10)
     assert gateway.waiting == 0
-    assert (await gateway.ready())["gateway"] is False
+    assert gateway.ready()["gateway"] is False
     with pytest.raises(NotReady):
         await gateway.submit("after close", None, None, False)
 
@@ -146,9 +146,9 @@ async def test_dead_sweeper_is_logged_and_turns_readiness_red(caplog: pytest.Log
     await gateway.start()
     caller = asyncio.create_task(gateway.submit("x", None, 30_000, True))
     try:
-        assert (await gateway.ready())["gateway"] is True
+        assert gateway.ready()["gateway"] is True
         await eventually(lambda: "reply-sweeper" in caplog.text, "the sweeper's death to be logged")
-        assert (await gateway.ready())["gateway"] is False
+        assert gateway.ready()["gateway"] is False
     finally:
         await gateway.close()
     with pytest.raises(NotReady):
@@ -262,7 +262,7 @@ async def test_sweeper_transport_errors_are_retried_not_fatal(caplog: pytest.Log
     caplog.set_level(logging.WARNING)
     try:
         answer = await asyncio.wait_for(gateway.submit("flaky", None, 20_000, True), 10)
-        assert (await gateway.ready())["gateway"] is True
+        assert gateway.ready()["gateway"] is True
     finally:
         await worker.close()
         await gateway.close()

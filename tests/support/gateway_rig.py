@@ -123,7 +123,7 @@ class FakeWorker:
 class StubLifecycle:
     """The composition root's part: records the calls, reports ``parts`` as its readiness."""
 
-    parts: dict[str, bool] = field(default_factory=lambda: {"batcher": True})
+    parts: dict[str, bool] = field(default_factory=lambda: {"bus": True, "store": True, "batcher": True})
     calls: list[str] = field(default_factory=list)
     fail_ready: bool = False
 

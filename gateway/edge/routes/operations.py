@@ -25,7 +25,7 @@ async def readyz(request: Request) -> Response:
     gateway = deployment.gateway
     settings = gateway.settings
     checks = await _lifecycle_checks(deployment.lifecycle, settings.ready_timeout_s)
-    checks.update(await gateway.ready())
+    checks.update(gateway.ready())
     # One stalled model must not turn the others away; with every model stalled, this gateway only refuses.
     models = gateway.models()
     if models and all(state == "stalled" for state in models.values()):
@@ -66,7 +66,7 @@ def add_routes(routes: APIRouter, settings: GatewaySettings) -> None:
         responses={
             503: {"model": NotReadyResponse, "description": "`not_ready`: a part is down; `checks` says which."}
         },
-        summary="Readiness: 200 when the bus, the store and every embedded part are ready",
+        summary="Readiness: 200 when the transports, the gateway and every embedded part are ready",
     )
     routes.add_api_route(
         "/metrics",
