@@ -57,6 +57,15 @@ async def _back_off(worker_id: str, what: str, crashes: int) -> None:
     await asyncio.sleep(backoff_s)
 
 
+async def _close_stopped(worker: Worker) -> None:
+    """Closes a worker that stopped or did not start. An error doing so is logged and goes no further:
+    raised, it would end the slot's watcher, and the slot would never be replaced again."""
+    try:
+        await worker.close(drain_timeout_s=0)
+    except Exception as err:
+        log.error("embedded worker %s did not close cleanly: %r", worker.settings.worker_id, err, exc_info=err)
+
+
 class _BatchRouter:
     """The batcher's view of all models' batch buses."""
 
@@ -199,7 +208,7 @@ class EmbeddedRuntime:
                 await worker.offers.stop()  # no batch is sent against its credit while it is down
                 await _back_off(worker.settings.worker_id, "crashed", crashes)
             model, index = self._slots[slot]
-            await worker.close(drain_timeout_s=0)
+            await _close_stopped(worker)
             while (fresh := await self._started(slot)) is None:  # a load that fails is a crash too
                 crashes += 1
                 await _back_off(f"{model}-worker-{index}", "could not start", crashes)
@@ -225,7 +234,7 @@ class EmbeddedRuntime:
             await fresh.start()
         except Exception as err:
             log.error("embedded worker %s could not start: %r", fresh.settings.worker_id, err, exc_info=err)
-            await fresh.close(drain_timeout_s=0)
+            await _close_stopped(fresh)
             return None
         except BaseException:  # shut down while it started: it is in no list that close() goes through
             await fresh.close(drain_timeout_s=0)

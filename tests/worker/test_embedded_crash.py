@@ -4,6 +4,7 @@ crashed worker process, and the batch it had not committed runs again."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -26,11 +27,11 @@ def _refuse_results(runtime: EmbeddedRuntime, times: float) -> list[int]:
     (the worker stops: it crashed); the list holds how many it refused."""
     apply, refused = runtime.store.apply, [0]
 
-    async def refusing(updates: Sequence[TaskState]) -> list[bool]:
+    async def refusing(updates: Sequence[TaskState], *, counted: bool = True) -> list[bool]:
         if refused[0] < times and any(state.status.terminal for state in updates):
             refused[0] += 1
             raise _Refused("a store fault that retrying cannot fix")
-        return await apply(updates)
+        return await apply(updates, counted=counted)
 
     runtime.store.apply = refusing  # type: ignore[method-assign]
     return refused
@@ -137,3 +138,44 @@ async def test_shutdown_while_a_slot_waits_to_replace_its_worker_closes_each_wor
         await tried.wait()  # two replacements made; the watcher waits to try a third
     await runtime.close()
     assert sorted(closes) == list(range(len(made))), f"each backend closed once: {closes} of {len(made)}"
+
+
+async def test_a_backend_that_raises_as_it_closes_does_not_end_the_slots_replacements(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A crashed worker's backend, and a replacement's that did not load, may raise as they close (a CUDA
+    error outlives the call that caused it): the error is logged, and the slot is replaced all the same."""
+    monkeypatch.setattr(embedded, "CRASH_BACKOFF_S", 0.01)
+    made: list[SimBackend] = []
+
+    class CloseFails(SimBackend):
+        def load(self) -> None:
+            if len(made) == 2:
+                raise RuntimeError("out of GPU memory while loading")
+
+        def close(self) -> None:
+            if made.index(self) < 2:  # the third, serving at shutdown, closes cleanly
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def backend(model: str, index: int) -> SimBackend:
+        made.append(CloseFails(latency_ms=5))
+        return made[-1]
+
+    runtime = EmbeddedRuntime(EmbeddedSettings(workers_per_model=1), backend)
+    _refuse_results(runtime, 1)
+    await runtime.start()
+    answered = asyncio.Event()
+    try:
+        await runtime.store.listen_replies("gw", lambda state: answered.set())
+        await _submit(runtime)
+        async with asyncio.timeout(20):
+            await answered.wait()
+        assert len(made) == 3 and runtime.replaced == 1, "the crashed worker and a replacement that did not load"
+        assert all((await runtime.ready()).values()), "the third backend serves"
+    finally:
+        with caplog.at_level(logging.ERROR, logger=embedded.__name__):
+            await runtime.close()
+    closes = [r for r in caplog.records if r.name == embedded.__name__ and "did not close" in r.getMessage()]
+    assert [r.exc_info is not None and str(r.exc_info[1]) for r in closes] == [
+        "CUDA error: an illegal memory access was encountered"
+    ] * 2, "each close error is logged with its traceback"
