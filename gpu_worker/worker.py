@@ -190,11 +190,13 @@ class Worker:
         await self.commits.close()  # results being stored when the drain ran out: one last try
         await self.consumer.close()
         self.runner.close()
-        if drained and not self.runner.hung:  # never close a backend under a call that still runs
-            self.backend.close()
-        if self.journal is not None:
-            self.journal.close()
-        self.calls.close()
+        try:
+            if drained and not self.runner.hung:  # never close a backend under a call that still runs
+                self.backend.close()
+        finally:  # even when the backend raised: a gauge left registered keeps the backend (its model) alive
+            if self.journal is not None:
+                self.journal.close()
+            self.calls.close()
 
     async def _on_revoked(self, partitions: frozenset[int]) -> None:
         """Withdraws the credit, then lets the batches in hand end and commit before the partitions go:

@@ -15,6 +15,7 @@ from batchwire import embedded
 from batchwire.embedded import CRASH_BACKOFF_MAX_S, EmbeddedRuntime, EmbeddedSettings, crash_backoff_s
 from gpu_worker.backends.sim import SimBackend
 from schemas.records import InferenceRequest, TaskState, TaskStatus
+from telemetry.metrics import REGISTRY
 from transport.ports import TransportError
 
 
@@ -172,6 +173,9 @@ async def test_a_backend_that_raises_as_it_closes_does_not_end_the_slots_replace
             await answered.wait()
         assert len(made) == 3 and runtime.replaced == 1, "the crashed worker and a replacement that did not load"
         assert all((await runtime.ready()).values()), "the third backend serves"
+        for closed in ("sim-worker-0", "sim-worker-0.1"):
+            running = REGISTRY.get_sample_value("batchwire_worker_call_running_seconds", {"worker": closed})
+            assert running is None, f"{closed}'s gauge, which holds its backend, is dropped at its close"
     finally:
         with caplog.at_level(logging.ERROR, logger=embedded.__name__):
             await runtime.close()
