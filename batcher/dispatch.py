@@ -290,9 +290,10 @@ class Dispatcher:
     ) -> None:
         """Puts the batch on the bus; once it is there its requests are handed over (their offsets may
         be committed). A failed send gives the requests back for the next batch, and the credit back."""
-        # "batched" is written while the bus takes the batch: watchers see it before "running".
+        # "batched" is written while the bus takes the batch: watchers see it before "running". Spawned as
+        # the batcher's other tasks are: an error other than a transport's is a bug, and fails the batcher.
         batched = states.batched(model, batch, wall_ms())
-        marking = asyncio.create_task(self._mark_batched(batch, batched)) if batched else None
+        marking = self._spawn(self._mark_batched(batch, batched), f"mark-batched-{model}") if batched else None
         try:
             try:
                 await self.producer.send(batch, credit.partition)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Mapping, Sequence
+
+import pytest
 
 from batcher.policy import FlushPolicy
 from batcher.service import Batcher
@@ -52,11 +55,11 @@ class FlakyStore(MemoryTaskStore):
         super().__init__()
         self.failures = failures
 
-    async def apply(self, updates: Sequence[TaskState]) -> list[bool]:
+    async def apply(self, updates: Sequence[TaskState], *, counted: bool = True) -> list[bool]:
         if self.failures:
             self.failures -= 1
             raise TransportError("Redis connection refused")
-        return await super().apply(updates)
+        return await super().apply(updates, counted=counted)
 
 
 def now_ms() -> int:
@@ -80,9 +83,10 @@ class Rig:
         settings = settings or BatcherSettings(retry_max_s=0.05)
         self.batcher = Batcher(settings, consumer, self.batches, self.credits, self.store)
 
-    async def request(self, task_id: str, deadline_ms: int = 30_000) -> None:
+    async def request(self, task_id: str, deadline_ms: int = 30_000, reply_to: str | None = "gw") -> None:
         now = now_ms()
-        await self.requests.producer().send(InferenceRequest(task_id, "sim", task_id, now, now + deadline_ms, "gw"))
+        request = InferenceRequest(task_id, "sim", task_id, now, now + deadline_ms, reply_to)
+        await self.requests.producer().send(request)
 
     async def offer(self) -> None:
         now = now_ms()
@@ -123,6 +127,36 @@ async def test_a_permanent_read_error_stops_the_batcher_loudly() -> None:
     assert rig.batcher.state == "failed", "the fleet shows it failed, not idle, until its process exits"
     await rig.batcher.close()
     assert rig.batcher.state == "failed", "its last beat, at close, says failed: not a clean stop"
+
+
+class BrokenBatchedWrites(MemoryTaskStore):
+    """Fails ``batched`` writes with an error no transport raises: a bug, not an outage."""
+
+    async def apply(self, updates: Sequence[TaskState], *, counted: bool = True) -> list[bool]:
+        if any(state.status is TaskStatus.BATCHED for state in updates):
+            raise TypeError("batch_size must be an int, not str")
+        return await super().apply(updates, counted=counted)
+
+
+async def test_an_unexpected_error_marking_a_batch_batched_stops_the_batcher_loudly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Only a transport error there is informational (the worker's writes follow); any other is a bug,
+    and ends the batcher as one in its other loops does, instead of being dropped."""
+    rig = Rig(store=BrokenBatchedWrites())
+    await rig.batcher.start()
+    try:
+        await rig.request("r1", reply_to=None)  # an asynchronous task: its "batched" state is written
+        await rig.offer()
+        assert await rig.batch() == ["r1"], "the batch itself lands"
+        async with asyncio.timeout(5):
+            await rig.batcher.failed.wait()
+        assert isinstance(rig.batcher.failure, TypeError), f"the bug is the failure: {rig.batcher.failure!r}"
+        assert not rig.batcher.healthy()
+    finally:
+        await rig.batcher.close()
+    crashes = [r for r in caplog.records if r.levelno == logging.ERROR and "crashed" in r.getMessage()]
+    assert [r.exc_info is not None and type(r.exc_info[1]) for r in crashes] == [TypeError], "logged with its traceback"
 
 
 async def test_expiry_is_stored_once_the_store_is_back() -> None:
