@@ -248,6 +248,8 @@ class Dispatcher:
             finally:
                 woken.cancel()
                 second.cancel()
+                # even cancelled again (a closing batcher's cancel_and_wait), gather ends only once both
+                # have: ``second`` is done below, and a credit it got is not lost
                 await asyncio.gather(woken, second, return_exceptions=True)
         except asyncio.CancelledError:
             if (other := _credit_of(second)) is not None:
