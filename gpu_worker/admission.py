@@ -72,13 +72,14 @@ class Admission:
         ]
         return late, [item for item in items if item.deadline_ms > ends_by_ms]
 
-    async def count_and_admit(self, batch: Batch, live: list[BatchItem]) -> tuple[int, list[BatchItem]]:
-        """Counts this delivery and admits the live items: (deliveries so far, the items to run). The
+    async def count_and_admit(self, batch: Batch, live: list[BatchItem], receipt: str) -> tuple[int, list[BatchItem]]:
+        """Counts this delivery (``receipt``: this worker's receipt of it, the same on every retry, see
+        ``DeliveryLog.begin``) and admits the live items: (deliveries so far, the items to run). The
         two wait one round trip together, not two; one that fails stops the other (a ``TaskGroup``:
         its errors come grouped)."""
 
         async def count() -> int:
-            return await self.retry("counting a delivery", lambda: self.deliveries.begin(batch.batch_id))
+            return await self.retry("counting a delivery", lambda: self.deliveries.begin(batch.batch_id, receipt))
 
         async with asyncio.TaskGroup() as group:
             counting = group.create_task(count())

@@ -55,11 +55,12 @@ class Redelivery:
         self._run_group = run_group
         self._end_late = end_late
 
-    async def run(self, batch: Batch, todo: list[BatchItem], count: int) -> list[TaskState]:
-        """Runs ``todo`` of ``batch`` on its ``count``-th delivery; returns every state it stored."""
+    async def run(self, batch: Batch, todo: list[BatchItem], count: int, receipt: str) -> list[TaskState]:
+        """Runs ``todo`` of ``batch`` on its ``count``-th delivery, received as ``receipt`` (as it was
+        counted); returns every state it stored."""
         ids = [item.task_id for item in todo]
         suspects = await self._retry(
-            "reading what was in flight", lambda: self.deliveries.suspects(batch.batch_id, ids)
+            "reading what was in flight", lambda: self.deliveries.suspects(batch.batch_id, ids, receipt)
         )
         decided = careful.plan(todo, lambda item: item.task_id, suspects, self.max_deliveries)
         metrics.REDELIVERED.labels(worker=self.worker_id).inc()

@@ -32,6 +32,7 @@ import contextlib
 import functools
 import logging
 import math
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -345,7 +346,8 @@ class Worker:
         call_ms = (self.runner.expected_s or 0.0) * 1000
         ends_by_ms = now + round(self.pipeline.busy_for_s() * 1000 + call_ms)
         ended, live = self.admission.expire_late(batch, ends_by_ms, call_ms)
-        count, todo = await self.admission.count_and_admit(batch, live)
+        receipt = uuid.uuid4().hex  # the same on each retry: a count or read whose reply was lost is not done twice
+        count, todo = await self.admission.count_and_admit(batch, live, receipt)
         if not todo or count != 1:
             # A careful run waits for the calls in flight (one at a time), and every batch's
             # results are stored after those of the batches before it (``commits``).
@@ -359,7 +361,7 @@ class Worker:
                 todo = await self.admission.admit(batch, todo)
                 stale, todo = await self._end_late_now(batch, todo)
                 late += stale
-            stored = await self.redelivery.run(batch, todo, count) if todo else []
+            stored = await self.redelivery.run(batch, todo, count, receipt) if todo else []
             self._fill(slot, batch, ended + late + stored)  # stored again (no-ops) to wait for replicas
             return
         self._start_call(slot, batch, todo, ended)

@@ -38,14 +38,19 @@ class Suspects:
 class DeliveryLog(Protocol):
     async def start(self) -> None: ...
     async def close(self) -> None: ...
-    async def begin(self, batch_id: str) -> int:
-        """Counts one more delivery of the batch; returns its number (1: the first)."""
+    async def begin(self, batch_id: str, receipt: str) -> int:
+        """Counts one more delivery of the batch; returns its number (1: the first).
+
+        ``receipt`` names this worker's receipt of the delivery: called again with it (a retry after a
+        reply lost once the count was written), it counts nothing and returns the same number.
+        """
         ...
 
-    async def suspects(self, batch_id: str, task_ids: Sequence[str]) -> Suspects:
+    async def suspects(self, batch_id: str, task_ids: Sequence[str], receipt: str) -> Suspects:
         """Reads and clears the in-flight mark, and strikes each marked task among ``task_ids`` once.
 
         Without a mark every one of ``task_ids`` is a suspect (the first delivery runs unmarked).
+        Called again with the same ``receipt`` (as ``begin``), it strikes nothing and answers as before.
         """
         ...
 
@@ -81,6 +86,10 @@ class _Record:
     inflight: tuple[str, ...] | None = None
     note: str | None = None
     strikes: dict[str, int] = field(default_factory=dict)
+    counted: dict[str, int] = field(default_factory=dict)
+    """Per receipt, the delivery number ``begin`` gave it."""
+    answered: dict[str, Suspects] = field(default_factory=dict)
+    """Per receipt, what ``suspects`` answered it."""
     expires_s: float = 0.0
 
 
@@ -107,22 +116,28 @@ class MemoryDeliveryLog:
         record.expires_s = now + self.ttl_s
         return record
 
-    async def begin(self, batch_id: str) -> int:
+    async def begin(self, batch_id: str, receipt: str) -> int:
         record = self._get(batch_id)
-        record.deliveries += 1
-        return record.deliveries
+        if receipt not in record.counted:
+            record.deliveries += 1
+            record.counted[receipt] = record.deliveries
+        return record.counted[receipt]
 
-    async def suspects(self, batch_id: str, task_ids: Sequence[str]) -> Suspects:
+    async def suspects(self, batch_id: str, task_ids: Sequence[str], receipt: str) -> Suspects:
         record = self._get(batch_id)
+        answer = record.answered.get(receipt)
+        if answer is not None:
+            return answer
         inflight, record.inflight = record.inflight, None
         note, record.note = record.note, None
         given = set(task_ids)
         suspects = given if inflight is None else given.intersection(inflight)
         for task_id in suspects:
             record.strikes[task_id] = record.strikes.get(task_id, 0) + 1
-        return Suspects(
+        answer = record.answered[receipt] = Suspects(
             frozenset(suspects), {t: record.strikes[t] for t in suspects}, marked=inflight is not None, note=note
         )
+        return answer
 
     async def mark(self, batch_id: str, task_ids: Sequence[str]) -> None:
         self._get(batch_id).inflight = tuple(task_ids)

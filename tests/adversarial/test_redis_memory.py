@@ -99,7 +99,7 @@ async def test_every_redis_write_refused_for_memory_is_a_retriable_store_full_er
             "apply": lambda: store.apply([state]),
             "claim_key": lambda: store.claim_key("scope", "key", "t1", "fp"),
             "offer": lambda: credits.offer(Credit("w", "sim", 0, 1, now_ms, now_ms + 10_000)),
-            "begin": lambda: deliveries.begin("b1"),
+            "begin": lambda: deliveries.begin("b1", "r1"),
         }
         for name, write in writes.items():
             with pytest.raises(StoreFullError, match=FULL_MESSAGE) as refused:

@@ -60,7 +60,7 @@ async def test_a_task_left_running_by_a_dead_worker_runs_again() -> None:
     batch = rig.batch(["left"])
     await rig.create(batch)
     await rig.store.apply([TaskState("t0", TaskStatus.RUNNING, "sim", now_ms(), 0, worker_id="dead")])
-    await rig.deliveries.begin(batch.batch_id)  # the dead worker's delivery
+    await rig.deliveries.begin(batch.batch_id, "died")  # the dead worker's delivery
     worker = await rig.worker(backend)
     await rig.send(batch)
     ended = await rig.ended(["t0"])
@@ -131,7 +131,7 @@ class StuckDeliveries(MemoryDeliveryLog):
         self.counting = asyncio.Event()
         self.ended: str | None = None
 
-    async def begin(self, batch_id: str) -> int:
+    async def begin(self, batch_id: str, receipt: str) -> int:
         self.counting.set()
         try:
             await self.answer.wait()
@@ -139,7 +139,7 @@ class StuckDeliveries(MemoryDeliveryLog):
             self.ended = "cancelled"
             raise
         self.ended = "counted"
-        return await super().begin(batch_id)
+        return await super().begin(batch_id, receipt)
 
 
 class RefusingStore(MemoryTaskStore):
@@ -159,7 +159,7 @@ async def test_an_admission_that_fails_leaves_no_delivery_count_running_behind_i
     batch = Rig().batch(["one"])
     refused: list[Exception] = []
     try:
-        await admission.count_and_admit(batch, list(batch.items))
+        await admission.count_and_admit(batch, list(batch.items), "r1")
     except* PermanentTransportError as errors:
         refused.extend(errors.exceptions)
     assert refused, "the store's refusal comes out"

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Sequence
 
 from gpu_worker.careful import plan
 from schemas.deadletter import DEAD_LETTERED
 from schemas.records import Batch, TaskStatus
 from telemetry import metrics
 from tests.support.worker_rig import Rig, ScriptedBackend, now_ms
-from transport.deliveries import Suspects
+from transport.deliveries import MemoryDeliveryLog, Suspects
+from transport.ports import TransportError
 
 
 def suspects(ids: set[str], strikes: int, marked: bool = True) -> Suspects:
@@ -110,7 +112,7 @@ async def test_one_death_dead_letters_nothing() -> None:
     rig = Rig()
     batch = rig.batch(["a", "b", "c"])
     await rig.create(batch)
-    await rig.deliveries.begin(batch.batch_id)  # a first delivery whose worker was killed mid-call
+    await rig.deliveries.begin(batch.batch_id, "died")  # a first delivery whose worker was killed mid-call
     redelivered = _redelivered()
     deaths, calls = await deliver_until_answered(rig, batch, die_on=None)
     assert deaths == 0
@@ -154,10 +156,67 @@ async def test_a_later_group_whose_items_can_no_longer_be_answered_in_time_ends_
     # one call fits, two do not: 1.5 s of slack for the first group's start
     batch = rig.batch(["aa", "bb"], deadline_ms=now_ms() + 3500)
     await rig.create(batch)
-    await rig.deliveries.begin(batch.batch_id)  # its last holder died unmarked: both suspects, one group each
+    await rig.deliveries.begin(batch.batch_id, "died")  # its last holder died unmarked: both suspects, one group each
     await rig.send(batch)
     ended = await rig.ended(["t0", "t1"])
     await worker.close()
     assert ended["t0"].status is TaskStatus.COMPLETED, ended["t0"]
     assert ended["t1"].status is TaskStatus.EXPIRED, f"bb could only end past its deadline: {ended['t1']}"
     assert backend.calls == [["aa"]], f"only the group still in time reaches the backend, got {backend.calls}"
+
+
+class LostReplies(MemoryDeliveryLog):
+    """Loses the first answer of each ``lose`` call ("begin", "suspects") per batch: the call is done, then
+    the worker sees an error and tries again (a connection that dropped after Redis's write)."""
+
+    def __init__(self, lose: str) -> None:
+        super().__init__()
+        self.lose = lose
+        self.lost: list[str] = []
+
+    def _lose_once(self, call: str, batch_id: str) -> None:
+        if call == self.lose and batch_id not in self.lost:
+            self.lost.append(batch_id)
+            raise TransportError(f"{call} of {batch_id}: the connection dropped after the write")
+
+    async def begin(self, batch_id: str, receipt: str) -> int:
+        count = await super().begin(batch_id, receipt)
+        self._lose_once("begin", batch_id)
+        return count
+
+    async def suspects(self, batch_id: str, task_ids: Sequence[str], receipt: str) -> Suspects:
+        found = await super().suspects(batch_id, task_ids, receipt)
+        self._lose_once("suspects", batch_id)
+        return found
+
+
+async def test_a_first_delivery_whose_count_was_answered_too_late_runs_as_a_first() -> None:
+    deliveries = LostReplies("begin")
+    rig = Rig(deliveries=deliveries)
+    await rig.listen()
+    backend = ScriptedBackend()
+    worker = await rig.worker(backend)
+    batch = rig.batch(["a", "b", "c"])
+    await rig.create(batch)
+    await rig.send(batch)
+    await rig.ended(["t0", "t1", "t2"])
+    await worker.close()
+    assert deliveries.lost == ["b1"], f"the count's answer was lost once: {deliveries.lost}"
+    assert backend.calls == [["a", "b", "c"]], f"one call, not suspects in halves: {backend.calls}"
+
+
+async def test_a_redelivery_whose_suspects_were_answered_too_late_keeps_the_mark() -> None:
+    deliveries = LostReplies("suspects")
+    rig = Rig(deliveries=deliveries)
+    batch = rig.batch(["a", "b", "c"])
+    await rig.create(batch)
+    await deliveries.begin(batch.batch_id, "died")  # the first delivery, to a worker that died running c alone
+    await deliveries.mark(batch.batch_id, ["t2"])
+    await rig.listen()
+    backend = ScriptedBackend()
+    worker = await rig.worker(backend)
+    await rig.send(batch)
+    await rig.ended(["t0", "t1", "t2"])
+    await worker.close()
+    assert deliveries.lost == ["b1"], f"the suspects' answer was lost once: {deliveries.lost}"
+    assert backend.calls == [["a", "b"], ["c"]], f"a and b together, c (the one in flight) alone: {backend.calls}"

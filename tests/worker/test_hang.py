@@ -137,7 +137,7 @@ async def test_a_worker_whose_backend_hangs_gives_the_batch_back_and_stops() -> 
     for task in ("t0", "t1"):
         state = await rig.store.get(task)
         assert state is not None and state.status is TaskStatus.RUNNING, f"{task} is handed back unfinished: {state}"
-    suspects = await rig.deliveries.suspects(batch.batch_id, ["t0", "t1"])
+    suspects = await rig.deliveries.suspects(batch.batch_id, ["t0", "t1"], "next")
     assert suspects.note is not None and "hang limit" in suspects.note, "the next holder learns why"
     closing = time.monotonic()
     await worker.close()
@@ -244,7 +244,7 @@ async def test_a_redelivered_task_admitted_behind_a_hung_call_expires_at_its_dea
     now = now_ms()
     first = rig.batch(["stuck"], "b1", prefix="a")
     second = rig.batch(["soon"], "b2", deadline_ms=now + 2_000, prefix="b")
-    await rig.deliveries.begin("b2")  # its first delivery, to a worker that died
+    await rig.deliveries.begin("b2", "died")  # its first delivery, to a worker that died
     for batch in (first, second):
         await rig.create(batch)
         await rig.send(batch)
@@ -302,7 +302,7 @@ async def test_a_redelivered_item_that_the_wait_for_stored_results_made_late_end
     worker = await rig.worker(backend, expected_latency_ms=400, credit_lead_ms=300, hang_min_s=60)
     first = rig.batch(["first"], "b0", prefix="a")
     second = rig.batch(["late"], "b1", deadline_ms=now_ms() + 1_000, prefix="b")
-    await rig.deliveries.begin("b1")  # its first delivery, to a worker that died
+    await rig.deliveries.begin("b1", "died")  # its first delivery, to a worker that died
     for batch in (first, second):
         await rig.create(batch)
         await rig.send(batch)
@@ -334,7 +334,7 @@ async def test_a_hung_calls_items_past_their_deadline_end_expired_before_the_wor
     assert rig.replies.get("t0") == [ended], "its caller is answered once"
     kept = await rig.store.get("t1")
     assert kept is not None and kept.status is TaskStatus.RUNNING, f"t1 goes back with the batch: {kept}"
-    suspects = await rig.deliveries.suspects(batch.batch_id, ["t0", "t1"])
+    suspects = await rig.deliveries.suspects(batch.batch_id, ["t0", "t1"], "next")
     assert suspects.note is not None and "hang limit" in suspects.note, "the next holder learns why"
     assert tasks_ended("expired") - expired_before == 1, (
         "t0's end is counted by the worker that wrote it, next holder or none"

@@ -2,9 +2,11 @@
 
 ``<ns>:deliveries:<batch_id>`` holds ``n`` (deliveries so far), ``inflight`` (JSON list of the
 task ids in flight right now, written before each backend call of a redelivered batch), ``note``
-(why the last holder gave up) and ``s:<task_id>`` (strikes). The first delivery of a batch costs
-one round trip (HINCRBY + PEXPIRE) and a committed batch one more (DEL); the rest happens only for
-batches that came back.
+(why the last holder gave up), ``s:<task_id>`` (strikes), and per receipt of the batch by a worker
+the answers it got: ``d:<receipt>`` (its delivery number) and ``a:<receipt>`` (its suspects, JSON).
+A call retried after its reply was lost (the connection dropped once the script ran) finds its
+answer there and changes nothing. The first delivery of a batch costs one round trip (a script)
+and a committed batch one more (DEL); the rest happens only for batches that came back.
 """
 
 from __future__ import annotations
@@ -18,27 +20,40 @@ from transport.deliveries import Suspects
 from transport.redis.pools import REDIS_ERRORS, KeyedClient, PoolOptions, translate
 from transport.redis.sentinel import PrimaryFollower
 
-# KEYS[1] the batch's hash. ARGV[1] ttl ms, ARGV[2..] the task ids still to run.
-# Returns {marked 0/1, note or '', id1, strikes1, id2, strikes2, ...}.
+# KEYS[1] the batch's hash. ARGV[1] ttl ms, ARGV[2] the receipt. Returns the receipt's delivery number.
+_BEGIN = """
+local counted = redis.call('HGET', KEYS[1], 'd:' .. ARGV[2])
+if counted then return tonumber(counted) end
+local n = redis.call('HINCRBY', KEYS[1], 'n', 1)
+redis.call('HSET', KEYS[1], 'd:' .. ARGV[2], n)
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return n
+"""
+
+# KEYS[1] the batch's hash. ARGV[1] ttl ms, ARGV[2] the receipt, ARGV[3..] the task ids still to run.
+# Returns {marked 0/1, note or '', id1, strikes1, id2, strikes2, ...}: the receipt's first answer.
 _SUSPECTS = """
+local answered = redis.call('HGET', KEYS[1], 'a:' .. ARGV[2])
+if answered then return cjson.decode(answered) end
 local raw = redis.call('HGET', KEYS[1], 'inflight')
 local note = redis.call('HGET', KEYS[1], 'note')
 redis.call('HDEL', KEYS[1], 'inflight', 'note')
 local given = {}
-for i = 2, #ARGV do given[ARGV[i]] = true end
+for i = 3, #ARGV do given[ARGV[i]] = true end
 local suspects = {}
 if raw then
   for _, id in ipairs(cjson.decode(raw)) do
     if given[id] then table.insert(suspects, id) end
   end
 else
-  for i = 2, #ARGV do table.insert(suspects, ARGV[i]) end
+  for i = 3, #ARGV do table.insert(suspects, ARGV[i]) end
 end
 local out = {raw and 1 or 0, note or ''}
 for _, id in ipairs(suspects) do
   table.insert(out, id)
   table.insert(out, redis.call('HINCRBY', KEYS[1], 's:' .. id, 1))
 end
+redis.call('HSET', KEYS[1], 'a:' .. ARGV[2], cjson.encode(out))
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return out
 """
@@ -65,6 +80,7 @@ class RedisDeliveryLog:
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self._commands = KeyedClient(redis_url, pool, follower=follower)
         self._client = self._commands.redis
+        self._begin = self._client.register_script(_BEGIN)
         self._suspects = self._client.register_script(_SUSPECTS)
 
     async def start(self) -> None:
@@ -73,21 +89,18 @@ class RedisDeliveryLog:
     async def close(self) -> None:
         await self._commands.close()
 
-    async def begin(self, batch_id: str) -> int:
+    async def begin(self, batch_id: str, receipt: str) -> int:
         key = self.names.delivery_record(batch_id)
         try:
-            async with self._client.pipeline(transaction=True) as pipe:
-                pipe.hincrby(key, "n", 1)
-                pipe.pexpire(key, self.ttl_ms)
-                count, _ = await pipe.execute()
+            count = await self._begin(keys=[key], args=[self.ttl_ms, receipt])
         except REDIS_ERRORS as err:
             raise translate(f"counting a delivery of batch {batch_id}", err) from err
         return int(count)
 
-    async def suspects(self, batch_id: str, task_ids: Sequence[str]) -> Suspects:
+    async def suspects(self, batch_id: str, task_ids: Sequence[str], receipt: str) -> Suspects:
         key = self.names.delivery_record(batch_id)
         try:
-            reply: list[Any] = await self._suspects(keys=[key], args=[self.ttl_ms, *task_ids])
+            reply: list[Any] = await self._suspects(keys=[key], args=[self.ttl_ms, receipt, *task_ids])
         except REDIS_ERRORS as err:
             raise translate(f"reading what was in flight of batch {batch_id}", err) from err
         marked, note, rest = int(reply[0]), _text(reply[1]), reply[2:]
