@@ -176,6 +176,7 @@ TOOLS: dict[str, Tool] = {
     "simulate": Tool("batchwire.capacity.simulate", "simulate a deployment on a latency curve at given request rates"),
     "plan": Tool("batchwire.capacity.plan", "size a deployment: GPUs (simulated), partitions, processes, Kafka, Redis"),
     "status": Tool("batchwire.status", "the fleet: every gateway, batcher and worker and their figures, per model"),
+    "dead-letters": Tool("batchwire.dead_letters", "the inputs workers set aside, from the dead-letter topic, as JSON"),
     "validate-sim": Tool(
         "batchwire.capacity.validate",
         "measured bench runs beside the simulation of the same deployment, as a markdown table",
