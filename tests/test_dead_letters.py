@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiokafka import AIOKafkaProducer
 
 from batchwire.operations import ensure_role_topics
 from batchwire.settings import SharedSettings
@@ -150,6 +151,26 @@ async def test_follow_prints_letters_sent_after_it_started_until_sigterm(
         async with asyncio.timeout(30):
             code = await process.wait()
     assert code == 0, await process.stderr.read()
+
+
+async def test_a_record_that_is_no_letter_is_logged_the_rest_printed_and_the_command_exits_1(
+    infra: Any, names: Names, tmp_path: Path
+) -> None:
+    await send(infra.kafka_bootstrap, names, FIRST)
+    producer = AIOKafkaProducer(bootstrap_servers=infra.kafka_bootstrap)
+    await producer.start()
+    try:
+        await producer.send_and_wait(names.dead_letter_topic, b"not avro", partition=0)
+    finally:
+        await producer.stop()
+    await send(infra.kafka_bootstrap, names, SECOND)
+    env = environment(tmp_path, BATCHWIRE_KAFKA_BOOTSTRAP=infra.kafka_bootstrap)
+
+    code, lines, err = await dead_letters(env, "--namespace", names.namespace)
+
+    assert code == 1, err
+    assert [(line["batch_id"], line["offset"]) for line in lines] == [("batch-1", 0), ("batch-2", 2)], lines
+    assert "partition 0 offset 1" in err, f"the log names where the undecodable record is: {err}"
 
 
 async def test_a_namespace_without_the_topic_exits_2_naming_what_to_set(
