@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 from contextlib import aclosing
@@ -96,8 +97,12 @@ async def _print(reader: KafkaDeadLetterReader, follow: bool, limit: int | None)
         async for delivered in letters:
             if delivered.value is None:
                 continue
-            sys.stdout.write(json.dumps(as_json(delivered.value, delivered.partition, delivered.offset)) + "\n")
-            sys.stdout.flush()
+            try:
+                sys.stdout.write(json.dumps(as_json(delivered.value, delivered.partition, delivered.offset)) + "\n")
+                sys.stdout.flush()
+            except BrokenPipeError:  # the reader went away (`| head`): nothing is left to print to
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's own flush is quiet
+                return
             printed += 1
             if printed == limit:
                 return

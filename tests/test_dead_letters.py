@@ -191,3 +191,36 @@ async def test_without_kafka_it_exits_2_saying_embedded_mode_has_no_topic(tmp_pa
     assert (code, lines) == (2, []), err
     assert "batchwire dead-letters: Kafka is not configured: pass --kafka-bootstrap" in err, err
     assert "Embedded mode (`batchwire up`) has no dead-letter topic" in err, err
+
+
+async def test_a_reader_that_goes_away_ends_the_command_quietly(infra: Any, names: Names, tmp_path: Path) -> None:
+    """A reader that closes the pipe (``| head -1``): the next letter ends the command with 0, no traceback."""
+    await send(infra.kafka_bootstrap, names, FIRST)
+    env = environment(tmp_path, BATCHWIRE_KAFKA_BOOTSTRAP=infra.kafka_bootstrap, BATCHWIRE_NAMESPACE=names.namespace)
+    read_end, write_end = os.pipe()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "batchwire.cli",
+        "dead-letters",
+        "--follow",
+        env=env,
+        stdout=write_end,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    os.close(write_end)
+    assert process.stderr is not None
+    try:
+        with os.fdopen(read_end, "rb") as reader:
+            first = await asyncio.wait_for(asyncio.to_thread(reader.readline), 60)
+        assert json.loads(first or b"null")["batch_id"] == "batch-1", first
+        await send(infra.kafka_bootstrap, names, SECOND)  # written into the closed pipe
+        async with asyncio.timeout(60):
+            code = await process.wait()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    err = (await process.stderr.read()).decode()
+    assert code == 0, err
+    assert "Traceback" not in err, err
