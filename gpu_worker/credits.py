@@ -10,6 +10,7 @@ names the worker's lowest batch partition and is replaced before it expires uncl
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from gpu_worker.backends.base import Backend
@@ -45,7 +46,9 @@ class CreditOffer:
         """How long until the backend should be idle (0 when it is)."""
         self.replicas = replicas
         self._open: Credit | None = None
-        self._seq = 0
+        # Past every ref of this worker id's earlier runs (one offer a microsecond is far beyond any
+        # worker): a batch sent against a credit of its last run is not taken for one sent against this run's.
+        self._seq = time.time_ns() // 1000
         self._stopped = False
         self._failed_offers = 0
 

@@ -224,3 +224,22 @@ async def test_a_closed_worker_leaves_no_running_call_gauge_holding_its_backend(
     assert REGISTRY.get_sample_value("batchwire_worker_call_running_seconds", gauge) == 0.0, "exported while it runs"
     await worker.close()
     assert REGISTRY.get_sample_value("batchwire_worker_call_running_seconds", gauge) is None
+
+
+async def test_a_restarted_worker_offers_credits_its_last_run_never_did() -> None:
+    """A worker restarted with the same ``--worker-id``: a batch still on its partition, sent against a
+    credit of its last run, must not look sent against a credit of this one."""
+    store = MemoryTaskStore()
+    credits = MemoryCreditPool()
+    bus = MemoryBatchBus(1)
+    refs: list[str] = []
+    for _ in range(2):
+        worker = Worker(WorkerSettings(worker_id="w1"), bus.consumer(0), credits, store, PoisonBackend())
+        await worker.start()
+        try:
+            credit = await credits.claim("sim", 5)
+            assert credit is not None and credit.worker_id == "w1"
+            refs.append(credit.ref)
+        finally:
+            await worker.close()
+    assert refs[0] != refs[1], f"both runs offered {refs[0]}"
