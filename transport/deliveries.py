@@ -5,6 +5,8 @@ kill) or handed it back. The worker that gets it next asks the ``DeliveryLog`` w
 flight at that death (*suspects*) and how many deaths each has been part of (*strikes*), and runs
 the suspects in smaller groups, marking each group before it runs it; an input that was in flight
 alone at ``max_deliveries`` deaths goes to the dead-letter topic instead (see ``gpu_worker.careful``).
+A worker that hands a batch back alive (a stop or a revocation whose drain ran out) records it
+(``hand_back``): that is no death, and its inputs get no strike for it.
 
 Two small Protocols with their in-memory twins here (embedded mode, unit tests); the Redis log is
 ``transport.redis.deliveries.RedisDeliveryLog``, the Kafka dead-letter producer
@@ -33,6 +35,8 @@ class Suspects:
     """Whether the previous holder marked what was in flight; False: it died before marking."""
     note: str | None = None
     """Why the previous holder gave up, when it could say (a hung backend)."""
+    handed_back: bool = False
+    """The previous holder handed the batch back alive (``DeliveryLog.hand_back``): no suspects, no strikes."""
 
 
 class DeliveryLog(Protocol):
@@ -49,17 +53,27 @@ class DeliveryLog(Protocol):
     async def suspects(self, batch_id: str, task_ids: Sequence[str], receipt: str) -> Suspects:
         """Reads and clears the in-flight mark, and strikes each marked task among ``task_ids`` once.
 
-        Without a mark every one of ``task_ids`` is a suspect (the first delivery runs unmarked).
-        Called again with the same ``receipt`` (as ``begin``), it strikes nothing and answers as before.
+        Without a mark every one of ``task_ids`` is a suspect (the first delivery runs unmarked);
+        after a recorded hand-back (``hand_back``) none is. Called again with the same ``receipt``
+        (as ``begin``), it strikes nothing and answers as before.
         """
         ...
 
     async def mark(self, batch_id: str, task_ids: Sequence[str]) -> None:
-        """Records that these tasks are in flight now (before the backend call that runs them)."""
+        """Records that these tasks are in flight now (before the backend call that runs them); undoes a
+        hand-back recorded before."""
         ...
 
     async def note(self, batch_id: str, text: str) -> None:
-        """Tells the next holder why this one gave up."""
+        """Tells the next holder why this one gave up (a hang: a death); undoes a hand-back recorded before."""
+        ...
+
+    async def hand_back(self, batch_id: str, receipt: str) -> bool:
+        """Records that the holder of ``receipt`` gives the batch back alive (its drain on a stop or a
+        revocation ran out): the next ``suspects`` names no suspect and strikes nothing. Returns whether
+        it recorded it: not when ``receipt`` is not the latest delivery, nor when it is a redelivery
+        whose ``suspects`` it has not read (the death before it still counts). A hand-back that could
+        not be recorded (Redis unreachable) counts as a death, as a crash does."""
         ...
 
     async def finish(self, batch_id: str) -> None:
@@ -85,6 +99,7 @@ class _Record:
     deliveries: int = 0
     inflight: tuple[str, ...] | None = None
     note: str | None = None
+    handed_back: bool = False
     strikes: dict[str, int] = field(default_factory=dict)
     counted: dict[str, int] = field(default_factory=dict)
     """Per receipt, the delivery number ``begin`` gave it."""
@@ -130,20 +145,35 @@ class MemoryDeliveryLog:
             return answer
         inflight, record.inflight = record.inflight, None
         note, record.note = record.note, None
+        handed_back, record.handed_back = record.handed_back, False
         given = set(task_ids)
-        suspects = given if inflight is None else given.intersection(inflight)
+        suspects = set() if handed_back else given if inflight is None else given.intersection(inflight)
         for task_id in suspects:
             record.strikes[task_id] = record.strikes.get(task_id, 0) + 1
         answer = record.answered[receipt] = Suspects(
-            frozenset(suspects), {t: record.strikes[t] for t in suspects}, marked=inflight is not None, note=note
+            frozenset(suspects),
+            {t: record.strikes[t] for t in suspects},
+            marked=inflight is not None,
+            note=note,
+            handed_back=handed_back,
         )
         return answer
 
     async def mark(self, batch_id: str, task_ids: Sequence[str]) -> None:
-        self._get(batch_id).inflight = tuple(task_ids)
+        record = self._get(batch_id)
+        record.inflight, record.handed_back = tuple(task_ids), False
 
     async def note(self, batch_id: str, text: str) -> None:
-        self._get(batch_id).note = text
+        record = self._get(batch_id)
+        record.note, record.handed_back = text, False
+
+    async def hand_back(self, batch_id: str, receipt: str) -> bool:
+        record = self._get(batch_id)
+        delivery = record.counted.get(receipt)
+        if delivery is None or delivery != record.deliveries or (delivery > 1 and receipt not in record.answered):
+            return False
+        record.handed_back = True
+        return True
 
     async def finish(self, batch_id: str) -> None:
         self._records.pop(batch_id, None)

@@ -84,3 +84,48 @@ async def test_a_reply_lost_after_the_write_counts_and_strikes_once(infra: Any, 
     assert count == 1, f"a first delivery whose reply was lost is the first, got {count}"
     assert suspects.marked, "the mark read by the lost call is answered again"
     assert dict(suspects.strikes) == {"t2": 1}, f"the marked task struck once, no other: {dict(suspects.strikes)}"
+
+
+async def test_a_recorded_hand_back_strikes_nothing_and_an_unrecorded_one_still_does(log: DeliveryLog) -> None:
+    """A worker that gave the batch back alive (its drain ran out) did not die of its inputs."""
+    await log.begin("b", "r1")  # a first delivery, handed back on a graceful stop
+    assert await log.hand_back("b", "r1"), "the latest delivery records its hand-back"
+    await log.begin("b", "r2")
+    handed = await log.suspects("b", ["t1", "t2"], "r2")
+    assert handed.handed_back and not handed.task_ids and not handed.strikes, f"no suspect, no strike: {handed}"
+    await log.mark("b", ["t1", "t2"])  # r2 runs them, and dies without a word
+    await log.begin("b", "r3")
+    died = await log.suspects("b", ["t1", "t2"], "r3")
+    assert not died.handed_back and dict(died.strikes) == {"t1": 1, "t2": 1}, f"a death strikes: {died}"
+
+
+async def test_a_hand_back_counts_only_for_the_latest_delivery_once_it_read_the_death_before_it(
+    log: DeliveryLog,
+) -> None:
+    await log.begin("b", "r1")
+    await log.mark("b", ["t2"])  # r1 dies running t2
+    await log.begin("b", "r2")
+    assert not await log.hand_back("b", "r2"), "r2 had not read r1's death: that death still counts"
+    assert not await log.hand_back("b", "r1"), "r1's delivery is not the latest"
+    assert not await log.hand_back("gone", "r1"), "a batch never counted has nothing to hand back"
+    await log.begin("b", "r3")
+    suspects = await log.suspects("b", ["t1", "t2"], "r3")
+    assert not suspects.handed_back and dict(suspects.strikes) == {"t2": 1}, suspects
+    assert await log.hand_back("b", "r3"), "r3 read the death before it"
+    await log.begin("b", "r4")
+    assert not (await log.suspects("b", ["t1", "t2"], "r4")).strikes, "r3's hand-back strikes nothing"
+
+
+async def test_a_mark_or_a_note_after_a_hand_back_undoes_it(log: DeliveryLog) -> None:
+    """A call that goes on after a revocation's hand-back may still mark its next group, or hang."""
+    await log.begin("b", "r1")
+    await log.hand_back("b", "r1")
+    await log.mark("b", ["t2"])
+    await log.begin("b", "r2")
+    marked = await log.suspects("b", ["t1", "t2"], "r2")
+    assert not marked.handed_back and dict(marked.strikes) == {"t2": 1}, marked
+    await log.hand_back("b", "r2")
+    await log.note("b", "hung")
+    await log.begin("b", "r3")
+    hung = await log.suspects("b", ["t1", "t2"], "r3")
+    assert hung.note == "hung" and dict(hung.strikes) == {"t1": 1, "t2": 2}, f"a hang strikes: {hung}"

@@ -2,7 +2,8 @@
 
 ``<ns>:deliveries:<batch_id>`` holds ``n`` (deliveries so far), ``inflight`` (JSON list of the
 task ids in flight right now, written before each backend call of a redelivered batch), ``note``
-(why the last holder gave up), ``s:<task_id>`` (strikes), and per receipt of the batch by a worker
+(why the last holder gave up), ``back`` (the last holder handed it back alive: no strikes; a mark or
+a note deletes it), ``s:<task_id>`` (strikes), and per receipt of the batch by a worker
 the answers it got: ``d:<receipt>`` (its delivery number) and ``a:<receipt>`` (its suspects, JSON).
 A call retried after its reply was lost (the connection dropped once the script ran) finds its
 answer there and changes nothing. The first delivery of a batch costs one round trip (a script)
@@ -31,24 +32,27 @@ return n
 """
 
 # KEYS[1] the batch's hash. ARGV[1] ttl ms, ARGV[2] the receipt, ARGV[3..] the task ids still to run.
-# Returns {marked 0/1, note or '', id1, strikes1, id2, strikes2, ...}: the receipt's first answer.
+# Returns {marked 0/1, note or '', handed back 0/1, id1, strikes1, id2, strikes2, ...}: the receipt's
+# first answer.
 _SUSPECTS = """
 local answered = redis.call('HGET', KEYS[1], 'a:' .. ARGV[2])
 if answered then return cjson.decode(answered) end
 local raw = redis.call('HGET', KEYS[1], 'inflight')
 local note = redis.call('HGET', KEYS[1], 'note')
-redis.call('HDEL', KEYS[1], 'inflight', 'note')
+local back = redis.call('HGET', KEYS[1], 'back')
+redis.call('HDEL', KEYS[1], 'inflight', 'note', 'back')
 local given = {}
 for i = 3, #ARGV do given[ARGV[i]] = true end
 local suspects = {}
-if raw then
+if back then  -- handed back alive: nothing is suspect
+elseif raw then
   for _, id in ipairs(cjson.decode(raw)) do
     if given[id] then table.insert(suspects, id) end
   end
 else
   for i = 3, #ARGV do table.insert(suspects, ARGV[i]) end
 end
-local out = {raw and 1 or 0, note or ''}
+local out = {raw and 1 or 0, note or '', back and 1 or 0}
 for _, id in ipairs(suspects) do
   table.insert(out, id)
   table.insert(out, redis.call('HINCRBY', KEYS[1], 's:' .. id, 1))
@@ -56,6 +60,17 @@ end
 redis.call('HSET', KEYS[1], 'a:' .. ARGV[2], cjson.encode(out))
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return out
+"""
+
+# KEYS[1] the batch's hash. ARGV[1] ttl ms, ARGV[2] the receipt. Returns 1 if the hand-back is recorded:
+# the receipt's delivery is the latest, and the first, or one that read the death before it.
+_HAND_BACK = """
+local counted = redis.call('HGET', KEYS[1], 'd:' .. ARGV[2])
+if not counted or counted ~= redis.call('HGET', KEYS[1], 'n') then return 0 end
+if counted ~= '1' and redis.call('HEXISTS', KEYS[1], 'a:' .. ARGV[2]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'back', 1)
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return 1
 """
 
 
@@ -82,6 +97,7 @@ class RedisDeliveryLog:
         self._client = self._commands.redis
         self._begin = self._client.register_script(_BEGIN)
         self._suspects = self._client.register_script(_SUSPECTS)
+        self._hand_back = self._client.register_script(_HAND_BACK)
 
     async def start(self) -> None:
         await self._commands.start()
@@ -103,15 +119,23 @@ class RedisDeliveryLog:
             reply: list[Any] = await self._suspects(keys=[key], args=[self.ttl_ms, receipt, *task_ids])
         except REDIS_ERRORS as err:
             raise translate(f"reading what was in flight of batch {batch_id}", err) from err
-        marked, note, rest = int(reply[0]), _text(reply[1]), reply[2:]
+        marked, note, back, rest = int(reply[0]), _text(reply[1]), int(reply[2]), reply[3:]
         strikes = {_text(rest[i]): int(rest[i + 1]) for i in range(0, len(rest), 2)}
-        return Suspects(frozenset(strikes), strikes, marked=bool(marked), note=note or None)
+        return Suspects(frozenset(strikes), strikes, marked=bool(marked), note=note or None, handed_back=bool(back))
 
     async def mark(self, batch_id: str, task_ids: Sequence[str]) -> None:
         await self._hset(batch_id, "inflight", json.dumps(list(task_ids)), "marking tasks in flight")
 
     async def note(self, batch_id: str, text: str) -> None:
         await self._hset(batch_id, "note", text, "noting why a worker gave up")
+
+    async def hand_back(self, batch_id: str, receipt: str) -> bool:
+        key = self.names.delivery_record(batch_id)
+        try:
+            recorded = await self._hand_back(keys=[key], args=[self.ttl_ms, receipt])
+        except REDIS_ERRORS as err:
+            raise translate(f"recording the hand-back of batch {batch_id}", err) from err
+        return bool(recorded)
 
     async def finish(self, batch_id: str) -> None:
         try:
@@ -124,6 +148,7 @@ class RedisDeliveryLog:
         try:
             async with self._client.pipeline(transaction=True) as pipe:
                 pipe.hset(key, field, value)
+                pipe.hdel(key, "back")  # a hand-back undone: the batch still runs here, or hung
                 pipe.pexpire(key, self.ttl_ms)
                 await pipe.execute()
         except REDIS_ERRORS as err:
