@@ -6,7 +6,8 @@ it returns the groups to run (each marked in flight before it runs, so the next 
 suspects by half: a crash bisection across deliveries) and the inputs to dead-letter: one that was
 in flight *alone* when a worker died, and has been in flight at ``max_deliveries`` deaths in all.
 Healthy inputs of the batch still get their answers; a random kill -9 never dead-letters anything
-unless the same input was in flight at ``max_deliveries`` deaths.
+unless the same input was in flight at ``max_deliveries`` deaths. A batch its last holder recorded
+handing back alive has no suspects: it runs in one group, and no input is struck.
 """
 
 from __future__ import annotations

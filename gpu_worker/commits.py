@@ -54,6 +54,8 @@ class Slot:
     stored: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     """Done once its store was tried (or it was given up): its commit may go."""
     done: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    receipt: str | None = None
+    """This worker's receipt of the delivery (``DeliveryLog.begin``), once it counts it: a hand-back names it."""
 
 
 class Committer:
@@ -93,8 +95,8 @@ class Committer:
         self.given_back: list[Batch] = []
         """The batches left uncommitted, in the order they came."""
         self._tasks: list[asyncio.Task[None]] = []
-        self.in_hand = 0
-        """Batches fetched and not yet through (committed, or held back)."""
+        self._in_hand: list[Slot] = []
+        """Batches fetched and not yet through (committed, or held back), in the order they came."""
 
     def start(self) -> None:
         self._tasks = [
@@ -107,8 +109,17 @@ class Committer:
         filled or given up, or no later batch is committed."""
         slot = Slot(delivered)
         self._commits.put_nowait(slot)
-        self.in_hand += 1
+        self._in_hand.append(slot)
         return slot
+
+    @property
+    def in_hand(self) -> int:
+        """Batches fetched and not yet through (committed, or held back)."""
+        return len(self._in_hand)
+
+    def holding(self, partitions: frozenset[int] | None = None) -> list[Slot]:
+        """The slots of the batches in hand (of ``partitions``, else all)."""
+        return [slot for slot in self._in_hand if partitions is None or slot.delivered.partition in partitions]
 
     def fill(self, slot: Slot, states: list[TaskState], call: Timed = None) -> asyncio.Future[None]:
         """Queues the batch's results (none for an undecodable one) to be stored at once; the future
@@ -175,7 +186,7 @@ class Committer:
             finally:
                 if not handed.done.done():  # a waiter that was cancelled cancelled it
                     handed.done.set_result(None)
-                self.in_hand -= 1
+                self._in_hand.remove(handed)
                 self._commits.task_done()
 
     async def _store(self, handed: Slot) -> None:

@@ -64,13 +64,14 @@ class Redelivery:
         )
         decided = careful.plan(todo, lambda item: item.task_id, suspects, self.max_deliveries)
         metrics.REDELIVERED.labels(worker=self.worker_id).inc()
+        gone = "handed it back" if suspects.handed_back else "died, or could not record its hand-back"
         log.warning(
             "worker %s: batch %s is delivered for the %s time (%s); %d of %d tasks were in flight then; "
             "running %s, dead-lettering %d",
             self.worker_id,
             batch.batch_id,
             careful.ordinal(count),
-            suspects.note or "its last holder died or handed it back",
+            suspects.note or f"its last holder {gone}",
             len(suspects.task_ids),
             len(todo),
             "+".join(str(len(group)) for group in decided.groups) or "nothing",

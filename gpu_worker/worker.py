@@ -15,6 +15,8 @@ Faults, in the order a batch meets them:
 * a batch delivered again (its last holder died or handed it back) runs carefully: suspects in
   halves, each group marked in flight first, results stored after each group; an input that kept
   killing workers goes to the dead-letter topic (``careful`` plans it, ``redelivery`` runs it);
+  a worker that hands batches back alive (its drain ran out on a stop or a revocation) records it,
+  and their inputs get no strike for it;
   fetched again while its own call runs here (a rebalance that outlasts ``drain_timeout_s`` hands a
   kept partition back at its committed offset), it waits for that call's stored results and runs
   none of the tasks they ended;
@@ -62,6 +64,8 @@ T = TypeVar("T")
 HUNG_WRITE_S = 2.0
 """How long a worker whose backend hung waits for each of its two last writes (the delivery note,
 the late items' ends) before it stops."""
+HAND_BACK_WRITE_S = 2.0
+"""How long a worker that hands batches back alive (stopping, or revoked) waits to record it."""
 HUNG_PAST_DEADLINE = Failure(
     "deadline_exceeded",
     "the request's deadline passed while the GPU worker's backend call hung (the worker is replaced): "
@@ -185,9 +189,11 @@ class Worker:
                     self.settings.worker_id,
                     timeout,
                 )
+            handed = [] if drained else self.commits.holding()  # before the cancel lets any of them through
             self._abandon = True
             await cancel_and_wait(self._task)  # and the calls still in flight: the next owner runs their batches
             self._task = None
+            await self._record_hand_back(handed)  # once nothing here marks them any more
         await self.commits.close()  # results being stored when the drain ran out: one last try
         await self.consumer.close()
         self.runner.close()
@@ -224,6 +230,27 @@ class Worker:
                 self.settings.worker_id,
                 self.settings.drain_timeout_s,
                 sorted(partitions),
+            )
+            await self._record_hand_back(self.commits.holding(partitions))
+
+    async def _record_hand_back(self, slots: list[Slot]) -> None:
+        """Tells the delivery log that these batches go back from a live worker, so that their next
+        holder strikes none of their inputs for it (``DeliveryLog.hand_back``). Not for a worker that
+        failed or hung: that is a death. One bounded try: a hand-back not recorded counts as a death."""
+        if self.failure is not None or self.hung:
+            return
+        try:
+            async with asyncio.timeout(HAND_BACK_WRITE_S):
+                for slot in slots:
+                    batch = slot.delivered.value
+                    if batch is not None and slot.receipt is not None:
+                        await self.deliveries.hand_back(batch.batch_id, slot.receipt)
+        except (TransportError, TimeoutError) as err:
+            log.warning(
+                "worker %s: could not record that it hands its batches back alive (%s): their next holder "
+                "counts it as a death of their inputs",
+                self.settings.worker_id,
+                str(err) or "timed out",
             )
 
     async def _guarded(self) -> None:
@@ -346,7 +373,8 @@ class Worker:
         call_ms = (self.runner.expected_s or 0.0) * 1000
         ends_by_ms = now + round(self.pipeline.busy_for_s() * 1000 + call_ms)
         ended, live = self.admission.expire_late(batch, ends_by_ms, call_ms)
-        receipt = uuid.uuid4().hex  # the same on each retry: a count or read whose reply was lost is not done twice
+        # The same on each retry: a count or read whose reply was lost is not done twice.
+        receipt = slot.receipt = uuid.uuid4().hex
         count, todo = await self.admission.count_and_admit(batch, live, receipt)
         if not todo or count != 1:
             # A careful run waits for the calls in flight (one at a time), and every batch's

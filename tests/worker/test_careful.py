@@ -8,16 +8,22 @@ partition and delivery log, and gets the same batch again, as Kafka would redeli
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import Counter
 from collections.abc import Sequence
 
+import pytest
+
 from gpu_worker.careful import plan
+from gpu_worker.settings import WorkerSettings
+from gpu_worker.worker import Worker
 from schemas.deadletter import DEAD_LETTERED
 from schemas.records import Batch, TaskStatus
 from telemetry import metrics
-from tests.support.worker_rig import Rig, ScriptedBackend, now_ms
+from tests.support.eventually import eventually
+from tests.support.worker_rig import RecordingConsumer, Rig, ScriptedBackend, now_ms
 from transport.deliveries import MemoryDeliveryLog, Suspects
-from transport.ports import TransportError
+from transport.ports import PartitionsCallback, TransportError
 
 
 def suspects(ids: set[str], strikes: int, marked: bool = True) -> Suspects:
@@ -220,3 +226,96 @@ async def test_a_redelivery_whose_suspects_were_answered_too_late_keeps_the_mark
     await worker.close()
     assert deliveries.lost == ["b1"], f"the suspects' answer was lost once: {deliveries.lost}"
     assert backend.calls == [["a", "b"], ["c"]], f"a and b together, c (the one in flight) alone: {backend.calls}"
+
+
+async def test_a_batch_handed_back_by_each_stopping_worker_is_answered_not_dead_lettered() -> None:
+    """Rolling restarts during a long call: each worker's drain runs out and it hands the batch back.
+    Four hand-backs struck its inputs past ``max_deliveries`` (3) when each counted as a death."""
+    rig = Rig()
+    batch = rig.batch(["a", "b", "c"])
+    await rig.create(batch)
+    await rig.listen()
+    blocked: list[ScriptedBackend] = []
+    try:
+        for _ in range(4):
+            backend = ScriptedBackend(hang_on="")  # every call blocks until released
+            blocked.append(backend)
+            worker = await rig.worker(backend)
+            await rig.send(batch)
+            await eventually(functools.partial(len, backend.calls), "the worker's call to start")
+            await worker.close(drain_timeout_s=0)
+            assert worker.failure is None, f"a graceful stop: {worker.failure!r}"
+        backend = ScriptedBackend()
+        worker = await rig.worker(backend)
+        await rig.send(batch)
+        ended = await rig.ended(["t0", "t1", "t2"])
+        await worker.close()
+    finally:
+        for stuck in blocked:
+            stuck.release.set()
+    assert rig.dead_letters.letters == [], f"nothing is dead-lettered: {rig.dead_letters.letters}"
+    assert {task: state.status for task, state in ended.items()} == dict.fromkeys(
+        ["t0", "t1", "t2"], TaskStatus.COMPLETED
+    ), ended
+    assert backend.calls == [["a", "b", "c"]], f"no suspects: the batch runs in one call, got {backend.calls}"
+
+
+class Revocable(RecordingConsumer):
+    """Keeps the worker's revocation callback, for the test to revoke the partition (a rebalance)."""
+
+    async def start(self, on_assigned: PartitionsCallback, on_revoked: PartitionsCallback) -> None:
+        self.revoke = on_revoked
+        await super().start(on_assigned, on_revoked)
+
+
+async def test_a_batch_handed_back_on_a_revocation_is_recorded_so_its_next_holder_strikes_nothing() -> None:
+    rig = Rig()
+    batch = rig.batch(["a", "b"])
+    await rig.create(batch)
+    backend = ScriptedBackend(hang_on="")  # the call runs until released
+    consumer = Revocable(rig.bus, rig.committed)
+    worker = Worker(
+        WorkerSettings(worker_id="w1", drain_timeout_s=0),
+        consumer,
+        rig.credits,
+        rig.store,
+        backend,
+        deliveries=rig.deliveries,
+        dead_letters=rig.dead_letters,
+    )
+    await worker.start()
+    try:
+        await rig.send(batch)
+        await eventually(functools.partial(len, backend.calls), "the worker's call to start")
+        await consumer.revoke(frozenset({0}))  # its drain (0 s) runs out: the batch goes uncommitted
+        assert await rig.deliveries.begin(batch.batch_id, "next") == 2, "the next holder's is the second delivery"
+        suspects = await rig.deliveries.suspects(batch.batch_id, ["t0", "t1"], "next")
+    finally:
+        backend.release.set()
+        await worker.close()
+    assert suspects.handed_back and not suspects.strikes, f"a hand-back, no strike: {suspects}"
+
+
+class HandBackUnreachable(MemoryDeliveryLog):
+    """Redis is unreachable just as the worker records its hand-back."""
+
+    async def hand_back(self, batch_id: str, receipt: str) -> bool:
+        raise TransportError(f"recording the hand-back of batch {batch_id}: connection refused")
+
+
+async def test_a_hand_back_that_cannot_be_recorded_counts_as_a_death(caplog: pytest.LogCaptureFixture) -> None:
+    rig = Rig(deliveries=HandBackUnreachable())
+    batch = rig.batch(["a", "b"])
+    await rig.create(batch)
+    backend = ScriptedBackend(hang_on="")
+    worker = await rig.worker(backend)
+    try:
+        await rig.send(batch)
+        await eventually(functools.partial(len, backend.calls), "the worker's call to start")
+        await worker.close(drain_timeout_s=0)  # the stop goes on
+    finally:
+        backend.release.set()
+    await rig.deliveries.begin(batch.batch_id, "next")
+    suspects = await rig.deliveries.suspects(batch.batch_id, ["t0", "t1"], "next")
+    assert dict(suspects.strikes) == {"t0": 1, "t1": 1}, f"struck as for a crash: {suspects}"
+    assert any("could not record" in r.getMessage() for r in caplog.records), "the worker says it could not"
