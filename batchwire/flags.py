@@ -425,7 +425,8 @@ def worker(parser: argparse.ArgumentParser) -> None:
         "max_deliveries",
         int,
         "an input in flight alone at this many worker deaths is dead-lettered (a batch of one fetched behind the "
-        "call that killed its worker counts as alone: at 1 it is dead-lettered without having run)",
+        "call that killed its worker counts as alone: at 1 it is dead-lettered without having run; a batch a worker "
+        "hands back on a stop or a rebalance is no death)",
     )
     field_flag(parser, w, "hang_factor", float, "a backend call this many times its expected latency is hung (0: off)")
     field_flag(parser, w, "hang_min_s", float, "the hang limit is never shorter than this")
