@@ -57,11 +57,11 @@ async def _back_off(worker_id: str, what: str, crashes: int) -> None:
     await asyncio.sleep(backoff_s)
 
 
-async def _close_stopped(worker: Worker) -> None:
-    """Closes a worker that stopped or did not start. An error doing so is logged and goes no further:
-    raised, it would end the slot's watcher, and the slot would never be replaced again."""
+async def _close_logged(worker: Worker, drain_timeout_s: float | None = None) -> None:
+    """Closes a worker. An error doing so is logged and goes no further: raised, it would end the slot's
+    watcher (the slot never replaced again), or the shutdown before the other parts are closed."""
     try:
-        await worker.close(drain_timeout_s=0)
+        await worker.close(drain_timeout_s=drain_timeout_s)
     except Exception as err:
         log.error("embedded worker %s did not close cleanly: %r", worker.settings.worker_id, err, exc_info=err)
 
@@ -208,7 +208,7 @@ class EmbeddedRuntime:
                 await worker.offers.stop()  # no batch is sent against its credit while it is down
                 await _back_off(worker.settings.worker_id, "crashed", crashes)
             model, index = self._slots[slot]
-            await _close_stopped(worker)
+            await _close_logged(worker, drain_timeout_s=0)  # it stopped: nothing to drain
             while (fresh := await self._started(slot)) is None:  # a load that fails is a crash too
                 crashes += 1
                 await _back_off(f"{model}-worker-{index}", "could not start", crashes)
@@ -234,7 +234,7 @@ class EmbeddedRuntime:
             await fresh.start()
         except Exception as err:
             log.error("embedded worker %s could not start: %r", fresh.settings.worker_id, err, exc_info=err)
-            await _close_stopped(fresh)
+            await _close_logged(fresh, drain_timeout_s=0)
             return None
         except BaseException:  # shut down while it started: it is in no list that close() goes through
             await fresh.close(drain_timeout_s=0)
@@ -264,7 +264,7 @@ class EmbeddedRuntime:
         for watcher in self._watchers:
             watcher.cancel()
         await asyncio.gather(*self._watchers, return_exceptions=True)
-        await asyncio.gather(*(worker.close() for worker in self.workers))
+        await asyncio.gather(*(_close_logged(worker) for worker in self.workers))
         if self.heartbeats is not None:
             await self.heartbeats.close()
         await self.credits.close()

@@ -183,3 +183,33 @@ async def test_a_backend_that_raises_as_it_closes_does_not_end_the_slots_replace
     assert [r.exc_info is not None and str(r.exc_info[1]) for r in closes] == [
         "CUDA error: an illegal memory access was encountered"
     ] * 2, "each close error is logged with its traceback"
+
+
+async def test_a_backend_that_raises_as_the_runtime_shuts_down_is_logged_and_the_rest_still_close(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One worker's close error (a CUDA error at its backend's close) is logged with its traceback; the
+    other workers and the store are closed all the same, and the shutdown goes on."""
+    made: list[SimBackend] = []
+    closed: list[int] = []
+
+    class CloseFails(SimBackend):
+        def close(self) -> None:
+            closed.append(made.index(self))
+            if made.index(self) == 0:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def backend(model: str, index: int) -> SimBackend:
+        made.append(CloseFails(latency_ms=5))
+        return made[-1]
+
+    runtime = EmbeddedRuntime(EmbeddedSettings(workers_per_model=2), backend)
+    await runtime.start()
+    with caplog.at_level(logging.ERROR, logger=embedded.__name__):
+        await runtime.close()
+    assert sorted(closed) == [0, 1], f"both backends closed: {closed}"
+    assert not runtime.store.reachable(), "the store is closed after the worker whose backend raised"
+    errors = [r for r in caplog.records if r.name == embedded.__name__ and "did not close" in r.getMessage()]
+    assert [r.exc_info is not None and str(r.exc_info[1]) for r in errors] == [
+        "CUDA error: an illegal memory access was encountered"
+    ], "the close error is logged with its traceback"
