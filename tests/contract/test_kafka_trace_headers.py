@@ -4,7 +4,6 @@ tools that read the topics, beside the record's own field; no header while traci
 from __future__ import annotations
 
 import dataclasses
-import uuid
 from collections.abc import AsyncIterator
 
 import pytest
@@ -30,7 +29,10 @@ async def closer() -> AsyncIterator[Closer]:
 
 
 async def _raw(bootstrap: str, topic: str, count: int) -> list[ConsumerRecord[bytes, bytes]]:
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=f"raw-{uuid.uuid4().hex[:8]}")
+    # In no group: a group member with auto-commit that stops before it has found its coordinator
+    # retries its last commit forever (aiokafka 0.14), and on a broker no group has used yet the first
+    # lookup answers "coordinator not available" while the broker creates __consumer_offsets.
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
     await consumer.start()
     try:
         consumer.assign([TopicPartition(topic, 0)])
