@@ -26,7 +26,7 @@ from gpu_worker.backends.factory import make_backend
 from gpu_worker.journal import BatchJournal
 from gpu_worker.runner import EXIT_BACKEND_HUNG
 from gpu_worker.settings import WorkerSettings
-from gpu_worker.worker import Worker
+from gpu_worker.worker import HAND_BACK_WRITE_S, Worker
 from transport.kafka.consumers import KafkaBatchConsumer, KafkaRequestConsumer
 from transport.kafka.group import GroupTiming
 from transport.kafka.producers import DEFAULT_REQUEST_TIMEOUT_MS, KafkaBatchProducer, KafkaDeadLetterProducer
@@ -180,6 +180,12 @@ def batcher_group_timing(session_timeout_ms: int) -> GroupTiming:
     )
 
 
+def worker_group_timing(session_timeout_ms: int, drain_timeout_s: float) -> GroupTiming:
+    """The workers' group timing. Its revocation lets the batches in hand end and commit (at most
+    ``drain_timeout_s``), then records those it hands back (at most ``HAND_BACK_WRITE_S``)."""
+    return GroupTiming.revoking_within(session_timeout_ms, drain_timeout_s + HAND_BACK_WRITE_S)
+
+
 def _replica_settings(args: argparse.Namespace) -> ReplicaSettings:
     """``--redis-min-replicas`` and ``--redis-replica-wait-ms``, checked."""
     try:
@@ -214,8 +220,7 @@ class _WorkerProcess:
         credits = RedisCreditPool(redis_url, names, follower=follower)
         deliveries = RedisDeliveryLog(redis_url, names, ttl_s=shared.result_ttl_s, follower=follower)
         dead_letters = KafkaDeadLetterProducer(bootstrap, names)
-        # the worker's revocation lets the batches in hand end and commit: drain_timeout_s
-        timing = GroupTiming.revoking_within(args.session_timeout_ms, settings.drain_timeout_s)
+        timing = worker_group_timing(args.session_timeout_ms, settings.drain_timeout_s)
         consumer = KafkaBatchConsumer(bootstrap, names, settings.model, timing=timing)
         worker = Worker(
             settings,

@@ -12,11 +12,12 @@ from batchwire import role_settings as rs
 from batchwire.cli import build_parser
 from batchwire.embedded import EmbeddedRuntime, EmbeddedSettings
 from batchwire.fleet import Heartbeats
-from batchwire.roles import embedded_settings
+from batchwire.roles import embedded_settings, worker_group_timing
 from batchwire.supervise import graceful_shutdown_s
 from gateway.settings import GatewaySettings
 from gpu_worker.backends.sim import SimBackend
 from gpu_worker.settings import WorkerSettings
+from gpu_worker.worker import HAND_BACK_WRITE_S
 from schemas.records import InferenceRequest
 from tests.support.eventually import eventually
 from transport.memory.fleet import MemoryFleet
@@ -49,6 +50,16 @@ async def test_the_embedded_runtime_reports_its_transports_to_readyz() -> None:
         assert (await runtime.ready())["store"] is False
     finally:
         await runtime.close()
+
+
+def test_a_workers_group_waits_for_its_revocation_to_drain_and_record_its_hand_back() -> None:
+    """A revocation whose drain runs out then records the hand-back (up to ``HAND_BACK_WRITE_S``): a
+    coordinator that stopped waiting before that would drop the worker and refuse its commits."""
+    timing = worker_group_timing(3000, 30.0)
+    needed_ms = 3000 + 30_000 + HAND_BACK_WRITE_S * 1000
+    assert timing.rebalance_timeout_ms is not None and timing.rebalance_timeout_ms >= needed_ms, (
+        f"the group waits {timing.rebalance_timeout_ms} ms; the revocation may take {needed_ms} ms"
+    )
 
 
 def test_a_shutdown_waits_for_requests_in_hand_past_the_longest_deadline() -> None:
