@@ -47,7 +47,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def run(args: argparse.Namespace) -> int:
     """0 once every letter there was at start is printed (``--follow``: at SIGINT or SIGTERM), 1 when a record
-    did not decode, 2 when there is no topic to read."""
+    did not decode (``--follow`` too), 2 when there is no topic to read."""
     shared = SharedSettings(namespace=args.namespace, kafka_bootstrap=args.kafka_bootstrap)
     try:
         bootstrap = shared.require_kafka()
@@ -80,9 +80,10 @@ async def _print_letters(bootstrap: str, names: Names, follow: bool, limit: int 
         await asyncio.wait({printing})
     finally:
         await reader.close()
-    if printing.cancelled():
-        return 0 if follow else 130
-    printing.result()  # its failure, if it failed
+    if printing.cancelled() and not follow:
+        return 130
+    if not printing.cancelled():
+        printing.result()  # its failure, if it failed
     if reader.undecodable:
         print(
             f"batchwire dead-letters: {reader.undecodable} record(s) of {reader.topic} did not decode", file=sys.stderr

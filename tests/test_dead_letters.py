@@ -173,6 +173,44 @@ async def test_a_record_that_is_no_letter_is_logged_the_rest_printed_and_the_com
     assert "partition 0 offset 1" in err, f"the log names where the undecodable record is: {err}"
 
 
+async def test_following_a_record_that_is_no_letter_exits_1_at_sigterm(
+    infra: Any, names: Names, tmp_path: Path
+) -> None:
+    """``--follow`` ends at a signal, and still says with its status that a record did not decode."""
+    await send(infra.kafka_bootstrap, names, FIRST)
+    producer = AIOKafkaProducer(bootstrap_servers=infra.kafka_bootstrap)
+    await producer.start()
+    try:
+        await producer.send_and_wait(names.dead_letter_topic, b"not avro", partition=0)
+    finally:
+        await producer.stop()
+    await send(infra.kafka_bootstrap, names, SECOND)
+    env = environment(tmp_path, BATCHWIRE_KAFKA_BOOTSTRAP=infra.kafka_bootstrap, BATCHWIRE_NAMESPACE=names.namespace)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "batchwire.cli",
+        "dead-letters",
+        "--follow",
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert process.stdout is not None and process.stderr is not None
+    try:
+        async with asyncio.timeout(60):
+            lines = [json.loads(await process.stdout.readline() or b"null") for _ in range(2)]
+        # the letter after the bad record is printed: the bad record was read before it
+        assert [line and line["offset"] for line in lines] == [0, 2], lines
+    finally:
+        process.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(30):
+            code = await process.wait()
+    err = (await process.stderr.read()).decode()
+    assert code == 1, f"exit {code}: {err}"
+    assert "1 record(s) of" in err and "did not decode" in err, err
+
+
 async def test_a_namespace_without_the_topic_exits_2_naming_what_to_set(
     infra: Any, names: Names, tmp_path: Path
 ) -> None:
