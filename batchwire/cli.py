@@ -234,12 +234,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _options_first(argv: list[str]) -> int:
     """Options before the command: argparse alone would call the first option's value an unknown command."""
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    named = next((arg for arg in argv if arg in sub.choices), None)
-    if named is None:
+    named_at = [i for i, arg in enumerate(argv) if arg in sub.choices]
+    # A command name right after an option (``--namespace up gateway``) is likelier that option's value.
+    standalone = [i for i in named_at if i == 0 or not argv[i - 1].startswith("-") or "=" in argv[i - 1]]
+    if not named_at:
         build_parser().parse_args(argv)  # no command at all: argparse's own error, exit 2
         return 2
-    rest = list(argv)
-    rest.remove(named)
+    at = (standalone or named_at)[0]
+    named, rest = argv[at], argv[:at] + argv[at + 1 :]
     print(f"batchwire: options go after the command: batchwire {named} {' '.join(rest)}", file=sys.stderr)
     return 2
 

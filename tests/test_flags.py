@@ -183,6 +183,7 @@ def test_a_port_in_use_stops_the_role_before_anything_starts(
         (["--port", "8001", "gateway"], "batchwire gateway --port 8001"),
         (["--workers=2", "up", "--port", "8002"], "batchwire up --workers=2 --port 8002"),
         (["--duration-s", "5", "bench"], "batchwire bench --duration-s 5"),
+        (["--namespace", "up", "gateway"], "batchwire gateway --namespace up"),
     ],
 )
 def test_options_before_the_command_are_refused_showing_where_they_go(
