@@ -79,7 +79,7 @@ class PoisonBackend:
     def load(self) -> None:
         return None
 
-    def input_errors(self, inputs: list[str]) -> dict[int, InputError]:
+    def input_errors(self, inputs: Sequence[str]) -> dict[int, InputError]:
         return {i: InputError(i, "input_too_long", "too long") for i, text in enumerate(inputs) if len(text) > 50}
 
     def batchstring(self, inputs: list[str]) -> list[str]:
