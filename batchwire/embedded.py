@@ -237,7 +237,7 @@ class EmbeddedRuntime:
             await _close_logged(fresh, drain_timeout_s=0)
             return None
         except BaseException:  # shut down while it started: it is in no list that close() goes through
-            await fresh.close(drain_timeout_s=0)
+            await _close_logged(fresh, drain_timeout_s=0)  # an error there must not stand in for the cancel
             raise
         return fresh
 

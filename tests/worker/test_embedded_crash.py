@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import time
 from collections.abc import Sequence
 
@@ -213,3 +214,42 @@ async def test_a_backend_that_raises_as_the_runtime_shuts_down_is_logged_and_the
     assert [r.exc_info is not None and str(r.exc_info[1]) for r in errors] == [
         "CUDA error: an illegal memory access was encountered"
     ], "the close error is logged with its traceback"
+
+
+async def test_a_replacement_shut_down_while_it_loads_logs_an_error_at_its_close(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A shutdown that cuts a replacement's load short closes it there: an error of that close is logged, as
+    every other worker's is, and does not stand in for the cancellation (its watcher would end with it, unseen)."""
+    monkeypatch.setattr(embedded, "CRASH_BACKOFF_S", 0.01)
+    made: list[SimBackend] = []
+    loading, release = threading.Event(), threading.Event()
+
+    class SlowLoad(SimBackend):
+        def load(self) -> None:
+            if made.index(self) == 1:
+                loading.set()
+                release.wait(30)
+
+        def close(self) -> None:
+            if made.index(self) == 1:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def backend(model: str, index: int) -> SimBackend:
+        made.append(SlowLoad(latency_ms=5))
+        return made[-1]
+
+    runtime = EmbeddedRuntime(EmbeddedSettings(workers_per_model=1), backend)
+    _refuse_results(runtime, 1)
+    await runtime.start()
+    try:
+        await _submit(runtime)
+        assert await asyncio.to_thread(loading.wait, 20), "the crashed worker's replacement to start loading"
+        with caplog.at_level(logging.ERROR, logger=embedded.__name__):
+            await runtime.close()
+    finally:
+        release.set()
+    closes = [r for r in caplog.records if r.name == embedded.__name__ and "did not close" in r.getMessage()]
+    assert [r.exc_info is not None and str(r.exc_info[1]) for r in closes] == [
+        "CUDA error: an illegal memory access was encountered"
+    ], f"the replacement's close error is logged: {[r.getMessage() for r in caplog.records]}"
