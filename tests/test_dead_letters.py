@@ -76,6 +76,32 @@ async def send(bootstrap: str, names: Names, *letters: DeadLetter) -> None:
         await producer.close()
 
 
+async def following(env: dict[str, str], stdout: int = asyncio.subprocess.PIPE) -> asyncio.subprocess.Process:
+    """``batchwire dead-letters --follow`` as a process of its own, its stderr piped."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "batchwire.cli",
+        "dead-letters",
+        "--follow",
+        env=env,
+        stdout=stdout,
+        stderr=asyncio.subprocess.PIPE,
+    )
+
+
+async def send_a_bad_record_between(bootstrap: str, names: Names) -> None:
+    """``FIRST``, bytes that are no letter, ``SECOND``: offsets 0, 1 and 2 of partition 0."""
+    await send(bootstrap, names, FIRST)
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+    await producer.start()
+    try:
+        await producer.send_and_wait(names.dead_letter_topic, b"not avro", partition=0)
+    finally:
+        await producer.stop()
+    await send(bootstrap, names, SECOND)
+
+
 async def test_each_letter_prints_as_one_json_line_then_the_command_exits_0(
     infra: Any, names: Names, tmp_path: Path
 ) -> None:
@@ -127,16 +153,7 @@ async def test_follow_prints_letters_sent_after_it_started_until_sigterm(
 ) -> None:
     await send(infra.kafka_bootstrap, names, FIRST)
     env = environment(tmp_path, BATCHWIRE_KAFKA_BOOTSTRAP=infra.kafka_bootstrap, BATCHWIRE_NAMESPACE=names.namespace)
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "batchwire.cli",
-        "dead-letters",
-        "--follow",
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    process = await following(env)
     assert process.stdout is not None and process.stderr is not None
     try:
         async with asyncio.timeout(60):
@@ -156,14 +173,7 @@ async def test_follow_prints_letters_sent_after_it_started_until_sigterm(
 async def test_a_record_that_is_no_letter_is_logged_the_rest_printed_and_the_command_exits_1(
     infra: Any, names: Names, tmp_path: Path
 ) -> None:
-    await send(infra.kafka_bootstrap, names, FIRST)
-    producer = AIOKafkaProducer(bootstrap_servers=infra.kafka_bootstrap)
-    await producer.start()
-    try:
-        await producer.send_and_wait(names.dead_letter_topic, b"not avro", partition=0)
-    finally:
-        await producer.stop()
-    await send(infra.kafka_bootstrap, names, SECOND)
+    await send_a_bad_record_between(infra.kafka_bootstrap, names)
     env = environment(tmp_path, BATCHWIRE_KAFKA_BOOTSTRAP=infra.kafka_bootstrap)
 
     code, lines, err = await dead_letters(env, "--namespace", names.namespace)
@@ -177,25 +187,9 @@ async def test_following_a_record_that_is_no_letter_exits_1_at_sigterm(
     infra: Any, names: Names, tmp_path: Path
 ) -> None:
     """``--follow`` ends at a signal, and still says with its status that a record did not decode."""
-    await send(infra.kafka_bootstrap, names, FIRST)
-    producer = AIOKafkaProducer(bootstrap_servers=infra.kafka_bootstrap)
-    await producer.start()
-    try:
-        await producer.send_and_wait(names.dead_letter_topic, b"not avro", partition=0)
-    finally:
-        await producer.stop()
-    await send(infra.kafka_bootstrap, names, SECOND)
+    await send_a_bad_record_between(infra.kafka_bootstrap, names)
     env = environment(tmp_path, BATCHWIRE_KAFKA_BOOTSTRAP=infra.kafka_bootstrap, BATCHWIRE_NAMESPACE=names.namespace)
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "batchwire.cli",
-        "dead-letters",
-        "--follow",
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    process = await following(env)
     assert process.stdout is not None and process.stderr is not None
     try:
         async with asyncio.timeout(60):
@@ -236,16 +230,7 @@ async def test_a_reader_that_goes_away_ends_the_command_quietly(infra: Any, name
     await send(infra.kafka_bootstrap, names, FIRST)
     env = environment(tmp_path, BATCHWIRE_KAFKA_BOOTSTRAP=infra.kafka_bootstrap, BATCHWIRE_NAMESPACE=names.namespace)
     read_end, write_end = os.pipe()
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "batchwire.cli",
-        "dead-letters",
-        "--follow",
-        env=env,
-        stdout=write_end,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    process = await following(env, stdout=write_end)
     os.close(write_end)
     assert process.stderr is not None
     try:
