@@ -156,6 +156,28 @@ async def _drop_pubsub_and_follow(store: RedisTaskStore, raw: Redis) -> None:
         assert [r.task_id for r in replies] == ["t1"]
 
 
+async def test_an_end_published_while_the_feed_is_down_reaches_its_watcher(own_redis_url: str, names: Names) -> None:
+    """PubSub keeps nothing for a subscriber that is away: the end comes from the feed's re-read of the
+    watched task once it subscribed again, not from a long-poll's or a stream's next recheck."""
+    store = RedisTaskStore(own_redis_url, names, ttl_s=TTL_S)
+    await store.start()
+    raw = Redis.from_url(own_redis_url)
+    try:
+        await store.create(state("t1", TaskStatus.QUEUED))
+        async with store.watch("t1") as events:
+            hub = store._feed._hub
+            assert isinstance(hub, PubSubHub)
+            async with hub._lock:  # the reconnect waits for it: the end is published to no subscriber
+                assert await raw.client_kill_filter(_type="pubsub") >= 1
+                await store.apply([state("t1", TaskStatus.COMPLETED, output="ok")])
+            seen = await next_state(events)
+            assert (seen.status, seen.output) == (TaskStatus.COMPLETED, "ok")
+            assert store.reconnects >= 1
+    finally:
+        await raw.aclose()
+        await store.close()
+
+
 async def test_a_watcher_cancelled_while_the_feed_is_busy_still_unsubscribes(
     store: RedisTaskStore, raw: Redis, names: Names
 ) -> None:
