@@ -12,7 +12,7 @@ import asyncio
 import logging
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
-from contextlib import aclosing, contextmanager
+from contextlib import AsyncExitStack, aclosing, asynccontextmanager, contextmanager
 
 from gateway.answers.changes import follow
 from gateway.clock import Clock
@@ -80,7 +80,9 @@ class TaskReads:
                 return await self._get(task_id, owner)
             until = asyncio.get_running_loop().time() + wait_s
             with self.watching(client):
-                async with self._store.watch(task_id) as changes:
+                async with self._watch(task_id, owner) as changes:
+                    if isinstance(changes, TaskState):
+                        return changes
                     state = await self._get(task_id, owner)
                     async with aclosing(self._follow(changes, state, until)) as later:
                         async for change in later:
@@ -104,7 +106,10 @@ class TaskReads:
         deadline = asyncio.get_running_loop().time() + self.settings.sse_max_s
         try:
             with self.watching(client):
-                async with self._store.watch(task_id) as changes:
+                async with self._watch(task_id, owner) as changes:
+                    if isinstance(changes, TaskState):
+                        yield changes
+                        return
                     state = await self._get(task_id, owner)
                     yield state
                     async with aclosing(self._follow(changes, state, deadline)) as later:
@@ -135,6 +140,20 @@ class TaskReads:
                 task_id=task_id,
             )
         return state
+
+    @asynccontextmanager
+    async def _watch(self, task_id: str, owner: str | None) -> AsyncIterator[AsyncIterator[TaskState] | TaskState]:
+        """The task's changes; or, when the change feed cannot subscribe, its state if it has ended (an
+        ended state never changes, and a plain poll answers it meanwhile). Otherwise the feed's error."""
+        async with AsyncExitStack() as stack:
+            feed: AsyncIterator[TaskState] | TaskState
+            try:
+                feed = await stack.enter_async_context(self._store.watch(task_id))
+            except TRANSPORT_ERRORS:
+                feed = await self._get(task_id, owner)
+                if not feed.status.terminal:
+                    raise
+            yield feed
 
     async def _get(self, task_id: str, owner: str | None) -> TaskState:
         return await self._ended_if_late(await self._owned(task_id, owner))

@@ -7,7 +7,7 @@ import contextlib
 import gc
 import json
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 import httpx
@@ -189,6 +189,46 @@ async def test_a_store_failure_mid_stream_ends_it_with_an_error_event(make_rig: 
         events = await asyncio.wait_for(collect(client, task_id), 10)
     assert [e.event for e in events] == ["queued", "error"]
     assert json.loads(events[1].data)["error"]["code"] == "unavailable"
+    assert rig.gateway.watchers == 0
+
+
+class UnsubscribableStore(RecordingStore):
+    """Reads work, the change feed cannot subscribe (Redis PubSub reader dead, a SUBSCRIBE unconfirmed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ended = asyncio.Event()
+
+    async def apply(self, updates: Sequence[TaskState], *, counted: bool = True) -> list[bool]:
+        applied = await super().apply(updates, counted=counted)
+        if any(state.status.terminal for state in updates):
+            self.ended.set()
+        return applied
+
+    @asynccontextmanager
+    async def watch(self, task_id: str) -> AsyncIterator[AsyncIterator[TaskState]]:
+        raise TransportError("did not confirm SUBSCRIBE within 5.0 s")
+        yield  # pragma: no cover - makes this an async context manager's generator
+
+
+async def test_an_ended_task_is_answered_though_the_change_feed_cannot_subscribe(make_rig: RigFactory) -> None:
+    """An ended state never changes: a long-poll or a stream of it needs no feed, and a plain poll answers it
+    meanwhile. A task that has not ended still gets 503 ``unavailable``: its end could not be followed."""
+    store = UnsubscribableStore()
+    rig = await make_rig(store=store)
+    worker = await rig.worker()
+    async with serving(rig) as client:
+        done = (await client.post("/v1/tasks", json={"input": "abc"})).json()["task_id"]
+        await asyncio.wait_for(store.ended.wait(), 10)
+        polled = await client.get(f"/v1/result/{done}", params={"wait": 5})
+        assert polled.status_code == 200 and polled.json()["output"] == "cba", polled.text
+        events = await asyncio.wait_for(collect(client, done), 10)
+        assert [e.event for e in events] == ["completed"], events
+
+        worker.gate.clear()  # the worker takes no more
+        waiting = (await client.post("/v1/tasks", json={"input": "x"})).json()["task_id"]
+        refused = await client.get(f"/v1/result/{waiting}", params={"wait": 5})
+        assert refused.status_code == 503 and error_of(refused)["code"] == "unavailable", refused.text
     assert rig.gateway.watchers == 0
 
 
