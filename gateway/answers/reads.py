@@ -195,12 +195,9 @@ class TaskReads:
             return state
         try:
             ended = await self._store.cancel(state.task_id, DeadlineExceeded.code, PAST_DEADLINE, TaskStatus.EXPIRED)
-        except TRANSPORT_ERRORS:
+        except TRANSPORT_ERRORS as err:  # each watcher of the task meets it at each re-read: one line, no traceback
             log.warning(
-                "could not end late task %s; read as stored",
-                state.task_id,
-                exc_info=True,
-                extra=ids(task_id=state.task_id),
+                "could not end late task %s (%s); read as stored", state.task_id, err, extra=ids(task_id=state.task_id)
             )
             return state
         return state if ended is None else ended

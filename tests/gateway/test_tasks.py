@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import httpx
@@ -218,14 +219,20 @@ class _RefusesEnds(RecordingStore):
         raise StoreFullError("OOM command not allowed when used memory > 'maxmemory'")
 
 
-async def test_a_late_task_reads_as_stored_when_the_store_refuses_its_end(make_rig: RigFactory) -> None:
-    """Ending a late task is a read's extra: a store that refuses writes still answers the read."""
+async def test_a_late_task_reads_as_stored_when_the_store_refuses_its_end(
+    make_rig: RigFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Ending a late task is a read's extra: a store that refuses writes still answers the read, and each
+    refusal is one line (every watcher of a late task meets it at each re-read: no traceback each)."""
     rig = await make_rig(store=_RefusesEnds())
     past = now_ms() - 5_000  # past its deadline by more than the grace (--reply-recheck-s) a read gives
     await rig.store.apply([TaskState("waits", TaskStatus.QUEUED, "sim", past, past - 1000, deadline_ms=past)])
-    for wait in (0, 0.2):  # a poll, and a long-poll that reads the task again as it ends
-        polled = await rig.client.get("/v1/result/waits", params={"wait": wait})
-        assert polled.status_code == 200 and polled.json()["status"] == "queued", polled.text
+    with caplog.at_level(logging.WARNING, logger="gateway.answers.reads"):
+        for wait in (0, 0.2):  # a poll, and a long-poll that reads the task again as it ends
+            polled = await rig.client.get("/v1/result/waits", params={"wait": wait})
+            assert polled.status_code == 200 and polled.json()["status"] == "queued", polled.text
+    refusals = [r for r in caplog.records if "could not end late task waits" in r.getMessage()]
+    assert refusals and all(r.exc_info is None and "OOM command not allowed" in r.getMessage() for r in refusals)
 
 
 async def test_the_owner_cancels_a_late_task_that_no_one_ended(make_rig: RigFactory) -> None:
