@@ -22,6 +22,6 @@ class Submission:
     """When the submit began, on the gateway's ``Clock.monotonic`` (for the answer's latency)."""
     owner: str | None
     tier: Priority = Priority.NORMAL
-    """The tier it runs at (a collapsed caller that joins a computation runs at that one's)."""
+    """The tier it runs at (a collapsed caller that joins a computation runs at that one's, never a lower one)."""
     ticket: Ticket | None = None
     """Its place among the requests admission counts until the queue's counters show them."""

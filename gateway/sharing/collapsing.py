@@ -6,8 +6,9 @@ every caller still attached, in one store write, and each caller is answered. So
 leaves (a disconnect, a deadline, ``DELETE`` of its task) ends only its own task: the computation
 runs on for the others, and is cancelled only when the last caller has left. A request joins a
 computation whose deadline falls at most ``JOIN_SLACK`` of its own timeout before its own deadline
-(identical requests sent a moment apart with the same timeout share); one that would wait longer
-starts a computation of its own, which new identical requests then join.
+(identical requests sent a moment apart with the same timeout share) and was sent at its tier or a
+higher one; one that would wait longer, or at a lower tier, starts a computation of its own, which new
+identical requests then join.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from gateway.clock import Clock
 from gateway.errors import TRANSPORT_ERRORS, ClientDisconnected, DeadlineExceeded, NotReady, Unavailable
 from gateway.publisher import TaskPublisher
 from gateway.submission import Submission
-from schemas.records import TaskState, TaskStatus
+from schemas.records import Priority, TaskState, TaskStatus
 from telemetry.logs import ids
 from telemetry.metrics import COLLAPSED
 from transport.ports import TaskStore
@@ -51,6 +52,9 @@ class Computation:
     task_id: str
     model: str
     deadline: float
+    tier: Priority
+    """The tier its request was sent at: a caller of a higher tier would wait behind work its admission
+    did not count, so it starts a computation of its own."""
     callers: set[str] = field(default_factory=set)
     queued: TaskState | None = None
     """Its "queued" record once built; written only when it is cancelled (the batcher writes the first)."""
@@ -148,13 +152,14 @@ class Collapser:
 
     def _join(self, key: str, request: Submission) -> Computation:
         """The computation this caller waits for: an identical one in flight whose deadline is not
-        too early for the caller (``JOIN_SLACK``), else a new one (which replaces it under the key)."""
+        too early for the caller (``JOIN_SLACK``) and whose tier is not below the caller's, else a new
+        one (which replaces it under the key)."""
         computation = self._inflight.get(key)
         earliest = request.deadline - JOIN_SLACK * request.timeout_ms / 1000
-        if computation is not None and computation.deadline >= earliest:
+        if computation is not None and computation.deadline >= earliest and computation.tier.rank <= request.tier.rank:
             COLLAPSED.labels(model=request.model).inc()
         else:
-            computation = Computation("c-" + secrets.token_urlsafe(16), request.model, request.deadline)
+            computation = Computation("c-" + secrets.token_urlsafe(16), request.model, request.deadline, request.tier)
             self._runs.spawn(self._run(key, request, computation), name=f"collapsed-{computation.task_id}")
             self._inflight[key] = computation
         computation.callers.add(request.task_id)

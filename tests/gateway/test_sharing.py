@@ -31,7 +31,7 @@ pytestmark = pytest.mark.timeout(60)
 
 KEY_A = "alpha-key-0123456789"
 KEY_B = "bravo-key-9876543210"
-SHARING = {"deterministic_models": ("sim",)}
+SHARING: dict[str, Any] = {"deterministic_models": ("sim",)}
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -45,6 +45,10 @@ def count(metric: Any, model: str = "sim") -> float:
 
 async def infer(rig: Rig, text: str, headers: dict[str, str] | None = None, model: str = "sim") -> httpx.Response:
     return await rig.client.post("/v1/inference", json={"input": text, "model": model}, headers=headers)
+
+
+async def infer_at(rig: Rig, text: str, priority: str) -> httpx.Response:
+    return await rig.client.post("/v1/inference", json={"input": text, "priority": priority})
 
 
 def collapsed_callers(rig: Rig) -> list[str]:
@@ -147,6 +151,26 @@ async def test_the_last_caller_leaving_cancels_the_computation(make_rig: RigFact
                     break
     state = await rig.store.get(computation)
     assert state is not None and state.status is TaskStatus.CANCELLED, state
+
+
+async def test_a_request_never_joins_a_computation_of_a_lower_tier(make_rig: RigFactory) -> None:
+    """A high-priority request that joined a low one's computation would wait at the low tier, behind
+    work its admission did not count: it starts one at its own tier, which a later low request joins."""
+    rig = await make_rig(**SHARING)
+    worker = await rig.worker()
+    worker.gate.clear()
+    low = asyncio.create_task(infer_at(rig, "popular", "low"))
+    await eventually(lambda: rig.produced() == 1, "the low request's computation on the bus")
+    high = asyncio.create_task(infer_at(rig, "popular", "high"))
+    await eventually(lambda: len(collapsed_callers(rig)) == 2, "the high caller recorded")
+    later = asyncio.create_task(infer_at(rig, "popular", "low"))
+    await eventually(lambda: len(collapsed_callers(rig)) == 3, "the later low caller recorded")
+    worker.gate.set()
+    answers = [await call for call in (low, high, later)]
+
+    assert [a.status_code for a in answers] == [200, 200, 200], [a.text for a in answers]
+    sent = [request.priority.value for request in worker.seen]
+    assert sorted(sent) == ["high", "low"], f"expected a high computation beside the low one, sent {sent}"
 
 
 async def test_a_cache_hit_answers_without_the_bus_in_every_shape(make_rig: RigFactory) -> None:
