@@ -351,12 +351,16 @@ class Gateway:
     ) -> Answer | Accepted:
         """A deterministic model's request: cached, else shared with identical ones (``SharedAnswers``)."""
         if (hit := await self._shared.cached(key, submission, wait=wait)) is not None:
-            accepted = Accepted(hit.task_id, hit.model, status=hit.status)  # completed: no poll needed
-            return self._answer(hit, submission.started, shared=True) if wait else accepted
-        if wait:
+            if not wait:
+                return Accepted(hit.task_id, hit.model, status=hit.status)  # completed: no poll needed
+            answer = self._answer(hit, submission.started, shared=True)
+        elif wait:
             self._check_room()
-            return self._answer(await self._shared.computed(key, submission, watch), submission.started, shared=True)
-        return await self._enqueue(submission)
+            answer = self._answer(await self._shared.computed(key, submission, watch), submission.started, shared=True)
+        else:
+            return await self._enqueue(submission)
+        self._admission.count(submission.model, submission.tier, "answered")
+        return answer
 
     async def _answer_when_done(
         self, submission: Submission, disconnected: Disconnected | None, *, keyed: bool

@@ -15,6 +15,7 @@ from schemas.records import Priority
 from telemetry.metrics import REGISTRY
 from tests.support.gateway_rig import RigFactory, error_of
 from tests.support.queue_depth import Counters, admit_sent
+from transport.memory.cache import MemoryResultCache
 from transport.ports import Backlog
 
 pytestmark = pytest.mark.timeout(60)
@@ -103,6 +104,18 @@ async def test_the_tier_travels_on_the_request(make_rig: RigFactory) -> None:
         "high": 1,
         "normal": 1,
     }
+
+
+async def test_shared_answers_count_as_answered_too(make_rig: RigFactory) -> None:
+    """A deterministic model's synchronous 200s, computed for several callers or from the cache, are
+    answers of their tier like any other."""
+    rig = await make_rig(deterministic_models=("sim",), cache=MemoryResultCache(), cache_ttl_s=60.0)
+    await rig.worker()
+    before = tier_submits("low", "answered")
+    for _ in range(2):  # computed, then from the cache
+        answer = await rig.client.post("/v1/inference", json={"input": "same", "priority": "low"})
+        assert answer.status_code == 200, answer.text
+    assert tier_submits("low", "answered") - before == 2
 
 
 @pytest.mark.parametrize("path", ["/v1/inference", "/v1/tasks"])
