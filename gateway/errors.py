@@ -145,7 +145,8 @@ class UnsupportedMediaType(GatewayError):
 
 
 class ClientDisconnected(GatewayError):
-    """The synchronous caller closed its connection before the answer; its task was cancelled."""
+    """The synchronous caller closed its connection before the answer; its task was cancelled, unless a key
+    announced a retry."""
 
     code = "client_disconnected"
 
@@ -263,7 +264,11 @@ ERROR_TABLE: dict[str, tuple[int, str]] = {
         "The client (API key, else the peer's IP, or X-Client-Id with BATCHWIRE_TRUST_CLIENT_ID) is over "
         "BATCHWIRE_RATE_LIMIT_PER_S with bursts of BATCHWIRE_RATE_LIMIT_BURST; retry after Retry-After.",
     ),
-    "client_disconnected": (499, "The caller closed the connection before its answer; its task was cancelled."),
+    "client_disconnected": (
+        499,
+        "The caller closed the connection before its answer; its task was cancelled (with an `Idempotency-Key` "
+        "it runs on for a retry).",
+    ),
     "task_failed": (502, "The task failed; the code is the task's own error code when it has one."),
     "deadline_exceeded": (
         504,

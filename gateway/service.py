@@ -7,10 +7,11 @@ errors of ``errors.py``, so it can be driven directly (embedded mode, tests) as 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import secrets
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Literal, overload
@@ -34,6 +35,7 @@ from schemas.records import TaskState, TaskStatus
 from telemetry import spans, tracing
 from telemetry.logs import ids
 from telemetry.metrics import INFLIGHT, REQUEST_LATENCY
+from transport.cancelling import cancel_and_wait
 from transport.ports import CreditPool, KeyClaim, QueueDepth, RateLimiter, RequestProducer, ResultCache, TaskStore
 
 log = logging.getLogger(__name__)
@@ -189,8 +191,8 @@ class Gateway:
         ``model`` and ``timeout_ms`` default from the settings; a request may shorten its timeout,
         never lengthen it. With an ``idempotency_key`` that an earlier submit of ``caller.owner``
         used, nothing new is queued: the answer (or acceptance) is that of the earlier task. A
-        synchronous caller without a key whose ``disconnected`` completes has its task cancelled;
-        with a key the task runs on, for the retry the key announces. ``priority`` names the tier
+        synchronous caller whose ``disconnected`` completes is let go, and its task cancelled; with a
+        key the task runs on, for the retry the key announces. ``priority`` names the tier
         (``gateway.admission.priority``: the key's default when None, never above its ceiling).
         ``charged``: the request is one input of several whose rate-limit tokens ``charge`` took, and
         ``weight`` its tokens that ``charge`` counted.
@@ -224,7 +226,7 @@ class Gateway:
             if key is not None:
                 return await self._submit_shared(key, submission, wait, disconnected)
             if idempotency_key is not None:
-                return await self._submit_keyed(submission, wait, idempotency_key)
+                return await self._submit_keyed(submission, wait, idempotency_key, disconnected)
             if wait:
                 answer = await self._answer_when_done(submission, disconnected, keyed=False)
                 self._admission.count(model, tier, "answered")
@@ -279,8 +281,12 @@ class Gateway:
         if self._admission.active:
             await self._admission.refund(caller, inputs)
 
-    async def _submit_keyed(self, submission: Submission, wait: bool, key: str) -> Answer | Accepted:
-        """A submit with an Idempotency-Key: the earlier task's answer, or a new task the key names.
+    async def _submit_keyed(
+        self, submission: Submission, wait: bool, key: str, disconnected: Disconnected | None
+    ) -> Answer | Accepted:
+        """A submit with an Idempotency-Key: the earlier task's answer, or a new task the key names. A
+        caller that hangs up is let go (its wait no longer counts against ``max_inflight``); the task
+        runs on for the retry the key announces.
 
         A key bound to a task that is still not stored after ``UNSTORED_GRACE_S`` is one whose submit
         ended before it stored the task, and maybe before it sent its request (the answer to its claim
@@ -306,7 +312,9 @@ class Gateway:
             if not wait:
                 status = TaskStatus.QUEUED if earlier is None else earlier.status
                 return Accepted(bound.task_id, model, replayed=True, status=status)
-            state = await self._keys.ended(bound.claim, deadline, submission.timeout_ms)
+            state = await _unless_gone(
+                self._keys.ended(bound.claim, deadline, submission.timeout_ms), disconnected, bound.task_id
+            )
             if state is not None and not (
                 idempotency.starts_anew(state) and asyncio.get_running_loop().time() < deadline
             ):
@@ -316,7 +324,7 @@ class Gateway:
         bound_until = asyncio.get_running_loop().time() + submission.timeout_ms / 1000  # as the binding's deadline
         try:
             if wait:
-                return await self._answer_when_done(submission, None, keyed=True)
+                return await self._answer_when_done(submission, disconnected, keyed=True)
             return await self._enqueue(submission)
         except QueuedUnrecorded:
             raise  # the task may still run: its key stays bound to it
@@ -398,6 +406,8 @@ class Gateway:
                 task_id=task_id,
             ) from None
         except CallerGone:
+            if keyed:
+                raise _runs_on(task_id) from None
             if not record:
                 await publisher.record_late(queued)
             await publisher.cancel_abandoned(task_id)
@@ -460,3 +470,36 @@ class Gateway:
     async def cancel(self, task_id: str, *, owner: str | None = None) -> TaskState:
         """Cancels a task no worker has started yet (see ``TaskReads``)."""
         return await self._reads.cancel(task_id, owner=owner)
+
+
+def _runs_on(task_id: str) -> ClientDisconnected:
+    return ClientDisconnected(
+        "the caller closed the connection before the answer; its task runs on for a retry with the same "
+        "Idempotency-Key",
+        task_id=task_id,
+    )
+
+
+async def _unless_gone(
+    waiting: Awaitable[TaskState | None], disconnected: Disconnected | None, task_id: str
+) -> TaskState | None:
+    """``waiting``'s result, or ``ClientDisconnected`` once the caller hangs up first (a replay's wait is
+    rare: its connection is watched from the start). The task runs on."""
+    if disconnected is None:
+        return await waiting
+
+    async def gone() -> None:
+        with contextlib.suppress(Exception):  # a receive channel that fails cannot carry an answer either
+            await disconnected()
+
+    result = asyncio.ensure_future(waiting)
+    hung_up = asyncio.create_task(gone())
+    try:
+        await asyncio.wait({result, hung_up}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        await cancel_and_wait(hung_up)
+        if not result.done():
+            await cancel_and_wait(result)
+    if result.cancelled():
+        raise _runs_on(task_id)
+    return result.result()

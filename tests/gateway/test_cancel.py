@@ -138,20 +138,27 @@ async def test_a_synchronous_caller_who_hangs_up_has_its_task_cancelled(make_rig
 
 
 async def test_a_caller_with_an_idempotency_key_who_hangs_up_keeps_its_task(make_rig: RigFactory) -> None:
-    """The key announces a retry: the task runs on so that the retry gets its answer."""
+    """The key announces a retry: the task runs on so that the retry gets its answer, and the caller who
+    hung up, and a retry who hangs up while it waits for the same task, are let go (no longer held
+    against ``max_inflight`` up to their deadline)."""
     rig = await make_rig(reply_recheck_s=0.05)
     async with serving(rig) as client:
         port = int(str(client.base_url).rsplit(":", 1)[1].rstrip("/"))
-        _, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(_raw_post("/v1/inference", {"input": "retry me"}, {"Idempotency-Key": "k-hang-up"}))
-        await writer.drain()
-        await eventually(lambda: rig.gateway.waiting == 1, "the caller to wait")
+        writers = []
+        for waiting in (1, 2):  # the first try, then a retry that waits for the same task
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(_raw_post("/v1/inference", {"input": "retry me"}, {"Idempotency-Key": "k-hang-up"}))
+            await writer.drain()
+            writers.append(writer)
+            await eventually(lambda n=waiting: rig.gateway.inflight == n, "the caller to wait")
         task_id = rig.store.created[-1].task_id
-        writer.close()
-        await writer.wait_closed()
-        await asyncio.sleep(0.3)  # six sweeps: time for a wrong cancellation to show (absence is the test)
-        assert rig.gateway.watched == 0, "a caller with a key is not watched"
-        assert (await client.get(f"/v1/result/{task_id}")).json()["status"] == "queued"
+        assert len(rig.store.created) == 1, "the retry waits for the first try's task"
+        await eventually(lambda: rig.gateway.watched == 1, "the first try's connection to be watched")
+        for writer in writers:
+            writer.close()
+            await writer.wait_closed()
+        await eventually(lambda: rig.gateway.inflight == 0 and rig.gateway.waiting == 0, "both callers to go")
+        assert (await client.get(f"/v1/result/{task_id}")).json()["status"] == "queued", "not cancelled"
         await rig.worker()
         retry = await client.post("/v1/inference", json={"input": "retry me"}, headers={"Idempotency-Key": "k-hang-up"})
         assert retry.status_code == 200, retry.text
