@@ -7,11 +7,10 @@ errors of ``errors.py``, so it can be driven directly (embedded mode, tests) as 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import secrets
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Literal, overload
@@ -22,7 +21,7 @@ from gateway.admission.validation import TokenBudget, validated
 from gateway.answers.outcomes import Accepted, Answer, answer_of
 from gateway.answers.reads import TaskReads
 from gateway.answers.replies import Replies
-from gateway.answers.waiters import CallerGone, Watch
+from gateway.answers.waiters import CallerGone, Watch, unless_gone
 from gateway.clock import Clock, SystemClock
 from gateway.errors import ClientDisconnected, DeadlineExceeded, NotReady, Overloaded, QueuedUnrecorded, Unavailable
 from gateway.keys import idempotency
@@ -35,7 +34,6 @@ from schemas.records import TaskState, TaskStatus
 from telemetry import spans, tracing
 from telemetry.logs import ids
 from telemetry.metrics import INFLIGHT, REQUEST_LATENCY
-from transport.cancelling import cancel_and_wait
 from transport.ports import CreditPool, KeyClaim, QueueDepth, RateLimiter, RequestProducer, ResultCache, TaskStore
 
 log = logging.getLogger(__name__)
@@ -312,8 +310,12 @@ class Gateway:
             if not wait:
                 status = TaskStatus.QUEUED if earlier is None else earlier.status
                 return Accepted(bound.task_id, model, replayed=True, status=status)
-            state = await _unless_gone(
-                self._keys.ended(bound.claim, deadline, submission.timeout_ms), disconnected, bound.task_id
+            replayed = self._keys.ended(bound.claim, deadline, submission.timeout_ms)
+            # A replay's wait is rare: its caller's connection is watched from the start.
+            state = await (
+                replayed
+                if disconnected is None
+                else unless_gone(replayed, disconnected, functools.partial(_runs_on, bound.task_id))
             )
             if state is not None and not (
                 idempotency.starts_anew(state) and asyncio.get_running_loop().time() < deadline
@@ -478,28 +480,3 @@ def _runs_on(task_id: str) -> ClientDisconnected:
         "Idempotency-Key",
         task_id=task_id,
     )
-
-
-async def _unless_gone(
-    waiting: Awaitable[TaskState | None], disconnected: Disconnected | None, task_id: str
-) -> TaskState | None:
-    """``waiting``'s result, or ``ClientDisconnected`` once the caller hangs up first (a replay's wait is
-    rare: its connection is watched from the start). The task runs on."""
-    if disconnected is None:
-        return await waiting
-
-    async def gone() -> None:
-        with contextlib.suppress(Exception):  # a receive channel that fails cannot carry an answer either
-            await disconnected()
-
-    result = asyncio.ensure_future(waiting)
-    hung_up = asyncio.create_task(gone())
-    try:
-        await asyncio.wait({result, hung_up}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        await cancel_and_wait(hung_up)
-        if not result.done():
-            await cancel_and_wait(result)
-    if result.cancelled():
-        raise _runs_on(task_id)
-    return result.result()

@@ -16,14 +16,36 @@ import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from schemas.records import TaskState
+from transport.cancelling import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
 # Completes when the caller's connection is gone, or after its answer was sent (ASGI's receive()
 # after the body does exactly that), whichever comes first.
 Watch = Callable[[], Awaitable[object]]
+
+
+T = TypeVar("T")
+
+
+async def unless_gone(work: Awaitable[T], gone: Watch, error: Callable[[], Exception]) -> T:
+    """``work``'s result, or ``error()`` raised once ``gone`` completes first (the client left, or its
+    receive channel failed): a wait must not hold what it counts against for a client that left
+    (uvicorn cancels nothing)."""
+    working = asyncio.ensure_future(work)
+    leaving = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({working, leaving}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        await cancel_and_wait(leaving)
+        if not working.done():
+            await cancel_and_wait(working)
+    if working.cancelled():
+        raise error()
+    return working.result()
 
 
 class CallerGone(Exception):

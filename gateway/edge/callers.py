@@ -8,7 +8,6 @@ spend another's bucket.
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -18,9 +17,9 @@ from starlette.types import Receive
 
 from gateway.admission.gate import ANONYMOUS, Caller
 from gateway.admission.priority import KeyTiers
+from gateway.answers import waiters
 from gateway.errors import ClientDisconnected, InvalidClientId
 from gateway.settings import GatewaySettings
-from transport.cancelling import cancel_and_wait
 
 T = TypeVar("T")
 
@@ -87,14 +86,8 @@ async def disconnected(receive: Receive) -> None:
 async def unless_gone(work: Awaitable[T], receive: Receive) -> T:
     """``work``'s result, or ``ClientDisconnected`` once the client has gone: a wait must not hold
     what it counts against (a long-poll's watch) for a client that left (uvicorn cancels nothing)."""
-    working = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(disconnected(receive))
-    try:
-        await asyncio.wait({working, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        await cancel_and_wait(gone)
-        if not working.done():
-            await cancel_and_wait(working)
-    if working.cancelled():
-        raise ClientDisconnected("the caller closed the connection before the answer")
-    return working.result()
+    return await waiters.unless_gone(
+        work,
+        lambda: disconnected(receive),
+        lambda: ClientDisconnected("the caller closed the connection before the answer"),
+    )
