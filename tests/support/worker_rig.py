@@ -130,11 +130,14 @@ class Rig:
 
         await self.store.listen_replies("gw", on_reply)
 
-    async def worker(self, backend: ScriptedBackend, **settings: object) -> Worker:
+    async def worker(
+        self, backend: ScriptedBackend, consumer: RecordingConsumer | None = None, **settings: object
+    ) -> Worker:
+        """A started worker on the partition (``consumer``: one of the test's own, recording as the rig's)."""
         self.generation += 1
         worker = Worker(
             WorkerSettings(worker_id=f"w{self.generation}", **settings),  # type: ignore[arg-type]
-            RecordingConsumer(self.bus, self.committed),
+            consumer or RecordingConsumer(self.bus, self.committed),
             self.credits,
             self.store,
             backend,

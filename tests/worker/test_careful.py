@@ -15,8 +15,6 @@ from collections.abc import Sequence
 import pytest
 
 from gpu_worker.careful import plan
-from gpu_worker.settings import WorkerSettings
-from gpu_worker.worker import Worker
 from schemas.deadletter import DEAD_LETTERED
 from schemas.records import Batch, TaskStatus
 from telemetry import metrics
@@ -274,16 +272,7 @@ async def test_a_batch_handed_back_on_a_revocation_is_recorded_so_its_next_holde
     await rig.create(batch)
     backend = ScriptedBackend(hang_on="")  # the call runs until released
     consumer = Revocable(rig.bus, rig.committed)
-    worker = Worker(
-        WorkerSettings(worker_id="w1", drain_timeout_s=0),
-        consumer,
-        rig.credits,
-        rig.store,
-        backend,
-        deliveries=rig.deliveries,
-        dead_letters=rig.dead_letters,
-    )
-    await worker.start()
+    worker = await rig.worker(backend, consumer, drain_timeout_s=0)
     try:
         await rig.send(batch)
         await eventually(functools.partial(len, backend.calls), "the worker's call to start")
