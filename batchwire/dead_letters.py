@@ -21,7 +21,7 @@ from batchwire import flags
 from batchwire.settings import SettingsError, SharedSettings
 from schemas.deadletter import DeadLetter
 from schemas.wire import Names
-from transport.kafka.consumers import KafkaDeadLetterReader, NoDeadLetterTopic
+from transport.kafka.dead_letters import KafkaDeadLetterReader, NoDeadLetterTopic
 from transport.ports import TransportError
 
 EXIT_UNDECODABLE = 1
