@@ -99,6 +99,22 @@ async def test_a_large_apply_is_one_call(store: RedisTaskStore) -> None:
     assert len(await store.get_many([u.task_id for u in updates])) == 2000
 
 
+async def test_one_unreadable_stored_task_leaves_the_others_of_a_get_many_readable(
+    store: RedisTaskStore, raw: Redis, names: Names, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A record another version wrote (a rolling upgrade) or a damaged one: the sweeps that read many
+    tasks at once still answer every other caller, and the one read alone says what is wrong."""
+    assert await store.apply([state("t1", TaskStatus.COMPLETED), state("t2", TaskStatus.COMPLETED)]) == [True] * 2
+    await raw.hset(names.task_key("t2"), "doc", b"not avro")
+
+    found = await store.get_many(["t1", "t2"])
+
+    assert list(found) == ["t1"] and found["t1"].status is TaskStatus.COMPLETED
+    assert "stored state of task t2 cannot be read" in caplog.text
+    with pytest.raises(TransportError, match="stored state of task t2 cannot be read"):
+        await store.get("t2")
+
+
 @pytest.fixture
 def own_redis_url(tmp_path: Path) -> Iterator[str]:
     """A redis-server of this test's own: it kills every PubSub connection, which on the shared server

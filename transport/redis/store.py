@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -77,6 +78,8 @@ from transport.redis.pools import (
 from transport.redis.sentinel import PrimaryFollower
 
 STORE_POOL = PoolOptions(max_connections=32)  # every gateway request and worker batch writes through it
+
+log = logging.getLogger(__name__)
 
 
 class RedisTaskStore:
@@ -442,7 +445,11 @@ class RedisTaskStore:
         return None if doc is None else self._decode_stored(task_id, doc, owner)
 
     async def get_many(self, task_ids: Collection[str]) -> dict[str, TaskState]:
-        """Every found task in one round trip (a pipeline of HMGETs, no transaction)."""
+        """Every found task in one round trip (a pipeline of HMGETs, no transaction).
+
+        A stored state that does not decode is logged and left out, so that one record (another
+        version's, or a damaged one) does not stop the sweeps that read many tasks from answering the
+        others; ``get`` of that task alone raises."""
         ids = list(dict.fromkeys(task_ids))
         if not ids:
             return {}
@@ -453,11 +460,14 @@ class RedisTaskStore:
             rows: list[Any] = await pipe.execute()
         except REDIS_ERRORS as err:
             raise translate(f"reading {len(ids)} task(s)", err) from err
-        return {
-            task_id: self._decode_stored(task_id, row[0], row[1])
-            for task_id, row in zip(ids, rows, strict=True)
-            if row[0]
-        }
+        found: dict[str, TaskState] = {}
+        for task_id, (doc, owner) in zip(ids, rows, strict=True):
+            if doc:
+                try:
+                    found[task_id] = self._decode_stored(task_id, doc, owner)
+                except PermanentTransportError as err:
+                    log.warning("%s; left out of a read of %d task(s)", err, len(ids))
+        return found
 
     def _decode_stored(self, task_id: str, doc: bytes | str, owner: bytes | str | None = None) -> TaskState:
         try:
