@@ -79,6 +79,8 @@ class BackendRunner:
         self.clock = clock
         self.ewma_s: float | None = None
         self.hung = False
+        self.running = False
+        """A call (or the load) runs on the thread now: the backend must not be closed under it."""
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
@@ -104,15 +106,18 @@ class BackendRunner:
             fn, args, future, timing = job
             if not future.set_running_or_notify_cancel():
                 continue
+            self.running = True
             timing.started = self.clock()
             cpu_from = time.thread_time()
             try:
                 result = fn(*args)
             except BaseException as err:  # handed to the awaiting coroutine, which decides
                 timing.cpu_s, timing.ended = time.thread_time() - cpu_from, self.clock()
+                self.running = False
                 future.set_exception(err)
             else:
                 timing.cpu_s, timing.ended = time.thread_time() - cpu_from, self.clock()
+                self.running = False
                 future.set_result(result)
 
     def _submit(

@@ -198,7 +198,7 @@ class Worker:
         await self.consumer.close()
         self.runner.close()
         try:
-            if drained and not self.runner.hung:  # never close a backend under a call that still runs
+            if not self.runner.running:  # never under a call or a load still running (hung, or given up on)
                 self.backend.close()
         finally:  # even when the backend raised: a gauge left registered keeps the backend (its model) alive
             if self.journal is not None:

@@ -15,6 +15,7 @@ import pytest
 from batchwire import embedded
 from batchwire.embedded import CRASH_BACKOFF_MAX_S, EmbeddedRuntime, EmbeddedSettings, crash_backoff_s
 from gpu_worker.backends.sim import SimBackend
+from gpu_worker.worker import Worker
 from schemas.records import InferenceRequest, TaskState, TaskStatus
 from telemetry.metrics import REGISTRY
 from transport.ports import TransportError
@@ -219,11 +220,13 @@ async def test_a_backend_that_raises_as_the_runtime_shuts_down_is_logged_and_the
 async def test_a_replacement_shut_down_while_it_loads_logs_an_error_at_its_close(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A shutdown that cuts a replacement's load short closes it there: an error of that close is logged, as
-    every other worker's is, and does not stand in for the cancellation (its watcher would end with it, unseen)."""
+    """A shutdown that cuts a replacement's load short closes the worker there, never its model under the
+    load; an error of that close is logged, as every other worker's is, and does not stand in for the
+    cancellation (its watcher would end with it, unseen)."""
     monkeypatch.setattr(embedded, "CRASH_BACKOFF_S", 0.01)
     made: list[SimBackend] = []
     loading, release = threading.Event(), threading.Event()
+    closed_under_load: list[bool] = []
 
     class SlowLoad(SimBackend):
         def load(self) -> None:
@@ -232,13 +235,20 @@ async def test_a_replacement_shut_down_while_it_loads_logs_an_error_at_its_close
                 release.wait(30)
 
         def close(self) -> None:
-            if made.index(self) == 1:
-                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            closed_under_load.append(loading.is_set() and not release.is_set())
 
     def backend(model: str, index: int) -> SimBackend:
         made.append(SlowLoad(latency_ms=5))
         return made[-1]
 
+    close = Worker.close
+
+    async def close_then_fail(worker: Worker, drain_timeout_s: float | None = None) -> None:
+        await close(worker, drain_timeout_s)
+        if made.index(worker.backend) == 1:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(Worker, "close", close_then_fail)
     runtime = EmbeddedRuntime(EmbeddedSettings(workers_per_model=1), backend)
     _refuse_results(runtime, 1)
     await runtime.start()
@@ -249,6 +259,7 @@ async def test_a_replacement_shut_down_while_it_loads_logs_an_error_at_its_close
             await runtime.close()
     finally:
         release.set()
+    assert True not in closed_under_load, "a model closed under its own load"
     closes = [r for r in caplog.records if r.name == embedded.__name__ and "did not close" in r.getMessage()]
     assert [r.exc_info is not None and str(r.exc_info[1]) for r in closes] == [
         "CUDA error: an illegal memory access was encountered"

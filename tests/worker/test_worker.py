@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -243,3 +244,41 @@ async def test_a_restarted_worker_offers_credits_its_last_run_never_did() -> Non
         finally:
             await worker.close()
     assert refs[0] != refs[1], f"both runs offered {refs[0]}"
+
+
+class SlowLoadBackend(ScriptedBackend):
+    """Its load runs until the test lets it end; notes a close that came while it ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loading = threading.Event()
+        self.load_may_end = threading.Event()
+        self.closed_while_loading = False
+
+    def load(self) -> None:
+        self.loading.set()
+        self.load_may_end.wait(timeout=30)
+        self.loading.clear()
+
+    def close(self) -> None:
+        self.closed_while_loading = self.loading.is_set()
+        super().close()
+
+
+async def test_a_worker_shut_down_while_its_model_loads_never_closes_the_model_under_the_load() -> None:
+    """A shutdown during a slow load (hf weights): the load runs on in the runner thread, and freeing the
+    model under it would crash or corrupt it. The process is ending: the backend is left unclosed."""
+    backend = SlowLoadBackend()
+    worker = Worker(
+        WorkerSettings(worker_id="w1"), MemoryBatchBus(1).consumer(0), MemoryCreditPool(), MemoryTaskStore(), backend
+    )
+    starting = asyncio.create_task(worker.start())
+    await eventually(backend.loading.is_set, "the load running on the runner thread")
+    starting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await starting
+    try:
+        await worker.close(drain_timeout_s=0)
+        assert not backend.closed_while_loading and not backend.closed, "the backend closed under its load"
+    finally:
+        backend.load_may_end.set()
