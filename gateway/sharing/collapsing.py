@@ -148,6 +148,8 @@ class Collapser:
             await self._leave(key, computation, request.task_id)
         if state.status is TaskStatus.FAILED and state.error_code == Unavailable.code:
             raise Unavailable(state.error_message or "the request bus is unavailable", task_id=request.task_id)
+        if state.status is TaskStatus.FAILED and state.error_code == NotReady.code:
+            raise NotReady(state.error_message or "the gateway is shutting down", task_id=request.task_id)
         return state
 
     def _join(self, key: str, request: Submission) -> Computation:
@@ -205,9 +207,9 @@ class Collapser:
             return state
         except TimeoutError:
             return self._ended(queued, TaskStatus.EXPIRED, DeadlineExceeded.code, "no answer within the deadline")
-        except Unavailable as err:
-            return self._ended(queued, TaskStatus.FAILED, Unavailable.code, err.message)
-        except Exception as err:  # a closing gateway's not_ready, a store error: every caller hears of it
+        except (Unavailable, NotReady) as err:  # the bus refused it, or this gateway is closing
+            return self._ended(queued, TaskStatus.FAILED, err.code, err.message)
+        except Exception as err:  # a store error: every caller hears of it
             log.warning(
                 "collapsed computation %s ended without an answer",
                 computation.task_id,

@@ -343,6 +343,23 @@ async def test_a_shared_submit_that_goes_on_after_the_gateway_closed_is_refused_
     assert gateway.waiting == 0, "no waiter is left behind"
 
 
+async def test_a_gateway_that_closes_under_collapsed_computations_refuses_their_callers_quietly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A shutdown is no failure of the computations it cuts short: each caller is answered 503
+    ``not_ready`` and nothing is logged as a computation that failed."""
+    settings = GatewaySettings(models=MODELS, default_model="sim", **SHARING)
+    gateway = Gateway(settings, MemoryRequestBus(Partitioner(MODELS, 4)).producer(), RecordingStore())
+    await gateway.start()
+    submits = [asyncio.create_task(gateway.submit(text, None, 5_000, True)) for text in ("a", "a", "b")]
+    await eventually(lambda: gateway.waiting == 5, "three callers and two computations held")
+    await gateway.close()
+    for submit in submits:
+        with pytest.raises(NotReady):
+            await asyncio.wait_for(submit, 5)
+    assert "collapsed computation" not in caplog.text, caplog.text
+
+
 # over the real Redis ------------------------------------------------------------------------------
 
 
