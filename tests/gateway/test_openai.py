@@ -150,7 +150,7 @@ async def test_what_cannot_be_answered_is_refused_with_the_clients_own_errors(cl
 
 
 @pytest.mark.parametrize(("route", "field"), [("embeddings", "input"), ("completions", "prompt")])
-@pytest.mark.parametrize("value", [5, {"text": "x"}, ["x", 1], None])
+@pytest.mark.parametrize("value", [5, {"text": "x"}, ["x", 1], None, [["x"]], [[1, "x"]]])
 async def test_a_text_field_of_another_type_is_refused_in_one_line_saying_what_to_send(
     client: openai.AsyncOpenAI, route: str, field: str, value: object
 ) -> None:

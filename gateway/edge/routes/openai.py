@@ -130,7 +130,7 @@ def _text_or_texts(value: Any) -> Any:
     if isinstance(value, list) and (
         all(isinstance(item, str) for item in value)
         or all(type(item) is int for item in value)
-        or all(isinstance(item, list) for item in value)
+        or all(isinstance(item, list) and all(type(token) is int for token in item) for item in value)
     ):
         return value
     raise PydanticCustomError(TEXT_EXPECTED, "must be a string or a list of strings")
