@@ -23,7 +23,15 @@ from gateway.answers.reads import TaskReads
 from gateway.answers.replies import Replies
 from gateway.answers.waiters import CallerGone, Watch, unless_gone
 from gateway.clock import Clock, SystemClock
-from gateway.errors import ClientDisconnected, DeadlineExceeded, NotReady, Overloaded, QueuedUnrecorded, Unavailable
+from gateway.errors import (
+    ClientDisconnected,
+    DeadlineExceeded,
+    NotReady,
+    Overloaded,
+    QueuedUnrecorded,
+    Unavailable,
+    ValidationFailed,
+)
 from gateway.keys import idempotency
 from gateway.keys.replay import UNSTORED_GRACE_S, KeyedReplay
 from gateway.publisher import TaskPublisher
@@ -264,7 +272,14 @@ class Gateway:
         (``charged``), so it is admitted whole or refused whole (``Admission.charge``). What refuses an
         input without I/O (its validation, a gateway not open) is checked first, and the inputs' token
         counts last, as a single request's are: returns them (None without a token budget), each
-        input's ``weight`` for its submit."""
+        input's ``weight`` for its submit. More inputs than this gateway holds at once (``max_inflight``)
+        would be refused 503 on every try, however idle the gateway: that is a 400 naming the limit."""
+        if len(inputs) > self.settings.max_inflight:
+            raise ValidationFailed(
+                f"this request holds {len(inputs)} inputs, more than this gateway holds at once "
+                f"({env_name('max_inflight')} = {self.settings.max_inflight}); "
+                f"send at most {self.settings.max_inflight} per request"
+            )
         if not self._admission.active:
             return None
         for input in inputs:

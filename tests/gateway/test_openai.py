@@ -264,6 +264,22 @@ async def test_a_request_of_several_inputs_takes_its_rate_limit_tokens_whole_or_
         assert "send at most 3 per request" in refused.value.message, refused.value.message
 
 
+async def test_more_strings_than_the_gateway_holds_at_once_is_a_400_not_a_503_retried_for_ever() -> None:
+    """A request of more strings than ``--max-inflight`` is refused 503 with Retry-After on every
+    try, however idle the gateway: the 400 says how many to send, as for more than a rate-limit burst."""
+    sent: list[str] = []
+    async with _client(sent, max_inflight=3) as client:
+        done = await client.embeddings.create(model="embed", input=["a", "b", "c"])
+        assert len(done.data) == 3, "as many strings as the gateway holds are answered"
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.embeddings.create(model="embed", input=["a", "b", "c", "d"])
+        assert refused.value.code == "validation_error" and "send at most 3" in refused.value.message, (
+            refused.value.message
+        )
+        assert "BATCHWIRE_MAX_INFLIGHT" in refused.value.message, refused.value.message
+    assert sent == ["/v1/embeddings"] * 2, f"the 400 is not retried: {sent}"
+
+
 async def test_a_request_refused_before_it_was_admitted_keeps_its_tokens(make_rig: RigFactory) -> None:
     """As a single request's: refused for its input (404, 413) or by the queue (503), a list takes none."""
     limits: dict[str, Any] = {"rate_limit_per_s": 0.01, "rate_limit_burst": 6}
