@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from prometheus_client import Counter
 
 from gateway.admission.fair_share import FAIR_AFTER_S, FairShare
-from gateway.admission.priority import KeyTiers
+from gateway.admission.priority import KeyTiers, request_tier
 from gateway.admission.wait import MARGIN, ModelQueue, Prediction
 from gateway.errors import GatewayError, Overloaded, RateLimited, Unavailable, ValidationFailed
 from gateway.settings import GatewaySettings, env_name
@@ -179,10 +179,17 @@ class Admission:
     async def charge(self, caller: Caller, inputs: int, check: Check | None = None) -> Sequence[int] | None:
         """Takes ``inputs`` tokens from the caller's rate limit at once, one per input of its request, so
         a request of several inputs is admitted whole or refused whole; raises ``RateLimited``,
-        ``Unavailable``, or ``ValidationFailed`` for more inputs than a burst, which no wait admits.
+        ``Unavailable``, or ``ValidationFailed`` for more inputs than a burst, or than its tier's queue
+        limit (each input admitted counts in its model's queue at once), which no wait admits.
         Then runs ``check``, what refuses the request at more cost than the token (its token count), so
         that a client over its limit never gets that far; a refusal there gives the tokens back.
         Returns the inputs' weights that ``check`` returns (None without one)."""
+        limit, setting = self._tier_limits[request_tier(None, caller.tiers)]
+        if self._queue_depth is not None and self.max_queue_depth > 0 and inputs > limit:
+            raise ValidationFailed(
+                f"this request holds {inputs} inputs, more than its model's queue admits at once at its priority "
+                f"({limit}: {_limit_of(setting, self.max_queue_depth)}); send at most {limit} per request"
+            )
         await self._take(caller, inputs)
         if check is None:
             return None

@@ -280,6 +280,24 @@ async def test_more_strings_than_the_gateway_holds_at_once_is_a_400_not_a_503_re
     assert sent == ["/v1/embeddings"] * 2, f"the 400 is not retried: {sent}"
 
 
+async def test_more_strings_than_the_models_queue_admits_is_a_400_not_a_503_retried_for_ever(
+    make_rig: RigFactory,
+) -> None:
+    """Each string admitted counts in its model's queue at once, so a request of more strings than its
+    tier's queue limit was refused 503 on every try, however idle the deployment."""
+    rig = await make_rig(queue_depth="bus", max_queue_depth=3)  # "normal" is refused from ceil(3 * 0.8) = 3
+    await rig.worker()
+    done = await rig.client.post("/v1/completions", json={"model": "sim", "prompt": ["ab", "cd", "ef"]})
+    assert done.status_code == 200, done.text
+    await eventually(lambda: rig.bus.lag() == 0, "the worker to drain the queue")
+    for path, field in (("/v1/completions", "prompt"), ("/v1/embeddings", "input")):
+        refused = await rig.client.post(path, json={"model": "sim", field: ["ab", "cd", "ef", "gh"]})
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "validation_error" and "send at most 3 per request" in error["message"], error
+        assert "BATCHWIRE_QUEUE_FRACTION_NORMAL" in error["message"], error
+
+
 async def test_a_request_refused_before_it_was_admitted_keeps_its_tokens(make_rig: RigFactory) -> None:
     """As a single request's: refused for its input (404, 413) or by the queue (503), a list takes none."""
     limits: dict[str, Any] = {"rate_limit_per_s": 0.01, "rate_limit_burst": 6}
