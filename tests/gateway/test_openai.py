@@ -163,6 +163,17 @@ async def test_a_text_field_of_another_type_is_refused_in_one_line_saying_what_t
     assert body.get("message") == f"field '{field}' must be a string or a list of strings", body
 
 
+@pytest.mark.parametrize("value", [5, ["x", 1], {"text": "x"}])
+async def test_a_stop_of_another_type_is_refused_in_one_line_saying_what_to_send(
+    client: openai.AsyncOpenAI, value: object
+) -> None:
+    """As ``prompt``'s: not ``stop.str`` and ``stop.list[str].1``, shapes no caller wrote."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        await client.post("/completions", body={"model": "sim", "prompt": "x", "stop": value}, cast_to=object)
+    body = refused.value.body
+    assert isinstance(body, dict) and body.get("message") == "field 'stop' must be a string or a list of strings", body
+
+
 async def test_every_error_the_routes_answer_has_openais_four_fields(client: openai.AsyncOpenAI) -> None:
     """OpenAI's error object always holds ``message``, ``type``, ``param`` and ``code`` (``param`` null
     where no one parameter is at fault); clients typed on it read each one."""

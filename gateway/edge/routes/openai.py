@@ -136,6 +136,15 @@ def _text_or_texts(value: Any) -> Any:
     raise PydanticCustomError(TEXT_EXPECTED, "must be a string or a list of strings")
 
 
+def _stop_or_stops(value: Any) -> Any:
+    """As ``_text_or_texts``, for ``stop``: one refusal, not a line per branch of its type union."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return value
+    raise PydanticCustomError(TEXT_EXPECTED, "must be a string or a list of strings")
+
+
 class EmbeddingsBody(BaseModel):
     """OpenAI's embeddings request; ``user`` and fields this API does not know are ignored."""
 
@@ -160,7 +169,7 @@ class CompletionsBody(BaseModel):
     model: str
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str] | None, BeforeValidator(_stop_or_stops)] = None
     echo: bool = False
     n: int = 1
     best_of: int | None = None
