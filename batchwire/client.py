@@ -16,8 +16,8 @@ What it does for its callers, so that each need not learn the protocol:
   request to (``timeout_ms``), and an attempt gives up on an answer still coming past that deadline
   and ``GRACE_S``; a submit with no time (a ``timeout`` of 0 or less) raises
   :class:`DeadlineExceeded` unsent;
-- every answer is a typed error or the API's JSON: a success that is not (a proxy's page) raises
-  :class:`ServerError` ``invalid_answer``;
+- every answer is a typed error or the API's JSON (or event stream): a success that is not (a proxy's
+  page) raises :class:`ServerError` ``invalid_answer``;
 - an event stream that drops, or that the server ends before the task (BATCHWIRE_SSE_MAX_S), reconnects
   with ``Last-Event-ID``, so each status arrives once.
 
@@ -278,6 +278,22 @@ def _answer(response: httpx.Response, field: str) -> dict[str, Any]:
             response.status_code,
         )
     return doc
+
+
+def _is_event_stream(response: httpx.Response) -> bool:
+    media_type: str = response.headers.get("content-type", "")
+    return media_type.partition(";")[0].strip().lower() == "text/event-stream"
+
+
+def _not_events(response: httpx.Response) -> ServerError:
+    """A success that is no event stream (a proxy's page answered 200): read as one it carries no event,
+    and ``events`` would take it for a stream the gateway ended before the task, again for as long as it came."""
+    return ServerError(
+        "invalid_answer",
+        f"the {response.status_code} answer is not an event stream (Content-Type "
+        f"{response.headers.get('content-type')!r}; a proxy's page?): {response.text[:200]!r}",
+        response.status_code,
+    )
 
 
 def _error(
@@ -793,6 +809,9 @@ class Client(_ClientBase):
                     if not response.is_success:
                         response.read()
                         raise error_of(response)
+                    if not _is_event_stream(response):
+                        response.read()
+                        raise _not_events(response)
                     for text in response.iter_text():
                         yield from follow.text(text)
                         if follow.ended:
@@ -967,6 +986,9 @@ class AsyncClient(_ClientBase):
                     if not response.is_success:
                         await response.aread()
                         raise error_of(response)
+                    if not _is_event_stream(response):
+                        await response.aread()
+                        raise _not_events(response)
                     async for text in response.aiter_text():
                         for event in follow.text(text):
                             yield event

@@ -619,6 +619,37 @@ async def test_a_success_that_is_not_the_apis_json_is_a_server_error() -> None:
     assert raised.value.code == "invalid_answer" and raised.value.status == 200
 
 
+def _a_proxys_page_then_the_task(opened: list[str]) -> httpx.MockTransport:
+    """A captive portal's page answered 200 to the first few event streams asked for, then the task's end."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        opened.append(request.url.path)
+        if len(opened) <= 3:
+            return _a_proxys_page(request)
+        body = state_event(state(TaskStatus.COMPLETED, output="x"))
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+    return httpx.MockTransport(handler)
+
+
+async def test_an_event_stream_answered_with_a_proxys_page_is_a_server_error_not_reconnected_for_ever() -> None:
+    """A page is no event stream: read as one it carried no event, so ``events`` took it for a stream the
+    gateway ended before the task and reconnected for as long as the page came, spending no retry."""
+    opened: list[str] = []
+    with (
+        Client("http://gw", transport=_a_proxys_page_then_the_task(opened)) as client,
+        pytest.raises(ServerError) as raised,
+    ):
+        list(client.events("t1"))
+    assert raised.value.code == "invalid_answer" and "captive portal" in raised.value.message, raised.value
+    aopened: list[str] = []
+    async with AsyncClient("http://gw", transport=_a_proxys_page_then_the_task(aopened)) as aclient:
+        with pytest.raises(ServerError) as araised:
+            _ = [event async for event in aclient.events("t1")]
+    assert araised.value.code == "invalid_answer", araised.value
+    assert len(opened) == len(aopened) == 1, f"asked once each: {opened}, {aopened}"
+
+
 async def test_a_submit_with_no_time_left_is_refused_unsent() -> None:
     """A timeout of 0 or less (or NaN) would queue a task already past its deadline: nothing is sent."""
     sent: list[httpx.Request] = []
