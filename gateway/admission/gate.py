@@ -257,14 +257,22 @@ class Admission:
                         f"are refused from {limit} ({_limit_of(setting, self.max_queue_depth)}); nothing was "
                         "queued: retry after the Retry-After delay"
                     )
-        if not charged and (weights := await self.charge(caller, 1, check)):
-            weight = weights[0]
+        # Its place is taken before the rate limit's round trip and the token count, so the requests
+        # checked meanwhile count it: a burst is held against all of itself, not let through whole.
+        ticket = unseen.admitted() if unseen is not None and queue_depth is not None else None
+        try:
+            if not charged and (weights := await self.charge(caller, 1, check)):
+                weight = weights[0]
+        except BaseException:
+            if ticket is not None:
+                ticket.close()
+            raise
         queue = self._queues.get(model)
         if queue is not None:
             queue.mix.admitted(tier)
         if client is not None:
             self._fair.admitted(model, client, self._clock(), weight)
-        return unseen.admitted() if unseen is not None and queue_depth is not None else None
+        return ticket
 
     def answered(self, model: str, latency_s: float) -> None:
         """A synchronous answer's latency: the fastest recent one is the model's service time."""

@@ -11,6 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
+from batcher.tokens import estimated
+from gateway.admission.validation import LONG_INPUT_CHARS
 from gateway.edge.auth import digest_of
 from schemas.wire import Names
 from tests.support.eventually import eventually
@@ -56,6 +58,19 @@ async def test_the_queue_limit_lifts_as_workers_take_requests(make_rig: RigFacto
     await eventually(lambda: rig.bus.lag() == 0, "the worker to drain the queue")
     answer = await rig.client.post("/v1/inference", json={"input": "room again"})
     assert answer.status_code == 200, answer.text
+
+
+async def test_a_concurrent_burst_past_max_queue_depth_is_refused_beyond_the_limit(make_rig: RigFactory) -> None:
+    """Each request's check awaits between its queue check and its admission (a long input is counted
+    off the event loop; a Redis rate limit is a round trip): the requests checked meanwhile must count
+    the ones ahead of them, or a burst passes the limit whole."""
+    rig = await make_rig(queue_depth="bus", max_queue_depth=3, max_batch_tokens=100_000, count_tokens=estimated)
+    long = "l" * LONG_INPUT_CHARS
+    burst = [rig.client.post("/v1/tasks", json={"input": f"{index}{long}"}) for index in range(10)]
+    statuses = sorted(response.status_code for response in await asyncio.gather(*burst))
+
+    assert statuses == [202] * 3 + [503] * 7, f"3 of 10 admitted at max_queue_depth=3, got {statuses}"
+    assert rig.produced() == 3, f"{rig.produced()} requests reached the bus; the limit is 3"
 
 
 async def test_max_queue_depth_zero_turns_the_check_off(make_rig: RigFactory) -> None:
