@@ -217,6 +217,9 @@ class Gateway:
         # (admission runs it after taking the token); a charged input's was run by ``charge``.
         count = None if self._token_budget is None else functools.partial(self._token_budget.check, input)
         try:
+            # Before admission, which takes the client's rate-limit token: a request refused here takes none.
+            if (full := self._store.full(model)) is not None:
+                raise Overloaded(full)
             if self._admission.active:
                 check = None if charged else count
                 ticket = await self._admission.admit(
@@ -224,8 +227,6 @@ class Gateway:
                 )
             elif count is not None:
                 await count()
-            if (full := self._store.full(model)) is not None:
-                raise Overloaded(full)
             deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
             task_id = secrets.token_urlsafe(16)
             submission = Submission(task_id, input, model, timeout_ms, deadline, started, caller.owner, tier, ticket)

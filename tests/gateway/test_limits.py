@@ -14,13 +14,16 @@ import pytest
 from batcher.tokens import estimated
 from gateway.admission.validation import LONG_INPUT_CHARS
 from gateway.edge.auth import digest_of
+from schemas.records import TaskStatus
 from schemas.wire import Names
 from tests.support.eventually import eventually
 from tests.support.gateway_rig import MODELS, RigFactory, error_of, http_scope
+from tests.support.task_states import state
 from tests.support.transport_kits import ensure_topics
 from transport.kafka.lag import KafkaQueueDepth
 from transport.kafka.producers import KafkaRequestProducer
 from transport.memory.limits import MemoryRateLimiter
+from transport.memory.store import MemoryTaskStore, state_bytes
 from transport.redis.limits import RedisRateLimiter
 from transport.routing import Partitioner
 
@@ -202,6 +205,21 @@ async def test_a_client_over_its_rate_gets_429_with_the_wait_and_the_setting(mak
     assert rig.produced() == 2, "a rate-limited request is not queued"
     other = await rig.client.post("/v1/tasks", json={"input": "d"}, headers={"X-Client-Id": "client-2"})
     assert other.status_code == 202, "each client has its own bucket"
+
+
+async def test_a_request_refused_by_a_full_store_keeps_its_rate_limit_token(make_rig: RigFactory) -> None:
+    """The embedded store's memory budget refuses a request (503) as the queue does: it takes none of
+    its client's bucket, so the retry the 503 asks for is not refused 429."""
+    live = state("live", TaskStatus.QUEUED, model="sim", output="x" * 10_000)
+    store = MemoryTaskStore(max_bytes=state_bytes(live))
+    assert await store.create(live)  # held by a task not ended: the store is full
+    rig = await make_rig(store=store, **_limited(0.01, 2))
+
+    refused = [await rig.client.post("/v1/tasks", json={"input": f"refused{index}"}) for index in range(2)]
+    assert [(r.status_code, error_of(r)["code"]) for r in refused] == [(503, "overloaded")] * 2, refused[0].text
+    assert await store.apply([state("live", TaskStatus.COMPLETED, model="sim", output="x")]) == [True]
+    statuses = [(await rig.client.post("/v1/tasks", json={"input": f"t{index}"})).status_code for index in range(3)]
+    assert statuses == [202, 202, 429], "the refused requests took none of the bucket's two tokens"
 
 
 async def test_without_a_client_id_the_address_is_the_client(make_rig: RigFactory) -> None:
