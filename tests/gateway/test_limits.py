@@ -263,7 +263,7 @@ async def test_a_malformed_client_id_is_400(make_rig: RigFactory, client_id: str
 
 async def test_rate_limits_off_cost_no_check(make_rig: RigFactory) -> None:
     class Exploding(MemoryRateLimiter):
-        async def acquire(self, client: str) -> float:
+        async def acquire(self, client: str, tokens: int = 1) -> float:
             raise AssertionError("the limiter must not be asked when rate limits are off")
 
     rig = await make_rig(limiter=Exploding(1, 1), rate_limit_per_s=0)
