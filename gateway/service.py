@@ -320,6 +320,8 @@ class Gateway:
                 scope, key, task_id, fingerprint, self._clock.wall_ms() + submission.timeout_ms
             )
         ).task_id != task_id:
+            if submission.ticket is not None:
+                submission.ticket.close()  # this retry waits for the bound task: the queue holds no request of its
             earlier = bound.earlier or await self._keys.stored(bound.task_id, UNSTORED_GRACE_S)
             if earlier is None and not await self._resend(submission, bound.claim):
                 continue  # ended expired: the next claim replaces it

@@ -4,8 +4,9 @@ Admission holds each request against the queue ahead of it, read from counters t
 gateway: over Kafka they are offsets read every ``refresh_s``, and a request is in them only once
 its produce landed before the read began. Under a burst, produces wait behind each other for longer
 than a refresh, so a request counts as *unseen* from its admission until it was sent before a read
-of the counters began. One never sent (a cached answer, a collapsed caller, a failed publish) stops
-counting when its submit ends. A burst is then held against all of itself, not against the last
+of the counters began. One never sent (a cached answer, a failed publish) stops counting when its
+submit ends, and one that waits for another's request (a collapsed caller, a retry of a key in
+flight) when its wait begins. A burst is then held against all of itself, not against the last
 read alone, which does not yet hold the requests still on their way to the bus.
 """
 

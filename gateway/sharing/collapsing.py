@@ -160,6 +160,8 @@ class Collapser:
         earliest = request.deadline - JOIN_SLACK * request.timeout_ms / 1000
         if computation is not None and computation.deadline >= earliest and computation.tier.rank <= request.tier.rank:
             COLLAPSED.labels(model=request.model).inc()
+            if request.ticket is not None:
+                request.ticket.close()  # never sent: the queue holds the computation's request, not this one's
         else:
             computation = Computation("c-" + secrets.token_urlsafe(16), request.model, request.deadline, request.tier)
             self._runs.spawn(self._run(key, request, computation), name=f"collapsed-{computation.task_id}")

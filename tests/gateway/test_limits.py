@@ -76,6 +76,34 @@ async def test_a_concurrent_burst_past_max_queue_depth_is_refused_beyond_the_lim
     assert rig.produced() == 3, f"{rig.produced()} requests reached the bus; the limit is 3"
 
 
+@pytest.mark.parametrize(
+    ("settings", "headers"),
+    [({}, {"Idempotency-Key": "same"}), ({"deterministic_models": ("sim",)}, {})],
+    ids=["keyed-retries", "collapsed"],
+)
+async def test_requests_waiting_for_another_ones_task_hold_no_place_in_the_queue(
+    make_rig: RigFactory, settings: dict[str, Any], headers: dict[str, str]
+) -> None:
+    """Retries with the Idempotency-Key of a task in flight, and identical requests that join its
+    computation, send nothing: while they wait, the model's queue holds the one request, and another
+    request is admitted (normal requests are refused from 3 here)."""
+    rig = await make_rig(queue_depth="bus", max_queue_depth=3, **settings)  # no worker yet: the task waits
+    body = {"input": "shared", "timeout_ms": 20_000}
+    first = asyncio.create_task(rig.client.post("/v1/inference", json=body, headers=headers))
+    await eventually(lambda: rig.produced() == 1, "the first request to reach the bus")
+    same = [asyncio.create_task(rig.client.post("/v1/inference", json=body, headers=headers)) for _ in range(3)]
+    await eventually(lambda: rig.gateway.inflight == 4 or any(s.done() for s in same), "the three to wait")
+    assert not any(s.done() for s in same), [s.result().text for s in same if s.done()]
+
+    other = await rig.client.post("/v1/tasks", json={"input": "other"})
+
+    assert other.status_code == 202, f"one request is queued; another must be admitted: {other.text}"
+    await rig.worker()
+    answers = await asyncio.gather(first, *same)
+    assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
+    assert rig.produced() == 2, "the waiting requests sent nothing"
+
+
 async def test_max_queue_depth_zero_turns_the_check_off(make_rig: RigFactory) -> None:
     rig = await make_rig(queue_depth="bus", max_queue_depth=0)
     for index in range(5):
