@@ -289,7 +289,7 @@ class Admission:
         for model, queue in self._queues.items():
             meter = queue.drain
             backlog = self._queue_depth.backlog(model) if self._queue_depth is not None else None
-            estimate = meter.observe(backlog) if backlog is not None else None
+            estimate = meter.observe(backlog, probe=False) if backlog is not None else None
             state = states[model] = "stalled" if meter.stalled else "serving"
             if state != self._states.get(model, "serving"):
                 if estimate is not None and state == "stalled":

@@ -208,12 +208,13 @@ class DrainMeter:
         self._batch_at_s = last.at_s  # a new stall needs stall_s without a batch again
         return True
 
-    def observe(self, backlog: Backlog, prior_rate_per_s: float | None = None) -> Estimate:
+    def observe(self, backlog: Backlog, prior_rate_per_s: float | None = None, *, probe: bool = True) -> Estimate:
         """Takes a sample (if it is ``sample_every_s`` newer than the last) and predicts the wait, by
         ``prior_rate_per_s`` (the workers' own word, ``WorkerRates``) until a rate is measured.
 
         A stalled model's empty queue admits one request every ``stall_s``, as a probe: a batch
-        taken ends the stall."""
+        taken ends the stall. Only a request takes it: ``probe`` is False for a look at the model's
+        state (the sampler's), which would otherwise spend it before a request came."""
         last = self._last
         if last is None:
             self._last = backlog
@@ -226,7 +227,7 @@ class DrainMeter:
         elif backlog.depth == 0:
             self._waiting_since_s = None
         if self._stalled_at_s is not None:
-            if backlog.depth == 0 and backlog.at_s - self._probe_at_s >= self.stall_s:
+            if probe and backlog.depth == 0 and backlog.at_s - self._probe_at_s >= self.stall_s:
                 self._probe_at_s = backlog.at_s
                 return Estimate(0, 0.0, self._rate, backlog.at_s - self._batch_at_s)
             return Estimate(backlog.depth, math.inf, self._rate, backlog.at_s - self._batch_at_s)

@@ -274,6 +274,28 @@ async def test_a_stalled_model_whose_queue_empties_serves_again_as_soon_as_a_wor
     await admit_sent(admission, "a", 30_000)
 
 
+async def test_a_stalled_models_probe_goes_to_a_request_not_to_the_samplers_look() -> None:
+    """The sampler looks at each model every 0.2 s; its look must not spend the probe an empty,
+    stalled queue lets through every ``stall_s`` (no credit shows here: only the probe ends the stall)."""
+    counters = Counters()
+    admission = Admission(settings(stall_s=2.0), counters, None, clock=counters.clock)
+    for n in range(0, 26):
+        counters.backlogs = {"a": Backlog(5, 0, 0, n / 10)}
+        admission.models()
+    assert admission.models()["a"] == "stalled"
+    probes = []
+    for n in range(27, 81, 2):  # the queue emptied (its requests expired); a request after each look
+        counters.backlogs = {"a": Backlog(0, 5, 0, n / 10)}
+        admission.models()
+        counters.backlogs = {"a": Backlog(0, 5, 0, n / 10 + 0.05)}
+        try:
+            await admit_sent(admission, "a", 30_000)
+            probes.append(n / 10)
+        except Overloaded:
+            pass
+    assert len(probes) >= 2, f"one probe every 2 s of 5.4 s, admitted at {probes}"
+
+
 async def test_the_queue_depth_limit_is_per_model() -> None:
     counters = Counters()
     admission = Admission(settings(max_queue_depth=10), counters, None, clock=counters.clock)
