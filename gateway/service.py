@@ -117,9 +117,11 @@ class Gateway:
             self._token_budget.close()
 
     def ready(self) -> dict[str, bool]:
-        """This gateway's own part: accepting, with the tasks that guard against lost replies alive. The
-        transports are the composition root's to probe (``Lifecycle.ready``), once each."""
-        return {"gateway": self._accepting and self._replies.alive and self._shared.alive and self._keys.alive}
+        """This gateway's own part: accepting, with the tasks that guard against lost replies and the
+        admission's sampler alive. The transports are the composition root's to probe
+        (``Lifecycle.ready``), once each."""
+        alive = self._replies.alive and self._shared.alive and self._keys.alive and self._admission.alive
+        return {"gateway": self._accepting and alive}
 
     def models(self) -> dict[str, str]:
         """Each served model: ``serving``, or ``stalled`` (see ``Admission.models``)."""

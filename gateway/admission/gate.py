@@ -117,6 +117,12 @@ class Admission:
     async def close(self) -> None:
         await self._sampler.close()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the sampler runs, where it was started: without it a stall shows only while requests
+        come, and ends only by a probe."""
+        return self._sampler.alive or not self._sampler.started
+
     async def _sample_forever(self) -> None:
         while True:
             await self.read_worker_rates()

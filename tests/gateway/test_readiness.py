@@ -6,7 +6,16 @@ from typing import Any
 
 from batchwire.gateway_transports import redis_readiness
 from gateway.health import Down
+from gateway.service import Gateway
+from gateway.settings import GatewaySettings
+from schemas.records import Credit
+from tests.support.eventually import eventually
 from tests.support.gateway_rig import RigFactory, error_of
+from transport.memory.credits import MemoryCreditPool
+from transport.memory.lag import MemoryQueueDepth
+from transport.memory.requests import MemoryRequestBus
+from transport.memory.store import MemoryTaskStore
+from transport.routing import Partitioner
 
 
 async def test_readyz_says_which_part_is_failing_over_and_why(make_rig: RigFactory) -> None:
@@ -56,3 +65,30 @@ async def test_readyz_is_503_when_no_model_can_be_admitted(make_rig: RigFactory,
     doc = response.json()
     assert doc["down"]["models"]["reason"].startswith("no model can be admitted: other, sim stalled"), doc
     assert doc["models"] == states and response.headers["retry-after"], doc
+
+
+class _BrokenPool(MemoryCreditPool):
+    """A credit pool whose read fails with a bug's error, not a transport's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.raised = False
+
+    async def offered(self, model: str) -> list[Credit]:
+        self.raised = True
+        raise RuntimeError("a credit the gateway cannot read")
+
+
+async def test_a_gateway_whose_admission_sampler_died_is_not_ready() -> None:
+    """The sampler shows a stall while no request comes and ends it when a worker waits: once it has
+    died (logged), the gateway says so in its readiness rather than run on without it."""
+    settings = GatewaySettings(models=("sim",), default_model="sim")
+    bus = MemoryRequestBus(Partitioner(settings.models, 1))
+    pool = _BrokenPool()
+    gateway = Gateway(settings, bus.producer(), MemoryTaskStore(), queue_depth=MemoryQueueDepth(bus), credits=pool)
+    await gateway.start()
+    try:
+        await eventually(lambda: pool.raised, "the sampler to read the credits")
+        await eventually(lambda: not gateway.ready()["gateway"], "the gateway to say it is not ready", timeout_s=2)
+    finally:
+        await gateway.close()
