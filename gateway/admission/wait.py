@@ -68,7 +68,7 @@ class Prediction:
     def refuses(self, timeout_s: float) -> bool:
         """Whether a request with this deadline is predicted to be answered too late. One that fits
         the next batch never is."""
-        return self.ahead_s > self.call_s and self.answer_s * MARGIN > timeout_s
+        return self.ahead_s >= self.call_s and self.answer_s * MARGIN > timeout_s
 
 
 class ModelQueue:

@@ -424,6 +424,16 @@ def test_an_answer_is_predicted_after_the_work_ahead_and_two_calls() -> None:
     assert queue.predict(Backlog(500, 0, 0, 0.3), Priority.NORMAL).call_s == 0.05, "the fastest answer, first"
 
 
+def test_a_request_behind_a_whole_round_of_batches_does_not_fit_the_next_one() -> None:
+    """Two workers of 100 inputs take 200 in their next batches: the 200th request fits them, the
+    201st (200 ahead of it) waits for a call to end, and is held to its deadline."""
+    queue = ModelQueue(stall_s=5.0, wall_ms=lambda: 1_000)
+    queue.read_credits([credit("w1", max_batch=100, busy_ms=100), credit("w2", max_batch=100, busy_ms=100)], 1_000)
+    assert not queue.predict(Backlog(199, 0, 0, 0.0), Priority.NORMAL).refuses(0.001), "the 200th fits"
+    behind = queue.predict(Backlog(200, 0, 0, 0.1), Priority.NORMAL)
+    assert behind.refuses(0.001), f"the 201st waits {behind.ahead_s} s for a call of {behind.call_s} s to end"
+
+
 def test_a_cold_models_first_answer_gives_its_fresh_workers_a_rate() -> None:
     """Before any call, the workers' credits state their batch and no call time: the first answer's
     latency stands for it, so the first burst is held against a rate within one call."""
