@@ -348,10 +348,12 @@ class Admission:
             )
 
     def _check_share(self, model: str, client: str, predicted: Prediction) -> None:
-        """Past ``FAIR_AFTER_S`` of queued work, a client above its fair share of the drain is refused."""
+        """Past ``FAIR_AFTER_S`` of queued work, a client above its fair share of the drain is refused,
+        unless its request fits the next batch: a model whose call is that long queues a batch's worth
+        of work past it, and a burst that one batch takes makes no one wait behind it."""
         drain = predicted.rate_per_s
         queued_s = predicted.depth / drain if drain else 0.0
-        if not drain or queued_s < FAIR_AFTER_S:
+        if not drain or queued_s < FAIR_AFTER_S or predicted.fits_next_batch:
             return
         over = self._fair.over_share(model, client, drain, self._clock())
         if over is not None:

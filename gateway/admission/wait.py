@@ -65,10 +65,15 @@ class Prediction:
         """When the request would be answered (inf: the model is stalled)."""
         return self.ahead_s + 2 * self.call_s
 
+    @property
+    def fits_next_batch(self) -> bool:
+        """Less than a call's work is ahead of the request: the workers' next batches take it."""
+        return self.ahead_s < self.call_s
+
     def refuses(self, timeout_s: float) -> bool:
         """Whether a request with this deadline is predicted to be answered too late. One that fits
         the next batch never is."""
-        return self.ahead_s >= self.call_s and self.answer_s * MARGIN > timeout_s
+        return not self.fits_next_batch and self.answer_s * MARGIN > timeout_s
 
 
 class ModelQueue:

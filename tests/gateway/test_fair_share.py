@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -10,7 +11,9 @@ from gateway.admission.fair_share import LEVEL_FOR_S, FairShare, water_level
 from gateway.admission.gate import Admission, Caller
 from gateway.errors import Overloaded
 from gateway.settings import GatewaySettings
+from schemas.records import Credit
 from tests.support.queue_depth import Counters, admit_sent
+from transport.memory.credits import MemoryCreditPool
 from transport.ports import Backlog
 
 
@@ -91,6 +94,29 @@ async def test_a_key_flooding_a_building_queue_is_refused_and_another_key_is_adm
     assert refused, "the flooding key is held to its share"
     assert "above its fair share" in refused[-1] and "model 'a'" in refused[-1], refused[-1]
     assert len(refused) < 400 - 100, f"the flood keeps about its share of the capacity: {len(refused)} refused"
+
+
+async def test_a_burst_of_two_keys_that_an_idle_workers_next_batch_takes_is_admitted_whole() -> None:
+    """One worker of 64 inputs per 8 s call: its next batch holds 8 s of work, past ``FAIR_AFTER_S``.
+    Two keys sending 32 each (over 1.3 s) fill that batch and no more; no request of theirs makes
+    another wait, so none is refused for its share."""
+    counters = Counters()
+    pool = MemoryCreditPool()
+    admission = Admission(GatewaySettings(models=("a",), default_model="a"), counters, None, pool, clock=counters.clock)
+    now_ms = int(time.time() * 1000)
+    await pool.offer(Credit("w1", "a", 0, 1, now_ms, now_ms + 60_000, max_batch=64, busy_ms=8_000))
+    counters.backlogs = {"a": Backlog(0, 0, 0, 1.0)}
+    await admission.read_worker_rates()
+    refused = []
+    for index in range(64):
+        counters.backlogs = {"a": Backlog(0, 0, 0, 1.0 + index * 0.02)}  # the counters lag: admissions add up
+        try:
+            await admission.admit(Caller(owner="tenant-a" if index % 2 else "tenant-b"), "a", 30_000)
+        except Overloaded as err:
+            refused.append(err.message)
+    assert not refused, f"{len(refused)} of 64 refused: {refused[0]}"
+    with pytest.raises(Overloaded, match="above its fair share"):
+        await admission.admit(Caller(owner="tenant-a"), "a", 30_000)  # the 65th waits a call: shares hold
 
 
 @pytest.mark.parametrize("caller", [Caller(), Caller(client="-")])
