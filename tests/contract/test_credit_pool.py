@@ -157,6 +157,21 @@ async def test_expired_credits_are_skipped_and_dropped(make_pool: PoolFactory) -
     assert await pool.claim("alpha", 0.1) is None
 
 
+async def test_an_expired_credit_offered_to_a_waiting_claimer_is_skipped(make_pool: PoolFactory) -> None:
+    """A credit given back after it expired (held in reserve or spaced too long, a send that failed)
+    names a worker that has offered a fresh one since, or left: sent a batch, it would run two."""
+    pool = await make_pool()
+    waiting = asyncio.create_task(pool.claim("alpha", WAIT_S))
+    await asyncio.sleep(0)  # let it start waiting; the contract holds either way
+    await pool.offer(credit("stale", ttl_ms=-1000, age_ms=10))
+    fresh = credit("fresh")
+    await pool.offer(fresh)
+
+    async with asyncio.timeout(WAIT_S):
+        got = await waiting
+    assert got == fresh, f"the waiting claim must skip the expired credit and get the fresh one, got {got}"
+
+
 async def test_withdrawn_credit_is_never_claimed(make_pool: PoolFactory) -> None:
     pool = await make_pool()
     leaving, staying = credit("w1", seq=1), credit("w2", seq=1)

@@ -33,7 +33,8 @@ class MemoryCreditPool:
                 waiter.cancel()
 
     async def offer(self, credit: Credit, *, after_ms: int = 0) -> None:
-        waiters = self._waiters.get(credit.model)
+        # An expired credit (one given back late) reaches no waiting claimer: queued, a claim drops it.
+        waiters = self._waiters.get(credit.model) if credit.expires_at_ms > _now_ms() else None
         while waiters:
             waiter = waiters.popleft()
             if not waiter.done():
