@@ -24,7 +24,7 @@ import logging
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from batcher import states
@@ -96,7 +96,7 @@ class Dispatcher:
         requeued: Callable[[], None],
         assignment: Callable[[], frozenset[int]],
         handed_over: Callable[[Sequence[Held]], None],
-        expire: Callable[[list[Held]], Awaitable[None]],
+        expire: Callable[[list[Held]], None],
         spawn: Callable[[Coroutine[Any, Any, None], str], asyncio.Task[None]],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -277,8 +277,7 @@ class Dispatcher:
                 self.landings.add(model, self._spawn(landing, f"land-{model}"))
         if not taken.items:
             self._give_back(model, credit)
-        if taken.expired:  # written outside the hand-over lock: a slow store must not hold up a rebalance
-            await self._expire(taken.expired)
+        self._expire(taken.expired)  # stored by the batcher's own loop: a slow store holds up no send
         self._freed()
 
     async def _land(

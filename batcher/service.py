@@ -81,6 +81,10 @@ class Batcher:
         """Clear while ``max_held`` requests are held, over all models: reading waits for a send, an
         expiry or a rebalance to take some (``_check_room``)."""
         self._room.set()
+        self._expiring: list[Pending[InferenceRequest]] = []
+        """Requests that expired while held, whose end state ``_expiry_loop`` stores: still held against
+        ``max_held`` until it is stored, so a store that is down stops the reads."""
+        self._expiring_added = asyncio.Event()
         self._revoked_meanwhile: set[int] = set()
         """Partitions revoked since the read loop began counting its last read (``_count``)."""
         self._handover = asyncio.Lock()
@@ -102,7 +106,7 @@ class Batcher:
             requeued=self._requeued,
             assignment=consumer.assignment,
             handed_over=self._handed_over,
-            expire=self._expire,
+            expire=self._end_expired,
             spawn=self._spawn,
             clock=clock,
         )
@@ -129,6 +133,7 @@ class Batcher:
         self._tasks = [
             self._spawn(self._consume_loop(), "batcher-consume"),
             self._spawn(self._timer_loop(), "batcher-timer"),
+            self._spawn(self._expiry_loop(), "batcher-expiry"),
         ]
 
     async def close(self) -> None:
@@ -263,7 +268,8 @@ class Batcher:
         self._check_room()
 
     def _check_room(self) -> None:
-        if sum(self.former.held(model) for model in self.former.models()) < self.settings.max_held:
+        held = sum(self.former.held(model) for model in self.former.models()) + len(self._expiring)
+        if held < self.settings.max_held:
             self._room.set()
         else:
             self._room.clear()
@@ -314,9 +320,7 @@ class Batcher:
                     await self._timer_wake.wait()
             for model in self.former.tick():
                 self.dispatcher.wake(model)
-            expired = self.former.expire()
-            if expired:
-                await self._expire(expired)
+            self._end_expired(self.former.expire())
 
     # finishing ---------------------------------------------------------------------------------
     def _handed_over(self, items: Sequence[Pending[InferenceRequest]]) -> None:
@@ -325,10 +329,27 @@ class Batcher:
             self._finish(pending)
         self._commit_soon()
 
-    async def _expire(self, expired: list[Pending[InferenceRequest]]) -> None:
-        """Ends held requests whose deadline passed; their offsets are done once that is stored."""
+    def _end_expired(self, expired: list[Pending[InferenceRequest]]) -> None:
+        """Hands requests whose deadline passed (taken out of the ``BatchFormer``) to ``_expiry_loop``."""
+        if expired:
+            self._expiring.extend(expired)
+            self._expiring_added.set()
+
+    async def _expiry_loop(self) -> None:
+        """Stores the end of the requests that expired while held, in a loop of its own: a slow store
+        (or a lagging Redis replica) holds up neither the timer that seals batches nor a dispatch."""
+        while True:
+            await self._expiring_added.wait()
+            self._expiring_added.clear()
+            if self._expiring:
+                await self._expire(len(self._expiring))
+
+    async def _expire(self, count: int) -> None:
+        """Ends the first ``count`` expiring requests; their offsets are done once that is stored."""
+        expired = self._expiring[:count]
         ended = states.expired((pending.item for pending in expired), wall_ms())
         await self._store_ended(ended, f"storing {len(ended)} expired task(s)")
+        del self._expiring[:count]
         for pending in expired:
             self._finish(pending)
         self._show_held({pending.item.model for pending in expired})

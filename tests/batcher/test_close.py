@@ -139,7 +139,7 @@ async def test_a_closing_batcher_gives_back_the_credit_of_a_send_that_waits_for_
     former = BatchFormer[InferenceRequest](FlushPolicy.work_conserving(reserve_ms=0), time.monotonic)
     handover = asyncio.Lock()
 
-    async def expire(_: object) -> None:
+    def expire(_: object) -> None:
         return None
 
     dispatcher = Dispatcher(

@@ -294,3 +294,48 @@ async def test_a_close_does_not_wait_out_a_failed_commits_pause() -> None:
         started = time.monotonic()
         await rig.batcher.close()
     assert time.monotonic() - started < 2.0, "the close waited out the retry's pause"
+
+
+class HangingExpiries(MemoryTaskStore):
+    """A store whose writes of expired states wait until ``release`` (a Redis replica that lags, a
+    store that is slow); ``hanging`` is set once one waits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hanging = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def apply(self, updates: Sequence[TaskState], *, counted: bool = True) -> list[bool]:
+        if any(update.status is TaskStatus.EXPIRED for update in updates):
+            self.hanging.set()
+            await self.release.wait()
+        return await super().apply(updates, counted=counted)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [FlushPolicy.classic(max_batch=8, max_wait_ms=50), FlushPolicy.work_conserving(max_batch=8, reserve_ms=0)],
+    ids=["classic", "work-conserving"],
+)
+async def test_a_slow_expiry_write_holds_up_no_batch(policy: FlushPolicy) -> None:
+    """The end of an expired request is stored beside the timer that seals batches by age and the
+    dispatch that sends them: an idle worker gets the live requests while that write waits."""
+    store = HangingExpiries()
+    rig = Rig(store=store, settings=BatcherSettings(retry_max_s=0.05, policy=policy))
+    await rig.batcher.start()
+    try:
+        await rig.request("late", deadline_ms=-1000)  # expired on arrival: its write hangs
+        async with asyncio.timeout(10):
+            await store.hanging.wait()
+        await rig.request("gone", deadline_ms=-1000)  # expired too; the batch below meets it first
+        await rig.request("live")
+        await eventually(lambda: rig.batcher.former.held("sim") >= 1, "the live request to be held")
+        await rig.offer()
+        assert await rig.batch() == ["live"], "the live request goes to the idle worker"
+        await rig.request("next")
+        now = now_ms()
+        await rig.credits.offer(Credit("w", "sim", 0, 2, now, now + 60_000))
+        assert await rig.batch() == ["next"], "the next request goes to the idle worker while the write waits"
+    finally:
+        store.release.set()
+        await rig.batcher.close()
