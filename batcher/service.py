@@ -307,7 +307,7 @@ class Batcher:
         async with self._handover:
             for record in records:
                 self.offsets.finish(record.partition, record.offset)
-            await self._commit()
+        self._commit_soon()  # not awaited under the lock: a slow commit would hold up every send
 
     # timers ------------------------------------------------------------------------------------
     async def _timer_loop(self) -> None:
