@@ -152,6 +152,10 @@ def _digest_of_entry(where: str, entry: str) -> str:
         return hexdigest.lower()
     if len(entry) < _MIN_KEY_CHARS:
         raise ValueError(f"{where}: an API key must have at least {_MIN_KEY_CHARS} characters")
+    if not (entry.isascii() and entry.isprintable()):
+        # A client sends the key's bytes in the header, which the server reads as Latin-1: no other
+        # character could ever match.
+        raise ValueError(f"{where}: an API key is printable ASCII (a bearer token); this one has other characters")
     return digest_of(entry)
 
 

@@ -181,6 +181,7 @@ def test_operator_entries_mark_operator_keys(tmp_path: Path) -> None:
         (f"{KEY_A},sha256:abc", "entry 2 of BATCHWIRE_API_KEYS: after 'sha256:' come the 64 hex digits"),
         (f"{KEY_A},admin {KEY_B}", "entry 2 of BATCHWIRE_API_KEYS: an entry is one key"),
         ("operator short", "entry 1 of BATCHWIRE_API_KEYS: an API key must have at least 16 characters"),
+        (f"{KEY_A},{KEY_B}é", "entry 2 of BATCHWIRE_API_KEYS: an API key is printable ASCII"),
     ],
 )
 def test_load_api_keys_refuses_naming_the_entry_not_the_key(keys: str, message: str) -> None:
