@@ -974,7 +974,9 @@ class AsyncClient(_ClientBase):
             await asyncio.sleep(_poll_pause(attempts, polled, time.monotonic()))
 
     async def events(self, task_id: str) -> AsyncIterator[TaskEvent]:
-        """:meth:`Client.events`, as an async iterator."""
+        """:meth:`Client.events`, as an async iterator. Left before its end, close it
+        (``async with contextlib.aclosing(client.events(task_id)) as events:``): an async generator
+        left open keeps its connection until the garbage collector finds it."""
         follow = _Follow(self.max_retries, max(self.timeout, STREAM_READ_S))
         while not follow.ended:
             try:
