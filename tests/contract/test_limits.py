@@ -244,3 +244,41 @@ async def test_a_request_of_several_inputs_takes_its_tokens_at_once_or_none(make
     assert await limiter.acquire("c", 2) == 0.0
     assert await limiter.acquire("c", -9) == 0.0
     assert await limiter.acquire("c", 6) > 0, "given back up to the burst of 5, no more"
+
+
+@pytest.mark.kafka
+async def test_a_models_missing_batch_topic_leaves_the_other_models_batch_counts_read(
+    kafka_bootstrap: str, names: Names
+) -> None:
+    """Admission reads a model whose batch count stops growing as stalled (its workers hung or
+    gone): one model's batch topic that does not exist yet must not stop the others' counts, nor hold
+    every refresh for the lookup's timeout."""
+    from transport.kafka.producers import KafkaBatchProducer
+
+    served, missing = MODELS
+    await ensure_topics(kafka_bootstrap, {names.request_topic: REQUEST_PARTITIONS, names.batch_topic(served): 2})
+    depth = KafkaQueueDepth(
+        kafka_bootstrap, names, REQUEST_PARTITIONS, refresh_s=0.05, models=MODELS, batch_partitions=2
+    )
+    producer = KafkaBatchProducer(kafka_bootstrap, names)
+    await depth.start()
+    await producer.start()
+    try:
+        for partition in (0, 1, 1):
+            await producer.send_encoded(served, b"a batch", partition)
+        started = time.monotonic()
+        await depth.refresh()
+        assert time.monotonic() - started < 1.0, f"a refresh waited on {names.batch_topic(missing)}, which is missing"
+        backlog = depth.backlog(served)
+        assert backlog is not None and backlog.batches == 3
+        await ensure_topics(kafka_bootstrap, {names.batch_topic(missing): 2})
+        await producer.send_encoded(missing, b"a batch", 0)
+
+        def counted() -> bool:
+            later = depth.backlog(missing)
+            return later is not None and later.batches == 1
+
+        await eventually(counted, f"a batch on {names.batch_topic(missing)}, created after start", timeout_s=40)
+    finally:
+        await producer.close()
+        await depth.close()

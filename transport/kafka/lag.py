@@ -30,7 +30,7 @@ from aiokafka.errors import KafkaError
 from schemas.wire import Names
 from telemetry.metrics import REQUEST_LAG
 from transport.background_loop import BackgroundLoop
-from transport.kafka.group import translate
+from transport.kafka.group import METADATA_MAX_AGE_MS, translate
 from transport.ports import Backlog, TransportError
 from transport.routing import Partitioner
 
@@ -87,6 +87,8 @@ class KafkaQueueDepth:
             "bootstrap_servers": bootstrap,
             "client_id": client_id,
             "request_timeout_ms": request_timeout_ms,
+            # A batch topic created after start is counted once the metadata is refreshed.
+            "metadata_max_age_ms": METADATA_MAX_AGE_MS,
         }
         self._admin: Any = None
         self._consumer: Any = None
@@ -138,6 +140,10 @@ class KafkaQueueDepth:
         self._consumer = AIOKafkaConsumer(group_id=None, enable_auto_commit=False, **self._settings)
         await self._admin.start()
         await self._consumer.start()
+        # The metadata of the topics read, so that ``_count_batches`` knows which exist (and counts a
+        # batch topic created later once the metadata is refreshed); aiokafka has no public way.
+        topics = [self.topic, *(tps[0].topic for tps in self._batch_partitions.values() if tps)]
+        await self._consumer._client.set_topics(topics)
         self._connected_at = time.monotonic()
 
     async def _reconnect(self) -> None:
@@ -225,15 +231,27 @@ class KafkaQueueDepth:
         return lag
 
     async def _count_batches(self) -> None:
-        """Each model's batch topic end offsets: the batches handed to its workers so far."""
-        every = [tp for tps in self._batch_partitions.values() for tp in tps]
+        """Each model's batch topic end offsets: the batches handed to its workers so far.
+
+        Only partitions the consumer's metadata knows are read: aiokafka waits out its request
+        timeout on one that does not exist, and fails the whole read, which would hold every refresh
+        and stop every model's count (admission reads a count that stops as a stalled model)."""
+        every = [
+            tp
+            for tps in self._batch_partitions.values()
+            for tp in tps
+            if tp.partition in (self._consumer.partitions_for_topic(tp.topic) or ())
+        ]
+        if not every:
+            return
         try:
             ends: dict[TopicPartition, int] = await self._consumer.end_offsets(every)
-        except KafkaError as err:  # a topic no worker created yet: its count stays as it was
+        except KafkaError as err:  # the counts stay as they were
             log.debug("could not read the batch topics' end offsets: %s", err)
             return
         for model, tps in self._batch_partitions.items():
-            self._batches[model] = sum(ends.get(tp, 0) for tp in tps)
+            if any(tp in ends for tp in tps):  # a model whose topic is missing keeps its count
+                self._batches[model] = sum(ends.get(tp, 0) for tp in tps)
 
     def backlog(self, model: str) -> Backlog | None:
         if model not in self._model_partitions or self._stale():
