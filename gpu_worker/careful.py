@@ -32,10 +32,13 @@ class CarefulPlan(Generic[T]):
 
 
 def plan(items: Sequence[T], task_id: Callable[[T], str], suspects: Suspects, max_deliveries: int) -> CarefulPlan[T]:
+    """``suspects``: read for every task of the batch, so that an input whose partners at the death
+    have ended since (cancelled, expired) is not taken for one that was in flight alone."""
     innocent = [item for item in items if task_id(item) not in suspects.task_ids]
     suspected = [item for item in items if task_id(item) in suspects.task_ids]
     groups: list[list[T]] = [innocent] if innocent else []
-    if len(suspected) == 1 and suspects.strikes.get(task_id(suspected[0]), 0) >= max_deliveries:
+    alone = len(suspected) == 1 and len(suspects.task_ids) == 1
+    if alone and suspects.strikes.get(task_id(suspected[0]), 0) >= max_deliveries:
         return CarefulPlan(groups, suspected)
     if len(suspected) > 1:
         middle = len(suspected) // 2

@@ -58,7 +58,9 @@ class Redelivery:
     async def run(self, batch: Batch, todo: list[BatchItem], count: int, receipt: str) -> list[TaskState]:
         """Runs ``todo`` of ``batch`` on its ``count``-th delivery, received as ``receipt`` (as it was
         counted); returns every state it stored."""
-        ids = [item.task_id for item in todo]
+        # Every task of the batch, those that ended since included: an input is proven the culprit
+        # only if nothing else was in flight at the death, not merely nothing else still to run.
+        ids = [item.task_id for item in batch.items]
         suspects = await self._retry(
             "reading what was in flight", lambda: self.deliveries.suspects(batch.batch_id, ids, receipt)
         )
@@ -73,7 +75,7 @@ class Redelivery:
             careful.ordinal(count),
             suspects.note or f"its last holder {gone}",
             len(suspects.task_ids),
-            len(todo),
+            len(batch.items),
             "+".join(str(len(group)) for group in decided.groups) or "nothing",
             len(decided.dead),
             extra=logs.ids(batch_id=batch.batch_id, traceparent=batch.traceparent),

@@ -16,7 +16,7 @@ import pytest
 
 from gpu_worker.careful import plan
 from schemas.deadletter import DEAD_LETTERED
-from schemas.records import Batch, TaskStatus
+from schemas.records import Batch, TaskState, TaskStatus
 from telemetry import metrics
 from tests.support.eventually import eventually
 from tests.support.worker_rig import RecordingConsumer, Rig, ScriptedBackend, now_ms
@@ -47,6 +47,11 @@ def test_plan_runs_a_lone_suspect_again_while_it_has_few_strikes() -> None:
 def test_plan_never_dead_letters_a_group() -> None:
     decided = plan(list("ab"), str, suspects({"a", "b"}, 9), max_deliveries=3)
     assert decided.groups == [["a"], ["b"]] and decided.dead == []
+
+
+def test_plan_runs_a_lone_remaining_suspect_whose_partner_at_the_death_ended() -> None:
+    decided = plan(["a"], str, suspects({"a", "b"}, 3), max_deliveries=3)
+    assert decided.groups == [["a"]] and decided.dead == [], "a was never in flight alone"
 
 
 async def deliver_until_answered(
@@ -308,3 +313,23 @@ async def test_a_hand_back_that_cannot_be_recorded_counts_as_a_death(caplog: pyt
     suspects = await rig.deliveries.suspects(batch.batch_id, ["t0", "t1"], "next")
     assert dict(suspects.strikes) == {"t0": 1, "t1": 1}, f"struck as for a crash: {suspects}"
     assert any("could not record" in r.getMessage() for r in caplog.records), "the worker says it could not"
+
+
+async def test_an_input_never_in_flight_alone_is_not_dead_lettered_when_its_partner_ended() -> None:
+    """Two inputs were in flight together at every death; one of them ended before the batch came
+    again (cancelled, or past its deadline). The other was never alone at a death, so nothing proves
+    it the culprit: it runs alone, and is answered."""
+    rig = Rig()
+    batch = rig.batch(["a", "poison"])
+    await rig.create(batch)
+    await rig.deliveries.begin(batch.batch_id, "died")  # its last holder died with both in flight, unmarked
+    await rig.store.apply([TaskState("t1", TaskStatus.CANCELLED, "sim", now_ms(), batch.items[1].enqueued_at_ms)])
+    await rig.listen()
+    backend = ScriptedBackend()
+    worker = await rig.worker(backend, max_deliveries=1)
+    await rig.send(batch)
+    ended = await rig.ended(["t0"])
+    await worker.close()
+    assert rig.dead_letters.letters == [], f"a was never in flight alone: {rig.dead_letters.letters}"
+    assert ended["t0"].status is TaskStatus.COMPLETED, ended["t0"]
+    assert backend.calls == [["a"]], f"a runs alone, as a suspect: {backend.calls}"
