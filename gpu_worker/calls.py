@@ -64,6 +64,10 @@ class GroupResult:
     ended: float | None = None
 
 
+def _check_failed(err: Exception) -> Failure:
+    return Failure("backend_error", f"the model failed on this input: {err}")
+
+
 class BackendCalls:
     def __init__(
         self, backend: Backend, runner: BackendRunner, model: str, worker_id: str, distinct_only: bool = False
@@ -111,17 +115,37 @@ class BackendCalls:
     async def _run_each(self, inputs: list[str], result: GroupResult, start_by: float | None) -> GroupResult:
         # Tokenizing a batch of long inputs takes long enough to stall every other task of the loop
         # (in one process: the HTTP server's, the heartbeats', the hang detection's).
-        rejected: dict[int, InputError] = (
-            self.backend.input_errors(inputs)
-            if sum(map(len, inputs)) < LONG_CHECK_CHARS
-            else await asyncio.to_thread(self.backend.input_errors, inputs)
-        )
+        rejected = await self._check(inputs)
         for index, err in rejected.items():
-            result.outputs[index] = Failure(err.code, str(err))
+            result.outputs[index] = err if isinstance(err, Failure) else Failure(err.code, str(err))
         todo = [index for index in range(len(inputs)) if index not in rejected]
         if todo:
             await self._bisect(inputs, todo, result, start_by)
         return result
+
+    async def _check(self, inputs: list[str]) -> dict[int, InputError | Failure]:
+        """``Backend.input_errors``; a check that raises is run again on each input alone, and an input
+        whose own check raises fails as a call that raises on it does, not the whole call (and worker)."""
+        try:
+            return dict(await self._input_errors(inputs))
+        except Exception as err:
+            if len(inputs) == 1:
+                return {0: _check_failed(err)}
+        rejected: dict[int, InputError | Failure] = {}
+        for index, text in enumerate(inputs):
+            try:
+                errors = await self._input_errors([text])
+            except Exception as err:
+                rejected[index] = _check_failed(err)
+                continue
+            if 0 in errors:
+                rejected[index] = errors[0]
+        return rejected
+
+    async def _input_errors(self, inputs: list[str]) -> dict[int, InputError]:
+        if sum(map(len, inputs)) < LONG_CHECK_CHARS:
+            return self.backend.input_errors(inputs)
+        return await asyncio.to_thread(self.backend.input_errors, inputs)
 
     async def _bisect(
         self, inputs: list[str], indices: list[int], result: GroupResult, start_by: float | None = None

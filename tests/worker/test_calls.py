@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from gpu_worker.calls import LONG_CHECK_CHARS, BackendCalls
+from gpu_worker.calls import LONG_CHECK_CHARS, BackendCalls, Failure
 from gpu_worker.runner import BackendRunner
 
 
@@ -45,3 +45,34 @@ async def test_a_long_batch_is_checked_off_the_loop(runner: BackendRunner) -> No
     assert len(backend.threads) == 1 and backend.threads[0] != threading.get_ident(), (
         "a long batch was checked on the event loop"
     )
+
+
+class CheckFails(CheckedOn):
+    """Its input check raises on an input containing "bad" (a tokenizer that cannot read it), as does its call."""
+
+    def input_errors(self, inputs: object) -> dict[int, object]:
+        if any("bad" in text for text in inputs):  # type: ignore[attr-defined]
+            raise ValueError("cannot tokenize")
+        return {}
+
+    def batchstring(self, inputs: list[str]) -> list[str]:
+        if any("bad" in text for text in inputs):
+            raise ValueError("cannot tokenize")
+        return super().batchstring(inputs)
+
+
+async def test_an_input_whose_check_raises_fails_alone_and_the_others_are_answered(runner: BackendRunner) -> None:
+    """An exception from the up-front check is the input's failure, as one from the call is: it must not
+    fail the whole call (which fails the worker, and every redelivery's worker after it)."""
+    calls = BackendCalls(CheckFails(), runner, "m", "w")  # type: ignore[arg-type]
+    result = await calls.run(["abc", "bad", "xyz"])
+    assert result.outputs[0] == "cba" and result.outputs[2] == "zyx", result.outputs
+    failure = result.outputs[1]
+    assert isinstance(failure, Failure) and failure.code == "backend_error", failure
+    assert "cannot tokenize" in failure.message, failure.message
+
+
+async def test_a_lone_input_whose_check_raises_fails(runner: BackendRunner) -> None:
+    result = await BackendCalls(CheckFails(), runner, "m", "w").run(["bad"])  # type: ignore[arg-type]
+    failure = result.outputs[0]
+    assert isinstance(failure, Failure) and failure.code == "backend_error", failure
