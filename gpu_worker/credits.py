@@ -51,6 +51,8 @@ class CreditOffer:
         self._seq = time.time_ns() // 1000
         self._stopped = False
         self._failed_offers = 0
+        self._revoking: frozenset[int] = frozenset()
+        """Partitions whose revocation runs (``on_revoked`` to ``revoked``): no credit names them."""
 
     async def stop(self) -> None:
         """Withdraws the open credit and offers no other."""
@@ -63,8 +65,15 @@ class CreditOffer:
             await self.withdraw()
 
     async def on_revoked(self, partitions: frozenset[int]) -> None:
+        """Withdraws the credit naming ``partitions`` and offers none that does until ``revoked``: the
+        assignment still lists them while their batches in hand end."""
+        self._revoking |= partitions
         if self._open is not None and self._open.partition in partitions:
             await self.withdraw()
+
+    def revoked(self, partitions: frozenset[int]) -> None:
+        """The revocation of ``partitions`` is over (they left the assignment, or came back to it)."""
+        self._revoking -= partitions
 
     async def withdraw(self) -> None:
         credit, self._open = self._open, None
@@ -96,7 +105,7 @@ class CreditOffer:
         now = wall_ms()
         if self._open is not None and self._open.expires_at_ms - now > self.settings.refresh_margin_s * 1000:
             return
-        assignment = self.consumer.assignment()
+        assignment = self.consumer.assignment() - self._revoking
         if not assignment:
             return
         await self.withdraw()
@@ -114,7 +123,7 @@ class CreditOffer:
             )
             self._failed_offers = 0
         self._open = credit
-        if self._stopped:  # stop() withdrew while this offer was on its way
+        if self._stopped or credit.partition in self._revoking:  # withdrawn while this offer was on its way
             await self.withdraw()
 
     def _next_credit(self, partition: int, now: int) -> Credit:

@@ -211,7 +211,13 @@ class Worker:
         offset, so it runs none of them while they still run here. At most ``drain_timeout_s`` (a
         hung call fails the worker at its hang limit): past it they go uncommitted, and their next
         owner may run them again (each task is answered once)."""
-        await self.offers.on_revoked(partitions)
+        try:
+            await self.offers.on_revoked(partitions)
+            await self._drain_revoked(partitions)
+        finally:
+            self.offers.revoked(partitions)
+
+    async def _drain_revoked(self, partitions: frozenset[int]) -> None:
         if not self.commits.in_hand:
             return
         log.info(
