@@ -19,6 +19,7 @@ from schemas.records import InferenceRequest
 from schemas.wire import Names
 from telemetry.metrics import REGISTRY
 from tests.support.eventually import eventually
+from tests.support.reply_cutter import ReplyCutter
 from tests.support.transport_kits import MODELS, REQUEST_PARTITIONS, Closer, RequestBusKit, ensure_topics
 from transport.kafka.lag import KafkaQueueDepth
 from transport.memory.lag import MemoryQueueDepth
@@ -105,6 +106,32 @@ async def test_redis_buckets_expire_once_full_again(redis_url: str, names: Names
     finally:
         await raw.aclose()
         await limiter.close()
+
+
+async def test_a_token_whose_reply_was_lost_is_taken_once(redis_url: str, names: Names) -> None:
+    """The connection drops after Redis ran the script: redis-py's retry runs it again on a new one,
+    which must not take (or, for a refund, give back) the tokens a second time."""
+    cutter = ReplyCutter(redis_url)
+    limiter = RedisRateLimiter(await cutter.start(), names, 0.001, 10)
+    raw = Redis.from_url(redis_url)
+    key = names.rate_bucket(bucket_id("lossy"))
+    try:
+        await limiter.start()
+        await limiter.acquire("warm")  # a connection open and the script loaded: the next reply is the call's
+        cutter.cut_next()
+        taken = await limiter.acquire("lossy", 3)
+        after_take = float(await raw.hget(key, "tokens") or 0)
+        cutter.cut_next()
+        await limiter.acquire("lossy", -2)
+        after_refund = float(await raw.hget(key, "tokens") or 0)
+    finally:
+        await raw.aclose()
+        await limiter.close()
+        await cutter.close()
+    assert cutter.cuts == 2, f"both replies were lost, {cutter.cuts} were"
+    assert taken == 0, f"the tokens were there, yet the call waits {taken} s"
+    assert after_take == pytest.approx(7, abs=0.1), f"3 of 10 tokens taken once leave 7, the bucket holds {after_take}"
+    assert after_refund == pytest.approx(9, abs=0.1), f"2 given back once make 9, the bucket holds {after_refund}"
 
 
 # queue depth --------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ instant cannot both take its last token.
 from __future__ import annotations
 
 import hashlib
+import uuid
 
 from schemas.wire import Names
 from transport.redis.lua import TOKEN_BUCKET
@@ -56,7 +57,9 @@ class RedisRateLimiter:
     async def acquire(self, client: str, tokens: int = 1) -> float:
         key = self.names.rate_bucket(bucket_id(client))
         try:
-            wait_us = await self._script(keys=[key], args=[repr(float(self.rate_per_s)), self.burst, tokens])
+            # The call's id: redis-py retries once on a dropped connection, and the script may have run.
+            op = uuid.uuid4().hex
+            wait_us = await self._script(keys=[key], args=[repr(float(self.rate_per_s)), self.burst, tokens, op])
         except REDIS_ERRORS as err:
             raise translate("taking a rate-limit token", err) from err
         return int(wait_us) / 1_000_000

@@ -194,11 +194,13 @@ end
 return 0
 """
 
-# KEYS[1] a client's bucket (hash: tokens, at_us). ARGV: rate per second, burst, tokens to take. Uses
-# the Redis server's clock, so gateways whose clocks disagree still share one bucket correctly. Returns
-# 0 when the tokens were taken, else the microseconds until they will be there (nothing taken). A
-# negative count gives that many back, up to the burst. The bucket
-# expires once it would be full again: a client that stops costs nothing.
+# KEYS[1] a client's bucket (hash: tokens, at_us, op, op_wait). ARGV: rate per second, burst, tokens to
+# take, the call's id. Uses the Redis server's clock, so gateways whose clocks disagree still share one
+# bucket correctly. Returns 0 when the tokens were taken, else the microseconds until they will be there
+# (nothing taken). A negative count gives that many back, up to the burst. A call made again with the
+# same id (redis-py's retry after a reply lost once the script ran) gets the first answer and changes
+# nothing, unless another call came between. The bucket expires once it would be full again: a client
+# that stops costs nothing.
 TOKEN_BUCKET = """
 if redis.replicate_commands then
   redis.replicate_commands()  -- Redis 5 and 6: TIME before a write needs effects replication
@@ -206,9 +208,13 @@ end
 local rate = tonumber(ARGV[1])
 local burst = tonumber(ARGV[2])
 local count = tonumber(ARGV[3])
+local op = ARGV[4]
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
-local held = redis.call('HMGET', KEYS[1], 'tokens', 'at_us')
+local held = redis.call('HMGET', KEYS[1], 'tokens', 'at_us', 'op', 'op_wait')
+if held[3] == op then
+  return tonumber(held[4])
+end
 local tokens = tonumber(held[1])
 local at = tonumber(held[2])
 if tokens == nil or at == nil then
@@ -222,7 +228,7 @@ if count <= 0 or tokens >= count then
 else
   wait = math.ceil((count - tokens) * 1000000 / rate)
 end
-redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'at_us', tostring(now))
+redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'at_us', tostring(now), 'op', op, 'op_wait', wait)
 redis.call('PEXPIRE', KEYS[1], math.ceil((burst - tokens) * 1000 / rate) + 1000)
 return wait
 """
