@@ -27,6 +27,7 @@ from infra.redis_server import CLUSTER_BUS_OFFSET, RedisServer
 from schemas.codec import decode_state
 from schemas.records import TaskState, TaskStatus
 from schemas.wire import Names
+from tests.support.eventually import eventually
 from transport.ports import TransportError
 from transport.redis.pools import PoolOptions, cluster_client
 from transport.redis.pubsub import ShardedHubs
@@ -300,6 +301,49 @@ async def test_a_slot_moved_off_a_node_moves_its_channels_and_the_feed_stays_con
             await _ends_with(kept, "kept")
         assert gaps == [], f"the store read unreachable while one slot moved: {gaps}"
         assert store.reconnects == 0, "no PubSub connection was lost"
+
+
+async def test_a_watcher_that_joins_while_its_channel_moves_moves_with_it(tmp_path: Path, names: Names) -> None:
+    """A second watcher subscribes on the slot's old owner's hub while the channel's references are
+    being subscribed on the new owner's: its reference moves too, so the first watcher leaving does
+    not unsubscribe the channel from under it."""
+    async with _own_cluster(tmp_path, names) as (cluster, store):
+        task_id = "slot-1"  # not stored before the move: its slot holds no key to migrate
+        slot = key_slot(task_id.encode())
+        owner = next(node for node in cluster.nodes if _serves(node.port, slot))
+        heir = next(node for node in cluster.nodes if node.port != owner.port)
+        heir_id = next(f"h{n}" for n in range(1_000) if _serves(heir.port, key_slot(f"h{n}".encode())))
+        hubs = store._feed._hub
+        assert isinstance(hubs, ShardedHubs)
+        channel = names.task_channel(task_id)
+        joined: list[Any] = []
+        async with store.watch(heir_id):  # the new owner's hub, started before the move
+            target = next(hub for hub in hubs._hubs.values() if heir_id in str(hub.channels()))
+            subscribe = target.subscribe
+
+            async def subscribe_as_another_joins(name: str) -> None:
+                if name == channel and not joined:
+                    second = store.watch(task_id)
+                    joined.append((second, await second.__aenter__()))
+                await subscribe(name)
+
+            target.subscribe = subscribe_as_another_joins  # type: ignore[method-assign,assignment]
+            first = store.watch(task_id)
+            await first.__aenter__()
+            await asyncio.to_thread(_move_slot, cluster, slot, owner.port, heir.port)
+            await eventually(
+                lambda: joined and hubs._of.get(channel) is target, "the channel to move, a watcher joining meanwhile"
+            )
+            await first.__aexit__(None, None, None)  # the first watcher leaves
+            second, events = joined[0]
+            try:
+                assert await _applied_once_served(store, state(task_id, TaskStatus.COMPLETED, output="heard"))
+                try:
+                    await _ends_with(events, "heard")
+                except TimeoutError:
+                    pytest.fail("the watcher that joined during the move was unsubscribed when the first left")
+            finally:
+                await second.__aexit__(None, None, None)
 
 
 async def test_a_watch_subscribed_on_a_slots_old_owner_follows_it_to_the_new_one(tmp_path: Path, names: Names) -> None:

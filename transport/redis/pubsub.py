@@ -544,13 +544,17 @@ class ShardedHubs:
         moved: list[str] = []
         for channel in channels:
             async with self._moves:
-                refs = hub.refs(channel)
-                if not refs:
+                if not hub.refs(channel):
                     continue  # its last subscriber left meanwhile
                 try:
                     target = await self._hub_of(channel)
-                    for _ in range(refs):
-                        await target.subscribe(channel)
+                    # A subscriber may join on ``hub`` while these subscribe (``subscribe`` does not wait for
+                    # ``_moves``): its reference moves too, or ``forget`` drops it and a leaver ends the channel.
+                    taken = 0
+                    while (refs := hub.refs(channel)) > taken:
+                        for _ in range(refs - taken):
+                            await target.subscribe(channel)
+                        taken = refs
                 except TransportError as err:
                     log.warning("moving channel %s to its slot's new primary failed (%s); retrying", channel, err)
                     continue
