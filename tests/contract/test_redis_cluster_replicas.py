@@ -255,6 +255,25 @@ async def test_a_second_watcher_of_a_channel_joins_the_hub_that_holds_it_whateve
         await store.close()
 
 
+async def test_a_watch_after_the_store_closed_fails_and_starts_no_reader(redis_cluster: str, names: Names) -> None:
+    """A closed store's feed refuses a new watch, as over one Redis, rather than start a hub (a reader task
+    and a connection) that nothing will close."""
+    store = RedisTaskStore(redis_cluster, names)
+    await store.start()
+    await store.close()
+    hubs = store._feed._hub
+    assert isinstance(hubs, ShardedHubs)
+    try:
+        with pytest.raises(TransportError):
+            async with store.watch("late-1"):
+                pass
+    finally:
+        left = list(hubs._hubs.values())
+        for hub in left:
+            await hub.close()
+    assert left == [], f"a closed feed started {len(left)} hub(s)"
+
+
 async def test_a_watch_follows_its_slot_to_another_primary(tmp_path: Path, names: Names) -> None:
     """The slot moves to another primary (``CLUSTER SETSLOT``, as a resharding does); its old owner ends
     the shard channels of the slot (``sunsubscribe``): the feed moves the watch to the new owner, and

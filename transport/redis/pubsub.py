@@ -434,6 +434,8 @@ class ShardedHubs:
     async def subscribe(self, channel: str) -> None:
         """On the hub that already holds ``channel`` (its references live there, and a failover moves
         them together), else on its slot's primary's."""
+        if not self._started:
+            raise TransportError("the Redis PubSub hubs are not started (or closed)")
         hub = self._of.get(channel)
         if hub is None or hub not in self._hubs.values():
             hub = await self._hub_of(channel)
@@ -485,6 +487,9 @@ class ShardedHubs:
                 await hub.close()
                 failure = err
             else:
+                if not self._started:  # closed meanwhile: no one would close this one
+                    await hub.close()
+                    raise TransportError("the Redis PubSub hubs are closed")
                 self._hubs[name] = hub
                 return hub
         with contextlib.suppress(*REDIS_ERRORS, OSError):  # outside the lock: other nodes' hubs need not wait
