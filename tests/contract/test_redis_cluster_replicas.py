@@ -365,6 +365,40 @@ async def test_a_watcher_that_joins_while_its_channel_moves_moves_with_it(tmp_pa
                 await second.__aexit__(None, None, None)
 
 
+async def test_a_move_that_fails_halfway_leaves_no_reference_on_the_new_owner(tmp_path: Path, names: Names) -> None:
+    """Moving a channel's references fails after some were subscribed on the new owner's hub: the move is
+    tried again, and once every watcher left, the new owner's hub holds the channel no more."""
+    async with _own_cluster(tmp_path, names) as (cluster, store):
+        task_id = "slot-1"  # not stored before the move: its slot holds no key to migrate
+        slot = key_slot(task_id.encode())
+        owner = next(node for node in cluster.nodes if _serves(node.port, slot))
+        heir = next(node for node in cluster.nodes if node.port != owner.port)
+        heir_id = next(f"h{n}" for n in range(1_000) if _serves(heir.port, key_slot(f"h{n}".encode())))
+        hubs = store._feed._hub
+        assert isinstance(hubs, ShardedHubs)
+        channel = names.task_channel(task_id)
+        calls: list[str] = []
+        async with store.watch(heir_id):  # the new owner's hub, started before the move
+            target = next(hub for hub in hubs._hubs.values() if heir_id in str(hub.channels()))
+            subscribe = target.subscribe
+
+            async def second_subscribe_fails(name: str) -> None:
+                if name == channel:
+                    calls.append(name)
+                    if len(calls) == 2:
+                        raise TransportError("refused once, as a node mid-failover may")
+                await subscribe(name)
+
+            target.subscribe = second_subscribe_fails  # type: ignore[method-assign,assignment]
+            async with store.watch(task_id), store.watch(task_id) as events:
+                await asyncio.to_thread(_move_slot, cluster, slot, owner.port, heir.port)
+                await eventually(lambda: hubs._of.get(channel) is target, "the channel to move, at the second try")
+                assert await _applied_once_served(store, state(task_id, TaskStatus.COMPLETED, output="moved"))
+                await _ends_with(events, "moved")
+            assert len(calls) >= 3, f"the move failed once and was tried again: {len(calls)} subscribe(s)"
+            assert target.refs(channel) == 0, f"every watcher left, yet the new owner holds {target.refs(channel)}"
+
+
 async def test_a_watch_subscribed_on_a_slots_old_owner_follows_it_to_the_new_one(tmp_path: Path, names: Names) -> None:
     """The slot map names a slot's old owner (it moved since the map was read): the SSUBSCRIBE there
     answers ``MOVED``, and the feed subscribes the channel on the new owner, its connection to the old

@@ -551,16 +551,18 @@ class ShardedHubs:
             async with self._moves:
                 if not hub.refs(channel):
                     continue  # its last subscriber left meanwhile
+                taken = 0
                 try:
                     target = await self._hub_of(channel)
                     # A subscriber may join on ``hub`` while these subscribe (``subscribe`` does not wait for
                     # ``_moves``): its reference moves too, or ``forget`` drops it and a leaver ends the channel.
-                    taken = 0
-                    while (refs := hub.refs(channel)) > taken:
-                        for _ in range(refs - taken):
-                            await target.subscribe(channel)
-                        taken = refs
+                    while hub.refs(channel) > taken:
+                        await target.subscribe(channel)
+                        taken += 1
                 except TransportError as err:
+                    # The references taken there are dropped again: the next try takes them all anew.
+                    for _ in range(taken):
+                        await target.unsubscribe(channel)
                     log.warning("moving channel %s to its slot's new primary failed (%s); retrying", channel, err)
                     continue
                 hub.forget(channel)
