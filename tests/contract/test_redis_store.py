@@ -4,7 +4,7 @@ one reply message per write, surviving a PubSub drop."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Collection, Iterator
 from pathlib import Path
 
 import pytest
@@ -189,6 +189,45 @@ async def test_an_end_published_while_the_feed_is_down_reaches_its_watcher(own_r
             seen = await next_state(events)
             assert (seen.status, seen.output) == (TaskStatus.COMPLETED, "ok")
             assert store.reconnects >= 1
+    finally:
+        await raw.aclose()
+        await store.close()
+
+
+async def test_a_connection_closed_while_the_reader_does_not_read_is_a_lost_one(
+    own_redis_url: str, names: Names
+) -> None:
+    """Its pool closes the PubSub connection while the reader does not read (a Sentinel primary follower
+    does, here as the reader re-reads after a reconnect): redis-py reopens such a connection and
+    subscribes again by itself, so what was published meanwhile would never be re-read. The hub takes
+    it as a lost connection, reconnects, and the watcher hears the end published while it was closed."""
+    store = RedisTaskStore(own_redis_url, names, ttl_s=TTL_S)
+    await store.start()
+    raw = Redis.from_url(own_redis_url)
+    feed = store._feed
+    hub = feed._hub
+    assert isinstance(hub, PubSubHub)
+    read = feed._read
+    closed: list[bool] = []
+
+    async def read_then_close(task_ids: Collection[str]) -> dict[str, TaskState]:
+        states = await read(task_ids)
+        if not closed:
+            closed.append(True)
+            assert hub._pubsub is not None and hub._pubsub.connection is not None
+            await hub._pubsub.connection.disconnect()
+            await store.apply([state("t1", TaskStatus.COMPLETED, output="unheard")])  # to no subscriber
+        return states
+
+    feed._read = read_then_close
+    try:
+        await store.create(state("t1", TaskStatus.QUEUED))
+        async with store.watch("t1") as events:
+            assert await raw.client_kill_filter(_type="pubsub") >= 1
+            seen = await next_state(events)
+            while seen.status is not TaskStatus.COMPLETED:  # the first re-read's "queued" comes first
+                seen = await next_state(events)
+            assert seen.output == "unheard"
     finally:
         await raw.aclose()
         await store.close()

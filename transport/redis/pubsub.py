@@ -186,6 +186,7 @@ class PubSubHub:
             log.info("%s %s waits for the reader's reconnect", command, channel)
             return
         try:
+            _raise_if_closed(pubsub)
             if command == "SUBSCRIBE":
                 await (pubsub.ssubscribe(channel) if self._sharded else pubsub.subscribe(channel))
             else:
@@ -295,6 +296,7 @@ class PubSubHub:
             if message is None:
                 if awaiting_pong:
                     raise RedisTimeoutError(f"no answer to PING within {self.ping_interval_s} s")
+                _raise_if_closed(pubsub)
                 try:
                     await pubsub.ping()
                 except RuntimeError as err:  # its transport was closed under it: a dropped connection
@@ -311,6 +313,7 @@ class PubSubHub:
         slots' owners (``ShardedHubs``)."""
         deadline = asyncio.get_running_loop().time() + timeout_s
         while True:
+            _raise_if_closed(pubsub)
             try:
                 message: dict[str, Any] | None = await pubsub.get_message(
                     timeout=max(0.0, deadline - asyncio.get_running_loop().time())
@@ -569,6 +572,15 @@ class ShardedHubs:
                 self._of[channel] = target
                 moved.append(channel)
         return moved
+
+
+def _raise_if_closed(pubsub: PubSub) -> None:
+    """A connection closed while the reader did not read it (a primary follower closes it) is a lost one:
+    redis-py would reopen it and subscribe its channels again unseen, and nothing would re-read what was
+    published meanwhile."""
+    connection = pubsub.connection
+    if connection is None or not connection.is_connected:
+        raise RedisConnectionError("the PubSub connection was closed")
 
 
 def _by_slot(channels: frozenset[str]) -> list[list[str]]:
