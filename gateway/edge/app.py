@@ -6,6 +6,7 @@ transports, and in embedded mode the batcher and workers) and hands both to :fun
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -24,6 +25,8 @@ from gateway.edge.routes.deployment import Deployment, Lifecycle
 from gateway.errors import ERROR_TABLE, error_body
 from gateway.service import Gateway
 from transport.ports import Fleet
+
+log = logging.getLogger(__name__)
 
 
 def create_app(
@@ -79,7 +82,15 @@ def create_app(
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     deployment: Deployment = app.state.deployment
-    await deployment.lifecycle.start()
+    try:
+        await deployment.lifecycle.start()
+    except BaseException:
+        # A start that failed part-way closes the parts that came up (``Parts`` closes only those).
+        try:
+            await deployment.lifecycle.close()
+        except Exception as err:  # the start's failure is the one to tell
+            log.warning("closing after the failed start failed too: %r", err)
+        raise
     try:
         await deployment.gateway.start()
         try:

@@ -221,3 +221,23 @@ async def test_lifespan_starts_lifecycle_first_and_closes_it_last() -> None:
     async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
         assert (await client.get("/readyz")).status_code == 200
     assert calls == ["lifecycle.start", "gateway.start", "gateway.close", "lifecycle.close"]
+
+
+async def test_a_lifecycle_whose_start_fails_closes_what_it_started() -> None:
+    """A start that fails part-way (Kafka down after Redis came up) still closes the parts that started."""
+    calls: list[str] = []
+
+    class FailingStart(StubLifecycle):
+        async def start(self) -> None:
+            calls.append("lifecycle.start")
+            raise RuntimeError("the producer could not start")
+
+        async def close(self) -> None:
+            calls.append("lifecycle.close")
+
+    gateway = Gateway(GatewaySettings(), MemoryRequestBus(Partitioner(("sim",), 1)).producer(), RecordingStore())
+    app = create_app(gateway, FailingStart())
+    with pytest.raises(RuntimeError, match="could not start"):
+        async with app.router.lifespan_context(app):
+            pass
+    assert calls == ["lifecycle.start", "lifecycle.close"]
