@@ -246,7 +246,11 @@ class EmbeddedRuntime:
         await self.credits.start()
         if self.heartbeats is not None:
             await self.heartbeats.start()
-        await asyncio.gather(*(worker.start() for worker in self.workers))
+        # Every start ends before a failure is raised: a worker still coming up then would start after the
+        # ``close`` that follows, its tasks left running.
+        started = await asyncio.gather(*(worker.start() for worker in self.workers), return_exceptions=True)
+        if failure := next((result for result in started if isinstance(result, BaseException)), None):
+            raise failure
         self._watchers = [
             asyncio.create_task(self._watch(slot), name=f"embedded-watch-{slot}") for slot in range(len(self._slots))
         ]

@@ -9,6 +9,7 @@ import math
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
@@ -264,3 +265,30 @@ async def test_a_replacement_shut_down_while_it_loads_logs_an_error_at_its_close
     assert [r.exc_info is not None and str(r.exc_info[1]) for r in closes] == [
         "CUDA error: an illegal memory access was encountered"
     ], f"the replacement's close error is logged: {[r.getMessage() for r in caplog.records]}"
+
+
+async def test_a_start_that_fails_on_one_worker_waits_for_the_others_so_close_closes_them() -> None:
+    """One worker's start fails while another's is still coming up: ``start`` raises only once every worker's
+    start ended, so the ``close`` that follows finds no worker still starting (its tasks left running after)."""
+    runtime = EmbeddedRuntime(EmbeddedSettings(workers_per_model=2), lambda model, index: SimBackend(latency_ms=5))
+    failing, slow = runtime.workers
+
+    async def fail() -> None:
+        raise RuntimeError("out of GPU memory while loading")
+
+    joining = slow.consumer.start
+
+    async def join_slowly(on_assigned: Any, on_revoked: Any) -> None:
+        for _ in range(20):  # a group join takes round trips: this worker is still starting as the other fails
+            await asyncio.sleep(0)
+        await joining(on_assigned, on_revoked)
+
+    failing.start = fail  # type: ignore[method-assign]
+    slow.consumer.start = join_slowly  # type: ignore[method-assign]
+    try:
+        with pytest.raises(RuntimeError, match="out of GPU memory"):
+            await runtime.start()
+        assert slow.state != "starting", "the other worker's start ended before start raised"
+    finally:
+        await runtime.close()
+    assert asyncio.all_tasks() == {asyncio.current_task()}, "no task of the runtime left running"
