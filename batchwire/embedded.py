@@ -264,10 +264,11 @@ class EmbeddedRuntime:
         )
 
     async def close(self) -> None:
-        await self.batcher.close()
+        # The watchers first: a slot refilled while the batcher closes would load a model only to be closed.
         for watcher in self._watchers:
             watcher.cancel()
         await asyncio.gather(*self._watchers, return_exceptions=True)
+        await self.batcher.close()
         await asyncio.gather(*(_close_logged(worker) for worker in self.workers))
         if self.heartbeats is not None:
             await self.heartbeats.close()

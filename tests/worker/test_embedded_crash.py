@@ -292,3 +292,40 @@ async def test_a_start_that_fails_on_one_worker_waits_for_the_others_so_close_cl
     finally:
         await runtime.close()
     assert asyncio.all_tasks() == {asyncio.current_task()}, "no task of the runtime left running"
+
+
+async def test_no_replacement_starts_once_the_shutdown_began(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slot whose backoff ends while the batcher closes is not refilled: a replacement would load its model
+    during the shutdown, only to be closed."""
+    backing_off, release = asyncio.Event(), asyncio.Event()
+
+    async def back_off(worker_id: str, what: str, crashes: int) -> None:
+        backing_off.set()
+        await release.wait()
+
+    monkeypatch.setattr(embedded, "_back_off", back_off)
+    made: list[int] = []
+
+    def backend(model: str, index: int) -> SimBackend:
+        made.append(index)
+        return SimBackend(latency_ms=5)
+
+    runtime = EmbeddedRuntime(EmbeddedSettings(workers_per_model=1), backend)
+    _refuse_results(runtime, 1)
+    closing = runtime.batcher.close
+
+    async def close_batcher() -> None:
+        release.set()  # the backoff ends as the shutdown closes the batcher
+        for _ in range(20):
+            await asyncio.sleep(0)
+        await closing()
+
+    runtime.batcher.close = close_batcher  # type: ignore[method-assign]
+    await runtime.start()
+    try:
+        await _submit(runtime)
+        async with asyncio.timeout(20):
+            await backing_off.wait()
+    finally:
+        await runtime.close()
+    assert made == [0], "no replacement made once the shutdown began"
