@@ -275,6 +275,13 @@ class EmbeddedRuntime:
         await self.credits.close()
         await self.store.close()
 
+    def failure(self) -> BaseException | None:
+        """What stopped a part that is not replaced (the batcher, a slot's watcher): the process ends."""
+        if self.batcher.failure is not None:
+            return self.batcher.failure
+        ended = (watcher for watcher in self._watchers if watcher.done() and not watcher.cancelled())
+        return next((err for watcher in ended if (err := watcher.exception()) is not None), None)
+
     async def ready(self) -> dict[str, bool]:
         return {
             "bus": await self.producer.ready(),

@@ -92,7 +92,7 @@ def run_embedded(args: argparse.Namespace) -> int:
         runtime.fleet, lambda window: [gateway_beat(gateway, window, streams_end.ended), *runtime.beats(window)]
     )
     app = create_app(gateway, runtime, streams_end, runtime.fleet)
-    return serve_http(app, settings, args.log_level, args.gc_threshold, streams_end)
+    return serve_http(app, settings, args.log_level, args.gc_threshold, streams_end, runtime.failure)
 
 
 def run_gateway(args: argparse.Namespace) -> int:

@@ -189,10 +189,18 @@ def graceful_shutdown_s(settings: GatewaySettings) -> int:
 
 
 def serve_http(
-    app: FastAPI, settings: GatewaySettings, log_level: str, gc_threshold: Threshold | None, streams_end: StreamsEnd
+    app: FastAPI,
+    settings: GatewaySettings,
+    log_level: str,
+    gc_threshold: Threshold | None,
+    streams_end: StreamsEnd,
+    failure: Callable[[], BaseException | None] = lambda: None,
 ) -> int:
     """Serves ``app`` with uvicorn, under the gateway's HTTP limits (``gateway.edge.http_limits``); the first
-    shutdown signal also ends ``streams_end``'s event streams, which would hold the graceful shutdown."""
+    shutdown signal also ends ``streams_end``'s event streams, which would hold the graceful shutdown.
+
+    A ``failure`` (a part that crashed: embedded mode's batcher) shuts the server down as a signal does, and
+    the process exits 1 rather than serving on without it."""
     tune_gc(gc_threshold)
     config = uvicorn.Config(
         app,
@@ -212,6 +220,8 @@ def serve_http(
     )
 
     class Server(uvicorn.Server):
+        failed = False
+
         def handle_exit(self, sig: int, frame: Any) -> None:
             """As every role: the first signal shuts down gracefully and the process exits 0 (uvicorn
             would raise the signal again once done, and the process would die of it), a second one
@@ -221,6 +231,14 @@ def serve_http(
             streams_end.end()
             self.should_exit = True
 
+        async def on_tick(self, counter: int) -> bool:
+            if not self.should_exit and (err := failure()) is not None:
+                log.error("a part of the process failed (%r); shutting down", err)
+                self.failed = True
+                streams_end.end()
+                return True
+            return await super().on_tick(counter)
+
     server = Server(config)
     server.run()
-    return 0 if server.started else 1
+    return 0 if server.started and not server.failed else 1

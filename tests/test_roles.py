@@ -13,7 +13,10 @@ from batchwire.cli import build_parser
 from batchwire.embedded import EmbeddedRuntime, EmbeddedSettings
 from batchwire.fleet import Heartbeats
 from batchwire.roles import embedded_settings, worker_group_timing
-from batchwire.supervise import graceful_shutdown_s
+from batchwire.supervise import graceful_shutdown_s, serve_http
+from gateway.edge.app import create_app
+from gateway.edge.events import StreamsEnd
+from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from gpu_worker.backends.sim import SimBackend
 from gpu_worker.settings import WorkerSettings
@@ -143,3 +146,30 @@ async def test_a_replaced_worker_is_shown_in_the_state_it_stopped_in_and_its_rep
         ("worker", "sim-worker-0"): ("hung", True),
         ("worker", "sim-worker-0.1"): ("stopped", True),
     }, "at close each role beats once more, saying how it stopped"
+
+
+def test_an_embedded_process_whose_batcher_crashed_shuts_down_and_exits_1() -> None:
+    """The batcher is not replaced as a worker is: without it nothing is batched, so the process ends
+    (its supervisor restarts it) instead of serving on, unready for good."""
+    runtime = EmbeddedRuntime(EmbeddedSettings(workers_per_model=1), lambda model, index: SimBackend(1.0))
+
+    async def crash() -> None:
+        raise RuntimeError("a bug in the batcher's loop")
+
+    runtime.batcher._expiry_loop = crash  # type: ignore[method-assign]
+    settings = GatewaySettings(models=("sim",), port=0)
+    gateway = Gateway(settings, runtime.producer, runtime.store, credits=runtime.credits)
+    streams_end = StreamsEnd()
+    app = create_app(gateway, runtime, streams_end, runtime.fleet)
+    codes: list[int] = []
+    # A thread of its own (uvicorn leaves the signals alone off the main thread), a daemon: a server that
+    # serves on must not hold the test run.
+    server = threading.Thread(
+        target=lambda: codes.append(serve_http(app, settings, "warning", None, streams_end, runtime.failure)),
+        daemon=True,
+    )
+    server.start()
+    server.join(30)
+    assert not server.is_alive(), "the process still serves without its batcher"
+    assert codes == [1]
+    assert runtime.batcher.failure is not None
