@@ -124,7 +124,7 @@ class Worker:
         )
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
-        self._closed = False
+        self._closing: asyncio.Task[None] | None = None
         self._abandon = False
         self.failure: BaseException | None = None
         self.failed = asyncio.Event()
@@ -169,10 +169,14 @@ class Worker:
 
     async def close(self, drain_timeout_s: float | None = None) -> None:
         """Stops offering credits, finishes the batch in hand (or hands it back), then leaves the group.
-        Once: embedded mode's shutdown closes a worker its watcher may have closed already."""
-        if self._closed:
-            return
-        self._closed = True
+        Once: embedded mode's shutdown closes a worker its watcher may have closed already, or begun to
+        close as the shutdown cancelled it, so a later call waits for the first to end instead of returning
+        with the backend, group and journal still open."""
+        if self._closing is None:
+            self._closing = asyncio.create_task(self._close(drain_timeout_s), name=f"close-{self.settings.worker_id}")
+        await asyncio.shield(self._closing)
+
+    async def _close(self, drain_timeout_s: float | None) -> None:
         self._stopping = True
         await self.offers.stop()
         drained = True

@@ -329,3 +329,47 @@ async def test_no_replacement_starts_once_the_shutdown_began(monkeypatch: pytest
     finally:
         await runtime.close()
     assert made == [0], "no replacement made once the shutdown began"
+
+
+async def test_a_worker_whose_close_the_shutdown_interrupted_is_still_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shutdown cancels a slot's watcher while it closes the crashed worker: the shutdown's own close of
+    that worker waits for the close begun, and its backend is closed, not left open."""
+
+    async def back_off(worker_id: str, what: str, crashes: int) -> None:
+        return None
+
+    monkeypatch.setattr(embedded, "_back_off", back_off)
+    closed: list[int] = []
+    made: list[SimBackend] = []
+
+    class Counted(SimBackend):
+        def close(self) -> None:
+            closed.append(made.index(self))
+
+    def backend(model: str, index: int) -> SimBackend:
+        made.append(Counted(latency_ms=5))
+        return made[-1]
+
+    runtime = EmbeddedRuntime(EmbeddedSettings(workers_per_model=1), backend)
+    _refuse_results(runtime, 1)
+    crashed = runtime.workers[0]
+    leaving, release = asyncio.Event(), asyncio.Event()
+    leave = crashed.consumer.close
+
+    async def leave_slowly() -> None:  # a group leave that takes a round trip
+        leaving.set()
+        await release.wait()
+        await leave()
+
+    crashed.consumer.close = leave_slowly  # type: ignore[method-assign]
+    await runtime.start()
+    await _submit(runtime)
+    async with asyncio.timeout(20):
+        await leaving.wait()  # the watcher closes the crashed worker
+    shutdown = asyncio.create_task(runtime.close())
+    for _ in range(20):  # the shutdown cancels the watcher mid-close
+        await asyncio.sleep(0)
+    release.set()
+    async with asyncio.timeout(20):
+        await shutdown
+    assert closed == [0], f"the crashed worker's backend is closed: {closed}"
