@@ -92,8 +92,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             log.warning("closing after the failed start failed too: %r", err)
         raise
     try:
-        await deployment.gateway.start()
-        try:
+        try:  # a start that fails part-way too: the tasks it started stop
+            await deployment.gateway.start()
             yield
         finally:
             await deployment.gateway.close()

@@ -241,3 +241,25 @@ async def test_a_lifecycle_whose_start_fails_closes_what_it_started() -> None:
         async with app.router.lifespan_context(app):
             pass
     assert calls == ["lifecycle.start", "lifecycle.close"]
+
+
+@pytest.mark.parametrize("failing", ["_replies", "_keys"])
+async def test_a_gateway_whose_start_fails_stops_the_tasks_it_started(failing: str) -> None:
+    """The gateway's start fails part-way (its reply subscription, its key watch): the look-ups and sweeps
+    it started stop with it, not run on under a lifespan that never served."""
+    store = MemoryTaskStore()
+    await store.start()
+    gateway = Gateway(GatewaySettings(models=("sim",)), MemoryRequestBus(Partitioner(("sim",), 1)).producer(), store)
+
+    async def fail() -> None:
+        raise RuntimeError("the gateway could not start")
+
+    getattr(gateway, failing).start = fail
+    app = create_app(gateway, StubLifecycle())
+    try:
+        with pytest.raises(RuntimeError, match="could not start"):
+            async with app.router.lifespan_context(app):
+                pass
+        assert asyncio.all_tasks() == {asyncio.current_task()}, "no task of the gateway left running"
+    finally:
+        await store.close()
