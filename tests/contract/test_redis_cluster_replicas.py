@@ -328,10 +328,7 @@ async def test_a_watcher_that_joins_while_its_channel_moves_moves_with_it(tmp_pa
     not unsubscribe the channel from under it."""
     async with _own_cluster(tmp_path, names) as (cluster, store):
         task_id = "slot-1"  # not stored before the move: its slot holds no key to migrate
-        slot = key_slot(task_id.encode())
-        owner = next(node for node in cluster.nodes if _serves(node.port, slot))
-        heir = next(node for node in cluster.nodes if node.port != owner.port)
-        heir_id = next(f"h{n}" for n in range(1_000) if _serves(heir.port, key_slot(f"h{n}".encode())))
+        slot, owner, heir, heir_id = _slot_and_heir(cluster, task_id)
         hubs = store._feed._hub
         assert isinstance(hubs, ShardedHubs)
         channel = names.task_channel(task_id)
@@ -349,7 +346,7 @@ async def test_a_watcher_that_joins_while_its_channel_moves_moves_with_it(tmp_pa
             target.subscribe = subscribe_as_another_joins  # type: ignore[method-assign,assignment]
             first = store.watch(task_id)
             await first.__aenter__()
-            await asyncio.to_thread(_move_slot, cluster, slot, owner.port, heir.port)
+            await asyncio.to_thread(_move_slot, cluster, slot, owner, heir)
             await eventually(
                 lambda: joined and hubs._of.get(channel) is target, "the channel to move, a watcher joining meanwhile"
             )
@@ -370,10 +367,7 @@ async def test_a_move_that_fails_halfway_leaves_no_reference_on_the_new_owner(tm
     tried again, and once every watcher left, the new owner's hub holds the channel no more."""
     async with _own_cluster(tmp_path, names) as (cluster, store):
         task_id = "slot-1"  # not stored before the move: its slot holds no key to migrate
-        slot = key_slot(task_id.encode())
-        owner = next(node for node in cluster.nodes if _serves(node.port, slot))
-        heir = next(node for node in cluster.nodes if node.port != owner.port)
-        heir_id = next(f"h{n}" for n in range(1_000) if _serves(heir.port, key_slot(f"h{n}".encode())))
+        slot, owner, heir, heir_id = _slot_and_heir(cluster, task_id)
         hubs = store._feed._hub
         assert isinstance(hubs, ShardedHubs)
         channel = names.task_channel(task_id)
@@ -391,7 +385,7 @@ async def test_a_move_that_fails_halfway_leaves_no_reference_on_the_new_owner(tm
 
             target.subscribe = second_subscribe_fails  # type: ignore[method-assign,assignment]
             async with store.watch(task_id), store.watch(task_id) as events:
-                await asyncio.to_thread(_move_slot, cluster, slot, owner.port, heir.port)
+                await asyncio.to_thread(_move_slot, cluster, slot, owner, heir)
                 await eventually(lambda: hubs._of.get(channel) is target, "the channel to move, at the second try")
                 assert await _applied_once_served(store, state(task_id, TaskStatus.COMPLETED, output="moved"))
                 await _ends_with(events, "moved")
@@ -491,6 +485,16 @@ async def _ends_with(events: AsyncIterator[TaskState], output: str) -> None:
     while seen.status is not TaskStatus.COMPLETED:
         seen = await asyncio.wait_for(anext(events), 10)
     assert seen.output == output
+
+
+def _slot_and_heir(cluster: LocalRedisCluster, task_id: str) -> tuple[int, int, int, str]:
+    """``task_id``'s slot, the port of the node that serves it, the port of another node (its heir in a
+    move), and a task id whose slot that other node serves (a watch of it starts the heir's hub)."""
+    slot = key_slot(task_id.encode())
+    owner = next(node.port for node in cluster.nodes if _serves(node.port, slot))
+    heir = next(node.port for node in cluster.nodes if node.port != owner)
+    heir_id = next(f"h{n}" for n in range(1_000) if _serves(heir, key_slot(f"h{n}".encode())))
+    return slot, owner, heir, heir_id
 
 
 def _move_slot(cluster: LocalRedisCluster, slot: int, owner: int, heir: int) -> None:
