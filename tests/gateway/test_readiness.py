@@ -50,6 +50,14 @@ async def test_a_plain_redis_url_that_is_down_is_named_without_its_password() ->
     assert "127.0.0.1:1" in down.reason and "secret" not in down.reason, down
 
 
+async def test_a_redis_url_with_its_password_in_the_query_is_named_without_it() -> None:
+    """redis-py reads ``?password=`` as the password; /readyz is open to anyone, so its reason must not show it."""
+    down = await redis_readiness(False, "redis://127.0.0.1:1/0?password=secret&socket_timeout=1", 1.0)
+    assert isinstance(down, Down), down
+    assert "127.0.0.1:1" in down.reason and "secret" not in down.reason, down
+    assert "socket_timeout=1" in down.reason, down
+
+
 async def test_readyz_is_503_when_no_model_can_be_admitted(make_rig: RigFactory, monkeypatch: Any) -> None:
     """One stalled model leaves the gateway ready for the others; with every model stalled it only
     refuses, and a load balancer should send callers to another gateway."""

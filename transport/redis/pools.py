@@ -65,7 +65,20 @@ def is_cluster_url(url: str) -> bool:
 
 
 def redacted(url: str) -> str:
-    """The URL without its password, for error messages and logs."""
+    """The URL without its password, for error messages and logs (redis-py also reads one from the
+    query, ``?password=``)."""
+    base, mark, query = url.partition("?")
+    if mark:
+        return _redacted_netloc(base) + mark + "&".join(_hidden(field) for field in query.split("&"))
+    return _redacted_netloc(url)
+
+
+def _hidden(field: str) -> str:
+    name, equals, _ = field.partition("=")
+    return f"{name}=***" if equals and name.lower().endswith("password") else field
+
+
+def _redacted_netloc(url: str) -> str:
     if is_sentinel_url(url) or is_cluster_url(url):
         return redacted_sentinel_url(url)  # several HOST:PORT, which urlsplit does not take
     parts = urlsplit(url)
