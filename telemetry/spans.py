@@ -65,7 +65,7 @@ class RequestSpans:
         """The result the answer carries was stored around ``stored_ms`` (its ``updated_at_ms``)."""
         self._stored_ms = stored_ms
 
-    def end(self, status: int | None, err: BaseException | None = None) -> None:
+    def end(self, status: int | None, err: BaseException | str | None = None) -> None:
         """The route is done: ends what is still open and records ``reply``: from the stored result,
         or, for a request that ended in an error after it was sent (a 504, a failed task, a caller
         gone), from the send, marked failed. A 202 records none: its answer is read elsewhere."""

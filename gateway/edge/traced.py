@@ -33,7 +33,9 @@ def traced(endpoint: Endpoint) -> Endpoint:
         except BaseException as err:
             spans.end(http_status(err) if isinstance(err, GatewayError) else None, err)
             raise
-        spans.end(response.status_code)
+        status = response.status_code
+        # The OpenAI routes answer their errors instead of raising them: such an answer is a failure too.
+        spans.end(status, f"answered {status}" if status >= 400 else None)
         return response
 
     return traced_endpoint

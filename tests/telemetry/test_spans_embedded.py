@@ -120,8 +120,25 @@ async def test_a_refused_request_ends_its_gateway_span_in_an_error(
     assert response.status_code == 404, response.text
     (accept,) = [s for s in exporter.get_finished_spans() if s.name == "gateway.accept"]
     assert f"{accept.context.trace_id:032x}" == trace_id
-    assert accept.status.status_code.name == "ERROR" and accept.attributes["http.response.status_code"] == 404
+    assert (
+        accept.status.status_code.name == "ERROR" and (accept.attributes or {}).get("http.response.status_code") == 404
+    )
     assert [s.name for s in exporter.get_finished_spans()] == ["gateway.accept"], "nothing was sent"
+
+
+async def test_a_refused_openai_request_ends_its_gateway_span_in_an_error(
+    traced_client: tuple[httpx.AsyncClient, InMemorySpanExporter],
+) -> None:
+    """The OpenAI routes answer their errors rather than raise them: the span still says it failed."""
+    client, exporter = traced_client
+    header, trace_id = traceparent()
+    body = {"model": "nope", "prompt": "x"}
+    response = await client.post("/v1/completions", json=body, headers={"traceparent": header})
+    assert response.status_code == 404, response.text
+    (accept,) = [s for s in exporter.get_finished_spans() if s.name == "gateway.accept"]
+    assert f"{accept.context.trace_id:032x}" == trace_id
+    assert (accept.attributes or {}).get("http.response.status_code") == 404
+    assert accept.status.status_code.name == "ERROR", accept.status
 
 
 async def test_a_caller_that_does_not_sample_its_trace_gets_no_spans_recorded(
