@@ -99,7 +99,7 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
             if methods:
                 headers["Allow"] = ", ".join(sorted(methods))
             allowed = headers.get("Allow", "?")
-            message = f"{request.url.path} does not take {request.method}; allowed: {allowed}"
+            message = f"{shown(request.url.path)} does not take {shown(request.method)}; allowed: {allowed}"
         return error_response(exc.status_code, code, message, headers=headers)
 
     app.add_exception_handler(GatewayError, on_gateway_error)

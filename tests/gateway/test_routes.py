@@ -105,6 +105,9 @@ async def test_an_error_quotes_a_huge_value_by_its_prefix_and_length(make_rig: R
     assert "(1000000 characters)" in error_of(response)["message"]
     missing = await rig.client.get("/" + "p" * 20_000)
     assert missing.status_code == 404 and len(missing.content) < 1_000, len(missing.content)
+    unallowed = await rig.client.put("/v1/result/" + "t" * 20_000)
+    assert unallowed.status_code == 405 and len(unallowed.content) < 1_000, len(unallowed.content)
+    assert error_of(unallowed)["code"] == "method_not_allowed"
 
 
 async def test_a_long_poll_wait_past_the_cap_waits_the_cap_and_a_negative_one_is_refused(make_rig: RigFactory) -> None:
