@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.admission.priority import KeyTiers, tier_named
 from gateway.edge.handlers import error_response
+from gateway.errors import shown
 from gateway.settings import env_name
 from schemas.records import Priority
 
@@ -219,7 +220,7 @@ class AuthMiddleware:
             return
         if not holder.operator and _normalized(scope["path"]) in OPERATOR_PATHS:
             message = (
-                f"{scope['path']} shows the whole deployment and needs an operator key; this is a tenant key. "
+                f"{shown(scope['path'])} shows the whole deployment and needs an operator key; this is a tenant key. "
                 f"Mark an operator's key as '{OPERATOR} <key>' in {env_name('api_keys_file')} or {env_name('api_keys')}"
             )
             await error_response(403, "forbidden", message)(scope, receive, send)

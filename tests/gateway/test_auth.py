@@ -92,6 +92,8 @@ async def test_metrics_need_an_operator_key_and_a_tenant_key_gets_403(make_rig: 
     assert error["code"] == "forbidden"
     assert "operator key" in error["message"] and "BATCHWIRE_API_KEYS_FILE" in error["message"], error
     assert "batchwire_" not in refused.text
+    slashes = await rig.client.get("/metrics" + "/" * 20_000, headers=bearer(KEY_A))
+    assert slashes.status_code == 403 and len(slashes.content) < 1_000, len(slashes.content)
     scraped = await rig.client.get("/metrics", headers=bearer(KEY_B))
     assert scraped.status_code == 200, scraped.text
     assert "batchwire_requests_total" in scraped.text
