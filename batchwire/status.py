@@ -101,7 +101,13 @@ def _once(url: str, api_key: str | None, as_json: bool, *, clear: bool) -> int:
         view = read_fleet(url, api_key)
     except FleetUnreadable as err:
         print(f"batchwire status: {err}", file=sys.stderr)
-        return EXIT_UNREACHABLE
+        if err.status != 503:
+            return EXIT_UNREACHABLE
+        # The gateway answered: the fleet lives in its store, which /readyz says is down (or not).
+        down = not_ready(url)
+        for line in down:
+            print(f"batchwire status: {line}", file=sys.stderr)
+        return EXIT_UNSERVED if down else EXIT_UNREACHABLE
     readiness = not_ready(url)
     if clear:
         sys.stdout.write("\x1b[H\x1b[2J")
@@ -116,7 +122,11 @@ def _once(url: str, api_key: str | None, as_json: bool, *, clear: bool) -> int:
 
 
 class FleetUnreadable(Exception):
-    """The gateway did not answer, or answered something other than its fleet."""
+    """The gateway did not answer, or answered something other than its fleet (``status``: its HTTP status)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def read_fleet(url: str, api_key: str | None, timeout_s: float = 5.0) -> dict[str, Any]:
@@ -132,7 +142,7 @@ def read_fleet(url: str, api_key: str | None, timeout_s: float = 5.0) -> dict[st
         return doc
     except urllib.error.HTTPError as err:
         fix = "; give an operator key with --api-key or BATCHWIRE_API_KEY" if err.code in (401, 403) else ""
-        raise FleetUnreadable(f"{url} answered {err.code}: {_error_message(err)}{fix}") from err
+        raise FleetUnreadable(f"{url} answered {err.code}: {_error_message(err)}{fix}", err.code) from err
     except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as err:  # HTTPException: cut short
         raise FleetUnreadable(
             f"cannot read the fleet from {url}: {err}; name a running gateway with --url or BATCHWIRE_URL"

@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import http.client
 import io
+import json
+import urllib.error
 import urllib.request
+from email.message import Message
 
 import pytest
 
-from batchwire.status import EXIT_UNREACHABLE, run
+from batchwire.status import EXIT_UNREACHABLE, EXIT_UNSERVED, run
 
 
 @pytest.mark.parametrize("url", ["gateway", "", "http://[::1"])
@@ -47,3 +50,30 @@ def test_an_answer_cut_short_exits_2_saying_so(
     out, err = capsys.readouterr()
     assert (code, out) == (EXIT_UNREACHABLE, ""), (code, out, err)
     assert err.startswith("batchwire status: cannot read the fleet from http://127.0.0.1:1"), err
+
+
+def test_a_gateway_whose_store_is_down_exits_1_with_its_readiness(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fleet lives in the store: with the store down the gateway answers, 503, and is not ready, which
+    is exit 1 (unserved), not 2 (no gateway there), and /readyz's reason is printed."""
+
+    def answer_503(request: urllib.request.Request | str, timeout: float) -> io.BytesIO:
+        url = request if isinstance(request, str) else request.full_url
+        body: dict[str, object]
+        if url.endswith("/v1/fleet"):
+            error = {"code": "unavailable", "message": "the fleet's heartbeats cannot be read from the store now"}
+            body = {"error": error}
+        else:
+            error = {
+                "code": "not_ready",
+                "message": "not ready: redis (down: Redis at redis://r:6379/0 does not answer)",
+            }
+            body = {"error": error, "checks": {"redis": False}, "models": {}}
+        raise urllib.error.HTTPError(url, 503, "Service Unavailable", Message(), io.BytesIO(json.dumps(body).encode()))
+
+    monkeypatch.setattr(urllib.request, "urlopen", answer_503)
+    code = run(argparse.Namespace(url="http://127.0.0.1:1", api_key=None, json=False, watch=None))
+    out, err = capsys.readouterr()
+    assert (code, out) == (EXIT_UNSERVED, ""), (code, out, err)
+    assert "answered 503" in err and "redis (down: Redis at redis://r:6379/0 does not answer)" in err, err
