@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from redis.asyncio import Redis
 
+from infra.redis_server import RedisServer
+from telemetry.metrics import REGISTRY
 from transport.redis.memory import MemoryWatch, refusal
 from transport.redis.pools import KeyedClient, PoolOptions, cluster_nodes
 
@@ -61,3 +65,24 @@ async def test_over_a_cluster_one_full_primary_is_a_refusal(redis_cluster: str) 
         await primary.aclose()
         await watch.close()
         await watch_client.close()
+
+
+@pytest.mark.kafka
+async def test_a_full_redis_that_stops_answering_leaves_the_full_gauge_at_0(tmp_path: Path) -> None:
+    """A read that fails leaves no refusal (the outage is the connection checks' to report): the gauge
+    batchwire_redis_full follows, rather than saying "full" for as long as the outage lasts."""
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    client = Redis.from_url(server.url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    watch = MemoryWatch(client, interval_s=60.0)
+    try:
+        await client.config_set("maxmemory", "1")
+        await watch.read()
+        assert watch.refusal is not None and REGISTRY.get_sample_value("batchwire_redis_full") == 1
+        server.stop()
+        await watch.read()
+        assert watch.refusal is None
+        assert REGISTRY.get_sample_value("batchwire_redis_full") == 0, "the gauge still says full"
+    finally:
+        await client.aclose()
+        server.stop()

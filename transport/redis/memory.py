@@ -82,6 +82,7 @@ class MemoryWatch:
                     infos = [await self._client.info("memory")]
         except (*REDIS_ERRORS, OSError, TimeoutError):
             self.refusal = None
+            REDIS_FULL.set(0)
             return
         was, self.refusal = self.refusal, next((why for info in infos if (why := refusal(info))), None)
         REDIS_FULL.set(0 if self.refusal is None else 1)
