@@ -12,9 +12,9 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -326,71 +326,59 @@ async def test_a_watcher_that_joins_while_its_channel_moves_moves_with_it(tmp_pa
     """A second watcher subscribes on the slot's old owner's hub while the channel's references are
     being subscribed on the new owner's: its reference moves too, so the first watcher leaving does
     not unsubscribe the channel from under it."""
-    async with _own_cluster(tmp_path, names) as (cluster, store):
-        task_id = "slot-1"  # not stored before the move: its slot holds no key to migrate
-        slot, owner, heir, heir_id = _slot_and_heir(cluster, task_id)
-        hubs = store._feed._hub
-        assert isinstance(hubs, ShardedHubs)
-        channel = names.task_channel(task_id)
-        joined: list[Any] = []
-        async with store.watch(heir_id):  # the new owner's hub, started before the move
-            target = next(hub for hub in hubs._hubs.values() if heir_id in str(hub.channels()))
-            subscribe = target.subscribe
+    joined: list[Any] = []
+    async with _channel_to_move(tmp_path, names) as (store, move, hubs, target):
+        task_id, channel = move.task_id, names.task_channel(move.task_id)
+        subscribe = target.subscribe
 
-            async def subscribe_as_another_joins(name: str) -> None:
-                if name == channel and not joined:
-                    second = store.watch(task_id)
-                    joined.append((second, await second.__aenter__()))
-                await subscribe(name)
+        async def subscribe_as_another_joins(name: str) -> None:
+            if name == channel and not joined:
+                second = store.watch(task_id)
+                joined.append((second, await second.__aenter__()))
+            await subscribe(name)
 
-            target.subscribe = subscribe_as_another_joins  # type: ignore[method-assign,assignment]
-            first = store.watch(task_id)
-            await first.__aenter__()
-            await asyncio.to_thread(_move_slot, cluster, slot, owner, heir)
-            await eventually(
-                lambda: joined and hubs._of.get(channel) is target, "the channel to move, a watcher joining meanwhile"
-            )
-            await first.__aexit__(None, None, None)  # the first watcher leaves
-            second, events = joined[0]
+        target.subscribe = subscribe_as_another_joins  # type: ignore[method-assign,assignment]
+        first = store.watch(task_id)
+        await first.__aenter__()
+        await asyncio.to_thread(move.run)
+        await eventually(
+            lambda: joined and hubs._of.get(channel) is target, "the channel to move, a watcher joining meanwhile"
+        )
+        await first.__aexit__(None, None, None)  # the first watcher leaves
+        second, events = joined[0]
+        try:
+            assert await _applied_once_served(store, state(task_id, TaskStatus.COMPLETED, output="heard"))
             try:
-                assert await _applied_once_served(store, state(task_id, TaskStatus.COMPLETED, output="heard"))
-                try:
-                    await _ends_with(events, "heard")
-                except TimeoutError:
-                    pytest.fail("the watcher that joined during the move was unsubscribed when the first left")
-            finally:
-                await second.__aexit__(None, None, None)
+                await _ends_with(events, "heard")
+            except TimeoutError:
+                pytest.fail("the watcher that joined during the move was unsubscribed when the first left")
+        finally:
+            await second.__aexit__(None, None, None)
 
 
 async def test_a_move_that_fails_halfway_leaves_no_reference_on_the_new_owner(tmp_path: Path, names: Names) -> None:
     """Moving a channel's references fails after some were subscribed on the new owner's hub: the move is
     tried again, and once every watcher left, the new owner's hub holds the channel no more."""
-    async with _own_cluster(tmp_path, names) as (cluster, store):
-        task_id = "slot-1"  # not stored before the move: its slot holds no key to migrate
-        slot, owner, heir, heir_id = _slot_and_heir(cluster, task_id)
-        hubs = store._feed._hub
-        assert isinstance(hubs, ShardedHubs)
-        channel = names.task_channel(task_id)
-        calls: list[str] = []
-        async with store.watch(heir_id):  # the new owner's hub, started before the move
-            target = next(hub for hub in hubs._hubs.values() if heir_id in str(hub.channels()))
-            subscribe = target.subscribe
+    calls: list[str] = []
+    async with _channel_to_move(tmp_path, names) as (store, move, hubs, target):
+        task_id, channel = move.task_id, names.task_channel(move.task_id)
+        subscribe = target.subscribe
 
-            async def second_subscribe_fails(name: str) -> None:
-                if name == channel:
-                    calls.append(name)
-                    if len(calls) == 2:
-                        raise TransportError("refused once, as a node mid-failover may")
-                await subscribe(name)
+        async def second_subscribe_fails(name: str) -> None:
+            if name == channel:
+                calls.append(name)
+                if len(calls) == 2:
+                    raise TransportError("refused once, as a node mid-failover may")
+            await subscribe(name)
 
-            target.subscribe = second_subscribe_fails  # type: ignore[method-assign,assignment]
-            async with store.watch(task_id), store.watch(task_id) as events:
-                await asyncio.to_thread(_move_slot, cluster, slot, owner, heir)
-                await eventually(lambda: hubs._of.get(channel) is target, "the channel to move, at the second try")
-                assert await _applied_once_served(store, state(task_id, TaskStatus.COMPLETED, output="moved"))
-                await _ends_with(events, "moved")
-            assert len(calls) >= 3, f"the move failed once and was tried again: {len(calls)} subscribe(s)"
-            assert target.refs(channel) == 0, f"every watcher left, yet the new owner holds {target.refs(channel)}"
+        target.subscribe = second_subscribe_fails  # type: ignore[method-assign,assignment]
+        async with store.watch(task_id), store.watch(task_id) as events:
+            await asyncio.to_thread(move.run)
+            await eventually(lambda: hubs._of.get(channel) is target, "the channel to move, at the second try")
+            assert await _applied_once_served(store, state(task_id, TaskStatus.COMPLETED, output="moved"))
+            await _ends_with(events, "moved")
+        assert len(calls) >= 3, f"the move failed once and was tried again: {len(calls)} subscribe(s)"
+        assert target.refs(channel) == 0, f"every watcher left, yet the new owner holds {target.refs(channel)}"
 
 
 async def test_a_watch_subscribed_on_a_slots_old_owner_follows_it_to_the_new_one(tmp_path: Path, names: Names) -> None:
@@ -485,6 +473,29 @@ async def _ends_with(events: AsyncIterator[TaskState], output: str) -> None:
     while seen.status is not TaskStatus.COMPLETED:
         seen = await asyncio.wait_for(anext(events), 10)
     assert seen.output == output
+
+
+@dataclass(frozen=True)
+class _Move:
+    task_id: str
+    run: Callable[[], None]
+    """Moves the task's slot to the other node (blocking: run it in a thread)."""
+
+
+@asynccontextmanager
+async def _channel_to_move(
+    tmp_path: Path, names: Names
+) -> AsyncIterator[tuple[RedisTaskStore, _Move, ShardedHubs, Any]]:
+    """A cluster of this test's own, a task whose slot is about to move, and the hub of the node it moves
+    to, started before the move (a watch of another task on that node holds it)."""
+    async with _own_cluster(tmp_path, names) as (cluster, store):
+        task_id = "slot-1"  # not stored before the move: its slot holds no key to migrate
+        slot, owner, heir, heir_id = _slot_and_heir(cluster, task_id)
+        hubs = store._feed._hub
+        assert isinstance(hubs, ShardedHubs)
+        async with store.watch(heir_id):
+            target = next(hub for hub in hubs._hubs.values() if heir_id in str(hub.channels()))
+            yield store, _Move(task_id, lambda: _move_slot(cluster, slot, owner, heir)), hubs, target
 
 
 def _slot_and_heir(cluster: LocalRedisCluster, task_id: str) -> tuple[int, int, int, str]:
