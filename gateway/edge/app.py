@@ -65,7 +65,7 @@ def create_app(
     # each route's methods from ``app.router.routes``.
     submit.add_routes(app.router, settings)
     tasks.add_routes(app.router, settings)
-    events.add_routes(app.router)
+    events.add_routes(app.router, settings)
     operations.add_routes(app.router, settings)
     openai.add_routes(app.router, settings)
     fleet.add_routes(app.router, settings)

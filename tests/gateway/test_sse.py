@@ -156,6 +156,16 @@ async def test_a_last_event_id_the_stream_never_sent_is_a_400_that_says_what_to_
     assert rig.gateway.watchers == 0
 
 
+async def test_openapi_states_this_deployments_ping_and_longest_stream(make_rig: RigFactory) -> None:
+    """A client written from the API reference must resume a stream that closes at BATCHWIRE_SSE_MAX_S without
+    its terminal event, and expect a keep-alive comment as often as this deployment sends one."""
+    rig = await make_rig(sse_ping_s=5.0, sse_max_s=120.0)
+    spec = (await rig.client.get("/openapi.json")).json()
+    described = spec["paths"]["/v1/result/{task_id}/events"]["get"]["responses"]["200"]["description"]
+    assert "after 5 s of quiet" in described, described
+    assert "after 120 s" in described and "BATCHWIRE_SSE_MAX_S" in described, described
+
+
 async def test_pings_keep_an_idle_stream_alive(make_rig: RigFactory) -> None:
     rig = await make_rig(sse_ping_s=0.05)
     async with serving(rig) as client:

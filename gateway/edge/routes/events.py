@@ -12,6 +12,7 @@ from gateway.edge.models import error_responses
 from gateway.edge.routes.deployment import deployment_of
 from gateway.edge.routes.tasks import READ_ERRORS, RESULT_PATH, TaskId
 from gateway.errors import InvalidLastEventId
+from gateway.settings import GatewaySettings
 from schemas.records import TaskStatus
 
 EVENTS_PATH = f"{RESULT_PATH}/events"
@@ -47,8 +48,8 @@ async def events(request: Request, task_id: TaskId) -> Response:
     )
 
 
-def add_routes(routes: APIRouter) -> None:
-    """The event stream's route."""
+def add_routes(routes: APIRouter, settings: GatewaySettings) -> None:
+    """The event stream's route, documented with this deployment's keep-alive and longest stream."""
     routes.add_api_route(
         EVENTS_PATH,
         events,
@@ -72,7 +73,10 @@ def add_routes(routes: APIRouter) -> None:
                 "is the status, `data` the task's JSON (as from /v1/result), `id` the status rank (0 queued, 1 "
                 "batched, 2 running, 3 ended). The stream closes after the terminal event. An `error` event "
                 'carries `{"error": {...}}` if the store fails mid-stream. A `Last-Event-ID` header resumes '
-                "after that event: no status is sent twice. A keep-alive comment comes after 15 s of quiet.",
+                "after that event: no status is sent twice. A keep-alive comment comes after "
+                f"{settings.sse_ping_s:g} s of quiet (BATCHWIRE_SSE_PING_S). A stream still open after "
+                f"{settings.sse_max_s:g} s (BATCHWIRE_SSE_MAX_S), or when the gateway shuts down, closes without "
+                "the terminal event: resume it with `Last-Event-ID`.",
                 "content": {
                     "text/event-stream": {
                         "schema": {"type": "string"},
