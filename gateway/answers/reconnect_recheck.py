@@ -56,21 +56,24 @@ class ReconnectRecheck:
     async def recheck(self) -> int:
         """Reads the task of every caller still waiting and resolves those that ended; returns how many."""
         held = self._waiters.held()
-        answered = 0
+        answered = read = 0
         for start in range(0, len(held), _CHUNK):
+            chunk = held[start : start + _CHUNK]
             try:
-                found = await self._store.get_many(held[start : start + _CHUNK])
+                found = await self._store.get_many(chunk)
             except TRANSPORT_ERRORS as err:
                 # The feed dropped again: its next return re-checks, and the sweep remains behind that.
                 log.warning("re-reading held callers after the change feed's return failed: %s", err)
                 break
+            read += len(chunk)
             for state in found.values():
                 if state.status.terminal:
                     self._waiters.resolve(state)
                     answered += 1
         self.rechecks += 1
         log.warning(
-            "task store reachable again: re-read %d held caller(s), %d had an answer whose reply was lost",
+            "task store reachable again: re-read %d of %d held caller(s), %d had an answer whose reply was lost",
+            read,
             len(held),
             answered,
         )

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Collection
+
+import pytest
 
 from gateway.answers.reconnect_recheck import ReconnectRecheck
 from gateway.answers.waiters import ReplyWaiters
 from schemas.records import TaskState, TaskStatus
 from tests.support.gateway_rig import now_ms
 from transport.memory.store import MemoryTaskStore
+from transport.ports import TransportError
 
 
 class FlakyFeedStore(MemoryTaskStore):
@@ -68,3 +72,27 @@ async def test_held_lists_only_callers_still_waiting() -> None:
     waiters.register("b", 0.0)
     waiters.resolve(_state("b", TaskStatus.COMPLETED))
     assert waiters.held() == ["a"]
+
+
+class FailingReadStore(FlakyFeedStore):
+    """Its reads fail, as they do when the feed drops again right after it returned."""
+
+    async def get_many(self, task_ids: Collection[str]) -> dict[str, TaskState]:
+        raise TransportError("connection lost again")
+
+
+async def test_a_recheck_whose_read_failed_says_how_many_callers_it_read(caplog: pytest.LogCaptureFixture) -> None:
+    """An operator reading an outage's logs must not be told that callers were re-read when none were:
+    they wait for the next return of the feed, or for the lost-reply sweep."""
+    store = FailingReadStore()
+    waiters = ReplyWaiters(first_check_s=1000.0)
+    waiters.register("a", 0.0)
+    waiters.register("b", 0.0)
+    recheck = ReconnectRecheck(store, waiters)
+    with caplog.at_level(logging.WARNING, logger="gateway.answers.reconnect_recheck"):
+        answered = await recheck.recheck()
+    assert answered == 0
+    summary = [r.getMessage() for r in caplog.records if "reachable again" in r.getMessage()]
+    assert summary == [
+        "task store reachable again: re-read 0 of 2 held caller(s), 0 had an answer whose reply was lost"
+    ], summary
