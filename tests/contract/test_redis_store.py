@@ -265,6 +265,44 @@ async def test_a_watcher_cancelled_while_the_feed_is_busy_still_unsubscribes(
         await asyncio.sleep(0.05)
 
 
+async def test_a_watcher_cancelled_while_its_subscribe_is_being_sent_leaves_no_subscription(
+    store: RedisTaskStore, raw: Redis, names: Names, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long-poll whose client leaves is cancelled wherever it waits; here in the send of its SUBSCRIBE,
+    which waits while the connection's write buffer drains (a busy Redis reads it late). The channel's
+    reference goes with it, as it does for a watcher cancelled once the send returned."""
+    hub = store._feed._hub
+    assert isinstance(hub, PubSubHub) and hub._pubsub is not None
+    pubsub = hub._pubsub
+    written = asyncio.Event()
+    send = pubsub.subscribe
+
+    async def draining(*channels: str) -> None:
+        await send(*channels)  # the command is written...
+        written.set()
+        await asyncio.Event().wait()  # ...and the buffer never drains
+
+    monkeypatch.setattr(pubsub, "subscribe", draining)
+    channel = names.task_channel("t1")
+
+    async def watch() -> None:
+        async with store.watch("t1"):
+            pass
+
+    watching = asyncio.create_task(watch())
+    await asyncio.wait_for(written.wait(), EVENT_TIMEOUT_S)
+    await cancel_and_wait(watching)
+    await eventually(lambda: hub.refs(channel) == 0, "the cancelled watcher's reference to the channel to go")
+
+    async def numsub() -> int:
+        return int(dict(await raw.pubsub_numsub(channel))[channel.encode()])
+
+    deadline = asyncio.get_running_loop().time() + EVENT_TIMEOUT_S
+    while await numsub() != 0:
+        assert asyncio.get_running_loop().time() < deadline, "the channel is still subscribed on Redis"
+        await asyncio.sleep(0.05)
+
+
 async def test_close_ends_watchers_with_an_error(redis_url: str, names: Names) -> None:
     store = RedisTaskStore(redis_url, names)
     await store.start()

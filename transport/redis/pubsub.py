@@ -123,18 +123,22 @@ class PubSubHub:
 
     async def subscribe(self, channel: str) -> None:
         """Returns once Redis confirmed the subscription; raises ``TransportError`` if it cannot be."""
-        async with self._lock:
-            self._raise_if_unusable()
-            count = self._refs.get(channel, 0)
-            self._refs[channel] = count + 1
-            if count == 0:
-                confirmed = asyncio.get_running_loop().create_future()
-                self._active[channel] = confirmed
-                self._pending.setdefault(channel, deque()).append(confirmed)
-                await self._send("SUBSCRIBE", channel)
-            else:
-                confirmed = self._active[channel]
+        counted = False
         try:
+            async with self._lock:
+                self._raise_if_unusable()
+                count = self._refs.get(channel, 0)
+                self._refs[channel] = count + 1
+                counted = True
+                if count == 0:
+                    confirmed = asyncio.get_running_loop().create_future()
+                    self._active[channel] = confirmed
+                    self._pending.setdefault(channel, deque()).append(confirmed)
+                    # A subscriber that leaves may be cancelled here: the send waits while the
+                    # connection's write buffer drains.
+                    await self._send("SUBSCRIBE", channel)
+                else:
+                    confirmed = self._active[channel]
             async with asyncio.timeout(self.subscribe_timeout_s):
                 await asyncio.shield(confirmed)
         except TimeoutError as err:
@@ -145,7 +149,8 @@ class PubSubHub:
         except BaseException:
             # Shielded: a subscriber that leaves is cancelled again until it ends (``cancel_and_wait``);
             # cut short while it waits for the lock (a reconnect), the channel would keep its reference.
-            await asyncio.shield(self.unsubscribe(channel))
+            if counted:
+                await asyncio.shield(self.unsubscribe(channel))
             raise
 
     async def unsubscribe(self, channel: str) -> None:
