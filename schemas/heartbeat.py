@@ -108,7 +108,8 @@ def decode_beat(raw: bytes | str) -> Beat | None:
             per_model={str(model): _floats(values) for model, values in doc.get("per_model", {}).items()},
             final=doc.get("final") is True,  # absent from an earlier release's beats
         )
-    except (ValueError, TypeError, KeyError, AttributeError):
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError):
+        # OverflowError: ``Infinity`` or ``1e400`` as an int; RecursionError: nesting past Python's limit.
         return None
 
 

@@ -45,6 +45,18 @@ def test_a_reader_skips_what_is_no_beat_and_reads_fields_it_does_not_know() -> N
     assert decode_beat(json.dumps(later)) is not None
 
 
+def test_a_reader_skips_a_beat_whose_numbers_or_nesting_python_cannot_hold() -> None:
+    """JSON's ``Infinity`` (or ``1e400``) as an integer, and nesting past the recursion limit, raise
+    other errors than ``ValueError``: one such entry in the fleet hash must be skipped, not fail the read."""
+    doc = BEAT.encode().decode()
+    for field in ("pid", "at_ms"):
+        for number in ("Infinity", "1e400"):
+            raw = doc.replace(f'"{field}":{json.loads(doc)[field]}', f'"{field}":{number}', 1)
+            assert raw != doc, f"{field} not found in {doc}"
+            assert decode_beat(raw) is None, f"{field}={number} should read as no beat"
+    assert decode_beat("[" * 100_000) is None
+
+
 def test_a_member_is_live_until_it_missed_its_beats_then_gone_then_forgotten() -> None:
     last = BEAT.at_ms
     assert BEAT.live(last + GONE_AFTER_BEATS * 1000)
