@@ -55,7 +55,9 @@ class Computation:
     tier: Priority
     """The tier its request was sent at: a caller of a higher tier would wait behind work its admission
     did not count, so it starts a computation of its own."""
-    callers: set[str] = field(default_factory=set)
+    callers: dict[str, str | None] = field(default_factory=dict)
+    """Each attached caller's task id and owner: its end is written as its own, even where it is the
+    task's first write (its queued record could not be written)."""
     queued: TaskState | None = None
     """Its "queued" record once built; written only when it is cancelled (the batcher writes the first)."""
     ended: bool = False
@@ -166,12 +168,12 @@ class Collapser:
             computation = Computation("c-" + secrets.token_urlsafe(16), request.model, request.deadline, request.tier)
             self._runs.spawn(self._run(key, request, computation), name=f"collapsed-{computation.task_id}")
             self._inflight[key] = computation
-        computation.callers.add(request.task_id)
+        computation.callers[request.task_id] = request.owner
         return computation
 
     async def _leave(self, key: str, computation: Computation, task_id: str) -> None:
         """Detaches a caller; the last one to leave a computation still running cancels it."""
-        computation.callers.discard(task_id)
+        computation.callers.pop(task_id, None)
         if computation.callers or computation.ended:
             return
         computation.ended = True  # nobody waits for it: it is cancelled, and no one joins it
@@ -187,7 +189,7 @@ class Collapser:
         computation.ended = True
         if self._inflight.get(key) is computation:
             del self._inflight[key]  # from here on a new request starts anew
-        callers = tuple(computation.callers)
+        callers = tuple(computation.callers.items())
         if self._keep is not None:
             await self._keep(key, state)
         await self._answer_callers(state, callers)
@@ -229,13 +231,13 @@ class Collapser:
             queued, status=status, updated_at_ms=self._clock.wall_ms(), error_code=code, error_message=message
         )
 
-    async def _answer_callers(self, state: TaskState, callers: tuple[str, ...]) -> None:
-        """Copies the computation's end onto each caller's task (one write; a caller cancelled
-        meanwhile keeps its cancel) and hands each its answer. The copies are not counted in
+    async def _answer_callers(self, state: TaskState, callers: tuple[tuple[str, str | None], ...]) -> None:
+        """Copies the computation's end onto each caller's task, under the caller's own owner (one
+        write; a caller cancelled meanwhile keeps its cancel) and hands each its answer. The copies are not counted in
         ``batchwire_tasks_ended``: the computation's end is, once, where it is written."""
         if not callers:
             return
-        ended = [replace(state, task_id=task_id, reply_to=None, owner=None) for task_id in callers]
+        ended = [replace(state, task_id=task_id, reply_to=None, owner=owner) for task_id, owner in callers]
         try:
             applied = await self._store.apply(ended, counted=False)
         except TRANSPORT_ERRORS:

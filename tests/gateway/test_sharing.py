@@ -286,6 +286,36 @@ async def test_a_public_models_answers_are_shared_by_every_key(make_rig: RigFact
     assert owned == 404, "the hit's task is B's own"
 
 
+class FirstCreateFails(RecordingStore):
+    """A store whose first ``create`` of a caller's record fails (a Redis blip); later writes work."""
+
+    failed = False
+
+    async def create(self, state: TaskState) -> bool:
+        if not self.failed and not state.task_id.startswith("c-"):
+            self.failed = True
+            raise TransportError("connection reset")
+        return await super().create(state)
+
+
+async def test_a_collapsed_callers_task_stays_its_own_when_its_queued_record_could_not_be_written(
+    make_rig: RigFactory,
+) -> None:
+    """The caller's end, copied from the computation, is then its task's first write: it carries the
+    caller's owner, so the caller's key reads it (another key still gets 404)."""
+    keys = (digest_of(KEY_A), digest_of(KEY_B))
+    store = FirstCreateFails()
+    rig = await make_rig(**SHARING, store=store, api_keys=keys)
+    await rig.worker()
+    answer = await infer(rig, "blip", bearer(KEY_A))
+    assert answer.status_code == 200 and store.failed, answer.text
+    task_id = answer.json()["task_id"]
+    own = await rig.client.get(f"/v1/result/{task_id}", headers=bearer(KEY_A))
+    assert (own.status_code, own.json().get("output")) == (200, "pilb"), f"the caller's own poll got {own.text}"
+    other = await rig.client.get(f"/v1/result/{task_id}", headers=bearer(KEY_B))
+    assert other.status_code == 404, other.text
+
+
 class DownCache:
     """A cache whose store is down: every call raises, as a Redis cache does then."""
 
