@@ -210,7 +210,12 @@ class Collapser:
                 self._computed(state.model, self._clock.monotonic() - started)
             return state
         except TimeoutError:
-            return self._ended(queued, TaskStatus.EXPIRED, DeadlineExceeded.code, "no answer within the deadline")
+            message = (
+                "the computation this request shared with identical ones had no answer within "
+                f"timeout_ms={request.timeout_ms} (that of the request that started it); the task ended "
+                "expired: retry, or send a longer timeout_ms"
+            )
+            return self._ended(queued, TaskStatus.EXPIRED, DeadlineExceeded.code, message)
         except (Unavailable, NotReady) as err:  # the bus refused it, or this gateway is closing
             return self._ended(queued, TaskStatus.FAILED, err.code, err.message)
         except Exception as err:  # a store error: every caller hears of it

@@ -153,6 +153,22 @@ async def test_the_last_caller_leaving_cancels_the_computation(make_rig: RigFact
     assert state is not None and state.status is TaskStatus.CANCELLED, state
 
 
+async def test_a_caller_whose_shared_computation_expires_first_is_told_what_to_change(make_rig: RigFactory) -> None:
+    """A caller that joined a computation ending a little before its own deadline (``JOIN_SLACK``) gets
+    the computation's expiry: its message names the timeout that ran out and what to send."""
+    rig = await make_rig(**SHARING)  # no worker: the computation expires
+    joined = count(COLLAPSED)
+    first = asyncio.create_task(rig.client.post("/v1/inference", json={"input": "late", "timeout_ms": 2_000}))
+    await eventually(lambda: rig.produced() == 1, "the first request's computation on the bus")
+    second = await rig.client.post("/v1/inference", json={"input": "late", "timeout_ms": 2_000})
+    await first
+    assert count(COLLAPSED) - joined == 1, "the second request joined the first one's computation"
+    assert second.status_code == 504, second.text
+    error = error_of(second)
+    assert error["code"] == "deadline_exceeded", error
+    assert "timeout_ms=2000" in error["message"] and "longer timeout_ms" in error["message"], error
+
+
 async def test_a_request_never_joins_a_computation_of_a_lower_tier(make_rig: RigFactory) -> None:
     """A high-priority request that joined a low one's computation would wait at the low tier, behind
     work its admission did not count: it starts one at its own tier, which a later low request joins."""
