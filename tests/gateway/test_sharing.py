@@ -9,10 +9,15 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.answers.replies import Replies
+from gateway.clock import SystemClock
 from gateway.edge.auth import digest_of, owner_of
 from gateway.errors import NotReady
+from gateway.publisher import TaskPublisher
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
+from gateway.sharing.collapsing import Collapser
+from gateway.submission import Submission
 from schemas.records import TaskState, TaskStatus
 from schemas.wire import Names
 from telemetry.metrics import CACHE_BYPASSED, CACHE_HITS, COLLAPSED
@@ -153,20 +158,32 @@ async def test_the_last_caller_leaving_cancels_the_computation(make_rig: RigFact
     assert state is not None and state.status is TaskStatus.CANCELLED, state
 
 
-async def test_a_caller_whose_shared_computation_expires_first_is_told_what_to_change(make_rig: RigFactory) -> None:
+async def test_a_caller_whose_shared_computation_expires_first_is_told_what_to_change() -> None:
     """A caller that joined a computation ending a little before its own deadline (``JOIN_SLACK``) gets
     the computation's expiry: its message names the timeout that ran out and what to send."""
-    rig = await make_rig(**SHARING)  # no worker: the computation expires
-    joined = count(COLLAPSED)
-    first = asyncio.create_task(rig.client.post("/v1/inference", json={"input": "late", "timeout_ms": 2_000}))
-    await eventually(lambda: rig.produced() == 1, "the first request's computation on the bus")
-    second = await rig.client.post("/v1/inference", json={"input": "late", "timeout_ms": 2_000})
-    await first
-    assert count(COLLAPSED) - joined == 1, "the second request joined the first one's computation"
-    assert second.status_code == 504, second.text
-    error = error_of(second)
-    assert error["code"] == "deadline_exceeded", error
-    assert "timeout_ms=2000" in error["message"] and "longer timeout_ms" in error["message"], error
+    store = RecordingStore()
+    clock = SystemClock()
+    replies = Replies(store, clock, first_check_s=1.0, name="g1")
+    publisher = TaskPublisher(MemoryRequestBus(Partitioner(MODELS, 4)).producer(), store, clock, write_timeout_s=1.0)
+    collapser = Collapser(store, publisher, replies, clock, gateway_id="g1")  # no worker: the computation expires
+    await replies.start()
+    await collapser.start()
+    try:
+        now = asyncio.get_running_loop().time()
+
+        def sent(task_id: str, after_s: float) -> Submission:  # timeout_ms=2000, sent ``after_s`` after the first
+            return Submission(task_id, "late", "sim", 2_000, now + after_s + 2.0, clock.monotonic(), None)
+
+        first = asyncio.create_task(collapser.answer("key", sent("first", 0.0), None))
+        await eventually(lambda: collapser.callers("key") == {"first"}, "the first caller's computation")
+        joined = await collapser.answer("key", sent("second", 0.18), None)  # within a tenth of its timeout
+        await asyncio.gather(first, return_exceptions=True)  # its deadline is the computation's: either answers it
+    finally:
+        await collapser.close()
+        await replies.close(lambda: NotReady("closing"))
+    assert (joined.task_id, joined.status, joined.error_code) == ("second", TaskStatus.EXPIRED, "deadline_exceeded")
+    message = joined.error_message or ""
+    assert "timeout_ms=2000" in message and "longer timeout_ms" in message, message
 
 
 async def test_a_request_never_joins_a_computation_of_a_lower_tier(make_rig: RigFactory) -> None:
