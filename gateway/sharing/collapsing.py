@@ -238,8 +238,8 @@ class Collapser:
 
     async def _answer_callers(self, state: TaskState, callers: tuple[tuple[str, str | None], ...]) -> None:
         """Copies the computation's end onto each caller's task, under the caller's own owner (one
-        write; a caller cancelled meanwhile keeps its cancel) and hands each its answer. The copies are not counted in
-        ``batchwire_tasks_ended``: the computation's end is, once, where it is written."""
+        write; a caller cancelled meanwhile keeps its cancel) and hands each its answer. The copies
+        are not counted in ``batchwire_tasks_ended``: the computation's end is, once, where it is written."""
         if not callers:
             return
         ended = [replace(state, task_id=task_id, reply_to=None, owner=owner) for task_id, owner in callers]
