@@ -173,7 +173,19 @@ class TaskReads:
         self, changes: AsyncIterator[TaskState], state: TaskState, until: float
     ) -> AsyncGenerator[TaskState, None]:
         """``follow`` with a read at the task's deadline, which ends it if it still waits."""
-        return follow(self._read, changes, state, until, self.settings.stream_recheck_s, self._late_in_s)
+        return follow(self._reread, changes, state, until, self.settings.stream_recheck_s, self._late_in_s)
+
+    async def _reread(self, task_id: str) -> TaskState | None:
+        """A follow's re-read, a backstop for a lost change message: one that fails (a slow read, a
+        store blip) reads as no change, and the wait goes on (its subscription re-reads the task when
+        it reconnects, and the next re-read tries again)."""
+        try:
+            return await self._read(task_id)
+        except TRANSPORT_ERRORS as err:
+            log.debug(
+                "re-reading task %s failed; the next re-read tries again: %s", task_id, err, extra=ids(task_id=task_id)
+            )
+            return None
 
     def _late_in_s(self, state: TaskState) -> float | None:
         """Seconds until ``state`` is late: still waiting ``reply_recheck_s`` past its deadline, time for

@@ -235,6 +235,41 @@ async def test_events_recheck_the_store_when_changes_are_lost() -> None:
     assert statuses(seen) == ["queued", "completed"]
 
 
+async def test_a_failed_recheck_leaves_the_stream_to_its_subscription() -> None:
+    """The re-read is a backstop for lost change messages: one that fails (a slow read, a Redis blip)
+    must not end a stream whose subscription still works."""
+
+    class BlipStore(ScriptedStore):
+        reads = 0
+
+        async def get(self, task_id: str) -> TaskState | None:
+            BlipStore.reads += 1
+            if BlipStore.reads == 2:  # the first recheck's read
+                raise TransportError("one slow read timed out")
+            return await super().get(task_id)
+
+    store = BlipStore([])
+    await store.create(_state(TaskStatus.QUEUED))
+    gateway = Gateway(_settings(stream_recheck_s=0.02), InstantProducer(store), store)
+    seen: list[TaskState] = []
+
+    async def consume() -> None:
+        async with aclosing(gateway.events("t1")) as events:
+            async for state in events:
+                seen.append(state)
+
+    async def blip_then_answer() -> None:
+        await eventually(lambda: BlipStore.reads >= 2, "the first recheck's read to fail")
+        await store.apply([_state(TaskStatus.COMPLETED, output="found")])
+
+    async with asyncio.TaskGroup() as group:
+        group.create_task(blip_then_answer())
+        await asyncio.wait_for(consume(), 10)
+    assert statuses(seen) == ["queued", "completed"]
+    assert BlipStore.reads >= 3, "the stream read the store again after the failed read"
+    assert gateway.watchers == 0
+
+
 async def test_events_of_an_unknown_task_raise_not_found() -> None:
     store = MemoryTaskStore()
     gateway = Gateway(_settings(), InstantProducer(store), store)
