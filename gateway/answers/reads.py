@@ -79,6 +79,8 @@ class TaskReads:
             if wait_s == 0:
                 return await self._get(task_id, owner)
             until = asyncio.get_running_loop().time() + wait_s
+            if (ended := await self._ended_if_no_room(task_id, owner, client)) is not None:
+                return ended
             with self.watching(client):
                 async with self._watch(task_id, owner) as changes:
                     if isinstance(changes, TaskState):
@@ -105,6 +107,9 @@ class TaskReads:
         check_task_id(task_id)
         deadline = asyncio.get_running_loop().time() + self.settings.sse_max_s
         try:
+            if (ended := await self._ended_if_no_room(task_id, owner, client)) is not None:
+                yield ended
+                return
             with self.watching(client):
                 async with self._watch(task_id, owner) as changes:
                     if isinstance(changes, TaskState):
@@ -214,21 +219,23 @@ class TaskReads:
             return state
         return state if ended is None else ended
 
+    async def _ended_if_no_room(self, task_id: str, owner: str | None, client: str) -> TaskState | None:
+        """None while ``client`` may open a watch. At a limit, the task's state if it has ended (an
+        ended task needs no watch: a plain poll would answer it), else the limit's refusal."""
+        try:
+            self._check_room(client)
+        except Overloaded:
+            state = await self._get(task_id, owner)
+            if state.status.terminal:
+                return state
+            raise
+        return None
+
     @contextmanager
     def watching(self, client: str) -> Iterator[None]:
         """Counts one open watch (a long-poll, an event stream) of ``client`` while inside; raises
         ``Overloaded`` past ``max_watchers``, or past ``client``'s share of them."""
-        if self._watchers >= self.settings.max_watchers:
-            raise Overloaded(
-                f"this gateway has {self._watchers} long-polls and event streams open, its limit "
-                f"({env_name('max_watchers')}); retry after the Retry-After delay"
-            )
-        held = self._by_client.get(client, 0)
-        if held >= self.settings.max_watchers_per_client:
-            raise Overloaded(
-                f"this client holds {held} long-polls and event streams open on this gateway, its share "
-                f"({env_name('max_watchers_per_client')}); close one, or retry after the Retry-After delay"
-            )
+        held = self._check_room(client)
         self._watchers += 1
         self._by_client[client] = held + 1
         WATCHERS.inc()
@@ -242,6 +249,21 @@ class TaskReads:
             else:
                 del self._by_client[client]
             WATCHERS.dec()
+
+    def _check_room(self, client: str) -> int:
+        """Raises ``Overloaded`` past ``max_watchers`` or past ``client``'s share; the watches it holds."""
+        if self._watchers >= self.settings.max_watchers:
+            raise Overloaded(
+                f"this gateway has {self._watchers} long-polls and event streams open, its limit "
+                f"({env_name('max_watchers')}); retry after the Retry-After delay"
+            )
+        held = self._by_client.get(client, 0)
+        if held >= self.settings.max_watchers_per_client:
+            raise Overloaded(
+                f"this client holds {held} long-polls and event streams open on this gateway, its share "
+                f"({env_name('max_watchers_per_client')}); close one, or retry after the Retry-After delay"
+            )
+        return held
 
 
 def not_found(task_id: str) -> TaskNotFound:

@@ -3,8 +3,8 @@
 The stream waits in the request's own task, with ``asyncio.wait``, for whichever comes first: its
 next event, the client leaving, the server beginning to shut down (:class:`StreamsEnd`), or
 ``ping_s`` of quiet (then a keep-alive comment, so proxies keep the connection). Besides the store
-watch it reads from, an open stream holds two small tasks (its next event, and a wait for the
-client's disconnect), and when it ends, reference counting frees all of it. No task group per
+watch it reads from, an open stream holds three small tasks (its next event, the watch's next
+change, and a wait for the client's disconnect), and when it ends, reference counting frees all of it. No task group per
 stream: one (a ping task, an exit-signal task, a disconnect task, each with its cancel scope)
 costs several times as much, and cancelling it leaves reference cycles that only a full garbage
 collection frees, which the gateway's tuned collector runs rarely (``batchwire.gc_tuning``).

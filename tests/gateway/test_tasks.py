@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -181,6 +182,29 @@ async def test_one_client_holds_only_its_share_of_the_watchers_and_another_is_st
         answered = await asyncio.wait_for(asyncio.gather(theirs, *held), 10)
     assert [response.json()["status"] for response in answered] == ["completed"] * 3
     assert rig.gateway.watchers == 0
+
+
+async def test_a_client_at_its_share_of_the_watchers_still_gets_an_ended_task(make_rig: RigFactory) -> None:
+    """An ended task needs no watch: a long-poll or stream of it at the client's share answers its state
+    (a plain poll would), while one of a task still waiting is refused."""
+    rig = await make_rig(max_watchers_per_client=1)
+    waiting = (await rig.client.post("/v1/tasks", json={"input": "x"})).json()["task_id"]  # no worker: queued
+    held = asyncio.create_task(rig.client.get(f"/v1/result/{waiting}", params={"wait": 30}))
+    await eventually(lambda: rig.gateway.watchers == 1, "the client's long-poll to wait")
+    cancelled = await rig.client.delete(
+        f"/v1/result/{(await rig.client.post('/v1/tasks', json={'input': 'y'})).json()['task_id']}"
+    )
+    assert cancelled.status_code == 200, cancelled.text
+    ended = cancelled.json()["task_id"]
+    poll = await rig.client.get(f"/v1/result/{ended}", params={"wait": 30})
+    stream = await rig.client.get(f"/v1/result/{ended}/events")
+    refused = await rig.client.get(f"/v1/result/{waiting}", params={"wait": 30})
+    held.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await held
+    assert poll.status_code == 200 and poll.json()["status"] == "cancelled", poll.text
+    assert stream.status_code == 200 and "event: cancelled" in stream.text, stream.text
+    assert refused.status_code == 503 and error_of(refused)["code"] == "overloaded", refused.text
 
 
 async def test_a_long_poll_whose_client_left_gives_back_its_watch_at_once(make_rig: RigFactory) -> None:
