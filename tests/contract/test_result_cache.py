@@ -4,6 +4,7 @@ gone after their TTL."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import AsyncIterator
 
@@ -68,6 +69,66 @@ async def test_memory_keeps_the_most_recently_used_entries() -> None:
     assert (await cache.get("a"), await cache.get("b"), await cache.get("c")) == ("1", None, "3")
     with pytest.raises(ValueError, match="max_entries"):
         MemoryResultCache(max_entries=0)
+
+
+async def test_memory_holds_many_large_distinct_outputs_within_its_byte_bound() -> None:
+    """A burst of distinct large answers (Latin, and text Python keeps at 2 and 4 bytes a character)
+    pushes out the least recently used ones: what the cache holds stays under ``max_bytes``."""
+    max_bytes = 1_000_000
+    cache = MemoryResultCache(max_bytes=max_bytes)
+    outputs = {f"k{i}": "abc✓😀"[i % 5] * 65_536 + str(i) for i in range(300)}
+    for key, output in outputs.items():
+        await cache.put(key, output, ttl_s=60.0)
+        assert cache.held_bytes <= max_bytes, f"after {key}: {cache.held_bytes} bytes held, bound {max_bytes}"
+    kept = {key: output for key, output in outputs.items() if await cache.get(key) == output}
+    held = sum(sys.getsizeof(output) for output in kept.values())
+    assert held <= max_bytes, f"the outputs still served hold {held} bytes; the bound is {max_bytes}"
+    assert "k299" in kept and len(kept) >= 3, f"the most recent answers are kept: {sorted(kept)}"
+    assert len(cache) == len(kept), f"{len(cache)} entries held, {len(kept)} served"
+
+
+async def test_memory_does_not_keep_an_entry_larger_than_its_byte_bound() -> None:
+    cache = MemoryResultCache(max_bytes=100_000)
+    await cache.put("small", "s", ttl_s=60.0)
+    await cache.put("huge", "h" * 200_000, ttl_s=60.0)
+    assert await cache.get("huge") is None, "an answer over the whole bound is not cached"
+    assert await cache.get("small") == "s", "and pushes nothing out"
+    assert len(cache) == 1
+
+
+async def test_memory_a_replaced_answer_is_counted_once() -> None:
+    cache = MemoryResultCache(max_bytes=1_000_000)
+    await cache.put("k", "x" * 1000, ttl_s=60.0)
+    one = cache.held_bytes
+    for _ in range(50):
+        await cache.put("k", "x" * 1000, ttl_s=60.0)
+    assert cache.held_bytes == one, f"{cache.held_bytes} bytes held for one entry, first counted {one}"
+
+
+async def test_memory_drops_expired_entries_on_put() -> None:
+    """After a burst the memory falls back as new answers come, without the old ones being read again."""
+    clock = FakeClock()
+    cache = MemoryResultCache(max_bytes=10_000_000, clock=clock)
+    for i in range(1000):
+        await cache.put(f"burst{i}", "o" * 1000, ttl_s=10.0)
+    burst_bytes = cache.held_bytes
+    clock.advance(10.0)
+    await cache.put("later", "x", ttl_s=10.0)
+    assert len(cache) == 1, f"{len(cache)} entries held; the burst's expired"
+    assert cache.held_bytes < burst_bytes / 100, f"{cache.held_bytes} bytes held after the burst's {burst_bytes}"
+
+
+async def test_memory_keeps_the_most_recently_used_entries_within_its_byte_bound() -> None:
+    output = "o" * 10_000
+    cache = MemoryResultCache(max_bytes=25_000)  # two such entries, not three
+    await cache.put("a", output, ttl_s=60)
+    await cache.put("b", output, ttl_s=60)
+    assert await cache.get("a") == output  # b is now the least recently used
+    await cache.put("c", output, ttl_s=60)
+    held = (await cache.get("a"), await cache.get("b"), await cache.get("c"))
+    assert held == (output, None, output), f"a and c kept, b out: {[value is not None for value in held]}"
+    with pytest.raises(ValueError, match="max_bytes"):
+        MemoryResultCache(max_bytes=0)
 
 
 async def test_a_redis_cache_that_cannot_connect_raises_a_transport_error(names: Names) -> None:
