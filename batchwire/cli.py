@@ -37,7 +37,8 @@ def _up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--max-store-bytes",
         268_435_456,
         int,
-        "memory for results, ids and queued inputs: ended results go oldest first, then submits get 503 (0: no limit)",
+        "memory for results, ids and queued inputs: ended results go oldest first, then submits get 503 (0: no limit); "
+        "the result cache holds a quarter of it besides",
     )
 
 

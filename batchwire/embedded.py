@@ -45,6 +45,9 @@ CRASH_BACKOFF_S = 1.0
 replacement crashes before it finishes a batch."""
 CRASH_BACKOFF_MAX_S = 60.0
 
+RESULT_CACHE_SHARE = 4
+"""The result cache (with ``--cache-ttl-s``) holds at most ``max_store_bytes`` over this."""
+
 
 def crash_backoff_s(crashes: int) -> float:
     """How long a slot stays down after its ``crashes``-th crash in a row."""
@@ -97,7 +100,8 @@ class EmbeddedSettings:
     """Models whose workers run each distinct input of a batch once."""
     max_store_bytes: int = 256 * 2**20
     """Bytes the task store may hold for results, ids and queued inputs (0: no limit): ended tasks
-    are dropped oldest first, and once only live tasks are left, submits get 503 ``overloaded``."""
+    are dropped oldest first, and once only live tasks are left, submits get 503 ``overloaded``. The
+    result cache holds a share of it besides (``result_cache_max_bytes``)."""
 
     def __post_init__(self) -> None:
         if self.workers_per_model < 1:
@@ -113,6 +117,14 @@ class EmbeddedSettings:
                 f"max_store_bytes ({self.max_store_bytes}, BATCHWIRE_MAX_STORE_BYTES) must hold at least one "
                 f"result of max_output_bytes ({self.worker.max_output_bytes}, BATCHWIRE_MAX_OUTPUT_BYTES)"
             )
+
+    @property
+    def result_cache_max_bytes(self) -> int | None:
+        """The result cache's byte bound (None: no budget, so none): its answers live beside the store's,
+        so it takes a fixed share of the same setting instead of a flag of its own."""
+        if self.max_store_bytes == 0:
+            return None
+        return max(1, self.max_store_bytes // RESULT_CACHE_SHARE)
 
 
 class EmbeddedRuntime:

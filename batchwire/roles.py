@@ -56,19 +56,26 @@ def embedded_settings(args: argparse.Namespace, shared: SharedSettings) -> Embed
     )
 
 
+def embedded_cache(settings: EmbeddedSettings, cache_ttl_s: float) -> MemoryResultCache | None:
+    """``batchwire up``'s result cache (None when off): one process, so its answers are kept in its memory,
+    within a share of the embedded memory budget."""
+    if cache_ttl_s <= 0:
+        return None
+    return MemoryResultCache(max_bytes=settings.result_cache_max_bytes)
+
+
 def run_embedded(args: argparse.Namespace) -> int:
     shared = rs.shared_settings(args)
     backends = rs.backend_settings(args)
     count_tokens = rs.token_counter_of(args)
-    runtime = EmbeddedRuntime(
-        embedded_settings(args, shared), lambda model, index: make_backend(backends, model), count_tokens
-    )
+    embedded = embedded_settings(args, shared)
+    runtime = EmbeddedRuntime(embedded, lambda model, index: make_backend(backends, model), count_tokens)
     settings = rs.gateway_settings(args, shared)
     check_listen(settings)  # before the models load
     limiter = None  # one process: the rate limits' buckets live in memory
     if settings.rate_limit_per_s > 0:
         limiter = MemoryRateLimiter(settings.rate_limit_per_s, settings.rate_limit_burst_tokens)
-    cache = MemoryResultCache() if settings.cache_ttl_s > 0 else None  # one process: answers kept in memory
+    cache = embedded_cache(embedded, settings.cache_ttl_s)
     gateway = Gateway(
         settings,
         runtime.producer,

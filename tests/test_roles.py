@@ -12,7 +12,7 @@ from batchwire import role_settings as rs
 from batchwire.cli import build_parser
 from batchwire.embedded import EmbeddedRuntime, EmbeddedSettings
 from batchwire.fleet import Heartbeats
-from batchwire.roles import embedded_settings, worker_group_timing
+from batchwire.roles import embedded_cache, embedded_settings, worker_group_timing
 from batchwire.supervise import graceful_shutdown_s, serve_http
 from gateway.edge.app import create_app
 from gateway.edge.events import StreamsEnd
@@ -23,6 +23,7 @@ from gpu_worker.settings import WorkerSettings
 from gpu_worker.worker import HAND_BACK_WRITE_S
 from schemas.records import InferenceRequest
 from tests.support.eventually import eventually
+from transport.memory.cache import MemoryResultCache
 from transport.memory.fleet import MemoryFleet
 
 pytestmark = pytest.mark.timeout(60)
@@ -53,6 +54,23 @@ async def test_the_embedded_runtime_reports_its_transports_to_readyz() -> None:
         assert (await runtime.ready())["store"] is False
     finally:
         await runtime.close()
+
+
+def test_the_embedded_result_cache_holds_a_quarter_of_the_memory_budget() -> None:
+    """Its answers live in the process's memory beside the task store's, so its bytes are bounded by a
+    share of the same setting; with no budget (0) only its entry cap bounds it."""
+
+    def cache_of(*flags: str, ttl_s: float = 60.0) -> MemoryResultCache | None:
+        args = build_parser().parse_args(["up", "--workers", "1", *flags])
+        return embedded_cache(embedded_settings(args, rs.shared_settings(args)), ttl_s)
+
+    bounded = cache_of("--max-store-bytes", "4000000")
+    assert bounded is not None and bounded.max_bytes == 1_000_000, bounded and bounded.max_bytes
+    default = cache_of()
+    assert default is not None and default.max_bytes == 64 * 2**20, default and default.max_bytes
+    unbounded = cache_of("--max-store-bytes", "0")
+    assert unbounded is not None and unbounded.max_bytes is None, unbounded and unbounded.max_bytes
+    assert cache_of(ttl_s=0.0) is None, "no cache without a TTL"
 
 
 def test_a_workers_group_waits_for_its_revocation_to_drain_and_record_its_hand_back() -> None:
