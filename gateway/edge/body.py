@@ -7,6 +7,7 @@ error codes (``invalid_json`` 400 rather than a generic 422) and because one
 
 from __future__ import annotations
 
+import json
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -135,20 +136,28 @@ def parse_body(body: bytes, shape: type[Shape]) -> Shape:
     try:
         return shape.model_validate_json(text)
     except ValidationError as err:
-        raise _explain(err.errors(include_url=False, include_input=False), ", ".join(shape.model_fields)) from err
+        errors = err.errors(include_url=False, include_input=False)
+        raise _explain(errors, ", ".join(shape.model_fields), _example(shape)) from err
 
 
-def _explain(errors: list[ErrorDetails], fields: str) -> GatewayError:
+def _example(shape: type[BaseModel]) -> str:
+    """The least body ``shape`` takes, for a refusal's "an object like": each required field, a
+    ``model`` as its placeholder and any other as text."""
+    required = (name for name, field in shape.model_fields.items() if field.is_required())
+    return json.dumps({name: "<model>" if name == "model" else "text" for name in sorted(required, key="model".__ne__)})
+
+
+def _explain(errors: list[ErrorDetails], fields: str, example: str) -> GatewayError:
     for error in errors:
         if error["type"] == "json_invalid":
             detail = error.get("ctx", {}).get("error", error["msg"])
-            return InvalidJson(f'the body is not valid JSON ({detail}); send an object like {{"input": "text"}}')
+            return InvalidJson(f"the body is not valid JSON ({detail}); send an object like {example}")
     problems: list[str] = []
     for error in errors:
         loc = ".".join(str(part) for part in error["loc"])
         kind = error["type"]
         if not loc:
-            problems.append('the body must be a JSON object like {"input": "text"}')
+            problems.append(f"the body must be a JSON object like {example}")
         elif kind == "missing":
             problems.append(f"field '{loc}' is required")
         elif kind == "extra_forbidden":

@@ -163,6 +163,24 @@ async def test_a_text_field_of_another_type_is_refused_in_one_line_saying_what_t
     assert body.get("message") == f"field '{field}' must be a string or a list of strings", body
 
 
+@pytest.mark.parametrize(
+    ("route", "example"),
+    [
+        ("embeddings", '{"model": "<model>", "input": "text"}'),
+        ("completions", '{"model": "<model>", "prompt": "text"}'),
+    ],
+)
+@pytest.mark.parametrize("body", [b'{"model": "sim", "', b"[]"])
+async def test_a_body_that_is_no_json_object_is_shown_the_routes_own_example(
+    make_rig: RigFactory, route: str, example: str, body: bytes
+) -> None:
+    """Not ``/v1/inference``'s ``{"input": ...}``, which a completions caller would send in vain."""
+    rig = await make_rig()
+    refused = await rig.client.post(f"/v1/{route}", content=body, headers={"content-type": "application/json"})
+    assert refused.status_code == 400, refused.text
+    assert f"object like {example}" in refused.json()["error"]["message"], refused.text
+
+
 @pytest.mark.parametrize("value", [5, ["x", 1], {"text": "x"}])
 async def test_a_stop_of_another_type_is_refused_in_one_line_saying_what_to_send(
     client: openai.AsyncOpenAI, value: object
