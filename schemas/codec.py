@@ -161,8 +161,12 @@ class RecordCodec:
         return buf.getvalue()
 
     def decode_dict(self, data: bytes) -> dict[str, Any]:
-        if len(data) < HEADER_SIZE or data[0] != MAGIC:
+        if not data or data[0] != MAGIC:
             raise CodecError("not a batchwire record (bad magic byte)")
+        if len(data) < HEADER_SIZE:
+            raise CodecError(
+                f"truncated {self.label} record: {len(data)} byte(s), shorter than its {HEADER_SIZE}-byte header"
+            )
         if data[1] != self.kind:
             raise CodecError(f"expected a {self.label} record (kind {self.kind}), got kind {data[1]}")
         writer = self.versions.get(data[2])
@@ -174,7 +178,8 @@ class RecordCodec:
         try:
             return read_canonical(data, HEADER_SIZE, writer, self.schema)
         except Exception as err:  # fastavro raises assorted types on truncated or corrupt input
-            raise CodecError(f"corrupt {self.label} record: {err}") from err
+            reason = str(err) or ("it ends early" if isinstance(err, EOFError) else type(err).__name__)
+            raise CodecError(f"corrupt {self.label} record: {reason}") from err
 
 
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}

@@ -66,6 +66,8 @@ def test_a_credit_from_a_v1_worker_frees_at_its_issue_time() -> None:
         (bytes((MAGIC, Kind.BATCH, 1)), "expected a REQUEST"),
         (bytes((MAGIC, Kind.REQUEST, 99)), "version 99 is unknown"),
         (bytes((MAGIC, Kind.REQUEST, 1)) + b"\x02", "corrupt REQUEST"),
+        (bytes((MAGIC, Kind.REQUEST)), "truncated REQUEST record: 2 byte"),
+        (bytes((MAGIC, Kind.REQUEST, 1)), "corrupt REQUEST record: it ends early"),
     ],
 )
 def test_bad_bytes_raise_codec_error(data: bytes, message: str) -> None:
