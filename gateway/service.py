@@ -224,16 +224,21 @@ class Gateway:
                 raise Overloaded(full)
             if self._admission.active:
                 check = None if charged else count
-                ticket = await self._admission.admit(
-                    caller, model, timeout_ms, tier, charged=charged, check=check, weight=weight
-                )
+                if key is None:
+                    ticket = await self._admission.admit(
+                        caller, model, timeout_ms, tier, charged=charged, check=check, weight=weight
+                    )
+                # A shared answer may need no queue work: its client's part is checked now, its queue's
+                # only once that is known (``_submit_shared``).
+                elif not charged and (weights := await self._admission.charge(caller, 1, check)):
+                    weight = weights[0]
             elif count is not None:
                 await count()
             deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
             task_id = secrets.token_urlsafe(16)
             submission = Submission(task_id, input, model, timeout_ms, deadline, started, caller.owner, tier, ticket)
             if key is not None:
-                return await self._submit_shared(key, submission, wait, disconnected)
+                return await self._submit_shared(key, submission, wait, disconnected, caller, charged, weight)
             if idempotency_key is not None:
                 return await self._submit_keyed(submission, wait, idempotency_key, disconnected)
             if wait:
@@ -377,20 +382,62 @@ class Gateway:
         return True
 
     async def _submit_shared(
-        self, key: str, submission: Submission, wait: bool, watch: Disconnected | None
+        self,
+        key: str,
+        submission: Submission,
+        wait: bool,
+        watch: Disconnected | None,
+        caller: Caller,
+        charged: bool,
+        weight: int | None,
     ) -> Answer | Accepted:
-        """A deterministic model's request: cached, else shared with identical ones (``SharedAnswers``)."""
-        if (hit := await self._shared.cached(key, submission, wait=wait)) is not None:
-            if not wait:
-                return Accepted(hit.task_id, hit.model, status=hit.status)  # completed: no poll needed
-            answer = self._answer(hit, submission.started, shared=True)
-        elif wait:
-            self._check_room()
-            answer = self._answer(await self._shared.computed(key, submission, watch), submission.started, shared=True)
-        else:
-            return await self._enqueue(submission)
-        self._admission.count(submission.model, submission.tier, "answered")
+        """A deterministic model's request: cached, else shared with identical ones (``SharedAnswers``).
+
+        A cache hit, or a caller that joins an identical computation in flight, adds nothing to its
+        model's queue: it is admitted without the queue's checks, which only a request to be queued
+        goes through (``Admission.queue``). Its client's part (its rate-limit token, its token count)
+        was checked in ``submit``, and is given back if the queue refuses it, as a request refused 503
+        takes none (a ``charged`` input's request gives back its own)."""
+        admission = self._admission if self._admission.active else None
+        model, tier = submission.model, submission.tier
+        try:
+            if (hit := await self._shared.cached(key, submission, wait=wait)) is not None:
+                if admission is not None:
+                    admission.count(model, tier, "admitted")
+                if not wait:
+                    return Accepted(hit.task_id, hit.model, status=hit.status)  # completed: no poll needed
+                answer = self._answer(hit, submission.started, shared=True)
+            elif wait:
+                self._check_room()
+                if admission is not None:
+                    if self._shared.joins(key, submission):
+                        admission.count(model, tier, "admitted")
+                    else:
+                        submission = await self._queued(admission, submission, caller, charged, weight)
+                state = await self._shared.computed(key, submission, watch)
+                answer = self._answer(state, submission.started, shared=True)
+            else:
+                if admission is not None:
+                    submission = await self._queued(admission, submission, caller, charged, weight)
+                return await self._enqueue(submission)
+        finally:
+            if submission.ticket is not None:
+                submission.ticket.close()
+        self._admission.count(model, tier, "answered")
         return answer
+
+    async def _queued(
+        self, admission: Admission, submission: Submission, caller: Caller, charged: bool, weight: int | None
+    ) -> Submission:
+        """``submission`` with its place in its model's queue (``Admission.queue``); a refusal gives
+        back the rate-limit token ``submit`` took for it."""
+        try:
+            ticket = await admission.queue(caller, submission.model, submission.timeout_ms, submission.tier, weight)
+        except Overloaded:
+            if not charged:
+                await admission.refund(caller, 1)
+            raise
+        return replace(submission, ticket=ticket)
 
     async def _answer_when_done(
         self, submission: Submission, disconnected: Disconnected | None, *, keyed: bool

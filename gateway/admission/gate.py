@@ -167,11 +167,37 @@ class Admission:
         ``close``d when its submit ends. Each outcome counts in ``batchwire_tier_submits`` under the
         request's model and tier."""
         try:
-            ticket = await self._admit(caller, model, timeout_ms, tier, charged, check, weight)
+            client = await self._check(caller, model, timeout_ms, tier)
+            # Its place is taken before the rate limit's round trip and the token count, so the requests
+            # checked meanwhile count it: a burst is held against all of itself, not let through whole.
+            ticket = self._place(model)
+            try:
+                if not charged and (weights := await self.charge(caller, 1, check)):
+                    weight = weights[0]
+            except BaseException:
+                if ticket is not None:
+                    ticket.close()
+                raise
         except Overloaded:
             self.count(model, tier, "refused")
             raise
-        self.count(model, tier, "admitted")
+        self._admitted(model, tier, client, weight)
+        return ticket
+
+    async def queue(
+        self, caller: Caller, model: str, timeout_ms: int, tier: Priority, weight: int | None = None
+    ) -> Ticket | None:
+        """The queue's part of ``admit``, for a request whose token ``charge`` took before it was known
+        whether its answer needs queue work (a shared answer, ``gateway.sharing``: a cache hit or a
+        caller that joins a computation in flight adds nothing to the queue, and is not held against
+        it). Raises ``Overloaded``; counts the outcome as ``admit`` does."""
+        try:
+            client = await self._check(caller, model, timeout_ms, tier)
+        except Overloaded:
+            self.count(model, tier, "refused")
+            raise
+        ticket = self._place(model)
+        self._admitted(model, tier, client, weight)
         return ticket
 
     def count(self, model: str, tier: Priority, outcome: str) -> None:
@@ -232,53 +258,45 @@ class Admission:
             with contextlib.suppress(TransportError):
                 await self._limiter.acquire(caller.client, -inputs)
 
-    async def _admit(
-        self,
-        caller: Caller,
-        model: str,
-        timeout_ms: int,
-        tier: Priority,
-        charged: bool,
-        check: Check | None,
-        weight: int | None,
-    ) -> Ticket | None:
+    async def _check(self, caller: Caller, model: str, timeout_ms: int, tier: Priority) -> str | None:
+        """Raises ``Overloaded`` where the model's queue refuses the request; returns whose fair share
+        it counts in (None: none is kept)."""
         queue_depth = self._queue_depth
-        unseen = self._unseen.get(model)
         # A fair share applies where the predicted wait is checked: only there are rates kept.
         client = _fairness_id(caller) if queue_depth is not None and self.by_wait else None
-        if queue_depth is not None:
-            backlog = queue_depth.backlog(model)
-            if backlog is not None:
-                if unseen is not None and (admitted := unseen.count(backlog.at_s)):
-                    backlog = replace(backlog, depth=backlog.depth + admitted)
-                self._check_queue(model, backlog, timeout_ms, tier, client)
-            elif self.max_queue_depth > 0:
-                # the deployment-wide figure, while the model's is unknown; unknown too, nothing is held
-                # against the request (a bus that is down fails its send anyway)
-                depth = await queue_depth.depth()
-                limit, setting = self._tier_limits[tier]
-                if depth is not None and depth >= limit:
-                    raise Overloaded(
-                        f"the deployment holds {depth} requests not yet handed to a worker; {tier.value!r} requests "
-                        f"are refused from {limit} ({_limit_of(setting, self.max_queue_depth)}); nothing was "
-                        "queued: retry after the Retry-After delay"
-                    )
-        # Its place is taken before the rate limit's round trip and the token count, so the requests
-        # checked meanwhile count it: a burst is held against all of itself, not let through whole.
-        ticket = unseen.admitted() if unseen is not None and queue_depth is not None else None
-        try:
-            if not charged and (weights := await self.charge(caller, 1, check)):
-                weight = weights[0]
-        except BaseException:
-            if ticket is not None:
-                ticket.close()
-            raise
+        if queue_depth is None:
+            return client
+        backlog = queue_depth.backlog(model)
+        if backlog is not None:
+            unseen = self._unseen.get(model)
+            if unseen is not None and (admitted := unseen.count(backlog.at_s)):
+                backlog = replace(backlog, depth=backlog.depth + admitted)
+            self._check_queue(model, backlog, timeout_ms, tier, client)
+        elif self.max_queue_depth > 0:
+            # the deployment-wide figure, while the model's is unknown; unknown too, nothing is held
+            # against the request (a bus that is down fails its send anyway)
+            depth = await queue_depth.depth()
+            limit, setting = self._tier_limits[tier]
+            if depth is not None and depth >= limit:
+                raise Overloaded(
+                    f"the deployment holds {depth} requests not yet handed to a worker; {tier.value!r} requests "
+                    f"are refused from {limit} ({_limit_of(setting, self.max_queue_depth)}); nothing was "
+                    "queued: retry after the Retry-After delay"
+                )
+        return client
+
+    def _place(self, model: str) -> Ticket | None:
+        """The request's place among its model's unseen ones (None when no queue is watched)."""
+        unseen = self._unseen.get(model)
+        return unseen.admitted() if unseen is not None and self._queue_depth is not None else None
+
+    def _admitted(self, model: str, tier: Priority, client: str | None, weight: int | None) -> None:
         queue = self._queues.get(model)
         if queue is not None:
             queue.mix.admitted(tier)
         if client is not None:
             self._fair.admitted(model, client, self._clock(), weight)
-        return ticket
+        self.count(model, tier, "admitted")
 
     def answered(self, model: str, latency_s: float) -> None:
         """A synchronous answer's latency: the fastest recent one is the model's service time."""

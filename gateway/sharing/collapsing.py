@@ -154,13 +154,24 @@ class Collapser:
             raise NotReady(state.error_message or "the gateway is shutting down", task_id=request.task_id)
         return state
 
-    def _join(self, key: str, request: Submission) -> Computation:
-        """The computation this caller waits for: an identical one in flight whose deadline is not
-        too early for the caller (``JOIN_SLACK``) and whose tier is not below the caller's, else a new
-        one (which replaces it under the key)."""
+    def joins(self, key: str, request: Submission) -> bool:
+        """Whether ``request`` would join ``key``'s computation in flight now (no request of its own is sent)."""
+        return self._joinable(key, request) is not None
+
+    def _joinable(self, key: str, request: Submission) -> Computation | None:
+        """An identical computation in flight whose deadline is not too early for the caller
+        (``JOIN_SLACK``) and whose tier is not below the caller's."""
         computation = self._inflight.get(key)
         earliest = request.deadline - JOIN_SLACK * request.timeout_ms / 1000
         if computation is not None and computation.deadline >= earliest and computation.tier.rank <= request.tier.rank:
+            return computation
+        return None
+
+    def _join(self, key: str, request: Submission) -> Computation:
+        """The computation this caller waits for: the one in flight it may join (``_joinable``), else a
+        new one (which replaces it under the key)."""
+        computation = self._joinable(key, request)
+        if computation is not None:
             COLLAPSED.labels(model=request.model).inc()
             if request.ticket is not None:
                 request.ticket.close()  # never sent: the queue holds the computation's request, not this one's

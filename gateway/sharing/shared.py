@@ -62,6 +62,11 @@ class SharedAnswers:
             return None
         return await self._cached.answer(key, request.task_id, request.model, request.owner, wait=wait)
 
+    def joins(self, key: str, request: Submission) -> bool:
+        """Whether a synchronous request would now join an identical computation in flight (``computed``
+        attaches it, unless that computation ended meanwhile)."""
+        return self.collapser.joins(key, request)
+
     async def computed(self, key: str, request: Submission, disconnected: Watch | None) -> TaskState:
         """A synchronous request's end state, from the computation it shares (see ``Collapser.answer``)."""
         return await self.collapser.answer(key, request, disconnected)

@@ -14,16 +14,21 @@ import pytest
 from batcher.tokens import estimated
 from gateway.admission.validation import LONG_INPUT_CHARS
 from gateway.edge.auth import digest_of
+from gateway.sharing.answer_keys import AnswerKeys
 from schemas.records import TaskStatus
 from schemas.wire import Names
+from telemetry.metrics import REGISTRY
 from tests.support.eventually import eventually
-from tests.support.gateway_rig import MODELS, RigFactory, error_of, http_scope
+from tests.support.gateway_rig import MODELS, Rig, RigFactory, error_of, http_scope
+from tests.support.queue_depth import Counters
 from tests.support.task_states import state
 from tests.support.transport_kits import ensure_topics
 from transport.kafka.lag import KafkaQueueDepth
 from transport.kafka.producers import KafkaRequestProducer
+from transport.memory.cache import MemoryResultCache
 from transport.memory.limits import MemoryRateLimiter
 from transport.memory.store import MemoryTaskStore, state_bytes
+from transport.ports import Backlog
 from transport.redis.limits import RedisRateLimiter
 from transport.routing import Partitioner
 
@@ -320,3 +325,110 @@ async def test_two_gateways_share_each_clients_bucket_through_redis(
     ]
     assert statuses == [202, 202, 202, 429, 429], "three tokens in all, whichever gateway takes them"
     assert first.produced() + second.produced() == 3
+
+
+# answers that need no queue work ----------------------------------------------------------------------
+
+SHARED: dict[str, Any] = {"deterministic_models": ("sim",), "cache_ttl_s": 60.0}
+
+
+def tier_submits(outcome: str, model: str = "sim", priority: str = "normal") -> float:
+    value = REGISTRY.get_sample_value(
+        "batchwire_tier_submits_total", {"model": model, "priority": priority, "outcome": outcome}
+    )
+    return value or 0.0
+
+
+async def _cache_popular(rig: Rig, cache: MemoryResultCache) -> None:
+    """The cache holds the answer of input ``popular`` (model sim, no API key)."""
+    key = AnswerKeys(rig.settings).key(None, "sim", "popular")
+    assert key is not None, "sim must be deterministic here"
+    await cache.put(key, "ralupop", 60.0)
+
+
+async def test_a_cache_hit_is_answered_while_its_models_queue_is_full(make_rig: RigFactory) -> None:
+    """A hit adds nothing to the queue: the depth limit refuses only requests that would be queued."""
+    cache = MemoryResultCache()
+    rig = await make_rig(queue_depth="bus", max_queue_depth=2, cache=cache, **SHARED)  # no worker: nothing leaves
+    await _cache_popular(rig, cache)
+    for index in range(2):
+        assert (await rig.client.post("/v1/tasks", json={"input": f"t{index}"})).status_code == 202
+    admitted = tier_submits("admitted")
+
+    hit = await rig.client.post("/v1/inference", json={"input": "popular"})
+    polled_hit = await rig.client.post("/v1/tasks", json={"input": "popular"})
+    miss = await rig.client.post("/v1/inference", json={"input": "unpopular"})
+
+    assert hit.status_code == 200 and hit.json()["output"] == "ralupop", hit.text
+    assert polled_hit.status_code == 202 and polled_hit.json()["status"] == "completed", polled_hit.text
+    assert miss.status_code == 503 and error_of(miss)["code"] == "overloaded", miss.text
+    assert "BATCHWIRE_MAX_QUEUE_DEPTH" in error_of(miss)["message"], miss.text
+    assert rig.produced() == 2, "the hits queued nothing, and the miss was refused"
+    assert tier_submits("admitted") - admitted == 2, "the two hits count as admitted"
+    assert rig.gateway.inflight == 0
+
+
+async def test_a_request_that_joins_a_computation_in_flight_is_answered_while_the_queue_is_full(
+    make_rig: RigFactory,
+) -> None:
+    """A caller that joins an identical computation in flight sends nothing: the depth limit refuses
+    only a request that would start one of its own."""
+    rig = await make_rig(queue_depth="bus", max_queue_depth=2, deterministic_models=("sim",))  # no worker yet
+    body = {"input": "shared", "timeout_ms": 20_000}
+    first = asyncio.create_task(rig.client.post("/v1/inference", json=body))
+    await eventually(lambda: rig.produced() == 1, "the first request to reach the bus")
+    assert (await rig.client.post("/v1/tasks", json={"input": "other"})).status_code == 202  # the queue is full
+    refused_before = tier_submits("refused")
+
+    joiner = asyncio.create_task(rig.client.post("/v1/inference", json=body))
+    await eventually(lambda: rig.gateway.inflight == 2 or joiner.done(), "the joiner to wait")
+    starter = await rig.client.post("/v1/inference", json={"input": "not shared", "timeout_ms": 20_000})
+
+    assert not joiner.done(), joiner.result().text
+    assert starter.status_code == 503 and error_of(starter)["code"] == "overloaded", starter.text
+    assert tier_submits("refused") - refused_before == 1, "only the request to be queued is refused"
+    await rig.worker()
+    answers = await asyncio.gather(first, joiner)
+    outcomes = [(a.status_code, a.json().get("output")) for a in answers]
+    assert outcomes == [(200, "derahs")] * 2, [a.text for a in answers]
+    assert rig.produced() == 2, "the joiner sent nothing; the refused request was not queued"
+
+
+async def test_a_cache_hit_is_answered_while_its_model_is_refused_by_predicted_wait(make_rig: RigFactory) -> None:
+    """A stalled model's submits are refused by the predicted-wait check; a hit needs no worker."""
+    counters = Counters()
+    cache = MemoryResultCache()
+    rig = await make_rig(queue_depth=counters, stall_s=2.0, cache=cache, **SHARED)
+    await _cache_popular(rig, cache)
+    for n in range(1, 26):  # requests wait and no batch leaves for 2.5 s, sampled every 0.1 s
+        counters.backlogs = {"sim": Backlog(5, 0, 0, n / 10)}
+        rig.gateway.models()
+    assert rig.gateway.models()["sim"] == "stalled"
+
+    hit = await rig.client.post("/v1/inference", json={"input": "popular"})
+    miss = await rig.client.post("/v1/inference", json={"input": "unpopular"})
+
+    assert hit.status_code == 200 and hit.json()["output"] == "ralupop", hit.text
+    assert miss.status_code == 503 and "taken none for 2 s" in error_of(miss)["message"], miss.text
+    assert rig.produced() == 0
+
+
+async def test_a_cache_hit_still_takes_its_rate_limit_token_and_a_refused_miss_takes_none(
+    make_rig: RigFactory,
+) -> None:
+    """Served without queueing, a hit is still a request of its client's; a miss the full queue refuses
+    gives its token back, as any request refused 503 takes none."""
+    cache = MemoryResultCache()
+    rig = await make_rig(queue_depth="bus", max_queue_depth=2, cache=cache, **SHARED, **_limited(0.01, 3))
+    await _cache_popular(rig, cache)
+    headers = {"X-Client-Id": "filler"}
+    for index in range(2):
+        assert (await rig.client.post("/v1/tasks", json={"input": f"t{index}"}, headers=headers)).status_code == 202
+    headers = {"X-Client-Id": "client-1"}
+
+    refused = [await rig.client.post("/v1/inference", json={"input": f"miss{i}"}, headers=headers) for i in range(3)]
+    hits = [await rig.client.post("/v1/inference", json={"input": "popular"}, headers=headers) for _ in range(4)]
+
+    assert [r.status_code for r in refused] == [503] * 3, [r.text for r in refused]
+    assert [h.status_code for h in hits] == [200, 200, 200, 429], [h.text for h in hits]
+    assert error_of(hits[-1])["code"] == "rate_limited"

@@ -29,11 +29,13 @@ from gateway.edge.routes.openai import CUT, GONE_GRACE_S, MAX_INPUTS, Completion
 from gateway.errors import ClientDisconnected
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
+from gateway.sharing.answer_keys import AnswerKeys
 from gpu_worker.backends.base import BackendError
 from gpu_worker.backends.sim import SimBackend
 from schemas.records import TaskStatus
 from tests.support.eventually import eventually
 from tests.support.gateway_rig import RigFactory, http_scope
+from transport.memory.cache import MemoryResultCache
 from transport.memory.limits import MemoryRateLimiter
 
 pytestmark = pytest.mark.timeout(60)
@@ -348,6 +350,35 @@ async def test_a_request_refused_before_it_was_admitted_keeps_its_tokens(make_ri
         assert time.monotonic() < deadline, done.text
         await asyncio.sleep(0.05)  # poll with a deadline: the queue's sample comes every 0.2 s
     assert done.status_code == 200, done.text
+
+
+async def test_prompts_answered_from_the_cache_are_served_while_the_queue_is_full(make_rig: RigFactory) -> None:
+    """As a single request's: a cached prompt adds nothing to the queue; a list with a prompt to be queued
+    is refused whole and gives its tokens back."""
+    cache = MemoryResultCache()
+    sharing: dict[str, Any] = {"deterministic_models": ("sim",), "cache_ttl_s": 60.0}
+    limits: dict[str, Any] = {"rate_limit_per_s": 0.01, "rate_limit_burst": 4, "trust_client_id": True}
+    limiter = MemoryRateLimiter(0.01, 4)
+    rig = await make_rig(queue_depth="bus", max_queue_depth=2, cache=cache, limiter=limiter, **sharing, **limits)
+    keys = AnswerKeys(rig.settings)
+    for prompt in ("ab", "cd"):
+        key = keys.key(None, "sim", prompt)
+        assert key is not None
+        await cache.put(key, prompt[::-1], 60.0)
+    for index in range(2):  # the queue is full
+        queued = await rig.client.post("/v1/tasks", json={"input": f"t{index}"}, headers={"X-Client-Id": "filler"})
+        assert queued.status_code == 202, queued.text
+    headers = {"X-Client-Id": "client-1"}
+
+    mixed = await rig.client.post("/v1/completions", json={"model": "sim", "prompt": ["ab", "new"]}, headers=headers)
+    cached = await rig.client.post("/v1/completions", json={"model": "sim", "prompt": ["ab", "cd"]}, headers=headers)
+    again = await rig.client.post("/v1/completions", json={"model": "sim", "prompt": ["cd", "ab"]}, headers=headers)
+
+    assert mixed.status_code == 503 and mixed.json()["error"]["code"] == "overloaded", mixed.text
+    assert cached.status_code == 200, cached.text
+    assert [choice["text"] for choice in cached.json()["choices"]] == ["ba", "dc"], cached.text
+    assert again.status_code == 200, f"the refused list gave its 2 tokens back: {again.text}"
+    assert rig.produced() == 2, "nothing was queued after the queue filled"
 
 
 async def test_completions_answer_each_prompt_in_order_with_and_without_a_stream(client: openai.AsyncOpenAI) -> None:
