@@ -5,7 +5,10 @@ counters, no I/O), then the client's rate limit (one store round trip, only when
 the request's own dearer check (its inputs' token count), which gives the rate-limit tokens back if it
 refuses: a client over its limit is refused before it costs a count. A request of several inputs (the
 OpenAI routes) takes its tokens at once before its inputs' queue checks, and gets them back if those
-refuse it (``charge``). A refusal says what limit was hit and which setting raises it.
+refuse it (``charge``). So does a request whose answer may be shared (``gateway.sharing``): a cache hit,
+or a caller that joins an identical computation in flight, adds nothing to the queue and skips its
+checks; only one to be queued goes through them (``queue``). A refusal says what limit was hit and which
+setting raises it.
 """
 
 from __future__ import annotations
