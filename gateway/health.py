@@ -31,8 +31,8 @@ async def probe(check: Awaitable[bool], timeout_s: float, part: str) -> bool:
             return bool(await check)
     except TimeoutError:
         log.warning("readiness check of %s took over %s s", part, timeout_s)
-    except Exception:
-        log.warning("readiness check of %s failed", part, exc_info=True)
+    except Exception as err:  # one line: a probe of a dependency that is down fails every few seconds
+        log.warning("readiness check of %s failed: %s: %s", part, type(err).__name__, err)
     return False
 
 

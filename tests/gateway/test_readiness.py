@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from batchwire.gateway_transports import redis_readiness
-from gateway.health import Down
+from gateway.health import Down, probe
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from schemas.records import Credit
@@ -100,3 +101,16 @@ async def test_a_gateway_whose_admission_sampler_died_is_not_ready() -> None:
         await eventually(lambda: not gateway.ready()["gateway"], "the gateway to say it is not ready", timeout_s=2)
     finally:
         await gateway.close()
+
+
+async def test_a_check_that_raises_reads_down_and_logs_one_line_naming_its_error(caplog: Any) -> None:
+    """A load balancer probes every few seconds: a dependency that is down must not add a traceback each time."""
+
+    async def failing() -> bool:
+        raise ConnectionError("connection refused")
+
+    with caplog.at_level(logging.WARNING, logger="gateway.health"):
+        assert await probe(failing(), 1.0, "store") is False
+    [record] = caplog.records
+    assert record.getMessage() == "readiness check of store failed: ConnectionError: connection refused"
+    assert record.exc_info is None, "no traceback"
