@@ -82,15 +82,26 @@ class LoadedModel:
 
 
 def resolve_device(device: str) -> torch.device:
-    """``auto`` is the first CUDA GPU when there is one, else the CPU."""
+    """``auto`` is the first CUDA GPU when there is one, else the CPU. Only cpu and cuda: torch names
+    other device types (meta, mps, xpu) that the backend does not run on, and a GPU index must be one
+    torch sees; either would otherwise fail only in the load, as a model that cannot load."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         resolved = torch.device(device)
     except RuntimeError as err:
         raise ModelLoadError(f"device {device!r} is not a torch device; use auto, cpu, cuda or cuda:N") from err
+    if resolved.type not in ("cpu", "cuda"):
+        raise ModelLoadError(f"device {device!r} is not one the hf backend runs on; use auto, cpu, cuda or cuda:N")
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError(f"device {device!r} asked for, but torch sees no CUDA GPU; use device=cpu or auto")
+    count = torch.cuda.device_count() if resolved.type == "cuda" else 0
+    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= count:
+        seen = "cuda:0" if count == 1 else f"cuda:0 to cuda:{count - 1}"
+        raise ModelLoadError(
+            f"device {device!r} asked for, but torch sees {count} CUDA GPU{'s' if count > 1 else ''} ({seen}); "
+            "use one of those, or cuda (the first)"
+        )
     return resolved
 
 

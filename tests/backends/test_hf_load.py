@@ -207,6 +207,24 @@ def test_resolve_device_and_dtype() -> None:
             resolve_device("cuda")
 
 
+@pytest.mark.parametrize("device", ["meta", "mps", "xpu"])
+def test_a_device_the_backend_does_not_run_on_is_refused_naming_those_it_does(device: str) -> None:
+    """torch names more device types than the backend runs on (cpu, cuda): one of the others would pass
+    the check before the role starts and fail only in the load, in a message about the model's files."""
+    with pytest.raises(ModelLoadError, match="use auto, cpu, cuda or cuda:N") as caught:
+        resolve_device(device)
+    assert repr(device) in str(caught.value), caught.value
+
+
+def test_a_gpu_index_past_those_torch_sees_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuda:1 on a machine of one GPU would pass the check and fail in the load, as a model that cannot load."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("cuda:0") == torch.device("cuda:0")
+    with pytest.raises(ModelLoadError, match=r"'cuda:1' asked for, but torch sees 1 CUDA GPU \(cuda:0\)"):
+        resolve_device("cuda:1")
+
+
 def test_a_gpu_load_needs_no_package_the_hf_extra_leaves_out(tiny_models: dict[str, Path]) -> None:
     """transformers loads weights straight onto a GPU (``device_map``) only with ``accelerate``, which the
     hf extra installs: without a GPU the load fails for want of CUDA, never of a package."""
@@ -228,6 +246,7 @@ def test_a_gpu_load_needs_no_package_the_hf_extra_leaves_out(tiny_models: dict[s
     [
         ((), "does not exist; expected a local Hugging Face model directory"),
         (("--device", "tpu9"), "not a torch device"),
+        (("--device", "meta"), "use auto, cpu, cuda or cuda:N"),
         (("--dtype", "fp8"), "dtype must be auto or one of"),
     ],
 )
