@@ -180,7 +180,19 @@ class HFBackend:
         # a limit shorter than the usual prompt (``max_input_tokens``) is warmed up with a character
         prompt = WARMUP_PROMPT if not self.input_errors([WARMUP_PROMPT]) else WARMUP_PROMPT[0]
         for size in sorted({1, self.max_batch}):
-            self.batchstring([prompt] * size)
+            try:
+                self.batchstring([prompt] * size)
+            except torch.OutOfMemoryError as err:  # the allocator's figures alone do not say which setting to change
+                raise torch.OutOfMemoryError(f"{err}; {self._does_not_fit(size)}") from err
+
+    def _does_not_fit(self, size: int) -> str:
+        loaded = self._require_loaded()
+        where = f"the memory of {loaded.device}"
+        if size > 1:
+            return f"a batch of {size} inputs does not fit in {where}: set a smaller --max-batch (BATCHWIRE_MAX_BATCH)"
+        if loaded.dtype == torch.float32:
+            return f"one input does not fit in {where}: set --dtype bfloat16 or float16 (BATCHWIRE_DTYPE)"
+        return f"one input does not fit in {where}: use a device with more memory (--device, BATCHWIRE_DEVICE)"
 
     def close(self) -> None:
         """Drops the model; a call still running keeps its own reference until it returns."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import socket
 from concurrent.futures import ThreadPoolExecutor
@@ -331,3 +332,31 @@ def test_a_model_that_fails_its_warm_up_did_not_load_and_up_says_so_in_one_line(
     said = err.splitlines()[-1]
     assert said.startswith("batchwire up: the model did not load: ") and "warm-up" in said, err
     assert "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(
+    ("failing_size", "said"),
+    [
+        (8, r"batch of 8 inputs does not fit in the memory of cpu: set a smaller --max-batch \(BATCHWIRE_MAX_BATCH\)"),
+        (1, r"one input does not fit in the memory of cpu: set --dtype bfloat16 or float16 \(BATCHWIRE_DTYPE\)"),
+    ],
+)
+def test_a_warm_up_batch_out_of_memory_names_the_setting_to_change(
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, failing_size: int, said: str
+) -> None:
+    """A GPU's out-of-memory in the warm-up is the load failure a larger --max-batch brings: the message
+    names it, not only the allocator's figures. (The device's allocator is stood in for: the error is
+    raised for batches of ``failing_size`` inputs and more.)"""
+    run = HFBackend._run
+
+    def out_of_memory(self: HFBackend, loaded: Any, inputs: list[str]) -> Any:
+        if len(inputs) >= failing_size:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return run(self, loaded, inputs)
+
+    monkeypatch.setattr(HFBackend, "_run", out_of_memory)
+    backend = HFBackend(tiny_models["gpt2"], device="cpu", max_batch=8)
+    with pytest.raises(ModelLoadError, match=r"warm-up batch failed: OutOfMemoryError: CUDA out of memory") as caught:
+        backend.load()
+    assert re.search(said, str(caught.value)), caught.value
+    assert backend.loaded is None, "a backend whose warm-up failed still says it is loaded"
