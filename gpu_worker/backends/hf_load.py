@@ -349,7 +349,21 @@ def resolve_max_input_tokens(
 
 
 _POSITIONS_AFTER_PADDING = frozenset(
-    {"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text", "mpnet"}
+    {
+        "roberta",
+        "roberta-prelayernorm",
+        "xlm-roberta",
+        "xlm-roberta-xl",
+        "camembert",
+        "data2vec-text",
+        "mpnet",
+        "longformer",
+        "ibert",
+        "xmod",
+        "luke",
+        "markuplm",
+        "esm",
+    }
 )
 """Encoders whose position ids start at ``pad_token_id + 1`` (RoBERTa's numbering, which embedders built on
 them keep): the first ``pad_token_id + 1`` of their ``max_position_embeddings`` hold no token."""

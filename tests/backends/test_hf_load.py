@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 
-from batchwire.bench.tiny_models import build_tiny_encoder
+from batchwire.bench.tiny_models import build_tiny_encoder, byte_tokenizer
 from gpu_worker.backends.hf import WARMUP_PROMPT, HFBackend
 from gpu_worker.backends.hf_load import ModelLoadError, _load_weights, resolve_device, resolve_dtype
 
@@ -181,6 +181,38 @@ def test_an_encoder_that_numbers_positions_after_the_padding_takes_fewer_tokens_
         load(path, task="embed", max_input_tokens=65)
     backend = load(path, task="embed", max_input_tokens=64)
     assert len(backend.batchstring(["x" * 62, "short"])) == 2, "62 bytes and <s> </s>: the whole 64"
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra"),
+    [
+        ("roberta-prelayernorm", {}),
+        ("longformer", {"attention_window": [4, 4]}),
+        ("ibert", {}),
+        ("xmod", {"languages": ["en_XX"], "default_language": "en_XX"}),
+        ("luke", {}),
+        ("markuplm", {}),
+        ("esm", {}),
+    ],
+)
+def test_each_encoder_that_numbers_positions_after_the_padding_gets_its_limit_from_them(
+    tmp_path: Path, model_type: str, extra: dict[str, Any]
+) -> None:
+    """RoBERTa's relatives number positions as it does: with a tokenizer that states no limit, the default
+    (and the most asked for) is the positions less the padding's, and an input that long runs."""
+    tokenizer = byte_tokenizer(template="bos_eos", max_length=10**30)
+    shape = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64}
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=len(tokenizer), pad_token_id=0, max_position_embeddings=34, **shape, **extra
+    )
+    path = tmp_path / model_type
+    transformers.AutoModel.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    with pytest.raises(ModelLoadError, match=r"at most 33 \(34 positions, the first 1 of which hold no token\)"):
+        load(path, task="embed", max_input_tokens=34)
+    backend = load(path, task="embed")
+    assert backend.max_input_tokens == 33
+    assert len(backend.batchstring(["x" * 31, "short"])) == 2, "31 bytes and <s> </s>: the whole 33"
 
 
 def test_a_limit_under_the_warm_up_prompt_warms_up_with_less(tiny_models: dict[str, Path]) -> None:
