@@ -206,7 +206,8 @@ def test_each_encoder_that_numbers_positions_after_the_padding_gets_its_limit_fr
         model_type, vocab_size=len(tokenizer), pad_token_id=0, max_position_embeddings=34, **shape, **extra
     )
     path = tmp_path / model_type
-    transformers.AutoModel.from_config(config).save_pretrained(path)
+    model = transformers.AutoModel.from_config(config)  # type: ignore[no-untyped-call]  # unannotated upstream
+    model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     with pytest.raises(ModelLoadError, match=r"at most 33 \(34 positions, the first 1 of which hold no token\)"):
         load(path, task="embed", max_input_tokens=34)
