@@ -31,7 +31,7 @@ def _up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     flags.batching(up)
     flags.token_budget(up)
     flags.worker(up)
-    flags.add(up, "--workers", 2, int, "workers per model")
+    flags.add(up, "--workers", 2, int, "workers per model, each loading its own copy of the model (hf on one GPU: 1)")
     flags.add(
         up,
         "--max-store-bytes",
