@@ -26,6 +26,9 @@ EXIT_UNSERVED = 1
 ready (its bus or store down): requests wait or are refused."""
 EXIT_UNREACHABLE = 2
 
+MAX_WATCH_S = 86_400.0
+"""The longest ``--watch`` period: a day, well within what ``time.sleep`` takes (an infinite one overflows)."""
+
 _MEMBER_COLUMNS = (
     "ROLE",
     "ID",
@@ -82,8 +85,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def run(args: argparse.Namespace) -> int:
     """0 when every model has a live batcher and worker and the gateway is ready, 1 when not, 2 when the
     gateway cannot be read."""
-    if args.watch is not None and not args.watch > 0:
-        print("batchwire status: --watch takes a positive number of seconds", file=sys.stderr)
+    if args.watch is not None and not 0 < args.watch <= MAX_WATCH_S:
+        print(
+            f"batchwire status: --watch takes a number of seconds above 0 and at most {MAX_WATCH_S:g}, "
+            f"got {args.watch:g}",
+            file=sys.stderr,
+        )
         return EXIT_UNREACHABLE
     code = EXIT_UNREACHABLE
     try:

@@ -12,6 +12,7 @@ from email.message import Message
 
 import pytest
 
+from batchwire.cli import main
 from batchwire.status import EXIT_UNREACHABLE, EXIT_UNSERVED, run
 
 
@@ -77,3 +78,15 @@ def test_a_gateway_whose_store_is_down_exits_1_with_its_readiness(
     out, err = capsys.readouterr()
     assert (code, out) == (EXIT_UNSERVED, ""), (code, out, err)
     assert "answered 503" in err and "redis (down: Redis at redis://r:6379/0 does not answer)" in err, err
+
+
+@pytest.mark.parametrize("seconds", ["inf", "1e12", "nan", "0"])
+def test_a_watch_period_that_is_no_period_exits_2_naming_the_flag(
+    seconds: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused before the first read: an infinite or huge period would overflow the sleep after one table."""
+    code = main(["status", "--url", "http://127.0.0.1:1", "--watch", seconds])
+    out, err = capsys.readouterr()
+    assert (code, out) == (EXIT_UNREACHABLE, ""), (code, out, err)
+    assert err.startswith("batchwire status: --watch takes"), err
+    assert "cannot read the fleet" not in err, err
