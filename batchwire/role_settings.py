@@ -110,10 +110,12 @@ def _policy(args: argparse.Namespace) -> FlushPolicy:
             f"--reserve-ms (BATCHWIRE_RESERVE_MS) is {args.reserve_ms:g}, and --policy (BATCHWIRE_POLICY) is "
             "classic, which holds no worker in reserve: use work-conserving, or leave the reserve unset"
         )
+    if args.policy not in {name.value for name in PolicyName}:
+        raise SettingsError(f"--policy (BATCHWIRE_POLICY) is {args.policy!r}; use work-conserving or classic")
     try:
         return FlushPolicy.named(args.policy, args.max_batch, args.max_wait_ms, args.reserve_ms, args.max_batch_tokens)
-    except ValueError as err:
-        raise SettingsError(f"{err} (--policy is work-conserving or classic)") from err
+    except ValueError as err:  # a bound of a batching flag, which its message names
+        raise SettingsError(str(err)) from err
 
 
 def batcher_settings(

@@ -43,6 +43,12 @@ class SharedSettings:
                 raise SettingsError(
                     f"model name {model!r} may hold only letters, digits, -, _ and . (--models / BATCHWIRE_MODELS)"
                 )
+        if len(set(self.models)) != len(self.models):
+            # As the gateway refuses it: a batcher that split the request topic over a repeated model
+            # would count another range of partitions as its model's than the gateways send it to.
+            raise SettingsError(
+                f"models (BATCHWIRE_MODELS) lists a model twice: {', '.join(self.models)}; name each once (--models)"
+            )
         if self.request_partitions < len(self.models):
             raise SettingsError(
                 f"request_partitions ({self.request_partitions}) must be at least the number of models "

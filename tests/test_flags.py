@@ -12,6 +12,7 @@ import pytest
 
 from batchwire import role_settings as rs
 from batchwire.cli import build_parser, config_table, main
+from batchwire.settings import SettingsError
 from batchwire.supervise import serve_metrics
 from gpu_worker.settings import WorkerSettings
 
@@ -129,6 +130,8 @@ def test_a_negative_drain_timeout_is_refused_naming_the_variable() -> None:
             "--metrics-host (BATCHWIRE_METRICS_HOST) is 0.0.0.0, and --metrics-port (BATCHWIRE_METRICS_PORT) is 0",
         ),
         (["batcher", "--metrics-host=0.0.0.0"], "which serves no /metrics: set the port, or leave the host unset"),
+        (["batcher", "--models=sim,sim"], "models (BATCHWIRE_MODELS) lists a model twice: sim, sim"),
+        (["worker", "--models=a,b,a"], "models (BATCHWIRE_MODELS) lists a model twice: a, b, a"),
     ],
 )
 def test_a_setting_that_cannot_work_stops_the_role_before_it_starts(
@@ -140,6 +143,24 @@ def test_a_setting_that_cannot_work_stops_the_role_before_it_starts(
     assert main([*argv, "--port=0"] if argv[0] == "up" else argv) == 2
     err = capsys.readouterr().err
     assert named in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("argv", [["batcher", "--max-wait-ms=-1"], ["batcher", "--max-batch-tokens=-1"]])
+def test_a_batching_value_refused_does_not_blame_the_policy(
+    argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The policy's name is right here: only an unknown one is told which names there are."""
+    monkeypatch.setenv("BATCHWIRE_KAFKA_BOOTSTRAP", "127.0.0.1:1")
+    monkeypatch.setenv("BATCHWIRE_REDIS_URL", "redis://127.0.0.1:1/0")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "must be >= 0" in err and "--policy" not in err, err
+
+
+def test_an_unknown_policy_is_told_the_names() -> None:
+    args = build_parser().parse_args(["batcher", "--policy=fifo"])
+    with pytest.raises(SettingsError, match=r"--policy \(BATCHWIRE_POLICY\) is 'fifo'; use work-conserving or classic"):
+        rs.batcher_settings(args, 12)
 
 
 def test_a_setting_at_its_default_is_not_refused_for_its_pair() -> None:
