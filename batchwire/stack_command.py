@@ -58,13 +58,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def run(args: argparse.Namespace) -> int:
     state_dir = Path(args.state_dir)
     if args.action == "up":
+        settings = shared_settings(args)  # refused before a server starts, rather than after, leaving them up
         shape = cluster_stack.Shape(args.brokers, args.redis_replicas, args.redis_cluster)
         try:
             up = cluster_stack.up_any(state_dir, shape, redis_maxmemory=args.redis_maxmemory)
         except (InfraError, OSError) as err:  # OSError: a --state-dir that cannot be made or written
             print(f"stack up failed: {err}", file=sys.stderr)
             return 1
-        shared = dataclasses.replace(shared_settings(args), kafka_bootstrap=up.env[stack.KAFKA_ENV])
+        shared = dataclasses.replace(settings, kafka_bootstrap=up.env[stack.KAFKA_ENV])
         asyncio.run(ensure_role_topics(shared, durability(args), True, shared.models))
         stack.print_up(up, state_dir, out=sys.stdout, err=sys.stderr)
         return 0

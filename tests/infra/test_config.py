@@ -100,6 +100,28 @@ def test_stack_up_in_a_state_dir_that_cannot_be_made_says_so_in_one_line(
     assert err.startswith("stack up failed: ") and str(state_dir.parent) in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize(
+    ("flag", "named"),
+    [
+        ("--namespace=team a", "namespace 'team a' must be"),
+        ("--models=sim,sim", "lists a model twice"),
+        ("--request-partitions=0", "request_partitions (0) must be at least"),
+    ],
+)
+def test_stack_up_refuses_a_setting_of_its_topics_before_it_starts_a_server(
+    flag: str, named: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The state dir cannot be made, so a stack up that got that far says so instead (exit 1): the topics'
+    settings are refused first, with exit 2, rather than after Kafka and Redis were started and left up."""
+    from batchwire.cli import main
+
+    (tmp_path / "a-file").write_text("")
+    state_dir = tmp_path / "a-file" / "stack"
+    assert main(["stack", "up", "--state-dir", str(state_dir), flag]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "stack up failed" not in err and "Traceback" not in err, err
+
+
 def test_server_properties_extra_overrides(tmp_path: Path) -> None:
     text = render_server_properties(data_dir=tmp_path, broker_port=1, controller_port=2, extra={"num.partitions": "4"})
     assert _props(text)["num.partitions"] == "4"
