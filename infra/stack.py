@@ -12,6 +12,7 @@ the project CLI; these are plain functions.
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import sys
 import time
@@ -228,7 +229,9 @@ def print_up(up: StackUp, state_dir: Path, *, out: TextIO = sys.stdout, err: Tex
         print(f"{key}={value}", file=out)
     for action in up.actions:
         print(f"# {action}", file=err)
-    print(f"# written to {state_dir.resolve() / ENV_FILE_NAME}; stop with: batchwire stack down", file=err)
+    # Another state dir needs naming: `stack down` alone looks in the default one and stops nothing.
+    where = "" if state_dir == DEFAULT_STATE_DIR else f" --state-dir {shlex.quote(str(state_dir))}"
+    print(f"# written to {state_dir.resolve() / ENV_FILE_NAME}; stop with: batchwire stack down{where}", file=err)
 
 
 def cmd_up(

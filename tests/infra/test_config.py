@@ -122,6 +122,20 @@ def test_stack_up_refuses_a_setting_of_its_topics_before_it_starts_a_server(
     assert named in err and "stack up failed" not in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize(
+    ("state_dir", "stop"), [(".batchwire", "batchwire stack down\n"), ("/srv/bw", "--state-dir /srv/bw\n")]
+)
+def test_stack_up_tells_the_stop_command_for_its_own_state_dir(state_dir: str, stop: str) -> None:
+    """`stack down` without the state dir up used looks in .batchwire, finds no stack and leaves it running."""
+    import io
+
+    from infra.stack import StackUp, print_up
+
+    out, err = io.StringIO(), io.StringIO()
+    print_up(StackUp({"BATCHWIRE_REDIS_URL": "redis://127.0.0.1:1/0"}), Path(state_dir), out=out, err=err)
+    assert err.getvalue().endswith(stop), err.getvalue()
+
+
 def test_server_properties_extra_overrides(tmp_path: Path) -> None:
     text = render_server_properties(data_dir=tmp_path, broker_port=1, controller_port=2, extra={"num.partitions": "4"})
     assert _props(text)["num.partitions"] == "4"
