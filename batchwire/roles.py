@@ -109,6 +109,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         shared,
         request_linger_ms=args.request_linger_ms,
     )
+    count_tokens = rs.token_counter_of(args)  # a tokenizer that cannot load stops it before Redis and Kafka
     check_listen(settings)
     transports = GatewayTransports(shared, settings)
     # Before serving (a refusal exits 2), and the batch topics too: the queue depth reads their end offsets,
@@ -122,7 +123,7 @@ def run_gateway(args: argparse.Namespace) -> int:
         limiter=transports.limiter,
         cache=transports.cache,
         credits=transports.credits,
-        count_tokens=rs.token_counter_of(args),
+        count_tokens=count_tokens,
     )
     streams_end = StreamsEnd()
     transports.heartbeats = Heartbeats(

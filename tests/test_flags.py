@@ -119,6 +119,8 @@ def test_a_negative_drain_timeout_is_refused_naming_the_variable() -> None:
         (["worker", "--redis-url=redis://127.0.0.1:abc/0"], "the port must be a number from 1 to 65535"),
         (["worker", "--redis-url=redis://127.0.0.1:1/staging"], "the DB 'staging' must be a number"),
         (["batcher", "--tokenizer=/models/minilm"], "--tokenizer (BATCHWIRE_TOKENIZER) counts tokens for a token"),
+        (["gateway", "--tokenizer=/models/minilm"], "--tokenizer (BATCHWIRE_TOKENIZER) counts tokens for a token"),
+        (["gateway", "--max-batch-tokens=100", f"--tokenizer={__file__}"], "is not a tokenizer.json the tokenizers"),
         (["worker", "--deterministic-models=Sim"], "--deterministic-models names Sim, not among --models sim"),
         (["batcher", "--max-batch-tokens=100", f"--tokenizer={__file__}"], "is not a tokenizer.json the tokenizers"),
         (
