@@ -115,17 +115,27 @@ def _once(url: str, api_key: str | None, as_json: bool, *, clear: bool) -> int:
         for line in down:
             print(f"batchwire status: {line}", file=sys.stderr)
         return EXIT_UNSERVED if down else EXIT_UNREACHABLE
+    try:  # the document's members and rows, read before anything is printed
+        text = None if as_json else render(view)
+        unserved = bool(without_workers(view) or without_batchers(view))
+    except (KeyError, TypeError, ValueError, AttributeError) as err:  # another release's or service's fields
+        print(
+            f"batchwire status: cannot read the fleet from {url}: its members or models are not the fleet's "
+            f"document ({type(err).__name__}: {err}); name a running gateway of this release with --url",
+            file=sys.stderr,
+        )
+        return EXIT_UNREACHABLE
     readiness = not_ready(url)
     if clear:
         sys.stdout.write("\x1b[H\x1b[2J")
-    if as_json:
+    if text is None:
         sys.stdout.write(json.dumps(view, indent=2) + "\n")
         for line in readiness:
             print(f"batchwire status: {line}", file=sys.stderr)
     else:
-        sys.stdout.write(render(view) + "".join(f"\n{line}\n" for line in readiness))
+        sys.stdout.write(text + "".join(f"\n{line}\n" for line in readiness))
     sys.stdout.flush()
-    return EXIT_UNSERVED if without_workers(view) or without_batchers(view) or readiness else 0
+    return EXIT_UNSERVED if unserved or readiness else 0
 
 
 class FleetUnreadable(Exception):

@@ -90,3 +90,19 @@ def test_a_watch_period_that_is_no_period_exits_2_naming_the_flag(
     assert (code, out) == (EXIT_UNREACHABLE, ""), (code, out, err)
     assert err.startswith("batchwire status: --watch takes"), err
     assert "cannot read the fleet" not in err, err
+
+
+@pytest.mark.parametrize(
+    "members",
+    [[{}], [{"role": "worker", "id": "w", "state": "idle", "figures": {"p50_ms": "fast"}}], ["worker"]],
+)
+def test_members_that_are_not_the_fleets_exit_2_saying_so(
+    members: list[object], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The document's shape is right, its members' are not (another release, another service): one line."""
+    body = json.dumps({"members": members, "models": {}}).encode()
+    monkeypatch.setattr(urllib.request, "urlopen", lambda request, timeout: io.BytesIO(body))
+    code = run(argparse.Namespace(url="http://127.0.0.1:1", api_key=None, json=False, watch=None))
+    out, err = capsys.readouterr()
+    assert (code, out) == (EXIT_UNREACHABLE, ""), (code, out, err)
+    assert "not the fleet's document" in err, err
