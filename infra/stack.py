@@ -229,8 +229,14 @@ def print_up(up: StackUp, state_dir: Path, *, out: TextIO = sys.stdout, err: Tex
         print(f"{key}={value}", file=out)
     for action in up.actions:
         print(f"# {action}", file=err)
-    # Another state dir needs naming: `stack down` alone looks in the default one and stops nothing.
-    where = "" if state_dir == DEFAULT_STATE_DIR else f" --state-dir {shlex.quote(str(state_dir))}"
+    # Another state dir needs naming: `stack down` alone looks in the default one and stops nothing, and
+    # roles read the default one's stack.env unless BATCHWIRE_STACK_ENV names this one.
+    where = ""
+    if state_dir != DEFAULT_STATE_DIR:
+        where = f" --state-dir {shlex.quote(str(state_dir))}"
+        env_file = shlex.quote(str(state_dir.resolve() / ENV_FILE_NAME))
+        default_file = DEFAULT_STATE_DIR / ENV_FILE_NAME
+        print(f"# roles read it with BATCHWIRE_STACK_ENV={env_file} (else {default_file})", file=err)
     print(f"# written to {state_dir.resolve() / ENV_FILE_NAME}; stop with: batchwire stack down{where}", file=err)
 
 

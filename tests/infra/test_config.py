@@ -136,6 +136,19 @@ def test_stack_up_tells_the_stop_command_for_its_own_state_dir(state_dir: str, s
     assert err.getvalue().endswith(stop), err.getvalue()
 
 
+def test_stack_up_in_another_state_dir_tells_how_roles_read_its_file() -> None:
+    """Roles read .batchwire/stack.env unless BATCHWIRE_STACK_ENV names another: without it they find no stack."""
+    import io
+
+    from infra.stack import StackUp, print_up
+
+    out, err = io.StringIO(), io.StringIO()
+    print_up(StackUp({"BATCHWIRE_REDIS_URL": "redis://127.0.0.1:1/0"}), Path("/srv/bw"), out=out, err=err)
+    assert "BATCHWIRE_STACK_ENV=/srv/bw/stack.env" in err.getvalue(), err.getvalue()
+    print_up(StackUp({"BATCHWIRE_REDIS_URL": "redis://127.0.0.1:1/0"}), Path(".batchwire"), out=out, err=err)
+    assert err.getvalue().count("BATCHWIRE_STACK_ENV") == 1, err.getvalue()
+
+
 def test_server_properties_extra_overrides(tmp_path: Path) -> None:
     text = render_server_properties(data_dir=tmp_path, broker_port=1, controller_port=2, extra={"num.partitions": "4"})
     assert _props(text)["num.partitions"] == "4"
