@@ -280,6 +280,9 @@ def _load_config(args: argparse.Namespace) -> LoadConfig:
         raise UsageError("--concurrency-limit must be 1 or more, --timeout above 0, --input-size 0 or more")
     if args.start and args.url:
         raise UsageError("--url and --start exclude each other: --start serves on ports it picks itself")
+    for flag, count in (("--workers", args.workers), ("--gateways", args.gateways), ("--batchers", args.batchers)):
+        if count < 1:
+            raise UsageError(f"{flag} must be 1 or more, got {count}: a system with none of them answers nothing")
     if args.start != "kafka" and (args.slow_worker_latency_ms is not None or args.gateways != 1 or args.batchers != 1):
         raise UsageError("--slow-worker-latency-ms, --gateways and --batchers need --start kafka")
     if args.client == "raw" and any(not url.startswith("http://") for url in args.url or []):

@@ -246,3 +246,15 @@ def test_a_rate_or_duration_that_is_not_a_finite_number_is_refused(
     with pytest.raises(SystemExit) as exited:
         main(flags)
     assert exited.value.code == 2 and said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--gateways", "0"], ["--batchers", "0"], ["--workers", "0"], ["--workers", "-1"]])
+def test_a_started_system_with_no_process_of_a_role_is_refused_before_it_starts(argv: list[str]) -> None:
+    """Checked alone (no system is started): with no gateway the load had no URL to go to (a ZeroDivisionError
+    once Kafka and the roles were up), with no batcher or worker nothing answered until --ready-timeout."""
+    from batchwire.bench.cli import build_parser
+    from batchwire.bench.command import UsageError, _load_config
+
+    args = build_parser().parse_args(["--rate", "10", "--start", "kafka", *argv])
+    with pytest.raises(UsageError, match=f"{argv[0]} must be 1 or more"):
+        _load_config(args)
