@@ -206,6 +206,9 @@ def config_from(args: argparse.Namespace, curve: Curve, workers: int, batchers: 
     if args.batchers is not None and args.batchers < 1:
         # plan reads no --batchers as "size it": 0 has no meaning of its own in either command
         raise ValueError(f"--batchers is {args.batchers}; it must be at least 1")
+    for flag, hop_ms in (("--transit-ms", args.transit_ms), ("--overhead-ms", args.overhead_ms)):
+        if not hop_ms >= 0 or math.isinf(hop_ms):  # NaN fails the first test
+            raise ValueError(f"{flag} is {hop_ms:g}; it must be 0 or more ms (a finite duration)")
     if args.reserve_ms and args.policy == PolicyName.CLASSIC:
         raise ValueError(
             f"--reserve-ms is {args.reserve_ms:g}, and --policy is classic, which holds no worker in reserve: "

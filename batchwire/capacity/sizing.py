@@ -60,6 +60,8 @@ class SizingInputs:
             raise SizingError(f"headroom must be within (0, 1], got {self.headroom} (--headroom)")
         if self.replication_factor < 1:
             raise SizingError(f"replication factor must be at least 1, got {self.replication_factor}")
+        if not self.result_ttl_s > 0:
+            raise SizingError(f"result TTL must be positive, got {self.result_ttl_s:g} s (--result-ttl-s)")
 
 
 def with_values(inputs: SizingInputs, values: Mapping[str, Any]) -> SizingInputs:

@@ -235,3 +235,27 @@ def test_plan_refuses_a_rate_it_cannot_plan(run: Run, rate: str, said: str, tmp_
 def test_simulate_refuses_a_rate_that_is_not_positive_and_finite(run: Run, flat: str, rate: str) -> None:
     code, _, err = run(["simulate", "--curve", flat, "--workers", "1", f"--rate={rate}"])
     assert code == 2 and "--rate takes positive finite rates" in err, err
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--transit-ms", "-5"), ("--overhead-ms", "-50"), ("--transit-ms", "nan")])
+@pytest.mark.parametrize("command", ["simulate", "plan"])
+def test_a_hop_that_is_no_duration_is_refused_naming_its_flag(
+    run: Run, flat: str, command: str, flag: str, value: str
+) -> None:
+    """A negative transit read as time given back (negative latencies in the table); a negative overhead was
+    refused in a dump of the whole simulated configuration."""
+    rate = ["--rate", "100"] if command == "simulate" else ["--rate", "100", "--p99-ms", "500"]
+    argv = [command, "--curve", flat, *rate, "--requests", "2000", flag, value]
+    if command == "simulate":
+        argv += ["--workers", "1"]
+    code, _, err = run(argv)
+    assert code == 2 and f"batchwire {command}: {flag} is {float(value):g}; it must be 0 or more ms" in err, err
+    assert "SimConfig" not in err, err
+
+
+@pytest.mark.parametrize("ttl", ["-1", "0"])
+def test_plan_refuses_a_result_ttl_that_keeps_nothing(run: Run, flat: str, ttl: str) -> None:
+    """A TTL of 0 or less planned Redis memory of 0 or less bytes."""
+    code, out, err = run(["plan", "--curve", flat, "--rate", "100", "--p99-ms", "500", "--result-ttl-s", ttl])
+    assert (code, out) == (2, ""), (code, out, err)
+    assert "result TTL must be positive" in err and "--result-ttl-s" in err, err
