@@ -110,6 +110,25 @@ async def test_a_key_is_kept_as_long_as_the_result_it_names(make_store: StoreFac
     assert retry.task_id == "task-a", f"a retry while the result is kept must replay it, not bind {retry}"
 
 
+async def test_a_key_outlives_the_ttl_while_its_task_may_still_end(make_store: StoreFactory) -> None:
+    """A task may end up to its deadline after its key was bound, later than the TTL from the binding
+    (a timeout longer than the result TTL): a retry meanwhile must find that task, not compute it again."""
+    ttl_s = 1.0
+    store = await make_store(ttl_s=ttl_s)
+    deadline_ms = int(time.time() * 1000 + 4 * ttl_s * 1000)
+    assert (await store.claim_key("o", "k", "task-a", "fp", deadline_ms)).task_id == "task-a"
+    await store.create(state("task-a", TaskStatus.QUEUED))
+    await asyncio.sleep(ttl_s * 1.5)  # past the TTL from the binding and the queued write, before the deadline
+    await store.create(state("task-other", TaskStatus.QUEUED))  # a store may sweep what expired on a write
+
+    retry = await store.claim_key("o", "k", "task-b", "fp", deadline_ms)
+
+    assert retry.task_id == "task-a", f"a retry before the bound task's deadline must wait for it, not bind {retry}"
+    assert await store.apply([state("task-a", TaskStatus.COMPLETED, output="done")]) == [True]
+    again = await store.claim_key("o", "k", "task-c", "fp", deadline_ms)
+    assert again.task_id == "task-a", f"a retry once the task ended must replay its result, not bind {again}"
+
+
 @pytest.mark.parametrize(
     ("status", "fields"),
     [

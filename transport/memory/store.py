@@ -24,7 +24,7 @@ from typing import Protocol
 
 from schemas.records import TaskState, TaskStatus
 from telemetry import metrics
-from transport.ports import KeyClaim, ReplyHandler
+from transport.ports import KeyClaim, ReplyHandler, binding_ttl_ms
 
 ENTRY_BYTES = 600
 """What one stored task or key costs beyond its large strings: its objects, short ids, dict slots."""
@@ -156,7 +156,9 @@ class MemoryTaskStore:
             task_id, stored = next(iter(self._tasks.items()))
             if stored.expires_s > now and len(self._tasks) <= self.max_tasks:
                 break
-            self._drop(task_id)
+            # A task past its TTL that has not ended may still end (a missing task takes any state): its
+            # key stays bound until its binding expires (``binding_ttl_ms``), as a Redis key outlives its hash.
+            self._drop(task_id, unbind=task_id in self._ended or stored.expires_s > now)
         self._shrink()
 
     def _shrink(self) -> None:
@@ -166,13 +168,13 @@ class MemoryTaskStore:
         while self._ended and self._bytes + self._pinned() >= self.max_bytes:
             self._drop(next(iter(self._ended)))
 
-    def _drop(self, task_id: str) -> None:
+    def _drop(self, task_id: str, *, unbind: bool = True) -> None:
         stored = self._tasks.pop(task_id, None)
         if stored is not None:
             self._bytes -= stored.size
         self._ended.pop(task_id, None)
         bound = self._key_of.get(task_id)
-        if bound is not None:
+        if bound is not None and unbind:
             self._unbind(bound)
 
     def _put(self, state: TaskState) -> None:
@@ -186,7 +188,8 @@ class MemoryTaskStore:
         if state.status.terminal:
             self._ended[state.task_id] = None
             if (bound := self._key_of.get(state.task_id)) is not None:
-                self._keys[bound].expires_s = expires_s  # the latest expiry of all: the order holds
+                held = self._keys[bound]
+                held.expires_s = max(held.expires_s, expires_s)  # kept as long as the result it names
                 self._keys.move_to_end(bound)
 
     # tasks -------------------------------------------------------------------------------------
@@ -272,7 +275,7 @@ class MemoryTaskStore:
         self, scope: str, key: str, task_id: str, fingerprint: str, deadline_ms: int | None = None
     ) -> KeyClaim:
         self._evict_keys()
-        held = self._keys.get((scope, key))
+        held = self._held((scope, key))
         if held is not None:
             return held.claim
         return self._bind((scope, key), KeyClaim(task_id, fingerprint, deadline_ms))
@@ -287,7 +290,7 @@ class MemoryTaskStore:
         deadline_ms: int | None = None,
     ) -> KeyClaim:
         self._evict_keys()
-        held = self._keys.get((scope, key))
+        held = self._held((scope, key))
         if held is not None:
             if held.claim.task_id != ended_task_id:
                 return held.claim
@@ -295,13 +298,25 @@ class MemoryTaskStore:
         return self._bind((scope, key), KeyClaim(task_id, fingerprint, deadline_ms))
 
     async def release_key(self, scope: str, key: str, task_id: str) -> None:
-        held = self._keys.get((scope, key))
+        held = self._held((scope, key))
         if held is not None and held.claim.task_id == task_id:
             self._unbind((scope, key))
 
+    def _held(self, bound: _Key) -> _Bound | None:
+        """The binding of ``bound`` unless it expired: bindings made with a deadline expire out of
+        their order, so the sweep (``_evict_keys``) may not have reached an expired one yet."""
+        held = self._keys.get(bound)
+        if held is None:
+            return None
+        if held.expires_s <= time.monotonic():
+            self._unbind(bound)
+            return None
+        return held
+
     def _bind(self, bound: _Key, claim: KeyClaim) -> KeyClaim:
         size = ENTRY_BYTES + len(bound[0]) + len(bound[1])
-        self._keys[bound] = _Bound(time.monotonic() + self.ttl_s, claim, size)
+        ttl_s = binding_ttl_ms(int(self.ttl_s * 1000), claim.deadline_ms, _now_ms()) / 1000
+        self._keys[bound] = _Bound(time.monotonic() + ttl_s, claim, size)
         self._key_of[claim.task_id] = bound
         self._bytes += size
         self._shrink()
@@ -315,7 +330,7 @@ class MemoryTaskStore:
 
     def _evict_keys(self) -> None:
         now = time.monotonic()
-        while self._keys:  # oldest first: insertion order is expiry order
+        while self._keys:  # oldest binding first (``_held`` drops an expired one the sweep has not reached)
             oldest, held = next(iter(self._keys.items()))
             if held.expires_s > now and len(self._keys) <= self.max_tasks:
                 break
