@@ -4,6 +4,8 @@ every write."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from batchwire.embedded import EmbeddedSettings
@@ -127,6 +129,21 @@ async def test_keys_count_against_the_budget() -> None:
     for index in range(20):
         await store.release_key("o", f"k{index}", f"t{index}")
     assert store.held_bytes == 0 and store.full("alpha") is None
+
+
+async def test_a_task_written_again_after_its_result_expired_is_live_not_dropped_for_bytes() -> None:
+    """A missing task takes any state (as in Redis): one that ended, expired and is then written short
+    of its end (a batch delivered again) is live, and a live task is never dropped to make room."""
+    ttl_s = 0.5
+    store = MemoryTaskStore(ttl_s, max_bytes=3 * RESULT_BYTES)
+    await _complete(store, "again")
+    await asyncio.sleep(ttl_s * 1.5)  # its result expires
+    assert await store.apply([state("again", TaskStatus.RUNNING)]) == [True]
+    for index in range(4):
+        await _complete(store, f"done-{index}")
+
+    running = await store.get("again")
+    assert running is not None and running.status is TaskStatus.RUNNING, f"a live task was dropped: {running}"
 
 
 async def test_without_a_budget_nothing_is_dropped_for_bytes() -> None:

@@ -191,6 +191,8 @@ class MemoryTaskStore:
                 held = self._keys[bound]
                 held.expires_s = max(held.expires_s, expires_s)  # kept as long as the result it names
                 self._keys.move_to_end(bound)
+        else:  # a task that ended and expired takes any state again: live now, not one to drop for bytes
+            self._ended.pop(state.task_id, None)
 
     # tasks -------------------------------------------------------------------------------------
 
