@@ -146,6 +146,20 @@ async def test_a_task_written_again_after_its_result_expired_is_live_not_dropped
     assert running is not None and running.status is TaskStatus.RUNNING, f"a live task was dropped: {running}"
 
 
+async def test_the_count_limit_drops_ended_tasks_first_and_keeps_a_live_one_and_its_key() -> None:
+    """A task waiting in a backlog was written before the results that ended since: the count limit
+    drops those, the oldest-ended first, not the live task (a 404 for a queued task, its key freed)."""
+    store = MemoryTaskStore(max_tasks=3)
+    await store.claim_key("o", "k", "live", "fp")
+    await store.create(state("live", TaskStatus.QUEUED))
+    for index in range(4):
+        await _complete(store, f"done-{index}")
+
+    assert await store.get("live") is not None, "a live task is never dropped while ended ones can go"
+    assert (await store.claim_key("o", "k", "retry", "fp")).task_id == "live"
+    assert await store.get("done-0") is None and await store.get("done-3") is not None, "the oldest-ended go first"
+
+
 async def test_without_a_budget_nothing_is_dropped_for_bytes() -> None:
     store = MemoryTaskStore()
     for index in range(50):

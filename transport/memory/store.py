@@ -77,7 +77,7 @@ class _Bound:
 
 
 class MemoryTaskStore:
-    """Task states in a dict, bounded by age (``ttl_s``), count (``max_tasks``, oldest out first)
+    """Task states in a dict, bounded by age (``ttl_s``), count (``max_tasks``, ended tasks out first)
     and, with ``max_bytes``, by bytes (see the module docstring)."""
 
     def __init__(
@@ -150,15 +150,19 @@ class MemoryTaskStore:
     # bounds ------------------------------------------------------------------------------------
 
     def _evict(self) -> None:
-        """Drops tasks past their TTL or beyond ``max_tasks`` (oldest write first), then shrinks."""
+        """Drops tasks past their TTL (oldest write first), then beyond ``max_tasks`` ended ones first
+        (oldest-ended first, as for bytes: a task waiting in a backlog is older than the results that
+        ended since), then shrinks."""
         now = time.monotonic()
         while self._tasks:
             task_id, stored = next(iter(self._tasks.items()))
-            if stored.expires_s > now and len(self._tasks) <= self.max_tasks:
+            if stored.expires_s > now:
                 break
             # A task past its TTL that has not ended may still end (a missing task takes any state): its
             # key stays bound until its binding expires (``binding_ttl_ms``), as a Redis key outlives its hash.
-            self._drop(task_id, unbind=task_id in self._ended or stored.expires_s > now)
+            self._drop(task_id, unbind=task_id in self._ended)
+        while len(self._tasks) > self.max_tasks:
+            self._drop(next(iter(self._ended or self._tasks)))
         self._shrink()
 
     def _shrink(self) -> None:
