@@ -62,12 +62,12 @@ def configure(
     ``exporter`` (tests) takes each span as it ends, instead of an OTLP endpoint.
     """
     global ACTIVE, _provider, _tracer
-    if not (endpoint or exporter) or ACTIVE:
-        return
-    if not 0.0 <= sample_ratio <= 1.0:
+    if not 0.0 <= sample_ratio <= 1.0:  # without an endpoint too: not first refused once one is added
         raise TracingError(
             f"--trace-sample-ratio is {sample_ratio}; give a share from 0 to 1 (BATCHWIRE_TRACE_SAMPLE_RATIO)"
         )
+    if not (endpoint or exporter) or ACTIVE:
+        return
     url = traces_url(endpoint) if endpoint else ""
     # The [tracing] extra: imported only when tracing is configured, so the core install needs none of it.
     try:

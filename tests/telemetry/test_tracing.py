@@ -127,6 +127,8 @@ def test_spans_go_over_otlp_http_to_the_endpoint() -> None:
             ["--otlp-endpoint", "http://127.0.0.1:9/", "--trace-sample-ratio", "1.5"],
             "--trace-sample-ratio is 1.5; give a share from 0 to 1",
         ),
+        # without an endpoint too: not first refused once an endpoint is added
+        (["--trace-sample-ratio", "2"], "--trace-sample-ratio is 2.0; give a share from 0 to 1"),
     ],
 )
 def test_a_wrong_observability_flag_stops_the_role_before_it_starts(
