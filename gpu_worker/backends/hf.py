@@ -98,7 +98,9 @@ class HFBackend:
         if max_input_tokens is not None and max_input_tokens < 1:
             raise ValueError("max_input_tokens must be at least 1")
         if dtype != "auto" and dtype not in DTYPES:
-            raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r}")
+            raise ValueError(
+                f"dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r} (--dtype, BATCHWIRE_DTYPE)"
+            )
         if num_threads is not None and num_threads < 1:
             raise ValueError("num_threads must be at least 1")
         self.model_path = Path(model_path).expanduser()

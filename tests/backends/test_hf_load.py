@@ -282,6 +282,7 @@ def test_a_gpu_load_needs_no_package_the_hf_extra_leaves_out(tiny_models: dict[s
         (("--device", "tpu9"), "not a torch device"),
         (("--device", "meta"), "use auto, cpu, cuda or cuda:N"),
         (("--dtype", "fp8"), "dtype must be auto or one of"),
+        (("--dtype", "fp8"), "(--dtype, BATCHWIRE_DTYPE)"),
     ],
 )
 def test_a_model_path_or_device_that_cannot_load_is_one_line_before_anything_starts(
