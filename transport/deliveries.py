@@ -180,7 +180,10 @@ class MemoryDeliveryLog:
 
 
 class MemoryDeadLetters:
-    """``DeadLetterSink`` as a list (embedded mode keeps them for the process's life; tests read them)."""
+    """``DeadLetterSink`` as a list of the latest ``KEEP`` (embedded mode keeps no other copy; tests read
+    them): a client that keeps sending inputs that kill the worker does not grow the process for ever."""
+
+    KEEP = 1000
 
     where = "in this process's memory (embedded mode keeps no other copy; the worker's log names the task)"
 
@@ -195,3 +198,5 @@ class MemoryDeadLetters:
 
     async def send(self, letter: DeadLetter) -> None:
         self.letters.append(letter)
+        if len(self.letters) > self.KEEP:
+            del self.letters[0]

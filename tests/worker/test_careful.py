@@ -15,12 +15,12 @@ from collections.abc import Sequence
 import pytest
 
 from gpu_worker.careful import plan
-from schemas.deadletter import DEAD_LETTERED
+from schemas.deadletter import DEAD_LETTERED, DeadLetter
 from schemas.records import Batch, TaskState, TaskStatus
 from telemetry import metrics
 from tests.support.eventually import eventually
 from tests.support.worker_rig import RecordingConsumer, Rig, ScriptedBackend, now_ms
-from transport.deliveries import MemoryDeliveryLog, Suspects
+from transport.deliveries import MemoryDeadLetters, MemoryDeliveryLog, Suspects
 from transport.ports import PartitionsCallback, TransportError
 
 
@@ -333,3 +333,16 @@ async def test_an_input_never_in_flight_alone_is_not_dead_lettered_when_its_part
     assert rig.dead_letters.letters == [], f"a was never in flight alone: {rig.dead_letters.letters}"
     assert ended["t0"].status is TaskStatus.COMPLETED, ended["t0"]
     assert backend.calls == [["a"]], f"a runs alone, as a suspect: {backend.calls}"
+
+
+async def test_the_embedded_dead_letters_keep_the_latest_ones_only() -> None:
+    """Nothing reads them but a test or a debugger: a client that keeps sending inputs that kill the
+    worker must not grow the process for ever."""
+    sink = MemoryDeadLetters()
+    for n in range(MemoryDeadLetters.KEEP + 5):
+        await sink.send(DeadLetter(f"b{n}", "sim", "batcher", "worker", 3, "killed", n))
+    assert len(sink.letters) == MemoryDeadLetters.KEEP
+    assert [letter.batch_id for letter in sink.letters[:1] + sink.letters[-1:]] == [
+        "b5",
+        f"b{MemoryDeadLetters.KEEP + 4}",
+    ]
