@@ -93,10 +93,11 @@ def resolve_device(device: str) -> torch.device:
         raise ModelLoadError(f"device {device!r} is not a torch device; use auto, cpu, cuda or cuda:N") from err
     if resolved.type not in ("cpu", "cuda"):
         raise ModelLoadError(f"device {device!r} is not one the hf backend runs on; use auto, cpu, cuda or cuda:N")
-    if resolved.type == "cuda" and not torch.cuda.is_available():
+    if resolved.type != "cuda":
+        return resolved
+    if not torch.cuda.is_available():
         raise ModelLoadError(f"device {device!r} asked for, but torch sees no CUDA GPU; use device=cpu or auto")
-    count = torch.cuda.device_count() if resolved.type == "cuda" else 0
-    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= count:
+    if resolved.index is not None and resolved.index >= (count := torch.cuda.device_count()):
         seen = "cuda:0" if count == 1 else f"cuda:0 to cuda:{count - 1}"
         raise ModelLoadError(
             f"device {device!r} asked for, but torch sees {count} CUDA GPU{'s' if count > 1 else ''} ({seen}); "
