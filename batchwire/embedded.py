@@ -27,6 +27,7 @@ from gpu_worker.settings import WorkerSettings
 from gpu_worker.worker import Worker
 from schemas.heartbeat import Beat
 from schemas.records import Batch
+from telemetry import metrics
 from telemetry.heartbeat import Window
 from transport.deliveries import MemoryDeadLetters, MemoryDeliveryLog
 from transport.memory.batches import MemoryBatchBus
@@ -221,6 +222,10 @@ class EmbeddedRuntime:
                 await _back_off(worker.settings.worker_id, "crashed", crashes)
             model, index = self._slots[slot]
             await _close_logged(worker, drain_timeout_s=0)  # it stopped: nothing to drain
+            metrics.forget_worker(worker.settings.worker_id)
+            # Uncommitted: in memory that means sent again, ahead of what was sent since, before the
+            # replacement reads.
+            await self.batch_buses[model].send_again(worker.given_back, index)
             while (fresh := await self._started(slot)) is None:  # a load that fails is a crash too
                 crashes += 1
                 await _back_off(f"{model}-worker-{index}", "could not start", crashes)
@@ -232,8 +237,6 @@ class EmbeddedRuntime:
                 "hung" if worker.hung else "crashed",
                 fresh.settings.worker_id,
             )
-            for batch in worker.given_back:  # uncommitted: in memory that means sent again
-                await self.batch_buses[model].send(batch, index)
             self._retired.append(worker)
             if self.heartbeats is not None:
                 self.heartbeats.beat_soon()  # the replacement shown serving, the worker it replaced stopped

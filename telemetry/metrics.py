@@ -235,6 +235,13 @@ REQUEST_STAGE_INPUTS = Counter(
 )
 
 
+def forget_worker(worker_id: str) -> None:
+    """Removes a replaced worker's series. A worker process's series end with the process; in one process
+    (embedded) each replacement would add its own for the life of the process."""
+    for metric in (WORKER_BUSY, WORKER_CALL_RUNNING, BACKEND_CPU, WORKER_BATCHES, WORKER_ITEMS, REDELIVERED):
+        metric.remove_by_labels({"worker": worker_id})
+
+
 def count_ended(written: Iterable[TaskState]) -> None:
     """Counts in ``batchwire_tasks_ended`` the terminal states among ``written``: those the task store
     says this write applied, so that each end is counted once, whichever process writes it first."""

@@ -9,7 +9,9 @@ from batchwire.embedded import EmbeddedRuntime, EmbeddedSettings
 from gpu_worker.backends.sim import SimBackend
 from gpu_worker.settings import WorkerSettings
 from schemas.deadletter import DEAD_LETTERED
-from schemas.records import InferenceRequest, TaskState, TaskStatus
+from schemas.records import Batch, InferenceRequest, TaskState, TaskStatus
+from telemetry import metrics
+from transport.memory.batches import MemoryBatchBus
 
 
 async def test_a_hung_worker_is_replaced_and_only_the_hanging_input_is_set_aside() -> None:
@@ -48,5 +50,33 @@ async def test_a_hung_worker_is_replaced_and_only_the_hanging_input_is_set_aside
         assert runtime.replaced >= 3, f"each hang replaces a worker; {runtime.replaced} replaced"
         assert [item.input for letter in runtime.dead_letters.letters for item in letter.items] == ["hang here"]
         assert all((await runtime.ready()).values()), "the replacements serve"
+        replaced = {worker.settings.worker_id for worker in runtime._retired}  # no heartbeats took them
+        labelled = {
+            sample.labels["worker"]
+            for family in metrics.REGISTRY.collect()
+            for sample in family.samples
+            if family.name.startswith("batchwire_worker_") and "worker" in sample.labels
+        }
+        assert replaced and not replaced & labelled, f"replaced workers' series stay: {sorted(replaced & labelled)}"
     finally:
         await runtime.close()
+
+
+async def test_batches_given_back_go_ahead_of_those_sent_since() -> None:
+    """A replacement meets the batches its predecessor never finished first, as over Kafka, where it reads
+    from the committed offset: they are older, their deadlines nearer."""
+    bus = MemoryBatchBus(1)
+    now = int(time.time() * 1000)
+
+    def batch(batch_id: str) -> Batch:
+        return Batch(batch_id, "sim", "test", now, "idle_worker")
+
+    await bus.send(batch("sent-since"), 0)
+    await bus.send_again([batch("taken-first"), batch("taken-second")], 0)
+    consumer = bus.consumer(0)
+    order = []
+    for _ in range(3):
+        delivered = await consumer.next(1.0)
+        assert delivered is not None and delivered.value is not None, "three batches wait"
+        order.append(delivered.value.batch_id)
+    assert order == ["taken-first", "taken-second", "sent-since"]

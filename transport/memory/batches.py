@@ -30,6 +30,15 @@ class MemoryBatchBus:
             self.offsets[partition] += 1
             self.changed.notify_all()
 
+    async def send_again(self, batches: list[Batch], partition: int) -> None:
+        """Batches a replaced worker took and never finished, ahead of those sent since, in their order:
+        as a replacement reading Kafka from the committed offset meets them first."""
+        async with self.changed:
+            for batch in reversed(batches):
+                self.queues[partition].appendleft(Delivered(batch, partition, self.offsets[partition]))
+                self.offsets[partition] += 1
+            self.changed.notify_all()
+
     def consumer(self, partition: int) -> MemoryBatchConsumer:
         return MemoryBatchConsumer(self, partition)
 
