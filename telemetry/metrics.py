@@ -42,7 +42,11 @@ _SHORT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 100, 128, 256)
 
 REQUESTS = Counter(
-    "batchwire_requests", "HTTP requests by route and status code.", ["route", "status"], registry=REGISTRY
+    "batchwire_requests",
+    "HTTP requests by route and status code; route `edge`: the answers the HTTP edge writes before routing "
+    "(connection cap, header and body limits and timeouts, invalid HTTP).",
+    ["route", "status"],
+    registry=REGISTRY,
 )
 TIER_SUBMITS = Counter(
     "batchwire_tier_submits",

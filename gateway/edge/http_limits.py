@@ -57,6 +57,7 @@ from gateway.edge.descriptors import refusal_budget
 from gateway.edge.refused_request import OPERATIONS_PATHS, REFUSED_READ_BYTES, RefusedRequest
 from gateway.errors import HTTP_STATUS, error_body
 from gateway.settings import GatewaySettings, env_name
+from telemetry.metrics import REQUESTS
 
 SLOW_AFTER_S = 0.25
 """A connection open this long without a whole request (or idle this long since its last response)
@@ -94,6 +95,17 @@ def answer(code: str, message: str, headers: bytes = b"") -> bytes:
     body = json.dumps(error_body(code, message), separators=(",", ":")).encode()
     head = b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n" % len(body)
     return STATUS_LINE[HTTP_STATUS[code]] + head + headers + b"\r\n" + body
+
+
+EDGE_ROUTE = "edge"
+"""The ``route`` label of the answers this protocol writes itself, in ``batchwire_requests_total``."""
+
+
+def _write_answer(transport: asyncio.WriteTransport, response: bytes) -> None:
+    """Writes one of this protocol's own answers (``answer``) and counts it, as the app's answers are
+    counted by route: an operator's error rate includes the connections refused at the edge."""
+    transport.write(response)
+    REQUESTS.labels(route=EDGE_ROUTE, status=response[9:12].decode()).inc()
 
 
 _INVALID_HTTP = answer("invalid_http", "the request is not valid HTTP/1.1; the connection is closed")
@@ -199,7 +211,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if occupancy.refusing >= self.max_refusing:
             oldest = next(iter(occupancy.headless or occupancy.unanswered), None)
             if oldest is None:
-                transport.write(self.too_many_connections)
+                _write_answer(transport, self.too_many_connections)
                 self._close()
                 return
             oldest._end_refusal()  # it had its time; counted until its close completes
@@ -276,7 +288,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """The 503 (``connection: close``); then the wait is for the client's close (see the module)."""
         self._refusal_sent = True
         self.occupancy.unanswered.pop(self, None)
-        self.transport.write(self.too_many_connections)
+        _write_answer(self.transport, self.too_many_connections)
         self._cancel_timer()
         self._timer = self.loop.call_later(REFUSAL_LINGER_S, self._end_refusal)
 
@@ -284,7 +296,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._unhold()
         self._cancel_timer()
         if not self._refusal_sent and not self.transport.is_closing():  # answered unasked: none came whole
-            self.transport.write(self.too_many_connections)
+            _write_answer(self.transport, self.too_many_connections)
         self._close()
 
     def _wait_for_request(self) -> None:
@@ -489,7 +501,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """The 400 and the close, once no request read before the invalid bytes is still unanswered."""
         if self._unanswered == 0:
             self._deadline = None
-            self.transport.write(_INVALID_HTTP)
+            _write_answer(self.transport, _INVALID_HTTP)
             self._close()
 
     # deadlines -----------------------------------------------------------------------------------
@@ -523,7 +535,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._refuse_body(self.body_timeout)
             return
         if self._header_bytes:
-            self.transport.write(self.header_timeout)  # an idle connection is closed without a word
+            _write_answer(self.transport, self.header_timeout)  # an idle connection is closed without a word
         self._close(unread_for_s=0)  # its last answer, if still unread, had this timeout to be read
 
     def _close(self, *, unread_for_s: float | None = None) -> None:
@@ -551,14 +563,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if cycle is not None and not cycle.response_started:
             cycle.disconnected = True
             cycle.message_event.set()
-            self.transport.write(response)
+            _write_answer(self.transport, response)
         self._close()
 
     def _refuse(self, response: bytes) -> None:
         """Answers and closes, or only closes while an earlier response is still being written."""
         cycle = self.cycle
         if cycle is None or cycle.response_complete:
-            self.transport.write(response)
+            _write_answer(self.transport, response)
         self._close()
 
 

@@ -22,6 +22,7 @@ from uvicorn.server import ServerState
 
 from gateway.edge.descriptors import FD_RESERVE, connection_cap, refusal_budget
 from gateway.edge.http_limits import (
+    EDGE_ROUTE,
     OPERATIONS_OVER_CAP,
     REFUSAL_LINGER_S,
     SLOW_AFTER_S,
@@ -30,6 +31,7 @@ from gateway.edge.http_limits import (
 )
 from gateway.edge.refused_request import REFUSED_READ_BYTES
 from gateway.settings import GatewaySettings
+from telemetry.metrics import REGISTRY
 from tests.support.eventually import eventually
 
 LIMIT = 1024
@@ -989,3 +991,27 @@ async def test_a_burst_at_the_cap_keeps_its_first_connections_and_holds_its_newe
     assert len(edge.state.connections) == 3
     assert edge.protocol_class.occupancy.closing == 0
     assert edge.protocol_class.occupancy.refusing == 3
+
+
+def edge_answers(status: int) -> float:
+    return REGISTRY.get_sample_value("batchwire_requests_total", {"route": EDGE_ROUTE, "status": str(status)}) or 0.0
+
+
+async def test_the_edge_s_own_answers_are_counted_with_the_app_s() -> None:
+    """An operator's error rate includes the connections refused before any route: at the cap, over the
+    header limit."""
+    refused, too_large = edge_answers(503), edge_answers(431)
+    edge = Edge(max_connections=1)
+    protocol, transport, _ = edge.connect()
+    protocol.data_received(get())
+    await answered(transport)
+    over, over_transport, _ = edge.connect()
+    over.data_received(get())
+    assert status_of(over_transport.written) == 503
+    assert edge_answers(503) == refused + 1
+    transport.close()
+    await settle()
+    protocol, transport, _ = edge.connect()
+    protocol.data_received(HUGE_HEADERS["one huge header"])
+    assert status_of(transport.written) == 431
+    assert edge_answers(431) == too_large + 1
