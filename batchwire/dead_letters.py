@@ -47,7 +47,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def run(args: argparse.Namespace) -> int:
     """0 once every letter there was at start is printed (``--follow``: at SIGINT or SIGTERM), 1 when a record
-    did not decode (``--follow`` too), 2 when there is no topic to read."""
+    did not decode (``--follow`` too), 2 when there is no topic to read or no broker answers."""
     shared = SharedSettings(namespace=args.namespace, kafka_bootstrap=args.kafka_bootstrap)
     try:
         bootstrap = shared.require_kafka()

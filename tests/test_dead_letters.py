@@ -19,7 +19,9 @@ from batchwire.settings import SharedSettings
 from infra.topic_checks import Durability
 from schemas.deadletter import DeadLetter, DeadLetterItem
 from schemas.wire import Names
+from transport.kafka.dead_letters import KafkaDeadLetterReader
 from transport.kafka.producers import KafkaDeadLetterProducer
+from transport.ports import TransportError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -247,3 +249,23 @@ async def test_a_reader_that_goes_away_ends_the_command_quietly(infra: Any, name
     err = (await process.stderr.read()).decode()
     assert code == 0, err
     assert "Traceback" not in err, err
+
+
+async def test_a_read_to_the_ends_that_stalls_fails_rather_than_waiting_for_ever(infra: Any, names: Names) -> None:
+    """As when the brokers go away mid-read: the consumer retries them for ever, and records stop coming."""
+    await send(infra.kafka_bootstrap, names, FIRST)
+    reader = KafkaDeadLetterReader(infra.kafka_bootstrap, names, stall_s=1.0)
+    await reader.start()
+    try:
+        reader._ends = {tp: end + 1 for tp, end in reader._ends.items()}  # one more than will ever come
+        read: list[str] = []
+
+        async def read_all() -> None:
+            async for delivered in reader.letters(follow=False):
+                read.append(delivered.value.batch_id if delivered.value else "?")
+
+        with pytest.raises(TransportError, match=r"no record came for 1 s, with 1 partition\(s\) not read"):
+            await asyncio.wait_for(read_all(), 30)
+        assert read == ["batch-1"], "what came is read first"
+    finally:
+        await reader.close()

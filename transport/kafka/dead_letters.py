@@ -6,6 +6,7 @@ A module of its own so that no role imports it: the roles consume the request an
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncGenerator
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -17,19 +18,27 @@ from schemas.wire import Names
 from transport.errors import PermanentTransportError
 from transport.kafka.consumers import RecordDecoder
 from transport.kafka.group import translate
-from transport.ports import Delivered
+from transport.ports import Delivered, TransportError
 
 
 class NoDeadLetterTopic(PermanentTransportError):
     """The namespace has no dead-letter topic on this cluster: none of its workers has started over Kafka there."""
 
 
+STALL_S = 30.0
+"""How long a read to the ends waits with no record coming before it fails: the consumer retries a broker that
+went away for ever, and the command would print nothing and never end."""
+
+
 class KafkaDeadLetterReader:
     """Operators' side of the dead-letter topic: every partition from its beginning, in no consumer group and
     committing nothing, so that reading it moves no offset and no group a role uses."""
 
-    def __init__(self, bootstrap: str, names: Names, *, client_id: str = "batchwire-dead-letters") -> None:
+    def __init__(
+        self, bootstrap: str, names: Names, *, client_id: str = "batchwire-dead-letters", stall_s: float = STALL_S
+    ) -> None:
         self.topic = names.dead_letter_topic
+        self.stall_s = stall_s
         self._bootstrap = bootstrap
         self._client_id = client_id
         self._consumer = AIOKafkaConsumer(
@@ -79,12 +88,20 @@ class KafkaDeadLetterReader:
         """Each record in offset order within its partition (``value`` None, and a warning logged, for one that
         does not decode); up to the ends found by ``start``, or for as long as it is read when ``follow``."""
         left = {tp for tp, end in self._ends.items() if end > 0}
+        came_at = time.monotonic()
         while follow or left:
             try:
                 fetched = await self._consumer.getmany(timeout_ms=1000)
                 left -= {tp for tp in left if await self._consumer.position(tp) >= self._ends[tp]}
             except KafkaError as err:
                 raise translate(f"reading {self.topic} at {self._bootstrap}", err) from err
+            if fetched:
+                came_at = time.monotonic()
+            elif left and not follow and time.monotonic() - came_at > self.stall_s:
+                raise TransportError(
+                    f"reading {self.topic} at {self._bootstrap}: no record came for {self.stall_s:g} s, with "
+                    f"{len(left)} partition(s) not read to their end"
+                )
             for records in fetched.values():
                 for record in records:
                     yield self._decode(record)
