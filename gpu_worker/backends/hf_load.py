@@ -346,6 +346,12 @@ def resolve_max_input_tokens(
             f"max_input_tokens={asked} is more than the model in {model_path} can take: at most {hard}{why} "
             "(BATCHWIRE_HF_MAX_INPUT_TOKENS)"
         )
+    specials = tokenizer.num_special_tokens_to_add(pair=False)
+    if asked <= specials:  # else only the warm-up, or the first input, would find that no input fits
+        raise ModelLoadError(
+            f"max_input_tokens={asked} leaves no room for input: the tokenizer of the model in {model_path} adds "
+            f"{specials} special tokens to each; set at least {specials + 1} (BATCHWIRE_HF_MAX_INPUT_TOKENS)"
+        )
     return asked
 
 

@@ -173,6 +173,14 @@ def test_asked_input_limit_above_the_model_positions_fails(tiny_models: dict[str
         load(tiny_models["gpt2"], max_new_tokens=128)
 
 
+def test_an_input_limit_that_only_the_special_tokens_fill_fails_at_the_load(tmp_path: Path) -> None:
+    path = build_tiny_encoder(tmp_path / "roberta", positions=64, arch="roberta")
+    with pytest.raises(ModelLoadError, match="adds 2 special tokens to each; set at least 3"):
+        load(path, task="embed", max_input_tokens=2)
+    backend = load(path, task="embed", max_input_tokens=3)
+    assert len(backend.batchstring(["x"])) == 1, "<s> x </s>"
+
+
 def test_an_encoder_that_numbers_positions_after_the_padding_takes_fewer_tokens_than_them(tmp_path: Path) -> None:
     """RoBERTa's 514 positions hold 512 tokens (its padding id is 1; the tiny one's is 0: 65 hold 64); an
     input as long as its config's positions would crash it."""
