@@ -128,7 +128,7 @@ def _add_load_arguments(parser: argparse.ArgumentParser) -> None:
         "--lone",
         type=int,
         default=20,
-        help="lone-request probe before the rates: this many requests one at a time, each to an idle "
+        help="lone-request probe after the rates: this many requests one at a time, each to an idle "
         "service (0: none; default 20)",
     )
     load.add_argument(
