@@ -359,7 +359,8 @@ def batching(parser: argparse.ArgumentParser) -> None:
         BatcherSettings,
         "spacing_margin_ms",
         float,
-        "keep busy workers' calls evenly spread, sealing a batch this long before its call should start (-1: off)",
+        "keep busy workers' calls evenly spread, sealing a batch this long before its call should start, in a "
+        "batcher that holds all of the model's request partitions (-1: off)",
     )
     field_flag(
         parser,
