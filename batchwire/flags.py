@@ -435,7 +435,9 @@ def worker(parser: argparse.ArgumentParser) -> None:
     field_flag(
         parser, w, "credit_lead_ms", float, "offer the next credit this long before the call should end (0: off)"
     )
-    field_flag(parser, w, "credit_lead_full_ms", float, "the lead while batches are at least half full (0: off)")
+    field_flag(
+        parser, w, "credit_lead_full_ms", float, "the lead while the running batch is at least half full (0: off)"
+    )
     field_flag(
         parser, w, "drain_timeout_s", float, "on SIGTERM or a rebalance, how long the batches in hand may still run"
     )
