@@ -31,9 +31,12 @@ def _floats(text: str) -> list[float]:
 
 def _ints(text: str) -> list[int]:
     try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected process ids separated by commas, got {text!r}") from err
+        pids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        pids = []
+    if not pids or any(pid < 1 for pid in pids):
+        raise argparse.ArgumentTypeError(f"expected process ids (1 or more) separated by commas, got {text!r}")
+    return pids
 
 
 def _mix(text: str) -> list[Stream]:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import psutil
 import uvloop
 
 from batchwire.bench import results
@@ -295,6 +296,10 @@ def _load_config(args: argparse.Namespace) -> LoadConfig:
         raise UsageError("--redis-replicas needs --brokers: only a stack this run starts has its shape chosen here")
     if args.redis_replicas < 0:
         raise UsageError("--redis-replicas must be 0 or more")
+    for flag, pids in (("--pids", args.pids), ("--kafka-pids", args.kafka_pids), ("--redis-pids", args.redis_pids)):
+        if missing := [pid for pid in pids if not psutil.pid_exists(pid)]:
+            # Counted silently, a process that is not there shows as 0 µs per request.
+            raise UsageError(f"{flag}: no process {', '.join(map(str, missing))} runs here; give the pids of live ones")
     expect: Expect = "reverse" if args.check else args.expect
     return LoadConfig(
         rates_rps=tuple(args.rate or ()),

@@ -258,3 +258,21 @@ def test_a_started_system_with_no_process_of_a_role_is_refused_before_it_starts(
     args = build_parser().parse_args(["--rate", "10", "--start", "kafka", *argv])
     with pytest.raises(UsageError, match=f"{argv[0]} must be 1 or more"):
         _load_config(args)
+
+
+@pytest.mark.parametrize("flags", [["--pids=-1"], ["--redis-pids=0"], ["--kafka-pids=,"]])
+def test_a_pid_below_1_is_refused_naming_its_flag(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """A negative pid raised a bare ValueError (psutil) as the first window opened; 0, or none, counted nothing."""
+    with pytest.raises(SystemExit) as exited:
+        main(["--rate=10", *flags])
+    flag = flags[0].partition("=")[0]
+    assert exited.value.code == 2 and f"argument {flag}: expected process ids (1 or more)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--pids", "--kafka-pids", "--redis-pids"])
+def test_a_pid_of_no_process_is_refused_before_the_run(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Sampled silently, it showed as a group using no CPU at all (0 µs per request)."""
+    beyond = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # no process can have it
+    argv = ["--rate", "10", "--duration", "1", "--no-metrics", "--url", "http://127.0.0.1:1/v1/inference"]
+    assert main([*argv, flag, f"1,{beyond}"]) == 2
+    assert f"{flag}: no process {beyond} runs here" in capsys.readouterr().err
