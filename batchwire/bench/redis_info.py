@@ -11,13 +11,17 @@ share); ``batchwire plan --costs`` sizes the shards' memory from it.
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import Any, TypedDict
 
-from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.asyncio import ConnectionPool, Redis, RedisCluster
+from redis.exceptions import RedisClusterException, RedisError
+
+from transport.redis.pools import cluster_nodes, is_cluster_url
+from transport.redis.sentinel import is_sentinel_url, sentinel_pool
 
 TOP = 8
 """Commands listed by name in a report; the rest are in the total."""
+TIMEOUT_S = 2.0
 
 
 class RedisCommands(TypedDict):
@@ -29,20 +33,41 @@ class RedisCommands(TypedDict):
 
 async def counts(url: str) -> tuple[dict[str, int], int] | None:
     """Calls so far by command name (lower case), and ``used_memory`` in bytes, in one ``INFO``; None
-    when Redis cannot be read."""
-    client = Redis.from_url(url, socket_timeout=2.0)
+    when Redis cannot be read. Behind Sentinel, the primary's; of a Redis Cluster, its primaries' summed
+    (a replica's commands are its primary's writes again)."""
     try:
-        info = await client.info("all")
-    except (RedisError, OSError):
+        infos = await _infos(url)
+    except (RedisError, RedisClusterException, OSError, ValueError):  # ValueError: a URL redis-py cannot take
         return None
+    calls: dict[str, int] = {}
+    memory = 0
+    for info in infos:
+        for name, entry in info.items():
+            if name.startswith("cmdstat_"):
+                command = name.removeprefix("cmdstat_")
+                calls[command] = calls.get(command, 0) + int(entry["calls"])
+        memory += int(info["used_memory"])
+    return calls, memory
+
+
+async def _infos(url: str) -> list[dict[str, Any]]:
+    """``INFO all`` of the server ``url`` names, or of each primary of its cluster."""
+    if is_cluster_url(url):
+        nodes, user, password = cluster_nodes(url)
+        cluster = RedisCluster(startup_nodes=nodes, username=user, password=password, socket_timeout=TIMEOUT_S)
+        try:
+            replies: dict[str, dict[str, Any]] = await cluster.info("all", target_nodes=RedisCluster.PRIMARIES)
+        finally:
+            await cluster.aclose()
+        return list(replies.values())
+    if is_sentinel_url(url):
+        pool: ConnectionPool = sentinel_pool(url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S)
+    else:
+        pool = ConnectionPool.from_url(url, socket_timeout=TIMEOUT_S)
+    try:
+        return [await Redis(connection_pool=pool).info("all")]
     finally:
-        await client.aclose()
-    calls = {
-        name.removeprefix("cmdstat_"): int(entry["calls"])
-        for name, entry in info.items()
-        if name.startswith("cmdstat_")
-    }
-    return calls, int(info["used_memory"])
+        await pool.disconnect()
 
 
 def bytes_per_request(start: int, end: int, answers: int) -> float | None:
