@@ -37,6 +37,8 @@ from batchwire.bench.stack import Stack
 from batchwire.bench.streams import mix_models
 from batchwire.bench.sut import SutError, SutSpec, SystemUnderTest, wait_first_answer
 from batchwire.bench.zipf import Zipf
+from batchwire.settings import REDIS_SCHEMES
+from transport.redis.pools import redacted
 
 #: Where ``batchwire stack up`` keeps stack.env and the pid files (its default ``--state-dir``).
 STACK_DIR = Path(".batchwire")
@@ -296,6 +298,11 @@ def _load_config(args: argparse.Namespace) -> LoadConfig:
         raise UsageError("--redis-replicas needs --brokers: only a stack this run starts has its shape chosen here")
     if args.redis_replicas < 0:
         raise UsageError("--redis-replicas must be 0 or more")
+    if args.redis_url and args.redis_url.partition("://")[0].lower() not in REDIS_SCHEMES:
+        raise UsageError(
+            f"--redis-url {redacted(args.redis_url)}: the scheme must be one of "
+            f"{', '.join(scheme + '://' for scheme in REDIS_SCHEMES)}"
+        )
     for flag, pids in (("--pids", args.pids), ("--kafka-pids", args.kafka_pids), ("--redis-pids", args.redis_pids)):
         if missing := [pid for pid in pids if not psutil.pid_exists(pid)]:
             # Counted silently, a process that is not there shows as 0 µs per request.

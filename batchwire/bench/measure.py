@@ -27,6 +27,7 @@ from batchwire.bench.redis_info import bytes_per_request, counts, per_request
 from batchwire.bench.results import After504, GeneratorStats, RateReport
 from batchwire.bench.schedule import poisson_offsets
 from batchwire.bench.settle import means_by_second, opening_backlog
+from transport.redis.pools import redacted
 
 #: Time between computing the schedule and its first send, so the first sends are not late.
 START_LEAD_S = 0.05
@@ -137,6 +138,11 @@ async def measure_rate(
         (calls_start, memory_start), (calls_end, memory_end) = redis_start, redis_end
         report["redis_commands"] = per_request(calls_start, calls_end, tally.answers_in_window)
         report["redis_bytes_per_request"] = bytes_per_request(memory_start, memory_end, tally.answers_in_window)
+    elif probes.redis_url is not None:
+        report["notes"].append(
+            f"Redis at {redacted(probes.redis_url)} did not answer INFO at the window's bounds: its commands and "
+            "memory per request are not counted (check --redis-url)"
+        )
     if kafka_grown is not None:
         report["kafka_writes"] = writes(kafka_grown, tally.answers_in_window)
     return report

@@ -188,6 +188,7 @@ def test_compare_prints_ratios(
         (["--rate", "10", "--start", "kafka", "--redis-replicas", "1"], "--redis-replicas needs --brokers"),
         (["--rate", "10", "--lone", "-1"], "--lone, --lone-gap-ms and --warm must be 0 or more"),
         (["--rate", "10", "--warm", "-1"], "--lone, --lone-gap-ms and --warm must be 0 or more"),
+        (["--rate", "10", "--redis-url", "127.0.0.1:6379"], "--redis-url 127.0.0.1:6379: the scheme must be one of"),
     ],
 )
 def test_usage_errors_say_which_flag(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -276,3 +277,16 @@ def test_a_pid_of_no_process_is_refused_before_the_run(flag: str, capsys: pytest
     argv = ["--rate", "10", "--duration", "1", "--no-metrics", "--url", "http://127.0.0.1:1/v1/inference"]
     assert main([*argv, flag, f"1,{beyond}"]) == 2
     assert f"{flag}: no process {beyond} runs here" in capsys.readouterr().err
+
+
+def test_a_redis_url_that_does_not_answer_is_noted_on_each_rate(
+    fake: FakeServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Redis that could not be read left the commands out of results.json without a word."""
+    argv = ["--rate", "20", "--duration", "0.5", "--warmup", "0", "--lone", "0", "--warm", "0", "--no-metrics"]
+    assert main([*argv, "--url", fake.url, "--redis-url", "redis://:secret@127.0.0.1:1/0", "--out", str(tmp_path)]) == 0
+    rate = json.loads((tmp_path / "results.json").read_text())["runs"][0]["rates"][0]
+    assert "redis_commands" not in rate
+    said = [note for note in rate["notes"] if "did not answer INFO" in note]
+    assert said and "secret" not in said[0], f"expected a note on the unread Redis, password hidden: {rate['notes']}"
+    assert "did not answer INFO" in capsys.readouterr().out, "the table's notes should say it too"
