@@ -193,8 +193,7 @@ def _run_started(
             groups = dict(sut.pid_groups())
             redis_url = args.redis_url
             if spec.mode == "kafka":
-                state_dir = stack.own.state_dir if stack is not None and stack.own is not None else STACK_DIR
-                settings = {**read_env_file(state_dir / "stack.env"), **os.environ}
+                settings = stack_settings(stack.own if stack is not None else None, os.environ)
                 redis_url = redis_url or settings.get("BATCHWIRE_REDIS_URL")
                 if stack is not None and stack.own is not None:
                     infra, how = stack.server_pids(), "stack status --json"
@@ -216,6 +215,14 @@ def _run_started(
             return runner.run(_measure(args, load, target, report))
     finally:
         report["sut"] = {**sut.describe(), "infra_pids": infra_found}
+
+
+def stack_settings(own: OwnStack | None, environ: Mapping[str, str]) -> dict[str, str]:
+    """The addresses the started roles use: a stack of the run's own gives them alone (``child_env``
+    drops the set ones); else the set variables win over ``.batchwire/stack.env``, as in the roles."""
+    if own is not None:
+        return read_env_file(own.state_dir / "stack.env")
+    return {**read_env_file(STACK_DIR / "stack.env"), **environ}
 
 
 async def _measure(args: argparse.Namespace, load: LoadConfig, target: Target, report: RunReport) -> list[Outcome]:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from batchwire.bench.command import stack_settings
 from batchwire.bench.own_stack import OwnStack, child_env, server_pids
 
 
@@ -53,3 +56,20 @@ def test_server_pids_by_kind_live_ones_only() -> None:
     }
     assert server_pids(status) == {"kafka": [11, 13], "redis": [21, 22], "sentinel": [31]}
     assert server_pids({}) == {"kafka": [], "redis": []}, "no stack: empty groups, never a missing kind"
+
+
+def test_the_bench_reads_the_redis_its_roles_use(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a stack of the run's own, a BATCHWIRE_REDIS_URL set in the shell named another Redis, whose
+    commands the bench then counted while the roles used the stack's."""
+    own = OwnStack(tmp_path / "own")
+    own.state_dir.mkdir()
+    (own.state_dir / "stack.env").write_text("BATCHWIRE_REDIS_URL=redis://127.0.0.1:7001/0\n")
+    shell = {"BATCHWIRE_REDIS_URL": "redis://elsewhere:6379/0"}
+    assert stack_settings(own, shell)["BATCHWIRE_REDIS_URL"] == "redis://127.0.0.1:7001/0"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".batchwire").mkdir()
+    (tmp_path / ".batchwire" / "stack.env").write_text("BATCHWIRE_REDIS_URL=redis://127.0.0.1:7002/0\n")
+    assert stack_settings(None, shell)["BATCHWIRE_REDIS_URL"] == "redis://elsewhere:6379/0", (
+        "set ones win, as in the roles"
+    )
+    assert stack_settings(None, {})["BATCHWIRE_REDIS_URL"] == "redis://127.0.0.1:7002/0"
