@@ -57,10 +57,18 @@ class Stack:
             raise SutError(f"'batchwire stack status --json' printed no JSON: {err}") from err
 
     def restore(self, keep: bool) -> bool:
-        """Stops the stack if this bench started it and ``keep`` is false; True if it was stopped."""
+        """Stops the stack if this bench started it and ``keep`` is false; True if it was stopped, and
+        ``SutError`` if ``stack down`` failed (its servers may still run)."""
         if self.was_up is not False or keep:
             return False
-        stopped = self._run("down").returncode == 0
-        if self.own is not None and stopped:
+        done = self._run("down")
+        if done.returncode != 0:
+            said = done.stderr.decode(errors="replace").strip() or done.stdout.decode(errors="replace").strip()
+            where = f" --state-dir {self.own.state_dir}" if self.own is not None else ""
+            raise SutError(
+                f"'batchwire stack down' exited with {done.returncode}, leaving the stack this run started: "
+                f"{said or 'it printed nothing'}; stop it with batchwire stack down{where}"
+            )
+        if self.own is not None:
             shutil.rmtree(self.own.state_dir, ignore_errors=True)
         return True
