@@ -29,6 +29,9 @@ for mode in ("echo", "echo-asgi", "embedded", "kafka"):
     rows = []
     for path in sorted(out.glob(f"{mode}-[0-9]*/results.json")):  # echo-[0-9]: not echo-asgi-N
         run = json.loads(path.read_text())["runs"][0]
+        if not run["rates"] or not run["rates"][0]["latency_ms"]["count"]:  # it did not start, or nothing answered
+            print(f"{path}: nothing measured, left out", file=sys.stderr)
+            continue
         rate = run["rates"][0]
         groups = rate["processes"]
         roles = [g for k, g in groups.items() if k.startswith("batchwire.")] or [groups["batchwire"]]

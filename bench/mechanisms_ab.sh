@@ -31,17 +31,21 @@ import json, statistics, sys
 from pathlib import Path
 out, arms = Path(sys.argv[1]), sys.argv[2:]
 def med(values):
+    values = [value for value in values if value is not None]
     return statistics.median(values) if values else float("nan")
 print(f"{'arm':16} {'20/s p50':>9} {'20/s p99':>9} {'1000/s p99':>11} {'roles us/req':>13} {'kafka+redis':>12} {'lone p50':>9}")
 for arm in arms:
     rows = []
     for path in sorted(out.glob(f"{arm}-*/results.json")):
         run = json.loads(path.read_text())["runs"][0]
+        if len(run["rates"]) != 2 or not all(rate["latency_ms"]["count"] for rate in run["rates"]):
+            print(f"{path}: not both rates measured, left out", file=sys.stderr)  # it did not start, or stopped early
+            continue
         low, high = run["rates"]
         roles = sum(g["us_per_request"] or 0 for k, g in high["processes"].items() if k.startswith("batchwire."))
         infra = sum(high["processes"][k]["us_per_request"] or 0 for k in ("kafka", "redis") if k in high["processes"])
         rows.append((low["latency_ms"]["p50"], low["latency_ms"]["p99"], high["latency_ms"]["p99"], roles, infra,
-                     run["lone"]["latency_ms"]["p50"]))
+                     run.get("lone", {}).get("latency_ms", {}).get("p50")))
     cols = [med([r[i] for r in rows]) for i in range(6)]
     print(f"{arm:16} {cols[0]:9.1f} {cols[1]:9.1f} {cols[2]:11.1f} {cols[3]:13.0f} {cols[4]:12.0f} {cols[5]:9.1f}  ({len(rows)} runs)")
 PY
