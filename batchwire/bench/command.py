@@ -305,6 +305,10 @@ def _load_config(args: argparse.Namespace) -> LoadConfig:
         raise UsageError("--redis-replicas needs --brokers: only a stack this run starts has its shape chosen here")
     if args.redis_replicas < 0:
         raise UsageError("--redis-replicas must be 0 or more")
+    try:
+        shlex.split(args.sut_args)
+    except ValueError as err:
+        raise UsageError(f"--sut-args {args.sut_args!r}: {err}; quote it as a shell would") from err
     if args.redis_url and args.redis_url.partition("://")[0].lower() not in REDIS_SCHEMES:
         raise UsageError(
             f"--redis-url {redacted(args.redis_url)}: the scheme must be one of "

@@ -188,6 +188,7 @@ def test_compare_prints_ratios(
         (["--rate", "10", "--start", "kafka", "--redis-replicas", "1"], "--redis-replicas needs --brokers"),
         (["--rate", "10", "--lone", "-1"], "--lone, --lone-gap-ms and --warm must be 0 or more"),
         (["--rate", "10", "--warm", "-1"], "--lone, --lone-gap-ms and --warm must be 0 or more"),
+        (["--rate", "10", "--start", "echo", "--sut-args", "--x 'a"], '--sut-args "--x \'a": No closing quotation'),
         (["--rate", "10", "--redis-url", "127.0.0.1:6379"], "--redis-url 127.0.0.1:6379: the scheme must be one of"),
     ],
 )
