@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 import psutil
 import uvloop
+from yarl import URL
 
 from batchwire.bench import results
 from batchwire.bench.cli import DEFAULT_URL
@@ -295,6 +296,9 @@ def _load_config(args: argparse.Namespace) -> LoadConfig:
             raise UsageError(f"{flag} must be 1 or more, got {count}: a system with none of them answers nothing")
     if args.start != "kafka" and (args.slow_worker_latency_ms is not None or args.gateways != 1 or args.batchers != 1):
         raise UsageError("--slow-worker-latency-ms, --gateways and --batchers need --start kafka")
+    for flag, urls in (("--url", args.url or []), ("--metrics-url", args.metrics_url or [])):
+        for url in urls:
+            _check_url(flag, url)
     if args.client == "raw" and any(not url.startswith("http://") for url in args.url or []):
         raise UsageError("--client raw speaks plain http:// only; use --client aiohttp for https")
     if args.lone < 0 or args.lone_gap_ms < 0 or args.warm < 0:
@@ -337,6 +341,18 @@ def _load_config(args: argparse.Namespace) -> LoadConfig:
         lone_gap_s=args.lone_gap_ms / 1000.0,
         warm_count=args.warm,
     )
+
+
+def _check_url(flag: str, url: str) -> None:
+    """An absolute http(s) URL: yarl raises a bare ValueError on a bad port once the load starts, and a
+    URL with no scheme or host fails every request as a protocol error."""
+    try:
+        parsed = URL(url)
+        port = parsed.port
+    except ValueError as err:
+        raise UsageError(f"{flag} {url}: {err}; the form is http://HOST:PORT/PATH") from err
+    if parsed.scheme not in ("http", "https") or not parsed.host or port is None:
+        raise UsageError(f"{flag} {url}: not an http:// or https:// URL with a host; the form is http://HOST:PORT/PATH")
 
 
 def _lengths(text: str | None) -> Lengths | None:

@@ -189,6 +189,9 @@ def test_compare_prints_ratios(
         (["--rate", "10", "--lone", "-1"], "--lone, --lone-gap-ms and --warm must be 0 or more"),
         (["--rate", "10", "--warm", "-1"], "--lone, --lone-gap-ms and --warm must be 0 or more"),
         (["--rate", "10", "--start", "echo", "--sut-args", "--x 'a"], '--sut-args "--x \'a": No closing quotation'),
+        (["--rate", "10", "--url", "http://h:99999/v1/inference"], "--url http://h:99999/v1/inference: Port out of"),
+        (["--rate", "10", "--url", "localhost:8000/v1/inference"], "--url localhost:8000/v1/inference: not an http://"),
+        (["--rate", "10", "--metrics-url", "http://h:x/metrics"], "--metrics-url http://h:x/metrics: Invalid URL"),
         (["--rate", "10", "--redis-url", "127.0.0.1:6379"], "--redis-url 127.0.0.1:6379: the scheme must be one of"),
     ],
 )
