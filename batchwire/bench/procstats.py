@@ -132,20 +132,30 @@ def _pid_file(path: Path) -> list[int]:
     return [int(text)] if text.isdigit() and psutil.pid_exists(int(text)) else []
 
 
+def _pid_files(state_dir: Path, kind: str) -> list[int]:
+    """The live pids of a kind's pid files: ``kafka.pid`` for a single stack, ``kafka-1.pid``... for a cluster."""
+    paths = [state_dir / f"{kind}.pid", *sorted(state_dir.glob(f"{kind}-*.pid"))]
+    return [pid for path in paths for pid in _pid_file(path)]
+
+
 def discover_infra_pids(state_dir: Path, settings: Mapping[str, str]) -> tuple[dict[str, list[int]], str]:
-    """Kafka and Redis server pids, and how they were found.
+    """Kafka and Redis server pids (and Sentinels', where there are any), and how they were found.
 
     Best first: the pid files ``batchwire stack up`` keeps in ``state_dir``; then whoever listens
-    on the ports in BATCHWIRE_KAFKA_BOOTSTRAP / BATCHWIRE_REDIS_URL; last, process names, which
-    may count strangers (other Kafkas on a shared machine).
+    on the ports in BATCHWIRE_KAFKA_BOOTSTRAP / BATCHWIRE_REDIS_URL (a Sentinel URL's are the
+    Sentinels'); last, process names, which may count strangers (other Kafkas on a shared machine).
     """
-    from_files = {"kafka": _pid_file(state_dir / "kafka.pid"), "redis": _pid_file(state_dir / "redis.pid")}
+    from_files = {kind: _pid_files(state_dir, kind) for kind in ("kafka", "redis", "sentinel")}
     if from_files["kafka"] or from_files["redis"]:
-        return from_files, "pid file"
+        return {kind: pids for kind, pids in from_files.items() if pids or kind != "sentinel"}, "pid file"
     kafka_ports = _ports(settings.get("BATCHWIRE_KAFKA_BOOTSTRAP", ""))
-    redis_ports = _ports(settings.get("BATCHWIRE_REDIS_URL", ""))
+    redis_url = settings.get("BATCHWIRE_REDIS_URL", "")
+    redis_ports = _ports(redis_url)
     if kafka_ports or redis_ports:
-        return {"kafka": _listening(kafka_ports), "redis": _listening(redis_ports)}, "listening port"
+        listening = {"kafka": _listening(kafka_ports), "redis": _listening(redis_ports)}
+        if redis_url.lower().startswith("redis+sentinel://"):
+            listening["sentinel"], listening["redis"] = listening["redis"], []
+        return listening, "listening port"
     found: dict[str, list[int]] = {"kafka": [], "redis": []}
     for process in psutil.process_iter(["name", "cmdline"]):
         try:

@@ -74,3 +74,22 @@ def test_infra_is_found_by_its_listening_port(tmp_path: Path) -> None:
         )
     assert how == "listening port"
     assert found == {"kafka": [], "redis": [os.getpid()]}
+
+
+def test_a_cluster_stack_is_found_by_its_pid_files(tmp_path: Path) -> None:
+    """A stack of several servers names its pid files kafka-1.pid, redis-1.pid, sentinel-1.pid...: the
+    bench looked for kafka.pid alone, then took the Sentinels' ports from the Redis URL as Redis's."""
+    for name in ("kafka-1", "kafka-2", "redis-1", "sentinel-1"):
+        (tmp_path / f"{name}.pid").write_text(f"{os.getpid()}\n")
+    found, how = discover_infra_pids(tmp_path, {"BATCHWIRE_REDIS_URL": "redis+sentinel://127.0.0.1:1/m"})
+    me = os.getpid()
+    assert (found, how) == ({"kafka": [me, me], "redis": [me], "sentinel": [me]}, "pid file")
+
+
+def test_the_ports_of_a_sentinel_url_are_the_sentinels(tmp_path: Path) -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        found, _ = discover_infra_pids(tmp_path, {"BATCHWIRE_REDIS_URL": f"redis+sentinel://127.0.0.1:{port}/m"})
+    assert found == {"kafka": [], "redis": [], "sentinel": [os.getpid()]}, "a Sentinel is not the Redis server"
