@@ -217,10 +217,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _options_first(argv)
     tool = TOOLS.get(command)
     if tool is None:  # a role, `topics`, `--help` or a mistake: the full parser says which
-        args = build_parser().parse_args(argv)
-        return _run(args, _handler(args.command))
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        return _run(args, _handler(args.command), parser)
     try:
-        return _run(tool_parser(command).parse_args(argv), importlib.import_module(tool.module).run)
+        parser = tool_parser(command)
+        return _run(parser.parse_args(argv), importlib.import_module(tool.module).run, parser)
     except ModuleNotFoundError as err:
         if tool.extra is None:
             raise
@@ -247,7 +249,15 @@ def _options_first(argv: list[str]) -> int:
     return 2
 
 
-def _run(args: argparse.Namespace, handler: Callable[[argparse.Namespace], int]) -> int:
+def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    command_parser: argparse.ArgumentParser = sub.choices[command]
+    return command_parser
+
+
+def _run(
+    args: argparse.Namespace, handler: Callable[[argparse.Namespace], int], parser: argparse.ArgumentParser
+) -> int:
     try:
         logs.configure(str(args.log_level), args.log_format)
         service = SERVICE_NAMES.get(args.command, "batchwire")
@@ -259,7 +269,10 @@ def _run(args: argparse.Namespace, handler: Callable[[argparse.Namespace], int])
         return handler(args)
     # a setting that cannot work, a backend that cannot load, or the servers refuse
     except (SettingsError, BackendConfigError, PermanentTransportError) as err:
-        print(f"batchwire {args.command}: {err}", file=sys.stderr)
+        print(
+            f"batchwire {args.command}: {flags.with_flags(str(err), _command_parser(parser, args.command))}",
+            file=sys.stderr,
+        )
         return 2
     except BackendError as err:  # raised out of a role only by its load: the model did not load
         print(f"batchwire {args.command}: the model did not load: {err}", file=sys.stderr)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -77,6 +78,35 @@ def _naming_variables(kind: Callable[[str], Any]) -> Callable[[str], Any]:
     return convert
 
 
+_FLAG_OF_VARIABLE: dict[str, str] = {}
+"""Each variable's flag, as ``add`` makes them: ``with_flags`` names the flag beside the variable."""
+_VARIABLE = re.compile(r"(?<![\w-])BATCHWIRE_[A-Z0-9_]+(?!\w)")
+
+
+def with_flags(message: str, parser: argparse.ArgumentParser) -> str:
+    """``message`` naming the flags of ``parser`` where it names their settings: a setting's own check knows
+    its field and variable (``max_inflight (BATCHWIRE_MAX_INFLIGHT)``), not the flag a caller gave.
+
+    A field named before its variable, or a field name with an underscore anywhere, becomes its flag
+    (``--max-inflight (BATCHWIRE_MAX_INFLIGHT)``); a variable whose flag is still not named gets it beside
+    (``(--workers / BATCHWIRE_WORKERS)``). A message that names the flag already is left as it is."""
+    for variable in dict.fromkeys(_VARIABLE.findall(message)):
+        flag = _FLAG_OF_VARIABLE.get(variable)
+        if (
+            flag is None
+            or flag not in parser._option_string_actions
+            or re.search(rf"{re.escape(flag)}(?![\w-])", message)
+        ):
+            continue
+        field = variable.removeprefix("BATCHWIRE_").lower()
+        message = re.sub(rf"(?<![\w-]){field} \({variable}\)", f"{flag} ({variable})", message)
+        if "_" in field:
+            message = re.sub(rf"(?<![\w-]){field}(?![\w-])", flag, message)
+        if not re.search(rf"{re.escape(flag)}(?![\w-])", message):
+            message = re.sub(rf"(?<![\w-]){variable}(?!\w)", f"{flag} / {variable}", message)
+    return message
+
+
 def add(
     parser: argparse.ArgumentParser,
     flag: str,
@@ -88,6 +118,7 @@ def add(
     """Adds ``--flag`` whose default comes from ``BATCHWIRE_FLAG`` (or the stack file) when set; a
     ``float`` flag takes finite numbers only (``number``)."""
     var = var or "BATCHWIRE_" + flag.lstrip("-").replace("-", "_").upper()
+    _FLAG_OF_VARIABLE[var] = flag
     kind = number if kind is float else kind
     raw = env(var)
     value = default

@@ -99,10 +99,10 @@ def test_a_negative_drain_timeout_is_refused_naming_the_variable() -> None:
         (["worker", "--max-batch=0"], "--max-batch (BATCHWIRE_MAX_BATCH) must be at least 1"),
         (["worker", "--hf-num-threads=0"], "--hf-num-threads (BATCHWIRE_HF_NUM_THREADS) must be at least 1"),
         (["worker", "--metrics-port=70000"], "--metrics-port must be within 0..65535"),
-        (["worker", "--batch-partitions=0"], "batch_partitions must be at least 1"),
+        (["worker", "--batch-partitions=0"], "--batch-partitions must be at least 1"),
         (["batcher", "--reserve-ms=-1"], "BATCHWIRE_RESERVE_MS"),
-        (["worker", "--result-ttl-s=0"], "result_ttl_s must be positive"),
-        (["up", "--workers=0"], "workers must be at least 1 per model, got 0 (BATCHWIRE_WORKERS)"),
+        (["worker", "--result-ttl-s=0"], "--result-ttl-s must be positive"),
+        (["up", "--workers=0"], "workers must be at least 1 per model, got 0 (--workers / BATCHWIRE_WORKERS)"),
         (["up", "--result-ttl-s=3"], "--result-ttl-s (BATCHWIRE_RESULT_TTL_S) is 3 s, shorter than the longest"),
         (
             ["gateway", "--result-ttl-s=20", "--default-timeout-ms=5000", "--max-timeout-ms=25000"],
@@ -181,7 +181,7 @@ def test_a_refusal_names_only_variables_that_exist(
     named = set(re.findall(r"BATCHWIRE_[A-Z_]+", err))
     unknown = {name for name in named if f"`{name}`" not in config_table()}
     assert not unknown, f"the message names variables that no flag reads ({unknown}): {err}"
-    assert "default_timeout_ms (BATCHWIRE_DEFAULT_TIMEOUT_MS) is 0; it must be at least 1" in err, err
+    assert "--default-timeout-ms (BATCHWIRE_DEFAULT_TIMEOUT_MS) is 0; it must be at least 1" in err, err
 
 
 @pytest.mark.parametrize("role", ["gateway", "up"])
@@ -214,3 +214,24 @@ def test_options_before_the_command_are_refused_showing_where_they_go(
 ) -> None:
     assert main(argv) == 2
     assert capsys.readouterr().err == f"batchwire: options go after the command: {meant}\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["gateway", "--max-inflight=-3"], "--max-inflight (BATCHWIRE_MAX_INFLIGHT) is -3; it must be at least 1"),
+        (["worker", "--credit-ttl-s=0.1"], "--credit-ttl-s must be above 0.5 s, got 0.1 (BATCHWIRE_CREDIT_TTL_S)"),
+        (["up", "--hang-min-s=0"], "--hang-factor must be >= 0 (0: off) and --hang-min-s > 0"),
+        (
+            ["worker", "--models=a,b,a"],
+            "models (BATCHWIRE_MODELS) lists a model twice: a, b, a; name each once (--models)",
+        ),
+    ],
+)
+def test_a_refused_setting_names_the_flag_beside_its_variable(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A setting's own check names its field and variable; the caller may have given the flag."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert said in err, err

@@ -105,7 +105,7 @@ def test_stack_up_in_a_state_dir_that_cannot_be_made_says_so_in_one_line(
     [
         ("--namespace=team a", "namespace 'team a' must be"),
         ("--models=sim,sim", "lists a model twice"),
-        ("--request-partitions=0", "request_partitions (0) must be at least"),
+        ("--request-partitions=0", "--request-partitions (0) must be at least"),
     ],
 )
 def test_stack_up_refuses_a_setting_of_its_topics_before_it_starts_a_server(

@@ -78,8 +78,8 @@ def test_a_model_that_does_not_load_at_a_roles_start_is_one_line_and_exit_2(
     def worker(args: argparse.Namespace) -> int:
         raise BackendError("the tokenizer in /models/x has no vocabulary")
 
-    args = build_parser().parse_args(["worker"])
-    assert _run(args, worker) == 2
+    parser = build_parser()
+    assert _run(parser.parse_args(["worker"]), worker, parser) == 2
     err = capsys.readouterr().err
     assert err == "batchwire worker: the model did not load: the tokenizer in /models/x has no vocabulary\n", err
 
