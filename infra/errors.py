@@ -29,6 +29,10 @@ class ServiceStartError(InfraError):
     retriable = True
 
 
+class PortTakenError(ServiceStartError):
+    """Another process answered on a port the server was to listen on: it bound the port first."""
+
+
 class ServiceStopError(InfraError):
     """A service process survived SIGKILL (should not happen; a stuck kernel task)."""
 

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from infra.errors import ServiceStartError
+from infra.errors import PortTakenError, ServiceStartError
 from infra.kafka_dist import LOG4J_CONFIG, KafkaRuntime
 from infra.kafka_probe import wait_for_kafka
 from infra.loopback import LoopbackServer
@@ -222,6 +222,13 @@ class KafkaServer(LoopbackServer):
             timeout_s=max(deadline - time.monotonic(), 0.0),
             still_running=process.is_alive,
         )
+        if served and process.listens_on(self._broker_port) is False:
+            process.terminate(5.0)
+            self._process = None
+            raise PortTakenError(
+                f"Kafka broker at {self.bootstrap}: another process answered there, having bound the port first "
+                f"(log: {self.log_path}):\n{self.log_tail()}"
+            )
         if served:
             return
         running = process.is_alive()

@@ -7,7 +7,7 @@ import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 
-from infra.errors import ServiceStartError
+from infra.errors import PortTakenError, ServiceStartError
 from infra.process import ServiceProcess, tail_text
 
 PORT_ATTEMPTS = 3
@@ -28,6 +28,7 @@ class LoopbackServer(ABC):
         self._stop_timeout_s = stop_timeout_s
         self._process: ServiceProcess | None = None
         self._has_served = False
+        self._answered_by_another = False
 
     @property
     @abstractmethod
@@ -53,7 +54,7 @@ class LoopbackServer(ABC):
 
     def port_taken(self) -> bool:
         """Whether its last start failed because another process held one of its ports."""
-        return "Address already in use" in self.log_tail()
+        return self._answered_by_another or "Address already in use" in self.log_tail()
 
     def start(self, timeout_s: float | None = None) -> None:
         """Launches the server and returns once it serves (does nothing if it runs already)."""
@@ -64,12 +65,14 @@ class LoopbackServer(ABC):
         for attempt in range(1, attempts + 1):
             try:
                 self._start_once(deadline)
-            except ServiceStartError:
+            except ServiceStartError as err:
+                self._answered_by_another = isinstance(err, PortTakenError)
                 if attempt == attempts or not self.port_taken():
                     raise
                 self._choose_new_ports()
                 continue
             self._has_served = True
+            self._answered_by_another = False
             return
 
     def stop(self, timeout_s: float | None = None) -> None:

@@ -26,6 +26,7 @@ _DETACH_SCRIPT = 'log=$1; shift; "$@" </dev/null >>"$log" 2>&1 & echo $!'
 _POLL_INTERVAL_S = 0.05
 _THREADS_EXIT_POLL_S = 0.001
 _EXIT_STOP_TIMEOUT_S = 10.0
+_PROC_TCP = Path("/proc/self/net/tcp")
 
 
 class ServiceProcess:
@@ -106,6 +107,29 @@ class ServiceProcess:
         if self._popen is not None:
             return self._popen.poll() is None
         return _alive_by_pid(self._pid)
+
+    def listens_on(self, port: int) -> bool | None:
+        """Whether this process holds a listening TCP socket on ``port``; None where /proc cannot say.
+
+        A server that answers on its port may be another one that bound the port first (another test
+        worker's Redis or Kafka), while this process dies of "Address already in use".
+        """
+        if not _PROC_TCP.exists():
+            return None  # not Linux
+        inodes = _listening_inodes(self._pid, port)
+        if not inodes:
+            return False
+        try:
+            fds = list(Path(f"/proc/{self._pid}/fd").iterdir())
+        except OSError:
+            return False  # gone
+        for fd in fds:
+            try:
+                if os.readlink(fd) in inodes:
+                    return True
+            except OSError:
+                continue  # closed while we looked
+        return False
 
     def wait_exit(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for the process to end; True if it did."""
@@ -195,6 +219,23 @@ def _read_cmdline(pid: int) -> str | None:
         # No /proc (not Linux) or not readable: fall back to trusting the pid file.
         return "" if _alive_by_pid(pid) else None
     return raw.replace(b"\0", b" ").decode(errors="replace")
+
+
+def _listening_inodes(pid: int, port: int) -> set[str]:
+    """``socket:[INODE]`` of every TCP socket listening on ``port`` in the network namespace of ``pid``
+    (none once it is gone)."""
+    found: set[str] = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            # local_address is HEXIP:HEXPORT; state 0A is LISTEN.
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rpartition(":")[2], 16) == port:
+                found.add(f"socket:[{fields[9]}]")
+    return found
 
 
 def _runs_in(pid: int, folder: Path) -> bool:

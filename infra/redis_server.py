@@ -12,7 +12,7 @@ import socket
 import time
 from pathlib import Path
 
-from infra.errors import ServiceStartError, ToolMissingError
+from infra.errors import PortTakenError, ServiceStartError, ToolMissingError
 from infra.loopback import LoopbackServer
 from infra.ports import LOOPBACK, free_port, free_port_pair
 from infra.process import ServiceProcess
@@ -89,6 +89,12 @@ def spawn_answering(
     process = ServiceProcess.spawn(argv, log_path=log_path, cwd=cwd, detached=detached)
     while process.is_alive() and time.monotonic() < deadline:
         if redis_pings(port):
+            if process.listens_on(port) is False:
+                process.terminate(2.0)
+                raise PortTakenError(
+                    f"{what} on port {port}: another process answered there, having bound the port first "
+                    f"(log: {log_path}):\n{server.log_tail()}"
+                )
             return process
         time.sleep(_POLL_INTERVAL_S)
     running = process.is_alive()
