@@ -115,7 +115,11 @@ class LocalStack:
         self.redis.start()
 
     def __enter__(self) -> LocalStack:
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            self.close()  # `__exit__` does not run when `__enter__` raises
+            raise
         return self
 
     def __exit__(
