@@ -113,11 +113,15 @@ class LocalRedisCluster:
 
     def start(self, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
-        for node in self.nodes:
-            node.start()
-        ports = [node.port for node in self.nodes]
-        create(ports, self.replicas, deadline)
-        wait_whole(ports, len(self.nodes) - len(self.nodes) // (1 + self.replicas), deadline)
+        try:
+            for node in self.nodes:
+                node.start()
+            ports = [node.port for node in self.nodes]
+            create(ports, self.replicas, deadline)
+            wait_whole(ports, len(self.nodes) - len(self.nodes) // (1 + self.replicas), deadline)
+        except BaseException:
+            self.stop()  # the nodes started so far; `__exit__` does not run when `__enter__` raises
+            raise
 
     def stop(self) -> None:
         for node in self.nodes:
