@@ -10,8 +10,10 @@ Tests that stop or kill servers start private ones of their own.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+from types import FrameType
 
 from infra.local_stack import LocalStack
 from infra.select import EXTERNAL_KAFKA_ENV, EXTERNAL_REDIS_ENV
@@ -21,9 +23,22 @@ def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python -m tests.with_stack CMD [ARG ...]", file=sys.stderr)
         return 2
+    children: list[subprocess.Popen[bytes]] = []
+
+    def on_sigterm(signum: int, _frame: FrameType | None) -> None:
+        # A CI timeout or `kill` signals this process alone: by default it would die at once and leave
+        # the servers and CMD running. CMD is asked to end instead, and the servers stop once it has.
+        if not children:
+            raise SystemExit(128 + signum)
+        children[0].send_signal(signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     with LocalStack() as stack:
         env = {**os.environ, EXTERNAL_KAFKA_ENV: stack.kafka_bootstrap, EXTERNAL_REDIS_ENV: stack.redis_url}
-        return subprocess.call(argv, env=env)
+        # Not subprocess.call: on Ctrl-C it SIGKILLs CMD a quarter second later, cutting its own clean-up short.
+        with subprocess.Popen(argv, env=env) as child:
+            children.append(child)
+            return child.wait()
 
 
 if __name__ == "__main__":
