@@ -93,7 +93,7 @@ def read_shape(state_dir: Path) -> Shape | None:
     """The shape recorded in `state_dir`; None for a single stack or none."""
     try:
         lines = (state_dir / SHAPE_FILE_NAME).read_text().splitlines()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     values = dict(line.split("=", 1) for line in lines if "=" in line)
     return Shape(int(values["brokers"]), int(values["redis_replicas"]), int(values.get("redis_cluster", 0)))

@@ -86,7 +86,7 @@ def read_pid(path: Path) -> int | None:
     """The pid in a pid file, or None when it is absent or not a number."""
     try:
         text = path.read_text().strip()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     return int(text) if text.isdigit() else None
 

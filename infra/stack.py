@@ -186,6 +186,8 @@ def stack_down(state_dir: Path = DEFAULT_STATE_DIR, *, timeout_s: float = DEFAUL
     Data and ports stay: the next `up` brings the same stack back. Delete the state dir for a new one.
     """
     state_dir = state_dir.resolve()
+    if not state_dir.is_dir():
+        return False  # a mistyped --state-dir: nothing to stop, and no folder made for it
     with file_lock(state_dir / ".stack.lock"):
         stopped = False
         for server in _servers(state_dir):
@@ -217,7 +219,7 @@ def read_env_file(path: Path) -> dict[str, str]:
     """`KEY=value` lines of stack.env (empty dict if absent)."""
     try:
         text = path.read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return {}
     pairs = (line.split("=", 1) for line in text.splitlines() if "=" in line and not line.startswith("#"))
     return {key.strip(): value.strip() for key, value in pairs}

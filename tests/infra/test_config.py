@@ -236,3 +236,21 @@ def test_docker_is_unavailable_when_docker_host_answers_nothing(monkeypatch: pyt
 
     monkeypatch.setenv("DOCKER_HOST", "tcp://127.0.0.1:1")
     assert docker_available() is False
+
+
+@pytest.mark.parametrize("action", ["down", "status"])
+def test_stack_down_and_status_in_a_missing_state_dir_make_nothing_and_say_no_stack(
+    action: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from batchwire.cli import main
+
+    (tmp_path / "a-file").write_text("")
+    for state_dir in (tmp_path / "missing" / "stack", tmp_path / "a-file" / "stack"):
+        code = main(["stack", action, "--state-dir", str(state_dir)])
+        out, err = capsys.readouterr()
+        assert "Traceback" not in err and "Error" not in err, err
+        if action == "down":
+            assert (code, out) == (0, "no stack was running\n"), (code, out)
+        else:
+            assert code == 1 and "kafka: none yet" in out, (code, out)
+        assert not (tmp_path / "missing").exists(), "a mistyped --state-dir is not made"
