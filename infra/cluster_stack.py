@@ -177,6 +177,7 @@ def cluster_up(
         for node in all_nodes:
             if running[node.server.name] is None:
                 refuse_taken_ports(node.server)
+        runtime = prepare_kafka()  # before Redis starts: a missing Java leaves nothing running
         (state_dir / SHAPE_FILE_NAME).write_text(
             f"brokers={shape.brokers}\nredis_replicas={shape.redis_replicas}\nredis_cluster={shape.redis_cluster}\n"
         )
@@ -184,7 +185,7 @@ def cluster_up(
             actions = _up_redis_cluster(all_nodes, running, redis_maxmemory, deadline)
         else:
             actions = _up_redis_nodes(all_nodes, running, redis_maxmemory, deadline)
-        actions += _up_kafka_nodes(state_dir, kafka_nodes, running, fresh_kafka, deadline)
+        actions += _up_kafka_nodes(state_dir, kafka_nodes, running, runtime, fresh_kafka, deadline)
         env = cluster_env(all_nodes, shape)
         run_blocking(lambda: harden_offsets_topic(env[KAFKA_ENV], shape.brokers))
         write_atomically(state_dir / ENV_FILE_NAME, "".join(f"{key}={value}\n" for key, value in env.items()))
@@ -335,6 +336,7 @@ def _up_kafka_nodes(
     state_dir: Path,
     kafka_nodes: list[Node],
     running: dict[str, ServiceProcess | None],
+    runtime: KafkaRuntime,
     fresh: bool,
     deadline: float,
 ) -> list[str]:
@@ -346,7 +348,6 @@ def _up_kafka_nodes(
     else:
         port_pairs = {node.node_id: (node.server.ports()[0], node.server.ports()[1]) for node in kafka_nodes}
     cluster_id = id_path.read_text().strip()
-    runtime = prepare_kafka()
     dead = [node for node in kafka_nodes if running[node.server.name] is None]
     # A fresh cluster's ports were free when drawn, but another process may bind one before its JVM
     # does: every node then starts again on new ports (each knows every controller's address).

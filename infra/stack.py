@@ -32,6 +32,7 @@ from infra.detached import (
 )
 from infra.errors import InfraError
 from infra.fetch_kafka import prepare_kafka
+from infra.kafka_dist import KafkaRuntime
 from infra.kafka_probe import kafka_serves, wait_for_kafka
 from infra.kafka_server import DEFAULT_STOP_TIMEOUT_S, KafkaServer, read_config_ports
 from infra.locks import file_lock
@@ -155,7 +156,8 @@ def stack_up(
 
     A live server is left alone (waited for if it does not answer yet). A dead one starts again on
     its recorded ports over its data. Before anything starts, every port a dead server needs is
-    checked: one that another process holds is an error that changes nothing. Two `up`s at once
+    checked, and so are Java and the Kafka jars: a port another process holds, or a missing tool, is an
+    error that changes nothing. Two `up`s at once
     take turns (a lock file), so the second finds the stack the first made.
     `redis_maxmemory` applies when Redis starts; a running Redis keeps its bound.
     """
@@ -171,9 +173,11 @@ def stack_up(
         for server in (kafka, redis):
             if running[server.name] is None:
                 refuse_taken_ports(server)
+        # Java and the jars are looked for before Redis starts: a missing one leaves nothing running.
+        runtime = prepare_kafka() if running["kafka"] is None else None
         actions = [
             _up_redis(redis, running["redis"], maxmemory, deadline),
-            _up_kafka(kafka, running["kafka"], deadline),
+            _up_kafka(kafka, running["kafka"], runtime, deadline),
         ]
         env = _env(kafka.ports(), redis.ports())
         write_atomically(state_dir / ENV_FILE_NAME, "".join(f"{key}={value}\n" for key, value in env.items()))
@@ -302,7 +306,9 @@ def _up_redis(server: DetachedServer, process: ServiceProcess | None, maxmemory:
     return f"redis: was not running; {kept} (pid {redis.pid}, port {redis.port}, maxmemory {maxmemory})"
 
 
-def _up_kafka(server: DetachedServer, process: ServiceProcess | None, deadline: float) -> str:
+def _up_kafka(
+    server: DetachedServer, process: ServiceProcess | None, runtime: KafkaRuntime | None, deadline: float
+) -> str:
     ports = server.ports()
     if process is not None:
         if not ports:
@@ -317,7 +323,7 @@ def _up_kafka(server: DetachedServer, process: ServiceProcess | None, deadline: 
         # Data formatted for controller ports nobody recorded cannot be served: start empty.
         shutil.rmtree(server.work_dir / "data", ignore_errors=True)
     kafka = KafkaServer(
-        prepare_kafka(),
+        runtime if runtime is not None else prepare_kafka(),
         server.work_dir,
         broker_port=ports[0] if ports else None,
         controller_port=ports[1] if ports else None,

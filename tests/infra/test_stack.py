@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -474,3 +475,26 @@ def test_provide_infra_local_can_restart(tmp_path: Path) -> None:
         assert not run_blocking(lambda: kafka_serves(provided.kafka_bootstrap, request_timeout_s=1.0))
         provided.start_kafka()
         assert run_blocking(lambda: kafka_serves(provided.kafka_bootstrap))
+
+
+def test_up_without_java_says_so_and_starts_nothing(state_dir: Path, tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    redis_binary = shutil.which("redis-server")
+    assert redis_binary is not None, "the test needs redis-server"
+    (bin_dir / "redis-server").symlink_to(redis_binary)
+    env = {key: value for key, value in _cli_env(state_dir).items() if key != "JAVA_HOME"}
+    env["PATH"] = str(bin_dir)  # redis-server, but no java
+
+    done = subprocess.run(
+        [sys.executable, "-m", "batchwire.cli", "stack", "up", "--state-dir", str(state_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=False,
+    )
+
+    assert done.returncode == 1 and "java not found" in done.stderr, done.stderr
+    assert _processes_in(state_dir / "redis") == [], "Redis was started and left running"
+    assert not stack_status(state_dir).anything_running
