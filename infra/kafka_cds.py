@@ -50,6 +50,8 @@ def ensure_cds_archive(runtime: KafkaRuntime) -> Path | None:
     with file_lock(archive.parent / ".cds.lock"):
         if archive.is_file():
             return archive
+        for stale in archive.parent.glob(".*.jsa.*.tmp"):
+            stale.unlink(missing_ok=True)  # a training run killed midway; holding the lock, none runs now
         try:
             _train(runtime, archive)
         except InfraError as err:

@@ -97,8 +97,10 @@ def fetch_kafka_libs(libs_dir: Path | None = None) -> Path:
     with file_lock(target.parent / ".libs.lock"):
         if libs_are_complete(target):
             return target
+        for stale in target.parent.glob(".libs-staging-*"):
+            # A fetch killed midway left its jars; holding the lock, no fetch runs now.
+            shutil.rmtree(stale, ignore_errors=True)
         staging = target.parent / f".libs-staging-{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
         try:
             _run_maven(staging)
             jars = sorted(path.name for path in staging.glob("*.jar"))
