@@ -82,8 +82,8 @@ async def harden_offsets_topic(bootstrap: str, brokers: int, *, timeout_s: float
         request_timeout_ms=int(_ADMIN_TIMEOUT_S * 1000),
         client_id="batchwire-stack",
     )
-    await admin.start()
     try:
+        await admin.start()
         while True:
             try:
                 await admin.find_coordinator(_PROBE_GROUP)
@@ -106,6 +106,12 @@ async def harden_offsets_topic(bootstrap: str, brokers: int, *, timeout_s: float
         for error in altered.resources:
             if error[0] != 0:
                 raise InfraError(f"could not set min.insync.replicas on {OFFSETS_TOPIC}: {error[1] or error[0]}")
+    except KafkaError as err:
+        # `stack up` reports an InfraError in one line; a KafkaError would end it in a traceback.
+        raise InfraError(
+            f"could not create {OFFSETS_TOPIC} on the cluster at {bootstrap} and set its min.insync.replicas: {err!r}; "
+            "`batchwire stack status` shows which node is down, `batchwire stack up` tries again"
+        ) from err
     finally:
         await admin.close()
 

@@ -254,3 +254,15 @@ def test_stack_down_and_status_in_a_missing_state_dir_make_nothing_and_say_no_st
         else:
             assert code == 1 and "kafka: none yet" in out, (code, out)
         assert not (tmp_path / "missing").exists(), "a mistyped --state-dir is not made"
+
+
+def test_hardening_the_offsets_topic_of_a_cluster_that_does_not_answer_is_an_infra_error() -> None:
+    """`stack up` reports an InfraError in one line: a KafkaError would end it in a traceback."""
+    import asyncio
+
+    from infra.kafka_cluster import harden_offsets_topic
+    from infra.ports import free_port
+
+    bootstrap = f"127.0.0.1:{free_port()}"  # nothing listens there
+    with pytest.raises(InfraError, match=f"__consumer_offsets on the cluster at {bootstrap}"):
+        asyncio.run(harden_offsets_topic(bootstrap, 3, timeout_s=1.0))
