@@ -105,10 +105,6 @@ class LocalStack:
     def stop_redis(self) -> None:
         self.redis.stop()
 
-    def kill_redis(self) -> None:
-        """SIGKILL Redis; it comes back empty (no persistence)."""
-        self.redis.kill()
-
     def restart_redis(self) -> None:
         """Stop and start on the same port; the data is gone (no persistence)."""
         self.redis.stop()
