@@ -17,6 +17,7 @@ import redis
 
 from infra.errors import ServiceStartError, ToolMissingError
 from infra.ports import LOOPBACK
+from infra.redis_sentinel import no_retry
 from infra.redis_server import RedisServer
 
 CLUSTER_SCHEME = "redis+cluster"
@@ -31,7 +32,7 @@ def cluster_url(ports: list[int]) -> str:
 
 def _cluster_ok(port: int) -> bool:
     """Whether the node on ``port`` sees every slot served (``CLUSTER INFO``)."""
-    client = redis.Redis(port=port, socket_timeout=1.0, socket_connect_timeout=1.0)
+    client = redis.Redis(port=port, socket_timeout=1.0, socket_connect_timeout=1.0, retry=no_retry())
     try:
         info = client.cluster("INFO")
     except (redis.RedisError, OSError):
@@ -43,7 +44,7 @@ def _cluster_ok(port: int) -> bool:
 
 def _online_replicas(port: int) -> int:
     """The replicas the node on ``port`` serves that have their first copy (0 for a replica node)."""
-    client = redis.Redis(port=port, socket_timeout=1.0, socket_connect_timeout=1.0)
+    client = redis.Redis(port=port, socket_timeout=1.0, socket_connect_timeout=1.0, retry=no_retry())
     try:
         info = client.info("replication")
     except (redis.RedisError, OSError):

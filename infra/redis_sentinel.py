@@ -11,6 +11,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from infra.loopback import LoopbackServer
 from infra.ports import LOOPBACK, free_port
@@ -88,11 +90,17 @@ class SentinelServer(LoopbackServer):
         )
 
 
+def no_retry() -> Retry:
+    """For one question to a server that may hang (stopped, overloaded): redis-py's default retries a
+    timed-out command three times, with backoff, which turns each ask's timeout into ten seconds."""
+    return Retry(NoBackoff(), 0)
+
+
 def sentinel_primary(sentinel_ports: Iterable[int], master: str = MASTER_NAME) -> int | None:
     """The primary's port as the first answering Sentinel names it; None if none answers."""
     for port in sentinel_ports:
         try:
-            with redis.Redis(host=LOOPBACK, port=port, socket_timeout=_ASK_TIMEOUT_S) as client:
+            with redis.Redis(host=LOOPBACK, port=port, socket_timeout=_ASK_TIMEOUT_S, retry=no_retry()) as client:
                 answer = client.execute_command("SENTINEL", "get-master-addr-by-name", master)
         except redis.RedisError:
             continue
@@ -104,7 +112,7 @@ def sentinel_primary(sentinel_ports: Iterable[int], master: str = MASTER_NAME) -
 def redis_role(port: int) -> str | None:
     """'primary' or 'replica' as the server at `port` says (ROLE); None if it does not answer."""
     try:
-        with redis.Redis(host=LOOPBACK, port=port, socket_timeout=_ASK_TIMEOUT_S) as client:
+        with redis.Redis(host=LOOPBACK, port=port, socket_timeout=_ASK_TIMEOUT_S, retry=no_retry()) as client:
             role = client.execute_command("ROLE")
     except redis.RedisError:
         return None
