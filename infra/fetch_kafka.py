@@ -19,8 +19,8 @@ from infra.kafka_dist import KafkaRuntime, fetch_kafka_libs, find_java
 def prepare_kafka(libs_dir: Path | None = None, *, use_cds: bool = True) -> KafkaRuntime:
     """Jars fetched, JVM found, CDS archive ready (when the JVM supports it).
 
-    First call on a machine: Maven download (~15 s on a fast link) plus one training start
-    of the broker (~5 s). Later calls: a few `stat`s.
+    First call on a machine: a Maven download plus one training start of the broker. Later
+    calls: a few `stat`s.
     """
     libs = fetch_kafka_libs(libs_dir)
     runtime = KafkaRuntime(java=find_java(), libs_dir=libs)

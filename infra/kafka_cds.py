@@ -1,7 +1,7 @@
-"""A class-data-sharing (AppCDS) archive for the broker JVM: start-up ~2.0 s -> ~1.3 s.
+"""A class-data-sharing (AppCDS) archive for the broker JVM: a faster start-up.
 
-The JVM maps classes parsed and verified by an earlier run instead of loading ~5000 classes
-from 57 jars. Java 17 writes such an archive at exit with `-XX:ArchiveClassesAtExit`, so one
+The JVM maps classes parsed and verified by an earlier run instead of loading thousands of
+classes from the jars. Java 17 writes such an archive at exit with `-XX:ArchiveClassesAtExit`, so one
 training run (start a throwaway broker, use it, stop it) makes it. The archive only fits the
 exact JVM build and jar set it came from, hence the key in its file name. A mismatched
 archive is harmless: the JVM notes it in the log and starts without it.

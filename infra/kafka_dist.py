@@ -32,7 +32,7 @@ _FETCH_TIMEOUT_S = 900.0
 class KafkaRuntime:
     """Everything needed to launch a broker: a JVM, the jars, and optionally a CDS archive.
 
-    The class-data-sharing archive (see `infra.kafka_cds`) roughly halves JVM start-up.
+    The class-data-sharing archive (see `infra.kafka_cds`) shortens JVM start-up.
     """
 
     java: Path
