@@ -32,6 +32,7 @@ from batchwire.capacity.sizing import (
     size,
     with_values,
 )
+from batchwire.settings import number
 
 MAX_GROWTH = 64
 """The search gives up past this many times the closed-form lower bound."""
@@ -160,7 +161,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_arguments(parser)
     parser.add_argument("--rate", type=float, default=None, help="requests per second in all (one model)")
     parser.add_argument("--models", default=None, help="several models: NAME=RATE,NAME=RATE (instead of --rate)")
-    parser.add_argument("--p99-ms", type=float, required=True, help="p99 latency target in milliseconds")
+    parser.add_argument("--p99-ms", type=number, required=True, help="p99 latency target in milliseconds")
     parser.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, help="share of each resource to fill")
     parser.add_argument("--cpu-file", default=None, help="JSON of CPU per request and other sizing inputs")
     parser.add_argument(
@@ -171,7 +172,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "Kafka bytes and records per request, measured at its busiest rate that kept up, replace the defaults "
         "(after --cpu-file)",
     )
-    parser.add_argument("--result-ttl-s", type=float, default=None, help="how long results stay in Redis")
+    parser.add_argument("--result-ttl-s", type=number, default=None, help="how long results stay in Redis")
     parser.add_argument("--replication-factor", type=int, default=None, help="Kafka replication factor")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(requests=None, batchers=None)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from batchwire.capacity.curve import Curve, CurvePoint, TokenCurve, percentile
+from batchwire.settings import number
 from gpu_worker.backends.base import Backend, BackendError
 from gpu_worker.backends.factory import BackendConfigError, BackendSettings, make_backend
 
@@ -175,7 +176,7 @@ def plot(curve: Curve, path: Path) -> bool:
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser("profile")
     parser.add_argument("--backend", default="sim", choices=["sim", "hf"], help="model backend to time")
-    parser.add_argument("--sim-latency-ms", type=float, default=100.0, help="sim backend: latency of one call")
+    parser.add_argument("--sim-latency-ms", type=number, default=100.0, help="sim backend: latency of one call")
     parser.add_argument("--model-path", default=None, help="hf backend: local checkpoint directory")
     parser.add_argument("--hf-task", default="generate", help="hf backend: generate or embed")
     parser.add_argument("--device", default="auto", help="hf backend: auto, cpu, cuda or cuda:N")

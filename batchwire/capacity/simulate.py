@@ -22,6 +22,7 @@ from batchwire.capacity import arrivals as arrival_processes
 from batchwire.capacity.curve import Curve, CurveError, load, percentile
 from batchwire.capacity.engine import SimConfig, Simulation
 from batchwire.capacity.outcome import SimOutcome
+from batchwire.settings import number
 
 UNSTABLE_BACKLOG_SHARE = 0.02
 """Unstable when more than this share of the requests is still waiting as the arrivals end."""
@@ -158,25 +159,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="items per batch at most (default: the policy's, at most the curve's largest size)",
     )
     parser.add_argument(
-        "--max-wait-ms", type=float, default=None, help="age that seals a batch (default: the policy's)"
+        "--max-wait-ms", type=number, default=None, help="age that seals a batch (default: the policy's)"
     )
     parser.add_argument(
         "--reserve-ms",
-        type=float,
+        type=number,
         default=None,
         help="work-conserving low-load reserve (default: the policy's; 0: off)",
     )
     parser.add_argument(
         "--credit-lead-ms",
-        type=float,
+        type=number,
         default=None,
         help="workers offer their next credit this long before a call ends",
     )
     parser.add_argument(
-        "--credit-lead-full-ms", type=float, default=None, help="the lead while the running batch is at least half full"
+        "--credit-lead-full-ms",
+        type=number,
+        default=None,
+        help="the lead while the running batch is at least half full",
     )
     parser.add_argument(
-        "--spacing-margin-ms", type=float, default=None, help="spacing of busy workers' starts (-1: off)"
+        "--spacing-margin-ms", type=number, default=None, help="spacing of busy workers' starts (-1: off)"
     )
     parser.add_argument("--transit-ms", type=float, default=0.0, help="a batch's way from the batcher to its worker")
     parser.add_argument(

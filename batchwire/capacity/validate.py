@@ -54,6 +54,7 @@ from batchwire.capacity.engine import SimConfig
 from batchwire.capacity.measured import MeasuredRate, MeasuredRun, Replay, RunError, read_runs, results_files
 from batchwire.capacity.profile import check_out
 from batchwire.capacity.simulate import RateResult, policy_for, simulate, simulate_rate
+from batchwire.settings import number
 
 THROUGHPUT_BOUND = 0.03
 LATENCY_BOUND = 0.10
@@ -431,7 +432,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     parser.add_argument(
         "--held-out",
-        type=float,
+        type=number,
         default=None,
         metavar="RATE",
         help="predict each run's rate nearest RATE from its other rates alone (CPU busy share, backend share "

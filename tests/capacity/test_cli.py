@@ -14,6 +14,7 @@ from batchwire.capacity.curve import Curve, CurvePoint, load
 from gpu_worker.backends.sim import SimBackend
 
 Run = Callable[[list[str]], tuple[int, str, str]]
+DATA = Path(__file__).parent / "data" / "bench"
 
 
 @pytest.fixture
@@ -259,3 +260,36 @@ def test_plan_refuses_a_result_ttl_that_keeps_nothing(run: Run, flat: str, ttl: 
     code, out, err = run(["plan", "--curve", flat, "--rate", "100", "--p99-ms", "500", "--result-ttl-s", ttl])
     assert (code, out) == (2, ""), (code, out, err)
     assert "result TTL must be positive" in err and "--result-ttl-s" in err, err
+
+
+@pytest.mark.parametrize(
+    ("command", "flag"),
+    [
+        ("simulate", "--max-wait-ms"),
+        ("simulate", "--reserve-ms"),
+        ("simulate", "--credit-lead-ms"),
+        ("simulate", "--credit-lead-full-ms"),
+        ("simulate", "--spacing-margin-ms"),
+        ("plan", "--max-wait-ms"),
+        ("plan", "--p99-ms"),
+        ("plan", "--result-ttl-s"),
+        ("validate-sim", "--held-out"),
+        ("profile", "--sim-latency-ms"),
+    ],
+)
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_float_flag_takes_finite_numbers_only(
+    run: Run, flat: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, flag: str, value: str
+) -> None:
+    """A NaN passes no bound check: --max-wait-ms nan gave negative latencies, --p99-ms nan simulated every
+    worker count up to 64 times the bound before it gave up, --result-ttl-s inf ended in a traceback."""
+    argv = {
+        "simulate": ["simulate", "--curve", flat, "--workers", "1", "--rate", "100", "--requests", "2000"],
+        "plan": ["plan", "--curve", flat, "--rate", "100", "--p99-ms", "500", "--requests", "2000"],
+        "validate-sim": ["validate-sim", str(DATA / "policies"), "--requests", "500", "--seeds", "1"],
+        "profile": ["profile", "--max-batch", "2", "--repeats", "1", "--out", str(tmp_path / "c.json")],
+    }[command]
+    with pytest.raises(SystemExit) as exited:
+        run([*argv, f"{flag}={value}"])
+    said = capsys.readouterr().err
+    assert exited.value.code == 2 and f"argument {flag}: expected a finite number, got '{value}'" in said, said
