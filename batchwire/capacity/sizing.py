@@ -59,9 +59,23 @@ class SizingInputs:
         if not 0 < self.headroom <= 1:
             raise SizingError(f"headroom must be within (0, 1], got {self.headroom} (--headroom)")
         if self.replication_factor < 1:
-            raise SizingError(f"replication factor must be at least 1, got {self.replication_factor}")
+            raise SizingError(
+                f"replication factor must be at least 1, got {self.replication_factor} (--replication-factor)"
+            )
         if not self.result_ttl_s > 0:
             raise SizingError(f"result TTL must be positive, got {self.result_ttl_s:g} s (--result-ttl-s)")
+        for item in fields(self):
+            value = getattr(self, item.name)
+            least = "more than 0" if item.name in DIVISORS else "0 or more"
+            if not math.isfinite(value) or value < 0 or (value == 0 and item.name in DIVISORS):
+                raise SizingError(
+                    f"{item.name} is {value:g}; it must be a finite number, {least} "
+                    "(its key in --cpu-file, or measured by --costs)"
+                )
+
+
+DIVISORS = frozenset({"broker_core_bytes_per_s", "broker_cores", "redis_commands_per_s", "redis_shard_bytes"})
+"""The inputs the sizing divides by: a capacity of 0 sizes nothing."""
 
 
 def with_values(inputs: SizingInputs, values: Mapping[str, Any]) -> SizingInputs:
@@ -80,6 +94,8 @@ def load_cpu_file(path: str | Path, inputs: SizingInputs) -> SizingInputs:
         raise SizingError(f"the CPU file {path} must be a JSON object with keys among {sorted(known)}")
     try:
         return with_values(inputs, data)
+    except SizingError as err:
+        raise SizingError(f"the CPU file {path}: {err}") from err
     except (TypeError, ValueError) as err:
         raise SizingError(f"the CPU file {path} holds a value that is not a number: {err}") from err
 

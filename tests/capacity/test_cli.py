@@ -293,3 +293,29 @@ def test_a_float_flag_takes_finite_numbers_only(
         run([*argv, f"{flag}={value}"])
     said = capsys.readouterr().err
     assert exited.value.code == 2 and f"argument {flag}: expected a finite number, got '{value}'" in said, said
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        ('{"broker_core_bytes_per_s": 0}', "broker_core_bytes_per_s is 0; it must be a finite number, more than 0"),
+        ('{"redis_commands_per_s": 0}', "redis_commands_per_s is 0; it must be a finite number, more than 0"),
+        ('{"redis_shard_bytes": 0}', "redis_shard_bytes is 0; it must be a finite number, more than 0"),
+        ('{"broker_cores": 0}', "broker_cores is 0; it must be a finite number, more than 0"),
+        ('{"gateway_us_per_request": NaN}', "gateway_us_per_request is nan; it must be a finite number, 0 or more"),
+        ('{"kafka_bytes_per_request": Infinity}', "kafka_bytes_per_request is inf; it must be a finite number"),
+        ('{"result_bytes": -5000}', "result_bytes is -5000; it must be a finite number, 0 or more"),
+    ],
+)
+def test_a_cpu_file_value_the_sizing_cannot_use_is_refused_naming_it(
+    run: Run, flat: str, tmp_path: Path, given: str, said: str
+) -> None:
+    """A capacity of 0 ended in a ZeroDivisionError, an infinity in an OverflowError, a NaN in "cannot convert
+    float NaN to integer", and a negative size planned negative bytes."""
+    cpu = tmp_path / "cpu.json"
+    cpu.write_text(given)
+    argv = ["plan", "--curve", flat, "--rate", "100", "--p99-ms", "500", "--requests", "2000", "--cpu-file", str(cpu)]
+    code, out, err = run(argv)
+    assert (code, out) == (2, ""), (code, out, err)
+    assert f"batchwire plan: the CPU file {cpu}: {said}" in err, err
+    assert "--cpu-file" in err, err

@@ -58,3 +58,5 @@ def test_the_closed_form_figures_follow_their_formulas() -> None:
 def test_bad_sizing_inputs_name_the_flag() -> None:
     with pytest.raises(SizingError, match="--headroom"):
         SizingInputs(headroom=1.5)
+    with pytest.raises(SizingError, match="--replication-factor"):
+        SizingInputs(replication_factor=0)
