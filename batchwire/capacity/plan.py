@@ -82,9 +82,12 @@ def gpus_for(
     """
     probe = configure(1)
     per_worker, _ = probe.curve.best_rate_per_worker()
-    fastest_ms = probe.curve.latency_ms(1) + probe.overhead_ms
+    fastest_ms = probe.curve.latency_ms(1) + probe.transit_ms + probe.overhead_ms
     if p99_ms < fastest_ms:
-        raise PlanError(f"p99 target {p99_ms} ms is below one call of a single item ({fastest_ms:.1f} ms)")
+        raise PlanError(
+            f"p99 target {p99_ms:g} ms is below one call of a single item with its transit and overhead "
+            f"({fastest_ms:.1f} ms): no worker count meets it"
+        )
     lower = max(1, math.ceil(rate / per_worker))
     if lower > MAX_WORKERS:
         raise PlanError(

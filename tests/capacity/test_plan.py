@@ -60,3 +60,15 @@ def test_bad_sizing_inputs_name_the_flag() -> None:
         SizingInputs(headroom=1.5)
     with pytest.raises(SizingError, match="--replication-factor"):
         SizingInputs(replication_factor=0)
+
+
+def test_a_p99_below_a_single_items_call_and_transit_is_refused_before_any_simulation() -> None:
+    """Every answer takes a call, the transit and the overhead: a target below their sum was searched for up to
+    64 times the closed-form bound of workers, then refused as not met."""
+    curve = Curve.flat(100.0, 32)
+
+    def configure(workers: int) -> SimConfig:
+        return SimConfig(curve, workers, FlushPolicy.work_conserving(max_batch=32), transit_ms=450.0)
+
+    with pytest.raises(PlanError, match=r"below one call of a single item with its transit and overhead \(550\.0 ms\)"):
+        gpus_for(configure, 100.0, 500.0, 2000)
