@@ -84,6 +84,8 @@ def profile_backend(
     inputs ``input_chars`` long, then again at each of ``lengths`` tokens (``by_tokens``)."""
     if repeats < 1:
         raise ProfileError(f"--repeats must be at least 1, got {repeats}")
+    if input_chars < 1:
+        raise ProfileError(f"--input-chars must be at least 1, got {input_chars}")
     meta: dict[str, object] = {"repeats": repeats, "input_chars": input_chars, "host": platform.node()}
     text = phrase_text(input_chars)
     counter = backend if isinstance(backend, CountsTokens) else None

@@ -210,6 +210,15 @@ def config_from(args: argparse.Namespace, curve: Curve, workers: int, batchers: 
     if args.batchers is not None and args.batchers < 1:
         # plan reads no --batchers as "size it": 0 has no meaning of its own in either command
         raise ValueError(f"--batchers is {args.batchers}; it must be at least 1")
+    counts = (
+        ("--requests", args.requests, 1),
+        ("--max-batch", args.max_batch, 1),
+        ("--max-wait-ms", args.max_wait_ms, 0),
+    )
+    leads = (("--credit-lead-ms", args.credit_lead_ms, 0), ("--credit-lead-full-ms", args.credit_lead_full_ms, 0))
+    for flag, value, least in (*counts, *leads):
+        if value is not None and value < least:
+            raise ValueError(f"{flag} is {value:g}; it must be at least {least}")
     for flag, hop_ms in (("--transit-ms", args.transit_ms), ("--overhead-ms", args.overhead_ms)):
         if not hop_ms >= 0 or math.isinf(hop_ms):  # NaN fails the first test
             raise ValueError(f"{flag} is {hop_ms:g}; it must be 0 or more ms (a finite duration)")
@@ -277,6 +286,8 @@ def format_table(results: Sequence[RateResult]) -> str:
 def run(args: argparse.Namespace) -> int:
     """``batchwire simulate``."""
     try:
+        if args.workers < 1:
+            raise ValueError(f"--workers is {args.workers}; it must be at least 1")
         config = config_from(args, curve_from(args), args.workers)
         if args.trace is not None:
             times = arrival_processes.load_trace(args.trace)

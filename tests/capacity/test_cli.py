@@ -319,3 +319,36 @@ def test_a_cpu_file_value_the_sizing_cannot_use_is_refused_naming_it(
     assert (code, out) == (2, ""), (code, out, err)
     assert f"batchwire plan: the CPU file {cpu}: {said}" in err, err
     assert "--cpu-file" in err, err
+
+
+@pytest.mark.parametrize(
+    ("command", "flag", "value", "least"),
+    [
+        ("simulate", "--workers", "0", 1),
+        ("simulate", "--requests", "0", 1),
+        ("plan", "--requests", "-3", 1),
+        ("simulate", "--max-batch", "0", 1),
+        ("plan", "--max-wait-ms", "-1", 0),
+        ("simulate", "--credit-lead-ms", "-5", 0),
+        ("plan", "--credit-lead-full-ms", "-5", 0),
+    ],
+)
+def test_a_count_or_duration_below_its_least_is_refused_naming_its_flag(
+    run: Run, flat: str, command: str, flag: str, value: str, least: int
+) -> None:
+    """These were refused in the words of the Poisson draw, the flush policy's variables (BATCHWIRE_MAX_BATCH) or
+    the workers' count, or not at all: a negative credit lead, which the worker refuses, ran as no lead."""
+    rate = ["--rate", "100"] if command == "simulate" else ["--rate", "100", "--p99-ms", "500"]
+    argv = [command, "--curve", flat, *rate, "--requests", "2000"]
+    if command == "simulate" and flag != "--workers":
+        argv += ["--workers", "1"]
+    code, out, err = run([*argv, f"{flag}={value}"])
+    assert (code, out) == (2, ""), (code, out, err)
+    assert f"batchwire {command}: {flag} is {float(value):g}; it must be at least {least}" in err, err
+
+
+def test_profile_refuses_inputs_of_no_characters(run: Run, tmp_path: Path) -> None:
+    """An --input-chars of 0 or less timed calls on empty inputs."""
+    argv = ["profile", "--sim-latency-ms", "1", "--max-batch", "2", "--repeats", "1", "--input-chars", "0"]
+    code, _, err = run([*argv, "--out", str(tmp_path / "c.json")])
+    assert code == 2 and "--input-chars must be at least 1, got 0" in err, err
