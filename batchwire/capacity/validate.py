@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import statistics
 import sys
 from collections.abc import Sequence
@@ -450,9 +451,12 @@ def _overheads(pairs: Sequence[str], flag: str = "--overhead-ms") -> dict[str, f
     for pair in pairs:
         mode, _, value = pair.partition("=")
         try:
-            given[mode.strip()] = float(value)
+            ms = float(value)
         except ValueError as err:
             raise ValueError(f"{flag} takes MODE=MS (embedded=1.5), got {pair!r}") from err
+        if not (math.isfinite(ms) and ms >= 0):
+            raise ValueError(f"{flag} takes 0 or more ms (a finite duration) per mode, got {pair!r}")
+        given[mode.strip()] = ms
     return given
 
 
