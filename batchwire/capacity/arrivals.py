@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import random
 from pathlib import Path
 
@@ -28,9 +29,12 @@ def load_trace(path: str | Path) -> list[float]:
         raise TraceError(f"cannot read the trace {path}: {err.strerror}") from err
     try:
         raw = json.loads(text) if text.lstrip().startswith("[") else [float(x) for x in text.split()]
-        times = sorted(float(t) for t in raw)
+        times = [float(t) for t in raw]
     except (ValueError, TypeError) as err:
         raise TraceError(f"the trace {path} must hold timestamps in seconds (a JSON list or one a line)") from err
+    if not all(math.isfinite(t) for t in times):
+        raise TraceError(f"the trace {path} holds a timestamp that is not a finite number (NaN or an infinity)")
+    times.sort()
     if not times:
         raise TraceError(f"the trace {path} holds no timestamps")
     return [t - times[0] for t in times]

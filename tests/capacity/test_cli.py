@@ -352,3 +352,14 @@ def test_profile_refuses_inputs_of_no_characters(run: Run, tmp_path: Path) -> No
     argv = ["profile", "--sim-latency-ms", "1", "--max-batch", "2", "--repeats", "1", "--input-chars", "0"]
     code, _, err = run([*argv, "--out", str(tmp_path / "c.json")])
     assert code == 2 and "--input-chars must be at least 1, got 0" in err, err
+
+
+@pytest.mark.parametrize("text", ["nan\n1\n2\n", "[1, Infinity, 2]"])
+def test_a_trace_with_a_timestamp_that_is_not_finite_is_refused(run: Run, flat: str, tmp_path: Path, text: str) -> None:
+    """A NaN sorted anywhere and made every arrival NaN (a rate of nan, nothing served); an infinity stretched
+    the run without end (a rate of 0 and a busy share of 0)."""
+    trace = tmp_path / "trace.txt"
+    trace.write_text(text)
+    code, out, err = run(["simulate", "--curve", flat, "--workers", "1", "--trace", str(trace)])
+    assert (code, out) == (2, ""), (code, out, err)
+    assert f"the trace {trace} holds a timestamp that is not a finite number" in err, err
