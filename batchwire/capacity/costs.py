@@ -102,6 +102,16 @@ def read_costs(path: str | Path) -> Costs:
         runs = json.loads(file.read_text())["runs"]
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise SizingError(f"--costs: cannot read a bench run's results from {file}: {err}") from err
+    try:
+        return _busiest(file, runs)
+    except SizingError:
+        raise
+    except (AttributeError, TypeError, ValueError) as err:  # a value of another type than the bench writes
+        raise SizingError(f"--costs: {file} is not a batchwire bench run's results: {err}") from err
+
+
+def _busiest(file: Path, runs: Any) -> Costs:
+    """The costs measured at the busiest rate that kept up, of the runs in ``file``."""
     rates = [
         (run, rate)
         for run in runs

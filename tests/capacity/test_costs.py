@@ -96,3 +96,15 @@ def test_the_plan_sizes_from_the_costs_and_says_where_each_input_came_from(
     assert "result_ttl_s" in table and "--result-ttl-s" in table and "measured: the gateways' CPU" in table
     assert cli.main([*argv, "--costs", str(tmp_path / "nothing")]) == 2
     assert "cannot read a bench run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['{"runs": 5}', '{"runs": ["x"]}', '{"runs": [{"sut": {"mode": "kafka"}, "rates": [{"throughput_rps": "x"}]}]}'],
+)
+def test_a_results_file_of_another_shape_is_refused_naming_it(tmp_path: Path, text: str) -> None:
+    """Each ended in a traceback: a TypeError or an AttributeError from deep in the selection of the rate."""
+    file = tmp_path / "results.json"
+    file.write_text(text)
+    with pytest.raises(SizingError, match=f"--costs: {file} is not a batchwire bench run's results"):
+        read_costs(file)
