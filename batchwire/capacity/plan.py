@@ -165,7 +165,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     parser.add_argument("--rate", type=float, default=None, help="requests per second in all (one model)")
     parser.add_argument("--models", default=None, help="several models: NAME=RATE,NAME=RATE (instead of --rate)")
     parser.add_argument("--p99-ms", type=number, required=True, help="p99 latency target in milliseconds")
-    parser.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM, help="share of each resource to fill")
+    parser.add_argument(
+        "--headroom", type=float, default=None, help=f"share of each resource to fill (default {DEFAULT_HEADROOM})"
+    )
     parser.add_argument("--cpu-file", default=None, help="JSON of CPU per request and other sizing inputs")
     parser.add_argument(
         "--costs",
@@ -199,8 +201,8 @@ def _models(args: argparse.Namespace) -> list[tuple[str, float]]:
 
 def _inputs(args: argparse.Namespace) -> tuple[SizingInputs, dict[str, str]]:
     """The sizing inputs, and where each came from."""
-    inputs = SizingInputs(headroom=args.headroom)
-    given = {"headroom": "--headroom"} if args.headroom != DEFAULT_HEADROOM else {}
+    inputs = SizingInputs()
+    given: dict[str, str] = {}
     if args.cpu_file:
         before = inputs
         inputs = load_cpu_file(args.cpu_file, inputs)
@@ -208,6 +210,9 @@ def _inputs(args: argparse.Namespace) -> tuple[SizingInputs, dict[str, str]]:
     costs = read_costs(args.costs) if args.costs else None
     if costs is not None:
         inputs = with_values(inputs, costs.values)
+    if args.headroom is not None:
+        inputs = replace(inputs, headroom=args.headroom)
+        given["headroom"] = "--headroom"
     if args.result_ttl_s is not None:
         inputs = replace(inputs, result_ttl_s=args.result_ttl_s)
         given["result_ttl_s"] = "--result-ttl-s"

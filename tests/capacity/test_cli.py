@@ -363,3 +363,18 @@ def test_a_trace_with_a_timestamp_that_is_not_finite_is_refused(run: Run, flat: 
     code, out, err = run(["simulate", "--curve", flat, "--workers", "1", "--trace", str(trace)])
     assert (code, out) == (2, ""), (code, out, err)
     assert f"the trace {trace} holds a timestamp that is not a finite number" in err, err
+
+
+def test_the_headroom_flag_applies_after_the_cpu_file(run: Run, tmp_path: Path) -> None:
+    """As docs/capacity.md has it, a flag applies after the files: the file's headroom won over --headroom."""
+    curve = tmp_path / "c32.json"
+    Curve.flat(100.0, 32).save(curve)
+    cpu = tmp_path / "cpu.json"
+    cpu.write_text('{"headroom": 0.5, "gateway_us_per_request": 7000}')
+    argv = ["plan", "--rate", "1000", "--p99-ms", "500", "--curve", str(curve), "--requests", "20000"]
+    code, out, err = run([*argv, "--cpu-file", str(cpu), "--headroom", "0.9", "--json"])
+    assert code == 0, err
+    plan = json.loads(out)
+    assert plan["inputs"]["headroom"] == {"value": 0.9, "from": "--headroom"}
+    assert (plan["gpus"], plan["gpus_with_headroom"]) == (4, 5), "ceil(4 / 0.9)"
+    assert plan["inputs"]["gateway_us_per_request"]["from"] == f"--cpu-file {cpu}", "the file's other values stay"
