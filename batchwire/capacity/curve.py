@@ -132,9 +132,11 @@ class Curve:
         points = tuple(CurvePoint(s, mix(s, "p50"), max(mix(s, "p99"), mix(s, "p50"))) for s in sizes)
         return Curve(points, self.backend, {**self.meta, "input_tokens": tokens}, self.by_tokens)
 
-    def best_rate_per_worker(self) -> tuple[float, int]:
-        """The most requests/s one worker can serve (full batches back to back), and at which size."""
-        best = max(range(1, self.max_batch + 1), key=lambda s: s / self.latency_ms(s))
+    def best_rate_per_worker(self, max_batch: int | None = None) -> tuple[float, int]:
+        """The most requests/s one worker can serve (full batches back to back), and at which size; batches
+        of at most ``max_batch`` when given (a policy's smaller max batch)."""
+        top = self.max_batch if max_batch is None else min(max_batch, self.max_batch)
+        best = max(range(1, top + 1), key=lambda s: s / self.latency_ms(s))
         return best * 1000.0 / self.latency_ms(best), best
 
     def to_json(self) -> dict[str, Any]:

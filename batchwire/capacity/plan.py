@@ -81,7 +81,7 @@ def gpus_for(
     target is met, then bisects between the last miss and the first hit.
     """
     probe = configure(1)
-    per_worker, _ = probe.curve.best_rate_per_worker()
+    per_worker, _ = probe.curve.best_rate_per_worker(probe.batch_limit)
     fastest_ms = probe.curve.latency_ms(1) + probe.transit_ms + probe.overhead_ms
     if p99_ms < fastest_ms:
         raise PlanError(

@@ -54,7 +54,7 @@ class RateResult:
 
 def capacity(config: SimConfig) -> float:
     """Requests/s the workers serve at most: each runs full batches back to back."""
-    rate, _ = config.curve.best_rate_per_worker()
+    rate, _ = config.curve.best_rate_per_worker(config.batch_limit)
     return sum(rate / config.scale(worker) for worker in range(config.workers))
 
 

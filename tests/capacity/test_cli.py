@@ -378,3 +378,15 @@ def test_the_headroom_flag_applies_after_the_cpu_file(run: Run, tmp_path: Path) 
     assert plan["inputs"]["headroom"] == {"value": 0.9, "from": "--headroom"}
     assert (plan["gpus"], plan["gpus_with_headroom"]) == (4, 5), "ceil(4 / 0.9)"
     assert plan["inputs"]["gateway_us_per_request"]["from"] == f"--cpu-file {cpu}", "the file's other values stay"
+
+
+def test_a_rate_over_what_the_policys_max_batch_serves_is_unstable(run: Run, tmp_path: Path) -> None:
+    """A worker running batches of at most 4 in 100 ms serves 40 req/s: 40.5 req/s was reported stable, with a
+    p50 that grew with the run's length (the capacity read the curve's 32 items, not the policy's 4)."""
+    curve = tmp_path / "c32.json"
+    Curve.flat(100.0, 32).save(curve)
+    argv = ["simulate", "--curve", str(curve), "--workers", "1", "--max-batch", "4", "--rate", "40.5"]
+    code, out, err = run([*argv, "--requests", "2000", "--json"])
+    assert code == 0, err
+    (result,) = json.loads(out)
+    assert result["unstable"] and result["p50_ms"] is None, result

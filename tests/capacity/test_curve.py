@@ -105,3 +105,9 @@ def test_a_curve_by_length_saves_and_loads_back_and_bad_lengths_are_named(tmp_pa
         from_json({"points": [{"size": 1, "p50_ms": 1}], "by_tokens": [{"tokens": "long", "points": []}]})
     with pytest.raises(CurveError, match="no points"):
         from_json({"points": [{"size": 1, "p50_ms": 1}], "by_tokens": [{"tokens": 8, "points": []}]})
+
+
+def test_best_rate_per_worker_within_a_smaller_max_batch() -> None:
+    rate, size = Curve.flat(100.0, 32).best_rate_per_worker(4)
+    assert (rate, size) == (pytest.approx(40.0), 4)
+    assert Curve.flat(100.0, 32).best_rate_per_worker(64)[1] == 32, "the curve's largest size bounds it still"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from batcher.policy import FlushPolicy
+from batchwire.capacity import plan
 from batchwire.capacity.curve import Curve
 from batchwire.capacity.engine import SimConfig
 from batchwire.capacity.plan import PlanError, gpus_for, plan_model
@@ -72,3 +73,12 @@ def test_a_p99_below_a_single_items_call_and_transit_is_refused_before_any_simul
 
     with pytest.raises(PlanError, match=r"below one call of a single item with its transit and overhead \(550\.0 ms\)"):
         gpus_for(configure, 100.0, 500.0, 2000)
+
+
+def test_the_bound_counts_the_policys_max_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches of at most 4 in 100 ms serve 40 req/s a worker, not the curve's 320: 500 req/s need 13 at least,
+    past a limit of 10, refused at once (the bound read the curve's largest batch and simulated on)."""
+    monkeypatch.setattr(plan, "MAX_WORKERS", 10)
+    curve = Curve.flat(100.0, 32)
+    with pytest.raises(PlanError, match=r"needs at least 13 GPUs \(one serves 40 req/s at best\)"):
+        gpus_for(lambda w: SimConfig(curve, w, FlushPolicy.work_conserving(max_batch=4)), 500.0, 5000.0, 2000)
