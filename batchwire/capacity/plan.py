@@ -184,12 +184,18 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _models(args: argparse.Namespace) -> list[tuple[str, float]]:
+    if args.models and args.rate is not None:
+        raise PlanError("give --rate R (one model) or --models NAME=RATE,... (several), not both")
     if args.models:
         try:
             pairs = [part.split("=", 1) for part in args.models.split(",") if part.strip()]
             models = [(name.strip(), float(rate)) for name, rate in pairs]
         except ValueError as err:
             raise PlanError(f"--models takes NAME=RATE,NAME=RATE, got {args.models!r}") from err
+        names = [name for name, _ in models]
+        if "" in names or len(set(names)) < len(names):
+            # one model's rates planned apart would batch apart too: more GPUs than the model needs
+            raise PlanError(f"--models takes each model once, by name, with its whole rate; got {args.models!r}")
     elif args.rate is not None:
         models = [("model", args.rate)]
     else:

@@ -390,3 +390,24 @@ def test_a_rate_over_what_the_policys_max_batch_serves_is_unstable(run: Run, tmp
     assert code == 0, err
     (result,) = json.loads(out)
     assert result["unstable"] and result["p50_ms"] is None, result
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        (["--models", "a=100,a=200"], "--models takes each model once, by name, with its whole rate"),
+        (["--models", "=100"], "--models takes each model once, by name, with its whole rate"),
+        (
+            ["--rate", "5000", "--models", "a=100"],
+            "give --rate R (one model) or --models NAME=RATE,... (several), not both",
+        ),
+    ],
+)
+def test_plan_refuses_models_it_would_plan_apart_or_a_rate_it_would_drop(
+    run: Run, flat: str, given: list[str], said: str
+) -> None:
+    """A model named twice was planned as two deployments (2 GPUs for 300 req/s that one serves); an empty name
+    was planned as a model; --rate beside --models was dropped without a word."""
+    code, out, err = run(["plan", "--curve", flat, "--p99-ms", "500", "--requests", "2000", *given])
+    assert (code, out) == (2, ""), (code, out, err)
+    assert f"batchwire plan: {said}" in err, err
