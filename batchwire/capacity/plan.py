@@ -242,6 +242,7 @@ def batchers_for(args: argparse.Namespace, rate: float, inputs: SizingInputs) ->
 
 def make_plan(args: argparse.Namespace, curve: Curve) -> dict[str, Any]:
     inputs, sources = _inputs(args)
+    figures = size(sum(rate for _, rate in _models(args)), inputs)  # before the simulations: its errors at once
     plans = [
         plan_model(
             functools.partial(config_from, args, curve, batchers=batchers_for(args, rate, inputs)),
@@ -253,8 +254,7 @@ def make_plan(args: argparse.Namespace, curve: Curve) -> dict[str, Any]:
         )
         for model, rate in _models(args)
     ]
-    total_rate = sum(rate for _, rate in _models(args))
-    result = summary(plans, size(total_rate, inputs), inputs, args.p99_ms)
+    result = summary(plans, figures, inputs, args.p99_ms)
     result["inputs"] = {name: {"value": getattr(inputs, name), "from": source} for name, source in sources.items()}
     return result
 

@@ -114,7 +114,13 @@ def processes(rate: float, us_per_request: float, headroom: float) -> int:
 
 def size(rate: float, inputs: SizingInputs) -> list[Figure]:
     """Every figure besides the GPUs, for ``rate`` requests/s in all."""
-    return [*_processes_figures(rate, inputs), *_kafka_figures(rate, inputs), *_redis_figures(rate, inputs)]
+    try:
+        return [*_processes_figures(rate, inputs), *_kafka_figures(rate, inputs), *_redis_figures(rate, inputs)]
+    except (OverflowError, ValueError) as err:  # finite inputs whose product is not (then NaN, times 0)
+        raise SizingError(
+            f"the figures for {rate:g} req/s overflow ({err}): an input is far too large "
+            "(--result-ttl-s, or a value from --cpu-file or --costs)"
+        ) from err
 
 
 def _processes_figures(rate: float, inputs: SizingInputs) -> list[Figure]:

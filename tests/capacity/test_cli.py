@@ -411,3 +411,17 @@ def test_plan_refuses_models_it_would_plan_apart_or_a_rate_it_would_drop(
     code, out, err = run(["plan", "--curve", flat, "--p99-ms", "500", "--requests", "2000", *given])
     assert (code, out) == (2, ""), (code, out, err)
     assert f"batchwire plan: {said}" in err, err
+
+
+def test_plan_refuses_inputs_whose_figures_overflow_before_it_simulates(
+    run: Run, flat: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finite inputs whose product is not (100 req/s x 1e306 s x 1,324 B) ended in an OverflowError traceback,
+    after the GPUs' simulations."""
+    from batchwire.capacity import plan
+
+    monkeypatch.setattr(plan, "plan_model", lambda *args, **kwargs: pytest.fail("simulated for nothing"))
+    argv = ["plan", "--curve", flat, "--rate", "100", "--p99-ms", "500", "--result-ttl-s", "1e306"]
+    code, out, err = run(argv)
+    assert (code, out) == (2, ""), (code, out, err)
+    assert "batchwire plan: the figures for 100 req/s overflow" in err and "--result-ttl-s" in err, err
