@@ -470,6 +470,10 @@ def run(args: argparse.Namespace) -> int:
         if args.seeds < 1 or args.requests < 1:
             raise ValueError(f"--seeds and --requests must be at least 1, got {args.seeds} and {args.requests}")
         runs = [r for path, name in results_files(args.results) for r in read_runs(path, name)]
+        modes = sorted({r.mode for r in runs})
+        for flag, by_mode in (("--overhead-ms", given), ("--per-item-ms", per_item)):
+            if unknown := sorted(set(by_mode) - set(modes)):
+                raise ValueError(f"{flag} names {', '.join(map(repr, unknown))}, no run's mode: the runs' are {modes}")
         if args.curve is not None:
             backend_curve = curve_file.load(args.curve)
             runs = [r.with_curve(backend_curve) for r in runs]

@@ -246,6 +246,9 @@ def test_the_command_prints_and_writes_the_table(capsys: pytest.CaptureFixture[s
         (["--overhead-ms", "kafka=-5"], "--overhead-ms takes 0 or more ms (a finite duration) per mode"),
         (["--overhead-ms", "kafka=nan"], "--overhead-ms takes 0 or more ms (a finite duration) per mode"),
         (["--per-item-ms", "kafka=-50"], "--per-item-ms takes 0 or more ms (a finite duration) per mode"),
+        # a mode no run has was taken and never applied: the overhead came from the probe, without a word
+        (["--overhead-ms", "kafak=5"], "--overhead-ms names 'kafak', no run's mode: the runs' are ['kafka']"),
+        (["--per-item-ms", "embedded=0.1"], "--per-item-ms names 'embedded', no run's mode: the runs' are ['kafka']"),
     ],
 )
 def test_bad_input_is_refused_with_what_to_change(
