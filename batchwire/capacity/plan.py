@@ -117,9 +117,15 @@ def gpus_for(
 
 
 def plan_model(
-    configure: Callable[[int], SimConfig], model: str, rate: float, p99_ms: float, headroom: float, requests: int
+    configure: Callable[[int], SimConfig],
+    model: str,
+    rate: float,
+    p99_ms: float,
+    headroom: float,
+    requests: int,
+    seed: int = 0,
 ) -> ModelPlan:
-    gpus, simulated = gpus_for(configure, rate, p99_ms, requests)
+    gpus, simulated = gpus_for(configure, rate, p99_ms, requests, seed)
     return ModelPlan(model, rate, gpus, math.ceil(gpus / headroom - 1e-9), configure(1).batchers, simulated)
 
 
@@ -251,6 +257,7 @@ def make_plan(args: argparse.Namespace, curve: Curve) -> dict[str, Any]:
             args.p99_ms,
             inputs.headroom,
             args.requests or default_requests(rate),
+            args.seed,
         )
         for model, rate in _models(args)
     ]

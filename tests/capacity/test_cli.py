@@ -425,3 +425,16 @@ def test_plan_refuses_inputs_whose_figures_overflow_before_it_simulates(
     code, out, err = run(argv)
     assert (code, out) == (2, ""), (code, out, err)
     assert "batchwire plan: the figures for 100 req/s overflow" in err and "--result-ttl-s" in err, err
+
+
+def test_plan_draws_its_arrivals_from_the_seed_given(run: Run, tmp_path: Path) -> None:
+    """plan took --seed and simulated seed 0 whatever it said."""
+    curve = tmp_path / "c32.json"
+    Curve.flat(100.0, 32).save(curve)
+    argv = ["plan", "--rate", "1000", "--p99-ms", "500", "--curve", str(curve), "--requests", "3000", "--json"]
+    p99s = set()
+    for seed in ("0", "1", "2"):
+        code, out, err = run([*argv, "--seed", seed])
+        assert code == 0, err
+        p99s.add(json.loads(out)["models"][0]["simulated"]["p99_ms"])
+    assert len(p99s) > 1, f"three seeds, one p99: {p99s}"
