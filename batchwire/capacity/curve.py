@@ -167,7 +167,7 @@ def from_json(data: Any) -> Curve:
         if not isinstance(raw, dict) or not isinstance(raw.get("points"), list):
             raise CurveError(f'bad by_tokens entry {raw!r}: it needs "tokens" and a "points" list')
         try:
-            tokens = int(raw["tokens"])
+            tokens = _count(raw["tokens"])
         except (KeyError, TypeError, ValueError) as err:
             raise CurveError(
                 f'bad by_tokens entry: "tokens" must be a whole number, got {raw.get("tokens")!r}'
@@ -184,13 +184,23 @@ def _points_from(raws: list[Any]) -> tuple[CurvePoint, ...]:
         try:
             p50 = float(raw["p50_ms"])
             p99 = float(raw.get("p99_ms", p50))
-            point = CurvePoint(int(raw["size"]), p50, p99)
+            point = CurvePoint(_count(raw["size"]), p50, p99)
         except (KeyError, TypeError, ValueError) as err:
-            raise CurveError(f"bad curve point {raw!r}: it needs size and p50_ms (and p99_ms)") from err
+            raise CurveError(
+                f"bad curve point {raw!r}: it needs size and p50_ms (and p99_ms), the size a whole number"
+            ) from err
         if not (math.isfinite(point.p50_ms) and math.isfinite(point.p99_ms)):
             raise CurveError(f"bad curve point {raw!r}: latencies must be finite")
         points.append(point)
     return tuple(sorted(points, key=lambda p: p.size))
+
+
+def _count(value: Any) -> int:
+    """A whole number from JSON: ``int`` alone would read 1.7 items or tokens as 1."""
+    count = int(value)
+    if count != float(value):
+        raise ValueError(f"{value!r} is not a whole number")
+    return count
 
 
 def load(path: str | Path) -> Curve:

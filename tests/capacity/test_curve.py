@@ -111,3 +111,12 @@ def test_best_rate_per_worker_within_a_smaller_max_batch() -> None:
     rate, size = Curve.flat(100.0, 32).best_rate_per_worker(4)
     assert (rate, size) == (pytest.approx(40.0), 4)
     assert Curve.flat(100.0, 32).best_rate_per_worker(64)[1] == 32, "the curve's largest size bounds it still"
+
+
+def test_a_size_or_length_that_is_not_a_whole_number_is_refused() -> None:
+    """int() read a size of 1.7 as 1 (and 1.2 and 1.7 as two points of size 1), a length of 16.5 tokens as 16."""
+    with pytest.raises(CurveError, match="the size a whole number"):
+        from_json({"points": [{"size": 1.7, "p50_ms": 10}, {"size": 4, "p50_ms": 20}]})
+    with pytest.raises(CurveError, match=r'"tokens" must be a whole number, got 16\.5'):
+        from_json({"points": [{"size": 1, "p50_ms": 1}], "by_tokens": [{"tokens": 16.5, "points": []}]})
+    assert from_json({"points": [{"size": 4.0, "p50_ms": 1}]}).max_batch == 4, "a whole number written as 4.0"
