@@ -88,16 +88,21 @@ def load_cpu_file(path: str | Path, inputs: SizingInputs) -> SizingInputs:
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as err:
-        raise SizingError(f"cannot read the CPU file {path}: {err}") from err
+        raise SizingError(f"--cpu-file {path}: cannot read it: {err}") from err
     known = {f.name for f in fields(SizingInputs)}
     if not isinstance(data, dict) or not set(data) <= known:
-        raise SizingError(f"the CPU file {path} must be a JSON object with keys among {sorted(known)}")
+        raise SizingError(f"--cpu-file {path}: it must be a JSON object with keys among {sorted(known)}")
     try:
-        return with_values(inputs, data)
+        # int() reads a replication factor of 2.5 as 2
+        parts = [name for name, value in data.items() if isinstance(getattr(inputs, name), int) and value != int(value)]
+        updated = with_values(inputs, data)
     except SizingError as err:
-        raise SizingError(f"the CPU file {path}: {err}") from err
-    except (TypeError, ValueError) as err:
-        raise SizingError(f"the CPU file {path} holds a value that is not a number: {err}") from err
+        raise SizingError(f"--cpu-file {path}: {err}") from err
+    except (TypeError, ValueError, OverflowError) as err:
+        raise SizingError(f"--cpu-file {path}: it holds a value that is not a finite number: {err}") from err
+    if parts:
+        raise SizingError(f"--cpu-file {path}: {', '.join(parts)} take whole numbers, got {data[parts[0]]!r}")
+    return updated
 
 
 @dataclass(frozen=True, slots=True)
