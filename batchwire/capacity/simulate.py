@@ -214,6 +214,7 @@ def config_from(args: argparse.Namespace, curve: Curve, workers: int, batchers: 
         ("--requests", args.requests, 1),
         ("--max-batch", args.max_batch, 1),
         ("--max-wait-ms", args.max_wait_ms, 0),
+        ("--reserve-ms", args.reserve_ms, 0),
     )
     leads = (("--credit-lead-ms", args.credit_lead_ms, 0), ("--credit-lead-full-ms", args.credit_lead_full_ms, 0))
     for flag, value, least in (*counts, *leads):

@@ -332,6 +332,7 @@ def test_a_cpu_file_value_the_sizing_cannot_use_is_refused_naming_it(
         ("plan", "--requests", "-3", 1),
         ("simulate", "--max-batch", "0", 1),
         ("plan", "--max-wait-ms", "-1", 0),
+        ("simulate", "--reserve-ms", "-5", 0),
         ("simulate", "--credit-lead-ms", "-5", 0),
         ("plan", "--credit-lead-full-ms", "-5", 0),
     ],
