@@ -94,7 +94,7 @@ def load_cpu_file(path: str | Path, inputs: SizingInputs) -> SizingInputs:
         raise SizingError(f"--cpu-file {path}: it must be a JSON object with keys among {sorted(known)}")
     try:
         # int() reads a replication factor of 2.5 as 2
-        parts = [name for name, value in data.items() if isinstance(getattr(inputs, name), int) and value != int(value)]
+        parts = [n for n, value in data.items() if isinstance(getattr(inputs, n), int) and float(value) % 1 != 0]
         updated = with_values(inputs, data)
     except SizingError as err:
         raise SizingError(f"--cpu-file {path}: {err}") from err

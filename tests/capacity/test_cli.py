@@ -308,6 +308,7 @@ def test_a_float_flag_takes_finite_numbers_only(
         # int() read 2.5 as 2, and an infinity ended in an OverflowError
         ('{"replication_factor": 2.5}', "replication_factor take whole numbers, got 2.5"),
         ('{"result_bytes": Infinity}', "holds a value that is not a finite number"),
+        ('{"result_bytes": "1024x"}', "holds a value that is not a finite number"),
     ],
 )
 def test_a_cpu_file_value_the_sizing_cannot_use_is_refused_naming_it(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from batcher.policy import FlushPolicy
@@ -9,7 +11,7 @@ from batchwire.capacity import plan
 from batchwire.capacity.curve import Curve
 from batchwire.capacity.engine import SimConfig
 from batchwire.capacity.plan import PlanError, gpus_for, plan_model
-from batchwire.capacity.sizing import SizingError, SizingInputs, as_dict, size
+from batchwire.capacity.sizing import SizingError, SizingInputs, as_dict, load_cpu_file, size
 
 
 def test_the_design_example_320_per_gpu_and_1000_per_s_gives_4_gpus_and_6_with_headroom() -> None:
@@ -82,3 +84,10 @@ def test_the_bound_counts_the_policys_max_batch(monkeypatch: pytest.MonkeyPatch)
     curve = Curve.flat(100.0, 32)
     with pytest.raises(PlanError, match=r"needs at least 13 GPUs \(one serves 40 req/s at best\)"):
         gpus_for(lambda w: SimConfig(curve, w, FlushPolicy.work_conserving(max_batch=4)), 500.0, 5000.0, 2000)
+
+
+def test_a_cpu_file_may_write_a_whole_number_as_a_string_or_with_a_point(tmp_path: Path) -> None:
+    cpu = tmp_path / "cpu.json"
+    cpu.write_text('{"result_bytes": "2048", "replication_factor": 2.0}')
+    inputs = load_cpu_file(cpu, SizingInputs())
+    assert (inputs.result_bytes, inputs.replication_factor) == (2048, 2)
