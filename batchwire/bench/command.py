@@ -318,6 +318,12 @@ def _load_config(args: argparse.Namespace) -> LoadConfig:
             f"--redis-url {redacted(args.redis_url)}: the scheme must be one of "
             f"{', '.join(scheme + '://' for scheme in REDIS_SCHEMES)}"
         )
+    if args.start and args.pids:
+        raise UsageError("--pids counts a server given by --url; --start counts the processes it starts itself")
+    if args.start and args.start != "kafka" and (args.kafka_pids or args.redis_pids):
+        raise UsageError(
+            f"--kafka-pids and --redis-pids need --url or --start kafka; --start {args.start} runs neither"
+        )
     for flag, pids in (("--pids", args.pids), ("--kafka-pids", args.kafka_pids), ("--redis-pids", args.redis_pids)):
         if missing := [pid for pid in pids if not psutil.pid_exists(pid)]:
             # Counted silently, a process that is not there shows as 0 µs per request.

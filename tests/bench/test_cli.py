@@ -283,6 +283,23 @@ def test_a_pid_of_no_process_is_refused_before_the_run(flag: str, capsys: pytest
     assert f"{flag}: no process {beyond} runs here" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--start", "kafka", "--pids", "1"], "--pids counts a server given by --url"),
+        (["--start", "embedded", "--redis-pids", "1"], "--start embedded runs neither"),
+        (["--start", "echo", "--kafka-pids", "1"], "--start echo runs neither"),
+    ],
+)
+def test_pids_the_started_system_would_not_count_are_refused(argv: list[str], said: str) -> None:
+    """They were ignored: the run counted the processes it started, and said nothing of the pids given."""
+    from batchwire.bench.cli import build_parser
+    from batchwire.bench.command import UsageError, _load_config
+
+    with pytest.raises(UsageError, match=said):
+        _load_config(build_parser().parse_args(["--rate", "10", *argv]))
+
+
 def test_a_redis_url_that_does_not_answer_is_noted_on_each_rate(
     fake: FakeServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
