@@ -20,7 +20,14 @@ from typing import Any
 from batchwire.capacity.costs import read_costs, sources_for
 from batchwire.capacity.curve import Curve, CurveError
 from batchwire.capacity.engine import SimConfig
-from batchwire.capacity.simulate import RateResult, add_arguments, config_from, curve_from, simulate_rate
+from batchwire.capacity.simulate import (
+    MAX_WORKERS,
+    RateResult,
+    add_arguments,
+    config_from,
+    curve_from,
+    simulate_rate,
+)
 from batchwire.capacity.sizing import (
     DEFAULT_HEADROOM,
     Figure,
@@ -36,9 +43,6 @@ from batchwire.settings import number
 
 MAX_GROWTH = 64
 """The search gives up past this many times the closed-form lower bound."""
-MAX_WORKERS = 10_000
-"""The most GPUs of one model the planner simulates: past it a plan would take hours, and the same
-plan for a share of the traffic, multiplied, answers as well."""
 
 
 class PlanError(ValueError):

@@ -24,6 +24,9 @@ from batchwire.capacity.engine import SimConfig, Simulation
 from batchwire.capacity.outcome import SimOutcome
 from batchwire.settings import number
 
+MAX_WORKERS = 10_000
+"""The most GPUs of one model simulated (each gets its own latency table and events): past it a run
+would take hours, and the same deployment for a share of the traffic, multiplied, answers as well."""
 UNSTABLE_BACKLOG_SHARE = 0.02
 """Unstable when more than this share of the requests is still waiting as the arrivals end."""
 WARM_UP_SHARE = 0.1
@@ -289,6 +292,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.workers < 1:
             raise ValueError(f"--workers is {args.workers}; it must be at least 1")
+        if args.workers > MAX_WORKERS:
+            raise ValueError(
+                f"--workers is {args.workers}; it must be at most {MAX_WORKERS:,}: simulate a share of the traffic "
+                "(--rate R/k with --workers W/k) and multiply"
+            )
         config = config_from(args, curve_from(args), args.workers)
         if args.trace is not None:
             times = arrival_processes.load_trace(args.trace)

@@ -443,3 +443,9 @@ def test_plan_draws_its_arrivals_from_the_seed_given(run: Run, tmp_path: Path) -
         assert code == 0, err
         p99s.add(json.loads(out)["models"][0]["simulated"]["p99_ms"])
     assert len(p99s) > 1, f"three seeds, one p99: {p99s}"
+
+
+def test_simulate_refuses_more_workers_than_the_planner_simulates(run: Run, flat: str) -> None:
+    """Each worker gets its own latency table and events: 100,000 ran for hours where plan stops at 10,000."""
+    code, _, err = run(["simulate", "--curve", flat, "--workers", "10001", "--rate", "100"])
+    assert code == 2 and "--workers is 10001; it must be at most 10,000" in err, err
