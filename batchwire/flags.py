@@ -101,7 +101,7 @@ def with_flags(message: str, parser: argparse.ArgumentParser) -> str:
         field = variable.removeprefix("BATCHWIRE_").lower()
         message = re.sub(rf"(?<![\w-]){field} \({variable}\)", f"{flag} ({variable})", message)
         if "_" in field:
-            message = re.sub(rf"(?<![\w-]){field}(?![\w-])", flag, message)
+            message = re.sub(rf"(?<![\w./-]){field}(?![\w/-])", flag, message)  # not in a path
         if not re.search(rf"{re.escape(flag)}(?![\w-])", message):
             message = re.sub(rf"(?<![\w-]){variable}(?!\w)", f"{flag} / {variable}", message)
     return message

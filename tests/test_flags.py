@@ -4,12 +4,14 @@ and counts, latencies and ports keep to their ranges."""
 
 from __future__ import annotations
 
+import argparse
 import re
 import socket
 from pathlib import Path
 
 import pytest
 
+from batchwire import flags
 from batchwire import role_settings as rs
 from batchwire.cli import build_parser, config_table, main
 from batchwire.settings import SettingsError
@@ -235,3 +237,10 @@ def test_a_refused_setting_names_the_flag_beside_its_variable(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert said in err, err
+
+
+def test_a_field_name_inside_a_path_is_left_as_it_is() -> None:
+    """A file named like a setting is the caller's, not the flag."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["up"]
+    said = flags.with_flags("cannot append to /tmp/batch_log: denied (BATCHWIRE_BATCH_LOG)", sub)
+    assert said == "cannot append to /tmp/batch_log: denied (--batch-log / BATCHWIRE_BATCH_LOG)", said
