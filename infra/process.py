@@ -112,7 +112,8 @@ class ServiceProcess:
         """Whether this process holds a listening TCP socket on ``port``; None where /proc cannot say.
 
         A server that answers on its port may be another one that bound the port first (another test
-        worker's Redis or Kafka), while this process dies of "Address already in use".
+        worker's Redis or Kafka), while this process dies of "Address already in use". Read from /proc
+        by hand: psutil, which reads the same, is not in the core install that ``stack up`` runs from.
         """
         if not _PROC_TCP.exists():
             return None  # not Linux

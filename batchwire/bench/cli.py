@@ -29,12 +29,18 @@ def _floats(text: str) -> list[float]:
     return values
 
 
-def _ints(text: str) -> list[int]:
+def _whole_numbers(text: str, least: int) -> list[int] | None:
+    """The comma-separated whole numbers of ``text``, each ``least`` or more; None when it holds none, or another."""
     try:
-        pids = [int(part) for part in text.split(",") if part.strip()]
+        numbers = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        pids = []
-    if not pids or any(pid < 1 for pid in pids):
+        return None
+    return numbers if numbers and min(numbers) >= least else None
+
+
+def _ints(text: str) -> list[int]:
+    pids = _whole_numbers(text, 1)
+    if pids is None:
         raise argparse.ArgumentTypeError(f"expected process ids (1 or more) separated by commas, got {text!r}")
     return pids
 
@@ -55,11 +61,8 @@ def _names(text: str) -> list[str]:
 
 
 def _budgets(text: str) -> list[int]:
-    try:
-        budgets = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        budgets = []
-    if not budgets or any(budget < 0 for budget in budgets):
+    budgets = _whole_numbers(text, 0)
+    if budgets is None:
         raise argparse.ArgumentTypeError(f"token budgets are whole numbers, 0 or more (0: count only); got {text!r}")
     return budgets
 
