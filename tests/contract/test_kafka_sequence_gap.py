@@ -11,8 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition  # type: ignore[import-untyped, unused-ignore]
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic  # type: ignore[import-untyped, unused-ignore]
+from aiokafka import AIOKafkaProducer  # type: ignore[import-untyped, unused-ignore]
 from aiokafka.errors import (  # type: ignore[import-untyped, unused-ignore]
     KafkaConnectionError,
     KafkaError,
@@ -22,6 +21,7 @@ from aiokafka.errors import (  # type: ignore[import-untyped, unused-ignore]
 )
 
 from schemas.wire import Names
+from tests.support.bus_records import one_partition_topic, partition_values
 from tests.support.transport_kits import Closer
 from transport.cancelling import cancel_and_wait
 from transport.errors import PermanentTransportError
@@ -46,34 +46,9 @@ async def closer() -> AsyncIterator[Closer]:
 
 @pytest.fixture
 async def topic(kafka_bootstrap: str, names: Names) -> AsyncIterator[str]:
-    name = names.batch_topic(MODEL)
-    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(name, 1, 1, topic_configs={"max.message.bytes": str(MAX_MESSAGE_BYTES)})])
+    configs = {"max.message.bytes": str(MAX_MESSAGE_BYTES)}
+    async with one_partition_topic(kafka_bootstrap, names.batch_topic(MODEL), configs) as name:
         yield name
-        await admin.delete_topics([name])
-    finally:
-        await admin.close()
-
-
-async def values(bootstrap: str, topic: str) -> list[bytes]:
-    """Every record value on ``topic``[0], in order."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
-    await consumer.start()
-    try:
-        tp = TopicPartition(topic, 0)
-        consumer.assign([tp])
-        await consumer.seek_to_beginning(tp)
-        end = (await consumer.end_offsets([tp]))[tp]
-        found: list[bytes] = []
-        async with asyncio.timeout(20):
-            while await consumer.position(tp) < end:
-                for records in (await consumer.getmany(tp, timeout_ms=1000)).values():
-                    found.extend(record.value for record in records)
-    finally:
-        await consumer.stop()
-    return found
 
 
 async def test_aiokafka_alone_refuses_every_record_after_one_it_gave_up(kafka_bootstrap: str, topic: str) -> None:
@@ -88,7 +63,7 @@ async def test_aiokafka_alone_refuses_every_record_after_one_it_gave_up(kafka_bo
                 await producer.send_and_wait(topic, b"after", partition=0)
     finally:
         await producer.stop()
-    assert await values(kafka_bootstrap, topic) == [b"before"]
+    assert await partition_values(kafka_bootstrap, topic) == [b"before"]
 
 
 async def test_a_producer_replaced_after_a_gap_writes_every_later_record_once(
@@ -108,7 +83,7 @@ async def test_a_producer_replaced_after_a_gap_writes_every_later_record_once(
     assert isinstance(outcomes[0], PermanentTransportError), outcomes
     assert "MessageSizeTooLarge" in str(outcomes[0]), outcomes[0]
     assert outcomes[1] is None, f"the record queued behind the refused one must be written: {outcomes[1]!r}"
-    assert await values(kafka_bootstrap, topic) == [b"before", b"after", b"later"]
+    assert await partition_values(kafka_bootstrap, topic) == [b"before", b"after", b"later"]
 
 
 async def test_a_producer_whose_sender_task_died_is_replaced_and_the_record_written(
@@ -129,7 +104,7 @@ async def test_a_producer_whose_sender_task_died_is_replaced_and_the_record_writ
     await producer.send_encoded(MODEL, b"after", 0)
 
     assert producer._producer.renewals == 1
-    assert await values(kafka_bootstrap, topic) == [b"before", b"after"]
+    assert await partition_values(kafka_bootstrap, topic) == [b"before", b"after"]
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,15 @@
-"""Records for bus tests: requests and batches to send, and reading requests back with a deadline."""
+"""Records for bus tests: requests and batches to send, reading requests back with a deadline, and
+topics of one partition whose raw record values a test reads back."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from aiokafka import AIOKafkaConsumer, TopicPartition  # type: ignore[import-untyped, unused-ignore]
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic  # type: ignore[import-untyped, unused-ignore]
 
 from schemas.records import Batch, BatchItem, InferenceRequest
 from transport.ports import Delivered, RequestConsumer
@@ -50,3 +56,35 @@ async def read(consumer: RequestConsumer, count: int) -> list[Delivered[Inferenc
         assert remaining > 0, f"read {len(got)} of {count} records in {WAIT_S} s"
         got.extend(await consumer.fetch(min(remaining, 1.0), count - len(got)))
     return got
+
+
+@asynccontextmanager
+async def one_partition_topic(bootstrap: str, name: str, configs: dict[str, str] | None = None) -> AsyncIterator[str]:
+    """Creates topic ``name`` with one partition (and ``configs``), and deletes it afterwards."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(name, 1, 1, topic_configs=configs or {})])
+        yield name
+        await admin.delete_topics([name])
+    finally:
+        await admin.close()
+
+
+async def partition_values(bootstrap: str, topic: str) -> list[bytes]:
+    """Every record value on ``topic``[0], in order."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        tp = TopicPartition(topic, 0)
+        consumer.assign([tp])
+        await consumer.seek_to_beginning(tp)
+        end = (await consumer.end_offsets([tp]))[tp]
+        found: list[bytes] = []
+        async with asyncio.timeout(WAIT_S):
+            while await consumer.position(tp) < end:
+                for records in (await consumer.getmany(tp, timeout_ms=1000)).values():
+                    found.extend(record.value for record in records)
+    finally:
+        await consumer.stop()
+    return found

@@ -217,7 +217,7 @@ class RenewingProducer:
                 alone = producer.create_batch() if at_once else None
                 if alone is not None and alone.append(timestamp=None, key=None, value=value, headers=headers or []):
                     alone.close()
-                    acked = await producer.send_batch(alone, topic, partition=partition)
+                    acked = await self._queue_alone(producer, alone, topic, partition)
                 else:  # lingers (a batch takes its first record whatever its size, so at_once ends above)
                     acked = await producer.send(topic, value, partition=partition, headers=headers)
             except ProducerClosed:
@@ -253,6 +253,24 @@ class RenewingProducer:
             f"producing to {topic}[{partition}] failed: the broker refused {RENEWALS_PER_SEND + 1} producers in a "
             f"row ({type(refused).__name__}: {refused}); try again"
         )
+
+    async def _queue_alone(self, producer: Any, batch: Any, topic: str, partition: int) -> Any:
+        """Queues a record batch of its own behind the partition's pending one; returns its ack future.
+
+        aiokafka's ``send_batch`` waits for each pending batch to drain but counts every wait from its
+        first (aiokafka 0.14), so a record queued behind a stall (a paused broker, a blocked event loop)
+        gives up long before ``request_timeout_ms``, at a turn of the queue. Nothing was queued then,
+        so the send asks again until ``ack_timeout_s`` has passed since its first ask.
+        """
+        try:
+            async with asyncio.timeout(self.ack_timeout_s):
+                while True:
+                    try:
+                        return await producer.send_batch(batch, topic, partition=partition)
+                    except KafkaTimeoutError:
+                        continue
+        except TimeoutError as err:
+            raise KafkaTimeoutError(f"no room on {topic}[{partition}] within {self.ack_timeout_s:g} s") from err
 
     async def _refreshed_partitions(self, topic: str) -> set[int]:
         try:
