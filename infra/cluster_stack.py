@@ -32,7 +32,6 @@ from infra.detached import (
     poll_until,
     refuse_taken_ports,
     unrecorded,
-    write_atomically,
     write_pid,
 )
 from infra.errors import InfraError, ServiceStartError
@@ -42,7 +41,7 @@ from infra.kafka_dist import KafkaRuntime
 from infra.kafka_probe import wait_for_kafka
 from infra.kafka_server import DEFAULT_STOP_TIMEOUT_S, KafkaServer, new_cluster_id, read_config_ports
 from infra.locks import file_lock
-from infra.loopback import PORT_ATTEMPTS
+from infra.loopback import PORT_ATTEMPTS, write_atomically
 from infra.ports import LOOPBACK, free_port, free_port_pair
 from infra.process import ServiceProcess
 from infra.redis_cluster import cluster_url, create, wait_whole
@@ -178,8 +177,9 @@ def cluster_up(
             if running[node.server.name] is None:
                 refuse_taken_ports(node.server)
         runtime = prepare_kafka()  # before Redis starts: a missing Java leaves nothing running
-        (state_dir / SHAPE_FILE_NAME).write_text(
-            f"brokers={shape.brokers}\nredis_replicas={shape.redis_replicas}\nredis_cluster={shape.redis_cluster}\n"
+        write_atomically(
+            state_dir / SHAPE_FILE_NAME,
+            f"brokers={shape.brokers}\nredis_replicas={shape.redis_replicas}\nredis_cluster={shape.redis_cluster}\n",
         )
         if shape.redis_cluster:
             actions = _up_redis_cluster(all_nodes, running, redis_maxmemory, deadline)
@@ -342,7 +342,7 @@ def _up_kafka_nodes(
 ) -> list[str]:
     id_path = state_dir / "kafka.cluster-id"
     if fresh:
-        id_path.write_text(new_cluster_id() + "\n")
+        write_atomically(id_path, new_cluster_id() + "\n")
         ports = _fresh_ports(2 * len(kafka_nodes), set())
         port_pairs = {node.node_id: (ports[2 * i], ports[2 * i + 1]) for i, node in enumerate(kafka_nodes)}
     else:

@@ -6,13 +6,13 @@ Shared by the single stack (`infra.stack`) and the cluster (`infra.cluster_stack
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from infra.errors import InfraError
+from infra.loopback import write_atomically
 from infra.ports import LOOPBACK, port_is_free
 from infra.process import ServiceProcess
 
@@ -96,11 +96,3 @@ def write_pid(path: Path, pid: int | None) -> None:
     if pid is None:
         raise InfraError(f"no pid to write to {path}: the service is not running")
     write_atomically(path, f"{pid}\n")
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Replaces ``path`` with ``text`` in one rename."""
-    # Readers (`source stack.env`, another `status`) never see half a file.
-    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    partial.write_text(text)
-    partial.replace(path)

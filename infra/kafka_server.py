@@ -18,7 +18,7 @@ from pathlib import Path
 from infra.errors import PortTakenError, ServiceStartError
 from infra.kafka_dist import LOG4J_CONFIG, KafkaRuntime
 from infra.kafka_probe import wait_for_kafka
-from infra.loopback import LoopbackServer
+from infra.loopback import LoopbackServer, write_atomically
 from infra.ports import LOOPBACK, free_port
 from infra.process import ServiceProcess
 
@@ -204,13 +204,14 @@ class KafkaServer(LoopbackServer):
 
     def _start_once(self, deadline: float) -> None:
         self._work_dir.mkdir(parents=True, exist_ok=True)
-        self.properties_path.write_text(
+        write_atomically(
+            self.properties_path,
             render_server_properties(
                 data_dir=self.data_dir,
                 broker_port=self._broker_port,
                 controller_port=self._controller_port,
                 extra=self._extra_properties,
-            )
+            ),
         )
         if not (self.data_dir / "meta.properties").is_file():
             self._format_storage(deadline)

@@ -1,8 +1,9 @@
 """What the local Kafka broker and Redis server share: one process on loopback ports, started with
-a retry on fresh ports, stopped cleanly or killed."""
+a retry on fresh ports, stopped cleanly or killed, its files (which record its ports) written whole."""
 
 from __future__ import annotations
 
+import os
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -12,6 +13,17 @@ from infra.process import ServiceProcess, tail_text
 
 PORT_ATTEMPTS = 3
 """Starts on fresh ports a server whose port another process bound first gets, in all."""
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replaces ``path`` with ``text`` in one rename: a reader (`source stack.env`, another `status`,
+    the next `up` reading the recorded ports) never sees half a file, even after a crash mid-write."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        partial.write_text(text)
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 class LoopbackServer(ABC):

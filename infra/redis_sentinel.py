@@ -14,7 +14,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from infra.loopback import LoopbackServer
+from infra.loopback import LoopbackServer, write_atomically
 from infra.ports import LOOPBACK, free_port
 from infra.redis_server import (
     DEFAULT_START_TIMEOUT_S,
@@ -83,7 +83,7 @@ class SentinelServer(LoopbackServer):
     def _start_once(self, deadline: float) -> None:
         self._work_dir.mkdir(parents=True, exist_ok=True)
         if not self.config_path.is_file():
-            self.config_path.write_text(self.config_text())
+            write_atomically(self.config_path, self.config_text())
         argv = [str(find_redis_server()), str(self.config_path.resolve()), "--sentinel"]
         self._process = spawn_answering(
             argv, self._port, "Sentinel", self, cwd=self._work_dir, detached=self._detached, deadline=deadline

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from infra.errors import PortTakenError, ServiceStartError, ToolMissingError
-from infra.loopback import LoopbackServer
+from infra.loopback import LoopbackServer, write_atomically
 from infra.ports import LOOPBACK, free_port, free_port_pair
 from infra.process import ServiceProcess
 
@@ -206,7 +206,7 @@ class RedisServer(LoopbackServer):
     def _start_once(self, deadline: float) -> None:
         self._work_dir.mkdir(parents=True, exist_ok=True)
         argv = self._argv()
-        self.config_path.write_text(self.config_text())
+        write_atomically(self.config_path, self.config_text())
         self._process = spawn_answering(
             argv, self._port, "redis-server", self, cwd=self._work_dir, detached=self._detached, deadline=deadline
         )

@@ -27,7 +27,6 @@ from infra.detached import (
     poll_until,
     refuse_taken_ports,
     unrecorded,
-    write_atomically,
     write_pid,
 )
 from infra.errors import InfraError
@@ -36,6 +35,7 @@ from infra.kafka_dist import KafkaRuntime
 from infra.kafka_probe import kafka_serves, wait_for_kafka
 from infra.kafka_server import DEFAULT_STOP_TIMEOUT_S, KafkaServer, read_config_ports
 from infra.locks import file_lock
+from infra.loopback import write_atomically
 from infra.ports import LOOPBACK
 from infra.process import ServiceProcess
 from infra.redis_server import CONFIG_NAME, RedisServer, checked_maxmemory, read_config_port, redis_pings

@@ -1,4 +1,4 @@
-"""Pure parts of `infra`: broker settings, container env, infra selection, tool errors."""
+"""Pure parts of `infra`: broker settings, container env, infra selection, tool errors, files written whole."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from infra.kafka_server import (
     read_config_ports,
     render_server_properties,
 )
+from infra.loopback import write_atomically
 from infra.redis_server import RedisServer, checked_maxmemory, read_config_port
 from infra.select import ProvidedInfra, choose_infra_kind
 
@@ -266,3 +267,13 @@ def test_hardening_the_offsets_topic_of_a_cluster_that_does_not_answer_is_an_inf
     bootstrap = f"127.0.0.1:{free_port()}"  # nothing listens there
     with pytest.raises(InfraError, match=f"__consumer_offsets on the cluster at {bootstrap}"):
         asyncio.run(harden_offsets_topic(bootstrap, 3, timeout_s=1.0))
+
+
+def test_a_file_written_atomically_is_whole_even_when_the_write_fails(tmp_path: Path) -> None:
+    """The servers' configurations record their ports: a write that fails midway keeps the old ports."""
+    path = tmp_path / "server.properties"
+    write_atomically(path, "listeners=PLAINTEXT://127.0.0.1:1111\n")
+    with pytest.raises(UnicodeEncodeError):
+        write_atomically(path, "listeners=PLAINTEXT://127.0.0.1:2222\n\ud800")
+    assert path.read_text() == "listeners=PLAINTEXT://127.0.0.1:1111\n"
+    assert [entry.name for entry in tmp_path.iterdir()] == ["server.properties"], "no partial file is left"
