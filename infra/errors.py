@@ -29,6 +29,10 @@ class ServiceStartError(InfraError):
     retriable = True
 
 
+class StartTimeoutError(ServiceStartError):
+    """A service process was still starting at its deadline: a slow or busy machine, not a broken setup."""
+
+
 class PortTakenError(ServiceStartError):
     """Another process answered on a port the server was to listen on: it bound the port first."""
 

@@ -14,7 +14,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from infra.errors import InfraError
+from infra.errors import InfraError, PortTakenError, StartTimeoutError
 from infra.kafka_dist import KafkaRuntime
 from infra.kafka_server import KafkaServer
 from infra.locks import file_lock
@@ -37,8 +37,9 @@ def cds_archive_path(runtime: KafkaRuntime) -> Path:
 def ensure_cds_archive(runtime: KafkaRuntime) -> Path | None:
     """Return the archive for `runtime`, training it first if missing; None if the JVM can't.
 
-    Failure is remembered (a `.failed` file) so a JVM without dynamic CDS support costs one
-    training run, not one per start.
+    A failure of the JVM is remembered (a `.failed` file) so a JVM without dynamic CDS support costs
+    one training run, not one per start; a run that ran out of time or found its port taken (a busy
+    machine) is not, and the next start trains again.
     """
     archive = cds_archive_path(runtime)
     failed_marker = archive.with_suffix(".failed")
@@ -54,6 +55,8 @@ def ensure_cds_archive(runtime: KafkaRuntime) -> Path | None:
             stale.unlink(missing_ok=True)  # a training run killed midway; holding the lock, none runs now
         try:
             _train(runtime, archive)
+        except (StartTimeoutError, PortTakenError):
+            return None
         except InfraError as err:
             failed_marker.write_text(f"{err}\n")
             return None

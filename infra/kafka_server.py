@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from infra.errors import PortTakenError, ServiceStartError
+from infra.errors import PortTakenError, ServiceStartError, StartTimeoutError
 from infra.kafka_dist import LOG4J_CONFIG, KafkaRuntime
 from infra.kafka_probe import wait_for_kafka
 from infra.loopback import LoopbackServer, write_atomically
@@ -235,8 +235,9 @@ class KafkaServer(LoopbackServer):
         running = process.is_alive()
         process.terminate(5.0)
         self._process = None
+        error = StartTimeoutError if running else ServiceStartError
         why = "did not serve before the deadline" if running else "exited during start-up"
-        raise ServiceStartError(f"Kafka broker at {self.bootstrap} {why} (log: {self.log_path}):\n{self.log_tail()}")
+        raise error(f"Kafka broker at {self.bootstrap} {why} (log: {self.log_path}):\n{self.log_tail()}")
 
     def _format_storage(self, deadline: float) -> None:
         argv = [
@@ -261,7 +262,7 @@ class KafkaServer(LoopbackServer):
                     check=False,
                 )
             except subprocess.TimeoutExpired as err:
-                raise ServiceStartError(f"kafka-storage format took over {timeout_s:.0f} s") from err
+                raise StartTimeoutError(f"kafka-storage format took over {timeout_s:.0f} s") from err
         if result.returncode != 0:
             raise ServiceStartError(
                 f"kafka-storage format failed with {result.returncode} (log: {self.log_path}):\n{self.log_tail()}"

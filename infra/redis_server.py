@@ -12,7 +12,7 @@ import socket
 import time
 from pathlib import Path
 
-from infra.errors import PortTakenError, ServiceStartError, ToolMissingError
+from infra.errors import PortTakenError, ServiceStartError, StartTimeoutError, ToolMissingError
 from infra.loopback import LoopbackServer, write_atomically
 from infra.ports import LOOPBACK, free_port, free_port_pair
 from infra.process import ServiceProcess
@@ -99,8 +99,9 @@ def spawn_answering(
         time.sleep(_POLL_INTERVAL_S)
     running = process.is_alive()
     process.terminate(2.0)
+    error = StartTimeoutError if running else ServiceStartError
     why = "did not answer PING before the deadline" if running else "exited during start-up"
-    raise ServiceStartError(f"{what} on port {port} {why} (log: {log_path}):\n{server.log_tail()}")
+    raise error(f"{what} on port {port} {why} (log: {log_path}):\n{server.log_tail()}")
 
 
 def _quoted(text: str) -> str:
