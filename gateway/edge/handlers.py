@@ -7,7 +7,6 @@ becomes a logged traceback and a JSON 500, never an HTML or plain-text page.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from typing import Any
@@ -121,8 +120,6 @@ def _describe(errors: Any) -> str:
 class EdgeMiddleware:
     """Counts requests by route template and status, and turns unhandled exceptions into JSON 500s.
 
-    A request cancelled before its answer started counts as 499, as one whose caller left does.
-
     A plain ASGI middleware (not ``BaseHTTPMiddleware``), so it adds next to nothing, and sits
     inside Starlette's ServerErrorMiddleware, so it sees what no exception handler took.
     """
@@ -147,10 +144,6 @@ class EdgeMiddleware:
 
         try:
             await self.app(scope, receive, watch_status)
-        except asyncio.CancelledError:
-            if not started:
-                status = 499  # ended before any answer (its caller left, or the server shut down), not failed
-            raise
         except Exception:
             if started:
                 raise  # too late for a JSON answer: the server closes the connection and logs it

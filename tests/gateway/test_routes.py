@@ -10,16 +10,14 @@ import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from gateway.edge.app import create_app
 from gateway.edge.events import StreamsEnd
-from gateway.edge.handlers import EdgeMiddleware
 from gateway.edge.models import StatusName
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from schemas.records import TaskState, TaskStatus
-from telemetry.metrics import REGISTRY
 from tests.support.eventually import eventually
 from tests.support.gateway_rig import RecordingStore, RigFactory, StubLifecycle, error_of
 from transport.memory.requests import MemoryRequestBus
@@ -151,27 +149,6 @@ async def test_an_unexpected_exception_is_a_logged_json_500(
     assert error_of(response)["code"] == "internal_error"
     assert "a bug" not in response.text, "internals must not leak to clients"
     assert any(r.levelno == logging.ERROR and r.exc_info for r in caplog.records), "the traceback must be logged"
-
-
-async def test_a_request_cancelled_before_its_answer_counts_as_499_not_500() -> None:
-    async def cancelled(scope: Scope, receive: Receive, send: Send) -> None:
-        raise asyncio.CancelledError
-
-    def count(status: str) -> float:
-        return REGISTRY.get_sample_value("batchwire_requests_total", {"route": "unmatched", "status": status}) or 0.0
-
-    before = count("499"), count("500")
-    with pytest.raises(asyncio.CancelledError):
-        await EdgeMiddleware(cancelled)({"type": "http", "method": "GET", "path": "/x"}, _no_body, _discard)
-    assert (count("499"), count("500")) == (before[0] + 1, before[1])
-
-
-async def _no_body() -> Message:
-    return {"type": "http.request", "body": b"", "more_body": False}
-
-
-async def _discard(message: Message) -> None:
-    return None
 
 
 async def test_openapi_documents_every_route_and_its_errors(make_rig: RigFactory) -> None:
