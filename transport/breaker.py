@@ -4,9 +4,10 @@ Without it, each caller finds out alone, by waiting out its own timeout. The bre
 while the dependency answers. A failure (a send that failed, a readiness probe that said no)
 *opens* it: ``open`` is then True and callers refuse their work without trying. While open, one
 background probe at a time (the *half-open* check) asks the dependency every ``retry_s``, each try
-bounded by ``probe_timeout_s``; the first success closes the breaker. Callers never wait for a
-probe. The probing task belongs to the breaker: it starts with the first failure, ends with the
-first success, and ``close()`` cancels and awaits it.
+bounded by ``probe_timeout_s`` of the time the event loop could run (``transport.loop_time``); the
+first success closes the breaker. Callers never wait for a probe. The probing task belongs to the
+breaker: it starts with the first failure, ends with the first success, and ``close()`` cancels and
+awaits it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 
+from transport import loop_time
 from transport.cancelling import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -121,8 +123,10 @@ class CircuitBreaker:
             delay_s = self.retry_s
 
     async def _probe_once(self) -> bool:
+        # Bounded in the loop's time: a probe whose answer came while the loop was blocked (the
+        # process's own stall) finds the dependency up.
         try:
-            async with asyncio.timeout(self.probe_timeout_s):
+            async with loop_time.timeout(self.probe_timeout_s):
                 return bool(await self._probe())
         except TimeoutError:
             return False

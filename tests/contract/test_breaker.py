@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -184,5 +185,28 @@ async def test_a_call_begun_before_the_breaker_closed_does_not_reopen_it_by_fail
         assert not breaker.open, "a call from before the close says nothing of the dependency since"
         breaker.failed("a send failed: connection refused", started_at=10.5)
         assert breaker.open, "a call begun after the close that fails opens it"
+    finally:
+        await breaker.close()
+
+
+async def test_a_stall_of_the_event_loop_during_a_probe_does_not_open_it() -> None:
+    """A probe whose answer came while the loop was blocked (a CPU-starved process) finds the dependency
+    up: the stall is the gateway's, not the dependency's. The stall is the fault under test."""
+    started = asyncio.Event()
+
+    async def answers_at_once() -> bool:
+        started.set()
+        await asyncio.sleep(0.01)
+        return True
+
+    breaker = CircuitBreaker("the test bus", answers_at_once, retry_s=0.02, probe_timeout_s=0.2)
+    try:
+        breaker.suspect()
+        async with asyncio.timeout(5):
+            await started.wait()
+        time.sleep(0.5)  # noqa: ASYNC251  # the stall under test: the loop blocked past the probe's timeout
+        await eventually(lambda: not probing(), "the probe to end")
+        assert breaker.opened == 0, "a probe answered in 10 ms opened the breaker: the loop's stall counted"
+        assert not breaker.open
     finally:
         await breaker.close()

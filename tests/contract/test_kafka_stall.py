@@ -20,7 +20,9 @@ from aiokafka.errors import KafkaTimeoutError  # type: ignore[import-untyped, un
 
 from schemas.wire import Names
 from tests.support.bus_records import one_partition_topic, partition_values
-from transport.kafka.producers import DEFAULT_REQUEST_TIMEOUT_MS, RenewingProducer
+from tests.support.eventually import eventually
+from transport.kafka.producers import DEFAULT_REQUEST_TIMEOUT_MS, KafkaRequestProducer, RenewingProducer
+from transport.routing import Partitioner
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(60)]
 
@@ -95,3 +97,25 @@ async def test_a_renewing_producer_writes_every_record_queued_at_once_behind_a_s
     written = await partition_values(kafka_bootstrap, topic)
     assert written[0] == b"before"
     assert sorted(written[1:]) == sorted(b"queued-%d" % n for n in range(QUEUED)), written
+
+
+async def test_a_stall_during_the_breakers_probe_leaves_the_request_producer_open_to_sends(
+    kafka_bootstrap: str, names: Names
+) -> None:
+    """The probe a slow send starts (``CircuitBreaker.suspect``) asks the broker for metadata; a loop stall
+    while it is in flight is the gateway's, and the broker's answer waits in the socket: the breaker stays
+    closed, and the next request is sent."""
+    async with one_partition_topic(kafka_bootstrap, names.request_topic):
+        producer = KafkaRequestProducer(kafka_bootstrap, names, Partitioner(("stall",), 1))
+        await producer.start()
+        try:
+            await producer.send_encoded(b"before", 0)
+            producer.breaker.suspect()
+            await asyncio.sleep(0)  # the probe's request goes out
+            time.sleep(STALL_S)  # noqa: ASYNC251  # the stall under test: the loop blocked
+            await eventually(lambda: producer.breaker._prober is None, "the breaker's probe to end")
+            assert producer.breaker.opened == 0, "the loop's stall opened the breaker: requests were refused meanwhile"
+            assert await producer.ready(), "the broker answers: the producer is ready"
+            await producer.send_encoded(b"after", 0)
+        finally:
+            await producer.close()

@@ -35,6 +35,7 @@ from schemas.codec import encode_batch, encode_request
 from schemas.deadletter import DeadLetter, encode_dead_letter
 from schemas.records import Batch, InferenceRequest
 from schemas.wire import TRACEPARENT_HEADER, Names
+from transport import loop_time
 from transport.breaker import CircuitBreaker
 from transport.errors import PermanentTransportError
 from transport.kafka.group import translate
@@ -292,7 +293,9 @@ class RenewingProducer:
         return False
 
     async def ready(self, topic: str) -> bool:
-        """The leader of ``topic``'s first partition answers a metadata request within ``ready_timeout_s``.
+        """The leader of ``topic``'s first partition answers a metadata request within ``ready_timeout_s``
+        of the time the event loop could run (``transport.loop_time``: an answer that came while the loop
+        was blocked counts).
 
         A round trip, not the connection's state: a frozen or partitioned broker (a long pause, a
         network cut) keeps its connections open while it answers nothing."""
@@ -300,7 +303,7 @@ class RenewingProducer:
         if producer is None:
             return False
         try:
-            async with asyncio.timeout(self.ready_timeout_s):
+            async with loop_time.timeout(self.ready_timeout_s):
                 partitions = await producer.partitions_for(topic)
                 tp = TopicPartition(topic, min(partitions))
                 if not self._leader_known(producer, tp):
