@@ -4,10 +4,14 @@ TCP keepalive is asked for only over TCP)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
+from redis.crc import key_slot
 from redis.exceptions import (
     ClusterDownError,
     DataError,
@@ -33,6 +37,9 @@ from transport.redis.pools import (
     redacted,
     translate,
 )
+
+PAUSE_S = 1.5
+"""How long a test pauses a primary: past the pool timeout it sets, 0.5 s."""
 
 ARGS = ("EVALSHA", "f" * 40, 2, "bw:task:a", "bw:task:b", 86_400_000, 0.25, b"\x00avro\xff", "é", "")
 
@@ -149,3 +156,43 @@ def test_the_cluster_clients_own_errors_are_retried() -> None:
     translated = translate("storing", SlotNotCoveredError('Slot "0" not covered by the cluster.'))
     assert isinstance(translated, TransportError)
     assert not isinstance(translated, PermanentTransportError), translated
+
+
+@pytest.mark.kafka
+async def test_over_a_cluster_a_primary_that_answers_slowly_holds_up_only_its_own_commands(redis_cluster: str) -> None:
+    """A command waits for a free connection to its own node: commands queued behind a paused primary
+    (``CLIENT PAUSE``, a primary that answers late) leave the other primaries' commands their connections."""
+    options = PoolOptions(max_connections=4, pool_timeout_s=0.5)
+    keyed = KeyedClient(redis_cluster, options)
+    await keyed.start()
+    cluster = keyed.redis
+    assert isinstance(cluster, RedisCluster)
+    slow_node, other_node = cluster.get_primaries()[:2]
+    keys: dict[str, list[str]] = {slow_node.name: [], other_node.name: []}
+    index = 0
+    while min(len(found) for found in keys.values()) < 10:
+        key = f"pools-test:{index}"
+        index += 1
+        owner = cluster.nodes_manager.get_node_from_slot(key_slot(key.encode())).name
+        if owner in keys:
+            keys[owner].append(key)
+    paused = Redis(host=slow_node.host, port=slow_node.port)
+    try:
+        await paused.execute_command("CLIENT", "PAUSE", int(PAUSE_S * 1000), "ALL")
+        behind = [
+            asyncio.ensure_future(cluster.get(key)) for key in keys[slow_node.name][: 2 * options.max_connections]
+        ]
+        await asyncio.sleep(0)  # they take the slow node's connections
+        started = time.monotonic()
+        elsewhere = await asyncio.gather(*(cluster.get(key) for key in keys[other_node.name]), return_exceptions=True)
+        took_s = time.monotonic() - started
+        await asyncio.gather(*behind, return_exceptions=True)
+    finally:
+        await paused.execute_command("CLIENT", "UNPAUSE")
+        await paused.aclose()
+        await keyed.close()
+    failed = [outcome for outcome in elsewhere if isinstance(outcome, BaseException)]
+    assert not failed, (
+        f"{len(failed)} of {len(elsewhere)} commands to a primary that answers waited behind another: {failed[0]!r}"
+    )
+    assert took_s < PAUSE_S, f"the other primary's commands took {took_s:.2f} s, the slow one's pause"

@@ -35,6 +35,7 @@ from redis.exceptions import (
     AskError,
     BusyLoadingError,
     ClusterDownError,
+    MaxConnectionsError,
     OutOfMemoryError,
     ReadOnlyError,
     RedisClusterException,
@@ -335,8 +336,10 @@ def cluster_nodes(url: str) -> tuple[list[ClusterNode], str | None, str | None]:
 
 class _WaitingCluster(RedisCluster):
     """redis-py's cluster client raises ``MaxConnectionsError`` once a node's connections are all busy.
-    Here a command waits up to the pool timeout for one of ``max_connections`` turns instead, as it
-    does on the single-Redis command pool (``BlockingConnectionPool``). Pipelines do not take a turn.
+    Here a command waits up to the pool timeout for one of its node's ``max_connections`` turns instead,
+    as it does on the single-Redis command pool (``BlockingConnectionPool``). The turns are the node's
+    own, as its connections are: commands queued behind a primary that answers slowly leave the other
+    primaries' commands their turns. Pipelines do not take a turn.
 
     It also meets a node that an ``ASK`` names before the slot map does (a slot migrating to a primary
     added since the map was read, as a scale-out does): redis-py follows a ``MOVED`` to such a node but
@@ -344,19 +347,28 @@ class _WaitingCluster(RedisCluster):
 
     def __init__(self, *, max_connections: int, pool_timeout_s: float | None, **kwargs: Any) -> None:
         super().__init__(max_connections=max_connections, **kwargs)
-        self._turns = asyncio.Semaphore(max_connections)
+        self._max_connections = max_connections
+        self._turns: dict[str, asyncio.Semaphore] = {}
+        """Per node name: turns for its connections."""
         self._pool_timeout_s = pool_timeout_s
 
-    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+    async def _execute_command(self, target_node: ClusterNode, *args: Any, **kwargs: Any) -> Any:
+        # redis-py's one attempt of a command on the node its slot names (its retries call it again).
+        # ``MaxConnectionsError`` is no node's failure: redis-py neither retries it nor reads the slot map.
+        turns = self._turns.get(target_node.name)
+        if turns is None:
+            turns = self._turns[target_node.name] = asyncio.Semaphore(self._max_connections)
         try:
             async with asyncio.timeout(self._pool_timeout_s):
-                await self._turns.acquire()
+                await turns.acquire()
         except TimeoutError:
-            raise RedisConnectionError(f"no free cluster connection within {self._pool_timeout_s} s") from None
+            raise MaxConnectionsError(
+                f"no free connection to Redis Cluster node {target_node.name} within {self._pool_timeout_s} s"
+            ) from None
         try:
-            return await super().execute_command(*args, **kwargs)
+            return await super()._execute_command(target_node, *args, **kwargs)
         finally:
-            self._turns.release()
+            turns.release()
 
     def get_node(
         self, host: str | None = None, port: int | None = None, node_name: str | None = None
