@@ -196,3 +196,28 @@ async def test_over_a_cluster_a_primary_that_answers_slowly_holds_up_only_its_ow
         f"{len(failed)} of {len(elsewhere)} commands to a primary that answers waited behind another: {failed[0]!r}"
     )
     assert took_s < PAUSE_S, f"the other primary's commands took {took_s:.2f} s, the slow one's pause"
+
+
+@pytest.mark.kafka
+async def test_a_waiter_that_leaves_in_the_turn_it_was_woken_hands_the_free_connection_on(redis_url: str) -> None:
+    """A waiter for a free connection that is cancelled (its caller's timeout, its own pool timeout) in
+    the turn a release woke it takes the wakeup with it on Python 3.11 (``asyncio.Condition``): the next
+    waiter would wait out its pool timeout, and fail, with the connection free."""
+    pool = command_pool(redis_url, PoolOptions(max_connections=1, pool_timeout_s=2.0))
+    try:
+        held = await pool.get_connection()
+        woken = asyncio.ensure_future(pool.get_connection())
+        next_one = asyncio.ensure_future(pool.get_connection())
+        for _ in range(5):
+            await asyncio.sleep(0)  # both wait for the connection
+        releasing = asyncio.ensure_future(pool.release(held))  # its step wakes ``woken`` ...
+        asyncio.get_running_loop().call_soon(woken.cancel)  # ... which leaves in the same turn
+        started = time.monotonic()
+        outcome = (await asyncio.gather(next_one, return_exceptions=True))[0]
+        took_s = time.monotonic() - started
+        await releasing
+        assert not isinstance(outcome, BaseException), f"the next waiter failed after {took_s:.1f} s: {outcome}"
+        assert took_s < 1.0, f"the next waiter got the free connection only after {took_s:.1f} s"
+        await pool.release(outcome)
+    finally:
+        await pool.disconnect()

@@ -26,7 +26,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
-from redis.asyncio import BlockingConnectionPool, ConnectionPool, Redis
+from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff, NoBackoff
@@ -48,6 +48,7 @@ from redis.retry import Retry as SyncRetry
 
 from transport.errors import PermanentTransportError, StoreFullError
 from transport.ports import TransportError
+from transport.redis.blocking import BlockingPool
 from transport.redis.sentinel import (
     PrimaryFollower,
     SentinelPool,
@@ -191,7 +192,7 @@ def _keepalive(url: str) -> dict[str, bool]:
     return {} if url.partition("://")[0].lower() == "unix" else {"socket_keepalive": True}
 
 
-def _blocking_from_url(url: str, follower: PrimaryFollower | None, **kwargs: Any) -> BlockingConnectionPool:
+def _blocking_from_url(url: str, follower: PrimaryFollower | None, **kwargs: Any) -> BlockingPool:
     if is_cluster_url(url):
         raise PermanentTransportError(
             f"{redacted(url)}: a connection pool talks to one primary, over a redis:// or redis+sentinel:// URL; "
@@ -199,7 +200,7 @@ def _blocking_from_url(url: str, follower: PrimaryFollower | None, **kwargs: Any
         )
     if is_sentinel_url(url):
         return blocking_sentinel_pool(url, follower, **kwargs)
-    return BlockingConnectionPool.from_url(url, **kwargs)
+    return BlockingPool.from_url(url, **kwargs)
 
 
 def follower_of(url: str) -> PrimaryFollower | None:
@@ -208,7 +209,7 @@ def follower_of(url: str) -> PrimaryFollower | None:
     return primary_follower(url) if is_sentinel_url(url) else None
 
 
-def command_pool(url: str, options: PoolOptions, follower: PrimaryFollower | None = None) -> BlockingConnectionPool:
+def command_pool(url: str, options: PoolOptions, follower: PrimaryFollower | None = None) -> BlockingPool:
     """``follower``: behind Sentinel, the one the process's pools of ``url`` share (None: one of its own)."""
     return _blocking_from_url(url, follower, **_command_options(url, options))
 
@@ -302,7 +303,7 @@ class NodeClients:
         if client is None:
             _, user, password = cluster_nodes(self.url)
             options = _command_options(self.url, self.options)
-            pool = BlockingConnectionPool(host=host, port=port, username=user, password=password, **options)
+            pool = BlockingPool(host=host, port=port, username=user, password=password, **options)
             client = self._clients[(host, port)] = Redis(connection_pool=pool)
         return client
 
@@ -337,7 +338,7 @@ def cluster_nodes(url: str) -> tuple[list[ClusterNode], str | None, str | None]:
 class _WaitingCluster(RedisCluster):
     """redis-py's cluster client raises ``MaxConnectionsError`` once a node's connections are all busy.
     Here a command waits up to the pool timeout for one of its node's ``max_connections`` turns instead,
-    as it does on the single-Redis command pool (``BlockingConnectionPool``). The turns are the node's
+    as it does on the single-Redis command pool (``BlockingPool``). The turns are the node's
     own, as its connections are: commands queued behind a primary that answers slowly leave the other
     primaries' commands their turns. Pipelines do not take a turn.
 
@@ -401,7 +402,7 @@ def cluster_client(url: str, options: PoolOptions, *, blocking: bool = False) ->
 
 def blocking_pool(
     url: str, max_connections: int, options: PoolOptions, follower: PrimaryFollower | None = None
-) -> BlockingConnectionPool:
+) -> BlockingPool:
     """Connections for blocking commands: no read timeout (the caller bounds each wait itself)."""
     return _blocking_from_url(
         url,

@@ -19,7 +19,6 @@ from typing import Any
 from urllib.parse import unquote
 
 import redis
-from redis.asyncio import BlockingConnectionPool
 from redis.asyncio import Redis as AsyncRedis
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool, SentinelManagedConnection
@@ -30,6 +29,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry as SyncRetry
 
 from transport.background_loop import BackgroundLoop
+from transport.redis.blocking import BlockingPool
 
 log = logging.getLogger(__name__)
 
@@ -411,8 +411,8 @@ class SentinelPool(SentinelConnectionPool):
             )
 
 
-class BlockingSentinelPool(SentinelPool, BlockingConnectionPool):
-    """``SentinelPool`` that makes a burst wait for a free connection, as ``BlockingConnectionPool``."""
+class BlockingSentinelPool(SentinelPool, BlockingPool):
+    """``SentinelPool`` that makes a burst wait for a free connection, as ``BlockingPool``."""
 
 
 def _sentinels(parsed: SentinelUrl, connection_kwargs: Mapping[str, Any]) -> _Sentinels:
