@@ -1,5 +1,6 @@
 """Records queued at once behind a stall: aiokafka alone gives some up long before its timeout;
-batchwire's producer writes them all.
+batchwire's producer writes them all. And a stall while the request producer's breaker probes the
+broker leaves the breaker closed.
 
 A record sent at once (``RenewingProducer.send(at_once=True)``, a gateway's request after a quiet
 spell) goes in a record batch of its own, which waits for the partition's pending batch to drain.
