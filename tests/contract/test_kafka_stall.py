@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaProducer  # type: ignore[import-untyped, unused-ignore]
@@ -38,7 +39,7 @@ async def topic(kafka_bootstrap: str, names: Names) -> AsyncIterator[str]:
         yield name
 
 
-async def behind_a_stall(send: Callable[[bytes], Awaitable[object]]) -> list[BaseException | None]:
+async def behind_a_stall(send: Callable[[bytes], Coroutine[Any, Any, object]]) -> list[BaseException | None]:
     """Queues ``QUEUED`` sends, blocks the loop for ``STALL_S``, and returns each send's outcome."""
     sends = [asyncio.create_task(send(b"queued-%d" % n)) for n in range(QUEUED)]
     await asyncio.sleep(0)  # each send reaches its wait behind the first
