@@ -7,9 +7,9 @@ pool.
 
 Cancellation: a claim runs in a task owned by the pool and the caller awaits it shielded. If the
 caller is cancelled while BZPOPMIN is in flight, it finishes and a credit it pops goes back with
-its score. Only ``close()`` cuts a BZPOPMIN short, and a credit popped in that instant is
-lost; workers re-offer their credit periodically, so a lost credit idles its worker at most until
-the credit expires.
+its score. Only ``close()``, or a Redis that answers past the claim's grace, cuts a BZPOPMIN short,
+and a credit popped in that instant is lost; workers re-offer their credit periodically, so a lost
+credit idles its worker at most until the credit expires.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from schemas.codec import CodecError, decode_credit, encode_credit
 from schemas.records import Credit
@@ -193,16 +194,30 @@ class RedisCreditPool:
             if remaining_s <= 0:
                 got = await self._client.zpopmin(key)
                 return _as_bytes(got[0][0]) if got else None  # [(member, score)]
-            async with asyncio.timeout(remaining_s + self.claim_grace_s):
-                popped = await self._blocking.bzpopmin([key], timeout=max(remaining_s, _MIN_BLOCK_S))
-        except TimeoutError as err:
-            raise TransportError(
-                f"BZPOPMIN {key} got no answer within {remaining_s + self.claim_grace_s:.1f} s: Redis is "
-                "unreachable, or more claims run at once than max_claimers connections"
-            ) from err
+            popped = await self._bzpopmin(key, remaining_s)
         except REDIS_ERRORS as err:
             raise translate(f"claiming a credit from {key}", err) from err
         return None if popped is None else _as_bytes(popped[1])  # (key, member, score)
+
+    async def _bzpopmin(self, key: str, remaining_s: float) -> Any:
+        """BZPOPMIN in a task of its own, waited for rather than cut off at its deadline: behind an event
+        loop held up past the deadline (a GC pause, a starved process), Redis's answer is read in the turn
+        the deadline fires, and the task takes it first. Cut off in that turn (``asyncio.timeout``), the
+        credit Redis popped would be lost, and its worker idle until it offers the next."""
+        wait_s = remaining_s + self.claim_grace_s
+        popping = asyncio.ensure_future(self._blocking.bzpopmin([key], timeout=max(remaining_s, _MIN_BLOCK_S)))
+        try:
+            await asyncio.wait({popping}, timeout=wait_s)
+        except asyncio.CancelledError:
+            popping.cancel()
+            raise
+        if not popping.done():
+            await cancel_and_wait(popping)
+            raise TransportError(
+                f"BZPOPMIN {key} got no answer within {wait_s:.1f} s: Redis is unreachable, or more claims "
+                "run at once than max_claimers connections"
+            )
+        return popping.result()
 
 
 def _as_bytes(value: object) -> bytes:

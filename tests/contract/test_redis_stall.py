@@ -1,0 +1,65 @@
+"""Redis answers that come while the event loop is blocked past their deadline are taken, not cut off.
+
+The stall is the event loop blocked (``time.sleep``) while Redis answers: the fault under test (a
+GC pause, a CPU-starved process), not a synchronisation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from schemas.codec import encode_credit
+from schemas.records import Credit
+from schemas.wire import Names
+from tests.support.eventually import eventually
+from transport.ports import TransportError
+from transport.redis.credits import RedisCreditPool
+from transport.redis.pools import sync_client
+
+pytestmark = [pytest.mark.kafka, pytest.mark.timeout(60)]
+
+CLAIM_S = 0.5
+GRACE_S = 0.5
+STALL_S = 2.0
+"""Past the claim's wait and its grace together: the answer comes during the stall, its deadline passes in it."""
+
+
+@pytest.fixture
+def sync(redis_url: str) -> Iterator[redis.Redis]:
+    client = sync_client(redis_url, 5.0)
+    assert isinstance(client, redis.Redis)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def blocked_clients(client: redis.Redis) -> int:
+    return int(client.info("clients")["blocked_clients"])
+
+
+async def test_a_credit_popped_while_the_claimer_s_loop_stalls_is_claimed_or_kept(
+    redis_url: str, names: Names, sync: redis.Redis
+) -> None:
+    pool = RedisCreditPool(redis_url, names, claim_grace_s=GRACE_S)
+    await pool.start()
+    try:
+        before = blocked_clients(sync)
+        claim = asyncio.create_task(pool.claim("alpha", CLAIM_S))
+        await eventually(lambda: blocked_clients(sync) > before, "the claim's BZPOPMIN to block")
+        now = int(time.time() * 1000)
+        offered = Credit("w1", "alpha", 0, 1, now, now + 60_000)
+        sync.zadd(names.credit_queue("alpha"), {encode_credit(offered): offered.idle_from_ms})  # popped at once
+        time.sleep(STALL_S)  # noqa: ASYNC251  # the stall under test: the loop blocked while Redis answers
+        outcome = (await asyncio.gather(claim, return_exceptions=True))[0]
+        left = await pool.offered("alpha")
+    finally:
+        await pool.close()
+    assert outcome == offered or (isinstance(outcome, TransportError) and left == [offered]), (
+        f"the credit Redis popped for the claim is lost: the claim ended {outcome!r}, and the pool holds {left}"
+    )
