@@ -81,7 +81,8 @@ class CreditOffer:
             try:
                 await self.pool.withdraw(credit)
             except TransportError as err:
-                log.warning("could not withdraw credit %s: %s (it expires on its own)", credit.ref, err)
+                level = logging.DEBUG if self._failed_offers else logging.WARNING  # its offer failed too
+                log.log(level, "could not withdraw credit %s: %s (it expires on its own)", credit.ref, err)
 
     async def taken(self, batch: Batch | None) -> None:
         """A batch came: the open credit is used up, and withdrawn if the batch was not sent against it
@@ -103,7 +104,8 @@ class CreditOffer:
             await self.withdraw()  # results wait for Redis replicas: no new batch until they are safe
             return
         now = wall_ms()
-        if self._open is not None and self._open.expires_at_ms - now > self.settings.refresh_margin_s * 1000:
+        fresh = self._open is not None and self._open.expires_at_ms - now > self.settings.refresh_margin_s * 1000
+        if fresh and not self._failed_offers:
             return
         assignment = self.consumer.assignment() - self._revoking
         if not assignment:
@@ -116,12 +118,15 @@ class CreditOffer:
             self._failed_offers += 1
             if self._failed_offers == 1 or self._failed_offers % 20 == 0:
                 log.warning("could not offer a credit (%d tries so far): %s; retrying", self._failed_offers, err)
-            return
-        if self._failed_offers:
-            log.info(
-                "worker %s offers credits again after %d failed tries", self.settings.worker_id, self._failed_offers
-            )
-            self._failed_offers = 0
+        else:
+            if self._failed_offers:
+                log.info(
+                    "worker %s offers credits again after %d failed tries", self.settings.worker_id, self._failed_offers
+                )
+                self._failed_offers = 0
+        # Open even when the offer failed: a Redis whose answer came past the socket timeout (slow, or
+        # this loop stalled) stored it all the same, and a batcher may claim it. Withdrawn as an open
+        # credit is, and replaced at the next offer, it never stands beside a second one of this worker.
         self._open = credit
         if self._stopped or credit.partition in self._revoking:  # withdrawn while this offer was on its way
             await self.withdraw()
