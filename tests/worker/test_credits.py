@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import uuid
 from collections.abc import AsyncIterator
 
 import pytest
-import redis
 
 from gpu_worker.credits import CreditOffer
 from gpu_worker.runner import BackendRunner
 from gpu_worker.settings import WorkerSettings
 from schemas.wire import Names
+from tests.support.busy_redis import busy_redis
 from tests.support.eventually import eventually
 from tests.support.worker_rig import ScriptedBackend
 from transport.memory.batches import MemoryBatchBus
@@ -24,19 +22,6 @@ pytestmark = [pytest.mark.kafka, pytest.mark.timeout(60)]
 
 BUSY_S = CREDITS_POOL.socket_timeout_s + 0.5
 """How long Redis runs a script before it serves the worker's offer: past the pool's socket timeout."""
-BUSY = """
-local from = redis.call('TIME')
-repeat
-  local now = redis.call('TIME')
-until (now[1] - from[1]) * 1000000 + (now[2] - from[2]) >= tonumber(ARGV[1])
-"""
-
-
-def answers(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.TimeoutError:
-        return False
 
 
 @pytest.fixture
@@ -52,25 +37,18 @@ async def test_an_offer_whose_answer_came_too_late_is_replaced_not_doubled(
 ) -> None:
     settings = WorkerSettings(worker_id="w1", model="alpha")
     offers = CreditOffer(settings, pool, MemoryBatchBus(1).consumer(0), ScriptedBackend(), runner, lambda: 0.0, None)
-    busy_redis = sync_client(request.getfixturevalue("infra").redis_url, 10 * BUSY_S)
-    probe = sync_client(request.getfixturevalue("infra").redis_url, 0.05)
-    assert isinstance(busy_redis, redis.Redis) and isinstance(probe, redis.Redis)
+    redis_url = request.getfixturevalue("infra").redis_url
+    reader = sync_client(redis_url, 5.0)
     try:
         await offers.offer()
         await offers.withdraw()  # its connection is open: the next offer is sent at once
-        busy = threading.Thread(target=busy_redis.eval, args=(BUSY, 0, round(BUSY_S * 1e6)))
-        busy.start()
-        try:
-            await eventually(lambda: not answers(probe), "Redis to run the script")
+        async with busy_redis(redis_url, BUSY_S):
             await offers.offer()  # Redis runs it once the script ends, after the client gave up on it
-        finally:
-            await asyncio.to_thread(busy.join)
         key = pool.names.credit_queue("alpha")
-        await eventually(lambda: busy_redis.zcard(key) > 0, "the late offer to be stored")
+        await eventually(lambda: reader.zcard(key) > 0, "the late offer to be stored")
         await offers.offer()
         offered = [credit.seq for credit in await pool.offered("alpha")]
     finally:
         await offers.stop()
-        busy_redis.close()
-        probe.close()
+        reader.close()
     assert len(offered) == 1, f"worker w1 has {len(offered)} credits in the pool: {offered}"
