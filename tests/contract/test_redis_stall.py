@@ -16,9 +16,10 @@ import redis
 from schemas.codec import encode_credit
 from schemas.records import Credit
 from schemas.wire import Names
+from tests.support.busy_redis import busy_redis
 from tests.support.eventually import eventually
 from transport.ports import TransportError
-from transport.redis.credits import RedisCreditPool
+from transport.redis.credits import CREDITS_POOL, RedisCreditPool
 from transport.redis.pools import sync_client
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(60)]
@@ -27,6 +28,10 @@ CLAIM_S = 0.5
 GRACE_S = 0.5
 STALL_S = 2.0
 """Past the claim's wait and its grace together: the answer comes during the stall, its deadline passes in it."""
+BUSY_S = 1.0
+"""How long Redis is busy before it answers a command sent meanwhile."""
+YIELDS = 20
+"""Turns of the event loop that a claim takes to send its command (Redis is busy: none answers meanwhile)."""
 
 
 @pytest.fixture
@@ -56,6 +61,31 @@ async def test_a_credit_popped_while_the_claimer_s_loop_stalls_is_claimed_or_kep
         offered = Credit("w1", "alpha", 0, 1, now, now + 60_000)
         sync.zadd(names.credit_queue("alpha"), {encode_credit(offered): offered.idle_from_ms})  # popped at once
         time.sleep(STALL_S)  # noqa: ASYNC251  # the stall under test: the loop blocked while Redis answers
+        outcome = (await asyncio.gather(claim, return_exceptions=True))[0]
+        left = await pool.offered("alpha")
+    finally:
+        await pool.close()
+    assert outcome == offered or (isinstance(outcome, TransportError) and left == [offered]), (
+        f"the credit Redis popped for the claim is lost: the claim ended {outcome!r}, and the pool holds {left}"
+    )
+
+
+async def test_a_credit_popped_at_once_while_the_claimer_s_loop_stalls_is_claimed_or_kept(
+    redis_url: str, names: Names
+) -> None:
+    """A claim with no time left pops without blocking; its answer, behind a busy Redis, comes during the
+    stall, which outlasts the command pool's socket timeout."""
+    pool = RedisCreditPool(redis_url, names, claim_grace_s=GRACE_S)
+    await pool.start()
+    try:
+        now = int(time.time() * 1000)
+        offered = Credit("w1", "alpha", 0, 1, now, now + 60_000)
+        await pool.offer(offered)
+        async with busy_redis(redis_url, BUSY_S):
+            claim = asyncio.create_task(pool.claim("alpha", 0))
+            for _ in range(YIELDS):
+                await asyncio.sleep(0)  # the pop is sent, and waits behind the script
+            time.sleep(BUSY_S + CREDITS_POOL.socket_timeout_s)  # noqa: ASYNC251  # the stall under test
         outcome = (await asyncio.gather(claim, return_exceptions=True))[0]
         left = await pool.offered("alpha")
     finally:

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,20 +193,21 @@ class RedisCreditPool:
         """One credit's bytes: BZPOPMIN while time remains, else one last non-blocking ZPOPMIN."""
         try:
             if remaining_s <= 0:
-                got = await self._client.zpopmin(key)
+                got = await self._answer(self._blocking.zpopmin(key), key, self.claim_grace_s)
                 return _as_bytes(got[0][0]) if got else None  # [(member, score)]
-            popped = await self._bzpopmin(key, remaining_s)
+            blocking = self._blocking.bzpopmin([key], timeout=max(remaining_s, _MIN_BLOCK_S))
+            popped = await self._answer(blocking, key, remaining_s + self.claim_grace_s)
         except REDIS_ERRORS as err:
             raise translate(f"claiming a credit from {key}", err) from err
         return None if popped is None else _as_bytes(popped[1])  # (key, member, score)
 
-    async def _bzpopmin(self, key: str, remaining_s: float) -> Any:
-        """BZPOPMIN in a task of its own, waited for rather than cut off at its deadline: behind an event
-        loop held up past the deadline (a GC pause, a starved process), Redis's answer is read in the turn
-        the deadline fires, and the task takes it first. Cut off in that turn (``asyncio.timeout``), the
-        credit Redis popped would be lost, and its worker idle until it offers the next."""
-        wait_s = remaining_s + self.claim_grace_s
-        popping = asyncio.ensure_future(self._blocking.bzpopmin([key], timeout=max(remaining_s, _MIN_BLOCK_S)))
+    async def _answer(self, pop: Awaitable[Any], key: str, wait_s: float) -> Any:
+        """``pop``'s answer (a claimer's connection has no read timeout), run in a task of its own and waited
+        for rather than cut off at its deadline: behind an event loop held up past the deadline (a GC pause,
+        a starved process), Redis's answer is read in the turn the deadline fires, and the task takes it
+        first. Cut off in that turn (``asyncio.timeout``, a command connection's socket timeout), the credit
+        Redis popped would be lost, and its worker idle until it offers the next."""
+        popping = asyncio.ensure_future(pop)
         try:
             await asyncio.wait({popping}, timeout=wait_s)
         except asyncio.CancelledError:
@@ -214,8 +216,8 @@ class RedisCreditPool:
         if not popping.done():
             await cancel_and_wait(popping)
             raise TransportError(
-                f"BZPOPMIN {key} got no answer within {wait_s:.1f} s: Redis is unreachable, or more claims "
-                "run at once than max_claimers connections"
+                f"popping a credit from {key} got no answer within {wait_s:.1f} s: Redis is unreachable, or more "
+                "claims run at once than max_claimers connections"
             )
         return popping.result()
 
