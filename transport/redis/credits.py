@@ -210,8 +210,8 @@ class RedisCreditPool:
         popping = asyncio.ensure_future(pop)
         try:
             await asyncio.wait({popping}, timeout=wait_s)
-        except asyncio.CancelledError:
-            popping.cancel()
+        except asyncio.CancelledError:  # the pool closes: the pop ends with the claim
+            await cancel_and_wait(popping)
             raise
         if not popping.done():
             await cancel_and_wait(popping)
