@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any
 
 import pytest
 import redis
+import uvloop
 
 from schemas.codec import encode_credit
 from schemas.records import Credit
@@ -44,52 +46,71 @@ def sync(redis_url: str) -> Iterator[redis.Redis]:
         client.close()
 
 
+Run = Callable[[Coroutine[Any, Any, tuple[object, list[Credit]]]], tuple[object, list[Credit]]]
+LOOPS = pytest.mark.parametrize("run", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])
+"""Whether the answer or its deadline is handled first after a stall depends on the order a loop runs its
+callbacks in: every role runs on uvloop, the other tests on asyncio's loop."""
+
+
+def credit() -> Credit:
+    now = int(time.time() * 1000)
+    return Credit("w1", "alpha", 0, 1, now, now + 60_000)
+
+
 def blocked_clients(client: redis.Redis) -> int:
     return int(client.info("clients")["blocked_clients"])
 
 
-async def test_a_credit_popped_while_the_claimer_s_loop_stalls_is_claimed_or_kept(
-    redis_url: str, names: Names, sync: redis.Redis
+@LOOPS
+def test_a_credit_popped_while_the_claimer_s_loop_stalls_is_claimed_or_kept(
+    run: Run, redis_url: str, names: Names, sync: redis.Redis
 ) -> None:
-    pool = RedisCreditPool(redis_url, names, claim_grace_s=GRACE_S)
-    await pool.start()
-    try:
-        before = blocked_clients(sync)
-        claim = asyncio.create_task(pool.claim("alpha", CLAIM_S))
-        await eventually(lambda: blocked_clients(sync) > before, "the claim's BZPOPMIN to block")
-        now = int(time.time() * 1000)
-        offered = Credit("w1", "alpha", 0, 1, now, now + 60_000)
-        sync.zadd(names.credit_queue("alpha"), {encode_credit(offered): offered.idle_from_ms})  # popped at once
-        time.sleep(STALL_S)  # noqa: ASYNC251  # the stall under test: the loop blocked while Redis answers
-        outcome = (await asyncio.gather(claim, return_exceptions=True))[0]
-        left = await pool.offered("alpha")
-    finally:
-        await pool.close()
+    offered = credit()
+
+    async def scenario() -> tuple[object, list[Credit]]:
+        pool = RedisCreditPool(redis_url, names, claim_grace_s=GRACE_S)
+        await pool.start()
+        try:
+            before = blocked_clients(sync)
+            claim = asyncio.create_task(pool.claim("alpha", CLAIM_S))
+            await eventually(lambda: blocked_clients(sync) > before, "the claim's BZPOPMIN to block")
+            sync.zadd(names.credit_queue("alpha"), {encode_credit(offered): offered.idle_from_ms})  # popped at once
+            time.sleep(STALL_S)  # noqa: ASYNC251  # the stall under test: the loop blocked while Redis answers
+            outcome = (await asyncio.gather(claim, return_exceptions=True))[0]
+            return outcome, await pool.offered("alpha")
+        finally:
+            await pool.close()
+
+    outcome, left = run(scenario())
     assert outcome == offered or (isinstance(outcome, TransportError) and left == [offered]), (
         f"the credit Redis popped for the claim is lost: the claim ended {outcome!r}, and the pool holds {left}"
     )
 
 
-async def test_a_credit_popped_at_once_while_the_claimer_s_loop_stalls_is_claimed_or_kept(
-    redis_url: str, names: Names
+@LOOPS
+def test_a_credit_popped_at_once_while_the_claimer_s_loop_stalls_is_claimed_or_kept(
+    run: Run, redis_url: str, names: Names
 ) -> None:
     """A claim with no time left pops without blocking; its answer, behind a busy Redis, comes during the
     stall, which outlasts the command pool's socket timeout."""
-    pool = RedisCreditPool(redis_url, names, claim_grace_s=GRACE_S)
-    await pool.start()
-    try:
-        now = int(time.time() * 1000)
-        offered = Credit("w1", "alpha", 0, 1, now, now + 60_000)
-        await pool.offer(offered)
-        async with busy_redis(redis_url, BUSY_S):
-            claim = asyncio.create_task(pool.claim("alpha", 0))
-            for _ in range(YIELDS):
-                await asyncio.sleep(0)  # the pop is sent, and waits behind the script
-            time.sleep(BUSY_S + CREDITS_POOL.socket_timeout_s)  # noqa: ASYNC251  # the stall under test
-        outcome = (await asyncio.gather(claim, return_exceptions=True))[0]
-        left = await pool.offered("alpha")
-    finally:
-        await pool.close()
+    offered = credit()
+
+    async def scenario() -> tuple[object, list[Credit]]:
+        pool = RedisCreditPool(redis_url, names, claim_grace_s=GRACE_S)
+        await pool.start()
+        try:
+            await pool.offer(offered)
+            async with busy_redis(redis_url, BUSY_S):
+                claim = asyncio.create_task(pool.claim("alpha", 0))
+                for _ in range(YIELDS):
+                    await asyncio.sleep(0)  # the pop is sent, and waits behind the script
+                time.sleep(BUSY_S + CREDITS_POOL.socket_timeout_s)  # noqa: ASYNC251  # the stall under test
+            outcome = (await asyncio.gather(claim, return_exceptions=True))[0]
+            return outcome, await pool.offered("alpha")
+        finally:
+            await pool.close()
+
+    outcome, left = run(scenario())
     assert outcome == offered or (isinstance(outcome, TransportError) and left == [offered]), (
         f"the credit Redis popped for the claim is lost: the claim ended {outcome!r}, and the pool holds {left}"
     )
