@@ -206,6 +206,9 @@ class Gateway:
         ``weight`` its tokens that ``charge`` counted.
         """
         started = self._clock.monotonic()
+        # The caller's deadline runs from here: admission's own waits (the rate limiter's store, the token
+        # count) come out of it, not on top of it.
+        accepted = asyncio.get_running_loop().time()
         model, timeout_ms = validated(self.settings, input, model, timeout_ms)
         tier = request_tier(priority, caller.tiers)
         if idempotency_key is not None:
@@ -234,7 +237,7 @@ class Gateway:
                     weight = weights[0]
             elif count is not None:
                 await count()
-            deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
+            deadline = accepted + timeout_ms / 1000
             task_id = secrets.token_urlsafe(16)
             submission = Submission(task_id, input, model, timeout_ms, deadline, started, caller.owner, tier, ticket)
             if key is not None:

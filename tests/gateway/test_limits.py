@@ -304,6 +304,27 @@ async def test_rate_limits_off_cost_no_check(make_rig: RigFactory) -> None:
         assert (await rig.client.post("/v1/tasks", json={"input": f"{index}"})).status_code == 202
 
 
+async def test_the_time_a_slow_rate_limiter_takes_comes_out_of_the_callers_deadline(make_rig: RigFactory) -> None:
+    """A store that answers slowly (the rate limiter's Redis) delays admission: the caller still hears by
+    its ``timeout_ms`` from the submit, and the request carries what is left of it."""
+    slow_s, timeout_ms = 1.5, 2000
+
+    class Slow(MemoryRateLimiter):
+        async def acquire(self, client: str, tokens: int = 1) -> float:
+            await asyncio.sleep(slow_s)  # the slow store under test
+            return await super().acquire(client, tokens)
+
+    rig = await make_rig(**{**_limited(10, 10), "limiter": Slow(10, 10)})  # no worker: no answer comes
+    started = time.monotonic()
+    response = await rig.client.post("/v1/inference", json={"input": "x", "timeout_ms": timeout_ms})
+    took_s = time.monotonic() - started
+
+    assert response.status_code == 504, response.text
+    assert took_s < slow_s + timeout_ms / 1000 - 0.5, f"answered {took_s:.2f} s after the submit, past its deadline"
+    request = rig.only_request()
+    assert request.deadline_ms - request.enqueued_at_ms <= timeout_ms - slow_s * 1000 + 250, request
+
+
 @pytest.fixture
 async def redis_limiters(infra: Any, names: Names) -> AsyncIterator[list[RedisRateLimiter]]:
     limiters = [RedisRateLimiter(infra.redis_url, names, 0.2, 3) for _ in range(2)]
