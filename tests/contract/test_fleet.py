@@ -112,3 +112,22 @@ async def test_a_last_beat_is_kept_as_last_and_forgotten_a_minute_after_it_as_an
     members = {member.id: member for member in await fleet.members()}
     assert set(members) == {"w1", "w2"}, "the last beat past FORGET_AFTER_S is dropped"
     assert (members["w1"].state, members["w1"].final, members["w2"].final) == ("stopped", True, False)
+
+
+@pytest.mark.kafka
+async def test_a_writer_drops_the_members_forgotten_while_nobody_reads_the_fleet(redis_url: str, names: Names) -> None:
+    """Each process start adds a member (its pid is in its name), and only readers of the fleet dropped
+    the dead ones: with nobody reading ``/v1/fleet``, the hash grew with every restart."""
+    redis = Redis.from_url(redis_url)
+    dead = [beat("worker", f"w{pid}", pid=pid, age_s=FORGET_AFTER_S + 5) for pid in range(50)]
+    await redis.hset(names.fleet, mapping={member.key: member.encode() for member in dead})
+    fleet = RedisFleet(redis_url, names)
+    await fleet.start()
+    try:
+        await fleet.beat([beat("gateway", "g1")])
+        await fleet.beat([beat("gateway", "g1")])
+        fields = await redis.hkeys(names.fleet)
+        assert fields == [beat("gateway", "g1").key.encode()], f"expected the live member alone, got {len(fields)}"
+    finally:
+        await redis.aclose()
+        await fleet.close()

@@ -1,17 +1,21 @@
 """The fleet in Redis: one hash, ``<ns>:fleet``, of member name to its last heartbeat (JSON).
 
 A process writes its beats with one ``HSET`` a second. Readers drop members whose last beat is older
-than ``FORGET_AFTER_S`` (``HDEL``), so the hash holds the processes of the last minute, whatever
-died: Redis 7.0 has no per-field expiry, and a key per member would cost a ``SCAN`` per read.
+than ``FORGET_AFTER_S`` (``HDEL``), and so does each writer once every ``FORGET_AFTER_S``, so the hash
+holds the processes of the last minute or two, whatever died, even while nobody reads the fleet: each
+process start adds a member. Redis 7.0 has no per-field expiry, and a key per member would cost a
+``SCAN`` per read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 
-from schemas.heartbeat import Beat, decode_beat
+from schemas.heartbeat import FORGET_AFTER_S, Beat, decode_beat
 from schemas.wire import Names
+from transport.ports import TransportError
 from transport.redis.pools import REDIS_ERRORS, KeyedClient, PoolOptions, translate
 from transport.redis.sentinel import PrimaryFollower
 
@@ -29,6 +33,9 @@ class RedisFleet:
         self.names = names
         self._commands = KeyedClient(redis_url, pool, follower=follower)
         self._client = self._commands.redis
+        self._prune_at_s = 0.0
+        """When this writer next drops the forgotten members (monotonic): at its first beat, then once
+        every ``FORGET_AFTER_S``."""
 
     async def start(self) -> None:
         await self._commands.start()
@@ -43,6 +50,10 @@ class RedisFleet:
             await self._client.hset(self.names.fleet, mapping={beat.key: beat.encode() for beat in beats})
         except REDIS_ERRORS as err:
             raise translate("storing a heartbeat", err) from err
+        if (now_s := time.monotonic()) >= self._prune_at_s:
+            self._prune_at_s = now_s + FORGET_AFTER_S
+            with contextlib.suppress(TransportError):  # the beat is stored; the next pruning drops them
+                await self.members()
 
     async def members(self) -> list[Beat]:
         try:
