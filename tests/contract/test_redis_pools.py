@@ -21,6 +21,7 @@ from redis.exceptions import (
     SlotNotCoveredError,
     TryAgainError,
 )
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from infra.ports import free_port
 from infra.redis_cluster import cluster_url
@@ -40,6 +41,16 @@ from transport.redis.pools import (
 
 PAUSE_S = 1.5
 """How long a test pauses a primary: past the pool timeout it sets, 0.5 s."""
+
+SLOW_INCR = """
+local count = redis.call('INCR', KEYS[1])
+local started = redis.call('TIME')
+repeat
+  local now = redis.call('TIME')
+until (now[1] - started[1]) * 1000000 + (now[2] - started[2]) >= tonumber(ARGV[1])
+return count
+"""
+"""A write that runs, then holds its primary ARGV[1] microseconds before it answers."""
 
 ARGS = ("EVALSHA", "f" * 40, 2, "bw:task:a", "bw:task:b", 86_400_000, 0.25, b"\x00avro\xff", "é", "")
 
@@ -221,3 +232,50 @@ async def test_a_waiter_that_leaves_in_the_turn_it_was_woken_hands_the_free_conn
         await pool.release(outcome)
     finally:
         await pool.disconnect()
+
+
+async def _key_on_a_primary(cluster: RedisCluster, prefix: str) -> tuple[str, Redis]:
+    """A key of the cluster, and a plain client of the primary that holds it (no read timeout)."""
+    key = f"{prefix}:{time.monotonic_ns()}"
+    node = cluster.nodes_manager.get_node_from_slot(key_slot(key.encode()))
+    return key, Redis(host=node.host, port=int(node.port))
+
+
+@pytest.mark.kafka
+async def test_over_a_cluster_a_command_to_a_paused_primary_fails_after_the_socket_timeout(redis_cluster: str) -> None:
+    """As over one Redis: a primary that stops answering fails a command after the socket timeout, rather
+    than holding it through the cluster client's retries for as long as the primary stays silent."""
+    options = PoolOptions(socket_timeout_s=0.3)
+    keyed = KeyedClient(redis_cluster, options)
+    await keyed.start()
+    assert isinstance(keyed.redis, RedisCluster)
+    key, primary = await _key_on_a_primary(keyed.redis, "pools-test:paused")
+    try:
+        await primary.client_pause(4000, all=True)
+        started = time.monotonic()
+        with pytest.raises(RedisTimeoutError):
+            await keyed.redis.get(key)
+        took_s = time.monotonic() - started
+    finally:
+        await primary.client_unpause()
+        await primary.aclose()
+        await keyed.close()
+    assert took_s < 2.0, f"a GET to a paused primary took {took_s:.2f} s; the socket timeout is 0.3 s"
+
+
+@pytest.mark.kafka
+async def test_over_a_cluster_a_write_that_timed_out_is_not_sent_again(redis_cluster: str) -> None:
+    """A command that timed out may have run: sent again, a write that is not idempotent runs twice."""
+    keyed = KeyedClient(redis_cluster, PoolOptions(socket_timeout_s=0.3))
+    await keyed.start()
+    assert isinstance(keyed.redis, RedisCluster)
+    key, primary = await _key_on_a_primary(keyed.redis, "pools-test:slow-incr")
+    try:
+        with pytest.raises(RedisTimeoutError):
+            await keyed.redis.eval(SLOW_INCR, 1, key, 600_000)
+        count = await primary.get(key)  # answered once the script has run
+    finally:
+        await primary.delete(key)
+        await primary.aclose()
+        await keyed.close()
+    assert count == b"1", f"a write whose answer timed out ran {count!r} times, expected once"

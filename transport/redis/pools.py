@@ -44,6 +44,7 @@ from redis.exceptions import (
     TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry as SyncRetry
 
 from transport.errors import PermanentTransportError, StoreFullError
@@ -344,7 +345,16 @@ class _WaitingCluster(RedisCluster):
 
     It also meets a node that an ``ASK`` names before the slot map does (a slot migrating to a primary
     added since the map was read, as a scale-out does): redis-py follows a ``MOVED`` to such a node but
-    looks an ``ASK``'s up in its cache alone, and fails with an ``AttributeError`` of its own."""
+    looks an ``ASK``'s up in its cache alone, and fails with an ``AttributeError`` of its own.
+
+    A command that timed out is not sent again, as over one Redis (``_retry_once``): it may have run, and
+    a frozen primary would hold it through every retry. Connection errors, ``CLUSTERDOWN`` and a slot no
+    primary serves are still retried on a refreshed slot map; the timeout asks for that refresh too.
+    Pipelines read redis-py's own list (``RedisCluster.ERRORS_ALLOW_RETRY``) and still retry a timeout."""
+
+    ERRORS_ALLOW_RETRY = tuple(  # type: ignore[assignment]  # redis-py types it as its own four errors
+        error for error in RedisCluster.ERRORS_ALLOW_RETRY if error is not RedisTimeoutError
+    )
 
     def __init__(self, *, max_connections: int, pool_timeout_s: float | None, **kwargs: Any) -> None:
         super().__init__(max_connections=max_connections, **kwargs)
