@@ -434,6 +434,39 @@ async def test_a_watch_on_a_dead_primarys_slot_fails_as_a_transport_error_until_
             pytest.fail("no watch of the dead primary's slot worked within 30 s of the kill")
 
 
+async def test_a_frozen_primarys_commands_fail_after_the_socket_timeout_then_reach_its_replica(
+    tmp_path: Path, names: Names
+) -> None:
+    """A primary that stops answering (SIGSTOP) fails a read after the socket timeout, as one Redis does,
+    rather than holding it through the cluster client's retries; the timeout has the slot map read
+    again, so once the replica took over, a write of one of the frozen primary's tasks reaches it."""
+    pool = replace(STORE_POOL, socket_timeout_s=0.5)
+    with LocalRedisCluster(tmp_path / "cluster", replicas=1) as cluster:
+        store = RedisTaskStore(cluster.url, names, pool=pool)
+        await store.start()
+        victim = next(node for node in cluster.nodes if _serves(node.port, 0))
+        task_ids = [f"f{n}" for n in range(2_000) if _serves(victim.port, key_slot(names.task_key(f"f{n}").encode()))]
+        assert victim.pid is not None
+        os.kill(victim.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with pytest.raises(TransportError, match="TimeoutError"):
+                await store.get(task_ids[0])
+            took_s = time.monotonic() - started
+            created = False
+            for task_id in task_ids[1:301]:
+                try:
+                    created = await store.create(state(task_id, TaskStatus.QUEUED))
+                    break
+                except TransportError:
+                    await asyncio.sleep(0.1)
+        finally:
+            os.kill(victim.pid, signal.SIGCONT)
+            await store.close()
+    assert took_s < 2.0, f"a read from a frozen primary took {took_s:.2f} s; the socket timeout is 0.5 s"
+    assert created, "no task of the frozen primary's slots was created once its replica could take over"
+
+
 @asynccontextmanager
 async def _own_cluster(
     tmp_path: Path, names: Names, *, replicas: int = 0
