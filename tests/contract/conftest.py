@@ -4,7 +4,8 @@ Every test that takes ``kind`` runs twice, so the in-memory transports (embedded
 are held to the same contract as the Kafka and Redis ones. Real infrastructure comes from the
 session fixture ``infra`` (tests/conftest.py); ``names`` gives every test its own topics and keys.
 The Redis transports' contracts (the task store's among them) run twice more: over a Redis Cluster
-of three primaries (``redis_cluster``) and behind a Sentinel (``redis_sentinel``).
+of three primaries (``redis_cluster``) and behind a Sentinel (``redis_sentinel``). ``primary`` is a
+redis-server of the test's own, for a test that holds every command to it (``tests.support.busy_redis``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 
 from schemas.wire import Names
+from tests.support.lone_redis import primary  # noqa: F401 (pytest finds fixtures by name)
 from tests.support.transport_kits import (
     BATCH_PARTITIONS,
     MODELS,

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
 import redis
 import uvloop
 
+from infra.redis_server import RedisServer
 from schemas.codec import encode_credit
 from schemas.records import Credit
 from schemas.wire import Names
@@ -57,6 +59,27 @@ def credit() -> Credit:
     return Credit("w1", "alpha", 0, 1, now, now + 60_000)
 
 
+@asynccontextmanager
+async def credit_pool(redis_url: str, names: Names) -> AsyncIterator[RedisCreditPool]:
+    pool = RedisCreditPool(redis_url, names, claim_grace_s=GRACE_S)
+    await pool.start()
+    try:
+        yield pool
+    finally:
+        await pool.close()
+
+
+async def ended(pool: RedisCreditPool, claim: asyncio.Task[Credit | None]) -> tuple[object, list[Credit]]:
+    """How the claim ended, and what the pool holds afterwards."""
+    return (await asyncio.gather(claim, return_exceptions=True))[0], await pool.offered("alpha")
+
+
+def assert_claimed_or_kept(offered: Credit, outcome: object, left: list[Credit]) -> None:
+    assert outcome == offered or (isinstance(outcome, TransportError) and left == [offered]), (
+        f"the credit Redis popped for the claim is lost: the claim ended {outcome!r}, and the pool holds {left}"
+    )
+
+
 def blocked_clients(client: redis.Redis) -> int:
     return int(client.info("clients")["blocked_clients"])
 
@@ -68,49 +91,35 @@ def test_a_credit_popped_while_the_claimer_s_loop_stalls_is_claimed_or_kept(
     offered = credit()
 
     async def scenario() -> tuple[object, list[Credit]]:
-        pool = RedisCreditPool(redis_url, names, claim_grace_s=GRACE_S)
-        await pool.start()
-        try:
+        async with credit_pool(redis_url, names) as pool:
             before = blocked_clients(sync)
             claim = asyncio.create_task(pool.claim("alpha", CLAIM_S))
             await eventually(lambda: blocked_clients(sync) > before, "the claim's BZPOPMIN to block")
             sync.zadd(names.credit_queue("alpha"), {encode_credit(offered): offered.idle_from_ms})  # popped at once
             time.sleep(STALL_S)  # noqa: ASYNC251  # the stall under test: the loop blocked while Redis answers
-            outcome = (await asyncio.gather(claim, return_exceptions=True))[0]
-            return outcome, await pool.offered("alpha")
-        finally:
-            await pool.close()
+            return await ended(pool, claim)
 
-    outcome, left = run(scenario())
-    assert outcome == offered or (isinstance(outcome, TransportError) and left == [offered]), (
-        f"the credit Redis popped for the claim is lost: the claim ended {outcome!r}, and the pool holds {left}"
-    )
+    assert_claimed_or_kept(offered, *run(scenario()))
 
 
 @LOOPS
 def test_a_credit_popped_at_once_while_the_claimer_s_loop_stalls_is_claimed_or_kept(
-    run: Run, redis_url: str, names: Names
+    run: Run, primary: RedisServer, names: Names
 ) -> None:
     """A claim with no time left pops without blocking; its answer, behind a busy Redis, comes during the
-    stall, which outlasts the command pool's socket timeout."""
+    stall, which outlasts the command pool's socket timeout. On a Redis of the test's own (``primary``):
+    the script that keeps it busy holds every command to it."""
     offered = credit()
+    redis_url = primary.url
 
     async def scenario() -> tuple[object, list[Credit]]:
-        pool = RedisCreditPool(redis_url, names, claim_grace_s=GRACE_S)
-        await pool.start()
-        try:
+        async with credit_pool(redis_url, names) as pool:
             await pool.offer(offered)
             async with busy_redis(redis_url, BUSY_S):
                 claim = asyncio.create_task(pool.claim("alpha", 0))
                 for _ in range(YIELDS):
                     await asyncio.sleep(0)  # the pop is sent, and waits behind the script
                 time.sleep(BUSY_S + CREDITS_POOL.socket_timeout_s)  # noqa: ASYNC251  # the stall under test
-            outcome = (await asyncio.gather(claim, return_exceptions=True))[0]
-            return outcome, await pool.offered("alpha")
-        finally:
-            await pool.close()
+            return await ended(pool, claim)
 
-    outcome, left = run(scenario())
-    assert outcome == offered or (isinstance(outcome, TransportError) and left == [offered]), (
-        f"the credit Redis popped for the claim is lost: the claim ended {outcome!r}, and the pool holds {left}"
-    )
+    assert_claimed_or_kept(offered, *run(scenario()))

@@ -1,5 +1,6 @@
 """A Redis server kept busy for a while (a script that spins), so that it answers late: the commands
-sent meanwhile run once the script ends."""
+sent meanwhile run once the script ends. Every client's commands wait, so a test runs it on a Redis of
+its own (``tests.support.lone_redis.primary``), never on the session's, which other tests share."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import pytest
 from gpu_worker.credits import CreditOffer
 from gpu_worker.runner import BackendRunner
 from gpu_worker.settings import WorkerSettings
+from infra.redis_server import RedisServer
 from schemas.wire import Names
 from tests.support.busy_redis import busy_redis
 from tests.support.eventually import eventually
@@ -25,19 +26,20 @@ BUSY_S = CREDITS_POOL.socket_timeout_s + 0.5
 
 
 @pytest.fixture
-async def pool(request: pytest.FixtureRequest) -> AsyncIterator[RedisCreditPool]:
-    made = RedisCreditPool(request.getfixturevalue("infra").redis_url, Names(f"t{uuid.uuid4().hex[:10]}"))
+async def pool(primary: RedisServer) -> AsyncIterator[RedisCreditPool]:
+    """On a Redis of the test's own (``primary``): the script that keeps it busy holds every command to it."""
+    made = RedisCreditPool(primary.url, Names(f"t{uuid.uuid4().hex[:10]}"))
     await made.start()
     yield made
     await made.close()
 
 
 async def test_an_offer_whose_answer_came_too_late_is_replaced_not_doubled(
-    pool: RedisCreditPool, request: pytest.FixtureRequest, runner: BackendRunner
+    pool: RedisCreditPool, primary: RedisServer, runner: BackendRunner
 ) -> None:
     settings = WorkerSettings(worker_id="w1", model="alpha")
     offers = CreditOffer(settings, pool, MemoryBatchBus(1).consumer(0), ScriptedBackend(), runner, lambda: 0.0, None)
-    redis_url = request.getfixturevalue("infra").redis_url
+    redis_url = primary.url
     reader = sync_client(redis_url, 5.0)
     try:
         await offers.offer()
