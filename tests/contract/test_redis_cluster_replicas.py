@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import signal
 import time
@@ -36,6 +37,9 @@ from transport.redis.store import STORE_POOL, RedisTaskStore
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(60)]
 
 WAIT_MS = 2_000
+FROZEN_TRIES = 40
+"""Writes of a frozen primary's slots, each failing after the socket timeout (0.5 s), tried until its
+replica takes over (the cluster's node timeout, 2 s, and an election): about 25 s of tries."""
 
 
 @pytest.fixture
@@ -445,16 +449,20 @@ async def test_a_frozen_primarys_commands_fail_after_the_socket_timeout_then_rea
         store = RedisTaskStore(cluster.url, names, pool=pool)
         await store.start()
         victim = next(node for node in cluster.nodes if _serves(node.port, 0))
-        task_ids = [f"f{n}" for n in range(2_000) if _serves(victim.port, key_slot(names.task_key(f"f{n}").encode()))]
+        with redis.RedisCluster(host="127.0.0.1", port=victim.port) as client:
+            owner = client.nodes_manager.get_node_from_slot
+            task_ids = (f"f{n}" for n in itertools.count())
+            frozen = (i for i in task_ids if int(owner(key_slot(names.task_key(i).encode())).port) == victim.port)
+            first, *later = itertools.islice(frozen, 1 + FROZEN_TRIES)
         assert victim.pid is not None
         os.kill(victim.pid, signal.SIGSTOP)
         try:
             started = time.monotonic()
             with pytest.raises(TransportError, match="TimeoutError"):
-                await store.get(task_ids[0])
+                await store.get(first)
             took_s = time.monotonic() - started
             created = False
-            for task_id in task_ids[1:301]:
+            for task_id in later:  # each try fails after the socket timeout until the replica took over
                 try:
                     created = await store.create(state(task_id, TaskStatus.QUEUED))
                     break
