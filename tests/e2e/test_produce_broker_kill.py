@@ -40,6 +40,7 @@ from infra.stack import ENV_FILE_NAME, KAFKA_ENV, REDIS_ENV, read_env_file
 from schemas.codec import decode_batch
 from schemas.records import Batch
 from schemas.wire import Names
+from tests.support.bus_records import partition_values
 from tests.support.cluster_checks import group_offsets
 from tests.support.eventually import eventually_sync
 from tests.support.http_calls import many_at_once
@@ -126,21 +127,7 @@ async def topic_replication(bootstrap: str, topic: str) -> tuple[list[list[int]]
 
 async def batch_records(bootstrap: str, topic: str) -> list[Batch]:
     """Every record on ``topic``[0], from the first offset to the end."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
-    await consumer.start()
-    try:
-        tp = TopicPartition(topic, 0)
-        consumer.assign([tp])
-        await consumer.seek_to_beginning(tp)
-        end = (await consumer.end_offsets([tp]))[tp]
-        found: list[Batch] = []
-        async with asyncio.timeout(30):
-            while await consumer.position(tp) < end:
-                for records in (await consumer.getmany(tp, timeout_ms=1000)).values():
-                    found.extend(decode_batch(record.value) for record in records)
-    finally:
-        await consumer.stop()
-    return found
+    return [decode_batch(value) for value in await partition_values(bootstrap, topic)]
 
 
 def leader_of(state_dir: Path, topic: str) -> dict[str, Any]:
