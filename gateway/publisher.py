@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from dataclasses import replace
 
 from gateway.clock import Clock
@@ -43,9 +42,7 @@ class TaskPublisher:
         task_id = submission.task_id if task_id is None else task_id
         model, owner = submission.model, submission.owner
         now_ms = self._clock.wall_ms()
-        # The caller's deadline, as the record carries it: what admission took of it is gone.
-        left_ms = math.ceil((submission.deadline - asyncio.get_running_loop().time()) * 1000)
-        deadline_ms = now_ms + max(0, min(submission.timeout_ms, left_ms))
+        deadline_ms = submission.deadline_ms(now_ms)
         state = TaskState(
             task_id, TaskStatus.QUEUED, model, now_ms, now_ms, reply_to=reply_to, owner=owner, deadline_ms=deadline_ms
         )

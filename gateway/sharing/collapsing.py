@@ -125,7 +125,7 @@ class Collapser:
             now_ms,
             reply_to=self._gateway_id,
             owner=request.owner,
-            deadline_ms=now_ms + request.timeout_ms,  # a gateway that reads it late ends it, should this one die
+            deadline_ms=request.deadline_ms(now_ms),  # a gateway that reads it late ends it, should this one die
         )
         try:
             async with asyncio.timeout_at(request.deadline):

@@ -347,7 +347,7 @@ class _WaitingCluster(RedisCluster):
     added since the map was read, as a scale-out does): redis-py follows a ``MOVED`` to such a node but
     looks an ``ASK``'s up in its cache alone, and fails with an ``AttributeError`` of its own.
 
-    A command that timed out is not sent again, as over one Redis (``_retry_once``): it may have run, and
+    A command that timed out is not sent again, as over one Redis (``ERRORS_ALLOW_RETRY``): it may have run, and
     a frozen primary would hold it through every retry. Connection errors, ``CLUSTERDOWN`` and a slot no
     primary serves are still retried on a refreshed slot map; the timeout asks for that refresh too.
     Pipelines read redis-py's own list (``RedisCluster.ERRORS_ALLOW_RETRY``) and still retry a timeout."""
