@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 import pytest
 from redis.asyncio import Redis
@@ -25,8 +26,12 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from infra.ports import free_port
 from infra.redis_cluster import cluster_url
+from schemas.records import Credit
+from schemas.wire import Names
 from transport.errors import PermanentTransportError
 from transport.ports import TransportError
+from transport.redis.credits import RedisCreditPool
+from transport.redis.deliveries import RedisDeliveryLog
 from transport.redis.pools import (
     KeyedClient,
     PoolOptions,
@@ -279,3 +284,54 @@ async def test_over_a_cluster_a_write_that_timed_out_is_not_sent_again(redis_clu
         await primary.aclose()
         await keyed.close()
     assert count == b"1", f"a write whose answer timed out ran {count!r} times, expected once"
+
+
+async def _offer(
+    redis_url: str, names: Names
+) -> tuple[str, Callable[[], Awaitable[object]], Callable[[], Awaitable[None]]]:
+    pool = RedisCreditPool(redis_url, names, pool=PoolOptions(socket_timeout_s=0.3))
+    await pool.start()
+    credit = Credit(worker_id="w-paused", model="m", partition=0, seq=1, issued_at_ms=0, expires_at_ms=2**62)
+    return names.credit_queue("m"), lambda: pool.offer(credit), pool.close
+
+
+async def _record(
+    redis_url: str, names: Names
+) -> tuple[str, Callable[[], Awaitable[object]], Callable[[], Awaitable[None]]]:
+    log = RedisDeliveryLog(redis_url, names, pool=PoolOptions(socket_timeout_s=0.3))
+    await log.start()
+    return names.delivery_record("b-paused"), lambda: log.mark("b-paused", ["t1"]), log.close
+
+
+@pytest.mark.kafka
+@pytest.mark.parametrize("write", [_offer, _record], ids=["credit offer", "delivery record"])
+async def test_over_a_cluster_a_credit_offer_or_delivery_record_that_timed_out_is_not_sent_again(
+    redis_cluster: str,
+    write: Callable[
+        [str, Names], Awaitable[tuple[str, Callable[[], Awaitable[object]], Callable[[], Awaitable[None]]]]
+    ],
+) -> None:
+    """These writes are one command each, so they fail after the socket timeout as a command does; a cluster
+    pipeline would send them again while the primary stays silent, and an offer landing again after a
+    batcher claimed it puts the claimed credit back (two batches for one worker)."""
+    names = Names(f"pools-{time.monotonic_ns()}")
+    key, run, close = await write(redis_cluster, names)
+    keyed = KeyedClient(redis_cluster, PoolOptions())
+    await keyed.start()
+    assert isinstance(keyed.redis, RedisCluster)
+    node = keyed.redis.nodes_manager.get_node_from_slot(key_slot(key.encode()))
+    primary = Redis(host=node.host, port=int(node.port))
+    try:
+        await run()  # connected, and its script loaded
+        await primary.client_pause(4000, all=True)
+        started = time.monotonic()
+        with pytest.raises(TransportError):
+            await run()
+        took_s = time.monotonic() - started
+    finally:
+        await primary.client_unpause()
+        await primary.delete(key)
+        await primary.aclose()
+        await keyed.close()
+        await close()
+    assert took_s < 2.0, f"a write to a paused primary took {took_s:.2f} s; the socket timeout is 0.3 s"

@@ -38,6 +38,15 @@ log = logging.getLogger(__name__)
 _MIN_BLOCK_S = 0.001
 
 
+# KEYS[1] the model's credit set. ARGV[1] the credit, ARGV[2] its score, ARGV[3] the most credits kept (the
+# longest idle dropped). One command, not a pipeline: a cluster client resends a pipeline whose answer timed
+# out, and an offer landing again after a batcher claimed it would put the claimed credit back.
+_OFFER = """
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+redis.call('ZREMRANGEBYRANK', KEYS[1], 0, -tonumber(ARGV[3]) - 1)
+"""
+
+
 def _now_ms() -> int:
     # Credits carry wall-clock expiry (they cross processes), so this compares wall time on purpose.
     return int(time.time() * 1000)
@@ -81,6 +90,7 @@ class RedisCreditPool:
         )
         self._client = self._commands.redis
         self._blocking = self._claimers.redis
+        self._offer = self._client.register_script(_OFFER)
         self._claims: set[asyncio.Task[Credit | None]] = set()
         self._closed = False
 
@@ -99,10 +109,9 @@ class RedisCreditPool:
     async def offer(self, credit: Credit, *, after_ms: int = 0) -> None:
         key = self.names.credit_queue(credit.model)
         try:
-            async with self._client.pipeline(transaction=False) as pipe:
-                pipe.zadd(key, {encode_credit(credit): max(credit.idle_from_ms, after_ms)})
-                pipe.zremrangebyrank(key, 0, -self.max_credits - 1)
-                await pipe.execute()
+            await self._offer(
+                keys=[key], args=[encode_credit(credit), max(credit.idle_from_ms, after_ms), self.max_credits]
+            )
         except REDIS_ERRORS as err:
             raise translate(f"offering credit {credit.worker_id}/{credit.seq} for {credit.model}", err) from err
 

@@ -73,6 +73,15 @@ redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return 1
 """
 
+# KEYS[1] the batch's hash. ARGV[1] ttl ms, ARGV[2] the field, ARGV[3] its value. A mark or a note undoes a
+# hand-back (the batch still runs here, or hung). One command, not a MULTI: a cluster client resends a
+# pipeline whose answer timed out, and this is sent once.
+_RECORD = """
+redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
+redis.call('HDEL', KEYS[1], 'back')
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+"""
+
 
 DELIVERIES_TTL_S = 3600.0
 """How long a batch's delivery record outlives its last change (a committed batch's is deleted)."""
@@ -98,6 +107,7 @@ class RedisDeliveryLog:
         self._begin = self._client.register_script(_BEGIN)
         self._suspects = self._client.register_script(_SUSPECTS)
         self._hand_back = self._client.register_script(_HAND_BACK)
+        self._record = self._client.register_script(_RECORD)
 
     async def start(self) -> None:
         await self._commands.start()
@@ -146,11 +156,7 @@ class RedisDeliveryLog:
     async def _hset(self, batch_id: str, field: str, value: str, action: str) -> None:
         key = self.names.delivery_record(batch_id)
         try:
-            async with self._client.pipeline(transaction=True) as pipe:
-                pipe.hset(key, field, value)
-                pipe.hdel(key, "back")  # a hand-back undone: the batch still runs here, or hung
-                pipe.pexpire(key, self.ttl_ms)
-                await pipe.execute()
+            await self._record(keys=[key], args=[self.ttl_ms, field, value])
         except REDIS_ERRORS as err:
             raise translate(f"{action} of batch {batch_id}", err) from err
 

@@ -350,7 +350,8 @@ class _WaitingCluster(RedisCluster):
     A command that timed out is not sent again, as over one Redis (``ERRORS_ALLOW_RETRY``): it may have run, and
     a frozen primary would hold it through every retry. Connection errors, ``CLUSTERDOWN`` and a slot no
     primary serves are still retried on a refreshed slot map; the timeout asks for that refresh too.
-    Pipelines read redis-py's own list (``RedisCluster.ERRORS_ALLOW_RETRY``) and still retry a timeout."""
+    Pipelines read redis-py's own list (``RedisCluster.ERRORS_ALLOW_RETRY``) and still retry a timeout, so a
+    write that must not land twice is one script, not a pipeline."""
 
     ERRORS_ALLOW_RETRY = tuple(  # type: ignore[assignment]  # redis-py types it as its own four errors
         error for error in RedisCluster.ERRORS_ALLOW_RETRY if error is not RedisTimeoutError
