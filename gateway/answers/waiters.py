@@ -7,7 +7,8 @@ A caller that has waited ``first_check_s`` also gets its connection watched (:me
 if it leaves, its future fails with :class:`CallerGone`, so the gateway can cancel its task. Only
 callers that wait that long are watched: a watch is a task per caller, alive for the whole wait, a
 cost (mostly garbage collection made more frequent by the extra live objects) that pays off only
-for callers that wait long, behind a queue, and those are the ones watched.
+for callers that wait long, behind a queue, and those are the ones watched. A :class:`SharedGone`
+costs no task, and is watched from the start.
 """
 
 from __future__ import annotations
@@ -46,6 +47,20 @@ async def unless_gone(work: Awaitable[T], gone: Watch, error: Callable[[], Excep
     if working.cancelled():
         raise error()
     return working.result()
+
+
+class SharedGone:
+    """The watch of the strings of one request (OpenAI's lists): a future its route sets when the client
+    leaves or one string's error ends the request. Watching it costs no task, so a caller registered
+    with it is watched at once: the others' tasks are cancelled as soon as the request ends."""
+
+    __slots__ = ("_gone",)
+
+    def __init__(self, gone: asyncio.Future[None]) -> None:
+        self._gone = gone
+
+    def __call__(self) -> Awaitable[object]:
+        return asyncio.shield(self._gone)
 
 
 class CallerGone(Exception):
@@ -87,9 +102,12 @@ class ReplyWaiters:
 
     def register(self, task_id: str, now: float, watch: Watch | None = None) -> asyncio.Future[TaskState]:
         """A future that :meth:`resolve` completes with the task's terminal state. ``watch``, if
-        given, is started by :meth:`watch_callers` once the caller has waited ``first_check_s``."""
+        given, is started by :meth:`watch_callers` once the caller has waited ``first_check_s`` (a
+        :class:`SharedGone` at once)."""
         future: asyncio.Future[TaskState] = asyncio.get_running_loop().create_future()
-        self._waiting[task_id] = _Waiter(future, now, self.first_check_s, watch)
+        waiter = self._waiting[task_id] = _Waiter(future, now, self.first_check_s, watch)
+        if isinstance(watch, SharedGone):
+            self._start(waiter, watch)
         return future
 
     def discard(self, task_id: str) -> None:
@@ -136,14 +154,18 @@ class ReplyWaiters:
             watch = waiter.watch
             if watch is None or waiter.registered > cutoff:
                 continue
-            waiter.watch = None
-            if waiter.future.done():
-                continue
-            running = asyncio.ensure_future(watch())
-            self._watches.add(running)
-            running.add_done_callback(functools.partial(self._watch_ended, waiter.future))
-            started += 1
+            if not waiter.future.done():
+                started += 1
+            self._start(waiter, watch)
         return started
+
+    def _start(self, waiter: _Waiter, watch: Watch) -> None:
+        waiter.watch = None
+        if waiter.future.done():
+            return
+        running = asyncio.ensure_future(watch())
+        self._watches.add(running)
+        running.add_done_callback(functools.partial(self._watch_ended, waiter.future))
 
     def _watch_ended(self, future: asyncio.Future[TaskState], watch: asyncio.Future[object]) -> None:
         self._watches.discard(watch)

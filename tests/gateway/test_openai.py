@@ -509,9 +509,15 @@ async def test_a_stream_the_server_shutdown_ends_says_so_and_the_client_raises()
 # over the gateway's rig: prompts whose caller is gone --------------------------------------------
 
 
-async def test_the_prompts_left_when_one_is_refused_are_cancelled_as_at_a_disconnect(make_rig: RigFactory) -> None:
-    """The caller got its error: the request's other prompts, on the bus already, are not computed."""
-    rig = await make_rig(reply_recheck_s=0.1)  # no worker: "a" waits on the bus
+@pytest.mark.parametrize("reply_recheck_s", [0.1, 1.0])
+async def test_the_prompts_left_when_one_is_refused_are_cancelled_as_at_a_disconnect(
+    make_rig: RigFactory, reply_recheck_s: float
+) -> None:
+    """The caller got its error: the request's other prompts, on the bus already, are not computed. A
+    single request's caller is watched only from the lost-reply sweep after ``reply_recheck_s`` (1.0 s,
+    the default); these prompts are watched at once, else one cancelled where it waits (after
+    ``GONE_GRACE_S``) would leave its task on the bus, computed for nobody."""
+    rig = await make_rig(reply_recheck_s=reply_recheck_s)  # no worker: "a" waits on the bus
     refused = await rig.client.post("/v1/completions", json={"model": "echo", "prompt": ["a", "x" * 70_000]})
     assert refused.status_code == 413, refused.text
     waiting = rig.only_request()

@@ -29,6 +29,7 @@ from starlette.responses import Response
 
 from gateway.admission.gate import Caller
 from gateway.answers.outcomes import Answer
+from gateway.answers.waiters import SharedGone
 from gateway.edge.body import TEXT_EXPECTED, Shape, parse_body
 from gateway.edge.callers import disconnected, unless_gone
 from gateway.edge.events import EventStream
@@ -381,7 +382,7 @@ class CompletionChunks:
                     None,
                     True,
                     caller=caller,
-                    disconnected=self._watch,
+                    disconnected=SharedGone(self._gone),
                     charged=True,
                     weight=None if weights is None else weights[index],
                 )
@@ -397,9 +398,6 @@ class CompletionChunks:
         self._ended = False
         self._streaming = False
         self._first: bytes | None = None
-
-    def _watch(self) -> Awaitable[object]:
-        return asyncio.shield(self._gone)
 
     def __aiter__(self) -> CompletionChunks:
         return self
@@ -538,9 +536,6 @@ async def _submit_all(
     receiving = asyncio.ensure_future(disconnected(request.receive))
     receiving.add_done_callback(lambda _: None if gone.done() else gone.set_result(None))
 
-    def watch() -> Awaitable[object]:
-        return asyncio.shield(gone)
-
     submits = [
         asyncio.ensure_future(
             gateway.submit(
@@ -549,7 +544,7 @@ async def _submit_all(
                 None,
                 True,
                 caller=caller,
-                disconnected=watch,
+                disconnected=SharedGone(gone),
                 charged=True,
                 weight=None if weights is None else weights[index],
             )
