@@ -156,6 +156,17 @@ class Overloaded(GatewayError):
     retriable = True
 
 
+class PredictedLate(Overloaded):
+    """Overloaded: the request's answer is predicted past its deadline. Carries the figures, for routes
+    that take no ``timeout_ms`` to say it their way (``gateway.edge.routes.openai``)."""
+
+    def __init__(self, message: str, *, model: str, answer_s: float, timeout_ms: int, retry_after_s: int) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.model = model
+        self.answer_s = answer_s
+        self.timeout_ms = timeout_ms
+
+
 class NotEmbeddings(GatewayError):
     code = "not_an_embedding_model"
 

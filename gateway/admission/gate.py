@@ -26,7 +26,7 @@ from prometheus_client import Counter
 from gateway.admission.fair_share import FAIR_AFTER_S, FairShare
 from gateway.admission.priority import KeyTiers, request_tier
 from gateway.admission.wait import MARGIN, ModelQueue, Prediction
-from gateway.errors import GatewayError, Overloaded, RateLimited, Unavailable, ValidationFailed
+from gateway.errors import GatewayError, Overloaded, PredictedLate, RateLimited, Unavailable, ValidationFailed
 from gateway.settings import GatewaySettings, env_name
 from gateway.unseen import Ticket, Unseen
 from schemas.records import Credit, Priority
@@ -360,11 +360,14 @@ class Admission:
             self._check_share(model, client, predicted)
         timeout_s = timeout_ms / 1000
         if predicted.refuses(timeout_s):
-            raise Overloaded(
+            raise PredictedLate(
                 f"model {model!r} has {depth} requests waiting; a {tier.value!r} request's answer is predicted in "
                 f"about {predicted.answer_s:.1f} s at the {predicted.rate_per_s or 0:.0f} requests/s it drains; "
                 f"timeout_ms={timeout_ms} cannot be met, so nothing was queued: retry after the Retry-After delay, "
                 "or send a longer timeout_ms",
+                model=model,
+                answer_s=predicted.answer_s,
+                timeout_ms=timeout_ms,
                 retry_after_s=min(MAX_RETRY_AFTER_S, max(1, math.ceil(predicted.answer_s * MARGIN - timeout_s))),
             )
 

@@ -25,8 +25,8 @@ from gateway.admission.gate import ANONYMOUS
 from gateway.answers.outcomes import Answer
 from gateway.edge.app import create_app
 from gateway.edge.events import EventStream, StreamsEnd
-from gateway.edge.routes.openai import CUT, GONE_GRACE_S, MAX_INPUTS, CompletionChunks, CompletionsBody
-from gateway.errors import ClientDisconnected
+from gateway.edge.routes.openai import CUT, GONE_GRACE_S, MAX_INPUTS, CompletionChunks, CompletionsBody, openai_error
+from gateway.errors import ClientDisconnected, PredictedLate
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from gateway.sharing.answer_keys import AnswerKeys
@@ -293,6 +293,24 @@ async def test_a_request_of_several_inputs_takes_its_rate_limit_tokens_whole_or_
         with pytest.raises(openai.BadRequestError) as refused:
             await client.embeddings.create(model="embed", input=["a", "b", "c", "d"])
         assert "send at most 3 per request" in refused.value.message, refused.value.message
+
+
+def test_a_refusal_predicted_past_the_deadline_names_the_deployments_timeout_not_a_field_these_routes_lack() -> None:
+    """These routes take no ``timeout_ms``: the advice is to retry later, or send fewer strings."""
+    late = PredictedLate(
+        "... timeout_ms=30000 cannot be met ... or send a longer timeout_ms",
+        model="sim",
+        answer_s=41.5,
+        timeout_ms=30_000,
+        retry_after_s=12,
+    )
+    response = openai_error(late, retry_after_s=1)
+    assert response.status_code == 503 and response.headers["retry-after"] == "12"
+    error = json.loads(bytes(response.body))["error"]
+    assert error["code"] == "overloaded" and error["type"] == "server_error", error
+    message = error["message"]
+    assert "41.5 s" in message and "BATCHWIRE_DEFAULT_TIMEOUT_MS=30000" in message, message
+    assert "fewer per request" in message and "timeout_ms=" not in message.replace("TIMEOUT_MS=", ""), message
 
 
 async def test_more_strings_than_the_gateway_holds_at_once_is_a_400_not_a_503_retried_for_ever() -> None:

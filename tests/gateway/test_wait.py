@@ -10,8 +10,8 @@ import time
 import pytest
 
 from gateway.admission.gate import ANONYMOUS, Admission
-from gateway.admission.wait import DrainMeter, ModelQueue, ServiceTime, Stated, TierMix, WorkerRates
-from gateway.errors import Overloaded
+from gateway.admission.wait import MARGIN, DrainMeter, ModelQueue, ServiceTime, Stated, TierMix, WorkerRates
+from gateway.errors import Overloaded, PredictedLate
 from gateway.settings import GatewaySettings
 from gateway.unseen import Ticket
 from schemas.records import Credit, Priority
@@ -135,6 +135,9 @@ async def test_a_request_whose_deadline_the_queue_cannot_meet_is_refused_at_once
         await admit_sent(admission, "a", 1_000)
     assert "timeout_ms=1000 cannot be met" in refused.value.message
     assert refused.value.retry_after_s == 1
+    late = refused.value
+    assert isinstance(late, PredictedLate) and (late.model, late.timeout_ms) == ("a", 1_000), late
+    assert late.answer_s * MARGIN > 1.0, f"its figures, for routes that take no timeout_ms: {late.answer_s}"
     await admit_sent(admission, "a", 2_000)
     admission.answered("a", 0.1)
     counters.backlogs["a"] = Backlog(0, 100, 10, 1.1)

@@ -43,6 +43,7 @@ from gateway.errors import (
     NotEmbeddings,
     NotReady,
     Overloaded,
+    PredictedLate,
     TaskFailed,
     UnknownModel,
     ValidationFailed,
@@ -251,6 +252,13 @@ def _message(exc: GatewayError) -> str:
         return (
             f"no answer within the deployment's timeout ({env_name('default_timeout_ms')}): "
             "send the request again once the model is less busy"
+        )
+    if isinstance(exc, PredictedLate):
+        return (
+            f"model {exc.model!r}'s answers are predicted in about {exc.answer_s:.1f} s, past the deployment's "
+            f"timeout ({env_name('default_timeout_ms')}={exc.timeout_ms}), so the request was refused and its strings "
+            "still waiting were cancelled: retry after the Retry-After delay (each string of a request adds to that "
+            "wait: send fewer per request)"
         )
     return exc.message
 
