@@ -25,6 +25,12 @@ from transport.routing import Partitioner
 MEMORY_WATCH_S = 0.5
 """How often a gateway reads whether Redis is full: a synchronous submit waits for an answer that a
 full Redis cannot store, so it is refused at once instead (``transport.redis.memory``)."""
+KAFKA_READY_S = 1.0
+"""The request producer's own bound on a readiness probe and on its breaker's probes: no answer within it
+is down."""
+KAFKA_PROBE_SLACK_S = 0.15
+"""How much longer /readyz waits for that probe than its own bound: the probe must end by itself, so that
+its finding reaches the breaker (cut short, a frozen broker's probe would leave submits waiting on it)."""
 
 
 class GatewayTransports:
@@ -43,7 +49,7 @@ class GatewayTransports:
         redis_url = shared.require_redis()
         partitioner = Partitioner(shared.models, shared.request_partitions, run=REQUEST_RUN)
         self.producer: RequestProducer = KafkaRequestProducer(
-            bootstrap, shared.names, partitioner, linger_ms=settings.request_linger_ms
+            bootstrap, shared.names, partitioner, linger_ms=settings.request_linger_ms, ready_timeout_s=KAFKA_READY_S
         )
         follower = follower_of(redis_url)  # one for every pool: the Sentinels are asked once a round
         self.store = RedisTaskStore(
@@ -102,11 +108,12 @@ class GatewayTransports:
     async def ready(self) -> dict[str, Any]:
         """Each part's readiness (``gateway.health.Ready``), each probed once, Kafka and Redis side by side
         (a frozen broker's probe takes its full second): Redis says whether it is failing over."""
-        # Within the route's bound on the whole (``ready_timeout_s``): half for the probes, four tenths for
-        # the Sentinels, asked only when Redis is down.
+        # Within the route's bound on the whole (``ready_timeout_s``): half for the probes (Kafka's a little
+        # more, so that its own bound ends it), four tenths for the Sentinels, asked only when Redis is down.
         probe_s = self.ready_timeout_s * 0.5
+        kafka_s = max(probe_s, KAFKA_READY_S + KAFKA_PROBE_SLACK_S)
         kafka, store = await asyncio.gather(
-            probe(self.producer.ready(), probe_s, "kafka"), probe(self.store.ready(), probe_s, "redis")
+            probe(self.producer.ready(), kafka_s, "kafka"), probe(self.store.ready(), probe_s, "redis")
         )
         redis_ready = await redis_readiness(store, self.redis_url, timeout_s=self.ready_timeout_s * 0.4)
         checks: dict[str, Ready] = {
