@@ -64,7 +64,7 @@ REQUEST_LATENCY = Histogram(
 )
 INFLIGHT = Gauge(
     "batchwire_inflight_requests",
-    "Requests this gateway holds open or has accepted and not seen end.",
+    "Requests this gateway is handling now: a synchronous one until its answer, an asynchronous one until queued.",
     registry=REGISTRY,
 )
 REDIS_FULL = Gauge(
