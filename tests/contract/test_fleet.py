@@ -3,8 +3,9 @@ forgotten after a minute."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 from redis.asyncio import Redis
@@ -131,3 +132,30 @@ async def test_a_writer_drops_the_members_forgotten_while_nobody_reads_the_fleet
     finally:
         await redis.aclose()
         await fleet.close()
+
+
+@pytest.mark.kafka
+async def test_hosts_whose_clocks_disagree_see_each_others_beats_at_their_true_age(
+    redis_url: str, names: Names
+) -> None:
+    """Beats cross hosts: a worker host 70 s behind and a gateway host 10 s ahead of Redis still see a beat
+    just sent as just sent (by the hosts' own clocks it would be 80 s old: dropped as forgotten)."""
+
+    def clock(skew_s: float) -> Callable[[], int]:
+        return lambda: int((time.time() + skew_s) * 1000)
+
+    behind, ahead = clock(-70.0), clock(10.0)
+    writer = RedisFleet(redis_url, names, wall_ms=behind)
+    reader = RedisFleet(redis_url, names, wall_ms=ahead)
+    await writer.start()
+    await reader.start()
+    try:
+        sent = beat("worker", "w1")
+        await writer.beat([dataclasses.replace(sent, at_ms=behind())])
+        members = await reader.members()
+        assert [member.id for member in members] == ["w1"], "a beat just sent is not forgotten"
+        age_s = (ahead() - members[0].at_ms) / 1000
+        assert members[0].live(ahead()) and abs(age_s) < 2.0, f"a beat just sent reads {age_s:.1f} s old"
+    finally:
+        await writer.close()
+        await reader.close()

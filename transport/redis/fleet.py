@@ -5,13 +5,19 @@ than ``FORGET_AFTER_S`` (``HDEL``), and so does each writer once every ``FORGET_
 holds the processes of the last minute or two, whatever died, even while nobody reads the fleet: each
 process start adds a member. Redis 7.0 has no per-field expiry, and a key per member would cost a
 ``SCAN`` per read.
+
+Beats are stored in Redis's clock (``TIME``) and read back in the reader's: a beat's age is then right
+between hosts whose clocks disagree (a host seconds behind would show its members gone, a minute behind
+have them dropped at every read). Each process measures how far its clock is from Redis's at start and
+once every ``FORGET_AFTER_S``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from schemas.heartbeat import FORGET_AFTER_S, Beat, decode_beat
 from schemas.wire import Names
@@ -23,22 +29,46 @@ FLEET_POOL = PoolOptions(max_connections=2, socket_timeout_s=1.0, pool_timeout_s
 """A beat a second and the fleet views' reads: a slow Redis delays a heartbeat, never a request."""
 
 
+def _wall_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
 class RedisFleet:
     """``Fleet`` over one Redis hash."""
 
     def __init__(
-        self, redis_url: str, names: Names, *, pool: PoolOptions = FLEET_POOL, follower: PrimaryFollower | None = None
+        self,
+        redis_url: str,
+        names: Names,
+        *,
+        pool: PoolOptions = FLEET_POOL,
+        follower: PrimaryFollower | None = None,
+        wall_ms: Callable[[], int] = _wall_ms,
     ) -> None:
-        """``follower``: behind Sentinel, the one the process's pools share (``follower_of``)."""
+        """``follower``: behind Sentinel, the one the process's pools share (``follower_of``). ``wall_ms``:
+        this host's clock, the one beats are stamped with and read in."""
         self.names = names
         self._commands = KeyedClient(redis_url, pool, follower=follower)
         self._client = self._commands.redis
+        self._wall_ms = wall_ms
+        self._ahead_ms = 0
+        """How far this host's clock is ahead of Redis's (negative: behind)."""
         self._prune_at_s = 0.0
         """When this writer next drops the forgotten members (monotonic): at its first beat, then once
         every ``FORGET_AFTER_S``."""
 
     async def start(self) -> None:
         await self._commands.start()
+        with contextlib.suppress(TransportError):  # the first pruning measures it again
+            await self._measure_clock()
+
+    async def _measure_clock(self) -> None:
+        before = self._wall_ms()
+        try:
+            seconds, micros = await self._client.time()
+        except REDIS_ERRORS as err:
+            raise translate("reading Redis's clock", err) from err
+        self._ahead_ms = (before + self._wall_ms()) // 2 - (seconds * 1000 + micros // 1000)
 
     async def close(self) -> None:
         await self._commands.close()
@@ -46,13 +76,18 @@ class RedisFleet:
     async def beat(self, beats: Sequence[Beat]) -> None:
         if not beats:
             return
+        ahead_ms = self._ahead_ms
         try:
-            await self._client.hset(self.names.fleet, mapping={beat.key: beat.encode() for beat in beats})
+            await self._client.hset(
+                self.names.fleet,
+                mapping={beat.key: dataclasses.replace(beat, at_ms=beat.at_ms - ahead_ms).encode() for beat in beats},
+            )
         except REDIS_ERRORS as err:
             raise translate("storing a heartbeat", err) from err
         if (now_s := time.monotonic()) >= self._prune_at_s:
             self._prune_at_s = now_s + FORGET_AFTER_S
             with contextlib.suppress(TransportError):  # the beat is stored; the next pruning drops them
+                await self._measure_clock()
                 await self.members()
 
     async def members(self) -> list[Beat]:
@@ -60,7 +95,8 @@ class RedisFleet:
             raw = await self._client.hgetall(self.names.fleet)
         except REDIS_ERRORS as err:
             raise translate("reading the fleet", err) from err
-        now_ms = int(time.time() * 1000)  # beats carry wall time: they cross processes and hosts
+        ahead_ms = self._ahead_ms
+        now_ms = self._wall_ms() - ahead_ms  # Redis's clock, which the beats are stored in
         members: list[Beat] = []
         forgotten: list[bytes | str] = []
         for key, value in raw.items():
@@ -68,7 +104,7 @@ class RedisFleet:
             if beat is None or beat.forgotten(now_ms):
                 forgotten.append(key)
             else:
-                members.append(beat)
+                members.append(dataclasses.replace(beat, at_ms=beat.at_ms + ahead_ms) if ahead_ms else beat)
         if forgotten:
             try:
                 await self._client.hdel(self.names.fleet, *forgotten)
