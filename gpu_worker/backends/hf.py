@@ -289,10 +289,9 @@ class HFBackend:
             generation_config=loaded.generation_config,
             tokenizer=loaded.tokenizer,
         )
-        if not loaded.is_encoder_decoder:
-            # Left padding lines every prompt up to end at the same column: the rest is new.
-            generated = generated[:, input_ids.shape[1] :]
-        return loaded.tokenizer.batch_decode(generated.tolist(), skip_special_tokens=True)
+        if loaded.is_encoder_decoder:
+            return loaded.tokenizer.batch_decode(generated.tolist(), skip_special_tokens=True)
+        return continuations(loaded.tokenizer, generated.tolist(), input_ids.shape[1])
 
     def _length_error(self, index: int, count: int, limit: int) -> InputError | None:
         if count == 0:
@@ -315,6 +314,25 @@ class HFBackend:
         if loaded is None:
             raise BackendError(f"the hf backend for {self.model_path} is not loaded (call load(); or it was closed)")
         return loaded
+
+
+def continuations(tokenizer: PreTrainedTokenizerBase, sequences: list[list[int]], prompt_width: int) -> list[str]:
+    """Each sequence's text after its prompt's (left padding lines every prompt up to end at
+    ``prompt_width``), as transformers' text-generation pipeline cuts it.
+
+    The new tokens decoded alone would lose a space: a SentencePiece decoder (Llama 2, Mistral) drops the
+    space of a text's first token, so "The capital is" would get "Paris" for " Paris". Where the whole text
+    does not start with the prompt's (a tokenizer's clean-up that joins across the seam), the new tokens
+    are decoded alone.
+    """
+    prompts = tokenizer.batch_decode([sequence[:prompt_width] for sequence in sequences], skip_special_tokens=True)
+    wholes = tokenizer.batch_decode(sequences, skip_special_tokens=True)
+    return [
+        whole[len(prompt) :]
+        if whole.startswith(prompt)
+        else tokenizer.batch_decode([sequence[prompt_width:]], skip_special_tokens=True)[0]
+        for prompt, whole, sequence in zip(prompts, wholes, sequences, strict=True)
+    ]
 
 
 def plan_free_attention() -> None:

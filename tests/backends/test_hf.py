@@ -15,7 +15,8 @@ from typing import Any, cast
 
 import pytest
 import torch
-from transformers import AutoTokenizer, BertModel
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, BertModel, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from batchwire.bench.tiny_models import MAX_POSITIONS
 from gpu_worker.backends.base import BackendError, BatchSizeError, InputError, PartialOutputs
@@ -108,6 +109,45 @@ def test_decoder_only_returns_only_new_text(
     assert not answer.startswith(prompt[:10]), f"the prompt came back with the answer: {answer!r}"
     # Byte-level vocabulary: 4 new tokens are at most 4 bytes of text.
     assert len(answer.encode("utf-8", "replace")) <= 4 * 3, f"more than 4 tokens came back: {answer!r}"
+
+
+def _metaspace_llama(tiny_llama: Path, target: Path) -> Path:
+    """The tiny Llama with a SentencePiece-style (Metaspace) tokenizer, as Llama 2 and Mistral have: each
+    word a token that starts with ``▁``, and the decoder drops the ``▁`` of a text's first token."""
+    path = Path(shutil.copytree(tiny_llama, target))
+    words = [f"\u2581w{index}" for index in range(len(AutoTokenizer.from_pretrained(path)) - 4)]
+    vocab = {token: index for index, token in enumerate(["<pad>", "<s>", "</s>", "<unk>", *words])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # transformers leaves __init__ unannotated
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_an_answer_keeps_the_space_it_starts_with(
+    tiny_models: dict[str, Path], make_backend: Callable[..., HFBackend], tmp_path: Path
+) -> None:
+    """With a SentencePiece tokenizer the new tokens decoded alone lose their first space ("Paris" for
+    "The capital is" + " Paris"): the answer is the whole sequence's text after the prompt's, as
+    transformers' text-generation pipeline gives it, so prompt + answer reads as the model wrote it."""
+    path = _metaspace_llama(tiny_models["llama"], tmp_path / "metaspace")
+    prompts = ["w5 w6", "w7", "w9 w10 w11 w12 w13 w14 w15 w16 w17 w18 w19 w20"]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = LlamaForCausalLM.from_pretrained(path)
+    expected = []
+    for prompt in prompts:
+        ids = tokenizer([prompt], return_tensors="pt")["input_ids"]
+        with torch.inference_mode():
+            full = model.generate(input_ids=ids, max_new_tokens=8, do_sample=False)[0]
+        whole, start = tokenizer.batch_decode([full, ids[0]], skip_special_tokens=True)
+        expected.append(whole[len(start) :])
+    assert any(answer.startswith(" w") for answer in expected), f"pick prompts the model answers: {expected}"
+    backend = make_backend(path)
+    assert backend.batchstring(prompts) == expected
+    assert [backend.batchstring([prompt])[0] for prompt in prompts] == expected
 
 
 def test_sampling_settings_shipped_with_the_model_are_ignored(
