@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from schemas.records import INPUT_REFUSED
 from transport.ports import TransportError
 
 # Errors of the bus and the store: a TransportError, or a client library's connection error that
@@ -280,7 +281,17 @@ ERROR_TABLE: dict[str, tuple[int, str]] = {
         "The caller closed the connection before its answer; its task was cancelled (with an `Idempotency-Key` "
         "it runs on for a retry).",
     ),
-    "task_failed": (502, "The task failed; the code is the task's own error code when it has one."),
+    "task_failed": (
+        502,
+        "The task failed; the code is the task's own error code when it has one (an input its model refused "
+        "is `input_too_long`, 413, or `input_empty`, 422, instead).",
+    ),
+    "input_too_long": (
+        413,
+        "The model refused `input`: it has more tokens than the model takes (the message names the limit); "
+        "send a shorter input. The task ended failed.",
+    ),
+    "input_empty": (422, "The model refused `input`: it has no tokens. The task ended failed."),
     "deadline_exceeded": (
         504,
         "No answer (for `POST /v1/tasks`: no place in the queue) before the request's deadline (`timeout_ms`); "
@@ -301,7 +312,10 @@ HTTP_STATUS: dict[str, int] = {code: status for code, (status, _) in ERROR_TABLE
 
 
 def http_status(error: GatewayError) -> int:
-    """The status for ``error``; keyed by class code, so a failed task's own code keeps 502."""
+    """The status for ``error``; keyed by class code, so a failed task's own code keeps 502, but for an
+    input its model refused (``INPUT_REFUSED``): the caller's to change, and sent again it fails again."""
+    if isinstance(error, TaskFailed) and error.task_code in INPUT_REFUSED:
+        return HTTP_STATUS[error.task_code]
     return HTTP_STATUS.get(error.code, 500)
 
 

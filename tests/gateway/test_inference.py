@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from schemas.records import InferenceRequest, TaskState
 from tests.support.eventually import eventually
 from tests.support.gateway_rig import DownProducer, RecordingStore, RigFactory, error_of
@@ -60,6 +62,19 @@ async def test_a_failed_task_answers_502_with_its_own_code(make_rig: RigFactory)
     assert error["code"] == "backend_error"
     assert error["message"] == "the model raised"
     assert error["task_id"]
+
+
+@pytest.mark.parametrize(("code", "status"), [("input_too_long", 413), ("input_empty", 422)])
+async def test_an_input_its_model_refused_answers_a_4xx_not_a_502_a_client_would_retry(
+    make_rig: RigFactory, code: str, status: int
+) -> None:
+    """The caller's to change: sent again it fails again, and 502 reads as the server's failing."""
+    rig = await make_rig()
+    await rig.worker()
+    response = await rig.client.post("/v1/inference", json={"input": f"refuse:{code}:"})
+    assert response.status_code == status, response.text
+    error = error_of(response)
+    assert (error["code"], error["message"]) == (code, f"refused: {code}") and error["task_id"], error
 
 
 async def test_an_expired_task_answers_504(make_rig: RigFactory) -> None:

@@ -45,7 +45,8 @@ class RecordingStore(MemoryTaskStore):
 
 
 class FakeWorker:
-    """Answers every request on the bus with ``input[::-1]``; an input starting ``fail:`` fails.
+    """Answers every request on the bus with ``input[::-1]``; an input starting ``fail:`` fails, one
+    starting ``refuse:<code>:`` fails as its model refusing it would (``input_too_long``, ``input_empty``).
 
     ``gate`` holds the worker before it touches a fetched batch (clear it to hold, set to release);
     ``progress`` also writes ``batched`` and ``running``; ``reply=False`` drops the reply address
@@ -112,6 +113,9 @@ class FakeWorker:
             return self._state(
                 request, TaskStatus.FAILED, size, error_code="backend_error", error_message="the model raised"
             )
+        if request.input.startswith("refuse:"):  # "refuse:<code>": the model refused the input (INPUT_REFUSED)
+            code = request.input.split(":")[1]
+            return self._state(request, TaskStatus.FAILED, size, error_code=code, error_message=f"refused: {code}")
         if request.input.startswith("expire:"):
             return self._state(
                 request, TaskStatus.EXPIRED, size, error_code="deadline_exceeded", error_message="expired in the queue"

@@ -119,7 +119,9 @@ def add_routes(routes: APIRouter, settings: GatewaySettings) -> None:
         traced(infer),
         methods=["POST"],
         response_model=InferenceResponse,
-        responses=error_responses(*submit_errors, "task_failed", "task_cancelled", "deadline_exceeded"),
+        responses=error_responses(
+            *submit_errors, "task_failed", "input_too_long", "input_empty", "task_cancelled", "deadline_exceeded"
+        ),
         openapi_extra=body_doc,
         summary="Run one input and wait for its output",
         description="Holds the connection until the output is ready or `timeout_ms` passes (504; the task "
