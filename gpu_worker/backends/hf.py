@@ -1,9 +1,10 @@
 """Hugging Face transformers backend: greedy generation or sentence embeddings, one batch per call.
 
 Inputs are padded into one tensor batch with attention masks (left padding for decoder-only
-models, so each prompt ends where its answer starts), decoded greedily, and only the new tokens
-come back: batched output equals one-by-one output (exactly, in float32; in half precision
-kernels may round differently for different batch shapes).
+models, so each prompt ends where its answer starts), decoded greedily, and only the answer's text
+comes back: batched output equals one-by-one output up to rounding (kernels may round differently
+for different batch shapes, by a step in float32 and more in half precision; a greedy choice between
+near-tied tokens can follow it).
 
 Inputs longer than ``max_input_tokens`` are per-request errors (``input_too_long``) reported by
 ``input_errors``, not silently truncated: a cut prompt gives a confident answer to a question
