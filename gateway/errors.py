@@ -269,7 +269,11 @@ ERROR_TABLE: dict[str, tuple[int, str]] = {
     "task_not_found": (404, "No task has this id (or it expired, or another API key created it)."),
     "not_found": (404, "No route has this path."),
     "method_not_allowed": (405, "The route does not take this method."),
-    "not_cancellable": (409, "DELETE of a task that is running or ended; only queued or batched tasks can be."),
+    "not_cancellable": (
+        409,
+        "DELETE of a task that is running or ended, or of a synchronous request's task recorded at its 504 (it "
+        "reads queued while a worker may run it); only queued or batched tasks can be.",
+    ),
     "task_cancelled": (409, "The task was cancelled (`DELETE /v1/result/{task_id}`) before a worker ran it."),
     "rate_limited": (
         429,

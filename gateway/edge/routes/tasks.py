@@ -97,5 +97,6 @@ def add_routes(routes: APIRouter, settings: GatewaySettings) -> None:
         summary="Cancel a task that no worker has started",
         description="A `queued` or `batched` task ends `cancelled` and never reaches a GPU; the answer is its "
         "cancelled state (again for a task already cancelled). A task that is running or ended otherwise "
-        "answers 409 `not_cancellable`. A synchronous caller waiting for the task gets 409 `task_cancelled`.",
+        "answers 409 `not_cancellable`, as does a synchronous request's task recorded at its 504 (it reads `queued` "
+        "while a worker may be running it). A synchronous caller waiting for the task gets 409 `task_cancelled`.",
     )
