@@ -127,18 +127,18 @@ class TaskReads:
         """Cancels a task no worker has started yet; returns its cancelled state.
 
         Cancelling a cancelled task answers the same (DELETE is idempotent); a running or otherwise
-        ended task raises ``NotCancellable``, naming its status, and so does one recorded only once its
-        deadline had passed (``TaskPublisher.record_late``): it reads ``queued`` while a worker may be
-        running it.
+        ended task raises ``NotCancellable``, naming its status, and so does a synchronous task recorded
+        only when its caller was answered (``TaskPublisher.record_late``): it reads ``queued`` while a
+        worker may be running it.
         """
         check_task_id(task_id)
         try:
             stored = await self._owned(task_id, owner)  # as stored: a late task is still the owner's to cancel
             if stored.status is TaskStatus.QUEUED and stored.deadline_ms is None:
                 raise NotCancellable(
-                    f"task {task_id} is a synchronous request's, recorded at its 504: a worker may be running it "
-                    "(its running state is not recorded) and none starts it past its deadline, so a cancel would "
-                    "save no GPU time; poll its result",
+                    f"task {task_id} may be running: it was recorded as queued only when its synchronous caller "
+                    "was answered (a 504, or a disconnect), and a worker's start of it is not recorded; poll its "
+                    "result",
                     task_id=task_id,
                 )
             state = await self._store.cancel(
