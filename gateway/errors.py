@@ -22,12 +22,16 @@ class GatewayError(Exception):
     code: ClassVar[str] = "internal_error"
     retriable: ClassVar[bool] = False
 
-    def __init__(self, message: str, *, task_id: str | None = None, retry_after_s: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, task_id: str | None = None, retry_after_s: int | None = None, replayed: bool = False
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.task_id = task_id
         self.retry_after_s = retry_after_s
         """Seconds for the Retry-After header; None: the deployment's default (``retry_after_s``)."""
+        self.replayed = replayed
+        """The error is the answer of a task an earlier request with the same Idempotency-Key created."""
 
     @property
     def error_code(self) -> str:
@@ -100,8 +104,8 @@ class TaskFailed(GatewayError):
 
     code = "task_failed"
 
-    def __init__(self, message: str, *, task_id: str, task_code: str | None) -> None:
-        super().__init__(message, task_id=task_id)
+    def __init__(self, message: str, *, task_id: str, task_code: str | None, replayed: bool = False) -> None:
+        super().__init__(message, task_id=task_id, replayed=replayed)
         self.task_code = task_code
 
     @property

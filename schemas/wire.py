@@ -13,6 +13,8 @@ DEFAULT_REQUEST_PARTITIONS = 12
 DEFAULT_BATCH_PARTITIONS = 8
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
+REPLAYED_HEADER = "Idempotent-Replayed"
+"""On an answer (its output or its error) that a retry got from the task its Idempotency-Key names."""
 TRACEPARENT_HEADER = "traceparent"
 """W3C trace context: on HTTP requests, and on the Kafka records of requests and batches."""
 

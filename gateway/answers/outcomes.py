@@ -33,17 +33,20 @@ class Accepted:
 
 
 def answer_of(state: TaskState, latency_s: float, replayed: bool = False) -> Answer:
-    """A completed task's ``Answer``; any other end raises the error its caller gets."""
+    """A completed task's ``Answer``; any other end raises the error its caller gets (``replayed`` on both)."""
     if state.status is TaskStatus.COMPLETED:
         return Answer(
             state.task_id, state.model, state.output or "", round(latency_s * 1000, 3), state.batch_size, replayed
         )
     if state.status is TaskStatus.CANCELLED:
-        raise TaskCancelled(state.error_message or "the task was cancelled", task_id=state.task_id)
+        raise TaskCancelled(state.error_message or "the task was cancelled", task_id=state.task_id, replayed=replayed)
     if state.status is TaskStatus.EXPIRED or state.error_code == DeadlineExceeded.code:
-        raise DeadlineExceeded(state.error_message or "the task expired before a worker ran it", task_id=state.task_id)
+        raise DeadlineExceeded(
+            state.error_message or "the task expired before a worker ran it", task_id=state.task_id, replayed=replayed
+        )
     raise TaskFailed(
         state.error_message or f"the task ended {state.status.value}",
         task_id=state.task_id,
         task_code=state.error_code,
+        replayed=replayed,
     )

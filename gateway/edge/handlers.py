@@ -20,6 +20,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import GatewayError, error_body, http_status, shown
+from schemas.wire import REPLAYED_HEADER
 from telemetry.metrics import REQUESTS
 
 log = logging.getLogger(__name__)
@@ -47,9 +48,12 @@ def error_response(
 
 
 def gateway_error_response(exc: GatewayError, retry_after_s: int) -> Response:
-    """The answer to a domain error; 429s and 503s carry ``Retry-After``."""
+    """The answer to a domain error; 429s and 503s carry ``Retry-After``, a replayed one ``Idempotent-Replayed``."""
     status = http_status(exc)
-    return error_response(status, exc.error_code, exc.message, exc.task_id, retry_headers(exc, status, retry_after_s))
+    headers = retry_headers(exc, status, retry_after_s)
+    if exc.replayed:
+        headers = {**(headers or {}), REPLAYED_HEADER: "true"}
+    return error_response(status, exc.error_code, exc.message, exc.task_id, headers)
 
 
 def retry_headers(exc: GatewayError, status: int, retry_after_s: int) -> dict[str, str] | None:

@@ -188,6 +188,7 @@ class KeyedReplay:
             f"no answer within timeout_ms={timeout_ms} from the task this Idempotency-Key names; it may still "
             "finish: poll its result",
             task_id=task_id,
+            replayed=True,
         )
 
     def _replaced(self, claim: KeyClaim, earlier: TaskState | None) -> bool:

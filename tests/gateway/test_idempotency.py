@@ -96,6 +96,18 @@ async def test_an_asynchronous_retry_answers_202_with_the_same_task_and_its_stat
     assert rig.produced() == 1
 
 
+async def test_a_synchronous_retry_whose_deadline_passes_first_is_a_replayed_504(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    first = await rig.client.post("/v1/tasks", json={"input": "no worker yet"}, headers=_key("k-504"))
+    retry = await rig.client.post(
+        "/v1/inference", json={"input": "no worker yet", "timeout_ms": 200}, headers=_key("k-504")
+    )
+
+    assert retry.status_code == 504, retry.text
+    assert error_of(retry)["task_id"] == first.json()["task_id"]
+    assert retry.headers.get("idempotent-replayed") == "true", f"the earlier task's 504: {dict(retry.headers)}"
+
+
 @pytest.mark.parametrize(
     "changed", [{"input": "other"}, {"input": "same", "model": "echo"}], ids=["other input", "other model"]
 )
@@ -243,6 +255,8 @@ async def test_a_task_refused_by_the_bus_starts_anew_but_one_failed_in_the_model
 
     replayed = await rig.client.post("/v1/inference", json={"input": "fail: twice"}, headers=_key("k-fail"))
     assert error_of(replayed)["task_id"] == error_of(computed)["task_id"], "a model's own failure is replayed"
+    assert "idempotent-replayed" not in computed.headers, "a new task's failure is not a replay"
+    assert replayed.headers.get("idempotent-replayed") == "true", f"a replayed failure: {dict(replayed.headers)}"
     assert len([r for r in worker.seen if r.input == "fail: twice"]) == 2, "computed once after the refusal"
 
 

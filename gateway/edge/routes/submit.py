@@ -22,12 +22,12 @@ from gateway.edge.routes.deployment import deployment_of
 from gateway.edge.traced import traced
 from gateway.keys.idempotency import KEY_PATTERN, MAX_KEY_CHARS
 from gateway.settings import GatewaySettings
-from schemas.wire import IDEMPOTENCY_HEADER
+from schemas.wire import IDEMPOTENCY_HEADER, REPLAYED_HEADER
 
 INFERENCE_PATH = "/v1/inference"
 TASKS_PATH = "/v1/tasks"
 
-_REPLAYED = {"Idempotent-Replayed": "true"}
+_REPLAYED = {REPLAYED_HEADER: "true"}
 
 _SUBMIT_ERRORS = (
     "unsupported_media_type",
