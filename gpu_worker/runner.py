@@ -164,11 +164,12 @@ class BackendRunner:
                         raise NotStarted from None  # the thread had not taken it: it never will
                     started, ended = timing.started, timing.ended
                     ran_s = None if started is None else (self.clock() if ended is None else ended) - started
-                    if ran_s is not None and ran_s >= (limit or 0.0):
+                    if limit is not None and ran_s is not None and ran_s >= limit:
                         self.hung = True
-                        raise BackendHung(ran_s, limit or 0.0, self.expected_s) from None
-                    # still queued behind the call before (under a limit of its own), or it ended in
-                    # time while this process was held up past the limit (a starved machine)
+                        raise BackendHung(ran_s, limit, self.expected_s) from None
+                    # still queued behind the call before (under a limit of its own), it ended in time
+                    # while this process was held up past the limit (a starved machine), or it started
+                    # before its start_by with no limit to overrun (detection off)
         except asyncio.CancelledError:
             queued.cancel()  # given up on before the thread took it: it never runs
             raise

@@ -85,6 +85,20 @@ async def test_a_call_still_queued_at_its_start_by_is_withdrawn_and_never_runs()
     runner.close()
 
 
+async def test_with_detection_off_a_call_running_past_its_start_by_is_waited_for_not_hung() -> None:
+    """``start_by`` withdraws a call the thread has not taken; with no hang limit (factor 0), one that
+    runs on past it is waited for, and the worker is not stopped as hung."""
+    release = threading.Event()
+    runner = BackendRunner("r", hang_factor=0)
+    call = asyncio.ensure_future(runner.call(release.wait, start_by=runner.clock() + 0.1))
+    done, _ = await asyncio.wait({call}, timeout=0.6)  # five times start_by: the call runs on past it
+    assert not done, f"the call ended without its answer: {call.exception() if call.done() else None!r}"
+    release.set()
+    assert await asyncio.wait_for(call, 10) is True
+    assert not runner.hung
+    runner.close()
+
+
 async def test_a_queued_call_whose_caller_is_cancelled_never_runs() -> None:
     """A worker that stops taking batches (its loop cancelled, and the calls in flight with it)
     leaves no call waiting on the thread to compute a batch that goes back uncommitted."""
