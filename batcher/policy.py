@@ -377,7 +377,14 @@ class BatchFormer(Generic[Item]):
         expired = [p for p in pool if p.deadline_s <= now]
         live = [p for p in pool if p.deadline_s > now] if expired else pool
         slots = min(self.policy.max_batch, limit) if limit > 0 else self.policy.max_batch
-        chosen = within_budget(live, self.policy.max_batch_tokens, slots)
+        head = None
+        waiting = ranks_waiting([p.rank for p in live])
+        if sum(1 for count in waiting if count) > 1:
+            # Lengths, not slots, bound a budgeted batch, so tiers share the batches themselves: the split
+            # of one "slot" names the tier whose most urgent item heads this batch (``batcher.tiers``).
+            turn = queue.shares.split(waiting, 1).index(1)
+            head = min((p for p in live if p.rank == turn), key=lambda p: p.deadline_s)
+        chosen = within_budget(live, self.policy.max_batch_tokens, slots, head=head)
         gone = {id(p) for p in chosen} | {id(p) for p in expired}
         kept_sealed = [p for p in sealed_items if id(p) not in gone]
         queue.sealed = deque([Sealed(kept_sealed, reason, sealed_s)] if kept_sealed else [])
@@ -449,17 +456,25 @@ LENGTH_SPREAD = 1.5
 a third of it (a sixth with lengths spread evenly); the rest wait for a batch of their own length."""
 
 
-def within_budget(candidates: list[Pending[Item]], budget: int, slots: int) -> list[Pending[Item]]:
+def within_budget(
+    candidates: list[Pending[Item]],
+    budget: int,
+    slots: int,
+    *,
+    head: Pending[Item] | None = None,
+) -> list[Pending[Item]]:
     """A batch from ``candidates`` of at most ``slots`` items whose padded tokens (count x longest)
-    stay within ``budget``: the most urgent item (highest tier, then earliest deadline), which goes
-    even alone over the budget (the gateway refuses such inputs; one from elsewhere must not block
-    its partition), then the others closest to its length (on a log scale), the more urgent first
-    among equals. Grouping by length keeps padding small; starting from the most urgent means a
-    long input waits at most until it is the most urgent, and a deadline is never traded for it.
+    stay within ``budget``: ``head``, by default the most urgent item (highest tier, then earliest
+    deadline), which goes even alone over the budget (the gateway refuses such inputs; one from
+    elsewhere must not block its partition), then the others closest to its length (on a log scale),
+    the more urgent first among equals. Grouping by length keeps padding small; starting from the
+    most urgent means a long input waits at most until it is the most urgent, and a deadline is never
+    traded for it.
     """
     if not candidates:
         return []
-    head = min(candidates, key=lambda p: (p.rank, p.deadline_s))
+    if head is None:
+        head = min(candidates, key=lambda p: (p.rank, p.deadline_s))
     chosen = [head]
     longest = head.tokens
     centre = math.log(max(head.tokens, 1))

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batcher.policy import LENGTH_SPREAD, BatchFormer, FlushPolicy, Pending, within_budget
+from batcher.tiers import DEFAULT_MIN_SHARE
 from batcher.tokens import estimated
 from tests.support.fake_clock import FakeClock
 
@@ -139,3 +140,25 @@ def test_the_estimate_counts_utf8_bytes_four_to_a_token() -> None:
 def test_a_negative_budget_is_refused_naming_its_setting() -> None:
     with pytest.raises(ValueError, match="BATCHWIRE_MAX_BATCH_TOKENS"):
         FlushPolicy.named("work-conserving", max_batch_tokens=-1)
+
+
+def test_a_lower_tier_heads_its_share_of_the_batches_under_a_token_budget() -> None:
+    """priority.md's promise that no tier starves, under a token budget, where lengths and not slots bound
+    a batch: a waiting lower tier heads at least ``--tier-min-share`` of the batches, whatever a higher
+    tier sends (with the lowest tier's inputs longer, no other tier's item shares its batches)."""
+    clock = FakeClock()
+    former: BatchFormer[str] = BatchFormer(
+        FlushPolicy.named("work-conserving", 8, 1000.0, reserve_ms=0, max_batch_tokens=4096), clock
+    )
+    for n in range(200):
+        former.add("m", Pending(f"low{n}", 0, n, clock(), clock() + 600, rank=2, tokens=40))
+    with_low = 0
+    for b in range(100):
+        for n in range(8):
+            former.add("m", Pending(f"high{b}.{n}", 0, 1000 + 8 * b + n, clock(), clock() + 600, rank=0, tokens=10))
+        batch = former.take("m").items
+        with_low += any(p.rank == 2 for p in batch)
+        clock.advance(0.01)
+    assert int(100 * DEFAULT_MIN_SHARE) - 1 <= with_low <= 100 * DEFAULT_MIN_SHARE + 2, (
+        f"low headed {with_low} of 100 batches; its share is {DEFAULT_MIN_SHARE:.0%} of them, high the rest"
+    )
