@@ -502,10 +502,20 @@ class Resume:
 
     def take(self, event: ServerSentEvent) -> TaskEvent | None:
         """The task's event ``event`` is, or None for one already delivered; an ``error`` event raises
-        its typed error (status None)."""
-        doc = json.loads(event.data)
+        its typed error (status None); data that is no JSON object is no gateway's event: a
+        :class:`ServerError` ``invalid_answer``, not the caller's ``JSONDecodeError`` or ``AttributeError``."""
+        try:
+            doc = json.loads(event.data)
+        except ValueError:
+            doc = None
+        if not isinstance(doc, dict):
+            raise ServerError(
+                "invalid_answer",
+                f"the event stream's {event.event!r} event is not the API's (its data is no JSON object; a "
+                f"proxy's stream?): {event.data[:200]!r}",
+            )
         if event.event == "error":
-            detail = doc.get("error") if isinstance(doc, dict) else None
+            detail = doc.get("error")
             raise _error(detail if isinstance(detail, dict) else {"code": "unknown"}, None)
         status = str(doc.get("status", event.event))
         rank = int(event.id) if event.id is not None and _ascii_digits(event.id) else _RANKS.get(status, self.last_id)

@@ -304,6 +304,35 @@ def test_an_error_event_raises_its_typed_error() -> None:
     assert raised.value.retriable and raised.value.status is None and raised.value.code == "unavailable"
 
 
+@pytest.mark.parametrize(
+    ("event", "data"),
+    [("queued", "not json"), ("message", "[1, 2]"), ("message", '"queued"'), ("error", "the store is down")],
+)
+def test_an_event_whose_data_is_no_json_object_is_a_server_error(event: str, data: str) -> None:
+    """A proxy's or a broken server's stream: the client's typed error, never ``JSONDecodeError`` or
+    ``AttributeError`` out of ``events``."""
+    with pytest.raises(ServerError) as raised:
+        Resume().take(ServerSentEvent(event, data, "0"))
+    assert raised.value.code == "invalid_answer" and data in raised.value.message, raised.value
+
+
+async def test_an_event_stream_with_garbage_data_raises_a_server_error_once() -> None:
+    opened: list[str] = []
+
+    def garbage(request: httpx.Request) -> httpx.Response:
+        opened.append(request.url.path)
+        return httpx.Response(200, content=b"id: 0\ndata: <html>\n\n", headers={"content-type": "text/event-stream"})
+
+    with Client("http://gw", transport=httpx.MockTransport(garbage)) as client, pytest.raises(ServerError) as raised:
+        list(client.events("t1"))
+    assert raised.value.code == "invalid_answer", raised.value
+    async with AsyncClient("http://gw", transport=httpx.MockTransport(garbage)) as aclient:
+        with pytest.raises(ServerError) as araised:
+            _ = [event async for event in aclient.events("t1")]
+    assert araised.value.code == "invalid_answer", araised.value
+    assert len(opened) == 2, f"each client asked once, not again: {opened}"
+
+
 # over httpx's mock transport: what goes on the wire and what comes back -----------------------------
 
 LINE_SEPARATED = "line one\u2028line two\u0085three"
