@@ -709,6 +709,14 @@ def _unreachable(err: httpx.TransportError) -> Unreachable:
     return error
 
 
+def _undecodable(err: httpx.DecodingError) -> ServerError:
+    """An answer whose body its ``Content-Encoding`` cannot decode (a proxy's corrupt gzip): no answer of the
+    API's, as a proxy's page is not, and not httpx's own error."""
+    error = ServerError("invalid_answer", f"the answer's body cannot be decoded (its Content-Encoding): {err!r}")
+    error.__cause__ = err
+    return error
+
+
 class _ClientBase:
     """What both clients share besides their httpx client: each call's deadline and retries."""
 
@@ -831,6 +839,8 @@ class Client(_ClientBase):
                 failure = err
             except httpx.TransportError as err:  # a reset, a read past the timeout, a proxy that closes
                 failure = _unreachable(err)
+            except httpx.DecodingError as err:
+                failure = _undecodable(err)
             time.sleep(follow.reconnect_in(failure, time.monotonic()))
 
     def cancel(self, task_id: str) -> None:
@@ -900,6 +910,8 @@ class Client(_ClientBase):
                 response = _read_by(self._http.send(request, stream=True), now + within_s)
             except httpx.TimeoutException as err:
                 raise _deadline_passed(err) from err
+            except httpx.DecodingError as err:
+                raise _undecodable(err) from err
             except httpx.TransportError as err:
                 error: BatchwireError = _unreachable(err)
             else:
@@ -1011,6 +1023,8 @@ class AsyncClient(_ClientBase):
                 failure = err
             except httpx.TransportError as err:  # a reset, a read past the timeout, a proxy that closes
                 failure = _unreachable(err)
+            except httpx.DecodingError as err:
+                failure = _undecodable(err)
             await asyncio.sleep(follow.reconnect_in(failure, time.monotonic()))
 
     async def cancel(self, task_id: str) -> None:
@@ -1065,6 +1079,8 @@ class AsyncClient(_ClientBase):
                     )
             except (httpx.TimeoutException, TimeoutError) as err:
                 raise _deadline_passed(err) from err
+            except httpx.DecodingError as err:
+                raise _undecodable(err) from err
             except httpx.TransportError as err:
                 error: BatchwireError = _unreachable(err)
             else:

@@ -648,6 +648,36 @@ async def test_a_success_that_is_not_the_apis_json_is_a_server_error() -> None:
     assert raised.value.code == "invalid_answer" and raised.value.status == 200
 
 
+def _corrupt_gzip(request: httpx.Request) -> httpx.Response:
+    """A proxy's answer whose body its ``Content-Encoding`` does not describe."""
+    media_type = "text/event-stream" if request.url.path.endswith("/events") else "application/json"
+    return httpx.Response(200, content=b"not gzip", headers={"content-encoding": "gzip", "content-type": media_type})
+
+
+async def test_an_answer_that_cannot_be_decoded_is_a_server_error_not_httpxs() -> None:
+    """Every call, the event stream too, raises the client's typed error, never ``httpx.DecodingError``."""
+    with Client("http://gw", transport=httpx.MockTransport(_corrupt_gzip), max_retries=0) as client:
+        calls: list[Any] = [
+            lambda: client.infer("x"),
+            lambda: client.submit("x"),
+            lambda: client.result("t1", wait=0),
+            lambda: list(client.events("t1")),
+        ]
+        for call in calls:
+            with pytest.raises(ServerError) as raised:
+                call()
+            assert raised.value.code == "invalid_answer" and "Content-Encoding" in raised.value.message, raised.value
+    async with AsyncClient("http://gw", transport=httpx.MockTransport(_corrupt_gzip), max_retries=0) as aclient:
+
+        async def events() -> None:
+            _ = [event async for event in aclient.events("t1")]
+
+        for acall in (aclient.infer("x"), aclient.submit("x"), aclient.result("t1", wait=0), events()):
+            with pytest.raises(ServerError) as araised:
+                await acall
+            assert araised.value.code == "invalid_answer", araised.value
+
+
 def _a_proxys_page_then_the_task(opened: list[str]) -> httpx.MockTransport:
     """A captive portal's page answered 200 to the first few event streams asked for, then the task's end."""
 
