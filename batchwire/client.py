@@ -458,6 +458,11 @@ class EventDecoder:
         self._data: list[str] = []
         self._id: str | None = None
 
+    @property
+    def pending(self) -> bool:
+        """Whether an event has data that no blank line has completed yet."""
+        return bool(self._data)
+
     def restart(self) -> None:
         """A new connection: an event the last one cut off is dropped; ``retry_s`` stands."""
         self._event, self._data, self._id = "", [], None
@@ -578,9 +583,12 @@ class _Follow:
         ``failure`` None: the server ended the stream before the task ended (it closes one after
         BATCHWIRE_SSE_MAX_S, and as it shuts down). That spends no retry, as a long-poll that answers a
         task still running spends none: the stream's ``retry:`` (else ``POLL_EVERY_S``) and a jitter. A
-        stream that carried nothing at all is no gateway's (a proxy answering for it): a failure."""
+        stream that carried nothing at all, or that ends inside an event, is no gateway's (a proxy answering
+        for it, or cutting its answer short): a failure, else it is asked again, cut at the same place, for ever."""
         if failure is None and not self._heard:
             failure = Unreachable("unreachable", "the event stream ended empty, before the task ended")
+        if failure is None and (self._lines.pending or self._decoder.pending):
+            failure = Unreachable("unreachable", "the event stream ended inside an event, before the task ended")
         if failure is None:
             self._attempts.progressed()
             pause = self._decoder.retry_s if self._decoder.retry_s is not None else POLL_EVERY_S
@@ -608,6 +616,11 @@ class _Lines:
         *lines, rest = _LINE_END.split(text[: len(text) - len(held)])
         self._rest = rest + held
         return lines
+
+    @property
+    def pending(self) -> bool:
+        """Whether a line has begun that no line end has ended yet."""
+        return bool(self._rest)
 
 
 def _poll_params(attempts: Attempts, now: float) -> dict[str, float]:

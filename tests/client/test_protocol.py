@@ -443,6 +443,41 @@ async def test_streams_that_end_empty_spend_the_retries_and_raise_unreachable() 
     assert len(opened) == len(aopened) == 2, f"one try and one retry each: {opened}, {aopened}"
 
 
+def _streams_cut_inside_an_event(opened: list[str | None], keep: int) -> httpx.MockTransport:
+    """A proxy that ends each event stream cleanly after the queued event and the first ``keep`` bytes of the
+    running one (a limit on an answer's size): the gateway ends its streams between events."""
+    queued = state_event(state(TaskStatus.QUEUED))
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        opened.append(request.headers.get("last-event-id"))
+        if len(opened) > 10:  # an end to the loop this guards against
+            return httpx.Response(500, json={"error": {"code": "internal_error", "message": "asked too often"}})
+        body = queued + state_event(state(TaskStatus.RUNNING))[:keep]
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+    return httpx.MockTransport(handler)
+
+
+@pytest.mark.parametrize("cut", ["inside a line", "before the blank line"])
+async def test_streams_that_end_inside_an_event_spend_the_retries_and_raise_unreachable(cut: str) -> None:
+    """Taken for a stream the gateway ended, such a stream spent no retry: ``events`` asked again for ever,
+    cut at the same place each time."""
+    running = state_event(state(TaskStatus.RUNNING))
+    keep = len(running) // 2 if cut == "inside a line" else len(running) - 2
+    opened: list[str | None] = []
+    with (
+        Client("http://gw", transport=_streams_cut_inside_an_event(opened, keep), max_retries=1) as client,
+        pytest.raises(Unreachable, match="inside an event"),
+    ):
+        list(client.events("t1"))
+    aopened: list[str | None] = []
+    atransport = _streams_cut_inside_an_event(aopened, keep)
+    async with AsyncClient("http://gw", transport=atransport, max_retries=1) as aclient:
+        with pytest.raises(Unreachable, match="inside an event"):
+            _ = [event async for event in aclient.events("t1")]
+    assert opened == aopened == [None, "0"], f"one try and one retry each, resumed after queued: {opened}, {aopened}"
+
+
 def _refused_then_completed(opened: list[float]) -> httpx.MockTransport:
     """An event stream refused with a Retry-After of an hour (a proxy's 503), then, if asked again, the task's end."""
 
