@@ -1066,7 +1066,8 @@ class AsyncClient(_ClientBase):
             async with asyncio.TaskGroup() as group:
                 calls = [group.create_task(one(index, text)) for index, text in enumerate(inputs)]
         except ExceptionGroup as failed:
-            raise failed.exceptions[0] from None
+            error = failed.exceptions[0]
+            raise error from error.__cause__  # not the group: an Unreachable's cause is its last connection's failure
         return [call.result() for call in calls]
 
     async def _call(

@@ -577,6 +577,18 @@ def test_where_nothing_listens_a_call_is_unreachable_after_max_retries() -> None
     assert isinstance(unreachable.value.__cause__, httpx.ConnectError), unreachable.value.__cause__
 
 
+async def test_infer_many_keeps_the_unreachable_errors_cause() -> None:
+    """Unreachable's ``__cause__`` is the last connection's failure, raised by ``infer_many`` too."""
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    with Client(nowhere, max_retries=0) as client, pytest.raises(Unreachable) as unreachable:
+        client.infer_many(["x", "y"])
+    assert isinstance(unreachable.value.__cause__, httpx.ConnectError), unreachable.value.__cause__
+    async with AsyncClient(nowhere, max_retries=0) as aclient:
+        with pytest.raises(Unreachable) as aunreachable:
+            await aclient.infer_many(["x", "y"])
+    assert isinstance(aunreachable.value.__cause__, httpx.ConnectError), aunreachable.value.__cause__
+
+
 def test_without_its_key_the_server_refuses_and_the_key_comes_from_the_environment(
     refusing_server: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
