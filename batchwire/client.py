@@ -390,7 +390,7 @@ class Attempts:
         """Seconds to wait before the next attempt; None: stop (retries spent, or the deadline would pass)."""
         if self.retries >= self.max_retries:
             return None
-        delay = self.jitter(min(MAX_BACKOFF_S, BASE_BACKOFF_S * 2**self.retries))
+        delay = self.jitter(min(MAX_BACKOFF_S, BASE_BACKOFF_S * 2 ** min(self.retries, 64)))  # no float overflow
         if retry_after is not None:
             delay += retry_after
         if now + delay >= self.deadline:

@@ -66,6 +66,14 @@ def test_delays_double_up_to_the_cap_and_stop_after_max_retries() -> None:
     assert delays == [*expected, None], delays
 
 
+def test_a_caller_that_never_gives_up_waits_the_cap_after_a_thousand_retries() -> None:
+    """A watcher with ``max_retries`` in the billions (an endless ``events``): 2**1024 retries' backoff
+    is past a float, and raised OverflowError."""
+    attempts = Attempts(deadline=math.inf, max_retries=10**9, jitter=highest)
+    delays = [attempts.retry_in(0.0) for _ in range(1100)]
+    assert delays[-1] == MAX_BACKOFF_S, delays[-3:]
+
+
 def test_jitter_spreads_each_delay_below_its_cap() -> None:
     attempts = Attempts(deadline=math.inf, max_retries=200)
     delays = [attempts.retry_in(0.0) for _ in range(200)]
