@@ -320,8 +320,9 @@ def _error(
 
 
 def _ascii_digits(value: str) -> bool:
-    """Whether ``value`` is a number as the wire writes one: ``str.isdigit`` also takes "²", which ``int`` refuses."""
-    return value.isascii() and value.isdigit()
+    """Whether ``value`` is a number as the wire writes one: ``str.isdigit`` also takes "²", which ``int`` refuses,
+    and more than 18 digits are no delay or event id a server sends (past 4,300 ``int`` refuses them too)."""
+    return value.isascii() and value.isdigit() and len(value) <= 18
 
 
 def retry_after_s(value: str | None) -> float | None:
@@ -591,11 +592,27 @@ class _Follow:
             failure = Unreachable("unreachable", "the event stream ended inside an event, before the task ended")
         if failure is None:
             self._attempts.progressed()
-            pause = self._decoder.retry_s if self._decoder.retry_s is not None else POLL_EVERY_S
+            pause = self._retry_s if self._retry_s is not None else POLL_EVERY_S
             return pause + self._attempts.jitter(BASE_BACKOFF_S)
         if failure.retry_after_s is not None and failure.retry_after_s >= self._longest_wait_s:
             raise failure
-        return self._attempts.wait_after(failure, now, self._decoder.retry_s)
+        return self._attempts.wait_after(failure, now, self._retry_s)
+
+    @property
+    def _retry_s(self) -> float | None:
+        """The stream's ``retry:``, at most the longest wait this client takes from a server (a Retry-After
+        that long is raised): a stream that says ``retry: 3600000`` does not park the caller for an hour."""
+        retry_s = self._decoder.retry_s
+        return None if retry_s is None else min(retry_s, self._longest_wait_s)
+
+    def no_more(self) -> ServerError:
+        """A 204 ("no more events") before the terminal event: the gateway sends it only to a resume whose
+        ``Last-Event-ID`` was the terminal event's, which this client never makes (it stops there)."""
+        return ServerError(
+            "invalid_answer",
+            "the event stream answered 204 (no more events) before the task's terminal event: no answer of the "
+            "API's (a proxy's?)",
+        )
 
 
 # shared by both clients ---------------------------------------------------------------------------
@@ -835,8 +852,8 @@ class Client(_ClientBase):
                 with self._http.stream(
                     "GET", _events_path(task_id), headers=follow.connect(), timeout=self._stream_timeout
                 ) as response:
-                    if response.status_code == 204:  # the server saw the end: the last id read was it
-                        return
+                    if response.status_code == 204:
+                        raise follow.no_more()
                     if not response.is_success:
                         response.read()
                         raise error_of(response)
@@ -1019,7 +1036,7 @@ class AsyncClient(_ClientBase):
                     "GET", _events_path(task_id), headers=follow.connect(), timeout=self._stream_timeout
                 ) as response:
                     if response.status_code == 204:
-                        return
+                        raise follow.no_more()
                     if not response.is_success:
                         await response.aread()
                         raise error_of(response)

@@ -303,6 +303,17 @@ def test_a_retry_or_id_of_other_digits_is_unreadable_not_an_error() -> None:
     assert decoder.line("retry: ²") is None and decoder.retry_s is None, decoder.retry_s
     taken = Resume().take(ServerSentEvent("running", '{"status": "running"}', "²"))
     assert taken is not None and taken.id == TaskStatus.RUNNING.rank, f"an unreadable id is the status's rank: {taken}"
+    huge = "9" * 5000  # past 4,300 digits Python's int raises ValueError
+    assert decoder.line(f"retry: {huge}") is None and decoder.retry_s is None, "no delay a server sends"
+    taken = Resume().take(ServerSentEvent("running", '{"status": "running"}', huge))
+    assert taken is not None and taken.id == TaskStatus.RUNNING.rank, taken
+
+
+def test_a_streams_retry_field_waits_no_longer_than_a_retry_after_would() -> None:
+    """A Retry-After as long as the stream's longest wait is raised; a ``retry:`` of an hour is cut to it."""
+    follow = client_module._Follow(3, 2.0)
+    list(follow.text("retry: 3600000\n\n" + state_event(state(TaskStatus.QUEUED)).decode()))
+    assert follow.reconnect_in(None, time.monotonic()) <= 2.0 + client_module.BASE_BACKOFF_S
 
 
 def test_an_error_event_raises_its_typed_error() -> None:
@@ -746,6 +757,29 @@ async def test_an_event_stream_answered_with_a_proxys_page_is_a_server_error_not
     assert raised.value.code == "invalid_answer" and "captive portal" in raised.value.message, raised.value
     aopened: list[str] = []
     async with AsyncClient("http://gw", transport=_a_proxys_page_then_the_task(aopened)) as aclient:
+        with pytest.raises(ServerError) as araised:
+            _ = [event async for event in aclient.events("t1")]
+    assert araised.value.code == "invalid_answer", araised.value
+    assert len(opened) == len(aopened) == 1, f"asked once each: {opened}, {aopened}"
+
+
+def _no_content(opened: list[str]) -> httpx.MockTransport:
+    def handler(request: httpx.Request) -> httpx.Response:
+        opened.append(request.url.path)
+        return httpx.Response(204)
+
+    return httpx.MockTransport(handler)
+
+
+async def test_a_204_before_the_terminal_event_is_a_server_error_not_an_end() -> None:
+    """The gateway answers 204 only to a resume after the terminal event, which this client never makes:
+    ``events`` ended silently, its caller left with no terminal status, contrary to "the terminal one last"."""
+    opened: list[str] = []
+    with Client("http://gw", transport=_no_content(opened)) as client, pytest.raises(ServerError) as raised:
+        list(client.events("t1"))
+    assert raised.value.code == "invalid_answer" and "204" in raised.value.message, raised.value
+    aopened: list[str] = []
+    async with AsyncClient("http://gw", transport=_no_content(aopened)) as aclient:
         with pytest.raises(ServerError) as araised:
             _ = [event async for event in aclient.events("t1")]
     assert araised.value.code == "invalid_answer", araised.value
