@@ -13,6 +13,7 @@ import math
 import pickle
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 from typing import Any
@@ -745,22 +746,24 @@ def _a_proxys_page_then_the_task(opened: list[str]) -> httpx.MockTransport:
     return httpx.MockTransport(handler)
 
 
+async def _events_refused_once(transport: Callable[[list[str]], httpx.MockTransport]) -> list[ServerError]:
+    """What ``events`` raises over ``transport``, from the sync client and the async one; each asked once."""
+    opened: list[str] = []
+    with Client("http://gw", transport=transport(opened)) as client, pytest.raises(ServerError) as raised:
+        list(client.events("t1"))
+    aopened: list[str] = []
+    async with AsyncClient("http://gw", transport=transport(aopened)) as aclient:
+        with pytest.raises(ServerError) as araised:
+            _ = [event async for event in aclient.events("t1")]
+    assert len(opened) == len(aopened) == 1, f"asked once each: {opened}, {aopened}"
+    return [raised.value, araised.value]
+
+
 async def test_an_event_stream_answered_with_a_proxys_page_is_a_server_error_not_reconnected_for_ever() -> None:
     """A page is no event stream: read as one it carried no event, so ``events`` took it for a stream the
     gateway ended before the task and reconnected for as long as the page came, spending no retry."""
-    opened: list[str] = []
-    with (
-        Client("http://gw", transport=_a_proxys_page_then_the_task(opened)) as client,
-        pytest.raises(ServerError) as raised,
-    ):
-        list(client.events("t1"))
-    assert raised.value.code == "invalid_answer" and "captive portal" in raised.value.message, raised.value
-    aopened: list[str] = []
-    async with AsyncClient("http://gw", transport=_a_proxys_page_then_the_task(aopened)) as aclient:
-        with pytest.raises(ServerError) as araised:
-            _ = [event async for event in aclient.events("t1")]
-    assert araised.value.code == "invalid_answer", araised.value
-    assert len(opened) == len(aopened) == 1, f"asked once each: {opened}, {aopened}"
+    for error in await _events_refused_once(_a_proxys_page_then_the_task):
+        assert error.code == "invalid_answer" and "captive portal" in error.message, error
 
 
 def _no_content(opened: list[str]) -> httpx.MockTransport:
@@ -774,16 +777,8 @@ def _no_content(opened: list[str]) -> httpx.MockTransport:
 async def test_a_204_before_the_terminal_event_is_a_server_error_not_an_end() -> None:
     """The gateway answers 204 only to a resume after the terminal event, which this client never makes:
     ``events`` ended silently, its caller left with no terminal status, contrary to "the terminal one last"."""
-    opened: list[str] = []
-    with Client("http://gw", transport=_no_content(opened)) as client, pytest.raises(ServerError) as raised:
-        list(client.events("t1"))
-    assert raised.value.code == "invalid_answer" and "204" in raised.value.message, raised.value
-    aopened: list[str] = []
-    async with AsyncClient("http://gw", transport=_no_content(aopened)) as aclient:
-        with pytest.raises(ServerError) as araised:
-            _ = [event async for event in aclient.events("t1")]
-    assert araised.value.code == "invalid_answer", araised.value
-    assert len(opened) == len(aopened) == 1, f"asked once each: {opened}, {aopened}"
+    for error in await _events_refused_once(_no_content):
+        assert error.code == "invalid_answer" and "204" in error.message, error
 
 
 async def test_a_submit_with_no_time_left_is_refused_unsent() -> None:
