@@ -605,15 +605,6 @@ class _Follow:
         retry_s = self._decoder.retry_s
         return None if retry_s is None else min(retry_s, self._longest_wait_s)
 
-    def no_more(self) -> ServerError:
-        """A 204 ("no more events") before the terminal event: the gateway sends it only to a resume whose
-        ``Last-Event-ID`` was the terminal event's, which this client never makes (it stops there)."""
-        return ServerError(
-            "invalid_answer",
-            "the event stream answered 204 (no more events) before the task's terminal event: no answer of the "
-            "API's (a proxy's?)",
-        )
-
 
 # shared by both clients ---------------------------------------------------------------------------
 _LINE_END = re.compile(r"\r\n|\r|\n")
@@ -739,6 +730,16 @@ def _unreachable(err: httpx.TransportError) -> Unreachable:
     return error
 
 
+def _no_more_events() -> ServerError:
+    """A 204 ("no more events") to an event stream: the gateway sends it only to a resume whose
+    ``Last-Event-ID`` was the terminal event's, which this client never makes (it stops there)."""
+    return ServerError(
+        "invalid_answer",
+        "the event stream answered 204 (no more events) before the task's terminal event: no answer of the "
+        "API's (a proxy's?)",
+    )
+
+
 def _undecodable(err: httpx.DecodingError) -> ServerError:
     """An answer whose body its ``Content-Encoding`` cannot decode (a proxy's corrupt gzip): no answer of the
     API's, as a proxy's page is not, and not httpx's own error."""
@@ -853,7 +854,7 @@ class Client(_ClientBase):
                     "GET", _events_path(task_id), headers=follow.connect(), timeout=self._stream_timeout
                 ) as response:
                     if response.status_code == 204:
-                        raise follow.no_more()
+                        raise _no_more_events()
                     if not response.is_success:
                         response.read()
                         raise error_of(response)
@@ -1036,7 +1037,7 @@ class AsyncClient(_ClientBase):
                     "GET", _events_path(task_id), headers=follow.connect(), timeout=self._stream_timeout
                 ) as response:
                     if response.status_code == 204:
-                        raise follow.no_more()
+                        raise _no_more_events()
                     if not response.is_success:
                         await response.aread()
                         raise error_of(response)
