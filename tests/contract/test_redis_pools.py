@@ -158,6 +158,7 @@ def test_the_single_redis_pools_refuse_a_cluster_url() -> None:
             ),
             False,
         ),
+        (ResponseError("NOREPLICAS Not enough good replicas to write."), False),
         (ResponseError("ERR Error running script"), True),
     ],
 )

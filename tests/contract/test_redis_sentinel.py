@@ -25,6 +25,7 @@ from schemas.wire import Names
 from tests.support.eventually import eventually, eventually_sync
 from tests.support.sentinels import FAILOVER_WAIT_S, MASTER, HeldSentinel, SentinelCluster
 from tests.support.task_states import state
+from transport.errors import PermanentTransportError
 from transport.ports import TransportError
 from transport.redis.credits import RedisCreditPool
 from transport.redis.pools import PoolOptions, blocking_pool, command_pool, follower_of, pubsub_pool, redacted
@@ -396,6 +397,62 @@ async def test_pools_sharing_a_follower_all_follow_a_graceful_failover_past_a_si
             await pool.disconnect()
         await sentinel.aclose()
         await silent.close()
+
+
+@pytest.mark.kafka
+async def test_writes_a_primary_refuses_for_want_of_replicas_are_retried_and_go_through_once_it_takes_them(
+    own_cluster: SentinelCluster, names: Names
+) -> None:
+    """A primary run with ``min-replicas-to-write 1`` (operations.md's way to close the graceful
+    failover's window) answers ``NOREPLICAS`` to every write while its replica is down. That refusal
+    ends when the replica is back: a role retries it rather than stop (it was read as permanent, and
+    a batcher's claim or a worker's stored results ended the process with exit 1)."""
+    cluster = own_cluster
+    follower = follower_of(cluster.url)
+    store = RedisTaskStore(cluster.url, names, ttl_s=60, follower=follower)
+    credits = RedisCreditPool(cluster.url, names, follower=follower)
+    primary = Redis(port=cluster.primary_port)
+    await store.start()
+    await credits.start()
+    try:
+        await primary.config_set("min-replicas-to-write", 1)
+        assert await store.create(state("before", TaskStatus.QUEUED))
+        cluster.kill(cluster.replica_port)
+        await _until_no_replica(primary, timeout_s=10)
+        now_ms = int(time.time() * 1000)
+        credit = Credit("w1", "alpha", 0, 1, now_ms, now_ms + 60_000)
+        refusals: list[Callable[[], Awaitable[object]]] = [
+            lambda: store.create(state("during", TaskStatus.QUEUED)),
+            lambda: store.apply([state("before", TaskStatus.COMPLETED, output="ok")]),
+            lambda: credits.offer(credit),
+            lambda: credits.claim("alpha", timeout_s=0.5),
+        ]
+        for refused in refusals:
+            with pytest.raises(TransportError) as raised:
+                await refused()
+            assert "NOREPLICAS" in str(raised.value), raised.value
+            assert not isinstance(raised.value, PermanentTransportError), (
+                f"a primary short of replicas takes writes again once they are back; expected a transient "
+                f"TransportError, got {raised.value!r}"
+            )
+
+        await primary.config_set("min-replicas-to-write", 0)  # as the replica's return does
+        assert await store.create(state("during", TaskStatus.QUEUED))
+        assert await store.apply([state("before", TaskStatus.COMPLETED, output="ok")]) == [True]
+        await credits.offer(credit)
+        assert await credits.claim("alpha", timeout_s=2) == credit
+    finally:
+        await credits.close()
+        await store.close()
+        await primary.aclose()
+
+
+async def _until_no_replica(primary: Redis, timeout_s: float) -> None:
+    """Waits until ``primary`` counts no connected replica (it sees the killed one's socket close)."""
+    deadline = time.monotonic() + timeout_s
+    while int((await primary.info("replication"))["connected_slaves"]) > 0:
+        assert time.monotonic() < deadline, f"the primary still counts a replica after {timeout_s} s"
+        await asyncio.sleep(0.05)
 
 
 # (d) a failover under the same objects (kills the primary: keep this test last)

@@ -164,8 +164,10 @@ that moved, a primary turned replica): retried, not permanent."""
 
 def _is_topology(err: RedisError | RedisClusterException) -> bool:
     """A failover's error reply; ``UNBLOCKED`` too, which a primary turned replica gives a blocked
-    command (``BZPOPMIN``) and redis-py raises as a plain ``ResponseError``."""
-    return isinstance(err, _TOPOLOGY_ERRORS) or str(err).startswith("UNBLOCKED")
+    command (``BZPOPMIN``), and ``NOREPLICAS``, a primary's refusal of writes while fewer replicas than
+    its ``min-replicas-to-write`` are connected (a replica down, or promoted away from it): redis-py
+    raises both as plain ``ResponseError``s."""
+    return isinstance(err, _TOPOLOGY_ERRORS) or str(err).startswith(("UNBLOCKED", "NOREPLICAS"))
 
 
 def _retry_once() -> Retry:
