@@ -225,7 +225,10 @@ ERROR_TABLE: dict[str, tuple[int, str]] = {
         "The body came in more pieces (chunks or reads) than BATCHWIRE_MAX_BODY_BYTES / 256 (at least 1024); "
         "send it in larger chunks. The connection is closed.",
     ),
-    "unauthorized": (401, "API keys are on and the Authorization: Bearer key is missing or not accepted."),
+    "unauthorized": (
+        401,
+        "API keys are on and the Authorization: Bearer key is missing, not accepted, or sent in two headers.",
+    ),
     "forbidden": (
         403,
         "`/metrics`, `/v1/fleet` or `/dashboard/events` with a tenant key: they need an operator key "

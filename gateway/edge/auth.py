@@ -202,11 +202,17 @@ class AuthMiddleware:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        authorization: str | None = None
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                authorization = value.decode("latin-1")
-                break
+        given = [value for name, value in scope["headers"] if name == b"authorization"]
+        if len(given) > 1:
+            # A singleton header (RFC 9110): which key would speak depends on the order, which a proxy
+            # that appends its own header instead of replacing the client's leaves to the client.
+            message = f"this request has {len(given)} Authorization headers; send one Authorization header"
+            challenge = 'Bearer realm="batchwire", error="invalid_request"'
+            await error_response(401, "unauthorized", message, headers={"WWW-Authenticate": challenge})(
+                scope, receive, send
+            )
+            return
+        authorization = given[0].decode("latin-1") if given else None
         holder = self.keys.holder(authorization)
         if holder is None:
             challenge = 'Bearer realm="batchwire"' + ("" if authorization is None else ', error="invalid_token"')

@@ -56,6 +56,24 @@ async def test_a_wrong_key_is_401_invalid_token(make_rig: RigFactory) -> None:
     assert rig.store.created == []
 
 
+async def test_two_authorization_headers_are_refused_whichever_comes_first(make_rig: RigFactory) -> None:
+    """The header is a singleton (RFC 9110): with two, which key speaks would depend on their order, which
+    a proxy that appends its own rather than replacing the client's leaves to the client."""
+    rig = await make_rig(api_keys=(digest_of(KEY_A), digest_of(KEY_B)))
+    task_id = (await rig.client.post("/v1/tasks", json={"input": "a's"}, headers=bearer(KEY_A))).json()["task_id"]
+    for first, second in ((KEY_B, KEY_A), (KEY_A, KEY_B), (KEY_A, KEY_A)):
+        headers = [("authorization", f"Bearer {first}"), ("authorization", f"Bearer {second}")]
+        for method, path in (("POST", "/v1/tasks"), ("GET", f"/v1/result/{task_id}")):
+            body = {"input": "x"} if method == "POST" else None
+            response = await rig.client.request(method, path, json=body, headers=headers)
+            assert response.status_code == 401, f"{method} {path}: {response.status_code} {response.text}"
+            error = error_of(response)
+            assert error["code"] == "unauthorized" and "one Authorization header" in error["message"], error
+            assert 'error="invalid_request"' in response.headers["www-authenticate"]
+            assert KEY_A not in response.text and KEY_B not in response.text
+    assert len(rig.store.created) == 1, "nothing but key A's own task was created"
+
+
 async def test_probes_and_docs_stay_open(make_rig: RigFactory) -> None:
     rig = await make_rig(api_keys=(digest_of(KEY_A),))
     for path in ("/healthz", "/readyz", "/openapi.json", "/docs"):
