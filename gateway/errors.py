@@ -252,7 +252,8 @@ ERROR_TABLE: dict[str, tuple[int, str]] = {
     "idempotency_key_reused": (422, "The Idempotency-Key was used before with another input or model."),
     "unsupported_media_type": (
         415,
-        "A submit's Content-Type is not `application/json` (or a `+json` type); send JSON with that header.",
+        "A submit's Content-Type is not `application/json` (or a `+json` type), or its body is compressed (a "
+        "Content-Encoding); send uncompressed JSON with that header.",
     ),
     "headers_too_large": (
         431,

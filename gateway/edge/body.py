@@ -24,6 +24,7 @@ from gateway.errors import (
     Overloaded,
     UnsupportedMediaType,
     ValidationFailed,
+    shown,
 )
 from gateway.settings import env_name
 
@@ -78,6 +79,7 @@ async def read_body(request: Request, max_bytes: int, budget: BodyBudget | None 
     ``client``'s share of it: ``gateway.edge.callers.client_of``)."""
     headers = request.headers
     check_json_media_type(headers.get("content-type"))
+    check_uncompressed(headers.get("content-encoding"))
     declared = headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise BodyTooLarge(f"the body is {declared} bytes; the limit is {max_bytes} ({_LIMIT_HINT})")
@@ -114,6 +116,18 @@ def check_json_media_type(content_type: str | None) -> None:
         return
     shown = f"Content-Type is {content_type!r}" if content_type else "there is no Content-Type"
     raise UnsupportedMediaType(f"{shown}; send the body as JSON with Content-Type: application/json")
+
+
+def check_uncompressed(content_encoding: str | None) -> None:
+    """Refuses a body sent with a content coding (gzip, br, ...): bodies are read as sent, and a gzip
+    body read as JSON would be refused as not UTF-8, which does not say what to change (RFC 9110 answers
+    a coding the server does not take with 415)."""
+    if content_encoding is None or content_encoding.strip().lower() in ("", "identity"):
+        return
+    raise UnsupportedMediaType(
+        f"Content-Encoding is {shown(content_encoding)}; this gateway reads bodies uncompressed: send the JSON "
+        "without a Content-Encoding"
+    )
 
 
 def parse_inference_body(body: bytes) -> InferenceBody:

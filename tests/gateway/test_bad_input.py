@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import AsyncIterator
 
@@ -150,6 +151,33 @@ async def test_json_content_types_are_accepted(make_rig: RigFactory, content_typ
     )
     assert response.status_code == 200, f"{content_type!r}: {response.text}"
     assert response.json()["output"] == "nosj"
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("encoding", ["gzip", "br", "deflate, gzip"])
+async def test_a_compressed_body_is_415_naming_the_encoding_and_nothing_is_queued(
+    make_rig: RigFactory, path: str, encoding: str
+) -> None:
+    """Bodies are read as sent: a gzip body read as JSON was refused as "not valid UTF-8", which says
+    nothing of what to change (RFC 9110: 415 for a content coding the server does not take)."""
+    rig = await make_rig()
+    body = gzip.compress(b'{"input": "zipped"}') if encoding == "gzip" else b'{"input": "zipped"}'
+    response = await rig.client.post(path, content=body, headers={**JSON, "content-encoding": encoding})
+    assert response.status_code == 415, f"{encoding!r}: {response.status_code} {response.text}"
+    error = error_of(response)
+    assert error["code"] == "unsupported_media_type", error
+    assert repr(encoding) in error["message"] and "uncompressed" in error["message"], error
+    assert rig.produced() == 0
+    assert rig.store.created == []
+
+
+async def test_an_identity_content_encoding_is_read_as_it_is(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    await rig.worker()
+    response = await rig.client.post(
+        "/v1/inference", content=b'{"input": "plain"}', headers={**JSON, "content-encoding": "Identity"}
+    )
+    assert response.status_code == 200, response.text
 
 
 async def test_the_media_type_is_checked_before_the_body_size(make_rig: RigFactory) -> None:
