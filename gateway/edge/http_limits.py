@@ -17,7 +17,8 @@ only the asyncio callbacks, the parser callbacks, ``on_response_complete`` and
   deadline is also the keep-alive timeout (uvicorn's own is set past it);
 - a connection closed while its client has not read what was written to it is reset (at once when
   it was idle, else a header timeout later, ``_close``): a close waits for that read, which a client
-  that never reads never makes;
+  that never reads never makes; so is one whose write buffer stays full for a header timeout
+  (``pause_writing``): a streaming answer's next send waits for that read;
 - at the cap, a new connection is held apart and its request read (``gateway.edge.refused_request``).
   Once its head has come whole it takes a place freed meanwhile, or the place of the connection that
   has waited longest for a whole request, head and body (since it opened, or since its last response:
@@ -192,6 +193,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """Pieces of the body being read that reached the parser's callback."""
         self._lingering = False
         """Answered and half-closed before a long body came: its rest is read and dropped, then it closes."""
+        self._write_stall: asyncio.TimerHandle | None = None
+        """While writing is paused (the client reads nothing): resets the connection a header timeout on."""
 
     # asyncio callbacks ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -319,6 +322,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._deadline = None
         self._cancel_timer()
+        self._cancel_write_stall()
         if self._waiting:
             self._stop_waiting()
         elif self._making_room:
@@ -331,6 +335,24 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.occupancy.operations -= 1
             self._operations = False
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        """The write buffer is full: the app's next send waits for the client to read. One that never
+        reads would hold a streaming answer (an event stream) open for ever, past the stream's own end
+        and the shutdown, which wait in that send; as at a close (``_reset_if_unread``), it has a
+        header timeout to read, and is then reset (the app is told it left)."""
+        super().pause_writing()
+        if self._write_stall is None:
+            self._write_stall = self.loop.call_later(self.header_timeout_s, self.transport.abort)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._cancel_write_stall()
+
+    def _cancel_write_stall(self) -> None:
+        if self._write_stall is not None:
+            self._write_stall.cancel()
+            self._write_stall = None
 
     def data_received(self, data: bytes) -> None:
         if self._invalid:

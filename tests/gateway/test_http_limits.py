@@ -176,6 +176,16 @@ class App:
         if path == "/early":
             await respond(send, 415, b"no")
             return
+        if path == "/stream":  # an event stream: one event, then the next once ``gate`` is set
+            await send(
+                {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
+            )
+            await send({"type": "http.response.body", "body": b"data: 1\r\n\r\n", "more_body": True})
+            await self.gate.wait()
+            await send({"type": "http.response.body", "body": b"data: 2\r\n\r\n", "more_body": True})
+            if (await receive())["type"] == "http.disconnect":
+                self.disconnected.append(path)
+            return
         body = b""
         while True:
             message = await receive()
@@ -635,6 +645,35 @@ async def test_a_connection_closed_with_its_answer_unread_is_reset(closed_by: st
     assert transport.aborted, f"closed by {closed_by} with its answer unread: reset"
     await settle()
     assert protocol not in edge.state.connections and edge.protocol_class.occupancy.closing == 0
+
+
+@pytest.mark.parametrize("client", ["never reads", "reads"])
+async def test_a_stream_whose_client_reads_nothing_for_a_header_timeout_is_reset(client: str) -> None:
+    """A streaming answer (an event stream) whose client never reads fills the write buffer, and the
+    app's next send waits for it to drain: for ever, so the stream would hold its place among the
+    watchers and at the cap past its own end (``--sse-max-s``), and shutdown. A client has a header
+    timeout to read what was written, as at a close; one that reads meanwhile keeps its stream."""
+    edge = Edge()
+    edge.app.gate.clear()
+    protocol, transport, _ = edge.connect()
+    protocol.data_received(get("/stream"))
+    await eventually(lambda: b"data: 1" in transport.written, "the first event")
+    protocol.pause_writing()  # the transport's write buffer is over its high-water mark
+    edge.app.gate.set()
+    await settle()
+    edge.loop.advance(HEADER_TIMEOUT_S - 0.1)
+    assert not transport.aborted, "a client has the header timeout to read"
+    assert b"data: 2" not in transport.written, "the next event waits for the buffer to drain"
+    if client == "reads":
+        protocol.resume_writing()
+        await eventually(lambda: b"data: 2" in transport.written, "the next event, once the client read")
+        edge.loop.advance(HEADER_TIMEOUT_S)
+        assert not transport.aborted, "a stream whose client reads goes on"
+        return
+    edge.loop.advance(0.1)
+    assert transport.aborted, "the stream whose client read nothing for a header timeout is reset"
+    await eventually(lambda: edge.app.disconnected == ["/stream"], "the app to be told its client left")
+    assert protocol not in edge.state.connections
 
 
 async def test_at_the_cap_with_every_connection_proven_a_new_ones_request_gets_503_unread() -> None:
