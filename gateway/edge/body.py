@@ -136,6 +136,8 @@ def parse_inference_body(body: bytes) -> InferenceBody:
 
 
 Shape = TypeVar("Shape", bound=BaseModel)
+MAX_PROBLEMS = 5
+"""Problems of a body that a refusal names; the rest it counts."""
 TEXT_EXPECTED = "text_expected"
 """The error type of a field validator that refuses a value which is not text, in its own words."""
 
@@ -174,8 +176,8 @@ def _explain(errors: list[ErrorDetails], fields: str, example: str) -> GatewayEr
             problems.append(f"the body must be a JSON object like {example}")
         elif kind == "missing":
             problems.append(f"field '{loc}' is required")
-        elif kind == "extra_forbidden":
-            problems.append(f"field '{loc}' is unknown; the fields are {fields}")
+        elif kind == "extra_forbidden":  # the client named it: shown, never whole
+            problems.append(f"field {shown(loc)} is unknown; the fields are {fields}")
         elif kind == "string_type":
             problems.append(f"field '{loc}' must be a string")
         elif kind == TEXT_EXPECTED:  # a text field's own validator: its message says what the field takes
@@ -184,4 +186,6 @@ def _explain(errors: list[ErrorDetails], fields: str, example: str) -> GatewayEr
             problems.append(f"field '{loc}' must be an integer (no quotes, no fraction)")
         else:
             problems.append(f"field '{loc}': {error['msg']}")
+    if len(problems) > MAX_PROBLEMS:  # an answer never grows with what a client sent
+        problems[MAX_PROBLEMS:] = [f"and {len(problems) - MAX_PROBLEMS} more"]
     return ValidationFailed("; ".join(problems))

@@ -180,6 +180,29 @@ async def test_an_identity_content_encoding_is_read_as_it_is(make_rig: RigFactor
     assert response.status_code == 200, response.text
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"input": "x", **{f"k{n}": 1 for n in range(20_000)}},  # a 300 KB body of unknown fields
+        {"input": "x", "k" * 200_000: 1},  # one unknown field with a long name
+    ],
+    ids=["many unknown fields", "a long unknown field"],
+)
+async def test_a_refusal_of_unknown_fields_does_not_grow_with_them(make_rig: RigFactory, body: dict[str, int]) -> None:
+    """An answer never grows with what a client sent: a body of many unknown fields was answered with a
+    sentence per field, several times the body's own size."""
+    rig = await make_rig()
+    response = await rig.client.post("/v1/tasks", json=body)
+    assert response.status_code == 422, response.text[:300]
+    error = error_of(response)
+    assert error["code"] == "validation_error", error
+    assert len(response.content) < 1_000, f"a {len(response.content)}-byte answer: {response.text[:300]}"
+    assert "is unknown; the fields are input, model, timeout_ms, priority" in error["message"], error
+    if len(body) > 2:
+        assert "and 19995 more" in error["message"], error
+    assert rig.store.created == []
+
+
 async def test_the_media_type_is_checked_before_the_body_size(make_rig: RigFactory) -> None:
     rig = await make_rig(max_body_bytes=1000)
     response = await rig.client.post("/v1/tasks", content=b"x" * 5000, headers={"content-type": "text/plain"})
