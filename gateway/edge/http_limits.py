@@ -17,8 +17,8 @@ only the asyncio callbacks, the parser callbacks, ``on_response_complete`` and
   deadline is also the keep-alive timeout (uvicorn's own is set past it);
 - a connection closed while its client has not read what was written to it is reset (at once when
   it was idle, else a header timeout later, ``_close``): a close waits for that read, which a client
-  that never reads never makes; so is one whose write buffer stays full for a header timeout
-  (``pause_writing``): a streaming answer's next send waits for that read;
+  that never reads never makes; so is one whose client reads nothing of a full write buffer for a
+  header timeout (``pause_writing``): a streaming answer's next send waits for that read;
 - at the cap, a new connection is held apart and its request read (``gateway.edge.refused_request``).
   Once its head has come whole it takes a place freed meanwhile, or the place of the connection that
   has waited longest for a whole request, head and body (since it opened, or since its last response:
@@ -340,10 +340,22 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """The write buffer is full: the app's next send waits for the client to read. One that never
         reads would hold a streaming answer (an event stream) open for ever, past the stream's own end
         and the shutdown, which wait in that send; as at a close (``_reset_if_unread``), it has a
-        header timeout to read, and is then reset (the app is told it left)."""
+        header timeout to read, and is then reset (the app is told it left). A slow reader of a long
+        answer keeps its connection while the buffer shrinks."""
         super().pause_writing()
         if self._write_stall is None:
-            self._write_stall = self.loop.call_later(self.header_timeout_s, self.transport.abort)
+            self._watch_write_stall(self.transport.get_write_buffer_size())
+
+    def _watch_write_stall(self, unread: int) -> None:
+        self._write_stall = self.loop.call_later(self.header_timeout_s, self._reset_if_stalled, unread)
+
+    def _reset_if_stalled(self, unread_before: int) -> None:
+        unread = self.transport.get_write_buffer_size()
+        if unread < unread_before:  # the client read some: another header timeout to read more
+            self._watch_write_stall(unread)
+        else:
+            self._write_stall = None
+            self.transport.abort()
 
     def resume_writing(self) -> None:
         super().resume_writing()

@@ -36,6 +36,8 @@ from tests.support.eventually import eventually
 
 LIMIT = 1024
 HEADER_TIMEOUT_S = 10.0
+HIGH_WATER = 64 * 1024
+"""asyncio's default high-water mark of a transport's write buffer."""
 BODY_TIMEOUT_S = 30.0
 
 
@@ -647,7 +649,7 @@ async def test_a_connection_closed_with_its_answer_unread_is_reset(closed_by: st
     assert protocol not in edge.state.connections and edge.protocol_class.occupancy.closing == 0
 
 
-@pytest.mark.parametrize("client", ["never reads", "reads"])
+@pytest.mark.parametrize("client", ["never reads", "reads", "reads slowly"])
 async def test_a_stream_whose_client_reads_nothing_for_a_header_timeout_is_reset(client: str) -> None:
     """A streaming answer (an event stream) whose client never reads fills the write buffer, and the
     app's next send waits for it to drain: for ever, so the stream would hold its place among the
@@ -658,13 +660,23 @@ async def test_a_stream_whose_client_reads_nothing_for_a_header_timeout_is_reset
     protocol, transport, _ = edge.connect()
     protocol.data_received(get("/stream"))
     await eventually(lambda: b"data: 1" in transport.written, "the first event")
+    transport.unread = 3 * HIGH_WATER
     protocol.pause_writing()  # the transport's write buffer is over its high-water mark
     edge.app.gate.set()
     await settle()
     edge.loop.advance(HEADER_TIMEOUT_S - 0.1)
     assert not transport.aborted, "a client has the header timeout to read"
     assert b"data: 2" not in transport.written, "the next event waits for the buffer to drain"
+    if client == "reads slowly":  # a long answer, read a little in each header timeout: never drained
+        for _ in range(2):
+            transport.unread -= HIGH_WATER // 2
+            edge.loop.advance(HEADER_TIMEOUT_S)
+            assert not transport.aborted, "a client that reads some keeps its connection"
+        edge.loop.advance(HEADER_TIMEOUT_S)
+        assert transport.aborted, "... until it reads nothing for a header timeout"
+        return
     if client == "reads":
+        transport.unread = 0
         protocol.resume_writing()
         await eventually(lambda: b"data: 2" in transport.written, "the next event, once the client read")
         edge.loop.advance(HEADER_TIMEOUT_S)
