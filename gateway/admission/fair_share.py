@@ -5,8 +5,11 @@ than the model drains fills the queue, and every other key's requests wait behin
 a model's queue holds more than ``FAIR_AFTER_S`` of work, admission refuses a client whose recent
 rate is above its max-min fair share of the model's drain rate: clients that send less than an
 equal share keep their rate, and the rest of the capacity is split evenly among the others. A flood
-from one key is then refused before another key's requests wait behind it, and a lone client (no
-other client sent meanwhile) is never held to a share.
+from one key is then refused before another key's requests wait behind it. A lone client's share is
+the whole drain: alone, it may not queue faster than the model drains either, so a key that floods
+first holds about a second of work ahead of the next key to come, not its own deadline's worth, which
+would refuse every request of a key with a shorter deadline for as long as the flood went on (the
+newcomer, refused, would never count as sending).
 
 Rates are this gateway's own admissions, decayed with a half-life of ``HALF_LIFE_S``: with several
 gateways, a client spread over them is held to a share at each. Pure: time is passed in.
@@ -77,7 +80,8 @@ class FairShare:
 
     def over_share(self, model: str, client: str, drain_per_s: float, now_s: float) -> tuple[float, float, int] | None:
         """``(rate, share, clients)`` when ``client`` sends ``model`` more than its fair share of
-        ``drain_per_s`` (requests) among the clients sending now; None when it does not, or sends alone.
+        ``drain_per_s`` (requests) among the clients sending now (alone: the whole drain); None when it
+        does not.
         With weighed admissions, rates and shares are weight per second, and the drain is taken at the
         mean weight of the model's recent admissions."""
         clients = self._rates.get(model)
@@ -88,8 +92,6 @@ class FairShare:
         if level is None or level[3] < 2 or level[1] != drain_per_s or now_s - level[0] >= LEVEL_FOR_S:
             level = self._levels[model] = self._level(model, clients, drain_per_s, now_s)
         _, _, share, sending = level
-        if sending < 2:
-            return None
         return (mine, share, sending) if mine > share else None
 
     def _level(

@@ -383,9 +383,10 @@ class Admission:
         if over is not None:
             rate, share, clients = over
             unit = self._share_unit
+            among = f"among the {clients} clients sending now" if clients > 1 else "as the one client sending now"
             raise Overloaded(
                 f"this client sends {rate:.0f} {unit}/s to model {model!r}, above its fair share of "
-                f"{share:.0f} {unit}/s among the {clients} clients sending now; the model drains {drain:.0f} "
+                f"{share:.0f} {unit}/s {among}; the model drains {drain:.0f} "
                 f"requests/s and {queued_s:.1f} s of work is queued; nothing was queued: send less, or retry "
                 "after the Retry-After delay"
             )

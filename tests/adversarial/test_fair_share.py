@@ -30,18 +30,20 @@ FOR_S = 6.0
 QUIET_TIMEOUT_MS = 5_000
 
 
-async def _paced(client: httpx.AsyncClient, rate_per_s: float, send: object) -> list[httpx.Response]:
+async def _paced(
+    client: httpx.AsyncClient, rate_per_s: float, send: object, for_s: float = FOR_S
+) -> list[httpx.Response]:
     started = time.monotonic()
     tasks = []
     n = 0
-    while time.monotonic() - started < FOR_S:
+    while time.monotonic() - started < for_s:
         tasks.append(asyncio.create_task(send(client, n)))  # type: ignore[operator]
         n += 1
         await asyncio.sleep(max(0.0, started + n / rate_per_s - time.monotonic()))  # pacing, not synchronization
     return list(await asyncio.gather(*tasks))
 
 
-async def _both(url: str) -> tuple[list[httpx.Response], list[httpx.Response]]:
+async def _both(url: str, quiet_after_s: float) -> tuple[list[httpx.Response], list[httpx.Response]]:
     async def flood(client: httpx.AsyncClient, n: int) -> httpx.Response:
         return await client.post(
             "/v1/tasks", json={"input": f"flood-{n}"}, headers={"Authorization": f"Bearer {FLOOD_KEY}"}
@@ -58,13 +60,22 @@ async def _both(url: str) -> tuple[list[httpx.Response], list[httpx.Response]]:
         httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as a,
         httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as c,
     ):
-        flooded, quieted = await asyncio.gather(_paced(a, FLOOD_PER_S, flood), _paced(c, QUIET_PER_S, quiet))
+
+        async def later() -> list[httpx.Response]:
+            await asyncio.sleep(quiet_after_s)  # pacing: the flood has this head start, not synchronization
+            return await _paced(c, QUIET_PER_S, quiet)
+
+        flooded, quieted = await asyncio.gather(_paced(a, FLOOD_PER_S, flood, quiet_after_s + FOR_S), later())
     return flooded, quieted
 
 
+@pytest.mark.parametrize("quiet_after_s", [0.0, 4.0], ids=["together", "flood first"])
 def test_a_key_flooding_a_model_leaves_another_key_answered_in_time(
-    embedded_service_factory: ServiceFactory, tmp_path: Path
+    embedded_service_factory: ServiceFactory, tmp_path: Path, quiet_after_s: float
 ) -> None:
+    """Flood first: alone, key A still queues no faster than the model drains, so key C, coming 4 s
+    later with a shorter deadline, finds about a second of work ahead of it, not the 8 s that A's
+    30 s deadlines would allow (C, refused, would never count as sending, and A never be held)."""
     keys = tmp_path / "api-keys"
     keys.write_text(f"{FLOOD_KEY}\n{QUIET_KEY}\n")
     service = embedded_service_factory("--api-keys-file", str(keys), "--max-batch", "5", workers=1)
@@ -78,7 +89,7 @@ def test_a_key_flooding_a_model_leaves_another_key_answered_in_time(
         "the worker to answer",
         timeout_s=60,
     )
-    flooded, quieted = asyncio.run(_both(service.url))
+    flooded, quieted = asyncio.run(_both(service.url, quiet_after_s))
 
     quiet = Counter(response.status_code for response in quieted)
     assert quiet == {200: len(quieted)}, f"key C is answered within its {QUIET_TIMEOUT_MS} ms deadline: {quiet}"

@@ -61,14 +61,19 @@ def test_weighed_by_tokens_the_client_of_long_inputs_is_over_its_share_not_the_o
     assert by_count.over_share("m", "short", 30.0, 2.0) is not None, "counted, the many short requests look over"
 
 
-def test_a_lone_client_is_never_held_to_a_share() -> None:
+def test_a_lone_clients_share_is_the_whole_drain() -> None:
+    """Alone, a client may send what the model drains, not more: a flood that queued work up to its
+    own deadline would hold off every later client of a shorter one."""
     fair = FairShare()
     for step in range(40):
         for _ in range(5):
-            fair.admitted("m", "flood", step / 20)
-    assert fair.over_share("m", "flood", 50.0, 2.0) is None
+            fair.admitted("m", "flood", step / 20)  # 100 requests/s
+    assert fair.over_share("m", "flood", 150.0, 2.0) is None, "under the drain, alone: no share holds it"
+    over = fair.over_share("m", "flood", 50.0, 2.0)
+    assert over is not None and over[0] > 50.0 and over[1:] == (50.0, 1), "over the drain, alone: the drain holds it"
     fair.admitted("m", "quiet", 2.0)
-    assert fair.over_share("m", "flood", 50.0, 2.0) is not None, "a second client sending makes shares count"
+    over = fair.over_share("m", "flood", 50.0, 2.0)
+    assert over is not None and over[1] < 50.0 and over[2] == 2, "a second client sending takes its part"
     assert fair.over_share("m", "flood", 50.0, 12.0) is None, "once both stopped, nobody is over a share"
 
 
