@@ -67,7 +67,7 @@ class GatewayTransports:
                 shared.names,
                 shared.request_partitions,
                 models=shared.models,
-                batch_partitions=shared.batch_partitions,
+                count_batches=True,
             )
         self.limiter: RedisRateLimiter | None = None
         if settings.rate_limit_per_s > 0:

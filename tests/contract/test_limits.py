@@ -285,7 +285,7 @@ async def test_a_models_missing_batch_topic_leaves_the_other_models_batch_counts
     served, missing = MODELS
     await ensure_topics(kafka_bootstrap, {names.request_topic: REQUEST_PARTITIONS, names.batch_topic(served): 2})
     depth = KafkaQueueDepth(
-        kafka_bootstrap, names, REQUEST_PARTITIONS, refresh_s=0.05, models=MODELS, batch_partitions=2
+        kafka_bootstrap, names, REQUEST_PARTITIONS, refresh_s=0.05, models=MODELS, count_batches=True
     )
     producer = KafkaBatchProducer(kafka_bootstrap, names)
     await depth.start()
@@ -308,4 +308,39 @@ async def test_a_models_missing_batch_topic_leaves_the_other_models_batch_counts
         await eventually(counted, f"a batch on {names.batch_topic(missing)}, created after start", timeout_s=40)
     finally:
         await producer.close()
+        await depth.close()
+
+
+@pytest.mark.kafka
+async def test_batches_on_partitions_added_by_topics_grow_are_counted(kafka_bootstrap: str, names: Names) -> None:
+    """``topics grow --batch-partitions`` is live and a running gateway keeps its ``--batch-partitions``:
+    a batch that a worker owning a new partition takes must count all the same, or admission reads a
+    model served by that worker alone as stalled (no batch for ``stall_s``) and refuses it."""
+    from infra.topics import grow_topics
+    from transport.kafka.producers import KafkaBatchProducer
+
+    model = MODELS[0]
+    await ensure_topics(kafka_bootstrap, {names.request_topic: REQUEST_PARTITIONS, names.batch_topic(model): 1})
+    depth = KafkaQueueDepth(
+        kafka_bootstrap, names, REQUEST_PARTITIONS, refresh_s=0.05, models=MODELS, count_batches=True
+    )
+    await depth.start()
+    try:
+        await grow_topics(kafka_bootstrap, {names.batch_topic(model): 2})
+        producer = KafkaBatchProducer(kafka_bootstrap, names)  # started after the grow: it knows partition 1
+        await producer.start()
+        try:
+            await producer.send_encoded(model, b"a batch", 1)
+        finally:
+            await producer.close()
+
+        def counted() -> bool:
+            backlog = depth.backlog(model)
+            return backlog is not None and backlog.batches == 1
+
+        # the reader's metadata learns of the new partition within METADATA_MAX_AGE_MS (10 s)
+        await eventually(
+            counted, f"the batch on partition 1 of {names.batch_topic(model)}, added by a grow", timeout_s=40
+        )
+    finally:
         await depth.close()

@@ -62,10 +62,12 @@ class KafkaQueueDepth:
         request_timeout_ms: int = 2000,
         client_id: str = "batchwire-gateway-lag",
         models: Sequence[str] = (),
-        batch_partitions: int = 0,
+        count_batches: bool = False,
     ) -> None:
-        """``models`` and ``batch_partitions`` enable ``backlog``: per-model counters, the batch
-        topics' end offsets counting the batches handed to each model's workers."""
+        """``models`` enables ``backlog``: per-model counters; ``count_batches`` adds the batch topics'
+        end offsets, the batches handed to each model's workers, over every partition the cluster's
+        metadata shows (``topics grow`` adds partitions to a live deployment, whatever this gateway's
+        ``--batch-partitions``)."""
         if partitions < 1 or not refresh_s > 0:
             raise ValueError(f"need partitions >= 1 and refresh_s > 0, got {partitions} and {refresh_s}")
         self.bootstrap = bootstrap
@@ -76,9 +78,7 @@ class KafkaQueueDepth:
         self._partitions = [TopicPartition(self.topic, p) for p in range(partitions)]
         partitioner = Partitioner(models, partitions) if models else None
         self._model_partitions = {m: partitioner.partitions_for(m) for m in models} if partitioner else {}
-        self._batch_partitions = {
-            m: [TopicPartition(names.batch_topic(m), p) for p in range(batch_partitions)] for m in models
-        }
+        self._batch_topics = {m: names.batch_topic(m) for m in models} if count_batches else {}
         self._sums: dict[str, tuple[int, int]] = {}
         """Each model's (records waiting, records read) over its partitions, summed once per refresh:
         ``backlog`` is asked once per request."""
@@ -142,7 +142,7 @@ class KafkaQueueDepth:
         await self._consumer.start()
         # The metadata of the topics read, so that ``_count_batches`` knows which exist (and counts a
         # batch topic created later once the metadata is refreshed); aiokafka has no public way.
-        topics = [self.topic, *(tps[0].topic for tps in self._batch_partitions.values() if tps)]
+        topics = [self.topic, *self._batch_topics.values()]
         await self._consumer._client.set_topics(topics)
         self._connected_at = time.monotonic()
 
@@ -218,7 +218,7 @@ class KafkaQueueDepth:
                 waiting[tp.partition] = max(0, ends[tp] - start)
                 left[tp.partition] = start
         lag = sum(waiting.values())
-        if self._batch_partitions:
+        if self._batch_topics:
             await self._count_batches()
         self._sums = {
             model: (sum(waiting.get(p, 0) for p in partitions), sum(left.get(p, 0) for p in partitions))
@@ -233,14 +233,15 @@ class KafkaQueueDepth:
     async def _count_batches(self) -> None:
         """Each model's batch topic end offsets: the batches handed to its workers so far.
 
-        Only partitions the consumer's metadata knows are read: aiokafka waits out its request
+        The partitions are the ones the consumer's metadata knows: aiokafka waits out its request
         timeout on one that does not exist, and fails the whole read, which would hold every refresh
-        and stop every model's count (admission reads a count that stops as a stalled model)."""
+        and stop every model's count (admission reads a count that stops as a stalled model); and a
+        partition added since start (``topics grow``) is counted once the metadata is refreshed, as a
+        worker that owns it takes batches there."""
         every = [
-            tp
-            for tps in self._batch_partitions.values()
-            for tp in tps
-            if tp.partition in (self._consumer.partitions_for_topic(tp.topic) or ())
+            TopicPartition(topic, partition)
+            for topic in self._batch_topics.values()
+            for partition in sorted(self._consumer.partitions_for_topic(topic) or ())
         ]
         if not every:
             return
@@ -249,9 +250,10 @@ class KafkaQueueDepth:
         except KafkaError as err:  # the counts stay as they were
             log.debug("could not read the batch topics' end offsets: %s", err)
             return
-        for model, tps in self._batch_partitions.items():
-            if any(tp in ends for tp in tps):  # a model whose topic is missing keeps its count
-                self._batches[model] = sum(ends.get(tp, 0) for tp in tps)
+        for model, topic in self._batch_topics.items():
+            counts = [end for tp, end in ends.items() if tp.topic == topic]
+            if counts:  # a model whose topic is missing keeps its count
+                self._batches[model] = sum(counts)
 
     def backlog(self, model: str) -> Backlog | None:
         if model not in self._model_partitions or self._stale():
