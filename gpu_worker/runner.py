@@ -89,6 +89,13 @@ class BackendRunner:
     def expected_s(self) -> float | None:
         return self.configured_s if self.configured_s is not None else self.ewma_s
 
+    def inherit(self, predecessor: BackendRunner) -> None:
+        """Starts from ``predecessor``'s measured call time, when this runner has none: a replacement over
+        the same model first runs the batch its predecessor hung on, and with no estimate it would allow
+        that call ``FIRST_CALL_LIMIT_S``, past the deadlines of the inputs that shared the hung batch."""
+        if self.ewma_s is None:
+            self.ewma_s = predecessor.ewma_s
+
     def limit_s(self) -> float | None:
         """How long the next call may take before it counts as hung; None when hang detection is off."""
         if self.hang_factor <= 0:

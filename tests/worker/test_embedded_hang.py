@@ -80,3 +80,49 @@ async def test_batches_given_back_go_ahead_of_those_sent_since() -> None:
         assert delivered is not None and delivered.value is not None, "three batches wait"
         order.append(delivered.value.batch_id)
     assert order == ["taken-first", "taken-second", "sent-since"]
+
+
+async def test_a_replacement_allows_its_predecessors_hang_limit_so_the_hanging_input_is_set_aside_in_time() -> None:
+    """No --expected-latency-ms: the replacement's first call runs the batch its predecessor hung on. Allowed
+    the 60 s of a worker that has timed nothing, it would hang past every deadline of that batch, and the
+    hanging input would end ``expired`` instead of dead-lettered, its batch's other inputs with it."""
+    settings = EmbeddedSettings(workers_per_model=1, worker=WorkerSettings(hang_min_s=0.3))
+    runtime = EmbeddedRuntime(settings, lambda model, index: SimBackend(latency_ms=20, hang_on="hang"))
+    await runtime.start()
+    replies: dict[str, TaskState] = {}
+    changed = asyncio.Event()
+
+    def on_reply(state: TaskState) -> None:
+        replies[state.task_id] = state
+        changed.set()
+
+    async def answered(task_ids: set[str]) -> None:
+        while not task_ids <= replies.keys():
+            changed.clear()
+            await changed.wait()
+
+    async def send(task_id: str, text: str) -> None:
+        now = int(time.time() * 1000)
+        await runtime.store.create(TaskState(task_id, TaskStatus.QUEUED, "sim", now, now, reply_to="gw"))
+        await runtime.producer.send(InferenceRequest(task_id, "sim", text, now, now + 10_000, reply_to="gw"))
+
+    await runtime.store.listen_replies("gw", on_reply)
+    try:
+        for n in range(3):  # the worker times its calls
+            await send(f"warm-{n}", "warm")
+            async with asyncio.timeout(10):
+                await answered({f"warm-{n}"})
+        inputs = {"a": "fine one", "b": "hang here", "c": "fine two", "d": "fine three"}
+        for task_id, text in inputs.items():
+            await send(task_id, text)
+        try:
+            async with asyncio.timeout(15):
+                await answered(set(inputs))
+        except TimeoutError:
+            limits = [worker.runner.limit_s() for worker in runtime.workers]
+            raise AssertionError(f"not every input answered within 15 s: {replies}; hang limits now {limits}") from None
+        for task_id in ("a", "c", "d"):
+            assert replies[task_id].output == inputs[task_id][::-1], f"{task_id} answered: {replies[task_id]}"
+        assert replies["b"].error_code == DEAD_LETTERED, f"the hanging input is set aside: {replies['b']}"
+    finally:
+        await runtime.close()
