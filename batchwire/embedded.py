@@ -23,7 +23,6 @@ from batchwire.fleet import Heartbeats, batcher_beat, last_beat, worker_beat
 from batchwire.settings import SettingsError, SharedSettings
 from gpu_worker.backends.base import Backend
 from gpu_worker.journal import BatchJournal
-from gpu_worker.runner import BackendRunner
 from gpu_worker.settings import WorkerSettings
 from gpu_worker.worker import Worker
 from schemas.heartbeat import Beat
@@ -227,7 +226,7 @@ class EmbeddedRuntime:
             # Uncommitted: in memory that means sent again, ahead of what was sent since, before the
             # replacement reads.
             await self.batch_buses[model].send_again(worker.given_back, index)
-            while (fresh := await self._started(slot, worker.runner)) is None:  # a load that fails is a crash too
+            while (fresh := await self._started(slot)) is None:  # a load that fails is a crash too
                 crashes += 1
                 await _back_off(f"{model}-worker-{index}", "could not start", crashes)
             self.workers[slot] = fresh
@@ -242,12 +241,10 @@ class EmbeddedRuntime:
             if self.heartbeats is not None:
                 self.heartbeats.beat_soon()  # the replacement shown serving, the worker it replaced stopped
 
-    async def _started(self, slot: int, predecessor: BackendRunner) -> Worker | None:
-        """A fresh worker for the slot, started, timing its calls from where ``predecessor`` left off; None
-        (logged, closed) when it could not start."""
+    async def _started(self, slot: int) -> Worker | None:
+        """A fresh worker for the slot, started; None (logged, closed) when it could not start."""
         self._generations[slot] += 1
         fresh = self._worker(slot)
-        fresh.runner.inherit(predecessor)
         try:
             await fresh.start()
         except Exception as err:

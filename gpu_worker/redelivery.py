@@ -45,7 +45,10 @@ class Redelivery:
         retry: Retrying,
         run_group: RunGroup,
         end_late: EndLate,
+        start_from: Callable[[float], None],
     ) -> None:
+        """``start_from``: takes the call time the batch's last holder expected when it hung, for a worker
+        that has timed no call (a fresh process): it runs that batch first."""
         self.worker_id = settings.worker_id
         self.max_deliveries = settings.max_deliveries
         self.store = store
@@ -54,6 +57,7 @@ class Redelivery:
         self._retry = retry
         self._run_group = run_group
         self._end_late = end_late
+        self._start_from = start_from
 
     async def run(self, batch: Batch, todo: list[BatchItem], count: int, receipt: str) -> list[TaskState]:
         """Runs ``todo`` of ``batch`` on its ``count``-th delivery, received as ``receipt`` (as it was
@@ -64,6 +68,8 @@ class Redelivery:
         suspects = await self._retry(
             "reading what was in flight", lambda: self.deliveries.suspects(batch.batch_id, ids, receipt)
         )
+        if suspects.call_s is not None:
+            self._start_from(suspects.call_s)
         decided = careful.plan(todo, lambda item: item.task_id, suspects, self.max_deliveries)
         metrics.REDELIVERED.labels(worker=self.worker_id).inc()
         gone = "handed it back" if suspects.handed_back else "died, or could not record its hand-back"

@@ -89,12 +89,12 @@ class BackendRunner:
     def expected_s(self) -> float | None:
         return self.configured_s if self.configured_s is not None else self.ewma_s
 
-    def inherit(self, predecessor: BackendRunner) -> None:
-        """Starts from ``predecessor``'s measured call time, when this runner has none: a replacement over
-        the same model first runs the batch its predecessor hung on, and with no estimate it would allow
-        that call ``FIRST_CALL_LIMIT_S``, past the deadlines of the inputs that shared the hung batch."""
+    def start_from(self, call_s: float) -> None:
+        """Takes ``call_s``, another runner's measured call time for this model, when this one has timed
+        no call: a worker that replaces one that hung first runs the batch it hung on, and with no estimate
+        would allow that call ``FIRST_CALL_LIMIT_S``, past the deadlines of the inputs that shared it."""
         if self.ewma_s is None:
-            self.ewma_s = predecessor.ewma_s
+            self.ewma_s = call_s
 
     def limit_s(self) -> float | None:
         """How long the next call may take before it counts as hung; None when hang detection is off."""

@@ -109,7 +109,14 @@ class Worker:
             settings.worker_id, store, self.deliveries, self._retry, keep_ended=replicas is not None
         )
         self.redelivery = Redelivery(
-            settings, store, self.deliveries, self.dead_letters, self._retry, self._run_group, self._end_late_now
+            settings,
+            store,
+            self.deliveries,
+            self.dead_letters,
+            self._retry,
+            self._run_group,
+            self._end_late_now,
+            self.runner.start_from,
         )
         self.commits = Committer(
             settings.worker_id,
@@ -361,7 +368,8 @@ class Worker:
         Each write has one bounded try: the worker is stopping because something hangs."""
         with contextlib.suppress(TransportError, TimeoutError):
             async with asyncio.timeout(HUNG_WRITE_S):
-                await self.deliveries.note(batch.batch_id, f"worker {self.settings.worker_id}: {err}")
+                note = f"worker {self.settings.worker_id}: {err}"
+                await self.deliveries.note(batch.batch_id, note, self.runner.expected_s)
         now, worker_id = wall_ms(), self.settings.worker_id
         late = [
             task_state(worker_id, batch, item, TaskStatus.EXPIRED, error=HUNG_PAST_DEADLINE)

@@ -35,6 +35,9 @@ class Suspects:
     """Whether the previous holder marked what was in flight; False: it died before marking."""
     note: str | None = None
     """Why the previous holder gave up, when it could say (a hung backend)."""
+    call_s: float | None = None
+    """The call time the previous holder expected when it gave up (a hung backend), if it had one: a
+    holder that has timed no call of its own starts from it (``BackendRunner.start_from``)."""
     handed_back: bool = False
     """The previous holder handed the batch back alive (``DeliveryLog.hand_back``): no suspects, no strikes."""
 
@@ -64,8 +67,9 @@ class DeliveryLog(Protocol):
         hand-back recorded before."""
         ...
 
-    async def note(self, batch_id: str, text: str) -> None:
-        """Tells the next holder why this one gave up (a hang: a death); undoes a hand-back recorded before."""
+    async def note(self, batch_id: str, text: str, call_s: float | None = None) -> None:
+        """Tells the next holder why this one gave up (a hang: a death), and the call time it expected
+        (``Suspects.call_s``); undoes a hand-back recorded before."""
         ...
 
     async def hand_back(self, batch_id: str, receipt: str) -> bool:
@@ -99,6 +103,7 @@ class _Record:
     deliveries: int = 0
     inflight: tuple[str, ...] | None = None
     note: str | None = None
+    call_s: float | None = None
     handed_back: bool = False
     strikes: dict[str, int] = field(default_factory=dict)
     counted: dict[str, int] = field(default_factory=dict)
@@ -145,6 +150,7 @@ class MemoryDeliveryLog:
             return answer
         inflight, record.inflight = record.inflight, None
         note, record.note = record.note, None
+        call_s, record.call_s = record.call_s, None
         handed_back, record.handed_back = record.handed_back, False
         given = set(task_ids)
         suspects = set() if handed_back else given if inflight is None else given.intersection(inflight)
@@ -155,6 +161,7 @@ class MemoryDeliveryLog:
             {t: record.strikes[t] for t in suspects},
             marked=inflight is not None,
             note=note,
+            call_s=call_s,
             handed_back=handed_back,
         )
         return answer
@@ -163,9 +170,9 @@ class MemoryDeliveryLog:
         record = self._get(batch_id)
         record.inflight, record.handed_back = tuple(task_ids), False
 
-    async def note(self, batch_id: str, text: str) -> None:
+    async def note(self, batch_id: str, text: str, call_s: float | None = None) -> None:
         record = self._get(batch_id)
-        record.note, record.handed_back = text, False
+        record.note, record.call_s, record.handed_back = text, call_s, False
 
     async def hand_back(self, batch_id: str, receipt: str) -> bool:
         record = self._get(batch_id)

@@ -313,6 +313,29 @@ async def fault_run(cluster: Cluster, bad: str, good: list[str], timeout_s: floa
     return results
 
 
+async def test_a_worker_restarted_after_a_hang_takes_its_call_time_for_the_batch_it_hung_on(
+    tmp_path: Path, infra: Any, clusters: list[Cluster]
+) -> None:
+    """No --expected-latency-ms: each worker times its own calls, and a restarted process has timed none.
+    It takes the hung worker's call time from the batch's delivery log; allowed the 60 s of a fresh
+    worker instead, it would hang on past every deadline of the batch, and the hanging input would end
+    ``expired``, not dead-lettered."""
+    args = ("--sim-hang-on", "forever", "--hang-min-s", "1")
+    cluster = launch(tmp_path, infra.kafka_bootstrap, infra.redis_url, workers=1, worker_args=args)
+    clusters.append(cluster)
+    async with httpx.AsyncClient(timeout=30) as client:  # the worker times a call
+        warm = await client.post(f"{cluster.gateway_urls[0]}/v1/inference", json={"input": "warm"})
+        assert warm.status_code == 200, warm.text
+    with Restarter(cluster, [proc_named(cluster, "worker0")]) as restarter:
+        results = await fault_run(cluster, "hang forever", ["fine-1", "fine-2"], timeout_s=60)
+        await asyncio.to_thread(eventually_sync, lambda: len(restarter.exits) >= 3, "three worker exits", timeout_s=10)
+        exits = list(restarter.exits)
+    assert results["fine-1"]["output"] == "1-enif" and results["fine-2"]["output"] == "2-enif"
+    hung = results["hang forever"]
+    assert hung["status"] == "failed" and hung["error"]["code"] == "dead_lettered", hung
+    assert [code for _, code, _ in exits] == [75, 75, 75], f"each hang: exit 75 and a restart, got {exits}"
+
+
 async def test_an_input_that_crashes_workers_is_dead_lettered_and_others_are_answered(
     tmp_path: Path, infra: Any, clusters: list[Cluster]
 ) -> None:

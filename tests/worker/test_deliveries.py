@@ -41,12 +41,12 @@ async def test_without_a_mark_every_given_task_is_a_suspect(log: DeliveryLog) ->
 async def test_a_mark_narrows_the_suspects_and_strikes_accumulate(log: DeliveryLog) -> None:
     await log.suspects("b", ["t1", "t2", "t3"], "r1")  # the first death: all three struck
     await log.mark("b", ["t2", "t3", "gone"])
-    await log.note("b", "hung")
+    await log.note("b", "hung", 0.125)
     suspects = await log.suspects("b", ["t1", "t2", "t3"], "r2")
-    assert suspects.marked and suspects.note == "hung"
+    assert suspects.marked and suspects.note == "hung" and suspects.call_s == 0.125, suspects
     assert dict(suspects.strikes) == {"t2": 2, "t3": 2}, "only marked tasks still to run are struck"
     again = await log.suspects("b", ["t1", "t2", "t3"], "r3")
-    assert not again.marked and again.note is None, "reading the mark clears it (and the note)"
+    assert not again.marked and again.note is None and again.call_s is None, "reading the mark clears it (and the note)"
 
 
 async def test_a_call_made_again_with_its_receipt_counts_and_strikes_once(log: DeliveryLog) -> None:
@@ -56,7 +56,7 @@ async def test_a_call_made_again_with_its_receipt_counts_and_strikes_once(log: D
     await log.note("b", "hung")
     first = await log.suspects("b", ["t1", "t2"], "r1")
     again = await log.suspects("b", ["t1", "t2"], "r1")
-    assert first.marked and first.note == "hung" and dict(first.strikes) == {"t2": 1}, first
+    assert first.marked and first.note == "hung" and first.call_s is None and dict(first.strikes) == {"t2": 1}, first
     assert again == first, f"a call made again answers as the first did: {first}, then {again}"
     assert await log.begin("b", "r2") == 2, "another receipt is another delivery"
     later = await log.suspects("b", ["t1", "t2"], "r2")

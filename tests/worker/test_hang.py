@@ -33,6 +33,20 @@ def test_the_limit_follows_the_moving_average_of_calls() -> None:
     runner.close()
 
 
+def test_a_runner_that_timed_nothing_starts_from_a_call_time_it_is_given() -> None:
+    """A worker that replaces one that hung runs its batch first: with the hung worker's call time, not
+    the first-call limit, which would outlast the deadlines of the inputs that shared the batch."""
+    fresh = BackendRunner("r", hang_factor=10, hang_min_s=0.5)
+    fresh.start_from(0.2)
+    assert fresh.limit_s() == pytest.approx(2.0)
+    timed = BackendRunner("r", hang_factor=10, hang_min_s=0.5)
+    timed._observe(0.1)
+    timed.start_from(0.2)
+    assert timed.limit_s() == pytest.approx(1.0), "a runner's own timing wins"
+    fresh.close()
+    timed.close()
+
+
 def test_a_configured_latency_wins_and_factor_0_turns_detection_off() -> None:
     fixed = BackendRunner("r", hang_factor=10, hang_min_s=0.1, expected_s=0.05)
     fixed._observe(3.0)

@@ -32,15 +32,16 @@ return n
 """
 
 # KEYS[1] the batch's hash. ARGV[1] ttl ms, ARGV[2] the receipt, ARGV[3..] the task ids still to run.
-# Returns {marked 0/1, note or '', handed back 0/1, id1, strikes1, id2, strikes2, ...}: the receipt's
+# Returns {marked 0/1, note or '', handed back 0/1, call s or '', id1, strikes1, id2, strikes2, ...}: the receipt's
 # first answer.
 _SUSPECTS = """
 local answered = redis.call('HGET', KEYS[1], 'a:' .. ARGV[2])
 if answered then return cjson.decode(answered) end
 local raw = redis.call('HGET', KEYS[1], 'inflight')
 local note = redis.call('HGET', KEYS[1], 'note')
+local call = redis.call('HGET', KEYS[1], 'call_s')
 local back = redis.call('HGET', KEYS[1], 'back')
-redis.call('HDEL', KEYS[1], 'inflight', 'note', 'back')
+redis.call('HDEL', KEYS[1], 'inflight', 'note', 'call_s', 'back')
 local given = {}
 for i = 3, #ARGV do given[ARGV[i]] = true end
 local suspects = {}
@@ -52,7 +53,7 @@ elseif raw then
 else
   for i = 3, #ARGV do table.insert(suspects, ARGV[i]) end
 end
-local out = {raw and 1 or 0, note or '', back and 1 or 0}
+local out = {raw and 1 or 0, note or '', back and 1 or 0, call or ''}
 for _, id in ipairs(suspects) do
   table.insert(out, id)
   table.insert(out, redis.call('HINCRBY', KEYS[1], 's:' .. id, 1))
@@ -73,11 +74,11 @@ redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return 1
 """
 
-# KEYS[1] the batch's hash. ARGV[1] ttl ms, ARGV[2] the field, ARGV[3] its value. A mark or a note undoes a
+# KEYS[1] the batch's hash. ARGV[1] ttl ms, ARGV[2..] fields and their values. A mark or a note undoes a
 # hand-back (the batch still runs here, or hung). One command, not a MULTI: a cluster client resends a
 # pipeline whose answer timed out, and this is sent once.
 _RECORD = """
-redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
 redis.call('HDEL', KEYS[1], 'back')
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 """
@@ -129,15 +130,23 @@ class RedisDeliveryLog:
             reply: list[Any] = await self._suspects(keys=[key], args=[self.ttl_ms, receipt, *task_ids])
         except REDIS_ERRORS as err:
             raise translate(f"reading what was in flight of batch {batch_id}", err) from err
-        marked, note, back, rest = int(reply[0]), _text(reply[1]), int(reply[2]), reply[3:]
+        marked, note, back, call, rest = int(reply[0]), _text(reply[1]), int(reply[2]), _text(reply[3]), reply[4:]
         strikes = {_text(rest[i]): int(rest[i + 1]) for i in range(0, len(rest), 2)}
-        return Suspects(frozenset(strikes), strikes, marked=bool(marked), note=note or None, handed_back=bool(back))
+        return Suspects(
+            frozenset(strikes),
+            strikes,
+            marked=bool(marked),
+            note=note or None,
+            call_s=float(call) if call else None,
+            handed_back=bool(back),
+        )
 
     async def mark(self, batch_id: str, task_ids: Sequence[str]) -> None:
-        await self._hset(batch_id, "inflight", json.dumps(list(task_ids)), "marking tasks in flight")
+        await self._hset(batch_id, "marking tasks in flight", "inflight", json.dumps(list(task_ids)))
 
-    async def note(self, batch_id: str, text: str) -> None:
-        await self._hset(batch_id, "note", text, "noting why a worker gave up")
+    async def note(self, batch_id: str, text: str, call_s: float | None = None) -> None:
+        call = "" if call_s is None else repr(call_s)  # an empty field reads as none
+        await self._hset(batch_id, "noting why a worker gave up", "note", text, "call_s", call)
 
     async def hand_back(self, batch_id: str, receipt: str) -> bool:
         key = self.names.delivery_record(batch_id)
@@ -153,10 +162,11 @@ class RedisDeliveryLog:
         except REDIS_ERRORS as err:
             raise translate(f"forgetting batch {batch_id}", err) from err
 
-    async def _hset(self, batch_id: str, field: str, value: str, action: str) -> None:
+    async def _hset(self, batch_id: str, action: str, *fields: str) -> None:
+        """Sets ``fields`` (name, value, name, value...) of the batch's record."""
         key = self.names.delivery_record(batch_id)
         try:
-            await self._record(keys=[key], args=[self.ttl_ms, field, value])
+            await self._record(keys=[key], args=[self.ttl_ms, *fields])
         except REDIS_ERRORS as err:
             raise translate(f"{action} of batch {batch_id}", err) from err
 
