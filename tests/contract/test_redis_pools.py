@@ -17,6 +17,7 @@ from redis.exceptions import (
     ClusterDownError,
     DataError,
     MovedError,
+    NoScriptError,
     ReadOnlyError,
     ResponseError,
     SlotNotCoveredError,
@@ -159,6 +160,11 @@ def test_the_single_redis_pools_refuse_a_cluster_url() -> None:
             False,
         ),
         (ResponseError("NOREPLICAS Not enough good replicas to write."), False),
+        (
+            ResponseError("MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist"),
+            False,
+        ),
+        (NoScriptError("No matching script. Please use EVAL."), False),
         (ResponseError("ERR Error running script"), True),
     ],
 )

@@ -36,6 +36,7 @@ from redis.exceptions import (
     BusyLoadingError,
     ClusterDownError,
     MaxConnectionsError,
+    NoScriptError,
     OutOfMemoryError,
     ReadOnlyError,
     RedisClusterException,
@@ -144,8 +145,8 @@ REDIS_ERRORS = (RedisError, RedisClusterException)
 
 def translate(action: str, err: RedisError | RedisClusterException) -> TransportError:
     """``ResponseError`` (a script or type error) will repeat; connection trouble may not, nor the
-    topology of a failover in progress, and neither does a full store (``OOM``: the server refuses
-    writes until expiring states free memory)."""
+    refusals that pass (``_passes``: a failover in progress, say), and neither does a full store
+    (``OOM``: the server refuses writes until expiring states free memory)."""
     if _is_out_of_memory(err):
         return StoreFullError(
             f"{action} failed: the result store is full (Redis used memory is over its maxmemory, and "
@@ -153,7 +154,7 @@ def translate(action: str, err: RedisError | RedisClusterException) -> Transport
             f"(batchwire stack up --redis-maxmemory, BATCHWIRE_REDIS_MAXMEMORY): {err}"
         )
     message = f"{action} failed: {type(err).__name__}: {err}"
-    permanent = isinstance(err, ResponseError) and not _is_topology(err)
+    permanent = isinstance(err, ResponseError) and not _passes(err)
     return PermanentTransportError(message) if permanent else TransportError(message)
 
 
@@ -162,12 +163,18 @@ _TOPOLOGY_ERRORS = (ClusterDownError, TryAgainError, AskError, ReadOnlyError)
 that moved, a primary turned replica): retried, not permanent."""
 
 
-def _is_topology(err: RedisError | RedisClusterException) -> bool:
-    """A failover's error reply; ``UNBLOCKED`` too, which a primary turned replica gives a blocked
-    command (``BZPOPMIN``), and ``NOREPLICAS``, a primary's refusal of writes while fewer replicas than
-    its ``min-replicas-to-write`` are connected (a replica down, or promoted away from it): redis-py
-    raises both as plain ``ResponseError``s."""
-    return isinstance(err, _TOPOLOGY_ERRORS) or str(err).startswith(("UNBLOCKED", "NOREPLICAS"))
+def _passes(err: RedisError | RedisClusterException) -> bool:
+    """A failover's error reply, or a server's refusal that clears without a change of ours: ``UNBLOCKED``,
+    which a primary turned replica gives a blocked command (``BZPOPMIN``); ``NOREPLICAS``, a primary's
+    refusal of writes while fewer replicas than its ``min-replicas-to-write`` are connected (a replica
+    down, or promoted away from it); ``MISCONF``, its refusal of writes while it cannot save to disk
+    (redis-py raises these three as plain ``ResponseError``s); and ``NOSCRIPT`` from a script call that
+    already loaded its script once (a second failover to a fresh primary in between: the next try loads
+    it again). Retried, a role waits them out; stopped, it would be restarted into the same refusal,
+    each restart a death toward ``--max-deliveries`` for the inputs of the batch it held."""
+    return isinstance(err, (*_TOPOLOGY_ERRORS, NoScriptError)) or str(err).startswith(
+        ("UNBLOCKED", "NOREPLICAS", "MISCONF")
+    )
 
 
 def _retry_once() -> Retry:
