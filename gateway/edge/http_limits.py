@@ -564,6 +564,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._timer = self.loop.call_later(left, self._on_timer)
             self._timer_at = deadline
             return
+        if self._write_stall is not None:  # its last answer is still being read (``pause_writing`` watches it)
+            self._expect(self.header_timeout_s)
+            return
         self._deadline = None
         if self._in_body:
             self._refuse_body(self.body_timeout)

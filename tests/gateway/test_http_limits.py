@@ -688,6 +688,25 @@ async def test_a_stream_whose_client_reads_nothing_for_a_header_timeout_is_reset
     assert protocol not in edge.state.connections
 
 
+async def test_a_whole_answer_read_slowly_keeps_its_connection_past_the_keep_alive_timeout() -> None:
+    """A long answer written in one send (an embeddings list) completes at once, and the wait for the
+    next request starts; a client still reading it, slowly, is not idle, and keeps its connection
+    until it reads nothing for a header timeout."""
+    edge = Edge()
+    protocol, transport, _ = edge.connect()
+    protocol.data_received(get("/"))
+    await eventually(lambda: b"200" in transport.written, "the answer")
+    await settle()
+    transport.unread = 4 * HIGH_WATER  # the answer is long: the write buffer is over its high-water mark
+    protocol.pause_writing()
+    for step in range(6):  # the client reads some every half header timeout
+        transport.unread -= HIGH_WATER // 2
+        edge.loop.advance(HEADER_TIMEOUT_S / 2)
+        assert not transport.aborted, f"reset at {(step + 1) * HEADER_TIMEOUT_S / 2} s though the client was reading"
+    edge.loop.advance(HEADER_TIMEOUT_S)
+    assert transport.aborted, "a client that then reads nothing for a header timeout is reset"
+
+
 async def test_at_the_cap_with_every_connection_proven_a_new_ones_request_gets_503_unread() -> None:
     edge = Edge(max_connections=2, retry_after_s=3)
     transports = []
