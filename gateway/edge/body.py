@@ -79,7 +79,7 @@ async def read_body(request: Request, max_bytes: int, budget: BodyBudget | None 
     ``client``'s share of it: ``gateway.edge.callers.client_of``)."""
     headers = request.headers
     check_json_media_type(headers.get("content-type"))
-    check_uncompressed(headers.get("content-encoding"))
+    check_uncompressed(", ".join(headers.getlist("content-encoding")) or None)
     declared = headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise BodyTooLarge(f"the body is {declared} bytes; the limit is {max_bytes} ({_LIMIT_HINT})")

@@ -171,6 +171,16 @@ async def test_a_compressed_body_is_415_naming_the_encoding_and_nothing_is_queue
     assert rig.store.created == []
 
 
+async def test_a_coding_behind_an_identity_content_encoding_header_is_415(make_rig: RigFactory) -> None:
+    """Each Content-Encoding header names a coding applied in turn: one of them enough to refuse the body."""
+    rig = await make_rig()
+    headers = [("content-type", "application/json"), ("content-encoding", "identity"), ("content-encoding", "gzip")]
+    response = await rig.client.post("/v1/tasks", content=gzip.compress(b'{"input": "zipped"}'), headers=headers)
+    assert response.status_code == 415, response.text
+    assert "'identity, gzip'" in error_of(response)["message"], response.text
+    assert rig.produced() == 0
+
+
 async def test_an_identity_content_encoding_is_read_as_it_is(make_rig: RigFactory) -> None:
     rig = await make_rig()
     await rig.worker()
