@@ -207,7 +207,7 @@ class AuthMiddleware:
             # A singleton header (RFC 9110): which key would speak depends on the order, which a proxy
             # that appends its own header instead of replacing the client's leaves to the client.
             message = f"this request has {len(given)} Authorization headers; send one Authorization header"
-            challenge = 'Bearer realm="batchwire", error="invalid_request"'
+            challenge = 'Bearer realm="batchwire"'  # RFC 6750's error="invalid_request" goes with a 400
             await error_response(401, "unauthorized", message, headers={"WWW-Authenticate": challenge})(
                 scope, receive, send
             )
