@@ -73,6 +73,11 @@ def test_a_gateway_started_before_a_grow_counts_the_batches_on_the_new_partition
         "each worker to own one of the two partitions (the group's metadata refresh)",
         timeout_s=60,
     )
+    eventually_sync(
+        lambda: "over 2 partitions" in (cluster.base / "gateway0.log").read_text(),
+        "the gateway to count the batches on both partitions (its own metadata refresh)",
+        timeout_s=30,
+    )
     # The worker on the old partition stops taking batches (frozen, still in the group): the other,
     # on the partition the grow added, serves the model alone.
     frozen = proc_named(cluster, "worker0" if _owned(cluster, "worker0") == "0" else "worker1")

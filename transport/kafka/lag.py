@@ -83,6 +83,8 @@ class KafkaQueueDepth:
         """Each model's (records waiting, records read) over its partitions, summed once per refresh:
         ``backlog`` is asked once per request."""
         self._batches: dict[str, int] = {}
+        self._counted: dict[str, int] = {}
+        """Per model, how many batch partitions its count is over."""
         self._settings: dict[str, Any] = {
             "bootstrap_servers": bootstrap,
             "client_id": client_id,
@@ -254,6 +256,9 @@ class KafkaQueueDepth:
             counts = [end for tp, end in ends.items() if tp.topic == topic]
             if counts:  # a model whose topic is missing keeps its count
                 self._batches[model] = sum(counts)
+                if self._counted.get(model) != len(counts):  # at start, and after a ``topics grow``
+                    self._counted[model] = len(counts)
+                    log.info("counting the batches of model %r over %d partitions of %s", model, len(counts), topic)
 
     def backlog(self, model: str) -> Backlog | None:
         if model not in self._model_partitions or self._stale():
