@@ -90,9 +90,10 @@ class BackendRunner:
         return self.configured_s if self.configured_s is not None else self.ewma_s
 
     def start_from(self, call_s: float) -> None:
-        """Takes ``call_s``, another runner's measured call time for this model, when this one has timed
-        no call: a worker that replaces one that hung first runs the batch it hung on, and with no estimate
-        would allow that call ``FIRST_CALL_LIMIT_S``, past the deadlines of the inputs that shared it."""
+        """Takes ``call_s``, another runner's expected call time for this model (measured, or configured),
+        when this one has timed no call: a worker that replaces one that hung first runs the batch it hung
+        on, and with no estimate would allow that call ``FIRST_CALL_LIMIT_S``, past the deadlines of the
+        inputs that shared it."""
         if self.ewma_s is None:
             self.ewma_s = call_s
 

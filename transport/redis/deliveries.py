@@ -2,12 +2,13 @@
 
 ``<ns>:deliveries:<batch_id>`` holds ``n`` (deliveries so far), ``inflight`` (JSON list of the
 task ids in flight right now, written before each backend call of a redelivered batch), ``note``
-(why the last holder gave up), ``back`` (the last holder handed it back alive: no strikes; a mark or
-a note deletes it), ``s:<task_id>`` (strikes), and per receipt of the batch by a worker
-the answers it got: ``d:<receipt>`` (its delivery number) and ``a:<receipt>`` (its suspects, JSON).
-A call retried after its reply was lost (the connection dropped once the script ran) finds its
-answer there and changes nothing. The first delivery of a batch costs one round trip (a script)
-and a committed batch one more (DEL); the rest happens only for batches that came back.
+(why the last holder gave up) and ``call_s`` (the call time it expected then; empty: none), ``back``
+(the last holder handed it back alive: no strikes; a mark or a note deletes it), ``s:<task_id>``
+(strikes), and per receipt of the batch by a worker the answers it got: ``d:<receipt>`` (its
+delivery number) and ``a:<receipt>`` (its suspects, JSON). A call retried after its reply was lost
+(the connection dropped once the script ran) finds its answer there and changes nothing. The first
+delivery of a batch costs one round trip (a script) and a committed batch one more (DEL); the rest
+happens only for batches that came back.
 """
 
 from __future__ import annotations
