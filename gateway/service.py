@@ -227,12 +227,12 @@ class Gateway:
                 raise Overloaded(full)
             if self._admission.active:
                 check = None if charged else count
-                if key is None:
+                if key is None and idempotency_key is None:
                     ticket = await self._admission.admit(
                         caller, model, timeout_ms, tier, charged=charged, check=check, weight=weight
                     )
-                # A shared answer may need no queue work: its client's part is checked now, its queue's
-                # only once that is known (``_submit_shared``).
+                # A shared answer, or a retry of a keyed task, may need no queue work: its client's part
+                # is checked now, its queue's only once that is known (``_submit_shared``, ``_submit_keyed``).
                 elif not charged and (weights := await self._admission.charge(caller, 1, check)):
                     weight = weights[0]
             elif count is not None:
@@ -243,7 +243,9 @@ class Gateway:
             if key is not None:
                 return await self._submit_shared(key, submission, wait, disconnected, caller, charged, weight)
             if idempotency_key is not None:
-                return await self._submit_keyed(submission, wait, idempotency_key, disconnected)
+                return await self._submit_keyed(
+                    submission, wait, idempotency_key, disconnected, caller, charged, weight
+                )
             if wait:
                 answer = await self._answer_when_done(submission, disconnected, keyed=False)
                 self._admission.count(model, tier, "answered")
@@ -306,11 +308,23 @@ class Gateway:
             await self._admission.refund(caller, inputs)
 
     async def _submit_keyed(
-        self, submission: Submission, wait: bool, key: str, disconnected: Disconnected | None
+        self,
+        submission: Submission,
+        wait: bool,
+        key: str,
+        disconnected: Disconnected | None,
+        caller: Caller,
+        charged: bool,
+        weight: int | None,
     ) -> Answer | Accepted:
         """A submit with an Idempotency-Key: the earlier task's answer, or a new task the key names. A
         caller that hangs up is let go (its wait no longer counts against ``max_inflight``); the task
         runs on for the retry the key announces.
+
+        Only a new task goes through the queue's checks (``_queued``), once its claim bound the key: a
+        retry of a task queued or running adds nothing to the queue, and is answered however full it is
+        (a client whose response was lost learns its answer, not a 503). A new task the queue refuses
+        unbinds the key, as nothing was queued.
 
         A key bound to a task that is still not stored after ``UNSTORED_GRACE_S`` is one whose submit
         ended before it stored the task, and maybe before it sent its request (the answer to its claim
@@ -330,11 +344,11 @@ class Gateway:
                 scope, key, task_id, fingerprint, self._clock.wall_ms() + submission.timeout_ms
             )
         ).task_id != task_id:
-            if submission.ticket is not None:
-                submission.ticket.close()  # this retry waits for the bound task: the queue holds no request of its
             earlier = bound.earlier or await self._keys.stored(bound.task_id, UNSTORED_GRACE_S)
             if earlier is None and not await self._resend(submission, bound.claim):
                 continue  # ended expired: the next claim replaces it
+            if self._admission.active:
+                self._admission.count(model, submission.tier, "admitted")  # a replay: no queue work
             if not wait:
                 status = TaskStatus.QUEUED if earlier is None else earlier.status
                 return Accepted(bound.task_id, model, replayed=True, status=status)
@@ -352,6 +366,12 @@ class Gateway:
             # The task ended without being computed, or went stale, while this retry waited for it:
             # the next claim starts a new one (or finds the one a racing retry started).
         bound_until = asyncio.get_running_loop().time() + submission.timeout_ms / 1000  # as the binding's deadline
+        if self._admission.active:
+            try:
+                submission = await self._queued(self._admission, submission, caller, charged, weight)
+            except Overloaded:
+                await self._keys.release(scope, key, task_id, model, owner, bound_until)  # nothing was queued
+                raise
         try:
             if wait:
                 return await self._answer_when_done(submission, disconnected, keyed=True)
@@ -361,6 +381,9 @@ class Gateway:
         except Unavailable:
             await self._keys.release(scope, key, task_id, model, owner, bound_until)  # a retry may create it
             raise
+        finally:
+            if submission.ticket is not None:
+                submission.ticket.close()
 
     async def _resend(self, submission: Submission, claim: KeyClaim) -> bool:
         """Records and sends the bound task ``claim`` names, whose submit ended before it stored it:

@@ -109,6 +109,30 @@ async def test_requests_waiting_for_another_ones_task_hold_no_place_in_the_queue
     assert rig.produced() == 2, "the waiting requests sent nothing"
 
 
+async def test_at_a_full_queue_a_retry_of_a_keyed_task_is_answered_and_a_new_keyed_task_refused(
+    make_rig: RigFactory,
+) -> None:
+    """A retry with the Idempotency-Key of a queued task adds nothing to the queue: it gets its task, not
+    a 503 (a client whose response was lost learns its task id however full the queue is). A new task
+    under another key is refused, and its key stays free for a retry once the queue has room."""
+    rig = await make_rig(queue_depth="bus", max_queue_depth=2)  # no worker yet: nothing leaves
+    mine = await rig.client.post("/v1/tasks", json={"input": "mine"}, headers={"Idempotency-Key": "k1"})
+    assert mine.status_code == 202, mine.text
+    assert (await rig.client.post("/v1/tasks", json={"input": "other"})).status_code == 202
+    refused = await rig.client.post("/v1/tasks", json={"input": "new"}, headers={"Idempotency-Key": "k2"})
+    assert refused.status_code == 503 and error_of(refused)["code"] == "overloaded", refused.text
+
+    again = await rig.client.post("/v1/tasks", json={"input": "mine"}, headers={"Idempotency-Key": "k1"})
+
+    assert again.status_code == 202, f"the retry of a queued task is answered: {again.text}"
+    assert again.json()["task_id"] == mine.json()["task_id"] and again.headers["idempotent-replayed"] == "true"
+    assert rig.produced() == 2, "neither the refused task nor the retry was queued"
+    await rig.worker()
+    await eventually(lambda: rig.bus.lag() == 0, "the worker to drain the queue")
+    later = await rig.client.post("/v1/inference", json={"input": "new"}, headers={"Idempotency-Key": "k2"})
+    assert later.status_code == 200 and later.json()["output"] == "wen", later.text
+
+
 async def test_max_queue_depth_zero_turns_the_check_off(make_rig: RigFactory) -> None:
     rig = await make_rig(queue_depth="bus", max_queue_depth=0)
     for index in range(5):
