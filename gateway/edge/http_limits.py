@@ -135,6 +135,49 @@ class Occupancy:
         """Connections over the cap served because they asked for ``OPERATIONS_PATHS``."""
 
 
+class WriteStallWatch:
+    """Resets a connection whose client reads nothing of a full write buffer for ``within_s``: the
+    app's next send waits for that read, so one that never reads would hold a streaming answer (an
+    event stream) open for ever, past the stream's own end and the shutdown, which wait in that send.
+    A slow reader keeps its connection while the buffer shrinks: each ``within_s`` it must have read
+    some. The app is told the client left, as at any reset."""
+
+    __slots__ = ("_loop", "_timer", "_transport", "_within_s")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, transport: asyncio.WriteTransport, within_s: float) -> None:
+        self._loop = loop
+        self._transport = transport
+        self._within_s = within_s
+        self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def watching(self) -> bool:
+        """Writing is paused and the client has not read what waits: its answer is still being read."""
+        return self._timer is not None
+
+    def start(self) -> None:
+        """Writing paused: the client has ``within_s`` to read some of what waits."""
+        if self._timer is None:
+            self._arm(self._transport.get_write_buffer_size())
+
+    def stop(self) -> None:
+        """Writing resumed, or the connection is gone."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _arm(self, unread: int) -> None:
+        self._timer = self._loop.call_later(self._within_s, self._check, unread)
+
+    def _check(self, unread_before: int) -> None:
+        unread = self._transport.get_write_buffer_size()
+        if unread < unread_before:  # the client read some: another ``within_s`` to read more
+            self._arm(unread)
+        else:
+            self._timer = None
+            self._transport.abort()
+
+
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the limits above; :func:`limited_http_protocol` binds them."""
 
@@ -193,8 +236,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """Pieces of the body being read that reached the parser's callback."""
         self._lingering = False
         """Answered and half-closed before a long body came: its rest is read and dropped, then it closes."""
-        self._write_stall: asyncio.TimerHandle | None = None
-        """While writing is paused (the client reads nothing): resets the connection a header timeout on."""
+        self._write_stall: WriteStallWatch | None = None
+        """Made at the first pause of writing (:class:`WriteStallWatch`, the header timeout to read)."""
 
     # asyncio callbacks ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -322,7 +365,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._deadline = None
         self._cancel_timer()
-        self._cancel_write_stall()
+        if self._write_stall is not None:
+            self._write_stall.stop()
         if self._waiting:
             self._stop_waiting()
         elif self._making_room:
@@ -337,34 +381,17 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def pause_writing(self) -> None:
-        """The write buffer is full: the app's next send waits for the client to read. One that never
-        reads would hold a streaming answer (an event stream) open for ever, past the stream's own end
-        and the shutdown, which wait in that send; as at a close (``_reset_if_unread``), it has a
-        header timeout to read, and is then reset (the app is told it left). A slow reader of a long
-        answer keeps its connection while the buffer shrinks."""
+        """The write buffer is full: as at a close (``_reset_if_unread``), the client has a header
+        timeout to read some of it, or the connection is reset (:class:`WriteStallWatch`)."""
         super().pause_writing()
         if self._write_stall is None:
-            self._watch_write_stall(self.transport.get_write_buffer_size())
-
-    def _watch_write_stall(self, unread: int) -> None:
-        self._write_stall = self.loop.call_later(self.header_timeout_s, self._reset_if_stalled, unread)
-
-    def _reset_if_stalled(self, unread_before: int) -> None:
-        unread = self.transport.get_write_buffer_size()
-        if unread < unread_before:  # the client read some: another header timeout to read more
-            self._watch_write_stall(unread)
-        else:
-            self._write_stall = None
-            self.transport.abort()
+            self._write_stall = WriteStallWatch(self.loop, self.transport, self.header_timeout_s)
+        self._write_stall.start()
 
     def resume_writing(self) -> None:
         super().resume_writing()
-        self._cancel_write_stall()
-
-    def _cancel_write_stall(self) -> None:
         if self._write_stall is not None:
-            self._write_stall.cancel()
-            self._write_stall = None
+            self._write_stall.stop()
 
     def data_received(self, data: bytes) -> None:
         if self._invalid:
@@ -564,7 +591,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._timer = self.loop.call_later(left, self._on_timer)
             self._timer_at = deadline
             return
-        if self._write_stall is not None:  # its last answer is still being read (``pause_writing`` watches it)
+        if self._write_stall is not None and self._write_stall.watching:  # its last answer is still being read
             self._expect(self.header_timeout_s)
             return
         self._deadline = None
