@@ -12,7 +12,7 @@ import logging
 import secrets
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Literal, overload
 
 from gateway.admission.gate import ANONYMOUS, Admission, Caller
@@ -50,6 +50,18 @@ log = logging.getLogger(__name__)
 # (closed its connection), or once its answer was sent (ASGI's receive() does both). The HTTP layer
 # builds it; the service never sees the transport.
 Disconnected = Watch
+
+
+@dataclass(frozen=True, slots=True)
+class ClientPart:
+    """What ``submit`` checked of its caller's limits before the queue's checks (its rate-limit token,
+    its token count: ``weight``), carried to where a shared or keyed request learns whether it is
+    queued at all (``Gateway._queued``). ``charged``: taken for several inputs at once (``charge``),
+    so a refusal of this one gives back nothing."""
+
+    caller: Caller
+    charged: bool
+    weight: int | None
 
 
 class Gateway:
@@ -241,11 +253,11 @@ class Gateway:
             task_id = secrets.token_urlsafe(16)
             submission = Submission(task_id, input, model, timeout_ms, deadline, started, caller.owner, tier, ticket)
             if key is not None:
-                return await self._submit_shared(key, submission, wait, disconnected, caller, charged, weight)
+                part = ClientPart(caller, charged, weight)
+                return await self._submit_shared(key, submission, wait, disconnected, part)
             if idempotency_key is not None:
-                return await self._submit_keyed(
-                    submission, wait, idempotency_key, disconnected, caller, charged, weight
-                )
+                part = ClientPart(caller, charged, weight)
+                return await self._submit_keyed(submission, wait, idempotency_key, disconnected, part)
             if wait:
                 answer = await self._answer_when_done(submission, disconnected, keyed=False)
                 self._admission.count(model, tier, "answered")
@@ -313,9 +325,7 @@ class Gateway:
         wait: bool,
         key: str,
         disconnected: Disconnected | None,
-        caller: Caller,
-        charged: bool,
-        weight: int | None,
+        part: ClientPart,
     ) -> Answer | Accepted:
         """A submit with an Idempotency-Key: the earlier task's answer, or a new task the key names. A
         caller that hangs up is let go (its wait no longer counts against ``max_inflight``); the task
@@ -368,7 +378,7 @@ class Gateway:
         bound_until = asyncio.get_running_loop().time() + submission.timeout_ms / 1000  # as the binding's deadline
         if self._admission.active:
             try:
-                submission = await self._queued(self._admission, submission, caller, charged, weight)
+                submission = await self._queued(self._admission, submission, part)
             except Overloaded:
                 await self._keys.release(scope, key, task_id, model, owner, bound_until)  # nothing was queued
                 raise
@@ -413,9 +423,7 @@ class Gateway:
         submission: Submission,
         wait: bool,
         watch: Disconnected | None,
-        caller: Caller,
-        charged: bool,
-        weight: int | None,
+        part: ClientPart,
     ) -> Answer | Accepted:
         """A deterministic model's request: cached, else shared with identical ones (``SharedAnswers``).
 
@@ -439,12 +447,12 @@ class Gateway:
                     if self._shared.joins(key, submission):
                         admission.count(model, tier, "admitted")
                     else:
-                        submission = await self._queued(admission, submission, caller, charged, weight)
+                        submission = await self._queued(admission, submission, part)
                 state = await self._shared.computed(key, submission, watch)
                 answer = self._answer(state, submission.started, shared=True)
             else:
                 if admission is not None:
-                    submission = await self._queued(admission, submission, caller, charged, weight)
+                    submission = await self._queued(admission, submission, part)
                 return await self._enqueue(submission)
         finally:
             if submission.ticket is not None:
@@ -452,15 +460,16 @@ class Gateway:
         self._admission.count(model, tier, "answered")
         return answer
 
-    async def _queued(
-        self, admission: Admission, submission: Submission, caller: Caller, charged: bool, weight: int | None
-    ) -> Submission:
+    async def _queued(self, admission: Admission, submission: Submission, part: ClientPart) -> Submission:
         """``submission`` with its place in its model's queue (``Admission.queue``); a refusal gives
         back the rate-limit token ``submit`` took for it."""
+        caller = part.caller
         try:
-            ticket = await admission.queue(caller, submission.model, submission.timeout_ms, submission.tier, weight)
+            ticket = await admission.queue(
+                caller, submission.model, submission.timeout_ms, submission.tier, part.weight
+            )
         except Overloaded:
-            if not charged:
+            if not part.charged:
                 await admission.refund(caller, 1)
             raise
         return replace(submission, ticket=ticket)
