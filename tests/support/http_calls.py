@@ -61,5 +61,7 @@ async def collect_events(client: httpx.AsyncClient, url: str, task_id: str) -> l
     events: list[tuple[str, dict[str, Any]]] = []
     async with aconnect_sse(client, "GET", f"{url}/v1/result/{task_id}/events") as source:
         async for event in source.aiter_sse():
+            if not event.data and event.event == "message":
+                continue  # a keep-alive comment after an event with an id: httpx-sse yields it as an empty event
             events.append((event.event, json.loads(event.data)))
     return events
