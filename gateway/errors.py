@@ -312,10 +312,18 @@ ERROR_TABLE: dict[str, tuple[int, str]] = {
     ),
     "overloaded": (
         503,
-        "This gateway holds BATCHWIRE_MAX_INFLIGHT requests, or the deployment's queue (accepted, not yet at a worker) "
-        "holds BATCHWIRE_MAX_QUEUE_DEPTH; nothing was queued; retry after Retry-After.",
+        "A limit is reached, and the message names which: this gateway holds BATCHWIRE_MAX_INFLIGHT requests; the "
+        "model's queue (accepted, not yet at a worker) holds BATCHWIRE_MAX_QUEUE_DEPTH (lower tiers: its "
+        "fractions); the answer is predicted past the deadline (BATCHWIRE_ADMIT_BY_WAIT); the model is stalled "
+        "(BATCHWIRE_STALL_S); the client is above its fair share of the model; BATCHWIRE_MAX_WATCHERS (or the "
+        "client's share) streams and long-polls are open; bodies being read hold BATCHWIRE_MAX_BODY_BYTES_IN_FLIGHT; "
+        "or the embedded store is full (BATCHWIRE_MAX_STORE_BYTES). Nothing was queued; retry after Retry-After.",
     ),
-    "unavailable": (503, "The request bus or the task store is down; retry after Retry-After."),
+    "unavailable": (
+        503,
+        "The request bus or the task store is down, or the store refuses writes (Redis full, NOREPLICAS, MISCONF); "
+        "retry after Retry-After.",
+    ),
     "not_ready": (503, "The gateway is starting or shutting down, or a dependency is not ready."),
     "internal_error": (500, "A bug: the gateway logged a traceback."),
 }
