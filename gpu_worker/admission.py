@@ -31,14 +31,17 @@ EXPIRED = Failure(
 
 
 def expired_error(item: BatchItem, call_ms: float) -> Failure:
-    """Why ``item`` expired: a timeout shorter than one call could never be met, whatever the queue."""
+    """Why ``item`` expired: a timeout shorter than one call could never be met, whatever the queue. The
+    item does not say whether its caller set ``timeout_ms`` or took the gateway's default, which may be the
+    short one: the advice names both."""
     timeout_ms = item.deadline_ms - item.enqueued_at_ms
     if call_ms <= 0 or timeout_ms >= call_ms:
         return EXPIRED
     return Failure(
         "deadline_exceeded",
-        f"timeout_ms={timeout_ms} is shorter than one call of the model (about {call_ms:.0f} ms), so no "
-        f"answer could be in time: send a timeout_ms above {call_ms:.0f}, or leave it out",
+        f"the request's timeout (about {timeout_ms} ms: its timeout_ms, else the gateway's --default-timeout-ms) "
+        f"is shorter than one call of the model (about {call_ms:.0f} ms), so no answer could be in time: send a "
+        f"timeout_ms above {call_ms:.0f}, or have the operator raise --default-timeout-ms",
     )
 
 

@@ -282,3 +282,14 @@ async def test_a_worker_shut_down_while_its_model_loads_never_closes_the_model_u
         assert not backend.closed_while_loading and not backend.closed, "the backend closed under its load"
     finally:
         backend.load_may_end.set()
+
+
+async def test_a_timeout_shorter_than_a_call_is_blamed_without_advising_to_leave_it_out() -> None:
+    """The worker cannot tell a caller's timeout_ms from the gateway's default: leaving timeout_ms out
+    helps only when that default is longer than a call, so the advice names the default's setting."""
+    settings = WorkerSettings(worker_id="w1", expected_latency_ms=5000)
+    ended, backend = await run_batch(["a"], deadline_ms=now_ms() + 1000, settings=settings)
+    message = ended["t0"].error_message or ""
+    assert "or leave it out" not in message, f"the default may be what is too short: {message}"
+    assert "--default-timeout-ms" in message, f"the advice names the default's setting: {message}"
+    assert backend.calls == []
