@@ -116,7 +116,7 @@ def add(
     var: str | None = None,
 ) -> None:
     """Adds ``--flag`` whose default comes from ``BATCHWIRE_FLAG`` (or the stack file) when set; a
-    ``float`` flag takes finite numbers only (``number``)."""
+    ``float`` flag takes finite numbers only (``number``), and a ``boolean`` one alone means true."""
     var = var or "BATCHWIRE_" + flag.lstrip("-").replace("-", "_").upper()
     _FLAG_OF_VARIABLE[var] = flag
     kind = number if kind is float else kind
@@ -126,8 +126,9 @@ def add(
         value = _FromVariable(raw)
         value.origin = var if var in os.environ else f"{var} in {stack_env_path()}"
     shown = "unset" if default is None else "none" if default == "" else default
+    switch: dict[str, Any] = {"nargs": "?", "const": True} if kind is boolean else {}
     parser.add_argument(
-        flag, default=value, type=_naming_variables(kind), help=f"{help_text} [{var}; default: {shown}]"
+        flag, default=value, type=_naming_variables(kind), help=f"{help_text} [{var}; default: {shown}]", **switch
     )
 
 

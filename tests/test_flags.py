@@ -82,6 +82,14 @@ def test_a_boolean_flag_takes_off() -> None:
     assert build_parser().parse_args(["gateway", "--admit-by-wait", "off"]).admit_by_wait is False
 
 
+def test_a_boolean_flag_alone_turns_it_on() -> None:
+    """As a switch is written: ``--trust-client-id``, followed by another flag or by nothing."""
+    parsed = build_parser().parse_args(["up", "--trust-client-id", "--port", "8001"])
+    assert parsed.trust_client_id is True and parsed.port == 8001
+    assert build_parser().parse_args(["up", "--trust-client-id"]).trust_client_id is True
+    assert build_parser().parse_args(["up"]).trust_client_id is False
+
+
 def test_finite_numbers_still_parse() -> None:
     assert (
         build_parser().parse_args(["worker", "--credit-ttl-s", "2.5", "--drain-timeout-s", "1e1"]).credit_ttl_s == 2.5
