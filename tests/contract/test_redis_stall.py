@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import psutil
 import pytest
 import redis
 import uvloop
@@ -80,8 +81,16 @@ def assert_claimed_or_kept(offered: Credit, outcome: object, left: list[Credit])
     )
 
 
-def blocked_clients(client: redis.Redis) -> int:
-    return int(client.info("clients")["blocked_clients"])
+def blocked_here(client: redis.Redis) -> set[int]:
+    """The ids of the clients of this process that Redis holds blocked. The session's Redis is shared:
+    other tests' claims (a batcher's BZPOPMIN) block and end meanwhile, so a count over every client
+    moves without this test's claim, and stays put when one of theirs ends as the claim blocks."""
+    ours = {conn.laddr.port for conn in psutil.Process().net_connections(kind="tcp") if conn.raddr}
+    return {
+        int(seen["id"])
+        for seen in client.client_list()
+        if "b" in seen["flags"] and int(seen["addr"].rsplit(":", 1)[1]) in ours
+    }
 
 
 @LOOPS
@@ -92,9 +101,9 @@ def test_a_credit_popped_while_the_claimer_s_loop_stalls_is_claimed_or_kept(
 
     async def scenario() -> tuple[object, list[Credit]]:
         async with credit_pool(redis_url, names) as pool:
-            before = blocked_clients(sync)
+            before = blocked_here(sync)
             claim = asyncio.create_task(pool.claim("alpha", CLAIM_S))
-            await eventually(lambda: blocked_clients(sync) > before, "the claim's BZPOPMIN to block")
+            await eventually(lambda: blocked_here(sync) - before, "the claim's BZPOPMIN to block")
             sync.zadd(names.credit_queue("alpha"), {encode_credit(offered): offered.idle_from_ms})  # popped at once
             time.sleep(STALL_S)  # noqa: ASYNC251  # the stall under test: the loop blocked while Redis answers
             return await ended(pool, claim)
