@@ -16,7 +16,6 @@ it starts as the primary only when they still name it, i.e. no failover happened
 
 from __future__ import annotations
 
-import shlex
 import shutil
 import sys
 import time
@@ -56,7 +55,6 @@ from infra.redis_sentinel import (
 )
 from infra.redis_server import CLUSTER_BUS_OFFSET, CONFIG_NAME, RedisServer, read_config_port, redis_pings
 from infra.stack import (
-    DEFAULT_STATE_DIR,
     DEFAULT_UP_TIMEOUT_S,
     ENV_FILE_NAME,
     KAFKA_ENV,
@@ -64,6 +62,7 @@ from infra.stack import (
     StackUp,
     cmd_down,
     stack_up,
+    state_dir_flag,
 )
 
 SHAPE_FILE_NAME = "cluster.shape"
@@ -181,8 +180,8 @@ def cluster_up(
         if not fresh_kafka and not all(node.server.ports() for node in kafka_nodes):
             raise InfraError(
                 f"some Kafka nodes under {state_dir} have no recorded ports; run `batchwire stack down"
-                f"{_state_dir_flag(state_dir)}`, delete {state_dir} and run `batchwire stack up {shape.flags()}"
-                f"{_state_dir_flag(state_dir)}` for a new cluster"
+                f"{state_dir_flag(state_dir)}`, delete {state_dir} and run `batchwire stack up {shape.flags()}"
+                f"{state_dir_flag(state_dir)}` for a new cluster"
             )
         for node in all_nodes:
             if running[node.server.name] is None:
@@ -224,21 +223,13 @@ def cluster_down(state_dir: Path, shape: Shape, *, timeout_s: float) -> bool:
         return stopped
 
 
-def _state_dir_flag(state_dir: Path) -> str:
-    """` --state-dir DIR` for a stack outside the default folder: a command without it acts on the default
-    one."""
-    if state_dir.resolve() == DEFAULT_STATE_DIR.resolve():
-        return ""
-    return f" --state-dir {shlex.quote(str(state_dir))}"
-
-
 def _check_shape(state_dir: Path, shape: Shape) -> None:
     recorded = read_shape(state_dir)
     single = (state_dir / "kafka").is_dir() or (state_dir / "redis").is_dir()
     if (recorded is None and not single) or recorded == shape:
         return
     has = "a single stack (one broker, one Redis)" if recorded is None else f"a stack of `{recorded.flags()}`"
-    again = ("" if recorded is None else f" {recorded.flags()}") + _state_dir_flag(state_dir)
+    again = ("" if recorded is None else f" {recorded.flags()}") + state_dir_flag(state_dir)
     raise InfraError(
         f"{state_dir} holds {has}; nothing was changed. Run `batchwire stack up{again}` for it, or give "
         f"another --state-dir for `{shape.flags()}`"

@@ -229,6 +229,14 @@ def read_env_file(path: Path) -> dict[str, str]:
     return {key.strip(): value.strip() for key, value in pairs}
 
 
+def state_dir_flag(state_dir: Path) -> str:
+    """`` --state-dir DIR`` for a stack outside the default folder, for the commands a message gives: a
+    command without it acts on the default stack."""
+    if state_dir.resolve() == DEFAULT_STATE_DIR.resolve():
+        return ""
+    return f" --state-dir {shlex.quote(str(state_dir))}"
+
+
 def print_up(up: StackUp, state_dir: Path, *, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> None:
     """The `BATCHWIRE_*=...` lines on `out` (the same for the same stack), what was done on `err`."""
     for key, value in up.env.items():
@@ -237,9 +245,8 @@ def print_up(up: StackUp, state_dir: Path, *, out: TextIO = sys.stdout, err: Tex
         print(f"# {action}", file=err)
     # Another state dir needs naming: `stack down` alone looks in the default one and stops nothing, and
     # roles read the default one's stack.env unless BATCHWIRE_STACK_ENV names this one.
-    where = ""
-    if state_dir != DEFAULT_STATE_DIR:
-        where = f" --state-dir {shlex.quote(str(state_dir))}"
+    where = state_dir_flag(state_dir)
+    if where:
         env_file = shlex.quote(str(state_dir.resolve() / ENV_FILE_NAME))
         default_file = DEFAULT_STATE_DIR / ENV_FILE_NAME
         print(f"# roles read it with BATCHWIRE_STACK_ENV={env_file} (else {default_file})", file=err)
