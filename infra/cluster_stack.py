@@ -28,6 +28,7 @@ from typing import TextIO
 from infra.aio import run_blocking
 from infra.detached import (
     DetachedServer,
+    StackCommands,
     not_answering,
     poll_until,
     refuse_taken_ports,
@@ -118,13 +119,15 @@ class Node:
 
 def nodes(state_dir: Path, shape: Shape) -> list[Node]:
     """Every server of the stack, Kafka nodes first, then Redis (node 1 the first primary), Sentinels."""
+    commands = StackCommands(state_dir_flag(state_dir), f" {shape.flags()}")
 
     def make(kind: str, node_id: int, config_name: str, marks: tuple[str, ...]) -> Node:
         work_dir = state_dir / f"{kind}-{node_id}"
         config = work_dir / config_name
         reader = _kafka_ports if kind == "kafka" else _redis_ports
         name = f"{kind}-{node_id}"
-        return Node(kind, node_id, DetachedServer(name, work_dir, config, state_dir / f"{name}.pid", marks, reader))
+        pid_path = state_dir / f"{name}.pid"
+        return Node(kind, node_id, DetachedServer(name, work_dir, config, pid_path, marks, reader, commands))
 
     found = []
     for node_id in range(1, shape.brokers + 1):
@@ -178,10 +181,10 @@ def cluster_up(
         kafka_nodes = [node for node in all_nodes if node.kind == "kafka"]
         fresh_kafka = not any(node.server.ports() for node in kafka_nodes)
         if not fresh_kafka and not all(node.server.ports() for node in kafka_nodes):
+            commands = kafka_nodes[0].server.commands
             raise InfraError(
-                f"some Kafka nodes under {state_dir} have no recorded ports; run `batchwire stack down"
-                f"{state_dir_flag(state_dir)}`, delete {state_dir} and run `batchwire stack up {shape.flags()}"
-                f"{state_dir_flag(state_dir)}` for a new cluster"
+                f"some Kafka nodes under {state_dir} have no recorded ports; run `{commands.down}`, delete "
+                f"{state_dir} and run `{commands.up}` for a new cluster"
             )
         for node in all_nodes:
             if running[node.server.name] is None:
@@ -296,9 +299,10 @@ def _up_redis_cluster(
     recorded = {node.server.name: node.server.ports() for node in redis_nodes}
     fresh = not any(recorded.values())
     if not fresh and not all(recorded.values()):
+        commands = redis_nodes[0].server.commands
         raise InfraError(
-            "some Redis Cluster nodes have no recorded ports; run `batchwire stack down`, delete the state dir "
-            "and run `batchwire stack up` again for a new cluster"
+            f"some Redis Cluster nodes have no recorded ports; run `{commands.down}`, delete the state dir "
+            f"and run `{commands.up}` again for a new cluster"
         )
     port_of = {name: ports[0] if ports else free_port_pair(CLUSTER_BUS_OFFSET) for name, ports in recorded.items()}
     actions = []

@@ -20,8 +20,28 @@ POLL_INTERVAL_S = 0.05
 
 
 @dataclass(frozen=True)
+class StackCommands:
+    """The `batchwire stack` commands a message about a server gives: without its stack's --state-dir they act
+    on the default stack, and `up` without a replicated stack's shape is refused (`down` reads the shape)."""
+
+    where: str = ""
+    """` --state-dir DIR` (`infra.stack.state_dir_flag`); empty for the default folder."""
+    shape: str = ""
+    """` --brokers N --redis-replicas R` (or `--redis-cluster P`) of a replicated stack; empty for the single one."""
+
+    @property
+    def up(self) -> str:
+        return f"batchwire stack up{self.shape}{self.where}"
+
+    @property
+    def down(self) -> str:
+        return f"batchwire stack down{self.where}"
+
+
+@dataclass(frozen=True)
 class DetachedServer:
-    """Where one server of a state dir lives, and how to recognise its process."""
+    """Where one server of a state dir lives, how to recognise its process, and the commands that act on its
+    stack."""
 
     name: str
     work_dir: Path
@@ -29,6 +49,7 @@ class DetachedServer:
     pid_path: Path
     marks: tuple[str, ...]
     read_ports: Callable[[Path], tuple[int, ...]]
+    commands: StackCommands
 
     def ports(self) -> tuple[int, ...]:
         """The recorded ports (Kafka: broker, controller; Redis: one); empty when none are."""
@@ -44,14 +65,15 @@ class DetachedServer:
 
 def refuse_taken_ports(server: DetachedServer) -> None:
     """Raises, changing nothing, when another process holds a port the stopped ``server`` needs."""
+    up, down = server.commands.up, server.commands.down
     for port in server.ports():
         if not port_is_free(port):
             raise InfraError(
                 f"{server.name} is not running and its port {LOOPBACK}:{port} (recorded in {server.config_path}) "
                 f"is taken by another process; nothing was changed. Find that process with "
-                f"`ss -ltnp 'sport = :{port}'`, stop it, and run `batchwire stack up` again (the stack comes back "
+                f"`ss -ltnp 'sport = :{port}'`, stop it, and run `{up}` again (the stack comes back "
                 f"on the same addresses with its data). Or, for {server.name} on new ports without its data, run "
-                f"`batchwire stack down`, delete {server.work_dir} and run `batchwire stack up`; then restart every "
+                f"`{down}`, delete {server.work_dir} and run `{up}`; then restart every "
                 "role, which holds the old address"
             )
 
@@ -60,7 +82,7 @@ def unrecorded(server: DetachedServer, process: ServiceProcess) -> InfraError:
     """The error for a server that runs while the config recording its ports is gone."""
     return InfraError(
         f"{server.name} runs (pid {process.pid}) but {server.config_path}, which records its ports, is gone; "
-        "it was left running. Run `batchwire stack down`, then `batchwire stack up`"
+        f"it was left running. Run `{server.commands.down}`, then `{server.commands.up}`"
     )
 
 
@@ -68,7 +90,7 @@ def not_answering(server: DetachedServer, process: ServiceProcess, port: int) ->
     """The error for a server that runs but did not answer before the deadline."""
     return InfraError(
         f"{server.name} runs (pid {process.pid}, port {port}) but did not answer before the deadline; it was "
-        f"left running. See {server.work_dir} for its log; `batchwire stack down` then `batchwire stack up` "
+        f"left running. See {server.work_dir} for its log; `{server.commands.down}` then `{server.commands.up}` "
         "restarts it over its data"
     )
 

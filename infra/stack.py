@@ -23,6 +23,7 @@ from typing import TextIO
 from infra.aio import run_blocking
 from infra.detached import (
     DetachedServer,
+    StackCommands,
     not_answering,
     poll_until,
     refuse_taken_ports,
@@ -74,9 +75,12 @@ def _servers(state_dir: Path) -> tuple[DetachedServer, DetachedServer]:
     kafka_marks = ("kafka.Kafka", str(properties))
     # redis-server rewrites its command line ("redis-server 127.0.0.1:PORT"): its folder says whose it is.
     redis_marks = ("redis-server",)
+    commands = StackCommands(state_dir_flag(state_dir))
     return (
-        DetachedServer("kafka", kafka_dir, properties, state_dir / "kafka.pid", kafka_marks, _kafka_ports),
-        DetachedServer("redis", redis_dir, redis_dir / CONFIG_NAME, state_dir / "redis.pid", redis_marks, _redis_ports),
+        DetachedServer("kafka", kafka_dir, properties, state_dir / "kafka.pid", kafka_marks, _kafka_ports, commands),
+        DetachedServer(
+            "redis", redis_dir, redis_dir / CONFIG_NAME, state_dir / "redis.pid", redis_marks, _redis_ports, commands
+        ),
     )
 
 

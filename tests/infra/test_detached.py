@@ -1,0 +1,123 @@
+"""The commands `stack up`'s messages about one server give (a port taken, a config gone, a server silent)
+name that stack's --state-dir and shape: followed as written, they act on that stack, not the default one.
+
+No Kafka starts: each stack is refused at its Redis, a real redis-server where one must run."""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import socket
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from infra.cluster_stack import SHAPE_FILE_NAME, Shape, cluster_up, up_any
+from infra.errors import InfraError
+from infra.redis_server import CONFIG_NAME
+from infra.stack import stack_up
+
+HA = Shape(brokers=3, redis_replicas=1)
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Path:
+    """A state dir outside the default folder, with a space in its name."""
+    return tmp_path / "my stack"
+
+
+@pytest.fixture
+def held_port() -> Iterator[int]:
+    """A loopback port this test listens on and never answers."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        yield listener.getsockname()[1]
+
+
+def _commands(state_dir: Path, shape: Shape | None) -> tuple[str, str]:
+    where = f" --state-dir {shlex.quote(str(state_dir.resolve()))}"
+    flags = "" if shape is None else f" {shape.flags()}"
+    return f"`batchwire stack up{flags}{where}`", f"`batchwire stack down{where}`"
+
+
+def _record_ha_shape(state_dir: Path) -> None:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    (state_dir / SHAPE_FILE_NAME).write_text(f"brokers={HA.brokers}\nredis_replicas={HA.redis_replicas}\n")
+
+
+def _record_redis_port(work_dir: Path, port: int) -> None:
+    work_dir.mkdir(parents=True, exist_ok=True)
+    (work_dir / CONFIG_NAME).write_text(f"port {port}\n")
+
+
+@pytest.fixture
+def start_redis() -> Iterator[Callable[[Path], None]]:
+    """Starts a real redis-server in a folder (a socket file, no port): the stack knows its server by its
+    folder. Killed after the test."""
+    found = shutil.which("redis-server")
+    assert found is not None, "the test needs redis-server"
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(work_dir: Path) -> None:
+        work_dir.mkdir(parents=True, exist_ok=True)
+        argv = [found, "--port", "0", "--unixsocket", "redis.sock", "--save", "", "--appendonly", "no"]
+        started.append(subprocess.Popen(argv, cwd=work_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+    yield start
+    for process in started:
+        process.kill()
+        process.wait(10)
+
+
+@pytest.mark.parametrize("shape", [None, HA], ids=["single", "replicated"])
+def test_a_taken_port_names_the_state_dir_and_shape_in_every_command(
+    state_dir: Path, held_port: int, shape: Shape | None
+) -> None:
+    if shape is None:
+        _record_redis_port(state_dir / "redis", held_port)
+    else:
+        _record_ha_shape(state_dir)
+        _record_redis_port(state_dir / "redis-1", held_port)
+    up, down = _commands(state_dir, shape)
+
+    with pytest.raises(InfraError) as refused:
+        up_any(state_dir, shape or Shape(brokers=1, redis_replicas=0), redis_maxmemory="64mb")
+
+    message = str(refused.value)
+    assert "is taken by another process; nothing was changed" in message, message
+    assert f"run {up} again" in message and f"run {down}, delete" in message, f"expected {up} and {down}: {message}"
+    assert "`batchwire stack up`" not in message and "`batchwire stack down`" not in message, message
+
+
+@pytest.mark.kafka
+def test_a_running_redis_whose_config_is_gone_names_the_state_dir_in_the_commands(
+    state_dir: Path, start_redis: Callable[[Path], None]
+) -> None:
+    start_redis(state_dir / "redis")
+
+    with pytest.raises(InfraError) as refused:
+        stack_up(state_dir, timeout_s=30.0)
+    up, down = _commands(state_dir, None)
+
+    message = str(refused.value)
+    assert f"which records its ports, is gone; it was left running. Run {down}, then {up}" in message, message
+
+
+@pytest.mark.kafka
+def test_a_silent_redis_node_names_the_state_dir_and_shape_in_the_commands(
+    state_dir: Path, held_port: int, start_redis: Callable[[Path], None]
+) -> None:
+    _record_ha_shape(state_dir)
+    _record_redis_port(state_dir / "redis-1", held_port)
+    start_redis(state_dir / "redis-1")
+
+    with pytest.raises(InfraError) as refused:
+        cluster_up(state_dir, HA, redis_maxmemory="64mb", timeout_s=0.5)
+    up, down = _commands(state_dir, HA)
+
+    message = str(refused.value)
+    assert f"did not answer before the deadline; it was left running. See {state_dir.resolve() / 'redis-1'}" in (
+        message
+    ), message
+    assert f"{down} then {up} restarts it" in message, message
