@@ -136,9 +136,17 @@ def plan_model(
 def summary(plans: list[ModelPlan], figures: list[Figure], inputs: SizingInputs, p99_ms: float) -> dict[str, Any]:
     gpus = sum(p.gpus for p in plans)
     with_headroom = sum(p.gpus_with_headroom for p in plans)
+    fewest = f"the fewest workers whose simulated p99 is within {p99_ms:g} ms"
+    spare = f"ceil(gpus / headroom {inputs.headroom:g})"
+    if len(plans) > 1:
+        # A worker serves one model: the figures add up each model's count, not one count for the summed rate.
+        each = f"summed over the {len(plans)} models: for each,"
+        fewest, spare = f"{each} {fewest}", f"{each} {spare}"
+    else:
+        fewest, spare = f"per model, {fewest}", f"per model, {spare}"
     gpu_figures = [
-        Figure("gpus", gpus, f"per model, the fewest workers whose simulated p99 is within {p99_ms:g} ms"),
-        Figure("gpus_with_headroom", with_headroom, f"per model, ceil(gpus / headroom {inputs.headroom:g})"),
+        Figure("gpus", gpus, fewest),
+        Figure("gpus_with_headroom", with_headroom, spare),
         Figure("batch_partitions", with_headroom, "one per worker: a worker owns its batch partition"),
     ]
     every = gpu_figures + figures

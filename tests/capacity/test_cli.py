@@ -87,6 +87,20 @@ def test_plan_sums_several_models_and_reads_a_cpu_file(run: Run, tmp_path: Path)
     assert plan["gateways"] == 13  # 1,300 x 7 ms = 9.1 cores / 0.7
 
 
+def test_plan_table_of_several_models_labels_the_gpu_rows_as_sums_of_each_model(run: Run, tmp_path: Path) -> None:
+    curve = tmp_path / "c32.json"
+    Curve.flat(100.0, 32).save(curve)
+    argv = ["plan", "--models", "a=1000,b=300", "--p99-ms", "500", "--curve", str(curve), "--requests", "10000"]
+    code, out, _ = run(argv)
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("gpus")}
+    assert code == 0 and set(rows) == {"gpus", "gpus_with_headroom"}, out
+    for name, row in rows.items():
+        assert "per model" not in row and "summed over the 2 models: for each," in row, f"{name}: {row}"
+    models = [line for line in out.splitlines() if line.startswith("model ")]
+    counts = [int(line.split(" GPUs")[0].rsplit(" ", 1)[1]) for line in models]
+    assert len(counts) == 2 and int(rows["gpus"].split()[1]) == sum(counts), out
+
+
 def test_plan_table_shows_each_formula(run: Run, tmp_path: Path) -> None:
     curve = tmp_path / "c32.json"
     Curve.flat(100.0, 32).save(curve)
