@@ -100,7 +100,7 @@ def _topics(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     flags.add(topics, "--namespace", "batchwire", str, "prefix of every topic and Redis key (isolates deployments)")
     flags.add(topics, "--models", "sim", flags.models, "comma-separated models served; requests name one")
     flags.add(topics, "--kafka-bootstrap", None, str, "Kafka bootstrap servers, HOST:PORT[,HOST:PORT]")
-    flags.add(topics, "--log-level", "info", str, "debug, info, warning or error")
+    flags.add(topics, "--log-level", "info", str, logs.LEVEL_NAMES)
 
 
 def _root() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction[argparse.ArgumentParser]]:

@@ -22,6 +22,7 @@ from batchwire.settings import SharedSettings, env, number, stack_env_path
 from gateway.settings import GatewaySettings
 from gpu_worker.backends.factory import BackendSettings
 from gpu_worker.settings import WorkerSettings
+from telemetry.logs import LEVEL_NAMES
 from telemetry.settings import ObservabilitySettings
 from transport.replicas import parse_min_replicas
 
@@ -175,7 +176,7 @@ def shared(parser: argparse.ArgumentParser) -> None:
         float,
         "how long task states and results are kept (at least the gateways' --max-timeout-ms)",
     )
-    add(parser, "--log-level", "info", str, "debug, info, warning or error")
+    add(parser, "--log-level", "info", str, LEVEL_NAMES)
     add(
         parser,
         "--gc-threshold",

@@ -16,6 +16,8 @@ from telemetry import spans, tracing
 
 FORMATS = ("text", "json")
 LEVELS = ("debug", "info", "warning", "error", "critical")
+LEVEL_NAMES = f"{', '.join(LEVELS[:-1])} or {LEVELS[-1]}"
+"""The levels as a flag's help and its refusal name them."""
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _IDS = ("task_id", "batch_id", "trace_id")
 
@@ -63,8 +65,7 @@ def check_level(level: str) -> str:
     fails its start on an unknown one, and ``logging`` would quietly log at info)."""
     lowered = level.lower()
     if lowered not in LEVELS:
-        named = f"{', '.join(LEVELS[:-1])} or {LEVELS[-1]}"
-        raise ValueError(f"--log-level is {level!r}; use {named} (BATCHWIRE_LOG_LEVEL)")
+        raise ValueError(f"--log-level is {level!r}; use {LEVEL_NAMES} (BATCHWIRE_LOG_LEVEL)")
     return lowered
 
 

@@ -13,10 +13,11 @@ import pytest
 
 from batchwire import flags
 from batchwire import role_settings as rs
-from batchwire.cli import build_parser, config_table, main
+from batchwire.cli import TOOLS, build_parser, config_table, main, tool_parser
 from batchwire.settings import SettingsError
 from batchwire.supervise import serve_metrics
 from gpu_worker.settings import WorkerSettings
+from telemetry import logs
 
 
 @pytest.mark.parametrize("value", ["nan", "NaN", "inf", "-inf"])
@@ -252,3 +253,20 @@ def test_a_field_name_inside_a_path_is_left_as_it_is() -> None:
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["up"]
     said = flags.with_flags("cannot append to /tmp/batch_log: denied (BATCHWIRE_BATCH_LOG)", sub)
     assert said == "cannot append to /tmp/batch_log: denied (--batch-log / BATCHWIRE_BATCH_LOG)", said
+
+
+def test_every_log_level_flag_names_each_level_it_takes() -> None:
+    """The help (and the configuration table made from it) lists what `check_level` accepts, no fewer."""
+    parsers = [build_parser(), *(tool_parser(name) for name in TOOLS)]
+    subs = [next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)) for p in parsers]
+    helps = {
+        command: action.help
+        for sub in subs
+        for command, parser in sub.choices.items()
+        for action in parser._actions
+        if "--log-level" in action.option_strings
+    }
+    assert {"up", "gateway", "batcher", "worker", "topics", "profile", "simulate", "plan"} <= set(helps), sorted(helps)
+    for command, text in helps.items():
+        named = set(re.findall(r"[a-z]+", str(text))) - {"or", "default"}
+        assert named == set(logs.LEVELS), f"{command}: --log-level's help names {sorted(named)}; takes {logs.LEVELS}"

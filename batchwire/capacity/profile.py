@@ -22,6 +22,7 @@ from batchwire.capacity.curve import Curve, CurvePoint, TokenCurve, percentile
 from batchwire.settings import number
 from gpu_worker.backends.base import Backend, BackendError
 from gpu_worker.backends.factory import BackendConfigError, BackendSettings, make_backend
+from telemetry.logs import LEVEL_NAMES
 
 AUTO_LENGTHS = (16, 64, 256)
 """``--lengths auto``: input lengths in tokens, each within the model's longest input."""
@@ -192,7 +193,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="hf backend: also time each batch size at these input lengths in tokens (auto: 16,64,256; none)",
     )
     parser.add_argument("--out", required=True, help="curve file to write (JSON); a .png beside it if it can")
-    parser.add_argument("--log-level", default="warning", help="debug, info, warning or error")
+    parser.add_argument("--log-level", default="warning", help=LEVEL_NAMES)
 
 
 def _backend(args: argparse.Namespace) -> Backend:

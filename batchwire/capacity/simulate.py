@@ -23,6 +23,7 @@ from batchwire.capacity.curve import Curve, CurveError, load, percentile
 from batchwire.capacity.engine import SimConfig, Simulation
 from batchwire.capacity.outcome import SimOutcome
 from batchwire.settings import number
+from telemetry.logs import LEVEL_NAMES
 
 MAX_WORKERS = 10_000
 """The most GPUs of one model simulated (each gets its own latency table and events): past it a run
@@ -197,7 +198,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--requests", type=int, default=100_000, help="simulated requests per rate")
     parser.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
-    parser.add_argument("--log-level", default="warning", help="debug, info, warning or error")
+    parser.add_argument("--log-level", default="warning", help=LEVEL_NAMES)
 
 
 def curve_from(args: argparse.Namespace) -> Curve:

@@ -56,6 +56,7 @@ from batchwire.capacity.measured import MeasuredRate, MeasuredRun, Replay, RunEr
 from batchwire.capacity.profile import check_out
 from batchwire.capacity.simulate import RateResult, policy_for, simulate, simulate_rate
 from batchwire.settings import number
+from telemetry.logs import LEVEL_NAMES
 
 THROUGHPUT_BOUND = 0.03
 LATENCY_BOUND = 0.10
@@ -443,7 +444,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     parser.add_argument("--requests", type=int, default=20_000, help="simulated requests per rate and seed")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per rate (the median is shown)")
     parser.add_argument("--out", default=None, help="also write the table to this file")
-    parser.add_argument("--log-level", default="warning", help="debug, info, warning or error")
+    parser.add_argument("--log-level", default="warning", help=LEVEL_NAMES)
 
 
 def _overheads(pairs: Sequence[str], flag: str = "--overhead-ms") -> dict[str, float]:
