@@ -22,9 +22,9 @@ from transport.redis.sentinel import is_sentinel_url, master_state
 from transport.redis.store import RedisTaskStore
 from transport.routing import Partitioner
 
-MEMORY_WATCH_S = 0.5
-"""How often a gateway reads whether Redis is full: a synchronous submit waits for an answer that a
-full Redis cannot store, so it is refused at once instead (``transport.redis.memory``)."""
+REFUSAL_WATCH_S = 0.5
+"""How often a gateway asks whether Redis refuses writes: a synchronous submit waits for an answer that
+such a Redis cannot store, so it is refused at once instead (``transport.redis.write_refusal``)."""
 KAFKA_READY_S = 1.0
 """The request producer's own bound on a readiness probe and on its breaker's probes: no answer within it
 is down."""
@@ -53,7 +53,7 @@ class GatewayTransports:
         )
         follower = follower_of(redis_url)  # one for every pool: the Sentinels are asked once a round
         self.store = RedisTaskStore(
-            redis_url, shared.names, ttl_s=shared.result_ttl_s, memory_watch_s=MEMORY_WATCH_S, follower=follower
+            redis_url, shared.names, ttl_s=shared.result_ttl_s, refusal_watch_s=REFUSAL_WATCH_S, follower=follower
         )
         self.redis_url = redis_url
         self.ready_timeout_s = settings.ready_timeout_s

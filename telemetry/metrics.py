@@ -73,6 +73,12 @@ REDIS_FULL = Gauge(
     "read it: every submit is refused 503 unavailable.",
     registry=REGISTRY,
 )
+REDIS_REFUSES_WRITES = Gauge(
+    "batchwire_redis_refuses_writes",
+    "1 while Redis refuses writes (full, NOREPLICAS or MISCONF), as this gateway last asked it: every submit is "
+    "refused 503 unavailable.",
+    registry=REGISTRY,
+)
 WATCHERS = Gauge(
     "batchwire_open_watchers",
     "Long-polls and event streams this gateway holds open (at most BATCHWIRE_MAX_WATCHERS).",

@@ -134,7 +134,7 @@ def sync_client(url: str, timeout_s: float) -> redis.Redis | redis.RedisCluster:
 _OOM_TEXT = "command not allowed when used memory"
 
 
-def _is_out_of_memory(err: Exception) -> bool:
+def is_out_of_memory(err: Exception) -> bool:
     return isinstance(err, OutOfMemoryError) or (isinstance(err, ResponseError) and _OOM_TEXT in str(err))
 
 
@@ -147,7 +147,7 @@ def translate(action: str, err: RedisError | RedisClusterException) -> Transport
     """``ResponseError`` (a script or type error) will repeat; connection trouble may not, nor the
     refusals that pass (``_passes``: a failover in progress, say), and neither does a full store
     (``OOM``: the server refuses writes until expiring states free memory)."""
-    if _is_out_of_memory(err):
+    if is_out_of_memory(err):
         return StoreFullError(
             f"{action} failed: the result store is full (Redis used memory is over its maxmemory, and "
             "it evicts nothing); writes work again as stored results expire, or raise Redis's maxmemory "

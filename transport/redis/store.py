@@ -63,7 +63,6 @@ from transport.redis.lua import (
     create_args,
     parse_binding,
 )
-from transport.redis.memory import MemoryWatch
 from transport.redis.pools import (
     REDIS_ERRORS,
     KeyedClient,
@@ -76,6 +75,7 @@ from transport.redis.pools import (
     translate,
 )
 from transport.redis.sentinel import PrimaryFollower
+from transport.redis.write_refusal import WriteRefusalWatch
 
 STORE_POOL = PoolOptions(max_connections=32)  # every gateway request and worker batch writes through it
 
@@ -100,11 +100,11 @@ class RedisTaskStore:
         ready_timeout_s: float = 0.5,
         subscribe_timeout_s: float = 5.0,
         ping_interval_s: float = 5.0,
-        memory_watch_s: float | None = None,
+        refusal_watch_s: float | None = None,
         follower: PrimaryFollower | None = None,
     ) -> None:
-        """``memory_watch_s``: how often to read whether Redis is full (None: never, for roles that admit nothing);
-        ``follower``: behind Sentinel, the one the process's pools share (``follower_of``)."""
+        """``refusal_watch_s``: how often to ask whether Redis refuses writes (None: never, for roles that admit
+        nothing); ``follower``: behind Sentinel, the one the process's pools share (``follower_of``)."""
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         self.redis_url = redis_url
@@ -134,7 +134,7 @@ class RedisTaskStore:
             subscribe_timeout_s=subscribe_timeout_s,
             pool_of=functools.partial(node_pubsub_pool, redis_url, socket_timeout_s=pool.socket_timeout_s),
         )
-        self._memory = MemoryWatch(self._client, memory_watch_s)
+        self._refusal = WriteRefusalWatch(self._client, refusal_watch_s)
 
     @property
     def reconnects(self) -> int:
@@ -153,11 +153,11 @@ class RedisTaskStore:
         except (*REDIS_ERRORS, OSError) as err:
             await self._commands.close()
             raise TransportError(f"cannot connect to Redis at {redacted(self.redis_url)}: {err}") from err
-        await self._memory.start()
+        await self._refusal.start()
 
     async def close(self) -> None:
         """Stops the reader (watchers get a ``TransportError``), then closes every connection."""
-        await self._memory.close()
+        await self._refusal.close()
         await self._creates.close(TransportError("the task store was closed"))
         await self._feed.close()
         await self._commands.close()
@@ -496,7 +496,7 @@ class RedisTaskStore:
         return None  # Redis keeps its own memory limit (maxmemory): ``refuses_writes``
 
     def refuses_writes(self) -> str | None:
-        return self._memory.refusal
+        return self._refusal.refusal
 
     async def ready(self) -> bool:
         """The change feed is connected and Redis answers PING within ``ready_timeout_s``.

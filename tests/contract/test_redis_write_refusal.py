@@ -1,0 +1,147 @@
+"""When a Redis refuses writes, as Redis itself answers a script that may write (``transport.redis.write_refusal``),
+and how much memory a full one uses, as ``INFO memory`` shows it."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import redis
+from redis.asyncio import Redis
+
+from infra.redis_server import RedisServer
+from telemetry.metrics import REGISTRY
+from tests.support.eventually import eventually
+from transport.redis.pools import KeyedClient, PoolOptions, cluster_nodes
+from transport.redis.write_refusal import WriteRefusalWatch, full_refusal
+
+MIB = 1024 * 1024
+
+
+def info(used: int, limit: int, policy: str = "noeviction", not_counted: int = 0) -> dict[str, object]:
+    return {
+        "used_memory": used,
+        "maxmemory": limit,
+        "maxmemory_policy": policy,
+        "mem_not_counted_for_evict": not_counted,
+    }
+
+
+def test_over_maxmemory_without_eviction_is_a_refusal_that_says_what_to_change() -> None:
+    message = full_refusal(info(70 * MIB, 64 * MIB))
+    assert message is not None
+    assert "result store is full" in message and "70.0 MiB" in message and "64.0 MiB" in message
+    assert "--redis-maxmemory" in message and "Retry-After" in message
+
+
+@pytest.mark.parametrize(
+    "memory",
+    [
+        info(64 * MIB, 64 * MIB),  # at the bound: Redis refuses only over it
+        info(70 * MIB, 0),  # no bound
+        info(70 * MIB, 64 * MIB, policy="allkeys-lru"),  # it evicts to make room
+        info(70 * MIB, 64 * MIB, not_counted=8 * MIB),  # replication and AOF buffers do not count
+    ],
+)
+def test_room_or_eviction_is_no_refusal(memory: dict[str, object]) -> None:
+    assert full_refusal(memory) is None
+
+
+@pytest.mark.kafka
+async def test_over_a_cluster_one_full_primary_is_a_refusal(redis_cluster: str) -> None:
+    """A task goes to the shard its id names, so a full primary refuses some submits: the watch reads
+    every primary's ``INFO memory``."""
+    watch_client = KeyedClient(redis_cluster, PoolOptions())
+    await watch_client.start()
+    watch = WriteRefusalWatch(watch_client.redis, interval_s=60.0)
+    node = cluster_nodes(redis_cluster)[0][0]
+    primary = Redis(host=node.host, port=node.port)
+    try:
+        await watch.read()
+        assert watch.refusal is None, "no primary is full"
+        assert (await primary.info("replication"))["role"] == "master", "the first node is a primary"
+        await primary.config_set("maxmemory", "1")
+        await watch.read()
+        assert watch.refusal is not None and "result store is full" in watch.refusal
+    finally:
+        await primary.config_set("maxmemory", "0")
+        await primary.aclose()
+        await watch.close()
+        await watch_client.close()
+
+
+@pytest.mark.kafka
+async def test_a_full_redis_that_stops_answering_leaves_the_full_gauge_at_0(tmp_path: Path) -> None:
+    """A read that fails leaves no refusal (the outage is the connection checks' to report): the gauge
+    batchwire_redis_full follows, rather than saying "full" for as long as the outage lasts."""
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    client = Redis.from_url(server.url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    watch = WriteRefusalWatch(client, interval_s=60.0)
+    try:
+        await client.config_set("maxmemory", "1")
+        await watch.read()
+        assert watch.refusal is not None and REGISTRY.get_sample_value("batchwire_redis_full") == 1
+        server.stop()
+        await watch.read()
+        assert watch.refusal is None
+        assert REGISTRY.get_sample_value("batchwire_redis_full") == 0, "the gauge still says full"
+    finally:
+        await client.aclose()
+        server.stop()
+
+
+@pytest.mark.kafka
+async def test_a_redis_short_of_replicas_is_a_refusal_that_names_it_until_a_write_would_pass(tmp_path: Path) -> None:
+    """``min-replicas-to-write`` over the replicas connected: Redis refuses every write (``NOREPLICAS``),
+    and says so to the probe, which writes nothing."""
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    client = Redis.from_url(server.url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    watch = WriteRefusalWatch(client, interval_s=60.0)
+    try:
+        await watch.read()
+        assert watch.refusal is None and REGISTRY.get_sample_value("batchwire_redis_refuses_writes") == 0
+        await client.config_set("min-replicas-to-write", 1)
+        await watch.read()
+        assert watch.refusal is not None and "NOREPLICAS" in watch.refusal, watch.refusal
+        assert "min-replicas-to-write" in watch.refusal and "Retry-After" in watch.refusal, watch.refusal
+        assert REGISTRY.get_sample_value("batchwire_redis_refuses_writes") == 1
+        assert REGISTRY.get_sample_value("batchwire_redis_full") == 0, "short of replicas is not full"
+        assert await client.dbsize() == 0, "the probe wrote nothing"
+        await client.config_set("min-replicas-to-write", 0)
+        await watch.read()
+        assert watch.refusal is None and REGISTRY.get_sample_value("batchwire_redis_refuses_writes") == 0
+    finally:
+        await client.aclose()
+        server.stop()
+
+
+@pytest.mark.kafka
+async def test_a_redis_that_cannot_save_to_disk_is_a_refusal_that_names_it(tmp_path: Path) -> None:
+    """A failed snapshot with ``stop-writes-on-bgsave-error`` (Redis's default) and snapshots on: every
+    write is refused (``MISCONF``). The snapshot fails here because the server's folder is gone."""
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    client = Redis.from_url(server.url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    watch = WriteRefusalWatch(client, interval_s=60.0)
+    try:
+        await client.config_set("save", "3600 1")
+        shutil.rmtree(server.work_dir)
+        await client.bgsave()
+
+        with redis.Redis.from_url(server.url, socket_timeout=1.0) as blocking:
+            await eventually(
+                lambda: blocking.info("persistence")["rdb_last_bgsave_status"] == "err", "the snapshot to fail"
+            )
+        await watch.read()
+        assert watch.refusal is not None and "MISCONF" in watch.refusal, watch.refusal
+        assert "snapshot" in watch.refusal and "Retry-After" in watch.refusal, watch.refusal
+        await client.config_set("save", "")  # no snapshots: a failed one no longer stops writes
+        await watch.read()
+        assert watch.refusal is None
+    finally:
+        await client.aclose()
+        server.work_dir.mkdir(parents=True, exist_ok=True)
+        server.stop()
