@@ -99,6 +99,17 @@ class DeadlineExceeded(GatewayError):
     code = "deadline_exceeded"
 
 
+class TimeoutBelowCall(DeadlineExceeded):
+    """Deadline exceeded: a worker found the request's timeout shorter than one call of its model, so no
+    answer could be in time, however often it is sent. Carries the call's length, for routes that take no
+    ``timeout_ms`` to say it their way (``gateway.edge.routes.openai``)."""
+
+    def __init__(self, message: str, *, model: str, call_ms: int, task_id: str, replayed: bool = False) -> None:
+        super().__init__(message, task_id=task_id, replayed=replayed)
+        self.model = model
+        self.call_ms = call_ms
+
+
 class TaskFailed(GatewayError):
     """The task ended without an output; the client sees the task's own error code."""
 
@@ -306,9 +317,9 @@ ERROR_TABLE: dict[str, tuple[int, str]] = {
     "input_empty": (422, "The model refused `input`: it has no tokens. The task ended failed."),
     "deadline_exceeded": (
         504,
-        "No answer (for `POST /v1/tasks`: no place in the queue) before the request's deadline (`timeout_ms`); "
-        "the task may still finish. A `timeout_ms` shorter than one call of the model is never met; its message "
-        "names the call's length.",
+        "No answer (for `POST /v1/tasks`: no place in the queue) before the request's deadline (`timeout_ms`, "
+        "else BATCHWIRE_DEFAULT_TIMEOUT_MS); the task may still finish. A timeout shorter than one call of the "
+        "model is never met; its message names the call's length and the setting to raise.",
     ),
     "overloaded": (
         503,

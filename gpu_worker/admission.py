@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from gpu_worker.calls import Failure
 from gpu_worker.states import task_state
-from schemas.records import Batch, BatchItem, TaskState, TaskStatus
+from schemas.records import Batch, BatchItem, TaskState, TaskStatus, shorter_than_call
 from telemetry import logs
 from transport.deliveries import DeliveryLog
 from transport.ports import TaskStore
@@ -40,7 +40,7 @@ def expired_error(item: BatchItem, call_ms: float) -> Failure:
     return Failure(
         "deadline_exceeded",
         f"the request's timeout (about {timeout_ms} ms: its timeout_ms, else the gateway's --default-timeout-ms) "
-        f"is shorter than one call of the model (about {call_ms:.0f} ms), so no answer could be in time: send a "
+        f"is {shorter_than_call(call_ms)}, so no answer could be in time: send a "
         f"timeout_ms above {call_ms:.0f}, or have the operator raise --default-timeout-ms",
     )
 

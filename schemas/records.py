@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -155,6 +156,22 @@ INPUT_EMPTY = "input_empty"
 INPUT_REFUSED = frozenset({INPUT_TOO_LONG, INPUT_EMPTY})
 """The error codes of a task whose input the model cannot take (a backend's ``input_errors``): the
 request's fault, not the model's, which the OpenAI routes answer 400 as OpenAI does."""
+
+
+def shorter_than_call(call_ms: float) -> str:
+    """How an ``expired`` task's message says its timeout was shorter than one call of its model (``call_ms``),
+    so no answer could be in time: the worker writes it, and ``call_ms_named`` reads the call's length back for
+    the routes that take no ``timeout_ms`` (the OpenAI ones), to say what to change their way."""
+    return f"shorter than one call of the model (about {call_ms:.0f} ms)"
+
+
+_SHORTER_THAN_CALL = re.compile(r"shorter than one call of the model \(about (\d+) ms\)")
+
+
+def call_ms_named(message: str | None) -> int | None:
+    """The call's length an ``expired`` task's message names (``shorter_than_call``), else None."""
+    found = _SHORTER_THAN_CALL.search(message or "")
+    return None if found is None else int(found.group(1))
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.errors import DeadlineExceeded, TaskCancelled, TaskFailed
-from schemas.records import TaskState, TaskStatus
+from gateway.errors import DeadlineExceeded, TaskCancelled, TaskFailed, TimeoutBelowCall
+from schemas.records import TaskState, TaskStatus, call_ms_named
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,9 +41,12 @@ def answer_of(state: TaskState, latency_s: float, replayed: bool = False) -> Ans
     if state.status is TaskStatus.CANCELLED:
         raise TaskCancelled(state.error_message or "the task was cancelled", task_id=state.task_id, replayed=replayed)
     if state.status is TaskStatus.EXPIRED or state.error_code == DeadlineExceeded.code:
-        raise DeadlineExceeded(
-            state.error_message or "the task expired before a worker ran it", task_id=state.task_id, replayed=replayed
-        )
+        message = state.error_message or "the task expired before a worker ran it"
+        if (call_ms := call_ms_named(message)) is not None:
+            raise TimeoutBelowCall(
+                message, model=state.model, call_ms=call_ms, task_id=state.task_id, replayed=replayed
+            )
+        raise DeadlineExceeded(message, task_id=state.task_id, replayed=replayed)
     raise TaskFailed(
         state.error_message or f"the task ended {state.status.value}",
         task_id=state.task_id,

@@ -32,6 +32,7 @@ from gateway.settings import GatewaySettings
 from gateway.sharing.answer_keys import AnswerKeys
 from gpu_worker.backends.base import BackendError
 from gpu_worker.backends.sim import SimBackend
+from gpu_worker.settings import WorkerSettings
 from schemas.records import TaskStatus
 from tests.support.eventually import eventually
 from tests.support.gateway_rig import RigFactory, http_scope
@@ -64,12 +65,16 @@ class PoisonedSim(SimBackend):
 
 @asynccontextmanager
 async def _client(
-    sent: list[str] | None = None, *, sim: SimBackend | None = None, **gateway_options: object
+    sent: list[str] | None = None,
+    *,
+    sim: SimBackend | None = None,
+    worker: WorkerSettings | None = None,
+    **gateway_options: object,
 ) -> AsyncIterator[openai.AsyncOpenAI]:
     """The openai package's client on an embedded deployment (``sent``: each request's path, as sent;
-    ``sim``: the backend of model ``sim``)."""
+    ``sim``: the backend of model ``sim``; ``worker``: every worker's settings)."""
     shared = SharedSettings(models=("embed", "sim"))
-    runtime = EmbeddedSettings(shared=shared, workers_per_model=1)
+    runtime = EmbeddedSettings(shared=shared, workers_per_model=1, worker=worker or WorkerSettings())
     backends = {"embed": FakeEmbedder(latency_ms=5), "sim": sim or SimBackend(latency_ms=5)}
     system = EmbeddedRuntime(runtime, lambda model, index: backends[model])
     gateway = Gateway(
@@ -279,6 +284,34 @@ async def test_a_prompt_not_answered_in_time_is_a_504_that_names_the_timeout_to_
             await client.with_options(max_retries=0).completions.create(model="sim", prompt="slow")
     assert late.value.status_code == 504 and late.value.code == "deadline_exceeded"
     assert "poll" not in late.value.message and "BATCHWIRE_DEFAULT_TIMEOUT_MS" in late.value.message, late.value.message
+
+
+async def test_a_default_timeout_shorter_than_a_call_is_a_504_that_says_no_retry_can_be_answered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """These routes wait the deployment's --default-timeout-ms: when a worker finds it shorter than one
+    call of the model, sending the request again fails again, so the 504 names the setting to raise and
+    the call's length (the worker's verdict, as ``POST /v1/inference`` gives it), and the client does not
+    retry it."""
+    sent: list[str] = []
+    worker = WorkerSettings(expected_latency_ms=1_000)
+    async with _client(sent, sim=SimBackend(latency_ms=1_000), worker=worker, default_timeout_ms=300) as client:
+        client = client.with_options(max_retries=2)
+        monkeypatch.setattr(client, "_calculate_retry_timeout", lambda *args, **kwargs: 0.01)
+        with pytest.raises(openai.InternalServerError) as completions:
+            await client.completions.create(model="sim", prompt="slow")
+        with pytest.raises(openai.InternalServerError) as embeddings:
+            await client.embeddings.create(model="embed", input=["a", "b"])
+    for late in (completions.value, embeddings.value):
+        assert isinstance(late.body, dict), late.body
+        message = late.body["message"]
+        assert late.status_code == 504 and late.code == "deadline_exceeded", message
+        assert late.body == {"message": message, "type": "server_error", "param": None, "code": "deadline_exceeded"}
+        assert "less busy" not in message and "send the request again" not in message, f"no retry helps: {message}"
+        assert "BATCHWIRE_DEFAULT_TIMEOUT_MS" in message and "--default-timeout-ms" in message, message
+        assert "one call" in message and "1000 ms" in message, f"the call's length is named: {message}"
+        assert "send a timeout_ms" not in message, f"these routes take no timeout_ms: {message}"
+    assert sent == ["/v1/completions", "/v1/embeddings"], f"the client did not retry: {sent}"
 
 
 async def test_a_request_of_several_inputs_takes_its_rate_limit_tokens_whole_or_not_at_all() -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from gpu_worker.settings import WorkerSettings
 from gpu_worker.worker import Worker
-from schemas.records import Batch, BatchItem, TaskState, TaskStatus
+from schemas.records import Batch, BatchItem, TaskState, TaskStatus, call_ms_named
 from telemetry.metrics import REGISTRY
 from tests.support.eventually import eventually
 from tests.support.worker_rig import PoisonBackend, Rig, ScriptedBackend, now_ms, run_batch
@@ -63,6 +63,7 @@ async def test_items_whose_deadline_passes_before_the_call_could_end_are_not_run
     assert all(v.error_code == "deadline_exceeded" for v in ended.values())
     assert all("is shorter than one call of the model" in (v.error_message or "") for v in ended.values())
     assert all("above 5000" in (v.error_message or "") for v in ended.values())
+    assert {call_ms_named(v.error_message) for v in ended.values()} == {5000}, "the gateway reads the call's length"
     assert backend.calls == []
 
 

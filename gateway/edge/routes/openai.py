@@ -45,6 +45,7 @@ from gateway.errors import (
     Overloaded,
     PredictedLate,
     TaskFailed,
+    TimeoutBelowCall,
     UnknownModel,
     ValidationFailed,
     http_status,
@@ -222,11 +223,13 @@ _NO_RETRY = {"x-should-retry": "false"}
 
 def openai_error(exc: GatewayError, retry_after_s: int) -> Response:
     """``exc`` in OpenAI's error shape, with OpenAI's status (``_status``). A task the model itself failed
-    (its error, an input that crashed workers, an output too large) fails again if sent again: its 502
-    tells the client not to retry."""
+    (its error, an input that crashed workers, an output too large) fails again if sent again, and so does
+    a request whose timeout, the deployment's, is shorter than one call: their answer tells the client not
+    to retry."""
     status = _status(exc)
     computed = isinstance(exc, TaskFailed) and exc.task_code not in UNCOMPUTED_FAILURES
-    return json_response(status, _error(exc), _NO_RETRY if computed else retry_headers(exc, status, retry_after_s))
+    again = computed or isinstance(exc, TimeoutBelowCall)
+    return json_response(status, _error(exc), _NO_RETRY if again else retry_headers(exc, status, retry_after_s))
 
 
 def _error(exc: GatewayError) -> dict[str, Any]:
@@ -248,6 +251,13 @@ def _status(exc: GatewayError) -> int:
 
 def _message(exc: GatewayError) -> str:
     """``exc``'s message for a caller of these routes, which give no task id to poll and take no timeout."""
+    if isinstance(exc, TimeoutBelowCall):
+        return (
+            f"the deployment's timeout ({env_name('default_timeout_ms')}, the gateway's --default-timeout-ms; these "
+            f"routes take no timeout_ms) is shorter than one call of model {exc.model!r} (about {exc.call_ms} ms), "
+            "so no answer can be in time and sending the request again fails again: the operator must raise it "
+            f"above {exc.call_ms}"
+        )
     if isinstance(exc, DeadlineExceeded):
         return (
             f"no answer within the deployment's timeout ({env_name('default_timeout_ms')}): "
