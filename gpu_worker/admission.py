@@ -33,15 +33,16 @@ EXPIRED = Failure(
 def expired_error(item: BatchItem, call_ms: float) -> Failure:
     """Why ``item`` expired: a timeout shorter than one call could never be met, whatever the queue. The
     item does not say whether its caller set ``timeout_ms`` or took the gateway's default, which may be the
-    short one: the advice names both."""
-    timeout_ms = item.deadline_ms - item.enqueued_at_ms
-    if call_ms <= 0 or timeout_ms >= call_ms:
+    short one: the advice names both. Nor does it carry that timeout, only what was left of it when the
+    gateway sent the request (admission's waits spent): the message names that figure as such."""
+    left_ms = item.deadline_ms - item.enqueued_at_ms
+    if call_ms <= 0 or left_ms >= call_ms:
         return EXPIRED
     return Failure(
         "deadline_exceeded",
-        f"the request's timeout (about {timeout_ms} ms: its timeout_ms, else the gateway's --default-timeout-ms) "
-        f"is {shorter_than_call(call_ms)}, so no answer could be in time: send a "
-        f"timeout_ms above {call_ms:.0f}, or have the operator raise --default-timeout-ms",
+        f"what was left of the request's timeout when the gateway sent it ({left_ms} ms; the timeout is its "
+        f"timeout_ms, else the gateway's --default-timeout-ms) is {shorter_than_call(call_ms)}, so no answer "
+        f"could be in time: send a timeout_ms above {call_ms:.0f}, or have the operator raise --default-timeout-ms",
     )
 
 

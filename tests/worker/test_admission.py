@@ -6,8 +6,8 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
-from gpu_worker.admission import Admission
-from schemas.records import TaskState, TaskStatus
+from gpu_worker.admission import Admission, expired_error
+from schemas.records import BatchItem, TaskState, TaskStatus, call_ms_named
 from tests.support.eventually import eventually
 from tests.support.metrics import tasks_ended
 from tests.support.worker_rig import Rig, ScriptedBackend, now_ms
@@ -165,3 +165,14 @@ async def test_an_admission_that_fails_leaves_no_delivery_count_running_behind_i
     assert refused, "the store's refusal comes out"
     assert deliveries.counting.is_set(), "the count had begun"
     assert deliveries.ended == "cancelled", f"the count is stopped with the admission, got {deliveries.ended}"
+
+
+def test_a_timeout_shorter_than_a_call_is_named_as_what_was_left_of_it_when_sent() -> None:
+    """An item carries what was left of its caller's timeout when the gateway sent it (admission's waits
+    spent), not the timeout_ms sent: the message gives that figure as such, so a caller who sent 1000 is
+    not told its timeout was 997."""
+    item = BatchItem("t0", "a", enqueued_at_ms=10_000, deadline_ms=10_997)
+    message = expired_error(item, call_ms=5000.0).message
+    assert "timeout (about 997 ms" not in message, f"997 ms is not the timeout the caller sent: {message}"
+    assert "left of the request's timeout when the gateway sent it (997 ms" in message, message
+    assert call_ms_named(message) == 5000, f"the gateway still reads the call's length: {message}"
