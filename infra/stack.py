@@ -101,9 +101,11 @@ def _redis_ports(config_path: Path) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class ServerStatus:
-    """One server as `status` found it: recorded ports, its live verified pid, whether it answers."""
+    """One server as `status` found it: recorded ports, its live verified pid, whether it answers, and the
+    commands that act on its stack (the advice names them)."""
 
     name: str
+    commands: StackCommands
     ports: tuple[int, ...] = ()
     pid: int | None = None
     serving: bool = False
@@ -117,8 +119,8 @@ class ServerStatus:
         if self.pid is not None:
             return f"alive, {'serving' if self.serving else 'NOT serving'} (pid {self.pid}, {port})"
         if not self.ports:
-            return "none yet (`batchwire stack up` starts one)"
-        return f"dead ({port}; `batchwire stack up` starts it again with its data)"
+            return f"none yet (`{self.commands.up}` starts one)"
+        return f"dead ({port}; `{self.commands.up}` starts it again with its data)"
 
 
 @dataclass(frozen=True)
@@ -218,8 +220,8 @@ def stack_status(state_dir: Path = DEFAULT_STATE_DIR) -> StackStatus:
     redis_serves_now = redis_process is not None and bool(redis_ports) and redis_pings(redis_ports[0])
     return StackStatus(
         state_dir=state_dir,
-        kafka=ServerStatus("kafka", kafka_ports, _pid(kafka_process), kafka_serves_now),
-        redis=ServerStatus("redis", redis_ports, _pid(redis_process), redis_serves_now),
+        kafka=ServerStatus("kafka", kafka.commands, kafka_ports, _pid(kafka_process), kafka_serves_now),
+        redis=ServerStatus("redis", redis.commands, redis_ports, _pid(redis_process), redis_serves_now),
     )
 
 

@@ -15,6 +15,7 @@ from typing import TextIO
 
 from infra.aio import run_blocking
 from infra.cluster_stack import cluster_env, live_pid, nodes, read_shape
+from infra.detached import StackCommands
 from infra.kafka_cluster import partition_leaders
 from infra.redis_sentinel import redis_role, sentinel_primary
 from infra.stack import KAFKA_ENV, cmd_status, stack_status
@@ -38,10 +39,12 @@ class ServerReport:
 
 @dataclass(frozen=True)
 class StackReport:
-    """Every server, the `BATCHWIRE_*` addresses, and the Redis primary's port."""
+    """Every server, the `BATCHWIRE_*` addresses, the Redis primary's port, and the commands that act on this
+    stack (the text form's advice names them; the JSON gives no advice)."""
 
     state_dir: str
     env: dict[str, str]
+    commands: StackCommands
     servers: list[ServerReport] = field(default_factory=list)
     redis_primary_port: int | None = None
 
@@ -77,7 +80,7 @@ def stack_report(state_dir: Path) -> StackReport:
     primary = sentinel_primary(live_sentinels) if shape.sentinels else None
     if primary is None:
         primary = next((s.port for s in servers if s.kind == "redis" and s.role == "primary"), None)
-    return StackReport(str(state_dir), env, servers, primary)
+    return StackReport(str(state_dir), env, all_nodes[0].server.commands, servers, primary)
 
 
 def cmd_status_report(state_dir: Path, *, as_json: bool, out: TextIO = sys.stdout) -> int:
@@ -87,12 +90,13 @@ def cmd_status_report(state_dir: Path, *, as_json: bool, out: TextIO = sys.stdou
     report = stack_report(state_dir)
     if as_json:
         document = {**asdict(report), "healthy": report.healthy}
+        del document["commands"]
         print(json.dumps(document, indent=2, sort_keys=True), file=out)
         return 0 if report.healthy else 1
     for key, value in report.env.items():
         print(f"{key}={value}", file=out)
     for server in report.servers:
-        print(f"# {server.kind}-{server.node_id}: {_describe(server, report.redis_primary_port)}", file=out)
+        print(f"# {server.kind}-{server.node_id}: {_describe(server, report)}", file=out)
     return 0 if report.healthy else 1
 
 
@@ -107,7 +111,8 @@ def _single_report(state_dir: Path) -> StackReport:
         ServerReport("kafka", 1, status.kafka.pid, kafka_port, status.kafka.alive, leads=leads),
         ServerReport("redis", 1, status.redis.pid, redis_port, status.redis.alive, role=role),
     ]
-    return StackReport(str(state_dir), status.env, servers, redis_port if role == "primary" else None)
+    primary = redis_port if role == "primary" else None
+    return StackReport(str(state_dir), status.env, status.kafka.commands, servers, primary)
 
 
 def _leaders(bootstrap: str, any_alive: bool) -> dict[int, dict[str, list[int]]]:
@@ -116,9 +121,9 @@ def _leaders(bootstrap: str, any_alive: bool) -> dict[int, dict[str, list[int]]]
     return run_blocking(lambda: partition_leaders(bootstrap, timeout_s=_STATUS_TIMEOUT_S))
 
 
-def _describe(server: ServerReport, primary_port: int | None) -> str:
+def _describe(server: ServerReport, report: StackReport) -> str:
     if not server.alive:
-        return f"dead (port {server.port}; `batchwire stack up` starts it again with its data)"
+        return f"dead (port {server.port}; `{report.commands.up}` starts it again with its data)"
     where = f"pid {server.pid}, port {server.port}"
     if server.kind == "kafka":
         led = sum(len(parts) for parts in (server.leads or {}).values())
@@ -126,5 +131,5 @@ def _describe(server: ServerReport, primary_port: int | None) -> str:
     if server.kind == "redis":
         return f"alive ({where}), {server.role or 'NOT answering'}"
     names = "no primary" if server.primary_port is None else f"primary at port {server.primary_port}"
-    agrees = "" if server.primary_port == primary_port else " (disagrees)"
+    agrees = "" if server.primary_port == report.redis_primary_port else " (disagrees)"
     return f"alive ({where}), names {names}{agrees}"
