@@ -53,6 +53,7 @@ __all__ = [
     "cmd_down",
     "cmd_status",
     "cmd_up",
+    "not_running",
     "print_up",
     "read_env_file",
     "stack_down",
@@ -115,12 +116,18 @@ class ServerStatus:
         return self.pid is not None
 
     def describe(self) -> str:
-        port = f"port {self.ports[0]}" if self.ports else "no port recorded"
         if self.pid is not None:
+            port = f"port {self.ports[0]}" if self.ports else "no port recorded"
             return f"alive, {'serving' if self.serving else 'NOT serving'} (pid {self.pid}, {port})"
-        if not self.ports:
-            return f"none yet (`{self.commands.up}` starts one)"
-        return f"dead ({port}; `{self.commands.up}` starts it again with its data)"
+        return not_running(self.ports[0] if self.ports else None, self.commands)
+
+
+def not_running(port: int | None, commands: StackCommands) -> str:
+    """`status`'s line on a server not running, single or replicated: one with no port recorded never ran, so
+    has no data to come back with."""
+    if port is None:
+        return f"none yet (`{commands.up}` starts one)"
+    return f"dead (port {port}; `{commands.up}` starts it again with its data)"
 
 
 @dataclass(frozen=True)

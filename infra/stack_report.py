@@ -18,7 +18,7 @@ from infra.cluster_stack import cluster_env, live_pid, nodes, read_shape
 from infra.detached import StackCommands
 from infra.kafka_cluster import partition_leaders
 from infra.redis_sentinel import redis_role, sentinel_primary
-from infra.stack import KAFKA_ENV, cmd_status, stack_status
+from infra.stack import KAFKA_ENV, cmd_status, not_running, stack_status
 
 _STATUS_TIMEOUT_S = 3.0
 
@@ -123,7 +123,7 @@ def _leaders(bootstrap: str, any_alive: bool) -> dict[int, dict[str, list[int]]]
 
 def _describe(server: ServerReport, report: StackReport) -> str:
     if not server.alive:
-        return f"dead (port {server.port}; `{report.commands.up}` starts it again with its data)"
+        return not_running(server.port, report.commands)
     where = f"pid {server.pid}, port {server.port}"
     if server.kind == "kafka":
         led = sum(len(parts) for parts in (server.leads or {}).values())

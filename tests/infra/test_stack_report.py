@@ -96,3 +96,17 @@ def test_the_json_form_gives_no_advice(tmp_path: Path, capsys: pytest.CaptureFix
 
     assert sorted(document) == ["env", "healthy", "redis_primary_port", "servers", "state_dir"], document
     assert "batchwire stack" not in json.dumps(document), document
+
+
+def test_a_replicated_server_with_no_port_recorded_is_none_yet_as_in_the_single_stack(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A shape recorded before any server started (a first `up` that failed): nothing to start again, no data."""
+    state_dir = tmp_path / "ha stack"
+    _record_shape(state_dir, HA)
+    up = _up(state_dir, HA)
+
+    lines = [line for line in _status(state_dir, capsys) if line.startswith("# ")]
+
+    assert f"# kafka-1: none yet ({up} starts one)" in lines, lines
+    assert not any("port None" in line or "with its data" in line for line in lines), lines
