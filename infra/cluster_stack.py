@@ -16,6 +16,7 @@ it starts as the primary only when they still name it, i.e. no failover happened
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import sys
 import time
@@ -184,7 +185,7 @@ def cluster_up(
             commands = kafka_nodes[0].server.commands
             raise InfraError(
                 f"some Kafka nodes under {state_dir} have no recorded ports; run `{commands.down}`, delete "
-                f"{state_dir} and run `{commands.up}` for a new cluster"
+                f"{shlex.quote(str(state_dir))} and run `{commands.up}` for a new cluster"
             )
         for node in all_nodes:
             if running[node.server.name] is None:

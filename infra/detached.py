@@ -6,6 +6,7 @@ Shared by the single stack (`infra.stack`) and the cluster (`infra.cluster_stack
 
 from __future__ import annotations
 
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,7 +74,7 @@ def refuse_taken_ports(server: DetachedServer) -> None:
                 f"is taken by another process; nothing was changed. Find that process with "
                 f"`ss -ltnp 'sport = :{port}'`, stop it, and run `{up}` again (the stack comes back "
                 f"on the same addresses with its data). Or, for {server.name} on new ports without its data, run "
-                f"`{down}`, delete {server.work_dir} and run `{up}`; then restart every "
+                f"`{down}`, delete {shlex.quote(str(server.work_dir))} and run `{up}`; then restart every "
                 "role, which holds the old address"
             )
 

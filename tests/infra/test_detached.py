@@ -1,5 +1,6 @@
 """The commands `stack up`'s messages about one server give (a port taken, a config gone, a server silent)
 name that stack's --state-dir and shape: followed as written, they act on that stack, not the default one.
+A folder they say to delete is quoted, so a path with a space pastes.
 
 No Kafka starts: each stack is refused at its Redis, a real redis-server where one must run."""
 
@@ -121,3 +122,34 @@ def test_a_silent_redis_node_names_the_state_dir_and_shape_in_the_commands(
         message
     ), message
     assert f"{down} then {up} restarts it" in message, message
+
+
+@pytest.mark.parametrize("shape", [None, HA], ids=["single", "replicated"])
+def test_a_taken_port_s_folder_to_delete_is_quoted(state_dir: Path, held_port: int, shape: Shape | None) -> None:
+    """A path with a space pastes into `rm -r` only quoted."""
+    work_dir = state_dir / ("redis" if shape is None else "redis-1")
+    if shape is not None:
+        _record_ha_shape(state_dir)
+    _record_redis_port(work_dir, held_port)
+
+    with pytest.raises(InfraError) as refused:
+        up_any(state_dir, shape or Shape(brokers=1, redis_replicas=0), redis_maxmemory="64mb")
+
+    message = str(refused.value)
+    assert f", delete {shlex.quote(str(work_dir.resolve()))} and run" in message, message
+
+
+def test_kafka_nodes_partly_recorded_name_the_state_dir_to_delete_quoted(state_dir: Path) -> None:
+    """Refused before any server starts: one Kafka node of three has its ports recorded."""
+    _record_ha_shape(state_dir)
+    kafka_1 = state_dir / "kafka-1"
+    kafka_1.mkdir()
+    (kafka_1 / "server.properties").write_text("listeners=PLAINTEXT://127.0.0.1:45001,CONTROLLER://127.0.0.1:45002\n")
+    up, down = _commands(state_dir, HA)
+
+    with pytest.raises(InfraError) as refused:
+        up_any(state_dir, HA, redis_maxmemory="64mb")
+
+    message = str(refused.value)
+    delete = f"delete {shlex.quote(str(state_dir.resolve()))} and run {up} for a new cluster"
+    assert f"have no recorded ports; run {down}, {delete}" in message, message
