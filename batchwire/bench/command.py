@@ -92,9 +92,7 @@ def execute(args: argparse.Namespace) -> int:
             if stack is not None and stack.restore(keep=args.keep_stack):
                 print("stopped the Kafka + Redis stack this run started (--keep-stack keeps it)", file=sys.stderr)
             elif own is not None and args.keep_stack:
-                print(
-                    f"left this run's stack running: batchwire stack down --state-dir {own.state_dir}", file=sys.stderr
-                )
+                print(f"left this run's stack running: {own.down}", file=sys.stderr)
         except SutError as err:
             print(f"batchwire bench: {err}", file=sys.stderr)
             status = status or 1

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from infra.detached import StackCommands
+from infra.stack import state_dir_flag
+
 #: The addresses a stack of the run's own replaces: the roles must not reach another Kafka or Redis.
 _ADDRESS_VARS = ("BATCHWIRE_KAFKA_BOOTSTRAP", "BATCHWIRE_REDIS_URL")
 
@@ -38,6 +41,12 @@ class OwnStack:
             "--redis-replicas",
             str(self.redis_replicas),
         ]
+
+    @property
+    def down(self) -> str:
+        """The `batchwire stack down` that stops this stack, for a message: its folder quoted, since a
+        temporary folder's path may hold a space."""
+        return StackCommands(state_dir_flag(self.state_dir)).down
 
     def describe(self) -> dict[str, Any]:
         return {"state_dir": str(self.state_dir), "brokers": self.brokers, "redis_replicas": self.redis_replicas}

@@ -64,10 +64,10 @@ class Stack:
         done = self._run("down")
         if done.returncode != 0:
             said = done.stderr.decode(errors="replace").strip() or done.stdout.decode(errors="replace").strip()
-            where = f" --state-dir {self.own.state_dir}" if self.own is not None else ""
+            down = self.own.down if self.own is not None else "batchwire stack down"
             raise SutError(
                 f"'batchwire stack down' exited with {done.returncode}, leaving the stack this run started: "
-                f"{said or 'it printed nothing'}; stop it with batchwire stack down{where}"
+                f"{said or 'it printed nothing'}; stop it with {down}"
             )
         if self.own is not None:
             shutil.rmtree(self.own.state_dir, ignore_errors=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 
@@ -27,3 +28,15 @@ def test_a_stack_that_was_up_before_the_run_is_left_up() -> None:
     stack = Stack(command=FAILING_DOWN)
     stack.was_up = True
     assert stack.restore(keep=False) is False
+
+
+def test_a_stack_down_that_fails_names_the_own_state_dir_quoted(tmp_path: Path) -> None:
+    """The command it gives pastes as written: a temporary folder's path may hold a space."""
+    state_dir = tmp_path / "bench stack"
+    state_dir.mkdir()
+    stack = Stack(command=FAILING_DOWN, own=OwnStack(state_dir))
+    stack.was_up = False
+    with pytest.raises(SutError) as failed:
+        stack.restore(keep=False)
+    expected = f"stop it with batchwire stack down --state-dir {shlex.quote(str(state_dir))}"
+    assert str(failed.value).endswith(expected), f"expected {expected!r} in: {failed.value}"
