@@ -201,7 +201,8 @@ def cluster_up(
             actions = _up_redis_nodes(all_nodes, running, redis_maxmemory, deadline)
         actions += _up_kafka_nodes(state_dir, kafka_nodes, running, runtime, fresh_kafka, deadline)
         env = cluster_env(all_nodes, shape)
-        run_blocking(lambda: harden_offsets_topic(env[KAFKA_ENV], shape.brokers))
+        commands = kafka_nodes[0].server.commands
+        run_blocking(lambda: harden_offsets_topic(env[KAFKA_ENV], shape.brokers, commands=commands))
         write_atomically(state_dir / ENV_FILE_NAME, "".join(f"{key}={value}\n" for key, value in env.items()))
         return env, tuple(actions)
 

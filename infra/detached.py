@@ -23,7 +23,8 @@ POLL_INTERVAL_S = 0.05
 @dataclass(frozen=True)
 class StackCommands:
     """The `batchwire stack` commands a message about a server gives: without its stack's --state-dir they act
-    on the default stack, and `up` without a replicated stack's shape is refused (`down` reads the shape)."""
+    on the default stack, and `up` without a replicated stack's shape is refused (`down` and `status` read the
+    shape)."""
 
     where: str = ""
     """` --state-dir DIR` (`infra.stack.state_dir_flag`); empty for the default folder."""
@@ -37,6 +38,10 @@ class StackCommands:
     @property
     def down(self) -> str:
         return f"batchwire stack down{self.where}"
+
+    @property
+    def status(self) -> str:
+        return f"batchwire stack status{self.where}"
 
 
 @dataclass(frozen=True)

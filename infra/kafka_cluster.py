@@ -18,6 +18,7 @@ from aiokafka.admin.config_resource import (  # type: ignore[import-untyped, unu
 )
 from aiokafka.errors import KafkaError  # type: ignore[import-untyped, unused-ignore]
 
+from infra.detached import StackCommands
 from infra.errors import InfraError
 from infra.kafka_server import DEFAULT_JVM_OPTS
 from infra.ports import LOOPBACK
@@ -69,11 +70,14 @@ def node_properties(node_id: int, controller_ports: Mapping[int, int]) -> dict[s
     }
 
 
-async def harden_offsets_topic(bootstrap: str, brokers: int, *, timeout_s: float = 30.0) -> None:
+async def harden_offsets_topic(
+    bootstrap: str, brokers: int, *, commands: StackCommands, timeout_s: float = 30.0
+) -> None:
     """Create the offsets topic now and give it `min.insync.replicas` = RF - 1 (idempotent).
 
     The broker creates it on the first group request, with the broker-wide minimum (1); a
-    committed offset then could live on one node only.
+    committed offset then could live on one node only. `commands` act on the stack the cluster is, for
+    the error that says what to run.
     """
     _, min_isr = internal_replication(brokers)
     deadline = time.monotonic() + timeout_s
@@ -110,7 +114,7 @@ async def harden_offsets_topic(bootstrap: str, brokers: int, *, timeout_s: float
         # `stack up` reports an InfraError in one line; a KafkaError would end it in a traceback.
         raise InfraError(
             f"could not create {OFFSETS_TOPIC} on the cluster at {bootstrap} and set its min.insync.replicas: {err!r}; "
-            "`batchwire stack status` shows which node is down, `batchwire stack up` tries again"
+            f"`{commands.status}` shows which node is down, `{commands.up}` tries again"
         ) from err
     finally:
         await admin.close()

@@ -261,12 +261,13 @@ def test_hardening_the_offsets_topic_of_a_cluster_that_does_not_answer_is_an_inf
     """`stack up` reports an InfraError in one line: a KafkaError would end it in a traceback."""
     import asyncio
 
+    from infra.detached import StackCommands
     from infra.kafka_cluster import harden_offsets_topic
     from infra.ports import free_port
 
     bootstrap = f"127.0.0.1:{free_port()}"  # nothing listens there
     with pytest.raises(InfraError, match=f"__consumer_offsets on the cluster at {bootstrap}"):
-        asyncio.run(harden_offsets_topic(bootstrap, 3, timeout_s=1.0))
+        asyncio.run(harden_offsets_topic(bootstrap, 3, commands=StackCommands(), timeout_s=1.0))
 
 
 def test_a_file_written_atomically_is_whole_even_when_the_write_fails(tmp_path: Path) -> None:

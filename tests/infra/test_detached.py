@@ -6,6 +6,7 @@ No Kafka starts: each stack is refused at its Redis, a real redis-server where o
 
 from __future__ import annotations
 
+import asyncio
 import shlex
 import shutil
 import socket
@@ -15,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from infra.cluster_stack import SHAPE_FILE_NAME, Shape, cluster_up, up_any
+from infra.cluster_stack import SHAPE_FILE_NAME, Shape, cluster_up, nodes, up_any
 from infra.errors import InfraError
+from infra.kafka_cluster import harden_offsets_topic
+from infra.ports import free_port
 from infra.redis_server import CONFIG_NAME
 from infra.stack import stack_up
 
@@ -153,3 +156,17 @@ def test_kafka_nodes_partly_recorded_name_the_state_dir_to_delete_quoted(state_d
     message = str(refused.value)
     delete = f"delete {shlex.quote(str(state_dir.resolve()))} and run {up} for a new cluster"
     assert f"have no recorded ports; run {down}, {delete}" in message, message
+
+
+def test_a_cluster_that_does_not_answer_names_the_state_dir_and_shape_in_status_and_up(state_dir: Path) -> None:
+    """The offsets topic is hardened once every node runs: a broker silent then is reported, nothing started here."""
+    commands = nodes(state_dir.resolve(), HA)[0].server.commands
+    bootstrap = f"127.0.0.1:{free_port()}"  # nothing listens there
+    up, _ = _commands(state_dir, HA)
+    status = f"`batchwire stack status --state-dir {shlex.quote(str(state_dir.resolve()))}`"
+
+    with pytest.raises(InfraError) as refused:
+        asyncio.run(harden_offsets_topic(bootstrap, HA.brokers, commands=commands, timeout_s=1.0))
+
+    message = str(refused.value)
+    assert f"{status} shows which node is down, {up} tries again" in message, message
