@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import re
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -270,3 +272,12 @@ def test_every_log_level_flag_names_each_level_it_takes() -> None:
     for command, text in helps.items():
         named = set(re.findall(r"[a-z]+", str(text))) - {"or", "default"}
         assert named == set(logs.LEVELS), f"{command}: --log-level's help names {sorted(named)}; takes {logs.LEVELS}"
+
+
+def test_python_m_batchwire_is_the_batchwire_command() -> None:
+    """Where the environment's scripts folder is not on PATH, ``python -m batchwire`` runs the same command."""
+    done = subprocess.run(
+        [sys.executable, "-m", "batchwire", "stack", "--help"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: batchwire stack"), done.stdout
