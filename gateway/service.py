@@ -271,8 +271,9 @@ class Gateway:
 
     def _check_open(self, *, cache_first: bool = False) -> None:
         """Refuses a submit before anything is stored or queued: not accepting, a transport known down
-        (its circuit breaker is open, rather than after a timeout), the store full, or this gateway full.
-        ``cache_first``: a full store refuses it only if the result cache has no answer (``_check_room``)."""
+        (its circuit breaker is open, rather than after a timeout), a store that refuses writes, or this
+        gateway full. ``cache_first``: a store that refuses writes refuses it only if the result cache has no
+        answer (``_check_room``)."""
         if not self._accepting:
             raise NotReady("the gateway is not accepting requests (starting or shutting down); retry shortly")
         if not self._producer.reachable():
@@ -289,7 +290,7 @@ class Gateway:
             )
 
     def _check_room(self) -> None:
-        if (refusal := self._store.refuses_writes()) is not None:  # full: an answer could not be stored
+        if (refusal := self._store.refuses_writes()) is not None:  # an answer could not be stored
             raise Unavailable(refusal)
 
     async def charge(self, caller: Caller, inputs: Sequence[str], model: str | None) -> Sequence[int] | None:
@@ -372,7 +373,9 @@ class Gateway:
             if state is not None and not (
                 idempotency.starts_anew(state) and asyncio.get_running_loop().time() < deadline
             ):
-                return answer_of(state, self._clock.monotonic() - submission.started, replayed=True)
+                return answer_of(
+                    state, self._clock.monotonic() - submission.started, submission.timeout_ms, replayed=True
+                )
             # The task ended without being computed, or went stale, while this retry waited for it:
             # the next claim starts a new one (or finds the one a racing retry started).
         bound_until = asyncio.get_running_loop().time() + submission.timeout_ms / 1000  # as the binding's deadline
@@ -440,7 +443,7 @@ class Gateway:
                     admission.count(model, tier, "admitted")
                 if not wait:
                     return Accepted(hit.task_id, hit.model, status=hit.status)  # completed: no poll needed
-                answer = self._answer(hit, submission.started, shared=True)
+                answer = self._answer(hit, submission, shared=True)
             elif wait:
                 self._check_room()
                 if admission is not None:
@@ -449,7 +452,7 @@ class Gateway:
                     else:
                         submission = await self._queued(admission, submission, part)
                 state = await self._shared.computed(key, submission, watch)
-                answer = self._answer(state, submission.started, shared=True)
+                answer = self._answer(state, submission, shared=True)
             else:
                 if admission is not None:
                     submission = await self._queued(admission, submission, part)
@@ -522,7 +525,7 @@ class Gateway:
             if not future.done():
                 future.cancel()  # a watch that ends from now on (the answer was sent) does nothing
             self._replies.discard(task_id)
-        return self._answer(state, started)
+        return self._answer(state, submission)
 
     async def _enqueue(self, submission: Submission) -> Accepted:
         task_id, timeout_ms = submission.task_id, submission.timeout_ms
@@ -541,10 +544,10 @@ class Gateway:
             ) from None
         return Accepted(task_id, submission.model)
 
-    def _answer(self, state: TaskState, started: float, *, shared: bool = False) -> Answer:
+    def _answer(self, state: TaskState, submission: Submission, *, shared: bool = False) -> Answer:
         """The caller's answer from its task's terminal state; a completed one counts in the latency
         histogram and, unless ``shared`` (its computation counts itself), the admission's service time."""
-        latency_s = self._clock.monotonic() - started
+        latency_s = self._clock.monotonic() - submission.started
         if tracing.ACTIVE:
             spans.request_answered(state.updated_at_ms)
         histogram = self._latency.get(state.model)
@@ -552,7 +555,7 @@ class Gateway:
             histogram.observe(latency_s)
             if not shared:
                 self._admission.answered(state.model, latency_s)
-        return answer_of(state, latency_s)
+        return answer_of(state, latency_s, submission.timeout_ms)
 
     # -- reading (TaskReads) -------------------------------------------------------------------
 

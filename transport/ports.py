@@ -163,7 +163,8 @@ class TaskStore(Protocol):
         ...
 
     def refuses_writes(self) -> str | None:
-        """Why the store's server refuses every write now (its memory is full), else None; no I/O,
+        """Why the store's server refuses every write now (its memory full, too few replicas, a disk it cannot
+        write), else None; no I/O,
         asked on every submit, so a request whose answer could not be stored is refused at once."""
         ...
 

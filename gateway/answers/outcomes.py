@@ -32,8 +32,11 @@ class Accepted:
     status: TaskStatus = TaskStatus.QUEUED
 
 
-def answer_of(state: TaskState, latency_s: float, replayed: bool = False) -> Answer:
-    """A completed task's ``Answer``; any other end raises the error its caller gets (``replayed`` on both)."""
+def answer_of(state: TaskState, latency_s: float, timeout_ms: int, replayed: bool = False) -> Answer:
+    """A completed task's ``Answer``; any other end raises the error its caller gets (``replayed`` on both).
+    An expired task whose worker found a call longer than what was left of the timeout is ``TimeoutBelowCall``
+    only when the whole ``timeout_ms`` the request ran under is no longer than that call either: what was
+    left had lost admission's waits, so a longer timeout may be met next time."""
     if state.status is TaskStatus.COMPLETED:
         return Answer(
             state.task_id, state.model, state.output or "", round(latency_s * 1000, 3), state.batch_size, replayed
@@ -42,7 +45,7 @@ def answer_of(state: TaskState, latency_s: float, replayed: bool = False) -> Ans
         raise TaskCancelled(state.error_message or "the task was cancelled", task_id=state.task_id, replayed=replayed)
     if state.status is TaskStatus.EXPIRED or state.error_code == DeadlineExceeded.code:
         message = state.error_message or "the task expired before a worker ran it"
-        if (call_ms := call_ms_named(message)) is not None:
+        if (call_ms := call_ms_named(message)) is not None and timeout_ms <= call_ms:
             raise TimeoutBelowCall(
                 message, model=state.model, call_ms=call_ms, task_id=state.task_id, replayed=replayed
             )

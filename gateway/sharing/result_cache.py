@@ -56,7 +56,7 @@ class CachedAnswers:
         state = TaskState(task_id, TaskStatus.COMPLETED, model, now_ms, now_ms, output=output, owner=owner)
         if wait and self._store.refuses_writes() is not None:
             CACHE_HITS.labels(model=model).inc()
-            return state  # a full store: the write would fail, and the caller holds the answer
+            return state  # a store that refuses writes: the write would fail, and the caller holds the answer
         try:
             await self._store.create(state)
         except TRANSPORT_ERRORS:

@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import redis
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from infra.redis_server import RedisServer
 from telemetry.metrics import REGISTRY
 from tests.support.eventually import eventually
-from transport.redis.pools import KeyedClient, PoolOptions, cluster_nodes
+from transport.redis.pools import KeyedClient, PoolOptions
 from transport.redis.write_refusal import WriteRefusalWatch, full_refusal
 
 MIB = 1024 * 1024
@@ -50,17 +51,20 @@ def test_room_or_eviction_is_no_refusal(memory: dict[str, object]) -> None:
 
 @pytest.mark.kafka
 async def test_over_a_cluster_one_full_primary_is_a_refusal(redis_cluster: str) -> None:
-    """A task goes to the shard its id names, so a full primary refuses some submits: the watch reads
-    every primary's ``INFO memory``."""
+    """A task goes to the shard its id names, so a full primary refuses some submits: the watch asks
+    every primary, not only the one its client sends keyless commands to."""
     watch_client = KeyedClient(redis_cluster, PoolOptions())
     await watch_client.start()
-    watch = WriteRefusalWatch(watch_client.redis, interval_s=60.0)
-    node = cluster_nodes(redis_cluster)[0][0]
+    cluster = watch_client.redis
+    assert isinstance(cluster, RedisCluster)
+    watch = WriteRefusalWatch(cluster, interval_s=60.0)
+    default = cluster.get_default_node()
+    node = next(node for node in cluster.get_primaries() if node.name != default.name)
     primary = Redis(host=node.host, port=node.port)
     try:
         await watch.read()
         assert watch.refusal is None, "no primary is full"
-        assert (await primary.info("replication"))["role"] == "master", "the first node is a primary"
+        assert (await primary.info("replication"))["role"] == "master", "it is a primary"
         await primary.config_set("maxmemory", "1")
         await watch.read()
         assert watch.refusal is not None and "result store is full" in watch.refusal
@@ -137,11 +141,33 @@ async def test_a_redis_that_cannot_save_to_disk_is_a_refusal_that_names_it(tmp_p
             )
         await watch.read()
         assert watch.refusal is not None and "MISCONF" in watch.refusal, watch.refusal
-        assert "snapshot" in watch.refusal and "Retry-After" in watch.refusal, watch.refusal
+        assert "disk" in watch.refusal and "Retry-After" in watch.refusal, watch.refusal
         await client.config_set("save", "")  # no snapshots: a failed one no longer stops writes
         await watch.read()
         assert watch.refusal is None
     finally:
         await client.aclose()
         server.work_dir.mkdir(parents=True, exist_ok=True)
+        server.stop()
+
+
+@pytest.mark.kafka
+async def test_a_full_redis_whose_memory_cannot_be_read_is_still_a_refusal(tmp_path: Path) -> None:
+    """The probe's ``OOM`` decides; ``INFO memory`` only names the figures, and a client that may not read
+    it (an ACL without ``info``) still sees the refusal."""
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    admin = Redis.from_url(server.url, socket_timeout=1.0)
+    client = Redis(host="127.0.0.1", port=server.port, username="probe", password="pw", socket_timeout=1.0)
+    watch = WriteRefusalWatch(client, interval_s=60.0)
+    try:
+        await admin.acl_setuser("probe", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-info"])
+        await admin.config_set("maxmemory", "1")
+        await watch.read()
+        assert watch.refusal is not None and "result store is full" in watch.refusal, watch.refusal
+        assert REGISTRY.get_sample_value("batchwire_redis_full") == 1
+    finally:
+        await admin.config_set("maxmemory", "0")
+        await client.aclose()
+        await admin.aclose()
         server.stop()

@@ -22,18 +22,18 @@ import pytest
 from batchwire.embedded import EmbeddedRuntime, EmbeddedSettings
 from batchwire.settings import SharedSettings
 from gateway.admission.gate import ANONYMOUS
-from gateway.answers.outcomes import Answer
+from gateway.answers.outcomes import Answer, answer_of
 from gateway.edge.app import create_app
 from gateway.edge.events import EventStream, StreamsEnd
 from gateway.edge.routes.openai import CUT, GONE_GRACE_S, MAX_INPUTS, CompletionChunks, CompletionsBody, openai_error
-from gateway.errors import ClientDisconnected, PredictedLate
+from gateway.errors import ClientDisconnected, DeadlineExceeded, PredictedLate, TimeoutBelowCall
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from gateway.sharing.answer_keys import AnswerKeys
 from gpu_worker.backends.base import BackendError
 from gpu_worker.backends.sim import SimBackend
 from gpu_worker.settings import WorkerSettings
-from schemas.records import TaskStatus
+from schemas.records import TaskState, TaskStatus, shorter_than_call
 from tests.support.eventually import eventually
 from tests.support.gateway_rig import RigFactory, http_scope
 from transport.memory.cache import MemoryResultCache
@@ -312,6 +312,20 @@ async def test_a_default_timeout_shorter_than_a_call_is_a_504_that_says_no_retry
         assert "one call" in message and "1000 ms" in message, f"the call's length is named: {message}"
         assert "send a timeout_ms" not in message, f"these routes take no timeout_ms: {message}"
     assert sent == ["/v1/completions", "/v1/embeddings"], f"the client did not retry: {sent}"
+
+
+def test_an_expired_task_is_below_a_call_only_when_the_whole_timeout_is() -> None:
+    """A worker compares a call with what was left of the timeout when the request was sent (admission's
+    waits spent): a timeout longer than the call may be met next time, so its 504 stays one to retry."""
+    message = f"what was left of the request's timeout when the gateway sent it (900 ms) is {shorter_than_call(1000)}"
+    state = TaskState("t", TaskStatus.EXPIRED, "sim", 0, 0, error_code="deadline_exceeded", error_message=message)
+    with pytest.raises(TimeoutBelowCall):
+        answer_of(state, 1.0, 1_000)
+    with pytest.raises(DeadlineExceeded) as late:
+        answer_of(state, 1.0, 1_100)
+    assert not isinstance(late.value, TimeoutBelowCall), "1,100 ms is longer than the call"
+    response = openai_error(late.value, 1)
+    assert "x-should-retry" not in response.headers and b"less busy" in response.body, response.body
 
 
 async def test_a_request_of_several_inputs_takes_its_rate_limit_tokens_whole_or_not_at_all() -> None:

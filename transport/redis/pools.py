@@ -158,6 +158,9 @@ def translate(action: str, err: RedisError | RedisClusterException) -> Transport
     return PermanentTransportError(message) if permanent else TransportError(message)
 
 
+WRITE_REFUSALS = ("NOREPLICAS", "MISCONF")
+"""Error codes of a primary that refuses every write for a while (see ``_passes``), besides ``OOM``."""
+
 _TOPOLOGY_ERRORS = (ClusterDownError, TryAgainError, AskError, ReadOnlyError)
 """Error replies of a failover in progress (a Redis Cluster whose shard has lost its primary, a slot
 that moved, a primary turned replica): retried, not permanent."""
@@ -172,9 +175,7 @@ def _passes(err: RedisError | RedisClusterException) -> bool:
     already loaded its script once (a second failover to a fresh primary in between: the next try loads
     it again). Retried, a role waits them out; stopped, it would be restarted into the same refusal,
     each restart a death toward ``--max-deliveries`` for the inputs of the batch it held."""
-    return isinstance(err, (*_TOPOLOGY_ERRORS, NoScriptError)) or str(err).startswith(
-        ("UNBLOCKED", "NOREPLICAS", "MISCONF")
-    )
+    return isinstance(err, (*_TOPOLOGY_ERRORS, NoScriptError)) or str(err).startswith(("UNBLOCKED", *WRITE_REFUSALS))
 
 
 def _retry_once() -> Retry:

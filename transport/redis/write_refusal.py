@@ -25,7 +25,7 @@ from redis.exceptions import ResponseError
 
 from telemetry.metrics import REDIS_FULL, REDIS_REFUSES_WRITES
 from transport.background_loop import BackgroundLoop
-from transport.redis.pools import REDIS_ERRORS, is_out_of_memory
+from transport.redis.pools import REDIS_ERRORS, WRITE_REFUSALS, is_out_of_memory
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +39,13 @@ FULL = (
     "as stored results expire; an operator can raise Redis's maxmemory (batchwire stack up --redis-maxmemory, "
     "BATCHWIRE_REDIS_MAXMEMORY)"
 )
-REFUSED = {
+WHY = {
     "NOREPLICAS": "fewer of its replicas are connected than its min-replicas-to-write (NOREPLICAS); writes resume "
     "once a replica is back",
-    "MISCONF": "it cannot save to disk (MISCONF: stop-writes-on-bgsave-error after a failed snapshot); writes "
-    "resume once a snapshot succeeds (see Redis's log)",
+    "MISCONF": "it cannot write to its disk (MISCONF: a failed snapshot with stop-writes-on-bgsave-error, or a "
+    "failed append-only file write); writes resume once it can (see Redis's log: a full disk?)",
 }
+"""Why Redis refuses writes, by the code of ``pools.WRITE_REFUSALS`` it answers with."""
 
 
 def full_refusal(info: Mapping[str, Any]) -> str | None:
@@ -65,21 +66,17 @@ def full_refusal(info: Mapping[str, Any]) -> str | None:
     )
 
 
-def refused(err: ResponseError) -> str | None:
-    """The refusal a probe's error reply is (None: not a refusal of writes, such as a script error)."""
-    if is_out_of_memory(err):
-        return FULL.format(detail=" (Redis used memory is over its maxmemory, and it evicts nothing)")
-    code = str(err).split(" ", 1)[0]
-    if code not in REFUSED:
-        return None
-    return f"the result store refuses writes: {REFUSED[code]}; nothing was queued: retry after the Retry-After delay"
+def refused(code: str) -> str:
+    """The refusal of a Redis that answers a write with ``code`` (one of ``pools.WRITE_REFUSALS``)."""
+    return f"the result store refuses writes: {WHY[code]}; nothing was queued: retry after the Retry-After delay"
 
 
 class WriteRefusalWatch:
     """Asks every ``interval_s`` whether Redis would take a write, and keeps the last ``refusal``.
 
-    A probe that fails to get an answer leaves no refusal: a Redis that does not answer is the
-    connection checks' to report (``TaskStore.reachable``), not one that refuses writes.
+    A probe that gets no answer leaves no refusal: a Redis that does not answer is the connection
+    checks' to report (``TaskStore.reachable``), not one that refuses writes. A probe that gets another
+    error (a Redis older than 7 cannot read the script's flags) sees no refusal either, and is logged.
     """
 
     def __init__(self, client: Redis | RedisCluster, interval_s: float | None) -> None:
@@ -89,6 +86,9 @@ class WriteRefusalWatch:
         self.interval_s = interval_s
         self._client = client
         self.refusal: str | None = None
+        self._kind: str | None = None
+        """The last answer's kind: ``OOM``, one of ``WRITE_REFUSALS``, ``unasked`` (no answer), another
+        error's text, or None (writes taken); the log says when it changes."""
         self._loop = BackgroundLoop("redis-write-refusal-watch")
 
     async def start(self) -> None:
@@ -102,39 +102,57 @@ class WriteRefusalWatch:
         await self._loop.close()
 
     async def read(self) -> None:
+        reason = ""
         try:
             async with asyncio.timeout(READ_TIMEOUT_S):
-                refusal, full = await self._ask()
-        except (*REDIS_ERRORS, OSError, TimeoutError):
-            refusal, full = None, False
-        was, self.refusal = self.refusal, refusal
+                kind, refusal = await self._ask()
+        except (*REDIS_ERRORS, OSError, TimeoutError) as err:
+            kind, refusal = "unasked", None
+            reason = f"{type(err).__name__}: {err}"
+        refusing = self.refusal is not None
+        self.refusal = refusal
         REDIS_REFUSES_WRITES.set(0 if refusal is None else 1)
-        REDIS_FULL.set(1 if full else 0)
-        if (was is None) != (refusal is None):
-            if refusal is None:
-                log.warning("Redis takes writes again: submits are accepted")
-            elif full:
-                log.warning("Redis is full, submits are refused until it has room: %s", refusal)
-            else:
-                log.warning("Redis refuses writes, submits are refused until it takes them: %s", refusal)
+        REDIS_FULL.set(1 if kind == "OOM" else 0)
+        was, self._kind = self._kind, kind
+        if kind == was:
+            return
+        if kind == "OOM":
+            log.warning("Redis is full, submits are refused until it has room: %s", refusal)
+        elif refusal is not None:
+            log.warning("Redis refuses writes, submits are refused until it takes them: %s", refusal)
+        elif refusing and kind is None:
+            log.warning("Redis takes writes again: submits are accepted")
+        elif refusing:
+            log.warning("could not ask Redis whether it still refuses writes (%s): submits are accepted", reason)
+        elif kind not in (None, "unasked"):
+            log.warning(
+                "Redis answered the write probe with an error, read as no refusal (it needs Redis 7 and EVAL): %s",
+                kind,
+            )
 
-    async def _ask(self) -> tuple[str | None, bool]:
-        """The first primary's refusal (with a full one's memory named), and whether it is for memory."""
+    async def _ask(self) -> tuple[str | None, str | None]:
+        """The first primary's refusal, as its kind and its message (a full one's memory named)."""
         if isinstance(self._client, RedisCluster):
             targets: list[dict[str, Any]] = [{"target_nodes": node} for node in self._client.get_primaries()]
         else:
             targets = [{}]
+        other: str | None = None
         for target in targets:
             try:
                 await self._client.execute_command("EVAL", PROBE, 0, **target)
             except ResponseError as err:
-                if (refusal := refused(err)) is None:
-                    continue
+                code = str(err).split(" ", 1)[0]
+                if code in WRITE_REFUSALS:
+                    return code, refused(code)
                 if not is_out_of_memory(err):
-                    return refusal, False
-                info = await self._client.execute_command("INFO", "memory", **target)
-                return full_refusal(info) or refusal, True
-        return None, False
+                    other = str(err)
+                    continue
+                try:
+                    info = await self._client.execute_command("INFO", "memory", **target)
+                except (*REDIS_ERRORS, OSError):
+                    info = {}
+                return "OOM", full_refusal(info) or FULL.format(detail=" (its used memory is over its maxmemory)")
+        return other, None
 
     async def _read_forever(self, interval_s: float) -> None:
         while True:
