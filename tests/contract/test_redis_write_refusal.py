@@ -4,6 +4,8 @@ and how much memory a full one uses, as ``INFO memory`` shows it."""
 from __future__ import annotations
 
 import shutil
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -60,7 +62,7 @@ async def test_over_a_cluster_one_full_primary_is_a_refusal(redis_cluster: str) 
     watch = WriteRefusalWatch(cluster, interval_s=60.0)
     default = cluster.get_default_node()
     node = next(node for node in cluster.get_primaries() if node.name != default.name)
-    primary = Redis(host=node.host, port=node.port)
+    primary = Redis(host=node.host, port=int(node.port))
     try:
         await watch.read()
         assert watch.refusal is None, "no primary is full"
@@ -75,99 +77,93 @@ async def test_over_a_cluster_one_full_primary_is_a_refusal(redis_cluster: str) 
         await watch_client.close()
 
 
+@dataclass(frozen=True)
+class OwnRedis:
+    """A redis-server of the test's own (its settings change), a client of it, and a watch over that client."""
+
+    server: RedisServer
+    client: Redis
+    watch: WriteRefusalWatch
+
+
+@pytest.fixture
+async def own(tmp_path: Path) -> AsyncIterator[OwnRedis]:
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    client = Redis.from_url(server.url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    try:
+        yield OwnRedis(server, client, WriteRefusalWatch(client, interval_s=60.0))
+    finally:
+        await client.aclose()
+        server.work_dir.mkdir(parents=True, exist_ok=True)  # a test may have removed it
+        server.stop()
+
+
 @pytest.mark.kafka
-async def test_a_full_redis_that_stops_answering_leaves_the_full_gauge_at_0(tmp_path: Path) -> None:
+async def test_a_full_redis_that_stops_answering_leaves_the_full_gauge_at_0(own: OwnRedis) -> None:
     """A read that fails leaves no refusal (the outage is the connection checks' to report): the gauge
     batchwire_redis_full follows, rather than saying "full" for as long as the outage lasts."""
-    server = RedisServer(tmp_path / "redis")
-    server.start()
-    client = Redis.from_url(server.url, socket_timeout=1.0, socket_connect_timeout=1.0)
-    watch = WriteRefusalWatch(client, interval_s=60.0)
-    try:
-        await client.config_set("maxmemory", "1")
-        await watch.read()
-        assert watch.refusal is not None and REGISTRY.get_sample_value("batchwire_redis_full") == 1
-        server.stop()
-        await watch.read()
-        assert watch.refusal is None
-        assert REGISTRY.get_sample_value("batchwire_redis_full") == 0, "the gauge still says full"
-    finally:
-        await client.aclose()
-        server.stop()
+    await own.client.config_set("maxmemory", "1")
+    await own.watch.read()
+    assert own.watch.refusal is not None and REGISTRY.get_sample_value("batchwire_redis_full") == 1
+    own.server.stop()
+    await own.watch.read()
+    assert own.watch.refusal is None
+    assert REGISTRY.get_sample_value("batchwire_redis_full") == 0, "the gauge still says full"
 
 
 @pytest.mark.kafka
-async def test_a_redis_short_of_replicas_is_a_refusal_that_names_it_until_a_write_would_pass(tmp_path: Path) -> None:
+async def test_a_redis_short_of_replicas_is_a_refusal_that_names_it_until_a_write_would_pass(own: OwnRedis) -> None:
     """``min-replicas-to-write`` over the replicas connected: Redis refuses every write (``NOREPLICAS``),
     and says so to the probe, which writes nothing."""
-    server = RedisServer(tmp_path / "redis")
-    server.start()
-    client = Redis.from_url(server.url, socket_timeout=1.0, socket_connect_timeout=1.0)
-    watch = WriteRefusalWatch(client, interval_s=60.0)
-    try:
-        await watch.read()
-        assert watch.refusal is None and REGISTRY.get_sample_value("batchwire_redis_refuses_writes") == 0
-        await client.config_set("min-replicas-to-write", 1)
-        await watch.read()
-        assert watch.refusal is not None and "NOREPLICAS" in watch.refusal, watch.refusal
-        assert "min-replicas-to-write" in watch.refusal and "Retry-After" in watch.refusal, watch.refusal
-        assert REGISTRY.get_sample_value("batchwire_redis_refuses_writes") == 1
-        assert REGISTRY.get_sample_value("batchwire_redis_full") == 0, "short of replicas is not full"
-        assert await client.dbsize() == 0, "the probe wrote nothing"
-        await client.config_set("min-replicas-to-write", 0)
-        await watch.read()
-        assert watch.refusal is None and REGISTRY.get_sample_value("batchwire_redis_refuses_writes") == 0
-    finally:
-        await client.aclose()
-        server.stop()
+    client, watch = own.client, own.watch
+    await watch.read()
+    assert watch.refusal is None and REGISTRY.get_sample_value("batchwire_redis_refuses_writes") == 0
+    await client.config_set("min-replicas-to-write", 1)
+    await watch.read()
+    assert watch.refusal is not None and "NOREPLICAS" in watch.refusal, watch.refusal
+    assert "min-replicas-to-write" in watch.refusal and "Retry-After" in watch.refusal, watch.refusal
+    assert REGISTRY.get_sample_value("batchwire_redis_refuses_writes") == 1
+    assert REGISTRY.get_sample_value("batchwire_redis_full") == 0, "short of replicas is not full"
+    assert await client.dbsize() == 0, "the probe wrote nothing"
+    await client.config_set("min-replicas-to-write", 0)
+    await watch.read()
+    assert watch.refusal is None and REGISTRY.get_sample_value("batchwire_redis_refuses_writes") == 0
 
 
 @pytest.mark.kafka
-async def test_a_redis_that_cannot_save_to_disk_is_a_refusal_that_names_it(tmp_path: Path) -> None:
+async def test_a_redis_that_cannot_save_to_disk_is_a_refusal_that_names_it(own: OwnRedis) -> None:
     """A failed snapshot with ``stop-writes-on-bgsave-error`` (Redis's default) and snapshots on: every
     write is refused (``MISCONF``). The snapshot fails here because the server's folder is gone."""
-    server = RedisServer(tmp_path / "redis")
-    server.start()
-    client = Redis.from_url(server.url, socket_timeout=1.0, socket_connect_timeout=1.0)
-    watch = WriteRefusalWatch(client, interval_s=60.0)
-    try:
-        await client.config_set("save", "3600 1")
-        shutil.rmtree(server.work_dir)
-        await client.bgsave()
+    client, watch = own.client, own.watch
+    await client.config_set("save", "3600 1")
+    shutil.rmtree(own.server.work_dir)
+    await client.bgsave()
+    with redis.Redis.from_url(own.server.url, socket_timeout=1.0) as blocking:
 
-        with redis.Redis.from_url(server.url, socket_timeout=1.0) as blocking:
-            await eventually(
-                lambda: blocking.info("persistence")["rdb_last_bgsave_status"] == "err", "the snapshot to fail"
-            )
-        await watch.read()
-        assert watch.refusal is not None and "MISCONF" in watch.refusal, watch.refusal
-        assert "disk" in watch.refusal and "Retry-After" in watch.refusal, watch.refusal
-        await client.config_set("save", "")  # no snapshots: a failed one no longer stops writes
-        await watch.read()
-        assert watch.refusal is None
-    finally:
-        await client.aclose()
-        server.work_dir.mkdir(parents=True, exist_ok=True)
-        server.stop()
+        def failed() -> bool:
+            return bool(blocking.info("persistence")["rdb_last_bgsave_status"] == "err")
+
+        await eventually(failed, "the snapshot to fail")
+    await watch.read()
+    assert watch.refusal is not None and "MISCONF" in watch.refusal, watch.refusal
+    assert "disk" in watch.refusal and "Retry-After" in watch.refusal, watch.refusal
+    await client.config_set("save", "")  # no snapshots: a failed one no longer stops writes
+    await watch.read()
+    assert watch.refusal is None
 
 
 @pytest.mark.kafka
-async def test_a_full_redis_whose_memory_cannot_be_read_is_still_a_refusal(tmp_path: Path) -> None:
+async def test_a_full_redis_whose_memory_cannot_be_read_is_still_a_refusal(own: OwnRedis) -> None:
     """The probe's ``OOM`` decides; ``INFO memory`` only names the figures, and a client that may not read
     it (an ACL without ``info``) still sees the refusal."""
-    server = RedisServer(tmp_path / "redis")
-    server.start()
-    admin = Redis.from_url(server.url, socket_timeout=1.0)
-    client = Redis(host="127.0.0.1", port=server.port, username="probe", password="pw", socket_timeout=1.0)
-    watch = WriteRefusalWatch(client, interval_s=60.0)
+    limited = Redis(host="127.0.0.1", port=own.server.port, username="probe", password="pw", socket_timeout=1.0)
+    watch = WriteRefusalWatch(limited, interval_s=60.0)
     try:
-        await admin.acl_setuser("probe", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-info"])
-        await admin.config_set("maxmemory", "1")
+        await own.client.acl_setuser("probe", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-info"])
+        await own.client.config_set("maxmemory", "1")
         await watch.read()
         assert watch.refusal is not None and "result store is full" in watch.refusal, watch.refusal
         assert REGISTRY.get_sample_value("batchwire_redis_full") == 1
     finally:
-        await admin.config_set("maxmemory", "0")
-        await client.aclose()
-        await admin.aclose()
-        server.stop()
+        await limited.aclose()
