@@ -416,6 +416,7 @@ async def test_writes_a_primary_refuses_for_want_of_replicas_are_retried_and_go_
     await credits.start()
     try:
         await primary.config_set("min-replicas-to-write", 1)
+        await _until_good_replicas(primary, 1, timeout_s=10)  # a replica still syncing is not counted yet
         assert await store.create(state("before", TaskStatus.QUEUED))
         cluster.kill(cluster.replica_port)
         await _until_no_replica(primary, timeout_s=10)
@@ -445,6 +446,15 @@ async def test_writes_a_primary_refuses_for_want_of_replicas_are_retried_and_go_
         await credits.close()
         await store.close()
         await primary.aclose()
+
+
+async def _until_good_replicas(primary: Redis, count: int, timeout_s: float) -> None:
+    """Waits until ``primary`` counts ``count`` replicas good for ``min-replicas-to-write`` (online, and
+    acknowledged within ``min-replicas-max-lag``): until then it refuses writes."""
+    deadline = time.monotonic() + timeout_s
+    while int((await primary.info("replication")).get("min_slaves_good_slaves", 0)) < count:
+        assert time.monotonic() < deadline, f"the primary counts fewer than {count} good replicas after {timeout_s} s"
+        await asyncio.sleep(0.05)
 
 
 async def _until_no_replica(primary: Redis, timeout_s: float) -> None:
