@@ -234,9 +234,9 @@ def _check_shape(state_dir: Path, shape: Shape) -> None:
     if (recorded is None and not single) or recorded == shape:
         return
     has = "a single stack (one broker, one Redis)" if recorded is None else f"a stack of `{recorded.flags()}`"
-    again = ("" if recorded is None else f" {recorded.flags()}") + state_dir_flag(state_dir)
+    again = StackCommands(state_dir_flag(state_dir), "" if recorded is None else f" {recorded.flags()}")
     raise InfraError(
-        f"{state_dir} holds {has}; nothing was changed. Run `batchwire stack up{again}` for it, or give "
+        f"{state_dir} holds {has}; nothing was changed. Run `{again.up}` for it, or give "
         f"another --state-dir for `{shape.flags()}`"
     )
 
