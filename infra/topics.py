@@ -21,6 +21,10 @@ from aiokafka.errors import (  # type: ignore[import-untyped, unused-ignore]
 from infra.topic_checks import Durability, ExistingTopic, Replication, TopicConfigError, TopicError
 
 _POLL_INTERVAL_S = 0.05
+BOOTSTRAP_TIMEOUT_S = 10.0
+"""How long a role's start waits for a broker's first answer, as Kafka's own clients wait to set up a
+connection (``socket.connection.setup.timeout.ms``): aiokafka waits its whole request timeout, so an
+address that takes connections and never answers would hold the start that long."""
 MIN_ISR = "min.insync.replicas"
 
 
@@ -138,11 +142,13 @@ async def _connected(bootstrap: str) -> AIOKafkaAdminClient:
     broker answers (aiokafka's own error would end the role in a traceback)."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id="batchwire-infra-topics")
     try:
-        await admin.start()
-    except KafkaError as err:
+        async with asyncio.timeout(BOOTSTRAP_TIMEOUT_S):
+            await admin.start()
+    except (KafkaError, TimeoutError) as err:
         await admin.close()
+        reason = f"no answer within {BOOTSTRAP_TIMEOUT_S:.0f} s" if isinstance(err, TimeoutError) else err
         raise TopicError(
-            f"no Kafka broker answered at {bootstrap} ({err}): check --kafka-bootstrap / BATCHWIRE_KAFKA_BOOTSTRAP, "
+            f"no Kafka broker answered at {bootstrap} ({reason}): check --kafka-bootstrap / BATCHWIRE_KAFKA_BOOTSTRAP, "
             "and that the brokers run (`batchwire stack up` starts a local one)"
         ) from err
     return admin

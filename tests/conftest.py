@@ -12,6 +12,7 @@ a test that asks for them there fails, naming the mark it lacks.
 from __future__ import annotations
 
 import json
+import socket
 import statistics
 import uuid
 from collections import defaultdict
@@ -197,3 +198,11 @@ def keyed_url(keyed_kind: str, request: pytest.FixtureRequest) -> str | None:
 def names() -> Names:
     """A fresh namespace: unique topic names and Redis key prefixes for one test."""
     return Names(namespace=f"t{uuid.uuid4().hex[:10]}")
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A loopback port where connections are taken (into the kernel's accept queue) and never answered,
+    as at a host behind a firewall that drops, or at a server that waits for its own protocol."""
+    with socket.create_server(("127.0.0.1", 0), backlog=64) as server:
+        yield server.getsockname()[1]

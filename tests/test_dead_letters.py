@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from aiokafka import AIOKafkaProducer
 from batchwire.operations import ensure_role_topics
 from batchwire.settings import SharedSettings
 from infra.topic_checks import Durability
+from infra.topics import BOOTSTRAP_TIMEOUT_S
 from schemas.deadletter import DeadLetter, DeadLetterItem
 from schemas.wire import Names
 from transport.kafka.dead_letters import KafkaDeadLetterReader
@@ -225,6 +227,20 @@ async def test_without_kafka_it_exits_2_saying_embedded_mode_has_no_topic(tmp_pa
     assert (code, lines) == (2, []), err
     assert "batchwire dead-letters: Kafka is not configured: pass --kafka-bootstrap" in err, err
     assert "Embedded mode (`batchwire up`) has no dead-letter topic" in err, err
+
+
+@pytest.mark.slow  # it waits the bootstrap's whole wait
+async def test_a_bootstrap_that_never_answers_exits_2_once_the_wait_is_over(silent_port: int, tmp_path: Path) -> None:
+    """Not at the Kafka client's request timeout (40 s)."""
+    env = environment(tmp_path, BATCHWIRE_KAFKA_BOOTSTRAP=f"127.0.0.1:{silent_port}")
+    started = time.monotonic()
+
+    code, lines, err = await dead_letters(env)
+
+    assert (code, lines) == (2, []), err
+    assert f"no answer within {BOOTSTRAP_TIMEOUT_S:.0f} s" in err, err
+    assert "check --kafka-bootstrap / BATCHWIRE_KAFKA_BOOTSTRAP" in err, err
+    assert time.monotonic() - started < BOOTSTRAP_TIMEOUT_S + 10
 
 
 async def test_a_reader_that_goes_away_ends_the_command_quietly(infra: Any, names: Names, tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from infra.topics import BOOTSTRAP_TIMEOUT_S
 from tests.support.role_start import assert_stopped_cleanly, run_role, topics_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timeout(90)]
@@ -43,6 +44,24 @@ def test_a_kafka_bootstrap_where_no_broker_answers(role: str, tmp_path: Path, in
         elapsed_s,
         f"no Kafka broker answered at {NOWHERE}",
         "check --kafka-bootstrap / BATCHWIRE_KAFKA_BOOTSTRAP",
+    )
+
+
+def test_a_kafka_bootstrap_that_takes_connections_and_never_answers(
+    tmp_path: Path, infra: Any, silent_port: int
+) -> None:
+    """The role stops once the bootstrap's wait is over, not at the Kafka client's request timeout (40 s)."""
+    bootstrap = f"127.0.0.1:{silent_port}"
+    code, output, elapsed_s = run_role(
+        "batcher", infra.redis_url, bootstrap, f"u{uuid.uuid4().hex[:8]}", tmp_path, exit_timeout_s=60
+    )
+    assert_stopped_cleanly(
+        code,
+        output,
+        elapsed_s,
+        f"no Kafka broker answered at {bootstrap} (no answer within {BOOTSTRAP_TIMEOUT_S:.0f} s)",
+        "check --kafka-bootstrap / BATCHWIRE_KAFKA_BOOTSTRAP",
+        within_s=BOOTSTRAP_TIMEOUT_S + 10,
     )
 
 

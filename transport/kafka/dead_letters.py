@@ -6,6 +6,7 @@ A module of its own so that no role imports it: the roles consume the request an
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncGenerator
 
@@ -13,6 +14,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
+from infra.topics import BOOTSTRAP_TIMEOUT_S
 from schemas.deadletter import DeadLetter, decode_dead_letter
 from schemas.wire import Names
 from transport.errors import PermanentTransportError
@@ -70,7 +72,13 @@ class KafkaDeadLetterReader:
     async def _partitions(self) -> list[TopicPartition]:
         admin = AIOKafkaAdminClient(bootstrap_servers=self._bootstrap, client_id=self._client_id)
         try:
-            await admin.start()
+            try:
+                async with asyncio.timeout(BOOTSTRAP_TIMEOUT_S):
+                    await admin.start()
+            except TimeoutError as err:
+                raise TransportError(
+                    f"looking up {self.topic} at {self._bootstrap} failed: no answer within {BOOTSTRAP_TIMEOUT_S:.0f} s"
+                ) from err
             # Listed first: a broker that auto-creates topics creates one that a metadata request names.
             if self.topic not in await admin.list_topics():
                 raise NoDeadLetterTopic(f"there is no topic {self.topic} at {self._bootstrap}")
