@@ -4,6 +4,7 @@ one reply message per write, surviving a PubSub drop."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Collection, Iterator
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 from redis.asyncio import Redis
 
 from infra.redis_server import RedisServer
-from schemas.codec import decode_state
+from schemas.codec import decode_state, encode_state
 from schemas.records import TaskState, TaskStatus
 from schemas.wire import Names
 from tests.support.eventually import eventually
@@ -90,6 +91,23 @@ async def test_one_write_ending_many_tasks_sends_each_gateway_one_reply_message(
         messages.append(message)
     assert len(messages) == 1, f"one message for g1's three tasks, got {len(messages)}"
     await listener.aclose()
+
+
+async def test_an_undecodable_frame_leaves_the_other_replies_of_its_message_delivered(
+    store: RedisTaskStore, raw: Redis, names: Names, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One frame another version wrote, or a damaged one: the message's other ends reach their callers
+    now, not at the lost-reply sweep; the bad one is counted and logged."""
+    got: list[TaskState] = []
+    await store.listen_replies("g1", got.append)
+    good = [state(f"t{i}", TaskStatus.COMPLETED, output=f"o{i}", reply_to="g1") for i in range(2)]
+    frames = [encode_state(good[0]), b"\x00\xffnot a state", encode_state(good[1])]
+    message = b"".join(len(doc).to_bytes(4, "big") + doc for doc in frames)
+    with caplog.at_level(logging.WARNING, logger="transport.redis.feed"):
+        assert await raw.publish(names.reply_channel("g1"), message) == 1
+        await eventually(lambda: len(got) == 2, "the message's two good replies")
+    assert [s.output for s in got] == ["o0", "o1"]
+    assert [r.getMessage() for r in caplog.records if "undecodable" in r.getMessage()], caplog.text
 
 
 async def test_a_large_apply_is_one_call(store: RedisTaskStore) -> None:

@@ -125,18 +125,28 @@ class ChangeFeed:
 
     def _on_message(self, channel: str, data: bytes) -> None:
         handler = self._replies.get(channel)
-        try:
-            states = [decode_state(doc) for doc in reply_frames(data)] if handler is not None else [decode_state(data)]
-        except (CodecError, ValueError) as err:
-            self._undecodable += 1
-            if self._undecodable % 100 == 1:
-                log.warning("%d undecodable task event(s); latest on %s: %s", self._undecodable, channel, err)
-            return
         if handler is None:
+            try:
+                state = decode_state(data)
+            except CodecError as err:
+                self._count_undecodable(channel, err)
+                return
             for queue in self._watchers.get(channel, ()):
-                queue.put_nowait(states[0])
+                queue.put_nowait(state)
             return
-        for state in states:
+        try:
+            docs = reply_frames(data)
+        except ValueError as err:
+            self._count_undecodable(channel, err)
+            return
+        # Each frame on its own: one that another version wrote, or a damaged one, leaves its
+        # message's other ends to reach their callers now rather than at the lost-reply sweep.
+        for doc in docs:
+            try:
+                state = decode_state(doc)
+            except CodecError as err:
+                self._count_undecodable(channel, err)
+                continue
             if not state.status.terminal:
                 continue
             try:
@@ -145,6 +155,11 @@ class ChangeFeed:
                 log.exception(
                     "reply handler failed for task %s on %s", state.task_id, channel, extra=ids(task_id=state.task_id)
                 )
+
+    def _count_undecodable(self, channel: str, err: Exception) -> None:
+        self._undecodable += 1
+        if self._undecodable % 100 == 1:
+            log.warning("%d undecodable task event(s); latest on %s: %s", self._undecodable, channel, err)
 
     async def _on_resubscribed(self, channels: frozenset[str]) -> None:
         """States published while PubSub was down are lost: re-read the watched ones and hand them on.
