@@ -118,9 +118,14 @@ class Node:
     server: DetachedServer
 
 
+def stack_commands(state_dir: Path, shape: Shape) -> StackCommands:
+    """The commands that act on the stack of this shape under `state_dir`, for the advice a message gives."""
+    return StackCommands(state_dir_flag(state_dir), f" {shape.flags()}")
+
+
 def nodes(state_dir: Path, shape: Shape) -> list[Node]:
     """Every server of the stack, Kafka nodes first, then Redis (node 1 the first primary), Sentinels."""
-    commands = StackCommands(state_dir_flag(state_dir), f" {shape.flags()}")
+    commands = stack_commands(state_dir, shape)
 
     def make(kind: str, node_id: int, config_name: str, marks: tuple[str, ...]) -> Node:
         work_dir = state_dir / f"{kind}-{node_id}"

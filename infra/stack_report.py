@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TextIO
 
 from infra.aio import run_blocking
-from infra.cluster_stack import cluster_env, live_pid, nodes, read_shape
+from infra.cluster_stack import cluster_env, live_pid, nodes, read_shape, stack_commands
 from infra.detached import StackCommands
 from infra.kafka_cluster import partition_leaders
 from infra.redis_sentinel import redis_role, sentinel_primary
@@ -39,12 +39,10 @@ class ServerReport:
 
 @dataclass(frozen=True)
 class StackReport:
-    """Every server, the `BATCHWIRE_*` addresses, the Redis primary's port, and the commands that act on this
-    stack (the text form's advice names them; the JSON gives no advice)."""
+    """Every server, the `BATCHWIRE_*` addresses and the Redis primary's port: what the JSON form holds."""
 
     state_dir: str
     env: dict[str, str]
-    commands: StackCommands
     servers: list[ServerReport] = field(default_factory=list)
     redis_primary_port: int | None = None
 
@@ -80,23 +78,25 @@ def stack_report(state_dir: Path) -> StackReport:
     primary = sentinel_primary(live_sentinels) if shape.sentinels else None
     if primary is None:
         primary = next((s.port for s in servers if s.kind == "redis" and s.role == "primary"), None)
-    return StackReport(str(state_dir), env, all_nodes[0].server.commands, servers, primary)
+    return StackReport(str(state_dir), env, servers, primary)
 
 
 def cmd_status_report(state_dir: Path, *, as_json: bool, out: TextIO = sys.stdout) -> int:
-    """`batchwire stack status`: text (the single stack's as before) or JSON; 0 when all is well."""
-    if not as_json and read_shape(state_dir.resolve()) is None:
+    """`batchwire stack status`: text (the single stack's as before) or JSON; 0 when all is well. Only the
+    text form gives advice, so only it names the commands that act on the stack."""
+    if as_json:
+        report = stack_report(state_dir)
+        print(json.dumps({**asdict(report), "healthy": report.healthy}, indent=2, sort_keys=True), file=out)
+        return 0 if report.healthy else 1
+    shape = read_shape(state_dir.resolve())
+    if shape is None:
         return cmd_status(state_dir, out=out)
     report = stack_report(state_dir)
-    if as_json:
-        document = {**asdict(report), "healthy": report.healthy}
-        del document["commands"]
-        print(json.dumps(document, indent=2, sort_keys=True), file=out)
-        return 0 if report.healthy else 1
+    commands = stack_commands(state_dir.resolve(), shape)
     for key, value in report.env.items():
         print(f"{key}={value}", file=out)
     for server in report.servers:
-        print(f"# {server.kind}-{server.node_id}: {_describe(server, report)}", file=out)
+        print(f"# {server.kind}-{server.node_id}: {_describe(server, report, commands)}", file=out)
     return 0 if report.healthy else 1
 
 
@@ -112,7 +112,7 @@ def _single_report(state_dir: Path) -> StackReport:
         ServerReport("redis", 1, status.redis.pid, redis_port, status.redis.alive, role=role),
     ]
     primary = redis_port if role == "primary" else None
-    return StackReport(str(state_dir), status.env, status.kafka.commands, servers, primary)
+    return StackReport(str(state_dir), status.env, servers, primary)
 
 
 def _leaders(bootstrap: str, any_alive: bool) -> dict[int, dict[str, list[int]]]:
@@ -121,9 +121,9 @@ def _leaders(bootstrap: str, any_alive: bool) -> dict[int, dict[str, list[int]]]
     return run_blocking(lambda: partition_leaders(bootstrap, timeout_s=_STATUS_TIMEOUT_S))
 
 
-def _describe(server: ServerReport, report: StackReport) -> str:
+def _describe(server: ServerReport, report: StackReport, commands: StackCommands) -> str:
     if not server.alive:
-        return not_running(server.port, report.commands)
+        return not_running(server.port, commands)
     where = f"pid {server.pid}, port {server.port}"
     if server.kind == "kafka":
         led = sum(len(parts) for parts in (server.leads or {}).values())
