@@ -12,11 +12,12 @@ import pytest
 import redis
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import OutOfMemoryError
 
 from infra.redis_server import RedisServer
 from telemetry.metrics import REGISTRY
 from tests.support.eventually import eventually
-from transport.redis.pools import KeyedClient, PoolOptions
+from transport.redis.pools import FULL_ADVICE, KeyedClient, PoolOptions, translate
 from transport.redis.write_refusal import WriteRefusalWatch, full_refusal
 
 MIB = 1024 * 1024
@@ -36,6 +37,15 @@ def test_over_maxmemory_without_eviction_is_a_refusal_that_says_what_to_change()
     assert message is not None
     assert "result store is full" in message and "70.0 MiB" in message and "64.0 MiB" in message
     assert "--redis-maxmemory" in message and "Retry-After" in message
+
+
+def test_a_refused_submit_and_a_failed_write_give_one_advice_on_a_full_redis() -> None:
+    refusal = full_refusal(info(70 * MIB, 64 * MIB))
+    failed_write = str(
+        translate("storing results", OutOfMemoryError("command not allowed when used memory > 'maxmemory'."))
+    )
+    assert refusal is not None and FULL_ADVICE in refusal, f"expected {FULL_ADVICE!r} in the refusal: {refusal}"
+    assert FULL_ADVICE in failed_write, f"expected {FULL_ADVICE!r} in the failed write's message: {failed_write}"
 
 
 @pytest.mark.parametrize(

@@ -143,6 +143,14 @@ REDIS_ERRORS = (RedisError, RedisClusterException)
 ``RedisError``s (a slot no primary serves mid-failover, a slot map no node could give)."""
 
 
+FULL_ADVICE = (
+    "room comes back as stored results expire, and an operator can raise Redis's maxmemory "
+    "(batchwire stack up --redis-maxmemory, BATCHWIRE_REDIS_MAXMEMORY)"
+)
+"""What to do about a full Redis: the one advice of every message that says so (a write that failed here,
+the write-refusal watch's refusal of a submit)."""
+
+
 def translate(action: str, err: RedisError | RedisClusterException) -> TransportError:
     """``ResponseError`` (a script or type error) will repeat; connection trouble may not, nor the
     refusals that pass (``_passes``: a failover in progress, say), and neither does a full store
@@ -150,8 +158,7 @@ def translate(action: str, err: RedisError | RedisClusterException) -> Transport
     if is_out_of_memory(err):
         return StoreFullError(
             f"{action} failed: the result store is full (Redis used memory is over its maxmemory, and "
-            "it evicts nothing); writes work again as stored results expire, or raise Redis's maxmemory "
-            f"(batchwire stack up --redis-maxmemory, BATCHWIRE_REDIS_MAXMEMORY): {err}"
+            f"it evicts nothing); {FULL_ADVICE}: {err}"
         )
     message = f"{action} failed: {type(err).__name__}: {err}"
     permanent = isinstance(err, ResponseError) and not _passes(err)

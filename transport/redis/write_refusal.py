@@ -25,7 +25,7 @@ from redis.exceptions import ResponseError
 
 from telemetry.metrics import REDIS_FULL, REDIS_REFUSES_WRITES
 from transport.background_loop import BackgroundLoop
-from transport.redis.pools import REDIS_ERRORS, WRITE_REFUSALS, is_out_of_memory
+from transport.redis.pools import FULL_ADVICE, REDIS_ERRORS, WRITE_REFUSALS, is_out_of_memory
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +34,6 @@ READ_TIMEOUT_S = 1.0
 PROBE = "#!lua\nreturn 1"
 """Runs only where a write would: Redis checks a script without the ``no-writes`` flag before it runs."""
 
-FULL = (
-    "the result store is full{detail}; nothing was queued: retry after the Retry-After delay. Room comes back "
-    "as stored results expire; an operator can raise Redis's maxmemory (batchwire stack up --redis-maxmemory, "
-    "BATCHWIRE_REDIS_MAXMEMORY)"
-)
 WHY = {
     "NOREPLICAS": "fewer of its replicas are connected than its min-replicas-to-write (NOREPLICAS); writes resume "
     "once a replica is back",
@@ -61,9 +56,12 @@ def full_refusal(info: Mapping[str, Any]) -> str | None:
     used = int(info.get("used_memory", 0)) - int(info.get("mem_not_counted_for_evict", 0))
     if used <= limit:
         return None
-    return FULL.format(
-        detail=f" (Redis uses {used / MIB:.1f} MiB, over its maxmemory of {limit / MIB:.1f} MiB, and evicts nothing)"
-    )
+    return _full(f"Redis uses {used / MIB:.1f} MiB, over its maxmemory of {limit / MIB:.1f} MiB, and evicts nothing")
+
+
+def _full(detail: str) -> str:
+    """The refusal of a full Redis, `detail` saying how full."""
+    return f"the result store is full ({detail}); nothing was queued: retry after the Retry-After delay; {FULL_ADVICE}"
 
 
 def refused(code: str) -> str:
@@ -151,7 +149,7 @@ class WriteRefusalWatch:
                     info = await self._client.execute_command("INFO", "memory", **target)
                 except (*REDIS_ERRORS, OSError):
                     info = {}
-                return "OOM", full_refusal(info) or FULL.format(detail=" (its used memory is over its maxmemory)")
+                return "OOM", full_refusal(info) or _full("its used memory is over its maxmemory")
         return other, None
 
     async def _read_forever(self, interval_s: float) -> None:
