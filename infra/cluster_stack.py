@@ -201,7 +201,7 @@ def cluster_up(
             f"brokers={shape.brokers}\nredis_replicas={shape.redis_replicas}\nredis_cluster={shape.redis_cluster}\n",
         )
         if shape.redis_cluster:
-            actions = _up_redis_cluster(all_nodes, running, redis_maxmemory, deadline)
+            actions = _up_redis_cluster(state_dir, all_nodes, running, redis_maxmemory, deadline)
         else:
             actions = _up_redis_nodes(all_nodes, running, redis_maxmemory, deadline)
         actions += _up_kafka_nodes(state_dir, kafka_nodes, running, runtime, fresh_kafka, deadline)
@@ -297,7 +297,7 @@ def _up_redis_nodes(
 
 
 def _up_redis_cluster(
-    all_nodes: list[Node], running: dict[str, ServiceProcess | None], maxmemory: str, deadline: float
+    state_dir: Path, all_nodes: list[Node], running: dict[str, ServiceProcess | None], maxmemory: str, deadline: float
 ) -> list[str]:
     """Starts every dead node of the Redis Cluster on its recorded port over its data (its
     `nodes.conf` keeps its place in the cluster: a killed primary comes back as its replacement's
@@ -308,8 +308,8 @@ def _up_redis_cluster(
     if not fresh and not all(recorded.values()):
         commands = redis_nodes[0].server.commands
         raise InfraError(
-            f"some Redis Cluster nodes have no recorded ports; run `{commands.down}`, delete the state dir "
-            f"and run `{commands.up}` again for a new cluster"
+            f"some Redis Cluster nodes under {state_dir} have no recorded ports; run `{commands.down}`, delete "
+            f"{shlex.quote(str(state_dir))} and run `{commands.up}` for a new cluster"
         )
     port_of = {name: ports[0] if ports else free_port_pair(CLUSTER_BUS_OFFSET) for name, ports in recorded.items()}
     actions = []

@@ -24,6 +24,7 @@ from infra.redis_server import CONFIG_NAME
 from infra.stack import stack_up
 
 HA = Shape(brokers=3, redis_replicas=1)
+REDIS_CLUSTER = Shape(brokers=3, redis_replicas=0, redis_cluster=3)
 
 
 @pytest.fixture
@@ -152,6 +153,19 @@ def test_kafka_nodes_partly_recorded_name_the_state_dir_to_delete_quoted(state_d
 
     with pytest.raises(InfraError) as refused:
         up_any(state_dir, HA, redis_maxmemory="64mb")
+
+    message = str(refused.value)
+    delete = f"delete {shlex.quote(str(state_dir.resolve()))} and run {up} for a new cluster"
+    assert f"have no recorded ports; run {down}, {delete}" in message, message
+
+
+def test_redis_cluster_nodes_partly_recorded_name_the_state_dir_to_delete_quoted(state_dir: Path) -> None:
+    """Refused before any server starts: one Redis Cluster node of six has its port recorded."""
+    _record_redis_port(state_dir / "redis-1", free_port())
+    up, down = _commands(state_dir, REDIS_CLUSTER)
+
+    with pytest.raises(InfraError) as refused:
+        up_any(state_dir, REDIS_CLUSTER, redis_maxmemory="64mb")
 
     message = str(refused.value)
     delete = f"delete {shlex.quote(str(state_dir.resolve()))} and run {up} for a new cluster"
