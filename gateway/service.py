@@ -98,8 +98,10 @@ class Gateway:
             log.warning("rate limits are set but this gateway got no rate limiter: they are not applied")
         self._replies = Replies(store, self._clock, first_check_s=settings.reply_recheck_s, name=settings.gateway_id)
         self._publisher = TaskPublisher(producer, store, self._clock, write_timeout_s=settings.ready_timeout_s)
-        self._keys = KeyedReplay(store, self._clock, recheck_s=settings.reply_recheck_s, name=settings.gateway_id)
         self._reads = TaskReads(settings, store, self._clock)
+        self._keys = KeyedReplay(
+            store, self._clock, self._reads, recheck_s=settings.reply_recheck_s, name=settings.gateway_id
+        )
         self._shared = SharedAnswers(
             settings, store, self._publisher, self._replies, self._clock, cache, computed=self._admission.answered
         )

@@ -47,7 +47,7 @@ PAST_DEADLINE = (
 
 class TaskReads:
     """The read side of the gateway over the task store, with its count of open watches; its one write
-    ends a task it reads late (``_ended_if_late``)."""
+    ends a task it reads late (``_ended_if_late``), whoever reads it: a poll, a watch, a keyed retry."""
 
     def __init__(self, settings: GatewaySettings, store: TaskStore, clock: Clock) -> None:
         self.settings = settings
@@ -92,7 +92,7 @@ class TaskReads:
                     if state.status.terminal:
                         return state
             # The wait ran out: read once more, in case a change message was lost on the way.
-            return await self._read(task_id) or state
+            return await self.read(task_id) or state
         except TRANSPORT_ERRORS as err:
             raise Unavailable(f"the task store is unavailable: {err}") from err
 
@@ -178,8 +178,9 @@ class TaskReads:
             raise not_found(task_id)  # another key's task looks exactly like a missing one
         return state
 
-    async def _read(self, task_id: str) -> TaskState | None:
-        """The stored state, ended if late (``_ended_if_late``); for a task whose owner was checked."""
+    async def read(self, task_id: str) -> TaskState | None:
+        """The stored state, ended if late (``_ended_if_late``); for a task whose owner was checked, or that
+        the caller's Idempotency-Key names (``gateway.keys.replay``: a retry reads it as a poll would)."""
         state = await self._store.get(task_id)
         return None if state is None else await self._ended_if_late(state)
 
@@ -187,21 +188,21 @@ class TaskReads:
         self, changes: AsyncIterator[TaskState], state: TaskState, until: float
     ) -> AsyncGenerator[TaskState, None]:
         """``follow`` with a read at the task's deadline, which ends it if it still waits."""
-        return follow(self._reread, changes, state, until, self.settings.stream_recheck_s, self._late_in_s)
+        return follow(self._reread, changes, state, until, self.settings.stream_recheck_s, self.late_in_s)
 
     async def _reread(self, task_id: str) -> TaskState | None:
         """A follow's re-read, a backstop for a lost change message: one that fails (a slow read, a
         store blip) reads as no change, and the wait goes on (its subscription re-reads the task when
         it reconnects, and the next re-read tries again)."""
         try:
-            return await self._read(task_id)
+            return await self.read(task_id)
         except TRANSPORT_ERRORS as err:
             log.debug(
                 "re-reading task %s failed; the next re-read tries again: %s", task_id, err, extra=ids(task_id=task_id)
             )
             return None
 
-    def _late_in_s(self, state: TaskState) -> float | None:
+    def late_in_s(self, state: TaskState) -> float | None:
         """Seconds until ``state`` is late: still waiting ``reply_recheck_s`` past its deadline, time for
         the batcher or worker that holds it to end it, as they do at the deadline, so that a crowd of
         watchers of tasks ending together costs the store nothing more. None when it has no deadline
@@ -212,11 +213,11 @@ class TaskReads:
 
     async def _ended_if_late(self, state: TaskState) -> TaskState:
         """``state``, or the task ended ``expired`` when it still waits (queued, batched) late
-        (``_late_in_s``). The batcher that would end it may be down (a worker drops such an item unrun), and
+        (``late_in_s``). The batcher that would end it may be down (a worker drops such an item unrun), and
         its caller learns the end now, not when a batcher comes back. The store decides atomically:
         a worker's ``running`` that got there first stays, and once ended the task never runs. The end
         is a read's extra: a store that refuses it (full, failing) leaves the read its state."""
-        late_in_s = self._late_in_s(state)
+        late_in_s = self.late_in_s(state)
         if late_in_s is None or late_in_s > 0:
             return state
         try:

@@ -7,6 +7,10 @@ task was lost (its request never reached the bus and the store was down when the
 unbind it, or that gateway died in between) names a new task from then on, instead of answering
 every retry 504 until the key expires. A key bound to a task that is not stored at all is one whose
 submit ended before it stored the task: a retry sends that task again (``Gateway._submit_keyed``).
+
+A retry reads the bound task as a poll does (``TaskReads.read``): one still waiting late past its
+deadline is ended ``expired`` by that read, so the retry starts a new task rather than replaying a
+``queued`` that the next poll of it would end.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from contextlib import aclosing, suppress
 from dataclasses import dataclass, replace
 
 from gateway.answers.changes import follow
+from gateway.answers.reads import TaskReads
 from gateway.background import Background
 from gateway.clock import Clock
 from gateway.errors import TRANSPORT_ERRORS, DeadlineExceeded, IdempotencyKeyReused, Unavailable
@@ -53,9 +58,11 @@ class Bound:
 class KeyedReplay:
     """Binds each Idempotency-Key to one task in the task store, and finds a retry the task its key names."""
 
-    def __init__(self, store: TaskStore, clock: Clock, *, recheck_s: float, name: str) -> None:
+    def __init__(self, store: TaskStore, clock: Clock, reads: TaskReads, *, recheck_s: float, name: str) -> None:
+        """``reads``: how a retry reads the bound task (ended if late, as a poll reads it)."""
         self._store = store
         self._clock = clock
+        self._reads = reads
         self._recheck_s = recheck_s
         self._settling = Background(f"{name}-key-settler")
 
@@ -78,7 +85,7 @@ class KeyedReplay:
         try:
             claim = await self._store.claim_key(scope, key, task_id, fingerprint, deadline_ms)
             if claim.task_id != task_id and claim.fingerprint == fingerprint:
-                earlier = await self._store.get(claim.task_id)  # None: its submit has not stored it
+                earlier = await self._reads.read(claim.task_id)  # None: its submit has not stored it
                 if self._replaced(claim, earlier):
                     replaced = claim.task_id
                     claim = await self._store.rebind_key(scope, key, replaced, task_id, fingerprint, deadline_ms)
@@ -175,7 +182,9 @@ class KeyedReplay:
             async with self._store.watch(task_id) as changes:
                 state = await self._first_stored(task_id, changes, until)
                 if state is not None and not state.status.terminal:
-                    async with aclosing(follow(self._store.get, changes, state, until, self._recheck_s)) as later:
+                    reads = self._reads
+                    later_states = follow(reads.read, changes, state, until, self._recheck_s, reads.late_in_s)
+                    async with aclosing(later_states) as later:
                         async for change in later:
                             state = change
         except TRANSPORT_ERRORS as err:

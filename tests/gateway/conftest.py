@@ -26,7 +26,7 @@ async def make_rig() -> AsyncIterator[RigFactory]:
     measures the rig's own bus; ``bus`` lets several gateways share one bus; ``cache`` is the
     gateway's result cache; ``fleet`` is where ``/v1/fleet`` reads heartbeats; ``streams_end`` is the
     server's shutdown signal to its waits; ``count_tokens`` is the token budget's counter (with
-    ``max_batch_tokens``).
+    ``max_batch_tokens``); ``clock`` is the gateway's (wall time a test moves forward).
     """
     stack: list[Rig] = []
     contexts: list[Any] = []
@@ -42,6 +42,7 @@ async def make_rig() -> AsyncIterator[RigFactory]:
         fleet: Any = None,
         streams_end: StreamsEnd | None = None,
         count_tokens: Any = None,
+        clock: Any = None,
         **overrides: Any,
     ) -> Rig:
         settings = GatewaySettings(**{"models": MODELS, "default_model": "sim", **overrides})
@@ -53,6 +54,7 @@ async def make_rig() -> AsyncIterator[RigFactory]:
             settings,
             producer or bus.producer(),
             store,
+            clock,
             queue_depth=queue_depth,
             limiter=limiter,
             cache=cache,

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from gateway.answers.reads import TaskReads
 from gateway.clock import SystemClock
 from gateway.errors import Unavailable
 from gateway.keys import idempotency
@@ -238,6 +239,56 @@ async def test_a_retry_of_a_cancelled_task_starts_a_new_task(
     await rig.worker()
     sync = await rig.client.post("/v1/inference", json={"input": "undo"}, headers=_key("k-can"))
     assert (sync.status_code, sync.json()["task_id"], sync.json()["output"]) == (200, retry.json()["task_id"], "odnu")
+
+
+async def test_an_asynchronous_retry_of_a_task_still_queued_past_its_deadline_gets_a_new_task(
+    make_rig: RigFactory, key_store: RedisTaskStore | None
+) -> None:
+    """No batcher is up, so the first task still reads `queued` past its deadline, and a read of it then
+    ends it `expired` (``TaskReads``). The retry's 202 reads it the same way: it names a new task, as
+    after any end without a computation, not the old one as `queued`, one read from `expired`."""
+    clock = _WallAhead()
+    rig = await make_rig(store=key_store, clock=clock)
+    body = {"input": "late", "timeout_ms": 1_000}
+    first = await rig.client.post("/v1/tasks", json=body, headers=_key("k-late"))
+    first_id = first.json()["task_id"]
+    late_ms = 1_000 + int(rig.settings.reply_recheck_s * 1_000) + 100
+    assert late_ms < 1_000 + STALE_AFTER_MS, "late for a read, but the binding is not stale yet"
+    clock.ahead_ms += late_ms
+
+    retry = await rig.client.post("/v1/tasks", json=body, headers=_key("k-late"))
+
+    assert retry.status_code == 202, retry.text
+    answered = (retry.json()["task_id"] == first_id, retry.json()["status"], retry.headers.get("idempotent-replayed"))
+    assert answered == (False, "queued", None), f"expected a new queued task, not a replay: {retry.json()}"
+    read = await rig.client.get(f"/v1/result/{first_id}")
+    assert (read.json()["status"], read.json()["error"]["code"]) == ("expired", "deadline_exceeded"), read.text
+    again = await rig.client.post("/v1/tasks", json=body, headers=_key("k-late"))
+    assert (again.json()["task_id"], again.headers.get("idempotent-replayed")) == (retry.json()["task_id"], "true")
+    assert rig.produced() == 2, "the first request and the retry's"
+
+
+async def test_a_synchronous_retry_waiting_on_a_task_that_turns_late_starts_its_own(make_rig: RigFactory) -> None:
+    """No batcher takes the first task. Once it is late for a read, the waiting retry's re-read ends it
+    `expired` as a poll's would, and the retry starts its own task, instead of waiting until the binding
+    is stale (``STALE_AFTER_MS`` past the first task's deadline, 20 s away here)."""
+    clock = _WallAhead()
+    rig = await make_rig(clock=clock)
+    first = await rig.client.post("/v1/tasks", json={"input": "unbatched", "timeout_ms": 20_000}, headers=_key("k-w"))
+    first_id = first.json()["task_id"]
+    retry = asyncio.create_task(
+        rig.client.post("/v1/inference", json={"input": "unbatched", "timeout_ms": 30_000}, headers=_key("k-w"))
+    )
+    await eventually(lambda: first_id in rig.store._watchers, "the retry to wait for the first task")
+    clock.ahead_ms += 20_000 + int(rig.settings.reply_recheck_s * 1_000) + 100
+
+    await eventually(lambda: rig.produced() == 2, "the retry to send its own task once the first reads late")
+    ended = await rig.store.get(first_id)
+    assert ended is not None and ended.status is TaskStatus.EXPIRED, f"the first task ends as a poll ends it: {ended}"
+    await rig.worker()
+    answer = await asyncio.wait_for(retry, 10)
+    assert (answer.status_code, answer.json().get("output")) == (200, "dehctabnu"), answer.text
+    assert answer.json()["task_id"] != first_id
 
 
 async def test_a_task_refused_by_the_bus_starts_anew_but_one_failed_in_the_model_replays(
@@ -528,8 +579,9 @@ async def test_a_key_whose_task_could_not_be_sent_or_released_is_freed_once_the_
 async def test_a_key_that_cannot_be_released_as_the_gateway_closes_is_left_to_go_stale() -> None:
     """A submit whose request never reached the bus, ending after the gateway closed, with the store
     down: nothing is left to end its task later, and its caller gets its own error, not a 500."""
-    store = _StoreDownForKeys()
-    keys = KeyedReplay(store, SystemClock(), recheck_s=1.0, name="gw")
+    store, clock = _StoreDownForKeys(), SystemClock()
+    reads = TaskReads(GatewaySettings(models=MODELS, default_model="sim"), store, clock)
+    keys = KeyedReplay(store, clock, reads, recheck_s=1.0, name="gw")
     await keys.start()
     await keys.close()
     store.down = True
