@@ -91,7 +91,8 @@ class GatewaySettings:
     """A long-poll or event stream with no change for this long re-reads the task from the store (a
     change message can be lost in a PubSub reconnect)."""
     ready_timeout_s: float = 2.0
-    """How long ``/readyz`` waits for each readiness check before counting it as down."""
+    """How long ``/readyz`` and ``/metrics`` (its ``batchwire_ready``) wait for each readiness check before
+    counting it as down."""
     max_queue_depth: int = 20_000
     """Requests of one model accepted and not yet handed to a worker (its request partitions' lag);
     beyond it that model's submits get 503 + Retry-After and nothing is queued. 0 turns the check off."""

@@ -7,7 +7,7 @@ the separate roles each serve their own.
 from __future__ import annotations
 
 from collections import Counter as Tally
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -77,6 +77,13 @@ REDIS_REFUSES_WRITES = Gauge(
     "batchwire_redis_refuses_writes",
     "1 while Redis refuses writes (full, NOREPLICAS or MISCONF), as this gateway last asked it: every submit is "
     "refused 503 unavailable.",
+    registry=REGISTRY,
+)
+READY = Gauge(
+    "batchwire_ready",
+    "1 for each readiness check that passes, 0 for each that does not: the checks /readyz names, as the "
+    "gateway's latest /metrics or /readyz ran them (with every series 1, /readyz answers 200).",
+    ["check"],
     registry=REGISTRY,
 )
 WATCHERS = Gauge(
@@ -258,3 +265,13 @@ def count_ended(written: Iterable[TaskState]) -> None:
     ended = Tally((state.model, state.status.value) for state in written if state.status.terminal)
     for (model, status), count in ended.items():  # one labels() lookup per model and status, not per task
         TASKS_ENDED.labels(model=model, status=status).inc(count)
+
+
+def show_readiness(checks: Mapping[str, bool]) -> None:
+    """Sets ``batchwire_ready`` to ``checks``: one series per check, and none for a check not made this time
+    (``models`` is named only while no model can be admitted), so that no stale 1 or 0 outlives its check."""
+    (family,) = READY.collect()
+    for stale in {sample.labels["check"] for sample in family.samples} - checks.keys():
+        READY.remove(stale)
+    for check, passes in checks.items():
+        READY.labels(check=check).set(1 if passes else 0)

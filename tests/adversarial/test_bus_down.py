@@ -17,6 +17,7 @@ import pytest
 from infra.local_stack import LocalStack
 from tests.support.adversarial_rig import Service
 from tests.support.eventually import eventually_sync
+from tests.support.metrics import ready_series
 from tests.support.processes import launch, stopped_after
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka, pytest.mark.timing]
@@ -47,6 +48,15 @@ def readiness(client: httpx.Client) -> tuple[int, dict[str, bool]]:
     except httpx.HTTPError:
         return 0, {}
     return response.status_code, response.json().get("checks", {})
+
+
+def ready_gauge(client: httpx.Client) -> dict[str, float]:
+    """``batchwire_ready`` by check, as a Prometheus scrape of ``/metrics`` reads it now."""
+    try:
+        response = client.get("/metrics", timeout=5)
+    except httpx.HTTPError:
+        return {}
+    return ready_series(response.text) if response.status_code == 200 else {}
 
 
 def submits_succeed(client: httpx.Client, label: str, count: int = 5) -> bool:
@@ -90,11 +100,16 @@ def test_a_submit_while_kafka_is_down_is_refused_at_once_and_work_resumes_after(
             eventually_sync(
                 lambda: readiness(client)[1].get("kafka") is False, "/readyz to report Kafka down", timeout_s=30
             )
+            gauge = ready_gauge(client)
+            assert gauge.get("kafka") == 0, f"/metrics while Kafka is down: {gauge}"
             refused_fast(client, "request bus")
         finally:
             stack.start_kafka()
         eventually_sync(
             lambda: readiness(client)[0] == 200, "/readyz to be ready again after Kafka restarted", timeout_s=60
+        )
+        eventually_sync(
+            lambda: set(ready_gauge(client).values()) == {1.0}, "/metrics to show every check passing", timeout_s=30
         )
         eventually_sync(lambda: submits_succeed(client, "after"), "submits to succeed again", timeout_s=30)
     assert service.alive(), f"the gateway must ride out the outage in the same process:\n{service.tail()}"
@@ -110,11 +125,16 @@ def test_a_submit_while_redis_is_down_is_refused_at_once_and_work_resumes_after(
             eventually_sync(
                 lambda: readiness(client)[1].get("redis") is False, "/readyz to report Redis down", timeout_s=30
             )
+            gauge = ready_gauge(client)
+            assert gauge.get("redis") == 0, f"/metrics while Redis is down: {gauge}"
             refused_fast(client, "task store")
         finally:
             stack.start_redis()
         eventually_sync(
             lambda: readiness(client)[0] == 200, "/readyz to be ready again after Redis restarted", timeout_s=60
+        )
+        eventually_sync(
+            lambda: set(ready_gauge(client).values()) == {1.0}, "/metrics to show every check passing", timeout_s=30
         )
         eventually_sync(lambda: submits_succeed(client, "after"), "submits to succeed again", timeout_s=30)
     assert service.alive(), f"the gateway must ride out the outage in the same process:\n{service.tail()}"

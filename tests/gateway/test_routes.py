@@ -20,6 +20,7 @@ from gateway.settings import GatewaySettings
 from schemas.records import TaskState, TaskStatus
 from tests.support.eventually import eventually
 from tests.support.gateway_rig import RecordingStore, RigFactory, StubLifecycle, error_of
+from tests.support.metrics import ready_series
 from transport.memory.requests import MemoryRequestBus
 from transport.memory.store import MemoryTaskStore
 from transport.routing import Partitioner
@@ -82,6 +83,41 @@ async def test_metrics_count_requests_by_route_template(make_rig: RigFactory) ->
     assert 'route="/v1/result/{task_id}",status="404"' in text, "requests are labelled by template, not path"
     assert 'route="unmatched",status="404"' in text
     assert "NoSuchTaskForMetrics" not in text
+
+
+async def test_metrics_show_each_readiness_check_as_it_is_when_scraped(make_rig: RigFactory) -> None:
+    """Prometheus reads ``/metrics``, not ``/readyz``: each scrape runs the checks afresh (no /readyz in
+    between), and a check no longer made leaves no series behind."""
+    rig = await make_rig()
+    ready = ready_series((await rig.client.get("/metrics")).text)
+    assert ready == {"bus": 1, "store": 1, "batcher": 1, "gateway": 1}, ready
+
+    rig.lifecycle.parts["store"] = False
+    del rig.lifecycle.parts["batcher"]
+    ready = ready_series((await rig.client.get("/metrics")).text)
+    assert ready == {"bus": 1, "store": 0, "gateway": 1}, f"the store down, the batcher no longer checked: {ready}"
+
+    rig.lifecycle.parts["store"] = True
+    assert (await rig.client.get("/readyz")).status_code == 200
+    ready = ready_series((await rig.client.get("/metrics")).text)
+    assert ready == {"bus": 1, "store": 1, "gateway": 1}, ready
+
+
+async def test_metrics_answer_within_the_readiness_bound_while_a_check_hangs(
+    make_rig: RigFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dependency that never answers turns its check 0 within ``ready_timeout_s``; it does not hang the scrape."""
+    rig = await make_rig(ready_timeout_s=0.2)
+
+    async def never() -> dict[str, bool]:
+        await asyncio.Event().wait()
+        return {}
+
+    monkeypatch.setattr(rig.lifecycle, "ready", never)
+    response = await asyncio.wait_for(rig.client.get("/metrics"), 5)
+    assert response.status_code == 200, response.text
+    ready = ready_series(response.text)
+    assert ready == {"lifecycle": 0, "gateway": 1}, ready
 
 
 async def test_unknown_route_and_wrong_method_use_the_error_shape(make_rig: RigFactory) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from fastapi import APIRouter
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
@@ -9,11 +11,11 @@ from starlette.responses import Response
 
 from gateway.edge.handlers import json_response
 from gateway.edge.models import Health, NotReadyResponse, Readiness, error_responses
-from gateway.edge.routes.deployment import Lifecycle, deployment_of
+from gateway.edge.routes.deployment import Deployment, Lifecycle, deployment_of
 from gateway.errors import error_body
 from gateway.health import Down, Ready, not_ready, probe
 from gateway.settings import GatewaySettings
-from telemetry.metrics import REGISTRY
+from telemetry.metrics import REGISTRY, show_readiness
 
 
 async def healthz() -> Response:
@@ -22,16 +24,9 @@ async def healthz() -> Response:
 
 async def readyz(request: Request) -> Response:
     deployment = deployment_of(request)
-    gateway = deployment.gateway
-    settings = gateway.settings
-    checks = await _lifecycle_checks(deployment.lifecycle, settings.ready_timeout_s)
-    checks.update(gateway.ready())
-    # One stalled model must not turn the others away; with every model stalled, this gateway only refuses.
-    models = gateway.models()
-    if models and all(state == "stalled" for state in models.values()):
-        checks["models"] = Down(
-            "down", f"no model can be admitted: {', '.join(sorted(models))} stalled (requests wait, no batch is taken)"
-        )
+    settings = deployment.gateway.settings
+    models = deployment.gateway.models()
+    checks = await _readiness(deployment, models)
     down = not_ready(checks)
     ok = {part: check is True for part, check in checks.items()}
     if not down:
@@ -48,8 +43,11 @@ async def readyz(request: Request) -> Response:
     return json_response(503, doc, {"Retry-After": str(settings.retry_after_s)})
 
 
-async def metrics() -> Response:
-    """Every batchwire metric of this process, in Prometheus's text format."""
+async def metrics(request: Request) -> Response:
+    """Every batchwire metric of this process, in Prometheus's text format; ``batchwire_ready`` as /readyz's
+    checks find it now (within ``ready_timeout_s``), not as the last /readyz found it, which may be long ago."""
+    deployment = deployment_of(request)
+    await _readiness(deployment, deployment.gateway.models())
     return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -76,7 +74,8 @@ def add_routes(routes: APIRouter, settings: GatewaySettings) -> None:
         responses={
             200: {
                 "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
-                "description": "Prometheus text exposition of every batchwire metric in this process.",
+                "description": "Prometheus text exposition of every batchwire metric in this process; "
+                "`batchwire_ready{check}` is /readyz's checks, run for this scrape (1 passes, 0 not).",
             },
             **(error_responses("forbidden") if settings.api_keys else {}),
         },
@@ -84,6 +83,21 @@ def add_routes(routes: APIRouter, settings: GatewaySettings) -> None:
         description="With API keys on, only an operator key reads it (a tenant key gets 403 `forbidden`): "
         "it shows every tenant's traffic.",
     )
+
+
+async def _readiness(deployment: Deployment, models: Mapping[str, str]) -> dict[str, Ready]:
+    """/readyz's checks, within ``ready_timeout_s``, also shown as ``batchwire_ready``: the transports and
+    embedded parts, the gateway's own part, and ``models`` (given) when none of them can be admitted."""
+    gateway = deployment.gateway
+    checks = await _lifecycle_checks(deployment.lifecycle, gateway.settings.ready_timeout_s)
+    checks.update(gateway.ready())
+    # One stalled model must not turn the others away; with every model stalled, this gateway only refuses.
+    if models and all(state == "stalled" for state in models.values()):
+        checks["models"] = Down(
+            "down", f"no model can be admitted: {', '.join(sorted(models))} stalled (requests wait, no batch is taken)"
+        )
+    show_readiness({part: check is True for part, check in checks.items()})
+    return checks
 
 
 async def _lifecycle_checks(lifecycle: Lifecycle, timeout_s: float) -> dict[str, Ready]:
