@@ -24,20 +24,29 @@ def main(argv: list[str]) -> int:
         print("usage: python -m tests.with_stack CMD [ARG ...]", file=sys.stderr)
         return 2
     children: list[subprocess.Popen[bytes]] = []
+    # Signals that come while CMD is being started, before this process knows it: CMD may run by then
+    # (and may have told whoever sent the signal), so it is asked to end once known.
+    deferred: list[int] | None = None
 
     def on_sigterm(signum: int, _frame: FrameType | None) -> None:
         # A CI timeout or `kill` signals this process alone: by default it would die at once and leave
         # the servers and CMD running. CMD is asked to end instead, and the servers stop once it has.
-        if not children:
+        if children:
+            children[0].send_signal(signum)
+        elif deferred is not None:
+            deferred.append(signum)
+        else:
             raise SystemExit(128 + signum)
-        children[0].send_signal(signum)
 
     signal.signal(signal.SIGTERM, on_sigterm)
     with LocalStack() as stack:
         env = {**os.environ, EXTERNAL_KAFKA_ENV: stack.kafka_bootstrap, EXTERNAL_REDIS_ENV: stack.redis_url}
+        deferred = []
         # Not subprocess.call: on Ctrl-C it SIGKILLs CMD a quarter second later, cutting its own clean-up short.
         with subprocess.Popen(argv, env=env) as child:
             children.append(child)
+            for signum in deferred:
+                child.send_signal(signum)
             return child.wait()
 
 
