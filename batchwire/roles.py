@@ -27,6 +27,7 @@ from gpu_worker.journal import BatchJournal
 from gpu_worker.runner import EXIT_BACKEND_HUNG
 from gpu_worker.settings import WorkerSettings
 from gpu_worker.worker import HAND_BACK_WRITE_S, Worker
+from telemetry import metrics
 from transport.kafka.consumers import KafkaBatchConsumer, KafkaRequestConsumer
 from transport.kafka.group import GroupTiming
 from transport.kafka.producers import DEFAULT_REQUEST_TIMEOUT_MS, KafkaBatchProducer, KafkaDeadLetterProducer
@@ -98,7 +99,7 @@ def run_embedded(args: argparse.Namespace) -> int:
     runtime.heartbeats = Heartbeats(
         runtime.fleet, lambda window: [gateway_beat(gateway, window, streams_end.ended), *runtime.beats(window)]
     )
-    app = create_app(gateway, runtime, streams_end, runtime.fleet)
+    app = create_app(gateway, runtime, streams_end, runtime.fleet, metrics.REGISTRY)  # every role in one process
     return serve_http(app, settings, args.log_level, args.gc_threshold, streams_end, runtime.failure)
 
 
@@ -129,7 +130,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     transports.heartbeats = Heartbeats(
         transports.fleet, lambda window: [gateway_beat(gateway, window, streams_end.ended)]
     )
-    app = create_app(gateway, transports, streams_end, transports.fleet)
+    app = create_app(gateway, transports, streams_end, transports.fleet, metrics.GATEWAY_EXPORTS)
     log.info(
         "gateway %s on http://%s:%d: namespace %s, models %s",
         settings.gateway_id,
@@ -176,7 +177,7 @@ def run_batcher(args: argparse.Namespace) -> int:
 
         return await supervise(start, parts.close, batcher.failed)
 
-    serve_metrics(args.metrics_port, args.metrics_host)
+    serve_metrics(metrics.BATCHER_EXPORTS, args.metrics_port, args.metrics_host)
     return run_loop(main(), args.gc_threshold)
 
 
@@ -273,5 +274,5 @@ def run_worker(args: argparse.Namespace) -> int:
     replicas = _replica_settings(args)
     settings = rs.worker_settings(args, model, args.worker_id)
     process = _WorkerProcess(args, shared, settings, replicas, make_backend(rs.backend_settings(args), model))
-    serve_metrics(args.metrics_port, args.metrics_host)
+    serve_metrics(metrics.WORKER_EXPORTS, args.metrics_port, args.metrics_host)
     return run_loop(process.main(), args.gc_threshold)

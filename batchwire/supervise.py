@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import uvicorn
 import uvloop
 from fastapi import FastAPI
-from prometheus_client import start_http_server
+from prometheus_client import CollectorRegistry, start_http_server
 
 from batchwire.flags import METRICS_HOST
 from batchwire.gc_tuning import Threshold, tune_gc
@@ -25,7 +25,6 @@ from gateway.edge.events import StreamsEnd
 from gateway.edge.http_limits import limited_http_protocol
 from gateway.settings import GatewaySettings
 from telemetry import logs
-from telemetry.metrics import REGISTRY
 
 log = logging.getLogger("batchwire")
 
@@ -139,8 +138,9 @@ def run_loop(main: Coroutine[Any, Any, int], gc_threshold: Threshold | None) -> 
     return uvloop.run(main)
 
 
-def serve_metrics(port: int, host: str = METRICS_HOST) -> None:
-    """Prometheus ``/metrics`` of a batcher or worker process on ``host:port`` (port 0: none)."""
+def serve_metrics(exports: CollectorRegistry, port: int, host: str = METRICS_HOST) -> None:
+    """Prometheus ``/metrics`` of a batcher or worker process on ``host:port`` (port 0: none): ``exports``,
+    the families that role writes (``telemetry.metrics.BATCHER_EXPORTS``, ``WORKER_EXPORTS``)."""
     if not 0 <= port <= 65535:
         raise SettingsError(f"--metrics-port must be within 0..65535 (0: off), got {port} (BATCHWIRE_METRICS_PORT)")
     if not port and host != METRICS_HOST:
@@ -150,7 +150,7 @@ def serve_metrics(port: int, host: str = METRICS_HOST) -> None:
         )
     if port:
         try:
-            start_http_server(port, addr=host, registry=REGISTRY)
+            start_http_server(port, addr=host, registry=exports)
         except OSError as err:
             raise SettingsError(
                 f"cannot serve /metrics on {host}:{port}: {err} (--metrics-host, --metrics-port)"

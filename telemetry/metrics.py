@@ -1,7 +1,9 @@
 """Prometheus metrics shared by every role. Names are documented in docs/operations.md's metrics table.
 
-One registry per process: in embedded mode the gateway's ``/metrics`` shows all roles at once;
-the separate roles each serve their own.
+Every metric lives in one registry per process, ``REGISTRY``: in embedded mode the gateway's ``/metrics``
+shows all roles at once. A separate role serves only the families it writes (``GATEWAY_EXPORTS``,
+``BATCHER_EXPORTS``, ``WORKER_EXPORTS``): another role's unwritten gauges would read 0 there, and a sum or
+mean across the fleet would count them.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from collections import Counter as Tally
 from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 from schemas.records import TaskState
 
@@ -250,6 +253,60 @@ REQUEST_STAGE_INPUTS = Counter(
     ["model"],
     registry=REGISTRY,
 )
+
+
+def _exports(*families: MetricWrapperBase) -> CollectorRegistry:
+    """A registry of ``families`` only, for one separate role's ``/metrics``: each metric is registered in it
+    besides ``REGISTRY``, so one write shows in both. (``REGISTRY.restricted_registry`` filters by sample
+    name, ``_total``, ``_bucket`` and the like, and drops a family until it has a sample.)"""
+    registry = CollectorRegistry(auto_describe=True)
+    for family in families:
+        registry.register(family)
+    return registry
+
+
+EVERY_ROLE = (TASKS_ENDED,)
+"""Families every role writes: each ends tasks through its task store."""
+GATEWAY_EXPORTS = _exports(
+    *EVERY_ROLE,
+    REQUESTS,
+    TIER_SUBMITS,
+    REQUEST_LATENCY,
+    INFLIGHT,
+    REDIS_FULL,
+    REDIS_REFUSES_WRITES,
+    READY,
+    WATCHERS,
+    STATED_RATE,
+    REQUEST_LAG,
+    CACHE_HITS,
+    CACHE_MISSES,
+    CACHE_BYPASSED,
+    COLLAPSED,
+)
+"""What a gateway over Kafka and Redis serves on ``/metrics``."""
+BATCHER_EXPORTS = _exports(*EVERY_ROLE, SPACING_WAIT, QUEUE_WAIT, BATCH_SIZE, FLUSHES, PENDING, RESULTS_UNREPLICATED)
+"""What a batcher process serves on ``--metrics-port``."""
+WORKER_EXPORTS = _exports(
+    *EVERY_ROLE,
+    BATCH_WAIT,
+    BACKEND_CALL,
+    BACKEND_BATCH_LATENCY,
+    BACKEND_TOKENS,
+    WORKER_BUSY,
+    WORKER_CALL_RUNNING,
+    BACKEND_CPU,
+    WORKER_BATCHES,
+    WORKER_ITEMS,
+    REDELIVERED,
+    RESULTS_UNREPLICATED,
+    BACKEND_ITEMS,
+    REQUEST_STAGE,
+    REQUEST_STAGE_INPUTS,
+)
+"""What a worker process serves on ``--metrics-port``."""
+EXPORTS_BY_ROLE = {"gateway": GATEWAY_EXPORTS, "batcher": BATCHER_EXPORTS, "worker": WORKER_EXPORTS}
+"""Each separate role's ``/metrics``; embedded mode serves all of ``REGISTRY``."""
 
 
 def forget_worker(worker_id: str) -> None:

@@ -20,6 +20,7 @@ from batchwire.settings import SettingsError
 from batchwire.supervise import serve_metrics
 from gpu_worker.settings import WorkerSettings
 from telemetry import logs
+from telemetry.metrics import BATCHER_EXPORTS
 
 
 @pytest.mark.parametrize("value", ["nan", "NaN", "inf", "-inf"])
@@ -181,7 +182,7 @@ def test_an_unknown_policy_is_told_the_names() -> None:
 def test_a_setting_at_its_default_is_not_refused_for_its_pair() -> None:
     args = build_parser().parse_args(["batcher", "--policy=classic", "--reserve-ms=0"])
     assert rs.batcher_settings(args, 12).policy.reserve_ms == 0.0
-    serve_metrics(0, "127.0.0.1")  # the default host with no port: nothing to serve, nothing to refuse
+    serve_metrics(BATCHER_EXPORTS, 0, "127.0.0.1")  # the default host with no port: nothing to serve, nothing to refuse
 
 
 def test_a_refusal_names_only_variables_that_exist(

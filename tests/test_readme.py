@@ -121,6 +121,23 @@ def test_the_metrics_table_names_every_metric_with_its_type_and_labels() -> None
     assert not differ, f"documented (type, labels) differ from the exported ones: {differ}"
 
 
+def test_the_metrics_table_names_the_roles_that_serve_each_metric() -> None:
+    section = OPERATIONS.read_text().split("\n## Metrics\n")[1].split("\n## ")[0]
+    documented = dict(re.findall(r"^\| `(batchwire_\w+?)(?:\{[\w,]*\})?` \| \w+ \| ([\w, ]+) \|", section, flags=re.M))
+    served: dict[str, list[str]] = {}
+    for role, registry in metrics.EXPORTS_BY_ROLE.items():
+        for family in registry.collect():
+            name = family.name + "_total" if family.type == "counter" else family.name
+            served.setdefault(name, []).append(role)
+    exported = {name: "every role" if len(roles) == 3 else ", ".join(roles) for name, roles in served.items()}
+    differ = {
+        name: (documented.get(name), exported.get(name))
+        for name in documented.keys() | exported.keys()
+        if documented.get(name) != exported.get(name)
+    }
+    assert not differ, f"docs/operations.md's role column (doc, served by) differs from telemetry.metrics: {differ}"
+
+
 def test_the_configuration_table_gives_each_command_its_flags_own_meaning() -> None:
     table = config_table()
     for command, flag, help_text in role_flags():

@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
 from starlette.types import ASGIApp
 
 from gateway.edge.auth import OPEN_PATHS, ApiKeys, AuthMiddleware
@@ -24,18 +25,25 @@ from gateway.edge.routes import events, fleet, openai, operations, submit, tasks
 from gateway.edge.routes.deployment import Deployment, Lifecycle
 from gateway.errors import ERROR_TABLE, error_body
 from gateway.service import Gateway
+from telemetry.metrics import REGISTRY
 from transport.ports import Fleet
 
 log = logging.getLogger(__name__)
 
 
 def create_app(
-    gateway: Gateway, lifecycle: Lifecycle, streams_end: StreamsEnd | None = None, fleet_store: Fleet | None = None
+    gateway: Gateway,
+    lifecycle: Lifecycle,
+    streams_end: StreamsEnd | None = None,
+    fleet_store: Fleet | None = None,
+    metrics: CollectorRegistry = REGISTRY,
 ) -> FastAPI:
     """The gateway's ASGI app; its lifespan starts ``lifecycle`` then ``gateway``, and stops them in reverse.
 
     ``streams_end``, once ended (the server began shutting down), ends every open event stream.
-    ``fleet_store`` is where the heartbeats land that ``/v1/fleet`` and ``/dashboard`` show."""
+    ``fleet_store`` is where the heartbeats land that ``/v1/fleet`` and ``/dashboard`` show.
+    ``metrics`` is what ``/metrics`` serves: every role's metrics where the app runs them all in its process,
+    the gateway's own (``GATEWAY_EXPORTS``) beside a separate batcher and workers."""
     settings = gateway.settings
     app = GatewayApp(
         title="batchwire gateway",
@@ -55,6 +63,7 @@ def create_app(
         streams_end,
         BodyBudget(settings.max_body_bytes_in_flight, settings.body_bytes_per_client),
         fleet_store,
+        metrics,
     )
     install_error_handlers(app, settings.retry_after_s)
     keys = ApiKeys(settings.api_keys, settings.operator_keys, settings.key_tiers) if settings.api_keys else None

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from prometheus_client import CollectorRegistry
 from starlette.requests import Request
 
 from gateway.admission.gate import ANONYMOUS, Caller
@@ -14,6 +15,7 @@ from gateway.edge.callers import CallerOf, client_of
 from gateway.edge.events import StreamsEnd
 from gateway.health import Ready
 from gateway.service import Gateway
+from telemetry.metrics import REGISTRY
 from transport.ports import Fleet
 
 
@@ -41,6 +43,8 @@ class Deployment:
     """What the bodies being read may hold together (``max_body_bytes_in_flight``)."""
     fleet: Fleet | None = None
     """Where every process's heartbeat lands: what ``/v1/fleet`` and ``/dashboard`` read."""
+    metrics: CollectorRegistry = REGISTRY
+    """What ``/metrics`` serves: the metrics of every role this process runs."""
 
     async def body_of(self, request: Request, caller: Caller) -> bytes:
         """The request's body, held against ``bodies`` and its client's share of them: the caller's

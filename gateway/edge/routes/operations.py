@@ -15,7 +15,7 @@ from gateway.edge.routes.deployment import Deployment, Lifecycle, deployment_of
 from gateway.errors import error_body
 from gateway.health import Down, Ready, not_ready, probe
 from gateway.settings import GatewaySettings
-from telemetry.metrics import REGISTRY, show_readiness
+from telemetry.metrics import show_readiness
 
 
 async def healthz() -> Response:
@@ -44,11 +44,12 @@ async def readyz(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    """Every batchwire metric of this process, in Prometheus's text format; ``batchwire_ready`` as /readyz's
-    checks find it now (within ``ready_timeout_s``), not as the last /readyz found it, which may be long ago."""
+    """The metrics of the roles this process runs (``Deployment.metrics``), in Prometheus's text format;
+    ``batchwire_ready`` as /readyz's checks find it now (within ``ready_timeout_s``), not as the last /readyz
+    found it, which may be long ago."""
     deployment = deployment_of(request)
     await _readiness(deployment, deployment.gateway.models())
-    return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(deployment.metrics), media_type=CONTENT_TYPE_LATEST)
 
 
 def add_routes(routes: APIRouter, settings: GatewaySettings) -> None:
@@ -74,7 +75,8 @@ def add_routes(routes: APIRouter, settings: GatewaySettings) -> None:
         responses={
             200: {
                 "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
-                "description": "Prometheus text exposition of every batchwire metric in this process; "
+                "description": "Prometheus text exposition of the batchwire metrics of the roles this process runs "
+                "(all of them embedded, the gateway's own beside separate batchers and workers); "
                 "`batchwire_ready{check}` is /readyz's checks, run for this scrape (1 passes, 0 not).",
             },
             **(error_responses("forbidden") if settings.api_keys else {}),
