@@ -22,9 +22,12 @@ from infra.topic_checks import Durability, ExistingTopic, Replication, TopicConf
 
 _POLL_INTERVAL_S = 0.05
 BOOTSTRAP_TIMEOUT_S = 10.0
-"""How long a role's start waits for a broker's first answer, as Kafka's own clients wait to set up a
-connection (``socket.connection.setup.timeout.ms``): aiokafka waits its whole request timeout, so an
-address that takes connections and never answers would hold the start that long."""
+"""How long the admin client waits for each broker address, and for each answer after: Kafka's own clients
+give a connection that long to set up (``socket.connection.setup.timeout.ms``). At aiokafka's default request
+timeout (40 s), an address that takes connections and never answers held a role's start that long. A
+request timeout, not a limit on the whole start: the bootstrap tries its addresses one after another, so a
+silent one costs that wait and the next is asked."""
+BOOTSTRAP_WAIT = f"each address is given {BOOTSTRAP_TIMEOUT_S:.0f} s to answer"
 MIN_ISR = "min.insync.replicas"
 
 
@@ -140,18 +143,23 @@ async def group_members(bootstrap: str, group: str, *, timeout_s: float = 30.0) 
 async def _connected(bootstrap: str) -> AIOKafkaAdminClient:
     """An admin client connected to ``bootstrap``; a ``TopicError`` that says what to check when no
     broker answers (aiokafka's own error would end the role in a traceback)."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, client_id="batchwire-infra-topics")
+    admin = admin_client(bootstrap, "batchwire-infra-topics")
     try:
-        async with asyncio.timeout(BOOTSTRAP_TIMEOUT_S):
-            await admin.start()
-    except (KafkaError, TimeoutError) as err:
+        await admin.start()
+    except KafkaError as err:
         await admin.close()
-        reason = f"no answer within {BOOTSTRAP_TIMEOUT_S:.0f} s" if isinstance(err, TimeoutError) else err
         raise TopicError(
-            f"no Kafka broker answered at {bootstrap} ({reason}): check --kafka-bootstrap / BATCHWIRE_KAFKA_BOOTSTRAP, "
-            "and that the brokers run (`batchwire stack up` starts a local one)"
+            f"no Kafka broker answered at {bootstrap} ({err}; {BOOTSTRAP_WAIT}): check --kafka-bootstrap / "
+            "BATCHWIRE_KAFKA_BOOTSTRAP, and that the brokers run (`batchwire stack up` starts a local one)"
         ) from err
     return admin
+
+
+def admin_client(bootstrap: str, client_id: str) -> AIOKafkaAdminClient:
+    """An admin client of ``bootstrap`` that waits ``BOOTSTRAP_TIMEOUT_S`` for each address and answer."""
+    return AIOKafkaAdminClient(
+        bootstrap_servers=bootstrap, client_id=client_id, request_timeout_ms=int(BOOTSTRAP_TIMEOUT_S * 1000)
+    )
 
 
 async def _describe_existing(admin: AIOKafkaAdminClient, names: list[str]) -> dict[str, ExistingTopic]:

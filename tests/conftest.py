@@ -201,8 +201,14 @@ def names() -> Names:
 
 
 @pytest.fixture
-def silent_port() -> Iterator[int]:
-    """A loopback port where connections are taken (into the kernel's accept queue) and never answered,
-    as at a host behind a firewall that drops, or at a server that waits for its own protocol."""
+def silent_server() -> Iterator[socket.socket]:
+    """A listening loopback socket that takes connections (into the kernel's accept queue) and never
+    answers, as a host behind a firewall that drops, or a server that waits for its own protocol."""
     with socket.create_server(("127.0.0.1", 0), backlog=64) as server:
-        yield server.getsockname()[1]
+        yield server
+
+
+@pytest.fixture
+def silent_port(silent_server: socket.socket) -> int:
+    """``silent_server``'s port."""
+    return int(silent_server.getsockname()[1])

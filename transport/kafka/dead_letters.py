@@ -6,15 +6,13 @@ A module of its own so that no role imports it: the roles consume the request an
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncGenerator
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
-from infra.topics import BOOTSTRAP_TIMEOUT_S
+from infra.topics import BOOTSTRAP_WAIT, admin_client
 from schemas.deadletter import DeadLetter, decode_dead_letter
 from schemas.wire import Names
 from transport.errors import PermanentTransportError
@@ -70,21 +68,15 @@ class KafkaDeadLetterReader:
             raise translate(f"reading {self.topic} at {self._bootstrap}", err) from err
 
     async def _partitions(self) -> list[TopicPartition]:
-        admin = AIOKafkaAdminClient(bootstrap_servers=self._bootstrap, client_id=self._client_id)
+        admin = admin_client(self._bootstrap, self._client_id)
         try:
-            try:
-                async with asyncio.timeout(BOOTSTRAP_TIMEOUT_S):
-                    await admin.start()
-            except TimeoutError as err:
-                raise TransportError(
-                    f"looking up {self.topic} at {self._bootstrap} failed: no answer within {BOOTSTRAP_TIMEOUT_S:.0f} s"
-                ) from err
+            await admin.start()
             # Listed first: a broker that auto-creates topics creates one that a metadata request names.
             if self.topic not in await admin.list_topics():
                 raise NoDeadLetterTopic(f"there is no topic {self.topic} at {self._bootstrap}")
             (described,) = await admin.describe_topics([self.topic])
         except KafkaError as err:
-            raise translate(f"looking up {self.topic} at {self._bootstrap}", err) from err
+            raise translate(f"looking up {self.topic} at {self._bootstrap} ({BOOTSTRAP_WAIT})", err) from err
         finally:
             await admin.close()
         return [TopicPartition(self.topic, p["partition"]) for p in described["partitions"]]
