@@ -82,8 +82,8 @@ def stack_report(state_dir: Path) -> StackReport:
 
 
 def cmd_status_report(state_dir: Path, *, as_json: bool, out: TextIO = sys.stdout) -> int:
-    """`batchwire stack status`: text (the single stack's as before) or JSON; 0 when all is well. Only the
-    text form gives advice, so only it names the commands that act on the stack."""
+    """`batchwire stack status`: text (a single stack's own form, a replicated one's server by server) or JSON;
+    0 when all is well. Only the text form gives advice, so only it names the commands that act on the stack."""
     if as_json:
         report = stack_report(state_dir)
         print(json.dumps({**asdict(report), "healthy": report.healthy}, indent=2, sort_keys=True), file=out)

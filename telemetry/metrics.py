@@ -8,6 +8,7 @@ mean across the fleet would count them.
 
 from __future__ import annotations
 
+import math
 from collections import Counter as Tally
 from collections.abc import Iterable, Mapping
 
@@ -202,6 +203,7 @@ STATED_RATE = Gauge(
 REQUEST_LAG = Gauge(
     "batchwire_request_topic_lag", "Requests on the request topic not yet committed by a batcher.", registry=REGISTRY
 )
+REQUEST_LAG.set(math.nan)  # unknown until read: a gateway without the reader never sets it, and 0 reads as empty
 PENDING = Gauge(
     "batchwire_batcher_pending",
     "Requests a batcher holds that are not yet handed to a worker.",
