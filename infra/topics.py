@@ -23,9 +23,9 @@ from infra.topic_checks import Durability, ExistingTopic, Replication, TopicConf
 _POLL_INTERVAL_S = 0.05
 BOOTSTRAP_TIMEOUT_S = 10.0
 """How long the admin client waits for each broker address, and for each answer after: Kafka's own clients
-give a connection that long to set up (``socket.connection.setup.timeout.ms``). At aiokafka's default request
-timeout (40 s), an address that takes connections and never answers held a role's start that long. A
-request timeout, not a limit on the whole start: the bootstrap tries its addresses one after another, so a
+give a connection that long to set up (``socket.connection.setup.timeout.ms``); aiokafka's default request
+timeout (40 s) would hold a role's start that long at an address that takes connections and never answers.
+A request timeout, not a limit on the whole start: the bootstrap tries its addresses one after another, so a
 silent one costs that wait and the next is asked."""
 BOOTSTRAP_WAIT = f"each address is given {BOOTSTRAP_TIMEOUT_S:.0f} s to answer"
 MIN_ISR = "min.insync.replicas"
