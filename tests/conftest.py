@@ -212,3 +212,12 @@ def silent_server() -> Iterator[socket.socket]:
 def silent_port(silent_server: socket.socket) -> int:
     """``silent_server``'s port."""
     return int(silent_server.getsockname()[1])
+
+
+@pytest.fixture
+def refusing_port() -> Iterator[int]:
+    """A loopback port that refuses connections and that no other process can take meanwhile: bound and
+    held, never listening (a port found free and let go may be taken by a parallel test's server)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        yield int(held.getsockname()[1])

@@ -20,7 +20,6 @@ import httpx
 import pytest
 
 from infra.local_stack import LocalStack
-from infra.ports import free_port
 from tests.support.cluster_checks import proc_named
 from tests.support.eventually import eventually_sync
 from tests.support.processes import Cluster, launch, respawn, stopped_after
@@ -226,8 +225,8 @@ def test_a_gateway_that_cannot_reach_kafka_exits_1_and_says_why(
             cluster.stop()  # before its Kafka and Redis go
 
 
-def test_an_unreachable_gateway_exits_2_saying_why() -> None:
-    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+def test_an_unreachable_gateway_exits_2_saying_why(refusing_port: int) -> None:
+    url = f"http://127.0.0.1:{refusing_port}"
     for args in (("--url", url), ("--url", url, "--json")):
         run = status(*args)
         assert run.returncode == EXIT_UNREACHABLE, (run.returncode, run.stdout, run.stderr)
