@@ -10,9 +10,10 @@ ahead of it divided by its model's drain, plus two calls:
   share of recent admissions at the request's tier or above (batches take higher tiers first,
   ``batcher.tiers``).
 - **drain**: requests/s, measured from the counters over spans in which the queue stayed non-empty
-  (the workers, not the arrivals, set the pace there); until measured, the sum of what the model's
-  idle workers state in their credits (inputs per call over their recent call time; for a worker
-  that has finished no call yet, over the model's fastest answer).
+  (the workers, not the arrivals, set the pace there), and raised to what it drained while it kept
+  up; until measured, the sum of what the model's idle workers state in their credits (inputs per
+  call over their recent call time; for a worker that has finished no call yet, over the model's
+  fastest answer).
 - **call_s**: one call and its hops: the fastest recent answer, else the workers' stated call time.
   One call is the request's own; the other is the call that may be running when its turn comes,
   since the queue drains in whole batches.
@@ -155,7 +156,11 @@ class DrainMeter:
     left measures nothing (a batcher still joining its group is a stall's question). That makes it a
     lower bound on the model's capacity, so the meter keeps the highest, halving it only over
     ``half_life_s`` of spans that measure less: a burst after a quiet spell is not refused for a rate
-    learned while little queued, and a model that lost workers is seen within seconds.
+    learned while little queued, and a model that lost workers is seen within seconds. What a queue
+    shorter than that drains is a lower bound too, so a window of such spans raises a measured rate
+    to its own (and never lowers it): a rate measured while the batchers could not commit (their
+    group's coordinator moving) does not stand once the queue keeps up again, where no busy window
+    would come to correct it and every queue of a few dozen would be predicted to wait past its deadline.
 
     A model is *stalled* when requests have waited ``settle_s`` and no batch has reached its workers
     for ``stall_s`` (every worker busy past any normal call, hung or gone, or no batcher reading its
@@ -188,9 +193,10 @@ class DrainMeter:
         self.full_batch = 1
         """The fewest waiting requests that keep a worker's next batch full (``ModelQueue`` sets it)."""
         self._last: Backlog | None = None
-        self._busy_s = 0.0
-        self._busy_left = 0
-        self._busy_batches = 0
+        self._busy = _Span()
+        """Spans in which the queue held a full batch: they measure the rate, higher or lower."""
+        self._kept_up = _Span()
+        """Spans in which it did not: the queue kept up, so the model drained at least what left then."""
         self._rate: float | None = None
         self._batch_at_s = 0.0
         self._waiting_since_s: float | None = None
@@ -258,18 +264,41 @@ class DrainMeter:
             self._batch_at_s = now.at_s
             self._waiting_since_s = None
         if min(last.depth, now.depth) >= self.full_batch:
-            self._busy_s += now.at_s - last.at_s
-            self._busy_left += max(0, now.left - last.left)
-            self._busy_batches += max(0, now.batches - last.batches)
-            if self._busy_s >= (self.first_window_s if self._rate is None else self.window_s):
-                # Requests leave in whole batches, so a window counts one batch more or less than its
-                # span drained, by chance; the highest measure is kept, so one batch is not counted.
-                drained = self._busy_left * (1 - 1 / self._busy_batches) if self._busy_batches > 1 else self._busy_left
-                if drained > 0:  # none drained (a batcher not consuming yet): a stall's question, not a rate
-                    measured = drained / self._busy_s
-                    kept = 0.0 if self._rate is None else self._rate * 0.5 ** (self._busy_s / self.half_life_s)
+            busy = self._busy
+            busy.add(last, now)
+            if busy.seconds >= (self.first_window_s if self._rate is None else self.window_s):
+                span_s, measured = busy.seconds, busy.take()
+                if measured > 0:  # none drained (a batcher not consuming yet): a stall's question, not a rate
+                    kept = 0.0 if self._rate is None else self._rate * 0.5 ** (span_s / self.half_life_s)
                     self._rate = max(measured, kept)
-                self._busy_s, self._busy_left, self._busy_batches = 0.0, 0, 0
+        elif self._rate is not None:
+            kept_up = self._kept_up
+            kept_up.add(last, now)
+            if kept_up.seconds >= self.window_s:
+                self._rate = max(self._rate, kept_up.take())
+
+
+@dataclass(slots=True)
+class _Span:
+    """Counters' growth summed over samples until a window's worth is taken."""
+
+    seconds: float = 0.0
+    left: int = 0
+    batches: int = 0
+
+    def add(self, last: Backlog, now: Backlog) -> None:
+        self.seconds += now.at_s - last.at_s
+        self.left += max(0, now.left - last.left)
+        self.batches += max(0, now.batches - last.batches)
+
+    def take(self) -> float:
+        """The requests/s drained, and a fresh start. Requests leave in whole batches, so a window counts
+        one batch more or less than its span drained, by chance; the meter keeps the highest measure,
+        so one batch is not counted."""
+        drained = self.left * (1 - 1 / self.batches) if self.batches > 1 else self.left
+        rate = drained / self.seconds
+        self.seconds, self.left, self.batches = 0.0, 0, 0
+        return rate
 
 
 @dataclass(frozen=True, slots=True)

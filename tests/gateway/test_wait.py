@@ -73,6 +73,28 @@ def test_a_model_that_lost_capacity_is_seen_within_seconds() -> None:
     assert meter.observe(last).rate_per_s == pytest.approx(100.0, rel=0.1)
 
 
+def test_a_rate_measured_while_a_batcher_could_not_commit_is_raised_by_what_the_queue_then_drains() -> None:
+    """The group's coordinator moves: for a while the batchers' commits stall, so the counters show a
+    full queue that hardly drains, and a low rate is measured. Once commits resume the queue keeps up
+    with 200 requests/s and stays short, so no busy window measures again; the low rate must not stand,
+    or a queue of a few dozen, a fifth of a second's arrivals, is predicted to wait most of a minute and
+    every request then is refused."""
+    meter = DrainMeter()
+    meter.full_batch = 100  # the workers take batches of up to 100
+    meter.observe(Backlog(150, 0, 0, 0.0))
+    hold(meter, Backlog(150, 1, 1, 0.0), 0.6)  # one request's commit in 0.6 s of a full queue
+    stalled = meter.observe(Backlog(150, 1, 1, 0.7))
+    assert stalled.rate_per_s is not None and stalled.rate_per_s < 5, "the stall measured a low rate"
+    left, batches, at = 1, 1, 0.7
+    for _ in range(30):  # 3 s of 200 requests/s drained in batches of 5, never more than 20 waiting
+        at += 0.1
+        left, batches = left + 20, batches + 4
+        meter.observe(Backlog(20, left, batches, at))
+    estimate = meter.observe(Backlog(39, left + 20, batches + 4, at + 0.1))
+    assert estimate.rate_per_s == pytest.approx(200.0, rel=0.1)
+    assert estimate.wait_s < 0.5
+
+
 def test_requests_waiting_while_no_batch_leaves_is_a_stall() -> None:
     meter = DrainMeter(stall_s=5.0)
     meter.observe(Backlog(0, 0, 7, 0.0))
