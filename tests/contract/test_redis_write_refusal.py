@@ -3,7 +3,10 @@ and how much memory a full one uses, as ``INFO memory`` shows it."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,11 +17,12 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import OutOfMemoryError
 
+from infra.redis_cluster import LocalRedisCluster
 from infra.redis_server import RedisServer
 from telemetry.metrics import REGISTRY
 from tests.support.eventually import eventually
 from transport.redis.pools import FULL_ADVICE, KeyedClient, PoolOptions, translate
-from transport.redis.write_refusal import WriteRefusalWatch, full_refusal
+from transport.redis.write_refusal import READ_TIMEOUT_S, WriteRefusalWatch, full_refusal
 
 MIB = 1024 * 1024
 
@@ -85,6 +89,38 @@ async def test_over_a_cluster_one_full_primary_is_a_refusal(redis_cluster: str) 
         await primary.aclose()
         await watch.close()
         await watch_client.close()
+
+
+@pytest.mark.kafka
+async def test_over_a_cluster_a_primary_that_does_not_answer_hides_no_other_primarys_refusal(tmp_path: Path) -> None:
+    """One primary frozen (SIGSTOP), another full: the watch asks each within its own timeout, so the
+    full one's refusal is seen in the same read, not only once the frozen one answers again."""
+    with LocalRedisCluster(tmp_path / "cluster") as local:
+        watch_client = KeyedClient(local.url, PoolOptions())
+        await watch_client.start()
+        cluster = watch_client.redis
+        assert isinstance(cluster, RedisCluster)
+        watch = WriteRefusalWatch(cluster, interval_s=60.0)
+        frozen, full, *_ = cluster.get_primaries()  # the order the watch asks them in
+        frozen_pid = next(node.pid for node in local.nodes if node.port == int(frozen.port))
+        assert frozen_pid is not None
+        primary = Redis(host=full.host, port=int(full.port))
+        try:
+            await primary.config_set("maxmemory", "1")
+            os.kill(frozen_pid, signal.SIGSTOP)
+            started = time.monotonic()
+            await watch.read()
+            took_s = time.monotonic() - started
+            assert watch.refusal is not None and "result store is full" in watch.refusal, (
+                f"the full primary's refusal, behind a frozen one: {watch.refusal!r}"
+            )
+            assert took_s < 3 * READ_TIMEOUT_S, f"one read took {took_s:.1f} s"
+        finally:
+            os.kill(frozen_pid, signal.SIGCONT)
+            await primary.config_set("maxmemory", "0")
+            await primary.aclose()
+            await watch.close()
+            await watch_client.close()
 
 
 @dataclass(frozen=True)

@@ -69,8 +69,15 @@ def refused(code: str) -> str:
     return f"the result store refuses writes: {WHY[code]}; nothing was queued: retry after the Retry-After delay"
 
 
+Answer = tuple[str | None, str | None, str]
+"""One primary's answer to the probe: its kind (``OOM``, one of ``WRITE_REFUSALS``, ``unasked``,
+another error's text, or None: it takes writes), its refusal's message, and why it went unasked."""
+NONE: Answer = (None, None, "")
+
+
 class WriteRefusalWatch:
-    """Asks every ``interval_s`` whether Redis would take a write, and keeps the last ``refusal``.
+    """Asks every ``interval_s`` whether Redis (each primary of a Redis Cluster, all at once, each
+    within ``READ_TIMEOUT_S``) would take a write, and keeps the last ``refusal``.
 
     A probe that gets no answer leaves no refusal: a Redis that does not answer is the connection
     checks' to report (``TaskStore.reachable``), not one that refuses writes. A probe that gets another
@@ -100,13 +107,14 @@ class WriteRefusalWatch:
         await self._loop.close()
 
     async def read(self) -> None:
-        reason = ""
-        try:
-            async with asyncio.timeout(READ_TIMEOUT_S):
-                kind, refusal = await self._ask()
-        except (*REDIS_ERRORS, OSError, TimeoutError) as err:
-            kind, refusal = "unasked", None
-            reason = f"{type(err).__name__}: {err}"
+        if isinstance(self._client, RedisCluster):
+            targets: list[dict[str, Any]] = [{"target_nodes": node} for node in self._client.get_primaries()]
+        else:
+            targets = [{}]
+        # Each primary within its own timeout: one that does not answer hides no other's refusal.
+        answers = await asyncio.gather(*(self._ask(target) for target in targets))
+        refusals = [answer for answer in answers if answer[1] is not None]
+        kind, refusal, reason = (refusals or [answer for answer in answers if answer[0] is not None] or [NONE])[0]
         refusing = self.refusal is not None
         self.refusal = refusal
         REDIS_REFUSES_WRITES.set(0 if refusal is None else 1)
@@ -128,29 +136,27 @@ class WriteRefusalWatch:
                 kind,
             )
 
-    async def _ask(self) -> tuple[str | None, str | None]:
-        """The first primary's refusal, as its kind and its message (a full one's memory named)."""
-        if isinstance(self._client, RedisCluster):
-            targets: list[dict[str, Any]] = [{"target_nodes": node} for node in self._client.get_primaries()]
-        else:
-            targets = [{}]
-        other: str | None = None
-        for target in targets:
-            try:
-                await self._client.execute_command("EVAL", PROBE, 0, **target)
-            except ResponseError as err:
-                code = str(err).split(" ", 1)[0]
-                if code in WRITE_REFUSALS:
-                    return code, refused(code)
-                if not is_out_of_memory(err):
-                    other = str(err)
-                    continue
+    async def _ask(self, target: dict[str, Any]) -> Answer:
+        """One primary's answer: its refusal's kind and message (a full one's memory named), and why
+        it could not be asked (``unasked``)."""
+        try:
+            async with asyncio.timeout(READ_TIMEOUT_S):
                 try:
-                    info = await self._client.execute_command("INFO", "memory", **target)
-                except (*REDIS_ERRORS, OSError):
-                    info = {}
-                return "OOM", full_refusal(info) or _full("its used memory is over its maxmemory")
-        return other, None
+                    await self._client.execute_command("EVAL", PROBE, 0, **target)
+                except ResponseError as err:
+                    code = str(err).split(" ", 1)[0]
+                    if code in WRITE_REFUSALS:
+                        return code, refused(code), ""
+                    if not is_out_of_memory(err):
+                        return str(err), None, ""
+                    try:
+                        info = await self._client.execute_command("INFO", "memory", **target)
+                    except (*REDIS_ERRORS, OSError):
+                        info = {}
+                    return "OOM", full_refusal(info) or _full("its used memory is over its maxmemory"), ""
+        except (*REDIS_ERRORS, OSError, TimeoutError) as err:
+            return "unasked", None, f"{type(err).__name__}: {err}"
+        return NONE
 
     async def _read_forever(self, interval_s: float) -> None:
         while True:
