@@ -1,9 +1,24 @@
-"""What a process's metrics read before anything writes them."""
+"""What a process's metrics read: before anything writes them, and the queue an embedded gateway reads."""
 
 from __future__ import annotations
 
+import math
+import re
 import subprocess
 import sys
+import threading
+
+import httpx
+import pytest
+
+from batchwire.embedded import EmbeddedRuntime, EmbeddedSettings
+from batchwire.settings import SharedSettings
+from gateway.edge.app import create_app
+from gateway.service import Gateway
+from gateway.settings import GatewaySettings
+from gpu_worker.backends.sim import SimBackend
+from telemetry.metrics import REQUEST_LAG
+from tests.support.eventually import eventually
 
 
 def test_the_request_topic_lag_reads_nan_until_a_reader_sets_it() -> None:
@@ -20,3 +35,56 @@ def test_the_request_topic_lag_reads_nan_until_a_reader_sets_it() -> None:
         check=True,
     )
     assert shown.stdout.strip() == "nan", shown
+
+
+class _HeldSim(SimBackend):
+    """The sim backend, its calls held until ``go`` is set: the worker stays busy and requests queue."""
+
+    def __init__(self) -> None:
+        super().__init__(latency_ms=0)
+        self.go = threading.Event()
+
+    def batchstring(self, inputs: list[str]) -> list[str]:
+        assert self.go.wait(30), "the test never let the backend go"
+        return super().batchstring(inputs)
+
+
+def _scraped_lag(text: str) -> float:
+    found = re.search(r"^batchwire_request_topic_lag (\S+)$", text, flags=re.MULTILINE)
+    assert found is not None, text
+    return float(found.group(1))
+
+
+@pytest.mark.timeout(60)
+async def test_the_embedded_gateway_exports_its_queue_as_the_request_topic_lag() -> None:
+    """``batchwire up`` reads its model's queue from the in-memory bus at every submit; /metrics shows it as
+    the lag, as a Kafka gateway shows its reader's figure, not NaN as if nothing read it."""
+    REQUEST_LAG.set(math.nan)  # what an earlier test in this process left is not this gateway's figure
+    backend = _HeldSim()
+    runtime = EmbeddedRuntime(
+        EmbeddedSettings(shared=SharedSettings(models=("sim",)), workers_per_model=1), lambda model, index: backend
+    )
+    gateway = Gateway(
+        GatewaySettings(models=("sim",)),
+        runtime.producer,
+        runtime.store,
+        queue_depth=runtime.queue_depth,
+        credits=runtime.credits,
+    )
+    app = create_app(gateway, runtime)
+    transport = httpx.ASGITransport(app=app)
+    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+        try:
+            for index in range(4):  # the first keeps the one worker busy, the other three wait
+                assert (await client.post("/v1/tasks", json={"input": f"q{index}"})).status_code == 202
+            # The first batch's commit takes the first request off; the rest wait while the backend is held.
+            await eventually(lambda: 0 < runtime.requests.lag() < 4, "requests waiting for the busy worker")
+            waiting = runtime.requests.lag()
+            scraped = _scraped_lag((await client.get("/metrics")).text)
+            assert waiting == runtime.requests.lag(), "the queue moved while the backend was held"
+            assert scraped == waiting, f"the lag gauge reads {scraped} while {waiting} requests wait for a worker"
+        finally:
+            backend.go.set()
+        await eventually(lambda: runtime.requests.lag() == 0, "every request handed to the worker")
+        scraped = _scraped_lag((await client.get("/metrics")).text)
+        assert scraped == 0, f"the lag gauge reads {scraped} once every request was handed over"

@@ -33,6 +33,9 @@ class MemoryQueueDepth:
         return lag
 
     def backlog(self, model: str) -> Backlog:
+        """``model``'s counters. Also sets ``batchwire_request_topic_lag`` to the bus's lag: the gateway reads
+        its queue here (each submit, its admission's sampler, each ``/metrics``), seldom through ``depth``."""
+        REQUEST_LAG.set(self.bus.lag())
         depth = left = 0
         for partition in self.bus.partitioner.partitions_for(model):
             waiting, committed = self.bus.log.partition_lag(partition)
