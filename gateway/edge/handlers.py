@@ -19,6 +19,7 @@ from starlette.responses import Response
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.edge.http_limits import EDGE_ANSWERED
 from gateway.errors import GatewayError, error_body, http_status, shown
 from schemas.wire import REPLAYED_HEADER
 from telemetry.metrics import REQUESTS
@@ -156,8 +157,10 @@ class EdgeMiddleware:
             response = error_response(500, "internal_error", "the gateway failed unexpectedly; it logged the details")
             await response(scope, receive, send)
         finally:
-            route = getattr(scope.get("route"), "path", "unmatched")
-            counter = self._counters.get((route, status))
-            if counter is None:
-                counter = self._counters[(route, status)] = REQUESTS.labels(route=route, status=str(status))
-            counter.inc()
+            # Answered mid-body by the edge, which counted that answer: the app's went nowhere.
+            if not scope.get(EDGE_ANSWERED):
+                route = getattr(scope.get("route"), "path", "unmatched")
+                counter = self._counters.get((route, status))
+                if counter is None:
+                    counter = self._counters[(route, status)] = REQUESTS.labels(route=route, status=str(status))
+                counter.inc()

@@ -100,6 +100,9 @@ def answer(code: str, message: str, headers: bytes = b"") -> bytes:
 
 EDGE_ROUTE = "edge"
 """The ``route`` label of the answers this protocol writes itself, in ``batchwire_requests_total``."""
+EDGE_ANSWERED = "batchwire.edge_answered"
+"""Set in a request's ASGI scope when this protocol answered it mid-body, in the app's place: the app's
+own count (``EdgeMiddleware``) skips it, so the request counts once, as the edge's answer."""
 
 
 def _write_answer(transport: asyncio.WriteTransport, response: bytes) -> None:
@@ -625,6 +628,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         nothing it sends is written), unless its answer is already on its way."""
         cycle = self.cycle
         if cycle is not None and not cycle.response_started:
+            cycle.scope[EDGE_ANSWERED] = True  # type: ignore[literal-required]
             cycle.disconnected = True
             cycle.message_event.set()
             _write_answer(self.transport, response)

@@ -21,6 +21,7 @@ import uvicorn
 from uvicorn.server import ServerState
 
 from gateway.edge.descriptors import FD_RESERVE, connection_cap, refusal_budget
+from gateway.edge.handlers import EdgeMiddleware
 from gateway.edge.http_limits import (
     EDGE_ROUTE,
     OPERATIONS_OVER_CAP,
@@ -31,7 +32,7 @@ from gateway.edge.http_limits import (
 )
 from gateway.edge.refused_request import REFUSED_READ_BYTES
 from gateway.settings import GatewaySettings
-from telemetry.metrics import REGISTRY
+from telemetry.metrics import REGISTRY, REQUESTS
 from tests.support.eventually import eventually
 
 LIMIT = 1024
@@ -1085,3 +1086,31 @@ async def test_the_edge_s_own_answers_are_counted_with_the_app_s() -> None:
     protocol.data_received(HUGE_HEADERS["one huge header"])
     assert status_of(transport.written) == 431
     assert edge_answers(431) == too_large + 1
+
+
+def requests_counted() -> float:
+    """Every answer ``batchwire_requests_total`` has counted, over all routes and statuses."""
+    (family,) = REQUESTS.collect()
+    return sum(sample.value for sample in family.samples if sample.name.endswith("_total"))
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [(b"zz\r\nabc\r\n0\r\n\r\n", "invalid_http"), (b"1\r\nx\r\n" * 4097 + b"0\r\n\r\n", "body_too_fragmented")],
+    ids=["malformed chunk", "too many pieces"],
+)
+async def test_a_request_the_edge_refuses_mid_body_is_counted_once(body: bytes, code: str) -> None:
+    """The edge's answer is the request's one answer: the app, told that the client left, answers nothing
+    the client reads, and its route must not count a second answer (a 499 the client never got)."""
+    edge = Edge()
+    edge.config = uvicorn.Config(app=EdgeMiddleware(edge.app), lifespan="off", log_level="warning", proxy_headers=False)
+    edge.config.load()
+    protocol, transport, _ = edge.connect()
+    protocol.data_received(b"POST /body HTTP/1.1\r\nhost: gw\r\ntransfer-encoding: chunked\r\n\r\n")
+    await eventually(lambda: edge.app.calls == ["/body"], "the app to wait for the body")
+    counted = requests_counted()
+    protocol.data_received(body)
+    await eventually(lambda: edge.app.disconnected == ["/body"], "the app to see the client leave")
+    await settle()
+    assert status_of(transport.written) == 400 and error_code_of(transport.written) == code
+    assert requests_counted() == counted + 1, "one request, one answer counted: the edge's"
