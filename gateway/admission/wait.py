@@ -152,7 +152,11 @@ class DrainMeter:
     smallest its workers take; 1 while unknown, or where a token budget bounds batches) at both reads:
     a queue shorter than that drains as fast as requests come (one client sending one request at a
     time, read through counters that lag, looks non-empty from read to read), which says nothing of
-    the workers. A span in which no batch
+    the workers. A full batch is also at least the mean batch taken over the last ``window_s``: a
+    worker that takes all that waits each time it frees, its batch unknown (its credit claimed before
+    any read of the pool, or a token budget bounding batches), leaves a queue that only gathers
+    arrivals between two batches: read as full, that queue would measure a fraction of the arrivals,
+    below a lone client's own rate, which its fair share would then cut down further. A span in which no batch
     left measures nothing (a batcher still joining its group is a stall's question). That makes it a
     lower bound on the model's capacity, so the meter keeps the highest, halving it only over
     ``half_life_s`` of spans that measure less: a burst after a quiet spell is not refused for a rate
@@ -197,6 +201,10 @@ class DrainMeter:
         """Spans in which the queue held a full batch: they measure the rate, higher or lower."""
         self._kept_up = _Span()
         """Spans in which it did not: the queue kept up, so the model drained at least what left then."""
+        self._taken = _Span()
+        """Every span, for the mean batch taken."""
+        self._mean_batch = 0.0
+        """The mean batch taken over the last ``window_s`` (0: none was)."""
         self._rate: float | None = None
         self._batch_at_s = 0.0
         self._waiting_since_s: float | None = None
@@ -263,7 +271,11 @@ class DrainMeter:
             # unknown, so the wait for a batch starts again rather than counting the outage.
             self._batch_at_s = now.at_s
             self._waiting_since_s = None
-        if min(last.depth, now.depth) >= self.full_batch:
+        taken = self._taken
+        taken.add(last, now)
+        if taken.seconds >= self.window_s:
+            self._mean_batch = taken.take_batch()
+        if min(last.depth, now.depth) >= max(self.full_batch, self._mean_batch):
             busy = self._busy
             busy.add(last, now)
             if busy.seconds >= (self.first_window_s if self._rate is None else self.window_s):
@@ -299,6 +311,12 @@ class _Span:
         rate = drained / self.seconds
         self.seconds, self.left, self.batches = 0.0, 0, 0
         return rate
+
+    def take_batch(self) -> float:
+        """The mean batch that left (0: none did), and a fresh start."""
+        batch = self.left / self.batches if self.batches else 0.0
+        self.seconds, self.left, self.batches = 0.0, 0, 0
+        return batch
 
 
 @dataclass(frozen=True, slots=True)

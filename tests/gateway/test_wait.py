@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from gateway.admission.gate import ANONYMOUS, Admission
+from gateway.admission.gate import ANONYMOUS, Admission, Caller
 from gateway.admission.wait import MARGIN, DrainMeter, ModelQueue, ServiceTime, Stated, TierMix, WorkerRates
 from gateway.errors import Overloaded, PredictedLate
 from gateway.settings import GatewaySettings
@@ -93,6 +93,34 @@ def test_a_rate_measured_while_a_batcher_could_not_commit_is_raised_by_what_the_
     estimate = meter.observe(Backlog(39, left + 20, batches + 4, at + 0.1))
     assert estimate.rate_per_s == pytest.approx(200.0, rel=0.1)
     assert estimate.wait_s < 0.5
+
+
+async def test_a_lone_clients_steady_flow_to_a_worker_of_long_calls_is_not_cut_down_by_its_fair_share() -> None:
+    """One worker of one-second calls takes all that waits each time it frees, up to 2,000, and is never
+    idle long enough for its credit to be read, so how many fill its batch is not known. Its queue then
+    holds up to a call's arrivals between two batches: spans in which requests only gather are no
+    measure of the worker's pace. Measured as one, the drain fell below the client's own 200 requests/s,
+    its fair share refused the excess, what it sent then drained slower still, and a fifth of its
+    requests were refused while the worker ran at a tenth of what it takes."""
+    counters = Counters()
+    admission = Admission(settings(), counters, None, clock=counters.clock)
+    client = Caller(client="ip:192.0.2.1")
+    waiting, left, batches, taken, refused = 0, 0, 0, 0, 0
+    for step in range(1, 1201):  # 60 s in steps of 50 ms
+        if step % 20 == 0:  # the worker's call ends: it takes every request that waits
+            taken, batches = waiting, batches + 1
+        elif step % 20 == 2:  # the batcher commits once the batch is on the bus
+            left, waiting = left + taken, waiting - taken
+        if step % 3 == 0:  # the counters are read every 150 ms
+            counters.backlogs["a"] = Backlog(waiting, left, batches, step * 0.05)
+        for _ in range(10):
+            try:
+                await admit_sent(admission, "a", 30_000, caller=client)
+            except Overloaded:
+                refused += step > 1000
+            else:
+                waiting += 1
+    assert refused == 0, f"{refused} of the last 10 s's 2,000 requests refused"
 
 
 def test_requests_waiting_while_no_batch_leaves_is_a_stall() -> None:
