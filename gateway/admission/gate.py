@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from prometheus_client import Counter
 
@@ -271,10 +271,10 @@ class Admission:
             return client
         backlog = queue_depth.backlog(model)
         if backlog is not None:
-            unseen = self._unseen.get(model)
-            if unseen is not None and (admitted := unseen.count(backlog.at_s)):
-                backlog = replace(backlog, depth=backlog.depth + admitted)
-            self._check_queue(model, backlog, timeout_ms, tier, client)
+            tickets = self._unseen.get(model)
+            self._check_queue(
+                model, backlog, 0 if tickets is None else tickets.count(backlog.at_s), timeout_ms, tier, client
+            )
         elif self.max_queue_depth > 0:
             # the deployment-wide figure, while the model's is unknown; unknown too, nothing is held
             # against the request (a bus that is down fails its send anyway)
@@ -334,9 +334,10 @@ class Admission:
         log.warning("model %r is %s: %s", model, state, why)
 
     def _check_queue(
-        self, model: str, backlog: Backlog, timeout_ms: int, tier: Priority, client: str | None = None
+        self, model: str, backlog: Backlog, unseen: int, timeout_ms: int, tier: Priority, client: str | None = None
     ) -> None:
-        depth = backlog.depth
+        """``unseen``: this gateway's admissions the counters may not hold yet, which wait ahead too."""
+        depth = backlog.depth + unseen
         limit, setting = self._tier_limits[tier]
         if self.max_queue_depth > 0 and limit <= depth:
             raise Overloaded(
@@ -349,7 +350,7 @@ class Admission:
         queue = self._queues.get(model)
         if queue is None:
             return
-        predicted = queue.predict(backlog, tier)
+        predicted = queue.predict(backlog, tier, unseen)
         if predicted.stalled:
             raise Overloaded(
                 f"model {model!r} has {depth} requests waiting and its workers have taken none for "

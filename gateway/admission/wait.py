@@ -118,10 +118,10 @@ class ModelQueue:
         self.stated = stated
         self.drain.full_batch = stated.full_batch if stated is not None and not self._by_tokens else 1
 
-    def predict(self, backlog: Backlog, tier: Priority) -> Prediction:
-        """``backlog``: the counters, with this gateway's unseen admissions already added to ``depth``."""
+    def predict(self, backlog: Backlog, tier: Priority, unseen: int = 0) -> Prediction:
+        """``backlog``: the counters; ``unseen``: this gateway's admissions they may not hold yet."""
         stated = self.stated
-        estimate = self.drain.observe(backlog, stated.rate_per_s if stated else None)
+        estimate = self.drain.observe(backlog, stated.rate_per_s if stated else None, unseen=unseen)
         call_s = self.service.seconds or (stated.call_s if stated else 0.0)
         return Prediction(
             estimate.depth,
@@ -227,9 +227,15 @@ class DrainMeter:
         self._batch_at_s = last.at_s  # a new stall needs stall_s without a batch again
         return True
 
-    def observe(self, backlog: Backlog, prior_rate_per_s: float | None = None, *, probe: bool = True) -> Estimate:
+    def observe(
+        self, backlog: Backlog, prior_rate_per_s: float | None = None, *, unseen: int = 0, probe: bool = True
+    ) -> Estimate:
         """Takes a sample (if it is ``sample_every_s`` newer than the last) and predicts the wait, by
         ``prior_rate_per_s`` (the workers' own word, ``WorkerRates``) until a rate is measured.
+
+        ``unseen``: requests admitted that the counters may not hold yet. They wait ahead of the next
+        one, but the samples are the counters' alone: requests slow to reach the bus are none the
+        workers could take, so they neither stall the model nor measure its drain.
 
         A stalled model's empty queue admits one request every ``stall_s``, as a probe: a batch
         taken ends the stall. Only a request takes it: ``probe`` is False for a look at the model's
@@ -249,7 +255,7 @@ class DrainMeter:
             if probe and backlog.depth == 0 and backlog.at_s - self._probe_at_s >= self.stall_s:
                 self._probe_at_s = backlog.at_s
                 return Estimate(0, 0.0, self._rate, backlog.at_s - self._batch_at_s)
-            return Estimate(backlog.depth, math.inf, self._rate, backlog.at_s - self._batch_at_s)
+            return Estimate(backlog.depth + unseen, math.inf, self._rate, backlog.at_s - self._batch_at_s)
         waiting_since = self._waiting_since_s
         if (
             waiting_since is not None
@@ -257,10 +263,11 @@ class DrainMeter:
             and backlog.at_s - self._batch_at_s >= self.stall_s
         ):
             self._stalled_at_s = self._probe_at_s = backlog.at_s
-            return Estimate(backlog.depth, math.inf, self._rate, backlog.at_s - self._batch_at_s)
+            return Estimate(backlog.depth + unseen, math.inf, self._rate, backlog.at_s - self._batch_at_s)
         rate = self._rate if self._rate is not None else prior_rate_per_s
-        wait_s = backlog.depth / rate if rate and backlog.depth else 0.0
-        return Estimate(backlog.depth, wait_s, rate, 0.0)
+        depth = backlog.depth + unseen
+        wait_s = depth / rate if rate and depth else 0.0
+        return Estimate(depth, wait_s, rate, 0.0)
 
     def _sample(self, last: Backlog, now: Backlog) -> None:
         if now.batches != last.batches:

@@ -218,6 +218,24 @@ async def test_a_burst_between_two_reads_of_the_counters_counts_what_it_already_
     await admit_sent(admission, "a", 1_000), "what the new read holds is not counted twice"
 
 
+async def test_requests_slow_to_reach_the_bus_do_not_stall_the_model_their_workers_never_saw() -> None:
+    """Produces take seconds to land (a slow bus): the counters show no request waiting and no batch,
+    while this gateway's admissions are on their way. They count in each request's predicted wait, not
+    in the counters' samples: the workers have nothing to take, so the model is not stalled and its
+    requests are not refused as if its workers were hung."""
+    counters = Counters()
+    admission = Admission(settings(), counters, None, clock=counters.clock)
+    on_the_way: list[Ticket] = []
+    for n in range(80):  # 8 s of one request every 0.1 s, none of them landed yet
+        counters.backlogs["a"] = Backlog(0, 0, 7, 0.1 * n)
+        ticket = await admission.admit(ANONYMOUS, "a", 30_000)
+        assert ticket is not None
+        on_the_way.append(ticket)
+    assert admission.models() == {"a": "serving", "b": "serving"}
+    for ticket in on_the_way:
+        ticket.close()
+
+
 async def test_a_burst_still_on_its_way_to_the_bus_counts_across_a_read_that_misses_it() -> None:
     """Under a burst, produces wait behind each other for longer than a refresh: a read begun before
     a request landed does not hold it, so it still counts; one never sent counts until its submit ends."""
