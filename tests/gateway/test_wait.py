@@ -95,6 +95,28 @@ def test_a_rate_measured_while_a_batcher_could_not_commit_is_raised_by_what_the_
     assert estimate.wait_s < 0.5
 
 
+def test_a_committed_offset_read_as_minus_one_does_not_raise_the_rate() -> None:
+    """The queue keeps up with 40 requests/s. A partition's committed offset read -1 for one read counts
+    its partition from the log's start (``transport.kafka.lag``): ``left`` drops by the partition's
+    commit point, and the next read's return to it drained nothing. Counted as drained, it raised the
+    rate a thousandfold, and admission predicted no wait for any burst."""
+    meter = DrainMeter()
+    meter.full_batch = 10
+    last = busy(meter, 1.0, 50, 100.0, Backlog(50, 1_000_000, 0, 0.0))
+    measured = meter.observe(last).rate_per_s
+    assert measured is not None
+    left, batches, at = last.left + 50, last.batches + 1, last.at_s
+    for n in range(100):  # 10 s of 40 requests/s, in batches of 4 that never queue
+        at += 0.1
+        left, batches = left + 4, batches + 1
+        if n == 50:  # partition 0's commit point, 500,000, read as -1: counted from offset 0
+            meter.observe(Backlog(500_000, left - 500_000, batches, at))
+        else:
+            meter.observe(Backlog(0, left, batches, at))
+    rate = meter.observe(Backlog(0, left, batches, at + 0.1)).rate_per_s
+    assert rate == measured, f"the rate {measured:.0f}/s was raised to {rate:.0f}/s"
+
+
 async def test_a_lone_clients_steady_flow_to_a_worker_of_long_calls_is_not_cut_down_by_its_fair_share() -> None:
     """One worker of one-second calls takes all that waits each time it frees, up to 2,000, and is never
     idle long enough for its credit to be read, so how many fill its batch is not known. Its queue then
