@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from schemas.records import Credit, Priority
 from transport.ports import Backlog
@@ -246,7 +246,9 @@ class DrainMeter:
             self._batch_at_s = backlog.at_s
         elif backlog.at_s - last.at_s >= self.sample_every_s:
             self._sample(last, backlog)
-            self._last = backlog
+            # ``left`` only grows: a read below the last (a committed offset read as -1 counts its
+            # partition from its log's start) is a misread, and the next read's return drained nothing.
+            self._last = backlog if backlog.left >= last.left else replace(backlog, left=last.left)
         if self._waiting_since_s is None and backlog.depth > 0:
             self._waiting_since_s = backlog.at_s
         elif backlog.depth == 0:
