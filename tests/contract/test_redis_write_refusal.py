@@ -3,6 +3,7 @@ and how much memory a full one uses, as ``INFO memory`` shows it."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -10,6 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -121,6 +123,33 @@ async def test_over_a_cluster_a_primary_that_does_not_answer_hides_no_other_prim
             await primary.aclose()
             await watch.close()
             await watch_client.close()
+
+
+class _Primaries(RedisCluster):
+    """Two primaries with no server: the first's probe fails unexpectedly, the second's never ends."""
+
+    def __init__(self) -> None:  # connects nowhere
+        self.hung = asyncio.Event()
+
+    def get_primaries(self) -> list[Any]:
+        return ["failing", "hung"]
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("target_nodes") == "failing":
+            await self.hung.wait()  # the other's probe is under way
+            raise RuntimeError("a fault no probe expects")
+        self.hung.set()
+        await asyncio.Event().wait()
+
+
+async def test_a_probe_that_fails_unexpectedly_leaves_no_other_probe_running() -> None:
+    """Each primary is asked in a task of the read's own: one failing ends the read with the others
+    cancelled and awaited, none left running unowned."""
+    watch = WriteRefusalWatch(_Primaries(), interval_s=60.0)
+    with pytest.raises(BaseException, match="a fault no probe expects|unhandled errors"):
+        await watch.read()
+    left = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    assert not left, f"probes left running: {left}"
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,9 @@ class WriteRefusalWatch:
         else:
             targets = [{}]
         # Each primary within its own timeout: one that does not answer hides no other's refusal.
-        answers = await asyncio.gather(*(self._ask(target) for target in targets))
+        async with asyncio.TaskGroup() as group:
+            asked = [group.create_task(self._ask(target)) for target in targets]
+        answers = [task.result() for task in asked]
         refusals = [answer for answer in answers if answer[1] is not None]
         kind, refusal, reason = (refusals or [answer for answer in answers if answer[0] is not None] or [NONE])[0]
         refusing = self.refusal is not None
