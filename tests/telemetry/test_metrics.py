@@ -42,9 +42,11 @@ class _HeldSim(SimBackend):
 
     def __init__(self) -> None:
         super().__init__(latency_ms=0)
+        self.entered = threading.Event()
         self.go = threading.Event()
 
     def batchstring(self, inputs: list[str]) -> list[str]:
+        self.entered.set()
         assert self.go.wait(30), "the test never let the backend go"
         return super().batchstring(inputs)
 
@@ -75,14 +77,14 @@ async def test_the_embedded_gateway_exports_its_queue_as_the_request_topic_lag()
     transport = httpx.ASGITransport(app=app)
     async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
         try:
-            for index in range(4):  # the first keeps the one worker busy, the other three wait
+            assert (await client.post("/v1/tasks", json={"input": "q0"})).status_code == 202
+            await eventually(backend.entered.is_set, "the first request's call to hold the one worker")
+            for index in range(1, 4):  # these wait while the backend is held
                 assert (await client.post("/v1/tasks", json={"input": f"q{index}"})).status_code == 202
-            # The first batch's commit takes the first request off; the rest wait while the backend is held.
-            await eventually(lambda: 0 < runtime.requests.lag() < 4, "requests waiting for the busy worker")
-            waiting = runtime.requests.lag()
+            await eventually(lambda: runtime.requests.lag() == 3, "three requests waiting for the busy worker")
             scraped = _scraped_lag((await client.get("/metrics")).text)
-            assert waiting == runtime.requests.lag(), "the queue moved while the backend was held"
-            assert scraped == waiting, f"the lag gauge reads {scraped} while {waiting} requests wait for a worker"
+            assert runtime.requests.lag() == 3, "the queue moved while the backend was held"
+            assert scraped == 3, f"the lag gauge reads {scraped} while 3 requests wait for a worker"
         finally:
             backend.go.set()
         await eventually(lambda: runtime.requests.lag() == 0, "every request handed to the worker")
