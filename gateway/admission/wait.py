@@ -152,11 +152,12 @@ class DrainMeter:
     smallest its workers take; 1 while unknown, or where a token budget bounds batches) at both reads:
     a queue shorter than that drains as fast as requests come (one client sending one request at a
     time, read through counters that lag, looks non-empty from read to read), which says nothing of
-    the workers. A full batch is also at least the mean batch taken over the last ``window_s``: a
-    worker that takes all that waits each time it frees, its batch unknown (its credit claimed before
-    any read of the pool, or a token budget bounding batches), leaves a queue that only gathers
-    arrivals between two batches: read as full, that queue would measure a fraction of the arrivals,
-    below a lone client's own rate, which its fair share would then cut down further. A span in which no batch
+    the workers. A full batch is also at least the mean batch taken over the last window
+    (``window_s``; ``first_window_s`` until a batch is seen, and no span is busy before): a worker that
+    takes all that waits each time it frees, its batch unknown (its credit claimed before any read of
+    the pool, or a token budget bounding batches), leaves a queue that only gathers arrivals between
+    two batches: read as full, that queue would measure a fraction of the arrivals, below a lone
+    client's own rate, which its fair share would then cut down further. A span in which no batch
     left measures nothing (a batcher still joining its group is a stall's question). That makes it a
     lower bound on the model's capacity, so the meter keeps the highest, halving it only over
     ``half_life_s`` of spans that measure less: a burst after a quiet spell is not refused for a rate
@@ -282,9 +283,9 @@ class DrainMeter:
             self._waiting_since_s = None
         taken = self._taken
         taken.add(last, now)
-        if taken.seconds >= self.window_s:
+        if taken.seconds >= (self.window_s if self._mean_batch else self.first_window_s):
             self._mean_batch = taken.take_batch()
-        if min(last.depth, now.depth) >= max(self.full_batch, self._mean_batch):
+        if self._mean_batch and min(last.depth, now.depth) >= max(self.full_batch, self._mean_batch):
             busy = self._busy
             busy.add(last, now)
             if busy.seconds >= (self.first_window_s if self._rate is None else self.window_s):

@@ -192,17 +192,23 @@ def faults_of(rnd: random.Random) -> dict[str, tuple[float, float]]:
     return faults
 
 
-async def refusals_after_recovery(seed: int) -> tuple[str, list[str]]:
+async def refusals_after_recovery(
+    seed: int, shape: tuple[float, int, float] | None = None, faults: dict[str, tuple[float, float]] | None = None
+) -> tuple[str, list[str]]:
     """Runs one random deployment through its faults and a steady flow; returns what it was and the
-    refusals that came ``RECOVERED_WITHIN_S`` or later after the last fault ended."""
+    refusals that came ``RECOVERED_WITHIN_S`` or later after the last fault ended. ``shape`` (call
+    seconds, workers, commit delay) and ``faults`` replace the seed's choices."""
     rnd = random.Random(seed)
     call_s = rnd.choice([0.02, 0.1, 0.5, 1.0])
     count = rnd.choice([1, 2, 4])
+    commit_delay_s = rnd.choice([0.0, 0.1, 0.2])
+    if shape is not None:
+        call_s, count, commit_delay_s = shape
     max_batch = round(CAPACITY_PER_S * call_s / count)
     deployment = Deployment(
-        faults_of(rnd),
+        faults_of(rnd) if faults is None else faults,
         [Worker(f"w{n}", max_batch, call_s) for n in range(count)],
-        commit_delay_s=rnd.choice([0.0, 0.1, 0.2]),
+        commit_delay_s=commit_delay_s,
         rnd=rnd,
     )
     caller = Caller(client="ip:192.0.2.1") if seed % 2 else ANONYMOUS  # with and without a fair share
@@ -253,4 +259,14 @@ async def test_a_steady_flow_the_workers_keep_up_with_is_admitted_soon_after_a_f
     bus was slow, a stall, admissions no read holds), 200 requests/s to workers that take 2,000 are
     admitted again within ``RECOVERED_WITHIN_S`` of its end."""
     what, refusals = await refusals_after_recovery(seed)
+    assert not refusals, f"{what}: {len(refusals)} refused, the first {refusals[0]}"
+
+
+async def test_a_lone_client_of_one_worker_of_long_calls_is_not_cut_down_by_its_fair_share_from_the_start() -> None:
+    """No fault: one worker of one-second calls that takes all that waits, commits 0.2 s after each batch,
+    one client with a fair share at 200 requests/s. The first busy window used to close before any
+    batch's size was known, so a queue that only gathered arrivals measured a drain far below the
+    client's rate; its fair share then held it there (a window that kept up measures only what the
+    share let in)."""
+    what, refusals = await refusals_after_recovery(1, shape=(1.0, 1, 0.2), faults={"bus_refuses": (0.0, 0.0)})
     assert not refusals, f"{what}: {len(refusals)} refused, the first {refusals[0]}"
