@@ -1111,6 +1111,6 @@ async def test_a_request_the_edge_refuses_mid_body_is_counted_once(body: bytes, 
     counted = requests_counted()
     protocol.data_received(body)
     await eventually(lambda: edge.app.disconnected == ["/body"], "the app to see the client leave")
-    await settle()
+    await eventually(lambda: not protocol.tasks, "the app's task, its count included, to end")
     assert status_of(transport.written) == 400 and error_code_of(transport.written) == code
     assert requests_counted() == counted + 1, "one request, one answer counted: the edge's"
