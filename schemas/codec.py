@@ -7,7 +7,7 @@ Reads are strict. fastavro reads a negative union or enum index as Python's ``li
 branch or symbol: a queued task read as cancelled) and any long into an ``int`` field.
 :func:`read_canonical` accepts a record only when its bytes are exactly what encoding it again gives
 (the canonical encoding, which has no negative index and no over-long varint) and its ``int`` values
-fit in 32 bits. Encoding again costs less than the read itself; fastavro has no strict mode to do it
+fit in 32 bits. Encoding again costs about what the read costs; fastavro has no strict mode to do it
 for us.
 """
 
