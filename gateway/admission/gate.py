@@ -298,7 +298,9 @@ class Admission:
         if queue is not None:
             queue.mix.admitted(tier)
         if client is not None:
-            self._fair.admitted(model, client, self._clock(), weight)
+            now_s = self._clock()
+            for rank in range(tier.rank, len(Priority)):  # it waits ahead of its own tier and every lower one
+                self._fair.admitted(_share_lane(model, rank), client, now_s, weight)
         self.count(model, tier, "admitted")
 
     def answered(self, model: str, latency_s: float) -> None:
@@ -358,7 +360,7 @@ class Admission:
                 "requests); nothing was queued: retry after the Retry-After delay"
             )
         if client is not None:
-            self._check_share(model, client, predicted)
+            self._check_share(model, client, predicted, tier)
         timeout_s = timeout_ms / 1000
         if predicted.refuses(timeout_s):
             raise PredictedLate(
@@ -372,15 +374,17 @@ class Admission:
                 retry_after_s=min(MAX_RETRY_AFTER_S, max(1, math.ceil(predicted.answer_s * MARGIN - timeout_s))),
             )
 
-    def _check_share(self, model: str, client: str, predicted: Prediction) -> None:
+    def _check_share(self, model: str, client: str, predicted: Prediction, tier: Priority) -> None:
         """Past ``FAIR_AFTER_S`` of queued work, a client above its fair share of the drain is refused,
         unless its request fits the next batch: a model whose call is that long queues a batch's worth
-        of work past it, and a burst that one batch takes makes no one wait behind it."""
+        of work past it, and a burst that one batch takes makes no one wait behind it. The share is among
+        the clients sending at ``tier`` or above (``_share_lane``): a lower tier's flood never holds a
+        higher tier's client to a share."""
         drain = predicted.rate_per_s
         queued_s = predicted.depth / drain if drain else 0.0
         if not drain or queued_s < FAIR_AFTER_S or predicted.fits_next_batch:
             return
-        over = self._fair.over_share(model, client, drain, self._clock())
+        over = self._fair.over_share(_share_lane(model, tier.rank), client, drain, self._clock())
         if over is not None:
             rate, share, clients = over
             unit = self._share_unit
@@ -394,6 +398,13 @@ class Admission:
 
 
 SAMPLE_EVERY_S = 0.2
+
+
+def _share_lane(model: str, rank: int) -> str:
+    """Whose rates a request of tier ``rank`` shares the model's drain with: batches take higher tiers
+    first, so a request waits only behind its own tier and the higher ones, and each admission counts in
+    the lane of its tier and of every lower one."""
+    return f"{model}\x00{rank}"
 
 
 def _fairness_id(caller: Caller) -> str | None:

@@ -196,6 +196,31 @@ async def test_a_high_request_waits_only_behind_its_share_of_a_low_flood() -> No
     await admit_sent(admission, "a", 500, Priority.HIGH, Caller())
 
 
+async def test_a_low_flood_of_one_key_never_holds_another_keys_high_requests_to_a_share() -> None:
+    """A queue of 100 that drains 50/s (2 s of work). Key F floods ``low`` at 100 requests/s; key P
+    sends ``high`` at 30/s, less than the drain. A high request waits behind high work only, so P's
+    share is counted among the clients sending at its tier or above (P alone): every one of its
+    requests is admitted, and F's low flood is what is refused."""
+    counters = Counters()
+    admission = Admission(GatewaySettings(models=("a",), default_model="a"), counters, None, clock=counters.clock)
+    flood, premium = Caller(owner="tenant-flood"), Caller(owner="tenant-premium")
+    left = batches = 0
+    refused: dict[Priority, list[str]] = {Priority.LOW: [], Priority.HIGH: []}
+    for step in range(1, 41):  # 4 s, sampled every 0.1 s as the gateway's sampler does
+        left, batches = left + 5, batches + 1
+        counters.backlogs = {"a": Backlog(100, left, batches, step / 10)}
+        admission.models()
+        for tier, caller, sent in ((Priority.LOW, flood, 10), (Priority.HIGH, premium, 3)):
+            for _ in range(sent):
+                try:
+                    await admit_sent(admission, "a", 30_000, tier, caller)
+                except Overloaded as err:
+                    refused[tier].append(err.message)
+    assert not refused[Priority.HIGH], f"{len(refused[Priority.HIGH])} high refused: {refused[Priority.HIGH][0]}"
+    assert refused[Priority.LOW], "the low flood is held to what the high requests leave"
+    assert "above its fair share" in refused[Priority.LOW][-1], refused[Priority.LOW][-1]
+
+
 async def test_under_a_flood_of_low_a_high_request_is_admitted_and_answered(make_rig: RigFactory) -> None:
     rig = await make_rig(queue_depth="bus", max_queue_depth=10)
     refused = 0
