@@ -441,6 +441,8 @@ class Gateway:
         model, tier = submission.model, submission.tier
         try:
             if (hit := await self._shared.cached(key, submission, wait=wait)) is not None:
+                if tracing.ACTIVE:
+                    spans.request_sent(hit.task_id)  # its record is built: the span names the caller's task
                 if admission is not None:
                     admission.count(model, tier, "admitted")
                 if not wait:

@@ -27,6 +27,7 @@ from gateway.errors import TRANSPORT_ERRORS, ClientDisconnected, DeadlineExceede
 from gateway.publisher import TaskPublisher
 from gateway.submission import Submission
 from schemas.records import Priority, TaskState, TaskStatus
+from telemetry import spans, tracing
 from telemetry.logs import ids
 from telemetry.metrics import COLLAPSED
 from transport.ports import TaskStore
@@ -115,6 +116,10 @@ class Collapser:
         if not self._runs.alive:  # a submit that got here as the gateway closed: it starts nothing
             raise NotReady("the gateway is shutting down; retry on another instance")
         future = self._replies.register(request.task_id, request.started, disconnected)
+        if tracing.ACTIVE:
+            # The caller's own task id on its spans, before a computation it starts publishes under its
+            # context (that task copies the context: its id would otherwise be the one the spans carry).
+            spans.request_sent(request.task_id)
         computation = self._join(key, request)
         now_ms = self._clock.wall_ms()
         queued = TaskState(

@@ -19,7 +19,9 @@ from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from gpu_worker.backends.sim import SimBackend
 from telemetry import tracing
+from telemetry.metrics import CACHE_HITS, COLLAPSED
 from tests.support.trace_checks import check_batch_links, check_covers, from_sdk, request_chain
+from transport.memory.cache import MemoryResultCache
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -149,3 +151,46 @@ async def test_a_caller_that_does_not_sample_its_trace_gets_no_spans_recorded(
     response = await client.post("/v1/inference", json={"input": "quiet"}, headers={"traceparent": header})
     assert response.status_code == 200 and response.json()["output"] == "teiuq"
     assert exporter.get_finished_spans() == (), "the caller's decision holds in every role"
+
+
+async def test_shared_answers_spans_name_each_callers_own_task() -> None:
+    """Identical requests of a deterministic model share one computation, and a later one is answered
+    from the cache: each caller's ``gateway.accept`` and ``reply`` carry the task id that caller was
+    given, not the shared computation's (an id no caller holds)."""
+    exporter = InMemorySpanExporter()
+    tracing.configure(None, "batchwire-test", exporter=exporter)
+    runtime = EmbeddedRuntime(
+        EmbeddedSettings(shared=SharedSettings(models=("sim",)), workers_per_model=1),
+        lambda model, index: SimBackend(latency_ms=200),
+    )
+    settings = GatewaySettings(models=("sim",), deterministic_models=("sim",), cache_ttl_s=60.0)
+    gateway = Gateway(settings, runtime.producer, runtime.store, cache=MemoryResultCache())
+    app = create_app(gateway, runtime)
+    await runtime.start()
+    await gateway.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
+
+            async def call() -> tuple[str, str]:
+                header, trace_id = traceparent()
+                response = await client.post("/v1/inference", json={"input": "same"}, headers={"traceparent": header})
+                assert response.status_code == 200 and response.json()["output"] == "emas", response.text
+                return trace_id, response.json()["task_id"]
+
+            collapsed = COLLAPSED.labels(model="sim")._value.get()
+            callers = list(await asyncio.gather(call(), call()))
+            assert COLLAPSED.labels(model="sim")._value.get() - collapsed == 1, "the second caller joined the first"
+            hits = CACHE_HITS.labels(model="sim")._value.get()
+            callers.append(await call())
+            assert CACHE_HITS.labels(model="sim")._value.get() - hits == 1, "the third caller was a cache hit"
+    finally:
+        await gateway.close()
+        await runtime.close()
+        tracing.shutdown()
+    spans = from_sdk(exporter.get_finished_spans())
+    for trace_id, task_id in callers:
+        mine = {
+            span.name: span for span in spans if span.trace_id == trace_id and span.name in ("gateway.accept", "reply")
+        }
+        named = {name: span.attributes.get("task.id") for name, span in mine.items()}
+        assert named == {"gateway.accept": task_id, "reply": task_id}, f"caller given {task_id}: {named}"
