@@ -66,9 +66,9 @@ class RequestSpans:
         self._stored_ms = stored_ms
 
     def end(self, status: int | None, err: BaseException | str | None = None) -> None:
-        """The route is done: ends what is still open and records ``reply``: from the stored result,
-        or, for a request that ended in an error after it was sent (a 504, a failed task, a caller
-        gone), from the send, marked failed. A 202 records none: its answer is read elsewhere."""
+        """The route is done: ends what is still open and records ``reply``: from the stored end (a
+        failed or expired task's too), or, where none came (the gateway's own deadline, a caller
+        gone), from the send; an error marks it failed. A 202 records none: its answer is read elsewhere."""
         _current.reset(self._token)
         if not self._accepted:  # refused, or answered without a new task (an idempotent replay)
             self._accepted = True
