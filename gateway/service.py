@@ -237,7 +237,8 @@ class Gateway:
         count = None if self._token_budget is None else functools.partial(self._token_budget.check, input)
         try:
             # Before admission, which takes the client's rate-limit token: a request refused here takes none.
-            if (full := self._store.full(model)) is not None:
+            # A shared one may add no input (a cache hit, a join): it is checked once that is known.
+            if key is None and (full := self._store.full(model)) is not None:
                 raise Overloaded(full)
             if self._admission.active:
                 check = None if charged else count
@@ -450,22 +451,31 @@ class Gateway:
                 answer = self._answer(hit, submission, shared=True)
             elif wait:
                 self._check_room()
-                if admission is not None:
-                    if self._shared.joins(key, submission):
+                if self._shared.joins(key, submission):
+                    if admission is not None:
                         admission.count(model, tier, "admitted")
-                    else:
-                        submission = await self._queued(admission, submission, part)
+                else:
+                    submission = await self._shared_queued(admission, submission, part)
                 state = await self._shared.computed(key, submission, watch)
                 answer = self._answer(state, submission, shared=True)
             else:
-                if admission is not None:
-                    submission = await self._queued(admission, submission, part)
+                submission = await self._shared_queued(admission, submission, part)
                 return await self._enqueue(submission)
         finally:
             if submission.ticket is not None:
                 submission.ticket.close()
         self._admission.count(model, tier, "answered")
         return answer
+
+    async def _shared_queued(self, admission: Admission | None, submission: Submission, part: ClientPart) -> Submission:
+        """A shared request that is to be queued after all: the store's room for its input (``full``, which
+        ``submit`` left to here), then the queue's checks (``_queued``); a refusal gives back the client's
+        token, as a request refused 503 takes none."""
+        if (full := self._store.full(submission.model)) is not None:
+            if admission is not None and not part.charged:
+                await admission.refund(part.caller, 1)
+            raise Overloaded(full)
+        return submission if admission is None else await self._queued(admission, submission, part)
 
     async def _queued(self, admission: Admission, submission: Submission, part: ClientPart) -> Submission:
         """``submission`` with its place in its model's queue (``Admission.queue``); a refusal gives

@@ -269,6 +269,34 @@ async def test_a_full_store_still_answers_a_synchronous_cache_hit(make_rig: RigF
     assert rig.gateway.inflight == 0
 
 
+class InputsFullStore(RecordingStore):
+    """The embedded store once a model's waiting inputs fill its share of the memory budget."""
+
+    inputs_full = False
+
+    def full(self, model: str) -> str | None:
+        return f"model {model!r} has 64 MiB of inputs waiting for a worker" if self.inputs_full else None
+
+
+async def test_a_model_whose_waiting_inputs_fill_its_memory_still_answers_from_the_cache(make_rig: RigFactory) -> None:
+    """A model's share of the embedded memory full of waiting inputs refuses what would wait with them,
+    as its queue's checks do; a cache hit adds no input, so it is answered, synchronous or not."""
+    store = InputsFullStore()
+    rig = await make_rig(**SHARING, store=store, cache=MemoryResultCache(), cache_ttl_s=60.0)
+    await rig.worker()
+    assert (await infer(rig, "hello")).json()["output"] == "olleh"
+    store.inputs_full = True
+
+    cached = await infer(rig, "hello")
+    polled_hit = await rig.client.post("/v1/tasks", json={"input": "hello"})
+    uncached = await infer(rig, "world")
+
+    assert cached.status_code == 200 and cached.json()["output"] == "olleh", cached.text
+    assert polled_hit.status_code == 202 and polled_hit.json()["status"] == "completed", polled_hit.text
+    assert uncached.status_code == 503 and error_of(uncached)["code"] == "overloaded", uncached.text
+    assert rig.produced() == 1, "nothing was queued while the model's inputs filled its memory"
+
+
 async def test_a_failed_computation_is_never_cached(make_rig: RigFactory) -> None:
     rig = await make_rig(**SHARING, cache=MemoryResultCache(), cache_ttl_s=60.0)
     worker = await rig.worker()
