@@ -266,7 +266,7 @@ class Dispatcher:
         """Seals ``model``'s batch against ``credit`` and starts its landing (``_land``)."""
         async with self._handover:
             loop.sent()  # no await until the landing starts: from here the credit is this send's
-            taken = self.former.take(model, credit.max_batch)
+            taken = self.former.take(model, credit.max_batch, self.settings.max_batch_bytes)
             if taken.items:
                 batch, now = self._batch(model, taken, credit), self.clock()
                 reads = [p.read_s or p.arrived_s for p in taken.items]

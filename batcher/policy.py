@@ -129,6 +129,8 @@ class Pending(Generic[Item]):
     """When this batcher read it (``arrived_s`` is when the gateway enqueued it), for its spans."""
     tokens: int = 1
     """Its input's length in tokens (``batcher.tokens``), for the token budget."""
+    size_bytes: int = 0
+    """What it takes in an encoded batch (``schemas.codec.item_bytes``), for a batch's byte limit."""
 
 
 @dataclass(slots=True)
@@ -301,12 +303,30 @@ class BatchFormer(Generic[Item]):
             return 0.0
         return policy.reserve_ms / 1000.0
 
-    def take(self, model: str, limit: int = 0) -> Taken[Item]:
+    def take(self, model: str, limit: int = 0, max_bytes: int = 0) -> Taken[Item]:
         """The batch for one credit: the oldest sealed batch, else (work-conserving) all pending.
 
-        ``limit`` (the claiming worker's own max batch, 0 for none) cuts a larger batch; the rest
-        stays at the head of the line for the next credit.
+        ``limit`` (the claiming worker's own max batch, 0 for none) cuts a larger batch; so does
+        ``max_bytes`` (the most its items may take together, ``Pending.size_bytes``; 0 for none: a
+        batch is one record on the bus, and a record over the bus's limit is refused however often it
+        is sent). The rest stays at the head of the line for the next credit. The first item goes
+        whatever its size.
         """
+        taken = self._take(model, limit)
+        if max_bytes <= 0:
+            return taken
+        size, fit = 0, 0
+        for pending in taken.items:
+            size += pending.size_bytes
+            if size > max_bytes and fit > 0:
+                break
+            fit += 1
+        if fit < len(taken.items):
+            self.give_back(model, Taken(taken.items[fit:], taken.reason, taken.sealed_s))
+            taken.items = taken.items[:fit]
+        return taken
+
+    def _take(self, model: str, limit: int) -> Taken[Item]:
         queue = self._models.get(model)
         now = self.clock()
         if queue is None:

@@ -28,6 +28,7 @@ from batcher.policy import BatchFormer, Pending
 from batcher.settings import BatcherSettings
 from batcher.states import wall_ms
 from batcher.tokens import TokenCounter, estimated
+from schemas.codec import item_bytes
 from schemas.records import InferenceRequest, TaskState
 from telemetry import metrics
 from transport.cancelling import cancel_and_wait
@@ -288,6 +289,7 @@ class Batcher:
             rank=request.priority.rank,
             read_s=now_s,
             tokens=tokens,
+            size_bytes=item_bytes(request),
         )
 
     def _tokens(self, text: str) -> int:

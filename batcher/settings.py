@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from batcher.policy import FlushPolicy
 from batcher.tiers import DEFAULT_MIN_SHARE, TierShares
+from schemas.codec import BATCH_FIXED_BYTES, MAX_RECORD_BYTES
 
 
 def _batcher_id() -> str:
@@ -20,6 +21,9 @@ class BatcherSettings:
     fetch_max_records: int = 1000
     fetch_timeout_s: float = 0.2
     claim_timeout_s: float = 1.0
+    max_batch_bytes: int = MAX_RECORD_BYTES - BATCH_FIXED_BYTES
+    """Bytes a batch's items take together at most (``schemas.codec.item_bytes``): a batch is one record
+    on the batch topic, which refuses a longer one every time it is sent."""
     max_held: int = 50_000
     """Requests held in memory (pending + sealed) above which the batcher stops reading."""
     send_retry_s: float = 0.2

@@ -209,6 +209,25 @@ def decode_request(data: bytes) -> InferenceRequest:
     return InferenceRequest(**record)
 
 
+MAX_RECORD_BYTES = 1_048_576
+"""The longest record Kafka takes as batchwire runs it: the producer's ``max_request_size`` and about the
+broker's ``message.max.bytes``, both at their defaults."""
+ITEM_FIXED_BYTES = 64
+"""What a batch item's encoding takes besides its strings' UTF-8 bytes, at most: a length before each
+string, its two times, its priority and its optional fields' markers."""
+BATCH_FIXED_BYTES = 4096
+"""What a batch's record takes besides its items, at most: the header, the batch's own fields (ids,
+the credit, the trace context) and the bus's framing and trace headers."""
+
+
+def item_bytes(request: InferenceRequest) -> int:
+    """The most bytes ``request`` takes as an item of an encoded batch (``encode_batch``)."""
+    strings = (request.task_id, request.input, request.reply_to or "", request.traceparent or "")
+    return ITEM_FIXED_BYTES + sum(
+        len(text) if text.isascii() else len(text.encode(errors="surrogatepass")) for text in strings
+    )
+
+
 def encode_batch(batch: Batch) -> bytes:
     record = {
         "batch_id": batch.batch_id,

@@ -224,3 +224,22 @@ def test_a_batch_cut_by_a_workers_limit_keeps_its_deadlines(clock: FakeClock) ->
     taken = former.take("m", limit=2)
     assert [p.item for p in taken.items] == ["r0", "r1"]
     assert former.next_due_s() == pytest.approx(clock() + 7.0), "the rest (r2, r3) waits with r3's deadline first"
+
+
+def test_a_batch_over_the_byte_limit_is_cut_and_the_rest_goes_next_in_order(clock: FakeClock) -> None:
+    former: BatchFormer[str] = BatchFormer(FlushPolicy.work_conserving(), clock)
+    for n in range(5):
+        former.add("m", Pending(f"r{n}", 0, n, clock(), clock() + 30, size_bytes=400))
+    first = former.take("m", max_bytes=1000)
+    assert [p.item for p in first.items] == ["r0", "r1"], "as many as fit in 1000 bytes"
+    assert former.ready("m"), "the rest waits at the head of the line for the next credit"
+    assert [p.item for p in former.take("m", max_bytes=1000).items] == ["r2", "r3"]
+    assert [p.item for p in former.take("m", max_bytes=1000).items] == ["r4"]
+
+
+def test_an_item_over_the_byte_limit_goes_alone(clock: FakeClock) -> None:
+    former: BatchFormer[str] = BatchFormer(FlushPolicy.work_conserving(), clock)
+    former.add("m", Pending("big", 0, 0, clock(), clock() + 30, size_bytes=5000))
+    former.add("m", Pending("small", 0, 1, clock(), clock() + 30, size_bytes=10))
+    assert [p.item for p in former.take("m", max_bytes=1000).items] == ["big"]
+    assert [p.item for p in former.take("m", max_bytes=1000).items] == ["small"]
