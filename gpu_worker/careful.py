@@ -1,10 +1,15 @@
-"""How a redelivered batch runs: suspects in halves, innocents together, the proven culprit set aside.
+"""How a redelivered batch runs: suspects in halves, the others together, the proven culprit set aside.
 
 A batch delivered again was in the hands of a worker that died (or handed it back). The plan is
 pure: from the inputs still to run and what the ``DeliveryLog`` says was in flight at the death,
 it returns the groups to run (each marked in flight before it runs, so the next death narrows the
 suspects by half: a crash bisection across deliveries) and the inputs to dead-letter: one that was
 in flight *alone* when a worker died, and has been in flight at ``max_deliveries`` deaths in all.
+The suspects' halves run first. The others were not in flight at the last death, but that clears
+none of them: after a death with no mark (every input struck) only one half of the suspects ran,
+and the other may hold a crashing input too. Run first and killing the worker, they would be the
+next suspects and the first half the others, run whole again: two crashing inputs would take turns
+killing workers until every deadline passed, and no group would ever shrink.
 Healthy inputs of the batch still get their answers; a random kill -9 never dead-letters anything
 unless the same input was in flight at ``max_deliveries`` deaths. A batch its last holder recorded
 handing back alive has no suspects: it runs in one group, and no input is struck.
@@ -34,17 +39,19 @@ class CarefulPlan(Generic[T]):
 def plan(items: Sequence[T], task_id: Callable[[T], str], suspects: Suspects, max_deliveries: int) -> CarefulPlan[T]:
     """``suspects``: read for every task of the batch, so that an input whose partners at the death
     have ended since (cancelled, expired) is not taken for one that was in flight alone."""
-    innocent = [item for item in items if task_id(item) not in suspects.task_ids]
+    others = [item for item in items if task_id(item) not in suspects.task_ids]
     suspected = [item for item in items if task_id(item) in suspects.task_ids]
-    groups: list[list[T]] = [innocent] if innocent else []
     alone = len(suspected) == 1 and len(suspects.task_ids) == 1
     if alone and suspects.strikes.get(task_id(suspected[0]), 0) >= max_deliveries:
-        return CarefulPlan(groups, suspected)
+        return CarefulPlan([others] if others else [], suspected)
+    groups: list[list[T]] = []
     if len(suspected) > 1:
         middle = len(suspected) // 2
         groups.extend([suspected[:middle], suspected[middle:]])
     elif suspected:
         groups.append(suspected)
+    if others:
+        groups.append(others)
     return CarefulPlan(groups, [])
 
 

@@ -28,9 +28,9 @@ def suspects(ids: set[str], strikes: int, marked: bool = True) -> Suspects:
     return Suspects(frozenset(ids), dict.fromkeys(ids, strikes), marked)
 
 
-def test_plan_runs_innocents_together_then_suspects_in_halves() -> None:
+def test_plan_runs_suspects_in_halves_then_the_others_together() -> None:
     decided = plan(list("abcdef"), str, suspects({"c", "d", "e", "f"}, 1), max_deliveries=3)
-    assert decided.groups == [["a", "b"], ["c", "d"], ["e", "f"]]
+    assert decided.groups == [["c", "d"], ["e", "f"], ["a", "b"]]
     assert decided.dead == []
 
 
@@ -104,6 +104,20 @@ async def test_a_crashing_input_is_dead_lettered_and_the_rest_answered() -> None
     assert max(ran.values()) <= 4, f"healthy inputs ran too often: {ran}"
     # 8 inputs: death with all 8, then halves of 4, 2, 1, then the lone input twice more
     assert deaths <= 6, f"crash bisection should take about log2(8) + 2 deaths, took {deaths}"
+
+
+async def test_two_crashing_inputs_in_both_halves_of_a_batch_are_dead_lettered_and_the_rest_answered() -> None:
+    """The first death strikes every input and the halves each hold a crashing one: the half that did not
+    run is not cleared by the other's death, and runs after it is split, else the two halves take turns
+    killing workers until every deadline passes."""
+    rig = Rig()
+    batch = rig.batch(["ok0", "poison-a", "ok2", "poison-b"])
+    await rig.create(batch)
+    deaths, _ = await deliver_until_answered(rig, batch, die_on="poison", rounds=30)
+    ended = {task: replies[0] for task, replies in rig.replies.items()}
+    assert [ended[task].output for task in ("t0", "t2")] == ["0ko", "2ko"], ended
+    assert {ended[task].error_code for task in ("t1", "t3")} == {DEAD_LETTERED}, ended
+    assert deaths <= 10, f"two crashing inputs of four: {deaths} deaths"
 
 
 async def test_a_lone_crashing_input_goes_to_the_dead_letter_topic_after_max_deliveries() -> None:
@@ -228,7 +242,7 @@ async def test_a_redelivery_whose_suspects_were_answered_too_late_keeps_the_mark
     await rig.ended(["t0", "t1", "t2"])
     await worker.close()
     assert deliveries.lost == ["b1"], f"the suspects' answer was lost once: {deliveries.lost}"
-    assert backend.calls == [["a", "b"], ["c"]], f"a and b together, c (the one in flight) alone: {backend.calls}"
+    assert backend.calls == [["c"], ["a", "b"]], f"c (the one in flight) alone, a and b together: {backend.calls}"
 
 
 async def test_a_batch_handed_back_by_each_stopping_worker_is_answered_not_dead_lettered() -> None:
