@@ -215,8 +215,9 @@ class Committer:
                 delivered.offset,
             )
             return
-        await self._commit(delivered)
-        if batch is not None:
+        # Forgotten only once committed: one that comes again (maybe to a worker that holds it now)
+        # still counts its deliveries, marks and strikes.
+        if await self._commit(delivered) and batch is not None:
             try:
                 await self.deliveries.finish(batch.batch_id)
             except TransportError as err:  # it expires on its own
@@ -229,7 +230,8 @@ class Committer:
                 )
         self.batches_done += 1
 
-    async def _commit(self, delivered: Delivered[Batch]) -> None:
+    async def _commit(self, delivered: Delivered[Batch]) -> bool:
+        """Whether the batch was committed."""
         try:
             await self.consumer.commit(delivered)
         except TransportError as err:
@@ -242,6 +244,8 @@ class Committer:
                 delivered.offset,
                 err,
             )
+            return False
+        return True
 
 
 def _traced(batch: Batch, call: Timed, handed_ns: int, stored_ns: int) -> None:

@@ -165,3 +165,37 @@ async def test_a_batch_given_up_goes_back_uncommitted_with_every_batch_after_it(
     await commits.close()
     assert consumer.committed == [1], f"committing 3 would commit 2, which has no results; got {consumer.committed}"
     assert [batch.batch_id for batch in commits.given_back] == ["b2", "b3"], "a supervisor sends both again"
+
+
+class Refusing(Recording):
+    """A batch consumer whose commits the group refuses (its partition moved to another worker)."""
+
+    async def commit(self, delivered: Delivered[Batch]) -> None:
+        raise TransportError("commit refused: the group rebalanced")
+
+
+async def test_a_batch_whose_commit_failed_keeps_its_delivery_record() -> None:
+    """It comes again, perhaps to a worker that holds it already: its deliveries, marks and strikes
+    still count. Forgotten, its next delivery would read as a first, and a crashing input's strikes
+    would start over."""
+    store, failures, deliveries = GatedStore(), [], MemoryDeliveryLog()
+    commits = Committer(
+        "w1",
+        Refusing(),  # type: ignore[arg-type]
+        store,
+        deliveries,
+        None,
+        once,
+        failures.append,
+        abandoned=lambda: False,
+        stopping=lambda: False,
+    )
+    commits.start()
+    delivered, states = handed(0, "t0")
+    assert delivered.value is not None
+    await deliveries.begin(delivered.value.batch_id, "w1's")
+    await deliveries.begin(delivered.value.batch_id, "w2's, running it meanwhile")
+    await asyncio.wait_for(commits.fill(commits.reserve(delivered), states), 5)
+    await commits.close()
+    assert await deliveries.begin(delivered.value.batch_id, "w3's") == 3, "the batch's third delivery"
+    assert not failures
