@@ -159,3 +159,21 @@ async def test_hosts_whose_clocks_disagree_see_each_others_beats_at_their_true_a
     finally:
         await writer.close()
         await reader.close()
+
+
+@pytest.mark.kafka
+@pytest.mark.parametrize(("skew_s", "warned"), [(6.0, True), (-6.0, True), (0.0, False)])
+async def test_a_host_whose_clock_is_far_from_redis_says_so(
+    redis_url: str, names: Names, caplog: pytest.LogCaptureFixture, skew_s: float, warned: bool
+) -> None:
+    """Credits and deadlines cross hosts in wall-clock time: a batcher host seconds ahead of a worker's
+    drops every credit it offers. Beats measure each host against Redis's clock, so the skew is told."""
+    writer = RedisFleet(redis_url, names, wall_ms=lambda: int((time.time() + skew_s) * 1000))
+    with caplog.at_level("WARNING", logger="transport.redis.fleet"):
+        await writer.start()
+        await writer.close()
+    told = [record.getMessage() for record in caplog.records if record.name == "transport.redis.fleet"]
+    if warned:
+        assert len(told) == 1 and f"{abs(skew_s):.1f} s" in told[0] and "NTP" in told[0], told
+    else:
+        assert told == [], told

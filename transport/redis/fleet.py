@@ -9,13 +9,15 @@ process start adds a member. Redis 7.0 has no per-field expiry, and a key per me
 Beats are stored in Redis's clock (``TIME``) and read back in the reader's: a beat's age is then right
 between hosts whose clocks disagree (a host seconds behind would show its members gone, a minute behind
 have them dropped at every read). Each process measures how far its clock is from Redis's at start and
-once every ``FORGET_AFTER_S``.
+once every ``FORGET_AFTER_S``, and warns when it is ``SKEW_WARN_MS`` or more: credits and deadlines cross
+hosts in the writer's wall-clock time, which nothing corrects.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -24,6 +26,12 @@ from schemas.wire import Names
 from transport.ports import TransportError
 from transport.redis.pools import REDIS_ERRORS, KeyedClient, PoolOptions, translate
 from transport.redis.sentinel import PrimaryFollower
+
+log = logging.getLogger(__name__)
+
+SKEW_WARN_MS = 1000
+"""A clock this far from Redis's is told (WARNING): a credit is stamped with its worker's clock and claimed
+by a batcher's, a deadline set by a gateway's and read by a batcher's and a worker's."""
 
 FLEET_POOL = PoolOptions(max_connections=2, socket_timeout_s=1.0, pool_timeout_s=1.0)
 """A beat a second and the fleet views' reads: a slow Redis delays a heartbeat, never a request."""
@@ -68,7 +76,15 @@ class RedisFleet:
             seconds, micros = await self._client.time()
         except REDIS_ERRORS as err:
             raise translate("reading Redis's clock", err) from err
-        self._ahead_ms = (before + self._wall_ms()) // 2 - (seconds * 1000 + micros // 1000)
+        self._ahead_ms = ahead_ms = (before + self._wall_ms()) // 2 - (seconds * 1000 + micros // 1000)
+        if abs(ahead_ms) >= SKEW_WARN_MS:
+            log.warning(
+                "this host's clock is %.1f s %s Redis's: credits and deadlines cross hosts by their wall clocks, so "
+                "a batcher's host ahead of a worker's by a credit's lifetime (--credit-ttl-s) drops all its credits, "
+                "and requests expire early or late by the difference; synchronise the hosts' clocks (NTP)",
+                abs(ahead_ms) / 1000,
+                "ahead of" if ahead_ms > 0 else "behind",
+            )
 
     async def close(self) -> None:
         await self._commands.close()
