@@ -32,16 +32,18 @@ class NotStarted(Exception):
 
 
 class BackendHung(Exception):
-    """A backend call ran past its hang limit; the thread that runs it is lost."""
+    """A backend call ran past its hang limit; the thread that runs it is lost. ``elapsed_s`` None: this
+    call did not run, the thread being held by an earlier one that did."""
 
-    def __init__(self, elapsed_s: float, limit_s: float, expected_s: float | None) -> None:
+    def __init__(self, elapsed_s: float | None, limit_s: float | None, expected_s: float | None) -> None:
         expected = "no estimate yet" if expected_s is None else f"{expected_s * 1000:.0f} ms expected"
-        super().__init__(
-            f"the backend call has run {elapsed_s:.1f} s, past its hang limit of {limit_s:.1f} s ({expected}; "
-            "BATCHWIRE_HANG_FACTOR, BATCHWIRE_HANG_MIN_S, BATCHWIRE_EXPECTED_LATENCY_MS)"
-        )
-        self.elapsed_s = elapsed_s
-        self.limit_s = limit_s
+        settings = "BATCHWIRE_HANG_FACTOR, BATCHWIRE_HANG_MIN_S, BATCHWIRE_EXPECTED_LATENCY_MS"
+        if elapsed_s is None or limit_s is None:
+            said = "the backend's thread is still held by an earlier call that ran past its hang limit"
+            super().__init__(f"{said} ({expected}; {settings}); this call did not run")
+        else:
+            said = f"the backend call has run {elapsed_s:.1f} s, past its hang limit of {limit_s:.1f} s"
+            super().__init__(f"{said} ({expected}; {settings})")
 
 
 @dataclass(slots=True)
@@ -154,7 +156,7 @@ class BackendRunner:
         whose caller is cancelled before the thread takes it never runs.
         """
         if self.hung:
-            raise BackendHung(0.0, 0.0, self.expected_s)
+            raise BackendHung(None, None, self.expected_s)
         limit = self.limit_s()
         timing = Timing() if timing is None else timing
         running, queued = self._submit(fn, *args, timing=timing)
