@@ -19,9 +19,12 @@ from gateway.errors import (
 from gateway.settings import GatewaySettings, env_name
 
 
-def validated(settings: GatewaySettings, input: str, model: str | None, timeout_ms: int | None) -> tuple[str, int]:
+def validated(
+    settings: GatewaySettings, input: str, model: str | None, timeout_ms: int | None, *, name: str = "input"
+) -> tuple[str, int]:
     """The model and timeout a request runs with (its own, else the defaults), once its input, model
-    and timeout are within what ``settings`` serve."""
+    and timeout are within what ``settings`` serve. ``name`` is the input as a refusal names it: where
+    the caller sent it (one string of an OpenAI-compatible request is ```prompt[2]```)."""
     if model is None:
         model = settings.default_model
     elif model not in settings.models:
@@ -35,10 +38,11 @@ def validated(settings: GatewaySettings, input: str, model: str | None, timeout_
             f"{settings.default_timeout_ms}"
         )
     if not input:
-        raise EmptyInput("input is empty; send the text to run the model on")
+        raise EmptyInput(f"{name} is empty; send the text to run the model on")
     if len(input) > settings.max_input_chars:
         raise InputTooLarge(
-            f"input is {len(input)} characters; the limit is {settings.max_input_chars} ({env_name('max_input_chars')})"
+            f"{name} is {len(input)} characters; the limit is {settings.max_input_chars} "
+            f"({env_name('max_input_chars')})"
         )
     return model, timeout_ms
 

@@ -188,6 +188,29 @@ async def test_a_body_that_is_no_json_object_is_shown_the_routes_own_example(
     assert f"object like {example}" in refused.json()["error"]["message"], refused.text
 
 
+@pytest.mark.parametrize(("route", "field"), [("embeddings", "input"), ("completions", "prompt")])
+@pytest.mark.parametrize(
+    ("value", "at", "status", "code", "says"),
+    [
+        ("", "", 400, "empty_input", "is empty"),
+        (["fine", "also fine", ""], "[2]", 400, "empty_input", "is empty"),
+        ("y" * 70_000, "", 413, "input_too_large", "is 70000 characters; the limit is 65536"),
+        (["fine", "y" * 70_000], "[1]", 413, "input_too_large", "is 70000 characters; the limit is 65536"),
+    ],
+    ids=["empty", "empty in a list", "too long", "too long in a list"],
+)
+async def test_a_string_refused_for_itself_is_named_by_the_field_and_place_the_caller_sent(
+    client: openai.AsyncOpenAI, route: str, field: str, value: object, at: str, status: int, code: str, says: str
+) -> None:
+    """Not ``/v1/inference``'s ``input``, which a completions caller never sent, and not a bare "input"
+    that leaves the caller to search up to 256 strings for the one at fault."""
+    with pytest.raises(openai.APIStatusError) as refused:
+        await client.post(f"/{route}", body={"model": "sim", field: value}, cast_to=object)
+    body = refused.value.body
+    assert refused.value.status_code == status and isinstance(body, dict) and body.get("code") == code, body
+    assert str(body.get("message")).startswith(f"`{field}{at}` {says}"), body
+
+
 @pytest.mark.parametrize("value", [5, ["x", 1], {"text": "x"}])
 async def test_a_stop_of_another_type_is_refused_in_one_line_saying_what_to_send(
     client: openai.AsyncOpenAI, value: object
@@ -589,13 +612,44 @@ async def test_the_prompts_left_when_one_is_refused_are_cancelled_as_at_a_discon
     the default); these prompts are watched at once, else one cancelled where it waits (after
     ``GONE_GRACE_S``) would leave its task on the bus, computed for nobody."""
     rig = await make_rig(reply_recheck_s=reply_recheck_s)  # no worker: "a" waits on the bus
-    refused = await rig.client.post("/v1/completions", json={"model": "echo", "prompt": ["a", "x" * 70_000]})
-    assert refused.status_code == 413, refused.text
-    waiting = rig.only_request()
-    assert waiting.input == "a"
+    refusing = asyncio.ensure_future(
+        rig.client.post("/v1/completions", json={"model": "echo", "prompt": ["a", "fail: the model raises"]})
+    )
+    await eventually(lambda: rig.produced() == 2, "both prompts on the bus")
+    requests = [request for records in rig.bus.log.records for request in records]
+    failing = next(request for request in requests if request.input.startswith("fail:"))
+    failed = TaskState(
+        failing.task_id,
+        TaskStatus.FAILED,
+        failing.model,
+        int(time.time() * 1000),
+        failing.enqueued_at_ms,
+        error_code="backend_error",
+        error_message="the model raised",
+        reply_to=failing.reply_to,
+    )
+    await rig.store.apply([failed])  # the model failed "fail:...", as a worker reports it
+    refused = await refusing
+    assert refused.status_code == 502, refused.text
+    waiting = next(request for request in requests if request.input == "a")
     state = await rig.store.get(waiting.task_id)
     assert state is not None and state.status is TaskStatus.CANCELLED, state
     assert rig.gateway.inflight == 0
+
+
+@pytest.mark.parametrize(("route", "field"), [("embeddings", "input"), ("completions", "prompt")])
+@pytest.mark.parametrize(("bad", "status"), [("", 422), ("x" * 70_000, 413)], ids=["empty", "too long"])
+async def test_a_request_with_a_string_refused_for_itself_leaves_nothing_behind(
+    make_rig: RigFactory, route: str, field: str, bad: str, status: int
+) -> None:
+    """As a single request refused for its input (docs/operations.md, "Errors"): no string of it was
+    queued, whatever the deployment's admission checks (none here: no queue read, no rate limit), so
+    none is stored, produced, or computed for a caller who got its refusal."""
+    rig = await make_rig()
+    refused = await rig.client.post(f"/v1/{route}", json={"model": "echo", field: ["a", "b", bad]})
+    assert refused.status_code == (400 if status == 422 else status), refused.text
+    assert rig.produced() == 0, "a string of a refused request reached the bus"
+    assert rig.store.created == [], "a string of a refused request was stored"
 
 
 async def test_a_stream_whose_client_left_before_its_first_chunk_cancels_its_prompts(make_rig: RigFactory) -> None:
