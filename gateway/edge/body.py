@@ -140,6 +140,8 @@ MAX_PROBLEMS = 5
 """Problems of a body that a refusal names; the rest it counts."""
 TEXT_EXPECTED = "text_expected"
 """The error type of a field validator that refuses a value which is not text, in its own words."""
+BOM = "\ufeff"
+"""A byte order mark: RFC 8259 forbids sending one, and a body that starts with one is refused naming it."""
 
 
 def parse_body(body: bytes, shape: type[Shape]) -> Shape:
@@ -149,6 +151,11 @@ def parse_body(body: bytes, shape: type[Shape]) -> Shape:
         text = body.decode("utf-8")
     except UnicodeDecodeError as err:
         raise InvalidUtf8(f"the body is not valid UTF-8 (bad byte at offset {err.start}); send UTF-8 JSON") from err
+    if text.startswith(BOM):  # invisible in an editor: the parser's "expected value at column 1" says nothing
+        raise InvalidJson(
+            "the body starts with a byte order mark (U+FEFF), which JSON sent over a network does not carry; "
+            f"send it without one (save the file as UTF-8 without BOM), an object like {_example(shape)}"
+        )
     try:
         return shape.model_validate_json(text)
     except ValidationError as err:

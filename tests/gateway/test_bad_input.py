@@ -21,6 +21,9 @@ CASES: list[tuple[str, bytes, int, str, str]] = [
     ("trailing garbage", b'{"input": "x"} x', 400, "invalid_json", "JSON"),
     ("lone surrogate escape", b'{"input": "\\ud800"}', 400, "invalid_json", "JSON"),
     ("invalid utf-8", b'{"input": "\xff\xfe"}', 400, "invalid_utf8", "UTF-8"),
+    # a byte order mark is invisible where the caller looks (a Windows editor's UTF-8 file, sent with
+    # curl -d @file): "expected value at line 1 column 1" of a body that starts with `{` says nothing
+    ("byte order mark", b'\xef\xbb\xbf{"input": "x"}', 400, "invalid_json", "byte order mark (U+FEFF)"),
     ("input is a number", b'{"input": 5}', 422, "validation_error", "input"),
     ("input is null", b'{"input": null}', 422, "validation_error", "input"),
     ("input missing", b'{"model": "sim"}', 422, "validation_error", "input"),
