@@ -519,8 +519,14 @@ class Gateway:
             # Only our deadline raises it here: a transport's own TimeoutError (an OSError)
             # became Unavailable inside publish.
             if not published:
+                # Ended now, and past its deadline no worker starts it: nothing is left to poll for.
                 await publisher.end_unsent(queued, timeout_ms)
-            elif not record:
+                raise DeadlineExceeded(
+                    f"timeout_ms={timeout_ms} passed before the request bus took the request; send a longer "
+                    "timeout_ms (the task ended expired, never computed)",
+                    task_id=task_id,
+                ) from None
+            if not record:
                 await publisher.record_late(queued)
             raise DeadlineExceeded(
                 f"no answer within timeout_ms={timeout_ms}; the task may still finish: poll its result",

@@ -179,6 +179,10 @@ async def test_a_stuck_bus_is_bounded_by_the_request_timeout(make_rig: RigFactor
         polled = await rig.client.get(f"/v1/result/{error_of(response)['task_id']}")
         assert polled.status_code == 200, polled.text
         assert polled.json()["status"] == "expired"
+        # Ended, never to be computed: the answer says so and what to change, not to poll for it.
+        message = error_of(response)["message"]
+        assert "may still finish" not in message and "poll" not in message, message
+        assert "request bus took the request" in message and "longer timeout_ms" in message, message
     assert rig.gateway.inflight == 0
     assert rig.gateway.waiting == 0
 
