@@ -387,6 +387,7 @@ def test_a_refusal_predicted_past_the_deadline_names_the_deployments_timeout_not
     message = error["message"]
     assert "41.5 s" in message and "BATCHWIRE_DEFAULT_TIMEOUT_MS=30000" in message, message
     assert "fewer per request" in message and "timeout_ms=" not in message.replace("TIMEOUT_MS=", ""), message
+    assert message.startswith("model 'sim': its answers are predicted"), f"the model quoted once: {message}"
 
 
 async def test_more_strings_than_the_gateway_holds_at_once_is_a_400_not_a_503_retried_for_ever() -> None:

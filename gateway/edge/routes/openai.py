@@ -266,7 +266,7 @@ def _message(exc: GatewayError) -> str:
         )
     if isinstance(exc, PredictedLate):
         return (
-            f"model {exc.model!r}'s answers are predicted in about {exc.answer_s:.1f} s, past the deployment's "
+            f"model {exc.model!r}: its answers are predicted in about {exc.answer_s:.1f} s, past the deployment's "
             f"timeout ({env_name('default_timeout_ms')}={exc.timeout_ms}), so the request was refused and its strings "
             "still waiting were cancelled: retry after the Retry-After delay (each string of a request adds to that "
             "wait: send fewer per request)"
