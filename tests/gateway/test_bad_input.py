@@ -216,6 +216,23 @@ async def test_a_refusal_of_unknown_fields_does_not_grow_with_them(make_rig: Rig
     assert rig.store.created == []
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("sent", [b"9" * 4_000, b"-" + b"9" * 4_000, b"1e300"], ids=["digits", "negative", "float"])
+async def test_a_timeout_out_of_range_is_quoted_by_its_start_and_length(
+    make_rig: RigFactory, path: str, sent: bytes
+) -> None:
+    """As any value a refusal quotes (an answer never grows with what a client sent): a timeout_ms of
+    thousands of digits, or 1e300 (301 digits as an integer), was quoted whole."""
+    rig = await make_rig()
+    response = await rig.client.post(path, content=b'{"input": "x", "timeout_ms": ' + sent + b"}", headers=JSON)
+    assert response.status_code == 422, response.text[:300]
+    error = error_of(response)
+    assert error["code"] == "timeout_out_of_range", error
+    assert len(error["message"]) < 300, f"a {len(error['message'])}-character message: {error['message'][:300]}"
+    assert "characters)" in error["message"] and "BATCHWIRE_MAX_TIMEOUT_MS" in error["message"], error
+    assert rig.produced() == 0 and rig.store.created == []
+
+
 async def test_the_media_type_is_checked_before_the_body_size(make_rig: RigFactory) -> None:
     rig = await make_rig(max_body_bytes=1000)
     response = await rig.client.post("/v1/tasks", content=b"x" * 5000, headers={"content-type": "text/plain"})
