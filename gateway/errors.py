@@ -361,6 +361,13 @@ def shown(value: str, limit: int = SHOWN_CHARS) -> str:
     return f"{value[:limit]!r}... ({len(value)} characters)"
 
 
+def shown_number(value: int) -> str:
+    """A number a client sent, as an error message quotes it: whole when short, else as ``shown`` quotes
+    a long value (JSON's integers have no bound: a 4,000-digit ``n`` is no 4 KB answer)."""
+    digits = str(value)
+    return digits if len(digits) <= SHOWN_CHARS else shown(digits)
+
+
 def error_body(code: str, message: str, task_id: str | None = None) -> dict[str, Any]:
     """The one error shape every non-2xx answer has."""
     inner: dict[str, Any] = {"code": code, "message": message}

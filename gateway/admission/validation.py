@@ -7,7 +7,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from gateway.errors import (
-    SHOWN_CHARS,
     EmptyInput,
     InputOverTokenBudget,
     InputTooLarge,
@@ -16,6 +15,7 @@ from gateway.errors import (
     UnknownModel,
     Untokenizable,
     shown,
+    shown_number,
 )
 from gateway.settings import GatewaySettings, env_name
 
@@ -33,10 +33,8 @@ def validated(
     if timeout_ms is None:
         timeout_ms = settings.default_timeout_ms
     elif not settings.min_timeout_ms <= timeout_ms <= settings.max_timeout_ms:
-        # a number the client wrote: whole when short, else quoted as any long value (``shown``)
-        sent = str(timeout_ms) if len(str(timeout_ms)) <= SHOWN_CHARS else shown(str(timeout_ms))
         raise TimeoutOutOfRange(
-            f"timeout_ms is {sent}; send a value from {settings.min_timeout_ms} to "
+            f"timeout_ms is {shown_number(timeout_ms)}; send a value from {settings.min_timeout_ms} to "
             f"{settings.max_timeout_ms} ({env_name('max_timeout_ms')}), or leave it out for "
             f"{settings.default_timeout_ms}"
         )

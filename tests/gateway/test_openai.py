@@ -211,6 +211,21 @@ async def test_a_string_refused_for_itself_is_named_by_the_field_and_place_the_c
     assert str(body.get("message")).startswith(f"`{field}{at}` {says}"), body
 
 
+@pytest.mark.parametrize(
+    ("route", "field"), [("completions", "n"), ("completions", "best_of"), ("embeddings", "dimensions")]
+)
+async def test_a_refused_number_is_quoted_by_its_start_and_length(make_rig: RigFactory, route: str, field: str) -> None:
+    """An answer never grows with what a client sent: JSON's integers have no bound, and a 4,000-digit
+    ``n`` was quoted whole."""
+    rig = await make_rig()
+    text = "prompt" if route == "completions" else "input"
+    body = b'{"model": "sim", "%s": "x", "%s": %s}' % (text.encode(), field.encode(), b"9" * 4_000)
+    response = await rig.client.post(f"/v1/{route}", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text[:300]
+    message = response.json()["error"]["message"]
+    assert len(message) < 400 and "(4000 characters)" in message, f"a {len(message)}-character message: {message[:300]}"
+
+
 @pytest.mark.parametrize("value", [5, ["x", 1], {"text": "x"}])
 async def test_a_stop_of_another_type_is_refused_in_one_line_saying_what_to_send(
     client: openai.AsyncOpenAI, value: object

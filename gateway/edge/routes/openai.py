@@ -51,6 +51,7 @@ from gateway.errors import (
     ValidationFailed,
     http_status,
     shown,
+    shown_number,
 )
 from gateway.keys.idempotency import UNCOMPUTED_FAILURES
 from gateway.service import Gateway
@@ -472,8 +473,9 @@ def _prompts(body: CompletionsBody) -> list[str]:
     """The request's prompts; what cannot be honoured (``n``, ``best_of``, ``logprobs``, ``suffix``) is
     refused, saying what to send instead."""
     if body.n != 1 or (body.best_of is not None and body.best_of != 1):
+        best_of = None if body.best_of is None else shown_number(body.best_of)
         raise ValidationFailed(
-            f"n={body.n}, best_of={body.best_of}: decoding is greedy, so every choice would be the same; "
+            f"n={shown_number(body.n)}, best_of={best_of}: decoding is greedy, so every choice would be the same; "
             "send n=1 (or leave it out) and no best_of"
         )
     if body.logprobs is not None:
@@ -602,8 +604,8 @@ def _texts(body: EmbeddingsBody) -> list[str]:
     """The request's strings; ``dimensions`` is refused, saying what to send."""
     if body.dimensions is not None:
         raise ValidationFailed(
-            f"dimensions={body.dimensions}: batchwire's models return their full vectors and cannot truncate; "
-            "leave `dimensions` out"
+            f"dimensions={shown_number(body.dimensions)}: batchwire's models return their full vectors and cannot "
+            "truncate; leave `dimensions` out"
         )
     return _strings(
         body.input,
