@@ -250,7 +250,7 @@ class Gateway:
                 # is checked now, its queue's only once that is known (``_submit_shared``, ``_submit_keyed``).
                 elif not charged and (weights := await self._admission.charge(caller, 1, check)):
                     weight = weights[0]
-            elif count is not None:
+            elif count is not None and not charged:
                 await count()
             deadline = accepted + timeout_ms / 1000
             task_id = secrets.token_urlsafe(16)
@@ -300,21 +300,24 @@ class Gateway:
         """Takes the rate-limit tokens of a request of several ``inputs`` at once, before their submits
         (``charged``), so it is admitted whole or refused whole (``Admission.charge``). What refuses an
         input without I/O (its validation, a gateway not open) is checked first, and the inputs' token
-        counts last, as a single request's are: returns them (None without a token budget), each
-        input's ``weight`` for its submit. More inputs than this gateway holds at once (``max_inflight``)
-        would be refused 503 on every try, however idle the gateway: that is a 400 naming the limit."""
+        counts last, as a single request's are, whether or not admission has checks to run: returns
+        them (None without a token budget), each input's ``weight`` for its submit. More inputs than
+        this gateway holds at once (``max_inflight``) would be refused 503 on every try, however idle
+        the gateway: that is a 400 naming the limit."""
         if len(inputs) > self.settings.max_inflight:
             raise ValidationFailed(
                 f"this request holds {len(inputs)} inputs, more than this gateway holds at once "
                 f"({env_name('max_inflight')} = {self.settings.max_inflight}); "
                 f"send at most {self.settings.max_inflight} per request"
             )
-        if not self._admission.active:
-            return None
         for input in inputs:
             validated(self.settings, input, model, None)
         self._check_open()
         count = None if self._token_budget is None else functools.partial(self._token_budget.check, *inputs)
+        if not self._admission.active:
+            # No token to take, but the count still comes before any input is queued: counted in its own
+            # submit, an input over the budget was refused with the others already on the bus.
+            return None if count is None else await count()
         return await self._admission.charge(caller, len(inputs), count)
 
     async def refund(self, caller: Caller, inputs: int) -> None:

@@ -462,6 +462,30 @@ async def test_a_request_refused_before_it_was_admitted_keeps_its_tokens(make_ri
     assert done.status_code == 200, done.text
 
 
+@pytest.mark.parametrize(("route", "field"), [("embeddings", "input"), ("completions", "prompt")])
+async def test_a_request_with_a_string_over_the_token_budget_leaves_nothing_behind(
+    make_rig: RigFactory, route: str, field: str
+) -> None:
+    """As one refused for its length: with a token budget and no admission checks (no queue read, no rate
+    limit), the strings were counted each in its own submit, and those counted first were queued."""
+    counted: list[str] = []
+
+    def count(text: str) -> int:
+        counted.append(text)
+        return len(text)
+
+    rig = await make_rig(count_tokens=count, max_batch_tokens=100)
+    refused = await rig.client.post(f"/v1/{route}", json={"model": "echo", field: ["a", "b", "x" * 101]})
+    assert refused.status_code == 413, refused.text
+    assert refused.json()["error"]["code"] == "input_over_token_budget", refused.text
+    assert rig.produced() == 0, "a string of a refused request reached the bus"
+    assert rig.store.created == [], "a string of a refused request was stored"
+    await rig.worker()
+    answered = await rig.client.post("/v1/completions", json={"model": "echo", "prompt": ["cd", "ef"]})
+    assert answered.status_code == 200, answered.text
+    assert sorted(counted) == sorted(["a", "b", "x" * 101, "cd", "ef"]), f"each string counted once: {counted}"
+
+
 async def test_prompts_answered_from_the_cache_are_served_while_the_queue_is_full(make_rig: RigFactory) -> None:
     """As a single request's: a cached prompt adds nothing to the queue; a list with a prompt to be queued
     is refused whole and gives its tokens back."""
