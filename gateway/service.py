@@ -312,12 +312,14 @@ class Gateway:
             )
         for input in inputs:
             validated(self.settings, input, model, None)
-        self._check_open()
         count = None if self._token_budget is None else functools.partial(self._token_budget.check, *inputs)
         if not self._admission.active:
             # No token to take, but the count still comes before any input is queued: counted in its own
-            # submit, an input over the budget was refused with the others already on the bus.
+            # submit, an input over the budget was refused with the others already on the bus. The
+            # gateway's state is each submit's to check (a cached answer is served while the store
+            # refuses writes).
             return None if count is None else await count()
+        self._check_open()
         return await self._admission.charge(caller, len(inputs), count)
 
     async def refund(self, caller: Caller, inputs: int) -> None:
