@@ -296,23 +296,27 @@ class Gateway:
         if (refusal := self._store.refuses_writes()) is not None:  # an answer could not be stored
             raise Unavailable(refusal)
 
-    async def charge(self, caller: Caller, inputs: Sequence[str], model: str | None) -> Sequence[int] | None:
+    async def charge(
+        self, caller: Caller, inputs: Sequence[str], model: str | None, names: Sequence[str] = ()
+    ) -> Sequence[int] | None:
         """Takes the rate-limit tokens of a request of several ``inputs`` at once, before their submits
         (``charged``), so it is admitted whole or refused whole (``Admission.charge``). What refuses an
         input without I/O (its validation, a gateway not open) is checked first, and the inputs' token
         counts last, as a single request's are, whether or not admission has checks to run: returns
         them (None without a token budget), each input's ``weight`` for its submit. More inputs than
         this gateway holds at once (``max_inflight``) would be refused 503 on every try, however idle
-        the gateway: that is a 400 naming the limit."""
+        the gateway: that is a 400 naming the limit. ``names``: each input as a refusal names it (where
+        its caller sent it: ```prompt[2]```), else "input"."""
         if len(inputs) > self.settings.max_inflight:
             raise ValidationFailed(
                 f"this request holds {len(inputs)} inputs, more than this gateway holds at once "
                 f"({env_name('max_inflight')} = {self.settings.max_inflight}); "
                 f"send at most {self.settings.max_inflight} per request"
             )
-        for input in inputs:
-            validated(self.settings, input, model, None)
-        count = None if self._token_budget is None else functools.partial(self._token_budget.check, *inputs)
+        for index, input in enumerate(inputs):
+            validated(self.settings, input, model, None, name=names[index] if index < len(names) else "input")
+        budget = self._token_budget
+        count = None if budget is None else functools.partial(budget.check, *inputs, names=names)
         if not self._admission.active:
             # No token to take, but the count still comes before any input is queued: counted in its own
             # submit, an input over the budget was refused with the others already on the bus. The

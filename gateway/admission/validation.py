@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from gateway.errors import (
@@ -71,23 +71,26 @@ class TokenBudget:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gateway-tokens")
         self._closed = False
 
-    async def check(self, *inputs: str) -> list[int]:
-        """Refuses the first of ``inputs`` (those of one request) over the budget or unreadable; returns
-        each one's tokens, what it weighs in its client's fair share (``gateway.admission.fair_share``)."""
+    async def check(self, *inputs: str, names: Sequence[str] = ()) -> list[int]:
+        """Refuses the first of ``inputs`` (those of one request) over the budget or unreadable, by its
+        name in ``names`` (``validated``'s ``name``; "input" without one); returns each one's tokens, what
+        it weighs in its client's fair share (``gateway.admission.fair_share``)."""
         counts = []
-        for input in inputs:
+        for index, input in enumerate(inputs):
             if self._closed:
                 raise NotReady("the gateway is shutting down; retry on another instance")
+            name = names[index] if index < len(names) else "input"
             try:
                 if len(input) < LONG_INPUT_CHARS:
                     tokens = self._count_tokens(input)
                 else:
                     tokens = await asyncio.get_running_loop().run_in_executor(self._thread, self._count_tokens, input)
             except ValueError as err:
-                raise Untokenizable(f"{err}; send text the model's tokenizer reads") from None
+                where = f"{name}: " if index < len(names) else ""
+                raise Untokenizable(f"{where}{err}; send text the model's tokenizer reads") from None
             if tokens > self._settings.max_batch_tokens:
                 raise InputOverTokenBudget(
-                    f"input is {tokens} tokens; a batch holds at most {self._settings.max_batch_tokens} "
+                    f"{name} is {tokens} tokens; a batch holds at most {self._settings.max_batch_tokens} "
                     f"({env_name('max_batch_tokens')}): send a shorter input"
                 )
             counts.append(tokens)

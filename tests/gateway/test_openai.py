@@ -478,6 +478,7 @@ async def test_a_request_with_a_string_over_the_token_budget_leaves_nothing_behi
     refused = await rig.client.post(f"/v1/{route}", json={"model": "echo", field: ["a", "b", "x" * 101]})
     assert refused.status_code == 413, refused.text
     assert refused.json()["error"]["code"] == "input_over_token_budget", refused.text
+    assert refused.json()["error"]["message"].startswith(f"`{field}[2]` is 101 tokens"), refused.text
     assert rig.produced() == 0, "a string of a refused request reached the bus"
     assert rig.store.created == [], "a string of a refused request was stored"
     await rig.worker()

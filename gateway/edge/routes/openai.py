@@ -28,7 +28,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.admission.gate import Caller
-from gateway.admission.validation import validated
 from gateway.answers.outcomes import Answer
 from gateway.answers.waiters import SharedGone
 from gateway.edge.body import TEXT_EXPECTED, Shape, parse_body
@@ -314,8 +313,8 @@ async def embeddings(request: Request) -> Response:
     try:
         caller, body = await _read(request, EmbeddingsBody)
         texts = _texts(body)
-        _each_valid(gateway.settings, texts, body.model, "input", listed=isinstance(body.input, list))
-        weights = await gateway.charge(caller, texts, body.model)
+        names = _names("input", len(texts), listed=isinstance(body.input, list))
+        weights = await gateway.charge(caller, texts, body.model, names)
         answers = await _refunded(
             _submit_all(gateway, texts, weights, body.model, caller, request), gateway, caller, len(texts)
         )
@@ -342,9 +341,9 @@ async def completions(request: Request) -> Response:
     try:
         caller, body = await _read(request, CompletionsBody)
         prompts = _prompts(body)
-        _each_valid(gateway.settings, prompts, body.model, "prompt", listed=isinstance(body.prompt, list))
+        names = _names("prompt", len(prompts), listed=isinstance(body.prompt, list))
         stops = _stops(body.stop)
-        weights = await gateway.charge(caller, prompts, body.model)
+        weights = await gateway.charge(caller, prompts, body.model, names)
         if body.stream:
             chunks = CompletionChunks(gateway, prompts, body, stops, caller, weights)
             try:
@@ -626,12 +625,11 @@ def _strings(value: str | list[str] | list[int] | list[list[int]], field: str, h
     return [str(text) for text in texts]
 
 
-def _each_valid(settings: GatewaySettings, texts: list[str], model: str, field: str, *, listed: bool) -> None:
-    """Each string checked as a submit checks its input, a refusal naming it where the caller sent it
-    (```prompt[2]```, or ```prompt``` for one string), not as ``/v1/inference``'s ``input``: a
-    completions caller sent none, and a bare "input" leaves the caller to search up to 256 strings."""
-    for index, text in enumerate(texts):
-        validated(settings, text, model, None, name=f"`{field}[{index}]`" if listed else f"`{field}`")
+def _names(field: str, count: int, *, listed: bool) -> list[str]:
+    """Each string as a refusal of it names it, where the caller sent it (```prompt[2]```, or ```prompt```
+    for one string), not as ``/v1/inference``'s ``input``: a completions caller sent none, and a bare
+    "input" leaves the caller to search up to 256 strings."""
+    return [f"`{field}[{index}]`" for index in range(count)] if listed else [f"`{field}`"]
 
 
 FLOAT32_MAX = 3.4028234663852886e38
