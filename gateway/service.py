@@ -276,7 +276,7 @@ class Gateway:
         """Refuses a submit before anything is stored or queued: not accepting, a transport known down
         (its circuit breaker is open, rather than after a timeout), a store that refuses writes, or this
         gateway full. ``cache_first``: a store that refuses writes refuses it only if the result cache has no
-        answer (``_check_room``)."""
+        answer (``_submit_shared``)."""
         if not self._accepting:
             raise NotReady("the gateway is not accepting requests (starting or shutting down); retry shortly")
         if not self._producer.reachable():
@@ -459,7 +459,9 @@ class Gateway:
                     return Accepted(hit.task_id, hit.model, status=hit.status)  # completed: no poll needed
                 answer = self._answer(hit, submission, shared=True)
             elif wait:
-                self._check_room()
+                if (refusal := self._store.refuses_writes()) is not None:  # ``submit`` left it to a cache miss
+                    await self._give_back(admission, part)
+                    raise Unavailable(refusal)
                 if self._shared.joins(key, submission):
                     if admission is not None:
                         admission.count(model, tier, "admitted")
@@ -481,22 +483,26 @@ class Gateway:
         ``submit`` left to here), then the queue's checks (``_queued``); a refusal gives back the client's
         token, as a request refused 503 takes none."""
         if (full := self._store.full(submission.model)) is not None:
-            if admission is not None and not part.charged:
-                await admission.refund(part.caller, 1)
+            await self._give_back(admission, part)
             raise Overloaded(full)
         return submission if admission is None else await self._queued(admission, submission, part)
+
+    @staticmethod
+    async def _give_back(admission: Admission | None, part: ClientPart) -> None:
+        """Gives back the rate-limit token ``submit`` took for a request refused 503 after it, as one
+        refused before takes none (a ``charged`` input's request gives back its own)."""
+        if admission is not None and not part.charged:
+            await admission.refund(part.caller, 1)
 
     async def _queued(self, admission: Admission, submission: Submission, part: ClientPart) -> Submission:
         """``submission`` with its place in its model's queue (``Admission.queue``); a refusal gives
         back the rate-limit token ``submit`` took for it."""
-        caller = part.caller
         try:
             ticket = await admission.queue(
-                caller, submission.model, submission.timeout_ms, submission.tier, part.weight
+                part.caller, submission.model, submission.timeout_ms, submission.tier, part.weight
             )
         except Overloaded:
-            if not part.charged:
-                await admission.refund(caller, 1)
+            await self._give_back(admission, part)
             raise
         return replace(submission, ticket=ticket)
 

@@ -26,6 +26,7 @@ from tests.support.fake_clock import FakeClock
 from tests.support.gateway_rig import MODELS, RecordingStore, Rig, RigFactory, error_of
 from tests.support.metrics import tasks_ended
 from transport.memory.cache import MemoryResultCache
+from transport.memory.limits import MemoryRateLimiter
 from transport.memory.requests import MemoryRequestBus
 from transport.ports import TransportError
 from transport.redis.cache import RedisResultCache
@@ -267,6 +268,27 @@ async def test_a_full_store_still_answers_a_synchronous_cache_hit(make_rig: RigF
     assert rig.produced() == 1, "nothing was queued while the store was full"
     assert store.failed_creates == 0, "a write was tried on the full store"
     assert rig.gateway.inflight == 0
+
+
+async def test_a_synchronous_request_refused_by_a_full_store_gives_its_rate_limit_token_back(
+    make_rig: RigFactory,
+) -> None:
+    """As one refused before admission takes none: with a result cache, a full store's refusal waits
+    until the cache has no answer, after the client's token was taken."""
+    store = FillingStore()
+    limits: dict[str, Any] = {"rate_limit_per_s": 0.001, "rate_limit_burst": 2}
+    cache = MemoryResultCache()
+    rig = await make_rig(
+        **SHARING, **limits, store=store, cache=cache, cache_ttl_s=60.0, limiter=MemoryRateLimiter(0.001, 2)
+    )
+    await rig.worker()
+    store.filled = True
+    for text in ("a", "b", "c"):
+        refused = await infer(rig, text)
+        assert refused.status_code == 503 and error_of(refused)["code"] == "unavailable", refused.text
+    store.filled = False
+    answered = await infer(rig, "hello")
+    assert answered.status_code == 200, f"the refusals kept the client's tokens: {answered.text}"
 
 
 class InputsFullStore(RecordingStore):
