@@ -9,8 +9,9 @@ process start adds a member. Redis 7.0 has no per-field expiry, and a key per me
 Beats are stored in Redis's clock (``TIME``) and read back in the reader's: a beat's age is then right
 between hosts whose clocks disagree (a host seconds behind would show its members gone, a minute behind
 have them dropped at every read). Each process measures how far its clock is from Redis's at start and
-once every ``FORGET_AFTER_S``, and warns when it is ``SKEW_WARN_MS`` or more: credits and deadlines cross
-hosts in the writer's wall-clock time, which nothing corrects.
+once every ``FORGET_AFTER_S``, and warns when it is ``SKEW_WARN_MS`` or more beyond what the read's round
+trip leaves unknown: credits and deadlines cross hosts in the writer's wall-clock time, which nothing
+corrects.
 """
 
 from __future__ import annotations
@@ -76,8 +77,10 @@ class RedisFleet:
             seconds, micros = await self._client.time()
         except REDIS_ERRORS as err:
             raise translate("reading Redis's clock", err) from err
-        self._ahead_ms = ahead_ms = (before + self._wall_ms()) // 2 - (seconds * 1000 + micros // 1000)
-        if abs(ahead_ms) >= SKEW_WARN_MS:
+        after = self._wall_ms()
+        self._ahead_ms = ahead_ms = (before + after) // 2 - (seconds * 1000 + micros // 1000)
+        # Redis read its clock somewhere in the round trip: a stall in it (a busy loop) is no skew.
+        if abs(ahead_ms) - (after - before) // 2 >= SKEW_WARN_MS:
             log.warning(
                 "this host's clock is %.1f s %s Redis's: credits and deadlines cross hosts by their wall clocks, so "
                 "a batcher's host ahead of a worker's by a credit's lifetime (--credit-ttl-s) drops all its credits, "
