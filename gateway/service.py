@@ -237,8 +237,9 @@ class Gateway:
         count = None if self._token_budget is None else functools.partial(self._token_budget.check, input)
         try:
             # Before admission, which takes the client's rate-limit token: a request refused here takes none.
-            # A shared one may add no input (a cache hit, a join): it is checked once that is known.
-            if key is None and (full := self._store.full(model)) is not None:
+            # A shared or keyed one may add no input (a cache hit, a join, a retry): it is checked once that
+            # is known (``_queued``).
+            if key is None and idempotency_key is None and (full := self._store.full(model)) is not None:
                 raise Overloaded(full)
             if self._admission.active:
                 check = None if charged else count
@@ -391,12 +392,11 @@ class Gateway:
             # The task ended without being computed, or went stale, while this retry waited for it:
             # the next claim starts a new one (or finds the one a racing retry started).
         bound_until = asyncio.get_running_loop().time() + submission.timeout_ms / 1000  # as the binding's deadline
-        if self._admission.active:
-            try:
-                submission = await self._queued(self._admission, submission, part)
-            except Overloaded:
-                await self._keys.release(scope, key, task_id, model, owner, bound_until)  # nothing was queued
-                raise
+        try:
+            submission = await self._queued(self._admission if self._admission.active else None, submission, part)
+        except Overloaded:
+            await self._keys.release(scope, key, task_id, model, owner, bound_until)  # nothing was queued
+            raise
         try:
             if wait:
                 return await self._answer_when_done(submission, disconnected, keyed=True)
@@ -466,26 +466,17 @@ class Gateway:
                     if admission is not None:
                         admission.count(model, tier, "admitted")
                 else:
-                    submission = await self._shared_queued(admission, submission, part)
+                    submission = await self._queued(admission, submission, part)
                 state = await self._shared.computed(key, submission, watch)
                 answer = self._answer(state, submission, shared=True)
             else:
-                submission = await self._shared_queued(admission, submission, part)
+                submission = await self._queued(admission, submission, part)
                 return await self._enqueue(submission)
         finally:
             if submission.ticket is not None:
                 submission.ticket.close()
         self._admission.count(model, tier, "answered")
         return answer
-
-    async def _shared_queued(self, admission: Admission | None, submission: Submission, part: ClientPart) -> Submission:
-        """A shared request that is to be queued after all: the store's room for its input (``full``, which
-        ``submit`` left to here), then the queue's checks (``_queued``); a refusal gives back the client's
-        token, as a request refused 503 takes none."""
-        if (full := self._store.full(submission.model)) is not None:
-            await self._give_back(admission, part)
-            raise Overloaded(full)
-        return submission if admission is None else await self._queued(admission, submission, part)
 
     @staticmethod
     async def _give_back(admission: Admission | None, part: ClientPart) -> None:
@@ -494,9 +485,15 @@ class Gateway:
         if admission is not None and not part.charged:
             await admission.refund(part.caller, 1)
 
-    async def _queued(self, admission: Admission, submission: Submission, part: ClientPart) -> Submission:
-        """``submission`` with its place in its model's queue (``Admission.queue``); a refusal gives
-        back the rate-limit token ``submit`` took for it."""
+    async def _queued(self, admission: Admission | None, submission: Submission, part: ClientPart) -> Submission:
+        """A shared or keyed request that is to be queued after all: the store's room for its input
+        (``full``, which ``submit`` left to here), then its place in its model's queue (``Admission.queue``,
+        with admission checks); a refusal gives back the rate-limit token ``submit`` took for it."""
+        if (full := self._store.full(submission.model)) is not None:
+            await self._give_back(admission, part)
+            raise Overloaded(full)
+        if admission is None:
+            return submission
         try:
             ticket = await admission.queue(
                 part.caller, submission.model, submission.timeout_ms, submission.tier, part.weight

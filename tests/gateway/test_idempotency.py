@@ -627,3 +627,35 @@ async def test_a_retry_that_started_its_own_task_binds_the_key_for_that_tasks_wh
         retry.cancel()
         await asyncio.gather(retry, return_exceptions=True)
         await gateway.close()
+
+
+class InputsFullStore(RecordingStore):
+    """The embedded store once a model's waiting inputs fill its share of the memory budget."""
+
+    inputs_full = False
+
+    def full(self, model: str) -> str | None:
+        return f"model {model!r} has 64 MiB of inputs waiting for a worker" if self.inputs_full else None
+
+
+async def test_a_retry_is_answered_while_the_models_waiting_inputs_fill_its_memory(make_rig: RigFactory) -> None:
+    """As however full its queue is: a retry of a task adds no input, so the embedded store's memory
+    budget refuses only a new task (and unbinds its key, as nothing was queued)."""
+    store = InputsFullStore()
+    rig = await make_rig(store=store)
+    await rig.worker()
+    first = await rig.client.post("/v1/inference", json={"input": "once"}, headers=_key("k-full"))
+    assert first.status_code == 200, first.text
+    store.inputs_full = True
+
+    retry = await rig.client.post("/v1/inference", json={"input": "once"}, headers=_key("k-full"))
+    polled = await rig.client.post("/v1/tasks", json={"input": "once"}, headers=_key("k-full"))
+    new = await rig.client.post("/v1/inference", json={"input": "new"}, headers=_key("k-new"))
+
+    assert retry.status_code == 200 and retry.json()["output"] == "ecno", retry.text
+    assert polled.status_code == 202 and polled.json()["task_id"] == first.json()["task_id"], polled.text
+    assert new.status_code == 503 and error_of(new)["code"] == "overloaded", new.text
+    store.inputs_full = False
+    again = await rig.client.post("/v1/inference", json={"input": "new"}, headers=_key("k-new"))
+    assert again.status_code == 200 and "idempotent-replayed" not in again.headers, "the refusal unbound the key"
+    assert rig.produced() == 2, "only the first task and the new one after the refusal were queued"
