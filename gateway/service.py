@@ -302,8 +302,9 @@ class Gateway:
     ) -> Sequence[int] | None:
         """Takes the rate-limit tokens of a request of several ``inputs`` at once, before their submits
         (``charged``), so it is admitted whole or refused whole (``Admission.charge``). What refuses an
-        input without I/O (its validation, a gateway not open) is checked first, and the inputs' token
-        counts last, as a single request's are, whether or not admission has checks to run: returns
+        input without I/O (its validation; with admission checks, a gateway not open) is checked first,
+        and the inputs' token counts last, as a single request's are, whether or not admission has
+        checks to run: returns
         them (None without a token budget), each input's ``weight`` for its submit. More inputs than
         this gateway holds at once (``max_inflight``) would be refused 503 on every try, however idle
         the gateway: that is a 400 naming the limit. ``names``: each input as a refusal names it (where

@@ -41,7 +41,8 @@ not one per admission."""
 
 
 class FairShare:
-    """Per model, each client's decayed rate of admitted requests."""
+    """Per lane (a model's, or a model's tier and those above it: ``Admission``'s ``_share_lane``), each
+    client's decayed rate of admitted requests. The parameters named ``model`` name a lane."""
 
     def __init__(self, half_life_s: float = HALF_LIFE_S) -> None:
         self.half_life_s = half_life_s
