@@ -244,7 +244,9 @@ def gateway_http(parser: argparse.ArgumentParser) -> None:
     add(parser, "--default-model", None, str, "model used when a request names none (first of --models)")
     field_flag(parser, g, "default_timeout_ms", int, "deadline of a request that sets no timeout_ms")
     field_flag(parser, g, "max_timeout_ms", int, "the longest timeout_ms a request may ask for")
-    field_flag(parser, g, "max_input_chars", int, "longest accepted input, in characters")
+    field_flag(
+        parser, g, "max_input_chars", int, "longest accepted input, in characters (and at most about 1 MiB in UTF-8)"
+    )
     field_flag(parser, g, "max_body_bytes", int, "largest accepted request body")
     field_flag(
         parser, g, "max_body_bytes_in_flight", int, "bytes all bodies being read may hold at once (past it: 503)"

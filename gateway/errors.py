@@ -253,7 +253,11 @@ ERROR_TABLE: dict[str, tuple[int, str]] = {
         "`priority` is above the API key's ceiling (set in BATCHWIRE_API_KEYS_FILE); nothing was queued.",
     ),
     "timeout_out_of_range": (422, "`timeout_ms` is outside the allowed range."),
-    "input_too_large": (413, "`input` has more characters than BATCHWIRE_MAX_INPUT_CHARS."),
+    "input_too_large": (
+        413,
+        "`input` has more characters than BATCHWIRE_MAX_INPUT_CHARS, or more UTF-8 bytes than a batch carries of "
+        "one input (about 1 MiB, one record on the bus).",
+    ),
     "input_over_token_budget": (
         413,
         "`input` has more tokens than a whole batch may hold (BATCHWIRE_MAX_BATCH_TOKENS); send a shorter input.",

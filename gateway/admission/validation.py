@@ -18,6 +18,7 @@ from gateway.errors import (
     shown_number,
 )
 from gateway.settings import GatewaySettings, env_name
+from schemas.codec import MAX_INPUT_BYTES
 
 
 def validated(
@@ -44,6 +45,12 @@ def validated(
         raise InputTooLarge(
             f"{name} is {len(input)} characters; the limit is {settings.max_input_chars} "
             f"({env_name('max_input_chars')})"
+        )
+    # Four bytes at most a character: only an input this long may be over a batch's record in UTF-8.
+    if len(input) > MAX_INPUT_BYTES // 4 and (size := len(input.encode(errors="surrogatepass"))) > MAX_INPUT_BYTES:
+        raise InputTooLarge(
+            f"{name} is {size} bytes in UTF-8; a batch, one record on the request bus, carries at most "
+            f"{MAX_INPUT_BYTES} of one input: send a shorter input"
         )
     return model, timeout_ms
 

@@ -266,3 +266,22 @@ async def test_an_integral_float_timeout_is_an_integer(make_rig: RigFactory, pat
     assert huge.status_code == 422
     assert error_of(huge)["code"] == "timeout_out_of_range"
     assert rig.produced() == 1, "only the valid request was produced"
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("text", "fits"), [("x" * 300_000, True), ("x" * 1_100_000, False), ("日" * 400_000, False)])
+async def test_an_input_longer_than_a_batch_carries_is_413_naming_bytes(
+    make_rig: RigFactory, path: str, text: str, fits: bool
+) -> None:
+    """A batch is one record on the bus (1 MiB): under a --max-input-chars raised past it, an input that
+    alone would make a batch over it is refused as too long, in bytes; a batcher would otherwise send that
+    batch again and again, refused each time, until its deadline."""
+    rig = await make_rig(max_input_chars=2_000_000, max_body_bytes=8_000_000)
+    response = await rig.client.post(path, json={"input": text, "timeout_ms": 100})
+    if fits:
+        assert response.status_code != 413, response.text
+        return
+    assert response.status_code == 413, response.text
+    error = error_of(response)
+    assert error["code"] == "input_too_large" and "bytes" in error["message"], error
+    assert rig.produced() == 0 and rig.store.created == [], "a refused request was queued"
