@@ -25,6 +25,7 @@ from gateway.edge.events import StreamsEnd
 from gateway.edge.http_limits import limited_http_protocol
 from gateway.settings import GatewaySettings
 from telemetry import logs
+from transport.cancelling import cancel_and_wait
 
 log = logging.getLogger("batchwire")
 
@@ -76,8 +77,9 @@ async def supervise(
     """Runs until SIGTERM/SIGINT (graceful: ``close``) or a crashed loop; a second signal exits at once.
 
     Returns 0 after a signal, ``failure_code()`` after a crash; a ``start`` that raises is closed, then
-    re-raised. ``close`` gets ``close_timeout_s``: a shutdown that cannot finish (a broker that does not
-    answer) must not hang the process.
+    re-raised, and one a signal cuts short (``_start_unless_stopped``) is closed, returning 0. ``close``
+    gets ``close_timeout_s``: a shutdown that cannot finish (a broker that does not answer) must not hang
+    the process.
     """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -92,15 +94,19 @@ async def supervise(
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
+    stop_task = asyncio.create_task(stop.wait())
     try:
-        await start()
+        stopped_starting = await _start_unless_stopped(start, stop_task)
     except BaseException:
+        stop_task.cancel()
+        await asyncio.gather(stop_task, return_exceptions=True)
         try:
             await _close_within(close, close_timeout_s)
         except Exception as err:  # the start's failure is the one to tell
             log.warning("closing after the failed start failed too: %r", err)
         raise
-    stop_task = asyncio.create_task(stop.wait())
+    if stopped_starting:
+        return 0 if await _close_within(close, close_timeout_s) else 1
     failed_task = asyncio.create_task(failed.wait())
     await asyncio.wait([stop_task, failed_task], return_when=asyncio.FIRST_COMPLETED)
     stop_task.cancel()
@@ -112,6 +118,23 @@ async def supervise(
     if code:
         log.error("exiting with status %d after a failure", code)
     return code
+
+
+async def _start_unless_stopped(start: Callable[[], Awaitable[None]], stop: asyncio.Task[Any]) -> bool:
+    """Runs ``start``; whether a signal cut it short. A start can take minutes (a model loading): a process
+    stopped meanwhile does not wait it out and then serve (a worker would join its group, rebalancing every
+    worker, only to leave it again); the part starting is cancelled, and ``close`` closes what started."""
+    starting = asyncio.ensure_future(start())
+    try:
+        await asyncio.wait([starting, stop], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not starting.done():
+            await cancel_and_wait(starting)
+    if starting.cancelled():
+        log.info("signalled while starting: closing what started; nothing more starts")
+        return True
+    starting.result()  # the start's failure, if it failed
+    return False
 
 
 async def _close_within(close: Callable[[], Awaitable[None]], timeout_s: float) -> bool:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import signal
 import time
 
 import pytest
@@ -96,3 +98,46 @@ async def test_a_close_that_fails_after_a_failed_start_hides_neither_the_start_e
     with pytest.raises(RuntimeError, match="worker did not start"):
         await supervise(parts.start, parts.close, asyncio.Event())
     assert log == ["start store", "start fleet", "close fleet failed", "close store"], log
+
+
+class Loads(Part):
+    """A part whose start takes minutes (a model loading), until it is cancelled."""
+
+    def __init__(self, name: str, log: list[str], begun: asyncio.Event) -> None:
+        super().__init__(name, log)
+        self.begun = begun
+
+    async def start(self) -> None:
+        self.log.append(f"start {self.name} begun")
+        self.begun.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.log.append(f"start {self.name} cut")
+            raise
+
+
+async def test_a_sigterm_during_the_start_exits_0_at_once_closing_what_started_and_starting_nothing_more() -> None:
+    """A worker stopped while its model loads (a rolling restart, a scale-down of a replica still starting)
+    neither waits out the load nor then joins its group, takes batches and leaves again."""
+    log: list[str] = []
+    begun = asyncio.Event()
+    parts = Parts(Part("store", log), Loads("worker", log, begun), Part("after", log))
+    loop = asyncio.get_running_loop()
+
+    async def signalled() -> None:
+        await begun.wait()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    sender = asyncio.create_task(signalled())
+    started = time.monotonic()
+    try:
+        async with asyncio.timeout(10):
+            code = await supervise(parts.start, parts.close, asyncio.Event())
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+        await sender
+    took = time.monotonic() - started
+    assert code == 0 and took < 3, f"a signal while starting exits 0 at once, got {code} after {took:.1f} s"
+    assert log == ["start store", "start worker begun", "start worker cut", "close store"], log
