@@ -20,6 +20,8 @@ Samples = dict[tuple[str, Labels], float]
 
 REFUSED = ("429", "503", "504")
 """The statuses a heartbeat counts as refusals: rate-limited, overloaded or unavailable, deadline."""
+RAN_OUTCOMES = ("ok", "partial")
+"""The outcomes of ``batchwire_worker_batches_total`` that ran a call (``dead_lettered`` ran none)."""
 _OPERATIONAL = ("/metrics", "/healthz", "/readyz", "/v1/fleet", "/dashboard", "/dashboard/events")
 
 
@@ -178,7 +180,10 @@ def _batches(window: Window, **labels: str) -> Figures:
 
 def worker_figures(window: Window, worker_id: str) -> Figures:
     """A worker's batches, their mean size, and the share of the window it spent inside the backend."""
-    batches = window.increase("batchwire_worker_batches_total", worker=worker_id)
+    # A dead letter is counted there too, but runs nothing: it is no batch of the worker's rate or mean size.
+    batches = sum(
+        window.increase("batchwire_worker_batches_total", worker=worker_id, outcome=outcome) for outcome in RAN_OUTCOMES
+    )
     # A call counts in the busy seconds when it ends; the time of the one running counts as it runs.
     busy_s = window.increase("batchwire_worker_busy_seconds_total", worker=worker_id) + window.change(
         "batchwire_worker_call_running_seconds", worker=worker_id

@@ -166,7 +166,8 @@ WORKER_BATCHES = Counter(
 )
 WORKER_ITEMS = Counter(
     "batchwire_worker_items",
-    "Inputs of the batches each worker ran; over batchwire_worker_batches_total, its mean batch size.",
+    "Inputs of the batches each worker ran; over batchwire_worker_batches_total's ok and partial ones (a "
+    "dead letter runs none), its mean batch size.",
     ["worker"],
     registry=REGISTRY,
 )

@@ -139,6 +139,24 @@ def test_a_worker_s_busy_share_and_mean_batch_are_its_own(registry: CollectorReg
     assert worker_figures(window, "w2") == {"batches_per_s": 0.0, "busy_fraction": pytest.approx(0.1)}
 
 
+def test_a_dead_letter_is_no_batch_a_worker_ran(registry: CollectorRegistry) -> None:
+    """A letter set aside runs nothing and adds no input: counted as a batch, it would read as one of size 0
+    and pull the worker's mean batch size down (a redelivered batch that ran a half and set the other aside
+    would count twice)."""
+    batches = Counter("batchwire_worker_batches", "", ["worker", "outcome"], registry=registry)
+    items = Counter("batchwire_worker_items", "", ["worker"], registry=registry)
+    clock = FakeClock()
+    reader = Reader(registry, clock)
+    batches.labels(worker="w1", outcome="ok").inc(2)
+    items.labels(worker="w1").inc(16)
+    batches.labels(worker="w1", outcome="dead_lettered").inc(2)
+    batches.labels(worker="w2", outcome="dead_lettered").inc(1)
+    clock.advance(1.0)
+    window = reader.advance()
+    assert worker_figures(window, "w1") == {"batches_per_s": 2.0, "busy_fraction": 0.0, "mean_batch_size": 8.0}
+    assert worker_figures(window, "w2") == {"batches_per_s": 0.0, "busy_fraction": 0.0}
+
+
 def test_a_worker_s_call_counts_busy_as_it_runs_and_once_over_its_end(registry: CollectorRegistry) -> None:
     """A call longer than a beat: each beat it spans counts its own share, and the beat of its end adds only
     what is left, as the busy seconds take the whole call then."""
