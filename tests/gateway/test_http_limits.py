@@ -944,6 +944,37 @@ async def test_invalid_http_gets_a_json_400() -> None:
     assert error_code_of(transport.written) == "invalid_http"
 
 
+async def test_invalid_http_is_counted_not_logged_as_a_warning() -> None:
+    """Bytes that are not HTTP are a client's doing: answered 400 and counted at the edge, they log no
+    WARNING (uvicorn's "Invalid HTTP request received.", which names neither client nor remedy), or any
+    client could fire an operator's alert on WARNING at will."""
+    edge = Edge()
+    counted = REQUESTS.labels(route="edge", status="400")
+    before = counted._value.get()
+    seen = _Records()
+    uvicorn_log = logging.getLogger("uvicorn.error")  # it propagates to uvicorn's own handler, not the root's
+    uvicorn_log.addHandler(seen)
+    try:
+        for _ in range(3):
+            protocol, transport, _ = edge.connect()
+            protocol.data_received(b"NOT HTTP AT ALL\r\n\r\n")
+            assert status_of(transport.written) == 400
+    finally:
+        uvicorn_log.removeHandler(seen)
+    assert counted._value.get() - before == 3
+    loud = [record.getMessage() for record in seen.records if record.levelno >= logging.WARNING]
+    assert loud == [], loud
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
 def chunked(size_line: bytes, path: str = "/", encoding: bytes = b"chunked") -> bytes:
     head = b"POST %s HTTP/1.1\r\nhost: gw\r\ntransfer-encoding: %s\r\n\r\n" % (path.encode(), encoding)
     return head + size_line + b"\r\nabc\r\n0\r\n\r\n"
