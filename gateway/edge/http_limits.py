@@ -685,16 +685,18 @@ def limited_http_protocol(
 
     Bound.max_refusing = refusal_budget(cap)
     Bound.__name__ = Bound.__qualname__ = LimitedHttpToolsProtocol.__name__
-    logging.getLogger("uvicorn.error").addFilter(_not_invalid_http)  # added once, however many calls
+    logging.getLogger("uvicorn.error").addFilter(_not_clients_doing)  # added once, however many calls
     return Bound
 
 
-UVICORN_INVALID_HTTP = "Invalid HTTP request received."
-"""What uvicorn's protocol logs at WARNING for bytes that are not HTTP, before it asks for the 400."""
+CLIENTS_DOINGS = frozenset({"Invalid HTTP request received.", "Unsupported upgrade request."})
+"""What uvicorn's protocol logs at WARNING for a client's bytes: a request that is not HTTP (before it asks
+for the 400), and an ``Upgrade`` the server does not speak (``h2c``, which it serves as plain HTTP/1.1)."""
 
 
-def _not_invalid_http(record: logging.LogRecord) -> bool:
-    """Drops uvicorn's WARNING for a request that is not HTTP: a client's bytes, not a fault of the gateway,
-    answered 400 ``invalid_http`` and counted in ``batchwire_requests_total{route="edge",status="400"}``; it
-    names neither the client nor a remedy, and any client could fire an alert on WARNING with it at will."""
-    return record.msg != UVICORN_INVALID_HTTP
+def _not_clients_doing(record: logging.LogRecord) -> bool:
+    """Drops uvicorn's WARNINGs for what a client sent (``CLIENTS_DOINGS``): no fault of the gateway, the
+    first answered 400 ``invalid_http`` and counted in ``batchwire_requests_total{route="edge",status="400"}``,
+    the second served; they name neither the client nor a remedy, and any client could fire an alert on
+    WARNING with them at will."""
+    return record.msg not in CLIENTS_DOINGS

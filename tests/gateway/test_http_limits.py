@@ -966,6 +966,24 @@ async def test_invalid_http_is_counted_not_logged_as_a_warning() -> None:
     assert loud == [], loud
 
 
+async def test_an_upgrade_the_gateway_does_not_speak_is_served_without_a_warning() -> None:
+    """``Upgrade: h2c`` (curl --http2 sends it) is a client's offer, served as plain HTTP/1.1: uvicorn's
+    "Unsupported upgrade request." WARNING names nothing to fix, and any client could write one per request."""
+    edge = Edge()
+    seen = _Records()
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addHandler(seen)
+    try:
+        protocol, transport, _ = edge.connect()
+        protocol.data_received(b"GET /a HTTP/1.1\r\nhost: gw\r\nconnection: upgrade\r\nupgrade: h2c\r\n\r\n")
+        await answered(transport)
+    finally:
+        uvicorn_log.removeHandler(seen)
+    assert status_of(transport.written) == 200, transport.written
+    loud = [record.getMessage() for record in seen.records if record.levelno >= logging.WARNING]
+    assert loud == [], loud
+
+
 class _Records(logging.Handler):
     def __init__(self) -> None:
         super().__init__()
