@@ -235,6 +235,7 @@ def serve_http(
         access_log=False,
         loop="uvloop",
         http=limited_http_protocol(settings, connection_cap(settings.max_connections)),
+        ws="none",  # no route speaks WebSocket: an Upgrade to it is served as plain HTTP/1.1, under the limits
         lifespan="on",
         proxy_headers=False,  # bound to loopback by default; a proxy in front sets X-Client-Id
         server_header=False,

@@ -689,9 +689,17 @@ def limited_http_protocol(
     return Bound
 
 
-CLIENTS_DOINGS = frozenset({"Invalid HTTP request received.", "Unsupported upgrade request."})
+CLIENTS_DOINGS = frozenset(
+    {
+        "Invalid HTTP request received.",
+        "Unsupported upgrade request.",
+        "No supported WebSocket library detected. Please use \"pip install 'uvicorn[standard]'\", or install "
+        "'websockets' or 'wsproto' manually.",
+    }
+)
 """What uvicorn's protocol logs at WARNING for a client's bytes: a request that is not HTTP (before it asks
-for the 400), and an ``Upgrade`` the server does not speak (``h2c``, which it serves as plain HTTP/1.1)."""
+for the 400), and an ``Upgrade`` the server does not speak (``h2c``; ``websocket``, which no route serves:
+``ws="none"``, and no library is missing), which it serves as plain HTTP/1.1."""
 
 
 def _not_clients_doing(record: logging.LogRecord) -> bool:

@@ -510,6 +510,20 @@ def test_media_type_head_and_trailing_slash(service: Service) -> None:
         assert slash.json()["error"]["code"] == "not_found"
 
 
+def test_a_websocket_upgrade_is_served_as_plain_http(service: Service) -> None:
+    """No route speaks WebSocket: a request that asks to upgrade to it (a scanner's, a misdirected client's)
+    is answered as plain HTTP/1.1 at once and counted, not held unanswered until the body timeout."""
+    upgrade = (
+        b"GET /healthz HTTP/1.1\r\nhost: gw\r\nconnection: Upgrade\r\nupgrade: websocket\r\n"
+        b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n\r\n"
+    )
+    with socket.create_connection((service.host, service.port), timeout=10) as sock:
+        sock.sendall(upgrade)
+        answer = read_response(sock)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer
+    assert answer.endswith(b'{"status":"ok"}'), answer
+
+
 def test_pipelined_requests_are_all_answered_in_order(service: Service) -> None:
     submit = b'{"input": "piped"}'
     request = b"GET /healthz HTTP/1.1\r\nhost: gw\r\n\r\n" * 30 + (
