@@ -285,38 +285,33 @@ class Gateway:
         if not self._store.reachable():
             # Its outage, not the queue that builds meanwhile, is what to report.
             raise Unavailable("the task store is unreachable (its connection is down); nothing was queued; retry soon")
-        if not cache_first:
-            self._check_room()
+        if not cache_first and (refusal := self._store.refuses_writes()) is not None:
+            raise Unavailable(refusal)  # an answer could not be stored
         if self._inflight >= self.settings.max_inflight:
             raise Overloaded(
                 f"this gateway holds {self._inflight} requests, its limit ({env_name('max_inflight')}); "
                 "retry after the Retry-After delay"
             )
 
-    def _check_room(self) -> None:
-        if (refusal := self._store.refuses_writes()) is not None:  # an answer could not be stored
-            raise Unavailable(refusal)
-
     async def charge(
-        self, caller: Caller, inputs: Sequence[str], model: str | None, names: Sequence[str] = ()
+        self, caller: Caller, inputs: Sequence[str], model: str | None, names: Sequence[str]
     ) -> Sequence[int] | None:
         """Takes the rate-limit tokens of a request of several ``inputs`` at once, before their submits
         (``charged``), so it is admitted whole or refused whole (``Admission.charge``). What refuses an
         input without I/O (its validation; with admission checks, a gateway not open) is checked first,
         and the inputs' token counts last, as a single request's are, whether or not admission has
-        checks to run: returns
-        them (None without a token budget), each input's ``weight`` for its submit. More inputs than
-        this gateway holds at once (``max_inflight``) would be refused 503 on every try, however idle
-        the gateway: that is a 400 naming the limit. ``names``: each input as a refusal names it (where
-        its caller sent it: ```prompt[2]```), else "input"."""
+        checks to run: returns them (None without a token budget), each input's ``weight`` for its
+        submit. More inputs than this gateway holds at once (``max_inflight``) would be refused 503 on
+        every try, however idle the gateway: that is a 400 naming the limit. ``names``: each input as a
+        refusal names it, where its caller sent it (```prompt[2]```)."""
         if len(inputs) > self.settings.max_inflight:
             raise ValidationFailed(
                 f"this request holds {len(inputs)} inputs, more than this gateway holds at once "
                 f"({env_name('max_inflight')} = {self.settings.max_inflight}); "
                 f"send at most {self.settings.max_inflight} per request"
             )
-        for index, input in enumerate(inputs):
-            validated(self.settings, input, model, None, name=names[index] if index < len(names) else "input")
+        for input, name in zip(inputs, names, strict=True):
+            validated(self.settings, input, model, None, name=name)
         budget = self._token_budget
         count = None if budget is None else functools.partial(budget.check, *inputs, names=names)
         if not self._admission.active:

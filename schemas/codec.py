@@ -221,7 +221,7 @@ the credit, the trace context) and the bus's framing and trace headers."""
 
 MAX_INPUT_BYTES = MAX_RECORD_BYTES - BATCH_FIXED_BYTES - ITEM_FIXED_BYTES - 1024
 """The longest input (UTF-8 bytes) a batch of its own carries, room left for its item's ids and trace
-context: the gateway refuses a longer one (a ``--max-input-chars`` raised past it lets one through)."""
+context: the gateway refuses a longer one, which only a ``--max-input-chars`` raised past it lets through."""
 
 
 def item_bytes(request: InferenceRequest) -> int:
