@@ -249,12 +249,18 @@ class FillingStore(RecordingStore):
         return await super().create(state)
 
 
-async def test_a_full_store_still_answers_a_synchronous_cache_hit(make_rig: RigFactory) -> None:
-    """A cached answer needs no room in the store: a full one refuses only what must be stored."""
-    store = FillingStore()
+async def hello_cached(make_rig: RigFactory, store: RecordingStore) -> Rig:
+    """A rig over ``store`` whose result cache holds the answer to "hello"."""
     rig = await make_rig(**SHARING, store=store, cache=MemoryResultCache(), cache_ttl_s=60.0)
     await rig.worker()
     assert (await infer(rig, "hello")).json()["output"] == "olleh"
+    return rig
+
+
+async def test_a_full_store_still_answers_a_synchronous_cache_hit(make_rig: RigFactory) -> None:
+    """A cached answer needs no room in the store: a full one refuses only what must be stored."""
+    store = FillingStore()
+    rig = await hello_cached(make_rig, store)
     store.filled = True
 
     cached = await infer(rig, "hello")
@@ -304,9 +310,7 @@ async def test_a_model_whose_waiting_inputs_fill_its_memory_still_answers_from_t
     """A model's share of the embedded memory full of waiting inputs refuses what would wait with them,
     as its queue's checks do; a cache hit adds no input, so it is answered, synchronous or not."""
     store = InputsFullStore()
-    rig = await make_rig(**SHARING, store=store, cache=MemoryResultCache(), cache_ttl_s=60.0)
-    await rig.worker()
-    assert (await infer(rig, "hello")).json()["output"] == "olleh"
+    rig = await hello_cached(make_rig, store)
     store.inputs_full = True
 
     cached = await infer(rig, "hello")
