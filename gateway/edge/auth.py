@@ -80,8 +80,8 @@ def load_api_keys(keys: str | None, keys_file: str | None) -> LoadedKeys:
     """Digests of the keys in ``keys`` (comma-separated) and ``keys_file`` (one a line, ``#`` comments).
 
     Each entry is a key (at least 16 characters, no spaces) or ``sha256:<64 hex digits>``, either
-    one after ``operator `` for an operator key. Error messages name the entry by position, never
-    by value.
+    one after ``operator `` for an operator key. A key listed twice with other options is refused:
+    which entry wins would be a guess. Error messages name the entry by position, never by value.
     """
     entries: list[tuple[str, str]] = []
     if keys:
@@ -97,6 +97,7 @@ def load_api_keys(keys: str | None, keys_file: str | None) -> LoadedKeys:
     digests: list[str] = []
     operators: list[str] = []
     tiers: dict[str, KeyTiers] = {}
+    first: dict[str, tuple[str, bool, KeyTiers]] = {}
     for where, raw in entries:
         entry = raw.strip()
         if not entry or entry.startswith("#"):
@@ -112,6 +113,13 @@ def load_api_keys(keys: str | None, keys_file: str | None) -> LoadedKeys:
             raise ValueError(
                 f"{where}: an entry is one key (no spaces) or sha256:<hex>, or '{OPERATOR} ' and one of them, "
                 "then optionally priority=<tier> and ceiling=<tier>"
+            )
+        options = (len(words) == 2, key_tiers or KeyTiers())
+        seen = first.setdefault(digest, (where, *options))
+        if seen[1:] != options:
+            raise ValueError(
+                f"{where}: the same key as {seen[0]}, with other options (operator, priority=, ceiling=); "
+                "list each key once"
             )
         digests.append(digest)
         if key_tiers is not None:

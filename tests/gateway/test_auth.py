@@ -286,3 +286,20 @@ async def test_ownership_survives_the_workers_updates_in_redis(
     assert stored is not None
     assert (stored.status, stored.owner) == (TaskStatus.COMPLETED, owner_of(digest_of(KEY_A)))
     assert (await rig.client.get(f"/v1/result/{task_id}", headers=bearer(KEY_B))).status_code == 404
+
+
+@pytest.mark.parametrize(
+    "second",
+    [f"operator {KEY_A}", f"{KEY_A} priority=low", f"sha256:{digest_of(KEY_A)} ceiling=normal"],
+    ids=["operator", "tier", "digest"],
+)
+def test_a_key_listed_twice_with_other_options_is_refused_naming_both_entries(tmp_path: Path, second: str) -> None:
+    """Which entry would win is a guess an operator should not have to make: the load names both."""
+    keys_file = tmp_path / "keys"
+    keys_file.write_text(f"{KEY_B}\n{second}\n")
+    expected = f"^line 2 of {keys_file}: the same key as entry 1 of BATCHWIRE_API_KEYS"
+    with pytest.raises(ValueError, match=expected) as failure:
+        load_api_keys(KEY_A, str(keys_file))
+    assert KEY_A not in str(failure.value), "an error never shows the key"
+    same = load_api_keys(f"{KEY_A} priority=low,sha256:{digest_of(KEY_A)} priority=low", None)
+    assert same.digests == (digest_of(KEY_A),), "a key listed twice alike is one key"
