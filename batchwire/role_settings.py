@@ -179,6 +179,19 @@ def backend_settings(args: argparse.Namespace) -> BackendSettings:
         raise SettingsError(str(err)) from err
 
 
+def embedded_backend_settings(args: argparse.Namespace, shared: SharedSettings) -> BackendSettings:
+    """``up``'s backend settings, which every model it serves is built from: one ``--model-path`` loaded
+    under several names would be one checkpoint answering for models the caller takes to be different."""
+    backend = backend_settings(args)
+    if backend.backend == "hf" and len(shared.models) > 1:
+        raise SettingsError(
+            f"batchwire up serves one hf model (one --model-path), and --models (BATCHWIRE_MODELS) names "
+            f"{len(shared.models)} ({', '.join(shared.models)}): each would load {backend.model_path} under its own "
+            "name; name one model, or run a worker per model, each with its own --model and --model-path"
+        )
+    return backend
+
+
 def worker_settings(args: argparse.Namespace, model: str, worker_id: str | None = None) -> WorkerSettings:
     """A worker's settings from its flags (in embedded mode, the template of every worker's)."""
     kwargs: dict[str, Any] = {name: getattr(args, name) for name in WORKER_FLAGS}

@@ -67,7 +67,7 @@ def embedded_cache(settings: EmbeddedSettings, cache_ttl_s: float) -> MemoryResu
 
 def run_embedded(args: argparse.Namespace) -> int:
     shared = rs.shared_settings(args)
-    backends = rs.backend_settings(args)
+    backends = rs.embedded_backend_settings(args, shared)
     count_tokens = rs.token_counter_of(args)
     embedded = embedded_settings(args, shared)
     runtime = EmbeddedRuntime(embedded, lambda model, index: make_backend(backends, model), count_tokens)

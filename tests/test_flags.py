@@ -148,6 +148,10 @@ def test_a_negative_drain_timeout_is_refused_naming_the_variable() -> None:
         (["batcher", "--metrics-host=0.0.0.0"], "which serves no /metrics: set the port, or leave the host unset"),
         (["batcher", "--models=sim,sim"], "models (BATCHWIRE_MODELS) lists a model twice: sim, sim"),
         (["worker", "--models=a,b,a"], "models (BATCHWIRE_MODELS) lists a model twice: a, b, a"),
+        (
+            ["up", "--models=minilm,gpt2", "--backend=hf", "--model-path=/models/minilm"],
+            "batchwire up serves one hf model (one --model-path), and --models (BATCHWIRE_MODELS) names 2",
+        ),
     ],
 )
 def test_a_setting_that_cannot_work_stops_the_role_before_it_starts(
