@@ -106,5 +106,28 @@ async def test_a_string_longer_than_the_model_takes_is_a_bad_request(
         await client.embeddings.create(model="minilm", input=["Hi", too_long])
     assert refused.value.status_code == 400 and refused.value.code == "input_too_long", refused.value.message
     assert refused.value.type == "invalid_request_error" and "256" in refused.value.message, refused.value.body
+    assert _said(refused.value).startswith("`input[1]`: input is 302 tokens"), "it names the string at fault"
     fits = await client.embeddings.create(model="minilm", input=["Hi", too_long[:500]])
     assert [len(item.embedding) for item in fits.data] == [384, 384]
+
+
+async def test_a_prompt_the_model_refuses_is_named_where_the_caller_sent_it(tiny_models: dict[str, Path]) -> None:
+    """Among up to 256 prompts, the one over the model's limit is named (```prompt[2]```), streamed or not, as
+    the gateway's own refusals name it: the caller would otherwise search them all."""
+    backend = HFBackend(tiny_models["gpt2"], task="generate", max_batch=8, max_new_tokens=12, warmup=False)
+    backend.load()
+    too_long = "a" * (backend.max_input_tokens + 1)
+    async with _serving("tiny", backend) as (client, _):
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.completions.create(model="tiny", prompt=["Hi", "yo", too_long])
+        with pytest.raises(openai.BadRequestError) as streamed:  # alone: no answer streams before its error
+            await client.completions.create(model="tiny", prompt=[too_long], stream=True)
+    assert refused.value.code == "input_too_long", refused.value.message
+    assert _said(refused.value).startswith(f"`prompt[2]`: input is {len(too_long)} tokens"), refused.value.message
+    assert _said(streamed.value).startswith("`prompt[0]`: input is"), streamed.value.message
+
+
+def _said(error: openai.APIStatusError) -> str:
+    """The error's own message, as the server wrote it (the client's ``message`` leads with the status)."""
+    assert isinstance(error.body, dict), error.body
+    return str(error.body["message"])

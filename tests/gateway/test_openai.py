@@ -589,7 +589,7 @@ async def test_a_closed_stream_tells_its_unanswered_prompts_that_their_caller_ha
             return Answer("t-a", "sim", text[::-1], 1.0, 1)
 
     body = CompletionsBody(prompt=["a", "b", "c"], model="sim", stream=True)
-    chunks = CompletionChunks(Submits(), ["a", "b", "c"], body, [], ANONYMOUS)  # type: ignore[arg-type]
+    chunks = CompletionChunks(Submits(), ["a", "b", "c"], ["a", "b", "c"], body, [], ANONYMOUS)  # type: ignore[arg-type]
     first = json.loads((await anext(chunks)).decode().removeprefix("data: "))
     assert first["choices"] == [{"text": "a", "index": 0, "logprobs": None, "finish_reason": "stop"}]
     async with asyncio.timeout(GONE_GRACE_S * 10):
@@ -614,7 +614,7 @@ async def test_a_stream_the_server_shutdown_ends_says_so_and_the_client_raises()
             return Answer("t-a", "sim", text[::-1], 1.0, 1)
 
     body = CompletionsBody(prompt=["a", "b"], model="sim", stream=True)
-    chunks = CompletionChunks(Submits(), ["a", "b"], body, [], ANONYMOUS)  # type: ignore[arg-type]
+    chunks = CompletionChunks(Submits(), ["a", "b"], ["a", "b"], body, [], ANONYMOUS)  # type: ignore[arg-type]
     end, sent = StreamsEnd(), bytearray()
 
     async def send(message: Any) -> None:

@@ -316,7 +316,7 @@ async def embeddings(request: Request) -> Response:
         names = _names("input", len(texts), listed=isinstance(body.input, list))
         weights = await gateway.charge(caller, texts, body.model, names)
         answers = await _refunded(
-            _submit_all(gateway, texts, weights, body.model, caller, request), gateway, caller, len(texts)
+            _submit_all(gateway, texts, names, weights, body.model, caller, request), gateway, caller, len(texts)
         )
         model = answers[0].model
         vectors = [_vector(answer.output, model) for answer in answers]
@@ -345,7 +345,7 @@ async def completions(request: Request) -> Response:
         stops = _stops(body.stop)
         weights = await gateway.charge(caller, prompts, body.model, names)
         if body.stream:
-            chunks = CompletionChunks(gateway, prompts, body, stops, caller, weights)
+            chunks = CompletionChunks(gateway, prompts, names, body, stops, caller, weights)
             try:
                 # An error before anything was answered is a JSON error, not a stream; a client that
                 # leaves before then has its prompts' tasks cancelled, as one that leaves the stream.
@@ -355,7 +355,7 @@ async def completions(request: Request) -> Response:
                 raise
             return EventStream(chunks, ping_s=gateway.settings.sse_ping_s, end=deployment.streams_end, cut=CUT)
         answers = await _refunded(
-            _submit_all(gateway, prompts, weights, body.model, caller, request), gateway, caller, len(prompts)
+            _submit_all(gateway, prompts, names, weights, body.model, caller, request), gateway, caller, len(prompts)
         )
     except GatewayError as exc:
         return openai_error(exc, gateway.settings.retry_after_s)
@@ -387,12 +387,14 @@ class CompletionChunks:
         self,
         gateway: Gateway,
         prompts: list[str],
+        names: list[str],
         body: CompletionsBody,
         stops: list[str],
         caller: Caller,
         weights: Sequence[int] | None = None,
     ) -> None:
-        """``weights``: each prompt's tokens, as ``Gateway.charge`` counted them (None: not counted)."""
+        """``names``: each prompt as an error names it (``_names``); ``weights``: each prompt's tokens, as
+        ``Gateway.charge`` counted them (None: not counted)."""
         self._gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._index: dict[asyncio.Future[Answer], int] = {}
         for index, prompt in enumerate(prompts):
@@ -411,7 +413,7 @@ class CompletionChunks:
             self._index[submit] = index
         self._pending = set(self._index)
         self._ready: list[asyncio.Future[Answer]] = []
-        self._prompts, self._body, self._stops = prompts, body, stops
+        self._prompts, self._names, self._body, self._stops = prompts, names, body, stops
         self._texts: list[str] = [""] * len(prompts)
         self._id = f"cmpl-{secrets.token_urlsafe(16)}"
         self._created = int(time.time())
@@ -451,8 +453,8 @@ class CompletionChunks:
         except GatewayError as exc:
             self._ended = True
             if not self._streaming:
-                raise  # nothing streamed yet: the route answers it as a JSON error
-            return _error_chunk(exc)
+                raise _named(exc, self._names[index]) from None  # nothing streamed yet: the route answers it as JSON
+            return _error_chunk(_named(exc, self._names[index]))
         self._streaming = True
         self._model = answer.model
         text = _completed(self._prompts[index], answer.output, self._body.echo, self._stops)
@@ -545,6 +547,7 @@ async def _refunded(submits: Awaitable[T], gateway: Gateway, caller: Caller, inp
 async def _submit_all(
     gateway: Gateway,
     texts: list[str],
+    names: list[str],
     weights: Sequence[int] | None,
     model: str | None,
     caller: Caller,
@@ -552,8 +555,8 @@ async def _submit_all(
 ) -> list[Answer]:
     """Every string submitted at once (their rate-limit tokens already taken, and ``weights`` their tokens
     counted: ``Gateway.charge``) and waited for together; the first error ends the request (the others'
-    callers are gone, as at a disconnect: their tasks are cancelled). One watch of the connection serves
-    every submit."""
+    callers are gone, as at a disconnect: their tasks are cancelled), naming its string (``names``). One
+    watch of the connection serves every submit."""
     gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # the client left, or an error
     receiving = asyncio.ensure_future(disconnected(request.receive))
     receiving.add_done_callback(lambda _: None if gone.done() else gone.set_result(None))
@@ -578,10 +581,20 @@ async def _submit_all(
     finally:
         await cancel_and_wait(receiving)
         await _abandon(gone, submits)
-    for submit in done:
-        if not submit.cancelled() and (error := submit.exception()) is not None:
-            raise error
+    for index, submit in enumerate(submits):
+        if submit in done and not submit.cancelled() and (error := submit.exception()) is not None:
+            raise _named(error, names[index]) if isinstance(error, GatewayError) else error
     return [submit.result() for submit in submits]
+
+
+def _named(error: GatewayError, name: str) -> GatewayError:
+    """``error`` of one string's task, its message led by the string's ``name`` (```prompt[2]```): the task's
+    own message (the model's limit, its failure) says "input", and a request holds up to 256 strings."""
+    if not isinstance(error, TaskFailed):
+        return error
+    return TaskFailed(
+        f"{name}: {error.message}", task_id=error.task_id or "", task_code=error.task_code, replayed=error.replayed
+    )
 
 
 async def _abandon(gone: asyncio.Future[None], submits: Iterable[asyncio.Future[Answer]]) -> None:
