@@ -302,16 +302,18 @@ def resolve_max_input_tokens(
 ) -> int:
     """How many input tokens (special tokens included) one input may have.
 
-    The hard limit is the positions the model has (``max_position_embeddings``); a decoder-only
-    model must also fit the ``max_new_tokens`` it generates into them. The default is the
-    tightest limit the model directory states (tokenizer ``model_max_length``, sentence-transformers'
+    The hard limit is the positions the model has (``max_position_embeddings``, of its text config in a
+    multimodal model); a decoder-only model must also fit the ``max_new_tokens`` it generates into them.
+    The default is the tightest limit the model directory states (tokenizer ``model_max_length``, sentence-transformers'
     ``max_seq_length`` for embeddings); ``asked`` may go above that but not above the hard limit.
     """
-    positions = getattr(config, "max_position_embeddings", None)
+    # A multimodal model (Gemma 3, Llama 4) states its language model's positions in its text config.
+    text = config.get_text_config()
+    positions = getattr(text, "max_position_embeddings", None)
     hard = positions if isinstance(positions, int) and positions > 0 else None
     why = ""  # how ``hard`` comes from ``positions``, for the error that names it
-    pad = getattr(config, "pad_token_id", None)
-    if hard is not None and getattr(config, "model_type", None) in _POSITIONS_AFTER_PADDING and isinstance(pad, int):
+    pad = getattr(text, "pad_token_id", None)
+    if hard is not None and getattr(text, "model_type", None) in _POSITIONS_AFTER_PADDING and isinstance(pad, int):
         hard -= pad + 1  # 514 positions hold 512 tokens: position ids start after the padding's
         why = f" ({positions} positions, the first {pad + 1} of which hold no token)"
     if hard is not None and task == "generate" and not getattr(config, "is_encoder_decoder", False):

@@ -10,7 +10,7 @@ import shutil
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import pytest
 import torch
@@ -18,7 +18,13 @@ import transformers
 
 from batchwire.bench.tiny_models import build_tiny_encoder, byte_tokenizer
 from gpu_worker.backends.hf import WARMUP_PROMPT, HFBackend
-from gpu_worker.backends.hf_load import ModelLoadError, _load_weights, resolve_device, resolve_dtype
+from gpu_worker.backends.hf_load import (
+    ModelLoadError,
+    _load_weights,
+    resolve_device,
+    resolve_dtype,
+    resolve_max_input_tokens,
+)
 
 
 def load(path: Path, **kwargs: Any) -> HFBackend:
@@ -222,6 +228,22 @@ def test_each_encoder_that_numbers_positions_after_the_padding_gets_its_limit_fr
     backend = load(path, task="embed")
     assert backend.max_input_tokens == 33
     assert len(backend.batchstring(["x" * 31, "short"])) == 2, "31 bytes and <s> </s>: the whole 33"
+
+
+@pytest.mark.parametrize(("asked", "task"), [(None, "generate"), (None, "embed"), (40, "generate")])
+def test_a_model_whose_positions_its_text_config_states_gets_its_limit_from_them(
+    tmp_path: Path, asked: int | None, task: Literal["generate", "embed"]
+) -> None:
+    """A multimodal checkpoint (Gemma 3, Llama 4, Mllama) states its positions in its ``text_config``, not at
+    the top of its config: read there, as for any model, not the 512 of a model that states nothing."""
+    tokenizer = byte_tokenizer(max_length=10**30)
+    text = {"max_position_embeddings": 64, "vocab_size": len(tokenizer), "hidden_size": 32, "num_hidden_layers": 1}
+    config = transformers.AutoConfig.for_model("gemma3", text_config=text)
+    assert getattr(config, "max_position_embeddings", None) is None, "the case: positions in text_config only"
+    limit = resolve_max_input_tokens(tmp_path, config, tokenizer, task=task, max_new_tokens=16, asked=asked)
+    assert limit == (asked or (48 if task == "generate" else 64)), limit
+    with pytest.raises(ModelLoadError, match=r"at most 48 \(64 positions less max_new_tokens=16\)"):
+        resolve_max_input_tokens(tmp_path, config, tokenizer, task="generate", max_new_tokens=16, asked=49)
 
 
 def test_a_limit_under_the_warm_up_prompt_warms_up_with_less(tiny_models: dict[str, Path]) -> None:
