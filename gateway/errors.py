@@ -219,7 +219,10 @@ ERROR_TABLE: dict[str, tuple[int, str]] = {
     "invalid_json": (400, "The body is not one JSON document."),
     "invalid_utf8": (400, "The body is not valid UTF-8."),
     "invalid_task_id": (400, "The task id has characters or a length no task id has."),
-    "invalid_idempotency_key": (400, "The Idempotency-Key header is empty, over 255 characters, or not visible ASCII."),
+    "invalid_idempotency_key": (
+        400,
+        "The Idempotency-Key header is empty, over 255 characters, not visible ASCII, or sent twice.",
+    ),
     "invalid_last_event_id": (
         400,
         "The Last-Event-ID header is not an event id this task's stream sent (an integer from 0 to 3); resume "

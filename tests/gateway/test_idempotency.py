@@ -139,6 +139,20 @@ async def test_a_malformed_key_is_400_and_nothing_is_stored(make_rig: RigFactory
     assert rig.store.created == []
 
 
+async def test_two_keys_in_one_request_are_400_and_neither_is_claimed(make_rig: RigFactory) -> None:
+    rig = await make_rig()
+    for path in ("/v1/inference", "/v1/tasks"):
+        response = await rig.client.post(
+            path, json={"input": "x"}, headers=[(IDEMPOTENCY_HEADER, "k-a"), (IDEMPOTENCY_HEADER, "k-b")]
+        )
+        assert response.status_code == 400, f"{path}: expected 400 for two keys, got {response.text}"
+        error = error_of(response)
+        assert error["code"] == "invalid_idempotency_key"
+        assert "2 Idempotency-Key headers" in error["message"], error["message"]
+    assert rig.produced() == 0
+    assert rig.store.created == []
+
+
 async def test_a_bad_body_with_a_key_does_not_claim_it(make_rig: RigFactory) -> None:
     rig = await make_rig()
     await rig.worker()

@@ -20,6 +20,7 @@ from gateway.edge.handlers import json_response
 from gateway.edge.models import InferenceBody, InferenceResponse, TaskAccepted, error_responses
 from gateway.edge.routes.deployment import deployment_of
 from gateway.edge.traced import traced
+from gateway.errors import InvalidIdempotencyKey
 from gateway.keys.idempotency import KEY_PATTERN, MAX_KEY_CHARS
 from gateway.settings import GatewaySettings
 from schemas.wire import IDEMPOTENCY_HEADER, REPLAYED_HEADER
@@ -48,12 +49,24 @@ _SUBMIT_ERRORS = (
 )
 
 
+def idempotency_key_of(request: Request) -> str | None:
+    """The request's Idempotency-Key, None without one. Two are refused: which would name the task
+    depends on their order, which a proxy that appends its own header instead of replacing the client's
+    leaves to the client."""
+    keys = request.headers.getlist(IDEMPOTENCY_HEADER)
+    if len(keys) > 1:
+        raise InvalidIdempotencyKey(
+            f"this request has {len(keys)} Idempotency-Key headers; send one Idempotency-Key header"
+        )
+    return keys[0] if keys else None
+
+
 async def infer(request: Request) -> Response:
     """Runs one input and holds the connection until its output (or its error)."""
     deployment = deployment_of(request)
     gateway = deployment.gateway
     caller = deployment.caller_of(request)
-    key = request.headers.get(IDEMPOTENCY_HEADER)
+    key = idempotency_key_of(request)
     body = parse_inference_body(await deployment.body_of(request, caller))
     answer = await gateway.submit(
         body.input,
@@ -85,7 +98,7 @@ async def enqueue(request: Request) -> Response:
     deployment = deployment_of(request)
     gateway = deployment.gateway
     caller = deployment.caller_of(request)
-    key = request.headers.get(IDEMPOTENCY_HEADER)
+    key = idempotency_key_of(request)
     body = parse_inference_body(await deployment.body_of(request, caller))
     accepted = await gateway.submit(
         body.input, body.model, body.timeout_ms, False, caller=caller, idempotency_key=key, priority=body.priority
