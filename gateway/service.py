@@ -349,14 +349,16 @@ class Gateway:
         A key bound to a task that is still not stored after ``UNSTORED_GRACE_S`` is one whose submit
         ended before it stored the task, and maybe before it sent its request (the answer to its claim
         was lost with a failed-over Redis primary, or its gateway was killed in between): the retry
-        sends that task again (``_resend``), so it ends. A request sent twice is computed twice at
-        worst, and answered once. One with less than ``UNSTORED_GRACE_S`` left before its deadline
-        would expire on its way: it is ended ``expired`` instead, and the next claim replaces it with
-        this retry's task, under this retry's own timeout.
+        sends that task again (``_resend``), so it ends, once a second claim finds the key still bound to
+        it (a submit refused meanwhile releases its key: the retry then binds it to its own task). A
+        request sent twice is computed twice at worst, and answered once. One with less than
+        ``UNSTORED_GRACE_S`` left before its deadline would expire on its way: it is ended ``expired``
+        instead, and the next claim replaces it with this retry's task, under this retry's own timeout.
         """
         task_id, model, owner, deadline = submission.task_id, submission.model, submission.owner, submission.deadline
         scope = owner or idempotency.ANONYMOUS_SCOPE
         fingerprint = idempotency.fingerprint(submission.input, model)
+        unstored: str | None = None  # a bound task still not stored after the grace, at the last claim
         # The deadline is taken at each claim: the claim that binds this retry's task comes just before
         # it is sent, with the deadline it will carry (``publisher``), however long the retry waited.
         while (
@@ -364,7 +366,14 @@ class Gateway:
                 scope, key, task_id, fingerprint, self._clock.wall_ms() + submission.timeout_ms
             )
         ).task_id != task_id:
-            earlier = bound.earlier or await self._keys.stored(bound.task_id, UNSTORED_GRACE_S)
+            earlier = bound.earlier
+            if earlier is None and bound.task_id != unstored:
+                earlier = await self._keys.stored(bound.task_id, UNSTORED_GRACE_S)
+                if earlier is None:
+                    # Its submit may have been refused meanwhile and released the key: sent now, that
+                    # task would be one the key no longer names. The next claim says whether it still does.
+                    unstored = bound.task_id
+                    continue
             if earlier is None and not await self._resend(submission, bound.claim):
                 continue  # ended expired: the next claim replaces it
             if self._admission.active:

@@ -29,7 +29,7 @@ from tests.support.gateway_rig import (
     now_ms,
 )
 from transport.memory.requests import MemoryRequestBus
-from transport.ports import STALE_AFTER_MS, TransportError
+from transport.ports import STALE_AFTER_MS, KeyClaim, TransportError
 from transport.redis.store import RedisTaskStore
 from transport.routing import Partitioner
 
@@ -193,6 +193,59 @@ async def test_an_asynchronous_retry_of_a_bound_task_that_was_never_stored_sends
     again = await rig.client.post("/v1/tasks", json={"input": "lost"}, headers=_key("k-lost"))
     assert again.json()["task_id"] == "lost-record", "the task is replayed from then on, not replaced"
     assert [r.input for r in worker.seen] == ["lost"]
+
+
+class _FullOnceStore(RecordingStore):
+    """Refuses the first keyed submit for room (``full``: 503 ``overloaded``), and holds the release of
+    its key until ``released`` is set, so that a second submit with the key claims it meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.claims = 0
+        self.released = asyncio.Event()
+        self._refused = False
+
+    def full(self, model: str) -> str | None:
+        if self._refused:
+            return None
+        self._refused = True
+        return "the test's store is full"
+
+    async def claim_key(
+        self, scope: str, key: str, task_id: str, fingerprint: str, deadline_ms: int | None = None
+    ) -> KeyClaim:
+        self.claims += 1
+        return await super().claim_key(scope, key, task_id, fingerprint, deadline_ms)
+
+    async def release_key(self, scope: str, key: str, task_id: str) -> None:
+        await self.released.wait()
+        await super().release_key(scope, key, task_id)
+
+
+async def test_a_retry_of_a_task_whose_submit_was_refused_meanwhile_starts_the_one_task_of_its_key(
+    make_rig: RigFactory,
+) -> None:
+    """Two submits with one key at once: the first binds the key, is refused 503 and releases it,
+    never storing its task; the second, which found the key bound to that task, must not send it
+    (the key no longer names it, so a later retry would compute the input again): it claims anew."""
+    store = _FullOnceStore()
+    rig = await make_rig(store=store)
+    worker = await rig.worker()
+    first = asyncio.create_task(rig.client.post("/v1/tasks", json={"input": "twice"}, headers=_key("k-race")))
+    await eventually(lambda: store.claims == 1, "the first submit to bind the key")
+    second = asyncio.create_task(rig.client.post("/v1/tasks", json={"input": "twice"}, headers=_key("k-race")))
+    await eventually(lambda: store.claims == 2, "the second submit to find the key bound")
+    store.released.set()
+    refused, accepted = await asyncio.wait_for(first, 10), await asyncio.wait_for(second, 10)
+    assert refused.status_code == 503, refused.text
+    assert accepted.status_code == 202, accepted.text
+    read = await rig.client.get(f"/v1/result/{accepted.json()['task_id']}", params={"wait": 10})
+    assert read.json()["status"] == "completed", read.text
+    later = await rig.client.post("/v1/tasks", json={"input": "twice"}, headers=_key("k-race"))
+    assert later.json()["task_id"] == accepted.json()["task_id"], (
+        f"a later retry must name the key's one task {accepted.json()['task_id']}, got {later.text}"
+    )
+    assert [r.input for r in worker.seen] == ["twice"], "the input must be computed once"
 
 
 # a key whose task ended without being computed -----------------------------------------------------
