@@ -110,17 +110,18 @@ class TaskPublisher:
         # ``created`` False: a retry with this task's Idempotency-Key sent it again and recorded it
         # first (``Gateway._submit_keyed``); ids are 128 random bits, so it is never another task's.
 
-    async def end_unsent(self, queued: TaskState, timeout_ms: int) -> None:
+    async def end_unsent(self, queued: TaskState, timeout_ms: int, *, message: str | None = None) -> None:
         """Ends ``expired`` a task whose deadline passed while it was being published: the bus may
         never have taken it, so no batcher would ever end it (were it taken, the batcher's own expiry
-        of it changes nothing: a terminal state is written once)."""
+        of it changes nothing: a terminal state is written once). ``message`` says why, when the
+        default (``timeout_ms`` passed before the bus took it) is not what happened."""
         expired = replace(
             queued,
             status=TaskStatus.EXPIRED,
             updated_at_ms=self._clock.wall_ms(),
             error_code=DeadlineExceeded.code,
-            error_message=f"timeout_ms={timeout_ms} passed before the request bus took the request; "
-            "send a longer timeout_ms",
+            error_message=message
+            or f"timeout_ms={timeout_ms} passed before the request bus took the request; send a longer timeout_ms",
         )
         try:
             async with asyncio.timeout(self._write_timeout_s):

@@ -425,7 +425,13 @@ class Gateway:
             left_ms = claim.deadline_ms - self._clock.wall_ms()
             if left_ms < UNSTORED_GRACE_S * 1000:
                 queued, _ = self._publisher.task(replace(submission, task_id=claim.task_id), None)
-                await self._publisher.end_unsent(queued, max(0, left_ms))
+                # Not stored by now: its submit ended first, or its record outlived the result TTL.
+                why = (
+                    f"its Idempotency-Key names this task, but no record of it was found by its deadline (its "
+                    f"submit ended before storing it, or its result outlived {env_name('result_ttl_s')}); a "
+                    "retry with the key starts a new task"
+                )
+                await self._publisher.end_unsent(queued, max(0, left_ms), message=why)
                 return False
             timeout_ms = min(timeout_ms, left_ms)
         deadline = min(submission.deadline, asyncio.get_running_loop().time() + timeout_ms / 1000)

@@ -564,6 +564,10 @@ async def test_a_retry_of_a_lost_task_at_its_deadline_gets_a_new_task_with_its_o
     assert sync.json()["task_id"] != f"lost{left_ms}" and sync.json()["output"] == "tsol"
     lost = await store.get(f"lost{left_ms}")
     assert lost is not None and lost.status is TaskStatus.EXPIRED, "the lost task ends, so nothing answers it later"
+    assert lost.error_message is not None and "timeout_ms=" not in lost.error_message, (
+        f"the lost task's end must not name a timeout_ms its caller never sent: {lost.error_message!r}"
+    )
+    assert "Idempotency-Key" in lost.error_message, f"the end says a retry starts anew: {lost.error_message!r}"
     assert queued.status_code == 202 and queued.json()["task_id"] == sync.json()["task_id"], queued.text
 
 
