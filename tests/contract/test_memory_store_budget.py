@@ -160,6 +160,26 @@ async def test_the_count_limit_drops_ended_tasks_first_and_keeps_a_live_one_and_
     assert await store.get("done-0") is None and await store.get("done-3") is not None, "the oldest-ended go first"
 
 
+@pytest.mark.parametrize("max_bytes", [None, 1 << 30], ids=["no budget", "budget"])
+async def test_at_the_count_limit_of_live_tasks_full_refuses_and_no_live_task_is_dropped(max_bytes: int | None) -> None:
+    """With only live tasks left the count limit has nothing it may drop: ``full`` refuses the next
+    submit (503), as it does at the byte budget, instead of the store dropping the oldest live task
+    (a 404 for a queued task, its key freed for a second computation)."""
+    store = MemoryTaskStore(max_tasks=3, max_bytes=max_bytes)
+    await store.claim_key("o", "k", "live-0", "fp")
+    for index in range(3):
+        await store.create(state(f"live-{index}", TaskStatus.QUEUED))
+
+    refusal = store.full("alpha")
+    assert refusal is not None and "3 tasks not yet ended" in refusal, (
+        f"expected a refusal at the count, got {refusal!r}"
+    )
+    assert await store.get("live-0") is not None
+    await _complete(store, "done")  # a write that ``full`` does not hold back (a worker's result)
+    assert await store.get("live-0") is not None, "a live task is never dropped for the count"
+    assert (await store.claim_key("o", "k", "retry", "fp")).task_id == "live-0", "its key stays bound"
+
+
 async def test_without_a_budget_nothing_is_dropped_for_bytes() -> None:
     store = MemoryTaskStore()
     for index in range(50):

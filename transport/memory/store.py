@@ -127,6 +127,12 @@ class MemoryTaskStore:
         return None  # its budget is per model (``full``)
 
     def full(self, model: str) -> str | None:
+        live = len(self._tasks) - len(self._ended)
+        if live >= self.max_tasks:  # the count limit drops ended tasks only (``_evict``)
+            return (
+                f"the embedded service holds {live} tasks not yet ended, the most it keeps; nothing was queued: "
+                "retry after the Retry-After delay"
+            )
         if self.max_bytes is None:
             return None
         self._shrink()
@@ -150,9 +156,9 @@ class MemoryTaskStore:
     # bounds ------------------------------------------------------------------------------------
 
     def _evict(self) -> None:
-        """Drops tasks past their TTL (oldest write first), then beyond ``max_tasks`` ended ones first
+        """Drops tasks past their TTL (oldest write first), then beyond ``max_tasks`` ended ones
         (oldest-ended first, as for bytes: a task waiting in a backlog is older than the results that
-        ended since), then shrinks."""
+        ended since; a live one is never dropped, ``full`` refuses submits instead), then shrinks."""
         now = time.monotonic()
         while self._tasks:
             task_id, stored = next(iter(self._tasks.items()))
@@ -161,8 +167,8 @@ class MemoryTaskStore:
             # A task past its TTL that has not ended may still end (a missing task takes any state): its
             # key stays bound until its binding expires (``binding_ttl_ms``), as a Redis key outlives its hash.
             self._drop(task_id, unbind=task_id in self._ended)
-        while len(self._tasks) > self.max_tasks:
-            self._drop(next(iter(self._ended or self._tasks)))
+        while len(self._tasks) > self.max_tasks and self._ended:
+            self._drop(next(iter(self._ended)))
         self._shrink()
 
     def _shrink(self) -> None:
