@@ -110,6 +110,14 @@ def test_a_cluster_url_names_its_startup_nodes_and_hides_its_password() -> None:
         cluster_nodes("redis+cluster://10.0.0.1")
 
 
+def test_a_cluster_urls_percent_encoded_credentials_are_decoded() -> None:
+    """A password with a character a URL reserves (``/``, ``%``, ``,``) can only be written encoded, as
+    in a ``redis://`` or ``redis+sentinel://`` URL; sent to the nodes undecoded, it never matched."""
+    nodes, user, password = cluster_nodes("redis+cluster://app%3Aone:p%40ss%2Fw%2C%25@10.0.0.1:7000")
+    assert [(node.host, node.port) for node in nodes] == [("10.0.0.1", 7000)]
+    assert (user, password) == ("app:one", "p@ss/w,%")
+
+
 def test_the_local_clusters_url_is_one_the_pools_read() -> None:
     """infra sits below transport, so it writes the scheme itself: the two must agree."""
     nodes, _, _ = cluster_nodes(cluster_url([7000, 7001]))

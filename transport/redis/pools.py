@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import redis
 from redis.asyncio import ConnectionPool, Redis
@@ -336,11 +336,12 @@ def cluster_nodes(url: str) -> tuple[list[ClusterNode], str | None, str | None]:
     """The startup nodes, user and password of a ``redis+cluster://[USER:PASSWORD@]HOST:PORT,...`` URL.
 
     Parsed here: redis-py's ``RedisCluster.from_url`` takes one node, and a deployment names several,
-    so that losing one does not stop a client from finding the cluster."""
+    so that losing one does not stop a client from finding the cluster. The user and password are
+    percent-decoded, as in a ``redis://`` URL: one with a character a URL reserves is written encoded."""
     _, _, rest = url.partition("://")
     netloc = rest.partition("/")[0]
     userinfo, at, hosts = netloc.rpartition("@")
-    user, _, password = userinfo.partition(":") if at else ("", "", "")
+    user, _, password = (unquote(part) for part in userinfo.partition(":")) if at else ("", "", "")
     nodes: list[ClusterNode] = []
     for address in hosts.split(","):
         host, _, port = address.strip().rpartition(":")
