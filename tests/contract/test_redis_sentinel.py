@@ -141,6 +141,26 @@ def test_start_up_check_finds_the_primary_or_names_the_masters_the_sentinels_kno
     assert "BATCHWIRE_REDIS_URL" in message, message
 
 
+@pytest.mark.kafka
+async def test_an_address_that_answers_sentinel_with_an_error_is_passed_over_as_at_start(
+    cluster: SentinelCluster,
+) -> None:
+    """A server at a Sentinel's address that is no Sentinel (here a Redis, which answers ``SENTINEL
+    MASTERS`` with ``ERR unknown command``) is passed over by the start-up check; every lookup of a
+    pool's connection, and every round of its follower, asks it first and must pass it over too."""
+    hosts = ",".join(f"127.0.0.1:{port}" for port in [cluster.primary_port, *cluster.sentinel_ports])
+    url = f"redis+sentinel://{hosts}/{MASTER}/0"
+    assert check_sentinels(url) == ("127.0.0.1", cluster.primary_port)
+    pool = sentinel_pool(url, socket_connect_timeout=5.0)
+    client = Redis(connection_pool=pool)
+    try:
+        assert await client.set("error-answering-sentinel-probe", "1", ex=10)
+        assert await pool.sentinel_manager.discover_master(MASTER) == ("127.0.0.1", cluster.primary_port)
+    finally:
+        await client.aclose()
+        await pool.disconnect()
+
+
 # (b) the transports over a Sentinel URL
 
 

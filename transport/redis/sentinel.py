@@ -25,7 +25,6 @@ from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnec
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry as SyncRetry
 
 from transport.background_loop import BackgroundLoop
@@ -257,7 +256,9 @@ class _Sentinels(Sentinel):
         for index, sentinel in enumerate(self.sentinels):
             try:
                 masters = _by_name(await sentinel.sentinel_masters())
-            except (RedisConnectionError, RedisTimeoutError, OSError) as err:
+            except (RedisError, OSError, SentinelError) as err:
+                # Passed over as at start (``check_sentinels``): one that answers with an error (a server
+                # there that is no Sentinel) would otherwise fail every lookup, since it stays first.
                 kwargs = sentinel.connection_pool.connection_kwargs
                 unanswered.append(f"{_address(kwargs['host'], kwargs['port'])}: {err}")
                 continue
