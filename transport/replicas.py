@@ -12,7 +12,7 @@ them. Should the process die meanwhile, the record's next owner handles it again
 ``min_replicas=None`` (auto) asks for one replica while the primary reports one connected and in
 sync (not still taking its first full copy), else none: a lone Redis costs nothing, and a primary
 that has dropped its replica no longer blocks commits. The count is read again after every short
-store, so a failover to a primary without replicas ends the wait. Behind Sentinel the count is
+store, so a failover to a primary without replicas ends the wait. Behind Sentinel a count of none is
 trusted only from a server the Sentinels confirm as primary; until they do, one replica is asked for.
 """
 

@@ -248,13 +248,39 @@ FOLLOW_BOUND_S = 3.0
 
 @pytest.fixture
 def own_cluster(tmp_path: Path) -> Iterator[SentinelCluster]:
-    """Servers for one test that swaps their roles, leaving the module's ``cluster`` as it was."""
+    """Servers for one test that swaps their roles or stops one, leaving the module's ``cluster`` as it was."""
     servers = SentinelCluster(tmp_path)
     try:
         servers.start()
         yield servers
     finally:
         servers.stop()
+
+
+COUNT_BOUND_S = 3.0
+"""How long counting a primary's replicas may take with one Sentinel silent (a few milliseconds)."""
+
+
+@pytest.mark.kafka
+async def test_a_silent_sentinel_costs_no_wait_to_count_a_primarys_replicas(
+    own_cluster: SentinelCluster, names: Names
+) -> None:
+    """A worker counts the primary's replicas (``connected_replicas``) before it stores a batch's results,
+    and again at least every 10 s. The Sentinels' confirmation that the server is the
+    primary, which waits for every Sentinel, matters only when the count is none (an old primary that
+    lost its replica); a count of one or more is asked for as it is. A silent Sentinel (hung, cut off)
+    held each count for its whole timeout: each worker's results waited that long every recount."""
+    own_cluster.pause(own_cluster.sentinel_ports[-1])  # last: the store's lookups never ask it
+    store = RedisTaskStore(own_cluster.url, names, ttl_s=60, pool=PoolOptions(socket_timeout_s=COUNT_BOUND_S * 3))
+    try:
+        await store.start()
+        started = time.monotonic()
+        assert await store.connected_replicas() == 1, "the replica, in sync, is counted"
+        took_s = time.monotonic() - started
+        assert took_s < COUNT_BOUND_S, f"counting the replicas took {took_s:.1f} s: it waited for the silent Sentinel"
+    finally:
+        own_cluster.resume(own_cluster.sentinel_ports[-1])
+        await store.close()
 
 
 @pytest.mark.kafka

@@ -261,14 +261,19 @@ class RedisTaskStore:
         over a cluster, the fewest any primary counts.
 
         A replica still taking its first full copy (a restarted one rejoining) acknowledges nothing
-        until it has it, so it is not counted. Behind Sentinel, a server the Sentinels do not confirm
-        as primary (``KeyedClient.confirm_primary``: a failover under way) counts one: an old primary
-        that lost its replica to the promotion counts none, and would be trusted with states it drops
-        once demoted."""
+        until it has it, so it is not counted. Behind Sentinel, a count of none is trusted only from a
+        server the Sentinels confirm as primary (``KeyedClient.confirm_primary``), else it counts one:
+        an old primary that lost its replica to the promotion counts none, and would be trusted with
+        states it drops once demoted. A count of one or more is asked for as it is, without the
+        confirmation, which waits for every Sentinel: a silent one would hold each count (and the
+        worker's results behind it) for its whole timeout."""
         try:
             if not isinstance(self._client, RedisCluster):
+                if online := _online(await self._client.info("replication")):
+                    return online
                 if not await self._commands.confirm_primary():
                     return 1
+                # Read again: the confirmation closed any connection to a server it no longer names.
                 return _online(await self._client.info("replication"))
             return min([_online(await self._on(node).info("replication")) for node in self._client.get_primaries()])
         except REDIS_ERRORS as err:
