@@ -98,6 +98,19 @@ def test_passwords_stay_out_of_messages() -> None:
     assert "hunter2" not in str(raised.value)
 
 
+@pytest.mark.parametrize(
+    "url",
+    ["redis+sentinel://app:Qz7/Xk9@h:1/m/0", "redis+cluster://app:Qz7/Xk9@h:1,h:2", "redis://app:Qz7/Xk9@h:1/0"],
+)
+def test_a_password_written_unencoded_with_a_slash_stays_out_of_messages(url: str) -> None:
+    """A ``/`` in the password ends the URL's authority there, so such a URL is malformed, and the role's
+    message quotes it: its part after the ``/`` was quoted with the hosts, its start as a bad address."""
+    assert "Qz7" not in redacted(url) and "Xk9" not in redacted(url), redacted(url)
+    with pytest.raises((SettingsError, PermanentTransportError)) as raised:
+        SharedSettings(redis_url=url).require_redis()
+    assert "Qz7" not in str(raised.value) and "Xk9" not in str(raised.value), str(raised.value)
+
+
 @pytest.mark.parametrize("url", ["sentinel://h:1,h:2/m", "http://h:1/0"])
 def test_a_scheme_redis_does_not_take_is_a_settings_error(url: str) -> None:
     with pytest.raises(SettingsError, match=r"the scheme must be one of .*redis\+sentinel://"):

@@ -52,6 +52,7 @@ from transport.errors import PermanentTransportError, StoreFullError
 from transport.ports import TransportError
 from transport.redis.blocking import BlockingPool
 from transport.redis.sentinel import (
+    UNENCODED_SLASH,
     PrimaryFollower,
     SentinelPool,
     blocking_sentinel_pool,
@@ -89,6 +90,8 @@ def _redacted_netloc(url: str) -> str:
     try:
         port = parts.port
     except ValueError:  # a port that is no number: a malformed URL, reported with its password hidden
+        return redacted_sentinel_url(url)
+    if "@" in url.partition("://")[2].partition("/")[2]:  # a password with an unencoded "/"
         return redacted_sentinel_url(url)
     if parts.password is None:
         return url
@@ -339,17 +342,17 @@ def cluster_nodes(url: str) -> tuple[list[ClusterNode], str | None, str | None]:
     so that losing one does not stop a client from finding the cluster. The user and password are
     percent-decoded, as in a ``redis://`` URL: one with a character a URL reserves is written encoded."""
     _, _, rest = url.partition("://")
-    netloc = rest.partition("/")[0]
+    netloc, _, path = rest.partition("/")
+    form = f"the form is {CLUSTER_SCHEME}://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]"
+    if "@" in path:  # its addresses would quote the password's start
+        raise PermanentTransportError(f"Redis URL {redacted(url)!r}: {UNENCODED_SLASH}; {form}")
     userinfo, at, hosts = netloc.rpartition("@")
     user, _, password = (unquote(part) for part in userinfo.partition(":")) if at else ("", "", "")
     nodes: list[ClusterNode] = []
     for address in hosts.split(","):
         host, _, port = address.strip().rpartition(":")
         if not host or not port.isdigit():
-            raise PermanentTransportError(
-                f"Redis URL {redacted(url)!r}: {address!r} is not HOST:PORT; the form is "
-                f"{CLUSTER_SCHEME}://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...]"
-            )
+            raise PermanentTransportError(f"Redis URL {redacted(url)!r}: {address!r} is not HOST:PORT; {form}")
         nodes.append(ClusterNode(host, int(port)))
     return nodes, user or None, password or None
 

@@ -39,6 +39,8 @@ FOLLOW_INTERVAL_S = 0.5
 """How often a ``PrimaryFollower`` asks the Sentinels for the primary, to close its pools' connections to
 any other server."""
 HINT = "check --redis-url / BATCHWIRE_REDIS_URL"
+UNENCODED_SLASH = "an '@' follows a '/', as when a password has a '/': write it %2F (and an '@' in it %40)"
+"""The advice for a URL whose password has a ``/`` written as it is, which ends the URL's authority."""
 
 
 class SentinelError(ValueError):
@@ -78,6 +80,8 @@ def parse_sentinel_url(url: str) -> SentinelUrl:
     if "?" in rest or "#" in rest:
         raise wrong("query options (?...) and fragments (#...) are not supported")
     netloc, _, path = rest.partition("/")
+    if "@" in path:  # its addresses would quote the password's start
+        raise wrong(UNENCODED_SLASH)
     username = password = None
     if "@" in netloc:
         userinfo, _, netloc = netloc.rpartition("@")
@@ -123,13 +127,14 @@ def _sentinel_address(item: str, wrong: Any) -> tuple[str, int]:
 
 
 def redacted_sentinel_url(url: str) -> str:
+    """``url`` with its password hidden, up to its last ``@``: a password with a ``/`` written unencoded
+    ends the authority early, and what follows the ``/`` is a secret too."""
     scheme, sep, rest = url.partition("://")
-    netloc, slash, path = rest.partition("/")
-    if "@" not in netloc:
+    userinfo, at, tail = rest.rpartition("@")
+    if not at:
         return url
-    userinfo, _, hosts = netloc.rpartition("@")
     user, colon, _ = userinfo.partition(":")
-    return f"{scheme}{sep}{user}{':***' if colon else ''}@{hosts}{slash}{path}"
+    return f"{scheme}{sep}{user}{':***' if colon else ''}@{tail}"
 
 
 def lookup_error(parsed: SentinelUrl, unanswered: Sequence[str], known: set[str], down: bool) -> str:
