@@ -45,6 +45,12 @@ from transport.redis.pools import redacted
 STACK_DIR = Path(".batchwire")
 
 
+MAX_SENDS_PER_RATE = 10_000_000
+"""The most sends one rate (or one mix) may schedule over its warm-up and window. Each send's time is
+drawn before the first send and each answer is kept, so a longer schedule fills the generator's memory
+before anything is sent, where neither Ctrl-C nor SIGTERM reaches it (no await in the drawing)."""
+
+
 class UsageError(Exception):
     """A flag combination that cannot work; the message says which flag to change."""
 
@@ -285,6 +291,7 @@ def _load_config(args: argparse.Namespace) -> LoadConfig:
         raise UsageError("--rate and --mix exclude each other: a mix gives each stream its own rate")
     if args.duration <= 0 or args.warmup < 0 or args.pause < 0:
         raise UsageError("--duration must be above 0 and --warmup, --pause 0 or more")
+    _check_schedule_length(args)
     if args.concurrency_limit < 1 or args.timeout <= 0 or args.input_size < 0:
         raise UsageError("--concurrency-limit must be 1 or more, --timeout above 0, --input-size 0 or more")
     if args.start and args.url:
@@ -345,6 +352,21 @@ def _load_config(args: argparse.Namespace) -> LoadConfig:
         lone_gap_s=args.lone_gap_ms / 1000.0,
         warm_count=args.warm,
     )
+
+
+def _check_schedule_length(args: argparse.Namespace) -> None:
+    """Refuses a rate or mix whose schedule the bench could not hold (``MAX_SENDS_PER_RATE``)."""
+    loads = [(f"--rate {rate:g}", rate) for rate in args.rate or ()]
+    for mix in args.mix or ():
+        loads.append((f"--mix {','.join(f'{s.name}:{s.rate_rps:g}' for s in mix)}", sum(s.rate_rps for s in mix)))
+    span_s = args.warmup + args.duration
+    for given, rate_rps in loads:
+        if rate_rps * span_s > MAX_SENDS_PER_RATE:
+            raise UsageError(
+                f"{given} over --warmup {args.warmup:g} + --duration {args.duration:g} s is "
+                f"{rate_rps * span_s:,.0f} sends; the bench draws every send's time before the first and keeps "
+                f"every answer, so it holds at most {MAX_SENDS_PER_RATE:,} per rate: lower --duration or the rate"
+            )
 
 
 def _check_url(flag: str, url: str) -> None:

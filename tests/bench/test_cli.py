@@ -6,6 +6,7 @@ import contextlib
 import copy
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -311,3 +312,30 @@ def test_a_redis_url_that_does_not_answer_is_noted_on_each_rate(
     said = [note for note in rate["notes"] if "did not answer INFO" in note]
     assert said and "secret" not in said[0], f"expected a note on the unread Redis, password hidden: {rate['notes']}"
     assert "did not answer INFO" in capsys.readouterr().out, "the table's notes should say it too"
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--rate", "0.001,1000", "--duration", "1e9"], "--rate 1000 over --warmup 2 + --duration 1e+09 s"),
+        (["--rate", "200000", "--duration", "60", "--warmup", "0"], "--rate 200000 over --warmup 0 + --duration 60 s"),
+        (["--mix", "high:10,low:5000", "--duration", "1e6"], "--mix high:10,low:5000 over --warmup 2 + --duration"),
+    ],
+)
+def test_a_schedule_too_long_to_hold_is_refused_before_it_starts(argv: list[str], said: str) -> None:
+    """Each send's time is drawn before the first send, and each answer kept: ``--duration 1e9`` grew the
+    generator to all the machine's memory before it sent anything, deaf to Ctrl-C and SIGTERM, until the
+    kernel killed it."""
+    from batchwire.bench.cli import build_parser
+    from batchwire.bench.command import UsageError, _load_config
+
+    with pytest.raises(UsageError, match=re.escape(said)):
+        _load_config(build_parser().parse_args(argv))
+
+
+def test_the_longest_schedule_the_bench_holds_is_accepted() -> None:
+    from batchwire.bench.cli import build_parser
+    from batchwire.bench.command import MAX_SENDS_PER_RATE, _load_config
+
+    rate = MAX_SENDS_PER_RATE / 100
+    assert _load_config(build_parser().parse_args(["--rate", f"{rate:g}", "--duration", "98", "--warmup", "2"]))
