@@ -93,9 +93,14 @@ def _worker(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _topics(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     topics = sub.add_parser("topics", help="grow the topics of a running deployment (more workers per model)")
     topics.add_argument("action", choices=["grow"])
-    topics.add_argument("--batch-partitions", type=int, default=None, help="grow each model's batch topic to N")
     topics.add_argument(
-        "--request-partitions", type=int, default=None, help="grow the request topic to N (gateways, batchers stopped)"
+        "--batch-partitions", type=int, default=None, help="grow each model's batch topic to N (at most 10,000)"
+    )
+    topics.add_argument(
+        "--request-partitions",
+        type=int,
+        default=None,
+        help="grow the request topic to N, at most 10,000 (gateways, batchers stopped)",
     )
     flags.add(topics, "--namespace", "batchwire", str, "prefix of every topic and Redis key (isolates deployments)")
     flags.add(topics, "--models", "sim", flags.models, "comma-separated models served; requests name one")

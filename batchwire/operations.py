@@ -9,6 +9,11 @@ from batchwire.settings import SettingsError, SharedSettings
 from infra.topic_checks import Durability, TopicError
 from infra.topics import ensure_topics, group_members, grow_topics
 
+MAX_PARTITIONS = 10_000
+"""The most partitions ``topics grow`` gives a topic: a worker owns its batch partition, and ``batchwire plan``
+sizes at most this many workers of a model. Kafka adds no more partitions than this in one request: asked for
+more, it adds some, which nothing can take back, and answers with an error."""
+
 
 def durability(args: argparse.Namespace) -> Durability:
     return Durability(args.replication_factor, args.min_insync_replicas)
@@ -63,9 +68,18 @@ async def _grow_checked(
     return await grow_topics(bootstrap, topics)
 
 
+def _check_count(flag: str, count: int | None, least: int) -> None:
+    """Refuses a count no topic can have before Kafka is asked, naming the flag."""
+    if count is not None and not least <= count <= MAX_PARTITIONS:
+        raise SettingsError(f"{flag} is {count}; it must be from {least} to {MAX_PARTITIONS:,}")
+
+
 def run_topics(args: argparse.Namespace) -> int:
     """``topics grow``: adds partitions to the batch topics (safe live) and the request topic (only with no batcher)."""
     names = SharedSettings(namespace=args.namespace, models=tuple(args.models)).names
+    _check_count("--batch-partitions", args.batch_partitions, 1)
+    # each model has request partitions of its own
+    _check_count("--request-partitions", args.request_partitions, len(args.models))
     bootstrap = SharedSettings(kafka_bootstrap=args.kafka_bootstrap).require_kafka()
     topics = {names.batch_topic(m): args.batch_partitions for m in args.models if args.batch_partitions is not None}
     if args.request_partitions is not None:

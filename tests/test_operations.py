@@ -32,3 +32,39 @@ def test_growing_the_request_topic_says_every_gateway_and_batcher_takes_the_new_
     assert main([*argv, "--batch-partitions", "10"]) == 0
     out = capsys.readouterr().out
     assert "start new roles with --batch-partitions 10; running ones keep working" in out, out
+
+
+@pytest.mark.timeout(120)
+def test_a_partition_count_past_the_bound_is_refused_and_leaves_the_topic_as_it_was(
+    infra: Any, names: Names, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Asked for 1,000,000, Kafka added 10,000 partitions (which no command can take back) and the command
+    reported only an UnknownError and exit 2, as if nothing had changed."""
+    shared = SharedSettings(namespace=names.namespace, kafka_bootstrap=infra.kafka_bootstrap)
+    asyncio.run(ensure_role_topics(shared, Durability(1, 1), False, shared.models))
+    argv = ["topics", "grow", "--namespace", names.namespace, "--kafka-bootstrap", infra.kafka_bootstrap]
+    assert main([*argv, "--batch-partitions", "1000000"]) == 2
+    err = capsys.readouterr().err
+    assert "--batch-partitions is 1000000; it must be from 1 to 10,000" in err, err
+
+    assert main([*argv, "--batch-partitions", str(shared.batch_partitions)]) == 0
+    out = capsys.readouterr().out
+    assert f"{names.batch_topic('sim')}: {shared.batch_partitions} partitions" in out, out
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--batch-partitions", "0"], "--batch-partitions is 0; it must be from 1 to 10,000"),
+        (["--batch-partitions", "-3"], "--batch-partitions is -3; it must be from 1 to 10,000"),
+        (["--request-partitions", "1", "--models", "a,b"], "--request-partitions is 1; it must be from 2 to 10,000"),
+    ],
+)
+def test_a_count_no_topic_can_have_is_refused_naming_its_flag_before_kafka_is_asked(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """They reached the broker, which answered "has 8 partitions, more than the -3 asked", naming no flag;
+    a request count below the models was then advised as the count to restart the roles with."""
+    assert main(["topics", "grow", "--kafka-bootstrap", "127.0.0.1:1", *argv]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "no Kafka broker answered" not in err, err
