@@ -16,7 +16,7 @@ from batchwire import flags
 from batchwire.operations import durability, ensure_role_topics
 from batchwire.role_settings import shared_settings
 from infra import cluster_stack, stack, stack_report
-from infra.errors import InfraError
+from infra.errors import InfraError, ShapeError
 from infra.redis_server import checked_maxmemory
 
 
@@ -62,6 +62,9 @@ def run(args: argparse.Namespace) -> int:
         shape = cluster_stack.Shape(args.brokers, args.redis_replicas, args.redis_cluster)
         try:
             up = cluster_stack.up_any(state_dir, shape, redis_maxmemory=args.redis_maxmemory)
+        except ShapeError as err:  # a flag to change, as argparse's own refusals (exit 2)
+            print(f"batchwire stack: {err}", file=sys.stderr)
+            return 2
         except (InfraError, OSError) as err:  # OSError: a --state-dir that cannot be made or written
             print(f"stack up failed: {err}", file=sys.stderr)
             return 1

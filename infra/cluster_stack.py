@@ -36,7 +36,7 @@ from infra.detached import (
     unrecorded,
     write_pid,
 )
-from infra.errors import InfraError, ServiceStartError
+from infra.errors import InfraError, ServiceStartError, ShapeError
 from infra.fetch_kafka import prepare_kafka
 from infra.kafka_cluster import cluster_jvm_opts, harden_offsets_topic, node_properties
 from infra.kafka_dist import KafkaRuntime
@@ -475,9 +475,9 @@ __all__ = [
 def up_any(state_dir: Path, shape: Shape, *, redis_maxmemory: str) -> StackUp:
     """`batchwire stack up` for either shape: the single stack as before, or the replicated one."""
     if shape.brokers < 1 or shape.redis_replicas < 0:
-        raise InfraError(f"--brokers must be 1 or more and --redis-replicas 0 or more; got `{shape.flags()}`")
+        raise ShapeError(f"--brokers must be 1 or more and --redis-replicas 0 or more; got `{shape.flags()}`")
     if shape.redis_cluster and (shape.redis_cluster < 3 or shape.redis_replicas):
-        raise InfraError(
+        raise ShapeError(
             "--redis-cluster takes 3 primaries or more, each with one replica, and no --redis-replicas (which sizes "
             f"the Sentinel shape); got --redis-cluster {shape.redis_cluster} --redis-replicas {shape.redis_replicas}"
         )

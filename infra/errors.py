@@ -13,6 +13,10 @@ class InfraError(Exception):
     retriable: bool = False
 
 
+class ShapeError(InfraError):
+    """A stack shape no stack can have (``--brokers 0``): a setting to change, not a start that failed."""
+
+
 class ToolMissingError(InfraError):
     """A program the stack needs (java, mvn, redis-server) is not installed."""
 

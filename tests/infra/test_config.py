@@ -278,3 +278,26 @@ def test_a_file_written_atomically_is_whole_even_when_the_write_fails(tmp_path: 
         write_atomically(path, "listeners=PLAINTEXT://127.0.0.1:2222\n\ud800")
     assert path.read_text() == "listeners=PLAINTEXT://127.0.0.1:1111\n"
     assert [entry.name for entry in tmp_path.iterdir()] == ["server.properties"], "no partial file is left"
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--brokers=0"], "--brokers must be 1 or more"),
+        (["--redis-replicas=-1"], "--redis-replicas 0 or more"),
+        (["--redis-cluster=2"], "--redis-cluster takes 3 primaries or more"),
+        (["--redis-cluster=3", "--redis-replicas=1"], "and no --redis-replicas"),
+    ],
+)
+def test_stack_up_refuses_a_shape_no_stack_can_have_as_a_usage_error(
+    flags: list[str], named: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A count no stack can have is a flag to change (exit 2, as the other flags' values), not a stack that failed
+    to start (exit 1, which a script may retry); the state dir cannot be made, so nothing got further."""
+    from batchwire.cli import main
+
+    (tmp_path / "a-file").write_text("")
+    state_dir = tmp_path / "a-file" / "stack"
+    assert main(["stack", "up", "--state-dir", str(state_dir), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("batchwire stack: ") and named in err and "Traceback" not in err, err
