@@ -260,7 +260,8 @@ def batchers_for(args: argparse.Namespace, rate: float, inputs: SizingInputs) ->
 
 def make_plan(args: argparse.Namespace, curve: Curve) -> dict[str, Any]:
     inputs, sources = _inputs(args)
-    figures = size(sum(rate for _, rate in _models(args)), inputs)  # before the simulations: its errors at once
+    models = _models(args)
+    figures = size(sum(rate for _, rate in models), inputs, len(models))  # before the simulations: its errors at once
     plans = [
         plan_model(
             functools.partial(config_from, args, curve, batchers=batchers_for(args, rate, inputs)),
@@ -271,7 +272,7 @@ def make_plan(args: argparse.Namespace, curve: Curve) -> dict[str, Any]:
             args.requests or default_requests(rate),
             args.seed,
         )
-        for model, rate in _models(args)
+        for model, rate in models
     ]
     result = summary(plans, figures, inputs, args.p99_ms)
     result["inputs"] = {name: {"value": getattr(inputs, name), "from": source} for name, source in sources.items()}

@@ -117,10 +117,14 @@ def processes(rate: float, us_per_request: float, headroom: float) -> int:
     return max(1, math.ceil(rate * us_per_request / 1e6 / headroom))
 
 
-def size(rate: float, inputs: SizingInputs) -> list[Figure]:
-    """Every figure besides the GPUs, for ``rate`` requests/s in all."""
+def size(rate: float, inputs: SizingInputs, models: int = 1) -> list[Figure]:
+    """Every figure besides the GPUs, for ``rate`` requests/s in all over ``models`` models."""
     try:
-        return [*_processes_figures(rate, inputs), *_kafka_figures(rate, inputs), *_redis_figures(rate, inputs)]
+        return [
+            *_processes_figures(rate, inputs, models),
+            *_kafka_figures(rate, inputs),
+            *_redis_figures(rate, inputs),
+        ]
     except (OverflowError, ValueError) as err:  # finite inputs whose product is not (then NaN, times 0)
         raise SizingError(
             f"the figures for {rate:g} req/s overflow ({err}): an input is far too large "
@@ -128,9 +132,21 @@ def size(rate: float, inputs: SizingInputs) -> list[Figure]:
         ) from err
 
 
-def _processes_figures(rate: float, inputs: SizingInputs) -> list[Figure]:
+def _processes_figures(rate: float, inputs: SizingInputs, models: int) -> list[Figure]:
     gateways = processes(rate, inputs.gateway_us_per_request, inputs.headroom)
     batchers = processes(rate, inputs.batcher_us_per_request, inputs.headroom)
+    partitions = 2 * max(gateways, batchers)
+    why = "every batcher reads one, and the count can double without growing the topic (growing re-routes keys)"
+    if models > 1:
+        # The service splits the request topic evenly among the models: each model's share is what one gets.
+        partitions_figure = Figure(
+            "request_partitions",
+            models * partitions,
+            f"{models} models x 2 x the larger of gateways and batchers: the topic is split evenly among the "
+            f"models, and in each model's share {why}",
+        )
+    else:
+        partitions_figure = Figure("request_partitions", partitions, f"2 x the larger of gateways and batchers: {why}")
     return [
         Figure(
             "gateways",
@@ -142,12 +158,7 @@ def _processes_figures(rate: float, inputs: SizingInputs) -> list[Figure]:
             batchers,
             f"rate x batcher CPU per request ({inputs.batcher_us_per_request:g} us) / one core per process / headroom",
         ),
-        Figure(
-            "request_partitions",
-            2 * max(gateways, batchers),
-            "2 x the larger of gateways and batchers: every batcher reads one, and the count can double "
-            "without growing the topic (growing re-routes keys)",
-        ),
+        partitions_figure,
     ]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -91,3 +92,27 @@ def test_a_cpu_file_may_write_a_whole_number_as_a_string_or_with_a_point(tmp_pat
     cpu.write_text('{"result_bytes": "2048", "replication_factor": 2.0}')
     inputs = load_cpu_file(cpu, SizingInputs())
     assert (inputs.result_bytes, inputs.replication_factor) == (2048, 2)
+
+
+@pytest.mark.parametrize("rates", ["a=100,b=100,c=100,d=100,e=100", "embed=20000,rerank=300"])
+def test_the_request_partitions_planned_for_several_models_are_a_count_the_service_takes(
+    rates: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Five models at 100 req/s were planned 2 request partitions, which every gateway and batcher refuses (at
+    least one per model); the service splits the count evenly among the models, so each model's share must hold
+    as many partitions as the batchers the plan simulated sharing that model's requests."""
+    from batchwire.cli import main
+    from batchwire.settings import SharedSettings
+    from transport.routing import Partitioner
+
+    curve = Path(__file__).parents[2] / "bench/results/capacity/sim-100ms-32.json"
+    argv = ["plan", "--models", rates, "--p99-ms", "500", "--curve", str(curve), "--requests", "2000", "--json"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    models = tuple(model["model"] for model in result["models"])
+    count = result["request_partitions"]
+    SharedSettings(models=models, request_partitions=count)  # as every gateway and batcher checks it
+    ranges = Partitioner(models, count)
+    for model in result["models"]:
+        share = len(ranges.partitions_for(model["model"]))
+        assert share >= 2 * model["simulated_batchers"], f"{model['model']}: {share} of {count} partitions, {model}"
