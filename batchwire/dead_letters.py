@@ -52,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         bootstrap = shared.require_kafka()
     except SettingsError as err:
+        if shared.kafka_bootstrap:  # configured, wrongly: the message names the form
+            raise
         raise SettingsError(
             f"{err}. Embedded mode (`batchwire up`) has no dead-letter topic: its worker logs each dead-lettered "
             "task at ERROR, and keeps the letter in the process's memory only"

@@ -229,6 +229,15 @@ async def test_without_kafka_it_exits_2_saying_embedded_mode_has_no_topic(tmp_pa
     assert "Embedded mode (`batchwire up`) has no dead-letter topic" in err, err
 
 
+async def test_a_malformed_bootstrap_exits_2_naming_the_form_and_not_embedded_mode(tmp_path: Path) -> None:
+    """Kafka is configured, wrongly: the embedded-mode advice (no topic there) sent the reader the wrong way."""
+    code, lines, err = await dead_letters(environment(tmp_path, BATCHWIRE_KAFKA_BOOTSTRAP="127.0.0.1:x"))
+
+    assert (code, lines) == (2, []), err
+    assert "Kafka bootstrap address '127.0.0.1:x' is not HOST:PORT" in err, err
+    assert "Embedded mode" not in err, err
+
+
 @pytest.mark.slow  # it waits the bootstrap's whole wait
 async def test_a_bootstrap_that_never_answers_exits_2_once_the_wait_is_over(silent_port: int, tmp_path: Path) -> None:
     """Not at the Kafka client's request timeout (40 s)."""
