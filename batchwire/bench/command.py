@@ -479,7 +479,15 @@ def _compare(path_a: Path, path_b: Path) -> int:
     pairs: Sequence[tuple[RunReport, RunReport]] = list(zip(a["runs"], b["runs"], strict=False))
     if not pairs:
         raise results.ResultsError("one of the files has no runs")
+    try:
+        tables = [compare_table(run_a, run_b) for run_a, run_b in pairs]
+    except (KeyError, TypeError, AttributeError) as err:  # the schema's name on a file cut short or edited
+        fault = f"lacks {err}" if isinstance(err, KeyError) else f"holds a figure of the wrong kind ({err})"
+        raise results.ResultsError(
+            f"{path_a} or {path_b} {fault} (is each a whole {results.SCHEMA!r} file, as batchwire bench --out "
+            "writes it?)"
+        ) from err
     print(f"A: {path_a}\nB: {path_b}")
-    for run_a, run_b in pairs:
-        print("\n" + compare_table(run_a, run_b))
+    for table in tables:
+        print("\n" + table)
     return 0

@@ -339,3 +339,14 @@ def test_the_longest_schedule_the_bench_holds_is_accepted() -> None:
 
     rate = MAX_SENDS_PER_RATE / 100
     assert _load_config(build_parser().parse_args(["--rate", f"{rate:g}", "--duration", "98", "--warmup", "2"]))
+
+
+def test_compare_of_a_result_that_lacks_a_field_says_so_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file of the right schema cut short (a run without its rates) ended the command in a KeyError traceback."""
+    short = tmp_path / "short.json"
+    short.write_text(json.dumps({"schema": SCHEMA, "runs": [{"label": "cut"}]}))
+    assert main(["--compare", str(short), str(short)]) == 2
+    err = capsys.readouterr().err
+    assert "lacks 'rates'" in err and "Traceback" not in err, err
