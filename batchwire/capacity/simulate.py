@@ -28,6 +28,9 @@ from telemetry.logs import LEVEL_NAMES
 MAX_WORKERS = 10_000
 """The most GPUs of one model simulated (each gets its own latency table and events): past it a run
 would take hours, and the same deployment for a share of the traffic, multiplied, answers as well."""
+MAX_REQUESTS = 10_000_000
+"""The most simulated requests per rate: every arrival, latency and batch is held in memory, and more
+than this fills a machine's memory before the first result."""
 UNSTABLE_BACKLOG_SHARE = 0.02
 """Unstable when more than this share of the requests is still waiting as the arrivals end."""
 WARM_UP_SHARE = 0.1
@@ -224,6 +227,11 @@ def config_from(args: argparse.Namespace, curve: Curve, workers: int, batchers: 
     for flag, value, least in (*counts, *leads):
         if value is not None and value < least:
             raise ValueError(f"{flag} is {value:g}; it must be at least {least}")
+    if args.requests is not None and args.requests > MAX_REQUESTS:
+        raise ValueError(
+            f"--requests is {args.requests:g}; it must be at most {MAX_REQUESTS:,}: each is held in memory "
+            "(a steady p99 needs far fewer; plan's default is 50,000 to 300,000)"
+        )
     for flag, hop_ms in (("--transit-ms", args.transit_ms), ("--overhead-ms", args.overhead_ms)):
         if not hop_ms >= 0 or math.isinf(hop_ms):  # NaN fails the first test
             raise ValueError(f"{flag} is {hop_ms:g}; it must be 0 or more ms (a finite duration)")

@@ -54,7 +54,7 @@ from batchwire.capacity.curve import CurveError
 from batchwire.capacity.engine import SimConfig
 from batchwire.capacity.measured import MeasuredRate, MeasuredRun, Replay, RunError, read_runs, results_files
 from batchwire.capacity.profile import check_out
-from batchwire.capacity.simulate import RateResult, policy_for, simulate, simulate_rate
+from batchwire.capacity.simulate import MAX_REQUESTS, RateResult, policy_for, simulate, simulate_rate
 from batchwire.settings import number
 from telemetry.logs import LEVEL_NAMES
 
@@ -470,6 +470,10 @@ def run(args: argparse.Namespace) -> int:
         per_item = _overheads(args.per_item_ms, "--per-item-ms")
         if args.seeds < 1 or args.requests < 1:
             raise ValueError(f"--seeds and --requests must be at least 1, got {args.seeds} and {args.requests}")
+        if args.requests > MAX_REQUESTS:
+            raise ValueError(
+                f"--requests is {args.requests:g}; it must be at most {MAX_REQUESTS:,}: each is held in memory"
+            )
         runs = [r for path, name in results_files(args.results) for r in read_runs(path, name)]
         modes = sorted({r.mode for r in runs})
         for flag, by_mode in (("--overhead-ms", given), ("--per-item-ms", per_item)):

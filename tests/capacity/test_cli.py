@@ -463,3 +463,23 @@ def test_simulate_refuses_more_workers_than_the_planner_simulates(run: Run, flat
     """Each worker gets its own latency table and events: 100,000 ran for hours where plan stops at 10,000."""
     code, _, err = run(["simulate", "--curve", flat, "--workers", "10001", "--rate", "100"])
     assert code == 2 and "--workers is 10001; it must be at most 10,000" in err, err
+
+
+@pytest.mark.parametrize("command", ["simulate", "plan"])
+def test_more_simulated_requests_than_memory_holds_are_refused_before_any_is_drawn(flat: str, command: str) -> None:
+    """Checked on the configuration alone (run, it would fill the memory): ``--requests 1000000000`` drew every
+    arrival into memory and grew until the kernel killed the process."""
+    from batchwire.capacity.simulate import MAX_REQUESTS, config_from
+
+    rate = ["--workers", "1", "--rate", "100"] if command == "simulate" else ["--rate", "100", "--p99-ms", "500"]
+    args = cli.tool_parser(command).parse_args([command, "--curve", flat, *rate, "--requests", "1000000000"])
+    with pytest.raises(ValueError, match=f"--requests is 1e\\+09; it must be at most {MAX_REQUESTS:,}"):
+        config_from(args, load(flat), 1)
+    args.requests = MAX_REQUESTS
+    assert config_from(args, load(flat), 1, batchers=1).workers == 1
+
+
+def test_validate_sim_refuses_more_simulated_requests_than_memory_holds(run: Run, tmp_path: Path) -> None:
+    """Checked before the runs are read (the folder holds none): run, it drew every arrival into memory."""
+    code, _, err = run(["validate-sim", str(tmp_path), "--requests", "1000000000"])
+    assert code == 2 and "--requests is 1e+09; it must be at most 10,000,000" in err, err
