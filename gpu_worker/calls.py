@@ -68,6 +68,16 @@ def _check_failed(err: Exception) -> Failure:
     return Failure("backend_error", f"the model failed on this input: {err}")
 
 
+def _outcome(output: object) -> str | Failure:
+    """One input's output as the worker stores it: an answer that is not text (a backend's bug) fails its
+    input alone, as an exception on it would, instead of raising out of the call and crashing the worker."""
+    if isinstance(output, str):
+        return output
+    if isinstance(output, InputError):
+        return Failure(output.code, str(output))
+    return Failure("backend_error", f"the model returned a {type(output).__name__} for this input, not a string")
+
+
 class BackendCalls:
     def __init__(
         self, backend: Backend, runner: BackendRunner, model: str, worker_id: str, distinct_only: bool = False
@@ -163,7 +173,7 @@ class BackendCalls:
             await self._bisect(inputs, indices[middle:], result)
             return
         for index, output in zip(indices, outputs, strict=True):
-            result.outputs[index] = output if isinstance(output, str) else Failure(output.code, str(output))
+            result.outputs[index] = _outcome(output)
 
     async def _call(self, inputs: list[str], result: GroupResult, start_by: float | None) -> Sequence[str | InputError]:
         timing = result.first if result.started is None else Timing()

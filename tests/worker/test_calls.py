@@ -76,3 +76,26 @@ async def test_a_lone_input_whose_check_raises_fails(runner: BackendRunner) -> N
     result = await BackendCalls(CheckFails(), runner, "m", "w").run(["bad"])  # type: ignore[arg-type]
     failure = result.outputs[0]
     assert isinstance(failure, Failure) and failure.code == "backend_error", failure
+
+
+class AnswersNotText(CheckedOn):
+    """Answers an input containing "none" with None and one containing "bytes" with bytes (a backend bug)."""
+
+    def batchstring(self, inputs: list[str]) -> list[str]:
+        answers: list[object] = [
+            None if "none" in text else text.encode() if "bytes" in text else text[::-1] for text in inputs
+        ]
+        return answers  # type: ignore[return-value]
+
+
+async def test_an_output_that_is_not_text_fails_its_input_and_the_others_are_answered(runner: BackendRunner) -> None:
+    """An output that is neither a string nor an ``InputError`` is that input's failure: read as an
+    ``InputError`` it raised out of the call, which crashed the worker and every replacement it had until
+    the whole batch was dead-lettered as if the process had died."""
+    calls = BackendCalls(AnswersNotText(), runner, "m", "w")  # type: ignore[arg-type]
+    result = await calls.run(["abc", "none", "bytes", "xyz"])
+    assert result.outputs[0] == "cba" and result.outputs[3] == "zyx", result.outputs
+    for index, kind in ((1, "NoneType"), (2, "bytes")):
+        failure = result.outputs[index]
+        assert isinstance(failure, Failure) and failure.code == "backend_error", failure
+        assert kind in failure.message and "not a string" in failure.message, failure.message
