@@ -211,7 +211,8 @@ class EmbeddedRuntime:
 
     async def _watch(self, slot: int) -> None:
         """Replaces the slot's worker whenever it stops: at once when its backend hung, after a backoff
-        when it crashed or a replacement could not start (the process is unready meanwhile)."""
+        when it crashed or a replacement could not start (the process is unready meanwhile only when no
+        other worker lives)."""
         crashes = 0
         while True:
             worker = self.workers[slot]
@@ -302,5 +303,11 @@ class EmbeddedRuntime:
             "bus": await self.producer.ready(),
             "store": await self.store.ready(),
             "batcher": self.batcher.healthy(),
-            "workers": bool(self.workers) and all(worker.healthy() for worker in self.workers),
+            "workers": self._serving(),
         }
+
+    def _serving(self) -> bool:
+        """Whether some model has a live worker. A model whose workers are all down (crashed, in their
+        backoff, or failing to load again) is ``stalled`` for its own submits once they wait, as over Kafka;
+        were the process unready for it, a load balancer would take every other model out with it."""
+        return any(worker.healthy() for worker in self.workers)

@@ -15,6 +15,7 @@ import pytest
 
 from batchwire import embedded
 from batchwire.embedded import CRASH_BACKOFF_MAX_S, EmbeddedRuntime, EmbeddedSettings, crash_backoff_s
+from batchwire.settings import SharedSettings
 from gpu_worker.backends.sim import SimBackend
 from gpu_worker.worker import Worker
 from schemas.records import InferenceRequest, TaskState, TaskStatus
@@ -373,3 +374,44 @@ async def test_a_worker_whose_close_the_shutdown_interrupted_is_still_closed(mon
     async with asyncio.timeout(20):
         await shutdown
     assert closed == [0], f"the crashed worker's backend is closed: {closed}"
+
+
+async def test_a_model_whose_worker_is_down_leaves_the_process_ready_while_another_model_serves() -> None:
+    """The process is unready only while no model has a live worker: one model's crashed worker (its
+    replacement may fail to load for minutes) must not take the other models out of a load balancer, as
+    over Kafka, where such a model is ``stalled`` and ``/readyz`` stays 200 while another model serves."""
+    settings = EmbeddedSettings(shared=SharedSettings(models=("sim", "other")), workers_per_model=1)
+    runtime = EmbeddedRuntime(settings, lambda model, index: SimBackend(latency_ms=5))
+    _refuse_results(runtime, 1)
+    await runtime.start()
+    try:
+        crashed = runtime.workers[0]
+        assert crashed.settings.model == "sim"
+        await _submit(runtime)
+        async with asyncio.timeout(20):
+            await crashed.failed.wait()
+        assert runtime.workers[0] is crashed, "still in its backoff"
+        ready = await runtime.ready()
+        assert ready["workers"], f"the other model's worker serves, yet the process is unready: {ready}"
+    finally:
+        await runtime.close()
+
+
+async def test_the_process_is_unready_while_no_model_has_a_live_worker() -> None:
+    settings = EmbeddedSettings(shared=SharedSettings(models=("sim", "other")), workers_per_model=1)
+    runtime = EmbeddedRuntime(settings, lambda model, index: SimBackend(latency_ms=5))
+    _refuse_results(runtime, 2)
+    await runtime.start()
+    try:
+        now = int(time.time() * 1000)
+        for task_id, model in (("a", "sim"), ("b", "other")):
+            await runtime.store.create(TaskState(task_id, TaskStatus.QUEUED, model, now, now, reply_to="gw"))
+            await runtime.producer.send(InferenceRequest(task_id, model, "hello", now, now + 30_000, reply_to="gw"))
+        crashed = list(runtime.workers)
+        async with asyncio.timeout(20):
+            for worker in crashed:
+                await worker.failed.wait()
+        assert runtime.workers == crashed, "both still in their backoff"
+        assert not (await runtime.ready())["workers"], "no model has a live worker"
+    finally:
+        await runtime.close()
