@@ -31,6 +31,15 @@ class NotStarted(Exception):
     """A call still waiting for the thread at its ``start_by`` was withdrawn: the thread skips it."""
 
 
+class BackendExited(Exception):
+    """The backend raised ``SystemExit`` or ``KeyboardInterrupt`` on its thread (model code that calls
+    ``sys.exit``): the call failed. Raised as it came, asyncio would end the process with it, which in
+    embedded mode serves the gateway and every other model too."""
+
+    def __init__(self, err: BaseException) -> None:
+        super().__init__(f"the backend raised {err!r}")
+
+
 class BackendHung(Exception):
     """A backend call ran past its hang limit; the thread that runs it is lost. ``elapsed_s`` None: this
     call did not run, the thread being held by an earlier one that did."""
@@ -124,7 +133,12 @@ class BackendRunner:
             except BaseException as err:  # handed to the awaiting coroutine, which decides
                 timing.cpu_s, timing.ended = time.thread_time() - cpu_from, self.clock()
                 self.running = False
-                future.set_exception(err)
+                if not isinstance(err, SystemExit | KeyboardInterrupt):
+                    future.set_exception(err)
+                else:
+                    escaped = BackendExited(err)
+                    escaped.__cause__ = err
+                    future.set_exception(escaped)
             else:
                 timing.cpu_s, timing.ended = time.thread_time() - cpu_from, self.clock()
                 self.running = False

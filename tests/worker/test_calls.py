@@ -99,3 +99,30 @@ async def test_an_output_that_is_not_text_fails_its_input_and_the_others_are_ans
         failure = result.outputs[index]
         assert isinstance(failure, Failure) and failure.code == "backend_error", failure
         assert kind in failure.message and "not a string" in failure.message, failure.message
+
+
+class RaisesExit(CheckedOn):
+    """Raises SystemExit on an input containing "exit" and KeyboardInterrupt on one containing "interrupt"
+    (model code that calls ``sys.exit``, or a library that turns a native error into either)."""
+
+    def batchstring(self, inputs: list[str]) -> list[str]:
+        if any("exit" in text for text in inputs):
+            raise SystemExit("the model's code called sys.exit")
+        if any("interrupt" in text for text in inputs):
+            raise KeyboardInterrupt
+        return super().batchstring(inputs)
+
+
+async def test_a_call_that_raises_system_exit_fails_its_input_and_the_process_goes_on(runner: BackendRunner) -> None:
+    """A backend's SystemExit or KeyboardInterrupt is its call's failure: raised in the event loop it ended
+    the process (in embedded mode the gateway and every model with it), and no process was asked to end."""
+    calls = BackendCalls(RaisesExit(), runner, "m", "w")  # type: ignore[arg-type]
+    try:
+        result = await calls.run(["abc", "exit", "interrupt", "xyz"])
+    except BaseException as err:
+        raise AssertionError(f"the call raised {err!r} out of the worker") from None
+    assert result.outputs[0] == "cba" and result.outputs[3] == "zyx", result.outputs
+    for index, kind in ((1, "SystemExit"), (2, "KeyboardInterrupt")):
+        failure = result.outputs[index]
+        assert isinstance(failure, Failure) and failure.code == "backend_error", failure
+        assert kind in failure.message, failure.message
