@@ -180,6 +180,21 @@ async def test_at_the_count_limit_of_live_tasks_full_refuses_and_no_live_task_is
     assert (await store.claim_key("o", "k", "retry", "fp")).task_id == "live-0", "its key stays bound"
 
 
+async def test_live_tasks_past_the_count_are_kept_when_no_ended_task_can_go() -> None:
+    """Submits that passed ``full`` together (or a keyed retry's resend, which ``full`` does not check) may
+    store more live tasks than the count: the next write drops none of them (a queued task's poll would
+    404, its key freed for a second computation)."""
+    store = MemoryTaskStore(max_tasks=3)
+    await store.claim_key("o", "k", "live-0", "fp")
+    for index in range(5):
+        await store.create(state(f"live-{index}", TaskStatus.QUEUED))
+    assert await store.apply([state("live-4", TaskStatus.RUNNING)]) == [True]
+
+    kept = [index for index in range(5) if await store.get(f"live-{index}") is not None]
+    assert kept == [0, 1, 2, 3, 4], f"expected every live task kept, kept live-{kept}"
+    assert (await store.claim_key("o", "k", "retry", "fp")).task_id == "live-0", "its key stays bound"
+
+
 async def test_without_a_budget_nothing_is_dropped_for_bytes() -> None:
     store = MemoryTaskStore()
     for index in range(50):
