@@ -111,6 +111,25 @@ def test_a_password_written_unencoded_with_a_slash_stays_out_of_messages(url: st
     assert "Qz7" not in str(raised.value) and "Xk9" not in str(raised.value), str(raised.value)
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://app:Qz7?Xk9@127.0.0.1:1/0",
+        "rediss://app:Qz7/X?k9@127.0.0.1:1/0",
+        "redis+sentinel://app:Qz7?Xk9@127.0.0.1:1/m/0",
+        "redis+cluster://app:Qz7?Xk9@127.0.0.1:1,127.0.0.1:2",
+        "redis://:Qz7?Xk9@127.0.0.1:1/0?password=Qz7Xk9&db=0",
+    ],
+)
+def test_a_password_written_unencoded_with_a_question_mark_stays_out_of_messages(url: str) -> None:
+    """A ``?`` in the password starts the URL's query there: its part before the ``?`` was quoted as the
+    address and the rest as a query option, the password whole in the role's message."""
+    assert "Qz7" not in redacted(url) and "Xk9" not in redacted(url), redacted(url)
+    with pytest.raises((SettingsError, PermanentTransportError)) as raised:
+        SharedSettings(redis_url=url).require_redis()
+    assert "Qz7" not in str(raised.value) and "Xk9" not in str(raised.value), str(raised.value)
+
+
 @pytest.mark.parametrize("url", ["sentinel://h:1,h:2/m", "http://h:1/0"])
 def test_a_scheme_redis_does_not_take_is_a_settings_error(url: str) -> None:
     with pytest.raises(SettingsError, match=r"the scheme must be one of .*redis\+sentinel://"):

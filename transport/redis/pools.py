@@ -72,10 +72,22 @@ def is_cluster_url(url: str) -> bool:
 def redacted(url: str) -> str:
     """The URL without its password, for error messages and logs (redis-py also reads one from the
     query, ``?password=``)."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, tail = rest.rpartition("@")
+    if "?" in userinfo:
+        # A "?" written unencoded in the password would start the query inside it: everything up to the
+        # last "@" is hidden (an "@" in a query option hides a little more than it needs to).
+        user, colon, _ = userinfo.partition(":")
+        hosts, mark, query = tail.partition("?")
+        return f"{scheme}{sep}{user}{':***' if colon else ''}{at}{hosts}{mark}{_hidden_query(query) if mark else ''}"
     base, mark, query = url.partition("?")
     if mark:
-        return _redacted_netloc(base) + mark + "&".join(_hidden(field) for field in query.split("&"))
+        return _redacted_netloc(base) + mark + _hidden_query(query)
     return _redacted_netloc(url)
+
+
+def _hidden_query(query: str) -> str:
+    return "&".join(_hidden(field) for field in query.split("&"))
 
 
 def _hidden(field: str) -> str:
