@@ -195,6 +195,23 @@ async def test_live_tasks_past_the_count_are_kept_when_no_ended_task_can_go() ->
     assert (await store.claim_key("o", "k", "retry", "fp")).task_id == "live-0", "its key stays bound"
 
 
+async def test_claims_past_the_count_free_no_live_tasks_key() -> None:
+    """At the count of live tasks, keyed submits still claim their keys before ``full`` refuses them (and
+    they release them): two at once held one more key than the count, which freed the oldest, a live
+    task's, so a retry with it started a second computation."""
+    store = MemoryTaskStore(max_tasks=3)
+    for index in range(3):
+        await store.claim_key("o", f"k{index}", f"live-{index}", "fp")
+        await store.create(state(f"live-{index}", TaskStatus.QUEUED))
+    for index in (3, 4):  # two submits at once, each refused by ``full`` once it has claimed
+        await store.claim_key("o", f"k{index}", f"refused-{index}", "fp")
+    for index in (3, 4):
+        await store.release_key("o", f"k{index}", f"refused-{index}")
+
+    retry = await store.claim_key("o", "k0", "retry", "fp")
+    assert retry.task_id == "live-0", f"expected the key bound to its live task live-0, got {retry.task_id}"
+
+
 async def test_without_a_budget_nothing_is_dropped_for_bytes() -> None:
     store = MemoryTaskStore()
     for index in range(50):

@@ -77,7 +77,7 @@ class _Bound:
 
 
 class MemoryTaskStore:
-    """Task states in a dict, bounded by age (``ttl_s``), count (``max_tasks``, ended tasks out first)
+    """Task states in a dict, bounded by age (``ttl_s``), count (``max_tasks``, ended tasks only)
     and, with ``max_bytes``, by bytes (see the module docstring)."""
 
     def __init__(
@@ -341,10 +341,13 @@ class MemoryTaskStore:
             del self._key_of[held.claim.task_id]
 
     def _evict_keys(self) -> None:
+        """Drops expired bindings. None goes for the count: a key goes with its task (``_drop``), so the
+        tasks' bounds hold the keys too, and one dropped before its task would start a second computation
+        of it (at the count of live tasks, keyed submits still claim before ``full`` refuses them)."""
         now = time.monotonic()
         while self._keys:  # oldest binding first (``_held`` drops an expired one the sweep has not reached)
             oldest, held = next(iter(self._keys.items()))
-            if held.expires_s > now and len(self._keys) <= self.max_tasks:
+            if held.expires_s > now:
                 break
             self._unbind(oldest)
 
