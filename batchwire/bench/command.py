@@ -365,7 +365,8 @@ def _check_schedule_length(args: argparse.Namespace) -> None:
             raise UsageError(
                 f"{given} over --warmup {args.warmup:g} + --duration {args.duration:g} s is "
                 f"{rate_rps * span_s:,.0f} sends; the bench draws every send's time before the first and keeps "
-                f"every answer, so it holds at most {MAX_SENDS_PER_RATE:,} per rate: lower --duration or the rate"
+                f"every answer, so it holds at most {MAX_SENDS_PER_RATE:,} per rate: lower --warmup, --duration "
+                "or the rate"
             )
 
 

@@ -290,7 +290,8 @@ def own_cluster(tmp_path: Path) -> Iterator[SentinelCluster]:
 
 
 COUNT_BOUND_S = 3.0
-"""How long counting a primary's replicas may take with one Sentinel silent (a few milliseconds)."""
+"""How long counting a primary's replicas may take with one Sentinel silent: a count that waits for the
+silent one pays at least its timeout, and one that does not takes a round trip to Redis."""
 
 
 @pytest.mark.kafka
