@@ -365,3 +365,19 @@ def test_a_worker_stopped_with_sigterm_shows_as_stopped_not_gone(
     cell = "#workers tr[data-worker=worker0] td.state"
     color = script(browser, f"return getComputedStyle(document.querySelector('{cell}')).color")
     assert color == GREY, f"a stopped worker is no alarm: drawn {color}, not the page's grey {GREY}"
+
+
+def test_an_operator_key_in_the_fragment_is_taken_as_written_plus_signs_and_all(
+    tmp_path: Path, browser: WebDriver
+) -> None:
+    """Keys made by ``openssl rand -base64`` hold ``+`` and ``/``: ``/dashboard#key=<key>`` sends the key
+    as written, not with each ``+`` read as a space (a query string's rule, which a fragment does not have)."""
+    key = "dashboard+operator/key+0123456789="
+    proc, url = embedded(tmp_path, 1, SIM_LATENCY_MS, "--api-keys", f"operator {key}")
+    try:
+        dashboard = Dashboard(browser, url)
+        dashboard.open(f"#key={key}")
+        shown = dashboard.wait(lambda shown: live(shown) or shown["keyForm"], "the page to take or refuse the key")
+        assert live(shown) and not shown["keyForm"], shown
+    finally:
+        proc.stop()
