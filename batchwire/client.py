@@ -658,7 +658,16 @@ def _note_input(error: BaseException, index: int) -> None:
 
 
 def _headers(api_key: str | None) -> dict[str, str]:
-    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+    """The headers of every call. The key is stripped, as the server strips its own: one read from a file
+    (a mounted secret) keeps its line end, which no header carries, and httpx's refusal of it would be
+    retried and raised as an unreachable server. A key with another character no header carries is
+    refused here, unsent, its position named (never the key)."""
+    key = (api_key if api_key is not None else os.environ.get(API_KEY_ENV, "")).strip()
+    if (at := next((n for n, char in enumerate(key) if not "!" <= char <= "~"), None)) is not None:
+        raise ValueError(
+            f"the API key (api_key, else ${API_KEY_ENV}) has a space, a control or a non-ASCII character at "
+            f"position {at}, which no header carries: give the key as the server's keys file lists it"
+        )
     headers = {"User-Agent": "batchwire-client"}
     if key:
         headers["Authorization"] = f"Bearer {key}"

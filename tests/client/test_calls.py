@@ -602,6 +602,24 @@ def test_without_its_key_the_server_refuses_and_the_key_comes_from_the_environme
         assert client.infer(text) == text[::-1]
 
 
+def test_a_key_read_with_its_line_end_is_sent_without_it_and_one_no_header_carries_is_refused_unsent(
+    refusing_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A key read from a file (a mounted secret) keeps the file's line end, which no header may carry:
+    the server strips its own keys, so the client strips the key too, and a key with a character no
+    header carries is refused when the client is made, not retried as an unreachable server."""
+    monkeypatch.setenv(API_KEY_ENV, f"{OPERATOR_KEY}\n")
+    text = unique("keyed")
+    with Client(refusing_server, max_retries=1) as client:
+        assert client.infer(text) == text[::-1]
+    for bad in (f"{OPERATOR_KEY[:8]} {OPERATOR_KEY[8:]}", f"{OPERATOR_KEY}\u00e9", f"{OPERATOR_KEY}\x7f"):
+        with pytest.raises(ValueError, match="API key") as refused:
+            Client(refusing_server, api_key=bad)
+        assert OPERATOR_KEY[:8] not in str(refused.value), "the message shows the key"
+        with pytest.raises(ValueError, match="API key"):
+            AsyncClient(refusing_server, api_key=bad)
+
+
 # infer_many ------------------------------------------------------------------------------------------
 class CountingTransport(httpx.HTTPTransport):
     """Real connections; counts the submits in flight at once (an answer comes when the output is ready)."""
