@@ -675,6 +675,18 @@ def _headers(api_key: str | None) -> dict[str, str]:
 
 
 def _submit_body(input: str, model: str | None, priority: Priority | None) -> dict[str, Any]:
+    """A submit's body; an input with a lone surrogate (text decoded with ``surrogateescape``) raises the
+    error the server answers it with, unsent: httpx writes JSON as UTF-8, which cannot hold one, and its
+    ``UnicodeEncodeError`` came from inside httpx."""
+    if not input.isascii():
+        try:
+            input.encode()
+        except UnicodeEncodeError as err:
+            raise InvalidRequest(
+                "invalid_json",
+                f"input holds a lone surrogate (U+{ord(input[err.start]):04X}) at index {err.start}, which no "
+                "UTF-8 text holds: nothing was sent; decode the text with errors='replace'",
+            ) from err
     body: dict[str, Any] = {"input": input}
     if model is not None:
         body["model"] = model

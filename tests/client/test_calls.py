@@ -287,6 +287,29 @@ def test_bad_requests_raise_typed_errors_with_the_servers_code(server: str) -> N
         assert priority.value.code == "invalid_priority", priority.value
 
 
+async def test_an_input_no_utf_8_holds_raises_invalid_request_with_the_servers_code_unsent(server: str) -> None:
+    """A lone surrogate (text decoded with ``surrogateescape``, a JSON ``\\ud800``) is no UTF-8 text: the
+    server refuses it written as a JSON escape, and httpx cannot encode it at all, which raised its bare
+    ``UnicodeEncodeError`` from inside httpx; the client raises the server's error for it, unsent."""
+    async with httpx.AsyncClient(base_url=server) as raw:
+        escaped = await raw.post(
+            "/v1/inference", content=b'{"input": "ab\\ud800"}', headers={"content-type": "application/json"}
+        )
+    assert (escaped.status_code, escaped.json()["error"]["code"]) == (400, "invalid_json"), escaped.text
+    text = "ab\udc80cd"
+    with Client(server) as client:
+        for call in (client.infer, client.submit):
+            with pytest.raises(InvalidRequest) as refused:
+                call(text)
+            assert (refused.value.code, refused.value.status) == ("invalid_json", None), refused.value
+            assert "index 2" in refused.value.message, refused.value
+    async with AsyncClient(server) as aclient:
+        with pytest.raises(InvalidRequest, match="invalid_json"):
+            await aclient.infer(text)
+        with pytest.raises(InvalidRequest, match="invalid_json"):
+            await aclient.submit(text)
+
+
 async def test_an_input_over_the_body_limit_raises_invalid_request_at_once(server: str) -> None:
     """The client writes a whole body before it reads; the gateway answers a body over its limit before
     it came, and reads the rest and drops it so that the client reads that answer. It raised
