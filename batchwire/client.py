@@ -11,7 +11,8 @@ What it does for its callers, so that each need not learn the protocol:
 - every submit carries an ``Idempotency-Key``, one per call and the same on each of its retries, so
   no retry computes the input twice: a 503 or a 429 queued nothing, and after a lost connection the
   key finds the task the first attempt created;
-- a retry waits at least the answer's ``Retry-After``, plus jittered exponential backoff, and none
+- a retry waits at least the answer's ``Retry-After`` (after a lost connection, ``RECONNECT_S``: a gateway
+  being restarted is ridden through), plus jittered exponential backoff, and none
   starts past the call's deadline (its ``timeout``), which is also the deadline the server holds the
   request to (``timeout_ms``), and an attempt gives up on an answer still coming past that deadline
   and ``GRACE_S``; a submit with no time (a ``timeout`` of 0 or less) raises
@@ -97,6 +98,11 @@ connection at most, so the connections are as many as the caller's concurrent ca
 
 BASE_BACKOFF_S = 0.1
 MAX_BACKOFF_S = 5.0
+RECONNECT_S = 1.0
+"""The least wait before an attempt after a lost connection (:class:`Unreachable`, with no Retry-After), as
+the gateway's event streams ask of a reconnection (``retry: 1000``): a gateway being restarted refuses
+connections for seconds, and the backoff alone of ``DEFAULT_MAX_RETRIES`` spans 1.5 s on average, so a
+call with most of its deadline left gave up on it where the same client's ``events`` rode through."""
 GRACE_S = 1.0
 """How long past the deadline an attempt waits for its whole answer: the server answers 504 at the deadline,
 and that typed answer (with the task's id) is worth more than a client-side timeout. httpx's timeouts
@@ -745,6 +751,12 @@ def _read_by(response: httpx.Response, give_up: float) -> httpx.Response:
     return response
 
 
+def _least_wait_s(error: BatchwireError) -> float | None:
+    """The wait before retrying after ``error`` when it has no Retry-After: ``RECONNECT_S`` after a lost
+    connection (or a proxy's word that the gateway did not answer), else the backoff alone."""
+    return RECONNECT_S if isinstance(error, Unreachable) else None
+
+
 def _unreachable(err: httpx.TransportError) -> Unreachable:
     error = Unreachable("unreachable", f"no connection to the server: {err!r}")
     error.__cause__ = err
@@ -970,7 +982,7 @@ class Client(_ClientBase):
                 if response.is_success:
                     return response
                 error = error_of(response) if body is None else _submit_error(response)
-            time.sleep(attempts.wait_after(error, time.monotonic()))
+            time.sleep(attempts.wait_after(error, time.monotonic(), _least_wait_s(error)))
 
 
 class AsyncClient(_ClientBase):
@@ -1140,7 +1152,7 @@ class AsyncClient(_ClientBase):
                 if response.is_success:
                     return response
                 error = error_of(response) if body is None else _submit_error(response)
-            await asyncio.sleep(attempts.wait_after(error, time.monotonic()))
+            await asyncio.sleep(attempts.wait_after(error, time.monotonic(), _least_wait_s(error)))
 
 
 @dataclass(frozen=True, slots=True)

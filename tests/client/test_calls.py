@@ -600,6 +600,58 @@ def test_where_nothing_listens_a_call_is_unreachable_after_max_retries() -> None
     assert isinstance(unreachable.value.__cause__, httpx.ConnectError), unreachable.value.__cause__
 
 
+RESTART_S = 3.2
+"""How long the gateway of ``Restarting`` refuses connections: a supervisor's restart of it (a kill -9 and a
+respawn over Kafka took about 2 s on a quiet machine), and longer than the backoff alone of the default
+retries (at most 0.1 + 0.2 + 0.4 + 0.8 + 1.6 s)."""
+
+
+class Restarting(httpx.HTTPTransport):
+    """Real connections to a gateway that refuses them for ``RESTART_S`` from the first one, as a gateway
+    being restarted does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.back_at: float | None = None
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.back_at = self.back_at or time.monotonic() + RESTART_S
+        if time.monotonic() < self.back_at:
+            raise httpx.ConnectError("[Errno 111] Connection refused (the gateway restarts)", request=request)
+        return super().handle_request(request)
+
+
+class AsyncRestarting(httpx.AsyncHTTPTransport):
+    """:class:`Restarting`, awaited."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.back_at: float | None = None
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.back_at = self.back_at or time.monotonic() + RESTART_S
+        if time.monotonic() < self.back_at:
+            raise httpx.ConnectError("[Errno 111] Connection refused (the gateway restarts)", request=request)
+        return await super().handle_async_request(request)
+
+
+async def test_calls_ride_through_a_gateway_restart_within_their_deadline(server: str) -> None:
+    """A lost connection is retried after a second (``RECONNECT_S``), as an event stream reconnects: the
+    default retries' backoff alone spanned 1.5 s on average, so a call with most of its deadline left
+    raised Unreachable while the gateway was restarting (``result(wait=25)`` after 2 s, where the same
+    client's ``events`` rode through)."""
+    queued = unique("restart-queued")
+    with Client(server) as client:
+        task = client.submit(queued)
+    with Client(server, transport=Restarting()) as client:
+        assert client.result(task.id, wait=20) == queued[::-1]
+    text = unique("restart")
+    with Client(server, transport=Restarting()) as client:
+        assert client.infer(text) == text[::-1]
+    async with AsyncClient(server, transport=AsyncRestarting()) as aclient:
+        assert await aclient.infer(text) == text[::-1]
+
+
 async def test_infer_many_keeps_the_unreachable_errors_cause() -> None:
     """Unreachable's ``__cause__`` is the last connection's failure, raised by ``infer_many`` too."""
     nowhere = f"http://127.0.0.1:{free_port()}"
