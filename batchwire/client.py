@@ -584,8 +584,9 @@ class _Follow:
 
     def reconnect_in(self, failure: BatchwireError | None, now: float) -> float:
         """The wait before reconnecting after ``failure`` (a refusal's Retry-After, else the stream's
-        ``retry:``); raises ``failure`` if it is not retriable, the retries are spent, or its Retry-After
-        is ``longest_wait_s`` or more (the stream's read timeout: no wait longer than a silence it allows).
+        ``retry:``, else ``RECONNECT_S`` after a lost connection); raises ``failure`` if it is not retriable,
+        the retries are spent, or its Retry-After is ``longest_wait_s`` or more (the stream's read timeout:
+        no wait longer than a silence it allows).
 
         ``failure`` None: the server ended the stream before the task ended (it closes one after
         BATCHWIRE_SSE_MAX_S, and as it shuts down). That spends no retry, as a long-poll that answers a
@@ -602,7 +603,9 @@ class _Follow:
             return pause + self._attempts.jitter(BASE_BACKOFF_S)
         if failure.retry_after_s is not None and failure.retry_after_s >= self._longest_wait_s:
             raise failure
-        return self._attempts.wait_after(failure, now, self._retry_s)
+        return self._attempts.wait_after(
+            failure, now, self._retry_s if self._retry_s is not None else _least_wait_s(failure)
+        )
 
     @property
     def _retry_s(self) -> float | None:

@@ -652,6 +652,17 @@ async def test_calls_ride_through_a_gateway_restart_within_their_deadline(server
         assert await aclient.infer(text) == text[::-1]
 
 
+def test_events_opened_while_the_gateway_restarts_ride_through(server: str) -> None:
+    """A stream's first connection, refused before any ``retry:`` was read, waits ``RECONNECT_S`` too, not
+    the backoff alone, which gave up within 2 s of a restart."""
+    text = unique("restart-events")
+    with Client(server) as client:
+        task = client.submit(text)
+    with Client(server, transport=Restarting()) as client:
+        events = list(client.events(task.id))
+    assert events and events[-1].status == "completed" and events[-1].output == text[::-1], events
+
+
 async def test_infer_many_keeps_the_unreachable_errors_cause() -> None:
     """Unreachable's ``__cause__`` is the last connection's failure, raised by ``infer_many`` too."""
     nowhere = f"http://127.0.0.1:{free_port()}"
