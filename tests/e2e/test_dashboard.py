@@ -381,3 +381,19 @@ def test_an_operator_key_in_the_fragment_is_taken_as_written_plus_signs_and_all(
         assert live(shown) and not shown["keyForm"], shown
     finally:
         proc.stop()
+
+
+def test_a_refused_stream_shows_the_servers_reason(tmp_path: Path, browser: WebDriver) -> None:
+    """The page's stream is one of the gateway's watchers: at ``--max-watchers`` it is refused 503, and
+    the page says why (the limit's name), not only "HTTP 503", and keeps trying."""
+    proc, url = embedded(tmp_path, 1, SIM_LATENCY_MS, "--max-watchers", "1")
+    try:
+        with httpx.Client(base_url=url, timeout=10) as client, client.stream("GET", "/dashboard/events") as held:
+            assert held.status_code == 200, held.status_code
+            dashboard = Dashboard(browser, url)
+            dashboard.open()
+            shown = dashboard.wait(lambda shown: shown["statusDown"], "the page to say its stream is refused")
+            assert "BATCHWIRE_MAX_WATCHERS" in shown["status"], shown
+        dashboard.wait(live, "the page to follow the fleet once the other stream closed")
+    finally:
+        proc.stop()
