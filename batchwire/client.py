@@ -11,8 +11,8 @@ What it does for its callers, so that each need not learn the protocol:
 - every submit carries an ``Idempotency-Key``, one per call and the same on each of its retries, so
   no retry computes the input twice: a 503 or a 429 queued nothing, and after a lost connection the
   key finds the task the first attempt created;
-- a retry waits at least the answer's ``Retry-After`` (after a lost connection, ``RECONNECT_S``: a gateway
-  being restarted is ridden through), plus jittered exponential backoff, and none
+- a retry waits at least the answer's ``Retry-After`` (after a refused connection, ``RECONNECT_S``: a
+  gateway being restarted is ridden through), plus jittered exponential backoff, and none
   starts past the call's deadline (its ``timeout``), which is also the deadline the server holds the
   request to (``timeout_ms``), and an attempt gives up on an answer still coming past that deadline
   and ``GRACE_S``; a submit with no time (a ``timeout`` of 0 or less) raises
@@ -99,10 +99,9 @@ connection at most, so the connections are as many as the caller's concurrent ca
 BASE_BACKOFF_S = 0.1
 MAX_BACKOFF_S = 5.0
 RECONNECT_S = 1.0
-"""The least wait before an attempt after a lost connection (:class:`Unreachable`, with no Retry-After), as
+"""The least wait before an attempt after a refused connection or a proxy's 502 (:class:`Unreachable`), as
 the gateway's event streams ask of a reconnection (``retry: 1000``): a gateway being restarted refuses
-connections for seconds, and the backoff alone of ``DEFAULT_MAX_RETRIES`` spans 1.5 s on average, so a
-call with most of its deadline left gave up on it where the same client's ``events`` rode through."""
+connections for seconds, longer than the backoff alone of ``DEFAULT_MAX_RETRIES`` spans (1.5 s on average)."""
 GRACE_S = 1.0
 """How long past the deadline an attempt waits for its whole answer: the server answers 504 at the deadline,
 and that typed answer (with the task's id) is worth more than a client-side timeout. httpx's timeouts
@@ -584,7 +583,7 @@ class _Follow:
 
     def reconnect_in(self, failure: BatchwireError | None, now: float) -> float:
         """The wait before reconnecting after ``failure`` (a refusal's Retry-After, else the stream's
-        ``retry:``, else ``RECONNECT_S`` after a lost connection); raises ``failure`` if it is not retriable,
+        ``retry:``, else ``RECONNECT_S`` after a refused connection); raises ``failure`` if it is not retriable,
         the retries are spent, or its Retry-After is ``longest_wait_s`` or more (the stream's read timeout:
         no wait longer than a silence it allows).
 
@@ -755,9 +754,12 @@ def _read_by(response: httpx.Response, give_up: float) -> httpx.Response:
 
 
 def _least_wait_s(error: BatchwireError) -> float | None:
-    """The wait before retrying after ``error`` when it has no Retry-After: ``RECONNECT_S`` after a lost
-    connection (or a proxy's word that the gateway did not answer), else the backoff alone."""
-    return RECONNECT_S if isinstance(error, Unreachable) else None
+    """The wait before retrying after ``error`` when it has no Retry-After: ``RECONNECT_S`` after a refused
+    connection (nothing listens: the gateway is restarting) or a proxy's 502 (the same, behind it), else the
+    backoff alone: a reset connection (a stale keep-alive one, encode/httpcore#1110) is retried at once."""
+    if not isinstance(error, Unreachable):
+        return None
+    return RECONNECT_S if isinstance(error.__cause__, httpx.ConnectError) or error.code == "http_502" else None
 
 
 def _unreachable(err: httpx.TransportError) -> Unreachable:

@@ -652,6 +652,29 @@ async def test_calls_ride_through_a_gateway_restart_within_their_deadline(server
         assert await aclient.infer(text) == text[::-1]
 
 
+class ResetOnce(httpx.HTTPTransport):
+    """Real connections, but the first request's is reset before its answer, as a keep-alive connection
+    the server closed just as it was reused is (encode/httpcore#1110)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reset = False
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if not self.reset:
+            self.reset = True
+            raise httpx.ReadError("[Errno 104] Connection reset by peer", request=request)
+        return super().handle_request(request)
+
+
+def test_a_connection_reset_is_retried_at_once_within_a_short_deadline(server: str) -> None:
+    """Only a refused connection (nothing listens: a restart) waits ``RECONNECT_S``; a reset one (a stale
+    keep-alive connection) is retried after the backoff alone, so a call of a second still gets its answer."""
+    text = unique("reset")
+    with Client(server, transport=ResetOnce()) as client:
+        assert client.infer(text, timeout=1.0) == text[::-1]
+
+
 def test_events_opened_while_the_gateway_restarts_ride_through(server: str) -> None:
     """A stream's first connection, refused before any ``retry:`` was read, waits ``RECONNECT_S`` too, not
     the backoff alone, which gave up within 2 s of a restart."""
