@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from collections.abc import Callable
 
 from batchwire.settings import SettingsError, SharedSettings
 from infra.topic_checks import Durability, TopicError
@@ -37,10 +38,27 @@ async def ensure_role_topics(
         topics[names.batch_topic(model)] = shared.batch_partitions
     if dead_letters:
         topics[names.dead_letter_topic] = 1
+    exact = {names.request_topic: _request_count_check(shared)} if request_topic else {}
     try:
-        await ensure_topics(shared.require_kafka(), topics, durability=wanted)
+        await ensure_topics(shared.require_kafka(), topics, durability=wanted, exact=exact)
     except TopicError as err:
         raise SettingsError(str(err)) from err
+
+
+def _request_count_check(shared: SharedSettings) -> Callable[[int], str]:
+    """Why a request topic with more partitions than ``--request-partitions`` stops a gateway or batcher:
+    the models' ranges follow from the count, so one on another count than the topic's (the others'
+    after `topics grow`) sends a model's requests to, or reads them from, another model's partitions."""
+
+    def explain(found: int) -> str:
+        return (
+            f"topic {shared.names.request_topic!r} has {found} partitions, and --request-partitions "
+            f"(BATCHWIRE_REQUEST_PARTITIONS) is {shared.request_partitions}: each model's range of partitions "
+            "follows from the count, so every gateway and batcher uses the topic's; start this role with "
+            f"--request-partitions {found}"
+        )
+
+    return explain
 
 
 async def _grow(

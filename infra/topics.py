@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from aiokafka.admin import AIOKafkaAdminClient, NewPartitions, NewTopic  # type: ignore[import-untyped, unused-ignore]
@@ -36,13 +36,16 @@ async def ensure_topics(
     topics: Mapping[str, int],
     *,
     durability: Durability | None = None,
+    exact: Mapping[str, Callable[[int], str]] | None = None,
     timeout_s: float = 30.0,
 ) -> Replication:
     """Make each topic exist with at least the given partition count and the asked replication.
 
     Every existing topic is checked before any missing one is created: one with fewer partitions,
     a lower replication factor or a lower ``min.insync.replicas`` than asked is a
-    ``TopicConfigError`` naming the fix, and nothing is created. Returns, with the replication
+    ``TopicConfigError`` naming the fix, and nothing is created. A topic named in ``exact`` must also
+    have no more partitions than asked (its partitions carry a meaning that follows from the count):
+    its function says why, given the count found. Returns, with the replication
     used, once metadata shows every partition with a leader, so a producer started right after
     does not meet "unknown topic" or "leader not available".
     """
@@ -55,6 +58,11 @@ async def ensure_topics(
         deadline = time.monotonic() + timeout_s
         existing = await _describe_existing(admin, list(topics))
         problems = [p for topic in existing.values() for p in topic.problems(topics[topic.name], asked, bootstrap)]
+        problems += [
+            explain(topic.partitions)
+            for name, explain in (exact or {}).items()
+            if (topic := existing.get(name)) is not None and topic.partitions > topics[name]
+        ]
         if problems:
             raise TopicConfigError("; ".join(problems))
         missing = [

@@ -9,7 +9,7 @@ import pytest
 
 from batchwire.cli import main
 from batchwire.operations import ensure_role_topics
-from batchwire.settings import SharedSettings
+from batchwire.settings import SettingsError, SharedSettings
 from infra.topic_checks import Durability
 from schemas.wire import Names
 
@@ -68,3 +68,29 @@ def test_a_count_no_topic_can_have_is_refused_naming_its_flag_before_kafka_is_as
     assert main(["topics", "grow", "--kafka-bootstrap", "127.0.0.1:1", *argv]) == 2
     err = capsys.readouterr().err
     assert said in err and "no Kafka broker answered" not in err, err
+
+
+@pytest.mark.timeout(120)
+def test_a_gateway_or_batcher_on_fewer_request_partitions_than_the_topic_has_stops_naming_both_counts(
+    infra: Any, names: Names, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The models' ranges of the request topic follow from --request-partitions: a gateway or batcher left on
+    12 after `topics grow --request-partitions 16` sent each model to partitions that roles on 16 count as
+    another model's (their backlogs and a batcher's spacing read the wrong model), and it started without a
+    word. Both call this check before they take a request; a worker does not use the request topic."""
+    shared = SharedSettings(namespace=names.namespace, kafka_bootstrap=infra.kafka_bootstrap, models=("a", "b"))
+    asyncio.run(ensure_role_topics(shared, Durability(1, 1), True, shared.models))
+    argv = ["topics", "grow", "--namespace", names.namespace, "--kafka-bootstrap", infra.kafka_bootstrap]
+    assert main([*argv, "--models", "a,b", "--request-partitions", "16"]) == 0
+    with pytest.raises(SettingsError) as refused:
+        asyncio.run(ensure_role_topics(shared, Durability(1, 1), True, shared.models))
+    said = str(refused.value)
+    assert f"{names.request_topic!r} has 16 partitions" in said, said
+    assert "--request-partitions (BATCHWIRE_REQUEST_PARTITIONS) is 12" in said, said
+    assert "start this role with --request-partitions 16" in said, said
+
+    asyncio.run(ensure_role_topics(shared, Durability(1, 1), False, shared.models))  # a worker's topics: fine
+    grown = SharedSettings(
+        namespace=names.namespace, kafka_bootstrap=infra.kafka_bootstrap, models=("a", "b"), request_partitions=16
+    )
+    asyncio.run(ensure_role_topics(grown, Durability(1, 1), True, grown.models))
