@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import time
 from collections.abc import Callable
 
 from batchwire.settings import SettingsError, SharedSettings
 from infra.topic_checks import Durability, TopicError
 from infra.topics import ensure_topics, group_members, grow_topics
+from transport.ports import TransportError
+from transport.redis.fleet import RedisFleet
 
 MAX_PARTITIONS = 10_000
 """The most partitions ``topics grow`` gives a topic: a worker owns its batch partition, and ``batchwire plan``
@@ -59,6 +63,31 @@ def _request_count_check(shared: SharedSettings) -> Callable[[int], str]:
         )
 
     return explain
+
+
+async def check_models_agree(shared: SharedSettings, role: str, member_id: str) -> None:
+    """Stops a gateway or batcher (exit 2) whose ``--models`` differ, in names or order, from a live gateway
+    or batcher of its namespace: the request topic's partitions are split among the models in list order,
+    so the two would send a model's requests to, or count and read them as, another model's. A Redis that
+    does not answer skips the check: the role meets it again at its start, and reports it there."""
+    fleet = RedisFleet(shared.require_redis(), shared.names)
+    members = []
+    with contextlib.suppress(TransportError):
+        await fleet.start()
+        members = await fleet.members()
+    await fleet.close()
+    now_ms = int(time.time() * 1000)
+    for beat in members:
+        if beat.role not in ("gateway", "batcher") or (beat.role, beat.id) == (role, member_id):
+            continue  # a worker serves one model; its own earlier beat (a restart) is no other process
+        if beat.live(now_ms) and beat.models != shared.models:
+            raise SettingsError(
+                f"--models (BATCHWIRE_MODELS) is {','.join(shared.models)}, and {beat.role} {beat.id} on "
+                f"{beat.host} serves {','.join(beat.models)}: the request topic's partitions are split among the "
+                f"models in list order, so every gateway and batcher of namespace {shared.namespace!r} lists the "
+                f"same models in the same order; start this role with --models {','.join(beat.models)}, or stop "
+                "the others and start every gateway and batcher with the new list"
+            )
 
 
 async def _grow(

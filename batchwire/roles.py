@@ -15,7 +15,7 @@ from batchwire import role_settings as rs
 from batchwire.embedded import EmbeddedRuntime, EmbeddedSettings
 from batchwire.fleet import Heartbeats, batcher_beat, gateway_beat, worker_beat
 from batchwire.gateway_transports import GatewayTransports
-from batchwire.operations import durability, ensure_role_topics
+from batchwire.operations import check_models_agree, durability, ensure_role_topics
 from batchwire.settings import SettingsError, SharedSettings
 from batchwire.supervise import Parts, check_listen, run_loop, serve_http, serve_metrics, supervise
 from gateway.edge.app import create_app
@@ -116,6 +116,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     # Before serving (a refusal exits 2), and the batch topics too: the queue depth reads their end offsets,
     # which for a topic no batcher or worker created yet fail after seconds of aiokafka ERROR lines.
     asyncio.run(ensure_role_topics(shared, durability(args), True, shared.models))
+    asyncio.run(check_models_agree(shared, "gateway", settings.gateway_id))
     gateway = Gateway(
         settings,
         transports.producer,
@@ -157,6 +158,7 @@ def run_batcher(args: argparse.Namespace) -> int:
         bootstrap = shared.require_kafka()
         redis_url = shared.require_redis()
         await ensure_role_topics(shared, durability(args), True, shared.models)
+        await check_models_agree(shared, "batcher", settings.batcher_id)
         follower = follower_of(redis_url)  # one for every pool: the Sentinels are asked once a round
         store = RedisTaskStore(
             redis_url, shared.names, ttl_s=shared.result_ttl_s, pool=_replica_pool(replicas), follower=follower
