@@ -36,15 +36,18 @@ async def ensure_role_topics(
     short, or no broker answers)."""
     names = shared.names
     topics: dict[str, int] = {}
+    settings: dict[str, tuple[str, str]] = {}
     if request_topic:
         topics[names.request_topic] = shared.request_partitions
+        settings[names.request_topic] = ("--request-partitions", "BATCHWIRE_REQUEST_PARTITIONS")
     for model in models:
         topics[names.batch_topic(model)] = shared.batch_partitions
+        settings[names.batch_topic(model)] = ("--batch-partitions", "BATCHWIRE_BATCH_PARTITIONS")
     if dead_letters:
         topics[names.dead_letter_topic] = 1
     exact = {names.request_topic: _request_count_check(shared)} if request_topic else {}
     try:
-        await ensure_topics(shared.require_kafka(), topics, durability=wanted, exact=exact)
+        await ensure_topics(shared.require_kafka(), topics, durability=wanted, exact=exact, settings=settings)
     except TopicError as err:
         raise SettingsError(str(err)) from err
 

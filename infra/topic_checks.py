@@ -73,10 +73,20 @@ class ExistingTopic:
     replication_factor: int
     min_insync_replicas: int | None
 
-    def problems(self, partitions: int, asked: Replication, bootstrap: str) -> list[str]:
-        """Why this topic cannot serve as asked; empty when it can (more than asked is fine)."""
+    def problems(
+        self, partitions: int, asked: Replication, bootstrap: str, setting: tuple[str, str] | None = None
+    ) -> list[str]:
+        """Why this topic cannot serve as asked; empty when it can (more than asked is fine). ``setting``:
+        the flag and variable the count came from, named with both fixes (grow the topic, or ask less)."""
         found: list[str] = []
-        if self.partitions < partitions:
+        if self.partitions < partitions and setting is not None:
+            flag, variable = setting
+            found.append(
+                f"topic {self.name!r} exists with {self.partitions} partitions, and {flag} ({variable}) is "
+                f"{partitions}: `batchwire topics grow {flag} {partitions}` adds partitions; or start this role "
+                f"with {flag} {self.partitions}"
+            )
+        elif self.partitions < partitions:
             found.append(
                 f"topic {self.name!r} exists with {self.partitions} partitions; wanted {partitions} "
                 f"(`batchwire topics grow` adds partitions; or configure {self.partitions})"

@@ -37,6 +37,7 @@ async def ensure_topics(
     *,
     durability: Durability | None = None,
     exact: Mapping[str, Callable[[int], str]] | None = None,
+    settings: Mapping[str, tuple[str, str]] | None = None,
     timeout_s: float = 30.0,
 ) -> Replication:
     """Make each topic exist with at least the given partition count and the asked replication.
@@ -45,7 +46,8 @@ async def ensure_topics(
     a lower replication factor or a lower ``min.insync.replicas`` than asked is a
     ``TopicConfigError`` naming the fix, and nothing is created. A topic named in ``exact`` must also
     have no more partitions than asked (its partitions carry a meaning that follows from the count):
-    its function says why, given the count found. Returns, with the replication
+    its function says why, given the count found. ``settings`` names the flag and variable each topic's
+    count came from, for the messages. Returns, with the replication
     used, once metadata shows every partition with a leader, so a producer started right after
     does not meet "unknown topic" or "leader not available".
     """
@@ -57,7 +59,12 @@ async def ensure_topics(
             return asked
         deadline = time.monotonic() + timeout_s
         existing = await _describe_existing(admin, list(topics))
-        problems = [p for topic in existing.values() for p in topic.problems(topics[topic.name], asked, bootstrap)]
+        named = settings or {}
+        problems = [
+            p
+            for topic in existing.values()
+            for p in topic.problems(topics[topic.name], asked, bootstrap, named.get(topic.name))
+        ]
         problems += [
             explain(topic.partitions)
             for name, explain in (exact or {}).items()

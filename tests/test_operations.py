@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import pytest
@@ -94,3 +95,26 @@ def test_a_gateway_or_batcher_on_fewer_request_partitions_than_the_topic_has_sto
         namespace=names.namespace, kafka_bootstrap=infra.kafka_bootstrap, models=("a", "b"), request_partitions=16
     )
     asyncio.run(ensure_role_topics(grown, Durability(1, 1), True, grown.models))
+
+
+@pytest.mark.timeout(120)
+def test_a_role_asking_more_partitions_than_a_topic_has_is_told_which_flag_and_both_fixes(
+    infra: Any, names: Names
+) -> None:
+    """A worker on 8 batch partitions beside a topic of 4 was told "wanted 8 (`batchwire topics grow` adds
+    partitions; or configure 4)": neither the flag to change nor the grow command's flag."""
+    small = SharedSettings(namespace=names.namespace, kafka_bootstrap=infra.kafka_bootstrap, batch_partitions=4)
+    asyncio.run(ensure_role_topics(small, Durability(1, 1), True, small.models))
+    wider = dataclasses.replace(small, batch_partitions=8, request_partitions=16)
+
+    with pytest.raises(SettingsError) as refused:
+        asyncio.run(ensure_role_topics(wider, Durability(1, 1), True, wider.models))
+
+    said = str(refused.value)
+    batches, requests = f"{names.batch_topic('sim')!r} exists with 4", f"{names.request_topic!r} exists with 12"
+    assert batches in said and requests in said, said
+    assert "--batch-partitions (BATCHWIRE_BATCH_PARTITIONS) is 8" in said, said
+    assert "`batchwire topics grow --batch-partitions 8` adds partitions" in said, said
+    assert "or start this role with --batch-partitions 4" in said, said
+    assert "--request-partitions (BATCHWIRE_REQUEST_PARTITIONS) is 16" in said, said
+    assert "or start this role with --request-partitions 12" in said, said
