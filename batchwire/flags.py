@@ -310,7 +310,7 @@ def gateway_admission(parser: argparse.ArgumentParser) -> None:
         g,
         "sse_ping_s",
         float,
-        "an event stream quiet this long gets a keep-alive comment (keep it under a proxy's idle timeout)",
+        "an event stream quiet this long gets a keep-alive comment (at most 50; keep it under a proxy's idle timeout)",
     )
     field_flag(
         parser, g, "sse_max_s", float, "an event stream closes after this long; its client resumes it (Last-Event-ID)"

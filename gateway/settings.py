@@ -28,6 +28,11 @@ _NO_VARIABLE = frozenset({"min_timeout_ms", "retry_after_s", "ready_timeout_s"})
 names no ``BATCHWIRE_*`` variable, which would send an operator to set what nothing reads."""
 
 
+MAX_SSE_PING_S = 50.0
+"""The longest quiet an event stream may have: proxies commonly cut a connection idle for 60 s, and
+batchwire's client reads a stream quiet that long as lost (``STREAM_READ_S``), spending a retry on each."""
+
+
 def _named(setting: str) -> str:
     """``setting`` as a message names it: with its variable, where it has one."""
     return setting if setting in _NO_VARIABLE else f"{setting} ({env_name(setting)})"
@@ -78,7 +83,8 @@ class GatewaySettings:
     sse_max_s: float = 600.0
     """An event stream closes after this long even without a terminal state; clients reconnect."""
     sse_ping_s: float = 15.0
-    """Keep-alive comment interval on event streams, so proxies do not cut idle connections."""
+    """Keep-alive comment interval on event streams, so proxies do not cut idle connections; at most
+    ``MAX_SSE_PING_S``."""
     retry_after_s: int = 1
     """The Retry-After given with 503 answers (overloaded, unavailable, not ready)."""
     reply_recheck_s: float = 1.0
@@ -273,6 +279,11 @@ def _check_durations(settings: GatewaySettings) -> None:
         value = getattr(settings, name)
         if not value > 0 or value == float("inf"):
             raise ValueError(f"{_named(name)} is {value}; it must be a positive finite number")
+    if settings.sse_ping_s > MAX_SSE_PING_S:
+        raise ValueError(
+            f"{_named('sse_ping_s')} is {settings.sse_ping_s}; it must be at most {MAX_SSE_PING_S:g} s: a stream "
+            "quiet for a minute is cut by common proxies and read as lost by batchwire's client"
+        )
     if not settings.stall_s > 0:
         raise ValueError(f"stall_s must be > 0, got {settings.stall_s} ({env_name('stall_s')})")
     if not 0 <= settings.request_linger_ms <= 1000:
