@@ -211,7 +211,7 @@ class TaskFailed(BatchwireError):
 
 
 class ServerError(BatchwireError):
-    """A 5xx the API does not define: a bug on the server, or a proxy's own answer."""
+    """A 5xx the API does not define: a bug on the server, or a proxy's own answer (as a redirect is)."""
 
 
 class Unreachable(BatchwireError):
@@ -263,7 +263,14 @@ def error_of(response: httpx.Response) -> BatchwireError:
         doc = None
     detail = doc.get("error") if isinstance(doc, dict) else None
     api = isinstance(detail, dict)
-    if not isinstance(detail, dict):
+    if not isinstance(detail, dict) and response.is_redirect:
+        detail = {
+            "code": f"http_{status}",
+            "message": f"the server redirects ({status} {response.reason_phrase}) to "
+            f"{response.headers.get('location')!r}, and the client follows no redirect (a POST would lose its "
+            "body or be sent twice): give the client that URL as its base_url",
+        }
+    elif not isinstance(detail, dict):
         detail = {"code": f"http_{status}", "message": response.text[:200] or response.reason_phrase}
     return _error(detail, status, retry_after_s(response.headers.get(RETRY_AFTER_HEADER)), api=api)
 

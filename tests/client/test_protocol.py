@@ -214,6 +214,16 @@ def test_an_answer_without_the_error_body_is_typed_by_its_status() -> None:
     assert isinstance(odd, ServerError) and odd.code == "http_500"
 
 
+@pytest.mark.parametrize("status", [301, 307, 308])
+def test_a_redirect_is_not_followed_and_names_where_it_points(status: int) -> None:
+    """A proxy redirecting http to https: the client follows no redirect (a POST would lose its body or
+    be sent twice), so the error says where the gateway answers instead of quoting the proxy's page."""
+    moved = error_of(answer(status, text="<html>Moved</html>", headers={"Location": "https://gw.example/"}))
+    assert type(moved) is ServerError and moved.code == f"http_{status}", f"{moved!r}"
+    assert "https://gw.example/" in moved.message and "base_url" in moved.message, moved.message
+    assert not moved.retriable
+
+
 @pytest.mark.parametrize(("status", "page"), [(502, "502 Bad Gateway"), (504, "504 Gateway Time-out")])
 def test_a_proxys_502_or_504_is_no_failed_task_or_deadline_but_an_unreachable_gateway_and_is_retried(
     status: int, page: str
