@@ -229,7 +229,7 @@ def config_from(args: argparse.Namespace, curve: Curve, workers: int, batchers: 
             raise ValueError(f"{flag} is {value:g}; it must be at least {least}")
     if args.requests is not None and args.requests > MAX_REQUESTS:
         raise ValueError(
-            f"--requests is {args.requests:g}; it must be at most {MAX_REQUESTS:,}: each is held in memory "
+            f"--requests is {args.requests:,}; it must be at most {MAX_REQUESTS:,}: each is held in memory "
             "(a steady p99 needs far fewer; plan's default is 50,000 to 300,000)"
         )
     for flag, hop_ms in (("--transit-ms", args.transit_ms), ("--overhead-ms", args.overhead_ms)):

@@ -472,7 +472,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--seeds and --requests must be at least 1, got {args.seeds} and {args.requests}")
         if args.requests > MAX_REQUESTS:
             raise ValueError(
-                f"--requests is {args.requests:g}; it must be at most {MAX_REQUESTS:,}: each is held in memory"
+                f"--requests is {args.requests:,}; it must be at most {MAX_REQUESTS:,}: each is held in memory"
             )
         runs = [r for path, name in results_files(args.results) for r in read_runs(path, name)]
         modes = sorted({r.mode for r in runs})

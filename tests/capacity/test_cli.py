@@ -473,7 +473,7 @@ def test_more_simulated_requests_than_memory_holds_are_refused_before_any_is_dra
 
     rate = ["--workers", "1", "--rate", "100"] if command == "simulate" else ["--rate", "100", "--p99-ms", "500"]
     args = cli.tool_parser(command).parse_args([command, "--curve", flat, *rate, "--requests", "1000000000"])
-    with pytest.raises(ValueError, match=f"--requests is 1e\\+09; it must be at most {MAX_REQUESTS:,}"):
+    with pytest.raises(ValueError, match=f"--requests is 1,000,000,000; it must be at most {MAX_REQUESTS:,}"):
         config_from(args, load(flat), 1)
     args.requests = MAX_REQUESTS
     assert config_from(args, load(flat), 1, batchers=1).workers == 1
@@ -482,4 +482,4 @@ def test_more_simulated_requests_than_memory_holds_are_refused_before_any_is_dra
 def test_validate_sim_refuses_more_simulated_requests_than_memory_holds(run: Run, tmp_path: Path) -> None:
     """Checked before the runs are read (the folder holds none): run, it drew every arrival into memory."""
     code, _, err = run(["validate-sim", str(tmp_path), "--requests", "1000000000"])
-    assert code == 2 and "--requests is 1e+09; it must be at most 10,000,000" in err, err
+    assert code == 2 and "--requests is 1,000,000,000; it must be at most 10,000,000" in err, err
