@@ -70,8 +70,20 @@ def _check_failed(err: Exception) -> Failure:
 
 def _outcome(output: object) -> str | Failure:
     """One input's output as the worker stores it: an answer that is not text (a backend's bug) fails its
-    input alone, as an exception on it would, instead of raising out of the call and crashing the worker."""
+    input alone, as an exception on it would, instead of raising out of the call and crashing the worker.
+    So does text with a lone surrogate, which has no UTF-8 encoding: its task's state could not be
+    encoded, and the store of the whole batch's results would fail the worker."""
     if isinstance(output, str):
+        if output.isascii():
+            return output
+        try:
+            output.encode()
+        except UnicodeEncodeError as err:
+            return Failure(
+                "backend_error",
+                f"the model returned text that is not valid Unicode for this input (a lone surrogate at "
+                f"character {err.start}), which cannot be stored",
+            )
         return output
     if isinstance(output, InputError):
         return Failure(output.code, str(output))

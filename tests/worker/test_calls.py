@@ -126,3 +126,25 @@ async def test_a_call_that_raises_system_exit_fails_its_input_and_the_process_go
         failure = result.outputs[index]
         assert isinstance(failure, Failure) and failure.code == "backend_error", failure
         assert kind in failure.message, failure.message
+
+
+class AnswersLoneSurrogates(CheckedOn):
+    """Answers an input containing "half" with text holding a lone surrogate: what a backend that decodes
+    token bytes with ``errors="surrogateescape"`` returns for a cut UTF-8 sequence (a backend bug)."""
+
+    def batchstring(self, inputs: list[str]) -> list[str]:
+        return [text[::-1] + ("\udcc3" if "half" in text else "") for text in inputs]
+
+
+async def test_an_output_that_is_not_valid_unicode_fails_its_input_and_the_others_are_answered(
+    runner: BackendRunner,
+) -> None:
+    """A string with a lone surrogate has no UTF-8 encoding, so its task's state cannot be encoded
+    (``encode_state`` raises): kept as an answer, it failed the store of the whole batch's results and
+    crashed the worker, and every replacement that ran the batch again."""
+    calls = BackendCalls(AnswersLoneSurrogates(), runner, "m", "w")  # type: ignore[arg-type]
+    result = await calls.run(["abc", "half é", "xyz"])
+    assert result.outputs[0] == "cba" and result.outputs[2] == "zyx", result.outputs
+    failure = result.outputs[1]
+    assert isinstance(failure, Failure) and failure.code == "backend_error", f"expected a failure, got {failure!r}"
+    assert "surrogate" in failure.message, failure.message
