@@ -30,8 +30,10 @@ class Failure:
     __slots__ = ("code", "message")
 
     def __init__(self, code: str, message: str) -> None:
+        """A lone surrogate in ``message`` (from an exception's text) is escaped: the message goes into
+        the task's state, which a string without a UTF-8 encoding would keep from being stored."""
         self.code = code
-        self.message = message
+        self.message = message if message.isascii() else message.encode(errors="backslashreplace").decode()
 
 
 OUTPUT_TOO_LARGE = "output_too_large"

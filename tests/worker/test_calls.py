@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+from gpu_worker.backends.base import InputError
 from gpu_worker.calls import LONG_CHECK_CHARS, BackendCalls, Failure
 from gpu_worker.runner import BackendRunner
 
@@ -148,3 +149,32 @@ async def test_an_output_that_is_not_valid_unicode_fails_its_input_and_the_other
     failure = result.outputs[1]
     assert isinstance(failure, Failure) and failure.code == "backend_error", f"expected a failure, got {failure!r}"
     assert "surrogate" in failure.message, failure.message
+
+
+class RaisesWithLoneSurrogate(CheckedOn):
+    """Raises on an input containing "half" with a message holding a lone surrogate (the text a
+    ``surrogateescape`` decode left), as an ``InputError`` from its check and as an error from its call."""
+
+    def input_errors(self, inputs: object) -> dict[int, object]:
+        texts: list[str] = inputs  # type: ignore[assignment]
+        return {i: InputError(i, "input_too_long", "cannot read \udcc3") for i, t in enumerate(texts) if "check" in t}
+
+    def batchstring(self, inputs: list[str]) -> list[str]:
+        if any("half" in text for text in inputs):
+            raise ValueError("cannot decode \udcc3 here")
+        return super().batchstring(inputs)
+
+
+async def test_a_failure_whose_message_is_not_valid_unicode_is_stored_with_the_surrogate_escaped(
+    runner: BackendRunner,
+) -> None:
+    """An error message goes into the task's state as an output does: one with a lone surrogate could
+    not be encoded, and failed the store of the whole batch's results (and the worker)."""
+    calls = BackendCalls(RaisesWithLoneSurrogate(), runner, "m", "w")  # type: ignore[arg-type]
+    result = await calls.run(["abc", "half", "check"])
+    assert result.outputs[0] == "cba", result.outputs
+    for index in (1, 2):
+        failure = result.outputs[index]
+        assert isinstance(failure, Failure), failure
+        failure.message.encode()  # raises UnicodeEncodeError on a lone surrogate
+        assert "\\udcc3" in failure.message, failure.message
