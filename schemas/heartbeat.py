@@ -7,6 +7,7 @@ as much as by batchwire, and a field added later must not break a reader of an o
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -103,9 +104,9 @@ def decode_beat(raw: bytes | str) -> Beat | None:
             state=str(doc["state"]),
             at_ms=int(doc["at_ms"]),
             interval_s=float(doc["interval_s"]),
-            figures=_floats(doc.get("figures", {})),
-            breakdowns={str(name): _floats(values) for name, values in doc.get("breakdowns", {}).items()},
-            per_model={str(model): _floats(values) for model, values in doc.get("per_model", {}).items()},
+            figures=_floats(doc.get("figures")),
+            breakdowns=_groups(doc.get("breakdowns")),
+            per_model=_groups(doc.get("per_model")),
             final=doc.get("final") is True,  # absent from an earlier release's beats
         )
     except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError):
@@ -113,8 +114,25 @@ def decode_beat(raw: bytes | str) -> Beat | None:
         return None
 
 
-def _floats(values: Mapping[str, Any]) -> dict[str, float]:
-    return {str(name): float(value) for name, value in values.items()}
+def _floats(values: Any) -> dict[str, float]:
+    """The numbers of ``values``; what is no number (a later release's figure of another kind) is left
+    out, not the beat: a reader drops a beat it cannot read from the fleet, for every process."""
+    if not isinstance(values, Mapping):
+        return {}
+    numbers: dict[str, float] = {}
+    for name, value in values.items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            with contextlib.suppress(OverflowError):  # an integer past a float's range
+                numbers[str(name)] = float(value)
+    return numbers
+
+
+def _groups(groups: Any) -> dict[str, dict[str, float]]:
+    """``_floats`` of each group (a breakdown, a model); a group that is no map of numbers is left out."""
+    if not isinstance(groups, Mapping):
+        return {}
+    read = {str(name): _floats(values) for name, values in groups.items() if isinstance(values, Mapping)}
+    return {name: values for name, values in read.items() if values or not groups[name]}
 
 
 def _rounded(values: Mapping[str, float]) -> dict[str, float]:

@@ -4,6 +4,7 @@ forgotten after a minute."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -101,6 +102,34 @@ async def test_a_field_that_is_no_beat_is_skipped_and_dropped(redis_url: str, na
         await fleet.beat([beat("worker", "w1")])
         assert [member.id for member in await fleet.members()] == ["w1"]
         assert await redis.hkeys(names.fleet) == [b"worker:w1@h:7"], "what no reader can use is deleted"
+    finally:
+        await redis.aclose()
+        await fleet.close()
+
+
+async def test_a_later_releases_beat_with_figures_this_reader_cannot_read_is_listed_and_kept(
+    redis_url: str, names: Names
+) -> None:
+    """A figure that is no number (a name, a null, a map of its own), in a beat of a release later than
+    the reader's, is left out of what the reader shows; the beat itself is read, and stays in the fleet:
+    dropped, the later member vanished from an earlier release's status, and was deleted from the hash
+    that every process reads."""
+    fleet = RedisFleet(redis_url, names)
+    redis = Redis.from_url(redis_url)
+    later = json.loads(beat("worker", "w2").encode())
+    later["figures"] |= {"gpu": "H100", "p99_ms": None}
+    later["breakdowns"]["latency_ms"] = {"p50": {"sim": 3.0}}
+    later["breakdowns"]["shards"] = ["a", "b"]
+    later["per_model"]["sim"]["latency"] = {"p50": 3.0}
+    try:
+        await redis.hset(names.fleet, mapping={"worker:w2@h:7": json.dumps(later)})
+        members = await fleet.members()
+        assert [member.id for member in members] == ["w2"], f"the later beat was not read: {members}"
+        (member,) = members
+        assert member.figures == {"batches_per_s": 0.0}, member.figures
+        assert member.breakdowns == {"flushes_per_s": {"full": 0.0}}, member.breakdowns
+        assert member.per_model == {"sim": {"queue_depth": 3.0}}, member.per_model
+        assert await redis.hkeys(names.fleet) == [b"worker:w2@h:7"], "a later release's beat was deleted"
     finally:
         await redis.aclose()
         await fleet.close()
