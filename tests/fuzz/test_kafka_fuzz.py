@@ -23,6 +23,7 @@ from schemas.codec import (
     MAGIC,
     CodecError,
     Kind,
+    decode_batch,
     decode_request,
     encode_batch,
     encode_credit,
@@ -137,3 +138,62 @@ async def test_batcher_skips_undecodable_records_and_commits_past_them(cluster: 
     log = batcher.log_path.read_text(errors="replace")
     assert "undecodable record(s)" in log, f"the batcher never reported skipping a record:\n{batcher.tail()}"
     assert "Traceback" not in log, f"the batcher logged a traceback:\n{log[-6000:]}"
+
+
+def _batch_garbage(rng: random.Random) -> Iterator[bytes | None]:
+    """Record values a worker must skip: a newer batcher's batch (a schema version from the future),
+    truncated and corrupted batches, other kinds' records, random bytes and a tombstone."""
+    batch = encode_batch(Batch("b-fuzz", "sim", "bt", 1, "size", "w:1", (BatchItem("t-fuzz", "in", 1, 2**42),)))
+    yield None
+    yield b""
+    yield bytes((MAGIC, int(Kind.BATCH), 99)) + batch[3:]
+    for cut in range(0, len(batch), 3):
+        yield batch[:cut]
+    for _ in range(30):
+        flipped = bytearray(batch)
+        flipped[rng.randrange(3, len(flipped))] ^= rng.randint(1, 255)
+        yield bytes(flipped)
+    for _ in range(20):
+        yield rng.randbytes(rng.randint(1, 100))
+    yield encode_request(InferenceRequest("q3bY0h2mXw1kL9aF5cZr6Q", "sim", "fuzz", 1, 2**42))
+    yield encode_credit(Credit("w", "sim", 0, 1, 2, 3))
+
+
+def _undecodable_batch(value: bytes | None) -> bool:
+    if value is None:
+        return True
+    try:
+        decode_batch(value)
+    except CodecError:
+        return True
+    return False
+
+
+async def test_worker_skips_undecodable_batches_at_the_head_of_its_partitions(cluster: Cluster) -> None:
+    """Garbage ahead of the real batches on every partition of a model's batch topic: the worker commits
+    past each record (no partition blocks) and answers every request after it."""
+    names = Names(cluster.namespace)
+    garbage = [value for value in _batch_garbage(random.Random(SEED)) if _undecodable_batch(value)]
+    assert len(garbage) > 40, f"expected dozens of undecodable records, made {len(garbage)}"
+    client = httpx.AsyncClient(base_url=cluster.gateway_urls[0], timeout=15)
+    producer = AIOKafkaProducer(bootstrap_servers=cluster.kafka_bootstrap, acks="all")
+    await producer.start()
+    try:
+        await _infer(client, "before the garbage")
+        topic = names.batch_topic("sim")
+        partitions = sorted(await producer.partitions_for(topic))
+        sent = [
+            await producer.send(topic, value, key=b"fuzz-%d" % index, partition=partition)
+            for partition in partitions
+            for index, value in enumerate(garbage)
+        ]
+        await asyncio.gather(*sent)
+        await asyncio.gather(*(_infer(client, f"after the garbage {n}") for n in range(REAL_REQUESTS)))
+    finally:
+        await producer.stop()
+        await client.aclose()
+    worker = next(proc for proc in cluster.procs if proc.name.startswith("worker"))
+    assert worker.alive(), f"the worker died:\n{worker.tail()}"
+    log = worker.log_path.read_text(errors="replace")
+    assert "undecodable batch" in log, f"the worker never reported skipping a batch:\n{worker.tail()}"
+    assert "Traceback" not in log, f"the worker logged a traceback:\n{log[-6000:]}"
