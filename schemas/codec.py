@@ -1,7 +1,8 @@
 """Avro (fastavro, schemaless) encoding with a three-byte header: magic, record kind, schema version.
 
 The header lets a reader of the current version decode records written by any older version it
-knows, so producers and consumers can be upgraded one at a time.
+knows, and refuse a newer one by name: a release that raises a kind's version upgrades that kind's
+readers before its writers (docs/operations.md, "Upgrading").
 
 Reads are strict. fastavro reads a negative union or enum index as Python's ``list[-1]`` (the last
 branch or symbol: a queued task read as cancelled) and any long into an ``int`` field.
