@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gpu_worker.backends.base import Backend, InputError, PartialOutputs
-from gpu_worker.runner import BackendHung, BackendRunner, NotStarted, Timing
+from gpu_worker.runner import BackendExited, BackendHung, BackendRunner, NotStarted, Timing
 from telemetry import metrics
 
 LONG_CHECK_CHARS = 16_384
@@ -167,9 +167,21 @@ class BackendCalls:
         return rejected
 
     async def _input_errors(self, inputs: list[str]) -> dict[int, InputError]:
-        if sum(map(len, inputs)) < LONG_CHECK_CHARS:
-            return self.backend.input_errors(inputs)
-        return await asyncio.to_thread(self.backend.input_errors, inputs)
+        """The check's answer; one that raises ``SystemExit`` or ``KeyboardInterrupt`` (which would end the
+        process) or that is not a mapping of this batch's indices to ``InputError`` raises an ``Exception``."""
+        try:
+            if sum(map(len, inputs)) < LONG_CHECK_CHARS:
+                errors: object = self.backend.input_errors(inputs)
+            else:
+                errors = await asyncio.to_thread(self.backend.input_errors, inputs)
+        except (SystemExit, KeyboardInterrupt) as err:
+            raise BackendExited(err) from err
+        if not isinstance(errors, dict) or not all(
+            type(index) is int and 0 <= index < len(inputs) and isinstance(error, InputError)
+            for index, error in errors.items()
+        ):
+            raise TypeError(f"input_errors returned {errors!r:.200}, not a dict of input indices to InputError")
+        return errors
 
     async def _bisect(
         self, inputs: list[str], indices: list[int], result: GroupResult, start_by: float | None = None

@@ -178,3 +178,62 @@ async def test_a_failure_whose_message_is_not_valid_unicode_is_stored_with_the_s
         assert isinstance(failure, Failure), failure
         failure.message.encode()  # raises UnicodeEncodeError on a lone surrogate
         assert "\\udcc3" in failure.message, failure.message
+
+
+class CheckExits(CheckedOn):
+    """Its input check raises SystemExit on an input containing "exit" and KeyboardInterrupt on one containing
+    "interrupt"; one containing "long" makes it return each malformed answer a buggy check could give."""
+
+    def __init__(self, answer: object = None) -> None:
+        super().__init__()
+        self.answer = answer
+
+    def input_errors(self, inputs: object) -> dict[int, object]:
+        texts = list(inputs)  # type: ignore[call-overload]
+        if any("exit" in text for text in texts):
+            raise SystemExit("the tokenizer's code called sys.exit")
+        if any("interrupt" in text for text in texts):
+            raise KeyboardInterrupt
+        if any("long" in text for text in texts):
+            return self.answer  # type: ignore[return-value]
+        return {}
+
+
+async def test_a_check_that_raises_system_exit_fails_its_input_and_the_process_goes_on(runner: BackendRunner) -> None:
+    """The up-front check of a short batch runs on the event loop: a SystemExit or KeyboardInterrupt from it
+    ended the process, as the call's did before it was caught."""
+    calls = BackendCalls(CheckExits(), runner, "m", "w")  # type: ignore[arg-type]
+    for inputs in (["abc", "exit", "interrupt", "xyz"], ["abc", "exit", "interrupt", "xyz" * LONG_CHECK_CHARS]):
+        try:
+            result = await calls.run(inputs)
+        except BaseException as err:
+            raise AssertionError(f"the check raised {err!r} out of the worker") from None
+        assert result.outputs[0] == "cba" and isinstance(result.outputs[3], str), result.outputs
+        for index, kind in ((1, "SystemExit"), (2, "KeyboardInterrupt")):
+            failure = result.outputs[index]
+            assert isinstance(failure, Failure) and failure.code == "backend_error", failure
+            assert kind in failure.message, failure.message
+
+
+async def test_a_check_that_answers_malformed_fails_the_inputs_it_names_and_the_others_are_answered(
+    runner: BackendRunner,
+) -> None:
+    """A check's answer that is not a mapping of input indices to ``InputError`` (a backend bug) is read as a
+    check that raised: it crashed the worker (or named inputs the batch does not have)."""
+    malformed: list[object] = [
+        {1: "too long"},
+        {7: InputError(1, "input_too_long", "too long")},
+        [(1, InputError(1, "input_too_long", "too long"))],
+        {"1": InputError(1, "input_too_long", "too long")},
+        None,
+    ]
+    for answer in malformed:
+        calls = BackendCalls(CheckExits(answer), runner, "m", "w")  # type: ignore[arg-type]
+        try:
+            result = await calls.run(["abc", "long", "xyz"])
+        except Exception as err:
+            raise AssertionError(f"{answer!r}: the check's answer raised {err!r} out of the worker") from None
+        assert result.outputs[0] == "cba" and result.outputs[2] == "zyx", (answer, result.outputs)
+        failure = result.outputs[1]
+        assert isinstance(failure, Failure) and failure.code == "backend_error", (answer, failure)
+        assert "input_errors" in failure.message, failure.message
