@@ -104,10 +104,18 @@ class Heartbeats:
     beat: the process goes on serving, and the fleet views show it as gone until its beats land again.
     """
 
-    def __init__(self, fleet: Fleet, beats: Callable[[Window], list[Beat]], interval_s: float = HEARTBEAT_S) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        beats: Callable[[Window], list[Beat]],
+        interval_s: float = HEARTBEAT_S,
+        result_ttl_s: float | None = None,
+    ) -> None:
+        """``result_ttl_s``: stated in every beat, for roles starting beside this one to check theirs against."""
         self.fleet = fleet
-        self.beats = beats
+        self._beats = beats
         self.interval_s = interval_s
+        self.result_ttl_s = result_ttl_s
         self._loop = BackgroundLoop("heartbeats")
         self._soon = asyncio.Event()
         self._reader: Reader | None = None
@@ -138,6 +146,12 @@ class Heartbeats:
             log.warning("last heartbeat not stored (the fleet views show this process as gone): %s", err)
         except Exception:  # a fault in the figures must not stop the shutdown, nor go unseen
             log.exception("last heartbeat not built (the fleet views show this process as gone)")
+
+    def beats(self, window: Window) -> list[Beat]:
+        beats = self._beats(window)
+        if self.result_ttl_s is None:
+            return beats
+        return [dataclasses.replace(beat, result_ttl_s=self.result_ttl_s) for beat in beats]
 
     def beat_soon(self) -> None:
         """For a role that has just started: its beat carries the state and gauges, and no rates."""

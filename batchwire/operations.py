@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 
@@ -13,6 +14,8 @@ from infra.topic_checks import Durability, TopicError
 from infra.topics import ensure_topics, group_members, grow_topics
 from transport.ports import TransportError
 from transport.redis.fleet import RedisFleet
+
+log = logging.getLogger(__name__)
 
 MAX_PARTITIONS = 10_000
 """The most partitions ``topics grow`` gives a topic: a worker owns its batch partition, and ``batchwire plan``
@@ -68,11 +71,16 @@ def _request_count_check(shared: SharedSettings) -> Callable[[int], str]:
     return explain
 
 
-async def check_models_agree(shared: SharedSettings, role: str, member_id: str) -> None:
-    """Stops a gateway or batcher (exit 2) whose ``--models`` differ, in names or order, from a live gateway
-    or batcher of its namespace: the request topic's partitions are split among the models in list order,
-    so the two would send a model's requests to, or count and read them as, another model's. A Redis that
-    does not answer skips the check: the role meets it again at its start, and reports it there."""
+async def check_settings_agree(shared: SharedSettings, role: str, member_id: str) -> None:
+    """Checks a starting role's settings that must agree across its namespace against the live roles'.
+
+    ``--models``, for a gateway or batcher against the others, stops the role (exit 2): the request topic's
+    partitions are split among the models in list order, so the two would send a model's requests to, or
+    count and read them as, another model's. ``--result-ttl-s``, for every role, is logged as a warning:
+    each role sets the expiry of the task states it writes (a worker last, at a task's end), so a shorter
+    TTL anywhere drops results before the time the gateways promise; refusing it would leave no rolling
+    way to change the TTL. A Redis that does not answer skips the check: the role meets it again at its
+    start, and reports it there."""
     fleet = RedisFleet(shared.require_redis(), shared.names)
     members = []
     with contextlib.suppress(TransportError):
@@ -80,10 +88,9 @@ async def check_models_agree(shared: SharedSettings, role: str, member_id: str) 
         members = await fleet.members()
     await fleet.close()
     now_ms = int(time.time() * 1000)
-    for beat in members:
-        if beat.role not in ("gateway", "batcher") or (beat.role, beat.id) == (role, member_id):
-            continue  # a worker serves one model; its own earlier beat (a restart) is no other process
-        if beat.live(now_ms) and beat.models != shared.models:
+    others = [b for b in members if (b.role, b.id) != (role, member_id) and b.live(now_ms)]  # not its own restart
+    for beat in others:
+        if role != "worker" and beat.role in ("gateway", "batcher") and beat.models != shared.models:
             raise SettingsError(
                 f"--models (BATCHWIRE_MODELS) is {','.join(shared.models)}, and {beat.role} {beat.id} on "
                 f"{beat.host} serves {','.join(beat.models)}: the request topic's partitions are split among the "
@@ -91,6 +98,17 @@ async def check_models_agree(shared: SharedSettings, role: str, member_id: str) 
                 f"same models in the same order; start this role with --models {','.join(beat.models)}, or stop "
                 "the others and start every gateway and batcher with the new list"
             )
+    ttls = {f"{beat.role} {beat.id} on {beat.host}": beat.result_ttl_s for beat in others if beat.result_ttl_s}
+    if differ := {member: ttl for member, ttl in ttls.items() if ttl != shared.result_ttl_s}:
+        log.warning(
+            "--result-ttl-s (BATCHWIRE_RESULT_TTL_S) is %g s, and live roles of namespace %r keep task states "
+            "another time: %s. Each role sets the expiry of the states it writes (a worker last, at a task's "
+            "end), so results are kept the time of whichever wrote last; while changing the TTL, restart "
+            "every gateway, batcher and worker with the new one",
+            shared.result_ttl_s,
+            shared.namespace,
+            ", ".join(f"{member} {ttl:g} s" for member, ttl in sorted(differ.items())),
+        )
 
 
 async def _grow(

@@ -15,7 +15,7 @@ from batchwire import role_settings as rs
 from batchwire.embedded import EmbeddedRuntime, EmbeddedSettings
 from batchwire.fleet import Heartbeats, batcher_beat, gateway_beat, worker_beat
 from batchwire.gateway_transports import GatewayTransports
-from batchwire.operations import check_models_agree, durability, ensure_role_topics
+from batchwire.operations import check_settings_agree, durability, ensure_role_topics
 from batchwire.settings import SettingsError, SharedSettings
 from batchwire.supervise import Parts, check_listen, run_loop, serve_http, serve_metrics, supervise
 from gateway.edge.app import create_app
@@ -116,7 +116,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     # Before serving (a refusal exits 2), and the batch topics too: the queue depth reads their end offsets,
     # which for a topic no batcher or worker created yet fail after seconds of aiokafka ERROR lines.
     asyncio.run(ensure_role_topics(shared, durability(args), True, shared.models))
-    asyncio.run(check_models_agree(shared, "gateway", settings.gateway_id))
+    asyncio.run(check_settings_agree(shared, "gateway", settings.gateway_id))
     gateway = Gateway(
         settings,
         transports.producer,
@@ -129,7 +129,9 @@ def run_gateway(args: argparse.Namespace) -> int:
     )
     streams_end = StreamsEnd()
     transports.heartbeats = Heartbeats(
-        transports.fleet, lambda window: [gateway_beat(gateway, window, streams_end.ended)]
+        transports.fleet,
+        lambda window: [gateway_beat(gateway, window, streams_end.ended)],
+        result_ttl_s=shared.result_ttl_s,
     )
     app = create_app(gateway, transports, streams_end, transports.fleet, metrics.GATEWAY_EXPORTS)
     log.info(
@@ -158,7 +160,7 @@ def run_batcher(args: argparse.Namespace) -> int:
         bootstrap = shared.require_kafka()
         redis_url = shared.require_redis()
         await ensure_role_topics(shared, durability(args), True, shared.models)
-        await check_models_agree(shared, "batcher", settings.batcher_id)
+        await check_settings_agree(shared, "batcher", settings.batcher_id)
         follower = follower_of(redis_url)  # one for every pool: the Sentinels are asked once a round
         store = RedisTaskStore(
             redis_url, shared.names, ttl_s=shared.result_ttl_s, pool=_replica_pool(replicas), follower=follower
@@ -169,7 +171,9 @@ def run_batcher(args: argparse.Namespace) -> int:
         wait = ReplicaWait(store, replicas, settings.batcher_id, role="batcher", retry_max_s=settings.retry_max_s)
         batcher = Batcher(settings, consumer, producer, credits, store, replicas=wait, count_tokens=count_tokens)
         fleet = RedisFleet(redis_url, shared.names, follower=follower)
-        heartbeats = Heartbeats(fleet, lambda window: [batcher_beat(batcher, shared.models, window)])
+        heartbeats = Heartbeats(
+            fleet, lambda window: [batcher_beat(batcher, shared.models, window)], result_ttl_s=shared.result_ttl_s
+        )
         parts = Parts(store, credits, producer, fleet, heartbeats, batcher)
 
         async def start() -> None:
@@ -224,6 +228,7 @@ class _WorkerProcess:
         args, shared, settings = self.args, self.shared, self.settings
         bootstrap, redis_url, names = shared.require_kafka(), shared.require_redis(), shared.names
         await ensure_role_topics(shared, durability(args), False, (settings.model,), dead_letters=True)
+        await check_settings_agree(shared, "worker", settings.worker_id)
         follower = follower_of(redis_url)  # one for every pool: the Sentinels are asked once a round
         store = RedisTaskStore(
             redis_url, names, ttl_s=shared.result_ttl_s, pool=_replica_pool(self.replicas), follower=follower
@@ -245,7 +250,7 @@ class _WorkerProcess:
             replicas=ReplicaWait(store, self.replicas, settings.worker_id, retry_max_s=settings.retry_max_s),
         )
         fleet = RedisFleet(redis_url, names, follower=follower)
-        heartbeats = Heartbeats(fleet, lambda window: [worker_beat(worker, window)])
+        heartbeats = Heartbeats(fleet, lambda window: [worker_beat(worker, window)], result_ttl_s=shared.result_ttl_s)
         parts = Parts(store, credits, deliveries, dead_letters, fleet, heartbeats, worker)
 
         async def start() -> None:

@@ -225,6 +225,16 @@ def render(view: Mapping[str, Any]) -> str:
     missing = without_workers(view)
     if missing:
         text += f"\nno live worker for {', '.join(missing)}: its requests wait or are refused\n"
+    ttls = {
+        f"{member['role']} {member['id']} {member['result_ttl_s']:g} s": member["result_ttl_s"]
+        for member in view.get("members", [])
+        if member.get("result_ttl_s") and member.get("state") != "gone" and not member.get("final")
+    }
+    if len(set(ttls.values())) > 1:
+        text += (
+            f"\nlive processes keep task states for different times ({', '.join(sorted(ttls))}): results are kept "
+            "the TTL of whichever wrote last; give every role the same --result-ttl-s\n"
+        )
     for shared in view.get("shared_ids", []):
         text += (
             f"\n{len(shared['processes'])} live processes beat as {shared['role']} {shared['id']} "

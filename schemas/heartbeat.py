@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,8 @@ class Beat:
     status, flushes by reason), and ``per_model`` its figures for each model it serves. ``final`` marks
     the last beat of a member that stopped (``stopped``, or ``hung``/``failed``): it is never live, and
     shows that state, not ``gone``, until it is dropped, so a planned stop reads apart from a crash.
+    ``result_ttl_s`` is the member's ``--result-ttl-s`` (None: not stated), which a role starting beside it
+    checks its own against: every role sets the expiry of the task states it writes.
     """
 
     role: str
@@ -46,6 +49,7 @@ class Beat:
     breakdowns: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     per_model: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     final: bool = False
+    result_ttl_s: float | None = None
 
     @property
     def key(self) -> str:
@@ -87,6 +91,7 @@ class Beat:
             "breakdowns": {name: _rounded(values) for name, values in self.breakdowns.items()},
             "per_model": {model: _rounded(values) for model, values in self.per_model.items()},
             "final": self.final,
+            "result_ttl_s": self.result_ttl_s,
         }
 
 
@@ -108,10 +113,18 @@ def decode_beat(raw: bytes | str) -> Beat | None:
             breakdowns=_groups(doc.get("breakdowns")),
             per_model=_groups(doc.get("per_model")),
             final=doc.get("final") is True,  # absent from an earlier release's beats
+            result_ttl_s=_ttl(doc.get("result_ttl_s")),
         )
     except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError):
         # OverflowError: ``Infinity`` or ``1e400`` as an int; RecursionError: nesting past Python's limit.
         return None
+
+
+def _ttl(value: Any) -> float | None:
+    """A stated TTL; what is none (absent from an earlier release's beats, or of another kind) is None."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
+        return float(value)
+    return None
 
 
 def _floats(values: Any) -> dict[str, float]:

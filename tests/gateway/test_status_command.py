@@ -32,6 +32,7 @@ def beat(
     pid: int = 4242,
     state: str = "busy",
     final: bool = False,
+    result_ttl_s: float | None = None,
     **figures: float,
 ) -> Beat:
     return Beat(
@@ -46,6 +47,7 @@ def beat(
         interval_s=interval_s,
         figures=figures,
         final=final,
+        result_ttl_s=result_ttl_s,
     )
 
 
@@ -96,6 +98,26 @@ async def test_two_live_processes_with_one_id_are_both_shown_and_named(
     assert sum(line.startswith("worker") for line in out.splitlines()) == 2, out
     warning = "2 live processes beat as worker w1 (host-a:11, host-a:12): give each its own --worker-id"
     assert warning in out, out
+
+
+async def test_live_processes_keeping_task_states_for_different_times_are_named(
+    make_rig: RigFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each role sets the expiry of the states it writes, so one with a shorter TTL drops results early: the
+    roles that disagree are named (a stopped one, and one that states no TTL, are not counted)."""
+    fleet = await fleet_of(
+        beat("batcher", "b1", ("sim",), result_ttl_s=3600.0),
+        beat("worker", "w1", ("sim",), result_ttl_s=5.0),
+        beat("worker", "w2", ("sim",), result_ttl_s=60.0, state="stopped", final=True),
+        beat("worker", "w3", ("sim",)),
+    )
+    rig = await make_rig(fleet=fleet, models=("sim",))
+    async with serving(rig) as client:
+        code = await status("--url", str(client.base_url))
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "live processes keep task states for different times (batcher b1 3600 s, worker w1 5 s)" in out, out
+    assert "give every role the same --result-ttl-s" in out, out
 
 
 async def test_a_model_without_a_live_worker_exits_1_and_is_named(
