@@ -200,15 +200,16 @@ class Collapser:
         await self._publisher.cancel_abandoned(computation.task_id)
 
     async def _run(self, key: str, request: Submission, computation: Computation) -> None:
-        """Publishes the computation's request, waits for its end, and answers every attached caller."""
+        """Publishes the computation's request, waits for its end, answers every attached caller, then
+        hands the end to ``keep``: a slow cache write (up to its store's timeout) must not hold answers
+        in hand, nor run their callers past their deadlines."""
         state = await self._compute(request, computation)
         computation.ended = True
         if self._inflight.get(key) is computation:
             del self._inflight[key]  # from here on a new request starts anew
-        callers = tuple(computation.callers.items())
+        await self._answer_callers(state, tuple(computation.callers.items()))
         if self._keep is not None:
             await self._keep(key, state)
-        await self._answer_callers(state, callers)
 
     async def _compute(self, request: Submission, computation: Computation) -> TaskState:
         """The computation's end state; a deadline, the bus refusing it or a gateway shutting down

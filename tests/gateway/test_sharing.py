@@ -430,6 +430,38 @@ async def test_a_cache_that_fails_is_bypassed(make_rig: RigFactory) -> None:
     assert count(CACHE_BYPASSED) - bypassed == 4, "two reads and two writes bypassed"
 
 
+class HeldWriteCache(MemoryResultCache):
+    """A cache whose writes wait for ``release``: a slow Redis, up to its half-second timeout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writing = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def put(self, key: str, output: str, ttl_s: float) -> None:
+        self.writing.set()
+        await self.release.wait()
+        await super().put(key, output, ttl_s)
+
+
+async def test_collapsed_callers_are_answered_without_waiting_for_the_cache_write(make_rig: RigFactory) -> None:
+    """The cache is bypassed, never failed on: a caller whose computation ended holds its answer, so a
+    slow cache write (kept for the next identical request) neither delays it nor runs it past its
+    deadline into a 504."""
+    cache = HeldWriteCache()
+    rig = await make_rig(**SHARING, cache=cache, cache_ttl_s=60.0)
+    await rig.worker()
+    call = asyncio.create_task(rig.client.post("/v1/inference", json={"input": "slow cache", "timeout_ms": 3_000}))
+    try:
+        await asyncio.wait_for(cache.writing.wait(), 10)
+        answer = await call
+    finally:
+        cache.release.set()
+    assert answer.status_code == 200 and answer.json()["output"] == "ehcac wols", answer.text
+    await eventually(lambda: len(cache) == 1, "the answer kept once the write went through")
+    assert (await infer(rig, "slow cache")).status_code == 200 and rig.produced() == 1, "the next one is a hit"
+
+
 class HeldCache(MemoryResultCache):
     """A cache whose reads wait for ``release``: a round trip in flight."""
 
