@@ -8,7 +8,8 @@ runs on for the others, and is cancelled only when the last caller has left. A r
 computation whose deadline falls at most ``JOIN_SLACK`` of its own timeout before its own deadline
 (identical requests sent a moment apart with the same timeout share) and was sent at its tier or a
 higher one; one that would wait longer, or at a lower tier, starts a computation of its own, which new
-identical requests then join.
+identical requests then join. Whichever of a key's computations completes first answers the callers of
+all of them; the others, left with no caller, are cancelled.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ class Collapser:
         self._gateway_id = gateway_id
         self._keep = keep
         self._computed = computed
-        self._inflight: dict[str, Computation] = {}
+        self._inflight: dict[str, list[Computation]] = {}
+        """Each key's computations running, the newest (the one new requests may join) last."""
         self._runs = Background(f"{gateway_id}-collapser")
 
     def __len__(self) -> int:
@@ -99,8 +101,7 @@ class Collapser:
 
     def callers(self, key: str) -> frozenset[str]:
         """The task ids of the callers attached to ``key``'s computation now."""
-        computation = self._inflight.get(key)
-        return frozenset(computation.callers) if computation is not None else frozenset()
+        return frozenset(caller for computation in self._inflight.get(key, ()) for caller in computation.callers)
 
     async def start(self) -> None:
         await self._runs.start()
@@ -166,7 +167,8 @@ class Collapser:
     def _joinable(self, key: str, request: Submission) -> Computation | None:
         """An identical computation in flight whose deadline is not too early for the caller
         (``JOIN_SLACK``) and whose tier is not below the caller's."""
-        computation = self._inflight.get(key)
+        running = self._inflight.get(key)
+        computation = running[-1] if running else None
         earliest = request.deadline - JOIN_SLACK * request.timeout_ms / 1000
         if computation is not None and computation.deadline >= earliest and computation.tier.rank <= request.tier.rank:
             return computation
@@ -174,7 +176,7 @@ class Collapser:
 
     def _join(self, key: str, request: Submission) -> Computation:
         """The computation this caller waits for: the one in flight it may join (``_joinable``), else a
-        new one (which replaces it under the key)."""
+        new one (which new requests join from then on)."""
         computation = self._joinable(key, request)
         if computation is not None:
             COLLAPSED.labels(model=request.model).inc()
@@ -183,7 +185,7 @@ class Collapser:
         else:
             computation = Computation("c-" + secrets.token_urlsafe(16), request.model, request.deadline, request.tier)
             self._runs.spawn(self._run(key, request, computation), name=f"collapsed-{computation.task_id}")
-            self._inflight[key] = computation
+            self._inflight.setdefault(key, []).append(computation)
         computation.callers[request.task_id] = request.owner
         return computation
 
@@ -193,8 +195,7 @@ class Collapser:
         if computation.callers or computation.ended:
             return
         computation.ended = True  # nobody waits for it: it is cancelled, and no one joins it
-        if self._inflight.get(key) is computation:
-            del self._inflight[key]
+        self._drop(key, computation)
         if computation.queued is not None:
             await self._publisher.record_late(computation.queued)  # so that the cancel finds it
         await self._publisher.cancel_abandoned(computation.task_id)
@@ -202,14 +203,24 @@ class Collapser:
     async def _run(self, key: str, request: Submission, computation: Computation) -> None:
         """Publishes the computation's request, waits for its end, answers every attached caller, then
         hands the end to ``keep``: a slow cache write (up to its store's timeout) must not hold answers
-        in hand, nor run their callers past their deadlines."""
+        in hand, nor run their callers past their deadlines. A completed one answers the callers of the
+        key's other computations too (one started beside it at a higher tier, or for a later deadline)."""
         state = await self._compute(request, computation)
         computation.ended = True
-        if self._inflight.get(key) is computation:
-            del self._inflight[key]  # from here on a new request starts anew
-        await self._answer_callers(state, tuple(computation.callers.items()))
+        self._drop(key, computation)  # from here on a new request joins another, or starts anew
+        answered = [computation]
+        if state.status is TaskStatus.COMPLETED:
+            answered += self._inflight.get(key, ())
+        await self._answer_callers(state, tuple(caller for each in answered for caller in each.callers.items()))
         if self._keep is not None:
             await self._keep(key, state)
+
+    def _drop(self, key: str, computation: Computation) -> None:
+        running = self._inflight.get(key, [])
+        if computation in running:
+            running.remove(computation)
+        if not running:
+            self._inflight.pop(key, None)
 
     async def _compute(self, request: Submission, computation: Computation) -> TaskState:
         """The computation's end state; a deadline, the bus refusing it or a gateway shutting down

@@ -207,6 +207,45 @@ async def test_a_request_never_joins_a_computation_of_a_lower_tier(make_rig: Rig
     assert sorted(sent) == ["high", "low"], f"expected a high computation beside the low one, sent {sent}"
 
 
+async def test_a_computations_answer_also_answers_an_identical_one_still_running(make_rig: RigFactory) -> None:
+    """A high request starts a computation of its own beside a low one for the same input (it may not wait
+    at the low tier); whichever ends first answers the callers of both, and the other, left with no caller,
+    is cancelled: the low caller waited on for its own, behind the low queue, with the answer in hand."""
+
+    async def ignore(_: frozenset[int]) -> None:
+        return None
+
+    rig = await make_rig(**SHARING)
+    consumer = rig.bus.consumer()  # the worker: it answers the high computation alone
+    await consumer.start(ignore, ignore)
+    low = asyncio.create_task(infer_at(rig, "popular", "low"))
+    await eventually(lambda: rig.produced() == 1, "the low request's computation on the bus")
+    high = asyncio.create_task(infer_at(rig, "popular", "high"))
+    await eventually(lambda: rig.produced() == 2, "the high request's computation on the bus")
+    sent: list[Any] = []
+    while len(sent) < 2:
+        sent += [record.value for record in await consumer.fetch(timeout_s=1.0, max_records=10)]
+    [low_computation] = [request for request in sent if request.priority.value == "low"]
+    [high_computation] = [request for request in sent if request.priority.value == "high"]
+    answer = TaskState(
+        high_computation.task_id,
+        TaskStatus.COMPLETED,
+        "sim",
+        high_computation.enqueued_at_ms,
+        high_computation.enqueued_at_ms,
+        output="ralupop",
+        reply_to=high_computation.reply_to,
+    )
+    await rig.store.apply([answer])
+
+    answers = await asyncio.wait_for(asyncio.gather(high, low), 10)
+    assert [(a.status_code, a.json().get("output")) for a in answers] == [(200, "ralupop")] * 2, [
+        a.text for a in answers
+    ]
+    state = await rig.store.get(low_computation.task_id)  # its last caller left before being answered
+    assert state is not None and state.status is TaskStatus.CANCELLED, state
+
+
 async def test_a_cache_hit_answers_without_the_bus_in_every_shape(make_rig: RigFactory) -> None:
     rig = await make_rig(**SHARING, cache=MemoryResultCache(), cache_ttl_s=60.0)
     await rig.worker()
