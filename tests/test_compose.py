@@ -83,6 +83,28 @@ def test_addresses_ports_and_names_agree(compose: dict[str, Any]) -> None:
         assert "healthcheck" in services[name], f"{name} needs a health check"
 
 
+def _roles(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The batchwire roles of every profile: the services built from this repository."""
+    return {name: spec for name, spec in compose["services"].items() if "build" in spec}
+
+
+def test_roles_that_share_a_kafka_namespace_share_one_redis(compose: dict[str, Any]) -> None:
+    """Roles of one namespace on one Kafka join the same consumer groups: a batcher takes requests of
+    every gateway there, and a worker stores their answers in its own Redis. Two profiles over the same
+    Kafka with different Redis (run together, or `--profile cluster up` without naming its services)
+    would send a share of each other's requests where their gateways never see the answer (504)."""
+    stores: dict[tuple[str, str], dict[str, set[str]]] = {}
+    for name, spec in _roles(compose).items():
+        env = spec["environment"]
+        key = (env["BATCHWIRE_KAFKA_BOOTSTRAP"], env.get("BATCHWIRE_NAMESPACE", DEFAULT_NAMESPACE))
+        stores.setdefault(key, {}).setdefault(env["BATCHWIRE_REDIS_URL"], set()).add(name)
+    for (bootstrap, namespace), by_url in stores.items():
+        assert len(by_url) == 1, (
+            f"namespace {namespace!r} on Kafka {bootstrap} is served over {len(by_url)} Redis deployments "
+            f"({ {url: sorted(names) for url, names in by_url.items()} }): give each its own namespace"
+        )
+
+
 def test_dockerfile_installs_the_cli_for_every_role() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     for package in ("batchwire", "gateway", "batcher", "gpu_worker", "schemas"):
