@@ -105,6 +105,27 @@ def test_roles_that_share_a_kafka_namespace_share_one_redis(compose: dict[str, A
         )
 
 
+def _listen_port(command: list[str]) -> int:
+    """The port a role serves HTTP on: the gateway's --port, a batcher's or worker's --metrics-port."""
+    flag = "--port" if command[0] == "gateway" else "--metrics-port"
+    assert flag in command, f"{command[0]} serves nothing a health check could ask without {flag}"
+    return int(command[command.index(flag) + 1])
+
+
+@pytest.mark.parametrize("profile", ["default", "ha", "cluster", "tracing"])
+def test_every_role_has_a_health_check_on_the_port_it_serves(compose: dict[str, Any], profile: str) -> None:
+    """docs/operations.md says every service of a deployment has a health check: `docker compose ps`
+    shows a role that never came up, and a service may wait for it."""
+    roles = {name: spec for name, spec in _roles(compose).items() if (spec.get("profiles") or ["default"]) == [profile]}
+    assert roles, f"no roles in profile {profile}"
+    for name, spec in roles.items():
+        assert "healthcheck" in spec, f"{name} needs a health check"
+        port = _listen_port(spec["command"])
+        probe = " ".join(spec["healthcheck"]["test"])
+        path = "/readyz" if spec["command"][0] == "gateway" else "/metrics"
+        assert f"http://127.0.0.1:{port}{path}" in probe, f"{name}: the check asks {probe!r}, the role serves {port}"
+
+
 def test_dockerfile_installs_the_cli_for_every_role() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     for package in ("batchwire", "gateway", "batcher", "gpu_worker", "schemas"):
