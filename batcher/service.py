@@ -88,6 +88,8 @@ class Batcher:
         self._expiring_added = asyncio.Event()
         self._revoked_meanwhile: set[int] = set()
         """Partitions revoked since the read loop began counting its last read (``_count``)."""
+        self._over_budget_told: set[str] = set()
+        """Models an input over the token budget was logged for (``_warn_over_budget``): once each."""
         self._handover = asyncio.Lock()
         """Held while a batch is sealed or partitions go, and by a rebalance or a close until the
         batches on their way landed: the held requests and offsets stay consistent."""
@@ -248,6 +250,8 @@ class Batcher:
                 # until its deadline. (Gateways reject unknown models; this guards other producers.)
                 unknown.append(record)
                 continue
+            if length > self.settings.policy.max_batch_tokens > 0 and request.model not in self._over_budget_told:
+                self._warn_over_budget(request, length)
             self.former.add(request.model, self._pending(request, record, now_s, now_ms, length))
             touched.add(request.model)
         for model in touched:
@@ -256,6 +260,20 @@ class Batcher:
         self._timer_wake.set()
         self._check_room()
         return unknown
+
+    def _warn_over_budget(self, request: InferenceRequest, tokens: int) -> None:
+        """An input over the budget reached the batcher: a gateway without the same budget admitted it, and
+        it runs alone past the budget (``within_budget``). Said once per model, naming the settings to align."""
+        self._over_budget_told.add(request.model)
+        log.warning(
+            "request %s of model %s is %d tokens, over --max-batch-tokens (BATCHWIRE_MAX_BATCH_TOKENS) %d: it "
+            "runs in a batch of its own, past the budget; give every gateway the batchers' --max-batch-tokens "
+            "and --tokenizer, so that they refuse such inputs (413). Logged once per model",
+            request.task_id,
+            request.model,
+            tokens,
+            self.settings.policy.max_batch_tokens,
+        )
 
     def _show_held(self, models: Iterable[str]) -> None:
         """``batchwire_batcher_pending`` (the fleet's queue column) after requests came or went."""

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
+
+import pytest
 
 from batcher.policy import FlushPolicy
 from batcher.service import Batcher
@@ -64,3 +67,36 @@ async def test_a_read_whose_partition_is_revoked_while_counted_is_left_to_the_ne
     finally:
         release.set()
         await batcher.close()
+
+
+async def test_an_input_over_the_budget_is_logged_once_per_model_naming_the_gateways_setting(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Only a gateway given the batchers' --max-batch-tokens refuses an input over it (413); one without
+    it admits the input, which then runs alone past the budget. The batcher says so, once per model, so
+    the disagreement between the roles shows instead of only as a worker's memory or latency."""
+    bus = MemoryRequestBus(Partitioner(("sim",), 1))
+    policy = FlushPolicy.named("work-conserving", 8, 1000.0, max_batch_tokens=64)
+    batcher = Batcher(
+        BatcherSettings(policy=policy, models=("sim",)),
+        MemoryRequestConsumer(bus),
+        MemoryBatchBus(1),
+        MemoryCreditPool(),
+        MemoryTaskStore(),
+    )
+    caplog.set_level(logging.WARNING, logger="batcher.service")
+    await batcher.start()
+    try:
+        now = int(time.time() * 1000)
+        producer = bus.producer()
+        await producer.send(InferenceRequest("short", "sim", "x" * 40, now, now + 600_000, "gw"))
+        await eventually(lambda: batcher.former.held("sim") == 1, "the short request held")
+        assert not caplog.records, f"an input within the budget is logged: {caplog.messages}"
+        for task_id in ("long-1", "long-2"):
+            await producer.send(InferenceRequest(task_id, "sim", "y" * 400, now, now + 600_000, "gw"))
+        await eventually(lambda: batcher.former.held("sim") == 3, "both long requests held")
+    finally:
+        await batcher.close()
+    warned = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert len(warned) == 1, f"expected one warning for the model's inputs over the budget, got {warned}"
+    assert "100 tokens" in warned[0] and "--max-batch-tokens" in warned[0] and "64" in warned[0], warned[0]
