@@ -126,6 +126,46 @@ def test_every_role_has_a_health_check_on_the_port_it_serves(compose: dict[str, 
         assert f"http://127.0.0.1:{port}{path}" in probe, f"{name}: the check asks {probe!r}, the role serves {port}"
 
 
+def _seconds(duration: str) -> float:
+    """A compose duration such as `45s` or `1m30s`, in seconds."""
+    parts = re.fullmatch(r"(?:(\d+)m)?(?:(\d+)s)?", duration)
+    assert parts and duration, f"{duration!r}: write it as Nm or Ns"
+    return 60 * int(parts[1] or 0) + int(parts[2] or 0)
+
+
+def _shutdown_bound_s(command: list[str], env: dict[str, str]) -> float:
+    """The longest a role's graceful stop (SIGTERM) may take, from the settings it runs with."""
+    from batchwire.supervise import graceful_shutdown_s
+    from gateway.settings import GatewaySettings
+    from gpu_worker.worker import HAND_BACK_WRITE_S
+    from transport.kafka.group import GroupTiming
+    from transport.kafka.producers import DEFAULT_REQUEST_TIMEOUT_MS
+
+    def setting(name: str) -> float:
+        variable = "BATCHWIRE_" + name.upper()
+        return float(env[variable]) if variable in env else float(subparser(command[0]).get_default(name))
+
+    commit_s = GroupTiming().commit_timeout_s
+    if command[0] == "gateway":  # the requests in hand, up to the longest deadline, then its producer's sends
+        settings = GatewaySettings(max_timeout_ms=int(setting("max_timeout_ms")))
+        return graceful_shutdown_s(settings) + DEFAULT_REQUEST_TIMEOUT_MS / 1000
+    if command[0] == "worker":  # the batch in hand, the hand-back record, the commit
+        return setting("drain_timeout_s") + HAND_BACK_WRITE_S + commit_s
+    assert command[0] == "batcher"  # the batches on their way land, then their commit
+    return DEFAULT_REQUEST_TIMEOUT_MS / 1000 + commit_s
+
+
+def test_every_role_may_finish_its_graceful_stop_before_docker_kills_it(compose: dict[str, Any]) -> None:
+    """`docker compose stop`, `down` or a recreate sends SIGTERM and, after stop_grace_period (10 s when
+    unset), SIGKILL. A worker stops once its batch in hand ends (up to --drain-timeout-s), a gateway once
+    its requests in hand are answered (up to --max-timeout-ms): killed sooner, a worker's batch counts as
+    a death toward --max-deliveries and runs again, and a gateway's callers lose their connection."""
+    for name, spec in _roles(compose).items():
+        bound = _shutdown_bound_s(spec["command"], spec["environment"])
+        grace = _seconds(spec.get("stop_grace_period", "10s"))
+        assert grace >= bound + 3, f"{name}: stop_grace_period is {grace:g} s; its graceful stop may take {bound:g} s"
+
+
 def test_dockerfile_installs_the_cli_for_every_role() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     for package in ("batchwire", "gateway", "batcher", "gpu_worker", "schemas"):
