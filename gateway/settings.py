@@ -257,6 +257,7 @@ def _check_bounds(settings: GatewaySettings) -> None:
     _at_least(settings, "max_header_bytes", 1024)
     _at_least(settings, "max_connections", 1)
     _at_least(settings, "max_queue_depth", 0)
+    _at_least(settings, "max_batch_tokens", 0)  # read as no budget, it would admit what the batchers budget
     if not 0 < settings.queue_fraction_low <= settings.queue_fraction_normal <= 1:
         raise ValueError(
             f"queue fractions must be 0 < queue_fraction_low ({settings.queue_fraction_low}, "

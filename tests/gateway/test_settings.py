@@ -44,6 +44,7 @@ def test_env_name_is_the_prefixed_upper_case_field() -> None:
         ({"sse_ping_s": 120.0}, r"sse_ping_s \(BATCHWIRE_SSE_PING_S\) is 120.0; it must be at most 50 s"),
         ({"reply_recheck_s": float("inf")}, "BATCHWIRE_REPLY_RECHECK_S"),
         ({"max_queue_depth": -1}, "BATCHWIRE_MAX_QUEUE_DEPTH"),
+        ({"max_batch_tokens": -1}, "BATCHWIRE_MAX_BATCH_TOKENS"),
         ({"rate_limit_per_s": -1.0}, "BATCHWIRE_RATE_LIMIT_PER_S"),
         ({"rate_limit_per_s": float("inf")}, "BATCHWIRE_RATE_LIMIT_PER_S"),
         ({"rate_limit_burst": -1}, "BATCHWIRE_RATE_LIMIT_BURST"),
