@@ -31,6 +31,7 @@ from batcher.tokens import TokenCounter, estimated
 from schemas.codec import item_bytes
 from schemas.records import InferenceRequest, TaskState
 from telemetry import metrics
+from telemetry.logs import ids
 from transport.cancelling import cancel_and_wait
 from transport.ports import (
     BatchProducer,
@@ -273,6 +274,7 @@ class Batcher:
             request.model,
             tokens,
             self.settings.policy.max_batch_tokens,
+            extra=ids(task_id=request.task_id),
         )
 
     def _show_held(self, models: Iterable[str]) -> None:
