@@ -71,20 +71,27 @@ def test_batches_keep_the_budget_an_input_over_it_is_refused_and_high_overtakes_
             assert padded <= BUDGET, f"a batch of {len(batch)} pads to {padded} tokens, past {BUDGET}: {batch}"
         assert sorted(text for batch in ran for text in batch) == sorted(inputs), "each input ran once"
 
-        lows = []
-        for n in range(LOWS):
+        def queue_low(n: int) -> str:
             queued = client.post(f"{url}/v1/tasks", json={"input": f"low-{n:03d}".ljust(40, "."), "priority": "low"})
             assert queued.status_code == 202, queued.text
-            lows.append(queued.json()["task_id"])
+            return str(queued.json()["task_id"])
+
+        with ThreadPoolExecutor(LOWS) as pool:
+            lows = set(pool.map(queue_low, range(LOWS)))
         high = client.post(f"{url}/v1/inference", json={"input": "high".ljust(40, "."), "priority": "high"})
         assert high.status_code == 200, high.text
-        ended = [client.get(f"{url}/v1/result/{task}").json()["status"] for task in lows]
-        done = ended.count("completed")
-        # Batches of MAX_BATCH: in FIFO order the high one would wait for all of them.
-        assert done <= LOWS // 2, f"the high request was answered after {done} of {LOWS} lows queued before it"
         for task in lows:
             finished = client.get(f"{url}/v1/result/{task}", params={"wait": 30}).json()
             assert finished["status"] == "completed", finished
+        eventually_sync(
+            lambda: {task for batch in cluster.journal() for task in batch["task_ids"]} >= lows,
+            "every low batch in the worker's journal",
+        )
+        order = [task for batch in cluster.journal() for task in batch["task_ids"]]  # as the one worker ran them
+        after = len(lows & set(order[order.index(high.json()["task_id"]) :]))
+        # In FIFO order none would: the lows were all queued before the high was sent (LOWS / MAX_BATCH
+        # batches of work, and at most the batches in hand or sealed when it came run before it).
+        assert after >= MAX_BATCH, f"{after} of {LOWS} lows queued before the high request ran after it"
 
 
 def test_a_gateway_without_the_budget_admits_an_input_over_it_which_runs_alone_and_is_logged(
