@@ -9,18 +9,13 @@ import logging
 import time
 from collections.abc import Callable
 
-from batchwire.settings import SettingsError, SharedSettings
+from batchwire.settings import MAX_PARTITIONS, SettingsError, SharedSettings
 from infra.topic_checks import Durability, TopicError
 from infra.topics import ensure_topics, group_members, grow_topics
 from transport.ports import TransportError
 from transport.redis.fleet import RedisFleet
 
 log = logging.getLogger(__name__)
-
-MAX_PARTITIONS = 10_000
-"""The most partitions ``topics grow`` gives a topic: a worker owns its batch partition, and ``batchwire plan``
-sizes at most this many workers of a model. Kafka adds no more partitions than this in one request: asked for
-more, it adds some, which nothing can take back, and answers with an error."""
 
 
 def durability(args: argparse.Namespace) -> Durability:

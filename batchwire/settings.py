@@ -14,6 +14,10 @@ from transport.redis.pools import CLUSTER_SCHEME, redacted, unanswered
 from transport.redis.sentinel import FORM, SentinelError, check_sentinels, is_sentinel_url
 
 STACK_ENV = Path(".batchwire") / "stack.env"
+MAX_PARTITIONS = 10_000
+"""The most partitions a topic is given (by a role, or ``topics grow``): Kafka adds no more than this in one
+request; asked for more, it adds some, which nothing can take back, and answers with an error. A worker owns
+at least one batch partition, and ``batchwire plan`` sizes at most this many workers of a model."""
 
 
 class SettingsError(ValueError):
@@ -59,6 +63,15 @@ class SharedSettings:
                 f"batch_partitions must be at least 1 (one per worker of a model), got {self.batch_partitions} "
                 "(BATCHWIRE_BATCH_PARTITIONS)"
             )
+        for flag, count, least in (
+            ("--request-partitions (BATCHWIRE_REQUEST_PARTITIONS)", self.request_partitions, len(self.models)),
+            ("--batch-partitions (BATCHWIRE_BATCH_PARTITIONS)", self.batch_partitions, 1),
+        ):
+            if count > MAX_PARTITIONS:
+                raise SettingsError(
+                    f"{flag} is {count}; it must be from {least} to {MAX_PARTITIONS:,}: Kafka creates no more "
+                    "partitions than that in one request"
+                )
         if not self.result_ttl_s > 0:
             raise SettingsError(f"result_ttl_s must be positive, got {self.result_ttl_s} (BATCHWIRE_RESULT_TTL_S)")
 

@@ -152,6 +152,15 @@ def test_a_negative_drain_timeout_is_refused_naming_the_variable() -> None:
             ["up", "--models=minilm,gpt2", "--backend=hf", "--model-path=/models/minilm"],
             "batchwire up serves one hf model (one --model-path), and --models (BATCHWIRE_MODELS) names 2",
         ),
+        # Past Kafka's cap a fresh namespace's topic is refused with Kafka's own words, naming no flag.
+        (
+            ["worker", "--batch-partitions=1000000"],
+            "(BATCHWIRE_BATCH_PARTITIONS) is 1000000; it must be from 1 to 10,000",
+        ),
+        (
+            ["batcher", "--request-partitions=20000"],
+            "(BATCHWIRE_REQUEST_PARTITIONS) is 20000; it must be from 1 to 10,000",
+        ),
     ],
 )
 def test_a_setting_that_cannot_work_stops_the_role_before_it_starts(
