@@ -25,6 +25,9 @@ EXIT_BACKEND_HUNG = 75
 
 # Before any call was measured and with no --expected-latency-ms, a call may take this long.
 FIRST_CALL_LIMIT_S = 60.0
+HELD_UP_SHARE = 0.5
+"""A verdict the event loop reaches this share of the limit or more past its time finds the process held
+up (stopped, frozen, starved of CPU), its backend's thread with it: the call gets that time again first."""
 
 
 class NotStarted(Exception):
@@ -174,26 +177,37 @@ class BackendRunner:
         limit = self.limit_s()
         timing = Timing() if timing is None else timing
         running, queued = self._submit(fn, *args, timing=timing)
+        held_s = 0.0  # past the limit: the time the call gets again for a process seen held up
         try:
             while True:
                 since = timing.started if timing.started is not None else self.clock()
-                until = None if limit is None else since + limit
+                until = None if limit is None else since + limit + held_s
                 if timing.started is None and start_by is not None:
                     until = start_by if until is None else min(until, start_by)
                 try:
                     async with asyncio.timeout(None if until is None else until - self.clock()):
                         return await asyncio.shield(running)
                 except TimeoutError:
-                    if start_by is not None and self.clock() >= start_by and queued.cancel():
+                    now = self.clock()
+                    if start_by is not None and now >= start_by and queued.cancel():
                         raise NotStarted from None  # the thread had not taken it: it never will
-                    started, ended = timing.started, timing.ended
-                    ran_s = None if started is None else (self.clock() if ended is None else ended) - started
-                    if limit is not None and ran_s is not None and ran_s >= limit:
+                    if timing.ended is not None:  # the thread is free, however long the call took: no hang
+                        return await asyncio.shield(running)
+                    started = timing.started
+                    if limit is not None and until is not None and started is not None:
+                        if now - started < limit + held_s:
+                            continue  # not overrun: still queued when this wait was armed (by a limit or a start_by)
+                        if (late_s := now - until) >= HELD_UP_SHARE * limit:
+                            # The loop looked this late: the process was held up (SIGSTOP, a frozen or starved
+                            # machine), and its backend's thread with it. Judged now, a call that ends the moment
+                            # its thread runs again would be taken for a hang, and the worker would stop: the
+                            # next verdict comes as long after now as this one came late.
+                            held_s = now + late_s - started - limit
+                            continue
                         self.hung = True
-                        raise BackendHung(ran_s, limit, self.expected_s) from None
-                    # still queued behind the call before (under a limit of its own), it ended in time
-                    # while this process was held up past the limit (a starved machine), or it started
-                    # before its start_by with no limit to overrun (detection off)
+                        raise BackendHung(now - started, limit, self.expected_s) from None
+                    # still queued behind the call before (under a limit of its own), or it started before
+                    # its start_by with no limit to overrun (detection off)
         except asyncio.CancelledError:
             queued.cancel()  # given up on before the thread took it: it never runs
             raise

@@ -85,6 +85,37 @@ async def test_a_call_that_ends_in_time_is_not_hung_however_late_the_event_loop_
     runner.close()
 
 
+async def test_a_call_whose_process_was_held_up_past_its_limit_is_not_hung_when_it_ends_as_it_resumes() -> None:
+    """SIGSTOP, a frozen VM or a starved machine holds the backend's thread up with the event loop: the
+    call ends only once the process runs again, as the loop finds its limit passed. It gets the time it
+    was held up again before its verdict, so the worker keeps its answer instead of stopping as hung."""
+    release = threading.Event()
+    runner = BackendRunner("r", hang_factor=10, hang_min_s=0.2, expected_s=0.001)
+    call = asyncio.ensure_future(runner.call(release.wait))
+    await asyncio.sleep(0)  # the call is on the thread and its limit armed
+    time.sleep(0.6)  # noqa: ASYNC251  # the process held up three limits long, the call unfinished
+    release.set()  # it ends as the process runs again
+    assert await call is True
+    assert not runner.hung
+    runner.close()
+
+
+async def test_a_call_that_stays_stuck_after_its_process_was_held_up_is_hung() -> None:
+    """The time a held-up process gets again is bounded: a call still running after it is hung."""
+    release = threading.Event()
+    runner = BackendRunner("r", hang_factor=10, hang_min_s=0.2, expected_s=0.001)
+    call = asyncio.ensure_future(runner.call(release.wait))
+    await asyncio.sleep(0)  # the call is on the thread and its limit armed
+    time.sleep(0.6)  # noqa: ASYNC251  # the process held up three limits long
+    started = time.monotonic()
+    with pytest.raises(BackendHung):
+        await call
+    assert time.monotonic() - started < 3.0, "the verdict comes about as long after as it came late"
+    assert runner.hung
+    release.set()
+    runner.close()
+
+
 async def test_a_call_still_queued_at_its_start_by_is_withdrawn_and_never_runs() -> None:
     """Behind a call that overran, a queued call whose start_by passes is taken back: the thread skips it."""
     release = threading.Event()
