@@ -1,7 +1,9 @@
 """The backend's own thread: blocking model calls run there one at a time, each under a hang limit.
 
 A call that runs past ``hang_factor`` x its expected latency (a configured value, else the EWMA of
-recent calls; never under ``hang_min_s``) is reported as ``BackendHung``. Nothing can stop a stuck
+recent calls; never under ``hang_min_s``) is reported as ``BackendHung``; a call that has ended never
+is, and one whose process was found held up (stopped, frozen, starved: its thread with it) first gets
+that time again (``HELD_UP_SHARE``), so a worker does not stop for a freeze. Nothing can stop a stuck
 thread, so the runner refuses further calls and the worker gives its batch back and is replaced
 (the process exits with ``EXIT_BACKEND_HUNG`` so its supervisor restarts it; embedded mode builds
 a new worker over a new backend). The thread is a daemon so a stuck call never blocks process exit.
