@@ -93,7 +93,11 @@ class Pipeline:
     ) -> asyncio.Task[None]:
         """Starts ``call`` (which fills ``result``) beside the loop, behind the calls in flight."""
         assert self._group is not None, "calls start from the loop, inside run()"
-        task = self._group.create_task(call, name="backend-call")
+        try:
+            task = self._group.create_task(call, name="backend-call")
+        except RuntimeError:  # the group is shutting down (a call failed or hung): ``call`` never runs
+            call.close()
+            raise
         self._started.append(InFlight(batch_id, task, result, size))
         return task
 

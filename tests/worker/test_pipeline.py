@@ -65,3 +65,38 @@ async def test_run_ends_once_the_calls_the_loop_started_have_ended() -> None:
     await asyncio.wait_for(asyncio.gather(running, drained), 5)
     runner.close()
     assert ended == ["loop", "call"] and pipeline.empty
+
+
+async def test_a_call_started_as_the_group_shuts_down_is_closed_not_left_unawaited() -> None:
+    """A failed call aborts the group; the loop, still running its cleanup, may start another (the batch
+    behind). The group refuses it: the coroutine must be closed there, or Python warns that it was never
+    awaited, a task no one owns."""
+    runner = BackendRunner("test")
+    pipeline = Pipeline(runner)
+    refused: list[str] = []
+    late = None
+
+    async def fails() -> None:
+        raise RuntimeError("the call failed")
+
+    async def answers() -> None:
+        return None
+
+    async def loop() -> None:
+        nonlocal late
+        pipeline.start("b1", GroupResult(), 1, fails())
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            late = answers()
+            try:
+                pipeline.start("b2", GroupResult(), 1, late)
+            except RuntimeError as err:
+                refused.append(str(err))
+            raise
+
+    with pytest.raises(ExceptionGroup):
+        await asyncio.wait_for(pipeline.run(loop), 5)
+    runner.close()
+    assert refused and "shutting down" in refused[0], refused
+    assert late is not None and late.cr_frame is None, "the refused call's coroutine was left open"
