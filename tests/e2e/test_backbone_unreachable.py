@@ -31,7 +31,7 @@ def test_a_redis_url_where_nothing_answers(role: str, tmp_path: Path, infra: Any
         code,
         output,
         elapsed_s,
-        f"Redis at redis://***@{NOWHERE}/0 did not answer",
+        f"Redis at redis://:***@{NOWHERE}/0 did not answer",
         "check --redis-url / BATCHWIRE_REDIS_URL",
     )
     assert "secret" not in output, "the password stays out of the message"

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import unquote
 
 import redis
 from redis.asyncio import ConnectionPool, Redis
@@ -70,48 +70,15 @@ def is_cluster_url(url: str) -> bool:
 
 
 def redacted(url: str) -> str:
-    """The URL without its password, for error messages and logs (redis-py also reads one from the
-    query, ``?password=``)."""
-    scheme, sep, rest = url.partition("://")
-    userinfo, at, tail = rest.rpartition("@")
-    if "?" in userinfo:
-        # A "?" written unencoded in the password would start the query inside it: everything up to the
-        # last "@" is hidden (an "@" in a query option hides a little more than it needs to).
-        user, colon, _ = userinfo.partition(":")
-        hosts, mark, query = tail.partition("?")
-        return f"{scheme}{sep}{user}{':***' if colon else ''}{at}{hosts}{mark}{_hidden_query(query) if mark else ''}"
-    base, mark, query = url.partition("?")
-    if mark:
-        return _redacted_netloc(base) + mark + _hidden_query(query)
-    return _redacted_netloc(url)
-
-
-def _hidden_query(query: str) -> str:
-    return "&".join(_hidden(field) for field in query.split("&"))
+    """The URL without its password, for error messages and logs: up to its last ``@``
+    (``redacted_sentinel_url``), and any ``...password=`` field of the query, which redis-py reads too."""
+    base, mark, query = redacted_sentinel_url(url).partition("?")
+    return base + mark + "&".join(map(_hidden, query.split("&"))) if mark else base
 
 
 def _hidden(field: str) -> str:
     name, equals, _ = field.partition("=")
     return f"{name}=***" if equals and name.lower().endswith("password") else field
-
-
-def _redacted_netloc(url: str) -> str:
-    if is_sentinel_url(url) or is_cluster_url(url):
-        return redacted_sentinel_url(url)  # several HOST:PORT, which urlsplit does not take
-    parts = urlsplit(url)
-    try:
-        port = parts.port
-    except ValueError:  # a port that is no number: a malformed URL, reported with its password hidden
-        return redacted_sentinel_url(url)
-    if "@" in url.partition("://")[2].partition("/")[2]:  # a password with an unencoded "/"
-        return redacted_sentinel_url(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if port is not None:
-        host = f"{host}:{port}"
-    user = f"{parts.username}:***@" if parts.username else "***@"
-    return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
 
 
 def unanswered(url: str, timeout_s: float = 1.0) -> str | None:
