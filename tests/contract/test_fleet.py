@@ -107,6 +107,23 @@ async def test_a_field_that_is_no_beat_is_skipped_and_dropped(redis_url: str, na
         await fleet.close()
 
 
+async def test_the_fleet_hash_expires_once_no_process_beats_any_more(redis_url: str, names: Names) -> None:
+    """Each beat keeps the hash alive a while past the point where every member in it would be forgotten: a
+    deployment whose processes all stopped (a namespace taken down, a test's prefix) leaves no key behind."""
+    fleet = RedisFleet(redis_url, names)
+    redis = Redis.from_url(redis_url)
+    try:
+        await fleet.beat([beat("worker", "w1")])
+        ttl_ms = await redis.pttl(names.fleet)
+        assert FORGET_AFTER_S * 1000 < ttl_ms <= 3 * FORGET_AFTER_S * 1000, (
+            f"the fleet hash's TTL is {ttl_ms} ms; expected one past FORGET_AFTER_S ({FORGET_AFTER_S} s), within a few "
+            "times it (-1: it is never dropped once nobody beats)"
+        )
+    finally:
+        await redis.aclose()
+        await fleet.close()
+
+
 async def test_a_later_releases_beat_with_figures_this_reader_cannot_read_is_listed_and_kept(
     redis_url: str, names: Names
 ) -> None:

@@ -4,7 +4,8 @@ A process writes its beats with one ``HSET`` a second. Readers drop members whos
 than ``FORGET_AFTER_S`` (``HDEL``), and so does each writer once every ``FORGET_AFTER_S``, so the hash
 holds the processes of the last minute or two, whatever died, even while nobody reads the fleet: each
 process start adds a member. Redis 7.0 has no per-field expiry, and a key per member would cost a
-``SCAN`` per read.
+``SCAN`` per read. Each beat also sets the hash to expire ``FLEET_KEY_TTL_S`` later: past then every member
+in it would be forgotten anyway, and a deployment whose processes all stopped leaves no key behind.
 
 Beats are stored in Redis's clock (``TIME``) and read back in the reader's: a beat's age is then right
 between hosts whose clocks disagree (a host seconds behind would show its members gone, a minute behind
@@ -34,6 +35,16 @@ SKEW_WARN_MS = 1000
 """A clock this far from Redis's is told (WARNING): a credit is stamped with its worker's clock and claimed
 by a batcher's, a deadline set by a gateway's and read by a batcher's and a worker's."""
 
+FLEET_KEY_TTL_S = 2 * FORGET_AFTER_S
+"""How long the hash outlives the last beat written to it: longer than any member in it is kept."""
+
+# KEYS[1] the fleet hash. ARGV[1] its TTL in ms, then field, value pairs. One command: a beat and the
+# expiry that goes with it land together.
+_BEAT = """
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+"""
+
 FLEET_POOL = PoolOptions(max_connections=2, socket_timeout_s=1.0, pool_timeout_s=1.0)
 """A beat a second and the fleet views' reads: a slow Redis delays a heartbeat, never a request."""
 
@@ -59,6 +70,7 @@ class RedisFleet:
         self.names = names
         self._commands = KeyedClient(redis_url, pool, follower=follower)
         self._client = self._commands.redis
+        self._beat = self._client.register_script(_BEAT)
         self._wall_ms = wall_ms
         self._ahead_ms = 0
         """How far this host's clock is ahead of Redis's (negative: behind)."""
@@ -96,11 +108,11 @@ class RedisFleet:
         if not beats:
             return
         ahead_ms = self._ahead_ms
+        fields: list[str | bytes] = []
+        for beat in beats:
+            fields += (beat.key, dataclasses.replace(beat, at_ms=beat.at_ms - ahead_ms).encode())
         try:
-            await self._client.hset(
-                self.names.fleet,
-                mapping={beat.key: dataclasses.replace(beat, at_ms=beat.at_ms - ahead_ms).encode() for beat in beats},
-            )
+            await self._beat(keys=[self.names.fleet], args=[round(FLEET_KEY_TTL_S * 1000), *fields])
         except REDIS_ERRORS as err:
             raise translate("storing a heartbeat", err) from err
         if (now_s := time.monotonic()) >= self._prune_at_s:
