@@ -6,10 +6,13 @@ import asyncio
 import time
 
 import pytest
+from redis.asyncio import Redis
 
 from schemas.records import Credit
+from schemas.wire import Names
 from tests.support.transport_kits import PoolFactory
 from transport.memory.credits import MemoryCreditPool
+from transport.redis.credits import RedisCreditPool
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -208,3 +211,26 @@ async def test_claims_that_ran_out_or_were_cancelled_leave_no_waiter_in_the_memo
         claim.cancel()
         await asyncio.gather(claim, return_exceptions=True)
     assert not pool._waiters.get("alpha"), f"{len(pool._waiters['alpha'])} waiters left by 200 claims"
+
+
+async def test_a_credit_set_outlives_its_credits_only_a_while(redis_url: str, names: Names) -> None:
+    """Workers killed while idle never withdraw their credits: the model's set then expires a while after the
+    last credit in it would, rather than holding credits no claim can use for good. A shorter-lived credit
+    offered beside a longer one does not cut the longer one's time short."""
+    pool = RedisCreditPool(redis_url, names)
+    redis = Redis.from_url(redis_url)
+    key = names.credit_queue("alpha")
+    try:
+        await pool.start()
+        await pool.offer(credit("long", ttl_ms=120_000))
+        long_ttl_ms = await redis.pttl(key)
+        assert 120_000 <= long_ttl_ms <= 3 * 120_000, f"the credit set's TTL is {long_ttl_ms} ms (-1: never dropped)"
+        await pool.offer(credit("short", partition=1, ttl_ms=1_000))
+        assert await redis.pttl(key) >= long_ttl_ms - 30_000, "a short-lived credit shortened the set's life"
+        assert await pool.claim("alpha", 1.0) is not None
+        assert await pool.claim("alpha", 1.0) is not None
+        await pool.offer(credit("again", seq=2, ttl_ms=60_000))
+        assert await redis.pttl(key) >= 60_000, "a set emptied by claims and offered to again has no TTL"
+    finally:
+        await redis.aclose()
+        await pool.close()

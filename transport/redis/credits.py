@@ -39,12 +39,20 @@ _MIN_BLOCK_S = 0.001
 
 
 # KEYS[1] the model's credit set. ARGV[1] the credit, ARGV[2] its score, ARGV[3] the most credits kept (the
-# longest idle dropped). One command, not a pipeline: a cluster client resends a pipeline whose answer timed
-# out, and an offer landing again after a batcher claimed it would put the claimed credit back.
+# longest idle dropped), ARGV[4] how long the set is to live at least (ms). One command, not a pipeline: a
+# cluster client resends a pipeline whose answer timed out, and an offer landing again after a batcher claimed
+# it would put the claimed credit back.
 _OFFER = """
 redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
 redis.call('ZREMRANGEBYRANK', KEYS[1], 0, -tonumber(ARGV[3]) - 1)
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[4]) then
+  redis.call('PEXPIRE', KEYS[1], ARGV[4])
+end
 """
+
+SET_OUTLIVES_MS = 60_000
+"""How long a model's credit set outlives the credits offered to it: workers killed while idle never withdraw
+theirs, and a set that no worker offers to any more then goes, instead of holding credits no claim can use."""
 
 
 def _now_ms() -> int:
@@ -107,13 +115,18 @@ class RedisCreditPool:
         await self._claimers.close()
 
     async def offer(self, credit: Credit, *, after_ms: int = 0) -> None:
-        key = self.names.credit_queue(credit.model)
         try:
-            await self._offer(
-                keys=[key], args=[encode_credit(credit), max(credit.idle_from_ms, after_ms), self.max_credits]
-            )
+            await self._add(credit, max(credit.idle_from_ms, after_ms))
         except REDIS_ERRORS as err:
             raise translate(f"offering credit {credit.worker_id}/{credit.seq} for {credit.model}", err) from err
+
+    async def _add(self, credit: Credit, score: int) -> None:
+        """Adds ``credit`` to its model's set, which then lives until a while after the credit expires."""
+        lives_ms = max(0, credit.expires_at_ms - _now_ms()) + SET_OUTLIVES_MS
+        await self._offer(
+            keys=[self.names.credit_queue(credit.model)],
+            args=[encode_credit(credit), score, self.max_credits, lives_ms],
+        )
 
     async def withdraw(self, credit: Credit) -> None:
         try:
@@ -175,7 +188,7 @@ class RedisCreditPool:
 
     async def _hand_back(self, credit: Credit) -> None:
         try:
-            await self._client.zadd(self.names.credit_queue(credit.model), {encode_credit(credit): credit.idle_from_ms})
+            await self._add(credit, credit.idle_from_ms)
         except REDIS_ERRORS as err:
             log.warning("could not hand back credit %s/%s for %s: %s", credit.worker_id, credit.seq, credit.model, err)
 
