@@ -1,12 +1,13 @@
 """The backend's own thread: blocking model calls run there one at a time, each under a hang limit.
 
-A call that runs past ``hang_factor`` x its expected latency (a configured value, else the EWMA of
-recent calls; never under ``hang_min_s``) is reported as ``BackendHung``; a call that has ended never
-is, and one whose process was found held up (stopped, frozen, starved: its thread with it) first gets
-that time again (``HELD_UP_SHARE``), so a worker does not stop for a freeze. Nothing can stop a stuck
-thread, so the runner refuses further calls and the worker gives its batch back and is replaced
-(the process exits with ``EXIT_BACKEND_HUNG`` so its supervisor restarts it; embedded mode builds
-a new worker over a new backend). The thread is a daemon so a stuck call never blocks process exit.
+A call that runs past ``hang_factor`` x its expected latency (a configured value, else the EWMA of the
+recent calls that ended within theirs; never under ``hang_min_s``) is reported as ``BackendHung``; a call
+that has ended never is, and one whose process was found held up (stopped, frozen, starved: its thread
+with it) first gets that time again (``HELD_UP_SHARE``), so a worker does not stop for a freeze.
+Nothing can stop a stuck thread, so the runner refuses further calls and the worker gives its batch
+back and is replaced (the process exits with ``EXIT_BACKEND_HUNG`` so its supervisor restarts it;
+embedded mode builds a new worker over a new backend). The thread is a daemon so a stuck call never
+blocks process exit.
 """
 
 from __future__ import annotations
@@ -214,8 +215,12 @@ class BackendRunner:
             queued.cancel()  # given up on before the thread took it: it never runs
             raise
         finally:
+            # One that ran past its limit was held up (else it had been hung): its time is no measure of the
+            # model, and averaged in it would raise the limit of the calls after it.
             if timing.started is not None and timing.ended is not None:
-                self._observe(timing.ended - timing.started)
+                ran_s = timing.ended - timing.started
+                if limit is None or ran_s < limit:
+                    self._observe(ran_s)
 
     def _observe(self, elapsed_s: float) -> None:
         if self.ewma_s is None:

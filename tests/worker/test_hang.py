@@ -100,6 +100,21 @@ async def test_a_call_whose_process_was_held_up_past_its_limit_is_not_hung_when_
     runner.close()
 
 
+async def test_a_call_that_ran_past_its_limit_while_held_up_does_not_raise_the_next_limit() -> None:
+    """Its time is mostly the hold-up's, no measure of the model: averaged in, it raised the limit of the calls
+    after it many times over, and a call that really hung next was declared that much later."""
+    release = threading.Event()
+    runner = BackendRunner("r", hang_factor=10, hang_min_s=0.2)
+    runner.start_from(0.01)
+    call = asyncio.ensure_future(runner.call(release.wait))
+    await asyncio.sleep(0)  # the call is on the thread and its limit armed
+    time.sleep(0.6)  # noqa: ASYNC251  # the process held up three limits long, the call unfinished
+    release.set()  # it ends as the process runs again
+    assert await call is True
+    assert runner.limit_s() == pytest.approx(0.2), f"the limit stays 0.2 s, got {runner.limit_s()} s"
+    runner.close()
+
+
 async def test_a_call_that_stays_stuck_after_its_process_was_held_up_is_hung() -> None:
     """The time a held-up process gets again is bounded: a call still running after it is hung."""
     release = threading.Event()
