@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import SupportsIndex
 
 from gpu_worker.backends.base import Backend, InputError, PartialOutputs
 from gpu_worker.runner import BackendExited, BackendHung, BackendRunner, NotStarted, Timing
@@ -64,6 +65,10 @@ class GroupResult:
     time its next credit)."""
     started: float | None = None
     ended: float | None = None
+
+
+def _malformed(errors: object) -> TypeError:
+    return TypeError(f"input_errors returned {errors!r:.200}, not a dict of input indices to InputError")
 
 
 def _check_failed(err: Exception) -> Failure:
@@ -176,12 +181,16 @@ class BackendCalls:
                 errors = await asyncio.to_thread(self.backend.input_errors, inputs)
         except (SystemExit, KeyboardInterrupt) as err:
             raise BackendExited(err) from err
-        if not isinstance(errors, dict) or not all(
-            type(index) is int and 0 <= index < len(inputs) and isinstance(error, InputError)
-            for index, error in errors.items()
-        ):
-            raise TypeError(f"input_errors returned {errors!r:.200}, not a dict of input indices to InputError")
-        return errors
+        if not isinstance(errors, Mapping):
+            raise _malformed(errors)
+        checked: dict[int, InputError] = {}
+        for key, error in errors.items():
+            # An integer of numpy's (a tokenizer's lengths in an array) names an input as an int does.
+            index = key.__index__() if isinstance(key, SupportsIndex) and not isinstance(key, bool) else -1
+            if not 0 <= index < len(inputs) or not isinstance(error, InputError):
+                raise _malformed(errors)
+            checked[index] = error
+        return checked
 
     async def _bisect(
         self, inputs: list[str], indices: list[int], result: GroupResult, start_by: float | None = None

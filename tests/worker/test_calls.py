@@ -237,3 +237,32 @@ async def test_a_check_that_answers_malformed_fails_the_inputs_it_names_and_the_
         failure = result.outputs[1]
         assert isinstance(failure, Failure) and failure.code == "backend_error", (answer, failure)
         assert "input_errors" in failure.message, failure.message
+
+
+class NumpyIndex:
+    """An index as numpy gives one (``np.int64``: an integer by ``__index__``, not an ``int``)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+    def __eq__(self, other: object) -> bool:
+        return other == self.value
+
+
+async def test_a_check_that_names_its_inputs_by_numpy_indices_rejects_them_with_their_own_errors(
+    runner: BackendRunner,
+) -> None:
+    """A tokenizer's lengths in an array give indices of numpy's integer types: they name the batch's inputs as
+    well as ints do, and the input keeps its own error (``input_too_long``), not a failed check's."""
+    too_long = InputError(1, "input_too_long", "too long")
+    calls = BackendCalls(CheckExits({NumpyIndex(1): too_long}), runner, "m", "w")  # type: ignore[arg-type]
+    result = await calls.run(["abc", "long", "xyz"])
+    assert result.outputs[0] == "cba" and result.outputs[2] == "zyx", result.outputs
+    failure = result.outputs[1]
+    assert isinstance(failure, Failure) and failure.code == "input_too_long", failure
