@@ -1,7 +1,7 @@
-"""A role started with settings that must agree across a namespace and differ from a live role's stops at
-start: ``--models`` (a gateway or batcher: the request topic's partitions are split among the models in list
-order, so the two would read one model's partitions as another's) and ``--result-ttl-s`` (any role: each
-sets the expiry of the task states it writes)."""
+"""A role started with settings that must agree across a namespace and differ from a live role's is told at
+start: ``--models`` stops a gateway or batcher (the request topic's partitions are split among the models in
+list order, so the two would read one model's partitions as another's), and ``--result-ttl-s`` is a warning
+for any role (each sets the expiry of the task states it writes)."""
 
 from __future__ import annotations
 
