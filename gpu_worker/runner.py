@@ -3,7 +3,7 @@
 A call that runs past ``hang_factor`` x its expected latency (a configured value, else the EWMA of the
 recent calls that ended within theirs; never under ``hang_min_s``) is reported as ``BackendHung``; a call
 that has ended never is, and one whose process was found held up (stopped, frozen, starved: its thread
-with it) first gets that time again (``HELD_UP_SHARE``), so a worker does not stop for a freeze.
+with it) first gets its limit again (``HELD_UP_SHARE``), so a worker does not stop for a freeze.
 Nothing can stop a stuck thread, so the runner refuses further calls and the worker gives its batch
 back and is replaced (the process exits with ``EXIT_BACKEND_HUNG`` so its supervisor restarts it;
 embedded mode builds a new worker over a new backend). The thread is a daemon so a stuck call never
@@ -30,7 +30,7 @@ EXIT_BACKEND_HUNG = 75
 FIRST_CALL_LIMIT_S = 60.0
 HELD_UP_SHARE = 0.5
 """A verdict the event loop reaches this share of the limit or more past its time finds the process held
-up (stopped, frozen, starved of CPU), its backend's thread with it: the call gets that time again first."""
+up (stopped, frozen, starved of CPU), its backend's thread with it: the call gets its limit again first."""
 
 
 class NotStarted(Exception):
@@ -200,12 +200,12 @@ class BackendRunner:
                     if limit is not None and until is not None and started is not None:
                         if now - started < limit + held_s:
                             continue  # not overrun: still queued when this wait was armed (by a limit or a start_by)
-                        if (late_s := now - until) >= HELD_UP_SHARE * limit:
+                        if now - until >= HELD_UP_SHARE * limit:
                             # The loop looked this late: the process was held up (SIGSTOP, a frozen or starved
                             # machine), and its backend's thread with it. Judged now, a call that ends the moment
-                            # its thread runs again would be taken for a hang, and the worker would stop: the
-                            # next verdict comes as long after now as this one came late.
-                            held_s = now + late_s - started - limit
+                            # its thread runs again would be taken for a hang, and the worker would stop: it gets
+                            # its limit again from now, however long the hold-up was.
+                            held_s = now - started
                             continue
                         self.hung = True
                         raise BackendHung(now - started, limit, self.expected_s) from None
