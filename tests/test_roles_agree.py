@@ -36,11 +36,16 @@ async def _live(
         await fleet.close()
 
 
-async def _started(argv: list[str]) -> tuple[int, str]:
+async def _spawned(argv: list[str]) -> asyncio.subprocess.Process:
+    """The role ``argv`` starts, with no BATCHWIRE_ variable of this environment, its stderr piped."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHWIRE_")}
-    process = await asyncio.create_subprocess_exec(
+    return await asyncio.create_subprocess_exec(
         sys.executable, "-m", "batchwire.cli", *argv, env=env, stderr=asyncio.subprocess.PIPE
     )
+
+
+async def _started(argv: list[str]) -> tuple[int, str]:
+    process = await _spawned(argv)
     try:
         async with asyncio.timeout(START_S):
             _, err = await process.communicate()
@@ -77,10 +82,7 @@ UP = {"gateway": b"Uvicorn running", "batcher": b" up ", "worker": b" up "}
 
 async def _warnings_until_up(role: str, argv: list[str]) -> list[str]:
     """The WARNING lines a role logs until it serves (then it is killed); it must not end first."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHWIRE_")}
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "batchwire.cli", *argv, env=env, stderr=asyncio.subprocess.PIPE
-    )
+    process = await _spawned(argv)
     warnings = []
     try:
         assert process.stderr is not None
