@@ -33,9 +33,12 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.cluster import PRIMARY
 from redis.exceptions import (
     AskError,
+    AuthenticationError,
+    AuthenticationWrongNumberOfArgsError,
     BusyLoadingError,
     ClusterDownError,
     MaxConnectionsError,
+    NoPermissionError,
     NoScriptError,
     OutOfMemoryError,
     ReadOnlyError,
@@ -142,9 +145,27 @@ def translate(action: str, err: RedisError | RedisClusterException) -> Transport
             f"{action} failed: the result store is full (Redis used memory is over its maxmemory, and "
             f"it evicts nothing); {FULL_ADVICE}: {err}"
         )
-    message = f"{action} failed: {type(err).__name__}: {err}"
+    message = f"{action} failed: {type(err).__name__}: {err}{credentials_hint(err)}"
     permanent = isinstance(err, ResponseError) and not _passes(err)
     return PermanentTransportError(message) if permanent else TransportError(message)
+
+
+CREDENTIALS_ADVICE = (
+    "Redis refused this process's credentials or their rights: check the user and password in --redis-url / "
+    "BATCHWIRE_REDIS_URL against the server's requirepass or ACL user (a role reads its URL at start)"
+)
+"""What to do about an authentication or ACL refusal: redis-py's own text names neither the setting nor the server's."""
+
+
+def credentials_hint(err: BaseException) -> str:
+    """``"; " + CREDENTIALS_ADVICE`` for a refusal of this process's credentials or rights (a password
+    changed at runtime, an ACL user disabled or narrowed), else ``""``: a role that meets one retries
+    and logs it, and redis-py's text (``HELLO must be called with the client already authenticated``)
+    does not say what to change."""
+    refused = isinstance(err, (AuthenticationError, AuthenticationWrongNumberOfArgsError, NoPermissionError)) or (
+        isinstance(err, ResponseError) and str(err).startswith(("NOAUTH", "WRONGPASS", "NOPERM"))
+    )
+    return f"; {CREDENTIALS_ADVICE}" if refused else ""
 
 
 WRITE_REFUSALS = ("NOREPLICAS", "MISCONF")

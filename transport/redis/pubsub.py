@@ -25,7 +25,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from transport.cancelling import cancel_and_wait
 from transport.ports import TransportError
-from transport.redis.pools import REDIS_ERRORS
+from transport.redis.pools import REDIS_ERRORS, credentials_hint
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +246,12 @@ class PubSubHub:
                         channels = await self._reconnect()
                         break
                     except _CONNECTION_ERRORS as err:
-                        log.warning("Redis PubSub reconnect failed (%s); retrying in %.2f s", err, backoff)
+                        log.warning(
+                            "Redis PubSub reconnect failed (%s%s); retrying in %.2f s",
+                            err,
+                            credentials_hint(err),
+                            backoff,
+                        )
                 backoff = self.min_backoff_s
                 self._connected = True
                 log.warning("Redis PubSub reconnected; subscribed %d channel(s) again", len(channels))

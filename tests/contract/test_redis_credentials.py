@@ -1,0 +1,83 @@
+"""A Redis whose password changes while the roles run (``CONFIG SET requirepass``, an ACL user's): each
+refused command and each refused PubSub reconnect says what to change, and the roles work again,
+without a restart, once the server takes their credentials again."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from infra.redis_server import RedisServer
+from schemas.records import TaskState, TaskStatus
+from schemas.wire import Names
+from tests.support.eventually import eventually
+from transport.ports import TransportError
+from transport.redis.pools import CREDENTIALS_ADVICE
+from transport.redis.store import RedisTaskStore
+
+pytestmark = [pytest.mark.kafka, pytest.mark.timeout(60)]
+
+PASSWORD = "rotated"
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of this test's own: its password changes under the store."""
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _require_password(url: str) -> redis.Redis:
+    """Sets ``requirepass`` and drops every other connection, as a restart with the new setting would;
+    returns an authenticated client to undo it."""
+    client = redis.Redis.from_url(url)
+    client.config_set("requirepass", PASSWORD)
+    client.close()
+    admin = redis.Redis.from_url(url, password=PASSWORD)
+    admin.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+    admin.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
+    return admin
+
+
+async def test_a_refused_password_names_the_setting_to_change_and_the_store_works_once_it_is_taken(
+    own_redis: RedisServer, names: Names, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="transport.redis.pubsub")
+    store = RedisTaskStore(own_redis.url, names)
+    await store.start()
+    try:
+        now_ms = int(time.time() * 1000)
+        await store.create(TaskState("before", TaskStatus.QUEUED, "sim", now_ms, now_ms))
+        admin = _require_password(own_redis.url)
+        try:
+            with pytest.raises(TransportError) as refused:
+                await store.get("before")
+            assert CREDENTIALS_ADVICE in str(refused.value), f"the error says what to change: {refused.value}"
+            assert refused.value.retriable, "a role waits for its credentials to be taken again, it does not stop"
+            with pytest.raises(TransportError, match="--redis-url / BATCHWIRE_REDIS_URL"):
+                await store.create(TaskState("during", TaskStatus.QUEUED, "sim", now_ms, now_ms))
+
+            def reconnect_refused_with_advice() -> bool:
+                return any(
+                    "PubSub reconnect failed" in record.getMessage() and CREDENTIALS_ADVICE in record.getMessage()
+                    for record in caplog.records
+                )
+
+            await eventually(reconnect_refused_with_advice, "the change feed's refused reconnect to say what to change")
+        finally:
+            admin.config_set("requirepass", "")
+            admin.close()
+        await eventually(store.reachable, "the change feed to reconnect once the password is taken")
+        state = await store.get("before")
+        assert state is not None and state.status is TaskStatus.QUEUED, state
+    finally:
+        await store.close()
