@@ -181,11 +181,15 @@ def _passes(err: RedisError | RedisClusterException) -> bool:
     which a primary turned replica gives a blocked command (``BZPOPMIN``); ``NOREPLICAS``, a primary's
     refusal of writes while fewer replicas than its ``min-replicas-to-write`` are connected (a replica
     down, or promoted away from it); ``MISCONF``, its refusal of writes while it cannot save to disk
-    (redis-py raises these three as plain ``ResponseError``s); and ``NOSCRIPT`` from a script call that
-    already loaded its script once (a second failover to a fresh primary in between: the next try loads
-    it again). Retried, a role waits them out; stopped, it would be restarted into the same refusal,
-    each restart a death toward ``--max-deliveries`` for the inputs of the batch it held."""
-    return isinstance(err, (*_TOPOLOGY_ERRORS, NoScriptError)) or str(err).startswith(("UNBLOCKED", *WRITE_REFUSALS))
+    (redis-py raises these three as plain ``ResponseError``s); ``NOPERM``, a command its ACL user may not
+    run (an operator narrowed or disabled the user at runtime: the fix is the server's, ``ACL SETUSER``);
+    and ``NOSCRIPT`` from a script call that already loaded its script once (a second failover to a fresh
+    primary in between: the next try loads it again). Retried, a role waits them out; stopped, it would
+    be restarted into the same refusal, each restart a death toward ``--max-deliveries`` for the inputs
+    of the batch it held."""
+    return isinstance(err, (*_TOPOLOGY_ERRORS, NoScriptError, NoPermissionError)) or str(err).startswith(
+        ("UNBLOCKED", *WRITE_REFUSALS)
+    )
 
 
 def _retry_once() -> Retry:
