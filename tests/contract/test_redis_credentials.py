@@ -8,9 +8,11 @@ import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
+from redis.asyncio import ConnectionPool
 
 from infra.redis_server import RedisServer
 from schemas.records import TaskState, TaskStatus
@@ -18,6 +20,7 @@ from schemas.wire import Names
 from tests.support.eventually import eventually
 from transport.ports import TransportError
 from transport.redis.pools import CREDENTIALS_ADVICE
+from transport.redis.pubsub import PubSubHub
 from transport.redis.store import RedisTaskStore
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(60)]
@@ -81,3 +84,38 @@ async def test_a_refused_password_names_the_setting_to_change_and_the_store_work
         assert state is not None and state.status is TaskStatus.QUEUED, state
     finally:
         await store.close()
+
+
+def _ignore(*_: Any) -> None:
+    return None
+
+
+async def _ignore_async(*_: Any) -> None:
+    return None
+
+
+async def test_a_refused_pubsub_reconnect_is_logged_once_in_twenty_tries_not_at_each(
+    own_redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Redis that refuses the change feed for as long as an operator takes to fix its password would
+    log a line at each reconnect (twice a second per process); the roles' other retries log the first
+    failure and every 20th (``transport.retry.pause``)."""
+    caplog.set_level(logging.WARNING, logger="transport.redis.pubsub")
+    pool = ConnectionPool.from_url(own_redis.url)
+    hub = PubSubHub(pool, _ignore, _ignore_async, _ignore, min_backoff_s=0.001, max_backoff_s=0.005)
+    await hub.start()
+    try:
+        admin = _require_password(own_redis.url)
+        try:
+            await eventually(lambda: hub.failed_reconnects >= 45, "45 refused reconnects")
+        finally:
+            admin.config_set("requirepass", "")
+            admin.close()
+        await eventually(lambda: hub.reconnects == 1, "the hub to reconnect once the password is taken")
+        failed = hub.failed_reconnects
+        logged = [record.getMessage() for record in caplog.records if "reconnect failed" in record.getMessage()]
+        assert 1 <= len(logged) <= 1 + failed // 20, f"{len(logged)} lines for {failed} refused reconnects"
+        assert "1 tries so far" in logged[0] and CREDENTIALS_ADVICE in logged[0], logged[0]
+    finally:
+        await hub.close()
+        await pool.aclose()

@@ -81,6 +81,8 @@ class PubSubHub:
         self.min_backoff_s = min_backoff_s
         self.max_backoff_s = max_backoff_s
         self.reconnects = 0
+        self.failed_reconnects = 0
+        """Reconnects tried and failed, over the hub's life."""
         self._pubsub: PubSub | None = None
         self._reader: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()  # orders SUBSCRIBE/UNSUBSCRIBE sends against reconnects
@@ -239,6 +241,7 @@ class PubSubHub:
                         backoff,
                         len(self._refs),
                     )
+                failures = 0
                 while True:
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, self.max_backoff_s)
@@ -246,12 +249,16 @@ class PubSubHub:
                         channels = await self._reconnect()
                         break
                     except _CONNECTION_ERRORS as err:
-                        log.warning(
-                            "Redis PubSub reconnect failed (%s%s); retrying in %.2f s",
-                            err,
-                            credentials_hint(err),
-                            backoff,
-                        )
+                        failures += 1
+                        self.failed_reconnects += 1
+                        if failures == 1 or failures % 20 == 0:  # as ``transport.retry.pause``: an outage logs little
+                            log.warning(
+                                "Redis PubSub reconnect failed (%d tries so far: %s%s); retrying every %.2f s at most",
+                                failures,
+                                err,
+                                credentials_hint(err),
+                                self.max_backoff_s,
+                            )
                 backoff = self.min_backoff_s
                 self._connected = True
                 log.warning("Redis PubSub reconnected; subscribed %d channel(s) again", len(channels))
