@@ -24,7 +24,6 @@ from gateway.answers.replies import Replies
 from gateway.answers.waiters import CallerGone, Watch, unless_gone
 from gateway.clock import Clock, SystemClock
 from gateway.errors import (
-    TRANSPORT_ERRORS,
     ClientDisconnected,
     DeadlineExceeded,
     NotReady,
@@ -46,9 +45,6 @@ from telemetry.metrics import INFLIGHT, REQUEST_LATENCY
 from transport.ports import CreditPool, KeyClaim, QueueDepth, RateLimiter, RequestProducer, ResultCache, TaskStore
 
 log = logging.getLogger(__name__)
-
-_LAST_LOOK_S = 0.5
-"""How long a synchronous caller past its deadline may wait for the store's read of its task."""
 
 # A callable that returns an awaitable which completes when the synchronous caller has gone
 # (closed its connection), or once its answer was sent (ASGI's receive() does both). The HTTP layer
@@ -553,7 +549,7 @@ class Gateway:
                     "timeout_ms (the task ended expired, never computed)",
                     task_id=task_id,
                 ) from None
-            ended = await self._ended_at_deadline(task_id)
+            ended = await self._replies.stored_end(task_id)
             if ended is None:
                 if not record:
                     await publisher.record_late(queued)
@@ -576,22 +572,6 @@ class Gateway:
                 future.cancel()  # a watch that ends from now on (the answer was sent) does nothing
             self._replies.discard(task_id)
         return self._answer(state, submission)
-
-    async def _ended_at_deadline(self, task_id: str) -> TaskState | None:
-        """The task's terminal state if the store holds one at its caller's deadline, else None.
-
-        A reply that came in time can still be unread at the deadline: a process held up (SIGSTOP, a
-        frozen VM, a long swap storm) runs its due timers before the reader task has dispatched what
-        its socket holds, so the caller would be told "no answer" of a task that answered in time.
-        The store is written before the reply is published, so one read settles it; a read that fails
-        or is slow leaves the deadline's answer.
-        """
-        try:
-            async with asyncio.timeout(_LAST_LOOK_S):
-                state = await self._store.get(task_id)
-        except (TimeoutError, *TRANSPORT_ERRORS):
-            return None
-        return state if state is not None and state.status.terminal else None
 
     async def _enqueue(self, submission: Submission) -> Accepted:
         task_id, timeout_ms = submission.task_id, submission.timeout_ms

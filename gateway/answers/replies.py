@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 
 _SWEEP_CHUNK = 500
 
+_LAST_LOOK_S = 0.5
+"""How long a caller past its deadline may wait for the store's read of its task (``Replies.stored_end``)."""
+
 
 class Replies:
     """Hands each synchronous caller its task's terminal state, from the reply or, when that is lost, the store."""
@@ -74,6 +77,22 @@ class Replies:
     def deliver(self, state: TaskState) -> None:
         """Hands a terminal state to its caller directly, as a reply would (``gateway.sharing.collapsing``)."""
         self._waiters.resolve(state)
+
+    async def stored_end(self, task_id: str) -> TaskState | None:
+        """The task's terminal state if the store holds one, else None: read once at a caller's deadline.
+
+        A reply that came in time can still be unread at the deadline: a process held up (SIGSTOP, a
+        frozen VM, a long swap storm) runs its due timers before its reader task has dispatched what
+        its socket holds, and the caller would be told "no answer" of a task that answered in time.
+        The store is written before the reply is published, so one read settles it; a read that fails
+        or is slow leaves the deadline's answer.
+        """
+        try:
+            async with asyncio.timeout(_LAST_LOOK_S):
+                state = await self._store.get(task_id)
+        except (TimeoutError, *TRANSPORT_ERRORS):
+            return None
+        return state if state is not None and state.status.terminal else None
 
     def discard(self, task_id: str) -> None:
         """Forgets a caller; called on every path out of a synchronous request."""

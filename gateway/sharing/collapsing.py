@@ -138,11 +138,16 @@ class Collapser:
                 await self._record(queued)
                 state = await future
         except TimeoutError:
-            await self._end_expired(queued, request.timeout_ms)
-            raise DeadlineExceeded(
-                f"no answer within timeout_ms={request.timeout_ms}; the task ended expired",
-                task_id=request.task_id,
-            ) from None
+            # The computation may have ended in time, its reply unread (``Replies.stored_end``).
+            ended = await self._replies.stored_end(computation.task_id)
+            if ended is None:
+                await self._end_expired(queued, request.timeout_ms)
+                raise DeadlineExceeded(
+                    f"no answer within timeout_ms={request.timeout_ms}; the task ended expired",
+                    task_id=request.task_id,
+                ) from None
+            state = replace(ended, task_id=request.task_id, reply_to=None, owner=request.owner)
+            await self._record_end(state)
         except CallerGone:
             await self._publisher.cancel_abandoned(request.task_id)
             raise ClientDisconnected(
@@ -238,6 +243,9 @@ class Collapser:
                 self._computed(state.model, self._clock.monotonic() - started)
             return state
         except TimeoutError:
+            ended = await self._replies.stored_end(computation.task_id)  # its reply may be unread
+            if ended is not None:
+                return ended
             message = (
                 "the computation this request shared with identical ones had no answer within "
                 f"timeout_ms={request.timeout_ms} (that of the request that started it); the task ended "
@@ -279,6 +287,18 @@ class Collapser:
         for caller_state, written in zip(ended, applied, strict=True):
             if written:
                 self._replies.deliver(caller_state)
+
+    async def _record_end(self, state: TaskState) -> None:
+        """A caller's copy of its computation's end, written as ``_answer_callers`` writes them."""
+        try:
+            await self._store.apply([state], counted=False)
+        except TRANSPORT_ERRORS:
+            log.warning(
+                "could not record the answer of collapsed task %s",
+                state.task_id,
+                exc_info=True,
+                extra=ids(task_id=state.task_id),
+            )
 
     async def _record(self, queued: TaskState) -> None:
         """The caller's own record, so that it can be read and cancelled while it waits."""

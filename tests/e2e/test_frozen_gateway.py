@@ -17,10 +17,11 @@ from typing import Any
 import httpx
 import pytest
 
+from schemas.records import TaskStatus
 from schemas.wire import Names
 from tests.support.cluster_checks import proc_named
 from tests.support.eventually import eventually_sync
-from tests.support.processes import Cluster, launch, redis_client
+from tests.support.processes import Cluster, launch, redis_client, task_states
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
@@ -34,9 +35,11 @@ def _call(url: str, text: str) -> tuple[int, dict[str, Any]]:
     return response.status_code, response.json()
 
 
+@pytest.mark.parametrize("gateway_args", [(), ("--deterministic-models", "sim")], ids=["own", "collapsed"])
 def test_a_gateway_frozen_past_its_callers_deadlines_answers_the_tasks_that_ended_in_time(
-    tmp_path: Path, infra: Any, clusters: list[Cluster]
+    tmp_path: Path, infra: Any, clusters: list[Cluster], gateway_args: tuple[str, ...]
 ) -> None:
+    """Each caller's task on its own, and (a deterministic model) each one a collapsed computation."""
     # One batch of every caller's task, sealed at its size: its credit taken is every request published.
     cluster = launch(
         tmp_path,
@@ -44,6 +47,7 @@ def test_a_gateway_frozen_past_its_callers_deadlines_answers_the_tasks_that_ende
         infra.redis_url,
         workers=1,
         sim_latency_ms=100,
+        gateway_args=gateway_args,
         batcher_args=("--policy", "classic", "--max-batch", str(CALLERS), "--max-wait-ms", "30000"),
     )
     clusters.append(cluster)
@@ -79,5 +83,9 @@ def test_a_gateway_frozen_past_its_callers_deadlines_answers_the_tasks_that_ende
             f"a task answered before its deadline is answered once the gateway runs again: {status} {body}\n"
             f"{gateway.tail()}"
         )
+    stored = task_states(cluster.redis_url, cluster.namespace, [body["task_id"] for _, body in answers])
+    assert {state.status for state in stored.values()} == {TaskStatus.COMPLETED} and len(stored) == CALLERS, (
+        f"each caller's task reads completed, as it was answered: {stored}"
+    )
     computed = [task_id for batch in cluster.journal() for task_id in batch["task_ids"]]
     assert len(computed) == len(set(computed)) == CALLERS, f"each task computed once: {computed}"
