@@ -549,10 +549,13 @@ class Gateway:
                     "timeout_ms (the task ended expired, never computed)",
                     task_id=task_id,
                 ) from None
-            ended = await self._replies.stored_end(task_id)
+            if record:
+                ended = await self._replies.stored_end(task_id)
+            else:
+                # Side by side (a completed task keeps its end over the late "queued"): a store that does
+                # not answer holds the 504 for the longer of their bounds, not for both.
+                ended, _ = await asyncio.gather(self._replies.stored_end(task_id), publisher.record_late(queued))
             if ended is None:
-                if not record:
-                    await publisher.record_late(queued)
                 raise DeadlineExceeded(
                     f"no answer within timeout_ms={timeout_ms}; the task may still finish: poll its result",
                     task_id=task_id,
