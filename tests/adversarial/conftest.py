@@ -1,4 +1,5 @@
-"""Services to attack: ``batchwire up``, and a Kafka-mode gateway with a batcher and two sim workers."""
+"""Services to attack: ``batchwire up``, and a Kafka-mode gateway with a batcher and two sim workers; and a
+lone redis-server of a test's own (``tests.support.lone_redis``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import pytest
 
 from tests.support.adversarial_rig import Service, ServiceFactory
+from tests.support.lone_redis import primary  # noqa: F401 (pytest finds fixtures by name)
 from tests.support.processes import Cluster, embedded, launch
 
 

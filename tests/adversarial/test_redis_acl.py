@@ -10,7 +10,6 @@ PRIVATE redis-server started here, so its ACL changes disturb no other test.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +27,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 TASKS = 3
 
 
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis")
-    server.start()
-    yield server
-    server.stop()
-
-
 def _worker_log(cluster: Cluster) -> str:
     return "\n".join(p.log_path.read_text(errors="replace") for p in cluster.procs if p.name.startswith("worker"))
 
@@ -46,11 +37,11 @@ def _status(url: str, task_id: str) -> dict[str, Any]:
 
 
 def test_a_worker_refused_its_result_writes_by_an_acl_holds_them_and_stores_them_once_allowed(
-    own_redis: RedisServer, tmp_path: Path, request: pytest.FixtureRequest
+    primary: RedisServer, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     infra: Any = request.getfixturevalue("infra")
-    cluster = launch(tmp_path, infra.kafka_bootstrap, own_redis.url, workers=2, sim_latency_ms=1500)
-    with stopped_after(request, cluster), redis.Redis.from_url(own_redis.url) as admin:
+    cluster = launch(tmp_path, infra.kafka_bootstrap, primary.url, workers=2, sim_latency_ms=1500)
+    with stopped_after(request, cluster), redis.Redis.from_url(primary.url) as admin:
         url = cluster.gateway_urls[0]
         accepted: dict[str, str] = {}
         for n in range(TASKS):

@@ -10,7 +10,6 @@ PRIVATE redis-server started here, so its refusals disturb no other test.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +24,6 @@ from tests.support.processes import Cluster, launch, stopped_after
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
 TIMEOUT_MS = 20_000
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis")
-    server.start()
-    yield server
-    server.stop()
 
 
 def _sync(url: str, text: str) -> tuple[httpx.Response, float]:
@@ -52,11 +43,11 @@ def _gateway_log(cluster: Cluster) -> str:
 
 
 def test_a_redis_short_of_replicas_refuses_a_sync_request_at_once_and_answers_once_back(
-    own_redis: RedisServer, tmp_path: Path, request: pytest.FixtureRequest
+    primary: RedisServer, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     infra: Any = request.getfixturevalue("infra")
-    cluster = launch(tmp_path, infra.kafka_bootstrap, own_redis.url, workers=1)
-    with stopped_after(request, cluster), redis.Redis.from_url(own_redis.url) as admin:
+    cluster = launch(tmp_path, infra.kafka_bootstrap, primary.url, workers=1)
+    with stopped_after(request, cluster), redis.Redis.from_url(primary.url) as admin:
         url = cluster.gateway_urls[0]
         answered, _ = _sync(url, "before")
         assert answered.status_code == 200 and answered.json()["output"] == "erofeb", answered.text

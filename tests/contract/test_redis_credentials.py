@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,17 +26,6 @@ pytestmark = [pytest.mark.kafka, pytest.mark.timeout(60)]
 PASSWORD = "rotated"
 
 
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    """A redis-server of this test's own: its password changes under the store."""
-    server = RedisServer(tmp_path / "redis")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 def _require_password(url: str) -> redis.Redis:
     """Sets ``requirepass`` and drops every other connection, as a restart with the new setting would;
     returns an authenticated client to undo it."""
@@ -52,15 +39,15 @@ def _require_password(url: str) -> redis.Redis:
 
 
 async def test_a_refused_password_names_the_setting_to_change_and_the_store_works_once_it_is_taken(
-    own_redis: RedisServer, names: Names, caplog: pytest.LogCaptureFixture
+    primary: RedisServer, names: Names, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="transport.redis.pubsub")
-    store = RedisTaskStore(own_redis.url, names)
+    store = RedisTaskStore(primary.url, names)
     await store.start()
     try:
         now_ms = int(time.time() * 1000)
         await store.create(TaskState("before", TaskStatus.QUEUED, "sim", now_ms, now_ms))
-        admin = _require_password(own_redis.url)
+        admin = _require_password(primary.url)
         try:
             with pytest.raises(TransportError) as refused:
                 await store.get("before")
@@ -95,17 +82,17 @@ async def _ignore_async(*_: Any) -> None:
 
 
 async def test_a_refused_pubsub_reconnect_is_logged_once_in_twenty_tries_not_at_each(
-    own_redis: RedisServer, caplog: pytest.LogCaptureFixture
+    primary: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A Redis that refuses the change feed for as long as an operator takes to fix its password would
     log a line at each reconnect (twice a second per process); the roles' other retries log the first
     failure and every 20th (``transport.retry.pause``)."""
     caplog.set_level(logging.WARNING, logger="transport.redis.pubsub")
-    pool = ConnectionPool.from_url(own_redis.url)
+    pool = ConnectionPool.from_url(primary.url)
     hub = PubSubHub(pool, _ignore, _ignore_async, _ignore, min_backoff_s=0.001, max_backoff_s=0.005)
     await hub.start()
     try:
-        admin = _require_password(own_redis.url)
+        admin = _require_password(primary.url)
         try:
             await eventually(lambda: hub.failed_reconnects >= 45, "45 refused reconnects")
         finally:
