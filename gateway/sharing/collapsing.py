@@ -147,7 +147,7 @@ class Collapser:
                     task_id=request.task_id,
                 ) from None
             state = replace(ended, task_id=request.task_id, reply_to=None, owner=request.owner)
-            await self._record_end(state)
+            await self._record_ends([state])
         except CallerGone:
             await self._publisher.cancel_abandoned(request.task_id)
             raise ClientDisconnected(
@@ -279,26 +279,18 @@ class Collapser:
         if not callers:
             return
         ended = [replace(state, task_id=task_id, reply_to=None, owner=owner) for task_id, owner in callers]
-        try:
-            applied = await self._store.apply(ended, counted=False)
-        except TRANSPORT_ERRORS:
-            log.warning("could not record the answers of %d collapsed callers", len(ended), exc_info=True)
-            applied = [True] * len(ended)  # they are answered all the same; their records stay behind
-        for caller_state, written in zip(ended, applied, strict=True):
+        for caller_state, written in zip(ended, await self._record_ends(ended), strict=True):
             if written:
                 self._replies.deliver(caller_state)
 
-    async def _record_end(self, state: TaskState) -> None:
-        """A caller's copy of its computation's end, written as ``_answer_callers`` writes them."""
+    async def _record_ends(self, ended: list[TaskState]) -> list[bool]:
+        """Writes callers' copies of their computation's end, uncounted; a store that fails is logged and
+        read as written: the callers are answered all the same, their records stay behind."""
         try:
-            await self._store.apply([state], counted=False)
+            return await self._store.apply(ended, counted=False)
         except TRANSPORT_ERRORS:
-            log.warning(
-                "could not record the answer of collapsed task %s",
-                state.task_id,
-                exc_info=True,
-                extra=ids(task_id=state.task_id),
-            )
+            log.warning("could not record the answers of %d collapsed callers", len(ended), exc_info=True)
+            return [True] * len(ended)
 
     async def _record(self, queued: TaskState) -> None:
         """The caller's own record, so that it can be read and cancelled while it waits."""
