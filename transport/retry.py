@@ -24,9 +24,15 @@ def backoff_s(tries: int, max_s: float, first_s: float = 0.1) -> float:
     return min(max_s, first_s * 2.0 ** min(tries - 1, 9))
 
 
+def told(failures: int) -> bool:
+    """Whether the ``failures``-th failure in a row is logged: the first and every 20th, so an outage
+    logs little."""
+    return failures == 1 or failures % 20 == 0
+
+
 async def pause(log: logging.Logger, who: str, what: str, err: TransportError, failures: int, max_s: float) -> None:
-    """Logs the first failure and every 20th, then backs off exponentially (``backoff_s``)."""
-    if failures == 1 or failures % 20 == 0:
+    """Logs the first failure and every 20th (``told``), then backs off exponentially (``backoff_s``)."""
+    if told(failures):
         log.warning("%s: %s failed (%d tries so far): %s; retrying", who, what, failures, err)
     await asyncio.sleep(backoff_s(failures, max_s))
 

@@ -26,6 +26,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from transport.cancelling import cancel_and_wait
 from transport.ports import TransportError
 from transport.redis.pools import REDIS_ERRORS, credentials_hint
+from transport.retry import told
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +252,7 @@ class PubSubHub:
                     except _CONNECTION_ERRORS as err:
                         failures += 1
                         self.failed_reconnects += 1
-                        if failures == 1 or failures % 20 == 0:  # as ``transport.retry.pause``: an outage logs little
+                        if told(failures):
                             log.warning(
                                 "Redis PubSub reconnect failed (%d tries so far: %s%s); retrying every %.2f s at most",
                                 failures,
