@@ -120,11 +120,18 @@ def decode_beat(raw: bytes | str) -> Beat | None:
         return None
 
 
+def _number(value: Any) -> float | None:
+    """``value`` as a float; None for what is no number (a bool, text, an integer past a float's range)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        with contextlib.suppress(OverflowError):
+            return float(value)
+    return None
+
+
 def _ttl(value: Any) -> float | None:
     """A stated TTL; what is none (absent from an earlier release's beats, or of another kind) is None."""
-    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
-        return float(value)
-    return None
+    number = _number(value)
+    return number if number is not None and math.isfinite(number) and number > 0 else None
 
 
 def _floats(values: Any) -> dict[str, float]:
@@ -132,12 +139,7 @@ def _floats(values: Any) -> dict[str, float]:
     out, not the beat: a reader drops a beat it cannot read from the fleet, for every process."""
     if not isinstance(values, Mapping):
         return {}
-    numbers: dict[str, float] = {}
-    for name, value in values.items():
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            with contextlib.suppress(OverflowError):  # an integer past a float's range
-                numbers[str(name)] = float(value)
-    return numbers
+    return {str(name): number for name, value in values.items() if (number := _number(value)) is not None}
 
 
 def _groups(groups: Any) -> dict[str, dict[str, float]]:

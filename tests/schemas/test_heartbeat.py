@@ -65,3 +65,16 @@ def test_a_member_is_live_until_it_missed_its_beats_then_gone_then_forgotten() -
     assert BEAT.to_public(last + 500)["state"] == "busy"
     assert not BEAT.forgotten(last + int(FORGET_AFTER_S * 1000))
     assert BEAT.forgotten(last + int(FORGET_AFTER_S * 1000) + 1)
+
+
+def test_a_stated_ttl_that_is_no_usable_number_reads_as_none_and_keeps_the_beat() -> None:
+    """The TTL is an optional field: a value no role could have (text, a bool, zero, an integer past a
+    float's range) is not judged, and the beat is still read (dropped, it left the fleet for every reader)."""
+    for value in ("3600", True, 0, -5, 10**400):
+        doc = json.loads(BEAT.encode())
+        doc["result_ttl_s"] = value
+        decoded = decode_beat(json.dumps(doc))
+        assert decoded is not None and decoded.result_ttl_s is None, (value, decoded)
+    doc["result_ttl_s"] = 3600
+    decoded = decode_beat(json.dumps(doc))
+    assert decoded is not None and decoded.result_ttl_s == 3600.0
