@@ -35,7 +35,7 @@ class Background:
         self._host = asyncio.create_task(self._hold(), name=self._name)
         await self._started.wait()
 
-    def spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+    def spawn(self, work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         """Runs ``work`` in the group; ``RuntimeError`` before ``start`` (the coroutine is closed)."""
         if self._group is None:
             work.close()
@@ -43,6 +43,7 @@ class Background:
         task = self._group.create_task(work, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def close(self) -> None:
         """Cancels every task in the group and waits for them."""

@@ -10,6 +10,7 @@ import asyncio
 import logging
 from dataclasses import replace
 
+from gateway.background import Background
 from gateway.clock import Clock
 from gateway.errors import TRANSPORT_ERRORS, DeadlineExceeded, QueuedUnrecorded, Unavailable
 from gateway.submission import Submission
@@ -33,6 +34,18 @@ class TaskPublisher:
         self._store = store
         self._clock = clock
         self._write_timeout_s = write_timeout_s
+        self._late = Background("late-records")
+
+    async def start(self) -> None:
+        await self._late.start()
+
+    async def close(self) -> None:
+        """Cancels the late records still being written (``record_late``)."""
+        await self._late.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._late.alive
 
     def task(
         self, submission: Submission, reply_to: str | None, *, task_id: str | None = None
@@ -131,10 +144,21 @@ class TaskPublisher:
                 "could not record task %s as expired", queued.task_id, exc_info=True, extra=ids(task_id=queued.task_id)
             )
 
-    async def record_late(self, queued: TaskState) -> None:
-        """Writes a task's "queued" record after the fact (a later status that got there first stays);
-        bounded, as a 504 waits for it. The record carries no deadline: a worker may be running the
-        task, its "running" unwritten (``TaskStore.apply``), and its answer is still to be polled."""
+    async def record_late(self, queued: TaskState, *, wait_s: float | None = None) -> None:
+        """Writes a task's "queued" record after the fact (a later status that got there first stays),
+        within ``write_timeout_s``. The record carries no deadline: a worker may be running the task,
+        its "running" unwritten (``TaskStore.apply``), and its answer is still to be polled.
+
+        ``wait_s`` bounds the caller's wait (a 504 due now): a store that does not answer then holds
+        the caller no longer, and the write goes on in the background, to land once the store answers.
+        """
+        if wait_s is not None and self._late.alive:
+            write = self._late.spawn(self._record_late(queued), name=f"record-{queued.task_id}")
+            await asyncio.wait({write}, timeout=wait_s)
+        else:
+            await self._record_late(queued)
+
+    async def _record_late(self, queued: TaskState) -> None:
         try:
             async with asyncio.timeout(self._write_timeout_s):
                 await self._store.create(replace(queued, deadline_ms=None))

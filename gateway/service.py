@@ -20,7 +20,7 @@ from gateway.admission.priority import request_tier
 from gateway.admission.validation import TokenBudget, validated
 from gateway.answers.outcomes import Accepted, Answer, answer_of
 from gateway.answers.reads import TaskReads
-from gateway.answers.replies import Replies
+from gateway.answers.replies import LAST_LOOK_S, Replies
 from gateway.answers.waiters import CallerGone, Watch, unless_gone
 from gateway.clock import Clock, SystemClock
 from gateway.errors import (
@@ -118,6 +118,7 @@ class Gateway:
         await self._admission.start()
         await self._shared.start()
         await self._keys.start()
+        await self._publisher.start()
         self._accepting = True
 
     async def close(self) -> None:
@@ -127,14 +128,21 @@ class Gateway:
         await self._shared.close()
         await self._keys.close()
         await self._admission.close()
+        await self._publisher.close()
         if self._token_budget is not None:
             self._token_budget.close()
 
     def ready(self) -> dict[str, bool]:
-        """This gateway's own part: accepting, with the tasks that guard against lost replies and the
-        admission's sampler alive. The transports are the composition root's to probe
+        """This gateway's own part: accepting, with the tasks that guard against lost replies, write
+        late records and sample the admission alive. The transports are the composition root's to probe
         (``Lifecycle.ready``), once each."""
-        alive = self._replies.alive and self._shared.alive and self._keys.alive and self._admission.alive
+        alive = (
+            self._replies.alive
+            and self._shared.alive
+            and self._keys.alive
+            and self._admission.alive
+            and self._publisher.alive
+        )
         return {"gateway": self._accepting and alive}
 
     def models(self) -> dict[str, str]:
@@ -553,8 +561,10 @@ class Gateway:
                 ended = await self._replies.stored_end(task_id)
             else:
                 # Side by side (a completed task keeps its end over the late "queued"): a store that does
-                # not answer holds the 504 for the longer of their bounds, not for both.
-                ended, _ = await asyncio.gather(self._replies.stored_end(task_id), publisher.record_late(queued))
+                # not answer holds the 504 for ``LAST_LOOK_S`` at most.
+                ended, _ = await asyncio.gather(
+                    self._replies.stored_end(task_id), publisher.record_late(queued, wait_s=LAST_LOOK_S)
+                )
             if ended is None:
                 raise DeadlineExceeded(
                     f"no answer within timeout_ms={timeout_ms}; the task may still finish: poll its result",

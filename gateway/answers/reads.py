@@ -15,6 +15,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import AsyncExitStack, aclosing, asynccontextmanager, contextmanager
 
 from gateway.answers.changes import follow
+from gateway.answers.replies import LAST_LOOK_S
 from gateway.clock import Clock
 from gateway.errors import (
     TRANSPORT_ERRORS,
@@ -79,22 +80,37 @@ class TaskReads:
             if wait_s == 0:
                 return await self._get(task_id, owner)
             until = asyncio.get_running_loop().time() + wait_s
-            if (ended := await self._ended_if_no_room(task_id, owner, client)) is not None:
-                return ended
-            with self.watching(client):
-                async with self._watch(task_id, owner) as changes:
-                    if isinstance(changes, TaskState):
-                        return changes
-                    state = await self._get(task_id, owner)
-                    async with aclosing(self._follow(changes, state, until)) as later:
-                        async for change in later:
-                            state = change
-                    if state.status.terminal:
-                        return state
-            # The wait ran out: read once more, in case a change message was lost on the way.
-            return await self.read(task_id) or state
+            # A store that does not answer (a subscribe or a read stuck until its socket's timeout)
+            # holds the caller no longer than its wait and a last look.
+            stuck = asyncio.timeout_at(until + LAST_LOOK_S)
+            try:
+                async with stuck:
+                    return await self._wait(task_id, owner, client, until)
+            except TimeoutError:
+                if not stuck.expired():
+                    raise  # a transport's own
+                raise Unavailable(
+                    f"the task store did not answer within the wait of {wait_s:g} s; poll again"
+                ) from None
         except TRANSPORT_ERRORS as err:
             raise Unavailable(f"the task store is unavailable: {err}") from err
+
+    async def _wait(self, task_id: str, owner: str | None, client: str, until: float) -> TaskState:
+        """The long-poll: the task's state once it ends, or at ``until`` (a loop time)."""
+        if (ended := await self._ended_if_no_room(task_id, owner, client)) is not None:
+            return ended
+        with self.watching(client):
+            async with self._watch(task_id, owner) as changes:
+                if isinstance(changes, TaskState):
+                    return changes
+                state = await self._get(task_id, owner)
+                async with aclosing(self._follow(changes, state, until)) as later:
+                    async for change in later:
+                        state = change
+                if state.status.terminal:
+                    return state
+        # The wait ran out: read once more, in case a change message was lost on the way.
+        return await self.read(task_id) or state
 
     async def events(
         self, task_id: str, *, owner: str | None = None, client: str = "-"

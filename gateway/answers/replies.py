@@ -26,8 +26,9 @@ log = logging.getLogger(__name__)
 
 _SWEEP_CHUNK = 500
 
-_LAST_LOOK_S = 0.5
-"""How long a caller past its deadline may wait for the store's read of its task (``Replies.stored_end``)."""
+LAST_LOOK_S = 0.5
+"""How long a caller past its deadline may wait for the store: the read of its task (``Replies.stored_end``),
+and its late record (``TaskPublisher.record_late``). Well inside a client's grace past its deadline."""
 
 
 class Replies:
@@ -88,7 +89,7 @@ class Replies:
         or is slow leaves the deadline's answer.
         """
         try:
-            async with asyncio.timeout(_LAST_LOOK_S):
+            async with asyncio.timeout(LAST_LOOK_S):
                 state = await self._store.get(task_id)
         except (TimeoutError, *TRANSPORT_ERRORS):
             return None

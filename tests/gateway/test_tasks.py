@@ -12,7 +12,7 @@ import pytest
 
 from schemas.records import TaskState, TaskStatus
 from tests.support.eventually import eventually
-from tests.support.gateway_rig import RecordingStore, RigFactory, error_of, http_scope, now_ms
+from tests.support.gateway_rig import RecordingStore, RigFactory, StalledStore, error_of, http_scope, now_ms
 from transport.errors import StoreFullError
 
 
@@ -87,6 +87,29 @@ async def test_a_task_no_batcher_takes_ends_expired_at_its_deadline_and_a_long_p
     assert stored is not None and stored.status is TaskStatus.EXPIRED, f"the store holds the end: {stored}"
     again = (await rig.client.get(f"/v1/result/{task_id}")).json()
     assert again == body, "a poll reads the same end"
+
+
+async def test_a_long_poll_on_a_store_that_stops_answering_is_a_503_when_its_wait_runs_out(
+    make_rig: RigFactory,
+) -> None:
+    """A long-poll asked for ``wait`` seconds: a store that does not answer (its subscribe or its read
+    stuck until a socket timeout, or for good) answers 503 ``unavailable`` then, not seconds later."""
+    store = StalledStore()
+    store.back.set()
+    rig = await make_rig(store=store)
+    task_id = (await rig.client.post("/v1/tasks", json={"input": "x", "timeout_ms": 30_000})).json()["task_id"]
+    store.back.clear()
+    wait_s = 0.3
+    started = time.monotonic()
+    async with asyncio.timeout(10):
+        response = await rig.client.get(f"/v1/result/{task_id}", params={"wait": wait_s})
+    elapsed = time.monotonic() - started
+    assert response.status_code == 503, response.text
+    error = error_of(response)
+    assert error["code"] == "unavailable" and "task store" in error["message"], error
+    assert elapsed < wait_s + 1.0, f"answered {elapsed - wait_s:.2f} s past the wait"
+    assert rig.gateway.watchers == 0, "the watch is closed"
+    store.back.set()
 
 
 async def test_a_batched_task_past_its_deadline_reads_expired_and_a_running_one_does_not(make_rig: RigFactory) -> None:

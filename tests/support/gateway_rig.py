@@ -44,6 +44,22 @@ class RecordingStore(MemoryTaskStore):
         return await super().create(state)
 
 
+class StalledStore(RecordingStore):
+    """A store that does not answer (Redis under ``CLIENT PAUSE``, or its network stalled) until ``back`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.back = asyncio.Event()
+
+    async def create(self, state: TaskState) -> bool:
+        await self.back.wait()
+        return await super().create(state)
+
+    async def get(self, task_id: str) -> TaskState | None:
+        await self.back.wait()
+        return await super().get(task_id)
+
+
 class FakeWorker:
     """Answers every request on the bus with ``input[::-1]``; an input starting ``fail:`` fails, one
     starting ``refuse:<code>:`` fails as its model refusing it would (``input_too_long``, ``input_empty``).
