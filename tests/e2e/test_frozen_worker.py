@@ -17,10 +17,10 @@ from typing import Any
 import httpx
 import pytest
 
-from schemas.records import TaskStatus
+from infra.ports import free_port
 from tests.support.cluster_checks import proc_named
 from tests.support.eventually import eventually_sync
-from tests.support.processes import Cluster, launch, task_states
+from tests.support.processes import Cluster, launch, metric
 
 pytestmark = [pytest.mark.slow, pytest.mark.kafka]
 
@@ -35,6 +35,7 @@ FROZEN_S = 5.0
 def test_a_worker_frozen_mid_call_past_its_hang_limit_answers_its_batch_once_it_runs_again(
     tmp_path: Path, infra: Any, clusters: list[Cluster]
 ) -> None:
+    port = free_port()
     cluster = launch(
         tmp_path,
         infra.kafka_bootstrap,
@@ -50,6 +51,8 @@ def test_a_worker_frozen_mid_call_past_its_hang_limit_answers_its_batch_once_it_
             "1",
             "--session-timeout-ms",
             "60000",
+            "--metrics-port",
+            str(port),
         ),
     )
     clusters.append(cluster)
@@ -59,16 +62,19 @@ def test_a_worker_frozen_mid_call_past_its_hang_limit_answers_its_batch_once_it_
         assert submitted.status_code == 202, submitted.text
         task_id = submitted.json()["task_id"]
 
-        def running() -> bool:
-            state = task_states(cluster.redis_url, cluster.namespace, [task_id]).get(task_id)
-            return state is not None and state.status is TaskStatus.RUNNING
-
-        eventually_sync(running, "the task's call to start", timeout_s=30, interval_s=0.02)
+        eventually_sync(
+            lambda: metric(port, "batchwire_worker_call_running_seconds") > 0,
+            "the task's backend call to start",
+            timeout_s=30,
+            interval_s=0.02,
+        )
         worker = proc_named(cluster, "worker0")
+        frozen_at = time.monotonic()  # the journal's clock: one for every process on the host
         os.kill(worker.pid, signal.SIGSTOP)
         try:
             time.sleep(FROZEN_S)  # the fault's length, not a synchronisation
         finally:
+            resumed_at = time.monotonic()
             os.kill(worker.pid, signal.SIGCONT)
         result = client.get(f"{url}/v1/result/{task_id}", params={"wait": 20}).json()
     assert result.get("status") == "completed" and result.get("output") == "nezorf", (
@@ -77,3 +83,6 @@ def test_a_worker_frozen_mid_call_past_its_hang_limit_answers_its_batch_once_it_
     assert worker.alive(), f"the worker stopped (exit {worker.popen and worker.popen.poll()}):\n{worker.tail()}"
     ran = [batch for batch in cluster.journal() if task_id in batch["task_ids"]]
     assert len(ran) == 1, f"the task ran once, on the worker that was frozen: {ran}"
+    assert ran[0]["start"] < frozen_at and ran[0]["end"] > resumed_at, (
+        f"the freeze landed mid-call (frozen {frozen_at:.3f}..{resumed_at:.3f}), or this tested nothing: {ran[0]}"
+    )
