@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 from gateway.background import Background
@@ -40,7 +41,7 @@ class TaskPublisher:
         await self._late.start()
 
     async def close(self) -> None:
-        """Cancels the late records still being written (``record_late``)."""
+        """Cancels the writes still going on in the background (``record_late``, ``end_unsent``)."""
         await self._late.close()
 
     @property
@@ -123,11 +124,14 @@ class TaskPublisher:
         # ``created`` False: a retry with this task's Idempotency-Key sent it again and recorded it
         # first (``Gateway._submit_keyed``); ids are 128 random bits, so it is never another task's.
 
-    async def end_unsent(self, queued: TaskState, timeout_ms: int, *, message: str | None = None) -> None:
+    async def end_unsent(
+        self, queued: TaskState, timeout_ms: int, *, message: str | None = None, wait_s: float | None = None
+    ) -> None:
         """Ends ``expired`` a task whose deadline passed while it was being published: the bus may
         never have taken it, so no batcher would ever end it (were it taken, the batcher's own expiry
         of it changes nothing: a terminal state is written once). ``message`` says why, when the
-        default (``timeout_ms`` passed before the bus took it) is not what happened."""
+        default (``timeout_ms`` passed before the bus took it) is not what happened; ``wait_s`` as
+        for ``record_late``."""
         expired = replace(
             queued,
             status=TaskStatus.EXPIRED,
@@ -136,34 +140,38 @@ class TaskPublisher:
             error_message=message
             or f"timeout_ms={timeout_ms} passed before the request bus took the request; send a longer timeout_ms",
         )
-        try:
-            async with asyncio.timeout(self._write_timeout_s):
-                await self._store.apply([expired])
-        except (*TRANSPORT_ERRORS, TimeoutError):
-            log.warning(
-                "could not record task %s as expired", queued.task_id, exc_info=True, extra=ids(task_id=queued.task_id)
-            )
+        await self._write(
+            lambda: self._store.apply([expired]), queued.task_id, "could not record task %s as expired", wait_s
+        )
 
     async def record_late(self, queued: TaskState, *, wait_s: float | None = None) -> None:
-        """Writes a task's "queued" record after the fact (a later status that got there first stays),
-        within ``write_timeout_s``. The record carries no deadline: a worker may be running the task,
-        its "running" unwritten (``TaskStore.apply``), and its answer is still to be polled.
+        """Writes a task's "queued" record after the fact (a later status that got there first stays).
+        The record carries no deadline: a worker may be running the task, its "running" unwritten
+        (``TaskStore.apply``), and its answer is still to be polled.
 
         ``wait_s`` bounds the caller's wait (a 504 due now): a store that does not answer then holds
         the caller no longer, and the write goes on in the background, to land once the store answers.
         """
-        if wait_s is not None and self._late.alive:
-            write = self._late.spawn(self._record_late(queued), name=f"record-{queued.task_id}")
-            await asyncio.wait({write}, timeout=wait_s)
-        else:
-            await self._record_late(queued)
+        late = replace(queued, deadline_ms=None)
+        await self._write(lambda: self._store.create(late), queued.task_id, "could not record task %s", wait_s)
 
-    async def _record_late(self, queued: TaskState) -> None:
-        try:
-            async with asyncio.timeout(self._write_timeout_s):
-                await self._store.create(replace(queued, deadline_ms=None))
-        except (*TRANSPORT_ERRORS, TimeoutError):
-            log.warning("could not record task %s", queued.task_id, exc_info=True, extra=ids(task_id=queued.task_id))
+    async def _write(
+        self, write: Callable[[], Awaitable[object]], task_id: str, failed: str, wait_s: float | None
+    ) -> None:
+        """Runs a store write within ``write_timeout_s``, logging ``failed`` (naming the task) if it fails;
+        the caller waits for it ``wait_s`` at most (None: to its end), while the background finishes it."""
+
+        async def bounded() -> None:
+            try:
+                async with asyncio.timeout(self._write_timeout_s):
+                    await write()
+            except (*TRANSPORT_ERRORS, TimeoutError):
+                log.warning(failed, task_id, exc_info=True, extra=ids(task_id=task_id))
+
+        if wait_s is not None and self._late.alive:
+            await asyncio.wait({self._late.spawn(bounded(), name=f"write-{task_id}")}, timeout=wait_s)
+        else:
+            await bounded()
 
     async def cancel_abandoned(self, task_id: str) -> None:
         """Cancels the task of a caller who left, so that no GPU time goes to an answer nobody reads.

@@ -551,7 +551,7 @@ class Gateway:
             # became Unavailable inside publish.
             if not published:
                 # Ended now, and past its deadline no worker starts it: nothing is left to poll for.
-                await publisher.end_unsent(queued, timeout_ms)
+                await publisher.end_unsent(queued, timeout_ms, wait_s=LAST_LOOK_S)
                 raise DeadlineExceeded(
                     f"timeout_ms={timeout_ms} passed before the request bus took the request; send a longer "
                     "timeout_ms (the task ended expired, never computed)",
@@ -595,7 +595,7 @@ class Gateway:
         except TimeoutError:
             # The task's own deadline passed while it was being queued: a deadline, like the
             # synchronous route's, whether the bus was stuck or the deadline was just short.
-            await self._publisher.end_unsent(queued, timeout_ms)
+            await self._publisher.end_unsent(queued, timeout_ms, wait_s=LAST_LOOK_S)
             raise DeadlineExceeded(
                 f"timeout_ms={timeout_ms} passed before the task store and the request bus took the request; "
                 "send a longer timeout_ms (the task ended expired)",

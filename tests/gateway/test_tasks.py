@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from batchwire.client import GRACE_S
 from schemas.records import TaskState, TaskStatus
 from tests.support.eventually import eventually
 from tests.support.gateway_rig import RecordingStore, RigFactory, StalledStore, error_of, http_scope, now_ms
@@ -87,6 +88,28 @@ async def test_a_task_no_batcher_takes_ends_expired_at_its_deadline_and_a_long_p
     assert stored is not None and stored.status is TaskStatus.EXPIRED, f"the store holds the end: {stored}"
     again = (await rig.client.get(f"/v1/result/{task_id}")).json()
     assert again == body, "a poll reads the same end"
+
+
+async def test_a_submit_to_a_store_that_does_not_answer_is_a_504_at_its_deadline_and_its_end_lands_when_back(
+    make_rig: RigFactory,
+) -> None:
+    """A task's record cannot be written, so its deadline passes while it is being queued: the 504 comes
+    within a client's grace of the deadline (``batchwire.client.GRACE_S``), not after the store's own
+    timeout, and the task's ``expired`` end lands once the store answers."""
+    store = StalledStore()
+    rig = await make_rig(store=store)
+    timeout_s = 0.3
+    started = time.monotonic()
+    async with asyncio.timeout(10):
+        response = await rig.client.post("/v1/tasks", json={"input": "x", "timeout_ms": int(timeout_s * 1000)})
+    elapsed = time.monotonic() - started
+    assert response.status_code == 504, response.text
+    task_id = error_of(response)["task_id"]
+    assert elapsed < timeout_s + GRACE_S, f"the 504 came {elapsed - timeout_s:.2f} s past the deadline"
+    store.back.set()
+    await eventually(lambda: any(s.task_id == task_id for s in store.applied), "the task's end to be written")
+    polled = await rig.client.get(f"/v1/result/{task_id}")
+    assert polled.status_code == 200 and polled.json()["status"] == "expired", polled.text
 
 
 async def test_a_long_poll_on_a_store_that_stops_answering_is_a_503_when_its_wait_runs_out(

@@ -50,6 +50,7 @@ class StalledStore(RecordingStore):
     def __init__(self) -> None:
         super().__init__()
         self.back = asyncio.Event()
+        self.applied: list[TaskState] = []
 
     async def create(self, state: TaskState) -> bool:
         await self.back.wait()
@@ -58,6 +59,11 @@ class StalledStore(RecordingStore):
     async def get(self, task_id: str) -> TaskState | None:
         await self.back.wait()
         return await super().get(task_id)
+
+    async def apply(self, updates: Sequence[TaskState], *, counted: bool = True) -> list[bool]:
+        await self.back.wait()
+        self.applied.extend(updates)
+        return await super().apply(updates, counted=counted)
 
 
 class FakeWorker:
