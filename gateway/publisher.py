@@ -35,7 +35,7 @@ class TaskPublisher:
         self._store = store
         self._clock = clock
         self._write_timeout_s = write_timeout_s
-        self._late = Background("late-records")
+        self._late = Background("late-writes")
 
     async def start(self) -> None:
         await self._late.start()

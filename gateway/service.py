@@ -133,8 +133,8 @@ class Gateway:
             self._token_budget.close()
 
     def ready(self) -> dict[str, bool]:
-        """This gateway's own part: accepting, with the tasks that guard against lost replies, write
-        late records and sample the admission alive. The transports are the composition root's to probe
+        """This gateway's own part: accepting, with the tasks that guard against lost replies, finish
+        late writes and sample the admission alive. The transports are the composition root's to probe
         (``Lifecycle.ready``), once each."""
         alive = (
             self._replies.alive
