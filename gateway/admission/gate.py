@@ -356,8 +356,9 @@ class Admission:
         if predicted.stalled:
             raise Overloaded(
                 f"model {model!r} has {depth} requests waiting and its workers have taken none for "
-                f"{predicted.stalled_s:.0f} s (busy past any normal call, hung or gone, or no batcher reads its "
-                "requests); nothing was queued: retry after the Retry-After delay"
+                f"{predicted.stalled_s:.0f} s (busy past any normal call, hung or gone, unable to reach Redis, or no "
+                "batcher reads its requests: their logs and `batchwire status` say which); nothing was queued: retry "
+                "after the Retry-After delay"
             )
         if client is not None:
             self._check_share(model, client, predicted, tier)
