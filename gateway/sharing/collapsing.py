@@ -20,7 +20,7 @@ import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
-from gateway.answers.replies import Replies
+from gateway.answers.replies import LAST_LOOK_S, Replies
 from gateway.answers.waiters import CallerGone, Watch
 from gateway.background import Background
 from gateway.clock import Clock
@@ -138,10 +138,17 @@ class Collapser:
                 await self._record(queued)
                 state = await future
         except TimeoutError:
-            # The computation may have ended in time, its reply unread (``Replies.stored_end``).
+            # The computation may have ended in time, its reply unread (``Replies.stored_end``). The caller
+            # waits ``LAST_LOOK_S`` at most for the store; its expired end is written on after that.
+            looked_until = asyncio.get_running_loop().time() + LAST_LOOK_S
             ended = await self._replies.stored_end(computation.task_id)
             if ended is None:
-                await self._end_expired(queued, request.timeout_ms)
+                await self._publisher.end_unsent(
+                    queued,
+                    request.timeout_ms,
+                    message=f"no answer within timeout_ms={request.timeout_ms}",
+                    wait_s=max(0.0, looked_until - asyncio.get_running_loop().time()),
+                )
                 raise DeadlineExceeded(
                     f"no answer within timeout_ms={request.timeout_ms}; the task ended expired",
                     task_id=request.task_id,
@@ -201,6 +208,12 @@ class Collapser:
             return
         computation.ended = True  # nobody waits for it: it is cancelled, and no one joins it
         self._drop(key, computation)
+        if self._runs.alive:  # off the caller's answer: a store that does not answer holds no one
+            self._runs.spawn(self._cancel(computation), name=f"cancel-{computation.task_id}")
+        else:
+            await self._cancel(computation)
+
+    async def _cancel(self, computation: Computation) -> None:
         if computation.queued is not None:
             await self._publisher.record_late(computation.queued)  # so that the cancel finds it
         await self._publisher.cancel_abandoned(computation.task_id)
@@ -299,15 +312,4 @@ class Collapser:
         except TRANSPORT_ERRORS:
             log.warning(
                 "could not record collapsed task %s", queued.task_id, exc_info=True, extra=ids(task_id=queued.task_id)
-            )
-
-    async def _end_expired(self, queued: TaskState, timeout_ms: int) -> None:
-        expired = self._ended(
-            queued, TaskStatus.EXPIRED, DeadlineExceeded.code, f"no answer within timeout_ms={timeout_ms}"
-        )
-        try:
-            await self._store.apply([expired])
-        except TRANSPORT_ERRORS:
-            log.warning(
-                "could not record task %s as expired", queued.task_id, exc_info=True, extra=ids(task_id=queued.task_id)
             )
