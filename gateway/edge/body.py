@@ -7,11 +7,12 @@ error codes (``invalid_json`` 400 rather than a generic 422) and because one
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
-from pydantic_core import ErrorDetails
+from pydantic_core import ErrorDetails, from_json
 from starlette.requests import ClientDisconnect, Request
 
 from gateway.edge.models import InferenceBody
@@ -159,8 +160,34 @@ def parse_body(body: bytes, shape: type[Shape]) -> Shape:
     try:
         return shape.model_validate_json(text)
     except ValidationError as err:
+        count = err.error_count()
+        errors = (
+            err.errors(include_url=False, include_input=False) if count <= MAX_PROBLEMS else _first_errors(text, shape)
+        )
+        raise _explain(errors, ", ".join(shape.model_fields), _example(shape), count) from err
+
+
+def _first_errors(text: str, shape: type[BaseModel]) -> list[ErrorDetails]:
+    """The errors of a body that has more than ``MAX_PROBLEMS``, enough of them for a refusal, without
+    reading each of pydantic's: a body of many unknown fields has one per field, and reading them all
+    costs the event loop many times what parsing the body does.
+
+    The body is a JSON object (one that is not has a single error): its known fields are validated again
+    alone (one error each at most), and its unknown ones named, the first ``MAX_PROBLEMS`` of them."""
+    fields = shape.model_fields
+    data = from_json(text)
+    errors: list[ErrorDetails] = []
+    try:
+        shape.model_validate_json(json.dumps({name: value for name, value in data.items() if name in fields}))
+    except ValidationError as err:
         errors = err.errors(include_url=False, include_input=False)
-        raise _explain(errors, ", ".join(shape.model_fields), _example(shape)) from err
+    if shape.model_config.get("extra") == "forbid":
+        unknown = (name for name in data if name not in fields)
+        errors += [
+            {"type": "extra_forbidden", "loc": (name,), "msg": "Extra inputs are not permitted", "input": None}
+            for name in itertools.islice(unknown, MAX_PROBLEMS)
+        ]
+    return errors
 
 
 def _example(shape: type[BaseModel]) -> str:
@@ -170,7 +197,8 @@ def _example(shape: type[BaseModel]) -> str:
     return json.dumps({name: "<model>" if name == "model" else "text" for name in sorted(required, key="model".__ne__)})
 
 
-def _explain(errors: list[ErrorDetails], fields: str, example: str) -> GatewayError:
+def _explain(errors: list[ErrorDetails], fields: str, example: str, count: int) -> GatewayError:
+    """The refusal of a body whose validation found ``count`` errors, of which ``errors`` are the first."""
     for error in errors:
         if error["type"] == "json_invalid":
             detail = error.get("ctx", {}).get("error", error["msg"])
@@ -193,6 +221,6 @@ def _explain(errors: list[ErrorDetails], fields: str, example: str) -> GatewayEr
             problems.append(f"field '{loc}' must be an integer (no quotes, no fraction)")
         else:
             problems.append(f"field '{loc}': {error['msg']}")
-    if len(problems) > MAX_PROBLEMS:  # an answer never grows with what a client sent
-        problems[MAX_PROBLEMS:] = [f"and {len(problems) - MAX_PROBLEMS} more"]
+    if count > MAX_PROBLEMS:  # an answer never grows with what a client sent
+        problems[MAX_PROBLEMS:] = [f"and {count - MAX_PROBLEMS} more"]
     return ValidationFailed("; ".join(problems))
