@@ -275,7 +275,8 @@ ERROR_TABLE: dict[str, tuple[int, str]] = {
     ),
     "headers_too_large": (
         431,
-        "The request line and headers are over BATCHWIRE_MAX_HEADER_BYTES; the connection is closed.",
+        "The request line and headers, or a chunked body's trailers, chunk sizes and extensions, are over "
+        "BATCHWIRE_MAX_HEADER_BYTES; the connection is closed.",
     ),
     "request_timeout": (
         408,

@@ -10,7 +10,10 @@ only the asyncio callbacks, the parser callbacks, ``on_response_complete`` and
 ``send_400_response``, each of which calls uvicorn's own:
 
 - header bytes are counted in ``data_received`` before the parser sees them; a read that would
-  cross the limit is parsed only up to it, so no byte past the limit is buffered or parsed;
+  cross the limit is parsed only up to it, so no byte past the limit is buffered or parsed; a
+  chunked body's bytes that are not body (its chunk sizes and extensions, and its trailers, headers
+  after the body that httptools gathers and uvicorn appends to the request's) are held to the same
+  limit, beside ``FRAMING_PER_PIECE`` bytes per piece of the body (``_parse_body``);
 - each connection has one deadline (headers, from the connection's opening or the end of the
   previous response; a body, from its headers) behind one timer that is re-armed lazily, so a busy
   keep-alive connection makes about one timer per header timeout, not one per request; the header
@@ -69,6 +72,9 @@ One whose bytes wait unread in its socket is not slow, whatever its age: the gat
 them yet (a busy loop), or a keep-alive client has just sent its next request."""
 UNREAD_SCAN = 16
 """Slow-looking connections with unread bytes passed over, at most, to find one to close."""
+FRAMING_PER_PIECE = 16
+"""Bytes of a chunked body's framing allowed per piece of its body, beside the header limit: a chunk's
+size line and the line end after its data (``ffffffff\\r\\n`` and ``\\r\\n``, 12 bytes)."""
 REFUSAL_LINGER_S = 1.0
 """How long a refused connection stays open after its 503 for the client to close it."""
 OPERATIONS_OVER_CAP = 16
@@ -193,6 +199,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """Refusals at the cap that may wait for their request at once (:func:`refusal_budget`)."""
     headers_too_large: ClassVar[bytes] = b""
     """The 431 answer; the four answers are built once per process by :func:`limited_http_protocol`."""
+    trailers_too_large: ClassVar[bytes] = b""
+    """The 431 answer to a chunked body whose framing and trailers are over the header limit."""
     header_timeout: ClassVar[bytes] = b""
     body_timeout: ClassVar[bytes] = b""
     too_many_connections: ClassVar[bytes] = b""
@@ -238,6 +246,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """Requests whose headers came and whose response has not ended."""
         self._body_pieces = 0
         """Pieces of the body being read that reached the parser's callback."""
+        self._body_bytes = 0
+        """Bytes of the body being read that reached the parser's callback."""
+        self._framing_bytes = 0
+        """Bytes of the body being read that were not body: a chunked body's framing and trailers."""
+        self._requests_read = 0
+        """Requests whose end the parser has read."""
         self._lingering = False
         """Answered and half-closed before a long body came: its rest is read and dropped, then it closes."""
         self._write_stall: WriteStallWatch | None = None
@@ -407,13 +421,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             if len(data) > self.max_header_bytes and not self._lingering:  # lingering: no request follows
                 self._parse_in_pieces(data)
                 return
+            self._parse_body(data)
         else:
             counted = self._header_bytes + len(data)
             if counted > self.max_header_bytes:
                 self._parse_in_pieces(data)
                 return
             self._header_bytes = counted
-        super().data_received(data)
+            super().data_received(data)
         if self._begun_mid_read:
             self._count_pipelined(data, 0, len(data))
 
@@ -426,6 +441,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         while start < size:
             if self._in_body:
                 end = min(size, start + self.max_header_bytes)
+                self._parse_body(view[start:end])
             else:
                 room = self.max_header_bytes - self._header_bytes
                 if room <= 0:
@@ -433,12 +449,27 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                     return
                 end = min(size, start + room)
                 self._header_bytes += end - start
-            super().data_received(view[start:end])  # type: ignore[arg-type]  # httptools takes any buffer
+                super().data_received(view[start:end])  # type: ignore[arg-type]  # httptools takes any buffer
             if self.transport.is_closing() or self.transport.get_protocol() is not self:
                 return  # refused, answered 400, or upgraded to a WebSocket
             if self._begun_mid_read:
                 self._count_pipelined(data, start, end)
             start = end
+
+    def _parse_body(self, piece: bytes | memoryview) -> None:
+        """Parses a piece of a body, counting its bytes that were no body when the body goes on past it:
+        a chunked body's sizes and extensions, and its trailers, which httptools gathers whole (a long
+        one by concatenation) and uvicorn appends to the request's headers, so that trailers sent for
+        the body timeout would hold memory many times their size. Past the header limit, beside
+        ``FRAMING_PER_PIECE`` per piece of the body, the request gets 431 and the connection closes.
+        A piece in which the body ends is not counted: it holds at most the header limit's bytes."""
+        body_bytes, requests_read = self._body_bytes, self._requests_read
+        super().data_received(piece)  # type: ignore[arg-type]  # httptools takes any buffer
+        if self._requests_read != requests_read or not self._in_body or self.transport.is_closing():
+            return
+        self._framing_bytes += len(piece) - (self._body_bytes - body_bytes)
+        if self._framing_bytes > self.max_header_bytes + FRAMING_PER_PIECE * self._body_pieces:
+            self._refuse_body(self.trailers_too_large)
 
     def _count_pipelined(self, data: bytes, start: int, end: int) -> None:
         """Counts the bytes of a request that began in ``data[start:end]`` behind another one and whose
@@ -465,7 +496,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._operations and self.cycle is not None:
             self.cycle.keep_alive = False  # its place is over the cap: one answer, then closed
         self._in_body = True
-        self._body_pieces = 0
+        self._body_pieces = self._body_bytes = self._framing_bytes = 0
         if self.pipeline:
             self._deadline = None  # it waits behind an earlier response, with reading paused
         else:
@@ -473,12 +504,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_body(self, body: bytes) -> None:
         self._body_pieces += 1
+        self._body_bytes += len(body)
         if self._body_pieces <= self.max_body_pieces:
             super().on_body(body)
         elif self._body_pieces == self.max_body_pieces + 1:
             self._refuse_body(self.body_too_fragmented)
 
     def on_message_complete(self) -> None:
+        self._requests_read += 1
         super().on_message_complete()
         # Only now has the whole request come: one stalled in its body waits for it as one that trickles
         # its headers does, and at the cap makes room like it.
@@ -659,6 +692,11 @@ def limited_http_protocol(
             "headers_too_large",
             f"the request line and headers are over {settings.max_header_bytes} bytes, the limit "
             f"({env_name('max_header_bytes')}); send smaller headers",
+        )
+        trailers_too_large = answer(
+            "headers_too_large",
+            f"the chunked body's trailers, chunk sizes and extensions are over {settings.max_header_bytes} bytes, "
+            f"the limit ({env_name('max_header_bytes')}); send the body without trailers or chunk extensions",
         )
         header_timeout = answer(
             "request_timeout",
