@@ -188,6 +188,18 @@ class WriteStallWatch:
             self._transport.abort()
 
 
+def _coded(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether a request names a transfer coding other than ``chunked`` (gzip, deflate, ...): httptools
+    takes any before a final ``chunked`` and hands the body on still coded, which the gateway does not
+    decode (RFC 9112 section 6.1: a server refuses a coding it does not understand)."""
+    return any(
+        coding.strip().lower() != b"chunked"
+        for name, value in headers
+        if name == b"transfer-encoding"
+        for coding in value.split(b",")
+    )
+
+
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the limits above; :func:`limited_http_protocol` binds them."""
 
@@ -491,6 +503,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         if self.transport.is_closing():
             return  # read behind a close (a lingering body's end) in the same read: no one reads its answer
+        if _coded(self.headers):
+            # Raised out of the parser as its error: answered 400 ``invalid_http`` (``send_400_response``).
+            raise ValueError("a transfer coding other than chunked")
         self._unanswered += 1
         super().on_headers_complete()
         if self._operations and self.cycle is not None:

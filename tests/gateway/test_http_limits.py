@@ -1012,6 +1012,37 @@ async def test_a_malformed_chunked_body_gets_a_json_400(framing: bytes) -> None:
     assert status_of(transport.written) == 400 and error_code_of(transport.written) == "invalid_http"
 
 
+@pytest.mark.parametrize(
+    "encoding",
+    [
+        b"gzip, chunked",
+        b"deflate,chunked",
+        b"identity, chunked",
+        b"x-evil, chunked",
+        b"gzip\r\ntransfer-encoding: chunked",
+    ],
+    ids=["gzip", "deflate", "identity", "unknown", "gzip in a header of its own"],
+)
+async def test_a_transfer_coding_besides_chunked_gets_a_json_400_and_never_reaches_the_app(encoding: bytes) -> None:
+    """httptools takes any codings before a final ``chunked`` and hands the body on still coded: a
+    gzipped body was read as JSON and refused as not UTF-8, which says nothing of what to change."""
+    edge = Edge()
+    protocol, transport, _ = edge.connect()
+    protocol.data_received(chunked(b"3", "/coded", encoding=encoding))
+    await eventually(lambda: transport.closed, "the connection to close", timeout_s=5)
+    assert transport.written.count(b"HTTP/1.1 ") == 1, transport.written
+    assert status_of(transport.written) == 400 and error_code_of(transport.written) == "invalid_http"
+    assert edge.app.calls == [], "the app never sees a body it cannot read"
+
+
+async def test_a_chunked_body_named_in_any_case_is_served() -> None:
+    edge = Edge()
+    protocol, transport, _ = edge.connect()
+    protocol.data_received(chunked(b"3", encoding=b"Chunked"))
+    await answered(transport)
+    assert status_of(transport.written) == 200 and transport.written.endswith(b"\r\n\r\n3"), transport.written
+
+
 async def test_requests_pipelined_before_an_invalid_one_are_answered_then_the_400() -> None:
     edge = Edge()
     protocol, transport, _ = edge.connect()
