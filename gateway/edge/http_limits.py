@@ -9,6 +9,8 @@ cancels it), and accepts every connection the process has a descriptor for.
 only the asyncio callbacks, the parser callbacks, ``on_response_complete`` and
 ``send_400_response``, each of which calls uvicorn's own:
 
+- pipelined requests are parsed a piece at a time, and once ``PIPELINE_DEPTH`` of them wait behind
+  the one being answered, the connection's bytes wait unparsed until they are answered;
 - header bytes are counted in ``data_received`` before the parser sees them; a read that would
   cross the limit is parsed only up to it, so no byte past the limit is buffered or parsed; a
   chunked body's bytes that are not body (its chunk sizes and extensions, and its trailers, headers
@@ -75,6 +77,14 @@ UNREAD_SCAN = 16
 FRAMING_PER_PIECE = 16
 """Bytes of a chunked body's framing allowed per piece of its body, beside the header limit: a chunk's
 size line and the line end after its data (``ffffffff\\r\\n`` and ``\\r\\n``, 12 bytes)."""
+HEAD_PIECE_BYTES = 1024
+"""The most bytes parsed at once before a request's head has ended: each head that ends is a request
+uvicorn starts or queues (about 2 KB, its scope and cycle), so a read of many pipelined requests is
+parsed a piece at a time, and parsing stops once ``PIPELINE_DEPTH`` of them are queued."""
+PIPELINE_DEPTH = 16
+"""Pipelined requests one connection may have read and queued behind the one being answered: uvicorn
+parses a whole read and queues every request in it, so 256 KiB of pipelined ``GET`` held about 24 MB
+until answered. Past this many, the connection's bytes wait unparsed (``_held``) until the queue drains."""
 REFUSAL_LINGER_S = 1.0
 """How long a refused connection stays open after its 503 for the client to close it."""
 OPERATIONS_OVER_CAP = 16
@@ -268,6 +278,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """Answered and half-closed before a long body came: its rest is read and dropped, then it closes."""
         self._write_stall: WriteStallWatch | None = None
         """Made at the first pause of writing (:class:`WriteStallWatch`, the header timeout to read)."""
+        self._held = b""
+        """Bytes read behind ``PIPELINE_DEPTH`` queued requests, parsed once they are answered."""
 
     # asyncio callbacks ---------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -429,6 +441,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._refused is not None:
             self._read_refused(self._refused, data)
             return
+        if self._held:  # behind a full queue of pipelined requests: parsed once it drains
+            self._held += data
+            self.flow.pause_reading()
+            return
         if self._in_body:
             if len(data) > self.max_header_bytes and not self._lingering:  # lingering: no request follows
                 self._parse_in_pieces(data)
@@ -436,7 +452,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._parse_body(data)
         else:
             counted = self._header_bytes + len(data)
-            if counted > self.max_header_bytes:
+            if counted > self.max_header_bytes or len(data) > HEAD_PIECE_BYTES:
                 self._parse_in_pieces(data)
                 return
             self._header_bytes = counted
@@ -445,9 +461,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._count_pipelined(data, 0, len(data))
 
     def _parse_in_pieces(self, data: bytes) -> None:
-        """Parses a read that would cross the header limit, or a large read of a body, a piece at a
-        time: headers only up to the limit, a body in pieces no larger than it, so that a request
-        pipelined behind the body is counted from the piece it begins in."""
+        """Parses a read that would cross the header limit, or a large read, a piece at a time: headers
+        only up to the limit and ``HEAD_PIECE_BYTES`` at once, a body in pieces no larger than the limit,
+        so that a request pipelined behind the body is counted from the piece it begins in; once
+        ``PIPELINE_DEPTH`` requests are queued, the rest is held unparsed."""
         view = memoryview(data)
         start, size = 0, len(data)
         while start < size:
@@ -459,7 +476,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 if room <= 0:
                     self._refuse(self.headers_too_large)
                     return
-                end = min(size, start + room)
+                end = min(size, start + room, start + HEAD_PIECE_BYTES)
                 self._header_bytes += end - start
                 super().data_received(view[start:end])  # type: ignore[arg-type]  # httptools takes any buffer
             if self.transport.is_closing() or self.transport.get_protocol() is not self:
@@ -467,6 +484,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             if self._begun_mid_read:
                 self._count_pipelined(data, start, end)
             start = end
+            if len(self.pipeline) >= PIPELINE_DEPTH and start < size:
+                self._held = bytes(view[start:])
+                self.flow.pause_reading()  # uvicorn resumes it at each answer: held bytes come first
+                return
 
     def _parse_body(self, piece: bytes | memoryview) -> None:
         """Parses a piece of a body, counting its bytes that were no body when the body goes on past it:
@@ -568,6 +589,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._idle()
         # else: answered before a short body came; it is read and dropped (``DRAIN_BYTES``), within the
         # body deadline, and the connection then waits for the next request (``on_message_complete``).
+        if self._held and len(self.pipeline) < PIPELINE_DEPTH:
+            held, self._held = self._held, b""
+            self.data_received(held)
 
     def _idle(self) -> None:
         """The connection waits for its next request."""

@@ -24,7 +24,9 @@ from gateway.edge.descriptors import FD_RESERVE, connection_cap, refusal_budget
 from gateway.edge.handlers import EdgeMiddleware
 from gateway.edge.http_limits import (
     EDGE_ROUTE,
+    HEAD_PIECE_BYTES,
     OPERATIONS_OVER_CAP,
+    PIPELINE_DEPTH,
     REFUSAL_LINGER_S,
     SLOW_AFTER_S,
     LimitedHttpToolsProtocol,
@@ -339,6 +341,26 @@ async def test_many_small_pipelined_requests_in_one_large_read_are_not_refused()
     await answered(transport, 200)
     assert b" 431 " not in transport.written
     assert not transport.closed
+
+
+@pytest.mark.parametrize("limit", [LIMIT, 16_384], ids=["1 KiB headers", "16 KiB headers"])
+async def test_requests_pipelined_past_a_few_wait_unparsed_and_are_all_answered_in_order(limit: int) -> None:
+    """uvicorn parses a whole read and queues every request in it (about 2 KB each: its scope and cycle):
+    ten connections that each sent 256 KiB of pipelined ``GET`` and read nothing grew the gateway by 240 MB.
+    Past ``PIPELINE_DEPTH`` queued requests the rest waits unparsed, and is parsed as the queue drains."""
+    edge = Edge(max_header_bytes=limit)
+    edge.app.gate.clear()
+    protocol, transport, parser = edge.connect()
+    count = 3000
+    protocol.data_received(get("/p") * count)
+    await settle()
+    queued = len(protocol.pipeline)
+    assert queued <= PIPELINE_DEPTH + HEAD_PIECE_BYTES // len(get("/p")), f"{queued} requests were read and queued"
+    assert parser.fed <= 2 * HEAD_PIECE_BYTES, f"{parser.fed} bytes were parsed"
+    edge.app.gate.set()
+    await answered(transport, count)
+    assert edge.app.calls == ["/p"] * count
+    assert transport.written.count(b"HTTP/1.1 200 ") == count and not transport.closed
 
 
 @pytest.mark.parametrize("behind", ["a GET", "a POST"])
