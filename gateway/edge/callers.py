@@ -8,6 +8,7 @@ spend another's bucket.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -50,7 +51,7 @@ def caller_of(settings: GatewaySettings) -> CallerOf:
 
 def client_of(request: Request, trust_client_id: bool) -> str:
     """Which client sent ``request``: ``key:<owner>`` with API keys, else ``id:<X-Client-Id>`` behind a
-    trusted proxy, else ``ip:<peer address>``."""
+    trusted proxy, else ``ip:<peer address>`` (an IPv6 peer by its /64: ``address_client``)."""
     owner = request_owner(request)
     if owner is not None:
         return f"key:{owner}"
@@ -61,7 +62,22 @@ def client_of(request: Request, trust_client_id: bool) -> str:
                 f"the {CLIENT_ID_HEADER} header must be 1 to 128 visible ASCII characters (no spaces)"
             )
         return f"id:{claimed}"
-    return f"ip:{request.client.host if request.client else 'unknown'}"
+    return address_client(request.client.host) if request.client else "ip:unknown"
+
+
+def address_client(host: str) -> str:
+    """``ip:<address>``, an IPv6 address by its /64: one subscriber (a home line, a cloud VM) gets a whole
+    /64 and may send from any address in it, so counted by address one machine would be as many
+    clients as it liked, each with its own rate limit, watchers and share of the bodies being read."""
+    if ":" not in host:
+        return f"ip:{host}"
+    try:
+        address = ipaddress.IPv6Address(host.partition("%")[0])  # without its zone (fe80::1%eth0)
+    except ValueError:
+        return f"ip:{host}"
+    if address.ipv4_mapped is not None:  # an IPv4 peer of a dual-stack socket
+        return f"ip:{address.ipv4_mapped}"
+    return f"ip:{ipaddress.IPv6Network((address, 64), strict=False)}"
 
 
 def request_tiers(request: Request) -> KeyTiers | None:

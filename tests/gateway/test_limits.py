@@ -10,10 +10,12 @@ from typing import Any
 
 import httpx
 import pytest
+from starlette.requests import Request
 
 from batcher.tokens import estimated
 from gateway.admission.validation import LONG_INPUT_CHARS
 from gateway.edge.auth import digest_of
+from gateway.edge.callers import client_of
 from gateway.sharing.answer_keys import AnswerKeys
 from schemas.records import TaskStatus
 from schemas.wire import Names
@@ -283,6 +285,21 @@ async def test_without_a_client_id_the_address_is_the_client(make_rig: RigFactor
     rig = await make_rig(**_limited(0.1, 1))
     assert (await rig.client.post("/v1/tasks", json={"input": "a"})).status_code == 202
     assert (await rig.client.post("/v1/tasks", json={"input": "b"})).status_code == 429
+
+
+def test_the_ipv6_peers_of_one_64_block_are_one_client() -> None:
+    """One subscriber (a home line, a cloud VM) gets a whole /64 and may send from any address in it:
+    counted by address, one machine was as many clients as it liked, each with its own rate limit,
+    watchers and share of the bodies being read."""
+
+    def client(host: str) -> str:
+        return client_of(Request(http_scope("POST", "/v1/tasks") | {"client": (host, 1234)}), trust_client_id=False)
+
+    assert client("2001:db8:1:2::1") == client("2001:db8:1:2:ffff:ffff:ffff:ffff") == "ip:2001:db8:1:2::/64"
+    assert client("2001:db8:1:3::1") != client("2001:db8:1:2::1"), "another block is another client"
+    assert client("::ffff:192.0.2.7") == client("192.0.2.7") == "ip:192.0.2.7", "an IPv4 peer seen over IPv6"
+    assert client("192.0.2.7") != client("192.0.2.8")
+    assert client("fe80::1%eth0") == "ip:fe80::/64"
 
 
 async def test_an_untrusted_client_id_is_ignored_and_the_address_is_the_client(make_rig: RigFactory) -> None:
