@@ -216,7 +216,7 @@ class NotReady(GatewayError):
 # code -> (HTTP status, when). The one place where gateway errors meet HTTP; docs/operations.md's error
 # table and the OpenAPI error responses are generated from it.
 ERROR_TABLE: dict[str, tuple[int, str]] = {
-    "invalid_json": (400, "The body is not one JSON document."),
+    "invalid_json": (400, "The body is not one JSON document, or a string in it holds a lone UTF-16 surrogate escape."),
     "invalid_utf8": (400, "The body is not valid UTF-8."),
     "invalid_task_id": (400, "The task id has characters or a length no task id has."),
     "invalid_idempotency_key": (

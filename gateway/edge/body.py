@@ -141,6 +141,9 @@ MAX_PROBLEMS = 5
 """Problems of a body that a refusal names; the rest it counts."""
 TEXT_EXPECTED = "text_expected"
 """The error type of a field validator that refuses a value which is not text, in its own words."""
+_LONE_SURROGATE = ("surrogate", "end of hex escape")
+"""Words of the parser's errors for a ``\\uXXXX`` escape of half a surrogate pair: JSON's grammar takes
+one, Unicode has no such character, and "unexpected end of hex escape" reads as a truncated escape."""
 BOM = "\ufeff"
 """A byte order mark: RFC 8259 forbids sending one, and a body that starts with one is refused naming it."""
 
@@ -202,6 +205,13 @@ def _explain(errors: list[ErrorDetails], fields: str, example: str, count: int) 
     for error in errors:
         if error["type"] == "json_invalid":
             detail = error.get("ctx", {}).get("error", error["msg"])
+            if any(words in detail for words in _LONE_SURROGATE):
+                at = detail.rpartition(" at ")[2]
+                return InvalidJson(
+                    f"the body's JSON holds a lone UTF-16 surrogate escape (\\ud800 to \\udfff without its pair) at "
+                    f"{at}, which is no Unicode character; send valid Unicode text (a string cut in the middle of "
+                    "an emoji has one)"
+                )
             return InvalidJson(f"the body is not valid JSON ({detail}); send an object like {example}")
     problems: list[str] = []
     for error in errors:

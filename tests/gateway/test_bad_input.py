@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from gateway.edge.body import parse_inference_body
-from gateway.errors import ValidationFailed
+from gateway.errors import InvalidJson, ValidationFailed
 from tests.support.eventually import eventually
 from tests.support.gateway_rig import RigFactory, error_of
 
@@ -218,6 +218,21 @@ async def test_a_refusal_of_unknown_fields_does_not_grow_with_them(make_rig: Rig
     if len(body) > 2:
         assert "and 19995 more" in error["message"], error
     assert rig.store.created == []
+
+
+@pytest.mark.parametrize(
+    "text",
+    [b"\\ud800", b"a\\ud83db", b"\\udc00", b"\\ud800\\u0041"],
+    ids=["high", "high mid-text", "low", "high, then a letter"],
+)
+def test_a_lone_surrogate_escape_is_refused_saying_so_and_what_to_send(text: bytes) -> None:
+    """JSON's grammar takes ``"\\ud800"``, and JavaScript's JSON.stringify writes one for a string cut in
+    the middle of an emoji; the parser's "unexpected end of hex escape" read as a truncated escape."""
+    with pytest.raises(InvalidJson) as refused:
+        parse_inference_body(b'{"input": "' + text + b'"}')
+    message = str(refused.value)
+    assert "lone UTF-16 surrogate" in message and "send valid Unicode text" in message, message
+    assert "line 1 column" in message, message
 
 
 def test_a_body_of_many_unknown_fields_costs_its_refusal_about_what_reading_it_costs() -> None:
