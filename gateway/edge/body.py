@@ -164,21 +164,24 @@ def parse_body(body: bytes, shape: type[Shape]) -> Shape:
         return shape.model_validate_json(text)
     except ValidationError as err:
         count = err.error_count()
-        errors = (
-            err.errors(include_url=False, include_input=False) if count <= MAX_PROBLEMS else _first_errors(text, shape)
-        )
+        errors = _first_errors(text, shape) if count > MAX_PROBLEMS else None
+        if errors is None:
+            errors = err.errors(include_url=False, include_input=False)
         raise _explain(errors, ", ".join(shape.model_fields), _example(shape), count) from err
 
 
-def _first_errors(text: str, shape: type[BaseModel]) -> list[ErrorDetails]:
+def _first_errors(text: str, shape: type[BaseModel]) -> list[ErrorDetails] | None:
     """The errors of a body that has more than ``MAX_PROBLEMS``, enough of them for a refusal, without
     reading each of pydantic's: a body of many unknown fields has one per field, and reading them all
     costs the event loop many times what parsing the body does.
 
     The body is a JSON object (one that is not has a single error): its known fields are validated again
-    alone (one error each at most), and its unknown ones named, the first ``MAX_PROBLEMS`` of them."""
+    alone (one error each at most), and its unknown ones named, the first ``MAX_PROBLEMS`` of them.
+    None for a body that is no object, whose errors are then read as they are."""
     fields = shape.model_fields
     data = from_json(text)
+    if not isinstance(data, dict):
+        return None
     errors: list[ErrorDetails] = []
     try:
         shape.model_validate_json(json.dumps({name: value for name, value in data.items() if name in fields}))
