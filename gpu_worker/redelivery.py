@@ -14,7 +14,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from gpu_worker import careful
-from gpu_worker.calls import Failure
+from gpu_worker.calls import Failure, GroupResult
 from gpu_worker.settings import WorkerSettings
 from gpu_worker.states import task_state, wall_ms
 from schemas.deadletter import DEAD_LETTERED
@@ -26,8 +26,9 @@ from transport.retry import Retrying
 
 log = logging.getLogger(__name__)
 
-RunGroup = Callable[[Batch, list[BatchItem], int], Awaitable[list[TaskState]]]
-"""One backend call for a group of a batch on its n-th delivery: the group's states (not stored)."""
+RunGroup = Callable[[Batch, list[BatchItem], int, GroupResult], Awaitable[list[TaskState]]]
+"""One backend call for a group of a batch on its n-th delivery, timed in the ``GroupResult`` it is
+given: the group's states (not stored)."""
 EndLate = Callable[[Batch, list[BatchItem]], Awaitable[tuple[list[TaskState], list[BatchItem]]]]
 """Ends ``expired`` (stored) the items of a group that a call started now would answer past their
 deadline: (their states, the items still to run)."""
@@ -59,9 +60,12 @@ class Redelivery:
         self._end_late = end_late
         self._start_from = start_from
 
-    async def run(self, batch: Batch, todo: list[BatchItem], count: int, receipt: str) -> list[TaskState]:
+    async def run(
+        self, batch: Batch, todo: list[BatchItem], count: int, receipt: str
+    ) -> tuple[list[TaskState], GroupResult]:
         """Runs ``todo`` of ``batch`` on its ``count``-th delivery, received as ``receipt`` (as it was
-        counted); returns every state it stored."""
+        counted); returns every state it stored, and when its first call began and its last ended (the
+        batch's ``backend`` span)."""
         # Every task of the batch, those that ended since included: an input is proven the culprit
         # only if nothing else was in flight at the death, not merely nothing else still to run.
         ids = [item.task_id for item in batch.items]
@@ -87,6 +91,7 @@ class Redelivery:
             extra=logs.ids(batch_id=batch.batch_id, traceparent=batch.traceparent),
         )
         stored = await self._dead_letter(batch, decided.dead, suspects, count) if decided.dead else []
+        calls = GroupResult()
         for group in decided.groups:
             # The groups run one call after another: one that waited behind the others' calls may no
             # longer end by its items' deadlines (a synchronous caller is answered 504 at its own).
@@ -96,10 +101,14 @@ class Redelivery:
                 continue
             mark = functools.partial(self.deliveries.mark, batch.batch_id, [item.task_id for item in group])
             await self._retry("marking tasks in flight", mark)
-            states = await self._run_group(batch, group, count)
+            timed = GroupResult()
+            states = await self._run_group(batch, group, count, timed)
+            if calls.started is None:
+                calls.started = timed.started
+            calls.ended = timed.ended if timed.ended is not None else calls.ended
             await self._retry("storing results", functools.partial(self.store.apply, states))
             stored.extend(states)
-        return stored
+        return stored, calls
 
     async def _dead_letter(
         self, batch: Batch, items: list[BatchItem], suspects: Suspects, count: int

@@ -407,8 +407,8 @@ class Worker:
                 todo = await self.admission.admit(batch, todo)
                 stale, todo = await self._end_late_now(batch, todo)
                 late += stale
-            stored = await self.redelivery.run(batch, todo, count, receipt) if todo else []
-            self._fill(slot, batch, ended + late + stored)  # stored again (no-ops) to wait for replicas
+            stored, calls = await self.redelivery.run(batch, todo, count, receipt) if todo else ([], None)
+            self._fill(slot, batch, ended + late + stored, calls)  # stored again (no-ops) to wait for replicas
             return
         self._start_call(slot, batch, todo, ended)
 

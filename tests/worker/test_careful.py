@@ -11,14 +11,17 @@ import asyncio
 import functools
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from gpu_worker.careful import plan
 from schemas.deadletter import DEAD_LETTERED, DeadLetter
 from schemas.records import Batch, TaskState, TaskStatus
-from telemetry import metrics
+from telemetry import metrics, tracing
 from tests.support.eventually import eventually
+from tests.support.trace_checks import from_sdk
 from tests.support.worker_rig import RecordingConsumer, Rig, ScriptedBackend, now_ms
 from transport.deliveries import MemoryDeadLetters, MemoryDeliveryLog, Suspects
 from transport.ports import PartitionsCallback, TransportError
@@ -360,3 +363,28 @@ async def test_the_embedded_dead_letters_keep_the_latest_ones_only() -> None:
         "b5",
         f"b{MemoryDeadLetters.KEEP + 4}",
     ]
+
+
+async def test_a_redelivered_batch_has_its_backend_span_under_its_worker_span() -> None:
+    """A redelivered batch's groups run one call after another: its ``worker.run`` span holds a
+    ``backend`` span from the first call's start to the last one's end, as a first delivery's does."""
+    exporter = InMemorySpanExporter()
+    tracing.configure(None, "batchwire-test", exporter=exporter)
+    try:
+        rig = Rig()
+        batch = replace(rig.batch(["a", "b", "c"]), traceparent=f"00-{'1' * 32}-{'2' * 16}-01")
+        await rig.create(batch)
+        await rig.deliveries.begin(batch.batch_id, "died")  # a first delivery whose worker was killed mid-call
+        deaths, calls = await deliver_until_answered(rig, batch, die_on=None)
+        assert deaths == 0 and len(calls) == 2, f"the suspects run in halves, in two calls: {calls}"
+        await eventually(
+            lambda: any(span.name == "result.store" for span in exporter.get_finished_spans()),
+            "the batch's worker spans to be recorded",
+        )
+    finally:
+        tracing.shutdown()
+    spans = {span.name: span for span in from_sdk(exporter.get_finished_spans())}
+    assert "backend" in spans, f"the batch's calls have no span: {sorted(spans)}"
+    run, backend = spans["worker.run"], spans["backend"]
+    assert backend.parent_id == run.span_id, "the calls are the worker span's child"
+    assert run.start_ns <= backend.start_ns < backend.end_ns <= run.end_ns, "within the worker's run"
