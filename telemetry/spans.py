@@ -39,7 +39,17 @@ _MS = 1_000_000
 class RequestSpans:
     """One HTTP submit's spans in the gateway, current (a context variable) while its route runs."""
 
-    __slots__ = ("_accepted", "_sent_ns", "_stored_ms", "_token", "accept", "task_id", "trace_id", "traceparent")
+    __slots__ = (
+        "_accepted",
+        "_failure",
+        "_sent_ns",
+        "_stored_ms",
+        "_token",
+        "accept",
+        "task_id",
+        "trace_id",
+        "traceparent",
+    )
 
     def __init__(self, incoming: str | None) -> None:
         self.accept: Span = tracing.open_span("gateway.accept", incoming, server=True)
@@ -49,6 +59,7 @@ class RequestSpans:
         self._accepted = False
         self._sent_ns = 0
         self._stored_ms: int | None = None
+        self._failure: BaseException | str | None = None
         self._token: Token[RequestSpans | None] = _current.set(self)
 
     def sent(self, task_id: str) -> str:
@@ -65,11 +76,17 @@ class RequestSpans:
         """The result the answer carries was stored around ``stored_ms`` (its ``updated_at_ms``)."""
         self._stored_ms = stored_ms
 
+    def failed(self, err: BaseException | str) -> None:
+        """An answer streamed after the route returned failed, or the stream was cut before its end."""
+        self._failure = err
+
     def end(self, status: int | None, err: BaseException | str | None = None) -> None:
-        """The route is done: ends what is still open and records ``reply``: from the stored end (a
-        failed or expired task's too), or, where none came (the gateway's own deadline, a caller
-        gone), from the send; an error marks it failed. A 202 records none: its answer is read elsewhere."""
+        """The route is done (a streamed answer: its stream): ends what is still open and records ``reply``:
+        from the stored end (a failed or expired task's too), or, where none came (the gateway's own
+        deadline, a caller gone), from the send; an error marks it failed. A 202 records none: its answer
+        is read elsewhere."""
         _current.reset(self._token)
+        err = err if err is not None else self._failure
         if not self._accepted:  # refused, or answered without a new task (an idempotent replay)
             self._accepted = True
             if err is not None:
@@ -102,6 +119,13 @@ def request_answered(stored_ms: int) -> None:
     spans = _current.get()
     if spans is not None:
         spans.answered(stored_ms)
+
+
+def request_failed(err: BaseException | str) -> None:
+    """Notes that the answer the current route streams failed or was cut short: its ``reply`` ends failed."""
+    spans = _current.get()
+    if spans is not None:
+        spans.failed(err)
 
 
 def current_ids() -> tuple[str | None, str | None]:

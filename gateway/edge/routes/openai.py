@@ -56,6 +56,7 @@ from gateway.keys.idempotency import UNCOMPUTED_FAILURES
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings, env_name
 from schemas.records import INPUT_REFUSED
+from telemetry import spans, tracing
 from transport.cancelling import cancel_and_wait
 
 T = TypeVar("T")
@@ -454,6 +455,8 @@ class CompletionChunks:
             self._ended = True
             if not self._streaming:
                 raise _named(exc, self._names[index]) from None  # nothing streamed yet: the route answers it as JSON
+            if tracing.ACTIVE:
+                spans.request_failed(exc)
             return _error_chunk(_named(exc, self._names[index]))
         self._streaming = True
         self._model = answer.model
@@ -466,6 +469,8 @@ class CompletionChunks:
         return {**chunk, "choices": choices, **({"usage": usage} if usage is not None else {})}
 
     async def aclose(self) -> None:
+        if not self._ended and self._streaming and tracing.ACTIVE:
+            spans.request_failed("the stream ended before its last answer (its client left, or the gateway shut down)")
         self._ended = True
         await _abandon(self._gone, self._index)
 
