@@ -120,7 +120,8 @@ FLUSHES = Counter(
 )
 BATCH_WAIT = Histogram(
     "batchwire_batch_wait_seconds",
-    "Time from sealing a batch until a worker started it.",
+    "Time from sealing a batch until a worker took it from the bus (not its wait there behind the running "
+    "call, which batchwire_request_stage_seconds_total's sealed_to_started counts too).",
     ["model"],
     buckets=_SHORT_BUCKETS,
     registry=REGISTRY,
