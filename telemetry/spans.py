@@ -187,13 +187,13 @@ def batch_ran(batch: Batch, call_s: tuple[float, float] | None, now_s: float, ha
     """Records a batch's spans in the worker once its results are stored: ``worker.run`` from the
     batch's seal until its results were handed to the commits (``handed_ns``), its ``backend`` call
     (``call_s``: start and end on the monotonic clock that gave ``now_s``), and ``result.store``."""
+    wall_ns = time.time_ns()  # next to ``now_s``: what runs between the two would shift the call later
     if batch.traceparent is not None and not tracing.sampled(batch.traceparent):
         return
     attributes: tracing.Attributes = {"batch.id": batch.batch_id, "batch.size": len(batch.items), "model": batch.model}
     run = tracing.open_span("worker.run", batch.traceparent, batch.created_at_ms * _MS, attributes=attributes)
     run_context = tracing.traceparent_of(run)
     if call_s is not None:
-        wall_ns = time.time_ns()
         started_ns, ended_ns = (wall_ns - round((now_s - t) * 1e9) for t in call_s)
         tracing.record("backend", run_context, started_ns, ended_ns, attributes=attributes)
     run.end(end_time=handed_ns)
