@@ -111,6 +111,9 @@ class BackendCalls:
         self._uncounted: list[Timing] = []
         """The calls submitted and not yet in the busy seconds: one runs at a time on the backend's thread."""
         metrics.WORKER_CALL_RUNNING.labels(worker=worker_id).set_function(self._running_s)
+        # 0 from the start, not from the first call's end: sums and counts over workers include an idle one.
+        metrics.WORKER_BUSY.labels(worker=worker_id)
+        metrics.BACKEND_CPU.labels(worker=worker_id)
 
     def close(self) -> None:
         """Drops this worker's running-call gauge: the registry keeps the function that reads it, which would

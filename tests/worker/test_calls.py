@@ -7,6 +7,7 @@ import threading
 from gpu_worker.backends.base import InputError
 from gpu_worker.calls import LONG_CHECK_CHARS, BackendCalls, Failure
 from gpu_worker.runner import BackendRunner
+from telemetry import metrics
 
 
 class CheckedOn:
@@ -266,3 +267,12 @@ async def test_a_check_that_names_its_inputs_by_numpy_indices_rejects_them_with_
     assert result.outputs[0] == "cba" and result.outputs[2] == "zyx", result.outputs
     failure = result.outputs[1]
     assert isinstance(failure, Failure) and failure.code == "input_too_long", failure
+
+
+async def test_a_worker_exports_its_busy_and_cpu_seconds_from_its_start(runner: BackendRunner) -> None:
+    """A worker that has run no call yet is idle, and says so: without its series (0) until its first call
+    ends, a sum or count over workers (the dashboard's idle workers) leaves it out."""
+    BackendCalls(CheckedOn(), runner, "m", "fresh-worker")  # type: ignore[arg-type]
+    for family in ("batchwire_worker_busy_seconds_total", "batchwire_backend_cpu_seconds_total"):
+        value = metrics.REGISTRY.get_sample_value(family, {"worker": "fresh-worker"})
+        assert value == 0.0, f"a worker that ran no call yet exports {family} {value}, not 0"
