@@ -499,3 +499,18 @@ def test_every_metric_the_dashboard_queries_is_one_batchwire_exports(
         "batchwire_cache_misses_total",
     ):
         assert name in queried, f"no panel shows {name}"
+
+
+def test_the_dashboards_refusals_leave_out_the_probes_and_scrapes(dashboard: dict[str, Any]) -> None:
+    """An unready gateway answers its health probe (compose's, every 5 s) and a fleet read 503: no
+    client's request was refused, and the fleet's own figures leave them out (``telemetry.heartbeat``)."""
+    operational = ("/readyz", "/healthz", "/metrics", "/v1/fleet", "/dashboard", "/dashboard/events")
+    for panel in _panels(dashboard):
+        for target in panel["targets"]:
+            expr = target["expr"]
+            if "batchwire_requests_total" not in expr or "503" not in expr:
+                continue
+            excluded = re.search(r'route!~"([^"]*)"', expr)
+            assert excluded is not None, f"{panel['title']}: counts the probes' and scrapes' 503s: {expr}"
+            kept = [route for route in operational if not re.fullmatch(excluded.group(1), route)]
+            assert not kept, f"{panel['title']}: counts the 503s of {kept}: {expr}"
