@@ -41,7 +41,12 @@ _LATENCY_BUCKETS = (
     5.0,
     10.0,
     30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
 )
+"""Up to minutes: ``--max-timeout-ms`` may be raised past its 30 s default (a model that generates for long)."""
 _SHORT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 100, 128, 256)
 

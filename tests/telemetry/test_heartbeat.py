@@ -6,6 +6,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from telemetry.heartbeat import Reader, batcher_figures, gateway_figures, worker_figures
+from telemetry.metrics import REGISTRY, REQUEST_LATENCY
 from tests.support.fake_clock import FakeClock
 
 
@@ -174,3 +175,18 @@ def test_a_worker_s_call_counts_busy_as_it_runs_and_once_over_its_end(registry: 
     clock.advance(1.0)
     shares.append(worker_figures(reader.advance(), "w1")["busy_fraction"])
     assert shares == [pytest.approx(0.6), pytest.approx(1.0), pytest.approx(0.5)]
+
+
+def test_an_answer_slower_than_the_default_longest_deadline_reads_as_its_own_latency() -> None:
+    """``--max-timeout-ms`` may be raised past its 30 s default (a model generating for minutes): the
+    latency buckets go on past it, so such an answer is not read as 30 s in beats and dashboards."""
+    clock = FakeClock()
+    reader = Reader(REGISTRY, clock)
+    try:
+        for latency_s in (45.0, 250.0):
+            REQUEST_LATENCY.labels(model="slow-figures").observe(latency_s)
+            clock.advance(1.0)
+            p99 = reader.advance().quantile("batchwire_request_latency_seconds", 0.99, model="slow-figures")
+            assert p99 is not None and latency_s * 2 / 3 < p99 <= latency_s * 2, (latency_s, p99)
+    finally:
+        REQUEST_LATENCY.remove("slow-figures")
