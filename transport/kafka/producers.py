@@ -286,11 +286,15 @@ class RenewingProducer:
         leader = producer.client.cluster.leader_for_partition(tp)
         if leader is not None and leader >= 0:
             return True
+        self._ask_for_metadata(producer)
+        return False
+
+    def _ask_for_metadata(self, producer: Any) -> None:
+        """Has aiokafka refresh the cluster's metadata in the background, at most every ``METADATA_RETRY_S``."""
         now = time.monotonic()
         if now - self._refreshed_at >= METADATA_RETRY_S:
             self._refreshed_at = now
             producer.client.force_metadata_update()
-        return False
 
     async def ready(self, topic: str) -> bool:
         """The leader of ``topic``'s first partition answers a metadata request within ``ready_timeout_s``
@@ -314,6 +318,11 @@ class RenewingProducer:
                 await producer.client.send(leader, MetadataRequest([topic]), group=ConnectionGroup.COORDINATION)
                 return True
         except (TimeoutError, KafkaError, ValueError):
+            # A leader that does not answer may lead no more: the cluster fences a frozen or cut-off broker
+            # and elects another among the in-sync copies, which the cached metadata learns only from a
+            # refresh. aiokafka refreshes after a produce error, and while the breaker is open nothing is
+            # produced: without this, every probe would ask the silent broker for as long as it stays silent.
+            self._ask_for_metadata(producer)
             return False
 
 
