@@ -1,4 +1,5 @@
-"""aiokafka's broker connection, made to fail as a lost connection when the broker reset it.
+"""aiokafka's broker connection, made to fail as a lost connection when the broker reset it, and bounded
+in how long it waits for a broker that answers nothing (``bound_requests``).
 
 Every role runs on uvloop. When a broker dies (``kill -9``, a crash, a reboot) the kernel resets
 its connections, and for the few loop turns before aiokafka's read task notices, the connection
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from aiokafka.client import ConnectionGroup
 from aiokafka.conn import AIOKafkaConnection, CloseReason
 from aiokafka.errors import KafkaConnectionError
 
@@ -39,3 +41,27 @@ def guard_writes() -> None:
 
     AIOKafkaConnection.send = guarded_send
     setattr(AIOKafkaConnection, _GUARDED, True)
+
+
+def bound_requests(client: Any, *, data_timeout_ms: int, coordination_timeout_ms: int) -> None:
+    """Gives ``client`` (an ``AIOKafkaClient`` not yet started) two request timeouts instead of one.
+
+    Its fetches, metadata requests and offset lookups, and the set-up of every connection, time out after
+    ``data_timeout_ms``; the requests to the group's coordinator (aiokafka's coordination connections)
+    after ``coordination_timeout_ms``, since the coordinator holds a JoinGroup until the rebalance ends.
+    aiokafka has one timeout for both, so a consumer given the long one waits that long on a broker that is
+    frozen or cut off (connected, answering nothing): a metadata refresh sent to it, which every other one
+    waits behind, learns the leaders the cluster elected in its place only once it times out, and the
+    partitions that broker led are not read meanwhile.
+    """
+    client._request_timeout_ms = data_timeout_ms  # what each new connection gets: its set-up and requests
+    get_conn = client._get_conn
+    coordination_timeout_s = coordination_timeout_ms / 1000
+
+    async def get_conn_bounded(node_id: Any, *, group: Any = ConnectionGroup.DEFAULT, no_hint: bool = False) -> Any:
+        conn = await get_conn(node_id, group=group, no_hint=no_hint)
+        if conn is not None and group == ConnectionGroup.COORDINATION:
+            conn._request_timeout = coordination_timeout_s
+        return conn
+
+    client._get_conn = get_conn_bounded

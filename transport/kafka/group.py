@@ -25,6 +25,7 @@ from aiokafka.errors import (
 )
 
 from transport.errors import PermanentTransportError
+from transport.kafka.connection import bound_requests
 from transport.ports import PartitionsCallback, TransportError
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,19 @@ class GroupTiming:
     callback included: a member still in it past this is dropped from the group, and its commits are
     refused. None: the session timeout (aiokafka's default)."""
     request_timeout_ms: int = 30_000
+    """Requests to the group's coordinator: it holds a JoinGroup until the rebalance ends."""
+    data_request_timeout_ms: int = 5_000
+    """Fetches, metadata requests and offset lookups, and each connection's set-up (``bound_requests``):
+    the broker holds a fetch ``fetch_max_wait_ms`` at most and answers the rest at once, and a broker
+    frozen or cut off holds the metadata refresh that would name its partitions' new leaders this long."""
     commit_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.data_request_timeout_ms <= self.fetch_max_wait_ms:
+            raise ValueError(
+                f"data_request_timeout_ms ({self.data_request_timeout_ms}) must exceed fetch_max_wait_ms "
+                f"({self.fetch_max_wait_ms}), which the broker may hold a fetch"
+            )
 
     @classmethod
     def revoking_within(cls, session_timeout_ms: int, revoke_s: float) -> GroupTiming:
@@ -125,6 +138,7 @@ class GroupConsumer:
         self.group_id = group_id
         self.assigned: frozenset[int] = frozenset()
         self.commit_timeout_s = timing.commit_timeout_s
+        self._data_request_timeout_ms = timing.data_request_timeout_ms
         self._settings: dict[str, Any] = {
             "bootstrap_servers": bootstrap,
             "group_id": group_id,
@@ -179,6 +193,11 @@ class GroupConsumer:
         if self._consumer is not None:
             raise RuntimeError(f"consumer for {self.topic} started twice")
         consumer = AIOKafkaConsumer(**self._settings)
+        bound_requests(
+            consumer._client,
+            data_timeout_ms=self._data_request_timeout_ms,
+            coordination_timeout_ms=self._settings["request_timeout_ms"],
+        )
         consumer.subscribe([self.topic], listener=_Listener(self, on_assigned, on_revoked))
         try:
             await consumer.start()
