@@ -306,6 +306,7 @@ class RenewingProducer:
         producer = self.producer
         if producer is None:
             return False
+        answered = False
         try:
             async with loop_time.timeout(self.ready_timeout_s):
                 partitions = await producer.partitions_for(topic)
@@ -316,14 +317,19 @@ class RenewingProducer:
                 # A connection of its own: the broker answers one request per connection at a time, and on
                 # the sender's a probe would wait behind a produce request that is slow to be acknowledged.
                 await producer.client.send(leader, MetadataRequest([topic]), group=ConnectionGroup.COORDINATION)
+                answered = True
                 return True
         except (TimeoutError, KafkaError, ValueError):
-            # A leader that does not answer may lead no more: the cluster fences a frozen or cut-off broker
-            # and elects another among the in-sync copies, which the cached metadata learns only from a
-            # refresh. aiokafka refreshes after a produce error, and while the breaker is open nothing is
-            # produced: without this, every probe would ask the silent broker for as long as it stays silent.
-            self._ask_for_metadata(producer)
             return False
+        finally:
+            if not answered:
+                # A leader that does not answer may lead no more: the cluster fences a frozen or cut-off
+                # broker and elects another among the in-sync copies, which the cached metadata learns only
+                # from a refresh. aiokafka refreshes after a produce error, and while the breaker is open
+                # nothing is produced: without this, every probe would ask the silent broker for as long as
+                # it stays silent. In ``finally``: the breaker's probe is cut short by its own bound of the
+                # same length, which reaches this one as a cancellation.
+                self._ask_for_metadata(producer)
 
 
 # While the request producer's breaker is open, the bus is probed this often (a connection attempt).
