@@ -7,10 +7,16 @@ import time
 
 import pytest
 
-from batchwire.client import GRACE_S
 from schemas.records import InferenceRequest, TaskState
 from tests.support.eventually import eventually
-from tests.support.gateway_rig import DownProducer, RecordingStore, RigFactory, StalledStore, error_of
+from tests.support.gateway_rig import (
+    DownProducer,
+    RecordingStore,
+    RigFactory,
+    StalledStore,
+    deadline_passed_on,
+    error_of,
+)
 
 
 async def test_each_caller_gets_the_reversal_of_its_own_input(make_rig: RigFactory) -> None:
@@ -248,13 +254,7 @@ async def test_a_store_that_does_not_answer_holds_a_504_within_a_clients_grace_a
     and lands once the store answers, so the 504's task id can be polled."""
     store = StalledStore()
     rig = await make_rig(store=store)  # no worker: nobody answers
-    timeout_s = 0.3
-    started = time.monotonic()
-    response = await rig.client.post("/v1/inference", json={"input": "late", "timeout_ms": int(timeout_s * 1000)})
-    elapsed = time.monotonic() - started
-    assert response.status_code == 504, response.text
-    task_id = error_of(response)["task_id"]
-    assert elapsed < timeout_s + GRACE_S, f"the 504 came {elapsed - timeout_s:.2f} s past the deadline"
+    task_id = await deadline_passed_on(rig, "/v1/inference", "late", 0.3)
     store.back.set()
     await eventually(lambda: any(s.task_id == task_id for s in store.created), "the late record to be written")
     polled = await rig.client.get(f"/v1/result/{task_id}")

@@ -17,6 +17,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
+from batchwire.client import GRACE_S
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 from schemas.records import InferenceRequest, TaskState, TaskStatus
@@ -64,6 +65,19 @@ class StalledStore(RecordingStore):
         await self.back.wait()
         self.applied.extend(updates)
         return await super().apply(updates, counted=counted)
+
+
+async def deadline_passed_on(rig: Rig, path: str, text: str, timeout_s: float) -> str:
+    """Submits ``text`` to ``path`` with ``timeout_s`` while the rig's ``StalledStore`` does not answer:
+    asserts the 504 comes within the shipped client's grace of the deadline (``batchwire.client.GRACE_S``),
+    else that client gives up first, without the task id; returns that id."""
+    started = time.monotonic()
+    async with asyncio.timeout(20):
+        response = await rig.client.post(path, json={"input": text, "timeout_ms": int(timeout_s * 1000)})
+    elapsed = time.monotonic() - started
+    assert response.status_code == 504, response.text
+    assert elapsed < timeout_s + GRACE_S, f"the 504 came {elapsed - timeout_s:.2f} s past the deadline"
+    return str(error_of(response)["task_id"])
 
 
 class FakeWorker:
