@@ -258,6 +258,16 @@ def error_code_of(written: bytes) -> str:
     return code
 
 
+def read_until_closed(protocol: LimitedHttpToolsProtocol, transport: Transport, data: bytes, read_size: int) -> int:
+    """Hands ``data`` to ``protocol`` ``read_size`` bytes a read until it is read or the connection closes;
+    the bytes handed over."""
+    sent = 0
+    while sent < len(data) and not transport.closed:
+        protocol.data_received(data[sent : sent + read_size])
+        sent += read_size
+    return sent
+
+
 async def answered(transport: Transport, count: int = 1) -> None:
     await eventually(lambda: transport.written.count(b"HTTP/1.1 ") >= count, f"{count} answer(s)", timeout_s=5)
 
@@ -282,10 +292,7 @@ async def test_headers_over_the_limit_get_431_and_no_byte_past_it_is_parsed(case
     edge = Edge()
     protocol, transport, parser = edge.connect()
     request = HUGE_HEADERS[case]
-    sent = 0
-    while sent < len(request) and not transport.closed:
-        protocol.data_received(request[sent : sent + read_size])
-        sent += read_size
+    read_until_closed(protocol, transport, request, read_size)
     assert transport.closed, f"{case}: the connection must close"
     assert status_of(transport.written) == 431, transport.written[:200]
     assert error_code_of(transport.written) == "headers_too_large"
@@ -1127,10 +1134,7 @@ async def test_a_chunked_bodys_trailers_and_extensions_are_held_to_the_header_li
     protocol.data_received(b"POST /body HTTP/1.1\r\nhost: gw\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")
     await eventually(lambda: edge.app.calls == ["/body"], "the app to wait for the body")
     rest = TRAILERS[case]
-    sent = 0
-    while sent < len(rest) and not transport.closed:
-        protocol.data_received(rest[sent : sent + read_size])
-        sent += read_size
+    sent = read_until_closed(protocol, transport, rest, read_size)
     assert transport.closed, f"{case}: all {len(rest)} bytes were read; the connection must close past the limit"
     assert sent <= 3 * LIMIT + read_size, f"{case}: {sent} bytes were read before the refusal"
     assert status_of(transport.written) == 431 and error_code_of(transport.written) == "headers_too_large"
