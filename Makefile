@@ -8,6 +8,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 UV := $(PYTHON) -m uv
+ENSURE_UV = { $(UV) --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q uv; }
 CORE := $(VENV)/.core-stamp
 FULL := $(VENV)/.full-stamp
 MINILM_VERSION := 0.1.0
@@ -36,14 +37,25 @@ TEST_PARALLEL := -n 4 --dist loadfile --no-loadscope-reorder
 # it imports again, and pytest rewrite every test module again.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install redis-server chromium run check unit test lint typecheck stack-up stack-down bench docs clean lock durations
+.PHONY: venv install redis-server chromium run check unit test lint typecheck stack-up stack-down bench docs clean lock durations
 
 install: $(FULL) redis-server chromium
 	@$(PY) -m infra.fetch_kafka
 
-$(CORE): pyproject.toml $(CONSTRAINTS)
-	@$(UV) --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q uv
-	@test -x $(PY) || $(UV) venv -q --python $(PYTHON) $(VENV)
+# A .venv whose interpreter does not run, or is older than pyproject.toml's 3.11 (a `make` stopped while uv
+# made it, a .venv another Python made, its Python removed since), is made again, and all installed again:
+# its stamps outlive the interpreter.
+VENV_WORKS = $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1
+ifneq ($(shell $(VENV_WORKS) && echo yes),yes)
+$(CORE): venv
+endif
+
+venv:
+	@$(VENV_WORKS) || { test ! -e $(VENV) || echo "$(VENV) has no working Python 3.11 or newer: making it again"; \
+	  $(ENSURE_UV) && rm -rf $(VENV) && $(UV) venv -q --python $(PYTHON) $(VENV); }
+
+$(CORE): pyproject.toml $(CONSTRAINTS) | venv
+	@$(ENSURE_UV)
 	$(UV) pip install -q --python $(PY) -c $(CONSTRAINTS) -e .
 	@touch $(CORE)
 
@@ -68,7 +80,7 @@ chromium:
 	  { echo "could not install chromium: run 'apt-get install chromium chromium-driver' as root"; exit 1; }; }
 
 lock:
-	@$(UV) --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q uv
+	@$(ENSURE_UV)
 	$(UV) pip compile -q pyproject.toml --all-extras --upgrade --python-version 3.11 \
 	  --python-platform x86_64-unknown-linux-gnu --no-annotate -o $(CONSTRAINTS)
 
