@@ -7,8 +7,13 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-UV := $(PYTHON) -m uv
-ENSURE_UV = { $(UV) --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q uv; }
+# uv makes .venv and installs into it: PYTHON's own, else the one on PATH (its own installer's), else one
+# PYTHON's pip installs. Looked for once, and only by a recipe that installs.
+UV = $(or $(found_uv),$(eval found_uv := $(shell $(PYTHON) -m uv --version >/dev/null 2>&1 && echo '$(PYTHON) -m uv' \
+  || { uv --version >/dev/null 2>&1 && command -v uv; } || echo '$(PYTHON) -m uv'))$(found_uv))
+ENSURE_UV = { $(UV) --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q uv || { echo "could not install uv with \
+  $(PYTHON)'s pip: install uv (https://docs.astral.sh/uv/getting-started/installation/), or set PYTHON to a Python \
+  whose pip may install it" >&2; exit 1; }; }
 CORE := $(VENV)/.core-stamp
 FULL := $(VENV)/.full-stamp
 MINILM_VERSION := 0.1.0
@@ -46,16 +51,17 @@ install: $(FULL) redis-server chromium
 # made it, a .venv another Python made, its Python removed since), is made again, and all installed again:
 # its stamps outlive the interpreter.
 VENV_WORKS = $(PY) -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1
+MAKE_VENV = $(VENV_WORKS) || { test ! -e $(VENV) || echo "$(VENV) has no working Python 3.11 or newer: making it again"; \
+  rm -rf $(VENV) && $(UV) venv -q --python $(PYTHON) $(VENV); }
 ifneq ($(shell $(VENV_WORKS) && echo yes),yes)
 $(CORE): venv
 endif
 
 venv:
-	@$(VENV_WORKS) || { test ! -e $(VENV) || echo "$(VENV) has no working Python 3.11 or newer: making it again"; \
-	  $(ENSURE_UV) && rm -rf $(VENV) && $(UV) venv -q --python $(PYTHON) $(VENV); }
+	@$(ENSURE_UV) && $(MAKE_VENV)
 
-$(CORE): pyproject.toml $(CONSTRAINTS) | venv
-	@$(ENSURE_UV)
+$(CORE): pyproject.toml $(CONSTRAINTS)
+	@$(ENSURE_UV) && $(MAKE_VENV)
 	$(UV) pip install -q --python $(PY) -c $(CONSTRAINTS) -e .
 	@touch $(CORE)
 

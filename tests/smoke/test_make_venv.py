@@ -88,3 +88,45 @@ def test_make_run_installs_again_when_the_venv_it_installed_into_stopped_working
     planned = _make(tmp_path, "-n", "run")
     assert planned.returncode == 0, planned.stderr
     assert ("-c constraints.txt -e ." in planned.stdout) is installs, planned.stdout
+
+
+def _bare_python(where: Path) -> Path:
+    """A Python with neither uv nor pip, as a system Python meets ``make`` (pip absent, or refusing: PEP 668)."""
+    subprocess.run([str(BASE_PYTHON), "-m", "uv", "venv", "-q", str(where)], check=True, timeout=60)
+    return where / "bin" / "python"
+
+
+def _make_with(where: Path, python: Path, path: str, *targets: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHON": str(python), "PATH": path}
+    return subprocess.run(
+        ["make", "--no-print-directory", "-f", str(ROOT / "Makefile"), "-C", str(where), *targets],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+def test_uv_on_the_path_serves_a_python_without_it(tmp_path: Path) -> None:
+    """uv from its own installer is on PATH, not in PYTHON: ``make`` uses it instead of asking pip for another."""
+    python = _bare_python(tmp_path / "system")
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    found = subprocess.run(
+        [str(BASE_PYTHON), "-c", "import uv; print(uv.find_uv_bin())"], capture_output=True, text=True, timeout=60
+    )
+    (tools / "uv").symlink_to(found.stdout.strip())
+    project = tmp_path / "project"
+    project.mkdir()
+    done = _make_with(project, python, f"{tools}:/usr/bin:/bin", "venv")
+    assert done.returncode == 0, done.stderr
+    assert (project / ".venv" / "bin" / "python").exists(), done.stdout
+
+
+def test_no_uv_to_be_had_says_how_to_get_one(tmp_path: Path) -> None:
+    python = _bare_python(tmp_path / "system")
+    project = tmp_path / "project"
+    project.mkdir()
+    done = _make_with(project, python, "/usr/bin:/bin", "venv")
+    assert done.returncode != 0, done.stdout
+    assert "could not install uv" in done.stderr and "docs.astral.sh/uv" in done.stderr, done.stderr
