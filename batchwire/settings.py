@@ -83,7 +83,7 @@ class SharedSettings:
         if not self.kafka_bootstrap:
             raise SettingsError(
                 "Kafka is not configured: pass --kafka-bootstrap HOST:PORT or set BATCHWIRE_KAFKA_BOOTSTRAP "
-                "(`batchwire stack up` starts a local broker and writes .batchwire/stack.env)"
+                f"(`batchwire stack up` starts a local broker and writes .batchwire/stack.env; {_stack_file_read()})"
             )
         check_kafka_bootstrap(self.kafka_bootstrap)
         return self.kafka_bootstrap
@@ -92,7 +92,7 @@ class SharedSettings:
         if not self.redis_url:
             raise SettingsError(
                 "Redis is not configured: pass --redis-url redis://HOST:PORT/0 or set BATCHWIRE_REDIS_URL "
-                "(`batchwire stack up` starts a local server and writes .batchwire/stack.env)"
+                f"(`batchwire stack up` starts a local server and writes .batchwire/stack.env; {_stack_file_read()})"
             )
         check_redis_url(self.redis_url)
         return self.redis_url
@@ -174,6 +174,16 @@ def number(text: str) -> float:
 def stack_env_path() -> Path:
     """The stack file the roles read: ``BATCHWIRE_STACK_ENV``, else ``.batchwire/stack.env``."""
     return Path(os.environ.get("BATCHWIRE_STACK_ENV", str(STACK_ENV)))
+
+
+def _stack_file_read() -> str:
+    """Which stack file a role read for an address it lacks: it is relative to the directory the role starts in."""
+    path = stack_env_path()
+    if "BATCHWIRE_STACK_ENV" in os.environ:
+        where = f"{path.absolute()} (BATCHWIRE_STACK_ENV)"
+    else:
+        where = f"{path.absolute()}: start the role where `stack up` ran, or set BATCHWIRE_STACK_ENV to its stack.env"
+    return f"{path.absolute()} names none" if path.is_file() else f"no stack file at {where}"
 
 
 def stack_env(path: Path | None = None) -> dict[str, str]:

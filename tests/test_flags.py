@@ -75,6 +75,32 @@ def test_a_refused_value_from_the_stack_file_names_the_file(
     assert f"invalid int value: 'ninety' (from BATCHWIRE_METRICS_PORT in {stack}" in err, err
 
 
+@pytest.mark.parametrize(
+    ("argv", "missing"), [(["batcher"], "Kafka"), (["worker", "--kafka-bootstrap=127.0.0.1:9"], "Redis")]
+)
+def test_a_role_started_away_from_its_stack_file_names_the_file_it_looked_for(
+    argv: list[str], missing: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``stack up`` in the checkout, a role started in another directory: its stack file is relative to that one."""
+    for variable in ("BATCHWIRE_STACK_ENV", "BATCHWIRE_KAFKA_BOOTSTRAP", "BATCHWIRE_REDIS_URL"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{missing} is not configured" in err, err
+    assert f"no stack file at {tmp_path / '.batchwire' / 'stack.env'}" in err and "BATCHWIRE_STACK_ENV" in err, err
+
+
+def test_a_stack_file_named_that_is_not_there_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("BATCHWIRE_KAFKA_BOOTSTRAP", raising=False)
+    monkeypatch.setenv("BATCHWIRE_STACK_ENV", str(tmp_path / "typo.env"))
+    assert main(["worker"]) == 2
+    err = capsys.readouterr().err
+    assert f"no stack file at {tmp_path / 'typo.env'} (BATCHWIRE_STACK_ENV)" in err, err
+
+
 def test_a_refused_flag_names_no_variable(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["up", "--port", "abc"])
