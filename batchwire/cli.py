@@ -216,7 +216,13 @@ def _handler(command: str) -> Callable[[argparse.Namespace], int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:  # Ctrl-C while the command's modules load: as at any later moment
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     command = argv[0] if argv else ""
     if command.startswith("-") and command not in ("-h", "--help"):
         return _options_first(argv)
@@ -282,8 +288,6 @@ def _run(
     except BackendError as err:  # raised out of a role only by its load: the model did not load
         print(f"batchwire {args.command}: the model did not load: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
     finally:
         tracing.shutdown()  # exports the spans still held
 

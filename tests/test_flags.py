@@ -321,3 +321,17 @@ def test_python_m_batchwire_is_the_batchwire_command() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: batchwire stack"), done.stdout
+
+
+@pytest.mark.parametrize("argv", [["up"], ["stack", "status"]])
+def test_ctrl_c_while_a_command_loads_ends_it_with_130_and_no_traceback(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C in the second ``batchwire up`` spends importing its role (or a tool its module) ends it as
+    Ctrl-C at any later moment does: exit 130, no 30-line traceback out of importlib."""
+
+    def interrupted(name: str) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("batchwire.cli.importlib.import_module", interrupted)
+    assert main(argv) == 130
