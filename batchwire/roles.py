@@ -89,9 +89,8 @@ def run_embedded(args: argparse.Namespace) -> int:
     )
     runtime.load()
     log.info(
-        "batchwire (embedded) on http://%s:%d: models %s, %d workers each",
-        settings.host,
-        settings.port,
+        "batchwire (embedded) on %s: models %s, %d workers each",
+        settings.url,
         ",".join(shared.models),
         args.workers,
     )
@@ -135,10 +134,9 @@ def run_gateway(args: argparse.Namespace) -> int:
     )
     app = create_app(gateway, transports, streams_end, transports.fleet, metrics.GATEWAY_EXPORTS)
     log.info(
-        "gateway %s on http://%s:%d: namespace %s, models %s",
+        "gateway %s on %s: namespace %s, models %s",
         settings.gateway_id,
-        settings.host,
-        settings.port,
+        settings.url,
         shared.namespace,
         ",".join(shared.models),
     )

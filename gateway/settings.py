@@ -171,6 +171,12 @@ class GatewaySettings:
         _check_sharing(self)
 
     @property
+    def url(self) -> str:
+        """Where the gateway serves, as a browser or ``curl`` takes it (an IPv6 host in brackets)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
     def body_bytes_per_client(self) -> int:
         """What the bodies one client (its API key; without keys its address, or its ``X-Client-Id``
         behind a trusted proxy) sends may hold at once: a quarter of ``max_body_bytes_in_flight``, at

@@ -137,3 +137,12 @@ def test_the_cli_reads_the_event_streams_ping_and_longest_life_from_their_variab
     assert (settings.sse_ping_s, settings.sse_max_s) == (4.5, 120.0), "docs/operations.md names both variables"
     flagged = build_parser().parse_args([command, "--sse-ping-s", "2", "--sse-max-s", "30"])
     assert (flagged.sse_ping_s, flagged.sse_max_s) == (2.0, 30.0)
+
+
+@pytest.mark.parametrize(
+    ("host", "url"),
+    [("127.0.0.1", "http://127.0.0.1:8001"), ("::1", "http://[::1]:8001"), ("localhost", "http://localhost:8001")],
+)
+def test_the_url_a_role_announces_opens_in_a_browser(host: str, url: str) -> None:
+    """``--host ::1`` is announced ``http://[::1]:PORT``: ``http://::1:PORT`` names no address."""
+    assert GatewaySettings(host=host, port=8001).url == url
