@@ -79,8 +79,9 @@ FRAMING_PER_PIECE = 16
 size line and the line end after its data (``ffffffff\\r\\n`` and ``\\r\\n``, 12 bytes)."""
 HEAD_PIECE_BYTES = 1024
 """The most bytes parsed at once before a request's head has ended: each head that ends is a request
-uvicorn starts or queues (about 2 KB, its scope and cycle), so a read of many pipelined requests is
-parsed a piece at a time, and parsing stops once ``PIPELINE_DEPTH`` of them are queued."""
+uvicorn starts or queues (about 2 KB, its scope and cycle), so a read that may hold many pipelined
+requests (``_may_queue_past_depth``) is parsed a piece at a time, and parsing stops once
+``PIPELINE_DEPTH`` of them are queued."""
 PIPELINE_DEPTH = 16
 """Pipelined requests one connection may have read and queued behind the one being answered: uvicorn
 parses a whole read and queues every request in it, so 256 KiB of pipelined ``GET`` held about 24 MB
@@ -452,13 +453,19 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._parse_body(data)
         else:
             counted = self._header_bytes + len(data)
-            if counted > self.max_header_bytes or len(data) > HEAD_PIECE_BYTES:
+            if counted > self.max_header_bytes or (len(data) > HEAD_PIECE_BYTES and self._may_queue_past_depth(data)):
                 self._parse_in_pieces(data)
                 return
             self._header_bytes = counted
             super().data_received(data)
         if self._begun_mid_read:
             self._count_pipelined(data, 0, len(data))
+
+    def _may_queue_past_depth(self, data: bytes) -> bool:
+        """Whether parsing ``data`` whole could queue more than ``PIPELINE_DEPTH`` requests: each head
+        that ends in it holds two line ends at least (httptools takes no head without its CRLFs), so a
+        read of one request with its body, however long, is parsed in one go, not in pieces."""
+        return len(self.pipeline) + data.count(b"\n") // 2 > PIPELINE_DEPTH
 
     def _parse_in_pieces(self, data: bytes) -> None:
         """Parses a read that would cross the header limit, or a large read, a piece at a time: headers

@@ -156,9 +156,12 @@ class CountingParser:
     def __init__(self, parser: Any) -> None:
         self.parser = parser
         self.fed = 0
+        self.feeds = 0
+        """Calls of ``feed_data``: each is a parse of its own, and a read parsed in pieces is several."""
 
     def feed_data(self, data: Any) -> None:
         self.fed += len(data)
+        self.feeds += 1
         self.parser.feed_data(data)
 
     def __getattr__(self, name: str) -> Any:
@@ -368,6 +371,19 @@ async def test_requests_pipelined_past_a_few_wait_unparsed_and_are_all_answered_
     await answered(transport, count)
     assert edge.app.calls == ["/p"] * count
     assert transport.written.count(b"HTTP/1.1 200 ") == count and not transport.closed
+
+
+async def test_a_read_that_holds_one_request_is_parsed_in_one_go_however_long() -> None:
+    """Only a read that may hold many requests is parsed a piece at a time (``PIPELINE_DEPTH``): a
+    request of a few KB, headers and body in one read, is the common case on every connection, and
+    parsing it in pieces costs a parse each."""
+    edge = Edge(max_header_bytes=16_384)
+    protocol, transport, parser = edge.connect()
+    request = post(b'{"input": "' + b"x" * (4 * HEAD_PIECE_BYTES) + b'"}', "/one")
+    protocol.data_received(request)
+    await answered(transport)
+    assert parser.feeds == 1, f"a read of {len(request)} bytes holding one request was parsed in {parser.feeds} pieces"
+    assert edge.app.calls == ["/one"] and status_of(transport.written) == 200
 
 
 @pytest.mark.parametrize("behind", ["a GET", "a POST"])
