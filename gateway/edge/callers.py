@@ -8,6 +8,7 @@ spend another's bucket.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 from collections.abc import Awaitable, Callable
@@ -65,12 +66,22 @@ def client_of(request: Request, trust_client_id: bool) -> str:
     return address_client(request.client.host) if request.client else "ip:unknown"
 
 
+_PEERS_KEPT = 4096
+"""IPv6 peers whose client ``address_client`` keeps: ``ipaddress`` costs as much as parsing a request,
+and every submit asks (its body's share, its rate limit), a keep-alive peer many times over."""
+
+
 def address_client(host: str) -> str:
     """``ip:<address>``, an IPv6 address by its /64: one subscriber (a home line, a cloud VM) gets a whole
     /64 and may send from any address in it, so counted by address one machine would be as many
     clients as it liked, each with its own rate limit, watchers and share of the bodies being read."""
     if ":" not in host:
         return f"ip:{host}"
+    return _ipv6_client(host)
+
+
+@functools.lru_cache(maxsize=_PEERS_KEPT)
+def _ipv6_client(host: str) -> str:
     try:
         address = ipaddress.IPv6Address(host.partition("%")[0])  # without its zone (fe80::1%eth0)
     except ValueError:

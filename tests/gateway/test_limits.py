@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
+import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any
+from unittest.mock import patch
 
 import httpx
 import pytest
@@ -300,6 +303,23 @@ def test_the_ipv6_peers_of_one_64_block_are_one_client() -> None:
     assert client("::ffff:192.0.2.7") == client("192.0.2.7") == "ip:192.0.2.7", "an IPv4 peer seen over IPv6"
     assert client("192.0.2.7") != client("192.0.2.8")
     assert client("fe80::1%eth0") == "ip:fe80::/64"
+
+
+def test_an_ipv6_peers_client_is_worked_out_once_for_its_many_requests() -> None:
+    """Every submit asks who its client is (its body's share, its rate limit): an IPv6 peer, or an IPv4
+    one on a dual-stack listener (``::ffff:a.b.c.d``), costs ``ipaddress`` some microseconds a time,
+    as much as parsing the request. A peer's keep-alive connection sends many: its client is kept."""
+
+    def client(host: str) -> str:
+        return client_of(Request(http_scope("POST", "/v1/tasks") | {"client": (host, 1234)}), trust_client_id=False)
+
+    peer = "2001:db8:7:7::" + secrets.token_hex(2)
+    with patch.object(ipaddress, "IPv6Address", wraps=ipaddress.IPv6Address) as parsed:
+        first = client(peer)
+        once = parsed.call_count
+        answers = {client(peer) for _ in range(99)}
+    assert answers == {first} == {"ip:2001:db8:7:7::/64"}, (first, answers)
+    assert parsed.call_count == once, f"100 requests parsed the peer's address {parsed.call_count} times, one {once}"
 
 
 async def test_an_untrusted_client_id_is_ignored_and_the_address_is_the_client(make_rig: RigFactory) -> None:
