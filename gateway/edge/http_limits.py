@@ -447,7 +447,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.flow.pause_reading()
             return
         if self._in_body:
-            if len(data) > self.max_header_bytes and not self._lingering:  # lingering: no request follows
+            if not self._lingering and (  # lingering: no request follows
+                len(data) > self.max_header_bytes
+                or (len(data) > HEAD_PIECE_BYTES and self._declared_body_bytes() - self._body_bytes < len(data))
+            ):  # a large read, or one that goes on past its body's declared end: requests may follow it
                 self._parse_in_pieces(data)
                 return
             self._parse_body(data)
@@ -476,7 +479,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         start, size = 0, len(data)
         while start < size:
             if self._in_body:
-                end = min(size, start + self.max_header_bytes)
+                end = min(size, start + self._body_piece_bytes())
                 self._parse_body(view[start:end])
             else:
                 room = self.max_header_bytes - self._header_bytes
@@ -495,6 +498,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 self._held = bytes(view[start:])
                 self.flow.pause_reading()  # uvicorn resumes it at each answer: held bytes come first
                 return
+
+    def _body_piece_bytes(self) -> int:
+        """The most bytes of a body parsed at once: the header limit, or less, up to the body's end where
+        its length is declared, so that requests pipelined behind it are parsed in head pieces, and
+        stop at ``PIPELINE_DEPTH``. (A chunked body's end is not known ahead: its last piece may hold
+        as many pipelined requests as fit in the header limit.)"""
+        left = self._declared_body_bytes() - self._body_bytes
+        return int(left) if 0 < left < self.max_header_bytes else self.max_header_bytes
 
     def _parse_body(self, piece: bytes | memoryview) -> None:
         """Parses a piece of a body, counting its bytes that were no body when the body goes on past it:

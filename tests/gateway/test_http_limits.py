@@ -373,6 +373,27 @@ async def test_requests_pipelined_past_a_few_wait_unparsed_and_are_all_answered_
     assert transport.written.count(b"HTTP/1.1 200 ") == count and not transport.closed
 
 
+@pytest.mark.parametrize("limit", [LIMIT, 16_384], ids=["1 KiB headers", "16 KiB headers"])
+async def test_requests_pipelined_behind_the_end_of_a_body_wait_unparsed_past_a_few(limit: int) -> None:
+    """A read that begins in a body (its last bytes) and goes on with pipelined requests is held to
+    ``PIPELINE_DEPTH`` like one that begins with a head: parsed whole, a read of the header limit's
+    size queued every request in it (about 560 ``GET`` at 16 KiB)."""
+    edge = Edge(max_header_bytes=limit)
+    edge.app.gate.clear()
+    protocol, transport, _ = edge.connect()
+    protocol.data_received(b"POST /body HTTP/1.1\r\nhost: gw\r\ncontent-length: 5\r\n\r\nhell")
+    await eventually(lambda: edge.app.calls == ["/body"], "the app to wait for the body")
+    count = (limit - 1) // len(get("/p"))
+    protocol.data_received(b"o" + get("/p") * count)
+    await settle()
+    queued = len(protocol.pipeline)
+    assert queued <= PIPELINE_DEPTH + HEAD_PIECE_BYTES // len(get("/p")), f"{queued} requests were read and queued"
+    edge.app.gate.set()
+    await answered(transport, count + 1)
+    assert edge.app.calls == ["/body"] + ["/p"] * count
+    assert transport.written.count(b"HTTP/1.1 200 ") == count + 1 and not transport.closed
+
+
 async def test_a_read_that_holds_one_request_is_parsed_in_one_go_however_long() -> None:
     """Only a read that may hold many requests is parsed a piece at a time (``PIPELINE_DEPTH``): a
     request of a few KB, headers and body in one read, is the common case on every connection, and
