@@ -36,11 +36,16 @@ class Background:
         await self._started.wait()
 
     def spawn(self, work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-        """Runs ``work`` in the group; ``RuntimeError`` before ``start`` (the coroutine is closed)."""
+        """Runs ``work`` in the group; ``RuntimeError`` (the coroutine closed, for its caller to run it
+        itself) before ``start``, after ``close``, and while the group shuts down after a task crashed."""
         if self._group is None:
             work.close()
-            raise RuntimeError(f"{self._name}: a task spawned before start()")
-        task = self._group.create_task(work, name=name)
+            raise RuntimeError(f"{self._name}: a task spawned before start() or after close()")
+        try:
+            task = self._group.create_task(work, name=name)
+        except RuntimeError:
+            work.close()
+            raise
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task

@@ -7,6 +7,7 @@ it was sent), so that no poller is left at ``queued``, and cancels the task of a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -168,10 +169,17 @@ class TaskPublisher:
             except (*TRANSPORT_ERRORS, TimeoutError):
                 log.warning(failed, task_id, exc_info=True, extra=ids(task_id=task_id))
 
-        if wait_s is not None and self._late.alive:
-            await asyncio.wait({self._late.spawn(bounded(), name=f"write-{task_id}")}, timeout=wait_s)
-        else:
+        if wait_s is None:
             await bounded()
+            return
+        try:
+            going = self._late.spawn(bounded(), name=f"write-{task_id}")
+        except RuntimeError:  # the background is closed or closing: written here, waited for ``wait_s`` still
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait_s):
+                    await bounded()
+            return
+        await asyncio.wait({going}, timeout=wait_s)
 
     async def cancel_abandoned(self, task_id: str) -> None:
         """Cancels the task of a caller who left, so that no GPU time goes to an answer nobody reads.

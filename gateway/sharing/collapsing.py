@@ -208,9 +208,9 @@ class Collapser:
             return
         computation.ended = True  # nobody waits for it: it is cancelled, and no one joins it
         self._drop(key, computation)
-        if self._runs.alive:  # off the caller's answer: a store that does not answer holds no one
+        try:  # off the caller's answer: a store that does not answer holds no one
             self._runs.spawn(self._cancel(computation), name=f"cancel-{computation.task_id}")
-        else:
+        except RuntimeError:  # the collapser is closing: cancelled here
             await self._cancel(computation)
 
     async def _cancel(self, computation: Computation) -> None:

@@ -7,9 +7,12 @@ import time
 
 import pytest
 
-from schemas.records import InferenceRequest, TaskState
+from gateway.clock import SystemClock
+from gateway.publisher import TaskPublisher
+from schemas.records import InferenceRequest, TaskState, TaskStatus
 from tests.support.eventually import eventually
 from tests.support.gateway_rig import (
+    MODELS,
     DownProducer,
     RecordingStore,
     RigFactory,
@@ -17,6 +20,8 @@ from tests.support.gateway_rig import (
     deadline_passed_on,
     error_of,
 )
+from transport.memory.requests import MemoryRequestBus
+from transport.routing import Partitioner
 
 
 async def test_each_caller_gets_the_reversal_of_its_own_input(make_rig: RigFactory) -> None:
@@ -281,3 +286,23 @@ async def test_a_full_store_refuses_every_submit_at_once_with_503_unavailable(ma
         assert error["code"] == "unavailable" and "result store is full" in error["message"], error
     assert rig.produced() == 0
     assert rig.gateway.inflight == 0
+
+
+@pytest.mark.parametrize("started", [False, True], ids=["never started", "closed"])
+async def test_a_late_write_outside_the_publishers_background_still_holds_its_caller_only_its_wait(
+    started: bool,
+) -> None:
+    """A 504 due while the gateway closes (its background closed, or not started): the write runs where it
+    is asked for, and still holds the caller ``wait_s`` at most, not the store's whole write bound."""
+    store = StalledStore()
+    producer = MemoryRequestBus(Partitioner(MODELS, 4)).producer()
+    publisher = TaskPublisher(producer, store, SystemClock(), write_timeout_s=5.0)
+    if started:
+        await publisher.start()
+        await publisher.close()
+    queued = TaskState("t-late", TaskStatus.QUEUED, "sim", 1, 1, reply_to="gw")
+    begun = time.monotonic()
+    async with asyncio.timeout(10):
+        await publisher.record_late(queued, wait_s=0.2)
+        await publisher.end_unsent(queued, 100, wait_s=0.2)
+    assert time.monotonic() - begun < 2.0, "each write held its caller past its wait"
