@@ -11,6 +11,7 @@ import importlib
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from importlib import metadata
 
 from batchwire import flags
 from batchwire.settings import SettingsError
@@ -113,6 +114,7 @@ def _root() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction[argpars
     parser = argparse.ArgumentParser(prog="batchwire", description=(__doc__ or "").replace("``", ""))
     # Commands without the observability flags (stack, topics, the tools) log text and trace nothing.
     parser.set_defaults(log_level="info", log_format="text", otlp_endpoint=None, trace_sample_ratio=1.0)
+    parser.add_argument("--version", action="version", version=f"batchwire {metadata.version('batchwire')}")
     return parser, parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
 
@@ -224,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     command = argv[0] if argv else ""
-    if command.startswith("-") and command not in ("-h", "--help"):
+    if command.startswith("-") and command not in ("-h", "--help", "--version"):
         return _options_first(argv)
     tool = TOOLS.get(command)
     if tool is None:  # a role, `topics`, `--help` or a mistake: the full parser says which

@@ -5,6 +5,7 @@ and counts, latencies and ports keep to their ranges."""
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import re
 import socket
 import subprocess
@@ -335,3 +336,11 @@ def test_ctrl_c_while_a_command_loads_ends_it_with_130_and_no_traceback(
 
     monkeypatch.setattr("batchwire.cli.importlib.import_module", interrupted)
     assert main(argv) == 130
+
+
+def test_version_prints_the_installed_release_and_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    """What an operator asks first of a deployed binary (a bug report, a rolling upgrade's progress)."""
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"batchwire {importlib.metadata.version('batchwire')}"
