@@ -18,8 +18,12 @@ ROOT = Path(__file__).resolve().parents[2]
 BASE_PYTHON = Path(sys.base_prefix) / "bin" / "python3"  # the interpreter that runs uv, as `make` does
 
 
-def _make(where: Path, *targets: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHON": str(BASE_PYTHON)}
+def _make(
+    where: Path, *targets: str, python: Path = BASE_PYTHON, path: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``make <targets>`` in ``where`` with the project's Makefile, ``PYTHON`` set to ``python`` (and ``PATH``
+    to ``path`` when given)."""
+    env = {**os.environ, "PYTHON": str(python), **({"PATH": path} if path is not None else {})}
     return subprocess.run(
         ["make", "--no-print-directory", "-f", str(ROOT / "Makefile"), "-C", str(where), *targets],
         capture_output=True,
@@ -96,17 +100,6 @@ def _bare_python(where: Path) -> Path:
     return where / "bin" / "python"
 
 
-def _make_with(where: Path, python: Path, path: str, *targets: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHON": str(python), "PATH": path}
-    return subprocess.run(
-        ["make", "--no-print-directory", "-f", str(ROOT / "Makefile"), "-C", str(where), *targets],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
-
-
 def test_uv_on_the_path_serves_a_python_without_it(tmp_path: Path) -> None:
     """uv from its own installer is on PATH, not in PYTHON: ``make`` uses it instead of asking pip for another."""
     python = _bare_python(tmp_path / "system")
@@ -118,7 +111,7 @@ def test_uv_on_the_path_serves_a_python_without_it(tmp_path: Path) -> None:
     (tools / "uv").symlink_to(found.stdout.strip())
     project = tmp_path / "project"
     project.mkdir()
-    done = _make_with(project, python, f"{tools}:/usr/bin:/bin", "venv")
+    done = _make(project, "venv", python=python, path=f"{tools}:/usr/bin:/bin")
     assert done.returncode == 0, done.stderr
     assert (project / ".venv" / "bin" / "python").exists(), done.stdout
 
@@ -127,6 +120,6 @@ def test_no_uv_to_be_had_says_how_to_get_one(tmp_path: Path) -> None:
     python = _bare_python(tmp_path / "system")
     project = tmp_path / "project"
     project.mkdir()
-    done = _make_with(project, python, "/usr/bin:/bin", "venv")
+    done = _make(project, "venv", python=python, path="/usr/bin:/bin")
     assert done.returncode != 0, done.stdout
     assert "could not install uv" in done.stderr and "docs.astral.sh/uv" in done.stderr, done.stderr
